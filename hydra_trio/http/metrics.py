@@ -1,0 +1,69 @@
+"""Prometheus metrics with llama-server's names (``llamacpp:`` prefix), via prometheus-client.
+
+Values are read from the engine's counters at scrape time by a custom
+collector, so the engine thread never calls into prometheus-client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from ..engine.batch import Engine
+
+
+class _Collector:
+    def __init__(self, engine: Engine | None, connections: Mapping[str, int]) -> None:
+        self.engine = engine
+        self.connections = connections
+
+    def collect(self) -> Iterator[Metric]:
+        conns = CounterMetricFamily(
+            "hydra_trio:connections", "Accepted connections by classified protocol.", labels=["protocol"]
+        )
+        for proto, n in sorted(self.connections.items()):
+            conns.add_metric([proto], n)
+        yield conns
+        e = self.engine
+        if e is None:
+            return
+        s = e.stats
+        yield CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.", s.prompt_tokens_total)
+        yield CounterMetricFamily("llamacpp:prompt_seconds", "Prompt process time.", s.prompt_seconds_total)
+        yield CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.tokens_predicted_total)
+        yield CounterMetricFamily(
+            "llamacpp:tokens_predicted_seconds", "Predict process time.", s.tokens_predicted_seconds_total
+        )
+        yield CounterMetricFamily("llamacpp:n_decode", "Number of llama_decode() calls.", s.n_decode_total)
+        yield CounterMetricFamily(
+            "hydra_trio:requests_deferred", "Requests that waited in the queue for a free slot.", s.requests_deferred
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:n_busy_slots_per_decode",
+            "Average number of busy slots per llama_decode() call.",
+            s.n_busy_slots_total / s.n_decode_total if s.n_decode_total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:prompt_tokens_seconds",
+            "Average prompt throughput in tokens/s.",
+            s.prompt_tokens_total / s.prompt_seconds_total if s.prompt_seconds_total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "llamacpp:predicted_tokens_seconds",
+            "Average generation throughput in tokens/s.",
+            s.tokens_predicted_total / s.tokens_predicted_seconds_total if s.tokens_predicted_seconds_total else 0.0,
+        )
+        yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", e.requests_processing)
+        yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", e.requests_waiting)
+
+
+def render(engine: Engine | None, connections: Mapping[str, int]) -> tuple[bytes, str]:
+    """Prometheus text exposition of the current values: ``(body, content_type)``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(engine, connections))  # type: ignore[arg-type]
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,80 @@
+"""The server: one listening port, the front door, the HTTP app and the engine, in one nursery."""
+
+from __future__ import annotations
+
+import logging
+
+import attrs
+import trio
+
+from .engine.batch import Engine, EngineConfig
+from .frontdoor import FrontDoor, FrontDoorSettings
+from .http._hyper import HttpHandler
+from .http.app import build_app
+from .protocol.classify import Protocol
+
+log = logging.getLogger("hydra_trio.server")
+
+
+@attrs.frozen
+class ServerConfig:
+    """Where to listen and what to serve.
+
+    Attributes:
+        host: address to bind (``--host``).
+        port: TCP port for all three protocols (``--port``); 0 picks a free one.
+        engine: the model to serve; None runs a node without a model.
+        frontdoor: connection limits and the classify timeout.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    engine: EngineConfig | None = None
+    frontdoor: FrontDoorSettings = FrontDoorSettings()
+
+
+class Server:
+    """A running hydra-trio node; start it with ``await nursery.start(server.run)``.
+
+    After ``start`` returns, :attr:`port` is bound and ``/health`` answers
+    (503 while the model loads).  Cancel the enclosing scope to stop it.
+    """
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.engine = Engine(config.engine) if config.engine is not None else None
+        self.frontdoor = FrontDoor({}, config.frontdoor)
+        self.app = build_app(self.engine, self.frontdoor.counts)
+        self.frontdoor.handlers[Protocol.HTTP] = HttpHandler(self.app)
+        self.port: int | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, load the model in the background, serve until cancelled.
+
+        Raises:
+            OSError: the port cannot be bound.
+            ModelLoadError: the model failed to load (the node stops).
+        """
+        cfg = self.config
+        listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        self.port = listeners[0].socket.getsockname()[1]
+        log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.frontdoor.serve, listeners)
+                if self.engine is not None:
+                    await nursery.start(self.engine.run)
+                task_status.started(self)
+        finally:
+            for listener in listeners:
+                with trio.CancelScope(shield=True):
+                    await listener.aclose()
+
+
+async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
+    """Run a hydra-trio node in the caller's nursery (``await nursery.start(serve, config)``).
+
+    ``task_status.started`` receives the :class:`Server` once it listens; its
+    ``port`` is the bound port.  Runs until cancelled.
+    """
+    await Server(config).run(task_status=task_status)

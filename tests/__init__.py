@@ -1,0 +1,1 @@
+"""hydra-trio tests."""

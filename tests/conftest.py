@@ -1,0 +1,100 @@
+"""Fixtures: real hydra-trio server processes on loopback, serving the real SmolLM2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m hydra_trio run`` in a subprocess; logs go to a file under tmp."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hydra_trio", "run", "--port", str(self.port), *args],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One shared server: default model, 4 slots, 1 s classify timeout."""
+    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--classify-timeout", "1")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0, f"server exit code {code}:\n{srv.log()}"
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[callable]:
+    """Start extra servers for one test; they are stopped afterwards."""
+    started: list[ServerProcess] = []
+
+    def _spawn(*args: str) -> ServerProcess:
+        srv = ServerProcess(tmp_path / f"server{len(started)}.log", *args)
+        started.append(srv)
+        return srv
+
+    yield _spawn
+    for srv in started:
+        srv.stop(signal.SIGKILL if os.environ.get("HYDRA_TEST_KILL") else signal.SIGTERM)
+
+
+@pytest.fixture
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base, timeout=120) as client:
+        yield client

@@ -1,0 +1,33 @@
+"""hydra-trio as a library: a trio app embeds the server in its own nursery."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from hydra_trio import EngineConfig, ServerConfig, serve
+from hydra_trio.presets import resolve_model
+
+
+async def test_serve_in_own_nursery() -> None:
+    path, alias = resolve_model("smollm2-135m")
+    config = ServerConfig(port=0, engine=EngineConfig(model_path=path, model_alias="embedded", n_parallel=2, n_ctx=2048))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, config)
+        assert server.port
+        base = f"http://127.0.0.1:{server.port}"
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            with trio.fail_after(120):
+                await server.engine.wait_ready()
+            r = await client.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                      "temperature": 0, "max_tokens": 16},
+            )
+            assert r.status_code == 200
+            assert "Paris" in r.json()["choices"][0]["message"]["content"]
+            assert r.json()["model"] == "embedded"
+            assert len((await client.get("/slots")).json()) == 2
+        nursery.cancel_scope.cancel()
+    # the engine thread has stopped and freed llama.cpp's objects
+    assert server.engine.model.ctx is None

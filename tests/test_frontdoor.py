@@ -1,0 +1,71 @@
+"""One port, first-byte classification: real sockets against a real server process."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+
+from .conftest import ServerProcess
+
+
+def _connect(server: ServerProcess) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=10)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _metric(http: httpx.Client, protocol: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(f'hydra_trio:connections_total{{protocol="{protocol}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_unknown_first_byte_is_closed_and_http_unaffected(server: ServerProcess, http: httpx.Client) -> None:
+    before = _metric(http, "unknown")
+    with httpx.Client(base_url=server.base) as keepalive:
+        assert keepalive.get("/health").status_code == 200
+        with _connect(server) as bad:
+            bad.sendall(b"\x00\x01garbage")
+            assert _closed_by_peer(bad)
+        assert keepalive.get("/health").status_code == 200  # same keep-alive connection
+    assert _metric(http, "unknown") == before + 1
+
+
+def test_hydra_and_rpc_bytes_are_classified(server: ServerProcess, http: httpx.Client) -> None:
+    for first, name in ((b"YH", "hydra"), (b"\x0e", "ggml_rpc")):
+        before = _metric(http, name)
+        with _connect(server) as s:
+            s.sendall(first)
+            assert _closed_by_peer(s)
+        assert _metric(http, name) == before + 1
+
+
+def test_silent_connection_closed_after_classify_timeout(server: ServerProcess, http: httpx.Client) -> None:
+    before = _metric(http, "timeout")
+    with _connect(server) as s:
+        t0 = time.monotonic()
+        assert _closed_by_peer(s)
+        waited = time.monotonic() - t0
+    assert 0.8 <= waited < 5, waited  # the fixture runs with --classify-timeout 1
+    assert _metric(http, "timeout") == before + 1
+    assert http.get("/health").status_code == 200
+
+
+def test_split_http_request_line(server: ServerProcess) -> None:
+    with _connect(server) as s:
+        s.sendall(b"G")
+        time.sleep(0.3)
+        s.sendall(b"ET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 200")
+    assert b'"status":"ok"' in data
