@@ -7,12 +7,29 @@ Public API::
     async with trio.open_nursery() as nursery:
         server = await nursery.start(serve, ServerConfig(port=0, engine=EngineConfig(path, "my-model")))
         print(server.port)
+
+Names are imported lazily (PEP 562), so ``import hydra_trio.protocol`` or
+``hydra_trio.client`` does not load llama.cpp.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from .engine.batch import EngineConfig  # noqa: E402
-from .frontdoor import FrontDoorSettings  # noqa: E402
-from .server import Server, ServerConfig, serve  # noqa: E402
+_EXPORTS = {
+    "EngineConfig": "hydra_trio.engine.batch",
+    "FrontDoorSettings": "hydra_trio.frontdoor",
+    "Server": "hydra_trio.server",
+    "ServerConfig": "hydra_trio.server",
+    "serve": "hydra_trio.server",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = ["EngineConfig", "FrontDoorSettings", "Server", "ServerConfig", "serve", "__version__"]
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hydra_trio' has no attribute {name!r}")

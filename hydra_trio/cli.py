@@ -9,6 +9,7 @@ import sys
 
 import trio
 
+from .cli_client import add_client_commands
 from .presets import DEFAULT_ALIAS, PRESETS, PresetError, resolve_model
 
 log = logging.getLogger("hydra_trio")
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hydra-trio", description="A trio-based engine node for Hydra LLM clusters.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run_parser(sub)
+    add_client_commands(sub)  # info, state get/put/meta, mode: Hydra protocol client commands
     return parser
 
 
@@ -98,6 +100,9 @@ async def _run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is not None:  # a client command
+        return func(args)
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",

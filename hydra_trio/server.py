@@ -7,8 +7,10 @@ import logging
 import attrs
 import trio
 
+from .control import ControlChannel
 from .engine.batch import Engine, EngineConfig
 from .frontdoor import FrontDoor, FrontDoorSettings
+from .hydra_server import HydraHandler, HydraSettings
 from .http._hyper import HttpHandler
 from .http.app import build_app
 from .protocol.classify import Protocol
@@ -25,12 +27,14 @@ class ServerConfig:
         port: TCP port for all three protocols (``--port``); 0 picks a free one.
         engine: the model to serve; None runs a node without a model.
         frontdoor: connection limits and the classify timeout.
+        hydra: Hydra protocol limits and timeouts.
     """
 
     host: str = "127.0.0.1"
     port: int = 8080
     engine: EngineConfig | None = None
     frontdoor: FrontDoorSettings = FrontDoorSettings()
+    hydra: HydraSettings = HydraSettings()
 
 
 class Server:
@@ -46,6 +50,9 @@ class Server:
         self.frontdoor = FrontDoor({}, config.frontdoor)
         self.app = build_app(self.engine, self.frontdoor.counts)
         self.frontdoor.handlers[Protocol.HTTP] = HttpHandler(self.app)
+        self.control = ControlChannel(self.engine) if self.engine is not None else None
+        self.hydra = HydraHandler(self.engine, self.control, config.hydra)
+        self.frontdoor.handlers[Protocol.HYDRA] = self.hydra
         self.port: int | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -64,6 +71,8 @@ class Server:
                 await nursery.start(self.frontdoor.serve, listeners)
                 if self.engine is not None:
                     await nursery.start(self.engine.run)
+                if self.control is not None:
+                    await nursery.start(self.control.run)
                 task_status.started(self)
         finally:
             for listener in listeners:

@@ -52,7 +52,8 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:

@@ -21,7 +21,8 @@ async def test_serve_in_own_nursery() -> None:
                 await server.engine.wait_ready()
             r = await client.post(
                 "/v1/chat/completions",
-                json={"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                json={"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                               {"role": "user", "content": "What is the capital of France?"}],
                       "temperature": 0, "max_tokens": 16},
             )
             assert r.status_code == 200

@@ -12,7 +12,12 @@ import pytest
 
 from .conftest import ServerProcess
 
-CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+# SmolLM2-135M's built-in system prompt sends this question astray (greedy
+# answer: French babble); with a plain system prompt it answers "Paris".
+CAPITAL = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+]
 
 
 def chat(http: httpx.Client, messages: list[dict], **kw: object) -> dict:

@@ -62,7 +62,7 @@ def test_schema_accepts_openai_shapes() -> None:
         ChatCompletionRequest,
     )
     assert body.messages[0].content == "hi there"
-    assert body.stop == ("END",) and body.include_usage and body.n_predict_effective == 5
+    assert body.stop == ("END",) and body.include_usage and body.n_predict_effective() == 5
     assert parse_body(b'{"prompt": [1, 2, 3]}', CompletionRequest).prompt == (1, 2, 3)
 
 

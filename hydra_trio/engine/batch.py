@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import attrs
 import llama_cpp
+import numpy as np
 import trio
 
 from .model import LoadedModel, ModelIdentity, sha256_file
@@ -117,6 +118,8 @@ class Engine:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self.model: LoadedModel | None = None
         self.stage_times: dict[str, float] = {}
+        self.defaults = SamplingParams()
+        self.default_n_predict = -1
 
     # ------------------------------------------------------------------ trio side
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -478,6 +481,8 @@ class Engine:
             if slot.handle is None:
                 continue
             token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
+            if slot.handle.job.logprobs:
+                slot.pending_logprobs.append(self._logprob(idx, token))
             self._on_token(slot, token)
 
     def _on_token(self, slot: Slot, token: int) -> None:
@@ -485,15 +490,16 @@ class Engine:
         assert m is not None and slot.handle is not None
         job = slot.handle.job
         if not job.ignore_eos and m.is_eog(token):
+            if slot.pending_logprobs:
+                slot.pending_logprobs.pop()
             self._finish(slot, "stop")
             return
         slot.n_decoded += 1
         self.stats.tokens_predicted_total += 1
         slot.pending_tokens.append(token)
         text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token)))
-        if text:
-            slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens)))
-            slot.pending_tokens = []
+        if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
+            self._emit_text(slot, text)
         if stopped:
             self._finish(slot, "stop", flush=False)
             return
@@ -509,7 +515,7 @@ class Engine:
         if flush:
             tail = slot.stopper.push(slot.utf8.decode(b"", final=True))[0] + slot.stopper.flush()
             if tail or slot.pending_tokens:
-                handle.emit(TextDelta(tail, tuple(slot.pending_tokens)))
+                self._emit_text(slot, tail)
         now = time.perf_counter()
         t_first = slot.t_first or now
         handle.emit(
@@ -525,6 +531,21 @@ class Engine:
             )
         )
         self._release(slot)
+
+    def _emit_text(self, slot: Slot, text: str) -> None:
+        assert slot.handle is not None
+        slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens), tuple(slot.pending_logprobs)))
+        slot.pending_tokens = []
+        slot.pending_logprobs = []
+
+    def _logprob(self, idx: int, token: int) -> float:
+        """log softmax of the raw logits at batch row ``idx``, for ``token``."""
+        m = self.model
+        assert m is not None
+        ptr = llama_cpp.llama_get_logits_ith(m.ctx, idx)
+        logits = np.ctypeslib.as_array(ptr, shape=(m.n_vocab,))
+        top = float(logits.max())
+        return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
 
     def _release(self, slot: Slot) -> None:
         if slot.sampler is not None:
@@ -548,6 +569,71 @@ class Engine:
         llama_cpp.llama_memory_seq_rm(self.model.memory, slot.id, -1, -1)
         slot.cache_tokens.clear()
         return n
+
+
+    # ------------------------------------------------ engine-wide settings
+    def set_defaults(self, **params: Any) -> None:
+        """CONFIGURE tier 1: new sampling defaults (and ``n_predict``) for requests that omit them.
+
+        Raises ValueError for an out-of-range value; nothing changes then.
+        """
+        n_predict = params.pop("n_predict", self.default_n_predict)
+        new = attrs.evolve(self.defaults, **params)
+        if new.temperature < 0 or not 0 <= new.top_p <= 1 or not 0 <= new.min_p <= 1 or new.repeat_penalty <= 0:
+            raise ValueError(f"sampling defaults out of range: {new}")
+        if n_predict < -1:
+            raise ValueError("n_predict: must be >= -1")
+        self.defaults = new
+        self.default_n_predict = n_predict
+
+    def reconfigure(self, **params: Any) -> dict[str, Any]:
+        """Engine thread, every slot idle (the control channel checks): CONFIGURE tiers 2 and 3.
+
+        ``n_ctx`` / ``n_parallel`` rebuild the context; ``model_path`` (or
+        ``model``, a path or preset alias) reloads the model.  The new
+        context or model is built before the old one is freed, so a failure
+        leaves the engine as it was.  Slots' KV caches are dropped (they
+        belong to the old context).  Returns the applied values.
+
+        Raises ValueError for a key this node cannot apply, or when
+        llama.cpp refuses the new settings.
+        """
+        from ..presets import PresetError, resolve_model
+
+        unsupported = sorted(set(params) - {"n_ctx", "n_parallel", "model_path", "model"})
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not supported by this node (CPU only, default KV types)")
+        old = self.model
+        assert old is not None
+        n_ctx = int(params.get("n_ctx", old.n_ctx))
+        n_parallel = int(params.get("n_parallel", old.n_parallel))
+        if n_ctx < 16 * n_parallel or n_parallel < 1:
+            raise ValueError(f"n_ctx {n_ctx} / n_parallel {n_parallel}: each slot needs at least 16 tokens")
+        target = params.get("model_path") or params.get("model")
+        path, alias = old.path, self.config.model_alias
+        if target is not None:
+            try:
+                path, alias = resolve_model(str(target))
+            except PresetError as exc:
+                raise ValueError(str(exc)) from None
+        try:
+            new = LoadedModel(
+                path, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=old.n_batch, n_threads=self.config.n_threads
+            )
+        except Exception as exc:
+            raise ValueError(f"llama.cpp refused the new settings: {exc}") from None
+        identity = self.identity
+        if path != old.path:
+            identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path))
+        old.close()
+        self.model = new
+        self.identity = identity
+        self.n_ctx_slot = new.n_ctx_slot
+        self.slots = [Slot(i, new.n_ctx_slot) for i in range(n_parallel)]
+        self.config = attrs.evolve(self.config, model_path=path, model_alias=identity.model_alias if identity else alias,
+                                   n_ctx=n_ctx, n_parallel=n_parallel)
+        log.info("reconfigured: model %s, n_ctx %d, %d slots", path.name, new.n_ctx, n_parallel)
+        return {"n_ctx": new.n_ctx, "n_parallel": n_parallel, "model_path": str(path)}
 
 
 def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:

@@ -33,13 +33,8 @@ def _install_llama_log_handler() -> None:
     thread-safe.  Its DEBUG chatter stays at DEBUG.
     """
 
-    levels = {
-        2: logging.ERROR,  # GGML_LOG_LEVEL_ERROR
-        3: logging.WARNING,
-        4: logging.INFO,
-        1: logging.DEBUG,
-        5: logging.DEBUG,  # CONT
-    }
+    # enum ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+    levels = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR, 5: logging.DEBUG}
     llog = logging.getLogger("llama_cpp")
 
     @llama_cpp.llama_log_callback
@@ -151,6 +146,7 @@ class LoadedModel:
         self.n_ctx_slot = self.n_ctx // n_parallel
         self.n_batch = n_batch
         self.n_parallel = n_parallel
+        self.n_stream = n_parallel  # KV streams: one per sequence (kv_unified is off)
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos_id = llama_cpp.llama_vocab_bos(self.vocab)

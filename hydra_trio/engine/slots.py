@@ -50,6 +50,8 @@ class CompletionJob:
         cache_prompt: reuse the slot's cached prefix (llama-server's
             ``cache_prompt``).
         ignore_eos: keep generating past end-of-generation tokens.
+        logprobs: compute each sampled token's log-probability (natural log,
+            over the model's raw logits) into ``TextDelta.logprobs``.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -59,6 +61,7 @@ class CompletionJob:
     id_slot: int = -1
     cache_prompt: bool = True
     ignore_eos: bool = False
+    logprobs: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -76,10 +79,14 @@ class SlotAssigned:
 
 @attrs.frozen
 class TextDelta:
-    """New generated text (never a split UTF-8 character) and the tokens behind it."""
+    """New generated text (never a split UTF-8 character) and the tokens behind it.
+
+    ``logprobs`` (when the job asked) has one entry per token.
+    """
 
     text: str
     tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()
 
 
 @attrs.frozen
@@ -223,6 +230,7 @@ class Slot:
         self.t_start = 0.0
         self.t_first = 0.0
         self.pending_tokens: list[int] = []
+        self.pending_logprobs: list[float] = []
 
     @property
     def n_past(self) -> int:

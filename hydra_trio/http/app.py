@@ -26,8 +26,9 @@ from starlette.routing import Route
 
 from .. import __version__
 from ..engine.batch import Engine, EngineNotReady, SlotBusy
-from ..engine.slots import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
+from ..engine.slots import Failed, Finished, RequestHandle, SlotAssigned, TextDelta
 from . import metrics
+from ..jobs import job_from_chat, job_from_completion
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
 
 log = logging.getLogger("hydra_trio.http")
@@ -186,7 +187,7 @@ class Api:
         cls = ChatCompletionRequest if chat else CompletionRequest
         try:
             body = await self._read(request, cls)
-            job = self._make_job(e, body, chat)
+            job = job_from_chat(e, body) if chat else job_from_completion(e, body)
             handle = e.submit(job)
         except (RequestError, ValueError) as exc:
             return _bad_request(str(exc))
@@ -201,35 +202,6 @@ class Api:
                 headers={"Cache-Control": "no-cache"},
             )
         return await self._collect(request, e, handle, ctx)
-
-    def _make_job(self, e: Engine, body: Any, chat: bool) -> CompletionJob:
-        m = e.model
-        assert m is not None
-        stop = list(body.stop)
-        if chat:
-            messages = [
-                {k: v for k, v in (("role", msg.role), ("content", msg.content or ""), ("name", msg.name)) if v is not None}
-                for msg in body.messages
-            ]
-            prompt, extra_stop = m.apply_chat_template(messages)
-            tokens = m.tokenize(prompt, add_special=False, parse_special=True)
-            stop += [s for s in extra_stop if s not in stop]
-        elif isinstance(body.prompt, str):
-            tokens = m.tokenize(body.prompt, add_special=True, parse_special=True)
-        else:
-            bad = [t for t in body.prompt if not 0 <= t < m.n_vocab]
-            if bad:
-                raise RequestError(f"prompt: token id {bad[0]} is out of the vocabulary (0..{m.n_vocab - 1})")
-            tokens = list(body.prompt)
-        return CompletionJob(
-            prompt_tokens=tuple(tokens),
-            n_predict=body.n_predict_effective,
-            sampling=body.sampling(),
-            stop=tuple(stop),
-            id_slot=body.id_slot,
-            cache_prompt=body.cache_prompt,
-            ignore_eos=body.ignore_eos,
-        )
 
     async def _collect(self, request: Request, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> Response:
         texts: list[str] = []

@@ -12,13 +12,13 @@ import json
 from typing import Any
 
 import attrs
-import cattrs
+from cattrs.gen import override
 
 from ..engine.slots import SamplingParams
+from ..protocol import messages as msg
 
-
-class RequestError(ValueError):
-    """An invalid request body; the message names the field (HTTP 400)."""
+RequestError = msg.MessageError
+"""An invalid request body; the message names the field (HTTP 400)."""
 
 
 @attrs.frozen
@@ -84,26 +84,25 @@ class _GenerationFields:
         if len(self.stop) > 16:
             raise RequestError("stop: at most 16 stop strings")
 
-    @property
-    def n_predict_effective(self) -> int:
-        """Tokens to generate: ``max_completion_tokens``, ``max_tokens``, ``n_predict``, else -1."""
+    def n_predict_effective(self, default: int = -1) -> int:
+        """Tokens to generate: ``max_completion_tokens``, ``max_tokens``, ``n_predict``, else ``default``."""
         for v in (self.max_completion_tokens, self.max_tokens, self.n_predict):
             if v is not None:
                 return v
-        return -1
+        return default
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self) -> SamplingParams:
-        d = SamplingParams()
+    def sampling(self, d: SamplingParams) -> SamplingParams:
+        """The request's sampler settings; fields it leaves out come from ``d`` (the engine's defaults)."""
         return SamplingParams(
             temperature=d.temperature if self.temperature is None else self.temperature,
             top_k=d.top_k if self.top_k is None else self.top_k,
             top_p=d.top_p if self.top_p is None else self.top_p,
             min_p=d.min_p if self.min_p is None else self.min_p,
-            seed=self.seed,
+            seed=d.seed if self.seed is None else self.seed,
             repeat_penalty=d.repeat_penalty if self.repeat_penalty is None else self.repeat_penalty,
             repeat_last_n=d.repeat_last_n if self.repeat_last_n is None else self.repeat_last_n,
             presence_penalty=d.presence_penalty if self.presence_penalty is None else self.presence_penalty,
@@ -136,34 +135,8 @@ class CompletionRequest(_GenerationFields):
 
 
 # --------------------------------------------------------------------------- converter
-
-
-def _type_name(v: Any) -> str:
-    return "null" if v is None else type(v).__name__
-
-
-def _strict_int(v: Any, _t: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"expected an integer, got {_type_name(v)}")
-    return v
-
-
-def _strict_float(v: Any, _t: Any) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TypeError(f"expected a number, got {_type_name(v)}")
-    return float(v)
-
-
-def _strict_str(v: Any, _t: Any) -> str:
-    if not isinstance(v, str):
-        raise TypeError(f"expected a string, got {_type_name(v)}")
-    return v
-
-
-def _strict_bool(v: Any, _t: Any) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(f"expected a boolean, got {_type_name(v)}")
-    return v
+# The one cattrs converter (hydra_trio.protocol.messages) with strict
+# primitives; these classes allow unknown keys, as OpenAI servers do.
 
 
 def _stop(v: Any, _t: Any) -> tuple[str, ...]:
@@ -173,7 +146,7 @@ def _stop(v: Any, _t: Any) -> tuple[str, ...]:
         return (v,)
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return tuple(v)
-    raise TypeError("expected a string or a list of strings")
+    raise msg.TypeMismatch(f"expected a string or a list of strings, got {msg.type_name(v)}")
 
 
 def _content(v: Any, _t: Any) -> str | None:
@@ -184,10 +157,10 @@ def _content(v: Any, _t: Any) -> str | None:
         texts = []
         for i, part in enumerate(v):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise TypeError(f"[{i}]: only parts of type 'text' with a string 'text' are supported")
+                raise msg.TypeMismatch(f"part {i}: only parts of type 'text' with a string 'text' are supported")
             texts.append(part["text"])
         return "".join(texts)
-    raise TypeError(f"expected a string, a list of content parts or null, got {_type_name(v)}")
+    raise msg.TypeMismatch(f"expected a string, a list of content parts or null, got {msg.type_name(v)}")
 
 
 def _prompt(v: Any, _t: Any) -> str | tuple[int, ...]:
@@ -198,67 +171,13 @@ def _prompt(v: Any, _t: Any) -> str | tuple[int, ...]:
             return v[0]
         if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
             return tuple(v)
-    raise TypeError("expected a string, a list with one string, or a list of token ids")
+    raise msg.TypeMismatch("expected a string, a list with one string, or a list of token ids")
 
 
-converter = cattrs.Converter(detailed_validation=True)
-for _t, _hook in ((int, _strict_int), (float, _strict_float), (str, _strict_str), (bool, _strict_bool)):
-    converter.register_structure_hook(_t, _hook)
-
-
-def _exact(hook_type: Any, hook: Any) -> None:
-    # generic aliases (tuple[str, ...]) and unions need a predicate hook
-    converter.register_structure_hook_func(lambda t: t == hook_type, hook)
-
-
-_exact(tuple[str, ...], _stop)
-_exact(str | None, lambda v, t: None if v is None else _strict_str(v, t))
-_exact(str | tuple[int, ...], _prompt)
-converter.register_structure_hook(
-    ChatMessage,
-    lambda v, t: _structure_message(v),
-)
-for _opt, _h in ((int, _strict_int), (float, _strict_float), (bool, _strict_bool)):
-    _exact(_opt | None, (lambda h: lambda v, t: None if v is None else h(v, t))(_h))
-
-
-def _structure_message(v: Any) -> ChatMessage:
-    if not isinstance(v, dict):
-        raise TypeError(f"expected an object, got {_type_name(v)}")
-    role = v.get("role")
-    if not isinstance(role, str):
-        raise TypeError("role: missing or not a string")
-    try:
-        content = _content(v.get("content"), None)
-    except TypeError as exc:
-        raise TypeError(f"content{'' if str(exc).startswith('[') else ': '}{exc}") from None
-    name = v.get("name")
-    if name is not None and not isinstance(name, str):
-        raise TypeError("name: expected a string")
-    return ChatMessage(role=role, content=content, name=name)
-
-
-def _format_error(exc: BaseException) -> str:
-    """Flatten a cattrs error tree into ``path: reason`` lines."""
-    out: list[str] = []
-
-    def walk(e: BaseException, path: str) -> None:
-        if isinstance(e, cattrs.ClassValidationError | cattrs.IterableValidationError):
-            for sub, note in e.group_exceptions():
-                name = getattr(note, "name", None)
-                idx = getattr(note, "index", None)
-                sub_path = f"{path}.{name}" if name is not None else f"{path}[{idx}]"
-                walk(sub, sub_path)
-            return
-        if isinstance(e, KeyError):
-            out.append(f"{path.lstrip('.')}: required")
-            return
-        msg = str(e)
-        sep = "" if msg.startswith("[") or msg.startswith(".") else ": "
-        out.append(f"{path.lstrip('.')}{sep}{msg}")
-
-    walk(exc, "")
-    return "; ".join(out) or str(exc)
+msg.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content))
+msg.register(StreamOptions, forbid_extra=False)
+msg.register(ChatCompletionRequest, forbid_extra=False, stop=override(struct_hook=_stop))
+msg.register(CompletionRequest, forbid_extra=False, stop=override(struct_hook=_stop), prompt=override(struct_hook=_prompt))
 
 
 def parse_body(raw: bytes, cls: type[Any]) -> Any:
@@ -274,12 +193,13 @@ def parse_body(raw: bytes, cls: type[Any]) -> Any:
         raise RequestError(f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise RequestError("invalid JSON body: nested too deeply") from None
+    return structure_body(data, cls)
+
+
+def structure_body(data: Any, cls: type[Any]) -> Any:
+    """Structure an already-decoded JSON value into ``cls``; same errors as :func:`parse_body`."""
     if not isinstance(data, dict):
-        raise RequestError(f"the body must be a JSON object, got {_type_name(data)}")
-    known = {f.name for f in attrs.fields(cls)}
-    try:
-        obj = converter.structure({k: v for k, v in data.items() if k in known}, cls)
-    except Exception as exc:
-        raise RequestError(_format_error(exc)) from None
+        raise RequestError(f"the body must be a JSON object, got {msg.type_name(data)}")
+    obj = msg.structure(data, cls)
     obj.check()
     return obj

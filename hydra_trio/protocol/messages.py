@@ -64,11 +64,11 @@ class MessageError(ValueError):
         super().__init__("; ".join(self.errors))
 
 
-class _TypeMismatch(TypeError):
+class TypeMismatch(TypeError):
     """Raised by the strict primitive hooks; its text is the whole description."""
 
 
-def _tn(v: Any) -> str:
+def type_name(v: Any) -> str:
     if v is None:
         return "null"
     return type(v).__name__
@@ -82,25 +82,25 @@ def _tn(v: Any) -> str:
 def _as_int(v: Any) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         return int(v)
-    raise _TypeMismatch(f"expected int, got {_tn(v)}")
+    raise TypeMismatch(f"expected int, got {type_name(v)}")
 
 
 def _as_float(v: Any) -> float:
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return float(v)
-    raise _TypeMismatch(f"expected float, got {_tn(v)}")
+    raise TypeMismatch(f"expected float, got {type_name(v)}")
 
 
 def _as_str(v: Any) -> str:
     if isinstance(v, str):
         return v
-    raise _TypeMismatch(f"expected str, got {_tn(v)}")
+    raise TypeMismatch(f"expected str, got {type_name(v)}")
 
 
 def _as_bool(v: Any) -> bool:
     if isinstance(v, bool):
         return v
-    raise _TypeMismatch(f"expected bool, got {_tn(v)}")
+    raise TypeMismatch(f"expected bool, got {type_name(v)}")
 
 
 def _as_str_or_str_list(v: Any) -> str | list[str]:
@@ -108,7 +108,7 @@ def _as_str_or_str_list(v: Any) -> str | list[str]:
         return v
     if isinstance(v, list) and all(isinstance(x, str) for x in v):
         return list(v)
-    raise _TypeMismatch(f"expected str or list of str, got {_tn(v)}")
+    raise TypeMismatch(f"expected str or list of str, got {type_name(v)}")
 
 
 # --------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def _literal_hook(v: Any, t: Any) -> Any:
     if v in allowed and type(v) in {type(a) for a in allowed}:
         return v
     want = " or ".join(repr(a) for a in allowed)
-    raise _TypeMismatch(f"expected {want}, got {v!r}")
+    raise TypeMismatch(f"expected {want}, got {v!r}")
 
 
 converter.register_structure_hook_func(_is_literal, _literal_hook)
@@ -148,7 +148,7 @@ def _is_list(t: Any) -> bool:
 def _list_hook(v: Any, t: Any) -> list[Any]:
     """A list must be a JSON array (cattrs would iterate a str)."""
     if not isinstance(v, list):
-        raise _TypeMismatch(f"expected list, got {_tn(v)}")
+        raise TypeMismatch(f"expected list, got {type_name(v)}")
     args = get_args(t)
     elem = args[0] if args else Any
     if elem is Any:
@@ -173,7 +173,7 @@ def _list_hook(v: Any, t: Any) -> list[Any]:
 converter.register_structure_hook_func(_is_list, _list_hook)
 
 
-def _register(
+def register(
     cls: type[Any], *, forbid_extra: bool, keep_raw: bool = False, **overrides: Any
 ) -> None:
     """Register a dict hook for ``cls`` that first checks for a JSON object
@@ -186,7 +186,7 @@ def _register(
 
     def hook(v: Any, t: Any) -> Any:
         if not isinstance(v, Mapping):
-            raise _TypeMismatch(f"expected object, got {_tn(v)}")
+            raise TypeMismatch(f"expected object, got {type_name(v)}")
         obj = base(v, t)
         if keep_raw:
             obj = attrs.evolve(obj, raw=dict(v))
@@ -201,7 +201,7 @@ def _register(
 
 
 def _format_exception(exc: BaseException, type_: Any) -> str:
-    if isinstance(exc, (_TypeMismatch, MessageError)):
+    if isinstance(exc, (TypeMismatch, MessageError)):
         return str(exc)
     if isinstance(exc, KeyError):
         return "missing"
@@ -247,7 +247,8 @@ def _json_kind(v: Any) -> str:
     return "null" if v is None else kinds.get(type(v), type(v).__name__)
 
 
-def _structure(obj: Any, cls: type[T]) -> T:
+def structure(obj: Any, cls: type[T]) -> T:
+    """Structure decoded JSON into ``cls``; raises MessageError naming the field(s)."""
     try:
         return converter.structure(obj, cls)
     except MessageError:
@@ -265,7 +266,7 @@ def structure_json(payload: Bytes, cls: type[T]) -> T:
     invalid JSON, a non-object, missing fields, wrong types, unknown keys
     (for classes that forbid them) and failed field checks.
     """
-    return _structure(load_json_object(payload), cls)
+    return structure(load_json_object(payload), cls)
 
 
 # --------------------------------------------------------------------------
@@ -308,7 +309,7 @@ ExpertMode: TypeAlias = Literal["solo", "combined"]
 def _content_hook(v: Any, _t: Any) -> str | list[Any] | None:
     if v is None or isinstance(v, (str, list)):
         return v
-    raise _TypeMismatch(f"expected str, list or null, got {_tn(v)}")
+    raise TypeMismatch(f"expected str, list or null, got {type_name(v)}")
 
 
 @attrs.frozen
@@ -322,7 +323,7 @@ class ChatMessage:
     name: str | None = None
 
 
-_register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content_hook))
+register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content_hook))
 
 
 @attrs.frozen
@@ -338,7 +339,7 @@ class SetExpertModeRequest:
     )
 
 
-_register(SetExpertModeRequest, forbid_extra=True)
+register(SetExpertModeRequest, forbid_extra=True)
 
 
 def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
@@ -368,7 +369,7 @@ def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
             mode = obj.get("mode")
             if isinstance(mode, str):
                 obj = {**obj, "mode": mode.strip().lower()}
-            return _structure(obj, SetExpertModeRequest)
+            return structure(obj, SetExpertModeRequest)
         else:
             raise MessageError(f"payload must be a mode or a JSON object, got {_json_kind(obj)}")
     mode = text.lower()
@@ -393,7 +394,7 @@ class PipelineAttachRequest:
     ot_split: str = attrs.field(validator=_non_empty)
 
 
-_register(PipelineAttachRequest, forbid_extra=True)
+register(PipelineAttachRequest, forbid_extra=True)
 
 
 @attrs.frozen
@@ -419,7 +420,7 @@ class DecodeRequest:
         return min(n, cap)
 
 
-_register(DecodeRequest, forbid_extra=False, keep_raw=True)
+register(DecodeRequest, forbid_extra=False, keep_raw=True)
 
 
 @attrs.frozen
@@ -434,7 +435,7 @@ class PrefillRequest:
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
 
-_register(PrefillRequest, forbid_extra=False, keep_raw=True)
+register(PrefillRequest, forbid_extra=False, keep_raw=True)
 
 
 # --------------------------------------------------------------------------
@@ -509,7 +510,7 @@ def classify_configure_keys(
             if check is not None:
                 try:
                     tier[key] = check(value)
-                except _TypeMismatch as exc:
+                except TypeMismatch as exc:
                     errors.append(f"{key}: {exc}")
                 break
         else:

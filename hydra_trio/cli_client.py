@@ -1,0 +1,254 @@
+"""``hydra-trio`` client subcommands: talk to an engine over the Hydra binary
+protocol (hydra-protocol.md §2, §3) with `hydra_trio.client.HydraClient`.
+
+    hydra-trio info HOST:PORT
+    hydra-trio state get  HOST:PORT SLOT FILE
+    hydra-trio state put  HOST:PORT SLOT FILE
+    hydra-trio state meta HOST:PORT SLOT
+    hydra-trio mode HOST:PORT solo|combined [--peer HOST:PORT]
+
+Every subcommand takes ``--timeout SECONDS`` (default 30, per send/receive
+without progress) and ``--trace-id ID``. Replies' meta JSON goes to stdout
+(pretty-printed); progress lines go to stderr.
+
+Exit codes: 0 success; 1 an error reply (stderr: ``error: <STATUS>:
+<message>`` then the meta JSON), a timeout, a dropped connection or a local
+file error; 2 the connection could not be opened (refused, unreachable,
+unknown host) or bad arguments (argparse).
+
+Wiring: call `add_client_commands` on the ``hydra-trio`` subparsers; each
+subcommand sets ``args.func`` (takes the Namespace, runs `trio.run`
+itself, returns the exit code). ``python -m hydra_trio.cli_client ...``
+runs the same commands standalone (`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from .client import HydraClient, HydraConnectError, HydraError
+from .protocol.messages import MessageError, parse_peer
+
+__all__ = ["add_client_commands", "build_parser", "main"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_CONNECT = 2
+
+
+def _address(s: str) -> str:
+    """argparse type: a ``HOST:PORT`` string (checked, returned unchanged)."""
+    try:
+        parse_peer(s, field="address")
+    except MessageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return s
+
+
+def _slot(s: str) -> int:
+    try:
+        n = int(s, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"slot must be a decimal integer, got {s!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"slot must be >= 0, got {n}")
+    return n
+
+
+def _positive_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
+    return v
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)
+
+
+def _client(args: argparse.Namespace) -> HydraClient:
+    return HydraClient.from_address(args.address, timeout=args.timeout)
+
+
+# --------------------------------------------------------------------------
+# Command implementations (async)
+# --------------------------------------------------------------------------
+
+
+async def info_command(args: argparse.Namespace) -> int:
+    """``info HOST:PORT``: print the INFO meta."""
+    async with _client(args) as c:
+        meta = await c.info(trace_id=args.trace_id)
+    print(_dump(meta))
+    return EXIT_OK
+
+
+async def state_get_command(args: argparse.Namespace) -> int:
+    """``state get HOST:PORT SLOT FILE``: stream the slot's KV state to FILE
+    (written atomically); print the meta, then ``wrote N bytes to FILE`` on
+    stderr."""
+    async with _client(args) as c:
+        meta = await c.state_get_to_file(args.slot, args.file, trace_id=args.trace_id)
+    size = os.stat(args.file).st_size
+    print(_dump(meta))
+    print(f"wrote {size} bytes to {args.file}", file=sys.stderr)
+    return EXIT_OK
+
+
+async def state_put_command(args: argparse.Namespace) -> int:
+    """``state put HOST:PORT SLOT FILE``: stream FILE as the slot's KV state;
+    print the reply meta, then ``sent N bytes from FILE`` on stderr."""
+    size = os.stat(args.file).st_size  # fail before connecting on a missing file
+    async with _client(args) as c:
+        meta = await c.state_put_from_file(args.slot, args.file, trace_id=args.trace_id)
+    print(_dump(meta))
+    print(f"sent {size} bytes from {args.file}", file=sys.stderr)
+    return EXIT_OK
+
+
+async def state_meta_command(args: argparse.Namespace) -> int:
+    """``state meta HOST:PORT SLOT``: print STATE_META."""
+    async with _client(args) as c:
+        meta = await c.state_meta(args.slot, trace_id=args.trace_id)
+    print(_dump(meta))
+    return EXIT_OK
+
+
+async def mode_command(args: argparse.Namespace) -> int:
+    """``mode HOST:PORT solo|combined [--peer H:P]``: SET_EXPERT_MODE; print
+    the meta (its ``mode`` is the mode actually in effect)."""
+    async with _client(args) as c:
+        meta = await c.set_expert_mode(args.mode, args.peer, trace_id=args.trace_id)
+    print(_dump(meta))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# Sync entry points (what args.func is)
+# --------------------------------------------------------------------------
+
+
+def run_command(fn: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace) -> int:
+    """Run one async command with `trio.run` and map errors to exit codes."""
+    try:
+        return trio.run(fn, args)
+    except HydraConnectError as exc:
+        print(f"error: {exc} (is a hydra-trio engine listening there?)", file=sys.stderr)
+        return EXIT_CONNECT
+    except HydraError as exc:
+        print(f"error: {exc.status_name}: {exc.message}", file=sys.stderr)
+        if exc.meta:
+            print(_dump(exc.meta), file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:  # local file errors
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _sync(fn: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[[argparse.Namespace], int]:
+    def func(args: argparse.Namespace) -> int:
+        return run_command(fn, args)
+
+    func.__name__ = fn.__name__.removesuffix("_command")
+    func.__doc__ = fn.__doc__
+    return func
+
+
+def _common() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+        help="give up after this many seconds without progress (default: 30)",
+    )
+    p.add_argument("--trace-id", default=None, help="trace id sent with the request (default: random)")
+    return p
+
+
+def add_client_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``info``, ``state {get,put,meta}`` and ``mode`` to ``subparsers``
+    (the ``add_subparsers()`` object of the ``hydra-trio`` parser). Each
+    leaf parser sets ``func`` (Namespace -> exit code, runs trio itself) and
+    a ``log_level`` default of WARNING."""
+    common = _common()
+    defaults: dict[str, Any] = {"log_level": "WARNING"}
+
+    p = subparsers.add_parser(
+        "info", parents=[common], help="print an engine's INFO meta (Hydra protocol)",
+        description="Send INFO (0x41) and print the reply meta as JSON.",
+    )
+    p.add_argument("address", type=_address, metavar="HOST:PORT")
+    p.set_defaults(func=_sync(info_command), **defaults)
+
+    state = subparsers.add_parser(
+        "state", help="get / put / inspect a slot's KV state (Hydra protocol)",
+        description="Slot KV state transfer over the Hydra protocol (STATE_GET / STATE_PUT / STATE_META).",
+    )
+    ssub = state.add_subparsers(dest="state_command", required=True, metavar="{get,put,meta}")
+
+    g = ssub.add_parser(
+        "get", parents=[common], help="save a slot's KV state to a file",
+        description="STATE_GET (0x30): stream the slot's KV state into FILE (temp file + rename).",
+    )
+    g.add_argument("address", type=_address, metavar="HOST:PORT")
+    g.add_argument("slot", type=_slot, metavar="SLOT")
+    g.add_argument("file", metavar="FILE")
+    g.set_defaults(func=_sync(state_get_command), **defaults)
+
+    u = ssub.add_parser(
+        "put", parents=[common], help="restore a slot's KV state from a file",
+        description="STATE_PUT (0x31): stream FILE as the slot's KV state.",
+    )
+    u.add_argument("address", type=_address, metavar="HOST:PORT")
+    u.add_argument("slot", type=_slot, metavar="SLOT")
+    u.add_argument("file", metavar="FILE")
+    u.set_defaults(func=_sync(state_put_command), **defaults)
+
+    m = ssub.add_parser(
+        "meta", parents=[common], help="print a slot's state meta",
+        description="STATE_META (0x32): print n_past, state_size, is_processing, model identity.",
+    )
+    m.add_argument("address", type=_address, metavar="HOST:PORT")
+    m.add_argument("slot", type=_slot, metavar="SLOT")
+    m.set_defaults(func=_sync(state_meta_command), **defaults)
+
+    e = subparsers.add_parser(
+        "mode", parents=[common], help="switch expert mode (solo / combined)",
+        description="SET_EXPERT_MODE (0x44). Exit 1 with BUSY while slots are processing.",
+    )
+    e.add_argument("address", type=_address, metavar="HOST:PORT")
+    e.add_argument("mode", choices=["solo", "combined"])
+    e.add_argument(
+        "--peer", type=_address, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
+    )
+    e.set_defaults(func=_sync(mode_command), **defaults)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with only the client commands (for ``python -m``)."""
+    parser = argparse.ArgumentParser(prog="hydra-trio", description="Hydra protocol client commands.")
+    add_client_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` with `build_parser` and run the command."""
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Slot KV state blobs: save and restore one slot's KV cache (llama.cpp's per-sequence state API).
+
+Blob format, version 1 (all integers little-endian; documented in
+``docs/kv-state-blob.md``)::
+
+    offset  size        field
+    0       4           magic  b"HYKV"
+    4       2           format version (1)
+    6       2           kv_format: 1 = one KV stream (portable across n_parallel),
+                        0 = llama.cpp's raw sequence state (same n_parallel only)
+    8       4           n_tokens: tokens in the slot's KV cache (= n_past)
+    12      32          model hash: raw SHA-256 of the GGUF file
+    44      8           kv_len: bytes of llama.cpp sequence state that follow the tokens
+    52      4*n_tokens  the slot's tokens (u32 each)
+    ...     kv_len      llama_state_seq_get_data() output for the slot's sequence
+
+llama.cpp's sequence state (this version, non-unified KV cache) is
+``[u32 0xaf143cd8][i32 seq_id][u32 n_stream]`` then, per stream,
+``[u32 cell_count]`` and that stream's cells; a sequence's cells all sit in
+one stream.  Restoring needs the
+target context's own ``n_stream`` (= its ``n_parallel``), so the blob keeps
+only the one stream (``kv_format`` 1) and the restore frames it again for
+the target.  That is what lets a slot move between nodes with different slot
+counts.
+
+A blob is checked whole (magic, version, lengths, model hash, token count
+against the slot's context) *before* anything touches the slot, and the
+restore is all or nothing: when llama.cpp rejects the KV bytes, the slot's
+previous state is put back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import TYPE_CHECKING
+
+import attrs
+import llama_cpp
+
+if TYPE_CHECKING:
+    from .batch import Engine
+
+BLOB_MAGIC = b"HYKV"
+BLOB_VERSION = 1
+_HEADER = struct.Struct("<4sHHI32sQ")
+HEADER_SIZE = _HEADER.size  # 52 bytes
+
+
+class StateError(ValueError):
+    """A blob that cannot be applied; ``meta`` holds extra keys for the error reply."""
+
+    def __init__(self, message: str, **meta: object) -> None:
+        super().__init__(message)
+        self.meta = meta
+
+
+@attrs.frozen
+class BlobHeader:
+    """The fixed part of a blob (see the module docstring)."""
+
+    n_tokens: int
+    model_hash: str  # 64 hex digits
+    kv_len: int
+    kv_format: int = 1
+
+    @property
+    def total_size(self) -> int:
+        return HEADER_SIZE + 4 * self.n_tokens + self.kv_len
+
+
+KV_RAW = 0
+KV_ONE_STREAM = 1
+
+
+_SEQ_PREFIX = struct.Struct("<IiI")  # io magic, source seq_id, n_stream (llama-context.cpp)
+_IO_MAGIC = 0xAF143CD8
+
+
+def _one_stream(raw: memoryview) -> memoryview | None:
+    """The single stream of a sequence state (see the module docstring), or None.
+
+    None when the layout is not the expected one (then the raw state is kept).
+    """
+    if len(raw) < _SEQ_PREFIX.size:
+        return None
+    magic, _seq, n_stream = _SEQ_PREFIX.unpack_from(raw, 0)
+    if magic != _IO_MAGIC:
+        return None
+    pos = _SEQ_PREFIX.size
+    for s in range(n_stream):
+        if pos + 4 > len(raw):
+            return None
+        (cells,) = struct.unpack_from("<I", raw, pos)
+        if cells:
+            end = len(raw) - 4 * (n_stream - s - 1)
+            if end < pos or any(raw[end:]):
+                return None
+            return raw[pos:end]
+        pos += 4
+    return raw[pos - 4 : pos] if n_stream else None  # every stream empty: one "0 cells" stream
+
+
+def _frame_streams(one: memoryview, seq_id: int, n_stream: int) -> bytearray:
+    """Frame one stream for a context with ``n_stream`` streams (llama.cpp reads it into the target sequence's stream)."""
+    p = _SEQ_PREFIX.size
+    out = bytearray(p + len(one) + 4 * (n_stream - 1))
+    _SEQ_PREFIX.pack_into(out, 0, _IO_MAGIC, seq_id, n_stream)
+    out[p : p + len(one)] = one
+    return out
+
+
+def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
+    """Parse and check the blob's fixed header.
+
+    Raises:
+        StateError: too short, wrong magic or an unknown version.
+    """
+    if len(data) < HEADER_SIZE:
+        raise StateError(f"state blob too short: {len(data)} bytes, the header alone is {HEADER_SIZE}")
+    magic, version, kv_format, n_tokens, digest, kv_len = _HEADER.unpack_from(data)
+    if magic != BLOB_MAGIC:
+        raise StateError(f"not a hydra-trio state blob (magic {bytes(magic)!r}, expected {BLOB_MAGIC!r})")
+    if version != BLOB_VERSION:
+        raise StateError(f"state blob format version {version} is not supported (this node reads {BLOB_VERSION})")
+    if kv_format not in (KV_RAW, KV_ONE_STREAM):
+        raise StateError(f"state blob KV format {kv_format} is not supported")
+    return BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format)
+
+
+def save_slot(engine: Engine, id_slot: int) -> tuple[int, bytearray]:
+    """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.
+
+    Peak memory: llama.cpp's state buffer plus the blob (the KV bytes twice, briefly).
+    """
+    m = engine.model
+    assert m is not None and engine.identity is not None
+    tokens = engine.slots[id_slot].cache_tokens
+    kv_size = llama_cpp.llama_state_seq_get_size(m.ctx, id_slot)
+    raw = (ctypes.c_uint8 * kv_size)()
+    written = llama_cpp.llama_state_seq_get_data(m.ctx, raw, kv_size, id_slot)
+    kv = memoryview(raw).cast("B")[:written]
+    one = _one_stream(kv)
+    kv_format = KV_ONE_STREAM if one is not None else KV_RAW
+    body = one if one is not None else kv
+    head = HEADER_SIZE + 4 * len(tokens)
+    blob = bytearray(head + len(body))
+    _HEADER.pack_into(
+        blob, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(engine.identity.model_hash), len(body)
+    )
+    struct.pack_into(f"<{len(tokens)}I", blob, HEADER_SIZE, *tokens)
+    blob[head:] = body
+    return len(tokens), blob
+
+
+def check_blob(engine: Engine, blob: bytearray) -> BlobHeader:
+    """Check a whole blob against this engine before applying it.
+
+    Raises:
+        StateError: a bad header, a length mismatch (truncated or padded
+            upload), another model's blob (meta ``expected_hash`` /
+            ``got_hash``) or more tokens than a slot's context holds.
+    """
+    assert engine.identity is not None
+    header = parse_header(blob)
+    if header.model_hash != engine.identity.model_hash:
+        raise StateError(
+            "the state blob was made by another model",
+            expected_hash=engine.identity.model_hash,
+            got_hash=header.model_hash,
+        )
+    if header.total_size != len(blob):
+        raise StateError(
+            f"state blob length {len(blob)} does not match its header ({header.total_size} bytes: "
+            f"{header.n_tokens} tokens, {header.kv_len} KV bytes)"
+        )
+    if header.n_tokens >= engine.n_ctx_slot:
+        raise StateError(f"the blob holds {header.n_tokens} tokens; a slot's context holds {engine.n_ctx_slot}")
+    return header
+
+
+def restore_slot(engine: Engine, id_slot: int, blob: bytearray) -> int:
+    """Engine thread: apply a checked blob to an idle slot, all or nothing.  Returns n_past.
+
+    Raises:
+        StateError: the blob is invalid (see :func:`check_blob`) or llama.cpp
+            rejected its KV bytes; in both cases the slot is as it was.
+    """
+    m = engine.model
+    assert m is not None
+    header = check_blob(engine, blob)
+    slot = engine.slots[id_slot]
+    tokens = list(struct.unpack_from(f"<{header.n_tokens}I", blob, HEADER_SIZE))
+    bad = next((t for t in tokens if t >= m.n_vocab), None)
+    if bad is not None:
+        raise StateError(f"the blob holds token id {bad}, outside the vocabulary (0..{m.n_vocab - 1})")
+    _, backup = save_slot(engine, id_slot)
+    if not _apply_kv(engine, id_slot, header, blob):
+        # llama.cpp cleared the sequence on failure: put the old state back
+        llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
+        _apply_kv(engine, id_slot, parse_header(backup), backup)
+        raise StateError(
+            "llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
+        )
+    slot.cache_tokens[:] = tokens
+    return len(tokens)
+
+
+def _apply_kv(engine: Engine, id_slot: int, header: BlobHeader, blob: bytearray) -> bool:
+    m = engine.model
+    assert m is not None
+    start = HEADER_SIZE + 4 * header.n_tokens
+    kv = memoryview(blob)[start : start + header.kv_len]
+    if header.kv_format == KV_ONE_STREAM:
+        data = _frame_streams(kv, id_slot, m.n_stream)
+    else:
+        data = bytearray(kv)
+    buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+    read = llama_cpp.llama_state_seq_set_data(m.ctx, buf, len(data), id_slot)
+    del buf
+    # the KV must hold exactly positions 0..n_tokens-1 for the token list to be true
+    pos_max = llama_cpp.llama_memory_seq_pos_max(m.memory, id_slot)
+    return read == len(data) and pos_max == header.n_tokens - 1

@@ -1,0 +1,528 @@
+"""The Hydra binary protocol, server side: one persistent connection, one request at a time.
+
+Framing rules (hydra-protocol.md §2, the **[fix]** rows included): every
+request gets exactly one well-formed reply, non-OK replies carry
+``{"error": ...}``; a payload is always consumed before the next header
+(over its cap: reply BAD_REQUEST, then close); bad magic closes without a
+reply; unknown and Store opcodes answer NOT_IMPLEMENTED and the connection
+stays usable.  Opcodes: hydra-protocol.md §3.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from . import __version__
+from .control import Busy, Change, ControlChannel
+from .engine.batch import Engine, EngineNotReady
+from .engine.slots import CompletionJob, Failed, Finished, TextDelta
+from .engine.state import StateError, restore_slot, save_slot
+from .http.schemas import ChatCompletionRequest, RequestError, structure_body
+from .jobs import job_from_chat
+from .presets import PRESETS
+from .protocol import messages as msg
+from .protocol.hydra import (
+    DECODE_FLAG_FINAL,
+    BadMagic,
+    FrameTooLarge,
+    Op,
+    PayloadChunk,
+    ProtocolError,
+    RequestDecoder,
+    RequestEnded,
+    RequestStarted,
+    Status,
+    decode_pad_frames,
+    encode_response,
+    encode_response_header,
+    is_store_op,
+    pack_decode_frame,
+)
+
+log = logging.getLogger("hydra_trio.hydra")
+
+SLOT_OPS = frozenset({Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.PREFILL, Op.DECODE})
+DEFAULT_COMBINED_PATTERN = r"ffn_(up|down|gate)_exps"
+
+
+@attrs.frozen
+class HydraSettings:
+    """Limits of the Hydra protocol (bytes and seconds), hydra-protocol.md §2.
+
+    Attributes:
+        max_json_payload: cap on JSON payloads (64 MiB).
+        max_state_payload: cap on STATE_PUT payloads (4 GiB).
+        idle_timeout: seconds a connection may sit between requests.
+        request_timeout: seconds of no progress inside a request before closing.
+        chunk_size: bytes per send when streaming a state blob (256 KiB).
+        decode_default: DECODE frame budget when the body gives none.
+        decode_cap: the most frames one DECODE may announce.
+    """
+
+    max_json_payload: int = 64 * 1024 * 1024
+    max_state_payload: int = 4 * 1024 * 1024 * 1024
+    idle_timeout: float = 120.0
+    request_timeout: float = 30.0
+    chunk_size: int = 256 * 1024
+    decode_default: int = 128
+    decode_cap: int = 8192
+
+
+class Reply(Exception):
+    """Raised by an op handler to send a non-OK reply: ``status`` and ``meta`` (with ``error``)."""
+
+    def __init__(self, status: Status, error: str, **meta: Any) -> None:
+        super().__init__(error)
+        self.status = status
+        self.meta = {"error": error, **meta}
+
+
+@attrs.define
+class _Request:
+    op: int
+    key: str
+    trace_id: str
+    flags: int
+    payload_len: int
+    key_error: str | None
+    payload: bytearray = attrs.field(factory=bytearray)
+
+
+class NodeState:
+    """What INFO reports beyond the engine: expert mode and peer (SOLO until the COMBINED issue)."""
+
+    def __init__(self) -> None:
+        self.mode = "solo"
+        self.peer_addr: str | None = None
+        self.peer_reachable = False
+        self.layer_split = DEFAULT_COMBINED_PATTERN
+        self.state_chunk_size = 256 * 1024
+
+
+class HydraHandler:
+    """Serves Hydra connections for one engine (``None``: a node without a model)."""
+
+    def __init__(
+        self,
+        engine: Engine | None,
+        control: ControlChannel | None,
+        settings: HydraSettings = HydraSettings(),
+        node: NodeState | None = None,
+    ) -> None:
+        self.engine = engine
+        self.control = control
+        self.settings = settings
+        self.node = node or NodeState()
+        self.requests = 0
+        self._ops: dict[int, Callable[[_Request, trio.SocketStream], Awaitable[None]]] = {
+            Op.STATE_GET: self._state_get,
+            Op.STATE_PUT: self._state_put,
+            Op.STATE_META: self._state_meta,
+            Op.CONFIGURE: self._configure,
+            Op.INFO: self._info,
+            Op.PREFILL: self._prefill,
+            Op.DECODE: self._decode,
+            Op.SET_EXPERT_MODE: self._set_expert_mode,
+            Op.SWAP_QUANT: self._swap_quant,
+            Op.PIPELINE_ATTACH: self._pipeline_attach,
+        }
+
+    def _max_payload(self, op: int) -> int:
+        return self.settings.max_state_payload if op == Op.STATE_PUT else self.settings.max_json_payload
+
+    # --------------------------------------------------------------- framing
+    async def __call__(self, stream: trio.SocketStream) -> None:
+        """Serve requests on ``stream`` until the peer closes, a timeout, or a framing error."""
+        dec = RequestDecoder(max_payload=self.settings.max_json_payload, max_payload_for=self._max_payload)
+        req: _Request | None = None
+        while True:
+            timeout = self.settings.idle_timeout if req is None and dec.idle else self.settings.request_timeout
+            with trio.move_on_after(timeout) as scope:
+                data = await stream.receive_some(self.settings.chunk_size)
+            if scope.cancelled_caught:
+                log.info("hydra: connection %s after %.0f s; closed", "idle" if req is None else "stalled mid-request", timeout)
+                return
+            if not data:
+                if req is not None:
+                    log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
+                return
+            try:
+                events = dec.feed(data)
+            except BadMagic as exc:
+                log.warning("hydra: %s; closing without a reply", exc)
+                return
+            except FrameTooLarge as exc:
+                h = exc.header
+                log.warning("hydra: %s; replying BAD_REQUEST and closing", exc)
+                await stream.send_all(
+                    encode_response(Status.BAD_REQUEST, {"error": str(exc), "op": h.op if h else None})
+                )
+                return
+            except ProtocolError as exc:
+                log.warning("hydra: protocol error: %s; closing", exc)
+                return
+            for ev in events:
+                if isinstance(ev, RequestStarted):
+                    h = ev.header
+                    req = _Request(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
+                    if h.op == Op.STATE_PUT and h.payload_len <= self.settings.max_state_payload:
+                        req.payload = bytearray()
+                elif isinstance(ev, PayloadChunk):
+                    assert req is not None
+                    if _wants_payload(req):
+                        req.payload += ev.data
+                elif isinstance(ev, RequestEnded):
+                    assert req is not None
+                    await self._dispatch(req, stream)
+                    req = None
+
+    async def _dispatch(self, req: _Request, stream: trio.SocketStream) -> None:
+        self.requests += 1
+        t0 = time.perf_counter()
+        name = Op(req.op).name if req.op in Op._value2member_map_ else f"0x{req.op:02x}"
+        status = Status.OK
+        try:
+            if req.key_error:
+                raise Reply(Status.BAD_REQUEST, req.key_error)
+            if req.flags:
+                raise Reply(Status.BAD_REQUEST, f"flags 0x{req.flags:02x} are not implemented (compression is not supported)")
+            handler = self._ops.get(req.op)
+            if handler is None:
+                what = "a Store service opcode" if is_store_op(req.op) else "an unknown opcode"
+                raise Reply(Status.NOT_IMPLEMENTED, f"opcode 0x{req.op:02x} is {what}; this is an engine node")
+            await handler(req, stream)
+        except Reply as r:
+            status = r.status
+            await stream.send_all(encode_response(r.status, r.meta))
+        except EngineNotReady as exc:
+            status = Status.ERROR
+            await stream.send_all(encode_response(Status.ERROR, {"error": str(exc)}))
+        finally:
+            log.info(
+                "[%s] hydra %s key=%r %d bytes -> %s in %.1f ms",
+                req.trace_id, name, req.key, req.payload_len, Status(status).name, (time.perf_counter() - t0) * 1e3,
+            )
+
+    # ------------------------------------------------------------- helpers
+    def _engine(self) -> Engine:
+        e = self.engine
+        if e is None:
+            raise Reply(Status.ERROR, "this node has no model (compute-only): the op needs one")
+        if not e.ready:
+            raise Reply(Status.ERROR, f"model not ready (stage: {e.stage})", stage=e.stage)
+        return e
+
+    def _slot(self, req: _Request) -> tuple[Engine, int]:
+        try:
+            id_slot = int(req.key, 10)
+        except ValueError:
+            raise Reply(Status.BAD_REQUEST, f"key {req.key!r} is not a slot id (a decimal integer)") from None
+        e = self._engine()
+        if not 0 <= id_slot < len(e.slots):
+            raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{len(e.slots) - 1})")
+        return e, id_slot
+
+    def _identity(self, e: Engine) -> dict[str, Any]:
+        assert e.identity is not None
+        return e.identity.as_meta()
+
+    @staticmethod
+    def _busy_check(e: Engine, id_slot: int) -> None:
+        if e.slots[id_slot].is_processing:
+            raise Reply(Status.BUSY, f"slot {id_slot} is processing a request", busy_slots=[id_slot])
+
+    async def _send_blob(self, stream: trio.SocketStream, meta: dict[str, Any], blob: bytearray) -> None:
+        await stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
+        view = memoryview(blob)
+        step = self.node.state_chunk_size
+        for i in range(0, len(view), step):
+            await stream.send_all(view[i : i + step])
+
+    # ------------------------------------------------------------- slot ops
+    async def _state_get(self, req: _Request, stream: trio.SocketStream) -> None:
+        e, id_slot = self._slot(req)
+
+        def get(engine: Engine) -> tuple[int, bytearray]:
+            self._busy_check(engine, id_slot)
+            return save_slot(engine, id_slot)
+
+        n_past, blob = await e.call(get)
+        meta = {"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **self._identity(e)}
+        await self._send_blob(stream, meta, blob)
+
+    async def _state_put(self, req: _Request, stream: trio.SocketStream) -> None:
+        e, id_slot = self._slot(req)
+        blob = req.payload
+
+        def put(engine: Engine) -> int:
+            self._busy_check(engine, id_slot)
+            return restore_slot(engine, id_slot, blob)
+
+        try:
+            n_past = await e.call(put)
+        except StateError as exc:
+            raise Reply(Status.ERROR, str(exc), **exc.meta) from None
+        meta = {"restored": True, "slot_id": id_slot, "bytes": len(blob), "n_past": n_past, **self._identity(e)}
+        await stream.send_all(encode_response(Status.OK, meta))
+
+    async def _state_meta(self, req: _Request, stream: trio.SocketStream) -> None:
+        import llama_cpp
+
+        e, id_slot = self._slot(req)
+
+        def meta(engine: Engine) -> dict[str, Any]:
+            slot = engine.slots[id_slot]
+            assert engine.model is not None
+            return {
+                "slot_id": id_slot,
+                "n_past": slot.n_past,
+                "state_size": int(llama_cpp.llama_state_seq_get_size(engine.model.ctx, id_slot)),
+                "is_processing": slot.is_processing,
+            }
+
+        body = await e.call(meta)
+        await stream.send_all(encode_response(Status.OK, {**body, **self._identity(e)}))
+
+    def _chat_job(self, e: Engine, id_slot: int, raw: dict[str, Any], n_predict: int) -> tuple[CompletionJob, bool]:
+        """A job for PREFILL / DECODE from an OpenAI chat body; returns (job, model_fallback)."""
+        body = dict(raw)
+        for k in ("n_predict", "max_tokens", "max_completion_tokens", "stream", "id_slot"):
+            body.pop(k, None)
+        try:
+            chat = structure_body(body, ChatCompletionRequest)
+            job = job_from_chat(e, chat, n_predict=n_predict, id_slot=id_slot)
+        except (RequestError, ValueError) as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        assert e.identity is not None
+        wanted = raw.get("model")
+        fallback = isinstance(wanted, str) and wanted not in ("", e.identity.model_alias)
+        return job, fallback
+
+    async def _run_job(self, e: Engine, job: CompletionJob, on_tokens: Callable[[TextDelta], Awaitable[None]] | None = None) -> Finished:
+        try:
+            handle = e.submit(job)
+        except ValueError as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        try:
+            async for ev in handle.events:
+                if isinstance(ev, TextDelta) and on_tokens is not None:
+                    await on_tokens(ev)
+                elif isinstance(ev, Finished):
+                    return ev
+                elif isinstance(ev, Failed):
+                    raise Reply(Status.ERROR, ev.message)
+        finally:
+            e.cancel(handle)
+        raise Reply(Status.ERROR, "the request ended without a result")
+
+    async def _prefill(self, req: _Request, stream: trio.SocketStream) -> None:
+        e, id_slot = self._slot(req)
+        try:
+            parsed = msg.structure_json(req.payload, msg.PrefillRequest)
+        except msg.MessageError as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        self._busy_check(e, id_slot)
+        job, fallback = self._chat_job(e, id_slot, parsed.raw, n_predict=0)
+        t0 = time.perf_counter()
+        done = await self._run_job(e, job)
+        prefill_ms = (time.perf_counter() - t0) * 1e3
+
+        def get(engine: Engine) -> tuple[int, bytearray]:
+            return save_slot(engine, id_slot)
+
+        n_past, blob = await e.call(get)
+        meta = {
+            "slot_id": id_slot,
+            "n_past": n_past,
+            "tokens_processed": done.prompt_n,
+            "cache_n": done.cache_n,
+            "prefill_ms": round(prefill_ms, 3),
+            "state_size": len(blob),
+            "model_fallback": fallback,
+            **self._identity(e),
+        }
+        await self._send_blob(stream, meta, blob)
+
+    async def _decode(self, req: _Request, stream: trio.SocketStream) -> None:
+        e, id_slot = self._slot(req)
+        try:
+            parsed = msg.structure_json(req.payload, msg.DecodeRequest)
+        except msg.MessageError as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        if not parsed.messages:
+            raise Reply(Status.BAD_REQUEST, "messages: required (DECODE continues the conversation it is given)")
+        budget = parsed.frame_budget(self.settings.decode_default, self.settings.decode_cap)
+        self._busy_check(e, id_slot)
+        job, fallback = self._chat_job(e, id_slot, parsed.raw, n_predict=budget)
+        job = attrs.evolve(job, logprobs=True)
+        try:
+            handle = e.submit(job)
+        except ValueError as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        # The reply header goes out first; frames follow as tokens come. The
+        # last real token is held back one step so it can carry FINAL (0x01);
+        # the unused budget is padded with PAD frames (hydra.DECODE_PAD_FRAME).
+        meta = {"slot_id": id_slot, "n_predict": budget, "frame_size": 9, "model_fallback": fallback, **self._identity(e)}
+        await stream.send_all(encode_response_header(Status.OK, meta, 9 * budget))
+        sent = 0
+        held: tuple[int, float] | None = None
+        try:
+            async for ev in handle.events:
+                if isinstance(ev, TextDelta):
+                    out = bytearray()
+                    for tok, lp in zip(ev.tokens, ev.logprobs or (0.0,) * len(ev.tokens)):
+                        if held is not None and sent < budget - 1:
+                            out += pack_decode_frame(held[0], held[1], 0)
+                            sent += 1
+                        held = (tok, lp)
+                    if out:
+                        await stream.send_all(bytes(out))
+                elif isinstance(ev, (Finished, Failed)):
+                    if isinstance(ev, Failed):
+                        log.warning("[%s] DECODE on slot %d failed: %s (padding the rest)", req.trace_id, id_slot, ev.message)
+                    break
+        finally:
+            e.cancel(handle)
+        tail = bytearray()
+        if held is not None and sent < budget:
+            tail += pack_decode_frame(held[0], held[1], DECODE_FLAG_FINAL)
+            sent += 1
+        tail += decode_pad_frames(budget - sent)
+        await stream.send_all(bytes(tail))
+
+    # ---------------------------------------------------------- engine-wide
+    async def _info(self, req: _Request, stream: trio.SocketStream) -> None:
+        await stream.send_all(encode_response(Status.OK, self.info()))
+
+    def info(self) -> dict[str, Any]:
+        """INFO meta (hydra-protocol.md §3): Core's keys, then hydra-trio's own."""
+        e = self.engine
+        n = self.node
+        meta: dict[str, Any] = {
+            "engine": "hydra-trio",
+            "version": __version__,
+            "capabilities": [
+                "state_get", "state_put", "state_meta", "configure", "info",
+                "prefill", "decode", "set_expert_mode", "openai_http",
+            ],
+            "preset_aliases": sorted(PRESETS),
+            "solo_active": e is not None and e.ready,
+            "rpc_backend_active": False,
+            "mode": n.mode,
+            "peer_addr": n.peer_addr,
+            "peer_reachable": n.peer_reachable,
+            "layer_split": n.layer_split,
+            "combined_head_attached": False,
+            "pipeline_capable": False,
+            "protocols": ["http", "hydra"],
+            "state_chunk_size": n.state_chunk_size,
+        }
+        if e is not None:
+            meta["stage"] = e.stage
+            if e.ready:
+                meta.update(
+                    n_slots=len(e.slots),
+                    n_ctx=e.model.n_ctx if e.model else 0,
+                    n_ctx_slot=e.n_ctx_slot,
+                    slots_processing=[s.id for s in e.slots if s.is_processing],
+                    sampling_defaults=attrs.asdict(e.defaults),
+                    **self._identity(e),
+                )
+        return meta
+
+    async def _configure(self, req: _Request, stream: trio.SocketStream) -> None:
+        e = self._engine()
+        try:
+            params = msg.parse_configure(req.payload).params
+            t1, t2, t3, unknown = msg.classify_configure_keys(params)
+        except msg.MessageError as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        applied: dict[str, Any] = {}
+        meta: dict[str, Any] = {}
+        if "state_chunk_size" in t1:
+            size = msg.clamp_state_chunk_size(t1.pop("state_chunk_size"))
+            self.node.state_chunk_size = size
+            meta["state_chunk_size_applied"] = size
+            applied["state_chunk_size"] = size
+        if t1:
+            try:
+                e.set_defaults(**t1)
+            except ValueError as exc:
+                raise Reply(Status.BAD_REQUEST, str(exc)) from None
+            applied.update(t1)
+        deferred = sorted([*t2, *t3])
+        tier = 3 if t3 else 2 if t2 else 1
+        if t2 or t3:
+            assert self.control is not None
+            try:
+                result = await self.control.submit(
+                    Change("configure " + ",".join(deferred), lambda eng: eng.reconfigure(**t2, **t3), req.trace_id)
+                )
+            except Busy as b:
+                raise Reply(
+                    Status.BUSY, str(b), success=False, busy_slots=b.busy_slots, params_applied=applied, tier=tier
+                ) from None
+            except ValueError as exc:
+                raise Reply(Status.BAD_REQUEST, str(exc), success=False, params_applied=applied, tier=tier) from None
+            applied.update(result)
+            deferred = []
+        meta.update(success=True, tier=tier, params_applied=applied, deferred_keys=deferred, unrecognized_keys=unknown)
+        await stream.send_all(encode_response(Status.OK, meta))
+
+    async def _set_expert_mode(self, req: _Request, stream: trio.SocketStream) -> None:
+        e = self._engine()
+        try:
+            want = msg.parse_set_expert_mode(req.payload)
+        except msg.MessageError as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc), success=False) from None
+        assert self.control is not None
+        node = self.node
+
+        def switch(engine: Engine) -> dict[str, Any]:
+            if want.mode == "solo":
+                node.mode = "solo"
+                return {"success": True, "mode": "solo", "peer": node.peer_addr}
+            # no ggml-RPC peer support on this node yet: COMBINED falls back to SOLO
+            node.mode = "solo"
+            return {
+                "success": True,
+                "mode": "solo",
+                "peer": want.peer or node.peer_addr,
+                "fallback_reason": "this node has no ggml-RPC peer support yet (COMBINED needs --rpc-engine)",
+            }
+
+        try:
+            meta = await self.control.submit(Change(f"set_expert_mode {want.mode}", switch, req.trace_id))
+        except Busy as b:
+            raise Reply(Status.BUSY, str(b), success=False, busy_slots=b.busy_slots, mode=node.mode) from None
+        del e
+        await stream.send_all(encode_response(Status.OK, meta))
+
+    async def _swap_quant(self, req: _Request, stream: trio.SocketStream) -> None:
+        raise Reply(
+            Status.NOT_IMPLEMENTED,
+            "SWAP_QUANT is not implemented: hydra-trio reloads whole models (CONFIGURE model_path), "
+            "not single tensors",
+        )
+
+    async def _pipeline_attach(self, req: _Request, stream: trio.SocketStream) -> None:
+        raise Reply(
+            Status.NOT_IMPLEMENTED,
+            "PIPELINE_ATTACH is not implemented (as in the C++ engine): use SET_EXPERT_MODE combined with a peer",
+        )
+
+
+def _wants_payload(req: _Request) -> bool:
+    """Which ops keep their payload (the others consume and drop it)."""
+    return req.op in (Op.STATE_PUT, Op.CONFIGURE, Op.PREFILL, Op.DECODE, Op.SET_EXPERT_MODE, Op.PIPELINE_ATTACH)
+
+
+_ = (json, math)
