@@ -19,7 +19,7 @@ import logging
 import math
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -411,7 +411,7 @@ class Engine:
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.stopper = StopStringMatcher(job.stop)
-        slot.sampler = _make_sampler(job.sampling, m.n_vocab, prompt)
+        slot.sampler = _make_sampler(job.sampling, m.n_vocab, prompt, m.eog_tokens if job.ignore_eos else ())
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
         log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
         if not slot.pending_prompt:  # prefill-only request fully cached
@@ -644,13 +644,19 @@ def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...
     return i
 
 
-def _make_sampler(p: SamplingParams, n_vocab: int, prompt: list[int]) -> Any:
-    """A llama.cpp sampler chain in llama-server's order: penalties, top-k, top-p, min-p, temp, dist.
+def _make_sampler(p: SamplingParams, n_vocab: int, prompt: list[int], banned: Sequence[int] = ()) -> Any:
+    """A llama.cpp sampler chain in llama-server's order: logit bias, penalties, top-k, top-p, min-p, temp, dist.
 
     ``temperature <= 0`` gives greedy sampling (argmax), as in llama-server.
+    ``banned`` tokens get a -inf logit bias (llama-server's ``ignore_eos``).
     """
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     add = llama_cpp.llama_sampler_chain_add
+    if banned:
+        biases = (llama_cpp.llama_logit_bias * len(banned))(
+            *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in banned)
+        )
+        add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(banned), biases))
     if p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
         add(
             chain,

@@ -152,6 +152,8 @@ class LoadedModel:
         self.bos_id = llama_cpp.llama_vocab_bos(self.vocab)
         self.eos_id = llama_cpp.llama_vocab_eos(self.vocab)
         self.chat_formatter = self._make_chat_formatter()
+        # end-of-generation tokens, for ignore_eos (banned with a logit bias, as llama-server does)
+        self.eog_tokens = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
 
     # -- metadata ---------------------------------------------------------
     def meta(self, key: str) -> str | None:

@@ -1,7 +1,7 @@
 """Slot KV state blobs: save and restore one slot's KV cache (llama.cpp's per-sequence state API).
 
 Blob format, version 1 (all integers little-endian; documented in
-``docs/kv-state-blob.md``)::
+``docs/protocol-notes.md``)::
 
     offset  size        field
     0       4           magic  b"HYKV"
