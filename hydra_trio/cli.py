@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 
 import trio
+from pathlib import Path
 
 from .cli_client import add_client_commands
 from .presets import DEFAULT_ALIAS, PRESETS, PresetError, resolve_model
@@ -41,6 +43,14 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
         "--classify-timeout", type=float, default=5.0,
         help="seconds a new connection has to send its first byte (default: 5)",
     )
+    p.add_argument("--no-model", action="store_true",
+                   help="run a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots")
+    p.add_argument("--no-rpc-backend", action="store_true", help="do not lend this node's compute over ggml-RPC")
+    p.add_argument("--rpc-device", action="append", default=None, metavar="NAME",
+                   help="local ggml device to expose over ggml-RPC, repeatable (default: cpu)")
+    p.add_argument("--rpc-cache-dir", default=os.path.expanduser("~/.cache/hydra-trio/rpc-cache"),
+                   help="tensor cache of the ggml-RPC backend, so repeated uploads are skipped ('' disables it)")
+    p.add_argument("--rpc-threads", type=int, default=None, help="CPU threads of the ggml-RPC backend (default: all cores)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
 
 
@@ -57,10 +67,35 @@ async def _run(args: argparse.Namespace) -> int:
     from .frontdoor import FrontDoorSettings
     from .server import ServerConfig, serve
 
-    try:
-        path, alias = resolve_model(args.model)
-    except PresetError as exc:
-        log.error("%s", exc)
+    from .rpc_backend import RpcBackendSettings
+
+    engine = None
+    if not args.no_model:
+        try:
+            path, alias = resolve_model(args.model)
+        except PresetError as exc:
+            log.error("%s", exc)
+            return 2
+        engine = EngineConfig(
+            model_path=path,
+            model_alias=args.alias or alias,
+            n_parallel=args.parallel,
+            n_ctx=args.ctx_size,
+            n_batch=args.batch_size,
+            n_threads=args.threads,
+        )
+        log.info("model %s (%s), %d slots, n_ctx %d", alias, path, args.parallel, args.ctx_size)
+    else:
+        log.info("compute-only node: no model")
+    rpc = None
+    if not args.no_rpc_backend:
+        rpc = RpcBackendSettings(
+            devices=tuple(args.rpc_device or ["cpu"]),
+            cache_dir=Path(args.rpc_cache_dir) if args.rpc_cache_dir else None,
+            threads=args.rpc_threads,
+        )
+    elif args.no_model:
+        log.error("--no-model with --no-rpc-backend leaves nothing to serve")
         return 2
     for name in ("parallel", "ctx_size", "batch_size", "max_connections"):
         if getattr(args, name) < 1:
@@ -69,17 +104,10 @@ async def _run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         host=args.host,
         port=args.port,
-        engine=EngineConfig(
-            model_path=path,
-            model_alias=args.alias or alias,
-            n_parallel=args.parallel,
-            n_ctx=args.ctx_size,
-            n_batch=args.batch_size,
-            n_threads=args.threads,
-        ),
+        engine=engine,
         frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout),
+        rpc_backend=rpc,
     )
-    log.info("model %s (%s), %d slots, n_ctx %d", alias, path, args.parallel, args.ctx_size)
     async with trio.open_nursery() as nursery:
 
         async def stop_on_signal() -> None:

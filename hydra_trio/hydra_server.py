@@ -10,9 +10,7 @@ stays usable.  Opcodes: hydra-protocol.md §3.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,6 +27,7 @@ from .http.schemas import ChatCompletionRequest, RequestError, structure_body
 from .jobs import job_from_chat
 from .presets import PRESETS
 from .protocol import messages as msg
+from .rpc_backend import RpcBackend
 from .protocol.hydra import (
     DECODE_FLAG_FINAL,
     BadMagic,
@@ -116,8 +115,10 @@ class HydraHandler:
         control: ControlChannel | None,
         settings: HydraSettings = HydraSettings(),
         node: NodeState | None = None,
+        rpc: RpcBackend | None = None,
     ) -> None:
         self.engine = engine
+        self.rpc = rpc
         self.control = control
         self.settings = settings
         self.node = node or NodeState()
@@ -415,17 +416,30 @@ class HydraHandler:
             ],
             "preset_aliases": sorted(PRESETS),
             "solo_active": e is not None and e.ready,
-            "rpc_backend_active": False,
+            "rpc_backend_active": self.rpc is not None and self.rpc.active,
             "mode": n.mode,
             "peer_addr": n.peer_addr,
             "peer_reachable": n.peer_reachable,
             "layer_split": n.layer_split,
             "combined_head_attached": False,
             "pipeline_capable": False,
-            "protocols": ["http", "hydra"],
+            "protocols": ["http", "hydra"] + (["ggml_rpc"] if self.rpc is not None else []),
             "state_chunk_size": n.state_chunk_size,
         }
-        if e is not None:
+        if self.rpc is not None:
+            meta["rpc_backend"] = {
+                "devices": list(self.rpc.settings.devices),
+                "connections": self.rpc.connections,
+                "bytes_in": self.rpc.bytes_in,
+                "bytes_out": self.rpc.bytes_out,
+                "restarts": self.rpc.restarts,
+                "pid": self.rpc.pid,
+            }
+        if e is None:
+            meta["stage"] = "ready"
+            meta["solo_active"] = False
+            meta["model"] = None
+        else:
             meta["stage"] = e.stage
             if e.ready:
                 meta.update(
@@ -524,5 +538,3 @@ def _wants_payload(req: _Request) -> bool:
     """Which ops keep their payload (the others consume and drop it)."""
     return req.op in (Op.STATE_PUT, Op.CONFIGURE, Op.PREFILL, Op.DECODE, Op.SET_EXPERT_MODE, Op.PIPELINE_ATTACH)
 
-
-_ = (json, math)

@@ -14,6 +14,7 @@ from .hydra_server import HydraHandler, HydraSettings
 from .http._hyper import HttpHandler
 from .http.app import build_app
 from .protocol.classify import Protocol
+from .rpc_backend import RpcBackend, RpcBackendSettings
 
 log = logging.getLogger("hydra_trio.server")
 
@@ -28,6 +29,7 @@ class ServerConfig:
         engine: the model to serve; None runs a node without a model.
         frontdoor: connection limits and the classify timeout.
         hydra: Hydra protocol limits and timeouts.
+        rpc_backend: the ggml-RPC backend this node lends to peers; None: off.
     """
 
     host: str = "127.0.0.1"
@@ -35,6 +37,7 @@ class ServerConfig:
     engine: EngineConfig | None = None
     frontdoor: FrontDoorSettings = FrontDoorSettings()
     hydra: HydraSettings = HydraSettings()
+    rpc_backend: RpcBackendSettings | None = RpcBackendSettings()
 
 
 class Server:
@@ -48,11 +51,14 @@ class Server:
         self.config = config
         self.engine = Engine(config.engine) if config.engine is not None else None
         self.frontdoor = FrontDoor({}, config.frontdoor)
-        self.app = build_app(self.engine, self.frontdoor.counts)
+        self.rpc = RpcBackend(config.rpc_backend) if config.rpc_backend is not None else None
+        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc)
         self.frontdoor.handlers[Protocol.HTTP] = HttpHandler(self.app)
         self.control = ControlChannel(self.engine) if self.engine is not None else None
-        self.hydra = HydraHandler(self.engine, self.control, config.hydra)
+        self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc)
         self.frontdoor.handlers[Protocol.HYDRA] = self.hydra
+        if self.rpc is not None:
+            self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc
         self.port: int | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -69,6 +75,8 @@ class Server:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.frontdoor.serve, listeners)
+                if self.rpc is not None:
+                    await nursery.start(self.rpc.run)
                 if self.engine is not None:
                     await nursery.start(self.engine.run)
                 if self.control is not None:

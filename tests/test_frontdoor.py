@@ -42,8 +42,14 @@ def test_unknown_first_byte_is_closed_and_http_unaffected(server: ServerProcess,
 def test_hydra_and_rpc_bytes_are_classified(server: ServerProcess, http: httpx.Client) -> None:
     before = _metric(http, "ggml_rpc")
     with _connect(server) as s:
-        s.sendall(b"\x0e")  # no ggml-RPC backend on this node yet: closed
-        assert _closed_by_peer(s)
+        # RPC_CMD_HELLO with protocol 7's 24 bytes of transport caps: the ggml-RPC backend answers
+        s.sendall(b"\x0e" + (24).to_bytes(8, "little") + bytes(24))
+        reply = b""
+        while len(reply) < 8 + 28:
+            chunk = s.recv(64)
+            assert chunk, reply
+            reply += chunk
+        assert int.from_bytes(reply[:8], "little") == 28 and reply[8] == 7  # version 7.x.y
     assert _metric(http, "ggml_rpc") == before + 1
     before = _metric(http, "hydra")
     with _connect(server) as s:

@@ -55,16 +55,19 @@ def _unavailable(engine: Engine) -> JSONResponse:
 class Api:
     """Route handlers bound to one engine (``None`` for a node without a model)."""
 
-    def __init__(self, engine: Engine | None, connections: Mapping[str, int]) -> None:
+    def __init__(self, engine: Engine | None, connections: Mapping[str, int], rpc: Any = None) -> None:
         self.engine = engine
         self.connections = connections
+        self.rpc = rpc
         self.started = time.time()
 
     # ----------------------------------------------------------- status routes
     async def health(self, request: Request) -> Response:
         e = self.engine
-        if e is None:
-            return JSONResponse({"status": "ok", "stage": "ready", "model": None})
+        if e is None:  # a compute-only node: ready once the ggml-RPC backend serves
+            if self.rpc is not None and not self.rpc.active:
+                return JSONResponse({"status": "loading", "stage": "starting_rpc_backend", "progress": 0.0}, status_code=503)
+            return JSONResponse({"status": "ok", "stage": "ready"})
         if e.ready:
             return JSONResponse({"status": "ok", "stage": "ready"})
         if e.stage == "error":
@@ -157,7 +160,7 @@ class Api:
         return JSONResponse({"id_slot": id_slot, "n_erased": n})
 
     async def metrics(self, request: Request) -> Response:
-        body, content_type = metrics.render(self.engine, self.connections)
+        body, content_type = metrics.render(self.engine, self.connections, self.rpc)
         return Response(body, media_type=content_type)
 
     # ------------------------------------------------------------ completions
@@ -330,13 +333,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, exc.detail, "invalid_request_error")
 
 
-def build_app(engine: Engine | None, connections: Mapping[str, int] | None = None) -> Starlette:
+def build_app(engine: Engine | None, connections: Mapping[str, int] | None = None, rpc: Any = None) -> Starlette:
     """The ASGI app for one engine (``None``: a node without a model).
 
     ``connections`` maps protocol names to accepted-connection counts (the
     front door's), exported by ``/metrics``.
     """
-    api = Api(engine, connections if connections is not None else {})
+    api = Api(engine, connections if connections is not None else {}, rpc)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),

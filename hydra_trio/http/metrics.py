@@ -7,7 +7,7 @@ collector, so the engine thread never calls into prometheus-client.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 
 class _Collector:
-    def __init__(self, engine: Engine | None, connections: Mapping[str, int]) -> None:
+    def __init__(self, engine: Engine | None, connections: Mapping[str, int], rpc: Any) -> None:
         self.engine = engine
         self.connections = connections
+        self.rpc = rpc
 
     def collect(self) -> Iterator[Metric]:
         conns = CounterMetricFamily(
@@ -29,6 +30,15 @@ class _Collector:
         for proto, n in sorted(self.connections.items()):
             conns.add_metric([proto], n)
         yield conns
+        if self.rpc is not None:
+            rpc_bytes = CounterMetricFamily(
+                "hydra_trio:rpc_bytes", "Bytes passed through to the ggml-RPC backend.", labels=["direction"]
+            )
+            rpc_bytes.add_metric(["in"], self.rpc.bytes_in)
+            rpc_bytes.add_metric(["out"], self.rpc.bytes_out)
+            yield rpc_bytes
+            yield GaugeMetricFamily("hydra_trio:rpc_backend_active", "1 while the ggml-RPC backend serves.", int(self.rpc.active))
+            yield CounterMetricFamily("hydra_trio:rpc_backend_restarts", "ggml-RPC backend restarts.", self.rpc.restarts)
         e = self.engine
         if e is None:
             return
@@ -62,8 +72,8 @@ class _Collector:
         yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", e.requests_waiting)
 
 
-def render(engine: Engine | None, connections: Mapping[str, int]) -> tuple[bytes, str]:
+def render(engine: Engine | None, connections: Mapping[str, int], rpc: Any = None) -> tuple[bytes, str]:
     """Prometheus text exposition of the current values: ``(body, content_type)``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(engine, connections))  # type: ignore[arg-type]
+    registry.register(_Collector(engine, connections, rpc))  # type: ignore[arg-type]
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,145 @@
+"""ggml-RPC through ctypes: the real ggml-RPC server (in a child process) and peer devices.
+
+hydra-trio does not reimplement ggml or its wire protocol (hydra-protocol.md
+§4): the server is ``ggml_backend_rpc_start_server`` from the
+``libggml-rpc`` that llama-cpp-python builds with ``GGML_RPC=ON``; a peer is
+registered with ``ggml_backend_rpc_add_server``, whose device then goes into
+``llama_model_params.devices`` like any local device.
+
+Run the server child with ``python -m hydra_trio.engine.ggml_rpc --endpoint
+127.0.0.1:PORT [--cache-dir DIR] [--threads N] [--device cpu]``; it serves
+until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+from functools import cache
+from pathlib import Path
+
+GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+
+@cache
+def _lib_dir() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llama_cpp is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+
+
+@cache
+def libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
+    """``(libggml-base, libggml, libggml-rpc)`` with the signatures used here.
+
+    Raises:
+        RuntimeError: llama-cpp-python was built without ``GGML_RPC=ON``.
+    """
+    d = _lib_dir()
+    rpc_path = d / "libggml-rpc.so"
+    if not rpc_path.exists():
+        raise RuntimeError(f"{rpc_path} is missing: llama-cpp-python was built without -DGGML_RPC=ON (see dev.sh)")
+    mode = getattr(os, "RTLD_GLOBAL", 0)
+    base = ctypes.CDLL(str(d / "libggml-base.so"), mode=mode)
+    ggml = ctypes.CDLL(str(d / "libggml.so"), mode=mode)
+    rpc = ctypes.CDLL(str(rpc_path), mode=mode)
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    ggml.ggml_backend_dev_count.restype = sz
+    ggml.ggml_backend_dev_get.argtypes = [sz]
+    ggml.ggml_backend_dev_get.restype = vp
+    ggml.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    ggml.ggml_backend_dev_by_type.restype = vp
+    ggml.ggml_backend_load_all.restype = None
+    base.ggml_backend_dev_name.argtypes = [vp]
+    base.ggml_backend_dev_name.restype = ctypes.c_char_p
+    base.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+    base.ggml_backend_dev_memory.restype = None
+    base.ggml_backend_dev_buffer_type.argtypes = [vp]
+    base.ggml_backend_dev_buffer_type.restype = vp
+    base.ggml_backend_reg_dev_count.argtypes = [vp]
+    base.ggml_backend_reg_dev_count.restype = sz
+    base.ggml_backend_reg_dev_get.argtypes = [vp, sz]
+    base.ggml_backend_reg_dev_get.restype = vp
+    rpc.ggml_backend_rpc_start_server.argtypes = [ctypes.c_char_p, ctypes.c_char_p, sz, sz, ctypes.POINTER(vp)]
+    rpc.ggml_backend_rpc_start_server.restype = None
+    rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    rpc.ggml_backend_rpc_add_server.restype = vp
+    rpc.ggml_backend_rpc_get_device_memory.argtypes = [ctypes.c_char_p, ctypes.c_uint32, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+    rpc.ggml_backend_rpc_get_device_memory.restype = None
+    return base, ggml, rpc
+
+
+def cpu_device() -> int:
+    """The local CPU device (``ggml_backend_dev_t`` as an int)."""
+    _, ggml, _ = libs()
+    dev = ggml.ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU)
+    if not dev:
+        raise RuntimeError("no CPU backend device")
+    return dev
+
+
+def device_name(dev: int) -> str:
+    base, _, _ = libs()
+    return base.ggml_backend_dev_name(dev).decode()
+
+
+def device_memory(dev: int) -> tuple[int, int]:
+    """``(free, total)`` bytes of a device (for an RPC device: asks the peer)."""
+    base, _, _ = libs()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    base.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return free.value, total.value
+
+
+def add_peer(endpoint: str) -> list[int]:
+    """Register a ggml-RPC peer (``host:port``); returns its devices.
+
+    ggml connects lazily: an unreachable peer shows up when its device is
+    used (memory query, model load), not here.
+    """
+    base, _, rpc = libs()
+    reg = rpc.ggml_backend_rpc_add_server(endpoint.encode())
+    if not reg:
+        raise RuntimeError(f"ggml-RPC: could not register peer {endpoint}")
+    return [base.ggml_backend_reg_dev_get(reg, i) for i in range(base.ggml_backend_reg_dev_count(reg))]
+
+
+def serve_forever(endpoint: str, cache_dir: str | None, n_threads: int, devices: list[str]) -> None:
+    """Run ``ggml_backend_rpc_start_server`` (blocks forever). ``devices``: names, ``cpu`` for the CPU."""
+    _, _, rpc = libs()
+    devs = [cpu_device() if name == "cpu" else _device_by_name(name) for name in devices]
+    arr = (ctypes.c_void_p * len(devs))(*devs)
+    rpc.ggml_backend_rpc_start_server(
+        endpoint.encode(), cache_dir.encode() if cache_dir else None, n_threads, len(devs), arr
+    )
+
+
+def _device_by_name(name: str) -> int:
+    base, ggml, _ = libs()
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        if base.ggml_backend_dev_name(dev).decode().lower() == name.lower():
+            return dev
+    raise SystemExit(f"no local ggml device named {name!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m hydra_trio.engine.ggml_rpc", description="ggml-RPC server child")
+    ap.add_argument("--endpoint", required=True, help="host:port to listen on (loopback)")
+    ap.add_argument("--cache-dir", default=None, help="tensor cache directory (SET_TENSOR_HASH)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--device", action="append", default=None, help="device to expose (repeatable; default: cpu)")
+    a = ap.parse_args(argv)
+    if a.cache_dir:
+        Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
+    print(f"ggml-RPC server on {a.endpoint}", file=sys.stderr, flush=True)
+    serve_forever(a.endpoint, a.cache_dir, a.threads, a.device or ["cpu"])
+
+
+if __name__ == "__main__":
+    main()
