@@ -5,7 +5,10 @@ from openai import OpenAI
 client = OpenAI(base_url="http://127.0.0.1:8080/v1", api_key="sk-no-key-required")
 reply = client.chat.completions.create(
     model="smollm2-135m",
-    messages=[{"role": "user", "content": "What is the capital of France?"}],
+    messages=[
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
     temperature=0,
     max_tokens=32,
 )

@@ -122,6 +122,7 @@ async def _run(args: argparse.Namespace) -> int:
             await nursery.start(serve, config)
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+            nursery.cancel_scope.cancel()
             return 1
     return 0
 
@@ -139,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return trio.run(_run, args)
     except Exception as exc:  # e.g. ModelLoadError: say it plainly, exit non-zero
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
         log.error("fatal: %s", exc)
         return 1
 

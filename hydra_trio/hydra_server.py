@@ -11,6 +11,8 @@ stays usable.  Opcodes: hydra-protocol.md §3.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,7 +24,7 @@ from . import __version__
 from .control import Busy, Change, ControlChannel
 from .engine.batch import Engine, EngineNotReady
 from .engine.slots import CompletionJob, Failed, Finished, TextDelta
-from .engine.state import StateError, restore_slot, save_slot
+from .engine.state import StateError, restore_slot, save_slot, slot_meta
 from .http.schemas import ChatCompletionRequest, RequestError, structure_body
 from .jobs import job_from_chat
 from .presets import PRESETS
@@ -48,6 +50,7 @@ from .protocol.hydra import (
 
 log = logging.getLogger("hydra_trio.hydra")
 
+_SLOT_ID = re.compile(r"0|-?[1-9][0-9]{0,8}", re.ASCII)  # plain ASCII decimal: no "+", spaces, padding or "_"
 SLOT_OPS = frozenset({Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.PREFILL, Op.DECODE})
 DEFAULT_COMBINED_PATTERN = r"ffn_(up|down|gate)_exps"
 
@@ -144,46 +147,64 @@ class HydraHandler:
         """Serve requests on ``stream`` until the peer closes, a timeout, or a framing error."""
         dec = RequestDecoder(max_payload=self.settings.max_json_payload, max_payload_for=self._max_payload)
         req: _Request | None = None
+        header_deadline = math.inf
         while True:
-            timeout = self.settings.idle_timeout if req is None and dec.idle else self.settings.request_timeout
-            with trio.move_on_after(timeout) as scope:
+            if req is None and dec.idle:
+                deadline = trio.current_time() + self.settings.idle_timeout
+                header_deadline = math.inf
+            elif req is None:
+                # a header (16 bytes + key + trace_id) must arrive whole within the
+                # request timeout: one byte every few seconds does not hold a connection
+                if header_deadline == math.inf:
+                    header_deadline = trio.current_time() + self.settings.request_timeout
+                deadline = header_deadline
+            else:  # payload: the timeout is per receive (no progress)
+                deadline = trio.current_time() + self.settings.request_timeout
+            with trio.move_on_at(deadline) as scope:
                 data = await stream.receive_some(self.settings.chunk_size)
             if scope.cancelled_caught:
-                log.info("hydra: connection %s after %.0f s; closed", "idle" if req is None else "stalled mid-request", timeout)
+                log.info("hydra: connection %s; closed", "idle" if req is None and dec.idle else "stalled mid-request")
                 return
             if not data:
                 if req is not None:
                     log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
                 return
+            error: ProtocolError | None = None
             try:
                 events = dec.feed(data)
-            except BadMagic as exc:
-                log.warning("hydra: %s; closing without a reply", exc)
-                return
-            except FrameTooLarge as exc:
-                h = exc.header
-                log.warning("hydra: %s; replying BAD_REQUEST and closing", exc)
-                await stream.send_all(
-                    encode_response(Status.BAD_REQUEST, {"error": str(exc), "op": h.op if h else None})
-                )
-                return
             except ProtocolError as exc:
-                log.warning("hydra: protocol error: %s; closing", exc)
+                events, error = list(exc.events or []), exc  # requests completed before the bad bytes
+            req = await self._handle_events(events, req, stream)
+            if error is not None:
+                if isinstance(error, FrameTooLarge):
+                    h = error.header
+                    log.warning("hydra: %s; replying BAD_REQUEST and closing", error)
+                    await stream.send_all(
+                        encode_response(Status.BAD_REQUEST, {"error": str(error), "op": h.op if h else None})
+                    )
+                elif isinstance(error, BadMagic):
+                    log.warning("hydra: %s; closing without a reply", error)
+                else:
+                    log.warning("hydra: protocol error: %s; closing", error)
                 return
-            for ev in events:
-                if isinstance(ev, RequestStarted):
-                    h = ev.header
-                    req = _Request(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
-                    if h.op == Op.STATE_PUT and h.payload_len <= self.settings.max_state_payload:
-                        req.payload = bytearray()
-                elif isinstance(ev, PayloadChunk):
-                    assert req is not None
-                    if _wants_payload(req):
-                        req.payload += ev.data
-                elif isinstance(ev, RequestEnded):
-                    assert req is not None
-                    await self._dispatch(req, stream)
-                    req = None
+            if req is None and dec.idle:
+                header_deadline = math.inf
+
+    async def _handle_events(self, events: list[Any], req: _Request | None, stream: trio.SocketStream) -> _Request | None:
+        """Feed decoder events into the request in progress; dispatch each completed request."""
+        for ev in events:
+            if isinstance(ev, RequestStarted):
+                h = ev.header
+                req = _Request(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
+            elif isinstance(ev, PayloadChunk):
+                assert req is not None
+                if _wants_payload(req):
+                    req.payload += ev.data
+            elif isinstance(ev, RequestEnded):
+                assert req is not None
+                await self._dispatch(req, stream)
+                req = None
+        return req
 
     async def _dispatch(self, req: _Request, stream: trio.SocketStream) -> None:
         self.requests += 1
@@ -222,10 +243,9 @@ class HydraHandler:
         return e
 
     def _slot(self, req: _Request) -> tuple[Engine, int]:
-        try:
-            id_slot = int(req.key, 10)
-        except ValueError:
-            raise Reply(Status.BAD_REQUEST, f"key {req.key!r} is not a slot id (a decimal integer)") from None
+        if not _SLOT_ID.fullmatch(req.key):
+            raise Reply(Status.BAD_REQUEST, f"key {req.key!r} is not a slot id (a decimal integer)")
+        id_slot = int(req.key)
         e = self._engine()
         if not 0 <= id_slot < len(e.slots):
             raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{len(e.slots) - 1})")
@@ -237,6 +257,9 @@ class HydraHandler:
 
     @staticmethod
     def _busy_check(e: Engine, id_slot: int) -> None:
+        """Engine thread: NOT_FOUND if the slot is gone (slot count changed), BUSY if it works."""
+        if id_slot >= len(e.slots):
+            raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{len(e.slots) - 1})")
         if e.slots[id_slot].is_processing:
             raise Reply(Status.BUSY, f"slot {id_slot} is processing a request", busy_slots=[id_slot])
 
@@ -275,31 +298,26 @@ class HydraHandler:
         await stream.send_all(encode_response(Status.OK, meta))
 
     async def _state_meta(self, req: _Request, stream: trio.SocketStream) -> None:
-        import llama_cpp
-
         e, id_slot = self._slot(req)
 
-        def meta(engine: Engine) -> dict[str, Any]:
-            slot = engine.slots[id_slot]
-            assert engine.model is not None
-            return {
-                "slot_id": id_slot,
-                "n_past": slot.n_past,
-                "state_size": int(llama_cpp.llama_state_seq_get_size(engine.model.ctx, id_slot)),
-                "is_processing": slot.is_processing,
-            }
-
-        body = await e.call(meta)
+        body = await e.call(lambda engine: slot_meta(engine, id_slot))
         await stream.send_all(encode_response(Status.OK, {**body, **self._identity(e)}))
 
-    def _chat_job(self, e: Engine, id_slot: int, raw: dict[str, Any], n_predict: int) -> tuple[CompletionJob, bool]:
-        """A job for PREFILL / DECODE from an OpenAI chat body; returns (job, model_fallback)."""
+    async def _chat_job(
+        self, e: Engine, id_slot: int, raw: dict[str, Any], n_predict: int
+    ) -> tuple[CompletionJob, bool]:
+        """A job for PREFILL / DECODE from an OpenAI chat body; returns (job, model_fallback).
+
+        Templating and tokenization run in a worker thread (they only read the vocabulary).
+        """
         body = dict(raw)
         for k in ("n_predict", "max_tokens", "max_completion_tokens", "stream", "id_slot"):
             body.pop(k, None)
         try:
             chat = structure_body(body, ChatCompletionRequest)
-            job = job_from_chat(e, chat, n_predict=n_predict, id_slot=id_slot)
+            job = await trio.to_thread.run_sync(
+                lambda: job_from_chat(e, chat, n_predict=n_predict, id_slot=id_slot)
+            )
         except (RequestError, ValueError) as exc:
             raise Reply(Status.BAD_REQUEST, str(exc)) from None
         assert e.identity is not None
@@ -319,7 +337,7 @@ class HydraHandler:
                 elif isinstance(ev, Finished):
                     return ev
                 elif isinstance(ev, Failed):
-                    raise Reply(Status.ERROR, ev.message)
+                    raise _failed_reply(ev, job.id_slot)
         finally:
             e.cancel(handle)
         raise Reply(Status.ERROR, "the request ended without a result")
@@ -330,16 +348,15 @@ class HydraHandler:
             parsed = msg.structure_json(req.payload, msg.PrefillRequest)
         except msg.MessageError as exc:
             raise Reply(Status.BAD_REQUEST, str(exc)) from None
-        self._busy_check(e, id_slot)
-        job, fallback = self._chat_job(e, id_slot, parsed.raw, n_predict=0)
+        job, fallback = await self._chat_job(e, id_slot, parsed.raw, n_predict=0)
+        # BUSY if the slot works when the job's turn comes; the blob is saved on
+        # the engine thread as the prefill ends, before anything else can use the slot
+        job = attrs.evolve(job, fail_if_busy=True, snapshot=True)
         t0 = time.perf_counter()
         done = await self._run_job(e, job)
         prefill_ms = (time.perf_counter() - t0) * 1e3
-
-        def get(engine: Engine) -> tuple[int, bytearray]:
-            return save_slot(engine, id_slot)
-
-        n_past, blob = await e.call(get)
+        assert done.state is not None
+        n_past, blob = done.state
         meta = {
             "slot_id": id_slot,
             "n_past": n_past,
@@ -360,22 +377,30 @@ class HydraHandler:
             raise Reply(Status.BAD_REQUEST, str(exc)) from None
         if not parsed.messages:
             raise Reply(Status.BAD_REQUEST, "messages: required (DECODE continues the conversation it is given)")
+        for name in ("n_predict", "max_tokens"):
+            value = getattr(parsed, name)
+            if value is not None and value < -1:
+                raise Reply(Status.BAD_REQUEST, f"{name}: must be >= -1 (-1: the default budget), got {value}")
         budget = parsed.frame_budget(self.settings.decode_default, self.settings.decode_cap)
-        self._busy_check(e, id_slot)
-        job, fallback = self._chat_job(e, id_slot, parsed.raw, n_predict=budget)
-        job = attrs.evolve(job, logprobs=True)
+        job, fallback = await self._chat_job(e, id_slot, parsed.raw, n_predict=budget)
+        job = attrs.evolve(job, logprobs=True, fail_if_busy=True)
         try:
             handle = e.submit(job)
         except ValueError as exc:
             raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        # wait for the slot before the reply header: BUSY must be a status, not padding
+        first = await handle.events.receive()
+        if isinstance(first, Failed):
+            e.cancel(handle)
+            raise _failed_reply(first, id_slot)
         # The reply header goes out first; frames follow as tokens come. The
         # last real token is held back one step so it can carry FINAL (0x01);
         # the unused budget is padded with PAD frames (hydra.DECODE_PAD_FRAME).
         meta = {"slot_id": id_slot, "n_predict": budget, "frame_size": 9, "model_fallback": fallback, **self._identity(e)}
-        await stream.send_all(encode_response_header(Status.OK, meta, 9 * budget))
         sent = 0
         held: tuple[int, float] | None = None
         try:
+            await stream.send_all(encode_response_header(Status.OK, meta, 9 * budget))
             async for ev in handle.events:
                 if isinstance(ev, TextDelta):
                     out = bytearray()
@@ -532,6 +557,14 @@ class HydraHandler:
             Status.NOT_IMPLEMENTED,
             "PIPELINE_ATTACH is not implemented (as in the C++ engine): use SET_EXPERT_MODE combined with a peer",
         )
+
+
+def _failed_reply(ev: Failed, id_slot: int) -> Reply:
+    if ev.code == "busy":
+        return Reply(Status.BUSY, ev.message, busy_slots=[id_slot])
+    if ev.code == "invalid_request":
+        return Reply(Status.BAD_REQUEST, ev.message)
+    return Reply(Status.ERROR, ev.message)
 
 
 def _wants_payload(req: _Request) -> bool:

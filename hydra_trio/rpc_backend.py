@@ -76,7 +76,8 @@ class RpcBackend:
         task_status.started()
         while True:
             port = _free_loopback_port()
-            cmd = [sys.executable, "-m", "hydra_trio.engine.ggml_rpc", "--endpoint", f"127.0.0.1:{port}"]
+            cmd = [sys.executable, "-m", "hydra_trio.engine.ggml_rpc", "--endpoint", f"127.0.0.1:{port}",
+                   "--parent-pid", str(os.getpid())]
             if self.settings.cache_dir is not None:
                 cmd += ["--cache-dir", str(self.settings.cache_dir)]
             cmd += ["--threads", str(self.settings.threads or os.cpu_count() or 1)]

@@ -140,28 +140,25 @@ def test_prefill_only_then_cache_reuse(http: httpx.Client) -> None:
     assert second["timings"]["cache_n"] + second["timings"]["prompt_n"] == second["usage"]["prompt_tokens"]
 
 
+def _slot_busy(http: httpx.Client, slot: int) -> bool:
+    return http.get("/slots").json()[slot]["is_processing"]
+
+
 def test_client_disconnect_frees_slot(server: ServerProcess, http: httpx.Client) -> None:
-    body = {
-        "messages": [{"role": "user", "content": "Count from one to one thousand in words."}],
-        "stream": True,
-        "max_tokens": 2000,
-        "ignore_eos": True,
-        "id_slot": 1,
-    }
-    with httpx.stream("POST", server.base + "/v1/chat/completions", json=body, timeout=60) as r:
-        got = 0
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                got += 1
-            if got >= 5:
-                break
-        assert http.get("/slots").json()[1]["is_processing"] is True
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        if http.get("/slots").json()[1]["is_processing"] is False:
-            break
+    # a raw prompt (no chat stop strings) and ignore_eos: generation runs until the client leaves
+    body = {"prompt": "Once upon a time", "stream": True, "max_tokens": 1500, "ignore_eos": True, "id_slot": 1}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+        deadline = time.monotonic() + 10
+        while not _slot_busy(http, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _slot_busy(http, 1)
+    left = time.monotonic()
+    while _slot_busy(http, 1) and time.monotonic() - left < 1.0:
         time.sleep(0.02)
-    assert http.get("/slots").json()[1]["is_processing"] is False
+    assert not _slot_busy(http, 1), "slot still busy a second after the client disconnected"
 
 
 def test_slots_and_meta_and_erase(http: httpx.Client) -> None:
@@ -202,6 +199,7 @@ def test_version_models_metrics(http: httpx.Client) -> None:
         (json.dumps({"messages": CAPITAL, "temperature": True}).encode(), "temperature"),
         (json.dumps({"messages": [{"content": "hi"}]}).encode(), "messages[0]"),
         (json.dumps({"messages": []}).encode(), "messages"),
+        (json.dumps({"messages": "hi"}).encode(), "messages: expected list"),
         (json.dumps({"messages": CAPITAL, "n": 2}).encode(), "n:"),
         (json.dumps({"messages": CAPITAL, "id_slot": 7}).encode(), "id_slot"),
     ],

@@ -199,6 +199,7 @@ def test_kv_transfer_between_two_servers(server: ServerProcess, spawn) -> None:
         assert len(blob) == meta["state_size"]
         meta_get, blob_get = _blob(wa, 0)
         assert blob_get == blob and meta_get["n_past"] == meta["n_past"]
+        assert wa.call(Op.STATE_META, key="0")[1]["state_size"] == len(blob)  # what a STATE_GET returns
         status, put, _ = wb.call(Op.STATE_PUT, key="1", payload=blob)
         assert status == Status.OK, put
         assert put["restored"] is True and put["bytes"] == len(blob) and put["n_past"] == meta["n_past"]

@@ -29,6 +29,7 @@ import numpy as np
 import trio
 
 from .model import LoadedModel, ModelIdentity, sha256_file
+from .state import save_slot
 from .slots import (
     CompletionJob,
     Failed,
@@ -331,10 +332,25 @@ class Engine:
             self._drain_inbox(block=not busy)
             if self._stop:
                 return
-            self._drop_cancelled()
-            self._assign_pending()
-            if any(s.is_processing for s in self.slots):
-                self._step()
+            try:
+                self._drop_cancelled()
+                self._assign_pending()
+                if any(s.is_processing for s in self.slots):
+                    self._step()
+            except Exception as exc:  # never let one bad request take the engine down
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all(f"engine error: {exc}")
+
+    def _fail_all(self, message: str) -> None:
+        m = self.model
+        for slot in self.slots:
+            if slot.handle is not None:
+                handle = slot.handle
+                if m is not None:
+                    llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+                slot.cache_tokens.clear()
+                self._release(slot)
+                handle.emit(Failed(message))
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -368,7 +384,14 @@ class Engine:
         waiting: collections.deque[RequestHandle] = collections.deque()
         while self._pending:
             handle = self._pending.popleft()
-            slot = self._pick_slot(handle.job)
+            job = handle.job
+            if job.id_slot >= len(self.slots):  # the slot count shrank while it waited
+                handle.emit(Failed(f"id_slot: slot {job.id_slot} no longer exists", "invalid_request"))
+                continue
+            if job.fail_if_busy and self.slots[job.id_slot].is_processing:
+                handle.emit(Failed(f"slot {job.id_slot} is processing a request", "busy"))
+                continue
+            slot = self._pick_slot(job)
             if slot is None:
                 if not handle.deferred:
                     handle.deferred = True
@@ -457,11 +480,12 @@ class Engine:
         if rc != 0:
             log.error("llama_decode failed (code %d) on a batch of %d tokens", rc, n_tokens)
             for slot, _ in fed:
-                assert slot.handle is not None
-                slot.handle.emit(Failed(f"llama_decode failed (code {rc})"))
+                handle = slot.handle
+                assert handle is not None
                 llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
                 slot.cache_tokens.clear()
                 self._release(slot)
+                handle.emit(Failed(f"llama_decode failed (code {rc})"))
             return
         n_prompt_fed = 0
         for slot, toks in fed:
@@ -518,19 +542,21 @@ class Engine:
                 self._emit_text(slot, tail)
         now = time.perf_counter()
         t_first = slot.t_first or now
-        handle.emit(
-            Finished(
-                finish_reason=reason,
-                id_slot=slot.id,
-                n_prompt=slot.n_prompt,
-                cache_n=slot.cache_n,
-                prompt_n=slot.n_prompt - slot.cache_n,
-                prompt_ms=(t_first - slot.t_start) * 1e3,
-                predicted_n=slot.n_decoded,
-                predicted_ms=(now - t_first) * 1e3 if slot.n_decoded else 0.0,
-            )
+        done = Finished(
+            finish_reason=reason,
+            id_slot=slot.id,
+            n_prompt=slot.n_prompt,
+            cache_n=slot.cache_n,
+            prompt_n=slot.n_prompt - slot.cache_n,
+            prompt_ms=(t_first - slot.t_start) * 1e3,
+            predicted_n=slot.n_decoded,
+            predicted_ms=(now - t_first) * 1e3 if slot.n_decoded else 0.0,
+            state=save_slot(self, slot.id) if handle.job.snapshot else None,
         )
+        # the slot is idle before the client hears of the end: a follow-up
+        # request on the same slot never sees it busy
         self._release(slot)
+        handle.emit(done)
 
     def _emit_text(self, slot: Slot, text: str) -> None:
         assert slot.handle is not None
@@ -579,10 +605,19 @@ class Engine:
         """
         n_predict = params.pop("n_predict", self.default_n_predict)
         new = attrs.evolve(self.defaults, **params)
-        if new.temperature < 0 or not 0 <= new.top_p <= 1 or not 0 <= new.min_p <= 1 or new.repeat_penalty <= 0:
-            raise ValueError(f"sampling defaults out of range: {new}")
-        if n_predict < -1:
-            raise ValueError("n_predict: must be >= -1")
+        checks = {  # the same bounds as the HTTP API's (hydra_trio.http.schemas)
+            "temperature": 0 <= new.temperature <= 2,
+            "top_p": 0 <= new.top_p <= 1,
+            "min_p": 0 <= new.min_p <= 1,
+            "top_k": new.top_k >= 0,
+            "repeat_penalty": 0 < new.repeat_penalty <= 10,
+            "presence_penalty": -2 <= new.presence_penalty <= 2,
+            "frequency_penalty": -2 <= new.frequency_penalty <= 2,
+            "n_predict": n_predict >= -1,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: out of range")
         self.defaults = new
         self.default_n_predict = n_predict
 
@@ -607,8 +642,13 @@ class Engine:
         assert old is not None
         n_ctx = int(params.get("n_ctx", old.n_ctx))
         n_parallel = int(params.get("n_parallel", old.n_parallel))
-        if n_ctx < 16 * n_parallel or n_parallel < 1:
-            raise ValueError(f"n_ctx {n_ctx} / n_parallel {n_parallel}: each slot needs at least 16 tokens")
+        if not 1 <= n_parallel <= 64:
+            raise ValueError(f"n_parallel: {n_parallel} is out of range (1..64)")
+        if not 16 * n_parallel <= n_ctx <= old.n_ctx_train * n_parallel:
+            raise ValueError(
+                f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{old.n_ctx_train * n_parallel} "
+                f"for {n_parallel} slots: 16 to n_ctx_train tokens each)"
+            )
         target = params.get("model_path") or params.get("model")
         path, alias = old.path, self.config.model_alias
         if target is not None:
@@ -661,7 +701,7 @@ def _make_sampler(p: SamplingParams, n_vocab: int, prompt: list[int], banned: Se
         add(
             chain,
             llama_cpp.llama_sampler_init_penalties(
-                p.repeat_last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+                n_vocab, p.repeat_last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
             ),
         )
     if p.temperature <= 0:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import signal
 import sys
 from functools import cache
 from pathlib import Path
@@ -128,13 +129,25 @@ def _device_by_name(name: str) -> int:
     raise SystemExit(f"no local ggml device named {name!r}")
 
 
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Linux: get SIGKILL when the parent dies (an aborted or OOM-killed node leaves no orphan)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl
+        os._exit(0)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m hydra_trio.engine.ggml_rpc", description="ggml-RPC server child")
     ap.add_argument("--endpoint", required=True, help="host:port to listen on (loopback)")
     ap.add_argument("--cache-dir", default=None, help="tensor cache directory (SET_TENSOR_HASH)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--device", action="append", default=None, help="device to expose (repeatable; default: cpu)")
+    ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process dies")
     a = ap.parse_args(argv)
+    _die_with_parent(a.parent_pid)
     if a.cache_dir:
         Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
     print(f"ggml-RPC server on {a.endpoint}", file=sys.stderr, flush=True)

@@ -125,6 +125,13 @@ class LoadedModel:
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
 
+        if not 16 * n_parallel <= n_ctx <= self.n_ctx_train * n_parallel:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+            raise ModelLoadError(
+                f"n_ctx {n_ctx} must be between {16 * n_parallel} and {self.n_ctx_train * n_parallel} "
+                f"(16 to n_ctx_train={self.n_ctx_train} tokens per slot, {n_parallel} slots)"
+            )
         threads = n_threads or os.cpu_count() or 1
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -142,9 +149,10 @@ class LoadedModel:
             raise ModelLoadError(
                 f"llama.cpp could not create a context (n_ctx={n_ctx}, n_parallel={n_parallel})"
             )
+        # read back what llama.cpp chose: it may round n_ctx up and cap n_batch at n_ctx
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
-        self.n_ctx_slot = self.n_ctx // n_parallel
-        self.n_batch = n_batch
+        self.n_ctx_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
+        self.n_batch = min(n_batch, llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
         self.n_parallel = n_parallel
         self.n_stream = n_parallel  # KV streams: one per sequence (kv_unified is off)
         self.memory = llama_cpp.llama_get_memory(self.ctx)

@@ -52,6 +52,12 @@ class CompletionJob:
         ignore_eos: keep generating past end-of-generation tokens.
         logprobs: compute each sampled token's log-probability (natural log,
             over the model's raw logits) into ``TextDelta.logprobs``.
+        fail_if_busy: when ``id_slot`` is processing another request at the
+            moment this job's turn comes, fail with code ``busy`` instead of
+            waiting (the Hydra slot ops' BUSY).
+        snapshot: save the slot's KV state blob when the job finishes, on the
+            engine thread before anything else can use the slot
+            (``Finished.state``: PREFILL's reply).
     """
 
     prompt_tokens: tuple[int, ...]
@@ -62,6 +68,8 @@ class CompletionJob:
     cache_prompt: bool = True
     ignore_eos: bool = False
     logprobs: bool = False
+    fail_if_busy: bool = False
+    snapshot: bool = False
 
 
 # ---------------------------------------------------------------------------
@@ -106,6 +114,7 @@ class Finished:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    state: tuple[int, bytearray] | None = attrs.field(default=None, eq=False, repr=False)
 
     def timings(self) -> dict[str, Any]:
         def per_token(ms: float, n: int) -> float:
@@ -129,7 +138,7 @@ class Finished:
 
 @attrs.frozen
 class Failed:
-    """The request failed.  ``code`` is ``invalid_request`` (the client's fault) or ``server_error``."""
+    """The request failed.  ``code``: ``invalid_request`` (the client's fault), ``busy`` or ``server_error``."""
 
     message: str
     code: str = "server_error"

@@ -128,6 +128,26 @@ def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
     return BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format)
 
 
+def blob_size(engine: Engine, id_slot: int) -> int:
+    """Bytes a STATE_GET of the slot returns now (header + tokens + one KV stream)."""
+    m = engine.model
+    assert m is not None
+    raw = llama_cpp.llama_state_seq_get_size(m.ctx, id_slot)
+    one_stream = raw - _SEQ_PREFIX.size - 4 * (m.n_stream - 1)
+    return HEADER_SIZE + 4 * engine.slots[id_slot].n_past + one_stream
+
+
+def slot_meta(engine: Engine, id_slot: int) -> dict[str, object]:
+    """Engine thread: STATE_META's keys for a slot (hydra-protocol.md §3), without model identity."""
+    slot = engine.slots[id_slot]
+    return {
+        "slot_id": id_slot,
+        "n_past": slot.n_past,
+        "state_size": blob_size(engine, id_slot),
+        "is_processing": slot.is_processing,
+    }
+
+
 def save_slot(engine: Engine, id_slot: int) -> tuple[int, bytearray]:
     """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.
 

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import llama_cpp
 import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -26,6 +27,7 @@ from starlette.routing import Route
 
 from .. import __version__
 from ..engine.batch import Engine, EngineNotReady, SlotBusy
+from ..engine.state import slot_meta
 from ..engine.slots import Failed, Finished, RequestHandle, SlotAssigned, TextDelta
 from . import metrics
 from ..jobs import job_from_chat, job_from_completion
@@ -76,8 +78,6 @@ class Api:
         return JSONResponse(body, status_code=503)
 
     async def version(self, request: Request) -> Response:
-        import llama_cpp
-
         return JSONResponse(
             {"engine": "hydra-trio", "version": __version__, "llama_cpp_python": llama_cpp.__version__}
         )
@@ -109,10 +109,9 @@ class Api:
     def _slot_id(self, request: Request) -> int | Response:
         e = self.engine
         raw = request.path_params["id_slot"]
-        try:
-            id_slot = int(raw)
-        except ValueError:
-            return _bad_request(f"id_slot: {raw!r} is not an integer")
+        if not (raw.isascii() and raw.isdigit() and len(raw) < 10):
+            return _bad_request(f"id_slot: {raw!r} is not a slot id (a decimal integer)")
+        id_slot = int(raw)
         if e is None or not (0 <= id_slot < len(e.slots)):
             return error_response(404, f"slot {id_slot} not found", "not_found_error")
         return id_slot
@@ -126,19 +125,7 @@ class Api:
             return id_slot
         assert e is not None and e.identity is not None
 
-        def meta(engine: Engine) -> dict[str, Any]:
-            import llama_cpp
-
-            slot = engine.slots[id_slot]
-            assert engine.model is not None
-            return {
-                "slot_id": id_slot,
-                "n_past": slot.n_past,
-                "state_size": int(llama_cpp.llama_state_seq_get_size(engine.model.ctx, id_slot)),
-                "is_processing": slot.is_processing,
-            }
-
-        body = await e.call(meta)
+        body = await e.call(lambda engine: slot_meta(engine, id_slot))
         body.update(e.identity.as_meta())
         return JSONResponse(body)
 
@@ -190,7 +177,10 @@ class Api:
         cls = ChatCompletionRequest if chat else CompletionRequest
         try:
             body = await self._read(request, cls)
-            job = job_from_chat(e, body) if chat else job_from_completion(e, body)
+            # templating and tokenization only read the vocabulary: keep them off the event loop
+            job = await trio.to_thread.run_sync(
+                lambda: job_from_chat(e, body) if chat else job_from_completion(e, body)
+            )
             handle = e.submit(job)
         except (RequestError, ValueError) as exc:
             return _bad_request(str(exc))

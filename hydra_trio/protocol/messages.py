@@ -173,6 +173,19 @@ def _list_hook(v: Any, t: Any) -> list[Any]:
 converter.register_structure_hook_func(_is_list, _list_hook)
 
 
+def _is_var_tuple(t: Any) -> bool:
+    args = get_args(t)
+    return getattr(t, "__origin__", None) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+def _var_tuple_hook(v: Any, t: Any) -> tuple[Any, ...]:
+    """``tuple[X, ...]`` fields read a JSON array, like lists (never a string's characters)."""
+    return tuple(_list_hook(v, list[get_args(t)[0]]))  # type: ignore[valid-type]
+
+
+converter.register_structure_hook_func(_is_var_tuple, _var_tuple_hook)
+
+
 def register(
     cls: type[Any], *, forbid_extra: bool, keep_raw: bool = False, **overrides: Any
 ) -> None:
@@ -237,6 +250,8 @@ def load_json_object(payload: Bytes) -> dict[str, Any]:
         obj = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise MessageError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise MessageError("payload is not valid JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise MessageError(f"payload must be a JSON object, got {_json_kind(obj)}")
     return obj
@@ -363,6 +378,8 @@ def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
             obj = json.loads(text, parse_constant=_reject_constant)
         except ValueError as exc:
             raise MessageError(f"payload is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise MessageError("payload is not valid JSON: nested too deeply") from None
         if isinstance(obj, str):
             text = obj.strip()
         elif isinstance(obj, dict):

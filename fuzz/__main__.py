@@ -1,0 +1,121 @@
+"""``python -m fuzz``: start a real server, fuzz it live with hypothesis, print a summary.
+
+    .venv/bin/python -m fuzz --examples 50          # short run (CI runs a small budget in tests)
+    .venv/bin/python -m fuzz --minutes 30           # long run, for people
+    .venv/bin/python -m fuzz --port 8080 --slots 4  # against a server you started
+
+Failing examples are saved in ``.fuzz-failures/`` (hypothesis' example
+database) and replayed first by the next run.  The summary gives examples and
+steps run, requests per protocol, failures, and the server's open file
+descriptors, threads and RSS before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import httpx
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from . import live
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def proc_stats(pid: int) -> dict[str, int]:
+    """Open fds, threads and RSS (KiB) of a process, from /proc."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return {"fds": fds, "threads": int(fields["Threads"]), "rss_kib": int(fields["VmRSS"].split()[0])}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--examples", type=int, default=None, help="hypothesis examples (state machine runs)")
+    budget.add_argument("--minutes", type=float, default=None, help="keep going until this much time has passed")
+    ap.add_argument("--steps", type=int, default=25, help="steps per example (default 25)")
+    ap.add_argument("--port", type=int, default=None, help="fuzz a server already running on this port")
+    ap.add_argument("--slots", type=int, default=2, help="slots of that server (default 2)")
+    a = ap.parse_args(argv)
+
+    proc = None
+    port = a.port
+    if port is None:
+        port = _free_port()
+        log = open(ROOT / ".fuzz-server.log", "wb")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-np", str(a.slots), "-c", "4096",
+             "--classify-timeout", "2"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+    live.configure(port, a.slots)
+    pid = proc.pid if proc else None
+    before = proc_stats(pid) if pid else {}
+    examples = a.examples if a.examples is not None else (10**9 if a.minutes else 50)
+    end = time.monotonic() + 60 * a.minutes if a.minutes else None
+    failures = 0
+    runs = 0
+    t0 = time.monotonic()
+    try:
+        while True:
+            runs += 1
+            test = live.LiveServerMachine.TestCase
+            test.settings = settings(
+                max_examples=min(examples, 25) if end else examples,
+                stateful_step_count=a.steps,
+                deadline=None,
+                database=DirectoryBasedExampleDatabase(str(ROOT / ".fuzz-failures")),
+                suppress_health_check=list(HealthCheck),
+            )
+            try:
+                test("runTest").runTest()
+            except Exception:
+                failures += 1
+                traceback.print_exc()
+                break
+            if end is None or time.monotonic() > end:
+                break
+    finally:
+        after = proc_stats(pid) if pid and proc.poll() is None else {}
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(30)
+        else:
+            code = None
+    print("\n== fuzz summary ==")
+    print(f"time {time.monotonic() - t0:.0f} s, state-machine runs {runs}, steps checked {live.STATS['steps']}")
+    print("requests: " + ", ".join(f"{k} {v}" for k, v in live.STATS.items() if k != "steps"))
+    print(f"failures {failures}")
+    if before:
+        print(f"server before: {before}")
+        print(f"server after:  {after}")
+        print(f"server exit code after SIGTERM: {code}")
+    return 1 if failures or (code not in (0, None)) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""Live, stateful fuzzing of a running hydra-trio server over real sockets (hypothesis).
+
+:class:`LiveServerMachine` interleaves valid requests of all three protocols
+with garbage, disconnects mid-request, slow senders, KV round trips and mode
+switches.  After every step it checks the invariants of issue "fuzzing and
+hardening": every request got a well-formed reply or its connection closed,
+nothing hung past its timeout, ``/health`` is 200, no slot is processing
+without a request, and INFO agrees with ``/slots``.
+
+Point it at a server with :func:`configure` (``python -m fuzz`` does this and
+starts the server itself).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from hydra_trio.protocol.hydra import (
+    Op,
+    PayloadChunk,
+    ProtocolError,
+    ResponseDecoder,
+    ResponseEnded,
+    ResponseStarted,
+    Status,
+    encode_request,
+)
+
+from .strategies import Mutant, Req, nearly_valid_requests, random_first_bytes, valid_requests
+
+TIMEOUT = 20.0  # seconds any single exchange may take
+TARGET: dict[str, object] = {"port": None, "n_slots": 2}
+STATS: dict[str, int] = {"steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0}
+
+
+def configure(port: int, n_slots: int) -> None:
+    """Point the machine at a server on 127.0.0.1:``port`` with ``n_slots`` slots."""
+    TARGET["port"] = port
+    TARGET["n_slots"] = n_slots
+
+
+def _port() -> int:
+    port = TARGET["port"]
+    assert isinstance(port, int), "call fuzz.live.configure(port, n_slots) first"
+    return port
+
+
+def _base() -> str:
+    return f"http://127.0.0.1:{_port()}"
+
+
+def _connect() -> socket.socket:
+    return socket.create_connection(("127.0.0.1", _port()), timeout=TIMEOUT)
+
+
+def hydra_exchange(
+    frames: list[bytes], pause: float = 0.0, half_close: bool = False
+) -> tuple[int, dict, bytes] | None:
+    """Send ``frames`` (pieces of one request) and read one reply; None if the server closed instead.
+
+    ``half_close`` sends EOF after the frames (for frames that may declare
+    more payload than they carry: the server must then close, not wait).
+    Raises AssertionError for a malformed reply or a hang past TIMEOUT.
+    """
+    with _connect() as s:
+        for piece in frames:
+            s.sendall(piece)
+            if pause:
+                time.sleep(pause)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        dec = ResponseDecoder()
+        status, meta, body = None, None, bytearray()
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                data = s.recv(1 << 20)
+            except ConnectionResetError:
+                return None
+            except TimeoutError as exc:
+                raise AssertionError("no reply and no close within the timeout") from exc
+            if not data:
+                assert status is None, "connection closed in the middle of a reply"
+                return None
+            try:
+                events = dec.feed(data)
+            except ProtocolError as exc:
+                raise AssertionError(f"malformed reply: {exc}") from exc
+            for ev in events:
+                if isinstance(ev, ResponseStarted):
+                    status, meta = ev.header.status, ev.meta
+                elif isinstance(ev, PayloadChunk):
+                    body += ev.data
+                elif isinstance(ev, ResponseEnded):
+                    assert status in set(Status), f"unknown status {status}"
+                    if status != Status.OK:
+                        assert isinstance(meta.get("error"), str) and meta["error"], meta
+                    return status, meta, bytes(body)
+        raise AssertionError("reply not finished within the timeout")
+
+
+class LiveServerMachine(RuleBasedStateMachine):
+    """Stateful fuzzing of one live server (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.http = httpx.Client(base_url=_base(), timeout=TIMEOUT)
+
+    def teardown(self) -> None:
+        self.http.close()
+
+    # -------------------------------------------------------------- HTTP
+    @rule(
+        content=st.text(min_size=1, max_size=40),
+        max_tokens=st.integers(0, 8),
+        stream=st.booleans(),
+        slot=st.integers(-1, 3),
+    )
+    def http_chat(self, content: str, max_tokens: int, stream: bool, slot: int) -> None:
+        STATS["http"] += 1
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream,
+                "temperature": 0, "id_slot": slot}
+        r = self.http.post("/v1/chat/completions", json=body)
+        if slot >= int(TARGET["n_slots"]):  # type: ignore[call-overload]
+            assert r.status_code == 400, r.text
+            assert "id_slot" in r.json()["error"]["message"]
+            return
+        assert r.status_code == 200, r.text
+        if stream:
+            assert r.text.rstrip().endswith("data: [DONE]")
+        else:
+            assert r.json()["usage"]["completion_tokens"] <= max_tokens
+
+    @rule(body=st.one_of(st.binary(max_size=300), st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20,
+    ).map(lambda v: json.dumps(v).encode())))
+    def http_bad_body(self, body: bytes) -> None:
+        STATS["http"] += 1
+        r = self.http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            err = r.json()["error"]
+            assert err["message"] and err["type"] == "invalid_request_error"
+
+    @rule(raw=st.binary(min_size=1, max_size=200), method=st.sampled_from([b"GET ", b"POST ", b"PUT ", b"HEAD "]))
+    def http_garbage_request(self, raw: bytes, method: bytes) -> None:
+        STATS["garbage"] += 1
+        with _connect() as s:
+            s.sendall(method + raw + b"\r\n\r\n")
+            s.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        assert data == b"" or data.startswith(b"HTTP/1.1 "), data[:80]
+
+    # ------------------------------------------------------------- Hydra
+    @rule(req=valid_requests(max_payload=512))
+    def hydra_valid_frame(self, req: Req) -> None:
+        STATS["hydra"] += 1
+        if req.op == Op.CONFIGURE:
+            return  # random CONFIGURE bodies could legitimately retune the engine; covered below
+        reply = hydra_exchange([req.encode()])
+        if req.flags:
+            assert reply is not None and reply[0] == Status.BAD_REQUEST
+        elif reply is not None and req.op not in set(Op):
+            assert reply[0] == Status.NOT_IMPLEMENTED
+
+    @rule(m=nearly_valid_requests())
+    def hydra_nearly_valid(self, m: Mutant) -> None:
+        STATS["hydra"] += 1
+        if m.req.op == Op.CONFIGURE:
+            return
+        hydra_exchange([m.data], half_close=True)
+
+    @rule(slot=st.integers(0, 3))
+    def hydra_info_and_meta(self, slot: int) -> None:
+        STATS["hydra"] += 1
+        status, meta, _ = hydra_exchange([encode_request(Op.INFO, trace_id="fuzz")])  # type: ignore[misc]
+        assert status == Status.OK and meta["engine"] == "hydra-trio"
+        reply = hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])
+        assert reply is not None
+        assert reply[0] == (Status.OK if slot < int(TARGET["n_slots"]) else Status.NOT_FOUND)  # type: ignore[call-overload]
+
+    @rule(slot=st.integers(0, 1))
+    def hydra_state_round_trip(self, slot: int) -> None:
+        STATS["hydra"] += 1
+        got = hydra_exchange([encode_request(Op.STATE_GET, key=str(slot))])
+        assert got is not None
+        if got[0] == Status.BUSY:
+            return
+        assert got[0] == Status.OK, got[1]
+        put = hydra_exchange([encode_request(Op.STATE_PUT, key=str(slot), payload=got[2])])
+        assert put is not None and put[0] in (Status.OK, Status.BUSY), put[1]
+        if put[0] == Status.OK:
+            assert put[1]["n_past"] == got[1]["n_past"]
+
+    @rule(mode=st.sampled_from([b"solo", b"combined", b'{"mode":"solo"}', b"{bad", b"turbo"]))
+    def hydra_mode_switch(self, mode: bytes) -> None:
+        STATS["hydra"] += 1
+        reply = hydra_exchange([encode_request(Op.SET_EXPERT_MODE, payload=mode)])
+        assert reply is not None
+        if mode in (b"{bad", b"turbo"):
+            assert reply[0] == Status.BAD_REQUEST
+        else:
+            assert reply[0] in (Status.OK, Status.BUSY) and reply[1]["mode"] == "solo"
+
+    @rule(req=valid_requests(max_payload=2048), cut=st.floats(0.0, 0.99))
+    def hydra_disconnect_mid_request(self, req: Req, cut: float) -> None:
+        STATS["disconnects"] += 1
+        data = req.encode()
+        with _connect() as s:
+            s.sendall(data[: int(len(data) * cut)])
+
+    @rule(pause=st.floats(0.0, 0.05))
+    def hydra_slow_sender(self, pause: float) -> None:
+        STATS["hydra"] += 1
+        data = encode_request(Op.INFO, trace_id="slow")
+        reply = hydra_exchange([data[:3], data[3:10], data[10:]], pause=pause)
+        assert reply is not None and reply[0] == Status.OK
+
+    # ----------------------------------------------------- other first bytes
+    @rule(first=random_first_bytes())
+    def random_first_byte(self, first: bytes) -> None:
+        STATS["garbage"] += 1
+        if first[:1] in (b"Y", b"\x0e") or first[:1].isupper():
+            return  # real protocols: covered by their own rules
+        with _connect() as s:
+            s.sendall(first)
+            try:
+                assert s.recv(16) == b""
+            except ConnectionResetError:
+                pass  # closed with unread bytes pending: a reset is a close too
+
+    @rule()
+    def ggml_rpc_hello(self) -> None:
+        STATS["ggml_rpc"] += 1
+        with _connect() as s:
+            s.sendall(b"\x0e" + (24).to_bytes(8, "little") + bytes(24))
+            reply = b""
+            while len(reply) < 36:
+                chunk = s.recv(64)
+                assert chunk, "ggml-RPC backend closed before answering HELLO"
+                reply += chunk
+        assert reply[8] == 7
+
+    # ---------------------------------------------------------- invariants
+    @invariant()
+    def server_healthy_and_slots_idle(self) -> None:
+        STATS["steps"] += 1
+        assert self.http.get("/health").json() == {"status": "ok", "stage": "ready"}
+        deadline = time.monotonic() + 2.0
+        while True:  # a just-cancelled request frees its slot at the engine's next step
+            slots = self.http.get("/slots").json()
+            busy = [s["id"] for s in slots if s["is_processing"]]
+            if not busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert busy == [], f"slots {busy} processing with no request in flight"
+        status, meta, _ = hydra_exchange([encode_request(Op.INFO)])  # type: ignore[misc]
+        assert status == Status.OK and meta["slots_processing"] == [] and meta["n_slots"] == len(slots)
