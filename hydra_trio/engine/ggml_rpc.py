@@ -42,13 +42,19 @@ def libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
         RuntimeError: llama-cpp-python was built without ``GGML_RPC=ON``.
     """
     d = _lib_dir()
-    rpc_path = d / "libggml-rpc.so"
-    if not rpc_path.exists():
-        raise RuntimeError(f"{rpc_path} is missing: llama-cpp-python was built without -DGGML_RPC=ON (see dev.sh)")
-    mode = getattr(os, "RTLD_GLOBAL", 0)
-    base = ctypes.CDLL(str(d / "libggml-base.so"), mode=mode)
-    ggml = ctypes.CDLL(str(d / "libggml.so"), mode=mode)
-    rpc = ctypes.CDLL(str(rpc_path), mode=mode)
+
+    def load(name: str) -> ctypes.CDLL:
+        # the wheel ships libX.so and libX.so.0 as two separate files: load the
+        # soname one, which libllama already uses, or ggml's globals (backend
+        # registry, abort callback) would exist twice in the process
+        for candidate in (d / f"{name}.so.0", d / f"{name}.so"):
+            if candidate.exists():
+                return ctypes.CDLL(str(candidate), mode=getattr(os, "RTLD_GLOBAL", 0))
+        raise RuntimeError(f"{d / name}.so is missing: llama-cpp-python was built without -DGGML_RPC=ON (see dev.sh)")
+
+    base = load("libggml-base")
+    ggml = load("libggml")
+    rpc = load("libggml-rpc")
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
     ggml.ggml_backend_dev_count.restype = sz
     ggml.ggml_backend_dev_get.argtypes = [sz]

@@ -92,6 +92,9 @@ class LoadedModel:
         n_threads: CPU threads (None: all cores).
         progress: called with 0.0..1.0 while the weights load (llama.cpp's
             ``progress_callback``); returning False aborts the load.
+        devices: ``ggml_backend_dev_t`` handles to load onto (default: the CPU).
+        overrides: ``(tensor name regex, buffer type)`` pairs (llama.cpp's
+            ``tensor_buft_overrides``), e.g. the expert tensors on a peer.
 
     Raises:
         ModelLoadError: llama.cpp refused the file or the context.
@@ -106,10 +109,23 @@ class LoadedModel:
         n_batch: int,
         n_threads: int | None,
         progress: Callable[[float], bool] | None = None,
+        devices: list[int] | None = None,
+        overrides: list[tuple[str, int]] | None = None,
     ) -> None:
         init_backend()
+        from . import combined, ggml_rpc
+
         self.path = path
         mparams = llama_cpp.llama_model_default_params()
+        # an explicit device list: NULL would mean "every registered device",
+        # ggml-RPC peers included (DESIGN.md)
+        devs = devices if devices is not None else [ggml_rpc.cpu_device()]
+        self._devices = (ctypes.c_void_p * (len(devs) + 1))(*devs, None)
+        mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+        mparams.n_gpu_layers = 0  # layers (and the KV cache) stay on the host; overrides move single tensors
+        if overrides:
+            self._overrides = combined.tensor_overrides(overrides)
+            mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         if progress is not None:
 
             @llama_cpp.llama_progress_callback
