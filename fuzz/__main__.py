@@ -100,7 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             if end is None or time.monotonic() > end:
                 break
     finally:
+        time.sleep(7)  # let connections in their classify timeout and HTTP keep-alive (5 s) close
         after = proc_stats(pid) if pid and proc.poll() is None else {}
+        if pid and proc.poll() is None:
+            targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            sockets = sum(t.startswith("socket:") for t in targets)
+            print(f"server fds after: {len(targets)} ({sockets} sockets)")
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(30)

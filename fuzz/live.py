@@ -69,12 +69,15 @@ def hydra_exchange(
     Raises AssertionError for a malformed reply or a hang past TIMEOUT.
     """
     with _connect() as s:
-        for piece in frames:
-            s.sendall(piece)
-            if pause:
-                time.sleep(pause)
-        if half_close:
-            s.shutdown(socket.SHUT_WR)
+        try:
+            for piece in frames:
+                s.sendall(piece)
+                if pause:
+                    time.sleep(pause)
+            if half_close:
+                s.shutdown(socket.SHUT_WR)
+        except OSError:  # the server closed first (bad magic, oversize): a close is an answer
+            pass
         dec = ResponseDecoder()
         status, meta, body = None, None, bytearray()
         deadline = time.monotonic() + TIMEOUT

@@ -45,6 +45,11 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-model", action="store_true",
                    help="run a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots")
+    p.add_argument("--rpc-engine", default=None, metavar="HOST:PORT",
+                   help="COMBINED mode: once the model serves, place its MoE expert tensors on this ggml-RPC peer "
+                        "(another hydra-trio node, e.g. one run with --no-model) and switch to COMBINED")
+    p.add_argument("--combined-pattern", default=r"ffn_(up|down|gate)_exps", metavar="REGEX",
+                   help="tensors that live on the peer in COMBINED mode (default: ffn_(up|down|gate)_exps)")
     p.add_argument("--no-rpc-backend", action="store_true", help="do not lend this node's compute over ggml-RPC")
     p.add_argument("--rpc-device", action="append", default=None, metavar="NAME",
                    help="local ggml device to expose over ggml-RPC, repeatable (default: cpu)")
@@ -67,7 +72,15 @@ async def _run(args: argparse.Namespace) -> int:
     from .frontdoor import FrontDoorSettings
     from .server import ServerConfig, serve
 
+    from .protocol.messages import MessageError, parse_peer
     from .rpc_backend import RpcBackendSettings
+
+    if args.rpc_engine is not None:
+        try:
+            parse_peer(args.rpc_engine, field="--rpc-engine")
+        except MessageError as exc:
+            log.error("%s", exc)
+            return 2
 
     engine = None
     if not args.no_model:
@@ -83,6 +96,8 @@ async def _run(args: argparse.Namespace) -> int:
             n_ctx=args.ctx_size,
             n_batch=args.batch_size,
             n_threads=args.threads,
+            peer=args.rpc_engine,
+            combined_pattern=args.combined_pattern,
         )
         log.info("model %s (%s), %d slots, n_ctx %d", alias, path, args.parallel, args.ctx_size)
     else:

@@ -23,6 +23,7 @@ import trio
 from . import __version__
 from .control import Busy, Change, ControlChannel
 from .engine.batch import Engine, EngineNotReady
+from .engine.combined import DEFAULT_PATTERN
 from .engine.slots import CompletionJob, Failed, Finished, TextDelta
 from .engine.state import StateError, restore_slot, save_slot, slot_meta
 from .http.schemas import ChatCompletionRequest, RequestError, structure_body
@@ -52,7 +53,6 @@ log = logging.getLogger("hydra_trio.hydra")
 
 _SLOT_ID = re.compile(r"0|-?[1-9][0-9]{0,8}", re.ASCII)  # plain ASCII decimal: no "+", spaces, padding or "_"
 SLOT_OPS = frozenset({Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.PREFILL, Op.DECODE})
-DEFAULT_COMBINED_PATTERN = r"ffn_(up|down|gate)_exps"
 
 
 @attrs.frozen
@@ -99,13 +99,9 @@ class _Request:
 
 
 class NodeState:
-    """What INFO reports beyond the engine: expert mode and peer (SOLO until the COMBINED issue)."""
+    """Per-node protocol settings that CONFIGURE changes (the engine holds the rest)."""
 
     def __init__(self) -> None:
-        self.mode = "solo"
-        self.peer_addr: str | None = None
-        self.peer_reachable = False
-        self.layer_split = DEFAULT_COMBINED_PATTERN
         self.state_chunk_size = 256 * 1024
 
 
@@ -442,11 +438,12 @@ class HydraHandler:
             "preset_aliases": sorted(PRESETS),
             "solo_active": e is not None and e.ready,
             "rpc_backend_active": self.rpc is not None and self.rpc.active,
-            "mode": n.mode,
-            "peer_addr": n.peer_addr,
-            "peer_reachable": n.peer_reachable,
-            "layer_split": n.layer_split,
-            "combined_head_attached": False,
+            "mode": e.mode if e is not None else "solo",
+            "peer_addr": e.peer if e is not None else None,
+            "peer_reachable": e.peer_reachable if e is not None else False,
+            "layer_split": e.combined_pattern if e is not None else DEFAULT_PATTERN,
+            "combined_head_attached": e is not None and e.combined_model is not None,
+            "fallback_reason": e.fallback_reason if e is not None else None,
             "pipeline_capable": False,
             "protocols": ["http", "hydra"] + (["ggml_rpc"] if self.rpc is not None else []),
             "state_chunk_size": n.state_chunk_size,
@@ -523,26 +520,17 @@ class HydraHandler:
         except msg.MessageError as exc:
             raise Reply(Status.BAD_REQUEST, str(exc), success=False) from None
         assert self.control is not None
-        node = self.node
-
-        def switch(engine: Engine) -> dict[str, Any]:
-            if want.mode == "solo":
-                node.mode = "solo"
-                return {"success": True, "mode": "solo", "peer": node.peer_addr}
-            # no ggml-RPC peer support on this node yet: COMBINED falls back to SOLO
-            node.mode = "solo"
-            return {
-                "success": True,
-                "mode": "solo",
-                "peer": want.peer or node.peer_addr,
-                "fallback_reason": "this node has no ggml-RPC peer support yet (COMBINED needs --rpc-engine)",
-            }
-
+        change = Change(
+            f"set_expert_mode {want.mode}" + (f" peer={want.peer}" if want.peer else ""),
+            lambda engine: engine.set_expert_mode(want.mode, want.peer),
+            req.trace_id,
+        )
         try:
-            meta = await self.control.submit(Change(f"set_expert_mode {want.mode}", switch, req.trace_id))
+            meta = await self.control.submit(change)
         except Busy as b:
-            raise Reply(Status.BUSY, str(b), success=False, busy_slots=b.busy_slots, mode=node.mode) from None
-        del e
+            raise Reply(
+                Status.BUSY, str(b), success=False, busy_slots=b.busy_slots, mode=e.mode, peer=e.peer
+            ) from None
         await stream.send_all(encode_response(Status.OK, meta))
 
     async def _swap_quant(self, req: _Request, stream: trio.SocketStream) -> None:

@@ -7,7 +7,8 @@ import logging
 import attrs
 import trio
 
-from .control import ControlChannel
+from .control import Busy, Change, ControlChannel
+from .engine.combined import peer_listening
 from .engine.batch import Engine, EngineConfig
 from .frontdoor import FrontDoor, FrontDoorSettings
 from .hydra_server import HydraHandler, HydraSettings
@@ -81,11 +82,47 @@ class Server:
                     await nursery.start(self.engine.run)
                 if self.control is not None:
                     await nursery.start(self.control.run)
+                if self.engine is not None and self.engine.peer is not None:
+                    nursery.start_soon(self._combined_at_start)
                 task_status.started(self)
         finally:
             for listener in listeners:
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
+
+
+    async def _combined_at_start(self) -> None:
+        """``--rpc-engine``: once SOLO serves, attach the peer and switch to COMBINED; then watch the peer."""
+        engine, control = self.engine, self.control
+        assert engine is not None and control is not None
+        await engine.wait_ready()
+        for _ in range(100):
+            try:
+                meta = await control.submit(
+                    Change("attach peer at start", lambda e: e.set_expert_mode("combined", e.peer), "startup")
+                )
+                log.info("start-up COMBINED attach: %s", meta)
+                break
+            except Busy:
+                await trio.sleep(0.5)
+        await self._watch_peer()
+
+    async def _watch_peer(self, every: float = 2.0) -> None:
+        """Keep ``peer_reachable`` true to life; a peer that vanishes while COMBINED is idle sends the node to SOLO."""
+        engine, control = self.engine, self.control
+        assert engine is not None and control is not None
+        while True:
+            await trio.sleep(every)
+            peer = engine.peer
+            if peer is None:
+                continue
+            engine.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
+            if engine.mode == "combined" and not engine.peer_reachable:
+                log.warning("peer %s unreachable while COMBINED: going back to SOLO", peer)
+                try:
+                    await control.submit(Change("peer unreachable", lambda e: e.peer_gone(), "watchdog"))
+                except Busy:
+                    pass  # a request is running: its decode notices the dead peer itself
 
 
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:

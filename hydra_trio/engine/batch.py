@@ -28,6 +28,8 @@ import llama_cpp
 import numpy as np
 import trio
 
+from . import ggml_rpc
+from .combined import DEFAULT_PATTERN, PeerError, PeerLost, PeerWorker, expert_bytes, peer_reachable
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .state import save_slot
 from .slots import (
@@ -65,6 +67,9 @@ class EngineConfig:
         n_ctx: total context in tokens, split evenly over the slots (``--ctx-size``).
         n_batch: most tokens per decode step (``--batch-size``).
         n_threads: CPU threads, None = all cores (``--threads``).
+        peer: ggml-RPC peer ``host:port`` for COMBINED mode (``--rpc-engine``).
+        combined_pattern: regex of the tensors that live on the peer in
+            COMBINED mode (``--combined-pattern``; MoE experts by default).
     """
 
     model_path: Path
@@ -73,6 +78,8 @@ class EngineConfig:
     n_ctx: int = 8192
     n_batch: int = 512
     n_threads: int | None = None
+    peer: str | None = None
+    combined_pattern: str = DEFAULT_PATTERN
 
 
 @attrs.define
@@ -87,6 +94,9 @@ class EngineStats:
     n_busy_slots_total: int = 0
     requests_deferred: int = 0
     requests_total: int = 0
+    mode_switches: int = 0
+    combined_fallbacks: int = 0
+    peer_losses: int = 0
 
 
 _STOP = object()
@@ -121,6 +131,15 @@ class Engine:
         self.stage_times: dict[str, float] = {}
         self.defaults = SamplingParams()
         self.default_n_predict = -1
+        # expert mode (hydra-protocol.md §3 SET_EXPERT_MODE); engine thread writes, others read
+        self.mode = "solo"
+        self.peer: str | None = config.peer
+        self.peer_reachable = False
+        self.combined_pattern = config.combined_pattern
+        self.fallback_reason: str | None = None
+        self.solo_model: LoadedModel | None = None
+        self.combined_model: LoadedModel | None = None
+        self._peer_worker: PeerWorker | None = None
 
     # ------------------------------------------------------------------ trio side
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -254,7 +273,7 @@ class Engine:
                 n_threads=cfg.n_threads,
                 progress=progress,
             )
-            self.model = model
+            self.model = self.solo_model = model
             self.progress = 1.0
             self._set_stage("hashing_model")
             self.identity = ModelIdentity(
@@ -298,8 +317,9 @@ class Engine:
         if getattr(self, "_batch", None) is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-        if self.model is not None:
-            self.model.close()
+        self._detach()
+        if self.solo_model is not None:
+            self.solo_model.close()
         log.info("engine stopped")
 
     def _warmup(self) -> None:
@@ -340,6 +360,28 @@ class Engine:
             except Exception as exc:  # never let one bad request take the engine down
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all(f"engine error: {exc}")
+
+    def _decode(self, m: LoadedModel) -> int:
+        """``llama_decode`` on the active model; COMBINED decodes run on the peer worker thread.
+
+        Raises PeerLost when the peer died during the call.
+        """
+        if m is self.combined_model and self._peer_worker is not None:
+            batch = self._batch
+            return self._peer_worker.call(lambda: llama_cpp.llama_decode(m.ctx, batch))
+        return llama_cpp.llama_decode(m.ctx, self._batch)
+
+    def _on_peer_lost(self, why: str) -> None:
+        """Engine thread: the peer died.  Fail the requests in flight, go back to SOLO."""
+        self.stats.peer_losses += 1
+        log.error("COMBINED peer %s lost (%s): requests in flight fail, back to SOLO", self.peer, why)
+        self.fallback_reason = f"peer {self.peer} stopped answering mid-request"
+        self.peer_reachable = False
+        self.combined_model = None  # its worker thread is parked; the model is leaked with it
+        self._peer_worker = None
+        self._fail_all(f"the ggml-RPC peer {self.peer} died mid-request; the node is back in SOLO mode, retry")
+        self._activate(self.solo_model)
+        self.mode = "solo"
 
     def _fail_all(self, message: str) -> None:
         m = self.model
@@ -473,7 +515,11 @@ class Engine:
         if n_tokens == 0:
             return
         t0 = time.perf_counter()
-        rc = llama_cpp.llama_decode(m.ctx, self._batch)
+        try:
+            rc = self._decode(m)
+        except PeerLost as exc:
+            self._on_peer_lost(str(exc))
+            return
         dt = time.perf_counter() - t0
         self.stats.n_decode_total += 1
         self.stats.n_busy_slots_total += len(fed)
@@ -597,6 +643,132 @@ class Engine:
         return n
 
 
+    # ------------------------------------------------------------ expert mode
+    def _activate(self, m: LoadedModel | None) -> None:
+        """Engine thread, all slots idle: make ``m`` serve new work.
+
+        Each model has its own context and KV cache, so the slots' cached
+        prompts do not carry over: they are dropped (never reused wrongly).
+        """
+        if m is None or m is self.model:
+            return
+        llama_cpp.llama_memory_clear(m.memory, True)
+        for slot in self.slots:
+            slot.cache_tokens.clear()
+        self.model = m
+        self.stats.mode_switches += 1
+
+    def _detach(self) -> None:
+        """Engine thread: free the COMBINED model (on the peer's worker: it frees buffers on the peer)."""
+        model, worker = self.combined_model, self._peer_worker
+        if self.model is model and model is not None:
+            self._activate(self.solo_model)
+            self.mode = "solo"
+        self.combined_model = None
+        self._peer_worker = None
+        if model is not None and worker is not None:
+            try:
+                worker.call(model.close, timeout=30)
+            except (PeerLost, TimeoutError) as exc:
+                log.warning("peer %s: could not free the COMBINED model (%s); leaked", worker.peer, exc)
+            worker.stop()
+
+    def _attach(self, peer: str) -> None:
+        """Engine thread: build the COMBINED model with the expert tensors on ``peer``.
+
+        Raises PeerError (unreachable, too little memory, load failed); the
+        engine is unchanged then.
+        """
+        solo = self.solo_model
+        assert solo is not None
+        if not peer_reachable(peer):
+            self.peer_reachable = False
+            raise PeerError(f"peer {peer} does not answer ggml-RPC")
+        self.peer_reachable = True
+        need = expert_bytes(solo.path, self.combined_pattern)
+        if need == 0:
+            raise PeerError(f"no tensor of {solo.path.name} matches {self.combined_pattern!r} (not a MoE model?)")
+        worker = PeerWorker(peer)
+        cfg = self.config
+
+        def build() -> LoadedModel:
+            devs = ggml_rpc.add_peer(peer)
+            if not devs:
+                raise PeerError(f"peer {peer} has no ggml devices")
+            free, _total = ggml_rpc.device_memory(devs[0])
+            if free < need:
+                raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
+            buft = ggml_rpc.libs()[0].ggml_backend_dev_buffer_type(devs[0])
+            m = LoadedModel(
+                solo.path, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, n_batch=cfg.n_batch,
+                n_threads=cfg.n_threads, devices=[devs[0], ggml_rpc.cpu_device()],
+                overrides=[(self.combined_pattern, buft)],
+            )
+            return m
+
+        t0 = time.perf_counter()
+        try:
+            model = worker.call(build, timeout=600)
+        except PeerLost as exc:
+            raise PeerError(f"peer {peer} died while the experts were uploaded: {exc}") from None
+        except PeerError:
+            worker.stop()
+            raise
+        except Exception as exc:
+            worker.stop()
+            raise PeerError(f"COMBINED model failed to load on {peer}: {exc}") from None
+        self.combined_model, self._peer_worker = model, worker
+        log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
+                 need, self.combined_pattern, peer, time.perf_counter() - t0)
+
+    def set_expert_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
+        """Engine thread, every slot idle (the control channel checks): switch SOLO / COMBINED.
+
+        ``peer`` different from the current one detaches the old peer (frees
+        what lives there) and attaches the new one.  COMBINED without a usable
+        peer answers ``mode: "solo"`` with a ``fallback_reason``
+        (hydra-protocol.md §3, SET_EXPERT_MODE).  Returns the reply meta.
+        """
+        t0 = time.perf_counter()
+        if mode == "solo":
+            self._activate(self.solo_model)
+            self.mode = "solo"
+            self.fallback_reason = None
+            return {"success": True, "mode": "solo", "peer": self.peer}
+        target = peer or self.peer
+        if target is None:
+            return self._fallback("no peer: start with --rpc-engine HOST:PORT or send {\"mode\": \"combined\", \"peer\": ...}")
+        if target != self.peer or self.combined_model is None or self._peer_worker is None or self._peer_worker.dead:
+            if self.combined_model is not None:
+                log.info("detaching peer %s", self.peer)
+            self._detach()
+            self.peer = target
+            try:
+                self._attach(target)
+            except PeerError as exc:
+                return self._fallback(str(exc))
+        self._activate(self.combined_model)
+        self.mode = "combined"
+        self.fallback_reason = None
+        log.info("expert mode COMBINED (peer %s), switch took %.1f ms", self.peer, (time.perf_counter() - t0) * 1e3)
+        return {"success": True, "mode": "combined", "peer": self.peer, "switch_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+
+    def peer_gone(self) -> None:
+        """Engine thread, slots idle: the watchdog found the peer unreachable; back to SOLO."""
+        if self.mode != "combined":
+            return
+        self.fallback_reason = f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
+        self.stats.combined_fallbacks += 1
+        self._detach()
+
+    def _fallback(self, reason: str) -> dict[str, Any]:
+        self.stats.combined_fallbacks += 1
+        self._activate(self.solo_model)
+        self.mode = "solo"
+        self.fallback_reason = reason
+        log.warning("COMBINED unavailable, staying in SOLO: %s", reason)
+        return {"success": True, "mode": "solo", "peer": self.peer, "fallback_reason": reason}
+
     # ------------------------------------------------ engine-wide settings
     def set_defaults(self, **params: Any) -> None:
         """CONFIGURE tier 1: new sampling defaults (and ``n_predict``) for requests that omit them.
@@ -638,7 +810,7 @@ class Engine:
         unsupported = sorted(set(params) - {"n_ctx", "n_parallel", "model_path", "model"})
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not supported by this node (CPU only, default KV types)")
-        old = self.model
+        old = self.solo_model
         assert old is not None
         n_ctx = int(params.get("n_ctx", old.n_ctx))
         n_parallel = int(params.get("n_parallel", old.n_parallel))
@@ -665,8 +837,11 @@ class Engine:
         identity = self.identity
         if path != old.path:
             identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path))
+        if self.combined_model is not None:
+            log.info("reconfigure: detaching the COMBINED model (SET_EXPERT_MODE combined rebuilds it)")
+            self._detach()
         old.close()
-        self.model = new
+        self.model = self.solo_model = new
         self.identity = identity
         self.n_ctx_slot = new.n_ctx_slot
         self.slots = [Slot(i, new.n_ctx_slot) for i in range(n_parallel)]

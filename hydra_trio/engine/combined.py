@@ -178,6 +178,21 @@ def peer_reachable(peer: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def peer_listening(peer: str, timeout: float = 2.0) -> bool:
+    """True when ``host:port`` accepts TCP connections.
+
+    The liveness check while a COMBINED model is attached: a ggml-RPC server
+    serves one client at a time, so a HELLO probe would wait behind the head's
+    own connection; a connect is answered by the peer's kernel (or front door).
+    """
+    host, _, port = peer.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def expert_bytes(path: Path, pattern: str) -> int:
     """Bytes of the GGUF tensors whose names match ``pattern`` (re.search, like llama.cpp's overrides)."""
     import gguf

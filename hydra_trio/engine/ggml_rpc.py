@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import signal
 import sys
+import threading
+import time
 from functools import cache
 from pathlib import Path
 
@@ -136,13 +137,21 @@ def _device_by_name(name: str) -> int:
 
 
 def _die_with_parent(parent_pid: int | None) -> None:
-    """Linux: get SIGKILL when the parent dies (an aborted or OOM-killed node leaves no orphan)."""
-    if not sys.platform.startswith("linux"):
+    """Exit when the parent node dies (an aborted or OOM-killed node leaves no orphan).
+
+    A watcher thread polls ``getppid()``.  (``PR_SET_PDEATHSIG`` would fire
+    when the parent *thread* that spawned us exits, and trio spawns children
+    from worker threads that retire after a few idle seconds.)
+    """
+    if parent_pid is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before prctl
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
         os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:

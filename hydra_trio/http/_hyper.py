@@ -22,7 +22,7 @@ from hypercorn.trio.worker_context import WorkerContext
 class HttpHandler:
     """One hypercorn config and one ASGI app for the whole process."""
 
-    def __init__(self, app: object, *, keep_alive_timeout: float = 30.0, read_timeout: float | None = 120.0) -> None:
+    def __init__(self, app: object, *, keep_alive_timeout: float = 5.0, read_timeout: float | None = 120.0) -> None:
         config = Config()
         config.keep_alive_timeout = keep_alive_timeout
         config.read_timeout = read_timeout

@@ -1,0 +1,139 @@
+"""COMBINED mode with real processes: a compute-only peer B (and C), a head A with the test MoE and --rpc-engine."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from hydra_trio.protocol.hydra import Op, Status
+
+from .conftest import ServerProcess, free_port
+from .hydra_wire import Wire
+
+BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+
+def info(port: int) -> dict:
+    with Wire(port) as w:
+        status, meta, _ = w.call(Op.INFO)
+    assert status == Status.OK
+    return meta
+
+
+def rpc_bytes(port: int) -> int:
+    return info(port)["rpc_backend"]["bytes_in"]
+
+
+def complete(base: str) -> str:
+    r = httpx.post(base + "/v1/completions", json=BODY, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def set_mode(port: int, payload: bytes) -> tuple[int, dict]:
+    with Wire(port) as w:
+        status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=payload)
+    return status, meta
+
+
+def wait_for(pred, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.mark.slow
+def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProcess, spawn) -> None:
+    dense = complete(server.base)  # SmolLM2 itself (the shared server)
+    b = spawn("--no-model")
+    c = spawn("--no-model")
+    b.wait_ready()
+    c.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "2", "-c", "2048", "--no-rpc-backend",
+              "--rpc-engine", f"127.0.0.1:{b.port}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["combined_head_attached"])
+    meta = info(a.port)
+    assert meta["mode"] == "combined" and meta["peer_addr"] == f"127.0.0.1:{b.port}"
+    assert meta["peer_reachable"] is True and meta["layer_split"] == "ffn_(up|down|gate)_exps"
+    assert rpc_bytes(b.port) > 150_000_000  # the expert tensors were uploaded to B
+
+    # COMBINED == SOLO == dense, token for token; B computes only in COMBINED
+    before = rpc_bytes(b.port)
+    combined_text = complete(a.base)
+    during_combined = rpc_bytes(b.port) - before
+    status, sw = set_mode(a.port, b"solo")
+    assert status == Status.OK and sw["mode"] == "solo"
+    before = rpc_bytes(b.port)
+    solo_text = complete(a.base)
+    during_solo = rpc_bytes(b.port) - before
+    assert combined_text == solo_text == dense
+    assert during_combined > 100_000 and during_solo == 0
+    status, sw = set_mode(a.port, b"combined")
+    assert status == Status.OK and sw["mode"] == "combined" and sw["switch_ms"] < 500  # both models resident
+    assert "hydra_trio:combined_mode 1.0" in httpx.get(a.base + "/metrics").text
+
+    # a switch while a stream runs: BUSY, nothing changes
+    started, stop = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        body = {**BODY, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", a.base + "/v1/completions", json=body, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    break
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert started.wait(60)
+        info_before = info(a.port)
+        status, meta = set_mode(a.port, b"solo")
+        assert status == Status.BUSY and meta["busy_slots"] and meta["success"] is False
+        info_after = info(a.port)
+        for k in ("mode", "peer_addr", "combined_head_attached"):
+            assert info_after[k] == info_before[k]
+    finally:
+        stop.set()
+        t.join(60)
+    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), 10)
+
+    # move to peer C: B is detached, C gets the experts and does the work
+    c_before = rpc_bytes(c.port)
+    status, meta = set_mode(a.port, json.dumps({"mode": "combined", "peer": f"127.0.0.1:{c.port}"}).encode())
+    assert status == Status.OK and meta["mode"] == "combined" and meta["peer"] == f"127.0.0.1:{c.port}"
+    assert rpc_bytes(c.port) - c_before > 150_000_000
+    b_before = rpc_bytes(b.port)
+    assert complete(a.base) == dense
+    assert rpc_bytes(b.port) == b_before
+    assert info(a.port)["peer_addr"] == f"127.0.0.1:{c.port}"
+
+    # kill C: A goes back to SOLO and keeps serving
+    c.stop(signal.SIGKILL)
+    wait_for(lambda: info(a.port)["mode"] == "solo", 30)
+    meta = info(a.port)
+    assert meta["peer_reachable"] is False and meta["combined_head_attached"] is False and meta["fallback_reason"]
+    assert complete(a.base) == dense
+    assert a.proc.poll() is None
+
+
+def test_unreachable_peer_at_start_leaves_solo(spawn) -> None:
+    dead = free_port()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{dead}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["fallback_reason"] is not None, 30)
+    meta = info(a.port)
+    assert meta["mode"] == "solo" and meta["peer_reachable"] is False and meta["combined_head_attached"] is False
+    assert "does not answer" in meta["fallback_reason"]
+    status, sw = set_mode(a.port, b"combined")
+    assert status == Status.OK and sw["mode"] == "solo" and sw["fallback_reason"]
+    assert "Paris" in complete(a.base)
