@@ -56,6 +56,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rpc-cache-dir", default=os.path.expanduser("~/.cache/hydra-trio/rpc-cache"),
                    help="tensor cache of the ggml-RPC backend, so repeated uploads are skipped ('' disables it)")
     p.add_argument("--rpc-threads", type=int, default=None, help="CPU threads of the ggml-RPC backend (default: all cores)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (default: 10; 0 = stop at once)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
 
 
@@ -70,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> int:
     from .engine.batch import EngineConfig
     from .frontdoor import FrontDoorSettings
-    from .server import ServerConfig, serve
+    from .server import Server, ServerConfig, serve
 
     from .protocol.messages import MessageError, parse_peer
     from .rpc_backend import RpcBackendSettings
@@ -125,20 +127,31 @@ async def _run(args: argparse.Namespace) -> int:
     )
     async with trio.open_nursery() as nursery:
 
+        server: Server | None = None
+
         async def stop_on_signal() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                first = True
                 async for signum in signals:
+                    if first and server is not None and args.shutdown_grace > 0:
+                        log.info("%s received: no new connections; requests in flight get %.0f s to finish "
+                                 "(send it again to stop at once)", signal.Signals(signum).name, args.shutdown_grace)
+                        first = False
+                        nursery.start_soon(server.shutdown, args.shutdown_grace)
+                        continue
                     log.info("%s received: shutting down", signal.Signals(signum).name)
                     nursery.cancel_scope.cancel()
                     return
 
         nursery.start_soon(stop_on_signal)
         try:
-            await nursery.start(serve, config)
+            server = await nursery.start(serve, config)
         except OSError as exc:
             log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
             nursery.cancel_scope.cancel()
             return 1
+        await server.stopped.wait()
+        nursery.cancel_scope.cancel()
     return 0
 
 

@@ -53,6 +53,7 @@ class FrontDoor:
         self.counts: collections.Counter[str] = collections.Counter()
         self.active = 0
         self._limiter = trio.CapacityLimiter(settings.max_connections)
+        self._accepting = trio.CancelScope()
 
     async def serve(
         self,
@@ -60,11 +61,17 @@ class FrontDoor:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept on every listener until cancelled; connections live in this task's nursery."""
-        async with trio.open_nursery() as nursery:
-            for listener in listeners:
-                nursery.start_soon(self._accept_loop, listener, nursery)
-            task_status.started()
+        """Accept on every listener until cancelled (or :meth:`stop_accepting`); connections live in this task's nursery."""
+        async with trio.open_nursery() as connections:
+            async with trio.open_nursery() as accepting:
+                self._accepting = accepting.cancel_scope
+                for listener in listeners:
+                    accepting.start_soon(self._accept_loop, listener, connections)
+                task_status.started()
+
+    def stop_accepting(self) -> None:
+        """Stop accepting new connections; the ones in flight go on."""
+        self._accepting.cancel()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         while True:

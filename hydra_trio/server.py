@@ -61,6 +61,7 @@ class Server:
         if self.rpc is not None:
             self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc
         self.port: int | None = None
+        self.stopped = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen, load the model in the background, serve until cancelled.
@@ -70,11 +71,12 @@ class Server:
             ModelLoadError: the model failed to load (the node stops).
         """
         cfg = self.config
-        listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        listeners = self._listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         self.port = listeners[0].socket.getsockname()[1]
         log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
         try:
             async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
                 await nursery.start(self.frontdoor.serve, listeners)
                 if self.rpc is not None:
                     await nursery.start(self.rpc.run)
@@ -86,10 +88,26 @@ class Server:
                     nursery.start_soon(self._combined_at_start)
                 task_status.started(self)
         finally:
+            self.stopped.set()
             for listener in listeners:
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
 
+
+    async def shutdown(self, grace: float) -> None:
+        """Graceful stop: accept nothing new, let requests in flight finish for up to ``grace`` seconds,
+        then cancel the rest (engine-side changes such as a STATE_PUT restore are atomic on the
+        engine thread, so a cancel never leaves one half-applied)."""
+        self.frontdoor.stop_accepting()
+        for listener in self._listeners:  # new clients get "connection refused", not a silent backlog
+            await listener.aclose()
+        e = self.engine
+        with trio.move_on_after(grace):
+            while e is not None and (e.requests_processing or e.requests_waiting):
+                await trio.sleep(0.05)
+        if e is not None and (e.requests_processing or e.requests_waiting):
+            log.warning("grace period of %.1f s over: cancelling %d requests", grace, e.requests_processing + e.requests_waiting)
+        self._scope.cancel()
 
     async def _combined_at_start(self) -> None:
         """``--rpc-engine``: once SOLO serves, attach the peer and switch to COMBINED; then watch the peer."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import sys
+import time
 
 import llama_cpp
 
@@ -28,7 +29,9 @@ def main() -> None:
     mp.devices = ctypes.cast(devices, ctypes.c_void_p)
     mp.n_gpu_layers = 999
     path, _ = resolve_model("smollm2-135m")
+    t0 = time.perf_counter()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+    load_s = time.perf_counter() - t0
     assert model, "load failed"
     cp = llama_cpp.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_threads, cp.n_threads_batch = 512, 512, 2, 2
@@ -53,7 +56,7 @@ def main() -> None:
         out += piece.raw[:k]
         arr = (llama_cpp.llama_token * 1)(tok)
         batch = llama_cpp.llama_batch_get_one(arr, 1)
-    print(json.dumps({"text": out.decode("utf-8", "replace"), "devices": [ggml_rpc.device_name(dev)]}))
+    print(json.dumps({"text": out.decode("utf-8", "replace"), "devices": [ggml_rpc.device_name(dev)], "load_s": load_s}))
 
 
 if __name__ == "__main__":

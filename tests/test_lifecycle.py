@@ -39,7 +39,7 @@ def test_health_stages_before_ready(spawn) -> None:
 
 
 def test_sigterm_mid_stream_exits_zero(spawn) -> None:
-    srv = spawn()
+    srv = spawn("--shutdown-grace", "1")
     srv.wait_ready()
     got_first = threading.Event()
     outcome: list[str] = []
@@ -66,3 +66,35 @@ def test_sigterm_mid_stream_exits_zero(spawn) -> None:
     assert time.monotonic() - t0 < 15
     assert outcome  # the stream ended (closed by the server), no hang
     assert "SIGTERM received" in srv.log()
+    assert "grace period of 1.0 s over" in srv.log()
+
+
+def test_sigterm_lets_requests_in_flight_finish(spawn) -> None:
+    srv = spawn("--shutdown-grace", "30")
+    srv.wait_ready()
+    got_first = threading.Event()
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line)
+                    got_first.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert got_first.wait(60)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    try:  # no new connections once the shutdown began
+        httpx.get(srv.base + "/health", timeout=2)
+        refused = False
+    except httpx.ConnectError:
+        refused = True
+    t.join(60)
+    assert srv.proc.wait(30) == 0
+    assert refused
+    assert lines[-1] == "data: [DONE]"  # the request in flight finished whole
+    assert len(lines) >= 60
