@@ -15,7 +15,7 @@ import math
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -50,6 +50,7 @@ from .protocol.hydra import (
 )
 
 log = logging.getLogger("hydra_trio.hydra")
+T = TypeVar("T")
 
 _SLOT_ID = re.compile(r"0|-?[1-9][0-9]{0,8}", re.ASCII)  # plain ASCII decimal: no "+", spaces, padding or "_"
 SLOT_OPS = frozenset({Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.PREFILL, Op.DECODE})
@@ -340,10 +341,7 @@ class HydraHandler:
 
     async def _prefill(self, req: _Request, stream: trio.SocketStream) -> None:
         e, id_slot = self._slot(req)
-        try:
-            parsed = msg.structure_json(req.payload, msg.PrefillRequest)
-        except msg.MessageError as exc:
-            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        parsed = _parse(req, msg.PrefillRequest)
         job, fallback = await self._chat_job(e, id_slot, parsed.raw, n_predict=0)
         # BUSY if the slot works when the job's turn comes; the blob is saved on
         # the engine thread as the prefill ends, before anything else can use the slot
@@ -367,10 +365,7 @@ class HydraHandler:
 
     async def _decode(self, req: _Request, stream: trio.SocketStream) -> None:
         e, id_slot = self._slot(req)
-        try:
-            parsed = msg.structure_json(req.payload, msg.DecodeRequest)
-        except msg.MessageError as exc:
-            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        parsed = _parse(req, msg.DecodeRequest)
         if not parsed.messages:
             raise Reply(Status.BAD_REQUEST, "messages: required (DECODE continues the conversation it is given)")
         for name in ("n_predict", "max_tokens"):
@@ -545,6 +540,14 @@ class HydraHandler:
             Status.NOT_IMPLEMENTED,
             "PIPELINE_ATTACH is not implemented (as in the C++ engine): use SET_EXPERT_MODE combined with a peer",
         )
+
+
+def _parse(req: _Request, cls: type[T]) -> T:
+    """The request's JSON payload as ``cls``; BAD_REQUEST naming the field otherwise."""
+    try:
+        return msg.structure_json(req.payload, cls)
+    except msg.MessageError as exc:
+        raise Reply(Status.BAD_REQUEST, str(exc)) from None
 
 
 def _failed_reply(ev: Failed, id_slot: int) -> Reply:

@@ -107,7 +107,10 @@ class Api:
         return JSONResponse(e.slots_info())
 
     def _slot_id(self, request: Request) -> int | Response:
+        """The path's slot id, or the error response (503 loading, 400 not a number, 404 no such slot)."""
         e = self.engine
+        if e is not None and not e.ready:
+            return _unavailable(e)
         raw = request.path_params["id_slot"]
         if not (raw.isascii() and raw.isdigit() and len(raw) < 10):
             return _bad_request(f"id_slot: {raw!r} is not a slot id (a decimal integer)")
@@ -118,8 +121,6 @@ class Api:
 
     async def slot_state_meta(self, request: Request) -> Response:
         e = self.engine
-        if e is not None and not e.ready:
-            return _unavailable(e)
         id_slot = self._slot_id(request)
         if isinstance(id_slot, Response):
             return id_slot
@@ -131,8 +132,6 @@ class Api:
 
     async def slot_action(self, request: Request) -> Response:
         e = self.engine
-        if e is not None and not e.ready:
-            return _unavailable(e)
         id_slot = self._slot_id(request)
         if isinstance(id_slot, Response):
             return id_slot

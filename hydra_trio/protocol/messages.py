@@ -236,6 +236,16 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
+def _loads(text: str) -> Any:
+    """Strict JSON (no NaN / Infinity); raises MessageError, also for nesting too deep to parse."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise MessageError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise MessageError("payload is not valid JSON: nested too deeply") from None
+
+
 def load_json_object(payload: Bytes) -> dict[str, Any]:
     """Decode ``payload`` (UTF-8 JSON bytes) into a dict.
 
@@ -246,12 +256,7 @@ def load_json_object(payload: Bytes) -> dict[str, Any]:
         text = bytes(payload).decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MessageError(f"payload is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        obj = json.loads(text, parse_constant=_reject_constant)
-    except ValueError as exc:
-        raise MessageError(f"payload is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise MessageError("payload is not valid JSON: nested too deeply") from None
+    obj = _loads(text)
     if not isinstance(obj, dict):
         raise MessageError(f"payload must be a JSON object, got {_json_kind(obj)}")
     return obj
@@ -374,12 +379,7 @@ def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
     if not text:
         raise MessageError("mode: missing (empty payload)")
     if text[0] in '{["':
-        try:
-            obj = json.loads(text, parse_constant=_reject_constant)
-        except ValueError as exc:
-            raise MessageError(f"payload is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise MessageError("payload is not valid JSON: nested too deeply") from None
+        obj = _loads(text)
         if isinstance(obj, str):
             text = obj.strip()
         elif isinstance(obj, dict):
