@@ -32,7 +32,15 @@ from hydra_trio.protocol.hydra import (
     encode_request,
 )
 
-from .strategies import Mutant, Req, nearly_valid_requests, random_first_bytes, valid_requests
+from .strategies import (
+    Mutant,
+    Req,
+    ggml_rpc_hellos,
+    http_requests,
+    nearly_valid_requests,
+    random_first_bytes,
+    valid_requests,
+)
 
 TIMEOUT = 20.0  # seconds any single exchange may take
 TARGET: dict[str, object] = {"port": None, "n_slots": 2}
@@ -108,6 +116,29 @@ def hydra_exchange(
         raise AssertionError("reply not finished within the timeout")
 
 
+def _exchange_until_close(data: bytes) -> bytes:
+    """Send ``data``, half-close, read until the server closes; AssertionError on a hang."""
+    with _connect() as s:
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server already closed: fine
+        out = b""
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            try:
+                chunk = s.recv(1 << 16)
+            except ConnectionResetError:
+                return out
+            except TimeoutError as exc:
+                raise AssertionError("server neither answered nor closed") from exc
+            if not chunk:
+                return out
+            out += chunk
+        raise AssertionError("server kept the connection open past the timeout")
+
+
 class LiveServerMachine(RuleBasedStateMachine):
     """Stateful fuzzing of one live server (see the module docstring)."""
 
@@ -162,6 +193,29 @@ class LiveServerMachine(RuleBasedStateMachine):
             while chunk := s.recv(65536):
                 data += chunk
         assert data == b"" or data.startswith(b"HTTP/1.1 "), data[:80]
+
+    @rule(raw=http_requests())
+    def http_raw(self, raw: bytes) -> None:
+        STATS["http"] += 1
+        data = _exchange_until_close(raw)
+        assert data == b"" or data.startswith(b"HTTP/1.1 "), data[:80]
+        if data.startswith(b"HTTP/1.1 5"):
+            raise AssertionError(f"server error: {data[:200]!r}")
+
+    @rule(n=st.integers(2, 4), tokens=st.integers(1, 6))
+    def http_concurrent_completions(self, n: int, tokens: int) -> None:
+        import concurrent.futures
+
+        STATS["http"] += n
+
+        def one(i: int) -> int:
+            r = httpx.post(_base() + "/v1/completions", timeout=TIMEOUT,
+                           json={"prompt": f"Item {i}:", "max_tokens": tokens, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["completion_tokens"]
+
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            assert all(k <= tokens for k in pool.map(one, range(n)))
 
     # ------------------------------------------------------------- Hydra
     @rule(req=valid_requests(max_payload=512))
@@ -241,17 +295,14 @@ class LiveServerMachine(RuleBasedStateMachine):
             except ConnectionResetError:
                 pass  # closed with unread bytes pending: a reset is a close too
 
-    @rule()
-    def ggml_rpc_hello(self) -> None:
+    @rule(hello=ggml_rpc_hellos())
+    def ggml_rpc_hello(self, hello: bytes) -> None:
         STATS["ggml_rpc"] += 1
-        with _connect() as s:
-            s.sendall(b"\x0e" + (24).to_bytes(8, "little") + bytes(24))
-            reply = b""
-            while len(reply) < 36:
-                chunk = s.recv(64)
-                assert chunk, "ggml-RPC backend closed before answering HELLO"
-                reply += chunk
-        assert reply[8] == 7
+        reply = _exchange_until_close(hello)
+        if hello == b"\x0e" + (24).to_bytes(8, "little") + bytes(24):
+            assert len(reply) >= 36 and reply[8] == 7, reply  # the real backend answered
+        else:
+            assert len(reply) in (0, 36), reply  # a bad opening gets closed (or answered, if it happens to parse)
 
     # ---------------------------------------------------------- invariants
     @invariant()

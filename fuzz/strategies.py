@@ -174,3 +174,61 @@ def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     """Split ``data`` at the (sorted) offsets in ``cuts``."""
     bounds = [0, *cuts, len(data)]
     return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+# --------------------------------------------------------------------------
+# HTTP and ggml-RPC byte streams (for live fuzzing of the shared port)
+# --------------------------------------------------------------------------
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=16,
+)
+
+
+@st.composite
+def http_requests(draw: st.DrawFn) -> bytes:
+    """Raw HTTP/1.1 requests to the API, valid or broken in one way: the
+    request line, a header, Content-Length, chunked framing, deeply nested or
+    invalid-UTF-8 JSON, huge JSON. Every one ends with ``Connection: close``
+    so the server's answer is followed by EOF."""
+    import json as _json
+
+    path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/health", "/slots", "/nope", "/slots/0"]))
+    method = draw(st.sampled_from(["POST", "GET", "PUT", "DELETE", "OPTIONS", "HEAD", "PATCH"]))
+    kind = draw(st.sampled_from(["json", "nested", "bad_utf8", "huge", "bad_line", "bad_header", "short_length",
+                                 "long_length", "chunked", "bad_chunked"]))
+    body = _json.dumps(draw(_json_values)).encode()
+    if kind == "nested":
+        body = b"[" * draw(st.integers(100, 50_000))
+    elif kind == "bad_utf8":
+        body = b'{"prompt": "\xff\xfe", "max_tokens": 1}'
+    elif kind == "huge":
+        body = _json.dumps({"prompt": "x" * draw(st.integers(1000, 200_000)), "max_tokens": 0}).encode()
+    line = f"{method} {path} HTTP/1.1\r\n".encode()
+    if kind == "bad_line":
+        line = draw(st.sampled_from([b"POST\r\n", b"GET /health HTTP/9.9\r\n", b"POST /v1/completions HTTP/1.1 x\r\n",
+                                     b"G\x00T / HTTP/1.1\r\n"]))
+    headers = b"Host: fuzz\r\nConnection: close\r\nContent-Type: application/json\r\n"
+    if kind == "bad_header":
+        headers += draw(st.sampled_from([b"X: \x00\r\n", b"no colon here\r\n", b": empty\r\n", b"X-Long: " + b"a" * 70000 + b"\r\n"]))
+    if kind in ("chunked", "bad_chunked"):
+        size = len(body) + (draw(st.integers(1, 9)) if kind == "bad_chunked" else 0)
+        framed = f"{size:x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
+        return line + headers + b"Transfer-Encoding: chunked\r\n\r\n" + framed
+    length = len(body) + {"short_length": -1, "long_length": 5}.get(kind, 0)
+    return line + headers + f"Content-Length: {max(length, 0)}\r\n\r\n".encode() + body
+
+
+def ggml_rpc_hellos() -> st.SearchStrategy[bytes]:
+    """ggml-RPC openings: the valid HELLO of protocol 7 (24 bytes of transport
+    caps), a HELLO of the wrong size (older / newer clients), truncated ones,
+    and a first command that is not HELLO."""
+    valid = b"\x0e" + (24).to_bytes(8, "little") + bytes(24)
+    return st.one_of(
+        st.just(valid),
+        st.integers(0, 64).filter(lambda n: n != 24).map(lambda n: b"\x0e" + n.to_bytes(8, "little") + bytes(n)),
+        st.integers(1, len(valid) - 1).map(lambda n: valid[:n]),
+        st.binary(max_size=40).map(lambda b: b"\x0e" + b),
+    )
