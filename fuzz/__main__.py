@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             code = None
     print("\n== fuzz summary ==")
-    print(f"time {time.monotonic() - t0:.0f} s, state-machine runs {runs}, steps checked {live.STATS['steps']}")
-    print("requests: " + ", ".join(f"{k} {v}" for k, v in live.STATS.items() if k != "steps"))
+    print(f"time {time.monotonic() - t0:.0f} s, examples {live.STATS['examples']} (in {runs} hypothesis runs), "
+          f"steps checked {live.STATS['steps']}")
+    print("requests: " + ", ".join(f"{k} {v}" for k, v in live.STATS.items() if k not in ("steps", "examples")))
     print(f"failures {failures}")
     if before:
         print(f"server before: {before}")

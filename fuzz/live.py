@@ -44,7 +44,7 @@ from .strategies import (
 
 TIMEOUT = 20.0  # seconds any single exchange may take
 TARGET: dict[str, object] = {"port": None, "n_slots": 2}
-STATS: dict[str, int] = {"steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0}
+STATS: dict[str, int] = {"examples": 0, "steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0}
 
 
 def configure(port: int, n_slots: int) -> None:
@@ -144,6 +144,7 @@ class LiveServerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        STATS["examples"] += 1
         self.http = httpx.Client(base_url=_base(), timeout=TIMEOUT)
 
     def teardown(self) -> None:

@@ -54,7 +54,8 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rpc-device", action="append", default=None, metavar="NAME",
                    help="local ggml device to expose over ggml-RPC, repeatable (default: cpu)")
     p.add_argument("--rpc-cache-dir", default=os.path.expanduser("~/.cache/hydra-trio/rpc-cache"),
-                   help="tensor cache of the ggml-RPC backend, so repeated uploads are skipped ('' disables it)")
+                   help="tensor cache of the ggml-RPC backend, so repeated uploads are skipped "
+                        "(default: ~/.cache/hydra-trio/rpc-cache; '' disables it)")
     p.add_argument("--rpc-threads", type=int, default=None, help="CPU threads of the ggml-RPC backend (default: all cores)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (default: 10; 0 = stop at once)")

@@ -124,12 +124,23 @@ async def state_meta_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+EXIT_FALLBACK = 3
+
+
 async def mode_command(args: argparse.Namespace) -> int:
     """``mode HOST:PORT solo|combined [--peer H:P]``: SET_EXPERT_MODE; print
-    the meta (its ``mode`` is the mode actually in effect)."""
+    the meta (its ``mode`` is the mode actually in effect).
+
+    Exit code 3 when the node answered OK but fell back to another mode than
+    the one asked for (``fallback_reason`` says why, on stderr too).
+    """
     async with _client(args) as c:
         meta = await c.set_expert_mode(args.mode, args.peer, trace_id=args.trace_id)
     print(_dump(meta))
+    if meta.get("mode") != args.mode:
+        print(f"warning: asked for {args.mode}, the node is in {meta.get('mode')}: {meta.get('fallback_reason')}",
+              file=sys.stderr)
+        return EXIT_FALLBACK
     return EXIT_OK
 
 

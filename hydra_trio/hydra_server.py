@@ -439,6 +439,7 @@ class HydraHandler:
             "layer_split": e.combined_pattern if e is not None else DEFAULT_PATTERN,
             "combined_head_attached": e is not None and e.combined_model is not None,
             "fallback_reason": e.fallback_reason if e is not None else None,
+            "peer_attach": e.peer_attach if e is not None else "none",
             "pipeline_capable": False,
             "protocols": ["http", "hydra"] + (["ggml_rpc"] if self.rpc is not None else []),
             "state_chunk_size": n.state_chunk_size,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,7 +14,7 @@ import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
 
-from .conftest import ServerProcess, free_port
+from .conftest import ROOT, ServerProcess, free_port
 from .hydra_wire import Wire
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -63,6 +65,7 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     wait_for(lambda: info(a.port)["combined_head_attached"])
     meta = info(a.port)
     assert meta["mode"] == "combined" and meta["peer_addr"] == f"127.0.0.1:{b.port}"
+    assert meta["peer_attach"] == "attached"
     assert meta["peer_reachable"] is True and meta["layer_split"] == "ffn_(up|down|gate)_exps"
     assert rpc_bytes(b.port) > 150_000_000  # the expert tensors were uploaded to B
 
@@ -136,4 +139,8 @@ def test_unreachable_peer_at_start_leaves_solo(spawn) -> None:
     assert "does not answer" in meta["fallback_reason"]
     status, sw = set_mode(a.port, b"combined")
     assert status == Status.OK and sw["mode"] == "solo" and sw["fallback_reason"]
+    assert info(a.port)["peer_attach"] == "failed"
+    out = subprocess.run([sys.executable, "-m", "hydra_trio", "mode", f"127.0.0.1:{a.port}", "combined"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3 and "does not answer" in out.stderr  # the CLI says COMBINED is not in effect
     assert "Paris" in complete(a.base)

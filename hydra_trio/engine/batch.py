@@ -137,6 +137,8 @@ class Engine:
         self.peer_reachable = False
         self.combined_pattern = config.combined_pattern
         self.fallback_reason: str | None = None
+        # "none" | "pending" (start-up attach queued) | "attached" | "failed"
+        self.peer_attach = "pending" if config.peer else "none"
         self.solo_model: LoadedModel | None = None
         self.combined_model: LoadedModel | None = None
         self._peer_worker: PeerWorker | None = None
@@ -379,6 +381,7 @@ class Engine:
         self.peer_reachable = False
         self.combined_model = None  # its worker thread is parked; the model is leaked with it
         self._peer_worker = None
+        self.peer_attach = "failed"
         self._fail_all(f"the ggml-RPC peer {self.peer} died mid-request; the node is back in SOLO mode, retry")
         self._activate(self.solo_model)
         self.mode = "solo"
@@ -666,6 +669,8 @@ class Engine:
             self.mode = "solo"
         self.combined_model = None
         self._peer_worker = None
+        if self.peer_attach == "attached":
+            self.peer_attach = "none"
         if model is not None and worker is not None:
             try:
                 worker.call(model.close, timeout=30)
@@ -681,11 +686,15 @@ class Engine:
         """
         solo = self.solo_model
         assert solo is not None
+        t_probe = time.perf_counter()
         if not peer_reachable(peer):
             self.peer_reachable = False
             raise PeerError(f"peer {peer} does not answer ggml-RPC")
         self.peer_reachable = True
+        t_bytes = time.perf_counter()
         need = expert_bytes(solo.path, self.combined_pattern)
+        log.info("attach %s: probe %.0f ms, expert bytes counted in %.0f ms", peer,
+                 (t_bytes - t_probe) * 1e3, (time.perf_counter() - t_bytes) * 1e3)
         if need == 0:
             raise PeerError(f"no tensor of {solo.path.name} matches {self.combined_pattern!r} (not a MoE model?)")
         worker = PeerWorker(peer)
@@ -718,6 +727,7 @@ class Engine:
             worker.stop()
             raise PeerError(f"COMBINED model failed to load on {peer}: {exc}") from None
         self.combined_model, self._peer_worker = model, worker
+        self.peer_attach = "attached"
         log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
                  need, self.combined_pattern, peer, time.perf_counter() - t0)
 
@@ -760,9 +770,11 @@ class Engine:
         self.fallback_reason = f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
         self.stats.combined_fallbacks += 1
         self._detach()
+        self.peer_attach = "failed"
 
     def _fallback(self, reason: str) -> dict[str, Any]:
         self.stats.combined_fallbacks += 1
+        self.peer_attach = "failed" if self.peer else "none"
         self._activate(self.solo_model)
         self.mode = "solo"
         self.fallback_reason = reason

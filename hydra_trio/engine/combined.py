@@ -193,10 +193,35 @@ def peer_listening(peer: str, timeout: float = 2.0) -> bool:
         return False
 
 
-def expert_bytes(path: Path, pattern: str) -> int:
-    """Bytes of the GGUF tensors whose names match ``pattern`` (re.search, like llama.cpp's overrides)."""
-    import gguf
+class _GgufInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
-    rx = re.compile(pattern)
-    reader = gguf.GGUFReader(str(path))
-    return sum(int(t.n_bytes) for t in reader.tensors if rx.search(t.name))
+
+def expert_bytes(path: Path, pattern: str) -> int:
+    """Bytes of the GGUF tensors whose names match ``pattern`` (re.search, like llama.cpp's overrides).
+
+    Reads only the GGUF header, with ggml's own ``gguf_*`` reader (the Python
+    ``gguf`` reader parses every metadata array and takes seconds).
+    """
+    base, _, _ = ggml_rpc.libs()
+    base.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInitParams]
+    base.gguf_init_from_file.restype = ctypes.c_void_p
+    base.gguf_get_n_tensors.argtypes = [ctypes.c_void_p]
+    base.gguf_get_n_tensors.restype = ctypes.c_int64
+    base.gguf_get_tensor_name.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    base.gguf_get_tensor_name.restype = ctypes.c_char_p
+    base.gguf_get_tensor_size.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    base.gguf_get_tensor_size.restype = ctypes.c_size_t
+    base.gguf_free.argtypes = [ctypes.c_void_p]
+    ctx = base.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
+    if not ctx:
+        raise PeerError(f"cannot read the GGUF header of {path}")
+    try:
+        rx = re.compile(pattern)
+        return sum(
+            base.gguf_get_tensor_size(ctx, i)
+            for i in range(base.gguf_get_n_tensors(ctx))
+            if rx.search(base.gguf_get_tensor_name(ctx, i).decode())
+        )
+    finally:
+        base.gguf_free(ctx)
