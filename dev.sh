@@ -54,7 +54,7 @@ setup() {
   key="$(echo "$LLAMA_CPP_PYTHON_VERSION $CMAKE_ARGS" | sha256sum | cut -c1-16)"
   local marker="$VENV/.llama-cpp-python-build"
   if [ "$(cat "$marker" 2>/dev/null)" != "$key" ]; then
-    local wheels="${XDG_CACHE_HOME:-$HOME/.cache}/hydra-trio/wheels/$key"
+    local wheels="${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hydra-trio/wheels/$key"
     if ! ls "$wheels"/llama_cpp_python-*.whl >/dev/null 2>&1; then
       echo "==> building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION from source: $CMAKE_ARGS"
       echo "    (about 10 minutes on 2 cores, once per machine; later set-ups reuse $wheels)"
