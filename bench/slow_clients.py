@@ -66,7 +66,7 @@ def main() -> None:
         def drip() -> None:
             i = 0
             while not stop.is_set():
-                for s, p in zip(trickle, payloads):
+                for s, p in zip(trickle, payloads, strict=True):
                     try:
                         s.send(p[i % len(p) : i % len(p) + 1])
                     except OSError:

@@ -53,7 +53,6 @@ log = logging.getLogger("hydra_trio.hydra")
 T = TypeVar("T")
 
 _SLOT_ID = re.compile(r"0|-?[1-9][0-9]{0,8}", re.ASCII)  # plain ASCII decimal: no "+", spaces, padding or "_"
-SLOT_OPS = frozenset({Op.STATE_GET, Op.STATE_PUT, Op.STATE_META, Op.PREFILL, Op.DECODE})
 
 
 @attrs.frozen
@@ -395,7 +394,7 @@ class HydraHandler:
             async for ev in handle.events:
                 if isinstance(ev, TextDelta):
                     out = bytearray()
-                    for tok, lp in zip(ev.tokens, ev.logprobs or (0.0,) * len(ev.tokens)):
+                    for tok, lp in zip(ev.tokens, ev.logprobs or (0.0,) * len(ev.tokens), strict=True):
                         if held is not None and sent < budget - 1:
                             out += pack_decode_frame(held[0], held[1], 0)
                             sent += 1

@@ -14,7 +14,6 @@ and :meth:`Engine.call` (any function run between two steps).
 from __future__ import annotations
 
 import collections
-import ctypes
 import logging
 import math
 import queue

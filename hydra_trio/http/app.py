@@ -28,7 +28,7 @@ from starlette.routing import Route
 from .. import __version__
 from ..engine.batch import Engine, EngineNotReady, SlotBusy
 from ..engine.state import slot_meta
-from ..engine.slots import Failed, Finished, RequestHandle, SlotAssigned, TextDelta
+from ..engine.slots import Failed, Finished, RequestHandle, TextDelta
 from . import metrics
 from ..jobs import job_from_chat, job_from_completion
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
