@@ -281,6 +281,7 @@ class HydraHandler:
     async def _state_put(self, req: _Request, stream: trio.SocketStream) -> None:
         e, id_slot = self._slot(req)
         blob = req.payload
+        size = len(blob)  # restore_slot consumes the blob (frames it in place)
 
         def put(engine: Engine) -> int:
             self._busy_check(engine, id_slot)
@@ -290,7 +291,7 @@ class HydraHandler:
             n_past = await e.call(put)
         except StateError as exc:
             raise Reply(Status.ERROR, str(exc), **exc.meta) from None
-        meta = {"restored": True, "slot_id": id_slot, "bytes": len(blob), "n_past": n_past, **self._identity(e)}
+        meta = {"restored": True, "slot_id": id_slot, "bytes": size, "n_past": n_past, **self._identity(e)}
         await stream.send_all(encode_response(Status.OK, meta))
 
     async def _state_meta(self, req: _Request, stream: trio.SocketStream) -> None:

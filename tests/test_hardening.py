@@ -207,3 +207,30 @@ def test_many_idle_connections_do_not_block_others(server: ServerProcess, http: 
         for s in socks:
             s.close()
 
+
+
+def test_state_put_rejected_by_llama_leaves_slot_as_it_was(server: ServerProcess, http: httpx.Client) -> None:
+    """A blob whose header checks pass but whose KV bytes llama.cpp refuses: the old state is put back."""
+    msgs = [{"role": "user", "content": "Name a large city."}]
+    ref = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}).json()
+    with Wire(server.port) as w:
+        before = w.call(Op.STATE_META, key="0")[1]
+        status, meta, blob = w.call(Op.STATE_GET, key="0")
+        assert status == Status.OK
+        bad = bytearray(blob)
+        kv_at = 52 + 4 * meta["n_past"]
+        bad[kv_at : kv_at + 4] = (0xFFFFFFFF).to_bytes(4, "little")  # the stream's cell count: impossible
+        status, meta, _ = w.call(Op.STATE_PUT, key="0", payload=bytes(bad))
+        assert status == Status.ERROR and "rejected" in meta["error"]
+        assert w.call(Op.STATE_META, key="0")[1]["n_past"] == before["n_past"]
+        # into an empty slot (no backup needed): it stays empty
+        assert http.post("/slots/1?action=erase").status_code == 200
+        status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=bytes(bad))
+        assert status == Status.ERROR
+        assert w.call(Op.STATE_META, key="1")[1]["n_past"] == 0
+        # the real blob still restores
+        status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob)
+        assert status == Status.OK and meta["n_past"] == before["n_past"] and meta["bytes"] == len(blob)
+    again = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}).json()
+    assert again["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+    assert again["timings"]["cache_n"] > 0

@@ -101,15 +101,6 @@ def _one_stream(raw: memoryview) -> memoryview | None:
     return raw[pos - 4 : pos] if n_stream else None  # every stream empty: one "0 cells" stream
 
 
-def _frame_streams(one: memoryview, seq_id: int, n_stream: int) -> bytearray:
-    """Frame one stream for a context with ``n_stream`` streams (llama.cpp reads it into the target sequence's stream)."""
-    p = _SEQ_PREFIX.size
-    out = bytearray(p + len(one) + 4 * (n_stream - 1))
-    _SEQ_PREFIX.pack_into(out, 0, _IO_MAGIC, seq_id, n_stream)
-    out[p : p + len(one)] = one
-    return out
-
-
 def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
     """Parse and check the blob's fixed header.
 
@@ -202,6 +193,10 @@ def check_blob(engine: Engine, blob: bytearray) -> BlobHeader:
 def restore_slot(engine: Engine, id_slot: int, blob: bytearray) -> int:
     """Engine thread: apply a checked blob to an idle slot, all or nothing.  Returns n_past.
 
+    Memory: the blob is framed for llama.cpp in place (it is consumed: its
+    bytes are changed), so the restore holds the blob plus, when the slot
+    already held tokens, a backup of its old state.
+
     Raises:
         StateError: the blob is invalid (see :func:`check_blob`) or llama.cpp
             rejected its KV bytes; in both cases the slot is as it was.
@@ -214,11 +209,12 @@ def restore_slot(engine: Engine, id_slot: int, blob: bytearray) -> int:
     bad = next((t for t in tokens if t >= m.n_vocab), None)
     if bad is not None:
         raise StateError(f"the blob holds token id {bad}, outside the vocabulary (0..{m.n_vocab - 1})")
-    _, backup = save_slot(engine, id_slot)
+    backup = save_slot(engine, id_slot)[1] if slot.n_past else None  # an empty slot needs no backup
     if not _apply_kv(engine, id_slot, header, blob):
         # llama.cpp cleared the sequence on failure: put the old state back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
-        _apply_kv(engine, id_slot, parse_header(backup), backup)
+        if backup is not None:
+            _apply_kv(engine, id_slot, parse_header(backup), backup)
         raise StateError(
             "llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
         )
@@ -227,17 +223,27 @@ def restore_slot(engine: Engine, id_slot: int, blob: bytearray) -> int:
 
 
 def _apply_kv(engine: Engine, id_slot: int, header: BlobHeader, blob: bytearray) -> bool:
+    """Hand the blob's KV bytes to llama.cpp; True when the slot now holds exactly the blob's tokens.
+
+    A one-stream blob is framed in place: the 12-byte sequence-state prefix
+    overwrites the end of the (already parsed) token list and the empty
+    streams are appended as zeros, so no second copy of the KV bytes is made.
+    """
     m = engine.model
     assert m is not None
     start = HEADER_SIZE + 4 * header.n_tokens
-    kv = memoryview(blob)[start : start + header.kv_len]
     if header.kv_format == KV_ONE_STREAM:
-        data = _frame_streams(kv, id_slot, m.n_stream)
+        begin = start - _SEQ_PREFIX.size  # the header alone is 52 bytes: always room for 12
+        _SEQ_PREFIX.pack_into(blob, begin, _IO_MAGIC, id_slot, m.n_stream)
+        del blob[start + header.kv_len :]
+        blob.extend(bytes(4 * (m.n_stream - 1)))
     else:
-        data = bytearray(kv)
-    buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
-    read = llama_cpp.llama_state_seq_set_data(m.ctx, buf, len(data), id_slot)
+        begin = start
+        del blob[start + header.kv_len :]
+    size = len(blob) - begin
+    buf = (ctypes.c_uint8 * size).from_buffer(blob, begin)
+    read = llama_cpp.llama_state_seq_set_data(m.ctx, buf, size, id_slot)
     del buf
     # the KV must hold exactly positions 0..n_tokens-1 for the token list to be true
     pos_max = llama_cpp.llama_memory_seq_pos_max(m.memory, id_slot)
-    return read == len(data) and pos_max == header.n_tokens - 1
+    return read == size and pos_max == header.n_tokens - 1
