@@ -22,20 +22,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.rpc_passthrough import free_port  # noqa: E402
+from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.client import HydraClient  # noqa: E402
 
 
 def start(*args: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "--log-level", "WARNING",
-                             *args], cwd=ROOT)
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc, port
-        except httpx.TransportError:
-            time.sleep(0.1)
+    proc, port = spawn("--log-level", "WARNING", *args)
+    wait_healthy(port, proc)
+    return proc, port
 
 
 def tok_s(port: int, n: int) -> float:

@@ -21,17 +21,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from hydra_trio._spawn import ROOT, spawn, wait_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rtt_us(port: int, rounds: int) -> float:
@@ -68,17 +62,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2000)
     ap.add_argument("--loads", type=int, default=3)
     a = ap.parse_args()
-    port = free_port()
     log = open("/tmp/rpc-bench-node.log", "w+")
-    node = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--no-model", "--port", str(port),
-                             "--rpc-cache-dir", ""], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    node, port = spawn("--no-model", "--rpc-cache-dir", "", output=log)
     try:
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(port, node)
         log.seek(0)
         child = int(re.search(r"ggml-RPC backend serving on 127\.0\.0\.1:(\d+)", log.read()).group(1))
         before = httpx.get(f"http://127.0.0.1:{port}/metrics").text

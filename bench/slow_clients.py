@@ -13,7 +13,6 @@ import argparse
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.rpc_passthrough import free_port  # noqa: E402
+from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 
 
 def measure(base: str, n: int = 10) -> tuple[float, float]:
@@ -44,19 +43,13 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=1000)
     ap.add_argument("--trickle", type=int, default=100)
     a = ap.parse_args()
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "--log-level", "WARNING",
-                             "--max-connections", "4096", "--classify-timeout", "30", "--no-rpc-backend"], cwd=ROOT)
+    proc, port = spawn("--log-level", "WARNING", "--max-connections", "4096", "--classify-timeout", "30",
+                       "--no-rpc-backend")
     base = f"http://127.0.0.1:{port}"
     socks: list[socket.socket] = []
     stop = threading.Event()
     try:
-        while True:
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_healthy(port, proc)
         before = measure(base)
         for _ in range(a.idle):
             socks.append(socket.create_connection(("127.0.0.1", port)))

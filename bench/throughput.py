@@ -17,8 +17,6 @@ import argparse
 import concurrent.futures
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,15 +25,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.presets import resolve_model  # noqa: E402
 
 PROMPT = "Write a long story about a lighthouse keeper."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_request(base: str, n: int) -> int:
@@ -49,21 +42,10 @@ def one_request(base: str, n: int) -> int:
 
 
 def bench_server(n: int, clients: int, threads: int) -> tuple[float, float]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-np", str(clients), "-t", str(threads),
-         "--log-level", "WARNING"],
-        cwd=ROOT,
-    )
+    proc, port = spawn("-np", str(clients), "-t", str(threads), "--log-level", "WARNING")
     base = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(port, proc)
         one_request(base, 8)  # warm up
         t0 = time.perf_counter()
         got = one_request(base, n)

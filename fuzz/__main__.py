@@ -15,20 +15,18 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
-import httpx
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from hydra_trio._spawn import ROOT, spawn, wait_healthy
+
 from . import live
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def proc_stats(pid: int) -> dict[str, int]:
@@ -37,12 +35,6 @@ def proc_stats(pid: int) -> dict[str, int]:
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     return {"fds": fds, "threads": int(fields["Threads"]), "rss_kib": int(fields["VmRSS"].split()[0])}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,20 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     port = a.port
     if port is None:
-        port = _free_port()
         log = open(ROOT / ".fuzz-server.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-np", str(a.slots), "-c", "4096",
-             "--classify-timeout", "2"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        proc, port = spawn("-np", str(a.slots), "-c", "4096", "--classify-timeout", "2", output=log)
+        wait_healthy(port, proc)
     live.configure(port, a.slots)
     pid = proc.pid if proc else None
     before = proc_stats(pid) if pid else {}

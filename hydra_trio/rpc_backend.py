@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import attrs
 import trio
+
+from ._spawn import free_port
 
 log = logging.getLogger("hydra_trio.rpc")
 
@@ -42,12 +43,6 @@ class RpcBackendSettings:
     cache_dir: Path | None = Path(os.path.expanduser("~/.cache/hydra-trio/rpc-cache"))
     threads: int | None = None
     restart_backoff: tuple[float, float] = (0.5, 10.0)
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RpcBackend:
@@ -75,7 +70,7 @@ class RpcBackend:
         delay = first
         task_status.started()
         while True:
-            port = _free_loopback_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "hydra_trio.engine.ggml_rpc", "--endpoint", f"127.0.0.1:{port}",
                    "--parent-pid", str(os.getpid())]
             if self.settings.cache_dir is not None:

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from hydra_trio import _spawn
+from hydra_trio._spawn import ROOT, free_port  # noqa: F401  (tests import both from here)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -31,25 +24,13 @@ class ServerProcess:
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hydra_trio", "run", "--port", str(self.port), *args],
-            cwd=ROOT,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        self.proc, _ = _spawn.spawn(*args, port=self.port, output=self._log)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")
+        try:
+            _spawn.wait_healthy(self.port, self.proc, timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            raise type(exc)(f"{exc}:\n{self.log()}") from None
 
     def log(self) -> str:
         if not self._log.closed:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..protocol.messages import MessageError, parse_peer
 from . import ggml_rpc
 
 log = logging.getLogger("hydra_trio.combined")
@@ -163,9 +164,8 @@ class PeerWorker:
 def peer_reachable(peer: str, timeout: float = 2.0) -> bool:
     """True when ``host:port`` answers a ggml-RPC HELLO with a compatible version (a Python probe:
     ggml's own client would abort on a peer that vanishes mid-handshake)."""
-    host, _, port = peer.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+        with socket.create_connection(parse_peer(peer), timeout=timeout) as s:
             s.sendall(b"\x0e" + (24).to_bytes(8, "little") + bytes(24))
             reply = b""
             while len(reply) < 12:
@@ -174,7 +174,7 @@ def peer_reachable(peer: str, timeout: float = 2.0) -> bool:
                     return False
                 reply += chunk
             return reply[8] == 7  # RPC_PROTO_MAJOR_VERSION of this llama.cpp
-    except (OSError, ValueError):
+    except (OSError, MessageError):
         return False
 
 
@@ -185,11 +185,10 @@ def peer_listening(peer: str, timeout: float = 2.0) -> bool:
     serves one client at a time, so a HELLO probe would wait behind the head's
     own connection; a connect is answered by the peer's kernel (or front door).
     """
-    host, _, port = peer.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        with socket.create_connection(parse_peer(peer), timeout=timeout):
             return True
-    except (OSError, ValueError):
+    except (OSError, MessageError):
         return False
 
 

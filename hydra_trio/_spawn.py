@@ -1,0 +1,52 @@
+"""Start ``hydra-trio run`` in a child process and wait until it serves (tests, benches, the fuzzer)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import IO, Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn(*args: str, port: int | None = None, output: IO[Any] | int | None = None) -> tuple[subprocess.Popen, int]:
+    """``python -m hydra_trio run --port PORT *args``; returns ``(process, port)`` without waiting."""
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hydra_trio", "run", "--port", str(port), *args],
+        cwd=ROOT, stdout=output, stderr=subprocess.STDOUT if output is not None else None,
+    )
+    return proc, port
+
+
+def wait_healthy(port: int, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+    """Poll ``GET /health`` every 50 ms until it answers 200.
+
+    Raises:
+        RuntimeError: ``proc`` exited first.
+        TimeoutError: not ready within ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):  # 503 while loading, or not listening yet
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"server on port {port} not ready after {timeout} s")
