@@ -43,6 +43,15 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
         "--classify-timeout", type=float, default=5.0,
         help="seconds a new connection has to send its first byte (default: 5)",
     )
+    p.add_argument(
+        "-to", "--timeout", type=float, default=30.0, metavar="SECONDS",
+        help="HTTP: seconds of silence allowed while a request body arrives (408 after); a request that has "
+             "arrived runs as long as it needs (default: 30)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+        help="HTTP: seconds an idle connection is kept, and the time a client has to send a request's headers (default: 5)",
+    )
     p.add_argument("--no-model", action="store_true",
                    help="run a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots")
     p.add_argument("--rpc-engine", default=None, metavar="HOST:PORT",
@@ -73,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> int:
     from .engine.batch import EngineConfig
     from .frontdoor import FrontDoorSettings
+    from .http.settings import HttpSettings
     from .server import Server, ServerConfig, serve
 
     from .protocol.messages import MessageError, parse_peer
@@ -124,6 +134,7 @@ async def _run(args: argparse.Namespace) -> int:
         port=args.port,
         engine=engine,
         frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout),
+        http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.timeout),
         rpc_backend=rpc,
     )
     async with trio.open_nursery() as nursery:

@@ -54,6 +54,8 @@ class FrontDoor:
         self.active = 0
         self._limiter = trio.CapacityLimiter(settings.max_connections)
         self._accepting = trio.CancelScope()
+        self._none_active = trio.Event()
+        self._none_active.set()
 
     async def serve(
         self,
@@ -72,6 +74,11 @@ class FrontDoor:
     def stop_accepting(self) -> None:
         """Stop accepting new connections; the ones in flight go on."""
         self._accepting.cancel()
+
+    async def wait_no_connections(self) -> None:
+        """Return once no connection is open (at once if none is)."""
+        while self.active:
+            await self._none_active.wait()
 
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         while True:
@@ -92,6 +99,8 @@ class FrontDoor:
             nursery.start_soon(self._connection, stream, token)
 
     async def _connection(self, stream: trio.SocketStream, token: object) -> None:
+        if not self.active:
+            self._none_active = trio.Event()
         self.active += 1
         peer = _peer(stream)
         try:
@@ -123,10 +132,12 @@ class FrontDoor:
         except Exception:
             log.exception("%s: connection handler failed", peer)
         finally:
-            self.active -= 1
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
             self._limiter.release_on_behalf_of(token)
+            self.active -= 1
+            if not self.active:
+                self._none_active.set()
 
 
 def _peer(stream: trio.SocketStream) -> str:

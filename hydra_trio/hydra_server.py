@@ -25,7 +25,7 @@ from .control import Busy, Change, ControlChannel
 from .engine.batch import Engine, EngineNotReady
 from .engine.combined import DEFAULT_PATTERN
 from .engine.slots import CompletionJob, Failed, Finished, TextDelta
-from .engine.state import StateError, restore_slot, save_slot, slot_meta
+from .engine.state import StateError, restore_slot, save_slot, slot_meta, verify_checksum
 from .http.schemas import ChatCompletionRequest, RequestError, structure_body
 from .jobs import job_from_chat
 from .presets import PRESETS
@@ -122,6 +122,8 @@ class HydraHandler:
         self.settings = settings
         self.node = node or NodeState()
         self.requests = 0
+        self.draining = False
+        self._idle_scopes: set[trio.CancelScope] = set()
         self._ops: dict[int, Callable[[_Request, trio.SocketStream], Awaitable[None]]] = {
             Op.STATE_GET: self._state_get,
             Op.STATE_PUT: self._state_put,
@@ -156,10 +158,22 @@ class HydraHandler:
                 deadline = header_deadline
             else:  # payload: the timeout is per receive (no progress)
                 deadline = trio.current_time() + self.settings.request_timeout
+            idle = req is None and dec.idle
+            if idle and self.draining:
+                log.info("hydra: the node is shutting down; closing an idle connection")
+                return
             with trio.move_on_at(deadline) as scope:
-                data = await stream.receive_some(self.settings.chunk_size)
+                if idle:  # between requests: drain() may close it now
+                    self._idle_scopes.add(scope)
+                try:
+                    data = await stream.receive_some(self.settings.chunk_size)
+                finally:
+                    self._idle_scopes.discard(scope)
             if scope.cancelled_caught:
-                log.info("hydra: connection %s; closed", "idle" if req is None and dec.idle else "stalled mid-request")
+                if idle and self.draining:
+                    log.info("hydra: the node is shutting down; closing an idle connection")
+                else:
+                    log.info("hydra: connection %s; closed", "idle" if idle else "stalled mid-request")
                 return
             if not data:
                 if req is not None:
@@ -185,6 +199,12 @@ class HydraHandler:
                 return
             if req is None and dec.idle:
                 header_deadline = math.inf
+
+    def drain(self) -> None:
+        """Graceful shutdown: connections close between requests (idle ones now); requests in flight finish."""
+        self.draining = True
+        for scope in list(self._idle_scopes):
+            scope.cancel()
 
     async def _handle_events(self, events: list[Any], req: _Request | None, stream: trio.SocketStream) -> _Request | None:
         """Feed decoder events into the request in progress; dispatch each completed request."""
@@ -285,9 +305,11 @@ class HydraHandler:
 
         def put(engine: Engine) -> int:
             self._busy_check(engine, id_slot)
-            return restore_slot(engine, id_slot, blob)
+            return restore_slot(engine, id_slot, blob, checksum_verified=True)
 
         try:
+            # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
+            await trio.to_thread.run_sync(verify_checksum, blob)
             n_past = await e.call(put)
         except StateError as exc:
             raise Reply(Status.ERROR, str(exc), **exc.meta) from None

@@ -14,6 +14,7 @@ from .frontdoor import FrontDoor, FrontDoorSettings
 from .hydra_server import HydraHandler, HydraSettings
 from .http._hyper import HttpHandler
 from .http.app import build_app
+from .http.settings import HttpSettings
 from .protocol.classify import Protocol
 from .rpc_backend import RpcBackend, RpcBackendSettings
 
@@ -29,6 +30,7 @@ class ServerConfig:
         port: TCP port for all three protocols (``--port``); 0 picks a free one.
         engine: the model to serve; None runs a node without a model.
         frontdoor: connection limits and the classify timeout.
+        http: HTTP timeouts and the body cap.
         hydra: Hydra protocol limits and timeouts.
         rpc_backend: the ggml-RPC backend this node lends to peers; None: off.
     """
@@ -37,6 +39,7 @@ class ServerConfig:
     port: int = 8080
     engine: EngineConfig | None = None
     frontdoor: FrontDoorSettings = FrontDoorSettings()
+    http: HttpSettings = HttpSettings()
     hydra: HydraSettings = HydraSettings()
     rpc_backend: RpcBackendSettings | None = RpcBackendSettings()
 
@@ -53,8 +56,9 @@ class Server:
         self.engine = Engine(config.engine) if config.engine is not None else None
         self.frontdoor = FrontDoor({}, config.frontdoor)
         self.rpc = RpcBackend(config.rpc_backend) if config.rpc_backend is not None else None
-        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc)
-        self.frontdoor.handlers[Protocol.HTTP] = HttpHandler(self.app)
+        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http)
+        self.http = HttpHandler(self.app, config.http)
+        self.frontdoor.handlers[Protocol.HTTP] = self.http
         self.control = ControlChannel(self.engine) if self.engine is not None else None
         self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc)
         self.frontdoor.handlers[Protocol.HYDRA] = self.hydra
@@ -95,18 +99,32 @@ class Server:
 
 
     async def shutdown(self, grace: float) -> None:
-        """Graceful stop: accept nothing new, let requests in flight finish for up to ``grace`` seconds,
-        then cancel the rest (engine-side changes such as a STATE_PUT restore are atomic on the
-        engine thread, so a cancel never leaves one half-applied)."""
+        """Graceful stop by drain and deadline (hypercorn's way), then cancel what is left.
+
+        Accept nothing new (new clients get "connection refused"); every
+        protocol closes its connections *between* requests: idle HTTP
+        keep-alive and Hydra connections at once, the others once the reply
+        in flight is written whole (a stream up to its ``[DONE]``, a STATE_GET
+        blob to its last byte); ggml-RPC connections at their next message
+        boundary.  Whatever is still open after ``grace`` seconds is cancelled
+        (engine-side changes such as a STATE_PUT restore are atomic on the
+        engine thread, so a cancel never leaves one half-applied).
+        """
         self.frontdoor.stop_accepting()
-        for listener in self._listeners:  # new clients get "connection refused", not a silent backlog
+        for listener in self._listeners:
             await listener.aclose()
-        e = self.engine
+        await self.http.drain()
+        self.hydra.drain()
         with trio.move_on_after(grace):
-            while e is not None and (e.requests_processing or e.requests_waiting):
-                await trio.sleep(0.05)
-        if e is not None and (e.requests_processing or e.requests_waiting):
-            log.warning("grace period of %.1f s over: cancelling %d requests", grace, e.requests_processing + e.requests_waiting)
+            async with trio.open_nursery() as nursery:
+                if self.rpc is not None and hasattr(self.rpc, "drain"):  # TODO(helper-1): always there
+                    nursery.start_soon(self.rpc.drain)
+                nursery.start_soon(self.frontdoor.wait_no_connections)
+        if self.frontdoor.active:
+            e = self.engine
+            requests = e.requests_processing + e.requests_waiting if e is not None else 0
+            log.warning("grace period of %.1f s over: cancelling %d connections (%d requests)",
+                        grace, self.frontdoor.active, requests)
         self._scope.cancel()
 
     async def _combined_at_start(self) -> None:

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from hydra_trio.engine.state import HEADER_SIZE, blob_checksum
 from hydra_trio.protocol.hydra import Op, Status, encode_request, encode_request_header, unpack_decode_frames
 
 from .conftest import ROOT, ServerProcess
@@ -209,6 +210,11 @@ def test_many_idle_connections_do_not_block_others(server: ServerProcess, http: 
 
 
 
+def reseal(blob: bytearray) -> None:
+    """Write a tampered blob's checksum again (what a buggy or hostile peer that knows the format could send)."""
+    blob[52:60] = blob_checksum(blob).to_bytes(8, "little")
+
+
 def test_state_put_rejected_by_llama_leaves_slot_as_it_was(server: ServerProcess, http: httpx.Client) -> None:
     """A blob whose header checks pass but whose KV bytes llama.cpp refuses: the old state is put back."""
     msgs = [{"role": "user", "content": "Name a large city."}]
@@ -218,8 +224,9 @@ def test_state_put_rejected_by_llama_leaves_slot_as_it_was(server: ServerProcess
         status, meta, blob = w.call(Op.STATE_GET, key="0")
         assert status == Status.OK
         bad = bytearray(blob)
-        kv_at = 52 + 4 * meta["n_past"]
+        kv_at = HEADER_SIZE + 4 * meta["n_past"]
         bad[kv_at : kv_at + 4] = (0xFFFFFFFF).to_bytes(4, "little")  # the stream's cell count: impossible
+        reseal(bad)  # a valid checksum: the bytes reach llama.cpp, which must refuse them
         status, meta, _ = w.call(Op.STATE_PUT, key="0", payload=bytes(bad))
         assert status == Status.ERROR and "rejected" in meta["error"]
         assert w.call(Op.STATE_META, key="0")[1]["n_past"] == before["n_past"]

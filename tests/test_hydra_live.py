@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from hydra_trio.engine.state import HEADER_SIZE
+from hydra_trio.engine.state import HEADER_SIZE, blob_checksum
 from hydra_trio.protocol.hydra import (
     DECODE_FLAG_FINAL,
     DECODE_FLAG_PAD,
@@ -220,6 +220,7 @@ def test_state_put_refuses_other_model_and_partial_uploads(server: ServerProcess
         # another model's blob: the same bytes with a different model hash
         other = bytearray(blob)
         other[12:44] = bytes(32)
+        other[52:60] = blob_checksum(other).to_bytes(8, "little")  # what that model's node would have sealed
         status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=bytes(other))
         assert status == Status.ERROR
         assert meta["expected_hash"] == before["model_hash"] and meta["got_hash"] == "00" * 32

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import threading
 import time
 
 import httpx
+
+from hydra_trio.engine.state import verify_checksum
+from hydra_trio.protocol.hydra import Op, Status, encode_request
+
+from .hydra_wire import Wire
 
 
 def test_health_stages_before_ready(spawn) -> None:
@@ -70,14 +77,15 @@ def test_sigterm_mid_stream_exits_zero(spawn) -> None:
 
 
 def test_sigterm_lets_requests_in_flight_finish(spawn) -> None:
-    srv = spawn("--shutdown-grace", "30")
+    srv = spawn("--shutdown-grace", "60")
     srv.wait_ready()
     got_first = threading.Event()
     lines: list[str] = []
 
     def stream() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+        body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     lines.append(line)
@@ -85,16 +93,52 @@ def test_sigterm_lets_requests_in_flight_finish(spawn) -> None:
 
     t = threading.Thread(target=stream)
     t.start()
-    assert got_first.wait(60)
+    assert got_first.wait(120)
     srv.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    try:  # no new connections once the shutdown began
-        httpx.get(srv.base + "/health", timeout=2)
-        refused = False
-    except httpx.ConnectError:
-        refused = True
-    t.join(60)
-    assert srv.proc.wait(30) == 0
+    deadline = time.monotonic() + 120
+    refused = False
+    while time.monotonic() < deadline:  # soon no new connection is accepted (the stream goes on)
+        try:
+            httpx.get(srv.base + "/health", timeout=120)
+        except httpx.ConnectError:
+            refused = True
+            break
+        time.sleep(0.02)
+    t.join(120)
+    assert srv.proc.wait(120) == 0
     assert refused
-    assert lines[-1] == "data: [DONE]"  # the request in flight finished whole
-    assert len(lines) >= 60
+    # the request in flight finished whole: the final chunk, usage, then [DONE]
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 60
+    assert json.loads(lines[-3][6:])["choices"][0]["finish_reason"] == "length"
+    assert "grace period" not in srv.log()  # nothing was cut
+
+
+def test_sigterm_delivers_a_state_get_in_flight_whole(spawn) -> None:
+    """A STATE_GET blob being streamed when SIGTERM arrives reaches its last byte; idle connections close."""
+    srv = spawn("-np", "1", "-c", "8192", "--shutdown-grace", "60")
+    srv.wait_ready()
+    prompt = "word " * 1500  # about 35 MB of KV state
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": prompt, "max_tokens": 0}, timeout=120)
+    assert r.status_code == 200
+    idle = Wire(srv.port)
+    assert idle.call(Op.INFO)[0] == Status.OK
+    with Wire(srv.port) as w:
+        # tens of MB: far more than the socket buffers hold, so the reply is in flight at SIGTERM
+        w.send(encode_request(Op.STATE_GET, key="0"))
+        head = w.sock.recv(12, socket.MSG_WAITALL)
+        status, meta_len, payload_len = head[0], int.from_bytes(head[1:4], "little"), int.from_bytes(head[4:], "little")
+        assert status == Status.OK and payload_len > 1_000_000
+        srv.proc.send_signal(signal.SIGTERM)
+        assert idle.closed_by_server()  # the idle Hydra connection closes between requests
+        got = bytearray()
+        while len(got) < meta_len + payload_len:
+            chunk = w.sock.recv(1 << 16)
+            assert chunk, f"cut after {len(got)} of {meta_len + payload_len} bytes"
+            got += chunk
+        meta = json.loads(got[:meta_len])
+        assert meta["state_size"] == payload_len
+        verify_checksum(bytes(got[meta_len:]))  # whole and intact
+        assert w.closed_by_server()  # then the connection closes
+    idle.close()
+    assert srv.proc.wait(120) == 0

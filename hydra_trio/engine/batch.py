@@ -30,13 +30,13 @@ import trio
 from . import ggml_rpc
 from .combined import DEFAULT_PATTERN, PeerError, PeerLost, PeerWorker, expert_bytes, peer_reachable
 from .model import LoadedModel, ModelIdentity, sha256_file
+from .settings import SamplingParams, check_n_predict
 from .state import save_slot
 from .slots import (
     CompletionJob,
     Failed,
     Finished,
     RequestHandle,
-    SamplingParams,
     Slot,
     SlotAssigned,
     StopStringMatcher,
@@ -280,7 +280,7 @@ class Engine:
             self.identity = ModelIdentity(
                 model_alias=cfg.model_alias,
                 model_path=str(cfg.model_path),
-                model_hash=sha256_file(cfg.model_path),
+                model_hash=sha256_file(cfg.model_path, stop=lambda: self._stop),
             )
             self.n_ctx_slot = model.n_ctx_slot
             self.slots = [Slot(i, model.n_ctx_slot) for i in range(cfg.n_parallel)]
@@ -288,11 +288,15 @@ class Engine:
             self._set_stage("warmup")
             self._warmup()
         except Exception as exc:
+            if self.model is not None:
+                self.model.close()
+            if self._stop:  # the node is stopping: the load was aborted on purpose, not a failure
+                self._set_stage("stopped")
+                log.info("model load stopped: the node is shutting down")
+                return
             self.error = str(exc)
             self._set_stage("error")
             log.error("model load failed: %s", exc)
-            if self.model is not None:
-                self.model.close()
             raise
         if self._stop:
             self._shutdown()
@@ -417,12 +421,25 @@ class Engine:
                 return
 
     def _drop_cancelled(self) -> None:
+        """Engine thread: end cancelled requests, queued or running, with ``Failed(code="cancelled")``.
+
+        The terminal event closes the request's channel, so whoever still
+        reads it (a handler whose client went away) ends too.
+        """
         if any(h.cancelled for h in self._pending):
-            self._pending = collections.deque(h for h in self._pending if not h.cancelled)
+            keep: collections.deque[RequestHandle] = collections.deque()
+            for h in self._pending:
+                if h.cancelled:
+                    h.emit(Failed("the request was cancelled while it waited for a slot", "cancelled"))
+                else:
+                    keep.append(h)
+            self._pending = keep
         for slot in self.slots:
-            if slot.handle is not None and slot.handle.cancelled:
+            handle = slot.handle
+            if handle is not None and handle.cancelled:
                 log.info("slot %d: request cancelled (client gone); slot freed", slot.id)
                 self._release(slot)
+                handle.emit(Failed("the request was cancelled", "cancelled"))
 
     def _assign_pending(self) -> None:
         waiting: collections.deque[RequestHandle] = collections.deque()
@@ -478,7 +495,7 @@ class Engine:
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.stopper = StopStringMatcher(job.stop)
-        slot.sampler = _make_sampler(job.sampling, m.n_vocab, prompt, m.eog_tokens if job.ignore_eos else ())
+        slot.sampler = _make_sampler(job.sampling, m.n_vocab, slot.n_ctx, prompt, m.eog_tokens if job.ignore_eos else ())
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
         log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
         if not slot.pending_prompt:  # prefill-only request fully cached
@@ -784,23 +801,12 @@ class Engine:
     def set_defaults(self, **params: Any) -> None:
         """CONFIGURE tier 1: new sampling defaults (and ``n_predict``) for requests that omit them.
 
-        Raises ValueError for an out-of-range value; nothing changes then.
+        Bounds: :mod:`hydra_trio.engine.settings` (the HTTP API's too).
+        Raises ParameterError (a ValueError) naming the field; nothing changes then.
         """
         n_predict = params.pop("n_predict", self.default_n_predict)
-        new = attrs.evolve(self.defaults, **params)
-        checks = {  # the same bounds as the HTTP API's (hydra_trio.http.schemas)
-            "temperature": 0 <= new.temperature <= 2,
-            "top_p": 0 <= new.top_p <= 1,
-            "min_p": 0 <= new.min_p <= 1,
-            "top_k": new.top_k >= 0,
-            "repeat_penalty": 0 < new.repeat_penalty <= 10,
-            "presence_penalty": -2 <= new.presence_penalty <= 2,
-            "frequency_penalty": -2 <= new.frequency_penalty <= 2,
-            "n_predict": n_predict >= -1,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: out of range")
+        check_n_predict("n_predict", n_predict)
+        new = attrs.evolve(self.defaults, **params)  # validators check each field
         self.defaults = new
         self.default_n_predict = n_predict
 
@@ -870,12 +876,16 @@ def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...
     return i
 
 
-def _make_sampler(p: SamplingParams, n_vocab: int, prompt: list[int], banned: Sequence[int] = ()) -> Any:
+def _make_sampler(p: SamplingParams, n_vocab: int, n_ctx_slot: int, prompt: list[int], banned: Sequence[int] = ()) -> Any:
     """A llama.cpp sampler chain in llama-server's order: logit bias, penalties, top-k, top-p, min-p, temp, dist.
 
     ``temperature <= 0`` gives greedy sampling (argmax), as in llama-server.
     ``banned`` tokens get a -inf logit bias (llama-server's ``ignore_eos``).
+    ``p`` is already within its bounds (:mod:`hydra_trio.engine.settings`);
+    the penalty window is at most ``n_ctx_slot`` tokens and ``top_k`` at most
+    ``n_vocab``, so no value sizes an allocation beyond the slot.
     """
+    window = p.penalty_window(n_ctx_slot)
     chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
     add = llama_cpp.llama_sampler_chain_add
     if banned:
@@ -887,20 +897,19 @@ def _make_sampler(p: SamplingParams, n_vocab: int, prompt: list[int], banned: Se
         add(
             chain,
             llama_cpp.llama_sampler_init_penalties(
-                n_vocab, p.repeat_last_n, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+                n_vocab, window, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
             ),
         )
     if p.temperature <= 0:
         add(chain, llama_cpp.llama_sampler_init_greedy())
     else:
         if p.top_k > 0:
-            add(chain, llama_cpp.llama_sampler_init_top_k(p.top_k))
+            add(chain, llama_cpp.llama_sampler_init_top_k(min(p.top_k, n_vocab)))
         add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
         add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
         add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
-        seed = p.seed if p.seed is not None else 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: random
-        add(chain, llama_cpp.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        add(chain, llama_cpp.llama_sampler_init_dist(p.seed_u32()))
     # penalties look back over the prompt too, as in llama-server
-    for tok in prompt[-max(p.repeat_last_n, 0) :] if p.repeat_last_n > 0 else []:
+    for tok in prompt[-window:] if window > 0 else []:
         llama_cpp.llama_sampler_accept(chain, tok)
     return chain

@@ -59,13 +59,57 @@ def init_backend() -> None:
         _backend_ready = True
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    """SHA-256 of a file as 64 lowercase hex digits, read in ``chunk``-byte blocks."""
+class LoadStopped(RuntimeError):
+    """A load or hash was stopped on purpose (the node is shutting down)."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20, stop: Callable[[], bool] | None = None) -> str:
+    """SHA-256 of a file as 64 lowercase hex digits, read in ``chunk``-byte blocks.
+
+    Raises:
+        OSError: the file cannot be read.
+        LoadStopped: ``stop()`` returned True between two blocks.
+    """
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
+            if stop is not None and stop():
+                raise LoadStopped(f"hashing {path} stopped")
     return digest.hexdigest()
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate, as far as the OS tells: the least of
+    ``MemAvailable`` (/proc/meminfo), the cgroup v2 ``memory.max`` headroom and the
+    ``RLIMIT_AS`` headroom.  None when none of them is known.
+    """
+    import resource
+
+    limits: list[int] = []
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                limits.append(int(line.split()[1]) * 1024)
+                break
+    except (OSError, ValueError):
+        pass
+    try:
+        cg = open("/proc/self/cgroup").read().strip().split("\n")[0].split("::", 1)[1]
+        base = Path("/sys/fs/cgroup") / cg.lstrip("/")
+        high = (base / "memory.max").read_text().strip()
+        if high != "max":
+            limits.append(int(high) - int((base / "memory.current").read_text()))
+    except (OSError, ValueError, IndexError):
+        pass
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            vm = next(line for line in open("/proc/self/status") if line.startswith("VmSize:"))
+            limits.append(soft - int(vm.split()[1]) * 1024)
+        except (OSError, StopIteration, ValueError):
+            pass
+    return max(0, min(limits)) if limits else None
 
 
 @attrs.frozen
@@ -148,6 +192,15 @@ class LoadedModel:
                 f"n_ctx {n_ctx} must be between {16 * n_parallel} and {self.n_ctx_train * n_parallel} "
                 f"(16 to n_ctx_train={self.n_ctx_train} tokens per slot, {n_parallel} slots)"
             )
+        kv_bytes = n_ctx * self.kv_bytes_per_token()
+        free = available_memory()
+        if free is not None and kv_bytes > free:
+            llama_cpp.llama_model_free(self.model)
+            self.model = None
+            raise ModelLoadError(
+                f"n_ctx {n_ctx} needs {kv_bytes / 2**20:.0f} MiB of KV cache "
+                f"({kv_bytes // n_ctx} bytes per token); only {free / 2**20:.0f} MiB of memory is available"
+            )
         threads = n_threads or os.cpu_count() or 1
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -180,6 +233,22 @@ class LoadedModel:
         self.eog_tokens = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
 
     # -- metadata ---------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token takes with the default (F16) cache types, over all layers.
+
+        ``n_layer × n_head_kv × (key_length + value_length) × 2``; head sizes
+        from the GGUF (``{arch}.attention.key_length`` / ``value_length``),
+        else ``n_embd / n_head`` as llama.cpp assumes.
+        """
+        arch = self.meta("general.architecture") or ""
+        n_head = max(1, llama_cpp.llama_model_n_head(self.model))
+        default = llama_cpp.llama_model_n_embd(self.model) // n_head
+        k = int(self.meta(f"{arch}.attention.key_length") or default)
+        v = int(self.meta(f"{arch}.attention.value_length") or default)
+        n_head_kv = llama_cpp.llama_model_n_head_kv(self.model)
+        return llama_cpp.llama_model_n_layer(self.model) * n_head_kv * (k + v) * 2
+
+
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when absent."""
         buf = ctypes.create_string_buffer(1 << 16)

@@ -14,26 +14,10 @@ from typing import Any
 import attrs
 import trio
 
+from .settings import SamplingParams
+
 # ---------------------------------------------------------------------------
 # What a request asks for
-
-
-@attrs.frozen
-class SamplingParams:
-    """Sampler settings; names and defaults follow llama-server.
-
-    ``temperature <= 0`` means greedy.  ``seed`` None picks a random seed.
-    """
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int | None = None
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
 
 
 @attrs.frozen
@@ -138,7 +122,12 @@ class Finished:
 
 @attrs.frozen
 class Failed:
-    """The request failed.  ``code``: ``invalid_request`` (the client's fault), ``busy`` or ``server_error``."""
+    """The request ended without a result.
+
+    ``code``: ``invalid_request`` (the client's fault), ``busy`` (its slot was
+    processing), ``cancelled`` (:meth:`Engine.cancel`, queued or running) or
+    ``server_error``.
+    """
 
     message: str
     code: str = "server_error"
@@ -185,31 +174,38 @@ class StopStringMatcher:
 
     ``push(text)`` returns ``(safe_text, stopped)``: ``safe_text`` can be sent
     now; when ``stopped`` the text after the stop string is dropped.
-    ``flush()`` returns the held-back text at the end of generation.
+    ``flush()`` returns the held-back text at the end of generation.  At most
+    ``len(longest stop) - 1`` characters are held back; the work per push is
+    bounded by the stop strings' count and length (at most 16 × 512
+    characters: :mod:`hydra_trio.engine.settings`).
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s for s in stops if s)
         self.held = ""
+        self._firsts = frozenset(s[0] for s in self.stops)
+        self._longest = max((len(s) for s in self.stops), default=0)
 
     def push(self, text: str) -> tuple[str, bool]:
         self.held += text
+        held = self.held
         if not self.stops:
-            out, self.held = self.held, ""
-            return out, False
-        first = min((i for s in self.stops if (i := self.held.find(s)) >= 0), default=-1)
+            self.held = ""
+            return held, False
+        first = min((i for s in self.stops if (i := held.find(s)) >= 0), default=-1)
         if first >= 0:
-            out, self.held = self.held[:first], ""
-            return out, True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.held)), 0, -1):
-                if self.held.endswith(s[:k]):
-                    keep = max(keep, k)
+            self.held = ""
+            return held[:first], True
+        # hold back the longest tail of the text that is the start of a stop string
+        cut = len(held)
+        for i in range(max(0, len(held) - self._longest + 1), len(held)):
+            if held[i] in self._firsts:
+                tail = held[i:]
+                if any(s.startswith(tail) for s in self.stops):
+                    cut = i
                     break
-        cut = len(self.held) - keep
-        out, self.held = self.held[:cut], self.held[cut:]
-        return out, False
+        self.held = held[cut:]
+        return held[:cut], False
 
     def flush(self) -> str:
         out, self.held = self.held, ""

@@ -1,18 +1,24 @@
 """Slot KV state blobs: save and restore one slot's KV cache (llama.cpp's per-sequence state API).
 
-Blob format, version 1 (all integers little-endian; documented in
+Blob format, version 2 (all integers little-endian; documented in
 ``docs/protocol-notes.md``)::
 
     offset  size        field
     0       4           magic  b"HYKV"
-    4       2           format version (1)
+    4       2           format version (2)
     6       2           kv_format: 1 = one KV stream (portable across n_parallel),
                         0 = llama.cpp's raw sequence state (same n_parallel only)
     8       4           n_tokens: tokens in the slot's KV cache (= n_past)
     12      32          model hash: raw SHA-256 of the GGUF file
     44      8           kv_len: bytes of llama.cpp sequence state that follow the tokens
-    52      4*n_tokens  the slot's tokens (u32 each)
+    52      8           checksum: XXH3-64 of bytes 0..51 and of every byte after 60
+    60      4*n_tokens  the slot's tokens (u32 each)
     ...     kv_len      llama_state_seq_get_data() output for the slot's sequence
+
+The checksum covers the whole blob but itself, so a flipped bit anywhere (KV
+bytes, token ids, lengths, the model hash) is refused before the slot is
+touched (:func:`verify_checksum`).  A blob with ``n_tokens`` 0 is an empty
+slot's state: restoring it empties the slot.
 
 llama.cpp's sequence state (this version, non-unified KV cache) is
 ``[u32 0xaf143cd8][i32 seq_id][u32 n_stream]`` then, per stream,
@@ -37,14 +43,16 @@ from typing import TYPE_CHECKING
 
 import attrs
 import llama_cpp
+import xxhash
 
 if TYPE_CHECKING:
     from .batch import Engine
 
 BLOB_MAGIC = b"HYKV"
-BLOB_VERSION = 1
-_HEADER = struct.Struct("<4sHHI32sQ")
-HEADER_SIZE = _HEADER.size  # 52 bytes
+BLOB_VERSION = 2
+_HEADER = struct.Struct("<4sHHI32sQQ")
+HEADER_SIZE = _HEADER.size  # 60 bytes
+_CHECKSUM_AT = 52  # the u64 checksum: bytes 52..59
 
 
 class StateError(ValueError):
@@ -63,6 +71,7 @@ class BlobHeader:
     model_hash: str  # 64 hex digits
     kv_len: int
     kv_format: int = 1
+    checksum: int = 0
 
     @property
     def total_size(self) -> int:
@@ -109,14 +118,55 @@ def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
     """
     if len(data) < HEADER_SIZE:
         raise StateError(f"state blob too short: {len(data)} bytes, the header alone is {HEADER_SIZE}")
-    magic, version, kv_format, n_tokens, digest, kv_len = _HEADER.unpack_from(data)
+    magic, version, kv_format, n_tokens, digest, kv_len, checksum = _HEADER.unpack_from(data)
     if magic != BLOB_MAGIC:
         raise StateError(f"not a hydra-trio state blob (magic {bytes(magic)!r}, expected {BLOB_MAGIC!r})")
     if version != BLOB_VERSION:
-        raise StateError(f"state blob format version {version} is not supported (this node reads {BLOB_VERSION})")
+        raise StateError(
+            f"state blob format version {version} is not supported (this node reads version {BLOB_VERSION}, "
+            "whose blobs carry a checksum): fetch the state again from a node of this version"
+        )
     if kv_format not in (KV_RAW, KV_ONE_STREAM):
         raise StateError(f"state blob KV format {kv_format} is not supported")
-    return BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format)
+    return BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format, checksum=checksum)
+
+
+def _check_length(header: BlobHeader, blob: bytes | bytearray | memoryview) -> None:
+    if header.total_size != len(blob):
+        raise StateError(
+            f"state blob length {len(blob)} does not match its header ({header.total_size} bytes: "
+            f"{header.n_tokens} tokens, {header.kv_len} KV bytes)"
+        )
+
+
+def blob_checksum(blob: bytes | bytearray | memoryview) -> int:
+    """XXH3-64 of a blob without its checksum field (bytes 0..51 and 60..end)."""
+    view = memoryview(blob)
+    h = xxhash.xxh3_64(view[:_CHECKSUM_AT])
+    h.update(view[HEADER_SIZE:])
+    return h.intdigest()
+
+
+def verify_checksum(blob: bytes | bytearray | memoryview) -> BlobHeader:
+    """Check the blob's header and its checksum over every other byte; returns the header.
+
+    Pure CPU work on the bytes (about 10 GB/s): callers run it in a worker
+    thread for large blobs, before the engine sees them.
+
+    Raises:
+        StateError: a bad header (see :func:`parse_header`), a length that
+            does not match the header (a truncated or padded upload) or a
+            checksum mismatch (a corrupt or altered blob).
+    """
+    header = parse_header(blob)
+    _check_length(header, blob)
+    got = blob_checksum(blob)
+    if got != header.checksum:
+        raise StateError(
+            f"the state blob is corrupt: checksum {got:016x} does not match the header's {header.checksum:016x}",
+            expected_checksum=f"{header.checksum:016x}", got_checksum=f"{got:016x}",
+        )
+    return header
 
 
 def blob_size(engine: Engine, id_slot: int) -> int:
@@ -157,45 +207,48 @@ def save_slot(engine: Engine, id_slot: int) -> tuple[int, bytearray]:
     head = HEADER_SIZE + 4 * len(tokens)
     blob = bytearray(head + len(body))
     _HEADER.pack_into(
-        blob, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(engine.identity.model_hash), len(body)
+        blob, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(engine.identity.model_hash),
+        len(body), 0,
     )
     struct.pack_into(f"<{len(tokens)}I", blob, HEADER_SIZE, *tokens)
     blob[head:] = body
+    struct.pack_into("<Q", blob, _CHECKSUM_AT, blob_checksum(blob))
     return len(tokens), blob
 
 
-def check_blob(engine: Engine, blob: bytearray) -> BlobHeader:
+def check_blob(engine: Engine, blob: bytearray, *, checksum_verified: bool = False) -> BlobHeader:
     """Check a whole blob against this engine before applying it.
 
+    ``checksum_verified``: the caller already ran :func:`verify_checksum` on
+    these very bytes (off the engine thread); otherwise it runs here.
+
     Raises:
-        StateError: a bad header, a length mismatch (truncated or padded
-            upload), another model's blob (meta ``expected_hash`` /
-            ``got_hash``) or more tokens than a slot's context holds.
+        StateError: a bad header, a checksum mismatch, a length mismatch
+            (truncated or padded upload), another model's blob (meta
+            ``expected_hash`` / ``got_hash``) or more tokens than a slot's
+            context holds.
     """
     assert engine.identity is not None
-    header = parse_header(blob)
+    header = parse_header(blob) if checksum_verified else verify_checksum(blob)
     if header.model_hash != engine.identity.model_hash:
         raise StateError(
             "the state blob was made by another model",
             expected_hash=engine.identity.model_hash,
             got_hash=header.model_hash,
         )
-    if header.total_size != len(blob):
-        raise StateError(
-            f"state blob length {len(blob)} does not match its header ({header.total_size} bytes: "
-            f"{header.n_tokens} tokens, {header.kv_len} KV bytes)"
-        )
+    _check_length(header, blob)
     if header.n_tokens >= engine.n_ctx_slot:
         raise StateError(f"the blob holds {header.n_tokens} tokens; a slot's context holds {engine.n_ctx_slot}")
     return header
 
 
-def restore_slot(engine: Engine, id_slot: int, blob: bytearray) -> int:
+def restore_slot(engine: Engine, id_slot: int, blob: bytearray, *, checksum_verified: bool = False) -> int:
     """Engine thread: apply a checked blob to an idle slot, all or nothing.  Returns n_past.
 
     Memory: the blob is framed for llama.cpp in place (it is consumed: its
     bytes are changed), so the restore holds the blob plus, when the slot
-    already held tokens, a backup of its old state.
+    already held tokens, a backup of its old state.  An empty slot's blob
+    (``n_tokens`` 0) empties the slot.
 
     Raises:
         StateError: the blob is invalid (see :func:`check_blob`) or llama.cpp
@@ -203,12 +256,17 @@ def restore_slot(engine: Engine, id_slot: int, blob: bytearray) -> int:
     """
     m = engine.model
     assert m is not None
-    header = check_blob(engine, blob)
+    header = check_blob(engine, blob, checksum_verified=checksum_verified)
     slot = engine.slots[id_slot]
     tokens = list(struct.unpack_from(f"<{header.n_tokens}I", blob, HEADER_SIZE))
     bad = next((t for t in tokens if t >= m.n_vocab), None)
     if bad is not None:
         raise StateError(f"the blob holds token id {bad}, outside the vocabulary (0..{m.n_vocab - 1})")
+    if not tokens:  # an empty slot's state: "this slot is now empty"
+        _check_empty_kv(header, memoryview(blob)[HEADER_SIZE:])
+        llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
+        slot.cache_tokens.clear()
+        return 0
     backup = save_slot(engine, id_slot)[1] if slot.n_past else None  # an empty slot needs no backup
     if not _apply_kv(engine, id_slot, header, blob):
         # llama.cpp cleared the sequence on failure: put the old state back
@@ -222,6 +280,17 @@ def restore_slot(engine: Engine, id_slot: int, blob: bytearray) -> int:
     return len(tokens)
 
 
+def _check_empty_kv(header: BlobHeader, kv: memoryview) -> None:
+    """An empty slot's KV bytes must say "no cells" in every stream; StateError otherwise."""
+    counts = kv
+    if header.kv_format == KV_RAW:
+        if len(kv) < _SEQ_PREFIX.size or _SEQ_PREFIX.unpack_from(kv, 0)[0] != _IO_MAGIC:
+            raise StateError("the blob has no tokens but its KV state is not llama.cpp's sequence state")
+        counts = kv[_SEQ_PREFIX.size :]
+    if len(counts) < 4 or len(counts) % 4 or any(counts):
+        raise StateError("the blob has no tokens but its KV state holds cells")
+
+
 def _apply_kv(engine: Engine, id_slot: int, header: BlobHeader, blob: bytearray) -> bool:
     """Hand the blob's KV bytes to llama.cpp; True when the slot now holds exactly the blob's tokens.
 
@@ -233,7 +302,7 @@ def _apply_kv(engine: Engine, id_slot: int, header: BlobHeader, blob: bytearray)
     assert m is not None
     start = HEADER_SIZE + 4 * header.n_tokens
     if header.kv_format == KV_ONE_STREAM:
-        begin = start - _SEQ_PREFIX.size  # the header alone is 52 bytes: always room for 12
+        begin = start - _SEQ_PREFIX.size  # the header alone is 60 bytes: always room for 12
         _SEQ_PREFIX.pack_into(blob, begin, _IO_MAGIC, id_slot, m.n_stream)
         del blob[start + header.kv_len :]
         blob.extend(bytes(4 * (m.n_stream - 1)))

@@ -6,6 +6,13 @@ server (``hypercorn.trio.tcp_server.TCPServer``) works on any trio
 This uses hypercorn internals (not public API): pyproject pins hypercorn's
 minor version and ``tests/test_frontdoor.py`` exercises the path (split
 request lines included).
+
+Timeouts: hypercorn's ``read_timeout`` bounds *every* receive on the
+connection, also while the server is busy producing a reply, so it would cut
+long generations (a client that waits for its reply sends nothing).  It is
+off; the times the server waits for the client are bounded instead by
+hypercorn's keep-alive timer (idle connections and request headers) and by
+the app's body timeout (:class:`~hydra_trio.http.settings.HttpSettings`).
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ from hypercorn.config import Config
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
+from .settings import HttpSettings
+
 
 class HttpHandler:
     """One hypercorn config and one ASGI app for the whole process."""
 
-    def __init__(self, app: object, *, keep_alive_timeout: float = 5.0, read_timeout: float | None = 120.0) -> None:
+    def __init__(self, app: object, settings: HttpSettings = HttpSettings()) -> None:
         config = Config()
-        config.keep_alive_timeout = keep_alive_timeout
-        config.read_timeout = read_timeout
+        config.keep_alive_timeout = settings.keep_alive_timeout
+        config.read_timeout = None  # see the module docstring
         config.accesslog = logging.getLogger("hydra_trio.http.access")
         config.errorlog = logging.getLogger("hydra_trio.http.error")
         config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
@@ -36,3 +45,11 @@ class HttpHandler:
     async def __call__(self, stream: trio.SocketStream) -> None:
         """Serve HTTP/1.1 on ``stream`` until the client or the server closes it."""
         await TCPServer(self.app, self.config, self.context, {}, stream).run()  # type: ignore[arg-type]
+
+    async def drain(self) -> None:
+        """Graceful shutdown: idle keep-alive connections close now; the others after their reply.
+
+        (hypercorn's ``WorkerContext.terminated``: its keep-alive timer and
+        its request recycling both watch it.)
+        """
+        await self.context.terminated.set()

@@ -32,17 +32,18 @@ from ..engine.slots import Failed, Finished, RequestHandle, TextDelta
 from . import metrics
 from ..jobs import job_from_chat, job_from_completion
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from .settings import HttpSettings
 
 log = logging.getLogger("hydra_trio.http")
 
-MAX_BODY_BYTES = 16 * 1024 * 1024
-
-
-def error_response(status: int, message: str, type_: str, code: int | str | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     """OpenAI's error body: ``{"error": {"message", "type", "code"}}``."""
     return JSONResponse(
         {"error": {"message": message, "type": type_, "code": status if code is None else code}},
         status_code=status,
+        headers=headers,
     )
 
 
@@ -57,10 +58,13 @@ def _unavailable(engine: Engine) -> JSONResponse:
 class Api:
     """Route handlers bound to one engine (``None`` for a node without a model)."""
 
-    def __init__(self, engine: Engine | None, connections: Mapping[str, int], rpc: Any = None) -> None:
+    def __init__(
+        self, engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, settings: HttpSettings = HttpSettings()
+    ) -> None:
         self.engine = engine
         self.connections = connections
         self.rpc = rpc
+        self.settings = settings
         self.started = time.time()
 
     # ----------------------------------------------------------- status routes
@@ -151,15 +155,30 @@ class Api:
 
     # ------------------------------------------------------------ completions
     async def _read(self, request: Request, cls: type[Any]) -> Any:
-        n = int(request.headers.get("content-length") or 0)
-        if n > MAX_BODY_BYTES:
-            raise RequestError(f"the body is {n} bytes; the limit is {MAX_BODY_BYTES}")
-        raw = b""
-        async for chunk in request.stream():
+        """Read and parse the body: at most ``max_body`` bytes, no gap longer than ``body_timeout``.
+
+        Raises:
+            RequestError: invalid body (400).
+            _BodyError: too large (413) or the client stalled (408).
+        """
+        limit, timeout = self.settings.max_body, self.settings.body_timeout
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _BodyError(413, f"the body is {declared} bytes; the limit is {limit}")
+        raw = bytearray()
+        chunks = request.stream().__aiter__()
+        while True:
+            with trio.move_on_after(timeout) as waited:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+            if waited.cancelled_caught:
+                raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
             raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise RequestError(f"the body is over the limit of {MAX_BODY_BYTES} bytes")
-        return parse_body(raw, cls)
+            if len(raw) > limit:
+                raise _BodyError(413, f"the body is over the limit of {limit} bytes")
+        return parse_body(bytes(raw), cls)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -181,6 +200,8 @@ class Api:
                 lambda: job_from_chat(e, body) if chat else job_from_completion(e, body)
             )
             handle = e.submit(job)
+        except _BodyError as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
         except (RequestError, ValueError) as exc:
             return _bad_request(str(exc))
         except EngineNotReady:
@@ -196,8 +217,10 @@ class Api:
         return await self._collect(request, e, handle, ctx)
 
     async def _collect(self, request: Request, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> Response:
+        """A non-streamed reply: gather the events; a client that disconnects ends the handler at once."""
         texts: list[str] = []
         finished: Finished | None = None
+        failed: Failed | None = None
         async with _cancel_on_disconnect(request, e, handle):
             async for ev in handle.events:
                 if isinstance(ev, TextDelta):
@@ -205,11 +228,14 @@ class Api:
                 elif isinstance(ev, Finished):
                     finished = ev
                 elif isinstance(ev, Failed):
-                    status = 400 if ev.code == "invalid_request" else 500
-                    return error_response(status, ev.message, "invalid_request_error" if status == 400 else "server_error")
-        if finished is None:  # cancelled: the client went away
-            return Response(status_code=499)
-        return JSONResponse(ctx.final_body("".join(texts), finished))
+                    failed = ev
+        if finished is not None:
+            return JSONResponse(ctx.final_body("".join(texts), finished))
+        if failed is not None and failed.code != "cancelled":
+            status = 400 if failed.code == "invalid_request" else 500
+            return error_response(status, failed.message, "invalid_request_error" if status == 400 else "server_error")
+        # cancelled: the client went away (nobody reads this), or the server is stopping
+        return error_response(503, "the request was cancelled", "unavailable_error")
 
     async def _sse(self, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> AsyncIterator[str]:
         try:
@@ -293,24 +319,39 @@ class _ResponseContext:
         }
 
 
+class _BodyError(Exception):
+    """The body could not be read: ``status`` 413 (too large) or 408 (the client stalled)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 @asynccontextmanager
 async def _cancel_on_disconnect(request: Request, e: Engine, handle: RequestHandle) -> AsyncIterator[None]:
-    """Cancel the request (and free its slot) if the client disconnects before the reply."""
-    async with trio.open_nursery() as nursery:
+    """Run the body until it ends or the client disconnects, whichever comes first.
 
-        async def watch() -> None:
-            while True:
-                msg = await request.receive()
-                if msg["type"] == "http.disconnect":
-                    e.cancel(handle)
-                    return
+    On a disconnect the body is cancelled at once (it does not wait for the
+    engine) and the request is cancelled in the engine, which frees its slot
+    or its place in the queue.  The request is cancelled on every exit.
+    """
+    with trio.CancelScope() as body_scope:
+        async with trio.open_nursery() as nursery:
 
-        nursery.start_soon(watch)
-        try:
-            yield
-        finally:
-            e.cancel(handle)
-            nursery.cancel_scope.cancel()
+            async def watch() -> None:
+                while True:
+                    msg = await request.receive()
+                    if msg["type"] == "http.disconnect":
+                        e.cancel(handle)
+                        body_scope.cancel()
+                        return
+
+            nursery.start_soon(watch)
+            try:
+                yield
+            finally:
+                e.cancel(handle)
+                nursery.cancel_scope.cancel()
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -322,13 +363,18 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, exc.detail, "invalid_request_error")
 
 
-def build_app(engine: Engine | None, connections: Mapping[str, int] | None = None, rpc: Any = None) -> Starlette:
+def build_app(
+    engine: Engine | None,
+    connections: Mapping[str, int] | None = None,
+    rpc: Any = None,
+    settings: HttpSettings = HttpSettings(),
+) -> Starlette:
     """The ASGI app for one engine (``None``: a node without a model).
 
     ``connections`` maps protocol names to accepted-connection counts (the
     front door's), exported by ``/metrics``.
     """
-    api = Api(engine, connections if connections is not None else {}, rpc)
+    api = Api(engine, connections if connections is not None else {}, rpc, settings)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 from cattrs.gen import override
 
-from ..engine.slots import SamplingParams
+from ..engine.settings import SamplingParams, check_n_predict, check_stop
 from ..protocol import messages as msg
 
 RequestError = msg.MessageError
@@ -59,30 +59,19 @@ class _GenerationFields:
     ignore_eos: bool = False  # llama-server
 
     def check(self) -> None:
+        """Every field against its bounds (:mod:`hydra_trio.engine.settings`); raises RequestError naming it."""
         if self.n != 1:
             raise RequestError("n: only n = 1 is supported")
-        for name in ("max_tokens", "max_completion_tokens"):
-            v = getattr(self, name)
-            if v is not None and v < 0:
-                raise RequestError(f"{name}: must be >= 0, got {v}")
-        if self.n_predict is not None and self.n_predict < -1:
-            raise RequestError(f"n_predict: must be >= -1, got {self.n_predict}")
-        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
-            raise RequestError(f"temperature: must be in [0, 2], got {self.temperature}")
-        if self.top_p is not None and not 0.0 <= self.top_p <= 1.0:
-            raise RequestError(f"top_p: must be in [0, 1], got {self.top_p}")
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            raise RequestError(f"min_p: must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty is not None and self.repeat_penalty <= 0:
-            raise RequestError(f"repeat_penalty: must be > 0, got {self.repeat_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if v is not None and not -2.0 <= v <= 2.0:
-                raise RequestError(f"{name}: must be in [-2, 2], got {v}")
+        try:
+            check_n_predict("max_tokens", self.max_tokens, lo=0)
+            check_n_predict("max_completion_tokens", self.max_completion_tokens, lo=0)
+            check_n_predict("n_predict", self.n_predict)
+            check_stop(self.stop)
+            self.sampling(SamplingParams())  # the sampler fields' own validators
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         if self.id_slot < -1:
             raise RequestError(f"id_slot: must be >= -1, got {self.id_slot}")
-        if len(self.stop) > 16:
-            raise RequestError("stop: at most 16 stop strings")
 
     def n_predict_effective(self, default: int = -1) -> int:
         """Tokens to generate: ``max_completion_tokens``, ``max_tokens``, ``n_predict``, else ``default``."""
@@ -188,12 +177,16 @@ def parse_body(raw: bytes, cls: type[Any]) -> Any:
             wrong type or out of range; the message names the field.
     """
     try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise RequestError(f"invalid JSON body: {exc}") from None
     except RecursionError:
         raise RequestError("invalid JSON body: nested too deeply") from None
     return structure_body(data, cls)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 def structure_body(data: Any, cls: type[Any]) -> Any:

@@ -13,6 +13,7 @@ a bool is not an int, a number is not a str; floats accept ints.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias, TypeVar, get_args
@@ -79,15 +80,28 @@ def type_name(v: Any) -> str:
 # --------------------------------------------------------------------------
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def _as_int(v: Any) -> int:
+    """A JSON integer within 64 bits (fields with tighter bounds check them later)."""
     if isinstance(v, int) and not isinstance(v, bool):
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise TypeMismatch(f"expected a 64-bit integer, got one with {len(str(abs(v)))} digits")
         return int(v)
     raise TypeMismatch(f"expected int, got {type_name(v)}")
 
 
 def _as_float(v: Any) -> float:
+    """A finite JSON number (``1e999`` parses as infinity: refused)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
+        try:
+            f = float(v)
+        except OverflowError:
+            raise TypeMismatch("expected a finite float, got an integer too large for a float") from None
+        if not math.isfinite(f):
+            raise TypeMismatch(f"expected a finite float, got {f}")
+        return f
     raise TypeMismatch(f"expected float, got {type_name(v)}")
 
 
@@ -467,6 +481,7 @@ T1_KEYS: dict[str, Callable[[Any], Any]] = {
     "seed": _as_int,
     "n_predict": _as_int,
     "repeat_penalty": _as_float,
+    "repeat_last_n": _as_int,
     "presence_penalty": _as_float,
     "frequency_penalty": _as_float,
     "state_chunk_size": _as_int,

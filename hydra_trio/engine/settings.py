@@ -1,0 +1,122 @@
+"""Request and engine parameters that reach llama.cpp, with their bounds, in one place.
+
+Every parameter that sizes an allocation or a loop in llama.cpp (a sampler's
+window, a count, a token budget) is checked here *before* it reaches
+llama.cpp, and integers that llama.cpp takes as 32-bit are checked against
+that range instead of being wrapped by ctypes.  The HTTP API (400), the Hydra
+protocol (BAD_REQUEST) and CONFIGURE all go through these checks, and their
+errors name the field.
+
+=====================  ==============================  =======================================
+field                  accepted                        meaning at the edges
+=====================  ==============================  =======================================
+temperature            finite, 0 .. 2                  0: greedy
+top_k                  -1 .. 2**31-1                   <= 0: off; above the vocabulary: all
+top_p, min_p           finite, 0 .. 1
+seed                   -1 .. 2**32-1, or null          -1, null, 2**32-1: a random seed
+repeat_penalty         finite, > 0 and <= 10           1: off
+repeat_last_n          -1 .. 1048576                   -1: the slot's context; 0: off
+presence_penalty,      finite, -2 .. 2                 0: off
+frequency_penalty
+n_predict              -1 .. 2**31-1                   -1: until end of generation / context
+max_tokens,            0 .. 2**31-1                    0: process the prompt only
+max_completion_tokens
+stop                   at most 16 strings of at most
+                       512 characters each
+=====================  ==============================  =======================================
+
+The penalty window is also clamped to the slot's context (a window larger
+than the context sees the same tokens), so the sampler's ring buffer is at
+most ``n_ctx_slot`` tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+INT32_MAX = 2**31 - 1
+UINT32_MAX = 2**32 - 1
+REPEAT_LAST_N_MAX = 1 << 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+
+
+class ParameterError(ValueError):
+    """A parameter is out of its bounds; the message names it (HTTP 400 / Hydra BAD_REQUEST)."""
+
+
+def check_int(name: str, value: int, lo: int, hi: int) -> None:
+    """Raise ParameterError unless ``lo <= value <= hi``."""
+    if not lo <= value <= hi:
+        raise ParameterError(f"{name}: must be between {lo} and {hi}, got {value}")
+
+
+def check_float(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    """Raise ParameterError unless ``value`` is finite and in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    if not math.isfinite(value):
+        raise ParameterError(f"{name}: must be a finite number, got {value}")
+    if value > hi or value < lo or (lo_open and value == lo):
+        raise ParameterError(f"{name}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}")
+
+
+def _int(lo: int, hi: int) -> Any:
+    def v(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None:
+            check_int(attr.name, value, lo, hi)
+
+    return v
+
+
+def _float(lo: float, hi: float, *, lo_open: bool = False) -> Any:
+    def v(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        check_float(attr.name, value, lo, hi, lo_open=lo_open)
+
+    return v
+
+
+@attrs.frozen
+class SamplingParams:
+    """Sampler settings; names, defaults and meanings follow llama-server, bounds in the module docstring.
+
+    ``temperature <= 0`` means greedy.  ``seed`` None (or -1) picks a random seed.
+
+    Raises:
+        ParameterError: a value out of its bounds (also from ``attrs.evolve``).
+    """
+
+    temperature: float = attrs.field(default=0.8, validator=_float(0.0, 2.0))
+    top_k: int = attrs.field(default=40, validator=_int(-1, INT32_MAX))
+    top_p: float = attrs.field(default=0.95, validator=_float(0.0, 1.0))
+    min_p: float = attrs.field(default=0.05, validator=_float(0.0, 1.0))
+    seed: int | None = attrs.field(default=None, validator=_int(-1, UINT32_MAX))
+    repeat_penalty: float = attrs.field(default=1.0, validator=_float(0.0, 10.0, lo_open=True))
+    repeat_last_n: int = attrs.field(default=64, validator=_int(-1, REPEAT_LAST_N_MAX))
+    presence_penalty: float = attrs.field(default=0.0, validator=_float(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_float(-2.0, 2.0))
+
+    def penalty_window(self, n_ctx_slot: int) -> int:
+        """Tokens the repetition penalties look back over: ``repeat_last_n`` (-1: the context), at most ``n_ctx_slot``."""
+        n = n_ctx_slot if self.repeat_last_n < 0 else self.repeat_last_n
+        return min(n, n_ctx_slot)
+
+    def seed_u32(self) -> int:
+        """The seed for llama.cpp's ``dist`` sampler: ``LLAMA_DEFAULT_SEED`` (0xFFFFFFFF, random) when unset or -1."""
+        return UINT32_MAX if self.seed is None or self.seed < 0 else self.seed
+
+
+def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
+    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` in [0, 2**31-1]."""
+    if value is not None:
+        check_int(name, value, lo, INT32_MAX)
+
+
+def check_stop(stop: tuple[str, ...]) -> None:
+    """Stop strings: at most 16, each at most 512 characters (the matcher holds back up to that much text)."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ParameterError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if len(s) > MAX_STOP_CHARS:
+            raise ParameterError(f"stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(s)}")

@@ -1,0 +1,28 @@
+"""HTTP settings: how long the server waits for a client, and how much it reads."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class HttpSettings:
+    """Limits of the HTTP front end (seconds and bytes).
+
+    The server only ever times out while it waits for the *client*: a
+    request runs as long as it needs once it has arrived, however long its
+    reply takes to generate or stream.
+
+    Attributes:
+        keep_alive_timeout: seconds an idle connection is kept between
+            requests, and the time a client has to send a request's headers
+            whole (``--keep-alive-timeout``; hypercorn's ``keep_alive_timeout``).
+        body_timeout: seconds of silence allowed while a request's body is
+            arriving; past it the reply is 408 and the connection closes
+            (``--timeout``, llama-server's flag name).
+        max_body: the largest request body in bytes (413 beyond it).
+    """
+
+    keep_alive_timeout: float = 5.0
+    body_timeout: float = 30.0
+    max_body: int = 16 * 1024 * 1024
