@@ -45,15 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=25, help="steps per example (default 25)")
     ap.add_argument("--port", type=int, default=None, help="fuzz a server already running on this port")
     ap.add_argument("--slots", type=int, default=2, help="slots of that server (default 2)")
+    ap.add_argument("--step-timeout", type=float, default=60.0,
+                    help="seconds one exchange may take before it is reported as a hang (default 60)")
     a = ap.parse_args(argv)
 
     proc = None
     port = a.port
     if port is None:
         log = open(ROOT / ".fuzz-server.log", "wb")
-        proc, port = spawn("-np", str(a.slots), "-c", "4096", "--classify-timeout", "2", output=log)
+        # a short body timeout: long requests must still run to their end (fuzz.hostile)
+        proc, port = spawn("-np", str(a.slots), "-c", "4096", "--classify-timeout", "2", "--timeout", "1", output=log)
         wait_healthy(port, proc)
-    live.configure(port, a.slots)
+    live.configure(port, a.slots, a.step_timeout)
     pid = proc.pid if proc else None
     before = proc_stats(pid) if pid else {}
     examples = a.examples if a.examples is not None else (10**9 if a.minutes else 50)
@@ -97,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
           f"steps checked {live.STATS['steps']}")
     print("requests: " + ", ".join(f"{k} {v}" for k, v in live.STATS.items() if k not in ("steps", "examples")))
     print(f"failures {failures}")
+    print(f"hangs (steps past --step-timeout) {len(live.FINDINGS)}")
+    for f in live.FINDINGS:
+        print(f"  {f}")
     if before:
         print(f"server before: {before}")
         print(f"server after:  {after}")
         print(f"server exit code after SIGTERM: {code}")
-    return 1 if failures or (code not in (0, None)) else 0
+    return 1 if failures or live.FINDINGS or (code not in (0, None)) else 0
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
 import time
 
 import httpx
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import invariant, rule
 
 from hydra_trio.protocol.hydra import (
     Op,
@@ -32,25 +33,39 @@ from hydra_trio.protocol.hydra import (
     encode_request,
 )
 
+from hydra_trio.protocol import ggml_rpc as _g
+
+from .findings import FINDINGS, StepTimeout, timeouts_are_findings
+from .hostile import HostileRules
 from .strategies import (
+    RPC_BUFFER_SIZE,
+    GgmlRpcMutant,
     Mutant,
     Req,
+    RpcStep,
     ggml_rpc_hellos,
+    ggml_rpc_mutants,
+    ggml_rpc_silent_openings,
+    ggml_rpc_truncated,
     http_requests,
     nearly_valid_requests,
     random_first_bytes,
     valid_requests,
 )
 
-TIMEOUT = 20.0  # seconds any single exchange may take
+TIMEOUT = 60.0  # seconds any single exchange may take: generous, so that only a hang reaches it
 TARGET: dict[str, object] = {"port": None, "n_slots": 2}
 STATS: dict[str, int] = {"examples": 0, "steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0}
-
-
-def configure(port: int, n_slots: int) -> None:
-    """Point the machine at a server on 127.0.0.1:``port`` with ``n_slots`` slots."""
+def configure(port: int, n_slots: int, timeout: float | None = None) -> None:
+    """Point the machine at a server on 127.0.0.1:``port`` with ``n_slots`` slots (and a step timeout, seconds)."""
+    global TIMEOUT
     TARGET["port"] = port
     TARGET["n_slots"] = n_slots
+    if timeout is not None:
+        TIMEOUT = timeout
+
+
+__all__ = ["FINDINGS", "STATS", "LiveServerMachine", "configure"]
 
 
 def _port() -> int:
@@ -95,7 +110,7 @@ def hydra_exchange(
             except ConnectionResetError:
                 return None
             except TimeoutError as exc:
-                raise AssertionError("no reply and no close within the timeout") from exc
+                raise StepTimeout("no reply and no close within the timeout") from exc
             if not data:
                 assert status is None, "connection closed in the middle of a reply"
                 return None
@@ -113,7 +128,7 @@ def hydra_exchange(
                     if status != Status.OK:
                         assert isinstance(meta.get("error"), str) and meta["error"], meta
                     return status, meta, bytes(body)
-        raise AssertionError("reply not finished within the timeout")
+        raise StepTimeout("reply not finished within the timeout")
 
 
 def _exchange_until_close(data: bytes) -> bytes:
@@ -132,15 +147,61 @@ def _exchange_until_close(data: bytes) -> bytes:
             except ConnectionResetError:
                 return out
             except TimeoutError as exc:
-                raise AssertionError("server neither answered nor closed") from exc
+                raise StepTimeout("server neither answered nor closed") from exc
             if not chunk:
                 return out
             out += chunk
-        raise AssertionError("server kept the connection open past the timeout")
+        raise StepTimeout("server kept the connection open past the timeout")
 
 
-class LiveServerMachine(RuleBasedStateMachine):
-    """Stateful fuzzing of one live server (see the module docstring)."""
+def _recv_exact(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = s.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def _ggml_reply(s: socket.socket) -> bytes:
+    """One ggml-RPC reply ``[u64 size][payload]``; ConnectionError if the server closed instead."""
+    (size,) = struct.unpack("<Q", _recv_exact(s, 8))
+    return _recv_exact(s, size)
+
+
+def _closes(s: socket.socket) -> bool:
+    """Read until the server closes (True) or TIMEOUT passes (False)."""
+    deadline = time.monotonic() + TIMEOUT
+    while time.monotonic() < deadline:
+        try:
+            if not s.recv(65536):
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+    return False
+
+
+def _rpc_pid() -> int:
+    status, meta, _ = hydra_exchange([encode_request(Op.INFO)])  # type: ignore[misc]
+    assert status == Status.OK
+    return meta["rpc_backend"]["pid"]
+
+
+def _ggml_backend_answers(pid: int) -> None:
+    """A real HELLO is answered, and the ggml-RPC child is still the one it was (pid unchanged)."""
+    with _connect() as s:
+        s.sendall(_g.hello_request())
+        reply = _ggml_reply(s)
+        assert reply[0] == _g.RPC_PROTO_MAJOR_VERSION, reply
+    assert _rpc_pid() == pid, "the ggml-RPC child was restarted: something crashed it"
+
+
+class LiveServerMachine(HostileRules):
+    """Stateful fuzzing of one live server (see the module docstring); :class:`fuzz.hostile.HostileRules` adds
+    long requests, vanishing clients, hostile numbers and corrupt blobs."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -157,6 +218,7 @@ class LiveServerMachine(RuleBasedStateMachine):
         stream=st.booleans(),
         slot=st.integers(-1, 3),
     )
+    @timeouts_are_findings
     def http_chat(self, content: str, max_tokens: int, stream: bool, slot: int) -> None:
         STATS["http"] += 1
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream,
@@ -176,6 +238,7 @@ class LiveServerMachine(RuleBasedStateMachine):
         st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
         lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20,
     ).map(lambda v: json.dumps(v).encode())))
+    @timeouts_are_findings
     def http_bad_body(self, body: bytes) -> None:
         STATS["http"] += 1
         r = self.http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
@@ -185,6 +248,7 @@ class LiveServerMachine(RuleBasedStateMachine):
             assert err["message"] and err["type"] == "invalid_request_error"
 
     @rule(raw=st.binary(min_size=1, max_size=200), method=st.sampled_from([b"GET ", b"POST ", b"PUT ", b"HEAD "]))
+    @timeouts_are_findings
     def http_garbage_request(self, raw: bytes, method: bytes) -> None:
         STATS["garbage"] += 1
         with _connect() as s:
@@ -196,6 +260,7 @@ class LiveServerMachine(RuleBasedStateMachine):
         assert data == b"" or data.startswith(b"HTTP/1.1 "), data[:80]
 
     @rule(raw=http_requests())
+    @timeouts_are_findings
     def http_raw(self, raw: bytes) -> None:
         STATS["http"] += 1
         data = _exchange_until_close(raw)
@@ -204,6 +269,7 @@ class LiveServerMachine(RuleBasedStateMachine):
             raise AssertionError(f"server error: {data[:200]!r}")
 
     @rule(n=st.integers(2, 4), tokens=st.integers(1, 6))
+    @timeouts_are_findings
     def http_concurrent_completions(self, n: int, tokens: int) -> None:
         import concurrent.futures
 
@@ -220,6 +286,7 @@ class LiveServerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------- Hydra
     @rule(req=valid_requests(max_payload=512))
+    @timeouts_are_findings
     def hydra_valid_frame(self, req: Req) -> None:
         STATS["hydra"] += 1
         if req.op == Op.CONFIGURE:
@@ -231,6 +298,7 @@ class LiveServerMachine(RuleBasedStateMachine):
             assert reply[0] == Status.NOT_IMPLEMENTED
 
     @rule(m=nearly_valid_requests())
+    @timeouts_are_findings
     def hydra_nearly_valid(self, m: Mutant) -> None:
         STATS["hydra"] += 1
         if m.req.op == Op.CONFIGURE:
@@ -238,6 +306,7 @@ class LiveServerMachine(RuleBasedStateMachine):
         hydra_exchange([m.data], half_close=True)
 
     @rule(slot=st.integers(0, 3))
+    @timeouts_are_findings
     def hydra_info_and_meta(self, slot: int) -> None:
         STATS["hydra"] += 1
         status, meta, _ = hydra_exchange([encode_request(Op.INFO, trace_id="fuzz")])  # type: ignore[misc]
@@ -247,6 +316,7 @@ class LiveServerMachine(RuleBasedStateMachine):
         assert reply[0] == (Status.OK if slot < int(TARGET["n_slots"]) else Status.NOT_FOUND)  # type: ignore[call-overload]
 
     @rule(slot=st.integers(0, 1))
+    @timeouts_are_findings
     def hydra_state_round_trip(self, slot: int) -> None:
         STATS["hydra"] += 1
         got = hydra_exchange([encode_request(Op.STATE_GET, key=str(slot))])
@@ -260,6 +330,7 @@ class LiveServerMachine(RuleBasedStateMachine):
             assert put[1]["n_past"] == got[1]["n_past"]
 
     @rule(mode=st.sampled_from([b"solo", b"combined", b'{"mode":"solo"}', b"{bad", b"turbo"]))
+    @timeouts_are_findings
     def hydra_mode_switch(self, mode: bytes) -> None:
         STATS["hydra"] += 1
         reply = hydra_exchange([encode_request(Op.SET_EXPERT_MODE, payload=mode)])
@@ -270,6 +341,7 @@ class LiveServerMachine(RuleBasedStateMachine):
             assert reply[0] in (Status.OK, Status.BUSY) and reply[1]["mode"] == "solo"
 
     @rule(req=valid_requests(max_payload=2048), cut=st.floats(0.0, 0.99))
+    @timeouts_are_findings
     def hydra_disconnect_mid_request(self, req: Req, cut: float) -> None:
         STATS["disconnects"] += 1
         data = req.encode()
@@ -277,6 +349,7 @@ class LiveServerMachine(RuleBasedStateMachine):
             s.sendall(data[: int(len(data) * cut)])
 
     @rule(pause=st.floats(0.0, 0.05))
+    @timeouts_are_findings
     def hydra_slow_sender(self, pause: float) -> None:
         STATS["hydra"] += 1
         data = encode_request(Op.INFO, trace_id="slow")
@@ -285,6 +358,7 @@ class LiveServerMachine(RuleBasedStateMachine):
 
     # ----------------------------------------------------- other first bytes
     @rule(first=random_first_bytes())
+    @timeouts_are_findings
     def random_first_byte(self, first: bytes) -> None:
         STATS["garbage"] += 1
         if first[:1] in (b"Y", b"\x0e") or first[:1].isupper():
@@ -297,6 +371,7 @@ class LiveServerMachine(RuleBasedStateMachine):
                 pass  # closed with unread bytes pending: a reset is a close too
 
     @rule(hello=ggml_rpc_hellos())
+    @timeouts_are_findings
     def ggml_rpc_hello(self, hello: bytes) -> None:
         STATS["ggml_rpc"] += 1
         reply = _exchange_until_close(hello)
@@ -305,12 +380,62 @@ class LiveServerMachine(RuleBasedStateMachine):
         else:
             assert len(reply) in (0, 36), reply  # a bad opening gets closed (or answered, if it happens to parse)
 
+    @rule(opening=ggml_rpc_silent_openings())
+    @timeouts_are_findings
+    def ggml_rpc_silent_client(self, opening: bytes) -> None:
+        """A client that goes quiet inside its HELLO must not block anyone's HELLO."""
+        STATS["ggml_rpc"] += 1
+        pid = _rpc_pid()
+        with _connect() as silent:
+            silent.sendall(opening)
+            _ggml_backend_answers(pid)
+
+    @rule(steps=ggml_rpc_truncated())
+    @timeouts_are_findings
+    def ggml_rpc_truncated_message(self, steps: list[RpcStep]) -> None:
+        """A session that disconnects in the middle of a message (its buffer handles are made up, so
+        the real server may refuse it earlier: any ending is fine but a crash or a hang)."""
+        STATS["disconnects"] += 1
+        pid = _rpc_pid()
+        with _connect() as s:
+            try:
+                for step in steps:
+                    s.sendall(step.request)
+                    if step.reply is not None:
+                        _ggml_reply(s)
+            except (ConnectionError, OSError):
+                pass  # refused on the way
+        _ggml_backend_answers(pid)
+
+    @rule(m=ggml_rpc_mutants())
+    @timeouts_are_findings
+    def ggml_rpc_malformed(self, m: GgmlRpcMutant) -> None:
+        """Crashing GRAPH_COMPUTEs, bad tensors, bad framing: closed before the child sees them."""
+        STATS["garbage"] += 1
+        pid = _rpc_pid()
+        with _connect() as s:
+            s.sendall(_g.hello_request())
+            _ggml_reply(s)
+            buffer = base = 0
+            if m.needs_buffer:
+                s.sendall(_g.encode_request(_g.RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, RPC_BUFFER_SIZE)))
+                buffer, size = struct.unpack("<QQ", _ggml_reply(s))
+                assert buffer and size >= RPC_BUFFER_SIZE
+                s.sendall(_g.encode_request(_g.RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", buffer)))
+                (base,) = struct.unpack("<Q", _ggml_reply(s))
+            try:
+                s.sendall(m.make(buffer, base))
+            except OSError:
+                pass  # closed while we were still sending: refused
+            assert _closes(s), f"{m.kind}: the front door neither refused it nor closed"
+        _ggml_backend_answers(pid)
+
     # ---------------------------------------------------------- invariants
     @invariant()
     def server_healthy_and_slots_idle(self) -> None:
         STATS["steps"] += 1
         assert self.http.get("/health").json() == {"status": "ok", "stage": "ready"}
-        deadline = time.monotonic() + 2.0
+        deadline = time.monotonic() + TIMEOUT
         while True:  # a just-cancelled request frees its slot at the engine's next step
             slots = self.http.get("/slots").json()
             busy = [s["id"] for s in slots if s["is_processing"]]
@@ -320,3 +445,25 @@ class LiveServerMachine(RuleBasedStateMachine):
         assert busy == [], f"slots {busy} processing with no request in flight"
         status, meta, _ = hydra_exchange([encode_request(Op.INFO)])  # type: ignore[misc]
         assert status == Status.OK and meta["slots_processing"] == [] and meta["n_slots"] == len(slots)
+
+    @invariant()
+    def connections_released(self) -> None:
+        """Every connection a step opened is closed by the server soon after its client left.
+
+        Open now: this machine's keep-alive client and the scrape itself.  A
+        leaked connection (a handler that never ends) stays and fails this.
+        """
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            open_now = _metric(self.http.get("/metrics").text, "hydra_trio:connections_open")
+            if open_now <= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert open_now <= 2, f"{open_now:.0f} connections still open after the step"
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} missing from /metrics")

@@ -232,3 +232,310 @@ def ggml_rpc_hellos() -> st.SearchStrategy[bytes]:
         st.integers(1, len(valid) - 1).map(lambda n: valid[:n]),
         st.binary(max_size=40).map(lambda b: b"\x0e" + b),
     )
+
+
+# --------------------------------------------------------------------------
+# ggml-RPC clients: valid sessions, silent and malformed clients
+# (hydra_trio.protocol.ggml_rpc; layouts from ggml-rpc.cpp v7.0.0)
+# --------------------------------------------------------------------------
+
+from collections.abc import Callable  # noqa: E402
+
+from hydra_trio.protocol import ggml_rpc as _g  # noqa: E402
+
+RPC_BUFFER = 0x5A5A_0000_1000
+"""The buffer handle fake sessions pretend ALLOC_BUFFER answered."""
+RPC_BASE = 0x7F00_0000_0000
+"""The base address fake sessions pretend BUFFER_GET_BASE answered."""
+RPC_BUFFER_SIZE = 1 << 20
+HELLO_REPLY = _g.encode_reply(bytes([_g.RPC_PROTO_MAJOR_VERSION, 0, 0, 0]) + bytes(_g.RPC_CONN_CAPS_SIZE))
+_GGML_OP_ADD = 2
+
+
+@attrs.frozen
+class RpcStep:
+    """One client message and the server's answer to it (None: the command is not answered)."""
+
+    request: bytes
+    reply: bytes | None
+
+
+@attrs.frozen
+class GgmlRpcMutant:
+    """A ggml-RPC message with one thing wrong that the front door must refuse.
+
+    ``make(buffer, base)`` builds the bytes; when ``needs_buffer`` the session must
+    first have allocated a buffer of at least :data:`RPC_BUFFER_SIZE` bytes (the
+    handle and base address its ALLOC_BUFFER / BUFFER_GET_BASE replies gave).
+    ``check`` is the validator check expected to refuse it.
+    """
+
+    kind: str
+    check: str
+    needs_buffer: bool
+    make: Callable[[int, int], bytes] = attrs.field(repr=False)
+
+
+def rpc_buffer_steps(buffer: int = RPC_BUFFER, base: int = RPC_BASE, size: int = RPC_BUFFER_SIZE) -> list[RpcStep]:
+    """ALLOC_BUFFER (device 0) and BUFFER_GET_BASE with the answers a server would give."""
+    return [
+        RpcStep(_g.encode_request(_g.RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, size)),
+                _g.encode_reply(struct.pack("<QQ", buffer, size))),
+        RpcStep(_g.encode_request(_g.RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", buffer)),
+                _g.encode_reply(struct.pack("<Q", base))),
+    ]
+
+
+def _contiguous_nb(t: int, ne: tuple[int, ...]) -> tuple[int, int, int, int]:
+    blck, size = _g.TYPE_TRAITS[t]
+    nb0 = size
+    nb1 = size * (ne[0] // blck)
+    nb2 = nb1 * ne[1]
+    nb3 = nb2 * ne[2]
+    return (nb0, nb1, nb2, nb3)
+
+
+_ids = st.integers(1, 2**64 - 1)
+_names = st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=20).map(str.encode)
+
+
+@st.composite
+def rpc_tensors(draw: st.DrawFn, buffer: int = RPC_BUFFER, base: int = RPC_BASE, size: int = RPC_BUFFER_SIZE,
+                types: list[int] | None = None) -> _g.RpcTensor:
+    """A valid, contiguous ``rpc_tensor`` whose data lies inside the given buffer (buffer 0: no buffer)."""
+    t = draw(st.sampled_from(types or sorted(_g.TYPE_TRAITS)))
+    blck, _ = _g.TYPE_TRAITS[t]
+    ne = (blck * draw(st.integers(1, 4)), draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 2)))
+    nb = _contiguous_nb(t, ne)
+    nbytes = nb[3] * ne[3]
+    data = base + draw(st.integers(0, size - nbytes)) if buffer else 0
+    return _g.RpcTensor(id=draw(_ids), type=t, buffer=buffer, ne=ne, nb=nb, data=data, name=draw(_names))
+
+
+@st.composite
+def _graph(draw: st.DrawFn, buffer: int = RPC_BUFFER, base: int = RPC_BASE) -> tuple[list[int], list[_g.RpcTensor]]:
+    """A valid GRAPH_COMPUTE body: f32 leaves and ADD nodes over them, all in the buffer."""
+    n_leaves = draw(st.integers(1, 3))
+    n_nodes = draw(st.integers(1, 3))
+    ids = draw(st.lists(_ids, min_size=n_leaves + n_nodes, max_size=n_leaves + n_nodes, unique=True))
+    ne = (draw(st.integers(1, 64)), draw(st.integers(1, 4)), 1, 1)
+    nb = _contiguous_nb(0, ne)
+    nbytes = nb[3]
+    tensors = []
+    for i in range(n_leaves + n_nodes):
+        data = base + i * nbytes
+        if i < n_leaves:
+            tensors.append(_g.RpcTensor(id=ids[i], type=0, buffer=buffer, ne=ne, nb=nb, data=data))
+        else:
+            a, b = draw(st.sampled_from(ids[:i])), draw(st.sampled_from(ids[:i]))
+            src = (a, b) + (0,) * (_g.GGML_MAX_SRC - 2)
+            tensors.append(_g.RpcTensor(id=ids[i], type=0, buffer=buffer, ne=ne, nb=nb, op=_GGML_OP_ADD, src=src,
+                                        data=data))
+    return ids[n_leaves:], tensors
+
+
+@st.composite
+def ggml_rpc_steps(draw: st.DrawFn) -> RpcStep:
+    """One valid message after HELLO, ALLOC_BUFFER and BUFFER_GET_BASE (see :func:`ggml_rpc_sessions`)."""
+    C = _g.RpcCmd
+    kind = draw(st.sampled_from([
+        "device_count", "alignment", "max_size", "device_memory", "set_tensor", "get_tensor", "set_tensor_hash",
+        "copy_tensor", "memset_tensor", "init_tensor", "alloc_size", "buffer_clear", "graph", "recompute",
+    ]))
+    if kind == "device_count":
+        return RpcStep(_g.encode_request(C.DEVICE_COUNT), _g.encode_reply(struct.pack("<I", 1)))
+    if kind in ("alignment", "max_size"):
+        cmd = C.GET_ALIGNMENT if kind == "alignment" else C.GET_MAX_SIZE
+        return RpcStep(_g.encode_request(cmd, struct.pack("<I", 0)), _g.encode_reply(struct.pack("<Q", 32)))
+    if kind == "device_memory":
+        return RpcStep(_g.encode_request(C.GET_DEVICE_MEMORY, struct.pack("<I", 0)), _g.encode_reply(bytes(16)))
+    if kind == "buffer_clear":
+        return RpcStep(_g.encode_request(C.BUFFER_CLEAR, struct.pack("<QB", RPC_BUFFER, draw(st.integers(0, 255)))),
+                       None)
+    if kind == "recompute":
+        return RpcStep(_g.encode_request(C.GRAPH_RECOMPUTE, struct.pack("<I", 0)), None)
+    if kind == "graph":
+        nodes, tensors = draw(_graph())
+        return RpcStep(_g.encode_graph_compute(0, nodes, tensors), None)
+    t = draw(rpc_tensors())
+    nbytes = _g.tensor_nbytes(t)
+    offset = draw(st.integers(0, nbytes))
+    length = draw(st.integers(0, min(nbytes - offset, 4096)))
+    if kind == "set_tensor":
+        return RpcStep(_g.encode_set_tensor(t, offset, draw(st.binary(min_size=length, max_size=length))), None)
+    if kind == "get_tensor":
+        return RpcStep(_g.encode_request(C.GET_TENSOR, t.pack() + struct.pack("<QQ", offset, length)),
+                       _g.encode_reply(draw(st.binary(min_size=length, max_size=length))))
+    if kind == "set_tensor_hash":
+        return RpcStep(_g.encode_request(C.SET_TENSOR_HASH, t.pack() + struct.pack("<QQ", offset, draw(_ids))),
+                       _g.encode_reply(b"\x00"))
+    if kind == "copy_tensor":
+        other = draw(rpc_tensors())
+        return RpcStep(_g.encode_request(C.COPY_TENSOR, t.pack() + other.pack()), _g.encode_reply(b"\x01"))
+    if kind == "memset_tensor":
+        return RpcStep(_g.encode_request(C.MEMSET_TENSOR, t.pack() + struct.pack("<QQB", offset, length, 0)), None)
+    if kind == "init_tensor":
+        return RpcStep(_g.encode_request(C.INIT_TENSOR, t.pack()), None)
+    # alloc_size: the tensor and up to two sources, the rest zero
+    srcs = draw(st.lists(rpc_tensors(), max_size=2))
+    body = struct.pack("<I", 0) + t.pack() + b"".join(s.pack() for s in srcs)
+    body += bytes(_g.RPC_TENSOR_SIZE * (_g.GGML_MAX_SRC - len(srcs)))
+    return RpcStep(_g.encode_request(C.GET_ALLOC_SIZE, body), _g.encode_reply(bytes(8)))
+
+
+def ggml_rpc_sessions(max_steps: int = 8) -> st.SearchStrategy[list[RpcStep]]:
+    """A whole valid session: HELLO, a 1 MiB buffer, then up to ``max_steps`` valid messages."""
+    return st.lists(ggml_rpc_steps(), max_size=max_steps).map(
+        lambda steps: [RpcStep(_g.hello_request(), HELLO_REPLY), *rpc_buffer_steps(), *steps]
+    )
+
+
+def ggml_rpc_silent_openings() -> st.SearchStrategy[bytes]:
+    """What a silent client sends before going quiet: ``0x0E`` alone or any strict prefix of HELLO."""
+    hello = _g.hello_request()
+    return st.integers(1, len(hello) - 1).map(lambda n: hello[:n])
+
+
+@st.composite
+def ggml_rpc_truncated(draw: st.DrawFn) -> list[RpcStep]:
+    """A valid session whose last message is cut short (its step has no reply): send the requests in
+    order, reading each reply, and the last one stays incomplete."""
+    steps = draw(ggml_rpc_sessions(max_steps=3))
+    n = draw(st.integers(1, len(steps) - 1))
+    last = steps[n].request
+    return [*steps[:n], RpcStep(last[: draw(st.integers(1, len(last) - 1))], None)]
+
+
+def _mutant(kind: str, check: str, make: Callable[[int, int], bytes], needs_buffer: bool = True) -> GgmlRpcMutant:
+    return GgmlRpcMutant(kind, check, needs_buffer, make)
+
+
+@st.composite
+def ggml_rpc_crashing_graphs(draw: st.DrawFn) -> GgmlRpcMutant:
+    """The GRAPH_COMPUTE family that crashes an unguarded ggml-RPC server, or would: node ids that are 0 or
+    absent, dangling sources, ops past GGML_OP_COUNT, computed nodes without memory, bad counts, tensors
+    with bad types or shapes. Random node counts and ids."""
+    kind = draw(st.sampled_from(["zero_node_bare", "zero_node", "missing_node", "missing_src", "missing_view_src",
+                                 "bad_op", "unbacked_node", "no_nodes", "bad_count", "bad_type", "bad_shape"]))
+    if kind == "zero_node_bare":  # the issue's crasher: command 10, size 20, zeros but n_nodes = 1
+        n = draw(st.integers(1, 4))
+        data = _g.encode_request(_g.RpcCmd.GRAPH_COMPUTE, struct.pack(f"<II{n}QI", 0, n, *([0] * n), 0))
+        return _mutant(kind, "graph", lambda b, a: data, needs_buffer=False)
+    nodes, tensors = draw(_graph(buffer=0, base=0))  # placed below, once the buffer is known
+    extra = draw(_ids.filter(lambda i: i not in {t.id for t in tensors}))
+    pick = draw(st.integers(0, len(tensors) - 1))
+    node_pick = draw(st.integers(0, len(nodes) - 1))
+    bad_type = draw(st.one_of(st.integers(_g.GGML_TYPE_COUNT, 2**32 - 1), st.sampled_from(sorted(_g.REMOVED_TYPES))))
+    check = {"bad_count": "size", "bad_type": "tensor_type", "bad_shape": "tensor_shape"}.get(kind, "graph")
+
+    def make(buffer: int, base: int) -> bytes:
+        ts = [attrs.evolve(t, buffer=buffer, data=base + i * t.nb[3]) for i, t in enumerate(tensors)]
+        ns = list(nodes)
+        if kind == "zero_node":
+            ns[node_pick] = 0
+        elif kind == "missing_node":
+            ns[node_pick] = extra
+        elif kind == "missing_src":
+            ts[pick] = attrs.evolve(ts[pick], src=(extra,) + ts[pick].src[1:])
+        elif kind == "missing_view_src":
+            ts[pick] = attrs.evolve(ts[pick], view_src=extra)
+        elif kind == "bad_op":
+            ts[pick] = attrs.evolve(ts[pick], op=_g.GGML_OP_COUNT + pick)
+        elif kind == "unbacked_node":
+            i = next(i for i, t in enumerate(ts) if t.id == ns[node_pick])
+            ts[i] = attrs.evolve(ts[i], buffer=0, data=0)
+        elif kind == "no_nodes":
+            ns = []
+        elif kind == "bad_type":
+            ts[pick] = attrs.evolve(ts[pick], type=bad_type)
+        elif kind == "bad_shape":  # Q4_0 rows of one element
+            ts[pick] = attrs.evolve(ts[pick], type=2, ne=(1, 1, 1, 1), nb=(18, 18, 18, 18))
+        data = _g.encode_graph_compute(0, ns, ts)
+        if kind == "bad_count":  # n_tensors one more than present
+            head = 4 + 4 + 8 * len(ns)
+            body = bytearray(data[_g.HEADER_SIZE:])
+            struct.pack_into("<I", body, head, len(ts) + 1)
+            data = _g.encode_request(_g.RpcCmd.GRAPH_COMPUTE, bytes(body))
+        return data
+
+    return _mutant(kind, check, make)
+
+
+@st.composite
+def ggml_rpc_bad_tensor_messages(draw: st.DrawFn) -> GgmlRpcMutant:
+    """A tensor-carrying message (SET_TENSOR, GET_TENSOR, MEMSET_TENSOR, INIT_TENSOR, COPY_TENSOR,
+    GET_ALLOC_SIZE) whose tensor has a bad type, shape, strides or place; includes the issue's Q4_0 tensor
+    with ne0 = 1 in SET_TENSOR."""
+    C = _g.RpcCmd
+    kind = draw(st.sampled_from(["type_out_of_range", "removed_type", "q4_0_ne0_1", "ne0_not_blocks", "zero_ne",
+                                 "ne_overflow", "zero_stride", "nb0_not_block", "outside_buffer", "region_outside"]))
+    cmd = draw(st.sampled_from([C.SET_TENSOR, C.GET_TENSOR, C.MEMSET_TENSOR, C.INIT_TENSOR, C.COPY_TENSOR,
+                                C.GET_ALLOC_SIZE]))
+    if kind in ("zero_ne", "region_outside"):  # only wrong where data moves
+        cmd = draw(st.sampled_from([C.SET_TENSOR, C.GET_TENSOR, C.MEMSET_TENSOR]))
+    if kind == "q4_0_ne0_1":
+        cmd = C.SET_TENSOR
+    base_t = draw(rpc_tensors(buffer=1, base=0))  # buffer/data fixed up in make()
+    quant = draw(st.sampled_from(sorted(t for t, (b, _) in _g.TYPE_TRAITS.items() if b > 1)))
+    blck, qsize = _g.TYPE_TRAITS[quant]
+    bad_type = draw(st.integers(_g.GGML_TYPE_COUNT, 2**32 - 1)) if kind == "type_out_of_range" else \
+        draw(st.sampled_from(sorted(_g.REMOVED_TYPES)))
+    odd = draw(st.integers(1, blck - 1))
+    check = {"type_out_of_range": "tensor_type", "removed_type": "tensor_type", "q4_0_ne0_1": "tensor_shape",
+             "ne0_not_blocks": "tensor_shape", "zero_ne": "tensor_shape", "ne_overflow": "tensor_shape",
+             "zero_stride": "tensor_strides", "nb0_not_block": "tensor_strides", "outside_buffer": "tensor_bounds",
+             "region_outside": "tensor_region"}[kind]
+
+    def make(buffer: int, base: int) -> bytes:
+        t = attrs.evolve(base_t, buffer=buffer, data=base + (base_t.data or 0))
+        nbytes = _g.tensor_nbytes(t)
+        if kind in ("type_out_of_range", "removed_type"):
+            t = attrs.evolve(t, type=bad_type)
+        elif kind == "q4_0_ne0_1":
+            t = attrs.evolve(t, type=2, ne=(1, 1, 1, 1), nb=(18, 18, 18, 18), data=base)
+        elif kind == "ne0_not_blocks":
+            t = attrs.evolve(t, type=quant, ne=(odd, 1, 1, 1), nb=(qsize,) * 4, data=base)
+        elif kind == "zero_ne":
+            t = attrs.evolve(t, ne=(t.ne[0], 0, t.ne[2], t.ne[3]))
+        elif kind == "ne_overflow":
+            t = attrs.evolve(t, type=0, ne=(2**32 - 1,) * 4, nb=(4, 4, 4, 4))
+        elif kind == "zero_stride":
+            t = attrs.evolve(t, type=0, ne=(4, 2, 1, 1), nb=(4, 0, 8, 8), data=base)
+        elif kind == "nb0_not_block":
+            t = attrs.evolve(t, type=quant, ne=(blck, 1, 1, 1), nb=(qsize + 1, qsize + 1, qsize + 1, qsize + 1),
+                             data=base)
+        elif kind == "outside_buffer":
+            t = attrs.evolve(t, data=base + RPC_BUFFER_SIZE - nbytes + 1)
+        offset, length = (nbytes, 1) if kind == "region_outside" else (0, 0)
+        if cmd == C.SET_TENSOR:
+            return _g.encode_set_tensor(t, offset, b"\x00" * (length or (18 if kind == "q4_0_ne0_1" else 1)))
+        if cmd == C.GET_TENSOR:
+            return _g.encode_request(cmd, t.pack() + struct.pack("<QQ", offset, length or 1))
+        if cmd == C.MEMSET_TENSOR:
+            return _g.encode_request(cmd, t.pack() + struct.pack("<QQB", offset, length or 1, 0))
+        if cmd == C.INIT_TENSOR:
+            return _g.encode_request(cmd, t.pack())
+        if cmd == C.COPY_TENSOR:
+            return _g.encode_request(cmd, t.pack() + attrs.evolve(base_t, buffer=buffer, data=base).pack())
+        return _g.encode_request(cmd, struct.pack("<I", 0) + t.pack() + bytes(_g.RPC_TENSOR_SIZE * _g.GGML_MAX_SRC))
+
+    return _mutant(f"{cmd.name.lower()}:{kind}", check, make)
+
+
+def ggml_rpc_framing_mutants() -> st.SearchStrategy[GgmlRpcMutant]:
+    """Framing errors after HELLO: unknown commands, wrong fixed sizes, a second HELLO, a huge SET_TENSOR."""
+    C = _g.RpcCmd
+    unknown = st.integers(int(C.NONE), 255).map(
+        lambda c: _mutant("unknown_command", "unknown_command", lambda b, a: _g.encode_request(c), False))
+    wrong = st.tuples(st.sampled_from(sorted(_g.REQUEST_SIZES)), st.integers(0, 4000)).filter(
+        lambda cs: cs[0] != C.HELLO and cs[1] != _g.REQUEST_SIZES[cs[0]]).map(
+        lambda cs: _mutant("wrong_size", "size", lambda b, a: _g.encode_request(cs[0], bytes(cs[1])), False))
+    again = st.just(_mutant("hello_again", "hello_repeated", lambda b, a: _g.hello_request(), False))
+    huge = st.integers(17 << 30, 2**64 - 1).map(lambda n: _mutant(
+        "too_large", "too_large", lambda b, a: struct.pack("<BQ", C.SET_TENSOR, n) + bytes(400), False))
+    return st.one_of(unknown, wrong, again, huge)
+
+
+def ggml_rpc_mutants() -> st.SearchStrategy[GgmlRpcMutant]:
+    """Every kind of refused ggml-RPC message above."""
+    return st.one_of(ggml_rpc_crashing_graphs(), ggml_rpc_bad_tensor_messages(), ggml_rpc_framing_mutants())

@@ -66,6 +66,19 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
                    help="tensor cache of the ggml-RPC backend, so repeated uploads are skipped "
                         "(default: ~/.cache/hydra-trio/rpc-cache; '' disables it)")
     p.add_argument("--rpc-threads", type=int, default=None, help="CPU threads of the ggml-RPC backend (default: all cores)")
+    p.add_argument("--rpc-max-waiting", type=int, default=8, metavar="N",
+                   help="ggml-RPC clients that may wait while the backend serves another; more are closed (default: 8)")
+    p.add_argument("--rpc-wait-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="how long a ggml-RPC client may wait for its turn (default: 30)")
+    p.add_argument("--rpc-handshake-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="time for a ggml-RPC client's HELLO to arrive whole, and for the backend to answer it (default: 5)")
+    p.add_argument("--rpc-stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a begun ggml-RPC message may go this long without a byte; idle time between messages "
+                        "is unlimited (default: 30)")
+    p.add_argument("--rpc-restart-wait", type=float, default=15.0, metavar="SECONDS",
+                   help="how long a ggml-RPC client is held while the backend restarts (default: 15)")
+    p.add_argument("--rpc-max-message-size", type=int, default=16 << 30, metavar="BYTES",
+                   help="largest ggml-RPC message accepted (default: 16 GiB)")
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (default: 10; 0 = stop at once)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
@@ -121,6 +134,12 @@ async def _run(args: argparse.Namespace) -> int:
             devices=tuple(args.rpc_device or ["cpu"]),
             cache_dir=Path(args.rpc_cache_dir) if args.rpc_cache_dir else None,
             threads=args.rpc_threads,
+            max_waiting=args.rpc_max_waiting,
+            wait_timeout=args.rpc_wait_timeout,
+            handshake_timeout=args.rpc_handshake_timeout,
+            stall_timeout=args.rpc_stall_timeout,
+            restart_wait=args.rpc_restart_wait,
+            max_message_size=args.rpc_max_message_size,
         )
     elif args.no_model:
         log.error("--no-model with --no-rpc-backend leaves nothing to serve")

@@ -474,6 +474,7 @@ class HydraHandler:
                 "bytes_out": self.rpc.bytes_out,
                 "restarts": self.rpc.restarts,
                 "pid": self.rpc.pid,
+                **self.rpc.stats(),  # waiting, serving, crashes, closed by reason, invalid_messages by check, ...
             }
         if e is None:
             meta["stage"] = "ready"

@@ -56,7 +56,7 @@ class Server:
         self.engine = Engine(config.engine) if config.engine is not None else None
         self.frontdoor = FrontDoor({}, config.frontdoor)
         self.rpc = RpcBackend(config.rpc_backend) if config.rpc_backend is not None else None
-        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http)
+        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active)
         self.http = HttpHandler(self.app, config.http)
         self.frontdoor.handlers[Protocol.HTTP] = self.http
         self.control = ControlChannel(self.engine) if self.engine is not None else None
@@ -117,7 +117,7 @@ class Server:
         self.hydra.drain()
         with trio.move_on_after(grace):
             async with trio.open_nursery() as nursery:
-                if self.rpc is not None and hasattr(self.rpc, "drain"):  # TODO(helper-1): always there
+                if self.rpc is not None:
                     nursery.start_soon(self.rpc.drain)
                 nursery.start_soon(self.frontdoor.wait_no_connections)
         if self.frontdoor.active:

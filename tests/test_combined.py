@@ -144,3 +144,27 @@ def test_unreachable_peer_at_start_leaves_solo(spawn) -> None:
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "does not answer" in out.stderr  # the CLI says COMBINED is not in effect
     assert "Paris" in complete(a.base)
+
+
+@pytest.mark.slow
+def test_sigterm_on_a_compute_only_peer_lets_the_heads_request_finish(spawn) -> None:
+    """The peer drains: the head's request in flight gets every decode step, then the peer closes and exits 0."""
+    b = spawn("--no-model", "--shutdown-grace", "120")
+    b.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{b.port}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["combined_head_attached"], 120)
+    result: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: result.append(httpx.post(
+        a.base + "/v1/completions", json={**BODY, "max_tokens": 120}, timeout=600)))
+    t.start()
+    wait_for(lambda: any(s["is_processing"] for s in httpx.get(a.base + "/slots", timeout=60).json()), 60)
+    wait_for(lambda: any(s["n_decoded"] > 2 for s in httpx.get(a.base + "/slots", timeout=60).json()), 60)
+    b.proc.send_signal(signal.SIGTERM)
+    t.join(600)
+    assert result and result[0].status_code == 200, result and result[0].text
+    assert result[0].json()["usage"]["completion_tokens"] == 120  # not cut by the peer's shutdown
+    assert b.proc.wait(120) == 0
+    assert "grace period" not in b.log()
+    wait_for(lambda: info(a.port)["mode"] == "solo", 60)  # the head notices its peer left and keeps serving
+    assert "Paris" in complete(a.base)

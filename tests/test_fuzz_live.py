@@ -17,4 +17,5 @@ def test_live_fuzz_short_budget(server: ServerProcess) -> None:
     )
     test("runTest").runTest()
     assert live.STATS["steps"] > 0
+    assert live.FINDINGS == [], f"steps that hung: {live.FINDINGS}"
     assert server.proc.poll() is None

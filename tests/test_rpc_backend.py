@@ -72,3 +72,331 @@ def test_backend_crash_restarts_and_http_stays_up(spawn) -> None:
     assert now["rpc_backend"]["pid"] != first["pid"]
     assert probe(f"127.0.0.1:{node.port}", n=4)["text"].startswith(" Paris")
     assert "restarting in" in node.log()
+
+
+# ----------------------------------------------------------------------------
+# The front door's ggml-RPC queue, deadlines and validation (real child, real sockets)
+# ----------------------------------------------------------------------------
+
+import re  # noqa: E402
+import socket  # noqa: E402
+import struct  # noqa: E402
+
+import trio  # noqa: E402
+
+from hydra_trio.protocol import ggml_rpc as g  # noqa: E402
+from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor  # noqa: E402
+from hydra_trio.rpc_backend import RpcBackend, RpcBackendSettings  # noqa: E402
+
+LONG = 60.0  # seconds: generous bound for anything that should happen "soon" on a busy machine
+GRAPH_NODE_ZERO = bytes([10]) + (20).to_bytes(8, "little") + struct.pack("<IIQI", 0, 1, 0, 0)  # the issue's crasher
+
+
+class RawRpc:
+    """A blocking ggml-RPC client over one real socket: raw messages, exact replies."""
+
+    def __init__(self, port: int, timeout: float = LONG) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+
+    def __enter__(self) -> RawRpc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv_exact(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError(f"closed after {len(data)} of {n} bytes")
+            data += chunk
+        return data
+
+    def reply(self, size: int) -> bytes:
+        (got,) = struct.unpack("<Q", self.recv_exact(8))
+        assert got == size, (got, size)
+        return self.recv_exact(size)
+
+    def call(self, cmd: int, payload: bytes = b"", reply_size: int | None = None) -> bytes:
+        self.send(g.encode_request(cmd, payload))
+        return self.reply(reply_size) if reply_size is not None else b""
+
+    def hello(self) -> bytes:
+        return self.call(RpcCmd.HELLO, bytes(24), 28)
+
+    def device_count(self) -> int:
+        return struct.unpack("<I", self.call(RpcCmd.DEVICE_COUNT, b"", 4))[0]
+
+    def alloc(self, size: int = 1 << 20) -> tuple[int, int]:
+        ptr, _ = struct.unpack("<QQ", self.call(RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
+        (base,) = struct.unpack("<Q", self.call(RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", ptr), 8))
+        return ptr, base
+
+    def closed_within(self, timeout: float = LONG) -> bool:
+        """True when the peer closes within ``timeout`` (bytes that arrive first are read and dropped)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                if not self.sock.recv(65536):
+                    return True
+            except ConnectionResetError:
+                return True
+            except TimeoutError:
+                return False
+        return False
+
+    def is_open(self) -> bool:
+        """Nothing to read and not closed, right now."""
+        self.sock.setblocking(False)
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            return True
+        except ConnectionResetError:
+            return False
+        finally:
+            self.sock.settimeout(LONG)
+
+
+def rpc_info(port: int) -> dict:
+    return info(port)["rpc_backend"]
+
+
+def wait_for(pred, what: str, timeout: float = LONG):
+    """Poll ``pred()`` until it is truthy (returns its value); AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def child_port(log: str) -> int:
+    return int(re.findall(r"ggml-RPC backend serving on 127\.0\.0\.1:(\d+)", log)[-1])
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics", timeout=LONG).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def test_silent_client_does_not_block_another_clients_hello(spawn) -> None:
+    node = spawn("--no-model", "--rpc-handshake-timeout", "8")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    with RawRpc(node.port) as silent:
+        silent.send(b"\x0e")  # and nothing more
+        wait_for(lambda: rpc_info(node.port)["handshaking"] == 1, "the silent client is in its handshake")
+        with RawRpc(node.port) as other:
+            assert other.hello()[0] == 7  # answered while the silent one is still connected
+            assert other.device_count() == 1
+            assert silent.is_open()
+        assert silent.closed_within()  # by its handshake deadline
+    now = wait_for(lambda: (r := rpc_info(node.port))["closed"]["handshake_timeout"] == 1 and r, "counted")
+    assert now["pid"] == pid and now["crashes"] == 0 and now["handshaking"] == 0
+    assert "handshake_timeout" in node.log()
+    assert metric(node.base, 'hydra_rpc_clients_closed_total{reason="handshake_timeout"}') == 1
+
+
+def test_crashing_messages_are_refused_and_the_backend_lives(spawn) -> None:
+    node = spawn("--no-model")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    with RawRpc(node.port) as c:  # GRAPH_COMPUTE naming node 0: SIGSEGV in an unguarded child
+        c.hello()
+        c.send(GRAPH_NODE_ZERO)
+        assert c.closed_within()
+    with RawRpc(node.port) as c:  # a Q4_0 tensor with ne0 = 1: GGML_ASSERT abort in an unguarded child
+        c.hello()
+        ptr, base = c.alloc()
+        t = RpcTensor(id=1, type=2, buffer=ptr, ne=(1, 1, 1, 1), nb=(18, 18, 18, 18), data=base)
+        c.send(g.encode_set_tensor(t, 0, bytes(18)))
+        assert c.closed_within()
+    with RawRpc(node.port) as c:  # the next client is served by the same child
+        c.hello()
+        assert c.device_count() == 1
+    after = rpc_info(node.port)
+    assert after["pid"] == pid and after["crashes"] == 0 and after["restarts"] == 0
+    assert after["invalid_messages"]["graph"] == 1 and after["invalid_messages"]["tensor_shape"] == 1
+    assert after["closed"]["invalid_request"] == 2
+    assert metric(node.base, 'hydra_rpc_invalid_messages_total{check="graph"}') == 1
+    assert "node 0 has id 0" in node.log() and "not a multiple of the block size 32" in node.log()
+    # control: the same bytes straight to the child (past the front door) do crash it
+    with RawRpc(child_port(node.log())) as direct:
+        direct.hello()
+        direct.send(GRAPH_NODE_ZERO)
+        assert direct.closed_within()
+    now = wait_for(lambda: (r := rpc_info(node.port))["crashes"] == 1 and r["pid"] != pid and r, "crash counted")
+    assert now["restarts"] == 1
+    assert metric(node.base, "hydra_rpc_backend_crashes_total") == 1
+
+
+def test_client_connecting_during_a_restart_is_served(spawn) -> None:
+    node = spawn("--no-model")
+    node.wait_ready()
+    first = rpc_info(node.port)
+    os.kill(first["pid"], signal.SIGKILL)
+    with RawRpc(node.port) as c:  # right after the kill: held until the child is back, then served
+        assert c.hello()[0] == 7
+        assert c.device_count() == 1
+    now = wait_for(lambda: (r := rpc_info(node.port))["crashes"] == 1 and r, "crash counted")
+    assert now["pid"] != first["pid"] and now["restarts"] == 1
+    assert now["closed"]["backend_unavailable"] == 0 and now["closed"]["backend_exit"] == 0
+    assert metric(node.base, "hydra_rpc_backend_crashes_total") == 1
+    assert "crashed: SIGKILL" in node.log()
+
+
+def test_queue_is_fifo_bounded_and_timed(spawn) -> None:
+    node = spawn("--no-model", "--rpc-max-waiting", "2", "--rpc-wait-timeout", "10")
+    node.wait_ready()
+    a, b, c, d = (RawRpc(node.port) for _ in range(4))
+    try:
+        a.hello()  # served: holds the child
+        b.send(g.hello_request())
+        wait_for(lambda: rpc_info(node.port)["waiting"] == 1, "b waits")
+        c.send(g.hello_request())
+        wait_for(lambda: rpc_info(node.port)["waiting"] == 2, "c waits")
+        d.send(g.hello_request())
+        assert d.closed_within()  # beyond the bound: closed at once
+        assert rpc_info(node.port)["closed"]["queue_full"] == 1
+        a.sock.close()
+        assert b.reply(28)[0] == 7  # first come, first served
+        assert b.device_count() == 1
+        assert c.is_open() and rpc_info(node.port)["waiting"] == 1
+        assert c.closed_within()  # after its wait timeout, never answered
+        r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["wait_timeout"] == 1 and r, "timeout counted")
+        assert r["waiting"] == 0 and r["serving"] == 1
+        assert b.device_count() == 1  # the one served is undisturbed
+        assert metric(node.base, "hydra_rpc_clients_serving") == 1
+    finally:
+        for s in (a, b, c, d):
+            s.sock.close()
+
+
+def test_a_waiting_client_that_hangs_up_leaves_the_queue(spawn) -> None:
+    node = spawn("--no-model", "--rpc-max-waiting", "1")
+    node.wait_ready()
+    with RawRpc(node.port) as a:
+        a.hello()
+        with RawRpc(node.port) as b:
+            b.send(g.hello_request())
+            wait_for(lambda: rpc_info(node.port)["waiting"] == 1, "b waits")
+        wait_for(lambda: rpc_info(node.port)["waiting"] == 0, "b left the queue")
+        with RawRpc(node.port) as c:  # the place b held is free again
+            c.send(g.hello_request())
+            wait_for(lambda: rpc_info(node.port)["waiting"] == 1, "c waits")
+        assert rpc_info(node.port)["closed"]["queue_full"] == 0
+
+
+def test_idle_between_messages_is_fine_a_stalled_message_is_not(spawn) -> None:
+    node = spawn("--no-model", "--rpc-stall-timeout", "2")
+    node.wait_ready()
+    with RawRpc(node.port) as c:
+        c.hello()
+        time.sleep(3)  # longer than the stall timeout, between messages: allowed
+        assert c.device_count() == 1
+        c.send(g.encode_request(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0))[:11])  # a begun message
+        assert c.closed_within()
+    r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r, "stall counted")
+    assert r["crashes"] == 0
+
+
+# ----------------------------------------------------------------------------
+# drain(): in-process, with a real child and a real compute in flight
+# ----------------------------------------------------------------------------
+
+
+class AsyncRpc:
+    """The async twin of RawRpc, for tests that share a trio loop with the backend."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    @classmethod
+    async def connect(cls, port: int) -> AsyncRpc:
+        return cls(await trio.open_tcp_stream("127.0.0.1", port))
+
+    async def recv_exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = await self.stream.receive_some(1 << 20)
+            if not chunk:
+                raise ConnectionError(f"closed after {len(self.buf)} of {n} bytes")
+            self.buf += chunk
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return data
+
+    async def reply(self, size: int) -> bytes:
+        (got,) = struct.unpack("<Q", await self.recv_exact(8))
+        assert got == size, (got, size)
+        return await self.recv_exact(size)
+
+    async def call(self, cmd: int, payload: bytes = b"", reply_size: int | None = None) -> bytes:
+        await self.stream.send_all(g.encode_request(cmd, payload))
+        return await self.reply(reply_size) if reply_size is not None else b""
+
+    async def at_eof(self) -> bool:
+        return not self.buf and await self.stream.receive_some(1) == b""
+
+
+async def test_drain_lets_a_compute_in_flight_finish_and_closes_the_rest(nursery: trio.Nursery) -> None:
+    K, M, N = 1024, 1024, 512  # MUL_MAT of a [K, M] by b [K, N], f32: c [M, N] = K everywhere
+    backend = RpcBackend(RpcBackendSettings(cache_dir=None, threads=2, drain_idle=0.2, handshake_timeout=30))
+    with trio.fail_after(LONG):
+        await nursery.start(backend.run)
+        await backend.wait_active()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def handler(stream: trio.SocketStream) -> None:
+        async with stream:
+            await backend(stream)
+
+    nursery.start_soon(trio.serve_listeners, handler, listeners)
+    with trio.fail_after(LONG * 2):
+        a = await AsyncRpc.connect(port)
+        assert (await a.call(RpcCmd.HELLO, bytes(24), 28))[0] == 7
+        size = 4 * (K * M + K * N + M * N)
+        ptr, _ = struct.unpack("<QQ", await a.call(RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, size + 4096), 16))
+        (base,) = struct.unpack("<Q", await a.call(RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", ptr), 8))
+        ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(K, M, 1, 1), nb=(4, 4 * K, 4 * K * M, 4 * K * M), data=base)
+        tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(K, N, 1, 1), nb=(4, 4 * K, 4 * K * N, 4 * K * N),
+                       data=base + 4 * K * M)
+        tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(M, N, 1, 1), nb=(4, 4 * M, 4 * M * N, 4 * M * N),
+                       data=base + 4 * (K * M + K * N), op=29, flags=16,  # GGML_OP_MUL_MAT, FLAG_COMPUTE
+                       src=(1, 2) + (0,) * 8)
+        one = struct.pack("<f", 1.0)
+        await a.stream.send_all(g.encode_set_tensor(ta, 0, one * (K * M)) + g.encode_set_tensor(tb, 0, one * (K * N)))
+        b = await AsyncRpc.connect(port)  # waits for its turn behind a
+        await b.stream.send_all(g.hello_request())
+        while backend.waiting != 1:
+            await trio.sleep(0.02)
+        # a COMBINED-style step: the compute, then read its result back; drain starts while it runs
+        get = g.encode_request(RpcCmd.GET_TENSOR, tc.pack() + struct.pack("<QQ", 0, 4 * M * N))
+        await a.stream.send_all(g.encode_graph_compute(0, [3], [ta, tb, tc]) + get)
+        drained = trio.Event()
+
+        async def drain() -> None:
+            await backend.drain()
+            drained.set()
+
+        nursery.start_soon(drain)
+        assert await b.at_eof()  # the queued client is closed at once
+        out = await a.reply(4 * M * N)  # the step in flight gets its whole answer...
+        assert set(struct.unpack(f"<{M * N}f", out)) == {float(K)}
+        assert await a.at_eof()  # ...then the connection is closed at that boundary
+        await drained.wait()
+        c = await AsyncRpc.connect(port)  # nothing new is admitted
+        await c.stream.send_all(g.hello_request())
+        assert await c.at_eof()
+    assert backend.closed["draining"] == 3 and backend.crashes == 0
+    assert backend.serving == 0 and backend.waiting == 0

@@ -82,6 +82,19 @@ def libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     return base, ggml, rpc
 
 
+@cache
+def type_traits(n_types: int) -> dict[int, tuple[int, int]]:
+    """``type id -> (ggml_blck_size, ggml_type_size)`` of this ggml for ids ``0..n_types-1`` (bytes;
+    blck_size 0: a removed type).  ``n_types`` must not exceed ``GGML_TYPE_COUNT``: ggml indexes a
+    table with it."""
+    base, _, _ = libs()
+    base.ggml_blck_size.argtypes = [ctypes.c_int]
+    base.ggml_blck_size.restype = ctypes.c_int64
+    base.ggml_type_size.argtypes = [ctypes.c_int]
+    base.ggml_type_size.restype = ctypes.c_size_t
+    return {t: (base.ggml_blck_size(t), base.ggml_type_size(t)) for t in range(n_types)}
+
+
 def cpu_device() -> int:
     """The local CPU device (``ggml_backend_dev_t`` as an int)."""
     _, ggml, _ = libs()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -59,10 +60,16 @@ class Api:
     """Route handlers bound to one engine (``None`` for a node without a model)."""
 
     def __init__(
-        self, engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, settings: HttpSettings = HttpSettings()
+        self,
+        engine: Engine | None,
+        connections: Mapping[str, int],
+        rpc: Any = None,
+        settings: HttpSettings = HttpSettings(),
+        open_connections: Callable[[], int] | None = None,
     ) -> None:
         self.engine = engine
         self.connections = connections
+        self.open_connections = open_connections
         self.rpc = rpc
         self.settings = settings
         self.started = time.time()
@@ -150,7 +157,9 @@ class Api:
         return JSONResponse({"id_slot": id_slot, "n_erased": n})
 
     async def metrics(self, request: Request) -> Response:
-        body, content_type = metrics.render(self.engine, self.connections, self.rpc)
+        body, content_type = metrics.render(
+            self.engine, self.connections, self.rpc, self.open_connections() if self.open_connections else None
+        )
         return Response(body, media_type=content_type)
 
     # ------------------------------------------------------------ completions
@@ -368,13 +377,15 @@ def build_app(
     connections: Mapping[str, int] | None = None,
     rpc: Any = None,
     settings: HttpSettings = HttpSettings(),
-) -> Starlette:
+    open_connections: Callable[[], int] | None = None,
+) -> Any:
     """The ASGI app for one engine (``None``: a node without a model).
 
-    ``connections`` maps protocol names to accepted-connection counts (the
-    front door's), exported by ``/metrics``.
+    ``connections`` maps protocol names to accepted-connection counts and
+    ``open_connections`` gives the connections open now (the front door's),
+    exported by ``/metrics``.
     """
-    api = Api(engine, connections if connections is not None else {}, rpc, settings)
+    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),

@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 
 
 class _Collector:
-    def __init__(self, engine: Engine | None, connections: Mapping[str, int], rpc: Any) -> None:
+    def __init__(self, engine: Engine | None, connections: Mapping[str, int], rpc: Any, open_connections: int | None) -> None:
         self.engine = engine
         self.connections = connections
         self.rpc = rpc
+        self.open_connections = open_connections
 
     def collect(self) -> Iterator[Metric]:
         conns = CounterMetricFamily(
@@ -30,6 +31,11 @@ class _Collector:
         for proto, n in sorted(self.connections.items()):
             conns.add_metric([proto], n)
         yield conns
+        if self.open_connections is not None:
+            yield GaugeMetricFamily(
+                "hydra_trio:connections_open", "Connections open now, of every protocol (--max-connections bounds it).",
+                self.open_connections,
+            )
         if self.rpc is not None:
             rpc_bytes = CounterMetricFamily(
                 "hydra_trio:rpc_bytes", "Bytes passed through to the ggml-RPC backend.", labels=["direction"]
@@ -39,6 +45,7 @@ class _Collector:
             yield rpc_bytes
             yield GaugeMetricFamily("hydra_trio:rpc_backend_active", "1 while the ggml-RPC backend serves.", int(self.rpc.active))
             yield CounterMetricFamily("hydra_trio:rpc_backend_restarts", "ggml-RPC backend restarts.", self.rpc.restarts)
+            yield from _rpc_front_door(self.rpc)
         e = self.engine
         if e is None:
             return
@@ -76,8 +83,33 @@ class _Collector:
         yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", e.requests_waiting)
 
 
-def render(engine: Engine | None, connections: Mapping[str, int], rpc: Any = None) -> tuple[bytes, str]:
+def _rpc_front_door(rpc: Any) -> Iterator[Metric]:
+    """The ggml-RPC queue, crashes and refusals (rpc_backend.RpcBackend)."""
+    yield GaugeMetricFamily("hydra_rpc_clients_waiting", "ggml-RPC clients waiting for the backend.", rpc.waiting)
+    yield GaugeMetricFamily("hydra_rpc_clients_serving", "ggml-RPC clients being served (0 or 1).", rpc.serving)
+    yield GaugeMetricFamily("hydra_rpc_clients_handshaking", "ggml-RPC clients still sending HELLO.", rpc.handshaking)
+    yield CounterMetricFamily("hydra_rpc_clients_served", "ggml-RPC clients passed to the backend.", rpc.connections)
+    closed = CounterMetricFamily(
+        "hydra_rpc_clients_closed", "ggml-RPC clients refused or closed by the front door.", labels=["reason"]
+    )
+    for reason, n in sorted(rpc.closed.items()):
+        closed.add_metric([reason], n)
+    yield closed
+    invalid = CounterMetricFamily(
+        "hydra_rpc_invalid_messages", "ggml-RPC messages refused by validation, by failed check.", labels=["check"]
+    )
+    for check, n in sorted(rpc.invalid.items()):
+        invalid.add_metric([check], n)
+    yield invalid
+    yield CounterMetricFamily(
+        "hydra_rpc_backend_crashes", "ggml-RPC backend exits by a signal or a non-zero code.", rpc.crashes
+    )
+
+
+def render(
+    engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, open_connections: int | None = None
+) -> tuple[bytes, str]:
     """Prometheus text exposition of the current values: ``(body, content_type)``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(engine, connections, rpc))  # type: ignore[arg-type]
+    registry.register(_Collector(engine, connections, rpc, open_connections))  # type: ignore[arg-type]
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,151 @@
+"""Fuzzing rules for what an unattended node meets: long requests, vanished clients, hostile numbers, corrupt blobs.
+
+:class:`HostileRules` is mixed into :class:`fuzz.live.LiveServerMachine`; its
+rules need the helpers of :mod:`fuzz.live` (imported lazily, as the two
+modules refer to each other).  Each rule checks the right value, not just
+"no crash": a long request answers in full, a hostile number is a 400 naming
+its field (or runs, when it is inside the documented bounds), a corrupt blob
+is refused and the slot keeps its tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import time
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from hydra_trio.engine.settings import INT32_MAX, REPEAT_LAST_N_MAX, UINT32_MAX
+from hydra_trio.engine.state import HEADER_SIZE
+from hydra_trio.protocol.hydra import Op, Status, encode_request
+
+from .findings import timeouts_are_findings
+
+# field -> (JSON type, smallest accepted, largest accepted): hydra_trio.engine.settings' table
+BOUNDS: dict[str, tuple[str, float, float]] = {
+    "temperature": ("float", 0.0, 2.0),
+    "top_k": ("int", -1, INT32_MAX),
+    "top_p": ("float", 0.0, 1.0),
+    "min_p": ("float", 0.0, 1.0),
+    "seed": ("int", -1, UINT32_MAX),
+    "repeat_penalty": ("float", 0.0, 10.0),  # 0 itself is refused (open bound)
+    "repeat_last_n": ("int", -1, REPEAT_LAST_N_MAX),
+    "presence_penalty": ("float", -2.0, 2.0),
+    "frequency_penalty": ("float", -2.0, 2.0),
+    "max_tokens": ("int", 0, INT32_MAX),
+    "n_predict": ("int", -1, INT32_MAX),
+}
+
+_huge_ints = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 5, 2**63 - 1, 2**63, -(2**31), -2, -1, 0, 10**30]),
+)
+_nasty_floats = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, width=64),
+    st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-320"]),  # raw JSON text
+)
+
+
+def _json_number(v: object) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _accepted(field: str, raw: str) -> bool:
+    """Whether the bounds table accepts this JSON number for ``field``."""
+    kind, lo, hi = BOUNDS[field]
+    try:
+        v = json.loads(raw)
+    except ValueError:
+        return False  # NaN / Infinity literals: not JSON
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    if kind == "int" and not isinstance(v, int):
+        return False
+    if isinstance(v, float) and not math.isfinite(v):
+        return False
+    if field == "repeat_penalty" and v == 0:
+        return False
+    return lo <= v <= hi
+
+
+class HostileRules(RuleBasedStateMachine):
+    """Rules for issue "unattended for weeks" (see the module docstring)."""
+
+    @rule(n=st.integers(16, 96))
+    @timeouts_are_findings
+    def long_request_outlives_timeouts(self, n: int) -> None:
+        """A non-streamed request silent for longer than the server's client timeouts still answers in full."""
+        from . import live
+
+        live.STATS["http"] += 1
+        r = self.http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": n,
+                                                    "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == n
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+
+    @rule(stream=st.booleans(), after=st.floats(0.0, 0.3), n=st.integers(1, 200))
+    @timeouts_are_findings
+    def client_vanishes(self, stream: bool, after: float, n: int) -> None:
+        """A client that closes its socket before the reply: its slot and connection come back (invariants)."""
+        from . import live
+
+        live.STATS["disconnects"] += 1
+        body = json.dumps({"prompt": "Hello", "max_tokens": n, "ignore_eos": True, "stream": stream}).encode()
+        with live._connect() as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(after)
+
+    @rule(field=st.sampled_from(sorted(BOUNDS)), value=st.one_of(_huge_ints, _nasty_floats))
+    @timeouts_are_findings
+    def hostile_number(self, field: str, value: object) -> None:
+        """Any number in any bounded field: a 400 naming the field, or (inside the bounds) a real answer."""
+        from . import live
+
+        live.STATS["http"] += 1
+        raw = _json_number(value)
+        # max_completion_tokens wins over max_tokens and n_predict: a valid huge budget still runs 4 tokens
+        content = '{"prompt": "The cat sat on the mat.", "max_completion_tokens": 4, "%s": %s}' % (field, raw)
+        r = self.http.post("/v1/completions", content=content.encode(), headers={"content-type": "application/json"})
+        if _accepted(field, raw):
+            assert r.status_code == 200, (field, raw, r.text)
+        else:
+            assert r.status_code == 400, (field, raw, r.text)
+            message = r.json()["error"]["message"]
+            assert message.startswith(field + ":") or message.startswith("invalid JSON"), (field, raw, message)
+
+    @rule(slot=st.integers(0, 1), flips=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 7)), min_size=1, max_size=4))
+    @timeouts_are_findings
+    def corrupt_blob(self, slot: int, flips: list[tuple[int, int]]) -> None:
+        """A STATE_GET blob with flipped bits: STATE_PUT refuses it and the slot is unchanged."""
+        from . import live
+
+        live.STATS["hydra"] += 1
+        got = live.hydra_exchange([encode_request(Op.STATE_GET, key=str(slot))])
+        assert got is not None
+        if got[0] == Status.BUSY:
+            return
+        status, meta, blob = got
+        assert status == Status.OK, meta
+        bad = bytearray(blob)
+        for pos, bit in flips:
+            bad[pos % len(bad)] ^= 1 << bit
+        if bytes(bad) == blob:
+            return  # the flips cancelled out
+        put = live.hydra_exchange([encode_request(Op.STATE_PUT, key=str(slot), payload=bytes(bad))])
+        assert put is not None
+        if put[0] == Status.BUSY:
+            return
+        assert put[0] == Status.ERROR, (flips, put[1])
+        after = live.hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])
+        assert after is not None and after[0] == Status.OK
+        assert after[1]["n_past"] == meta["n_past"], "a refused blob changed the slot"
+        n_tokens = struct.unpack_from("<I", blob, 8)[0]
+        assert n_tokens == meta["n_past"] and len(blob) >= HEADER_SIZE
+
+
+__all__ = ["BOUNDS", "HostileRules"]
