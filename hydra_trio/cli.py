@@ -52,6 +52,10 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
         "--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
         help="HTTP: seconds an idle connection is kept, and the time a client has to send a request's headers (default: 5)",
     )
+    p.add_argument(
+        "--cors-origin", action="append", default=None, metavar="ORIGIN",
+        help="HTTP: an origin allowed by CORS, repeatable (default: any origin, as llama-server)",
+    )
     p.add_argument("--no-model", action="store_true",
                    help="run a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots")
     p.add_argument("--rpc-engine", default=None, metavar="HOST:PORT",
@@ -153,7 +157,8 @@ async def _run(args: argparse.Namespace) -> int:
         port=args.port,
         engine=engine,
         frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout),
-        http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.timeout),
+        http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.timeout,
+                          cors_origins=tuple(args.cors_origin or ["*"])),
         rpc_backend=rpc,
     )
     async with trio.open_nursery() as nursery:

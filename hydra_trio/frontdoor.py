@@ -106,10 +106,7 @@ class FrontDoor:
         try:
             first = b""
             with trio.move_on_after(self.settings.classify_timeout) as scope:
-                try:
-                    first = await stream.socket.recv(1, socket.MSG_PEEK)
-                except OSError:
-                    first = b""
+                first = await _first_byte(stream)
             if scope.cancelled_caught:
                 self.counts["timeout"] += 1
                 log.info("%s: no first byte within %.1f s; closed", peer, self.settings.classify_timeout)
@@ -138,6 +135,27 @@ class FrontDoor:
             self.active -= 1
             if not self.active:
                 self._none_active.set()
+
+
+MAX_LEADING_EMPTY_LINES = 8
+
+
+async def _first_byte(stream: trio.SocketStream) -> bytes:
+    """The connection's first byte, peeked (``MSG_PEEK``: it stays in the stream); b"" if the peer closed.
+
+    Empty lines before an HTTP request line are consumed: RFC 9112 §2.2 says a
+    server should ignore at least one CRLF there, and none of the three
+    protocols begins with CR or LF.  At most 8 such lines are skipped.
+    """
+    try:
+        for _ in range(2 * MAX_LEADING_EMPTY_LINES):
+            first = await stream.socket.recv(1, socket.MSG_PEEK)
+            if first not in (b"\r", b"\n"):
+                return first
+            await stream.socket.recv(1)
+        return await stream.socket.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return b""
 
 
 def _peer(stream: trio.SocketStream) -> str:

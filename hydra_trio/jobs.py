@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
+from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
 from .engine.batch import Engine
+from .engine.model import LoadedModel
+from .engine.sampling import GrammarError, check_grammar
 from .engine.slots import CompletionJob
 from .http.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 
@@ -28,10 +34,16 @@ def job_from_chat(
 
 
 def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
-    """Tokenize a text prompt (adding BOS when the model wants it) or check a token-id prompt."""
+    """Tokenize a text prompt (adding BOS when the model wants it) or check a token-id prompt.
+
+    A null prompt generates "as if from the beginning of a new document" (OpenAI):
+    the prompt is the model's BOS token (EOS when it has none).
+    """
     m = e.model
     assert m is not None
-    if isinstance(body.prompt, str):
+    if body.prompt is None:
+        tokens = [m.bos_id if m.bos_id >= 0 else m.eos_id]
+    elif isinstance(body.prompt, str):
         tokens = m.tokenize(body.prompt, add_special=True, parse_special=True)
     else:
         bad = [t for t in body.prompt if not 0 <= t < m.n_vocab]
@@ -49,6 +61,11 @@ def _job(
     n_predict: int | None,
     id_slot: int | None,
 ) -> CompletionJob:
+    m = e.model
+    assert m is not None
+    bad = next((t for t, _ in body.logit_bias if t >= m.n_vocab), None)
+    if bad is not None:
+        raise RequestError(f"logit_bias: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
     return CompletionJob(
         prompt_tokens=tuple(tokens),
         n_predict=body.n_predict_effective(e.default_n_predict) if n_predict is None else n_predict,
@@ -57,4 +74,32 @@ def _job(
         id_slot=body.id_slot if id_slot is None else id_slot,
         cache_prompt=body.cache_prompt,
         ignore_eos=body.ignore_eos,
+        logprobs=body.wants_logprobs,
+        n_probs=body.top_logprobs_n,
+        logit_bias=body.logit_bias,
+        grammar=_grammar(m, body),
     )
+
+
+def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The request's output constraint as GBNF, checked by llama.cpp's parser (llama-server's fields:
+    ``grammar`` as GBNF, ``json_schema`` / ``response_format`` as a JSON schema converted by
+    llama-cpp-python's ``json_schema_to_gbnf``; an empty schema means any JSON object).
+
+    Raises RequestError naming the field.
+    """
+    field, gbnf = "grammar", body.grammar
+    schema = body.json_schema if body.json_schema is not None else body.json_response_schema()
+    if schema is not None:
+        field = "json_schema" if body.json_schema is not None else "response_format"
+        try:
+            gbnf = JSON_GBNF if schema in ({}, {"type": "object"}) else json_schema_to_gbnf(json.dumps(schema))
+        except Exception as exc:  # the converter raises anything from KeyError to RecursionError
+            raise RequestError(f"{field}: the JSON schema cannot be turned into a grammar: {exc!r}"[:500]) from None
+    if gbnf is None:
+        return None
+    try:
+        check_grammar(m.vocab, gbnf)
+    except GrammarError as exc:
+        raise RequestError(f"{field}: {exc}") from None
+    return gbnf

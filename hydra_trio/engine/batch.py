@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import llama_cpp
-import numpy as np
 import trio
 
 from . import ggml_rpc
 from .combined import DEFAULT_PATTERN, PeerError, PeerLost, PeerWorker, expert_bytes, peer_reachable
 from .model import LoadedModel, ModelIdentity, sha256_file
+from .sampling import GrammarError, SamplerSpec, build_sampler, token_probs
 from .settings import SamplingParams, check_n_predict
 from .state import save_slot
 from .slots import (
@@ -481,7 +480,14 @@ class Engine:
         assert m is not None
         job = handle.job
         prompt = list(job.prompt_tokens)
+        spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar)
+        try:
+            sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx, prompt)
+        except GrammarError as exc:  # checked when the job was built: only a bug gets here
+            handle.emit(Failed(f"grammar: {exc}", "invalid_request"))
+            return
         slot.reset_request()
+        slot.sampler = sampler
         slot.handle = handle
         slot.t_start = time.perf_counter()
         cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
@@ -495,7 +501,6 @@ class Engine:
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.stopper = StopStringMatcher(job.stop)
-        slot.sampler = _make_sampler(job.sampling, m.n_vocab, slot.n_ctx, prompt, m.eog_tokens if job.ignore_eos else ())
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
         log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
         if not slot.pending_prompt:  # prefill-only request fully cached
@@ -570,8 +575,11 @@ class Engine:
             if slot.handle is None:
                 continue
             token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
-            if slot.handle.job.logprobs:
-                slot.pending_logprobs.append(self._logprob(idx, token))
+            job = slot.handle.job
+            if job.logprobs or job.n_probs:
+                probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
+                slot.pending_logprobs.append(probs.logprob)
+                slot.pending_top.append(probs.top)
             self._on_token(slot, token)
 
     def _on_token(self, slot: Slot, token: int) -> None:
@@ -581,6 +589,7 @@ class Engine:
         if not job.ignore_eos and m.is_eog(token):
             if slot.pending_logprobs:
                 slot.pending_logprobs.pop()
+                slot.pending_top.pop()
             self._finish(slot, "stop")
             return
         slot.n_decoded += 1
@@ -602,7 +611,9 @@ class Engine:
         handle = slot.handle
         assert handle is not None
         if flush:
-            tail = slot.stopper.push(slot.utf8.decode(b"", final=True))[0] + slot.stopper.flush()
+            # bytes of a character the generation stopped inside of are dropped, never
+            # sent as U+FFFD (llama-server's behaviour); held-back stop-string text is sent
+            tail = slot.stopper.flush()
             if tail or slot.pending_tokens:
                 self._emit_text(slot, tail)
         now = time.perf_counter()
@@ -625,18 +636,10 @@ class Engine:
 
     def _emit_text(self, slot: Slot, text: str) -> None:
         assert slot.handle is not None
-        slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens), tuple(slot.pending_logprobs)))
+        slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens), tuple(slot.pending_logprobs), tuple(slot.pending_top)))
         slot.pending_tokens = []
         slot.pending_logprobs = []
-
-    def _logprob(self, idx: int, token: int) -> float:
-        """log softmax of the raw logits at batch row ``idx``, for ``token``."""
-        m = self.model
-        assert m is not None
-        ptr = llama_cpp.llama_get_logits_ith(m.ctx, idx)
-        logits = np.ctypeslib.as_array(ptr, shape=(m.n_vocab,))
-        top = float(logits.max())
-        return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
+        slot.pending_top = []
 
     def _release(self, slot: Slot) -> None:
         if slot.sampler is not None:
@@ -874,42 +877,3 @@ def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _make_sampler(p: SamplingParams, n_vocab: int, n_ctx_slot: int, prompt: list[int], banned: Sequence[int] = ()) -> Any:
-    """A llama.cpp sampler chain in llama-server's order: logit bias, penalties, top-k, top-p, min-p, temp, dist.
-
-    ``temperature <= 0`` gives greedy sampling (argmax), as in llama-server.
-    ``banned`` tokens get a -inf logit bias (llama-server's ``ignore_eos``).
-    ``p`` is already within its bounds (:mod:`hydra_trio.engine.settings`);
-    the penalty window is at most ``n_ctx_slot`` tokens and ``top_k`` at most
-    ``n_vocab``, so no value sizes an allocation beyond the slot.
-    """
-    window = p.penalty_window(n_ctx_slot)
-    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
-    add = llama_cpp.llama_sampler_chain_add
-    if banned:
-        biases = (llama_cpp.llama_logit_bias * len(banned))(
-            *(llama_cpp.llama_logit_bias(token=t, bias=-math.inf) for t in banned)
-        )
-        add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(banned), biases))
-    if p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-        add(
-            chain,
-            llama_cpp.llama_sampler_init_penalties(
-                n_vocab, window, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
-            ),
-        )
-    if p.temperature <= 0:
-        add(chain, llama_cpp.llama_sampler_init_greedy())
-    else:
-        if p.top_k > 0:
-            add(chain, llama_cpp.llama_sampler_init_top_k(min(p.top_k, n_vocab)))
-        add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
-        add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
-        add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
-        add(chain, llama_cpp.llama_sampler_init_dist(p.seed_u32()))
-    # penalties look back over the prompt too, as in llama-server
-    for tok in prompt[-window:] if window > 0 else []:
-        llama_cpp.llama_sampler_accept(chain, tok)
-    return chain

@@ -296,6 +296,10 @@ class LoadedModel:
             n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
         return buf.raw[:n]
 
+    def detokenize(self, tokens: tuple[int, ...] | list[int]) -> str:
+        """The text of a token sequence (special tokens render empty; invalid UTF-8 as U+FFFD)."""
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 

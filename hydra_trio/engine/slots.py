@@ -36,6 +36,10 @@ class CompletionJob:
         ignore_eos: keep generating past end-of-generation tokens.
         logprobs: compute each sampled token's log-probability (natural log,
             over the model's raw logits) into ``TextDelta.logprobs``.
+        n_probs: also the ``n_probs`` most likely tokens at each step
+            (``TextDelta.top_logprobs``), 0..20.
+        logit_bias: ``(token id, bias)`` pairs added to the logits.
+        grammar: GBNF text the output must match (llama.cpp's grammar sampler).
         fail_if_busy: when ``id_slot`` is processing another request at the
             moment this job's turn comes, fail with code ``busy`` instead of
             waiting (the Hydra slot ops' BUSY).
@@ -52,6 +56,9 @@ class CompletionJob:
     cache_prompt: bool = True
     ignore_eos: bool = False
     logprobs: bool = False
+    n_probs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
     fail_if_busy: bool = False
     snapshot: bool = False
 
@@ -73,12 +80,14 @@ class SlotAssigned:
 class TextDelta:
     """New generated text (never a split UTF-8 character) and the tokens behind it.
 
-    ``logprobs`` (when the job asked) has one entry per token.
+    ``logprobs`` (when the job asked) has one entry per token, and
+    ``top_logprobs`` one tuple of ``(token, logprob)`` pairs per token.
     """
 
     text: str
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
 
 
 @attrs.frozen
@@ -236,6 +245,7 @@ class Slot:
         self.t_first = 0.0
         self.pending_tokens: list[int] = []
         self.pending_logprobs: list[float] = []
+        self.pending_top: list[tuple[tuple[int, float], ...]] = []
 
     @property
     def n_past(self) -> int:

@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import logging
 
+from typing import Any
+
+import h11
+import hypercorn.protocol as hypercorn_protocol
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
@@ -26,6 +30,36 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
 from .settings import HttpSettings
+
+
+class _H11Protocol(hypercorn_protocol.H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, but no ``100 Continue`` for a body over the cap.
+
+    hypercorn answers ``Expect: 100-continue`` itself, before the app sees
+    the request; for a declared ``Content-Length`` over ``max_body`` the 100
+    is held back, so the client gets the app's 413 at once and never sends
+    the body (RFC 9110 §10.1.1 lets a server answer with a final status
+    instead).  Installed as ``hypercorn.protocol.H11Protocol`` by
+    :class:`HttpHandler`; ``tests/test_http_edges.py`` would catch a change
+    in hypercorn that bypasses it.
+    """
+
+    max_body = 16 * 1024 * 1024
+
+    async def _create_stream(self, request: h11.Request) -> None:
+        self._declared_length = next(
+            (int(v) for k, v in request.headers if k == b"content-length" and v.isdigit()), 0
+        )
+        await super()._create_stream(request)
+
+    async def _send_h11_event(self, event: Any) -> None:
+        if (
+            isinstance(event, h11.InformationalResponse)
+            and event.status_code == 100
+            and getattr(self, "_declared_length", 0) > self.max_body
+        ):
+            return
+        await super()._send_h11_event(event)
 
 
 class HttpHandler:
@@ -39,6 +73,8 @@ class HttpHandler:
         config.errorlog = logging.getLogger("hydra_trio.http.error")
         config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
         self.config = config
+        _H11Protocol.max_body = settings.max_body
+        hypercorn_protocol.H11Protocol = _H11Protocol  # type: ignore[misc]
         self.app = ASGIWrapper(app)  # type: ignore[arg-type]
         self.context = WorkerContext(None)
 

@@ -22,6 +22,8 @@ import llama_cpp
 import trio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -215,8 +217,12 @@ class Api:
             return _bad_request(str(exc))
         except EngineNotReady:
             return _unavailable(e)
-        assert e.identity is not None
-        ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage)
+        assert e.identity is not None and e.model is not None
+        echo = ""
+        if not chat and body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
+        ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
+                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo)
         if body.stream:
             return StreamingResponse(
                 self._sse(e, handle, ctx),
@@ -227,19 +233,18 @@ class Api:
 
     async def _collect(self, request: Request, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> Response:
         """A non-streamed reply: gather the events; a client that disconnects ends the handler at once."""
-        texts: list[str] = []
         finished: Finished | None = None
         failed: Failed | None = None
         async with _cancel_on_disconnect(request, e, handle):
             async for ev in handle.events:
                 if isinstance(ev, TextDelta):
-                    texts.append(ev.text)
+                    ctx.add(ev)
                 elif isinstance(ev, Finished):
                     finished = ev
                 elif isinstance(ev, Failed):
                     failed = ev
         if finished is not None:
-            return JSONResponse(ctx.final_body("".join(texts), finished))
+            return JSONResponse(ctx.final_body(finished))
         if failed is not None and failed.code != "cancelled":
             status = 400 if failed.code == "invalid_request" else 500
             return error_response(status, failed.message, "invalid_request_error" if status == 400 else "server_error")
@@ -250,9 +255,11 @@ class Api:
         try:
             if ctx.chat:
                 yield _sse(ctx.chunk({"role": "assistant", "content": ""}, None))
+            elif ctx.echo:
+                yield _sse(ctx.chunk(ctx.echo, None))
             async for ev in handle.events:
-                if isinstance(ev, TextDelta) and ev.text:
-                    yield _sse(ctx.chunk({"content": ev.text} if ctx.chat else ev.text, None))
+                if isinstance(ev, TextDelta) and (ev.text or (ctx.logprobs and ev.tokens)):
+                    yield _sse(ctx.chunk({"content": ev.text} if ctx.chat else ev.text, None, ctx.add(ev)))
                 elif isinstance(ev, Finished):
                     final = ctx.chunk({} if ctx.chat else "", ev.finish_reason)
                     final["id_slot"] = ev.id_slot
@@ -286,35 +293,83 @@ def _usage(f: Finished) -> dict[str, int]:
 
 
 class _ResponseContext:
-    """Builds OpenAI response objects for one request (same id and created time throughout)."""
+    """Builds OpenAI response objects for one request (same id and created time throughout).
 
-    def __init__(self, *, chat: bool, model: str, include_usage: bool) -> None:
+    Log-probabilities come in OpenAI's two shapes: chat ``{"content": [{"token",
+    "logprob", "bytes", "top_logprobs"}]}``, completions ``{"tokens",
+    "token_logprobs", "top_logprobs", "text_offset"}``; a streamed chunk
+    carries those of its own tokens, a whole reply those of every generated
+    token (one entry per completion token).
+    """
+
+    def __init__(
+        self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
+        piece: Callable[[int], bytes] = lambda t: b"", echo: str = "",
+    ) -> None:
         self.chat = chat
         self.model = model
         self.include_usage = include_usage
+        self.logprobs = logprobs
+        self.piece = piece
+        self.echo = echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.texts: list[str] = [echo] if echo else []
+        self.n_chars = len(echo)
+        self.entries: list[dict[str, Any]] = []  # chat shape, one per token
+        self.offsets: list[int] = []
 
-    def chunk(self, delta: Any, finish_reason: str | None) -> dict[str, Any]:
+    def add(self, ev: TextDelta) -> dict[str, Any] | None:
+        """Record a delta; returns the logprobs object for its own tokens (None when not asked)."""
+        self.texts.append(ev.text)
+        start = len(self.entries)
+        if self.logprobs:
+            tops = ev.top_logprobs or ((),) * len(ev.tokens)
+            for tok, lp, top in zip(ev.tokens, ev.logprobs, tops, strict=True):
+                entry = self._entry(tok, lp)
+                entry["top_logprobs"] = [self._entry(t, v) for t, v in top]
+                self.entries.append(entry)
+                self.offsets.append(self.n_chars)
+        self.n_chars += len(ev.text)
+        return self._logprobs_object(start) if self.logprobs else None
+
+    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
+        raw = self.piece(token)
+        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+
+    def _logprobs_object(self, start: int = 0) -> dict[str, Any]:
+        entries = self.entries[start:]
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"content": entries, "refusal": None}
+        return {
+            "tokens": [x["token"] for x in entries],
+            "token_logprobs": [x["logprob"] for x in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in entries],
+            "text_offset": self.offsets[start:],
+        }
+
+    def chunk(self, delta: Any, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
-    def final_body(self, text: str, f: Finished) -> dict[str, Any]:
+    def final_body(self, f: Finished) -> dict[str, Any]:
+        text = "".join(self.texts)
+        logprobs = self._logprobs_object() if self.logprobs else None
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": f.finish_reason,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": f.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": f.finish_reason}
             obj = "text_completion"
         return {
             "id": self.id,
@@ -400,4 +455,33 @@ def build_app(
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/completions", api.completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_error},
+        middleware=[
+            # llama-server answers CORS preflights and allows any origin unless told otherwise
+            Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
+                       allow_headers=["*"], max_age=600),
+        ],
+    )
+    return _absolute_form(app)
+
+
+def _absolute_form(app: Any) -> Any:
+    """ASGI wrapper: route a request target in absolute form (``GET http://host/health``) like its origin form.
+
+    RFC 9112 §3.2.2: a server must accept the absolute form; the path and
+    query come from the URI.
+    """
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            target = scope.get("raw_path") or b""
+            if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
+                parts = urllib.parse.urlsplit(target.decode("latin-1"))
+                path = parts.path or "/"
+                scope = {**scope, "path": urllib.parse.unquote(path), "raw_path": path.encode("latin-1"),
+                         "query_string": parts.query.encode("latin-1")}
+        await app(scope, receive, send)
+
+    return wrapped

@@ -2,28 +2,43 @@
 
 Type checks are strict (``"5"`` is not an int, ``true`` is not a number), and
 every error names the field, e.g. ``max_tokens: expected an integer, got str``,
-so that an HTTP 400 tells the client exactly what to fix.  Unknown keys are
-ignored, as OpenAI-compatible servers do (clients send ``user``, ``tools``...).
+so that an HTTP 400 tells the client exactly what to fix.
+
+Every field OpenAI marks nullable accepts ``null`` and then means its
+default; llama-server's extensions likewise.  A field that this server
+knows but does not act on is never silently ignored: a value other than its
+neutral one is a 400 naming the field (:data:`UNSUPPORTED`).  Keys nobody
+defines are ignored, as llama-server does.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 import attrs
 from cattrs.gen import override
 
-from ..engine.settings import SamplingParams, check_n_predict, check_stop
+from ..engine.settings import SamplingParams, check_int, check_n_predict, check_stop
 from ..protocol import messages as msg
 
 RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
 
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_MAX = 100.0
+
+
+def _or(default: Any) -> Any:
+    """attrs converter: ``null`` means the field's default."""
+    return lambda v: default if v is None else v
+
 
 @attrs.frozen
 class StreamOptions:
-    include_usage: bool = False
+    include_usage: bool | None = attrs.field(default=False, converter=_or(False))
 
 
 @attrs.frozen
@@ -33,17 +48,72 @@ class ChatMessage:
     name: str | None = None
 
 
+# Fields of the OpenAI API and of llama-server that hydra-trio does not act on:
+# name -> the neutral values that are accepted (they ask for nothing).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    # OpenAI chat
+    "functions": ((),),
+    "function_call": ("none", "auto"),
+    "store": (False,),
+    "metadata": ({},),
+    "modalities": (("text",),),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "verbosity": (),
+    # OpenAI completions
+    "suffix": ("",),
+    # llama-server samplers and options not wired here
+    "typical_p": (1.0, 1),
+    "mirostat": (0,),
+    "mirostat_tau": (),
+    "mirostat_eta": (),
+    "dry_multiplier": (0.0, 0),
+    "dry_base": (),
+    "dry_allowed_length": (),
+    "dry_penalty_last_n": (),
+    "dry_sequence_breakers": (),
+    "xtc_probability": (0.0, 0),
+    "xtc_threshold": (),
+    "top_n_sigma": (-1.0, -1),
+    "dynatemp_range": (0.0, 0),
+    "dynatemp_exponent": (),
+    "samplers": (),
+    "n_keep": (0,),
+    "n_discard": (),
+    "t_max_predict_ms": (0,),
+    "post_sampling_probs": (False,),
+    "lora": ((),),
+    "image_data": ((),),
+    "min_keep": (0,),
+}
+
+
+def _check_unsupported(raw: dict[str, Any]) -> None:
+    """400 for a known-but-unsupported field set to anything but a neutral value (or null)."""
+    for name, neutral in UNSUPPORTED.items():
+        if name not in raw or raw[name] is None:
+            continue
+        v = raw[name]
+        key = tuple(v) if isinstance(v, list) else v
+        if any(type(key) is type(n) and key == n for n in neutral):
+            continue
+        raise RequestError(f"{name}: not supported by this server (send null or leave it out)")
+
+
 @attrs.frozen
 class _GenerationFields:
     """Fields shared by chat and text completions (OpenAI + llama-server extensions)."""
 
     model: str | None = None
-    stream: bool = False
+    stream: bool | None = attrs.field(default=False, converter=_or(False))
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n_predict: int | None = None  # llama-server
-    n: int = 1
+    n: int | None = attrs.field(default=1, converter=_or(1))
+    best_of: int | None = attrs.field(default=1, converter=_or(1))
     stop: tuple[str, ...] = ()
     temperature: float | None = None
     top_p: float | None = None
@@ -54,24 +124,44 @@ class _GenerationFields:
     repeat_last_n: int | None = None  # llama-server
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    id_slot: int = -1  # llama-server
-    cache_prompt: bool = True  # llama-server
-    ignore_eos: bool = False  # llama-server
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    user: str | None = None  # accepted: it only identifies the end user to the API provider
+    service_tier: str | None = None
+    response_format: dict[str, Any] | None = None
+    grammar: str | None = None  # llama-server
+    json_schema: dict[str, Any] | None = None  # llama-server
+    n_probs: int | None = None  # llama-server: top logprobs per token
+    id_slot: int | None = attrs.field(default=-1, converter=_or(-1))  # llama-server
+    cache_prompt: bool | None = attrs.field(default=True, converter=_or(True))  # llama-server
+    ignore_eos: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
+    raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def check(self) -> None:
         """Every field against its bounds (:mod:`hydra_trio.engine.settings`); raises RequestError naming it."""
         if self.n != 1:
             raise RequestError("n: only n = 1 is supported")
+        if self.best_of != 1:
+            raise RequestError("best_of: only best_of = 1 is supported")
+        if self.service_tier not in (None, "auto", "default"):
+            raise RequestError(f"service_tier: {self.service_tier!r} is not offered (auto or default)")
+        _check_unsupported(self.raw)
         try:
             check_n_predict("max_tokens", self.max_tokens, lo=0)
             check_n_predict("max_completion_tokens", self.max_completion_tokens, lo=0)
             check_n_predict("n_predict", self.n_predict)
             check_stop(self.stop)
+            if self.n_probs is not None:
+                check_int("n_probs", self.n_probs, 0, MAX_TOP_LOGPROBS)
             self.sampling(SamplingParams())  # the sampler fields' own validators
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         if self.id_slot < -1:
             raise RequestError(f"id_slot: must be >= -1, got {self.id_slot}")
+        if sum(x is not None for x in (self.grammar, self.json_schema, self.json_response_schema())) > 1:
+            raise RequestError("grammar, json_schema and response_format: give at most one of them")
+        if self.ignore_eos and self.constrained:
+            raise RequestError("ignore_eos: cannot be combined with grammar, json_schema or response_format "
+                               "(a finished grammar allows only end of generation)")
 
     def n_predict_effective(self, default: int = -1) -> int:
         """Tokens to generate: ``max_completion_tokens``, ``max_tokens``, ``n_predict``, else ``default``."""
@@ -83,6 +173,38 @@ class _GenerationFields:
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def constrained(self) -> bool:
+        """The output must follow a grammar (``grammar``, ``json_schema`` or a JSON ``response_format``)."""
+        return self.grammar is not None or self.json_schema is not None or self.json_response_schema() is not None
+
+    def json_response_schema(self) -> dict[str, Any] | None:
+        """``response_format`` as a JSON schema: ``{}`` for any JSON object, None for plain text.
+
+        OpenAI's ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
+        {"schema": ...}}``; llama-server's ``{"type": "json_object", "schema": ...}``.
+
+        Raises RequestError for another type or a malformed object.
+        """
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            schema = rf.get("schema", {"type": "object"})
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise RequestError("response_format.json_schema: expected an object with a 'schema'")
+            schema = spec.get("schema", {"type": "object"})
+        else:
+            raise RequestError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if not isinstance(schema, dict):
+            raise RequestError("response_format: the schema must be a JSON object")
+        return schema
 
     def sampling(self, d: SamplingParams) -> SamplingParams:
         """The request's sampler settings; fields it leaves out come from ``d`` (the engine's defaults)."""
@@ -98,29 +220,80 @@ class _GenerationFields:
             frequency_penalty=d.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty,
         )
 
+    @property
+    def top_logprobs_n(self) -> int:
+        """Alternatives per token the reply carries (0: none)."""
+        return self.n_probs or 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.n_probs is not None
+
 
 @attrs.frozen
 class ChatCompletionRequest(_GenerationFields):
     """``POST /v1/chat/completions`` (OpenAI), with llama-server's extensions."""
 
     messages: tuple[ChatMessage, ...] = ()
+    logprobs: bool | None = attrs.field(default=False, converter=_or(False))
+    top_logprobs: int | None = None
+    tools: tuple[Any, ...] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # only means something with tools
 
     def check(self) -> None:
         super().check()
         if not self.messages:
             raise RequestError("messages: at least one message is required")
+        if self.tools:
+            raise RequestError("tools: tool calling is not supported by this server")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise RequestError("tool_choice: tool calling is not supported by this server (none or auto)")
+        if self.top_logprobs is not None:
+            check_int_or_400("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
+            if not self.logprobs:
+                raise RequestError("top_logprobs: needs logprobs: true")
+
+    @property
+    def top_logprobs_n(self) -> int:
+        return self.top_logprobs or self.n_probs or 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs) or self.n_probs is not None
 
 
 @attrs.frozen
 class CompletionRequest(_GenerationFields):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
 
-    prompt: str | tuple[int, ...] = ""
+    prompt: str | tuple[int, ...] | None = None
+    logprobs: int | None = None
+    echo: bool | None = attrs.field(default=False, converter=_or(False))
 
     def check(self) -> None:
         super().check()
-        if not self.prompt:
-            raise RequestError("prompt: must not be empty")
+        if self.prompt is not None and not self.prompt:
+            raise RequestError("prompt: must not be empty (null starts a new document)")
+        if self.logprobs is not None:
+            check_int_or_400("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
+        if self.echo and self.wants_logprobs:
+            raise RequestError("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
+
+    @property
+    def top_logprobs_n(self) -> int:
+        return self.logprobs if self.logprobs is not None else (self.n_probs or 0)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None or self.n_probs is not None
+
+
+def check_int_or_400(name: str, value: int, lo: int, hi: int) -> None:
+    try:
+        check_int(name, value, lo, hi)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- converter
@@ -152,8 +325,8 @@ def _content(v: Any, _t: Any) -> str | None:
     raise msg.TypeMismatch(f"expected a string, a list of content parts or null, got {msg.type_name(v)}")
 
 
-def _prompt(v: Any, _t: Any) -> str | tuple[int, ...]:
-    if isinstance(v, str):
+def _prompt(v: Any, _t: Any) -> str | tuple[int, ...] | None:
+    if v is None or isinstance(v, str):
         return v
     if isinstance(v, list):
         if len(v) == 1 and isinstance(v[0], str):
@@ -163,10 +336,59 @@ def _prompt(v: Any, _t: Any) -> str | tuple[int, ...]:
     raise msg.TypeMismatch("expected a string, a list with one string, or a list of token ids")
 
 
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}", re.ASCII)
+
+
+def _logit_bias(v: Any, _t: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"<token id>": bias}`` with -100 <= bias <= 100 (ids checked against the vocabulary later)."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise msg.TypeMismatch(f"expected an object mapping token ids to numbers, got {msg.type_name(v)}")
+    out = []
+    for key, bias in v.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise msg.TypeMismatch(f"key {key[:20]!r} is not a token id (a decimal integer)")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise msg.TypeMismatch(f"{key}: expected a number, got {msg.type_name(bias)}")
+        b = float(bias)
+        if not math.isfinite(b) or not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX:
+            raise msg.TypeMismatch(f"{key}: the bias must be between -100 and 100, got {bias}")
+        out.append((int(key), b))
+    return tuple(out)
+
+
+def _object_or_null(v: Any, _t: Any) -> dict[str, Any] | None:
+    if v is None or isinstance(v, dict):
+        return v
+    raise msg.TypeMismatch(f"expected an object or null, got {msg.type_name(v)}")
+
+
+def _tools(v: Any, _t: Any) -> tuple[Any, ...] | None:
+    if v is None:
+        return None
+    if isinstance(v, list):
+        return tuple(v)
+    raise msg.TypeMismatch(f"expected a list or null, got {msg.type_name(v)}")
+
+
+def _tool_choice(v: Any, _t: Any) -> str | dict[str, Any] | None:
+    if v is None or isinstance(v, (str, dict)):
+        return v
+    raise msg.TypeMismatch(f"expected a string, an object or null, got {msg.type_name(v)}")
+
+
+_COMMON = dict(
+    stop=override(struct_hook=_stop),
+    logit_bias=override(struct_hook=_logit_bias),
+    response_format=override(struct_hook=_object_or_null),
+    json_schema=override(struct_hook=_object_or_null),
+)
 msg.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content))
 msg.register(StreamOptions, forbid_extra=False)
-msg.register(ChatCompletionRequest, forbid_extra=False, stop=override(struct_hook=_stop))
-msg.register(CompletionRequest, forbid_extra=False, stop=override(struct_hook=_stop), prompt=override(struct_hook=_prompt))
+msg.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
+             tool_choice=override(struct_hook=_tool_choice), **_COMMON)
+msg.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt), **_COMMON)
 
 
 def parse_body(raw: bytes, cls: type[Any]) -> Any:

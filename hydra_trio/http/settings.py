@@ -20,9 +20,13 @@ class HttpSettings:
         body_timeout: seconds of silence allowed while a request's body is
             arriving; past it the reply is 408 and the connection closes
             (``--timeout``, llama-server's flag name).
-        max_body: the largest request body in bytes (413 beyond it).
+        max_body: the largest request body in bytes (413 beyond it, at once
+            when the client sent ``Expect: 100-continue``).
+        cors_origins: origins allowed by CORS (``--cors-origin``); ``*``, the
+            default, allows any, as llama-server does.
     """
 
     keep_alive_timeout: float = 5.0
     body_timeout: float = 30.0
     max_body: int = 16 * 1024 * 1024
+    cors_origins: tuple[str, ...] = ("*",)

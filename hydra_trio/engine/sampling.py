@@ -1,0 +1,164 @@
+"""llama.cpp sampler chains and token probabilities (engine thread only).
+
+A request's sampler is one ``llama_sampler`` chain built in llama-server's
+order (``common/sampling.cpp``): logit bias, grammar, repetition penalties,
+then either greedy or top-k, top-p, min-p, temperature and a seeded ``dist``.
+Every value reaching llama.cpp here has been checked against the bounds of
+:mod:`hydra_trio.engine.settings`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import llama_cpp
+import numpy as np
+
+from .settings import SamplingParams
+
+MAX_GRAMMAR_BYTES = 256 * 1024
+MAX_GRAMMAR_DEPTH = 128
+
+
+class GrammarError(ValueError):
+    """A grammar llama.cpp cannot use (it fails to parse, or is too large or too deep to parse safely)."""
+
+
+@attrs.frozen
+class SamplerSpec:
+    """Everything a request asks of its sampler.
+
+    Attributes:
+        params: the numeric sampler settings.
+        logit_bias: ``(token id, bias)`` pairs added to the logits (OpenAI's ``logit_bias``).
+        banned: tokens that may never be sampled (llama-server's ``ignore_eos`` bans end-of-generation).
+        grammar: GBNF text constraining the output (llama.cpp's grammar sampler), root rule ``root``.
+    """
+
+    params: SamplingParams = SamplingParams()
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    banned: tuple[int, ...] = ()
+    grammar: str | None = None
+
+
+def check_grammar(vocab: Any, grammar: str) -> None:
+    """Check that llama.cpp accepts ``grammar`` (any thread: it only reads the vocabulary).
+
+    llama.cpp's GBNF parser recurses once per nesting level, so text larger
+    than 256 KiB or nested deeper than 128 groups is refused before it is parsed.
+
+    Raises:
+        GrammarError: too large, too deep, or llama.cpp's parser refused it.
+    """
+    data = grammar.encode("utf-8")
+    if len(data) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is {len(data)} bytes; the limit is {MAX_GRAMMAR_BYTES}")
+    if _nesting(grammar) > MAX_GRAMMAR_DEPTH:
+        raise GrammarError(f"the grammar nests groups deeper than {MAX_GRAMMAR_DEPTH} levels")
+    smpl = llama_cpp.llama_sampler_init_grammar(vocab, data, b"root")
+    if not smpl:
+        raise GrammarError("llama.cpp could not parse the grammar (GBNF, with a 'root' rule)")
+    llama_cpp.llama_sampler_free(smpl)
+
+
+def _nesting(grammar: str) -> int:
+    """Deepest nesting of ``( )`` groups outside string literals, character classes and comments."""
+    depth = deepest = 0
+    i, n = 0, len(grammar)
+    while i < n:
+        c = grammar[i]
+        if c in "\"[":
+            close = '"' if c == '"' else "]"
+            i += 1
+            while i < n and grammar[i] != close:
+                i += 2 if grammar[i] == "\\" else 1
+        elif c == "#":
+            while i < n and grammar[i] != "\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+        i += 1
+    return deepest
+
+
+def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, prompt: Sequence[int]) -> Any:
+    """A llama.cpp sampler chain for one request (free it with ``llama_sampler_free``).
+
+    ``temperature <= 0`` gives greedy sampling (argmax), as in llama-server.
+    The penalty window is at most ``n_ctx_slot`` tokens and looks back over
+    the prompt too (as llama-server); ``top_k`` is at most ``n_vocab``.
+
+    Raises:
+        GrammarError: the grammar failed to parse (callers check it first
+            with :func:`check_grammar`).
+    """
+    p = spec.params
+    chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+    add = llama_cpp.llama_sampler_chain_add
+    bias = [(t, -math.inf) for t in spec.banned] + list(spec.logit_bias)
+    if bias:
+        arr = (llama_cpp.llama_logit_bias * len(bias))(*(llama_cpp.llama_logit_bias(token=t, bias=b) for t, b in bias))
+        add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), arr))
+    if spec.grammar:
+        grammar = llama_cpp.llama_sampler_init_grammar(vocab, spec.grammar.encode("utf-8"), b"root")
+        if not grammar:
+            llama_cpp.llama_sampler_free(chain)
+            raise GrammarError("llama.cpp could not parse the grammar")
+        add(chain, grammar)
+    window = p.penalty_window(n_ctx_slot)
+    if window > 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+        penalties = llama_cpp.llama_sampler_init_penalties(
+            n_vocab, window, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
+        )
+        # the penalties remember the prompt; the grammar must not see it, so only this sampler does
+        for tok in prompt[-window:]:
+            llama_cpp.llama_sampler_accept(penalties, tok)
+        add(chain, penalties)
+    if p.temperature <= 0:
+        add(chain, llama_cpp.llama_sampler_init_greedy())
+    else:
+        if p.top_k > 0:
+            add(chain, llama_cpp.llama_sampler_init_top_k(min(p.top_k, n_vocab)))
+        add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
+        add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
+        add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
+        add(chain, llama_cpp.llama_sampler_init_dist(p.seed_u32()))
+    return chain
+
+
+
+@attrs.frozen
+class TokenProbs:
+    """One sampled token's log-probability and the most likely alternatives (natural log, raw logits).
+
+    ``top``: up to N ``(token, logprob)`` pairs, most likely first.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_probs(ctx: Any, idx: int, n_vocab: int, token: int, n_top: int) -> TokenProbs:
+    """Log-softmax of the raw logits at batch row ``idx``: the sampled ``token``'s value and the top ``n_top``.
+
+    This is the distribution before any sampler (llama-server's default,
+    ``post_sampling_probs`` off).  Values are <= 0.
+    """
+    ptr = llama_cpp.llama_get_logits_ith(ctx, idx)
+    logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+    peak = float(logits.max())
+    lse = peak + float(np.log(np.exp(logits - peak).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if n_top > 0:
+        k = min(n_top, n_vocab)
+        ids = np.argpartition(-logits, k - 1)[:k]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        top = tuple((int(t), min(0.0, float(logits[t]) - lse)) for t in ids)
+    return TokenProbs(min(0.0, float(logits[token]) - lse), top)

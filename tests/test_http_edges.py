@@ -1,0 +1,82 @@
+"""HTTP/1.1 edge cases a real client or proxy produces, over raw sockets to the real server."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+
+from .conftest import ServerProcess
+
+
+def exchange(port: int, data: bytes, timeout: float = 120.0) -> bytes:
+    """Send ``data`` on a fresh connection, read until the server closes (requests ask for close)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+        except ConnectionResetError:  # closed with our bytes unread: a reset is a close too
+            pass
+        return out
+
+
+def test_empty_lines_before_the_request_line_are_ignored(server: ServerProcess) -> None:
+    for lead in (b"\r\n", b"\n", b"\r\n\r\n"):
+        out = exchange(server.port, lead + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200 "), (lead, out[:100])
+        assert json.loads(out.split(b"\r\n\r\n", 1)[1]) == {"status": "ok", "stage": "ready"}
+    # CR/LF followed by something that is no protocol: still closed without a reply
+    assert exchange(server.port, b"\r\n\x01\x02") == b""
+
+
+def test_absolute_form_targets_route_like_origin_form(server: ServerProcess) -> None:
+    out = exchange(server.port, b"GET http://example.invalid:8080/health HTTP/1.1\r\nHost: example.invalid\r\n"
+                   b"Connection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 200 "), out[:200]
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    out = exchange(server.port, b"POST HTTP://x/v1/completions?a=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert out.startswith(b"HTTP/1.1 200 "), out[:200]
+    assert b'"text_completion"' in out
+
+
+def test_expect_continue_over_the_cap_is_413_without_100(server: ServerProcess) -> None:
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n")
+    out = exchange(server.port, head % (64 * 1024 * 1024))  # no body sent: the client waits for the 100
+    assert out.startswith(b"HTTP/1.1 413 "), out[:200]
+    assert b" 100 " not in out.split(b"\r\n", 1)[0]
+    assert b"limit" in out
+    # under the cap, the 100 comes and the request goes through
+    body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
+        s.sendall(head % len(body) + b"")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 100 "), first
+        s.sendall(body)
+        rest = s.recv(65536)
+        assert rest.startswith(b"HTTP/1.1 200 ") or b"HTTP/1.1 200 " in first + rest
+
+
+def test_cors(server: ServerProcess, spawn) -> None:
+    pre = httpx.options(server.base + "/v1/chat/completions", headers={
+        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"}, timeout=120)
+    assert pre.status_code == 200
+    assert pre.headers["access-control-allow-origin"] in ("*", "http://app.example")
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    r = httpx.get(server.base + "/v1/models", headers={"Origin": "http://app.example"}, timeout=120)
+    assert r.headers["access-control-allow-origin"] in ("*", "http://app.example")
+    # restricted to one origin
+    srv = spawn("--cors-origin", "http://ok.example", "--no-rpc-backend")
+    srv.wait_ready()
+    ok = httpx.get(srv.base + "/health", headers={"Origin": "http://ok.example"}, timeout=120)
+    assert ok.headers["access-control-allow-origin"] == "http://ok.example"
+    other = httpx.get(srv.base + "/health", headers={"Origin": "http://evil.example"}, timeout=120)
+    assert "access-control-allow-origin" not in other.headers
+    pre = httpx.options(srv.base + "/v1/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, timeout=120)
+    assert pre.status_code == 400
