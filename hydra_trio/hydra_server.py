@@ -24,16 +24,16 @@ from . import __version__
 from .control import Busy, Change, ControlChannel
 from .engine.batch import Engine, EngineNotReady
 from .engine.combined import DEFAULT_PATTERN
-from .engine.slots import CompletionJob, Failed, Finished, TextDelta
+from .engine.slots import CompletionJob, Failed, Finished, SlotAssigned, TextDelta
 from .engine.state import StateError, restore_slot, save_slot, slot_meta, verify_checksum
-from .http.schemas import ChatCompletionRequest, RequestError, structure_body
-from .jobs import job_from_chat
+from .http.schemas import ChatCompletionRequest, CompletionRequest, RequestError, structure_body
+from .jobs import job_continue, job_from_chat
 from .presets import PRESETS
 from .protocol import messages as msg
 from .rpc_backend import RpcBackend
 from .protocol.hydra import (
-    DECODE_FLAG_FINAL,
     BadMagic,
+    DecodeFramer,
     FrameTooLarge,
     Op,
     PayloadChunk,
@@ -42,11 +42,9 @@ from .protocol.hydra import (
     RequestEnded,
     RequestStarted,
     Status,
-    decode_pad_frames,
     encode_response,
     encode_response_header,
     is_store_op,
-    pack_decode_frame,
 )
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -344,6 +342,21 @@ class HydraHandler:
         fallback = isinstance(wanted, str) and wanted not in ("", e.identity.model_alias)
         return job, fallback
 
+    async def _continue_job(
+        self, e: Engine, id_slot: int, raw: dict[str, Any], n_predict: int
+    ) -> tuple[CompletionJob, bool]:
+        """A DECODE job that continues from the slot's KV cache; the body gives only sampling fields."""
+        body = {k: v for k, v in raw.items()
+                if k not in ("messages", "n_predict", "max_tokens", "max_completion_tokens", "stream", "id_slot")}
+        try:
+            completion = structure_body(body, CompletionRequest)
+            job = job_continue(e, completion, n_predict=n_predict, id_slot=id_slot)
+        except (RequestError, ValueError) as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        assert e.identity is not None
+        wanted = raw.get("model")
+        return job, isinstance(wanted, str) and wanted not in ("", e.identity.model_alias)
+
     async def _run_job(self, e: Engine, job: CompletionJob, on_tokens: Callable[[TextDelta], Awaitable[None]] | None = None) -> Finished:
         try:
             handle = e.submit(job)
@@ -367,7 +380,7 @@ class HydraHandler:
         job, fallback = await self._chat_job(e, id_slot, parsed.raw, n_predict=0)
         # BUSY if the slot works when the job's turn comes; the blob is saved on
         # the engine thread as the prefill ends, before anything else can use the slot
-        job = attrs.evolve(job, fail_if_busy=True, snapshot=True)
+        job = attrs.evolve(job, fail_if_busy=True, snapshot=True, request_id=req.trace_id)
         t0 = time.perf_counter()
         done = await self._run_job(e, job)
         prefill_ms = (time.perf_counter() - t0) * 1e3
@@ -386,56 +399,82 @@ class HydraHandler:
         await self._send_blob(stream, meta, blob)
 
     async def _decode(self, req: _Request, stream: trio.SocketStream) -> None:
+        """DECODE: generate on a slot, one 9-byte frame per token (hydra-protocol.md §3).
+
+        ``messages`` renders a conversation (reusing the slot's cached prefix);
+        ``messages: null`` (or absent) continues from what the slot holds.
+        Streamed (the default): the header goes out when the slot starts, with
+        ``n_past`` = the tokens in the KV cache when generation begins, and
+        ``9 × budget`` bytes follow as tokens come (FINAL, then PAD frames; the
+        stop reason rides in the flags of the frame that ends it).
+        ``"stream": false``: the reply is sent once generation ends, its meta
+        has ``tokens_generated``, ``n_past`` (after) and ``stop_reason``, and its
+        payload is exactly the generated frames.
+        """
         e, id_slot = self._slot(req)
         parsed = _parse(req, msg.DecodeRequest)
-        if not parsed.messages:
-            raise Reply(Status.BAD_REQUEST, "messages: required (DECODE continues the conversation it is given)")
         for name in ("n_predict", "max_tokens"):
             value = getattr(parsed, name)
             if value is not None and value < -1:
                 raise Reply(Status.BAD_REQUEST, f"{name}: must be >= -1 (-1: the default budget), got {value}")
         budget = parsed.frame_budget(self.settings.decode_default, self.settings.decode_cap)
-        job, fallback = await self._chat_job(e, id_slot, parsed.raw, n_predict=budget)
-        job = attrs.evolve(job, logprobs=True, fail_if_busy=True)
+        if budget == 0:
+            raise Reply(Status.BAD_REQUEST, "n_predict: DECODE generates at least one token (PREFILL processes a prompt only)")
+        if parsed.messages is None:
+            job, fallback = await self._continue_job(e, id_slot, parsed.raw, n_predict=budget)
+        elif not parsed.messages:
+            raise Reply(Status.BAD_REQUEST, "messages: empty (send the conversation, or null to continue the slot's KV cache)")
+        else:
+            job, fallback = await self._chat_job(e, id_slot, parsed.raw, n_predict=budget)
+        job = attrs.evolve(job, logprobs=True, fail_if_busy=True, request_id=req.trace_id)
         try:
             handle = e.submit(job)
         except ValueError as exc:
             raise Reply(Status.BAD_REQUEST, str(exc)) from None
-        # wait for the slot before the reply header: BUSY must be a status, not padding
-        first = await handle.events.receive()
-        if isinstance(first, Failed):
-            e.cancel(handle)
-            raise _failed_reply(first, id_slot)
-        # The reply header goes out first; frames follow as tokens come. The
-        # last real token is held back one step so it can carry FINAL (0x01);
-        # the unused budget is padded with PAD frames (hydra.DECODE_PAD_FRAME).
-        meta = {"slot_id": id_slot, "n_predict": budget, "frame_size": 9, "model_fallback": fallback, **self._identity(e)}
-        sent = 0
-        held: tuple[int, float] | None = None
+        framer = DecodeFramer(budget)
+        meta: dict[str, Any] = {
+            "slot_id": id_slot, "n_predict": budget, "frame_size": 9, "stream": parsed.stream is not False,
+            "model_fallback": fallback, **self._identity(e),
+        }
         try:
+            # wait for the slot before the reply header: BUSY must be a status, not padding
+            first = await handle.events.receive()
+            if isinstance(first, Failed):
+                raise _failed_reply(first, id_slot)
+            assert isinstance(first, SlotAssigned)
+            if parsed.stream is False:
+                frames, end = await self._decode_frames(handle, framer, None)
+                if isinstance(end, Failed):
+                    raise _failed_reply(end, id_slot)
+                body = frames + framer.finish(end.stop_reason, pad=False)
+                meta.update(tokens_generated=framer.tokens_generated, n_past=end.n_past, stop_reason=end.stop_reason)
+                await stream.send_all(encode_response_header(Status.OK, meta, len(body)) + body)
+                return
+            meta["n_past"] = first.n_prompt
             await stream.send_all(encode_response_header(Status.OK, meta, 9 * budget))
-            async for ev in handle.events:
-                if isinstance(ev, TextDelta):
-                    out = bytearray()
-                    for tok, lp in zip(ev.tokens, ev.logprobs or (0.0,) * len(ev.tokens), strict=True):
-                        if held is not None and sent < budget - 1:
-                            out += pack_decode_frame(held[0], held[1], 0)
-                            sent += 1
-                        held = (tok, lp)
-                    if out:
-                        await stream.send_all(bytes(out))
-                elif isinstance(ev, (Finished, Failed)):
-                    if isinstance(ev, Failed):
-                        log.warning("[%s] DECODE on slot %d failed: %s (padding the rest)", req.trace_id, id_slot, ev.message)
-                    break
+            _, end = await self._decode_frames(handle, framer, stream)
         finally:
             e.cancel(handle)
-        tail = bytearray()
-        if held is not None and sent < budget:
-            tail += pack_decode_frame(held[0], held[1], DECODE_FLAG_FINAL)
-            sent += 1
-        tail += decode_pad_frames(budget - sent)
-        await stream.send_all(bytes(tail))
+        if isinstance(end, Failed):
+            log.warning("[%s] DECODE on slot %d failed: %s (padding the rest)", req.trace_id, id_slot, end.message)
+        await stream.send_all(framer.finish(end.stop_reason if isinstance(end, Finished) else "error"))
+
+    @staticmethod
+    async def _decode_frames(
+        handle: Any, framer: DecodeFramer, stream: trio.SocketStream | None
+    ) -> tuple[bytes, Finished | Failed]:
+        """Frame the tokens of a running DECODE: sent as they come on ``stream``, else gathered and returned."""
+        gathered = bytearray()
+        async for ev in handle.events:
+            if isinstance(ev, TextDelta):
+                out = framer.push(ev.tokens, ev.logprobs or (0.0,) * len(ev.tokens))
+                if out and stream is not None:
+                    await stream.send_all(out)
+                else:
+                    gathered += out
+            elif isinstance(ev, (Finished, Failed)):
+                return bytes(gathered), ev
+        return bytes(gathered), Failed("the request ended without a result")
 
     # ---------------------------------------------------------- engine-wide
     async def _info(self, req: _Request, stream: trio.SocketStream) -> None:
@@ -448,15 +487,17 @@ class HydraHandler:
         meta: dict[str, Any] = {
             "engine": "hydra-trio",
             "version": __version__,
+            # the C++ engine's names where they mean the same, then hydra-trio's finer ones
             "capabilities": [
+                "state_transfer", "expert_mode", "preset", "model_hash",
                 "state_get", "state_put", "state_meta", "configure", "info",
-                "prefill", "decode", "set_expert_mode", "openai_http",
+                "prefill", "decode", "set_expert_mode", "openai_http", "kv_checksum",
             ],
             "preset_aliases": sorted(PRESETS),
             "solo_active": e is not None and e.ready,
             "rpc_backend_active": self.rpc is not None and self.rpc.active,
             "mode": e.mode if e is not None else "solo",
-            "peer_addr": e.peer if e is not None else None,
+            "peer_addr": (e.peer or "") if e is not None else "",
             "peer_reachable": e.peer_reachable if e is not None else False,
             "layer_split": e.combined_pattern if e is not None else DEFAULT_PATTERN,
             "combined_head_attached": e is not None and e.combined_model is not None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
 from .engine.batch import Engine
@@ -16,19 +17,21 @@ from .http.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 def job_from_chat(
     e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None, id_slot: int | None = None
 ) -> CompletionJob:
-    """Render the chat with the GGUF's template and tokenize it.
+    """Render the chat with the chat template in effect (``--chat-template``, else the GGUF's,
+    else chatml) and tokenize it (BOS added as llama-server adds it).
 
     ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).
     Raises ValueError (the template failed) or RequestError.
     """
-    m = e.model
+    # the SOLO model holds the configured template; a COMBINED model has the same vocabulary
+    m = e.solo_model or e.model
     assert m is not None
     messages = [
         {k: v for k, v in (("role", x.role), ("content", x.content or ""), ("name", x.name)) if v is not None}
         for x in body.messages
     ]
     prompt, extra_stop = m.apply_chat_template(messages)
-    tokens = m.tokenize(prompt, add_special=False, parse_special=True)
+    tokens = m.chat_prompt_tokens(prompt)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
     return _job(e, body, tokens, stop, n_predict, id_slot)
 
@@ -51,6 +54,16 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
             raise RequestError(f"prompt: token id {bad[0]} is out of the vocabulary (0..{m.n_vocab - 1})")
         tokens = list(body.prompt)
     return _job(e, body, tokens, list(body.stop), None, None)
+
+
+def job_continue(e: Engine, body: CompletionRequest, *, n_predict: int, id_slot: int) -> CompletionJob:
+    """Generate on from what slot ``id_slot`` already holds (DECODE without messages).
+
+    The prompt is the slot's cached tokens, read on the engine thread when the
+    job starts; ``body`` gives the sampling fields.
+    """
+    job = _job(e, body, [], [], n_predict, id_slot)
+    return attrs.evolve(job, continue_slot=True, cache_prompt=True)
 
 
 def _job(

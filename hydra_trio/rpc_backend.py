@@ -51,6 +51,7 @@ import attrs
 import trio
 
 from ._spawn import free_port
+from .engine.ggml_rpc import clean_build_paths
 from .protocol.ggml_rpc import (
     CHECKS,
     GGML_TYPE_COUNT,
@@ -149,6 +150,39 @@ class _Pump:
     close: _Close | None = None
 
 
+child_log = logging.getLogger("hydra_trio.rpc.child")
+_MAX_LINE = 1 << 16  # longer lines are logged in pieces
+
+
+async def _relay_output(stream: trio.abc.ReceiveStream, level: int, pid: int) -> None:
+    """Log each line the ggml-RPC child writes on ``stream`` (logger ``hydra_trio.rpc.child``)
+    at ``level``, with llama.cpp's build paths shortened; ends at EOF.  It reads whenever
+    the child writes, so the child never waits on a full pipe for long, and the parent
+    never writes to it."""
+    pending = b""
+
+    def emit(raw: bytes) -> None:
+        line = clean_build_paths(raw.decode("utf-8", "replace").rstrip())
+        if line:
+            child_log.log(level, "[pid %d] %s", pid, line)
+
+    try:
+        while chunk := await stream.receive_some(_MAX_LINE):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                emit(raw)
+            if len(pending) >= _MAX_LINE:
+                emit(pending)
+                pending = b""
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+    finally:
+        if pending:
+            emit(pending)
+        await trio.aclose_forcefully(stream)
+
+
 class RpcBackend:
     """Supervises the ggml-RPC child and serves classified connections through it, one at a time.
 
@@ -200,26 +234,34 @@ class RpcBackend:
             cmd += ["--threads", str(self.settings.threads or os.cpu_count() or 1)]
             for dev in self.settings.devices:
                 cmd += ["--device", dev]
-            proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.DEVNULL, stderr=None)
+            proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             self.pid = proc.pid
             started = trio.current_time()
-            try:
-                if await self._wait_listening(proc, port):
-                    self.port = port
-                    self.active = True
-                    self._up.set()
-                    log.info("ggml-RPC backend serving on 127.0.0.1:%d (pid %d, devices %s)", port, proc.pid,
-                             ",".join(self.settings.devices))
-                code = await proc.wait()
-            finally:
-                self.active = False
-                self._up = trio.Event()
-                for scope in list(self._scopes):
-                    scope.cancel()
-                if proc.returncode is None:
-                    proc.kill()
-                    with trio.CancelScope(shield=True):
-                        await proc.wait()
+            async with trio.open_nursery() as relays:
+                # the child's output goes through logging (see hydra_trio.engine.ggml_rpc): chatter at
+                # DEBUG, problems at WARNING; the relays read until the child's end closes the pipes
+                assert proc.stdout is not None and proc.stderr is not None
+                relays.start_soon(_relay_output, proc.stdout, logging.DEBUG, proc.pid)
+                relays.start_soon(_relay_output, proc.stderr, logging.WARNING, proc.pid)
+                try:
+                    if await self._wait_listening(proc, port):
+                        self.port = port
+                        self.active = True
+                        self._up.set()
+                        log.info("ggml-RPC backend serving on 127.0.0.1:%d (pid %d, devices %s)", port, proc.pid,
+                                 ",".join(self.settings.devices))
+                    code = await proc.wait()
+                finally:
+                    self.active = False
+                    self._up = trio.Event()
+                    for scope in list(self._scopes):
+                        scope.cancel()
+                    if proc.returncode is None:
+                        proc.kill()
+                        with trio.CancelScope(shield=True):
+                            await proc.wait()
+                    # the pipes end with the child; bound the wait in case something else holds them open
+                    relays.cancel_scope.deadline = trio.current_time() + 2.0
             lived = trio.current_time() - started
             self.restarts += 1
             if lived >= _STABLE_S:

@@ -138,11 +138,13 @@ def test_unreachable_peer_at_start_leaves_solo(spawn) -> None:
     assert meta["mode"] == "solo" and meta["peer_reachable"] is False and meta["combined_head_attached"] is False
     assert "does not answer" in meta["fallback_reason"]
     status, sw = set_mode(a.port, b"combined")
-    assert status == Status.OK and sw["mode"] == "solo" and sw["fallback_reason"]
+    # OK with the mode in effect; success is false: it is not the mode asked for
+    assert status == Status.OK and sw["mode"] == "solo" and sw["fallback_reason"] and sw["success"] is False
     assert info(a.port)["peer_attach"] == "failed"
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "mode", f"127.0.0.1:{a.port}", "combined"],
+    out = subprocess.run([sys.executable, "-m", "hydra_trio", "mode", f"127.0.0.1:{a.port}", "combined", "--wait", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 3 and "does not answer" in out.stderr  # the CLI says COMBINED is not in effect
+    assert json.loads(out.stdout)["success"] is False
     assert "Paris" in complete(a.base)
 
 

@@ -15,10 +15,12 @@ from hydra_trio.protocol.hydra import (
     DECODE_FLAG_FINAL,
     DECODE_FLAG_PAD,
     DECODE_PAD_TOKEN,
+    DECODE_STOP_FLAGS,
     Op,
     Status,
     encode_request,
     encode_request_header,
+    decode_stop_reason,
     unpack_decode_frames,
 )
 
@@ -168,7 +170,8 @@ def test_decode_frames_exact_length_and_padding(server: ServerProcess) -> None:
         assert len(payload) == 9 * 64
         frames = unpack_decode_frames(payload)
         real = [f for f in frames if not f[2] & DECODE_FLAG_PAD]
-        assert real and real[-1][2] == DECODE_FLAG_FINAL
+        assert real and real[-1][2] == DECODE_FLAG_FINAL | DECODE_STOP_FLAGS["eos"]  # ended by end of generation
+        assert decode_stop_reason(real[-1][2]) == "eos"
         assert all(f[2] == 0 for f in real[:-1])
         assert all(lp <= 0.0 for _, lp, _ in real)
         pads = frames[len(real) :]
@@ -254,3 +257,54 @@ def test_configure_t2_rebuilds_context(spawn) -> None:
     slots = httpx.get(srv.base + "/slots").json()
     assert [s["n_ctx"] for s in slots] == [2048, 2048]
     assert "Paris" in chat_on_slot(srv.base, 0, max_tokens=24)["choices"][0]["message"]["content"]
+
+
+def test_decode_against_the_orchestrators_expectations(server: ServerProcess) -> None:
+    """messages null continues the slot; n_predict 0 is refused; the stop reason and final counts are reported."""
+    with Wire(server.port) as w:
+        # PREFILL then DECODE with "messages": null (what the orchestrator sends with no body)
+        status, pre, _ = w.call(Op.PREFILL, key="1", payload=json.dumps({"messages": MESSAGES}).encode())
+        assert status == Status.OK
+        status, meta, payload = w.call(Op.DECODE, key="1", payload=json.dumps(
+            {"messages": None, "n_predict": 4, "temperature": 0}).encode())
+        assert status == Status.OK, meta
+        assert meta["n_past"] == pre["n_past"] and meta["stream"] is True
+        frames = [f for f in unpack_decode_frames(payload) if not f[2] & DECODE_FLAG_PAD]
+        assert len(frames) == 4 and decode_stop_reason(frames[-1][2]) == "length"
+        # the same tokens as the full conversation gives
+        status, meta_full, payload_full = w.call(Op.DECODE, key="2", payload=json.dumps(
+            {"messages": MESSAGES, "n_predict": 4, "temperature": 0}).encode())
+        assert [f[0] for f in unpack_decode_frames(payload_full)] == [f[0] for f in frames]
+        # an empty slot has nothing to continue from
+        assert httpx.post(server.base + "/slots/3?action=erase", timeout=60).status_code == 200
+        status, meta, _ = w.call(Op.DECODE, key="3", payload=b'{"n_predict": 4}')
+        assert status == Status.BAD_REQUEST and "holds no tokens" in meta["error"]
+        # n_predict 0 would announce payload_len 0, which a streaming reader takes as "until close"
+        for body in ({"messages": MESSAGES, "n_predict": 0}, {"messages": MESSAGES, "max_tokens": 0}):
+            status, meta, payload = w.call(Op.DECODE, key="1", payload=json.dumps(body).encode())
+            assert status == Status.BAD_REQUEST and "at least one token" in meta["error"] and payload == b""
+        status, meta, _ = w.call(Op.DECODE, key="1", payload=b'{"messages": []}')
+        assert status == Status.BAD_REQUEST
+        # "stream": false: the whole reply at once, with its final meta
+        status, meta, payload = w.call(Op.DECODE, key="2", payload=json.dumps(
+            {"messages": MESSAGES, "n_predict": 64, "temperature": 0, "stream": False}).encode())
+        assert status == Status.OK and meta["stream"] is False
+        frames = unpack_decode_frames(payload)
+        assert meta["tokens_generated"] == len(frames) > 3
+        assert meta["stop_reason"] == "eos" and decode_stop_reason(frames[-1][2]) == "eos"
+        status, slot_meta, _ = w.call(Op.STATE_META, key="2")
+        assert meta["n_past"] == slot_meta["n_past"]
+        status, meta, payload = w.call(Op.DECODE, key="2", payload=json.dumps(
+            {"messages": MESSAGES, "n_predict": 3, "stream": False}).encode())
+        assert meta["tokens_generated"] == 3 and meta["stop_reason"] == "length" and len(payload) == 27
+        assert w.call(Op.INFO)[0] == Status.OK  # in sync
+
+
+def test_info_uses_the_cpp_engines_capability_names(spawn) -> None:
+    fresh = spawn("-np", "1", "--no-rpc-backend")  # a node that never had a peer
+    fresh.wait_ready()
+    with Wire(fresh.port) as w:
+        status, meta, _ = w.call(Op.INFO)
+    assert {"state_transfer", "expert_mode", "preset", "model_hash", "prefill", "decode"} <= set(meta["capabilities"])
+    assert "quant_swap" not in meta["capabilities"]  # SWAP_QUANT answers NOT_IMPLEMENTED here
+    assert meta["peer_addr"] == ""  # no peer: an empty string, as the C++ engine sends

@@ -68,6 +68,10 @@ class EngineConfig:
         peer: ggml-RPC peer ``host:port`` for COMBINED mode (``--rpc-engine``).
         combined_pattern: regex of the tensors that live on the peer in
             COMBINED mode (``--combined-pattern``; MoE experts by default).
+        chat_template: ``--chat-template``: None for the GGUF's own template
+            (llama.cpp's built-in ``chatml`` when the GGUF has none, as
+            llama-server does), a built-in template name or Jinja text
+            (see :class:`~hydra_trio.engine.model.ChatTemplate`).
     """
 
     model_path: Path
@@ -78,6 +82,7 @@ class EngineConfig:
     n_threads: int | None = None
     peer: str | None = None
     combined_pattern: str = DEFAULT_PATTERN
+    chat_template: str | None = None
 
 
 @attrs.define
@@ -181,8 +186,10 @@ class Engine:
         """
         if not self.ready:
             raise EngineNotReady(f"model not ready (stage: {self.stage})")
-        if not job.prompt_tokens:
+        if not job.prompt_tokens and not job.continue_slot:
             raise ValueError("the prompt is empty")
+        if job.continue_slot and job.id_slot < 0:
+            raise ValueError("id_slot: continuing a slot's KV cache needs a slot id")
         if len(job.prompt_tokens) >= self.n_ctx_slot:
             raise ValueError(
                 f"the prompt has {len(job.prompt_tokens)} tokens; a slot's context holds "
@@ -272,6 +279,8 @@ class Engine:
                 n_batch=cfg.n_batch,
                 n_threads=cfg.n_threads,
                 progress=progress,
+                chat_template=cfg.chat_template,
+                log_chat_template=True,
             )
             self.model = self.solo_model = model
             self.progress = 1.0
@@ -479,7 +488,11 @@ class Engine:
         m = self.model
         assert m is not None
         job = handle.job
-        prompt = list(job.prompt_tokens)
+        prompt = list(slot.cache_tokens) if job.continue_slot else list(job.prompt_tokens)
+        if not prompt:
+            handle.emit(Failed(f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)",
+                               "invalid_request"))
+            return
         spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar)
         try:
             sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx, prompt)
@@ -590,7 +603,7 @@ class Engine:
             if slot.pending_logprobs:
                 slot.pending_logprobs.pop()
                 slot.pending_top.pop()
-            self._finish(slot, "stop")
+            self._finish(slot, "stop", stop_reason="eos")
             return
         slot.n_decoded += 1
         self.stats.tokens_predicted_total += 1
@@ -599,15 +612,15 @@ class Engine:
         if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
             self._emit_text(slot, text)
         if stopped:
-            self._finish(slot, "stop", flush=False)
+            self._finish(slot, "stop", flush=False, stop_reason="stop")
             return
         slot.last_token = token
         if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
             self._finish(slot, "length")
         elif slot.n_past + 1 >= slot.n_ctx:
-            self._finish(slot, "length")
+            self._finish(slot, "length", stop_reason="n_tokens_limit")
 
-    def _finish(self, slot: Slot, reason: str, flush: bool = True) -> None:
+    def _finish(self, slot: Slot, reason: str, flush: bool = True, stop_reason: str = "length") -> None:
         handle = slot.handle
         assert handle is not None
         if flush:
@@ -627,8 +640,16 @@ class Engine:
             prompt_ms=(t_first - slot.t_start) * 1e3,
             predicted_n=slot.n_decoded,
             predicted_ms=(now - t_first) * 1e3 if slot.n_decoded else 0.0,
+            stop_reason=stop_reason,
+            n_past=slot.n_past,
             state=save_slot(self, slot.id) if handle.job.snapshot else None,
         )
+        # one line per finished request, whatever protocol it came by (llama-server's print_timings, on one line)
+        t = done.timings()
+        log.info("slot %d | %s | prompt %d tokens (%d cached) %.1f ms, %.1f tok/s | generated %d tokens %.1f ms, "
+                 "%.1f tok/s | finish %s (%s)", slot.id, handle.job.request_id or "-", t["prompt_n"], t["cache_n"],
+                 t["prompt_ms"], t["prompt_per_second"], t["predicted_n"], t["predicted_ms"],
+                 t["predicted_per_second"], reason, stop_reason)
         # the slot is idle before the client hears of the end: a follow-up
         # request on the same slot never sees it busy
         self._release(slot)
@@ -792,13 +813,15 @@ class Engine:
         self.peer_attach = "failed"
 
     def _fallback(self, reason: str) -> dict[str, Any]:
+        """COMBINED was asked for and SOLO stays in effect: ``success`` is false (the mode in
+        effect is not the one asked for); ``mode`` and ``fallback_reason`` say what and why."""
         self.stats.combined_fallbacks += 1
         self.peer_attach = "failed" if self.peer else "none"
         self._activate(self.solo_model)
         self.mode = "solo"
         self.fallback_reason = reason
         log.warning("COMBINED unavailable, staying in SOLO: %s", reason)
-        return {"success": True, "mode": "solo", "peer": self.peer, "fallback_reason": reason}
+        return {"success": False, "mode": "solo", "peer": self.peer, "fallback_reason": reason}
 
     # ------------------------------------------------ engine-wide settings
     def set_defaults(self, **params: Any) -> None:
@@ -850,7 +873,8 @@ class Engine:
                 raise ValueError(str(exc)) from None
         try:
             new = LoadedModel(
-                path, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=old.n_batch, n_threads=self.config.n_threads
+                path, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=old.n_batch, n_threads=self.config.n_threads,
+                chat_template=self.config.chat_template, log_chat_template=True,
             )
         except Exception as exc:
             raise ValueError(f"llama.cpp refused the new settings: {exc}") from None

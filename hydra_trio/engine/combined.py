@@ -69,7 +69,7 @@ _live_workers: set[PeerWorker] = set()
 
 @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 def _on_ggml_abort(message: bytes) -> None:
-    text = message.decode("utf-8", "replace") if message else "?"
+    text = ggml_rpc.clean_build_paths(message.decode("utf-8", "replace")) if message else "?"
     worker: PeerWorker | None = getattr(_local, "worker", None)
     # ggml-RPC's client sends from its own thread, so the abort may come from
     # there: any RPC abort while peers are attached is a peer failure

@@ -8,7 +8,10 @@ registered with ``ggml_backend_rpc_add_server``, whose device then goes into
 
 Run the server child with ``python -m hydra_trio.engine.ggml_rpc --endpoint
 127.0.0.1:PORT [--cache-dir DIR] [--threads N] [--device cpu]``; it serves
-until killed.
+until killed.  Its output is two streams the parent re-logs
+(:class:`hydra_trio.rpc_backend.RpcBackend`): stdout carries chatter
+(its start line, llama.cpp's banner and per-connection lines, ggml's
+DEBUG/INFO log), stderr problems (ggml's WARN/ERROR log, aborts, tracebacks).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import sys
 import threading
 import time
@@ -23,6 +27,18 @@ from functools import cache
 from pathlib import Path
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
+
+# llama-cpp-python is built from its sdist in a temporary folder, and ggml's messages
+# (GGML_ASSERT / GGML_ABORT: "<__FILE__>:<line>: ...") carry that build path, e.g.
+# /tmp/pip-wheel-gut8puip/llama-cpp-python_3f89.../vendor/llama.cpp/ggml/src/ggml.c
+_BUILD_PATH = re.compile(r"(?:[A-Za-z]:)?[^\s:'\"]*?[/\\]vendor[/\\]llama\.cpp[/\\]")
+
+
+def clean_build_paths(text: str) -> str:
+    """``text`` with llama-cpp-python's build-time source paths shortened to ``llama.cpp/...``
+    (``/tmp/pip-wheel-x/llama-cpp-python_y/vendor/llama.cpp/ggml/src/ggml.c:12`` →
+    ``llama.cpp/ggml/src/ggml.c:12``): they name a folder that no longer exists."""
+    return _BUILD_PATH.sub("llama.cpp/", text)
 
 
 @cache
@@ -178,8 +194,36 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent(a.parent_pid)
     if a.cache_dir:
         Path(a.cache_dir).mkdir(parents=True, exist_ok=True)
-    print(f"ggml-RPC server on {a.endpoint}", file=sys.stderr, flush=True)
+    _split_log_streams()
+    print(f"ggml-RPC server on {a.endpoint}", flush=True)
     serve_forever(a.endpoint, a.cache_dir, a.threads, a.device or ["cpu"])
+
+
+_LogCallback = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+def _split_log_streams() -> None:
+    """Child only: ggml's DEBUG/INFO/CONT log goes to stdout, WARN/ERROR to stderr (ggml's own
+    logger writes everything to stderr), and C's stdout is line-buffered so llama.cpp's banner
+    reaches the parent at once instead of at its first ``fflush``."""
+    base, _, _ = libs()
+
+    @_LogCallback
+    def write(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+        if text:
+            # enum ggml_log_level: NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5
+            os.write(2 if level in (3, 4) else 1, text)
+
+    _split_log_streams.cb = write  # type: ignore[attr-defined]  # must outlive its registration
+    base.ggml_log_set.argtypes = [_LogCallback, ctypes.c_void_p]
+    base.ggml_log_set.restype = None
+    base.ggml_log_set(write, None)
+    try:
+        libc = ctypes.CDLL(None)
+        c_stdout = ctypes.c_void_p.in_dll(libc, "stdout")
+        libc.setvbuf(c_stdout, None, 1, 0)  # _IOLBF
+    except (OSError, ValueError, AttributeError):  # not glibc: the banner arrives at the first fflush
+        pass
 
 
 if __name__ == "__main__":

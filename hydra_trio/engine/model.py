@@ -7,6 +7,7 @@ llama.cpp objects are created, used and freed by that one thread only.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 import attrs
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+from .ggml_rpc import clean_build_paths
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -39,7 +42,7 @@ def _install_llama_log_handler() -> None:
 
     @llama_cpp.llama_log_callback
     def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
-        msg = text.decode("utf-8", "replace").rstrip("\n")
+        msg = clean_build_paths(text.decode("utf-8", "replace").rstrip("\n"))
         if msg:
             # llama.cpp's INFO is very chatty (one line per tensor): keep it at DEBUG.
             py_level = levels.get(level, logging.DEBUG)
@@ -112,6 +115,124 @@ def available_memory() -> int | None:
     return max(0, min(limits)) if limits else None
 
 
+DEFAULT_CHAT_TEMPLATE = "chatml"
+"""The template of a model whose GGUF has none (llama-server falls back to chatml too)."""
+
+
+@functools.cache
+def builtin_chat_templates() -> tuple[str, ...]:
+    """The names of llama.cpp's built-in chat templates (``llama_chat_builtin_templates``),
+    the names llama-server's ``--chat-template`` accepts: ``chatml``, ``gemma``, ``llama2``,
+    ``llama3``, ``zephyr``, ``phi3``, ..."""
+    n = llama_cpp.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * n)()
+    llama_cpp.llama_chat_builtin_templates(names, n)
+    return tuple(name.decode() for name in names)
+
+
+def check_chat_template(value: str, *, jinja: bool = False) -> str:
+    """Check a ``--chat-template`` value: a built-in name, or Jinja text that compiles
+    (only the latter with ``jinja``: a template file's text).
+
+    Returns a description for the log.  Raises ValueError naming the problem
+    (a Jinja syntax error, or a word that is no built-in template's name).
+    """
+    if not jinja and value in builtin_chat_templates():
+        return f"built-in {value!r}"
+    if not jinja and "{{" not in value and "{%" not in value:
+        raise ValueError(
+            f"{value!r} is neither a built-in template ({', '.join(builtin_chat_templates())}) "
+            "nor an existing file nor Jinja text"
+        )
+    ChatTemplate.jinja(value, "", "", "check")
+    return f"Jinja text ({len(value)} characters)"
+
+
+_SENTINEL = "\x01hydra-trio\x01"
+
+
+class ChatTemplate:
+    """Renders chat messages into a prompt: ``template(messages) -> (prompt, stop strings)``.
+
+    Two kinds, as llama-server has them: Jinja text (a GGUF's
+    ``tokenizer.chat_template`` or a template file), rendered by
+    llama-cpp-python's ``Jinja2ChatFormatter`` (stop string: the EOS token's
+    text), and llama.cpp's built-in templates by name, rendered by
+    ``llama_chat_apply_template`` (stop string: the end-of-turn marker the
+    template writes after an assistant message, e.g. ``<|im_end|>`` for chatml,
+    found by rendering a sentinel turn; a model whose own end-of-turn token
+    differs stops on that text).
+
+    Attributes:
+        kind: ``"jinja"`` or ``"builtin"``.
+        source: the Jinja text, or the built-in template's name (``/props``'s
+            ``chat_template``).
+        origin: where it comes from, for the log.
+    """
+
+    def __init__(self, kind: str, source: str, origin: str, render: Callable[[list[dict]], tuple[str, list[str]]]):
+        self.kind = kind
+        self.source = source
+        self.origin = origin
+        self._render = render
+
+    @classmethod
+    def jinja(cls, text: str, bos_token: str, eos_token: str, origin: str) -> ChatTemplate:
+        """Jinja text; raises ValueError when it does not compile."""
+        try:
+            fmt = Jinja2ChatFormatter(template=text, eos_token=eos_token, bos_token=bos_token,
+                                      add_generation_prompt=True)
+        except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+            raise ValueError(f"the chat template does not compile: {exc}") from None
+
+        def render(messages: list[dict]) -> tuple[str, list[str]]:
+            try:
+                out = fmt(messages=messages)
+            except Exception as exc:  # jinja2 raises TemplateError / TypeError / ...
+                raise ValueError(f"chat template failed: {exc}") from exc
+            stop = out.stop if isinstance(out.stop, list) else ([out.stop] if out.stop else [])
+            return out.prompt, stop
+
+        return cls("jinja", text, origin, render)
+
+    @classmethod
+    def builtin(cls, name: str, origin: str) -> ChatTemplate:
+        """llama.cpp's built-in template ``name`` (:func:`builtin_chat_templates`)."""
+        tail = _apply_builtin(name, [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}],
+                              add_assistant=False)
+        end = tail.split(_SENTINEL, 1)[1].strip() if _SENTINEL in tail else ""
+        stop = [end] if end else []
+        return cls("builtin", name, origin,
+                   lambda messages: (_apply_builtin(name, messages, add_assistant=True), list(stop)))
+
+    def __call__(self, messages: list[dict]) -> tuple[str, list[str]]:
+        return self._render(messages)
+
+    def describe(self) -> str:
+        if self.kind == "builtin":
+            return f"llama.cpp built-in {self.source!r} ({self.origin})"
+        return f"Jinja, {len(self.source)} characters ({self.origin})"
+
+
+def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> str:
+    """``llama_chat_apply_template`` with built-in template ``name``; raises ValueError when it fails."""
+    keep = [(str(m.get("role", "")).encode(), str(m.get("content") or "").encode()) for m in messages]
+    chat = (llama_cpp.llama_chat_message * len(keep))()
+    for i, (role, content) in enumerate(keep):
+        chat[i].role = role
+        chat[i].content = content
+    size = sum(len(r) + len(c) for r, c in keep) * 2 + 256
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(keep), add_assistant, buf, size)
+        if n < 0:
+            raise ValueError(f"chat template {name!r} failed on these messages")
+        if n <= size:
+            return buf.raw[:n].decode("utf-8", "replace")
+        size = n
+    raise ValueError(f"chat template {name!r}: the prompt kept growing")
+
+
 @attrs.frozen
 class ModelIdentity:
     """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF."""
@@ -139,9 +260,14 @@ class LoadedModel:
         devices: ``ggml_backend_dev_t`` handles to load onto (default: the CPU).
         overrides: ``(tensor name regex, buffer type)`` pairs (llama.cpp's
             ``tensor_buft_overrides``), e.g. the expert tensors on a peer.
+        chat_template: llama-server's ``--chat-template``: None for the GGUF's
+            own template (llama.cpp's built-in ``chatml`` when it has none), a
+            built-in name (:func:`builtin_chat_templates`) or Jinja text.
+        log_chat_template: log (INFO) which chat template is in effect.
 
     Raises:
-        ModelLoadError: llama.cpp refused the file or the context.
+        ModelLoadError: llama.cpp refused the file or the context, or the
+            Jinja chat template does not compile.
     """
 
     def __init__(
@@ -155,6 +281,8 @@ class LoadedModel:
         progress: Callable[[float], bool] | None = None,
         devices: list[int] | None = None,
         overrides: list[tuple[str, int]] | None = None,
+        chat_template: str | None = None,
+        log_chat_template: bool = False,
     ) -> None:
         init_backend()
         from . import combined, ggml_rpc
@@ -228,7 +356,13 @@ class LoadedModel:
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos_id = llama_cpp.llama_vocab_bos(self.vocab)
         self.eos_id = llama_cpp.llama_vocab_eos(self.vocab)
-        self.chat_formatter = self._make_chat_formatter()
+        try:
+            self.chat_template = self._make_chat_formatter(chat_template)
+        except Exception:
+            self.close()
+            raise
+        if log_chat_template:
+            log.info("chat template: %s", self.chat_template.describe())
         # end-of-generation tokens, for ignore_eos (banned with a logit bias, as llama-server does)
         self.eog_tokens = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
 
@@ -261,16 +395,35 @@ class LoadedModel:
         raw = llama_cpp.llama_vocab_get_text(self.vocab, token)
         return raw.decode("utf-8", "replace") if raw else ""
 
-    def _make_chat_formatter(self) -> Jinja2ChatFormatter | None:
-        raw = llama_cpp.llama_model_chat_template(self.model, None)
-        if not raw:
-            return None
-        return Jinja2ChatFormatter(
-            template=raw.decode("utf-8"),
-            eos_token=self.token_text(self.eos_id) if self.eos_id >= 0 else "",
-            bos_token=self.token_text(self.bos_id) if self.bos_id >= 0 else "",
-            add_generation_prompt=True,
-        )
+    def _make_chat_formatter(self, chat_template: str | None) -> ChatTemplate:
+        """The chat template in effect, chosen as llama-server chooses (``--chat-template``):
+
+        ``chat_template`` None: the GGUF's own (``tokenizer.chat_template``),
+        else llama.cpp's built-in ``chatml`` (llama-server's fallback for a
+        model without a template; also used, with a warning, when the GGUF's
+        template does not compile); a built-in name
+        (:func:`builtin_chat_templates`): that template; anything else: Jinja
+        template text.
+
+        Raises ModelLoadError for Jinja text that does not compile.
+        """
+        bos = self.token_text(self.bos_id) if self.bos_id >= 0 else ""
+        eos = self.token_text(self.eos_id) if self.eos_id >= 0 else ""
+        if chat_template is None:
+            raw = llama_cpp.llama_model_chat_template(self.model, None)
+            if not raw:
+                return ChatTemplate.builtin(DEFAULT_CHAT_TEMPLATE, "the GGUF has none: llama-server's default")
+            try:
+                return ChatTemplate.jinja(raw.decode("utf-8", "replace"), bos, eos, "the GGUF's tokenizer.chat_template")
+            except ValueError as exc:
+                log.warning("the GGUF's chat template is unusable (%s); using %s", exc, DEFAULT_CHAT_TEMPLATE)
+                return ChatTemplate.builtin(DEFAULT_CHAT_TEMPLATE, "the GGUF's does not compile")
+        if chat_template in builtin_chat_templates():
+            return ChatTemplate.builtin(chat_template, "--chat-template")
+        try:
+            return ChatTemplate.jinja(chat_template, bos, eos, "custom Jinja template")
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from None
 
     # -- text <-> tokens --------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
@@ -287,13 +440,14 @@ class LoadedModel:
             )
         return list(buf[:n])
 
-    def token_bytes(self, token: int) -> bytes:
-        """The bytes one token renders to (special tokens render empty)."""
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """The bytes one token renders to; special tokens (``<|im_end|>``...) render empty
+        unless ``special`` (then as their text, like llama.cpp's ``common_token_to_piece``)."""
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         return buf.raw[:n]
 
     def detokenize(self, tokens: tuple[int, ...] | list[int]) -> str:
@@ -304,19 +458,21 @@ class LoadedModel:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     def apply_chat_template(self, messages: list[dict]) -> tuple[str, list[str]]:
-        """Render chat messages with the GGUF's own template.
+        """Render chat messages (``[{"role", "content"}]``) with the template in effect
+        (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`).
 
         Returns ``(prompt, extra_stop_strings)``.  Raises ValueError when the
-        model has no template or the template rejects the messages.
+        template rejects the messages.
         """
-        if self.chat_formatter is None:
-            raise ValueError("this model has no chat template; use /v1/completions")
-        try:
-            out = self.chat_formatter(messages=messages)
-        except Exception as exc:  # jinja2 raises TemplateError / TypeError / ...
-            raise ValueError(f"chat template failed: {exc}") from exc
-        stop = out.stop if isinstance(out.stop, list) else ([out.stop] if out.stop else [])
-        return out.prompt, stop
+        return self.chat_template(messages)
+
+    def chat_prompt_tokens(self, prompt: str) -> list[int]:
+        """Tokenize a rendered chat prompt as llama-server does: special tokens are parsed, and
+        BOS is put in front when the vocabulary wants one and the template did not write it."""
+        tokens = self.tokenize(prompt, add_special=False, parse_special=True)
+        if self.add_bos and self.bos_id >= 0 and (not tokens or tokens[0] != self.bos_id):
+            tokens.insert(0, self.bos_id)
+        return tokens
 
     def close(self) -> None:
         """Free the context and the model (engine thread only)."""

@@ -46,6 +46,11 @@ class CompletionJob:
         snapshot: save the slot's KV state blob when the job finishes, on the
             engine thread before anything else can use the slot
             (``Finished.state``: PREFILL's reply).
+        continue_slot: ``prompt_tokens`` is empty and generation continues
+            from the tokens already in slot ``id_slot``'s KV cache (a DECODE
+            after a PREFILL or STATE_PUT, without messages).
+        request_id: the request's id for the log (an HTTP reply's ``id``, a
+            Hydra trace id); empty when the caller gave none.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -61,6 +66,8 @@ class CompletionJob:
     grammar: str | None = None
     fail_if_busy: bool = False
     snapshot: bool = False
+    continue_slot: bool = False
+    request_id: str = ""
 
 
 # ---------------------------------------------------------------------------
@@ -94,6 +101,12 @@ class TextDelta:
 class Finished:
     """The request ended.  ``finish_reason`` is OpenAI's: ``stop`` or ``length``.
 
+    ``stop_reason`` says which stop it was (the Hydra DECODE reply's names):
+    ``eos`` (an end-of-generation token), ``stop`` (a stop string),
+    ``length`` (the token budget, or a prompt-only request) or
+    ``n_tokens_limit`` (the slot's context is full).  ``n_past`` is the
+    slot's KV cache size at the end, in tokens.
+
     Timings are llama-server's: ``prompt_n`` tokens evaluated for the prompt
     (after the cache), ``cache_n`` prompt tokens reused, ``predicted_n``
     tokens generated, both durations in milliseconds.
@@ -107,6 +120,8 @@ class Finished:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    stop_reason: str = "length"
+    n_past: int = 0
     state: tuple[int, bytearray] | None = attrs.field(default=None, eq=False, repr=False)
 
     def timings(self) -> dict[str, Any]:

@@ -69,9 +69,13 @@ class HttpHandler:
         config = Config()
         config.keep_alive_timeout = settings.keep_alive_timeout
         config.read_timeout = None  # see the module docstring
-        config.accesslog = logging.getLogger("hydra_trio.http.access")
+        # hypercorn's access log is off: the app logs each request once (hydra_trio.http.app._access_log).
+        # hypercorn's would log some requests twice: HTTPStream._send_closed awaits the send of the
+        # end of the body before it marks the stream CLOSED, and a client that closes the connection
+        # in that moment (urllib does, after each response) makes hypercorn handle StreamClosed on a
+        # stream that is not CLOSED yet, which logs a '"GET /health 1.1" - -' line before the real one.
+        config.accesslog = None
         config.errorlog = logging.getLogger("hydra_trio.http.error")
-        config.access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
         self.config = config
         _H11Protocol.max_body = settings.max_body
         hypercorn_protocol.H11Protocol = _H11Protocol  # type: ignore[misc]

@@ -1,10 +1,13 @@
 """The HTTP API: an ASGI (Starlette) app over the engine.
 
 Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
-``/health``, ``/version``, ``/v1/models``, ``/slots``, ``/slots/{id}``,
-``/slots/{id}/state/meta``, ``/v1/chat/completions``, ``/v1/completions``,
-``/metrics``.  Errors use OpenAI's body shape
-``{"error": {"message", "type", "code"}}``.
+``/health``, ``/version``, ``/props``, ``/v1/models``, ``/slots``,
+``/slots/{id}``, ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
+``/v1/chat/completions``, ``/v1/completions``, ``/metrics``.  Errors use
+OpenAI's body shape ``{"error": {"message", "type", "code"}}``.
+
+Each request is logged once when it ends (logger ``hydra_trio.http.access``,
+:func:`_access_log`): INFO, or DEBUG for ``/health`` polls.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import llama_cpp
 import trio
 from starlette.applications import Starlette
@@ -34,10 +38,18 @@ from ..engine.state import slot_meta
 from ..engine.slots import Failed, Finished, RequestHandle, TextDelta
 from . import metrics
 from ..jobs import job_from_chat, job_from_completion
-from .schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestError,
+    TokenizeRequest,
+    parse_body,
+)
 from .settings import HttpSettings
 
 log = logging.getLogger("hydra_trio.http")
+access_log = logging.getLogger("hydra_trio.http.access")
 
 def error_response(
     status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None
@@ -94,6 +106,117 @@ class Api:
         return JSONResponse(
             {"engine": "hydra-trio", "version": __version__, "llama_cpp_python": llama_cpp.__version__}
         )
+
+    async def props(self, request: Request) -> Response:
+        """``GET /props``, llama-server's shape (tools read ``model_path`` here)::
+
+            {"default_generation_settings": {"params": {sampling defaults, "n_predict", ...}, "n_ctx": tokens per slot},
+             "total_slots", "model_alias", "model_path", "model_hash", "modalities": {"vision", "video", "audio"},
+             "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
+             "build_info", "is_sleeping"}
+
+        ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
+        template in effect (``chatml`` for a GGUF without one).  503 while the model
+        loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
+        llama-server without ``--props``: 405).
+        """
+        e = self.engine
+        if e is None:
+            return error_response(501, "this node has no model (compute-only)", "not_supported_error")
+        if not e.ready:
+            return _unavailable(e)
+        m = e.solo_model or e.model
+        assert m is not None and e.identity is not None
+        d = e.defaults
+        params = {
+            "seed": -1 if d.seed is None else d.seed,
+            "temperature": d.temperature,
+            "top_k": d.top_k,
+            "top_p": d.top_p,
+            "min_p": d.min_p,
+            "repeat_last_n": d.repeat_last_n,
+            "repeat_penalty": d.repeat_penalty,
+            "presence_penalty": d.presence_penalty,
+            "frequency_penalty": d.frequency_penalty,
+            "max_tokens": e.default_n_predict,
+            "n_predict": e.default_n_predict,
+            "ignore_eos": False,
+            "stream": False,
+            "n_probs": 0,
+            "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+        }
+        return JSONResponse({
+            "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
+            "total_slots": len(e.slots),
+            "model_alias": e.identity.model_alias,
+            "model_path": e.identity.model_path,
+            "model_hash": e.identity.model_hash,
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "endpoint_slots": True,
+            "endpoint_props": False,
+            "endpoint_metrics": True,
+            "chat_template": m.chat_template.source,
+            "bos_token": m.token_text(m.bos_id) if m.bos_id >= 0 else "",
+            "eos_token": m.token_text(m.eos_id) if m.eos_id >= 0 else "",
+            "build_info": f"hydra-trio {__version__} (llama-cpp-python {llama_cpp.__version__})",
+            "is_sleeping": False,
+        })
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize``, llama-server's: ``{"content": str, "add_special": false, "parse_special": true,
+        "with_pieces": false}`` → ``{"tokens": [id, ...]}``, or with ``with_pieces``
+        ``{"tokens": [{"id": int, "piece": str}]}`` (a piece that is not valid UTF-8 on its
+        own, part of a character, is a list of its byte values, as llama-server sends it).
+        400 for an invalid body."""
+        e, body = await self._simple_body(request, TokenizeRequest)
+        if isinstance(body, Response):
+            return body
+        m = e.solo_model or e.model
+        assert m is not None
+        tokens = await trio.to_thread.run_sync(
+            lambda: m.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+            if body.content else []
+        )
+        if not body.with_pieces:
+            return JSONResponse({"tokens": tokens})
+        out: list[dict[str, Any]] = []
+        for t in tokens:
+            raw = m.token_bytes(t, special=True)
+            try:
+                piece: Any = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            out.append({"id": t, "piece": piece})
+        return JSONResponse({"tokens": out})
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize``, llama-server's: ``{"tokens": [id, ...]}`` → ``{"content": str}``
+        (special tokens as their text; bytes that are not valid UTF-8 as U+FFFD).  400 for an
+        id outside the vocabulary (``0 .. n_vocab-1``) or an invalid body."""
+        e, body = await self._simple_body(request, DetokenizeRequest)
+        if isinstance(body, Response):
+            return body
+        m = e.solo_model or e.model
+        assert m is not None
+        bad = next((t for t in body.tokens if not 0 <= t < m.n_vocab), None)
+        if bad is not None:
+            return _bad_request(f"tokens: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
+        text = b"".join(m.token_bytes(t, special=True) for t in body.tokens).decode("utf-8", "replace")
+        return JSONResponse({"content": text})
+
+    async def _simple_body(self, request: Request, cls: type[Any]) -> tuple[Engine, Any]:
+        """``(engine, parsed body)`` for a route that needs the model, or ``(engine, error response)``."""
+        e = self.engine
+        if e is None:
+            return e, error_response(501, "this node has no model (compute-only)", "not_supported_error")  # type: ignore[return-value]
+        if not e.ready:
+            return e, _unavailable(e)
+        try:
+            return e, await self._read(request, cls)
+        except _BodyError as exc:
+            return e, error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
+        except RequestError as exc:
+            return e, _bad_request(str(exc))
 
     async def models(self, request: Request) -> Response:
         e = self.engine
@@ -204,13 +327,14 @@ class Api:
         if not e.ready:
             return _unavailable(e)
         cls = ChatCompletionRequest if chat else CompletionRequest
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex  # the reply's id, and the engine's log line's
         try:
             body = await self._read(request, cls)
             # templating and tokenization only read the vocabulary: keep them off the event loop
             job = await trio.to_thread.run_sync(
                 lambda: job_from_chat(e, body) if chat else job_from_completion(e, body)
             )
-            handle = e.submit(job)
+            handle = e.submit(attrs.evolve(job, request_id=request_id))
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
         except (RequestError, ValueError) as exc:
@@ -222,7 +346,7 @@ class Api:
         if not chat and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
         ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
-                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo)
+                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id)
         if body.stream:
             return StreamingResponse(
                 self._sse(e, handle, ctx),
@@ -304,7 +428,7 @@ class _ResponseContext:
 
     def __init__(
         self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
-        piece: Callable[[int], bytes] = lambda t: b"", echo: str = "",
+        piece: Callable[[int], bytes] = lambda t: b"", echo: str = "", id: str | None = None,
     ) -> None:
         self.chat = chat
         self.model = model
@@ -312,7 +436,7 @@ class _ResponseContext:
         self.logprobs = logprobs
         self.piece = piece
         self.echo = echo
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.id = id or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.texts: list[str] = [echo] if echo else []
         self.n_chars = len(echo)
@@ -444,6 +568,9 @@ def build_app(
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),
+        Route("/props", api.props, methods=["GET"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/models", api.models, methods=["GET"]),
         Route("/slots", api.slots, methods=["GET"]),
@@ -464,7 +591,53 @@ def build_app(
                        allow_headers=["*"], max_age=600),
         ],
     )
-    return _absolute_form(app)
+    return _absolute_form(_access_log(app))
+
+
+def _access_log(app: Any) -> Any:
+    """ASGI wrapper: one access-log line per request, written when the app is done with it.
+
+    ``client "METHOD target HTTP/version" status bytes seconds``; ``-`` for a status
+    never sent, and `` (incomplete)`` when the body did not end (the client went away,
+    the server stopped).  ``/health`` polls log at DEBUG, everything else at INFO.
+    (hypercorn's own access log is off: it logs a request twice, a ``- -`` line and
+    the real one, when the client closes the connection while hypercorn is still
+    inside its final send: see :mod:`hydra_trio.http._hyper`.)
+    """
+
+    async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        state: dict[str, Any] = {"status": None, "bytes": 0, "done": False}
+
+        async def send_logged(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+            elif message["type"] == "http.response.body":
+                state["bytes"] += len(message.get("body", b""))
+                state["done"] = not message.get("more_body", False)
+            await send(message)
+
+        try:
+            await app(scope, receive, send_logged)
+        finally:
+            client = scope.get("client")
+            target = scope.get("raw_path") or scope["path"].encode()
+            if scope.get("query_string"):
+                target += b"?" + scope["query_string"]
+            level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
+            access_log.log(
+                level, '%s "%s %s HTTP/%s" %s %s %.6fs%s',
+                f"{client[0]}:{client[1]}" if client else "-", scope["method"],
+                target.decode("latin-1"), scope.get("http_version", "1.1"),
+                state["status"] if state["status"] is not None else "-",
+                state["bytes"] if state["status"] is not None else "-",
+                time.perf_counter() - t0, "" if state["done"] else " (incomplete)",
+            )
+
+    return wrapped
 
 
 def _absolute_form(app: Any) -> Any:

@@ -289,6 +289,33 @@ class CompletionRequest(_GenerationFields):
         return self.logprobs is not None or self.n_probs is not None
 
 
+@attrs.frozen
+class TokenizeRequest:
+    """``POST /tokenize`` (llama-server's): ``content`` text to tokenize (absent: no tokens);
+    ``add_special`` adds BOS when the model wants one (default false); ``parse_special``
+    turns special-token text such as ``<|im_start|>`` into those tokens (default true);
+    ``with_pieces`` answers ``[{"id", "piece"}]`` instead of bare ids (default false)."""
+
+    content: str = ""
+    add_special: bool | None = attrs.field(default=False, converter=_or(False))
+    parse_special: bool | None = attrs.field(default=True, converter=_or(True))
+    with_pieces: bool | None = attrs.field(default=False, converter=_or(False))
+
+    def check(self) -> None:
+        pass
+
+
+@attrs.frozen
+class DetokenizeRequest:
+    """``POST /detokenize`` (llama-server's): ``tokens``, token ids (absent: empty text).
+    Ids are checked against the vocabulary by the handler (400 outside it)."""
+
+    tokens: tuple[int, ...] = ()
+
+    def check(self) -> None:
+        pass
+
+
 def check_int_or_400(name: str, value: int, lo: int, hi: int) -> None:
     try:
         check_int(name, value, lo, hi)
@@ -389,6 +416,8 @@ msg.register(StreamOptions, forbid_extra=False)
 msg.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
              tool_choice=override(struct_hook=_tool_choice), **_COMMON)
 msg.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt), **_COMMON)
+msg.register(TokenizeRequest, forbid_extra=False)
+msg.register(DetokenizeRequest, forbid_extra=False)
 
 
 def parse_body(raw: bytes, cls: type[Any]) -> Any:

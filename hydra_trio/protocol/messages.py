@@ -433,12 +433,14 @@ class DecodeRequest:
     """DECODE payload (hydra-protocol.md §3): ``{"n_predict": N, "messages":
     [...]}`` or a full OpenAI chat body. Unknown keys are allowed; the whole
     input object is kept in ``raw``. ``messages`` None means "continue from
-    the slot's KV cache". See `frame_budget` for the token count."""
+    the slot's KV cache". ``stream`` false asks for the whole reply at once
+    (with its final meta). See `frame_budget` for the token count."""
 
     n_predict: int | None = None
     max_tokens: int | None = None
     messages: list[ChatMessage] | None = None
     model: str | None = None
+    stream: bool | None = None
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def frame_budget(self, default: int, cap: int) -> int:
