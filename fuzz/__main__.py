@@ -23,7 +23,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from hydra_trio._spawn import ROOT, spawn, wait_healthy
+from hydra_trio._spawn import ROOT, SHARED_MACHINE_ENV, spawn, wait_healthy
 
 from . import live
 
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     if port is None:
         log = open(ROOT / ".fuzz-server.log", "wb")
         # a short body timeout: long requests must still run to their end (fuzz.hostile)
-        proc, port = spawn("-np", str(a.slots), "-c", "4096", "--classify-timeout", "2", "--timeout", "1", output=log)
+        proc, port = spawn("-np", str(a.slots), "-c", "4096", "--classify-timeout", "2", "--timeout", "1", output=log,
+                           env=SHARED_MACHINE_ENV)
         wait_healthy(port, proc)
     live.configure(port, a.slots, a.step_timeout)
     pid = proc.pid if proc else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,12 +22,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def spawn(*args: str, port: int | None = None, output: IO[Any] | int | None = None) -> tuple[subprocess.Popen, int]:
-    """``python -m hydra_trio run --port PORT *args``; returns ``(process, port)`` without waiting."""
+SHARED_MACHINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Environment for a server on a machine whose cores are busy with other work.
+
+llama.cpp's CPU threads meet at OpenMP barriers many times per token and, by
+default, spin while they wait.  When other processes hold the cores, a
+spinning thread keeps its partner off the CPU and decode collapses (measured
+on 2 cores next to two ``yes``: 15 tok/s and worse, 0.3 tok/s with a second
+server, against 46 tok/s with passive waiting; idle it costs about 15 %).
+The tests and the fuzzer run their servers with it; benches do not.
+"""
+
+
+def spawn(
+    *args: str, port: int | None = None, output: IO[Any] | int | None = None, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, int]:
+    """``python -m hydra_trio run --port PORT *args``; returns ``(process, port)`` without waiting.
+
+    ``env`` is added to this process's environment for the child.
+    """
     port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydra_trio", "run", "--port", str(port), *args],
         cwd=ROOT, stdout=output, stderr=subprocess.STDOUT if output is not None else None,
+        env={**os.environ, **env} if env else None,
     )
     return proc, port
 
