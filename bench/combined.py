@@ -23,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
-from hydra_trio.client import HydraClient  # noqa: E402
+from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
 
 def start(*args: str) -> tuple[subprocess.Popen, int]:

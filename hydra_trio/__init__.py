@@ -9,7 +9,7 @@ Public API::
         print(server.port)
 
 Names are imported lazily (PEP 562), so ``import hydra_trio.protocol`` or
-``hydra_trio.client`` does not load llama.cpp.
+``hydra_trio.hydra.client`` does not load llama.cpp.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "EngineConfig": "hydra_trio.engine.batch",
+    "EngineConfig": "hydra_trio.engine.engine",
     "FrontDoorSettings": "hydra_trio.frontdoor",
     "Server": "hydra_trio.server",
     "ServerConfig": "hydra_trio.server",

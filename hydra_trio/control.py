@@ -21,7 +21,7 @@ import attrs
 import trio
 
 if TYPE_CHECKING:
-    from .engine.batch import Engine
+    from .engine.engine import Engine
 
 log = logging.getLogger("hydra_trio.control")
 

@@ -9,14 +9,14 @@ import trio
 
 from .control import Busy, Change, ControlChannel
 from .engine.combined import peer_listening
-from .engine.batch import Engine, EngineConfig
+from .engine.engine import Engine, EngineConfig
 from .frontdoor import FrontDoor, FrontDoorSettings
-from .hydra_server import HydraHandler, HydraSettings
+from .hydra.server import HydraHandler, HydraSettings
 from .http._hyper import HttpHandler
 from .http.app import build_app
 from .http.settings import HttpSettings
 from .protocol.classify import Protocol
-from .rpc_backend import RpcBackend, RpcBackendSettings
+from .ggml_rpc.backend import RpcBackend, RpcBackendSettings
 
 log = logging.getLogger("hydra_trio.server")
 

@@ -17,7 +17,7 @@ import time
 import llama_cpp
 
 from hydra_trio.engine import ggml_rpc
-from hydra_trio.presets import resolve_model
+from hydra_trio.models.presets import resolve_model
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from hydra_trio import cli
 from hydra_trio.engine.ggml_rpc import _lib_dir, clean_build_paths
-from hydra_trio.presets import PRESETS, missing_distributions, resolve_model
+from hydra_trio.models.presets import PRESETS, missing_distributions, resolve_model
 
 from .conftest import ROOT, ServerProcess, free_port
 

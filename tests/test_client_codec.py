@@ -16,7 +16,7 @@ import attrs
 import pytest
 import trio
 
-from hydra_trio.client import (
+from hydra_trio.hydra.client import (
     CHUNK_SIZE,
     HydraBadRequest,
     HydraBusy,
@@ -400,7 +400,7 @@ async def test_connect_refused() -> None:
 
 async def run_cli(*argv: str) -> trio.CompletedProcess:
     return await trio.run_process(
-        [sys.executable, "-m", "hydra_trio.cli_client", *argv],
+        [sys.executable, "-m", "hydra_trio.hydra.cli", *argv],
         cwd=ROOT,
         capture_stdout=True,
         capture_stderr=True,

@@ -6,7 +6,7 @@ import httpx
 import trio
 
 from hydra_trio import EngineConfig, ServerConfig, serve
-from hydra_trio.presets import resolve_model
+from hydra_trio.models.presets import resolve_model
 
 
 async def test_serve_in_own_nursery() -> None:

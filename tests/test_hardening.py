@@ -160,8 +160,8 @@ def test_slow_sender_cannot_hold_a_hydra_connection() -> None:
     import trio
 
     from hydra_trio import EngineConfig, ServerConfig, serve
-    from hydra_trio.hydra_server import HydraSettings
-    from hydra_trio.presets import resolve_model
+    from hydra_trio.hydra.server import HydraSettings
+    from hydra_trio.models.presets import resolve_model
 
     path, alias = resolve_model("smollm2-135m")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gguf
 import httpx
 
-from hydra_trio.moe import ensure_test_moe
+from hydra_trio.models.moe import ensure_test_moe
 
 from .conftest import ServerProcess
 

@@ -6,7 +6,7 @@ import gguf
 import httpx
 import pytest
 
-from hydra_trio.presets import resolve_model
+from hydra_trio.models.presets import resolve_model
 
 from .conftest import ServerProcess
 

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hydra_trio.engine.slots import StopStringMatcher
-from hydra_trio.http.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
-from hydra_trio.presets import PresetError, resolve_model
+from hydra_trio.api.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from hydra_trio.models.presets import PresetError, resolve_model
 from hydra_trio.protocol.classify import Protocol, classify
 
 

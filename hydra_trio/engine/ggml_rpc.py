@@ -9,7 +9,7 @@ registered with ``ggml_backend_rpc_add_server``, whose device then goes into
 Run the server child with ``python -m hydra_trio.engine.ggml_rpc --endpoint
 127.0.0.1:PORT [--cache-dir DIR] [--threads N] [--device cpu]``; it serves
 until killed.  Its output is two streams the parent re-logs
-(:class:`hydra_trio.rpc_backend.RpcBackend`): stdout carries chatter
+(:class:`hydra_trio.ggml_rpc.backend.RpcBackend`): stdout carries chatter
 (its start line, llama.cpp's banner and per-connection lines, ggml's
 DEBUG/INFO log), stderr problems (ggml's WARN/ERROR log, aborts, tracebacks).
 """

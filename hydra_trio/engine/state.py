@@ -46,7 +46,7 @@ import llama_cpp
 import xxhash
 
 if TYPE_CHECKING:
-    from .batch import Engine
+    from .engine import Engine
 
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 2

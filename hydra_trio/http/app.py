@@ -33,12 +33,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import __version__
-from ..engine.batch import Engine, EngineNotReady, SlotBusy
+from ..engine.engine import Engine, EngineNotReady, SlotBusy
 from ..engine.state import slot_meta
 from ..engine.slots import Failed, Finished, RequestHandle, TextDelta
 from . import metrics
-from ..jobs import job_from_chat, job_from_completion
-from .schemas import (
+from ..api.jobs import job_from_chat, job_from_completion
+from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

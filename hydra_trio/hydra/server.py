@@ -20,18 +20,18 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from . import __version__
-from .control import Busy, Change, ControlChannel
-from .engine.batch import Engine, EngineNotReady
-from .engine.combined import DEFAULT_PATTERN
-from .engine.slots import CompletionJob, Failed, Finished, SlotAssigned, TextDelta
-from .engine.state import StateError, restore_slot, save_slot, slot_meta, verify_checksum
-from .http.schemas import ChatCompletionRequest, CompletionRequest, RequestError, structure_body
-from .jobs import job_continue, job_from_chat
-from .presets import PRESETS
-from .protocol import messages as msg
-from .rpc_backend import RpcBackend
-from .protocol.hydra import (
+from .. import __version__
+from ..control import Busy, Change, ControlChannel
+from ..engine.engine import Engine, EngineNotReady
+from ..engine.combined import DEFAULT_PATTERN
+from ..engine.slots import CompletionJob, Failed, Finished, SlotAssigned, TextDelta
+from ..engine.state import StateError, restore_slot, save_slot, slot_meta, verify_checksum
+from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError, structure_body
+from ..api.jobs import job_continue, job_from_chat
+from ..models.presets import PRESETS
+from ..protocol import messages as msg
+from ..ggml_rpc.backend import RpcBackend
+from ..protocol.hydra import (
     BadMagic,
     DecodeFramer,
     FrameTooLarge,

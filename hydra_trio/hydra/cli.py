@@ -1,5 +1,5 @@
 """``hydra-trio`` client subcommands: talk to an engine over the Hydra binary
-protocol (hydra-protocol.md §2, §3) with `hydra_trio.client.HydraClient`.
+protocol (hydra-protocol.md §2, §3) with `hydra_trio.hydra.client.HydraClient`.
 
     hydra-trio info HOST:PORT
     hydra-trio state get  HOST:PORT SLOT FILE
@@ -19,7 +19,7 @@ unknown host) or bad arguments (argparse).
 
 Wiring: call `add_client_commands` on the ``hydra-trio`` subparsers; each
 subcommand sets ``args.func`` (takes the Namespace, runs `trio.run`
-itself, returns the exit code). ``python -m hydra_trio.cli_client ...``
+itself, returns the exit code). ``python -m hydra_trio.hydra.cli ...``
 runs the same commands standalone (`main`).
 """
 
@@ -36,7 +36,7 @@ from typing import Any
 import trio
 
 from .client import HydraClient, HydraConnectError, HydraError
-from .protocol.messages import MessageError, parse_peer
+from ..protocol.messages import MessageError, parse_peer
 
 __all__ = ["add_client_commands", "build_parser", "main"]
 

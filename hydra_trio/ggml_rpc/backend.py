@@ -50,9 +50,9 @@ from typing import Any
 import attrs
 import trio
 
-from ._spawn import free_port
-from .engine.ggml_rpc import clean_build_paths
-from .protocol.ggml_rpc import (
+from .._spawn import free_port
+from ..engine.ggml_rpc import clean_build_paths
+from ..protocol.ggml_rpc import (
     CHECKS,
     GGML_TYPE_COUNT,
     GgmlRpcConnection,
@@ -347,7 +347,7 @@ class RpcBackend:
     def type_traits(self) -> dict[int, tuple[int, int]]:
         """The type table the validator uses: gguf's, checked against this ggml's own (logged once)."""
         if self._traits is None:
-            from .engine.ggml_rpc import type_traits
+            from ..engine.ggml_rpc import type_traits
 
             self._traits, notes = reconcile_type_traits(type_traits(GGML_TYPE_COUNT))
             for note in notes:

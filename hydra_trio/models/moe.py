@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger("hydra_trio.moe")
+log = logging.getLogger("hydra_trio.models.moe")
 
 _DENSE_FFN = re.compile(r"^(blk\.\d+)\.ffn_(gate|up|down)\.weight$")
 

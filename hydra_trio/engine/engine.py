@@ -848,7 +848,7 @@ class Engine:
         Raises ValueError for a key this node cannot apply, or when
         llama.cpp refuses the new settings.
         """
-        from ..presets import PresetError, resolve_model
+        from ..models.presets import PresetError, resolve_model
 
         unsupported = sorted(set(params) - {"n_ctx", "n_parallel", "model_path", "model"})
         if unsupported:

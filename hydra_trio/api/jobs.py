@@ -7,11 +7,11 @@ import json
 import attrs
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 
-from .engine.batch import Engine
-from .engine.model import LoadedModel
-from .engine.sampling import GrammarError, check_grammar
-from .engine.slots import CompletionJob
-from .http.schemas import ChatCompletionRequest, CompletionRequest, RequestError
+from ..engine.engine import Engine
+from ..engine.model import LoadedModel
+from ..engine.sampling import GrammarError, check_grammar
+from ..engine.slots import CompletionJob
+from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
 
 
 def job_from_chat(
