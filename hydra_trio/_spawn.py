@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,14 +11,9 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
+from ._net import free_port  # tests, benches and the fuzzer import it from here too
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 SHARED_MACHINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -102,7 +102,7 @@ class FrontDoor:
         if not self.active:
             self._none_active = trio.Event()
         self.active += 1
-        peer = _peer(stream)
+        peer = peer_name(stream)
         try:
             first = b""
             with trio.move_on_after(self.settings.classify_timeout) as scope:
@@ -158,7 +158,8 @@ async def _first_byte(stream: trio.SocketStream) -> bytes:
         return b""
 
 
-def _peer(stream: trio.SocketStream) -> str:
+def peer_name(stream: trio.SocketStream) -> str:
+    """``host:port`` of the stream's remote end, for log lines; ``?`` once the socket has no peer."""
     try:
         host, port = stream.socket.getpeername()[:2]
         return f"{host}:{port}"

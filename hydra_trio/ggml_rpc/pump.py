@@ -1,0 +1,292 @@
+"""The per-connection pump: a served ggml-RPC client's bytes, both ways, through the validator.
+
+Both directions go through one
+:class:`~hydra_trio.protocol.ggml_rpc.GgmlRpcConnection`: each client message
+is validated before it reaches the child (a message that fails is never
+passed on: the connection is closed, counted and logged), bulk tensor data
+streams through without being collected, and the replies are tracked so that
+the pump knows when the connection is between messages.  A message that has
+begun must keep arriving (``stall_timeout`` seconds without a byte of it
+closes the connection); between messages a connection may stay idle as long
+as it wants (a COMBINED head keeps one open for hours).
+
+:class:`Close` is how every part of the backend ends a client, with a reason
+from :data:`CLOSE_REASONS`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+
+import attrs
+import trio
+
+from ..protocol.ggml_rpc import (
+    CHECKS,
+    GgmlRpcConnection,
+    InvalidReply,
+    InvalidRequest,
+    ReplyEnd,
+    ReplyEvent,
+    RequestEnd,
+    RequestEvent,
+)
+
+PUMP_BUFFER = 1 << 20  # bytes per receive_some: ggml-RPC moves tensors in large messages
+_COALESCE = 1 << 16  # pieces smaller than this (bytes) are joined into one send
+
+CLOSE_REASONS = (
+    "queue_full",  # refused: max_waiting clients already wait
+    "wait_timeout",  # waited wait_timeout seconds for the child
+    "handshake_timeout",  # HELLO not whole, or not answered, within handshake_timeout
+    "stall_timeout",  # a begun message stopped arriving (or the client stopped reading replies)
+    "invalid_request",  # a message failed validation (see the invalid-message counts by check)
+    "invalid_reply",  # the child answered something unexpected (should never happen)
+    "backend_unavailable",  # the child was not back within restart_wait
+    "backend_exit",  # the child exited while serving this client
+    "draining",  # drain(): refused, dequeued, or closed at a message boundary
+)
+"""Why the front door closed a ggml-RPC client (stable: they label metrics)."""
+
+
+class Close(Exception):
+    """Ends one ggml-RPC client: ``reason`` (one of :data:`CLOSE_REASONS`) and a ``detail`` for the log."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in CLOSE_REASONS, reason
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@attrs.define
+class Counters:
+    """Traffic counters of the backend, bumped by the admission and the pumps.
+
+    ``bytes_in``: client → child, ``bytes_out``: child → client (bytes);
+    ``connections``: clients served; ``invalid``: refused messages by check
+    (:data:`~hydra_trio.protocol.ggml_rpc.CHECKS`).
+    """
+
+    connections: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    invalid: collections.Counter[str] = attrs.field(factory=lambda: collections.Counter({c: 0 for c in CHECKS}))
+
+    def refuse(self, exc: InvalidRequest) -> Close:
+        """Count a message that failed validation; the Close that ends its connection."""
+        self.invalid[exc.check] += 1
+        return Close("invalid_request", f"{exc} [{exc.check}]")
+
+
+def payload(events: Iterable[RequestEvent | ReplyEvent]) -> list[bytes | memoryview]:
+    """The bytes to pass on of ``events``, in order (the ``*End`` events carry none)."""
+    return [ev.data for ev in events if not isinstance(ev, (RequestEnd, ReplyEnd))]
+
+
+def coalesce(pieces: Sequence[bytes | memoryview]) -> Sequence[bytes | memoryview]:
+    """Join runs of small pieces into one send; pass big ones (tensor data) as they are; drop empty ones."""
+    if len(pieces) == 1 and len(pieces[0]):
+        return pieces
+    out: list[bytes | memoryview] = []
+    small: list[bytes | memoryview] = []
+    for p in pieces:
+        if len(p) >= _COALESCE:
+            if small:
+                out.append(small[0] if len(small) == 1 else b"".join(small))
+                small = []
+            out.append(p)
+        elif len(p):
+            small.append(p)
+    if small:
+        out.append(small[0] if len(small) == 1 else b"".join(small))
+    return out
+
+
+async def exchange_hello(
+    upstream: trio.SocketStream, conn: GgmlRpcConnection, early: Sequence[bytes | memoryview], timeout: float
+) -> list[bytes | memoryview] | None:
+    """Send a client's first bytes (``early``: its validated HELLO and what followed) to the child;
+    return the child's reply bytes up to and with its HELLO answer, within ``timeout`` seconds.
+
+    None: the child closed first (it exited).
+
+    Raises:
+        Close: ``handshake_timeout``, or ``invalid_reply`` for a reply the tracker refuses.
+    """
+    replies: list[bytes | memoryview] = []
+    try:
+        with trio.fail_after(timeout):
+            for piece in coalesce(early):
+                await upstream.send_all(piece)
+            while not conn.hello_answered:
+                data = await upstream.receive_some(PUMP_BUFFER)
+                if not data:
+                    return None
+                replies += payload(conn.receive_reply(data))
+    except trio.TooSlowError:
+        raise Close("handshake_timeout", f"the ggml-RPC backend did not answer HELLO within {timeout:g} s") from None
+    except (trio.BrokenResourceError, OSError):
+        return None
+    except InvalidReply as exc:
+        raise Close("invalid_reply", str(exc)) from None
+    return replies
+
+
+@attrs.define
+class Pump:
+    """One served connection, client ↔ child, after the child answered its HELLO.
+
+    Three tasks share this object: inbound (client → child), outbound (child →
+    client) and a watchdog.  The two pumping tasks only bump counters (``ticks_*``,
+    ``n_in``) and flags; the watchdog turns them into times, so the per-message
+    path reads no clock and arms no timer.
+
+    Args:
+        conn: the connection's validator, past the handshake.
+        client, upstream: the client's stream and the one to the child (the pump closes ``upstream``).
+        counters: where the bytes passed on are counted.
+        stall_timeout: seconds a begun message may go without a byte, or a reply without being read.
+        drain_idle: seconds of quiet between messages before a drain closes the connection.
+        drain_started: set when the node drains (:meth:`RpcBackend.drain
+            <hydra_trio.ggml_rpc.backend.RpcBackend.drain>`).
+    """
+
+    conn: GgmlRpcConnection
+    client: trio.SocketStream
+    upstream: trio.SocketStream
+    counters: Counters
+    stall_timeout: float = attrs.field(kw_only=True)
+    drain_idle: float = attrs.field(kw_only=True)
+    drain_started: trio.Event = attrs.field(kw_only=True)
+    ticks_in: int = attrs.field(default=0, init=False)  # bumped when inbound starts waiting, and when bytes arrive
+    n_in: int = attrs.field(default=0, init=False)  # receives that brought bytes
+    receiving: bool = attrs.field(default=False, init=False)  # waiting for the client's bytes
+    busy_up: bool = attrs.field(default=False, init=False)  # forwarding client bytes to the child right now
+    ticks_out: int = attrs.field(default=0, init=False)  # bumped when a send to the client starts, and at each piece
+    busy_down: bool = attrs.field(default=False, init=False)  # forwarding child bytes to the client right now
+    close: Close | None = attrs.field(default=None, init=False)  # the first reason a task ended the connection
+    _both: trio.CancelScope = attrs.field(factory=trio.CancelScope, init=False)  # the three tasks
+
+    async def run(self, first: Sequence[bytes | memoryview], bound: set[trio.CancelScope]) -> None:
+        """Send ``first`` (the child's answer to HELLO) to the client, then pump both ways until one
+        side closes.  The connection is bound to the current child: the child's supervisor cancels
+        the scopes in ``bound`` when it exits.
+
+        Raises:
+            Close: why the connection ended, unless it ended by a normal close or a reset
+                (``backend_exit`` when the child exited meanwhile).
+        """
+        with trio.CancelScope() as child_scope:
+            bound.add(child_scope)
+            try:
+                async with self.upstream:
+                    await self._send_first(first)
+                    with self._both:
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(self._guard, self._inbound)
+                            nursery.start_soon(self._guard, self._outbound)
+                            nursery.start_soon(self._guard, self._watchdog)
+            except Close as exc:  # from the first send of replies
+                self.close = exc
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+            finally:
+                bound.discard(child_scope)
+        if self.close is not None:
+            raise self.close
+        if child_scope.cancelled_caught:
+            raise Close("backend_exit", "the ggml-RPC backend exited")
+
+    async def _send_first(self, pieces: Sequence[bytes | memoryview]) -> None:
+        """The child's first replies (HELLO's answer), to the client, within ``stall_timeout``."""
+        with trio.move_on_after(self.stall_timeout) as scope:
+            for piece in coalesce(pieces):
+                await self.client.send_all(piece)
+                self.counters.bytes_out += len(piece)
+        if scope.cancelled_caught:
+            raise Close("stall_timeout", f"the client read no reply bytes for {self.stall_timeout:g} s")
+
+    async def _guard(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the connection's tasks; any end but a normal one ends the connection."""
+        try:
+            await fn()
+        except Close as exc:
+            if self.close is None:
+                self.close = exc
+            self._both.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            self._both.cancel()  # a reset on either side ends the whole connection
+
+    async def _inbound(self) -> None:
+        """Client → child: validate each message, pass on what passed, half-close on EOF."""
+        while True:
+            self.ticks_in += 1
+            self.receiving = True
+            data = await self.client.receive_some(PUMP_BUFFER)
+            self.receiving = False
+            self.ticks_in += 1
+            self.n_in += 1
+            if not data:
+                await self.upstream.send_eof()  # half-close: the replies keep flowing
+                return
+            try:
+                pieces = payload(self.conn.receive_request(data))
+            except InvalidRequest as exc:
+                raise self.counters.refuse(exc) from None
+            self.busy_up = True
+            for piece in coalesce(pieces):
+                await self.upstream.send_all(piece)
+                self.counters.bytes_in += len(piece)
+            self.busy_up = False
+
+    async def _outbound(self) -> None:
+        """Child → client: track the replies and pass them on; when the child closes, so does the connection."""
+        while True:
+            data = await self.upstream.receive_some(PUMP_BUFFER)
+            if not data:  # the child is done with this client (it closed, or rejected a message)
+                await self.client.send_eof()
+                self._both.cancel()
+                return
+            try:
+                pieces = payload(self.conn.receive_reply(data))
+            except InvalidReply as exc:
+                raise Close("invalid_reply", str(exc)) from None
+            self.busy_down = True
+            for piece in coalesce(pieces):
+                self.ticks_out += 1
+                await self.client.send_all(piece)
+                self.counters.bytes_out += len(piece)
+            self.busy_down = False
+
+    async def _watchdog(self) -> None:
+        """The connection's deadlines, checked a few times per ``stall_timeout``.
+
+        Closes it when a begun message gets no byte, or the client reads none of its replies,
+        for ``stall_timeout`` seconds (detected within a quarter of it more); once the drain has
+        started, at the first message boundary with ``drain_idle`` seconds of quiet.
+        """
+        stall, idle = self.stall_timeout, self.drain_idle
+        period = max(0.01, min(stall / 4, 5.0))
+        now = trio.current_time()
+        seen = [self.ticks_in, self.n_in, self.ticks_out]
+        since = [now, now, now]  # when each counter was first seen at its current value
+        while True:
+            if self.drain_started.is_set():
+                await trio.sleep(0.02)
+            else:
+                with trio.move_on_after(period):
+                    await self.drain_started.wait()
+            now = trio.current_time()
+            for i, value in enumerate((self.ticks_in, self.n_in, self.ticks_out)):
+                if value != seen[i]:
+                    seen[i], since[i] = value, now
+            conn = self.conn
+            if self.receiving and conn.request_in_progress and now - since[0] > stall:
+                raise Close("stall_timeout", f"a begun message got no byte for {stall:g} s")
+            if self.busy_down and now - since[2] > stall:
+                raise Close("stall_timeout", f"the client read no reply bytes for {stall:g} s")
+            if (self.drain_started.is_set() and conn.between_messages and not (self.busy_up or self.busy_down)
+                    and now - since[1] >= idle):
+                raise Close("draining", "closed between messages: the node is shutting down")

@@ -1,0 +1,108 @@
+"""Sans-I/O ggml-RPC (protocol v7.0.0): a framer and validator for client messages, and a reply tracker.
+
+Bytes in, events out; no sockets, no trio (like :mod:`hydra_trio.protocol.hydra`).
+The front door does not reimplement ggml (hydra-protocol.md §4): llama.cpp's
+own ggml-RPC server runs in a child process, and this package only decides,
+message by message, whether the bytes a client sends are safe to hand to it.
+
+Wire format (all integers little-endian; ggml-rpc.cpp v7.0.0, ``send_rpc_cmd``
+and ``send_msg``)::
+
+    request: [u8 cmd][u64 size][payload: size bytes]
+    reply:   [u64 size][payload: size bytes]        (only some commands answer)
+
+The first request is always HELLO (command 14, 24 bytes of transport caps);
+``rpc_serve_client`` answers 28 bytes (major, minor, patch, pad, caps).  Which
+commands answer and with how many bytes is :data:`REPLY_SIZES`; GET_TENSOR
+answers the ``size`` it asked for.  A command the server rejects is not
+answered either: the server closes the connection (ggml-RPC has no error reply).
+
+Use one :class:`GgmlRpcConnection` per client connection, feed it what the
+client sends (:meth:`~GgmlRpcConnection.feed_request`, then
+:meth:`~GgmlRpcConnection.next_request_event` until ``None``) and what the
+server answers (:meth:`~GgmlRpcConnection.feed_reply`,
+:meth:`~GgmlRpcConnection.next_reply_event`).  Every event carries the bytes to
+pass on (``data``); the bulk of a SET_TENSOR or a GET_TENSOR reply comes out
+as :class:`RequestData` / :class:`ReplyData` slices of the input, not copied.
+A message is released only once its header part (everything but SET_TENSOR's
+tensor data) has been validated; :class:`InvalidRequest` says which check
+failed (:attr:`InvalidRequest.check`, one of :data:`CHECKS`).
+
+Type sizes and block sizes come from the ``gguf`` package
+(``gguf.GGML_QUANT_SIZES``, :data:`TYPE_TRAITS`); :func:`reconcile_type_traits`
+checks them against the running ggml, and the front door validates with the
+reconciled table.
+
+The parts (private modules; this package re-exports their public names):
+
+- ``_wire``: command ids, layouts and sizes, the request/reply encoders;
+- ``_events``: the events and errors, :data:`CHECKS`;
+- ``_tensor``: ``rpc_tensor`` decoding, type sizes, the checks of a tensor alone;
+- ``_state``: what a connection knows across messages (buffers, replies owed),
+  and the checks against it;
+- ``_validators``: one validator per command, as a table;
+- ``_requests``: request framing (client → server); ``_replies``: reply
+  tracking (server → client);
+- ``_connection``: :class:`GgmlRpcConnection`, both directions together.
+"""
+
+from __future__ import annotations
+
+from ._connection import GgmlRpcConnection
+from ._events import CHECKS, GgmlRpcError, InvalidReply, InvalidRequest
+from ._events import Reply, ReplyData, ReplyEnd, ReplyEvent, Request, RequestData, RequestEnd, RequestEvent
+from ._tensor import TYPE_TRAITS, UNDESCRIBED_TYPES, RpcTensor, reconcile_type_traits, tensor_nbytes
+from ._tensor import encode_graph_compute, encode_set_tensor
+from ._wire import GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_OP_COUNT, GGML_OP_NONE
+from ._wire import GGML_TYPE_COUNT, MAX_GRAPH_DEPTH, REMOVED_TYPES, VIEW_OPS
+from ._wire import GRAPH_HEAD_SIZE, HEADER_SIZE, REPLY_HEADER_SIZE, RPC_TENSOR_SIZE, SET_TENSOR_HEAD_SIZE
+from ._wire import HELLO_REPLY_SIZE, HELLO_REQUEST_SIZE, RPC_CONN_CAPS_SIZE, RPC_PROTO_MAJOR_VERSION
+from ._wire import REPLY_SIZES, REQUEST_SIZES, RpcCmd, encode_reply, encode_request, hello_request
+
+__all__ = [
+    "CHECKS",
+    "GGML_MAX_DIMS",
+    "GGML_MAX_NAME",
+    "GGML_MAX_OP_PARAMS",
+    "GGML_MAX_SRC",
+    "GGML_OP_COUNT",
+    "GGML_OP_NONE",
+    "GGML_TYPE_COUNT",
+    "GRAPH_HEAD_SIZE",
+    "HEADER_SIZE",
+    "HELLO_REPLY_SIZE",
+    "HELLO_REQUEST_SIZE",
+    "MAX_GRAPH_DEPTH",
+    "REMOVED_TYPES",
+    "REPLY_HEADER_SIZE",
+    "REPLY_SIZES",
+    "REQUEST_SIZES",
+    "RPC_CONN_CAPS_SIZE",
+    "RPC_PROTO_MAJOR_VERSION",
+    "RPC_TENSOR_SIZE",
+    "SET_TENSOR_HEAD_SIZE",
+    "TYPE_TRAITS",
+    "UNDESCRIBED_TYPES",
+    "VIEW_OPS",
+    "GgmlRpcConnection",
+    "GgmlRpcError",
+    "InvalidReply",
+    "InvalidRequest",
+    "Reply",
+    "ReplyData",
+    "ReplyEnd",
+    "ReplyEvent",
+    "Request",
+    "RequestData",
+    "RequestEnd",
+    "RequestEvent",
+    "RpcCmd",
+    "RpcTensor",
+    "encode_graph_compute",
+    "encode_reply",
+    "encode_request",
+    "encode_set_tensor",
+    "hello_request",
+    "reconcile_type_traits",
+    "tensor_nbytes",
+]

@@ -1,0 +1,134 @@
+"""What one ggml-RPC connection knows across messages, and the checks made against it.
+
+ggml-rpc.cpp v7.0.0's ``rpc_server`` keeps the buffers it allocated per client
+connection and serves one message at a time, in order; this mirrors that
+state as the front door sees it: the buffers (ALLOC_BUFFER and
+BUFFER_GET_BASE replies, FREE_BUFFER requests), the replies still owed, the
+handshake and whether a graph compute may still be running.  Both directions
+(:mod:`._requests`, :mod:`._replies`) read and update one
+:class:`ConnectionState`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from ._events import InvalidRequest
+from ._tensor import TYPE_TRAITS, RpcTensor, check_tensor
+from ._wire import CMDS, RpcCmd
+
+
+@attrs.define
+class Buffer:
+    """A server buffer this connection allocated: ``size`` bytes at ``base`` (server address)."""
+
+    size: int
+    base: int | None = None  # known once BUFFER_GET_BASE was answered
+
+
+@attrs.define
+class Pending:
+    """A reply the server owes: to ``cmd``, ``size`` payload bytes."""
+
+    cmd: RpcCmd
+    size: int
+    key: int = 0  # BUFFER_GET_BASE: the buffer asked about
+    seq: int = 0  # index of the request it answers
+
+
+class ConnectionState:
+    """Limits, buffers, owed replies and flags of one client connection (both directions).
+
+    Args: those of :class:`~hydra_trio.protocol.ggml_rpc.GgmlRpcConnection`.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_message_size: int = 16 << 30,
+        max_graph_size: int = 256 << 20,
+        n_devices: int | None = None,
+        cached_size: Callable[[int], int | None] | None = None,
+        mask_caps: bool = True,
+        type_traits: Mapping[int, tuple[int, int]] | None = None,
+    ) -> None:
+        self.traits = TYPE_TRAITS if type_traits is None else type_traits
+        self.max_message_size = max_message_size
+        self.max_graph_size = max_graph_size
+        self.n_devices = n_devices
+        self.cached_size = cached_size
+        self.mask_caps = mask_caps
+        self.buffers: dict[int, Buffer] = {}
+        self.pending: deque[Pending] = deque()
+        """Replies owed by the server, oldest first."""
+        self.hello_sent = False
+        self.hello_answered = False
+        self.compute_pending = False
+        """A GRAPH_COMPUTE / GRAPH_RECOMPUTE was sent and no request sent after it has been
+        answered yet (the server works in order: such a reply means the compute is done)."""
+        self.requests = 0
+        """Requests complete so far."""
+        self.replies = 0
+        """Replies complete so far."""
+        self.compute_seq = -1
+        """Index of the last GRAPH_COMPUTE / GRAPH_RECOMPUTE request (-1: none yet)."""
+
+    def expect(self, c: int, size: int, key: int = 0) -> Pending:
+        """Queue the reply (``size`` payload bytes) that the request being released will get."""
+        pending = Pending(CMDS[c], size, key, self.requests)
+        self.pending.append(pending)
+        return pending
+
+    def check_device(self, cmd: RpcCmd, device: int) -> None:
+        """Raises InvalidRequest (``device``) for a device index the server does not serve."""
+        if self.n_devices is not None and device >= self.n_devices:
+            raise InvalidRequest("device", f"device {device}, the server has {self.n_devices}", cmd)
+
+    def check_tensor(self, cmd: RpcCmd, t: RpcTensor, *, allow_empty: bool) -> int:
+        """``rpc_server::deserialize_tensor``'s preconditions, and the asserts behind it; returns nbytes.
+
+        :func:`~._tensor.check_tensor`, then: data inside the buffer it names
+        (``ggml_backend_buffer_get_base`` .. ``+ size``), when that buffer is one
+        of this connection's.  A buffer the server does not know is treated as
+        none, as ``deserialize_tensor`` does.
+
+        Raises:
+            InvalidRequest: as :func:`~._tensor.check_tensor`, or ``tensor_bounds``.
+        """
+        nbytes = check_tensor(cmd, t, self.traits, allow_empty=allow_empty)
+        if t.buffer:
+            buf = self.buffers.get(t.buffer)
+            if buf is None:
+                if any(p.cmd is RpcCmd.ALLOC_BUFFER for p in self.pending):
+                    raise InvalidRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} named before "
+                                         "its ALLOC_BUFFER was answered", cmd)
+                # not this server's buffer: deserialize_tensor treats it as none
+            else:
+                base = 0 if buf.size == 0 else buf.base  # ggml_backend_buffer_get_base: NULL when size 0
+                if base is None:
+                    raise InvalidRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} used "
+                                         "before BUFFER_GET_BASE", cmd)
+                if t.data < base or t.data + nbytes > base + buf.size:
+                    raise InvalidRequest("tensor_bounds", f"tensor {t.id:#x}: data [{t.data:#x}, +{nbytes}) "
+                                         f"outside buffer [{base:#x}, +{buf.size})", cmd)
+        return nbytes
+
+    def need_buffer(self, cmd: RpcCmd, t: RpcTensor) -> None:
+        """Raises InvalidRequest (``tensor_region``) unless ``t`` is in one of this connection's buffers."""
+        if t.buffer not in self.buffers:
+            raise InvalidRequest("tensor_region", f"tensor {t.id:#x} is in no buffer of this connection", cmd)
+
+    def check_region(self, cmd: RpcCmd, t: RpcTensor, offset: int, size: int) -> int:
+        """Tensor checks, then ``offset + size <= ggml_nbytes`` (ggml_backend_tensor_set/get assert it).
+
+        ``offset`` and ``size`` in bytes; returns the tensor's nbytes.
+        """
+        nbytes = self.check_tensor(cmd, t, allow_empty=False)
+        self.need_buffer(cmd, t)
+        if offset + size > nbytes:
+            raise InvalidRequest("tensor_region", f"tensor {t.id:#x}: [{offset}, +{size}) outside its "
+                                 f"{nbytes} bytes", cmd)
+        return nbytes
