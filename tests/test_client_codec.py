@@ -31,6 +31,9 @@ from hydra_trio.hydra.client import (
 )
 from hydra_trio.protocol.hydra import (
     DECODE_FLAG_FINAL,
+    DECODE_FLAG_PAD,
+    DECODE_PAD_TOKEN,
+    DECODE_STOP_FLAGS,
     PayloadChunk,
     RequestDecoder,
     RequestEnded,
@@ -325,6 +328,74 @@ async def test_decode_all_padding_and_not_implemented(start_engine) -> None:
             await c.pipeline_attach("10.0.0.3:50052", "ffn_.*_exps")
         assert json.loads(eng.requests[-1].payload) == {"peer": "10.0.0.3:50052", "ot_split": "ffn_.*_exps"}
         assert await c.decode(0, {"n_predict": 4}) == []
+
+
+async def test_decode_stop_reason(start_engine) -> None:
+    """The stop reason rides on the frame that ends a DECODE (docs/protocol-notes.md
+    "DECODE frames and padding"): FINAL, else the first PAD; a non-streamed
+    reply without tokens has it in its meta."""
+    eos, length, error = (DECODE_STOP_FLAGS[k] for k in ("eos", "length", "error"))
+    real = [(7, -0.5, 0), (8, -0.75, DECODE_FLAG_FINAL | eos)]
+    gate = trio.Event()
+
+    async def handler(req: Req, stream: trio.SocketStream) -> None:
+        kind = json.loads(req.payload)["kind"]
+        if kind == "eos":  # the FINAL frame says eos, padding follows
+            await stream.send_all(encode_response_header(Status.OK, {}, 9 * 5) + frames(real[0]))
+            await gate.wait()
+            await stream.send_all(frames(real[1]) + decode_pad_frames(3))
+        elif kind == "length":  # the budget used up: FINAL is the last frame
+            await stream.send_all(encode_response(Status.OK, {}, frames((9, -1.0, DECODE_FLAG_FINAL | length))))
+        elif kind == "error":  # no token: the first PAD frame carries the reason
+            pad = frames((DECODE_PAD_TOKEN, 0.0, DECODE_FLAG_PAD | error))
+            await stream.send_all(encode_response(Status.OK, {}, pad + decode_pad_frames(3)))
+        elif kind == "unmarked":  # a server that sets no reason bit
+            await stream.send_all(encode_response(Status.OK, {}, frames((5, -1.0, DECODE_FLAG_FINAL))))
+        else:  # "stream": false and no token: an empty payload, the reason in the meta
+            await stream.send_all(encode_response(Status.OK, {"stop_reason": "eos", "tokens_generated": 0}))
+
+    eng = await start_engine(handler)
+    async with HydraClient("127.0.0.1", eng.port, timeout=5) as c:
+        async with c.decode_stream(0, {"kind": "eos"}) as s:
+            assert s.stop_reason is None
+            got = [await s.__anext__()]
+            assert got == real[:1] and s.stop_reason is None  # not ended yet
+            gate.set()
+            got += [f async for f in s]
+            assert got == real and s.stop_reason == "eos"
+        bare = c.decode_stream(0, {"kind": "length"})
+        assert [f async for f in bare] == [(9, -1.0, DECODE_FLAG_FINAL | length)]
+        assert bare.stop_reason == "length"
+        async with c.decode_stream(0, {"kind": "error"}) as s:
+            assert [f async for f in s] == [] and s.stop_reason == "error"
+        async with c.decode_stream(0, {"kind": "unmarked"}) as s:
+            assert len([f async for f in s]) == 1 and s.stop_reason is None
+        async with c.decode_stream(0, {"kind": "meta"}) as s:
+            assert [f async for f in s] == [] and s.stop_reason == "eos"
+        assert len(eng.requests) == 5
+    assert eng.connections == 1
+
+
+async def test_response_stream_bare_async_for(start_engine) -> None:
+    """ResponseStream shares DecodeStream's life cycle: a bare ``async for``
+    sends the request, and releases the client at the end of the payload."""
+
+    async def handler(req: Req, stream: trio.SocketStream) -> None:
+        if req.op == 0x41:
+            return await reply_info(req, stream)
+        await stream.send_all(encode_response(Status.OK, {"n_past": 1}, b"z" * 300_000))
+
+    eng = await start_engine(handler)
+    async with HydraClient("127.0.0.1", eng.port, timeout=5) as c:
+        got = b"".join([chunk async for chunk in c.state_get(0)])
+        assert got == b"z" * 300_000
+        assert (await c.info())["engine"] == "hydra-trio"
+        s = c.state_get(0)
+        async with s:
+            pass  # leaving drains
+        assert s.done and [chunk async for chunk in s] == []  # closed: nothing more
+        assert (await c.info())["engine"] == "hydra-trio"
+    assert eng.connections == 1
 
 
 async def test_timeout_when_server_never_answers(start_engine) -> None:

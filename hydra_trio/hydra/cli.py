@@ -64,32 +64,34 @@ def _slot(s: str) -> int:
     return n
 
 
-def _positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {s!r}")
-    return v
+def _seconds(*, zero_ok: bool) -> Callable[[str], float]:
+    """argparse type: a finite number of seconds, > 0 (or >= 0 when ``zero_ok``)."""
+    bound = ">= 0" if zero_ok else "> 0"
 
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
+        if not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0)):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {s!r}")
+        return v
 
-def _non_negative_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {s!r}") from None
-    if not (math.isfinite(v) and v >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {s!r}")
-    return v
+    return parse
 
 
 def _dump(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)
 
 
-def _client(args: argparse.Namespace) -> HydraClient:
-    return HydraClient.from_address(args.address, timeout=args.timeout)
+async def _one_request(
+    args: argparse.Namespace, method: Callable[..., Awaitable[dict[str, Any]]], *method_args: Any
+) -> dict[str, Any]:
+    """Connect to ``args.address`` (``args.timeout`` seconds per wait), run
+    ``method(client, *method_args, trace_id=args.trace_id)``, close; its meta."""
+    async with HydraClient.from_address(args.address, timeout=args.timeout) as c:
+        meta: dict[str, Any] = await method(c, *method_args, trace_id=args.trace_id)
+    return meta
 
 
 # --------------------------------------------------------------------------
@@ -99,9 +101,7 @@ def _client(args: argparse.Namespace) -> HydraClient:
 
 async def info_command(args: argparse.Namespace) -> int:
     """``info HOST:PORT``: print the INFO meta."""
-    async with _client(args) as c:
-        meta = await c.info(trace_id=args.trace_id)
-    print(_dump(meta))
+    print(_dump(await _one_request(args, HydraClient.info)))
     return EXIT_OK
 
 
@@ -109,8 +109,7 @@ async def state_get_command(args: argparse.Namespace) -> int:
     """``state get HOST:PORT SLOT FILE``: stream the slot's KV state to FILE
     (written atomically); print the meta, then ``wrote N bytes to FILE`` on
     stderr."""
-    async with _client(args) as c:
-        meta = await c.state_get_to_file(args.slot, args.file, trace_id=args.trace_id)
+    meta = await _one_request(args, HydraClient.state_get_to_file, args.slot, args.file)
     size = os.stat(args.file).st_size
     print(_dump(meta))
     print(f"wrote {size} bytes to {args.file}", file=sys.stderr)
@@ -121,8 +120,7 @@ async def state_put_command(args: argparse.Namespace) -> int:
     """``state put HOST:PORT SLOT FILE``: stream FILE as the slot's KV state;
     print the reply meta, then ``sent N bytes from FILE`` on stderr."""
     size = os.stat(args.file).st_size  # fail before connecting on a missing file
-    async with _client(args) as c:
-        meta = await c.state_put_from_file(args.slot, args.file, trace_id=args.trace_id)
+    meta = await _one_request(args, HydraClient.state_put_from_file, args.slot, args.file)
     print(_dump(meta))
     print(f"sent {size} bytes from {args.file}", file=sys.stderr)
     return EXIT_OK
@@ -130,9 +128,7 @@ async def state_put_command(args: argparse.Namespace) -> int:
 
 async def state_meta_command(args: argparse.Namespace) -> int:
     """``state meta HOST:PORT SLOT``: print STATE_META."""
-    async with _client(args) as c:
-        meta = await c.state_meta(args.slot, trace_id=args.trace_id)
-    print(_dump(meta))
+    print(_dump(await _one_request(args, HydraClient.state_meta, args.slot)))
     return EXIT_OK
 
 
@@ -160,8 +156,7 @@ async def mode_command(args: argparse.Namespace) -> int:
     tries = 0
     while True:
         tries += 1
-        async with _client(args) as c:
-            meta = await c.set_expert_mode(args.mode, args.peer, trace_id=args.trace_id)
+        meta = await _one_request(args, HydraClient.set_expert_mode, args.mode, args.peer)
         if meta.get("mode") == args.mode or not _peer_not_answering(meta):
             break
         if trio.current_time() + MODE_RETRY_INTERVAL > deadline:
@@ -214,10 +209,36 @@ def _sync(fn: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[[argpa
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
-        "--timeout", type=_positive_float, default=30.0, metavar="SECONDS",
+        "--timeout", type=_seconds(zero_ok=False), default=30.0, metavar="SECONDS",
         help="give up after this many seconds without progress (default: 30)",
     )
     p.add_argument("--trace-id", default=None, help="trace id sent with the request (default: random)")
+    return p
+
+
+_POSITIONALS: dict[str, dict[str, Any]] = {
+    "address": {"type": _address, "metavar": "HOST:PORT"},
+    "slot": {"type": _slot, "metavar": "SLOT"},
+    "file": {"metavar": "FILE"},
+}
+
+
+def _command(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    fn: Callable[[argparse.Namespace], Awaitable[int]],
+    positionals: tuple[str, ...],
+    *,
+    help: str,
+    description: str,
+) -> argparse.ArgumentParser:
+    """A leaf subcommand: ``--timeout`` / ``--trace-id``, the named
+    positionals (`_POSITIONALS`), ``func`` running ``fn`` (`_sync`) and a
+    ``log_level`` default of WARNING."""
+    p = subparsers.add_parser(name, parents=[_common()], help=help, description=description)
+    for arg in positionals:
+        p.add_argument(arg, **_POSITIONALS[arg])
+    p.set_defaults(func=_sync(fn), log_level="WARNING")
     return p
 
 
@@ -226,63 +247,45 @@ def add_client_commands(subparsers: argparse._SubParsersAction[argparse.Argument
     (the ``add_subparsers()`` object of the ``hydra-trio`` parser). Each
     leaf parser sets ``func`` (Namespace -> exit code, runs trio itself) and
     a ``log_level`` default of WARNING."""
-    common = _common()
-    defaults: dict[str, Any] = {"log_level": "WARNING"}
-
-    p = subparsers.add_parser(
-        "info", parents=[common], help="print an engine's INFO meta (Hydra protocol)",
+    _command(
+        subparsers, "info", info_command, ("address",),
+        help="print an engine's INFO meta (Hydra protocol)",
         description="Send INFO (0x41) and print the reply meta as JSON.",
     )
-    p.add_argument("address", type=_address, metavar="HOST:PORT")
-    p.set_defaults(func=_sync(info_command), **defaults)
-
     state = subparsers.add_parser(
         "state", help="get / put / inspect a slot's KV state (Hydra protocol)",
         description="Slot KV state transfer over the Hydra protocol (STATE_GET / STATE_PUT / STATE_META).",
     )
     ssub = state.add_subparsers(dest="state_command", required=True, metavar="{get,put,meta}")
-
-    g = ssub.add_parser(
-        "get", parents=[common], help="save a slot's KV state to a file",
+    _command(
+        ssub, "get", state_get_command, ("address", "slot", "file"),
+        help="save a slot's KV state to a file",
         description="STATE_GET (0x30): stream the slot's KV state into FILE (temp file + rename).",
     )
-    g.add_argument("address", type=_address, metavar="HOST:PORT")
-    g.add_argument("slot", type=_slot, metavar="SLOT")
-    g.add_argument("file", metavar="FILE")
-    g.set_defaults(func=_sync(state_get_command), **defaults)
-
-    u = ssub.add_parser(
-        "put", parents=[common], help="restore a slot's KV state from a file",
+    _command(
+        ssub, "put", state_put_command, ("address", "slot", "file"),
+        help="restore a slot's KV state from a file",
         description="STATE_PUT (0x31): stream FILE as the slot's KV state.",
     )
-    u.add_argument("address", type=_address, metavar="HOST:PORT")
-    u.add_argument("slot", type=_slot, metavar="SLOT")
-    u.add_argument("file", metavar="FILE")
-    u.set_defaults(func=_sync(state_put_command), **defaults)
-
-    m = ssub.add_parser(
-        "meta", parents=[common], help="print a slot's state meta",
+    _command(
+        ssub, "meta", state_meta_command, ("address", "slot"),
+        help="print a slot's state meta",
         description="STATE_META (0x32): print n_past, state_size, is_processing, model identity.",
     )
-    m.add_argument("address", type=_address, metavar="HOST:PORT")
-    m.add_argument("slot", type=_slot, metavar="SLOT")
-    m.set_defaults(func=_sync(state_meta_command), **defaults)
-
-    e = subparsers.add_parser(
-        "mode", parents=[common], help="switch expert mode (solo / combined)",
+    e = _command(
+        subparsers, "mode", mode_command, ("address",),
+        help="switch expert mode (solo / combined)",
         description="SET_EXPERT_MODE (0x44). Exit 1 with BUSY while slots are processing.",
     )
-    e.add_argument("address", type=_address, metavar="HOST:PORT")
     e.add_argument("mode", choices=["solo", "combined"])
     e.add_argument(
         "--peer", type=_address, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
     )
     e.add_argument(
-        "--wait", type=_non_negative_float, default=30.0, metavar="SECONDS",
+        "--wait", type=_seconds(zero_ok=True), default=30.0, metavar="SECONDS",
         help="while the node falls back to solo because the peer does not answer (yet), ask again every "
              "0.5 s for up to this long (default: 30; 0 = ask once)",
     )
-    e.set_defaults(func=_sync(mode_command), **defaults)
 
 
 def build_parser() -> argparse.ArgumentParser:

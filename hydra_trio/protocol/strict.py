@@ -1,0 +1,273 @@
+"""Strict JSON to attrs classes: one converter factory for every request body the node reads.
+
+Sans-I/O.  Typing is strict, unlike cattrs' defaults: a str is never turned
+into an int, a bool is not an int, a number is not a str, floats accept ints
+but must be finite, ints must fit in 64 bits; JSON itself is strict (no NaN or
+Infinity).  Every error is a :class:`MessageError` (an
+:class:`~hydra_trio.errors.InvalidRequest`) whose message names the field,
+e.g. ``"n_predict: expected int, got str"`` or ``"messages[0].role: missing"``.
+
+Each module that reads bodies makes its own :class:`StrictConverter` (the
+Hydra payloads in :mod:`hydra_trio.protocol.messages`, the OpenAI bodies in
+:mod:`hydra_trio.api.schemas`): importing one never changes another's hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, TypeAlias, TypeVar, get_args
+
+import attrs
+import cattrs
+from cattrs.errors import (
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.gen import make_dict_structure_fn, override
+
+from ..errors import InvalidRequest
+
+T = TypeVar("T")
+Bytes: TypeAlias = bytes | bytearray | memoryview
+
+
+class MessageError(InvalidRequest, ValueError):
+    """A request payload is malformed. ``str(exc)`` names the field(s);
+    ``errors`` lists one ``"path: problem"`` string per problem."""
+
+    def __init__(self, errors: str | list[str]) -> None:
+        self.errors: list[str] = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("; ".join(self.errors))
+
+
+class TypeMismatch(TypeError):
+    """Raised by the strict primitive hooks; its text is the whole description."""
+
+
+def type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return type(v).__name__
+
+
+# --------------------------------------------------------------------------
+# Strict primitives (shared by the converter and classify_configure_keys)
+# --------------------------------------------------------------------------
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _as_int(v: Any) -> int:
+    """A JSON integer within 64 bits (fields with tighter bounds check them later)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        if not INT64_MIN <= v <= INT64_MAX:
+            raise TypeMismatch(f"expected a 64-bit integer, got one with {len(str(abs(v)))} digits")
+        return int(v)
+    raise TypeMismatch(f"expected int, got {type_name(v)}")
+
+
+def _as_float(v: Any) -> float:
+    """A finite JSON number (``1e999`` parses as infinity: refused)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            f = float(v)
+        except OverflowError:
+            raise TypeMismatch("expected a finite float, got an integer too large for a float") from None
+        if not math.isfinite(f):
+            raise TypeMismatch(f"expected a finite float, got {f}")
+        return f
+    raise TypeMismatch(f"expected float, got {type_name(v)}")
+
+
+def _as_str(v: Any) -> str:
+    if isinstance(v, str):
+        return v
+    raise TypeMismatch(f"expected str, got {type_name(v)}")
+
+
+def _as_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    raise TypeMismatch(f"expected bool, got {type_name(v)}")
+
+
+def _as_str_or_str_list(v: Any) -> str | list[str]:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return list(v)
+    raise TypeMismatch(f"expected str or list of str, got {type_name(v)}")
+
+
+# --------------------------------------------------------------------------
+# The converter
+# --------------------------------------------------------------------------
+
+
+def _is_literal(t: Any) -> bool:
+    return getattr(t, "__origin__", None) is Literal
+
+
+def _literal_hook(v: Any, t: Any) -> Any:
+    allowed = get_args(t)
+    if v in allowed and type(v) in {type(a) for a in allowed}:
+        return v
+    want = " or ".join(repr(a) for a in allowed)
+    raise TypeMismatch(f"expected {want}, got {v!r}")
+
+
+
+
+def _is_list(t: Any) -> bool:
+    return t is list or getattr(t, "__origin__", None) is list
+
+
+def _is_var_tuple(t: Any) -> bool:
+    args = get_args(t)
+    return getattr(t, "__origin__", None) is tuple and len(args) == 2 and args[1] is Ellipsis
+
+
+class StrictConverter:
+    """A cattrs converter with strict primitives and field-naming errors.
+
+    Unknown keys are rejected unless a class is registered with
+    ``forbid_extra=False``; a ``list`` / ``tuple[X, ...]`` field reads only a
+    JSON array (cattrs would iterate a string).
+    """
+
+    def __init__(self) -> None:
+        c = self.cattrs = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+        c.register_structure_hook(int, lambda v, _t: _as_int(v))
+        c.register_structure_hook(float, lambda v, _t: _as_float(v))
+        c.register_structure_hook(str, lambda v, _t: _as_str(v))
+        c.register_structure_hook(bool, lambda v, _t: _as_bool(v))
+        c.register_structure_hook_func(_is_literal, _literal_hook)
+        c.register_structure_hook_func(_is_list, self._list_hook)
+        c.register_structure_hook_func(_is_var_tuple, self._var_tuple_hook)
+
+    def _list_hook(self, v: Any, t: Any) -> list[Any]:
+        if not isinstance(v, list):
+            raise TypeMismatch(f"expected list, got {type_name(v)}")
+        args = get_args(t)
+        elem = args[0] if args else Any
+        if elem is Any:
+            return list(v)
+        hook = self.cattrs.get_structure_hook(elem)
+        out: list[Any] = []
+        errors: list[Exception] = []
+        for i, x in enumerate(v):
+            try:
+                out.append(hook(x, elem))
+            except Exception as exc:  # noqa: BLE001 - collected into the group
+                exc.__notes__ = [
+                    *getattr(exc, "__notes__", []),
+                    IterableValidationNote(f"Structuring {t} @ index {i}", i, elem),
+                ]
+                errors.append(exc)
+        if errors:
+            raise IterableValidationError(f"While structuring {t!r}", errors, t)
+        return out
+
+    def _var_tuple_hook(self, v: Any, t: Any) -> tuple[Any, ...]:
+        return tuple(self._list_hook(v, list[get_args(t)[0]]))  # type: ignore[valid-type]
+
+    def register(self, cls: type[Any], *, forbid_extra: bool, keep_raw: bool = False, **overrides: Any) -> None:
+        """Read ``cls`` from a JSON object (anything else: "expected object"); ``overrides`` are
+        cattrs field overrides; with ``keep_raw`` the input dict is kept in the ``raw`` field."""
+        if keep_raw:
+            overrides["raw"] = override(omit=True)
+        base = make_dict_structure_fn(cls, self.cattrs, _cattrs_forbid_extra_keys=forbid_extra, **overrides)
+
+        def hook(v: Any, t: Any) -> Any:
+            if not isinstance(v, Mapping):
+                raise TypeMismatch(f"expected object, got {type_name(v)}")
+            obj = base(v, t)
+            if keep_raw:
+                obj = attrs.evolve(obj, raw=dict(v))
+            return obj
+
+        self.cattrs.register_structure_hook(cls, hook)
+
+    def structure(self, obj: Any, cls: type[T]) -> T:
+        """Structure decoded JSON into ``cls``; raises MessageError naming the field(s)."""
+        try:
+            return self.cattrs.structure(obj, cls)
+        except MessageError:
+            raise
+        except (ClassValidationError, IterableValidationError) as exc:
+            raise MessageError(_messages_for(exc)) from None
+        except (TypeError, ValueError, KeyError) as exc:
+            raise MessageError(_format_exception(exc, None)) from None
+
+    def structure_json(self, payload: Bytes, cls: type[T]) -> T:
+        """Parse a UTF-8 JSON object payload into ``cls``.
+
+        Raises MessageError naming the offending field(s) for invalid UTF-8,
+        invalid JSON, a non-object, missing fields, wrong types, unknown keys
+        (for classes that forbid them) and failed field checks.
+        """
+        return self.structure(load_json_object(payload), cls)
+
+
+# --------------------------------------------------------------------------
+# Error formatting and JSON loading
+# --------------------------------------------------------------------------
+
+
+def _format_exception(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, (TypeMismatch, MessageError)):
+        return str(exc)
+    if isinstance(exc, KeyError):
+        return "missing"
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return "unknown key(s): " + ", ".join(sorted(exc.extra_fields))
+    return cattrs.v.format_exception(exc, type_)
+
+
+def _messages_for(exc: BaseException) -> list[str]:
+    out = []
+    for line in cattrs.transform_error(exc, path="$", format_exception=_format_exception):
+        desc, _, path = line.rpartition(" @ ")
+        path = path.removeprefix("$").removeprefix(".")
+        out.append(f"{path}: {desc}" if path else desc)
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def loads(text: str | bytes) -> Any:
+    """Strict JSON (no NaN / Infinity); raises MessageError, also for invalid UTF-8 and nesting too deep to parse."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise MessageError(f"payload is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise MessageError("payload is not valid JSON: nested too deeply") from None
+
+
+def load_json_object(payload: Bytes) -> dict[str, Any]:
+    """Decode ``payload`` (UTF-8 JSON bytes) into a dict.
+
+    Raises MessageError for invalid UTF-8, invalid JSON (NaN / Infinity
+    included), or JSON that is not an object.
+    """
+    try:
+        text = bytes(payload).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MessageError(f"payload is not valid UTF-8 (byte {exc.start})") from None
+    obj = loads(text)
+    if not isinstance(obj, dict):
+        raise MessageError(f"payload must be a JSON object, got {_json_kind(obj)}")
+    return obj
+
+
+def _json_kind(v: Any) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if v is None else kinds.get(type(v), type(v).__name__)
