@@ -8,28 +8,29 @@ Public API::
         server = await nursery.start(serve, ServerConfig(port=0, engine=EngineConfig(path, "my-model")))
         print(server.port)
 
-Names are imported lazily (PEP 562), so ``import hydra_trio.protocol`` or
-``hydra_trio.hydra.client`` does not load llama.cpp.
+``ServerConfig``'s parts (``EngineConfig``, ``FrontDoorSettings``,
+``HttpSettings``, ``HydraSettings``, ``RpcBackendSettings``), the Hydra
+client and the errors are importable from here.  Names are imported lazily
+(PEP 562), so ``import hydra_trio.protocol`` or ``hydra_trio.hydra.client``
+does not load llama.cpp.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ._version import __version__
+from ._lazy import lazy_exports
 
-__version__ = "0.1.0"
-
-_EXPORTS = {
-    "EngineConfig": "hydra_trio.engine.engine",
-    "FrontDoorSettings": "hydra_trio.frontdoor",
-    "Server": "hydra_trio.server",
-    "ServerConfig": "hydra_trio.server",
-    "serve": "hydra_trio.server",
-}
-__all__ = [*_EXPORTS, "__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'hydra_trio' has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".server": ["serve", "Server", "ServerConfig"],
+        ".engine.settings": ["EngineConfig"],
+        ".frontdoor": ["FrontDoorSettings"],
+        ".http.settings": ["HttpSettings"],
+        ".hydra.session": ["HydraSettings"],
+        ".ggml_rpc.backend": ["RpcBackendSettings"],
+        ".hydra.client": ["HydraClient"],
+        ".errors": ["HydraTrioError", "InvalidRequest", "Busy", "NotReady", "Cancelled", "EngineFailure"],
+    },
+)
+__all__ = [*__all__, "__version__"]

@@ -24,10 +24,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import attrs
 import trio
 
-from . import __version__
+from ._version import __version__
+from .engine.settings import EngineConfig
+from .frontdoor import FrontDoorSettings
+from .ggml_rpc.backend import RpcBackendSettings
+from .http.settings import HttpSettings
 from .hydra.cli import _address, add_client_commands
 from .models.presets import DEFAULT_ALIAS, PRESETS, PresetError, install_hint, pip_command, preset_status, resolve_model
 
@@ -39,6 +45,12 @@ GGML_MAX_N_THREADS = 512  # ggml's most threads (ggml.h)
 
 
 # --------------------------------------------------------------------------- argparse types
+
+
+def _default(settings: type[Any], field: str) -> Any:
+    """A flag's default: the settings class's own (one place for each default)."""
+    return attrs.fields_dict(settings)[field].default
+
 
 
 def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
@@ -166,31 +178,35 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                       help="a Jinja chat template file (llama-server's flag)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=8080, help="TCP port for HTTP, Hydra and ggml-RPC, 0-65535 (default: 8080; 0 = any free port)")
-    p.add_argument("-np", "--parallel", type=int_range(1, LLAMA_MAX_SEQ, "llama.cpp's most sequences"), default=4,
-                   help=f"number of slots, 1-{LLAMA_MAX_SEQ} (default: 4)")
+    p.add_argument("-np", "--parallel", type=int_range(1, LLAMA_MAX_SEQ, "llama.cpp's most sequences"),
+                   default=_default(EngineConfig, "n_parallel"),
+                   help=f"number of slots, 1-{LLAMA_MAX_SEQ} (default: %(default)s)")
     p.add_argument(
-        "-c", "--ctx-size", type=int_range(1, INT32_MAX), default=8192,
+        "-c", "--ctx-size", type=int_range(1, INT32_MAX), default=_default(EngineConfig, "n_ctx"),
         help="total context in tokens, split evenly over the slots as llama-server does; 16 to the model's "
-             "training context per slot (default: 8192)",
+             "training context per slot (default: %(default)s)",
     )
     p.add_argument("-t", "--threads", type=int_range(1, GGML_MAX_N_THREADS, "ggml's most threads"), default=None,
                    help=f"CPU threads, 1-{GGML_MAX_N_THREADS} (default: all cores)")
-    p.add_argument("-b", "--batch-size", type=int_range(1, INT32_MAX), default=512,
-                   help="most tokens per decode step, >= 1 (default: 512)")
-    p.add_argument("--max-connections", type=int_range(1, INT32_MAX), default=1024,
-                   help="connections served at once, >= 1 (default: 1024)")
+    p.add_argument("-b", "--batch-size", type=int_range(1, INT32_MAX), default=_default(EngineConfig, "n_batch"),
+                   help="most tokens per decode step, >= 1 (default: %(default)s)")
+    p.add_argument("--max-connections", type=int_range(1, INT32_MAX),
+                   default=_default(FrontDoorSettings, "max_connections"),
+                   help="connections served at once, >= 1 (default: %(default)s)")
     p.add_argument(
-        "--classify-timeout", type=seconds(), default=5.0, metavar="SECONDS",
-        help="seconds a new connection has to send its first byte (default: 5)",
+        "--classify-timeout", type=seconds(), default=_default(FrontDoorSettings, "classify_timeout"),
+        metavar="SECONDS", help="seconds a new connection has to send its first byte (default: %(default)s)",
     )
     p.add_argument(
-        "-to", "--timeout", type=seconds(), default=30.0, metavar="SECONDS",
+        "-to", "--timeout", type=seconds(), default=_default(HttpSettings, "body_timeout"), metavar="SECONDS",
         help="HTTP: seconds of silence allowed while a request body arrives (408 after); a request that has "
-             "arrived runs as long as it needs (default: 30)",
+             "arrived runs as long as it needs (default: %(default)s)",
     )
     p.add_argument(
-        "--keep-alive-timeout", type=seconds(), default=5.0, metavar="SECONDS",
-        help="HTTP: seconds an idle connection is kept, and the time a client has to send a request's headers (default: 5)",
+        "--keep-alive-timeout", type=seconds(), default=_default(HttpSettings, "keep_alive_timeout"),
+        metavar="SECONDS",
+        help="HTTP: seconds an idle connection is kept, and the time a client has to send a request's headers "
+             "(default: %(default)s)",
     )
     p.add_argument(
         "--cors-origin", action="append", default=None, metavar="ORIGIN",
@@ -201,30 +217,33 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--rpc-engine", type=_address, default=None, metavar="HOST:PORT",
                    help="COMBINED mode: once the model serves, place its MoE expert tensors on this ggml-RPC peer "
                         "(another hydra-trio node, e.g. one run with --no-model) and switch to COMBINED")
-    p.add_argument("--combined-pattern", type=_regex, default=r"ffn_(up|down|gate)_exps", metavar="REGEX",
-                   help="tensors that live on the peer in COMBINED mode (default: ffn_(up|down|gate)_exps)")
+    p.add_argument("--combined-pattern", type=_regex, default=_default(EngineConfig, "combined_pattern"),
+                   metavar="REGEX", help="tensors that live on the peer in COMBINED mode (default: %(default)s)")
     p.add_argument("--no-rpc-backend", action="store_true", help="do not lend this node's compute over ggml-RPC")
     p.add_argument("--rpc-device", action="append", default=None, metavar="NAME",
                    help="local ggml device to expose over ggml-RPC, repeatable (default: cpu)")
-    p.add_argument("--rpc-cache-dir", default=os.path.expanduser("~/.cache/hydra-trio/rpc-cache"),
+    p.add_argument("--rpc-cache-dir", default=str(_default(RpcBackendSettings, "cache_dir")),
                    help="tensor cache of the ggml-RPC backend, so repeated uploads are skipped "
-                        "(default: ~/.cache/hydra-trio/rpc-cache; '' disables it)")
+                        "(default: %(default)s; '' disables it)")
     p.add_argument("--rpc-threads", type=int_range(1, GGML_MAX_N_THREADS, "ggml's most threads"), default=None,
                    help=f"CPU threads of the ggml-RPC backend, 1-{GGML_MAX_N_THREADS} (default: all cores)")
-    p.add_argument("--rpc-max-waiting", type=int_range(0, INT32_MAX), default=8, metavar="N",
+    rpc = RpcBackendSettings
+    p.add_argument("--rpc-max-waiting", type=int_range(0, INT32_MAX), default=_default(rpc, "max_waiting"), metavar="N",
                    help="ggml-RPC clients that may wait while the backend serves another; more are closed "
-                        "(default: 8; 0 = none wait)")
-    p.add_argument("--rpc-wait-timeout", type=seconds(), default=30.0, metavar="SECONDS",
-                   help="how long a ggml-RPC client may wait for its turn (default: 30)")
-    p.add_argument("--rpc-handshake-timeout", type=seconds(), default=5.0, metavar="SECONDS",
-                   help="time for a ggml-RPC client's HELLO to arrive whole, and for the backend to answer it (default: 5)")
-    p.add_argument("--rpc-stall-timeout", type=seconds(), default=30.0, metavar="SECONDS",
+                        "(default: %(default)s; 0 = none wait)")
+    p.add_argument("--rpc-wait-timeout", type=seconds(), default=_default(rpc, "wait_timeout"), metavar="SECONDS",
+                   help="how long a ggml-RPC client may wait for its turn (default: %(default)s)")
+    p.add_argument("--rpc-handshake-timeout", type=seconds(), default=_default(rpc, "handshake_timeout"),
+                   metavar="SECONDS", help="time for a ggml-RPC client's HELLO to arrive whole, and for the backend "
+                                           "to answer it (default: %(default)s)")
+    p.add_argument("--rpc-stall-timeout", type=seconds(), default=_default(rpc, "stall_timeout"), metavar="SECONDS",
                    help="a begun ggml-RPC message may go this long without a byte; idle time between messages "
-                        "is unlimited (default: 30)")
-    p.add_argument("--rpc-restart-wait", type=seconds(zero_ok=True), default=15.0, metavar="SECONDS",
-                   help="how long a ggml-RPC client is held while the backend restarts (default: 15; 0 = not held)")
-    p.add_argument("--rpc-max-message-size", type=int_range(1, 2**63 - 1), default=16 << 30, metavar="BYTES",
-                   help="largest ggml-RPC message accepted, >= 1 (default: 16 GiB)")
+                        "is unlimited (default: %(default)s)")
+    p.add_argument("--rpc-restart-wait", type=seconds(zero_ok=True), default=_default(rpc, "restart_wait"),
+                   metavar="SECONDS", help="how long a ggml-RPC client is held while the backend restarts "
+                                           "(default: %(default)s; 0 = not held)")
+    p.add_argument("--rpc-max-message-size", type=int_range(1, 2**63 - 1), default=_default(rpc, "max_message_size"),
+                   metavar="BYTES", help="largest ggml-RPC message accepted, >= 1 (default: %(default)s)")
     p.add_argument("--shutdown-grace", type=seconds(zero_ok=True), default=10.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (default: 10; 0 = stop at once)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
@@ -321,12 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from .engine.engine import EngineConfig
-    from .frontdoor import FrontDoorSettings
-    from .http.settings import HttpSettings
-    from .server import Server, ServerConfig, serve
-
-    from .ggml_rpc.backend import RpcBackendSettings
+    from .server import Server, ServerConfig, serve  # loads llama.cpp: only for `run`
 
     engine = None
     if not args.no_model:

@@ -7,9 +7,11 @@ import logging
 import attrs
 import trio
 
-from .control import Busy, Change, ControlChannel
+from .control import Change, ControlChannel
+from .errors import Busy
 from .engine.combined import peer_listening
-from .engine.engine import Engine, EngineConfig
+from .engine.engine import Engine
+from .engine.settings import EngineConfig
 from .frontdoor import FrontDoor, FrontDoorSettings
 from .hydra.server import HydraHandler, HydraSettings
 from .http._hyper import HttpHandler
@@ -88,7 +90,7 @@ class Server:
                     await nursery.start(self.engine.run)
                 if self.control is not None:
                     await nursery.start(self.control.run)
-                if self.engine is not None and self.engine.peer is not None:
+                if self.engine is not None and self.engine.experts.peer is not None:
                     nursery.start_soon(self._combined_at_start)
                 task_status.started(self)
         finally:
@@ -135,7 +137,7 @@ class Server:
         for _ in range(100):
             try:
                 meta = await control.submit(
-                    Change("attach peer at start", lambda e: e.set_expert_mode("combined", e.peer), "startup")
+                    Change("attach peer at start", lambda e: e.set_expert_mode("combined", e.experts.peer), "startup")
                 )
                 log.info("start-up COMBINED attach: %s", meta)
                 break
@@ -149,11 +151,12 @@ class Server:
         assert engine is not None and control is not None
         while True:
             await trio.sleep(every)
-            peer = engine.peer
+            experts = engine.experts
+            peer = experts.peer
             if peer is None:
                 continue
-            engine.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
-            if engine.mode == "combined" and not engine.peer_reachable:
+            experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
+            if experts.mode == "combined" and not experts.peer_reachable:
                 log.warning("peer %s unreachable while COMBINED: going back to SOLO", peer)
                 try:
                     await control.submit(Change("peer unreachable", lambda e: e.peer_gone(), "watchdog"))

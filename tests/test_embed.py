@@ -29,6 +29,8 @@ async def test_serve_in_own_nursery() -> None:
             assert "Paris" in r.json()["choices"][0]["message"]["content"]
             assert r.json()["model"] == "embedded"
             assert len((await client.get("/slots")).json()) == 2
+        model = server.engine.model
         nursery.cancel_scope.cancel()
     # the engine thread has stopped and freed llama.cpp's objects
-    assert server.engine.model.ctx is None
+    assert model is not None and model.ctx is None and model.model is None
+    assert server.engine.model is None

@@ -56,17 +56,17 @@ from hydra_trio.protocol.hydra import (
     pack_decode_frame,
     unpack_decode_frames,
 )
+from hydra_trio.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from hydra_trio.protocol.messages import (
-    ChatMessage,
-    DecodeRequest,
     MessageError,
     PipelineAttachRequest,
-    PrefillRequest,
     SetExpertModeRequest,
     clamp_state_chunk_size,
     classify_configure_keys,
     parse_configure,
+    parse_decode,
     parse_peer,
+    parse_prefill,
     parse_set_expert_mode,
     structure_json,
 )
@@ -511,34 +511,40 @@ def test_parse_peer() -> None:
             parse_peer(bad)
 
 
+def _pipeline(payload: bytes) -> PipelineAttachRequest:
+    return structure_json(payload, PipelineAttachRequest)
+
+
 @pytest.mark.parametrize(
-    ("payload", "cls", "needle"),
+    ("payload", "parse", "needle"),
     [
-        (b'{"n_predict": "5"}', DecodeRequest, "n_predict: expected int, got str"),
-        (b'{"n_predict": true}', DecodeRequest, "n_predict: expected int, got bool"),
-        (b'{"n_predict": 1.5}', DecodeRequest, "n_predict: expected int, got float"),
-        (b'{"messages": [{"content": "x"}]}', DecodeRequest, "messages[0].role: missing"),
-        (b'{"messages": "hi"}', DecodeRequest, "messages: expected list, got str"),
-        (b'{"messages": [{"role": "user", "content": 3}]}', PrefillRequest, "messages[0].content"),
-        (b'{"messages": ["hi"]}', PrefillRequest, "messages[0]: expected object"),
-        (b'{"messages": []}', PrefillRequest, "messages: must not be empty"),
-        (b'{"model": "m"}', PrefillRequest, "messages: missing"),
-        (b'{"messages": [{"role": "user"}], "model": 1}', PrefillRequest, "model: expected str"),
-        (b'{"peer": "h:1"}', PipelineAttachRequest, "ot_split: missing"),
-        (b'{"peer": "h", "ot_split": "x"}', PipelineAttachRequest, "peer"),
-        (b"\xff", DecodeRequest, "UTF-8"),
-        (b"{", DecodeRequest, "JSON"),
-        (b'{"n_predict": NaN}', DecodeRequest, "JSON"),
-        (b"7", DecodeRequest, "JSON object, got number"),
+        (b'{"n_predict": "5"}', parse_decode, "n_predict: expected int, got str"),
+        (b'{"n_predict": true}', parse_decode, "n_predict: expected int, got bool"),
+        (b'{"n_predict": 1.5}', parse_decode, "n_predict: expected int, got float"),
+        (b'{"messages": [{"content": "x"}]}', parse_decode, "messages[0].role: missing"),
+        (b'{"messages": "hi"}', parse_decode, "messages: expected list, got str"),
+        (b'{"messages": []}', parse_decode, "messages: empty"),
+        (b'{"messages": [{"role": "user", "content": 3}]}', parse_prefill, "messages[0].content"),
+        (b'{"messages": ["hi"]}', parse_prefill, "messages[0]: expected object"),
+        (b'{"messages": []}', parse_prefill, "messages: at least one message"),
+        (b'{"model": "m"}', parse_prefill, "messages: at least one message"),
+        (b'{"messages": [{"role": "user"}], "model": 1}', parse_prefill, "model: expected str"),
+        (b'{"messages": [{"role": "user"}], "temperature": 9}', parse_prefill, "temperature: must be in"),
+        (b'{"peer": "h:1"}', _pipeline, "ot_split: missing"),
+        (b'{"peer": "h", "ot_split": "x"}', _pipeline, "peer"),
+        (b"\xff", parse_decode, "UTF-8"),
+        (b"{", parse_decode, "JSON"),
+        (b'{"n_predict": NaN}', parse_decode, "JSON"),
+        (b"7", parse_decode, "JSON object, got number"),
     ],
 )
-def test_structure_errors_name_the_field(payload: bytes, cls: type, needle: str) -> None:
+def test_structure_errors_name_the_field(payload: bytes, parse: object, needle: str) -> None:
     with pytest.raises(MessageError) as ei:
-        structure_json(payload, cls)
+        parse(payload)  # type: ignore[operator]
     assert needle in str(ei.value)
 
 
-def test_chat_bodies_keep_raw() -> None:
+def test_prefill_and_decode_bodies_are_parsed_whole() -> None:
     body = {
         "model": "smol",
         "stream": False,
@@ -548,14 +554,17 @@ def test_chat_bodies_keep_raw() -> None:
             {"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "u"},
         ],
     }
-    p = structure_json(json.dumps(body).encode(), PrefillRequest)
-    assert p.model == "smol" and p.raw == body
-    assert p.messages[1] == ChatMessage("user", [{"type": "text", "text": "hi"}], "u")
-    d = structure_json(json.dumps({**body, "max_tokens": 12}).encode(), DecodeRequest)
+    p = parse_prefill(json.dumps(body).encode())
+    assert isinstance(p, ChatCompletionRequest) and p.model == "smol" and p.temperature == 0.2
+    assert p.messages[1] == ChatMessage("user", "hi", "u")  # text parts joined
+    d = parse_decode(json.dumps({**body, "max_tokens": 12}).encode())
+    assert isinstance(d.body, ChatCompletionRequest) and not d.continues_slot
     assert d.n_predict is None and d.frame_budget(default=64, cap=1000) == 12
-    assert structure_json(b'{"n_predict": -1}', DecodeRequest).frame_budget(64, 1000) == 64
-    assert structure_json(b'{"n_predict": 5000}', DecodeRequest).frame_budget(64, 1000) == 1000
-    assert structure_json(b"{}", DecodeRequest).messages is None
+    assert parse_decode(b'{"n_predict": -1}').frame_budget(64, 1000) == 64
+    assert parse_decode(b'{"n_predict": 5000}').frame_budget(64, 1000) == 1000
+    cont = parse_decode(b'{"messages": null, "temperature": 0, "stream": false}')
+    assert cont.continues_slot and isinstance(cont.body, CompletionRequest) and cont.body.temperature == 0
+    assert cont.stream is False and parse_decode(b"{}").continues_slot
     assert structure_json(b'{"peer": "h:1", "ot_split": "ffn_.*_exps"}', PipelineAttachRequest) == (
         PipelineAttachRequest("h:1", "ffn_.*_exps")
     )

@@ -6,12 +6,13 @@ import gguf
 import httpx
 
 from hydra_trio.models.moe import ensure_test_moe
+from hydra_trio.models.presets import resolve_model
 
 from .conftest import ServerProcess
 
 
 def test_moe_layout() -> None:
-    reader = gguf.GGUFReader(str(ensure_test_moe()))
+    reader = gguf.GGUFReader(str(ensure_test_moe(resolve_model("smollm2-135m")[0])))
     assert reader.fields["llama.expert_count"].contents() == 4
     assert reader.fields["llama.expert_used_count"].contents() == 2
     names = {t.name: t for t in reader.tensors}

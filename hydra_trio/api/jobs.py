@@ -10,7 +10,7 @@ from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
 from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
-from ..engine.slots import CompletionJob
+from ..engine.requests import CompletionJob
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
 
 

@@ -22,7 +22,7 @@ import attrs
 from cattrs.gen import override
 
 from ..engine.settings import SamplingParams, check_int, check_n_predict, check_stop
-from ..protocol import messages as msg
+from ..protocol import strict as msg
 
 RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
@@ -324,7 +324,7 @@ def check_int_or_400(name: str, value: int, lo: int, hi: int) -> None:
 
 
 # --------------------------------------------------------------------------- converter
-# The one cattrs converter (hydra_trio.protocol.messages) with strict
+# This module's own strict converter (hydra_trio.protocol.strict) with strict
 # primitives; these classes allow unknown keys, as OpenAI servers do.
 
 
@@ -405,45 +405,42 @@ def _tool_choice(v: Any, _t: Any) -> str | dict[str, Any] | None:
     raise msg.TypeMismatch(f"expected a string, an object or null, got {msg.type_name(v)}")
 
 
+_conv = msg.StrictConverter()
+
 _COMMON = dict(
     stop=override(struct_hook=_stop),
     logit_bias=override(struct_hook=_logit_bias),
     response_format=override(struct_hook=_object_or_null),
     json_schema=override(struct_hook=_object_or_null),
 )
-msg.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content))
-msg.register(StreamOptions, forbid_extra=False)
-msg.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
+_conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content))
+_conv.register(StreamOptions, forbid_extra=False)
+_conv.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
              tool_choice=override(struct_hook=_tool_choice), **_COMMON)
-msg.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt), **_COMMON)
-msg.register(TokenizeRequest, forbid_extra=False)
-msg.register(DetokenizeRequest, forbid_extra=False)
+_conv.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt), **_COMMON)
+_conv.register(TokenizeRequest, forbid_extra=False)
+_conv.register(DetokenizeRequest, forbid_extra=False)
 
 
 def parse_body(raw: bytes, cls: type[Any]) -> Any:
     """Parse a JSON body into ``cls`` and run its checks.
 
     Raises:
-        RequestError: invalid UTF-8 or JSON, not an object, a field of the
-            wrong type or out of range; the message names the field.
+        RequestError: invalid UTF-8 or JSON (NaN and Infinity included), not
+            an object, a field of the wrong type or out of range; the message
+            names the field.
     """
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise RequestError(f"invalid JSON body: {exc}") from None
-    except RecursionError:
-        raise RequestError("invalid JSON body: nested too deeply") from None
+        data = msg.loads(raw)
+    except RequestError as exc:
+        raise RequestError(f"invalid JSON body: {str(exc).removeprefix('payload is not valid JSON: ')}") from None
     return structure_body(data, cls)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 def structure_body(data: Any, cls: type[Any]) -> Any:
     """Structure an already-decoded JSON value into ``cls``; same errors as :func:`parse_body`."""
     if not isinstance(data, dict):
         raise RequestError(f"the body must be a JSON object, got {msg.type_name(data)}")
-    obj = msg.structure(data, cls)
+    obj = _conv.structure(data, cls)
     obj.check()
     return obj

@@ -1,0 +1,23 @@
+"""The engine: llama.cpp through llama-cpp-python, N slots with continuous batching; no networking.
+
+:class:`Engine` (lifecycle, the engine thread, submit / cancel / call),
+:class:`~hydra_trio.engine.scheduler.Scheduler` (batching), the expert modes
+(SOLO / COMBINED), sampling, slot KV state blobs, model loading.
+"""
+
+from __future__ import annotations
+
+from .._lazy import lazy_exports
+
+__all__, __getattr__, __dir__ = lazy_exports(
+    __name__,
+    {
+        ".engine": ["Engine", "EngineStats", "Stage"],
+        ".settings": ["EngineConfig", "SamplingParams"],
+        ".scheduler": ["Scheduler"],
+        ".combined": ["ExpertModes", "ExpertMode", "PeerAttach"],
+        ".requests": ["CompletionJob", "JobRun", "SlotAssigned", "TextDelta", "Finished", "Failed"],
+        ".model": ["LoadedModel", "ModelIdentity"],
+        ".state": ["StateError"],
+    },
+)

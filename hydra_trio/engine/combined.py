@@ -19,22 +19,30 @@ thread and the COMBINED model it held are leaked (one per peer death; logged).
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import queue
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ..protocol.messages import MessageError, parse_peer
+import llama_cpp
+
+from ..protocol.address import parse_peer
+from ..protocol.strict import MessageError
 from . import ggml_rpc
+from .bridge import Call
+from .model import LoadedModel
+from .settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
+
 
 log = logging.getLogger("hydra_trio.combined")
 T = TypeVar("T")
 
-DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
 
 
 class PeerError(RuntimeError):
@@ -43,21 +51,6 @@ class PeerError(RuntimeError):
 
 class PeerLost(RuntimeError):
     """The peer stopped answering in the middle of a call; the worker thread is gone."""
-
-
-class _Override(ctypes.Structure):
-    """``struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }``."""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-def tensor_overrides(pairs: list[tuple[str, int]]) -> ctypes.Array[_Override]:
-    """A NULL-terminated ``llama_model_tensor_buft_override`` array (keep it alive while loading)."""
-    arr = (_Override * (len(pairs) + 1))()
-    for i, (pattern, buft) in enumerate(pairs):
-        arr[i].pattern = pattern.encode()
-        arr[i].buft = buft
-    return arr
 
 
 # ----------------------------------------------------------------------------- abort handling
@@ -79,8 +72,7 @@ def _on_ggml_abort(message: bytes) -> None:
         return  # ggml calls abort() next
     for w in victims:
         log.error("peer %s: %s; its worker is parked for good, the head goes back to SOLO", w.peer, text)
-        w._dead.set()
-        _live_workers.discard(w)
+        w._die()
     threading.Event().wait()  # never returns: returning would abort() the process
 
 
@@ -99,17 +91,17 @@ def install_abort_handler() -> None:
 class PeerWorker:
     """One thread that makes every call that may talk to one peer.
 
-    :meth:`call` runs a function there and waits; if ggml aborts on the
-    thread (the peer died), :meth:`call` raises :class:`PeerLost` and the
+    :meth:`call` runs a function there and waits (a :class:`~hydra_trio.engine.bridge.Call`);
+    if ggml aborts on the thread (the peer died), the abort handler fails the
+    call in progress and every queued one with :class:`PeerLost`, and the
     worker is dead for good.
     """
 
     def __init__(self, peer: str) -> None:
         install_abort_handler()
         self.peer = peer
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event] | None] = (
-            queue.SimpleQueue()
-        )
+        self._jobs: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
+        self._current: Call[Any] | None = None
         self._dead = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"peer-{peer}", daemon=True)
         self._thread.start()
@@ -121,16 +113,28 @@ class PeerWorker:
 
     def _main(self) -> None:
         _local.worker = self
-        while (item := self._jobs.get()) is not None:
-            fn, box, done = item
+        while (call := self._jobs.get()) is not None:
+            self._current = call
+            call.run()
+            self._current = None
+
+    def _die(self) -> None:
+        """The peer is gone: fail the call in progress and all queued ones (from the abort handler)."""
+        self._dead.set()
+        _live_workers.discard(self)
+        lost = PeerLost(f"peer {self.peer} stopped answering")
+        if self._current is not None:
+            self._current.fail(lost)
+        while True:
             try:
-                box["value"] = fn()
-            except BaseException as exc:
-                box["error"] = exc
-            done.set()
+                call = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if call is not None:
+                call.fail(lost)
 
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
-        """Run ``fn`` on the worker thread.
+        """Run ``fn`` on the worker thread and wait (from a plain thread: the engine's).
 
         Raises:
             PeerLost: the peer died during the call (or before it).
@@ -138,19 +142,11 @@ class PeerWorker:
         """
         if self.dead:
             raise PeerLost(f"peer {self.peer} is gone")
-        box: dict[str, Any] = {}
-        done = threading.Event()
-        self._jobs.put((fn, box, done))
-        while not done.wait(0.05):
-            if self.dead:
-                raise PeerLost(f"peer {self.peer} stopped answering")
-            if timeout is not None:
-                timeout -= 0.05
-                if timeout <= 0:
-                    raise TimeoutError(f"peer {self.peer}: no answer")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        job: Call[T] = Call(fn, from_trio=False)
+        self._jobs.put(job)
+        if self.dead:  # it died between the check and the put: nobody will run the job
+            job.fail(PeerLost(f"peer {self.peer} is gone"))
+        return job.wait_blocking(timeout)
 
     def stop(self) -> None:
         _live_workers.discard(self)
@@ -224,3 +220,239 @@ def expert_bytes(path: Path, pattern: str) -> int:
         )
     finally:
         base.gguf_free(ctx)
+
+
+# ----------------------------------------------------------------------------- expert modes
+
+
+class ExpertMode(enum.StrEnum):
+    """Which model serves new work (hydra-protocol.md §3 SET_EXPERT_MODE)."""
+
+    SOLO = "solo"
+    COMBINED = "combined"
+
+
+class PeerAttach(enum.StrEnum):
+    """Where the COMBINED model stands: none asked, start-up attach queued, attached, or it failed."""
+
+    NONE = "none"
+    PENDING = "pending"
+    ATTACHED = "attached"
+    FAILED = "failed"
+
+
+class ExpertModes:
+    """SOLO and COMBINED: the two models, the peer, and the switches between them.
+
+    The engine thread calls every method (the control channel runs switches
+    when every slot is idle); other threads read :meth:`snapshot` (INFO,
+    ``/health``, ``/metrics``), whose values are plain attributes updated in
+    an order that never shows a half switch.  Both models stay resident once
+    built, so a flip costs milliseconds; each has its own KV cache, so
+    ``on_switch`` (the scheduler's "forget cached prompts") runs on every flip.
+
+    Args:
+        peer: ``host:port`` of the ggml-RPC peer (``--rpc-engine``), or None.
+        pattern: regex of the tensors that live on the peer (``--combined-pattern``).
+        counters: an object with ``mode_switches``, ``combined_fallbacks`` and
+            ``peer_losses`` integer attributes (the engine's stats).
+        model_kwargs: keyword arguments for building the COMBINED
+            :class:`~hydra_trio.engine.model.LoadedModel` like the SOLO one
+            (``n_batch``, ``n_threads``, ``chat_template``).
+    """
+
+    def __init__(self, peer: str | None, pattern: str, counters: Any, model_kwargs: dict[str, Any]) -> None:
+        self.mode = ExpertMode.SOLO
+        self.peer = peer
+        self.peer_reachable = False
+        self.pattern = pattern
+        self.fallback_reason: str | None = None
+        self.peer_attach = PeerAttach.PENDING if peer else PeerAttach.NONE
+        self.solo: LoadedModel | None = None
+        self.combined: LoadedModel | None = None
+        self.active: LoadedModel | None = None
+        self.counters = counters
+        self.model_kwargs = model_kwargs
+        self.on_switch: Callable[[], None] = lambda: None
+        self._worker: PeerWorker | None = None
+
+    def snapshot(self) -> dict[str, Any]:
+        """The expert-mode keys of Hydra INFO (hydra-protocol.md §3), safe to call from any thread."""
+        return {
+            "mode": str(self.mode),
+            "peer_addr": self.peer or "",
+            "peer_reachable": self.peer_reachable,
+            "layer_split": self.pattern,
+            "combined_head_attached": self.combined is not None,
+            "fallback_reason": self.fallback_reason,
+            "peer_attach": str(self.peer_attach),
+        }
+
+    def set_solo(self, model: LoadedModel) -> None:
+        """A new SOLO model (load or reload): it serves; a COMBINED model of the old one is detached first."""
+        if self.combined is not None:
+            log.info("the SOLO model changes: detaching the COMBINED model (SET_EXPERT_MODE combined rebuilds it)")
+            self.detach()
+        self.solo = self.active = model
+        self.mode = ExpertMode.SOLO
+
+    def decode(self, batch: Any) -> int:
+        """``llama_decode`` of ``batch`` on the active model; COMBINED decodes run on the peer's worker.
+
+        Raises PeerLost when the peer died during the call.
+        """
+        m = self.active
+        assert m is not None
+        if m is self.combined and self._worker is not None:
+            return self._worker.call(lambda: llama_cpp.llama_decode(m.ctx, batch))
+        return llama_cpp.llama_decode(m.ctx, batch)
+
+    def _activate(self, m: LoadedModel | None) -> None:
+        """Make ``m`` serve new work: its KV cache starts empty and the slots forget their cached prompts."""
+        if m is None or m is self.active:
+            return
+        llama_cpp.llama_memory_clear(m.memory, True)
+        self.active = m
+        self.counters.mode_switches += 1
+        self.on_switch()
+
+    def detach(self) -> None:
+        """Free the COMBINED model (on the peer's worker: it frees buffers on the peer); SOLO serves."""
+        model, worker = self.combined, self._worker
+        if self.active is model and model is not None:
+            self._activate(self.solo)
+            self.mode = ExpertMode.SOLO
+        self.combined = None
+        self._worker = None
+        if self.peer_attach == PeerAttach.ATTACHED:
+            self.peer_attach = PeerAttach.NONE
+        if model is not None and worker is not None:
+            try:
+                worker.call(model.close, timeout=30)
+            except (PeerLost, TimeoutError) as exc:
+                log.warning("peer %s: could not free the COMBINED model (%s); leaked", worker.peer, exc)
+            worker.stop()
+
+    def _attach(self, peer: str) -> None:
+        """Build the COMBINED model with the expert tensors on ``peer``.
+
+        Raises PeerError (unreachable, too little memory, load failed); nothing changes then.
+        """
+        solo = self.solo
+        assert solo is not None
+        t_probe = time.perf_counter()
+        if not peer_reachable(peer):
+            self.peer_reachable = False
+            raise PeerError(f"peer {peer} does not answer ggml-RPC")
+        self.peer_reachable = True
+        t_bytes = time.perf_counter()
+        need = expert_bytes(solo.path, self.pattern)
+        log.info("attach %s: probe %.0f ms, expert bytes counted in %.0f ms", peer,
+                 (t_bytes - t_probe) * 1e3, (time.perf_counter() - t_bytes) * 1e3)
+        if need == 0:
+            raise PeerError(f"no tensor of {solo.path.name} matches {self.pattern!r} (not a MoE model?)")
+        worker = PeerWorker(peer)
+
+        def build() -> LoadedModel:
+            devs = ggml_rpc.add_peer(peer)
+            if not devs:
+                raise PeerError(f"peer {peer} has no ggml devices")
+            free, _total = ggml_rpc.device_memory(devs[0])
+            if free < need:
+                raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
+            buft = ggml_rpc.libs()[0].ggml_backend_dev_buffer_type(devs[0])
+            return LoadedModel(
+                solo.path, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
+                devices=[devs[0], ggml_rpc.cpu_device()], overrides=[(self.pattern, buft)],
+            )
+
+        t0 = time.perf_counter()
+        try:
+            model = worker.call(build, timeout=600)
+        except PeerLost as exc:
+            raise PeerError(f"peer {peer} died while the experts were uploaded: {exc}") from None
+        except PeerError:
+            worker.stop()
+            raise
+        except Exception as exc:
+            worker.stop()
+            raise PeerError(f"COMBINED model failed to load on {peer}: {exc}") from None
+        self.combined, self._worker = model, worker
+        self.peer_attach = PeerAttach.ATTACHED
+        log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
+                 need, self.pattern, peer, time.perf_counter() - t0)
+
+    def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
+        """Every slot idle (the control channel checks): switch SOLO / COMBINED; returns the reply meta.
+
+        ``peer`` different from the current one detaches the old peer (frees
+        what lives there) and attaches the new one.  COMBINED without a usable
+        peer stays SOLO: ``success`` false, ``mode: "solo"`` and a
+        ``fallback_reason`` (hydra-protocol.md §3, SET_EXPERT_MODE).
+        """
+        t0 = time.perf_counter()
+        if mode == ExpertMode.SOLO:
+            self._activate(self.solo)
+            self.mode = ExpertMode.SOLO
+            self.fallback_reason = None
+            return {"success": True, "mode": "solo", "peer": self.peer}
+        target = peer or self.peer
+        if target is None:
+            return self._fallback("no peer: start with --rpc-engine HOST:PORT or send {\"mode\": \"combined\", \"peer\": ...}")
+        if target != self.peer or self.combined is None or self._worker is None or self._worker.dead:
+            if self.combined is not None:
+                log.info("detaching peer %s", self.peer)
+            self.detach()
+            self.peer = target
+            try:
+                self._attach(target)
+            except PeerError as exc:
+                return self._fallback(str(exc))
+        self._activate(self.combined)
+        self.mode = ExpertMode.COMBINED
+        self.fallback_reason = None
+        ms = (time.perf_counter() - t0) * 1e3
+        log.info("expert mode COMBINED (peer %s), switch took %.1f ms", self.peer, ms)
+        return {"success": True, "mode": "combined", "peer": self.peer, "switch_ms": round(ms, 3)}
+
+    def _fallback(self, reason: str) -> dict[str, Any]:
+        """COMBINED was asked for and SOLO stays in effect: ``success`` is false (the mode in
+        effect is not the one asked for); ``mode`` and ``fallback_reason`` say what and why."""
+        self.counters.combined_fallbacks += 1
+        self.peer_attach = PeerAttach.FAILED if self.peer else PeerAttach.NONE
+        self._activate(self.solo)
+        self.mode = ExpertMode.SOLO
+        self.fallback_reason = reason
+        log.warning("COMBINED unavailable, staying in SOLO: %s", reason)
+        return {"success": False, "mode": "solo", "peer": self.peer, "fallback_reason": reason}
+
+    def peer_gone(self) -> None:
+        """Slots idle: the watchdog found the peer unreachable; back to SOLO."""
+        if self.mode != ExpertMode.COMBINED:
+            return
+        self.fallback_reason = f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
+        self.counters.combined_fallbacks += 1
+        self.detach()
+        self.peer_attach = PeerAttach.FAILED
+
+    def peer_lost(self, why: str) -> None:
+        """The peer died during a decode (the scheduler failed the requests in flight): back to SOLO.
+
+        The COMBINED model is leaked with its parked worker thread (ggml cannot free it).
+        """
+        self.counters.peer_losses += 1
+        log.error("COMBINED peer %s lost (%s): requests in flight fail, back to SOLO", self.peer, why)
+        self.fallback_reason = f"peer {self.peer} stopped answering mid-request"
+        self.peer_reachable = False
+        self.combined = None
+        self._worker = None
+        self.peer_attach = PeerAttach.FAILED
+        self._activate(self.solo)
+        self.mode = ExpertMode.SOLO
+
+    def close(self) -> None:
+        """Free both models (engine thread, at shutdown)."""
+        self.detach()
+        if self.solo is not None:
+            self.solo.close()
+        self.solo = self.active = None

@@ -18,6 +18,7 @@ import attrs
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
+from ..errors import HydraTrioError
 from .ggml_rpc import clean_build_paths
 
 log = logging.getLogger("hydra_trio.engine")
@@ -25,7 +26,7 @@ log = logging.getLogger("hydra_trio.engine")
 _backend_ready = False
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(HydraTrioError, RuntimeError):
     """llama.cpp could not load the GGUF file or create its context."""
 
 
@@ -233,6 +234,21 @@ def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> s
     raise ValueError(f"chat template {name!r}: the prompt kept growing")
 
 
+class _Override(ctypes.Structure):
+    """``struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }``."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def tensor_overrides(pairs: list[tuple[str, int]]) -> ctypes.Array[_Override]:
+    """A NULL-terminated ``llama_model_tensor_buft_override`` array (keep it alive while loading)."""
+    arr = (_Override * (len(pairs) + 1))()
+    for i, (pattern, buft) in enumerate(pairs):
+        arr[i].pattern = pattern.encode()
+        arr[i].buft = buft
+    return arr
+
+
 @attrs.frozen
 class ModelIdentity:
     """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF."""
@@ -285,7 +301,7 @@ class LoadedModel:
         log_chat_template: bool = False,
     ) -> None:
         init_backend()
-        from . import combined, ggml_rpc
+        from . import ggml_rpc
 
         self.path = path
         mparams = llama_cpp.llama_model_default_params()
@@ -296,7 +312,7 @@ class LoadedModel:
         mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
         mparams.n_gpu_layers = 0  # layers (and the KV cache) stay on the host; overrides move single tensors
         if overrides:
-            self._overrides = combined.tensor_overrides(overrides)
+            self._overrides = tensor_overrides(overrides)
             mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
         if progress is not None:
 

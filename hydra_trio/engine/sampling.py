@@ -18,13 +18,14 @@ import attrs
 import llama_cpp
 import numpy as np
 
+from ..errors import InvalidRequest
 from .settings import SamplingParams
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_DEPTH = 128
 
 
-class GrammarError(ValueError):
+class GrammarError(InvalidRequest, ValueError):
     """A grammar llama.cpp cannot use (it fails to parse, or is too large or too deep to parse safely)."""
 
 

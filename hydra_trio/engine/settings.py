@@ -33,9 +33,15 @@ most ``n_ctx_slot`` tokens.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import attrs
+
+from ..errors import InvalidRequest
+
+DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
+"""The tensors a COMBINED head places on its peer: the MoE experts (``--combined-pattern``)."""
 
 INT32_MAX = 2**31 - 1
 UINT32_MAX = 2**32 - 1
@@ -44,7 +50,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 
 
-class ParameterError(ValueError):
+class ParameterError(InvalidRequest, ValueError):
     """A parameter is out of its bounds; the message names it (HTTP 400 / Hydra BAD_REQUEST)."""
 
 
@@ -120,3 +126,34 @@ def check_stop(stop: tuple[str, ...]) -> None:
     for i, s in enumerate(stop):
         if len(s) > MAX_STOP_CHARS:
             raise ParameterError(f"stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(s)}")
+
+
+@attrs.frozen
+class EngineConfig:
+    """Engine settings (llama-server's flag names in comments).
+
+    Attributes:
+        model_path: GGUF file (``--model``).
+        model_alias: the model id in API replies (``--alias``).
+        n_parallel: number of slots (``--parallel``).
+        n_ctx: total context in tokens, split evenly over the slots (``--ctx-size``).
+        n_batch: most tokens per decode step (``--batch-size``).
+        n_threads: CPU threads, None = all cores (``--threads``).
+        peer: ggml-RPC peer ``host:port`` for COMBINED mode (``--rpc-engine``).
+        combined_pattern: regex of the tensors that live on the peer in
+            COMBINED mode (``--combined-pattern``; MoE experts by default).
+        chat_template: ``--chat-template``: None for the GGUF's own template
+            (llama.cpp's built-in ``chatml`` when the GGUF has none, as
+            llama-server does), a built-in template name or Jinja text
+            (see :class:`~hydra_trio.engine.model.ChatTemplate`).
+    """
+
+    model_path: Path
+    model_alias: str
+    n_parallel: int = 4
+    n_ctx: int = 8192
+    n_batch: int = 512
+    n_threads: int | None = None
+    peer: str | None = None
+    combined_pattern: str = DEFAULT_PATTERN
+    chat_template: str | None = None

@@ -45,8 +45,11 @@ import attrs
 import llama_cpp
 import xxhash
 
+from ..errors import HydraTrioError
+
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .model import LoadedModel
+    from .slots import Slot
 
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 2
@@ -55,7 +58,7 @@ HEADER_SIZE = _HEADER.size  # 60 bytes
 _CHECKSUM_AT = 52  # the u64 checksum: bytes 52..59
 
 
-class StateError(ValueError):
+class StateError(HydraTrioError):
     """A blob that cannot be applied; ``meta`` holds extra keys for the error reply."""
 
     def __init__(self, message: str, **meta: object) -> None:
@@ -169,34 +172,30 @@ def verify_checksum(blob: bytes | bytearray | memoryview) -> BlobHeader:
     return header
 
 
-def blob_size(engine: Engine, id_slot: int) -> int:
+def blob_size(m: LoadedModel, slot: Slot) -> int:
     """Bytes a STATE_GET of the slot returns now (header + tokens + one KV stream)."""
-    m = engine.model
-    assert m is not None
-    raw = llama_cpp.llama_state_seq_get_size(m.ctx, id_slot)
+    raw = llama_cpp.llama_state_seq_get_size(m.ctx, slot.id)
     one_stream = raw - _SEQ_PREFIX.size - 4 * (m.n_stream - 1)
-    return HEADER_SIZE + 4 * engine.slots[id_slot].n_past + one_stream
+    return HEADER_SIZE + 4 * slot.n_past + one_stream
 
 
-def slot_meta(engine: Engine, id_slot: int) -> dict[str, object]:
+def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
     """Engine thread: STATE_META's keys for a slot (hydra-protocol.md §3), without model identity."""
-    slot = engine.slots[id_slot]
     return {
-        "slot_id": id_slot,
+        "slot_id": slot.id,
         "n_past": slot.n_past,
-        "state_size": blob_size(engine, id_slot),
+        "state_size": blob_size(m, slot),
         "is_processing": slot.is_processing,
     }
 
 
-def save_slot(engine: Engine, id_slot: int) -> tuple[int, bytearray]:
+def save_slot(m: LoadedModel, slot: Slot, model_hash: str) -> tuple[int, bytearray]:
     """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.
 
     Peak memory: llama.cpp's state buffer plus the blob (the KV bytes twice, briefly).
     """
-    m = engine.model
-    assert m is not None and engine.identity is not None
-    tokens = engine.slots[id_slot].cache_tokens
+    tokens = slot.cache_tokens
+    id_slot = slot.id
     kv_size = llama_cpp.llama_state_seq_get_size(m.ctx, id_slot)
     raw = (ctypes.c_uint8 * kv_size)()
     written = llama_cpp.llama_state_seq_get_data(m.ctx, raw, kv_size, id_slot)
@@ -207,7 +206,7 @@ def save_slot(engine: Engine, id_slot: int) -> tuple[int, bytearray]:
     head = HEADER_SIZE + 4 * len(tokens)
     blob = bytearray(head + len(body))
     _HEADER.pack_into(
-        blob, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(engine.identity.model_hash),
+        blob, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(model_hash),
         len(body), 0,
     )
     struct.pack_into(f"<{len(tokens)}I", blob, HEADER_SIZE, *tokens)
@@ -216,8 +215,8 @@ def save_slot(engine: Engine, id_slot: int) -> tuple[int, bytearray]:
     return len(tokens), blob
 
 
-def check_blob(engine: Engine, blob: bytearray, *, checksum_verified: bool = False) -> BlobHeader:
-    """Check a whole blob against this engine before applying it.
+def check_blob(blob: bytearray, model_hash: str, n_ctx_slot: int, *, checksum_verified: bool = False) -> BlobHeader:
+    """Check a whole blob against this node (``model_hash``, slots of ``n_ctx_slot`` tokens) before applying it.
 
     ``checksum_verified``: the caller already ran :func:`verify_checksum` on
     these very bytes (off the engine thread); otherwise it runs here.
@@ -228,21 +227,20 @@ def check_blob(engine: Engine, blob: bytearray, *, checksum_verified: bool = Fal
             ``expected_hash`` / ``got_hash``) or more tokens than a slot's
             context holds.
     """
-    assert engine.identity is not None
     header = parse_header(blob) if checksum_verified else verify_checksum(blob)
-    if header.model_hash != engine.identity.model_hash:
+    if header.model_hash != model_hash:
         raise StateError(
             "the state blob was made by another model",
-            expected_hash=engine.identity.model_hash,
+            expected_hash=model_hash,
             got_hash=header.model_hash,
         )
     _check_length(header, blob)
-    if header.n_tokens >= engine.n_ctx_slot:
-        raise StateError(f"the blob holds {header.n_tokens} tokens; a slot's context holds {engine.n_ctx_slot}")
+    if header.n_tokens >= n_ctx_slot:
+        raise StateError(f"the blob holds {header.n_tokens} tokens; a slot's context holds {n_ctx_slot}")
     return header
 
 
-def restore_slot(engine: Engine, id_slot: int, blob: bytearray, *, checksum_verified: bool = False) -> int:
+def restore_slot(m: LoadedModel, slot: Slot, blob: bytearray, model_hash: str, *, checksum_verified: bool = False) -> int:
     """Engine thread: apply a checked blob to an idle slot, all or nothing.  Returns n_past.
 
     Memory: the blob is framed for llama.cpp in place (it is consumed: its
@@ -254,10 +252,8 @@ def restore_slot(engine: Engine, id_slot: int, blob: bytearray, *, checksum_veri
         StateError: the blob is invalid (see :func:`check_blob`) or llama.cpp
             rejected its KV bytes; in both cases the slot is as it was.
     """
-    m = engine.model
-    assert m is not None
-    header = check_blob(engine, blob, checksum_verified=checksum_verified)
-    slot = engine.slots[id_slot]
+    header = check_blob(blob, model_hash, slot.n_ctx, checksum_verified=checksum_verified)
+    id_slot = slot.id
     tokens = list(struct.unpack_from(f"<{header.n_tokens}I", blob, HEADER_SIZE))
     bad = next((t for t in tokens if t >= m.n_vocab), None)
     if bad is not None:
@@ -267,12 +263,12 @@ def restore_slot(engine: Engine, id_slot: int, blob: bytearray, *, checksum_veri
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         slot.cache_tokens.clear()
         return 0
-    backup = save_slot(engine, id_slot)[1] if slot.n_past else None  # an empty slot needs no backup
-    if not _apply_kv(engine, id_slot, header, blob):
+    backup = save_slot(m, slot, model_hash)[1] if slot.n_past else None  # an empty slot needs no backup
+    if not _apply_kv(m, id_slot, header, blob):
         # llama.cpp cleared the sequence on failure: put the old state back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         if backup is not None:
-            _apply_kv(engine, id_slot, parse_header(backup), backup)
+            _apply_kv(m, id_slot, parse_header(backup), backup)
         raise StateError(
             "llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
         )
@@ -291,15 +287,13 @@ def _check_empty_kv(header: BlobHeader, kv: memoryview) -> None:
         raise StateError("the blob has no tokens but its KV state holds cells")
 
 
-def _apply_kv(engine: Engine, id_slot: int, header: BlobHeader, blob: bytearray) -> bool:
+def _apply_kv(m: LoadedModel, id_slot: int, header: BlobHeader, blob: bytearray) -> bool:
     """Hand the blob's KV bytes to llama.cpp; True when the slot now holds exactly the blob's tokens.
 
     A one-stream blob is framed in place: the 12-byte sequence-state prefix
     overwrites the end of the (already parsed) token list and the empty
     streams are appended as zeros, so no second copy of the KV bytes is made.
     """
-    m = engine.model
-    assert m is not None
     start = HEADER_SIZE + 4 * header.n_tokens
     if header.kv_format == KV_ONE_STREAM:
         begin = start - _SEQ_PREFIX.size  # the header alone is 60 bytes: always room for 12

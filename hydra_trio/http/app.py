@@ -32,10 +32,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import __version__
-from ..engine.engine import Engine, EngineNotReady, SlotBusy
-from ..engine.state import slot_meta
-from ..engine.slots import Failed, Finished, RequestHandle, TextDelta
+from .._version import __version__
+from ..engine.engine import Engine
+from ..engine.requests import Finished, JobRun
+from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
 from . import metrics
 from ..api.jobs import job_from_chat, job_from_completion
 from ..api.schemas import (
@@ -60,6 +60,17 @@ def error_response(
         status_code=status,
         headers=headers,
     )
+
+
+def error_for(exc: HydraTrioError) -> JSONResponse:
+    """The HTTP reply for a typed error: InvalidRequest 400, Busy 409, NotReady and Cancelled 503, others 500."""
+    if isinstance(exc, InvalidRequest):
+        return _bad_request(str(exc))
+    if isinstance(exc, Busy):
+        return error_response(409, str(exc), "conflict_error")
+    if isinstance(exc, (NotReady, Cancelled)):
+        return error_response(503, str(exc), "unavailable_error")
+    return error_response(500, str(exc), "server_error")
 
 
 def _bad_request(msg: str) -> JSONResponse:
@@ -262,7 +273,7 @@ class Api:
             return id_slot
         assert e is not None and e.identity is not None
 
-        body = await e.call(lambda engine: slot_meta(engine, id_slot))
+        body = await e.call(lambda engine: engine.slot_meta(id_slot))
         body.update(e.identity.as_meta())
         return JSONResponse(body)
 
@@ -277,8 +288,8 @@ class Api:
             return _bad_request(f"action: {action!r} is not supported (supported: erase)")
         try:
             n = await e.call(lambda engine: engine.erase_slot(id_slot))
-        except SlotBusy as exc:
-            return error_response(409, str(exc), "conflict_error")
+        except HydraTrioError as exc:
+            return error_for(exc)
         return JSONResponse({"id_slot": id_slot, "n_erased": n})
 
     async def metrics(self, request: Request) -> Response:
@@ -334,13 +345,11 @@ class Api:
             job = await trio.to_thread.run_sync(
                 lambda: job_from_chat(e, body) if chat else job_from_completion(e, body)
             )
-            handle = e.submit(attrs.evolve(job, request_id=request_id))
+            run = JobRun(e, attrs.evolve(job, request_id=request_id)).submit()
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
-        except (RequestError, ValueError) as exc:
-            return _bad_request(str(exc))
-        except EngineNotReady:
-            return _unavailable(e)
+        except HydraTrioError as exc:
+            return error_for(exc)
         assert e.identity is not None and e.model is not None
         echo = ""
         if not chat and body.echo:
@@ -349,58 +358,50 @@ class Api:
                                logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id)
         if body.stream:
             return StreamingResponse(
-                self._sse(e, handle, ctx),
+                self._sse(run, ctx),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await self._collect(request, e, handle, ctx)
+        return await self._collect(request, run, ctx)
 
-    async def _collect(self, request: Request, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> Response:
-        """A non-streamed reply: gather the events; a client that disconnects ends the handler at once."""
-        finished: Finished | None = None
-        failed: Failed | None = None
-        async with _cancel_on_disconnect(request, e, handle):
-            async for ev in handle.events:
-                if isinstance(ev, TextDelta):
-                    ctx.add(ev)
-                elif isinstance(ev, Finished):
-                    finished = ev
-                elif isinstance(ev, Failed):
-                    failed = ev
-        if finished is not None:
-            return JSONResponse(ctx.final_body(finished))
-        if failed is not None and failed.code != "cancelled":
-            status = 400 if failed.code == "invalid_request" else 500
-            return error_response(status, failed.message, "invalid_request_error" if status == 400 else "server_error")
-        # cancelled: the client went away (nobody reads this), or the server is stopping
-        return error_response(503, "the request was cancelled", "unavailable_error")
+    async def _collect(self, request: Request, run: JobRun, ctx: _ResponseContext) -> Response:
+        """A non-streamed reply: gather the text; a client that disconnects ends the handler at once."""
+        try:
+            async with _cancel_on_disconnect(request, run):
+                async for delta in run:
+                    ctx.add(delta)
+        except HydraTrioError as exc:
+            return error_for(exc)
+        if run.finished is None:  # the client went away: nobody reads this
+            return error_response(503, "the request was cancelled", "unavailable_error")
+        return JSONResponse(ctx.final_body(run.finished))
 
-    async def _sse(self, e: Engine, handle: RequestHandle, ctx: _ResponseContext) -> AsyncIterator[str]:
+    async def _sse(self, run: JobRun, ctx: _ResponseContext) -> AsyncIterator[str]:
         try:
             if ctx.chat:
                 yield _sse(ctx.chunk({"role": "assistant", "content": ""}, None))
             elif ctx.echo:
                 yield _sse(ctx.chunk(ctx.echo, None))
-            async for ev in handle.events:
-                if isinstance(ev, TextDelta) and (ev.text or (ctx.logprobs and ev.tokens)):
-                    yield _sse(ctx.chunk({"content": ev.text} if ctx.chat else ev.text, None, ctx.add(ev)))
-                elif isinstance(ev, Finished):
-                    final = ctx.chunk({} if ctx.chat else "", ev.finish_reason)
-                    final["id_slot"] = ev.id_slot
-                    final["timings"] = ev.timings()
-                    yield _sse(final)
-                    if ctx.include_usage:
-                        usage = ctx.chunk(None, None)
-                        usage["choices"] = []
-                        usage["usage"] = _usage(ev)
-                        yield _sse(usage)
-                    yield "data: [DONE]\n\n"
-                    return
-                elif isinstance(ev, Failed):
-                    yield _sse({"error": {"message": ev.message, "type": "server_error", "code": 500}})
-                    return
+            async for delta in run:
+                if delta.text or (ctx.logprobs and delta.tokens):
+                    yield _sse(ctx.chunk({"content": delta.text} if ctx.chat else delta.text, None, ctx.add(delta)))
+            end = run.finished
+            assert end is not None
+            final = ctx.chunk({} if ctx.chat else "", end.finish_reason)
+            final["id_slot"] = end.id_slot
+            final["timings"] = end.timings()
+            yield _sse(final)
+            if ctx.include_usage:
+                usage = ctx.chunk(None, None)
+                usage["choices"] = []
+                usage["usage"] = _usage(end)
+                yield _sse(usage)
+            yield "data: [DONE]\n\n"
+        except HydraTrioError as exc:  # the 200 is out: the error goes in the stream
+            body = json.loads(error_for(exc).body)
+            yield _sse(body)
         finally:
-            e.cancel(handle)
+            run.close()
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -516,7 +517,7 @@ class _BodyError(Exception):
 
 
 @asynccontextmanager
-async def _cancel_on_disconnect(request: Request, e: Engine, handle: RequestHandle) -> AsyncIterator[None]:
+async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[None]:
     """Run the body until it ends or the client disconnects, whichever comes first.
 
     On a disconnect the body is cancelled at once (it does not wait for the
@@ -530,7 +531,7 @@ async def _cancel_on_disconnect(request: Request, e: Engine, handle: RequestHand
                 while True:
                     msg = await request.receive()
                     if msg["type"] == "http.disconnect":
-                        e.cancel(handle)
+                        run.close()
                         body_scope.cancel()
                         return
 
@@ -538,7 +539,7 @@ async def _cancel_on_disconnect(request: Request, e: Engine, handle: RequestHand
             try:
                 yield
             finally:
-                e.cancel(handle)
+                run.close()
                 nursery.cancel_scope.cancel()
 
 

@@ -85,12 +85,9 @@ def make_test_moe(src: Path, dst: Path, n_expert: int = 4, n_expert_used: int = 
     return dst
 
 
-def ensure_test_moe(n_expert: int = 4, n_expert_used: int = 2) -> Path:
-    """The SmolLM2 test MoE in the cache directory, made on first use."""
-    from .presets import resolve_model
-
+def ensure_test_moe(source: Path, n_expert: int = 4, n_expert_used: int = 2) -> Path:
+    """The test MoE made from ``source`` (the SmolLM2 GGUF) in the cache directory, made on first use."""
     dst = default_path(n_expert, n_expert_used)
     if not dst.is_file():
-        src, _ = resolve_model("smollm2-135m")
-        make_test_moe(src, dst, n_expert, n_expert_used)
+        make_test_moe(source, dst, n_expert, n_expert_used)
     return dst

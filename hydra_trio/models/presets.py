@@ -24,8 +24,10 @@ from pathlib import Path
 
 import attrs
 
+from ..errors import InvalidRequest
 
-class PresetError(RuntimeError):
+
+class PresetError(InvalidRequest, RuntimeError):
     """An alias whose package is missing, or a model path that does not exist."""
 
 
@@ -101,7 +103,7 @@ def _gemma3_270m_where() -> tuple[Path | None, int | None, str]:
 def _smollm2_moe() -> Path:
     from .moe import ensure_test_moe
 
-    return ensure_test_moe()
+    return ensure_test_moe(_smollm2())
 
 
 def _smollm2_moe_where() -> tuple[Path | None, int | None, str]:

@@ -1,0 +1,291 @@
+"""Requests for the engine: jobs, the events the engine sends back, and the trio side of a running request.
+
+A request is a :class:`CompletionJob` submitted with ``Engine.submit``; the
+engine thread answers with events on a :class:`RequestHandle`:
+:class:`SlotAssigned`, then :class:`TextDelta` s, then exactly one of
+:class:`Finished` or :class:`Failed`.  Front ends read them through
+:class:`JobRun`, which turns a ``Failed`` into its typed error and cancels
+the request on every way out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from ..errors import HydraTrioError
+from .settings import SamplingParams
+
+# ---------------------------------------------------------------------------
+# What a request asks for
+
+
+@attrs.frozen
+class CompletionJob:
+    """One completion for the engine.
+
+    Attributes:
+        prompt_tokens: the full prompt, in tokens (at least one).
+        n_predict: most tokens to generate; -1 = until end of generation or the
+            slot's context is full; 0 = process the prompt only.
+        stop: strings that end generation (not included in the output).
+        id_slot: the slot to run on, or -1 for "pick one" (longest common
+            prefix with a slot's cached tokens, as llama-server does).
+        cache_prompt: reuse the slot's cached prefix (llama-server's
+            ``cache_prompt``).
+        ignore_eos: keep generating past end-of-generation tokens.
+        logprobs: compute each sampled token's log-probability (natural log,
+            over the model's raw logits) into ``TextDelta.logprobs``.
+        n_probs: also the ``n_probs`` most likely tokens at each step
+            (``TextDelta.top_logprobs``), 0..20.
+        logit_bias: ``(token id, bias)`` pairs added to the logits.
+        grammar: GBNF text the output must match (llama.cpp's grammar sampler).
+        fail_if_busy: when ``id_slot`` is processing another request at the
+            moment this job's turn comes, fail with :class:`~hydra_trio.errors.Busy`
+            instead of waiting (the Hydra slot ops' BUSY).
+        snapshot: save the slot's KV state blob when the job finishes, on the
+            engine thread before anything else can use the slot
+            (``Finished.state``: PREFILL's reply).
+        continue_slot: ``prompt_tokens`` is empty and generation continues
+            from the tokens already in slot ``id_slot``'s KV cache (a DECODE
+            after a PREFILL or STATE_PUT, without messages).
+        request_id: the request's id for the log (an HTTP reply's ``id``, a
+            Hydra trace id); empty when the caller gave none.
+    """
+
+    prompt_tokens: tuple[int, ...]
+    n_predict: int = -1
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    id_slot: int = -1
+    cache_prompt: bool = True
+    ignore_eos: bool = False
+    logprobs: bool = False
+    n_probs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
+    fail_if_busy: bool = False
+    snapshot: bool = False
+    continue_slot: bool = False
+    request_id: str = ""
+
+
+# ---------------------------------------------------------------------------
+# What the engine sends back
+
+
+@attrs.frozen
+class SlotAssigned:
+    """The request started on slot ``id_slot``; ``cache_n`` prompt tokens were reused."""
+
+    id_slot: int
+    n_prompt: int
+    cache_n: int
+
+
+@attrs.frozen
+class TextDelta:
+    """New generated text (never a split UTF-8 character) and the tokens behind it.
+
+    ``logprobs`` (when the job asked) has one entry per token, and
+    ``top_logprobs`` one tuple of ``(token, logprob)`` pairs per token.
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] = ()
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+
+
+@attrs.frozen
+class Finished:
+    """The request ended.  ``finish_reason`` is OpenAI's: ``stop`` or ``length``.
+
+    ``stop_reason`` says which stop it was (the Hydra DECODE reply's names):
+    ``eos`` (an end-of-generation token), ``stop`` (a stop string),
+    ``length`` (the token budget, or a prompt-only request) or
+    ``n_tokens_limit`` (the slot's context is full).  ``n_past`` is the
+    slot's KV cache size at the end, in tokens.
+
+    Timings are llama-server's: ``prompt_n`` tokens evaluated for the prompt
+    (after the cache), ``cache_n`` prompt tokens reused, ``predicted_n``
+    tokens generated, both durations in milliseconds.
+    """
+
+    finish_reason: str
+    id_slot: int
+    n_prompt: int
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+    stop_reason: str = "length"
+    n_past: int = 0
+    state: tuple[int, bytearray] | None = attrs.field(default=None, eq=False, repr=False)
+
+    def timings(self) -> dict[str, Any]:
+        def per_token(ms: float, n: int) -> float:
+            return ms / n if n else 0.0
+
+        def per_second(ms: float, n: int) -> float:
+            return 1e3 * n / ms if ms > 0 else 0.0
+
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_token_ms": per_token(self.prompt_ms, self.prompt_n),
+            "prompt_per_second": per_second(self.prompt_ms, self.prompt_n),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_token_ms": per_token(self.predicted_ms, self.predicted_n),
+            "predicted_per_second": per_second(self.predicted_ms, self.predicted_n),
+        }
+
+
+@attrs.frozen
+class Failed:
+    """The request ended without a result; ``error`` says why, as a typed error.
+
+    :class:`~hydra_trio.errors.InvalidRequest` (the client's fault),
+    :class:`~hydra_trio.errors.Busy` (its slot was processing and the job
+    asked not to wait), :class:`~hydra_trio.errors.Cancelled` (:meth:`Engine.cancel`,
+    or the node is stopping) or :class:`~hydra_trio.errors.EngineFailure`.
+    """
+
+    error: HydraTrioError
+
+    @property
+    def message(self) -> str:
+        return str(self.error)
+
+
+Event = SlotAssigned | TextDelta | Finished | Failed
+
+
+class RequestHandle:
+    """The trio side of a request: a channel of events, and cancellation.
+
+    The engine thread calls :meth:`emit`; it never blocks (the channel is
+    unbounded and the hand-over goes through ``TrioToken.run_sync_soon``).
+    """
+
+    def __init__(self, job: CompletionJob, trio_token: trio.lowlevel.TrioToken) -> None:
+        self.job = job
+        self._token = trio_token
+        self._send, self.events = trio.open_memory_channel[Event](math.inf)
+        self.cancelled = False
+        self.deferred = False
+
+    def emit(self, event: Event) -> None:
+        try:
+            self._token.run_sync_soon(self._deliver, event)
+        except trio.RunFinishedError:
+            pass
+
+    def _deliver(self, event: Event) -> None:
+        try:
+            self._send.send_nowait(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        if isinstance(event, (Finished, Failed)):
+            self._send.close()
+
+
+class Submitter(Protocol):
+    """What :class:`JobRun` needs of the engine (``Engine.submit`` / ``Engine.cancel``)."""
+
+    def submit(self, job: CompletionJob) -> RequestHandle: ...
+
+    def cancel(self, handle: RequestHandle) -> None: ...
+
+
+class JobRun:
+    """Run one job on the engine from trio and read its events as typed results.
+
+    ::
+
+        async with JobRun(engine, job) as run:
+            assigned = await run.started()      # optional: wait for the slot
+            async for delta in run:             # TextDelta, until the end
+                ...
+            finished = run.finished             # the Finished event
+
+    Entering submits the job; leaving cancels it (a no-op when it ended), so a
+    handler that stops early, fails or is cancelled always frees the slot.
+
+    Raises (from :meth:`started` or the iteration): the request's typed error
+    (:class:`~hydra_trio.errors.InvalidRequest`, :class:`~hydra_trio.errors.Busy`,
+    :class:`~hydra_trio.errors.Cancelled`, :class:`~hydra_trio.errors.EngineFailure`);
+    entering raises what ``Engine.submit`` raises.
+    """
+
+    def __init__(self, engine: Submitter, job: CompletionJob) -> None:
+        self.engine = engine
+        self.job = job
+        self.handle: RequestHandle | None = None
+        self.assigned: SlotAssigned | None = None
+        self.finished: Finished | None = None
+
+    def submit(self) -> JobRun:
+        """Submit the job (what entering does; for a reader that outlives this scope, e.g. a stream)."""
+        self.handle = self.engine.submit(self.job)
+        return self
+
+    def close(self) -> None:
+        """Cancel the request unless it ended (what leaving does; idempotent)."""
+        if self.handle is not None:
+            self.engine.cancel(self.handle)
+
+    async def __aenter__(self) -> JobRun:
+        return self.submit()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    async def _next(self) -> Event | None:
+        assert self.handle is not None, "use JobRun in 'async with'"
+        try:
+            ev = await self.handle.events.receive()
+        except trio.EndOfChannel:
+            return None
+        if isinstance(ev, Failed):
+            raise ev.error
+        if isinstance(ev, SlotAssigned):
+            self.assigned = ev
+        elif isinstance(ev, Finished):
+            self.finished = ev
+        return ev
+
+    async def started(self) -> SlotAssigned:
+        """Wait until the request holds its slot."""
+        while self.assigned is None:
+            if await self._next() is None:
+                raise HydraTrioError("the request ended without starting")
+        return self.assigned
+
+    def __aiter__(self) -> AsyncIterator[TextDelta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[TextDelta]:
+        while self.finished is None:
+            ev = await self._next()
+            if ev is None:
+                raise HydraTrioError("the request ended without a result")
+            if isinstance(ev, TextDelta):
+                yield ev
+
+    async def result(self) -> Finished:
+        """Read to the end, dropping the text; the Finished event."""
+        async for _ in self:
+            pass
+        assert self.finished is not None
+        return self.finished

@@ -1,0 +1,385 @@
+"""The scheduler: continuous batching over the slots, on the engine thread only.
+
+Each :meth:`Scheduler.step` builds one ``llama_batch`` from every active slot,
+as llama-server's ``update_slots`` does: one token for each generating slot,
+then chunks of pending prompts up to ``n_batch`` tokens in all; one
+``llama_decode``; then one sample per slot whose last token asked for logits.
+Requests beyond the number of slots wait in a FIFO queue (counted as
+deferred); a request with ``id_slot`` -1 takes the idle slot with the longest
+common prefix with its prompt.  Stop strings, finishing, and cancellation are
+here too.  Nothing here is trio code: events go out through
+``RequestHandle.emit``, which never blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import Any
+
+import llama_cpp
+
+from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
+from .combined import ExpertModes, PeerLost
+from .model import LoadedModel
+from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
+from .sampling import GrammarError, SamplerSpec, build_sampler, token_probs
+from .slots import Slot, StopStringMatcher
+from .state import save_slot
+
+log = logging.getLogger("hydra_trio.engine")
+
+
+class Scheduler:
+    """The slots, the queue and the batch of one model's context (engine thread only).
+
+    Args:
+        experts: the models; ``experts.active`` is the one decoded, and
+            ``experts.decode`` runs the batch (on the peer's worker in COMBINED).
+        n_parallel: slots; ``n_ctx_slot``: tokens of context each; ``n_batch``:
+            the most tokens per decode step.
+        stats: the engine's counters (llama-server's metric names).
+        model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
+    """
+
+    def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
+                 model_hash: str) -> None:
+        self.experts = experts
+        self.slots = [Slot(i, n_ctx_slot) for i in range(n_parallel)]
+        self.pending: collections.deque[RequestHandle] = collections.deque()
+        self.stats = stats
+        self.model_hash = model_hash
+        self.n_batch = n_batch
+        self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        experts.on_switch = self.forget_cached_prompts
+
+    @property
+    def model(self) -> LoadedModel | None:
+        return self.experts.active
+
+    @property
+    def busy(self) -> bool:
+        """A slot is processing a request."""
+        return any(s.is_processing for s in self.slots)
+
+    def add(self, handle: RequestHandle) -> None:
+        """Queue a submitted request (it starts at the next :meth:`step`)."""
+        self.stats.requests_total += 1
+        self.pending.append(handle)
+
+    def step(self) -> None:
+        """One round: drop cancelled requests, start waiting ones on free slots, decode one batch."""
+        self._drop_cancelled()
+        self._assign_pending()
+        if self.busy:
+            self._step()
+
+    def forget_cached_prompts(self) -> None:
+        """The model changed (each has its own KV cache): no slot may reuse its cached prompt."""
+        for slot in self.slots:
+            slot.cache_tokens.clear()
+
+    def close(self, error: HydraTrioError) -> None:
+        """Fail every running and waiting request with ``error`` and free the batch (at shutdown)."""
+        for slot in self.slots:
+            if slot.handle is not None:
+                slot.handle.emit(Failed(error))
+                self._release(slot)
+        while self.pending:
+            self.pending.popleft().emit(Failed(error))
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+
+    def erase_slot(self, id_slot: int) -> int:
+        """Drop a slot's KV cache.  Returns the number of tokens erased.
+
+        Raises Busy when the slot is processing.
+        """
+        slot = self.slots[id_slot]
+        if slot.is_processing:
+            raise Busy(f"slot {id_slot} is processing a request", [id_slot])
+        n = slot.n_past
+        assert self.model is not None
+        llama_cpp.llama_memory_seq_rm(self.model.memory, slot.id, -1, -1)
+        slot.cache_tokens.clear()
+        return n
+
+    def fail_all(self, error: HydraTrioError) -> None:
+        """Fail every running request with ``error``; their slots' KV caches are dropped (half-decoded)."""
+        m = self.model
+        for slot in self.slots:
+            if slot.handle is not None:
+                handle = slot.handle
+                if m is not None:
+                    llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+                slot.cache_tokens.clear()
+                self._release(slot)
+                handle.emit(Failed(error))
+
+    def _batch_clear(self) -> None:
+        self._batch.n_tokens = 0
+
+    def _batch_add(self, token: int, pos: int, seq: int, logits: bool) -> int:
+        b = self._batch
+        i = b.n_tokens
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = 1 if logits else 0
+        b.n_tokens = i + 1
+        return i
+
+    def _drop_cancelled(self) -> None:
+        """End cancelled requests, queued or running, with ``Failed(Cancelled)``.
+
+        The terminal event closes the request's channel, so whoever still
+        reads it (a handler whose client went away) ends too.
+        """
+        if any(h.cancelled for h in self.pending):
+            keep: collections.deque[RequestHandle] = collections.deque()
+            for h in self.pending:
+                if h.cancelled:
+                    h.emit(Failed(Cancelled("the request was cancelled while it waited for a slot")))
+                else:
+                    keep.append(h)
+            self.pending = keep
+        for slot in self.slots:
+            handle = slot.handle
+            if handle is not None and handle.cancelled:
+                log.info("slot %d: request cancelled (client gone); slot freed", slot.id)
+                self._release(slot)
+                handle.emit(Failed(Cancelled("the request was cancelled")))
+
+    def _assign_pending(self) -> None:
+        waiting: collections.deque[RequestHandle] = collections.deque()
+        while self.pending:
+            handle = self.pending.popleft()
+            job = handle.job
+            if job.id_slot >= len(self.slots):  # the slot count shrank while it waited
+                handle.emit(Failed(InvalidRequest(f"id_slot: slot {job.id_slot} no longer exists")))
+                continue
+            if job.fail_if_busy and self.slots[job.id_slot].is_processing:
+                handle.emit(Failed(Busy(f"slot {job.id_slot} is processing a request", [job.id_slot])))
+                continue
+            slot = self._pick_slot(job)
+            if slot is None:
+                if not handle.deferred:
+                    handle.deferred = True
+                    self.stats.requests_deferred += 1
+                waiting.append(handle)
+                continue
+            self._start(slot, handle)
+        self.pending = waiting
+
+    def _pick_slot(self, job: CompletionJob) -> Slot | None:
+        if job.id_slot >= 0:
+            slot = self.slots[job.id_slot]
+            return None if slot.is_processing else slot
+        idle = [s for s in self.slots if not s.is_processing]
+        if not idle:
+            return None
+
+        def score(s: Slot) -> tuple[int, float]:
+            lcp = _common_prefix(s.cache_tokens, job.prompt_tokens) if job.cache_prompt else 0
+            return (lcp, -s.last_used)
+
+        return max(idle, key=score)
+
+    def _start(self, slot: Slot, handle: RequestHandle) -> None:
+        m = self.model
+        assert m is not None
+        job = handle.job
+        prompt = list(slot.cache_tokens) if job.continue_slot else list(job.prompt_tokens)
+        if not prompt:
+            handle.emit(Failed(InvalidRequest(
+                f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)")))
+            return
+        spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar)
+        try:
+            sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx, prompt)
+        except GrammarError as exc:  # checked when the job was built: only a bug gets here
+            handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))
+            return
+        slot.reset_request()
+        slot.sampler = sampler
+        slot.handle = handle
+        slot.t_start = time.perf_counter()
+        cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
+        if job.n_predict != 0 and cache_n >= len(prompt):
+            cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
+        if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
+            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+            cache_n = 0
+        del slot.cache_tokens[cache_n:]
+        slot.cache_n = cache_n
+        slot.n_prompt = len(prompt)
+        slot.pending_prompt = prompt[cache_n:]
+        slot.stopper = StopStringMatcher(job.stop)
+        handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
+        log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
+        if not slot.pending_prompt:  # prefill-only request fully cached
+            slot.t_first = time.perf_counter()
+            self._finish(slot, "length")
+
+    def _step(self) -> None:
+        m = self.model
+        assert m is not None
+        self._batch_clear()
+        budget = m.n_batch
+        to_sample: list[tuple[Slot, int]] = []
+        fed: list[tuple[Slot, list[int]]] = []
+        for slot in self.slots:
+            if slot.generating and budget > 0:
+                assert slot.last_token is not None
+                idx = self._batch_add(slot.last_token, slot.n_past, slot.id, True)
+                to_sample.append((slot, idx))
+                fed.append((slot, [slot.last_token]))
+                budget -= 1
+        for slot in self.slots:
+            if budget <= 0:
+                break
+            if slot.handle is None or not slot.pending_prompt:
+                continue
+            chunk = slot.pending_prompt[:budget]
+            last_chunk = len(chunk) == len(slot.pending_prompt)
+            for j, tok in enumerate(chunk):
+                want = last_chunk and j == len(chunk) - 1 and slot.handle.job.n_predict != 0
+                idx = self._batch_add(tok, slot.n_past + j, slot.id, want)
+                if want:
+                    to_sample.append((slot, idx))
+            fed.append((slot, chunk))
+            budget -= len(chunk)
+        n_tokens = self._batch.n_tokens
+        if n_tokens == 0:
+            return
+        t0 = time.perf_counter()
+        try:
+            rc = self.experts.decode(self._batch)
+        except PeerLost as exc:
+            peer = self.experts.peer
+            self.fail_all(EngineFailure(f"the ggml-RPC peer {peer} died mid-request; the node is back in SOLO mode, retry"))
+            self.experts.peer_lost(str(exc))
+            return
+        dt = time.perf_counter() - t0
+        self.stats.n_decode_total += 1
+        self.stats.n_busy_slots_total += len(fed)
+        if rc != 0:
+            log.error("llama_decode failed (code %d) on a batch of %d tokens", rc, n_tokens)
+            for slot, _ in fed:
+                handle = slot.handle
+                assert handle is not None
+                llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+                slot.cache_tokens.clear()
+                self._release(slot)
+                handle.emit(Failed(EngineFailure(f"llama_decode failed (code {rc})")))
+            return
+        n_prompt_fed = 0
+        for slot, toks in fed:
+            slot.cache_tokens.extend(toks)
+            if slot.pending_prompt:
+                del slot.pending_prompt[: len(toks)]
+                n_prompt_fed += len(toks)
+                if not slot.pending_prompt:
+                    slot.t_first = time.perf_counter()
+                    if slot.handle is not None and slot.handle.job.n_predict == 0:
+                        self._finish(slot, "length")
+        self.stats.prompt_tokens_total += n_prompt_fed
+        share = n_prompt_fed / n_tokens if n_tokens else 0.0
+        self.stats.prompt_seconds_total += dt * share
+        self.stats.tokens_predicted_seconds_total += dt * (1 - share)
+        for slot, idx in to_sample:
+            if slot.handle is None:
+                continue
+            token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
+            job = slot.handle.job
+            if job.logprobs or job.n_probs:
+                probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
+                slot.pending_logprobs.append(probs.logprob)
+                slot.pending_top.append(probs.top)
+            self._on_token(slot, token)
+
+    def _on_token(self, slot: Slot, token: int) -> None:
+        m = self.model
+        assert m is not None and slot.handle is not None
+        job = slot.handle.job
+        if not job.ignore_eos and m.is_eog(token):
+            if slot.pending_logprobs:
+                slot.pending_logprobs.pop()
+                slot.pending_top.pop()
+            self._finish(slot, "stop", stop_reason="eos")
+            return
+        slot.n_decoded += 1
+        self.stats.tokens_predicted_total += 1
+        slot.pending_tokens.append(token)
+        text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token)))
+        if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
+            self._emit_text(slot, text)
+        if stopped:
+            self._finish(slot, "stop", flush=False, stop_reason="stop")
+            return
+        slot.last_token = token
+        if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
+            self._finish(slot, "length")
+        elif slot.n_past + 1 >= slot.n_ctx:
+            self._finish(slot, "length", stop_reason="n_tokens_limit")
+
+    def _finish(self, slot: Slot, reason: str, flush: bool = True, stop_reason: str = "length") -> None:
+        m = self.model
+        handle = slot.handle
+        assert handle is not None and m is not None
+        if flush:
+            # bytes of a character the generation stopped inside of are dropped, never
+            # sent as U+FFFD (llama-server's behaviour); held-back stop-string text is sent
+            tail = slot.stopper.flush()
+            if tail or slot.pending_tokens:
+                self._emit_text(slot, tail)
+        now = time.perf_counter()
+        t_first = slot.t_first or now
+        done = Finished(
+            finish_reason=reason,
+            id_slot=slot.id,
+            n_prompt=slot.n_prompt,
+            cache_n=slot.cache_n,
+            prompt_n=slot.n_prompt - slot.cache_n,
+            prompt_ms=(t_first - slot.t_start) * 1e3,
+            predicted_n=slot.n_decoded,
+            predicted_ms=(now - t_first) * 1e3 if slot.n_decoded else 0.0,
+            stop_reason=stop_reason,
+            n_past=slot.n_past,
+            state=save_slot(m, slot, self.model_hash) if handle.job.snapshot else None,
+        )
+        # one line per finished request, whatever protocol it came by (llama-server's print_timings, on one line)
+        t = done.timings()
+        log.info("slot %d | %s | prompt %d tokens (%d cached) %.1f ms, %.1f tok/s | generated %d tokens %.1f ms, "
+                 "%.1f tok/s | finish %s (%s)", slot.id, handle.job.request_id or "-", t["prompt_n"], t["cache_n"],
+                 t["prompt_ms"], t["prompt_per_second"], t["predicted_n"], t["predicted_ms"],
+                 t["predicted_per_second"], reason, stop_reason)
+        # the slot is idle before the client hears of the end: a follow-up
+        # request on the same slot never sees it busy
+        self._release(slot)
+        handle.emit(done)
+
+    def _emit_text(self, slot: Slot, text: str) -> None:
+        assert slot.handle is not None
+        slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens), tuple(slot.pending_logprobs), tuple(slot.pending_top)))
+        slot.pending_tokens = []
+        slot.pending_logprobs = []
+        slot.pending_top = []
+
+    def _release(self, slot: Slot) -> None:
+        if slot.sampler is not None:
+            llama_cpp.llama_sampler_free(slot.sampler)
+        # cache_tokens tracks exactly what was decoded, so a request cut off
+        # mid-prompt leaves a valid prefix in the slot's KV cache.
+        slot.last_used = time.monotonic()
+        slot.reset_request()
+
+def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,386 @@
+"""The Hydra operations: a table from opcode to a function of a small context (hydra-protocol.md §3).
+
+Each operation is ``async def op(ctx: OpContext) -> None`` and sends exactly
+one reply through the context; to refuse, it raises — :class:`Reply` for a
+status of its own choosing, or any :class:`~hydra_trio.errors.HydraTrioError`,
+which :func:`reply_for` maps to the wire: InvalidRequest → BAD_REQUEST,
+Busy → BUSY (``busy_slots``), NotReady → ERROR (``stage``), anything else →
+ERROR.  Every non-OK reply carries ``{"error": ...}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+import trio
+
+from .._version import __version__
+from ..api.jobs import job_continue, job_from_chat
+from ..api.schemas import ChatCompletionRequest, CompletionRequest
+from ..control import Change, ControlChannel
+from ..engine.settings import DEFAULT_PATTERN
+from ..engine.engine import Engine
+from ..engine.requests import CompletionJob, JobRun
+from ..engine.state import StateError, verify_checksum
+from ..errors import Busy, HydraTrioError, InvalidRequest, NotReady
+from ..ggml_rpc.backend import RpcBackend
+from ..models.presets import PRESETS, resolve_model
+from ..protocol import messages as msg
+from ..protocol.hydra import DecodeFramer, Op, Status, encode_response, encode_response_header
+from .session import HydraRequest, HydraSettings
+
+log = logging.getLogger("hydra_trio.hydra")
+_SLOT_ID = re.compile(r"0|-?[1-9][0-9]{0,8}", re.ASCII)  # plain ASCII decimal: no "+", spaces, padding or "_"
+
+CAPABILITIES = [
+    # the C++ engine's names where they mean the same, then hydra-trio's finer ones
+    "state_transfer", "expert_mode", "preset", "model_hash",
+    "state_get", "state_put", "state_meta", "configure", "info",
+    "prefill", "decode", "set_expert_mode", "openai_http", "kv_checksum",
+]
+
+
+class Reply(Exception):
+    """Raised by an operation to send a non-OK reply: ``status`` and ``meta`` (with ``error``)."""
+
+    def __init__(self, status: Status, error: str, **meta: Any) -> None:
+        super().__init__(error)
+        self.status = status
+        self.meta = {"error": error, **meta}
+
+
+def reply_for(exc: HydraTrioError, **meta: Any) -> Reply:
+    """The wire reply for a typed error (see the module docstring); ``meta`` adds op-specific keys."""
+    if isinstance(exc, InvalidRequest):
+        return Reply(Status.BAD_REQUEST, str(exc), **meta)
+    if isinstance(exc, Busy):
+        return Reply(Status.BUSY, str(exc), busy_slots=exc.busy_slots, **meta)
+    if isinstance(exc, NotReady):
+        return Reply(Status.ERROR, str(exc), stage=exc.stage, **meta)
+    if isinstance(exc, StateError):
+        return Reply(Status.ERROR, str(exc), **exc.meta, **meta)
+    return Reply(Status.ERROR, str(exc), **meta)
+
+
+@attrs.define
+class Node:
+    """What the operations act on: the engine (None on a compute-only node), the control channel,
+    the ggml-RPC backend, the protocol settings, and the settings CONFIGURE changes here."""
+
+    engine: Engine | None
+    control: ControlChannel | None
+    rpc: RpcBackend | None
+    settings: HydraSettings
+    state_chunk_size: int = 256 * 1024
+
+
+@attrs.define
+class OpContext:
+    """One request being answered: the node, the request and its connection."""
+
+    node: Node
+    req: HydraRequest
+    stream: trio.SocketStream
+
+    async def reply(self, meta: dict[str, Any], status: Status = Status.OK) -> None:
+        """Send a reply without payload."""
+        await self.stream.send_all(encode_response(status, meta))
+
+    async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes) -> None:
+        """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)."""
+        await self.stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
+        view = memoryview(blob)
+        step = self.node.state_chunk_size
+        for i in range(0, len(view), step):
+            await self.stream.send_all(view[i : i + step])
+
+    def engine(self) -> Engine:
+        """The serving engine; ERROR when the node has none or it is not ready."""
+        e = self.node.engine
+        if e is None:
+            raise Reply(Status.ERROR, "this node has no model (compute-only): the op needs one")
+        e.check_ready()
+        return e
+
+    def slot(self) -> tuple[Engine, int]:
+        """The engine and the slot the key names (hydra-protocol.md §2 Keys): BAD_REQUEST / NOT_FOUND otherwise."""
+        key = self.req.key
+        if not _SLOT_ID.fullmatch(key):
+            raise Reply(Status.BAD_REQUEST, f"key {key!r} is not a slot id (a decimal integer)")
+        id_slot = int(key)
+        e = self.engine()
+        if not 0 <= id_slot < len(e.slots):
+            raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{len(e.slots) - 1})")
+        return e, id_slot
+
+    @staticmethod
+    def identity(e: Engine) -> dict[str, Any]:
+        assert e.identity is not None
+        return e.identity.as_meta()
+
+    def parse(self, parser: Callable[[bytes | bytearray], Any], **meta: Any) -> Any:
+        """The payload through ``parser``; BAD_REQUEST naming the field otherwise."""
+        try:
+            return parser(self.req.payload)
+        except msg.MessageError as exc:
+            raise Reply(Status.BAD_REQUEST, str(exc), **meta) from None
+
+
+# ----------------------------------------------------------------------------- slot ops
+
+
+async def state_get(ctx: OpContext) -> None:
+    e, id_slot = ctx.slot()
+    n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
+    await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)}, blob)
+
+
+async def state_put(ctx: OpContext) -> None:
+    e, id_slot = ctx.slot()
+    blob = ctx.req.payload
+    size = len(blob)  # restore_slot consumes the blob (frames it in place)
+
+    # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
+    await trio.to_thread.run_sync(verify_checksum, blob)
+    n_past = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+    await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": n_past, **ctx.identity(e)})
+
+
+async def state_meta(ctx: OpContext) -> None:
+    e, id_slot = ctx.slot()
+    await ctx.reply({**await e.call(lambda engine: engine.slot_meta(id_slot)), **ctx.identity(e)})
+
+
+def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) -> bool:
+    """The body names a model other than the one loaded (served anyway; hydra-protocol.md §3 PREFILL)."""
+    assert e.identity is not None
+    return isinstance(body.model, str) and body.model not in ("", e.identity.model_alias)
+
+
+async def _job(ctx: OpContext, e: Engine, id_slot: int, body: ChatCompletionRequest | CompletionRequest,
+               n_predict: int, **changes: Any) -> CompletionJob:
+    """The engine job for PREFILL / DECODE; templating and tokenization run in a worker thread
+    (they only read the vocabulary).  It fails BUSY rather than wait when the slot works."""
+    if isinstance(body, ChatCompletionRequest):
+        job = await trio.to_thread.run_sync(lambda: job_from_chat(e, body, n_predict=n_predict, id_slot=id_slot))
+    else:
+        job = job_continue(e, body, n_predict=n_predict, id_slot=id_slot)
+    return attrs.evolve(job, fail_if_busy=True, request_id=ctx.req.trace_id, **changes)
+
+
+async def prefill(ctx: OpContext) -> None:
+    e, id_slot = ctx.slot()
+    body = ctx.parse(msg.parse_prefill)
+    # the blob is saved on the engine thread as the prefill ends, before anything else can use the slot
+    job = await _job(ctx, e, id_slot, body, 0, snapshot=True)
+    t0 = time.perf_counter()
+    async with JobRun(e, job) as run:
+        done = await run.result()
+    assert done.state is not None
+    n_past, blob = done.state
+    await ctx.send_blob({
+        "slot_id": id_slot, "n_past": n_past, "tokens_processed": done.prompt_n, "cache_n": done.cache_n,
+        "prefill_ms": round((time.perf_counter() - t0) * 1e3, 3), "state_size": len(blob),
+        "model_fallback": _model_fallback(e, body), **ctx.identity(e),
+    }, blob)
+
+
+async def decode(ctx: OpContext) -> None:
+    """DECODE: generate on a slot, one 9-byte frame per token (hydra-protocol.md §3, docs/protocol-notes.md).
+
+    ``messages`` renders a conversation (reusing the slot's cached prefix);
+    ``messages: null`` (or absent) continues from what the slot holds.
+    Streamed (the default): the header goes out when the slot starts, with
+    ``n_past`` = the tokens in the KV cache when generation begins, and
+    ``9 × budget`` bytes follow as tokens come (FINAL, then PAD frames; the
+    stop reason rides in the flags of the frame that ends it).
+    ``"stream": false``: the reply is sent once generation ends, its meta has
+    ``tokens_generated``, ``n_past`` (after) and ``stop_reason``, and its
+    payload is exactly the generated frames.
+    """
+    e, id_slot = ctx.slot()
+    parsed = ctx.parse(msg.parse_decode)
+    for name in ("n_predict", "max_tokens"):
+        value = getattr(parsed, name)
+        if value is not None and value < -1:
+            raise Reply(Status.BAD_REQUEST, f"{name}: must be >= -1 (-1: the default budget), got {value}")
+    settings = ctx.node.settings
+    budget = parsed.frame_budget(settings.decode_default, settings.decode_cap)
+    if budget == 0:
+        raise Reply(Status.BAD_REQUEST, "n_predict: DECODE generates at least one token (PREFILL processes a prompt only)")
+    job = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True)
+    framer = DecodeFramer(budget)
+    streamed = parsed.stream is not False
+    meta: dict[str, Any] = {
+        "slot_id": id_slot, "n_predict": budget, "frame_size": 9, "stream": streamed,
+        "model_fallback": _model_fallback(e, parsed.body), **ctx.identity(e),
+    }
+    async with JobRun(e, job) as run:
+        # wait for the slot before the reply header: BUSY must be a status, not padding
+        assigned = await run.started()
+        if not streamed:
+            frames = bytearray()
+            async for delta in run:
+                frames += framer.push(delta.tokens, delta.logprobs)
+            end = run.finished
+            assert end is not None
+            frames += framer.finish(end.stop_reason, pad=False)
+            meta.update(tokens_generated=framer.tokens_generated, n_past=end.n_past, stop_reason=end.stop_reason)
+            await ctx.stream.send_all(encode_response_header(Status.OK, meta, len(frames)) + frames)
+            return
+        meta["n_past"] = assigned.n_prompt
+        await ctx.stream.send_all(encode_response_header(Status.OK, meta, 9 * budget))
+        stop_reason = "error"
+        try:
+            async for delta in run:
+                if out := framer.push(delta.tokens, delta.logprobs):
+                    await ctx.stream.send_all(out)
+            assert run.finished is not None
+            stop_reason = run.finished.stop_reason
+        except HydraTrioError as exc:  # the header is out: the rest of the budget is padding
+            log.warning("[%s] DECODE on slot %d failed: %s (padding the rest)", ctx.req.trace_id, id_slot, exc)
+        await ctx.stream.send_all(framer.finish(stop_reason))
+
+
+# ----------------------------------------------------------------------------- engine-wide ops
+
+
+async def info(ctx: OpContext) -> None:
+    await ctx.reply(info_meta(ctx.node))
+
+
+def info_meta(node: Node) -> dict[str, Any]:
+    """INFO meta (hydra-protocol.md §3): Core's keys, then hydra-trio's own."""
+    e, rpc = node.engine, node.rpc
+    experts = e.experts.snapshot() if e is not None else {
+        "mode": "solo", "peer_addr": "", "peer_reachable": False, "layer_split": DEFAULT_PATTERN,
+        "combined_head_attached": False, "fallback_reason": None, "peer_attach": "none",
+    }
+    meta: dict[str, Any] = {
+        "engine": "hydra-trio",
+        "version": __version__,
+        "capabilities": CAPABILITIES,
+        "preset_aliases": sorted(PRESETS),
+        "solo_active": e is not None and e.ready,
+        "rpc_backend_active": rpc is not None and rpc.active,
+        **experts,
+        "pipeline_capable": False,
+        "protocols": ["http", "hydra"] + (["ggml_rpc"] if rpc is not None else []),
+        "state_chunk_size": node.state_chunk_size,
+    }
+    if rpc is not None:
+        meta["rpc_backend"] = {
+            "devices": list(rpc.settings.devices), "connections": rpc.connections, "bytes_in": rpc.bytes_in,
+            "bytes_out": rpc.bytes_out, "restarts": rpc.restarts, "pid": rpc.pid,
+            **rpc.stats(),  # waiting, serving, crashes, closed by reason, invalid_messages by check, ...
+        }
+    if e is None:
+        meta.update(stage="ready", model=None)
+    else:
+        meta["stage"] = str(e.stage)
+        if e.ready:
+            assert e.identity is not None
+            meta.update(
+                n_slots=len(e.slots),
+                n_ctx=e.model.n_ctx if e.model else 0,
+                n_ctx_slot=e.n_ctx_slot,
+                slots_processing=[s.id for s in e.slots if s.is_processing],
+                sampling_defaults=attrs.asdict(e.defaults),
+                **e.identity.as_meta(),
+            )
+    return meta
+
+
+async def configure(ctx: OpContext) -> None:
+    """CONFIGURE (hydra-protocol.md §3): T1 at once; T2 / T3 through the control channel, slots idle."""
+    e = ctx.engine()
+    params = ctx.parse(msg.parse_configure).params
+    try:
+        t1, t2, t3, unknown = msg.classify_configure_keys(params)
+    except msg.MessageError as exc:
+        raise Reply(Status.BAD_REQUEST, str(exc)) from None
+    applied: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    if "state_chunk_size" in t1:
+        size = msg.clamp_state_chunk_size(t1.pop("state_chunk_size"))
+        ctx.node.state_chunk_size = size
+        meta["state_chunk_size_applied"] = size
+        applied["state_chunk_size"] = size
+    if t1:
+        e.set_defaults(**t1)
+        applied.update(t1)
+    deferred = sorted([*t2, *t3])
+    tier = 3 if t3 else 2 if t2 else 1
+    if t2 or t3:
+        changes: dict[str, Any] = {k: t2[k] for k in ("n_ctx", "n_parallel") if k in t2}
+        assert ctx.node.control is not None
+        try:
+            unsupported = sorted((set(t2) | set(t3)) - {"n_ctx", "n_parallel", "model_path", "model"})
+            if unsupported:
+                raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this node (CPU only, default KV types)")
+            target = t3.get("model_path") or t3.get("model")
+            if target is not None:  # the engine gets a resolved path (a file, or a preset's file)
+                changes["model_path"], changes["model_alias"] = resolve_model(str(target))
+            result = await ctx.node.control.submit(
+                Change("configure " + ",".join(deferred), lambda eng: eng.reconfigure(**changes), ctx.req.trace_id)
+            )
+        except HydraTrioError as exc:
+            raise reply_for(exc, success=False, params_applied=applied, tier=tier) from None
+        applied.update(result)
+        deferred = []
+    meta.update(success=True, tier=tier, params_applied=applied, deferred_keys=deferred, unrecognized_keys=unknown)
+    await ctx.reply(meta)
+
+
+async def set_expert_mode(ctx: OpContext) -> None:
+    e = ctx.engine()
+    want = ctx.parse(msg.parse_set_expert_mode, success=False)
+    assert ctx.node.control is not None
+    change = Change(
+        f"set_expert_mode {want.mode}" + (f" peer={want.peer}" if want.peer else ""),
+        lambda engine: engine.set_expert_mode(want.mode, want.peer),
+        ctx.req.trace_id,
+    )
+    try:
+        meta = await ctx.node.control.submit(change)
+    except Busy as exc:
+        raise reply_for(exc, success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
+    await ctx.reply(meta)
+
+
+async def swap_quant(ctx: OpContext) -> None:
+    raise Reply(Status.NOT_IMPLEMENTED,
+                "SWAP_QUANT is not implemented: hydra-trio reloads whole models (CONFIGURE model_path), not single tensors")
+
+
+async def pipeline_attach(ctx: OpContext) -> None:
+    raise Reply(Status.NOT_IMPLEMENTED,
+                "PIPELINE_ATTACH is not implemented (as in the C++ engine): use SET_EXPERT_MODE combined with a peer")
+
+
+@attrs.frozen
+class OpSpec:
+    """One table entry: the function, and whether the op keeps its payload (others consume and drop it)."""
+
+    run: Callable[[OpContext], Awaitable[None]]
+    keeps_payload: bool = False
+
+
+OPS: dict[int, OpSpec] = {
+    Op.STATE_GET: OpSpec(state_get),
+    Op.STATE_PUT: OpSpec(state_put, keeps_payload=True),
+    Op.STATE_META: OpSpec(state_meta),
+    Op.CONFIGURE: OpSpec(configure, keeps_payload=True),
+    Op.INFO: OpSpec(info),
+    Op.PREFILL: OpSpec(prefill, keeps_payload=True),
+    Op.DECODE: OpSpec(decode, keeps_payload=True),
+    Op.SET_EXPERT_MODE: OpSpec(set_expert_mode, keeps_payload=True),
+    Op.SWAP_QUANT: OpSpec(swap_quant),
+    Op.PIPELINE_ATTACH: OpSpec(pipeline_attach, keeps_payload=True),
+}
+"""Opcode → operation (hydra-protocol.md §3)."""

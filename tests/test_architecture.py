@@ -1,0 +1,96 @@
+"""The package's shape, checked on its source: no import cycles, small modules and classes, layers kept apart."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "hydra_trio"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere: top level, inside functions, under TYPE_CHECKING."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        for t in targets:
+            while t not in MODULES and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in MODULES and t != name:
+                found.add(t)
+    return found
+
+
+def test_the_scan_sees_the_package() -> None:
+    assert "hydra_trio.engine.engine" in MODULES and "hydra_trio.hydra.ops" in MODULES
+    assert "hydra_trio.engine.scheduler" in _imports("hydra_trio.engine.engine")
+
+
+def test_no_import_cycles() -> None:
+    graph = {m: _imports(m) for m in MODULES}
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_and_classes_stay_small(name: str) -> None:
+    text = MODULES[name].read_text()
+    assert len(text.splitlines()) <= 800, f"{name} has {len(text.splitlines())} lines"
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef):
+            size = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            assert size <= 400, f"{name}.{node.name} has {size} lines"
+
+
+def test_layers() -> None:
+    """The engine knows no front end; product code does not use the test helper."""
+    for name in MODULES:
+        deps = _imports(name)
+        if name.startswith("hydra_trio.engine."):
+            outside = {d for d in deps if not d.startswith(("hydra_trio.engine", "hydra_trio.errors", "hydra_trio.protocol",
+                                                            "hydra_trio._lazy"))}
+            assert outside == set(), f"{name} imports {outside}"
+        if name != "hydra_trio._spawn":
+            assert "hydra_trio._spawn" not in deps, f"{name} imports the test helper _spawn"
+    protocol_deps = {d for n in MODULES if n.startswith("hydra_trio.protocol") for d in _imports(n)}
+    assert not {d for d in protocol_deps if d.startswith(("hydra_trio.http", "hydra_trio.hydra", "hydra_trio.server"))}
