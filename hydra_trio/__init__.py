@@ -10,7 +10,8 @@ Public API::
 
 ``ServerConfig``'s parts (``EngineConfig``, ``FrontDoorSettings``,
 ``HttpSettings``, ``HydraSettings``, ``RpcBackendSettings``), the Hydra
-client and the errors are importable from here.  Names are imported lazily
+client, the errors and ``resolve_model`` (a preset name or a path to a
+``(path, alias)`` pair) are importable from here.  Names are imported lazily
 (PEP 562), so ``import hydra_trio.protocol`` or ``hydra_trio.hydra.client``
 does not load llama.cpp.
 """
@@ -25,6 +26,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
     {
         ".server": ["serve", "Server", "ServerConfig"],
         ".engine.settings": ["EngineConfig"],
+        ".models.presets": ["resolve_model"],
         ".frontdoor": ["FrontDoorSettings"],
         ".http.settings": ["HttpSettings"],
         ".hydra.session": ["HydraSettings"],

@@ -34,3 +34,24 @@ async def test_serve_in_own_nursery() -> None:
     # the engine thread has stopped and freed llama.cpp's objects
     assert model is not None and model.ctx is None and model.model is None
     assert server.engine.model is None
+
+
+def test_the_readme_library_example_runs_as_written(tmp_path) -> None:
+    """The README's "As a library" block, with its ``...`` replaced by one request and a cancel."""
+    import re
+    import subprocess
+    import sys
+
+    from hydra_trio._spawn import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## As a library"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "\n        ...  #" in code
+    code = code.replace("\n        ...  #", "\n        import httpx; r = await httpx.AsyncClient().get(f'http://127.0.0.1:{server.port}/health')"
+                                        "; print('health', r.status_code); nursery.cancel_scope.cancel()  #")
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "serving on port" in out.stdout and "health 200" in out.stdout
