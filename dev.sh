@@ -3,6 +3,7 @@
 #   ./dev.sh run [hydra-trio run flags...]   set up, then serve the default model on 127.0.0.1:8080
 #   ./dev.sh test [pytest args...]           set up, then run the whole test suite
 #   ./dev.sh setup                           only set up (.venv with everything installed)
+#   ./dev.sh cmake-args                      print the CMake flags llama.cpp is built with here
 # Needs only Python 3.11, gcc and cmake; llama-cpp-python is built from source
 # (no binary wheels on the registry) with ggml-RPC on and native CPU tuning off.
 set -euo pipefail
@@ -83,7 +84,8 @@ cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   setup) setup ;;
+  cmake-args) cpu_cmake_args ;;
   run) setup; exec "$VENV/bin/hydra-trio" run "$@" ;;
   test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) echo "usage: $0 {setup|run|test} [args...]" >&2; exit 2 ;;
+  *) echo "usage: $0 {setup|run|test|cmake-args} [args...]" >&2; exit 2 ;;
 esac
