@@ -6,7 +6,10 @@ then chunks of pending prompts up to ``n_batch`` tokens in all; one
 ``llama_decode``; then one sample per slot whose last token asked for logits.
 Requests beyond the number of slots wait in a FIFO queue (counted as
 deferred); a request with ``id_slot`` -1 takes the idle slot with the longest
-common prefix with its prompt.  Stop strings, finishing, and cancellation are
+common prefix with its prompt.  A prompt whose first :data:`SHARE_MIN_TOKENS`
+or more tokens are in another slot's KV cache, or being evaluated there now,
+gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
+again: concurrent requests with one long system prompt evaluate it once.  Stop strings, finishing, and cancellation are
 here too.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
@@ -29,6 +32,16 @@ from .slots import Slot, StopStringMatcher
 from .state import save_slot
 
 log = logging.getLogger("hydra_trio.engine")
+
+SHARE_MIN_TOKENS = 128
+"""The shortest prompt prefix that is copied from another slot rather than evaluated.
+
+With one KV stream per slot, llama.cpp copies a sequence between streams
+whole (every layer's K and V of the slot: 2 x n_ctx_slot x n_embd_kv values,
+about 47 MiB for SmolLM2-135M at 2,048 tokens), which costs about as much as
+evaluating some tens of prompt tokens on 2 cores; below this length
+evaluating is cheaper.
+"""
 
 
 class Scheduler:
@@ -218,6 +231,7 @@ class Scheduler:
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.stopper = StopStringMatcher(job.stop)
+        slot.may_share = job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
         log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
         if not slot.pending_prompt:  # prefill-only request fully cached
@@ -243,6 +257,8 @@ class Scheduler:
                 break
             if slot.handle is None or not slot.pending_prompt:
                 continue
+            if slot.may_share and self._share_prefix(slot):
+                continue  # another slot is evaluating this prompt's prefix: copy it when done
             chunk = slot.pending_prompt[:budget]
             last_chunk = len(chunk) == len(slot.pending_prompt)
             for j, tok in enumerate(chunk):
@@ -300,6 +316,53 @@ class Scheduler:
                 slot.pending_logprobs.append(probs.logprob)
                 slot.pending_top.append(probs.top)
             self._on_token(slot, token)
+
+    def _share_prefix(self, slot: Slot) -> bool:
+        """Copy the longest prefix of ``slot``'s prompt that another slot holds; True: wait a step instead.
+
+        Called before ``slot`` feeds its first prompt token.  Waits while a
+        slot that is feeding its prompt now will hold a prefix at least
+        :data:`SHARE_MIN_TOKENS` longer than any held now (that slot is fed in
+        this same step, so the wait ends); otherwise copies the best prefix
+        held now if it is that much longer than the slot's own cache, and
+        from then on feeds the rest.  The last prompt token is always
+        evaluated here (its logits are needed).
+        """
+        m = self.model
+        assert m is not None and slot.handle is not None
+        prompt = slot.cache_tokens + slot.pending_prompt
+        limit = len(prompt) - 1
+        have = slot.n_past
+        donor, best_now, best_later = None, have, have
+        for other in self.slots:
+            if other is slot or not other.cache_tokens and not other.pending_prompt:
+                continue
+            n = min(_common_prefix(other.cache_tokens, prompt), limit)
+            if n > best_now:
+                donor, best_now = other, n
+            if (other.handle is not None and other.pending_prompt and not other.may_share
+                    and n == other.n_past < limit):
+                later = min(n + _common_prefix(other.pending_prompt, prompt[n:]), limit)
+                best_later = max(best_later, later)
+        if best_later >= best_now + SHARE_MIN_TOKENS:
+            return True
+        slot.may_share = False
+        if donor is None or best_now < have + SHARE_MIN_TOKENS:
+            return False
+        # non-unified KV: the copy is the donor's whole stream (done at the next
+        # llama_decode, before its batch), then everything past the prefix goes
+        llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, -1, -1)
+        if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, best_now, -1):
+            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot cut a sequence
+            slot.cache_tokens = []
+            slot.pending_prompt = prompt
+            slot.cache_n = 0
+            return False
+        slot.cache_tokens = prompt[:best_now]
+        slot.pending_prompt = prompt[best_now:]
+        slot.cache_n = best_now
+        log.debug("slot %d: %d prompt tokens copied from slot %d", slot.id, best_now - have, donor.id)
+        return False
 
     def _on_token(self, slot: Slot, token: int) -> None:
         m = self.model
@@ -378,8 +441,16 @@ class Scheduler:
         slot.reset_request()
 
 def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    """Length of the longest common prefix (slice comparisons run in C: a binary search, not a Python loop)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    a, b = list(a[:n]), list(b[:n])
+    if a == b:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

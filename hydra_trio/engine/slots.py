@@ -74,6 +74,7 @@ class Slot:
     def reset_request(self) -> None:
         self.handle: RequestHandle | None = None
         self.pending_prompt: list[int] = []
+        self.may_share = False  # no prompt token fed yet: a prefix may still come from another slot
         self.n_prompt = 0
         self.cache_n = 0
         self.n_decoded = 0
