@@ -62,7 +62,8 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     a = spawn("-m", "smollm2-135m-moe", "-np", "2", "-c", "2048", "--no-rpc-backend",
               "--rpc-engine", f"127.0.0.1:{b.port}")
     a.wait_ready()
-    wait_for(lambda: info(a.port)["combined_head_attached"])
+    # the start-up attach builds the head (combined_head_attached), then switches to it (mode)
+    wait_for(lambda: info(a.port)["mode"] == "combined")
     meta = info(a.port)
     assert meta["mode"] == "combined" and meta["peer_addr"] == f"127.0.0.1:{b.port}"
     assert meta["peer_attach"] == "attached"
