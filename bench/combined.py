@@ -1,6 +1,6 @@
 """COMBINED vs SOLO on one head, same run: decode speed and the flip latency.
 
-    .venv/bin/python bench/combined.py [--tokens 64] [--runs 3]
+    .venv/bin/python bench/combined.py [--tokens 64] [--runs 3] [--passive none|peer|head|both]
 
 Starts a compute-only node B and a head A with the test MoE
 (``smollm2-135m-moe``) and ``--rpc-engine B``; measures greedy decode tokens/s
@@ -26,8 +26,8 @@ from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
 
-def start(*args: str) -> tuple[subprocess.Popen, int]:
-    proc, port = spawn("--log-level", "WARNING", *args)
+def start(*args: str, passive: bool = False) -> tuple[subprocess.Popen, int]:
+    proc, port = spawn("--log-level", "WARNING", *args, env={"OMP_WAIT_POLICY": "PASSIVE"} if passive else None)
     wait_healthy(port, proc)
     return proc, port
 
@@ -50,10 +50,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--passive", choices=["none", "peer", "head", "both"], default="none",
+                    help="which node's environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
+                         "ggml-RPC child waits passively anyway, see hydra_trio.ggml_rpc.supervisor.CHILD_ENV)")
     a = ap.parse_args()
-    b, bport = start("--no-model")
+    b, bport = start("--no-model", passive=a.passive in ("peer", "both"))
     h, hport = start("-m", "smollm2-135m-moe", "-np", "1", "-c", "2048", "--no-rpc-backend",
-                     "--rpc-engine", f"127.0.0.1:{bport}")
+                     "--rpc-engine", f"127.0.0.1:{bport}", passive=a.passive in ("head", "both"))
     try:
         while trio.run(mode, hport, "combined")["mode"] != "combined":
             time.sleep(0.5)
@@ -70,7 +73,7 @@ def main() -> None:
         for p in (h, b):
             p.send_signal(signal.SIGTERM)
             p.wait(30)
-    print(f"decode, {a.tokens} tokens, median of {a.runs}: COMBINED {comb:.1f} tok/s | SOLO {solo:.1f} tok/s | "
+    print(f"decode, {a.tokens} tokens, median of {a.runs}, OMP_WAIT_POLICY=PASSIVE on {a.passive}: COMBINED {comb:.1f} tok/s | SOLO {solo:.1f} tok/s | "
           f"ratio COMBINED/SOLO {comb / solo:.2f}")
     combined_flips = flips[1::2]
     print(f"flip to COMBINED with both models resident: median {statistics.median(combined_flips):.2f} ms "

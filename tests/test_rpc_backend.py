@@ -400,3 +400,26 @@ async def test_drain_lets_a_compute_in_flight_finish_and_closes_the_rest(nursery
         assert await c.at_eof()
     assert backend.closed["draining"] == 3 and backend.crashes == 0
     assert backend.serving == 0 and backend.waiting == 0
+
+
+def test_the_child_waits_passively_unless_the_operator_says_otherwise(tmp_path) -> None:
+    """The ggml-RPC child gets OMP_WAIT_POLICY=PASSIVE (its threads must not spin between a peer's
+    graphs on cores others need); an OMP_WAIT_POLICY in the node's own environment wins."""
+    from hydra_trio._spawn import free_port, wait_healthy
+
+    for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        if given:
+            env["OMP_WAIT_POLICY"] = given
+        port = free_port()
+        with open(tmp_path / f"node-{given}.log", "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--no-model", "--port", str(port)],
+                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_healthy(port, proc)
+            pid = wait_for(lambda: rpc_info(port).get("pid"), "the child's pid")
+            environ = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ").read().split("\0") if "=" in e)
+            assert environ.get("OMP_WAIT_POLICY") == expected
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0

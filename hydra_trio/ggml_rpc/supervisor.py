@@ -32,6 +32,19 @@ _MAX_LINE = 1 << 16  # longer lines are logged in pieces
 _LISTEN_TIMEOUT = 30.0  # seconds for a fresh child to accept connections
 _RETRY_S = 0.02  # seconds between connection attempts to a child that is not listening (yet)
 
+CHILD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Added to the child's environment unless the node's own environment sets the variable.
+
+The child computes a graph only when a peer asks (in COMBINED, about 30
+GRAPH_COMPUTEs per token, one per layer, each with a round trip in
+between).  With llama.cpp's default, its OpenMP threads spin between those
+graphs and take the cores from whatever else runs there: the node's own
+engine, or the head itself when the peer shares its machine.  Measured
+(``bench/combined.py``, head and peer on one 2-core machine): COMBINED decode
+4.6 tok/s with the child spinning, 20.3 tok/s with it waiting passively (SOLO
+33-38 tok/s); passive waiting on the head instead changes nothing (3.7 tok/s).
+"""
+
 
 class ChildSupervisor:
     """Runs the ggml-RPC child and keeps it running.
@@ -81,7 +94,9 @@ class ChildSupervisor:
         task_status.started()
         while True:
             port = free_port()
-            proc = await trio.lowlevel.open_process(self.command(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            env = {**CHILD_ENV, **os.environ}
+            proc = await trio.lowlevel.open_process(self.command(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                    env=env)
             self.pid = proc.pid
             started = trio.current_time()
             async with trio.open_nursery() as relays:
