@@ -37,11 +37,16 @@ def proc_stats(pid: int) -> dict[str, int]:
     return {"fds": fds, "threads": int(fields["Threads"]), "rss_kib": int(fields["VmRSS"].split()[0])}
 
 
+_EXAMPLES_PER_RUN = 3  # with --minutes: hypothesis runs this short, so the time limit is checked often
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--examples", type=int, default=None, help="hypothesis examples (state machine runs)")
-    budget.add_argument("--minutes", type=float, default=None, help="keep going until this much time has passed")
+    budget.add_argument("--minutes", type=float, default=None,
+                        help="keep going until this much time has passed (the example in progress finishes: "
+                             "a minute more at most)")
     ap.add_argument("--steps", type=int, default=25, help="steps per example (default 25)")
     ap.add_argument("--port", type=int, default=None, help="fuzz a server already running on this port")
     ap.add_argument("--slots", type=int, default=2, help="slots of that server (default 2)")
@@ -49,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds one exchange may take before it is reported as a hang (default 60)")
     a = ap.parse_args(argv)
 
+    def _interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)
     proc = None
     port = a.port
     if port is None:
@@ -70,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             runs += 1
             test = live.LiveServerMachine.TestCase
             test.settings = settings(
-                max_examples=min(examples, 25) if end else examples,
+                max_examples=min(examples, _EXAMPLES_PER_RUN) if end else examples,
                 stateful_step_count=a.steps,
                 deadline=None,
                 database=DirectoryBasedExampleDatabase(str(ROOT / ".fuzz-failures")),
@@ -78,10 +87,15 @@ def main(argv: list[str] | None = None) -> int:
             )
             try:
                 test("runTest").runTest()
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop, still print the summary
+                print("interrupted: stopping after the examples so far", flush=True)
+                break
             except Exception:
                 failures += 1
                 traceback.print_exc()
                 break
+            print(f"[{time.monotonic() - t0:5.0f} s] run {runs}: {live.STATS['examples']} examples, "
+                  f"{live.STATS['steps']} steps checked, 0 failures", flush=True)
             if end is None or time.monotonic() > end:
                 break
     finally:
