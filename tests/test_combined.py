@@ -121,8 +121,18 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     assert rpc_bytes(b.port) == b_before
     assert info(a.port)["peer_addr"] == f"127.0.0.1:{c.port}"
 
-    # kill C: A goes back to SOLO and keeps serving
+    # kill C while a non-streamed request runs: that request gets OpenAI's JSON error
+    # (not a bare 500 text), A goes back to SOLO and keeps serving
+    replies: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: replies.append(
+        httpx.post(a.base + "/v1/completions", json={**BODY, "max_tokens": 2000}, timeout=120)))
+    t.start()
+    wait_for(lambda: any(s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(a.base + "/slots").json()), 60)
     c.stop(signal.SIGKILL)
+    t.join(120)
+    assert replies and replies[0].status_code == 500
+    assert replies[0].headers["content-type"] == "application/json"
+    assert "died mid-request" in replies[0].json()["error"]["message"]
     wait_for(lambda: info(a.port)["mode"] == "solo", 30)
     meta = info(a.port)
     assert meta["peer_reachable"] is False and meta["combined_head_attached"] is False and meta["fallback_reason"]

@@ -388,3 +388,70 @@ def test_sigterm_while_the_model_loads_exits_zero_quietly(spawn) -> None:
             assert "model load stopped" in log or "engine stopped" in log, log
             return
     pytest.fail("the model always finished loading before SIGTERM arrived (5 tries)")
+
+
+def test_a_request_queued_across_a_configure_that_shrinks_the_slots_gets_a_400(spawn) -> None:
+    """A prompt that fitted when it was queued, but not the slots a CONFIGURE made meanwhile, is
+    refused with a 400 JSON error when it leaves the queue (it once ran into llama_decode and came
+    back as a bare 500).  The CONFIGURE must land in the moment between the running request's end
+    and the queued one's start: four clients send it until it applies, and the test repeats."""
+    import threading
+
+    srv = spawn("-np", "1", "-c", "4096")
+    srv.wait_ready()
+    long_prompt = "word " * 3000  # about 3,000 tokens: fits a 4,096-token slot, not a 2,048-token one
+    outcomes = []
+    for _ in range(4):
+        replies: dict[str, httpx.Response] = {}
+
+        def post(name: str, body: dict) -> None:
+            replies[name] = httpx.post(srv.base + "/v1/completions", json=body, timeout=300)
+
+        deferred = _metric(srv.base, "llamacpp:requests_deferred")
+        running = threading.Thread(target=post, args=("running", {
+            "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "temperature": 0}))
+        running.start()
+        _wait(lambda: httpx.get(srv.base + "/slots").json()[0]["is_processing"])
+        queued = threading.Thread(target=post, args=("queued", {"prompt": long_prompt, "max_tokens": 4}))
+        queued.start()
+        _wait(lambda: _metric(srv.base, "llamacpp:requests_deferred") > deferred)
+        applied = threading.Event()
+
+        def configure() -> None:
+            with Wire(srv.port) as w:
+                while not applied.is_set():
+                    status, _, _ = w.call(Op.CONFIGURE, payload=b'{"n_ctx": 2048}')
+                    if status == Status.OK:
+                        applied.set()
+
+        hammers = [threading.Thread(target=configure) for _ in range(4)]
+        for t in hammers:
+            t.start()
+        for t in (running, queued, *hammers):
+            t.join(300)
+        r = replies["queued"]
+        assert r.headers["content-type"] == "application/json", r.text
+        assert r.status_code in (200, 400), r.text
+        if r.status_code == 400:
+            assert "a slot's context holds 2048" in r.json()["error"]["message"], r.text
+        outcomes.append(r.status_code)
+        assert httpx.post(srv.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+        with Wire(srv.port) as w:  # back to 4,096 for the next round
+            assert w.call(Op.CONFIGURE, payload=b'{"n_ctx": 4096}')[0] == Status.OK
+        if 400 in outcomes:
+            break
+    assert 400 in outcomes, f"the CONFIGURE never landed while the request waited: {outcomes}"
+
+
+def _metric(base: str, name: str) -> float:
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} missing")
+
+
+def _wait(pred: Callable[[], object], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.02)

@@ -33,7 +33,7 @@ from .bridge import Call
 from .combined import ExpertModes
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .requests import CompletionJob, RequestHandle
-from .scheduler import Scheduler
+from .scheduler import Scheduler, check_prompt_fits
 from .settings import EngineConfig, SamplingParams, check_n_predict
 from .slots import Slot
 
@@ -184,11 +184,7 @@ class Engine:
             raise InvalidRequest("the prompt is empty")
         if job.continue_slot and job.id_slot < 0:
             raise InvalidRequest("id_slot: continuing a slot's KV cache needs a slot id")
-        if len(job.prompt_tokens) >= self.n_ctx_slot:
-            raise InvalidRequest(
-                f"the prompt has {len(job.prompt_tokens)} tokens; a slot's context holds "
-                f"{self.n_ctx_slot} (--ctx-size / --parallel)"
-            )
+        check_prompt_fits(len(job.prompt_tokens), self.n_ctx_slot)
         if not (-1 <= job.id_slot < len(self.slots)):
             raise InvalidRequest(f"id_slot: {job.id_slot} is out of range (0..{len(self.slots) - 1})")
         assert self._trio_token is not None

@@ -44,6 +44,18 @@ evaluating is cheaper.
 """
 
 
+def check_prompt_fits(n_tokens: int, n_ctx_slot: int) -> None:
+    """Raise InvalidRequest unless a prompt of ``n_tokens`` leaves room in a slot of ``n_ctx_slot`` tokens.
+
+    Checked when a request is submitted and again when it leaves the queue (a
+    CONFIGURE may have made the slots smaller meanwhile).
+    """
+    if n_tokens >= n_ctx_slot:
+        raise InvalidRequest(
+            f"the prompt has {n_tokens} tokens; a slot's context holds {n_ctx_slot} (--ctx-size / --parallel)"
+        )
+
+
 class Scheduler:
     """The slots, the queue and the batch of one model's context (engine thread only).
 
@@ -173,6 +185,11 @@ class Scheduler:
             job = handle.job
             if job.id_slot >= len(self.slots):  # the slot count shrank while it waited
                 handle.emit(Failed(InvalidRequest(f"id_slot: slot {job.id_slot} no longer exists")))
+                continue
+            try:  # the slots may have shrunk while it waited too
+                check_prompt_fits(len(job.prompt_tokens), self.slots[0].n_ctx)
+            except InvalidRequest as exc:
+                handle.emit(Failed(exc))
                 continue
             if job.fail_if_busy and self.slots[job.id_slot].is_processing:
                 handle.emit(Failed(Busy(f"slot {job.id_slot} is processing a request", [job.id_slot])))

@@ -524,23 +524,30 @@ async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[
     engine) and the request is cancelled in the engine, which frees its slot
     or its place in the queue.  The request is cancelled on every exit.
     """
-    with trio.CancelScope() as body_scope:
-        async with trio.open_nursery() as nursery:
+    try:
+        with trio.CancelScope() as body_scope:
+            async with trio.open_nursery() as nursery:
 
-            async def watch() -> None:
-                while True:
-                    msg = await request.receive()
-                    if msg["type"] == "http.disconnect":
-                        run.close()
-                        body_scope.cancel()
-                        return
+                async def watch() -> None:
+                    while True:
+                        msg = await request.receive()
+                        if msg["type"] == "http.disconnect":
+                            run.close()
+                            body_scope.cancel()
+                            return
 
-            nursery.start_soon(watch)
-            try:
-                yield
-            finally:
-                run.close()
-                nursery.cancel_scope.cancel()
+                nursery.start_soon(watch)
+                try:
+                    yield
+                finally:
+                    run.close()
+                    nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # the watcher never fails: a group holds the body's own error, which the
+        # caller handles as it is (an engine error becomes its HTTP status)
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
