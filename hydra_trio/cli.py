@@ -176,6 +176,9 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     tmpl.add_argument("--chat-template-file", type=_chat_template_file, default=None, metavar="FILE",
                       help="a Jinja chat template file (llama-server's flag)")
+    p.add_argument("--allow-cross-model-kv", action="store_true",
+                   help="STATE_PUT applies a KV blob of another model file when both have the same KV identity "
+                        "(e.g. another quantization of this model); without it such a blob is refused")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=8080, help="TCP port for HTTP, Hydra and ggml-RPC, 0-65535 (default: 8080; 0 = any free port)")
     p.add_argument("-np", "--parallel", type=int_range(1, LLAMA_MAX_SEQ, "llama.cpp's most sequences"),
@@ -362,6 +365,7 @@ async def _run(args: argparse.Namespace) -> int:
             peer=args.rpc_engine,
             combined_pattern=args.combined_pattern,
             chat_template=template,
+            allow_cross_model_kv=args.allow_cross_model_kv,
         )
         log.info("model %s (%s), %d slots, n_ctx %d", alias, path, args.parallel, args.ctx_size)
     else:

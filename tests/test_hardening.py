@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from hydra_trio.engine.state import HEADER_SIZE, blob_checksum
+from hydra_trio.engine.state import blob_checksum, parse_header
 from hydra_trio.protocol.hydra import Op, Status, encode_request, encode_request_header, unpack_decode_frames
 
 from .conftest import ROOT, ServerProcess
@@ -224,7 +224,7 @@ def test_state_put_rejected_by_llama_leaves_slot_as_it_was(server: ServerProcess
         status, meta, blob = w.call(Op.STATE_GET, key="0")
         assert status == Status.OK
         bad = bytearray(blob)
-        kv_at = HEADER_SIZE + 4 * meta["n_past"]
+        kv_at = parse_header(blob).tokens_at + 4 * meta["n_past"]
         bad[kv_at : kv_at + 4] = (0xFFFFFFFF).to_bytes(4, "little")  # the stream's cell count: impossible
         reseal(bad)  # a valid checksum: the bytes reach llama.cpp, which must refuse them
         status, meta, _ = w.call(Op.STATE_PUT, key="0", payload=bytes(bad))

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hydra_trio.engine.state import HEADER_SIZE, verify_checksum, StateError
+from hydra_trio.engine.state import HEADER_SIZE, StateError, parse_header, verify_checksum
 from hydra_trio.protocol.hydra import Op, Status
 
 from .hydra_wire import Wire
@@ -301,11 +301,13 @@ def test_corrupt_blobs_are_refused_and_the_slot_is_unchanged(server) -> None:
         n_past = meta["n_past"]
         n_tokens = struct.unpack_from("<I", blob, 8)[0]
         assert n_tokens == n_past > 5
-        kv_at = HEADER_SIZE + 4 * n_tokens
+        tokens_at = parse_header(blob).tokens_at
+        kv_at = tokens_at + 4 * n_tokens
         positions = {
             "a KV byte": kv_at + (len(blob) - kv_at) // 2,
             "the last KV byte": len(blob) - 1,
-            "a token id": HEADER_SIZE + 4,
+            "a token id": tokens_at + 4,
+            "the KV identity": HEADER_SIZE + 40,
             "n_tokens": 8,
             "the model hash": 20,
             "the checksum": 55,

@@ -31,6 +31,7 @@ from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import state
 from .bridge import Call
 from .combined import ExpertModes
+from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .requests import CompletionJob, RequestHandle
 from .scheduler import Scheduler, check_prompt_fits
@@ -90,6 +91,8 @@ class Engine:
         self.progress = 0.0
         self.error: str | None = None
         self.identity: ModelIdentity | None = None
+        self.allow_cross_model_kv = config.allow_cross_model_kv
+        """STATE_PUT applies blobs of other files with this KV identity (CONFIGURE ``allow_cross_model_kv``)."""
         self.stats = EngineStats()
         self.stage_times: dict[str, float] = {}
         self.defaults = SamplingParams()
@@ -251,6 +254,7 @@ class Engine:
                 model_alias=cfg.model_alias,
                 model_path=str(cfg.model_path),
                 model_hash=sha256_file(cfg.model_path, stop=lambda: self._stop),
+                kv_identity_hash=identity_hash(kv_identity(model)),
             )
             self.scheduler = Scheduler(self.experts, cfg.n_parallel, model.n_ctx_slot, model.n_batch, self.stats,
                                        self.identity.model_hash)
@@ -338,11 +342,16 @@ class Engine:
         assert self.model is not None and self.identity is not None
         return state.save_slot(self.model, slot, self.identity.model_hash)
 
-    def restore_slot(self, id_slot: int, blob: bytearray, *, checksum_verified: bool = False) -> int:
-        """Engine thread: apply a blob to the idle slot, all or nothing; its n_past.  Raises Busy, StateError."""
+    def restore_slot(self, id_slot: int, blob: bytearray, *, checksum_verified: bool = False) -> state.Restored:
+        """Engine thread: apply a blob to the idle slot, all or nothing (:func:`state.restore_slot`).
+
+        A blob of another model file with the same KV identity is applied only
+        while :attr:`allow_cross_model_kv` is on.  Raises Busy, StateError.
+        """
         slot = self._idle_slot(id_slot)
         assert self.model is not None and self.identity is not None
-        return state.restore_slot(self.model, slot, blob, self.identity.model_hash, checksum_verified=checksum_verified)
+        return state.restore_slot(self.model, slot, blob, self.identity.model_hash,
+                                  allow_cross_model_kv=self.allow_cross_model_kv, checksum_verified=checksum_verified)
 
     def _idle_slot(self, id_slot: int) -> Slot:
         """The slot, idle: InvalidRequest when it is gone (the slot count changed), Busy when it works."""
@@ -417,7 +426,8 @@ class Engine:
         identity = self.identity
         assert identity is not None
         if path != old.path:
-            identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path))
+            identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path),
+                                     kv_identity_hash=identity_hash(kv_identity(new)))
         pending, self.scheduler.pending = self.scheduler.pending, collections.deque()
         self.scheduler.close(Cancelled("the engine is being reconfigured"))  # no slot is busy: frees the batch
         self.experts.set_solo(new)

@@ -251,11 +251,14 @@ def tensor_overrides(pairs: list[tuple[str, int]]) -> ctypes.Array[_Override]:
 
 @attrs.frozen
 class ModelIdentity:
-    """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF."""
+    """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF, and the
+    SHA-256 of its KV identity (:mod:`hydra_trio.engine.kv_identity`): files with equal
+    ``kv_identity_hash`` can exchange slot KV."""
 
     model_alias: str
     model_path: str
     model_hash: str
+    kv_identity_hash: str = ""
 
     def as_meta(self) -> dict[str, str]:
         return attrs.asdict(self)
@@ -356,6 +359,7 @@ class LoadedModel:
         cparams.kv_unified = False  # one KV stream per slot, like llama-server's default
         cparams.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        self.type_k, self.type_v = int(cparams.type_k), int(cparams.type_v)  # ggml types of the KV cache
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             self.model = None

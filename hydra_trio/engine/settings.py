@@ -146,6 +146,9 @@ class EngineConfig:
             (llama.cpp's built-in ``chatml`` when the GGUF has none, as
             llama-server does), a built-in template name or Jinja text
             (see :class:`~hydra_trio.engine.model.ChatTemplate`).
+        allow_cross_model_kv: STATE_PUT takes a blob of another model file
+            with the same KV identity (``--allow-cross-model-kv``; e.g. another
+            quantization of the same model); also CONFIGURE ``allow_cross_model_kv``.
     """
 
     model_path: Path
@@ -157,3 +160,4 @@ class EngineConfig:
     peer: str | None = None
     combined_pattern: str = DEFAULT_PATTERN
     chat_template: str | None = None
+    allow_cross_model_kv: bool = False

@@ -1,19 +1,28 @@
 """Slot KV state blobs: save and restore one slot's KV cache (llama.cpp's per-sequence state API).
 
-Blob format, version 2 (all integers little-endian; documented in
+Blob format, version 3 (all integers little-endian; documented in
 ``docs/protocol-notes.md``)::
 
     offset  size        field
     0       4           magic  b"HYKV"
-    4       2           format version (2)
+    4       2           format version (3; version 2 blobs are still read)
     6       2           kv_format: 1 = one KV stream (portable across n_parallel),
                         0 = llama.cpp's raw sequence state (same n_parallel only)
     8       4           n_tokens: tokens in the slot's KV cache (= n_past)
     12      32          model hash: raw SHA-256 of the GGUF file
     44      8           kv_len: bytes of llama.cpp sequence state that follow the tokens
     52      8           checksum: XXH3-64 of bytes 0..51 and of every byte after 60
-    60      4*n_tokens  the slot's tokens (u32 each)
+    60      32          KV identity hash: raw SHA-256 of the identity JSON     (version 3)
+    92      4           ident_len: bytes of the identity JSON                   (version 3)
+    96      ident_len   the KV identity, canonical JSON (engine/kv_identity.py) (version 3)
+    ...     4*n_tokens  the slot's tokens (u32 each)
     ...     kv_len      llama_state_seq_get_data() output for the slot's sequence
+
+Version 2 has no identity (its tokens start at 60): such a blob restores
+only on a node whose model file has the same hash.  A version 3 blob from
+another file restores when both files have the same KV identity and the node
+allows cross-model KV (``--allow-cross-model-kv``); a different identity is
+always refused, naming the first fact that differs.
 
 The checksum covers the whole blob but itself, so a flipped bit anywhere (KV
 bytes, token ids, lengths, the model hash) is refused before the slot is
@@ -38,6 +47,7 @@ previous state is put back.
 from __future__ import annotations
 
 import ctypes
+import json
 import struct
 from typing import TYPE_CHECKING
 
@@ -46,15 +56,19 @@ import llama_cpp
 import xxhash
 
 from ..errors import HydraTrioError
+from .kv_identity import canonical, first_difference, identity_hash, kv_identity
 
 if TYPE_CHECKING:
     from .model import LoadedModel
     from .slots import Slot
 
 BLOB_MAGIC = b"HYKV"
-BLOB_VERSION = 2
+BLOB_VERSION = 3
+READ_VERSIONS = (2, 3)
 _HEADER = struct.Struct("<4sHHI32sQQ")
-HEADER_SIZE = _HEADER.size  # 60 bytes
+HEADER_SIZE = _HEADER.size  # 60 bytes: the part every version has
+_IDENT = struct.Struct("<32sI")  # version 3: identity hash, identity JSON length
+MAX_IDENTITY_JSON = 1 << 16  # bytes
 _CHECKSUM_AT = 52  # the u64 checksum: bytes 52..59
 
 
@@ -75,10 +89,24 @@ class BlobHeader:
     kv_len: int
     kv_format: int = 1
     checksum: int = 0
+    version: int = BLOB_VERSION
+    kv_identity_hash: str | None = None  # 64 hex digits; None in a version 2 blob
+    kv_identity: dict | None = None
+    tokens_at: int = HEADER_SIZE  # where the token list starts
 
     @property
     def total_size(self) -> int:
-        return HEADER_SIZE + 4 * self.n_tokens + self.kv_len
+        return self.tokens_at + 4 * self.n_tokens + self.kv_len
+
+
+@attrs.frozen
+class Restored:
+    """What a restore did: the slot's ``n_past`` and whether the blob came from this very file
+    (``model_hash_match``) and from a file with this KV layout (``kv_identity_match``)."""
+
+    n_past: int
+    model_hash_match: bool
+    kv_identity_match: bool
 
 
 KV_RAW = 0
@@ -124,14 +152,32 @@ def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
     magic, version, kv_format, n_tokens, digest, kv_len, checksum = _HEADER.unpack_from(data)
     if magic != BLOB_MAGIC:
         raise StateError(f"not a hydra-trio state blob (magic {bytes(magic)!r}, expected {BLOB_MAGIC!r})")
-    if version != BLOB_VERSION:
+    if version not in READ_VERSIONS:
         raise StateError(
-            f"state blob format version {version} is not supported (this node reads version {BLOB_VERSION}, "
-            "whose blobs carry a checksum): fetch the state again from a node of this version"
+            f"state blob format version {version} is not supported (this node reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))}, whose blobs carry a checksum): fetch the state again "
+            "from a node of this version"
         )
     if kv_format not in (KV_RAW, KV_ONE_STREAM):
         raise StateError(f"state blob KV format {kv_format} is not supported")
-    return BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format, checksum=checksum)
+    header = BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format,
+                        checksum=checksum, version=version)
+    if version == 2:
+        return header
+    end = HEADER_SIZE + _IDENT.size
+    if len(data) < end:
+        raise StateError(f"state blob too short: {len(data)} bytes, a version 3 header is at least {end}")
+    ident_digest, ident_len = _IDENT.unpack_from(data, HEADER_SIZE)
+    if ident_len > MAX_IDENTITY_JSON or len(data) < end + ident_len:
+        raise StateError(f"state blob's KV identity is {ident_len} bytes: longer than the blob or than "
+                         f"{MAX_IDENTITY_JSON}")
+    try:
+        identity = json.loads(bytes(data[end : end + ident_len]))
+    except ValueError:
+        identity = None
+    if not isinstance(identity, dict):
+        raise StateError("state blob's KV identity is not a JSON object")
+    return attrs.evolve(header, kv_identity_hash=ident_digest.hex(), kv_identity=identity, tokens_at=end + ident_len)
 
 
 def _check_length(header: BlobHeader, blob: bytes | bytearray | memoryview) -> None:
@@ -173,10 +219,10 @@ def verify_checksum(blob: bytes | bytearray | memoryview) -> BlobHeader:
 
 
 def blob_size(m: LoadedModel, slot: Slot) -> int:
-    """Bytes a STATE_GET of the slot returns now (header + tokens + one KV stream)."""
+    """Bytes a STATE_GET of the slot returns now (header + identity + tokens + one KV stream)."""
     raw = llama_cpp.llama_state_seq_get_size(m.ctx, slot.id)
     one_stream = raw - _SEQ_PREFIX.size - 4 * (m.n_stream - 1)
-    return HEADER_SIZE + 4 * slot.n_past + one_stream
+    return HEADER_SIZE + _IDENT.size + len(canonical(kv_identity(m))) + 4 * slot.n_past + one_stream
 
 
 def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
@@ -203,45 +249,66 @@ def save_slot(m: LoadedModel, slot: Slot, model_hash: str) -> tuple[int, bytearr
     one = _one_stream(kv)
     kv_format = KV_ONE_STREAM if one is not None else KV_RAW
     body = one if one is not None else kv
-    head = HEADER_SIZE + 4 * len(tokens)
+    ident = canonical(kv_identity(m))
+    tokens_at = HEADER_SIZE + _IDENT.size + len(ident)
+    head = tokens_at + 4 * len(tokens)
     blob = bytearray(head + len(body))
     _HEADER.pack_into(
         blob, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(model_hash),
         len(body), 0,
     )
-    struct.pack_into(f"<{len(tokens)}I", blob, HEADER_SIZE, *tokens)
+    _IDENT.pack_into(blob, HEADER_SIZE, bytes.fromhex(identity_hash(kv_identity(m))), len(ident))
+    blob[HEADER_SIZE + _IDENT.size : tokens_at] = ident
+    struct.pack_into(f"<{len(tokens)}I", blob, tokens_at, *tokens)
     blob[head:] = body
     struct.pack_into("<Q", blob, _CHECKSUM_AT, blob_checksum(blob))
     return len(tokens), blob
 
 
-def check_blob(blob: bytearray, model_hash: str, n_ctx_slot: int, *, checksum_verified: bool = False) -> BlobHeader:
-    """Check a whole blob against this node (``model_hash``, slots of ``n_ctx_slot`` tokens) before applying it.
+def check_blob(
+    blob: bytearray, model_hash: str, n_ctx_slot: int, *, identity: dict | None = None,
+    allow_cross_model_kv: bool = False, checksum_verified: bool = False,
+) -> BlobHeader:
+    """Check a whole blob against this node before applying it: its model (``model_hash``, and
+    ``identity``, this model's KV identity), slots of ``n_ctx_slot`` tokens.
 
     ``checksum_verified``: the caller already ran :func:`verify_checksum` on
     these very bytes (off the engine thread); otherwise it runs here.
 
     Raises:
         StateError: a bad header, a checksum mismatch, a length mismatch
-            (truncated or padded upload), another model's blob (meta
-            ``expected_hash`` / ``got_hash``) or more tokens than a slot's
-            context holds.
+            (truncated or padded upload), more tokens than a slot's context
+            holds, or a blob of another file (meta ``expected_hash`` /
+            ``got_hash``, ``kv_identity_match``): refused when the node does
+            not allow cross-model KV, when the blob carries no KV identity
+            (version 2) and always when the identities differ (the message
+            names the first fact that differs).
     """
     header = parse_header(blob) if checksum_verified else verify_checksum(blob)
     if header.model_hash != model_hash:
-        raise StateError(
-            "the state blob was made by another model",
-            expected_hash=model_hash,
-            got_hash=header.model_hash,
-        )
+        hashes = {"expected_hash": model_hash, "got_hash": header.model_hash}
+        if header.kv_identity is None or identity is None:
+            raise StateError("the state blob was made by another model (and carries no KV identity: "
+                             "a version 2 blob)", **hashes, kv_identity_match=False)
+        diff = first_difference(identity, header.kv_identity)
+        if diff is not None or header.kv_identity_hash != identity_hash(identity):
+            raise StateError(f"the state blob was made by a model with another KV layout ({diff or 'hash'})",
+                             **hashes, kv_identity_match=False)
+        if not allow_cross_model_kv:
+            raise StateError("the state blob was made by another model file with the same KV identity; this "
+                             "node does not take KV from other files (--allow-cross-model-kv, or CONFIGURE "
+                             "allow_cross_model_kv)", **hashes, kv_identity_match=True)
     _check_length(header, blob)
     if header.n_tokens >= n_ctx_slot:
         raise StateError(f"the blob holds {header.n_tokens} tokens; a slot's context holds {n_ctx_slot}")
     return header
 
 
-def restore_slot(m: LoadedModel, slot: Slot, blob: bytearray, model_hash: str, *, checksum_verified: bool = False) -> int:
-    """Engine thread: apply a checked blob to an idle slot, all or nothing.  Returns n_past.
+def restore_slot(
+    m: LoadedModel, slot: Slot, blob: bytearray, model_hash: str, *, allow_cross_model_kv: bool = False,
+    checksum_verified: bool = False,
+) -> Restored:
+    """Engine thread: apply a checked blob to an idle slot, all or nothing.
 
     Memory: the blob is framed for llama.cpp in place (it is consumed: its
     bytes are changed), so the restore holds the blob plus, when the slot
@@ -249,20 +316,25 @@ def restore_slot(m: LoadedModel, slot: Slot, blob: bytearray, model_hash: str, *
     (``n_tokens`` 0) empties the slot.
 
     Raises:
-        StateError: the blob is invalid (see :func:`check_blob`) or llama.cpp
-            rejected its KV bytes; in both cases the slot is as it was.
+        StateError: the blob is invalid or of a model it may not restore on
+            (see :func:`check_blob`) or llama.cpp rejected its KV bytes; in
+            every case the slot is as it was.
     """
-    header = check_blob(blob, model_hash, slot.n_ctx, checksum_verified=checksum_verified)
+    identity = kv_identity(m)
+    header = check_blob(blob, model_hash, slot.n_ctx, identity=identity, allow_cross_model_kv=allow_cross_model_kv,
+                        checksum_verified=checksum_verified)
+    same_file = header.model_hash == model_hash
+    same_layout = same_file or header.kv_identity_hash == identity_hash(identity)
     id_slot = slot.id
-    tokens = list(struct.unpack_from(f"<{header.n_tokens}I", blob, HEADER_SIZE))
+    tokens = list(struct.unpack_from(f"<{header.n_tokens}I", blob, header.tokens_at))
     bad = next((t for t in tokens if t >= m.n_vocab), None)
     if bad is not None:
         raise StateError(f"the blob holds token id {bad}, outside the vocabulary (0..{m.n_vocab - 1})")
     if not tokens:  # an empty slot's state: "this slot is now empty"
-        _check_empty_kv(header, memoryview(blob)[HEADER_SIZE:])
+        _check_empty_kv(header, memoryview(blob)[header.tokens_at:])
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         slot.cache_tokens.clear()
-        return 0
+        return Restored(0, same_file, same_layout)
     backup = save_slot(m, slot, model_hash)[1] if slot.n_past else None  # an empty slot needs no backup
     if not _apply_kv(m, id_slot, header, blob):
         # llama.cpp cleared the sequence on failure: put the old state back
@@ -273,7 +345,7 @@ def restore_slot(m: LoadedModel, slot: Slot, blob: bytearray, model_hash: str, *
             "llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
         )
     slot.cache_tokens[:] = tokens
-    return len(tokens)
+    return Restored(len(tokens), same_file, same_layout)
 
 
 def _check_empty_kv(header: BlobHeader, kv: memoryview) -> None:
@@ -294,7 +366,7 @@ def _apply_kv(m: LoadedModel, id_slot: int, header: BlobHeader, blob: bytearray)
     overwrites the end of the (already parsed) token list and the empty
     streams are appended as zeros, so no second copy of the KV bytes is made.
     """
-    start = HEADER_SIZE + 4 * header.n_tokens
+    start = header.tokens_at + 4 * header.n_tokens
     if header.kv_format == KV_ONE_STREAM:
         begin = start - _SEQ_PREFIX.size  # the header alone is 60 bytes: always room for 12
         _SEQ_PREFIX.pack_into(blob, begin, _IO_MAGIC, id_slot, m.n_stream)

@@ -147,8 +147,10 @@ async def state_put(ctx: OpContext) -> None:
 
     # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
     await trio.to_thread.run_sync(verify_checksum, blob)
-    n_past = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
-    await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": n_past, **ctx.identity(e)})
+    done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+    await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
+                     "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
+                     **ctx.identity(e)})
 
 
 async def state_meta(ctx: OpContext) -> None:
@@ -311,6 +313,8 @@ async def configure(ctx: OpContext) -> None:
         ctx.node.state_chunk_size = size
         meta["state_chunk_size_applied"] = size
         applied["state_chunk_size"] = size
+    if "allow_cross_model_kv" in t1:
+        e.allow_cross_model_kv = applied["allow_cross_model_kv"] = t1.pop("allow_cross_model_kv")
     if t1:
         e.set_defaults(**t1)
         applied.update(t1)

@@ -22,6 +22,7 @@ from .strict import (
     MessageError,
     StrictConverter,
     TypeMismatch,
+    _as_bool,
     _as_float,
     _as_int,
     _as_str,
@@ -239,6 +240,7 @@ T1_KEYS: dict[str, Callable[[Any], Any]] = {
     "presence_penalty": _as_float,
     "frequency_penalty": _as_float,
     "state_chunk_size": _as_int,
+    "allow_cross_model_kv": _as_bool,
 }
 """CONFIGURE tier 1 (applied at once), key -> strict checker."""
 T2_KEYS: dict[str, Callable[[Any], Any]] = {

@@ -71,6 +71,13 @@ def _as_int(v: Any) -> int:
     raise TypeMismatch(f"expected int, got {type_name(v)}")
 
 
+def _as_bool(v: Any) -> bool:
+    """A JSON boolean (not 0 / 1)."""
+    if isinstance(v, bool):
+        return v
+    raise TypeMismatch(f"expected bool, got {type_name(v)}")
+
+
 def _as_float(v: Any) -> float:
     """A finite JSON number (``1e999`` parses as infinity: refused)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
