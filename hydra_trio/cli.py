@@ -176,6 +176,10 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     tmpl.add_argument("--chat-template-file", type=_chat_template_file, default=None, metavar="FILE",
                       help="a Jinja chat template file (llama-server's flag)")
+    p.add_argument("--quant", action="append", type=_quant_value, default=[], metavar="KEY=PATH|ALIAS",
+                   help="a quantization SWAP_QUANT may switch to, by key (repeatable), e.g. "
+                        "--quant q4=smollm2-135m --quant q8=smollm2-135m-q8; the -m model is the one whose "
+                        "file matches, else key 'default'")
     p.add_argument("--allow-cross-model-kv", action="store_true",
                    help="STATE_PUT applies a KV blob of another model file when both have the same KV identity "
                         "(e.g. another quantization of this model); without it such a blob is refused")
@@ -331,6 +335,14 @@ def _models_templates(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quant_value(text: str) -> tuple[str, str]:
+    """``--quant KEY=PATH|ALIAS``: the key and the model (resolved when the node starts)."""
+    key, sep, model = text.partition("=")
+    if not sep or not key.strip() or not model.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=PATH|ALIAS, got {text!r}")
+    return key.strip(), model.strip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``hydra-trio`` parser: ``run``, ``models``, the client commands, ``--version``."""
     parser = argparse.ArgumentParser(prog="hydra-trio", description="A trio-based engine node for Hydra LLM clusters.")
@@ -352,6 +364,11 @@ async def _run(args: argparse.Namespace) -> int:
         except PresetError as exc:
             log.error("%s", exc)
             return 2
+        try:
+            quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
+        except PresetError as exc:
+            log.error("--quant: %s", exc)
+            return 2
         template, template_origin = args.chat_template or args.chat_template_file or (None, "")
         if template is not None:
             log.info("chat template: %s", template_origin)
@@ -366,6 +383,7 @@ async def _run(args: argparse.Namespace) -> int:
             combined_pattern=args.combined_pattern,
             chat_template=template,
             allow_cross_model_kv=args.allow_cross_model_kv,
+            quants=quants,
         )
         log.info("model %s (%s), %d slots, n_ctx %d", alias, path, args.parallel, args.ctx_size)
     else:

@@ -119,3 +119,112 @@ def test_kv_moves_between_quants_when_the_node_allows_it(server: ServerProcess, 
         assert status == Status.ERROR and "n_layer: this node 30, the blob 31" in meta["error"]
         assert meta["kv_identity_match"] is False
         assert w.call(Op.STATE_META, key="1")[1]["n_past"] == before
+
+
+def _swap(port: int, key: str, pattern: str = "") -> tuple[int, dict]:
+    import struct
+
+    from hydra_trio.protocol.hydra import Op
+
+    from .hydra_wire import Wire
+
+    k = key.encode()
+    with Wire(port) as w:
+        status, meta, _ = w.call(Op.SWAP_QUANT, payload=struct.pack("<H", len(k)) + k + pattern.encode())
+    return status, meta
+
+
+def _info(port: int) -> dict:
+    from hydra_trio.protocol.hydra import Op
+
+    from .hydra_wire import Wire
+
+    with Wire(port) as w:
+        return w.call(Op.INFO)[1]
+
+
+def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) -> None:
+    import threading
+
+    from hydra_trio.protocol.hydra import Status
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(4000))
+    srv = spawn("-np", "2", "-c", "2048", "--quant", "q4=smollm2-135m", "--quant", "q8=smollm2-135m-q8",
+                "--quant", f"bad={broken}")
+    srv.wait_ready()
+    info = _info(srv.port)
+    assert info["quants"] == ["q4", "q8", "bad"] and info["quant"] == "q4" and "quant_swap" in info["capabilities"]
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Write one sentence about the sea."}]
+    body = {"messages": messages, "temperature": 0}
+    chat = lambda **kw: httpx.post(srv.base + "/v1/chat/completions", json={**body, **kw}, timeout=120).json()  # noqa: E731
+    pre = chat(max_tokens=0, id_slot=0)
+    n_prompt = pre["usage"]["prompt_tokens"]
+
+    status, meta = _swap(srv.port, "q8")
+    assert status == Status.OK, meta
+    assert meta["swapped"] is True and meta["quant"] == "q8" and meta["kv_preserved"] is True
+    assert meta["slots_preserved"] == 1 and meta["bytes"] > 100_000_000 and meta["swap_ms"] > 0
+    after = _info(srv.port)
+    assert after["quant"] == "q8" and after["model_hash"] != info["model_hash"]
+    assert after["kv_identity_hash"] == info["kv_identity_hash"] and after["model_alias"] == "smollm2-135m-q8"
+    moved = chat(max_tokens=8, id_slot=0)
+    assert moved["timings"]["cache_n"] == n_prompt - 1  # decoded on the KV made by Q4_1, not evaluated again
+    own = chat(max_tokens=8, id_slot=1, cache_prompt=False)
+    first = lambda r: r["choices"][0]["message"]["content"].split()[:3]  # noqa: E731
+    assert first(moved) == first(own) and first(own)  # "close", as test_q8_output_is_close_to_the_q4_1_output
+
+    assert _swap(srv.port, "q8")[1]["swapped"] is False  # already there
+    assert _swap(srv.port, "nope")[0] == Status.BAD_REQUEST
+    status, meta = _swap(srv.port, "q4", r"ffn_.*")
+    assert status == Status.NOT_IMPLEMENTED and "whole model" in meta["error"]
+    status, meta = _swap(srv.port, "bad")  # a file that does not load: the old model still serves
+    assert status == Status.ERROR and "did not load" in meta["error"] and meta["quant"] == "q8"
+    assert _info(srv.port)["quant"] == "q8" and chat(max_tokens=4)["choices"][0]["message"]["content"]
+
+    started, stop = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", srv.base + "/v1/completions", timeout=120, json={
+                "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    break
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert started.wait(60)
+        status, meta = _swap(srv.port, "q4")
+        assert status == Status.BUSY and meta["busy_slots"] and meta["swapped"] is False
+        assert _info(srv.port)["quant"] == "q8"
+    finally:
+        stop.set()
+        t.join(60)
+    status, meta = _swap(srv.port, "q4")
+    for _ in range(50):  # the stream's slot frees at the engine's next step
+        if status != Status.BUSY:
+            break
+        status, meta = _swap(srv.port, "q4")
+    assert status == Status.OK and meta["quant"] == "q4"
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def test_swapping_back_and_forth_does_not_grow_memory(spawn) -> None:
+    from hydra_trio.protocol.hydra import Status
+
+    srv = spawn("-np", "1", "-c", "1024", "--quant", "q4=smollm2-135m", "--quant", "q8=smollm2-135m-q8")
+    srv.wait_ready()
+    rss = []
+    for i in range(10):
+        for key in ("q8", "q4"):
+            status, meta = _swap(srv.port, key)
+            assert status == Status.OK and meta["swapped"] is True, meta
+        rss.append(_rss_kib(srv.proc.pid))
+    assert rss[-1] <= rss[0] * 1.10, rss

@@ -28,7 +28,7 @@ import llama_cpp
 import trio
 
 from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
-from . import state
+from . import quants, state
 from .bridge import Call
 from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
@@ -92,6 +92,8 @@ class Engine:
         self.error: str | None = None
         self.identity: ModelIdentity | None = None
         self.allow_cross_model_kv = config.allow_cross_model_kv
+        self.quants = quants.QuantSet(config.quants, config.model_path)
+        """The node's quantizations by key (``--quant KEY=PATH_OR_ALIAS``) and the active one."""
         """STATE_PUT applies blobs of other files with this KV identity (CONFIGURE ``allow_cross_model_kv``)."""
         self.stats = EngineStats()
         self.stage_times: dict[str, float] = {}
@@ -428,14 +430,33 @@ class Engine:
         if path != old.path:
             identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path),
                                      kv_identity_hash=identity_hash(kv_identity(new)))
+        self.install_model(new, identity)
+        self.config = attrs.evolve(self.config, n_ctx=n_ctx, n_parallel=n_parallel)
+        log.info("reconfigured: model %s, n_ctx %d, %d slots", path.name, new.n_ctx, n_parallel)
+        return {"n_ctx": new.n_ctx, "n_parallel": n_parallel, "model_path": str(path)}
+
+    def install_model(self, new: LoadedModel, identity: ModelIdentity) -> None:
+        """Engine thread, every slot idle: ``new`` serves from now on and the old model is freed.
+
+        The slots start empty (their KV belonged to the old context); requests
+        waiting in the queue stay.  Used by CONFIGURE and SWAP_QUANT.
+        """
+        assert self.scheduler is not None and self.experts.solo is not None
+        old = self.experts.solo
         pending, self.scheduler.pending = self.scheduler.pending, collections.deque()
         self.scheduler.close(Cancelled("the engine is being reconfigured"))  # no slot is busy: frees the batch
         self.experts.set_solo(new)
         old.close()
         self.identity = identity
-        self.scheduler = Scheduler(self.experts, n_parallel, new.n_ctx_slot, new.n_batch, self.stats, identity.model_hash)
+        self.scheduler = Scheduler(self.experts, new.n_parallel, new.n_ctx_slot, new.n_batch, self.stats,
+                                   identity.model_hash)
         self.scheduler.pending = pending
-        self.config = attrs.evolve(self.config, model_path=path, model_alias=identity.model_alias,
-                                   n_ctx=n_ctx, n_parallel=n_parallel)
-        log.info("reconfigured: model %s, n_ctx %d, %d slots", path.name, new.n_ctx, n_parallel)
-        return {"n_ctx": new.n_ctx, "n_parallel": n_parallel, "model_path": str(path)}
+        self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
+        self.quants.loaded(new.path)
+
+    def swap_quant(self, key: str) -> dict[str, Any]:
+        """Engine thread, every slot idle (the control channel checks): SWAP_QUANT to quant ``key``.
+
+        See :func:`hydra_trio.engine.quants.swap_quant`.
+        """
+        return quants.swap_quant(self, key)

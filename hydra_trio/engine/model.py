@@ -502,3 +502,26 @@ class LoadedModel:
         if getattr(self, "model", None):
             llama_cpp.llama_model_free(self.model)
             self.model = None
+        release_free_memory()
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc ``malloc_trim``; a no-op elsewhere).
+
+    A freed model and context leave tens of MiB free inside the heap, which
+    glibc keeps; without this, swapping models back and forth grew the RSS by a
+    third before it levelled off.
+    """
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return None

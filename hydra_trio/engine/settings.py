@@ -149,6 +149,9 @@ class EngineConfig:
         allow_cross_model_kv: STATE_PUT takes a blob of another model file
             with the same KV identity (``--allow-cross-model-kv``; e.g. another
             quantization of the same model); also CONFIGURE ``allow_cross_model_kv``.
+        quants: the node's other quantizations for SWAP_QUANT, ``(key, GGUF
+            path, alias)`` each (``--quant KEY=PATH_OR_ALIAS``); the model
+            loaded at start is the one whose path matches, else key ``default``.
     """
 
     model_path: Path
@@ -161,3 +164,4 @@ class EngineConfig:
     combined_pattern: str = DEFAULT_PATTERN
     chat_template: str | None = None
     allow_cross_model_kv: bool = False
+    quants: tuple[tuple[str, Path, str], ...] = ()

@@ -172,6 +172,12 @@ async def mode_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def swap_command(args: argparse.Namespace) -> int:
+    """``swap HOST:PORT KEY``: SWAP_QUANT of the whole model to quant KEY; print the meta."""
+    print(_dump(await _one_request(args, HydraClient.swap_quant, args.key, args.tensor_pattern)))
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------
 # Sync entry points (what args.func is)
 # --------------------------------------------------------------------------
@@ -281,6 +287,16 @@ def add_client_commands(subparsers: argparse._SubParsersAction[argparse.Argument
     e.add_argument(
         "--peer", type=_address, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
     )
+    sw = _command(
+        subparsers, "swap", swap_command, ("address",),
+        help="swap the served model to another of the node's quants (SWAP_QUANT)",
+        description="SWAP_QUANT (0x45): load the node's quant KEY (run --quant KEY=...), keep the slots' KV "
+                    "caches when both files have the same KV identity, free the old model. Exit 1 with BUSY "
+                    "while slots are processing.",
+    )
+    sw.add_argument("key", metavar="KEY", help="the quant's key (INFO's quants)")
+    sw.add_argument("--tensor-pattern", default="", metavar="REGEX",
+                    help="tensors to swap (default: all of them; a pattern that leaves some out is not supported)")
     e.add_argument(
         "--wait", type=_seconds(zero_ok=True), default=30.0, metavar="SECONDS",
         help="while the node falls back to solo because the peer does not answer (yet), ask again every "

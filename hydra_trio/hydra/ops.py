@@ -14,6 +14,7 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -42,6 +43,7 @@ CAPABILITIES = [
     "state_transfer", "expert_mode", "preset", "model_hash",
     "state_get", "state_put", "state_meta", "configure", "info",
     "prefill", "decode", "set_expert_mode", "openai_http", "kv_checksum",
+    "quant_swap", "kv_identity", "cross_model_kv",
 ]
 
 
@@ -272,6 +274,9 @@ def info_meta(node: Node) -> dict[str, Any]:
         "rpc_backend_active": rpc is not None and rpc.active,
         **experts,
         "pipeline_capable": False,
+        **(e.quants.snapshot() if e is not None else {"quants": [], "quant": None}),
+        "quant_swap": {"whole_model": True, "tensor_subsets": False,
+                       "peak_memory": "the old model + the new one + one KV blob per slot holding tokens"},
         "protocols": ["http", "hydra"] + (["ggml_rpc"] if rpc is not None else []),
         "state_chunk_size": node.state_chunk_size,
     }
@@ -358,8 +363,36 @@ async def set_expert_mode(ctx: OpContext) -> None:
 
 
 async def swap_quant(ctx: OpContext) -> None:
-    raise Reply(Status.NOT_IMPLEMENTED,
-                "SWAP_QUANT is not implemented: hydra-trio reloads whole models (CONFIGURE model_path), not single tensors")
+    """SWAP_QUANT: the whole model to another of the node's quants, through the control channel
+    (:mod:`hydra_trio.engine.quants`); a pattern that leaves some tensors out is NOT_IMPLEMENTED."""
+    e = ctx.engine()
+    want = ctx.parse(msg.parse_swap_quant, swapped=False)
+    target = e.quants.paths.get(want.quant_key)
+    if want.tensor_pattern and target is not None:
+        names = await trio.to_thread.run_sync(_tensor_names, target[0])
+        try:
+            pattern = re.compile(want.tensor_pattern)
+        except re.error as exc:
+            raise Reply(Status.BAD_REQUEST, f"tensor_pattern: {exc}", swapped=False) from None
+        left_out = [n for n in names if not pattern.search(n)]
+        if left_out:
+            raise Reply(Status.NOT_IMPLEMENTED, f"tensor_pattern leaves {len(left_out)} tensors out (e.g. "
+                        f"{left_out[0]}): swapping some tensors is not supported, only the whole model "
+                        "(an empty pattern)", swapped=False)
+    assert ctx.node.control is not None
+    change = Change(f"swap_quant {want.quant_key}", lambda engine: engine.swap_quant(want.quant_key),
+                    ctx.req.trace_id)
+    try:
+        meta = await ctx.node.control.submit(change)
+    except HydraTrioError as exc:
+        raise reply_for(exc, swapped=False, quant=e.quants.active) from None
+    await ctx.reply(meta)
+
+
+def _tensor_names(path: Path) -> list[str]:
+    import gguf
+
+    return [t.name for t in gguf.GGUFReader(str(path)).tensors]
 
 
 async def pipeline_attach(ctx: OpContext) -> None:
@@ -384,7 +417,7 @@ OPS: dict[int, OpSpec] = {
     Op.PREFILL: OpSpec(prefill, keeps_payload=True),
     Op.DECODE: OpSpec(decode, keeps_payload=True),
     Op.SET_EXPERT_MODE: OpSpec(set_expert_mode, keeps_payload=True),
-    Op.SWAP_QUANT: OpSpec(swap_quant),
+    Op.SWAP_QUANT: OpSpec(swap_quant, keeps_payload=True),
     Op.PIPELINE_ATTACH: OpSpec(pipeline_attach, keeps_payload=True),
 }
 """Opcode → operation (hydra-protocol.md §3)."""

@@ -44,6 +44,8 @@ __all__ = [
     "MessageError",
     "PipelineAttachRequest",
     "SetExpertModeRequest",
+    "SwapQuantRequest",
+    "parse_swap_quant",
     "clamp_state_chunk_size",
     "classify_configure_keys",
     "load_json_object",
@@ -131,6 +133,31 @@ def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
     if mode not in ("solo", "combined"):
         raise MessageError(f"mode: expected 'solo' or 'combined', got {text[:40]!r}")
     return SetExpertModeRequest(mode)  # type: ignore[arg-type]
+
+
+@attrs.frozen
+class SwapQuantRequest:
+    """SWAP_QUANT payload (hydra-protocol.md §3): ``[u16 LE quant_key_len][quant_key][tensor_pattern]``,
+    both UTF-8; an empty ``tensor_pattern`` means the whole model."""
+
+    quant_key: str
+    tensor_pattern: str = ""
+
+
+def parse_swap_quant(payload: Bytes) -> SwapQuantRequest:
+    """Parse a SWAP_QUANT payload.  Raises MessageError: too short, a key length past the end, an
+    empty key, or text that is not UTF-8."""
+    data = bytes(payload)
+    if len(data) < 2:
+        raise MessageError(f"quant_key_len: the payload is {len(data)} bytes; it starts with a u16 key length")
+    n = int.from_bytes(data[:2], "little")
+    if n == 0 or 2 + n > len(data):
+        raise MessageError(f"quant_key_len: {n} does not fit the payload ({len(data) - 2} bytes after it)")
+    try:
+        key, pattern = data[2 : 2 + n].decode("utf-8"), data[2 + n :].decode("utf-8")
+    except UnicodeDecodeError:
+        raise MessageError("quant_key / tensor_pattern: not valid UTF-8") from None
+    return SwapQuantRequest(key, pattern)
 
 
 def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:

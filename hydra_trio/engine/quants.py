@@ -1,0 +1,121 @@
+"""SWAP_QUANT: a node's quantizations of its model, and swapping the whole model between them.
+
+A node knows its quantizations by key (``--quant KEY=PATH_OR_ALIAS``,
+repeatable; the model loaded at start is the one whose path matches, else
+key ``default``).  A swap loads the other file, moves every slot's KV cache
+into it when both files have the same KV identity
+(:mod:`hydra_trio.engine.kv_identity`: e.g. Q4_1 and Q8_0 of one model), and
+frees the old model.  It is whole or nothing: when the new file does not
+load, the old model keeps serving.  Peak memory during a swap: the old model,
+the new one and one KV blob per slot that holds tokens.
+
+Swapping only some tensors (a ``tensor_pattern`` that does not match every
+tensor, e.g. the experts on a COMBINED head) is not done here: llama.cpp's
+public API loads whole models (the operation answers NOT_IMPLEMENTED then).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import EngineFailure, InvalidRequest
+from .kv_identity import identity_hash, kv_identity
+from .model import LoadedModel, ModelIdentity, sha256_file
+from .state import StateError, restore_slot, save_slot
+
+log = logging.getLogger("hydra_trio.engine")
+
+
+class QuantSet:
+    """The quantizations a node may swap between: ``key -> (path, alias)``, and the active key.
+
+    Args:
+        quants: ``(key, path, alias)`` of each (``--quant``).
+        loaded: the GGUF file loaded at start (its key is the matching
+            entry's, else ``default`` is added for it).
+    """
+
+    def __init__(self, quants: tuple[tuple[str, Path, str], ...], loaded: Path) -> None:
+        self.paths: dict[str, tuple[Path, str]] = {key: (Path(path), alias) for key, path, alias in quants}
+        self._hashes: dict[Path, str] = {}  # SHA-256 of each file, once
+        self.active: str | None = None
+        if self.paths and not any(p == Path(loaded) for p, _ in self.paths.values()):
+            self.paths.setdefault("default", (Path(loaded), ""))
+        self.loaded(loaded)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.paths)
+
+    def loaded(self, path: Path) -> None:
+        """The model in ``path`` serves now: its key (None for a file outside the set) is the active one."""
+        self.active = next((k for k, (p, _) in self.paths.items() if p == Path(path)), None)
+
+    def file_hash(self, path: Path) -> str:
+        if path not in self._hashes:
+            self._hashes[path] = sha256_file(path)
+        return self._hashes[path]
+
+    def snapshot(self) -> dict[str, Any]:
+        """INFO's keys: ``quants`` (the keys) and ``quant`` (the active key, or None)."""
+        return {"quants": self.keys, "quant": self.active}
+
+
+def swap_quant(engine: Any, key: str) -> dict[str, Any]:
+    """Engine thread, every slot idle: make quant ``key`` the served model of ``engine`` (an
+    :class:`~hydra_trio.engine.engine.Engine`); returns SWAP_QUANT's meta.
+
+    Meta: ``swapped`` (False when ``key`` is already active), ``quant``,
+    ``bytes`` (the size of the file loaded), ``swap_ms``, ``kv_preserved``
+    (every slot kept its KV cache: same KV identity), ``slots_preserved``, and
+    the new model's identity keys.
+
+    Raises:
+        InvalidRequest: an unknown key, or a COMBINED head (switch to SOLO first).
+        EngineFailure: the file did not load; the old model still serves.
+    """
+    qs = engine.quants
+    if key not in qs.paths:
+        known = ", ".join(qs.keys) or "none: start the node with --quant KEY=PATH_OR_ALIAS"
+        raise InvalidRequest(f"quant {key!r} is not one of this node's quants ({known})")
+    if engine.experts.combined is not None:
+        raise InvalidRequest("SWAP_QUANT of the whole model on a COMBINED head: switch to SOLO (and detach) first")
+    old = engine.experts.solo
+    old_identity = engine.identity
+    assert old is not None and old_identity is not None
+    if key == qs.active:
+        return {"swapped": False, "quant": key, "bytes": 0, "swap_ms": 0.0, "kv_preserved": True,
+                "slots_preserved": sum(1 for s in engine.slots if s.n_past), **old_identity.as_meta()}
+    path, alias = qs.paths[key]
+    t0 = time.perf_counter()
+    try:
+        new = LoadedModel(path, n_ctx=old.n_ctx, n_parallel=old.n_parallel, n_batch=old.n_batch,
+                          n_threads=engine.config.n_threads, chat_template=engine.config.chat_template)
+    except Exception as exc:
+        raise EngineFailure(f"quant {key!r} ({path}) did not load: {exc}; the node still serves "
+                            f"{qs.active or old.path.name}") from None
+    try:
+        identity = ModelIdentity(model_alias=alias or path.stem, model_path=str(path), model_hash=qs.file_hash(path),
+                                 kv_identity_hash=identity_hash(kv_identity(new)))
+        kv_preserved = identity.kv_identity_hash == old_identity.kv_identity_hash
+        blobs = ([(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in engine.slots if s.n_past]
+                 if kv_preserved else [])
+    except Exception:
+        new.close()
+        raise
+    engine.install_model(new, identity)
+    preserved = 0
+    for id_slot, blob in blobs:
+        try:
+            restore_slot(new, engine.slots[id_slot], blob, identity.model_hash, allow_cross_model_kv=True)
+            preserved += 1
+        except StateError as exc:  # the slot stays empty
+            log.warning("SWAP_QUANT: slot %d's KV cache did not move to %s: %s", id_slot, key, exc)
+            kv_preserved = False
+    ms = (time.perf_counter() - t0) * 1e3
+    log.info("SWAP_QUANT to %s (%s) in %.0f ms; %d slot(s) kept their KV cache", key, path.name, ms, preserved)
+    return {"swapped": True, "quant": key, "bytes": path.stat().st_size, "swap_ms": round(ms, 3),
+            "kv_preserved": kv_preserved, "slots_preserved": preserved, **identity.as_meta()}
