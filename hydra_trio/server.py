@@ -156,8 +156,8 @@ class Server:
             if peer is None:
                 continue
             experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
-            if experts.mode == "combined" and not experts.peer_reachable:
-                log.warning("peer %s unreachable while COMBINED: going back to SOLO", peer)
+            if experts.mode in ("combined", "pipeline") and not experts.peer_reachable:
+                log.warning("peer %s unreachable while %s: going back to SOLO", peer, str(experts.mode).upper())
                 try:
                     await control.submit(Change("peer unreachable", lambda e: e.peer_gone(), "watchdog"))
                 except Busy:

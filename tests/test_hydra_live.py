@@ -76,9 +76,10 @@ def test_flags_key_rules_and_not_implemented_ops(server: ServerProcess) -> None:
         assert status == Status.NOT_FOUND and "slot 4" in meta["error"]
         assert w.call(Op.STATE_META, key="-1")[0] == Status.NOT_FOUND
         status, meta, _ = w.call(Op.SWAP_QUANT, payload=struct.pack("<H", 4) + b"q8_0" + b"ffn_.*")
-        assert status == Status.NOT_IMPLEMENTED and meta["error"]
+        assert status == Status.BAD_REQUEST and "not one of this node's quants" in meta["error"]
         status, meta, _ = w.call(Op.PIPELINE_ATTACH, payload=json.dumps({"peer": "127.0.0.1:1", "ot_split": "x"}).encode())
-        assert status == Status.NOT_IMPLEMENTED
+        assert status == Status.OK and meta["success"] is False and "does not answer" in meta["fallback_reason"]
+        assert meta["mode"] == "solo"
         status, meta, _ = w.call(Op.STATE_META, key="0")
         assert status == Status.OK and {"slot_id", "n_past", "state_size", "is_processing", "model_hash"} <= meta.keys()
 
@@ -306,5 +307,5 @@ def test_info_uses_the_cpp_engines_capability_names(spawn) -> None:
     with Wire(fresh.port) as w:
         status, meta, _ = w.call(Op.INFO)
     assert {"state_transfer", "expert_mode", "preset", "model_hash", "prefill", "decode"} <= set(meta["capabilities"])
-    assert "quant_swap" not in meta["capabilities"]  # SWAP_QUANT answers NOT_IMPLEMENTED here
+    assert {"quant_swap", "pipeline_attach", "kv_identity"} <= set(meta["capabilities"])
     assert meta["peer_addr"] == ""  # no peer: an empty string, as the C++ engine sends

@@ -230,6 +230,7 @@ class ExpertMode(enum.StrEnum):
 
     SOLO = "solo"
     COMBINED = "combined"
+    PIPELINE = "pipeline"  # PIPELINE_ATTACH: the tensors matching ot_split (e.g. upper layers) on the peer
 
 
 class PeerAttach(enum.StrEnum):
@@ -266,6 +267,7 @@ class ExpertModes:
         self.peer = peer
         self.peer_reachable = False
         self.pattern = pattern
+        self.expert_pattern = pattern  # COMBINED's pattern; PIPELINE_ATTACH sets ``pattern`` to its ot_split
         self.fallback_reason: str | None = None
         self.peer_attach = PeerAttach.PENDING if peer else PeerAttach.NONE
         self.solo: LoadedModel | None = None
@@ -350,7 +352,8 @@ class ExpertModes:
         log.info("attach %s: probe %.0f ms, expert bytes counted in %.0f ms", peer,
                  (t_bytes - t_probe) * 1e3, (time.perf_counter() - t_bytes) * 1e3)
         if need == 0:
-            raise PeerError(f"no tensor of {solo.path.name} matches {self.pattern!r} (not a MoE model?)")
+            raise PeerError(f"no tensor of {solo.path.name} matches {self.pattern!r}"
+                            + (" (not a MoE model?)" if self.pattern == self.expert_pattern else ""))
         worker = PeerWorker(peer)
 
         def build() -> LoadedModel:
@@ -399,6 +402,9 @@ class ExpertModes:
         target = peer or self.peer
         if target is None:
             return self._fallback("no peer: start with --rpc-engine HOST:PORT or send {\"mode\": \"combined\", \"peer\": ...}")
+        if self.pattern != self.expert_pattern:  # the peer holds a pipeline split: COMBINED needs the experts
+            self.detach()
+            self.pattern = self.expert_pattern
         if target != self.peer or self.combined is None or self._worker is None or self._worker.dead:
             if self.combined is not None:
                 log.info("detaching peer %s", self.peer)
@@ -415,6 +421,40 @@ class ExpertModes:
         log.info("expert mode COMBINED (peer %s), switch took %.1f ms", self.peer, ms)
         return {"success": True, "mode": "combined", "peer": self.peer, "switch_ms": round(ms, 3)}
 
+    def attach_pipeline(self, peer: str | None, ot_split: str) -> dict[str, Any]:
+        """Every slot idle: PIPELINE_ATTACH (hydra-protocol.md §3) with COMBINED's machinery.
+
+        The tensors whose names match ``ot_split`` (``re.search``; e.g. the
+        upper half of the layers, ``blk\\.(1[5-9]|2[0-9])\\.``) are placed on
+        the ggml-RPC ``peer``, on a dense model as on a MoE; the node then
+        serves in mode ``pipeline``.  ``peer`` None detaches (back to local).
+        Same rules as SET_EXPERT_MODE: an unusable peer leaves the node as it
+        was, local, with ``success`` false and a ``fallback_reason``; a peer
+        that dies mid-request fails that request and the node goes local.
+        """
+        t0 = time.perf_counter()
+        if peer is None:
+            self.detach()
+            self.pattern = self.expert_pattern
+            self.fallback_reason = None
+            return {"success": True, "mode": str(self.mode), "peer": None}
+        if self.combined is not None and (peer != self.peer or ot_split != self.pattern):
+            self.detach()
+        old = self.peer, self.pattern
+        self.peer, self.pattern = peer, ot_split
+        if self.combined is None or self._worker is None or self._worker.dead:
+            try:
+                self._attach(peer)
+            except PeerError as exc:  # as it was: local, the old peer (none was attached)
+                self.peer, self.pattern = old[0], self.expert_pattern
+                return self._fallback(str(exc))
+        self._activate(self.combined)
+        self.mode = ExpertMode.PIPELINE
+        self.fallback_reason = None
+        ms = (time.perf_counter() - t0) * 1e3
+        log.info("PIPELINE: tensors matching %r on peer %s, attached in %.1f ms", ot_split, peer, ms)
+        return {"success": True, "mode": "pipeline", "peer": peer, "layer_split": ot_split, "switch_ms": round(ms, 3)}
+
     def _fallback(self, reason: str) -> dict[str, Any]:
         """COMBINED was asked for and SOLO stays in effect: ``success`` is false (the mode in
         effect is not the one asked for); ``mode`` and ``fallback_reason`` say what and why."""
@@ -428,7 +468,7 @@ class ExpertModes:
 
     def peer_gone(self) -> None:
         """Slots idle: the watchdog found the peer unreachable; back to SOLO."""
-        if self.mode != ExpertMode.COMBINED:
+        if self.mode not in (ExpertMode.COMBINED, ExpertMode.PIPELINE):
             return
         self.fallback_reason = f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
         self.counters.combined_fallbacks += 1

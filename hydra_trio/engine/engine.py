@@ -454,6 +454,10 @@ class Engine:
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
         self.quants.loaded(new.path)
 
+    def pipeline_attach(self, peer: str | None, ot_split: str) -> dict[str, Any]:
+        """Engine thread, every slot idle: PIPELINE_ATTACH (:meth:`ExpertModes.attach_pipeline`)."""
+        return self.experts.attach_pipeline(peer, ot_split)
+
     def swap_quant(self, key: str) -> dict[str, Any]:
         """Engine thread, every slot idle (the control channel checks): SWAP_QUANT to quant ``key``.
 

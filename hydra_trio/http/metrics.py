@@ -76,6 +76,8 @@ class _Collector:
             s.tokens_predicted_total / s.tokens_predicted_seconds_total if s.tokens_predicted_seconds_total else 0.0,
         )
         yield GaugeMetricFamily("hydra_trio:combined_mode", "1 while COMBINED serves new work.", int(e.experts.mode == "combined"))
+        yield GaugeMetricFamily("hydra_trio:pipeline_mode", "1 while a PIPELINE_ATTACH split serves new work.",
+                                int(e.experts.mode == "pipeline"))
         yield CounterMetricFamily("hydra_trio:expert_mode_switches", "Switches between SOLO and COMBINED models.", s.mode_switches)
         yield CounterMetricFamily("hydra_trio:combined_fallbacks", "COMBINED requests answered with SOLO.", s.combined_fallbacks)
         yield CounterMetricFamily("hydra_trio:peer_losses", "ggml-RPC peers lost mid-request.", s.peer_losses)

@@ -43,7 +43,7 @@ CAPABILITIES = [
     "state_transfer", "expert_mode", "preset", "model_hash",
     "state_get", "state_put", "state_meta", "configure", "info",
     "prefill", "decode", "set_expert_mode", "openai_http", "kv_checksum",
-    "quant_swap", "kv_identity", "cross_model_kv",
+    "quant_swap", "kv_identity", "cross_model_kv", "pipeline_attach",
 ]
 
 
@@ -273,7 +273,7 @@ def info_meta(node: Node) -> dict[str, Any]:
         "solo_active": e is not None and e.ready,
         "rpc_backend_active": rpc is not None and rpc.active,
         **experts,
-        "pipeline_capable": False,
+        "pipeline_capable": e is not None,
         **(e.quants.snapshot() if e is not None else {"quants": [], "quant": None}),
         "quant_swap": {"whole_model": True, "tensor_subsets": False,
                        "peak_memory": "the old model + the new one + one KV blob per slot holding tokens"},
@@ -396,8 +396,18 @@ def _tensor_names(path: Path) -> list[str]:
 
 
 async def pipeline_attach(ctx: OpContext) -> None:
-    raise Reply(Status.NOT_IMPLEMENTED,
-                "PIPELINE_ATTACH is not implemented (as in the C++ engine): use SET_EXPERT_MODE combined with a peer")
+    """PIPELINE_ATTACH: the tensors matching ``ot_split`` on the peer, through the control channel
+    (slots idle, else BUSY); ``{"peer": ""}`` detaches."""
+    e = ctx.engine()
+    want = ctx.parse(lambda p: msg.structure_json(p, msg.PipelineAttachRequest), success=False)
+    assert ctx.node.control is not None
+    change = Change(f"pipeline_attach peer={want.peer or '-'} ot_split={want.ot_split!r}",
+                    lambda engine: engine.pipeline_attach(want.peer, want.ot_split), ctx.req.trace_id)
+    try:
+        meta = await ctx.node.control.submit(change)
+    except HydraTrioError as exc:
+        raise reply_for(exc, success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
+    await ctx.reply(meta)
 
 
 @attrs.frozen

@@ -10,6 +10,8 @@ into :mod:`hydra_trio.api.schemas` classes, the same ones the HTTP API uses.
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
@@ -169,11 +171,21 @@ def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 class PipelineAttachRequest:
     """PIPELINE_ATTACH payload (hydra-protocol.md §3): ``peer``
     ``"host:port"``, ``ot_split`` the tensor-override regex naming the
-    tensors the peer owns (non-empty; not compiled here: llama.cpp uses
-    std::regex). Unknown keys are rejected."""
+    tensors the peer owns (non-empty with a peer; matched with Python's
+    ``re.search``, as the node counts the bytes). ``{"peer": ""}`` (peer
+    None here) detaches. Unknown keys are rejected."""
 
-    peer: str = attrs.field(validator=_peer_validator)
-    ot_split: str = attrs.field(validator=_non_empty)
+    peer: str | None = attrs.field(converter=_empty_to_none, validator=_peer_validator)
+    ot_split: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if self.peer is not None and not self.ot_split:
+            raise MessageError("ot_split: missing (the regex of the tensors the peer holds)")
+        if self.ot_split:
+            try:
+                re.compile(self.ot_split)
+            except re.error as exc:
+                raise MessageError(f"ot_split: not a regular expression: {exc}") from None
 
 
 _conv.register(PipelineAttachRequest, forbid_extra=True)

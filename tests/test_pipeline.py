@@ -1,0 +1,93 @@
+"""PIPELINE_ATTACH: a dense model's upper layers on a compute-only peer over ggml-RPC."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+
+import httpx
+
+from hydra_trio.protocol.hydra import Op, Status
+
+from .conftest import ServerProcess
+from .hydra_wire import Wire
+from .test_combined import BODY, complete, info, rpc_bytes, wait_for
+
+UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."  # SmolLM2-135M has 30 layers
+
+
+def attach(port: int, body: dict) -> tuple[int, dict]:
+    with Wire(port) as w:
+        status, meta, _ = w.call(Op.PIPELINE_ATTACH, payload=json.dumps(body).encode())
+    return status, meta
+
+
+def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, spawn) -> None:
+    b = spawn("--no-model")
+    b.wait_ready()
+    a = spawn("-np", "1", "-c", "1024", "--no-rpc-backend")
+    a.wait_ready()
+    local = complete(a.base)
+    assert local == complete(server.base)
+    assert info(a.port)["pipeline_capable"] is True and info(a.port)["mode"] == "solo"
+
+    uploaded = rpc_bytes(b.port)
+    status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": UPPER_HALF})
+    assert status == Status.OK and meta["success"] is True and meta["mode"] == "pipeline", meta
+    assert rpc_bytes(b.port) - uploaded > 30_000_000  # half the layers' weights went to B
+    meta = info(a.port)
+    assert meta["mode"] == "pipeline" and meta["layer_split"] == UPPER_HALF
+    assert meta["peer_addr"] == f"127.0.0.1:{b.port}"
+    assert "hydra_trio:pipeline_mode 1.0" in httpx.get(a.base + "/metrics").text
+
+    before = rpc_bytes(b.port)
+    assert complete(a.base) == local  # same greedy text, token for token
+    assert rpc_bytes(b.port) - before > 100_000  # B computed the upper layers
+
+    # a change while a stream runs: BUSY, nothing changes
+    started, stop = threading.Event(), threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", a.base + "/v1/completions", json={**BODY, "max_tokens": 400, "stream": True},
+                          timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    break
+
+    t = threading.Thread(target=stream)
+    t.start()
+    try:
+        assert started.wait(60)
+        status, meta = attach(a.port, {"peer": ""})
+        assert status == Status.BUSY and meta["busy_slots"] and meta["mode"] == "pipeline"
+    finally:
+        stop.set()
+        t.join(60)
+    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), 10)
+
+    # detach: local again, same text
+    status, meta = attach(a.port, {"peer": ""})
+    assert status == Status.OK and meta["success"] is True and meta["mode"] == "solo"
+    assert info(a.port)["mode"] == "solo" and complete(a.base) == local
+
+    # an unreachable peer: stays local, says why
+    status, meta = attach(a.port, {"peer": "127.0.0.1:1", "ot_split": UPPER_HALF})
+    assert status == Status.OK and meta["success"] is False and meta["mode"] == "solo"
+    assert "does not answer" in meta["fallback_reason"]
+    status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": "("})
+    assert status == Status.BAD_REQUEST and "ot_split" in meta["error"]
+
+    # the peer dies mid-request: that request fails with a clear error, the node goes local
+    assert attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": UPPER_HALF})[1]["mode"] == "pipeline"
+    replies: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: replies.append(
+        httpx.post(a.base + "/v1/completions", json={**BODY, "max_tokens": 2000}, timeout=120)))
+    t.start()
+    wait_for(lambda: any(s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(a.base + "/slots").json()), 60)
+    b.stop(signal.SIGKILL)
+    t.join(120)
+    assert replies and replies[0].status_code == 500 and "died mid-request" in replies[0].json()["error"]["message"]
+    wait_for(lambda: info(a.port)["mode"] == "solo", 30)
+    assert complete(a.base) == local
