@@ -18,25 +18,19 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
+from bench._decode import tok_s  # noqa: E402
+
 
 def start(*args: str, passive: bool = False) -> tuple[subprocess.Popen, int]:
     proc, port = spawn("--log-level", "WARNING", *args, env={"OMP_WAIT_POLICY": "PASSIVE"} if passive else None)
     wait_healthy(port, proc)
     return proc, port
-
-
-def tok_s(port: int, n: int) -> float:
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
-                   json={"prompt": "Once upon a time", "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                         "cache_prompt": False}).json()
-    return r["timings"]["predicted_per_second"]
 
 
 async def mode(port: int, m: str) -> dict:

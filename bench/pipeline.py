@@ -18,7 +18,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import trio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,14 +25,9 @@ sys.path.insert(0, str(ROOT))
 from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
+from bench._decode import tok_s  # noqa: E402
+
 UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."
-
-
-def tok_s(port: int, n: int) -> float:
-    r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=300,
-                   json={"prompt": "Once upon a time", "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                         "cache_prompt": False}).json()
-    return r["timings"]["predicted_per_second"]
 
 
 async def attach(port: int, body: dict) -> dict:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -86,3 +88,26 @@ def spawn(tmp_path: Path) -> Iterator[callable]:
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base, timeout=120) as client:
         yield client
+
+
+@contextlib.contextmanager
+def streaming(base: str, body: dict, path: str = "/v1/completions") -> Iterator[None]:
+    """Inside the block a streamed request to ``base + path`` is running (its first chunk has
+    arrived); leaving the block stops reading it and closes it (the slot frees soon after)."""
+    started, stop = threading.Event(), threading.Event()
+
+    def run() -> None:
+        with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=120) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    break
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert started.wait(60), "the stream did not start"
+        yield
+    finally:
+        stop.set()
+        t.join(60)

@@ -14,7 +14,7 @@ import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
 
-from .conftest import ROOT, ServerProcess, free_port
+from .conftest import ROOT, ServerProcess, free_port, streaming
 from .hydra_wire import Wire
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -86,29 +86,13 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     assert "hydra_trio:combined_mode 1.0" in httpx.get(a.base + "/metrics").text
 
     # a switch while a stream runs: BUSY, nothing changes
-    started, stop = threading.Event(), threading.Event()
-
-    def stream() -> None:
-        body = {**BODY, "max_tokens": 400, "stream": True}
-        with httpx.stream("POST", a.base + "/v1/completions", json=body, timeout=120) as r:
-            for _ in r.iter_lines():
-                started.set()
-                if stop.is_set():
-                    break
-
-    t = threading.Thread(target=stream)
-    t.start()
-    try:
-        assert started.wait(60)
+    with streaming(a.base, {**BODY, "max_tokens": 400}):
         info_before = info(a.port)
         status, meta = set_mode(a.port, b"solo")
         assert status == Status.BUSY and meta["busy_slots"] and meta["success"] is False
         info_after = info(a.port)
         for k in ("mode", "peer_addr", "combined_head_attached"):
             assert info_after[k] == info_before[k]
-    finally:
-        stop.set()
-        t.join(60)
     wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), 10)
 
     # move to peer C: B is detached, C gets the experts and does the work

@@ -10,7 +10,7 @@ import httpx
 
 from hydra_trio.protocol.hydra import Op, Status
 
-from .conftest import ServerProcess
+from .conftest import ServerProcess, streaming
 from .hydra_wire import Wire
 from .test_combined import BODY, complete, info, rpc_bytes, wait_for
 
@@ -46,25 +46,9 @@ def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, 
     assert rpc_bytes(b.port) - before > 100_000  # B computed the upper layers
 
     # a change while a stream runs: BUSY, nothing changes
-    started, stop = threading.Event(), threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", a.base + "/v1/completions", json={**BODY, "max_tokens": 400, "stream": True},
-                          timeout=120) as r:
-            for _ in r.iter_lines():
-                started.set()
-                if stop.is_set():
-                    break
-
-    t = threading.Thread(target=stream)
-    t.start()
-    try:
-        assert started.wait(60)
+    with streaming(a.base, {**BODY, "max_tokens": 400}):
         status, meta = attach(a.port, {"peer": ""})
         assert status == Status.BUSY and meta["busy_slots"] and meta["mode"] == "pipeline"
-    finally:
-        stop.set()
-        t.join(60)
     wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), 10)
 
     # detach: local again, same text

@@ -10,7 +10,7 @@ import httpx
 
 from hydra_trio.models.presets import resolve_model
 
-from .conftest import ROOT, ServerProcess
+from .conftest import ROOT, ServerProcess, streaming
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "Water boils at"]
@@ -144,8 +144,6 @@ def _info(port: int) -> dict:
 
 
 def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) -> None:
-    import threading
-
     from hydra_trio.protocol.hydra import Status
 
     broken = tmp_path / "broken.gguf"
@@ -183,26 +181,10 @@ def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) 
     assert status == Status.ERROR and "did not load" in meta["error"] and meta["quant"] == "q8"
     assert _info(srv.port)["quant"] == "q8" and chat(max_tokens=4)["choices"][0]["message"]["content"]
 
-    started, stop = threading.Event(), threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", srv.base + "/v1/completions", timeout=120, json={
-                "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
-            for _ in r.iter_lines():
-                started.set()
-                if stop.is_set():
-                    break
-
-    t = threading.Thread(target=stream)
-    t.start()
-    try:
-        assert started.wait(60)
+    with streaming(srv.base, {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}):
         status, meta = _swap(srv.port, "q4")
         assert status == Status.BUSY and meta["busy_slots"] and meta["swapped"] is False
         assert _info(srv.port)["quant"] == "q8"
-    finally:
-        stop.set()
-        t.join(60)
     status, meta = _swap(srv.port, "q4")
     for _ in range(50):  # the stream's slot frees at the engine's next step
         if status != Status.BUSY:
