@@ -210,3 +210,35 @@ def test_swapping_back_and_forth_does_not_grow_memory(spawn) -> None:
             assert status == Status.OK and meta["swapped"] is True, meta
         rss.append(_rss_kib(srv.proc.pid))
     assert rss[-1] <= rss[0] * 1.10, rss
+
+
+def test_a_combined_head_swaps_only_the_experts_on_its_peer(spawn) -> None:
+    """SWAP_QUANT with the COMBINED pattern: the peer's expert tensors come from the Q8_0 MoE, the
+    head's own tensors (and its SOLO model) stay Q4_1; any other subset is NOT_IMPLEMENTED."""
+    from hydra_trio.protocol.hydra import Status
+
+    from .test_combined import complete, rpc_bytes, wait_for
+
+    b = spawn("--no-model")
+    b.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine",
+              f"127.0.0.1:{b.port}", "--quant", "q4=smollm2-135m-moe", "--quant", "q8=smollm2-135m-moe-q8")
+    a.wait_ready()
+    wait_for(lambda: _info(a.port)["mode"] == "combined")
+    before_text = complete(a.base)
+    solo_hash = _info(a.port)["model_hash"]
+    uploaded = rpc_bytes(b.port)
+    status, meta = _swap(a.port, "q8", "ffn_(up|down|gate)_exps")
+    assert status == Status.OK, meta
+    assert meta["swapped"] is True and meta["quant"] == "q8" and meta["mode"] == "combined"
+    q8_experts = meta["bytes"]
+    assert rpc_bytes(b.port) - uploaded >= q8_experts > 300_000_000  # Q8_0 experts: larger than the Q4_1 ones
+    info = _info(a.port)
+    assert info["mode"] == "combined" and info["expert_quant"] == "q8"
+    assert info["quant"] == "q4" and info["model_hash"] == solo_hash  # the head's own model is as it was
+    after_text = complete(a.base)
+    # close, as test_q8_output_is_close_to_the_q4_1_output defines it: the first 4 tokens (" Paris", ".",
+    # "\n\n", " The") agree; then the Q8_0 experts answer as the whole Q8_0 model does (" answer is")
+    assert after_text.split()[:2] == before_text.split()[:2] and after_text != before_text
+    status, meta = _swap(a.port, "q8", r"blk\.0\.")  # some other subset
+    assert status == Status.NOT_IMPLEMENTED and "on its peer" in meta["error"]

@@ -268,6 +268,7 @@ class ExpertModes:
         self.peer_reachable = False
         self.pattern = pattern
         self.expert_pattern = pattern  # COMBINED's pattern; PIPELINE_ATTACH sets ``pattern`` to its ot_split
+        self.expert_quant: str | None = None  # the quant the peer's tensors come from, after an expert-only swap
         self.fallback_reason: str | None = None
         self.peer_attach = PeerAttach.PENDING if peer else PeerAttach.NONE
         self.solo: LoadedModel | None = None
@@ -288,6 +289,7 @@ class ExpertModes:
             "combined_head_attached": self.combined is not None,
             "fallback_reason": self.fallback_reason,
             "peer_attach": str(self.peer_attach),
+            "expert_quant": self.expert_quant,
         }
 
     def set_solo(self, model: LoadedModel) -> None:
@@ -326,6 +328,7 @@ class ExpertModes:
             self.mode = ExpertMode.SOLO
         self.combined = None
         self._worker = None
+        self.expert_quant = None
         if self.peer_attach == PeerAttach.ATTACHED:
             self.peer_attach = PeerAttach.NONE
         if model is not None and worker is not None:
@@ -335,20 +338,22 @@ class ExpertModes:
                 log.warning("peer %s: could not free the COMBINED model (%s); leaked", worker.peer, exc)
             worker.stop()
 
-    def _attach(self, peer: str) -> None:
-        """Build the COMBINED model with the expert tensors on ``peer``.
+    def _attach(self, peer: str, path: Path | None = None) -> int:
+        """Build the COMBINED model with the expert tensors on ``peer``, from ``path`` (default: the
+        SOLO model's file); returns the bytes placed on the peer.
 
         Raises PeerError (unreachable, too little memory, load failed); nothing changes then.
         """
         solo = self.solo
         assert solo is not None
+        src = path or solo.path
         t_probe = time.perf_counter()
         if not peer_reachable(peer):
             self.peer_reachable = False
             raise PeerError(f"peer {peer} does not answer ggml-RPC")
         self.peer_reachable = True
         t_bytes = time.perf_counter()
-        need = expert_bytes(solo.path, self.pattern)
+        need = expert_bytes(src, self.pattern)
         log.info("attach %s: probe %.0f ms, expert bytes counted in %.0f ms", peer,
                  (t_bytes - t_probe) * 1e3, (time.perf_counter() - t_bytes) * 1e3)
         if need == 0:
@@ -365,7 +370,7 @@ class ExpertModes:
                 raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
             buft = ggml_rpc.libs()[0].ggml_backend_dev_buffer_type(devs[0])
             return LoadedModel(
-                solo.path, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
+                src, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
                 devices=[devs[0], ggml_rpc.cpu_device()], overrides=[(self.pattern, buft)],
             )
 
@@ -384,6 +389,33 @@ class ExpertModes:
         self.peer_attach = PeerAttach.ATTACHED
         log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
                  need, self.pattern, peer, time.perf_counter() - t0)
+        return need
+
+    def replace_peer_tensors(self, path: Path, quant: str) -> dict[str, Any]:
+        """Every slot idle, COMBINED attached: rebuild the COMBINED model from ``path`` (the same
+        model whose expert tensors come from another quant, :func:`~hydra_trio.models.quant.merge_tensors`);
+        the SOLO model and the head's own tensors stay.  Returns SWAP_QUANT's meta.
+
+        Whole or nothing on the head: when the new model does not build, the node is back in SOLO
+        (the old COMBINED model was freed first, as the peer holds one at a time) with a
+        ``fallback_reason``, and this raises PeerError.
+        """
+        assert self.combined is not None and self.peer is not None
+        t0 = time.perf_counter()
+        was_active = self.active is self.combined
+        self.detach()
+        try:
+            uploaded = self._attach(self.peer, path)
+        except PeerError as exc:
+            self._fallback(f"the experts of quant {quant!r} did not load on {self.peer}: {exc}")
+            raise
+        if was_active:
+            self._activate(self.combined)
+            self.mode = ExpertMode.COMBINED
+        self.expert_quant = quant
+        ms = (time.perf_counter() - t0) * 1e3
+        return {"swapped": True, "quant": quant, "tensor_pattern": self.pattern, "bytes": uploaded,
+                "swap_ms": round(ms, 3), "kv_preserved": False, "mode": str(self.mode), "peer": self.peer}
 
     def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
         """Every slot idle (the control channel checks): switch SOLO / COMBINED; returns the reply meta.

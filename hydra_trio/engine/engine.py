@@ -458,9 +458,9 @@ class Engine:
         """Engine thread, every slot idle: PIPELINE_ATTACH (:meth:`ExpertModes.attach_pipeline`)."""
         return self.experts.attach_pipeline(peer, ot_split)
 
-    def swap_quant(self, key: str) -> dict[str, Any]:
+    def swap_quant(self, key: str, *, experts_only: bool = False) -> dict[str, Any]:
         """Engine thread, every slot idle (the control channel checks): SWAP_QUANT to quant ``key``.
 
-        See :func:`hydra_trio.engine.quants.swap_quant`.
+        See :func:`hydra_trio.engine.quants.swap_quant` (``experts_only``: :func:`~hydra_trio.engine.quants.swap_peer_tensors`).
         """
-        return quants.swap_quant(self, key)
+        return (quants.swap_peer_tensors if experts_only else quants.swap_quant)(self, key)

