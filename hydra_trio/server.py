@@ -92,6 +92,8 @@ class Server:
                     await nursery.start(self.control.run)
                 if self.engine is not None and self.engine.experts.peer is not None:
                     nursery.start_soon(self._combined_at_start)
+                elif self.engine is not None:  # a peer may come later (SET_EXPERT_MODE, PIPELINE_ATTACH)
+                    nursery.start_soon(self._watch_peer)
                 task_status.started(self)
         finally:
             self.stopped.set()

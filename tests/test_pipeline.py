@@ -45,6 +45,13 @@ def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, 
     assert complete(a.base) == local  # same greedy text, token for token
     assert rpc_bytes(b.port) - before > 100_000  # B computed the upper layers
 
+    # a re-attach that cannot work (nothing matches) leaves the working attachment as it was
+    status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": "no_such_tensor"})
+    assert status == Status.OK and meta["success"] is False and meta["mode"] == "pipeline"
+    assert info(a.port)["mode"] == "pipeline" and complete(a.base) == local
+    status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": "(?i)BLK"})
+    assert status == Status.BAD_REQUEST and "std::regex" in meta["error"]  # llama.cpp would read it otherwise
+
     # a change while a stream runs: BUSY, nothing changes
     with streaming(a.base, {**BODY, "max_tokens": 400}):
         status, meta = attach(a.port, {"peer": ""})
@@ -74,4 +81,22 @@ def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, 
     t.join(120)
     assert replies and replies[0].status_code == 500 and "died mid-request" in replies[0].json()["error"]["message"]
     wait_for(lambda: info(a.port)["mode"] == "solo", 30)
+    assert complete(a.base) == local
+    # llama.cpp keeps the broken connection: the same address is refused at once, saying why
+    status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": UPPER_HALF})
+    assert status == Status.OK and meta["success"] is False and "broke mid-call" in meta["fallback_reason"]
+
+
+def test_a_pipeline_peer_that_dies_between_requests_is_noticed(spawn) -> None:
+    """The peer watchdog runs on a node started without --rpc-engine too."""
+    c = spawn("--no-model")
+    c.wait_ready()
+    a = spawn("-np", "1", "-c", "1024", "--no-rpc-backend")
+    a.wait_ready()
+    local = complete(a.base)
+    assert attach(a.port, {"peer": f"127.0.0.1:{c.port}", "ot_split": UPPER_HALF})[1]["mode"] == "pipeline"
+    c.stop(signal.SIGKILL)
+    wait_for(lambda: info(a.port)["mode"] == "solo", 90)
+    meta = info(a.port)
+    assert meta["peer_reachable"] is False and meta["fallback_reason"]
     assert complete(a.base) == local

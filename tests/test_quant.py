@@ -242,3 +242,23 @@ def test_a_combined_head_swaps_only_the_experts_on_its_peer(spawn) -> None:
     assert after_text.split()[:2] == before_text.split()[:2] and after_text != before_text
     status, meta = _swap(a.port, "q8", r"blk\.0\.")  # some other subset
     assert status == Status.NOT_IMPLEMENTED and "on its peer" in meta["error"]
+
+
+def test_a_blob_whose_identity_nests_too_deep_is_refused_and_the_connection_lives(server: ServerProcess) -> None:
+    import struct
+
+    from hydra_trio.engine.state import HEADER_SIZE, blob_checksum, parse_header
+    from hydra_trio.protocol.hydra import Op, Status
+
+    from .hydra_wire import Wire
+
+    with Wire(server.port) as w:
+        status, meta, blob = w.call(Op.STATE_GET, key="3")
+        assert status == Status.OK
+        header = parse_header(blob)
+        deep = b"[" * 30000 + b"]" * 30000
+        bad = bytearray(blob[:HEADER_SIZE + 32]) + struct.pack("<I", len(deep)) + deep + blob[header.tokens_at:]
+        struct.pack_into("<Q", bad, 52, blob_checksum(bad))
+        status, meta, _ = w.call(Op.STATE_PUT, key="3", payload=bytes(bad))
+        assert status == Status.ERROR and "not a JSON object" in meta["error"]
+        assert w.call(Op.STATE_META, key="3")[0] == Status.OK  # same connection, still served

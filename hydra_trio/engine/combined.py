@@ -58,6 +58,9 @@ class PeerLost(RuntimeError):
 _local = threading.local()
 _abort_installed = False
 _live_workers: set[PeerWorker] = set()
+_lost_endpoints: set[str] = set()
+"""Peers whose ggml-RPC connection broke mid-call: llama.cpp keeps that connection (and its lock)
+for the life of the process, and a new attach to the same ``host:port`` would wait on it forever."""
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
@@ -122,6 +125,7 @@ class PeerWorker:
         """The peer is gone: fail the call in progress and all queued ones (from the abort handler)."""
         self._dead.set()
         _live_workers.discard(self)
+        _lost_endpoints.add(self.peer)
         lost = PeerLost(f"peer {self.peer} stopped answering")
         if self._current is not None:
             self._current.fail(lost)
@@ -268,6 +272,7 @@ class ExpertModes:
         self.peer_reachable = False
         self.pattern = pattern
         self.expert_pattern = pattern  # COMBINED's pattern; PIPELINE_ATTACH sets ``pattern`` to its ot_split
+        self.home_peer = peer  # --rpc-engine: what a PIPELINE_ATTACH detach goes back to
         self.expert_quant: str | None = None  # the quant the peer's tensors come from, after an expert-only swap
         self.fallback_reason: str | None = None
         self.peer_attach = PeerAttach.PENDING if peer else PeerAttach.NONE
@@ -295,8 +300,10 @@ class ExpertModes:
     def set_solo(self, model: LoadedModel) -> None:
         """A new SOLO model (load or reload): it serves; a COMBINED model of the old one is detached first."""
         if self.combined is not None:
-            log.info("the SOLO model changes: detaching the COMBINED model (SET_EXPERT_MODE combined rebuilds it)")
+            log.info("the SOLO model changes: detaching the %s model (SET_EXPERT_MODE combined or PIPELINE_ATTACH "
+                     "rebuilds it)", "PIPELINE" if self.pattern != self.expert_pattern else "COMBINED")
             self.detach()
+            self.pattern = self.expert_pattern
         self.solo = self.active = model
         self.mode = ExpertMode.SOLO
 
@@ -336,6 +343,7 @@ class ExpertModes:
                 worker.call(model.close, timeout=30)
             except (PeerLost, TimeoutError) as exc:
                 log.warning("peer %s: could not free the COMBINED model (%s); leaked", worker.peer, exc)
+                _lost_endpoints.add(worker.peer)
             worker.stop()
 
     def _attach(self, peer: str, path: Path | None = None) -> int:
@@ -348,6 +356,10 @@ class ExpertModes:
         assert solo is not None
         src = path or solo.path
         t_probe = time.perf_counter()
+        if peer in _lost_endpoints:
+            raise PeerError(f"the ggml-RPC connection to {peer} broke mid-call earlier, and llama.cpp keeps it for "
+                            "the life of this process: restart this node to use that address again, or reach the "
+                            "peer by another address (its host name, another IP)")
         if not peer_reachable(peer):
             self.peer_reachable = False
             raise PeerError(f"peer {peer} does not answer ggml-RPC")
@@ -469,8 +481,16 @@ class ExpertModes:
             self.detach()
             self.pattern = self.expert_pattern
             self.fallback_reason = None
-            return {"success": True, "mode": str(self.mode), "peer": None}
+            if self.peer != self.home_peer:
+                self.peer, self.peer_reachable = self.home_peer, False
+            return {"success": True, "mode": str(self.mode), "peer": self.peer}
         if self.combined is not None and (peer != self.peer or ot_split != self.pattern):
+            # check what can be checked before the attachment that works is torn down
+            assert self.solo is not None
+            if peer in _lost_endpoints or not peer_reachable(peer):
+                return self._refuse(f"peer {peer} does not answer ggml-RPC", "pipeline")
+            if expert_bytes(self.solo.path, ot_split) == 0:
+                return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
             self.detach()
         old = self.peer, self.pattern
         self.peer, self.pattern = peer, ot_split
@@ -486,6 +506,12 @@ class ExpertModes:
         ms = (time.perf_counter() - t0) * 1e3
         log.info("PIPELINE: tensors matching %r on peer %s, attached in %.1f ms", ot_split, peer, ms)
         return {"success": True, "mode": "pipeline", "peer": peer, "layer_split": ot_split, "switch_ms": round(ms, 3)}
+
+    def _refuse(self, reason: str, asked: str) -> dict[str, Any]:
+        """``asked`` cannot be done and nothing changed (the mode in effect stays): ``success`` false."""
+        self.counters.combined_fallbacks += 1
+        log.warning("%s refused, %s stays in effect: %s", asked, self.mode, reason)
+        return {"success": False, "mode": str(self.mode), "peer": self.peer, "fallback_reason": reason}
 
     def _fallback(self, reason: str) -> dict[str, Any]:
         """COMBINED was asked for and SOLO stays in effect: ``success`` is false (the mode in

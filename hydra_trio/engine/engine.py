@@ -92,7 +92,7 @@ class Engine:
         self.error: str | None = None
         self.identity: ModelIdentity | None = None
         self.allow_cross_model_kv = config.allow_cross_model_kv
-        self.quants = quants.QuantSet(config.quants, config.model_path)
+        self.quants = quants.QuantSet(config.quants, config.model_path, config.model_alias)
         """The node's quantizations by key (``--quant KEY=PATH_OR_ALIAS``) and the active one."""
         """STATE_PUT applies blobs of other files with this KV identity (CONFIGURE ``allow_cross_model_kv``)."""
         self.stats = EngineStats()

@@ -49,26 +49,37 @@ class QuantSet:
             entry's, else ``default`` is added for it).
     """
 
-    def __init__(self, quants: tuple[tuple[str, Path, str], ...], loaded: Path) -> None:
-        self.paths: dict[str, tuple[Path, str]] = {key: (Path(path), alias) for key, path, alias in quants}
-        self._hashes: dict[Path, str] = {}  # SHA-256 of each file, once
+    def __init__(self, quants: tuple[tuple[str, Path, str], ...], loaded: Path, loaded_alias: str = "") -> None:
+        self.paths: dict[str, tuple[Path, str]] = {key: (Path(path).resolve(), alias) for key, path, alias in quants}
+        self._hashes: dict[tuple[Path, int, int], str] = {}  # SHA-256 by (file, mtime, size)
         self.active: str | None = None
-        if self.paths and not any(p == Path(loaded) for p, _ in self.paths.values()):
-            self.paths.setdefault("default", (Path(loaded), ""))
+        loaded = Path(loaded).resolve()
+        if self.paths and not any(p == loaded for p, _ in self.paths.values()):
+            self.paths.setdefault("default", (loaded, loaded_alias))
         self.loaded(loaded)
+        if self.active is not None and loaded_alias:  # -a/--alias names the model loaded at start
+            self.paths[self.active] = (loaded, loaded_alias)
 
     @property
     def keys(self) -> list[str]:
         return list(self.paths)
 
-    def loaded(self, path: Path) -> None:
-        """The model in ``path`` serves now: its key (None for a file outside the set) is the active one."""
-        self.active = next((k for k, (p, _) in self.paths.items() if p == Path(path)), None)
+    def loaded(self, path: Path, key: str | None = None) -> None:
+        """The model in ``path`` serves now: ``key``, else the first key of that file (None for a
+        file outside the set), is the active one."""
+        path = Path(path).resolve()
+        if key is not None and self.paths.get(key, (None,))[0] == path:
+            self.active = key
+        elif self.active is None or self.paths.get(self.active, (None,))[0] != path:
+            self.active = next((k for k, (p, _) in self.paths.items() if p == path), None)
 
     def file_hash(self, path: Path) -> str:
-        if path not in self._hashes:
-            self._hashes[path] = sha256_file(path)
-        return self._hashes[path]
+        """The file's SHA-256, hashed again whenever its size or modification time changed."""
+        st = path.stat()
+        key = (path, st.st_mtime_ns, st.st_size)
+        if key not in self._hashes:
+            self._hashes[key] = sha256_file(path)
+        return self._hashes[key]
 
     def snapshot(self) -> dict[str, Any]:
         """INFO's keys: ``quants`` (the keys) and ``quant`` (the active key, or None)."""
@@ -92,8 +103,9 @@ def swap_quant(engine: Any, key: str) -> dict[str, Any]:
     if key not in qs.paths:
         known = ", ".join(qs.keys) or "none: start the node with --quant KEY=PATH_OR_ALIAS"
         raise InvalidRequest(f"quant {key!r} is not one of this node's quants ({known})")
-    if engine.experts.combined is not None:
-        raise InvalidRequest("SWAP_QUANT of the whole model on a COMBINED head: switch to SOLO (and detach) first")
+    if str(engine.experts.mode) != "solo":
+        raise InvalidRequest(f"SWAP_QUANT of the whole model while {str(engine.experts.mode).upper()} serves: switch "
+                             "to SOLO first (the attached model is then freed by the swap)")
     old = engine.experts.solo
     old_identity = engine.identity
     assert old is not None and old_identity is not None
@@ -118,6 +130,7 @@ def swap_quant(engine: Any, key: str) -> dict[str, Any]:
         new.close()
         raise
     engine.install_model(new, identity)
+    qs.loaded(path, key)
     preserved = 0
     for id_slot, blob in blobs:
         try:

@@ -131,9 +131,10 @@ class Scheduler:
         slot.cache_tokens.clear()
         return n
 
-    def fail_all(self, error: HydraTrioError) -> None:
-        """Fail every running request with ``error``; their slots' KV caches are dropped (half-decoded)."""
-        m = self.model
+    def fail_all(self, error: HydraTrioError, model: LoadedModel | None = None) -> None:
+        """Fail every running request with ``error``; their slots' KV caches (in ``model``, default the
+        active one) are dropped (half-decoded)."""
+        m = model or self.model
         for slot in self.slots:
             if slot.handle is not None:
                 handle = slot.handle
@@ -274,7 +275,7 @@ class Scheduler:
                 break
             if slot.handle is None or not slot.pending_prompt:
                 continue
-            if slot.may_share and self._share_prefix(slot):
+            if slot.may_share and share_prefix(self.slots, slot, m):
                 continue  # another slot is evaluating this prompt's prefix: copy it when done
             chunk = slot.pending_prompt[:budget]
             last_chunk = len(chunk) == len(slot.pending_prompt)
@@ -293,8 +294,10 @@ class Scheduler:
             rc = self.experts.decode(self._batch)
         except PeerLost as exc:
             peer = self.experts.peer
-            self.fail_all(EngineFailure(f"the ggml-RPC peer {peer} died mid-request; the node is back in SOLO mode, retry"))
-            self.experts.peer_lost(str(exc))
+            failing = self.model  # the slots' half-decoded KV lives in it
+            self.experts.peer_lost(str(exc))  # first: INFO shows SOLO by the time a client hears of the failure
+            self.fail_all(EngineFailure(f"the ggml-RPC peer {peer} died mid-request; the node is back in SOLO mode, retry"),
+                          model=failing)
             return
         dt = time.perf_counter() - t0
         self.stats.n_decode_total += 1
@@ -333,53 +336,6 @@ class Scheduler:
                 slot.pending_logprobs.append(probs.logprob)
                 slot.pending_top.append(probs.top)
             self._on_token(slot, token)
-
-    def _share_prefix(self, slot: Slot) -> bool:
-        """Copy the longest prefix of ``slot``'s prompt that another slot holds; True: wait a step instead.
-
-        Called before ``slot`` feeds its first prompt token.  Waits while a
-        slot that is feeding its prompt now will hold a prefix at least
-        :data:`SHARE_MIN_TOKENS` longer than any held now (that slot is fed in
-        this same step, so the wait ends); otherwise copies the best prefix
-        held now if it is that much longer than the slot's own cache, and
-        from then on feeds the rest.  The last prompt token is always
-        evaluated here (its logits are needed).
-        """
-        m = self.model
-        assert m is not None and slot.handle is not None
-        prompt = slot.cache_tokens + slot.pending_prompt
-        limit = len(prompt) - 1
-        have = slot.n_past
-        donor, best_now, best_later = None, have, have
-        for other in self.slots:
-            if other is slot or not other.cache_tokens and not other.pending_prompt:
-                continue
-            n = min(_common_prefix(other.cache_tokens, prompt), limit)
-            if n > best_now:
-                donor, best_now = other, n
-            if (other.handle is not None and other.pending_prompt and not other.may_share
-                    and n == other.n_past < limit):
-                later = min(n + _common_prefix(other.pending_prompt, prompt[n:]), limit)
-                best_later = max(best_later, later)
-        if best_later >= best_now + SHARE_MIN_TOKENS:
-            return True
-        slot.may_share = False
-        if donor is None or best_now < have + SHARE_MIN_TOKENS:
-            return False
-        # non-unified KV: the copy is the donor's whole stream (done at the next
-        # llama_decode, before its batch), then everything past the prefix goes
-        llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, -1, -1)
-        if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, best_now, -1):
-            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot cut a sequence
-            slot.cache_tokens = []
-            slot.pending_prompt = prompt
-            slot.cache_n = 0
-            return False
-        slot.cache_tokens = prompt[:best_now]
-        slot.pending_prompt = prompt[best_now:]
-        slot.cache_n = best_now
-        log.debug("slot %d: %d prompt tokens copied from slot %d", slot.id, best_now - have, donor.id)
-        return False
 
     def _on_token(self, slot: Slot, token: int) -> None:
         m = self.model
@@ -456,6 +412,54 @@ class Scheduler:
         # mid-prompt leaves a valid prefix in the slot's KV cache.
         slot.last_used = time.monotonic()
         slot.reset_request()
+
+def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
+    """Copy the longest prefix of ``slot``'s prompt that another of ``slots`` holds (in ``m``'s KV
+    cache); True: wait a step instead.
+
+    Called before ``slot`` feeds its first prompt token.  Waits while a
+    slot that is feeding its prompt now will hold a prefix at least
+    :data:`SHARE_MIN_TOKENS` longer than any held now (that slot is fed in
+    this same step, so the wait ends); otherwise copies the best prefix
+    held now if it is that much longer than the slot's own cache, and
+    from then on feeds the rest.  The last prompt token is always
+    evaluated here (its logits are needed).
+    """
+    assert slot.handle is not None
+    prompt = slot.cache_tokens + slot.pending_prompt
+    limit = len(prompt) - 1
+    have = slot.n_past
+    donor, best_now, best_later = None, have, have
+    for other in slots:
+        if other is slot or not other.cache_tokens and not other.pending_prompt:
+            continue
+        n = min(_common_prefix(other.cache_tokens, prompt), limit)
+        if n > best_now:
+            donor, best_now = other, n
+        if (other.handle is not None and other.pending_prompt and not other.may_share
+                and n == other.n_past < limit):
+            later = min(n + _common_prefix(other.pending_prompt, prompt[n:]), limit)
+            best_later = max(best_later, later)
+    if best_later >= best_now + SHARE_MIN_TOKENS:
+        return True
+    slot.may_share = False
+    if donor is None or best_now < have + SHARE_MIN_TOKENS:
+        return False
+    # non-unified KV: the copy is the donor's whole stream (done at the next
+    # llama_decode, before its batch), then everything past the prefix goes
+    llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, -1, -1)
+    if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, best_now, -1):
+        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot cut a sequence
+        slot.cache_tokens = []
+        slot.pending_prompt = prompt
+        slot.cache_n = 0
+        return False
+    slot.cache_tokens = prompt[:best_now]
+    slot.pending_prompt = prompt[best_now:]
+    slot.cache_n = best_now
+    log.debug("slot %d: %d prompt tokens copied from slot %d", slot.id, best_now - have, donor.id)
+    return False
+
 
 def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
     """Length of the longest common prefix (slice comparisons run in C: a binary search, not a Python loop)."""

@@ -173,7 +173,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
                          f"{MAX_IDENTITY_JSON}")
     try:
         identity = json.loads(bytes(data[end : end + ident_len]))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
         identity = None
     if not isinstance(identity, dict):
         raise StateError("state blob's KV identity is not a JSON object")

@@ -195,7 +195,7 @@ def run_command(fn: Callable[[argparse.Namespace], Awaitable[int]], args: argpar
         if exc.meta:
             print(_dump(exc.meta), file=sys.stderr)
         return EXIT_ERROR
-    except OSError as exc:  # local file errors
+    except (OSError, ValueError) as exc:  # local file errors, arguments the client refuses (a key too long)
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

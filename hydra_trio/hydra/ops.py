@@ -370,14 +370,16 @@ async def swap_quant(ctx: OpContext) -> None:
     target = e.quants.paths.get(want.quant_key)
     experts_only = False
     if want.tensor_pattern and target is not None:
-        names = await trio.to_thread.run_sync(_tensor_names, target[0])
         try:
-            pattern = re.compile(want.tensor_pattern)
-        except re.error as exc:
+            msg.check_tensor_regex(want.tensor_pattern)
+        except msg.MessageError as exc:
             raise Reply(Status.BAD_REQUEST, f"tensor_pattern: {exc}", swapped=False) from None
-        picked = {n for n in names if pattern.search(n)}
-        on_peer = {n for n in names if re.search(e.experts.pattern, n)}
-        if picked != set(names):  # not the whole model: only the peer's tensors on a COMBINED head
+        try:  # the file is parsed and the regex run in a worker thread: never on the event loop
+            names, picked, on_peer = await trio.to_thread.run_sync(
+                _pattern_scope, target[0], want.tensor_pattern, e.experts.pattern, abandon_on_cancel=True)
+        except (OSError, ValueError) as exc:
+            raise Reply(Status.ERROR, f"quant {want.quant_key!r}: cannot read {target[0]}: {exc}", swapped=False) from None
+        if picked != names:  # not the whole model: only the peer's tensors on a COMBINED head
             experts_only = e.experts.combined is not None and picked == on_peer
             if not experts_only:
                 raise Reply(Status.NOT_IMPLEMENTED, f"tensor_pattern picks {len(picked)} of {len(names)} tensors: "
@@ -394,10 +396,15 @@ async def swap_quant(ctx: OpContext) -> None:
     await ctx.reply(meta)
 
 
-def _tensor_names(path: Path) -> list[str]:
+def _pattern_scope(path: Path, pattern: str, peer_pattern: str) -> tuple[set[str], set[str], set[str]]:
+    """The GGUF's tensor names, those ``pattern`` picks, and those on a COMBINED peer (worker thread).
+
+    Raises OSError (no file) or ValueError (not a GGUF)."""
     import gguf
 
-    return [t.name for t in gguf.GGUFReader(str(path)).tensors]
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    rx, peer = re.compile(pattern), re.compile(peer_pattern)
+    return names, {n for n in names if rx.search(n)}, {n for n in names if peer.search(n)}
 
 
 async def pipeline_attach(ctx: OpContext) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "SetExpertModeRequest",
     "SwapQuantRequest",
     "parse_swap_quant",
+    "check_tensor_regex",
     "clamp_state_chunk_size",
     "classify_configure_keys",
     "load_json_object",
@@ -137,6 +138,28 @@ def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
     return SetExpertModeRequest(mode)  # type: ignore[arg-type]
 
 
+_NOT_IN_STD_REGEX = re.compile(r"\(\?(?![:=!])|\\[AZzGP]|\(\?P")
+
+
+def check_tensor_regex(pattern: str) -> None:
+    """A tensor-name regex that llama.cpp (``std::regex``, ECMAScript) and Python's ``re`` read alike.
+
+    Raises MessageError for Python-only syntax (``(?i)``, ``(?P<..>``, ``(?<=``,
+    ``(?#``, ``\\A``, ``\\Z``, ...; ``(?:``, ``(?=`` and ``(?!`` are fine), for a
+    pattern ``re`` cannot compile, and for one longer than 1,024 characters.
+    """
+    if len(pattern) > 1024:
+        raise MessageError(f"the regex is {len(pattern)} characters; at most 1024")
+    bad = _NOT_IN_STD_REGEX.search(pattern)
+    if bad is not None:
+        raise MessageError(f"{bad.group(0)!r} is Python-only regex syntax; llama.cpp matches tensor names with "
+                           "std::regex (ECMAScript)")
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise MessageError(f"not a regular expression: {exc}") from None
+
+
 @attrs.frozen
 class SwapQuantRequest:
     """SWAP_QUANT payload (hydra-protocol.md §3): ``[u16 LE quant_key_len][quant_key][tensor_pattern]``,
@@ -183,9 +206,9 @@ class PipelineAttachRequest:
             raise MessageError("ot_split: missing (the regex of the tensors the peer holds)")
         if self.ot_split:
             try:
-                re.compile(self.ot_split)
-            except re.error as exc:
-                raise MessageError(f"ot_split: not a regular expression: {exc}") from None
+                check_tensor_regex(self.ot_split)
+            except MessageError as exc:
+                raise MessageError(f"ot_split: {exc}") from None
 
 
 _conv.register(PipelineAttachRequest, forbid_extra=True)
