@@ -348,6 +348,7 @@ class LoadedModel:
                 f"n_ctx {n_ctx} needs {kv_bytes / 2**20:.0f} MiB of KV cache "
                 f"({kv_bytes // n_ctx} bytes per token); only {free / 2**20:.0f} MiB of memory is available"
             )
+        _libc()  # large blocks from mmap from now on (see _libc)
         threads = n_threads or os.cpu_count() or 1
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -517,11 +518,23 @@ def release_free_memory() -> None:
         libc.malloc_trim(0)
 
 
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
+    """glibc, once: large blocks (a context's KV cache, compute buffers) always come from mmap.
+
+    glibc otherwise raises its mmap threshold each time such a block is freed,
+    after which the next one comes from the heap and stays there when freed:
+    swapping models grew the anonymous RSS by a KV cache's size now and then.
+    Setting the threshold fixes it at 4 MiB (smaller blocks, e.g. 1 MiB socket reads, stay on the heap).
+    """
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        libc.mallopt(_M_MMAP_THRESHOLD, 4 << 20)
         return libc
     except (OSError, AttributeError):
         return None
