@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -70,10 +71,19 @@ class ControlChannel:
         if busy:
             self.refused_busy += 1
             log.info("[%s] %s refused: slots %s busy", change.trace_id, change.name, busy)
+            engine.events.publish("control.busy", change.trace_id, change=change.name, busy_slots=busy)
             raise Busy(f"slots {busy} are processing; retry when every slot is idle", busy)
-        result = change.apply(engine)
+        t0 = time.perf_counter()
+        try:
+            result = change.apply(engine)
+        except Exception as exc:
+            engine.events.publish("control.failed", change.trace_id, change=change.name, error=str(exc))
+            raise
         self.applied += 1
+        ms = (time.perf_counter() - t0) * 1e3
         log.info("[%s] %s applied", change.trace_id, change.name)
+        engine.events.publish("control.applied", change.trace_id, change=change.name, ms=round(ms, 3),
+                              **({"success": result["success"]} if isinstance(result, dict) and "success" in result else {}))
         return result
 
     async def submit(self, change: Change) -> Any:

@@ -12,11 +12,13 @@ from .errors import Busy
 from .engine.combined import peer_listening
 from .engine.engine import Engine
 from .engine.settings import EngineConfig
+from .events import EventBus
 from .frontdoor import FrontDoor, FrontDoorSettings
 from .hydra.server import HydraHandler, HydraSettings
 from .http._hyper import HttpHandler
 from .http.app import build_app
 from .http.settings import HttpSettings
+from .node_stats import StatsTicker
 from .protocol.classify import Protocol
 from .ggml_rpc.backend import RpcBackend, RpcBackendSettings
 
@@ -55,10 +57,16 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.engine = Engine(config.engine) if config.engine is not None else None
+        self.events = EventBus()
+        """The node's live events (``GET /v1/events``; :mod:`hydra_trio.events`)."""
+        self.engine = Engine(config.engine, self.events) if config.engine is not None else None
         self.frontdoor = FrontDoor({}, config.frontdoor)
         self.rpc = RpcBackend(config.rpc_backend) if config.rpc_backend is not None else None
-        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active)
+        if self.rpc is not None:
+            self.rpc.child.events = self.events
+        self.stats = StatsTicker(self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc)
+        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active,
+                             events=self.events)
         self.http = HttpHandler(self.app, config.http)
         self.frontdoor.handlers[Protocol.HTTP] = self.http
         self.control = ControlChannel(self.engine) if self.engine is not None else None
@@ -83,6 +91,8 @@ class Server:
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
+                self.events.bind()
+                nursery.start_soon(self.stats.run)
                 await nursery.start(self.frontdoor.serve, listeners)
                 if self.rpc is not None:
                     await nursery.start(self.rpc.run)
@@ -117,6 +127,7 @@ class Server:
         self.frontdoor.stop_accepting()
         for listener in self._listeners:
             await listener.aclose()
+        self.events.close()  # event subscribers (WebSockets) close at once with 1001
         await self.http.drain()
         self.hydra.drain()
         with trio.move_on_after(grace):

@@ -35,6 +35,7 @@ import llama_cpp
 from ..protocol.address import parse_peer
 from ..protocol.strict import MessageError
 from . import ggml_rpc
+from ..events import EventBus
 from .bridge import Call
 from .model import LoadedModel
 from .settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
@@ -266,8 +267,10 @@ class ExpertModes:
             (``n_batch``, ``n_threads``, ``chat_template``).
     """
 
-    def __init__(self, peer: str | None, pattern: str, counters: Any, model_kwargs: dict[str, Any]) -> None:
-        self.mode = ExpertMode.SOLO
+    def __init__(self, peer: str | None, pattern: str, counters: Any, model_kwargs: dict[str, Any],
+                 events: EventBus | None = None) -> None:
+        self.events = events if events is not None else EventBus()
+        self._mode = ExpertMode.SOLO
         self.peer = peer
         self.peer_reachable = False
         self.pattern = pattern
@@ -283,6 +286,17 @@ class ExpertModes:
         self.model_kwargs = model_kwargs
         self.on_switch: Callable[[], None] = lambda: None
         self._worker: PeerWorker | None = None
+
+    @property
+    def mode(self) -> ExpertMode:
+        """The mode new work runs in; setting it to another one publishes ``mode.changed``."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: ExpertMode) -> None:
+        previous, self._mode = self._mode, mode
+        if mode != previous:
+            self.events.publish("mode.changed", mode=str(mode), previous=str(previous), peer=self.peer or "")
 
     def snapshot(self) -> dict[str, Any]:
         """The expert-mode keys of Hydra INFO (hydra-protocol.md §3), safe to call from any thread."""
@@ -399,6 +413,8 @@ class ExpertModes:
             raise PeerError(f"COMBINED model failed to load on {peer}: {exc}") from None
         self.combined, self._worker = model, worker
         self.peer_attach = PeerAttach.ATTACHED
+        self.events.publish("peer.attached", peer=peer, bytes=need, pattern=self.pattern,
+                            ms=round((time.perf_counter() - t0) * 1e3, 1))
         log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
                  need, self.pattern, peer, time.perf_counter() - t0)
         return need
@@ -511,6 +527,7 @@ class ExpertModes:
         """``asked`` cannot be done and nothing changed (the mode in effect stays): ``success`` false."""
         self.counters.combined_fallbacks += 1
         log.warning("%s refused, %s stays in effect: %s", asked, self.mode, reason)
+        self.events.publish("peer.fallback", asked=asked, mode=str(self.mode), peer=self.peer or "", reason=reason)
         return {"success": False, "mode": str(self.mode), "peer": self.peer, "fallback_reason": reason}
 
     def _fallback(self, reason: str) -> dict[str, Any]:
@@ -522,6 +539,7 @@ class ExpertModes:
         self.mode = ExpertMode.SOLO
         self.fallback_reason = reason
         log.warning("COMBINED unavailable, staying in SOLO: %s", reason)
+        self.events.publish("peer.fallback", asked="combined", mode="solo", peer=self.peer or "", reason=reason)
         return {"success": False, "mode": "solo", "peer": self.peer, "fallback_reason": reason}
 
     def peer_gone(self) -> None:
@@ -530,6 +548,7 @@ class ExpertModes:
             return
         self.fallback_reason = f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
         self.counters.combined_fallbacks += 1
+        self.events.publish("peer.lost", peer=self.peer or "", reason=self.fallback_reason, in_flight=False)
         self.detach()
         self.peer_attach = PeerAttach.FAILED
 
@@ -541,6 +560,7 @@ class ExpertModes:
         self.counters.peer_losses += 1
         log.error("COMBINED peer %s lost (%s): requests in flight fail, back to SOLO", self.peer, why)
         self.fallback_reason = f"peer {self.peer} stopped answering mid-request"
+        self.events.publish("peer.lost", peer=self.peer or "", reason=why, in_flight=True)
         self.peer_reachable = False
         self.combined = None
         self._worker = None

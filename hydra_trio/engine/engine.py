@@ -27,6 +27,7 @@ import attrs
 import llama_cpp
 import trio
 
+from ..events import EventBus
 from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import quants, state
 from .bridge import Call
@@ -85,8 +86,10 @@ class Engine:
     its current step and frees llama.cpp's objects.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, events: EventBus | None = None) -> None:
         self.config = config
+        self.events = events if events is not None else EventBus()
+        """Where the engine publishes ``load.*``, ``slot.*``, ``mode.*`` and ``peer.*`` events."""
         self.stage = Stage.STARTING
         self.progress = 0.0
         self.error: str | None = None
@@ -102,6 +105,7 @@ class Engine:
         self.experts = ExpertModes(
             config.peer, config.combined_pattern, self.stats,
             {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template},
+            events=self.events,
         )
         self.scheduler: Scheduler | None = None
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -225,24 +229,31 @@ class Engine:
     # -------------------------------------------------------- engine thread
     def _set_stage(self, stage: Stage) -> None:
         now = time.monotonic()
+        previous: dict[str, Any] = {}
         if self.stage_times:
             prev, t0 = self.stage, self.stage_times[self.stage]
             log.info("stage %s done in %.2f s", prev, now - t0)
+            previous = {"previous": str(prev), "previous_s": round(now - t0, 3)}
         self.stage = stage
         self.stage_times[stage] = now
         log.info("stage %s", stage)
+        self.events.publish("load.stage", stage=str(stage), **previous, **({"error": self.error} if self.error else {}))
 
     def _thread_main(self) -> None:
         cfg = self.config
         try:
             self._set_stage(Stage.LOADING_MODEL)
             last_logged = [-1.0]
+            last_published = [-1.0]
 
             def progress(p: float) -> bool:
                 self.progress = p
                 if p - last_logged[0] >= 0.25 or p >= 1.0:
                     last_logged[0] = p
                     log.info("loading model: %3.0f%%", 100 * p)
+                if p - last_published[0] >= 0.05 or p >= 1.0:
+                    last_published[0] = p
+                    self.events.publish("load.progress", step="loading_model", done=round(p, 4), total=1.0)
                 return not self._stop  # False aborts the load (shutdown during load)
 
             model = LoadedModel(
@@ -259,7 +270,7 @@ class Engine:
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
             self.scheduler = Scheduler(self.experts, cfg.n_parallel, model.n_ctx_slot, model.n_batch, self.stats,
-                                       self.identity.model_hash)
+                                       self.identity.model_hash, events=self.events)
             self._set_stage(Stage.WARMUP)
             self._warmup(model)
         except Exception as exc:
@@ -449,7 +460,7 @@ class Engine:
         old.close()
         self.identity = identity
         self.scheduler = Scheduler(self.experts, new.n_parallel, new.n_ctx_slot, new.n_batch, self.stats,
-                                   identity.model_hash)
+                                   identity.model_hash, events=self.events)
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
         self.quants.loaded(new.path)

@@ -24,6 +24,7 @@ from typing import Any
 import llama_cpp
 
 from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
+from ..events import EventBus
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
@@ -66,11 +67,13 @@ class Scheduler:
             the most tokens per decode step.
         stats: the engine's counters (llama-server's metric names).
         model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
+        events: where ``slot.*`` events go (:mod:`hydra_trio.events`).
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
-                 model_hash: str) -> None:
+                 model_hash: str, events: EventBus | None = None) -> None:
         self.experts = experts
+        self.events = events if events is not None else EventBus()
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_parallel)]
         self.pending: collections.deque[RequestHandle] = collections.deque()
         self.stats = stats
@@ -109,6 +112,7 @@ class Scheduler:
         """Fail every running and waiting request with ``error`` and free the batch (at shutdown)."""
         for slot in self.slots:
             if slot.handle is not None:
+                self._publish_end(slot, "slot.failed", error)
                 slot.handle.emit(Failed(error))
                 self._release(slot)
         while self.pending:
@@ -141,8 +145,15 @@ class Scheduler:
                 if m is not None:
                     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
                 slot.cache_tokens.clear()
+                self._publish_end(slot, "slot.failed", error)
                 self._release(slot)
                 handle.emit(Failed(error))
+
+    def _publish_end(self, slot: Slot, type_: str, error: Exception) -> None:
+        """``slot.failed`` / ``slot.cancelled`` for the request running on ``slot`` (before its release)."""
+        assert slot.handle is not None
+        self.events.publish(type_, slot.handle.job.request_id, slot=slot.id, n_decoded=slot.n_decoded,
+                            error=str(error))
 
     def _batch_clear(self) -> None:
         self._batch.n_tokens = 0
@@ -168,6 +179,7 @@ class Scheduler:
             keep: collections.deque[RequestHandle] = collections.deque()
             for h in self.pending:
                 if h.cancelled:
+                    self.events.publish("slot.cancelled", h.job.request_id, slot=None, queued=True)
                     h.emit(Failed(Cancelled("the request was cancelled while it waited for a slot")))
                 else:
                     keep.append(h)
@@ -176,6 +188,7 @@ class Scheduler:
             handle = slot.handle
             if handle is not None and handle.cancelled:
                 log.info("slot %d: request cancelled (client gone); slot freed", slot.id)
+                self._publish_end(slot, "slot.cancelled", Cancelled("the request was cancelled"))
                 self._release(slot)
                 handle.emit(Failed(Cancelled("the request was cancelled")))
 
@@ -251,6 +264,8 @@ class Scheduler:
         slot.stopper = StopStringMatcher(job.stop)
         slot.may_share = job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
+        self.events.publish("slot.assigned", job.request_id, slot=slot.id, n_prompt=len(prompt), cache_n=cache_n,
+                            n_predict=job.n_predict)
         log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
         if not slot.pending_prompt:  # prefill-only request fully cached
             slot.t_first = time.perf_counter()
@@ -309,8 +324,10 @@ class Scheduler:
                 assert handle is not None
                 llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
                 slot.cache_tokens.clear()
+                failure = EngineFailure(f"llama_decode failed (code {rc})")
+                self._publish_end(slot, "slot.failed", failure)
                 self._release(slot)
-                handle.emit(Failed(EngineFailure(f"llama_decode failed (code {rc})")))
+                handle.emit(Failed(failure))
             return
         n_prompt_fed = 0
         for slot, toks in fed:
@@ -349,6 +366,9 @@ class Scheduler:
             return
         slot.n_decoded += 1
         self.stats.tokens_predicted_total += 1
+        if slot.n_decoded == 1:
+            self.events.publish("slot.first_token", job.request_id, slot=slot.id,
+                                ms=round((time.perf_counter() - slot.t_start) * 1e3, 3))
         slot.pending_tokens.append(token)
         text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token)))
         if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
@@ -393,6 +413,8 @@ class Scheduler:
                  "%.1f tok/s | finish %s (%s)", slot.id, handle.job.request_id or "-", t["prompt_n"], t["cache_n"],
                  t["prompt_ms"], t["prompt_per_second"], t["predicted_n"], t["predicted_ms"],
                  t["predicted_per_second"], reason, stop_reason)
+        self.events.publish("slot.finished", handle.job.request_id, slot=slot.id, finish_reason=reason,
+                            stop_reason=stop_reason, timings=t)
         # the slot is idle before the client hears of the end: a follow-up
         # request on the same slot never sees it busy
         self._release(slot)

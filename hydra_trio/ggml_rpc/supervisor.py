@@ -22,6 +22,7 @@ import trio
 
 from .._net import free_port
 from ..engine.ggml_rpc import clean_build_paths
+from ..events import EventBus
 
 log = logging.getLogger("hydra_trio.rpc")
 child_log = logging.getLogger("hydra_trio.rpc.child")
@@ -75,6 +76,8 @@ class ChildSupervisor:
         self.bound: set[trio.CancelScope] = set()
         """Scopes of the connections to the current child: cancelled when it exits."""
         self._up = trio.Event()
+        self.events = EventBus()
+        """Where ``rpc.child_started`` / ``rpc.child_died`` / ``rpc.child_restarted`` go (the server sets its bus)."""
 
     def command(self, port: int) -> list[str]:
         """The child's command line, listening on ``127.0.0.1:port``."""
@@ -112,6 +115,8 @@ class ChildSupervisor:
                         self._up.set()
                         log.info("ggml-RPC backend serving on 127.0.0.1:%d (pid %d, devices %s)", port, proc.pid,
                                  ",".join(self.devices))
+                        self.events.publish("rpc.child_restarted" if self.restarts else "rpc.child_started",
+                                            pid=proc.pid, port=port, devices=list(self.devices), restarts=self.restarts)
                     code = await proc.wait()
                 finally:
                     self.active = False
@@ -137,6 +142,8 @@ class ChildSupervisor:
             else:
                 how = "exited"
             log.warning("ggml-RPC backend (pid %d) %s after %.1f s; restarting in %.2f s", proc.pid, how, lived, delay)
+            self.events.publish("rpc.child_died", pid=proc.pid, code=code, how=how, lived_s=round(lived, 3),
+                                restart_in_s=delay)
             await trio.sleep(delay)
             delay = min(delay * 2, biggest)
 

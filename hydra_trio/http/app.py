@@ -30,13 +30,16 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from .._version import __version__
 from ..engine.engine import Engine
 from ..engine.requests import Finished, JobRun
 from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
 from . import metrics
+from .. import node_stats
+from ..events import EventBus
+from .events import events_endpoint
 from ..api.jobs import job_from_chat, job_from_completion
 from ..api.schemas import (
     ChatCompletionRequest,
@@ -565,14 +568,16 @@ def build_app(
     rpc: Any = None,
     settings: HttpSettings = HttpSettings(),
     open_connections: Callable[[], int] | None = None,
+    events: EventBus | None = None,
 ) -> Any:
     """The ASGI app for one engine (``None``: a node without a model).
 
     ``connections`` maps protocol names to accepted-connection counts and
     ``open_connections`` gives the connections open now (the front door's),
-    exported by ``/metrics``.
+    exported by ``/metrics``; ``events`` is the bus ``GET /v1/events`` streams (a new one when None).
     """
     api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections)
+    bus = events if events is not None else (engine.events if engine is not None else EventBus())
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),
@@ -589,6 +594,7 @@ def build_app(
         Route("/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/completions", api.completions, methods=["POST"]),
+        WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc))),
     ]
     app = Starlette(
         routes=routes,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -138,21 +139,40 @@ class OpContext:
 
 async def state_get(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
-    n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
-    await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)}, blob)
+    with _state_event(e, "state.get", ctx.req.trace_id, id_slot) as event:
+        n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
+        event.update(bytes=len(blob), n_past=n_past)
+        await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)}, blob)
 
 
 async def state_put(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     blob = ctx.req.payload
     size = len(blob)  # restore_slot consumes the blob (frames it in place)
+    with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=size) as event:
+        # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
+        await trio.to_thread.run_sync(verify_checksum, blob)
+        done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+        event["n_past"] = done.n_past
+        await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
+                         "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
+                         **ctx.identity(e)})
 
-    # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
-    await trio.to_thread.run_sync(verify_checksum, blob)
-    done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
-    await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
-                     "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
-                     **ctx.identity(e)})
+
+@contextmanager
+def _state_event(e: Engine, type_: str, trace_id: str, id_slot: int, **fields: Any) -> Iterator[dict[str, Any]]:
+    """Publish ``state.get`` / ``state.put`` when the block ends: ``slot``, ``bytes``, ``ms`` and ``result``
+    (``"ok"``, or the error that ended it; the block fills in what it learns in the yielded dict)."""
+    t0 = time.perf_counter()
+    event: dict[str, Any] = {"slot": id_slot, "bytes": 0, **fields}
+    result = "ok"
+    try:
+        yield event
+    except BaseException as exc:
+        result = getattr(exc, "error", None) or str(exc) or type(exc).__name__
+        raise
+    finally:
+        e.events.publish(type_, trace_id, **event, ms=round((time.perf_counter() - t0) * 1e3, 3), result=result)
 
 
 async def state_meta(ctx: OpContext) -> None:
