@@ -54,8 +54,9 @@ class ControlChannel:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._send, self._recv = trio.open_memory_channel[Call[Any]](math.inf)
-        self.applied = 0
+        self.applied = 0  # changes applied, refused BUSY, or whose apply raised (``/metrics``)
         self.refused_busy = 0
+        self.failed = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Consume changes one at a time until cancelled."""
@@ -69,11 +70,16 @@ class ControlChannel:
         busy = [s.id for s in engine.slots if s.is_processing]
         if busy:
             self.refused_busy += 1
-            log.info("[%s] %s refused: slots %s busy", change.trace_id, change.name, busy)
+            log.info("[%s] %s refused: slots %s busy", change.trace_id, change.name, busy,
+                     extra={"trace_id": change.trace_id, "op": change.name})
             raise Busy(f"slots {busy} are processing; retry when every slot is idle", busy)
-        result = change.apply(engine)
+        try:
+            result = change.apply(engine)
+        except BaseException:
+            self.failed += 1
+            raise
         self.applied += 1
-        log.info("[%s] %s applied", change.trace_id, change.name)
+        log.info("[%s] %s applied", change.trace_id, change.name, extra={"trace_id": change.trace_id, "op": change.name})
         return result
 
     async def submit(self, change: Change) -> Any:
