@@ -128,6 +128,9 @@ class Api:
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
              "build_info", "is_sleeping"}
 
+        ``params`` also lists llama-server's samplers this node does not run (typical_p,
+        dynatemp, top_n_sigma, XTC, DRY, mirostat, n_keep, min_keep) at their "off" values,
+        as llama-server's ``task_params::to_json`` lists them.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
@@ -157,6 +160,16 @@ class Api:
             "stream": False,
             "n_probs": 0,
             "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+            # llama-server's other samplers and options, at the values that switch them off here
+            # (the only values a request may send for them: api.schemas.UNSUPPORTED)
+            "typical_p": 1.0,
+            "dynatemp_range": 0.0,
+            "top_n_sigma": -1.0,
+            "xtc_probability": 0.0,
+            "dry_multiplier": 0.0,
+            "mirostat": 0,
+            "n_keep": 0,
+            "min_keep": 0,
         }
         return JSONResponse({
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
