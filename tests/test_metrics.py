@@ -8,16 +8,21 @@ too, so only differences count).
 from __future__ import annotations
 
 import json
+import logging
 import re
+import sys
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from hydra_trio.cli import main
 from hydra_trio.hydra.client import HydraClient
 from hydra_trio.hydra.errors import HydraNotFound
+from hydra_trio.logs import TextFormatter
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, ServerProcess, streaming
@@ -245,3 +250,16 @@ def test_text_log_format_appends_the_request_fields(server: ServerProcess) -> No
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert re.search(rf" finish \w+ \(\w+\) trace_id={reply['id']} slot=3 ms=[0-9.]+$", lines[0]), lines[0]
+
+
+def test_log_format_is_checked_and_text_keeps_tracebacks_below_the_fields(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--log-format", "xml"])
+    assert exc.value.code == 2 and "--log-format" in capsys.readouterr().err
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed %s", ("op",), sys.exc_info())
+    record.trace_id, record.ms = "t-1", 2.5
+    head, *rest = TextFormatter().format(record).splitlines()
+    assert head.endswith("x: failed op trace_id=t-1 ms=2.5") and rest[0].startswith("Traceback") and "boom" in rest[-1]
