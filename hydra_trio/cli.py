@@ -35,6 +35,7 @@ from .frontdoor import FrontDoorSettings
 from .ggml_rpc.backend import RpcBackendSettings
 from .http.settings import HttpSettings
 from .hydra.cli import _address, add_client_commands
+from .logs import LOG_FORMATS, configure_logging
 from .models.presets import DEFAULT_ALIAS, PRESETS, PresetError, install_hint, pip_command, preset_status, resolve_model
 
 log = logging.getLogger("hydra_trio")
@@ -254,6 +255,9 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--shutdown-grace", type=seconds(zero_ok=True), default=10.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (default: 10; 0 = stop at once)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
+    p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS),
+                   help="log lines as text, or one JSON object per line with ts, level, logger, msg and, where "
+                        "they apply, trace_id, slot, op, ms (default: text)")
 
 
 def _add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -448,11 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     func = getattr(args, "func", None)
     if func is not None:  # a client command
         return func(args)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format, sys.stderr)
     try:
         return trio.run(_run, args)
     except Exception as exc:  # e.g. ModelLoadError: say it plainly, exit non-zero

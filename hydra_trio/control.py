@@ -55,8 +55,9 @@ class ControlChannel:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._send, self._recv = trio.open_memory_channel[Call[Any]](math.inf)
-        self.applied = 0
+        self.applied = 0  # changes applied, refused BUSY, or whose apply raised (``/metrics``)
         self.refused_busy = 0
+        self.failed = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Consume changes one at a time until cancelled."""
@@ -70,18 +71,21 @@ class ControlChannel:
         busy = [s.id for s in engine.slots if s.is_processing]
         if busy:
             self.refused_busy += 1
-            log.info("[%s] %s refused: slots %s busy", change.trace_id, change.name, busy)
+            log.info("[%s] %s refused: slots %s busy", change.trace_id, change.name, busy,
+                     extra={"trace_id": change.trace_id, "op": change.name})
             engine.events.publish("control.busy", change.trace_id, change=change.name, busy_slots=busy)
             raise Busy(f"slots {busy} are processing; retry when every slot is idle", busy)
         t0 = time.perf_counter()
         try:
             result = change.apply(engine)
-        except Exception as exc:
+        except BaseException as exc:
+            self.failed += 1
             engine.events.publish("control.failed", change.trace_id, change=change.name, error=str(exc))
             raise
         self.applied += 1
         ms = (time.perf_counter() - t0) * 1e3
-        log.info("[%s] %s applied", change.trace_id, change.name)
+        log.info("[%s] %s applied", change.trace_id, change.name,
+                 extra={"trace_id": change.trace_id, "op": change.name, "ms": round(ms, 3)})
         engine.events.publish("control.applied", change.trace_id, change=change.name, ms=round(ms, 3),
                               **({"success": result["success"]} if isinstance(result, dict) and "success" in result else {}))
         return result

@@ -44,7 +44,8 @@ class FrontDoor:
 
     ``handlers`` maps a :class:`Protocol` to an async callable taking the
     stream; a protocol without a handler is closed with a log line.  Counts
-    per protocol (plus ``timeout``, ``closed_early``) are in :attr:`counts`.
+    per protocol (plus ``timeout``, ``closed_early``) are in :attr:`counts`;
+    connections open now by protocol in :attr:`open_by_protocol`.
     """
 
     def __init__(self, handlers: Mapping[Protocol, Handler], settings: FrontDoorSettings = FrontDoorSettings()) -> None:
@@ -52,6 +53,7 @@ class FrontDoor:
         self.settings = settings
         self.counts: collections.Counter[str] = collections.Counter()
         self.active = 0
+        self.open_by_protocol: collections.Counter[str] = collections.Counter()
         self._limiter = trio.CapacityLimiter(settings.max_connections)
         self._accepting = trio.CancelScope()
         self._none_active = trio.Event()
@@ -103,6 +105,7 @@ class FrontDoor:
             self._none_active = trio.Event()
         self.active += 1
         peer = peer_name(stream)
+        proto: Protocol | None = None
         try:
             first = b""
             with trio.move_on_after(self.settings.classify_timeout) as scope:
@@ -116,6 +119,7 @@ class FrontDoor:
                 return
             proto = classify(first)
             self.counts[proto.value] += 1
+            self.open_by_protocol[proto.value] += 1
             handler = self.handlers.get(proto)
             if handler is None:
                 if proto is Protocol.UNKNOWN:
@@ -132,6 +136,8 @@ class FrontDoor:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
             self._limiter.release_on_behalf_of(token)
+            if proto is not None:
+                self.open_by_protocol[proto.value] -= 1
             self.active -= 1
             if not self.active:
                 self._none_active.set()

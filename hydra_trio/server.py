@@ -17,6 +17,7 @@ from .frontdoor import FrontDoor, FrontDoorSettings
 from .hydra.server import HydraHandler, HydraSettings
 from .http._hyper import HttpHandler
 from .http.app import build_app
+from .http.metrics import NodeMetrics
 from .http.settings import HttpSettings
 from .node_stats import StatsTicker
 from .protocol.classify import Protocol
@@ -64,13 +65,15 @@ class Server:
         self.rpc = RpcBackend(config.rpc_backend) if config.rpc_backend is not None else None
         if self.rpc is not None:
             self.rpc.child.events = self.events
+        self.control = ControlChannel(self.engine) if self.engine is not None else None
+        self.metrics = NodeMetrics(self.engine, self.frontdoor.counts, self.rpc, lambda: self.frontdoor.active,
+                                   self.control, self.frontdoor.open_by_protocol)
         self.stats = StatsTicker(self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc)
         self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active,
-                             events=self.events)
+                             events=self.events, node_metrics=self.metrics)
         self.http = HttpHandler(self.app, config.http)
         self.frontdoor.handlers[Protocol.HTTP] = self.http
-        self.control = ControlChannel(self.engine) if self.engine is not None else None
-        self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc)
+        self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc, metrics=self.metrics)
         self.frontdoor.handlers[Protocol.HYDRA] = self.hydra
         if self.rpc is not None:
             self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc

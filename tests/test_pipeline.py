@@ -39,7 +39,9 @@ def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, 
     meta = info(a.port)
     assert meta["mode"] == "pipeline" and meta["layer_split"] == UPPER_HALF
     assert meta["peer_addr"] == f"127.0.0.1:{b.port}"
-    assert "hydra_trio:pipeline_mode 1.0" in httpx.get(a.base + "/metrics").text
+    metrics = httpx.get(a.base + "/metrics").text
+    assert "hydra_trio:pipeline_mode 1.0" in metrics and 'hydra_trio:expert_mode{mode="pipeline"} 1.0' in metrics
+    assert 'hydra_trio:expert_mode{mode="solo"} 0.0' in metrics and "hydra_trio:peer_reachable 1.0" in metrics
 
     before = rpc_bytes(b.port)
     assert complete(a.base) == local  # same greedy text, token for token

@@ -412,7 +412,9 @@ class Scheduler:
         log.info("slot %d | %s | prompt %d tokens (%d cached) %.1f ms, %.1f tok/s | generated %d tokens %.1f ms, "
                  "%.1f tok/s | finish %s (%s)", slot.id, handle.job.request_id or "-", t["prompt_n"], t["cache_n"],
                  t["prompt_ms"], t["prompt_per_second"], t["predicted_n"], t["predicted_ms"],
-                 t["predicted_per_second"], reason, stop_reason)
+                 t["predicted_per_second"], reason, stop_reason,
+                 extra={"trace_id": handle.job.request_id or None, "slot": slot.id,
+                        "ms": round(t["prompt_ms"] + t["predicted_ms"], 3)})
         self.events.publish("slot.finished", handle.job.request_id, slot=slot.id, finish_reason=reason,
                             stop_reason=stop_reason, timings=t)
         # the slot is idle before the client hears of the end: a follow-up

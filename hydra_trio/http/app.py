@@ -94,11 +94,13 @@ class Api:
         rpc: Any = None,
         settings: HttpSettings = HttpSettings(),
         open_connections: Callable[[], int] | None = None,
+        node_metrics: metrics.NodeMetrics | None = None,
     ) -> None:
         self.engine = engine
         self.connections = connections
         self.open_connections = open_connections
         self.rpc = rpc
+        self.node_metrics = node_metrics or metrics.NodeMetrics(engine, connections, rpc, open_connections)
         self.settings = settings
         self.started = time.time()
 
@@ -129,6 +131,9 @@ class Api:
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
              "build_info", "is_sleeping"}
 
+        ``params`` also lists llama-server's samplers this node does not run (typical_p,
+        dynatemp, top_n_sigma, XTC, DRY, mirostat, n_keep, min_keep) at their "off" values,
+        as llama-server's ``task_params::to_json`` lists them.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
@@ -158,6 +163,16 @@ class Api:
             "stream": False,
             "n_probs": 0,
             "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+            # llama-server's other samplers and options, at the values that switch them off here
+            # (the only values a request may send for them: api.schemas.UNSUPPORTED)
+            "typical_p": 1.0,
+            "dynatemp_range": 0.0,
+            "top_n_sigma": -1.0,
+            "xtc_probability": 0.0,
+            "dry_multiplier": 0.0,
+            "mirostat": 0,
+            "n_keep": 0,
+            "min_keep": 0,
         }
         return JSONResponse({
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
@@ -296,9 +311,7 @@ class Api:
         return JSONResponse({"id_slot": id_slot, "n_erased": n})
 
     async def metrics(self, request: Request) -> Response:
-        body, content_type = metrics.render(
-            self.engine, self.connections, self.rpc, self.open_connections() if self.open_connections else None
-        )
+        body, content_type = self.node_metrics.render()
         return Response(body, media_type=content_type)
 
     # ------------------------------------------------------------ completions
@@ -342,6 +355,7 @@ class Api:
             return _unavailable(e)
         cls = ChatCompletionRequest if chat else CompletionRequest
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex  # the reply's id, and the engine's log line's
+        request.state.trace_id = request_id  # and the access log line's (see _access_log)
         try:
             body = await self._read(request, cls)
             # templating and tokenization only read the vocabulary: keep them off the event loop
@@ -569,14 +583,17 @@ def build_app(
     settings: HttpSettings = HttpSettings(),
     open_connections: Callable[[], int] | None = None,
     events: EventBus | None = None,
+    node_metrics: metrics.NodeMetrics | None = None,
 ) -> Any:
     """The ASGI app for one engine (``None``: a node without a model).
 
     ``connections`` maps protocol names to accepted-connection counts and
     ``open_connections`` gives the connections open now (the front door's),
-    exported by ``/metrics``; ``events`` is the bus ``GET /v1/events`` streams (a new one when None).
+    exported by ``/metrics``; ``node_metrics`` is the node's whole
+    ``/metrics`` (Hydra and control counts included), built from the
+    others when not given; ``events`` is the bus ``GET /v1/events`` streams (a new one when None).
     """
-    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections)
+    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics)
     bus = events if events is not None else (engine.events if engine is not None else EventBus())
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -614,6 +631,9 @@ def _access_log(app: Any) -> Any:
     ``client "METHOD target HTTP/version" status bytes seconds``; ``-`` for a status
     never sent, and `` (incomplete)`` when the body did not end (the client went away,
     the server stopped).  ``/health`` polls log at DEBUG, everything else at INFO.
+    The record carries ``op`` (``METHOD path``), ``ms`` and, for a completion,
+    ``trace_id`` (the reply's id, as on the engine's timing line) for
+    :mod:`hydra_trio.logs`.
     (hypercorn's own access log is off: it logs a request twice, a ``- -`` line and
     the real one, when the client closes the connection while hypercorn is still
     inside its final send: see :mod:`hydra_trio.http._hyper`.)
@@ -625,6 +645,7 @@ def _access_log(app: Any) -> Any:
             return
         t0 = time.perf_counter()
         state: dict[str, Any] = {"status": None, "bytes": 0, "done": False}
+        request_state = scope.setdefault("state", {})  # Starlette's request.state writes here
 
         async def send_logged(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
@@ -642,13 +663,17 @@ def _access_log(app: Any) -> Any:
             if scope.get("query_string"):
                 target += b"?" + scope["query_string"]
             level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
+            seconds = time.perf_counter() - t0
+            extra = {"op": f'{scope["method"]} {scope["path"]}', "ms": round(seconds * 1e3, 3)}
+            if "trace_id" in request_state:
+                extra["trace_id"] = request_state["trace_id"]
             access_log.log(
                 level, '%s "%s %s HTTP/%s" %s %s %.6fs%s',
                 f"{client[0]}:{client[1]}" if client else "-", scope["method"],
                 target.decode("latin-1"), scope.get("http_version", "1.1"),
                 state["status"] if state["status"] is not None else "-",
                 state["bytes"] if state["status"] is not None else "-",
-                time.perf_counter() - t0, "" if state["done"] else " (incomplete)",
+                seconds, "" if state["done"] else " (incomplete)", extra=extra,
             )
 
     return wrapped

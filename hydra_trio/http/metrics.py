@@ -1,88 +1,219 @@
-"""Prometheus metrics with llama-server's names (``llamacpp:`` prefix), via prometheus-client.
+"""Prometheus metrics: llama-server's names (``llamacpp:`` prefix) and the node's own (``hydra_trio:``, ``hydra_rpc_``).
 
-Values are read from the engine's counters at scrape time by a custom
-collector, so the engine thread never calls into prometheus-client.
+Most values are read from the counters of the engine, the control channel,
+the front door and the ggml-RPC backend at scrape time by a custom
+collector, so the engine thread never calls into prometheus-client.  The
+Hydra requests are counted where they are answered
+(:meth:`NodeMetrics.hydra_request`, called once per request by the Hydra
+dispatch); their latency goes into a prometheus-client
+:class:`~prometheus_client.Histogram` held in the node's own registry.
+Every family is listed, with its unit, in the README ("Metrics").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import collections
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
+    from ..control import ControlChannel
     from ..engine.engine import Engine
+
+__all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "NodeMetrics", "render"]
+
+EXPERT_MODES = ("solo", "combined", "pipeline")
+# seconds: an INFO takes well under a millisecond, a PREFILL or a multi-GB STATE_PUT tens of seconds
+HYDRA_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                         120.0, float("inf"))
+
+
+class NodeMetrics:
+    """One node's ``/metrics``: what it reads at scrape time, and the Hydra counts it keeps itself.
+
+    Args:
+        engine: the engine (None on a compute-only node: no ``llamacpp:`` families).
+        connections: accepted connections by protocol name (the front door's counts).
+        rpc: the ggml-RPC backend (:class:`~hydra_trio.ggml_rpc.backend.RpcBackend`) or None.
+        open_connections: connections open now, of every protocol.
+        control: the control channel (its ``applied``, ``refused_busy``, ``failed`` counts) or None.
+        open_by_protocol: connections open now by protocol name.
+    """
+
+    def __init__(
+        self,
+        engine: Engine | None = None,
+        connections: Mapping[str, int] | None = None,
+        rpc: Any = None,
+        open_connections: Callable[[], int] | None = None,
+        control: ControlChannel | None = None,
+        open_by_protocol: Mapping[str, int] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.connections = connections if connections is not None else {}
+        self.rpc = rpc
+        self.open_connections = open_connections
+        self.control = control
+        self.open_by_protocol = open_by_protocol
+        self.hydra_requests: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.state_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.hydra_seconds = Histogram(
+            "hydra_trio:hydra_request_seconds", "Hydra request latency, header in to reply out, by opcode.",
+            ["op"], buckets=HYDRA_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_Collector(self))  # type: ignore[arg-type]
+
+    def hydra_request(self, op: str, status: str, seconds: float, *, state_in: int = 0, state_out: int = 0) -> None:
+        """Count one answered Hydra request.
+
+        Args:
+            op: the opcode's name (``INFO``), or ``unknown`` for an opcode the protocol does not name.
+            status: the reply's status name (``OK``, ``BUSY``, ...), or ``NO_REPLY`` when the
+                connection broke or the node stopped before the reply was written.
+            seconds: from the whole request in to the reply out (a streamed DECODE: its whole stream).
+            state_in: KV-state bytes restored from the request's payload (an OK STATE_PUT).
+            state_out: KV-state bytes written in the reply's payload (STATE_GET, PREFILL).
+        """
+        self.hydra_requests[op, status] += 1
+        self.hydra_seconds.labels(op).observe(seconds)
+        if state_in:
+            self.state_bytes["in", op] += state_in
+        if state_out:
+            self.state_bytes["out", op] += state_out
+
+    def render(self) -> tuple[bytes, str]:
+        """Prometheus text exposition of the current values: ``(body, content_type)``."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def render(
+    engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, open_connections: int | None = None
+) -> tuple[bytes, str]:
+    """The exposition of a node without Hydra counts (:class:`NodeMetrics` is the whole one): ``(body, content_type)``."""
+    n = open_connections
+    return NodeMetrics(engine, connections, rpc, (lambda: n) if n is not None else None).render()
 
 
 class _Collector:
-    def __init__(self, engine: Engine | None, connections: Mapping[str, int], rpc: Any, open_connections: int | None) -> None:
-        self.engine = engine
-        self.connections = connections
-        self.rpc = rpc
-        self.open_connections = open_connections
+    """Reads the node's counters at scrape time (prometheus-client's custom collector)."""
+
+    def __init__(self, node: NodeMetrics) -> None:
+        self.node = node
 
     def collect(self) -> Iterator[Metric]:
+        node = self.node
         conns = CounterMetricFamily(
             "hydra_trio:connections", "Accepted connections by classified protocol.", labels=["protocol"]
         )
-        for proto, n in sorted(self.connections.items()):
+        for proto, n in sorted(node.connections.items()):
             conns.add_metric([proto], n)
         yield conns
-        if self.open_connections is not None:
+        if node.open_connections is not None:
             yield GaugeMetricFamily(
                 "hydra_trio:connections_open", "Connections open now, of every protocol (--max-connections bounds it).",
-                self.open_connections,
+                node.open_connections(),
             )
-        if self.rpc is not None:
+        if node.open_by_protocol is not None:
+            open_now = GaugeMetricFamily(
+                "hydra_trio:protocol_connections_open", "Connections open now, by classified protocol.",
+                labels=["protocol"],
+            )
+            for proto, n in sorted(node.open_by_protocol.items()):
+                open_now.add_metric([proto], n)
+            yield open_now
+        yield from _hydra(node)
+        if node.rpc is not None:
+            rpc = node.rpc
             rpc_bytes = CounterMetricFamily(
                 "hydra_trio:rpc_bytes", "Bytes passed through to the ggml-RPC backend.", labels=["direction"]
             )
-            rpc_bytes.add_metric(["in"], self.rpc.bytes_in)
-            rpc_bytes.add_metric(["out"], self.rpc.bytes_out)
+            rpc_bytes.add_metric(["in"], rpc.bytes_in)
+            rpc_bytes.add_metric(["out"], rpc.bytes_out)
             yield rpc_bytes
-            yield GaugeMetricFamily("hydra_trio:rpc_backend_active", "1 while the ggml-RPC backend serves.", int(self.rpc.active))
-            yield CounterMetricFamily("hydra_trio:rpc_backend_restarts", "ggml-RPC backend restarts.", self.rpc.restarts)
-            yield from _rpc_front_door(self.rpc)
-        e = self.engine
-        if e is None:
-            return
-        s = e.stats
-        yield CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.", s.prompt_tokens_total)
-        yield CounterMetricFamily("llamacpp:prompt_seconds", "Prompt process time.", s.prompt_seconds_total)
-        yield CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.tokens_predicted_total)
-        yield CounterMetricFamily(
-            "llamacpp:tokens_predicted_seconds", "Predict process time.", s.tokens_predicted_seconds_total
+            yield GaugeMetricFamily("hydra_trio:rpc_backend_active", "1 while the ggml-RPC backend serves.", int(rpc.active))
+            yield CounterMetricFamily("hydra_trio:rpc_backend_restarts", "ggml-RPC backend restarts.", rpc.restarts)
+            yield from _rpc_front_door(rpc)
+        if node.engine is not None:
+            yield from _engine(node.engine)
+
+
+def _hydra(node: NodeMetrics) -> Iterator[Metric]:
+    """Hydra requests and KV-state bytes (counted by the dispatch), control-channel changes."""
+    reqs = CounterMetricFamily(
+        "hydra_trio:hydra_requests", "Hydra requests answered, by opcode and reply status.", labels=["op", "status"]
+    )
+    for (op, status), n in sorted(node.hydra_requests.items()):
+        reqs.add_metric([op, status], n)
+    yield reqs
+    state = CounterMetricFamily(
+        "hydra_trio:state_bytes", "KV-state bytes moved by Hydra: in (STATE_PUT restored), out (STATE_GET, PREFILL).",
+        labels=["direction", "op"],
+    )
+    for (direction, op), n in sorted(node.state_bytes.items()):
+        state.add_metric([direction, op], n)
+    yield state
+    if node.control is not None:
+        c = node.control
+        changes = CounterMetricFamily(
+            "hydra_trio:control_changes",
+            "Engine-wide changes (SET_EXPERT_MODE, CONFIGURE T2/T3, SWAP_QUANT, PIPELINE_ATTACH) by result.",
+            labels=["result"],
         )
-        yield CounterMetricFamily("llamacpp:n_decode", "Number of llama_decode() calls.", s.n_decode_total)
-        yield CounterMetricFamily(
-            "hydra_trio:requests_deferred", "Requests that waited in the queue for a free slot.", s.requests_deferred
-        )
-        yield GaugeMetricFamily(
-            "llamacpp:n_busy_slots_per_decode",
-            "Average number of busy slots per llama_decode() call.",
-            s.n_busy_slots_total / s.n_decode_total if s.n_decode_total else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "llamacpp:prompt_tokens_seconds",
-            "Average prompt throughput in tokens/s.",
-            s.prompt_tokens_total / s.prompt_seconds_total if s.prompt_seconds_total else 0.0,
-        )
-        yield GaugeMetricFamily(
-            "llamacpp:predicted_tokens_seconds",
-            "Average generation throughput in tokens/s.",
-            s.tokens_predicted_total / s.tokens_predicted_seconds_total if s.tokens_predicted_seconds_total else 0.0,
-        )
-        yield GaugeMetricFamily("hydra_trio:combined_mode", "1 while COMBINED serves new work.", int(e.experts.mode == "combined"))
-        yield GaugeMetricFamily("hydra_trio:pipeline_mode", "1 while a PIPELINE_ATTACH split serves new work.",
-                                int(e.experts.mode == "pipeline"))
-        yield CounterMetricFamily("hydra_trio:expert_mode_switches", "Switches between SOLO and COMBINED models.", s.mode_switches)
-        yield CounterMetricFamily("hydra_trio:combined_fallbacks", "COMBINED requests answered with SOLO.", s.combined_fallbacks)
-        yield CounterMetricFamily("hydra_trio:peer_losses", "ggml-RPC peers lost mid-request.", s.peer_losses)
-        yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", e.requests_processing)
-        yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", e.requests_waiting)
+        changes.add_metric(["applied"], c.applied)
+        changes.add_metric(["refused_busy"], c.refused_busy)
+        changes.add_metric(["failed"], c.failed)
+        yield changes
+
+
+def _engine(e: Engine) -> Iterator[Metric]:
+    """llama-server's families, and the expert mode and peer."""
+    s = e.stats
+    yield CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.", s.prompt_tokens_total)
+    yield CounterMetricFamily("llamacpp:prompt_seconds", "Prompt process time.", s.prompt_seconds_total)
+    yield CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.tokens_predicted_total)
+    yield CounterMetricFamily(
+        "llamacpp:tokens_predicted_seconds", "Predict process time.", s.tokens_predicted_seconds_total
+    )
+    yield CounterMetricFamily("llamacpp:n_decode", "Number of llama_decode() calls.", s.n_decode_total)
+    yield CounterMetricFamily(
+        "hydra_trio:requests_deferred", "Requests that waited in the queue for a free slot.", s.requests_deferred
+    )
+    yield GaugeMetricFamily(
+        "llamacpp:n_busy_slots_per_decode",
+        "Average number of busy slots per llama_decode() call.",
+        s.n_busy_slots_total / s.n_decode_total if s.n_decode_total else 0.0,
+    )
+    yield GaugeMetricFamily(
+        "llamacpp:prompt_tokens_seconds",
+        "Average prompt throughput in tokens/s.",
+        s.prompt_tokens_total / s.prompt_seconds_total if s.prompt_seconds_total else 0.0,
+    )
+    yield GaugeMetricFamily(
+        "llamacpp:predicted_tokens_seconds",
+        "Average generation throughput in tokens/s.",
+        s.tokens_predicted_total / s.tokens_predicted_seconds_total if s.tokens_predicted_seconds_total else 0.0,
+    )
+    yield GaugeMetricFamily("hydra_trio:combined_mode", "1 while COMBINED serves new work.", int(e.experts.mode == "combined"))
+    yield GaugeMetricFamily("hydra_trio:pipeline_mode", "1 while a PIPELINE_ATTACH split serves new work.",
+                            int(e.experts.mode == "pipeline"))
+    mode = GaugeMetricFamily("hydra_trio:expert_mode", "1 for the expert mode serving new work, 0 for the others.",
+                             labels=["mode"])
+    for name in EXPERT_MODES:
+        mode.add_metric([name], int(str(e.experts.mode) == name))
+    yield mode
+    yield GaugeMetricFamily("hydra_trio:peer_reachable",
+                            "1 while the ggml-RPC peer (--rpc-engine, SET_EXPERT_MODE, PIPELINE_ATTACH) answers; "
+                            "0 without one.", int(bool(e.experts.peer) and e.experts.peer_reachable))
+    yield CounterMetricFamily("hydra_trio:expert_mode_switches", "Switches between SOLO and COMBINED models.", s.mode_switches)
+    yield CounterMetricFamily("hydra_trio:combined_fallbacks", "COMBINED requests answered with SOLO.", s.combined_fallbacks)
+    yield CounterMetricFamily("hydra_trio:peer_losses", "ggml-RPC peers lost mid-request.", s.peer_losses)
+    yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", e.requests_processing)
+    yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", e.requests_waiting)
 
 
 def _rpc_front_door(rpc: Any) -> Iterator[Metric]:
@@ -106,12 +237,3 @@ def _rpc_front_door(rpc: Any) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "hydra_rpc_backend_crashes", "ggml-RPC backend exits by a signal or a non-zero code.", rpc.crashes
     )
-
-
-def render(
-    engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, open_connections: int | None = None
-) -> tuple[bytes, str]:
-    """Prometheus text exposition of the current values: ``(body, content_type)``."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(engine, connections, rpc, open_connections))  # type: ignore[arg-type]
-    return generate_latest(registry), CONTENT_TYPE_LATEST

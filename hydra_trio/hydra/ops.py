@@ -89,6 +89,7 @@ class OpContext:
     node: Node
     req: HydraRequest
     stream: trio.SocketStream
+    blob_bytes_sent: int = 0  # KV-state payload bytes written by send_blob (``/metrics``)
 
     async def reply(self, meta: dict[str, Any], status: Status = Status.OK) -> None:
         """Send a reply without payload."""
@@ -101,6 +102,7 @@ class OpContext:
         step = self.node.state_chunk_size
         for i in range(0, len(view), step):
             await self.stream.send_all(view[i : i + step])
+            self.blob_bytes_sent += len(view[i : i + step])
 
     def engine(self) -> Engine:
         """The serving engine; ERROR when the node has none or it is not ready."""

@@ -20,6 +20,7 @@ from ..control import ControlChannel
 from ..engine.engine import Engine
 from ..errors import HydraTrioError
 from ..ggml_rpc.backend import RpcBackend
+from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
 from .ops import OPS, Node, OpContext, Reply, info_meta, reply_for
 from .session import Drain, HydraRequest, HydraSettings, serve_connection
@@ -38,10 +39,12 @@ class HydraHandler:
         control: ControlChannel | None,
         settings: HydraSettings = HydraSettings(),
         rpc: RpcBackend | None = None,
+        metrics: NodeMetrics | None = None,
     ) -> None:
         self.node = Node(engine, control, rpc, settings)
         self.settings = settings
         self.requests = 0
+        self.metrics = metrics or NodeMetrics(engine)  # counted once per request in _dispatch
         self._drain = Drain()
 
     async def __call__(self, stream: trio.SocketStream) -> None:
@@ -69,11 +72,12 @@ class HydraHandler:
         return s.max_state_payload if op == Op.STATE_PUT else s.max_json_payload
 
     async def _dispatch(self, req: HydraRequest, stream: trio.SocketStream) -> None:
-        """Answer one whole request: the op's reply, or the reply its refusal maps to; one log line."""
+        """Answer one whole request: the op's reply, or the reply its refusal maps to; one log line, one count."""
         self.requests += 1
         t0 = time.perf_counter()
         name = Op(req.op).name if req.op in Op._value2member_map_ else f"0x{req.op:02x}"
-        status = Status.OK
+        status: Status | None = Status.OK
+        ctx: OpContext | None = None
         try:
             try:
                 if req.key_error:
@@ -85,14 +89,26 @@ class HydraHandler:
                 if spec is None:
                     what = "a Store service opcode" if is_store_op(req.op) else "an unknown opcode"
                     raise Reply(Status.NOT_IMPLEMENTED, f"opcode 0x{req.op:02x} is {what}; this is an engine node")
-                await spec.run(OpContext(self.node, req, stream))
+                ctx = OpContext(self.node, req, stream)
+                await spec.run(ctx)
             except HydraTrioError as exc:
                 raise reply_for(exc) from None
         except Reply as r:
             status = r.status
             await stream.send_all(encode_response(r.status, r.meta))
+        except BaseException:
+            status = None  # the connection broke or the node stopped: no reply (or part of one) went out
+            raise
         finally:
+            seconds, outcome = time.perf_counter() - t0, Status(status).name if status is not None else "NO_REPLY"
+            self.metrics.hydra_request(
+                name if req.op in OPS else "unknown", outcome, seconds,
+                state_in=req.payload_len if req.op == Op.STATE_PUT and status == Status.OK else 0,
+                state_out=ctx.blob_bytes_sent if ctx is not None else 0,
+            )
             log.info(
                 "[%s] hydra %s key=%r %d bytes -> %s in %.1f ms",
-                req.trace_id, name, req.key, req.payload_len, Status(status).name, (time.perf_counter() - t0) * 1e3,
+                req.trace_id, name, req.key, req.payload_len, outcome, seconds * 1e3,
+                extra={"trace_id": req.trace_id, "op": name, "ms": round(seconds * 1e3, 3),
+                       **({"slot": int(req.key)} if req.key.isascii() and req.key.isdigit() and len(req.key) < 10 else {})},
             )
