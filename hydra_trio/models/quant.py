@@ -46,8 +46,11 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     """
     import llama_cpp
 
+    from ..engine.model import init_backend
+
     if qtype not in FTYPES:
         raise ValueError(f"unknown quantization {qtype!r}; known: {', '.join(FTYPES)}")
+    init_backend()  # llama.cpp's log lines (one per tensor here) go to Python logging, not across the bar
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_suffix(f".tmp{os.getpid()}")
     params = llama_cpp.llama_model_quantize_default_params()
