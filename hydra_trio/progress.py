@@ -172,6 +172,8 @@ class _Display:
             if not self._decided:
                 self._decided = True
                 try:
+                    if not sys.stderr.isatty():  # the common case for a service: no need to import rich
+                        return False
                     from rich.console import Console
 
                     console = Console(stderr=True)

@@ -45,7 +45,11 @@ class Recorder:
 
 
 @pytest.fixture
-def recorder():
+def recorder(monkeypatch):
+    """Records every listener call; in-process steps log lines even under ``pytest -s`` on a terminal."""
+    plain = progress._Display()
+    plain._decided = True  # no console: log lines
+    monkeypatch.setattr(progress, "_display", plain)
     rec = Recorder()
     progress.add_listener(rec)
     yield rec
