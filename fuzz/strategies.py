@@ -1,8 +1,20 @@
-"""Hypothesis strategies for the Hydra codec (hydra_trio.protocol.hydra).
+"""Hypothesis strategies for hydra-trio's three protocols: the public entry point for fuzzing a node.
 
-Importable by tests (``from fuzz.strategies import ...``) and by long-running
-fuzzers. Decoders under test should use the limits below (`MAX_PAYLOAD`,
-`MAX_KEY`, `MAX_TRACE`) so the "over the limit" mutants mean something.
+Importable by tests (``from fuzz.strategies import ...``, with the repository
+root on ``sys.path``: pytest run from the root has it) and by long-running
+fuzzers; ``examples/fuzz_my_node.py`` fuzzes a node of yours with them.
+
+* Hydra: :func:`valid_requests` (:class:`Req`), :func:`nearly_valid_requests`
+  (:class:`Mutant`: one field off), :func:`random_first_bytes`,
+  :func:`chunk_cuts` / :func:`split_at` (a request in pieces).
+* HTTP: :func:`http_requests` (raw requests, valid or broken in one way, each
+  ending with ``Connection: close``).
+* ggml-RPC: :func:`ggml_rpc_hellos`, :func:`ggml_rpc_sessions` (valid
+  :class:`RpcStep` sessions), :func:`ggml_rpc_mutants` (:class:`GgmlRpcMutant`),
+  :func:`ggml_rpc_silent_openings`, :func:`ggml_rpc_truncated`.
+
+Decoders under test should use the limits below (`MAX_PAYLOAD`, `MAX_KEY`,
+`MAX_TRACE`) so the "over the limit" mutants mean something.
 """
 
 from __future__ import annotations
@@ -24,9 +36,17 @@ __all__ = [
     "MAX_KEY",
     "MAX_PAYLOAD",
     "MAX_TRACE",
+    "GgmlRpcMutant",
     "Mutant",
     "Req",
+    "RpcStep",
     "chunk_cuts",
+    "ggml_rpc_hellos",
+    "ggml_rpc_mutants",
+    "ggml_rpc_sessions",
+    "ggml_rpc_silent_openings",
+    "ggml_rpc_truncated",
+    "http_requests",
     "nearly_valid_requests",
     "random_first_bytes",
     "split_at",

@@ -110,3 +110,30 @@ class StatsTicker:
         self._decoded = seen
         out["slots"] = slots
         return out
+
+
+class ProgressEvents:
+    """A :func:`hydra_trio.progress.add_listener` listener that publishes ``load.progress`` events.
+
+    ``{"step": name, "done", "total" (None when unknown), "finished": bool}``, at most
+    one per step per 5 % of its total (or per second when the total is unknown),
+    plus the step's start and end.  Progress listeners are process-wide: two nodes
+    embedded in one process both see each other's steps.
+    """
+
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+        self._last: dict[str, tuple[float, float]] = {}  # step -> (done, monotonic time) last published
+
+    def __call__(self, name: str, done: float, total: float | None, finished: bool) -> None:
+        now = time.monotonic()
+        last = self._last.get(name)
+        if last is not None and not finished:
+            moved = (done - last[0]) / total if total else 0.0
+            if moved < 0.05 and (total or now - last[1] < 1.0):
+                return
+        if finished:
+            self._last.pop(name, None)
+        else:
+            self._last[name] = (done, now)
+        self.bus.publish("load.progress", step=name, done=done, total=total, finished=finished)

@@ -19,7 +19,8 @@ from .http._hyper import HttpHandler
 from .http.app import build_app
 from .http.metrics import NodeMetrics
 from .http.settings import HttpSettings
-from .node_stats import StatsTicker
+from . import progress
+from .node_stats import ProgressEvents, StatsTicker
 from .protocol.classify import Protocol
 from .ggml_rpc.backend import RpcBackend, RpcBackendSettings
 
@@ -68,6 +69,7 @@ class Server:
         self.control = ControlChannel(self.engine) if self.engine is not None else None
         self.metrics = NodeMetrics(self.engine, self.frontdoor.counts, self.rpc, lambda: self.frontdoor.active,
                                    self.control, self.frontdoor.open_by_protocol)
+        self._progress_events = ProgressEvents(self.events)
         self.stats = StatsTicker(self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc)
         self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active,
                              events=self.events, node_metrics=self.metrics)
@@ -89,6 +91,7 @@ class Server:
         """
         cfg = self.config
         listeners = self._listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        progress.add_listener(self._progress_events)
         self.port = listeners[0].socket.getsockname()[1]
         log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
         try:
@@ -109,6 +112,7 @@ class Server:
                     nursery.start_soon(self._watch_peer)
                 task_status.started(self)
         finally:
+            progress.remove_listener(self._progress_events)
             self.stopped.set()
             for listener in listeners:
                 with trio.CancelScope(shield=True):

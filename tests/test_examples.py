@@ -49,6 +49,15 @@ def test_openai_example_talks_to_a_node(server: ServerProcess) -> None:
     assert "Paris" in out.stdout
 
 
+def test_fuzz_example_fuzzes_a_node(server: ServerProcess) -> None:
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", str(EXAMPLES / "fuzz_my_node.py")],
+                         capture_output=True, text=True, timeout=600, cwd=ROOT,
+                         env={**os.environ, "HYDRA_NODE": f"127.0.0.1:{server.port}", "HYDRA_FUZZ_EXAMPLES": "8"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert re.search(r"\b3 passed\b", out.stdout), out.stdout[-3000:]
+    assert server.proc.poll() is None
+
+
 def test_systemd_unit_and_scrape_config_match_the_node(server: ServerProcess) -> None:
     unit = configparser.ConfigParser(strict=True, interpolation=None)
     unit.optionxform = str  # systemd keys are case-sensitive

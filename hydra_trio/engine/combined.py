@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import llama_cpp
 
+from .. import progress
 from ..protocol.address import parse_peer
 from ..protocol.strict import MessageError
 from . import ggml_rpc
@@ -395,10 +396,14 @@ class ExpertModes:
             if free < need:
                 raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
             buft = ggml_rpc.libs()[0].ggml_backend_dev_buffer_type(devs[0])
-            return LoadedModel(
-                src, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
-                devices=[devs[0], ggml_rpc.cpu_device()], overrides=[(self.pattern, buft)],
-            )
+            # llama.cpp reports the fraction of all weights loaded; scaled to the bytes bound for the
+            # peer, it is their upload within a layer's worth (the tensors load in file order)
+            with progress.step(f"attaching peer {peer}: uploading tensors", total=need, unit="B") as bar:
+                return LoadedModel(
+                    src, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
+                    devices=[devs[0], ggml_rpc.cpu_device()], overrides=[(self.pattern, buft)],
+                    progress=lambda p: bar.update(p * need) or True,
+                )
 
         t0 = time.perf_counter()
         try:

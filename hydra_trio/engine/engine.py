@@ -28,6 +28,7 @@ import llama_cpp
 import trio
 
 from ..events import EventBus
+from .. import progress
 from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import quants, state
 from .bridge import Call
@@ -243,36 +244,35 @@ class Engine:
         cfg = self.config
         try:
             self._set_stage(Stage.LOADING_MODEL)
-            last_logged = [-1.0]
-            last_published = [-1.0]
+            size = cfg.model_path.stat().st_size
+            with progress.step("loading model", total=size, unit="B") as bar:
 
-            def progress(p: float) -> bool:
-                self.progress = p
-                if p - last_logged[0] >= 0.25 or p >= 1.0:
-                    last_logged[0] = p
-                    log.info("loading model: %3.0f%%", 100 * p)
-                if p - last_published[0] >= 0.05 or p >= 1.0:
-                    last_published[0] = p
-                    self.events.publish("load.progress", step="loading_model", done=round(p, 4), total=1.0)
-                return not self._stop  # False aborts the load (shutdown during load)
+                def on_load(p: float) -> bool:  # llama.cpp's fraction of the weights loaded
+                    self.progress = p
+                    bar.update(p * size)
+                    return not self._stop  # False aborts the load (shutdown during load)
 
-            model = LoadedModel(
-                cfg.model_path, n_ctx=cfg.n_ctx, n_parallel=cfg.n_parallel, n_batch=cfg.n_batch,
-                n_threads=cfg.n_threads, progress=progress, chat_template=cfg.chat_template, log_chat_template=True,
-            )
+                model = LoadedModel(
+                    cfg.model_path, n_ctx=cfg.n_ctx, n_parallel=cfg.n_parallel, n_batch=cfg.n_batch,
+                    n_threads=cfg.n_threads, progress=on_load, chat_template=cfg.chat_template,
+                    log_chat_template=True,
+                )
             self.experts.set_solo(model)
             self.progress = 1.0
             self._set_stage(Stage.HASHING_MODEL)
+            with progress.step("hashing model", total=size, unit="B") as bar:
+                model_hash = sha256_file(cfg.model_path, stop=lambda: self._stop, on_block=bar.advance)
             self.identity = ModelIdentity(
                 model_alias=cfg.model_alias,
                 model_path=str(cfg.model_path),
-                model_hash=sha256_file(cfg.model_path, stop=lambda: self._stop),
+                model_hash=model_hash,
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
             self.scheduler = Scheduler(self.experts, cfg.n_parallel, model.n_ctx_slot, model.n_batch, self.stats,
                                        self.identity.model_hash, events=self.events)
             self._set_stage(Stage.WARMUP)
-            self._warmup(model)
+            with progress.step("warm-up"):
+                self._warmup(model)
         except Exception as exc:
             self.experts.close()
             if self._stop:  # the node is stopping: the load was aborted on purpose, not a failure

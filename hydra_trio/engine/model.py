@@ -67,8 +67,13 @@ class LoadStopped(RuntimeError):
     """A load or hash was stopped on purpose (the node is shutting down)."""
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20, stop: Callable[[], bool] | None = None) -> str:
+def sha256_file(
+    path: Path, chunk: int = 1 << 20, stop: Callable[[], bool] | None = None,
+    on_block: Callable[[int], object] | None = None,
+) -> str:
     """SHA-256 of a file as 64 lowercase hex digits, read in ``chunk``-byte blocks.
+
+    ``on_block(n)`` is called with each block's size in bytes (progress).
 
     Raises:
         OSError: the file cannot be read.
@@ -78,6 +83,8 @@ def sha256_file(path: Path, chunk: int = 1 << 20, stop: Callable[[], bool] | Non
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
+            if on_block is not None:
+                on_block(len(block))
             if stop is not None and stop():
                 raise LoadStopped(f"hashing {path} stopped")
     return digest.hexdigest()

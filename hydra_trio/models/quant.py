@@ -16,6 +16,8 @@ import os
 import time
 from pathlib import Path
 
+from .. import progress
+
 log = logging.getLogger("hydra_trio.models.quant")
 
 FTYPES = {"Q8_0": 7, "F16": 1}
@@ -35,7 +37,8 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     """Write ``src`` quantized to ``qtype`` (a key of :data:`FTYPES`) to ``dst``; returns ``dst``.
 
     Logs a line when it starts and when it is done (size, seconds): about 2 s
-    for SmolLM2-135M on 2 cores.
+    for SmolLM2-135M on 2 cores; meanwhile a :func:`hydra_trio.progress.step`
+    shows the bytes written (the total is not known beforehand).
 
     Raises:
         ValueError: unknown ``qtype``.
@@ -43,8 +46,11 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     """
     import llama_cpp
 
+    from ..engine.model import init_backend
+
     if qtype not in FTYPES:
         raise ValueError(f"unknown quantization {qtype!r}; known: {', '.join(FTYPES)}")
+    init_backend()  # llama.cpp's log lines (one per tensor here) go to Python logging, not across the bar
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_suffix(f".tmp{os.getpid()}")
     params = llama_cpp.llama_model_quantize_default_params()
@@ -54,9 +60,13 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     log.info("making %s (%s) from %s with llama.cpp's quantizer ...", dst.name, qtype, src.name)
     t0 = time.perf_counter()
     try:
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-        if rc != 0:
-            raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) failed with code {rc}")
+        # llama.cpp's quantizer reports nothing while it runs: the bar follows the bytes it has written
+        with progress.step(f"quantizing {src.name} to {qtype}", unit="B") as bar, \
+                progress.polling(bar, lambda: tmp.stat().st_size):
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+            if rc != 0:
+                raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) failed with code {rc}")
+            bar.update(tmp.stat().st_size)
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
