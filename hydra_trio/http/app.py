@@ -47,6 +47,8 @@ from ..api.schemas import (
     parse_body,
 )
 from .settings import HttpSettings
+from .auth import ApiKeyMiddleware
+from ..access import AccessSettings, Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http")
 access_log = logging.getLogger("hydra_trio.http.access")
@@ -91,10 +93,12 @@ class Api:
         rpc: Any = None,
         settings: HttpSettings = HttpSettings(),
         open_connections: Callable[[], int] | None = None,
+        refused: Mapping[tuple[str, str], int] | None = None,
     ) -> None:
         self.engine = engine
         self.connections = connections
         self.open_connections = open_connections
+        self.refused = refused
         self.rpc = rpc
         self.settings = settings
         self.started = time.time()
@@ -294,7 +298,8 @@ class Api:
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = metrics.render(
-            self.engine, self.connections, self.rpc, self.open_connections() if self.open_connections else None
+            self.engine, self.connections, self.rpc, self.open_connections() if self.open_connections else None,
+            self.refused,
         )
         return Response(body, media_type=content_type)
 
@@ -565,14 +570,19 @@ def build_app(
     rpc: Any = None,
     settings: HttpSettings = HttpSettings(),
     open_connections: Callable[[], int] | None = None,
+    access: AccessSettings = AccessSettings(),
+    refused: Refusals | None = None,
 ) -> Any:
     """The ASGI app for one engine (``None``: a node without a model).
 
     ``connections`` maps protocol names to accepted-connection counts and
     ``open_connections`` gives the connections open now (the front door's),
-    exported by ``/metrics``.
+    exported by ``/metrics``.  ``access.api_keys`` puts the API behind keys
+    (:class:`~hydra_trio.http.auth.ApiKeyMiddleware`, inside CORS so that
+    preflights and the CORS headers of a 401 work); ``refused`` counts the
+    refusals of every protocol, exported by ``/metrics``.
     """
-    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections)
+    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, refused)
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/version", api.version, methods=["GET"]),
@@ -597,6 +607,8 @@ def build_app(
             # llama-server answers CORS preflights and allows any origin unless told otherwise
             Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                        allow_headers=["*"], max_age=600),
+            Middleware(ApiKeyMiddleware, keys=Secrets(access.api_keys), metrics_auth=access.metrics_auth,
+                       refused=refused),
         ],
     )
     return _absolute_form(_access_log(app))

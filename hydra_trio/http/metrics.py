@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 
 
 class _Collector:
-    def __init__(self, engine: Engine | None, connections: Mapping[str, int], rpc: Any, open_connections: int | None) -> None:
+    def __init__(
+        self, engine: Engine | None, connections: Mapping[str, int], rpc: Any, open_connections: int | None,
+        refused: Mapping[tuple[str, str], int] | None = None,
+    ) -> None:
+        self.refused = refused
         self.engine = engine
         self.connections = connections
         self.rpc = rpc
@@ -36,6 +40,14 @@ class _Collector:
                 "hydra_trio:connections_open", "Connections open now, of every protocol (--max-connections bounds it).",
                 self.open_connections,
             )
+        if self.refused is not None:
+            refused = CounterMetricFamily(
+                "hydra_trio:refused", "Requests and connections refused by the access rules (API keys, "
+                "--control-allow, --hydra-token, --rpc-allow).", labels=["protocol", "reason"],
+            )
+            for (proto, reason), n in sorted(self.refused.items()):
+                refused.add_metric([proto, reason], n)
+            yield refused
         if self.rpc is not None:
             rpc_bytes = CounterMetricFamily(
                 "hydra_trio:rpc_bytes", "Bytes passed through to the ggml-RPC backend.", labels=["direction"]
@@ -109,9 +121,13 @@ def _rpc_front_door(rpc: Any) -> Iterator[Metric]:
 
 
 def render(
-    engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, open_connections: int | None = None
+    engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, open_connections: int | None = None,
+    refused: Mapping[tuple[str, str], int] | None = None,
 ) -> tuple[bytes, str]:
-    """Prometheus text exposition of the current values: ``(body, content_type)``."""
+    """Prometheus text exposition of the current values: ``(body, content_type)``.
+
+    ``refused`` (``(protocol, reason) -> count``) becomes ``hydra_trio:refused_total{protocol,reason}``.
+    """
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(engine, connections, rpc, open_connections))  # type: ignore[arg-type]
+    registry.register(_Collector(engine, connections, rpc, open_connections, refused))  # type: ignore[arg-type]
     return generate_latest(registry), CONTENT_TYPE_LATEST
