@@ -16,6 +16,9 @@ import openai
 import pytest
 import trio
 
+from hypothesis import HealthCheck, settings
+
+from fuzz import access as access_fuzz
 from hydra_trio.access import AllowList, Peer, Secrets, new_refusals, normalize_address, parse_network, read_key_file
 from hydra_trio.hydra.client import HydraBadRequest, HydraClient
 from hydra_trio.hydra.gate import Gate
@@ -209,6 +212,16 @@ def test_hydra_client_and_cli_send_the_token(node: ServerProcess) -> None:
     via_env = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LONG,
                              env={**env, "HYDRA_TRIO_TOKEN": TOKEN})
     assert via_env.returncode == 0, via_env.stderr
+
+
+def test_fuzz_access_rules_short_budget(node: ServerProcess) -> None:
+    """fuzz/access.py: wrong keys and tokens, refused control ops with random payloads; nothing changes."""
+    access_fuzz.configure(node.port, KEY, TOKEN, n_slots=2)
+    test = access_fuzz.AccessMachine.TestCase
+    test.settings = settings(max_examples=3, stateful_step_count=10, deadline=None, database=None,
+                             suppress_health_check=list(HealthCheck))
+    test("runTest").runTest()
+    assert node.proc.poll() is None
 
 
 # --------------------------------------------------------------------------- ggml-RPC: allow-list
