@@ -30,6 +30,7 @@ import attrs
 import trio
 
 from ._version import __version__
+from .access import AccessSettings, AllowList, parse_network, read_key_file
 from .engine.settings import EngineConfig
 from .frontdoor import FrontDoorSettings
 from .ggml_rpc.backend import RpcBackendSettings
@@ -252,12 +253,65 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                                            "(default: %(default)s; 0 = not held)")
     p.add_argument("--rpc-max-message-size", type=int_range(1, 2**63 - 1), default=_default(rpc, "max_message_size"),
                    metavar="BYTES", help="largest ggml-RPC message accepted, >= 1 (default: %(default)s)")
+    _add_access_args(p)
     p.add_argument("--shutdown-grace", type=seconds(zero_ok=True), default=10.0, metavar="SECONDS",
                    help="on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (default: 10; 0 = stop at once)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default: INFO)")
     p.add_argument("--log-format", default="text", choices=list(LOG_FORMATS),
                    help="log lines as text, or one JSON object per line with ts, level, logger, msg and, where "
                         "they apply, trace_id, slot, op, ms (default: text)")
+
+
+def _cidr(text: str) -> str:
+    """argparse ``type=``: a CIDR network or a single IP address (checked, returned unchanged)."""
+    try:
+        parse_network(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _secret(text: str) -> str:
+    """argparse ``type=``: a non-empty key or token without surrounding whitespace."""
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError("must be non-empty, without leading or trailing whitespace")
+    return text
+
+
+def _add_access_args(p: argparse.ArgumentParser) -> None:
+    """The access flags of ``run`` (issue 14 §2, §3; README "Security"): all open when none is given."""
+    g = p.add_argument_group("access (default: everything open, as the orchestrator expects)")
+    g.add_argument("--api-key", action="append", type=_secret, default=[], metavar="KEY",
+                   help="HTTP: require 'Authorization: Bearer KEY' on the API, repeatable (llama-server's flag); "
+                        "/health stays open")
+    g.add_argument("--api-key-file", action="append", default=[], metavar="FILE",
+                   help="HTTP: API keys from a file, one per line (llama-server's flag; empty lines and lines "
+                        "starting with # are skipped)")
+    g.add_argument("--metrics-auth", action="store_true",
+                   help="HTTP: /metrics needs an API key too (default: open for Prometheus)")
+    g.add_argument("--control-allow", action="append", type=_cidr, default=[], metavar="CIDR",
+                   help="Hydra: only peers in these networks may run CONFIGURE, SET_EXPERT_MODE, STATE_PUT, "
+                        "SWAP_QUANT, PIPELINE_ATTACH (repeatable; others get BAD_REQUEST 'refused')")
+    g.add_argument("--hydra-token", type=_secret, default=None, metavar="TOKEN",
+                   help="Hydra: a connection that sends CONFIGURE {\"auth\": TOKEN} may run those ops from any "
+                        "address (alone, without --control-allow: only such connections may)")
+    g.add_argument("--rpc-allow", action="append", type=_cidr, default=[], metavar="CIDR",
+                   help="ggml-RPC: only peers in these networks may connect (repeatable; others are closed "
+                        "before a byte is read)")
+
+
+def access_settings(args: argparse.Namespace) -> AccessSettings:
+    """The :class:`AccessSettings` of parsed ``run`` flags.  Raises ValueError for an unreadable or empty key file."""
+    keys = list(args.api_key)
+    for path in args.api_key_file:
+        keys += read_key_file(path)
+    return AccessSettings(
+        api_keys=tuple(keys),
+        metrics_auth=args.metrics_auth,
+        control_allow=AllowList.parse(args.control_allow, "--control-allow") if args.control_allow else None,
+        hydra_token=args.hydra_token,
+        rpc_allow=AllowList.parse(args.rpc_allow, "--rpc-allow") if args.rpc_allow else None,
+    )
 
 
 def _add_models_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -361,6 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run(args: argparse.Namespace) -> int:
     from .server import Server, ServerConfig, serve  # loads llama.cpp: only for `run`
 
+    try:
+        access = access_settings(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if args.metrics_auth and not access.api_keys:
+        log.warning("--metrics-auth without --api-key/--api-key-file: /metrics stays open")
     engine = None
     if not args.no_model:
         try:
@@ -404,6 +465,7 @@ async def _run(args: argparse.Namespace) -> int:
             stall_timeout=args.rpc_stall_timeout,
             restart_wait=args.rpc_restart_wait,
             max_message_size=args.rpc_max_message_size,
+            allow=access.rpc_allow,
         )
     elif args.no_model:
         log.error("--no-model with --no-rpc-backend leaves nothing to serve")
@@ -416,6 +478,7 @@ async def _run(args: argparse.Namespace) -> int:
         http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.timeout,
                           cors_origins=tuple(args.cors_origin or ["*"])),
         rpc_backend=rpc,
+        access=access,
     )
     async with trio.open_nursery() as nursery:
 

@@ -7,6 +7,7 @@ import logging
 import attrs
 import trio
 
+from .access import AccessSettings, new_refusals, normalize_address
 from .control import Change, ControlChannel
 from .errors import Busy
 from .engine.combined import peer_listening
@@ -39,6 +40,7 @@ class ServerConfig:
         http: HTTP timeouts and the body cap.
         hydra: Hydra protocol limits and timeouts.
         rpc_backend: the ggml-RPC backend this node lends to peers; None: off.
+        access: API keys, allow-lists and the Hydra token (all open by default).
     """
 
     host: str = "127.0.0.1"
@@ -48,6 +50,7 @@ class ServerConfig:
     http: HttpSettings = HttpSettings()
     hydra: HydraSettings = HydraSettings()
     rpc_backend: RpcBackendSettings | None = RpcBackendSettings()
+    access: AccessSettings = AccessSettings()
 
 
 class Server:
@@ -63,19 +66,22 @@ class Server:
         """The node's live events (``GET /v1/events``; :mod:`hydra_trio.events`)."""
         self.engine = Engine(config.engine, self.events) if config.engine is not None else None
         self.frontdoor = FrontDoor({}, config.frontdoor)
-        self.rpc = RpcBackend(config.rpc_backend) if config.rpc_backend is not None else None
+        self.refused = new_refusals()  # (protocol, reason) -> count, for /metrics
+        self.rpc = RpcBackend(config.rpc_backend, self.refused) if config.rpc_backend is not None else None
         if self.rpc is not None:
             self.rpc.child.events = self.events
         self.control = ControlChannel(self.engine) if self.engine is not None else None
         self.metrics = NodeMetrics(self.engine, self.frontdoor.counts, self.rpc, lambda: self.frontdoor.active,
-                                   self.control, self.frontdoor.open_by_protocol)
+                                   self.control, self.frontdoor.open_by_protocol, refused=self.refused,
+                                   events=self.events)
         self._progress_events = ProgressEvents(self.events)
         self.stats = StatsTicker(self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc)
         self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active,
-                             events=self.events, node_metrics=self.metrics)
+                             events=self.events, node_metrics=self.metrics, access=config.access, refused=self.refused)
         self.http = HttpHandler(self.app, config.http)
         self.frontdoor.handlers[Protocol.HTTP] = self.http
-        self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc, metrics=self.metrics)
+        self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc, metrics=self.metrics,
+                                  access=config.access, refused=self.refused)
         self.frontdoor.handlers[Protocol.HYDRA] = self.hydra
         if self.rpc is not None:
             self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc
@@ -94,6 +100,7 @@ class Server:
         progress.add_listener(self._progress_events)
         self.port = listeners[0].socket.getsockname()[1]
         log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
+        self._warn_open_rpc(listeners)
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
@@ -118,6 +125,25 @@ class Server:
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
 
+    def _warn_open_rpc(self, listeners: list[trio.SocketListener]) -> None:
+        """One warning when ggml-RPC, which writes into this node's memory, is open to every peer of a
+        non-loopback address (llama.cpp's rpc-server warns likewise: never expose it on an open network)."""
+        if self.rpc is None or self.config.rpc_backend is None or self.config.rpc_backend.allow is not None:
+            return
+        exposed = []
+        for listener in listeners:
+            host = listener.socket.getsockname()[0]
+            try:
+                if not normalize_address(host).is_loopback:
+                    exposed.append(host)
+            except ValueError:
+                exposed.append(host)
+        if exposed:
+            log.warning(
+                "ggml-RPC is open to every peer that reaches %s:%d: its commands write into this node's memory. "
+                "Limit it with --rpc-allow CIDR (e.g. the cluster network) or turn it off with --no-rpc-backend",
+                "/".join(sorted(set(exposed))), self.port,
+            )
 
     async def shutdown(self, grace: float) -> None:
         """Graceful stop by drain and deadline (hypercorn's way), then cancel what is left.

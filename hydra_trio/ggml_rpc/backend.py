@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 import trio
 
+from ..access import AllowList, Refusals, allowed, new_refusals, peer_of
 from ..engine.ggml_rpc import type_traits as ggml_type_traits
 from ..frontdoor import peer_name
 from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRequest, reconcile_type_traits
@@ -77,6 +78,8 @@ class RpcBackendSettings:
             is many messages; this keeps one in progress whole).
         max_message_size: largest client message, bytes (tensor data streams through).
         max_graph_size: largest GRAPH_COMPUTE, bytes (held whole in memory to be validated).
+        allow: peers that may connect (``--rpc-allow``); others are closed before a
+            byte is read (reason ``not_allowed``).  None: everyone.
     """
 
     devices: tuple[str, ...] = ("cpu",)
@@ -91,6 +94,7 @@ class RpcBackendSettings:
     drain_idle: float = 1.0
     max_message_size: int = 16 << 30
     max_graph_size: int = 256 << 20
+    allow: AllowList | None = None
 
 
 class _Of:
@@ -124,8 +128,9 @@ class RpcBackend:
     ``bytes_*`` and ``invalid`` from :attr:`counters`, which the pumps bump.
     """
 
-    def __init__(self, settings: RpcBackendSettings = RpcBackendSettings()) -> None:
+    def __init__(self, settings: RpcBackendSettings = RpcBackendSettings(), refused: Refusals | None = None) -> None:
         self.settings = settings
+        self.refused = refused if refused is not None else new_refusals()
         self.child = ChildSupervisor(
             settings.devices, settings.cache_dir, settings.threads or os.cpu_count() or 1, settings.restart_backoff
         )
@@ -232,6 +237,9 @@ class RpcBackend:
             return None
 
     async def _handle(self, stream: trio.SocketStream, peer: str) -> None:
+        if not allowed(self.settings.allow, who := peer_of(stream)):
+            self.refused["ggml_rpc", "not_allowed"] += 1
+            raise Close("not_allowed", f"peer {who} is not in --rpc-allow ({self.settings.allow})")
         self._refuse_if_draining()
         conn = self._new_conn()
         early: list[bytes | memoryview] = []  # validated bytes that wait for the child

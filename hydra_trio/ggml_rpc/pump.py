@@ -50,6 +50,7 @@ CLOSE_REASONS = (
     "backend_unavailable",  # the child was not back within restart_wait
     "backend_exit",  # the child exited while serving this client
     "draining",  # drain(): refused, dequeued, or closed at a message boundary
+    "not_allowed",  # the peer is not in --rpc-allow: closed before anything is read
 )
 """Why the front door closed a ggml-RPC client (stable: they label metrics)."""
 

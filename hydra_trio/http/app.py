@@ -50,6 +50,8 @@ from ..api.schemas import (
     parse_body,
 )
 from .settings import HttpSettings
+from .auth import ApiKeyMiddleware
+from ..access import AccessSettings, Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http")
 access_log = logging.getLogger("hydra_trio.http.access")
@@ -95,12 +97,15 @@ class Api:
         settings: HttpSettings = HttpSettings(),
         open_connections: Callable[[], int] | None = None,
         node_metrics: metrics.NodeMetrics | None = None,
+        refused: Mapping[tuple[str, str], int] | None = None,
     ) -> None:
         self.engine = engine
         self.connections = connections
         self.open_connections = open_connections
+        self.refused = refused
         self.rpc = rpc
-        self.node_metrics = node_metrics or metrics.NodeMetrics(engine, connections, rpc, open_connections)
+        self.node_metrics = node_metrics or metrics.NodeMetrics(engine, connections, rpc, open_connections,
+                                                                 refused=refused)
         self.settings = settings
         self.started = time.time()
 
@@ -584,6 +589,8 @@ def build_app(
     open_connections: Callable[[], int] | None = None,
     events: EventBus | None = None,
     node_metrics: metrics.NodeMetrics | None = None,
+    access: AccessSettings = AccessSettings(),
+    refused: Refusals | None = None,
 ) -> Any:
     """The ASGI app for one engine (``None``: a node without a model).
 
@@ -592,8 +599,13 @@ def build_app(
     exported by ``/metrics``; ``node_metrics`` is the node's whole
     ``/metrics`` (Hydra and control counts included), built from the
     others when not given; ``events`` is the bus ``GET /v1/events`` streams (a new one when None).
+    ``access.api_keys`` puts the API behind keys
+    (:class:`~hydra_trio.http.auth.ApiKeyMiddleware`, inside CORS so that
+    preflights and the CORS headers of a 401 work); ``refused`` counts the
+    refusals of every protocol, exported by ``/metrics``.
     """
-    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics)
+    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics,
+              refused)
     bus = events if events is not None else (engine.events if engine is not None else EventBus())
     routes = [
         Route("/health", api.health, methods=["GET"]),
@@ -620,6 +632,8 @@ def build_app(
             # llama-server answers CORS preflights and allows any origin unless told otherwise
             Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
                        allow_headers=["*"], max_age=600),
+            Middleware(ApiKeyMiddleware, keys=Secrets(access.api_keys), metrics_auth=access.metrics_auth,
+                       refused=refused),
         ],
     )
     return _absolute_form(_access_log(app))

@@ -42,6 +42,8 @@ class NodeMetrics:
         open_connections: connections open now, of every protocol.
         control: the control channel (its ``applied``, ``refused_busy``, ``failed`` counts) or None.
         open_by_protocol: connections open now by protocol name.
+        refused: refusals by the access rules, ``(protocol, reason) -> count``.
+        events: the event bus (:class:`~hydra_trio.events.EventBus`): its subscribers and drops.
     """
 
     def __init__(
@@ -52,6 +54,8 @@ class NodeMetrics:
         open_connections: Callable[[], int] | None = None,
         control: ControlChannel | None = None,
         open_by_protocol: Mapping[str, int] | None = None,
+        refused: Mapping[tuple[str, str], int] | None = None,
+        events: Any = None,
     ) -> None:
         self.engine = engine
         self.connections = connections if connections is not None else {}
@@ -59,6 +63,8 @@ class NodeMetrics:
         self.open_connections = open_connections
         self.control = control
         self.open_by_protocol = open_by_protocol
+        self.refused = refused
+        self.events = events
         self.hydra_requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.state_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.registry = CollectorRegistry(auto_describe=False)
@@ -118,6 +124,19 @@ class _Collector:
                 "hydra_trio:connections_open", "Connections open now, of every protocol (--max-connections bounds it).",
                 node.open_connections(),
             )
+        if node.refused is not None:
+            refused = CounterMetricFamily(
+                "hydra_trio:refused", "Requests and connections refused by the access rules (API keys, "
+                "--control-allow, --hydra-token, --rpc-allow).", labels=["protocol", "reason"],
+            )
+            for (proto, reason), n in sorted(node.refused.items()):
+                refused.add_metric([proto, reason], n)
+            yield refused
+        if node.events is not None:
+            yield GaugeMetricFamily("hydra_trio:event_subscribers", "GET /v1/events subscribers connected now.",
+                                    node.events.subscribers)
+            yield CounterMetricFamily("hydra_trio:events_dropped", "Events dropped for subscribers that read too slowly.",
+                                      node.events.dropped_total)
         if node.open_by_protocol is not None:
             open_now = GaugeMetricFamily(
                 "hydra_trio:protocol_connections_open", "Connections open now, by classified protocol.",

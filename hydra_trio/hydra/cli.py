@@ -8,7 +8,8 @@ protocol (hydra-protocol.md §2, §3) with `hydra_trio.hydra.client.HydraClient`
     hydra-trio mode HOST:PORT solo|combined [--peer HOST:PORT] [--wait SECONDS]
 
 Every subcommand takes ``--timeout SECONDS`` (default 30, per send/receive
-without progress) and ``--trace-id ID``. Replies' meta JSON goes to stdout
+without progress), ``--trace-id ID`` and ``--token TOKEN`` (the node's
+``--hydra-token``; default ``$HYDRA_TRIO_TOKEN``). Replies' meta JSON goes to stdout
 (pretty-printed); progress lines go to stderr.
 
 Exit codes: 0 success; 3 (``mode``) the node stays in another mode than the
@@ -89,7 +90,7 @@ async def _one_request(
 ) -> dict[str, Any]:
     """Connect to ``args.address`` (``args.timeout`` seconds per wait), run
     ``method(client, *method_args, trace_id=args.trace_id)``, close; its meta."""
-    async with HydraClient.from_address(args.address, timeout=args.timeout) as c:
+    async with HydraClient.from_address(args.address, timeout=args.timeout, token=args.token) as c:
         meta: dict[str, Any] = await method(c, *method_args, trace_id=args.trace_id)
     return meta
 
@@ -219,6 +220,10 @@ def _common() -> argparse.ArgumentParser:
         help="give up after this many seconds without progress (default: 30)",
     )
     p.add_argument("--trace-id", default=None, help="trace id sent with the request (default: random)")
+    p.add_argument(
+        "--token", default=os.environ.get("HYDRA_TRIO_TOKEN") or None, metavar="TOKEN",
+        help="the node's --hydra-token, sent first on the connection (default: $HYDRA_TRIO_TOKEN)",
+    )
     return p
 
 

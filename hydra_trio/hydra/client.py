@@ -93,7 +93,8 @@ class HydraClient(HydraConnection):
     connection rules and the generic requests (`open_request`,
     `open_request_from_file`, `exchange`, `request`) come from
     `HydraConnection`: ``HydraClient(host, port, *, timeout=30.0,
-    reconnect=False, max_meta=None)``. This class adds one method per
+    reconnect=False, max_meta=None, token=None)`` (``token``: the node's
+    ``--hydra-token``, presented on every new connection). This class adds one method per
     engine opcode (hydra-protocol.md §3).
 
     Every request method takes ``trace_id`` (str; default: a fresh

@@ -35,6 +35,7 @@ All sizes are in bytes, all times in seconds.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import secrets
 from typing import Any, Self
@@ -42,11 +43,14 @@ from typing import Any, Self
 import trio
 
 from ..protocol.hydra import (
+    Op,
     ProtocolError,
     ResponseDecoder,
+    ResponseEnded,
     ResponseEvent,
     ResponseStarted,
     Status,
+    encode_request,
     encode_request_header,
 )
 from ..protocol.address import parse_peer
@@ -102,6 +106,11 @@ class HydraConnection:
             `HydraConnectionClosed` (requests are never retried).
         max_meta: largest reply meta accepted, bytes (default: the 24-bit
             wire maximum); a larger one is a `HydraProtocolError`.
+        token: the node's ``--hydra-token``: each new connection first sends
+            CONFIGURE ``{"auth": token}``, which makes it trusted for the ops
+            that change the node (docs/protocol-notes.md, "Access").  A
+            wrong token makes `connect` raise `HydraBadRequest` (meta
+            ``refused: "invalid_token"``) and close the connection.
 
     Use as ``async with`` or call `connect` / `aclose`. Raises ValueError for
     a timeout that is not > 0.
@@ -115,6 +124,7 @@ class HydraConnection:
         timeout: float = 30.0,
         reconnect: bool = False,
         max_meta: int | None = None,
+        token: str | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -123,6 +133,8 @@ class HydraConnection:
         self.timeout: float = float(timeout)
         self.reconnect: bool = reconnect
         self._max_meta = max_meta
+        self.token = token
+        self.trusted: bool | None = None  # what the node answered to the token; None: not sent
         self._lock = trio.Lock()
         self._stream: trio.SocketStream | None = None
         self._decoder = ResponseDecoder()
@@ -181,6 +193,45 @@ class HydraConnection:
         self._in_request = False
         self._closed_reason = None
         self._ever_connected = True
+        if self.token is not None:
+            await self._present_token()
+
+    async def _present_token(self) -> None:
+        """Send CONFIGURE ``{"auth": token}`` on the fresh connection and read its reply (outside the
+        request lock: `connect` may run inside `begin_exchange`).  Sets `trusted`; on any failure the
+        connection is closed and the error raised (`HydraBadRequest` for a wrong token)."""
+        stream = self._stream
+        assert stream is not None and self.token is not None
+        trace_id = new_trace_id()
+        frame = encode_request(Op.CONFIGURE, "", json.dumps({"auth": self.token}).encode(), trace_id)
+        started: ResponseStarted | None = None
+        try:
+            with trio.fail_after(self.timeout):
+                await stream.send_all(frame)
+                while True:
+                    data = await stream.receive_some(CHUNK_SIZE)
+                    if not data:
+                        raise HydraConnectionClosed(f"{self.address} closed the connection before answering "
+                                                    "the token", op=Op.CONFIGURE, trace_id=trace_id)
+                    events = self._decoder.feed(data)
+                    started = next((e for e in events if isinstance(e, ResponseStarted)), started)
+                    if any(isinstance(e, ResponseEnded) for e in events):
+                        break
+        except trio.TooSlowError:
+            await self._abort("token exchange timed out")
+            raise HydraTimeout(f"{self.address} did not answer the token within {self.timeout:g} s",
+                               op=Op.CONFIGURE, trace_id=trace_id) from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError, HydraConnectionClosed) as exc:
+            await self._abort(f"token exchange failed: {exc}")
+            if isinstance(exc, HydraConnectionClosed):
+                raise
+            raise HydraConnectionClosed(f"token exchange with {self.address} failed: {exc}",
+                                        op=Op.CONFIGURE, trace_id=trace_id) from exc
+        assert started is not None
+        if started.header.status != Status.OK:
+            await self._abort("the node refused the token")
+            raise error_for_status(started.header.status, started.meta, op=Op.CONFIGURE, trace_id=trace_id)
+        self.trusted = bool(started.meta.get("trusted", False))
 
     async def aclose(self) -> None:
         """Close the connection (idempotent). A request running in another

@@ -19,9 +19,11 @@ import trio
 from ..control import ControlChannel
 from ..engine.engine import Engine
 from ..errors import HydraTrioError
+from ..access import AccessSettings, Refusals, new_refusals, peer_of
 from ..ggml_rpc.backend import RpcBackend
 from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
+from .gate import ConnectionTrust, Gate
 from .ops import OPS, Node, OpContext, Reply, info_meta, reply_for
 from .session import Drain, HydraRequest, HydraSettings, serve_connection
 
@@ -31,7 +33,12 @@ __all__ = ["HydraHandler", "HydraSettings"]
 
 
 class HydraHandler:
-    """Serves Hydra connections for one node (``engine`` None: a node without a model)."""
+    """Serves Hydra connections for one node (``engine`` None: a node without a model).
+
+    ``access`` (``control_allow``, ``hydra_token``) decides which connections
+    may run the ops that change the node (:mod:`hydra_trio.hydra.gate`);
+    refusals are counted in ``refused`` at ``("hydra", reason)``.
+    """
 
     def __init__(
         self,
@@ -40,18 +47,26 @@ class HydraHandler:
         settings: HydraSettings = HydraSettings(),
         rpc: RpcBackend | None = None,
         metrics: NodeMetrics | None = None,
+        access: AccessSettings = AccessSettings(),
+        refused: Refusals | None = None,
     ) -> None:
         self.node = Node(engine, control, rpc, settings)
         self.settings = settings
         self.requests = 0
         self.metrics = metrics or NodeMetrics(engine)  # counted once per request in _dispatch
         self._drain = Drain()
+        self.gate = Gate(access.control_allow, access.hydra_token, refused if refused is not None else new_refusals())
 
     async def __call__(self, stream: trio.SocketStream) -> None:
         """Serve requests on ``stream`` until the peer closes, a timeout, a framing error or a drain."""
+        trust = self.gate.connection(peer_of(stream))
+
+        async def dispatch(req: HydraRequest, stream: trio.SocketStream) -> None:
+            await self._dispatch(req, stream, trust)
+
         await serve_connection(
-            stream, self.settings, self._dispatch,
-            keeps_payload=lambda op: op in OPS and OPS[op].keeps_payload,
+            stream, self.settings, dispatch,
+            keeps_payload=lambda op: op in OPS and OPS[op].keeps_payload and trust.keeps_payload(op),
             max_payload_for=self._max_payload, drain=self._drain,
         )
 
@@ -71,7 +86,7 @@ class HydraHandler:
         s = self.settings
         return s.max_state_payload if op == Op.STATE_PUT else s.max_json_payload
 
-    async def _dispatch(self, req: HydraRequest, stream: trio.SocketStream) -> None:
+    async def _dispatch(self, req: HydraRequest, stream: trio.SocketStream, trust: ConnectionTrust) -> None:
         """Answer one whole request: the op's reply, or the reply its refusal maps to; one log line, one count."""
         self.requests += 1
         t0 = time.perf_counter()
@@ -80,6 +95,11 @@ class HydraHandler:
         ctx: OpContext | None = None
         try:
             try:
+                # the access rules first: a refused op is refused whatever else is wrong with it
+                req.payload, answer = trust.check(req.op, req.payload)
+                if answer is not None:
+                    await stream.send_all(encode_response(Status.OK, answer))
+                    return
                 if req.key_error:
                     raise Reply(Status.BAD_REQUEST, req.key_error)
                 if req.flags:

@@ -1,0 +1,112 @@
+"""API keys on the HTTP API: a pure ASGI middleware (issue 14 §2), as llama-server's ``--api-key``.
+
+With keys configured, every HTTP request but the open ones must carry
+``Authorization: Bearer KEY`` with one of the keys (``X-Api-Key: KEY`` is
+accepted too, as llama-server does for Anthropic-style clients).  Otherwise
+the reply is llama-server's (tools/server/server-http.cpp,
+``middleware_validate_api_key``)::
+
+    401 {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
+
+plus ``WWW-Authenticate: Bearer realm="hydra-trio"`` (RFC 6750 §3; with
+``error="invalid_token"`` when a key was sent but is wrong).
+
+Open without a key: ``/health`` (orchestrators and load balancers probe it),
+``/metrics`` unless ``metrics_auth``, and every ``OPTIONS`` request (CORS
+preflights carry no credentials; llama-server answers them before its key
+check too).  llama-server also leaves ``/models`` and ``/v1/models`` open;
+here they need a key, like the rest of the API.
+
+Keys are compared in constant time against every key
+(:class:`hydra_trio.access.Secrets`).  A header that is not valid in any
+encoding is simply a wrong key: the reply is 401, never 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ..access import Refusals, Secrets
+
+log = logging.getLogger("hydra_trio.http.auth")
+
+OPEN_PATHS = frozenset({"/health"})
+"""Paths served without a key (``/metrics`` joins them unless ``metrics_auth``)."""
+
+_BODY = json.dumps(
+    {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}, separators=(",", ":")
+).encode()
+_REALM = b'Bearer realm="hydra-trio"'
+
+
+def bearer_key(headers: Mapping[bytes, bytes] | list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request carries: ``Authorization: Bearer KEY`` (scheme case-insensitive, RFC 6750 §2.1),
+    else ``X-Api-Key: KEY``; None when it carries neither.  Header names are lower-case bytes (ASGI)."""
+    auth = x_api_key = None
+    for name, value in headers.items() if isinstance(headers, Mapping) else headers:
+        if name == b"authorization" and auth is None:
+            auth = value
+        elif name == b"x-api-key" and x_api_key is None:
+            x_api_key = value
+    if auth is not None:
+        scheme, _, token = auth.strip().partition(b" ")
+        if scheme.lower() == b"bearer":
+            return token.strip()
+        return auth.strip()  # llama-server: a bare key without "Bearer " is compared as it is
+    return x_api_key.strip() if x_api_key is not None else None
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: HTTP requests need one of ``keys`` (see the module docstring).
+
+    Args:
+        app: the ASGI app it protects.
+        keys: the accepted keys; empty lets everything through.
+        metrics_auth: ``/metrics`` needs a key too.
+        refused: counter bumped at ``("http", "missing_api_key" | "invalid_api_key")``.
+
+    WebSocket requests without a valid key are closed with code 1008 (policy
+    violation) before the app sees them; lifespan events pass through.
+    """
+
+    def __init__(self, app: Any, keys: Secrets, metrics_auth: bool = False, refused: Refusals | None = None) -> None:
+        self.app = app
+        self.keys = keys
+        self.open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}
+        self.refused = refused
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind not in ("http", "websocket") or not self.keys:
+            await self.app(scope, receive, send)
+            return
+        if kind == "http" and (scope["method"] == "OPTIONS" or scope["path"] in self.open_paths):
+            await self.app(scope, receive, send)
+            return
+        key = bearer_key(scope.get("headers") or [])
+        if self.keys.matches(key):
+            await self.app(scope, receive, send)
+            return
+        reason = "missing_api_key" if key is None else "invalid_api_key"
+        if self.refused is not None:
+            self.refused["http", reason] += 1
+        client = scope.get("client")
+        log.warning("%s: %s %s refused: %s", f"{client[0]}:{client[1]}" if client else "-",
+                    scope.get("method", "WEBSOCKET"), scope["path"], reason.replace("_", " "))
+        if kind == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        challenge = _REALM if key is None else _REALM + b', error="invalid_token"'
+        await send({
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json; charset=utf-8"),
+                (b"content-length", str(len(_BODY)).encode()),
+                (b"www-authenticate", challenge),
+            ],
+        })
+        await send({"type": "http.response.body", "body": _BODY})
