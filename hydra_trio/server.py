@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 
 import attrs
 import trio
@@ -19,6 +20,7 @@ from .http.app import build_app
 from .http.settings import HttpSettings
 from .protocol.classify import Protocol
 from .ggml_rpc.backend import RpcBackend, RpcBackendSettings
+from .tunnel import RpcTunnel, through_tunnel
 
 log = logging.getLogger("hydra_trio.server")
 
@@ -35,6 +37,8 @@ class ServerConfig:
         http: HTTP timeouts and the body cap.
         hydra: Hydra protocol limits and timeouts.
         rpc_backend: the ggml-RPC backend this node lends to peers; None: off.
+        rpc_tls: a client TLS context (``--rpc-tls``): the engine's ``peer`` is
+            reached through a local :class:`~hydra_trio.tunnel.RpcTunnel` over TLS.
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +48,7 @@ class ServerConfig:
     http: HttpSettings = HttpSettings()
     hydra: HydraSettings = HydraSettings()
     rpc_backend: RpcBackendSettings | None = RpcBackendSettings()
+    rpc_tls: ssl.SSLContext | None = None
 
 
 class Server:
@@ -55,7 +60,12 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.engine = Engine(config.engine) if config.engine is not None else None
+        engine_config = config.engine
+        self.tunnel: RpcTunnel | None = None
+        if config.rpc_tls is not None and engine_config is not None and engine_config.peer is not None:
+            self.tunnel = RpcTunnel(engine_config.peer, config.rpc_tls)
+            engine_config = attrs.evolve(engine_config, peer=self.tunnel.local)
+        self.engine = Engine(engine_config) if engine_config is not None else None
         self.frontdoor = FrontDoor({}, config.frontdoor)
         self.rpc = RpcBackend(config.rpc_backend) if config.rpc_backend is not None else None
         self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active)
@@ -84,6 +94,8 @@ class Server:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
                 await nursery.start(self.frontdoor.serve, listeners)
+                if self.tunnel is not None:
+                    await nursery.start(self.tunnel.run)
                 if self.rpc is not None:
                     await nursery.start(self.rpc.run)
                 if self.engine is not None:
@@ -157,7 +169,8 @@ class Server:
             peer = experts.peer
             if peer is None:
                 continue
-            experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
+            # through a TLS tunnel (--rpc-tls) the tunnel's peer is checked: the tunnel itself always accepts
+            experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, through_tunnel(peer))
             if experts.mode in ("combined", "pipeline") and not experts.peer_reachable:
                 log.warning("peer %s unreachable while %s: going back to SOLO", peer, str(experts.mode).upper())
                 try:

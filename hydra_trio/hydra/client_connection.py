@@ -37,6 +37,7 @@ from __future__ import annotations
 import collections
 import os
 import secrets
+import ssl
 from typing import Any, Self
 
 import trio
@@ -102,6 +103,10 @@ class HydraConnection:
             `HydraConnectionClosed` (requests are never retried).
         max_meta: largest reply meta accepted, bytes (default: the 24-bit
             wire maximum); a larger one is a `HydraProtocolError`.
+        ssl_context: speak TLS (the node's ``--tls-cert``); the server's
+            certificate is verified against it and must name ``host``
+            (`hydra_trio.tls.client_context` makes one, with a client
+            certificate for mutual TLS). None: plain TCP.
 
     Use as ``async with`` or call `connect` / `aclose`. Raises ValueError for
     a timeout that is not > 0.
@@ -115,6 +120,7 @@ class HydraConnection:
         timeout: float = 30.0,
         reconnect: bool = False,
         max_meta: int | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -123,8 +129,9 @@ class HydraConnection:
         self.timeout: float = float(timeout)
         self.reconnect: bool = reconnect
         self._max_meta = max_meta
+        self.ssl_context = ssl_context
         self._lock = trio.Lock()
-        self._stream: trio.SocketStream | None = None
+        self._stream: trio.abc.Stream | None = None
         self._decoder = ResponseDecoder()
         self._events: collections.deque[ResponseEvent] = collections.deque()
         self._in_request = False
@@ -157,16 +164,29 @@ class HydraConnection:
     # -- connection ---------------------------------------------------------
 
     async def connect(self) -> None:
-        """Open the TCP connection (no-op when already open).
+        """Open the TCP connection, with the TLS handshake when ``ssl_context`` is set (no-op when already open).
 
-        Raises `HydraConnectError` (an OSError) when it cannot be opened,
+        Raises `HydraConnectError` (an OSError) when it cannot be opened or the
+        TLS handshake fails (an untrusted or wrong-name certificate),
         `HydraTimeout` after ``timeout`` seconds.
         """
         if self._stream is not None:
             return
         try:
             with trio.fail_after(self.timeout):
-                stream = await trio.open_tcp_stream(self.host, self.port)
+                stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
+                if self.ssl_context is not None:
+                    tls = trio.SSLStream(stream, self.ssl_context, server_hostname=self.host)
+                    try:
+                        await tls.do_handshake()
+                    except trio.BrokenResourceError as exc:
+                        await trio.aclose_forcefully(stream)
+                        raise HydraConnectError(
+                            self.host, self.port, f"TLS handshake failed: {exc.__cause__ or exc}"
+                        ) from exc
+                    stream = tls
+        except HydraConnectError:
+            raise
         except trio.TooSlowError:
             raise HydraTimeout(
                 f"connecting to {self.address} took more than {self.timeout:g} s"
