@@ -273,3 +273,30 @@ def test_bad_tls_closes_within_the_classify_timeout(tls_node: ServerProcess, wha
             pass
     assert time.monotonic() - t0 < 30  # classify timeout 1 s; generous for a busy machine
     assert httpx.get(tls_node.base + "/health", timeout=30).status_code == 200
+
+
+# ------------------------------------------------------------------ §4: COMBINED through the TLS tunnel
+
+@pytest.mark.slow
+def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, spawn) -> None:
+    """Peer B (compute only) with TLS, mutual TLS and --tls-required; head A with the test MoE reaches it
+    through its loopback tunnel (--rpc-tls).  COMBINED answers as SOLO, token for token; B's bytes came over TLS."""
+    from .test_combined import complete, info, rpc_bytes, set_mode, wait_for
+
+    b = spawn("--no-model", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem), "--tls-required")
+    b.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend",
+              "--rpc-engine", f"127.0.0.1:{b.port}", "--rpc-tls", "--tls-ca", str(certs.ca_pem), *certs.tls_flags())
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=300)
+    meta = info(a.port)
+    assert meta["peer_reachable"] is True
+    assert meta["peer_addr"].startswith("127.0.0.1:") and meta["peer_addr"] != f"127.0.0.1:{b.port}"  # the tunnel
+    assert rpc_bytes(b.port) > 150_000_000  # the expert tensors went up through the tunnel
+    assert "client certificate subject" in b.log() and "ggml-RPC tunnel" in a.log()
+    before = rpc_bytes(b.port)
+    combined_text = complete(a.base)
+    assert rpc_bytes(b.port) > before  # B computed
+    status, _ = set_mode(a.port, b"solo")
+    assert status == 0
+    assert complete(a.base) == combined_text
