@@ -91,27 +91,35 @@ class Server:
         self.port = listeners[0].socket.getsockname()[1]
         log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
         try:
-            async with trio.open_nursery() as nursery:
-                self._scope = nursery.cancel_scope
-                await nursery.start(self.frontdoor.serve, listeners)
+            async with trio.open_nursery() as outer:  # the tunnel outlives the engine, which frees its peer's buffers
                 if self.tunnel is not None:
-                    await nursery.start(self.tunnel.run)
-                if self.rpc is not None:
-                    await nursery.start(self.rpc.run)
-                if self.engine is not None:
-                    await nursery.start(self.engine.run)
-                if self.control is not None:
-                    await nursery.start(self.control.run)
-                if self.engine is not None and self.engine.experts.peer is not None:
-                    nursery.start_soon(self._combined_at_start)
-                elif self.engine is not None:  # a peer may come later (SET_EXPERT_MODE, PIPELINE_ATTACH)
-                    nursery.start_soon(self._watch_peer)
-                task_status.started(self)
+                    await outer.start(self.tunnel.run)
+                try:
+                    await self._run_parts(listeners, task_status)
+                finally:
+                    outer.cancel_scope.cancel()
         finally:
             self.stopped.set()
             for listener in listeners:
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
+
+    async def _run_parts(self, listeners: list[trio.SocketListener], task_status: trio.TaskStatus[Server]) -> None:
+        """The front door, the ggml-RPC backend, the engine and its control, in one nursery (:attr:`_scope`)."""
+        async with trio.open_nursery() as nursery:
+            self._scope = nursery.cancel_scope
+            await nursery.start(self.frontdoor.serve, listeners)
+            if self.rpc is not None:
+                await nursery.start(self.rpc.run)
+            if self.engine is not None:
+                await nursery.start(self.engine.run)
+            if self.control is not None:
+                await nursery.start(self.control.run)
+            if self.engine is not None and self.engine.experts.peer is not None:
+                nursery.start_soon(self._combined_at_start)
+            elif self.engine is not None:  # a peer may come later (SET_EXPERT_MODE, PIPELINE_ATTACH)
+                nursery.start_soon(self._watch_peer)
+            task_status.started(self)
 
 
     async def shutdown(self, grace: float) -> None:

@@ -300,3 +300,5 @@ def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, 
     status, _ = set_mode(a.port, b"solo")
     assert status == 0
     assert complete(a.base) == combined_text
+    assert a.stop() == 0
+    assert "stopped answering" not in a.log()  # the tunnel outlived the engine, which freed B's buffers through it
