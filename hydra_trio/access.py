@@ -113,6 +113,8 @@ def peer_of(stream: Any, identity: str | None = None) -> Peer:
     their ``transport_stream`` down to the socket; ``identity`` is passed on
     unchanged (the TLS layer gives the verified client-certificate subject).
     """
+    if identity is None:  # a TLS connection carries its verified client certificate's subject
+        identity = getattr(getattr(stream, "info", None), "tls_subject", None) or None
     inner = stream
     while not hasattr(inner, "socket") and hasattr(inner, "transport_stream"):
         inner = inner.transport_stream
@@ -141,9 +143,10 @@ class AllowList:
     flag: str = ""
 
     @classmethod
-    def parse(cls, cidrs: Iterable[str], flag: str = "") -> AllowList:
-        """An allow-list from CIDR strings.  Raises ValueError naming the bad entry."""
-        return cls(tuple(parse_network(c) for c in cidrs), frozenset(), flag)
+    def parse(cls, cidrs: Iterable[str], flag: str = "", subjects: Iterable[str] = ()) -> AllowList:
+        """An allow-list from CIDR strings and TLS client-certificate subjects.  Raises ValueError
+        naming the bad entry."""
+        return cls(tuple(parse_network(c) for c in cidrs), frozenset(subjects), flag)
 
     def allows(self, address: str | IPAddress | None, identity: str | None = None) -> bool:
         """Whether a peer at ``address`` (with a verified ``identity``, or None) is allowed.

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from .ggml_rpc.backend import RpcBackendSettings
 from .http.settings import HttpSettings
 from .hydra.cli import _address, add_client_commands
 from .logs import LOG_FORMATS, configure_logging
+from .tls import TlsSettings, client_context, server_context
 from .models.presets import DEFAULT_ALIAS, PRESETS, PresetError, install_hint, pip_command, preset_status, resolve_model
 
 log = logging.getLogger("hydra_trio")
@@ -221,6 +223,18 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--cors-origin", action="append", default=None, metavar="ORIGIN",
         help="HTTP: an origin allowed by CORS, repeatable (default: any origin, as llama-server)",
     )
+    p.add_argument("--tls-cert", default=None, metavar="FILE",
+                   help="PEM certificate chain: serve TLS on the same port (first byte 0x16) for all three protocols")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", default=None, metavar="FILE",
+                   help="PEM CA bundle: TLS clients must present a certificate it signed (mutual TLS)")
+    p.add_argument("--tls-required", action="store_true",
+                   help="only loopback peers may connect without TLS (needs --tls-cert)")
+    p.add_argument("--rpc-tls", action="store_true",
+                   help="reach --rpc-engine over TLS through a local loopback tunnel (presents --tls-cert/--tls-key "
+                        "when given, for a peer with --tls-client-ca)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="--rpc-tls: PEM CA bundle the peer's certificate must chain to (default: the system's)")
     p.add_argument("--no-model", action="store_true",
                    help="run a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots")
     p.add_argument("--rpc-engine", type=_address, default=None, metavar="HOST:PORT",
@@ -298,6 +312,10 @@ def _add_access_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rpc-allow", action="append", type=_cidr, default=[], metavar="CIDR",
                    help="ggml-RPC: only peers in these networks may connect (repeatable; others are closed "
                         "before a byte is read)")
+    g.add_argument("--allow-subject", action="append", default=[], metavar="SUBJECT",
+                   help="a TLS client whose verified certificate subject (as logged, e.g. 'O=acme,CN=head-1') is "
+                        "SUBJECT passes --control-allow and --rpc-allow whatever its address (repeatable; with "
+                        "--tls-client-ca). Given alone it restricts both to these subjects")
 
 
 def access_settings(args: argparse.Namespace) -> AccessSettings:
@@ -308,9 +326,11 @@ def access_settings(args: argparse.Namespace) -> AccessSettings:
     return AccessSettings(
         api_keys=tuple(keys),
         metrics_auth=args.metrics_auth,
-        control_allow=AllowList.parse(args.control_allow, "--control-allow") if args.control_allow else None,
+        control_allow=AllowList.parse(args.control_allow, "--control-allow", args.allow_subject)
+        if args.control_allow or args.allow_subject else None,
         hydra_token=args.hydra_token,
-        rpc_allow=AllowList.parse(args.rpc_allow, "--rpc-allow") if args.rpc_allow else None,
+        rpc_allow=AllowList.parse(args.rpc_allow, "--rpc-allow", args.allow_subject)
+        if args.rpc_allow or args.allow_subject else None,
     )
 
 
@@ -412,6 +432,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tls_contexts(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """The server context (``--tls-cert``/``--tls-key``/``--tls-client-ca``) and the ``--rpc-tls`` client context.
+
+    Raises:
+        ValueError: flags that do not go together.
+        OSError, ssl.SSLError: a file that cannot be read or is not valid PEM.
+    """
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is None and (args.tls_client_ca or args.tls_required):
+        raise ValueError("--tls-client-ca and --tls-required need --tls-cert/--tls-key")
+    if args.rpc_tls and args.rpc_engine is None:
+        raise ValueError("--rpc-tls needs --rpc-engine")
+    if args.tls_ca and not args.rpc_tls:
+        raise ValueError("--tls-ca is for --rpc-tls")
+    server = None
+    if args.tls_cert is not None:
+        settings = TlsSettings(Path(args.tls_cert), Path(args.tls_key),
+                               Path(args.tls_client_ca) if args.tls_client_ca else None, args.tls_required)
+        server = server_context(settings)
+    client = client_context(args.tls_ca, args.tls_cert, args.tls_key) if args.rpc_tls else None
+    return server, client
+
+
 async def _run(args: argparse.Namespace) -> int:
     from .server import Server, ServerConfig, serve  # loads llama.cpp: only for `run`
 
@@ -470,11 +514,18 @@ async def _run(args: argparse.Namespace) -> int:
     elif args.no_model:
         log.error("--no-model with --no-rpc-backend leaves nothing to serve")
         return 2
+    try:
+        tls, rpc_tls = _tls_contexts(args)
+    except (OSError, ValueError) as exc:
+        log.error("TLS: %s", exc)
+        return 2
     config = ServerConfig(
         host=args.host,
         port=args.port,
         engine=engine,
-        frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout),
+        frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout,
+                                    tls=tls, tls_required=args.tls_required),
+        rpc_tls=rpc_tls,
         http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.timeout,
                           cors_origins=tuple(args.cors_origin or ["*"])),
         rpc_backend=rpc,

@@ -4,6 +4,15 @@ Each accepted connection gets its own task, which peeks one byte with
 ``MSG_PEEK`` (so the byte stays in the stream), classifies it with
 :func:`hydra_trio.protocol.classify.classify` and hands the untouched stream
 to that protocol's handler (hydra-protocol.md §1).
+
+With a TLS server context (``--tls-cert``/``--tls-key``), a connection whose
+first byte is ``0x16`` is unwrapped (:func:`hydra_trio.tls.unwrap`: the
+handshake, then the first bytes inside TLS) and the first byte inside is
+classified the same way; the handler gets a :class:`~hydra_trio.tls.TlsStream`.
+The classify timeout covers the handshake and that first byte.  With
+``--tls-required`` a plain connection from a non-loopback peer is closed
+(counted ``plain_refused``).  Handlers learn who is on the other end with
+:func:`hydra_trio.tls.connection_info`.
 """
 
 from __future__ import annotations
@@ -12,16 +21,19 @@ import collections
 import errno
 import logging
 import socket
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import attrs
 import trio
 
 from .protocol.classify import Protocol, classify
+from .tls import HandshakeFailed, connection_info, plain_allowed, socket_info, unwrap
 
 log = logging.getLogger("hydra_trio.frontdoor")
 
-Handler = Callable[[trio.SocketStream], Awaitable[None]]
+Handler = Callable[[Any], Awaitable[None]]  # takes a trio.SocketStream or a hydra_trio.tls.TlsStream
 
 
 @attrs.frozen
@@ -32,11 +44,17 @@ class FrontDoorSettings:
         max_connections: connections served at once; when reached, accepting
             pauses (the kernel's backlog holds the rest), which keeps the
             process within its file descriptors.
-        classify_timeout: seconds to wait for the first byte before closing.
+        classify_timeout: seconds to wait for the first byte before closing (for
+            TLS: the handshake and the first byte inside it, together).
+        tls: the server-side TLS context (``--tls-cert``/``--tls-key``); None: a
+            ``0x16`` connection is closed as a protocol not served.
+        tls_required: only loopback peers may connect without TLS (``--tls-required``).
     """
 
     max_connections: int = 1024
     classify_timeout: float = 5.0
+    tls: ssl.SSLContext | None = None
+    tls_required: bool = False
 
 
 class FrontDoor:
@@ -44,8 +62,11 @@ class FrontDoor:
 
     ``handlers`` maps a :class:`Protocol` to an async callable taking the
     stream; a protocol without a handler is closed with a log line.  Counts
-    per protocol (plus ``timeout``, ``closed_early``) are in :attr:`counts`;
-    connections open now by protocol in :attr:`open_by_protocol`.
+    per protocol (plus ``timeout``, ``closed_early``; with TLS ``tls`` for the
+    outer layer, then the protocol inside, ``tls_failed`` for a failed
+    handshake, ``plain_refused`` for plain from a non-loopback peer under
+    ``tls_required``) are in :attr:`counts`; connections open now by
+    protocol in :attr:`open_by_protocol`.
     """
 
     def __init__(self, handlers: Mapping[Protocol, Handler], settings: FrontDoorSettings = FrontDoorSettings()) -> None:
@@ -107,9 +128,24 @@ class FrontDoor:
         peer = peer_name(stream)
         proto: Protocol | None = None
         try:
+            conn: Any = stream
             first = b""
             with trio.move_on_after(self.settings.classify_timeout) as scope:
                 first = await _first_byte(stream)
+                if first and classify(first) is Protocol.TLS and self.settings.tls is not None:
+                    self.counts["tls"] += 1
+                    try:
+                        unwrapped = await unwrap(stream, self.settings.tls)
+                    except HandshakeFailed as exc:
+                        self.counts["tls_failed"] += 1
+                        log.info("%s: TLS handshake failed: %s; closed", peer, exc)
+                        return
+                    first = b""
+                    if unwrapped is not None:
+                        conn, first = unwrapped, unwrapped.peek()
+                        info = unwrapped.info
+                        log.info("%s: TLS %s%s", peer, info.tls_version,
+                                 f", client certificate subject {info.tls_subject!r}" if info.tls_subject else "")
             if scope.cancelled_caught:
                 self.counts["timeout"] += 1
                 log.info("%s: no first byte within %.1f s; closed", peer, self.settings.classify_timeout)
@@ -117,7 +153,13 @@ class FrontDoor:
             if not first:
                 self.counts["closed_early"] += 1
                 return
+            if conn is stream and not plain_allowed(socket_info(stream).host, self.settings.tls_required):
+                self.counts["plain_refused"] += 1
+                log.warning("%s: plain (not TLS) connection from a non-loopback peer; --tls-required; closed", peer)
+                return
             proto = classify(first)
+            if conn is not stream and proto is Protocol.TLS:
+                proto = Protocol.UNKNOWN  # TLS inside TLS
             self.counts[proto.value] += 1
             self.open_by_protocol[proto.value] += 1
             handler = self.handlers.get(proto)
@@ -127,14 +169,14 @@ class FrontDoor:
                 else:
                     log.info("%s: %s connection (first byte 0x%02x) not served yet; closed", peer, proto.value, first[0])
                 return
-            await handler(stream)
+            await handler(conn)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception:
             log.exception("%s: connection handler failed", peer)
         finally:
             with trio.CancelScope(shield=True):
-                await trio.aclose_forcefully(stream)
+                await trio.aclose_forcefully(conn)
             self._limiter.release_on_behalf_of(token)
             if proto is not None:
                 self.open_by_protocol[proto.value] -= 1
@@ -164,10 +206,6 @@ async def _first_byte(stream: trio.SocketStream) -> bytes:
         return b""
 
 
-def peer_name(stream: trio.SocketStream) -> str:
-    """``host:port`` of the stream's remote end, for log lines; ``?`` once the socket has no peer."""
-    try:
-        host, port = stream.socket.getpeername()[:2]
-        return f"{host}:{port}"
-    except OSError:
-        return "?"
+def peer_name(stream: Any) -> str:
+    """``host:port`` of the stream's remote end (plain or TLS), for log lines; ``?`` once the socket has no peer."""
+    return connection_info(stream).peer

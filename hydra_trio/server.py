@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 
 import attrs
 import trio
@@ -24,6 +25,7 @@ from . import progress
 from .node_stats import ProgressEvents, StatsTicker
 from .protocol.classify import Protocol
 from .ggml_rpc.backend import RpcBackend, RpcBackendSettings
+from .tunnel import RpcTunnel, through_tunnel
 
 log = logging.getLogger("hydra_trio.server")
 
@@ -41,6 +43,8 @@ class ServerConfig:
         hydra: Hydra protocol limits and timeouts.
         rpc_backend: the ggml-RPC backend this node lends to peers; None: off.
         access: API keys, allow-lists and the Hydra token (all open by default).
+        rpc_tls: a client TLS context (``--rpc-tls``): the engine's ``peer`` is
+            reached through a local :class:`~hydra_trio.tunnel.RpcTunnel` over TLS.
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +55,7 @@ class ServerConfig:
     hydra: HydraSettings = HydraSettings()
     rpc_backend: RpcBackendSettings | None = RpcBackendSettings()
     access: AccessSettings = AccessSettings()
+    rpc_tls: ssl.SSLContext | None = None
 
 
 class Server:
@@ -64,7 +69,12 @@ class Server:
         self.config = config
         self.events = EventBus()
         """The node's live events (``GET /v1/events``; :mod:`hydra_trio.events`)."""
-        self.engine = Engine(config.engine, self.events) if config.engine is not None else None
+        engine_config = config.engine
+        self.tunnel: RpcTunnel | None = None
+        if config.rpc_tls is not None and engine_config is not None and engine_config.peer is not None:
+            self.tunnel = RpcTunnel(engine_config.peer, config.rpc_tls)
+            engine_config = attrs.evolve(engine_config, peer=self.tunnel.local)
+        self.engine = Engine(engine_config, self.events) if engine_config is not None else None
         self.frontdoor = FrontDoor({}, config.frontdoor)
         self.refused = new_refusals()  # (protocol, reason) -> count, for /metrics
         self.rpc = RpcBackend(config.rpc_backend, self.refused) if config.rpc_backend is not None else None
@@ -102,22 +112,13 @@ class Server:
         log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
         self._warn_open_rpc(listeners)
         try:
-            async with trio.open_nursery() as nursery:
-                self._scope = nursery.cancel_scope
-                self.events.bind()
-                nursery.start_soon(self.stats.run)
-                await nursery.start(self.frontdoor.serve, listeners)
-                if self.rpc is not None:
-                    await nursery.start(self.rpc.run)
-                if self.engine is not None:
-                    await nursery.start(self.engine.run)
-                if self.control is not None:
-                    await nursery.start(self.control.run)
-                if self.engine is not None and self.engine.experts.peer is not None:
-                    nursery.start_soon(self._combined_at_start)
-                elif self.engine is not None:  # a peer may come later (SET_EXPERT_MODE, PIPELINE_ATTACH)
-                    nursery.start_soon(self._watch_peer)
-                task_status.started(self)
+            async with trio.open_nursery() as outer:  # the tunnel outlives the engine, which frees its peer's buffers
+                if self.tunnel is not None:
+                    await outer.start(self.tunnel.run)
+                try:
+                    await self._run_parts(listeners, task_status)
+                finally:
+                    outer.cancel_scope.cancel()
         finally:
             progress.remove_listener(self._progress_events)
             self.stopped.set()
@@ -144,6 +145,26 @@ class Server:
                 "Limit it with --rpc-allow CIDR (e.g. the cluster network) or turn it off with --no-rpc-backend",
                 "/".join(sorted(set(exposed))), self.port,
             )
+
+    async def _run_parts(self, listeners: list[trio.SocketListener], task_status: trio.TaskStatus[Server]) -> None:
+        """The front door, the ggml-RPC backend, the engine and its control, in one nursery (:attr:`_scope`)."""
+        async with trio.open_nursery() as nursery:
+            self._scope = nursery.cancel_scope
+            self.events.bind()
+            nursery.start_soon(self.stats.run)
+            await nursery.start(self.frontdoor.serve, listeners)
+            if self.rpc is not None:
+                await nursery.start(self.rpc.run)
+            if self.engine is not None:
+                await nursery.start(self.engine.run)
+            if self.control is not None:
+                await nursery.start(self.control.run)
+            if self.engine is not None and self.engine.experts.peer is not None:
+                nursery.start_soon(self._combined_at_start)
+            elif self.engine is not None:  # a peer may come later (SET_EXPERT_MODE, PIPELINE_ATTACH)
+                nursery.start_soon(self._watch_peer)
+            task_status.started(self)
+
 
     async def shutdown(self, grace: float) -> None:
         """Graceful stop by drain and deadline (hypercorn's way), then cancel what is left.
@@ -201,7 +222,8 @@ class Server:
             peer = experts.peer
             if peer is None:
                 continue
-            experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
+            # through a TLS tunnel (--rpc-tls) the tunnel's peer is checked: the tunnel itself always accepts
+            experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, through_tunnel(peer))
             if experts.mode in ("combined", "pipeline") and not experts.peer_reachable:
                 log.warning("peer %s unreachable while %s: going back to SOLO", peer, str(experts.mode).upper())
                 try:

@@ -19,6 +19,10 @@ door admits one ggml-RPC client at a time too:
    to a client that connects meanwhile.
 4. **Pump.** Both directions go through a validator (:mod:`hydra_trio.ggml_rpc.pump`).
 
+A client that came over TLS (:class:`~hydra_trio.tls.TlsStream`, unwrapped by
+the front door) goes through the same steps; its pump runs as trio tasks
+instead of threads on blocking sockets (the bytes on its socket are ciphertext).
+
 The parts: :class:`RpcBackend` (this module) is the admission (steps 1 to 3)
 and the face the rest of the node sees (counters, :meth:`~RpcBackend.drain`);
 :class:`~hydra_trio.ggml_rpc.supervisor.ChildSupervisor` starts the child and
@@ -43,6 +47,7 @@ import trio
 from ..access import AllowList, Refusals, allowed, new_refusals, peer_of
 from ..engine.ggml_rpc import type_traits as ggml_type_traits
 from ..frontdoor import peer_name
+from ..tls import TlsStream
 from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRequest, reconcile_type_traits
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
 from .supervisor import ChildSupervisor
@@ -369,10 +374,18 @@ class RpcBackend:
 
 async def _watch_hangup(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
     """Cancel ``scope`` when the client closes while it waits; stop watching if it sends more."""
-    try:
-        more = await stream.socket.recv(1, socket.MSG_PEEK)
-    except OSError:
-        more = b""
+    if isinstance(stream, TlsStream):  # no MSG_PEEK under TLS: read ahead and push the bytes back
+        try:
+            more = await stream.receive_some(PUMP_BUFFER)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            more = b""
+        if more:
+            stream.unread(more)
+    else:
+        try:
+            more = await stream.socket.recv(1, socket.MSG_PEEK)
+        except OSError:
+            more = b""
     if not more:
         scope.cancel()
         return

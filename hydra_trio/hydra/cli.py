@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -38,6 +39,7 @@ import trio
 
 from .client import HydraClient, HydraConnectError, HydraError
 from ..protocol.messages import MessageError, parse_peer
+from ..tls import client_context
 
 __all__ = ["add_client_commands", "build_parser", "main"]
 
@@ -81,6 +83,17 @@ def _seconds(*, zero_ok: bool) -> Callable[[str], float]:
     return parse
 
 
+def _ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """``--tls`` (with ``--tls-ca``, ``--tls-cert``/``--tls-key``): the client context; None: plain.
+
+    Raises ValueError (reported as a usage error) for TLS files without ``--tls``."""
+    if not args.tls:
+        if args.tls_ca or args.tls_cert or args.tls_key:
+            raise ValueError("--tls-ca/--tls-cert/--tls-key need --tls")
+        return None
+    return client_context(args.tls_ca, args.tls_cert, args.tls_key)
+
+
 def _dump(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)
 
@@ -90,7 +103,8 @@ async def _one_request(
 ) -> dict[str, Any]:
     """Connect to ``args.address`` (``args.timeout`` seconds per wait), run
     ``method(client, *method_args, trace_id=args.trace_id)``, close; its meta."""
-    async with HydraClient.from_address(args.address, timeout=args.timeout, token=args.token) as c:
+    async with HydraClient.from_address(args.address, timeout=args.timeout, token=args.token,
+                                        ssl_context=_ssl_context(args)) as c:
         meta: dict[str, Any] = await method(c, *method_args, trace_id=args.trace_id)
     return meta
 
@@ -224,6 +238,11 @@ def _common() -> argparse.ArgumentParser:
         "--token", default=os.environ.get("HYDRA_TRIO_TOKEN") or None, metavar="TOKEN",
         help="the node's --hydra-token, sent first on the connection (default: $HYDRA_TRIO_TOKEN)",
     )
+    p.add_argument("--tls", action="store_true", help="connect with TLS (the node runs with --tls-cert)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="PEM CA bundle the node's certificate must chain to (default: the system's)")
+    p.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM client certificate, for mutual TLS")
+    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM key of --tls-cert")
     return p
 
 

@@ -38,6 +38,7 @@ import collections
 import json
 import os
 import secrets
+import ssl
 from typing import Any, Self
 
 import trio
@@ -111,6 +112,10 @@ class HydraConnection:
             that change the node (docs/protocol-notes.md, "Access").  A
             wrong token makes `connect` raise `HydraBadRequest` (meta
             ``refused: "invalid_token"``) and close the connection.
+        ssl_context: speak TLS (the node's ``--tls-cert``); the server's
+            certificate is verified against it and must name ``host``
+            (`hydra_trio.tls.client_context` makes one, with a client
+            certificate for mutual TLS). None: plain TCP.
 
     Use as ``async with`` or call `connect` / `aclose`. Raises ValueError for
     a timeout that is not > 0.
@@ -125,6 +130,7 @@ class HydraConnection:
         reconnect: bool = False,
         max_meta: int | None = None,
         token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
@@ -135,8 +141,9 @@ class HydraConnection:
         self._max_meta = max_meta
         self.token = token
         self.trusted: bool | None = None  # what the node answered to the token; None: not sent
+        self.ssl_context = ssl_context
         self._lock = trio.Lock()
-        self._stream: trio.SocketStream | None = None
+        self._stream: trio.abc.Stream | None = None
         self._decoder = ResponseDecoder()
         self._events: collections.deque[ResponseEvent] = collections.deque()
         self._in_request = False
@@ -169,16 +176,29 @@ class HydraConnection:
     # -- connection ---------------------------------------------------------
 
     async def connect(self) -> None:
-        """Open the TCP connection (no-op when already open).
+        """Open the TCP connection, with the TLS handshake when ``ssl_context`` is set (no-op when already open).
 
-        Raises `HydraConnectError` (an OSError) when it cannot be opened,
+        Raises `HydraConnectError` (an OSError) when it cannot be opened or the
+        TLS handshake fails (an untrusted or wrong-name certificate),
         `HydraTimeout` after ``timeout`` seconds.
         """
         if self._stream is not None:
             return
         try:
             with trio.fail_after(self.timeout):
-                stream = await trio.open_tcp_stream(self.host, self.port)
+                stream: trio.abc.Stream = await trio.open_tcp_stream(self.host, self.port)
+                if self.ssl_context is not None:
+                    tls = trio.SSLStream(stream, self.ssl_context, server_hostname=self.host)
+                    try:
+                        await tls.do_handshake()
+                    except trio.BrokenResourceError as exc:
+                        await trio.aclose_forcefully(stream)
+                        raise HydraConnectError(
+                            self.host, self.port, f"TLS handshake failed: {exc.__cause__ or exc}"
+                        ) from exc
+                    stream = tls
+        except HydraConnectError:
+            raise
         except trio.TooSlowError:
             raise HydraTimeout(
                 f"connecting to {self.address} took more than {self.timeout:g} s"
