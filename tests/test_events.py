@@ -210,6 +210,8 @@ async def test_many_subscribers_that_vanish_free_everything(server: ServerProces
             nursery.start_soon(polite)
     async with subscribed(server.port, "?types=stats") as reader:
         await reader.wait_for(lambda e: e["type"] == "stats" and e["subscribers"] == 1, timeout=120)
+        text = await trio.to_thread.run_sync(lambda: client.get("/metrics").text)
+        assert "\nhydra_trio:event_subscribers 1.0" in text
     # closed sockets linger until hypercorn's keep-alive timer (5 s) notices them: allow for it
     with trio.fail_after(120):
         while await trio.to_thread.run_sync(open_now) > before:
