@@ -302,3 +302,40 @@ def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, 
     assert complete(a.base) == combined_text
     assert a.stop() == 0
     assert "stopped answering" not in a.log()  # the tunnel outlived the engine, which freed B's buffers through it
+
+
+def test_allow_subject_lets_a_verified_certificate_pass_the_rpc_allow_list(certs: Certs, spawn, tmp_path: Path) -> None:
+    from hydra_trio.tls import subject_text
+
+    subject = subject_text(ssl._ssl._test_decode_cert(str(certs.client_cert)))  # type: ignore[attr-defined]
+    assert subject and subject.endswith("CN=client-1")
+    other = certs.ca.issue_cert("client-2@example", common_name="client-2")
+    other_cert, other_key = tmp_path / "c2.pem", tmp_path / "c2.key"
+    other.cert_chain_pems[0].write_to_path(str(other_cert))
+    other.private_key_pem.write_to_path(str(other_key))
+    node = spawn("--no-model", "--classify-timeout", "2", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem),
+                 "--rpc-allow", "10.0.0.0/8", "--allow-subject", subject)
+    node.wait_ready()
+
+    def hello(sock: socket.socket) -> bytes:
+        sock.sendall(HELLO)
+        reply = b""
+        try:
+            while len(reply) < 11:
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+        except (ConnectionResetError, ssl.SSLError):
+            pass
+        return reply
+
+    with socket.create_connection(("127.0.0.1", node.port), timeout=30) as plain:  # 127.0.0.1 is not in 10/8
+        assert hello(plain) == b""
+    with tls_socket(node.port, certs.ca_pem, other_cert, other_key) as s:  # a valid certificate, another subject
+        assert hello(s) == b""
+    with tls_socket(node.port, certs.ca_pem, certs.client_cert, certs.client_key) as s:
+        reply = hello(s)
+    assert len(reply) >= 11 and reply[8] == 7
+    text = httpx.get(f"http://127.0.0.1:{node.port}/metrics", timeout=30).text
+    assert 'hydra_trio:refused_total{protocol="ggml_rpc",reason="not_allowed"} 2.0' in text, text
