@@ -186,6 +186,16 @@ def test_the_token_makes_the_connection_trusted(node: ServerProcess) -> None:
         assert status == Status.OK and meta["params_applied"] == {"seed": 8} and "auth" not in meta["unrecognized_keys"]
 
 
+def test_the_gate_reads_configure_as_strictly_as_the_op(node: ServerProcess) -> None:
+    # was: the gate's own json.loads let a RecursionError close the connection without a reply
+    with Wire(node.port) as w:
+        assert w.call(Op.CONFIGURE, payload=json.dumps({"auth": TOKEN}).encode())[0] == Status.OK
+        for bad, why in ((b"[" * 100_000, "nested"), (b'{"auth": NaN}', "NaN"), (b"\xff", "UTF-8"), (b"[1]", "object")):
+            status, meta, _ = w.call(Op.CONFIGURE, payload=bad)
+            assert status == Status.BAD_REQUEST and why in meta["error"], (bad[:10], meta)
+        assert w.call(Op.INFO)[0] == Status.OK
+
+
 def test_hydra_client_and_cli_send_the_token(node: ServerProcess) -> None:
     async def main() -> None:
         async with HydraClient("127.0.0.1", node.port, token=TOKEN) as c:

@@ -31,7 +31,9 @@ import logging
 from typing import Any
 
 from ..access import AllowList, Peer, Refusals, Secrets, allowed
+from ..protocol import strict
 from ..protocol.hydra import Op, Status
+from ..protocol.strict import MessageError
 from .ops import Reply
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -105,10 +107,10 @@ class ConnectionTrust:
     def _configure_auth(self, payload: bytearray, name: str) -> tuple[bytearray, dict[str, Any] | None]:
         """Take ``auth`` out of a CONFIGURE object; check it; answer an auth-only CONFIGURE here."""
         try:
-            params = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
+            params = strict.load_json_object(payload)
+        except MessageError:  # invalid JSON, NaN, too deeply nested, not an object, not UTF-8
             return payload, None  # the op answers BAD_REQUEST for it (or the gate refuses it first)
-        if not isinstance(params, dict) or AUTH_KEY not in params:
+        if AUTH_KEY not in params:
             return payload, None
         token = params.pop(AUTH_KEY)
         if self.gate.tokens:
