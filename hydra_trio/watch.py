@@ -101,7 +101,7 @@ def _clock(ts: Any) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) + f".{int(t * 1000) % 1000:03d}"
 
 
-def summary(event: dict[str, Any], width: int = 70) -> str:
+def summary(event: dict[str, Any], width: int = 200) -> str:
     """A one-line summary of ``event``'s fields (not ``ts``/``type``/``trace_id``), at most ``width`` characters.
 
     ``slot.finished`` shows its reply's timings as ``prompt N (cached C), generated G, T tok/s``."""
@@ -177,7 +177,7 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
     events.add_column("trace id", no_wrap=True, overflow="ellipsis", width=24)
     events.add_column("summary", overflow="ellipsis", no_wrap=True, width=max(width - 12 - 19 - 24 - 13, 20))
     for e in state.events:
-        events.add_row(_clock(e.get("ts")), str(e.get("type")), str(e.get("trace_id") or ""), summary(e, 200))
+        events.add_row(_clock(e.get("ts")), str(e.get("type")), str(e.get("trace_id") or ""), summary(e))
     return Group(head, Text(""), slots, Text(""), events)
 
 
@@ -226,13 +226,33 @@ async def follow(host: str, port: int, resource: str, on_event: Any, on_state: A
         except HandshakeError as exc:
             cause = exc.__cause__ or exc.__context__
             why = str(cause or exc) or type(cause or exc).__name__
-            if isinstance(cause, ssl.SSLCertVerificationError):
-                raise Fatal(f"TLS: the node's certificate does not verify: {cause.verify_message}") from None
+            if ssl_context is not None:  # trio-websocket reports a failed TLS handshake as a timeout: ask TLS
+                await _check_certificate(host, port, ssl_context)
         except (OSError, trio.BrokenResourceError, ValueError) as exc:  # ValueError: a frame that is not JSON
             why = str(exc) or type(exc).__name__
         on_state(False, why, delay)
         await trio.sleep(delay)
         delay = min(delay * 2, BACKOFF_MAX)
+
+
+async def _check_certificate(host: str, port: int, ssl_context: ssl.SSLContext) -> None:
+    """Open a TLS connection to ``host:port`` and close it after the handshake.
+
+    Raises:
+        Fatal: the node's certificate does not verify against ``ssl_context`` (anything else passes:
+            the caller retries)."""
+    try:
+        with trio.fail_after(10):
+            stream = await trio.open_ssl_over_tcp_stream(host, port, ssl_context=ssl_context, https_compatible=True)
+            try:
+                await stream.do_handshake()
+            finally:
+                await trio.aclose_forcefully(stream)
+    except trio.BrokenResourceError as exc:
+        if isinstance(exc.__cause__, ssl.SSLCertVerificationError):
+            raise Fatal(f"TLS: the node's certificate does not verify: {exc.__cause__.verify_message}") from None
+    except (OSError, trio.TooSlowError):
+        pass
 
 
 async def _until_signal(cancel_scope: trio.CancelScope) -> None:
@@ -251,6 +271,7 @@ async def watch(args: argparse.Namespace) -> int:
         types = types | {"stats"}  # the table is drawn from stats; the events list keeps the chosen ones
     # the table asks for the node's recent history (all it keeps) so its events list starts full
     resource = _resource(types, 0 if args.json else REPLAY)
+    code = EXIT_OK
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_until_signal, nursery.cancel_scope)
@@ -258,10 +279,10 @@ async def watch(args: argparse.Namespace) -> int:
                 await _json_lines(nursery, host, port, resource, ctx, args.api_key)
             else:
                 await _live_table(nursery, args.address, host, port, resource, ctx, args.api_key)
-    except Fatal as exc:
-        print(f"hydra-trio watch: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    return EXIT_OK
+    except* Fatal as group:  # raised in the nursery: it arrives in an ExceptionGroup
+        print(f"hydra-trio watch: {group.exceptions[0]}", file=sys.stderr)
+        code = EXIT_REFUSED
+    return code
 
 
 async def _json_lines(nursery: trio.Nursery, host: str, port: int, resource: str, ctx: ssl.SSLContext | None,
