@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 
 import httpx
 
@@ -80,3 +81,25 @@ def test_cors(server: ServerProcess, spawn) -> None:
     pre = httpx.options(srv.base + "/v1/completions", headers={
         "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, timeout=120)
     assert pre.status_code == 400
+
+
+def test_a_connection_the_client_closed_is_closed_at_once(spawn) -> None:
+    # was: hypercorn's keep-alive timer held the socket in CLOSE-WAIT for keep_alive_timeout seconds
+    node = spawn("--no-model", "--keep-alive-timeout", "600")
+    node.wait_ready()
+    scrape = httpx.Client(base_url=node.base, timeout=30)  # one kept connection: it counts once
+
+    def open_now() -> float:
+        text = scrape.get("/metrics").text
+        return float(text.split("\nhydra_trio:connections_open ")[1].split()[0])
+
+    before = open_now()
+    for _ in range(20):
+        with socket.create_connection(("127.0.0.1", node.port), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 200")
+    deadline = time.monotonic() + 60  # far below the 600 s keep-alive timeout
+    while open_now() > before:
+        assert time.monotonic() < deadline, f"closed connections are still held open: {open_now()} > {before}"
+        time.sleep(0.1)
+    scrape.close()

@@ -26,6 +26,7 @@ import hypercorn.protocol as hypercorn_protocol
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
+from hypercorn.events import Event, Updated
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
@@ -62,6 +63,35 @@ class _H11Protocol(hypercorn_protocol.H11Protocol):
         await super()._send_h11_event(event)
 
 
+class _TCPServer(TCPServer):
+    """hypercorn's per-connection server, but a connection the client closed is closed at once.
+
+    hypercorn's keep-alive timer is a task in the connection's task group;
+    after the client's EOF (or reset) the read loop ends, yet the group (and
+    so the socket, in CLOSE-WAIT) waits for that timer: up to
+    ``keep_alive_timeout`` seconds per closed connection.  Here the timer
+    stops once reading has ended, and is not started again by a reply that
+    finishes afterwards (the connection closes then instead): the client's
+    end is gone, so there is nothing left to wait for.
+    ``tests/test_http_edges.py`` checks it with a 600 s keep-alive timeout.
+    """
+
+    _reading_done = False
+
+    async def _read_data(self) -> None:
+        try:
+            await super()._read_data()
+        finally:
+            self._reading_done = True
+            await self.idle_task.stop()
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, Updated) and event.idle and self._reading_done:
+            await self._close()
+            return
+        await super().protocol_send(event)
+
+
 class HttpHandler:
     """One hypercorn config and one ASGI app for the whole process."""
 
@@ -84,7 +114,7 @@ class HttpHandler:
 
     async def __call__(self, stream: trio.SocketStream) -> None:
         """Serve HTTP/1.1 on ``stream`` until the client or the server closes it."""
-        await TCPServer(self.app, self.config, self.context, {}, stream).run()  # type: ignore[arg-type]
+        await _TCPServer(self.app, self.config, self.context, {}, stream).run()  # type: ignore[arg-type]
 
     async def drain(self) -> None:
         """Graceful shutdown: idle keep-alive connections close now; the others after their reply.
