@@ -117,7 +117,7 @@
     for (const [cls, text] of [["time", time], ["type", e.type], ["trace", e.trace_id || ""], ["fields", summary(e)]]) {
       const span = document.createElement("span");
       span.className = cls;
-      span.textContent = text + " ";
+      span.textContent = text;
       li.append(span);
     }
     const list = $("events");
