@@ -179,3 +179,10 @@ def test_the_page_says_why_it_cannot_connect_and_uses_the_key_from_its_fragment(
     page.reload()
     expect(page.locator("#link")).to_have_attribute("data-state", "open")
     expect(page.locator('#slots-body tr[data-slot="0"]')).to_have_attribute("data-state", "idle")
+
+
+def test_query_key_reads_the_first_api_key_parameter() -> None:
+    from hydra_trio.http.auth import query_key
+
+    assert query_key(b"recent=50&api_key=sk%20a&api_key=other") == b"sk a"
+    assert query_key(b"api_key=") == b"" and query_key(b"recent=5") is None
