@@ -186,3 +186,27 @@ def test_query_key_reads_the_first_api_key_parameter() -> None:
 
     assert query_key(b"recent=50&api_key=sk%20a&api_key=other") == b"sk a"
     assert query_key(b"api_key=") == b"" and query_key(b"recent=5") is None
+
+
+def test_the_page_reconnects_when_the_node_comes_back(spawn: Any, page: Any, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    from hydra_trio import _spawn
+
+    srv: ServerProcess = spawn("-np", "1")
+    srv.wait_ready()
+    page.goto(srv.base + "/")
+    link = page.locator("#link")
+    expect(link).to_have_attribute("data-state", "open")
+    assert srv.stop() == 0
+    expect(link).to_have_attribute("data-state", "closed")  # 1001 at shutdown, then refused while down
+    page.evaluate("document.getElementById('slots-body').replaceChildren()")
+    with open(tmp_path / "again.log", "wb") as log:
+        proc, _ = _spawn.spawn("-np", "2", port=srv.port, output=log)  # the same port, now with two slots
+        try:
+            _spawn.wait_healthy(srv.port, proc, WAIT_MS / 1e3)
+            expect(link).to_have_attribute("data-state", "open")
+            expect(page.locator("#slots-body tr")).to_have_count(2)
+        finally:
+            proc.terminate()
+            proc.wait(60)
