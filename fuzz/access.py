@@ -90,7 +90,7 @@ class AccessMachine(RuleBasedStateMachine):
         self.steps = 0
 
     @rule(key=_header_bytes, scheme=st.sampled_from([b"Bearer ", b"bearer ", b"", b"Basic ", b"Bearer  "]),
-          path=st.sampled_from(["/v1/models", "/v1/chat/completions", "/slots", "/props", "/metricsx", "/"]))
+          path=st.sampled_from(["/v1/models", "/v1/chat/completions", "/slots", "/props", "/metricsx", "/v1/events"]))
     def wrong_api_key(self, key: bytes, scheme: bytes, path: str) -> None:
         if key.strip() == str(TARGET["key"]).encode():
             return

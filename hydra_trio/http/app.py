@@ -3,7 +3,9 @@
 Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
 ``/health``, ``/version``, ``/props``, ``/v1/models``, ``/slots``,
 ``/slots/{id}``, ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
-``/v1/chat/completions``, ``/v1/completions``, ``/metrics``.  Errors use
+``/v1/chat/completions``, ``/v1/completions``, ``/metrics``; ``GET /v1/events``
+(WebSocket, :mod:`.events`) and the status page ``GET /`` with its files under
+``/static/`` (:data:`STATIC_DIR`).  Errors use
 OpenAI's body shape ``{"error": {"message", "type", "code"}}``.
 
 Each request is logged once when it ends (logger ``hydra_trio.http.access``,
@@ -17,6 +19,7 @@ import logging
 import time
 import urllib.parse
 import uuid
+from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,8 +32,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
 from ..engine.engine import Engine
@@ -55,6 +59,16 @@ from ..access import AccessSettings, Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http")
 access_log = logging.getLogger("hydra_trio.http.access")
+
+STATIC_DIR = Path(__file__).with_name("static")
+"""The status page's files (``index.html``, ``status.js``, ``status.css``), shipped as package data."""
+_NO_CACHE = {"Cache-Control": "no-cache"}  # a node upgraded in place serves its new page at once
+
+
+async def status_page(request: Request) -> Response:
+    """``GET /``: the status page, a live view drawn from ``GET /v1/events`` in the browser
+    (``static/status.js``; README "Status page").  Plain files, nothing fetched from elsewhere."""
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
 
 def error_response(
     status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None
@@ -624,6 +638,8 @@ def build_app(
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/completions", api.completions, methods=["POST"]),
         WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc))),
+        Route("/", status_page, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
     app = Starlette(
         routes=routes,

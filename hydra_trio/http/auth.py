@@ -12,9 +12,16 @@ plus ``WWW-Authenticate: Bearer realm="hydra-trio"`` (RFC 6750 §3; with
 ``error="invalid_token"`` when a key was sent but is wrong).
 
 Open without a key: ``/health`` (orchestrators and load balancers probe it),
-``/metrics`` unless ``metrics_auth``, and every ``OPTIONS`` request (CORS
+``/metrics`` unless ``metrics_auth``, every ``OPTIONS`` request (CORS
 preflights carry no credentials; llama-server answers them before its key
-check too).  llama-server also leaves ``/models`` and ``/v1/models`` open;
+check too), and the status page's static files (``/`` and ``/static/...``:
+fixed files with no node data in them; llama-server leaves its web UI open too).
+
+A browser cannot set ``Authorization`` on a WebSocket, so ``GET /v1/events``
+also takes the key as the query parameter ``?api_key=KEY`` (the status page
+sends the key given in its URL fragment, ``/#key=KEY``).  A header, when
+present, wins.  Query strings can end up in proxies' logs: prefer the header
+where the client can send one.  llama-server also leaves ``/models`` and ``/v1/models`` open;
 here they need a key, like the rest of the API.
 
 Keys are compared in constant time against every key
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,8 +41,10 @@ from ..access import Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http.auth")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
 """Paths served without a key (``/metrics`` joins them unless ``metrics_auth``)."""
+OPEN_PREFIXES = ("/static/",)
+"""Path prefixes served without a key: the status page's files."""
 
 _BODY = json.dumps(
     {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}, separators=(",", ":")
@@ -57,6 +67,12 @@ def bearer_key(headers: Mapping[bytes, bytes] | list[tuple[bytes, bytes]]) -> by
             return token.strip()
         return auth.strip()  # llama-server: a bare key without "Bearer " is compared as it is
     return x_api_key.strip() if x_api_key is not None else None
+
+
+def query_key(query_string: bytes) -> bytes | None:
+    """The first ``api_key`` parameter of a query string (percent-decoded, as UTF-8 bytes), or None."""
+    values = urllib.parse.parse_qs(query_string.decode("latin-1"), keep_blank_values=True).get("api_key")
+    return values[0].encode() if values else None
 
 
 class ApiKeyMiddleware:
@@ -83,10 +99,13 @@ class ApiKeyMiddleware:
         if kind not in ("http", "websocket") or not self.keys:
             await self.app(scope, receive, send)
             return
-        if kind == "http" and (scope["method"] == "OPTIONS" or scope["path"] in self.open_paths):
+        if kind == "http" and (scope["method"] == "OPTIONS" or scope["path"] in self.open_paths
+                               or scope["path"].startswith(OPEN_PREFIXES)):
             await self.app(scope, receive, send)
             return
         key = bearer_key(scope.get("headers") or [])
+        if key is None and kind == "websocket":
+            key = query_key(scope.get("query_string") or b"")
         if self.keys.matches(key):
             await self.app(scope, receive, send)
             return
