@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import time
 import os
 import subprocess
 import sys
@@ -353,3 +354,13 @@ def test_gate_policy_without_a_network() -> None:
     assert refused["hydra", "not_allowed"] == 1 and refused["hydra", "invalid_token"] == 0
     open_trust = Gate(None, None, refused).connection(local)
     assert open_trust.trusted and open_trust.check(Op.CONFIGURE, bytearray(b'{"auth": "x"}'))[1]["trusted"]
+
+
+def test_a_key_in_the_query_is_not_written_to_the_log(node: ServerProcess) -> None:
+    httpx.get(node.base + f"/v1/models?api_key={KEY}&x=1", timeout=LONG)
+    httpx.get(node.base + f"/health?x=1&api_key={KEY}", timeout=LONG)
+    deadline = time.monotonic() + 60
+    while "/v1/models?api_key=***&x=1" not in node.log():
+        assert time.monotonic() < deadline, node.log()[-2000:]
+        time.sleep(0.1)
+    assert KEY not in node.log()

@@ -15,6 +15,7 @@ Each request is logged once when it ends (logger ``hydra_trio.http.access``,
 from __future__ import annotations
 
 import json
+import re
 import logging
 import time
 import urllib.parse
@@ -655,6 +656,10 @@ def build_app(
     return _absolute_form(_access_log(app))
 
 
+_API_KEY_IN_QUERY = re.compile(rb"((?:^|&)api_key=)[^&]*")
+"""An API key in a query (``/v1/events?api_key=``, for browsers) is written to the log as ``***``."""
+
+
 def _access_log(app: Any) -> Any:
     """ASGI wrapper: one access-log line per request, written when the app is done with it.
 
@@ -691,7 +696,7 @@ def _access_log(app: Any) -> Any:
             client = scope.get("client")
             target = scope.get("raw_path") or scope["path"].encode()
             if scope.get("query_string"):
-                target += b"?" + scope["query_string"]
+                target += b"?" + _API_KEY_IN_QUERY.sub(rb"\1***", scope["query_string"])
             level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
             seconds = time.perf_counter() - t0
             extra = {"op": f'{scope["method"]} {scope["path"]}', "ms": round(seconds * 1e3, 3)}
