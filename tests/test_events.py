@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -224,3 +226,34 @@ def test_categories_are_documented_in_the_readme() -> None:
     readme = (ROOT / "README.md").read_text()
     for c in CATEGORIES:
         assert f"`{c}" in readme, c
+
+
+async def test_a_killed_ggml_rpc_child_shows_as_died_then_restarted(spawn) -> None:
+    node = spawn("--no-model")
+    await trio.to_thread.run_sync(node.wait_ready)
+    async with subscribed(node.port, "?types=rpc&recent=20") as reader:
+        started = await reader.wait_for(lambda e: e["type"] == "rpc.child_started")
+        os.kill(started["pid"], signal.SIGKILL)
+        died = await reader.wait_for(lambda e: e["type"] == "rpc.child_died", timeout=120)
+        assert died["pid"] == started["pid"] and died["code"] == -signal.SIGKILL and "SIGKILL" in died["how"]
+        again = await reader.wait_for(lambda e: e["type"] == "rpc.child_restarted", timeout=120)
+        assert again["pid"] != started["pid"] and again["restarts"] == 1
+
+
+async def test_an_unreachable_peer_is_a_peer_fallback_event(server: ServerProcess) -> None:
+    async with subscribed(server.port, "?types=peer,mode,control") as reader:
+        def switch() -> dict:
+            with Wire(server.port) as w:
+                status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=json.dumps(
+                    {"mode": "combined", "peer": "127.0.0.1:1"}).encode(), trace_id="evt-peer")
+                assert status == Status.OK, meta
+                w.call(Op.SET_EXPERT_MODE, payload=b"solo")  # the shared server as the other tests expect it
+                return meta
+
+        meta = await trio.to_thread.run_sync(switch)
+        assert meta["success"] is False and meta["mode"] == "solo"
+        fallback = await reader.wait_for(lambda e: e["type"] == "peer.fallback")
+        assert fallback["peer"] == "127.0.0.1:1" and fallback["mode"] == "solo" and fallback["reason"]
+        applied = await reader.wait_for(lambda e: e["type"] == "control.applied" and e.get("trace_id") == "evt-peer")
+        assert applied["success"] is False
+        assert not [e for e in reader.events if e["type"] == "mode.changed"]  # SOLO stayed SOLO
