@@ -240,14 +240,15 @@ async def test_a_killed_ggml_rpc_child_shows_as_died_then_restarted(spawn) -> No
         assert again["pid"] != started["pid"] and again["restarts"] == 1
 
 
-async def test_an_unreachable_peer_is_a_peer_fallback_event(server: ServerProcess) -> None:
+async def test_an_unreachable_peer_is_a_peer_fallback_event(spawn) -> None:
+    server = spawn("-np", "1")  # its own node: the peer it is given stays in its INFO
+    await trio.to_thread.run_sync(server.wait_ready)
     async with subscribed(server.port, "?types=peer,mode,control") as reader:
         def switch() -> dict:
             with Wire(server.port) as w:
                 status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=json.dumps(
                     {"mode": "combined", "peer": "127.0.0.1:1"}).encode(), trace_id="evt-peer")
                 assert status == Status.OK, meta
-                w.call(Op.SET_EXPERT_MODE, payload=b"solo")  # the shared server as the other tests expect it
                 return meta
 
         meta = await trio.to_thread.run_sync(switch)
