@@ -1,8 +1,8 @@
 """An encrypted ggml-RPC link between hydra-trio nodes: a local plain port, TLS to the peer's one port.
 
 ggml's RPC client (inside llama.cpp) speaks plain TCP only.  A head started
-with ``--rpc-engine HOST:PORT --rpc-tls`` gives ggml's client
-``127.0.0.1:<tunnel port>`` instead; every connection to that loopback port
+with ``--rpc-tls`` gives ggml's client ``127.0.0.1:<tunnel port>`` for a peer
+``HOST:PORT`` instead; every connection to that loopback port
 is carried over TLS to ``HOST:PORT``, whose front door unwraps TLS and
 classifies ``0x0E`` (ggml-RPC) as for a plain connection.  One TLS
 connection per ggml connection; bytes are copied both ways as they come (no
