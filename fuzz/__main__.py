@@ -171,7 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== fuzz summary ==")
     print(f"time {time.monotonic() - t0:.0f} s, examples {live.STATS['examples']} (in {runs} hypothesis runs), "
           f"steps checked {live.STATS['steps']}")
-    print("requests: " + ", ".join(f"{k} {v}" for k, v in live.STATS.items() if k not in ("steps", "examples")))
+    print("requests: " + ", ".join(f"{k} {v}" for k, v in live.STATS.items()
+                                    if k not in ("steps", "examples") and not k.endswith("_ms")))
+    if "tls_slowest_close_ms" in live.STATS:
+        print(f"bad TLS: slowest close {live.STATS['tls_slowest_close_ms']} ms (classify timeout "
+              f"{tls.CLASSIFY_TIMEOUT * 1e3:.0f} ms)")
     print(f"failures {failures}")
     print(f"hangs (steps past --step-timeout or the classify timeout) {len(live.FINDINGS)}")
     for f in live.FINDINGS:
