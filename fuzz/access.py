@@ -43,6 +43,12 @@ def configure(port: int, key: str, token: str, n_slots: int) -> None:
     live.configure(port, n_slots)
 
 
+def count(kind: str) -> None:
+    """One more request of ``kind`` in the fuzzer's summary (``fuzz.live.STATS``), and one more ``access``."""
+    live.STATS["access"] = live.STATS.get("access", 0) + 1
+    live.STATS[kind] = live.STATS.get(kind, 0) + 1
+
+
 def hydra_exchange(op: int, key: str = "", payload: bytes = b"") -> tuple[int, dict, bytes]:
     """One Hydra request on a fresh (untrusted) connection; its reply, checked well-formed (fuzz.live)."""
     reply = live.hydra_exchange([encode_request(op, key=key, payload=payload, trace_id="fuzz-access")])
@@ -94,6 +100,7 @@ class AccessMachine(RuleBasedStateMachine):
     def wrong_api_key(self, key: bytes, scheme: bytes, path: str) -> None:
         if key.strip() == str(TARGET["key"]).encode():
             return
+        count("access_wrong_key")
         status, body = raw_http("GET", path, b"Authorization: " + scheme + key)
         assert status in (400, 401), (path, key, status, body)  # 400: h11 refused the header line itself
         if status == 401:
@@ -103,6 +110,7 @@ class AccessMachine(RuleBasedStateMachine):
     def wrong_x_api_key(self, key: bytes) -> None:
         if key.strip() == str(TARGET["key"]).encode():
             return
+        count("access_wrong_key")
         status, body = raw_http("POST", "/v1/completions", b"X-Api-Key: " + key)
         assert status in (400, 401), (key, status, body)
         if status == 401:
@@ -110,6 +118,7 @@ class AccessMachine(RuleBasedStateMachine):
 
     @rule(op=st.sampled_from(CONTROL), payload=st.binary(max_size=4096), key=st.sampled_from(["", "0", "1", "x"]))
     def refused_control_op(self, op: int, payload: bytes, key: str) -> None:
+        count("access_refused_control")
         status, meta, body = hydra_exchange(op, key=key, payload=payload)
         assert status == Status.BAD_REQUEST and body == b"", (op, status, meta)
         assert meta.get("refused") in ("not_allowed", "invalid_token") and meta.get("error"), meta
@@ -119,6 +128,7 @@ class AccessMachine(RuleBasedStateMachine):
     def wrong_token(self, token: object, extra: dict) -> None:
         if token == TARGET["token"]:
             return
+        count("access_wrong_token")
         payload = json.dumps({"auth": token, **extra}).encode()
         status, meta, _ = hydra_exchange(Op.CONFIGURE, payload=payload)
         assert status == Status.BAD_REQUEST and meta.get("refused") == "invalid_token", meta
@@ -131,5 +141,6 @@ class AccessMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_changed(self) -> None:
         self.steps += 1
+        live.STATS["steps"] += 1
         assert httpx.get(_base() + "/health", timeout=TIMEOUT).status_code == 200
         assert snapshot() == self.before

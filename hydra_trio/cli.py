@@ -233,8 +233,9 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--tls-required", action="store_true",
                    help="only loopback peers may connect without TLS (needs --tls-cert)")
     p.add_argument("--rpc-tls", action="store_true",
-                   help="reach --rpc-engine over TLS through a local loopback tunnel (presents --tls-cert/--tls-key "
-                        "when given, for a peer with --tls-client-ca)")
+                   help="reach every ggml-RPC peer (--rpc-engine, SET_EXPERT_MODE, PIPELINE_ATTACH) over TLS through "
+                        "a local loopback tunnel per peer (presents --tls-cert/--tls-key when given, for a peer with "
+                        "--tls-client-ca)")
     p.add_argument("--tls-ca", default=None, metavar="FILE",
                    help="--rpc-tls: PEM CA bundle the peer's certificate must chain to (default: the system's)")
     p.add_argument("--no-model", action="store_true",
@@ -446,8 +447,8 @@ def _tls_contexts(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.
         raise ValueError("--tls-cert and --tls-key go together")
     if args.tls_cert is None and (args.tls_client_ca or args.tls_required):
         raise ValueError("--tls-client-ca and --tls-required need --tls-cert/--tls-key")
-    if args.rpc_tls and args.rpc_engine is None:
-        raise ValueError("--rpc-tls needs --rpc-engine")
+    if args.rpc_tls and args.no_model:
+        raise ValueError("--rpc-tls is for a head (a node with a model) that dials peers; --no-model dials none")
     if args.tls_ca and not args.rpc_tls:
         raise ValueError("--tls-ca is for --rpc-tls")
     server = None

@@ -25,7 +25,7 @@ from . import progress
 from .node_stats import ProgressEvents, StatsTicker
 from .protocol.classify import Protocol
 from .ggml_rpc.backend import RpcBackend, RpcBackendSettings
-from .tunnel import RpcTunnel, through_tunnel
+from .tunnel import TunnelPool
 
 log = logging.getLogger("hydra_trio.server")
 
@@ -43,8 +43,9 @@ class ServerConfig:
         hydra: Hydra protocol limits and timeouts.
         rpc_backend: the ggml-RPC backend this node lends to peers; None: off.
         access: API keys, allow-lists and the Hydra token (all open by default).
-        rpc_tls: a client TLS context (``--rpc-tls``): the engine's ``peer`` is
-            reached through a local :class:`~hydra_trio.tunnel.RpcTunnel` over TLS.
+        rpc_tls: a client TLS context (``--rpc-tls``): every peer the engine dials (``--rpc-engine``,
+            SET_EXPERT_MODE, PIPELINE_ATTACH) is reached through a local
+            :class:`~hydra_trio.tunnel.RpcTunnel` over TLS (:class:`~hydra_trio.tunnel.TunnelPool`).
     """
 
     host: str = "127.0.0.1"
@@ -70,11 +71,12 @@ class Server:
         self.events = EventBus()
         """The node's live events (``GET /v1/events``; :mod:`hydra_trio.events`)."""
         engine_config = config.engine
-        self.tunnel: RpcTunnel | None = None
-        if config.rpc_tls is not None and engine_config is not None and engine_config.peer is not None:
-            self.tunnel = RpcTunnel(engine_config.peer, config.rpc_tls)
-            engine_config = attrs.evolve(engine_config, peer=self.tunnel.local)
         self.engine = Engine(engine_config, self.events) if engine_config is not None else None
+        self.tunnels: TunnelPool | None = None
+        """``--rpc-tls``: the TLS tunnels to the peers the engine dials, one per real peer address."""
+        if config.rpc_tls is not None and self.engine is not None:
+            self.tunnels = TunnelPool(config.rpc_tls)
+            self.engine.experts.dial = self.tunnels.dial
         self.frontdoor = FrontDoor({}, config.frontdoor)
         self.refused = new_refusals()  # (protocol, reason) -> count, for /metrics
         self.rpc = RpcBackend(config.rpc_backend, self.refused) if config.rpc_backend is not None else None
@@ -112,9 +114,9 @@ class Server:
         log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
         self._warn_open_rpc(listeners)
         try:
-            async with trio.open_nursery() as outer:  # the tunnel outlives the engine, which frees its peer's buffers
-                if self.tunnel is not None:
-                    await outer.start(self.tunnel.run)
+            async with trio.open_nursery() as outer:  # the tunnels outlive the engine, which frees its peer's buffers
+                if self.tunnels is not None:
+                    await outer.start(self.tunnels.run)
                 try:
                     await self._run_parts(listeners, task_status)
                 finally:
@@ -222,8 +224,8 @@ class Server:
             peer = experts.peer
             if peer is None:
                 continue
-            # through a TLS tunnel (--rpc-tls) the tunnel's peer is checked: the tunnel itself always accepts
-            experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, through_tunnel(peer))
+            # the real peer (with --rpc-tls too: a tunnel's loopback port always accepts)
+            experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
             if experts.mode in ("combined", "pipeline") and not experts.peer_reachable:
                 log.warning("peer %s unreachable while %s: going back to SOLO", peer, str(experts.mode).upper())
                 try:

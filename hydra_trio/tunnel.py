@@ -1,8 +1,8 @@
 """An encrypted ggml-RPC link between hydra-trio nodes: a local plain port, TLS to the peer's one port.
 
 ggml's RPC client (inside llama.cpp) speaks plain TCP only.  A head started
-with ``--rpc-engine HOST:PORT --rpc-tls`` gives ggml's client
-``127.0.0.1:<tunnel port>`` instead; every connection to that loopback port
+with ``--rpc-tls`` gives ggml's client ``127.0.0.1:<tunnel port>`` for a peer
+``HOST:PORT`` instead; every connection to that loopback port
 is carried over TLS to ``HOST:PORT``, whose front door unwraps TLS and
 classifies ``0x0E`` (ggml-RPC) as for a plain connection.  One TLS
 connection per ggml connection; bytes are copied both ways as they come (no
@@ -13,11 +13,14 @@ and must name ``HOST`` (an IP address in the certificate's subjectAltName
 for ``--rpc-engine 10.0.0.5:8080``).  The head's own ``--tls-cert`` is
 presented for a peer with ``--tls-client-ca``.
 
-:data:`TUNNELS` maps a tunnel's local address to its peer, so the server's
-peer watchdog (:func:`hydra_trio.engine.combined.peer_listening`) looks at
-the real peer, not at the tunnel (which always accepts).  The HELLO probe
-``peer_reachable`` goes through the tunnel (a tunnel that cannot reach the
-peer closes at once, so the probe fails).
+Every peer the head dials gets one: :class:`TunnelPool` (owned by the
+server) starts one :class:`RpcTunnel` per real peer address, lazily, the
+first time the engine dials that peer (``--rpc-engine`` at start,
+SET_EXPERT_MODE with a ``peer``, PIPELINE_ATTACH).  The engine keeps the
+*real* address (INFO ``peer_addr``, events, logs, the watchdog's liveness
+check); only the addresses handed to ggml's client and to the HELLO probe
+``peer_reachable`` are the tunnel's loopback port (a tunnel that cannot
+reach the peer closes at once, so the probe fails).
 """
 
 from __future__ import annotations
@@ -32,15 +35,8 @@ from .protocol.address import parse_peer
 
 log = logging.getLogger("hydra_trio.tunnel")
 
-TUNNELS: dict[str, str] = {}
-"""Local ``127.0.0.1:port`` of each tunnel in this process → the peer's ``host:port``."""
-
 COPY_BUFFER = 1 << 20  # bytes per receive: ggml-RPC moves tensors in large messages
-
-
-def through_tunnel(peer: str) -> str:
-    """The address a check should probe for ``peer``: the tunnel's peer when ``peer`` is a tunnel, else ``peer``."""
-    return TUNNELS.get(peer, peer)
+MAX_TUNNELS = 64  # distinct peers one head may dial over TLS in its life (each holds a loopback port)
 
 
 class RpcTunnel:
@@ -71,20 +67,16 @@ class RpcTunnel:
         self.local = f"127.0.0.1:{self._sock.getsockname()[1]}"
         self.connections = 0
         self.failed = 0
-        TUNNELS[self.local] = peer
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Accept on the loopback port and carry each connection until cancelled."""
         listener = trio.SocketListener(trio.socket.from_stdlib_socket(self._sock))
         log.info("ggml-RPC tunnel %s -> %s over TLS", self.local, self.peer)
-        try:
-            async with listener, trio.open_nursery() as nursery:
-                task_status.started()
-                while True:
-                    client = await listener.accept()
-                    nursery.start_soon(self._carry, client)
-        finally:
-            TUNNELS.pop(self.local, None)
+        async with listener, trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                client = await listener.accept()
+                nursery.start_soon(self._carry, client)
 
     async def _connect(self) -> trio.SSLStream[trio.SocketStream] | None:
         try:
@@ -135,3 +127,68 @@ async def _copy(src: trio.abc.ReceiveStream, dst: trio.abc.SendStream, done: tri
         pass
     finally:
         done.cancel()
+
+
+class TunnelPool:
+    """One :class:`RpcTunnel` per real peer address, started lazily in :meth:`run`'s nursery.
+
+    Owned by the server and run in a nursery that outlives the engine (the
+    engine frees its peer's buffers through the tunnel at shutdown).  The
+    engine thread calls :meth:`dial` (the ``dial`` hook of
+    :class:`~hydra_trio.engine.combined.ExpertModes`); tunnels stay for the
+    life of the node (llama.cpp caches its connection per endpoint, so a
+    peer keeps one loopback address).
+
+    Args:
+        context: the client TLS context (``--rpc-tls``, :func:`hydra_trio.tls.client_context`).
+        limit: most distinct peers (:data:`MAX_TUNNELS`).
+    """
+
+    def __init__(self, context: ssl.SSLContext, limit: int = MAX_TUNNELS) -> None:
+        self.context = context
+        self.limit = limit
+        self.tunnels: dict[str, RpcTunnel] = {}  # real peer "host:port" -> its tunnel
+        self._nursery: trio.Nursery | None = None
+        self._lock = trio.Lock()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the tunnels' nursery until cancelled (then every tunnel closes)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def local_for(self, peer: str) -> str:
+        """The loopback ``127.0.0.1:port`` that carries ``peer`` over TLS; starts its tunnel the first time.
+
+        Raises:
+            OSError: the pool is not running, holds :attr:`limit` tunnels already, or no port could be bound.
+            hydra_trio.protocol.strict.MessageError: a malformed ``peer``.
+        """
+        async with self._lock:
+            tunnel = self.tunnels.get(peer)
+            if tunnel is None:
+                if self._nursery is None:
+                    raise OSError("the TLS tunnel pool is not running")
+                if len(self.tunnels) >= self.limit:
+                    raise OSError(f"{self.limit} TLS tunnels to other peers already: this head dials no new peer "
+                                  "until it restarts")
+                tunnel = RpcTunnel(peer, self.context)
+                await self._nursery.start(tunnel.run)
+                self.tunnels[peer] = tunnel
+            return tunnel.local
+
+    def dial(self, peer: str) -> str:
+        """From a worker thread (the engine thread): :meth:`local_for` run on the trio side.
+
+        Raises OSError (including a malformed ``peer`` or a node shutting down) when no tunnel can serve ``peer``.
+        """
+        try:
+            return trio.from_thread.run(self.local_for, peer)
+        except (ValueError, trio.RunFinishedError, trio.Cancelled) as exc:  # MessageError is a ValueError
+            raise OSError(f"no TLS tunnel to {peer}: {exc}") from None
+
+    def stats(self) -> dict[str, dict[str, int | str]]:
+        """Per real peer: the tunnel's ``local`` address, ``connections`` carried and ``failed`` connects."""
+        return {peer: {"local": t.local, "connections": t.connections, "failed": t.failed}
+                for peer, t in self.tunnels.items()}

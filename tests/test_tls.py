@@ -291,7 +291,7 @@ def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, 
     wait_for(lambda: info(a.port)["mode"] == "combined", timeout=300)
     meta = info(a.port)
     assert meta["peer_reachable"] is True
-    assert meta["peer_addr"].startswith("127.0.0.1:") and meta["peer_addr"] != f"127.0.0.1:{b.port}"  # the tunnel
+    assert meta["peer_addr"] == f"127.0.0.1:{b.port}"  # the real peer, not the tunnel's loopback port
     assert rpc_bytes(b.port) > 150_000_000  # the expert tensors went up through the tunnel
     assert "client certificate subject" in b.log() and "ggml-RPC tunnel" in a.log()
     before = rpc_bytes(b.port)
@@ -302,6 +302,55 @@ def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, 
     assert complete(a.base) == combined_text
     assert a.stop() == 0
     assert "stopped answering" not in a.log()  # the tunnel outlived the engine, which freed B's buffers through it
+
+
+@pytest.mark.slow
+def test_peer_named_later_goes_through_a_tls_tunnel(certs: Certs, spawn) -> None:
+    """Head A has --rpc-tls and no --rpc-engine: a peer named by SET_EXPERT_MODE, then by PIPELINE_ATTACH, is
+    dialled through a TLS tunnel started then (B would take plain from loopback, so the proof of TLS is B's log of
+    A's client certificate subject).  INFO and the replies name B's real address; the texts equal SOLO's."""
+    import json
+
+    from hydra_trio.protocol.hydra import Op
+
+    from .hydra_wire import Wire
+    from .test_combined import complete, info, rpc_bytes, set_mode, wait_for
+
+    b = spawn("--no-model", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem), "--tls-required")
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend",
+              "--rpc-tls", "--tls-ca", str(certs.ca_pem), *certs.tls_flags())
+    b.wait_ready()
+    a.wait_ready()
+    peer = f"127.0.0.1:{b.port}"
+    solo_text = complete(a.base)
+    assert "client certificate subject" not in b.log()
+    status, meta = set_mode(a.port, json.dumps({"mode": "combined", "peer": peer}).encode())
+    assert status == 0 and meta["success"] is True and meta["mode"] == "combined", meta
+    assert meta["peer"] == peer
+    state = info(a.port)
+    assert state["mode"] == "combined" and state["peer_addr"] == peer and state["peer_attach"] == "attached"
+    assert rpc_bytes(b.port) > 150_000_000  # the expert tensors went up
+    assert "client certificate subject" in b.log()  # ... over TLS: B saw A's certificate
+    assert "ggml-RPC tunnel 127.0.0.1:" in a.log() and f"-> {peer} over TLS" in a.log()
+    before = rpc_bytes(b.port)
+    assert complete(a.base) == solo_text
+    assert rpc_bytes(b.port) > before  # B computed
+    wait_for(lambda: info(a.port)["peer_reachable"] is True, timeout=30)  # the watchdog checks B itself
+    assert info(a.port)["peer_addr"] == peer
+
+    # PIPELINE_ATTACH to the same peer: the same tunnel carries it.  Detach first ({"peer": ""}): B's ggml-RPC
+    # server takes one client at a time, so a switch with the COMBINED link still open could not probe it
+    split = r"blk\.(1[0-9]|2[0-9])\."
+    with Wire(a.port) as w:
+        status, meta, _ = w.call(Op.PIPELINE_ATTACH, payload=b'{"peer": ""}')
+        assert status == 0 and meta["success"] is True, meta
+        status, meta, _ = w.call(Op.PIPELINE_ATTACH, payload=json.dumps({"peer": peer, "ot_split": split}).encode())
+    assert status == 0 and meta["success"] is True and meta["mode"] == "pipeline" and meta["peer"] == peer, meta
+    assert info(a.port)["peer_addr"] == peer
+    assert complete(a.base) == solo_text
+    assert a.log().count("ggml-RPC tunnel 127.0.0.1:") == 1  # one tunnel per real peer
+    assert a.stop() == 0
+    assert "stopped answering" not in a.log()
 
 
 def test_allow_subject_lets_a_verified_certificate_pass_the_rpc_allow_list(certs: Certs, spawn, tmp_path: Path) -> None:

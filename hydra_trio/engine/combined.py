@@ -286,6 +286,10 @@ class ExpertModes:
         self.counters = counters
         self.model_kwargs = model_kwargs
         self.on_switch: Callable[[], None] = lambda: None
+        self.dial: Callable[[str], str] = lambda peer: peer
+        """The address ggml's client and the HELLO probe use for a peer: the peer itself, or (``--rpc-tls``)
+        a loopback TLS tunnel's (:meth:`hydra_trio.tunnel.TunnelPool.dial`).  Raises OSError when none can
+        serve it.  :attr:`peer`, INFO, events and the watchdog keep the real address."""
         self._worker: PeerWorker | None = None
 
     @property
@@ -375,9 +379,11 @@ class ExpertModes:
             raise PeerError(f"the ggml-RPC connection to {peer} broke mid-call earlier, and llama.cpp keeps it for "
                             "the life of this process: restart this node to use that address again, or reach the "
                             "peer by another address (its host name, another IP)")
-        if not peer_reachable(peer):
+        endpoint = self._endpoint(peer)
+        if not peer_reachable(endpoint):
             self.peer_reachable = False
-            raise PeerError(f"peer {peer} does not answer ggml-RPC")
+            raise PeerError(f"peer {peer} does not answer ggml-RPC"
+                            + (f" (through the TLS tunnel {endpoint})" if endpoint != peer else ""))
         self.peer_reachable = True
         t_bytes = time.perf_counter()
         need = expert_bytes(src, self.pattern)
@@ -389,7 +395,7 @@ class ExpertModes:
         worker = PeerWorker(peer)
 
         def build() -> LoadedModel:
-            devs = ggml_rpc.add_peer(peer)
+            devs = ggml_rpc.add_peer(endpoint)
             if not devs:
                 raise PeerError(f"peer {peer} has no ggml devices")
             free, _total = ggml_rpc.device_memory(devs[0])
@@ -423,6 +429,13 @@ class ExpertModes:
         log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
                  need, self.pattern, peer, time.perf_counter() - t0)
         return need
+
+    def _endpoint(self, peer: str) -> str:
+        """:attr:`dial` of ``peer``; PeerError when no address can serve it (e.g. no TLS tunnel)."""
+        try:
+            return self.dial(peer)
+        except OSError as exc:
+            raise PeerError(f"peer {peer}: {exc}") from None
 
     def replace_peer_tensors(self, path: Path, quant: str) -> dict[str, Any]:
         """Every slot idle, COMBINED attached: rebuild the COMBINED model from ``path`` (the same
@@ -508,7 +521,11 @@ class ExpertModes:
         if self.combined is not None and (peer != self.peer or ot_split != self.pattern):
             # check what can be checked before the attachment that works is torn down
             assert self.solo is not None
-            if peer in _lost_endpoints or not peer_reachable(peer):
+            try:
+                endpoint = self._endpoint(peer)
+            except PeerError as exc:
+                return self._refuse(str(exc), "pipeline")
+            if peer in _lost_endpoints or not peer_reachable(endpoint):
                 return self._refuse(f"peer {peer} does not answer ggml-RPC", "pipeline")
             if expert_bytes(self.solo.path, ot_split) == 0:
                 return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
