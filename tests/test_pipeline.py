@@ -50,7 +50,12 @@ def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, 
     # a re-attach that cannot work (nothing matches) leaves the working attachment as it was
     status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": "no_such_tensor"})
     assert status == Status.OK and meta["success"] is False and meta["mode"] == "pipeline"
+    assert "matches" in meta["fallback_reason"], meta  # not "does not answer": this node is the peer's client
     assert info(a.port)["mode"] == "pipeline" and complete(a.base) == local
+    # another split on the same peer (which serves one ggml-RPC client at a time: this node)
+    status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": r"blk\.2[0-9]\."})
+    assert status == Status.OK and meta["success"] is True and meta["layer_split"] == r"blk\.2[0-9]\.", meta
+    assert complete(a.base) == local
     status, meta = attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": "(?i)BLK"})
     assert status == Status.BAD_REQUEST and "std::regex" in meta["error"]  # llama.cpp would read it otherwise
 

@@ -525,7 +525,10 @@ class ExpertModes:
                 endpoint = self._endpoint(peer)
             except PeerError as exc:
                 return self._refuse(str(exc), "pipeline")
-            if peer in _lost_endpoints or not peer_reachable(endpoint):
+            # the peer serves one ggml-RPC client at a time: while this node holds it, a probe would
+            # wait behind this node's own connection; that live connection answers for it instead
+            held = peer == self.peer and self._worker is not None and not self._worker.dead
+            if not held and (peer in _lost_endpoints or not peer_reachable(endpoint)):
                 return self._refuse(f"peer {peer} does not answer ggml-RPC", "pipeline")
             if expert_bytes(self.solo.path, ot_split) == 0:
                 return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
