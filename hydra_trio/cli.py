@@ -312,6 +312,9 @@ def _add_access_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hydra-token", type=_secret, default=None, metavar="TOKEN",
                    help="Hydra: a connection that sends CONFIGURE {\"auth\": TOKEN} may run those ops from any "
                         "address (alone, without --control-allow: only such connections may)")
+    g.add_argument("--hydra-token-file", default=None, metavar="FILE",
+                   help="read --hydra-token from the first non-empty line of FILE (keeps it out of the process "
+                        "list)")
     g.add_argument("--rpc-allow", action="append", type=_cidr, default=[], metavar="CIDR",
                    help="ggml-RPC: only peers in these networks may connect (repeatable; others are closed "
                         "before a byte is read)")
@@ -319,6 +322,15 @@ def _add_access_args(p: argparse.ArgumentParser) -> None:
                    help="a TLS client whose verified certificate subject (as logged, e.g. 'O=acme,CN=head-1') is "
                         "SUBJECT passes --control-allow and --rpc-allow whatever its address (repeatable; with "
                         "--tls-client-ca). Given alone it restricts both to these subjects")
+
+
+def _hydra_token(args: argparse.Namespace) -> str | None:
+    """``--hydra-token``, or the first key of ``--hydra-token-file`` (both: ValueError)."""
+    if args.hydra_token_file is None:
+        return args.hydra_token
+    if args.hydra_token is not None:
+        raise ValueError("--hydra-token and --hydra-token-file: give one")
+    return read_key_file(args.hydra_token_file)[0]
 
 
 def access_settings(args: argparse.Namespace) -> AccessSettings:
@@ -331,7 +343,7 @@ def access_settings(args: argparse.Namespace) -> AccessSettings:
         metrics_auth=args.metrics_auth,
         control_allow=AllowList.parse(args.control_allow, "--control-allow", args.allow_subject)
         if args.control_allow or args.allow_subject else None,
-        hydra_token=args.hydra_token,
+        hydra_token=_hydra_token(args),
         rpc_allow=AllowList.parse(args.rpc_allow, "--rpc-allow", args.allow_subject)
         if args.rpc_allow or args.allow_subject else None,
     )

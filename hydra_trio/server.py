@@ -111,7 +111,8 @@ class Server:
         listeners = self._listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
         progress.add_listener(self._progress_events)
         self.port = listeners[0].socket.getsockname()[1]
-        log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port)", cfg.host, self.port)
+        log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port); status page http://%s:%d/, "
+                 "live events ws://%s:%d/v1/events", cfg.host, self.port, *(_url_host(cfg.host), self.port) * 2)
         self._warn_open_rpc(listeners)
         try:
             async with trio.open_nursery() as outer:  # the tunnels outlive the engine, which frees its peer's buffers
@@ -232,6 +233,13 @@ class Server:
                     await control.submit(Change("peer unreachable", lambda e: e.peer_gone(), "watchdog"))
                 except Busy:
                     pass  # a request is running: its decode notices the dead peer itself
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it goes in a URL: brackets for IPv6; a wildcard bind as 127.0.0.1."""
+    if host in ("", "0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
 
 
 async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:

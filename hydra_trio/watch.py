@@ -151,7 +151,8 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
         peer = stats.get("peer") or "-"
         if stats.get("peer"):
             peer += " (reachable)" if stats.get("peer_reachable") else " (unreachable)"
-        head.add_row("mode", f"{stats.get('mode')}  peer {peer}  stage {stats.get('stage')}")
+        stage = stats.get("stage") if state.connected else "? (last seen: " + str(stats.get("stage")) + ")"
+        head.add_row("mode", f"{stats.get('mode')}  peer {peer}  stage {stage}")
         head.add_row("load", f"queue {stats.get('queue', 0)}  processing {stats.get('processing', 0)}  "
                              f"{stats.get('tok_s', 0.0):.1f} tok/s  generated {stats.get('tokens_predicted_total', 0)}")
         head.add_row("connections", _connections(stats))

@@ -364,3 +364,20 @@ def test_a_key_in_the_query_is_not_written_to_the_log(node: ServerProcess) -> No
         assert time.monotonic() < deadline, node.log()[-2000:]
         time.sleep(0.1)
     assert KEY not in node.log()
+
+
+def test_the_hydra_token_can_come_from_a_file(tmp_path: Path, spawn) -> None:
+    path = tmp_path / "token"
+    path.write_text("# the node's token\n\nfile-token-1\n")
+    r = subprocess.run([sys.executable, "-m", "hydra_trio", "run", "--hydra-token", "x", "--hydra-token-file",
+                        str(path)], cwd=ROOT, capture_output=True, text=True, timeout=LONG)
+    assert r.returncode == 2 and "give one" in r.stderr, r.stderr
+    node = spawn("-np", "1", "--control-allow", "10.0.0.0/8", "--hydra-token-file", str(path))
+    node.wait_ready()
+    with Wire(node.port) as w:
+        status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=b"solo")
+        assert status == Status.BAD_REQUEST and "--token or $HYDRA_TRIO_TOKEN" in meta["error"]
+        assert w.call(Op.CONFIGURE, payload=b'{"auth": "file-token-1"}')[1]["trusted"] is True
+        assert w.call(Op.SET_EXPERT_MODE, payload=b"solo")[0] == Status.OK
+    assert "file-token-1" not in node.log()
+    assert f"status page http://127.0.0.1:{node.port}/" in node.log()

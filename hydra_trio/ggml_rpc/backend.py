@@ -230,7 +230,7 @@ class RpcBackend:
         if self._traits is None:
             self._traits, notes = reconcile_type_traits(ggml_type_traits(GGML_TYPE_COUNT))
             for note in notes:
-                log.info("ggml-RPC validator: %s", note)
+                log.debug("ggml-RPC validator: %s", note)
         return self._traits
 
     def _cached_size(self, h: int) -> int | None:

@@ -340,8 +340,12 @@ class HydraConnection:
                 ) from None
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 await self._abort("connection lost")
+                why = str(exc) or str(exc.__cause__ or "") or type(exc).__name__
+                if isinstance(stream, trio.SSLStream) or getattr(stream, "transport_stream", None) is not None:
+                    why += (" (over TLS: the node may have refused the handshake, e.g. it requires a client "
+                            "certificate: --tls-cert/--tls-key; its log says why)")
                 raise HydraConnectionClosed(
-                    f"connection to {self.address} lost: {exc}", op=rs.op, trace_id=rs.trace_id
+                    f"connection to {self.address} lost: {why}", op=rs.op, trace_id=rs.trace_id
                 ) from exc
             if not data:
                 mid = "mid-reply" if not self._decoder.idle or rs.payload_len else "before replying"

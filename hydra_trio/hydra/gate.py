@@ -100,7 +100,8 @@ class ConnectionTrust:
             why = (f"peer {self.peer} is not in {self.gate.control_allow.flag or '--control-allow'} "
                    f"({self.gate.control_allow})" if self.gate.control_allow is not None
                    else "this node requires --hydra-token for control ops")
-            raise self._refuse("not_allowed", f"{name} refused: {why}; send the node's token as CONFIGURE "
+            raise self._refuse("not_allowed", f"{name} refused: {why}; send the node's token (hydra-trio commands: --token or "
+                               f"$HYDRA_TRIO_TOKEN; HydraClient(token=...)) as CONFIGURE "
                                f'{{"{AUTH_KEY}": ...}} first, or connect from an allowed address', name)
         return payload, None
 
