@@ -15,7 +15,6 @@ Each request is logged once when it ends (logger ``hydra_trio.http.access``,
 from __future__ import annotations
 
 import json
-import re
 import logging
 import time
 import urllib.parse
@@ -55,7 +54,7 @@ from ..api.schemas import (
     parse_body,
 )
 from .settings import HttpSettings
-from .auth import ApiKeyMiddleware
+from .auth import ApiKeyMiddleware, redact_query
 from ..access import AccessSettings, Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http")
@@ -656,10 +655,6 @@ def build_app(
     return _absolute_form(_access_log(app))
 
 
-_API_KEY_IN_QUERY = re.compile(rb"((?:^|&)api_key=)[^&]*")
-"""An API key in a query (``/v1/events?api_key=``, for browsers) is written to the log as ``***``."""
-
-
 def _access_log(app: Any) -> Any:
     """ASGI wrapper: one access-log line per request, written when the app is done with it.
 
@@ -696,7 +691,7 @@ def _access_log(app: Any) -> Any:
             client = scope.get("client")
             target = scope.get("raw_path") or scope["path"].encode()
             if scope.get("query_string"):
-                target += b"?" + _API_KEY_IN_QUERY.sub(rb"\1***", scope["query_string"])
+                target += b"?" + redact_query(scope["query_string"])  # a key in a query is logged as ***
             level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
             seconds = time.perf_counter() - t0
             extra = {"op": f'{scope["method"]} {scope["path"]}', "ms": round(seconds * 1e3, 3)}

@@ -69,6 +69,27 @@ def bearer_key(headers: Mapping[bytes, bytes] | list[tuple[bytes, bytes]]) -> by
     return x_api_key.strip() if x_api_key is not None else None
 
 
+SECRET_PARAMS = frozenset({"api_key", "apikey", "api-key", "key", "token", "access_token", "auth", "password"})
+"""Query parameter names (percent-decoded, any case) whose values :func:`redact_query` hides."""
+
+
+def redact_query(query_string: bytes) -> bytes:
+    """``query_string`` with the value of every secret-looking parameter (:data:`SECRET_PARAMS`) as ``***``.
+
+    Names are compared as a server decodes them (``+`` and ``%XX`` decoded,
+    any case), so ``api%5Fkey=K`` (which :func:`query_key` accepts as
+    ``api_key``) or ``API_KEY=K`` is hidden too; everything else is kept
+    byte for byte.  For log lines (an access log must not hold credentials,
+    OWASP Logging Cheat Sheet).
+    """
+    parts = query_string.split(b"&")
+    for i, part in enumerate(parts):
+        name, eq, _ = part.partition(b"=")
+        if eq and urllib.parse.unquote_plus(name.decode("latin-1")).strip().lower() in SECRET_PARAMS:
+            parts[i] = name + b"=***"
+    return b"&".join(parts)
+
+
 def query_key(query_string: bytes) -> bytes | None:
     """The first ``api_key`` parameter of a query string (percent-decoded, as UTF-8 bytes), or None."""
     values = urllib.parse.parse_qs(query_string.decode("latin-1"), keep_blank_values=True).get("api_key")
