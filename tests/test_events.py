@@ -174,12 +174,19 @@ async def test_stats_every_second_and_control_busy_and_state_events(server: Serv
         assert bad["result"] != "ok" and bad["bytes"] == 64
 
 
-async def test_unknown_type_is_refused_with_1008(server: ServerProcess) -> None:
-    with pytest.raises((ConnectionClosed, ConnectionRejected)) as info:
-        async with open_websocket_url(f"ws://127.0.0.1:{server.port}/v1/events?types=slot,nope") as ws:
+@pytest.mark.parametrize("query, named", [
+    ("types=slot,nope", "nope"), ("types=" + "%C3%A9" * 200, "unknown event categories"), ("queue=0", "queue"),
+    ("queue=99999999999999", "queue"), ("recent=%EF%BC%91", "recent"), ("recent=-1", "recent"),
+])
+async def test_a_bad_query_is_refused_with_400_and_a_reason(server: ServerProcess, query: str, named: str) -> None:
+    """The handshake is answered 400 with an OpenAI-style error body naming the parameter (a close before
+    the handshake would reach the client as a bare 403 with no reason)."""
+    with pytest.raises(ConnectionRejected) as info:
+        async with open_websocket_url(f"ws://127.0.0.1:{server.port}/v1/events?{query}") as ws:
             await ws.get_message()
-    if isinstance(info.value, ConnectionClosed):
-        assert info.value.reason.code == 1008 and "nope" in info.value.reason.reason
+    assert info.value.status_code == 400
+    error = json.loads(info.value.body)["error"]
+    assert named in error["message"] and error["type"] == "invalid_request_error" and error["code"] == 400
 
 
 def _vanish(port: int) -> None:

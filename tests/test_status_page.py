@@ -96,9 +96,10 @@ def test_with_api_keys_the_page_is_open_and_the_event_socket_takes_the_key_as_a_
             return json.loads(await ws.get_message())
 
     assert trio.run(first_event, "?api_key=sk-page")["type"] == "hello"
-    for query in ("", "?api_key=wrong"):
-        with pytest.raises(ConnectionRejected):
+    for query in ("", "?api_key=wrong"):  # the same 401 as the rest of HTTP
+        with pytest.raises(ConnectionRejected) as info:
             trio.run(first_event, query)
+        assert info.value.status_code == 401 and json.loads(info.value.body)["error"]["code"] == 401
 
 
 # ------------------------------------------------------------------ in Chromium

@@ -207,7 +207,7 @@ def test_api_key_and_tls(spawn, watch, tmp_path: Path) -> None:
                             cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={k: v for k, v in os.environ.items() if k != "HYDRA_TRIO_API_KEY"})
     assert no_key.returncode == 1 and not no_key.stdout, no_key.stderr
-    assert no_key.stderr.startswith("hydra-trio watch: the node refused the connection (HTTP 403)"), no_key.stderr
+    assert no_key.stderr.startswith("hydra-trio watch: the node refused the connection (HTTP 401)"), no_key.stderr
     assert "API key" in no_key.stderr and "Traceback" not in no_key.stderr
     untrusted = subprocess.run([sys.executable, "-m", "hydra_trio", "watch", f"127.0.0.1:{node.port}", "--json",
                                 "--api-key", "sk-watch", "--tls", "--tls-ca", str(certs.other_ca_pem)],

@@ -4,14 +4,17 @@ Served by hypercorn (wsproto) on the same port as the rest of HTTP.  Query
 parameters:
 
 - ``types``: comma-separated categories (``slot,mode``; see
-  :data:`hydra_trio.events.CATEGORIES`); all when absent.  An unknown one
-  closes the socket at once with code 1008 (policy violation) and a reason
-  naming it.
+  :data:`hydra_trio.events.CATEGORIES`); all when absent.
 - ``recent``: first replay up to this many recent events that pass the filter
   (0..200, default 0).
 - ``queue``: this subscriber's bound, in events (1..4096, default 1024);
   past it events are dropped and a ``dropped`` event with their ``count``
   comes before the next one delivered.
+
+A bad value (an unknown category, a number out of range) refuses the
+handshake with HTTP 400 and an OpenAI-style error body naming it; a node
+shutting down answers 503; a missing or wrong API key gets 401, as on the
+rest of HTTP (:mod:`hydra_trio.http.auth`).
 
 Frames are text frames, one JSON object each; the first is ``hello``.  The
 server sends and never expects anything: messages from the client are read
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..events import EventBus, parse_types
@@ -55,10 +59,10 @@ def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]]) -> Calla
             recent = _int_param(ws, "recent", 0, 0, MAX_RECENT)
             maxlen = _int_param(ws, "queue", 1024, 1, MAX_QUEUE)
         except ValueError as exc:
-            await ws.close(code=1008, reason=str(exc)[:120])  # a close frame's reason is at most 123 bytes
+            await _refuse(ws, 400, str(exc), "invalid_request_error")
             return
         if bus.closed:
-            await ws.close(code=1001, reason="the node is shutting down")
+            await _refuse(ws, 503, "the node is shutting down", "unavailable_error")
             return
         client = f"{ws.client.host}:{ws.client.port}" if ws.client else "-"
         await ws.accept()
@@ -93,6 +97,16 @@ def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]]) -> Calla
             log.info("%s: event subscriber gone after %d events", client, sent)
 
     return endpoint
+
+
+async def _refuse(ws: WebSocket, status: int, message: str, kind: str) -> None:
+    """Refuse the handshake with an HTTP ``status`` and an OpenAI-style error body (ASGI's WebSocket Denial
+    Response, which hypercorn implements; without it, a close with 1008 and the message as its reason)."""
+    if "websocket.http.response" not in ws.scope.get("extensions", {}):
+        await ws.close(code=1008, reason=message.encode()[:123].decode(errors="ignore"))  # a reason's limit
+        return
+    await ws.send_denial_response(JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                                               status_code=status))
 
 
 def _dumps(event: dict[str, Any]) -> str:
