@@ -228,6 +228,49 @@ async def test_many_subscribers_that_vanish_free_everything(server: ServerProces
     client.close()
 
 
+def _hold(port: int) -> socket.socket:
+    """An event subscriber that never reads and never leaves (until closed)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    return s
+
+
+def test_subscribers_cannot_take_every_connection_of_the_node(spawn) -> None:
+    """Subscribers stay forever; past their cap (a quarter of --max-connections) a handshake gets 503, so
+    they never hold every connection slot: HTTP and Hydra keep being answered."""
+    srv = spawn("-np", "1", "-c", "512", "--max-connections", "8")
+    srv.wait_ready()
+    held = [_hold(srv.port) for _ in range(2)]
+    try:
+        for s in held:
+            assert s.recv(12).startswith(b"HTTP/1.1 101")
+        extra = [_hold(srv.port) for _ in range(8)]
+        for s in extra:
+            reply = s.recv(4096)
+            while b"}}" not in reply and (more := s.recv(4096)):
+                reply += more
+            assert reply.startswith(b"HTTP/1.1 503"), reply
+            assert b"event subscribers" in reply
+            s.close()
+        assert httpx.get(srv.base + "/health", timeout=60).status_code == 200
+        with Wire(srv.port) as w:
+            assert w.call(Op.INFO)[0] == Status.OK
+        held.pop().close()
+        for _ in range(600):  # the freed place is taken again
+            s = _hold(srv.port)
+            if s.recv(12).startswith(b"HTTP/1.1 101"):
+                held.append(s)
+                break
+            s.close()
+            threading.Event().wait(0.1)
+        else:
+            raise AssertionError("a freed subscriber place was never given again")
+    finally:
+        for s in held:
+            s.close()
+
+
 def test_categories_are_documented_in_the_readme() -> None:
     from hydra_trio._spawn import ROOT
     readme = (ROOT / "README.md").read_text()

@@ -637,7 +637,8 @@ def build_app(
         Route("/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/completions", api.completions, methods=["POST"]),
-        WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc))),
+        WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
+                                                     settings.max_event_subscribers)),
         Route("/", status_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]

@@ -13,7 +13,8 @@ parameters:
 
 A bad value (an unknown category, a number out of range) refuses the
 handshake with HTTP 400 and an OpenAI-style error body naming it; a node
-shutting down answers 503; a missing or wrong API key gets 401, as on the
+shutting down, or one with ``max_subscribers`` sockets open already,
+answers 503; a missing or wrong API key gets 401, as on the
 rest of HTTP (:mod:`hydra_trio.http.auth`).
 
 Frames are text frames, one JSON object each; the first is ``hello``.  The
@@ -50,10 +51,26 @@ def _int_param(ws: WebSocket, name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
-def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]]) -> Callable[[WebSocket], Any]:
-    """The Starlette WebSocket endpoint for ``bus``; ``hello()`` builds the first event."""
+def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]],
+                    max_subscribers: int = 256) -> Callable[[WebSocket], Any]:
+    """The Starlette WebSocket endpoint for ``bus``; ``hello()`` builds the first event; past
+    ``max_subscribers`` sockets at once (counted from the handshake on) a handshake gets 503."""
+    active = 0
 
     async def endpoint(ws: WebSocket) -> None:
+        nonlocal active
+        if active >= max_subscribers:
+            log.warning("event subscriber refused: %d at once already (--max-event-subscribers)", active)
+            await _refuse(ws, 503, f"too many event subscribers ({max_subscribers} at once; "
+                                   "--max-event-subscribers); retry later", "unavailable_error")
+            return
+        active += 1
+        try:
+            await _serve(ws)
+        finally:
+            active -= 1
+
+    async def _serve(ws: WebSocket) -> None:
         try:
             types = parse_types(ws.query_params.get("types"))
             recent = _int_param(ws, "recent", 0, 0, MAX_RECENT)
