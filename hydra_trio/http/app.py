@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
@@ -69,6 +69,13 @@ async def status_page(request: Request) -> Response:
     """``GET /``: the status page, a live view drawn from ``GET /v1/events`` in the browser
     (``static/status.js``; README "Status page").  Plain files, nothing fetched from elsewhere."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
+
+async def _to_the_page(request: Request) -> Response:
+    """``GET /static/index.html``: 308 to ``../``, the page's own address.  The page's links are relative
+    (``static/status.js``, ``v1/events``: it works behind a proxy's path prefix), so from here they would
+    miss; a relative redirect keeps any prefix."""
+    return RedirectResponse("../", status_code=308)
+
 
 def error_response(
     status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None
@@ -640,6 +647,7 @@ def build_app(
         WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
                                                      settings.max_event_subscribers)),
         Route("/", status_page, methods=["GET"]),
+        Route("/static/index.html", _to_the_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
     app = Starlette(
