@@ -271,6 +271,21 @@ def test_subscribers_cannot_take_every_connection_of_the_node(spawn) -> None:
             s.close()
 
 
+def test_the_events_address_without_an_upgrade_and_in_absolute_form(server: ServerProcess) -> None:
+    """A plain GET is told to upgrade (426, RFC 9110 §15.5.22), not that the route does not exist; the
+    absolute form of the target (RFC 9112 §3.2.2) reaches the stream as it does every other route."""
+    r = httpx.get(server.base + "/v1/events", timeout=60)
+    assert r.status_code == 426 and r.headers["upgrade"] == "websocket", (r.status_code, r.text)
+    assert r.json()["error"]["code"] == 426 and "WebSocket" in r.json()["error"]["message"]
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    s.sendall(b"GET http://x/v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    try:
+        assert s.recv(12).startswith(b"HTTP/1.1 101")
+    finally:
+        s.close()
+
+
 def test_categories_are_documented_in_the_readme() -> None:
     from hydra_trio._spawn import ROOT
     readme = (ROOT / "README.md").read_text()

@@ -77,6 +77,12 @@ async def _to_the_page(request: Request) -> Response:
     return RedirectResponse("../", status_code=308)
 
 
+async def _upgrade_required(request: Request) -> Response:
+    """``GET /v1/events`` without a WebSocket upgrade: 426 with ``Upgrade: websocket`` (RFC 9110 §15.5.22)."""
+    return error_response(426, "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, "
+                          "Upgrade: websocket)", "invalid_request_error", headers={"Upgrade": "websocket"})
+
+
 def error_response(
     status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
@@ -646,6 +652,7 @@ def build_app(
         Route("/completions", api.completions, methods=["POST"]),
         WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
                                                      settings.max_event_subscribers)),
+        Route("/v1/events", _upgrade_required, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),
         Route("/static/index.html", _to_the_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
@@ -719,14 +726,15 @@ def _access_log(app: Any) -> Any:
 
 
 def _absolute_form(app: Any) -> Any:
-    """ASGI wrapper: route a request target in absolute form (``GET http://host/health``) like its origin form.
+    """ASGI wrapper: route a request target in absolute form (``GET http://host/health``) like its origin form,
+    WebSocket handshakes included.
 
     RFC 9112 §3.2.2: a server must accept the absolute form; the path and
     query come from the URI.
     """
 
     async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             target = scope.get("raw_path") or b""
             if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
                 parts = urllib.parse.urlsplit(target.decode("latin-1"))
