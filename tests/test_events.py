@@ -273,7 +273,8 @@ def test_subscribers_cannot_take_every_connection_of_the_node(spawn) -> None:
 
 def test_the_events_address_without_an_upgrade_and_in_absolute_form(server: ServerProcess) -> None:
     """A plain GET is told to upgrade (426, RFC 9110 §15.5.22), not that the route does not exist; the
-    absolute form of the target (RFC 9112 §3.2.2) reaches the stream as it does every other route."""
+    absolute form of the target (RFC 9112 §3.2.2) reaches the stream as it does every other route; a
+    handshake to an address that does not exist is a 404 with the usual error body."""
     r = httpx.get(server.base + "/v1/events", timeout=60)
     assert r.status_code == 426 and r.headers["upgrade"] == "websocket", (r.status_code, r.text)
     assert r.json()["error"]["code"] == 426 and "WebSocket" in r.json()["error"]["message"]
@@ -284,6 +285,16 @@ def test_the_events_address_without_an_upgrade_and_in_absolute_form(server: Serv
         assert s.recv(12).startswith(b"HTTP/1.1 101")
     finally:
         s.close()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    s.sendall(b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    reply = b""
+    try:
+        while b"}}" not in reply and (more := s.recv(4096)):
+            reply += more
+    finally:
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 404") and b"no route for /v1/nowhere" in reply, reply  # not a bare 403
 
 
 def test_categories_are_documented_in_the_readme() -> None:

@@ -54,7 +54,7 @@ from ..api.schemas import (
     parse_body,
 )
 from .settings import HttpSettings
-from .auth import ApiKeyMiddleware, redact_query
+from .auth import ApiKeyMiddleware, redact_query, send_refusal
 from ..access import AccessSettings, Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http")
@@ -668,6 +668,17 @@ def build_app(
                        refused=refused),
         ],
     )
+    not_found = app.router.default
+
+    async def websocket_not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        # Starlette closes an unrouted handshake, which reaches the client as a bare 403
+        if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
+            await send_refusal(scope, send, 404, error_response(404, f"no route for {scope['path']}",
+                                                                "not_found_error").body)
+            return
+        await not_found(scope, receive, send)
+
+    app.router.default = websocket_not_found
     return _absolute_form(_access_log(app))
 
 
