@@ -241,3 +241,21 @@ def test_render_and_summary_without_a_node() -> None:
     state.connected, state.status, state.retry_at = False, "disconnected (gone), retrying{wait}…", 2.0
     console.print(render(state, 1.0, 120))
     assert "disconnected (gone), retrying in 1.0 s…" in console.export_text()
+
+
+def test_text_from_clients_is_shown_as_it_is_never_as_rich_markup() -> None:
+    """Trace ids (a Hydra client chooses them), peers, models and error texts reach the table: ``[/x]``
+    must not crash the watch (rich's MarkupError) nor ``[blink]`` style it; they show literally."""
+    from rich.console import Console
+
+    evil = "[/nope] [blink]x[link=file:///etc/passwd]y"
+    state = WatchState("h:1")
+    state.connected = True
+    state.on_event({"ts": 1.0, "type": "hello", "version": evil, "model": evil, "n_slots": 1})
+    state.on_event({"ts": 2.0, "type": "stats", "mode": evil, "peer": evil, "stage": evil, "connections": {evil: 1},
+                    "slots": [{"id": 0, "state": evil, "trace_id": evil}]})
+    state.on_event({"ts": 3.0, "type": evil, "trace_id": evil, "error": evil})
+    console = Console(width=400, record=True, file=open("/dev/null", "w"))
+    console.print(render(state, 0.0, 400))
+    text = console.export_text()
+    assert text.count("[/nope] [blink]x[link=file:///etc/passwd]y") >= 6, text  # markup would eat the tags
