@@ -206,6 +206,9 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--max-connections", type=int_range(1, INT32_MAX),
                    default=_default(FrontDoorSettings, "max_connections"),
                    help="connections served at once, >= 1 (default: %(default)s)")
+    p.add_argument("--max-event-subscribers", type=int_range(1, INT32_MAX), default=None, metavar="N",
+                   help="GET /v1/events subscribers at once (503 past it), so that they cannot hold every "
+                        "connection (default: a quarter of --max-connections, at least 1)")
     p.add_argument(
         "--classify-timeout", type=seconds(), default=_default(FrontDoorSettings, "classify_timeout"),
         metavar="SECONDS", help="seconds a new connection has to send its first byte (default: %(default)s)",
@@ -543,7 +546,8 @@ async def _run(args: argparse.Namespace) -> int:
                                     tls=tls, tls_required=args.tls_required),
         rpc_tls=rpc_tls,
         http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, body_timeout=args.timeout,
-                          cors_origins=tuple(args.cors_origin or ["*"])),
+                          cors_origins=tuple(args.cors_origin or ["*"]),
+                          max_event_subscribers=args.max_event_subscribers or max(1, args.max_connections // 4)),
         rpc_backend=rpc,
         access=access,
     )

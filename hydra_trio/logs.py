@@ -8,7 +8,11 @@ method and path, the control change), ``ms`` (milliseconds the request or
 change took).
 
 * ``text``: ``TIME LEVEL logger: message`` then `` key=value`` for each
-  request field present.
+  request field present, on one line: control characters in the message and
+  the fields (CR, LF, ESC, C1, U+2028/2029: a client's path or trace id can
+  carry them) are written escaped, ``\\n``, ``\\x1b``, so no client can add a
+  line of its own or drive the operator's terminal (CWE-117, OWASP Logging
+  Cheat Sheet); a traceback stays below the line, as it is.
 * ``json``: one JSON object per line with ``ts`` (ISO 8601, UTC), ``level``,
   ``logger``, ``msg``, the request fields present, and ``exc_info`` with the
   traceback when there is one (python-json-logger's ``JsonFormatter``).
@@ -17,6 +21,7 @@ change took).
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from typing import TextIO
 
@@ -28,19 +33,24 @@ LOG_FORMATS = ("text", "json")
 REQUEST_FIELDS = ("trace_id", "slot", "op", "ms")
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with each control character (C0, DEL, C1, U+2028, U+2029) as its Python escape (``\\n``, ``\\x1b``)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 class TextFormatter(logging.Formatter):
-    """``TIME LEVEL logger: message`` plus `` key=value`` for each of :data:`REQUEST_FIELDS` the record has."""
+    """``TIME LEVEL logger: message`` plus `` key=value`` for each of :data:`REQUEST_FIELDS` the record has,
+    one line per record (control characters escaped, :func:`escape_controls`), the traceback below it."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         extras = "".join(f" {k}={getattr(record, k)}" for k in REQUEST_FIELDS if getattr(record, k, None) is not None)
-        if not extras:
-            return text
-        head, sep, tail = text.partition("\n")  # a traceback stays below the line
-        return head + extras + sep + tail
+        return escape_controls(super().formatMessage(record) + extras)
 
 
 def json_formatter() -> logging.Formatter:

@@ -187,8 +187,9 @@ class _Display:
         from rich.progress import BarColumn, Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
         return Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-            TextColumn("{task.fields[amount]}"), TimeElapsedColumn(),
+            # markup=False: names hold file names and peer addresses, shown as they are ("[/x]" is not a tag)
+            SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), TaskProgressColumn(),
+            TextColumn("{task.fields[amount]}", markup=False), TimeElapsedColumn(),
             console=self._console, transient=True, redirect_stdout=False, redirect_stderr=False,
         )
 

@@ -129,6 +129,13 @@ def _connections(stats: dict[str, Any]) -> str:
     return f"{text} (open {stats.get('connections_open', '?')})"
 
 
+def _add_row(table: Table, *cells: Any) -> None:
+    """``table.add_row`` with every ``str`` cell as a plain :class:`rich.text.Text`: rich reads a ``str``
+    cell as console markup, and these cells hold what clients chose (a Hydra trace id ``[/x]`` raised
+    MarkupError and ended the watch; ``[blink]`` styled the screen).  ``Text`` also drops control codes."""
+    table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
+
+
 def render(state: WatchState, now: float | None = None, width: int = 120) -> RenderableType:
     """The screen for ``state``: a header grid, the slots table, the recent events table.
 
@@ -143,20 +150,20 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
     else:
         wait = f" in {max(state.retry_at - now, 0):.1f} s" if state.retry_at is not None and now is not None else ""
         status = Text(state.status.replace("{wait}", wait), style="bold red")
-    head.add_row("node", Text.assemble(state.address, "  ", status))
+    _add_row(head, "node", Text.assemble(state.address, "  ", status))
     if hello:
-        head.add_row("hydra-trio", f"{hello.get('version')}  model {hello.get('model') or '-'}  "
+        _add_row(head, "hydra-trio", f"{hello.get('version')}  model {hello.get('model') or '-'}  "
                                    f"slots {hello.get('n_slots')}  rpc backend {'yes' if hello.get('rpc_backend') else 'no'}")
     if stats:
         peer = stats.get("peer") or "-"
         if stats.get("peer"):
             peer += " (reachable)" if stats.get("peer_reachable") else " (unreachable)"
         stage = stats.get("stage") if state.connected else "? (last seen: " + str(stats.get("stage")) + ")"
-        head.add_row("mode", f"{stats.get('mode')}  peer {peer}  stage {stage}")
-        head.add_row("load", f"queue {stats.get('queue', 0)}  processing {stats.get('processing', 0)}  "
+        _add_row(head, "mode", f"{stats.get('mode')}  peer {peer}  stage {stage}")
+        _add_row(head, "load", f"queue {stats.get('queue', 0)}  processing {stats.get('processing', 0)}  "
                              f"{stats.get('tok_s', 0.0):.1f} tok/s  generated {stats.get('tokens_predicted_total', 0)}")
-        head.add_row("connections", _connections(stats))
-        head.add_row("subscribers", f"{stats.get('subscribers', '?')}  events dropped "
+        _add_row(head, "connections", _connections(stats))
+        _add_row(head, "subscribers", f"{stats.get('subscribers', '?')}  events dropped "
                                     f"{stats.get('events_dropped_total', 0)}")
 
     slots = Table(title="slots", title_justify="left", expand=False)
@@ -165,7 +172,7 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
         slots.add_column(name, justify=justify)  # type: ignore[arg-type]
     for s in stats.get("slots") or []:
         busy = s.get("state") == "processing"
-        slots.add_row(str(s.get("id")), Text(str(s.get("state")), style="bold yellow" if busy else "dim"),
+        _add_row(slots, str(s.get("id")), Text(str(s.get("state")), style="bold yellow" if busy else "dim"),
                       str(s.get("n_prompt", 0)), str(s.get("n_decoded", 0)), f"{s.get('tok_s', 0.0):.1f}",
                       f"{s.get('n_past', 0)}/{s.get('n_ctx', 0)}", s.get("trace_id") or "")
     if not stats:
@@ -178,7 +185,7 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
     events.add_column("trace id", no_wrap=True, overflow="ellipsis", width=24)
     events.add_column("summary", overflow="ellipsis", no_wrap=True, width=max(width - 12 - 19 - 24 - 13, 20))
     for e in state.events:
-        events.add_row(_clock(e.get("ts")), str(e.get("type")), str(e.get("trace_id") or ""), summary(e))
+        _add_row(events, _clock(e.get("ts")), str(e.get("type")), str(e.get("trace_id") or ""), summary(e))
     return Group(head, Text(""), slots, Text(""), events)
 
 

@@ -381,3 +381,17 @@ def test_the_hydra_token_can_come_from_a_file(tmp_path: Path, spawn) -> None:
         assert w.call(Op.SET_EXPERT_MODE, payload=b"solo")[0] == Status.OK
     assert "file-token-1" not in node.log()
     assert f"status page http://127.0.0.1:{node.port}/" in node.log()
+
+
+def test_a_key_in_any_spelling_of_the_query_is_not_written_to_the_log(node: ServerProcess) -> None:
+    """The WebSocket reads ``api_key`` percent-decoded (``api%5Fkey`` is the same parameter), and a key
+    sent under another case or a ``token``-like name is a secret too: none reaches the log."""
+    secrets = [f"{KEY}-pct", f"{KEY}-upper", f"{KEY}-token", f"{KEY}-plus"]
+    query = f"api%5Fkey={secrets[0]}&API_KEY={secrets[1]}&x=1&access_token={secrets[2]}&%61pi_key={secrets[3]}&y=2"
+    httpx.get(node.base + "/v1/models?" + query, timeout=LONG)
+    marker = "/v1/models?api%5Fkey=***&API_KEY=***&x=1&access_token=***&%61pi_key=***&y=2"
+    deadline = time.monotonic() + 60
+    while marker not in node.log():
+        assert time.monotonic() < deadline, node.log()[-2000:]
+        time.sleep(0.1)
+    assert not any(s in node.log() for s in secrets)

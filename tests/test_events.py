@@ -174,12 +174,19 @@ async def test_stats_every_second_and_control_busy_and_state_events(server: Serv
         assert bad["result"] != "ok" and bad["bytes"] == 64
 
 
-async def test_unknown_type_is_refused_with_1008(server: ServerProcess) -> None:
-    with pytest.raises((ConnectionClosed, ConnectionRejected)) as info:
-        async with open_websocket_url(f"ws://127.0.0.1:{server.port}/v1/events?types=slot,nope") as ws:
+@pytest.mark.parametrize("query, named", [
+    ("types=slot,nope", "nope"), ("types=" + "%C3%A9" * 200, "unknown event categories"), ("queue=0", "queue"),
+    ("queue=99999999999999", "queue"), ("recent=%EF%BC%91", "recent"), ("recent=-1", "recent"),
+])
+async def test_a_bad_query_is_refused_with_400_and_a_reason(server: ServerProcess, query: str, named: str) -> None:
+    """The handshake is answered 400 with an OpenAI-style error body naming the parameter (a close before
+    the handshake would reach the client as a bare 403 with no reason)."""
+    with pytest.raises(ConnectionRejected) as info:
+        async with open_websocket_url(f"ws://127.0.0.1:{server.port}/v1/events?{query}") as ws:
             await ws.get_message()
-    if isinstance(info.value, ConnectionClosed):
-        assert info.value.reason.code == 1008 and "nope" in info.value.reason.reason
+    assert info.value.status_code == 400
+    error = json.loads(info.value.body)["error"]
+    assert named in error["message"] and error["type"] == "invalid_request_error" and error["code"] == 400
 
 
 def _vanish(port: int) -> None:
@@ -219,6 +226,75 @@ async def test_many_subscribers_that_vanish_free_everything(server: ServerProces
         while await trio.to_thread.run_sync(open_now) > before:
             await trio.sleep(0.5)
     client.close()
+
+
+def _hold(port: int) -> socket.socket:
+    """An event subscriber that never reads and never leaves (until closed)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=60)
+    s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    return s
+
+
+def test_subscribers_cannot_take_every_connection_of_the_node(spawn) -> None:
+    """Subscribers stay forever; past their cap (a quarter of --max-connections) a handshake gets 503, so
+    they never hold every connection slot: HTTP and Hydra keep being answered."""
+    srv = spawn("-np", "1", "-c", "512", "--max-connections", "8")
+    srv.wait_ready()
+    held = [_hold(srv.port) for _ in range(2)]
+    try:
+        for s in held:
+            assert s.recv(12).startswith(b"HTTP/1.1 101")
+        extra = [_hold(srv.port) for _ in range(8)]
+        for s in extra:
+            reply = s.recv(4096)
+            while b"}}" not in reply and (more := s.recv(4096)):
+                reply += more
+            assert reply.startswith(b"HTTP/1.1 503"), reply
+            assert b"event subscribers" in reply
+            s.close()
+        assert httpx.get(srv.base + "/health", timeout=60).status_code == 200
+        with Wire(srv.port) as w:
+            assert w.call(Op.INFO)[0] == Status.OK
+        held.pop().close()
+        for _ in range(600):  # the freed place is taken again
+            s = _hold(srv.port)
+            if s.recv(12).startswith(b"HTTP/1.1 101"):
+                held.append(s)
+                break
+            s.close()
+            threading.Event().wait(0.1)
+        else:
+            raise AssertionError("a freed subscriber place was never given again")
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_the_events_address_without_an_upgrade_and_in_absolute_form(server: ServerProcess) -> None:
+    """A plain GET is told to upgrade (426, RFC 9110 §15.5.22), not that the route does not exist; the
+    absolute form of the target (RFC 9112 §3.2.2) reaches the stream as it does every other route; a
+    handshake to an address that does not exist is a 404 with the usual error body."""
+    r = httpx.get(server.base + "/v1/events", timeout=60)
+    assert r.status_code == 426 and r.headers["upgrade"] == "websocket", (r.status_code, r.text)
+    assert r.json()["error"]["code"] == 426 and "WebSocket" in r.json()["error"]["message"]
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    s.sendall(b"GET http://x/v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    try:
+        assert s.recv(12).startswith(b"HTTP/1.1 101")
+    finally:
+        s.close()
+    s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+    s.sendall(b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    reply = b""
+    try:
+        while b"}}" not in reply and (more := s.recv(4096)):
+            reply += more
+    finally:
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 404") and b"no route for /v1/nowhere" in reply, reply  # not a bare 403
 
 
 def test_categories_are_documented_in_the_readme() -> None:

@@ -103,3 +103,28 @@ def test_a_connection_the_client_closed_is_closed_at_once(spawn) -> None:
         assert time.monotonic() < deadline, f"closed connections are still held open: {open_now()} > {before}"
         time.sleep(0.1)
     scrape.close()
+
+
+def test_http2_is_not_offered_on_a_plain_connection(server: ServerProcess) -> None:
+    """The node speaks HTTP/1.1 only (its connection handling, caps and timers are for HTTP/1.1): an
+    ``Upgrade: h2c`` is ignored and the request answered in HTTP/1.1 (RFC 9110 §7.8 lets a server ignore
+    it); HTTP/2 with prior knowledge gets no HTTP/2 and its connection is closed, not held open (it was,
+    until shutdown)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                  b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+        reply = s.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 200"), reply
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        data = b""
+        while chunk := s.recv(4096):  # the server closes the connection
+            data += chunk
+    assert not data.startswith(b"\x00\x00"), data  # no HTTP/2 SETTINGS frame
+    with httpx.Client(http1=False, http2=True, timeout=60) as client:
+        try:
+            r = client.get(server.base + "/health")
+        except httpx.HTTPError:
+            pass
+        else:
+            raise AssertionError(f"HTTP/2 answered: {r.http_version} {r.status_code}")

@@ -266,3 +266,32 @@ def test_log_format_is_checked_and_text_keeps_tracebacks_below_the_fields(capsys
     record.trace_id, record.ms = "t-1", 2.5
     head, *rest = TextFormatter().format(record).splitlines()
     assert head.endswith("x: failed op trace_id=t-1 ms=2.5") and rest[0].startswith("Traceback") and "boom" in rest[-1]
+
+
+FORGED = "2026-01-01 00:00:00,000 CRITICAL hydra_trio.forged: injected"
+
+
+def test_text_log_lines_cannot_be_forged_by_a_client(server: ServerProcess) -> None:
+    """A path or trace id with CR/LF (or a terminal escape) is written escaped on its one line:
+    a client cannot add a line of its own to the node's log (CWE-117)."""
+    httpx.get(server.base + "/nowhere%0d%0a" + FORGED.replace(" ", "%20") + "%1b[2J", timeout=60)
+    with Wire(server.port) as w:
+        assert w.call(Op.INFO, trace_id="forged-trace\n" + FORGED + "\x1b[2J")[0] == Status.OK
+    deadline = time.monotonic() + 60
+    while (server.log().count(FORGED) < 2) or "forged-trace" not in server.log():
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.1)
+    log = server.log()
+    assert not any(line.startswith(FORGED) for line in log.splitlines()), log[-3000:]
+    assert "\x1b" not in log and "forged-trace\\n" + FORGED + "\\x1b[2J" in log
+
+
+def test_text_formatter_escapes_control_characters_but_not_the_traceback() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "bad %s", ("a\nb\r\x1b\x85\u2028é",), sys.exc_info())
+    record.op = "GET /x\ny"
+    head, *rest = TextFormatter().format(record).splitlines()
+    assert head.endswith("x: bad a\\nb\\r\\x1b\\x85\\u2028é op=GET /x\\ny"), head
+    assert rest[0].startswith("Traceback") and "boom" in rest[-1]

@@ -173,3 +173,16 @@ def test_run_on_a_terminal_draws_bars_and_stops_cleanly_on_sigterm(tmp_path: Pat
         reader.join(10)
         os.close(master)
     (tmp_path / "terminal.txt").write_bytes(bytes(screen))
+
+
+def test_a_step_name_is_shown_as_it_is_never_as_rich_markup() -> None:
+    """Step names carry file names and peer addresses; ``[/x]`` in one raised rich's MarkupError in the
+    bar's refresh, ``[blink]`` styled it: the bar shows the name literally."""
+    from rich.console import Console
+
+    display = progress._Display()
+    display._console = Console(width=200, record=True, file=open(os.devnull, "w"), force_terminal=True)
+    bars = display._make_progress()
+    bars.add_task("quantizing [/x] [blink]m.gguf", total=10, amount="")
+    display._console.print(bars.make_tasks_table(bars.tasks))
+    assert "quantizing [/x] [blink]m.gguf" in display._console.export_text()

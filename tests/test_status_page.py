@@ -80,6 +80,17 @@ def test_the_page_and_its_files_are_served_and_fetch_nothing_from_elsewhere(http
         assert not re.search(r"https?://|@import|url\(", text), f"{path.name} refers to something elsewhere"
 
 
+def test_the_page_is_only_served_where_its_relative_links_resolve(http: httpx.Client) -> None:
+    """The page links ``static/status.js`` and ``v1/events`` relative to itself (so it works behind a proxy's
+    prefix); at ``/static/index.html`` they would point at ``/static/static/...``: that address redirects
+    to the page's own, relatively, so a prefix is kept."""
+    r = http.get("/static/index.html")
+    assert r.status_code == 308 and r.headers["location"] == "../", (r.status_code, r.headers)
+    followed = http.get("/static/index.html", follow_redirects=True)
+    assert followed.status_code == 200 and str(followed.url).endswith(":%d/" % followed.url.port)
+    assert 'src="static/status.js"' in followed.text
+
+
 def test_with_api_keys_the_page_is_open_and_the_event_socket_takes_the_key_as_a_query_parameter(
         spawn: Any) -> None:
     import trio
@@ -96,9 +107,10 @@ def test_with_api_keys_the_page_is_open_and_the_event_socket_takes_the_key_as_a_
             return json.loads(await ws.get_message())
 
     assert trio.run(first_event, "?api_key=sk-page")["type"] == "hello"
-    for query in ("", "?api_key=wrong"):
-        with pytest.raises(ConnectionRejected):
+    for query in ("", "?api_key=wrong"):  # the same 401 as the rest of HTTP
+        with pytest.raises(ConnectionRejected) as info:
             trio.run(first_event, query)
+        assert info.value.status_code == 401 and json.loads(info.value.body)["error"]["code"] == 401
 
 
 # ------------------------------------------------------------------ in Chromium

@@ -207,7 +207,7 @@ def test_api_key_and_tls(spawn, watch, tmp_path: Path) -> None:
                             cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={k: v for k, v in os.environ.items() if k != "HYDRA_TRIO_API_KEY"})
     assert no_key.returncode == 1 and not no_key.stdout, no_key.stderr
-    assert no_key.stderr.startswith("hydra-trio watch: the node refused the connection (HTTP 403)"), no_key.stderr
+    assert no_key.stderr.startswith("hydra-trio watch: the node refused the connection (HTTP 401)"), no_key.stderr
     assert "API key" in no_key.stderr and "Traceback" not in no_key.stderr
     untrusted = subprocess.run([sys.executable, "-m", "hydra_trio", "watch", f"127.0.0.1:{node.port}", "--json",
                                 "--api-key", "sk-watch", "--tls", "--tls-ca", str(certs.other_ca_pem)],
@@ -241,3 +241,21 @@ def test_render_and_summary_without_a_node() -> None:
     state.connected, state.status, state.retry_at = False, "disconnected (gone), retrying{wait}…", 2.0
     console.print(render(state, 1.0, 120))
     assert "disconnected (gone), retrying in 1.0 s…" in console.export_text()
+
+
+def test_text_from_clients_is_shown_as_it_is_never_as_rich_markup() -> None:
+    """Trace ids (a Hydra client chooses them), peers, models and error texts reach the table: ``[/x]``
+    must not crash the watch (rich's MarkupError) nor ``[blink]`` style it; they show literally."""
+    from rich.console import Console
+
+    evil = "[/nope] [blink]x[link=file:///etc/passwd]y"
+    state = WatchState("h:1")
+    state.connected = True
+    state.on_event({"ts": 1.0, "type": "hello", "version": evil, "model": evil, "n_slots": 1})
+    state.on_event({"ts": 2.0, "type": "stats", "mode": evil, "peer": evil, "stage": evil, "connections": {evil: 1},
+                    "slots": [{"id": 0, "state": evil, "trace_id": evil}]})
+    state.on_event({"ts": 3.0, "type": evil, "trace_id": evil, "error": evil})
+    console = Console(width=400, record=True, file=open("/dev/null", "w"))
+    console.print(render(state, 0.0, 400))
+    text = console.export_text()
+    assert text.count("[/nope] [blink]x[link=file:///etc/passwd]y") >= 6, text  # markup would eat the tags

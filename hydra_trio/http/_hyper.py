@@ -26,7 +26,7 @@ import hypercorn.protocol as hypercorn_protocol
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.events import Event, Updated
+from hypercorn.events import Closed, Event, Updated
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
@@ -47,7 +47,24 @@ class _H11Protocol(hypercorn_protocol.H11Protocol):
 
     max_body = 16 * 1024 * 1024
 
+    async def _check_protocol(self, request: h11.Request) -> None:
+        """HTTP/1.1 only: ``Upgrade: h2c`` is ignored (RFC 9110 §7.8), the request answered in HTTP/1.1.
+
+        hypercorn would switch to HTTP/2 here (``h2c``, or the ``PRI *`` prior-knowledge preface),
+        where none of this class's nor :class:`_TCPServer`'s fixes apply: an HTTP/2 client's
+        connection was held open, its request unfinished, until shutdown.  The preface
+        (``PRI * HTTP/2.0``, which h11 parses as a request) gets 505 and the connection closes.
+        """
+        if request.method == b"PRI" and request.target == b"*":
+            self._http2_refused = True
+            await self._send_error_response(505)
+            await self.send(Closed())
+
+    _http2_refused = False
+
     async def _create_stream(self, request: h11.Request) -> None:
+        if self._http2_refused:
+            return
         self._declared_length = next(
             (int(v) for k, v in request.headers if k == b"content-length" and v.isdigit()), 0
         )

@@ -15,7 +15,6 @@ Each request is logged once when it ends (logger ``hydra_trio.http.access``,
 from __future__ import annotations
 
 import json
-import re
 import logging
 import time
 import urllib.parse
@@ -33,7 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
@@ -55,7 +54,7 @@ from ..api.schemas import (
     parse_body,
 )
 from .settings import HttpSettings
-from .auth import ApiKeyMiddleware
+from .auth import ApiKeyMiddleware, redact_query, send_refusal
 from ..access import AccessSettings, Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http")
@@ -70,6 +69,19 @@ async def status_page(request: Request) -> Response:
     """``GET /``: the status page, a live view drawn from ``GET /v1/events`` in the browser
     (``static/status.js``; README "Status page").  Plain files, nothing fetched from elsewhere."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
+
+async def _to_the_page(request: Request) -> Response:
+    """``GET /static/index.html``: 308 to ``../``, the page's own address.  The page's links are relative
+    (``static/status.js``, ``v1/events``: it works behind a proxy's path prefix), so from here they would
+    miss; a relative redirect keeps any prefix."""
+    return RedirectResponse("../", status_code=308)
+
+
+async def _upgrade_required(request: Request) -> Response:
+    """``GET /v1/events`` without a WebSocket upgrade: 426 with ``Upgrade: websocket`` (RFC 9110 §15.5.22)."""
+    return error_response(426, "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, "
+                          "Upgrade: websocket)", "invalid_request_error", headers={"Upgrade": "websocket"})
+
 
 def error_response(
     status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None
@@ -638,8 +650,11 @@ def build_app(
         Route("/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/completions", api.completions, methods=["POST"]),
-        WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc))),
+        WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
+                                                     settings.max_event_subscribers)),
+        Route("/v1/events", _upgrade_required, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),
+        Route("/static/index.html", _to_the_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
     app = Starlette(
@@ -653,11 +668,18 @@ def build_app(
                        refused=refused),
         ],
     )
+    not_found = app.router.default
+
+    async def websocket_not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        # Starlette closes an unrouted handshake, which reaches the client as a bare 403
+        if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
+            await send_refusal(scope, send, 404, error_response(404, f"no route for {scope['path']}",
+                                                                "not_found_error").body)
+            return
+        await not_found(scope, receive, send)
+
+    app.router.default = websocket_not_found
     return _absolute_form(_access_log(app))
-
-
-_API_KEY_IN_QUERY = re.compile(rb"((?:^|&)api_key=)[^&]*")
-"""An API key in a query (``/v1/events?api_key=``, for browsers) is written to the log as ``***``."""
 
 
 def _access_log(app: Any) -> Any:
@@ -696,7 +718,7 @@ def _access_log(app: Any) -> Any:
             client = scope.get("client")
             target = scope.get("raw_path") or scope["path"].encode()
             if scope.get("query_string"):
-                target += b"?" + _API_KEY_IN_QUERY.sub(rb"\1***", scope["query_string"])
+                target += b"?" + redact_query(scope["query_string"])  # a key in a query is logged as ***
             level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
             seconds = time.perf_counter() - t0
             extra = {"op": f'{scope["method"]} {scope["path"]}', "ms": round(seconds * 1e3, 3)}
@@ -715,14 +737,15 @@ def _access_log(app: Any) -> Any:
 
 
 def _absolute_form(app: Any) -> Any:
-    """ASGI wrapper: route a request target in absolute form (``GET http://host/health``) like its origin form.
+    """ASGI wrapper: route a request target in absolute form (``GET http://host/health``) like its origin form,
+    WebSocket handshakes included.
 
     RFC 9112 §3.2.2: a server must accept the absolute form; the path and
     query come from the URI.
     """
 
     async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             target = scope.get("raw_path") or b""
             if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
                 parts = urllib.parse.urlsplit(target.decode("latin-1"))

@@ -69,6 +69,27 @@ def bearer_key(headers: Mapping[bytes, bytes] | list[tuple[bytes, bytes]]) -> by
     return x_api_key.strip() if x_api_key is not None else None
 
 
+SECRET_PARAMS = frozenset({"api_key", "apikey", "api-key", "key", "token", "access_token", "auth", "password"})
+"""Query parameter names (percent-decoded, any case) whose values :func:`redact_query` hides."""
+
+
+def redact_query(query_string: bytes) -> bytes:
+    """``query_string`` with the value of every secret-looking parameter (:data:`SECRET_PARAMS`) as ``***``.
+
+    Names are compared as a server decodes them (``+`` and ``%XX`` decoded,
+    any case), so ``api%5Fkey=K`` (which :func:`query_key` accepts as
+    ``api_key``) or ``API_KEY=K`` is hidden too; everything else is kept
+    byte for byte.  For log lines (an access log must not hold credentials,
+    OWASP Logging Cheat Sheet).
+    """
+    parts = query_string.split(b"&")
+    for i, part in enumerate(parts):
+        name, eq, _ = part.partition(b"=")
+        if eq and urllib.parse.unquote_plus(name.decode("latin-1")).strip().lower() in SECRET_PARAMS:
+            parts[i] = name + b"=***"
+    return b"&".join(parts)
+
+
 def query_key(query_string: bytes) -> bytes | None:
     """The first ``api_key`` parameter of a query string (percent-decoded, as UTF-8 bytes), or None."""
     values = urllib.parse.parse_qs(query_string.decode("latin-1"), keep_blank_values=True).get("api_key")
@@ -84,8 +105,8 @@ class ApiKeyMiddleware:
         metrics_auth: ``/metrics`` needs a key too.
         refused: counter bumped at ``("http", "missing_api_key" | "invalid_api_key")``.
 
-    WebSocket requests without a valid key are closed with code 1008 (policy
-    violation) before the app sees them; lifespan events pass through.
+    WebSocket handshakes without a valid key get the same 401 (:func:`send_refusal`)
+    before the app sees them; lifespan events pass through.
     """
 
     def __init__(self, app: Any, keys: Secrets, metrics_auth: bool = False, refused: Refusals | None = None) -> None:
@@ -115,17 +136,28 @@ class ApiKeyMiddleware:
         client = scope.get("client")
         log.warning("%s: %s %s refused: %s", f"{client[0]}:{client[1]}" if client else "-",
                     scope.get("method", "WEBSOCKET"), scope["path"], reason.replace("_", " "))
-        if kind == "websocket":
+        challenge = _REALM if key is None else _REALM + b', error="invalid_token"'
+        await send_refusal(scope, send, 401, _BODY, [(b"www-authenticate", challenge)])
+
+
+async def send_refusal(scope: dict[str, Any], send: Any, status: int, body: bytes,
+                       headers: list[tuple[bytes, bytes]] = []) -> None:  # noqa: B006 (never changed)
+    """Answer an HTTP request, or refuse a WebSocket handshake, with ``status`` and a JSON ``body``.
+
+    A WebSocket handshake gets the same HTTP response as a plain request
+    (the ASGI *WebSocket Denial Response* extension, which hypercorn
+    implements), so a client learns the status and the reason; a server
+    without the extension could only close it, which reaches the client as a
+    bare 403.
+    """
+    head = [(b"content-type", b"application/json; charset=utf-8"),
+            (b"content-length", str(len(body)).encode()), *headers]
+    if scope["type"] == "websocket":
+        if "websocket.http.response" not in scope.get("extensions", {}):
             await send({"type": "websocket.close", "code": 1008})
             return
-        challenge = _REALM if key is None else _REALM + b', error="invalid_token"'
-        await send({
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json; charset=utf-8"),
-                (b"content-length", str(len(_BODY)).encode()),
-                (b"www-authenticate", challenge),
-            ],
-        })
-        await send({"type": "http.response.body", "body": _BODY})
+        await send({"type": "websocket.http.response.start", "status": status, "headers": head})
+        await send({"type": "websocket.http.response.body", "body": body})
+        return
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})

@@ -4,14 +4,18 @@ Served by hypercorn (wsproto) on the same port as the rest of HTTP.  Query
 parameters:
 
 - ``types``: comma-separated categories (``slot,mode``; see
-  :data:`hydra_trio.events.CATEGORIES`); all when absent.  An unknown one
-  closes the socket at once with code 1008 (policy violation) and a reason
-  naming it.
+  :data:`hydra_trio.events.CATEGORIES`); all when absent.
 - ``recent``: first replay up to this many recent events that pass the filter
   (0..200, default 0).
 - ``queue``: this subscriber's bound, in events (1..4096, default 1024);
   past it events are dropped and a ``dropped`` event with their ``count``
   comes before the next one delivered.
+
+A bad value (an unknown category, a number out of range) refuses the
+handshake with HTTP 400 and an OpenAI-style error body naming it; a node
+shutting down, or one with ``max_subscribers`` sockets open already,
+answers 503; a missing or wrong API key gets 401, as on the
+rest of HTTP (:mod:`hydra_trio.http.auth`).
 
 Frames are text frames, one JSON object each; the first is ``hello``.  The
 server sends and never expects anything: messages from the client are read
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..events import EventBus, parse_types
@@ -46,19 +51,35 @@ def _int_param(ws: WebSocket, name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
-def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]]) -> Callable[[WebSocket], Any]:
-    """The Starlette WebSocket endpoint for ``bus``; ``hello()`` builds the first event."""
+def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]],
+                    max_subscribers: int = 256) -> Callable[[WebSocket], Any]:
+    """The Starlette WebSocket endpoint for ``bus``; ``hello()`` builds the first event; past
+    ``max_subscribers`` sockets at once (counted from the handshake on) a handshake gets 503."""
+    active = 0
 
     async def endpoint(ws: WebSocket) -> None:
+        nonlocal active
+        if active >= max_subscribers:
+            log.warning("event subscriber refused: %d at once already (--max-event-subscribers)", active)
+            await _refuse(ws, 503, f"too many event subscribers ({max_subscribers} at once; "
+                                   "--max-event-subscribers); retry later", "unavailable_error")
+            return
+        active += 1
+        try:
+            await _serve(ws)
+        finally:
+            active -= 1
+
+    async def _serve(ws: WebSocket) -> None:
         try:
             types = parse_types(ws.query_params.get("types"))
             recent = _int_param(ws, "recent", 0, 0, MAX_RECENT)
             maxlen = _int_param(ws, "queue", 1024, 1, MAX_QUEUE)
         except ValueError as exc:
-            await ws.close(code=1008, reason=str(exc)[:120])  # a close frame's reason is at most 123 bytes
+            await _refuse(ws, 400, str(exc), "invalid_request_error")
             return
         if bus.closed:
-            await ws.close(code=1001, reason="the node is shutting down")
+            await _refuse(ws, 503, "the node is shutting down", "unavailable_error")
             return
         client = f"{ws.client.host}:{ws.client.port}" if ws.client else "-"
         await ws.accept()
@@ -93,6 +114,16 @@ def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]]) -> Calla
             log.info("%s: event subscriber gone after %d events", client, sent)
 
     return endpoint
+
+
+async def _refuse(ws: WebSocket, status: int, message: str, kind: str) -> None:
+    """Refuse the handshake with an HTTP ``status`` and an OpenAI-style error body (ASGI's WebSocket Denial
+    Response, which hypercorn implements; without it, a close with 1008 and the message as its reason)."""
+    if "websocket.http.response" not in ws.scope.get("extensions", {}):
+        await ws.close(code=1008, reason=message.encode()[:123].decode(errors="ignore"))  # a reason's limit
+        return
+    await ws.send_denial_response(JSONResponse({"error": {"message": message, "type": kind, "code": status}},
+                                               status_code=status))
 
 
 def _dumps(event: dict[str, Any]) -> str:

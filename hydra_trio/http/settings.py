@@ -24,9 +24,15 @@ class HttpSettings:
             when the client sent ``Expect: 100-continue``).
         cors_origins: origins allowed by CORS (``--cors-origin``); ``*``, the
             default, allows any, as llama-server does.
+        max_event_subscribers: ``GET /v1/events`` subscribers at once; past it a
+            handshake is refused with 503 (``--max-event-subscribers``; by
+            default a quarter of ``--max-connections``).  A subscriber holds its
+            connection for as long as it likes, so without a cap they could take
+            every connection the front door serves and lock HTTP and Hydra out.
     """
 
     keep_alive_timeout: float = 5.0
     body_timeout: float = 30.0
     max_body: int = 16 * 1024 * 1024
     cors_origins: tuple[str, ...] = ("*",)
+    max_event_subscribers: int = 256

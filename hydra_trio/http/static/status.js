@@ -138,7 +138,7 @@
     ws.onopen = () => { opened = true; backoff = 500; setLink("open", "live"); };
     ws.onmessage = (msg) => { try { onEvent(JSON.parse(msg.data)); } catch (err) { console.error(err); } };
     ws.onclose = (ev) => {
-      // a refused key closes before the handshake (HTTP 403): the browser only says 1006
+      // a refused key is an HTTP 401 to the handshake: the browser only says 1006
       const why = !opened ? "cannot connect (node down, or it needs an API key: open this page as /#key=KEY)"
         : ev.code === 1001 ? "the node is shutting down" : `disconnected (${ev.code})`;
       setLink("closed", `${why}; retrying in ${(backoff / 1000).toFixed(1)} s`);
