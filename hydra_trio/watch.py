@@ -49,7 +49,7 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError,
 
 from .events import CATEGORIES, parse_types
 from .protocol.address import parse_peer
-from .protocol.messages import MessageError
+from .hydra.cli import _address
 from .tls import client_context
 
 RECENT = 10
@@ -337,14 +337,6 @@ def _types(text: str) -> str:
     try:
         parse_types(text)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
-
-
-def _address(text: str) -> str:
-    try:
-        parse_peer(text, field="address")
-    except MessageError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 

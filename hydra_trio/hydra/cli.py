@@ -49,7 +49,7 @@ EXIT_CONNECT = 2
 
 
 def _address(s: str) -> str:
-    """argparse type: a ``HOST:PORT`` string (checked, returned unchanged)."""
+    """argparse type: a ``HOST:PORT`` string (checked, returned unchanged); ``hydra-trio watch`` uses it too."""
     try:
         parse_peer(s, field="address")
     except MessageError as exc:
