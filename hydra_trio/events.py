@@ -134,6 +134,7 @@ class EventBus:
     def __init__(self, history: int = 200) -> None:
         self._subs: list[Subscription] = []
         self._history: collections.deque[Event] = collections.deque(maxlen=history)
+        self._last_stats: Event | None = None  # ``stats`` is a snapshot: only the newest is kept, not in _history
         self._lock = threading.Lock()  # guards _history when no trio loop is bound yet
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop_thread: int | None = None
@@ -176,18 +177,29 @@ class EventBus:
     def _deliver(self, event: Event) -> None:
         with self._lock:
             self.published += 1
-            self._history.append(event)
+            if event["type"] == "stats":
+                self._last_stats = event
+            else:
+                self._history.append(event)
             subs = list(self._subs)
         for sub in subs:
             if sub.wants(event["type"]) and not sub._offer(event):
                 self.dropped_total += 1
 
     def recent(self, types: frozenset[str] | None = None, n: int | None = None) -> list[Event]:
-        """The last ``n`` (default: all kept) published events a filter of ``types`` would pass."""
+        """The last ``n`` (default: all kept) published events a filter of ``types`` would pass.
+
+        The once-a-second ``stats`` snapshots are not history (they would push
+        every other event out of it within minutes): only the newest one is
+        kept, and it comes last (within the ``n``) when the filter wants it.
+        """
         with self._lock:
             events = list(self._history)
+            last_stats = self._last_stats
         probe = Subscription(types, 0)
         out = [e for e in events if probe.wants(e["type"])]
+        if last_stats is not None and probe.wants("stats"):
+            out.append(last_stats)
         return out[-n:] if n is not None else out
 
     @property

@@ -48,6 +48,13 @@ async def test_filter_by_category_and_recent() -> None:
         got = await sub.get()
         assert got["type"] == "mode.changed" and not sub.queue
     assert [e["type"] for e in bus.recent(frozenset({"slot"}))] == ["slot.finished"]
+    # the once-a-second snapshots never push the events out of the history: only the newest is kept
+    small = EventBus(history=5)
+    small.publish("slot.finished", "old", slot=1)
+    for i in range(300):
+        small.publish("stats", n=i)
+    assert [(e["type"], e.get("n")) for e in small.recent(None, 50)] == [("slot.finished", None), ("stats", 299)]
+    assert [e["type"] for e in small.recent(frozenset({"slot"}))] == ["slot.finished"]
     assert parse_types("slot, mode") == {"slot", "mode"} and parse_types("") is None
     with pytest.raises(ValueError, match="unknown event categories"):
         parse_types("slot,bogus")
