@@ -6,8 +6,8 @@ Shared by the three protocols (issue 14 §2, §3):
   trusted client-certificate subjects) that a connection's peer must match;
   ``None`` where a list is expected means "open to all" (the default, as the
   orchestrator expects).
-- :func:`peer_of`: the :class:`Peer` of an accepted stream (its IP address and,
-  once TLS carries one, a verified identity).
+- :class:`Peer`: who a connection comes from, as the lists see it
+  (:func:`hydra_trio.tls.peer_of` makes one from an accepted stream).
 - :class:`Secrets`: API keys or Hydra tokens, compared with
   :func:`hmac.compare_digest` against *every* configured secret, so the time
   taken says nothing about which one matched or how much of it.
@@ -26,7 +26,7 @@ import hmac
 import ipaddress
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import attrs
 
@@ -86,6 +86,17 @@ def normalize_address(address: str | IPAddress) -> IPAddress:
     return address
 
 
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` is a loopback address (``127.0.0.0/8``, ``::1``, IPv4-mapped ``::ffff:127.x.y.z``);
+    False for None or anything that is not an IP address."""
+    if host is None:
+        return False
+    try:
+        return normalize_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @attrs.frozen
 class Peer:
     """The remote end of a connection, as the allow-lists see it.
@@ -104,25 +115,6 @@ class Peer:
     def __str__(self) -> str:
         where = str(self.address) if self.address is not None else "?"
         return f"{where} ({self.identity})" if self.identity else where
-
-
-def peer_of(stream: Any, identity: str | None = None) -> Peer:
-    """The :class:`Peer` of an accepted trio stream.
-
-    Wrapping streams (a future ``trio.SSLStream``) are unwrapped through
-    their ``transport_stream`` down to the socket; ``identity`` is passed on
-    unchanged (the TLS layer gives the verified client-certificate subject).
-    """
-    if identity is None:  # a TLS connection carries its verified client certificate's subject
-        identity = getattr(getattr(stream, "info", None), "tls_subject", None) or None
-    inner = stream
-    while not hasattr(inner, "socket") and hasattr(inner, "transport_stream"):
-        inner = inner.transport_stream
-    try:
-        host = inner.socket.getpeername()[0]
-        return Peer(normalize_address(host), identity)
-    except (OSError, AttributeError, ValueError):
-        return Peer(None, identity)
 
 
 @attrs.frozen

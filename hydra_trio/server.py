@@ -8,7 +8,7 @@ import ssl
 import attrs
 import trio
 
-from .access import AccessSettings, new_refusals, normalize_address
+from .access import AccessSettings, is_loopback, new_refusals
 from .control import Change, ControlChannel
 from .errors import Busy
 from .engine.combined import peer_listening
@@ -134,14 +134,8 @@ class Server:
         non-loopback address (llama.cpp's rpc-server warns likewise: never expose it on an open network)."""
         if self.rpc is None or self.config.rpc_backend is None or self.config.rpc_backend.allow is not None:
             return
-        exposed = []
-        for listener in listeners:
-            host = listener.socket.getsockname()[0]
-            try:
-                if not normalize_address(host).is_loopback:
-                    exposed.append(host)
-            except ValueError:
-                exposed.append(host)
+        exposed = [host for host in (listener.socket.getsockname()[0] for listener in listeners)
+                   if not is_loopback(host)]
         if exposed:
             log.warning(
                 "ggml-RPC is open to every peer that reaches %s:%d: its commands write into this node's memory. "

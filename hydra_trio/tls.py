@@ -25,7 +25,6 @@ serves an ``SSLStream`` (it calls ``do_handshake``,
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import ssl
 from pathlib import Path
@@ -33,6 +32,8 @@ from typing import Any
 
 import attrs
 import trio
+
+from .access import Peer, is_loopback, normalize_address
 
 log = logging.getLogger("hydra_trio.tls")
 
@@ -125,17 +126,7 @@ _SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName":
 def plain_allowed(host: str | None, required: bool) -> bool:
     """Whether a peer at ``host`` may speak plain (not TLS): always without ``--tls-required``;
     with it, only loopback (``127.0.0.0/8``, ``::1``, and IPv4-mapped ``::ffff:127.x.y.z``)."""
-    if not required:
-        return True
-    if host is None:
-        return False
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
+    return not required or is_loopback(host)
 
 
 def socket_info(stream: trio.SocketStream) -> ConnectionInfo:
@@ -154,6 +145,18 @@ def connection_info(stream: Any) -> ConnectionInfo:
     if isinstance(info, ConnectionInfo):
         return info
     return socket_info(stream)
+
+
+def peer_of(stream: Any) -> Peer:
+    """The :class:`~hydra_trio.access.Peer` the allow-lists see for a stream the front door handed
+    over: its address (IPv4-mapped IPv6 as IPv4) and, under mutual TLS, the verified client
+    certificate's subject as its identity."""
+    info = connection_info(stream)
+    try:
+        address = normalize_address(info.host) if info.host is not None else None
+    except ValueError:
+        address = None
+    return Peer(address, info.tls_subject)
 
 
 class TlsStream(trio.abc.Stream):

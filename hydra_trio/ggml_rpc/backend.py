@@ -44,10 +44,10 @@ from typing import Any
 import attrs
 import trio
 
-from ..access import AllowList, Refusals, allowed, new_refusals, peer_of
+from ..access import AllowList, Refusals, allowed, new_refusals
 from ..engine.ggml_rpc import type_traits as ggml_type_traits
 from ..frontdoor import peer_name
-from ..tls import TlsStream
+from ..tls import TlsStream, peer_of
 from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRequest, reconcile_type_traits
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
 from .supervisor import ChildSupervisor

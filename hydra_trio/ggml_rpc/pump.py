@@ -290,6 +290,30 @@ class Pump:
             except OSError:
                 pass
 
+    def _requests(self, data: bytes) -> list[bytes | memoryview]:
+        """Validate client bytes (either thread, or a trio task); what may go on to the child.
+
+        Raises:
+            Close: a message failed validation (counted by its check).
+        """
+        try:
+            with self._lock:
+                return payload(self.conn.receive_request(data))
+        except InvalidRequest as exc:
+            raise self.counters.refuse(exc) from None
+
+    def _replies(self, data: bytes) -> list[bytes | memoryview]:
+        """Track the child's bytes (either thread, or a trio task); what goes on to the client.
+
+        Raises:
+            Close: ``invalid_reply``.
+        """
+        try:
+            with self._lock:
+                return payload(self.conn.receive_reply(data))
+        except InvalidReply as exc:
+            raise Close("invalid_reply", str(exc)) from None
+
     def _inbound(self) -> None:
         """Client → child (on a thread): validate each message, pass on what passed, half-close on EOF."""
         client, upstream = self._socks
@@ -303,11 +327,7 @@ class Pump:
             if not data:
                 upstream.shutdown(socket.SHUT_WR)  # half-close: the replies keep flowing
                 return
-            try:
-                with self._lock:
-                    pieces = payload(self.conn.receive_request(data))
-            except InvalidRequest as exc:
-                raise self.counters.refuse(exc) from None
+            pieces = self._requests(data)
             self.busy_up = True
             for piece in coalesce(pieces):
                 upstream.sendall(piece)
@@ -326,11 +346,7 @@ class Pump:
             if not data:  # the child is done with this client (it closed, or rejected a message)
                 client.shutdown(socket.SHUT_WR)
                 raise _ChildClosed
-            try:
-                with self._lock:
-                    pieces = payload(self.conn.receive_reply(data))
-            except InvalidReply as exc:
-                raise Close("invalid_reply", str(exc)) from None
+            pieces = self._replies(data)
             self.busy_down = True
             for piece in coalesce(pieces):
                 self.ticks_out += 1
@@ -350,10 +366,7 @@ class Pump:
             if not data:
                 await self.upstream.send_eof()  # half-close: the replies keep flowing
                 return
-            try:
-                pieces = payload(self.conn.receive_request(data))
-            except InvalidRequest as exc:
-                raise self.counters.refuse(exc) from None
+            pieces = self._requests(data)
             self.busy_up = True
             for piece in coalesce(pieces):
                 await self.upstream.send_all(piece)
@@ -366,10 +379,7 @@ class Pump:
             data = await self.upstream.receive_some(PUMP_BUFFER)
             if not data:
                 raise _ChildClosed
-            try:
-                pieces = payload(self.conn.receive_reply(data))
-            except InvalidReply as exc:
-                raise Close("invalid_reply", str(exc)) from None
+            pieces = self._replies(data)
             self.busy_down = True
             for piece in coalesce(pieces):
                 self.ticks_out += 1

@@ -19,7 +19,8 @@ import trio
 from ..control import ControlChannel
 from ..engine.engine import Engine
 from ..errors import HydraTrioError
-from ..access import AccessSettings, Refusals, new_refusals, peer_of
+from ..access import AccessSettings, Refusals, new_refusals
+from ..tls import peer_of
 from ..ggml_rpc.backend import RpcBackend
 from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
