@@ -43,6 +43,7 @@ from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
 from . import metrics
 from .. import node_stats
 from ..events import EventBus
+from .errors import error_response
 from .events import events_endpoint
 from ..api.jobs import job_from_chat, job_from_completion
 from ..api.schemas import (
@@ -81,17 +82,6 @@ async def _upgrade_required(request: Request) -> Response:
     """``GET /v1/events`` without a WebSocket upgrade: 426 with ``Upgrade: websocket`` (RFC 9110 §15.5.22)."""
     return error_response(426, "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, "
                           "Upgrade: websocket)", "invalid_request_error", headers={"Upgrade": "websocket"})
-
-
-def error_response(
-    status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None
-) -> JSONResponse:
-    """OpenAI's error body: ``{"error": {"message", "type", "code"}}``."""
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "code": status if code is None else code}},
-        status_code=status,
-        headers=headers,
-    )
 
 
 def error_for(exc: HydraTrioError) -> JSONResponse:

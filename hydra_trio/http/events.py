@@ -31,10 +31,10 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..events import EventBus, parse_types
+from .errors import error_response
 
 log = logging.getLogger("hydra_trio.http.events")
 
@@ -122,8 +122,7 @@ async def _refuse(ws: WebSocket, status: int, message: str, kind: str) -> None:
     if "websocket.http.response" not in ws.scope.get("extensions", {}):
         await ws.close(code=1008, reason=message.encode()[:123].decode(errors="ignore"))  # a reason's limit
         return
-    await ws.send_denial_response(JSONResponse({"error": {"message": message, "type": kind, "code": status}},
-                                               status_code=status))
+    await ws.send_denial_response(error_response(status, message, kind))
 
 
 def _dumps(event: dict[str, Any]) -> str:
