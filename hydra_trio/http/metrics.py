@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..control import ControlChannel
     from ..engine.engine import Engine
 
-__all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "NodeMetrics", "render"]
+__all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "NodeMetrics"]
 
 EXPERT_MODES = ("solo", "combined", "pipeline")
 # seconds: an INFO takes well under a millisecond, a PREFILL or a multi-GB STATE_PUT tens of seconds
@@ -95,14 +95,6 @@ class NodeMetrics:
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition of the current values: ``(body, content_type)``."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-def render(
-    engine: Engine | None, connections: Mapping[str, int], rpc: Any = None, open_connections: int | None = None
-) -> tuple[bytes, str]:
-    """The exposition of a node without Hydra counts (:class:`NodeMetrics` is the whole one): ``(body, content_type)``."""
-    n = open_connections
-    return NodeMetrics(engine, connections, rpc, (lambda: n) if n is not None else None).render()
 
 
 class _Collector:

@@ -341,7 +341,7 @@ class HydraConnection:
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 await self._abort("connection lost")
                 why = str(exc) or str(exc.__cause__ or "") or type(exc).__name__
-                if isinstance(stream, trio.SSLStream) or getattr(stream, "transport_stream", None) is not None:
+                if isinstance(stream, trio.SSLStream):
                     why += (" (over TLS: the node may have refused the handshake, e.g. it requires a client "
                             "certificate: --tls-cert/--tls-key; its log says why)")
                 raise HydraConnectionClosed(
