@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,6 +24,18 @@ from hydra_trio._spawn import ROOT, free_port  # noqa: F401  (tests import both 
 for _k, _v in _spawn.SHARED_MACHINE_ENV.items():
     os.environ.setdefault(_k, _v)
 
+
+
+def wait_for(pred: Callable[[], Any], timeout: float = 60.0, what: str = "condition", every: float = 0.1) -> Any:
+    """Poll ``pred()`` every ``every`` s until it is truthy and return that value; AssertionError naming
+    ``what`` after ``timeout`` s (generous timeouts: a busy machine is slow, never wrong)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not met within {timeout:g} s"
+        time.sleep(every)
 
 
 class ServerProcess:

@@ -29,7 +29,8 @@ from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, ServerProcess
 from .hydra_wire import Wire
-from .test_rpc_backend import LONG, RawRpc, wait_for
+from .conftest import wait_for
+from .test_rpc_backend import LONG, RawRpc
 
 KEY, FILE_KEY, TOKEN = "sk-test-one", "sk-from-file", "hydra-secret-token"
 UNAUTHORIZED = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
@@ -253,7 +254,7 @@ def test_rpc_from_outside_the_allow_list_is_closed_before_any_reply(node: Server
         except ConnectionResetError:
             got = b""
         assert got == b"", "the refused client got a reply"
-    wait_for(lambda: metric(node.base, name) == before + 1, "the refusal is counted")
+    wait_for(lambda: metric(node.base, name) == before + 1, timeout=LONG, what="the refusal is counted")
     assert metric(node.base, 'hydra_trio:refused_total{protocol="ggml_rpc",reason="not_allowed"}') >= 1
     assert metric(node.base, "hydra_rpc_clients_served_total") == served
     assert "ggml-RPC is open to every peer" not in node.log()

@@ -7,14 +7,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
 
-from .conftest import ROOT, ServerProcess, free_port, streaming
+from .conftest import ROOT, ServerProcess, free_port, streaming, wait_for
 from .hydra_wire import Wire
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -43,14 +42,20 @@ def set_mode(port: int, payload: bytes) -> tuple[int, dict]:
     return status, meta
 
 
-def wait_for(pred, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
+def peer_dies_mid_request(head: ServerProcess, peer: ServerProcess) -> httpx.Response:
+    """A non-streamed completion runs on ``head``; once it has generated a token, ``peer`` (the ggml-RPC
+    node it decodes on) is killed with SIGKILL; the completion's reply."""
+    replies: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: replies.append(
+        httpx.post(head.base + "/v1/completions", json={**BODY, "max_tokens": 2000}, timeout=120)))
+    t.start()
+    wait_for(lambda: any(s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(head.base + "/slots").json()),
+             timeout=60)
+    peer.stop(signal.SIGKILL)
+    t.join(120)
+    assert replies, "the request got no reply"
+    return replies[0]
 
 @pytest.mark.slow
 def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProcess, spawn) -> None:
@@ -63,7 +68,7 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
               "--rpc-engine", f"127.0.0.1:{b.port}")
     a.wait_ready()
     # the start-up attach builds the head (combined_head_attached), then switches to it (mode)
-    wait_for(lambda: info(a.port)["mode"] == "combined")
+    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=60.0)
     meta = info(a.port)
     assert meta["mode"] == "combined" and meta["peer_addr"] == f"127.0.0.1:{b.port}"
     assert meta["peer_attach"] == "attached"
@@ -93,7 +98,7 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
         info_after = info(a.port)
         for k in ("mode", "peer_addr", "combined_head_attached"):
             assert info_after[k] == info_before[k]
-    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), 10)
+    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), timeout=10)
 
     # move to peer C: B is detached, C gets the experts and does the work
     c_before = rpc_bytes(c.port)
@@ -107,17 +112,11 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
 
     # kill C while a non-streamed request runs: that request gets OpenAI's JSON error
     # (not a bare 500 text), A goes back to SOLO and keeps serving
-    replies: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: replies.append(
-        httpx.post(a.base + "/v1/completions", json={**BODY, "max_tokens": 2000}, timeout=120)))
-    t.start()
-    wait_for(lambda: any(s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(a.base + "/slots").json()), 60)
-    c.stop(signal.SIGKILL)
-    t.join(120)
-    assert replies and replies[0].status_code == 500
-    assert replies[0].headers["content-type"] == "application/json"
-    assert "died mid-request" in replies[0].json()["error"]["message"]
-    wait_for(lambda: info(a.port)["mode"] == "solo", 30)
+    reply = peer_dies_mid_request(a, c)
+    assert reply.status_code == 500
+    assert reply.headers["content-type"] == "application/json"
+    assert "died mid-request" in reply.json()["error"]["message"]
+    wait_for(lambda: info(a.port)["mode"] == "solo", timeout=30)
     meta = info(a.port)
     assert meta["peer_reachable"] is False and meta["combined_head_attached"] is False and meta["fallback_reason"]
     assert complete(a.base) == dense
@@ -128,7 +127,7 @@ def test_unreachable_peer_at_start_leaves_solo(spawn) -> None:
     dead = free_port()
     a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{dead}")
     a.wait_ready()
-    wait_for(lambda: info(a.port)["fallback_reason"] is not None, 30)
+    wait_for(lambda: info(a.port)["fallback_reason"] is not None, timeout=30)
     meta = info(a.port)
     assert meta["mode"] == "solo" and meta["peer_reachable"] is False and meta["combined_head_attached"] is False
     assert "does not answer" in meta["fallback_reason"]
@@ -150,18 +149,18 @@ def test_sigterm_on_a_compute_only_peer_lets_the_heads_request_finish(spawn) -> 
     b.wait_ready()
     a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{b.port}")
     a.wait_ready()
-    wait_for(lambda: info(a.port)["combined_head_attached"], 120)
+    wait_for(lambda: info(a.port)["combined_head_attached"], timeout=120)
     result: list[httpx.Response] = []
     t = threading.Thread(target=lambda: result.append(httpx.post(
         a.base + "/v1/completions", json={**BODY, "max_tokens": 120}, timeout=600)))
     t.start()
-    wait_for(lambda: any(s["is_processing"] for s in httpx.get(a.base + "/slots", timeout=60).json()), 60)
-    wait_for(lambda: any(s["n_decoded"] > 2 for s in httpx.get(a.base + "/slots", timeout=60).json()), 60)
+    wait_for(lambda: any(s["is_processing"] for s in httpx.get(a.base + "/slots", timeout=60).json()), timeout=60)
+    wait_for(lambda: any(s["n_decoded"] > 2 for s in httpx.get(a.base + "/slots", timeout=60).json()), timeout=60)
     b.proc.send_signal(signal.SIGTERM)
     t.join(600)
     assert result and result[0].status_code == 200, result and result[0].text
     assert result[0].json()["usage"]["completion_tokens"] == 120  # not cut by the peer's shutdown
     assert b.proc.wait(120) == 0
     assert "grace period" not in b.log()
-    wait_for(lambda: info(a.port)["mode"] == "solo", 60)  # the head notices its peer left and keeps serving
+    wait_for(lambda: info(a.port)["mode"] == "solo", timeout=60)  # the head notices its peer left and keeps serving
     assert "Paris" in complete(a.base)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 
 import httpx
 
@@ -12,7 +11,8 @@ from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, streaming
 from .hydra_wire import Wire
-from .test_combined import BODY, complete, info, rpc_bytes, wait_for
+from .conftest import wait_for
+from .test_combined import BODY, complete, info, peer_dies_mid_request, rpc_bytes
 
 UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."  # SmolLM2-135M has 30 layers
 
@@ -79,14 +79,8 @@ def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, 
 
     # the peer dies mid-request: that request fails with a clear error, the node goes local
     assert attach(a.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": UPPER_HALF})[1]["mode"] == "pipeline"
-    replies: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: replies.append(
-        httpx.post(a.base + "/v1/completions", json={**BODY, "max_tokens": 2000}, timeout=120)))
-    t.start()
-    wait_for(lambda: any(s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(a.base + "/slots").json()), 60)
-    b.stop(signal.SIGKILL)
-    t.join(120)
-    assert replies and replies[0].status_code == 500 and "died mid-request" in replies[0].json()["error"]["message"]
+    reply = peer_dies_mid_request(a, b)
+    assert reply.status_code == 500 and "died mid-request" in reply.json()["error"]["message"]
     wait_for(lambda: info(a.port)["mode"] == "solo", 30)
     assert complete(a.base) == local
     # llama.cpp keeps the broken connection: the same address is refused at once, saying why

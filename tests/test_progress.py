@@ -22,16 +22,7 @@ from hydra_trio import _spawn, progress
 from hydra_trio.models.moe import make_test_moe
 from hydra_trio.models.presets import resolve_model
 
-from .conftest import ROOT, ServerProcess, free_port
-
-
-def wait_for(predicate, timeout: float = 120.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not seen within {timeout} s")
+from .conftest import ROOT, ServerProcess, free_port, wait_for
 
 
 class Recorder:
@@ -123,7 +114,7 @@ def test_combined_attach_logs_the_upload(spawn) -> None:
     head.wait_ready()
     line = wait_for(lambda: re.search(
         rf"attaching peer 127\.0\.0\.1:{peer.port}: uploading tensors: done in \d+ ms \(([\d.]+) MB\)", head.log()),
-        what="the attach's done line")
+                    timeout=120.0, what="the attach's done line")
     assert float(line.group(1)) > 100  # the expert tensors of the test MoE: about 170 MB
     assert f"attaching peer 127.0.0.1:{peer.port}: uploading tensors: started" in head.log()
 
@@ -159,8 +150,8 @@ def test_run_on_a_terminal_draws_bars_and_stops_cleanly_on_sigterm(tmp_path: Pat
         # a finished step's last bar: name, bar characters, percentage, bytes, elapsed
         wait_for(lambda: re.search(r"loading model ━+ 100% [\d.]+ MB / [\d.]+ MB \d+:\d\d:\d\d", text()),
                  timeout=30, what="the loading bar")
-        wait_for(lambda: re.search(r"hashing model ━+ 100% [\d.]+ MB / [\d.]+ MB", text()), timeout=30,
-                 what="the hashing bar")
+        wait_for(lambda: re.search(r"hashing model ━+ 100% [\d.]+ MB / [\d.]+ MB", text()),
+                 timeout=30, what="the hashing bar")
         wait_for(lambda: re.search(r"warm-up ━+ 100%", text()), timeout=30, what="the warm-up bar")
         assert "hydra_trio.progress:" not in text()  # bars instead of progress log lines
         assert re.search(r"INFO +hydra_trio\.engine: stage ready", text())  # other logs still show, whole

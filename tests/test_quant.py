@@ -217,7 +217,8 @@ def test_a_combined_head_swaps_only_the_experts_on_its_peer(spawn) -> None:
     head's own tensors (and its SOLO model) stay Q4_1; any other subset is NOT_IMPLEMENTED."""
     from hydra_trio.protocol.hydra import Status
 
-    from .test_combined import complete, rpc_bytes, wait_for
+    from .conftest import wait_for
+    from .test_combined import complete, rpc_bytes
 
     b = spawn("--no-model")
     b.wait_ready()

@@ -22,18 +22,10 @@ import pytest
 from hydra_trio.engine.state import HEADER_SIZE, StateError, parse_header, verify_checksum
 from hydra_trio.protocol.hydra import Op, Status
 
+from .conftest import wait_for
 from .hydra_wire import Wire
 
 LONG = 120.0  # seconds: an upper bound no healthy step comes near, even on a busy machine
-
-
-def poll(check: Callable[[], bool], what: str, timeout: float = LONG, every: float = 0.05) -> None:
-    """Wait until ``check()`` is true; AssertionError naming ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
 
 
 def open_fds(pid: int) -> int:
@@ -89,7 +81,7 @@ def test_requests_outlive_every_client_timeout(spawn) -> None:
 
     t = threading.Thread(target=stream)
     t.start()
-    poll(lambda: slot_busy(srv.base), "the stream to start")
+    wait_for(lambda: slot_busy(srv.base), timeout=LONG, what="the stream to start")
     # queued behind the stream on the one slot, then run: silent for the whole time
     r = httpx.post(srv.base + "/v1/completions", json=body, timeout=10 * LONG)  # silent until both are done
     t.join(10 * LONG)
@@ -160,10 +152,12 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
     baseline = open_fds(pid)
 
     def no_leak(how: str) -> None:
-        poll(lambda: not slot_busy(base), f"the slot to be free after: {how}")
-        poll(lambda: open_fds(pid) <= baseline, f"fds back to {baseline} after: {how} (now {open_fds(pid)})")
+        wait_for(lambda: not slot_busy(base), timeout=LONG, what=f"the slot to be free after: {how}")
+        wait_for(lambda: open_fds(pid) <= baseline,
+                 timeout=LONG, what=f"fds back to {baseline} after: {how} (now {open_fds(pid)})")
         headroom()
-        poll(lambda: open_fds(pid) <= baseline, f"fds back to {baseline} after the headroom check ({how})")
+        wait_for(lambda: open_fds(pid) <= baseline,
+                 timeout=LONG, what=f"fds back to {baseline} after the headroom check ({how})")
 
     long_body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
     # the issue's example, three times: a non-streamed request whose client leaves after 0.5 s
@@ -184,7 +178,7 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
     assert r.status_code == 400
     no_leak("failed")
     # cancelled while running: the client leaves once its request holds the slot
-    post_then_close(port, long_body, lambda: poll(lambda: slot_busy(base), "the request to run"))
+    post_then_close(port, long_body, lambda: wait_for(lambda: slot_busy(base), timeout=LONG, what="the request to run"))
     no_leak("cancelled while running")
     # streamed, client gone mid-stream
     with httpx.stream("POST", base + "/v1/completions", json={**long_body, "stream": True}, timeout=LONG) as r:
@@ -206,10 +200,11 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
     t = threading.Thread(target=holder)
     t.start()
     try:
-        poll(lambda: slot_busy(base), "the holder to run")
-        post_then_close(port, long_body, lambda: poll(lambda: metric(base, "llamacpp:requests_deferred") == 1,
-                                                      "the second request to wait"))
-        poll(lambda: metric(base, "llamacpp:requests_deferred") == 0, "the queued request to be dropped")
+        wait_for(lambda: slot_busy(base), timeout=LONG, what="the holder to run")
+        post_then_close(port, long_body, lambda: wait_for(lambda: metric(base, "llamacpp:requests_deferred") == 1,
+                                                          timeout=LONG, what="the second request to wait"))
+        wait_for(lambda: metric(base, "llamacpp:requests_deferred") == 0,
+                 timeout=LONG, what="the queued request to be dropped")
     finally:
         holder_done.set()
         t.join(LONG)
@@ -413,10 +408,10 @@ def test_a_request_queued_across_a_configure_that_shrinks_the_slots_gets_a_400(s
         running = threading.Thread(target=post, args=("running", {
             "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "temperature": 0}))
         running.start()
-        _wait(lambda: httpx.get(srv.base + "/slots").json()[0]["is_processing"])
+        wait_for(lambda: httpx.get(srv.base + "/slots").json()[0]["is_processing"], timeout=120.0)
         queued = threading.Thread(target=post, args=("queued", {"prompt": long_prompt, "max_tokens": 4}))
         queued.start()
-        _wait(lambda: _metric(srv.base, "llamacpp:requests_deferred") > deferred)
+        wait_for(lambda: _metric(srv.base, "llamacpp:requests_deferred") > deferred, timeout=120.0)
         applied = threading.Event()
 
         def configure() -> None:
@@ -452,8 +447,3 @@ def _metric(base: str, name: str) -> float:
     raise AssertionError(f"{name} missing")
 
 
-def _wait(pred: Callable[[], object], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.02)

@@ -13,7 +13,7 @@ import httpx
 
 from hydra_trio.protocol.hydra import Op, Status
 
-from .conftest import ROOT
+from .conftest import ROOT, wait_for
 from .hydra_wire import Wire
 
 
@@ -167,17 +167,6 @@ def rpc_info(port: int) -> dict:
     return info(port)["rpc_backend"]
 
 
-def wait_for(pred, what: str, timeout: float = LONG):
-    """Poll ``pred()`` until it is truthy (returns its value); AssertionError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
-
-
 def child_port(log: str) -> int:
     return int(re.findall(r"ggml-RPC backend serving on 127\.0\.0\.1:(\d+)", log)[-1])
 
@@ -195,13 +184,15 @@ def test_silent_client_does_not_block_another_clients_hello(spawn) -> None:
     pid = rpc_info(node.port)["pid"]
     with RawRpc(node.port) as silent:
         silent.send(b"\x0e")  # and nothing more
-        wait_for(lambda: rpc_info(node.port)["handshaking"] == 1, "the silent client is in its handshake")
+        wait_for(lambda: rpc_info(node.port)["handshaking"] == 1,
+                 timeout=LONG, what="the silent client is in its handshake")
         with RawRpc(node.port) as other:
             assert other.hello()[0] == 7  # answered while the silent one is still connected
             assert other.device_count() == 1
             assert silent.is_open()
         assert silent.closed_within()  # by its handshake deadline
-    now = wait_for(lambda: (r := rpc_info(node.port))["closed"]["handshake_timeout"] == 1 and r, "counted")
+    now = wait_for(lambda: (r := rpc_info(node.port))["closed"]["handshake_timeout"] == 1 and r,
+                   timeout=LONG, what="counted")
     assert now["pid"] == pid and now["crashes"] == 0 and now["handshaking"] == 0
     assert "handshake_timeout" in node.log()
     assert metric(node.base, 'hydra_rpc_clients_closed_total{reason="handshake_timeout"}') == 1
@@ -235,7 +226,8 @@ def test_crashing_messages_are_refused_and_the_backend_lives(spawn) -> None:
         direct.hello()
         direct.send(GRAPH_NODE_ZERO)
         assert direct.closed_within()
-    now = wait_for(lambda: (r := rpc_info(node.port))["crashes"] == 1 and r["pid"] != pid and r, "crash counted")
+    now = wait_for(lambda: (r := rpc_info(node.port))["crashes"] == 1 and r["pid"] != pid and r,
+                   timeout=LONG, what="crash counted")
     assert now["restarts"] == 1
     assert metric(node.base, "hydra_rpc_backend_crashes_total") == 1
 
@@ -248,7 +240,7 @@ def test_client_connecting_during_a_restart_is_served(spawn) -> None:
     with RawRpc(node.port) as c:  # right after the kill: held until the child is back, then served
         assert c.hello()[0] == 7
         assert c.device_count() == 1
-    now = wait_for(lambda: (r := rpc_info(node.port))["crashes"] == 1 and r, "crash counted")
+    now = wait_for(lambda: (r := rpc_info(node.port))["crashes"] == 1 and r, timeout=LONG, what="crash counted")
     assert now["pid"] != first["pid"] and now["restarts"] == 1
     assert now["closed"]["backend_unavailable"] == 0 and now["closed"]["backend_exit"] == 0
     assert metric(node.base, "hydra_rpc_backend_crashes_total") == 1
@@ -262,9 +254,9 @@ def test_queue_is_fifo_bounded_and_timed(spawn) -> None:
     try:
         a.hello()  # served: holds the child
         b.send(g.hello_request())
-        wait_for(lambda: rpc_info(node.port)["waiting"] == 1, "b waits")
+        wait_for(lambda: rpc_info(node.port)["waiting"] == 1, timeout=LONG, what="b waits")
         c.send(g.hello_request())
-        wait_for(lambda: rpc_info(node.port)["waiting"] == 2, "c waits")
+        wait_for(lambda: rpc_info(node.port)["waiting"] == 2, timeout=LONG, what="c waits")
         d.send(g.hello_request())
         assert d.closed_within()  # beyond the bound: closed at once
         assert rpc_info(node.port)["closed"]["queue_full"] == 1
@@ -273,7 +265,8 @@ def test_queue_is_fifo_bounded_and_timed(spawn) -> None:
         assert b.device_count() == 1
         assert c.is_open() and rpc_info(node.port)["waiting"] == 1
         assert c.closed_within()  # after its wait timeout, never answered
-        r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["wait_timeout"] == 1 and r, "timeout counted")
+        r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["wait_timeout"] == 1 and r,
+                     timeout=LONG, what="timeout counted")
         assert r["waiting"] == 0 and r["serving"] == 1
         assert b.device_count() == 1  # the one served is undisturbed
         assert metric(node.base, "hydra_rpc_clients_serving") == 1
@@ -289,11 +282,11 @@ def test_a_waiting_client_that_hangs_up_leaves_the_queue(spawn) -> None:
         a.hello()
         with RawRpc(node.port) as b:
             b.send(g.hello_request())
-            wait_for(lambda: rpc_info(node.port)["waiting"] == 1, "b waits")
-        wait_for(lambda: rpc_info(node.port)["waiting"] == 0, "b left the queue")
+            wait_for(lambda: rpc_info(node.port)["waiting"] == 1, timeout=LONG, what="b waits")
+        wait_for(lambda: rpc_info(node.port)["waiting"] == 0, timeout=LONG, what="b left the queue")
         with RawRpc(node.port) as c:  # the place b held is free again
             c.send(g.hello_request())
-            wait_for(lambda: rpc_info(node.port)["waiting"] == 1, "c waits")
+            wait_for(lambda: rpc_info(node.port)["waiting"] == 1, timeout=LONG, what="c waits")
         assert rpc_info(node.port)["closed"]["queue_full"] == 0
 
 
@@ -306,7 +299,8 @@ def test_idle_between_messages_is_fine_a_stalled_message_is_not(spawn) -> None:
         assert c.device_count() == 1
         c.send(g.encode_request(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0))[:11])  # a begun message
         assert c.closed_within()
-    r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r, "stall counted")
+    r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r,
+                 timeout=LONG, what="stall counted")
     assert r["crashes"] == 0
 
 
@@ -417,7 +411,7 @@ def test_the_child_waits_passively_unless_the_operator_says_otherwise(tmp_path) 
                                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(port, proc)
-            pid = wait_for(lambda: rpc_info(port).get("pid"), "the child's pid")
+            pid = wait_for(lambda: rpc_info(port).get("pid"), timeout=LONG, what="the child's pid")
             environ = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ").read().split("\0") if "=" in e)
             assert environ.get("OMP_WAIT_POLICY") == expected
         finally:

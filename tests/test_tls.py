@@ -281,7 +281,8 @@ def test_bad_tls_closes_within_the_classify_timeout(tls_node: ServerProcess, wha
 def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, spawn) -> None:
     """Peer B (compute only) with TLS, mutual TLS and --tls-required; head A with the test MoE reaches it
     through its loopback tunnel (--rpc-tls).  COMBINED answers as SOLO, token for token; B's bytes came over TLS."""
-    from .test_combined import complete, info, rpc_bytes, set_mode, wait_for
+    from .conftest import wait_for
+    from .test_combined import complete, info, rpc_bytes, set_mode
 
     b = spawn("--no-model", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem), "--tls-required")
     b.wait_ready()
@@ -314,7 +315,8 @@ def test_peer_named_later_goes_through_a_tls_tunnel(certs: Certs, spawn) -> None
     from hydra_trio.protocol.hydra import Op
 
     from .hydra_wire import Wire
-    from .test_combined import complete, info, rpc_bytes, set_mode, wait_for
+    from .conftest import wait_for
+    from .test_combined import complete, info, rpc_bytes, set_mode
 
     b = spawn("--no-model", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem), "--tls-required")
     a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend",

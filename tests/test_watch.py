@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,19 +22,8 @@ import pytest
 
 from hydra_trio.watch import WatchState, render, summary
 
-from .conftest import ROOT, ServerProcess, streaming
+from .conftest import ROOT, ServerProcess, streaming, wait_for
 from .test_tls import Certs
-
-
-def poll(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    """``cond()`` every 0.1 s until it is truthy (returned); AssertionError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 class Watch:
@@ -61,8 +49,8 @@ class Watch:
         return [json.loads(line) for line in list(self.lines)]
 
     def wait_for(self, pred: Callable[[dict[str, Any]], bool], what: str, timeout: float = 120) -> dict[str, Any]:
-        return poll(lambda: next((e for e in self.events if pred(e)), None), timeout,
-                    f"{what}; stderr: {''.join(self.errors)[-2000:]}")
+        return wait_for(lambda: next((e for e in self.events if pred(e)), None),
+                        timeout=timeout, what=f"{what}; stderr: {''.join(self.errors)[-2000:]}")
 
     def stop(self) -> int:
         """SIGINT, as Ctrl-C; the exit code."""
@@ -150,22 +138,24 @@ def test_live_table_in_tmux_shows_a_busy_slot_then_idle_and_exits_0_on_ctrl_c(se
     cmd = f"env -u COLUMNS -u LINES {shlex.quote(sys.executable)} -m hydra_trio watch 127.0.0.1:{server.port}"
     term = Tmux(f"{cmd}; echo EXIT=$?; sleep 600")
     try:
-        poll(lambda: len(slot_rows(term.screen())) == 4, 120, "the slots table")
+        wait_for(lambda: len(slot_rows(term.screen())) == 4, timeout=120, what="the slots table")
         screen = term.screen()
         assert "connected" in screen and "smollm2-135m" in screen and "mode         solo" in screen
         body = {"prompt": "Count to one thousand:", "max_tokens": 4000, "ignore_eos": True}
         with streaming(server.base, body):
-            busy = poll(lambda: [(i, r) for i, r in slot_rows(term.screen()).items()
-                                 if r[0] == "processing" and r[2] > 0], 120, "a busy slot with generated tokens")
+            busy = wait_for(lambda: [(i, r) for i, r in slot_rows(term.screen()).items()
+                                 if r[0] == "processing" and r[2] > 0],
+                            timeout=120, what="a busy slot with generated tokens")
             slot, (_, n_prompt, n_generated) = busy[0]
             assert n_prompt > 0 and n_generated > 0
             (tmp_path / "busy.txt").write_text(term.screen())
             assert "slot.assigned" in term.screen() and re.search(r"\d+\.\d tok/s", term.screen())
-        poll(lambda: (rows := slot_rows(term.screen())) and all(r[0] == "idle" for r in rows.values())
-             and "slot.cancelled" in term.screen(), 120, "every slot idle and the cancel in the events list")
+        wait_for(lambda: (rows := slot_rows(term.screen())) and all(r[0] == "idle" for r in rows.values())
+             and "slot.cancelled" in term.screen(),
+                 timeout=120, what="every slot idle and the cancel in the events list")
         (tmp_path / "idle.txt").write_text(term.screen())
         term.send("C-c")
-        poll(lambda: "EXIT=" in term.screen(), 60, "the watch to exit")
+        wait_for(lambda: "EXIT=" in term.screen(), timeout=60, what="the watch to exit")
         assert "EXIT=0" in term.screen(), term.screen()
     finally:
         term.close()
@@ -178,8 +168,10 @@ def test_reconnects_when_the_node_restarts(spawn, watch) -> None:
     w = watch(a.port)
     w.wait_for(lambda e: e["type"] == "stats" and len(e["slots"]) == 4, "node A's stats")
     assert a.stop() == 0, a.log()
-    poll(lambda: any("disconnected" in line and "retrying" in line for line in w.errors), 60, "a disconnected line")
-    poll(lambda: sum("retrying" in line for line in w.errors) >= 2, 60, "a second attempt")  # it keeps trying
+    wait_for(lambda: any("disconnected" in line and "retrying" in line for line in w.errors),
+             timeout=60, what="a disconnected line")
+    wait_for(lambda: sum("retrying" in line for line in w.errors) >= 2,
+             timeout=60, what="a second attempt")  # it keeps trying
     b = spawn("--port", str(a.port), "--parallel", "2")  # the last --port wins: node A's
     b.port, b.base = a.port, a.base
     b.wait_ready()
@@ -189,7 +181,7 @@ def test_reconnects_when_the_node_restarts(spawn, watch) -> None:
         hellos = [i for i, e in enumerate(events) if e["type"] == "hello"]
         return len(hellos) >= 2 and any(e["type"] == "stats" and len(e["slots"]) == 2 for e in events[hellos[1]:])
 
-    poll(node_b_stats, 120, f"node B's hello and stats; stderr: {''.join(w.errors)[-2000:]}")
+    wait_for(node_b_stats, timeout=120, what=f"node B's hello and stats; stderr: {''.join(w.errors)[-2000:]}")
     assert w.proc.poll() is None  # it kept running through the restart
     delays = [float(m[1]) for line in w.errors if (m := re.search(r"retrying in ([\d.]+) s", line))]
     assert delays[0] == 0.5 and all(d <= 5.0 for d in delays)
