@@ -195,6 +195,10 @@ def test_mutual_tls(mtls_node: ServerProcess, certs: Certs) -> None:
             assert "rpc_backend" in await c.info()
 
     trio.run(main)
+    # the CLI says why the node may have closed it (the node's log has the reason)
+    out = subprocess.run([sys.executable, "-m", "hydra_trio", "info", f"127.0.0.1:{mtls_node.port}", "--tls",
+                          "--tls-ca", str(certs.ca_pem)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "client certificate" in out.stderr, out.stderr
     wait_log(mtls_node, "TLS handshake failed")
     wait_log(mtls_node, "client certificate subject 'O=trustme")
     wait_log(mtls_node, ",CN=client-1'")  # trustme's subject: O, OU, CN

@@ -215,7 +215,8 @@ def test_api_key_and_tls(spawn, watch, tmp_path: Path) -> None:
 def test_render_and_summary_without_a_node() -> None:
     state = WatchState("h:1")
     state.on_event({"ts": 1.0, "type": "hello", "version": "x", "model": "m", "n_slots": 1})
-    state.on_event({"ts": 2.0, "type": "stats", "mode": "solo", "queue": 3, "tok_s": 1.5, "connections": {"http": 2},
+    state.on_event({"ts": 2.0, "type": "stats", "mode": "solo", "stage": "ready", "queue": 3, "tok_s": 1.5,
+                    "connections": {"http": 2},
                     "slots": [{"id": 0, "state": "processing", "n_prompt": 7, "n_decoded": 9, "tok_s": 4.0,
                                "n_past": 16, "n_ctx": 512, "trace_id": "t-1"}]})
     state.on_event({"ts": 3.0, "type": "slot.finished", "trace_id": "t-1", "slot": 0, "finish_reason": "length",
@@ -230,9 +231,12 @@ def test_render_and_summary_without_a_node() -> None:
     console.print(render(state, 0.0, 120))
     text = console.export_text()
     assert slot_rows(text) == {0: ("processing", 7, 9)} and "queue 3" in text and "http 2" in text
+    assert "stage ready" in text
     state.connected, state.status, state.retry_at = False, "disconnected (gone), retrying{wait}…", 2.0
     console.print(render(state, 1.0, 120))
-    assert "disconnected (gone), retrying in 1.0 s…" in console.export_text()
+    text = console.export_text()
+    assert "disconnected (gone), retrying in 1.0 s…" in text
+    assert "stage ? (last seen: ready)" in text  # not shown as if it were known now
 
 
 def test_text_from_clients_is_shown_as_it_is_never_as_rich_markup() -> None:
