@@ -40,6 +40,19 @@ print(" ".join(opts))
 PYEOF
 }
 
+# The llama-cpp-python sdist, kept in the cache: the wheel builds from it, bench/build_llama_server.sh
+# builds llama-server from its vendor/llama.cpp, and tests/test_cli_flags.py reads llama-server's flags
+# from its common/arg.cpp.  Prints its path.
+sdist() {
+  local dir="${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/hydra-trio/sdist"
+  local file="$dir/llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION.tar.gz"
+  if [ ! -f "$file" ]; then
+    mkdir -p "$dir"
+    "$PY" -m pip download -q --no-deps --no-binary :all: -d "$dir" "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION" >&2
+  fi
+  echo "$file"
+}
+
 setup() {
   if [ ! -x "$VENV/bin/python" ]; then
     echo "==> creating $VENV"
@@ -60,14 +73,14 @@ setup() {
       echo "==> building llama-cpp-python $LLAMA_CPP_PYTHON_VERSION from source: $CMAKE_ARGS"
       echo "    (about 10 minutes on 2 cores, once per machine; later set-ups reuse $wheels)"
       mkdir -p "$wheels"
-      $pip wheel --no-deps --no-cache-dir --no-binary llama-cpp-python -w "$wheels.tmp" \
-        "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION"
+      $pip wheel --no-deps --no-cache-dir -w "$wheels.tmp" "$(sdist)"
       mv "$wheels.tmp"/llama_cpp_python-*.whl "$wheels"/ && rm -rf "$wheels.tmp"
     fi
     $pip install -q --no-cache-dir --force-reinstall --no-deps "$wheels"/llama_cpp_python-*.whl
     echo "$key" > "$marker"
     rm -f "$VENV/.hydra-trio-setup"  # reinstall the rest (llama-cpp-python's own deps included)
   fi
+  sdist >/dev/null  # kept for the flag coverage test even when the wheel came from the cache
   local stamp="$VENV/.hydra-trio-setup"
   local want
   want="$(cat pyproject.toml dev.sh | sha256sum | cut -d' ' -f1)"

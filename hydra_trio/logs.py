@@ -45,8 +45,8 @@ class TextFormatter(logging.Formatter):
     """``TIME LEVEL logger: message`` plus `` key=value`` for each of :data:`REQUEST_FIELDS` the record has,
     one line per record (control characters escaped, :func:`escape_controls`), the traceback below it."""
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)-7s %(name)s: %(message)s")
+    def __init__(self, timestamps: bool = True) -> None:
+        super().__init__(("%(asctime)s " if timestamps else "") + "%(levelname)-7s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
         extras = "".join(f" {k}={getattr(record, k)}" for k in REQUEST_FIELDS if getattr(record, k, None) is not None)
@@ -61,16 +61,26 @@ def json_formatter() -> logging.Formatter:
     )
 
 
-def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None) -> None:
+def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None, *,
+                      file: str | None = None, timestamps: bool = True, disabled: bool = False) -> None:
     """Send every logger's records to ``stream`` (stderr) at ``level`` in format ``fmt`` (``text`` or ``json``).
 
-    Replaces the root logger's handlers, as ``logging.basicConfig(force=True)``.
+    Replaces the root logger's handlers, as ``logging.basicConfig(force=True)``.  llama-server's log flags:
+    ``file`` also writes every line to that file (``--log-file``, appended), ``timestamps=False`` leaves the
+    time out of text lines (``--no-log-timestamps``), ``disabled`` writes nothing (``--log-disable``).
 
     Raises:
         ValueError: ``fmt`` is not one of :data:`LOG_FORMATS`, or ``level`` not a level name.
     """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format {fmt!r}: expected one of {', '.join(LOG_FORMATS)}")
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    handler.setFormatter(json_formatter() if fmt == "json" else TextFormatter())
-    logging.basicConfig(level=level, handlers=[handler], force=True)
+    handlers: list[logging.Handler] = []
+    if not disabled:
+        handlers.append(logging.StreamHandler(stream if stream is not None else sys.stderr))
+        if file is not None:
+            handlers.append(logging.FileHandler(file, encoding="utf-8"))
+    else:
+        handlers.append(logging.NullHandler())
+    for handler in handlers:
+        handler.setFormatter(json_formatter() if fmt == "json" else TextFormatter(timestamps=timestamps))
+    logging.basicConfig(level=level, handlers=handlers, force=True)

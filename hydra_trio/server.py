@@ -37,6 +37,9 @@ class ServerConfig:
     Attributes:
         host: address to bind (``--host``).
         port: TCP port for all three protocols (``--port``); 0 picks a free one.
+        extra_ports: more ports served by the same front door, every protocol on
+            each (the C++ engine's ``--rpc-port`` and ``--ggml-rpc-port``, which
+            its clients still dial); 0 picks a free one.
         engine: the model to serve; None runs a node without a model.
         frontdoor: connection limits and the classify timeout.
         http: HTTP timeouts and the body cap.
@@ -50,6 +53,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8080
+    extra_ports: tuple[int, ...] = ()
     engine: EngineConfig | None = None
     frontdoor: FrontDoorSettings = FrontDoorSettings()
     http: HttpSettings = HttpSettings()
@@ -98,6 +102,7 @@ class Server:
         if self.rpc is not None:
             self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc
         self.port: int | None = None
+        self.ports: list[int] = []  # every bound port, the main one first
         self.stopped = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -108,11 +113,13 @@ class Server:
             ModelLoadError: the model failed to load (the node stops).
         """
         cfg = self.config
-        listeners = self._listeners = await trio.open_tcp_listeners(cfg.port, host=cfg.host)
+        listeners = self._listeners = await _open_listeners(cfg.host, (cfg.port, *cfg.extra_ports))
         progress.add_listener(self._progress_events)
-        self.port = listeners[0].socket.getsockname()[1]
-        log.info("listening on %s:%d (HTTP, Hydra and ggml-RPC share this port); status page http://%s:%d/, "
-                 "live events ws://%s:%d/v1/events", cfg.host, self.port, *(_url_host(cfg.host), self.port) * 2)
+        self.ports = list(dict.fromkeys(listener.socket.getsockname()[1] for listener in listeners))
+        self.port = self.ports[0]
+        log.info("listening on %s port%s %s (HTTP, Hydra and ggml-RPC share each port); status page http://%s:%d/, "
+                 "live events ws://%s:%d/v1/events", cfg.host, "s" if len(self.ports) > 1 else "",
+                 ", ".join(map(str, self.ports)), *(_url_host(cfg.host), self.port) * 2)
         self._warn_open_rpc(listeners)
         try:
             async with trio.open_nursery() as outer:  # the tunnels outlive the engine, which frees its peer's buffers
@@ -227,6 +234,24 @@ class Server:
                     await control.submit(Change("peer unreachable", lambda e: e.peer_gone(), "watchdog"))
                 except Busy:
                     pass  # a request is running: its decode notices the dead peer itself
+
+
+async def _open_listeners(host: str, ports: tuple[int, ...]) -> list[trio.SocketListener]:
+    """Listeners on every port of ``ports`` (each as ``trio.open_tcp_listeners``); all or none.
+
+    Raises:
+        OSError: a port cannot be bound (the ones already bound are closed).
+    """
+    listeners: list[trio.SocketListener] = []
+    try:
+        for port in ports:
+            listeners += await trio.open_tcp_listeners(port, host=host)
+    except BaseException:
+        for listener in listeners:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
+        raise
+    return listeners
 
 
 def _url_host(host: str) -> str:

@@ -71,7 +71,7 @@ def test_port_out_of_range_is_refused_before_anything_binds() -> None:
         ("--port", "80.5", "expected an integer"),
         ("-np", "0", "must be between 1 and 256"),
         ("--parallel", "257", "must be between 1 and 256"),
-        ("-c", "0", "must be between 1 and 2147483647"),
+        ("-c", "-1", "must be between 0 and 2147483647"),
         ("-t", "0", "must be between 1 and 512"),
         ("-b", "0", "must be between 1 and 2147483647"),
         ("--max-connections", "0", "must be between 1"),

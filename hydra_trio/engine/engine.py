@@ -105,7 +105,8 @@ class Engine:
         self.default_n_predict = -1
         self.experts = ExpertModes(
             config.peer, config.combined_pattern, self.stats,
-            {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template},
+            {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,
+             "options": config.llama, "chat_template_kwargs": config.chat_template_kwargs},
             events=self.events,
         )
         self.scheduler: Scheduler | None = None
@@ -255,7 +256,7 @@ class Engine:
                 model = LoadedModel(
                     cfg.model_path, n_ctx=cfg.n_ctx, n_parallel=cfg.n_parallel, n_batch=cfg.n_batch,
                     n_threads=cfg.n_threads, progress=on_load, chat_template=cfg.chat_template,
-                    log_chat_template=True,
+                    log_chat_template=True, options=cfg.llama, chat_template_kwargs=cfg.chat_template_kwargs,
                 )
             self.experts.set_solo(model)
             self.progress = 1.0
@@ -432,7 +433,8 @@ class Engine:
         try:
             new = LoadedModel(
                 path, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=old.n_batch, n_threads=self.config.n_threads,
-                chat_template=self.config.chat_template, log_chat_template=True,
+                chat_template=self.config.chat_template, log_chat_template=True, options=old.options,
+                chat_template_kwargs=old.chat_template_kwargs,
             )
         except Exception as exc:
             raise InvalidRequest(f"llama.cpp refused the new settings: {exc}") from None

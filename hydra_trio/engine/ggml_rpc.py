@@ -115,6 +115,14 @@ def device_name(dev: int) -> str:
     return base.ggml_backend_dev_name(dev).decode()
 
 
+def local_devices() -> list[tuple[str, int, int]]:
+    """``(name, free bytes, total bytes)`` of every ggml device this build registers (llama-server's
+    ``--list-devices``; ggml-RPC peers added later are not listed)."""
+    _, ggml, _ = libs()
+    devs = [ggml.ggml_backend_dev_get(i) for i in range(ggml.ggml_backend_dev_count())]
+    return [(device_name(d), *device_memory(d)) for d in devs if not device_name(d).startswith("RPC")]
+
+
 def device_memory(dev: int) -> tuple[int, int]:
     """``(free, total)`` bytes of a device (for an RPC device: asks the peer)."""
     base, _, _ = libs()

@@ -13,6 +13,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import llama_cpp
@@ -20,6 +21,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from ..errors import HydraTrioError
 from .ggml_rpc import clean_build_paths
+from .settings import LlamaOptions
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -159,6 +161,12 @@ def check_chat_template(value: str, *, jinja: bool = False) -> str:
 _SENTINEL = "\x01hydra-trio\x01"
 
 
+_RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt", "functions",
+    "function_call", "tools", "tool_choice", "strftime_now"})
+"""Variables llama-cpp-python's Jinja renderer sets itself (``Jinja2ChatFormatter.__call__``)."""
+
+
 class ChatTemplate:
     """Renders chat messages into a prompt: ``template(messages) -> (prompt, stop strings)``.
 
@@ -185,8 +193,12 @@ class ChatTemplate:
         self._render = render
 
     @classmethod
-    def jinja(cls, text: str, bos_token: str, eos_token: str, origin: str) -> ChatTemplate:
-        """Jinja text; raises ValueError when it does not compile."""
+    def jinja(cls, text: str, bos_token: str, eos_token: str, origin: str,
+              kwargs: dict[str, Any] | None = None) -> ChatTemplate:
+        """Jinja text; ``kwargs`` are extra template variables (llama-server's ``--chat-template-kwargs``,
+        e.g. ``enable_thinking``; the names the renderer sets itself are not overridden).  Raises ValueError
+        when it does not compile."""
+        extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}
         try:
             fmt = Jinja2ChatFormatter(template=text, eos_token=eos_token, bos_token=bos_token,
                                       add_generation_prompt=True)
@@ -195,7 +207,7 @@ class ChatTemplate:
 
         def render(messages: list[dict]) -> tuple[str, list[str]]:
             try:
-                out = fmt(messages=messages)
+                out = fmt(messages=messages, **extra)
             except Exception as exc:  # jinja2 raises TemplateError / TypeError / ...
                 raise ValueError(f"chat template failed: {exc}") from exc
             stop = out.stop if isinstance(out.stop, list) else ([out.stop] if out.stop else [])
@@ -277,7 +289,8 @@ class LoadedModel:
     Args:
         path: the GGUF file.
         n_ctx: total context in tokens, shared by the sequences as llama-server
-            does (each slot gets ``n_ctx // n_parallel`` tokens).
+            does (each slot gets ``n_ctx // n_parallel`` tokens); 0: the model's
+            training context (llama-server's ``-c 0``).
         n_parallel: number of sequences (slots), one KV sequence each.
         n_batch: most tokens per ``llama_decode`` call.
         n_threads: CPU threads (None: all cores).
@@ -290,6 +303,10 @@ class LoadedModel:
             own template (llama.cpp's built-in ``chatml`` when it has none), a
             built-in name (:func:`builtin_chat_templates`) or Jinja text.
         log_chat_template: log (INFO) which chat template is in effect.
+        options: llama.cpp model and context parameters from llama-server's
+            flags (:class:`~hydra_trio.engine.settings.LlamaOptions`).
+        chat_template_kwargs: extra variables for a Jinja chat template
+            (``--chat-template-kwargs``).
 
     Raises:
         ModelLoadError: llama.cpp refused the file or the context, or the
@@ -309,12 +326,17 @@ class LoadedModel:
         overrides: list[tuple[str, int]] | None = None,
         chat_template: str | None = None,
         log_chat_template: bool = False,
+        options: LlamaOptions | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         init_backend()
         from . import ggml_rpc
 
         self.path = path
+        self.options = opts = options if options is not None else LlamaOptions()
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         mparams = llama_cpp.llama_model_default_params()
+        _apply_model_options(mparams, opts)
         # an explicit device list: NULL would mean "every registered device",
         # ggml-RPC peers included (DESIGN.md)
         devs = devices if devices is not None else [ggml_rpc.cpu_device()]
@@ -338,6 +360,8 @@ class LoadedModel:
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
+        if n_ctx == 0:  # llama-server's -c 0: the model's training context
+            n_ctx = self.n_ctx_train
 
         if not 16 * n_parallel <= n_ctx <= self.n_ctx_train * n_parallel:
             llama_cpp.llama_model_free(self.model)
@@ -360,10 +384,11 @@ class LoadedModel:
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
         cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
+        cparams.n_ubatch = min(opts.n_ubatch or n_batch, n_batch)
         cparams.n_seq_max = n_parallel
         cparams.n_threads = threads
-        cparams.n_threads_batch = threads
+        cparams.n_threads_batch = opts.n_threads_batch or threads
+        _apply_context_options(cparams, opts)
         cparams.kv_unified = False  # one KV stream per slot, like llama-server's default
         cparams.no_perf = True
         self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
@@ -442,14 +467,15 @@ class LoadedModel:
             if not raw:
                 return ChatTemplate.builtin(DEFAULT_CHAT_TEMPLATE, "the GGUF has none: llama-server's default")
             try:
-                return ChatTemplate.jinja(raw.decode("utf-8", "replace"), bos, eos, "the GGUF's tokenizer.chat_template")
+                return ChatTemplate.jinja(raw.decode("utf-8", "replace"), bos, eos, "the GGUF's tokenizer.chat_template",
+                                          self.chat_template_kwargs)
             except ValueError as exc:
                 log.warning("the GGUF's chat template is unusable (%s); using %s", exc, DEFAULT_CHAT_TEMPLATE)
                 return ChatTemplate.builtin(DEFAULT_CHAT_TEMPLATE, "the GGUF's does not compile")
         if chat_template in builtin_chat_templates():
             return ChatTemplate.builtin(chat_template, "--chat-template")
         try:
-            return ChatTemplate.jinja(chat_template, bos, eos, "custom Jinja template")
+            return ChatTemplate.jinja(chat_template, bos, eos, "custom Jinja template", self.chat_template_kwargs)
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from None
 
@@ -511,6 +537,41 @@ class LoadedModel:
             llama_cpp.llama_model_free(self.model)
             self.model = None
         release_free_memory()
+
+
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
+"""ggml type ids of llama-server's KV cache types (``ggml.h``)."""
+
+_LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}  # enum llama_load_mode
+_ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # enum llama_rope_scaling_type
+_FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
+
+
+def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
+    """The host-side model parameters of ``opts`` (the GPU placement ones wait for a GPU build)."""
+    mparams.load_mode = _LOAD_MODES[opts.load_mode]
+    mparams.check_tensors = opts.check_tensors
+    mparams.use_extra_bufts = opts.repack
+    mparams.no_host = opts.no_host
+
+
+def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
+    """The context parameters of ``opts``: flash attention, KV cache types and offload, RoPE/YaRN."""
+    cparams.flash_attn_type = _FLASH_ATTN[opts.flash_attn]
+    cparams.type_k = GGML_TYPES[opts.cache_type_k]
+    cparams.type_v = GGML_TYPES[opts.cache_type_v]
+    cparams.offload_kqv = opts.kv_offload
+    cparams.op_offload = opts.op_offload
+    cparams.swa_full = opts.swa_full
+    if opts.rope_scaling is not None:
+        cparams.rope_scaling_type = _ROPE_SCALING[opts.rope_scaling]
+    cparams.rope_freq_base = opts.rope_freq_base
+    cparams.rope_freq_scale = opts.rope_freq_scale
+    cparams.yarn_orig_ctx = opts.yarn_orig_ctx
+    cparams.yarn_ext_factor = opts.yarn_ext_factor
+    cparams.yarn_attn_factor = opts.yarn_attn_factor
+    cparams.yarn_beta_slow = opts.yarn_beta_slow
+    cparams.yarn_beta_fast = opts.yarn_beta_fast
 
 
 def release_free_memory() -> None:

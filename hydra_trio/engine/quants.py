@@ -116,7 +116,8 @@ def swap_quant(engine: Any, key: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         new = LoadedModel(path, n_ctx=old.n_ctx, n_parallel=old.n_parallel, n_batch=old.n_batch,
-                          n_threads=engine.config.n_threads, chat_template=engine.config.chat_template)
+                          n_threads=engine.config.n_threads, chat_template=engine.config.chat_template,
+                          options=old.options, chat_template_kwargs=old.chat_template_kwargs)
     except Exception as exc:
         raise EngineFailure(f"quant {key!r} ({path}) did not load: {exc}; the node still serves "
                             f"{qs.active or old.path.name}") from None

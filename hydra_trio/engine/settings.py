@@ -129,6 +129,48 @@ def check_stop(stop: tuple[str, ...]) -> None:
 
 
 @attrs.frozen
+class LlamaOptions:
+    """llama.cpp model and context parameters from llama-server's flags (names in comments).
+
+    Applied when a model loads (:class:`hydra_trio.engine.model.LoadedModel`): the context and CPU ones now;
+    the GPU placement ones (``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``devices``,
+    ``tensor_overrides``, ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) are kept for a build with a GPU backend:
+    this build places every tensor in host memory, as llama-server does without one.
+    """
+
+    n_threads_batch: int | None = None  # -tb; None = n_threads
+    n_ubatch: int | None = None  # -ub; None = n_batch
+    swa_full: bool = False  # --swa-full
+    flash_attn: str = "auto"  # -fa on|off|auto
+    kv_offload: bool = True  # -kvo / -nkvo
+    op_offload: bool = True  # --op-offload / --no-op-offload
+    repack: bool = True  # --repack / -nr
+    no_host: bool = False  # --no-host
+    check_tensors: bool = False  # --check-tensors
+    load_mode: str = "auto"  # -lm auto|none|mmap|mlock|mmap+mlock|dio
+    cache_type_k: str = "f16"  # -ctk
+    cache_type_v: str = "f16"  # -ctv
+    kv_unified: bool = False  # -kvu (kept: each slot has its own KV stream here)
+    rope_scaling: str | None = None  # --rope-scaling none|linear|yarn; None = the model's
+    rope_freq_base: float = 0.0  # --rope-freq-base; 0 = the model's
+    rope_freq_scale: float = 0.0  # --rope-freq-scale (--rope-scale N = 1/N); 0 = the model's
+    yarn_orig_ctx: int = 0  # --yarn-orig-ctx; 0 = the model's training context
+    yarn_ext_factor: float = -1.0  # --yarn-ext-factor; -1 = the model's
+    yarn_attn_factor: float = -1.0  # --yarn-attn-factor; -1 = the model's
+    yarn_beta_slow: float = -1.0  # --yarn-beta-slow; -1 = the model's
+    yarn_beta_fast: float = -1.0  # --yarn-beta-fast; -1 = the model's
+    n_gpu_layers: int | str = "auto"  # -ngl N|all|auto
+    split_mode: str = "layer"  # -sm none|layer|row|tensor
+    tensor_split: tuple[float, ...] = ()  # -ts
+    main_gpu: int = 0  # -mg
+    devices: tuple[str, ...] | None = None  # -dev; None = llama.cpp's choice
+    tensor_overrides: tuple[tuple[str, str], ...] = ()  # -ot PATTERN=BUFT
+    cpu_moe: bool = False  # -cmoe
+    n_cpu_moe: int = 0  # -ncmoe
+    n_cpu_ffn: int = 0  # -ncffn
+
+
+@attrs.frozen
 class EngineConfig:
     """Engine settings (llama-server's flag names in comments).
 
@@ -152,6 +194,9 @@ class EngineConfig:
         quants: the node's other quantizations for SWAP_QUANT, ``(key, GGUF
             path, alias)`` each (``--quant KEY=PATH_OR_ALIAS``); the model
             loaded at start is the one whose path matches, else key ``default``.
+        llama: llama.cpp model and context parameters (:class:`LlamaOptions`).
+        chat_template_kwargs: extra variables for a Jinja chat template
+            (``--chat-template-kwargs``; ``--reasoning on|off`` sets ``enable_thinking``).
     """
 
     model_path: Path
@@ -165,3 +210,5 @@ class EngineConfig:
     chat_template: str | None = None
     allow_cross_model_kv: bool = False
     quants: tuple[tuple[str, Path, str], ...] = ()
+    llama: LlamaOptions = LlamaOptions()
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)

@@ -1,0 +1,320 @@
+"""argparse value types of ``hydra-trio run``: each checks its value when the command line is parsed and
+raises :class:`argparse.ArgumentTypeError` with a message in llama-server's value syntax (exit 2, the
+subcommand's usage on stderr).  Value syntaxes follow llama.cpp's ``common/arg.cpp``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+INT32_MAX = 2**31 - 1
+LLAMA_MAX_SEQ = 256  # llama.cpp's most sequences per context (src/llama-cparams.h)
+GGML_MAX_N_THREADS = 512  # ggml's most threads (ggml.h)
+
+# common_arg_utils::is_truthy / is_falsey / is_autoy (common/arg.cpp)
+TRUTHY = ("on", "enabled", "true", "1")
+FALSEY = ("off", "disabled", "false", "0")
+AUTOY = ("auto", "-1")
+
+# kv_cache_types (common/arg.cpp): the KV cache types llama-server accepts for -ctk / -ctv
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _named(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
+    parse.__name__ = name  # argparse names the type in its "invalid <type> value" fallback
+    return parse
+
+
+def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
+    """A decimal integer in ``[lo, hi]``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(
+                f"must be between {lo} and {hi}{f' ({why})' if why else ''}, got {value}"
+            )
+        return value
+
+    return _named(parse, "integer")
+
+
+def float_range(lo: float = -math.inf, hi: float = math.inf) -> Callable[[str], float]:
+    """A finite number in ``[lo, hi]``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"must be between {lo:g} and {hi:g}, got {text}")
+        return value
+
+    return _named(parse, "number")
+
+
+def seconds(*, zero_ok: bool = False) -> Callable[[str], float]:
+    """A finite number of seconds, > 0 (>= 0 with ``zero_ok``)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+        if value < 0 or (value == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'} seconds, got {text!r}")
+        return value
+
+    return _named(parse, "seconds")
+
+
+port = int_range(0, 65535, "a TCP port; 0 = any free port")
+
+
+def n_parallel(text: str) -> int:
+    """``-np N``: slots, 1 to llama.cpp's most sequences, or -1 (llama-server's auto)."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value != -1 and not 1 <= value <= LLAMA_MAX_SEQ:
+        raise argparse.ArgumentTypeError(
+            f"must be between 1 and {LLAMA_MAX_SEQ} (llama.cpp's most sequences), or -1 (auto), got {value}")
+    return value
+
+
+def choice(*values: str) -> Callable[[str], str]:
+    """One of ``values`` (llama-server's ``{a,b,c}`` syntax in the message)."""
+
+    def parse(text: str) -> str:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"expected one of {{{','.join(values)}}}, got {text!r}")
+        return text
+
+    return _named(parse, "choice")
+
+
+def on_off_auto(text: str) -> str:
+    """``on|off|auto`` with llama-server's spellings (``enabled``, ``true``, ``1``; ``-1`` = auto): returns
+    ``"on"``, ``"off"`` or ``"auto"``."""
+    if text in TRUTHY:
+        return "on"
+    if text in FALSEY:
+        return "off"
+    if text in AUTOY:
+        return "auto"
+    raise argparse.ArgumentTypeError(f"expected [on|off|auto], got {text!r}")
+
+
+def on_off(text: str) -> bool:
+    """``on|off`` with llama-server's spellings (``enabled``/``disabled``, ``true``/``false``, ``1``/``0``)."""
+    if text in TRUTHY:
+        return True
+    if text in FALSEY:
+        return False
+    raise argparse.ArgumentTypeError(f"expected [on|off], got {text!r}")
+
+
+def gpu_layers(text: str) -> int | str:
+    """``-ngl N|all|auto``: an integer >= 0, or ``"all"`` / ``"auto"``."""
+    if text in ("all", "auto"):
+        return text
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N, 'all' or 'auto', got {text!r}") from None
+    if value < 0:  # llama.cpp: -1 auto, -2 all; anything else negative is nonsense
+        return {-1: "auto", -2: "all"}.get(value) or _fail(f"expected N >= 0, 'all' or 'auto', got {text!r}")
+    return value
+
+
+def _fail(message: str) -> Any:
+    raise argparse.ArgumentTypeError(message)
+
+
+def cache_type(text: str) -> str:
+    """``-ctk/-ctv TYPE``: one of llama-server's KV cache types (:data:`KV_CACHE_TYPES`)."""
+    if text.lower() not in KV_CACHE_TYPES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(KV_CACHE_TYPES)}, got {text!r}")
+    return text.lower()
+
+
+def tensor_split(text: str) -> tuple[float, ...]:
+    """``-ts N0,N1,...``: proportions separated by ``,`` or ``/`` (as llama-server), each a finite number >= 0."""
+    parts = [p for p in re.split(r"[,/]+", text) if p != ""]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected N0,N1,..., got {text!r}")
+    values = tuple(float_range(0.0)(p) for p in parts)
+    return values
+
+
+def tensor_overrides(text: str) -> tuple[tuple[str, str], ...]:
+    """``-ot PATTERN=BUFT[,...]``: ``(regex, buffer type name)`` pairs; each regex must compile.  Whether
+    the buffer type exists is checked when the node starts (it depends on the devices found)."""
+    pairs = []
+    for item in text.split(","):
+        pattern, sep, buft = item.partition("=")
+        if not sep or not pattern or not buft:
+            raise argparse.ArgumentTypeError(
+                f"expected <tensor name pattern>=<buffer type>,..., got {item!r}")
+        pairs.append((regex(pattern), buft))
+    return tuple(pairs)
+
+
+def regex(text: str) -> str:
+    """A regular expression that compiles (returned unchanged)."""
+    try:
+        re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a valid regular expression: {exc}") from None
+    return text
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object (``--chat-template-kwargs '{"enable_thinking": true}'``)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def csv(text: str) -> tuple[str, ...]:
+    """A comma-separated list; empty items are dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def existing_file(text: str) -> str:
+    """A readable regular file."""
+    path = os.path.expanduser(text)
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return path
+
+
+def directory(text: str) -> Path:
+    """A directory (created when the node starts if missing); never empty."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a directory, got ''")
+    return Path(os.path.expanduser(text))
+
+
+def secret(text: str) -> str:
+    """A non-empty key or token without surrounding whitespace."""
+    if not text.strip() or text != text.strip():
+        raise argparse.ArgumentTypeError("must be non-empty, without leading or trailing whitespace")
+    return text
+
+
+def key_list(text: str) -> tuple[str, ...]:
+    """``--api-key KEY[,KEY...]`` (llama-server: a comma-separated list; empty items dropped)."""
+    keys = csv(text)
+    if not keys:
+        raise argparse.ArgumentTypeError("expected KEY[,KEY...], got no key")
+    return tuple(secret(k) for k in keys)
+
+
+def cidr(text: str) -> str:
+    """A CIDR network or a single IP address (checked, returned unchanged)."""
+    from ..access import parse_network
+
+    try:
+        parse_network(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def cpu_mask(text: str) -> int:
+    """``-C M``: an arbitrarily long hex CPU mask (``0x`` optional), as llama-server's ``parse_cpu_mask``."""
+    digits = text[2:] if text.lower().startswith("0x") else text
+    try:
+        value = int(digits, 16)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a hex CPU mask, got {text!r}") from None
+    return value
+
+
+def cpu_range(text: str) -> int:
+    """``-Cr lo-hi``: a CPU range as a mask (``lo`` or ``hi`` may be omitted, as llama-server)."""
+    lo, sep, hi = text.partition("-")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"expected lo-hi, got {text!r}")
+    try:
+        start = int(lo) if lo else 0
+        end = int(hi) if hi else (os.cpu_count() or 1) - 1
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected lo-hi, got {text!r}") from None
+    if start < 0 or end < start:
+        raise argparse.ArgumentTypeError(f"expected 0 <= lo <= hi, got {text!r}")
+    return sum(1 << i for i in range(start, end + 1))
+
+
+def chat_template_value(text: str) -> tuple[str, str]:
+    """``--chat-template NAME|FILE|JINJA`` (llama-server's flag): a built-in template name, a Jinja file, or
+    Jinja text.  Returns ``(name or Jinja text, what it is for the log)``."""
+    from ..engine.model import builtin_chat_templates
+
+    if text in builtin_chat_templates():
+        return text, f"built-in {text!r}"
+    if os.path.isfile(os.path.expanduser(text)):
+        return chat_template_file(text)
+    try:
+        return text, _check_template(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def chat_template_file(path: str) -> tuple[str, str]:
+    """``--chat-template-file FILE`` (llama-server's flag): a Jinja template file, checked to compile."""
+    try:
+        text = Path(os.path.expanduser(path)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+    try:
+        _check_template(text, jinja=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{path}: {exc}") from None
+    return text, f"Jinja file {path}"
+
+
+def _check_template(text: str, jinja: bool = False) -> str:
+    from ..engine.model import check_chat_template
+
+    return check_chat_template(text, jinja=jinja)
+
+
+def quant_value(text: str) -> tuple[str, str]:
+    """``--quant KEY=PATH|ALIAS``: the key and the model (resolved when the node starts)."""
+    key, sep, model = text.partition("=")
+    if not sep or not key.strip() or not model.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=PATH|ALIAS, got {text!r}")
+    return key.strip(), model.strip()
+
+
+def combined_ot(text: str) -> str:
+    """The C++ engine's ``--combined-ot-pattern REGEX=BUFT[,...]``: the tensors that go to the peer.  Each
+    BUFT must name the peer (``RPC...``); returns the regexes joined with ``|``."""
+    patterns = []
+    for pattern, buft in tensor_overrides(text):
+        if not buft.upper().startswith("RPC"):
+            raise argparse.ArgumentTypeError(
+                f"{pattern}={buft}: COMBINED places tensors on the ggml-RPC peer only (BUFT RPC...), got {buft!r}")
+        patterns.append(pattern)
+    return "|".join(f"(?:{p})" for p in patterns) if len(patterns) > 1 else patterns[0]

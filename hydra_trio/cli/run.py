@@ -1,0 +1,309 @@
+"""``hydra-trio run``: from parsed flags to a serving node (configs, logs, process settings, signals)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import ssl
+import sys
+from pathlib import Path
+
+import trio
+
+from ..engine.settings import EngineConfig, LlamaOptions
+from ..frontdoor import FrontDoorSettings
+from ..ggml_rpc.backend import RpcBackendSettings
+from ..http.settings import HttpSettings
+from ..logs import configure_logging
+from ..models.presets import DEFAULT_ALIAS, PresetError, resolve_model
+from ..tls import TlsSettings, client_context, server_context
+from . import RUN_FLAGS
+from ._flags import accepted_notes, given_environment
+from .access import access_settings
+
+log = logging.getLogger("hydra_trio")
+
+NICE = {-1: 5, 0: 0, 1: -5, 2: -10, 3: -20}
+"""``--prio`` -> nice value, as llama.cpp's ``set_process_priority`` (common/common.cpp, POSIX)."""
+
+_VERBOSITY = {0: "ERROR", 1: "ERROR", 2: "WARNING", 3: "INFO"}  # llama-server's -lv thresholds; 4+: DEBUG
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """``--log-level`` if given, else ``-v`` / ``-lv N`` as llama-server's thresholds, else INFO."""
+    if args.log_level is not None:
+        return args.log_level
+    if args.verbose:
+        return "DEBUG"
+    if args.log_verbosity is not None:
+        return _VERBOSITY.get(args.log_verbosity, "DEBUG")
+    return "INFO"
+
+
+def llama_options(args: argparse.Namespace) -> LlamaOptions:
+    """The :class:`LlamaOptions` of parsed ``run`` flags."""
+    freq_scale = args.rope_freq_scale
+    if freq_scale is None and args.rope_scale is not None and args.rope_scale > 0:
+        freq_scale = 1.0 / args.rope_scale  # llama-server: --rope-scale N sets rope_freq_scale = 1/N
+    opts = {
+        "n_threads_batch": args.threads_batch, "n_ubatch": args.ubatch_size, "swa_full": args.swa_full,
+        "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
+        "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
+        "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
+        "kv_unified": args.kv_unified, "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
+        "rope_freq_scale": freq_scale, "yarn_orig_ctx": args.yarn_orig_ctx,
+        "yarn_ext_factor": args.yarn_ext_factor, "yarn_attn_factor": args.yarn_attn_factor,
+        "yarn_beta_slow": args.yarn_beta_slow, "yarn_beta_fast": args.yarn_beta_fast,
+        "n_gpu_layers": args.gpu_layers, "split_mode": args.split_mode, "tensor_split": args.tensor_split,
+        "main_gpu": args.main_gpu, "devices": args.device,
+        "tensor_overrides": tuple(p for group in args.override_tensor or [] for p in group),
+        "cpu_moe": args.cpu_moe, "n_cpu_moe": args.n_cpu_moe, "n_cpu_ffn": args.n_cpu_ffn,
+    }
+    return LlamaOptions(**{k: v for k, v in opts.items() if v is not None})
+
+
+def template_kwargs(args: argparse.Namespace) -> dict:
+    """``--chat-template-kwargs`` plus ``--reasoning on|off`` (``enable_thinking``), as llama-server."""
+    kwargs = dict(args.chat_template_kwargs or {})
+    if args.reasoning in ("on", "off"):
+        kwargs["enable_thinking"] = args.reasoning == "on"
+    return kwargs
+
+
+def extra_ports(args: argparse.Namespace) -> tuple[int, ...]:
+    """``--rpc-port`` and ``--ggml-rpc-port``: more ports for the same front door (0 and --port: none)."""
+    ports = []
+    for p in (args.rpc_port, args.ggml_rpc_port):
+        if p and p != args.port and p not in ports:
+            ports.append(p)
+    return tuple(ports)
+
+
+def _process_settings(args: argparse.Namespace) -> None:
+    """``--prio`` (nice value) and ``-C``/``-Cr`` (CPU affinity), for the whole process."""
+    if args.prio:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, NICE[args.prio])
+        except OSError as exc:  # raising priority needs CAP_SYS_NICE: llama-server warns and goes on too
+            log.warning("--prio %d: could not set the process priority (nice %d): %s", args.prio, NICE[args.prio], exc)
+    mask = args.cpu_mask if args.cpu_mask is not None else args.cpu_range
+    if mask is not None:
+        cpus = {i for i in range(mask.bit_length()) if mask >> i & 1}
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (OSError, ValueError) as exc:
+            log.warning("CPU affinity %s: not applied: %s", sorted(cpus), exc)
+
+
+def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
+    """One line for each flag whose effect an operator could miss."""
+    for env in given_environment(RUN_FLAGS):
+        log.info("environment: %s is set (an explicit flag wins over it)", env)
+    for note in accepted_notes(RUN_FLAGS, args):
+        log.warning("%s", note)
+    gpu = [name for name, given in (("-ngl", args.gpu_layers), ("-sm", args.split_mode), ("-ts", args.tensor_split),
+                                    ("-mg", args.main_gpu), ("-cmoe", args.cpu_moe or None),
+                                    ("-ncmoe", args.n_cpu_moe), ("-ncffn", args.n_cpu_ffn)) if given is not None]
+    if gpu:
+        log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
+                    "same way)", ", ".join(gpu))
+    if args.combined_ot_pattern is not None:
+        log.info("--combined-ot-pattern: COMBINED places tensors matching %s on the peer", args.combined_ot_pattern)
+
+
+def _check_devices(opts: LlamaOptions, overrides: tuple[tuple[str, str], ...]) -> str | None:
+    """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None."""
+    from ..engine.ggml_rpc import local_devices
+
+    names = {name for name, _, _ in local_devices()}
+    for dev in opts.devices or ():
+        if dev != "none" and dev not in names:
+            return f"-dev/--device: no device {dev!r} here (devices: {', '.join(sorted(names))}; see --list-devices)"
+    for pattern, buft in overrides:
+        if buft not in names and not buft.upper().startswith("RPC"):
+            return (f"-ot/--override-tensor {pattern}={buft}: unknown buffer type {buft!r} "
+                    f"(available: {', '.join(sorted(names))})")
+    return None
+
+
+def _list_devices() -> int:
+    from ..engine.ggml_rpc import local_devices
+
+    print("Available devices:")
+    for name, free, total in local_devices():
+        print(f"  {name}: {total // 2**20} MiB ({free // 2**20} MiB free)")
+    return 0
+
+
+def _tls_contexts(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """The server context (``--tls-cert``/``--tls-key``/``--tls-client-ca``) and the ``--rpc-tls`` client context.
+
+    Raises:
+        ValueError: flags that do not go together.
+        OSError, ssl.SSLError: a file that cannot be read or is not valid PEM.
+    """
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key (--ssl-cert-file and --ssl-key-file) go together")
+    if args.tls_cert is None and (args.tls_client_ca or args.tls_required):
+        raise ValueError("--tls-client-ca and --tls-required need --tls-cert/--tls-key")
+    if args.rpc_tls and args.no_model:
+        raise ValueError("--rpc-tls is for a head (a node with a model) that dials peers; --no-model dials none")
+    if args.tls_ca and not args.rpc_tls:
+        raise ValueError("--tls-ca is for --rpc-tls")
+    server = None
+    if args.tls_cert is not None:
+        settings = TlsSettings(Path(args.tls_cert), Path(args.tls_key),
+                               Path(args.tls_client_ca) if args.tls_client_ca else None, args.tls_required)
+        server = server_context(settings)
+    client = client_context(args.tls_ca, args.tls_cert, args.tls_key) if args.rpc_tls else None
+    return server, client
+
+
+def run_node(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; the exit code (2: a setting refused before anything bound or loaded)."""
+    if args.list_devices:
+        return _list_devices()
+    configure_logging("CRITICAL" if args.log_disable else log_level(args),
+                      args.log_format or ("json" if args.log_jsonl else "text"), sys.stderr,
+                      file=args.log_file, timestamps=args.log_timestamps, disabled=args.log_disable)
+    try:
+        return trio.run(_run, args)
+    except Exception as exc:  # e.g. ModelLoadError: say it plainly, exit non-zero
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        log.error("fatal: %s", exc)
+        return 1
+
+
+def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
+    """The :class:`EngineConfig` of parsed ``run`` flags.
+
+    Raises:
+        PresetError: ``-m`` or a ``--quant`` names neither a file nor an installed preset.
+    """
+    path, alias = resolve_model(args.model or DEFAULT_ALIAS)
+    quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
+    template, _origin = args.chat_template or args.chat_template_file or (None, "")
+    return EngineConfig(
+        model_path=path,
+        model_alias=args.alias or alias,
+        n_parallel=4 if args.parallel == -1 else args.parallel,  # llama-server's auto: 4 slots
+        n_ctx=args.ctx_size,
+        n_batch=args.batch_size,
+        n_threads=args.threads,
+        peer=args.rpc_engine,
+        combined_pattern=args.combined_ot_pattern or args.combined_pattern,
+        chat_template=template,
+        allow_cross_model_kv=args.allow_cross_model_kv,
+        quants=quants,
+        llama=opts,
+        chat_template_kwargs=template_kwargs(args),
+        sampling=args.sampling,
+        n_predict=args.n_predict if args.n_predict is not None else -1,
+        context_shift=args.context_shift,
+        n_keep=args.n_keep if args.n_keep is not None else 0,
+        n_cache_reuse=args.n_cache_reuse or 0,
+        slot_prompt_similarity=(args.slot_prompt_similarity if args.slot_prompt_similarity is not None
+                                else EngineConfig.__attrs_attrs__.slot_prompt_similarity.default),
+        slot_save_path=args.slot_save_path,
+    )
+
+
+async def _run(args: argparse.Namespace) -> int:
+    from ..server import Server, ServerConfig, serve  # loads llama.cpp: only for `run`
+
+    try:
+        access = access_settings(args)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    if args.metrics_auth and not access.api_keys:
+        log.warning("--metrics-auth without --api-key/--api-key-file: /metrics stays open")
+    opts = llama_options(args)
+    problem = _check_devices(opts, opts.tensor_overrides)
+    if problem:
+        log.error("%s", problem)
+        return 2
+    _notes(args, opts)
+    _process_settings(args)
+    engine = None
+    if not args.no_model:
+        try:
+            engine = engine_config(args, opts)
+        except PresetError as exc:
+            log.error("%s", exc)
+            return 2
+        if args.chat_template or args.chat_template_file:
+            log.info("chat template: %s", (args.chat_template or args.chat_template_file)[1])
+        log.info("model %s (%s), %d slots, n_ctx %s", engine.model_alias, engine.model_path, engine.n_parallel,
+                 engine.n_ctx or "the model's training context per slot")
+    else:
+        log.info("compute-only node: no model")
+    rpc = None
+    if not args.no_rpc_backend:
+        rpc = RpcBackendSettings(
+            devices=tuple(args.rpc_device or ["cpu"]),
+            cache_dir=Path(args.rpc_cache_dir) if args.rpc_cache_dir else None,
+            threads=args.rpc_threads,
+            max_waiting=args.rpc_max_waiting,
+            wait_timeout=args.rpc_wait_timeout,
+            handshake_timeout=args.rpc_handshake_timeout,
+            stall_timeout=args.rpc_stall_timeout,
+            restart_wait=args.rpc_restart_wait,
+            max_message_size=args.rpc_max_message_size,
+            allow=access.rpc_allow,
+        )
+    elif args.no_model:
+        log.error("--no-model with --no-rpc-backend leaves nothing to serve")
+        return 2
+    try:
+        tls, rpc_tls = _tls_contexts(args)
+    except (OSError, ValueError) as exc:
+        log.error("TLS: %s", exc)
+        return 2
+    cors = tuple(args.cors_origins or ()) + tuple(args.cors_origin or ())
+    http_kw = {"body_timeout": args.timeout} if args.timeout is not None else {}
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        extra_ports=extra_ports(args),
+        engine=engine,
+        frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout,
+                                    tls=tls, tls_required=args.tls_required),
+        rpc_tls=rpc_tls,
+        http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, cors_origins=cors or ("*",),
+                          max_event_subscribers=args.max_event_subscribers or max(1, args.max_connections // 4),
+                          **http_kw),
+        rpc_backend=rpc,
+        access=access,
+    )
+    async with trio.open_nursery() as nursery:
+
+        server: Server | None = None
+
+        async def stop_on_signal() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                first = True
+                async for signum in signals:
+                    if first and server is not None and args.shutdown_grace > 0:
+                        log.info("%s received: no new connections; requests in flight get %.0f s to finish "
+                                 "(send it again to stop at once)", signal.Signals(signum).name, args.shutdown_grace)
+                        first = False
+                        nursery.start_soon(server.shutdown, args.shutdown_grace)
+                        continue
+                    log.info("%s received: shutting down", signal.Signals(signum).name)
+                    nursery.cancel_scope.cancel()
+                    return
+
+        nursery.start_soon(stop_on_signal)
+        try:
+            server = await nursery.start(serve, config)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", args.host, args.port, exc)
+            nursery.cancel_scope.cancel()
+            return 1
+        await server.stopped.wait()
+        nursery.cancel_scope.cancel()
+    return 0

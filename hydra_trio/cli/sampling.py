@@ -1,0 +1,85 @@
+"""llama-server's sampling parameters: the node's defaults for every request that does not set them
+(``EngineConfig.sampling``, shown in ``/props`` ``default_generation_settings``).  Bounds are the engine's
+(:class:`hydra_trio.engine.settings.SamplingParams`), checked when the command line is parsed."""
+
+from __future__ import annotations
+
+from . import _types as t
+from ._flags import ACCEPTED, REFUSED, WIRED, Flag
+
+
+def S(names: tuple[str, ...], kind: str, note: str = "", **kw) -> Flag:  # noqa: N802 (a table row)
+    return Flag(names, kind, note, group="sampling", **kw)
+
+
+NO_SPEC = "sampler order is llama-server's default chain; it cannot be changed here"
+PER_REQUEST = "set it per request (the request field of the same name)"
+
+# flag dest -> SamplingParams field
+FIELDS = {
+    "seed": "seed", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+    "top_n_sigma": "top_n_sigma", "xtc_probability": "xtc_probability", "xtc_threshold": "xtc_threshold",
+    "typical_p": "typical_p", "repeat_last_n": "repeat_last_n", "repeat_penalty": "repeat_penalty",
+    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+    "dry_multiplier": "dry_multiplier", "dry_base": "dry_base", "dry_allowed_length": "dry_allowed_length",
+    "dry_penalty_last_n": "dry_penalty_last_n", "dynatemp_range": "dynatemp_range",
+    "dynatemp_exponent": "dynatemp_exponent", "mirostat": "mirostat", "mirostat_eta": "mirostat_eta",
+    "mirostat_tau": "mirostat_tau",
+}
+
+_num = t.float_range()
+_int = t.int_range(-(2**31), 2**31 - 1)
+
+
+def _s(names: tuple[str, ...], field: str, note: str, type_=_num, env: str | None = None) -> Flag:
+    return S(names, WIRED, note, value="N", type=type_, dest=field, env=env,
+             lands=f"EngineConfig.sampling.{FIELDS[field]}")
+
+
+FLAGS: list[Flag] = [
+    S(("--samplers",), REFUSED, NO_SPEC, value="SAMPLERS"),
+    S(("-s", "--seed"), WIRED, "RNG seed (-1 = random)", value="SEED", type=t.int_range(-1, 2**32 - 1), dest="seed",
+      lands="EngineConfig.sampling.seed"),
+    S(("--sampler-seq", "--sampling-seq"), REFUSED, NO_SPEC, value="SEQUENCE"),
+    S(("--ignore-eos",), REFUSED, "ignore_eos is a request field here; " + PER_REQUEST),
+    _s(("--temp", "--temperature"), "temperature", "temperature (default: 0.8)", env="LLAMA_ARG_TEMPERATURE"),
+    _s(("--top-k",), "top_k", "top-k sampling (default: 40, 0 = off)", _int, env="LLAMA_ARG_TOP_K"),
+    _s(("--top-p",), "top_p", "top-p sampling (default: 0.95, 1.0 = off)", env="LLAMA_ARG_TOP_P"),
+    _s(("--min-p",), "min_p", "min-p sampling (default: 0.05, 0.0 = off)", env="LLAMA_ARG_MIN_P"),
+    _s(("--top-nsigma", "--top-n-sigma"), "top_n_sigma", "top-n-sigma sampling (default: -1 = off)"),
+    _s(("--xtc-probability",), "xtc_probability", "XTC probability (default: 0 = off)"),
+    _s(("--xtc-threshold",), "xtc_threshold", "XTC threshold (default: 0.1)"),
+    _s(("--typical", "--typical-p"), "typical_p", "locally typical sampling p (default: 1.0 = off)"),
+    _s(("--repeat-last-n",), "repeat_last_n", "tokens the penalties look back over (default: 64, 0 = off, "
+       "-1 = context)", _int),
+    _s(("--repeat-penalty",), "repeat_penalty", "repetition penalty (default: 1.0 = off)",
+       env="LLAMA_ARG_REPEAT_PENALTY"),
+    _s(("--presence-penalty",), "presence_penalty", "presence penalty (default: 0.0 = off)",
+       env="LLAMA_ARG_PRESENCE_PENALTY"),
+    _s(("--frequency-penalty",), "frequency_penalty", "frequency penalty (default: 0.0 = off)",
+       env="LLAMA_ARG_FREQUENCY_PENALTY"),
+    _s(("--dry-multiplier",), "dry_multiplier", "DRY multiplier (default: 0.0 = off)"),
+    _s(("--dry-base",), "dry_base", "DRY base (default: 1.75)"),
+    _s(("--dry-allowed-length",), "dry_allowed_length", "DRY allowed length (default: 2)", _int),
+    _s(("--dry-penalty-last-n",), "dry_penalty_last_n", "DRY look-back (default: -1 = context, 0 = off)", _int),
+    S(("--dry-sequence-breaker",), WIRED, "a DRY sequence breaker, repeatable; the first replaces the defaults "
+      "('none': no breakers)", value="STRING", action="append", dest="dry_sequence_breakers",
+      lands="EngineConfig.sampling.dry_sequence_breakers"),
+    S(("--adaptive-target",), REFUSED, "the adaptive-p sampler is not available here", value="N"),
+    S(("--adaptive-decay",), REFUSED, "the adaptive-p sampler is not available here", value="N"),
+    _s(("--dynatemp-range",), "dynatemp_range", "dynamic temperature range (default: 0.0 = off)"),
+    _s(("--dynatemp-exp",), "dynatemp_exponent", "dynamic temperature exponent (default: 1.0)"),
+    _s(("--mirostat",), "mirostat", "Mirostat: 0 off, 1 Mirostat, 2 Mirostat 2.0 (default: 0)", _int),
+    _s(("--mirostat-lr",), "mirostat_eta", "Mirostat learning rate eta (default: 0.1)"),
+    _s(("--mirostat-ent",), "mirostat_tau", "Mirostat target entropy tau (default: 5.0)"),
+    S(("-l", "--logit-bias"), REFUSED, "a node-wide logit bias is not supported; " + PER_REQUEST,
+      value="TOKEN_ID(+/-)BIAS"),
+    S(("--grammar",), REFUSED, "a node-wide grammar is not supported; " + PER_REQUEST, value="GRAMMAR"),
+    S(("--grammar-file",), REFUSED, "a node-wide grammar is not supported; " + PER_REQUEST, value="FNAME"),
+    S(("-j", "--json-schema"), REFUSED, "a node-wide JSON schema is not supported; set json_schema or "
+      "response_format per request", value="SCHEMA"),
+    S(("-jf", "--json-schema-file"), REFUSED, "a node-wide JSON schema is not supported; set json_schema or "
+      "response_format per request", value="FILE"),
+    S(("-bs", "--backend-sampling"), ACCEPTED, "sampling runs on the CPU after each decode",
+      env="LLAMA_ARG_BACKEND_SAMPLING"),
+]

@@ -1,0 +1,208 @@
+"""llama-server's own parameters (``LLAMA_EXAMPLE_SERVER`` in ``common/arg.cpp``): slots, caching, HTTP,
+API keys, chat templates and thinking, plus the speculative-decoding and preset flags it refuses."""
+
+from __future__ import annotations
+
+from ..engine.settings import EngineConfig
+from . import _types as t
+from ._flags import ACCEPTED, REFUSED, WIRED, Flag
+
+NO_SPEC = "no speculative decoding (no draft model)"
+NO_EMBED = "this node serves generation only; it has no embeddings or reranking endpoint"
+NO_ROUTER = "one model per node: llama-server's router mode (models directory, presets) is not supported"
+NO_UI = "the node serves its own status page at /, not llama-server's web UI"
+NOT_YET = "accepted and kept in the engine settings; this node does not yet act on it"
+
+
+def V(names: tuple[str, ...], kind: str, note: str = "", **kw) -> Flag:  # noqa: N802 (a table row)
+    return Flag(names, kind, note, group="server", **kw)
+
+
+FLAGS: list[Flag] = [
+    V(("-lcs", "--lookup-cache-static"), REFUSED, NO_SPEC, value="FNAME"),
+    V(("-lcd", "--lookup-cache-dynamic"), REFUSED, NO_SPEC, value="FNAME"),
+    V(("--kv-unified-per-slot",), REFUSED, "the per-slot limit of a unified KV pool is not supported; "
+      "-c is split evenly over the slots", value="N", env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
+    V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), ACCEPTED, NOT_YET + " (context checkpoints)",
+      value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CTX_CHECKPOINTS"),
+    V(("-cms", "--checkpoint-min-step"), ACCEPTED, NOT_YET + " (context checkpoints)", value="N",
+      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
+    V(("-cram", "--cache-ram"), ACCEPTED, NOT_YET + " (no host-RAM prompt cache yet)", value="N",
+      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM"),
+    V(("-kvu", "--kv-unified"), ACCEPTED, "each slot keeps its own KV stream of n_ctx/n_parallel tokens (kept in "
+      "the engine settings)", neg=("-no-kvu", "--no-kv-unified"), env="LLAMA_ARG_KV_UNIFIED"),
+    V(("--cache-idle-slots",), ACCEPTED, "an idle slot keeps its KV cache for the next request",
+      neg=("--no-cache-idle-slots",), env="LLAMA_ARG_CACHE_IDLE_SLOTS"),
+    V(("--context-shift",), WIRED, "when a generation fills its slot's context, drop older tokens and go on "
+      "(default: off)", neg=("--no-context-shift",), env="LLAMA_ARG_CONTEXT_SHIFT",
+      lands="EngineConfig.context_shift"),
+    V(("--keep",), WIRED, "prompt tokens kept by a context shift (-1 = all)", value="N",
+      type=t.int_range(-1, t.INT32_MAX), dest="n_keep", lands="EngineConfig.n_keep"),
+    V(("-r", "--reverse-prompt"), ACCEPTED, "reverse prompts are for interactive tools; requests carry stop "
+      "strings", value="PROMPT"),
+    V(("-sp", "--special"), ACCEPTED, "special tokens are rendered as llama-server's server does"),
+    V(("--warmup",), ACCEPTED, "the node always runs its warm-up step at start",
+      neg=("--no-warmup",)),
+    V(("--spm-infill",), REFUSED, "no /infill endpoint"),
+    V(("--pooling",), REFUSED, NO_EMBED, value="{none,mean,cls,last,rank}", env="LLAMA_ARG_POOLING"),
+    V(("-np", "--parallel"), WIRED, "number of slots, 1-256 (-1 = auto: 4)", value="N",
+      type=t.n_parallel, default=EngineConfig.__attrs_attrs__.n_parallel.default, env="LLAMA_ARG_N_PARALLEL",
+      lands="EngineConfig.n_parallel"),
+    V(("-cb", "--cont-batching"), ACCEPTED, "continuous batching is always on", neg=("-nocb", "--no-cont-batching"),
+      env="LLAMA_ARG_CONT_BATCHING"),
+    V(("--mmproj-auto",), ACCEPTED, "there is no multimodal projector to find",
+      neg=("--no-mmproj", "--no-mmproj-auto"), env="LLAMA_ARG_MMPROJ_AUTO"),
+    V(("--mtmd-batch-max-tokens",), ACCEPTED, "there is no multimodal projector", value="N",
+      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_MTMD_BATCH_MAX_TOKENS"),
+    V(("-a", "--alias"), WIRED, "model id in API replies (default: the preset alias or file name)", value="STRING",
+      env="LLAMA_ARG_ALIAS", lands="EngineConfig.model_alias"),
+    V(("--tags",), ACCEPTED, "model tags are for llama-server's router mode", value="STRING", env="LLAMA_ARG_TAGS"),
+    V(("--embd-normalize",), REFUSED, NO_EMBED, value="N"),
+    V(("--host",), WIRED, "address to bind", value="HOST", default="127.0.0.1", env="LLAMA_ARG_HOST",
+      lands="ServerConfig.host"),
+    V(("--port",), WIRED, "TCP port for HTTP, Hydra and ggml-RPC, 0-65535 (0 = any free port)", value="PORT",
+      type=t.port, default=8080, env="LLAMA_ARG_PORT", lands="ServerConfig.port"),
+    V(("--reuse-port",), REFUSED, "SO_REUSEPORT is not supported: one process per port", env="LLAMA_ARG_REUSE_PORT"),
+    V(("--path",), REFUSED, NO_UI + "; it serves no other static files", value="PATH", env="LLAMA_ARG_STATIC_PATH"),
+    V(("--cors-origins",), WIRED, "comma-separated origins allowed by CORS (default: *)", value="ORIGINS",
+      type=t.csv, env="LLAMA_ARG_CORS_ORIGINS", lands="HttpSettings.cors_origins"),
+    V(("--cors-methods",), ACCEPTED, "CORS allows every method", value="METHODS", env="LLAMA_ARG_CORS_METHODS"),
+    V(("--cors-headers",), ACCEPTED, "CORS allows every header", value="HEADERS", env="LLAMA_ARG_CORS_HEADERS"),
+    V(("--cors-credentials",), ACCEPTED, "CORS answers without credentials", neg=("--no-cors-credentials",),
+      env="LLAMA_ARG_CORS_CREDENTIALS"),
+    V(("--api-prefix",), REFUSED, "the API is served at the root paths only", value="PREFIX",
+      env="LLAMA_ARG_API_PREFIX"),
+    V(("--ui-config", "--webui-config"), ACCEPTED, NO_UI, value="JSON", env="LLAMA_ARG_UI_CONFIG"),
+    V(("--ui-config-file", "--webui-config-file"), ACCEPTED, NO_UI, value="PATH", env="LLAMA_ARG_UI_CONFIG_FILE"),
+    V(("--ui-mcp-proxy", "--webui-mcp-proxy"), ACCEPTED, NO_UI, neg=("--no-ui-mcp-proxy", "--no-webui-mcp-proxy"),
+      env="LLAMA_ARG_UI_MCP_PROXY"),
+    V(("--tools",), REFUSED, "the node runs no server-side tools; clients run their own tool calls",
+      value="TOOL1,TOOL2,...", env="LLAMA_ARG_TOOLS"),
+    V(("--tools-runtime",), REFUSED, "the node runs no server-side tools", value="OPTION",
+      env="LLAMA_ARG_TOOLS_RUNTIME"),
+    V(("--mcp-servers-config",), REFUSED, "the node runs no MCP servers", value="PATH",
+      env="LLAMA_ARG_MCP_SERVERS_CONFIG"),
+    V(("--mcp-servers-json",), REFUSED, "the node runs no MCP servers", value="JSON", env="LLAMA_ARG_MCP_SERVERS_JSON"),
+    V(("-ag", "--agent"), ACCEPTED, NO_UI, neg=("-no-ag", "--no-agent"), env="LLAMA_ARG_AGENT"),
+    V(("--ui", "--webui"), ACCEPTED, NO_UI, neg=("--no-ui", "--no-webui"), env="LLAMA_ARG_UI"),
+    V(("--embedding", "--embeddings"), REFUSED, NO_EMBED, env="LLAMA_ARG_EMBEDDINGS"),
+    V(("--rerank", "--reranking"), REFUSED, NO_EMBED, env="LLAMA_ARG_RERANKING"),
+    V(("--api-key",), WIRED, "HTTP: require 'Authorization: Bearer KEY'; a comma-separated list, repeatable; "
+      "/health stays open", value="KEY", type=t.key_list, action="append", default=None, env="LLAMA_API_KEY",
+      lands="AccessSettings.api_keys"),
+    V(("--api-key-file",), WIRED, "HTTP: API keys from a file, one per line (empty lines and # lines skipped)",
+      value="FNAME", action="append", default=None, env="LLAMA_ARG_API_KEY_FILE", lands="AccessSettings.api_keys"),
+    V(("--ssl-key-file",), WIRED, "PEM private key: serve TLS (HTTPS, and Hydra and ggml-RPC over TLS) on the "
+      "same port (= --tls-key)", value="FNAME", env="LLAMA_ARG_SSL_KEY_FILE", dest="tls_key",
+      lands="FrontDoorSettings.tls"),
+    V(("--ssl-cert-file",), WIRED, "PEM certificate chain for --ssl-key-file (= --tls-cert)", value="FNAME",
+      env="LLAMA_ARG_SSL_CERT_FILE", dest="tls_cert", lands="FrontDoorSettings.tls"),
+    V(("--chat-template-kwargs",), WIRED, "extra variables for the Jinja chat template, a JSON object, e.g. "
+      "'{\"enable_thinking\": true}'", value="STRING", type=t.json_object, env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS",
+      lands="EngineConfig.chat_template_kwargs"),
+    V(("-to", "--timeout"), WIRED, "HTTP read timeout in seconds: silence allowed while a request body arrives "
+      "(408 after; default: 30). A reply runs as long as it needs", value="SECONDS", type=t.seconds(),
+      env="LLAMA_ARG_TIMEOUT", lands="HttpSettings.body_timeout"),
+    V(("--sse-ping-interval",), ACCEPTED, "streams send no SSE pings", value="N", type=t.int_range(-1, t.INT32_MAX),
+      env="LLAMA_ARG_SSE_PING_INTERVAL"),
+    V(("--threads-http",), ACCEPTED, "HTTP is served by trio tasks, not a thread pool", value="N",
+      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_THREADS_HTTP"),
+    V(("--cache-prompt",), ACCEPTED, "prompts are always cached (a request may set cache_prompt: false)",
+      neg=("--no-cache-prompt",), env="LLAMA_ARG_CACHE_PROMPT"),
+    V(("--cache-reuse",), WIRED, "minimum chunk of cached tokens to reuse by shifting the KV cache (0 = off)",
+      value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
+      lands="EngineConfig.n_cache_reuse"),
+    V(("--metrics",), ACCEPTED, "/metrics is always on", env="LLAMA_ARG_ENDPOINT_METRICS"),
+    V(("--props",), ACCEPTED, "GET /props is always on; properties change through the Hydra CONFIGURE op",
+      env="LLAMA_ARG_ENDPOINT_PROPS"),
+    V(("--slots",), ACCEPTED, "/slots is always on (the cluster's health checker probes it)", neg=("--no-slots",),
+      env="LLAMA_ARG_ENDPOINT_SLOTS"),
+    V(("--slot-save-path",), WIRED, "directory for POST /slots/{id}?action=save|restore", value="PATH",
+      type=t.directory, lands="EngineConfig.slot_save_path"),
+    V(("--media-path",), ACCEPTED, "there is no multimodal input to read files for", value="PATH"),
+    V(("--models-dir",), REFUSED, NO_ROUTER, value="PATH", env="LLAMA_ARG_MODELS_DIR"),
+    V(("--models-preset",), REFUSED, NO_ROUTER, value="PATH", env="LLAMA_ARG_MODELS_PRESET"),
+    V(("--models-max",), REFUSED, NO_ROUTER, value="N", env="LLAMA_ARG_MODELS_MAX"),
+    V(("--models-autoload",), ACCEPTED, "one model per node, loaded at start", neg=("--no-models-autoload",),
+      env="LLAMA_ARG_MODELS_AUTOLOAD"),
+    V(("--jinja",), ACCEPTED, "chat templates are always Jinja (the GGUF's, --chat-template or a built-in)",
+      neg=("--no-jinja",), env="LLAMA_ARG_JINJA"),
+    V(("--reasoning-format",), ACCEPTED, NOT_YET + " (thinking is not yet split into reasoning_content)",
+      value="FORMAT", type=t.choice("none", "deepseek", "deepseek-legacy", "auto"), env="LLAMA_ARG_THINK"),
+    V(("-rea", "--reasoning"), WIRED, "thinking on, off or auto: on/off set enable_thinking for the chat "
+      "template, as llama-server", value="[on|off|auto]", type=t.on_off_auto, env="LLAMA_ARG_REASONING",
+      lands="EngineConfig.chat_template_kwargs"),
+    V(("--reasoning-effort",), ACCEPTED, NOT_YET, value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT"),
+    V(("--reasoning-budget",), ACCEPTED, NOT_YET + " (no thinking budget)", value="N",
+      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_THINK_BUDGET"),
+    V(("--reasoning-budget-message",), ACCEPTED, NOT_YET + " (no thinking budget)", value="MESSAGE",
+      env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
+    V(("--reasoning-preserve",), ACCEPTED, "the chat template decides whether past thinking is kept",
+      neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE"),
+    V(("--chat-template",), WIRED, "chat template: a built-in name (hydra-trio models templates), a Jinja file "
+      "or Jinja text (default: the GGUF's; chatml when it has none)", value="JINJA_TEMPLATE",
+      type=t.chat_template_value, env="LLAMA_ARG_CHAT_TEMPLATE", lands="EngineConfig.chat_template"),
+    V(("--chat-template-file",), WIRED, "a Jinja chat template file", value="JINJA_TEMPLATE_FILE",
+      type=t.chat_template_file, env="LLAMA_ARG_CHAT_TEMPLATE_FILE", lands="EngineConfig.chat_template"),
+    V(("--skip-chat-parsing",), ACCEPTED, "replies are not parsed for thinking or tool calls yet",
+      neg=("--no-skip-chat-parsing",), env="LLAMA_ARG_SKIP_CHAT_PARSING"),
+    V(("--prefill-assistant",), ACCEPTED, NOT_YET + " (a final assistant message is rendered by the template)",
+      neg=("--no-prefill-assistant",), env="LLAMA_ARG_PREFILL_ASSISTANT"),
+    V(("-sps", "--slot-prompt-similarity"), WIRED, "how much a prompt must match a slot's cached prompt to use "
+      "that slot (0.0 = off)", value="SIMILARITY", type=t.float_range(0.0, 1.0), dest="slot_prompt_similarity",
+      lands="EngineConfig.slot_prompt_similarity"),
+    V(("--lora-init-without-apply",), REFUSED, "LoRA adapters are not supported"),
+    V(("--sleep-idle-seconds",), REFUSED, "the node keeps its model loaded; it does not sleep", value="SECONDS"),
+    V(("--log-prompts-dir",), REFUSED, "prompts are not logged to files", value="PATH"),
+    # llama-server's presets download models from Hugging Face
+    *(V((name,), REFUSED, "a preset that downloads a model from Hugging Face; " + "give -m FILE")
+      for name in ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default",
+                   "--fim-qwen-7b-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec", "--fim-qwen-30b-default",
+                   "--gpt-oss-20b-default", "--gpt-oss-120b-default", "--vision-gemma-4b-default",
+                   "--vision-gemma-12b-default", "--spec-default")),
+]
+
+
+def _spec(names: tuple[str, ...], value: str | None = "N", neg: tuple[str, ...] = (), env: str | None = None) -> Flag:
+    return Flag(names, REFUSED, NO_SPEC, neg=neg, value=value, env=env, group="speculative")
+
+
+SPECULATIVE: list[Flag] = [
+    _spec(("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), "<user>/<model>[:quant]",
+          env="LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
+    _spec(("--spec-draft-threads", "-td", "--threads-draft")),
+    _spec(("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft")),
+    _spec(("--spec-draft-cpu-mask", "-Cd", "--cpu-mask-draft"), "M"),
+    _spec(("--spec-draft-cpu-range", "-Crd", "--cpu-range-draft"), "lo-hi"),
+    _spec(("--spec-draft-cpu-strict", "--cpu-strict-draft"), "<0|1>"),
+    _spec(("--spec-draft-prio", "--prio-draft")),
+    _spec(("--spec-draft-poll", "--poll-draft"), "<0|1>"),
+    _spec(("--spec-draft-cpu-mask-batch", "-Cbd", "--cpu-mask-batch-draft"), "M"),
+    _spec(("--spec-draft-cpu-strict-batch", "--cpu-strict-batch-draft"), "<0|1>"),
+    _spec(("--spec-draft-prio-batch", "--prio-batch-draft")),
+    _spec(("--spec-draft-poll-batch", "--poll-batch-draft"), "<0|1>"),
+    _spec(("--spec-draft-override-tensor", "-otd", "--override-tensor-draft"),
+          "<tensor name pattern>=<buffer type>,..."),
+    _spec(("--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft"), None, env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE"),
+    _spec(("--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft"),
+          env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE"),
+    _spec(("--spec-draft-n-max",), env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
+    _spec(("--spec-draft-n-min",), env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
+    _spec(("--spec-synth-len",), "L", env="LLAMA_ARG_SPEC_SYNTH_LEN"),
+    _spec(("--spec-synth-rates",), "P0,P1,...", env="LLAMA_ARG_SPEC_SYNTH_RATES"),
+    _spec(("--spec-draft-p-split", "--draft-p-split"), "P", env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT"),
+    _spec(("--spec-draft-p-min", "--draft-p-min"), "P", env="LLAMA_ARG_SPEC_DRAFT_P_MIN"),
+    _spec(("--spec-draft-backend-sampling",), None, neg=("--no-spec-draft-backend-sampling",),
+          env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING"),
+    _spec(("--spec-draft-device", "-devd", "--device-draft"), "<dev1,dev2,..>"),
+    _spec(("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
+          env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
+    _spec(("--spec-draft-model", "-md", "--model-draft"), "FNAME", env="LLAMA_ARG_SPEC_DRAFT_MODEL"),
+    _spec(("--spec-type",), "TYPES", env="LLAMA_ARG_SPEC_TYPE"),
+    *(_spec((f"--spec-ngram-{name}",)) for name in (
+        "mod-n-min", "mod-n-max", "mod-n-match", "simple-size-n", "simple-size-m", "simple-min-hits",
+        "map-k-size-n", "map-k-size-m", "map-k-min-hits", "map-k4v-size-n", "map-k4v-size-m", "map-k4v-min-hits",
+        "size-n", "size-m", "min-hits")),
+    _spec(("--draft", "--draft-n", "--draft-max"), env="LLAMA_ARG_DRAFT_MAX"),
+    _spec(("--draft-min", "--draft-n-min"), env="LLAMA_ARG_DRAFT_MIN"),
+]

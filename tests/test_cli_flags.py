@@ -1,0 +1,322 @@
+"""The command line as the cluster's launcher uses it: llama-server's whole flag set (every flag of the
+vendored ``common/arg.cpp`` in a class), no subcommand, no abbreviations, ``LLAMA_ARG_*`` variables,
+parse-time refusals, and launcher-style argvs that start real nodes (issue 19)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from hydra_trio import _spawn, cli
+from hydra_trio.cli import RUN_FLAGS, table
+from hydra_trio.cli._flags import ACCEPTED, OWN, REFUSED
+from hydra_trio.models.presets import resolve_model
+from hydra_trio.protocol.hydra import Op, Status
+
+from .conftest import ROOT, free_port, wait_for
+from .hydra_wire import Wire
+from .llama_arg_cpp import server_flags
+
+BY_NAME = {n: f for f in RUN_FLAGS for n in f.all_names}
+
+
+def parse(*argv: str, env: dict | None = None):
+    return cli.parse_args(list(argv), environ=env or {})
+
+
+def refused(capsys, *argv: str, env: dict | None = None) -> str:
+    with pytest.raises(SystemExit) as exited:
+        parse(*argv, env=env)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the flag set
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> dict[str, set[str]]:
+    return server_flags()
+
+
+def test_every_llama_server_flag_is_in_exactly_one_class(llama_server) -> None:
+    assert len(llama_server) > 300  # every spelling; a broken reader would find few
+    missing = sorted(set(llama_server) - set(BY_NAME))
+    assert not missing, f"llama-server flags in no class (wire, accept or refuse each): {missing}"
+    own = sorted(n for n in llama_server if BY_NAME[n].kind == OWN)
+    assert not own, f"llama-server's flags listed as hydra-trio's own: {own}"
+    # the other way: every flag claimed as llama-server's is one (not the C++ engine's or hydra-trio's)
+    stale = sorted(n for n, f in BY_NAME.items() if f.kind != OWN and f.group != "hydra" and n not in llama_server)
+    assert not stale, f"flags classed as llama-server's that it does not have: {stale}"
+    wrong_env = sorted(n for n in llama_server if BY_NAME[n].env and BY_NAME[n].env not in llama_server[n])
+    assert not wrong_env, f"environment variables that differ from llama-server's: {wrong_env}"
+
+
+def test_the_reader_sees_what_llama_server_registers(llama_server) -> None:
+    # options of other tools only, excluded from the server, or preset-only never appear
+    assert {"-p", "--prompt", "--interactive", "-ns"}.isdisjoint(llama_server)
+    assert {"--ctx-size", "-np", "--no-context-shift", "-no-kvu", "--api-key", "--jinja"} <= set(llama_server)
+    assert llama_server["--ctx-size"] == {"LLAMA_ARG_CTX_SIZE"}
+
+
+def test_readme_holds_the_generated_flag_table() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert table.markdown() in readme, "README's flag table is stale: python -m hydra_trio.cli.table"
+
+
+# --------------------------------------------------------------------------- invocation
+
+
+def test_a_first_argument_that_is_a_flag_runs_the_server() -> None:
+    args = parse("--port", "9000", "-np", "2")
+    assert args.command == "run" and args.port == 9000 and args.parallel == 2
+    assert parse().command == "run"  # no argument at all: the server with its defaults, as llama-server
+    assert cli.parse_args(["models", "--json"], environ={}).command == "models"
+
+
+def test_no_flag_is_an_abbreviation_of_another() -> None:
+    args = parse("--metrics")  # was silently --metrics-auth
+    assert args.metrics is True and args.metrics_auth is False
+    args = parse("-n", "128")  # was -np 128
+    assert args.n_predict == 128 and args.parallel == 4
+    args = parse("-ctk", "q8_0", "-ctv", "q8_0")  # was -c tk
+    assert (args.cache_type_k, args.cache_type_v, args.ctx_size) == ("q8_0", "q8_0", 8192)
+
+
+def test_an_abbreviation_is_an_error(capsys) -> None:
+    assert "unrecognized arguments: --metr" in refused(capsys, "--metr")
+    assert "unrecognized arguments: --paral 2" in refused(capsys, "--paral", "2")
+
+
+def test_underscores_read_as_dashes_as_llama_server() -> None:
+    args = parse("--ctx_size", "1024", "--n_gpu_layers", "all", "--cache_type_k=q4_0")
+    assert (args.ctx_size, args.gpu_layers, args.cache_type_k) == (1024, "all", "q4_0")
+
+
+def test_environment_variables_set_flags_and_an_explicit_flag_wins(capsys) -> None:
+    env = {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "2", "LLAMA_ARG_FLASH_ATTN": "on",
+           "LLAMA_API_KEY": "k1,k2", "LLAMA_ARG_TEMPERATURE": "0.3", "LLAMA_ARG_CONT_BATCHING": "1",
+           "LLAMA_ARG_NO_CONTEXT_SHIFT": "1", "LLAMA_ARG_HOST": "0.0.0.0"}
+    args = parse("-np", "3", env=env)
+    assert (args.ctx_size, args.parallel, args.flash_attn, args.host) == (1024, 3, "on", "0.0.0.0")
+    assert args.api_key == [("k1", "k2")] and args.sampling.temperature == 0.3
+    assert args.context_shift is False and args.cont_batching is True
+    assert "--cont-batching (from LLAMA_ARG_CONT_BATCHING)" in args._accepted_given
+    assert parse("--context-shift", env=env).context_shift is True
+    err = refused(capsys, env={"LLAMA_ARG_CTX_SIZE": "big"})
+    assert "environment variable LLAMA_ARG_CTX_SIZE (--ctx-size): expected an integer, got 'big'" in err
+    err = refused(capsys, env={"LLAMA_ARG_MMPROJ": "x.gguf"})
+    assert "environment variable LLAMA_ARG_MMPROJ (--mmproj): not supported by hydra-trio" in err
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in BY_NAME.items() if f.kind == REFUSED))
+def test_each_refused_flag_exits_2_naming_itself_and_why(capsys, name: str) -> None:
+    flag = BY_NAME[name]
+    argv = [name, "x"] if flag.value else [name]
+    err = refused(capsys, *argv)
+    assert err.startswith("usage: hydra-trio run ")
+    assert f"error: {name}: not supported by hydra-trio: {flag.note}" in err
+
+
+SAMPLE = {"N": "1", "[on|off|auto]": "on", "[on|off]": "off", "<0|1>": "1", "<0...100>": "50", "TYPE": "isolate",
+          "MODE": "auto", "M": "ff", "lo-hi": "0-1", "FORMAT": "deepseek", "SIMILARITY": "0.5"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in BY_NAME.items() if f.kind == ACCEPTED))
+def test_each_accepted_flag_parses_and_is_noted(name: str) -> None:
+    flag = BY_NAME[name]
+    value = SAMPLE.get(flag.value or "", "x")
+    if name in ("-lzm", "--lazy-mode"):
+        value = "on"
+    if name in ("-fitt", "--fit-target", "--combined-tensor-split"):
+        value = "1024"
+    args = parse(*([name, value] if flag.value and name not in flag.neg else [name]))
+    assert name in args._accepted_given
+    notes = cli._flags.accepted_notes(RUN_FLAGS, args)
+    assert notes == [f"{name}: accepted, no effect here: {flag.note}"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["-ngl", "many"], "argument -ngl/--gpu-layers/--n-gpu-layers: expected N, 'all' or 'auto', got 'many'"),
+        (["-ngl", "-3"], "expected N >= 0, 'all' or 'auto'"),
+        (["-fa", "yes"], "argument -fa/--flash-attn: expected [on|off|auto], got 'yes'"),
+        (["-ctk", "q9_0"], "argument -ctk/--cache-type-k: expected one of f32, f16, bf16, q8_0"),
+        (["-ot", "token_embd"], "expected <tensor name pattern>=<buffer type>,..., got 'token_embd'"),
+        (["-ot", "(=CPU"], "not a valid regular expression"),
+        (["--chat-template-kwargs", "[1]"], "expected a JSON object, got list"),
+        (["--chat-template-kwargs", "{enable"], "expected a JSON object, got '{enable'"),
+        (["--rope-scaling", "cubic"], "expected one of {none,linear,yarn}, got 'cubic'"),
+        (["-sm", "diagonal"], "expected one of {none,layer,row,tensor}"),
+        (["-ts", "3,x"], "expected a number, got 'x'"),
+        (["-np", "0"], "must be between 1 and 256 (llama.cpp's most sequences), or -1 (auto), got 0"),
+        (["-np", "-2"], "or -1 (auto), got -2"),
+        (["-c", "-1"], "must be between 0 and 2147483647"),
+        (["--prio", "4"], "argument --prio: must be between -1 and 3"),
+        (["--temp", "3"], "argument --temp/--temperature: temperature: must be in [0, 2], got 3"),
+        (["--top-p", "x"], "argument --top-p: expected a number, got 'x'"),
+        (["--reasoning", "maybe"], "argument -rea/--reasoning: expected [on|off|auto], got 'maybe'"),
+        (["-sps", "1.5"], "must be between 0 and 1"),
+        (["--combined-ot-pattern", "ffn_.*_exps=CPU"], "COMBINED places tensors on the ggml-RPC peer only"),
+        (["--rpc-port", "70000"], "argument --rpc-port: must be between 0 and 65535"),
+        (["-C", "zz"], "expected a hex CPU mask"),
+        (["--api-key", ","], "expected KEY[,KEY...], got no key"),
+    ],
+)
+def test_wrong_values_are_refused_with_llama_servers_value_syntax(capsys, argv: list[str], needle: str) -> None:
+    err = refused(capsys, *argv)
+    assert err.startswith("usage: hydra-trio run ")
+    assert needle in err, err
+
+
+LAUNCHER = ("--cache-prompt --cache-reuse 64 --cache-type-k q8_0 --cache-type-v q8_0 --chat-template-file {tmpl} "
+            "--chat-template-kwargs '{{\"enable_thinking\": true}}' --cont-batching --context-shift --ctx-size 4096 "
+            "--flash-attn on --jinja --kv-unified --log-verbosity 3 --metrics --model {model} --n-cpu-moe 8 "
+            "--n-gpu-layers all --override-tensor 'token_embd\\.weight=CPU' --parallel 2 --perf --prio 1 "
+            "--reasoning on --repeat-penalty 1.06 --rope-scaling yarn --rope-scale 1 --yarn-orig-ctx 8192 "
+            "--slot-prompt-similarity 0.4 --slots --temp 0.7 --top-k 20 --top-p 0.95 --timeout 1800")
+
+
+def launcher_argv(tmp_path: Path, port: int, rpc_port: int) -> list[str]:
+    """The cluster launcher's argv: ``--host H --port P --rpc-port R`` then sorted ``--key value`` pairs."""
+    tmpl = tmp_path / "chat.jinja"
+    tmpl.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                    "{% if enable_thinking %}<think>\n{% endif %}{% endif %}")
+    model, _ = resolve_model("smollm2-135m")
+    return ["--host", "127.0.0.1", "--port", str(port), "--rpc-port", str(rpc_port),
+            *shlex.split(LAUNCHER.format(tmpl=tmpl, model=model))]
+
+
+def test_the_launchers_argv_parses_with_every_value_in_place(tmp_path: Path) -> None:
+    args = parse(*launcher_argv(tmp_path, 8080, 9503))
+    assert args.command == "run" and (args.port, args.rpc_port, args.parallel, args.ctx_size) == (8080, 9503, 2, 4096)
+    assert (args.cache_type_k, args.cache_type_v, args.flash_attn, args.gpu_layers) == ("q8_0", "q8_0", "on", "all")
+    assert args.override_tensor == [(("token_embd\\.weight", "CPU"),)] and args.n_cpu_moe == 8
+    assert args.chat_template_kwargs == {"enable_thinking": True} and args.reasoning == "on"
+    s = args.sampling
+    assert (s.temperature, s.top_k, s.top_p, s.repeat_penalty) == (0.7, 20, 0.95, 1.06)
+    assert (args.n_cache_reuse, args.slot_prompt_similarity, args.timeout) == (64, 0.4, 1800.0)
+
+
+# --------------------------------------------------------------------------- real nodes
+
+
+class Launched:
+    """``python -m hydra_trio ARGV`` with no subcommand, as the launcher execs the binary."""
+
+    def __init__(self, log: Path, argv: list[str], port: int) -> None:
+        self.port, self.base, self.log_path = port, f"http://127.0.0.1:{port}", log
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", *argv], cwd=ROOT, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    def wait_ready(self) -> None:
+        try:
+            _spawn.wait_healthy(self.port, self.proc, 180)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"{exc}:\n{self.log()}") from None
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def launch(tmp_path: Path):
+    started: list[Launched] = []
+
+    def _launch(argv: list[str], port: int) -> Launched:
+        node = Launched(tmp_path / f"node{len(started)}.log", argv, port)
+        started.append(node)
+        return node
+
+    yield _launch
+    for node in started:
+        node.stop()
+
+
+def hydra_info(port: int) -> dict:
+    with Wire(port) as w:
+        status, meta, _ = w.call(Op.INFO)
+    assert status == Status.OK, meta
+    return meta
+
+
+@pytest.mark.slow
+def test_the_launchers_argv_starts_a_node_that_serves(tmp_path: Path, launch) -> None:
+    port, rpc_port = free_port(), free_port()
+    node = launch(launcher_argv(tmp_path, port, rpc_port), port)
+    # the health checker's probe answers from the moment the port is bound, loading or not
+    slots = wait_for(lambda: _slots_or_none(node.base), timeout=180, what="/slots answers")
+    assert isinstance(slots, list)
+    node.wait_ready()
+    slots = httpx.get(node.base + "/slots", timeout=30).json()
+    assert [s["id"] for s in slots] == [0, 1]
+    assert all({"id", "is_processing", "n_past"} <= set(s) and "n_remain" in s["next_token"] for s in slots)
+    r = httpx.post(node.base + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] > 0
+    props = httpx.get(node.base + "/props", timeout=30).json()
+    params = props["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["repeat_penalty"]) == \
+        (pytest.approx(0.7), 20, pytest.approx(0.95), pytest.approx(1.06))
+    assert "enable_thinking" in props["chat_template"]  # the template file is the one in use
+    for p in (port, rpc_port):  # Hydra INFO on the main port and on --rpc-port
+        meta = hydra_info(p)
+        assert meta["model_alias"] == "SmolLM2-135M-Instruct.Q4_1" or meta.get("model")
+    log = node.log()
+    assert f"ports {port}, {rpc_port}" in log
+    assert "--cont-batching: accepted, no effect here: continuous batching is always on" in log
+    assert "-ngl, -ncmoe: no usable GPU in this build" in log
+
+
+def _slots_or_none(base: str):
+    try:
+        r = httpx.get(base + "/slots", timeout=5)
+    except httpx.HTTPError:
+        return None
+    body = r.json()
+    assert r.status_code in (200, 503), r.text
+    return body if r.status_code == 200 else (body or True)
+
+
+@pytest.mark.slow
+def test_a_head_reaches_its_peer_through_the_peers_ggml_rpc_port(launch) -> None:
+    peer_port, peer_ggml, peer_rpc = free_port(), free_port(), free_port()
+    peer = launch(["--host", "127.0.0.1", "--port", str(peer_port), "--rpc-port", str(peer_rpc), "--ggml-rpc-port",
+                   str(peer_ggml), "--no-model", "--peer-only"], peer_port)
+    peer.wait_ready()
+    head_port, head_rpc = free_port(), free_port()
+    head = launch(["--host", "127.0.0.1", "--port", str(head_port), "--rpc-port", str(head_rpc),
+                   "--model", "smollm2-135m-moe", "--parallel", "1", "--ctx-size", "1024", "--no-rpc-backend",
+                   "--rpc-engine", f"127.0.0.1:{peer_ggml}", "--combined-ot-pattern", "ffn_.*_exps=RPC0"], head_port)
+    head.wait_ready()
+    meta = wait_for(lambda: (m := hydra_info(head_rpc))["mode"] == "combined" and m, timeout=180,
+                    what="the head in COMBINED")
+    assert meta["peer_addr"] == f"127.0.0.1:{peer_ggml}"
+    r = httpx.post(head.base + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
+                                                       "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert hydra_info(peer_rpc)["rpc_backend"]["bytes_in"] > 0  # the experts went to the peer's extra port
+    assert "--peer-only: accepted, no effect here" in peer.log()
