@@ -152,6 +152,9 @@ class EngineConfig:
         quants: the node's other quantizations for SWAP_QUANT, ``(key, GGUF
             path, alias)`` each (``--quant KEY=PATH_OR_ALIAS``); the model
             loaded at start is the one whose path matches, else key ``default``.
+        slot_save_path: the directory of slot files, ``POST /slots/{id}?action=save|restore``
+            (``--slot-save-path``); None: those actions answer 501, as llama-server's without the flag
+            (see :mod:`hydra_trio.engine.slot_files`).
     """
 
     model_path: Path
@@ -165,3 +168,4 @@ class EngineConfig:
     chat_template: str | None = None
     allow_cross_model_kv: bool = False
     quants: tuple[tuple[str, Path, str], ...] = ()
+    slot_save_path: Path | None = None
