@@ -316,6 +316,18 @@ class DetokenizeRequest:
         pass
 
 
+@attrs.frozen
+class SlotFileRequest:
+    """``POST /slots/{id}?action=save|restore`` (llama-server's): ``filename``, a file name in the
+    node's slot save path.  The name's own rules are checked by the handler
+    (:func:`hydra_trio.engine.slot_files.check_filename`)."""
+
+    filename: str
+
+    def check(self) -> None:
+        pass
+
+
 def check_int_or_400(name: str, value: int, lo: int, hi: int) -> None:
     try:
         check_int(name, value, lo, hi)
@@ -420,6 +432,7 @@ _conv.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=o
 _conv.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt), **_COMMON)
 _conv.register(TokenizeRequest, forbid_extra=False)
 _conv.register(DetokenizeRequest, forbid_extra=False)
+_conv.register(SlotFileRequest, forbid_extra=False)
 
 
 def parse_body(raw: bytes, cls: type[Any]) -> Any:

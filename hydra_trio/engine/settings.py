@@ -197,6 +197,9 @@ class EngineConfig:
         llama: llama.cpp model and context parameters (:class:`LlamaOptions`).
         chat_template_kwargs: extra variables for a Jinja chat template
             (``--chat-template-kwargs``; ``--reasoning on|off`` sets ``enable_thinking``).
+        slot_save_path: the directory of slot files, ``POST /slots/{id}?action=save|restore``
+            (``--slot-save-path``); None: those actions answer 501, as llama-server's without the flag
+            (see :mod:`hydra_trio.engine.slot_files`).
     """
 
     model_path: Path
@@ -212,3 +215,4 @@ class EngineConfig:
     quants: tuple[tuple[str, Path, str], ...] = ()
     llama: LlamaOptions = LlamaOptions()
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
+    slot_save_path: Path | None = None

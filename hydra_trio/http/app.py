@@ -2,7 +2,7 @@
 
 Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
 ``/health``, ``/version``, ``/props``, ``/v1/models``, ``/slots``,
-``/slots/{id}``, ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
+``/slots/{id}`` (erase, save, restore), ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
 ``/v1/chat/completions``, ``/v1/completions``, ``/metrics``; ``GET /v1/events``
 (WebSocket, :mod:`.events`) and the status page ``GET /`` with its files under
 ``/static/`` (:data:`STATIC_DIR`).  Errors use
@@ -37,6 +37,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
+from ..engine import slot_files
 from ..engine.engine import Engine
 from ..engine.requests import Finished, JobRun
 from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
@@ -51,6 +52,7 @@ from ..api.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     RequestError,
+    SlotFileRequest,
     TokenizeRequest,
     parse_body,
 )
@@ -318,19 +320,36 @@ class Api:
         return JSONResponse(body)
 
     async def slot_action(self, request: Request) -> Response:
+        """``POST /slots/{id}?action=erase|save|restore``, llama-server's replies: erase ``{"id_slot", "n_erased"}``;
+        save and restore take ``{"filename"}`` (:mod:`hydra_trio.engine.slot_files`).  Save and restore answer
+        501 without ``slot_save_path`` (erase always works); 400 for another action, a bad or missing filename,
+        or a file this node cannot restore; 409 while the slot processes a request; 500 when the file cannot be
+        written."""
         e = self.engine
         id_slot = self._slot_id(request)
         if isinstance(id_slot, Response):
             return id_slot
         assert e is not None
         action = request.query_params.get("action")
-        if action != "erase":
-            return _bad_request(f"action: {action!r} is not supported (supported: erase)")
         try:
-            n = await e.call(lambda engine: engine.erase_slot(id_slot))
+            if action == "erase":
+                n = await e.call(lambda engine: engine.erase_slot(id_slot))
+                return JSONResponse({"id_slot": id_slot, "n_erased": n})
+            if action not in ("save", "restore"):
+                return _bad_request(f"action: {action!r} is not supported (supported: erase, save, restore)")
+            directory = e.config.slot_save_path
+            if directory is None:
+                return error_response(501, "This server does not support slots action. Start it with "
+                                      "`--slot-save-path`", "not_supported_error")
+            body = await self._read(request, SlotFileRequest)
+            run = slot_files.save if action == "save" else slot_files.restore
+            return JSONResponse(await run(e, id_slot, Path(directory), body.filename))
+        except _BodyError as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
+        except RequestError as exc:
+            return _bad_request(str(exc))
         except HydraTrioError as exc:
             return error_for(exc)
-        return JSONResponse({"id_slot": id_slot, "n_erased": n})
 
     async def metrics(self, request: Request) -> Response:
         body, content_type = self.node_metrics.render()
