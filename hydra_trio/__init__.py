@@ -8,7 +8,7 @@ Public API::
         server = await nursery.start(serve, ServerConfig(port=0, engine=EngineConfig(path, "my-model")))
         print(server.port)
 
-``ServerConfig``'s parts (``EngineConfig``, ``FrontDoorSettings``,
+``ServerConfig``'s parts (``EngineConfig`` and its ``SamplingParams``, ``FrontDoorSettings``,
 ``HttpSettings``, ``HydraSettings``, ``RpcBackendSettings``), the Hydra
 client, the errors and ``resolve_model`` (a preset name or a path to a
 ``(path, alias)`` pair) are importable from here.  Names are imported lazily
@@ -25,7 +25,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
         ".server": ["serve", "Server", "ServerConfig"],
-        ".engine.settings": ["EngineConfig"],
+        ".engine.settings": ["EngineConfig", "SamplingParams"],
         ".models.presets": ["resolve_model"],
         ".frontdoor": ["FrontDoorSettings"],
         ".http.settings": ["HttpSettings"],

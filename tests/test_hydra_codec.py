@@ -605,12 +605,24 @@ def test_configure_classification() -> None:
         ({"seed": 1.0}, "seed: expected int, got float"),
         ({"n_ctx": "4096"}, "n_ctx"),
         ({"model_path": 3}, "model_path"),
+        ({"mirostat": 1.0}, "mirostat: expected int, got float"),
+        ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers: expected a list of str, got string"),
+        ({"dry_sequence_breakers": ["a", 1]}, "dry_sequence_breakers: expected a list of str"),
     ],
 )
 def test_configure_type_errors_name_the_key(params: dict[str, Any], needle: str) -> None:
     with pytest.raises(MessageError) as ei:
         classify_configure_keys(params)
     assert needle in str(ei.value)
+
+
+def test_configure_tier1_has_every_sampler_field() -> None:
+    """CONFIGURE sets the node's default for every sampler field, under its llama-server name."""
+    from hydra_trio.engine.settings import SamplingParams
+
+    fields = SamplingParams().to_json()
+    t1, t2, t3, unknown = classify_configure_keys(fields)
+    assert t1 == fields and not t2 and not t3 and unknown == []
 
 
 def test_clamp_state_chunk_size() -> None:

@@ -168,8 +168,8 @@ def test_unsupported_fields_are_400_naming_them(client: openai.OpenAI) -> None:
     _bad(client, "best_of", prompt="Hi", best_of=2)
     _bad(client, "suffix", prompt="def f(", suffix="return 1")
     _bad(client, "store", messages=msgs, store=True)
-    _bad(client, "typical_p", prompt="Hi", extra_body={"typical_p": 0.5})
-    _bad(client, "mirostat", prompt="Hi", extra_body={"mirostat": 2})
+    _bad(client, "samplers", prompt="Hi", extra_body={"samplers": ["temperature", "top_k"]})
+    _bad(client, "n_keep", prompt="Hi", extra_body={"n_keep": 5})
     _bad(client, "echo", prompt="Hi", echo=True, logprobs=1)
 
 
@@ -187,7 +187,10 @@ def test_nullable_fields_mean_their_default(server: ServerProcess) -> None:
                                "response_format", "tools", "tool_choice", "parallel_tool_calls", "store",
                                "metadata", "service_tier", "max_completion_tokens", "top_logprobs", "id_slot",
                                "cache_prompt", "ignore_eos", "n_predict", "top_k", "min_p", "repeat_penalty",
-                               "repeat_last_n", "grammar", "json_schema", "n_probs", "typical_p", "mirostat")}
+                               "repeat_last_n", "grammar", "json_schema", "n_probs", "typical_p", "mirostat",
+                               "mirostat_tau", "mirostat_eta", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                               "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                               "dry_sequence_breakers", "dynatemp_range", "dynatemp_exponent", "min_keep")}
     chat = {"messages": [{"role": "user", "content": "Hi"}], **nulls, "max_tokens": 3, "temperature": 0}
     r = httpx.post(server.base + "/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200, r.text

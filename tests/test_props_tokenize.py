@@ -27,13 +27,13 @@ def test_props_has_llama_servers_shape_and_real_values(http: httpx.Client) -> No
     assert params["temperature"] == 0.8 and params["top_k"] == 40 and params["top_p"] == 0.95
     assert params["min_p"] == 0.05 and params["repeat_last_n"] == 64 and params["n_predict"] == -1
     assert params["seed"] == -1
-    # llama-server's samplers this node does not run, at their "off" values (task_params::to_json lists them)
+    # llama-server's other samplers at llama.cpp's defaults (common/common.h; task_params::to_json lists them)
     assert params["typical_p"] == 1.0 and params["mirostat"] == 0 and params["dynatemp_range"] == 0.0
     assert params["xtc_probability"] == 0.0 and params["dry_multiplier"] == 0.0 and params["top_n_sigma"] == -1.0
     assert params["n_keep"] == 0 and params["min_keep"] == 0
     # ... so a client that sends them back as they are is accepted
     off = {k: params[k] for k in ("typical_p", "mirostat", "dynatemp_range", "xtc_probability", "dry_multiplier",
-                                  "top_n_sigma", "n_keep", "min_keep")}
+                                  "top_n_sigma", "n_keep", "min_keep", "samplers", "dry_sequence_breakers")}
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **off})
     assert r.status_code == 200, r.text
     # the GGUF's own template, as the GGUF stores it

@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 from cattrs.gen import override
 
-from ..engine.settings import SamplingParams, check_int, check_n_predict, check_stop
+from ..engine.settings import SAMPLER_ORDER, SamplingParams, check_int, check_n_predict, check_stop
 from ..protocol import strict as msg
 
 RequestError = msg.MessageError
@@ -64,29 +64,14 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "verbosity": (),
     # OpenAI completions
     "suffix": ("",),
-    # llama-server samplers and options not wired here
-    "typical_p": (1.0, 1),
-    "mirostat": (0,),
-    "mirostat_tau": (),
-    "mirostat_eta": (),
-    "dry_multiplier": (0.0, 0),
-    "dry_base": (),
-    "dry_allowed_length": (),
-    "dry_penalty_last_n": (),
-    "dry_sequence_breakers": (),
-    "xtc_probability": (0.0, 0),
-    "xtc_threshold": (),
-    "top_n_sigma": (-1.0, -1),
-    "dynatemp_range": (0.0, 0),
-    "dynatemp_exponent": (),
-    "samplers": (),
+    # llama-server options not wired here; ``samplers`` may name the chain's own order (GET /props shows it)
+    "samplers": (SAMPLER_ORDER,),
     "n_keep": (0,),
     "n_discard": (),
     "t_max_predict_ms": (0,),
     "post_sampling_probs": (False,),
     "lora": ((),),
     "image_data": ((),),
-    "min_keep": (0,),
 }
 
 
@@ -124,6 +109,22 @@ class _GenerationFields:
     repeat_last_n: int | None = None  # llama-server
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # llama-server's other samplers (names, defaults and bounds: engine.settings.SamplingParams)
+    min_keep: int | None = None
+    typical_p: float | None = None
+    top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None  # < 1: the default, as llama-server
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     user: str | None = None  # accepted: it only identifies the end user to the API provider
     service_tier: str | None = None
@@ -152,6 +153,8 @@ class _GenerationFields:
             check_stop(self.stop)
             if self.n_probs is not None:
                 check_int("n_probs", self.n_probs, 0, MAX_TOP_LOGPROBS)
+            if self.dry_sequence_breakers is not None and not self.dry_sequence_breakers:
+                raise RequestError("dry_sequence_breakers: must be a non-empty array of strings")
             self.sampling(SamplingParams())  # the sampler fields' own validators
         except ValueError as exc:
             raise RequestError(str(exc)) from None
@@ -207,18 +210,18 @@ class _GenerationFields:
         return schema
 
     def sampling(self, d: SamplingParams) -> SamplingParams:
-        """The request's sampler settings; fields it leaves out come from ``d`` (the engine's defaults)."""
-        return SamplingParams(
-            temperature=d.temperature if self.temperature is None else self.temperature,
-            top_k=d.top_k if self.top_k is None else self.top_k,
-            top_p=d.top_p if self.top_p is None else self.top_p,
-            min_p=d.min_p if self.min_p is None else self.min_p,
-            seed=d.seed if self.seed is None else self.seed,
-            repeat_penalty=d.repeat_penalty if self.repeat_penalty is None else self.repeat_penalty,
-            repeat_last_n=d.repeat_last_n if self.repeat_last_n is None else self.repeat_last_n,
-            presence_penalty=d.presence_penalty if self.presence_penalty is None else self.presence_penalty,
-            frequency_penalty=d.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty,
-        )
+        """The request's sampler settings; fields it leaves out (or sends as null) come from ``d``
+        (the engine's defaults).  ``dry_base`` below 1 means the default, as in llama-server.
+
+        Raises ParameterError naming the field (a value out of its bounds).
+        """
+        values = {}
+        for name in _SAMPLING_FIELDS:
+            v = getattr(self, name)
+            values[name] = getattr(d, name) if v is None else v
+        if self.dry_base is not None and self.dry_base < 1.0:
+            values["dry_base"] = d.dry_base
+        return SamplingParams(**values)
 
     @property
     def top_logprobs_n(self) -> int:
@@ -228,6 +231,10 @@ class _GenerationFields:
     @property
     def wants_logprobs(self) -> bool:
         return self.n_probs is not None
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in attrs.fields(SamplingParams))
+assert set(_SAMPLING_FIELDS) <= set(attrs.fields_dict(_GenerationFields)), "every sampler field is a request field"
 
 
 @attrs.frozen
@@ -350,6 +357,15 @@ def _stop(v: Any, _t: Any) -> tuple[str, ...]:
     raise msg.TypeMismatch(f"expected a string or a list of strings, got {msg.type_name(v)}")
 
 
+def _str_list(v: Any, _t: Any) -> tuple[str, ...] | None:
+    """A JSON array of strings (llama-server's ``dry_sequence_breakers``), or null."""
+    if v is None:
+        return None
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(v)
+    raise msg.TypeMismatch(f"expected a list of strings, got {msg.type_name(v)}")
+
+
 def _content(v: Any, _t: Any) -> str | None:
     """OpenAI content: a string, null, or a list of parts whose text parts are joined."""
     if v is None or isinstance(v, str):
@@ -424,6 +440,7 @@ _COMMON = dict(
     logit_bias=override(struct_hook=_logit_bias),
     response_format=override(struct_hook=_object_or_null),
     json_schema=override(struct_hook=_object_or_null),
+    dry_sequence_breakers=override(struct_hook=_str_list),
 )
 _conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content))
 _conv.register(StreamOptions, forbid_extra=False)

@@ -61,7 +61,7 @@ FLAGS: list[Flag] = [
     _s(("--dry-multiplier",), "dry_multiplier", "DRY multiplier (default: 0.0 = off)"),
     _s(("--dry-base",), "dry_base", "DRY base (default: 1.75)"),
     _s(("--dry-allowed-length",), "dry_allowed_length", "DRY allowed length (default: 2)", _int),
-    _s(("--dry-penalty-last-n",), "dry_penalty_last_n", "DRY look-back (default: -1 = context, 0 = off)", _int),
+    _s(("--dry-penalty-last-n",), "dry_penalty_last_n", "DRY look-back (default: 64; -1 = the context, 0 = off)", _int),
     S(("--dry-sequence-breaker",), WIRED, "a DRY sequence breaker, repeatable; the first replaces the defaults "
       "('none': no breakers)", value="STRING", action="append", dest="dry_sequence_breakers",
       lands="EngineConfig.sampling.dry_sequence_breakers"),

@@ -101,8 +101,10 @@ class Engine:
         """STATE_PUT applies blobs of other files with this KV identity (CONFIGURE ``allow_cross_model_kv``)."""
         self.stats = EngineStats()
         self.stage_times: dict[str, float] = {}
-        self.defaults = SamplingParams()
-        self.default_n_predict = -1
+        self.defaults: SamplingParams = config.sampling
+        """Sampling settings for the fields a request leaves out (``EngineConfig.sampling``; CONFIGURE tier 1)."""
+        self.default_n_predict = config.n_predict
+        """Tokens for a request that sets no budget (``EngineConfig.n_predict``, -1: until done; CONFIGURE tier 1)."""
         self.experts = ExpertModes(
             config.peer, config.combined_pattern, self.stats,
             {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,

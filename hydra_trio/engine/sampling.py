@@ -1,8 +1,23 @@
 """llama.cpp sampler chains and token probabilities (engine thread only).
 
 A request's sampler is one ``llama_sampler`` chain built in llama-server's
-order (``common/sampling.cpp``): logit bias, grammar, repetition penalties,
-then either greedy or top-k, top-p, min-p, temperature and a seeded ``dist``.
+order (``common/sampling.cpp``, ``common_sampler_init`` with the default
+``samplers`` list): logit bias, grammar, then
+
+* Mirostat off: repetition penalties, DRY, top-n-sigma, top-k, typical,
+  top-p, min-p, XTC, temperature (dynamic with ``dynatemp_range > 0``) and a
+  seeded ``dist``;
+* ``mirostat`` 1 or 2: temperature and Mirostat (1.0 or 2.0) only, as in
+  llama-server, where Mirostat replaces the whole list (penalties and DRY
+  included); greedy with ``temperature <= 0``;
+* ``temperature <= 0`` without Mirostat: the same list up to XTC, then
+  greedy (argmax) instead of temperature and ``dist``; top-n-sigma, top-k,
+  top-p and min-p are left out, as they never drop the most likely token.
+  llama-server runs the whole list with a zero temperature, which keeps
+  only the most likely token left: the same choice.
+
+Penalties, DRY, top-n-sigma, typical, XTC and dynamic temperature at their
+neutral values are left out of the chain (llama.cpp would run them as no-ops).
 Every value reaching llama.cpp here has been checked against the bounds of
 :mod:`hydra_trio.engine.settings`.
 """
@@ -92,9 +107,10 @@ def _nesting(grammar: str) -> int:
 def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, prompt: Sequence[int]) -> Any:
     """A llama.cpp sampler chain for one request (free it with ``llama_sampler_free``).
 
+    The order and what each setting does: this module's docstring.
     ``temperature <= 0`` gives greedy sampling (argmax), as in llama-server.
-    The penalty window is at most ``n_ctx_slot`` tokens and looks back over
-    the prompt too (as llama-server); ``top_k`` is at most ``n_vocab``.
+    The penalty and DRY windows are at most ``n_ctx_slot`` tokens and look
+    back over the prompt too (as llama-server); ``top_k`` is at most ``n_vocab``.
 
     Raises:
         GrammarError: the grammar failed to parse (callers check it first
@@ -113,6 +129,16 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
             llama_cpp.llama_sampler_free(chain)
             raise GrammarError("llama.cpp could not parse the grammar")
         add(chain, grammar)
+    if p.mirostat:  # llama-server: temperature and Mirostat replace the whole list, penalties and DRY included
+        if p.temperature <= 0:
+            add(chain, llama_cpp.llama_sampler_init_greedy())
+        elif p.mirostat == 1:
+            add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
+            add(chain, llama_cpp.llama_sampler_init_mirostat(n_vocab, p.seed_u32(), p.mirostat_tau, p.mirostat_eta, 100))
+        else:
+            add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
+            add(chain, llama_cpp.llama_sampler_init_mirostat_v2(p.seed_u32(), p.mirostat_tau, p.mirostat_eta))
+        return chain
     window = p.penalty_window(n_ctx_slot)
     if window > 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
         penalties = llama_cpp.llama_sampler_init_penalties(
@@ -122,17 +148,44 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
         for tok in prompt[-window:]:
             llama_cpp.llama_sampler_accept(penalties, tok)
         add(chain, penalties)
-    if p.temperature <= 0:
+    dry_window = p.dry_window(n_ctx_slot)
+    if p.dry_enabled and dry_window > 0:
+        add(chain, _dry(p, vocab, dry_window, prompt))
+    # greedy leaves out the samplers that never drop the most likely token (top-n-sigma, top-k, top-p, min-p)
+    greedy = p.temperature <= 0
+    if not greedy and p.top_n_sigma > 0:
+        add(chain, llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma))
+    if not greedy and p.top_k > 0:
+        add(chain, llama_cpp.llama_sampler_init_top_k(min(p.top_k, n_vocab)))
+    if p.typical_p < 1.0:
+        add(chain, llama_cpp.llama_sampler_init_typical(p.typical_p, p.min_keep))
+    if not greedy:
+        add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, p.min_keep))
+        add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, p.min_keep))
+    if p.xtc_probability > 0 and p.xtc_threshold <= 0.5:
+        add(chain, llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, p.min_keep, p.seed_u32()))
+    if greedy:
         add(chain, llama_cpp.llama_sampler_init_greedy())
+        return chain
+    if p.dynatemp_range > 0:
+        add(chain, llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent))
     else:
-        if p.top_k > 0:
-            add(chain, llama_cpp.llama_sampler_init_top_k(min(p.top_k, n_vocab)))
-        add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, 1))
-        add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, 1))
         add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
-        add(chain, llama_cpp.llama_sampler_init_dist(p.seed_u32()))
+    add(chain, llama_cpp.llama_sampler_init_dist(p.seed_u32()))
     return chain
 
+
+def _dry(p: SamplingParams, vocab: Any, window: int, prompt: Sequence[int]) -> Any:
+    """llama.cpp's DRY sampler over ``window`` tokens, having seen the prompt's last ``window`` tokens
+    (llama-server feeds every prompt token to its whole chain)."""
+    breakers = [b.encode("utf-8") for b in p.dry_sequence_breakers]
+    arr = (ctypes.c_char_p * max(1, len(breakers)))(*breakers)
+    dry = llama_cpp.llama_sampler_init_dry(
+        vocab, p.dry_multiplier, p.dry_base, p.dry_allowed_length, window, arr, len(breakers)
+    )
+    for tok in prompt[-window:]:
+        llama_cpp.llama_sampler_accept(dry, tok)
+    return dry
 
 
 @attrs.frozen

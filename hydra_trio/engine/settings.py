@@ -18,6 +18,22 @@ repeat_penalty         finite, > 0 and <= 10           1: off
 repeat_last_n          -1 .. 1048576                   -1: the slot's context; 0: off
 presence_penalty,      finite, -2 .. 2                 0: off
 frequency_penalty
+min_keep               0 .. 2**31-1                    tokens top-p, min-p, typical, XTC keep
+typical_p              finite, 0 .. 1                  1: off
+top_n_sigma            finite, -1 .. 100               <= 0: off
+xtc_probability        finite, 0 .. 1                  0: off
+xtc_threshold          finite, 0 .. 1                  > 0.5: off
+dry_multiplier         finite, 0 .. 100                0: off
+dry_base               finite, 1 .. 100                (a request's value < 1: the default)
+dry_allowed_length     0 .. 2**31-1
+dry_penalty_last_n     -1 .. 1048576                   -1: the slot's context; 0: off
+dry_sequence_breakers  at most 16 strings of 1 to 40   none: DRY never stops at a breaker
+                       UTF-8 bytes each
+mirostat               0, 1, 2                         0: off; 1, 2: Mirostat 1.0 / 2.0
+mirostat_tau           finite, 0 .. 100                target surprise, bits
+mirostat_eta           finite, 0 .. 10                 learning rate
+dynatemp_range         finite, 0 .. 2                  0: off
+dynatemp_exponent      finite, 0 .. 10
 n_predict              -1 .. 2**31-1                   -1: until end of generation / context
 max_tokens,            0 .. 2**31-1                    0: process the prompt only
 max_completion_tokens
@@ -25,9 +41,11 @@ stop                   at most 16 strings of at most
                        512 characters each
 =====================  ==============================  =======================================
 
-The penalty window is also clamped to the slot's context (a window larger
-than the context sees the same tokens), so the sampler's ring buffer is at
-most ``n_ctx_slot`` tokens.
+The penalty windows (``repeat_last_n``, ``dry_penalty_last_n``) are also
+clamped to the slot's context (a window larger than the context sees the same
+tokens), so the samplers' ring buffers are at most ``n_ctx_slot`` tokens.
+llama.cpp truncates a DRY sequence breaker to 40 bytes; a longer one is
+refused here instead.
 """
 
 from __future__ import annotations
@@ -48,6 +66,12 @@ UINT32_MAX = 2**32 - 1
 REPEAT_LAST_N_MAX = 1 << 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_BYTES = 40  # llama.cpp's MAX_CHAR_LEN in llama_sampler_init_dry
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+"""llama-server's default DRY sequence breakers (``common/common.h``)."""
+SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+"""The sampler chain's order, llama-server's default ``samplers`` under its names (``common/sampling.cpp``)."""
 
 
 class ParameterError(InvalidRequest, ValueError):
@@ -83,10 +107,42 @@ def _float(lo: float, hi: float, *, lo_open: bool = False) -> Any:
     return v
 
 
+def check_dry_sequence_breakers(breakers: tuple[str, ...]) -> None:
+    """DRY sequence breakers: at most 16 strings, each 1 to 40 UTF-8 bytes (llama.cpp's own limit) without NUL."""
+    name = "dry_sequence_breakers"
+    if len(breakers) > MAX_DRY_BREAKERS:
+        raise ParameterError(f"{name}: at most {MAX_DRY_BREAKERS} sequence breakers, got {len(breakers)}")
+    for i, s in enumerate(breakers):
+        if not isinstance(s, str):
+            raise ParameterError(f"{name}[{i}]: expected a string, got {type(s).__name__}")
+        try:
+            n = len(s.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise ParameterError(f"{name}[{i}]: not valid Unicode (a lone surrogate)") from None
+        if not 1 <= n <= MAX_DRY_BREAKER_BYTES or "\0" in s:
+            raise ParameterError(
+                f"{name}[{i}]: must be 1 to {MAX_DRY_BREAKER_BYTES} UTF-8 bytes without NUL, got {n} bytes"
+            )
+
+
+def _breakers_tuple(value: Any) -> tuple[str, ...]:
+    """attrs converter: a list of strings becomes a tuple; a bare string is refused (not split into characters)."""
+    if isinstance(value, (str, bytes)):
+        raise ParameterError("dry_sequence_breakers: expected a list of strings, got a string")
+    return tuple(value)
+
+
+def _breakers(_inst: Any, _attr: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    check_dry_sequence_breakers(value)
+
+
 @attrs.frozen
 class SamplingParams:
     """Sampler settings; names, defaults and meanings follow llama-server, bounds in the module docstring.
 
+    Defaults are llama.cpp's ``common_params_sampling`` (``common/common.h``)
+    at the version this package runs; the sampler order is llama-server's
+    (:func:`hydra_trio.engine.sampling.build_sampler`).
     ``temperature <= 0`` means greedy.  ``seed`` None (or -1) picks a random seed.
 
     Raises:
@@ -102,11 +158,45 @@ class SamplingParams:
     repeat_last_n: int = attrs.field(default=64, validator=_int(-1, REPEAT_LAST_N_MAX))
     presence_penalty: float = attrs.field(default=0.0, validator=_float(-2.0, 2.0))
     frequency_penalty: float = attrs.field(default=0.0, validator=_float(-2.0, 2.0))
+    min_keep: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
+    typical_p: float = attrs.field(default=1.0, validator=_float(0.0, 1.0))
+    top_n_sigma: float = attrs.field(default=-1.0, validator=_float(-1.0, 100.0))
+    xtc_probability: float = attrs.field(default=0.0, validator=_float(0.0, 1.0))
+    xtc_threshold: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
+    dry_multiplier: float = attrs.field(default=0.0, validator=_float(0.0, 100.0))
+    dry_base: float = attrs.field(default=1.75, validator=_float(1.0, 100.0))
+    dry_allowed_length: int = attrs.field(default=2, validator=_int(0, INT32_MAX))
+    dry_penalty_last_n: int = attrs.field(default=64, validator=_int(-1, REPEAT_LAST_N_MAX))
+    dry_sequence_breakers: tuple[str, ...] = attrs.field(
+        default=DEFAULT_DRY_SEQUENCE_BREAKERS, converter=_breakers_tuple, validator=_breakers
+    )
+    mirostat: int = attrs.field(default=0, validator=_int(0, 2))
+    mirostat_tau: float = attrs.field(default=5.0, validator=_float(0.0, 100.0))
+    mirostat_eta: float = attrs.field(default=0.1, validator=_float(0.0, 10.0))
+    dynatemp_range: float = attrs.field(default=0.0, validator=_float(0.0, 2.0))
+    dynatemp_exponent: float = attrs.field(default=1.0, validator=_float(0.0, 10.0))
 
     def penalty_window(self, n_ctx_slot: int) -> int:
         """Tokens the repetition penalties look back over: ``repeat_last_n`` (-1: the context), at most ``n_ctx_slot``."""
         n = n_ctx_slot if self.repeat_last_n < 0 else self.repeat_last_n
         return min(n, n_ctx_slot)
+
+    def dry_window(self, n_ctx_slot: int) -> int:
+        """Tokens DRY scans for repetitions: ``dry_penalty_last_n`` (-1: the context), at most ``n_ctx_slot``."""
+        n = n_ctx_slot if self.dry_penalty_last_n < 0 else self.dry_penalty_last_n
+        return min(n, n_ctx_slot)
+
+    @property
+    def dry_enabled(self) -> bool:
+        """DRY changes logits: llama.cpp's own test (``multiplier != 0``, ``base >= 1``, a non-empty window)."""
+        return self.dry_multiplier != 0.0 and self.dry_base >= 1.0 and self.dry_penalty_last_n != 0
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field under llama-server's name (``task_params::to_json``): ``seed`` -1 when unset, lists for tuples."""
+        out: dict[str, Any] = attrs.asdict(self, recurse=False)
+        out["seed"] = -1 if self.seed is None else self.seed
+        out["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
+        return out
 
     def seed_u32(self) -> int:
         """The seed for llama.cpp's ``dist`` sampler: ``LLAMA_DEFAULT_SEED`` (0xFFFFFFFF, random) when unset or -1."""
@@ -200,6 +290,15 @@ class EngineConfig:
         slot_save_path: the directory of slot files, ``POST /slots/{id}?action=save|restore``
             (``--slot-save-path``); None: those actions answer 501, as llama-server's without the flag
             (see :mod:`hydra_trio.engine.slot_files`).
+        sampling: the node's sampling defaults, for every request field a
+            request leaves out or sends as null (``--temp``, ``--top-k``, ...;
+            CONFIGURE tier 1 changes them at run time).
+        n_predict: tokens to generate for a request that sets no
+            ``max_tokens`` / ``max_completion_tokens`` / ``n_predict``
+            (``-n`` / ``--n-predict``; -1: until end of generation or a full context).
+
+    Raises:
+        ParameterError: ``n_predict`` out of -1 .. 2**31-1.
     """
 
     model_path: Path
@@ -216,3 +315,5 @@ class EngineConfig:
     llama: LlamaOptions = LlamaOptions()
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict, hash=False)
     slot_save_path: Path | None = None
+    sampling: SamplingParams = SamplingParams()
+    n_predict: int = attrs.field(default=-1, validator=_int(-1, INT32_MAX))

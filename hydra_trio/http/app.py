@@ -39,6 +39,7 @@ from starlette.staticfiles import StaticFiles
 from .._version import __version__
 from ..engine import slot_files
 from ..engine.engine import Engine
+from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import Finished, JobRun
 from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
 from . import metrics
@@ -155,9 +156,10 @@ class Api:
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
              "build_info", "is_sleeping"}
 
-        ``params`` also lists llama-server's samplers this node does not run (typical_p,
-        dynatemp, top_n_sigma, XTC, DRY, mirostat, n_keep, min_keep) at their "off" values,
-        as llama-server's ``task_params::to_json`` lists them.
+        ``params`` lists every sampler setting under llama-server's name (the node's
+        defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
+        ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``,
+        and ``n_keep`` at its "off" value, as llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
@@ -170,33 +172,17 @@ class Api:
             return _unavailable(e)
         m = e.solo_model or e.model
         assert m is not None and e.identity is not None
-        d = e.defaults
         params = {
-            "seed": -1 if d.seed is None else d.seed,
-            "temperature": d.temperature,
-            "top_k": d.top_k,
-            "top_p": d.top_p,
-            "min_p": d.min_p,
-            "repeat_last_n": d.repeat_last_n,
-            "repeat_penalty": d.repeat_penalty,
-            "presence_penalty": d.presence_penalty,
-            "frequency_penalty": d.frequency_penalty,
+            **e.defaults.to_json(),
             "max_tokens": e.default_n_predict,
             "n_predict": e.default_n_predict,
             "ignore_eos": False,
             "stream": False,
             "n_probs": 0,
-            "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
-            # llama-server's other samplers and options, at the values that switch them off here
+            "samplers": list(SAMPLER_ORDER),
+            # llama-server's options this node does not run, at the values that switch them off
             # (the only values a request may send for them: api.schemas.UNSUPPORTED)
-            "typical_p": 1.0,
-            "dynatemp_range": 0.0,
-            "top_n_sigma": -1.0,
-            "xtc_probability": 0.0,
-            "dry_multiplier": 0.0,
-            "mirostat": 0,
             "n_keep": 0,
-            "min_keep": 0,
         }
         return JSONResponse({
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},

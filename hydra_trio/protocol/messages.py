@@ -290,6 +290,13 @@ def parse_prefill(payload: Bytes) -> ChatCompletionRequest:
 # CONFIGURE
 # --------------------------------------------------------------------------
 
+
+def _as_str_list(v: Any) -> list[str]:
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        return list(v)
+    raise TypeMismatch(f"expected a list of str, got {_json_kind(v)}")
+
+
 T1_KEYS: dict[str, Callable[[Any], Any]] = {
     "temperature": _as_float,
     "top_p": _as_float,
@@ -301,10 +308,27 @@ T1_KEYS: dict[str, Callable[[Any], Any]] = {
     "repeat_last_n": _as_int,
     "presence_penalty": _as_float,
     "frequency_penalty": _as_float,
+    "min_keep": _as_int,
+    "typical_p": _as_float,
+    "top_n_sigma": _as_float,
+    "xtc_probability": _as_float,
+    "xtc_threshold": _as_float,
+    "dry_multiplier": _as_float,
+    "dry_base": _as_float,
+    "dry_allowed_length": _as_int,
+    "dry_penalty_last_n": _as_int,
+    "dry_sequence_breakers": _as_str_list,
+    "mirostat": _as_int,
+    "mirostat_tau": _as_float,
+    "mirostat_eta": _as_float,
+    "dynatemp_range": _as_float,
+    "dynatemp_exponent": _as_float,
     "state_chunk_size": _as_int,
     "allow_cross_model_kv": _as_bool,
 }
-"""CONFIGURE tier 1 (applied at once), key -> strict checker."""
+"""CONFIGURE tier 1 (applied at once), key -> strict checker: every
+:class:`~hydra_trio.engine.settings.SamplingParams` field (llama-server's
+request names), ``n_predict``, ``state_chunk_size``, ``allow_cross_model_kv``."""
 T2_KEYS: dict[str, Callable[[Any], Any]] = {
     "n_ctx": _as_int,
     "cache_type_k": _as_str,
