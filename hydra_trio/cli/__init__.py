@@ -30,27 +30,14 @@ from collections.abc import Mapping
 from ..engine.settings import ParameterError, SamplingParams
 from ..hydra.cli import add_client_commands
 from ..watch import add_watch_command
-from . import access, common, hydra, sampling, server
-from ._flags import KINDS, Flag, add_flags, apply_environment, check_unique, normalize_argv, version_text
+from . import sampling
+from ._flags import add_flags, apply_environment, normalize_argv, version_text
+from .flags import GROUPS, RUN_FLAGS
 from .models import add_models_command
 
 __all__ = ["RUN_FLAGS", "build_parser", "main", "parse_args", "version_text"]
 
 log = logging.getLogger("hydra_trio")
-
-RUN_FLAGS: list[Flag] = [*common.FLAGS, *sampling.FLAGS, *server.FLAGS, *server.SPECULATIVE, *hydra.FLAGS,
-                         *access.FLAGS]
-"""Every flag of ``hydra-trio run``, llama-server's and the node's own (README's flag table)."""
-check_unique(RUN_FLAGS)
-assert all(f.kind in KINDS for f in RUN_FLAGS)
-
-GROUPS = {
-    "common": "common params (llama-server's)",
-    "sampling": "sampling params: the defaults of every request that does not set them (llama-server's)",
-    "server": "server params (llama-server's)",
-    "speculative": "speculative decoding (llama-server's; refused: no draft model here)",
-    "hydra": "hydra-trio's own params and the C++ llama-engine's",
-}
 
 RUN_DESCRIPTION = ("Load a GGUF model and serve it on one TCP port: HTTP (OpenAI API), the Hydra protocol and "
                    "ggml-RPC. Flags follow llama-server: each of its flags is wired with its meaning, accepted "

@@ -19,7 +19,7 @@ from ..http.settings import HttpSettings
 from ..logs import configure_logging
 from ..models.presets import DEFAULT_ALIAS, PresetError, resolve_model
 from ..tls import TlsSettings, client_context, server_context
-from . import RUN_FLAGS
+from .flags import RUN_FLAGS
 from ._flags import accepted_notes, given_environment
 from .access import access_settings
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from . import GROUPS, RUN_FLAGS
+from .flags import GROUPS, RUN_FLAGS
 from ._flags import ACCEPTED, OWN, REFUSED, WIRED
 
 BEGIN = "<!-- flag table: python -m hydra_trio.cli.table -->"

@@ -433,11 +433,8 @@ class Engine:
         path = model_path or old.path
         alias = model_alias or self.config.model_alias
         try:
-            new = LoadedModel(
-                path, n_ctx=n_ctx, n_parallel=n_parallel, n_batch=old.n_batch, n_threads=self.config.n_threads,
-                chat_template=self.config.chat_template, log_chat_template=True, options=old.options,
-                chat_template_kwargs=old.chat_template_kwargs,
-            )
+            new = LoadedModel(path, n_ctx=n_ctx, n_parallel=n_parallel, log_chat_template=True,
+                              **self.experts.model_kwargs)
         except Exception as exc:
             raise InvalidRequest(f"llama.cpp refused the new settings: {exc}") from None
         identity = self.identity
