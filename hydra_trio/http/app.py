@@ -154,8 +154,9 @@ class Api:
              "build_info", "is_sleeping"}
 
         ``params`` also lists llama-server's samplers this node does not run (typical_p,
-        dynatemp, top_n_sigma, XTC, DRY, mirostat, n_keep, min_keep) at their "off" values,
-        as llama-server's ``task_params::to_json`` lists them.
+        dynatemp, top_n_sigma, XTC, DRY, mirostat, min_keep) at their "off" values,
+        as llama-server's ``task_params::to_json`` lists them, and the context-shift
+        defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half).
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
@@ -193,8 +194,9 @@ class Api:
             "xtc_probability": 0.0,
             "dry_multiplier": 0.0,
             "mirostat": 0,
-            "n_keep": 0,
             "min_keep": 0,
+            "n_keep": e.config.n_keep,
+            "n_discard": 0,
         }
         return JSONResponse({
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
