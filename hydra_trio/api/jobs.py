@@ -91,6 +91,9 @@ def _job(
         n_probs=body.top_logprobs_n,
         logit_bias=body.logit_bias,
         grammar=_grammar(m, body),
+        n_keep=body.n_keep,
+        n_discard=body.n_discard,
+        n_cache_reuse=body.n_cache_reuse,
     )
 
 

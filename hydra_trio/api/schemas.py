@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 from cattrs.gen import override
 
-from ..engine.settings import SAMPLER_ORDER, SamplingParams, check_int, check_n_predict, check_stop
+from ..engine.settings import INT32_MAX, SAMPLER_ORDER, SamplingParams, check_int, check_n_predict, check_stop
 from ..protocol import strict as msg
 
 RequestError = msg.MessageError
@@ -66,8 +66,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
     # llama-server options not wired here; ``samplers`` may name the chain's own order (GET /props shows it)
     "samplers": (SAMPLER_ORDER,),
-    "n_keep": (0,),
-    "n_discard": (),
     "t_max_predict_ms": (0,),
     "post_sampling_probs": (False,),
     "lora": ((),),
@@ -135,6 +133,9 @@ class _GenerationFields:
     id_slot: int | None = attrs.field(default=-1, converter=_or(-1))  # llama-server
     cache_prompt: bool | None = attrs.field(default=True, converter=_or(True))  # llama-server
     ignore_eos: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
+    n_keep: int | None = None  # llama-server: context shift keeps these prompt tokens (-1: all); null: the node's --keep
+    n_discard: int | None = attrs.field(default=0, converter=_or(0))  # llama-server: 0 = half of those after n_keep
+    n_cache_reuse: int | None = None  # llama-server: null: the node's --cache-reuse
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def check(self) -> None:
@@ -155,6 +156,11 @@ class _GenerationFields:
                 check_int("n_probs", self.n_probs, 0, MAX_TOP_LOGPROBS)
             if self.dry_sequence_breakers is not None and not self.dry_sequence_breakers:
                 raise RequestError("dry_sequence_breakers: must be a non-empty array of strings")
+            if self.n_keep is not None:
+                check_int("n_keep", self.n_keep, -1, INT32_MAX)
+            check_int("n_discard", self.n_discard, 0, INT32_MAX)
+            if self.n_cache_reuse is not None:
+                check_int("n_cache_reuse", self.n_cache_reuse, 0, INT32_MAX)
             self.sampling(SamplingParams())  # the sampler fields' own validators
         except ValueError as exc:
             raise RequestError(str(exc)) from None

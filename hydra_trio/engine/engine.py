@@ -77,6 +77,26 @@ _STOP = object()
 _WAKE = object()
 
 
+def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, stats: EngineStats, model_hash: str,
+                  events: EventBus) -> Scheduler:
+    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings.
+
+    As llama-server, ``context_shift`` and ``n_cache_reuse`` are dropped with a
+    warning when the model's memory cannot shift positions (recurrent or hybrid).
+    """
+    context_shift, n_cache_reuse = cfg.context_shift, cfg.n_cache_reuse
+    if not llama_cpp.llama_memory_can_shift(model.memory):
+        if context_shift:
+            log.warning("context shift is not supported by this model's memory; it is disabled")
+            context_shift = False
+        if n_cache_reuse:
+            log.warning("cache reuse is not supported by this model's memory; it is disabled")
+            n_cache_reuse = 0
+    return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
+                     context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
+                     slot_prompt_similarity=cfg.slot_prompt_similarity)
+
+
 class Engine:
     """N slots over one llama.cpp context, served by one worker thread.
 
@@ -271,8 +291,7 @@ class Engine:
                 model_hash=model_hash,
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
-            self.scheduler = Scheduler(self.experts, cfg.n_parallel, model.n_ctx_slot, model.n_batch, self.stats,
-                                       self.identity.model_hash, events=self.events)
+            self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events)
             self._set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
                 self._warmup(model)
@@ -460,8 +479,8 @@ class Engine:
         self.experts.set_solo(new)
         old.close()
         self.identity = identity
-        self.scheduler = Scheduler(self.experts, new.n_parallel, new.n_ctx_slot, new.n_batch, self.stats,
-                                   identity.model_hash, events=self.events)
+        self.scheduler = new_scheduler(self.config, self.experts, new, self.stats, identity.model_hash,
+                                       self.events)
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
         self.quants.loaded(new.path)

@@ -56,6 +56,13 @@ class CompletionJob:
             after a PREFILL or STATE_PUT, without messages).
         request_id: the request's id for the log (an HTTP reply's ``id``, a
             Hydra trace id); empty when the caller gave none.
+        n_keep: prompt tokens a context shift keeps (-1: all of the prompt);
+            None: the node's ``EngineConfig.n_keep`` (llama-server's ``n_keep``).
+        n_discard: tokens a context shift discards after ``n_keep``; 0: half
+            of them (llama-server's ``n_discard``).
+        n_cache_reuse: the shortest cached chunk moved into place by a KV shift
+            (0: off); None: the node's ``EngineConfig.n_cache_reuse``
+            (llama-server's ``n_cache_reuse``).
     """
 
     prompt_tokens: tuple[int, ...]
@@ -73,6 +80,9 @@ class CompletionJob:
     snapshot: bool = False
     continue_slot: bool = False
     request_id: str = ""
+    n_keep: int | None = None
+    n_discard: int = 0
+    n_cache_reuse: int | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -110,7 +120,8 @@ class Finished:
     ``eos`` (an end-of-generation token), ``stop`` (a stop string),
     ``length`` (the token budget, or a prompt-only request) or
     ``n_tokens_limit`` (the slot's context is full).  ``n_past`` is the
-    slot's KV cache size at the end, in tokens.
+    slot's KV cache size at the end, in tokens.  ``truncated``: a context
+    shift discarded tokens of this request (llama-server's ``truncated``).
 
     Timings are llama-server's: ``prompt_n`` tokens evaluated for the prompt
     (after the cache), ``cache_n`` prompt tokens reused, ``predicted_n``
@@ -127,6 +138,7 @@ class Finished:
     predicted_ms: float
     stop_reason: str = "length"
     n_past: int = 0
+    truncated: bool = False
     state: tuple[int, bytearray] | None = attrs.field(default=None, eq=False, repr=False)
 
     def timings(self) -> dict[str, Any]:

@@ -5,8 +5,15 @@ as llama-server's ``update_slots`` does: one token for each generating slot,
 then chunks of pending prompts up to ``n_batch`` tokens in all; one
 ``llama_decode``; then one sample per slot whose last token asked for logits.
 Requests beyond the number of slots wait in a FIFO queue (counted as
-deferred); a request with ``id_slot`` -1 takes the idle slot with the longest
-common prefix with its prompt.  A prompt whose first :data:`SHARE_MIN_TOKENS`
+deferred); a request with ``id_slot`` -1 takes an idle slot as llama-server's
+``get_available_slot`` does: the one whose cached tokens share the longest
+prefix with the prompt when that prefix is more than ``slot_prompt_similarity``
+of the prompt, else the least recently used one.  A slot starting a prompt
+keeps its cached common prefix, and with ``n_cache_reuse`` also moves later
+cached chunks that the prompt holds further on into place by a KV shift
+(llama-server's ``--cache-reuse``).  With ``context_shift`` a generating slot
+whose context is full discards tokens after the first ``n_keep`` and goes on
+(llama-server's ``--context-shift``).  A prompt whose first :data:`SHARE_MIN_TOKENS`
 or more tokens are in another slot's KV cache, or being evaluated there now,
 gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
 again: concurrent requests with one long system prompt evaluate it once.  Stop strings, finishing, and cancellation are
@@ -68,11 +75,18 @@ class Scheduler:
         stats: the engine's counters (llama-server's metric names).
         model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
         events: where ``slot.*`` events go (:mod:`hydra_trio.events`).
+        context_shift, n_keep, n_cache_reuse, slot_prompt_similarity: as the
+            :class:`~hydra_trio.engine.settings.EngineConfig` fields of those names.
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
-                 model_hash: str, events: EventBus | None = None) -> None:
+                 model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
+                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1) -> None:
         self.experts = experts
+        self.context_shift = context_shift
+        self.n_keep = n_keep
+        self.n_cache_reuse = n_cache_reuse
+        self.slot_prompt_similarity = slot_prompt_similarity
         self.events = events if events is not None else EventBus()
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_parallel)]
         self.pending: collections.deque[RequestHandle] = collections.deque()
@@ -225,12 +239,7 @@ class Scheduler:
         idle = [s for s in self.slots if not s.is_processing]
         if not idle:
             return None
-
-        def score(s: Slot) -> tuple[int, float]:
-            lcp = _common_prefix(s.cache_tokens, job.prompt_tokens) if job.cache_prompt else 0
-            return (lcp, -s.last_used)
-
-        return max(idle, key=score)
+        return pick_idle_slot(idle, job.prompt_tokens, self.slot_prompt_similarity)
 
     def _start(self, slot: Slot, handle: RequestHandle) -> None:
         m = self.model
@@ -252,6 +261,11 @@ class Scheduler:
         slot.handle = handle
         slot.t_start = time.perf_counter()
         cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
+        n_reuse = self.n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
+        if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
+                and cache_n < min(len(slot.cache_tokens), len(prompt))
+                and llama_cpp.llama_memory_can_shift(m.memory)):
+            cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
         if job.n_predict != 0 and cache_n >= len(prompt):
             cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
         if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
@@ -379,7 +393,7 @@ class Scheduler:
         slot.last_token = token
         if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
             self._finish(slot, "length")
-        elif slot.n_past + 1 >= slot.n_ctx:
+        elif slot.n_past + 1 >= slot.n_ctx and not (self.context_shift and shift_context(m, slot, self.n_keep)):
             self._finish(slot, "length", stop_reason="n_tokens_limit")
 
     def _finish(self, slot: Slot, reason: str, flush: bool = True, stop_reason: str = "length") -> None:
@@ -405,6 +419,7 @@ class Scheduler:
             predicted_ms=(now - t_first) * 1e3 if slot.n_decoded else 0.0,
             stop_reason=stop_reason,
             n_past=slot.n_past,
+            truncated=slot.n_shifts > 0,
             state=save_slot(m, slot, self.model_hash) if handle.job.snapshot else None,
         )
         # one line per finished request, whatever protocol it came by (llama-server's print_timings, on one line)
@@ -483,6 +498,104 @@ def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     slot.cache_n = best_now
     log.debug("slot %d: %d prompt tokens copied from slot %d", slot.id, best_now - have, donor.id)
     return False
+
+
+def pick_idle_slot(idle: list[Slot], prompt: tuple[int, ...], similarity: float) -> Slot:
+    """llama-server's ``get_available_slot`` for a request without ``id_slot``, over the ``idle`` slots.
+
+    The slot whose cached tokens share the longest prefix with ``prompt``, if
+    that prefix is more than ``similarity`` of the prompt's tokens
+    (``lcp / len(prompt) > similarity``; 0.0 skips this); else the least
+    recently used slot (the lowest id among equals; llama-server takes the
+    highest, which makes no difference to anything but the id).
+    """
+    if similarity != 0.0 and prompt:
+        best, best_sim = None, 0.0
+        for s in idle:
+            if s.cache_tokens:
+                sim = _common_prefix(s.cache_tokens, prompt) / len(prompt)
+                if sim > best_sim and sim > similarity:
+                    best, best_sim = s, sim
+        if best is not None:
+            return best
+    lru = idle[0]
+    for s in idle[1:]:
+        if s.last_used < lru.last_used:
+            lru = s
+    return lru
+
+
+def shift_context(m: LoadedModel, slot: Slot, n_keep_default: int) -> bool:
+    """llama-server's context shift on the full ``slot``: drop tokens after the first ``n_keep``
+    and move the rest down; False (nothing done) when ``m``'s memory cannot shift positions.
+
+    ``n_keep`` is the job's (None: ``n_keep_default``; -1: the whole prompt), plus
+    the BOS token when the model adds one, at most ``n_ctx_slot - 4``;
+    ``n_discard`` is the job's, 0 meaning half of the tokens after ``n_keep``
+    (``server-context.cpp``, ``pre_decode``).
+    """
+    assert slot.handle is not None
+    if not llama_cpp.llama_memory_can_shift(m.memory):
+        return False
+    job = slot.handle.job
+    n_keep = n_keep_default if job.n_keep is None else job.n_keep
+    if n_keep < 0:
+        n_keep = slot.n_prompt
+    if m.add_bos:
+        n_keep += 1
+    n_keep = min(slot.n_ctx - 4, n_keep)
+    n_past = slot.n_past
+    n_left = n_past - n_keep
+    n_discard = min(max(job.n_discard or n_left // 2, 0), max(0, n_left - 1))
+    if n_discard <= 0:
+        return False
+    llama_cpp.llama_memory_seq_rm(m.memory, slot.id, n_keep, n_keep + n_discard)
+    llama_cpp.llama_memory_seq_add(m.memory, slot.id, n_keep + n_discard, n_past, -n_discard)
+    del slot.cache_tokens[n_keep:n_keep + n_discard]
+    slot.n_shifts += 1
+    log.info("slot %d: context shift, n_keep %d, n_left %d, n_discard %d", slot.id, n_keep, n_left, n_discard)
+    return True
+
+
+def reuse_chunks(m: LoadedModel, slot: Slot, prompt: list[int], n_past: int, n_reuse: int) -> int:
+    """llama-server's ``--cache-reuse``: move chunks of ``slot``'s cached tokens that ``prompt``
+    holds further on into place by a KV shift; returns the prompt tokens now cached.
+
+    ``n_past`` is the common prefix of the cache and the prompt.  From there,
+    each cached run of at least ``n_reuse`` tokens equal to the prompt's next
+    tokens is shifted down to the prompt's position (``llama_memory_seq_rm`` of
+    the cells in between, ``llama_memory_seq_add`` of the run); cached tokens
+    that match nothing are skipped (``server-context.cpp``, ``n_cache_reuse``).
+    The caller removes what lies past the returned count.  Needs a memory that
+    can shift (``llama_memory_can_shift``).  Leaves ``slot.cache_tokens`` equal
+    to ``prompt[:returned]`` when it moved anything.
+    """
+    cache = slot.cache_tokens
+    head_c = head_p = n_past
+    n_c, n_p = len(cache), len(prompt)
+    start = n_past
+    while head_c < n_c and head_p < n_p:
+        try:  # the next cached token that could start a chunk (a C scan, not a Python loop)
+            head_c = cache.index(prompt[head_p], head_c)
+        except ValueError:
+            break
+        if cache[head_c:head_c + n_reuse] != prompt[head_p:head_p + n_reuse]:
+            head_c += 1
+            continue
+        n_match = _common_prefix(cache[head_c:], prompt[head_p:])
+        if n_match < n_reuse:
+            head_c += 1
+            continue
+        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, head_p, head_c)
+        llama_cpp.llama_memory_seq_add(m.memory, slot.id, head_c, head_c + n_match, head_p - head_c)
+        log.debug("slot %d: reusing %d cached tokens, shifted [%d, %d) -> [%d, %d)", slot.id, n_match,
+                  head_c, head_c + n_match, head_p, head_p + n_match)
+        n_past += n_match
+        head_c += n_match
+        head_p += n_match
+    if n_past > start:
+        slot.cache_tokens = list(prompt[:n_past])
+    return n_past
 
 
 def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:

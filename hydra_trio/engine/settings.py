@@ -296,6 +296,25 @@ class EngineConfig:
         n_predict: tokens to generate for a request that sets no
             ``max_tokens`` / ``max_completion_tokens`` / ``n_predict``
             (``-n`` / ``--n-predict``; -1: until end of generation or a full context).
+        context_shift: when a generating slot's context is full, discard half of
+            the tokens after the first ``n_keep`` and go on generating instead of
+            stopping with ``length`` (``--context-shift``; off by default, as
+            llama-server at this version).  Only on a memory that can shift
+            positions (``llama_memory_can_shift``); otherwise ignored.
+        n_keep: prompt tokens a context shift keeps, -1 = the whole prompt
+            (``--keep``; a request's ``n_keep`` overrides it).  As llama-server,
+            the BOS token is kept on top of these when the model adds one, and
+            at most ``n_ctx_slot - 4`` tokens are kept.
+        n_cache_reuse: the shortest chunk of a slot's cached tokens, after the
+            common prefix, that is moved into place by a KV shift rather than
+            evaluated again when a new prompt holds it further on (``--cache-reuse``;
+            0 = off; a request's ``n_cache_reuse`` overrides it).  Only on a
+            memory that can shift.
+        slot_prompt_similarity: an idle slot is picked for its cached prompt
+            when its common prefix with the new prompt is more than this
+            fraction of the new prompt's tokens (the best such slot); otherwise
+            the least recently used idle slot (``-sps``; 0.0 = always the least
+            recently used).
 
     Raises:
         ParameterError: ``n_predict`` out of -1 .. 2**31-1.
@@ -317,3 +336,7 @@ class EngineConfig:
     slot_save_path: Path | None = None
     sampling: SamplingParams = SamplingParams()
     n_predict: int = attrs.field(default=-1, validator=_int(-1, INT32_MAX))
+    context_shift: bool = False
+    n_keep: int = attrs.field(default=0, validator=_int(-1, INT32_MAX))
+    n_cache_reuse: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
+    slot_prompt_similarity: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))

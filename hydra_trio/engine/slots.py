@@ -78,6 +78,7 @@ class Slot:
         self.n_prompt = 0
         self.cache_n = 0
         self.n_decoded = 0
+        self.n_shifts = 0  # context shifts during this request (llama-server's ``truncated``)
         self.last_token: int | None = None
         self.sampler: Any = None
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

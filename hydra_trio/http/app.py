@@ -159,7 +159,8 @@ class Api:
         ``params`` lists every sampler setting under llama-server's name (the node's
         defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
         ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``,
-        and ``n_keep`` at its "off" value, as llama-server's ``task_params::to_json`` does.
+        and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
+        llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
@@ -182,7 +183,8 @@ class Api:
             "samplers": list(SAMPLER_ORDER),
             # llama-server's options this node does not run, at the values that switch them off
             # (the only values a request may send for them: api.schemas.UNSUPPORTED)
-            "n_keep": 0,
+            "n_keep": e.config.n_keep,
+            "n_discard": 0,
         }
         return JSONResponse({
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
