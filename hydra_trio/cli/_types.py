@@ -48,16 +48,22 @@ def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
     return _named(parse, "integer")
 
 
+def _finite(text: str, what: str) -> float:
+    """``text`` as a finite float; ArgumentTypeError naming ``what`` ("number", "number of seconds")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite {what}, got {text!r}")
+    return value
+
+
 def float_range(lo: float = -math.inf, hi: float = math.inf) -> Callable[[str], float]:
     """A finite number in ``[lo, hi]``."""
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        value = _finite(text, "number")
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"must be between {lo:g} and {hi:g}, got {text}")
         return value
@@ -69,12 +75,7 @@ def seconds(*, zero_ok: bool = False) -> Callable[[str], float]:
     """A finite number of seconds, > 0 (>= 0 with ``zero_ok``)."""
 
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+        value = _finite(text, "number of seconds")
         if value < 0 or (value == 0 and not zero_ok):
             raise argparse.ArgumentTypeError(f"must be {'>= 0' if zero_ok else '> 0'} seconds, got {text!r}")
         return value
@@ -223,11 +224,10 @@ def secret(text: str) -> str:
 
 
 def key_list(text: str) -> tuple[str, ...]:
-    """``--api-key KEY[,KEY...]`` (llama-server: a comma-separated list; empty items dropped)."""
-    keys = csv(text)
-    if not keys:
-        raise argparse.ArgumentTypeError("expected KEY[,KEY...], got no key")
-    return tuple(secret(k) for k in keys)
+    """``--api-key KEY[,KEY...]`` (llama-server: a comma-separated list; empty items dropped); each key
+    non-empty, without leading or trailing whitespace (:func:`secret`)."""
+    keys = [k for k in text.split(",") if k != ""]
+    return tuple(secret(k) for k in keys) if keys else (secret(""),)
 
 
 def cidr(text: str) -> str:

@@ -3,6 +3,8 @@ devices and offload, KV cache, RoPE, logs.  See :mod:`._flags` for the four clas
 
 from __future__ import annotations
 
+import functools
+
 from ..engine.settings import EngineConfig
 from . import _types as t
 from ._flags import ACCEPTED, OWN, REFUSED, WIRED, Flag
@@ -13,8 +15,7 @@ NO_MULTIMODAL = "multimodal models (mmproj) are not supported"
 CPU_ONLY_NOTE = "kept in the engine settings; this build offloads nothing (no GPU backend), as llama-server warns"
 
 
-def F(names: tuple[str, ...], kind: str, note: str = "", **kw) -> Flag:  # noqa: N802 (a table row)
-    return Flag(names, kind, note, group="common", **kw)
+F = functools.partial(Flag, group="common")  # a table row of this group
 
 
 FLAGS: list[Flag] = [

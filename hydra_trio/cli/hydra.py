@@ -22,7 +22,7 @@ def _default(settings: type[Any], field: str) -> Any:
     return attrs.fields_dict(settings)[field].default
 
 
-def H(names: tuple[str, ...], note: str, **kw) -> Flag:  # noqa: N802 (a table row)
+def H(names: tuple[str, ...], note: str, **kw) -> Flag:  # noqa: N802 (a table row: hydra-trio's own flag)
     return Flag(names, OWN, note, group="hydra", **kw)
 
 

@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+import functools
+
 from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
 
 
-def S(names: tuple[str, ...], kind: str, note: str = "", **kw) -> Flag:  # noqa: N802 (a table row)
-    return Flag(names, kind, note, group="sampling", **kw)
+S = functools.partial(Flag, group="sampling")  # a table row of this group
 
 
 NO_SPEC = "sampler order is llama-server's default chain; it cannot be changed here"

@@ -3,6 +3,8 @@ API keys, chat templates and thinking, plus the speculative-decoding and preset 
 
 from __future__ import annotations
 
+import functools
+
 from ..engine.settings import EngineConfig
 from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
@@ -14,8 +16,7 @@ NO_UI = "the node serves its own status page at /, not llama-server's web UI"
 NOT_YET = "accepted and kept in the engine settings; this node does not yet act on it"
 
 
-def V(names: tuple[str, ...], kind: str, note: str = "", **kw) -> Flag:  # noqa: N802 (a table row)
-    return Flag(names, kind, note, group="server", **kw)
+V = functools.partial(Flag, group="server")  # a table row of this group
 
 
 FLAGS: list[Flag] = [
