@@ -169,7 +169,7 @@ def test_unsupported_fields_are_400_naming_them(client: openai.OpenAI) -> None:
     _bad(client, "suffix", prompt="def f(", suffix="return 1")
     _bad(client, "store", messages=msgs, store=True)
     _bad(client, "samplers", prompt="Hi", extra_body={"samplers": ["temperature", "top_k"]})
-    _bad(client, "n_keep", prompt="Hi", extra_body={"n_keep": 5})
+    _bad(client, "t_max_predict_ms", prompt="Hi", extra_body={"t_max_predict_ms": 5})
     _bad(client, "echo", prompt="Hi", echo=True, logprobs=1)
 
 
