@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import httpx
+import trio
 
 from .conftest import ServerProcess
 
@@ -128,3 +130,71 @@ def test_http2_is_not_offered_on_a_plain_connection(server: ServerProcess) -> No
             pass
         else:
             raise AssertionError(f"HTTP/2 answered: {r.http_version} {r.status_code}")
+
+
+
+BIG = b"x" * (32 << 20)  # more than the kernel buffers on both ends of a loopback connection hold
+
+
+async def _big_reply(scope, receive, send) -> None:  # a plain ASGI app: one 32 MiB reply
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(BIG)).encode())]})
+    await send({"type": "http.response.body", "body": BIG})
+
+
+async def _serve_one(write_timeout: float, client) -> tuple[bool, int]:
+    """HttpHandler (hypercorn's per-connection server, as the front door runs it) on one real loopback
+    connection; ``client(sock, ended)`` runs in a thread and returns the bytes it received (``ended``: a
+    threading.Event set when the handler has returned by itself).  Returns (handler ended, bytes)."""
+    from hydra_trio.http._hyper import HttpHandler
+    from hydra_trio.http.settings import HttpSettings
+
+    handler = HttpHandler(_big_reply, HttpSettings(write_timeout=write_timeout))
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    ended = threading.Event()
+
+    def run_client() -> int:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(120)
+            sock.connect(("127.0.0.1", port))
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            return client(sock, ended)
+
+    async def serve() -> None:
+        stream = await listener.accept()
+        await handler(stream)
+        ended.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        received = await trio.to_thread.run_sync(run_client)
+        nursery.cancel_scope.cancel()
+    await listener.aclose()
+    return ended.is_set(), received
+
+
+def _read_all(sock: socket.socket, _ended: threading.Event | None = None) -> int:
+    n = 0
+    try:
+        while n < len(BIG) and (chunk := sock.recv(1 << 20)):
+            n += len(chunk)
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return n
+
+
+async def test_a_client_that_reads_nothing_loses_its_connection_after_the_write_timeout() -> None:
+    def stall(sock: socket.socket, ended: threading.Event) -> int:
+        ended.wait(120)  # read nothing until the server gave up on this connection (or 120 s)
+        return _read_all(sock)
+
+    ended, received = await _serve_one(0.5, stall)
+    assert ended, "a client that read nothing kept its connection past the write timeout"
+    assert received < len(BIG)  # the reply was cut: the connection closed with most of it unsent
+
+
+async def test_a_client_that_reads_gets_the_whole_reply_under_the_write_timeout() -> None:
+    _ended, received = await _serve_one(60.0, _read_all)
+    assert received >= len(BIG)  # the status line, the headers and the whole body

@@ -264,7 +264,7 @@ async def _run(args: argparse.Namespace) -> int:
         log.error("TLS: %s", exc)
         return 2
     cors = tuple(args.cors_origins or ()) + tuple(args.cors_origin or ())
-    http_kw = {"body_timeout": args.timeout} if args.timeout is not None else {}
+    http_kw = {"body_timeout": args.timeout, "write_timeout": args.timeout} if args.timeout is not None else {}
     config = ServerConfig(
         host=args.host,
         port=args.port,

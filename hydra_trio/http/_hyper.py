@@ -11,8 +11,11 @@ Timeouts: hypercorn's ``read_timeout`` bounds *every* receive on the
 connection, also while the server is busy producing a reply, so it would cut
 long generations (a client that waits for its reply sends nothing).  It is
 off; the times the server waits for the client are bounded instead by
-hypercorn's keep-alive timer (idle connections and request headers) and by
-the app's body timeout (:class:`~hydra_trio.http.settings.HttpSettings`).
+hypercorn's keep-alive timer (idle connections and request headers), by
+the app's body timeout, and by the write timeout: a client that takes none of
+a reply's bytes for ``write_timeout`` seconds loses its connection
+(:class:`~hydra_trio.http.settings.HttpSettings`; llama-server's ``-to`` is
+both its read and its write timeout).
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ import hypercorn.protocol as hypercorn_protocol
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
-from hypercorn.events import Closed, Event, Updated
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
+from ..tls import connection_info
 from .settings import HttpSettings
+
+log = logging.getLogger("hydra_trio.http")
 
 
 class _H11Protocol(hypercorn_protocol.H11Protocol):
@@ -94,6 +100,7 @@ class _TCPServer(TCPServer):
     """
 
     _reading_done = False
+    write_timeout: float | None = None  # seconds a send may wait for the client to read; None: no limit
 
     async def _read_data(self) -> None:
         try:
@@ -106,7 +113,29 @@ class _TCPServer(TCPServer):
         if isinstance(event, Updated) and event.idle and self._reading_done:
             await self._close()
             return
+        if isinstance(event, RawData) and self.write_timeout is not None:
+            await self._send_data(event.data, self.write_timeout)
+            return
         await super().protocol_send(event)
+
+    async def _send_data(self, data: bytes, timeout: float) -> None:
+        """hypercorn's send of reply bytes (shielded from the connection's cancellation, as hypercorn's),
+        but a client that takes none of them for ``timeout`` seconds has its connection closed: the
+        reply's stream ends as for a client that went away."""
+        stalled = False
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True), trio.move_on_after(timeout) as timer:
+                    await self.stream.send_all(data)
+                stalled = timer.cancelled_caught
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+        if stalled:
+            log.info("HTTP client %s read nothing for %g s: connection closed (write timeout, -to)",
+                     connection_info(self.stream).peer, timeout)
+            await self._close()
+            await self.protocol.handle(Closed())
 
 
 class HttpHandler:
@@ -124,6 +153,7 @@ class HttpHandler:
         config.accesslog = None
         config.errorlog = logging.getLogger("hydra_trio.http.error")
         self.config = config
+        self.write_timeout = settings.write_timeout
         _H11Protocol.max_body = settings.max_body
         hypercorn_protocol.H11Protocol = _H11Protocol  # type: ignore[misc]
         self.app = ASGIWrapper(app)  # type: ignore[arg-type]
@@ -131,7 +161,9 @@ class HttpHandler:
 
     async def __call__(self, stream: trio.SocketStream) -> None:
         """Serve HTTP/1.1 on ``stream`` until the client or the server closes it."""
-        await _TCPServer(self.app, self.config, self.context, {}, stream).run()  # type: ignore[arg-type]
+        server = _TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]
+        server.write_timeout = self.write_timeout
+        await server.run()
 
     async def drain(self) -> None:
         """Graceful shutdown: idle keep-alive connections close now; the others after their reply.

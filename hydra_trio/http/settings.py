@@ -20,6 +20,11 @@ class HttpSettings:
         body_timeout: seconds of silence allowed while a request's body is
             arriving; past it the reply is 408 and the connection closes
             (``--timeout``, llama-server's flag name).
+        write_timeout: seconds a reply may wait for the client to take any
+            of its bytes; past it the connection closes and the request ends
+            as for a client that went away (``--timeout`` sets it with
+            ``body_timeout``, as llama-server's ``-to`` is its read and write
+            timeout; default 600, llama-server's).  None: no limit.
         max_body: the largest request body in bytes (413 beyond it, at once
             when the client sent ``Expect: 100-continue``).
         cors_origins: origins allowed by CORS (``--cors-origin``); ``*``, the
@@ -33,6 +38,7 @@ class HttpSettings:
 
     keep_alive_timeout: float = 5.0
     body_timeout: float = 30.0
+    write_timeout: float | None = 600.0
     max_body: int = 16 * 1024 * 1024
     cors_origins: tuple[str, ...] = ("*",)
     max_event_subscribers: int = 256
