@@ -13,6 +13,7 @@ import pytest
 from hydra_trio.engine.ggml_rpc import build_backends
 
 from .conftest import ROOT, ServerProcess
+from .test_cli_flags import hydra_info
 from .test_prefix_sharing import test_a_copied_prefix_gives_the_same_text_as_the_slots_own_cache
 
 CUDA = "CUDA" in build_backends()
@@ -41,6 +42,9 @@ def test_props_and_the_log_name_the_backends_and_devices(server: ServerProcess) 
     assert props["backends"] == build_backends() and {"CPU", "RPC"} <= set(props["backends"])
     cpu = next(d for d in props["devices"] if d["name"] == "CPU")
     assert 0 < cpu["memory_free"] <= cpu["memory_total"]
+    info = hydra_info(server.port)  # the Hydra INFO reply says the same
+    assert info["backends"] == props["backends"] and [d["name"] for d in info["devices"]] == \
+        [d["name"] for d in props["devices"]]
     log = server.log()
     assert "backends: " + ", ".join(build_backends()) in log
     assert f"device CPU: " in log and " MiB free of " in log
