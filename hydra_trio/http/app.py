@@ -154,7 +154,7 @@ class Api:
             {"default_generation_settings": {"params": {sampling defaults, "n_predict", ...}, "n_ctx": tokens per slot},
              "total_slots", "model_alias", "model_path", "model_hash", "modalities": {"vision", "video", "audio"},
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
-             "build_info", "is_sleeping"}
+             "build_info", "is_sleeping", "tensor_placement", "tensor_placement_peer"}
 
         ``params`` lists every sampler setting under llama-server's name (the node's
         defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
@@ -165,6 +165,11 @@ class Api:
         template in effect (``chatml`` for a GGUF without one).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
         llama-server without ``--props``: 405).
+        ``tensor_placement`` (hydra-trio's): how many of the SOLO model's tensors a tensor
+        override placed, by buffer type name (``{"CPU": 24}`` with ``--n-cpu-moe 8`` on a
+        3-expert-tensors-per-layer MoE; ``{}`` without overrides), counted from llama.cpp's
+        "buffer type overridden to" load lines; ``tensor_placement_peer``: the same for the
+        COMBINED / PIPELINE model while one is attached (``{"RPC0[host:port]": 90, ...}``), else null.
         """
         e = self.engine
         if e is None:
@@ -201,6 +206,8 @@ class Api:
             "eos_token": m.token_text(m.eos_id) if m.eos_id >= 0 else "",
             "build_info": f"hydra-trio {__version__} (llama-cpp-python {llama_cpp.__version__})",
             "is_sleeping": False,
+            "tensor_placement": dict(m.tensor_placement),
+            "tensor_placement_peer": dict(c.tensor_placement) if (c := e.experts.combined) is not None else None,
         })
 
     async def tokenize(self, request: Request) -> Response:
