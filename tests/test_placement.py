@@ -11,7 +11,8 @@ import httpx
 import pytest
 
 from hydra_trio.engine.ggml_rpc import GgufHeader
-from hydra_trio.engine.model import LoadedModel, ModelLoadError, Placement, check_placement
+from hydra_trio.engine.model import LoadedModel, ModelLoadError
+from hydra_trio.engine.placement import Placement, PlacementError, check_placement
 from hydra_trio.engine.settings import LlamaOptions
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
@@ -57,7 +58,7 @@ def test_the_engine_refuses_unknown_devices_and_buffer_types_before_loading(tmp_
         (LlamaOptions(tensor_overrides=(("x", "CUDA0"),)), "unknown buffer type 'CUDA0' (available: CPU)"),
         (LlamaOptions(tensor_overrides=(("x", "RPC0[127.0.0.1:1]"),)), "needs llama-server's --rpc"),
     ):
-        with pytest.raises(ModelLoadError, match=re.escape(needle)):
+        with pytest.raises(PlacementError, match=re.escape(needle)):
             check_placement(opts)
         with pytest.raises(ModelLoadError, match=re.escape(needle)):
             LoadedModel(missing, n_ctx=256, n_parallel=1, n_batch=64, n_threads=1, options=opts)

@@ -125,12 +125,12 @@ def _has_gpu() -> bool:
 def _check_devices(opts: LlamaOptions) -> str | None:
     """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None.
 
-    The engine's own check (:func:`hydra_trio.engine.model.check_placement`), which a model load repeats."""
-    from ..engine.model import ModelLoadError, check_placement
+    The engine's own check (:func:`hydra_trio.engine.placement.check_placement`), which a model load repeats."""
+    from ..engine.placement import PlacementError, check_placement
 
     try:
         check_placement(opts)
-    except ModelLoadError as exc:
+    except PlacementError as exc:
         return str(exc)
     return None
 

@@ -6,7 +6,7 @@ costs milliseconds, not a reload) with the peer's device in
 every tensor matching the expert pattern (default ``ffn_(up|down|gate)_exps``)
 in the peer's buffer type (DESIGN.md, "Environment facts").  It keeps the
 operator's placement flags, composed in this order (first match wins, as
-llama.cpp applies overrides; :class:`~hydra_trio.engine.model.Placement`): the
+llama.cpp applies overrides; :class:`~hydra_trio.engine.placement.Placement`): the
 operator's ``-ot`` entries, then the expert pattern on the peer, then
 ``-cmoe``/``-ncmoe``/``-ncffn``.  So ``-ot 'token_embd\\.weight=CPU'`` keeps the
 embedding where it says and the experts still go to the peer, while an ``-ot``
