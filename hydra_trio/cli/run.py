@@ -106,25 +106,32 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
     gpu = [name for name, given in (("-ngl", args.gpu_layers), ("-sm", args.split_mode), ("-ts", args.tensor_split),
                                     ("-mg", args.main_gpu), ("-cmoe", args.cpu_moe or None),
                                     ("-ncmoe", args.n_cpu_moe), ("-ncffn", args.n_cpu_ffn)) if given is not None]
-    if gpu:
+    if gpu and not _has_gpu():
         log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
                     "same way)", ", ".join(gpu))
     if args.combined_ot_pattern is not None:
         log.info("--combined-ot-pattern: COMBINED places tensors matching %s on the peer", args.combined_ot_pattern)
 
 
-def _check_devices(opts: LlamaOptions, overrides: tuple[tuple[str, str], ...]) -> str | None:
-    """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None."""
-    from ..engine.ggml_rpc import local_devices
+def _has_gpu() -> bool:
+    """A device layers can be offloaded to (llama-server's ``llama_supports_gpu_offload``, without ggml-RPC)."""
+    from ..engine.ggml_rpc import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
+        device_type, is_rpc_device
 
-    names = {name for name, _, _ in local_devices()}
-    for dev in opts.devices or ():
-        if dev != "none" and dev not in names:
-            return f"-dev/--device: no device {dev!r} here (devices: {', '.join(sorted(names))}; see --list-devices)"
-    for pattern, buft in overrides:
-        if buft not in names and not buft.upper().startswith("RPC"):
-            return (f"-ot/--override-tensor {pattern}={buft}: unknown buffer type {buft!r} "
-                    f"(available: {', '.join(sorted(names))})")
+    return any(device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL)
+               and not is_rpc_device(d) for d in all_devices())
+
+
+def _check_devices(opts: LlamaOptions) -> str | None:
+    """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None.
+
+    The engine's own check (:func:`hydra_trio.engine.placement.check_placement`), which a model load repeats."""
+    from ..engine.placement import PlacementError, check_placement
+
+    try:
+        check_placement(opts)
+    except PlacementError as exc:
+        return str(exc)
     return None
 
 
@@ -231,7 +238,7 @@ async def _run(args: argparse.Namespace) -> int:
     if args.metrics_auth and not access.api_keys:
         log.warning("--metrics-auth without --api-key/--api-key-file: /metrics stays open")
     opts = llama_options(args)
-    problem = _check_devices(opts, opts.tensor_overrides)
+    problem = _check_devices(opts)
     if problem:
         log.error("%s", problem)
         return 2

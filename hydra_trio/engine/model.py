@@ -20,7 +20,9 @@ import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from ..errors import HydraTrioError
+from . import ggml_rpc
 from .ggml_rpc import clean_build_paths
+from .placement import Placement, PlacementError, capture_placement, record_placement
 from .settings import LlamaOptions
 
 log = logging.getLogger("hydra_trio.engine")
@@ -47,6 +49,7 @@ def _install_llama_log_handler() -> None:
     def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         msg = clean_build_paths(text.decode("utf-8", "replace").rstrip("\n"))
         if msg:
+            record_placement(msg)
             # llama.cpp's INFO is very chatty (one line per tensor): keep it at DEBUG.
             py_level = levels.get(level, logging.DEBUG)
             llog.log(logging.DEBUG if py_level == logging.INFO else py_level, "%s", msg)
@@ -253,21 +256,6 @@ def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> s
     raise ValueError(f"chat template {name!r}: the prompt kept growing")
 
 
-class _Override(ctypes.Structure):
-    """``struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }``."""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-def tensor_overrides(pairs: list[tuple[str, int]]) -> ctypes.Array[_Override]:
-    """A NULL-terminated ``llama_model_tensor_buft_override`` array (keep it alive while loading)."""
-    arr = (_Override * (len(pairs) + 1))()
-    for i, (pattern, buft) in enumerate(pairs):
-        arr[i].pattern = pattern.encode()
-        arr[i].buft = buft
-    return arr
-
-
 @attrs.frozen
 class ModelIdentity:
     """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF, and the
@@ -296,21 +284,26 @@ class LoadedModel:
         n_threads: CPU threads (None: all cores).
         progress: called with 0.0..1.0 while the weights load (llama.cpp's
             ``progress_callback``); returning False aborts the load.
-        devices: ``ggml_backend_dev_t`` handles to load onto (default: the CPU).
-        overrides: ``(tensor name regex, buffer type)`` pairs (llama.cpp's
-            ``tensor_buft_overrides``), e.g. the expert tensors on a peer.
+        peer: ``(ggml_backend_dev_t of a ggml-RPC peer, tensor name regex, label)``:
+            the tensors matching the regex go to the peer (COMBINED's experts,
+            PIPELINE_ATTACH's split); the label names the rule in the log.
         chat_template: llama-server's ``--chat-template``: None for the GGUF's
             own template (llama.cpp's built-in ``chatml`` when it has none), a
             built-in name (:func:`builtin_chat_templates`) or Jinja text.
         log_chat_template: log (INFO) which chat template is in effect.
         options: llama.cpp model and context parameters from llama-server's
-            flags (:class:`~hydra_trio.engine.settings.LlamaOptions`).
+            flags (:class:`~hydra_trio.engine.settings.LlamaOptions`); the
+            placement ones (devices, layers, tensor overrides) as
+            :class:`~hydra_trio.engine.placement.Placement` builds them,
+            composed with ``peer``.
         chat_template_kwargs: extra variables for a Jinja chat template
             (``--chat-template-kwargs``).
 
     Raises:
-        ModelLoadError: llama.cpp refused the file or the context, or the
-            Jinja chat template does not compile.
+        ModelLoadError: llama.cpp refused the file or the context, the
+            Jinja chat template does not compile, or a device or buffer type
+            of ``options`` does not exist here
+            (:class:`~hydra_trio.engine.placement.Placement`).
     """
 
     def __init__(
@@ -322,30 +315,29 @@ class LoadedModel:
         n_batch: int,
         n_threads: int | None,
         progress: Callable[[float], bool] | None = None,
-        devices: list[int] | None = None,
-        overrides: list[tuple[str, int]] | None = None,
+        peer: tuple[int, str, str] | None = None,
         chat_template: str | None = None,
         log_chat_template: bool = False,
         options: LlamaOptions | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         init_backend()
-        from . import ggml_rpc
-
         self.path = path
         self.options = opts = options if options is not None else LlamaOptions()
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         mparams = llama_cpp.llama_model_default_params()
         _apply_model_options(mparams, opts)
-        # an explicit device list: NULL would mean "every registered device",
-        # ggml-RPC peers included (DESIGN.md)
-        devs = devices if devices is not None else [ggml_rpc.cpu_device()]
-        self._devices = (ctypes.c_void_p * (len(devs) + 1))(*devs, None)
-        mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
-        mparams.n_gpu_layers = 0  # layers (and the KV cache) stay on the host; overrides move single tensors
-        if overrides:
-            self._overrides = tensor_overrides(overrides)
-            mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
+        n_layer = None
+        if opts.n_cpu_moe or opts.n_cpu_ffn:  # -ncmoe/-ncffn: one pattern per layer, up to the model's layers
+            try:
+                n_layer = ggml_rpc.GgufHeader(path).block_count
+            except OSError:
+                pass  # llama.cpp says what is wrong with the file below
+        try:
+            self.placement = Placement(opts, n_layer=n_layer, peer=peer)
+        except PlacementError as exc:
+            raise ModelLoadError(str(exc)) from None
+        self.placement.apply(mparams)  # an explicit device list, never NULL (DESIGN.md)
         if progress is not None:
 
             @llama_cpp.llama_progress_callback
@@ -354,9 +346,17 @@ class LoadedModel:
 
             self._progress_cb = _progress  # keep alive during the load
             mparams.progress_callback = _progress
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        with capture_placement() as placed:
+            self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        self.tensor_placement: dict[str, int] = {buft: len(names) for buft, names in sorted(placed.items())}
+        """Tensors an override placed, by buffer type name (``{"CPU": 24}``): the distinct tensor names of
+        llama.cpp's "buffer type overridden to" lines while the model loaded (a tied output weight that
+        reuses ``token_embd.weight`` counts once).  ``/props`` ``tensor_placement``."""
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
+        if self.placement.overrides or self.placement.devices or opts.devices is not None:
+            log.info("placement of %s: %s; tensors overridden: %s", path.name, self.placement.describe(),
+                     ", ".join(f"{n} to {buft}" for buft, n in self.tensor_placement.items()) or "none")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
@@ -568,7 +568,7 @@ _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
 def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
-    """The host-side model parameters of ``opts`` (the GPU placement ones wait for a GPU build)."""
+    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.placement.Placement`)."""
     mparams.load_mode = _LOAD_MODES[opts.load_mode]
     mparams.check_tensors = opts.check_tensors
     mparams.use_extra_bufts = opts.repack

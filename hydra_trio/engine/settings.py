@@ -222,10 +222,10 @@ def check_stop(stop: tuple[str, ...]) -> None:
 class LlamaOptions:
     """llama.cpp model and context parameters from llama-server's flags (names in comments).
 
-    Applied when a model loads (:class:`hydra_trio.engine.model.LoadedModel`): the context and CPU ones now;
-    the GPU placement ones (``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``devices``,
-    ``tensor_overrides``, ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) are kept for a build with a GPU backend:
-    this build places every tensor in host memory, as llama-server does without one.
+    Applied when a model loads (:class:`hydra_trio.engine.model.LoadedModel`); the placement ones
+    (``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``devices``, ``tensor_overrides``,
+    ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) as :class:`hydra_trio.engine.placement.Placement` builds them,
+    in llama-server's way (without a GPU nothing is offloaded; the overrides still apply).
     """
 
     n_threads_batch: int | None = None  # -tb; None = n_threads

@@ -155,7 +155,7 @@ class Api:
             {"default_generation_settings": {"params": {sampling defaults, "n_predict", ...}, "n_ctx": tokens per slot},
              "total_slots", "model_alias", "model_path", "model_hash", "modalities": {"vision", "video", "audio"},
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
-             "build_info", "is_sleeping",
+             "build_info", "is_sleeping", "tensor_placement", "tensor_placement_peer",
              "backends": the ggml backends of this build (["CPU", "RPC"], "CUDA" on a GPU build),
              "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds}
 
@@ -168,6 +168,11 @@ class Api:
         template in effect (``chatml`` for a GGUF without one).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
         llama-server without ``--props``: 405).
+        ``tensor_placement`` (hydra-trio's): how many of the SOLO model's tensors a tensor
+        override placed, by buffer type name (``{"CPU": 24}`` with ``--n-cpu-moe 8`` on a
+        3-expert-tensors-per-layer MoE; ``{}`` without overrides), counted from llama.cpp's
+        "buffer type overridden to" load lines; ``tensor_placement_peer``: the same for the
+        COMBINED / PIPELINE model while one is attached (``{"RPC0[host:port]": 90, ...}``), else null.
         """
         e = self.engine
         if e is None:
@@ -206,6 +211,8 @@ class Api:
             "backends": build_backends(),
             "devices": [{"name": name, "memory_free": free, "memory_total": total}
                         for name, free, total in local_devices()],
+            "tensor_placement": dict(m.tensor_placement),
+            "tensor_placement_peer": dict(c.tensor_placement) if (c := e.experts.combined) is not None else None,
         })
 
     async def tokenize(self, request: Request) -> Response:
