@@ -52,7 +52,8 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
         "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
         "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
-        "kv_unified": args.kv_unified or args.parallel == -1,  # llama-server's auto: 4 slots, unified KV "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
+        "kv_unified": args.kv_unified or args.parallel == -1,  # -np -1, llama-server's auto: unified KV
+        "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
         "rope_freq_scale": freq_scale, "yarn_orig_ctx": args.yarn_orig_ctx,
         "yarn_ext_factor": args.yarn_ext_factor, "yarn_attn_factor": args.yarn_attn_factor,
         "yarn_beta_slow": args.yarn_beta_slow, "yarn_beta_fast": args.yarn_beta_fast,
