@@ -33,6 +33,8 @@ from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import quants, state
 from .bridge import Call
 from .combined import ExpertModes
+from . import embedding
+from .embedding import Embedding, EmbeddingJob
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .requests import CompletionJob, RequestHandle
@@ -71,6 +73,11 @@ class EngineStats:
     mode_switches: int = 0
     combined_fallbacks: int = 0
     peer_losses: int = 0
+
+
+EMBEDDING_ONLY = ("this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
+                  "start a node without --embedding for completions")
+NO_EMBEDDINGS = "This server does not support embeddings. Start it with `--embeddings` (--embedding)"
 
 
 _STOP = object()
@@ -213,6 +220,8 @@ class Engine:
                 prompt longer than a slot's context, slot id out of range).
         """
         self.check_ready()
+        if self.config.embeddings:
+            raise InvalidRequest(EMBEDDING_ONLY)
         if not job.prompt_tokens and not job.continue_slot:
             raise InvalidRequest("the prompt is empty")
         if job.continue_slot and job.id_slot < 0:
@@ -230,6 +239,27 @@ class Engine:
         if not handle.cancelled:
             handle.cancelled = True
             self._inbox.put(_WAKE)
+
+    async def embed(self, job: EmbeddingJob) -> Embedding:
+        """Embed one input on the engine thread, between two batching steps (:mod:`.embedding`).
+
+        Raises:
+            NotReady: before the model serves.
+            InvalidRequest: the node does not serve embeddings (``--embedding``), or the input is
+                empty or too long.
+            EngineFailure: llama.cpp failed.
+        """
+        if not self.config.embeddings:
+            raise InvalidRequest(NO_EMBEDDINGS)
+        return await self.call(lambda e: e._embed(job))
+
+    def _embed(self, job: EmbeddingJob) -> Embedding:
+        m = self.model
+        assert m is not None
+        out = embedding.embed(m, job, seq=0)  # one input at a time: no slot ever holds tokens on this node
+        self.stats.prompt_tokens_total += out.n_tokens
+        self.stats.prompt_seconds_total += out.ms / 1e3
+        return out
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps; return its result.
