@@ -32,8 +32,10 @@ from typing import Any
 import attrs
 import trio
 
-from ..engine.embedding import POOLING, Embedding, EmbeddingJob, float32_bytes, max_input_tokens, n_embd_out, pooling_type
-from ..engine.engine import Engine
+from ..engine.embedding import (POOLING, Embedding, EmbeddingJob, embed_counted, float32_bytes, max_input_tokens,
+                                n_embd_out, pooling_type)
+from ..engine.engine import NO_EMBEDDINGS, Engine
+from ..errors import InvalidRequest
 from ..engine.model import LoadedModel
 from ..engine.settings import INT32_MAX
 from ..protocol import strict as msg
@@ -172,13 +174,16 @@ def native_body(results: Sequence[Embedding]) -> list[dict[str, Any]]:
 async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool) -> dict[str, Any] | list[dict[str, Any]]:
     """Answer one embeddings body: the OpenAI list (``oai``: ``/v1/embeddings`` with ``input``) or the native list.
 
-    Each input is one engine call (:meth:`Engine.embed`), in order; every input is tokenized and
+    Each input is one engine call (:func:`~hydra_trio.engine.embedding.embed_counted`), in order; every input is tokenized and
     checked first, so a bad one costs no decoding.
 
     Raises:
         RequestError: the body or an input is invalid (400), or ``oai`` on a node with pooling ``none``.
+        InvalidRequest: the node does not serve embeddings (no ``--embedding``).
         NotReady, EngineFailure: from the engine.
     """
+    if not e.config.embeddings:
+        raise InvalidRequest(NO_EMBEDDINGS)
     pooling, limit, why = await e.call(lambda eng: (pooling_type(eng.model), *max_input_tokens(eng.model)))
     oai = oai and body.input is not None  # llama-server: "content" is its own field, answered in its own shape
     if oai and pooling == POOLING["none"]:
@@ -187,7 +192,10 @@ async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool) -> dic
     assert m is not None and e.identity is not None
     inputs = await trio.to_thread.run_sync(lambda: tokenize_inputs(m, body, limit, why))
     normalize = e.config.embd_normalize if body.embd_normalize is None else body.embd_normalize
-    results = [await e.embed(EmbeddingJob(tuple(tokens), normalize)) for _, tokens in inputs]
+    results = []
+    for _, tokens in inputs:  # one engine call each: other requests' inputs may run in between
+        job = EmbeddingJob(tuple(tokens), normalize)
+        results.append(await e.call(lambda eng, job=job: embed_counted(eng.model, eng.stats, job)))
     if oai:
         return openai_body(results, body.model or e.identity.model_alias, base64_floats=body.base64)
     return native_body(results)

@@ -26,6 +26,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import llama_cpp
@@ -127,11 +128,11 @@ def max_input_tokens(m: LoadedModel) -> tuple[int, str]:
         or (pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK and bool(llama_cpp.llama_get_causal_attn(m.ctx)))
     )
     if splittable:
-        return n_ctx, "the slot's context (--ctx-size / --parallel)"
+        return n_ctx, "the slot's context, --ctx-size / --parallel"
     n_ubatch = int(llama_cpp.llama_n_ubatch(m.ctx))
     if n_ubatch < n_ctx:
-        return n_ubatch, "the physical batch size (--ubatch-size; this pooling needs the whole input in one batch)"
-    return n_ctx, "the slot's context (--ctx-size / --parallel)"
+        return n_ubatch, "the physical batch size, --ubatch-size: this pooling needs the whole input in one batch"
+    return n_ctx, "the slot's context, --ctx-size / --parallel"
 
 
 def check_input(m: LoadedModel, n_tokens: int, field: str) -> None:
@@ -192,3 +193,13 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int) -> Embedding:
         if m.memory:
             llama_cpp.llama_memory_seq_rm(m.memory, seq, -1, -1)
     return Embedding(tuple(vectors), n, (time.perf_counter() - t0) * 1e3)
+
+
+def embed_counted(m: LoadedModel, stats: Any, job: EmbeddingJob) -> Embedding:
+    """Engine thread: :func:`embed` on sequence 0, counted in the engine's prompt metrics (``stats``:
+    ``EngineStats``).  Inputs go one at a time and no slot of an embedding node holds tokens, so sequence 0
+    is always free."""
+    out = embed(m, job, seq=0)
+    stats.prompt_tokens_total += out.n_tokens
+    stats.prompt_seconds_total += out.ms / 1e3
+    return out

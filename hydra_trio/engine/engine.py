@@ -33,8 +33,6 @@ from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import quants, state
 from .bridge import Call
 from .combined import ExpertModes
-from . import embedding
-from .embedding import Embedding, EmbeddingJob
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .requests import CompletionJob, RequestHandle
@@ -78,6 +76,13 @@ class EngineStats:
 EMBEDDING_ONLY = ("this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
                   "start a node without --embedding for completions")
 NO_EMBEDDINGS = "This server does not support embeddings. Start it with `--embeddings` (--embedding)"
+
+
+def check_serves_completions(engine: Engine) -> None:
+    """NotReady before the model serves; InvalidRequest on an embedding-only node (``--embedding``)."""
+    engine.check_ready()
+    if engine.config.embeddings:
+        raise InvalidRequest(EMBEDDING_ONLY)
 
 
 _STOP = object()
@@ -216,12 +221,10 @@ class Engine:
 
         Raises:
             NotReady: before the model serves.
-            InvalidRequest: the job is invalid for this engine (empty prompt,
+            InvalidRequest: the node serves embeddings only, or the job is invalid for this engine (empty prompt,
                 prompt longer than a slot's context, slot id out of range).
         """
-        self.check_ready()
-        if self.config.embeddings:
-            raise InvalidRequest(EMBEDDING_ONLY)
+        check_serves_completions(self)
         if not job.prompt_tokens and not job.continue_slot:
             raise InvalidRequest("the prompt is empty")
         if job.continue_slot and job.id_slot < 0:
@@ -239,27 +242,6 @@ class Engine:
         if not handle.cancelled:
             handle.cancelled = True
             self._inbox.put(_WAKE)
-
-    async def embed(self, job: EmbeddingJob) -> Embedding:
-        """Embed one input on the engine thread, between two batching steps (:mod:`.embedding`).
-
-        Raises:
-            NotReady: before the model serves.
-            InvalidRequest: the node does not serve embeddings (``--embedding``), or the input is
-                empty or too long.
-            EngineFailure: llama.cpp failed.
-        """
-        if not self.config.embeddings:
-            raise InvalidRequest(NO_EMBEDDINGS)
-        return await self.call(lambda e: e._embed(job))
-
-    def _embed(self, job: EmbeddingJob) -> Embedding:
-        m = self.model
-        assert m is not None
-        out = embedding.embed(m, job, seq=0)  # one input at a time: no slot ever holds tokens on this node
-        self.stats.prompt_tokens_total += out.n_tokens
-        self.stats.prompt_seconds_total += out.ms / 1e3
-        return out
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps; return its result.
