@@ -241,3 +241,27 @@ def test_embeddings_on_a_generation_node_are_a_501(server: ServerProcess) -> Non
     for path in ("/embedding", "/embeddings"):
         r = httpx.post(server.base + path, json={"content": TEXT}, timeout=60)
         assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+
+
+def test_pooling_last_splits_a_long_input(tmp_path, none_node: ServerProcess) -> None:  # type: ignore[no-untyped-def]
+    """``last`` pooling reads the final token, so an input longer than the micro-batch is decoded in
+    several batches (llama-server's ``can_split``) and equals the last per-token hidden state, normalized."""
+    srv = ServerProcess(tmp_path / "last.log", "--embedding", "--pooling", "last", "-np", "1", "-c", "256",
+                        "-b", "16", "-ub", "16", "--no-rpc-backend")
+    try:
+        srv.wait_ready()
+        text = " ".join([TEXT, OTHER, TEXT])
+        n = len(_tokens(srv, text))
+        assert 16 < n <= 64
+        r = httpx.post(srv.base + "/v1/embeddings", json={"input": text, "encoding_format": "float"}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == n
+        vec = r.json()["data"][0]["embedding"]
+        last = httpx.post(none_node.base + "/embedding", json={"content": text}, timeout=60).json()[0]["embedding"][-1]
+        last = [x / _norm(last) for x in last]
+        assert max(abs(x - y) for x, y in zip(vec, last)) < 1e-3
+        # a prompt longer than the slot's context is still refused
+        r = httpx.post(srv.base + "/v1/embeddings", json={"input": "word " * 300}, timeout=60)
+        assert r.status_code == 400 and "the slot's context" in r.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0, srv.log()
