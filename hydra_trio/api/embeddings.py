@@ -35,9 +35,9 @@ import trio
 from ..engine.embedding import (POOLING, Embedding, EmbeddingJob, embed_counted, float32_bytes, max_input_tokens,
                                 n_embd_out, pooling_type)
 from ..engine.engine import NO_EMBEDDINGS, Engine
-from ..errors import InvalidRequest
 from ..engine.model import LoadedModel
 from ..engine.settings import INT32_MAX
+from ..errors import InvalidRequest
 from ..protocol import strict as msg
 from .schemas import RequestError, _conv
 

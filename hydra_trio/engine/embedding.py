@@ -36,7 +36,6 @@ from .model import LoadedModel
 
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 """``--pooling`` names -> ``enum llama_pooling_type`` (``LLAMA_POOLING_TYPE_*``)."""
-POOLING_NAMES = {v: k for k, v in POOLING.items()}
 DEFAULT_NORMALIZE = 2
 """llama-server's ``--embd-normalize`` default: Euclidean (L2)."""
 
