@@ -61,6 +61,7 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "main_gpu": args.main_gpu, "devices": args.device,
         "tensor_overrides": tuple(p for group in args.override_tensor or [] for p in group),
         "cpu_moe": args.cpu_moe, "n_cpu_moe": args.n_cpu_moe, "n_cpu_ffn": args.n_cpu_ffn,
+        "embeddings": args.embedding, "pooling": args.pooling,
     }
     return LlamaOptions(**{k: v for k, v in opts.items() if v is not None})
 
@@ -225,6 +226,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         slot_prompt_similarity=(args.slot_prompt_similarity if args.slot_prompt_similarity is not None
                                 else EngineConfig.__attrs_attrs__.slot_prompt_similarity.default),
         slot_save_path=args.slot_save_path,
+        embd_normalize=args.embd_normalize if args.embd_normalize is not None else 2,
     )
 
 
@@ -257,6 +259,9 @@ async def _run(args: argparse.Namespace) -> int:
             log.info("chat template: %s", (args.chat_template or args.chat_template_file)[1])
         log.info("model %s (%s), %d slots, n_ctx %s", engine.model_alias, engine.model_path, engine.n_parallel,
                  engine.n_ctx or "the model's training context per slot")
+        if engine.embeddings:
+            log.info("embeddings only (--embedding): pooling %s, normalization %d; completions are refused",
+                     engine.pooling or "the model's", engine.embd_normalize)
     else:
         log.info("compute-only node: no model")
     rpc = None

@@ -73,6 +73,18 @@ class EngineStats:
     peer_losses: int = 0
 
 
+EMBEDDING_ONLY = ("this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
+                  "start a node without --embedding for completions")
+NO_EMBEDDINGS = "This server does not support embeddings. Start it with `--embeddings` (--embedding)"
+
+
+def check_serves_completions(engine: Engine) -> None:
+    """NotReady before the model serves; InvalidRequest on an embedding-only node (``--embedding``)."""
+    engine.check_ready()
+    if engine.config.embeddings:
+        raise InvalidRequest(EMBEDDING_ONLY)
+
+
 _STOP = object()
 _WAKE = object()
 
@@ -209,10 +221,10 @@ class Engine:
 
         Raises:
             NotReady: before the model serves.
-            InvalidRequest: the job is invalid for this engine (empty prompt,
+            InvalidRequest: the node serves embeddings only, or the job is invalid for this engine (empty prompt,
                 prompt longer than a slot's context, slot id out of range).
         """
-        self.check_ready()
+        check_serves_completions(self)
         if not job.prompt_tokens and not job.continue_slot:
             raise InvalidRequest("the prompt is empty")
         if job.continue_slot and job.id_slot < 0:

@@ -592,6 +592,9 @@ def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     cparams.yarn_attn_factor = opts.yarn_attn_factor
     cparams.yarn_beta_slow = opts.yarn_beta_slow
     cparams.yarn_beta_fast = opts.yarn_beta_fast
+    cparams.embeddings = opts.embeddings
+    if opts.pooling is not None:  # enum llama_pooling_type (engine/embedding.py's POOLING)
+        cparams.pooling_type = ("none", "mean", "cls", "last", "rank").index(opts.pooling)
 
 
 def release_free_memory() -> None:

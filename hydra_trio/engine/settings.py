@@ -258,6 +258,8 @@ class LlamaOptions:
     cpu_moe: bool = False  # -cmoe
     n_cpu_moe: int = 0  # -ncmoe
     n_cpu_ffn: int = 0  # -ncffn
+    embeddings: bool = False  # --embedding: the context outputs embeddings (llama_context_params.embeddings)
+    pooling: str | None = None  # --pooling none|mean|cls|last|rank; None = the model's
 
 
 @attrs.frozen
@@ -315,6 +317,10 @@ class EngineConfig:
             fraction of the new prompt's tokens (the best such slot); otherwise
             the least recently used idle slot (``-sps``; 0.0 = always the least
             recently used).
+        embd_normalize: how pooled embeddings are normalized when a request does not say
+            (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
+            see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
+            ``pooling`` (``--pooling``) are context parameters and live in :attr:`llama`.
 
     Raises:
         ParameterError: ``n_predict`` out of -1 .. 2**31-1.
@@ -340,3 +346,14 @@ class EngineConfig:
     n_keep: int = attrs.field(default=0, validator=_int(-1, INT32_MAX))
     n_cache_reuse: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
     slot_prompt_similarity: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
+    embd_normalize: int = attrs.field(default=2, validator=_int(-1, INT32_MAX))
+
+    @property
+    def embeddings(self) -> bool:
+        """The node serves embeddings only (``--embedding``): completions are refused."""
+        return self.llama.embeddings
+
+    @property
+    def pooling(self) -> str | None:
+        """``--pooling``: None for the model's own."""
+        return self.llama.pooling

@@ -3,7 +3,7 @@
 Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
 ``/health``, ``/version``, ``/props``, ``/v1/models``, ``/slots``,
 ``/slots/{id}`` (erase, save, restore), ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
-``/v1/chat/completions``, ``/v1/completions``, ``/metrics``; ``GET /v1/events``
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/embedding(s)``, ``/metrics``; ``GET /v1/events``
 (WebSocket, :mod:`.events`) and the status page ``GET /`` with its files under
 ``/static/`` (:data:`STATIC_DIR`).  Errors use
 OpenAI's body shape ``{"error": {"message", "type", "code"}}``.
@@ -49,6 +49,8 @@ from ..events import EventBus
 from .errors import error_response
 from .events import events_endpoint
 from ..api.jobs import job_from_chat, job_from_completion
+from ..api.embeddings import EmbeddingsRequest, embed_request
+from ..engine.engine import NO_EMBEDDINGS
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -382,6 +384,20 @@ class Api:
                 raise _BodyError(413, f"the body is over the limit of {limit} bytes")
         return parse_body(bytes(raw), cls)
 
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings`` (OpenAI's shape) and ``POST /embedding``, ``/embeddings`` (llama-server's):
+        :mod:`hydra_trio.api.embeddings`.  501 on a node without ``--embedding``, as llama-server."""
+        e = self.engine
+        if e is not None and not e.config.embeddings:
+            return error_response(501, NO_EMBEDDINGS, "not_supported_error")
+        e, body = await self._simple_body(request, EmbeddingsRequest)
+        if isinstance(body, Response):
+            return body
+        try:
+            return JSONResponse(await embed_request(e, body, oai=request.url.path == "/v1/embeddings"))
+        except HydraTrioError as exc:
+            return error_for(exc)
+
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
 
@@ -659,6 +675,7 @@ def build_app(
         Route("/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/completions", api.completions, methods=["POST"]),
+        *(Route(path, api.embeddings, methods=["POST"]) for path in ("/v1/embeddings", "/embeddings", "/embedding")),
         WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
                                                      settings.max_event_subscribers)),
         Route("/v1/events", _upgrade_required, methods=["GET"]),
