@@ -4,6 +4,7 @@
 #   ./dev.sh test [pytest args...]           set up, then run the whole test suite
 #   ./dev.sh setup                           only set up (.venv with everything installed)
 #   ./dev.sh cmake-args                      print the CMake flags llama.cpp is built with here
+#                                            (CUDA when the machine has nvcc; HYDRA_TRIO_CUDA=0|1 forces it)
 # Needs only Python 3.11, gcc and cmake; llama-cpp-python is built from source
 # (no binary wheels on the registry) with ggml-RPC on and native CPU tuning off.
 set -euo pipefail
@@ -40,6 +41,31 @@ print(" ".join(opts))
 PYEOF
 }
 
+# CUDA, as a GPU node needs it: on when the machine has a CUDA toolkit (nvcc) and a GPU (nvidia-smi lists
+# one: the CPU machines here ship nvcc without a GPU or driver, and a CUDA build there would only cost an
+# hour), or forced with HYDRA_TRIO_CUDA=1 (HYDRA_TRIO_CUDA=0: never); built for the GPUs nvidia-smi lists
+# (override with CMAKE_CUDA_ARCHITECTURES=...), with flash attention's CUDA kernels.  Prints nothing
+# without CUDA, so a CPU machine's flags (and its wheel cache key) stay as they were.
+gpu_cmake_args() {
+  local archs="${CMAKE_CUDA_ARCHITECTURES:-}"
+  if [ -z "$archs" ] && command -v nvidia-smi >/dev/null 2>&1; then
+    archs="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d '. ' | sort -u | paste -sd';' -)"
+  fi
+  case "${HYDRA_TRIO_CUDA:-auto}" in
+    0) return 0 ;;
+    1) ;;
+    *) command -v nvcc >/dev/null 2>&1 && command -v nvidia-smi >/dev/null 2>&1 && [ -n "$archs" ] || return 0 ;;
+  esac
+  echo "-DGGML_CUDA=ON -DGGML_CUDA_FA=ON -DCMAKE_CUDA_ARCHITECTURES=${archs:-native}"
+}
+
+# every CMake flag llama.cpp is built with here (the wheel and bench/build_llama_server.sh)
+cmake_args() {
+  local gpu
+  gpu="$(gpu_cmake_args)"
+  echo "$(cpu_cmake_args)${gpu:+ $gpu}"
+}
+
 # The llama-cpp-python sdist, kept in the cache: the wheel builds from it, bench/build_llama_server.sh
 # builds llama-server from its vendor/llama.cpp, and tests/test_cli_flags.py reads llama-server's flags
 # from its common/arg.cpp.  Prints its path.
@@ -63,7 +89,7 @@ setup() {
   # llama-cpp-python has no binary wheels on the registry: build it once per
   # set of CPU flags into our own wheel cache (pip's cache ignores CMAKE_ARGS).
   export CMAKE_ARGS
-  CMAKE_ARGS="$(cpu_cmake_args)"
+  CMAKE_ARGS="$(cmake_args)"
   local key
   key="$(echo "$LLAMA_CPP_PYTHON_VERSION $CMAKE_ARGS" | sha256sum | cut -c1-16)"
   local marker="$VENV/.llama-cpp-python-build"
@@ -97,7 +123,7 @@ cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
   setup) setup ;;
-  cmake-args) cpu_cmake_args ;;
+  cmake-args) cmake_args ;;
   run) setup; exec "$VENV/bin/hydra-trio" run "$@" ;;
   test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
   *) echo "usage: $0 {setup|run|test|cmake-args} [args...]" >&2; exit 2 ;;

@@ -54,6 +54,7 @@ def test_version() -> None:
     assert out.returncode == 0
     assert out.stdout.startswith(f"hydra-trio {importlib.metadata.version('hydra-trio')} ")
     assert f"llama-cpp-python {importlib.metadata.version('llama-cpp-python')}" in out.stdout
+    assert "backends CPU, RPC," in out.stdout  # this build's ggml backends (CUDA too on a GPU build)
 
 
 def test_port_out_of_range_is_refused_before_anything_binds() -> None:

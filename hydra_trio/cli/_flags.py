@@ -84,7 +84,10 @@ def version_text() -> str:
         llama = importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
         llama = "not installed"
-    return f"hydra-trio {__version__} (llama-cpp-python {llama}, Python {sys.version.split()[0]})"
+    from ..engine.ggml_rpc import build_backends
+
+    backends = ", ".join(build_backends()) or "none"
+    return f"hydra-trio {__version__} (llama-cpp-python {llama}, backends {backends}, Python {sys.version.split()[0]})"
 
 
 class _Refuse(argparse.Action):

@@ -52,7 +52,7 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
         "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
         "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
-        "kv_unified": args.kv_unified, "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
+        "kv_unified": args.kv_unified or args.parallel == -1,  # llama-server's auto: 4 slots, unified KV "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
         "rope_freq_scale": freq_scale, "yarn_orig_ctx": args.yarn_orig_ctx,
         "yarn_ext_factor": args.yarn_ext_factor, "yarn_attn_factor": args.yarn_attn_factor,
         "yarn_beta_slow": args.yarn_beta_slow, "yarn_beta_fast": args.yarn_beta_fast,
@@ -126,6 +126,15 @@ def _check_devices(opts: LlamaOptions, overrides: tuple[tuple[str, str], ...]) -
             return (f"-ot/--override-tensor {pattern}={buft}: unknown buffer type {buft!r} "
                     f"(available: {', '.join(sorted(names))})")
     return None
+
+
+def _log_devices() -> None:
+    """The start-up log's device lines: the build's backends, each device with its free/total memory."""
+    from ..engine.ggml_rpc import build_backends, local_devices
+
+    log.info("backends: %s", ", ".join(build_backends()))
+    for name, free, total in local_devices():
+        log.info("device %s: %d MiB free of %d MiB", name, free // 2**20, total // 2**20)
 
 
 def _list_devices() -> int:
@@ -227,6 +236,7 @@ async def _run(args: argparse.Namespace) -> int:
         log.error("%s", problem)
         return 2
     _notes(args, opts)
+    _log_devices()
     _process_settings(args)
     engine = None
     if not args.no_model:

@@ -30,8 +30,9 @@ FLAGS: list[Flag] = [
       type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
     V(("-cram", "--cache-ram"), ACCEPTED, NOT_YET + " (no host-RAM prompt cache yet)", value="N",
       type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM"),
-    V(("-kvu", "--kv-unified"), ACCEPTED, "each slot keeps its own KV stream of n_ctx/n_parallel tokens (kept in "
-      "the engine settings)", neg=("-no-kvu", "--no-kv-unified"), env="LLAMA_ARG_KV_UNIFIED"),
+    V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; each slot still holds at most "
+      "n_ctx/n_parallel tokens (-np -1 turns it on, as llama-server)", neg=("-no-kvu", "--no-kv-unified"),
+      env="LLAMA_ARG_KV_UNIFIED", lands="EngineConfig.llama.kv_unified"),
     V(("--cache-idle-slots",), ACCEPTED, "an idle slot keeps its KV cache for the next request",
       neg=("--no-cache-idle-slots",), env="LLAMA_ARG_CACHE_IDLE_SLOTS"),
     V(("--context-shift",), WIRED, "when a generation fills its slot's context, drop older tokens and go on "

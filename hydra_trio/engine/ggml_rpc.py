@@ -41,6 +41,21 @@ def _lib_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "lib"
 
 
+_BACKEND_NAMES = {"cpu": "CPU", "rpc": "RPC", "cuda": "CUDA", "metal": "Metal", "vulkan": "Vulkan", "hip": "HIP",
+                  "sycl": "SYCL", "opencl": "OpenCL", "blas": "BLAS", "cann": "CANN", "musa": "MUSA"}
+
+
+def build_backends() -> list[str]:
+    """The ggml backends llama-cpp-python was built with (CPU, RPC, CUDA, ...), from its ``libggml-*.so``
+    files: no library is loaded (``hydra-trio --version`` reads it).  Empty when llama_cpp is missing."""
+    try:
+        files = {p.name.split(".so", 1)[0] for p in _lib_dir().glob("libggml-*.so*")}
+    except RuntimeError:
+        return []
+    names = sorted(f.removeprefix("libggml-") for f in files if f not in ("libggml-base",))
+    return [_BACKEND_NAMES.get(n, n) for n in names]
+
+
 @cache
 def libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     """``(libggml-base, libggml, libggml-rpc)`` with the signatures used here.

@@ -368,12 +368,15 @@ class LoadedModel:
         if n_ctx == 0:  # llama-server's -c 0: the model's training context
             n_ctx = self.n_ctx_train
 
-        if not 16 * n_parallel <= n_ctx <= self.n_ctx_train * n_parallel:
+        scale = self.rope_context_scale(opts)
+        n_ctx_max = int(self.n_ctx_train * scale)
+        if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
             llama_cpp.llama_model_free(self.model)
             self.model = None
             raise ModelLoadError(
-                f"n_ctx {n_ctx} must be between {16 * n_parallel} and {self.n_ctx_train * n_parallel} "
-                f"(16 to n_ctx_train={self.n_ctx_train} tokens per slot, {n_parallel} slots)"
+                f"n_ctx {n_ctx} must be between {16 * n_parallel} and {n_ctx_max * n_parallel} "
+                f"(16 to n_ctx_train={self.n_ctx_train}{f' x {scale:g} (RoPE scaling)' if scale != 1 else ''} "
+                f"tokens per slot, {n_parallel} slots)"
             )
         # the KV cache's ggml types (-ctk / -ctv): the memory check counts them
         self.type_k, self.type_v = KV_CACHE_TYPES[opts.cache_type_k], KV_CACHE_TYPES[opts.cache_type_v]
@@ -397,7 +400,7 @@ class LoadedModel:
         cparams.n_threads = threads
         cparams.n_threads_batch = opts.n_threads_batch or threads
         _apply_context_options(cparams, opts)
-        cparams.kv_unified = False  # one KV stream per slot, like llama-server's default
+        cparams.kv_unified = opts.kv_unified  # default: one KV stream per slot, like llama-server's
         cparams.no_perf = True
         with _tap_llama_log(self._llama_log):
             self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
@@ -409,20 +412,23 @@ class LoadedModel:
             )
         # read back what llama.cpp chose: it may round n_ctx up and cap n_batch at n_ctx
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
-        self.n_ctx_slot = llama_cpp.llama_n_ctx_seq(self.ctx)
+        # a unified KV cache lets each sequence reach all n_ctx cells; a slot still holds at most its share,
+        # so that the slots together never need more cells than there are
+        self.n_ctx_slot = self.n_ctx // n_parallel if opts.kv_unified else llama_cpp.llama_n_ctx_seq(self.ctx)
         self.n_batch = min(n_batch, llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
         self.n_parallel = n_parallel
-        self.n_stream = n_parallel  # KV streams: one per sequence (kv_unified is off)
+        self.n_stream = 1 if opts.kv_unified else n_parallel  # KV streams: one, or one per sequence
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.flash_attn = _flash_attn_in_effect(opts, self._llama_log)
+        kv_cells = llama_cpp.llama_n_ctx_seq(self.ctx) * self.n_stream  # every stream's cells (-kvu: one stream)
         self.memory_use = _memory_use(self._llama_log, llama_cpp.llama_model_size(self.model),
-                                      self.n_stream * self.n_ctx_slot * self.kv_bytes_per_token())
+                                      kv_cells * self.kv_bytes_per_token())
         del self._llama_log
         log.info("memory: %s; KV cache K %s, V %s (%d cells), flash attention %s",
                  "; ".join(f"{dev}: " + ", ".join(f"{'KV' if k == 'kv' else k} {v / 2**20:.1f} MiB"
                                                   for k, v in use.items())
                            for dev, use in self.memory_use.items()),
-                 opts.cache_type_k, opts.cache_type_v, self.n_stream * self.n_ctx_slot, self.flash_attn)
+                 opts.cache_type_k, opts.cache_type_v, kv_cells, self.flash_attn)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos_id = llama_cpp.llama_vocab_bos(self.vocab)
         self.eos_id = llama_cpp.llama_vocab_eos(self.vocab)
@@ -437,6 +443,21 @@ class LoadedModel:
         self.eog_tokens = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
 
     # -- metadata ---------------------------------------------------------
+    def rope_context_scale(self, opts: LlamaOptions) -> float:
+        """How far RoPE scaling stretches the training context: ``1 / --rope-freq-scale`` (``--rope-scale``)
+        when given, else the GGUF's ``{arch}.rope.scaling.factor`` when the model (or ``--rope-scaling``)
+        scales, else 1.  A slot may hold ``n_ctx_train`` times this (YaRN's extended context)."""
+        if opts.rope_freq_scale > 0:
+            return max(1.0, 1.0 / opts.rope_freq_scale)
+        if opts.rope_scaling == "none":
+            return 1.0
+        arch = self.meta("general.architecture") or ""
+        try:
+            factor = float(self.meta(f"{arch}.rope.scaling.factor") or 1.0)
+        except ValueError:
+            factor = 1.0
+        return max(1.0, factor)
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes with this model's cache types (:attr:`type_k`, :attr:`type_v`,
         from ``-ctk`` / ``-ctv``), over all layers.

@@ -273,7 +273,7 @@ class LlamaOptions:
     load_mode: str = "auto"  # -lm auto|none|mmap|mlock|mmap+mlock|dio
     cache_type_k: str = "f16"  # -ctk
     cache_type_v: str = "f16"  # -ctv
-    kv_unified: bool = False  # -kvu (kept: each slot has its own KV stream here)
+    kv_unified: bool = False  # -kvu: one KV stream for every slot (each still holds n_ctx/n_parallel at most)
     rope_scaling: str | None = None  # --rope-scaling none|linear|yarn; None = the model's
     rope_freq_base: float = 0.0  # --rope-freq-base; 0 = the model's
     rope_freq_scale: float = 0.0  # --rope-freq-scale (--rope-scale N = 1/N); 0 = the model's

@@ -39,6 +39,7 @@ from starlette.staticfiles import StaticFiles
 from .._version import __version__
 from ..engine import slot_files
 from ..engine.engine import Engine, kv_cache, memory_use
+from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import Finished, JobRun
 from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
@@ -154,8 +155,10 @@ class Api:
             {"default_generation_settings": {"params": {sampling defaults, "n_predict", ...}, "n_ctx": tokens per slot},
              "total_slots", "model_alias", "model_path", "model_hash", "modalities": {"vision", "video", "audio"},
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
-             "build_info", "is_sleeping", "kv_cache": {"type_k", "type_v", "flash_attn"},
-             "memory": {device: {"weights", "kv", "compute"}}}
+             "build_info", "is_sleeping",
+             "backends": the ggml backends of this build (["CPU", "RPC"], "CUDA" on a GPU build),
+             "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds,
+             "kv_cache": {"type_k", "type_v", "flash_attn"}, "memory": {device: {"weights", "kv", "compute"}}}
 
         ``params`` lists every sampler setting under llama-server's name (the node's
         defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
@@ -186,8 +189,7 @@ class Api:
             "stream": False,
             "n_probs": 0,
             "samplers": list(SAMPLER_ORDER),
-            # llama-server's options this node does not run, at the values that switch them off
-            # (the only values a request may send for them: api.schemas.UNSUPPORTED)
+            # context shift's defaults (--keep; n_discard 0: half of what follows n_keep)
             "n_keep": e.config.n_keep,
             "n_discard": 0,
         }
@@ -206,6 +208,9 @@ class Api:
             "eos_token": m.token_text(m.eos_id) if m.eos_id >= 0 else "",
             "build_info": f"hydra-trio {__version__} (llama-cpp-python {llama_cpp.__version__})",
             "is_sleeping": False,
+            "backends": build_backends(),
+            "devices": [{"name": name, "memory_free": free, "memory_total": total}
+                        for name, free, total in local_devices()],
             "kv_cache": kv_cache(e),
             "memory": memory_use(e),
         })

@@ -27,6 +27,7 @@ from ..api.schemas import ChatCompletionRequest, CompletionRequest
 from ..control import Change, ControlChannel
 from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine, kv_cache, memory_use
+from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.state import StateError, verify_checksum
 from ..errors import Busy, HydraTrioError, InvalidRequest, NotReady
@@ -292,6 +293,9 @@ def info_meta(node: Node) -> dict[str, Any]:
         "engine": "hydra-trio",
         "version": __version__,
         "capabilities": CAPABILITIES,
+        "backends": build_backends(),
+        "devices": [{"name": name, "memory_free": free, "memory_total": total}
+                    for name, free, total in local_devices()],
         "preset_aliases": sorted(PRESETS),
         "solo_active": e is not None and e.ready,
         "rpc_backend_active": rpc is not None and rpc.active,

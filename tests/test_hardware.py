@@ -1,0 +1,98 @@
+"""The node on the hardware it is given (issue 20): the build's backends and devices, CUDA builds from
+dev.sh where a GPU exists, a unified KV cache (-kvu) with prefix sharing, RoPE-scaled contexts past the
+training context.  GPU-marked tests run where a CUDA build exists and skip, saying so, elsewhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import httpx
+import pytest
+
+from hydra_trio.engine.ggml_rpc import build_backends
+
+from .conftest import ROOT, ServerProcess
+from .test_cli_flags import hydra_info
+from .test_prefix_sharing import test_a_copied_prefix_gives_the_same_text_as_the_slots_own_cache
+
+CUDA = "CUDA" in build_backends()
+
+
+def cmake_args(**env: str) -> str:
+    out = subprocess.run(["bash", str(ROOT / "dev.sh"), "cmake-args"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, **env})
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_dev_sh_builds_cuda_only_where_a_gpu_is_or_when_told() -> None:
+    forced = cmake_args(HYDRA_TRIO_CUDA="1", CMAKE_CUDA_ARCHITECTURES="90")
+    assert forced.endswith("-DGGML_CUDA=ON -DGGML_CUDA_FA=ON -DCMAKE_CUDA_ARCHITECTURES=90")
+    assert "-DGGML_RPC=ON" in forced  # the CPU flags stay: host memory still holds what is not offloaded
+    assert "CUDA" not in cmake_args(HYDRA_TRIO_CUDA="0")
+    # auto: CUDA when nvcc is there and nvidia-smi lists a GPU; these machines ship nvcc without a GPU
+    has_gpu = subprocess.run("command -v nvidia-smi && nvidia-smi -L", shell=True, capture_output=True).returncode == 0
+    assert ("-DGGML_CUDA=ON" in cmake_args()) == (has_gpu and bool(subprocess.run(
+        "command -v nvcc", shell=True, capture_output=True).stdout))
+
+
+def test_props_and_the_log_name_the_backends_and_devices(server: ServerProcess) -> None:
+    props = httpx.get(server.base + "/props", timeout=30).json()
+    assert props["backends"] == build_backends() and {"CPU", "RPC"} <= set(props["backends"])
+    cpu = next(d for d in props["devices"] if d["name"] == "CPU")
+    assert 0 < cpu["memory_free"] <= cpu["memory_total"]
+    info = hydra_info(server.port)  # the Hydra INFO reply says the same
+    assert info["backends"] == props["backends"] and [d["name"] for d in info["devices"]] == \
+        [d["name"] for d in props["devices"]]
+    log = server.log()
+    assert "backends: " + ", ".join(build_backends()) in log
+    assert f"device CPU: " in log and " MiB free of " in log
+
+
+@pytest.mark.slow
+def test_a_unified_kv_cache_shares_prefixes(spawn) -> None:
+    node = spawn("-kvu", "-np", "4", "-c", "8192")
+    node.wait_ready()
+    with httpx.Client(base_url=node.base, timeout=120) as unified:
+        props = unified.get("/props").json()
+        assert props["default_generation_settings"]["n_ctx"] == 2048  # a slot's share, as without -kvu
+        # the prefix-sharing behaviour, checked as on the split cache: copies, the same texts, timings (texts are
+        # compared within this node: where a sequence's cells sit in the one buffer changes the kernels'
+        # rounding, so a near tie in greedy text may go another way than on a split cache, as in llama.cpp)
+        test_a_copied_prefix_gives_the_same_text_as_the_slots_own_cache(unified)
+
+
+@pytest.mark.slow
+def test_rope_scaling_extends_the_context_past_training(tmp_path) -> None:
+    # SmolLM2 trained on 8192 tokens: one slot of 16384 only with a RoPE scale of 2 (YaRN)
+    refused = ServerProcess(tmp_path / "refused.log", "-np", "1", "-c", "16384", "--no-rpc-backend")
+    assert refused.proc.wait(180) == 1
+    assert "n_ctx 16384 must be between 16 and 8192" in refused.log()
+    refused.stop()
+    node = ServerProcess(tmp_path / "yarn.log", "-np", "1", "-c", "16384", "--rope-scaling", "yarn", "--rope-scale",
+                         "2", "--yarn-orig-ctx", "8192", "--no-rpc-backend")
+    try:
+        node.wait_ready()
+        props = httpx.get(node.base + "/props", timeout=30).json()
+        assert props["default_generation_settings"]["n_ctx"] == 16384
+        r = httpx.post(node.base + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                                            "temperature": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 0, r.text
+    finally:
+        node.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="llama-cpp-python here has no CUDA backend (no GPU on this machine): "
+                                     "runs where dev.sh built one")
+def test_a_gpu_node_offloads_everything_and_answers(spawn) -> None:
+    node = spawn("-ngl", "all", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "-np", "2", "-c", "4096")
+    node.wait_ready()
+    props = httpx.get(node.base + "/props", timeout=30).json()
+    assert any(d["name"].startswith("CUDA") for d in props["devices"])
+    r = httpx.post(node.base + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
+        "temperature": 0})
+    assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+    assert "no usable GPU" not in node.log()
