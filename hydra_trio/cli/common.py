@@ -100,8 +100,9 @@ FLAGS: list[Flag] = [
       lands="EngineConfig.llama.no_host"),
     F(("-ctk", "--cache-type-k"), WIRED, "KV cache type of K: " + ", ".join(t.KV_CACHE_TYPES) + " (default: f16)",
       value="TYPE", type=t.cache_type, env="LLAMA_ARG_CACHE_TYPE_K", lands="EngineConfig.llama.cache_type_k"),
-    F(("-ctv", "--cache-type-v"), WIRED, "KV cache type of V (a quantized V needs flash attention; default: f16)",
-      value="TYPE", type=t.cache_type, env="LLAMA_ARG_CACHE_TYPE_V", lands="EngineConfig.llama.cache_type_v"),
+    F(("-ctv", "--cache-type-v"), WIRED, "KV cache type of V (a quantized V needs flash attention: with -fa off "
+      "it is refused at start, exit 2; default: f16)", value="TYPE", type=t.cache_type, env="LLAMA_ARG_CACHE_TYPE_V",
+      lands="EngineConfig.llama.cache_type_v"),
     F(("-dt", "--defrag-thold"), ACCEPTED, "deprecated in llama.cpp; the KV cache needs no defragmentation",
       value="N", type=t.float_range(), env="LLAMA_ARG_DEFRAG_THOLD"),
     # -- multimodal ----------------------------------------------------------------------------------

@@ -3,17 +3,14 @@
 ``-dev``, ``-ngl``, ``-sm``, ``-ts``, ``-mg``, ``-ot``, ``-cmoe``, ``-ncmoe``, ``-ncffn`` (common/arg.cpp,
 ``common_model_params_to_llama`` in common/common.cpp) become the ``devices``, ``n_gpu_layers``,
 ``split_mode``, ``tensor_split``, ``main_gpu`` and ``tensor_buft_overrides`` of one model, composed with a
-COMBINED / PIPELINE_ATTACH peer's pattern (:class:`Placement`); :func:`capture_placement` counts where the
-overrides put each tensor while the model loads.
+COMBINED / PIPELINE_ATTACH peer's pattern (:class:`Placement`); :func:`placed_tensors` counts where the
+overrides put each tensor, from llama.cpp's log of the load.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import re
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import llama_cpp
@@ -237,24 +234,14 @@ class Placement:
 
 _OVERRIDDEN = re.compile(r"^tensor (\S+) \(.*\) buffer type overridden to (\S+)")
 """llama.cpp's line for each tensor an override placed (``llama_model_loader``, DEBUG level)."""
-_load_local = threading.local()
 
 
-def record_placement(msg: str) -> None:
-    """Note a llama.cpp log line if it says where an override placed a tensor and this thread is loading
-    inside :func:`capture_placement` (called by the engine's llama.cpp log callback)."""
-    names = getattr(_load_local, "placement", None)
-    if names is not None and (m := _OVERRIDDEN.match(msg)):
-        names.setdefault(m[2], set()).add(m[1])
-
-
-@contextlib.contextmanager
-def capture_placement() -> Iterator[dict[str, set[str]]]:
-    """Within the block, the tensor names llama.cpp logs as "buffer type overridden to BUFT" on this thread
-    (a model load: ``llama_model_loader``'s DEBUG line per overridden tensor), by buffer type name."""
+def placed_tensors(log_lines: list[str]) -> dict[str, int]:
+    """How many tensors an override placed, by buffer type name (``{"CPU": 24}``), from llama.cpp's log lines
+    of one model load (``llama_model_loader``'s "buffer type overridden to BUFT" line per tensor): distinct
+    names, so a tied output weight that reuses ``token_embd.weight`` counts once."""
     names: dict[str, set[str]] = {}
-    _load_local.placement = names
-    try:
-        yield names
-    finally:
-        _load_local.placement = None
+    for line in log_lines:
+        if m := _OVERRIDDEN.match(line):
+            names.setdefault(m[2], set()).add(m[1])
+    return {buft: len(n) for buft, n in sorted(names.items())}

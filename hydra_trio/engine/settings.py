@@ -56,7 +56,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ModelLoadError
 
 DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
 """The tensors a COMBINED head places on its peer: the MoE experts (``--combined-pattern``)."""
@@ -218,6 +218,35 @@ def check_stop(stop: tuple[str, ...]) -> None:
             raise ParameterError(f"stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(s)}")
 
 
+KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6,
+                  "q5_1": 7}
+"""llama-server's KV cache types (``-ctk`` / ``-ctv``, ``kv_cache_types`` in ``common/arg.cpp``) -> ggml type id (``ggml.h``)."""
+UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
+"""The KV cache types that are not quantized: the only V cache types llama.cpp allows without flash attention."""
+
+
+def kv_type_name(type_id: int) -> str:
+    """The KV cache type name of a ggml type id (``q8_0``), or ``type N`` for one llama-server does not name."""
+    return next((name for name, tid in KV_CACHE_TYPES.items() if tid == type_id), f"type {type_id}")
+
+
+def kv_cache_problem(flash_attn: str, cache_type_k: str, cache_type_v: str) -> str | None:
+    """Why llama.cpp would refuse this KV cache, or None: an unknown type, or a quantized V cache with
+    flash attention off (``llama_init_from_model``: "quantized V cache requires flash_attn"; with ``auto``
+    llama.cpp switches flash attention on for it).  The same text for ``hydra-trio run`` (exit 2) and
+    :class:`LlamaOptions` (ModelLoadError)."""
+    for name, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+        if value not in KV_CACHE_TYPES:
+            return f"{name}: unknown KV cache type {value!r} (one of {', '.join(KV_CACHE_TYPES)})"
+    if flash_attn not in ("on", "off", "auto"):
+        return f"flash_attn: expected on, off or auto, got {flash_attn!r}"
+    if flash_attn == "off" and cache_type_v not in UNQUANTIZED_KV_TYPES:
+        return (f"a quantized V cache (-ctv/--cache-type-v {cache_type_v}) needs flash attention, which is off "
+                f"(-fa/--flash-attn off): use -fa on or auto, or a V cache of type {', '.join(UNQUANTIZED_KV_TYPES)} "
+                "(llama.cpp would refuse the context)")
+    return None
+
+
 @attrs.frozen
 class LlamaOptions:
     """llama.cpp model and context parameters from llama-server's flags (names in comments).
@@ -226,6 +255,10 @@ class LlamaOptions:
     (``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``devices``, ``tensor_overrides``,
     ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) as :class:`hydra_trio.engine.placement.Placement` builds them,
     in llama-server's way (without a GPU nothing is offloaded; the overrides still apply).
+
+    Raises:
+        ModelLoadError: a KV cache llama.cpp would refuse (:func:`kv_cache_problem`: an unknown
+            ``cache_type_k`` / ``cache_type_v``, or a quantized V cache with ``flash_attn`` off).
     """
 
     n_threads_batch: int | None = None  # -tb; None = n_threads
@@ -260,6 +293,11 @@ class LlamaOptions:
     n_cpu_ffn: int = 0  # -ncffn
     embeddings: bool = False  # --embedding: the context outputs embeddings (llama_context_params.embeddings)
     pooling: str | None = None  # --pooling none|mean|cls|last|rank; None = the model's
+
+    def __attrs_post_init__(self) -> None:
+        problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)
+        if problem is not None:
+            raise ModelLoadError(problem)
 
 
 @attrs.frozen

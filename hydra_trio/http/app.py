@@ -38,7 +38,7 @@ from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
 from ..engine import slot_files
-from ..engine.engine import Engine
+from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import Finished, JobRun
@@ -159,7 +159,8 @@ class Api:
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
              "build_info", "is_sleeping", "tensor_placement", "tensor_placement_peer",
              "backends": the ggml backends of this build (["CPU", "RPC"], "CUDA" on a GPU build),
-             "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds}
+             "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds,
+             "kv_cache": {"type_k", "type_v", "flash_attn"}, "memory": {device: {"weights", "kv", "compute"}}}
 
         ``params`` lists every sampler setting under llama-server's name (the node's
         defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
@@ -167,7 +168,11 @@ class Api:
         and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
         llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
-        template in effect (``chatml`` for a GGUF without one).  503 while the model
+        template in effect (``chatml`` for a GGUF without one).  hydra-trio's own keys: ``kv_cache``, the
+        KV cache types (``-ctk`` / ``-ctv``, e.g. ``q8_0``) and flash attention in effect (``on`` / ``off``;
+        ``auto`` when llama.cpp did not say what ``-fa auto`` chose), and ``memory``, bytes per device
+        (``CPU``, ``CUDA0``, ``RPC0[host:port]``) of weights, KV cache and compute buffers, as llama.cpp
+        allocated them (its log's buffer sizes; weights and KV exact when on one device).  503 while the model
         loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
         llama-server without ``--props``: 405).
         ``tensor_placement`` (hydra-trio's): how many of the SOLO model's tensors a tensor
@@ -215,6 +220,8 @@ class Api:
                         for name, free, total in local_devices()],
             "tensor_placement": dict(m.tensor_placement),
             "tensor_placement_peer": dict(c.tensor_placement) if (c := e.experts.combined) is not None else None,
+            "kv_cache": kv_cache(e),
+            "memory": memory_use(e),
         })
 
     async def tokenize(self, request: Request) -> Response:
