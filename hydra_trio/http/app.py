@@ -3,7 +3,8 @@
 Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
 ``/health``, ``/version``, ``/props``, ``/v1/models``, ``/slots``,
 ``/slots/{id}`` (erase, save, restore), ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
-``/v1/chat/completions``, ``/v1/completions``, ``/metrics``; ``GET /v1/events``
+``/v1/chat/completions``, ``/v1/completions``, ``/metrics``; llama-server's native routes
+(``/completion``, ``/apply-template``, ``POST /props``, ``/slots/{id}/state``, the 501s) in :mod:`.native`; ``GET /v1/events``
 (WebSocket, :mod:`.events`) and the status page ``GET /`` with its files under
 ``/static/`` (:data:`STATIC_DIR`).  Errors use
 OpenAI's body shape ``{"error": {"message", "type", "code"}}``.
@@ -166,8 +167,7 @@ class Api:
         llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one).  503 while the model
-        loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
-        llama-server without ``--props``: 405).
+        loads, 501 on a compute-only node.  ``POST /props``: :mod:`.native`.
         """
         e = self.engine
         if e is None:
@@ -196,7 +196,7 @@ class Api:
             "model_hash": e.identity.model_hash,
             "modalities": {"vision": False, "video": False, "audio": False},
             "endpoint_slots": True,
-            "endpoint_props": False,
+            "endpoint_props": self.settings.endpoint_props,
             "endpoint_metrics": True,
             "chat_template": m.chat_template.source,
             "bos_token": m.token_text(m.bos_id) if m.bos_id >= 0 else "",
@@ -356,7 +356,15 @@ class Api:
             RequestError: invalid body (400).
             _BodyError: too large (413) or the client stalled (408).
         """
-        limit, timeout = self.settings.max_body, self.settings.body_timeout
+        return parse_body(bytes(await self._read_bytes(request, self.settings.max_body)), cls)
+
+    async def _read_bytes(self, request: Request, limit: int) -> bytearray:
+        """The raw body: at most ``limit`` bytes, no gap longer than ``body_timeout``.
+
+        Raises:
+            _BodyError: too large (413) or the client stalled (408).
+        """
+        timeout = self.settings.body_timeout
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _BodyError(413, f"the body is {declared} bytes; the limit is {limit}")
@@ -373,7 +381,7 @@ class Api:
             raw += chunk
             if len(raw) > limit:
                 raise _BodyError(413, f"the body is over the limit of {limit} bytes")
-        return parse_body(bytes(raw), cls)
+        return raw
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -651,7 +659,6 @@ def build_app(
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/completions", api.completions, methods=["POST"]),
         WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
                                                      settings.max_event_subscribers)),
         Route("/v1/events", _upgrade_required, methods=["GET"]),
@@ -659,6 +666,9 @@ def build_app(
         Route("/static/index.html", _to_the_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
+    from .native import native_routes  # it imports this module's helpers
+
+    routes += native_routes(api)
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error},
