@@ -22,6 +22,7 @@ empty ``content`` and ``tokens`` and no ``completion_probabilities``; no ``[DONE
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -77,7 +78,8 @@ def generation_settings(body: CompletionRequest, job: CompletionJob, stream: boo
         "n_discard": job.n_discard,
         "ignore_eos": job.ignore_eos,
         "stream": stream,
-        "logit_bias": [{"bias": b, "token": t} for t, b in job.logit_bias],
+        # a banned token's -inf is null, as llama-server's JSON writes it
+        "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in job.logit_bias],
         "n_probs": job.n_probs,
         "grammar": job.grammar or "",
         "samplers": list(job.samplers if job.samplers is not None else SAMPLER_ORDER),

@@ -165,8 +165,9 @@ class _GenerationFields:
             raise RequestError(f"service_tier: {self.service_tier!r} is not offered (auto or default)")
         _check_unsupported(self.raw)
         try:
-            check_n_predict("max_tokens", self.max_tokens, lo=0)
-            check_n_predict("max_completion_tokens", self.max_completion_tokens, lo=0)
+            # -1 (no limit) too: llama-server's aliases of n_predict (GET /props shows max_tokens: -1)
+            check_n_predict("max_tokens", self.max_tokens)
+            check_n_predict("max_completion_tokens", self.max_completion_tokens)
             check_n_predict("n_predict", self.n_predict)
             check_stop(self.stop)
             if self.n_probs is not None:

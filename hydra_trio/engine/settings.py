@@ -35,8 +35,8 @@ mirostat_eta           finite, 0 .. 10                 learning rate
 dynatemp_range         finite, 0 .. 2                  0: off
 dynatemp_exponent      finite, 0 .. 10
 n_predict              -1 .. 2**31-1                   -1: until end of generation / context
-max_tokens,            0 .. 2**31-1                    0: process the prompt only
-max_completion_tokens
+max_tokens,            -1 .. 2**31-1                   as n_predict (llama-server's aliases);
+max_completion_tokens                                  0: process the prompt only
 stop                   at most 16 strings of at most
                        512 characters each
 =====================  ==============================  =======================================
@@ -247,7 +247,7 @@ class SamplingParams:
 
 
 def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
-    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` in [0, 2**31-1]."""
+    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` the same (``lo`` raises the floor)."""
     if value is not None:
         check_int(name, value, lo, INT32_MAX)
 
