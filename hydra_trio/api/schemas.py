@@ -425,7 +425,7 @@ def _prompt(v: Any, _t: Any) -> str | tuple[int | str, ...] | None:
     raise msg.TypeMismatch("expected a string, a list of token ids, or a list of token ids and strings")
 
 
-_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}", re.ASCII)
+_INT_KEY = re.compile(r"[-+]?[0-9]{1,20}", re.ASCII)
 
 
 def _bias_value(where: str, bias: Any) -> float:
@@ -451,9 +451,12 @@ def _logit_bias(v: Any, _t: Any) -> tuple[tuple[int | str, float], ...]:
     out: list[tuple[int | str, float]] = []
     if isinstance(v, dict):
         for key, bias in v.items():
-            k: int | str = int(key) if _TOKEN_ID.fullmatch(key) else key
+            # an integer key is a token id (llama-server: strtol over the whole key), anything else a text
+            k: int | str = int(key) if _INT_KEY.fullmatch(key) else key
             if isinstance(k, str) and not k:
                 raise msg.TypeMismatch("an empty key is neither a token id nor a text")
+            if isinstance(k, int) and not 0 <= k <= INT32_MAX:
+                raise msg.TypeMismatch(f"key {key[:20]!r}: token id {k} is outside 0..{INT32_MAX}")
             out.append((k, _bias_value(key[:20], bias)))
         return tuple(out)
     if isinstance(v, list):
