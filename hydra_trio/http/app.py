@@ -22,7 +22,6 @@ import urllib.parse
 import uuid
 from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -43,12 +42,14 @@ from ..engine.engine import Engine
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import Finished, JobRun
-from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
+from ..errors import HydraTrioError
 from . import metrics
 from .. import node_stats
 from ..events import EventBus
 from .errors import error_response
+from ._common import _BodyError, _bad_request, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .events import events_endpoint
+from .native import native_routes
 from ..api.jobs import job_from_chat, job_from_completion
 from ..api.schemas import (
     ChatCompletionRequest,
@@ -87,25 +88,6 @@ async def _upgrade_required(request: Request) -> Response:
     """``GET /v1/events`` without a WebSocket upgrade: 426 with ``Upgrade: websocket`` (RFC 9110 §15.5.22)."""
     return error_response(426, "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, "
                           "Upgrade: websocket)", "invalid_request_error", headers={"Upgrade": "websocket"})
-
-
-def error_for(exc: HydraTrioError) -> JSONResponse:
-    """The HTTP reply for a typed error: InvalidRequest 400, Busy 409, NotReady and Cancelled 503, others 500."""
-    if isinstance(exc, InvalidRequest):
-        return _bad_request(str(exc))
-    if isinstance(exc, Busy):
-        return error_response(409, str(exc), "conflict_error")
-    if isinstance(exc, (NotReady, Cancelled)):
-        return error_response(503, str(exc), "unavailable_error")
-    return error_response(500, str(exc), "server_error")
-
-
-def _bad_request(msg: str) -> JSONResponse:
-    return error_response(400, msg, "invalid_request_error")
-
-
-def _unavailable(engine: Engine) -> JSONResponse:
-    return error_response(503, f"Loading model (stage: {engine.stage})", "unavailable_error")
 
 
 class Api:
@@ -463,10 +445,6 @@ class Api:
             run.close()
 
 
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
 def _usage(f: Finished) -> dict[str, int]:
     return {
         "prompt_tokens": f.n_prompt,
@@ -567,48 +545,6 @@ class _ResponseContext:
         }
 
 
-class _BodyError(Exception):
-    """The body could not be read: ``status`` 413 (too large) or 408 (the client stalled)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@asynccontextmanager
-async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[None]:
-    """Run the body until it ends or the client disconnects, whichever comes first.
-
-    On a disconnect the body is cancelled at once (it does not wait for the
-    engine) and the request is cancelled in the engine, which frees its slot
-    or its place in the queue.  The request is cancelled on every exit.
-    """
-    try:
-        with trio.CancelScope() as body_scope:
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    while True:
-                        msg = await request.receive()
-                        if msg["type"] == "http.disconnect":
-                            run.close()
-                            body_scope.cancel()
-                            return
-
-                nursery.start_soon(watch)
-                try:
-                    yield
-                finally:
-                    run.close()
-                    nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # the watcher never fails: a group holds the body's own error, which the
-        # caller handles as it is (an engine error becomes its HTTP status)
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -666,8 +602,6 @@ def build_app(
         Route("/static/index.html", _to_the_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
-    from .native import native_routes  # it imports this module's helpers
-
     routes += native_routes(api)
     app = Starlette(
         routes=routes,

@@ -34,7 +34,7 @@ from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from ..engine.requests import JobRun
 from ..engine.state import StateError, verify_checksum
 from ..errors import HydraTrioError
-from .app import Api, _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
+from ._common import _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .errors import error_response
 
 STATE_TYPE = "application/octet-stream"
@@ -58,7 +58,7 @@ NOT_IMPLEMENTED: dict[str, str] = {
 class NativeRoutes:
     """The handlers, bound to the app's :class:`~hydra_trio.http.app.Api` (engine, settings, body reader)."""
 
-    def __init__(self, api: Api) -> None:
+    def __init__(self, api: Any) -> None:  # an app.Api (not imported: app imports this module)
         self.api = api
 
     # ------------------------------------------------------------- /completion
@@ -188,7 +188,7 @@ class NativeRoutes:
                              **e.identity.as_meta()})
 
 
-def native_routes(api: Api) -> list[Route]:
+def native_routes(api: Any) -> list[Route]:
     """The routes of this module, for :func:`hydra_trio.http.app.build_app`."""
     h = NativeRoutes(api)
     routes = [
