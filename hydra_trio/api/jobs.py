@@ -23,6 +23,18 @@ def job_from_chat(
     ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).
     Raises ValueError (the template failed) or RequestError.
     """
+    prompt, extra_stop = chat_prompt(e, body)
+    m = e.solo_model or e.model
+    assert m is not None
+    tokens = m.chat_prompt_tokens(prompt)
+    stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
+    return _job(e, body, tokens, stop, n_predict, id_slot)
+
+
+def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
+    """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
+    (what ``POST /apply-template`` answers, and what :func:`job_from_chat` tokenizes).
+    Raises ValueError (the template failed)."""
     # the SOLO model holds the configured template; a COMBINED model has the same vocabulary
     m = e.solo_model or e.model
     assert m is not None
@@ -30,17 +42,16 @@ def job_from_chat(
         {k: v for k, v in (("role", x.role), ("content", x.content or ""), ("name", x.name)) if v is not None}
         for x in body.messages
     ]
-    prompt, extra_stop = m.apply_chat_template(messages)
-    tokens = m.chat_prompt_tokens(prompt)
-    stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
-    return _job(e, body, tokens, stop, n_predict, id_slot)
+    return m.apply_chat_template(messages)
 
 
 def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     """Tokenize a text prompt (adding BOS when the model wants it) or check a token-id prompt.
 
     A null prompt generates "as if from the beginning of a new document" (OpenAI):
-    the prompt is the model's BOS token (EOS when it has none).
+    the prompt is the model's BOS token (EOS when it has none).  A list mixing
+    token ids and strings is tokenized as llama-server's ``tokenize_mixed``:
+    each string in place, BOS only for a string that comes first.
     """
     m = e.model
     assert m is not None
@@ -49,10 +60,16 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     elif isinstance(body.prompt, str):
         tokens = m.tokenize(body.prompt, add_special=True, parse_special=True)
     else:
-        bad = [t for t in body.prompt if not 0 <= t < m.n_vocab]
-        if bad:
-            raise RequestError(f"prompt: token id {bad[0]} is out of the vocabulary (0..{m.n_vocab - 1})")
-        tokens = list(body.prompt)
+        tokens = []
+        for i, part in enumerate(body.prompt):
+            if isinstance(part, str):
+                tokens += m.tokenize(part, add_special=i == 0, parse_special=True)
+            elif not 0 <= part < m.n_vocab:
+                raise RequestError(f"prompt: token id {part} is out of the vocabulary (0..{m.n_vocab - 1})")
+            else:
+                tokens.append(part)
+        if not tokens:
+            raise RequestError("prompt: the prompt holds no tokens")
     return _job(e, body, tokens, list(body.stop), None, None)
 
 
@@ -76,9 +93,6 @@ def _job(
 ) -> CompletionJob:
     m = e.model
     assert m is not None
-    bad = next((t for t, _ in body.logit_bias if t >= m.n_vocab), None)
-    if bad is not None:
-        raise RequestError(f"logit_bias: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
     return CompletionJob(
         prompt_tokens=tuple(tokens),
         n_predict=body.n_predict_effective(e.default_n_predict) if n_predict is None else n_predict,
@@ -89,12 +103,31 @@ def _job(
         ignore_eos=body.ignore_eos,
         logprobs=body.wants_logprobs,
         n_probs=body.top_logprobs_n,
-        logit_bias=body.logit_bias,
+        logit_bias=logit_bias(m, body.logit_bias),
         grammar=_grammar(m, body),
         n_keep=body.n_keep,
         n_discard=body.n_discard,
         n_cache_reuse=body.n_cache_reuse,
+        samplers=body.samplers,
+        adaptive_target=body.adaptive_target,
+        adaptive_decay=body.adaptive_decay,
+        t_max_predict_ms=max(0, body.t_max_predict_ms),
     )
+
+
+def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
+    """A request's ``logit_bias`` as ``(token id, bias)`` pairs: a text becomes every token of its
+    tokenization (no BOS, special-token text not parsed: llama-server's ``common_tokenize(vocab, text,
+    false)``).  Raises RequestError for an id outside the vocabulary."""
+    out: list[tuple[int, float]] = []
+    for tok, bias in entries:
+        if isinstance(tok, str):
+            out += [(t, bias) for t in m.tokenize(tok, add_special=False, parse_special=False)]
+        elif tok >= m.n_vocab:
+            raise RequestError(f"logit_bias: token id {tok} is out of the vocabulary (0..{m.n_vocab - 1})")
+        else:
+            out.append((tok, bias))
+    return tuple(out)
 
 
 def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:

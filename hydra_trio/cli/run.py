@@ -298,7 +298,7 @@ async def _run(args: argparse.Namespace) -> int:
         rpc_tls=rpc_tls,
         http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, cors_origins=cors or ("*",),
                           max_event_subscribers=args.max_event_subscribers or max(1, args.max_connections // 4),
-                          **http_kw),
+                          endpoint_props=bool(args.endpoint_props), **http_kw),
         rpc_backend=rpc,
         access=access,
     )

@@ -121,8 +121,10 @@ FLAGS: list[Flag] = [
       value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
       lands="EngineConfig.n_cache_reuse"),
     V(("--metrics",), ACCEPTED, "/metrics is always on", env="LLAMA_ARG_ENDPOINT_METRICS"),
-    V(("--props",), ACCEPTED, "GET /props is always on; properties change through the Hydra CONFIGURE op",
-      env="LLAMA_ARG_ENDPOINT_PROPS"),
+    V(("--props",), WIRED, "offer POST /props (as llama-server at this version it sets no property: "
+      "{\"success\": true}; 501 without the flag); GET /props is always on; properties change through "
+      "the Hydra CONFIGURE op", env="LLAMA_ARG_ENDPOINT_PROPS", dest="endpoint_props",
+      lands="HttpSettings.endpoint_props"),
     V(("--slots",), ACCEPTED, "/slots is always on (the cluster's health checker probes it)", neg=("--no-slots",),
       env="LLAMA_ARG_ENDPOINT_SLOTS"),
     V(("--slot-save-path",), WIRED, "directory for POST /slots/{id}?action=save|restore", value="PATH",

@@ -35,8 +35,8 @@ mirostat_eta           finite, 0 .. 10                 learning rate
 dynatemp_range         finite, 0 .. 2                  0: off
 dynatemp_exponent      finite, 0 .. 10
 n_predict              -1 .. 2**31-1                   -1: until end of generation / context
-max_tokens,            0 .. 2**31-1                    0: process the prompt only
-max_completion_tokens
+max_tokens,            -1 .. 2**31-1                   as n_predict (llama-server's aliases);
+max_completion_tokens                                  0: process the prompt only
 stop                   at most 16 strings of at most
                        512 characters each
 =====================  ==============================  =======================================
@@ -72,6 +72,49 @@ DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 """llama-server's default DRY sequence breakers (``common/common.h``)."""
 SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 """The sampler chain's order, llama-server's default ``samplers`` under its names (``common/sampling.cpp``)."""
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+"""llama-server's one-letter sampler names (``common_sampler_type_to_chr``): ``samplers`` as a string."""
+SAMPLER_NAMES: dict[str, str] = {
+    **{c: c for c in SAMPLER_CHARS.values()},
+    **{c.replace("_", "-"): c for c in SAMPLER_CHARS.values() if "_" in c},
+    **{c.replace("_", ""): c for c in SAMPLER_CHARS.values() if "_" in c},
+    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
+}
+"""Every sampler name llama-server accepts (``common_sampler_types_from_names``: canonical, kebab-case,
+without the underscore, and three aliases; matched case-insensitively) -> the canonical name."""
+MAX_SAMPLERS = 64
+
+
+def parse_samplers(value: Any) -> tuple[str, ...]:
+    """llama-server's ``samplers``: a list of names (:data:`SAMPLER_NAMES`, any case) or a string of
+    one-letter names (:data:`SAMPLER_CHARS`), in the chain's order -> canonical names.
+
+    llama-server drops a name it does not know with a warning; here it is an error, as every
+    other field that would be silently ignored.
+
+    Raises:
+        ParameterError: not a list of strings or a string, an unknown name, or more than 64 stages.
+    """
+    if isinstance(value, str):
+        unknown = [c for c in value if c not in SAMPLER_CHARS]
+        if unknown:
+            raise ParameterError(f"samplers: unknown sampler letter {unknown[0]!r} "
+                                 f"(letters: {''.join(SAMPLER_CHARS)})")
+        out = tuple(SAMPLER_CHARS[c] for c in value)
+    elif isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
+        out = []
+        for x in value:
+            name = SAMPLER_NAMES.get(x.lower())
+            if name is None:
+                raise ParameterError(f"samplers: unknown sampler {x[:40]!r} (known: {', '.join(SAMPLER_CHARS.values())})")
+            out.append(name)
+        out = tuple(out)
+    else:
+        raise ParameterError("samplers: expected a list of sampler names or a string of sampler letters")
+    if len(out) > MAX_SAMPLERS:
+        raise ParameterError(f"samplers: at most {MAX_SAMPLERS} stages, got {len(out)}")
+    return out
 
 
 class ParameterError(InvalidRequest, ValueError):
@@ -204,7 +247,7 @@ class SamplingParams:
 
 
 def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
-    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` in [0, 2**31-1]."""
+    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` the same (``lo`` raises the floor)."""
     if value is not None:
         check_int(name, value, lo, INT32_MAX)
 
