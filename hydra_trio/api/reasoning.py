@@ -112,6 +112,25 @@ def resolve_format(name: str, template_source: str, prompt: str) -> str:
     return "deepseek" if template_thinks(template_source) or opened_in_prompt(prompt) else "none"
 
 
+@attrs.frozen
+class ThinkingSetup:
+    """How one chat reply is parsed: the effective format (never ``auto``) and the marker pair the
+    prompt opened (None: the reply starts outside thinking)."""
+
+    fmt: str = "none"
+    prompt_open: tuple[str, str] | None = None
+
+    @classmethod
+    def for_prompt(cls, fmt: str, template_source: str, prompt: str) -> ThinkingSetup:
+        """The setup for a reply to ``prompt`` rendered by the template ``template_source``
+        (``auto`` resolved by :func:`resolve_format`)."""
+        fmt = resolve_format(check_format(fmt), template_source, prompt)
+        return cls(fmt, opened_in_prompt(prompt) if fmt != "none" else None)
+
+    def parser(self) -> ReasoningParser:
+        return ReasoningParser(self.fmt, self.prompt_open)
+
+
 # parser phases
 _START, _THINK, _AFTER, _CONTENT = "start", "think", "after", "content"
 

@@ -217,6 +217,8 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         slot_prompt_similarity=(args.slot_prompt_similarity if args.slot_prompt_similarity is not None
                                 else EngineConfig.__attrs_attrs__.slot_prompt_similarity.default),
         slot_save_path=args.slot_save_path,
+        reasoning_format=args.reasoning_format or "auto",
+        reasoning_budget=args.reasoning_budget if args.reasoning_budget is not None else -1,
     )
 
 

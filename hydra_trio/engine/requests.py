@@ -63,6 +63,8 @@ class CompletionJob:
         n_cache_reuse: the shortest cached chunk moved into place by a KV shift
             (0: off); None: the node's ``EngineConfig.n_cache_reuse``
             (llama-server's ``n_cache_reuse``).
+        chat_reply: how the reply text is shaped by the API layer (a chat reply's
+            :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -83,6 +85,7 @@ class CompletionJob:
     n_keep: int | None = None
     n_discard: int = 0
     n_cache_reuse: int | None = None
+    chat_reply: Any = attrs.field(default=None, eq=False)
 
 
 # ---------------------------------------------------------------------------

@@ -315,6 +315,12 @@ class EngineConfig:
             fraction of the new prompt's tokens (the best such slot); otherwise
             the least recently used idle slot (``-sps``; 0.0 = always the least
             recently used).
+        reasoning_format: how chat replies are split into ``reasoning_content`` and ``content``
+            (``--reasoning-format``: ``none``, ``deepseek``, ``deepseek-legacy`` or ``auto``;
+            :mod:`hydra_trio.api.reasoning`); a request's ``reasoning_format`` overrides it.
+        reasoning_budget: thinking budget in tokens (``--reasoning-budget``): -1 unrestricted,
+            0 no thinking (``enable_thinking`` false for the template, as llama-server); a
+            request's ``thinking_budget_tokens`` / ``reasoning_budget_tokens`` overrides it.
 
     Raises:
         ParameterError: ``n_predict`` out of -1 .. 2**31-1.
@@ -340,3 +346,6 @@ class EngineConfig:
     n_keep: int = attrs.field(default=0, validator=_int(-1, INT32_MAX))
     n_cache_reuse: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
     slot_prompt_similarity: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
+    reasoning_format: str = attrs.field(default="auto", validator=attrs.validators.in_(
+        ("none", "deepseek", "deepseek-legacy", "auto")))
+    reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, 0))

@@ -49,6 +49,7 @@ from ..events import EventBus
 from .errors import error_response
 from .events import events_endpoint
 from ..api.jobs import job_from_chat, job_from_completion
+from ..api.reasoning import ReasoningDelta, ThinkingSetup
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -406,7 +407,8 @@ class Api:
         if not chat and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
         ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
-                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id)
+                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
+                               thinking=job.chat_reply)
         if body.stream:
             return StreamingResponse(
                 self._sse(run, ctx),
@@ -434,8 +436,14 @@ class Api:
             elif ctx.echo:
                 yield _sse(ctx.chunk(ctx.echo, None))
             async for delta in run:
-                if delta.text or (ctx.logprobs and delta.tokens):
-                    yield _sse(ctx.chunk({"content": delta.text} if ctx.chat else delta.text, None, ctx.add(delta)))
+                if ctx.chat:  # the text goes through the thinking parser, which may hold some back
+                    lp = ctx.add(delta)
+                    if ctx.split or (lp is not None and delta.tokens):
+                        yield _sse(ctx.chunk(ctx.message_delta(ctx.split), None, lp))
+                elif delta.text or (ctx.logprobs and delta.tokens):
+                    yield _sse(ctx.chunk(delta.text, None, ctx.add(delta)))
+            if ctx.chat and (tail := ctx.finish_split()):
+                yield _sse(ctx.chunk(ctx.message_delta(tail), None))
             end = run.finished
             assert end is not None
             final = ctx.chunk({} if ctx.chat else "", end.finish_reason)
@@ -445,7 +453,7 @@ class Api:
             if ctx.include_usage:
                 usage = ctx.chunk(None, None)
                 usage["choices"] = []
-                usage["usage"] = _usage(end)
+                usage["usage"] = ctx.usage(end)
                 yield _sse(usage)
             yield "data: [DONE]\n\n"
         except HydraTrioError as exc:  # the 200 is out: the error goes in the stream
@@ -459,13 +467,17 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _usage(f: Finished) -> dict[str, int]:
-    return {
+def _usage(f: Finished, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning_tokens`` (a chat reply's) goes in ``completion_tokens_details``."""
+    usage: dict[str, Any] = {
         "prompt_tokens": f.n_prompt,
         "completion_tokens": f.predicted_n,
         "total_tokens": f.n_prompt + f.predicted_n,
         "prompt_tokens_details": {"cached_tokens": f.cache_n},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class _ResponseContext:
@@ -476,11 +488,17 @@ class _ResponseContext:
     "token_logprobs", "top_logprobs", "text_offset"}``; a streamed chunk
     carries those of its own tokens, a whole reply those of every generated
     token (one entry per completion token).
+
+    A chat reply's text goes through the thinking parser (``thinking``, the job's
+    :class:`~hydra_trio.api.reasoning.ThinkingSetup`): ``reasoning_content`` and
+    ``content`` come from it, whole or delta by delta, and the tokens of the thinking
+    block are counted as ``completion_tokens_details.reasoning_tokens``.
     """
 
     def __init__(
         self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
         piece: Callable[[int], bytes] = lambda t: b"", echo: str = "", id: str | None = None,
+        thinking: ThinkingSetup | None = None,
     ) -> None:
         self.chat = chat
         self.model = model
@@ -494,10 +512,20 @@ class _ResponseContext:
         self.n_chars = len(echo)
         self.entries: list[dict[str, Any]] = []  # chat shape, one per token
         self.offsets: list[int] = []
+        self.parser = (thinking or ThinkingSetup()).parser() if chat else None
+        self.split = ReasoningDelta()  # what the last delta added to the message
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.reasoning_tokens = 0
 
     def add(self, ev: TextDelta) -> dict[str, Any] | None:
-        """Record a delta; returns the logprobs object for its own tokens (None when not asked)."""
+        """Record a delta; returns the logprobs object for its own tokens (None when not asked).
+        A chat reply's split of it is in :attr:`split`."""
         self.texts.append(ev.text)
+        if self.parser is not None:
+            self.split = self._record(self.parser.feed(ev.text))
+            if self.split.thinking:
+                self.reasoning_tokens += len(ev.tokens)
         start = len(self.entries)
         if self.logprobs:
             tops = ev.top_logprobs or ((),) * len(ev.tokens)
@@ -508,6 +536,31 @@ class _ResponseContext:
                 self.offsets.append(self.n_chars)
         self.n_chars += len(ev.text)
         return self._logprobs_object(start) if self.logprobs else None
+
+    def _record(self, d: ReasoningDelta) -> ReasoningDelta:
+        self.reasoning.append(d.reasoning)
+        self.content.append(d.content)
+        return d
+
+    def finish_split(self) -> ReasoningDelta:
+        """The reply ended: what the thinking parser still held (a chat reply; empty otherwise)."""
+        if self.parser is None:
+            return ReasoningDelta()
+        d, self.parser = self._record(self.parser.finish()), None
+        return d
+
+    @staticmethod
+    def message_delta(d: ReasoningDelta) -> dict[str, Any]:
+        """A chat chunk's ``delta``: ``reasoning_content`` and/or ``content`` (llama-server's stream shape)."""
+        out: dict[str, Any] = {}
+        if d.reasoning:
+            out["reasoning_content"] = d.reasoning
+        if d.content or not out:
+            out["content"] = d.content
+        return out
+
+    def usage(self, f: Finished) -> dict[str, Any]:
+        return _usage(f, self.reasoning_tokens if self.chat else None)
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         raw = self.piece(token)
@@ -537,9 +590,13 @@ class _ResponseContext:
         text = "".join(self.texts)
         logprobs = self._logprobs_object() if self.logprobs else None
         if self.chat:
+            self.finish_split()
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+            if reasoning := "".join(self.reasoning):  # as llama-server: only when there is some
+                message["reasoning_content"] = reasoning
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
                 "finish_reason": f.finish_reason,
             }
@@ -553,7 +610,7 @@ class _ResponseContext:
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": _usage(f),
+            "usage": self.usage(f),
             "id_slot": f.id_slot,
             "timings": f.timings(),
         }
