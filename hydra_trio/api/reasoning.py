@@ -119,16 +119,18 @@ class ThinkingSetup:
 
     fmt: str = "none"
     prompt_open: tuple[str, str] | None = None
+    opened_text: str | None = None  # the prompt's tail from the open marker on
 
     @classmethod
     def for_prompt(cls, fmt: str, template_source: str, prompt: str) -> ThinkingSetup:
         """The setup for a reply to ``prompt`` rendered by the template ``template_source``
         (``auto`` resolved by :func:`resolve_format`)."""
         fmt = resolve_format(check_format(fmt), template_source, prompt)
-        return cls(fmt, opened_in_prompt(prompt) if fmt != "none" else None)
+        pair = opened_in_prompt(prompt) if fmt != "none" else None
+        return cls(fmt, pair, prompt[prompt.rstrip(_WS).rfind(pair[0]):] if pair else None)
 
     def parser(self) -> ReasoningParser:
-        return ReasoningParser(self.fmt, self.prompt_open)
+        return ReasoningParser(self.fmt, self.prompt_open, opened_text=self.opened_text)
 
 
 # parser phases
@@ -144,10 +146,12 @@ class ReasoningParser:
         prompt_open: the marker pair the prompt opened (:func:`opened_in_prompt`): the
             reply starts inside thinking.
         markers: the marker pairs recognised at the start of the reply.
+        opened_text: what the prompt wrote from the open marker on (e.g. ``"<think>\n"``), put in
+            front of ``deepseek-legacy`` content; default: the start marker.
     """
 
     def __init__(self, fmt: str = "deepseek", prompt_open: tuple[str, str] | None = None,
-                 markers: Iterable[tuple[str, str]] = MARKERS) -> None:
+                 markers: Iterable[tuple[str, str]] = MARKERS, opened_text: str | None = None) -> None:
         if fmt not in ("none", "deepseek", "deepseek-legacy"):
             raise ValueError(f"reasoning format {fmt!r}: resolve 'auto' first (resolve_format)")
         self.fmt = fmt
@@ -161,7 +165,7 @@ class ReasoningParser:
         elif prompt_open is not None:
             self._phase, self._end = _THINK, prompt_open[1]
             if fmt == "deepseek-legacy":
-                self._legacy_prefix = prompt_open[0]
+                self._legacy_prefix = prompt_open[0] if opened_text is None else opened_text
         else:
             self._phase = _START
 
