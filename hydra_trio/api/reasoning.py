@@ -283,3 +283,67 @@ def parse(text: str, fmt: str = "deepseek", prompt_open: tuple[str, str] | None 
     p = ReasoningParser(fmt, prompt_open, markers)
     a, b = p.feed(text), p.finish()
     return Split(a.reasoning + b.reasoning, a.content + b.content)
+
+
+class ChatReplyText:
+    """One chat reply's text through its thinking parser, for the OpenAI shapes (HTTP and Hydra alike).
+
+    :meth:`add` each generated piece (with its token count), :meth:`finish` at the end; ``reasoning``
+    and ``content`` hold the whole split, ``reasoning_tokens`` the tokens of the thinking block
+    (``usage.completion_tokens_details.reasoning_tokens``).
+    """
+
+    def __init__(self, setup: ThinkingSetup | None = None) -> None:
+        self._parser: ReasoningParser | None = (setup or ThinkingSetup()).parser()
+        self._reasoning: list[str] = []
+        self._content: list[str] = []
+        self.reasoning_tokens = 0
+
+    def add(self, text: str, n_tokens: int) -> ReasoningDelta:
+        """A generated piece; returns what it adds to the message (maybe nothing yet)."""
+        if self._parser is None:
+            raise RuntimeError("the reply is finished")
+        d = self._record(self._parser.feed(text))
+        if d.thinking:
+            self.reasoning_tokens += n_tokens
+        return d
+
+    def finish(self) -> ReasoningDelta:
+        """The reply ended: what the parser still held (empty the second time)."""
+        if self._parser is None:
+            return ReasoningDelta()
+        d, self._parser = self._record(self._parser.finish()), None
+        return d
+
+    def _record(self, d: ReasoningDelta) -> ReasoningDelta:
+        self._reasoning.append(d.reasoning)
+        self._content.append(d.content)
+        return d
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
+    def message(self) -> dict[str, str]:
+        """A whole reply's ``message``: ``role``, ``content`` ("" when there is none) and
+        ``reasoning_content`` only when there is some, as llama-server shapes it."""
+        self.finish()
+        out = {"role": "assistant", "content": self.content}
+        if reasoning := self.reasoning:
+            out["reasoning_content"] = reasoning
+        return out
+
+    @staticmethod
+    def delta(d: ReasoningDelta) -> dict[str, str]:
+        """A streamed chunk's ``delta``: ``reasoning_content`` and/or ``content`` (``content: ""``
+        when the piece added nothing, e.g. a chunk sent for its logprobs)."""
+        out: dict[str, str] = {}
+        if d.reasoning:
+            out["reasoning_content"] = d.reasoning
+        if d.content or not out:
+            out["content"] = d.content
+        return out

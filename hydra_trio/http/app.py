@@ -49,7 +49,7 @@ from ..events import EventBus
 from .errors import error_response
 from .events import events_endpoint
 from ..api.jobs import job_from_chat, job_from_completion
-from ..api.reasoning import ReasoningDelta, ThinkingSetup
+from ..api.reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -436,14 +436,14 @@ class Api:
             elif ctx.echo:
                 yield _sse(ctx.chunk(ctx.echo, None))
             async for delta in run:
-                if ctx.chat:  # the text goes through the thinking parser, which may hold some back
+                if ctx.reply is not None:  # chat: the text goes through the thinking parser (it may hold some back)
                     lp = ctx.add(delta)
                     if ctx.split or (lp is not None and delta.tokens):
-                        yield _sse(ctx.chunk(ctx.message_delta(ctx.split), None, lp))
+                        yield _sse(ctx.chunk(ChatReplyText.delta(ctx.split), None, lp))
                 elif delta.text or (ctx.logprobs and delta.tokens):
                     yield _sse(ctx.chunk(delta.text, None, ctx.add(delta)))
-            if ctx.chat and (tail := ctx.finish_split()):
-                yield _sse(ctx.chunk(ctx.message_delta(tail), None))
+            if ctx.reply is not None and (tail := ctx.reply.finish()):
+                yield _sse(ctx.chunk(ChatReplyText.delta(tail), None))
             end = run.finished
             assert end is not None
             final = ctx.chunk({} if ctx.chat else "", end.finish_reason)
@@ -490,9 +490,7 @@ class _ResponseContext:
     token (one entry per completion token).
 
     A chat reply's text goes through the thinking parser (``thinking``, the job's
-    :class:`~hydra_trio.api.reasoning.ThinkingSetup`): ``reasoning_content`` and
-    ``content`` come from it, whole or delta by delta, and the tokens of the thinking
-    block are counted as ``completion_tokens_details.reasoning_tokens``.
+    :class:`~hydra_trio.api.reasoning.ThinkingSetup`; :class:`~hydra_trio.api.reasoning.ChatReplyText`).
     """
 
     def __init__(
@@ -512,20 +510,15 @@ class _ResponseContext:
         self.n_chars = len(echo)
         self.entries: list[dict[str, Any]] = []  # chat shape, one per token
         self.offsets: list[int] = []
-        self.parser = (thinking or ThinkingSetup()).parser() if chat else None
-        self.split = ReasoningDelta()  # what the last delta added to the message
-        self.reasoning: list[str] = []
-        self.content: list[str] = []
-        self.reasoning_tokens = 0
+        self.reply = ChatReplyText(thinking) if chat else None
+        self.split = ReasoningDelta()  # what the last delta added to a chat message
 
     def add(self, ev: TextDelta) -> dict[str, Any] | None:
         """Record a delta; returns the logprobs object for its own tokens (None when not asked).
         A chat reply's split of it is in :attr:`split`."""
         self.texts.append(ev.text)
-        if self.parser is not None:
-            self.split = self._record(self.parser.feed(ev.text))
-            if self.split.thinking:
-                self.reasoning_tokens += len(ev.tokens)
+        if self.reply is not None:
+            self.split = self.reply.add(ev.text, len(ev.tokens))
         start = len(self.entries)
         if self.logprobs:
             tops = ev.top_logprobs or ((),) * len(ev.tokens)
@@ -537,30 +530,8 @@ class _ResponseContext:
         self.n_chars += len(ev.text)
         return self._logprobs_object(start) if self.logprobs else None
 
-    def _record(self, d: ReasoningDelta) -> ReasoningDelta:
-        self.reasoning.append(d.reasoning)
-        self.content.append(d.content)
-        return d
-
-    def finish_split(self) -> ReasoningDelta:
-        """The reply ended: what the thinking parser still held (a chat reply; empty otherwise)."""
-        if self.parser is None:
-            return ReasoningDelta()
-        d, self.parser = self._record(self.parser.finish()), None
-        return d
-
-    @staticmethod
-    def message_delta(d: ReasoningDelta) -> dict[str, Any]:
-        """A chat chunk's ``delta``: ``reasoning_content`` and/or ``content`` (llama-server's stream shape)."""
-        out: dict[str, Any] = {}
-        if d.reasoning:
-            out["reasoning_content"] = d.reasoning
-        if d.content or not out:
-            out["content"] = d.content
-        return out
-
     def usage(self, f: Finished) -> dict[str, Any]:
-        return _usage(f, self.reasoning_tokens if self.chat else None)
+        return _usage(f, self.reply.reasoning_tokens if self.reply is not None else None)
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         raw = self.piece(token)
@@ -590,13 +561,10 @@ class _ResponseContext:
         text = "".join(self.texts)
         logprobs = self._logprobs_object() if self.logprobs else None
         if self.chat:
-            self.finish_split()
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-            if reasoning := "".join(self.reasoning):  # as llama-server: only when there is some
-                message["reasoning_content"] = reasoning
+            assert self.reply is not None
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": message,
+                "message": self.reply.message(),
                 "logprobs": logprobs,
                 "finish_reason": f.finish_reason,
             }

@@ -23,7 +23,7 @@ import trio
 
 from .._version import __version__
 from ..api.jobs import job_continue, job_from_chat
-from ..api.reasoning import ReasoningParser, ThinkingSetup
+from ..api.reasoning import ChatReplyText, ThinkingSetup
 from ..api.schemas import ChatCompletionRequest, CompletionRequest
 from ..control import Change, ControlChannel
 from ..engine.settings import DEFAULT_PATTERN
@@ -254,15 +254,14 @@ async def decode(ctx: OpContext) -> None:
         assigned = await run.started()
         if not streamed:
             frames = bytearray()
-            thinking, reasoning_tokens = _thinking_parser(e, parsed.body, job), 0
+            reply = ChatReplyText(_thinking(e, parsed.body, job))
             async for delta in run:
                 frames += framer.push(delta.tokens, delta.logprobs)
-                if thinking.feed(delta.text).thinking:
-                    reasoning_tokens += len(delta.tokens)
+                reply.add(delta.text, len(delta.tokens))
             end = run.finished
             assert end is not None
             frames += framer.finish(end.stop_reason, pad=False)
-            meta.update(tokens_generated=framer.tokens_generated, reasoning_tokens=reasoning_tokens, n_past=end.n_past,
+            meta.update(tokens_generated=framer.tokens_generated, reasoning_tokens=reply.reasoning_tokens, n_past=end.n_past,
                         stop_reason=end.stop_reason)
             await ctx.stream.send_all(encode_response_header(Status.OK, meta, len(frames)) + frames)
             return
@@ -280,15 +279,15 @@ async def decode(ctx: OpContext) -> None:
         await ctx.stream.send_all(framer.finish(stop_reason))
 
 
-def _thinking_parser(e: Engine, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob) -> ReasoningParser:
-    """The thinking parser for a DECODE's text: the chat job's (its prompt may open the thinking), or for
+def _thinking(e: Engine, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob) -> ThinkingSetup:
+    """How a DECODE's text is split: the chat job's setup (its prompt may open the thinking), or for
     a continuation the body's ``reasoning_format`` (else the node's) on the node's template."""
     if isinstance(job.chat_reply, ThinkingSetup):
-        return job.chat_reply.parser()
+        return job.chat_reply
     m = e.solo_model or e.model
     assert m is not None
     fmt = body.raw.get("reasoning_format") or e.config.reasoning_format  # checked by parse_decode
-    return ThinkingSetup.for_prompt(fmt, m.chat_template.source, "").parser()
+    return ThinkingSetup.for_prompt(fmt, m.chat_template.source, "")
 
 
 # ----------------------------------------------------------------------------- engine-wide ops
