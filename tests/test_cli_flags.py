@@ -368,3 +368,11 @@ def test_every_llama_option_flag_reaches_the_engine_settings() -> None:
     assert (opts.cpu_moe, opts.n_cpu_moe, opts.n_cpu_ffn) == (True, 5, 2)
     assert llama_options(parse("-np", "-1")).kv_unified is True  # llama-server's auto
     assert llama_options(parse()) == type(opts)()  # no flag: llama.cpp's defaults, as EngineConfig's
+
+
+def test_a_thinking_budget_in_tokens_starts_the_node_with_a_warning() -> None:
+    from hydra_trio.cli.run import engine_config, llama_options
+
+    args = parse("--reasoning-budget", "2048", "--no-rpc-backend")  # a launcher's config: it must start
+    assert engine_config(args, llama_options(args)).reasoning_budget == -1  # unrestricted, said once at start
+    assert engine_config(parse("--reasoning-budget", "0"), llama_options(args)).reasoning_budget == 0

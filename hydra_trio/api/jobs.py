@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
@@ -11,6 +12,7 @@ from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
 from ..engine.requests import CompletionJob
+from .reasoning import ThinkingSetup
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
 
 
@@ -28,7 +30,10 @@ def job_from_chat(
     assert m is not None
     tokens = m.chat_prompt_tokens(prompt)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
-    return _job(e, body, tokens, stop, n_predict, id_slot)
+    job = _job(e, body, tokens, stop, n_predict, id_slot)
+    thinking = ThinkingSetup.for_prompt(body.reasoning_format or e.config.reasoning_format, m.chat_template.source,
+                                        prompt)
+    return attrs.evolve(job, chat_reply=thinking)
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
@@ -39,10 +44,22 @@ def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]
     m = e.solo_model or e.model
     assert m is not None
     messages = [
-        {k: v for k, v in (("role", x.role), ("content", x.content or ""), ("name", x.name)) if v is not None}
+        {k: v for k, v in (("role", x.role), ("content", x.content or ""), ("name", x.name),
+                           ("reasoning_content", x.reasoning_content)) if v is not None}
         for x in body.messages
     ]
-    return m.apply_chat_template(messages)
+    return m.apply_chat_template(messages, thinking_kwargs(e, body))
+
+
+def thinking_kwargs(e: Engine, body: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's template variables over the node's (``chat_template_kwargs``, merged as
+    llama-server merges them); a thinking budget of 0 (the request's, else ``--reasoning-budget``)
+    sets ``enable_thinking`` false, so the template closes or skips the thinking block."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    budget = body.thinking_budget if body.thinking_budget is not None else e.config.reasoning_budget
+    if budget == 0:
+        kwargs["enable_thinking"] = False
+    return kwargs
 
 
 def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:

@@ -30,6 +30,7 @@ RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
 
 MAX_TOP_LOGPROBS = 20
+REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # hydra_trio.api.reasoning.FORMATS
 LOGIT_BIAS_MAX = 100.0
 
 
@@ -48,6 +49,7 @@ class ChatMessage:
     role: str
     content: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's thinking, given to the template (llama-server)
 
 
 # Fields of the OpenAI API and of llama-server that hydra-trio does not act on:
@@ -274,11 +276,17 @@ class ChatCompletionRequest(_GenerationFields):
     tools: tuple[Any, ...] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # only means something with tools
+    # thinking (llama-server): null means the node's --reasoning-format / --chat-template-kwargs / --reasoning-budget
+    reasoning_format: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    thinking_budget_tokens: int | None = None
+    reasoning_budget_tokens: int | None = None
 
     def check(self) -> None:
         super().check()
         if not self.messages:
             raise RequestError("messages: at least one message is required")
+        self.check_thinking()
         if self.tools:
             raise RequestError("tools: tool calling is not supported by this server")
         if self.tool_choice not in (None, "none", "auto"):
@@ -287,6 +295,30 @@ class ChatCompletionRequest(_GenerationFields):
             check_int_or_400("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
             if not self.logprobs:
                 raise RequestError("top_logprobs: needs logprobs: true")
+
+    def check_thinking(self) -> None:
+        """``reasoning_format`` one of llama-server's; a budget -1 (the node's) or 0 (no thinking);
+        ``chat_template_kwargs.enable_thinking`` a boolean (llama-server's rule)."""
+        if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS:
+            raise RequestError(f"reasoning_format: {self.reasoning_format!r} is not one of "
+                               f"{', '.join(REASONING_FORMATS)}")
+        for name in ("thinking_budget_tokens", "reasoning_budget_tokens"):
+            v = getattr(self, name)
+            if v is not None and v not in (-1, 0):
+                raise RequestError(f"{name}: only -1 (the node's budget) and 0 (no thinking) are supported, got {v}")
+        kwargs = self.chat_template_kwargs or {}
+        if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+            raise RequestError("chat_template_kwargs.enable_thinking: expected a boolean, "
+                               f"got {msg.type_name(kwargs['enable_thinking'])}")
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """The request's thinking budget (``reasoning_budget_tokens``, else ``thinking_budget_tokens``,
+        as llama-server reads them); None: the node's."""
+        for v in (self.reasoning_budget_tokens, self.thinking_budget_tokens):
+            if v is not None and v != -1:
+                return v
+        return None
 
     @property
     def top_logprobs_n(self) -> int:
@@ -516,7 +548,8 @@ _COMMON = dict(
 _conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content))
 _conv.register(StreamOptions, forbid_extra=False)
 _conv.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
-             tool_choice=override(struct_hook=_tool_choice), **_COMMON)
+             tool_choice=override(struct_hook=_tool_choice),
+             chat_template_kwargs=override(struct_hook=_object_or_null), **_COMMON)
 _conv.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt), **_COMMON)
 _conv.register(TokenizeRequest, forbid_extra=False)
 _conv.register(DetokenizeRequest, forbid_extra=False)

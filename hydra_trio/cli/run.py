@@ -111,6 +111,9 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
     if gpu and not _has_gpu():
         log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
                     "same way)", ", ".join(gpu))
+    if args.reasoning_budget is not None and args.reasoning_budget > 0:
+        log.warning("--reasoning-budget %d: thinking runs unrestricted (this node has no budget sampler yet; "
+                    "0 turns thinking off)", args.reasoning_budget)
     if args.combined_ot_pattern is not None:
         log.info("--combined-ot-pattern: COMBINED places tensors matching %s on the peer", args.combined_ot_pattern)
 
@@ -227,6 +230,8 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
                                 else EngineConfig.__attrs_attrs__.slot_prompt_similarity.default),
         slot_save_path=args.slot_save_path,
         embd_normalize=args.embd_normalize if args.embd_normalize is not None else 2,
+        reasoning_format=args.reasoning_format or "auto",
+        reasoning_budget=-1 if args.reasoning_budget is None or args.reasoning_budget > 0 else args.reasoning_budget,
     )
 
 

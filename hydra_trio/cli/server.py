@@ -137,14 +137,19 @@ FLAGS: list[Flag] = [
       env="LLAMA_ARG_MODELS_AUTOLOAD"),
     V(("--jinja",), ACCEPTED, "chat templates are always Jinja (the GGUF's, --chat-template or a built-in)",
       neg=("--no-jinja",), env="LLAMA_ARG_JINJA"),
-    V(("--reasoning-format",), ACCEPTED, NOT_YET + " (thinking is not yet split into reasoning_content)",
-      value="FORMAT", type=t.choice("none", "deepseek", "deepseek-legacy", "auto"), env="LLAMA_ARG_THINK"),
+    V(("--reasoning-format",), WIRED, "how chat replies are split: none (thinking stays in content), deepseek "
+      "(thinking in reasoning_content), deepseek-legacy (tags kept in content, reasoning_content filled too), auto "
+      "(deepseek when the template thinks; default)", value="FORMAT",
+      type=t.choice("none", "deepseek", "deepseek-legacy", "auto"), env="LLAMA_ARG_THINK",
+      lands="EngineConfig.reasoning_format"),
     V(("-rea", "--reasoning"), WIRED, "thinking on, off or auto: on/off set enable_thinking for the chat "
       "template, as llama-server", value="[on|off|auto]", type=t.on_off_auto, env="LLAMA_ARG_REASONING",
       lands="EngineConfig.chat_template_kwargs"),
     V(("--reasoning-effort",), ACCEPTED, NOT_YET, value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT"),
-    V(("--reasoning-budget",), ACCEPTED, NOT_YET + " (no thinking budget)", value="N",
-      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_THINK_BUDGET"),
+    V(("--reasoning-budget",), WIRED, "thinking budget: -1 unrestricted (default), 0 no thinking (enable_thinking "
+      "false for the template); a budget of N > 0 tokens starts the node with a warning that thinking runs "
+      "unrestricted (no budget sampler yet)", value="N", type=t.int_range(-1, t.INT32_MAX),
+      env="LLAMA_ARG_THINK_BUDGET", lands="EngineConfig.reasoning_budget"),
     V(("--reasoning-budget-message",), ACCEPTED, NOT_YET + " (no thinking budget)", value="MESSAGE",
       env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
     V(("--reasoning-preserve",), ACCEPTED, "the chat template decides whether past thinking is kept",

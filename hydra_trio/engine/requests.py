@@ -72,6 +72,8 @@ class CompletionJob:
         t_max_predict_ms: stop (``length``) once generation has run this many milliseconds,
             measured from the first generated token, at a token whose text holds a newline
             (llama-server's ``t_max_predict_ms``); 0: no limit.
+        chat_reply: how the reply text is shaped by the API layer (a chat reply's
+            :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -96,6 +98,7 @@ class CompletionJob:
     adaptive_target: float = -1.0
     adaptive_decay: float = 0.9
     t_max_predict_ms: int = 0
+    chat_reply: Any = attrs.field(default=None, eq=False)
 
 
 # ---------------------------------------------------------------------------

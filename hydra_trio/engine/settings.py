@@ -402,6 +402,12 @@ class EngineConfig:
             (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
             see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
             ``pooling`` (``--pooling``) are context parameters and live in :attr:`llama`.
+        reasoning_format: how chat replies are split into ``reasoning_content`` and ``content``
+            (``--reasoning-format``: ``none``, ``deepseek``, ``deepseek-legacy`` or ``auto``;
+            :mod:`hydra_trio.api.reasoning`); a request's ``reasoning_format`` overrides it.
+        reasoning_budget: thinking budget in tokens (``--reasoning-budget``): -1 unrestricted,
+            0 no thinking (``enable_thinking`` false for the template, as llama-server); a
+            request's ``thinking_budget_tokens`` / ``reasoning_budget_tokens`` overrides it.
 
     Raises:
         ParameterError: ``n_predict`` out of -1 .. 2**31-1.
@@ -438,3 +444,6 @@ class EngineConfig:
     def pooling(self) -> str | None:
         """``--pooling``: None for the model's own."""
         return self.llama.pooling
+    reasoning_format: str = attrs.field(default="auto", validator=attrs.validators.in_(
+        ("none", "deepseek", "deepseek-legacy", "auto")))
+    reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, 0))

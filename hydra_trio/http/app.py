@@ -54,6 +54,7 @@ from .native import native_routes
 from ..api.jobs import job_from_chat, job_from_completion
 from ..api.embeddings import EmbeddingsRequest, embed_request
 from ..engine.engine import NO_EMBEDDINGS
+from ..api.reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -427,7 +428,8 @@ class Api:
         if not chat and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
         ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
-                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id)
+                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
+                               thinking=job.chat_reply)
         if body.stream:
             return StreamingResponse(
                 self._sse(run, ctx),
@@ -455,8 +457,14 @@ class Api:
             elif ctx.echo:
                 yield _sse(ctx.chunk(ctx.echo, None))
             async for delta in run:
-                if delta.text or (ctx.logprobs and delta.tokens):
-                    yield _sse(ctx.chunk({"content": delta.text} if ctx.chat else delta.text, None, ctx.add(delta)))
+                if ctx.reply is not None:  # chat: the text goes through the thinking parser (it may hold some back)
+                    lp = ctx.add(delta)
+                    if ctx.split or (lp is not None and delta.tokens):
+                        yield _sse(ctx.chunk(ChatReplyText.delta(ctx.split), None, lp))
+                elif delta.text or (ctx.logprobs and delta.tokens):
+                    yield _sse(ctx.chunk(delta.text, None, ctx.add(delta)))
+            if ctx.reply is not None and (tail := ctx.reply.finish()):
+                yield _sse(ctx.chunk(ChatReplyText.delta(tail), None))
             end = run.finished
             assert end is not None
             final = ctx.chunk({} if ctx.chat else "", end.finish_reason)
@@ -466,7 +474,7 @@ class Api:
             if ctx.include_usage:
                 usage = ctx.chunk(None, None)
                 usage["choices"] = []
-                usage["usage"] = _usage(end)
+                usage["usage"] = ctx.usage(end)
                 yield _sse(usage)
             yield "data: [DONE]\n\n"
         except HydraTrioError as exc:  # the 200 is out: the error goes in the stream
@@ -476,13 +484,17 @@ class Api:
             run.close()
 
 
-def _usage(f: Finished) -> dict[str, int]:
-    return {
+def _usage(f: Finished, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; ``reasoning_tokens`` (a chat reply's) goes in ``completion_tokens_details``."""
+    usage: dict[str, Any] = {
         "prompt_tokens": f.n_prompt,
         "completion_tokens": f.predicted_n,
         "total_tokens": f.n_prompt + f.predicted_n,
         "prompt_tokens_details": {"cached_tokens": f.cache_n},
     }
+    if reasoning_tokens is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return usage
 
 
 class _ResponseContext:
@@ -493,11 +505,15 @@ class _ResponseContext:
     "token_logprobs", "top_logprobs", "text_offset"}``; a streamed chunk
     carries those of its own tokens, a whole reply those of every generated
     token (one entry per completion token).
+
+    A chat reply's text goes through the thinking parser (``thinking``, the job's
+    :class:`~hydra_trio.api.reasoning.ThinkingSetup`; :class:`~hydra_trio.api.reasoning.ChatReplyText`).
     """
 
     def __init__(
         self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
         piece: Callable[[int], bytes] = lambda t: b"", echo: str = "", id: str | None = None,
+        thinking: ThinkingSetup | None = None,
     ) -> None:
         self.chat = chat
         self.model = model
@@ -511,10 +527,15 @@ class _ResponseContext:
         self.n_chars = len(echo)
         self.entries: list[dict[str, Any]] = []  # chat shape, one per token
         self.offsets: list[int] = []
+        self.reply = ChatReplyText(thinking) if chat else None
+        self.split = ReasoningDelta()  # what the last delta added to a chat message
 
     def add(self, ev: TextDelta) -> dict[str, Any] | None:
-        """Record a delta; returns the logprobs object for its own tokens (None when not asked)."""
+        """Record a delta; returns the logprobs object for its own tokens (None when not asked).
+        A chat reply's split of it is in :attr:`split`."""
         self.texts.append(ev.text)
+        if self.reply is not None:
+            self.split = self.reply.add(ev.text, len(ev.tokens))
         start = len(self.entries)
         if self.logprobs:
             tops = ev.top_logprobs or ((),) * len(ev.tokens)
@@ -525,6 +546,9 @@ class _ResponseContext:
                 self.offsets.append(self.n_chars)
         self.n_chars += len(ev.text)
         return self._logprobs_object(start) if self.logprobs else None
+
+    def usage(self, f: Finished) -> dict[str, Any]:
+        return _usage(f, self.reply.reasoning_tokens if self.reply is not None else None)
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
         raw = self.piece(token)
@@ -554,9 +578,10 @@ class _ResponseContext:
         text = "".join(self.texts)
         logprobs = self._logprobs_object() if self.logprobs else None
         if self.chat:
+            assert self.reply is not None
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": self.reply.message(),
                 "logprobs": logprobs,
                 "finish_reason": f.finish_reason,
             }
@@ -570,7 +595,7 @@ class _ResponseContext:
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": _usage(f),
+            "usage": self.usage(f),
             "id_slot": f.id_slot,
             "timings": f.timings(),
         }

@@ -23,6 +23,7 @@ import trio
 
 from .._version import __version__
 from ..api.jobs import job_continue, job_from_chat
+from ..api.reasoning import ChatReplyText, ThinkingSetup
 from ..api.schemas import ChatCompletionRequest, CompletionRequest
 from ..control import Change, ControlChannel
 from ..engine.settings import DEFAULT_PATTERN
@@ -228,8 +229,9 @@ async def decode(ctx: OpContext) -> None:
     ``9 × budget`` bytes follow as tokens come (FINAL, then PAD frames; the
     stop reason rides in the flags of the frame that ends it).
     ``"stream": false``: the reply is sent once generation ends, its meta has
-    ``tokens_generated``, ``n_past`` (after) and ``stop_reason``, and its
-    payload is exactly the generated frames.
+    ``tokens_generated``, ``reasoning_tokens`` (those of the thinking block, split
+    by the body's ``reasoning_format`` as a chat reply is: :mod:`hydra_trio.api.reasoning`),
+    ``n_past`` (after) and ``stop_reason``, and its payload is exactly the generated frames.
     """
     e, id_slot = ctx.slot()
     parsed = ctx.parse(msg.parse_decode)
@@ -253,12 +255,15 @@ async def decode(ctx: OpContext) -> None:
         assigned = await run.started()
         if not streamed:
             frames = bytearray()
+            reply = ChatReplyText(_thinking(e, parsed.body, job))
             async for delta in run:
                 frames += framer.push(delta.tokens, delta.logprobs)
+                reply.add(delta.text, len(delta.tokens))
             end = run.finished
             assert end is not None
             frames += framer.finish(end.stop_reason, pad=False)
-            meta.update(tokens_generated=framer.tokens_generated, n_past=end.n_past, stop_reason=end.stop_reason)
+            meta.update(tokens_generated=framer.tokens_generated, reasoning_tokens=reply.reasoning_tokens, n_past=end.n_past,
+                        stop_reason=end.stop_reason)
             await ctx.stream.send_all(encode_response_header(Status.OK, meta, len(frames)) + frames)
             return
         meta["n_past"] = assigned.n_prompt
@@ -273,6 +278,17 @@ async def decode(ctx: OpContext) -> None:
         except HydraTrioError as exc:  # the header is out: the rest of the budget is padding
             log.warning("[%s] DECODE on slot %d failed: %s (padding the rest)", ctx.req.trace_id, id_slot, exc)
         await ctx.stream.send_all(framer.finish(stop_reason))
+
+
+def _thinking(e: Engine, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob) -> ThinkingSetup:
+    """How a DECODE's text is split: the chat job's setup (its prompt may open the thinking), or for
+    a continuation the body's ``reasoning_format`` (else the node's) on the node's template."""
+    if isinstance(job.chat_reply, ThinkingSetup):
+        return job.chat_reply
+    m = e.solo_model or e.model
+    assert m is not None
+    fmt = body.raw.get("reasoning_format") or e.config.reasoning_format  # checked by parse_decode
+    return ThinkingSetup.for_prompt(fmt, m.chat_template.source, "")
 
 
 # ----------------------------------------------------------------------------- engine-wide ops

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ..api.schemas import ChatCompletionRequest, CompletionRequest, structure_body
+from ..api.schemas import REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
 from .address import parse_peer
 from .strict import (
     Bytes,
@@ -271,6 +271,9 @@ def parse_decode(payload: Bytes) -> DecodeRequest:
     if rest.get("messages") is None:
         rest.pop("messages", None)
         body: ChatCompletionRequest | CompletionRequest = structure_body(rest, CompletionRequest)
+        fmt = rest.get("reasoning_format")  # a continuation's replies are split too (reasoning_tokens)
+        if fmt is not None and fmt not in REASONING_FORMATS:
+            raise MessageError(f"reasoning_format: {fmt!r} is not one of {', '.join(REASONING_FORMATS)}")
     else:
         if rest["messages"] == []:
             raise MessageError("messages: empty (send the conversation, or null to continue the slot's KV cache)")

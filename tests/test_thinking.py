@@ -1,0 +1,207 @@
+"""Thinking on the real model, through the official ``openai`` client and the Hydra protocol.
+
+SmolLM2 does not think by itself, so the node gets a thinking chat template:
+chatml that writes an assistant turn's ``reasoning_content`` as
+``<think>\\n...\\n</think>\\n\\n`` and, with ``enable_thinking`` (the default),
+opens ``<think>\\n`` at the end of the prompt (as Qwen3's does; with
+``enable_thinking`` false it writes an empty, closed block).  A one-shot
+conversation whose assistant turn carries ``reasoning_content`` makes greedy
+SmolLM2 answer ``2 plus 2 is 4.\\n</think>\\n\\nThe answer is 4.``: the reply
+starts inside the thinking the prompt opened and closes it itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hydra_trio.protocol.hydra import Op, Status
+
+from .conftest import ServerProcess
+from .hydra_wire import Wire
+
+TEMPLATE = r"""
+{%- for m in messages -%}
+{{- '<|im_start|>' + m.role + '\n' -}}
+{%- if m.role == 'assistant' and m.reasoning_content -%}
+{{- '<think>\n' + m.reasoning_content + '\n</think>\n\n' -}}
+{%- endif -%}
+{{- m.content + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\n\n</think>\n\n' -}}
+{%- else -%}
+{{- '<think>\n' -}}
+{%- endif -%}
+{%- endif -%}
+"""
+
+SYSTEM = "You are a helpful assistant. You always think step by step inside <think> and </think> before you answer."
+MESSAGES = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "What is 1 + 1?"},
+    {"role": "assistant", "content": "The answer is 2.", "reasoning_content": "1 plus 1 is 2."},
+    {"role": "user", "content": "What is 2 + 2?"},
+]
+RAW = "2 plus 2 is 4.\n</think>\n\nThe answer is 4."  # greedy SmolLM2's reply to MESSAGES
+REASONING, CONTENT = "2 plus 2 is 4.", "The answer is 4."
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    d = tmp_path_factory.mktemp("thinking")
+    (d / "thinking.jinja").write_text(TEMPLATE)
+    srv = ServerProcess(d / "server.log", "--chat-template-file", str(d / "thinking.jinja"), "-np", "2")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(node: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=node.base + "/v1", api_key="none", timeout=120, max_retries=0)
+
+
+def _chat(client: openai.OpenAI, **kw: object) -> object:
+    kw.setdefault("messages", MESSAGES)
+    kw.setdefault("max_tokens", 40)
+    return client.chat.completions.create(model="m", temperature=0, **kw)  # type: ignore[call-overload]
+
+
+def _stream(client: openai.OpenAI, **kw: object) -> tuple[str, str, list[object], object]:
+    reasoning, content, chunks, usage = "", "", [], None
+    for chunk in _chat(client, stream=True, stream_options={"include_usage": True}, **kw):  # type: ignore[attr-defined]
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            extra = choice.delta.model_extra or {}
+            reasoning += extra.get("reasoning_content") or ""
+            content += choice.delta.content or ""
+            chunks.append(choice.delta)
+    return reasoning, content, chunks, usage
+
+
+def _reasoning(message: object) -> str | None:
+    return (message.model_extra or {}).get("reasoning_content")  # type: ignore[attr-defined]
+
+
+def test_split_whole(client: openai.OpenAI) -> None:
+    r = _chat(client)
+    m = r.choices[0].message
+    assert (_reasoning(m), m.content) == (REASONING, CONTENT)
+    assert r.choices[0].finish_reason == "stop"
+    details = r.usage.completion_tokens_details
+    assert 0 < details.reasoning_tokens < r.usage.completion_tokens
+
+
+def test_split_streamed(client: openai.OpenAI) -> None:
+    reasoning, content, chunks, usage = _stream(client)
+    assert (reasoning, content) == (REASONING, CONTENT)
+    # reasoning arrives chunk by chunk, before any content
+    n_reasoning = sum(1 for d in chunks if (d.model_extra or {}).get("reasoning_content"))
+    assert n_reasoning > 3
+    first_content = next(i for i, d in enumerate(chunks) if d.content)
+    assert all(not (d.model_extra or {}).get("reasoning_content") for d in chunks[first_content:])
+    assert usage.completion_tokens_details.reasoning_tokens == _chat(client).usage.completion_tokens_details.reasoning_tokens
+
+
+def test_deepseek_legacy_keeps_tags(client: openai.OpenAI) -> None:
+    m = _chat(client, extra_body={"reasoning_format": "deepseek-legacy"}).choices[0].message
+    assert m.content == "<think>\n" + RAW  # the open marker the prompt wrote, then the reply as generated
+    assert _reasoning(m) == REASONING
+    reasoning, content, _, _ = _stream(client, extra_body={"reasoning_format": "deepseek-legacy"})
+    assert (reasoning, content) == (REASONING, "<think>\n" + RAW)
+
+
+def test_none_leaves_all_in_content(client: openai.OpenAI) -> None:
+    r = _chat(client, extra_body={"reasoning_format": "none"})
+    assert r.choices[0].message.content == RAW and _reasoning(r.choices[0].message) is None
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    reasoning, content, _, _ = _stream(client, extra_body={"reasoning_format": "none"})
+    assert (reasoning, content) == ("", RAW)
+
+
+def test_cut_inside_thinking_is_all_reasoning(client: openai.OpenAI) -> None:
+    r = _chat(client, max_tokens=4)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "length"
+    assert m.content == "" and _reasoning(m) and REASONING.startswith(_reasoning(m))
+    assert r.usage.completion_tokens_details.reasoning_tokens == r.usage.completion_tokens == 4
+    reasoning, content, _, _ = _stream(client, max_tokens=4)
+    assert (reasoning, content) == (_reasoning(m), "")
+
+
+def test_reasoning_content_reaches_the_template(client: openai.OpenAI) -> None:
+    without = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in MESSAGES]
+    a, b = _chat(client, max_tokens=1), _chat(client, messages=without, max_tokens=1)
+    assert a.usage.prompt_tokens > b.usage.prompt_tokens  # the old turn's thinking was rendered
+
+
+def test_thinking_off_by_kwargs_or_budget(client: openai.OpenAI, node: ServerProcess) -> None:
+    # cache_prompt false: the same evaluation for both (a reused prefix may change greedy SmolLM2's words)
+    off = _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}, "cache_prompt": False})
+    budget = _chat(client, extra_body={"thinking_budget_tokens": 0, "cache_prompt": False})
+    assert off.choices[0].message.content == budget.choices[0].message.content
+    for r in (off, budget):
+        m = r.choices[0].message
+        # the template closed the (empty) block in the prompt, so the reply is outside thinking (were a stray
+        # end marker written, it would stay in content, as llama-server's parser leaves it)
+        assert _reasoning(m) is None and m.content.startswith("2 plus 2")
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0
+    # the prompt holds the closed, empty block: more tokens than the open one
+    assert off.usage.prompt_tokens == budget.usage.prompt_tokens > _chat(client, max_tokens=1).usage.prompt_tokens
+
+
+def test_bad_fields(node: ServerProcess) -> None:
+    for body, field in (({"reasoning_format": "r1"}, "reasoning_format"),
+                        ({"thinking_budget_tokens": 100}, "thinking_budget_tokens"),
+                        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
+                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
+        r = httpx.post(node.base + "/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+
+
+def test_hydra_decode_reports_reasoning_tokens(node: ServerProcess, client: openai.OpenAI) -> None:
+    http = _chat(client)
+    with Wire(node.port) as w:
+        body = {"messages": MESSAGES, "n_predict": 40, "temperature": 0, "stream": False}
+        status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps(body).encode())
+        assert status == Status.OK, meta
+        assert meta["tokens_generated"] == http.usage.completion_tokens
+        assert meta["reasoning_tokens"] == http.usage.completion_tokens_details.reasoning_tokens > 0
+        status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps({**body, "reasoning_format": "none"}).encode())
+        assert status == Status.OK and meta["reasoning_tokens"] == 0
+        status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps({**body, "reasoning_format": "r1"}).encode())
+        assert status == Status.BAD_REQUEST and meta["error"].startswith("reasoning_format")
+        status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps(
+            {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}).encode())
+        assert status == Status.OK, meta
+
+
+def test_node_flags(tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-def]
+    """``--reasoning-format none`` leaves thinking in content; ``--reasoning-budget 0`` closes the thinking
+    in the prompt (``enable_thinking`` false); a request's ``reasoning_format`` overrides the node's."""
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    srv = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "1", "--reasoning-format", "none")
+    off = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "2", "--reasoning-budget", "0")
+    srv.wait_ready()
+    off.wait_ready()
+    c = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", timeout=120, max_retries=0)
+    m = _chat(c).choices[0].message
+    assert (m.content, _reasoning(m)) == (RAW, None)
+    m = _chat(c, extra_body={"reasoning_format": "deepseek"}).choices[0].message
+    assert (m.content, _reasoning(m)) == (CONTENT, REASONING)
+    c = openai.OpenAI(base_url=off.base + "/v1", api_key="none", timeout=120, max_retries=0)
+    r = _chat(c)
+    m = r.choices[0].message
+    assert _reasoning(m) is None and m.content.startswith("2 plus 2")
+    assert r.usage.completion_tokens_details.reasoning_tokens == 0
