@@ -186,7 +186,8 @@ class ChatTemplate:
         origin: where it comes from, for the log.
     """
 
-    def __init__(self, kind: str, source: str, origin: str, render: Callable[[list[dict]], tuple[str, list[str]]]):
+    def __init__(self, kind: str, source: str, origin: str,
+                 render: Callable[[list[dict], list[dict] | None], tuple[str, list[str]]]):
         self.kind = kind
         self.source = source
         self.origin = origin
@@ -205,9 +206,9 @@ class ChatTemplate:
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ValueError(f"the chat template does not compile: {exc}") from None
 
-        def render(messages: list[dict]) -> tuple[str, list[str]]:
+        def render(messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[str]]:
             try:
-                out = fmt(messages=messages, **extra)
+                out = fmt(messages=messages, tools=tools, **extra)
             except Exception as exc:  # jinja2 raises TemplateError / TypeError / ...
                 raise ValueError(f"chat template failed: {exc}") from exc
             stop = out.stop if isinstance(out.stop, list) else ([out.stop] if out.stop else [])
@@ -223,10 +224,13 @@ class ChatTemplate:
         end = tail.split(_SENTINEL, 1)[1].strip() if _SENTINEL in tail else ""
         stop = [end] if end else []
         return cls("builtin", name, origin,
-                   lambda messages: (_apply_builtin(name, messages, add_assistant=True), list(stop)))
+                   lambda messages, tools=None: (_apply_builtin(name, messages, add_assistant=True), list(stop)))
 
-    def __call__(self, messages: list[dict]) -> tuple[str, list[str]]:
-        return self._render(messages)
+    def __call__(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[str]]:
+        """Render ``messages``; ``tools`` (OpenAI tool objects) reach a Jinja template as its
+        ``tools`` variable (a built-in template never renders tools: callers describe them in a
+        message instead, :func:`hydra_trio.api.tools.render_messages`)."""
+        return self._render(messages, tools)
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -531,14 +535,15 @@ class LoadedModel:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
-    def apply_chat_template(self, messages: list[dict]) -> tuple[str, list[str]]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[str]]:
         """Render chat messages (``[{"role", "content"}]``) with the template in effect
-        (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`).
+        (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`); ``tools`` is the
+        Jinja template's ``tools`` variable.
 
         Returns ``(prompt, extra_stop_strings)``.  Raises ValueError when the
         template rejects the messages.
         """
-        return self.chat_template(messages)
+        return self.chat_template(messages, tools)
 
     def chat_prompt_tokens(self, prompt: str) -> list[int]:
         """Tokenize a rendered chat prompt as llama-server does: special tokens are parsed, and

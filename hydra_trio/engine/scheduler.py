@@ -250,7 +250,8 @@ class Scheduler:
             handle.emit(Failed(InvalidRequest(
                 f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)")))
             return
-        spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar)
+        spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar,
+                           job.grammar_triggers if job.grammar_lazy else None)
         try:
             sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx, prompt)
         except GrammarError as exc:  # checked when the job was built: only a bug gets here

@@ -48,7 +48,8 @@ from .. import node_stats
 from ..events import EventBus
 from .errors import error_response
 from .events import events_endpoint
-from ..api.jobs import job_from_chat, job_from_completion
+from ..api import tools as api_tools
+from ..api.jobs import ChatTools, chat_job, job_from_completion
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -393,8 +394,8 @@ class Api:
         try:
             body = await self._read(request, cls)
             # templating and tokenization only read the vocabulary: keep them off the event loop
-            job = await trio.to_thread.run_sync(
-                lambda: job_from_chat(e, body) if chat else job_from_completion(e, body)
+            job, tools = await trio.to_thread.run_sync(
+                lambda: chat_job(e, body) if chat else (job_from_completion(e, body), None)
             )
             run = JobRun(e, attrs.evolve(job, request_id=request_id)).submit()
         except _BodyError as exc:
@@ -406,7 +407,8 @@ class Api:
         if not chat and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
         ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
-                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id)
+                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
+                               tools=tools)
         if body.stream:
             return StreamingResponse(
                 self._sse(run, ctx),
@@ -434,11 +436,16 @@ class Api:
             elif ctx.echo:
                 yield _sse(ctx.chunk(ctx.echo, None))
             async for delta in run:
-                if delta.text or (ctx.logprobs and delta.tokens):
+                if ctx.tool_parser is not None:  # tool calls: content and calls as the parser finds them
+                    for chunk in ctx.tool_chunks(delta):
+                        yield _sse(chunk)
+                elif delta.text or (ctx.logprobs and delta.tokens):
                     yield _sse(ctx.chunk({"content": delta.text} if ctx.chat else delta.text, None, ctx.add(delta)))
             end = run.finished
             assert end is not None
-            final = ctx.chunk({} if ctx.chat else "", end.finish_reason)
+            for chunk in ctx.tool_chunks(None):
+                yield _sse(chunk)
+            final = ctx.chunk({} if ctx.chat else "", ctx.finish_reason(end.finish_reason))
             final["id_slot"] = end.id_slot
             final["timings"] = end.timings()
             yield _sse(final)
@@ -481,6 +488,7 @@ class _ResponseContext:
     def __init__(
         self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
         piece: Callable[[int], bytes] = lambda t: b"", echo: str = "", id: str | None = None,
+        tools: ChatTools | None = None,
     ) -> None:
         self.chat = chat
         self.model = model
@@ -494,6 +502,30 @@ class _ResponseContext:
         self.n_chars = len(echo)
         self.entries: list[dict[str, Any]] = []  # chat shape, one per token
         self.offsets: list[int] = []
+        # tool calls (api/tools.py): the reply is parsed into content and calls
+        self.tools = tools
+        self.tool_parser = api_tools.ToolCallParser(tools.format) if tools is not None else None
+
+    def tool_chunks(self, ev: TextDelta | None) -> list[dict[str, Any]]:
+        """Stream chunks for a delta of a reply with tools (``None``: the reply ended): OpenAI's
+        ``delta.content`` and ``delta.tool_calls`` (:func:`hydra_trio.api.tools.stream_delta`);
+        a delta's logprobs ride on its first chunk (an empty delta when the text is held back)."""
+        p = self.tool_parser
+        if p is None:
+            return []
+        logprobs = self.add(ev) if ev is not None else None
+        events = p.feed(ev.text) if ev is not None else p.finish()
+        shape = api_tools.legacy_delta if self.tools is not None and self.tools.spec.legacy else api_tools.stream_delta
+        deltas = [d for d in (shape(x) for x in events) if d is not None]
+        if logprobs is not None and ev is not None and ev.tokens and not deltas:
+            deltas = [{}]
+        return [self.chunk(d, None, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+
+    def finish_reason(self, reason: str) -> str:
+        """``tool_calls`` (``function_call`` for legacy functions) when the reply stopped with calls."""
+        if self.tool_parser is None or self.tools is None:
+            return reason
+        return api_tools.finish_reason(reason, self.tool_parser.calls, self.tools.spec.legacy)
 
     def add(self, ev: TextDelta) -> dict[str, Any] | None:
         """Record a delta; returns the logprobs object for its own tokens (None when not asked)."""
@@ -537,11 +569,16 @@ class _ResponseContext:
         text = "".join(self.texts)
         logprobs = self._logprobs_object() if self.logprobs else None
         if self.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tool_parser is not None and self.tools is not None:
+                self.tool_parser.feed(text)
+                self.tool_parser.finish()
+                message = api_tools.message(*self.tool_parser.result(), legacy=self.tools.spec.legacy)
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": f.finish_reason,
+                "finish_reason": self.finish_reason(f.finish_reason),
             }
             obj = "chat.completion"
         else:
