@@ -555,6 +555,7 @@ class ToolCallParser:
         self._ids = iter(ids) if ids is not None else None
         self._started = False  # some content was sent (leading whitespace is dropped)
         self._ws = ""  # whitespace held back: sent only when more content follows
+        self._skip_semicolons = False
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
 
@@ -667,7 +668,15 @@ class ToolCallParser:
         return True
 
     def _llama3(self, final: bool, out: list[Event]) -> bool:
-        buf, pos = self._buf, self._pos
+        buf = self._buf
+        while self._skip_semicolons and self._pos < len(buf):  # "{...}; {...}": the separator is no content
+            if buf[self._pos] != ";":
+                self._skip_semicolons = False
+            else:
+                self._pos += 1
+        pos = self._pos
+        if pos >= len(buf):
+            return False
         i = buf.find("{", pos)
         while i >= 0:
             state = _heads_state(buf[i:], _LLAMA3_HEADS)
@@ -697,8 +706,7 @@ class ToolCallParser:
             self._content(buf[i:end], out)
         else:
             self._call(*call, out)
-            while end < len(buf) and buf[end] == ";":  # "{...}; {...}"
-                end += 1
+            self._skip_semicolons = True
         self._pos = end
         return True
 
