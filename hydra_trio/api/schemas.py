@@ -23,7 +23,7 @@ from cattrs.gen import override
 
 from ..engine.settings import INT32_MAX, SAMPLER_ORDER, SamplingParams, check_int, check_n_predict, check_stop
 from ..protocol import strict as msg
-from .tools import ToolSpec, check_messages, parse_tool_spec
+from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
 
 RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
