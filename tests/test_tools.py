@@ -164,6 +164,9 @@ PARIS = {"city": "Paris"}
                 '{"name": "add", "arguments": {"a": 1, "b": 2}}]}',
      (None, [("get_weather", PARIS), ("add", {"a": 1, "b": 2})])),
     ("generic", '{"response": "Hello!"}', ("Hello!", [])),
+    ("generic", '{ "response" : "a \\"q\\" \\u00e9 \\ud83d\\ude00" }  after', ('a "q" \u00e9 \U0001f600  after', [])),
+    ("generic", '{"response": "cut sho', ("cut sho", [])),
+    ("generic", '{"response": "lone \\ud83d"}', ("lone ?", [])),
     ("generic", "Plain words.", ("Plain words.", [])),
     ("generic", '{"other": 1}', ('{"other": 1}', [])),
     ("generic", "   ", (None, [])),
@@ -200,7 +203,8 @@ _PIECES = {
     "llama3": ['{"name": "f", "parameters": {"a": 1}}', "; ", "text ", "{", '"name"', ":", "}", '{"type": "function", ',
                '"name": "g", "arguments": {}}', " ", "\n"],
     "generic": ['{"tool_call": {"name": "f", "arguments": {"a": 1}}}', '{"response": "hi"}',
-                '{"tool_calls": [{"name": "f", "arguments": {}}]}', "text", " ", "{", "}", '"'],
+                '{"tool_calls": [{"name": "f", "arguments": {}}]}', "text", " ", "{", "}", '"', '{"response": "',
+                '\\"', "\\u00e9", "\\ud83d\\ude00", "\\ud83d", "\\n", "x", '"}', "\\", "u"],
 }
 
 

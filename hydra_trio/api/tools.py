@@ -122,6 +122,36 @@ def _heads_state(s: str, heads: Iterable[Sequence[str]]) -> str:
     return best
 
 
+_RESPONSE_HEAD = ("{", '"response"', ":", '"')
+
+
+def _head_end(s: str, head: Sequence[str]) -> int:
+    """Where ``s``'s match of the token sequence ``head`` ends (whitespace allowed between
+    tokens); -1 when ``s`` is a proper prefix of a match, 0 when it does not match."""
+    i = 0
+    for k, tok in enumerate(head):
+        if k:
+            while i < len(s) and s[i] in _WS:
+                i += 1
+        rest = s[i:i + len(tok)]
+        if rest != tok:
+            return -1 if tok.startswith(rest) and i + len(rest) == len(s) else 0
+        i += len(tok)
+    return i
+
+
+def _clean(text: str) -> str:
+    """Lone surrogates (a JSON ``\\ud83d`` without its pair) become ``?``: the reply must encode as UTF-8."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _hex(s: str) -> int:
+    try:
+        return int(s, 16) if len(s) == 4 else -1
+    except ValueError:
+        return -1
+
+
 def _partial_marker(text: str, marker: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -181,6 +211,7 @@ class ToolCallParser:
         self._started = False  # some content was sent (leading whitespace is dropped)
         self._ws = ""  # whitespace held back: sent only when more content follows
         self._skip_semicolons = False
+        self._mode = "start"  # generic: start, response (inside its string), tail, text
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
 
@@ -201,6 +232,7 @@ class ToolCallParser:
     def _content(self, text: str, out: list[Event]) -> None:
         if not text:
             return
+        text = _clean(text)
         if not self._started:
             text = text.lstrip(_WS)
             if not text:
@@ -216,6 +248,7 @@ class ToolCallParser:
         self._ws += tail
 
     def _call(self, name: str, args: str, out: list[Event]) -> None:
+        args = _clean(args)
         cid = next(self._ids) if self._ids is not None else new_call_id()
         idx = len(self.calls)
         self.calls.append(ToolCall(cid, name, args))
@@ -336,27 +369,87 @@ class ToolCallParser:
         return True
 
     def _generic(self, final: bool, out: list[Event]) -> bool:
+        """The generic JSON reply.  ``{"response": "...`` streams the string's characters as
+        content as they come (the object's closing ``}`` is dropped; anything else after the
+        string is text); ``{"tool_call"...}`` / ``{"tool_calls"...}`` wait for the whole object;
+        a reply that is no such object is plain text."""
         buf, pos = self._buf, self._pos
-        if pos == 0:
-            k = 0
+        if self._mode == "text":
+            self._content(buf[pos:], out)
+            self._pos = len(buf)
+            return False
+        if self._mode == "response":
+            return self._response_string(final, out)
+        if self._mode == "tail":
+            k = pos
             while k < len(buf) and buf[k] in _WS:
                 k += 1
             if k == len(buf):
                 if final:
-                    self._pos = len(buf)
+                    self._pos = k
                 return final
-            if buf[k] == "{":
-                got = _decode_at(buf, k)
-                if got is None and not final:
-                    return False
-                if got is not None:
-                    obj, end = got
-                    if self._generic_object(obj, out):
-                        self._pos = end
-                        return True
-        # not the JSON reply format: plain text
-        self._content(buf[pos:], out)
-        self._pos = len(buf)
+            self._pos = k + 1 if buf[k] == "}" else k
+            self._mode = "text"
+            return True
+        k = 0
+        while k < len(buf) and buf[k] in _WS:
+            k += 1
+        if k == len(buf):
+            if final:
+                self._pos = len(buf)
+            return final
+        if buf[k] == "{":
+            head = _head_end(buf[k:], _RESPONSE_HEAD)
+            if head == -1 and not final:
+                return False
+            if head > 0:
+                self._pos, self._mode = k + head, "response"
+                return True
+            got = _decode_at(buf, k)
+            if got is None and not final:
+                return False
+            if got is not None:
+                obj, end = got
+                if self._generic_object(obj, out):
+                    self._pos, self._mode = end, "text"
+                    return True
+        self._mode = "text"  # not the JSON reply format: plain text
+        return True
+
+    def _response_string(self, final: bool, out: list[Event]) -> bool:
+        """Decode the ``response`` string from ``_pos`` as far as whole characters have come."""
+        buf, i = self._buf, self._pos
+        chars: list[str] = []
+        while i < len(buf):
+            c = buf[i]
+            if c == '"':
+                self._content("".join(chars), out)
+                self._pos, self._mode = i + 1, "tail"
+                return True
+            if c != "\\":
+                chars.append(c)
+                i += 1
+                continue
+            n = 6 if buf[i + 1:i + 2] == "u" else 2
+            if n == 6 and 0xD800 <= _hex(buf[i + 2:i + 6]) < 0xDC00:  # a surrogate pair's high half
+                nxt = buf[i + 6:i + 8]
+                if nxt == "\\u":
+                    n = 12
+                elif "\\u".startswith(nxt) and i + 6 + len(nxt) == len(buf) and not final:
+                    break  # the low half may follow
+            esc = buf[i:i + n]
+            if len(esc) < n:
+                break
+            try:
+                chars.append(json.loads('"' + esc + '"'))
+            except ValueError:
+                chars.append(esc)  # not an escape after all: the text as it is
+            i += n
+        if final:  # cut inside the string: what came is content
+            chars.append(buf[i:])
+            i = len(buf)
+        self._content("".join(chars), out)
+        self._pos = i
         return False
 
     def _generic_object(self, obj: Any, out: list[Event]) -> bool:
