@@ -101,6 +101,10 @@ def test_a_tool_result_turn_renders_and_answers(client: openai.OpenAI) -> None:
     m = r.choices[0].message
     # auto in the generic format: the grammar allows a call or a {"response": ...} reply, nothing else
     assert m.tool_calls or (m.content and r.choices[0].finish_reason in ("stop", "length"))
+    content, calls, _ = _streamed(client, messages=turn, tools=[WEATHER], max_tokens=48, temperature=0)
+    assert content == (m.content or "")  # a {"response": ...} reply streams its text
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                             for c in m.tool_calls or ()]
     assert r.usage.prompt_tokens > client.chat.completions.create(
         model="m", messages=ASK, tools=[WEATHER], max_tokens=1, temperature=0).usage.prompt_tokens
     # without tools in the request the history still renders (content: null, role tool)
