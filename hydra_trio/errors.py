@@ -46,3 +46,7 @@ class Cancelled(HydraTrioError):
 
 class EngineFailure(HydraTrioError):
     """The engine could not complete the request (llama.cpp failed, a COMBINED peer died, ...)."""
+
+
+class ModelLoadError(HydraTrioError, RuntimeError):
+    """llama.cpp could not load the GGUF file or create its context, or the settings ask for one it would refuse."""

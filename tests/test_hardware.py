@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import uuid
 
 import httpx
 import pytest
@@ -14,7 +15,7 @@ from hydra_trio.engine.ggml_rpc import build_backends
 
 from .conftest import ROOT, ServerProcess
 from .test_cli_flags import hydra_info
-from .test_prefix_sharing import test_a_copied_prefix_gives_the_same_text_as_the_slots_own_cache
+from .test_prefix_sharing import SYSTEM, SYSTEM_TOKENS_AT_LEAST, ask, text
 
 CUDA = "CUDA" in build_backends()
 
@@ -54,13 +55,22 @@ def test_props_and_the_log_name_the_backends_and_devices(server: ServerProcess) 
 def test_a_unified_kv_cache_shares_prefixes(spawn) -> None:
     node = spawn("-kvu", "-np", "4", "-c", "8192")
     node.wait_ready()
+    system = f"[{uuid.uuid4().hex}] {SYSTEM}"
     with httpx.Client(base_url=node.base, timeout=120) as unified:
         props = unified.get("/props").json()
         assert props["default_generation_settings"]["n_ctx"] == 2048  # a slot's share, as without -kvu
-        # the prefix-sharing behaviour, checked as on the split cache: copies, the same texts, timings (texts are
-        # compared within this node: where a sequence's cells sit in the one buffer changes the kernels'
-        # rounding, so a near tie in greedy text may go another way than on a split cache, as in llama.cpp)
-        test_a_copied_prefix_gives_the_same_text_as_the_slots_own_cache(unified)
+        first = ask(unified, system, "Who lit the lamp?", id_slot=0)
+        assert first["timings"]["cache_n"] == 0
+        # slot 2 gets the system prompt from slot 0 by tagging its cells (nothing is evaluated again) ...
+        copied = ask(unified, system, "How many steps are there?", id_slot=2)
+        assert copied["timings"]["cache_n"] >= SYSTEM_TOKENS_AT_LEAST
+        assert copied["timings"]["prompt_n"] == copied["usage"]["prompt_tokens"] - copied["timings"]["cache_n"]
+        # ... and slot 0's own sequence is untouched: its prompt again is all cached but the last token
+        again = ask(unified, system, "Who lit the lamp?", id_slot=0)
+        assert again["timings"]["cache_n"] == again["usage"]["prompt_tokens"] - 1
+        # texts are compared within this node, not with a split cache: where a sequence's cells sit in the
+        # one buffer changes the kernels' rounding, so a near tie in greedy text may go either way
+        assert text(again) and "steps" in text(copied).lower()
 
 
 @pytest.mark.slow

@@ -41,6 +41,8 @@ FAMILIES = {
     "hydra_trio:state_bytes": "counter",
     "hydra_trio:control_changes": "counter",
     "hydra_trio:expert_mode": "gauge",
+    "hydra_trio:kv_cache_info": "gauge",
+    "hydra_trio:memory_bytes": "gauge",
     "hydra_trio:combined_mode": "gauge",
     "hydra_trio:pipeline_mode": "gauge",
     "hydra_trio:peer_reachable": "gauge",

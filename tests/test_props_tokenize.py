@@ -44,7 +44,7 @@ def test_props_has_llama_servers_shape_and_real_values(http: httpx.Client) -> No
     assert p["endpoint_slots"] is True and p["endpoint_metrics"] is True and p["is_sleeping"] is False
     version = http.get("/version").json()
     assert p["build_info"] == f"hydra-trio {version['version']} (llama-cpp-python {version['llama_cpp_python']})"
-    assert http.post("/props", json={}).status_code == 405  # llama-server without --props
+    assert http.post("/props", json={}).status_code == 501  # llama-server without --props
 
 
 def test_tokenize_known_ids_and_pieces(http: httpx.Client) -> None:

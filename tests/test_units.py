@@ -43,8 +43,11 @@ def test_schema_errors_name_fields() -> None:
         parse_body(json.dumps({"messages": [{"role": "user", "content": "a"}, 5]}).encode(), ChatCompletionRequest)
     with pytest.raises(RequestError, match="stop"):
         parse_body(json.dumps({"prompt": "a", "stop": 3}).encode(), CompletionRequest)
-    with pytest.raises(RequestError, match="max_tokens: must be between 0 and 2147483647, got -1"):
-        parse_body(json.dumps({"prompt": "a", "max_tokens": -1}).encode(), CompletionRequest)
+    with pytest.raises(RequestError, match="max_tokens: must be between -1 and 2147483647, got -2"):
+        parse_body(json.dumps({"prompt": "a", "max_tokens": -2}).encode(), CompletionRequest)
+    # -1 is llama-server's "no limit" for n_predict and its aliases max_tokens / max_completion_tokens
+    # (GET /props shows max_tokens: -1; a client sends it back)
+    assert parse_body(json.dumps({"prompt": "a", "max_tokens": -1}).encode(), CompletionRequest).max_tokens == -1
 
 
 def test_schema_accepts_openai_shapes() -> None:

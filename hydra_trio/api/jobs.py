@@ -37,16 +37,17 @@ def job_from_chat(
     return chat_job(e, body, n_predict=n_predict, id_slot=id_slot)[0]
 
 
-def chat_job(
-    e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None, id_slot: int | None = None
-) -> tuple[CompletionJob, ChatTools | None]:
-    """:func:`job_from_chat`, and how the reply's tool calls are to be read (None: no tools offered).
+def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
+    """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
+    (what ``POST /apply-template`` answers, and what :func:`job_from_chat` tokenizes).
+    Raises ValueError (the template failed)."""
+    return _render(e, body)[0]
 
-    Tools reach the template when it renders them itself (its text mentions ``tools``), else
-    the generic tool prompt describes them (:func:`~.tools.render_messages`); ``required`` and a
-    named function constrain the reply with a grammar, ``auto`` with a lazy one
-    (:func:`~.tools.tool_grammar`).
-    """
+
+def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str]], str]:
+    """``((prompt, extra stop strings), tool-call format)``.  Tools reach the template when it
+    renders them itself (its text mentions ``tools``), else the generic tool prompt describes
+    them (:func:`~.tools.render_messages`)."""
     # the SOLO model holds the configured template; a COMBINED model has the same vocabulary
     m = e.solo_model or e.model
     assert m is not None
@@ -56,10 +57,24 @@ def chat_job(
     spec = body.tool_spec
     messages = _tools.render_messages(body.messages, spec, fmt, native)
     offered = [t.as_openai() for t in spec.tools] if spec is not None and spec.active and native else None
-    prompt, extra_stop = m.apply_chat_template(messages, tools=offered)
+    return m.apply_chat_template(messages, tools=offered), fmt
+
+
+def chat_job(
+    e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None, id_slot: int | None = None
+) -> tuple[CompletionJob, ChatTools | None]:
+    """:func:`job_from_chat`, and how the reply's tool calls are to be read (None: no tools offered).
+
+    ``required`` and a named function constrain the reply with a grammar, ``auto`` with a lazy
+    one (:func:`~.tools.tool_grammar`).
+    """
+    m = e.solo_model or e.model
+    assert m is not None
+    (prompt, extra_stop), fmt = _render(e, body)
     tokens = m.chat_prompt_tokens(prompt)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
     job = _job(e, body, tokens, stop, n_predict, id_slot)
+    spec = body.tool_spec
     if spec is None or not spec.active:
         return job, None
     try:
@@ -79,7 +94,9 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     """Tokenize a text prompt (adding BOS when the model wants it) or check a token-id prompt.
 
     A null prompt generates "as if from the beginning of a new document" (OpenAI):
-    the prompt is the model's BOS token (EOS when it has none).
+    the prompt is the model's BOS token (EOS when it has none).  A list mixing
+    token ids and strings is tokenized as llama-server's ``tokenize_mixed``:
+    each string in place, BOS only for a string that comes first.
     """
     m = e.model
     assert m is not None
@@ -88,10 +105,16 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     elif isinstance(body.prompt, str):
         tokens = m.tokenize(body.prompt, add_special=True, parse_special=True)
     else:
-        bad = [t for t in body.prompt if not 0 <= t < m.n_vocab]
-        if bad:
-            raise RequestError(f"prompt: token id {bad[0]} is out of the vocabulary (0..{m.n_vocab - 1})")
-        tokens = list(body.prompt)
+        tokens = []
+        for i, part in enumerate(body.prompt):
+            if isinstance(part, str):
+                tokens += m.tokenize(part, add_special=i == 0, parse_special=True)
+            elif not 0 <= part < m.n_vocab:
+                raise RequestError(f"prompt: token id {part} is out of the vocabulary (0..{m.n_vocab - 1})")
+            else:
+                tokens.append(part)
+        if not tokens:
+            raise RequestError("prompt: the prompt holds no tokens")
     return _job(e, body, tokens, list(body.stop), None, None)
 
 
@@ -115,9 +138,6 @@ def _job(
 ) -> CompletionJob:
     m = e.model
     assert m is not None
-    bad = next((t for t, _ in body.logit_bias if t >= m.n_vocab), None)
-    if bad is not None:
-        raise RequestError(f"logit_bias: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
     return CompletionJob(
         prompt_tokens=tuple(tokens),
         n_predict=body.n_predict_effective(e.default_n_predict) if n_predict is None else n_predict,
@@ -128,12 +148,31 @@ def _job(
         ignore_eos=body.ignore_eos,
         logprobs=body.wants_logprobs,
         n_probs=body.top_logprobs_n,
-        logit_bias=body.logit_bias,
+        logit_bias=logit_bias(m, body.logit_bias),
         grammar=_grammar(m, body),
         n_keep=body.n_keep,
         n_discard=body.n_discard,
         n_cache_reuse=body.n_cache_reuse,
+        samplers=body.samplers,
+        adaptive_target=body.adaptive_target,
+        adaptive_decay=body.adaptive_decay,
+        t_max_predict_ms=max(0, body.t_max_predict_ms),
     )
+
+
+def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
+    """A request's ``logit_bias`` as ``(token id, bias)`` pairs: a text becomes every token of its
+    tokenization (no BOS, special-token text not parsed: llama-server's ``common_tokenize(vocab, text,
+    false)``).  Raises RequestError for an id outside the vocabulary."""
+    out: list[tuple[int, float]] = []
+    for tok, bias in entries:
+        if isinstance(tok, str):
+            out += [(t, bias) for t in m.tokenize(tok, add_special=False, parse_special=False)]
+        elif tok >= m.n_vocab:
+            raise RequestError(f"logit_bias: token id {tok} is out of the vocabulary (0..{m.n_vocab - 1})")
+        else:
+            out.append((tok, bias))
+    return tuple(out)
 
 
 def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:

@@ -21,7 +21,9 @@ from typing import Any
 import attrs
 from cattrs.gen import override
 
-from ..engine.settings import INT32_MAX, SAMPLER_ORDER, SamplingParams, check_int, check_n_predict, check_stop
+from ..engine.settings import (
+    INT32_MAX, ParameterError, SamplingParams, check_float, check_int, check_n_predict, check_stop, parse_samplers,
+)
 from ..protocol import strict as msg
 from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
 
@@ -69,12 +71,18 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "verbosity": (),
     # OpenAI completions
     "suffix": ("",),
-    # llama-server options not wired here; ``samplers`` may name the chain's own order (GET /props shows it)
-    "samplers": (SAMPLER_ORDER,),
-    "t_max_predict_ms": (0,),
+    # llama-server options not wired here (its defaults, as GET /props of llama-server shows them, are neutral)
     "post_sampling_probs": (False,),
     "lora": ((),),
     "image_data": ((),),
+    "n_indent": (0,),
+    "n_cmpl": (1,),
+    "return_progress": (False,),
+    "backend_sampling": (False,),
+    "grammar_lazy": (False,),
+    "grammar_triggers": ((),),
+    "preserved_tokens": ((),),
+    "verbose": (False,),
 }
 
 
@@ -128,11 +136,20 @@ class _GenerationFields:
     mirostat_eta: float | None = None
     dynatemp_range: float | None = None
     dynatemp_exponent: float | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's {"id": bias}, llama-server's [[id or text, bias or false], ...] and {"text": bias}; a text
+    # stands for every token of its tokenization (resolved by api.jobs, which has the vocabulary)
+    logit_bias: tuple[tuple[int | str, float], ...] = ()
+    samplers: tuple[str, ...] | None = None  # llama-server: the chain's order (canonical names)
+    adaptive_target: float | None = attrs.field(default=-1.0, converter=_or(-1.0))  # llama-server: < 0 off
+    adaptive_decay: float | None = attrs.field(default=0.9, converter=_or(0.9))
+    t_max_predict_ms: int | None = attrs.field(default=0, converter=_or(0))  # llama-server: 0 = no limit
+    return_tokens: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server: /completion "tokens"
+    timings_per_token: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
+    response_fields: tuple[str, ...] | None = None  # llama-server: /completion's field filter
     user: str | None = None  # accepted: it only identifies the end user to the API provider
     service_tier: str | None = None
     response_format: dict[str, Any] | None = None
-    grammar: str | None = None  # llama-server
+    grammar: str | None = attrs.field(default=None, converter=lambda v: v or None)  # llama-server; "" = none
     json_schema: dict[str, Any] | None = None  # llama-server
     n_probs: int | None = None  # llama-server: top logprobs per token
     id_slot: int | None = attrs.field(default=-1, converter=_or(-1))  # llama-server
@@ -153,8 +170,9 @@ class _GenerationFields:
             raise RequestError(f"service_tier: {self.service_tier!r} is not offered (auto or default)")
         _check_unsupported(self.raw)
         try:
-            check_n_predict("max_tokens", self.max_tokens, lo=0)
-            check_n_predict("max_completion_tokens", self.max_completion_tokens, lo=0)
+            # -1 (no limit) too: llama-server's aliases of n_predict (GET /props shows max_tokens: -1)
+            check_n_predict("max_tokens", self.max_tokens)
+            check_n_predict("max_completion_tokens", self.max_completion_tokens)
             check_n_predict("n_predict", self.n_predict)
             check_stop(self.stop)
             if self.n_probs is not None:
@@ -164,6 +182,9 @@ class _GenerationFields:
             if self.n_keep is not None:
                 check_int("n_keep", self.n_keep, -1, INT32_MAX)
             check_int("n_discard", self.n_discard, 0, INT32_MAX)
+            check_int("t_max_predict_ms", self.t_max_predict_ms, -1, 2**63 - 1)
+            check_float("adaptive_target", self.adaptive_target, -1e30, 1.0)
+            check_float("adaptive_decay", self.adaptive_decay, 0.0, 0.99)
             if self.n_cache_reuse is not None:
                 check_int("n_cache_reuse", self.n_cache_reuse, 0, INT32_MAX)
             self.sampling(SamplingParams())  # the sampler fields' own validators
@@ -289,7 +310,7 @@ class ChatCompletionRequest(_GenerationFields):
 class CompletionRequest(_GenerationFields):
     """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
 
-    prompt: str | tuple[int, ...] | None = None
+    prompt: str | tuple[int | str, ...] | None = None
     logprobs: int | None = None
     echo: bool | None = attrs.field(default=False, converter=_or(False))
 
@@ -395,37 +416,79 @@ def _content(v: Any, _t: Any) -> str | None:
     raise msg.TypeMismatch(f"expected a string, a list of content parts or null, got {msg.type_name(v)}")
 
 
-def _prompt(v: Any, _t: Any) -> str | tuple[int, ...] | None:
+def _prompt(v: Any, _t: Any) -> str | tuple[int | str, ...] | None:
+    """One prompt, as llama-server takes it: a string, a list of token ids, or a list mixing token ids
+    and strings (each string tokenized in place; only a leading one gets BOS); a list holding one
+    string is that string.  Several prompts in one request (a list of strings or of lists) are
+    refused: a request makes one completion here."""
     if v is None or isinstance(v, str):
         return v
     if isinstance(v, list):
         if len(v) == 1 and isinstance(v[0], str):
             return v[0]
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        ok = all(isinstance(t, str) or (isinstance(t, int) and not isinstance(t, bool)) for t in v)
+        if ok and (not v or any(isinstance(t, int) for t in v)):
             return tuple(v)
-    raise msg.TypeMismatch("expected a string, a list with one string, or a list of token ids")
+        if ok or all(isinstance(t, (str, list)) for t in v):
+            raise msg.TypeMismatch("several prompts in one request are not supported: send one prompt per request")
+    raise msg.TypeMismatch("expected a string, a list of token ids, or a list of token ids and strings")
 
 
-_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}", re.ASCII)
+_INT_KEY = re.compile(r"[-+]?[0-9]{1,20}", re.ASCII)
 
 
-def _logit_bias(v: Any, _t: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's ``{"<token id>": bias}`` with -100 <= bias <= 100 (ids checked against the vocabulary later)."""
+def _bias_value(where: str, bias: Any) -> float:
+    """A bias: a number in -100..100, or ``false`` (llama-server: the token is never produced, -inf)."""
+    if bias is False:
+        return -math.inf
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+        raise msg.TypeMismatch(f"{where}: expected a number or false, got {msg.type_name(bias)}")
+    b = float(bias)
+    if not math.isfinite(b) or not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX:
+        raise msg.TypeMismatch(f"{where}: the bias must be between -100 and 100 (or false), got {bias}")
+    return b
+
+
+def _logit_bias(v: Any, _t: Any) -> tuple[tuple[int | str, float], ...]:
+    """OpenAI's ``{"<token id>": bias}``, and llama-server's other forms: an object whose key is a
+    text (``{"Hello": -5}``), or an array of ``[token id or text, bias]`` pairs; a bias may be
+    ``false`` (never produce the token).  A text stands for every token of its tokenization (no
+    BOS, special-token text not parsed), as llama-server; ids are checked against the vocabulary
+    and texts tokenized when the job is built (:mod:`hydra_trio.api.jobs`)."""
     if v is None:
         return ()
-    if not isinstance(v, dict):
-        raise msg.TypeMismatch(f"expected an object mapping token ids to numbers, got {msg.type_name(v)}")
-    out = []
-    for key, bias in v.items():
-        if not _TOKEN_ID.fullmatch(key):
-            raise msg.TypeMismatch(f"key {key[:20]!r} is not a token id (a decimal integer)")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
-            raise msg.TypeMismatch(f"{key}: expected a number, got {msg.type_name(bias)}")
-        b = float(bias)
-        if not math.isfinite(b) or not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX:
-            raise msg.TypeMismatch(f"{key}: the bias must be between -100 and 100, got {bias}")
-        out.append((int(key), b))
-    return tuple(out)
+    out: list[tuple[int | str, float]] = []
+    if isinstance(v, dict):
+        for key, bias in v.items():
+            # an integer key is a token id (llama-server: strtol over the whole key), anything else a text
+            k: int | str = int(key) if _INT_KEY.fullmatch(key) else key
+            if isinstance(k, str) and not k:
+                raise msg.TypeMismatch("an empty key is neither a token id nor a text")
+            if isinstance(k, int) and not 0 <= k <= INT32_MAX:
+                raise msg.TypeMismatch(f"key {key[:20]!r}: token id {k} is outside 0..{INT32_MAX}")
+            out.append((k, _bias_value(key[:20], bias)))
+        return tuple(out)
+    if isinstance(v, list):
+        for i, pair in enumerate(v):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                raise msg.TypeMismatch(f"[{i}]: expected a [token id or text, bias] pair")
+            tok, bias = pair
+            if isinstance(tok, bool) or not isinstance(tok, (int, str)) or tok == "":
+                raise msg.TypeMismatch(f"[{i}][0]: expected a token id or a non-empty text, got {msg.type_name(tok)}")
+            if isinstance(tok, int) and tok < 0:
+                raise msg.TypeMismatch(f"[{i}][0]: token id {tok} is negative")
+            out.append((tok, _bias_value(f"[{i}][1]", bias)))
+        return tuple(out)
+    raise msg.TypeMismatch(f"expected an object or an array of [token, bias] pairs, got {msg.type_name(v)}")
+
+
+def _samplers(v: Any, _t: Any) -> tuple[str, ...] | None:
+    if v is None:
+        return None
+    try:
+        return parse_samplers(v)
+    except ParameterError as exc:
+        raise msg.TypeMismatch(str(exc).removeprefix("samplers: ")) from None
 
 
 def _object_or_null(v: Any, _t: Any) -> dict[str, Any] | None:
@@ -456,6 +519,8 @@ _COMMON = dict(
     response_format=override(struct_hook=_object_or_null),
     json_schema=override(struct_hook=_object_or_null),
     dry_sequence_breakers=override(struct_hook=_str_list),
+    response_fields=override(struct_hook=_str_list),
+    samplers=override(struct_hook=_samplers),
 )
 _conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content),
                tool_calls=override(struct_hook=_tools), function_call=override(struct_hook=_object_or_null))

@@ -27,7 +27,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from ..engine.settings import ParameterError, SamplingParams
+from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, kv_cache_problem
 from ..hydra.cli import add_client_commands
 from ..watch import add_watch_command
 from . import sampling
@@ -85,6 +85,11 @@ def _check_run(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Checks that span flags, done at parse time (exit 2 with ``p``'s usage)."""
     if args.chat_template is not None and args.chat_template_file is not None:
         p.error("argument --chat-template-file: not allowed with argument --chat-template")
+    defaults = LlamaOptions()
+    problem = kv_cache_problem(args.flash_attn or defaults.flash_attn, args.cache_type_k or defaults.cache_type_k,
+                               args.cache_type_v or defaults.cache_type_v)
+    if problem is not None:  # llama.cpp would refuse the context after the model loaded
+        p.error(problem)
     try:
         args.sampling = sampling_params(args)
     except ParameterError as exc:

@@ -12,7 +12,7 @@ from ._flags import ACCEPTED, OWN, REFUSED, WIRED, Flag
 NO_DOWNLOADS = "the node loads a local GGUF file or a preset (hydra-trio models); it downloads nothing at run time"
 NO_LORA = "LoRA adapters and control vectors are not supported"
 NO_MULTIMODAL = "multimodal models (mmproj) are not supported"
-CPU_ONLY_NOTE = "kept in the engine settings; this build offloads nothing (no GPU backend), as llama-server warns"
+CPU_ONLY_NOTE = "applied when the model loads; without a GPU nothing is offloaded and the log warns once, as llama-server"
 
 
 F = functools.partial(Flag, group="common")  # a table row of this group
@@ -100,8 +100,9 @@ FLAGS: list[Flag] = [
       lands="EngineConfig.llama.no_host"),
     F(("-ctk", "--cache-type-k"), WIRED, "KV cache type of K: " + ", ".join(t.KV_CACHE_TYPES) + " (default: f16)",
       value="TYPE", type=t.cache_type, env="LLAMA_ARG_CACHE_TYPE_K", lands="EngineConfig.llama.cache_type_k"),
-    F(("-ctv", "--cache-type-v"), WIRED, "KV cache type of V (a quantized V needs flash attention; default: f16)",
-      value="TYPE", type=t.cache_type, env="LLAMA_ARG_CACHE_TYPE_V", lands="EngineConfig.llama.cache_type_v"),
+    F(("-ctv", "--cache-type-v"), WIRED, "KV cache type of V (a quantized V needs flash attention: with -fa off "
+      "it is refused at start, exit 2; default: f16)", value="TYPE", type=t.cache_type, env="LLAMA_ARG_CACHE_TYPE_V",
+      lands="EngineConfig.llama.cache_type_v"),
     F(("-dt", "--defrag-thold"), ACCEPTED, "deprecated in llama.cpp; the KV cache needs no defragmentation",
       value="N", type=t.float_range(), env="LLAMA_ARG_DEFRAG_THOLD"),
     # -- multimodal ----------------------------------------------------------------------------------
@@ -128,11 +129,11 @@ FLAGS: list[Flag] = [
     F(("--numa",), ACCEPTED, "no NUMA placement; the OS places threads", value="TYPE",
       type=t.choice("distribute", "isolate", "numactl", ""), env="LLAMA_ARG_NUMA"),
     F(("-dev", "--device"), WIRED, "devices for offloading, comma-separated (none = no offloading); a device "
-      "this machine does not have is refused at start", value="<dev1,dev2,..>", type=t.csv, env="LLAMA_ARG_DEVICE",
+      "this machine does not have, or the CPU, is refused at start", value="<dev1,dev2,..>", type=t.csv, env="LLAMA_ARG_DEVICE",
       lands="EngineConfig.llama.devices"),
     F(("--list-devices",), WIRED, "print the devices this build finds, then exit", lands="(prints and exits)"),
-    F(("-ot", "--override-tensor"), WIRED, "tensor buffer type overrides PATTERN=BUFT,... (CPU, CUDA0, "
-      "RPC0[host:port], ...)", value="<tensor name pattern>=<buffer type>,...", type=t.tensor_overrides,
+    F(("-ot", "--override-tensor"), WIRED, "tensor buffer type overrides PATTERN=BUFT,... (CPU, CUDA0, ...: a "
+      "buffer type of this machine's devices; first match wins, before COMBINED's pattern, -cmoe, -ncmoe)", value="<tensor name pattern>=<buffer type>,...", type=t.tensor_overrides,
       action="append", env="LLAMA_ARG_OVERRIDE_TENSOR", lands="EngineConfig.llama.tensor_overrides"),
     F(("-cmoe", "--cpu-moe"), WIRED, "keep every MoE expert tensor in host memory", env="LLAMA_ARG_CPU_MOE",
       lands="EngineConfig.llama.cpu_moe"),

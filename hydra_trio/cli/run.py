@@ -52,7 +52,8 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
         "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
         "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
-        "kv_unified": args.kv_unified or args.parallel == -1,  # llama-server's auto: 4 slots, unified KV "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
+        "kv_unified": args.kv_unified or args.parallel == -1,  # -np -1, llama-server's auto: unified KV
+        "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
         "rope_freq_scale": freq_scale, "yarn_orig_ctx": args.yarn_orig_ctx,
         "yarn_ext_factor": args.yarn_ext_factor, "yarn_attn_factor": args.yarn_attn_factor,
         "yarn_beta_slow": args.yarn_beta_slow, "yarn_beta_fast": args.yarn_beta_fast,
@@ -60,6 +61,7 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "main_gpu": args.main_gpu, "devices": args.device,
         "tensor_overrides": tuple(p for group in args.override_tensor or [] for p in group),
         "cpu_moe": args.cpu_moe, "n_cpu_moe": args.n_cpu_moe, "n_cpu_ffn": args.n_cpu_ffn,
+        "embeddings": args.embedding, "pooling": args.pooling,
     }
     return LlamaOptions(**{k: v for k, v in opts.items() if v is not None})
 
@@ -106,25 +108,32 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
     gpu = [name for name, given in (("-ngl", args.gpu_layers), ("-sm", args.split_mode), ("-ts", args.tensor_split),
                                     ("-mg", args.main_gpu), ("-cmoe", args.cpu_moe or None),
                                     ("-ncmoe", args.n_cpu_moe), ("-ncffn", args.n_cpu_ffn)) if given is not None]
-    if gpu:
+    if gpu and not _has_gpu():
         log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
                     "same way)", ", ".join(gpu))
     if args.combined_ot_pattern is not None:
         log.info("--combined-ot-pattern: COMBINED places tensors matching %s on the peer", args.combined_ot_pattern)
 
 
-def _check_devices(opts: LlamaOptions, overrides: tuple[tuple[str, str], ...]) -> str | None:
-    """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None."""
-    from ..engine.ggml_rpc import local_devices
+def _has_gpu() -> bool:
+    """A device layers can be offloaded to (llama-server's ``llama_supports_gpu_offload``, without ggml-RPC)."""
+    from ..engine.ggml_rpc import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
+        device_type, is_rpc_device
 
-    names = {name for name, _, _ in local_devices()}
-    for dev in opts.devices or ():
-        if dev != "none" and dev not in names:
-            return f"-dev/--device: no device {dev!r} here (devices: {', '.join(sorted(names))}; see --list-devices)"
-    for pattern, buft in overrides:
-        if buft not in names and not buft.upper().startswith("RPC"):
-            return (f"-ot/--override-tensor {pattern}={buft}: unknown buffer type {buft!r} "
-                    f"(available: {', '.join(sorted(names))})")
+    return any(device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL)
+               and not is_rpc_device(d) for d in all_devices())
+
+
+def _check_devices(opts: LlamaOptions) -> str | None:
+    """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None.
+
+    The engine's own check (:func:`hydra_trio.engine.placement.check_placement`), which a model load repeats."""
+    from ..engine.placement import PlacementError, check_placement
+
+    try:
+        check_placement(opts)
+    except PlacementError as exc:
+        return str(exc)
     return None
 
 
@@ -217,6 +226,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         slot_prompt_similarity=(args.slot_prompt_similarity if args.slot_prompt_similarity is not None
                                 else EngineConfig.__attrs_attrs__.slot_prompt_similarity.default),
         slot_save_path=args.slot_save_path,
+        embd_normalize=args.embd_normalize if args.embd_normalize is not None else 2,
     )
 
 
@@ -231,7 +241,7 @@ async def _run(args: argparse.Namespace) -> int:
     if args.metrics_auth and not access.api_keys:
         log.warning("--metrics-auth without --api-key/--api-key-file: /metrics stays open")
     opts = llama_options(args)
-    problem = _check_devices(opts, opts.tensor_overrides)
+    problem = _check_devices(opts)
     if problem:
         log.error("%s", problem)
         return 2
@@ -249,6 +259,9 @@ async def _run(args: argparse.Namespace) -> int:
             log.info("chat template: %s", (args.chat_template or args.chat_template_file)[1])
         log.info("model %s (%s), %d slots, n_ctx %s", engine.model_alias, engine.model_path, engine.n_parallel,
                  engine.n_ctx or "the model's training context per slot")
+        if engine.embeddings:
+            log.info("embeddings only (--embedding): pooling %s, normalization %d; completions are refused",
+                     engine.pooling or "the model's", engine.embd_normalize)
     else:
         log.info("compute-only node: no model")
     rpc = None
@@ -285,7 +298,7 @@ async def _run(args: argparse.Namespace) -> int:
         rpc_tls=rpc_tls,
         http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, cors_origins=cors or ("*",),
                           max_event_subscribers=args.max_event_subscribers or max(1, args.max_connections // 4),
-                          **http_kw),
+                          endpoint_props=bool(args.endpoint_props), **http_kw),
         rpc_backend=rpc,
         access=access,
     )

@@ -10,7 +10,7 @@ from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
 
 NO_SPEC = "no speculative decoding (no draft model)"
-NO_EMBED = "this node serves generation only; it has no embeddings or reranking endpoint"
+NO_RERANK = "this node has no reranking endpoint"
 NO_ROUTER = "one model per node: llama-server's router mode (models directory, presets) is not supported"
 NO_UI = "the node serves its own status page at /, not llama-server's web UI"
 NOT_YET = "accepted and kept in the engine settings; this node does not yet act on it"
@@ -46,7 +46,9 @@ FLAGS: list[Flag] = [
     V(("--warmup",), ACCEPTED, "the node always runs its warm-up step at start",
       neg=("--no-warmup",)),
     V(("--spm-infill",), REFUSED, "no /infill endpoint"),
-    V(("--pooling",), REFUSED, NO_EMBED, value="{none,mean,cls,last,rank}", env="LLAMA_ARG_POOLING"),
+    V(("--pooling",), WIRED, "pooling of embeddings: none, mean, cls, last or rank (default: the model's)",
+      value="{none,mean,cls,last,rank}", type=t.choice("none", "mean", "cls", "last", "rank"),
+      env="LLAMA_ARG_POOLING", lands="EngineConfig.llama.pooling"),
     V(("-np", "--parallel"), WIRED, "number of slots, 1-256 (-1 = auto: 4)", value="N",
       type=t.n_parallel, default=EngineConfig.__attrs_attrs__.n_parallel.default, env="LLAMA_ARG_N_PARALLEL",
       lands="EngineConfig.n_parallel"),
@@ -59,7 +61,9 @@ FLAGS: list[Flag] = [
     V(("-a", "--alias"), WIRED, "model id in API replies (default: the preset alias or file name)", value="STRING",
       env="LLAMA_ARG_ALIAS", lands="EngineConfig.model_alias"),
     V(("--tags",), ACCEPTED, "model tags are for llama-server's router mode", value="STRING", env="LLAMA_ARG_TAGS"),
-    V(("--embd-normalize",), REFUSED, NO_EMBED, value="N"),
+    V(("--embd-normalize",), WIRED, "normalization of pooled embeddings: -1 none, 0 max absolute (int16), "
+      "1 taxicab, 2 Euclidean (default), >2 p-norm", value="N", type=t.int_range(-1, t.INT32_MAX),
+      lands="EngineConfig.embd_normalize"),
     V(("--host",), WIRED, "address to bind", value="HOST", default="127.0.0.1", env="LLAMA_ARG_HOST",
       lands="ServerConfig.host"),
     V(("--port",), WIRED, "TCP port for HTTP, Hydra and ggml-RPC, 0-65535 (0 = any free port)", value="PORT",
@@ -87,8 +91,9 @@ FLAGS: list[Flag] = [
     V(("--mcp-servers-json",), REFUSED, "the node runs no MCP servers", value="JSON", env="LLAMA_ARG_MCP_SERVERS_JSON"),
     V(("-ag", "--agent"), ACCEPTED, NO_UI, neg=("-no-ag", "--no-agent"), env="LLAMA_ARG_AGENT"),
     V(("--ui", "--webui"), ACCEPTED, NO_UI, neg=("--no-ui", "--no-webui"), env="LLAMA_ARG_UI"),
-    V(("--embedding", "--embeddings"), REFUSED, NO_EMBED, env="LLAMA_ARG_EMBEDDINGS"),
-    V(("--rerank", "--reranking"), REFUSED, NO_EMBED, env="LLAMA_ARG_RERANKING"),
+    V(("--embedding", "--embeddings"), WIRED, "serve embeddings only: POST /v1/embeddings, /embedding(s); "
+      "completions are refused", env="LLAMA_ARG_EMBEDDINGS", lands="EngineConfig.llama.embeddings"),
+    V(("--rerank", "--reranking"), REFUSED, NO_RERANK, env="LLAMA_ARG_RERANKING"),
     V(("--api-key",), WIRED, "HTTP: require 'Authorization: Bearer KEY'; a comma-separated list, repeatable; "
       "/health stays open", value="KEY", type=t.key_list, action="append", default=None, env="LLAMA_API_KEY",
       lands="AccessSettings.api_keys"),
@@ -116,8 +121,10 @@ FLAGS: list[Flag] = [
       value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
       lands="EngineConfig.n_cache_reuse"),
     V(("--metrics",), ACCEPTED, "/metrics is always on", env="LLAMA_ARG_ENDPOINT_METRICS"),
-    V(("--props",), ACCEPTED, "GET /props is always on; properties change through the Hydra CONFIGURE op",
-      env="LLAMA_ARG_ENDPOINT_PROPS"),
+    V(("--props",), WIRED, "offer POST /props (as llama-server at this version it sets no property: "
+      "{\"success\": true}; 501 without the flag); GET /props is always on; properties change through "
+      "the Hydra CONFIGURE op", env="LLAMA_ARG_ENDPOINT_PROPS", dest="endpoint_props",
+      lands="HttpSettings.endpoint_props"),
     V(("--slots",), ACCEPTED, "/slots is always on (the cluster's health checker probes it)", neg=("--no-slots",),
       env="LLAMA_ARG_ENDPOINT_SLOTS"),
     V(("--slot-save-path",), WIRED, "directory for POST /slots/{id}?action=save|restore", value="PATH",

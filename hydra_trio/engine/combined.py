@@ -1,10 +1,17 @@
 """COMBINED mode: the same GGUF with its MoE expert tensors on a ggml-RPC peer.
 
 The COMBINED model is built next to the SOLO one (so a flip between them
-costs milliseconds, not a reload) with ``llama_model_params.devices`` = the
-peer's device and a ``tensor_buft_overrides`` entry that puts every tensor
-matching the expert pattern (default ``ffn_(up|down|gate)_exps``) in the
-peer's buffer type (DESIGN.md, "Environment facts").
+costs milliseconds, not a reload) with the peer's device in
+``llama_model_params.devices`` and a ``tensor_buft_overrides`` entry that puts
+every tensor matching the expert pattern (default ``ffn_(up|down|gate)_exps``)
+in the peer's buffer type (DESIGN.md, "Environment facts").  It keeps the
+operator's placement flags, composed in this order (first match wins, as
+llama.cpp applies overrides; :class:`~hydra_trio.engine.placement.Placement`): the
+operator's ``-ot`` entries, then the expert pattern on the peer, then
+``-cmoe``/``-ncmoe``/``-ncffn``.  So ``-ot 'token_embd\\.weight=CPU'`` keeps the
+embedding where it says and the experts still go to the peer, while an ``-ot``
+that names expert tensors keeps those off the peer (the bytes the peer must
+hold count only what reaches it).
 
 A peer that dies must never take the head down, but ggml's RPC client calls
 ``GGML_ABORT`` when a peer stops answering.  So every call that can talk to
@@ -194,38 +201,22 @@ def peer_listening(peer: str, timeout: float = 2.0) -> bool:
         return False
 
 
-class _GgufInitParams(ctypes.Structure):
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+def expert_bytes(path: Path, pattern: str, before: tuple[str, ...] = ()) -> int:
+    """Bytes of the GGUF tensors that an override ``pattern`` places (``re.search``, like llama.cpp's
+    overrides): those whose names match it and none of the ``before`` patterns (the overrides that come
+    first in the list; llama.cpp applies the first that matches).
 
-
-def expert_bytes(path: Path, pattern: str) -> int:
-    """Bytes of the GGUF tensors whose names match ``pattern`` (re.search, like llama.cpp's overrides).
-
-    Reads only the GGUF header, with ggml's own ``gguf_*`` reader (the Python
-    ``gguf`` reader parses every metadata array and takes seconds).
+    Reads only the GGUF header (:class:`~hydra_trio.engine.ggml_rpc.GgufHeader`).  Raises PeerError
+    when the file's header cannot be read.
     """
-    base, _, _ = ggml_rpc.libs()
-    base.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInitParams]
-    base.gguf_init_from_file.restype = ctypes.c_void_p
-    base.gguf_get_n_tensors.argtypes = [ctypes.c_void_p]
-    base.gguf_get_n_tensors.restype = ctypes.c_int64
-    base.gguf_get_tensor_name.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    base.gguf_get_tensor_name.restype = ctypes.c_char_p
-    base.gguf_get_tensor_size.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    base.gguf_get_tensor_size.restype = ctypes.c_size_t
-    base.gguf_free.argtypes = [ctypes.c_void_p]
-    ctx = base.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
-    if not ctx:
-        raise PeerError(f"cannot read the GGUF header of {path}")
     try:
-        rx = re.compile(pattern)
-        return sum(
-            base.gguf_get_tensor_size(ctx, i)
-            for i in range(base.gguf_get_n_tensors(ctx))
-            if rx.search(base.gguf_get_tensor_name(ctx, i).decode())
-        )
-    finally:
-        base.gguf_free(ctx)
+        header = ggml_rpc.GgufHeader(path)
+    except OSError as exc:
+        raise PeerError(str(exc)) from None
+    rx = re.compile(pattern)
+    earlier = [re.compile(p) for p in before]
+    return sum(size for name, size in header.tensors
+               if rx.search(name) and not any(e.search(name) for e in earlier))
 
 
 # ----------------------------------------------------------------------------- expert modes
@@ -386,12 +377,15 @@ class ExpertModes:
                             + (f" (through the TLS tunnel {endpoint})" if endpoint != peer else ""))
         self.peer_reachable = True
         t_bytes = time.perf_counter()
-        need = expert_bytes(src, self.pattern)
+        # the operator's -ot entries come first in the override list (Placement): what they match stays theirs
+        operator = tuple(p for p, _ in solo.options.tensor_overrides)
+        need = expert_bytes(src, self.pattern, before=operator)
         log.info("attach %s: probe %.0f ms, expert bytes counted in %.0f ms", peer,
                  (t_bytes - t_probe) * 1e3, (time.perf_counter() - t_bytes) * 1e3)
         if need == 0:
             raise PeerError(f"no tensor of {solo.path.name} matches {self.pattern!r}"
-                            + (" (not a MoE model?)" if self.pattern == self.expert_pattern else ""))
+                            + (" (not a MoE model?)" if self.pattern == self.expert_pattern else "")
+                            + (" that no -ot/--override-tensor entry places first" if operator else ""))
         worker = PeerWorker(peer)
 
         def build() -> LoadedModel:
@@ -401,13 +395,13 @@ class ExpertModes:
             free, _total = ggml_rpc.device_memory(devs[0])
             if free < need:
                 raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
-            buft = ggml_rpc.libs()[0].ggml_backend_dev_buffer_type(devs[0])
+            label = "COMBINED" if self.pattern == self.expert_pattern else "PIPELINE"
             # llama.cpp reports the fraction of all weights loaded; scaled to the bytes bound for the
             # peer, it is their upload within a layer's worth (the tensors load in file order)
             with progress.step(f"attaching peer {peer}: uploading tensors", total=need, unit="B") as bar:
                 return LoadedModel(
                     src, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
-                    devices=[devs[0], ggml_rpc.cpu_device()], overrides=[(self.pattern, buft)],
+                    peer=(devs[0], self.pattern, label),
                     progress=lambda p: bar.update(p * need) or True,
                 )
 
@@ -530,7 +524,7 @@ class ExpertModes:
             held = peer == self.peer and self._worker is not None and not self._worker.dead
             if not held and (peer in _lost_endpoints or not peer_reachable(endpoint)):
                 return self._refuse(f"peer {peer} does not answer ggml-RPC", "pipeline")
-            if expert_bytes(self.solo.path, ot_split) == 0:
+            if expert_bytes(self.solo.path, ot_split, before=tuple(p for p, _ in self.solo.options.tensor_overrides)) == 0:
                 return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
             self.detach()
         old = self.peer, self.pattern

@@ -73,6 +73,18 @@ class EngineStats:
     peer_losses: int = 0
 
 
+EMBEDDING_ONLY = ("this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
+                  "start a node without --embedding for completions")
+NO_EMBEDDINGS = "This server does not support embeddings. Start it with `--embeddings` (--embedding)"
+
+
+def check_serves_completions(engine: Engine) -> None:
+    """NotReady before the model serves; InvalidRequest on an embedding-only node (``--embedding``)."""
+    engine.check_ready()
+    if engine.config.embeddings:
+        raise InvalidRequest(EMBEDDING_ONLY)
+
+
 _STOP = object()
 _WAKE = object()
 
@@ -95,6 +107,27 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
                      slot_prompt_similarity=cfg.slot_prompt_similarity)
+
+
+def kv_cache(e: Engine) -> dict[str, str]:
+    """The serving model's KV cache: ``{"type_k", "type_v", "flash_attn"}`` (``q8_0``, ``on``/``off``;
+    :meth:`~hydra_trio.engine.model.LoadedModel.kv_cache_info`) for ``/props``, ``/slots``, INFO and
+    ``/metrics``; ``{}`` before a model loads."""
+    m = e.model or e.solo_model
+    return m.kv_cache_info() if m is not None else {}
+
+
+def memory_use(e: Engine) -> dict[str, dict[str, int]]:
+    """Bytes the loaded models take per device: ``{"CPU": {"weights", "kv", "compute"}}``, the SOLO
+    model's plus a COMBINED one's while loaded (:attr:`~hydra_trio.engine.model.LoadedModel.memory_use`,
+    llama.cpp's own buffer sizes); ``{}`` before a model loads."""
+    out: dict[str, dict[str, int]] = {}
+    for m in (e.experts.solo, getattr(e.experts, "combined", None)):
+        for dev, use in (getattr(m, "memory_use", None) or {}).items():
+            mine = out.setdefault(dev, {"weights": 0, "kv": 0, "compute": 0})
+            for kind, n in use.items():
+                mine[kind] = mine.get(kind, 0) + n
+    return out
 
 
 class Engine:
@@ -162,8 +195,10 @@ class Engine:
         return self.stage == Stage.READY
 
     def slots_info(self) -> list[dict[str, Any]]:
-        """``/slots``: one dict per slot (a snapshot; safe from any thread)."""
-        return [s.info() for s in self.slots]
+        """``/slots``: one dict per slot (a snapshot; safe from any thread), with the KV cache's
+        ``kv_cache`` (:meth:`kv_cache`)."""
+        kv = kv_cache(self)
+        return [{**s.info(), "kv_cache": kv} for s in self.slots]
 
     @property
     def requests_processing(self) -> int:
@@ -209,10 +244,10 @@ class Engine:
 
         Raises:
             NotReady: before the model serves.
-            InvalidRequest: the job is invalid for this engine (empty prompt,
+            InvalidRequest: the node serves embeddings only, or the job is invalid for this engine (empty prompt,
                 prompt longer than a slot's context, slot id out of range).
         """
-        self.check_ready()
+        check_serves_completions(self)
         if not job.prompt_tokens and not job.continue_slot:
             raise InvalidRequest("the prompt is empty")
         if job.continue_slot and job.id_slot < 0:

@@ -17,6 +17,9 @@ from functools import cache
 from pathlib import Path
 
 GGML_BACKEND_DEVICE_TYPE_CPU = 0
+GGML_BACKEND_DEVICE_TYPE_GPU = 1
+GGML_BACKEND_DEVICE_TYPE_IGPU = 2
+GGML_BACKEND_DEVICE_TYPE_ACCEL = 3  # enum ggml_backend_dev_type (ggml-backend.h)
 
 # llama-cpp-python is built from its sdist in a temporary folder, and ggml's messages
 # (GGML_ASSERT / GGML_ABORT: "<__FILE__>:<line>: ...") carry that build path, e.g.
@@ -90,6 +93,14 @@ def libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     base.ggml_backend_dev_memory.restype = None
     base.ggml_backend_dev_buffer_type.argtypes = [vp]
     base.ggml_backend_dev_buffer_type.restype = vp
+    base.ggml_backend_buft_name.argtypes = [vp]
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    base.ggml_backend_dev_type.argtypes = [vp]
+    base.ggml_backend_dev_type.restype = ctypes.c_int
+    base.ggml_backend_dev_backend_reg.argtypes = [vp]
+    base.ggml_backend_dev_backend_reg.restype = vp
+    base.ggml_backend_reg_name.argtypes = [vp]
+    base.ggml_backend_reg_name.restype = ctypes.c_char_p
     base.ggml_backend_reg_dev_count.argtypes = [vp]
     base.ggml_backend_reg_dev_count.restype = sz
     base.ggml_backend_reg_dev_get.argtypes = [vp, sz]
@@ -157,3 +168,101 @@ def add_peer(endpoint: str) -> list[int]:
     if not reg:
         raise RuntimeError(f"ggml-RPC: could not register peer {endpoint}")
     return [base.ggml_backend_reg_dev_get(reg, i) for i in range(base.ggml_backend_reg_dev_count(reg))]
+
+
+def all_devices() -> list[int]:
+    """Every registered ggml device (``ggml_backend_dev_t`` as ints), ggml-RPC peers added so far included."""
+    _, ggml, _ = libs()
+    return [ggml.ggml_backend_dev_get(i) for i in range(ggml.ggml_backend_dev_count())]
+
+
+def device_type(dev: int) -> int:
+    """``ggml_backend_dev_type``: ``GGML_BACKEND_DEVICE_TYPE_CPU``, ``_GPU``, ``_IGPU`` or ``_ACCEL``."""
+    base, _, _ = libs()
+    return base.ggml_backend_dev_type(dev)
+
+
+def is_rpc_device(dev: int) -> bool:
+    """True for a ggml-RPC peer's device (its backend registry is named ``RPC``)."""
+    base, _, _ = libs()
+    return base.ggml_backend_reg_name(base.ggml_backend_dev_backend_reg(dev)) == b"RPC"
+
+
+def buffer_type_name(buft: int) -> str:
+    """``ggml_backend_buft_name``: ``CPU``, ``CUDA0``, ``RPC0[host:port]``, ..."""
+    base, _, _ = libs()
+    return base.ggml_backend_buft_name(buft).decode()
+
+
+def buffer_types() -> dict[str, int]:
+    """``name -> ggml_backend_buffer_type_t`` of every registered device's default buffer type: the names
+    llama-server's ``-ot PATTERN=BUFT`` accepts (``parse_tensor_buffer_overrides`` in common/arg.cpp)."""
+    base, _, _ = libs()
+    out: dict[str, int] = {}
+    for dev in all_devices():
+        buft = base.ggml_backend_dev_buffer_type(dev)
+        if buft:
+            out[buffer_type_name(buft)] = buft
+    return out
+
+
+class _GgufInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+@cache
+def _gguf() -> ctypes.CDLL:
+    """libggml-base with the ``gguf_*`` header reader's signatures."""
+    base, _, _ = libs()
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    base.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GgufInitParams]
+    base.gguf_init_from_file.restype = vp
+    base.gguf_free.argtypes = [vp]
+    base.gguf_get_n_tensors.argtypes = [vp]
+    base.gguf_get_n_tensors.restype = i64
+    base.gguf_get_tensor_name.argtypes = [vp, i64]
+    base.gguf_get_tensor_name.restype = ctypes.c_char_p
+    base.gguf_get_tensor_size.argtypes = [vp, i64]
+    base.gguf_get_tensor_size.restype = ctypes.c_size_t
+    base.gguf_find_key.argtypes = [vp, ctypes.c_char_p]
+    base.gguf_find_key.restype = i64
+    base.gguf_get_kv_type.argtypes = [vp, i64]
+    base.gguf_get_kv_type.restype = ctypes.c_int
+    base.gguf_get_val_str.argtypes = [vp, i64]
+    base.gguf_get_val_str.restype = ctypes.c_char_p
+    base.gguf_get_val_u32.argtypes = [vp, i64]
+    base.gguf_get_val_u32.restype = ctypes.c_uint32
+    base.gguf_get_val_i32.argtypes = [vp, i64]
+    base.gguf_get_val_i32.restype = ctypes.c_int32
+    return base
+
+
+class GgufHeader:
+    """A GGUF file's header, read with ggml's own ``gguf_*`` reader (the Python ``gguf`` reader parses
+    every metadata array and takes seconds): tensor names and sizes, ``{arch}.block_count``.
+
+    Raises OSError when the file is not a readable GGUF.
+    """
+
+    def __init__(self, path: Path) -> None:
+        g = _gguf()
+        ctx = g.gguf_init_from_file(str(path).encode(), _GgufInitParams(True, None))
+        if not ctx:
+            raise OSError(f"cannot read the GGUF header of {path}")
+        try:
+            self.tensors: list[tuple[str, int]] = [
+                (g.gguf_get_tensor_name(ctx, i).decode(), g.gguf_get_tensor_size(ctx, i))
+                for i in range(g.gguf_get_n_tensors(ctx))]
+            """``(name, bytes)`` of every tensor, in file order."""
+            self.block_count: int | None = None
+            """``{general.architecture}.block_count``: the model's layers (None when absent)."""
+            arch_id = g.gguf_find_key(ctx, b"general.architecture")
+            if arch_id >= 0 and g.gguf_get_kv_type(ctx, arch_id) == 8:  # GGUF_TYPE_STRING
+                key = g.gguf_find_key(ctx, g.gguf_get_val_str(ctx, arch_id) + b".block_count")
+                kind = g.gguf_get_kv_type(ctx, key) if key >= 0 else -1
+                if kind == 4:  # GGUF_TYPE_UINT32
+                    self.block_count = g.gguf_get_val_u32(ctx, key)
+                elif kind == 5:  # GGUF_TYPE_INT32
+                    self.block_count = g.gguf_get_val_i32(ctx, key)
+        finally:
+            g.gguf_free(ctx)

@@ -6,12 +6,15 @@ llama.cpp objects are created, used and freed by that one thread only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
 import logging
 import os
-from collections.abc import Callable
+import re
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +22,18 @@ import attrs
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from ..errors import HydraTrioError
+from ..errors import ModelLoadError
+from . import ggml_rpc
 from .ggml_rpc import clean_build_paths
-from .settings import LlamaOptions
+from .placement import Placement, PlacementError, placed_tensors
+from .settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 
 log = logging.getLogger("hydra_trio.engine")
 
 _backend_ready = False
 
-
-class ModelLoadError(HydraTrioError, RuntimeError):
-    """llama.cpp could not load the GGUF file or create its context."""
+_log_tap = threading.local()
+"""``.lines``: the list llama.cpp's log lines logged on this thread go to while :func:`_tap_llama_log` runs."""
 
 
 def _install_llama_log_handler() -> None:
@@ -47,6 +51,8 @@ def _install_llama_log_handler() -> None:
     def _cb(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
         msg = clean_build_paths(text.decode("utf-8", "replace").rstrip("\n"))
         if msg:
+            if (tap := getattr(_log_tap, "lines", None)) is not None:
+                tap.append(msg)
             # llama.cpp's INFO is very chatty (one line per tensor): keep it at DEBUG.
             py_level = levels.get(level, logging.DEBUG)
             llog.log(logging.DEBUG if py_level == logging.INFO else py_level, "%s", msg)
@@ -257,21 +263,6 @@ def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> s
     raise ValueError(f"chat template {name!r}: the prompt kept growing")
 
 
-class _Override(ctypes.Structure):
-    """``struct llama_model_tensor_buft_override { const char * pattern; ggml_backend_buffer_type_t buft; }``."""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
-def tensor_overrides(pairs: list[tuple[str, int]]) -> ctypes.Array[_Override]:
-    """A NULL-terminated ``llama_model_tensor_buft_override`` array (keep it alive while loading)."""
-    arr = (_Override * (len(pairs) + 1))()
-    for i, (pattern, buft) in enumerate(pairs):
-        arr[i].pattern = pattern.encode()
-        arr[i].buft = buft
-    return arr
-
-
 @attrs.frozen
 class ModelIdentity:
     """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF, and the
@@ -300,21 +291,26 @@ class LoadedModel:
         n_threads: CPU threads (None: all cores).
         progress: called with 0.0..1.0 while the weights load (llama.cpp's
             ``progress_callback``); returning False aborts the load.
-        devices: ``ggml_backend_dev_t`` handles to load onto (default: the CPU).
-        overrides: ``(tensor name regex, buffer type)`` pairs (llama.cpp's
-            ``tensor_buft_overrides``), e.g. the expert tensors on a peer.
+        peer: ``(ggml_backend_dev_t of a ggml-RPC peer, tensor name regex, label)``:
+            the tensors matching the regex go to the peer (COMBINED's experts,
+            PIPELINE_ATTACH's split); the label names the rule in the log.
         chat_template: llama-server's ``--chat-template``: None for the GGUF's
             own template (llama.cpp's built-in ``chatml`` when it has none), a
             built-in name (:func:`builtin_chat_templates`) or Jinja text.
         log_chat_template: log (INFO) which chat template is in effect.
         options: llama.cpp model and context parameters from llama-server's
-            flags (:class:`~hydra_trio.engine.settings.LlamaOptions`).
+            flags (:class:`~hydra_trio.engine.settings.LlamaOptions`); the
+            placement ones (devices, layers, tensor overrides) as
+            :class:`~hydra_trio.engine.placement.Placement` builds them,
+            composed with ``peer``.
         chat_template_kwargs: extra variables for a Jinja chat template
             (``--chat-template-kwargs``).
 
     Raises:
-        ModelLoadError: llama.cpp refused the file or the context, or the
-            Jinja chat template does not compile.
+        ModelLoadError: llama.cpp refused the file or the context, the
+            Jinja chat template does not compile, or a device or buffer type
+            of ``options`` does not exist here
+            (:class:`~hydra_trio.engine.placement.Placement`).
     """
 
     def __init__(
@@ -326,30 +322,29 @@ class LoadedModel:
         n_batch: int,
         n_threads: int | None,
         progress: Callable[[float], bool] | None = None,
-        devices: list[int] | None = None,
-        overrides: list[tuple[str, int]] | None = None,
+        peer: tuple[int, str, str] | None = None,
         chat_template: str | None = None,
         log_chat_template: bool = False,
         options: LlamaOptions | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         init_backend()
-        from . import ggml_rpc
-
         self.path = path
         self.options = opts = options if options is not None else LlamaOptions()
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         mparams = llama_cpp.llama_model_default_params()
         _apply_model_options(mparams, opts)
-        # an explicit device list: NULL would mean "every registered device",
-        # ggml-RPC peers included (DESIGN.md)
-        devs = devices if devices is not None else [ggml_rpc.cpu_device()]
-        self._devices = (ctypes.c_void_p * (len(devs) + 1))(*devs, None)
-        mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
-        mparams.n_gpu_layers = 0  # layers (and the KV cache) stay on the host; overrides move single tensors
-        if overrides:
-            self._overrides = tensor_overrides(overrides)
-            mparams.tensor_buft_overrides = ctypes.cast(self._overrides, ctypes.c_void_p)
+        n_layer = None
+        if opts.n_cpu_moe or opts.n_cpu_ffn:  # -ncmoe/-ncffn: one pattern per layer, up to the model's layers
+            try:
+                n_layer = ggml_rpc.GgufHeader(path).block_count
+            except OSError:
+                pass  # llama.cpp says what is wrong with the file below
+        try:
+            self.placement = Placement(opts, n_layer=n_layer, peer=peer)
+        except PlacementError as exc:
+            raise ModelLoadError(str(exc)) from None
+        self.placement.apply(mparams)  # an explicit device list, never NULL (DESIGN.md)
         if progress is not None:
 
             @llama_cpp.llama_progress_callback
@@ -358,9 +353,16 @@ class LoadedModel:
 
             self._progress_cb = _progress  # keep alive during the load
             mparams.progress_callback = _progress
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        self._llama_log: list[str] = []  # llama.cpp's log of this load: buffer sizes, flash attention's choice
+        with _tap_llama_log(self._llama_log):
+            self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        self.tensor_placement = placed_tensors(self._llama_log)
+        """Tensors an override placed, by buffer type name (``{"CPU": 24}``; ``/props`` ``tensor_placement``)."""
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
+        if self.placement.overrides or self.placement.devices or opts.devices is not None:
+            log.info("placement of %s: %s; tensors overridden: %s", path.name, self.placement.describe(),
+                     ", ".join(f"{n} to {buft}" for buft, n in self.tensor_placement.items()) or "none")
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
@@ -377,14 +379,17 @@ class LoadedModel:
                 f"(16 to n_ctx_train={self.n_ctx_train}{f' x {scale:g} (RoPE scaling)' if scale != 1 else ''} "
                 f"tokens per slot, {n_parallel} slots)"
             )
+        # the KV cache's ggml types (-ctk / -ctv): the memory check counts them
+        self.type_k, self.type_v = KV_CACHE_TYPES[opts.cache_type_k], KV_CACHE_TYPES[opts.cache_type_v]
         kv_bytes = n_ctx * self.kv_bytes_per_token()
         free = available_memory()
         if free is not None and kv_bytes > free:
             llama_cpp.llama_model_free(self.model)
             self.model = None
             raise ModelLoadError(
-                f"n_ctx {n_ctx} needs {kv_bytes / 2**20:.0f} MiB of KV cache "
-                f"({kv_bytes // n_ctx} bytes per token); only {free / 2**20:.0f} MiB of memory is available"
+                f"n_ctx {n_ctx} needs {kv_bytes / 2**20:.0f} MiB of KV cache (K {opts.cache_type_k}, "
+                f"V {opts.cache_type_v}: {kv_bytes // n_ctx} bytes per token); only {free / 2**20:.0f} MiB of "
+                "memory is available"
             )
         _libc()  # large blocks from mmap from now on (see _libc)
         threads = n_threads or os.cpu_count() or 1
@@ -398,8 +403,8 @@ class LoadedModel:
         _apply_context_options(cparams, opts)
         cparams.kv_unified = opts.kv_unified  # default: one KV stream per slot, like llama-server's
         cparams.no_perf = True
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
-        self.type_k, self.type_v = int(cparams.type_k), int(cparams.type_v)  # ggml types of the KV cache
+        with _tap_llama_log(self._llama_log):
+            self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             self.model = None
@@ -415,6 +420,16 @@ class LoadedModel:
         self.n_parallel = n_parallel
         self.n_stream = 1 if opts.kv_unified else n_parallel  # KV streams: one, or one per sequence
         self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self.flash_attn = _flash_attn_in_effect(opts, self._llama_log)
+        kv_cells = llama_cpp.llama_n_ctx_seq(self.ctx) * self.n_stream  # every stream's cells (-kvu: one stream)
+        self.memory_use = _memory_use(self._llama_log, llama_cpp.llama_model_size(self.model),
+                                      kv_cells * self.kv_bytes_per_token())
+        del self._llama_log
+        log.info("memory: %s; KV cache K %s, V %s (%d cells), flash attention %s",
+                 "; ".join(f"{dev}: " + ", ".join(f"{'KV' if k == 'kv' else k} {v / 2**20:.1f} MiB"
+                                                  for k, v in use.items())
+                           for dev, use in self.memory_use.items()),
+                 opts.cache_type_k, opts.cache_type_v, kv_cells, self.flash_attn)
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos_id = llama_cpp.llama_vocab_bos(self.vocab)
         self.eos_id = llama_cpp.llama_vocab_eos(self.vocab)
@@ -445,19 +460,36 @@ class LoadedModel:
         return max(1.0, factor)
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV cache one token takes with the default (F16) cache types, over all layers.
+        """Bytes of KV cache one token takes with this model's cache types (:attr:`type_k`, :attr:`type_v`,
+        from ``-ctk`` / ``-ctv``), over all layers.
 
-        ``n_layer × n_head_kv × (key_length + value_length) × 2``; head sizes
-        from the GGUF (``{arch}.attention.key_length`` / ``value_length``),
+        ``n_layer × (row_size(type_k, n_head_kv × key_length) + row_size(type_v, n_head_kv × value_length))``,
+        ``row_size(t, n) = n / ggml_blck_size(t) × ggml_type_size(t)`` (f16: 2 bytes an element; q8_0: 34
+        bytes a block of 32); head sizes from the GGUF (``{arch}.attention.key_length`` / ``value_length``),
         else ``n_embd / n_head`` as llama.cpp assumes.
         """
+        from ..protocol.ggml_rpc import GGML_TYPE_COUNT
+        from .ggml_rpc import type_traits
+
         arch = self.meta("general.architecture") or ""
         n_head = max(1, llama_cpp.llama_model_n_head(self.model))
         default = llama_cpp.llama_model_n_embd(self.model) // n_head
         k = int(self.meta(f"{arch}.attention.key_length") or default)
         v = int(self.meta(f"{arch}.attention.value_length") or default)
         n_head_kv = llama_cpp.llama_model_n_head_kv(self.model)
-        return llama_cpp.llama_model_n_layer(self.model) * n_head_kv * (k + v) * 2
+        traits = type_traits(GGML_TYPE_COUNT)
+
+        def row(type_id: int, n: int) -> int:
+            blck, size = traits[type_id]
+            return -(-n // blck) * size
+
+        return llama_cpp.llama_model_n_layer(self.model) * (row(self.type_k, n_head_kv * k) + row(self.type_v, n_head_kv * v))
+
+    def kv_cache_info(self) -> dict[str, str]:
+        """``{"type_k", "type_v", "flash_attn"}``: the KV cache's types (``q8_0``) and flash attention in
+        effect (``on`` / ``off``; ``auto`` when llama.cpp did not say what it chose) — ``/props``'s
+        and INFO's ``kv_cache``."""
+        return {"type_k": kv_type_name(self.type_k), "type_v": kv_type_name(self.type_v), "flash_attn": self.flash_attn}
 
 
     def meta(self, key: str) -> str | None:
@@ -564,8 +596,68 @@ class LoadedModel:
         release_free_memory()
 
 
-GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
-"""ggml type ids of llama-server's KV cache types (``ggml.h``)."""
+GGML_TYPES = KV_CACHE_TYPES
+"""ggml type ids of llama-server's KV cache types (``ggml.h``; :data:`~hydra_trio.engine.settings.KV_CACHE_TYPES`)."""
+
+
+@contextlib.contextmanager
+def _tap_llama_log(lines: list[str]) -> Iterator[None]:
+    """Append the llama.cpp log lines logged on this thread to ``lines`` while the block runs (a model load:
+    its buffer sizes, flash attention's choice, where overrides placed tensors)."""
+    outer = getattr(_log_tap, "lines", None)
+    _log_tap.lines = lines
+    try:
+        yield
+    finally:
+        _log_tap.lines = outer
+
+
+_FA_CHOSEN = re.compile(r"Flash Attention (enabled|not supported, set to disabled)")
+
+
+def _flash_attn_in_effect(opts: LlamaOptions, lines: list[str]) -> str:
+    """``on`` / ``off`` as llama.cpp runs it: ``-fa on|off`` as given; for ``auto``, what llama.cpp chose
+    (it enables flash attention for a quantized V cache, else probes the devices and logs
+    ``resolve_fused_ops: Flash Attention enabled`` or ``... set to disabled``), ``auto`` when it did not say."""
+    if opts.flash_attn != "auto":
+        return opts.flash_attn
+    if opts.cache_type_v not in UNQUANTIZED_KV_TYPES:
+        return "on"
+    for line in lines:
+        if m := _FA_CHOSEN.search(line):
+            return "on" if m.group(1) == "enabled" else "off"
+    return "auto"
+
+
+_BUFFER_LINE = re.compile(r"^\w+:\s+(\S+)\s+(model|KV|compute|output) buffer size =\s*([0-9.]+) MiB")
+_KINDS = {"model": "weights", "KV": "kv", "compute": "compute", "output": "compute"}
+
+
+def _device_of_buffer(buft: str) -> str:
+    """The device a ggml buffer type lives on: ``CPU_Mapped``, ``CPU_REPACK`` -> ``CPU``; a GPU's pinned
+    host buffer (``CUDA_Host``) -> ``CPU``; ``CUDA0``, ``RPC0[host:port]`` as they are."""
+    if buft.endswith("_Host"):
+        return "CPU"
+    return re.sub(r"_(Mapped|REPACK|AARCH64|KLEIDIAI|Split)$", "", buft)
+
+
+def _memory_use(lines: list[str], weights: int, kv: int) -> dict[str, dict[str, int]]:
+    """Bytes per device and kind, ``{"CPU": {"weights", "kv", "compute"}}``, from llama.cpp's own
+    accounting: its log's ``<buffer type> model|KV|compute|output buffer size = N MiB`` lines (0.01 MiB
+    precision; the logits output buffer counts as compute).  Without such lines (another llama.cpp):
+    ``weights`` (``llama_model_size``) and ``kv`` (exact, from the cache types) on the CPU."""
+    use: dict[str, dict[str, int]] = {}
+    for line in lines:
+        if m := _BUFFER_LINE.match(line):
+            dev = use.setdefault(_device_of_buffer(m.group(1)), {"weights": 0, "kv": 0, "compute": 0})
+            dev[_KINDS[m.group(2)]] += round(float(m.group(3)) * 2**20)
+    if not use:
+        return {"CPU": {"weights": weights, "kv": kv, "compute": 0}}
+    for kind, exact in (("weights", weights), ("kv", kv)):  # on one device: the exact figure
+        holders = [dev for dev in use.values() if dev[kind]]
+        if len(holders) == 1:
+            holders[0][kind] = exact
+    return use
 
 _LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}  # enum llama_load_mode
 _ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # enum llama_rope_scaling_type
@@ -573,7 +665,7 @@ _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
 def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
-    """The host-side model parameters of ``opts`` (the GPU placement ones wait for a GPU build)."""
+    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.placement.Placement`)."""
     mparams.load_mode = _LOAD_MODES[opts.load_mode]
     mparams.check_tensors = opts.check_tensors
     mparams.use_extra_bufts = opts.repack
@@ -597,6 +689,9 @@ def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     cparams.yarn_attn_factor = opts.yarn_attn_factor
     cparams.yarn_beta_slow = opts.yarn_beta_slow
     cparams.yarn_beta_fast = opts.yarn_beta_fast
+    cparams.embeddings = opts.embeddings
+    if opts.pooling is not None:  # enum llama_pooling_type (engine/embedding.py's POOLING)
+        cparams.pooling_type = ("none", "mean", "cls", "last", "rank").index(opts.pooling)
 
 
 def release_free_memory() -> None:

@@ -66,6 +66,15 @@ class CompletionJob:
         n_cache_reuse: the shortest cached chunk moved into place by a KV shift
             (0: off); None: the node's ``EngineConfig.n_cache_reuse``
             (llama-server's ``n_cache_reuse``).
+        samplers: the sampler chain's order under llama-server's canonical names
+            (``penalties``, ``dry``, ``top_n_sigma``, ``top_k``, ``typ_p``, ``top_p``,
+            ``min_p``, ``xtc``, ``temperature``, ``infill``, ``adaptive_p``; a name may repeat);
+            None: the default order (:data:`~hydra_trio.engine.settings.SAMPLER_ORDER`).
+        adaptive_target, adaptive_decay: the ``adaptive_p`` sampler's settings (llama-server's
+            request fields of those names; used only when ``samplers`` names it).
+        t_max_predict_ms: stop (``length``) once generation has run this many milliseconds,
+            measured from the first generated token, at a token whose text holds a newline
+            (llama-server's ``t_max_predict_ms``); 0: no limit.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -88,6 +97,10 @@ class CompletionJob:
     n_keep: int | None = None
     n_discard: int = 0
     n_cache_reuse: int | None = None
+    samplers: tuple[str, ...] | None = None
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
+    t_max_predict_ms: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -124,7 +137,8 @@ class Finished:
     ``stop_reason`` says which stop it was (the Hydra DECODE reply's names):
     ``eos`` (an end-of-generation token), ``stop`` (a stop string),
     ``length`` (the token budget, or a prompt-only request) or
-    ``n_tokens_limit`` (the slot's context is full).  ``n_past`` is the
+    ``n_tokens_limit`` (the slot's context is full); ``stopping_word`` is the stop
+    string that matched (``stop``), else empty.  ``n_past`` is the
     slot's KV cache size at the end, in tokens.  ``truncated``: a context
     shift discarded tokens of this request (llama-server's ``truncated``).
 
@@ -144,6 +158,7 @@ class Finished:
     stop_reason: str = "length"
     n_past: int = 0
     truncated: bool = False
+    stopping_word: str = ""
     state: tuple[int, bytearray] | None = attrs.field(default=None, eq=False, repr=False)
 
     def timings(self) -> dict[str, Any]:

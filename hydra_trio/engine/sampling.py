@@ -1,8 +1,10 @@
 """llama.cpp sampler chains and token probabilities (engine thread only).
 
-A request's sampler is one ``llama_sampler`` chain built in llama-server's
-order (``common/sampling.cpp``, ``common_sampler_init`` with the default
-``samplers`` list): logit bias, grammar, then
+A request's sampler is one ``llama_sampler`` chain built as llama-server
+builds it (``common/sampling.cpp``, ``common_sampler_init``): logit bias,
+grammar, then the ``samplers`` list in the request's order (a name may
+repeat; a name left out is not run; ``adaptive_p`` replaces ``dist`` at the
+end), by default
 
 * Mirostat off: repetition penalties, DRY, top-n-sigma, top-k, typical,
   top-p, min-p, XTC, temperature (dynamic with ``dynatemp_range > 0``) and a
@@ -34,7 +36,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import InvalidRequest
-from .settings import SamplingParams
+from .settings import SAMPLER_ORDER, SamplingParams
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_DEPTH = 128
@@ -53,6 +55,10 @@ class SamplerSpec:
         logit_bias: ``(token id, bias)`` pairs added to the logits (OpenAI's ``logit_bias``).
         banned: tokens that may never be sampled (llama-server's ``ignore_eos`` bans end-of-generation).
         grammar: GBNF text constraining the output (llama.cpp's grammar sampler), root rule ``root``.
+        order: the chain's stages in this order, llama-server's canonical names (``samplers``; a
+            name may repeat, one left out is not run); None: :data:`~hydra_trio.engine.settings.SAMPLER_ORDER`.
+        adaptive_target, adaptive_decay: the ``adaptive_p`` sampler's settings; it replaces ``dist``
+            at the end of the chain when ``order`` names it (llama-server's rule).
         lazy_triggers: None for a grammar that applies from the first token; else the grammar
             waits for one of these ECMAScript regexes to match the generated text and applies from
             the match (or its first non-empty group) on (``llama_sampler_init_grammar_lazy_patterns``).
@@ -62,6 +68,9 @@ class SamplerSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     banned: tuple[int, ...] = ()
     grammar: str | None = None
+    order: tuple[str, ...] | None = None
+    adaptive_target: float = -1.0
+    adaptive_decay: float = 0.9
     lazy_triggers: tuple[str, ...] | None = None
 
 
@@ -149,40 +158,67 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
             add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
             add(chain, llama_cpp.llama_sampler_init_mirostat_v2(p.seed_u32(), p.mirostat_tau, p.mirostat_eta))
         return chain
-    window = p.penalty_window(n_ctx_slot)
-    if window > 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+    greedy = p.temperature <= 0
+    use_adaptive = False
+    for name in spec.order if spec.order is not None else SAMPLER_ORDER:
+        if name == "adaptive_p":
+            use_adaptive = True  # llama-server: it picks the token, so it goes last, in place of dist
+            continue
+        smpl = _stage(name, spec, vocab, n_vocab, n_ctx_slot, prompt, greedy)
+        if smpl is not None:
+            add(chain, smpl)
+    if greedy:
+        add(chain, llama_cpp.llama_sampler_init_greedy())
+    elif use_adaptive:
+        add(chain, llama_cpp.llama_sampler_init_adaptive_p(spec.adaptive_target, spec.adaptive_decay, p.seed_u32()))
+    else:
+        add(chain, llama_cpp.llama_sampler_init_dist(p.seed_u32()))
+    return chain
+
+
+def _stage(name: str, spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, prompt: Sequence[int],
+           greedy: bool) -> Any:
+    """One stage of the chain by llama-server's sampler name, or None where it would be a no-op
+    (a neutral value; with greedy sampling, the stages that never drop the most likely token and
+    the temperature)."""
+    p = spec.params
+    if name == "penalties":
+        window = p.penalty_window(n_ctx_slot)
+        if window <= 0 or (p.repeat_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0):
+            return None
         penalties = llama_cpp.llama_sampler_init_penalties(
             n_vocab, window, p.repeat_penalty, p.frequency_penalty, p.presence_penalty
         )
         # the penalties remember the prompt; the grammar must not see it, so only this sampler does
         for tok in prompt[-window:]:
             llama_cpp.llama_sampler_accept(penalties, tok)
-        add(chain, penalties)
-    dry_window = p.dry_window(n_ctx_slot)
-    if p.dry_enabled and dry_window > 0:
-        add(chain, _dry(p, vocab, dry_window, prompt))
-    # greedy leaves out the samplers that never drop the most likely token (top-n-sigma, top-k, top-p, min-p)
-    greedy = p.temperature <= 0
-    if not greedy and p.top_n_sigma > 0:
-        add(chain, llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma))
-    if not greedy and p.top_k > 0:
-        add(chain, llama_cpp.llama_sampler_init_top_k(min(p.top_k, n_vocab)))
-    if p.typical_p < 1.0:
-        add(chain, llama_cpp.llama_sampler_init_typical(p.typical_p, p.min_keep))
-    if not greedy:
-        add(chain, llama_cpp.llama_sampler_init_top_p(p.top_p, p.min_keep))
-        add(chain, llama_cpp.llama_sampler_init_min_p(p.min_p, p.min_keep))
-    if p.xtc_probability > 0 and p.xtc_threshold <= 0.5:
-        add(chain, llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, p.min_keep, p.seed_u32()))
-    if greedy:
-        add(chain, llama_cpp.llama_sampler_init_greedy())
-        return chain
-    if p.dynatemp_range > 0:
-        add(chain, llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent))
-    else:
-        add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
-    add(chain, llama_cpp.llama_sampler_init_dist(p.seed_u32()))
-    return chain
+        return penalties
+    if name == "dry":
+        dry_window = p.dry_window(n_ctx_slot)
+        return _dry(p, vocab, dry_window, prompt) if p.dry_enabled and dry_window > 0 else None
+    if name == "top_n_sigma":
+        return llama_cpp.llama_sampler_init_top_n_sigma(p.top_n_sigma) if not greedy and p.top_n_sigma > 0 else None
+    if name == "top_k":
+        return llama_cpp.llama_sampler_init_top_k(min(p.top_k, n_vocab)) if not greedy and p.top_k > 0 else None
+    if name == "typ_p":
+        return llama_cpp.llama_sampler_init_typical(p.typical_p, p.min_keep) if p.typical_p < 1.0 else None
+    if name == "top_p":
+        return None if greedy else llama_cpp.llama_sampler_init_top_p(p.top_p, p.min_keep)
+    if name == "min_p":
+        return None if greedy else llama_cpp.llama_sampler_init_min_p(p.min_p, p.min_keep)
+    if name == "xtc":
+        if p.xtc_probability > 0 and p.xtc_threshold <= 0.5:
+            return llama_cpp.llama_sampler_init_xtc(p.xtc_probability, p.xtc_threshold, p.min_keep, p.seed_u32())
+        return None
+    if name == "temperature":
+        if greedy:
+            return None
+        if p.dynatemp_range > 0:
+            return llama_cpp.llama_sampler_init_temp_ext(p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+        return llama_cpp.llama_sampler_init_temp(p.temperature)
+    if name == "infill":
+        return llama_cpp.llama_sampler_init_infill(vocab)
+    raise ValueError(f"unknown sampler {name!r}")  # names are checked when the request is parsed
 
 
 def _dry(p: SamplingParams, vocab: Any, window: int, prompt: Sequence[int]) -> Any:

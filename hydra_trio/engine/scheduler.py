@@ -251,7 +251,8 @@ class Scheduler:
                 f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)")))
             return
         spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar,
-                           job.grammar_triggers if job.grammar_lazy else None)
+                           lazy_triggers=job.grammar_triggers if job.grammar_lazy else None,
+                           order=job.samplers, adaptive_target=job.adaptive_target, adaptive_decay=job.adaptive_decay)
         try:
             sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx, prompt)
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
@@ -394,6 +395,9 @@ class Scheduler:
         slot.last_token = token
         if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
             self._finish(slot, "length")
+        elif (job.t_max_predict_ms > 0 and "\n" in text
+              and (time.perf_counter() - slot.t_first) * 1e3 > job.t_max_predict_ms):
+            self._finish(slot, "length")  # llama-server: the time limit acts at a new line
         elif slot.n_past + 1 >= slot.n_ctx and not (self.context_shift and shift_context(m, slot, self.n_keep)):
             self._finish(slot, "length", stop_reason="n_tokens_limit")
 
@@ -421,6 +425,7 @@ class Scheduler:
             stop_reason=stop_reason,
             n_past=slot.n_past,
             truncated=slot.n_shifts > 0,
+            stopping_word=slot.stopper.matched if stop_reason == "stop" else "",
             state=save_slot(m, slot, self.model_hash) if handle.job.snapshot else None,
         )
         # one line per finished request, whatever protocol it came by (llama-server's print_timings, on one line)

@@ -35,8 +35,8 @@ mirostat_eta           finite, 0 .. 10                 learning rate
 dynatemp_range         finite, 0 .. 2                  0: off
 dynatemp_exponent      finite, 0 .. 10
 n_predict              -1 .. 2**31-1                   -1: until end of generation / context
-max_tokens,            0 .. 2**31-1                    0: process the prompt only
-max_completion_tokens
+max_tokens,            -1 .. 2**31-1                   as n_predict (llama-server's aliases);
+max_completion_tokens                                  0: process the prompt only
 stop                   at most 16 strings of at most
                        512 characters each
 =====================  ==============================  =======================================
@@ -56,7 +56,7 @@ from typing import Any
 
 import attrs
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, ModelLoadError
 
 DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
 """The tensors a COMBINED head places on its peer: the MoE experts (``--combined-pattern``)."""
@@ -72,6 +72,49 @@ DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
 """llama-server's default DRY sequence breakers (``common/common.h``)."""
 SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 """The sampler chain's order, llama-server's default ``samplers`` under its names (``common/sampling.cpp``)."""
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+"""llama-server's one-letter sampler names (``common_sampler_type_to_chr``): ``samplers`` as a string."""
+SAMPLER_NAMES: dict[str, str] = {
+    **{c: c for c in SAMPLER_CHARS.values()},
+    **{c.replace("_", "-"): c for c in SAMPLER_CHARS.values() if "_" in c},
+    **{c.replace("_", ""): c for c in SAMPLER_CHARS.values() if "_" in c},
+    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
+}
+"""Every sampler name llama-server accepts (``common_sampler_types_from_names``: canonical, kebab-case,
+without the underscore, and three aliases; matched case-insensitively) -> the canonical name."""
+MAX_SAMPLERS = 64
+
+
+def parse_samplers(value: Any) -> tuple[str, ...]:
+    """llama-server's ``samplers``: a list of names (:data:`SAMPLER_NAMES`, any case) or a string of
+    one-letter names (:data:`SAMPLER_CHARS`), in the chain's order -> canonical names.
+
+    llama-server drops a name it does not know with a warning; here it is an error, as every
+    other field that would be silently ignored.
+
+    Raises:
+        ParameterError: not a list of strings or a string, an unknown name, or more than 64 stages.
+    """
+    if isinstance(value, str):
+        unknown = [c for c in value if c not in SAMPLER_CHARS]
+        if unknown:
+            raise ParameterError(f"samplers: unknown sampler letter {unknown[0]!r} "
+                                 f"(letters: {''.join(SAMPLER_CHARS)})")
+        out = tuple(SAMPLER_CHARS[c] for c in value)
+    elif isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
+        out = []
+        for x in value:
+            name = SAMPLER_NAMES.get(x.lower())
+            if name is None:
+                raise ParameterError(f"samplers: unknown sampler {x[:40]!r} (known: {', '.join(SAMPLER_CHARS.values())})")
+            out.append(name)
+        out = tuple(out)
+    else:
+        raise ParameterError("samplers: expected a list of sampler names or a string of sampler letters")
+    if len(out) > MAX_SAMPLERS:
+        raise ParameterError(f"samplers: at most {MAX_SAMPLERS} stages, got {len(out)}")
+    return out
 
 
 class ParameterError(InvalidRequest, ValueError):
@@ -204,7 +247,7 @@ class SamplingParams:
 
 
 def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
-    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` in [0, 2**31-1]."""
+    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` the same (``lo`` raises the floor)."""
     if value is not None:
         check_int(name, value, lo, INT32_MAX)
 
@@ -218,14 +261,47 @@ def check_stop(stop: tuple[str, ...]) -> None:
             raise ParameterError(f"stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(s)}")
 
 
+KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6,
+                  "q5_1": 7}
+"""llama-server's KV cache types (``-ctk`` / ``-ctv``, ``kv_cache_types`` in ``common/arg.cpp``) -> ggml type id (``ggml.h``)."""
+UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
+"""The KV cache types that are not quantized: the only V cache types llama.cpp allows without flash attention."""
+
+
+def kv_type_name(type_id: int) -> str:
+    """The KV cache type name of a ggml type id (``q8_0``), or ``type N`` for one llama-server does not name."""
+    return next((name for name, tid in KV_CACHE_TYPES.items() if tid == type_id), f"type {type_id}")
+
+
+def kv_cache_problem(flash_attn: str, cache_type_k: str, cache_type_v: str) -> str | None:
+    """Why llama.cpp would refuse this KV cache, or None: an unknown type, or a quantized V cache with
+    flash attention off (``llama_init_from_model``: "quantized V cache requires flash_attn"; with ``auto``
+    llama.cpp switches flash attention on for it).  The same text for ``hydra-trio run`` (exit 2) and
+    :class:`LlamaOptions` (ModelLoadError)."""
+    for name, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+        if value not in KV_CACHE_TYPES:
+            return f"{name}: unknown KV cache type {value!r} (one of {', '.join(KV_CACHE_TYPES)})"
+    if flash_attn not in ("on", "off", "auto"):
+        return f"flash_attn: expected on, off or auto, got {flash_attn!r}"
+    if flash_attn == "off" and cache_type_v not in UNQUANTIZED_KV_TYPES:
+        return (f"a quantized V cache (-ctv/--cache-type-v {cache_type_v}) needs flash attention, which is off "
+                f"(-fa/--flash-attn off): use -fa on or auto, or a V cache of type {', '.join(UNQUANTIZED_KV_TYPES)} "
+                "(llama.cpp would refuse the context)")
+    return None
+
+
 @attrs.frozen
 class LlamaOptions:
     """llama.cpp model and context parameters from llama-server's flags (names in comments).
 
-    Applied when a model loads (:class:`hydra_trio.engine.model.LoadedModel`): the context and CPU ones now;
-    the GPU placement ones (``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``devices``,
-    ``tensor_overrides``, ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) are kept for a build with a GPU backend:
-    this build places every tensor in host memory, as llama-server does without one.
+    Applied when a model loads (:class:`hydra_trio.engine.model.LoadedModel`); the placement ones
+    (``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``devices``, ``tensor_overrides``,
+    ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) as :class:`hydra_trio.engine.placement.Placement` builds them,
+    in llama-server's way (without a GPU nothing is offloaded; the overrides still apply).
+
+    Raises:
+        ModelLoadError: a KV cache llama.cpp would refuse (:func:`kv_cache_problem`: an unknown
+            ``cache_type_k`` / ``cache_type_v``, or a quantized V cache with ``flash_attn`` off).
     """
 
     n_threads_batch: int | None = None  # -tb; None = n_threads
@@ -258,6 +334,13 @@ class LlamaOptions:
     cpu_moe: bool = False  # -cmoe
     n_cpu_moe: int = 0  # -ncmoe
     n_cpu_ffn: int = 0  # -ncffn
+    embeddings: bool = False  # --embedding: the context outputs embeddings (llama_context_params.embeddings)
+    pooling: str | None = None  # --pooling none|mean|cls|last|rank; None = the model's
+
+    def __attrs_post_init__(self) -> None:
+        problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)
+        if problem is not None:
+            raise ModelLoadError(problem)
 
 
 @attrs.frozen
@@ -315,6 +398,10 @@ class EngineConfig:
             fraction of the new prompt's tokens (the best such slot); otherwise
             the least recently used idle slot (``-sps``; 0.0 = always the least
             recently used).
+        embd_normalize: how pooled embeddings are normalized when a request does not say
+            (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
+            see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
+            ``pooling`` (``--pooling``) are context parameters and live in :attr:`llama`.
 
     Raises:
         ParameterError: ``n_predict`` out of -1 .. 2**31-1.
@@ -340,3 +427,14 @@ class EngineConfig:
     n_keep: int = attrs.field(default=0, validator=_int(-1, INT32_MAX))
     n_cache_reuse: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
     slot_prompt_similarity: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
+    embd_normalize: int = attrs.field(default=2, validator=_int(-1, INT32_MAX))
+
+    @property
+    def embeddings(self) -> bool:
+        """The node serves embeddings only (``--embedding``): completions are refused."""
+        return self.llama.embeddings
+
+    @property
+    def pooling(self) -> str | None:
+        """``--pooling``: None for the model's own."""
+        return self.llama.pooling

@@ -32,6 +32,7 @@ class StopStringMatcher:
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = tuple(s for s in stops if s)
         self.held = ""
+        self.matched = ""  # the stop string that ended generation (llama-server's ``stopping_word``)
         self._firsts = frozenset(s[0] for s in self.stops)
         self._longest = max((len(s) for s in self.stops), default=0)
 
@@ -41,8 +42,9 @@ class StopStringMatcher:
         if not self.stops:
             self.held = ""
             return held, False
-        first = min((i for s in self.stops if (i := held.find(s)) >= 0), default=-1)
-        if first >= 0:
+        found = [(i, n, s) for n, s in enumerate(self.stops) if (i := held.find(s)) >= 0]
+        if found:
+            first, _, self.matched = min(found)
             self.held = ""
             return held[:first], True
         # hold back the longest tail of the text that is the start of a stop string

@@ -22,7 +22,10 @@ Version 2 has no identity (its tokens start at 60): such a blob restores
 only on a node whose model file has the same hash.  A version 3 blob from
 another file restores when both files have the same KV identity and the node
 allows cross-model KV (``--allow-cross-model-kv``); a different identity is
-always refused, naming the first fact that differs.
+always refused, naming the first fact that differs.  A blob whose KV cache
+types (``-ctk`` / ``-ctv``, the identity's ``type_k`` / ``type_v``) differ
+from this node's is refused first, even from the same file, as a bad request
+(:class:`KvTypesDiffer`: HTTP 400, Hydra BAD_REQUEST) naming both pairs.
 
 The checksum covers the whole blob but itself, so a flipped bit anywhere (KV
 bytes, token ids, lengths, the model hash) is refused before the slot is
@@ -55,8 +58,9 @@ import attrs
 import llama_cpp
 import xxhash
 
-from ..errors import HydraTrioError
+from ..errors import HydraTrioError, InvalidRequest
 from .kv_identity import canonical, first_difference, identity_hash, kv_identity
+from .settings import kv_type_name
 
 if TYPE_CHECKING:
     from .model import LoadedModel
@@ -78,6 +82,29 @@ class StateError(HydraTrioError):
     def __init__(self, message: str, **meta: object) -> None:
         super().__init__(message)
         self.meta = meta
+
+
+class KvTypesDiffer(StateError, InvalidRequest):
+    """A blob of a node with other KV cache types: ``"KV cache types differ: blob K q8_0 / V q8_0, this
+    node K f16 / V f16"`` (HTTP 400, Hydra BAD_REQUEST; meta ``kv_identity_match`` false)."""
+
+
+def check_kv_types(identity: dict, blob_identity: dict) -> None:
+    """Raise :class:`KvTypesDiffer` when the blob's KV identity has other K/V cache types than ``identity``."""
+    ours = (identity.get("type_k"), identity.get("type_v"))
+    theirs = (blob_identity.get("type_k"), blob_identity.get("type_v"))
+    if ours != theirs:
+
+        def name(t: object) -> str:
+            return kv_type_name(t) if isinstance(t, int) else repr(t)
+
+        raise KvTypesDiffer(
+            f"KV cache types differ: blob K {name(theirs[0])} / V {name(theirs[1])}, "
+            f"this node K {name(ours[0])} / V {name(ours[1])}",
+            kv_identity_match=False,
+            kv_cache_types={"blob": {"type_k": name(theirs[0]), "type_v": name(theirs[1])},
+                            "node": {"type_k": name(ours[0]), "type_v": name(ours[1])}},
+        )
 
 
 @attrs.frozen
@@ -282,9 +309,12 @@ def check_blob(
             ``got_hash``, ``kv_identity_match``): refused when the node does
             not allow cross-model KV, when the blob carries no KV identity
             (version 2) and always when the identities differ (the message
-            names the first fact that differs).
+            names the first fact that differs); :class:`KvTypesDiffer`
+            (also an InvalidRequest) for other KV cache types, checked first.
     """
     header = parse_header(blob) if checksum_verified else verify_checksum(blob)
+    if header.kv_identity is not None and identity is not None:
+        check_kv_types(identity, header.kv_identity)
     if header.model_hash != model_hash:
         hashes = {"expected_hash": model_hash, "got_hash": header.model_hash}
         if header.kv_identity is None or identity is None:

@@ -3,7 +3,9 @@
 Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
 ``/health``, ``/version``, ``/props``, ``/v1/models``, ``/slots``,
 ``/slots/{id}`` (erase, save, restore), ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
-``/v1/chat/completions``, ``/v1/completions``, ``/metrics``; ``GET /v1/events``
+``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/embedding(s)``, ``/metrics``; llama-server's
+native routes (``/completion``, ``/apply-template``, ``POST /props``, ``/slots/{id}/state``, the 501s) in :mod:`.native`;
+``GET /v1/events``
 (WebSocket, :mod:`.events`) and the status page ``GET /`` with its files under
 ``/static/`` (:data:`STATIC_DIR`).  Errors use
 OpenAI's body shape ``{"error": {"message", "type", "code"}}``.
@@ -21,7 +23,6 @@ import urllib.parse
 import uuid
 from pathlib import Path
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -38,18 +39,22 @@ from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
 from ..engine import slot_files
-from ..engine.engine import Engine
+from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import Finished, JobRun
-from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
+from ..errors import HydraTrioError
 from . import metrics
 from .. import node_stats
 from ..events import EventBus
 from .errors import error_response
+from ._common import _BodyError, _bad_request, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .events import events_endpoint
+from .native import native_routes
 from ..api import tools as api_tools
 from ..api.jobs import ChatTools, chat_job, job_from_completion
+from ..api.embeddings import EmbeddingsRequest, embed_request
+from ..engine.engine import NO_EMBEDDINGS
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -87,25 +92,6 @@ async def _upgrade_required(request: Request) -> Response:
     """``GET /v1/events`` without a WebSocket upgrade: 426 with ``Upgrade: websocket`` (RFC 9110 §15.5.22)."""
     return error_response(426, "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, "
                           "Upgrade: websocket)", "invalid_request_error", headers={"Upgrade": "websocket"})
-
-
-def error_for(exc: HydraTrioError) -> JSONResponse:
-    """The HTTP reply for a typed error: InvalidRequest 400, Busy 409, NotReady and Cancelled 503, others 500."""
-    if isinstance(exc, InvalidRequest):
-        return _bad_request(str(exc))
-    if isinstance(exc, Busy):
-        return error_response(409, str(exc), "conflict_error")
-    if isinstance(exc, (NotReady, Cancelled)):
-        return error_response(503, str(exc), "unavailable_error")
-    return error_response(500, str(exc), "server_error")
-
-
-def _bad_request(msg: str) -> JSONResponse:
-    return error_response(400, msg, "invalid_request_error")
-
-
-def _unavailable(engine: Engine) -> JSONResponse:
-    return error_response(503, f"Loading model (stage: {engine.stage})", "unavailable_error")
 
 
 class Api:
@@ -156,9 +142,10 @@ class Api:
             {"default_generation_settings": {"params": {sampling defaults, "n_predict", ...}, "n_ctx": tokens per slot},
              "total_slots", "model_alias", "model_path", "model_hash", "modalities": {"vision", "video", "audio"},
              "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
-             "build_info", "is_sleeping",
+             "build_info", "is_sleeping", "tensor_placement", "tensor_placement_peer",
              "backends": the ggml backends of this build (["CPU", "RPC"], "CUDA" on a GPU build),
-             "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds}
+             "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds,
+             "kv_cache": {"type_k", "type_v", "flash_attn"}, "memory": {device: {"weights", "kv", "compute"}}}
 
         ``params`` lists every sampler setting under llama-server's name (the node's
         defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
@@ -166,9 +153,17 @@ class Api:
         and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
         llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
-        template in effect (``chatml`` for a GGUF without one).  503 while the model
-        loads, 501 on a compute-only node.  ``POST /props`` is not offered (as
-        llama-server without ``--props``: 405).
+        template in effect (``chatml`` for a GGUF without one).  hydra-trio's own keys: ``kv_cache``, the
+        KV cache types (``-ctk`` / ``-ctv``, e.g. ``q8_0``) and flash attention in effect (``on`` / ``off``;
+        ``auto`` when llama.cpp did not say what ``-fa auto`` chose), and ``memory``, bytes per device
+        (``CPU``, ``CUDA0``, ``RPC0[host:port]``) of weights, KV cache and compute buffers, as llama.cpp
+        allocated them (its log's buffer sizes; weights and KV exact when on one device).  503 while the model
+        loads, 501 on a compute-only node.  ``POST /props``: :mod:`.native`.
+        ``tensor_placement`` (hydra-trio's): how many of the SOLO model's tensors a tensor
+        override placed, by buffer type name (``{"CPU": 24}`` with ``--n-cpu-moe 8`` on a
+        3-expert-tensors-per-layer MoE; ``{}`` without overrides), counted from llama.cpp's
+        "buffer type overridden to" load lines; ``tensor_placement_peer``: the same for the
+        COMBINED / PIPELINE model while one is attached (``{"RPC0[host:port]": 90, ...}``), else null.
         """
         e = self.engine
         if e is None:
@@ -197,7 +192,7 @@ class Api:
             "model_hash": e.identity.model_hash,
             "modalities": {"vision": False, "video": False, "audio": False},
             "endpoint_slots": True,
-            "endpoint_props": False,
+            "endpoint_props": self.settings.endpoint_props,
             "endpoint_metrics": True,
             "chat_template": m.chat_template.source,
             "bos_token": m.token_text(m.bos_id) if m.bos_id >= 0 else "",
@@ -207,6 +202,10 @@ class Api:
             "backends": build_backends(),
             "devices": [{"name": name, "memory_free": free, "memory_total": total}
                         for name, free, total in local_devices()],
+            "tensor_placement": dict(m.tensor_placement),
+            "tensor_placement_peer": dict(c.tensor_placement) if (c := e.experts.combined) is not None else None,
+            "kv_cache": kv_cache(e),
+            "memory": memory_use(e),
         })
 
     async def tokenize(self, request: Request) -> Response:
@@ -357,7 +356,15 @@ class Api:
             RequestError: invalid body (400).
             _BodyError: too large (413) or the client stalled (408).
         """
-        limit, timeout = self.settings.max_body, self.settings.body_timeout
+        return parse_body(bytes(await self._read_bytes(request, self.settings.max_body)), cls)
+
+    async def _read_bytes(self, request: Request, limit: int) -> bytearray:
+        """The raw body: at most ``limit`` bytes, no gap longer than ``body_timeout``.
+
+        Raises:
+            _BodyError: too large (413) or the client stalled (408).
+        """
+        timeout = self.settings.body_timeout
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _BodyError(413, f"the body is {declared} bytes; the limit is {limit}")
@@ -374,7 +381,21 @@ class Api:
             raw += chunk
             if len(raw) > limit:
                 raise _BodyError(413, f"the body is over the limit of {limit} bytes")
-        return parse_body(bytes(raw), cls)
+        return raw
+
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings`` (OpenAI's shape) and ``POST /embedding``, ``/embeddings`` (llama-server's):
+        :mod:`hydra_trio.api.embeddings`.  501 on a node without ``--embedding``, as llama-server."""
+        e = self.engine
+        if e is not None and not e.config.embeddings:
+            return error_response(501, NO_EMBEDDINGS, "not_supported_error")
+        e, body = await self._simple_body(request, EmbeddingsRequest)
+        if isinstance(body, Response):
+            return body
+        try:
+            return JSONResponse(await embed_request(e, body, oai=request.url.path == "/v1/embeddings"))
+        except HydraTrioError as exc:
+            return error_for(exc)
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._complete(request, chat=True)
@@ -460,10 +481,6 @@ class Api:
             yield _sse(body)
         finally:
             run.close()
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def _usage(f: Finished) -> dict[str, int]:
@@ -596,48 +613,6 @@ class _ResponseContext:
         }
 
 
-class _BodyError(Exception):
-    """The body could not be read: ``status`` 413 (too large) or 408 (the client stalled)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-@asynccontextmanager
-async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[None]:
-    """Run the body until it ends or the client disconnects, whichever comes first.
-
-    On a disconnect the body is cancelled at once (it does not wait for the
-    engine) and the request is cancelled in the engine, which frees its slot
-    or its place in the queue.  The request is cancelled on every exit.
-    """
-    try:
-        with trio.CancelScope() as body_scope:
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    while True:
-                        msg = await request.receive()
-                        if msg["type"] == "http.disconnect":
-                            run.close()
-                            body_scope.cancel()
-                            return
-
-                nursery.start_soon(watch)
-                try:
-                    yield
-                finally:
-                    run.close()
-                    nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # the watcher never fails: a group holds the body's own error, which the
-        # caller handles as it is (an engine error becomes its HTTP status)
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if exc.status_code == 404:
@@ -688,7 +663,7 @@ def build_app(
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
-        Route("/completions", api.completions, methods=["POST"]),
+        *(Route(path, api.embeddings, methods=["POST"]) for path in ("/v1/embeddings", "/embeddings", "/embedding")),
         WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
                                                      settings.max_event_subscribers)),
         Route("/v1/events", _upgrade_required, methods=["GET"]),
@@ -696,6 +671,7 @@ def build_app(
         Route("/static/index.html", _to_the_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
+    routes += native_routes(api)
     app = Starlette(
         routes=routes,
         exception_handlers={HTTPException: _http_error},

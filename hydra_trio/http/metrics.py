@@ -223,6 +223,21 @@ def _engine(e: Engine) -> Iterator[Metric]:
     yield CounterMetricFamily("hydra_trio:expert_mode_switches", "Switches between SOLO and COMBINED models.", s.mode_switches)
     yield CounterMetricFamily("hydra_trio:combined_fallbacks", "COMBINED requests answered with SOLO.", s.combined_fallbacks)
     yield CounterMetricFamily("hydra_trio:peer_losses", "ggml-RPC peers lost mid-request.", s.peer_losses)
+    from ..engine.engine import kv_cache, memory_use  # the engine is loaded when it is scraped
+
+    kv = kv_cache(e)
+    if kv:
+        info = GaugeMetricFamily("hydra_trio:kv_cache_info", "1, labelled with the KV cache types (-ctk, -ctv) and "
+                                 "flash attention in effect (on, off; auto when llama.cpp did not say).",
+                                 labels=["type_k", "type_v", "flash_attn"])
+        info.add_metric([kv["type_k"], kv["type_v"], kv["flash_attn"]], 1)
+        yield info
+        memory = GaugeMetricFamily("hydra_trio:memory_bytes", "Bytes the loaded models take, by device and kind "
+                                   "(weights, kv, compute), as llama.cpp allocated them.", labels=["device", "kind"])
+        for dev, use in sorted(memory_use(e).items()):
+            for kind, n in use.items():
+                memory.add_metric([dev, kind], n)
+        yield memory
     yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", e.requests_processing)
     yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", e.requests_waiting)
 

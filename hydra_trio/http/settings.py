@@ -27,6 +27,10 @@ class HttpSettings:
             timeout; default 600, llama-server's).  None: no limit.
         max_body: the largest request body in bytes (413 beyond it, at once
             when the client sent ``Expect: 100-continue``).
+        max_state_body: the largest ``PUT /slots/{id}/state`` body (a KV state blob), in bytes: 4 GiB,
+            the Hydra ``STATE_PUT`` payload limit.
+        endpoint_props: ``POST /props`` is offered (``--props``; llama-server's ``endpoint_props``);
+            otherwise it answers 501, as llama-server's.
         cors_origins: origins allowed by CORS (``--cors-origin``); ``*``, the
             default, allows any, as llama-server does.
         max_event_subscribers: ``GET /v1/events`` subscribers at once; past it a
@@ -40,5 +44,7 @@ class HttpSettings:
     body_timeout: float = 30.0
     write_timeout: float | None = 600.0
     max_body: int = 16 * 1024 * 1024
+    max_state_body: int = 4 * 1024 * 1024 * 1024
+    endpoint_props: bool = False
     cors_origins: tuple[str, ...] = ("*",)
     max_event_subscribers: int = 256

@@ -26,7 +26,7 @@ from ..api.jobs import job_continue, job_from_chat
 from ..api.schemas import ChatCompletionRequest, CompletionRequest
 from ..control import Change, ControlChannel
 from ..engine.settings import DEFAULT_PATTERN
-from ..engine.engine import Engine
+from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.state import StateError, verify_checksum
@@ -60,14 +60,15 @@ class Reply(Exception):
 
 def reply_for(exc: HydraTrioError, **meta: Any) -> Reply:
     """The wire reply for a typed error (see the module docstring); ``meta`` adds op-specific keys."""
+    if isinstance(exc, StateError):  # a blob this node cannot take; KvTypesDiffer is a bad request too
+        status = Status.BAD_REQUEST if isinstance(exc, InvalidRequest) else Status.ERROR
+        return Reply(status, str(exc), **exc.meta, **meta)
     if isinstance(exc, InvalidRequest):
         return Reply(Status.BAD_REQUEST, str(exc), **meta)
     if isinstance(exc, Busy):
         return Reply(Status.BUSY, str(exc), busy_slots=exc.busy_slots, **meta)
     if isinstance(exc, NotReady):
         return Reply(Status.ERROR, str(exc), stage=exc.stage, **meta)
-    if isinstance(exc, StateError):
-        return Reply(Status.ERROR, str(exc), **exc.meta, **meta)
     return Reply(Status.ERROR, str(exc), **meta)
 
 
@@ -324,6 +325,8 @@ def info_meta(node: Node) -> dict[str, Any]:
                 n_ctx_slot=e.n_ctx_slot,
                 slots_processing=[s.id for s in e.slots if s.is_processing],
                 sampling_defaults=attrs.asdict(e.defaults),
+                kv_cache=kv_cache(e),  # {"type_k", "type_v", "flash_attn"}, as /props
+                memory=memory_use(e),  # {device: {"weights", "kv", "compute"}} bytes, as /props
                 **e.identity.as_meta(),
             )
     return meta

@@ -1,0 +1,83 @@
+"""Helpers shared by the HTTP route modules (:mod:`.app`, :mod:`.native`): typed errors as HTTP replies,
+SSE framing, the body-read error, and cancelling a request when its client goes away."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from ..engine.engine import Engine
+from ..engine.requests import JobRun
+from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
+from .errors import error_response
+
+
+def error_for(exc: HydraTrioError) -> JSONResponse:
+    """The HTTP reply for a typed error: InvalidRequest 400, Busy 409, NotReady and Cancelled 503, others 500."""
+    if isinstance(exc, InvalidRequest):
+        return _bad_request(str(exc))
+    if isinstance(exc, Busy):
+        return error_response(409, str(exc), "conflict_error")
+    if isinstance(exc, (NotReady, Cancelled)):
+        return error_response(503, str(exc), "unavailable_error")
+    return error_response(500, str(exc), "server_error")
+
+
+def _bad_request(msg: str) -> JSONResponse:
+    return error_response(400, msg, "invalid_request_error")
+
+
+def _unavailable(engine: Engine) -> JSONResponse:
+    return error_response(503, f"Loading model (stage: {engine.stage})", "unavailable_error")
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _BodyError(Exception):
+    """The body could not be read: ``status`` 413 (too large) or 408 (the client stalled)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@asynccontextmanager
+async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[None]:
+    """Run the body until it ends or the client disconnects, whichever comes first.
+
+    On a disconnect the body is cancelled at once (it does not wait for the
+    engine) and the request is cancelled in the engine, which frees its slot
+    or its place in the queue.  The request is cancelled on every exit.
+    """
+    try:
+        with trio.CancelScope() as body_scope:
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    while True:
+                        msg = await request.receive()
+                        if msg["type"] == "http.disconnect":
+                            run.close()
+                            body_scope.cancel()
+                            return
+
+                nursery.start_soon(watch)
+                try:
+                    yield
+                finally:
+                    run.close()
+                    nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # the watcher never fails: a group holds the body's own error, which the
+        # caller handles as it is (an engine error becomes its HTTP status)
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

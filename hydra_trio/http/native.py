@@ -1,0 +1,204 @@
+"""llama-server's native HTTP routes beyond the OpenAI API (the shapes live in :mod:`hydra_trio.api.native`).
+
+* ``POST /completion``, ``POST /completions``: llama-server's completion, whole or streamed.
+* ``POST /apply-template``: ``{"messages": [...]}`` -> ``{"prompt": text}``, the chat template in effect.
+* ``POST /props``: llama-server at this version sets no property through it: ``{"success": true}``
+  with ``--props``, else 501 (llama-server's message).
+* ``GET /v1/health``: ``GET /health``.
+* ``GET /slots/{id}/state``: the idle slot's KV state blob (``application/octet-stream``, the bytes
+  Hydra ``STATE_GET`` sends; headers ``X-Slot-Id``, ``X-N-Past``, ``X-Model-Hash``);
+  ``PUT /slots/{id}/state``: restore one, all or nothing (Hydra ``STATE_PUT``'s checks: checksum,
+  model / KV identity, tokens that fit) -> ``{"restored": true, "id_slot", "bytes", "n_past",
+  "model_hash_match", "kv_identity_match", ...identity}``.  A blob that cannot be applied is 400
+  (with STATE_PUT's error keys), a slot that is processing 409, no such slot 404.
+* ``/infill``, ``/rerank``, ``/reranking``, ``/v1/rerank``, ``/v1/reranking``, ``/lora-adapters``,
+  ``/v1/responses``, ``/responses``, ``/v1/messages``, ``/v1/messages/count_tokens``: 501 naming the endpoint and why.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+import trio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..api.jobs import chat_prompt, job_from_completion
+from ..api.native import NativeCompletion, generation_settings
+from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
+from ..engine.requests import JobRun
+from ..engine.state import StateError, verify_checksum
+from ..errors import HydraTrioError
+from ._common import _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
+from .errors import error_response
+
+STATE_TYPE = "application/octet-stream"
+
+NOT_IMPLEMENTED: dict[str, str] = {
+    "/infill": "fill-in-the-middle completion is not implemented by this node (use /completion with the "
+               "model's FIM tokens in the prompt)",
+    "/rerank": "reranking needs a reranker model served with --pooling rank, which this node does not offer",
+    "/reranking": "reranking needs a reranker model served with --pooling rank, which this node does not offer",
+    "/v1/rerank": "reranking needs a reranker model served with --pooling rank, which this node does not offer",
+    "/v1/reranking": "reranking needs a reranker model served with --pooling rank, which this node does not offer",
+    "/lora-adapters": "this node loads no LoRA adapters (there is no --lora here)",
+    "/v1/responses": "the OpenAI Responses API is not implemented by this node (use /v1/chat/completions)",
+    "/responses": "the OpenAI Responses API is not implemented by this node (use /v1/chat/completions)",
+    "/v1/messages": "the Anthropic Messages API is not implemented by this node (use /v1/chat/completions)",
+    "/v1/messages/count_tokens": "the Anthropic Messages API is not implemented by this node (use /tokenize)",
+}
+"""llama-server endpoints this node answers 501 (``not_supported_error``), and why."""
+
+
+class NativeRoutes:
+    """The handlers, bound to the app's :class:`~hydra_trio.http.app.Api` (engine, settings, body reader)."""
+
+    def __init__(self, api: Any) -> None:  # an app.Api (not imported: app imports this module)
+        self.api = api
+
+    # ------------------------------------------------------------- /completion
+    async def completion(self, request: Request) -> Response:
+        api, e = self.api, self.api.engine
+        if e is None:
+            return error_response(501, "this node has no model (compute-only)", "not_supported_error")
+        if not e.ready:
+            return _unavailable(e)
+        request_id = "cmpl-" + uuid.uuid4().hex
+        request.state.trace_id = request_id
+        try:
+            body = await api._read(request, CompletionRequest)
+            if body.echo:
+                raise RequestError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
+            job = await trio.to_thread.run_sync(lambda: job_from_completion(e, body))
+            n_probs = body.n_probs if body.n_probs is not None else (body.logprobs or 0)
+            job = attrs.evolve(job, request_id=request_id, logprobs=n_probs > 0, n_probs=n_probs)
+            run = JobRun(e, job).submit()
+        except _BodyError as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
+        except HydraTrioError as exc:
+            return error_for(exc)
+        m = e.model
+        assert m is not None and e.identity is not None
+        prompt_text = b"".join(m.token_bytes(t, special=True) for t in job.prompt_tokens).decode("utf-8", "replace")
+        reply = NativeCompletion(
+            model=e.identity.model_alias, return_tokens=body.return_tokens, n_probs=n_probs,
+            response_fields=body.response_fields, timings_per_token=body.timings_per_token, piece=m.token_bytes,
+            prompt_text=prompt_text, settings=generation_settings(body, job, body.stream),
+        )
+        if body.stream:
+            return StreamingResponse(self._stream(run, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            async with _cancel_on_disconnect(request, run):
+                async for _ in self._events(run, reply):
+                    pass
+        except HydraTrioError as exc:
+            return error_for(exc)
+        if run.finished is None:
+            return error_response(503, "the request was cancelled", "unavailable_error")
+        return JSONResponse(reply.final(run.finished, stream=False))
+
+    @staticmethod
+    async def _events(run: JobRun, reply: NativeCompletion) -> AsyncIterator[dict[str, Any]]:
+        """Read the engine's deltas into ``reply``; yields each stream event."""
+        async for delta in run:
+            if run.assigned is not None and reply.id_slot < 0:
+                reply.assigned(run.assigned)
+            chunk = reply.add(delta)
+            if chunk is not None:
+                yield chunk
+
+    async def _stream(self, run: JobRun, reply: NativeCompletion) -> AsyncIterator[str]:
+        try:
+            async for chunk in self._events(run, reply):
+                yield _sse(chunk)
+            assert run.finished is not None
+            yield _sse(reply.final(run.finished, stream=True))
+        except HydraTrioError as exc:  # the 200 is out: the error goes in the stream, as llama-server's
+            yield _sse(json.loads(error_for(exc).body))
+        finally:
+            run.close()
+
+    # -------------------------------------------------------- other native routes
+    async def apply_template(self, request: Request) -> Response:
+        """``{"messages": [...]}`` -> ``{"prompt": the chat rendered by the template in effect}``, as the
+        chat endpoint would render it (generation prompt included)."""
+        e, body = await self.api._simple_body(request, ChatCompletionRequest)
+        if isinstance(body, Response):
+            return body
+        try:
+            prompt, _ = await trio.to_thread.run_sync(lambda: chat_prompt(e, body))
+        except ValueError as exc:
+            return error_response(400, f"messages: the chat template failed: {exc}", "invalid_request_error")
+        return JSONResponse({"prompt": prompt})
+
+    async def post_props(self, request: Request) -> Response:
+        """llama-server at this version changes no property here: ``{"success": true}`` with ``--props``."""
+        if not self.api.settings.endpoint_props:
+            return error_response(501, "This server does not support changing global properties. "
+                                  "Start it with `--props`", "not_supported_error")
+        return JSONResponse({"success": True})
+
+    async def not_implemented(self, request: Request) -> Response:
+        path = request.url.path
+        return error_response(501, f"{request.method} {path}: {NOT_IMPLEMENTED[path]}", "not_supported_error")
+
+    # --------------------------------------------------------------- slot state
+    async def get_state(self, request: Request) -> Response:
+        e = self.api.engine
+        id_slot = self.api._slot_id(request)
+        if isinstance(id_slot, Response):
+            return id_slot
+        assert e is not None and e.identity is not None
+        try:
+            n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
+        except HydraTrioError as exc:
+            return error_for(exc)
+        return Response(bytes(blob), media_type=STATE_TYPE, headers={
+            "X-Slot-Id": str(id_slot), "X-N-Past": str(n_past), "X-Model-Hash": e.identity.model_hash})
+
+    async def put_state(self, request: Request) -> Response:
+        e = self.api.engine
+        id_slot = self.api._slot_id(request)
+        if isinstance(id_slot, Response):
+            return id_slot
+        assert e is not None and e.identity is not None
+        try:
+            blob = await self.api._read_bytes(request, self.api.settings.max_state_body)
+            size = len(blob)  # restore_slot consumes the blob (frames it in place)
+            # integrity first, in a worker thread: the engine thread never hashes a large blob
+            await trio.to_thread.run_sync(verify_checksum, blob)
+            done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+        except _BodyError as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
+        except StateError as exc:
+            resp = error_response(400, f"the blob cannot be restored: {exc}", "invalid_request_error")
+            body = json.loads(resp.body)
+            body["error"].update({k: v for k, v in exc.meta.items() if k not in body["error"]})
+            return JSONResponse(body, status_code=400)
+        except HydraTrioError as exc:
+            return error_for(exc)
+        return JSONResponse({"restored": True, "id_slot": id_slot, "bytes": size, "n_past": done.n_past,
+                             "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
+                             **e.identity.as_meta()})
+
+
+def native_routes(api: Any) -> list[Route]:
+    """The routes of this module, for :func:`hydra_trio.http.app.build_app`."""
+    h = NativeRoutes(api)
+    routes = [
+        Route("/completion", h.completion, methods=["POST"]),
+        Route("/completions", h.completion, methods=["POST"]),
+        Route("/apply-template", h.apply_template, methods=["POST"]),
+        Route("/props", h.post_props, methods=["POST"]),
+        Route("/v1/health", api.health, methods=["GET"]),
+        Route("/slots/{id_slot}/state", h.get_state, methods=["GET"]),
+        Route("/slots/{id_slot}/state", h.put_state, methods=["PUT"]),
+    ]
+    routes += [Route(path, h.not_implemented, methods=["GET", "POST"]) for path in NOT_IMPLEMENTED]
+    return routes
