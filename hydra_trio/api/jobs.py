@@ -14,6 +14,17 @@ from ..engine.sampling import GrammarError, check_grammar
 from ..engine.requests import CompletionJob
 from .reasoning import ThinkingSetup
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
+from . import tools as _tools
+
+
+@attrs.frozen
+class ChatTools:
+    """How a chat request's tools are handled: the request's :class:`~.tools.ToolSpec` and the
+    template's tool-call ``format`` (:func:`~.tools.detect_format`); the reply is parsed with
+    ``tools.ToolCallParser(format)`` when ``spec.active``."""
+
+    spec: _tools.ToolSpec
+    format: str
 
 
 def job_from_chat(
@@ -25,30 +36,63 @@ def job_from_chat(
     ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).
     Raises ValueError (the template failed) or RequestError.
     """
-    prompt, extra_stop = chat_prompt(e, body)
-    m = e.solo_model or e.model
-    assert m is not None
-    tokens = m.chat_prompt_tokens(prompt)
-    stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
-    job = _job(e, body, tokens, stop, n_predict, id_slot)
-    thinking = ThinkingSetup.for_prompt(body.reasoning_format or e.config.reasoning_format, m.chat_template.source,
-                                        prompt)
-    return attrs.evolve(job, chat_reply=thinking)
+    return chat_job(e, body, n_predict=n_predict, id_slot=id_slot)[0]
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
     """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
     (what ``POST /apply-template`` answers, and what :func:`job_from_chat` tokenizes).
     Raises ValueError (the template failed)."""
+    return _render(e, body)[0]
+
+
+def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str]], str]:
+    """``((prompt, extra stop strings), tool-call format)``.  Tools reach the template when it
+    renders them itself (its text mentions ``tools``), else the generic tool prompt describes
+    them (:func:`~.tools.render_messages`)."""
     # the SOLO model holds the configured template; a COMBINED model has the same vocabulary
     m = e.solo_model or e.model
     assert m is not None
-    messages = [
-        {k: v for k, v in (("role", x.role), ("content", x.content or ""), ("name", x.name),
-                           ("reasoning_content", x.reasoning_content)) if v is not None}
-        for x in body.messages
-    ]
-    return m.apply_chat_template(messages, thinking_kwargs(e, body))
+    tmpl = m.chat_template
+    fmt = _tools.detect_format(tmpl.source if tmpl.kind == "jinja" else "")
+    native = _tools.template_supports_tools(tmpl.kind, tmpl.source)
+    spec = body.tool_spec
+    messages = _tools.render_messages(body.messages, spec, fmt, native)
+    offered = [t.as_openai() for t in spec.tools] if spec is not None and spec.active and native else None
+    return m.apply_chat_template(messages, thinking_kwargs(e, body), tools=offered), fmt
+
+
+def chat_job(
+    e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None, id_slot: int | None = None
+) -> tuple[CompletionJob, ChatTools | None]:
+    """:func:`job_from_chat`, and how the reply's tool calls are to be read (None: no tools offered).
+
+    ``required`` and a named function constrain the reply with a grammar, ``auto`` with a lazy
+    one (:func:`~.tools.tool_grammar`).
+    """
+    m = e.solo_model or e.model
+    assert m is not None
+    (prompt, extra_stop), fmt = _render(e, body)
+    tokens = m.chat_prompt_tokens(prompt)
+    stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
+    job = _job(e, body, tokens, stop, n_predict, id_slot)
+    thinking = ThinkingSetup.for_prompt(body.reasoning_format or e.config.reasoning_format, m.chat_template.source,
+                                        prompt)
+    job = attrs.evolve(job, chat_reply=thinking)
+    spec = body.tool_spec
+    if spec is None or not spec.active:
+        return job, None
+    try:
+        g = _tools.tool_grammar(spec, fmt)
+    except Exception as exc:  # checked with each tool; the combination may still fail
+        raise RequestError(f"tools: the JSON schemas cannot be turned into a grammar: {exc!r}"[:500]) from None
+    if g is not None:
+        try:
+            check_grammar(m.vocab, g.gbnf)
+        except GrammarError as exc:
+            raise RequestError(f"tools: {exc}") from None
+        job = attrs.evolve(job, grammar=g.gbnf, grammar_lazy=g.lazy, grammar_triggers=g.triggers)
+    return job, ChatTools(spec, fmt)
 
 
 def thinking_kwargs(e: Engine, body: ChatCompletionRequest) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from ..engine.settings import (
     INT32_MAX, ParameterError, SamplingParams, check_float, check_int, check_n_predict, check_stop, parse_samplers,
 )
 from ..protocol import strict as msg
+from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
 
 RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
@@ -46,18 +47,22 @@ class StreamOptions:
 
 @attrs.frozen
 class ChatMessage:
+    """One chat message; ``tool_calls`` (assistant), ``tool_call_id`` (role ``tool``) and the
+    legacy ``function_call`` are checked by :func:`hydra_trio.api.tools.check_messages`."""
+
     role: str
     content: str | None = None
     name: str | None = None
     reasoning_content: str | None = None  # an assistant turn's thinking, given to the template (llama-server)
+    tool_calls: tuple[Any, ...] | None = None
+    tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None
 
 
 # Fields of the OpenAI API and of llama-server that hydra-trio does not act on:
 # name -> the neutral values that are accepted (they ask for nothing).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    # OpenAI chat
-    "functions": ((),),
-    "function_call": ("none", "auto"),
+    # OpenAI chat (tools, functions: hydra_trio.api.tools)
     "store": (False,),
     "metadata": ({},),
     "modalities": (("text",),),
@@ -281,16 +286,20 @@ class ChatCompletionRequest(_GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget_tokens: int | None = None
     reasoning_budget_tokens: int | None = None
+    # tools, tool_choice, parallel_tool_calls, functions, function_call, checked (hydra_trio.api.tools)
+    tool_spec: ToolSpec | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def check(self) -> None:
         super().check()
         if not self.messages:
             raise RequestError("messages: at least one message is required")
         self.check_thinking()
-        if self.tools:
-            raise RequestError("tools: tool calling is not supported by this server")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice: tool calling is not supported by this server (none or auto)")
+        spec = parse_tool_spec(self.raw)
+        check_messages(self.messages)
+        if spec is not None and spec.active and self.constrained:
+            raise RequestError("tools: cannot be combined with grammar, json_schema or response_format "
+                               "(the tool calls have their own grammar)")
+        object.__setattr__(self, "tool_spec", spec)
         if self.top_logprobs is not None:
             check_int_or_400("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
             if not self.logprobs:
@@ -545,7 +554,8 @@ _COMMON = dict(
     response_fields=override(struct_hook=_str_list),
     samplers=override(struct_hook=_samplers),
 )
-_conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content))
+_conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content),
+               tool_calls=override(struct_hook=_tools), function_call=override(struct_hook=_object_or_null))
 _conv.register(StreamOptions, forbid_extra=False)
 _conv.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
              tool_choice=override(struct_hook=_tool_choice),

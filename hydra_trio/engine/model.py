@@ -193,7 +193,7 @@ class ChatTemplate:
     """
 
     def __init__(self, kind: str, source: str, origin: str,
-                 render: Callable[[list[dict], dict[str, Any] | None], tuple[str, list[str]]]):
+                 render: Callable[[list[dict], dict[str, Any] | None, list[dict] | None], tuple[str, list[str]]]):
         self.kind = kind
         self.source = source
         self.origin = origin
@@ -212,10 +212,11 @@ class ChatTemplate:
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ValueError(f"the chat template does not compile: {exc}") from None
 
-        def render(messages: list[dict], more: dict[str, Any] | None = None) -> tuple[str, list[str]]:
+        def render(messages: list[dict], more: dict[str, Any] | None = None,
+                   tools: list[dict] | None = None) -> tuple[str, list[str]]:
             variables = {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}}
             try:
-                out = fmt(messages=messages, **variables)
+                out = fmt(messages=messages, tools=tools, **variables)
             except Exception as exc:  # jinja2 raises TemplateError / TypeError / ...
                 raise ValueError(f"chat template failed: {exc}") from exc
             stop = out.stop if isinstance(out.stop, list) else ([out.stop] if out.stop else [])
@@ -231,12 +232,16 @@ class ChatTemplate:
         end = tail.split(_SENTINEL, 1)[1].strip() if _SENTINEL in tail else ""
         stop = [end] if end else []
         return cls("builtin", name, origin,
-                   lambda messages, more=None: (_apply_builtin(name, messages, add_assistant=True), list(stop)))
+                   lambda messages, more=None, tools=None: (_apply_builtin(name, messages, add_assistant=True),
+                                                             list(stop)))
 
-    def __call__(self, messages: list[dict], kwargs: dict[str, Any] | None = None) -> tuple[str, list[str]]:
+    def __call__(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
+                 tools: list[dict] | None = None) -> tuple[str, list[str]]:
         """``(prompt, stop strings)``; ``kwargs`` are template variables over the node's (a request's
-        ``chat_template_kwargs``; a built-in template has no variables)."""
-        return self._render(messages, kwargs)
+        ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
+        variable (a built-in template has no variables and never renders tools: callers describe them
+        in a message instead, :func:`hydra_trio.api.tools.render_messages`)."""
+        return self._render(messages, kwargs, tools)
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -567,15 +572,17 @@ class LoadedModel:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
-    def apply_chat_template(self, messages: list[dict], kwargs: dict[str, Any] | None = None) -> tuple[str, list[str]]:
+    def apply_chat_template(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
+                            tools: list[dict] | None = None) -> tuple[str, list[str]]:
         """Render chat messages (``[{"role", "content"}]``) with the template in effect
         (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`); ``kwargs``
-        are extra template variables over the node's ``chat_template_kwargs``.
+        are extra template variables over the node's ``chat_template_kwargs``; ``tools`` is the
+        Jinja template's ``tools`` variable.
 
         Returns ``(prompt, extra_stop_strings)``.  Raises ValueError when the
         template rejects the messages.
         """
-        return self.chat_template(messages, kwargs)
+        return self.chat_template(messages, kwargs, tools)
 
     def chat_prompt_tokens(self, prompt: str) -> list[int]:
         """Tokenize a rendered chat prompt as llama-server does: special tokens are parsed, and

@@ -45,6 +45,9 @@ class CompletionJob:
             (``TextDelta.top_logprobs``), 0..20.
         logit_bias: ``(token id, bias)`` pairs added to the logits.
         grammar: GBNF text the output must match (llama.cpp's grammar sampler).
+        grammar_lazy: the grammar applies only from the first match of one of
+            ``grammar_triggers`` on (ECMAScript regexes over the generated text;
+            llama.cpp's ``llama_sampler_init_grammar_lazy_patterns``): tool calls in ``auto``.
         fail_if_busy: when ``id_slot`` is processing another request at the
             moment this job's turn comes, fail with :class:`~hydra_trio.errors.Busy`
             instead of waiting (the Hydra slot ops' BUSY).
@@ -87,6 +90,8 @@ class CompletionJob:
     n_probs: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     grammar: str | None = None
+    grammar_lazy: bool = False
+    grammar_triggers: tuple[str, ...] = ()
     fail_if_busy: bool = False
     snapshot: bool = False
     continue_slot: bool = False

@@ -59,6 +59,9 @@ class SamplerSpec:
             name may repeat, one left out is not run); None: :data:`~hydra_trio.engine.settings.SAMPLER_ORDER`.
         adaptive_target, adaptive_decay: the ``adaptive_p`` sampler's settings; it replaces ``dist``
             at the end of the chain when ``order`` names it (llama-server's rule).
+        lazy_triggers: None for a grammar that applies from the first token; else the grammar
+            waits for one of these ECMAScript regexes to match the generated text and applies from
+            the match (or its first non-empty group) on (``llama_sampler_init_grammar_lazy_patterns``).
     """
 
     params: SamplingParams = SamplingParams()
@@ -68,6 +71,7 @@ class SamplerSpec:
     order: tuple[str, ...] | None = None
     adaptive_target: float = -1.0
     adaptive_decay: float = 0.9
+    lazy_triggers: tuple[str, ...] | None = None
 
 
 def check_grammar(vocab: Any, grammar: str) -> None:
@@ -133,7 +137,13 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
         arr = (llama_cpp.llama_logit_bias * len(bias))(*(llama_cpp.llama_logit_bias(token=t, bias=b) for t, b in bias))
         add(chain, llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(bias), arr))
     if spec.grammar:
-        grammar = llama_cpp.llama_sampler_init_grammar(vocab, spec.grammar.encode("utf-8"), b"root")
+        if spec.lazy_triggers is not None:
+            patterns = [p.encode("utf-8") for p in spec.lazy_triggers]
+            arr = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
+            grammar = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+                vocab, spec.grammar.encode("utf-8"), b"root", arr, len(patterns), None, 0)
+        else:
+            grammar = llama_cpp.llama_sampler_init_grammar(vocab, spec.grammar.encode("utf-8"), b"root")
         if not grammar:
             llama_cpp.llama_sampler_free(chain)
             raise GrammarError("llama.cpp could not parse the grammar")

@@ -251,6 +251,7 @@ class Scheduler:
                 f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)")))
             return
         spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar,
+                           lazy_triggers=job.grammar_triggers if job.grammar_lazy else None,
                            order=job.samplers, adaptive_target=job.adaptive_target, adaptive_decay=job.adaptive_decay)
         try:
             sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx, prompt)

@@ -51,7 +51,8 @@ from .errors import error_response
 from ._common import _BodyError, _bad_request, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .events import events_endpoint
 from .native import native_routes
-from ..api.jobs import job_from_chat, job_from_completion
+from ..api import tools as api_tools
+from ..api.jobs import ChatTools, chat_job, job_from_completion
 from ..api.embeddings import EmbeddingsRequest, embed_request
 from ..engine.engine import NO_EMBEDDINGS
 from ..api.reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
@@ -415,8 +416,8 @@ class Api:
         try:
             body = await self._read(request, cls)
             # templating and tokenization only read the vocabulary: keep them off the event loop
-            job = await trio.to_thread.run_sync(
-                lambda: job_from_chat(e, body) if chat else job_from_completion(e, body)
+            job, tools = await trio.to_thread.run_sync(
+                lambda: chat_job(e, body) if chat else (job_from_completion(e, body), None)
             )
             run = JobRun(e, attrs.evolve(job, request_id=request_id)).submit()
         except _BodyError as exc:
@@ -429,7 +430,7 @@ class Api:
             echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
         ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
                                logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
-                               thinking=job.chat_reply)
+                               thinking=job.chat_reply, tools=tools)
         if body.stream:
             return StreamingResponse(
                 self._sse(run, ctx),
@@ -457,17 +458,18 @@ class Api:
             elif ctx.echo:
                 yield _sse(ctx.chunk(ctx.echo, None))
             async for delta in run:
-                if ctx.reply is not None:  # chat: the text goes through the thinking parser (it may hold some back)
+                if ctx.reply is not None:  # chat: thinking, then tool calls in what is content (parsers hold some back)
                     lp = ctx.add(delta)
-                    if ctx.split or (lp is not None and delta.tokens):
-                        yield _sse(ctx.chunk(ChatReplyText.delta(ctx.split), None, lp))
+                    for chunk in ctx.chat_chunks(ctx.split, lp, bool(delta.tokens)):
+                        yield _sse(chunk)
                 elif delta.text or (ctx.logprobs and delta.tokens):
                     yield _sse(ctx.chunk(delta.text, None, ctx.add(delta)))
-            if ctx.reply is not None and (tail := ctx.reply.finish()):
-                yield _sse(ctx.chunk(ChatReplyText.delta(tail), None))
+            if ctx.reply is not None:
+                for chunk in ctx.chat_chunks(ctx.reply.finish(), None, False, end=True):
+                    yield _sse(chunk)
             end = run.finished
             assert end is not None
-            final = ctx.chunk({} if ctx.chat else "", end.finish_reason)
+            final = ctx.chunk({} if ctx.chat else "", ctx.finish_reason(end.finish_reason))
             final["id_slot"] = end.id_slot
             final["timings"] = end.timings()
             yield _sse(final)
@@ -514,6 +516,7 @@ class _ResponseContext:
         self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
         piece: Callable[[int], bytes] = lambda t: b"", echo: str = "", id: str | None = None,
         thinking: ThinkingSetup | None = None,
+        tools: ChatTools | None = None,
     ) -> None:
         self.chat = chat
         self.model = model
@@ -529,6 +532,35 @@ class _ResponseContext:
         self.offsets: list[int] = []
         self.reply = ChatReplyText(thinking) if chat else None
         self.split = ReasoningDelta()  # what the last delta added to a chat message
+        # tool calls (api/tools.py): a chat reply's content is parsed into content and calls
+        self.tools = tools
+        self.tool_parser = api_tools.ToolCallParser(tools.format) if tools is not None else None
+
+    def chat_chunks(self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool,
+                    end: bool = False) -> list[dict[str, Any]]:
+        """Stream chunks for what a delta added to a chat reply (``split``: its thinking and content;
+        ``end``: the reply ended): ``delta.reasoning_content``, then ``delta.content`` and, with tools,
+        ``delta.tool_calls`` as the tool-call parser finds them (:func:`hydra_trio.api.tools.stream_delta`).
+        A delta's logprobs ride on its first chunk (an empty delta when its text is held back)."""
+        p, tools = self.tool_parser, self.tools
+        if p is None or tools is None:
+            return [self.chunk(ChatReplyText.delta(split), None, logprobs)] if split or (
+                logprobs is not None and has_tokens) else []
+        deltas: list[dict[str, Any]] = [{"reasoning_content": split.reasoning}] if split.reasoning else []
+        events = p.feed(split.content) if split.content else []
+        if end:
+            events += p.finish()
+        shape = api_tools.legacy_delta if tools.spec.legacy else api_tools.stream_delta
+        deltas += [d for d in (shape(x) for x in events) if d is not None]
+        if logprobs is not None and has_tokens and not deltas:
+            deltas = [{}]
+        return [self.chunk(d, None, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+
+    def finish_reason(self, reason: str) -> str:
+        """``tool_calls`` (``function_call`` for legacy functions) when the reply stopped with calls."""
+        if self.tool_parser is None or self.tools is None:
+            return reason
+        return api_tools.finish_reason(reason, self.tool_parser.calls, self.tools.spec.legacy)
 
     def add(self, ev: TextDelta) -> dict[str, Any] | None:
         """Record a delta; returns the logprobs object for its own tokens (None when not asked).
@@ -579,11 +611,18 @@ class _ResponseContext:
         logprobs = self._logprobs_object() if self.logprobs else None
         if self.chat:
             assert self.reply is not None
+            message: dict[str, Any] = self.reply.message()
+            if self.tool_parser is not None and self.tools is not None:  # the content may hold tool calls
+                self.tool_parser.feed(message["content"])
+                self.tool_parser.finish()
+                message = {**api_tools.message(*self.tool_parser.result(), legacy=self.tools.spec.legacy),
+                           **({"reasoning_content": message["reasoning_content"]} if "reasoning_content" in message
+                              else {})}
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": self.reply.message(),
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": f.finish_reason,
+                "finish_reason": self.finish_reason(f.finish_reason),
             }
             obj = "chat.completion"
         else:

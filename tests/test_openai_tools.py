@@ -1,0 +1,208 @@
+"""Tool calls through the official ``openai`` client, on the real SmolLM2 (issue 21 §2).
+
+SmolLM2's own template knows no tools: the generic format (a JSON reply, tools described in a
+system message).  A Hermes/Qwen-style template given with ``--chat-template-file`` exercises the
+native path (tools rendered by the template, ``<tool_call>`` blocks, the lazy grammar of ``auto``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from .conftest import ServerProcess
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="sk-no-key-required", timeout=120, max_retries=0)
+
+
+def _args(call: object) -> dict:
+    args = json.loads(call.function.arguments)  # type: ignore[attr-defined]
+    assert isinstance(args, dict)
+    return args
+
+
+def _streamed(client: openai.OpenAI, **kw: object) -> tuple[str, list[dict], str | None]:
+    """Content, calls reassembled from the deltas (name first, then argument fragments), finish reason."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model="m", stream=True, **kw):  # type: ignore[call-overload]
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or ():
+            if tc.id is not None:
+                assert tc.index not in calls and tc.function.name and tc.function.arguments == ""
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+            else:
+                calls[tc.index]["arguments"] += tc.function.arguments
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_required_gives_a_valid_call(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, ADD], tool_choice="required",
+                                       max_tokens=64, temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    args = _args(call)
+    if call.function.name == "get_weather":
+        assert isinstance(args["city"], str) and args.get("unit", "celsius") in ("celsius", "fahrenheit")
+    else:
+        assert call.function.name == "add" and isinstance(args["a"], int) and isinstance(args["b"], int)
+
+
+def test_named_function_is_called(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, ADD],
+                                       tool_choice={"type": "function", "function": {"name": "add"}},
+                                       max_tokens=64, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add"
+    args = _args(call)
+    assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_calls_reassemble_to_the_whole_reply(client: openai.OpenAI) -> None:
+    kw = dict(messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=64, temperature=0)
+    whole = client.chat.completions.create(model="m", **kw)  # type: ignore[call-overload]
+    content, calls, finish = _streamed(client, **kw)
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_a_tool_result_turn_renders_and_answers(client: openai.OpenAI) -> None:
+    turn = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees"},
+    ]
+    r = client.chat.completions.create(model="m", messages=turn, tools=[WEATHER], max_tokens=48, temperature=0)
+    m = r.choices[0].message
+    # auto in the generic format: the grammar allows a call or a {"response": ...} reply, nothing else
+    assert m.tool_calls or (m.content and r.choices[0].finish_reason in ("stop", "length"))
+    content, calls, _ = _streamed(client, messages=turn, tools=[WEATHER], max_tokens=48, temperature=0)
+    assert content == (m.content or "")  # a {"response": ...} reply streams its text
+    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
+                                                             for c in m.tool_calls or ()]
+    assert r.usage.prompt_tokens > client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER], max_tokens=1, temperature=0).usage.prompt_tokens
+    # without tools in the request the history still renders (content: null, role tool)
+    r = client.chat.completions.create(model="m", messages=turn, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+def test_tool_choice_none_is_plain_text(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=16, temperature=0)
+    plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=16, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason != "tool_calls"
+    assert r.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_legacy_functions_are_mapped(server: ServerProcess) -> None:
+    body = {"messages": ASK, "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"},
+            "max_tokens": 48, "temperature": 0}
+    r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "function_call"
+    assert choice["message"]["function_call"]["name"] == "get_weather"
+    assert isinstance(json.loads(choice["message"]["function_call"]["arguments"])["city"], str)
+
+
+def test_bad_tools_are_400_naming_the_field(server: ServerProcess) -> None:
+    def bad(field: str, **kw: object) -> None:
+        r = httpx.post(server.base + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **kw}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(field), r.text
+
+    bad("tools", tools="get_weather")
+    bad("tools[0].function.name", tools=[{"type": "function", "function": {"parameters": {}}}])
+    bad("tools[0].function.parameters", tools=[{"type": "function", "function": {"name": "f", "parameters": 7}}])
+    bad("tools[0].function.parameters", tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"$ref": "#/$defs/none"}}}}}])
+    bad("tool_choice", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    bad("tool_choice", tool_choice="required")
+    bad("messages[1].tool_call_id", messages=ASK + [{"role": "tool", "content": "x"}])
+
+
+# --------------------------------------------------------------------------- a template with tools (Hermes/Qwen)
+HERMES = r"""{%- if tools %}{{- '<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\n<tools>' }}
+{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within '
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    '</tool_call><|im_end|>\n' }}{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}{{- '<|im_start|>assistant' }}
+{%- for tc in message.tool_calls %}{{- '\n<tool_call>\n{"name": "' + tc.function.name + '", "arguments": ' }}
+{{- tc.function.arguments | tojson }}{{- '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>\n' + message.content
+    + '\n</tool_response><|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}{%- endif %}
+{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory: pytest.TempPathFactory) -> openai.OpenAI:
+    d = tmp_path_factory.mktemp("hermes")
+    (d / "hermes.jinja").write_text(HERMES)
+    srv = ServerProcess(d / "server.log", "--chat-template-file", str(d / "hermes.jinja"), "-np", "1")
+    try:
+        srv.wait_ready()
+        yield openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0)
+    finally:
+        srv.stop()
+
+
+def test_hermes_template_required_and_streamed(hermes: openai.OpenAI) -> None:
+    kw = dict(messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=64, temperature=0)
+    r = hermes.chat.completions.create(model="m", **kw)  # type: ignore[call-overload]
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
+    _args(call)
+    content, calls, finish = _streamed(hermes, **kw)
+    assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
+        (call.function.name, call.function.arguments)]
+
+
+def test_hermes_auto_lazy_grammar_wakes_at_the_marker(hermes: openai.OpenAI) -> None:
+    """Few-shot history makes the model open a <tool_call>; the lazy grammar then holds it to the schema:
+    the only city it may name is Tokyo, although the user asks about London."""
+    tokyo = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Tokyo"]}}, "required": ["city"]}}}
+    msgs: list[dict] = []
+    for city in ("Paris", "Rome", "Berlin", "Madrid"):
+        msgs += [{"role": "user", "content": f"What is the weather in {city}?"},
+                 {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{city}", "type": "function",
+                  "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}]
+    msgs.append({"role": "user", "content": "What is the weather in London?"})
+    r = hermes.chat.completions.create(model="m", messages=msgs, tools=[tokyo], max_tokens=48, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and _args(call) == {"city": "Tokyo"}
+    # a tool-result turn in the template's own shape answers
+    msgs += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "Rain"}]
+    r = hermes.chat.completions.create(model="m", messages=msgs, tools=[tokyo], tool_choice="none",
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].message.content
