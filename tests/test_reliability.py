@@ -224,7 +224,7 @@ HOSTILE = [
     ({"max_tokens": 2**31}, "max_tokens"),
     ({"max_tokens": 10**30}, "max_tokens"),
     ({"n_predict": -2}, "n_predict"),
-    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"max_completion_tokens": -2}, "max_completion_tokens"),  # -1 is llama-server's "no limit"
     ({"stop": ["x"] * 17}, "stop"),
     ({"stop": ["y" * 513]}, "stop[0]"),
     ({"temperature": -0.5}, "temperature"),
