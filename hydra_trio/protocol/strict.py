@@ -295,7 +295,7 @@ def check_unicode(obj: Any) -> None:
             bad = _SURROGATE.search(v)
             if bad is not None:
                 where = _field_path(path) or "the payload"
-                raise NotUnicode(f"{where}: not valid Unicode: a lone surrogate U+{ord(bad.group()):04X} at "
+                raise NotUnicode(f"{where}: not valid Unicode (UTF-8 cannot encode it): a lone surrogate U+{ord(bad.group()):04X} at "
                                  f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
                                  "pair is fine, a surrogate alone is not)")
         elif isinstance(v, dict):
@@ -304,7 +304,7 @@ def check_unicode(obj: Any) -> None:
                 bad = _SURROGATE.search(k)
                 if bad is not None:
                     where = _field_path(path)
-                    raise NotUnicode(f"{where + ': ' if where else ''}key {_show(k)}: not valid Unicode: a lone "
+                    raise NotUnicode(f"{where + ': ' if where else ''}key {_show(k)}: not valid Unicode (UTF-8 cannot encode it): a lone "
                                      f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)")
             stack.extend((x, [*path, k]) for k, x in reversed(items))
         elif isinstance(v, list):
@@ -319,7 +319,7 @@ def loads(text: str | Bytes) -> Any:
         try:
             text = bytes(text).decode("utf-8").removeprefix("\ufeff")
         except UnicodeDecodeError as exc:
-            raise MessageError(f"payload is not valid UTF-8 (byte {exc.start})") from None
+            raise MessageError(f"payload is not valid UTF-8 ({exc})") from None
     try:
         obj = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
