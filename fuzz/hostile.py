@@ -23,6 +23,7 @@ from hydra_trio.engine.state import HEADER_SIZE
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
 from .findings import timeouts_are_findings
+from .strategies import SurrogateCase, http_surrogate_bodies, hydra_surrogate_payloads
 
 # field -> (JSON type, smallest accepted, largest accepted): hydra_trio.engine.settings' table
 BOUNDS: dict[str, tuple[str, float, float]] = {
@@ -146,6 +147,49 @@ class HostileRules(RuleBasedStateMachine):
         assert after[1]["n_past"] == meta["n_past"], "a refused blob changed the slot"
         n_tokens = struct.unpack_from("<I", blob, 8)[0]
         assert n_tokens == meta["n_past"] and len(blob) >= HEADER_SIZE
+
+    @rule(case=http_surrogate_bodies())
+    @timeouts_are_findings
+    def http_lone_surrogate(self, case: SurrogateCase) -> None:
+        """A lone surrogate in any string of any endpoint's body: 400 "not valid Unicode" (501 where the
+        endpoint is off on this node), and the node's settings are as they were."""
+        from . import live
+
+        live.STATS["http"] += 1
+        live.STATS["not_unicode"] = live.STATS.get("not_unicode", 0) + 1
+        before = _settings()
+        r = self.http.post(str(case.target), content=case.body, headers={"content-type": "application/json"})
+        if r.status_code != 501:
+            assert r.status_code == 400, (case, r.status_code, r.text)
+            assert "not valid Unicode" in r.json()["error"]["message"], (case, r.text)
+        assert _settings() == before, (case, "a refused request changed the node")
+
+    @rule(case=hydra_surrogate_payloads())
+    @timeouts_are_findings
+    def hydra_lone_surrogate(self, case: SurrogateCase) -> None:
+        """A lone surrogate in any string of a Hydra op's JSON: BAD_REQUEST "not valid Unicode", one reply,
+        and the node's settings are as they were."""
+        from . import live
+
+        live.STATS["hydra"] += 1
+        live.STATS["not_unicode"] = live.STATS.get("not_unicode", 0) + 1
+        before = _settings()
+        op, key = case.target  # type: ignore[misc]
+        got = live.hydra_exchange([encode_request(op, key=key, payload=case.body)])
+        assert got is not None, (case, "the connection closed without a reply")
+        assert got[0] == Status.BAD_REQUEST and "not valid Unicode" in got[1]["error"], (case, got[:2])
+        assert _settings() == before, (case, "a refused request changed the node")
+
+
+def _settings() -> dict[str, object]:
+    """What no refused request may change: INFO's sampling defaults, chunk size, mode, peer, n_ctx, slots."""
+    from . import live
+
+    got = live.hydra_exchange([encode_request(Op.INFO)])
+    assert got is not None and got[0] == Status.OK
+    meta = got[1]
+    return {k: meta.get(k) for k in ("sampling_defaults", "state_chunk_size", "mode", "peer_addr", "layer_split",
+                                     "n_ctx", "n_slots", "model_hash", "quant")}
 
 
 __all__ = ["BOUNDS", "HostileRules"]

@@ -9,6 +9,9 @@ fuzzers; ``examples/fuzz_my_node.py`` fuzzes a node of yours with them.
   :func:`chunk_cuts` / :func:`split_at` (a request in pieces).
 * HTTP: :func:`http_requests` (raw requests, valid or broken in one way, each
   ending with ``Connection: close``).
+* Text that is not Unicode (issue 22 §1): :func:`http_surrogate_bodies` and
+  :func:`hydra_surrogate_payloads` (:class:`SurrogateCase`: a body of every
+  endpoint / JSON op with a lone surrogate in one string, key or value).
 * ggml-RPC: :func:`ggml_rpc_hellos`, :func:`ggml_rpc_sessions` (valid
   :class:`RpcStep` sessions), :func:`ggml_rpc_mutants` (:class:`GgmlRpcMutant`),
   :func:`ggml_rpc_silent_openings`, :func:`ggml_rpc_truncated`.
@@ -46,7 +49,11 @@ __all__ = [
     "ggml_rpc_sessions",
     "ggml_rpc_silent_openings",
     "ggml_rpc_truncated",
+    "SurrogateCase",
     "http_requests",
+    "http_surrogate_bodies",
+    "hydra_surrogate_payloads",
+    "lone_surrogates",
     "nearly_valid_requests",
     "random_first_bytes",
     "split_at",
@@ -239,6 +246,164 @@ def http_requests(draw: st.DrawFn) -> bytes:
         return line + headers + b"Transfer-Encoding: chunked\r\n\r\n" + framed
     length = len(body) + {"short_length": -1, "long_length": 5}.get(kind, 0)
     return line + headers + f"Content-Length: {max(length, 0)}\r\n\r\n".encode() + body
+
+
+# --------------------------------------------------------------------------
+# Text that is not Unicode: a lone surrogate in any string of a JSON body (issue 22 §1)
+# --------------------------------------------------------------------------
+
+lone_surrogates = st.integers(0xD800, 0xDFFF).map(chr)
+"""One UTF-16 surrogate code point alone: JSON can spell it (``"\\ud800"``), Unicode text cannot hold it."""
+
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}}, "required": ["city"]}}}]
+
+HTTP_TEXT_BODIES: list[tuple[str, dict]] = [
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": "hi", "name": "ann"}],
+                              "max_tokens": 1, "stop": ["x"], "user": "u", "tools": _TOOLS, "tool_choice": "auto",
+                              "logit_bias": {"hello": 1}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                              "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "s", "schema": {"type": "object", "properties": {"k": {"type": "string"}}}}}}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": "x", "grammar": 'root ::= "a"'}),
+    ("/completion", {"prompt": ["a", "b"], "n_predict": 1, "json_schema": {"type": "string", "pattern": "a+"},
+                     "samplers": ["top_k", "temperature"], "dry_sequence_breakers": ["\n"]}),
+    ("/tokenize", {"content": "hi there", "with_pieces": True}),
+    ("/detokenize", {"tokens": [1, 2]}),
+    ("/apply-template", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+    ("/v1/embeddings", {"input": ["a", "b"], "model": "m", "encoding_format": "float"}),
+    ("/slots/0?action=save", {"filename": "fuzz.bin"}),
+    ("/slots/0?action=restore", {"filename": "fuzz.bin"}),
+]
+"""Bodies of every HTTP endpoint that reads JSON, each with several string fields (keys and values)."""
+
+HYDRA_TEXT_BODIES: list[tuple[int, str, dict]] = [
+    (Op.CONFIGURE, "", {"temperature": 0.7, "top_k": 40, "dry_sequence_breakers": ["\n", ":"], "cache_type_k": "f16"}),
+    (Op.DECODE, "0", {"n_predict": 2, "messages": [{"role": "user", "content": "hi"}], "stop": ["x"],
+                      "grammar": 'root ::= "a"'}),
+    (Op.DECODE, "1", {"n_predict": 2, "messages": None, "stop": ["x"], "logit_bias": {"a": 1}}),
+    (Op.PREFILL, "0", {"messages": [{"role": "system", "content": "s"},
+                                    {"role": "user", "content": [{"type": "text", "text": "t"}]}], "tools": _TOOLS}),
+    (Op.SET_EXPERT_MODE, "", {"mode": "solo", "peer": "127.0.0.1:1"}),
+    (Op.PIPELINE_ATTACH, "", {"peer": "127.0.0.1:1", "ot_split": "blk\\.1\\."}),
+]
+"""JSON payloads of every Hydra op that reads JSON: (op, key, body)."""
+
+
+@attrs.frozen
+class SurrogateCase:
+    """A body with a lone surrogate in one string: ``target`` (an HTTP path, or a Hydra op and key),
+    ``body`` (JSON bytes, the surrogate as its ``\\uXXXX`` escape) and ``site`` (where it is)."""
+
+    target: str | tuple[int, str]
+    body: bytes
+    site: str
+
+
+def _sites(v: object, path: str = "") -> list[tuple[str, bool]]:
+    """Every string of a JSON value: (path, is_key); paths as ``a.b[0]``."""
+    out: list[tuple[str, bool]] = []
+    if isinstance(v, str):
+        out.append((path, False))
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            sub = f"{path}.{k}" if path else k
+            out.append((sub, True))
+            out += _sites(x, sub)
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            out += _sites(x, f"{path}[{i}]")
+    return out
+
+
+def _spoil(v: object, path: str, is_key: bool, bad: object, here: str = "") -> object:
+    """``v`` with the string at ``path`` (a key when ``is_key``) replaced by ``bad(old)``."""
+    if isinstance(v, str):
+        return bad(v) if here == path and not is_key else v  # type: ignore[operator]
+    if isinstance(v, dict):
+        out = {}
+        for k, x in v.items():
+            sub = f"{here}.{k}" if here else k
+            out[bad(k) if is_key and sub == path else k] = _spoil(x, path, is_key, bad, sub)  # type: ignore[operator]
+        return out
+    if isinstance(v, list):
+        return [_spoil(x, path, is_key, bad, f"{here}[{i}]") for i, x in enumerate(v)]
+    return v
+
+
+@st.composite
+def _with_surrogate(draw: st.DrawFn, body: dict) -> tuple[bytes, str]:
+    """``body`` as JSON with a lone surrogate put into one of its strings, or into a key added at any depth."""
+    import json as _json
+
+    sites = _sites(body)
+    surrogate = draw(lone_surrogates)
+    how = draw(st.sampled_from(["insert", "replace", "then_ascii", "reversed_pair", "new_key"]))
+    if how == "new_key":
+        objects = [""] + [p for p, is_key in sites if is_key and isinstance(_get(body, p), dict)]
+        where = draw(st.sampled_from(objects))
+        key = draw(st.text(max_size=4)) + surrogate
+        value = draw(_json_values)
+        out = _add_key(body, where, key, value)
+        return _json.dumps(out).encode(), f"{where or '.'} new key"
+    path, is_key = draw(st.sampled_from(sites))
+
+    def bad(old: str) -> str:
+        at = draw(st.integers(0, len(old)))
+        piece = {"insert": surrogate, "replace": surrogate, "then_ascii": surrogate + "a",
+                 "reversed_pair": chr(0xDC00) + chr(0xD800)}[how]
+        return piece if how == "replace" else old[:at] + piece + old[at:]
+
+    out = _spoil(body, path, is_key, bad)
+    return _json.dumps(out).encode(), f"{path} ({'key' if is_key else 'value'}, {how})"
+
+
+def _get(v: object, path: str) -> object:
+    """The value at ``path`` (see :func:`_sites`)."""
+    for part in _split(path):
+        v = v[part]  # type: ignore[index]
+    return v
+
+
+def _split(path: str) -> list[str | int]:
+    import re
+
+    out: list[str | int] = []
+    for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", path):
+        out.append(int(index) if index else name)
+    return out
+
+
+def _add_key(body: dict, where: str, key: str, value: object) -> dict:
+    import copy
+
+    out = copy.deepcopy(body)
+    target: object = out
+    for part in _split(where) if where else []:
+        target = target[part]  # type: ignore[index]
+    assert isinstance(target, dict)
+    target[key] = value
+    return out
+
+
+@st.composite
+def http_surrogate_bodies(draw: st.DrawFn) -> SurrogateCase:
+    """A body of an HTTP endpoint that reads JSON (:data:`HTTP_TEXT_BODIES`) with a lone surrogate in one
+    string: the node answers 400 naming the field ("not valid Unicode"; 501 where the endpoint is off) and
+    changes nothing."""
+    path, body = draw(st.sampled_from(HTTP_TEXT_BODIES))
+    raw, site = draw(_with_surrogate(body))
+    return SurrogateCase(path, raw, site)
+
+
+@st.composite
+def hydra_surrogate_payloads(draw: st.DrawFn) -> SurrogateCase:
+    """A JSON payload of a Hydra op (:data:`HYDRA_TEXT_BODIES`) with a lone surrogate in one string: the node
+    answers BAD_REQUEST naming the field and changes nothing."""
+    op, key, body = draw(st.sampled_from(HYDRA_TEXT_BODIES))
+    raw, site = draw(_with_surrogate(body))
+    return SurrogateCase((int(op), key), raw, site)
 
 
 def ggml_rpc_hellos() -> st.SearchStrategy[bytes]:

@@ -576,6 +576,8 @@ def parse_body(raw: bytes, cls: type[Any]) -> Any:
     """
     try:
         data = msg.loads(raw)
+    except msg.NotUnicode:
+        raise  # it names the field already
     except RequestError as exc:
         raise RequestError(f"invalid JSON body: {str(exc).removeprefix('payload is not valid JSON: ')}") from None
     return structure_body(data, cls)

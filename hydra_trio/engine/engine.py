@@ -451,11 +451,15 @@ class Engine:
         Bounds: :mod:`hydra_trio.engine.settings` (the HTTP API's too).
         Raises ParameterError (an InvalidRequest) naming the field; nothing changes then.
         """
+        self.defaults, self.default_n_predict = self.check_defaults(**params)
+
+    def check_defaults(self, **params: Any) -> tuple[SamplingParams, int]:
+        """What :meth:`set_defaults` would apply, ``(defaults, n_predict)``, changing nothing: CONFIGURE
+        validates every tier before it applies any.  Raises ParameterError naming the field."""
+        params = dict(params)
         n_predict = params.pop("n_predict", self.default_n_predict)
         check_n_predict("n_predict", n_predict)
-        new = attrs.evolve(self.defaults, **params)  # validators check each field
-        self.defaults = new
-        self.default_n_predict = n_predict
+        return attrs.evolve(self.defaults, **params), n_predict  # validators check each field
 
     def reconfigure(
         self, *, n_ctx: int | None = None, n_parallel: int | None = None,

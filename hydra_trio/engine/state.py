@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import struct
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,8 @@ HEADER_SIZE = _HEADER.size  # 60 bytes: the part every version has
 _IDENT = struct.Struct("<32sI")  # version 3: identity hash, identity JSON length
 MAX_IDENTITY_JSON = 1 << 16  # bytes
 _CHECKSUM_AT = 52  # the u64 checksum: bytes 52..59
+
+log = logging.getLogger("hydra_trio.engine")
 
 
 class StateError(HydraTrioError):
@@ -367,15 +370,29 @@ def restore_slot(
         return Restored(0, same_file, same_layout)
     backup = save_slot(m, slot, model_hash)[1] if slot.n_past else None  # an empty slot needs no backup
     if not _apply_kv(m, id_slot, header, blob):
-        # llama.cpp cleared the sequence on failure: put the old state back
+        # llama.cpp cleared the sequence on failure: put the old state back, and check that it went back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
-        if backup is not None:
-            _apply_kv(m, id_slot, parse_header(backup), backup)
+        if backup is None or put_back(m, id_slot, backup):
+            raise StateError("llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
+                             slot_cleared=False)
+        # even the put-back failed: the slot must claim no token its KV cache does not hold
+        lost = len(slot.cache_tokens)
+        llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
+        slot.cache_tokens.clear()
+        log.error("slot %d: llama.cpp rejected a restored KV state and then the slot's own backup; the slot "
+                  "is cleared (%d tokens dropped)", id_slot, lost)
         raise StateError(
-            "llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
+            f"llama.cpp rejected the KV state (see the node's log), and putting the slot's previous state back "
+            f"failed too: the slot is now empty ({lost} tokens dropped)", slot_cleared=True, n_past=0,
         )
     slot.cache_tokens[:] = tokens
     return Restored(len(tokens), same_file, same_layout)
+
+
+def put_back(m: LoadedModel, id_slot: int, backup: bytearray) -> bool:
+    """Engine thread: restore a slot's own backup (:func:`save_slot` output) after a failed restore;
+    True when the KV cache holds the backup's tokens again (the backup is consumed)."""
+    return _apply_kv(m, id_slot, parse_header(backup), backup)
 
 
 def _check_empty_kv(header: BlobHeader, kv: memoryview) -> None:

@@ -349,44 +349,55 @@ def info_meta(node: Node) -> dict[str, Any]:
 
 
 async def configure(ctx: OpContext) -> None:
-    """CONFIGURE (hydra-protocol.md §3): T1 at once; T2 / T3 through the control channel, slots idle."""
+    """CONFIGURE (hydra-protocol.md §3), whole or nothing: every key is checked first (types, tier-1
+    bounds, tier-2/3 keys this node supports, the model named); tiers 2 / 3 then go through the
+    control channel (every slot idle), and tier 1 applies only once they have.  A refused request
+    (BAD_REQUEST, BUSY, ERROR: ``success`` false, ``params_applied`` empty) changes nothing."""
     e = ctx.engine()
     params = ctx.parse(msg.parse_configure).params
     try:
         t1, t2, t3, unknown = msg.classify_configure_keys(params)
     except msg.MessageError as exc:
         raise Reply(Status.BAD_REQUEST, str(exc)) from None
-    applied: dict[str, Any] = {}
-    meta: dict[str, Any] = {}
-    if "state_chunk_size" in t1:
-        size = msg.clamp_state_chunk_size(t1.pop("state_chunk_size"))
-        ctx.node.state_chunk_size = size
-        meta["state_chunk_size_applied"] = size
-        applied["state_chunk_size"] = size
-    if "allow_cross_model_kv" in t1:
-        e.allow_cross_model_kv = applied["allow_cross_model_kv"] = t1.pop("allow_cross_model_kv")
-    if t1:
-        e.set_defaults(**t1)
-        applied.update(t1)
-    deferred = sorted([*t2, *t3])
     tier = 3 if t3 else 2 if t2 else 1
+    deferred = sorted([*t2, *t3])
+    chunk = msg.clamp_state_chunk_size(t1.pop("state_chunk_size")) if "state_chunk_size" in t1 else None
+    cross_model_kv = t1.pop("allow_cross_model_kv", None)
+    changes: dict[str, Any] = {k: t2[k] for k in ("n_ctx", "n_parallel") if k in t2}
+    # 1. check everything, change nothing
+    try:
+        if t1:
+            e.check_defaults(**t1)
+        unsupported = sorted((set(t2) | set(t3)) - {"n_ctx", "n_parallel", "model_path", "model"})
+        if unsupported:
+            raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this node (CPU only, default KV types)")
+        target = t3.get("model_path") or t3.get("model")
+        if target is not None:  # the engine gets a resolved path (a file, or a preset's file)
+            changes["model_path"], changes["model_alias"] = resolve_model(str(target))
+    except HydraTrioError as exc:
+        raise reply_for(exc, success=False, params_applied={}, tier=tier) from None
+    # 2. tiers 2 / 3, which can still be refused (BUSY: a slot works; llama.cpp refusing the settings)
+    result: dict[str, Any] = {}
     if t2 or t3:
-        changes: dict[str, Any] = {k: t2[k] for k in ("n_ctx", "n_parallel") if k in t2}
         assert ctx.node.control is not None
         try:
-            unsupported = sorted((set(t2) | set(t3)) - {"n_ctx", "n_parallel", "model_path", "model"})
-            if unsupported:
-                raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this node (CPU only, default KV types)")
-            target = t3.get("model_path") or t3.get("model")
-            if target is not None:  # the engine gets a resolved path (a file, or a preset's file)
-                changes["model_path"], changes["model_alias"] = resolve_model(str(target))
             result = await ctx.node.control.submit(
                 Change("configure " + ",".join(deferred), lambda eng: eng.reconfigure(**changes), ctx.req.trace_id)
             )
         except HydraTrioError as exc:
-            raise reply_for(exc, success=False, params_applied=applied, tier=tier) from None
-        applied.update(result)
+            raise reply_for(exc, success=False, params_applied={}, tier=tier) from None
         deferred = []
+    # 3. tier 1: checked above (a field's bounds do not depend on the others), so it cannot fail now
+    applied: dict[str, Any] = {}
+    meta: dict[str, Any] = {}
+    if chunk is not None:
+        ctx.node.state_chunk_size = meta["state_chunk_size_applied"] = applied["state_chunk_size"] = chunk
+    if cross_model_kv is not None:
+        e.allow_cross_model_kv = applied["allow_cross_model_kv"] = cross_model_kv
+    if t1:
+        e.set_defaults(**t1)
+        applied.update(t1)
+    applied.update(result)
     meta.update(success=True, tier=tier, params_applied=applied, deferred_keys=deferred, unrecognized_keys=unknown)
     await ctx.reply(meta)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeAlias
@@ -308,10 +309,19 @@ def encode_request(
     return encode_request_header(op, key, trace_id, len(payload), flags) + bytes(payload)
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _meta_bytes(meta: Mapping[str, Any]) -> bytes:
     if not isinstance(meta, Mapping):
         raise TypeError(f"meta must be a mapping, got {type(meta).__name__}")
-    b = json.dumps(meta, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    text = json.dumps(meta, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        b = text.encode("utf-8")
+    except UnicodeEncodeError:
+        # a lone surrogate (requests refuse them: strict.check_unicode) must not make the reply
+        # unsendable: it goes out as the text "\\udXXX" (a surrogate occurs only inside JSON strings)
+        b = _LONE_SURROGATE.sub(lambda m: f"\\\\u{ord(m.group()):04x}", text).encode("utf-8")
     if len(b) > MAX_META_LEN:
         raise ValueError(f"meta JSON is {len(b)} bytes, at most {MAX_META_LEN} fit")
     return b

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, TypeAlias, TypeVar, get_args
 
@@ -249,14 +250,86 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
-def loads(text: str | bytes) -> Any:
-    """Strict JSON (no NaN / Infinity); raises MessageError, also for invalid UTF-8 and nesting too deep to parse."""
+class NotUnicode(MessageError):
+    """A JSON string (a key or a value) that is not Unicode text: it holds a lone surrogate
+    (``"\\ud800"``, a high surrogate without its low one, a low one alone).  The message names
+    the field, e.g. ``"messages[0].content: not valid Unicode: ..."``."""
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")  # a \uD800..\uDFFF escape (or text that looks like one)
+
+
+def _show(s: str) -> str:
+    """``s`` quoted for an error message, lone surrogates (and other non-printables) escaped:
+    the message itself must encode as UTF-8."""
+    if len(s) > 40:
+        s = s[:40] + "..."
+    return json.dumps(s)
+
+
+def _field_path(parts: list[str | int]) -> str:
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif _SURROGATE.search(p) is None and p.isidentifier():
+            out += f".{p}" if out else p
+        else:
+            out += f"[{_show(p)}]"
+    return out
+
+
+def check_unicode(obj: Any) -> None:
+    """Every string of decoded JSON ``obj``, keys and values at any depth, must be Unicode text
+    (encodable as UTF-8): the node's one policy for text that comes in (README, Security).
+
+    Raises:
+        NotUnicode: the first string holding a lone surrogate, naming its field
+            (``messages[0].content``, ``tools[0].function.parameters["\\ud800"]`` for a key).
+    """
+    stack: list[tuple[Any, list[str | int]]] = [(obj, [])]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            bad = _SURROGATE.search(v)
+            if bad is not None:
+                where = _field_path(path) or "the payload"
+                raise NotUnicode(f"{where}: not valid Unicode (UTF-8 cannot encode it): a lone surrogate U+{ord(bad.group()):04X} at "
+                                 f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
+                                 "pair is fine, a surrogate alone is not)")
+        elif isinstance(v, dict):
+            items = list(v.items())
+            for k, _ in items:
+                bad = _SURROGATE.search(k)
+                if bad is not None:
+                    where = _field_path(path)
+                    raise NotUnicode(f"{where + ': ' if where else ''}key {_show(k)}: not valid Unicode (UTF-8 cannot encode it): a lone "
+                                     f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)")
+            stack.extend((x, [*path, k]) for k, x in reversed(items))
+        elif isinstance(v, list):
+            stack.extend((x, [*path, i]) for i, x in reversed(list(enumerate(v))))
+
+
+def loads(text: str | Bytes) -> Any:
+    """Strict JSON (no NaN / Infinity, Unicode text only); raises MessageError, also for invalid
+    UTF-8 (bytes are read as UTF-8, a leading BOM skipped) and nesting too deep to parse, and
+    :class:`NotUnicode` naming the field for a string with a lone surrogate (:func:`check_unicode`)."""
+    if not isinstance(text, str):
+        try:
+            text = bytes(text).decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError as exc:
+            raise MessageError(f"payload is not valid UTF-8 ({exc})") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        obj = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise MessageError(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
         raise MessageError("payload is not valid JSON: nested too deeply") from None
+    # the walk only when the text may hold a surrogate: escaped, or raw (a str argument)
+    if _SURROGATE_ESCAPE.search(text) is not None or _SURROGATE.search(text) is not None:
+        check_unicode(obj)
+    return obj
 
 
 def load_json_object(payload: Bytes) -> dict[str, Any]:
