@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 
 import attrs
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
 from ..engine.requests import CompletionJob
+from .json_schema import SchemaError, schema_to_gbnf
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
 
 
@@ -133,7 +133,8 @@ def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> 
 def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The request's output constraint as GBNF, checked by llama.cpp's parser (llama-server's fields:
     ``grammar`` as GBNF, ``json_schema`` / ``response_format`` as a JSON schema converted by
-    llama-cpp-python's ``json_schema_to_gbnf``; an empty schema means any JSON object).
+    :func:`hydra_trio.api.json_schema.schema_to_gbnf`, which refuses what it cannot enforce and
+    what is over its limits; an empty schema means any JSON object).
 
     Raises RequestError naming the field.
     """
@@ -142,9 +143,9 @@ def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) ->
     if schema is not None:
         field = "json_schema" if body.json_schema is not None else "response_format"
         try:
-            gbnf = JSON_GBNF if schema in ({}, {"type": "object"}) else json_schema_to_gbnf(json.dumps(schema))
-        except Exception as exc:  # the converter raises anything from KeyError to RecursionError
-            raise RequestError(f"{field}: the JSON schema cannot be turned into a grammar: {exc!r}"[:500]) from None
+            gbnf = JSON_GBNF if schema in ({}, {"type": "object"}) else schema_to_gbnf(schema)
+        except SchemaError as exc:
+            raise RequestError(f"{field}: {exc}"[:1000]) from None
     if gbnf is None:
         return None
     try:
