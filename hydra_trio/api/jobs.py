@@ -26,7 +26,8 @@ def job_from_chat(
     prompt, extra_stop = chat_prompt(e, body)
     m = e.solo_model or e.model
     assert m is not None
-    tokens = m.chat_prompt_tokens(prompt)
+    # a prompt that cannot fit is refused while tokenizing (or before, from its length alone)
+    tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
     return _job(e, body, tokens, stop, n_predict, id_slot)
 
@@ -58,7 +59,7 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     if body.prompt is None:
         tokens = [m.bos_id if m.bos_id >= 0 else m.eos_id]
     elif isinstance(body.prompt, str):
-        tokens = m.tokenize(body.prompt, add_special=True, parse_special=True)
+        tokens = m.tokenize(body.prompt, add_special=True, parse_special=True, limit=e.n_ctx_slot or None)
     else:
         tokens = []
         for i, part in enumerate(body.prompt):

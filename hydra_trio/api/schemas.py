@@ -30,6 +30,10 @@ RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
 
 MAX_TOP_LOGPROBS = 20
+MAX_MESSAGES = 10000
+"""Most ``messages`` in one chat body (400 beyond)."""
+MAX_CONTENT_PARTS = 1024
+"""Most content parts in one message (400 beyond)."""
 LOGIT_BIAS_MAX = 100.0
 
 
@@ -279,6 +283,8 @@ class ChatCompletionRequest(_GenerationFields):
         super().check()
         if not self.messages:
             raise RequestError("messages: at least one message is required")
+        if len(self.messages) > MAX_MESSAGES:
+            raise RequestError(f"messages: at most {MAX_MESSAGES} messages (MAX_MESSAGES), got {len(self.messages)}")
         if self.tools:
             raise RequestError("tools: tool calling is not supported by this server")
         if self.tool_choice not in (None, "none", "auto"):
@@ -398,6 +404,8 @@ def _content(v: Any, _t: Any) -> str | None:
     if v is None or isinstance(v, str):
         return v
     if isinstance(v, list):
+        if len(v) > MAX_CONTENT_PARTS:
+            raise msg.TypeMismatch(f"at most {MAX_CONTENT_PARTS} content parts (MAX_CONTENT_PARTS), got {len(v)}")
         texts = []
         for i, part in enumerate(v):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
