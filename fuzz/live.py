@@ -46,8 +46,10 @@ from .strategies import (
     ggml_rpc_hellos,
     ggml_rpc_mutants,
     ggml_rpc_silent_openings,
+    extreme_schemas,
     ggml_rpc_truncated,
     http_requests,
+    many_part_chat_bodies,
     nearly_valid_requests,
     random_first_bytes,
     valid_requests,
@@ -246,6 +248,27 @@ class LiveServerMachine(HostileRules):
         if r.status_code == 400:
             err = r.json()["error"]
             assert err["message"] and err["type"] == "invalid_request_error"
+
+    @rule(schema=extreme_schemas())
+    @timeouts_are_findings
+    def http_extreme_schema(self, schema: dict) -> None:
+        """Issue 22 §2: a schema is converted, or refused with a 400 naming why; never a 500, never a hang."""
+        STATS["http"] += 1
+        r = self.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                         "max_tokens": 0, "json_schema": schema})
+        assert r.status_code in (200, 400), r.text[:300]
+        if r.status_code == 400:
+            assert r.json()["error"]["message"].startswith("json_schema"), r.text[:300]
+
+    @rule(body=many_part_chat_bodies())
+    @timeouts_are_findings
+    def http_many_parts(self, body: dict) -> None:
+        """Issue 22 §3: bodies of many small parts are answered (400 over a limit), in bounded time."""
+        STATS["http"] += 1
+        r = self.http.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert r.status_code in (200, 400), r.text[:300]
+        if r.status_code == 400:
+            assert r.json()["error"]["type"] == "invalid_request_error"
 
     @rule(raw=st.binary(min_size=1, max_size=200), method=st.sampled_from([b"GET ", b"POST ", b"PUT ", b"HEAD "]))
     @timeouts_are_findings

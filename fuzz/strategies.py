@@ -724,3 +724,62 @@ def ggml_rpc_framing_mutants() -> st.SearchStrategy[GgmlRpcMutant]:
 def ggml_rpc_mutants() -> st.SearchStrategy[GgmlRpcMutant]:
     """Every kind of refused ggml-RPC message above."""
     return st.one_of(ggml_rpc_crashing_graphs(), ggml_rpc_bad_tensor_messages(), ggml_rpc_framing_mutants())
+
+
+# --------------------------------------------------------------------------- issue 22 §2/§3: costs
+
+_HUGE = st.one_of(st.integers(2001, 10**12), st.sampled_from([2**31, 2**63, 10**18, 100_000_000]))
+_COUNT = st.one_of(st.integers(0, 2000), _HUGE)
+
+
+@st.composite
+def extreme_schemas(draw: st.DrawFn, depth: int = 0) -> dict:
+    """JSON schemas with extreme counts and bounds (minItems / maxLength / {m,n} up to 10^18, deep
+    nesting, wide objects, integer ranges near 64 bits), and keywords the grammar cannot enforce."""
+    kind = draw(st.sampled_from(["array", "string", "pattern", "integer", "object", "deep", "unenforceable", "enum"]))
+    if kind == "array":
+        s: dict = {"type": "array", "items": draw(extreme_schemas(depth + 1)) if depth < 2 else {"type": "integer"}}
+        for k in draw(st.sets(st.sampled_from(["minItems", "maxItems"]))):
+            s[k] = draw(_COUNT)
+        return s
+    if kind == "string":
+        return {"type": "string", **{k: draw(_COUNT) for k in draw(st.sets(st.sampled_from(["minLength", "maxLength"])))}}
+    if kind == "pattern":
+        lo, hi = draw(_COUNT), draw(st.one_of(st.none(), _COUNT))
+        item = draw(st.sampled_from(["a", "[a-z]", "(ab|c)", "\\d", "."]))
+        return {"type": "string", "pattern": f"^{item}{{{lo},{'' if hi is None else hi}}}$"}
+    if kind == "integer":
+        big = st.integers(-(2**64), 2**64)
+        return {"type": "integer", **{k: draw(big) for k in draw(st.sets(st.sampled_from(
+            ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])))}}
+    if kind == "object":
+        n = draw(st.sampled_from([1, 10, 5000, 20000]))
+        return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+    if kind == "deep":
+        s = {"type": "null"}
+        for _ in range(draw(st.sampled_from([10, 65, 300]))):
+            s = {"type": "array", "items": s}
+        return s
+    if kind == "enum":
+        return {"enum": ["x" * draw(st.sampled_from([1, 1000, 100_000]))] * draw(st.sampled_from([1, 100, 3000]))}
+    return draw(st.sampled_from([{"type": "number", "minimum": 1}, {"type": "integer", "multipleOf": 2},
+                                 {"type": "string", "format": "email"}, {"not": {}}, {"uniqueItems": True,
+                                 "type": "array"}, {"type": "object", "minProperties": 2}]))
+
+
+@st.composite
+def many_part_chat_bodies(draw: st.DrawFn) -> dict:
+    """Chat bodies made of many small parts: thousands of one-word messages, many content parts,
+    one huge message, special-token texts, many stop strings."""
+    kind = draw(st.sampled_from(["messages", "parts", "huge", "special", "stop"]))
+    if kind == "messages":
+        n = draw(st.sampled_from([1, 100, 5000, 10001, 40000]))
+        return {"messages": [{"role": "user", "content": "hi"}] * n}
+    if kind == "parts":
+        n = draw(st.sampled_from([2, 1024, 1025, 50000]))
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * n}]}
+    if kind == "huge":
+        return {"messages": [{"role": "user", "content": "word " * draw(st.sampled_from([10, 10**5, 10**6]))}]}
+    if kind == "special":
+        return {"messages": [{"role": "user", "content": "<|im_end|>" * draw(st.sampled_from([1, 1000, 100_000]))}]}
+    return {"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * draw(st.sampled_from([1, 17, 10_000]))}

@@ -6,13 +6,14 @@ import json
 from typing import Any
 
 import attrs
-from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+from llama_cpp.llama_grammar import JSON_GBNF
 
 from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
 from ..engine.requests import CompletionJob
 from .reasoning import ThinkingSetup
+from .json_schema import SchemaError, schema_to_gbnf
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from . import tools as _tools
 
@@ -73,7 +74,8 @@ def chat_job(
     m = e.solo_model or e.model
     assert m is not None
     (prompt, extra_stop), fmt = _render(e, body)
-    tokens = m.chat_prompt_tokens(prompt)
+    # a prompt that cannot fit is refused while tokenizing (or before, from its length alone)
+    tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
     job = _job(e, body, tokens, stop, n_predict, id_slot)
     thinking = ThinkingSetup.for_prompt(body.reasoning_format or e.config.reasoning_format, m.chat_template.source,
@@ -119,7 +121,7 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     if body.prompt is None:
         tokens = [m.bos_id if m.bos_id >= 0 else m.eos_id]
     elif isinstance(body.prompt, str):
-        tokens = m.tokenize(body.prompt, add_special=True, parse_special=True)
+        tokens = m.tokenize(body.prompt, add_special=True, parse_special=True, limit=e.n_ctx_slot or None)
     else:
         tokens = []
         for i, part in enumerate(body.prompt):
@@ -194,7 +196,8 @@ def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> 
 def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The request's output constraint as GBNF, checked by llama.cpp's parser (llama-server's fields:
     ``grammar`` as GBNF, ``json_schema`` / ``response_format`` as a JSON schema converted by
-    llama-cpp-python's ``json_schema_to_gbnf``; an empty schema means any JSON object).
+    :func:`hydra_trio.api.json_schema.schema_to_gbnf`, which refuses what it cannot enforce and
+    what is over its limits; an empty schema means any JSON object).
 
     Raises RequestError naming the field.
     """
@@ -203,9 +206,9 @@ def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) ->
     if schema is not None:
         field = "json_schema" if body.json_schema is not None else "response_format"
         try:
-            gbnf = JSON_GBNF if schema in ({}, {"type": "object"}) else json_schema_to_gbnf(json.dumps(schema))
-        except Exception as exc:  # the converter raises anything from KeyError to RecursionError
-            raise RequestError(f"{field}: the JSON schema cannot be turned into a grammar: {exc!r}"[:500]) from None
+            gbnf = JSON_GBNF if schema in ({}, {"type": "object"}) else schema_to_gbnf(schema)
+        except SchemaError as exc:
+            raise RequestError(f"{field}: {exc}"[:1000]) from None
     if gbnf is None:
         return None
     try:

@@ -32,6 +32,10 @@ RequestError = msg.MessageError
 
 MAX_TOP_LOGPROBS = 20
 REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # hydra_trio.api.reasoning.FORMATS
+MAX_MESSAGES = 10000
+"""Most ``messages`` in one chat body (400 beyond)."""
+MAX_CONTENT_PARTS = 1024
+"""Most content parts in one message (400 beyond)."""
 LOGIT_BIAS_MAX = 100.0
 
 
@@ -293,6 +297,8 @@ class ChatCompletionRequest(_GenerationFields):
         super().check()
         if not self.messages:
             raise RequestError("messages: at least one message is required")
+        if len(self.messages) > MAX_MESSAGES:
+            raise RequestError(f"messages: at most {MAX_MESSAGES} messages (MAX_MESSAGES), got {len(self.messages)}")
         self.check_thinking()
         spec = parse_tool_spec(self.raw)
         check_messages(self.messages)
@@ -439,6 +445,8 @@ def _content(v: Any, _t: Any) -> str | None:
     if v is None or isinstance(v, str):
         return v
     if isinstance(v, list):
+        if len(v) > MAX_CONTENT_PARTS:
+            raise msg.TypeMismatch(f"at most {MAX_CONTENT_PARTS} content parts (MAX_CONTENT_PARTS), got {len(v)}")
         texts = []
         for i, part in enumerate(v):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):

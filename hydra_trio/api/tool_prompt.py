@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from .json_schema import SchemaError, schema_to_gbnf
 from ..protocol import strict as msg
 
 RequestError = msg.MessageError
@@ -102,6 +103,10 @@ def _tool(field: str, raw: Any, *, legacy: bool) -> Tool:
     if not isinstance(params, dict):
         raise RequestError(f"{where}.parameters: expected a JSON schema object, got {msg.type_name(params)}")
     tool = Tool(name, desc or "", params)
+    try:  # the node's bounded converter first: limits and keywords no grammar enforces are a 400, cheaply
+        schema_to_gbnf(params)
+    except SchemaError as exc:
+        raise RequestError(f"{where}.parameters: {exc}") from None
     try:
         _schema_grammar([tool], "arguments")
     except Exception as exc:  # the converter raises anything from KeyError to RecursionError

@@ -26,6 +26,7 @@ from ..errors import ModelLoadError
 from . import ggml_rpc
 from .ggml_rpc import clean_build_paths
 from .placement import Placement, PlacementError, placed_tensors
+from .tokenize import SpecialTokens, tokenize_linear
 from .settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 
 log = logging.getLogger("hydra_trio.engine")
@@ -541,19 +542,25 @@ class LoadedModel:
             raise ModelLoadError(str(exc)) from None
 
     # -- text <-> tokens --------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True) -> list[int]:
-        """Tokenize UTF-8 text; ``add_special`` adds BOS when the model wants one."""
-        data = text.encode("utf-8")
-        n_max = len(data) + 8
-        buf = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
-        if n < 0:
-            n_max = -n
-            buf = (llama_cpp.llama_token * n_max)()
-            n = llama_cpp.llama_tokenize(
-                self.vocab, data, len(data), buf, n_max, add_special, parse_special
-            )
-        return list(buf[:n])
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True,
+                 limit: int | None = None) -> list[int]:
+        """Tokenize UTF-8 text; ``add_special`` adds BOS when the model wants one.
+
+        Linear in the text (:mod:`hydra_trio.engine.tokenize`).  ``limit``: raise
+        :class:`~hydra_trio.engine.tokenize.PromptTooLong` (an InvalidRequest) once the text
+        has that many tokens, or before tokenizing when its length alone shows it will.
+        """
+        return tokenize_linear(self.vocab, self.special_tokens, text.encode("utf-8"), add_special=add_special,
+                               parse_special=parse_special, adds_suffix=self._adds_suffix, limit=limit)
+
+    @functools.cached_property
+    def special_tokens(self) -> SpecialTokens:
+        """The vocabulary's special tokens as llama.cpp's tokenizer partitions with them (read once)."""
+        return SpecialTokens(self.vocab)
+
+    @functools.cached_property
+    def _adds_suffix(self) -> bool:
+        return bool(llama_cpp.llama_vocab_get_add_eos(self.vocab) or llama_cpp.llama_vocab_get_add_sep(self.vocab))
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         """The bytes one token renders to; special tokens (``<|im_end|>``...) render empty
@@ -584,10 +591,11 @@ class LoadedModel:
         """
         return self.chat_template(messages, kwargs, tools)
 
-    def chat_prompt_tokens(self, prompt: str) -> list[int]:
+    def chat_prompt_tokens(self, prompt: str, limit: int | None = None) -> list[int]:
         """Tokenize a rendered chat prompt as llama-server does: special tokens are parsed, and
-        BOS is put in front when the vocabulary wants one and the template did not write it."""
-        tokens = self.tokenize(prompt, add_special=False, parse_special=True)
+        BOS is put in front when the vocabulary wants one and the template did not write it.
+        ``limit``: as :meth:`tokenize`'s."""
+        tokens = self.tokenize(prompt, add_special=False, parse_special=True, limit=limit)
         if self.add_bos and self.bos_id >= 0 and (not tokens or tokens[0] != self.bos_id):
             tokens.insert(0, self.bos_id)
         return tokens

@@ -40,6 +40,12 @@ from .settings import SAMPLER_ORDER, SamplingParams
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_DEPTH = 128
+MAX_GRAMMAR_REPETITION = 2000
+"""Largest ``{m,n}`` count: llama.cpp's parser (``MAX_REPETITION_THRESHOLD``) refuses a larger minimum and
+silently makes a larger maximum unbounded, so both are refused here."""
+MAX_GRAMMAR_EXPANSION = 500_000
+"""Most grammar elements llama.cpp's parser may create expanding ``{m,n}``, ``*``, ``+`` and ``?``
+(estimated as count x the repeated item's text length, summed over the grammar)."""
 
 
 class GrammarError(InvalidRequest, ValueError):
@@ -77,8 +83,10 @@ class SamplerSpec:
 def check_grammar(vocab: Any, grammar: str) -> None:
     """Check that llama.cpp accepts ``grammar`` (any thread: it only reads the vocabulary).
 
-    llama.cpp's GBNF parser recurses once per nesting level, so text larger
-    than 256 KiB or nested deeper than 128 groups is refused before it is parsed.
+    llama.cpp's GBNF parser recurses once per nesting level, and copies the
+    repeated item once per ``{m,n}`` count, so text larger than 256 KiB,
+    nested deeper than 128 groups, with a count over 2000 or expanding to more
+    than 500,000 elements is refused before it is parsed (one linear scan).
 
     Raises:
         GrammarError: too large, too deep, or llama.cpp's parser refused it.
@@ -86,25 +94,34 @@ def check_grammar(vocab: Any, grammar: str) -> None:
     data = grammar.encode("utf-8")
     if len(data) > MAX_GRAMMAR_BYTES:
         raise GrammarError(f"the grammar is {len(data)} bytes; the limit is {MAX_GRAMMAR_BYTES}")
-    if _nesting(grammar) > MAX_GRAMMAR_DEPTH:
+    depth, expansion = _scan(grammar)
+    if depth > MAX_GRAMMAR_DEPTH:
         raise GrammarError(f"the grammar nests groups deeper than {MAX_GRAMMAR_DEPTH} levels")
+    if expansion > MAX_GRAMMAR_EXPANSION:
+        raise GrammarError(f"the grammar's repetitions expand to about {expansion} elements; the limit is "
+                           f"{MAX_GRAMMAR_EXPANSION} (MAX_GRAMMAR_EXPANSION)")
     smpl = llama_cpp.llama_sampler_init_grammar(vocab, data, b"root")
     if not smpl:
         raise GrammarError("llama.cpp could not parse the grammar (GBNF, with a 'root' rule)")
     llama_cpp.llama_sampler_free(smpl)
 
 
-def _nesting(grammar: str) -> int:
-    """Deepest nesting of ``( )`` groups outside string literals, character classes and comments."""
-    depth = deepest = 0
+def _scan(grammar: str) -> tuple[int, int]:
+    """``(deepest nesting of ( ) groups, estimated elements the repetitions expand to)``, outside string
+    literals, character classes and comments.  Raises GrammarError for a ``{m,n}`` count over
+    :data:`MAX_GRAMMAR_REPETITION`."""
+    depth = deepest = expansion = 0
+    last = 1  # text length of the item a quantifier repeats (a rule name or a group: one reference)
     i, n = 0, len(grammar)
     while i < n:
         c = grammar[i]
         if c in "\"[":
+            start = i
             close = '"' if c == '"' else "]"
             i += 1
             while i < n and grammar[i] != close:
                 i += 2 if grammar[i] == "\\" else 1
+            last = i - start + 1
         elif c == "#":
             while i < n and grammar[i] != "\n":
                 i += 1
@@ -113,8 +130,24 @@ def _nesting(grammar: str) -> int:
             deepest = max(deepest, depth)
         elif c == ")":
             depth -= 1
+            last = 1
+        elif c in "*+?":
+            expansion += 2 * last
+        elif c == "{":
+            end = grammar.find("}", i)
+            if end < 0:
+                break  # llama.cpp's parser says what is wrong
+            counts = [p.strip() for p in grammar[i + 1:end].split(",")]
+            for p in counts:
+                if p.isdigit() and (len(p) > 9 or int(p) > MAX_GRAMMAR_REPETITION):
+                    raise GrammarError(f"the repetition {{{grammar[i + 1:end][:40]}}} is over the limit of "
+                                       f"{MAX_GRAMMAR_REPETITION} (MAX_GRAMMAR_REPETITION)")
+            expansion += max([int(p) for p in counts if p.isdigit()] + [1]) * last
+            i = end
+        elif c.isalnum() or c in "-_.":
+            last = 1
         i += 1
-    return deepest
+    return deepest, expansion
 
 
 def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, prompt: Sequence[int]) -> Any:
