@@ -130,6 +130,13 @@ def memory_use(e: Engine) -> dict[str, dict[str, int]]:
     return out
 
 
+def model_kwargs(config: EngineConfig) -> dict[str, Any]:
+    """The :class:`LoadedModel` keyword arguments every model of this engine is built with (SOLO at start
+    and on reload, COMBINED, PIPELINE) besides its path, context and slots."""
+    return {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,
+            "options": config.llama, "chat_template_kwargs": config.chat_template_kwargs}
+
+
 class Engine:
     """N slots over one llama.cpp context, served by one worker thread.
 
@@ -158,12 +165,8 @@ class Engine:
         """Sampling settings for the fields a request leaves out (``EngineConfig.sampling``; CONFIGURE tier 1)."""
         self.default_n_predict = config.n_predict
         """Tokens for a request that sets no budget (``EngineConfig.n_predict``, -1: until done; CONFIGURE tier 1)."""
-        self.experts = ExpertModes(
-            config.peer, config.combined_pattern, self.stats,
-            {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,
-             "options": config.llama, "chat_template_kwargs": config.chat_template_kwargs},
-            events=self.events,
-        )
+        self.experts = ExpertModes(config.peer, config.combined_pattern, self.stats, model_kwargs(config),
+                                   events=self.events)
         self.scheduler: Scheduler | None = None
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = False
@@ -310,11 +313,8 @@ class Engine:
                     bar.update(p * size)
                     return not self._stop  # False aborts the load (shutdown during load)
 
-                model = LoadedModel(
-                    cfg.model_path, n_ctx=cfg.n_ctx, n_parallel=cfg.n_parallel, n_batch=cfg.n_batch,
-                    n_threads=cfg.n_threads, progress=on_load, chat_template=cfg.chat_template,
-                    log_chat_template=True, options=cfg.llama, chat_template_kwargs=cfg.chat_template_kwargs,
-                )
+                model = LoadedModel(cfg.model_path, n_ctx=cfg.n_ctx, n_parallel=cfg.n_parallel, progress=on_load,
+                                    log_chat_template=True, **self.experts.model_kwargs)
             self.experts.set_solo(model)
             self.progress = 1.0
             self._set_stage(Stage.HASHING_MODEL)
