@@ -24,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -69,7 +70,8 @@ def main() -> None:
 
     port = free_port()
     env = {**os.environ, **({"OMP_WAIT_POLICY": "PASSIVE"} if a.passive else {})}
-    log = open(ROOT / ".bench-control-plane.log", "wb")
+    log_path = Path(tempfile.gettempdir()) / "hydra-bench-control-plane.log"
+    log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-c", str(a.ctx),
                              "-np", "2", "--log-level", "WARNING"],
                             cwd=a.server_cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -78,7 +80,7 @@ def main() -> None:
         wait_healthy(port, proc)
         http = httpx.Client(base_url=base, timeout=300)
         text, n_prompt = make_prompt(http, a.tokens)
-        print(f"node on :{port} (cwd {a.server_cwd}); prompt {n_prompt} tokens on slot 0, -c {a.ctx} -np 2", flush=True)
+        print(f"node on :{port} (cwd {a.server_cwd}, log {log_path}); prompt {n_prompt} tokens on slot 0, -c {a.ctx} -np 2", flush=True)
         r = http.post("/completion", json={"prompt": "A short note in slot one.", "n_predict": 4, "id_slot": 1,
                                            "temperature": 0})
         r.raise_for_status()
