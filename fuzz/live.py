@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
 import time
 
 import httpx
@@ -43,6 +44,7 @@ from .strategies import (
     Mutant,
     Req,
     RpcStep,
+    StatusRead,
     ggml_rpc_hellos,
     ggml_rpc_mutants,
     ggml_rpc_silent_openings,
@@ -50,14 +52,20 @@ from .strategies import (
     ggml_rpc_truncated,
     http_requests,
     many_part_chat_bodies,
+    long_prompts,
     nearly_valid_requests,
     random_first_bytes,
+    status_reads,
     valid_requests,
 )
 
 TIMEOUT = 60.0  # seconds any single exchange may take: generous, so that only a hang reaches it
+STATUS_READ_LIMIT = 10.0
+"""Seconds a status read may take while a slot evaluates a long prompt: it answers from the engine's
+snapshot, so only a read that waits for the engine thread (a batch, or the whole prefill) gets near it."""
 TARGET: dict[str, object] = {"port": None, "n_slots": 2}
-STATS: dict[str, int] = {"examples": 0, "steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0}
+STATS: dict[str, int] = {"examples": 0, "steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0,
+                         "prefill_status_reads": 0}
 def configure(port: int, n_slots: int, timeout: float | None = None) -> None:
     """Point the machine at a server on 127.0.0.1:``port`` with ``n_slots`` slots (and a step timeout, seconds)."""
     global TIMEOUT
@@ -339,6 +347,79 @@ class LiveServerMachine(HostileRules):
         reply = hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])
         assert reply is not None
         assert reply[0] == (Status.OK if slot < int(TARGET["n_slots"]) else Status.NOT_FOUND)  # type: ignore[call-overload]
+
+    @rule(text=long_prompts(), slot=st.integers(0, 3), reads=status_reads(2))
+    @timeouts_are_findings
+    def status_reads_during_prefill(self, text: str, slot: int, reads: list[StatusRead]) -> None:
+        """Status reads while one slot evaluates a long prompt answer at once (from the engine's
+        snapshot) with consistent values: the other slots keep their ``n_past`` and stay idle, the busy
+        slot's ``n_past`` only grows, and once the completion returns every read shows its final
+        ``n_past`` (issue 22 §4)."""
+        STATS["http"] += 1
+        n_slots = int(TARGET["n_slots"])  # type: ignore[call-overload]
+        slot %= n_slots
+        before = {s["id"]: s["n_past"] for s in self.http.get("/slots").json()}
+        done, out = threading.Event(), {}
+
+        def prefill() -> None:
+            try:
+                with httpx.Client(base_url=_base(), timeout=TIMEOUT * 5) as c:
+                    out["r"] = c.post("/completion", json={"prompt": text, "n_predict": 1, "id_slot": slot,
+                                                           "cache_prompt": False, "temperature": 0})
+            finally:
+                done.set()
+
+        worker = threading.Thread(target=prefill, daemon=True)
+        worker.start()
+        seen: list[int] = []
+
+        def check(sid: int, n_past: int, processing: bool) -> None:
+            if sid != slot:
+                assert n_past == before[sid] and not processing, f"idle slot {sid} changed during a prefill"
+            elif processing:
+                assert not seen or n_past >= seen[-1], f"slot {slot}'s n_past went back: {seen} then {n_past}"
+                seen.append(n_past)
+
+        try:
+            for read in reads:
+                if done.is_set():
+                    break
+                t0 = time.monotonic()
+                if read.kind == "http":
+                    r = self.http.get(read.target)
+                    assert r.status_code == 200, (read, r.status_code, r.text[:200])
+                    body = r.json()
+                    if read.target == "/slots":
+                        for s in body:
+                            check(s["id"], s["n_past"], s["is_processing"])
+                    elif read.target.endswith("/state/meta"):
+                        check(body["slot_id"], body["n_past"], body["is_processing"])
+                    elif read.target == "/props":
+                        assert body["total_slots"] == n_slots
+                    else:
+                        assert body["status"] == "ok"
+                else:
+                    STATS["hydra"] += 1
+                    op = Op.INFO if read.target == "INFO" else Op.STATE_META
+                    status, meta, _ = hydra_exchange([encode_request(op, key=read.key)])  # type: ignore[misc]
+                    assert status == Status.OK, (read, meta)
+                    if op == Op.INFO:
+                        assert meta["n_slots"] == n_slots and set(meta["slots_processing"]) <= {slot}, meta
+                    else:
+                        check(meta["slot_id"], meta["n_past"], meta["is_processing"])
+                STATS["prefill_status_reads"] += 1
+                took = time.monotonic() - t0
+                assert took < STATUS_READ_LIMIT, f"{read} took {took:.1f} s during a prefill: it waited for the engine"
+        finally:
+            worker.join(TIMEOUT * 5)
+        r = out.get("r")
+        assert r is not None and r.status_code == 200, r.text if r is not None else "no reply"
+        final = r.json()["tokens_cached"]
+        assert not seen or max(seen) <= final, (seen, final)
+        s = self.http.get("/slots").json()[slot]
+        assert s["n_past"] == final and not s["is_processing"], (s, final)
+        status, meta, _ = hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])  # type: ignore[misc]
+        assert status == Status.OK and meta["n_past"] == final and not meta["is_processing"], meta
 
     @rule(slot=st.integers(0, 1))
     @timeouts_are_findings

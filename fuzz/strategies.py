@@ -12,6 +12,10 @@ fuzzers; ``examples/fuzz_my_node.py`` fuzzes a node of yours with them.
 * Text that is not Unicode (issue 22 §1): :func:`http_surrogate_bodies` and
   :func:`hydra_surrogate_payloads` (:class:`SurrogateCase`: a body of every
   endpoint / JSON op with a lone surrogate in one string, key or value).
+* Status reads during a long prefill: :func:`long_prompts` (a long text for
+  one slot), :func:`status_reads` (:class:`StatusRead`: ``/slots``,
+  ``/slots/{id}/state/meta``, ``/health``, ``/props``, Hydra INFO and
+  STATE_META, in any order and number).
 * ggml-RPC: :func:`ggml_rpc_hellos`, :func:`ggml_rpc_sessions` (valid
   :class:`RpcStep` sessions), :func:`ggml_rpc_mutants` (:class:`GgmlRpcMutant`),
   :func:`ggml_rpc_silent_openings`, :func:`ggml_rpc_truncated`.
@@ -57,6 +61,9 @@ __all__ = [
     "nearly_valid_requests",
     "random_first_bytes",
     "split_at",
+    "StatusRead",
+    "long_prompts",
+    "status_reads",
     "valid_requests",
 ]
 
@@ -783,3 +790,39 @@ def many_part_chat_bodies(draw: st.DrawFn) -> dict:
     if kind == "special":
         return {"messages": [{"role": "user", "content": "<|im_end|>" * draw(st.sampled_from([1, 1000, 100_000]))}]}
     return {"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * draw(st.sampled_from([1, 17, 10_000]))}
+# ---------------------------------------------------------------------------
+# Status reads during a long prefill (issue 22 §4)
+
+_PROMPT_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+                 "bright jovial nymphs near misty harbours and old lanterns glow").split()
+
+
+@attrs.frozen
+class StatusRead:
+    """One status read: ``kind`` is ``"http"`` (``target`` a path) or ``"hydra"`` (``target`` an op
+    name, ``key`` its slot key)."""
+
+    kind: Literal["http", "hydra"]
+    target: str
+    key: str = ""
+
+
+def long_prompts(min_words: int = 200, max_words: int = 1200) -> st.SearchStrategy[str]:
+    """A plain-words text of ``min_words`` to ``max_words`` words (about as many tokens with SmolLM2),
+    each word drawn from a fixed list, starting anywhere in it."""
+    return st.tuples(st.integers(min_words, max_words), st.integers(0, len(_PROMPT_WORDS) - 1)).map(
+        lambda t: " ".join(_PROMPT_WORDS[(t[1] + i) % len(_PROMPT_WORDS)] for i in range(t[0])))
+
+
+def status_reads(n_slots: int, max_size: int = 40) -> st.SearchStrategy[list[StatusRead]]:
+    """1..``max_size`` status reads of a node with ``n_slots`` slots (slot ids in range)."""
+    slot = st.integers(0, n_slots - 1)
+    one = st.one_of(
+        st.just(StatusRead("http", "/slots")),
+        slot.map(lambda i: StatusRead("http", f"/slots/{i}/state/meta")),
+        st.just(StatusRead("http", "/health")),
+        st.just(StatusRead("http", "/props")),
+        st.just(StatusRead("hydra", "INFO")),
+        slot.map(lambda i: StatusRead("hydra", "STATE_META", str(i))),
+    )
+    return st.lists(one, min_size=1, max_size=max_size)

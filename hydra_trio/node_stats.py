@@ -1,8 +1,9 @@
 """The once-a-second ``stats`` event and the ``hello`` event of the live event stream.
 
-Read from the trio thread while the engine thread runs: every value is a
-plain attribute read (ints, strings), so a snapshot can be a step out of
-date but never broken.
+Read from the trio thread while the engine thread runs: the slots come from
+the engine's published snapshot (:mod:`hydra_trio.engine.snapshot`), every
+other value is a plain attribute read (ints, strings), so a tick can be a
+step out of date but never broken.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def hello(engine: Engine | None, rpc: Any) -> dict[str, Any]:
         "version": __version__,
         "model": ident.model_alias if ident is not None else None,
         "model_hash": ident.model_hash if ident is not None else None,
-        "n_slots": len(engine.slots) if engine is not None and engine.scheduler is not None else 0,
+        "n_slots": engine.n_slots if engine is not None else 0,
         "rpc_backend": rpc is not None,
     }
 
@@ -86,26 +87,25 @@ class StatsTicker:
             return out
         experts = e.experts
         out.update(stage=str(e.stage), mode=str(experts.mode), peer=experts.peer or "",
-                   peer_reachable=bool(experts.peer_reachable), queue=e.requests_waiting if e.scheduler else 0,
-                   processing=e.requests_processing if e.scheduler else 0)
+                   peer_reachable=bool(experts.peer_reachable), queue=e.requests_waiting,
+                   processing=e.requests_processing)
         predicted = e.stats.tokens_predicted_total
         out["tokens_predicted_total"] = predicted
         out["tok_s"] = round(max(predicted - self._predicted, 0) / dt, 2)
         self._predicted = predicted
         slots = []
         seen: dict[int, tuple[int, int]] = {}
-        for s in (e.slots if e.scheduler is not None else []):
-            h = s.handle
-            n_decoded = s.n_decoded if h is not None else 0
-            entry: dict[str, Any] = {"id": s.id, "state": "processing" if h is not None else "idle",
-                                     "n_ctx": s.n_ctx, "n_past": s.n_past, "n_prompt": s.n_prompt if h else 0,
+        for s in e.snapshot.slots:  # the engine's published snapshot
+            n_decoded = s.n_decoded
+            entry: dict[str, Any] = {"id": s.id, "state": "processing" if s.is_processing else "idle",
+                                     "n_ctx": s.n_ctx, "n_past": s.n_past, "n_prompt": s.n_prompt,
                                      "n_decoded": n_decoded, "tok_s": 0.0}
-            if h is not None:
-                entry["trace_id"] = h.job.request_id
+            if s.is_processing:
+                entry["trace_id"] = s.trace_id
                 prev = self._decoded.get(s.id)
-                before = prev[1] if prev is not None and prev[0] == id(h) else 0
+                before = prev[1] if prev is not None and prev[0] == s.id_task else 0
                 entry["tok_s"] = round(max(n_decoded - before, 0) / dt, 2)
-                seen[s.id] = (id(h), n_decoded)
+                seen[s.id] = (s.id_task, n_decoded)
             slots.append(entry)
         self._decoded = seen
         out["slots"] = slots

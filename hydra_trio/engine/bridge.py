@@ -42,9 +42,16 @@ class Call(Generic[T]):
         self._trio_done = trio.Event() if from_trio else None
         self._done = threading.Event()
 
-    def run(self) -> None:
-        """Worker side: run the function, keep its outcome, wake the waiter (never raises)."""
-        self._deliver(outcome.capture(self.fn))
+    def run(self, after: Callable[[], None] | None = None) -> None:
+        """Worker side: run the function, keep its outcome, wake the waiter (never raises).
+
+        ``after`` (which must not raise) runs between the function and the wake-up: the engine
+        publishes its snapshot there, so the caller's next read sees what the function changed.
+        """
+        result = outcome.capture(self.fn)
+        if after is not None:
+            after()
+        self._deliver(result)
 
     def fail(self, exc: BaseException) -> None:
         """Deliver ``exc`` instead of a result (when the worker can never finish the call); no-op once done."""

@@ -39,6 +39,7 @@ from .requests import CompletionJob, RequestHandle
 from .scheduler import Scheduler, check_prompt_fits
 from .settings import EngineConfig, SamplingParams, check_n_predict
 from .slots import Slot
+from .snapshot import EMPTY, EngineSnapshot, SlotSnapshot, slot_snapshot
 
 log = logging.getLogger("hydra_trio.engine")
 T = TypeVar("T")
@@ -172,6 +173,10 @@ class Engine:
         self._stop = False
         self._ready = trio.Event()
         self._trio_token: trio.lowlevel.TrioToken | None = None
+        self.snapshot: EngineSnapshot = EMPTY
+        """The slots and queue as of the engine's last step (:mod:`~hydra_trio.engine.snapshot`): the engine
+        thread swaps a new immutable object in after every step and call; any thread reads it without waiting."""
+        self._state_sizes: dict[int, tuple[tuple[int, int], int]] = {}  # slot id -> ((model id, n_past), size)
 
     # ---------------------------------------------------------------- views
     @property
@@ -198,18 +203,52 @@ class Engine:
         return self.stage == Stage.READY
 
     def slots_info(self) -> list[dict[str, Any]]:
-        """``/slots``: one dict per slot (a snapshot; safe from any thread), with the KV cache's
-        ``kv_cache`` (:meth:`kv_cache`)."""
+        """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits), with the KV
+        cache's ``kv_cache`` (:meth:`kv_cache`)."""
         kv = kv_cache(self)
-        return [{**s.info(), "kv_cache": kv} for s in self.slots]
+        return [{**s.info(), "kv_cache": kv} for s in self.snapshot.slots]
+
+    def slot_meta_now(self, id_slot: int) -> dict[str, Any] | None:
+        """STATE_META's keys for a slot from :attr:`snapshot` (any thread, never waits), without model
+        identity; None when the snapshot has no such slot."""
+        s = self.snapshot.slot(id_slot)
+        return s.meta() if s is not None else None
+
+    @property
+    def n_slots(self) -> int:
+        """Slots, as of the last publication (0 before the model serves)."""
+        return len(self.snapshot.slots)
 
     @property
     def requests_processing(self) -> int:
-        return sum(1 for s in self.slots if s.is_processing)
+        return self.snapshot.requests_processing
 
     @property
     def requests_waiting(self) -> int:
-        return len(self.scheduler.pending) if self.scheduler is not None else 0
+        return self.snapshot.requests_waiting
+
+    def _publish(self) -> None:
+        """Engine thread: build :attr:`snapshot` from the slots and swap it in (one atomic assignment).
+
+        A slot's ``state_size`` asks llama.cpp (:func:`state.blob_size`) only when the slot's token
+        count or the model changed since it was last asked.
+        """
+        sched, m = self.scheduler, self.model
+        if sched is None or m is None:
+            return
+        sizes = self._state_sizes
+        out: list[SlotSnapshot] = []
+        for slot in sched.slots:
+            key = (id(m), slot.n_past)
+            known = sizes.get(slot.id)
+            if known is None or known[0] != key:
+                known = (key, state.blob_size(m, slot))
+                sizes[slot.id] = known
+            out.append(slot_snapshot(slot, known[1]))
+        prev = self.snapshot
+        self.snapshot = EngineSnapshot(seq=prev.seq + 1, at=time.monotonic(), slots=tuple(out),
+                                       requests_waiting=len(sched.pending), n_ctx=m.n_ctx,
+                                       n_decode_total=self.stats.n_decode_total)
 
     # ------------------------------------------------------------ trio side
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -327,6 +366,7 @@ class Engine:
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
             self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events)
+            self.scheduler.publish = self._publish_quietly
             self._set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
                 self._warmup(model)
@@ -342,6 +382,7 @@ class Engine:
             raise
         try:
             if not self._stop:
+                self._publish()
                 self._set_stage(Stage.READY)
                 assert self._trio_token is not None
                 try:
@@ -374,17 +415,23 @@ class Engine:
                 return
             sched = self.scheduler  # a reconfigure may have built a new one
             assert sched is not None
+            if not sched.busy and not sched.pending:
+                continue  # nothing to do: the inbox's items published what they changed
             try:
                 sched.step()
             except Exception as exc:  # never let one bad request take the engine down
                 log.exception("engine step failed; failing the requests in flight")
                 sched.fail_all(EngineFailure(f"engine error: {exc}"))
+            self._publish()
 
     def _drain_inbox(self, block: bool) -> None:
+        """Take everything in the inbox: new requests join the queue, calls run (each publishes
+        :attr:`snapshot` before its caller hears back, so a caller's next read sees its change)."""
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        queued = False
         while True:
             if item is _STOP:
                 self._stop = True
@@ -393,12 +440,22 @@ class Engine:
             elif isinstance(item, RequestHandle):
                 assert self.scheduler is not None
                 self.scheduler.add(item)
+                queued = True
             else:
-                item.run()
+                item.run(after=self._publish_quietly)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
+        if queued:
+            self._publish_quietly()
+
+    def _publish_quietly(self) -> None:
+        """:meth:`_publish`, logging instead of raising (a failed publication keeps the previous snapshot)."""
+        try:
+            self._publish()
+        except Exception:
+            log.exception("publishing the engine's snapshot failed")
 
     # ----------------------------------------------- engine-thread operations
     def slot_meta(self, id_slot: int) -> dict[str, Any]:
@@ -520,6 +577,7 @@ class Engine:
         self.identity = identity
         self.scheduler = new_scheduler(self.config, self.experts, new, self.stats, identity.model_hash,
                                        self.events)
+        self.scheduler.publish = self._publish_quietly
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
         self.quants.loaded(new.path)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import llama_cpp
@@ -95,6 +96,10 @@ class Scheduler:
         self.n_batch = n_batch
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
         experts.on_switch = self.forget_cached_prompts
+        self.publish: Callable[[], None] = lambda: None
+        """Called before a request hears that it ended, once its slot is released: the engine publishes
+        its snapshot (:mod:`~hydra_trio.engine.snapshot`), so the client's next status read sees the slot
+        as the engine left it."""
 
     @property
     def model(self) -> LoadedModel | None:
@@ -124,11 +129,13 @@ class Scheduler:
 
     def close(self, error: HydraTrioError) -> None:
         """Fail every running and waiting request with ``error`` and free the batch (at shutdown)."""
+        ended = []
         for slot in self.slots:
             if slot.handle is not None:
                 self._publish_end(slot, "slot.failed", error)
-                slot.handle.emit(Failed(error))
+                ended.append(slot.handle)
                 self._release(slot)
+        self._end(ended, Failed(error))
         while self.pending:
             self.pending.popleft().emit(Failed(error))
         if self._batch is not None:
@@ -153,15 +160,24 @@ class Scheduler:
         """Fail every running request with ``error``; their slots' KV caches (in ``model``, default the
         active one) are dropped (half-decoded)."""
         m = model or self.model
+        ended = []
         for slot in self.slots:
             if slot.handle is not None:
-                handle = slot.handle
+                ended.append(slot.handle)
                 if m is not None:
                     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
                 slot.cache_tokens.clear()
                 self._publish_end(slot, "slot.failed", error)
                 self._release(slot)
-                handle.emit(Failed(error))
+        self._end(ended, Failed(error))
+
+    def _end(self, handles: list[RequestHandle], event: Finished | Failed) -> None:
+        """Tell ``handles`` (whose slots are released) that they ended with ``event``, after :attr:`publish`."""
+        if not handles:
+            return
+        self.publish()
+        for handle in handles:
+            handle.emit(event)
 
     def _publish_end(self, slot: Slot, type_: str, error: Exception) -> None:
         """``slot.failed`` / ``slot.cancelled`` for the request running on ``slot`` (before its release)."""
@@ -198,13 +214,15 @@ class Scheduler:
                 else:
                     keep.append(h)
             self.pending = keep
+        ended = []
         for slot in self.slots:
             handle = slot.handle
             if handle is not None and handle.cancelled:
                 log.info("slot %d: request cancelled (client gone); slot freed", slot.id)
                 self._publish_end(slot, "slot.cancelled", Cancelled("the request was cancelled"))
                 self._release(slot)
-                handle.emit(Failed(Cancelled("the request was cancelled")))
+                ended.append(handle)
+        self._end(ended, Failed(Cancelled("the request was cancelled")))
 
     def _assign_pending(self) -> None:
         waiting: collections.deque[RequestHandle] = collections.deque()
@@ -335,15 +353,17 @@ class Scheduler:
         self.stats.n_busy_slots_total += len(fed)
         if rc != 0:
             log.error("llama_decode failed (code %d) on a batch of %d tokens", rc, n_tokens)
+            failure = EngineFailure(f"llama_decode failed (code {rc})")
+            ended = []
             for slot, _ in fed:
                 handle = slot.handle
                 assert handle is not None
                 llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
                 slot.cache_tokens.clear()
-                failure = EngineFailure(f"llama_decode failed (code {rc})")
                 self._publish_end(slot, "slot.failed", failure)
                 self._release(slot)
-                handle.emit(Failed(failure))
+                ended.append(handle)
+            self._end(ended, Failed(failure))
             return
         n_prompt_fed = 0
         for slot, toks in fed:
@@ -438,10 +458,10 @@ class Scheduler:
                         "ms": round(t["prompt_ms"] + t["predicted_ms"], 3)})
         self.events.publish("slot.finished", handle.job.request_id, slot=slot.id, finish_reason=reason,
                             stop_reason=stop_reason, timings=t)
-        # the slot is idle before the client hears of the end: a follow-up
-        # request on the same slot never sees it busy
+        # the slot is idle, and published so, before the client hears of the end: a
+        # follow-up request on the same slot never sees it busy, nor a status read stale
         self._release(slot)
-        handle.emit(done)
+        self._end([handle], done)
 
     def _emit_text(self, slot: Slot, text: str) -> None:
         assert slot.handle is not None

@@ -1,4 +1,4 @@
-"""Slot state (engine thread writes, other threads read snapshots) and stop strings.
+"""Slot state (the engine thread only; other threads read :mod:`~hydra_trio.engine.snapshot`) and stop strings.
 
 A slot is one llama.cpp KV sequence (``seq_id == slot id``) plus the tokens it
 holds (``cache_tokens``), in llama-server's vocabulary: ``n_past`` is the
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .requests import RequestHandle
 
 # ---------------------------------------------------------------------------
-# Slot state (engine thread writes, others read snapshots)
+# Slot state (engine thread only; others read the engine's published snapshot)
 
 
 class StopStringMatcher:
@@ -102,16 +102,3 @@ class Slot:
     @property
     def generating(self) -> bool:
         return self.handle is not None and not self.pending_prompt and self.last_token is not None
-
-    def info(self) -> dict[str, Any]:
-        """A llama-server-like ``/slots`` entry."""
-        h = self.handle
-        return {
-            "id": self.id,
-            "id_task": id(h) if h is not None else -1,
-            "n_ctx": self.n_ctx,
-            "n_past": self.n_past,
-            "is_processing": h is not None,
-            "n_decoded": self.n_decoded if h is not None else 0,
-            "next_token": {"n_remain": (h.job.n_predict - self.n_decoded) if h and h.job.n_predict >= 0 else -1},
-        }

@@ -187,7 +187,7 @@ class Api:
         }
         return JSONResponse({
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
-            "total_slots": len(e.slots),
+            "total_slots": e.n_slots,
             "model_alias": e.identity.model_alias,
             "model_path": e.identity.model_path,
             "model_hash": e.identity.model_hash,
@@ -298,7 +298,7 @@ class Api:
         if not (raw.isascii() and raw.isdigit() and len(raw) < 10):
             return _bad_request(f"id_slot: {raw!r} is not a slot id (a decimal integer)")
         id_slot = int(raw)
-        if e is None or not (0 <= id_slot < len(e.slots)):
+        if e is None or not (0 <= id_slot < e.n_slots):
             return error_response(404, f"slot {id_slot} not found", "not_found_error")
         return id_slot
 
@@ -309,7 +309,9 @@ class Api:
             return id_slot
         assert e is not None and e.identity is not None
 
-        body = await e.call(lambda engine: engine.slot_meta(id_slot))
+        body = e.slot_meta_now(id_slot)  # the engine's published snapshot: never waits behind a prefill
+        if body is None:  # the slot count changed since _slot_id looked
+            return error_response(404, f"slot {id_slot} not found", "not_found_error")
         body.update(e.identity.as_meta())
         return JSONResponse(body)
 

@@ -122,8 +122,9 @@ class OpContext:
             raise Reply(Status.BAD_REQUEST, f"key {key!r} is not a slot id (a decimal integer)")
         id_slot = int(key)
         e = self.engine()
-        if not 0 <= id_slot < len(e.slots):
-            raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{len(e.slots) - 1})")
+        n_slots = e.n_slots  # the engine's published snapshot (the engine checks again where it acts)
+        if not 0 <= id_slot < n_slots:
+            raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{n_slots - 1})")
         return e, id_slot
 
     @staticmethod
@@ -182,7 +183,10 @@ def _state_event(e: Engine, type_: str, trace_id: str, id_slot: int, **fields: A
 
 async def state_meta(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
-    await ctx.reply({**await e.call(lambda engine: engine.slot_meta(id_slot)), **ctx.identity(e)})
+    meta = e.slot_meta_now(id_slot)  # the engine's published snapshot: never waits behind a prefill
+    if meta is None:  # the slot count changed since ctx.slot() looked
+        raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{e.n_slots - 1})")
+    await ctx.reply({**meta, **ctx.identity(e)})
 
 
 def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -335,11 +339,12 @@ def info_meta(node: Node) -> dict[str, Any]:
         meta["stage"] = str(e.stage)
         if e.ready:
             assert e.identity is not None
+            snap = e.snapshot  # the engine's published slots: never waits behind a prefill
             meta.update(
-                n_slots=len(e.slots),
-                n_ctx=e.model.n_ctx if e.model else 0,
+                n_slots=len(snap.slots),
+                n_ctx=snap.n_ctx,
                 n_ctx_slot=e.n_ctx_slot,
-                slots_processing=[s.id for s in e.slots if s.is_processing],
+                slots_processing=snap.slots_processing,
                 sampling_defaults=attrs.asdict(e.defaults),
                 kv_cache=kv_cache(e),  # {"type_k", "type_v", "flash_attn"}, as /props
                 memory=memory_use(e),  # {device: {"weights", "kv", "compute"}} bytes, as /props
