@@ -39,7 +39,7 @@ from .requests import CompletionJob, RequestHandle
 from .scheduler import Scheduler, check_prompt_fits
 from .settings import EngineConfig, SamplingParams, check_n_predict
 from .slots import Slot
-from .snapshot import EMPTY, EngineSnapshot, SlotSnapshot, slot_snapshot
+from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 
 log = logging.getLogger("hydra_trio.engine")
 T = TypeVar("T")
@@ -228,27 +228,9 @@ class Engine:
         return self.snapshot.requests_waiting
 
     def _publish(self) -> None:
-        """Engine thread: build :attr:`snapshot` from the slots and swap it in (one atomic assignment).
-
-        A slot's ``state_size`` asks llama.cpp (:func:`state.blob_size`) only when the slot's token
-        count or the model changed since it was last asked.
-        """
-        sched, m = self.scheduler, self.model
-        if sched is None or m is None:
-            return
-        sizes = self._state_sizes
-        out: list[SlotSnapshot] = []
-        for slot in sched.slots:
-            key = (id(m), slot.n_past)
-            known = sizes.get(slot.id)
-            if known is None or known[0] != key:
-                known = (key, state.blob_size(m, slot))
-                sizes[slot.id] = known
-            out.append(slot_snapshot(slot, known[1]))
-        prev = self.snapshot
-        self.snapshot = EngineSnapshot(seq=prev.seq + 1, at=time.monotonic(), slots=tuple(out),
-                                       requests_waiting=len(sched.pending), n_ctx=m.n_ctx,
-                                       n_decode_total=self.stats.n_decode_total)
+        """Engine thread: swap a new :attr:`snapshot` in (one atomic assignment; :func:`next_snapshot`)."""
+        self.snapshot = next_snapshot(self.snapshot, self.scheduler, self.model, self.stats.n_decode_total,
+                                      self._state_sizes)
 
     # ------------------------------------------------------------ trio side
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -458,11 +440,6 @@ class Engine:
             log.exception("publishing the engine's snapshot failed")
 
     # ----------------------------------------------- engine-thread operations
-    def slot_meta(self, id_slot: int) -> dict[str, Any]:
-        """Engine thread: STATE_META's keys for a slot (hydra-protocol.md §3), without model identity."""
-        assert self.model is not None
-        return state.slot_meta(self.model, self.slots[id_slot])
-
     def save_slot(self, id_slot: int) -> tuple[int, bytearray]:
         """Engine thread: the idle slot's KV state blob, ``(n_past, blob)``.  Raises Busy."""
         slot = self._idle_slot(id_slot)
@@ -518,49 +495,10 @@ class Engine:
         check_n_predict("n_predict", n_predict)
         return attrs.evolve(self.defaults, **params), n_predict  # validators check each field
 
-    def reconfigure(
-        self, *, n_ctx: int | None = None, n_parallel: int | None = None,
-        model_path: Path | None = None, model_alias: str | None = None,
-    ) -> dict[str, Any]:
-        """Engine thread, every slot idle (the control channel checks): CONFIGURE tiers 2 and 3.
-
-        ``n_ctx`` / ``n_parallel`` rebuild the context; ``model_path`` (already
-        resolved from a path or preset alias by the caller) reloads the model.
-        The new context or model is built before the old one is freed, so a
-        failure leaves the engine as it was.  Slots' KV caches are dropped
-        (they belong to the old context); requests waiting in the queue stay.
-        Returns the applied values.
-
-        Raises:
-            InvalidRequest: a value out of range, or llama.cpp refused the new settings.
-        """
-        old = self.experts.solo
-        assert old is not None and self.scheduler is not None
-        n_ctx = old.n_ctx if n_ctx is None else n_ctx
-        n_parallel = old.n_parallel if n_parallel is None else n_parallel
-        if not 1 <= n_parallel <= 64:
-            raise InvalidRequest(f"n_parallel: {n_parallel} is out of range (1..64)")
-        if not 16 * n_parallel <= n_ctx <= old.n_ctx_train * n_parallel:
-            raise InvalidRequest(
-                f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{old.n_ctx_train * n_parallel} "
-                f"for {n_parallel} slots: 16 to n_ctx_train tokens each)"
-            )
-        path = model_path or old.path
-        alias = model_alias or self.config.model_alias
-        try:
-            new = LoadedModel(path, n_ctx=n_ctx, n_parallel=n_parallel, log_chat_template=True,
-                              **self.experts.model_kwargs)
-        except Exception as exc:
-            raise InvalidRequest(f"llama.cpp refused the new settings: {exc}") from None
-        identity = self.identity
-        assert identity is not None
-        if path != old.path:
-            identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path),
-                                     kv_identity_hash=identity_hash(kv_identity(new)))
-        self.install_model(new, identity)
-        self.config = attrs.evolve(self.config, n_ctx=n_ctx, n_parallel=n_parallel)
-        log.info("reconfigured: model %s, n_ctx %d, %d slots", path.name, new.n_ctx, n_parallel)
-        return {"n_ctx": new.n_ctx, "n_parallel": n_parallel, "model_path": str(path)}
+    def reconfigure(self, *, n_ctx: int | None = None, n_parallel: int | None = None,
+                    model_path: Path | None = None, model_alias: str | None = None) -> dict[str, Any]:
+        """Engine thread, every slot idle: CONFIGURE tiers 2 and 3 (:func:`reconfigure`)."""
+        return reconfigure(self, n_ctx=n_ctx, n_parallel=n_parallel, model_path=model_path, model_alias=model_alias)
 
     def install_model(self, new: LoadedModel, identity: ModelIdentity) -> None:
         """Engine thread, every slot idle: ``new`` serves from now on and the old model is freed.
@@ -592,3 +530,50 @@ class Engine:
         See :func:`hydra_trio.engine.quants.swap_quant` (``experts_only``: :func:`~hydra_trio.engine.quants.swap_peer_tensors`).
         """
         return (quants.swap_peer_tensors if experts_only else quants.swap_quant)(self, key)
+
+
+def reconfigure(
+self: Engine, *, n_ctx: int | None = None, n_parallel: int | None = None,
+    model_path: Path | None = None, model_alias: str | None = None,
+) -> dict[str, Any]:
+    """Engine thread, every slot idle (the control channel checks): CONFIGURE tiers 2 and 3.
+
+    ``n_ctx`` / ``n_parallel`` rebuild the context; ``model_path`` (already
+    resolved from a path or preset alias by the caller) reloads the model.
+    The new context or model is built before the old one is freed, so a
+    failure leaves the engine as it was.  Slots' KV caches are dropped
+    (they belong to the old context); requests waiting in the queue stay.
+    Returns the applied values.
+
+    Raises:
+        InvalidRequest: a value out of range, or llama.cpp refused the new settings.
+    """
+    old = self.experts.solo
+    assert old is not None and self.scheduler is not None
+    n_ctx = old.n_ctx if n_ctx is None else n_ctx
+    n_parallel = old.n_parallel if n_parallel is None else n_parallel
+    if not 1 <= n_parallel <= 64:
+        raise InvalidRequest(f"n_parallel: {n_parallel} is out of range (1..64)")
+    n_ctx_max = int(old.n_ctx_train * old.rope_context_scale(old.options))  # a slot's most (RoPE scaling too)
+    if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
+        raise InvalidRequest(
+            f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{n_ctx_max * n_parallel} "
+            f"for {n_parallel} slots: 16 to {n_ctx_max} tokens each)"
+        )
+    path = model_path or old.path
+    alias = model_alias or self.config.model_alias
+    try:
+        new = LoadedModel(path, n_ctx=n_ctx, n_parallel=n_parallel, log_chat_template=True,
+                          **self.experts.model_kwargs)
+    except Exception as exc:
+        raise InvalidRequest(f"llama.cpp refused the new settings: {exc}") from None
+    identity = self.identity
+    assert identity is not None
+    if path != old.path:
+        identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path),
+                                 kv_identity_hash=identity_hash(kv_identity(new)))
+    self.install_model(new, identity)
+    self.config = attrs.evolve(self.config, n_ctx=n_ctx, n_parallel=n_parallel)
+    log.info("reconfigured: model %s, n_ctx %d, %d slots", path.name, new.n_ctx, n_parallel)
+    return {"n_ctx": new.n_ctx, "n_parallel": n_parallel, "model_path": str(path)}
+

@@ -143,18 +143,9 @@ class Scheduler:
             self._batch = None
 
     def erase_slot(self, id_slot: int) -> int:
-        """Drop a slot's KV cache.  Returns the number of tokens erased.
-
-        Raises Busy when the slot is processing.
-        """
-        slot = self.slots[id_slot]
-        if slot.is_processing:
-            raise Busy(f"slot {id_slot} is processing a request", [id_slot])
-        n = slot.n_past
+        """Drop a slot's KV cache (:func:`erase_slot`).  Returns the tokens erased; Busy while it processes."""
         assert self.model is not None
-        llama_cpp.llama_memory_seq_rm(self.model.memory, slot.id, -1, -1)
-        slot.cache_tokens.clear()
-        return n
+        return erase_slot(self.model, self.slots[id_slot])
 
     def fail_all(self, error: HydraTrioError, model: LoadedModel | None = None) -> None:
         """Fail every running request with ``error``; their slots' KV caches (in ``model``, default the
@@ -172,12 +163,8 @@ class Scheduler:
         self._end(ended, Failed(error))
 
     def _end(self, handles: list[RequestHandle], event: Finished | Failed) -> None:
-        """Tell ``handles`` (whose slots are released) that they ended with ``event``, after :attr:`publish`."""
-        if not handles:
-            return
-        self.publish()
-        for handle in handles:
-            handle.emit(event)
+        """Tell ``handles`` (slots released) that they ended with ``event``, after :attr:`publish` (:func:`end`)."""
+        end(self.publish, handles, event)
 
     def _publish_end(self, slot: Slot, type_: str, error: Exception) -> None:
         """``slot.failed`` / ``slot.cancelled`` for the request running on ``slot`` (before its release)."""
@@ -477,6 +464,29 @@ class Scheduler:
         # mid-prompt leaves a valid prefix in the slot's KV cache.
         slot.last_used = time.monotonic()
         slot.reset_request()
+
+def erase_slot(m: LoadedModel, slot: Slot) -> int:
+    """Drop ``slot``'s KV cache in ``m``.  Returns the number of tokens erased.
+
+    Raises Busy when the slot is processing.
+    """
+    if slot.is_processing:
+        raise Busy(f"slot {slot.id} is processing a request", [slot.id])
+    n = slot.n_past
+    llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+    slot.cache_tokens.clear()
+    return n
+
+
+def end(publish: Callable[[], None], handles: list[RequestHandle], event: Finished | Failed) -> None:
+    """Tell ``handles`` (whose slots are released) that they ended with ``event``, after ``publish()`` (the
+    engine's snapshot), so a client's next status read sees its slot as the engine left it."""
+    if not handles:
+        return
+    publish()
+    for handle in handles:
+        handle.emit(event)
+
 
 def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     """Copy the longest prefix of ``slot``'s prompt that another of ``slots`` holds (in ``m``'s KV

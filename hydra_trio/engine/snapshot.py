@@ -118,3 +118,25 @@ def slot_snapshot(slot: Any, state_size: int) -> SlotSnapshot:
 
 def now() -> float:
     return time.monotonic()
+
+
+def next_snapshot(prev: EngineSnapshot, sched: Any, m: Any, n_decode_total: int,
+                  sizes: dict[int, tuple[tuple[int, int], int]]) -> EngineSnapshot:
+    """Engine thread: the snapshot of ``sched``'s slots and queue after ``prev`` (``prev`` itself while no
+    scheduler or model serves).  A slot's ``state_size`` asks llama.cpp (:func:`state.blob_size`) only when
+    the slot's token count or the model changed since ``sizes`` (slot id -> ((model id, n_past), size),
+    updated here) last recorded it."""
+    from . import state
+
+    if sched is None or m is None:
+        return prev
+    out: list[SlotSnapshot] = []
+    for slot in sched.slots:
+        key = (id(m), slot.n_past)
+        known = sizes.get(slot.id)
+        if known is None or known[0] != key:
+            known = (key, state.blob_size(m, slot))
+            sizes[slot.id] = known
+        out.append(slot_snapshot(slot, known[1]))
+    return EngineSnapshot(seq=prev.seq + 1, at=time.monotonic(), slots=tuple(out),
+                          requests_waiting=len(sched.pending), n_ctx=m.n_ctx, n_decode_total=n_decode_total)

@@ -42,7 +42,7 @@ from ..engine import slot_files
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
-from ..engine.requests import Finished, JobRun
+from ..engine.requests import JobRun
 from ..errors import HydraTrioError
 from . import metrics
 from .. import node_stats
@@ -51,11 +51,10 @@ from .errors import error_response
 from ._common import _BodyError, _bad_request, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .events import events_endpoint
 from .native import native_routes
-from ..api import tools as api_tools
-from ..api.jobs import ChatTools, chat_job, job_from_completion
+from ..api.jobs import chat_job, job_from_completion
 from ..api.embeddings import EmbeddingsRequest, embed_request
 from ..engine.engine import NO_EMBEDDINGS
-from ..api.reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
+from ..api.replies import ResponseContext
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -430,7 +429,7 @@ class Api:
         echo = ""
         if not chat and body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
-        ctx = _ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
+        ctx = ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
                                logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
                                thinking=job.chat_reply, tools=tools)
         if body.stream:
@@ -486,160 +485,6 @@ class Api:
             yield _sse(body)
         finally:
             run.close()
-
-
-def _usage(f: Finished, reasoning_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI's usage; ``reasoning_tokens`` (a chat reply's) goes in ``completion_tokens_details``."""
-    usage: dict[str, Any] = {
-        "prompt_tokens": f.n_prompt,
-        "completion_tokens": f.predicted_n,
-        "total_tokens": f.n_prompt + f.predicted_n,
-        "prompt_tokens_details": {"cached_tokens": f.cache_n},
-    }
-    if reasoning_tokens is not None:
-        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
-    return usage
-
-
-class _ResponseContext:
-    """Builds OpenAI response objects for one request (same id and created time throughout).
-
-    Log-probabilities come in OpenAI's two shapes: chat ``{"content": [{"token",
-    "logprob", "bytes", "top_logprobs"}]}``, completions ``{"tokens",
-    "token_logprobs", "top_logprobs", "text_offset"}``; a streamed chunk
-    carries those of its own tokens, a whole reply those of every generated
-    token (one entry per completion token).
-
-    A chat reply's text goes through the thinking parser (``thinking``, the job's
-    :class:`~hydra_trio.api.reasoning.ThinkingSetup`; :class:`~hydra_trio.api.reasoning.ChatReplyText`).
-    """
-
-    def __init__(
-        self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
-        piece: Callable[[int], bytes] = lambda t: b"", echo: str = "", id: str | None = None,
-        thinking: ThinkingSetup | None = None,
-        tools: ChatTools | None = None,
-    ) -> None:
-        self.chat = chat
-        self.model = model
-        self.include_usage = include_usage
-        self.logprobs = logprobs
-        self.piece = piece
-        self.echo = echo
-        self.id = id or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.texts: list[str] = [echo] if echo else []
-        self.n_chars = len(echo)
-        self.entries: list[dict[str, Any]] = []  # chat shape, one per token
-        self.offsets: list[int] = []
-        self.reply = ChatReplyText(thinking) if chat else None
-        self.split = ReasoningDelta()  # what the last delta added to a chat message
-        # tool calls (api/tools.py): a chat reply's content is parsed into content and calls
-        self.tools = tools
-        self.tool_parser = api_tools.ToolCallParser(tools.format) if tools is not None else None
-
-    def chat_chunks(self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool,
-                    end: bool = False) -> list[dict[str, Any]]:
-        """Stream chunks for what a delta added to a chat reply (``split``: its thinking and content;
-        ``end``: the reply ended): ``delta.reasoning_content``, then ``delta.content`` and, with tools,
-        ``delta.tool_calls`` as the tool-call parser finds them (:func:`hydra_trio.api.tools.stream_delta`).
-        A delta's logprobs ride on its first chunk (an empty delta when its text is held back)."""
-        p, tools = self.tool_parser, self.tools
-        if p is None or tools is None:
-            return [self.chunk(ChatReplyText.delta(split), None, logprobs)] if split or (
-                logprobs is not None and has_tokens) else []
-        deltas: list[dict[str, Any]] = [{"reasoning_content": split.reasoning}] if split.reasoning else []
-        events = p.feed(split.content) if split.content else []
-        if end:
-            events += p.finish()
-        shape = api_tools.legacy_delta if tools.spec.legacy else api_tools.stream_delta
-        deltas += [d for d in (shape(x) for x in events) if d is not None]
-        if logprobs is not None and has_tokens and not deltas:
-            deltas = [{}]
-        return [self.chunk(d, None, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
-
-    def finish_reason(self, reason: str) -> str:
-        """``tool_calls`` (``function_call`` for legacy functions) when the reply stopped with calls."""
-        if self.tool_parser is None or self.tools is None:
-            return reason
-        return api_tools.finish_reason(reason, self.tool_parser.calls, self.tools.spec.legacy)
-
-    def add(self, ev: TextDelta) -> dict[str, Any] | None:
-        """Record a delta; returns the logprobs object for its own tokens (None when not asked).
-        A chat reply's split of it is in :attr:`split`."""
-        self.texts.append(ev.text)
-        if self.reply is not None:
-            self.split = self.reply.add(ev.text, len(ev.tokens))
-        start = len(self.entries)
-        if self.logprobs:
-            tops = ev.top_logprobs or ((),) * len(ev.tokens)
-            for tok, lp, top in zip(ev.tokens, ev.logprobs, tops, strict=True):
-                entry = self._entry(tok, lp)
-                entry["top_logprobs"] = [self._entry(t, v) for t, v in top]
-                self.entries.append(entry)
-                self.offsets.append(self.n_chars)
-        self.n_chars += len(ev.text)
-        return self._logprobs_object(start) if self.logprobs else None
-
-    def usage(self, f: Finished) -> dict[str, Any]:
-        return _usage(f, self.reply.reasoning_tokens if self.reply is not None else None)
-
-    def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        raw = self.piece(token)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
-
-    def _logprobs_object(self, start: int = 0) -> dict[str, Any]:
-        entries = self.entries[start:]
-        if self.chat:
-            return {"content": entries, "refusal": None}
-        return {
-            "tokens": [x["token"] for x in entries],
-            "token_logprobs": [x["logprob"] for x in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in x["top_logprobs"]} for x in entries],
-            "text_offset": self.offsets[start:],
-        }
-
-    def chunk(self, delta: Any, finish_reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-            obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
-
-    def final_body(self, f: Finished) -> dict[str, Any]:
-        text = "".join(self.texts)
-        logprobs = self._logprobs_object() if self.logprobs else None
-        if self.chat:
-            assert self.reply is not None
-            message: dict[str, Any] = self.reply.message()
-            if self.tool_parser is not None and self.tools is not None:  # the content may hold tool calls
-                self.tool_parser.feed(message["content"])
-                self.tool_parser.finish()
-                message = {**api_tools.message(*self.tool_parser.result(), legacy=self.tools.spec.legacy),
-                           **({"reasoning_content": message["reasoning_content"]} if "reasoning_content" in message
-                              else {})}
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": self.finish_reason(f.finish_reason),
-            }
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": f.finish_reason}
-            obj = "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": self.usage(f),
-            "id_slot": f.id_slot,
-            "timings": f.timings(),
-        }
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
