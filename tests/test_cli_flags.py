@@ -338,7 +338,7 @@ def test_list_devices_and_unknown_devices_or_buffer_types() -> None:
 @pytest.mark.slow
 def test_ctx_size_0_and_parallel_auto_mean_what_they_mean_in_llama_server(launch) -> None:
     port = free_port()
-    node = launch(["--port", str(port), "-c", "0", "-np", "-1", "--no-rpc-backend"], port)
+    node = launch(["--port", str(port), "-c", "0", "-np", "-1", "--no-rpc-backend", "--numa", "distribute"], port)
     node.wait_ready()
     props = httpx.get(node.base + "/props", timeout=30).json()
     # -np -1: llama-server's auto, 4 slots; -c 0: the model's training context (8192 for SmolLM2), split over them
@@ -350,7 +350,7 @@ def test_every_llama_option_flag_reaches_the_engine_settings() -> None:
 
     opts = llama_options(parse(
         "-tb", "3", "-ub", "64", "--swa-full", "-fa", "off", "-nkvo", "--no-op-offload", "-nr", "--no-host",
-        "--check-tensors", "-lm", "mmap", "-ctk", "q8_0", "-ctv", "f32", "-kvu", "--rope-scaling", "yarn",
+        "--check-tensors", "-lm", "mmap", "--numa", "isolate", "-ctk", "q8_0", "-ctv", "f32", "-kvu", "--rope-scaling", "yarn",
         "--rope-freq-base", "5000", "--rope-scale", "4", "--yarn-orig-ctx", "4096", "--yarn-ext-factor", "0.5",
         "--yarn-attn-factor", "0.9", "--yarn-beta-slow", "2", "--yarn-beta-fast", "16", "-ngl", "7", "-sm", "row",
         "-ts", "3,1", "-mg", "1", "-dev", "none", "-ot", "a=CPU", "-ot", "b=CPU,c=CPU", "-cmoe", "-ncmoe", "5",
@@ -359,6 +359,7 @@ def test_every_llama_option_flag_reaches_the_engine_settings() -> None:
     assert (opts.kv_offload, opts.op_offload, opts.repack, opts.no_host, opts.check_tensors) == (
         False, False, False, True, True)
     assert (opts.load_mode, opts.cache_type_k, opts.cache_type_v, opts.kv_unified) == ("mmap", "q8_0", "f32", True)
+    assert opts.numa == "isolate" and llama_options(parse("--numa", "")).numa == "distribute"
     assert (opts.rope_scaling, opts.rope_freq_base, opts.rope_freq_scale) == ("yarn", 5000.0, 0.25)
     assert (opts.yarn_orig_ctx, opts.yarn_ext_factor, opts.yarn_attn_factor, opts.yarn_beta_slow,
             opts.yarn_beta_fast) == (4096, 0.5, 0.9, 2.0, 16.0)

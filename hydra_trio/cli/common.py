@@ -126,8 +126,9 @@ FLAGS: list[Flag] = [
       env="LLAMA_ARG_LOAD_MODE", lands="EngineConfig.llama.load_mode"),
     F(("-lzm", "--lazy-mode"), ACCEPTED, "tensors are read as llama.cpp's default (auto) does", value="MODE",
       type=t.choice("on", "auto", "off"), env="LLAMA_ARG_LAZY_MODE"),
-    F(("--numa",), ACCEPTED, "no NUMA placement; the OS places threads", value="TYPE",
-      type=t.choice("distribute", "isolate", "numactl", ""), env="LLAMA_ARG_NUMA"),
+    F(("--numa",), WIRED, "NUMA optimizations: distribute (also ''), isolate or numactl (ggml's strategy, set once "
+      "per process)", value="TYPE", type=t.choice("distribute", "isolate", "numactl", ""), env="LLAMA_ARG_NUMA",
+      lands="EngineConfig.llama.numa"),
     F(("-dev", "--device"), WIRED, "devices for offloading, comma-separated (none = no offloading); a device "
       "this machine does not have, or the CPU, is refused at start", value="<dev1,dev2,..>", type=t.csv, env="LLAMA_ARG_DEVICE",
       lands="EngineConfig.llama.devices"),

@@ -52,6 +52,7 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
         "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
         "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
+        "numa": (args.numa or "distribute") if args.numa is not None else None,  # llama-server: '' = distribute
         "kv_unified": args.kv_unified or args.parallel == -1,  # -np -1, llama-server's auto: unified KV
         "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
         "rope_freq_scale": freq_scale, "yarn_orig_ctx": args.yarn_orig_ctx,

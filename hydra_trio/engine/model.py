@@ -63,13 +63,21 @@ def _install_llama_log_handler() -> None:
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
 
 
-def init_backend() -> None:
-    """Initialise llama.cpp's backends once per process (idempotent)."""
-    global _backend_ready
+def init_backend(numa: str | None = None) -> None:
+    """Initialise llama.cpp's backends once per process (idempotent); ``numa`` (``--numa distribute|isolate|
+    numactl``) is ggml's NUMA strategy, set once per process as llama-server sets it after the backends."""
+    global _backend_ready, _numa_set
     if not _backend_ready:
         _install_llama_log_handler()
         llama_cpp.llama_backend_init()
         _backend_ready = True
+    if numa and not _numa_set:
+        llama_cpp.llama_numa_init(_NUMA[numa])
+        _numa_set = True
+
+
+_NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}  # enum ggml_numa_strategy
+_numa_set = False
 
 
 class LoadStopped(RuntimeError):
@@ -334,9 +342,9 @@ class LoadedModel:
         options: LlamaOptions | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        init_backend()
         self.path = path
         self.options = opts = options if options is not None else LlamaOptions()
+        init_backend(opts.numa)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         mparams = llama_cpp.llama_model_default_params()
         _apply_model_options(mparams, opts)

@@ -314,6 +314,7 @@ class LlamaOptions:
     no_host: bool = False  # --no-host
     check_tensors: bool = False  # --check-tensors
     load_mode: str = "auto"  # -lm auto|none|mmap|mlock|mmap+mlock|dio
+    numa: str | None = None  # --numa distribute|isolate|numactl (set once per process); None: off
     cache_type_k: str = "f16"  # -ctk
     cache_type_v: str = "f16"  # -ctv
     kv_unified: bool = False  # -kvu: one KV stream for every slot (each still holds n_ctx/n_parallel at most)
