@@ -205,3 +205,18 @@ def test_node_flags(tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-d
     m = r.choices[0].message
     assert _reasoning(m) is None and m.content.startswith("2 plus 2")
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_a_required_tool_call_comes_after_the_thinking(client: openai.OpenAI) -> None:
+    """A thinking reply with ``tool_choice: "required"``: the grammar leaves the thinking block free and
+    forces the call after its end marker, so the call is a tool call, not reasoning."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}
+    r = _chat(client, tools=[tool], tool_choice="required", max_tokens=120)
+    msg = r.choices[0].message
+    assert msg.reasoning_content and "</think>" not in msg.reasoning_content
+    assert r.choices[0].finish_reason == "tool_calls", msg
+    assert msg.tool_calls[0].function.name == "add"
+    args = json.loads(msg.tool_calls[0].function.arguments)
+    assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())

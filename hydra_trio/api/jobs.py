@@ -88,6 +88,8 @@ def chat_job(
         g = _tools.tool_grammar(spec, fmt)
     except Exception as exc:  # checked with each tool; the combination may still fail
         raise RequestError(f"tools: the JSON schemas cannot be turned into a grammar: {exc!r}"[:500]) from None
+    if g is not None and not g.lazy and thinking.prompt_open is not None:  # the reply starts in thinking
+        g = attrs.evolve(g, gbnf=_tools.after_thinking(g.gbnf, thinking.prompt_open[1]))
     if g is not None:
         try:
             check_grammar(m.vocab, g.gbnf)

@@ -409,3 +409,22 @@ def tool_grammar(spec: ToolSpec, fmt: str) -> ToolGrammar | None:
     if forced:
         return ToolGrammar(gbnf)
     return ToolGrammar(gbnf, True, tuple(_ecma_escape(w) for w in trig))
+
+
+def _gbnf_class_char(c: str) -> str:
+    return c if c.isalnum() else f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+def after_thinking(gbnf: str, end_marker: str) -> str:
+    """``gbnf`` for a reply that starts inside a thinking block the prompt opened (a thinking template):
+    thinking text without ``end_marker``, the marker, whitespace, then what ``gbnf`` allows — so that a
+    grammar that forces a tool call (``required``, a named function) does not force it into the thinking,
+    where the reply's split would file it as reasoning (llama-server's tool grammars leave the thinking
+    block free too).  The thinking text may not hold the marker, nor (a simplification of "any text without
+    it") repeat its first character or end with a proper prefix of it."""
+    calls = re.sub(r"^root(\s*::=)", r"tool-call-root\1", gbnf, count=1, flags=re.M)
+    first = _gbnf_class_char(end_marker[0])
+    alts = [f"[^{first}]"] + [f"{json.dumps(end_marker[:i])} [^{_gbnf_class_char(end_marker[i])}{first}]"
+                              for i in range(1, len(end_marker))]
+    return (f"root ::= thinking-text {json.dumps(end_marker)} [ \\t\\n]* tool-call-root\n"
+            f"thinking-text ::= ({' | '.join(alts)})*\n{calls}")

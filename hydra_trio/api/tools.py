@@ -43,6 +43,7 @@ from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one mo
     ToolGrammar,
     ToolSpec,
     _arguments_object,
+    after_thinking,
     check_messages,
     detect_format,
     parse_tool_spec,
