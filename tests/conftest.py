@@ -38,6 +38,44 @@ def wait_for(pred: Callable[[], Any], timeout: float = 60.0, what: str = "condit
         time.sleep(every)
 
 
+@contextlib.contextmanager
+def embedded_node(config: Any, ready_timeout: float = 180.0) -> Iterator[Any]:
+    """A node (:func:`hydra_trio.serve` with ``config``) served by trio in a thread of this process, for
+    tests that reach into its engine; yields the running :class:`~hydra_trio.server.Server` once its model
+    serves, and stops it (cancels its nursery) afterwards."""
+    import trio
+
+    from hydra_trio import serve
+
+    up = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(serve, config)
+            with trio.fail_after(ready_timeout):
+                await server.engine.wait_ready()
+            box.update(server=server, scope=nursery.cancel_scope, token=trio.lowlevel.current_trio_token())
+            up.set()
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # noqa: BLE001  (reported below)
+            box["error"] = exc
+        finally:
+            up.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert up.wait(ready_timeout + 60) and "error" not in box, box.get("error")
+    try:
+        yield box["server"]
+    finally:
+        trio.from_thread.run_sync(box["scope"].cancel, trio_token=box["token"])
+        thread.join(60)
+
+
 class ServerProcess:
     """``python -m hydra_trio run`` in a subprocess; logs go to a file under tmp."""
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,13 +16,12 @@ from typing import Any
 import attrs
 import httpx
 import pytest
-import trio
 
-from hydra_trio import EngineConfig, ServerConfig, serve
+from hydra_trio import EngineConfig, ServerConfig
 from hydra_trio.engine import state
 from hydra_trio.models.presets import resolve_model
 
-from .conftest import streaming
+from .conftest import embedded_node, streaming
 
 PROMPT = ("A painter mixes colors on a wooden palette in the morning light, and explains to the students that "
           "the three primary colors are")
@@ -49,33 +47,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     path, _ = resolve_model("smollm2-135m")
     config = ServerConfig(port=0, rpc_backend=None, engine=EngineConfig(
         model_path=path, model_alias="slots", n_parallel=2, n_ctx=4096, slot_save_path=slot_dir))
-    up = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(serve, config)
-            with trio.fail_after(180):
-                await server.engine.wait_ready()
-            box.update(server=server, scope=nursery.cancel_scope, token=trio.lowlevel.current_trio_token())
-            up.set()
-
-    def run() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:  # noqa: BLE001  (reported by the fixture)
-            box["error"] = exc
-        finally:
-            up.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert up.wait(240) and "error" not in box, box.get("error")
-    try:
-        yield Node(f"http://127.0.0.1:{box['server'].port}", slot_dir, outside, box["server"])
-    finally:
-        trio.from_thread.run_sync(box["scope"].cancel, trio_token=box["token"])
-        thread.join(60)
+    with embedded_node(config) as server:
+        yield Node(f"http://127.0.0.1:{server.port}", slot_dir, outside, server)
 
 
 def complete(c: httpx.Client, id_slot: int = 0, prompt: str = PROMPT) -> dict[str, Any]:

@@ -8,7 +8,6 @@ Bodies are sent as raw bytes: ``\\ud800`` below is JSON's escape for a lone surr
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,14 @@ from typing import Any
 import attrs
 import httpx
 import pytest
-import trio
 
-from hydra_trio import EngineConfig, ServerConfig, serve
+from hydra_trio import EngineConfig, ServerConfig
 from hydra_trio.engine import state
 from hydra_trio.engine.state import blob_checksum, parse_header
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, encode_request_header
 
-from .conftest import streaming
+from .conftest import embedded_node, streaming
 from .hydra_wire import Wire
 
 HI = '[{"role":"user","content":"Say hi."}]'
@@ -48,34 +46,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     path, _ = resolve_model("smollm2-135m")
     config = ServerConfig(port=0, rpc_backend=None, engine=EngineConfig(
         model_path=path, model_alias="won", n_parallel=2, n_ctx=2048, slot_save_path=slot_dir))
-    up = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            server = await nursery.start(serve, config)
-            with trio.fail_after(180):
-                await server.engine.wait_ready()
-            box.update(server=server, scope=nursery.cancel_scope, token=trio.lowlevel.current_trio_token())
-            up.set()
-
-    def run() -> None:
-        try:
-            trio.run(main)
-        except BaseException as exc:  # noqa: BLE001  (reported by the fixture)
-            box["error"] = exc
-        finally:
-            up.set()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert up.wait(240) and "error" not in box, box.get("error")
-    try:
-        port = box["server"].port
-        yield Node(f"http://127.0.0.1:{port}", port, slot_dir)
-    finally:
-        trio.from_thread.run_sync(box["scope"].cancel, trio_token=box["token"])
-        thread.join(60)
+    with embedded_node(config) as server:
+        yield Node(f"http://127.0.0.1:{server.port}", server.port, slot_dir)
 
 
 def snapshot(node: Node) -> dict[str, Any]:
