@@ -302,3 +302,43 @@ def test_check_grammar_scan_offline() -> None:
     assert sampling._scan('root ::= ("a"){3} [a-z]{2,5} x*')[1] == 3 + 5 * 5 + 2
     with pytest.raises(GrammarError, match="MAX_GRAMMAR_REPETITION"):
         check_grammar(None, 'root ::= "a"{2001}')
+
+
+def test_tokenizing_stops_for_a_client_that_left() -> None:
+    """Prompt preparation for a client that disconnected stops at the next chunk (issue 22 §3): under
+    ``stop_when`` with the event set, tokenizing a long prompt raises Cancelled instead of finishing."""
+    import threading
+
+    from hydra_trio.engine.model import LoadedModel
+    from hydra_trio.engine.tokenize import CHUNK_BYTES, stop_when
+    from hydra_trio.errors import Cancelled
+    from hydra_trio.models.presets import _smollm2
+
+    m = LoadedModel(_smollm2(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
+    try:
+        prompt, _ = m.apply_chat_template(_words(3000))
+        assert len(prompt.encode()) > 4 * CHUNK_BYTES  # several chunks
+        event = threading.Event()
+        with stop_when(event):
+            tokens = m.chat_prompt_tokens(prompt)  # not set: the whole prompt
+            event.set()
+            with pytest.raises(Cancelled, match="went away while its prompt was tokenized"):
+                m.chat_prompt_tokens(prompt)
+        assert m.chat_prompt_tokens(prompt) == tokens  # outside the block nothing stops it
+    finally:
+        m.close()
+
+
+def test_a_client_that_leaves_during_prompt_preparation_gets_no_work_done(server: ServerProcess) -> None:
+    """A chat body near the message limit, sent and abandoned at once: the node stays up and serves."""
+    import socket
+
+    body = json.dumps({"messages": _words(9000), "max_tokens": 1}).encode()
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    r = httpx.get(server.base + "/health", timeout=60)
+    assert r.status_code == 200
+    r = httpx.post(server.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200, r.text

@@ -23,12 +23,36 @@ between matches are cut again with the shorter tokens, a few levels deep.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import llama_cpp
 
-from ..errors import InvalidRequest
+from ..errors import Cancelled, InvalidRequest
+
+_work = threading.local()
+
+
+@contextlib.contextmanager
+def stop_when(event: threading.Event) -> Iterator[None]:
+    """Within the block, tokenizing on this thread raises :class:`~hydra_trio.errors.Cancelled` at the next
+    chunk once ``event`` is set (the HTTP app sets it when the client goes away while its prompt is
+    prepared, so no worker thread goes on for a client that left)."""
+    outer = getattr(_work, "stop", None)
+    _work.stop = event
+    try:
+        yield
+    finally:
+        _work.stop = outer
+
+
+def _check_stop() -> None:
+    stop = getattr(_work, "stop", None)
+    if stop is not None and stop.is_set():
+        raise Cancelled("the client went away while its prompt was tokenized")
 
 CHUNK_BYTES = 2048
 """Target size of one ``llama_tokenize`` call's text."""
@@ -135,6 +159,7 @@ def tokenize_linear(vocab: Any, special: SpecialTokens, data: bytes, *, add_spec
             bounds.append(len(data))
     out: list[int] = []
     for i in range(len(bounds) - 1):
+        _check_stop()
         out += tokenize_bytes(vocab, data[bounds[i]:bounds[i + 1]], add_special and i == 0, parse_special)
         if limit is not None and len(out) >= limit:
             more = "at least " if bounds[i + 1] < len(data) else ""

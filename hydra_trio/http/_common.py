@@ -4,9 +4,10 @@ SSE framing, the body-read error, and cancelling a request when its client goes 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 from starlette.requests import Request
@@ -16,6 +17,8 @@ from ..engine.engine import Engine
 from ..engine.requests import JobRun
 from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
 from .errors import error_response
+
+T = TypeVar("T")
 
 
 def error_for(exc: HydraTrioError) -> JSONResponse:
@@ -47,6 +50,38 @@ class _BodyError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+async def prepare_unless_gone(request: Request, work: Callable[[], T]) -> T | None:
+    """``work()`` (preparing a prompt: rendering, tokenizing) in a worker thread; None when the client
+    disconnects first.  Then the thread's tokenizing stops at its next chunk
+    (:func:`hydra_trio.engine.tokenize.stop_when`) and this returns at once, without waiting for it."""
+    from ..engine.tokenize import stop_when
+
+    stop = threading.Event()
+
+    def run() -> T:
+        with stop_when(stop):
+            return work()
+
+    result: list[T] = []
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                stop.set()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            result.append(await trio.to_thread.run_sync(run, abandon_on_cancel=True))
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the work's own error (the watcher never fails): raised as it is
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return result[0] if result else None
 
 
 @asynccontextmanager

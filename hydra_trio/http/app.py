@@ -48,7 +48,9 @@ from . import metrics
 from .. import node_stats
 from ..events import EventBus
 from .errors import error_response
-from ._common import _BodyError, _bad_request, _cancel_on_disconnect, _sse, _unavailable, error_for
+from ._common import (
+    _BodyError, _bad_request, _cancel_on_disconnect, _sse, _unavailable, error_for, prepare_unless_gone,
+)
 from .events import events_endpoint
 from .native import native_routes
 from ..api.jobs import chat_job, job_from_completion
@@ -416,10 +418,13 @@ class Api:
         request.state.trace_id = request_id  # and the access log line's (see _access_log)
         try:
             body = await self._read(request, cls)
-            # templating and tokenization only read the vocabulary: keep them off the event loop
-            job, tools = await trio.to_thread.run_sync(
-                lambda: chat_job(e, body) if chat else (job_from_completion(e, body), None)
-            )
+            # templating and tokenization only read the vocabulary: keep them off the event loop, and
+            # stop them for a client that leaves meanwhile
+            prepared = await prepare_unless_gone(
+                request, lambda: chat_job(e, body) if chat else (job_from_completion(e, body), None))
+            if prepared is None:
+                return error_response(503, "the request was cancelled", "unavailable_error")
+            job, tools = prepared
             run = JobRun(e, attrs.evolve(job, request_id=request_id)).submit()
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
