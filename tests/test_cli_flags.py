@@ -377,3 +377,21 @@ def test_a_thinking_budget_in_tokens_starts_the_node_with_a_warning() -> None:
     args = parse("--reasoning-budget", "2048", "--no-rpc-backend")  # a launcher's config: it must start
     assert engine_config(args, llama_options(args)).reasoning_budget == -1  # unrestricted, said once at start
     assert engine_config(parse("--reasoning-budget", "0"), llama_options(args)).reasoning_budget == 0
+
+
+def test_no_flag_leaves_the_engines_defaults_which_are_llama_servers() -> None:
+    import attrs
+
+    from hydra_trio.cli.run import engine_config, llama_options
+    from hydra_trio.engine.settings import EngineConfig
+
+    args = parse()
+    cfg = engine_config(args, llama_options(args))
+    plain = EngineConfig(model_path=cfg.model_path, model_alias=cfg.model_alias)
+    assert attrs.asdict(cfg, recurse=False) == attrs.asdict(plain, recurse=False)
+    given = engine_config(p := parse("-n", "9", "--keep", "-1", "--cache-reuse", "64", "-sps", "0.5",
+                                     "--embd-normalize", "1", "--reasoning-format", "none", "--reasoning-budget",
+                                     "0", "--context-shift"), llama_options(p))
+    assert (given.n_predict, given.n_keep, given.n_cache_reuse, given.slot_prompt_similarity, given.embd_normalize,
+            given.reasoning_format, given.reasoning_budget, given.context_shift) == (
+        9, -1, 64, 0.5, 1, "none", 0, True)

@@ -208,6 +208,13 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     path, alias = resolve_model(args.model or DEFAULT_ALIAS)
     quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
     template, _origin = args.chat_template or args.chat_template_file or (None, "")
+    given = {  # a flag not given (None) leaves EngineConfig's own default, which is llama-server's
+        "n_predict": args.n_predict, "n_keep": args.n_keep, "n_cache_reuse": args.n_cache_reuse,
+        "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
+        "reasoning_format": args.reasoning_format,
+        # a budget of N > 0 tokens: thinking runs unrestricted, said once at start (_notes)
+        "reasoning_budget": args.reasoning_budget if args.reasoning_budget in (-1, 0) else None,
+    }
     return EngineConfig(
         model_path=path,
         model_alias=args.alias or alias,
@@ -223,16 +230,9 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         llama=opts,
         chat_template_kwargs=template_kwargs(args),
         sampling=args.sampling,
-        n_predict=args.n_predict if args.n_predict is not None else -1,
         context_shift=args.context_shift,
-        n_keep=args.n_keep if args.n_keep is not None else 0,
-        n_cache_reuse=args.n_cache_reuse or 0,
-        slot_prompt_similarity=(args.slot_prompt_similarity if args.slot_prompt_similarity is not None
-                                else EngineConfig.__attrs_attrs__.slot_prompt_similarity.default),
         slot_save_path=args.slot_save_path,
-        embd_normalize=args.embd_normalize if args.embd_normalize is not None else 2,
-        reasoning_format=args.reasoning_format or "auto",
-        reasoning_budget=-1 if args.reasoning_budget is None or args.reasoning_budget > 0 else args.reasoning_budget,
+        **{k: v for k, v in given.items() if v is not None},
     )
 
 
