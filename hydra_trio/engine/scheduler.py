@@ -284,6 +284,7 @@ class Scheduler:
         slot.pending_prompt = prompt[cache_n:]
         slot.stopper = StopStringMatcher(job.stop)
         slot.may_share = job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
+        self.publish()  # the engine's snapshot shows the slot processing before its request hears anything
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
         self.events.publish("slot.assigned", job.request_id, slot=slot.id, n_prompt=len(prompt), cache_n=cache_n,
                             n_predict=job.n_predict)
