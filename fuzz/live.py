@@ -18,6 +18,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
 import httpx
 from hypothesis import strategies as st
@@ -34,6 +35,7 @@ from hydra_trio.protocol.hydra import (
     encode_request,
 )
 
+from hydra_trio.http.settings import HttpSettings
 from hydra_trio.protocol import ggml_rpc as _g
 
 from .findings import FINDINGS, StepTimeout, timeouts_are_findings
@@ -262,10 +264,9 @@ class LiveServerMachine(HostileRules):
     def http_extreme_schema(self, schema: dict) -> None:
         """Issue 22 §2: a schema is converted, or refused with a 400 naming why; never a 500, never a hang."""
         STATS["http"] += 1
-        r = self.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
-                                                         "max_tokens": 0, "json_schema": schema})
-        assert r.status_code in (200, 400), r.text[:300]
-        if r.status_code == 400:
+        r = _post_sized(self.http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                             "max_tokens": 0, "json_schema": schema})
+        if r is not None and r.status_code == 400:
             assert r.json()["error"]["message"].startswith("json_schema"), r.text[:300]
 
     @rule(body=many_part_chat_bodies())
@@ -273,9 +274,8 @@ class LiveServerMachine(HostileRules):
     def http_many_parts(self, body: dict) -> None:
         """Issue 22 §3: bodies of many small parts are answered (400 over a limit), in bounded time."""
         STATS["http"] += 1
-        r = self.http.post("/v1/chat/completions", json={**body, "max_tokens": 1})
-        assert r.status_code in (200, 400), r.text[:300]
-        if r.status_code == 400:
+        r = _post_sized(self.http, "/v1/chat/completions", {**body, "max_tokens": 1})
+        if r is not None and r.status_code == 400:
             assert r.json()["error"]["type"] == "invalid_request_error"
 
     @rule(raw=st.binary(min_size=1, max_size=200), method=st.sampled_from([b"GET ", b"POST ", b"PUT ", b"HEAD "]))
@@ -576,3 +576,15 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} missing from /metrics")
+
+
+def _post_sized(http: Any, path: str, body: dict) -> Any:
+    """POST ``body``: a body over the node's limit must be a 413 naming the limit (then None is returned),
+    any other an answer of 200 or 400 (returned)."""
+    data = json.dumps(body).encode()
+    r = http.post(path, content=data, headers={"Content-Type": "application/json"})
+    if len(data) > HttpSettings().max_body:
+        assert r.status_code == 413 and "the limit is" in r.text, r.text[:300]
+        return None
+    assert r.status_code in (200, 400), r.text[:300]
+    return r
