@@ -219,6 +219,12 @@ _json_values = st.recursive(
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
     max_leaves=16,
 )
+_valid_json_values = st.recursive(  # what JSON allows (no Infinity): a body whose only fault is the one put in
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12),
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=16,
+)
 
 
 @st.composite
@@ -351,7 +357,7 @@ def _with_surrogate(draw: st.DrawFn, body: dict) -> tuple[bytes, str]:
         objects = [""] + [p for p, is_key in sites if is_key and isinstance(_get(body, p), dict)]
         where = draw(st.sampled_from(objects))
         key = draw(st.text(max_size=4)) + surrogate
-        value = draw(_json_values)
+        value = draw(_valid_json_values)
         out = _add_key(body, where, key, value)
         return _json.dumps(out).encode(), f"{where or '.'} new key"
     path, is_key = draw(st.sampled_from(sites))
