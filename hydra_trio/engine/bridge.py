@@ -18,8 +18,9 @@ function posted this way must leave the worker's state consistent on its own
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import outcome
@@ -94,3 +95,15 @@ class Call(Generic[T]):
 
 
 _deliver_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def thread_local_set(local: threading.local, name: str, value: Any) -> Iterator[None]:
+    """``local.<name>`` is ``value`` on this thread while the block runs, and what it was afterwards (the
+    llama.cpp log tap of a model load, the tokenizer's stop event)."""
+    outer = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield
+    finally:
+        setattr(local, name, outer)

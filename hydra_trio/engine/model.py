@@ -24,6 +24,7 @@ from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from ..errors import ModelLoadError
 from . import ggml_rpc
+from .bridge import thread_local_set
 from .ggml_rpc import clean_build_paths
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
@@ -627,12 +628,8 @@ GGML_TYPES = KV_CACHE_TYPES
 def _tap_llama_log(lines: list[str]) -> Iterator[None]:
     """Append the llama.cpp log lines logged on this thread to ``lines`` while the block runs (a model load:
     its buffer sizes, flash attention's choice, where overrides placed tensors)."""
-    outer = getattr(_log_tap, "lines", None)
-    _log_tap.lines = lines
-    try:
+    with thread_local_set(_log_tap, "lines", lines):
         yield
-    finally:
-        _log_tap.lines = outer
 
 
 _FA_CHOSEN = re.compile(r"Flash Attention (enabled|not supported, set to disabled)")

@@ -32,6 +32,7 @@ from typing import Any
 import llama_cpp
 
 from ..errors import Cancelled, InvalidRequest
+from .bridge import thread_local_set
 
 _work = threading.local()
 
@@ -41,12 +42,8 @@ def stop_when(event: threading.Event) -> Iterator[None]:
     """Within the block, tokenizing on this thread raises :class:`~hydra_trio.errors.Cancelled` at the next
     chunk once ``event`` is set (the HTTP app sets it when the client goes away while its prompt is
     prepared, so no worker thread goes on for a client that left)."""
-    outer = getattr(_work, "stop", None)
-    _work.stop = event
-    try:
+    with thread_local_set(_work, "stop", event):
         yield
-    finally:
-        _work.stop = outer
 
 
 def _check_stop() -> None:
