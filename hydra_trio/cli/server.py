@@ -24,10 +24,14 @@ FLAGS: list[Flag] = [
     V(("-lcd", "--lookup-cache-dynamic"), REFUSED, NO_SPEC, value="FNAME"),
     V(("--kv-unified-per-slot",), REFUSED, "the per-slot limit of a unified KV pool is not supported; "
       "-c is split evenly over the slots", value="N", env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
-    V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), ACCEPTED, NOT_YET + " (context checkpoints)",
-      value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CTX_CHECKPOINTS"),
-    V(("-cms", "--checkpoint-min-step"), ACCEPTED, NOT_YET + " (context checkpoints)", value="N",
-      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
+    V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), WIRED, "context checkpoints kept per slot for "
+      "recurrent, hybrid and SWA models: a diverging prompt resumes from the latest one instead of being "
+      "evaluated whole (default: 32; 0 = off)", value="N", type=t.int_range(0, t.INT32_MAX),
+      env="LLAMA_ARG_CTX_CHECKPOINTS", dest="n_ctx_checkpoints", lands="EngineConfig.n_ctx_checkpoints"),
+    V(("-cms", "--checkpoint-min-step"), WIRED, "minimum spacing in tokens between context checkpoints of "
+      "different requests once a slot's are full (default: 8192; 0 = no minimum)", value="N",
+      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", dest="checkpoint_min_step",
+      lands="EngineConfig.checkpoint_min_step"),
     V(("-cram", "--cache-ram"), ACCEPTED, NOT_YET + " (no host-RAM prompt cache yet)", value="N",
       type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM"),
     V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; each slot still holds at most "

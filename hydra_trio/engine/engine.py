@@ -107,7 +107,8 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
             n_cache_reuse = 0
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
-                     slot_prompt_similarity=cfg.slot_prompt_similarity)
+                     slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
+                     checkpoint_min_step=cfg.checkpoint_min_step)
 
 
 def kv_cache(e: Engine) -> dict[str, str]:

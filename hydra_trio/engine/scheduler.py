@@ -33,6 +33,7 @@ import llama_cpp
 
 from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
 from ..events import EventBus
+from .checkpoints import Checkpoints
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
@@ -76,13 +77,15 @@ class Scheduler:
         stats: the engine's counters (llama-server's metric names).
         model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
         events: where ``slot.*`` events go (:mod:`hydra_trio.events`).
-        context_shift, n_keep, n_cache_reuse, slot_prompt_similarity: as the
-            :class:`~hydra_trio.engine.settings.EngineConfig` fields of those names.
+        context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
+            checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
+            those names (checkpoints: :mod:`~hydra_trio.engine.checkpoints`).
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
                  model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
-                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1) -> None:
+                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
+                 n_ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192) -> None:
         self.experts = experts
         self.context_shift = context_shift
         self.n_keep = n_keep
@@ -90,6 +93,7 @@ class Scheduler:
         self.slot_prompt_similarity = slot_prompt_similarity
         self.events = events if events is not None else EventBus()
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_parallel)]
+        self.checkpoints = Checkpoints(n_parallel, n_ctx_checkpoints, checkpoint_min_step)
         self.pending: collections.deque[RequestHandle] = collections.deque()
         self.stats = stats
         self.model_hash = model_hash
@@ -126,6 +130,7 @@ class Scheduler:
         """The model changed (each has its own KV cache): no slot may reuse its cached prompt."""
         for slot in self.slots:
             slot.cache_tokens.clear()
+        self.checkpoints.clear()
 
     def close(self, error: HydraTrioError) -> None:
         """Fail every running and waiting request with ``error`` and free the batch (at shutdown)."""
@@ -267,23 +272,13 @@ class Scheduler:
         slot.sampler = sampler
         slot.handle = handle
         slot.t_start = time.perf_counter()
-        cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
-        n_reuse = self.n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
-        if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
-                and cache_n < min(len(slot.cache_tokens), len(prompt))
-                and llama_cpp.llama_memory_can_shift(m.memory)):
-            cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
-        if job.n_predict != 0 and cache_n >= len(prompt):
-            cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
-        if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
-            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
-            cache_n = 0
-        del slot.cache_tokens[cache_n:]
+        cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints)
         slot.cache_n = cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.stopper = StopStringMatcher(job.stop)
-        slot.may_share = job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
+        slot.may_share = (job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
+                          and not self.checkpoints.needed(m))  # share_prefix: why not these models
         self.publish()  # the engine's snapshot shows the slot processing before its request hears anything
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
         self.events.publish("slot.assigned", job.request_id, slot=slot.id, n_prompt=len(prompt), cache_n=cache_n,
@@ -314,7 +309,7 @@ class Scheduler:
                 continue
             if slot.may_share and share_prefix(self.slots, slot, m):
                 continue  # another slot is evaluating this prompt's prefix: copy it when done
-            chunk = slot.pending_prompt[:budget]
+            chunk = self.checkpoints.chunk(m, slot, budget)  # a context checkpoint first where one is due
             last_chunk = len(chunk) == len(slot.pending_prompt)
             for j, tok in enumerate(chunk):
                 want = last_chunk and j == len(chunk) - 1 and slot.handle.job.n_predict != 0
@@ -465,6 +460,35 @@ class Scheduler:
         # mid-prompt leaves a valid prefix in the slot's KV cache.
         slot.last_used = time.monotonic()
         slot.reset_request()
+
+def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int], n_cache_reuse: int,
+                checkpoints: Checkpoints) -> int:
+    """How many of ``prompt``'s first tokens ``slot`` keeps from its cache; its memory and ``cache_tokens``
+    are cut back to them and the caller evaluates the rest (llama-server's ``update_slots`` when a slot starts).
+
+    The common prefix of the cache and the prompt (0 with ``cache_prompt`` false); with ``--cache-reuse``
+    (``n_cache_reuse``, or the job's) later cached chunks moved into place (:func:`reuse_chunks`); for a
+    generating request at least the last prompt token is evaluated again (its logits are needed).  A
+    memory that cannot be cut back (recurrent, hybrid, SWA) restores the latest context checkpoint at or
+    before that point (:meth:`Checkpoints.start`), and with none (or ``--ctx-checkpoints 0``) keeps
+    nothing: the whole prompt is evaluated.
+    """
+    cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
+    n_reuse = n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
+    if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
+            and cache_n < min(len(slot.cache_tokens), len(prompt))
+            and llama_cpp.llama_memory_can_shift(m.memory) and not checkpoints.needed(m)):
+        cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
+    if checkpoints.active(m):
+        cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=job.n_predict != 0)
+    if job.n_predict != 0 and cache_n >= len(prompt):
+        cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
+    if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
+        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot be cut back there
+        cache_n = 0
+    del slot.cache_tokens[cache_n:]
+    return cache_n
+
 
 def erase_slot(m: LoadedModel, slot: Slot) -> int:
     """Drop ``slot``'s KV cache in ``m``.  Returns the number of tokens erased.

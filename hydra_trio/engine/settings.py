@@ -399,6 +399,14 @@ class EngineConfig:
             fraction of the new prompt's tokens (the best such slot); otherwise
             the least recently used idle slot (``-sps``; 0.0 = always the least
             recently used).
+        n_ctx_checkpoints: context checkpoints kept per slot for a model whose memory cannot be
+            cut back (recurrent, hybrid, SWA without ``--swa-full``): a diverging prompt restores the
+            latest one at or before the common prefix instead of evaluating everything again
+            (``--ctx-checkpoints``; 0 = none; default 32 as llama-server;
+            :mod:`hydra_trio.engine.checkpoints`).
+        checkpoint_min_step: once a slot's checkpoints are full, earlier requests' checkpoints
+            closer than this many tokens to the previous one are dropped first
+            (``--checkpoint-min-step``; default 8192 as llama-server).
         embd_normalize: how pooled embeddings are normalized when a request does not say
             (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
             see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
@@ -434,6 +442,8 @@ class EngineConfig:
     n_keep: int = attrs.field(default=0, validator=_int(-1, INT32_MAX))
     n_cache_reuse: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
     slot_prompt_similarity: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
+    n_ctx_checkpoints: int = attrs.field(default=32, validator=_int(0, INT32_MAX))
+    checkpoint_min_step: int = attrs.field(default=8192, validator=_int(0, INT32_MAX))
     embd_normalize: int = attrs.field(default=2, validator=_int(-1, INT32_MAX))
 
     @property
