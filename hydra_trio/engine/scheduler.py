@@ -16,7 +16,10 @@ whose context is full discards tokens after the first ``n_keep`` and goes on
 (llama-server's ``--context-shift``).  A prompt whose first :data:`SHARE_MIN_TOKENS`
 or more tokens are in another slot's KV cache, or being evaluated there now,
 gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
-again: concurrent requests with one long system prompt evaluate it once.  Stop strings, finishing, and cancellation are
+again: concurrent requests with one long system prompt evaluate it once
+(not for recurrent, hybrid or SWA models: :func:`share_prefix`).  For those
+models, whose memory cannot be cut back to a shorter prefix, a slot keeps
+context checkpoints (:mod:`~hydra_trio.engine.checkpoints`).  Stop strings, finishing, and cancellation are
 here too.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
@@ -524,6 +527,15 @@ def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     held now if it is that much longer than the slot's own cache, and
     from then on feeds the rest.  The last prompt token is always
     evaluated here (its logits are needed).
+
+    Not used for a model whose memory cannot be cut back (recurrent, hybrid,
+    SWA: :func:`~hydra_trio.engine.checkpoints.needs_checkpoints`; the
+    scheduler never sets ``may_share`` for one): ``llama_memory_seq_cp`` of
+    recurrent memory ignores the range and gives the slot the donor's whole
+    state, after all of the donor's tokens rather than after the shared
+    prefix (``llama_memory_recurrent::seq_cp``), and cutting it back fails;
+    with a unified KV cache the old code kept that wrong state.  Such a slot
+    evaluates the prefix itself.
     """
     assert slot.handle is not None
     prompt = slot.cache_tokens + slot.pending_prompt
