@@ -175,6 +175,28 @@ def test_no_cross_slot_prefix_copy_for_a_memory_that_cannot_be_cut(
         assert r.same_as(_complete(srv.base, other, id_slot=1, cache_prompt=False))
 
 
+@pytest.mark.parametrize("n_ckpt", [32, 0], ids=["checkpoints", "no-checkpoints"])
+def test_an_swa_model_resumes_from_a_checkpoint_once_its_window_has_moved_on(
+        tmp_path: Path, swa_model: Path, n_ckpt: int) -> None:
+    """Gemma 3 layout, a 32-token window: the SWA layers' cache (256 cells at 64 tokens a step) no longer
+    holds the window before token 298 once the slot has grown to 616 tokens.  With checkpoints the slot
+    resumes from the one after 296 tokens (llama-server keeps pos_max = 295 of it); without, the whole
+    prompt is evaluated.  Before checkpoints the node kept 298 tokens and generated other text."""
+    for srv in _server(tmp_path, swa_model, "-np", "1", "-b", "64", "-ub", "64", "--ctx-checkpoints", str(n_ckpt)):
+        first = [1000 + i for i in range(300)]
+        _complete(srv.base, first)
+        assert _complete(srv.base, first + [3000 + i for i in range(300)]).timings["cache_n"] == 300  # extends
+        third = first[:298] + [7000 + i for i in range(40)]
+        r = _complete(srv.base, third)
+        assert r.timings["cache_n"] == (295 if n_ckpt else 0)
+        assert r.same_as(_complete(srv.base, third, cache_prompt=False))
+        # far before any checkpoint: from nothing, with or without them
+        _complete(srv.base, first)
+        early = first[:100] + [7000 + i for i in range(40)]
+        r = _complete(srv.base, early)
+        assert r.timings["cache_n"] == 0 and r.same_as(_complete(srv.base, early, cache_prompt=False))
+
+
 def test_the_flags_land_in_the_engine_settings() -> None:
     from hydra_trio import cli
     from hydra_trio.cli.run import engine_config, llama_options

@@ -482,7 +482,7 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
             and cache_n < min(len(slot.cache_tokens), len(prompt))
             and llama_cpp.llama_memory_can_shift(m.memory) and not checkpoints.needed(m)):
         cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
-    if checkpoints.active(m):
+    if checkpoints.needed(m):  # with --ctx-checkpoints 0 too: then it finds none
         cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=job.n_predict != 0)
     if job.n_predict != 0 and cache_n >= len(prompt):
         cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits

@@ -9,6 +9,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
     {
         ".presets": ["PRESETS", "Preset", "PresetError", "resolve_model"],
         ".moe": ["ensure_test_moe", "make_test_moe"],
-        ".hybrid": ["ensure_test_hybrid", "make_test_hybrid"],
+        ".hybrid": ["ensure_test_hybrid", "ensure_test_swa", "make_test_hybrid", "make_test_swa"],
     },
 )
