@@ -214,3 +214,20 @@ def test_the_flags_land_in_the_engine_settings() -> None:
     assert (c.n_ctx_checkpoints, c.checkpoint_min_step) == (0, 7)
     with pytest.raises(SystemExit):
         cfg("-ctxcp", "-1")
+
+
+def test_two_slots_in_one_batch_each_resume_from_their_own_checkpoints(tmp_path: Path, hybrid_model: Path) -> None:
+    """Two conversations at once on two slots (their prompts share one batch, cut at each one's
+    checkpoint places): each second turn resumes from its own slot's checkpoint and equals a fresh
+    evaluation."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    for srv in _server(tmp_path, hybrid_model, "-np", "2", "-b", "64", "-ub", "64"):
+        firsts = [[1000 + 7 * k + i for i in range(200)] for k in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda k: _complete(srv.base, firsts[k], id_slot=k), range(2)))
+            seconds = [f[:180] + [8000 + k + i for i in range(30)] for k, f in enumerate(firsts)]
+            replies = list(pool.map(lambda k: _complete(srv.base, seconds[k], id_slot=k), range(2)))
+        for k, r in enumerate(replies):
+            assert r.timings["cache_n"] == 200 - 64, k  # the checkpoint 64 tokens (one step) before the end
+            assert r.same_as(_complete(srv.base, seconds[k], id_slot=k, cache_prompt=False)), k
