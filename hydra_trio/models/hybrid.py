@@ -206,7 +206,8 @@ def ensure_test_hybrid(source: Path) -> Path:
 
 
 def ensure_test_swa(source: Path) -> Path:
-    """The test SWA model (:func:`make_test_swa`) with ``source``'s tokenizer, in the cache directory, made on first use."""
+    """The test SWA model (:func:`make_test_swa`) with ``source``'s tokenizer, in the cache directory, made on
+    first use."""
     dst = default_path("swa")
     if not dst.is_file():
         make_test_swa(source, dst)
