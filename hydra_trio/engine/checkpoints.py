@@ -17,8 +17,9 @@ the placement in ``update_slots``, the restore when a slot starts a prompt;
   KV cache can be cut back and is not copied), with the memory's
   ``pos_min``/``pos_max`` for the slot and the number of tokens it covers.
 * **Where**: while a prompt is fed, its last chunks are cut so that one ends
-  ``4 + n_ubatch`` and one ``4`` tokens before the prompt's end (``n_ubatch``
-  here is the engine's tokens per step), and a checkpoint is taken before each
+  ``min(n_batch, 4 + n_ubatch)`` and one ``4`` tokens before the prompt's end
+  (here both are the engine's tokens per step, so ``n_batch`` and ``4``),
+  and a checkpoint is taken before each
   chunk that ends within ``n_ubatch`` of the prompt's end (the state after
   the tokens fed so far; before the ``llama_decode``).  At most
   ``n_ctx_checkpoints`` per slot: when the list is full, checkpoints of earlier
@@ -26,7 +27,8 @@ the placement in ``update_slots``, the restore when a slot starts a prompt;
   first, then the oldest.  llama-server also places one at the start of each
   user message of a chat; this node does not know where messages start in a
   prompt, so it places only the ones near the end.
-* **Restore**: when a prompt shares ``n`` tokens with the slot's cache but the
+* **Restore** (with ``--ctx-checkpoints 0`` too, which then finds none): when a
+  prompt shares ``n`` tokens with the slot's cache but the
   memory's ``pos_min`` shows it cannot be cut back to ``n`` (``pos_min >=
   n - n_swa``, one less when no token would be left to evaluate), the latest
   checkpoint with ``pos_max <= n`` (and ``pos_min`` below that threshold) is
