@@ -40,7 +40,8 @@ def _args(call: object) -> dict:
 
 
 def _streamed(client: openai.OpenAI, **kw: object) -> tuple[str, list[dict], str | None]:
-    """Content, calls reassembled from the deltas (name first, then argument fragments), finish reason."""
+    """Content, calls reassembled from the deltas (name first, then argument fragments; each call's
+    ``fragments`` lists them), finish reason."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(model="m", stream=True, **kw):  # type: ignore[call-overload]
         choice = chunk.choices[0]
@@ -48,9 +49,11 @@ def _streamed(client: openai.OpenAI, **kw: object) -> tuple[str, list[dict], str
         for tc in choice.delta.tool_calls or ():
             if tc.id is not None:
                 assert tc.index not in calls and tc.function.name and tc.function.arguments == ""
-                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": "", "fragments": []}
             else:
+                assert tc.function.name is None and tc.function.arguments
                 calls[tc.index]["arguments"] += tc.function.arguments
+                calls[tc.index]["fragments"].append(tc.function.arguments)
         finish = choice.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -89,6 +92,20 @@ def test_streamed_calls_reassemble_to_the_whole_reply(client: openai.OpenAI) -> 
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_arguments_stream_in_fragments_as_generated(client: openai.OpenAI) -> None:
+    """The arguments come in several fragments, as the model writes them (OpenAI's and llama-server's
+    streaming), and their concatenation is the non-streamed reply's ``arguments``."""
+    kw = dict(messages=[{"role": "user", "content": "What is the weather in San Francisco, in fahrenheit?"}],
+              tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0)
+    whole = client.chat.completions.create(model="m", **kw).choices[0].message.tool_calls  # type: ignore[call-overload]
+    content, calls, finish = _streamed(client, **kw)
+    assert finish == "tool_calls" and content == "" and len(calls) == len(whole) == 1
+    (call,) = calls
+    assert (call["name"], call["arguments"]) == (whole[0].function.name, whole[0].function.arguments)
+    assert len(call["fragments"]) > 2, call["fragments"]  # not one piece
+    assert _args(whole[0])["city"] and len(call["arguments"]) > len(max(call["fragments"], key=len))
 
 
 def test_a_tool_result_turn_renders_and_answers(client: openai.OpenAI) -> None:
