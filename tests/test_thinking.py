@@ -281,3 +281,13 @@ def test_reasoning_effort(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         _chat(client, reasoning_effort="extreme")
     assert "none, minimal, low, medium, high, xhigh, max" in err.value.response.json()["error"]["message"]
+
+
+def test_a_grammar_that_refuses_the_end_marker_wins_over_the_budget(client: openai.OpenAI, node: ServerProcess) -> None:
+    """The budget's forced ``</think>`` is checked against the request's grammar first (accepting a token the
+    grammar refuses would abort llama.cpp): refused, the forcing ends and the reply follows the grammar."""
+    r = _chat(client, max_tokens=8, extra_body={"thinking_budget_tokens": 2, "grammar": 'root ::= [a-z ]+'})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    assert set(_reasoning(m)) <= set("abcdefghijklmnopqrstuvwxyz ") and m.content == ""
+    assert httpx.get(node.base + "/health", timeout=10).status_code == 200

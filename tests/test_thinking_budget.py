@@ -70,3 +70,11 @@ def test_bad_specs_are_refused() -> None:
         ThinkingBudget(_spec(-1))
     with pytest.raises(ValueError):
         ThinkingBudget(_spec(1, forced=()))
+
+
+def test_giving_up_ends_the_forcing() -> None:
+    b = ThinkingBudget(_spec(0, opened=True))
+    assert b.forced == 900
+    b.give_up()
+    assert b.state == DONE and b.forced is None
+    assert _run(b, [b"</think>", b"x"]) == [None, None]

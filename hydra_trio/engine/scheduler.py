@@ -37,7 +37,7 @@ from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
 from .thinking_budget import ThinkingBudget
-from .sampling import GrammarError, SamplerSpec, build_sampler, token_probs
+from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
 from .slots import Slot, StopStringMatcher
 from .state import save_slot
 
@@ -469,12 +469,18 @@ class Scheduler:
 def sample_token(m: LoadedModel, slot: Slot, idx: int) -> int:
     """The next token of ``slot``'s request from the logits at batch index ``idx``: sampled by the slot's
     chain, or the token its thinking budget forces (:mod:`.thinking_budget`; the chain accepts it, so
-    penalties and a grammar see it as llama-server's budget sampler lets them)."""
+    penalties and a grammar see it as llama-server's budget sampler lets them).  A forced token the
+    request's grammar refuses ends the forcing (the grammar wins: llama-server's grammar comes first in
+    its chain and would leave no candidate)."""
     assert slot.handle is not None
     spec = slot.handle.job.reasoning_budget
     if slot.budget is None and spec is not None:
         slot.budget = ThinkingBudget(spec)
     forced = slot.budget.forced if slot.budget is not None else None
+    if forced is not None and slot.handle.job.grammar and not grammar_allows(slot.sampler, forced):
+        assert slot.budget is not None
+        slot.budget.give_up()
+        forced = None
     if forced is None:
         token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
     else:

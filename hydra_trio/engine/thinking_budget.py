@@ -70,6 +70,10 @@ class ThinkingBudget:
         """The token the next step must take, or None (sample as usual)."""
         return self.spec.forced[self._pos] if self.state == FORCING else None
 
+    def give_up(self) -> None:
+        """Stop forcing (the request's grammar refuses the forced token): the reply goes on unforced."""
+        self.state = DONE
+
     def _open(self) -> None:
         self.state, self.remaining = COUNTING, self.spec.budget
         if self.remaining <= 0:
