@@ -149,13 +149,16 @@ FLAGS: list[Flag] = [
     V(("-rea", "--reasoning"), WIRED, "thinking on, off or auto: on/off set enable_thinking for the chat "
       "template, as llama-server", value="[on|off|auto]", type=t.on_off_auto, env="LLAMA_ARG_REASONING",
       lands="EngineConfig.chat_template_kwargs"),
-    V(("--reasoning-effort",), ACCEPTED, NOT_YET, value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT"),
-    V(("--reasoning-budget",), WIRED, "thinking budget: -1 unrestricted (default), 0 no thinking (enable_thinking "
-      "false for the template); a budget of N > 0 tokens starts the node with a warning that thinking runs "
-      "unrestricted (no budget sampler yet)", value="N", type=t.int_range(-1, t.INT32_MAX),
+    V(("--reasoning-effort",), WIRED, "reasoning effort given to the chat template as its reasoning_effort "
+      "variable ('default' keeps the template's), as llama-server", value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT",
+      lands="EngineConfig.chat_template_kwargs"),
+    V(("--reasoning-budget",), WIRED, "thinking budget in tokens: -1 unrestricted (default), 0 no thinking "
+      "(enable_thinking false for the template), N > 0: after N tokens inside the thinking block its end marker "
+      "is forced and the model answers", value="N", type=t.int_range(-1, t.INT32_MAX),
       env="LLAMA_ARG_THINK_BUDGET", lands="EngineConfig.reasoning_budget"),
-    V(("--reasoning-budget-message",), ACCEPTED, NOT_YET + " (no thinking budget)", value="MESSAGE",
-      env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
+    V(("--reasoning-budget-message",), WIRED, "text forced before the end-of-thinking marker when the thinking "
+      "budget is spent (default: none)", value="MESSAGE", env="LLAMA_ARG_THINK_BUDGET_MESSAGE",
+      lands="EngineConfig.reasoning_budget_message"),
     V(("--reasoning-preserve",), ACCEPTED, "the chat template decides whether past thinking is kept",
       neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE"),
     V(("--chat-template",), WIRED, "chat template: a built-in name (hydra-trio models templates), a Jinja file "

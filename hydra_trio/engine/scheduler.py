@@ -40,7 +40,8 @@ from .checkpoints import Checkpoints
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
-from .sampling import GrammarError, SamplerSpec, build_sampler, token_probs
+from .thinking_budget import ThinkingBudget
+from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
 from .slots import Slot, StopStringMatcher
 from .state import save_slot
 
@@ -368,8 +369,7 @@ class Scheduler:
         for slot, idx in to_sample:
             if slot.handle is None:
                 continue
-            token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
-            job = slot.handle.job
+            token, job = sample_token(m, slot, idx), slot.handle.job
             if job.logprobs or job.n_probs:
                 probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
                 slot.pending_logprobs.append(probs.logprob)
@@ -491,6 +491,31 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
         cache_n = 0
     del slot.cache_tokens[cache_n:]
     return cache_n
+
+
+def sample_token(m: LoadedModel, slot: Slot, idx: int) -> int:
+    """The next token of ``slot``'s request from the logits at batch index ``idx``: sampled by the slot's
+    chain, or the token its thinking budget forces (:mod:`.thinking_budget`; the chain accepts it, so
+    penalties and a grammar see it as llama-server's budget sampler lets them).  A forced token the
+    request's grammar refuses ends the forcing (the grammar wins: llama-server's grammar comes first in
+    its chain and would leave no candidate)."""
+    assert slot.handle is not None
+    spec = slot.handle.job.reasoning_budget
+    if slot.budget is None and spec is not None:
+        slot.budget = ThinkingBudget(spec)
+    forced = slot.budget.forced if slot.budget is not None else None
+    if forced is not None and slot.handle.job.grammar and not grammar_allows(slot.sampler, forced):
+        assert slot.budget is not None
+        slot.budget.give_up()
+        forced = None
+    if forced is None:
+        token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
+    else:
+        token = forced
+        llama_cpp.llama_sampler_accept(slot.sampler, token)
+    if slot.budget is not None:
+        slot.budget.accept(token, m.token_bytes(token))
+    return int(token)
 
 
 def erase_slot(m: LoadedModel, slot: Slot) -> int:

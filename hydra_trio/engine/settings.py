@@ -415,8 +415,12 @@ class EngineConfig:
             (``--reasoning-format``: ``none``, ``deepseek``, ``deepseek-legacy`` or ``auto``;
             :mod:`hydra_trio.api.reasoning`); a request's ``reasoning_format`` overrides it.
         reasoning_budget: thinking budget in tokens (``--reasoning-budget``): -1 unrestricted,
-            0 no thinking (``enable_thinking`` false for the template, as llama-server); a
-            request's ``thinking_budget_tokens`` / ``reasoning_budget_tokens`` overrides it.
+            0 no thinking (``enable_thinking`` false for the template, as llama-server), N > 0: after
+            N tokens inside the thinking block its end marker is forced
+            (:mod:`hydra_trio.engine.thinking_budget`); a request's ``thinking_budget_tokens`` /
+            ``reasoning_budget_tokens`` overrides it.
+        reasoning_budget_message: text forced before the end marker when the budget is spent
+            (``--reasoning-budget-message``; a request's ``reasoning_budget_message`` overrides it).
 
     Raises:
         ParameterError: ``n_predict`` out of -1 .. 2**31-1.
@@ -457,4 +461,5 @@ class EngineConfig:
         return self.llama.pooling
     reasoning_format: str = attrs.field(default="auto", validator=attrs.validators.in_(
         ("none", "deepseek", "deepseek-legacy", "auto")))
-    reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, 0))
+    reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, INT32_MAX))
+    reasoning_budget_message: str = ""
