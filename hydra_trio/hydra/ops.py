@@ -132,7 +132,7 @@ class OpContext:
         try:
             return parser(self.req.payload)
         except msg.MessageError as exc:
-            raise Reply(Status.BAD_REQUEST, str(exc), **meta) from None
+            raise reply_for(exc, **meta) from None
 
 
 # ----------------------------------------------------------------------------- slot ops
@@ -358,7 +358,7 @@ async def configure(ctx: OpContext) -> None:
     try:
         t1, t2, t3, unknown = msg.classify_configure_keys(params)
     except msg.MessageError as exc:
-        raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        raise reply_for(exc) from None
     tier = 3 if t3 else 2 if t2 else 1
     deferred = sorted([*t2, *t3])
     chunk = msg.clamp_state_chunk_size(t1.pop("state_chunk_size")) if "state_chunk_size" in t1 else None
