@@ -36,7 +36,7 @@ def job_from_chat(
     else chatml) and tokenize it (BOS added as llama-server adds it).
 
     ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).
-    Raises ValueError (the template failed) or RequestError.
+    Raises ChatTemplateError (the template failed; an InvalidRequest) or RequestError.
     """
     return chat_job(e, body, n_predict=n_predict, id_slot=id_slot)[0]
 
@@ -44,7 +44,7 @@ def job_from_chat(
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
     """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
     (what ``POST /apply-template`` answers, and what :func:`job_from_chat` tokenizes).
-    Raises ValueError (the template failed)."""
+    Raises ChatTemplateError (the template failed; an InvalidRequest)."""
     return _render(e, body)[0]
 
 

@@ -37,7 +37,7 @@ from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .requests import CompletionJob, RequestHandle
 from .scheduler import Scheduler, check_prompt_fits
-from .settings import EngineConfig, SamplingParams, check_n_predict
+from .settings import EngineConfig, SamplingParams, check_n_parallel, check_n_predict
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 
@@ -553,8 +553,7 @@ self: Engine, *, n_ctx: int | None = None, n_parallel: int | None = None,
     assert old is not None and self.scheduler is not None
     n_ctx = old.n_ctx if n_ctx is None else n_ctx
     n_parallel = old.n_parallel if n_parallel is None else n_parallel
-    if not 1 <= n_parallel <= 64:
-        raise InvalidRequest(f"n_parallel: {n_parallel} is out of range (1..64)")
+    check_n_parallel(n_parallel)  # the bound -np has too
     n_ctx_max = int(old.n_ctx_train * old.rope_context_scale(old.options))  # a slot's most (RoPE scaling too)
     if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
         raise InvalidRequest(

@@ -84,6 +84,10 @@ SAMPLER_NAMES: dict[str, str] = {
 """Every sampler name llama-server accepts (``common_sampler_types_from_names``: canonical, kebab-case,
 without the underscore, and three aliases; matched case-insensitively) -> the canonical name."""
 MAX_SAMPLERS = 64
+N_PARALLEL_MAX = 256
+"""The most slots a node runs: llama.cpp's most sequences per context (``LLAMA_MAX_SEQ``,
+src/llama-cparams.h).  ``-np`` / ``--parallel``, :class:`EngineConfig` and CONFIGURE ``n_parallel`` all take
+1 .. this (:func:`check_n_parallel`)."""
 
 
 def parse_samplers(value: Any) -> tuple[str, ...]:
@@ -125,6 +129,11 @@ def check_int(name: str, value: int, lo: int, hi: int) -> None:
     """Raise ParameterError unless ``lo <= value <= hi``."""
     if not lo <= value <= hi:
         raise ParameterError(f"{name}: must be between {lo} and {hi}, got {value}")
+
+
+def check_n_parallel(value: int) -> None:
+    """Raise ParameterError unless ``1 <= value <=`` :data:`N_PARALLEL_MAX` (the one bound of the slot count)."""
+    check_int("n_parallel", value, 1, N_PARALLEL_MAX)
 
 
 def check_float(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -423,12 +432,12 @@ class EngineConfig:
             (``--reasoning-budget-message``; a request's ``reasoning_budget_message`` overrides it).
 
     Raises:
-        ParameterError: ``n_predict`` out of -1 .. 2**31-1.
+        ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
     """
 
     model_path: Path
     model_alias: str
-    n_parallel: int = 4
+    n_parallel: int = attrs.field(default=4, validator=_int(1, N_PARALLEL_MAX))
     n_ctx: int = 8192
     n_batch: int = 512
     n_threads: int | None = None

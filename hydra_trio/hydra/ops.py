@@ -3,9 +3,11 @@
 Each operation is ``async def op(ctx: OpContext) -> None`` and sends exactly
 one reply through the context; to refuse, it raises — :class:`Reply` for a
 status of its own choosing, or any :class:`~hydra_trio.errors.HydraTrioError`,
-which :func:`reply_for` maps to the wire: InvalidRequest → BAD_REQUEST,
-Busy → BUSY (``busy_slots``), NotReady → ERROR (``stage``), anything else →
-ERROR.  Every non-OK reply carries ``{"error": ...}``.
+which :func:`reply_for` turns into the status its class names
+(:attr:`~hydra_trio.errors.HydraTrioError.hydra_status`: InvalidRequest →
+BAD_REQUEST, Busy → BUSY with ``busy_slots``, NotReady → ERROR with ``stage``,
+a state blob's StateError → ERROR with its meta, anything else → ERROR).
+Every non-OK reply carries ``{"error": ...}``.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
-from ..engine.state import StateError, verify_checksum
-from ..errors import Busy, HydraTrioError, InvalidRequest, NotReady
+from ..engine.state import verify_checksum
+from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..ggml_rpc.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
 from ..protocol import messages as msg
@@ -61,17 +63,10 @@ class Reply(Exception):
 
 
 def reply_for(exc: HydraTrioError, **meta: Any) -> Reply:
-    """The wire reply for a typed error (see the module docstring); ``meta`` adds op-specific keys."""
-    if isinstance(exc, StateError):  # a blob this node cannot take; KvTypesDiffer is a bad request too
-        status = Status.BAD_REQUEST if isinstance(exc, InvalidRequest) else Status.ERROR
-        return Reply(status, str(exc), **exc.meta, **meta)
-    if isinstance(exc, InvalidRequest):
-        return Reply(Status.BAD_REQUEST, str(exc), **meta)
-    if isinstance(exc, Busy):
-        return Reply(Status.BUSY, str(exc), busy_slots=exc.busy_slots, **meta)
-    if isinstance(exc, NotReady):
-        return Reply(Status.ERROR, str(exc), stage=exc.stage, **meta)
-    return Reply(Status.ERROR, str(exc), **meta)
+    """The wire reply for a typed error: its class's :attr:`~hydra_trio.errors.HydraTrioError.hydra_status`,
+    ``{"error": str(exc)}`` and its :meth:`~hydra_trio.errors.HydraTrioError.wire_meta` keys; ``meta`` adds
+    op-specific keys (and wins over the error's own)."""
+    return Reply(exc.hydra_status, str(exc), **{**exc.wire_meta(), **meta})
 
 
 @attrs.define
@@ -138,7 +133,7 @@ class OpContext:
         try:
             return parser(self.req.payload)
         except msg.MessageError as exc:
-            raise Reply(Status.BAD_REQUEST, str(exc), **meta) from None
+            raise reply_for(exc, **meta) from None
 
 
 # ----------------------------------------------------------------------------- slot ops
@@ -380,7 +375,7 @@ async def configure(ctx: OpContext) -> None:
     try:
         t1, t2, t3, unknown = msg.classify_configure_keys(params)
     except msg.MessageError as exc:
-        raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        raise reply_for(exc) from None
     tier = 3 if t3 else 2 if t2 else 1
     deferred = sorted([*t2, *t3])
     chunk = msg.clamp_state_chunk_size(t1.pop("state_chunk_size")) if "state_chunk_size" in t1 else None
