@@ -211,6 +211,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     given = {  # a flag not given (None) leaves EngineConfig's own default, which is llama-server's
         "n_predict": args.n_predict, "n_keep": args.n_keep, "n_cache_reuse": args.n_cache_reuse,
         "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
+        "cache_ram_mib": args.cache_ram_mib, "cache_idle_slots": args.cache_idle_slots,
         "reasoning_format": args.reasoning_format,
         # a budget of N > 0 tokens: thinking runs unrestricted, said once at start (_notes)
         "reasoning_budget": args.reasoning_budget if args.reasoning_budget in (-1, 0) else None,

@@ -35,6 +35,7 @@ from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequ
 from ..events import EventBus
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
+from .prompt_cache import PromptCache
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
 from .sampling import GrammarError, SamplerSpec, build_sampler, token_probs
 from .slots import Slot, StopStringMatcher
@@ -78,12 +79,15 @@ class Scheduler:
         events: where ``slot.*`` events go (:mod:`hydra_trio.events`).
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity: as the
             :class:`~hydra_trio.engine.settings.EngineConfig` fields of those names.
+        prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.prompt_cache`; None: off).
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
                  model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
-                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1) -> None:
+                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
+                 prompt_cache: PromptCache | None = None) -> None:
         self.experts = experts
+        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
         self.context_shift = context_shift
         self.n_keep = n_keep
         self.n_cache_reuse = n_cache_reuse
@@ -121,11 +125,14 @@ class Scheduler:
         self._assign_pending()
         if self.busy:
             self._step()
+        if not self.busy and not self.pending:  # idle now: keep the idle slots' states (--cache-idle-slots)
+            self.prompt_cache.save_idle(self.model, self.slots)
 
     def forget_cached_prompts(self) -> None:
-        """The model changed (each has its own KV cache): no slot may reuse its cached prompt."""
+        """The model changed (each has its own KV cache): no slot nor prompt-cache entry may be reused."""
         for slot in self.slots:
             slot.cache_tokens.clear()
+        self.prompt_cache.clear("mode_switch")
 
     def close(self, error: HydraTrioError) -> None:
         """Fail every running and waiting request with ``error`` and free the batch (at shutdown)."""
@@ -141,11 +148,6 @@ class Scheduler:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-
-    def erase_slot(self, id_slot: int) -> int:
-        """Drop a slot's KV cache (:func:`erase_slot`).  Returns the tokens erased; Busy while it processes."""
-        assert self.model is not None
-        return erase_slot(self.model, self.slots[id_slot])
 
     def fail_all(self, error: HydraTrioError, model: LoadedModel | None = None) -> None:
         """Fail every running request with ``error``; their slots' KV caches (in ``model``, default the
@@ -227,7 +229,7 @@ class Scheduler:
             if job.fail_if_busy and self.slots[job.id_slot].is_processing:
                 handle.emit(Failed(Busy(f"slot {job.id_slot} is processing a request", [job.id_slot])))
                 continue
-            slot = self._pick_slot(job)
+            slot = pick_slot(self.slots, job, self.slot_prompt_similarity)
             if slot is None:
                 if not handle.deferred:
                     handle.deferred = True
@@ -236,15 +238,6 @@ class Scheduler:
                 continue
             self._start(slot, handle)
         self.pending = waiting
-
-    def _pick_slot(self, job: CompletionJob) -> Slot | None:
-        if job.id_slot >= 0:
-            slot = self.slots[job.id_slot]
-            return None if slot.is_processing else slot
-        idle = [s for s in self.slots if not s.is_processing]
-        if not idle:
-            return None
-        return pick_idle_slot(idle, job.prompt_tokens, self.slot_prompt_similarity)
 
     def _start(self, slot: Slot, handle: RequestHandle) -> None:
         m = self.model
@@ -268,6 +261,9 @@ class Scheduler:
         slot.handle = handle
         slot.t_start = time.perf_counter()
         cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
+        if not job.continue_slot:  # keep what the slot is about to lose; restore a better prefix kept before
+            cache_n = self.prompt_cache.prepare(m, slot, prompt, cache_n, self.slots, job.cache_prompt,
+                                                SHARE_MIN_TOKENS, job.request_id)
         n_reuse = self.n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
         if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
                 and cache_n < min(len(slot.cache_tokens), len(prompt))
@@ -466,13 +462,25 @@ class Scheduler:
         slot.last_used = time.monotonic()
         slot.reset_request()
 
-def erase_slot(m: LoadedModel, slot: Slot) -> int:
-    """Drop ``slot``'s KV cache in ``m``.  Returns the number of tokens erased.
+def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
+    """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot`; None: it waits."""
+    if job.id_slot >= 0:
+        slot = slots[job.id_slot]
+        return None if slot.is_processing else slot
+    idle = [s for s in slots if not s.is_processing]
+    return pick_idle_slot(idle, job.prompt_tokens, similarity) if idle else None
+
+
+def erase_slot(m: LoadedModel, slot: Slot, prompt_cache: PromptCache | None = None) -> int:
+    """Drop ``slot``'s KV cache in ``m``, and the ``prompt_cache`` entries of its conversation
+    (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
 
     Raises Busy when the slot is processing.
     """
     if slot.is_processing:
         raise Busy(f"slot {slot.id} is processing a request", [slot.id])
+    if prompt_cache is not None:
+        prompt_cache.forget(slot.cache_tokens)
     n = slot.n_past
     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
     slot.cache_tokens.clear()
