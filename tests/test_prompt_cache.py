@@ -1,10 +1,18 @@
 """The host-RAM prompt cache (``--cache-ram``): more conversations than slots, each finding its prefix again.
 
 Real servers and real SmolLM2 (``-np 1``: every conversation takes the one
-slot from the previous one).  A restored turn must give the same greedy
-text as the same turn on a node without the cache (which evaluates it), and
-evaluate fewer prompt tokens; the byte budget holds, the least recently used
-entry goes first; a restore llama.cpp refuses falls back to evaluation.
+slot from the previous one).  A restored turn must give, token for token, the
+same greedy text as the same turn on a node where each conversation kept its
+own slot, and evaluate only the follow-up; the byte budget holds, the least
+recently used entry goes first; a restore llama.cpp refuses falls back to
+evaluation (the same text as evaluating the whole prompt).
+
+Why the control is a slot that kept its conversation and not a whole-prompt
+evaluation: llama.cpp's CPU kernels can round a token's KV computed alone (a
+generated token) differently in the last bits from the same token computed
+in a prompt batch, and greedy decoding of SmolLM2 flips at near-ties on that
+(seen on one of three conversations); a restore puts back the very bytes the
+slot held, so it must match a slot that never lost them exactly.
 """
 
 from __future__ import annotations
@@ -72,36 +80,41 @@ def metric(c: httpx.Client, name: str, **labels: str) -> float:
 
 
 def three_users_two_turns(c: httpx.Client, tag: str) -> list[list[dict]]:
+    """Turn 1 evaluates each whole prompt (``cache_prompt`` false: the same computation on any node, from an
+    empty sequence), turn 2 resends each conversation with a follow-up."""
     chats = [Chat(u, tag) for u in range(3)]
-    return [[chat.turn(c) for chat in chats] for _ in range(2)]
+    first = [chat.turn(c, cache_prompt=False) for chat in chats]
+    return [first, [chat.turn(c) for chat in chats]]
 
 
-def test_returning_conversations_are_restored_with_the_same_text_as_a_fresh_evaluation(spawn) -> None:
+def test_returning_conversations_are_restored_with_the_same_text_as_a_slot_that_kept_them(spawn) -> None:
     tag = uuid.uuid4().hex[:8]
     node = spawn("-np", "1", "-c", "2048", "--no-rpc-backend")  # --cache-ram: llama-server's 8192 MiB
-    off = spawn("-np", "1", "-c", "2048", "--no-rpc-backend", "--cache-ram", "0")
+    # the control: a slot for each conversation (2048 tokens each, as on the node), so none is ever evicted,
+    # and --cache-ram 0: no prompt cache
+    kept = spawn("-np", "3", "-c", "6144", "--no-rpc-backend", "--cache-ram", "0")
     node.wait_ready()
-    off.wait_ready()
-    with httpx.Client(base_url=node.base, timeout=300) as c, httpx.Client(base_url=off.base, timeout=300) as o:
+    kept.wait_ready()
+    with httpx.Client(base_url=node.base, timeout=300) as c, httpx.Client(base_url=kept.base, timeout=300) as k:
         info = cache_info(c)
         assert info["enabled"] is True and info["limit_bytes"] == 8192 << 20 and info["entries"] == 0
-        assert cache_info(o) == {"enabled": False, "entries": 0, "bytes": 0, "limit_bytes": 0, "hits": 0, "misses": 0}
+        assert cache_info(k) == {"enabled": False, "entries": 0, "bytes": 0, "limit_bytes": 0, "hits": 0, "misses": 0}
         turns = three_users_two_turns(c, tag)
-        fresh = three_users_two_turns(o, tag)
-        # every returning turn found its conversation: all of its previous prompt and reply but the last
-        # token, where the node without the cache re-evaluated all but the chat template's start
+        control = three_users_two_turns(k, tag)
         for user in range(3):
-            first, back, control = turns[0][user], turns[1][user], fresh[1][user]
+            first, back, own = turns[0][user], turns[1][user], control[1][user]
+            assert text(first) == text(control[0][user])
+            # the returning turn found its conversation in host RAM: all of its previous prompt and reply but
+            # the last token, as much as the control's own slot kept, so only the follow-up was evaluated
             assert cached(back) >= first["usage"]["prompt_tokens"], (user, back["usage"])
-            assert back["timings"]["prompt_n"] == back["usage"]["prompt_tokens"] - cached(back)
-            assert back["timings"]["prompt_n"] < control["timings"]["prompt_n"] - 200
-            assert cached(control) < MIN_TOKENS
-            # token for token the same greedy text as evaluating the whole prompt
-            assert text(back) == text(control) and text(back), user
-            assert text(first) == text(fresh[0][user])
+            assert cached(back) == cached(own) and back["usage"]["prompt_tokens"] == own["usage"]["prompt_tokens"]
+            assert back["timings"]["prompt_n"] == back["usage"]["prompt_tokens"] - cached(back) < 40
+            # token for token the same greedy text: the restored KV is the bytes the slot held
+            assert text(back) == text(own) and text(back), user
         assert metric(c, "hydra_trio:prompt_cache_hits_total") == 3
-        assert metric(o, "hydra_trio:prompt_cache_hits_total") == 0
-        assert metric(o, "hydra_trio:prompt_cache_saves_total") == 0 and cache_info(o)["entries"] == 0
+        # --cache-ram 0: nothing kept, nothing looked up
+        assert metric(k, "hydra_trio:prompt_cache_hits_total") == metric(k, "hydra_trio:prompt_cache_saves_total") == 0
+        assert cache_info(k)["entries"] == 0 and metric(k, "hydra_trio:prompt_cache_limit_bytes") == 0
         # --cache-idle-slots (on): once idle, the slot's own conversation is kept too
         info = wait_for(lambda: (i := cache_info(c))["entries"] == 3 and i, what="the idle slot kept")
         assert info["hits"] == 3 and 0 < info["bytes"] == metric(c, "hydra_trio:prompt_cache_bytes")

@@ -16,7 +16,9 @@ whose context is full discards tokens after the first ``n_keep`` and goes on
 (llama-server's ``--context-shift``).  A prompt whose first :data:`SHARE_MIN_TOKENS`
 or more tokens are in another slot's KV cache, or being evaluated there now,
 gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
-again: concurrent requests with one long system prompt evaluate it once.  Stop strings, finishing, and cancellation are
+again: concurrent requests with one long system prompt evaluate it once.  A slot about to lose
+its cached tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there serves
+better gets it restored (:mod:`~hydra_trio.engine.prompt_cache`).  Stop strings, finishing, and cancellation are
 here too.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
@@ -120,7 +122,7 @@ class Scheduler:
         self.pending.append(handle)
 
     def step(self) -> None:
-        """One round: drop cancelled requests, start waiting ones on free slots, decode one batch."""
+        """One round: drop cancelled requests, start waiting ones on free slots, decode one batch (idle: keep slots)."""
         self._drop_cancelled()
         self._assign_pending()
         if self.busy:
