@@ -22,9 +22,11 @@ the rules here:
   keeps and than what another slot would give by a copy
   (:func:`~hydra_trio.engine.scheduler.share_prefix`); then only the rest is
   evaluated.  The entry stays in the cache (llama-server moves it out, so a
-  turn that diverges early loses the rest of it).  On a memory that cannot
-  shift positions (recurrent, hybrid) a sequence cannot be cut back, so only
-  entries the prompt holds whole are restored there.
+  turn that diverges early loses the rest of it).  Models that keep context
+  checkpoints instead (recurrent, hybrid, SWA: :mod:`.checkpoints`) do not use
+  the cache (the scheduler skips it): their memory cannot be cut back to a
+  shared prefix and an entry does not carry the slot's checkpoints; a memory
+  that cannot shift gets only entries a prompt holds whole.
 * **Budget.**  The bytes of the entries' states stay within ``--cache-ram``
   MiB (-1: no limit, 0: off); the least recently used entries (saved or
   restored longest ago) go first; a state larger than the whole budget is not
