@@ -397,7 +397,8 @@ def test_no_flag_leaves_the_engines_defaults_which_are_llama_servers() -> None:
     assert attrs.asdict(cfg, recurse=False) == attrs.asdict(plain, recurse=False)
     given = engine_config(p := parse("-n", "9", "--keep", "-1", "--cache-reuse", "64", "-sps", "0.5",
                                      "--embd-normalize", "1", "--reasoning-format", "none", "--reasoning-budget",
-                                     "0", "--context-shift"), llama_options(p))
+                                     "0", "--context-shift", "-cram", "64", "--no-cache-idle-slots"), llama_options(p))
     assert (given.n_predict, given.n_keep, given.n_cache_reuse, given.slot_prompt_similarity, given.embd_normalize,
-            given.reasoning_format, given.reasoning_budget, given.context_shift) == (
-        9, -1, 64, 0.5, 1, "none", 0, True)
+            given.reasoning_format, given.reasoning_budget, given.context_shift, given.cache_ram_mib,
+            given.cache_idle_slots) == (9, -1, 64, 0.5, 1, "none", 0, True, 64, False)
+    assert (cfg.cache_ram_mib, cfg.cache_idle_slots) == (8192, True)  # llama-server's defaults

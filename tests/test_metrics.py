@@ -71,6 +71,14 @@ FAMILIES = {
     "llamacpp:predicted_tokens_seconds": "gauge",
     "llamacpp:requests_processing": "gauge",
     "llamacpp:requests_deferred": "gauge",
+    "hydra_trio:prompt_cache_hits": "counter",
+    "hydra_trio:prompt_cache_misses": "counter",
+    "hydra_trio:prompt_cache_saves": "counter",
+    "hydra_trio:prompt_cache_restore_failures": "counter",
+    "hydra_trio:prompt_cache_evictions": "counter",
+    "hydra_trio:prompt_cache_bytes": "gauge",
+    "hydra_trio:prompt_cache_entries": "gauge",
+    "hydra_trio:prompt_cache_limit_bytes": "gauge",
 }
 
 

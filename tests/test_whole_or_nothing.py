@@ -45,7 +45,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     slot_dir.mkdir()
     path, _ = resolve_model("smollm2-135m")
     config = ServerConfig(port=0, rpc_backend=None, engine=EngineConfig(
-        model_path=path, model_alias="won", n_parallel=2, n_ctx=2048, slot_save_path=slot_dir))
+        model_path=path, model_alias="won", n_parallel=2, n_ctx=2048, slot_save_path=slot_dir,
+        cache_ram_mib=0))  # a cleared slot must evaluate from scratch here, not get its prompt from the RAM cache
     with embedded_node(config) as server:
         yield Node(f"http://127.0.0.1:{server.port}", server.port, slot_dir)
 

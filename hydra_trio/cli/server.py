@@ -32,13 +32,16 @@ FLAGS: list[Flag] = [
       "different requests once a slot's are full (default: 8192; 0 = no minimum)", value="N",
       type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", dest="checkpoint_min_step",
       lands="EngineConfig.checkpoint_min_step"),
-    V(("-cram", "--cache-ram"), ACCEPTED, NOT_YET + " (no host-RAM prompt cache yet)", value="N",
-      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM"),
+    V(("-cram", "--cache-ram"), WIRED, "host-RAM prompt cache in MiB: slots' KV states kept by their tokens and "
+      "restored for a prompt that starts with them (default: 8192, -1 = no limit, 0 = off)", value="N",
+      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM", dest="cache_ram_mib",
+      lands="EngineConfig.cache_ram_mib"),
     V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; each slot still holds at most "
       "n_ctx/n_parallel tokens (-np -1 turns it on, as llama-server)", neg=("-no-kvu", "--no-kv-unified"),
       env="LLAMA_ARG_KV_UNIFIED", lands="EngineConfig.llama.kv_unified"),
-    V(("--cache-idle-slots",), ACCEPTED, "an idle slot keeps its KV cache for the next request",
-      neg=("--no-cache-idle-slots",), env="LLAMA_ARG_CACHE_IDLE_SLOTS"),
+    V(("--cache-idle-slots",), WIRED, "keep idle slots' KV states in the prompt cache too, when the node goes "
+      "idle (default: on; needs --cache-ram)", neg=("--no-cache-idle-slots",), env="LLAMA_ARG_CACHE_IDLE_SLOTS",
+      default=True, lands="EngineConfig.cache_idle_slots"),
     V(("--context-shift",), WIRED, "when a generation fills its slot's context, drop older tokens and go on "
       "(default: off)", neg=("--no-context-shift",), env="LLAMA_ARG_CONTEXT_SHIFT",
       lands="EngineConfig.context_shift"),

@@ -35,8 +35,9 @@ from .bridge import Call
 from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
+from .prompt_cache import PromptCache
 from .requests import CompletionJob, RequestHandle
-from .scheduler import Scheduler, check_prompt_fits
+from .scheduler import Scheduler, check_prompt_fits, erase_slot
 from .settings import EngineConfig, SamplingParams, check_n_parallel, check_n_predict
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
@@ -91,8 +92,8 @@ _WAKE = object()
 
 
 def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, stats: EngineStats, model_hash: str,
-                  events: EventBus) -> Scheduler:
-    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings.
+                  events: EventBus, prompt_cache: PromptCache | None = None) -> Scheduler:
+    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings and ``prompt_cache``.
 
     As llama-server, ``context_shift`` and ``n_cache_reuse`` are dropped with a
     warning when the model's memory cannot shift positions (recurrent or hybrid).
@@ -108,7 +109,7 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
                      slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
-                     checkpoint_min_step=cfg.checkpoint_min_step)
+                     checkpoint_min_step=cfg.checkpoint_min_step, prompt_cache=prompt_cache)
 
 
 def kv_cache(e: Engine) -> dict[str, str]:
@@ -170,6 +171,8 @@ class Engine:
         self.experts = ExpertModes(config.peer, config.combined_pattern, self.stats, model_kwargs(config),
                                    events=self.events)
         self.scheduler: Scheduler | None = None
+        self.prompt_cache = PromptCache(config.cache_ram_mib, config.cache_idle_slots, self.events)
+        """Slots' KV states kept in host RAM (``--cache-ram``); emptied whenever a new model or context serves."""
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = False
         self._ready = trio.Event()
@@ -205,9 +208,9 @@ class Engine:
 
     def slots_info(self) -> list[dict[str, Any]]:
         """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits), with the KV
-        cache's ``kv_cache`` (:meth:`kv_cache`)."""
-        kv = kv_cache(self)
-        return [{**s.info(), "kv_cache": kv} for s in self.snapshot.slots]
+        cache's ``kv_cache`` (:meth:`kv_cache`) and the host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
+        kv, pc = kv_cache(self), self.prompt_cache.info()
+        return [{**s.info(), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
 
     def slot_meta_now(self, id_slot: int) -> dict[str, Any] | None:
         """STATE_META's keys for a slot from :attr:`snapshot` (any thread, never waits), without model
@@ -348,7 +351,8 @@ class Engine:
                 model_hash=model_hash,
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
-            self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events)
+            self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events,
+                                           self.prompt_cache)
             self.scheduler.publish = self._publish_quietly
             self._set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
@@ -468,9 +472,10 @@ class Engine:
         return slot
 
     def erase_slot(self, id_slot: int) -> int:
-        """Engine thread: drop a slot's KV cache; the number of tokens erased.  Raises Busy."""
-        assert self.scheduler is not None
-        return self.scheduler.erase_slot(id_slot)
+        """Engine thread: drop a slot's KV cache and the prompt-cache entries of its tokens; the number of
+        tokens erased.  Raises Busy."""
+        assert self.model is not None
+        return erase_slot(self.model, self.slots[id_slot], self.prompt_cache)
 
     def set_expert_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
         """Engine thread, every slot idle (the control channel checks): SOLO / COMBINED; the reply meta."""
@@ -504,8 +509,8 @@ class Engine:
     def install_model(self, new: LoadedModel, identity: ModelIdentity) -> None:
         """Engine thread, every slot idle: ``new`` serves from now on and the old model is freed.
 
-        The slots start empty (their KV belonged to the old context); requests
-        waiting in the queue stay.  Used by CONFIGURE and SWAP_QUANT.
+        The slots start empty (their KV belonged to the old context), and so does the prompt cache;
+        requests waiting in the queue stay.  Used by CONFIGURE and SWAP_QUANT.
         """
         assert self.scheduler is not None and self.experts.solo is not None
         old = self.experts.solo
@@ -514,8 +519,9 @@ class Engine:
         self.experts.set_solo(new)
         old.close()
         self.identity = identity
+        self.prompt_cache.clear("reload")
         self.scheduler = new_scheduler(self.config, self.experts, new, self.stats, identity.model_hash,
-                                       self.events)
+                                       self.events, self.prompt_cache)
         self.scheduler.publish = self._publish_quietly
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)

@@ -19,7 +19,9 @@ gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
 again: concurrent requests with one long system prompt evaluate it once
 (not for recurrent, hybrid or SWA models: :func:`share_prefix`).  For those
 models, whose memory cannot be cut back to a shorter prefix, a slot keeps
-context checkpoints (:mod:`~hydra_trio.engine.checkpoints`).  Stop strings, finishing, and cancellation are
+context checkpoints (:mod:`~hydra_trio.engine.checkpoints`).  A slot about to lose its cached
+tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there serves better
+gets it restored (:mod:`~hydra_trio.engine.prompt_cache`).  Stop strings, finishing, and cancellation are
 here too.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
@@ -39,6 +41,7 @@ from ..events import EventBus
 from .checkpoints import Checkpoints
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
+from .prompt_cache import PromptCache
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
 from .thinking_budget import ThinkingBudget
 from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
@@ -84,13 +87,16 @@ class Scheduler:
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
             checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
             those names (checkpoints: :mod:`~hydra_trio.engine.checkpoints`).
+        prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.prompt_cache`; None: off).
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
                  model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
                  n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
-                 n_ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192) -> None:
+                 n_ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192,
+                 prompt_cache: PromptCache | None = None) -> None:
         self.experts = experts
+        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
         self.context_shift = context_shift
         self.n_keep = n_keep
         self.n_cache_reuse = n_cache_reuse
@@ -124,17 +130,20 @@ class Scheduler:
         self.pending.append(handle)
 
     def step(self) -> None:
-        """One round: drop cancelled requests, start waiting ones on free slots, decode one batch."""
+        """One round: drop cancelled requests, start waiting ones on free slots, decode one batch (idle: keep slots)."""
         self._drop_cancelled()
         self._assign_pending()
         if self.busy:
             self._step()
+        if not self.busy and not self.pending and not self.checkpoints.needed(self.model):
+            self.prompt_cache.save_idle(self.model, self.slots)  # idle now: keep idle slots (--cache-idle-slots)
 
     def forget_cached_prompts(self) -> None:
-        """The model changed (each has its own KV cache): no slot may reuse its cached prompt."""
+        """The model changed (each has its own KV cache): no slot nor prompt-cache entry may be reused."""
         for slot in self.slots:
             slot.cache_tokens.clear()
         self.checkpoints.clear()
+        self.prompt_cache.clear("mode_switch")
 
     def close(self, error: HydraTrioError) -> None:
         """Fail every running and waiting request with ``error`` and free the batch (at shutdown)."""
@@ -150,11 +159,6 @@ class Scheduler:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-
-    def erase_slot(self, id_slot: int) -> int:
-        """Drop a slot's KV cache (:func:`erase_slot`).  Returns the tokens erased; Busy while it processes."""
-        assert self.model is not None
-        return erase_slot(self.model, self.slots[id_slot])
 
     def fail_all(self, error: HydraTrioError, model: LoadedModel | None = None) -> None:
         """Fail every running request with ``error``; their slots' KV caches (in ``model``, default the
@@ -236,7 +240,7 @@ class Scheduler:
             if job.fail_if_busy and self.slots[job.id_slot].is_processing:
                 handle.emit(Failed(Busy(f"slot {job.id_slot} is processing a request", [job.id_slot])))
                 continue
-            slot = self._pick_slot(job)
+            slot = pick_slot(self.slots, job, self.slot_prompt_similarity)
             if slot is None:
                 if not handle.deferred:
                     handle.deferred = True
@@ -245,15 +249,6 @@ class Scheduler:
                 continue
             self._start(slot, handle)
         self.pending = waiting
-
-    def _pick_slot(self, job: CompletionJob) -> Slot | None:
-        if job.id_slot >= 0:
-            slot = self.slots[job.id_slot]
-            return None if slot.is_processing else slot
-        idle = [s for s in self.slots if not s.is_processing]
-        if not idle:
-            return None
-        return pick_idle_slot(idle, job.prompt_tokens, self.slot_prompt_similarity)
 
     def _start(self, slot: Slot, handle: RequestHandle) -> None:
         m = self.model
@@ -276,7 +271,8 @@ class Scheduler:
         slot.sampler = sampler
         slot.handle = handle
         slot.t_start = time.perf_counter()
-        cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints)
+        cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
+                              self.slots)
         slot.cache_n = cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
@@ -464,8 +460,17 @@ class Scheduler:
         slot.last_used = time.monotonic()
         slot.reset_request()
 
+def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
+    """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot`; None: it waits."""
+    if job.id_slot >= 0:
+        slot = slots[job.id_slot]
+        return None if slot.is_processing else slot
+    idle = [s for s in slots if not s.is_processing]
+    return pick_idle_slot(idle, job.prompt_tokens, similarity) if idle else None
+
+
 def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int], n_cache_reuse: int,
-                checkpoints: Checkpoints) -> int:
+                checkpoints: Checkpoints, prompt_cache: PromptCache | None = None, slots: list[Slot] = ()) -> int:
     """How many of ``prompt``'s first tokens ``slot`` keeps from its cache; its memory and ``cache_tokens``
     are cut back to them and the caller evaluates the rest (llama-server's ``update_slots`` when a slot starts).
 
@@ -474,9 +479,14 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
     generating request at least the last prompt token is evaluated again (its logits are needed).  A
     memory that cannot be cut back (recurrent, hybrid, SWA) restores the latest context checkpoint at or
     before that point (:meth:`Checkpoints.start`), and with none (or ``--ctx-checkpoints 0``) keeps
-    nothing: the whole prompt is evaluated.
+    nothing: the whole prompt is evaluated.  Other models first go through the host-RAM ``prompt_cache``
+    (:meth:`PromptCache.prepare`: the slot's state kept if it is about to lose much, a better prefix
+    restored; ``slots``: all of them, for what a copy would give).
     """
     cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
+    if prompt_cache is not None and not job.continue_slot and not checkpoints.needed(m):
+        cache_n = prompt_cache.prepare(m, slot, prompt, cache_n, slots, job.cache_prompt, SHARE_MIN_TOKENS,
+                                       job.request_id)
     n_reuse = n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
     if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
             and cache_n < min(len(slot.cache_tokens), len(prompt))
@@ -518,13 +528,16 @@ def sample_token(m: LoadedModel, slot: Slot, idx: int) -> int:
     return int(token)
 
 
-def erase_slot(m: LoadedModel, slot: Slot) -> int:
-    """Drop ``slot``'s KV cache in ``m``.  Returns the number of tokens erased.
+def erase_slot(m: LoadedModel, slot: Slot, prompt_cache: PromptCache | None = None) -> int:
+    """Drop ``slot``'s KV cache in ``m``, and the ``prompt_cache`` entries of its conversation
+    (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
 
     Raises Busy when the slot is processing.
     """
     if slot.is_processing:
         raise Busy(f"slot {slot.id} is processing a request", [slot.id])
+    if prompt_cache is not None:
+        prompt_cache.forget(slot.cache_tokens)
     n = slot.n_past
     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
     slot.cache_tokens.clear()

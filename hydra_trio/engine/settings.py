@@ -416,6 +416,11 @@ class EngineConfig:
         checkpoint_min_step: once a slot's checkpoints are full, earlier requests' checkpoints
             closer than this many tokens to the previous one are dropped first
             (``--checkpoint-min-step``; default 8192 as llama-server).
+        cache_ram_mib: the host-RAM prompt cache's budget in MiB (``--cache-ram``; -1 no limit, 0 off;
+            8192 as llama-server): slots' KV states kept, keyed by their tokens, and restored for a
+            prompt that starts with them (:mod:`hydra_trio.engine.prompt_cache`).
+        cache_idle_slots: keep idle slots' states in that cache too, when the engine goes idle
+            (``--cache-idle-slots``; on as llama-server; nothing without ``cache_ram_mib``).
         embd_normalize: how pooled embeddings are normalized when a request does not say
             (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
             see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
@@ -457,6 +462,8 @@ class EngineConfig:
     slot_prompt_similarity: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
     n_ctx_checkpoints: int = attrs.field(default=32, validator=_int(0, INT32_MAX))
     checkpoint_min_step: int = attrs.field(default=8192, validator=_int(0, INT32_MAX))
+    cache_ram_mib: int = attrs.field(default=8192, validator=_int(-1, INT32_MAX))
+    cache_idle_slots: bool = True
     embd_normalize: int = attrs.field(default=2, validator=_int(-1, INT32_MAX))
 
     @property

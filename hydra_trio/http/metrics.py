@@ -238,8 +238,29 @@ def _engine(e: Engine) -> Iterator[Metric]:
             for kind, n in use.items():
                 memory.add_metric([dev, kind], n)
         yield memory
+    yield from _prompt_cache(e.prompt_cache)
     yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", e.requests_processing)
     yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.", e.requests_waiting)
+
+
+def _prompt_cache(pc: Any) -> Iterator[Metric]:
+    """The host-RAM prompt cache (:class:`~hydra_trio.engine.prompt_cache.PromptCache`; plain ints)."""
+    yield CounterMetricFamily("hydra_trio:prompt_cache_hits", "Prompts that got a prefix restored from the host-RAM "
+                              "prompt cache.", pc.hits)
+    yield CounterMetricFamily("hydra_trio:prompt_cache_misses", "Prompts the slots left at least 32 tokens short of "
+                              "that no prompt-cache entry helped (failed restores included).", pc.misses)
+    yield CounterMetricFamily("hydra_trio:prompt_cache_saves", "Slot states kept in the prompt cache.", pc.saves)
+    yield CounterMetricFamily("hydra_trio:prompt_cache_restore_failures", "Prompt-cache restores llama.cpp refused "
+                              "(the prompt was evaluated instead).", pc.restore_failures)
+    evicted = CounterMetricFamily("hydra_trio:prompt_cache_evictions", "Prompt-cache entries dropped, by reason.",
+                                  labels=["reason"])
+    for reason, n in sorted(pc.evicted.items()):
+        evicted.add_metric([reason], n)
+    yield evicted
+    yield GaugeMetricFamily("hydra_trio:prompt_cache_bytes", "Bytes of KV state in the prompt cache now.", pc.bytes)
+    yield GaugeMetricFamily("hydra_trio:prompt_cache_entries", "Entries in the prompt cache now.", pc.n_entries)
+    yield GaugeMetricFamily("hydra_trio:prompt_cache_limit_bytes", "The prompt cache's budget (--cache-ram; "
+                            "-1 no limit, 0 off).", pc.info()["limit_bytes"])
 
 
 def _rpc_front_door(rpc: Any) -> Iterator[Metric]:
