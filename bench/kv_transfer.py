@@ -1,16 +1,20 @@
 """KV state transfer against a raw loopback socket, same run: STATE_GET / STATE_PUT MB/s, plain and TLS.
 
-    .venv/bin/python bench/kv_transfer.py [--max-mb 256] [--runs 3] [--model smollm2-135m] [--kv-type f32]
-    .venv/bin/python bench/kv_transfer.py --max-mb 1024          # up to 1 GB (a longer prefill)
+    .venv/bin/python bench/kv_transfer.py [--max-mb 256] [--runs 3] [--model smollm2-135m] [--kv-type f32] [--prefill]
+    .venv/bin/python bench/kv_transfer.py --max-mb 1024          # up to 1 GB
 
 Starts one node (``-np 1``, a context long enough for the biggest blob,
-KV cache type ``--kv-type``: f32 doubles the bytes per token, so the prefill
-for a given blob size is half as long; TLS on its port with a ``trustme``
-certificate) and grows slot 0's KV cache with a prompt of token ids (each
-size extends the previous prompt, so only the new tokens are evaluated) to
-blobs of 1, 4, 16, 64, 256, 1024 MB up to ``--max-mb``.  For each size and
-each transport (plain TCP, TLS), ``--runs`` rounds, after one warm-up round,
-each round in this order:
+KV cache type ``--kv-type``: f32 doubles the bytes per token; TLS on its
+port with a ``trustme`` certificate) and fills slot 0 to blobs of 1, 4, 16,
+64, 256, 1024 MB up to ``--max-mb``.  How: a real prefill of 256 tokens,
+its blob taken with STATE_GET, its cells repeated to the size's token count
+(positions 0..n-1, the KV rows of the real cells over again) and put back
+with STATE_PUT: the node checks and llama.cpp restores it as any blob, in
+seconds where a prefill of 22k tokens takes most of an hour on 2 cores.
+``--prefill`` evaluates a real prompt of token ids instead (each size
+extends the previous prompt, so only the new tokens are evaluated).  For
+each size and each transport (plain TCP, TLS), ``--runs`` rounds, after
+one warm-up round, each round in this order:
 
 * raw GET: a peer process sends the same number of bytes from a buffer over a
   kept loopback socket, the bench receives them with ``recv_into`` into its
@@ -178,12 +182,64 @@ def prefill(base: str, tokens: list[int]) -> None:
     r.raise_for_status()
 
 
+def grown_blob(blob: bytes, n: int, tokens: list[int]) -> bytes:
+    """A one-stream blob of ``n`` cells made from a real one: positions 0..n-1, the real cells' KV rows
+    repeated, ``tokens[:n]`` as its token list (hydra_trio.engine.state's layout, llama.cpp's
+    llama_kv_cache::state_write_meta / state_write_data), checksum resealed."""
+    from hydra_trio.engine.state import KV_ONE_STREAM, blob_checksum, parse_header
+
+    h = parse_header(blob)
+    assert h.kv_format == KV_ONE_STREAM, "a one-stream blob"
+    kv = memoryview(blob)[h.tokens_at + 4 * h.n_tokens :]
+    (cells,) = struct.unpack_from("<I", kv, 0)
+    _pos, n_seq, seq = struct.unpack_from("<iIi", kv, 4)
+    assert cells and n_seq == 1 and len(kv) > 4 + 12 * cells, "cells of one sequence, without cell extensions"
+    off = 4 + 12 * cells
+
+    def tile(data: memoryview, unit: int) -> bytes:
+        return (bytes(data) * -(-n // cells))[: n * unit]
+
+    parts = [struct.pack("<I", n), b"".join(struct.pack("<iIi", i, 1, seq) for i in range(n))]
+    v_trans, n_layer = struct.unpack_from("<II", kv, off)
+    parts.append(bytes(kv[off : off + 8]))
+    off += 8
+    for _ in range(n_layer if v_trans else 2 * n_layer):  # K rows of each layer (then V rows unless transposed)
+        _type, row = struct.unpack_from("<iQ", kv, off)
+        parts += [bytes(kv[off : off + 12]), tile(kv[off + 12 : off + 12 + cells * row], row)]
+        off += 12 + cells * row
+    if v_trans:  # V transposed: per layer, each embedding element's values over the cells
+        for _ in range(n_layer):
+            _type, el, n_embd = struct.unpack_from("<iII", kv, off)
+            parts.append(bytes(kv[off : off + 12]))
+            off += 12
+            for _ in range(n_embd):
+                parts.append(tile(kv[off : off + cells * el], el))
+                off += cells * el
+    assert off == len(kv), "the whole KV state was read"
+    body = b"".join(parts)
+    out = bytearray(blob[: h.tokens_at]) + struct.pack(f"<{n}I", *tokens[:n]) + body
+    struct.pack_into("<I", out, 8, n)
+    struct.pack_into("<Q", out, 44, len(body))
+    struct.pack_into("<Q", out, 52, blob_checksum(out))
+    return bytes(out)
+
+
 def slot_size(port: int) -> tuple[int, int]:
     async def go() -> tuple[int, int]:
         async with HydraClient("127.0.0.1", port) as c:
             m = await c.state_meta(0)
             return m["n_past"], m["state_size"]
     return trio.run(go)
+
+
+async def _get_bytes(port: int) -> bytes:
+    async with HydraClient("127.0.0.1", port, timeout=600) as c:
+        return (await c.state_get_bytes(0))[1]
+
+
+async def _put_bytes(port: int, blob: bytes) -> None:
+    async with HydraClient("127.0.0.1", port, timeout=600) as c:
+        await c.state_put(0, blob)
 
 
 def sizes_mb(max_mb: int) -> list[int]:
@@ -205,6 +261,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--kv-type", default="f32", help="-ctk / -ctv of the node (default f32)")
     ap.add_argument("--no-tls", action="store_true", help="plain TCP only")
+    ap.add_argument("--prefill", action="store_true", help="fill the slot with a real prompt (slow for big sizes)")
     a = ap.parse_args()
     sizes = sizes_mb(a.max_mb)
     with tempfile.TemporaryDirectory() as d:
@@ -248,11 +305,19 @@ def main() -> None:
             # the bench's receive buffers (Hydra's, the raw socket's), touched once as the raw peer's
             views = (memoryview(bytearray(cap)), memoryview(bytearray(cap)))
             prompt = (words * (n_ctx // len(words) + 1))
+            seed = b""
+            if not a.prefill:
+                prefill(base, prompt[:256])
+                seed = trio.run(_get_bytes, port)
             for size in sizes:
                 n_tokens = max(8, round((size * MB - (s1 - per_token * n1)) / per_token))
                 t0 = time.perf_counter()
-                prefill(base, prompt[:n_tokens])
-                print(f"slot 0 holds {n_tokens} tokens ({time.perf_counter() - t0:.1f} s of prefill)", flush=True)
+                if a.prefill:
+                    prefill(base, prompt[:n_tokens])
+                else:
+                    trio.run(_put_bytes, port, grown_blob(seed, n_tokens, prompt))
+                how = "prefill" if a.prefill else "blob built and put"
+                print(f"slot 0 holds {n_tokens} tokens ({time.perf_counter() - t0:.1f} s: {how})", flush=True)
                 for transport, peer in peers.items():
                     res = _measure(port, node.pid, transport, cctx, peer, views, a.runs, base)
                     results[size, transport, "GET"], results[size, transport, "PUT"] = res
