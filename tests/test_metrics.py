@@ -154,8 +154,9 @@ def test_hydra_ops_and_state_bytes_move(server: ServerProcess) -> None:
         assert moved("hydra_trio:state_transfer_mb_per_second_count", direction=direction) == 1
         rate = moved("hydra_trio:state_transfer_mb_per_second_sum", direction=direction)
         assert rate > 0
-        assert rate * 1e6 * moved("hydra_trio:hydra_request_seconds_sum", op=f"STATE_{'GET' if direction == 'out' else 'PUT'}") \
-            == pytest.approx(size, rel=1e-6)
+        op = "STATE_GET" if direction == "out" else "STATE_PUT"
+        seconds = moved("hydra_trio:hydra_request_seconds_sum", op=op)
+        assert rate * 1e6 * seconds == pytest.approx(size, rel=1e-6)
     assert moved("hydra_trio:connections_total", protocol="hydra") == 2
     # the server closes its side once the clients have gone: the open gauge comes back
     deadline = time.monotonic() + 60

@@ -14,12 +14,11 @@ Measured on the project's 2-core VM, filling a fresh 256 MB mapping runs at
 TCP socket moves 1.1-2.5 GB/s: a fresh buffer per transfer costs about as
 much as the transfer.  So the transfer paths take their buffer from
 :data:`TRANSFER_POOL` and give it back once the bytes are sent or applied.
-The pool keeps at most one idle mapping (the largest), its pages marked
-``MADV_FREE`` (the kernel takes them back when it needs memory; until then
-they are rewritten without a fault), and unmaps it after ``keep_s`` seconds
-unused (:meth:`BlobPool.trim`, called on every take and give-back and by the
-node once every few seconds).  While kept, the idle mapping counts in the
-node's RSS: at most the largest blob moved in the last ``keep_s`` seconds.
+The pool keeps at most one idle mapping (the largest) and unmaps it after
+``keep_s`` seconds unused (:meth:`BlobPool.trim`, called on every take and
+by the node every few seconds, in a worker thread: unmapping a GB takes tens
+of milliseconds).  While kept, the idle mapping counts in the node's RSS: at
+most the largest blob moved in the last ``keep_s`` seconds.
 """
 
 from __future__ import annotations
@@ -139,11 +138,7 @@ class BlobPool:
         return BlobBuffer(size, _map=_new_map(-(-need // _ROUND) * _ROUND, populate), _pool=self)
 
     def give_back(self, m: mmap.mmap) -> None:
-        """Keep ``m`` as the idle mapping if it is the largest; its pages are marked ``MADV_FREE``."""
-        try:
-            m.madvise(mmap.MADV_FREE)
-        except (OSError, AttributeError):  # a kernel without MADV_FREE: keep the pages as they are
-            pass
+        """Keep ``m`` as the idle mapping if it is the largest (the other is unmapped)."""
         with self._lock:
             old = self._idle
             if old is not None and len(old[0]) >= len(m):

@@ -242,11 +242,36 @@ def blob_checksum(blob: Blob) -> int:
     return h.intdigest()
 
 
-def verify_checksum(blob: Blob) -> BlobHeader:
+class RunningChecksum:
+    """:func:`blob_checksum` taken as a blob's bytes arrive, in order (:meth:`update` with each next
+    piece), so that a receiver hashes each piece while it is still in cache instead of reading the
+    whole blob again afterwards; :attr:`digest` once all ``size`` bytes went through."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.seen = 0  # bytes fed so far
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        view = memoryview(piece).cast("B")
+        start, end = self.seen, self.seen + len(view)
+        if start < _CHECKSUM_AT:
+            self._h.update(view[: max(0, min(end, _CHECKSUM_AT) - start)])
+        if end > HEADER_SIZE:
+            self._h.update(view[max(0, HEADER_SIZE - start) :])
+        self.seen = end
+
+    @property
+    def digest(self) -> int:
+        return self._h.intdigest()
+
+
+def verify_checksum(blob: Blob, running: RunningChecksum | None = None) -> BlobHeader:
     """Check the blob's header and its checksum over every other byte; returns the header.
 
     Pure CPU work on the bytes (about 10 GB/s): callers run it in a worker
-    thread for large blobs, before the engine sees them.
+    thread for large blobs, before the engine sees them.  ``running``: the
+    checksum already taken as these very bytes arrived (all of them, in
+    order); then only the header is read here.
 
     Raises:
         StateError: a bad header (see :func:`parse_header`), a length that
@@ -255,7 +280,7 @@ def verify_checksum(blob: Blob) -> BlobHeader:
     """
     header = parse_header(blob)
     _check_length(header, blob)
-    got = blob_checksum(blob)
+    got = running.digest if running is not None and running.seen == len(blob) else blob_checksum(blob)
     if got != header.checksum:
         raise StateError(
             f"the state blob is corrupt: checksum {got:016x} does not match the header's {header.checksum:016x}",

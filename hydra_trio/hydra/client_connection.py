@@ -486,8 +486,8 @@ class HydraConnection:
 
 
 async def _receive_payload_into(self: HydraConnection, rs: ResponseStream, view: memoryview) -> int:
-    """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least ``rs.remaining`` bytes long); returns
-    the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
+    """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
+    ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
     (`hydra_trio._net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
     TLS the decrypted chunks are copied in.  ``timeout`` bounds each wait for progress; errors as
     `next_event`."""

@@ -180,15 +180,16 @@ BUFFERED_PAYLOAD = 64 * 1024  # bytes
 
 
 async def state_put(ctx: OpContext) -> None:
-    """STATE_PUT: the blob (received into one buffer, :func:`payload_buffer`) is checked in a worker thread,
-    applied on the engine thread, and its buffer goes back to the pool."""
+    """STATE_PUT: the blob (received into one buffer, :func:`payload_buffer`, and hashed as it arrived) is
+    checked in a worker thread, applied on the engine thread, and its buffer goes back to the pool."""
     e, id_slot = ctx.slot()
     blob = ctx.req.payload
     size = len(blob)  # restore_slot consumes the blob (frames it in place)
     with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=size) as event:
         try:
-            # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
-            await trio.to_thread.run_sync(verify_checksum, blob)
+            # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob (a
+            # buffered payload was hashed as it arrived: only its header is read then)
+            await trio.to_thread.run_sync(verify_checksum, blob, ctx.req.checksum)
             done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
         except HydraTrioError:  # the thread and the engine are done with it (cancelled: it is dropped, not pooled)
             _give_back(blob)

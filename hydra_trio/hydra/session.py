@@ -23,6 +23,7 @@ import trio
 
 from .._net import recv_into_view
 from ..engine.blobbuf import BlobBuffer
+from ..engine.state import RunningChecksum
 from ..protocol.hydra import (
     PayloadChunk,
     ProtocolError,
@@ -62,7 +63,8 @@ class HydraSettings:
 class HydraRequest:
     """One whole request: header fields, the decoded key and trace id, and (for ops that keep it) the payload:
     a bytearray, or for a large payload of an op that takes one (STATE_PUT) a
-    :class:`~hydra_trio.engine.blobbuf.BlobBuffer` of the announced size, ``filled`` bytes received so far."""
+    :class:`~hydra_trio.engine.blobbuf.BlobBuffer` of the announced size, ``filled`` bytes received so far,
+    their KV blob checksum in ``checksum`` (:class:`~hydra_trio.engine.state.RunningChecksum`)."""
 
     op: int
     key: str
@@ -72,6 +74,7 @@ class HydraRequest:
     key_error: str | None
     payload: bytearray | BlobBuffer = attrs.field(factory=bytearray)
     filled: int = 0
+    checksum: RunningChecksum | None = None  # a buffered payload's blob checksum, taken as its bytes arrive
 
 
 BufferFor = Callable[[int, int], "BlobBuffer | None"]
@@ -140,7 +143,8 @@ async def serve_connection(
         into = _direct_target(req, dec, stream)
         if into is not None:  # the rest of a buffered payload, straight from the socket
             assert req is not None
-            got, closed = await recv_into_view(stream, into, settings.request_timeout)
+            hash_piece = req.checksum.update if req.checksum is not None else None
+            got, closed = await recv_into_view(stream, into, settings.request_timeout, hash_piece)
             del into  # no view of the buffer outlives the receive
             req.filled += got
             req = await _handle_events(dec.skip_payload(got), req, stream, dispatch, keeps_payload, buffer_for)
@@ -195,11 +199,15 @@ async def _handle_events(
             req = HydraRequest(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
             if buffer_for is not None and h.payload_len and keeps_payload(h.op):
                 req.payload = buffer_for(h.op, h.payload_len) or req.payload
+                if isinstance(req.payload, BlobBuffer):
+                    req.checksum = RunningChecksum()
         elif isinstance(ev, PayloadChunk):
             assert req is not None
             if isinstance(req.payload, BlobBuffer):
                 req.payload.view()[req.filled : req.filled + len(ev.data)] = ev.data
                 req.filled += len(ev.data)
+                if req.checksum is not None:
+                    req.checksum.update(ev.data)
             elif keeps_payload(req.op):
                 req.payload += ev.data
         elif isinstance(ev, RequestEnded):
