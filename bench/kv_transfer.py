@@ -265,6 +265,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--kv-type", default="f32", help="-ctk / -ctv of the node (default f32)")
     ap.add_argument("--no-tls", action="store_true", help="plain TCP only")
+    ap.add_argument("--n-ctx-train", type=int, default=8192,
+                    help="the model's training context (SmolLM2: 8192): a longer -c gets linear RoPE scaling")
     ap.add_argument("--prefill", action="store_true", help="fill the slot with a real prompt (slow for big sizes)")
     a = ap.parse_args()
     sizes = sizes_mb(a.max_mb)
@@ -295,7 +297,10 @@ def main() -> None:
         n_ctx = int(sizes[-1] * MB / per_token) + 256
         print(f"{a.model}, KV {a.kv_type}: {per_token:.0f} bytes per token; -c {n_ctx} for {sizes[-1]} MB", flush=True)
 
-        node, port = spawn("--log-level", "WARNING", "-m", a.model, "-np", "1", "-c", str(n_ctx),
+        # a slot holds at most the training context; RoPE scaling lets it hold more (the KV bytes are what count)
+        scale = -(-n_ctx // a.n_ctx_train)
+        rope = ["--rope-scaling", "linear", "--rope-scale", str(scale)] if scale > 1 else []
+        node, port = spawn("--log-level", "WARNING", "-m", a.model, "-np", "1", "-c", str(n_ctx), *rope,
                            "-ctk", a.kv_type, "-ctv", a.kv_type, "--tls-cert", str(cert), "--tls-key", str(key))
         peers: dict[str, RawPeer] = {}
         results: dict[tuple[int, str, str], dict[str, Any]] = {}
