@@ -172,8 +172,15 @@ async def state_get(ctx: OpContext) -> None:
 
 def payload_buffer(op: int, payload_len: int) -> BlobBuffer | None:
     """Where a kept payload is received (:func:`~hydra_trio.hydra.session.serve_connection`): a STATE_PUT
-    of at least :data:`BUFFERED_PAYLOAD` bytes goes into a buffer of the transfer pool; others into a bytearray."""
-    return TRANSFER_POOL.take(payload_len) if op == Op.STATE_PUT and payload_len >= BUFFERED_PAYLOAD else None
+    of at least :data:`BUFFERED_PAYLOAD` bytes goes into a buffer of the transfer pool; others into a
+    bytearray (so does a STATE_PUT whose mapping the kernel refuses: it then grows as its bytes come)."""
+    if op != Op.STATE_PUT or payload_len < BUFFERED_PAYLOAD:
+        return None
+    try:
+        return TRANSFER_POOL.take(payload_len)
+    except OSError as exc:  # ENOMEM: too many large uploads announced at once
+        log.warning("STATE_PUT of %d bytes: no buffer mapping (%s); receiving into a bytearray", payload_len, exc)
+        return None
 
 
 BUFFERED_PAYLOAD = 64 * 1024  # bytes
