@@ -371,12 +371,18 @@ def test_every_llama_option_flag_reaches_the_engine_settings() -> None:
     assert llama_options(parse()) == type(opts)()  # no flag: llama.cpp's defaults, as EngineConfig's
 
 
-def test_a_thinking_budget_in_tokens_starts_the_node_with_a_warning() -> None:
+def test_a_thinking_budget_in_tokens_lands_with_its_message_and_the_effort_in_the_kwargs() -> None:
     from hydra_trio.cli.run import engine_config, llama_options
 
-    args = parse("--reasoning-budget", "2048", "--no-rpc-backend")  # a launcher's config: it must start
-    assert engine_config(args, llama_options(args)).reasoning_budget == -1  # unrestricted, said once at start
+    args = parse("--reasoning-budget", "2048", "--reasoning-budget-message", "Enough.", "--no-rpc-backend")
+    cfg = engine_config(args, llama_options(args))
+    assert (cfg.reasoning_budget, cfg.reasoning_budget_message) == (2048, "Enough.")
     assert engine_config(parse("--reasoning-budget", "0"), llama_options(args)).reasoning_budget == 0
+    p = parse("--reasoning-effort", "low", "--reasoning", "on")
+    assert engine_config(p, llama_options(p)).chat_template_kwargs == {"reasoning_effort": "low",
+                                                                      "enable_thinking": True}
+    p = parse("--reasoning-effort", "default")
+    assert "reasoning_effort" not in engine_config(p, llama_options(p)).chat_template_kwargs
 
 
 def test_no_flag_leaves_the_engines_defaults_which_are_llama_servers() -> None:

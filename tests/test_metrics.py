@@ -20,6 +20,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio.cli import main
+from hydra_trio.engine.settings import N_PARALLEL_MAX
 from hydra_trio.hydra.client import HydraClient
 from hydra_trio.hydra.errors import HydraNotFound
 from hydra_trio.logs import TextFormatter
@@ -190,8 +191,8 @@ def test_control_changes_applied_refused_busy_and_failed(server: ServerProcess) 
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert status == Status.OK
-        # a change the engine refuses as it applies it: 100 slots is out of range
-        status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps({"n_parallel": 100}).encode())
+        # a change the engine refuses as it applies it: more slots than llama.cpp's most sequences (-np's bound too)
+        status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps({"n_parallel": N_PARALLEL_MAX + 1}).encode())
         assert status == Status.BAD_REQUEST and "n_parallel" in meta["error"]
     after = Scrape(server.base)
 

@@ -26,6 +26,7 @@ def test_the_q8_preset_is_a_q8_0_requantization_of_the_packaged_model() -> None:
     assert types4.keys() == types8.keys()  # the same tensors, other types
     assert sum(v == "Q4_1" for v in types4.values()) > 200
     assert "Q4_1" not in types8.values() and sum(v == "Q8_0" for v in types8.values()) > 200
+    assert sum(t.tensor_type.name == "F32" for t in r4.tensors) > 10  # the loop below checks some
     for t in r4.tensors:  # F32 norms are copied as they are
         if t.tensor_type.name == "F32":
             assert types8[t.name] == "F32"

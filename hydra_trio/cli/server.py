@@ -24,10 +24,14 @@ FLAGS: list[Flag] = [
     V(("-lcd", "--lookup-cache-dynamic"), REFUSED, NO_SPEC, value="FNAME"),
     V(("--kv-unified-per-slot",), REFUSED, "the per-slot limit of a unified KV pool is not supported; "
       "-c is split evenly over the slots", value="N", env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
-    V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), ACCEPTED, NOT_YET + " (context checkpoints)",
-      value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CTX_CHECKPOINTS"),
-    V(("-cms", "--checkpoint-min-step"), ACCEPTED, NOT_YET + " (context checkpoints)", value="N",
-      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
+    V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), WIRED, "context checkpoints kept per slot for "
+      "recurrent, hybrid and SWA models: a diverging prompt resumes from the latest one instead of being "
+      "evaluated whole (default: 32; 0 = off)", value="N", type=t.int_range(0, t.INT32_MAX),
+      env="LLAMA_ARG_CTX_CHECKPOINTS", dest="n_ctx_checkpoints", lands="EngineConfig.n_ctx_checkpoints"),
+    V(("-cms", "--checkpoint-min-step"), WIRED, "minimum spacing in tokens between context checkpoints of "
+      "different requests once a slot's are full (default: 8192; 0 = no minimum)", value="N",
+      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", dest="checkpoint_min_step",
+      lands="EngineConfig.checkpoint_min_step"),
     V(("-cram", "--cache-ram"), ACCEPTED, NOT_YET + " (no host-RAM prompt cache yet)", value="N",
       type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM"),
     V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; each slot still holds at most "
@@ -145,13 +149,16 @@ FLAGS: list[Flag] = [
     V(("-rea", "--reasoning"), WIRED, "thinking on, off or auto: on/off set enable_thinking for the chat "
       "template, as llama-server", value="[on|off|auto]", type=t.on_off_auto, env="LLAMA_ARG_REASONING",
       lands="EngineConfig.chat_template_kwargs"),
-    V(("--reasoning-effort",), ACCEPTED, NOT_YET, value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT"),
-    V(("--reasoning-budget",), WIRED, "thinking budget: -1 unrestricted (default), 0 no thinking (enable_thinking "
-      "false for the template); a budget of N > 0 tokens starts the node with a warning that thinking runs "
-      "unrestricted (no budget sampler yet)", value="N", type=t.int_range(-1, t.INT32_MAX),
+    V(("--reasoning-effort",), WIRED, "reasoning effort given to the chat template as its reasoning_effort "
+      "variable ('default' keeps the template's), as llama-server", value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT",
+      lands="EngineConfig.chat_template_kwargs"),
+    V(("--reasoning-budget",), WIRED, "thinking budget in tokens: -1 unrestricted (default), 0 no thinking "
+      "(enable_thinking false for the template), N > 0: after N tokens inside the thinking block its end marker "
+      "is forced and the model answers", value="N", type=t.int_range(-1, t.INT32_MAX),
       env="LLAMA_ARG_THINK_BUDGET", lands="EngineConfig.reasoning_budget"),
-    V(("--reasoning-budget-message",), ACCEPTED, NOT_YET + " (no thinking budget)", value="MESSAGE",
-      env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
+    V(("--reasoning-budget-message",), WIRED, "text forced before the end-of-thinking marker when the thinking "
+      "budget is spent (default: none)", value="MESSAGE", env="LLAMA_ARG_THINK_BUDGET_MESSAGE",
+      lands="EngineConfig.reasoning_budget_message"),
     V(("--reasoning-preserve",), ACCEPTED, "the chat template decides whether past thinking is kept",
       neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE"),
     V(("--chat-template",), WIRED, "chat template: a built-in name (hydra-trio models templates), a Jinja file "

@@ -38,7 +38,7 @@ from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .requests import CompletionJob, RequestHandle
 from .scheduler import Scheduler, check_prompt_fits
-from .settings import EngineConfig, SamplingParams, check_n_predict
+from .settings import EngineConfig, SamplingParams, check_n_parallel, check_n_predict
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 
@@ -108,7 +108,8 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
             n_cache_reuse = 0
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
-                     slot_prompt_similarity=cfg.slot_prompt_similarity)
+                     slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
+                     checkpoint_min_step=cfg.checkpoint_min_step)
 
 
 def kv_cache(e: Engine) -> dict[str, str]:
@@ -555,8 +556,7 @@ self: Engine, *, n_ctx: int | None = None, n_parallel: int | None = None,
     assert old is not None and self.scheduler is not None
     n_ctx = old.n_ctx if n_ctx is None else n_ctx
     n_parallel = old.n_parallel if n_parallel is None else n_parallel
-    if not 1 <= n_parallel <= 64:
-        raise InvalidRequest(f"n_parallel: {n_parallel} is out of range (1..64)")
+    check_n_parallel(n_parallel)  # the bound -np has too
     n_ctx_max = int(old.n_ctx_train * old.rope_context_scale(old.options))  # a slot's most (RoPE scaling too)
     if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
         raise InvalidRequest(

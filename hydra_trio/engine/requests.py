@@ -21,6 +21,7 @@ import trio
 from ..errors import HydraTrioError
 from .blobbuf import BlobBuffer
 from .settings import SamplingParams
+from .thinking_budget import BudgetSpec
 
 # ---------------------------------------------------------------------------
 # What a request asks for
@@ -76,6 +77,8 @@ class CompletionJob:
         t_max_predict_ms: stop (``length``) once generation has run this many milliseconds,
             measured from the first generated token, at a token whose text holds a newline
             (llama-server's ``t_max_predict_ms``); 0: no limit.
+        reasoning_budget: the thinking budget (:class:`~hydra_trio.engine.thinking_budget.BudgetSpec`:
+            after that many tokens inside the thinking block its end marker is forced); None: none.
         chat_reply: how the reply text is shaped by the API layer (a chat reply's
             :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
     """
@@ -104,6 +107,7 @@ class CompletionJob:
     adaptive_target: float = -1.0
     adaptive_decay: float = 0.9
     t_max_predict_ms: int = 0
+    reasoning_budget: BudgetSpec | None = None
     chat_reply: Any = attrs.field(default=None, eq=False)
 
 

@@ -83,16 +83,28 @@ log = logging.getLogger("hydra_trio.engine")
 
 
 class StateError(HydraTrioError):
-    """A blob that cannot be applied; ``meta`` holds extra keys for the error reply."""
+    """A blob that cannot be applied; ``meta`` holds extra keys for the error reply.
+
+    HTTP 400, as llama-server answers a slot file it cannot restore ("Unable to restore slot",
+    ``ERROR_TYPE_INVALID_REQUEST``, tools/server/server-context.cpp); Hydra ERROR, as hydra-protocol.md §3
+    has STATE_PUT refuse another model's blob (with ``expected_hash`` / ``got_hash``)."""
+
+    http_status = 400
 
     def __init__(self, message: str, **meta: object) -> None:
         super().__init__(message)
         self.meta = meta
 
+    def wire_meta(self) -> dict[str, object]:
+        return dict(self.meta)
+
 
 class KvTypesDiffer(StateError, InvalidRequest):
     """A blob of a node with other KV cache types: ``"KV cache types differ: blob K q8_0 / V q8_0, this
     node K f16 / V f16"`` (HTTP 400, Hydra BAD_REQUEST; meta ``kv_identity_match`` false)."""
+
+    http_status = 400
+    hydra_status = InvalidRequest.hydra_status
 
 
 def check_kv_types(identity: dict, blob_identity: dict) -> None:

@@ -33,7 +33,7 @@ from ..api.native import NativeCompletion, generation_settings
 from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from ..engine.requests import JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import StateError, verify_checksum
+from ..engine.state import verify_checksum
 from ..errors import HydraTrioError
 from ._common import _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .errors import error_response
@@ -134,8 +134,8 @@ class NativeRoutes:
             return body
         try:
             prompt, _ = await trio.to_thread.run_sync(lambda: chat_prompt(e, body))
-        except ValueError as exc:
-            return error_response(400, f"messages: the chat template failed: {exc}", "invalid_request_error")
+        except HydraTrioError as exc:  # the template failed (ChatTemplateError: 400) or rejected a field
+            return error_for(exc)
         return JSONResponse({"prompt": prompt})
 
     async def post_props(self, request: Request) -> Response:
@@ -184,13 +184,7 @@ class NativeRoutes:
             done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
-        except StateError as exc:
-            _release(blob)
-            resp = error_response(400, f"the blob cannot be restored: {exc}", "invalid_request_error")
-            body = json.loads(resp.body)
-            body["error"].update({k: v for k, v in exc.meta.items() if k not in body["error"]})
-            return JSONResponse(body, status_code=400)
-        except HydraTrioError as exc:
+        except HydraTrioError as exc:  # a blob this node cannot take: 400 with its meta (StateError)
             _release(blob)
             return error_for(exc)
         _release(blob)  # the worker thread and the engine are done with it (cancelled: dropped, not pooled)

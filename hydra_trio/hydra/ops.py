@@ -3,9 +3,11 @@
 Each operation is ``async def op(ctx: OpContext) -> None`` and sends exactly
 one reply through the context; to refuse, it raises — :class:`Reply` for a
 status of its own choosing, or any :class:`~hydra_trio.errors.HydraTrioError`,
-which :func:`reply_for` maps to the wire: InvalidRequest → BAD_REQUEST,
-Busy → BUSY (``busy_slots``), NotReady → ERROR (``stage``), anything else →
-ERROR.  Every non-OK reply carries ``{"error": ...}``.
+which :func:`reply_for` turns into the status its class names
+(:attr:`~hydra_trio.errors.HydraTrioError.hydra_status`: InvalidRequest →
+BAD_REQUEST, Busy → BUSY with ``busy_slots``, NotReady → ERROR with ``stage``,
+a state blob's StateError → ERROR with its meta, anything else → ERROR).
+Every non-OK reply carries ``{"error": ...}``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import trio
 
 from .._net import send_view
 from .._version import __version__
-from ..api.jobs import job_continue, job_from_chat
+from ..api.jobs import ChatTools, chat_job, job_continue
+from ..api.tools import parse_reply
 from ..api.reasoning import ChatReplyText, ThinkingSetup
 from ..api.schemas import ChatCompletionRequest, CompletionRequest
 from ..control import Change, ControlChannel
@@ -32,8 +35,8 @@ from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import StateError, verify_checksum
-from ..errors import Busy, HydraTrioError, InvalidRequest, NotReady
+from ..engine.state import verify_checksum
+from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..ggml_rpc.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
 from ..protocol import messages as msg
@@ -62,17 +65,10 @@ class Reply(Exception):
 
 
 def reply_for(exc: HydraTrioError, **meta: Any) -> Reply:
-    """The wire reply for a typed error (see the module docstring); ``meta`` adds op-specific keys."""
-    if isinstance(exc, StateError):  # a blob this node cannot take; KvTypesDiffer is a bad request too
-        status = Status.BAD_REQUEST if isinstance(exc, InvalidRequest) else Status.ERROR
-        return Reply(status, str(exc), **exc.meta, **meta)
-    if isinstance(exc, InvalidRequest):
-        return Reply(Status.BAD_REQUEST, str(exc), **meta)
-    if isinstance(exc, Busy):
-        return Reply(Status.BUSY, str(exc), busy_slots=exc.busy_slots, **meta)
-    if isinstance(exc, NotReady):
-        return Reply(Status.ERROR, str(exc), stage=exc.stage, **meta)
-    return Reply(Status.ERROR, str(exc), **meta)
+    """The wire reply for a typed error: its class's :attr:`~hydra_trio.errors.HydraTrioError.hydra_status`,
+    ``{"error": str(exc)}`` and its :meth:`~hydra_trio.errors.HydraTrioError.wire_meta` keys; ``meta`` adds
+    op-specific keys (and wins over the error's own)."""
+    return Reply(exc.hydra_status, str(exc), **{**exc.wire_meta(), **meta})
 
 
 @attrs.define
@@ -149,7 +145,7 @@ class OpContext:
         try:
             return parser(self.req.payload)
         except msg.MessageError as exc:
-            raise Reply(Status.BAD_REQUEST, str(exc), **meta) from None
+            raise reply_for(exc, **meta) from None
 
 
 # ----------------------------------------------------------------------------- slot ops
@@ -244,21 +240,23 @@ def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) 
 
 
 async def _job(ctx: OpContext, e: Engine, id_slot: int, body: ChatCompletionRequest | CompletionRequest,
-               n_predict: int, **changes: Any) -> CompletionJob:
-    """The engine job for PREFILL / DECODE; templating and tokenization run in a worker thread
-    (they only read the vocabulary).  It fails BUSY rather than wait when the slot works."""
+               n_predict: int, **changes: Any) -> tuple[CompletionJob, ChatTools | None]:
+    """The engine job for PREFILL / DECODE, and how its reply's tool calls are read (None: the body
+    offers no tools); templating and tokenization run in a worker thread (they only read the
+    vocabulary).  It fails BUSY rather than wait when the slot works."""
+    tools = None
     if isinstance(body, ChatCompletionRequest):
-        job = await trio.to_thread.run_sync(lambda: job_from_chat(e, body, n_predict=n_predict, id_slot=id_slot))
+        job, tools = await trio.to_thread.run_sync(lambda: chat_job(e, body, n_predict=n_predict, id_slot=id_slot))
     else:
         job = job_continue(e, body, n_predict=n_predict, id_slot=id_slot)
-    return attrs.evolve(job, fail_if_busy=True, request_id=ctx.req.trace_id, **changes)
+    return attrs.evolve(job, fail_if_busy=True, request_id=ctx.req.trace_id, **changes), tools
 
 
 async def prefill(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     body = ctx.parse(msg.parse_prefill)
     # the blob is saved on the engine thread as the prefill ends, before anything else can use the slot
-    job = await _job(ctx, e, id_slot, body, 0, snapshot=True)
+    job, _ = await _job(ctx, e, id_slot, body, 0, snapshot=True)
     t0 = time.perf_counter()
     async with JobRun(e, job) as run:
         done = await run.result()
@@ -283,7 +281,10 @@ async def decode(ctx: OpContext) -> None:
     ``"stream": false``: the reply is sent once generation ends, its meta has
     ``tokens_generated``, ``reasoning_tokens`` (those of the thinking block, split
     by the body's ``reasoning_format`` as a chat reply is: :mod:`hydra_trio.api.reasoning`),
-    ``n_past`` (after) and ``stop_reason``, and its payload is exactly the generated frames.
+    ``n_past`` (after) and ``stop_reason``, with ``tools`` in the body also ``tool_calls``
+    (the HTTP reply's ``message.tool_calls``: :func:`_tool_calls`), and its payload is exactly the
+    generated frames.  A streamed DECODE's meta leaves before the reply exists: its client reads the
+    calls from the text of the frames' tokens.
     """
     e, id_slot = ctx.slot()
     parsed = ctx.parse(msg.parse_decode)
@@ -295,7 +296,7 @@ async def decode(ctx: OpContext) -> None:
     budget = parsed.frame_budget(settings.decode_default, settings.decode_cap)
     if budget == 0:
         raise Reply(Status.BAD_REQUEST, "n_predict: DECODE generates at least one token (PREFILL processes a prompt only)")
-    job = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True)
+    job, tools = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True)
     framer = DecodeFramer(budget)
     streamed = parsed.stream is not False
     meta: dict[str, Any] = {
@@ -315,7 +316,7 @@ async def decode(ctx: OpContext) -> None:
             assert end is not None
             frames += framer.finish(end.stop_reason, pad=False)
             meta.update(tokens_generated=framer.tokens_generated, reasoning_tokens=reply.reasoning_tokens, n_past=end.n_past,
-                        stop_reason=end.stop_reason)
+                        stop_reason=end.stop_reason, **_tool_calls(reply, tools))
             await ctx.stream.send_all(encode_response_header(Status.OK, meta, len(frames)) + frames)
             return
         meta["n_past"] = assigned.n_prompt
@@ -330,6 +331,17 @@ async def decode(ctx: OpContext) -> None:
         except HydraTrioError as exc:  # the header is out: the rest of the budget is padding
             log.warning("[%s] DECODE on slot %d failed: %s (padding the rest)", ctx.req.trace_id, id_slot, exc)
         await ctx.stream.send_all(framer.finish(stop_reason))
+
+
+def _tool_calls(reply: ChatReplyText, tools: ChatTools | None) -> dict[str, Any]:
+    """A non-streamed DECODE's tool calls, when the body offered tools: ``{"tool_calls": [{"id", "type",
+    "function": {"name", "arguments"}}]}`` (the HTTP reply's ``message.tool_calls``; ``[]``: none), parsed from
+    the reply's content (its thinking split off) by the template's format (:mod:`hydra_trio.api.tools`)."""
+    if tools is None:
+        return {}
+    reply.finish()
+    _, calls = parse_reply(tools.format, reply.content)
+    return {"tool_calls": [c.as_openai() for c in calls]}
 
 
 def _thinking(e: Engine, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob) -> ThinkingSetup:
@@ -411,7 +423,7 @@ async def configure(ctx: OpContext) -> None:
     try:
         t1, t2, t3, unknown = msg.classify_configure_keys(params)
     except msg.MessageError as exc:
-        raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        raise reply_for(exc) from None
     tier = 3 if t3 else 2 if t2 else 1
     deferred = sorted([*t2, *t3])
     chunk = msg.clamp_state_chunk_size(t1.pop("state_chunk_size")) if "state_chunk_size" in t1 else None

@@ -148,10 +148,11 @@ async def serve_connection(
             del into  # no view of the buffer outlives the receive
             req.filled += got
             req = await _handle_events(dec.skip_payload(got), req, stream, dispatch, keeps_payload, buffer_for)
-            if req is not None and req.filled < req.payload_len:
-                why = "peer closed mid-request" if closed else "stalled mid-request"
-                log.info("[%s] hydra: %s (op 0x%02x, %d of %d payload bytes); nothing applied; closed",
-                         req.trace_id, why, req.op, req.filled, req.payload_len)
+            if req is not None and req.filled < req.payload_len:  # the log lines of the receive loop below
+                if closed:
+                    log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
+                else:
+                    log.info("hydra: connection stalled mid-request; closed")
                 return
             continue
         with trio.move_on_at(deadline) as scope:

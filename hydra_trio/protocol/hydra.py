@@ -26,6 +26,8 @@ from typing import Any, ClassVar, TypeAlias
 
 import attrs
 
+from .decode_frames import Bytes
+
 __all__ = [
     "DECODE_FLAG_FINAL",
     "DECODE_FLAG_PAD",
@@ -414,7 +416,6 @@ class DecoderState(enum.Enum):
     CLOSED = "closed"
 
 
-Bytes: TypeAlias = bytes | bytearray | memoryview
 
 
 class _Decoder:
