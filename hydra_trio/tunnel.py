@@ -126,9 +126,11 @@ def _copy(src: Any, dst: Any) -> None:
 
     No half-close: a ggml-RPC connection that closes one way is over (the caller shuts both down).
     """
+    buf = bytearray(COPY_BUFFER)  # reused: each piece is sent before the next receive
+    view = memoryview(buf)
     try:
-        while data := src.recv(COPY_BUFFER):
-            dst.sendall(data)
+        while n := src.recv_into(buf):
+            dst.sendall(view[:n])
     except OSError:  # ssl.SSLError too
         pass
 

@@ -38,7 +38,9 @@ from ..protocol.ggml_rpc import (
     RequestEvent,
 )
 
-PUMP_BUFFER = 1 << 20  # bytes per receive_some: ggml-RPC moves tensors in large messages
+PUMP_BUFFER = 1 << 20  # bytes per receive: ggml-RPC moves tensors in large messages
+# The threads receive into one preallocated buffer each (recv_into): a fresh 1 MiB bytes object per
+# receive is an mmap and a munmap, ~30 µs, and a COMBINED token is ~270 receives.
 _COALESCE = 1 << 16  # pieces smaller than this (bytes) are joined into one send
 
 CLOSE_REASONS = (
@@ -286,7 +288,7 @@ class Pump:
     def _shutdown(self) -> None:
         shutdown_all(self._socks)
 
-    def _requests(self, data: bytes) -> list[bytes | memoryview]:
+    def _requests(self, data: bytes | memoryview) -> list[bytes | memoryview]:
         """Validate client bytes (either thread, or a trio task); what may go on to the child.
 
         Raises:
@@ -298,7 +300,7 @@ class Pump:
         except InvalidRequest as exc:
             raise self.counters.refuse(exc) from None
 
-    def _replies(self, data: bytes) -> list[bytes | memoryview]:
+    def _replies(self, data: bytes | memoryview) -> list[bytes | memoryview]:
         """Track the child's bytes (either thread, or a trio task); what goes on to the client.
 
         Raises:
@@ -313,10 +315,12 @@ class Pump:
     def _inbound(self) -> None:
         """Client → child (on a thread): validate each message, pass on what passed, half-close on EOF."""
         client, upstream = self._socks
+        buf = bytearray(PUMP_BUFFER)  # one buffer for the connection: the pieces are sent before it is reused
+        view = memoryview(buf)
         while True:
             self.ticks_in += 1
             self.receiving = True
-            data = _recv(client)
+            data = view[: client.recv_into(buf)]
             self.receiving = False
             self.ticks_in += 1
             self.n_in += 1
@@ -337,8 +341,10 @@ class Pump:
         (this returns; the caller cancels the other tasks).
         """
         client, upstream = self._socks
+        buf = bytearray(PUMP_BUFFER)
+        view = memoryview(buf)
         while True:
-            data = _recv(upstream)
+            data = view[: upstream.recv_into(buf)]
             if not data:  # the child is done with this client (it closed, or rejected a message)
                 client.shutdown(socket.SHUT_WR)
                 raise _ChildClosed
@@ -417,8 +423,3 @@ class Pump:
 
 class _ChildClosed(Exception):
     """The child closed its end: the client got EOF and the connection ends normally."""
-
-
-def _recv(sock: socket.socket | TlsPipe) -> bytes:
-    """Up to PUMP_BUFFER bytes, waiting as long as it takes (b"" at EOF)."""
-    return sock.recv(PUMP_BUFFER)
