@@ -35,7 +35,7 @@ from .bridge import Call
 from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
-from .requests import CompletionJob, RequestHandle
+from .requests import CompletionJob, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits
 from .settings import EngineConfig, SamplingParams, check_n_predict
 from .slots import Slot
@@ -91,8 +91,9 @@ _WAKE = object()
 
 
 def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, stats: EngineStats, model_hash: str,
-                  events: EventBus) -> Scheduler:
-    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings.
+                  events: EventBus, hand_off: StepHandOff | None = None) -> Scheduler:
+    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings; ``hand_off`` carries
+    each step's token events to trio in one go.
 
     As llama-server, ``context_shift`` and ``n_cache_reuse`` are dropped with a
     warning when the model's memory cannot shift positions (recurrent or hybrid).
@@ -107,7 +108,7 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
             n_cache_reuse = 0
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
-                     slot_prompt_similarity=cfg.slot_prompt_similarity)
+                     slot_prompt_similarity=cfg.slot_prompt_similarity, hand_off=hand_off)
 
 
 def kv_cache(e: Engine) -> dict[str, str]:
@@ -173,6 +174,7 @@ class Engine:
         self._stop = False
         self._ready = trio.Event()
         self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._hand_off: StepHandOff | None = None  # the requests' events, one hand-over to trio per step
         self.snapshot: EngineSnapshot = EMPTY
         """The slots and queue as of the engine's last step (:mod:`~hydra_trio.engine.snapshot`): the engine
         thread swaps a new immutable object in after every step and call; any thread reads it without waiting."""
@@ -241,6 +243,7 @@ class Engine:
                 became ``error``).
         """
         self._trio_token = trio.lowlevel.current_trio_token()
+        self._hand_off = StepHandOff(self._trio_token)
         task_status.started()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_cancelled)
@@ -280,7 +283,7 @@ class Engine:
         if not (-1 <= job.id_slot < len(self.slots)):
             raise InvalidRequest(f"id_slot: {job.id_slot} is out of range (0..{len(self.slots) - 1})")
         assert self._trio_token is not None
-        handle = RequestHandle(job, self._trio_token)
+        handle = RequestHandle(job, self._trio_token, self._hand_off)
         self._inbox.put(handle)
         return handle
 
@@ -347,7 +350,8 @@ class Engine:
                 model_hash=model_hash,
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
-            self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events)
+            self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events,
+                                           self._hand_off)
             self.scheduler.publish = self._publish_quietly
             self._set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
@@ -514,7 +518,7 @@ class Engine:
         old.close()
         self.identity = identity
         self.scheduler = new_scheduler(self.config, self.experts, new, self.stats, identity.model_hash,
-                                       self.events)
+                                       self.events, self._hand_off)
         self.scheduler.publish = self._publish_quietly
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)

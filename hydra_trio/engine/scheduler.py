@@ -24,6 +24,7 @@ here too.  Nothing here is trio code: events go out through
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequ
 from ..events import EventBus
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
-from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
+from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, StepHandOff, TextDelta
 from .sampling import GrammarError, SamplerSpec, build_sampler, token_probs
 from .slots import Slot, StopStringMatcher
 from .state import save_slot
@@ -78,12 +79,16 @@ class Scheduler:
         events: where ``slot.*`` events go (:mod:`hydra_trio.events`).
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity: as the
             :class:`~hydra_trio.engine.settings.EngineConfig` fields of those names.
+        hand_off: the tokens sampled in a step (their ``TextDelta`` s and ``Finished`` s)
+            reach trio through it in one hand-over (:class:`~hydra_trio.engine.requests.StepHandOff`);
+            None: each event on its own.
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
                  model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
-                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1) -> None:
-        self.experts = experts
+                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
+                 hand_off: StepHandOff | None = None) -> None:
+        self.experts, self.hand_off = experts, hand_off
         self.context_shift = context_shift
         self.n_keep = n_keep
         self.n_cache_reuse = n_cache_reuse
@@ -367,16 +372,7 @@ class Scheduler:
         share = n_prompt_fed / n_tokens if n_tokens else 0.0
         self.stats.prompt_seconds_total += dt * share
         self.stats.tokens_predicted_seconds_total += dt * (1 - share)
-        for slot, idx in to_sample:
-            if slot.handle is None:
-                continue
-            token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
-            job = slot.handle.job
-            if job.logprobs or job.n_probs:
-                probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
-                slot.pending_logprobs.append(probs.logprob)
-                slot.pending_top.append(probs.top)
-            self._on_token(slot, token)
+        sample(self, m, to_sample)
 
     def _on_token(self, slot: Slot, token: int) -> None:
         m = self.model
@@ -465,6 +461,23 @@ class Scheduler:
         # mid-prompt leaves a valid prefix in the slot's KV cache.
         slot.last_used = time.monotonic()
         slot.reset_request()
+
+
+def sample(sched: Scheduler, m: LoadedModel, to_sample: list[tuple[Slot, int]]) -> None:
+    """Sample each slot's token at its batch index after a decode and hand it on (``Scheduler._on_token``);
+    the step's token events reach trio together, in one hand-over (``sched.hand_off``), at the end."""
+    with sched.hand_off.collect() if sched.hand_off is not None else contextlib.nullcontext():
+        for slot, idx in to_sample:
+            if slot.handle is None:
+                continue
+            token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
+            job = slot.handle.job
+            if job.logprobs or job.n_probs:
+                probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
+                slot.pending_logprobs.append(probs.logprob)
+                slot.pending_top.append(probs.top)
+            sched._on_token(slot, token)
+
 
 def erase_slot(m: LoadedModel, slot: Slot) -> int:
     """Drop ``slot``'s KV cache in ``m``.  Returns the number of tokens erased.
