@@ -83,6 +83,32 @@ def test_a_steps_events_reach_trio_together_and_in_order() -> None:
     trio.run(main)
 
 
+def test_ready_leaves_a_failure_to_the_next_read() -> None:
+    """Deltas that arrived together with a failure are all readable before the failure is raised."""
+    async def main() -> None:
+        token = trio.lowlevel.current_trio_token()
+        hand_off = StepHandOff(token)
+        engine = _Engine(hand_off, token)
+        async with JobRun(engine, CompletionJob(prompt_tokens=(1,))) as run:
+            assert run.handle is not None
+
+            def step(h: RequestHandle) -> None:
+                with hand_off.collect():
+                    h.emit(TextDelta("a", (1,)))
+                    h.emit(TextDelta("b", (2,)))
+                    h.emit(Failed(Cancelled("stopped")))
+
+            await trio.to_thread.run_sync(step, run.handle)
+            it = run.__aiter__()
+            assert (await it.__anext__()).text == "a"
+            assert [d.text for d in run.ready()] == ["b"]
+            assert list(run.ready()) == []
+            with pytest.raises(Cancelled, match="stopped"):
+                await it.__anext__()
+
+    trio.run(main)
+
+
 def test_emit_outside_a_step_goes_at_once_and_after_trio_ends_is_dropped() -> None:
     """Without a collect block each event is handed over by itself; once trio's run is over, emitting
     is a no-op (the engine may still be stopping)."""

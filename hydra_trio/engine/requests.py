@@ -326,6 +326,7 @@ class JobRun:
         self.handle: RequestHandle | None = None
         self.assigned: SlotAssigned | None = None
         self.finished: Finished | None = None
+        self._failed: Failed | None = None  # met by ready(), raised by the next read
 
     def submit(self) -> JobRun:
         """Submit the job (what entering does; for a reader that outlives this scope, e.g. a stream)."""
@@ -347,6 +348,9 @@ class JobRun:
 
     async def _next(self) -> Event | None:
         assert self.handle is not None, "use JobRun in 'async with'"
+        if self._failed is not None:  # met by ready(): raised now, after the deltas before it were used
+            ev, self._failed = self._failed, None
+            return self._take(ev)
         try:
             ev = await self.handle.events.receive()
         except trio.EndOfChannel:
@@ -357,14 +361,19 @@ class JobRun:
         """The deltas that have arrived and not been read, without waiting (none once the request ended).
 
         For a reader that writes what a step produced in one go (an SSE stream falling behind
-        sends one write, not one per delta).  Raises what the iteration raises.
+        sends one write, not one per delta).  A failure it meets is raised by the next read of
+        the iteration, so the deltas before it can be used first.
         """
         assert self.handle is not None, "use JobRun in 'async with'"
-        while self.finished is None:
+        while self.finished is None and self._failed is None:
             try:
-                ev = self._take(self.handle.events.receive_nowait())
+                ev = self.handle.events.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
+            if isinstance(ev, Failed):
+                self._failed = ev
+                return
+            ev = self._take(ev)
             if isinstance(ev, TextDelta):
                 yield ev
 
