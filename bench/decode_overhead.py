@@ -143,13 +143,13 @@ def main() -> None:
             for name in (order if r % 2 == 0 else order[::-1]):
                 s = run_node(trees[name], args, r)
                 samples[name].append(s)
-                print(f"  round {r} {name:12s} " + "  ".join(f"{k} {v:7.1f}" for k, v in s.items()), flush=True)
+                print(f"  round {r} {name:12s} " + "  ".join(f"{k} {v:7.2f}" for k, v in s.items()), flush=True)
     mine, other = samples["this tree"], samples[args.against]
     print(f"\n{'metric':10s} {args.against:>10s} {'this tree':>10s} {'ratio':>6s}")
     for metric in mine[0]:
         a = statistics.median(s[metric] for s in other)
         b = statistics.median(s[metric] for s in mine)
-        print(f"{metric:10s} {a:10.1f} {b:10.1f} {b / a:6.2f}")
+        print(f"{metric:11s} {a:10.2f} {b:10.2f} {b / a:6.2f}")
 
 
 if __name__ == "__main__":
