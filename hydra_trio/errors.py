@@ -1,52 +1,103 @@
 """The errors hydra-trio raises, under one root.
 
-Every error the package raises on purpose is a :class:`HydraTrioError`.  The
-front ends map them to the wire: :class:`InvalidRequest` is HTTP 400 and the
-Hydra status BAD_REQUEST, :class:`Busy` is HTTP 409 and BUSY (0x04),
-:class:`NotReady` is HTTP 503 and ERROR with the stage, anything else is a
-server error.  A bare ``ValueError`` no longer means "invalid request".
+Every error the package raises on purpose is a :class:`HydraTrioError`, and
+each class says what it is on the wire, as h11's errors carry an
+``error_status_hint``: :attr:`~HydraTrioError.http_status` (the HTTP status of
+the OpenAI-style error body) and :attr:`~HydraTrioError.hydra_status` (the
+Hydra reply status, hydra-protocol.md §2), plus :meth:`~HydraTrioError.wire_meta`
+(extra keys for the error reply).  Both front ends look these up
+(:func:`hydra_trio.http._common.error_for`, :func:`hydra_trio.hydra.ops.reply_for`)
+instead of mapping classes themselves:
+
+====================  ====  ===========  =======================
+class                 HTTP  Hydra        extra keys
+====================  ====  ===========  =======================
+HydraTrioError        500   ERROR
+InvalidRequest        400   BAD_REQUEST
+Busy                  409   BUSY         ``busy_slots``
+NotReady              503   ERROR        ``stage``
+Cancelled             503   ERROR
+EngineFailure         500   ERROR
+====================  ====  ===========  =======================
+
+Subclasses elsewhere set their own (a state blob this node cannot take,
+:class:`hydra_trio.engine.state.StateError`, is HTTP 400 and Hydra ERROR).
+A bare ``ValueError`` does not mean "invalid request".
 """
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
+from .protocol.hydra import Status
+
 
 class HydraTrioError(Exception):
-    """The root of hydra-trio's errors."""
+    """The root of hydra-trio's errors: a server error (HTTP 500, Hydra ERROR) unless a subclass says otherwise."""
+
+    http_status: ClassVar[int] = 500
+    """The HTTP status of the reply this error becomes (OpenAI-style body, ``error.code`` the same)."""
+    hydra_status: ClassVar[Status] = Status.ERROR
+    """The Hydra reply status this error becomes (hydra-protocol.md §2)."""
+
+    def wire_meta(self) -> dict[str, Any]:
+        """Extra keys of the error reply (Hydra meta, and HTTP's ``error`` object); none here."""
+        return {}
 
 
 class InvalidRequest(HydraTrioError):
-    """The client's request is wrong (a field's type, range or meaning); the message names the field."""
+    """The client's request is wrong (a field's type, range or meaning); the message names the field.
+    HTTP 400, Hydra BAD_REQUEST."""
+
+    http_status = 400
+    hydra_status = Status.BAD_REQUEST
 
 
 class Busy(HydraTrioError):
-    """A slot, or the node as a whole, is processing and the request needs it idle.
+    """A slot, or the node as a whole, is processing and the request needs it idle (HTTP 409, Hydra BUSY).
 
-    ``busy_slots``: the ids of the slots that are processing.  Raised by the
+    ``busy_slots``: the ids of the slots that are processing (the reply's ``busy_slots``).  Raised by the
     serialized control channel (a change needs every slot idle), by slot
     operations (STATE_GET / STATE_PUT / erase on a working slot) and by jobs
     that asked to fail rather than wait (PREFILL / DECODE on a working slot).
     """
 
+    http_status = 409
+    hydra_status = Status.BUSY
+
     def __init__(self, message: str, busy_slots: list[int] | tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.busy_slots = list(busy_slots)
 
+    def wire_meta(self) -> dict[str, Any]:
+        return {"busy_slots": self.busy_slots}
+
 
 class NotReady(HydraTrioError):
-    """The model is not serving yet (or failed to load, or the node has none); ``stage`` says where it is."""
+    """The model is not serving yet (or failed to load, or the node has none); ``stage`` says where it is
+    (HTTP 503, Hydra ERROR with ``stage``)."""
+
+    http_status = 503
 
     def __init__(self, message: str, stage: str = "") -> None:
         super().__init__(message)
         self.stage = stage
 
+    def wire_meta(self) -> dict[str, Any]:
+        return {"stage": self.stage}
+
 
 class Cancelled(HydraTrioError):
-    """The request was cancelled (its client went away, or the node is stopping)."""
+    """The request was cancelled (its client went away, or the node is stopping): HTTP 503, Hydra ERROR."""
+
+    http_status = 503
 
 
 class EngineFailure(HydraTrioError):
-    """The engine could not complete the request (llama.cpp failed, a COMBINED peer died, ...)."""
+    """The engine could not complete the request (llama.cpp failed, a COMBINED peer died, ...): HTTP 500,
+    Hydra ERROR."""
 
 
 class ModelLoadError(HydraTrioError, RuntimeError):
-    """llama.cpp could not load the GGUF file or create its context, or the settings ask for one it would refuse."""
+    """llama.cpp could not load the GGUF file or create its context, or the settings ask for one it would refuse
+    (HTTP 500, Hydra ERROR)."""

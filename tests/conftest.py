@@ -136,6 +136,26 @@ def spawn(tmp_path: Path) -> Iterator[callable]:
         srv.stop(signal.SIGKILL if os.environ.get("HYDRA_TEST_KILL") else signal.SIGTERM)
 
 
+@pytest.fixture(scope="session")
+def hybrid_model() -> Path:
+    """A tiny random-weight hybrid GGUF (LFM2: short-convolution and attention layers) with SmolLM2's
+    tokenizer, generated on first use and cached (:mod:`hydra_trio.models.hybrid`)."""
+    from hydra_trio.models.hybrid import ensure_test_hybrid
+    from hydra_trio.models.presets import resolve_model
+
+    return ensure_test_hybrid(resolve_model("smollm2-135m")[0])
+
+
+@pytest.fixture(scope="session")
+def swa_model() -> Path:
+    """A tiny random-weight Gemma 3 GGUF (sliding window of 32 tokens on five of six layers) with SmolLM2's
+    tokenizer, generated on first use and cached (:func:`hydra_trio.models.hybrid.make_test_swa`)."""
+    from hydra_trio.models.hybrid import ensure_test_swa
+    from hydra_trio.models.presets import resolve_model
+
+    return ensure_test_swa(resolve_model("smollm2-135m")[0])
+
+
 @pytest.fixture
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.base, timeout=120) as client:

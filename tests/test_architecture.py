@@ -97,3 +97,26 @@ def test_layers() -> None:
             assert "hydra_trio._spawn" not in deps, f"{name} imports the test helper _spawn"
     protocol_deps = {d for n in MODULES if n.startswith("hydra_trio.protocol") for d in _imports(n)}
     assert not {d for d in protocol_deps if d.startswith(("hydra_trio.http", "hydra_trio.hydra", "hydra_trio.server"))}
+
+
+def _public_type_names(name: str) -> set[str]:
+    """The public classes and type aliases (``X: TypeAlias = ...``) a module defines, at any depth."""
+    out = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.ClassDef):
+            out.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and "TypeAlias" in ast.unparse(
+                node.annotation):
+            out.add(node.target.id)
+    return {n for n in out if not n.startswith("_")}
+
+
+def test_no_public_class_name_is_defined_twice() -> None:
+    """One name per concept: a public class (or type alias) name finds one definition in the package."""
+    where: dict[str, list[str]] = {}
+    for name in MODULES:
+        for cls in _public_type_names(name):
+            where.setdefault(cls, []).append(name)
+    assert "HydraTrioError" in where and "RpcReplyEvent" in where  # the scan sees classes and aliases
+    twice = {cls: sorted(mods) for cls, mods in where.items() if len(mods) > 1}
+    assert twice == {}, twice

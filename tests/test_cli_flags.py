@@ -371,12 +371,18 @@ def test_every_llama_option_flag_reaches_the_engine_settings() -> None:
     assert llama_options(parse()) == type(opts)()  # no flag: llama.cpp's defaults, as EngineConfig's
 
 
-def test_a_thinking_budget_in_tokens_starts_the_node_with_a_warning() -> None:
+def test_a_thinking_budget_in_tokens_lands_with_its_message_and_the_effort_in_the_kwargs() -> None:
     from hydra_trio.cli.run import engine_config, llama_options
 
-    args = parse("--reasoning-budget", "2048", "--no-rpc-backend")  # a launcher's config: it must start
-    assert engine_config(args, llama_options(args)).reasoning_budget == -1  # unrestricted, said once at start
+    args = parse("--reasoning-budget", "2048", "--reasoning-budget-message", "Enough.", "--no-rpc-backend")
+    cfg = engine_config(args, llama_options(args))
+    assert (cfg.reasoning_budget, cfg.reasoning_budget_message) == (2048, "Enough.")
     assert engine_config(parse("--reasoning-budget", "0"), llama_options(args)).reasoning_budget == 0
+    p = parse("--reasoning-effort", "low", "--reasoning", "on")
+    assert engine_config(p, llama_options(p)).chat_template_kwargs == {"reasoning_effort": "low",
+                                                                      "enable_thinking": True}
+    p = parse("--reasoning-effort", "default")
+    assert "reasoning_effort" not in engine_config(p, llama_options(p)).chat_template_kwargs
 
 
 def test_no_flag_leaves_the_engines_defaults_which_are_llama_servers() -> None:
@@ -391,7 +397,8 @@ def test_no_flag_leaves_the_engines_defaults_which_are_llama_servers() -> None:
     assert attrs.asdict(cfg, recurse=False) == attrs.asdict(plain, recurse=False)
     given = engine_config(p := parse("-n", "9", "--keep", "-1", "--cache-reuse", "64", "-sps", "0.5",
                                      "--embd-normalize", "1", "--reasoning-format", "none", "--reasoning-budget",
-                                     "0", "--context-shift"), llama_options(p))
+                                     "0", "--context-shift", "-cram", "64", "--no-cache-idle-slots"), llama_options(p))
     assert (given.n_predict, given.n_keep, given.n_cache_reuse, given.slot_prompt_similarity, given.embd_normalize,
-            given.reasoning_format, given.reasoning_budget, given.context_shift) == (
-        9, -1, 64, 0.5, 1, "none", 0, True)
+            given.reasoning_format, given.reasoning_budget, given.context_shift, given.cache_ram_mib,
+            given.cache_idle_slots) == (9, -1, 64, 0.5, 1, "none", 0, True, 64, False)
+    assert (cfg.cache_ram_mib, cfg.cache_idle_slots) == (8192, True)  # llama-server's defaults

@@ -99,7 +99,8 @@ N_REUSE = 16
 
 
 async def test_cache_reuse_shifts_a_later_chunk_into_place() -> None:
-    async with node(n_parallel=1, n_ctx=1024, n_cache_reuse=N_REUSE) as (client, _):
+    # without the host-RAM prompt cache: it would restore the earlier A+C turn whole, which is not what this checks
+    async with node(n_parallel=1, n_ctx=1024, n_cache_reuse=N_REUSE, cache_ram_mib=0) as (client, _):
         a, abc, ac = [await tokens(client, t) for t in (PART_A, PART_A + PART_B + PART_C, PART_A + PART_C)]
         prefix = next(i for i, (x, y) in enumerate(zip(abc, ac)) if x != y)  # the plain common prefix
         assert prefix >= len(a) - 1 and len(ac) - prefix > N_REUSE

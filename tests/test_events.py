@@ -146,12 +146,17 @@ async def test_stats_every_second_and_control_busy_and_state_events(server: Serv
         assert stats["stage"] == "ready" and stats["mode"] == "solo" and len(stats["slots"]) == 4
         assert stats["connections"]["http"] >= 1 and stats["subscribers"] >= 1
 
+        def processing_tick(e: dict) -> bool:
+            return e["type"] == "stats" and any(s["state"] == "processing" and s["n_decoded"] >= 1 for s in e["slots"])
+
         def busy_switch() -> tuple[int, dict]:
             body = {"prompt": "Count to one thousand:", "max_tokens": 4000, "ignore_eos": True, "id_slot": 0}
             with streaming(server.base, body):
                 with Wire(server.port) as w:
                     status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=b"solo", trace_id="evt-busy")
-                    return status, meta
+                # the stream runs until a stats tick has shown its slot at work
+                trio.from_thread.run(reader.wait_for, processing_tick)
+                return status, meta
 
         status, meta = await trio.to_thread.run_sync(busy_switch)
         assert status == Status.BUSY
@@ -159,8 +164,9 @@ async def test_stats_every_second_and_control_busy_and_state_events(server: Serv
         assert busy["trace_id"] == "evt-busy" and busy["busy_slots"] == meta["busy_slots"] and busy["busy_slots"]
         busy_stats = [e for e in reader.events if e["type"] == "stats" and any(s["state"] == "processing"
                                                                                 for s in e["slots"])]
-        if busy_stats:  # the stream ran across a tick: its slot showed its tokens
-            assert max(s["n_decoded"] for e in busy_stats for s in e["slots"]) >= 1
+        assert busy_stats  # the stream ran across a tick (it was held until one came): its slot showed its tokens
+        assert max(s["n_decoded"] for e in busy_stats for s in e["slots"]) >= 1
+        assert [s["id"] for s in busy_stats[-1]["slots"] if s["state"] == "processing"] == [0]
 
         def round_trip() -> int:
             with Wire(server.port) as w:

@@ -31,10 +31,10 @@ from hydra_trio.protocol.ggml_rpc import (
     GgmlRpcConnection,
     GgmlRpcError,
     InvalidReply,
-    InvalidRequest,
-    Reply,
+    InvalidRpcRequest,
     ReplyData,
     ReplyEnd,
+    ReplyHeader,
     Request,
     RequestData,
     RequestEnd,
@@ -84,7 +84,7 @@ def events_of(data_pieces: list[bytes], conn: GgmlRpcConnection | None = None) -
             conn.feed_request(piece)
             while (ev := conn.next_request_event()) is not None:
                 out.append(ev)
-    except InvalidRequest as exc:
+    except InvalidRpcRequest as exc:
         return coalesce(out), exc.check
     return coalesce(out), None
 
@@ -96,7 +96,7 @@ def with_buffer() -> GgmlRpcConnection:
 
 
 def refused(conn: GgmlRpcConnection, data: bytes) -> str:
-    with pytest.raises(InvalidRequest) as info:
+    with pytest.raises(InvalidRpcRequest) as info:
         conn.receive_request(data)
     return info.value.check
 
@@ -163,7 +163,7 @@ def test_hello_first_and_once() -> None:
     conn.receive_request(g.hello_request())
     assert refused(conn, g.hello_request()) == "hello_repeated"
     # after an error the object stays broken
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRpcRequest):
         conn.next_request_event()
 
 
@@ -220,7 +220,7 @@ def test_graph_compute_naming_node_zero_is_refused() -> None:
     conn = with_buffer()
     msg = bytes([10]) + (20).to_bytes(8, "little") + struct.pack("<IIQI", 0, 1, 0, 0)
     assert len(msg) == 29
-    with pytest.raises(InvalidRequest, match="node 0 has id 0") as info:
+    with pytest.raises(InvalidRpcRequest, match="node 0 has id 0") as info:
         conn.receive_request(msg)
     assert info.value.check == "graph"
 
@@ -229,7 +229,7 @@ def test_q4_0_tensor_of_one_element_is_refused() -> None:
     """SET_TENSOR of a Q4_0 tensor with ne0 = 1: ggml_nbytes is 0, ggml_backend_tensor_set aborts."""
     conn = with_buffer()
     t = RpcTensor(id=1, type=2, buffer=RPC_BUFFER, ne=(1, 1, 1, 1), nb=(18, 18, 18, 18), data=RPC_BASE)
-    with pytest.raises(InvalidRequest, match="not a multiple of the block size 32") as info:
+    with pytest.raises(InvalidRpcRequest, match="not a multiple of the block size 32") as info:
         conn.receive_request(g.encode_set_tensor(t, 0, bytes(18)))
     assert info.value.check == "tensor_shape"
 
@@ -353,7 +353,7 @@ def test_replies_are_tracked_in_order_and_compute_is_pending_until_read() -> Non
     assert conn.receive_reply(struct.pack("<Q", 32) + bytes(16)) == []  # half of GET_TENSOR's reply
     assert conn.reply_in_progress and conn.compute_pending
     evs = conn.receive_reply(bytes(16))
-    assert evs == [Reply(RpcCmd.GET_TENSOR, 32, struct.pack("<Q", 32) + bytes(32)), ReplyEnd(RpcCmd.GET_TENSOR)]
+    assert evs == [ReplyHeader(RpcCmd.GET_TENSOR, 32, struct.pack("<Q", 32) + bytes(32)), ReplyEnd(RpcCmd.GET_TENSOR)]
     assert not conn.compute_pending and conn.between_messages
 
 
@@ -434,7 +434,7 @@ def test_mutants_are_refused_whatever_the_split(m: GgmlRpcMutant, data: st.DataO
 @given(ggml_rpc_crashing_graphs())
 def test_crashing_graphs_never_get_through(m: GgmlRpcMutant) -> None:
     conn = with_buffer()
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(InvalidRpcRequest):
         conn.receive_request(m.make(RPC_BUFFER, RPC_BASE))
 
 

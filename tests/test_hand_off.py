@@ -41,7 +41,7 @@ class _Engine:
 def test_a_steps_events_reach_trio_together_and_in_order() -> None:
     async def main() -> None:
         token = trio.lowlevel.current_trio_token()
-        hand_off = StepHandOff(token)
+        hand_off = StepHandOff()
         engine = _Engine(hand_off, token)
         job = CompletionJob(prompt_tokens=(1,))
         inside = threading.Event()
@@ -87,7 +87,7 @@ def test_ready_leaves_a_failure_to_the_next_read() -> None:
     """Deltas that arrived together with a failure are all readable before the failure is raised."""
     async def main() -> None:
         token = trio.lowlevel.current_trio_token()
-        hand_off = StepHandOff(token)
+        hand_off = StepHandOff()
         engine = _Engine(hand_off, token)
         async with JobRun(engine, CompletionJob(prompt_tokens=(1,))) as run:
             assert run.handle is not None
@@ -113,17 +113,19 @@ def test_emit_outside_a_step_goes_at_once_and_after_trio_ends_is_dropped() -> No
     """Without a collect block each event is handed over by itself; once trio's run is over, emitting
     is a no-op (the engine may still be stopping)."""
     kept: list[StepHandOff] = []
+    tokens: list[trio.lowlevel.TrioToken] = []
 
     async def main() -> None:
         token = trio.lowlevel.current_trio_token()
-        hand_off = StepHandOff(token)
+        hand_off = StepHandOff()
         kept.append(hand_off)
+        tokens.append(token)
         handle = RequestHandle(CompletionJob(prompt_tokens=(1,)), token, hand_off)
         await trio.to_thread.run_sync(handle.emit, TextDelta("a", (1,)))
         assert (await handle.events.receive()).text == "a"
 
     trio.run(main)
-    handle = RequestHandle(CompletionJob(prompt_tokens=(1,)), kept[0]._token, kept[0])
+    handle = RequestHandle(CompletionJob(prompt_tokens=(1,)), tokens[0], kept[0])
     handle.emit(TextDelta("late", (1,)))  # trio is gone: nothing raises
     with kept[0].collect():
         handle.emit(TextDelta("late", (1,)))

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import time
 
 import httpx
 import openai
 import pytest
 
-from .conftest import ServerProcess
+from .conftest import ServerProcess, wait_for
 
 # SmolLM2-135M's built-in system prompt sends this question astray (greedy
 # answer: French babble); with a plain system prompt it answers "Paris".
@@ -151,14 +150,12 @@ def test_client_disconnect_frees_slot(server: ServerProcess, http: httpx.Client)
         lines = r.iter_lines()
         while not next(lines).startswith("data: "):
             pass
-        deadline = time.monotonic() + 10
-        while not _slot_busy(http, 1) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: _slot_busy(http, 1), timeout=120, what="the slot shows the streamed request", every=0.01)
         assert _slot_busy(http, 1)
-    left = time.monotonic()
-    while _slot_busy(http, 1) and time.monotonic() - left < 1.0:
-        time.sleep(0.02)
-    assert not _slot_busy(http, 1), "slot still busy a second after the client disconnected"
+    wait_for(lambda: not _slot_busy(http, 1), timeout=120, what="the slot frees after the client disconnected")
+    # it stopped because the client left, not because the budget ran out: far fewer tokens than asked for
+    n_past = http.get("/slots/1/state/meta").json()["n_past"]
+    assert 0 < n_past < body["max_tokens"] // 2, n_past
 
 
 def test_slots_and_meta_and_erase(http: httpx.Client) -> None:
@@ -229,6 +226,7 @@ def test_streamed_text_is_valid_utf8(server: ServerProcess) -> None:
     msgs = [{"role": "user", "content": "Écris une phrase en français avec des accents: été, où, garçon, naïve. 日本語"}]
     text, chunks = stream_chat(server.base, msgs, max_tokens=60)
     assert text
+    assert sum(bool(c["choices"] and c["choices"][0]["delta"].get("content")) for c in chunks) >= 2  # the loop checks some
     for c in chunks:
         if c["choices"]:
             assert "\ufffd" not in (c["choices"][0]["delta"].get("content") or "")

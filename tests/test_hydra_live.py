@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import time
+import uuid
 
 import httpx
 import pytest
@@ -23,7 +24,7 @@ from hydra_trio.protocol.hydra import (
     unpack_decode_frames,
 )
 
-from .conftest import ServerProcess, streaming
+from .conftest import ServerProcess, streaming, wait_for
 from .hydra_wire import Wire
 
 CORE_INFO_KEYS = {
@@ -218,9 +219,13 @@ def test_state_put_refuses_other_model_and_partial_uploads(server: ServerProcess
         assert status == Status.ERROR
         assert w.call(Op.STATE_META, key="1")[1]["n_past"] == before["n_past"]
     # an upload cut off midway: the client disconnects after half the payload
+    trace = f"cut-{uuid.uuid4().hex[:12]}"
     with Wire(server.port) as w:
-        w.send(encode_request_header(Op.STATE_PUT, key="1", payload_len=len(blob)) + blob[: len(blob) // 2])
-    time.sleep(0.2)
+        w.send(encode_request_header(Op.STATE_PUT, key="1", trace_id=trace, payload_len=len(blob))
+               + blob[: len(blob) // 2])
+    # the node has seen the cut (and says nothing was applied) before the slot is looked at
+    wait_for(lambda: f"[{trace}] hydra: peer closed mid-request (op 0x31); nothing applied" in server.log(),
+             timeout=120, what="the node logs the cut-off upload")
     with Wire(server.port) as w:
         assert w.call(Op.STATE_META, key="1")[1]["n_past"] == before["n_past"]
     again = chat_on_slot(server.base, 1, max_tokens=8)

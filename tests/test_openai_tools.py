@@ -8,13 +8,18 @@ native path (tools rendered by the template, ``<tool_call>`` blocks, the lazy gr
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from hydra_trio.protocol.hydra import Op, Status
+
 from .conftest import ServerProcess
+from .hydra_wire import Wire
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
@@ -40,7 +45,8 @@ def _args(call: object) -> dict:
 
 
 def _streamed(client: openai.OpenAI, **kw: object) -> tuple[str, list[dict], str | None]:
-    """Content, calls reassembled from the deltas (name first, then argument fragments), finish reason."""
+    """Content, calls reassembled from the deltas (name first, then argument fragments; each call's
+    ``fragments`` lists them), finish reason."""
     content, calls, finish = "", {}, None
     for chunk in client.chat.completions.create(model="m", stream=True, **kw):  # type: ignore[call-overload]
         choice = chunk.choices[0]
@@ -48,9 +54,11 @@ def _streamed(client: openai.OpenAI, **kw: object) -> tuple[str, list[dict], str
         for tc in choice.delta.tool_calls or ():
             if tc.id is not None:
                 assert tc.index not in calls and tc.function.name and tc.function.arguments == ""
-                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": ""}
+                calls[tc.index] = {"id": tc.id, "name": tc.function.name, "arguments": "", "fragments": []}
             else:
+                assert tc.function.name is None and tc.function.arguments
                 calls[tc.index]["arguments"] += tc.function.arguments
+                calls[tc.index]["fragments"].append(tc.function.arguments)
         finish = choice.finish_reason or finish
     return content, [calls[i] for i in sorted(calls)], finish
 
@@ -89,6 +97,43 @@ def test_streamed_calls_reassemble_to_the_whole_reply(client: openai.OpenAI) -> 
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_arguments_stream_in_fragments_as_generated(client: openai.OpenAI) -> None:
+    """The arguments come in several fragments, as the model writes them (OpenAI's and llama-server's
+    streaming), and their concatenation is the non-streamed reply's ``arguments``."""
+    kw = dict(messages=[{"role": "user", "content": "What is the weather in San Francisco, in fahrenheit?"}],
+              tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0)
+    whole = client.chat.completions.create(model="m", **kw).choices[0].message.tool_calls  # type: ignore[call-overload]
+    content, calls, finish = _streamed(client, **kw)
+    assert finish == "tool_calls" and content == "" and len(calls) == len(whole) == 1
+    (call,) = calls
+    assert (call["name"], call["arguments"]) == (whole[0].function.name, whole[0].function.arguments)
+    assert len(call["fragments"]) > 2, call["fragments"]  # not one piece
+    assert _args(whole[0])["city"] and len(call["arguments"]) > len(max(call["fragments"], key=len))
+
+
+def test_hydra_decode_reports_the_tool_calls(client: openai.OpenAI, server: ServerProcess) -> None:
+    """A non-streamed DECODE with ``tools``: its meta has ``tool_calls`` as the HTTP reply's ``message.tool_calls``
+    (the same calls for the same body); without tools the key is absent."""
+    body = {"messages": ASK, "tools": [WEATHER, ADD], "tool_choice": "required", "temperature": 0}
+    http = client.chat.completions.create(model="m", max_tokens=64, extra_body={"cache_prompt": False},
+                                          **body).choices[0].message.tool_calls  # type: ignore[call-overload]
+    body["cache_prompt"] = False
+    with Wire(server.port) as w:
+        status, meta, frames = w.call(Op.DECODE, key="1", payload=json.dumps(
+            {**body, "n_predict": 64, "stream": False}).encode())
+        assert status == Status.OK, meta
+        assert len(frames) == 9 * meta["tokens_generated"] and meta["stop_reason"] == "eos"
+        assert [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in meta["tool_calls"]] == [
+            ("function", c.function.name, c.function.arguments) for c in http]
+        assert all(c["id"].startswith("call_") for c in meta["tool_calls"])
+        status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps(
+            {"messages": ASK, "n_predict": 2, "stream": False}).encode())
+        assert status == Status.OK and "tool_calls" not in meta
+        status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps(
+            {**body, "tool_choice": "sometimes", "stream": False}).encode())
+        assert status == Status.BAD_REQUEST and meta["error"].startswith("tool_choice"), meta
 
 
 def test_a_tool_result_turn_renders_and_answers(client: openai.OpenAI) -> None:
@@ -206,3 +251,153 @@ def test_hermes_auto_lazy_grammar_wakes_at_the_marker(hermes: openai.OpenAI) -> 
     r = hermes.chat.completions.create(model="m", messages=msgs, tools=[tokyo], tool_choice="none",
                                        max_tokens=8, temperature=0)
     assert r.choices[0].message.content
+
+
+# --------------------------------------------------------------------------- a Mistral template ([TOOL_CALLS])
+# llama.cpp's models/templates/mistralai-Mistral-Nemo-Instruct-2407.jinja (the vendored copy in
+# llama-cpp-python 0.3.36), verbatim: tools rendered as [AVAILABLE_TOOLS][...], calls as
+# [TOOL_CALLS][{"name", "arguments", "id" (9 characters)}], results as [TOOL_RESULTS].
+MISTRAL_NEMO = r"""{%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- set user_messages = loop_messages | selectattr("role", "equalto", "user") | list %}
+
+{#- This block checks for alternating user/assistant messages, skipping tool calling messages #}
+{%- set ns = namespace() %}
+{%- set ns.index = 0 %}
+{%- for message in loop_messages %}
+    {%- if not (message.role == "tool" or message.role == "tool_results" or (message.tool_calls is defined and message.tool_calls is not none)) %}
+        {%- if (message["role"] == "user") != (ns.index % 2 == 0) %}
+            {{- raise_exception("After the optional system message, conversation roles must alternate user/assistant/user/assistant/...") }}
+        {%- endif %}
+        {%- set ns.index = ns.index + 1 %}
+    {%- endif %}
+{%- endfor %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and (message == user_messages[-1]) %}
+            {{- "[AVAILABLE_TOOLS][" }}
+            {%- for tool in tools %}
+                {%- set tool = tool.function %}
+                {{- '{"type": "function", "function": {' }}
+                {%- for key, val in tool.items() if key != "return" %}
+                    {%- if val is string %}
+                        {{- '"' + key + '": "' + val + '"' }}
+                    {%- else %}
+                        {{- '"' + key + '": ' + val|tojson }}
+                    {%- endif %}
+                    {%- if not loop.last %}
+                        {{- ", " }}
+                    {%- endif %}
+                {%- endfor %}
+                {{- "}}" }}
+                {%- if not loop.last %}
+                    {{- ", " }}
+                {%- else %}
+                    {{- "]" }}
+                {%- endif %}
+            {%- endfor %}
+            {{- "[/AVAILABLE_TOOLS]" }}
+            {%- endif %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST]" + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST]" + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif (message.tool_calls is defined and message.tool_calls is not none) %}
+        {{- "[TOOL_CALLS][" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {%- if not tool_call.id is defined or tool_call.id|length != 9 %}
+                {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+            {%- endif %}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}
+                {{- ", " }}
+            {%- else %}
+                {{- "]" + eos_token }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "assistant" %}
+        {{- message["content"] + eos_token}}
+    {%- elif message["role"] == "tool_results" or message["role"] == "tool" %}
+        {%- if message.content is defined and message.content.content is defined %}
+            {%- set content = message.content.content %}
+        {%- else %}
+            {%- set content = message.content %}
+        {%- endif %}
+        {{- '[TOOL_RESULTS]{"content": ' + content|string + ", " }}
+        {%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}
+            {{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}
+        {%- endif %}
+        {{- '"call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+    {%- else %}
+        {{- raise_exception("Only user and assistant roles are supported, with the exception of an initial optional system message!") }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, ServerProcess]]:
+    d = tmp_path_factory.mktemp("mistral")
+    (d / "mistral.jinja").write_text(MISTRAL_NEMO)
+    srv = ServerProcess(d / "server.log", "--chat-template-file", str(d / "mistral.jinja"), "-np", "1")
+    try:
+        srv.wait_ready()
+        yield openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0), srv
+    finally:
+        srv.stop()
+
+
+def test_mistral_template_renders_the_tools_and_its_calls_parse(mistral: tuple[openai.OpenAI, ServerProcess]) -> None:
+    """The parser is chosen from the template (``[TOOL_CALLS]`` in it: the Mistral format); ``required`` and a
+    named function make the grammar force ``[TOOL_CALLS][{...}]``, which becomes ``message.tool_calls``."""
+    client, srv = mistral
+    prompt = httpx.post(srv.base + "/apply-template", json={"messages": ASK, "tools": [WEATHER, ADD]},
+                        timeout=60).json()["prompt"]
+    assert prompt.count("[AVAILABLE_TOOLS]") == 1 and '"name": "get_weather"' in prompt
+    assert prompt.endswith("[INST]What is the weather in Paris?[/INST]")
+    kw = dict(messages=ASK, tools=[WEATHER, ADD], max_tokens=64, temperature=0)
+    r = client.chat.completions.create(model="m", tool_choice="required", **kw)  # type: ignore[call-overload]
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert call.function.name in ("get_weather", "add") and call.id.startswith("call_")
+    _args(call)
+    named = client.chat.completions.create(  # type: ignore[call-overload]
+        model="m", tool_choice={"type": "function", "function": {"name": "add"}}, **kw).choices[0].message
+    (add,) = named.tool_calls
+    args = _args(add)
+    assert add.function.name == "add" and set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+    content, calls, finish = _streamed(client, tool_choice={"type": "function", "function": {"name": "add"}}, **kw)
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [("add", add.function.arguments)]
+    assert len(calls[0]["fragments"]) > 1
+
+
+def test_mistral_tool_result_turn(mistral: tuple[openai.OpenAI, ServerProcess]) -> None:
+    """A tool-result turn through the Mistral template: the call id becomes the 9 characters it demands."""
+    client, srv = mistral
+    turn = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abc123DEF456ghi789JKL0", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc123DEF456ghi789JKL0", "content": '{"temperature_c": 18}'},
+    ]
+    prompt = httpx.post(srv.base + "/apply-template", json={"messages": turn, "tools": [WEATHER]},
+                        timeout=60).json()["prompt"]
+    assert '[TOOL_CALLS][{"name": "get_weather", "arguments": ' in prompt and "[TOOL_RESULTS]" in prompt
+    ids = re.findall(r'"id": "([^"]*)"\}\]', prompt) + re.findall(r'"call_id": "([^"]*)"', prompt)
+    assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9 and ids[0].isalnum()
+    r = client.chat.completions.create(model="m", messages=turn, tools=[WEATHER], tool_choice="none",  # type: ignore
+                                       max_tokens=16, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+    assert r.usage.prompt_tokens > len(prompt) // 8  # the whole turn was rendered and evaluated

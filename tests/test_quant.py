@@ -10,7 +10,7 @@ import httpx
 
 from hydra_trio.models.presets import resolve_model
 
-from .conftest import ROOT, ServerProcess, streaming
+from .conftest import ROOT, ServerProcess, streaming, wait_for
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
            "Water boils at"]
@@ -26,6 +26,7 @@ def test_the_q8_preset_is_a_q8_0_requantization_of_the_packaged_model() -> None:
     assert types4.keys() == types8.keys()  # the same tensors, other types
     assert sum(v == "Q4_1" for v in types4.values()) > 200
     assert "Q4_1" not in types8.values() and sum(v == "Q8_0" for v in types8.values()) > 200
+    assert sum(t.tensor_type.name == "F32" for t in r4.tensors) > 10  # the loop below checks some
     for t in r4.tensors:  # F32 norms are copied as they are
         if t.tensor_type.name == "F32":
             assert types8[t.name] == "F32"
@@ -159,6 +160,8 @@ def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) 
     chat = lambda **kw: httpx.post(srv.base + "/v1/chat/completions", json={**body, **kw}, timeout=120).json()  # noqa: E731
     pre = chat(max_tokens=0, id_slot=0)
     n_prompt = pre["usage"]["prompt_tokens"]
+    prompt_cache = lambda: httpx.get(srv.base + "/slots", timeout=60).json()[0]["prompt_cache"]  # noqa: E731
+    wait_for(lambda: prompt_cache()["entries"] == 1, what="the idle slot kept in the host-RAM prompt cache")
 
     status, meta = _swap(srv.port, "q8")
     assert status == Status.OK, meta
@@ -167,6 +170,7 @@ def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) 
     after = _info(srv.port)
     assert after["quant"] == "q8" and after["model_hash"] != info["model_hash"]
     assert after["kv_identity_hash"] == info["kv_identity_hash"] and after["model_alias"] == "smollm2-135m-q8"
+    assert prompt_cache()["entries"] == 0  # the prompt cache held the old model's KV: dropped (slots move)
     moved = chat(max_tokens=8, id_slot=0)
     assert moved["timings"]["cache_n"] == n_prompt - 1  # decoded on the KV made by Q4_1, not evaluated again
     own = chat(max_tokens=8, id_slot=1, cache_prompt=False)

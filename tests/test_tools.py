@@ -193,18 +193,50 @@ def test_stream_shapes() -> None:
     assert T.new_call_id().startswith("call_") and len(T.new_call_id()) == 29
 
 
+def test_arguments_stream_as_the_model_writes_them() -> None:
+    """The head (name) as soon as ``"arguments": {`` has come, then minified fragments; each fragment ends
+    where what was sent can be closed into valid JSON (a key waits for its value, a number for its end)."""
+    p = T.ToolCallParser("hermes", ids=itertools.repeat("call_x"))
+    steps = ['<tool_call>\n{"name": "get_weather", "argu', 'ments": {"ci', 'ty": "Pa', 'ris", "n": 1', '2, "f": tr',
+             'ue}}\n</tool_call>']
+    got = [[T.stream_delta(e) for e in p.feed(x)] for x in steps] + [[T.stream_delta(e) for e in p.finish()]]
+    args = [[d["tool_calls"][0]["function"]["arguments"] for d in step if "id" not in d["tool_calls"][0]]
+            for step in got]
+    assert got[0] == [] and got[1][0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert args == [[], ["{"], ['"city":"Pa'], ['ris"'], [',"n":12'], [',"f":true}'], []]
+    assert json.loads(p.calls[0].arguments) == {"city": "Paris", "n": 12, "f": True}
+
+
+@pytest.mark.parametrize("fmt, text, args", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "x y', '{"a":"x y"}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": [1, {"b": tr', '{"a":[1,{}]}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1.5, "b"', '{"a":1.5}'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\u00', '{"a":""}'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "c', '{"b":"c"}'),
+    ("generic", '{"tool_calls": [{"name": "f", "arguments": {"q": "line\none"', '{"q":"line\\none"}'),
+    ("llama3", '{"name": "f", "parameters": {"a": 1} oops', '{"a":1}'),
+])
+def test_a_reply_cut_or_broken_inside_the_arguments_gets_them_closed(fmt: str, text: str, args: str) -> None:
+    _, calls = T.parse_reply(fmt, text)
+    assert calls[-1].arguments == args and isinstance(json.loads(args), dict)
+
+
 # --------------------------------------------------------------------------- any chunking, the same reply
 _PIECES = {
     "hermes": ["Sure. ", "<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>",
                "\n", "<tool_call>", '{"name": "add", "arguments": {"a": 1}}', "</tool_call>", " done", "<tool",
-               "<", "x > y ", "{", "}", "  ", "\n"],
+               "<", "x > y ", "{", "}", "  ", "\n", '{"name": "f", "arguments": {"s": "a b', ' c\\u00e9 ', '\\n"',
+               ', "n": [1, 2.5e3, true, null, {"k": ', '"v"}]', "}}", '{"arguments": {}, "name": "g"}'],
     "mistral": ["[TOOL_CALLS]", '[{"name": "f", "arguments": {"a": [1, 2]}, "id": "abcdefghi"}]', "text ", "[", "]",
-                "[TOOL_", " ", "{}"],
+                "[TOOL_", " ", "{}", '[{"name": "g", "arguments": {"x": "y', '"}, "id": "abcdefghi"}', ", ",
+                '{"name": "h", "arguments": {}}', '{"foo": 1}'],
     "llama3": ['{"name": "f", "parameters": {"a": 1}}', "; ", "text ", "{", '"name"', ":", "}", '{"type": "function", ',
-               '"name": "g", "arguments": {}}', " ", "\n"],
+               '"name": "g", "arguments": {}}', " ", "\n", '{"name": "h", "parameters": {"q": "x', '", "r": 1', "0}}"],
     "generic": ['{"tool_call": {"name": "f", "arguments": {"a": 1}}}', '{"response": "hi"}',
                 '{"tool_calls": [{"name": "f", "arguments": {}}]}', "text", " ", "{", "}", '"', '{"response": "',
-                '\\"', "\\u00e9", "\\ud83d\\ude00", "\\ud83d", "\\n", "x", '"}', "\\", "u"],
+                '\\"', "\\u00e9", "\\ud83d\\ude00", "\\ud83d", "\\n", "x", '"}', "\\", "u",
+                '{"tool_calls": [{"name": "f", "arguments": {"b": "c', '"}}, ', '{"name": "g", "arguments": {}}',
+                '], "content": "note"}', "]}", '{"tool_call": {"name": "h", "arguments": {"z": [', "1]}}}"],
 }
 
 

@@ -12,7 +12,8 @@ from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
 from ..engine.requests import CompletionJob
-from .reasoning import ThinkingSetup
+from ..engine.thinking_budget import BudgetSpec
+from .reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from .json_schema import SchemaError, schema_to_gbnf
 from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from . import tools as _tools
@@ -35,7 +36,7 @@ def job_from_chat(
     else chatml) and tokenize it (BOS added as llama-server adds it).
 
     ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).
-    Raises ValueError (the template failed) or RequestError.
+    Raises ChatTemplateError (the template failed; an InvalidRequest) or RequestError.
     """
     return chat_job(e, body, n_predict=n_predict, id_slot=id_slot)[0]
 
@@ -43,7 +44,7 @@ def job_from_chat(
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
     """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
     (what ``POST /apply-template`` answers, and what :func:`job_from_chat` tokenizes).
-    Raises ValueError (the template failed)."""
+    Raises ChatTemplateError (the template failed; an InvalidRequest)."""
     return _render(e, body)[0]
 
 
@@ -80,7 +81,7 @@ def chat_job(
     job = _job(e, body, tokens, stop, n_predict, id_slot)
     thinking = ThinkingSetup.for_prompt(body.reasoning_format or e.config.reasoning_format, m.chat_template.source,
                                         prompt)
-    job = attrs.evolve(job, chat_reply=thinking)
+    job = attrs.evolve(job, chat_reply=thinking, reasoning_budget=budget_spec(e, body, prompt))
     spec = body.tool_spec
     if spec is None or not spec.active:
         return job, None
@@ -99,15 +100,58 @@ def chat_job(
     return job, ChatTools(spec, fmt)
 
 
+def thinking_budget(e: Engine, body: ChatCompletionRequest) -> int:
+    """The thinking budget in tokens: the request's (``reasoning_budget_tokens`` /
+    ``thinking_budget_tokens``), else ``--reasoning-budget``; -1 unrestricted."""
+    return body.thinking_budget if body.thinking_budget is not None else e.config.reasoning_budget
+
+
 def thinking_kwargs(e: Engine, body: ChatCompletionRequest) -> dict[str, Any]:
     """The request's template variables over the node's (``chat_template_kwargs``, merged as
     llama-server merges them); a thinking budget of 0 (the request's, else ``--reasoning-budget``)
-    sets ``enable_thinking`` false, so the template closes or skips the thinking block."""
+    sets ``enable_thinking`` false, so the template closes or skips the thinking block.
+
+    ``reasoning_effort`` (OpenAI's field) as llama-server's ``oaicompat_chat_params_parse`` maps it:
+    ``none`` sets ``enable_thinking`` false (and drops a ``reasoning_effort`` kwarg); another level
+    reaches the template as the variable ``reasoning_effort`` (templates such as gpt-oss's read it;
+    one that does not, thinks as it would without it).
+    """
     kwargs = dict(body.chat_template_kwargs or {})
-    budget = body.thinking_budget if body.thinking_budget is not None else e.config.reasoning_budget
-    if budget == 0:
+    if body.reasoning_effort == "none":
+        kwargs["enable_thinking"] = False
+        kwargs.pop("reasoning_effort", None)
+    elif body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+    if thinking_budget(e, body) == 0:
         kwargs["enable_thinking"] = False
     return kwargs
+
+
+def budget_spec(e: Engine, body: ChatCompletionRequest, prompt: str) -> BudgetSpec | None:
+    """The thinking budget the engine enforces for a reply to ``prompt`` (None: unrestricted, or a
+    template without thinking markers: llama-server arms its budget sampler only when the template
+    has thinking tags).
+
+    The markers are those the prompt opened (:func:`~.reasoning.opened_in_prompt`), else the first
+    pair the template names; the forced tokens are ``reasoning_budget_message`` (the request's, else
+    ``--reasoning-budget-message``) then the end marker, tokenized with special tokens parsed
+    (llama-server's ``reasoning_budget_message`` field handler, ``tools/server/server-schema.cpp``).
+    """
+    budget = thinking_budget(e, body)
+    if budget < 0:
+        return None
+    m = e.solo_model or e.model
+    assert m is not None
+    opened = opened_in_prompt(prompt)
+    source = m.chat_template.source
+    pair = opened or next((p for p in MARKERS if p[0] in source and p[1] in source), None)
+    if pair is None:
+        return None
+    message = body.reasoning_budget_message if body.reasoning_budget_message is not None \
+        else e.config.reasoning_budget_message
+    forced = (m.tokenize(message, add_special=False, parse_special=True) if message else []) \
+        + m.tokenize(pair[1], add_special=False, parse_special=True)
+    return BudgetSpec(budget, pair[0].encode(), pair[1].encode(), tuple(forced), opened=opened is not None)
 
 
 def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:

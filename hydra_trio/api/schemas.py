@@ -32,6 +32,8 @@ RequestError = msg.MessageError
 
 MAX_TOP_LOGPROBS = 20
 REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # hydra_trio.api.reasoning.FORMATS
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+"""``reasoning_effort`` levels: OpenAI's, and llama-server's ``--reasoning-effort`` ones (``max``)."""
 MAX_MESSAGES = 10000
 """Most ``messages`` in one chat body (400 beyond)."""
 MAX_CONTENT_PARTS = 1024
@@ -72,7 +74,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "modalities": (("text",),),
     "audio": (),
     "prediction": (),
-    "reasoning_effort": (),
     "web_search_options": (),
     "verbosity": (),
     # OpenAI completions
@@ -290,6 +291,8 @@ class ChatCompletionRequest(_GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = None
     thinking_budget_tokens: int | None = None
     reasoning_budget_tokens: int | None = None
+    reasoning_budget_message: str | None = None
+    reasoning_effort: str | None = None  # OpenAI: none (no thinking) or a level for the template
     # tools, tool_choice, parallel_tool_calls, functions, function_call, checked (hydra_trio.api.tools)
     tool_spec: ToolSpec | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
@@ -312,15 +315,19 @@ class ChatCompletionRequest(_GenerationFields):
                 raise RequestError("top_logprobs: needs logprobs: true")
 
     def check_thinking(self) -> None:
-        """``reasoning_format`` one of llama-server's; a budget -1 (the node's) or 0 (no thinking);
+        """``reasoning_format`` one of llama-server's; a budget -1 (the node's), 0 (no thinking) or N tokens;
+        ``reasoning_effort`` one of :data:`REASONING_EFFORTS`;
         ``chat_template_kwargs.enable_thinking`` a boolean (llama-server's rule)."""
         if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS:
             raise RequestError(f"reasoning_format: {self.reasoning_format!r} is not one of "
                                f"{', '.join(REASONING_FORMATS)}")
         for name in ("thinking_budget_tokens", "reasoning_budget_tokens"):
             v = getattr(self, name)
-            if v is not None and v not in (-1, 0):
-                raise RequestError(f"{name}: only -1 (the node's budget) and 0 (no thinking) are supported, got {v}")
+            if v is not None:
+                check_int_or_400(name, v, -1, INT32_MAX)
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise RequestError(f"reasoning_effort: {self.reasoning_effort!r} is not one of "
+                               f"{', '.join(REASONING_EFFORTS)}")
         kwargs = self.chat_template_kwargs or {}
         if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
             raise RequestError("chat_template_kwargs.enable_thinking: expected a boolean, "

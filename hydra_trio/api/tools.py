@@ -36,6 +36,7 @@ from typing import Any
 
 import attrs
 
+from .tool_stream import CallStream
 from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one module for callers)
     FORMATS,
     GENERIC_INSTRUCTION,
@@ -124,6 +125,14 @@ def _heads_state(s: str, heads: Iterable[Sequence[str]]) -> str:
 
 
 _RESPONSE_HEAD = ("{", '"response"', ":", '"')
+_CALL_HEAD = ("{", '"tool_call"', ":", "{")
+_CALLS_HEAD = ("{", '"tool_calls"', ":", "[", "{")
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
 
 
 def _head_end(s: str, head: Sequence[str]) -> int:
@@ -199,7 +208,12 @@ class ToolCallParser:
     on how the reply is cut into pieces (a decision is only taken once the text that
     decides it has arrived, and text that might still open a call is held back).
     Content is trimmed of surrounding whitespace, as llama-server trims it.
-    Arguments are compact JSON, sent whole once the call is complete.
+
+    A call object that starts ``{"name": "f", "arguments": {`` is streamed
+    (:mod:`.tool_stream`): its :class:`CallStart` as soon as that head has come, then its
+    arguments in :class:`CallArguments` fragments as the model writes them (minified, each
+    fragment closable into valid JSON; a reply cut inside them gets them closed).  Another
+    shape of call is read whole, its arguments compact JSON in one fragment.
     """
 
     def __init__(self, fmt: str, *, ids: Iterable[str] | None = None) -> None:
@@ -213,6 +227,14 @@ class ToolCallParser:
         self._ws = ""  # whitespace held back: sent only when more content follows
         self._skip_semicolons = False
         self._mode = "start"  # generic: start, response (inside its string), tail, text
+        self._active: CallStream | None = None  # the call object being streamed
+        self._whole_at = -1  # the object at this position is read whole (it cannot be streamed)
+        self._after = ""  # what follows a streamed call: "tag" (hermes), "list" / "sep" (a list of calls),
+        self._outer = False  # ... and whether a generic {"tool_call(s)": ...} object closes after it
+        self._mark = -1  # where a list of calls began (it is content if it holds none)
+        self._mark_whole = -1  # ... and the object read whole then
+        self._n_at_mark = 0
+        self._fallback: tuple[int, str, str, bool] = (-1, "", "start", False)
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
 
@@ -249,21 +271,127 @@ class ToolCallParser:
         self._ws += tail
 
     def _call(self, name: str, args: str, out: list[Event]) -> None:
-        args = _clean(args)
+        self._begin(name, out)
+        self._args(_clean(args), out)
+
+    def _begin(self, name: str, out: list[Event]) -> None:
         cid = next(self._ids) if self._ids is not None else new_call_id()
-        idx = len(self.calls)
-        self.calls.append(ToolCall(cid, name, args))
-        out.append(CallStart(idx, cid, name))
-        out.append(CallArguments(idx, args))
+        out.append(CallStart(len(self.calls), cid, _clean(name)))
+        self.calls.append(ToolCall(cid, _clean(name), ""))
+
+    def _args(self, text: str, out: list[Event]) -> None:
+        if text:
+            last = self.calls[-1]
+            self.calls[-1] = attrs.evolve(last, arguments=last.arguments + text)
+            out.append(CallArguments(len(self.calls) - 1, text))
 
     def _scan(self, *, final: bool) -> list[Event]:
         out: list[Event] = []
         step = {"hermes": self._hermes, "mistral": self._mistral, "llama3": self._llama3,
                 "generic": self._generic}[self.fmt]
-        while self._pos < len(self._buf):
-            if not step(final, out):
+        while self._pos < len(self._buf) or self._active is not None or (final and self._after):
+            if self._active is not None:
+                if not self._stream(final, out):
+                    break
+            elif self._after:
+                if not self._after_call(final, out):
+                    break
+            elif not step(final, out):
                 break
         return out
+
+    def _open_call(self, at: int, keys: Sequence[str], after: str = "", whole: int | None = None) -> bool:
+        """Start streaming the call object at ``at``, unless the object at ``whole`` (default ``at``: the
+        one read whole should this one not stream) was found not streamable; then False."""
+        whole = at if whole is None else whole
+        if whole == self._whole_at:
+            return False
+        self._fallback = (whole, self._after, self._mode, self._outer)
+        self._active, self._after = CallStream(at, keys), after
+        return True
+
+    def _stream(self, final: bool, out: list[Event]) -> bool:
+        cs = self._active
+        assert cs is not None
+        status, events = cs.advance(self._buf, final)
+        for kind, text in events:
+            (self._begin if kind == "start" else self._args)(text, out)
+        if status == "more":
+            return False
+        self._active = None
+        if status == "no":  # read it whole instead
+            self._whole_at, self._after, self._mode, self._outer = self._fallback
+            return True
+        self._pos = cs.end
+        if self._after == "" and self.fmt == "llama3":
+            self._skip_semicolons = True
+        if self._after == "" and self._outer:
+            self._after = "outer"
+        return True
+
+    def _after_call(self, final: bool, out: list[Event]) -> bool:  # noqa: C901  (one small state machine)
+        """What follows a streamed call: hermes's ``</tool_call>``; in a list of calls, ``,`` and the next
+        call or ``]``; the end of a generic ``{"tool_calls": [...]}`` object (its ``content``, if any)."""
+        buf, after = self._buf, self._after
+        k = _skip_ws(buf, self._pos)
+        if k >= len(buf):
+            if final:
+                self._after = self._outer_done()
+            return False
+        if after == "tag":
+            j = buf.find("</tool_call>", k)
+            if j < 0 and not final:
+                return False
+            j = j if j >= 0 else len(buf)
+            self._content(buf[k:j], out)  # not whitespace: text the model wrote inside the block
+            self._pos, self._after = min(len(buf), j + len("</tool_call>")), ""
+            return True
+        if after == "sep":
+            self._pos = k + 1
+            if buf[k] == ",":
+                self._after = "list"
+            elif buf[k] == "]":
+                self._after = self._outer_done()
+            else:
+                self._pos, self._after = k, self._outer_done(keep=True)
+            return True
+        if after == "list":
+            if buf[k] == "{" and self._open_call(k, ("arguments", "parameters"), "sep"):
+                return True
+            got = _decode_at(buf, k)  # an item that cannot be streamed: whole
+            if got is None and not final:
+                return False
+            call = _call_from(got[0], ("arguments", "parameters")) if got is not None else None
+            if call is None:  # not a call: the list ends here, the rest is text
+                if len(self.calls) == self._n_at_mark:  # no call in it: all of it, read again whole
+                    k, self._whole_at = self._mark, self._mark_whole
+                self._pos, self._after, self._outer = k, "", False
+                return True
+            self._call(*call, out)
+            self._pos, self._after = got[1], "sep"
+            return True
+        # "outer": the rest of a generic {"tool_call(s)": ...} object
+        self._after = ""
+        if buf[k] == "}":
+            self._pos = k + 1
+        elif buf[k] == ",":
+            got = _decode_at("{" + buf[k + 1:], 0)
+            if got is None and not final:
+                return False
+            if got is not None:
+                if isinstance(got[0].get("content"), str):
+                    self._content(got[0]["content"], out)
+                self._pos = k + got[1]
+        self._outer = False
+        return True
+
+    def _outer_done(self, keep: bool = False) -> str:
+        """After a list of calls: the generic object's end, if it is one."""
+        if self._outer and not keep:
+            self._outer = False
+            return "outer"
+        self._outer = False
+        return ""
 
     def _plain(self, marker: str, final: bool, out: list[Event]) -> int | None:
         """Send content up to ``marker``; its index, or None (the rest was sent or is held back)."""
@@ -285,6 +413,11 @@ class ToolCallParser:
         if i is None:
             return False
         buf = self._buf
+        k = _skip_ws(buf, i + len(start))
+        if k < len(buf) and buf[k] == "{" and self._open_call(k, ("arguments", "parameters"), "tag"):
+            return True
+        if k >= len(buf) and not final:
+            return False
         j = buf.find(end_tag, i + len(start))
         if j < 0 and not final:
             return False
@@ -304,9 +437,18 @@ class ToolCallParser:
         if i is None:
             return False
         buf = self._buf
-        k = i + len(marker)
-        while k < len(buf) and buf[k] in _WS:
-            k += 1
+        k = _skip_ws(buf, i + len(marker))
+        if k < len(buf) and buf[k] == "{" and self._open_call(k, ("arguments", "parameters")):
+            return True
+        if k < len(buf) and buf[k] == "[" and k != self._whole_at:
+            first = _skip_ws(buf, k + 1)
+            if first >= len(buf) and not final:
+                return False
+            if first < len(buf) and buf[first] == "{":  # a list of calls, each streamed
+                self._mark, self._mark_whole, self._n_at_mark = i, k, len(self.calls)
+                self._pos, self._after = first, "list"
+                return True
+            self._whole_at = k
         got = _decode_at(buf, k) if k < len(buf) else None
         if got is None:
             if not final:
@@ -352,6 +494,8 @@ class ToolCallParser:
             return False
         self._content(buf[pos:i], out)
         self._pos = i
+        if self._open_call(i, ("parameters", "arguments")):
+            return True
         got = _decode_at(buf, i)
         if got is None:
             if not final:
@@ -400,11 +544,19 @@ class ToolCallParser:
                 self._pos = len(buf)
             return final
         if buf[k] == "{":
-            head = _head_end(buf[k:], _RESPONSE_HEAD)
-            if head == -1 and not final:
+            heads = [_head_end(buf[k:], h) for h in (_RESPONSE_HEAD, _CALL_HEAD, _CALLS_HEAD)]
+            if -1 in heads and not any(h > 0 for h in heads) and not final:
                 return False
-            if head > 0:
-                self._pos, self._mode = k + head, "response"
+            if heads[0] > 0:
+                self._pos, self._mode = k + heads[0], "response"
+                return True
+            if heads[1] > 0 and self._open_call(k + heads[1] - 1, ("arguments", "parameters"), whole=k):
+                self._mode, self._outer = "text", True  # {"tool_call": {...}}: the call streamed
+                return True
+            if heads[2] > 0 and k != self._whole_at:  # {"tool_calls": [{...}, ...]}: each streamed
+                self._mode, self._outer = "text", True
+                self._mark, self._mark_whole, self._n_at_mark = k, k, len(self.calls)
+                self._pos, self._after = k + heads[2] - 1, "list"
                 return True
             got = _decode_at(buf, k)
             if got is None and not final:
@@ -419,64 +571,20 @@ class ToolCallParser:
 
     def _response_string(self, final: bool, out: list[Event]) -> bool:
         """Decode the ``response`` string from ``_pos`` as far as whole characters have come."""
-        buf, i = self._buf, self._pos
-        chars: list[str] = []
-        while i < len(buf):
-            c = buf[i]
-            if c == '"':
-                self._content("".join(chars), out)
-                self._pos, self._mode = i + 1, "tail"
-                return True
-            if c != "\\":
-                chars.append(c)
-                i += 1
-                continue
-            n = 6 if buf[i + 1:i + 2] == "u" else 2
-            if n == 6 and 0xD800 <= _hex(buf[i + 2:i + 6]) < 0xDC00:  # a surrogate pair's high half
-                nxt = buf[i + 6:i + 8]
-                if nxt == "\\u":
-                    n = 12
-                elif "\\u".startswith(nxt) and i + 6 + len(nxt) == len(buf) and not final:
-                    break  # the low half may follow
-            esc = buf[i:i + n]
-            if len(esc) < n:
-                break
-            try:
-                chars.append(json.loads('"' + esc + '"'))
-            except ValueError:
-                chars.append(esc)  # not an escape after all: the text as it is
-            i += n
-        if final:  # cut inside the string: what came is content
-            chars.append(buf[i:])
-            i = len(buf)
-        self._content("".join(chars), out)
-        self._pos = i
-        return False
+        text, self._pos, closed = _response_chars(self._buf, self._pos, final)
+        self._content(text, out)
+        if closed:
+            self._mode = "tail"
+        return closed
 
     def _generic_object(self, obj: Any, out: list[Event]) -> bool:
-        if not isinstance(obj, dict):
+        got = _generic_reply(obj)
+        if got is None:
             return False
-        if isinstance(obj.get("tool_calls"), list):
-            calls = [_call_from(x, ("arguments", "parameters")) for x in obj["tool_calls"]]
-            if any(c is None for c in calls):
-                return False
-            for c in calls:
-                assert c is not None
-                self._call(*c, out)
-            if isinstance(obj.get("content"), str):
-                self._content(obj["content"], out)
-            return True
-        if isinstance(obj.get("tool_call"), dict):
-            call = _call_from(obj["tool_call"], ("arguments", "parameters"))
-            if call is None:
-                return False
-            self._call(*call, out)
-            return True
-        if "response" in obj:
-            r = obj["response"]
-            self._content(r if isinstance(r, str) else json.dumps(r, ensure_ascii=False), out)
-            return True
-        return False
+        for c in got[0]:
+            self._call(*c, out)
+        self._content(got[1], out)
+        return True
 
     @staticmethod
     def _json_call(text: str, keys: Sequence[str]) -> tuple[str, str] | None:
@@ -484,6 +592,58 @@ class ToolCallParser:
         if got is None or text[got[1]:].strip():
             return None
         return _call_from(got[0], keys)
+
+
+def _response_chars(buf: str, i: int, final: bool) -> tuple[str, int, bool]:
+    """The generic reply's ``response`` string decoded from ``buf[i:]`` as far as whole characters have
+    come: ``(text, where the reading stopped, the string closed)`` (the position after its quote)."""
+    chars: list[str] = []
+    while i < len(buf):
+        c = buf[i]
+        if c == '"':
+            return "".join(chars), i + 1, True
+        if c != "\\":
+            chars.append(c)
+            i += 1
+            continue
+        n = 6 if buf[i + 1:i + 2] == "u" else 2
+        if n == 6 and 0xD800 <= _hex(buf[i + 2:i + 6]) < 0xDC00:  # a surrogate pair's high half
+            nxt = buf[i + 6:i + 8]
+            if nxt == "\\u":
+                n = 12
+            elif "\\u".startswith(nxt) and i + 6 + len(nxt) == len(buf) and not final:
+                break  # the low half may follow
+        esc = buf[i:i + n]
+        if len(esc) < n:
+            break
+        try:
+            chars.append(json.loads('"' + esc + '"'))
+        except ValueError:
+            chars.append(esc)  # not an escape after all: the text as it is
+        i += n
+    if final:  # cut inside the string: what came is content
+        chars.append(buf[i:])
+        i = len(buf)
+    return "".join(chars), i, False
+
+
+def _generic_reply(obj: Any) -> tuple[list[tuple[str, str]], str] | None:
+    """A whole generic JSON reply: ``(calls, content)``, or None when ``obj`` is not one."""
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("tool_calls"), list):
+        calls = [_call_from(x, ("arguments", "parameters")) for x in obj["tool_calls"]]
+        if any(c is None for c in calls):
+            return None
+        content = obj.get("content")
+        return [c for c in calls if c is not None], content if isinstance(content, str) else ""
+    if isinstance(obj.get("tool_call"), dict):
+        call = _call_from(obj["tool_call"], ("arguments", "parameters"))
+        return None if call is None else ([call], "")
+    if "response" in obj:
+        r = obj["response"]
+        return [], r if isinstance(r, str) else json.dumps(r, ensure_ascii=False)
+    return None
 
 
 def parse_reply(fmt: str, text: str) -> tuple[str | None, list[ToolCall]]:

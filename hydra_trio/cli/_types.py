@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..engine.settings import N_PARALLEL_MAX
+
 INT32_MAX = 2**31 - 1
-LLAMA_MAX_SEQ = 256  # llama.cpp's most sequences per context (src/llama-cparams.h)
 GGML_MAX_N_THREADS = 512  # ggml's most threads (ggml.h)
 
 # common_arg_utils::is_truthy / is_falsey / is_autoy (common/arg.cpp)
@@ -87,14 +88,15 @@ port = int_range(0, 65535, "a TCP port; 0 = any free port")
 
 
 def n_parallel(text: str) -> int:
-    """``-np N``: slots, 1 to llama.cpp's most sequences, or -1 (llama-server's auto)."""
+    """``-np N``: slots, 1 to :data:`~hydra_trio.engine.settings.N_PARALLEL_MAX` (llama.cpp's most sequences, the
+    bound CONFIGURE uses too), or -1 (llama-server's auto)."""
     try:
         value = int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value != -1 and not 1 <= value <= LLAMA_MAX_SEQ:
+    if value != -1 and not 1 <= value <= N_PARALLEL_MAX:
         raise argparse.ArgumentTypeError(
-            f"must be between 1 and {LLAMA_MAX_SEQ} (llama.cpp's most sequences), or -1 (auto), got {value}")
+            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or -1 (auto), got {value}")
     return value
 
 

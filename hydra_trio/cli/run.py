@@ -68,10 +68,13 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
-    """``--chat-template-kwargs`` plus ``--reasoning on|off`` (``enable_thinking``), as llama-server."""
+    """``--chat-template-kwargs`` plus ``--reasoning on|off`` (``enable_thinking``) and ``--reasoning-effort``
+    (``reasoning_effort``; ``default`` leaves it out), as llama-server (``common/arg.cpp``)."""
     kwargs = dict(args.chat_template_kwargs or {})
     if args.reasoning in ("on", "off"):
         kwargs["enable_thinking"] = args.reasoning == "on"
+    if args.reasoning_effort is not None and args.reasoning_effort != "default":
+        kwargs["reasoning_effort"] = args.reasoning_effort
     return kwargs
 
 
@@ -112,9 +115,6 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
     if gpu and not _has_gpu():
         log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
                     "same way)", ", ".join(gpu))
-    if args.reasoning_budget is not None and args.reasoning_budget > 0:
-        log.warning("--reasoning-budget %d: thinking runs unrestricted (this node has no budget sampler yet; "
-                    "0 turns thinking off)", args.reasoning_budget)
     if args.combined_ot_pattern is not None:
         log.info("--combined-ot-pattern: COMBINED places tensors matching %s on the peer", args.combined_ot_pattern)
 
@@ -211,9 +211,10 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     given = {  # a flag not given (None) leaves EngineConfig's own default, which is llama-server's
         "n_predict": args.n_predict, "n_keep": args.n_keep, "n_cache_reuse": args.n_cache_reuse,
         "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
+        "n_ctx_checkpoints": args.n_ctx_checkpoints, "checkpoint_min_step": args.checkpoint_min_step,
+        "cache_ram_mib": args.cache_ram_mib, "cache_idle_slots": args.cache_idle_slots,
         "reasoning_format": args.reasoning_format,
-        # a budget of N > 0 tokens: thinking runs unrestricted, said once at start (_notes)
-        "reasoning_budget": args.reasoning_budget if args.reasoning_budget in (-1, 0) else None,
+        "reasoning_budget": args.reasoning_budget, "reasoning_budget_message": args.reasoning_budget_message,
     }
     return EngineConfig(
         model_path=path,

@@ -24,17 +24,24 @@ FLAGS: list[Flag] = [
     V(("-lcd", "--lookup-cache-dynamic"), REFUSED, NO_SPEC, value="FNAME"),
     V(("--kv-unified-per-slot",), REFUSED, "the per-slot limit of a unified KV pool is not supported; "
       "-c is split evenly over the slots", value="N", env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
-    V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), ACCEPTED, NOT_YET + " (context checkpoints)",
-      value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CTX_CHECKPOINTS"),
-    V(("-cms", "--checkpoint-min-step"), ACCEPTED, NOT_YET + " (context checkpoints)", value="N",
-      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT"),
-    V(("-cram", "--cache-ram"), ACCEPTED, NOT_YET + " (no host-RAM prompt cache yet)", value="N",
-      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM"),
+    V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), WIRED, "context checkpoints kept per slot for "
+      "recurrent, hybrid and SWA models: a diverging prompt resumes from the latest one instead of being "
+      "evaluated whole (default: 32; 0 = off)", value="N", type=t.int_range(0, t.INT32_MAX),
+      env="LLAMA_ARG_CTX_CHECKPOINTS", dest="n_ctx_checkpoints", lands="EngineConfig.n_ctx_checkpoints"),
+    V(("-cms", "--checkpoint-min-step"), WIRED, "minimum spacing in tokens between context checkpoints of "
+      "different requests once a slot's are full (default: 8192; 0 = no minimum)", value="N",
+      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", dest="checkpoint_min_step",
+      lands="EngineConfig.checkpoint_min_step"),
+    V(("-cram", "--cache-ram"), WIRED, "host-RAM prompt cache in MiB: slots' KV states kept by their tokens and "
+      "restored for a prompt that starts with them (default: 8192, -1 = no limit, 0 = off)", value="N",
+      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM", dest="cache_ram_mib",
+      lands="EngineConfig.cache_ram_mib"),
     V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; each slot still holds at most "
       "n_ctx/n_parallel tokens (-np -1 turns it on, as llama-server)", neg=("-no-kvu", "--no-kv-unified"),
       env="LLAMA_ARG_KV_UNIFIED", lands="EngineConfig.llama.kv_unified"),
-    V(("--cache-idle-slots",), ACCEPTED, "an idle slot keeps its KV cache for the next request",
-      neg=("--no-cache-idle-slots",), env="LLAMA_ARG_CACHE_IDLE_SLOTS"),
+    V(("--cache-idle-slots",), WIRED, "keep idle slots' KV states in the prompt cache too, when the node goes "
+      "idle (default: on; needs --cache-ram)", neg=("--no-cache-idle-slots",), env="LLAMA_ARG_CACHE_IDLE_SLOTS",
+      default=True, lands="EngineConfig.cache_idle_slots"),
     V(("--context-shift",), WIRED, "when a generation fills its slot's context, drop older tokens and go on "
       "(default: off)", neg=("--no-context-shift",), env="LLAMA_ARG_CONTEXT_SHIFT",
       lands="EngineConfig.context_shift"),
@@ -145,13 +152,16 @@ FLAGS: list[Flag] = [
     V(("-rea", "--reasoning"), WIRED, "thinking on, off or auto: on/off set enable_thinking for the chat "
       "template, as llama-server", value="[on|off|auto]", type=t.on_off_auto, env="LLAMA_ARG_REASONING",
       lands="EngineConfig.chat_template_kwargs"),
-    V(("--reasoning-effort",), ACCEPTED, NOT_YET, value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT"),
-    V(("--reasoning-budget",), WIRED, "thinking budget: -1 unrestricted (default), 0 no thinking (enable_thinking "
-      "false for the template); a budget of N > 0 tokens starts the node with a warning that thinking runs "
-      "unrestricted (no budget sampler yet)", value="N", type=t.int_range(-1, t.INT32_MAX),
+    V(("--reasoning-effort",), WIRED, "reasoning effort given to the chat template as its reasoning_effort "
+      "variable ('default' keeps the template's), as llama-server", value="LEVEL", env="LLAMA_ARG_REASONING_EFFORT",
+      lands="EngineConfig.chat_template_kwargs"),
+    V(("--reasoning-budget",), WIRED, "thinking budget in tokens: -1 unrestricted (default), 0 no thinking "
+      "(enable_thinking false for the template), N > 0: after N tokens inside the thinking block its end marker "
+      "is forced and the model answers", value="N", type=t.int_range(-1, t.INT32_MAX),
       env="LLAMA_ARG_THINK_BUDGET", lands="EngineConfig.reasoning_budget"),
-    V(("--reasoning-budget-message",), ACCEPTED, NOT_YET + " (no thinking budget)", value="MESSAGE",
-      env="LLAMA_ARG_THINK_BUDGET_MESSAGE"),
+    V(("--reasoning-budget-message",), WIRED, "text forced before the end-of-thinking marker when the thinking "
+      "budget is spent (default: none)", value="MESSAGE", env="LLAMA_ARG_THINK_BUDGET_MESSAGE",
+      lands="EngineConfig.reasoning_budget_message"),
     V(("--reasoning-preserve",), ACCEPTED, "the chat template decides whether past thinking is kept",
       neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE"),
     V(("--chat-template",), WIRED, "chat template: a built-in name (hydra-trio models templates), a Jinja file "

@@ -31,13 +31,15 @@ from ..events import EventBus
 from .. import progress
 from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import quants, state
+from .blobbuf import BlobBuffer, BlobPool
 from .bridge import Call
 from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
+from .prompt_cache import PromptCache
 from .requests import CompletionJob, RequestHandle, StepHandOff
-from .scheduler import Scheduler, check_prompt_fits
-from .settings import EngineConfig, SamplingParams, check_n_predict
+from .scheduler import Scheduler, check_prompt_fits, erase_slot
+from .settings import EngineConfig, SamplingParams, check_n_parallel, check_n_predict
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 
@@ -91,9 +93,10 @@ _WAKE = object()
 
 
 def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, stats: EngineStats, model_hash: str,
-                  events: EventBus, hand_off: StepHandOff | None = None) -> Scheduler:
-    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings; ``hand_off`` carries
-    each step's token events to trio in one go.
+                  events: EventBus, prompt_cache: PromptCache | None = None,
+                  hand_off: StepHandOff | None = None) -> Scheduler:
+    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings and ``prompt_cache``;
+    ``hand_off`` carries each step's token events to trio in one go.
 
     As llama-server, ``context_shift`` and ``n_cache_reuse`` are dropped with a
     warning when the model's memory cannot shift positions (recurrent or hybrid).
@@ -108,7 +111,9 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
             n_cache_reuse = 0
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
-                     slot_prompt_similarity=cfg.slot_prompt_similarity, hand_off=hand_off)
+                     slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
+                     checkpoint_min_step=cfg.checkpoint_min_step, prompt_cache=prompt_cache,
+                     hand_off=hand_off)
 
 
 def kv_cache(e: Engine) -> dict[str, str]:
@@ -170,11 +175,13 @@ class Engine:
         self.experts = ExpertModes(config.peer, config.combined_pattern, self.stats, model_kwargs(config),
                                    events=self.events)
         self.scheduler: Scheduler | None = None
+        self.prompt_cache = PromptCache(config.cache_ram_mib, config.cache_idle_slots, self.events)
+        """Slots' KV states kept in host RAM (``--cache-ram``); emptied whenever a new model or context serves."""
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = False
         self._ready = trio.Event()
         self._trio_token: trio.lowlevel.TrioToken | None = None
-        self._hand_off: StepHandOff | None = None  # the requests' events, one hand-over to trio per step
+        self._hand_off = StepHandOff()  # the requests' token events, one hand-over to trio per step
         self.snapshot: EngineSnapshot = EMPTY
         """The slots and queue as of the engine's last step (:mod:`~hydra_trio.engine.snapshot`): the engine
         thread swaps a new immutable object in after every step and call; any thread reads it without waiting."""
@@ -206,9 +213,9 @@ class Engine:
 
     def slots_info(self) -> list[dict[str, Any]]:
         """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits), with the KV
-        cache's ``kv_cache`` (:meth:`kv_cache`)."""
-        kv = kv_cache(self)
-        return [{**s.info(), "kv_cache": kv} for s in self.snapshot.slots]
+        cache's ``kv_cache`` (:meth:`kv_cache`) and the host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
+        kv, pc = kv_cache(self), self.prompt_cache.info()
+        return [{**s.info(), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
 
     def slot_meta_now(self, id_slot: int) -> dict[str, Any] | None:
         """STATE_META's keys for a slot from :attr:`snapshot` (any thread, never waits), without model
@@ -243,7 +250,6 @@ class Engine:
                 became ``error``).
         """
         self._trio_token = trio.lowlevel.current_trio_token()
-        self._hand_off = StepHandOff(self._trio_token)
         task_status.started()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_cancelled)
@@ -351,7 +357,7 @@ class Engine:
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
             self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events,
-                                           self._hand_off)
+                                           self.prompt_cache, self._hand_off)
             self.scheduler.publish = self._publish_quietly
             self._set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
@@ -444,13 +450,15 @@ class Engine:
             log.exception("publishing the engine's snapshot failed")
 
     # ----------------------------------------------- engine-thread operations
-    def save_slot(self, id_slot: int) -> tuple[int, bytearray]:
-        """Engine thread: the idle slot's KV state blob, ``(n_past, blob)``.  Raises Busy."""
+    def save_slot(self, id_slot: int, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
+        """Engine thread: the idle slot's KV state blob, ``(n_past, blob)``, its buffer from ``pool``
+        (:func:`state.save_slot`).  Raises Busy."""
         slot = self._idle_slot(id_slot)
         assert self.model is not None and self.identity is not None
-        return state.save_slot(self.model, slot, self.identity.model_hash)
+        return state.save_slot(self.model, slot, self.identity.model_hash, pool=pool)
 
-    def restore_slot(self, id_slot: int, blob: bytearray, *, checksum_verified: bool = False) -> state.Restored:
+    def restore_slot(self, id_slot: int, blob: bytearray | BlobBuffer, *,
+                     checksum_verified: bool = False) -> state.Restored:
         """Engine thread: apply a blob to the idle slot, all or nothing (:func:`state.restore_slot`).
 
         A blob of another model file with the same KV identity is applied only
@@ -471,9 +479,10 @@ class Engine:
         return slot
 
     def erase_slot(self, id_slot: int) -> int:
-        """Engine thread: drop a slot's KV cache; the number of tokens erased.  Raises Busy."""
-        assert self.scheduler is not None
-        return self.scheduler.erase_slot(id_slot)
+        """Engine thread: drop a slot's KV cache and the prompt-cache entries of its tokens; the number of
+        tokens erased.  Raises Busy."""
+        assert self.model is not None
+        return erase_slot(self.model, self.slots[id_slot], self.prompt_cache)
 
     def set_expert_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
         """Engine thread, every slot idle (the control channel checks): SOLO / COMBINED; the reply meta."""
@@ -507,8 +516,8 @@ class Engine:
     def install_model(self, new: LoadedModel, identity: ModelIdentity) -> None:
         """Engine thread, every slot idle: ``new`` serves from now on and the old model is freed.
 
-        The slots start empty (their KV belonged to the old context); requests
-        waiting in the queue stay.  Used by CONFIGURE and SWAP_QUANT.
+        The slots start empty (their KV belonged to the old context), and so does the prompt cache;
+        requests waiting in the queue stay.  Used by CONFIGURE and SWAP_QUANT.
         """
         assert self.scheduler is not None and self.experts.solo is not None
         old = self.experts.solo
@@ -517,8 +526,9 @@ class Engine:
         self.experts.set_solo(new)
         old.close()
         self.identity = identity
+        self.prompt_cache.clear("reload")
         self.scheduler = new_scheduler(self.config, self.experts, new, self.stats, identity.model_hash,
-                                       self.events, self._hand_off)
+                                       self.events, self.prompt_cache, self._hand_off)
         self.scheduler.publish = self._publish_quietly
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
@@ -556,8 +566,7 @@ self: Engine, *, n_ctx: int | None = None, n_parallel: int | None = None,
     assert old is not None and self.scheduler is not None
     n_ctx = old.n_ctx if n_ctx is None else n_ctx
     n_parallel = old.n_parallel if n_parallel is None else n_parallel
-    if not 1 <= n_parallel <= 64:
-        raise InvalidRequest(f"n_parallel: {n_parallel} is out of range (1..64)")
+    check_n_parallel(n_parallel)  # the bound -np has too
     n_ctx_max = int(old.n_ctx_train * old.rope_context_scale(old.options))  # a slot's most (RoPE scaling too)
     if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
         raise InvalidRequest(

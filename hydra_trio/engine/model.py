@@ -22,7 +22,7 @@ import attrs
 import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from ..errors import ModelLoadError
+from ..errors import InvalidRequest, ModelLoadError
 from . import ggml_rpc
 from .bridge import thread_local_set
 from .ggml_rpc import clean_build_paths
@@ -177,6 +177,13 @@ def check_chat_template(value: str, *, jinja: bool = False) -> str:
 _SENTINEL = "\x01hydra-trio\x01"
 
 
+class ChatTemplateError(InvalidRequest, ValueError):
+    """The chat template refused the request's messages: a Jinja template called ``raise_exception('...')``
+    (e.g. a role it does not accept) or failed on them, or llama.cpp's built-in template could not render
+    them.  The client's bad request, as llama-server answers it (HTTP 400 ``invalid_request_error`` with the
+    template's message, tools/server/server-context.cpp; Hydra BAD_REQUEST, the connection kept)."""
+
+
 _RESERVED_TEMPLATE_VARIABLES = frozenset({
     "messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt", "functions",
     "function_call", "tools", "tool_choice", "strftime_now"})
@@ -227,8 +234,8 @@ class ChatTemplate:
             variables = {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}}
             try:
                 out = fmt(messages=messages, tools=tools, **variables)
-            except Exception as exc:  # jinja2 raises TemplateError / TypeError / ...
-                raise ValueError(f"chat template failed: {exc}") from exc
+            except Exception as exc:  # raise_exception's ValueError, jinja2's TemplateError, a TypeError, ...
+                raise ChatTemplateError(f"messages: the chat template failed: {exc}") from exc
             stop = out.stop if isinstance(out.stop, list) else ([out.stop] if out.stop else [])
             return out.prompt, stop
 
@@ -260,7 +267,7 @@ class ChatTemplate:
 
 
 def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> str:
-    """``llama_chat_apply_template`` with built-in template ``name``; raises ValueError when it fails."""
+    """``llama_chat_apply_template`` with built-in template ``name``; raises ChatTemplateError when it fails."""
     keep = [(str(m.get("role", "")).encode(), str(m.get("content") or "").encode()) for m in messages]
     chat = (llama_cpp.llama_chat_message * len(keep))()
     for i, (role, content) in enumerate(keep):
@@ -271,7 +278,7 @@ def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> s
         buf = ctypes.create_string_buffer(size)
         n = llama_cpp.llama_chat_apply_template(name.encode(), chat, len(keep), add_assistant, buf, size)
         if n < 0:
-            raise ValueError(f"chat template {name!r} failed on these messages")
+            raise ChatTemplateError(f"messages: chat template {name!r} failed on these messages")
         if n <= size:
             return buf.raw[:n].decode("utf-8", "replace")
         size = n
@@ -595,7 +602,7 @@ class LoadedModel:
         are extra template variables over the node's ``chat_template_kwargs``; ``tools`` is the
         Jinja template's ``tools`` variable.
 
-        Returns ``(prompt, extra_stop_strings)``.  Raises ValueError when the
+        Returns ``(prompt, extra_stop_strings)``.  Raises :class:`ChatTemplateError` (an InvalidRequest) when the
         template rejects the messages.
         """
         return self.chat_template(messages, kwargs, tools)

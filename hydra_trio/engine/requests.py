@@ -20,7 +20,9 @@ import attrs
 import trio
 
 from ..errors import HydraTrioError
+from .blobbuf import BlobBuffer
 from .settings import SamplingParams
+from .thinking_budget import BudgetSpec
 
 # ---------------------------------------------------------------------------
 # What a request asks for
@@ -76,6 +78,8 @@ class CompletionJob:
         t_max_predict_ms: stop (``length``) once generation has run this many milliseconds,
             measured from the first generated token, at a token whose text holds a newline
             (llama-server's ``t_max_predict_ms``); 0: no limit.
+        reasoning_budget: the thinking budget (:class:`~hydra_trio.engine.thinking_budget.BudgetSpec`:
+            after that many tokens inside the thinking block its end marker is forced); None: none.
         chat_reply: how the reply text is shaped by the API layer (a chat reply's
             :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
     """
@@ -104,6 +108,7 @@ class CompletionJob:
     adaptive_target: float = -1.0
     adaptive_decay: float = 0.9
     t_max_predict_ms: int = 0
+    reasoning_budget: BudgetSpec | None = None
     chat_reply: Any = attrs.field(default=None, eq=False)
 
 
@@ -163,7 +168,7 @@ class Finished:
     n_past: int = 0
     truncated: bool = False
     stopping_word: str = ""
-    state: tuple[int, bytearray] | None = attrs.field(default=None, eq=False, repr=False)
+    state: tuple[int, BlobBuffer] | None = attrs.field(default=None, eq=False, repr=False)
 
     def timings(self) -> dict[str, Any]:
         def per_token(ms: float, n: int) -> float:
@@ -260,8 +265,7 @@ class StepHandOff:
     shutdown) goes at once, after anything held.
     """
 
-    def __init__(self, trio_token: trio.lowlevel.TrioToken) -> None:
-        self._token = trio_token
+    def __init__(self) -> None:
         self._held: list[tuple[RequestHandle, Event]] | None = None
 
     @contextlib.contextmanager
@@ -285,9 +289,10 @@ class StepHandOff:
         else:
             self._hand([(handle, event)])
 
-    def _hand(self, held: list[tuple[RequestHandle, Event]]) -> None:
-        try:
-            self._token.run_sync_soon(_deliver_all, held)
+    @staticmethod
+    def _hand(held: list[tuple[RequestHandle, Event]]) -> None:
+        try:  # every request of an engine has the same trio loop: the first one's token reaches it
+            held[0][0]._token.run_sync_soon(_deliver_all, held)
         except trio.RunFinishedError:
             pass  # trio is gone: nobody reads the events
 

@@ -209,6 +209,20 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
     return chain
 
 
+def grammar_allows(chain: Any, token: int) -> bool:
+    """Whether the chain's grammar sampler (if it has one; a lazy one not yet triggered allows all) lets
+    ``token`` come next: llama.cpp's grammar ``apply`` on that one candidate.  Accepting a token the
+    grammar refuses would abort the process (llama.cpp throws), so a forced token is checked first."""
+    for i in range(llama_cpp.llama_sampler_chain_n(chain)):
+        smpl = llama_cpp.llama_sampler_chain_get(chain, i)
+        if llama_cpp.llama_sampler_name(smpl) == b"grammar":
+            data = (llama_cpp.llama_token_data * 1)(llama_cpp.llama_token_data(id=token, logit=0.0, p=0.0))
+            arr = llama_cpp.llama_token_data_array(data=data, size=1, selected=-1, sorted=False)
+            llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
+            return data[0].logit != -math.inf
+    return True
+
+
 def _stage(name: str, spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, prompt: Sequence[int],
            greedy: bool) -> Any:
     """One stage of the chain by llama-server's sampler name, or None where it would be a no-op

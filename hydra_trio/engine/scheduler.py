@@ -16,7 +16,12 @@ whose context is full discards tokens after the first ``n_keep`` and goes on
 (llama-server's ``--context-shift``).  A prompt whose first :data:`SHARE_MIN_TOKENS`
 or more tokens are in another slot's KV cache, or being evaluated there now,
 gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
-again: concurrent requests with one long system prompt evaluate it once.  Stop strings, finishing, and cancellation are
+again: concurrent requests with one long system prompt evaluate it once
+(not for recurrent, hybrid or SWA models: :func:`share_prefix`).  For those
+models, whose memory cannot be cut back to a shorter prefix, a slot keeps
+context checkpoints (:mod:`~hydra_trio.engine.checkpoints`).  A slot about to lose its cached
+tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there serves better
+gets it restored (:mod:`~hydra_trio.engine.prompt_cache`).  Stop strings, finishing, and cancellation are
 here too.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
@@ -34,10 +39,13 @@ import llama_cpp
 
 from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
 from ..events import EventBus
+from .checkpoints import Checkpoints
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
+from .prompt_cache import PromptCache
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, StepHandOff, TextDelta
-from .sampling import GrammarError, SamplerSpec, build_sampler, token_probs
+from .thinking_budget import ThinkingBudget
+from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
 from .slots import Slot, StopStringMatcher
 from .state import save_slot
 
@@ -77,24 +85,28 @@ class Scheduler:
         stats: the engine's counters (llama-server's metric names).
         model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
         events: where ``slot.*`` events go (:mod:`hydra_trio.events`).
-        context_shift, n_keep, n_cache_reuse, slot_prompt_similarity: as the
-            :class:`~hydra_trio.engine.settings.EngineConfig` fields of those names.
-        hand_off: the tokens sampled in a step (their ``TextDelta`` s and ``Finished`` s)
-            reach trio through it in one hand-over (:class:`~hydra_trio.engine.requests.StepHandOff`);
-            None: each event on its own.
+        context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
+            checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
+            those names (checkpoints: :mod:`~hydra_trio.engine.checkpoints`).
+        prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.prompt_cache`; None: off).
+        hand_off: the tokens sampled in a step reach trio through it in one hand-over
+            (:class:`~hydra_trio.engine.requests.StepHandOff`); None: each event on its own.
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
                  model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
                  n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
-                 hand_off: StepHandOff | None = None) -> None:
+                 n_ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192,
+                 prompt_cache: PromptCache | None = None, hand_off: StepHandOff | None = None) -> None:
         self.experts, self.hand_off = experts, hand_off
+        self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
         self.context_shift = context_shift
         self.n_keep = n_keep
         self.n_cache_reuse = n_cache_reuse
         self.slot_prompt_similarity = slot_prompt_similarity
         self.events = events if events is not None else EventBus()
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_parallel)]
+        self.checkpoints = Checkpoints(n_parallel, n_ctx_checkpoints, checkpoint_min_step)
         self.pending: collections.deque[RequestHandle] = collections.deque()
         self.stats = stats
         self.model_hash = model_hash
@@ -121,16 +133,20 @@ class Scheduler:
         self.pending.append(handle)
 
     def step(self) -> None:
-        """One round: drop cancelled requests, start waiting ones on free slots, decode one batch."""
+        """One round: drop cancelled requests, start waiting ones on free slots, decode one batch (idle: keep slots)."""
         self._drop_cancelled()
         self._assign_pending()
         if self.busy:
             self._step()
+        if not self.busy and not self.pending and not self.checkpoints.needed(self.model):
+            self.prompt_cache.save_idle(self.model, self.slots)  # idle now: keep idle slots (--cache-idle-slots)
 
     def forget_cached_prompts(self) -> None:
-        """The model changed (each has its own KV cache): no slot may reuse its cached prompt."""
+        """The model changed (each has its own KV cache): no slot nor prompt-cache entry may be reused."""
         for slot in self.slots:
             slot.cache_tokens.clear()
+        self.checkpoints.clear()
+        self.prompt_cache.clear("mode_switch")
 
     def close(self, error: HydraTrioError) -> None:
         """Fail every running and waiting request with ``error`` and free the batch (at shutdown)."""
@@ -146,11 +162,6 @@ class Scheduler:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-
-    def erase_slot(self, id_slot: int) -> int:
-        """Drop a slot's KV cache (:func:`erase_slot`).  Returns the tokens erased; Busy while it processes."""
-        assert self.model is not None
-        return erase_slot(self.model, self.slots[id_slot])
 
     def fail_all(self, error: HydraTrioError, model: LoadedModel | None = None) -> None:
         """Fail every running request with ``error``; their slots' KV caches (in ``model``, default the
@@ -232,7 +243,7 @@ class Scheduler:
             if job.fail_if_busy and self.slots[job.id_slot].is_processing:
                 handle.emit(Failed(Busy(f"slot {job.id_slot} is processing a request", [job.id_slot])))
                 continue
-            slot = self._pick_slot(job)
+            slot = pick_slot(self.slots, job, self.slot_prompt_similarity)
             if slot is None:
                 if not handle.deferred:
                     handle.deferred = True
@@ -241,15 +252,6 @@ class Scheduler:
                 continue
             self._start(slot, handle)
         self.pending = waiting
-
-    def _pick_slot(self, job: CompletionJob) -> Slot | None:
-        if job.id_slot >= 0:
-            slot = self.slots[job.id_slot]
-            return None if slot.is_processing else slot
-        idle = [s for s in self.slots if not s.is_processing]
-        if not idle:
-            return None
-        return pick_idle_slot(idle, job.prompt_tokens, self.slot_prompt_similarity)
 
     def _start(self, slot: Slot, handle: RequestHandle) -> None:
         m = self.model
@@ -272,23 +274,14 @@ class Scheduler:
         slot.sampler = sampler
         slot.handle = handle
         slot.t_start = time.perf_counter()
-        cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
-        n_reuse = self.n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
-        if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
-                and cache_n < min(len(slot.cache_tokens), len(prompt))
-                and llama_cpp.llama_memory_can_shift(m.memory)):
-            cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
-        if job.n_predict != 0 and cache_n >= len(prompt):
-            cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
-        if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
-            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
-            cache_n = 0
-        del slot.cache_tokens[cache_n:]
+        cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
+                              self.slots)
         slot.cache_n = cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.stopper = StopStringMatcher(job.stop)
-        slot.may_share = job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
+        slot.may_share = (job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
+                          and not self.checkpoints.needed(m))  # share_prefix: why not these models
         self.publish()  # the engine's snapshot shows the slot processing before its request hears anything
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
         self.events.publish("slot.assigned", job.request_id, slot=slot.id, n_prompt=len(prompt), cache_n=cache_n,
@@ -319,7 +312,7 @@ class Scheduler:
                 continue
             if slot.may_share and share_prefix(self.slots, slot, m):
                 continue  # another slot is evaluating this prompt's prefix: copy it when done
-            chunk = slot.pending_prompt[:budget]
+            chunk = self.checkpoints.chunk(m, slot, budget)  # a context checkpoint first where one is due
             last_chunk = len(chunk) == len(slot.pending_prompt)
             for j, tok in enumerate(chunk):
                 want = last_chunk and j == len(chunk) - 1 and slot.handle.job.n_predict != 0
@@ -470,8 +463,7 @@ def sample(sched: Scheduler, m: LoadedModel, to_sample: list[tuple[Slot, int]]) 
         for slot, idx in to_sample:
             if slot.handle is None:
                 continue
-            token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
-            job = slot.handle.job
+            token, job = sample_token(m, slot, idx), slot.handle.job
             if job.logprobs or job.n_probs:
                 probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
                 slot.pending_logprobs.append(probs.logprob)
@@ -479,13 +471,84 @@ def sample(sched: Scheduler, m: LoadedModel, to_sample: list[tuple[Slot, int]]) 
             sched._on_token(slot, token)
 
 
-def erase_slot(m: LoadedModel, slot: Slot) -> int:
-    """Drop ``slot``'s KV cache in ``m``.  Returns the number of tokens erased.
+def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
+    """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot`; None: it waits."""
+    if job.id_slot >= 0:
+        slot = slots[job.id_slot]
+        return None if slot.is_processing else slot
+    idle = [s for s in slots if not s.is_processing]
+    return pick_idle_slot(idle, job.prompt_tokens, similarity) if idle else None
+
+
+def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int], n_cache_reuse: int,
+                checkpoints: Checkpoints, prompt_cache: PromptCache | None = None, slots: list[Slot] = ()) -> int:
+    """How many of ``prompt``'s first tokens ``slot`` keeps from its cache; its memory and ``cache_tokens``
+    are cut back to them and the caller evaluates the rest (llama-server's ``update_slots`` when a slot starts).
+
+    The common prefix of the cache and the prompt (0 with ``cache_prompt`` false); with ``--cache-reuse``
+    (``n_cache_reuse``, or the job's) later cached chunks moved into place (:func:`reuse_chunks`); for a
+    generating request at least the last prompt token is evaluated again (its logits are needed).  A
+    memory that cannot be cut back (recurrent, hybrid, SWA) restores the latest context checkpoint at or
+    before that point (:meth:`Checkpoints.start`), and with none (or ``--ctx-checkpoints 0``) keeps
+    nothing: the whole prompt is evaluated.  Other models first go through the host-RAM ``prompt_cache``
+    (:meth:`PromptCache.prepare`: the slot's state kept if it is about to lose much, a better prefix
+    restored; ``slots``: all of them, for what a copy would give).
+    """
+    cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
+    if prompt_cache is not None and not job.continue_slot and not checkpoints.needed(m):
+        cache_n = prompt_cache.prepare(m, slot, prompt, cache_n, slots, job.cache_prompt, SHARE_MIN_TOKENS,
+                                       job.request_id)
+    n_reuse = n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
+    if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
+            and cache_n < min(len(slot.cache_tokens), len(prompt))
+            and llama_cpp.llama_memory_can_shift(m.memory) and not checkpoints.needed(m)):
+        cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
+    if checkpoints.needed(m):  # with --ctx-checkpoints 0 too: then it finds none
+        cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=job.n_predict != 0)
+    if job.n_predict != 0 and cache_n >= len(prompt):
+        cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
+    if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
+        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot be cut back there
+        cache_n = 0
+    del slot.cache_tokens[cache_n:]
+    return cache_n
+
+
+def sample_token(m: LoadedModel, slot: Slot, idx: int) -> int:
+    """The next token of ``slot``'s request from the logits at batch index ``idx``: sampled by the slot's
+    chain, or the token its thinking budget forces (:mod:`.thinking_budget`; the chain accepts it, so
+    penalties and a grammar see it as llama-server's budget sampler lets them).  A forced token the
+    request's grammar refuses ends the forcing (the grammar wins: llama-server's grammar comes first in
+    its chain and would leave no candidate)."""
+    assert slot.handle is not None
+    spec = slot.handle.job.reasoning_budget
+    if slot.budget is None and spec is not None:
+        slot.budget = ThinkingBudget(spec)
+    forced = slot.budget.forced if slot.budget is not None else None
+    if forced is not None and slot.handle.job.grammar and not grammar_allows(slot.sampler, forced):
+        assert slot.budget is not None
+        slot.budget.give_up()
+        forced = None
+    if forced is None:
+        token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
+    else:
+        token = forced
+        llama_cpp.llama_sampler_accept(slot.sampler, token)
+    if slot.budget is not None:
+        slot.budget.accept(token, m.token_bytes(token))
+    return int(token)
+
+
+def erase_slot(m: LoadedModel, slot: Slot, prompt_cache: PromptCache | None = None) -> int:
+    """Drop ``slot``'s KV cache in ``m``, and the ``prompt_cache`` entries of its conversation
+    (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
 
     Raises Busy when the slot is processing.
     """
     if slot.is_processing:
         raise Busy(f"slot {slot.id} is processing a request", [slot.id])
+    if prompt_cache is not None:
+        prompt_cache.forget(slot.cache_tokens)
     n = slot.n_past
     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
     slot.cache_tokens.clear()
@@ -513,6 +576,15 @@ def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     held now if it is that much longer than the slot's own cache, and
     from then on feeds the rest.  The last prompt token is always
     evaluated here (its logits are needed).
+
+    Not used for a model whose memory cannot be cut back (recurrent, hybrid,
+    SWA: :func:`~hydra_trio.engine.checkpoints.needs_checkpoints`; the
+    scheduler never sets ``may_share`` for one): ``llama_memory_seq_cp`` of
+    recurrent memory ignores the range and gives the slot the donor's whole
+    state, after all of the donor's tokens rather than after the shared
+    prefix (``llama_memory_recurrent::seq_cp``), and cutting it back fails;
+    with a unified KV cache the old code kept that wrong state.  Such a slot
+    evaluates the prefix itself.
     """
     assert slot.handle is not None
     prompt = slot.cache_tokens + slot.pending_prompt

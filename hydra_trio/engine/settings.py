@@ -84,6 +84,10 @@ SAMPLER_NAMES: dict[str, str] = {
 """Every sampler name llama-server accepts (``common_sampler_types_from_names``: canonical, kebab-case,
 without the underscore, and three aliases; matched case-insensitively) -> the canonical name."""
 MAX_SAMPLERS = 64
+N_PARALLEL_MAX = 256
+"""The most slots a node runs: llama.cpp's most sequences per context (``LLAMA_MAX_SEQ``,
+src/llama-cparams.h).  ``-np`` / ``--parallel``, :class:`EngineConfig` and CONFIGURE ``n_parallel`` all take
+1 .. this (:func:`check_n_parallel`)."""
 
 
 def parse_samplers(value: Any) -> tuple[str, ...]:
@@ -125,6 +129,11 @@ def check_int(name: str, value: int, lo: int, hi: int) -> None:
     """Raise ParameterError unless ``lo <= value <= hi``."""
     if not lo <= value <= hi:
         raise ParameterError(f"{name}: must be between {lo} and {hi}, got {value}")
+
+
+def check_n_parallel(value: int) -> None:
+    """Raise ParameterError unless ``1 <= value <=`` :data:`N_PARALLEL_MAX` (the one bound of the slot count)."""
+    check_int("n_parallel", value, 1, N_PARALLEL_MAX)
 
 
 def check_float(name: str, value: float, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -399,6 +408,19 @@ class EngineConfig:
             fraction of the new prompt's tokens (the best such slot); otherwise
             the least recently used idle slot (``-sps``; 0.0 = always the least
             recently used).
+        n_ctx_checkpoints: context checkpoints kept per slot for a model whose memory cannot be
+            cut back (recurrent, hybrid, SWA without ``--swa-full``): a diverging prompt restores the
+            latest one at or before the common prefix instead of evaluating everything again
+            (``--ctx-checkpoints``; 0 = none; default 32 as llama-server;
+            :mod:`hydra_trio.engine.checkpoints`).
+        checkpoint_min_step: once a slot's checkpoints are full, earlier requests' checkpoints
+            closer than this many tokens to the previous one are dropped first
+            (``--checkpoint-min-step``; default 8192 as llama-server).
+        cache_ram_mib: the host-RAM prompt cache's budget in MiB (``--cache-ram``; -1 no limit, 0 off;
+            8192 as llama-server): slots' KV states kept, keyed by their tokens, and restored for a
+            prompt that starts with them (:mod:`hydra_trio.engine.prompt_cache`).
+        cache_idle_slots: keep idle slots' states in that cache too, when the engine goes idle
+            (``--cache-idle-slots``; on as llama-server; nothing without ``cache_ram_mib``).
         embd_normalize: how pooled embeddings are normalized when a request does not say
             (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
             see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
@@ -407,16 +429,20 @@ class EngineConfig:
             (``--reasoning-format``: ``none``, ``deepseek``, ``deepseek-legacy`` or ``auto``;
             :mod:`hydra_trio.api.reasoning`); a request's ``reasoning_format`` overrides it.
         reasoning_budget: thinking budget in tokens (``--reasoning-budget``): -1 unrestricted,
-            0 no thinking (``enable_thinking`` false for the template, as llama-server); a
-            request's ``thinking_budget_tokens`` / ``reasoning_budget_tokens`` overrides it.
+            0 no thinking (``enable_thinking`` false for the template, as llama-server), N > 0: after
+            N tokens inside the thinking block its end marker is forced
+            (:mod:`hydra_trio.engine.thinking_budget`); a request's ``thinking_budget_tokens`` /
+            ``reasoning_budget_tokens`` overrides it.
+        reasoning_budget_message: text forced before the end marker when the budget is spent
+            (``--reasoning-budget-message``; a request's ``reasoning_budget_message`` overrides it).
 
     Raises:
-        ParameterError: ``n_predict`` out of -1 .. 2**31-1.
+        ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
     """
 
     model_path: Path
     model_alias: str
-    n_parallel: int = 4
+    n_parallel: int = attrs.field(default=4, validator=_int(1, N_PARALLEL_MAX))
     n_ctx: int = 8192
     n_batch: int = 512
     n_threads: int | None = None
@@ -434,6 +460,10 @@ class EngineConfig:
     n_keep: int = attrs.field(default=0, validator=_int(-1, INT32_MAX))
     n_cache_reuse: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
     slot_prompt_similarity: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
+    n_ctx_checkpoints: int = attrs.field(default=32, validator=_int(0, INT32_MAX))
+    checkpoint_min_step: int = attrs.field(default=8192, validator=_int(0, INT32_MAX))
+    cache_ram_mib: int = attrs.field(default=8192, validator=_int(-1, INT32_MAX))
+    cache_idle_slots: bool = True
     embd_normalize: int = attrs.field(default=2, validator=_int(-1, INT32_MAX))
 
     @property
@@ -447,4 +477,5 @@ class EngineConfig:
         return self.llama.pooling
     reasoning_format: str = attrs.field(default="auto", validator=attrs.validators.in_(
         ("none", "deepseek", "deepseek-legacy", "auto")))
-    reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, 0))
+    reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, INT32_MAX))
+    reasoning_budget_message: str = ""

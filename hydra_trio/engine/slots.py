@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .requests import RequestHandle
+    from .thinking_budget import ThinkingBudget
 
 # ---------------------------------------------------------------------------
 # Slot state (engine thread only; others read the engine's published snapshot)
@@ -83,6 +84,7 @@ class Slot:
         self.n_shifts = 0  # context shifts during this request (llama-server's ``truncated``)
         self.last_token: int | None = None
         self.sampler: Any = None
+        self.budget: ThinkingBudget | None = None  # the request's thinking budget, once it samples
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.stopper = StopStringMatcher(())
         self.t_start = 0.0

@@ -48,7 +48,7 @@ from ..access import AllowList, Refusals, allowed, new_refusals
 from ..engine.ggml_rpc import type_traits as ggml_type_traits
 from ..frontdoor import peer_name
 from ..tls import TlsStream, peer_of
-from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRequest, reconcile_type_traits
+from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRpcRequest, reconcile_type_traits
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
 from .supervisor import ChildSupervisor
 
@@ -277,7 +277,7 @@ class RpcBackend:
                         return False
                     try:
                         early += payload(conn.receive_request(data))
-                    except InvalidRequest as exc:
+                    except InvalidRpcRequest as exc:
                         raise self.counters.refuse(exc) from None
         finally:
             self.handshaking -= 1

@@ -30,11 +30,11 @@ from ..protocol.ggml_rpc import (
     CHECKS,
     GgmlRpcConnection,
     InvalidReply,
-    InvalidRequest,
+    InvalidRpcRequest,
     ReplyEnd,
-    ReplyEvent,
     RequestEnd,
-    RequestEvent,
+    RpcReplyEvent,
+    RpcRequestEvent,
 )
 
 PUMP_BUFFER = 1 << 20  # bytes per receive_some: ggml-RPC moves tensors in large messages
@@ -79,13 +79,13 @@ class Counters:
     bytes_out: int = 0
     invalid: collections.Counter[str] = attrs.field(factory=lambda: collections.Counter({c: 0 for c in CHECKS}))
 
-    def refuse(self, exc: InvalidRequest) -> Close:
+    def refuse(self, exc: InvalidRpcRequest) -> Close:
         """Count a message that failed validation; the Close that ends its connection."""
         self.invalid[exc.check] += 1
         return Close("invalid_request", f"{exc} [{exc.check}]")
 
 
-def payload(events: Iterable[RequestEvent | ReplyEvent]) -> list[bytes | memoryview]:
+def payload(events: Iterable[RpcRequestEvent | RpcReplyEvent]) -> list[bytes | memoryview]:
     """The bytes to pass on of ``events``, in order (the ``*End`` events carry none)."""
     return [ev.data for ev in events if not isinstance(ev, (RequestEnd, ReplyEnd))]
 
@@ -299,7 +299,7 @@ class Pump:
         try:
             with self._lock:
                 return payload(self.conn.receive_request(data))
-        except InvalidRequest as exc:
+        except InvalidRpcRequest as exc:
             raise self.counters.refuse(exc) from None
 
     def _replies(self, data: bytes) -> list[bytes | memoryview]:

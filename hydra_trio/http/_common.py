@@ -15,21 +15,18 @@ from starlette.responses import JSONResponse
 
 from ..engine.engine import Engine
 from ..engine.requests import JobRun
-from ..errors import Busy, Cancelled, HydraTrioError, InvalidRequest, NotReady
-from .errors import error_response
+from ..errors import HydraTrioError
+from .errors import error_response, error_type
 
 T = TypeVar("T")
 
 
 def error_for(exc: HydraTrioError) -> JSONResponse:
-    """The HTTP reply for a typed error: InvalidRequest 400, Busy 409, NotReady and Cancelled 503, others 500."""
-    if isinstance(exc, InvalidRequest):
-        return _bad_request(str(exc))
-    if isinstance(exc, Busy):
-        return error_response(409, str(exc), "conflict_error")
-    if isinstance(exc, (NotReady, Cancelled)):
-        return error_response(503, str(exc), "unavailable_error")
-    return error_response(500, str(exc), "server_error")
+    """The HTTP reply for a typed error: its class's :attr:`~hydra_trio.errors.HydraTrioError.http_status`
+    with OpenAI's body (:func:`.errors.error_response`; the type named after the status), the error's
+    :meth:`~hydra_trio.errors.HydraTrioError.wire_meta` keys added to the ``error`` object (``busy_slots``,
+    ``stage``, a state blob's ``expected_hash`` / ``got_hash`` ...; never over message, type or code)."""
+    return error_response(exc.http_status, str(exc), error_type(exc.http_status), extra=exc.wire_meta())
 
 
 def _bad_request(msg: str) -> JSONResponse:

@@ -16,6 +16,13 @@ the app's body timeout, and by the write timeout: a client that takes none of
 a reply's bytes for ``write_timeout`` seconds loses its connection
 (:class:`~hydra_trio.http.settings.HttpSettings`; llama-server's ``-to`` is
 both its read and its write timeout).
+
+Everything here is per server: each :class:`HttpHandler` has its own
+hypercorn ``Config`` (carrying its body limits) and its connections run this
+module's protocol class, handed to hypercorn's ``ProtocolWrapper`` per
+connection (:attr:`_TCPServer.protocol`).  Nothing of hypercorn's is
+replaced process-wide, so two servers in one process (the library API) each
+keep their own limits (``tests/test_embedded_servers.py``).
 """
 
 from __future__ import annotations
@@ -25,11 +32,11 @@ import logging
 from typing import Any
 
 import h11
-import hypercorn.protocol as hypercorn_protocol
 import trio
 from hypercorn.app_wrappers import ASGIWrapper
 from hypercorn.config import Config
 from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol import H11Protocol, ProtocolWrapper
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
@@ -39,19 +46,37 @@ from .settings import HttpSettings
 log = logging.getLogger("hydra_trio.http")
 
 
-class _H11Protocol(hypercorn_protocol.H11Protocol):
+class _Config(Config):
+    """hypercorn's config plus this server's body limits (bytes, :class:`HttpSettings`'s), read per
+    request by :class:`_H11Protocol`."""
+
+    def __init__(self, settings: HttpSettings) -> None:
+        self.max_body = settings.max_body
+        self.max_state_body = settings.max_state_body
+
+    def body_limit(self, request: h11.Request) -> int:
+        """The app's limit for ``request``'s body in bytes: ``max_state_body`` for ``PUT
+        /slots/{id}/state`` (a KV state blob, :mod:`hydra_trio.http.native`), ``max_body`` otherwise."""
+        path = request.target.split(b"?", 1)[0]
+        if request.method == b"PUT" and path.startswith(b"/slots/") and path.endswith(b"/state"):
+            return self.max_state_body
+        return self.max_body
+
+
+class _H11Protocol(H11Protocol):
     """hypercorn's HTTP/1.1 protocol, but no ``100 Continue`` for a body over the cap.
 
     hypercorn answers ``Expect: 100-continue`` itself, before the app sees
-    the request; for a declared ``Content-Length`` over ``max_body`` the 100
-    is held back, so the client gets the app's 413 at once and never sends
-    the body (RFC 9110 §10.1.1 lets a server answer with a final status
-    instead).  Installed as ``hypercorn.protocol.H11Protocol`` by
-    :class:`HttpHandler`; ``tests/test_http_edges.py`` would catch a change
-    in hypercorn that bypasses it.
+    the request; for a declared ``Content-Length`` over the server's limit
+    (:meth:`_Config.body_limit`) the 100 is held back, so the client gets the
+    app's 413 at once and never sends the body (RFC 9110 §10.1.1 lets a
+    server answer with a final status instead).  Built for each connection
+    of an :class:`HttpHandler` (:attr:`_TCPServer.protocol`);
+    ``tests/test_http_edges.py`` and ``tests/test_embedded_servers.py``
+    would catch a change in hypercorn that bypasses it.
     """
 
-    max_body = 16 * 1024 * 1024
+    config: _Config
 
     async def _check_protocol(self, request: h11.Request) -> None:
         """HTTP/1.1 only: ``Upgrade: h2c`` is ignored (RFC 9110 §7.8), the request answered in HTTP/1.1.
@@ -71,17 +96,14 @@ class _H11Protocol(hypercorn_protocol.H11Protocol):
     async def _create_stream(self, request: h11.Request) -> None:
         if self._http2_refused:
             return
-        self._declared_length = next(
-            (int(v) for k, v in request.headers if k == b"content-length" and v.isdigit()), 0
-        )
+        declared = next((int(v) for k, v in request.headers if k == b"content-length" and v.isdigit()), 0)
+        self._over_limit = declared > self.config.body_limit(request)
         await super()._create_stream(request)
 
+    _over_limit = False
+
     async def _send_h11_event(self, event: Any) -> None:
-        if (
-            isinstance(event, h11.InformationalResponse)
-            and event.status_code == 100
-            and getattr(self, "_declared_length", 0) > self.max_body
-        ):
+        if isinstance(event, h11.InformationalResponse) and event.status_code == 100 and self._over_limit:
             return
         await super()._send_h11_event(event)
 
@@ -101,6 +123,28 @@ class _TCPServer(TCPServer):
 
     _reading_done = False
     write_timeout: float | None = None  # seconds a send may wait for the client to read; None: no limit
+    _protocol: ProtocolWrapper
+
+    @property
+    def protocol(self) -> ProtocolWrapper:  # type: ignore[override]
+        """The connection's hypercorn ``ProtocolWrapper``, its HTTP/1.1 protocol this module's.
+
+        hypercorn's ``TCPServer.run`` builds the wrapper, which picks hypercorn's own
+        ``H11Protocol``; this setter swaps in :class:`_H11Protocol`, built with the same
+        arguments, before ``run`` first uses it (``initiate()``; constructing hypercorn's
+        protocol does no I/O).  So the fix is this connection's, not the process's.  (An
+        ALPN ``h2`` TLS connection keeps hypercorn's H2Protocol: the front door offers no h2.)
+        """
+        return self._protocol
+
+    @protocol.setter
+    def protocol(self, wrapper: ProtocolWrapper) -> None:
+        if type(wrapper.protocol) is H11Protocol:
+            wrapper.protocol = _H11Protocol(
+                wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state,
+                wrapper.ssl, wrapper.client, wrapper.server, wrapper.send,
+            )
+        self._protocol = wrapper
 
     async def _read_data(self) -> None:
         try:
@@ -139,10 +183,11 @@ class _TCPServer(TCPServer):
 
 
 class HttpHandler:
-    """One hypercorn config and one ASGI app for the whole process."""
+    """One server's hypercorn config and ASGI app: each handler keeps its own limits
+    (:class:`HttpSettings`), so servers in one process do not share them."""
 
     def __init__(self, app: object, settings: HttpSettings = HttpSettings()) -> None:
-        config = Config()
+        config = _Config(settings)
         config.keep_alive_timeout = settings.keep_alive_timeout
         config.read_timeout = None  # see the module docstring
         # hypercorn's access log is off: the app logs each request once (hydra_trio.http.app._access_log).
@@ -154,8 +199,6 @@ class HttpHandler:
         config.errorlog = logging.getLogger("hydra_trio.http.error")
         self.config = config
         self.write_timeout = settings.write_timeout
-        _H11Protocol.max_body = settings.max_body
-        hypercorn_protocol.H11Protocol = _H11Protocol  # type: ignore[misc]
         self.app = ASGIWrapper(app)  # type: ignore[arg-type]
         self.context = WorkerContext(None)
 

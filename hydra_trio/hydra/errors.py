@@ -9,6 +9,10 @@ Two families, both under the package's root `hydra_trio.errors.HydraTrioError`:
 - `HydraConnectError`: the TCP connection could not be opened; an OSError, no
   request was sent.
 
+Each status subclass's ``hydra_status`` is the status it stands for (as the
+node's own errors name theirs, `hydra_trio.errors`); the transport errors keep
+the root's (ERROR) and HTTP 500.
+
 Re-exported by `hydra_trio.hydra.client`.
 """
 
@@ -83,28 +87,40 @@ class HydraError(HydraTrioError):
 class HydraNotFound(HydraError):
     """Status NOT_FOUND (0x01): e.g. slot id out of range."""
 
+    hydra_status = Status.NOT_FOUND
+
 
 class HydraServerError(HydraError):
     """Status ERROR (0x02): the engine failed (e.g. STATE_PUT of a blob from
     another model: meta has ``expected_hash`` / ``got_hash``)."""
 
+    hydra_status = Status.ERROR
+
 
 class HydraPartial(HydraError):
     """Status PARTIAL (0x03)."""
+
+    hydra_status = Status.PARTIAL
 
 
 class HydraBusy(HydraError):
     """Status BUSY (0x04): e.g. SET_EXPERT_MODE while slots are processing;
     meta has ``busy_slots`` (list of slot ids)."""
 
+    hydra_status = Status.BUSY
+
 
 class HydraBadRequest(HydraError):
     """Status BAD_REQUEST (0x05): malformed key or payload, payload over the
     server's cap (the server then closes the connection)."""
 
+    hydra_status = Status.BAD_REQUEST
+
 
 class HydraNotImplemented(HydraError):
     """Status NOT_IMPLEMENTED (0x06): unknown or unsupported opcode."""
+
+    hydra_status = Status.NOT_IMPLEMENTED
 
 
 class HydraTimeout(HydraError):
@@ -144,13 +160,11 @@ class HydraConnectError(ConnectionError, HydraTrioError):
 
 
 _STATUS_ERRORS: dict[int, type[HydraError]] = {
-    Status.NOT_FOUND: HydraNotFound,
-    Status.ERROR: HydraServerError,
-    Status.PARTIAL: HydraPartial,
-    Status.BUSY: HydraBusy,
-    Status.BAD_REQUEST: HydraBadRequest,
-    Status.NOT_IMPLEMENTED: HydraNotImplemented,
+    cls.hydra_status: cls
+    for cls in (HydraNotFound, HydraServerError, HydraPartial, HydraBusy, HydraBadRequest, HydraNotImplemented)
 }
+"""A reply status -> the error of that status (each class's
+:attr:`~hydra_trio.errors.HydraTrioError.hydra_status`, the one the node's own errors use)."""
 
 
 def error_for_status(

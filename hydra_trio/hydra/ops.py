@@ -3,9 +3,11 @@
 Each operation is ``async def op(ctx: OpContext) -> None`` and sends exactly
 one reply through the context; to refuse, it raises — :class:`Reply` for a
 status of its own choosing, or any :class:`~hydra_trio.errors.HydraTrioError`,
-which :func:`reply_for` maps to the wire: InvalidRequest → BAD_REQUEST,
-Busy → BUSY (``busy_slots``), NotReady → ERROR (``stage``), anything else →
-ERROR.  Every non-OK reply carries ``{"error": ...}``.
+which :func:`reply_for` turns into the status its class names
+(:attr:`~hydra_trio.errors.HydraTrioError.hydra_status`: InvalidRequest →
+BAD_REQUEST, Busy → BUSY with ``busy_slots``, NotReady → ERROR with ``stage``,
+a state blob's StateError → ERROR with its meta, anything else → ERROR).
+Every non-OK reply carries ``{"error": ...}``.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from typing import Any
 import attrs
 import trio
 
+from .._net import send_view
 from .._version import __version__
-from ..api.jobs import job_continue, job_from_chat
+from ..api.jobs import ChatTools, chat_job, job_continue
+from ..api.tools import parse_reply
 from ..api.reasoning import ChatReplyText, ThinkingSetup
 from ..api.schemas import ChatCompletionRequest, CompletionRequest
 from ..control import Change, ControlChannel
@@ -30,8 +34,9 @@ from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
-from ..engine.state import StateError, verify_checksum
-from ..errors import Busy, HydraTrioError, InvalidRequest, NotReady
+from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
+from ..engine.state import verify_checksum
+from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..ggml_rpc.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
 from ..protocol import messages as msg
@@ -60,17 +65,10 @@ class Reply(Exception):
 
 
 def reply_for(exc: HydraTrioError, **meta: Any) -> Reply:
-    """The wire reply for a typed error (see the module docstring); ``meta`` adds op-specific keys."""
-    if isinstance(exc, StateError):  # a blob this node cannot take; KvTypesDiffer is a bad request too
-        status = Status.BAD_REQUEST if isinstance(exc, InvalidRequest) else Status.ERROR
-        return Reply(status, str(exc), **exc.meta, **meta)
-    if isinstance(exc, InvalidRequest):
-        return Reply(Status.BAD_REQUEST, str(exc), **meta)
-    if isinstance(exc, Busy):
-        return Reply(Status.BUSY, str(exc), busy_slots=exc.busy_slots, **meta)
-    if isinstance(exc, NotReady):
-        return Reply(Status.ERROR, str(exc), stage=exc.stage, **meta)
-    return Reply(Status.ERROR, str(exc), **meta)
+    """The wire reply for a typed error: its class's :attr:`~hydra_trio.errors.HydraTrioError.hydra_status`,
+    ``{"error": str(exc)}`` and its :meth:`~hydra_trio.errors.HydraTrioError.wire_meta` keys; ``meta`` adds
+    op-specific keys (and wins over the error's own)."""
+    return Reply(exc.hydra_status, str(exc), **{**exc.wire_meta(), **meta})
 
 
 @attrs.define
@@ -98,14 +96,24 @@ class OpContext:
         """Send a reply without payload."""
         await self.stream.send_all(encode_response(status, meta))
 
-    async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes) -> None:
-        """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)."""
+    async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes | BlobBuffer) -> None:
+        """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)
+        taken straight from the blob's one buffer, never copied: on a plain TCP stream by
+        :func:`~hydra_trio._net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS by
+        ``send_all`` of memoryview slices (the cipher reads them)."""
         await self.stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
-        view = memoryview(blob)
+        view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
         step = self.node.state_chunk_size
+        if isinstance(self.stream, trio.SocketStream):
+            await send_view(self.stream, view, step, sent=self._count_sent)
+            return
         for i in range(0, len(view), step):
-            await self.stream.send_all(view[i : i + step])
-            self.blob_bytes_sent += len(view[i : i + step])
+            piece = view[i : i + step]
+            await self.stream.send_all(piece)
+            self.blob_bytes_sent += len(piece)
+
+    def _count_sent(self, n: int) -> None:
+        self.blob_bytes_sent += n
 
     def engine(self) -> Engine:
         """The serving engine; ERROR when the node has none or it is not ready."""
@@ -137,32 +145,68 @@ class OpContext:
         try:
             return parser(self.req.payload)
         except msg.MessageError as exc:
-            raise Reply(Status.BAD_REQUEST, str(exc), **meta) from None
+            raise reply_for(exc, **meta) from None
 
 
 # ----------------------------------------------------------------------------- slot ops
 
 
 async def state_get(ctx: OpContext) -> None:
+    """STATE_GET: llama.cpp writes the slot's state into a buffer of the transfer pool, the reply is sent
+    from it (:meth:`OpContext.send_blob`), and the buffer goes back to the pool."""
     e, id_slot = ctx.slot()
     with _state_event(e, "state.get", ctx.req.trace_id, id_slot) as event:
-        n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
-        event.update(bytes=len(blob), n_past=n_past)
-        await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)}, blob)
+        # cancelled while waiting, the engine may still write the buffer: it is then dropped, not pooled
+        n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot, pool=TRANSFER_POOL))
+        try:
+            event.update(bytes=len(blob), n_past=n_past)
+            await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)},
+                                blob)
+        finally:
+            blob.release()
+
+
+def payload_buffer(op: int, payload_len: int) -> BlobBuffer | None:
+    """Where a kept payload is received (:func:`~hydra_trio.hydra.session.serve_connection`): a STATE_PUT
+    of at least :data:`BUFFERED_PAYLOAD` bytes goes into a buffer of the transfer pool; others into a
+    bytearray (so does a STATE_PUT whose mapping the kernel refuses: it then grows as its bytes come)."""
+    if op != Op.STATE_PUT or payload_len < BUFFERED_PAYLOAD:
+        return None
+    try:
+        return TRANSFER_POOL.take(payload_len)
+    except OSError as exc:  # ENOMEM: too many large uploads announced at once
+        log.warning("STATE_PUT of %d bytes: no buffer mapping (%s); receiving into a bytearray", payload_len, exc)
+        return None
+
+
+BUFFERED_PAYLOAD = 64 * 1024  # bytes
 
 
 async def state_put(ctx: OpContext) -> None:
+    """STATE_PUT: the blob (received into one buffer, :func:`payload_buffer`, and hashed as it arrived) is
+    checked in a worker thread, applied on the engine thread, and its buffer goes back to the pool."""
     e, id_slot = ctx.slot()
     blob = ctx.req.payload
     size = len(blob)  # restore_slot consumes the blob (frames it in place)
     with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=size) as event:
-        # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
-        await trio.to_thread.run_sync(verify_checksum, blob)
-        done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+        try:
+            # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob (a
+            # buffered payload was hashed as it arrived: only its header is read then)
+            await trio.to_thread.run_sync(verify_checksum, blob, ctx.req.checksum)
+            done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+        except HydraTrioError:  # the thread and the engine are done with it (cancelled: it is dropped, not pooled)
+            _give_back(blob)
+            raise
+        _give_back(blob)
         event["n_past"] = done.n_past
         await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
                          "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
                          **ctx.identity(e)})
+
+
+def _give_back(blob: bytearray | BlobBuffer) -> None:
+    if isinstance(blob, BlobBuffer):
+        blob.release()
 
 
 @contextmanager
@@ -196,21 +240,23 @@ def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) 
 
 
 async def _job(ctx: OpContext, e: Engine, id_slot: int, body: ChatCompletionRequest | CompletionRequest,
-               n_predict: int, **changes: Any) -> CompletionJob:
-    """The engine job for PREFILL / DECODE; templating and tokenization run in a worker thread
-    (they only read the vocabulary).  It fails BUSY rather than wait when the slot works."""
+               n_predict: int, **changes: Any) -> tuple[CompletionJob, ChatTools | None]:
+    """The engine job for PREFILL / DECODE, and how its reply's tool calls are read (None: the body
+    offers no tools); templating and tokenization run in a worker thread (they only read the
+    vocabulary).  It fails BUSY rather than wait when the slot works."""
+    tools = None
     if isinstance(body, ChatCompletionRequest):
-        job = await trio.to_thread.run_sync(lambda: job_from_chat(e, body, n_predict=n_predict, id_slot=id_slot))
+        job, tools = await trio.to_thread.run_sync(lambda: chat_job(e, body, n_predict=n_predict, id_slot=id_slot))
     else:
         job = job_continue(e, body, n_predict=n_predict, id_slot=id_slot)
-    return attrs.evolve(job, fail_if_busy=True, request_id=ctx.req.trace_id, **changes)
+    return attrs.evolve(job, fail_if_busy=True, request_id=ctx.req.trace_id, **changes), tools
 
 
 async def prefill(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     body = ctx.parse(msg.parse_prefill)
     # the blob is saved on the engine thread as the prefill ends, before anything else can use the slot
-    job = await _job(ctx, e, id_slot, body, 0, snapshot=True)
+    job, _ = await _job(ctx, e, id_slot, body, 0, snapshot=True)
     t0 = time.perf_counter()
     async with JobRun(e, job) as run:
         done = await run.result()
@@ -235,7 +281,10 @@ async def decode(ctx: OpContext) -> None:
     ``"stream": false``: the reply is sent once generation ends, its meta has
     ``tokens_generated``, ``reasoning_tokens`` (those of the thinking block, split
     by the body's ``reasoning_format`` as a chat reply is: :mod:`hydra_trio.api.reasoning`),
-    ``n_past`` (after) and ``stop_reason``, and its payload is exactly the generated frames.
+    ``n_past`` (after) and ``stop_reason``, with ``tools`` in the body also ``tool_calls``
+    (the HTTP reply's ``message.tool_calls``: :func:`_tool_calls`), and its payload is exactly the
+    generated frames.  A streamed DECODE's meta leaves before the reply exists: its client reads the
+    calls from the text of the frames' tokens.
     """
     e, id_slot = ctx.slot()
     parsed = ctx.parse(msg.parse_decode)
@@ -247,7 +296,7 @@ async def decode(ctx: OpContext) -> None:
     budget = parsed.frame_budget(settings.decode_default, settings.decode_cap)
     if budget == 0:
         raise Reply(Status.BAD_REQUEST, "n_predict: DECODE generates at least one token (PREFILL processes a prompt only)")
-    job = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True)
+    job, tools = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True)
     framer = DecodeFramer(budget)
     streamed = parsed.stream is not False
     meta: dict[str, Any] = {
@@ -267,7 +316,7 @@ async def decode(ctx: OpContext) -> None:
             assert end is not None
             frames += framer.finish(end.stop_reason, pad=False)
             meta.update(tokens_generated=framer.tokens_generated, reasoning_tokens=reply.reasoning_tokens, n_past=end.n_past,
-                        stop_reason=end.stop_reason)
+                        stop_reason=end.stop_reason, **_tool_calls(reply, tools))
             await ctx.stream.send_all(encode_response_header(Status.OK, meta, len(frames)) + frames)
             return
         meta["n_past"] = assigned.n_prompt
@@ -282,6 +331,17 @@ async def decode(ctx: OpContext) -> None:
         except HydraTrioError as exc:  # the header is out: the rest of the budget is padding
             log.warning("[%s] DECODE on slot %d failed: %s (padding the rest)", ctx.req.trace_id, id_slot, exc)
         await ctx.stream.send_all(framer.finish(stop_reason))
+
+
+def _tool_calls(reply: ChatReplyText, tools: ChatTools | None) -> dict[str, Any]:
+    """A non-streamed DECODE's tool calls, when the body offered tools: ``{"tool_calls": [{"id", "type",
+    "function": {"name", "arguments"}}]}`` (the HTTP reply's ``message.tool_calls``; ``[]``: none), parsed from
+    the reply's content (its thinking split off) by the template's format (:mod:`hydra_trio.api.tools`)."""
+    if tools is None:
+        return {}
+    reply.finish()
+    _, calls = parse_reply(tools.format, reply.content)
+    return {"tool_calls": [c.as_openai() for c in calls]}
 
 
 def _thinking(e: Engine, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob) -> ThinkingSetup:
@@ -363,7 +423,7 @@ async def configure(ctx: OpContext) -> None:
     try:
         t1, t2, t3, unknown = msg.classify_configure_keys(params)
     except msg.MessageError as exc:
-        raise Reply(Status.BAD_REQUEST, str(exc)) from None
+        raise reply_for(exc) from None
     tier = 3 if t3 else 2 if t2 else 1
     deferred = sorted([*t2, *t3])
     chunk = msg.clamp_state_chunk_size(t1.pop("state_chunk_size")) if "state_chunk_size" in t1 else None

@@ -25,7 +25,7 @@ from ..ggml_rpc.backend import RpcBackend
 from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
 from .gate import ConnectionTrust, Gate
-from .ops import OPS, Node, OpContext, Reply, info_meta, reply_for
+from .ops import OPS, Node, OpContext, Reply, info_meta, payload_buffer, reply_for
 from .session import Drain, HydraRequest, HydraSettings, serve_connection
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -68,7 +68,7 @@ class HydraHandler:
         await serve_connection(
             stream, self.settings, dispatch,
             keeps_payload=lambda op: op in OPS and OPS[op].keeps_payload and trust.keeps_payload(op),
-            max_payload_for=self._max_payload, drain=self._drain,
+            max_payload_for=self._max_payload, drain=self._drain, buffer_for=payload_buffer,
         )
 
     def drain(self) -> None:

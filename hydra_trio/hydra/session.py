@@ -21,6 +21,9 @@ from typing import Any
 import attrs
 import trio
 
+from .._net import recv_into_view
+from ..engine.blobbuf import BlobBuffer
+from ..engine.state import RunningChecksum
 from ..protocol.hydra import (
     PayloadChunk,
     ProtocolError,
@@ -58,7 +61,10 @@ class HydraSettings:
 
 @attrs.define
 class HydraRequest:
-    """One whole request: header fields, the decoded key and trace id, and (for ops that keep it) the payload."""
+    """One whole request: header fields, the decoded key and trace id, and (for ops that keep it) the payload:
+    a bytearray, or for a large payload of an op that takes one (STATE_PUT) a
+    :class:`~hydra_trio.engine.blobbuf.BlobBuffer` of the announced size, ``filled`` bytes received so far,
+    their KV blob checksum in ``checksum`` (:class:`~hydra_trio.engine.state.RunningChecksum`)."""
 
     op: int
     key: str
@@ -66,7 +72,13 @@ class HydraRequest:
     flags: int
     payload_len: int
     key_error: str | None
-    payload: bytearray = attrs.field(factory=bytearray)
+    payload: bytearray | BlobBuffer = attrs.field(factory=bytearray)
+    filled: int = 0
+    checksum: RunningChecksum | None = None  # a buffered payload's blob checksum, taken as its bytes arrive
+
+
+BufferFor = Callable[[int, int], "BlobBuffer | None"]
+"""``(op, payload_len) -> a buffer to receive the payload into``, or None for a bytearray."""
 
 
 class Drain:
@@ -97,6 +109,7 @@ async def serve_connection(
     keeps_payload: Callable[[int], bool],
     max_payload_for: Callable[[int], int],
     drain: Drain,
+    buffer_for: BufferFor | None = None,
 ) -> None:
     """Serve requests on ``stream`` until the peer closes, a timeout, a framing error or a drain.
 
@@ -104,7 +117,11 @@ async def serve_connection(
     trace id) must arrive whole within ``request_timeout`` (one byte every few
     seconds does not hold a connection); inside a payload, ``request_timeout``
     without progress.  ``keeps_payload(op)`` says whether the op's payload is
-    collected (the others are consumed and dropped).
+    collected (the others are consumed and dropped).  ``buffer_for(op,
+    payload_len)`` may give a buffer for a kept payload: on a plain TCP stream
+    the payload then goes from the socket straight into it
+    (:func:`~hydra_trio._net.recv_into_view`: as much as the kernel holds per
+    read, past the decoder); over TLS the decrypted chunks are copied in.
     """
     dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=max_payload_for)
     req: HydraRequest | None = None
@@ -123,6 +140,21 @@ async def serve_connection(
             deadline = header_deadline
         else:  # payload: the timeout is per receive (no progress)
             deadline = trio.current_time() + settings.request_timeout
+        into = _direct_target(req, dec, stream)
+        if into is not None:  # the rest of a buffered payload, straight from the socket
+            assert req is not None
+            hash_piece = req.checksum.update if req.checksum is not None else None
+            got, closed = await recv_into_view(stream, into, settings.request_timeout, hash_piece)
+            del into  # no view of the buffer outlives the receive
+            req.filled += got
+            req = await _handle_events(dec.skip_payload(got), req, stream, dispatch, keeps_payload, buffer_for)
+            if req is not None and req.filled < req.payload_len:  # the log lines of the receive loop below
+                if closed:
+                    log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
+                else:
+                    log.info("hydra: connection stalled mid-request; closed")
+                return
+            continue
         with trio.move_on_at(deadline) as scope:
             if idle:  # between requests: a drain may close it now
                 drain._idle.add(scope)
@@ -143,24 +175,41 @@ async def serve_connection(
             events = dec.feed(data)
         except ProtocolError as exc:
             events, error = list(exc.events or []), exc  # requests completed before the bad bytes
-        req = await _handle_events(events, req, stream, dispatch, keeps_payload)
+        req = await _handle_events(events, req, stream, dispatch, keeps_payload, buffer_for)
         if error is not None:
             await _refuse(stream, error)
             return
 
 
+def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -> memoryview | None:
+    """Where the next bytes go when they can skip the decoder: the rest of a buffered payload on a plain socket."""
+    if req is None or not isinstance(req.payload, BlobBuffer) or not isinstance(stream, trio.SocketStream):
+        return None
+    left = dec.payload_remaining
+    return req.payload.view()[req.filled : req.filled + left] if left else None
+
+
 async def _handle_events(
     events: list[Any], req: HydraRequest | None, stream: trio.SocketStream, dispatch: Dispatch,
-    keeps_payload: Callable[[int], bool],
+    keeps_payload: Callable[[int], bool], buffer_for: BufferFor | None = None,
 ) -> HydraRequest | None:
     """Feed decoder events into the request in progress; dispatch each completed request."""
     for ev in events:
         if isinstance(ev, RequestStarted):
             h = ev.header
             req = HydraRequest(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
+            if buffer_for is not None and h.payload_len and keeps_payload(h.op):
+                req.payload = buffer_for(h.op, h.payload_len) or req.payload
+                if isinstance(req.payload, BlobBuffer):
+                    req.checksum = RunningChecksum()
         elif isinstance(ev, PayloadChunk):
             assert req is not None
-            if keeps_payload(req.op):
+            if isinstance(req.payload, BlobBuffer):
+                req.payload.view()[req.filled : req.filled + len(ev.data)] = ev.data
+                req.filled += len(ev.data)
+                if req.checksum is not None:
+                    req.checksum.update(ev.data)
+            elif keeps_payload(req.op):
                 req.payload += ev.data
         elif isinstance(ev, RequestEnded):
             assert req is not None

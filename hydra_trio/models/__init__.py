@@ -1,4 +1,4 @@
-"""Model presets (packages that ship GGUF files) and the test MoE made from SmolLM2."""
+"""Model presets (packages that ship GGUF files), the test MoE made from SmolLM2, and a tiny random hybrid."""
 
 from __future__ import annotations
 
@@ -9,5 +9,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
     {
         ".presets": ["PRESETS", "Preset", "PresetError", "resolve_model"],
         ".moe": ["ensure_test_moe", "make_test_moe"],
+        ".hybrid": ["ensure_test_hybrid", "ensure_test_swa", "make_test_hybrid", "make_test_swa"],
     },
 )

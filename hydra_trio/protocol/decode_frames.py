@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from typing import TypeAlias
 
-Bytes = bytes | bytearray | memoryview
+Bytes: TypeAlias = bytes | bytearray | memoryview
+"""What the sans-I/O codecs take as input (:mod:`.hydra`, :mod:`.strict`, and here)."""
 
 DECODE_FRAME_SIZE = 9
 """One DECODE frame: ``[u32 token_id][f32 logprob][u8 flags]``, 9 bytes."""

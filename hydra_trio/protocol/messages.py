@@ -42,7 +42,7 @@ __all__ = [
     "T3_KEYS",
     "ConfigureRequest",
     "DecodeRequest",
-    "ExpertMode",
+    "ExpertModeName",
     "MessageError",
     "PipelineAttachRequest",
     "SetExpertModeRequest",
@@ -86,7 +86,8 @@ def _empty_to_none(v: str | None) -> str | None:
 # Messages
 # --------------------------------------------------------------------------
 
-ExpertMode: TypeAlias = Literal["solo", "combined"]
+ExpertModeName: TypeAlias = Literal["solo", "combined"]
+"""A SET_EXPERT_MODE mode as the wire names it; the engine's is :class:`hydra_trio.engine.combined.ExpertMode`."""
 
 
 @attrs.frozen
@@ -96,7 +97,7 @@ class SetExpertModeRequest:
     empty string is read as None). Build it with `parse_set_expert_mode`.
     Raises MessageError on a bad peer."""
 
-    mode: ExpertMode
+    mode: ExpertModeName
     peer: str | None = attrs.field(
         default=None, converter=_empty_to_none, validator=_peer_validator
     )

@@ -18,7 +18,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, TypeAlias, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import attrs
 import cattrs
@@ -31,9 +31,9 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from ..errors import InvalidRequest
+from .decode_frames import Bytes
 
 T = TypeVar("T")
-Bytes: TypeAlias = bytes | bytearray | memoryview
 
 
 class MessageError(InvalidRequest, ValueError):

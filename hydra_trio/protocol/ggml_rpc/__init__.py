@@ -25,8 +25,8 @@ server answers (:meth:`~GgmlRpcConnection.feed_reply`,
 pass on (``data``); the bulk of a SET_TENSOR or a GET_TENSOR reply comes out
 as :class:`RequestData` / :class:`ReplyData` slices of the input, not copied.
 A message is released only once its header part (everything but SET_TENSOR's
-tensor data) has been validated; :class:`InvalidRequest` says which check
-failed (:attr:`InvalidRequest.check`, one of :data:`CHECKS`).
+tensor data) has been validated; :class:`InvalidRpcRequest` says which check
+failed (:attr:`InvalidRpcRequest.check`, one of :data:`CHECKS`).
 
 Type sizes and block sizes come from the ``gguf`` package
 (``gguf.GGML_QUANT_SIZES``, :data:`TYPE_TRAITS`); :func:`reconcile_type_traits`
@@ -49,8 +49,17 @@ The parts (private modules; this package re-exports their public names):
 from __future__ import annotations
 
 from ._connection import GgmlRpcConnection
-from ._events import CHECKS, GgmlRpcError, InvalidReply, InvalidRequest
-from ._events import Reply, ReplyData, ReplyEnd, ReplyEvent, Request, RequestData, RequestEnd, RequestEvent
+from ._events import CHECKS, GgmlRpcError, InvalidReply, InvalidRpcRequest
+from ._events import (
+    ReplyData,
+    ReplyEnd,
+    ReplyHeader,
+    Request,
+    RequestData,
+    RequestEnd,
+    RpcReplyEvent,
+    RpcRequestEvent,
+)
 from ._tensor import TYPE_TRAITS, UNDESCRIBED_TYPES, RpcTensor, reconcile_type_traits, tensor_nbytes
 from ._tensor import encode_graph_compute, encode_set_tensor
 from ._wire import GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_OP_COUNT, GGML_OP_NONE
@@ -87,16 +96,16 @@ __all__ = [
     "GgmlRpcConnection",
     "GgmlRpcError",
     "InvalidReply",
-    "InvalidRequest",
-    "Reply",
+    "InvalidRpcRequest",
     "ReplyData",
     "ReplyEnd",
-    "ReplyEvent",
+    "ReplyHeader",
     "Request",
     "RequestData",
     "RequestEnd",
-    "RequestEvent",
     "RpcCmd",
+    "RpcReplyEvent",
+    "RpcRequestEvent",
     "RpcTensor",
     "encode_graph_compute",
     "encode_reply",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from ._events import GgmlRpcError, ReplyEvent, RequestEvent
+from ._events import GgmlRpcError, RpcReplyEvent, RpcRequestEvent
 from ._replies import ReplyTracker
 from ._requests import RequestFramer
 from ._framing import Direction, EventT
@@ -73,15 +73,15 @@ class GgmlRpcConnection(ConnectionState):
         """
         self._requests.feed(data)
 
-    def next_request_event(self) -> RequestEvent | None:
+    def next_request_event(self) -> RpcRequestEvent | None:
         """The next event of the client's stream, or None when more bytes are needed.
 
         Raises:
-            InvalidRequest: the message at hand failed validation (again on every later call).
+            InvalidRpcRequest: the message at hand failed validation (again on every later call).
         """
         return self._next(self._requests)
 
-    def receive_request(self, data: bytes | bytearray | memoryview) -> list[RequestEvent]:
+    def receive_request(self, data: bytes | bytearray | memoryview) -> list[RpcRequestEvent]:
         """:meth:`feed_request` then every event it makes (convenience for tests and tools)."""
         return self._receive(self._requests, data)
 
@@ -90,12 +90,12 @@ class GgmlRpcConnection(ConnectionState):
         """Bytes the server sent; as :meth:`feed_request`, read with :meth:`next_reply_event`."""
         self._replies.feed(data)
 
-    def next_reply_event(self) -> ReplyEvent | None:
+    def next_reply_event(self) -> RpcReplyEvent | None:
         """The next event of the server's stream, or None; raises InvalidReply for bytes nobody
         asked for, or a reply of the wrong size or version (again on every later call)."""
         return self._next(self._replies)
 
-    def receive_reply(self, data: bytes | bytearray | memoryview) -> list[ReplyEvent]:
+    def receive_reply(self, data: bytes | bytearray | memoryview) -> list[RpcReplyEvent]:
         """:meth:`feed_reply` then every event it makes."""
         return self._receive(self._replies, data)
 

@@ -27,7 +27,7 @@ CHECKS = (
     "tensor_region",  # offset/size outside the tensor, or no buffer where one is needed
     "graph",  # GRAPH_COMPUTE nodes/sources that do not resolve, bad ops, unbacked nodes
 )
-"""Values of :attr:`InvalidRequest.check` (stable: they label metrics)."""
+"""Values of :attr:`InvalidRpcRequest.check` (stable: they label metrics)."""
 
 
 # --------------------------------------------------------------------------
@@ -39,7 +39,7 @@ class GgmlRpcError(Exception):
     """Base class of this package's errors. After one, the connection object is unusable."""
 
 
-class InvalidRequest(GgmlRpcError):
+class InvalidRpcRequest(GgmlRpcError):
     """A client message failed validation; it must not reach the server.
 
     Attributes:
@@ -97,7 +97,7 @@ class RequestEnd:
 
 
 @attrs.frozen
-class Reply:
+class ReplyHeader:
     """A reply header (and, for small replies, the whole payload) to pass on in ``data``."""
 
     cmd: RpcCmd
@@ -119,5 +119,5 @@ class ReplyEnd:
     cmd: RpcCmd
 
 
-RequestEvent: TypeAlias = Request | RequestData | RequestEnd
-ReplyEvent: TypeAlias = Reply | ReplyData | ReplyEnd
+RpcRequestEvent: TypeAlias = Request | RequestData | RequestEnd
+RpcReplyEvent: TypeAlias = ReplyHeader | ReplyData | ReplyEnd

@@ -12,7 +12,7 @@ streams through as slices of the input.
 
 from __future__ import annotations
 
-from ._events import InvalidReply, Reply, ReplyData, ReplyEnd, ReplyEvent
+from ._events import InvalidReply, ReplyData, ReplyEnd, ReplyHeader, RpcReplyEvent
 from ._framing import Direction
 from ._state import Buffer, ConnectionState, Pending
 from ._wire import REPLY_HEADER_SIZE, RPC_CONN_CAPS_SIZE, RPC_PROTO_MAJOR_VERSION, U64, U64_PAIR, RpcCmd
@@ -21,8 +21,8 @@ SMALL_REPLY = 64
 """Replies up to this size (bytes) are handed over whole, in one event."""
 
 
-class ReplyTracker(Direction[ReplyEvent]):
-    """Turns the server's bytes into :data:`~._events.ReplyEvent` s, updating ``state``."""
+class ReplyTracker(Direction[RpcReplyEvent]):
+    """Turns the server's bytes into :data:`~._events.RpcReplyEvent` s, updating ``state``."""
 
     feed_name = "feed_reply"
     data_event = ReplyData
@@ -37,8 +37,8 @@ class ReplyTracker(Direction[ReplyEvent]):
         """Some bytes of a reply have arrived but not all of it (or its end is not yet read out)."""
         return bool(self.head) or self.cur is not None or self.end is not None
 
-    def _next_head(self) -> ReplyEvent | None:
-        """The Reply event of the next reply header (whole, for a small reply), once here and as
+    def _next_head(self) -> RpcReplyEvent | None:
+        """The ReplyHeader event of the next reply header (whole, for a small reply), once here and as
         expected (InvalidReply if not)."""
         buf, pos = self.buf, self.pos
         pending = self.state.pending
@@ -53,7 +53,7 @@ class ReplyTracker(Direction[ReplyEvent]):
                     data = self._reply_payload(cur, data)
                 self.cur = cur
                 self.end = self._finish()
-                return Reply(cur.cmd, size, data)
+                return ReplyHeader(cur.cmd, size, data)
         while True:
             need = self.need - len(self.head)
             n = min(need, len(buf) - self.pos)
@@ -77,11 +77,11 @@ class ReplyTracker(Direction[ReplyEvent]):
                 data = bytes(self.head)
                 self.head = bytearray()
                 self.body_left = size
-                return Reply(cur.cmd, size, data)
+                return ReplyHeader(cur.cmd, size, data)
             data = self._reply_payload(cur, bytes(self.head))
             self.head = bytearray()
             self.end = self._finish()
-            return Reply(cur.cmd, cur.size, data)
+            return ReplyHeader(cur.cmd, cur.size, data)
 
     def _reply_payload(self, cur: Pending, data: bytes) -> bytes:
         """Check and learn from a whole small reply (``data``: header and payload); returns what to pass on."""

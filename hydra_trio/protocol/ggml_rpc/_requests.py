@@ -11,7 +11,7 @@ the input, never collected.
 
 from __future__ import annotations
 
-from ._events import InvalidRequest, Request, RequestData, RequestEnd, RequestEvent
+from ._events import InvalidRpcRequest, Request, RequestData, RequestEnd, RpcRequestEvent
 from ._framing import Direction
 from ._state import ConnectionState, Pending
 from ._validators import VALIDATORS
@@ -32,8 +32,8 @@ _SET_TENSOR = int(RpcCmd.SET_TENSOR)
 _COMPUTES = frozenset({int(RpcCmd.GRAPH_COMPUTE), int(RpcCmd.GRAPH_RECOMPUTE)})
 
 
-class RequestFramer(Direction[RequestEvent]):
-    """Turns the client's bytes into :data:`~._events.RequestEvent` s, updating ``state``."""
+class RequestFramer(Direction[RpcRequestEvent]):
+    """Turns the client's bytes into :data:`~._events.RpcRequestEvent` s, updating ``state``."""
 
     feed_name = "feed_request"
     data_event = RequestData
@@ -50,8 +50,8 @@ class RequestFramer(Direction[RequestEvent]):
         """Some bytes of a request have arrived but not all of it."""
         return bool(self.head) or self.body_left > 0 or self.end is not None
 
-    def _next_head(self) -> RequestEvent | None:
-        """The Request event of the next header and head, once whole and valid (InvalidRequest if not)."""
+    def _next_head(self) -> RpcRequestEvent | None:
+        """The Request event of the next header and head, once whole and valid (InvalidRpcRequest if not)."""
         buf, pos = self.buf, self.pos
         avail = len(buf) - pos
         if not self.head:  # at a message boundary: parse in place when header and head are all here
@@ -86,36 +86,36 @@ class RequestFramer(Direction[RequestEvent]):
         """Check a request header (command ``c``, payload ``size``); returns the bytes to validate before passing on."""
         state = self.state
         if not state.hello_sent and c != _HELLO:
-            raise InvalidRequest("hello_expected", "the first message must be HELLO", c)
+            raise InvalidRpcRequest("hello_expected", "the first message must be HELLO", c)
         if c >= _NONE:
-            raise InvalidRequest("unknown_command", f"unknown command {c}", c)
+            raise InvalidRpcRequest("unknown_command", f"unknown command {c}", c)
         if c == _HELLO:
             if state.hello_sent:
-                raise InvalidRequest("hello_repeated", "HELLO after the handshake", c)
+                raise InvalidRpcRequest("hello_repeated", "HELLO after the handshake", c)
             if size != HELLO_REQUEST_SIZE:
-                raise InvalidRequest("hello_size", f"size {size}, protocol v7 sends {HELLO_REQUEST_SIZE}", c)
+                raise InvalidRpcRequest("hello_size", f"size {size}, protocol v7 sends {HELLO_REQUEST_SIZE}", c)
         fixed = FIXED_SIZE[c]
         if fixed >= 0:
             if size != fixed:
-                raise InvalidRequest("size", f"size {size}, expected {fixed}", c)
+                raise InvalidRpcRequest("size", f"size {size}, expected {fixed}", c)
             head = fixed
         elif c == _SET_TENSOR:
             if size < SET_TENSOR_HEAD_SIZE:
-                raise InvalidRequest("size", f"size {size} < {SET_TENSOR_HEAD_SIZE}", c)
+                raise InvalidRpcRequest("size", f"size {size} < {SET_TENSOR_HEAD_SIZE}", c)
             if size > state.max_message_size:
-                raise InvalidRequest("too_large", f"size {size} > cap {state.max_message_size}", c)
+                raise InvalidRpcRequest("too_large", f"size {size} > cap {state.max_message_size}", c)
             head = SET_TENSOR_HEAD_SIZE
         else:  # GRAPH_COMPUTE
             if size < GRAPH_HEAD_SIZE + 8:
-                raise InvalidRequest("size", f"size {size} < {GRAPH_HEAD_SIZE + 8}", c)
+                raise InvalidRpcRequest("size", f"size {size} < {GRAPH_HEAD_SIZE + 8}", c)
             cap = min(state.max_graph_size, state.max_message_size)
             if size > cap:
-                raise InvalidRequest("too_large", f"size {size} > cap {cap}", c)
+                raise InvalidRpcRequest("too_large", f"size {size} > cap {cap}", c)
             head = size
         self.cmd, self.size = c, size
         return head
 
-    def _release_head(self, wire: bytes | memoryview) -> RequestEvent:
+    def _release_head(self, wire: bytes | memoryview) -> RpcRequestEvent:
         """Validate a whole header and head (``wire``); the Request event that passes it on."""
         c = self.cmd
         assert c is not None

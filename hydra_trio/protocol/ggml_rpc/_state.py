@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from ._events import InvalidRequest
+from ._events import InvalidRpcRequest
 from ._tensor import TYPE_TRAITS, RpcTensor, check_tensor
 from ._wire import CMDS, RpcCmd
 
@@ -83,9 +83,9 @@ class ConnectionState:
         return pending
 
     def check_device(self, cmd: RpcCmd, device: int) -> None:
-        """Raises InvalidRequest (``device``) for a device index the server does not serve."""
+        """Raises InvalidRpcRequest (``device``) for a device index the server does not serve."""
         if self.n_devices is not None and device >= self.n_devices:
-            raise InvalidRequest("device", f"device {device}, the server has {self.n_devices}", cmd)
+            raise InvalidRpcRequest("device", f"device {device}, the server has {self.n_devices}", cmd)
 
     def check_tensor(self, cmd: RpcCmd, t: RpcTensor, *, allow_empty: bool) -> int:
         """``rpc_server::deserialize_tensor``'s preconditions, and the asserts behind it; returns nbytes.
@@ -96,30 +96,30 @@ class ConnectionState:
         none, as ``deserialize_tensor`` does.
 
         Raises:
-            InvalidRequest: as :func:`~._tensor.check_tensor`, or ``tensor_bounds``.
+            InvalidRpcRequest: as :func:`~._tensor.check_tensor`, or ``tensor_bounds``.
         """
         nbytes = check_tensor(cmd, t, self.traits, allow_empty=allow_empty)
         if t.buffer:
             buf = self.buffers.get(t.buffer)
             if buf is None:
                 if any(p.cmd is RpcCmd.ALLOC_BUFFER for p in self.pending):
-                    raise InvalidRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} named before "
+                    raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} named before "
                                          "its ALLOC_BUFFER was answered", cmd)
                 # not this server's buffer: deserialize_tensor treats it as none
             else:
                 base = 0 if buf.size == 0 else buf.base  # ggml_backend_buffer_get_base: NULL when size 0
                 if base is None:
-                    raise InvalidRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} used "
+                    raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} used "
                                          "before BUFFER_GET_BASE", cmd)
                 if t.data < base or t.data + nbytes > base + buf.size:
-                    raise InvalidRequest("tensor_bounds", f"tensor {t.id:#x}: data [{t.data:#x}, +{nbytes}) "
+                    raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: data [{t.data:#x}, +{nbytes}) "
                                          f"outside buffer [{base:#x}, +{buf.size})", cmd)
         return nbytes
 
     def need_buffer(self, cmd: RpcCmd, t: RpcTensor) -> None:
-        """Raises InvalidRequest (``tensor_region``) unless ``t`` is in one of this connection's buffers."""
+        """Raises InvalidRpcRequest (``tensor_region``) unless ``t`` is in one of this connection's buffers."""
         if t.buffer not in self.buffers:
-            raise InvalidRequest("tensor_region", f"tensor {t.id:#x} is in no buffer of this connection", cmd)
+            raise InvalidRpcRequest("tensor_region", f"tensor {t.id:#x} is in no buffer of this connection", cmd)
 
     def check_region(self, cmd: RpcCmd, t: RpcTensor, offset: int, size: int) -> int:
         """Tensor checks, then ``offset + size <= ggml_nbytes`` (ggml_backend_tensor_set/get assert it).
@@ -129,6 +129,6 @@ class ConnectionState:
         nbytes = self.check_tensor(cmd, t, allow_empty=False)
         self.need_buffer(cmd, t)
         if offset + size > nbytes:
-            raise InvalidRequest("tensor_region", f"tensor {t.id:#x}: [{offset}, +{size}) outside its "
+            raise InvalidRpcRequest("tensor_region", f"tensor {t.id:#x}: [{offset}, +{size}) outside its "
                                  f"{nbytes} bytes", cmd)
         return nbytes

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import attrs
 import gguf
 
-from ._events import InvalidRequest
+from ._events import InvalidRpcRequest
 from ._wire import (
     GGML_MAX_DIMS,
     GGML_MAX_OP_PARAMS,
@@ -143,36 +143,36 @@ def check_tensor(cmd: RpcCmd, t: RpcTensor, traits: Mapping[int, tuple[int, int]
     the data must not wrap around the address space.
 
     Raises:
-        InvalidRequest: ``tensor_type``, ``tensor_shape``, ``tensor_strides`` or ``tensor_bounds``.
+        InvalidRpcRequest: ``tensor_type``, ``tensor_shape``, ``tensor_strides`` or ``tensor_bounds``.
     """
     if t.type >= GGML_TYPE_COUNT or t.type in REMOVED_TYPES:
-        raise InvalidRequest("tensor_type", f"tensor {t.id:#x}: type {t.type} is not a ggml type", cmd)
+        raise InvalidRpcRequest("tensor_type", f"tensor {t.id:#x}: type {t.type} is not a ggml type", cmd)
     blck_tsize = traits.get(t.type)
     if blck_tsize is None:
-        raise InvalidRequest("tensor_type", f"tensor {t.id:#x}: type {t.type} has no known block size", cmd)
+        raise InvalidRpcRequest("tensor_type", f"tensor {t.id:#x}: type {t.type} has no known block size", cmd)
     blck, tsize = blck_tsize
     ne, nb = t.ne, t.nb
     if not allow_empty and 0 in ne:
-        raise InvalidRequest("tensor_shape", f"tensor {t.id:#x}: ne {list(ne)} has a zero", cmd)
+        raise InvalidRpcRequest("tensor_shape", f"tensor {t.id:#x}: ne {list(ne)} has a zero", cmd)
     if ne[0] % blck:
-        raise InvalidRequest("tensor_shape", f"tensor {t.id:#x}: ne[0] = {ne[0]} is not a multiple of "
+        raise InvalidRpcRequest("tensor_shape", f"tensor {t.id:#x}: ne[0] = {ne[0]} is not a multiple of "
                              f"the block size {blck} of type {t.type}", cmd)
     n = ne[0]  # ggml_new_tensor_impl: the element count must fit in int64
     for i in range(1, GGML_MAX_DIMS):
         if ne[i] > 1:
             if INT64_MAX // ne[i] <= n:
-                raise InvalidRequest("tensor_shape", f"tensor {t.id:#x}: ne {list(ne)} overflows int64", cmd)
+                raise InvalidRpcRequest("tensor_shape", f"tensor {t.id:#x}: ne {list(ne)} overflows int64", cmd)
             n *= ne[i]
     if blck > 1 and nb[0] != tsize:
-        raise InvalidRequest("tensor_strides", f"tensor {t.id:#x}: nb[0] = {nb[0]}, type {t.type} "
+        raise InvalidRpcRequest("tensor_strides", f"tensor {t.id:#x}: nb[0] = {nb[0]}, type {t.type} "
                              f"has {tsize}-byte blocks", cmd)
     for i in range(GGML_MAX_DIMS):
         if ne[i] > 1 and nb[i] < tsize:
-            raise InvalidRequest("tensor_strides", f"tensor {t.id:#x}: nb[{i}] = {nb[i]} < element "
+            raise InvalidRpcRequest("tensor_strides", f"tensor {t.id:#x}: nb[{i}] = {nb[i]} < element "
                                  f"size {tsize}", cmd)
     nbytes = tensor_nbytes(t, traits)
     if nbytes > INT64_MAX or t.data + nbytes >= TWO64:
-        raise InvalidRequest("tensor_bounds", f"tensor {t.id:#x}: {nbytes} bytes at {t.data:#x} overflow", cmd)
+        raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: {nbytes} bytes at {t.data:#x} overflow", cmd)
     return nbytes
 
 

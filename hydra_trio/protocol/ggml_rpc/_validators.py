@@ -14,7 +14,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import TypeAlias
 
-from ._events import InvalidRequest
+from ._events import InvalidRpcRequest
 from ._state import ConnectionState, Pending
 from ._tensor import RpcTensor
 from ._wire import (
@@ -36,7 +36,7 @@ from ._wire import (
 Validator: TypeAlias = Callable[[ConnectionState, RpcCmd, bytes | memoryview, int], Pending | None]
 """``(state, cmd, held part of the payload, payload size in bytes) -> the reply queued, or None``.
 
-It raises InvalidRequest when a check fails.  A validator that returns None
+It raises InvalidRpcRequest when a check fails.  A validator that returns None
 leaves queueing the reply (of the fixed size in REPLY_SIZES, if any) to the caller."""
 
 
@@ -74,7 +74,7 @@ def _set_tensor_hash(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview,
     nbytes = state.check_region(cmd, t, offset, 0)
     cached = state.cached_size(h) if state.cached_size is not None else None
     if cached is not None and offset + cached > nbytes:
-        raise InvalidRequest("tensor_region", f"cached data {h:016x} ({cached} bytes at offset {offset}) "
+        raise InvalidRpcRequest("tensor_region", f"cached data {h:016x} ({cached} bytes at offset {offset}) "
                              f"overruns the tensor ({nbytes} bytes)", cmd)
 
 
@@ -127,14 +127,14 @@ def _graph_compute(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, s
     device, n_nodes = struct.unpack_from("<II", p)
     state.check_device(cmd, device)
     if n_nodes == 0:
-        raise InvalidRequest("graph", "no nodes", cmd)
+        raise InvalidRpcRequest("graph", "no nodes", cmd)
     at = 8 + 8 * n_nodes
     if at + 4 > len(p):
-        raise InvalidRequest("size", f"{n_nodes} nodes do not fit in {len(p)} bytes", cmd)
+        raise InvalidRpcRequest("size", f"{n_nodes} nodes do not fit in {len(p)} bytes", cmd)
     (n_tensors,) = U32.unpack_from(p, at)
     want = at + 4 + n_tensors * RPC_TENSOR_SIZE
     if want != len(p):
-        raise InvalidRequest("size", f"{n_nodes} nodes and {n_tensors} tensors make {want} bytes, "
+        raise InvalidRpcRequest("size", f"{n_nodes} nodes and {n_tensors} tensors make {want} bytes, "
                              f"not {len(p)}", cmd)
     nodes = struct.unpack_from(f"<{n_nodes}Q", p, 8)
     tensors: dict[int, RpcTensor] = {}
@@ -142,20 +142,20 @@ def _graph_compute(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, s
         t = RpcTensor.unpack_from(p, at + 4 + i * RPC_TENSOR_SIZE)
         state.check_tensor(cmd, t, allow_empty=True)
         if t.op >= GGML_OP_COUNT:
-            raise InvalidRequest("graph", f"tensor {t.id:#x}: op {t.op} >= GGML_OP_COUNT", cmd)
+            raise InvalidRpcRequest("graph", f"tensor {t.id:#x}: op {t.op} >= GGML_OP_COUNT", cmd)
         tensors.setdefault(t.id, t)  # the server keeps the first of duplicate ids
     for t in tensors.values():
         for s in (*t.src, t.view_src):
             if s and s not in tensors:
-                raise InvalidRequest("graph", f"tensor {t.id:#x} refers to {s:#x}, which is not in the graph", cmd)
+                raise InvalidRpcRequest("graph", f"tensor {t.id:#x} refers to {s:#x}, which is not in the graph", cmd)
     for i, node in enumerate(nodes):
         if node == 0:
-            raise InvalidRequest("graph", f"node {i} has id 0", cmd)
+            raise InvalidRpcRequest("graph", f"node {i} has id 0", cmd)
         t = tensors.get(node)
         if t is None:
-            raise InvalidRequest("graph", f"node {i} ({node:#x}) is not among the graph's tensors", cmd)
+            raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is not among the graph's tensors", cmd)
         if t.op != GGML_OP_NONE and t.op not in VIEW_OPS and 0 not in t.ne and t.data == 0:
-            raise InvalidRequest("graph", f"node {i} ({node:#x}) is computed (op {t.op}) into no memory", cmd)
+            raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is computed (op {t.op}) into no memory", cmd)
     _check_depth(nodes, tensors)
 
 
@@ -169,7 +169,7 @@ def _check_depth(nodes: Iterable[int], tensors: dict[int, RpcTensor]) -> None:
         stack = [iter((*tensors[node].src, tensors[node].view_src))]
         while stack:
             if len(stack) > MAX_GRAPH_DEPTH:
-                raise InvalidRequest("graph", f"sources nest deeper than {MAX_GRAPH_DEPTH}", RpcCmd.GRAPH_COMPUTE)
+                raise InvalidRpcRequest("graph", f"sources nest deeper than {MAX_GRAPH_DEPTH}", RpcCmd.GRAPH_COMPUTE)
             for s in stack[-1]:
                 if s and s not in created:
                     created.add(s)

@@ -1,0 +1,143 @@
+"""ggml-RPC beyond HELLO over TLS, quickly (no MoE, no model upload): the tunnel (:mod:`hydra_trio.tunnel`)
+and the front door's TLS pump (:mod:`hydra_trio.ggml_rpc.pump`, its trio path) carry real messages both
+ways — buffers allocated, a 1 MiB tensor written and read back — to a real compute-only node with TLS.
+
+The slow tests in tests/test_tls.py run COMBINED through the tunnel with the test MoE; these cover the
+same parts in the normal suite: raw ggml-RPC (:class:`tests.test_rpc_backend.AsyncRpc`) through an
+:class:`~hydra_trio.tunnel.RpcTunnel` (plain loopback in, TLS out) or straight over TLS.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import trio
+
+from hydra_trio.protocol import ggml_rpc as g
+from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor
+from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.tls import client_context
+from hydra_trio.tunnel import RpcTunnel, TunnelPool
+
+from .conftest import ServerProcess
+from .hydra_wire import Wire
+from .test_rpc_backend import AsyncRpc
+from .test_tls import Certs
+
+N = 1 << 18  # f32 values: a 1 MiB tensor
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return Certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+def tls_peer(certs: Certs, spawn) -> ServerProcess:
+    """A compute-only node (ggml-RPC backend, no model) with TLS on its port."""
+    node = spawn("--no-model", *certs.tls_flags())
+    node.wait_ready()
+    return node
+
+
+def rpc_backend(port: int) -> dict:
+    with Wire(port) as w:
+        status, meta, _ = w.call(Op.INFO)
+    assert status == Status.OK
+    return meta["rpc_backend"]
+
+
+async def round_trip(rpc: AsyncRpc) -> None:
+    """HELLO, DEVICE_COUNT, a 1 MiB buffer, SET_TENSOR of N random f32 values, GET_TENSOR of them back
+    (equal, byte for byte), FREE_BUFFER; then HELLO's neighbour GET_ALIGNMENT still answers (in sync)."""
+    assert len(await rpc.call(RpcCmd.HELLO, bytes(24), g.HELLO_REPLY_SIZE)) == g.HELLO_REPLY_SIZE
+    assert struct.unpack("<I", await rpc.call(RpcCmd.DEVICE_COUNT, b"", 4)) == (1,)
+    ptr, size = struct.unpack("<QQ", await rpc.call(RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, 4 * N), 16))
+    assert ptr != 0 and size >= 4 * N
+    (base,) = struct.unpack("<Q", await rpc.call(RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", ptr), 8))
+    t = RpcTensor(id=1, type=0, buffer=ptr, ne=(N, 1, 1, 1), nb=(4, 4 * N, 4 * N, 4 * N), data=base)
+    data = os.urandom(4 * N)
+    await rpc.stream.send_all(g.encode_set_tensor(t, 0, data))  # no reply
+    back = await rpc.call(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, 4 * N), 4 * N)
+    assert back == data
+    part = await rpc.call(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 4096, 64), 64)
+    assert part == data[4096:4160]
+    await rpc.call(RpcCmd.FREE_BUFFER, struct.pack("<Q", ptr))  # no reply
+    (alignment,) = struct.unpack("<Q", await rpc.call(RpcCmd.GET_ALIGNMENT, struct.pack("<I", 0), 8))
+    assert alignment >= 1
+
+
+async def test_ggml_rpc_through_the_tunnel_to_a_tls_node(tls_peer: ServerProcess, certs: Certs) -> None:
+    before = await trio.to_thread.run_sync(rpc_backend, tls_peer.port)
+    tunnel = RpcTunnel(f"127.0.0.1:{tls_peer.port}", client_context(certs.ca_pem))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tunnel.run)
+        host, port = tunnel.local.rsplit(":", 1)
+        assert host == "127.0.0.1"
+        rpc = await AsyncRpc.connect(int(port))
+        async with rpc.stream:
+            await round_trip(rpc)
+        nursery.cancel_scope.cancel()
+    assert (tunnel.connections, tunnel.failed) == (1, 0)
+    after = await trio.to_thread.run_sync(rpc_backend, tls_peer.port)
+    assert after["bytes_in"] - before["bytes_in"] >= 4 * N  # the tensor reached the node's backend
+    assert after["connections"] == before["connections"] + 1
+
+
+async def test_ggml_rpc_straight_over_tls_beyond_hello(tls_peer: ServerProcess, certs: Certs) -> None:
+    tcp = await trio.open_tcp_stream("127.0.0.1", tls_peer.port)
+    tls = trio.SSLStream(tcp, client_context(certs.ca_pem), server_hostname="127.0.0.1")
+    rpc = AsyncRpc(tls)  # type: ignore[arg-type]
+    async with tls:
+        await round_trip(rpc)
+    # and a second connection after the first closed: the backend serves it too
+    tcp = await trio.open_tcp_stream("127.0.0.1", tls_peer.port)
+    tls = trio.SSLStream(tcp, client_context(certs.ca_pem), server_hostname="127.0.0.1")
+    async with tls:
+        await round_trip(AsyncRpc(tls))  # type: ignore[arg-type]
+
+
+async def test_a_tunnel_to_a_peer_it_cannot_verify_closes_the_connection(tls_peer: ServerProcess,
+                                                                         certs: Certs) -> None:
+    tunnel = RpcTunnel(f"127.0.0.1:{tls_peer.port}", client_context(certs.other_ca_pem))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(tunnel.run)
+        rpc = await AsyncRpc.connect(int(tunnel.local.rsplit(":", 1)[1]))
+        async with rpc.stream:
+            await rpc.stream.send_all(g.hello_request())
+            with trio.fail_after(120):  # closed with no reply (a reset, our HELLO unread, is a close too)
+                try:
+                    got = await rpc.stream.receive_some(1)
+                except trio.BrokenResourceError:
+                    got = b""
+            assert got == b""  # ggml's client sees an unreachable peer
+        nursery.cancel_scope.cancel()
+    assert (tunnel.connections, tunnel.failed) == (0, 1)
+
+
+async def test_the_pool_starts_one_tunnel_per_peer(tls_peer: ServerProcess, certs: Certs) -> None:
+    pool = TunnelPool(client_context(certs.ca_pem), limit=2)
+    peer = f"127.0.0.1:{tls_peer.port}"
+    with pytest.raises(OSError, match="not running"):
+        await pool.local_for(peer)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        local = await pool.local_for(peer)
+        assert await pool.local_for(peer) == local  # the same tunnel for the same peer
+        # the engine thread's way in: dial from a worker thread
+        assert await trio.to_thread.run_sync(pool.dial, peer) == local
+        with pytest.raises(OSError, match="no TLS tunnel to not a peer"):
+            await trio.to_thread.run_sync(pool.dial, "not a peer")
+        other = await pool.local_for("127.0.0.1:1")  # a second peer: its own tunnel (it connects lazily)
+        assert other != local
+        with pytest.raises(OSError, match="2 TLS tunnels"):
+            await pool.local_for("127.0.0.1:2")  # past the limit: no new peer
+        rpc = await AsyncRpc.connect(int(local.rsplit(":", 1)[1]))
+        async with rpc.stream:
+            await round_trip(rpc)
+        assert pool.stats() == {peer: {"local": local, "connections": 1, "failed": 0},
+                                "127.0.0.1:1": {"local": other, "connections": 0, "failed": 0}}
+        nursery.cancel_scope.cancel()
