@@ -303,7 +303,7 @@ def test_a_remembered_get_tensor_still_owes_its_reply() -> None:
     for _ in range(3):
         evs = conn.receive_request(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 8, 24)))
         assert evs[-1] == RequestEnd(RpcCmd.GET_TENSOR, 24)
-        assert [type(ev) for ev in conn.receive_reply(g.encode_reply(bytes(24)))] == [Reply, ReplyEnd]
+        assert [type(ev) for ev in conn.receive_reply(g.encode_reply(bytes(24)))] == [ReplyHeader, ReplyEnd]
     with pytest.raises(InvalidReply):
         conn.receive_reply(g.encode_reply(bytes(24)))  # three asked, three answered: nothing is owed
 
