@@ -272,6 +272,8 @@ class Pump:
             except trio.RunFinishedError:
                 pass
 
+        # a plain thread, not trio.to_thread: a pump lives as long as its connection and would hold one of the
+        # shared worker-thread limiter's 40 places all that time; it hands back only a wake-up (run_sync_soon)
         threading.Thread(target=thread_main, name="ggml-rpc-pump", daemon=True).start()
         try:
             await done.wait()

@@ -33,6 +33,7 @@ from ..api.native import NativeCompletion, generation_settings
 from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from ..engine.requests import JobRun
 from ..engine.state import verify_checksum
+from ..engine.tasks import RestoreSlot, SaveSlot
 from ..errors import HydraTrioError
 from ._common import _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .errors import error_response
@@ -74,6 +75,7 @@ class NativeRoutes:
             body = await api._read(request, CompletionRequest)
             if body.echo:
                 raise RequestError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
+            # tokenizing reads only the vocabulary: a trio worker thread, not the engine's (bridge.py)
             job = await trio.to_thread.run_sync(lambda: job_from_completion(e, body))
             n_probs = body.n_probs if body.n_probs is not None else (body.logprobs or 0)
             job = attrs.evolve(job, request_id=request_id, logprobs=n_probs > 0, n_probs=n_probs)
@@ -132,7 +134,7 @@ class NativeRoutes:
         if isinstance(body, Response):
             return body
         try:
-            prompt, _ = await trio.to_thread.run_sync(lambda: chat_prompt(e, body))
+            prompt, _ = await trio.to_thread.run_sync(lambda: chat_prompt(e, body))  # templating: a worker thread
         except HydraTrioError as exc:  # the template failed (ChatTemplateError: 400) or rejected a field
             return error_for(exc)
         return JSONResponse({"prompt": prompt})
@@ -156,7 +158,7 @@ class NativeRoutes:
             return id_slot
         assert e is not None and e.identity is not None
         try:
-            n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
+            n_past, blob = await e.run_task(SaveSlot(id_slot))
         except HydraTrioError as exc:
             return error_for(exc)
         return Response(bytes(blob), media_type=STATE_TYPE, headers={
@@ -173,7 +175,7 @@ class NativeRoutes:
             size = len(blob)  # restore_slot consumes the blob (frames it in place)
             # integrity first, in a worker thread: the engine thread never hashes a large blob
             await trio.to_thread.run_sync(verify_checksum, blob)
-            done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+            done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
         except HydraTrioError as exc:  # a blob this node cannot take: 400 with its meta (StateError)

@@ -34,6 +34,7 @@ from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.state import verify_checksum
+from ..engine.tasks import PipelineAttach, Reconfigure, RestoreSlot, SaveSlot, SetExpertMode, SwapQuant
 from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..ggml_rpc.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
@@ -142,7 +143,7 @@ class OpContext:
 async def state_get(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     with _state_event(e, "state.get", ctx.req.trace_id, id_slot) as event:
-        n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
+        n_past, blob = await e.run_task(SaveSlot(id_slot))
         event.update(bytes=len(blob), n_past=n_past)
         await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)}, blob)
 
@@ -154,7 +155,7 @@ async def state_put(ctx: OpContext) -> None:
     with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=size) as event:
         # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
         await trio.to_thread.run_sync(verify_checksum, blob)
-        done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+        done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         event["n_past"] = done.n_past
         await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
                          "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
@@ -399,7 +400,7 @@ async def configure(ctx: OpContext) -> None:
         assert ctx.node.control is not None
         try:
             result = await ctx.node.control.submit(
-                Change("configure " + ",".join(deferred), lambda eng: eng.reconfigure(**changes), ctx.req.trace_id)
+                Change("configure " + ",".join(deferred), Reconfigure(**changes), ctx.req.trace_id)
             )
         except HydraTrioError as exc:
             raise reply_for(exc, success=False, params_applied={}, tier=tier) from None
@@ -409,9 +410,9 @@ async def configure(ctx: OpContext) -> None:
     meta: dict[str, Any] = {}
     if chunk is not None:
         ctx.node.state_chunk_size = meta["state_chunk_size_applied"] = applied["state_chunk_size"] = chunk
-    if cross_model_kv is not None:
+    if cross_model_kv is not None:  # one bool, read once per STATE_PUT on the engine thread
         e.allow_cross_model_kv = applied["allow_cross_model_kv"] = cross_model_kv
-    if t1:
+    if t1:  # one new immutable RequestDefaults, swapped in whole: job-building threads see all or none of it
         e.set_defaults(**t1)
         applied.update(t1)
     applied.update(result)
@@ -425,7 +426,7 @@ async def set_expert_mode(ctx: OpContext) -> None:
     assert ctx.node.control is not None
     change = Change(
         f"set_expert_mode {want.mode}" + (f" peer={want.peer}" if want.peer else ""),
-        lambda engine: engine.set_expert_mode(want.mode, want.peer),
+        SetExpertMode(want.mode, want.peer),
         ctx.req.trace_id,
     )
     try:
@@ -460,7 +461,7 @@ async def swap_quant(ctx: OpContext) -> None:
                             f"tensors on its peer ({e.experts.pattern!r})", swapped=False)
     assert ctx.node.control is not None
     change = Change(f"swap_quant {want.quant_key}" + (" (peer tensors)" if experts_only else ""),
-                    lambda engine: engine.swap_quant(want.quant_key, experts_only=experts_only),
+                    SwapQuant(want.quant_key, experts_only=experts_only),
                     ctx.req.trace_id)
     try:
         meta = await ctx.node.control.submit(change)
@@ -487,7 +488,7 @@ async def pipeline_attach(ctx: OpContext) -> None:
     want = ctx.parse(lambda p: msg.structure_json(p, msg.PipelineAttachRequest), success=False)
     assert ctx.node.control is not None
     change = Change(f"pipeline_attach peer={want.peer or '-'} ot_split={want.ot_split!r}",
-                    lambda engine: engine.pipeline_attach(want.peer, want.ot_split), ctx.req.trace_id)
+                    PipelineAttach(want.peer, want.ot_split), ctx.req.trace_id)
     try:
         meta = await ctx.node.control.submit(change)
     except HydraTrioError as exc:
