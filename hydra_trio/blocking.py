@@ -86,6 +86,8 @@ async def run_blocking(fn: Callable[[], None], wake: Callable[[], None], name: s
         except trio.RunFinishedError:
             pass
 
+    # a plain thread, not trio.to_thread: a relay lives as long as its connection and would hold one of the
+    # shared worker-thread limiter's 40 places all that time; it hands back only a wake-up (run_sync_soon)
     threading.Thread(target=main, name=name, daemon=True).start()
     try:
         await done.wait()

@@ -12,6 +12,7 @@ then run on the new state.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -36,7 +37,9 @@ log = logging.getLogger("hydra_trio.control")
 class Change:
     """One engine-wide change: ``apply(engine)`` runs on the engine thread with every slot idle.
 
-    ``apply`` must leave the engine as it was when it raises.
+    ``apply`` is a typed task (:mod:`hydra_trio.engine.tasks`: calling it dispatches it through
+    :meth:`Engine.execute <hydra_trio.engine.engine.Engine.execute>`, so it is counted and logged by
+    kind); it must leave the engine as it was when it raises.
     """
 
     name: str
@@ -102,6 +105,6 @@ class ControlChannel:
             Exception: whatever ``change.apply`` raised (the engine is unchanged).
         """
         self.engine.check_ready()
-        call: Call[Any] = Call(lambda: self._apply(change))
+        call: Call[Any] = Call(functools.partial(self._apply, change))
         self._send.send_nowait(call)
         return await call.wait()

@@ -15,6 +15,7 @@ from .engine.blobbuf import TRANSFER_POOL
 from .engine.combined import peer_listening
 from .engine.engine import Engine
 from .engine.settings import EngineConfig
+from .engine.tasks import AttachPeerAtStart, PeerGone
 from .events import EventBus
 from .frontdoor import FrontDoor, FrontDoorSettings
 from .hydra.server import HydraHandler, HydraSettings
@@ -211,7 +212,7 @@ class Server:
         for _ in range(100):
             try:
                 meta = await control.submit(
-                    Change("attach peer at start", lambda e: e.set_expert_mode("combined", e.experts.peer), "startup")
+                    Change("attach peer at start", AttachPeerAtStart(), "startup")
                 )
                 log.info("start-up COMBINED attach: %s", meta)
                 break
@@ -230,11 +231,12 @@ class Server:
             if peer is None:
                 continue
             # the real peer (with --rpc-tls too: a tunnel's loopback port always accepts)
+            # a blocking connect probe: a trio worker thread (bridge.py, "Thread crossings")
             experts.peer_reachable = await trio.to_thread.run_sync(peer_listening, peer)
             if experts.mode in ("combined", "pipeline") and not experts.peer_reachable:
                 log.warning("peer %s unreachable while %s: going back to SOLO", peer, str(experts.mode).upper())
                 try:
-                    await control.submit(Change("peer unreachable", lambda e: e.peer_gone(), "watchdog"))
+                    await control.submit(Change("peer unreachable", PeerGone(), "watchdog"))
                 except Busy:
                     pass  # a request is running: its decode notices the dead peer itself
 

@@ -189,7 +189,8 @@ class TunnelPool:
 
         Raises OSError (including a malformed ``peer`` or a node shutting down) when no tunnel can serve ``peer``.
         """
-        try:
+        try:  # the reverse crossing (a thread waits for trio code: starting a tunnel in the nursery), which
+            # bridge.Call (trio waits for a thread) does not serve: trio.from_thread.run is trio's own for it
             return trio.from_thread.run(self.local_for, peer)
         except (ValueError, trio.RunFinishedError, trio.Cancelled) as exc:  # MessageError is a ValueError
             raise OSError(f"no TLS tunnel to {peer}: {exc}") from None

@@ -120,3 +120,40 @@ def test_no_public_class_name_is_defined_twice() -> None:
     assert "HydraTrioError" in where and "RpcReplyEvent" in where  # the scan sees classes and aliases
     twice = {cls: sorted(mods) for cls, mods in where.items() if len(mods) > 1}
     assert twice == {}, twice
+
+
+ENGINE_DOORS = {"call", "run_task", "execute", "post", "run_in_engine", "Call", "Change"}
+"""Callables through which work reaches the engine thread (``engine.call``, ``Engine.run_task``, a bridge
+``Call`` posted to it, a control-channel ``Change``)."""
+
+
+def _lambdas_handed_to_the_engine(tree: ast.AST) -> list[int]:
+    """Lines where a lambda is an argument of a call to one of :data:`ENGINE_DOORS`."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if name in ENGINE_DOORS and any(isinstance(a, ast.Lambda)
+                                        for a in [*node.args, *(k.value for k in node.keywords)]):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_lambda_is_handed_to_the_engine_from_outside_it() -> None:
+    """Work reaches the engine as typed tasks (hydra_trio/engine/tasks.py), never as an anonymous function:
+    outside ``hydra_trio/engine/`` no lambda is passed to ``.call(``, ``.run_task(``, ``Call(``, ``Change(``..."""
+    # the scan finds what it looks for
+    assert _lambdas_handed_to_the_engine(ast.parse("e.call(lambda engine: engine.save_slot(0))")) == [1]
+    assert _lambdas_handed_to_the_engine(ast.parse("Change('x', apply=lambda e: e.peer_gone())")) == [1]
+    assert _lambdas_handed_to_the_engine(ast.parse("e.run_task(SaveSlot(0)); f(lambda: 1)")) == []
+    found = {}
+    for name, path in MODULES.items():
+        if name == "hydra_trio.engine" or name.startswith("hydra_trio.engine."):
+            continue
+        lines = _lambdas_handed_to_the_engine(ast.parse(path.read_text()))
+        if lines:
+            found[name] = lines
+    assert "hydra_trio.hydra.ops" in MODULES and "hydra_trio.control" in MODULES
+    assert found == {}, found

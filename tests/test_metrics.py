@@ -52,6 +52,7 @@ FAMILIES = {
     "hydra_trio:combined_fallbacks": "counter",
     "hydra_trio:peer_losses": "counter",
     "hydra_trio:requests_deferred": "counter",
+    "hydra_trio:engine_tasks": "counter",
     "hydra_trio:rpc_bytes": "counter",
     "hydra_trio:rpc_backend_active": "gauge",
     "hydra_trio:rpc_backend_restarts": "counter",
@@ -166,6 +167,8 @@ def test_hydra_ops_and_state_bytes_move(server: ServerProcess) -> None:
         op = "STATE_GET" if direction == "out" else "STATE_PUT"
         seconds = moved("hydra_trio:hydra_request_seconds_sum", op=op)
         assert rate * 1e6 * seconds == pytest.approx(size, rel=1e-6)
+    assert moved("hydra_trio:engine_tasks_total", type="save_slot") == 1  # STATE_GET's typed engine task
+    assert moved("hydra_trio:engine_tasks_total", type="restore_slot") == 1
     assert moved("hydra_trio:connections_total", protocol="hydra") == 2
     # the server closes its side once the clients have gone: the open gauge comes back
     deadline = time.monotonic() + 60
@@ -211,6 +214,9 @@ def test_control_changes_applied_refused_busy_and_failed(server: ServerProcess) 
     assert refused >= 1 and moved("hydra_trio:hydra_requests_total", op="SET_EXPERT_MODE", status="BUSY") == refused
     assert moved("hydra_trio:control_changes_total", result="applied") == 1
     assert moved("hydra_trio:control_changes_total", result="failed") == 1
+    # the changes that ran are typed engine tasks; a change refused BUSY never reached its task
+    assert moved("hydra_trio:engine_tasks_total", type="set_expert_mode") == 1
+    assert moved("hydra_trio:engine_tasks_total", type="configure") == 1
     assert moved("hydra_trio:hydra_requests_total", op="CONFIGURE", status="BAD_REQUEST") == 1
     assert after.value("hydra_trio:expert_mode", mode="solo") == 1.0
 

@@ -32,11 +32,11 @@ from typing import Any
 import attrs
 import trio
 
-from ..engine.embedding import (POOLING, Embedding, EmbeddingJob, embed_counted, float32_bytes, max_input_tokens,
-                                n_embd_out, pooling_type)
+from ..engine.embedding import POOLING, Embedding, EmbeddingJob, float32_bytes, n_embd_out
 from ..engine.engine import NO_EMBEDDINGS, Engine
 from ..engine.model import LoadedModel
 from ..engine.settings import INT32_MAX
+from ..engine.tasks import Embed, EmbeddingLimits
 from ..errors import InvalidRequest
 from ..protocol import strict as msg
 from .schemas import RequestError, _conv
@@ -184,18 +184,19 @@ async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool) -> dic
     """
     if not e.config.embeddings:
         raise InvalidRequest(NO_EMBEDDINGS)
-    pooling, limit, why = await e.call(lambda eng: (pooling_type(eng.model), *max_input_tokens(eng.model)))
+    pooling, limit, why = await e.run_task(EmbeddingLimits())
     oai = oai and body.input is not None  # llama-server: "content" is its own field, answered in its own shape
     if oai and pooling == POOLING["none"]:
         raise RequestError(OAI_NONE_POOLING)
     m = e.model
     assert m is not None and e.identity is not None
+    # tokenizing reads only the vocabulary: a trio worker thread, not the engine's (bridge.py)
     inputs = await trio.to_thread.run_sync(lambda: tokenize_inputs(m, body, limit, why))
     normalize = e.config.embd_normalize if body.embd_normalize is None else body.embd_normalize
     results = []
     for _, tokens in inputs:  # one engine call each: other requests' inputs may run in between
         job = EmbeddingJob(tuple(tokens), normalize)
-        results.append(await e.call(lambda eng, job=job: embed_counted(eng.model, eng.stats, job)))
+        results.append(await e.run_task(Embed(job)))
     if oai:
         return openai_body(results, body.model or e.identity.model_alias, base64_floats=body.base64)
     return native_body(results)

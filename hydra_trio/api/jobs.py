@@ -202,10 +202,11 @@ def _job(
 ) -> CompletionJob:
     m = e.model
     assert m is not None
+    defaults = e.request_defaults  # read once: CONFIGURE may swap a new pair in meanwhile (any thread)
     return CompletionJob(
         prompt_tokens=tuple(tokens),
-        n_predict=body.n_predict_effective(e.default_n_predict) if n_predict is None else n_predict,
-        sampling=body.sampling(e.defaults),
+        n_predict=body.n_predict_effective(defaults.n_predict) if n_predict is None else n_predict,
+        sampling=body.sampling(defaults.sampling),
         stop=tuple(stop),
         id_slot=body.id_slot if id_slot is None else id_slot,
         cache_prompt=body.cache_prompt,

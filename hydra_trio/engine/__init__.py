@@ -1,6 +1,6 @@
 """The engine: llama.cpp through llama-cpp-python, N slots with continuous batching; no networking.
 
-:class:`Engine` (lifecycle, the engine thread, submit / cancel / call),
+:class:`Engine` (lifecycle, the engine thread, submit / cancel / run_task; typed tasks in :mod:`.tasks`),
 :class:`~hydra_trio.engine.scheduler.Scheduler` (batching), the expert modes
 (SOLO / COMBINED), sampling, slot KV state blobs, model loading.
 """

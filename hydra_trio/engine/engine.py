@@ -4,8 +4,9 @@ The split follows llama.cpp's own server (``server-queue`` / ``server-task`` /
 ``server-context``): this module is the lifecycle (load, hash, warm up, serve,
 stop), the stages ``/health`` reports, the engine thread and its inbox, and
 the calls trio code makes — :meth:`Engine.submit` (a completion),
-:meth:`Engine.cancel` and :meth:`Engine.call` (any function, run between two
-batching steps).  The batching itself is :class:`~hydra_trio.engine.scheduler.Scheduler`;
+:meth:`Engine.cancel`, :meth:`Engine.run_task` (a typed task of :mod:`~hydra_trio.engine.tasks`,
+run between two batching steps) and :meth:`Engine.call` (any function; for the engine package's
+own use).  The batching itself is :class:`~hydra_trio.engine.scheduler.Scheduler`;
 SOLO / COMBINED is :class:`~hydra_trio.engine.combined.ExpertModes`.
 
 Only the engine thread touches the models, the contexts, the batch and the
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import functools
 import logging
 import queue
 import time
@@ -39,9 +41,10 @@ from .model import LoadedModel, ModelIdentity, sha256_file
 from .prompt_cache import PromptCache
 from .requests import CompletionJob, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits, erase_slot
-from .settings import EngineConfig, SamplingParams, check_n_parallel, check_n_predict
+from .settings import EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
+from .tasks import EngineTask
 
 log = logging.getLogger("hydra_trio.engine")
 T = TypeVar("T")
@@ -74,6 +77,8 @@ class EngineStats:
     mode_switches: int = 0
     combined_fallbacks: int = 0
     peer_losses: int = 0
+    tasks: dict[str, int] = attrs.Factory(dict)
+    """Engine tasks run (:mod:`~hydra_trio.engine.tasks`), by kind (``hydra_trio:engine_tasks_total{type}``)."""
 
 
 EMBEDDING_ONLY = ("this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
@@ -168,10 +173,9 @@ class Engine:
         """STATE_PUT applies blobs of other files with this KV identity (CONFIGURE ``allow_cross_model_kv``)."""
         self.stats = EngineStats()
         self.stage_times: dict[str, float] = {}
-        self.defaults: SamplingParams = config.sampling
-        """Sampling settings for the fields a request leaves out (``EngineConfig.sampling``; CONFIGURE tier 1)."""
-        self.default_n_predict = config.n_predict
-        """Tokens for a request that sets no budget (``EngineConfig.n_predict``, -1: until done; CONFIGURE tier 1)."""
+        self.request_defaults = RequestDefaults(config.sampling, config.n_predict)
+        """What a request leaves out gets (CONFIGURE tier 1 swaps a new immutable object in: one assignment, so
+        a thread that reads it once sees one consistent pair; :meth:`defaults`, :meth:`default_n_predict`)."""
         self.experts = ExpertModes(config.peer, config.combined_pattern, self.stats, model_kwargs(config),
                                    events=self.events)
         self.scheduler: Scheduler | None = None
@@ -253,6 +257,7 @@ class Engine:
         task_status.started()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_cancelled)
+            # the engine thread: a trio worker with its own limiter (never waits for the shared 40; bridge.py)
             await trio.to_thread.run_sync(self._thread_main, limiter=trio.CapacityLimiter(1))
             nursery.cancel_scope.cancel()
 
@@ -313,6 +318,23 @@ class Engine:
         call = Call(lambda: fn(self))
         self.post(call)
         return await call.wait()
+
+    async def run_task(self, task: EngineTask) -> Any:
+        """Run a typed task (:mod:`~hydra_trio.engine.tasks`) on the engine thread between two steps
+        (:meth:`execute`); return its result.  Cancellation as :meth:`call`.  Raises NotReady (before the
+        model serves), or what the task raises (Busy, InvalidRequest, StateError, ...)."""
+        self.check_ready()
+        call: Call[Any] = Call(functools.partial(self.execute, task))
+        self.post(call)
+        return await call.wait()
+
+    def execute(self, task: EngineTask) -> Any:
+        """Engine thread: dispatch ``task`` by its type (``task.run``), counted in ``stats.tasks`` by its
+        kind and logged (llama-server's ``process_single_task`` switch over ``server_task_type``)."""
+        kind = type(task).kind
+        self.stats.tasks[kind] = self.stats.tasks.get(kind, 0) + 1
+        log.debug("task %s: %r", kind, task)
+        return task.run(self)
 
     def post(self, call: Call[Any]) -> None:
         """Hand a call to the engine thread; it runs between two batching steps (see :meth:`call`)."""
@@ -377,7 +399,7 @@ class Engine:
                 self._publish()
                 self._set_stage(Stage.READY)
                 assert self._trio_token is not None
-                try:
+                try:  # a one-way notice with no result to carry back: run_sync_soon (bridge.py, "Thread crossings")
                     self._trio_token.run_sync_soon(self._ready.set)
                 except trio.RunFinishedError:
                     pass
@@ -484,29 +506,26 @@ class Engine:
         assert self.model is not None
         return erase_slot(self.model, self.slots[id_slot], self.prompt_cache)
 
-    def set_expert_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
-        """Engine thread, every slot idle (the control channel checks): SOLO / COMBINED; the reply meta."""
-        return self.experts.set_mode(mode, peer)
+    @property
+    def defaults(self) -> SamplingParams:
+        """Sampling settings for the fields a request leaves out (``request_defaults.sampling``)."""
+        return self.request_defaults.sampling
 
-    def peer_gone(self) -> None:
-        """Engine thread, slots idle: the watchdog found the peer unreachable; back to SOLO."""
-        self.experts.peer_gone()
+    @property
+    def default_n_predict(self) -> int:
+        """Tokens for a request that sets no budget (``request_defaults.n_predict``, -1: until done)."""
+        return self.request_defaults.n_predict
 
     def set_defaults(self, **params: Any) -> None:
-        """CONFIGURE tier 1: new sampling defaults (and ``n_predict``) for requests that omit them.
+        """CONFIGURE tier 1 (any thread): new sampling defaults (and ``n_predict``) for requests that omit
+        them, swapped in as one new :class:`RequestDefaults`.  Bounds: :mod:`hydra_trio.engine.settings` (the
+        HTTP API's too).  Raises ParameterError (an InvalidRequest) naming the field; nothing changes then."""
+        self.request_defaults = self.request_defaults.evolve(**params)
 
-        Bounds: :mod:`hydra_trio.engine.settings` (the HTTP API's too).
-        Raises ParameterError (an InvalidRequest) naming the field; nothing changes then.
-        """
-        self.defaults, self.default_n_predict = self.check_defaults(**params)
-
-    def check_defaults(self, **params: Any) -> tuple[SamplingParams, int]:
-        """What :meth:`set_defaults` would apply, ``(defaults, n_predict)``, changing nothing: CONFIGURE
-        validates every tier before it applies any.  Raises ParameterError naming the field."""
-        params = dict(params)
-        n_predict = params.pop("n_predict", self.default_n_predict)
-        check_n_predict("n_predict", n_predict)
-        return attrs.evolve(self.defaults, **params), n_predict  # validators check each field
+    def check_defaults(self, **params: Any) -> RequestDefaults:
+        """What :meth:`set_defaults` would apply, changing nothing: CONFIGURE validates every tier before it
+        applies any.  Raises ParameterError naming the field."""
+        return self.request_defaults.evolve(**params)
 
     def reconfigure(self, *, n_ctx: int | None = None, n_parallel: int | None = None,
                     model_path: Path | None = None, model_alias: str | None = None) -> dict[str, Any]:
@@ -533,17 +552,6 @@ class Engine:
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
         self.quants.loaded(new.path)
-
-    def pipeline_attach(self, peer: str | None, ot_split: str) -> dict[str, Any]:
-        """Engine thread, every slot idle: PIPELINE_ATTACH (:meth:`ExpertModes.attach_pipeline`)."""
-        return self.experts.attach_pipeline(peer, ot_split)
-
-    def swap_quant(self, key: str, *, experts_only: bool = False) -> dict[str, Any]:
-        """Engine thread, every slot idle (the control channel checks): SWAP_QUANT to quant ``key``.
-
-        See :func:`hydra_trio.engine.quants.swap_quant` (``experts_only``: :func:`~hydra_trio.engine.quants.swap_peer_tensors`).
-        """
-        return (quants.swap_peer_tensors if experts_only else quants.swap_quant)(self, key)
 
 
 def reconfigure(

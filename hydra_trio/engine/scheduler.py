@@ -46,7 +46,7 @@ from .prompt_cache import PromptCache
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, StepHandOff, TextDelta
 from .thinking_budget import ThinkingBudget
 from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
-from .slots import Slot, StopStringMatcher
+from .slots import Slot, SlotState, StopStringMatcher
 from .state import save_slot
 
 log = logging.getLogger("hydra_trio.engine")
@@ -273,12 +273,14 @@ class Scheduler:
         slot.reset_request()
         slot.sampler = sampler
         slot.handle = handle
+        slot.state = SlotState.STARTED
         slot.t_start = time.perf_counter()
         cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
                               self.slots)
         slot.cache_n = cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
+        slot.state = SlotState.PROCESSING_PROMPT if slot.pending_prompt else SlotState.DONE_PROMPT
         slot.stopper = StopStringMatcher(job.stop)
         slot.may_share = (job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
                           and not self.checkpoints.needed(m))  # share_prefix: why not these models
@@ -358,6 +360,7 @@ class Scheduler:
                 del slot.pending_prompt[: len(toks)]
                 n_prompt_fed += len(toks)
                 if not slot.pending_prompt:
+                    slot.state = SlotState.DONE_PROMPT
                     slot.t_first = time.perf_counter()
                     if slot.handle is not None and slot.handle.job.n_predict == 0:
                         self._finish(slot, "length")
@@ -390,6 +393,7 @@ class Scheduler:
             self._finish(slot, "stop", flush=False, stop_reason="stop")
             return
         slot.last_token = token
+        slot.state = SlotState.GENERATING
         if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
             self._finish(slot, "length")
         elif (job.t_max_predict_ms > 0 and "\n" in text

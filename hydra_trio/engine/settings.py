@@ -261,6 +261,32 @@ def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
         check_int(name, value, lo, INT32_MAX)
 
 
+@attrs.frozen
+class RequestDefaults:
+    """What a request that leaves fields out gets: the sampling settings and the token budget
+    (``EngineConfig.sampling`` / ``n_predict``; CONFIGURE tier 1 replaces them).
+
+    Immutable, and held by the engine as one attribute: CONFIGURE swaps a new object in with one
+    assignment, so a worker thread that builds a job reads the pair as it was before or after the
+    change, never half of each (llama-server's ``params_base``, which its ``/props`` POST changes,
+    is read by the HTTP threads the same way).
+    """
+
+    sampling: SamplingParams
+    n_predict: int = -1
+    """Tokens for a request that sets no budget (-1: until done)."""
+
+    def evolve(self, **params: Any) -> RequestDefaults:
+        """These defaults with ``params`` (SamplingParams' fields, and ``n_predict``) replaced.
+
+        Raises ParameterError naming the first field out of bounds (nothing changes).
+        """
+        params = dict(params)
+        n_predict = params.pop("n_predict", self.n_predict)
+        check_n_predict("n_predict", n_predict)
+        return RequestDefaults(attrs.evolve(self.sampling, **params), n_predict)  # validators check each field
+
+
 def check_stop(stop: tuple[str, ...]) -> None:
     """Stop strings: at most 16, each at most 512 characters (the matcher holds back up to that much text)."""
     if len(stop) > MAX_STOP_STRINGS:

@@ -35,6 +35,7 @@ import trio
 from ..errors import HydraTrioError, InvalidRequest
 from .blobbuf import BlobBuffer
 from .state import StateError, verify_checksum
+from .tasks import RestoreSlot, SaveSlot
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -163,8 +164,8 @@ async def save(engine: Engine, id_slot: int, directory: Path, filename: str) -> 
     """
     check_filename(filename)
     t0 = time.perf_counter()
-    n_saved, blob = await engine.call(lambda e: e.save_slot(id_slot))
-    n_written = await trio.to_thread.run_sync(write_file, directory, filename, blob)
+    n_saved, blob = await engine.run_task(SaveSlot(id_slot))
+    n_written = await trio.to_thread.run_sync(write_file, directory, filename, blob)  # file I/O off the loop
     return {"id_slot": id_slot, "filename": filename, "n_saved": n_saved, "n_written": n_written,
             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
 
@@ -180,11 +181,12 @@ async def restore(engine: Engine, id_slot: int, directory: Path, filename: str) 
     """
     check_filename(filename)
     t0 = time.perf_counter()
-    blob = await trio.to_thread.run_sync(read_file, directory, filename)
+    blob = await trio.to_thread.run_sync(read_file, directory, filename)  # file I/O and hashing: off the loop and
+    # off the engine thread, in trio's worker threads (see bridge.py, "Thread crossings")
     n_read = len(blob)  # restore_slot consumes the blob (frames it in place)
     try:
         await trio.to_thread.run_sync(verify_checksum, blob)
-        done = await engine.call(lambda e: e.restore_slot(id_slot, blob, checksum_verified=True))
+        done = await engine.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
     except StateError as exc:
         raise InvalidRequest(f"filename: {filename!r} cannot be restored on this node: {exc}") from None
     return {"id_slot": id_slot, "filename": filename, "n_restored": done.n_past, "n_read": n_read,

@@ -9,6 +9,7 @@ that run on slots are in :mod:`hydra_trio.engine.requests`.
 from __future__ import annotations
 
 import codecs
+import enum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -64,8 +65,24 @@ class StopStringMatcher:
         return out
 
 
+class SlotState(enum.Enum):
+    """Where a slot is in its request (llama-server's ``slot_state`` in ``tools/server/server-context.cpp``).
+
+    ``IDLE`` -> ``STARTED`` (a request is assigned, its cached prefix being found) -> ``PROCESSING_PROMPT``
+    (prompt tokens left to feed) -> ``DONE_PROMPT`` (the prompt is in the KV cache, no token sampled yet)
+    -> ``GENERATING`` (a sampled token waits to be fed) -> ``IDLE`` when the request ends.  A prefill-only
+    request ends at ``DONE_PROMPT``.
+    """
+
+    IDLE = "idle"
+    STARTED = "started"
+    PROCESSING_PROMPT = "processing_prompt"
+    DONE_PROMPT = "done_prompt"
+    GENERATING = "generating"
+
+
 class Slot:
-    """One KV sequence and the request running on it (if any)."""
+    """One KV sequence and the request running on it (if any); :attr:`state` says where the request is."""
 
     def __init__(self, id_slot: int, n_ctx: int) -> None:
         self.id = id_slot
@@ -75,6 +92,7 @@ class Slot:
         self.reset_request()
 
     def reset_request(self) -> None:
+        self.state = SlotState.IDLE
         self.handle: RequestHandle | None = None
         self.pending_prompt: list[int] = []
         self.may_share = False  # no prompt token fed yet: a prefix may still come from another slot
@@ -99,8 +117,10 @@ class Slot:
 
     @property
     def is_processing(self) -> bool:
-        return self.handle is not None
+        """A request runs on the slot (any state but ``IDLE``)."""
+        return self.state is not SlotState.IDLE
 
     @property
     def generating(self) -> bool:
-        return self.handle is not None and not self.pending_prompt and self.last_token is not None
+        """The prompt is fed and a sampled token waits to be fed (``GENERATING``)."""
+        return self.state is SlotState.GENERATING

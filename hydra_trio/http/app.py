@@ -43,6 +43,7 @@ from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import JobRun, TextDelta
+from ..engine.tasks import EraseSlot
 from ..errors import HydraTrioError
 from . import metrics
 from .. import node_stats
@@ -174,10 +175,11 @@ class Api:
             return _unavailable(e)
         m = e.solo_model or e.model
         assert m is not None and e.identity is not None
+        defaults = e.request_defaults  # one consistent pair (CONFIGURE swaps a new one in)
         params = {
-            **e.defaults.to_json(),
-            "max_tokens": e.default_n_predict,
-            "n_predict": e.default_n_predict,
+            **defaults.sampling.to_json(),
+            "max_tokens": defaults.n_predict,
+            "n_predict": defaults.n_predict,
             "ignore_eos": False,
             "stream": False,
             "n_probs": 0,
@@ -221,7 +223,7 @@ class Api:
             return body
         m = e.solo_model or e.model
         assert m is not None
-        tokens = await trio.to_thread.run_sync(
+        tokens = await trio.to_thread.run_sync(  # reads only the vocabulary: a trio worker thread (bridge.py)
             lambda: m.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
             if body.content else []
         )
@@ -330,7 +332,7 @@ class Api:
         action = request.query_params.get("action")
         try:
             if action == "erase":
-                n = await e.call(lambda engine: engine.erase_slot(id_slot))
+                n = await e.run_task(EraseSlot(id_slot))
                 return JSONResponse({"id_slot": id_slot, "n_erased": n})
             if action not in ("save", "restore"):
                 return _bad_request(f"action: {action!r} is not supported (supported: erase, save, restore)")

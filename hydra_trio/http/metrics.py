@@ -206,6 +206,12 @@ def _engine(e: Engine) -> Iterator[Metric]:
     yield CounterMetricFamily(
         "hydra_trio:requests_deferred", "Requests that waited in the queue for a free slot.", s.requests_deferred
     )
+    tasks = CounterMetricFamily("hydra_trio:engine_tasks", "Typed engine tasks run on the engine thread "
+                                "(hydra_trio.engine.tasks: save_slot, restore_slot, configure, ...), by type.",
+                                labels=["type"])
+    for kind, n in sorted(dict(s.tasks).items()):  # a copy: the engine thread may add a kind meanwhile
+        tasks.add_metric([kind], n)
+    yield tasks
     yield GaugeMetricFamily(
         "llamacpp:n_busy_slots_per_decode",
         "Average number of busy slots per llama_decode() call.",

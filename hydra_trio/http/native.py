@@ -34,6 +34,7 @@ from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from ..engine.requests import JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import verify_checksum
+from ..engine.tasks import RestoreSlot, SaveSlot
 from ..errors import HydraTrioError
 from ._common import _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .errors import error_response
@@ -75,6 +76,7 @@ class NativeRoutes:
             body = await api._read(request, CompletionRequest)
             if body.echo:
                 raise RequestError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
+            # tokenizing reads only the vocabulary: a trio worker thread, not the engine's (bridge.py)
             job = await trio.to_thread.run_sync(lambda: job_from_completion(e, body))
             n_probs = body.n_probs if body.n_probs is not None else (body.logprobs or 0)
             job = attrs.evolve(job, request_id=request_id, logprobs=n_probs > 0, n_probs=n_probs)
@@ -133,7 +135,7 @@ class NativeRoutes:
         if isinstance(body, Response):
             return body
         try:
-            prompt, _ = await trio.to_thread.run_sync(lambda: chat_prompt(e, body))
+            prompt, _ = await trio.to_thread.run_sync(lambda: chat_prompt(e, body))  # templating: a worker thread
         except HydraTrioError as exc:  # the template failed (ChatTemplateError: 400) or rejected a field
             return error_for(exc)
         return JSONResponse({"prompt": prompt})
@@ -160,7 +162,7 @@ class NativeRoutes:
             return id_slot
         assert e is not None and e.identity is not None
         try:
-            n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot, pool=TRANSFER_POOL))
+            n_past, blob = await e.run_task(SaveSlot(id_slot, pool=TRANSFER_POOL))
         except HydraTrioError as exc:
             return error_for(exc)
         return StreamingResponse(_slices(blob), media_type=STATE_TYPE, headers={
@@ -181,7 +183,7 @@ class NativeRoutes:
             size = len(blob)  # restore_slot consumes the blob (frames it in place)
             # integrity first, in a worker thread: the engine thread never hashes a large blob
             await trio.to_thread.run_sync(verify_checksum, blob)
-            done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+            done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
         except HydraTrioError as exc:  # a blob this node cannot take: 400 with its meta (StateError)

@@ -168,7 +168,7 @@ class HydraClient(HydraConnection):
                     await f.write(chunk)
                 if fsync:
                     await f.flush()
-                    await trio.to_thread.run_sync(os.fsync, f.fileno())
+                    await trio.to_thread.run_sync(os.fsync, f.fileno())  # blocking file I/O: off the loop
             await trio.to_thread.run_sync(os.replace, tmp, target)
         except BaseException:
             with trio.CancelScope(shield=True):

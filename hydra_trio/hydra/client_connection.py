@@ -451,7 +451,7 @@ class HydraConnection:
 
         async def send(rs: ResponseStream) -> None:
             async with await trio.open_file(path, "rb") as f:
-                size = (await trio.to_thread.run_sync(os.fstat, f.fileno())).st_size
+                size = (await trio.to_thread.run_sync(os.fstat, f.fileno())).st_size  # file I/O: off the loop
                 await self._send_all(encode_request_header(op, key, tid, size), rs)
                 left = size
                 while left:

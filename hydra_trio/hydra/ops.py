@@ -36,6 +36,7 @@ from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import verify_checksum
+from ..engine.tasks import PipelineAttach, Reconfigure, RestoreSlot, SaveSlot, SetExpertMode, SwapQuant
 from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..ggml_rpc.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
@@ -157,7 +158,7 @@ async def state_get(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     with _state_event(e, "state.get", ctx.req.trace_id, id_slot) as event:
         # cancelled while waiting, the engine may still write the buffer: it is then dropped, not pooled
-        n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot, pool=TRANSFER_POOL))
+        n_past, blob = await e.run_task(SaveSlot(id_slot, pool=TRANSFER_POOL))
         try:
             event.update(bytes=len(blob), n_past=n_past)
             await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)},
@@ -193,7 +194,7 @@ async def state_put(ctx: OpContext) -> None:
             # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob (a
             # buffered payload was hashed as it arrived: only its header is read then)
             await trio.to_thread.run_sync(verify_checksum, blob, ctx.req.checksum)
-            done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+            done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         except HydraTrioError:  # the thread and the engine are done with it (cancelled: it is dropped, not pooled)
             _give_back(blob)
             raise
@@ -447,7 +448,7 @@ async def configure(ctx: OpContext) -> None:
         assert ctx.node.control is not None
         try:
             result = await ctx.node.control.submit(
-                Change("configure " + ",".join(deferred), lambda eng: eng.reconfigure(**changes), ctx.req.trace_id)
+                Change("configure " + ",".join(deferred), Reconfigure(**changes), ctx.req.trace_id)
             )
         except HydraTrioError as exc:
             raise reply_for(exc, success=False, params_applied={}, tier=tier) from None
@@ -457,9 +458,9 @@ async def configure(ctx: OpContext) -> None:
     meta: dict[str, Any] = {}
     if chunk is not None:
         ctx.node.state_chunk_size = meta["state_chunk_size_applied"] = applied["state_chunk_size"] = chunk
-    if cross_model_kv is not None:
+    if cross_model_kv is not None:  # one bool, read once per STATE_PUT on the engine thread
         e.allow_cross_model_kv = applied["allow_cross_model_kv"] = cross_model_kv
-    if t1:
+    if t1:  # one new immutable RequestDefaults, swapped in whole: job-building threads see all or none of it
         e.set_defaults(**t1)
         applied.update(t1)
     applied.update(result)
@@ -473,7 +474,7 @@ async def set_expert_mode(ctx: OpContext) -> None:
     assert ctx.node.control is not None
     change = Change(
         f"set_expert_mode {want.mode}" + (f" peer={want.peer}" if want.peer else ""),
-        lambda engine: engine.set_expert_mode(want.mode, want.peer),
+        SetExpertMode(want.mode, want.peer),
         ctx.req.trace_id,
     )
     try:
@@ -508,7 +509,7 @@ async def swap_quant(ctx: OpContext) -> None:
                             f"tensors on its peer ({e.experts.pattern!r})", swapped=False)
     assert ctx.node.control is not None
     change = Change(f"swap_quant {want.quant_key}" + (" (peer tensors)" if experts_only else ""),
-                    lambda engine: engine.swap_quant(want.quant_key, experts_only=experts_only),
+                    SwapQuant(want.quant_key, experts_only=experts_only),
                     ctx.req.trace_id)
     try:
         meta = await ctx.node.control.submit(change)
@@ -535,7 +536,7 @@ async def pipeline_attach(ctx: OpContext) -> None:
     want = ctx.parse(lambda p: msg.structure_json(p, msg.PipelineAttachRequest), success=False)
     assert ctx.node.control is not None
     change = Change(f"pipeline_attach peer={want.peer or '-'} ot_split={want.ot_split!r}",
-                    lambda engine: engine.pipeline_attach(want.peer, want.ot_split), ctx.req.trace_id)
+                    PipelineAttach(want.peer, want.ot_split), ctx.req.trace_id)
     try:
         meta = await ctx.node.control.submit(change)
     except HydraTrioError as exc:

@@ -1,0 +1,150 @@
+"""Typed engine work (:mod:`hydra_trio.engine.tasks`), slot states (:class:`~hydra_trio.engine.slots.SlotState`)
+and CONFIGURE's tier-1 defaults swapped in whole, in-process on a real engine (the packaged default model)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, ClassVar
+
+import attrs
+import pytest
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from hydra_trio import EngineConfig, resolve_model
+from hydra_trio.control import Change, ControlChannel
+from hydra_trio.engine.engine import Engine
+from hydra_trio.engine.requests import CompletionJob, JobRun
+from hydra_trio.engine.settings import RequestDefaults
+from hydra_trio.engine.slots import SlotState
+from hydra_trio.engine.tasks import EngineTask, EraseSlot, RestoreSlot, SaveSlot, SetExpertMode
+from hydra_trio.errors import InvalidRequest
+from hydra_trio.http.metrics import NodeMetrics
+
+
+@asynccontextmanager
+async def running_engine(**config: Any) -> AsyncIterator[tuple[Engine, ControlChannel]]:
+    path, alias = resolve_model("smollm2-135m")
+    engine = Engine(EngineConfig(path, alias, n_parallel=2, n_ctx=2048, **config))
+    control = ControlChannel(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        with trio.fail_after(300):
+            await engine.wait_ready()
+        await nursery.start(control.run)
+        yield engine, control
+        nursery.cancel_scope.cancel()
+
+
+@attrs.frozen
+class ReadSlot(EngineTask):
+    """The slot's state and derived flags, as the engine thread sees them between two steps."""
+
+    kind: ClassVar[str] = "read_slot"
+    id_slot: int
+
+    def run(self, engine: Any) -> tuple[SlotState, bool, bool, int]:
+        assert threading.current_thread() is not threading.main_thread()  # the engine thread, not trio's
+        s = engine.slots[self.id_slot]
+        return s.state, s.is_processing, s.generating, s.n_decoded
+
+
+def _samples(engine: Engine, control: ControlChannel) -> dict[str, float]:
+    body, _ = NodeMetrics(engine=engine, control=control).render()
+    fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    return {s.labels["type"]: s.value for s in fams["hydra_trio:engine_tasks"].samples}
+
+
+async def test_slot_tasks_are_typed_dispatched_by_type_and_counted() -> None:
+    async with running_engine() as (engine, control):
+        async with JobRun(engine, CompletionJob(prompt_tokens=[1, 504, 3458, 314, 4649, 253], n_predict=4,
+                                                id_slot=0)) as run:
+            await run.result()
+        n_past, blob = await engine.run_task(SaveSlot(0))
+        assert n_past == engine.snapshot.slot(0).n_past > 6  # prompt + generated tokens
+        task = RestoreSlot(1, blob)
+        assert f"<{len(blob)} bytes>" in repr(task) and "RestoreSlot(id_slot=1" in repr(task)  # loggable
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            task.id_slot = 0  # type: ignore[misc]
+        done = await engine.run_task(task)
+        assert done.n_past == n_past == engine.snapshot.slot(1).n_past
+        assert await engine.run_task(EraseSlot(1)) == n_past
+        assert engine.snapshot.slot(1).n_past == 0
+        with pytest.raises(InvalidRequest, match="no longer exists"):
+            await engine.run_task(SaveSlot(7))  # a task's own error reaches its caller
+        # a control-channel change is a task too, dispatched and counted the same way
+        meta = await control.submit(Change("solo", SetExpertMode("solo")))
+        assert meta["mode"] == "solo"
+        assert engine.stats.tasks == {"save_slot": 2, "restore_slot": 1, "erase_slot": 1, "set_expert_mode": 1}
+        assert _samples(engine, control) == {"erase_slot": 1.0, "restore_slot": 1.0, "save_slot": 2.0,
+                                             "set_expert_mode": 1.0}
+
+
+async def test_a_slot_moves_through_its_states_in_order() -> None:
+    order = list(SlotState)
+    async with running_engine(n_batch=32) as (engine, _):
+        assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
+        prompt = [1, *range(1000, 1300)]  # 301 tokens: ten 32-token steps of prompt processing
+        seen: list[tuple[SlotState, bool, bool, int]] = []
+        async with JobRun(engine, CompletionJob(prompt_tokens=prompt, n_predict=2000, ignore_eos=True,
+                                                id_slot=0)) as run:
+            while not seen or seen[-1][0] is not SlotState.GENERATING:
+                seen.append(await engine.run_task(ReadSlot(0)))
+            states = [s for s, *_ in seen]
+            # between two steps the engine is never in the middle of a state change: the states come in order
+            assert [order.index(s) for s in states] == sorted(order.index(s) for s in states)
+            assert SlotState.PROCESSING_PROMPT in states
+            for state, processing, generating, n_decoded in seen:
+                assert processing == (state is not SlotState.IDLE)
+                assert generating == (state is SlotState.GENERATING)
+                assert (n_decoded > 0) == (state is SlotState.GENERATING)
+            assert engine.snapshot.slot(0).is_processing
+        with trio.fail_after(120):  # the closed run's slot frees at the engine's next step
+            while (await engine.run_task(ReadSlot(0)))[0] is not SlotState.IDLE:
+                await trio.sleep(0.01)
+        assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
+        assert not engine.snapshot.slot(0).is_processing
+        assert engine.stats.tasks["read_slot"] >= len(seen) + 2
+
+
+def test_configure_tier_1_swaps_one_immutable_defaults_object() -> None:
+    path, alias = resolve_model("smollm2-135m")
+    engine = Engine(EngineConfig(path, alias))  # no model loaded: tier 1 touches no llama.cpp state
+    first = engine.request_defaults
+    assert isinstance(first, RequestDefaults)
+    assert (engine.defaults, engine.default_n_predict) == (first.sampling, first.n_predict)
+
+    engine.set_defaults(temperature=0.25, n_predict=25)
+    second = engine.request_defaults
+    assert second is not first and (first.sampling.temperature, first.n_predict) != (0.25, 25)  # old one unchanged
+    assert (second.sampling.temperature, second.n_predict) == (0.25, 25)
+    assert (engine.defaults.temperature, engine.default_n_predict) == (0.25, 25)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        second.n_predict = 1  # type: ignore[misc]
+    with pytest.raises(InvalidRequest, match="n_predict"):
+        engine.set_defaults(temperature=0.5, n_predict=-2)
+    assert engine.request_defaults is second  # a refused change changes nothing, not even the temperature
+
+    # a thread that builds jobs reads the pair while CONFIGURE changes it: every read is one whole pair
+    stop, torn, reads = threading.Event(), [], [0]
+
+    def reader() -> None:
+        while not stop.is_set():
+            d = engine.request_defaults
+            if round(d.sampling.temperature * 100) != d.n_predict:
+                torn.append((d.sampling.temperature, d.n_predict))
+            reads[0] += 1
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for i in range(20000):
+            n = 1 + i % 150
+            engine.set_defaults(temperature=n / 100, n_predict=n)
+    finally:
+        stop.set()
+        t.join()
+    assert reads[0] > 0 and torn == []
+    assert engine.request_defaults.n_predict == 1 + 19999 % 150
