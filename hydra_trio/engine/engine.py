@@ -522,11 +522,6 @@ class Engine:
         HTTP API's too).  Raises ParameterError (an InvalidRequest) naming the field; nothing changes then."""
         self.request_defaults = self.request_defaults.evolve(**params)
 
-    def check_defaults(self, **params: Any) -> RequestDefaults:
-        """What :meth:`set_defaults` would apply, changing nothing: CONFIGURE validates every tier before it
-        applies any.  Raises ParameterError naming the field."""
-        return self.request_defaults.evolve(**params)
-
     def reconfigure(self, *, n_ctx: int | None = None, n_parallel: int | None = None,
                     model_path: Path | None = None, model_alias: str | None = None) -> dict[str, Any]:
         """Engine thread, every slot idle: CONFIGURE tiers 2 and 3 (:func:`reconfigure`)."""

@@ -433,7 +433,7 @@ async def configure(ctx: OpContext) -> None:
     # 1. check everything, change nothing
     try:
         if t1:
-            e.check_defaults(**t1)
+            e.request_defaults.evolve(**t1)  # what set_defaults would apply, changing nothing
         unsupported = sorted((set(t2) | set(t3)) - {"n_ctx", "n_parallel", "model_path", "model"})
         if unsupported:
             raise InvalidRequest(f"{', '.join(unsupported)}: not supported by this node (CPU only, default KV types)")
