@@ -3,7 +3,9 @@
 The layer under the operations (as hypercorn's ``TCPServer`` is under its
 protocol): bytes from the socket go through the sans-I/O
 :class:`~hydra_trio.protocol.hydra.RequestDecoder`; each whole request is
-handed to ``dispatch``; a framing error is answered as its
+handed to the connection's one protocol object (a :class:`ConnectionProtocol`,
+in the node :class:`hydra_trio.hydra.connection.ServerConnection`), which also
+says how large each op's payload may be and whether it is kept; a framing error is answered as its
 :class:`~hydra_trio.protocol.hydra.ProtocolError` says (``reply`` with
 ``status``, then close).  Framing rules: hydra-protocol.md §2, the **[fix]**
 rows included: a payload is always consumed before the next header; over
@@ -13,10 +15,11 @@ closes without a reply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -73,29 +76,56 @@ class Drain:
     """Graceful shutdown for every connection: between requests, connections close.
 
     :meth:`start` closes the idle ones at once (their receive is cancelled);
-    a connection busy with a request closes after its reply.
+    a connection busy with a request closes after its reply.  A connection
+    loop waits for its next request inside :meth:`while_idle`.
     """
 
     def __init__(self) -> None:
-        self.draining = False
+        self._draining = False
         self._idle: set[trio.CancelScope] = set()
 
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`start` was called."""
+        return self._draining
+
     def start(self) -> None:
-        self.draining = True
+        """Begin the drain: cancel the scope of every connection waiting in :meth:`while_idle`."""
+        self._draining = True
         for scope in list(self._idle):
             scope.cancel()
 
+    @contextlib.contextmanager
+    def while_idle(self, scope: trio.CancelScope) -> Iterator[None]:
+        """Inside this block, a :meth:`start` cancels ``scope`` (a connection between two requests)."""
+        self._idle.add(scope)
+        try:
+            yield
+        finally:
+            self._idle.discard(scope)
 
-Dispatch = Callable[[HydraRequest, trio.SocketStream], Awaitable[None]]
+
+class ConnectionProtocol(Protocol):
+    """What :func:`serve_connection` hands one connection's requests to (hypercorn's transport hands
+    its events to one protocol object the same way): the payload policy, then each whole request."""
+
+    def max_payload(self, op: int) -> int:
+        """The largest payload (bytes) a request of ``op`` may announce; over it: BAD_REQUEST, then close."""
+        ...
+
+    def keeps_payload(self, op: int) -> bool:
+        """Whether the payload of ``op`` is collected into :attr:`HydraRequest.payload` (else consumed and dropped)."""
+        ...
+
+    async def handle(self, req: HydraRequest) -> None:
+        """Answer one whole request (its reply written before the next request is read)."""
+        ...
 
 
 async def serve_connection(
-    stream: trio.SocketStream,
+    stream: trio.abc.Stream,
     settings: HydraSettings,
-    dispatch: Dispatch,
-    *,
-    keeps_payload: Callable[[int], bool],
-    max_payload_for: Callable[[int], int],
+    protocol: ConnectionProtocol,
     drain: Drain,
 ) -> None:
     """Serve requests on ``stream`` until the peer closes, a timeout, a framing error or a drain.
@@ -103,10 +133,10 @@ async def serve_connection(
     Deadlines: ``idle_timeout`` between requests; a header (16 bytes + key +
     trace id) must arrive whole within ``request_timeout`` (one byte every few
     seconds does not hold a connection); inside a payload, ``request_timeout``
-    without progress.  ``keeps_payload(op)`` says whether the op's payload is
-    collected (the others are consumed and dropped).
+    without progress.  ``protocol`` sets each op's payload cap and whether its
+    payload is collected, and answers each whole request, in the order they came.
     """
-    dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=max_payload_for)
+    dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=protocol.max_payload)
     req: HydraRequest | None = None
     header_deadline = math.inf
     while True:
@@ -124,12 +154,9 @@ async def serve_connection(
         else:  # payload: the timeout is per receive (no progress)
             deadline = trio.current_time() + settings.request_timeout
         with trio.move_on_at(deadline) as scope:
-            if idle:  # between requests: a drain may close it now
-                drain._idle.add(scope)
-            try:
+            # between requests a drain may close it now
+            with drain.while_idle(scope) if idle else contextlib.nullcontext():
                 data = await stream.receive_some(settings.chunk_size)
-            finally:
-                drain._idle.discard(scope)
         if scope.cancelled_caught:
             why = "the node is shutting down" if idle and drain.draining else "idle" if idle else "stalled mid-request"
             log.info("hydra: connection %s; closed", why)
@@ -143,33 +170,30 @@ async def serve_connection(
             events = dec.feed(data)
         except ProtocolError as exc:
             events, error = list(exc.events or []), exc  # requests completed before the bad bytes
-        req = await _handle_events(events, req, stream, dispatch, keeps_payload)
+        req = await _handle_events(events, req, protocol)
         if error is not None:
             await _refuse(stream, error)
             return
 
 
-async def _handle_events(
-    events: list[Any], req: HydraRequest | None, stream: trio.SocketStream, dispatch: Dispatch,
-    keeps_payload: Callable[[int], bool],
-) -> HydraRequest | None:
-    """Feed decoder events into the request in progress; dispatch each completed request."""
+async def _handle_events(events: list[Any], req: HydraRequest | None, protocol: ConnectionProtocol) -> HydraRequest | None:
+    """Feed decoder events into the request in progress; hand each completed request to ``protocol``."""
     for ev in events:
         if isinstance(ev, RequestStarted):
             h = ev.header
             req = HydraRequest(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
         elif isinstance(ev, PayloadChunk):
             assert req is not None
-            if keeps_payload(req.op):
+            if protocol.keeps_payload(req.op):
                 req.payload += ev.data
         elif isinstance(ev, RequestEnded):
             assert req is not None
-            await dispatch(req, stream)
+            await protocol.handle(req)
             req = None
     return req
 
 
-async def _refuse(stream: trio.SocketStream, error: ProtocolError) -> None:
+async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
     """The framing broke: reply as the error says (status and op), then the caller closes."""
     if error.reply:
         h = error.header
