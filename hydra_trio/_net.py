@@ -1,8 +1,13 @@
-"""Small socket helpers the product and its tests share."""
+"""Small socket helpers the product and its tests share, and the bulk loops of the KV transfers."""
 
 from __future__ import annotations
 
+import math
+import os
 import socket
+from collections.abc import Callable
+
+import trio
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -11,3 +16,102 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- bulk bytes on a trio socket
+
+BULK_WRITE = 4 * 1024 * 1024
+"""Bytes one system call of :func:`send_view` hands the kernel at most (it takes what its buffer holds)."""
+
+FAIR_BYTES = 16 * 1024 * 1024
+"""Bytes a bulk loop moves between two checkpoints when the socket never makes it wait, so other tasks
+of the event loop still run during a multi-GB transfer."""
+
+
+def _fd(stream: trio.SocketStream) -> int:
+    fd = stream.socket.fileno()
+    if fd < 0:
+        raise trio.ClosedResourceError("the socket was closed")
+    return fd
+
+
+async def send_view(stream: trio.SocketStream, view: memoryview, step: int,
+                    sent: Callable[[int], None] | None = None, progress_timeout: float = math.inf) -> None:
+    """Send all of ``view`` on a plain TCP stream, straight from its memory, in pieces of at most ``step``
+    bytes: non-blocking ``writev`` calls of up to :data:`BULK_WRITE` bytes (several pieces each),
+    waiting (``wait_writable``) only when the kernel's send buffer is full.
+
+    The loop trio's ``send_all`` runs, without its two scheduler checkpoints per write and with fewer
+    system calls (measured on loopback: trio's ``send_all`` of 256 KiB pieces and one write per
+    256 KiB both reach 0.6-0.75x of a blocking ``sendall``; 4 MiB per call about 1x); it checkpoints
+    every :data:`FAIR_BYTES`.  ``sent(n)`` is called after each call.  The caller holds the stream
+    (no other task sends on it).
+
+    Raises:
+        trio.TooSlowError: the kernel took no byte for ``progress_timeout`` seconds.
+        trio.BrokenResourceError: the peer reset or closed the connection.
+        trio.ClosedResourceError: the stream was closed.
+    """
+    await trio.lowlevel.checkpoint_if_cancelled()
+    pos, since, total = 0, 0, len(view)
+    while pos < total:
+        end = min(total, pos + max(step, BULK_WRITE // step * step))
+        try:
+            n = os.writev(_fd(stream), [view[i : min(i + step, end)] for i in range(pos, end, step)])
+        except BlockingIOError:
+            with trio.fail_after(progress_timeout):
+                await trio.lowlevel.wait_writable(stream.socket)
+            since = 0
+            continue
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+        pos += n
+        since += n
+        if sent is not None:
+            sent(n)
+        if since >= FAIR_BYTES:
+            await trio.lowlevel.checkpoint()
+            since = 0
+    await trio.lowlevel.cancel_shielded_checkpoint()
+
+
+async def recv_into_view(stream: trio.SocketStream, view: memoryview, progress_timeout: float,
+                         received: Callable[[memoryview], None] | None = None) -> tuple[int, bool]:
+    """Receive into ``view`` from a plain TCP stream until it is full, the peer closes, or no byte comes
+    for ``progress_timeout`` seconds.  Returns ``(received, closed)``: fewer than ``len(view)`` bytes
+    with ``closed`` False means it stalled.  ``received(piece)`` is called with each piece of ``view``
+    as it is filled (still in cache: the place to hash it).
+
+    Non-blocking reads of as much as the kernel holds, straight into the view, waiting
+    (``wait_readable``) only when nothing is there; a checkpoint every :data:`FAIR_BYTES`.  Bytes
+    received before a cancellation are lost to the caller: use it where the connection is given up then.
+
+    Raises:
+        trio.BrokenResourceError: the peer reset the connection.
+        trio.ClosedResourceError: the stream was closed.
+    """
+    await trio.lowlevel.checkpoint_if_cancelled()
+    pos, since, total = 0, 0, len(view)
+    while pos < total:
+        try:
+            n = os.readv(_fd(stream), [view[pos:]])
+        except BlockingIOError:
+            with trio.move_on_after(progress_timeout) as waited:
+                await trio.lowlevel.wait_readable(stream.socket)
+            if waited.cancelled_caught:
+                return pos, False
+            since = 0
+            continue
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
+        if n == 0:
+            return pos, True
+        if received is not None:
+            received(view[pos : pos + n])
+        pos += n
+        since += n
+        if since >= FAIR_BYTES:
+            await trio.lowlevel.checkpoint()
+            since = 0
+    await trio.lowlevel.cancel_shielded_checkpoint()
+    return pos, False

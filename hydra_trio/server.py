@@ -11,6 +11,7 @@ import trio
 from .access import AccessSettings, is_loopback, new_refusals
 from .control import Change, ControlChannel
 from .errors import Busy
+from .engine.blobbuf import TRANSFER_POOL
 from .engine.combined import peer_listening
 from .engine.engine import Engine
 from .engine.settings import EngineConfig
@@ -163,6 +164,8 @@ class Server:
                 await nursery.start(self.engine.run)
             if self.control is not None:
                 await nursery.start(self.control.run)
+            if self.engine is not None:
+                nursery.start_soon(_trim_transfer_pool)
             if self.engine is not None and self.engine.experts.peer is not None:
                 nursery.start_soon(self._combined_at_start)
             elif self.engine is not None:  # a peer may come later (SET_EXPERT_MODE, PIPELINE_ATTACH)
@@ -268,3 +271,11 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
     ``port`` is the bound port.  Runs until cancelled.
     """
     await Server(config).run(task_status=task_status)
+
+
+async def _trim_transfer_pool(every: float = 5.0) -> None:
+    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s`` (:mod:`hydra_trio.engine.blobbuf`)."""
+    while True:
+        await trio.sleep(every)
+        if TRANSFER_POOL.idle_bytes:
+            await trio.to_thread.run_sync(TRANSFER_POOL.trim)

@@ -40,6 +40,7 @@ FAMILIES = {
     "hydra_trio:hydra_requests": "counter",
     "hydra_trio:hydra_request_seconds": "histogram",
     "hydra_trio:state_bytes": "counter",
+    "hydra_trio:state_transfer_mb_per_second": "histogram",
     "hydra_trio:control_changes": "counter",
     "hydra_trio:expert_mode": "gauge",
     "hydra_trio:kv_cache_info": "gauge",
@@ -112,7 +113,8 @@ def test_every_family_is_exported_with_its_type_and_documented(server: ServerPro
         assert scrape.families[name].type == kind, (name, scrape.families[name].type)
         assert f"`{name}" in readme, f"{name} is not in the README's metrics table"
     # and nothing is exported that the test (so the README) does not know
-    unknown = set(scrape.families) - set(FAMILIES) - {"hydra_trio:hydra_request_seconds_created"}
+    unknown = set(scrape.families) - set(FAMILIES) - {"hydra_trio:hydra_request_seconds_created",
+                                                      "hydra_trio:state_transfer_mb_per_second_created"}
     assert unknown == set(), unknown
     assert scrape.value("hydra_trio:expert_mode", mode="solo") == 1.0
     assert scrape.value("hydra_trio:expert_mode", mode="combined") == 0.0
@@ -157,6 +159,13 @@ def test_hydra_ops_and_state_bytes_move(server: ServerProcess) -> None:
     assert moved("hydra_trio:hydra_request_seconds_sum", op="STATE_PUT") > 0
     assert moved("hydra_trio:state_bytes_total", direction="out", op="STATE_GET") == size
     assert moved("hydra_trio:state_bytes_total", direction="in", op="STATE_PUT") == size
+    for direction in ("out", "in"):  # one rate each, in MB/s: bytes over the request's seconds
+        assert moved("hydra_trio:state_transfer_mb_per_second_count", direction=direction) == 1
+        rate = moved("hydra_trio:state_transfer_mb_per_second_sum", direction=direction)
+        assert rate > 0
+        op = "STATE_GET" if direction == "out" else "STATE_PUT"
+        seconds = moved("hydra_trio:hydra_request_seconds_sum", op=op)
+        assert rate * 1e6 * seconds == pytest.approx(size, rel=1e-6)
     assert moved("hydra_trio:connections_total", protocol="hydra") == 2
     # the server closes its side once the clients have gone: the open gauge comes back
     deadline = time.monotonic() + 60

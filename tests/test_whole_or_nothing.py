@@ -18,6 +18,7 @@ import pytest
 
 from hydra_trio import EngineConfig, ServerConfig
 from hydra_trio.engine import state
+from hydra_trio.engine.blobbuf import BlobBuffer
 from hydra_trio.engine.state import blob_checksum, parse_header
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, encode_request_header
@@ -223,9 +224,10 @@ def backup_refused(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = state.put_back
 
-    def put_back(m: Any, id_slot: int, backup: bytearray) -> bool:
+    def put_back(m: Any, id_slot: int, backup: BlobBuffer) -> bool:
         calls.append(id_slot)
-        backup[:] = spoil(backup)
+        view = backup.view()  # save_slot's blob: one buffer, spoiled in place
+        view[:] = spoil(bytearray(view))
         return real(m, id_slot, backup)
 
     monkeypatch.setattr(state, "put_back", put_back)

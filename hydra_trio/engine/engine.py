@@ -31,6 +31,7 @@ from ..events import EventBus
 from .. import progress
 from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import quants, state
+from .blobbuf import BlobBuffer, BlobPool
 from .bridge import Call
 from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
@@ -445,13 +446,15 @@ class Engine:
             log.exception("publishing the engine's snapshot failed")
 
     # ----------------------------------------------- engine-thread operations
-    def save_slot(self, id_slot: int) -> tuple[int, bytearray]:
-        """Engine thread: the idle slot's KV state blob, ``(n_past, blob)``.  Raises Busy."""
+    def save_slot(self, id_slot: int, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
+        """Engine thread: the idle slot's KV state blob, ``(n_past, blob)``, its buffer from ``pool``
+        (:func:`state.save_slot`).  Raises Busy."""
         slot = self._idle_slot(id_slot)
         assert self.model is not None and self.identity is not None
-        return state.save_slot(self.model, slot, self.identity.model_hash)
+        return state.save_slot(self.model, slot, self.identity.model_hash, pool=pool)
 
-    def restore_slot(self, id_slot: int, blob: bytearray, *, checksum_verified: bool = False) -> state.Restored:
+    def restore_slot(self, id_slot: int, blob: bytearray | BlobBuffer, *,
+                     checksum_verified: bool = False) -> state.Restored:
         """Engine thread: apply a blob to the idle slot, all or nothing (:func:`state.restore_slot`).
 
         A blob of another model file with the same KV identity is applied only

@@ -19,6 +19,7 @@ import attrs
 import trio
 
 from ..errors import HydraTrioError
+from .blobbuf import BlobBuffer
 from .settings import SamplingParams
 from .thinking_budget import BudgetSpec
 
@@ -166,7 +167,7 @@ class Finished:
     n_past: int = 0
     truncated: bool = False
     stopping_word: str = ""
-    state: tuple[int, bytearray] | None = attrs.field(default=None, eq=False, repr=False)
+    state: tuple[int, BlobBuffer] | None = attrs.field(default=None, eq=False, repr=False)
 
     def timings(self) -> dict[str, Any]:
         def per_token(ms: float, n: int) -> float:

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import HydraTrioError, InvalidRequest
+from .blobbuf import BlobBuffer
 from .state import StateError, verify_checksum
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ def check_filename(name: str) -> str:
     return name
 
 
-def write_file(directory: Path, filename: str, blob: bytes | bytearray) -> int:
+def write_file(directory: Path, filename: str, blob: bytes | bytearray | BlobBuffer) -> int:
     """Worker thread: write ``blob`` to ``directory/filename`` atomically (temporary file, fsync, rename).
 
     Returns the bytes written.
@@ -97,7 +98,7 @@ def write_file(directory: Path, filename: str, blob: bytes | bytearray) -> int:
         raise SlotFileError(f"Unable to save slot: cannot write in the slot save path: {exc.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            f.write(blob.view() if isinstance(blob, BlobBuffer) else blob)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

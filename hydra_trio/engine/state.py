@@ -49,10 +49,12 @@ previous state is put back.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import json
 import logging
 import struct
+import sys
 from typing import TYPE_CHECKING
 
 import attrs
@@ -60,6 +62,7 @@ import llama_cpp
 import xxhash
 
 from ..errors import HydraTrioError, InvalidRequest
+from .blobbuf import TAIL_ROOM, BlobBuffer, BlobPool
 from .kv_identity import canonical, first_difference, identity_hash, kv_identity
 from .settings import kv_type_name
 
@@ -183,12 +186,22 @@ def _one_stream(raw: memoryview) -> memoryview | None:
     return raw[pos - 4 : pos] if n_stream else None  # every stream empty: one "0 cells" stream
 
 
-def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
+Blob = bytes | bytearray | memoryview | BlobBuffer
+"""A blob's bytes: in memory, or in a :class:`~hydra_trio.engine.blobbuf.BlobBuffer` (what :func:`save_slot`
+returns and the transfer paths receive into)."""
+
+
+def _bytes(blob: Blob) -> memoryview:
+    return blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob).cast("B")
+
+
+def parse_header(data: Blob) -> BlobHeader:
     """Parse and check the blob's fixed header.
 
     Raises:
         StateError: too short, wrong magic or an unknown version.
     """
+    data = _bytes(data)
     if len(data) < HEADER_SIZE:
         raise StateError(f"state blob too short: {len(data)} bytes, the header alone is {HEADER_SIZE}")
     magic, version, kv_format, n_tokens, digest, kv_len, checksum = _HEADER.unpack_from(data)
@@ -222,7 +235,7 @@ def parse_header(data: bytes | bytearray | memoryview) -> BlobHeader:
     return attrs.evolve(header, kv_identity_hash=ident_digest.hex(), kv_identity=identity, tokens_at=end + ident_len)
 
 
-def _check_length(header: BlobHeader, blob: bytes | bytearray | memoryview) -> None:
+def _check_length(header: BlobHeader, blob: Blob) -> None:
     if header.total_size != len(blob):
         raise StateError(
             f"state blob length {len(blob)} does not match its header ({header.total_size} bytes: "
@@ -230,19 +243,47 @@ def _check_length(header: BlobHeader, blob: bytes | bytearray | memoryview) -> N
         )
 
 
-def blob_checksum(blob: bytes | bytearray | memoryview) -> int:
-    """XXH3-64 of a blob without its checksum field (bytes 0..51 and 60..end)."""
-    view = memoryview(blob)
+def blob_checksum(blob: Blob) -> int:
+    """XXH3-64 of a blob without its checksum field (bytes 0..51 and 60..end).
+
+    xxhash's C code (it releases the GIL), about 10 GB/s from memory, more on bytes still in cache.
+    """
+    view = _bytes(blob)
     h = xxhash.xxh3_64(view[:_CHECKSUM_AT])
     h.update(view[HEADER_SIZE:])
     return h.intdigest()
 
 
-def verify_checksum(blob: bytes | bytearray | memoryview) -> BlobHeader:
+class RunningChecksum:
+    """:func:`blob_checksum` taken as a blob's bytes arrive, in order (:meth:`update` with each next
+    piece), so that a receiver hashes each piece while it is still in cache instead of reading the
+    whole blob again afterwards; :attr:`digest` once all ``size`` bytes went through."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+        self.seen = 0  # bytes fed so far
+
+    def update(self, piece: bytes | bytearray | memoryview) -> None:
+        view = memoryview(piece).cast("B")
+        start, end = self.seen, self.seen + len(view)
+        if start < _CHECKSUM_AT:
+            self._h.update(view[: max(0, min(end, _CHECKSUM_AT) - start)])
+        if end > HEADER_SIZE:
+            self._h.update(view[max(0, HEADER_SIZE - start) :])
+        self.seen = end
+
+    @property
+    def digest(self) -> int:
+        return self._h.intdigest()
+
+
+def verify_checksum(blob: Blob, running: RunningChecksum | None = None) -> BlobHeader:
     """Check the blob's header and its checksum over every other byte; returns the header.
 
     Pure CPU work on the bytes (about 10 GB/s): callers run it in a worker
-    thread for large blobs, before the engine sees them.
+    thread for large blobs, before the engine sees them.  ``running``: the
+    checksum already taken as these very bytes arrived (all of them, in
+    order); then only the header is read here.
 
     Raises:
         StateError: a bad header (see :func:`parse_header`), a length that
@@ -251,7 +292,7 @@ def verify_checksum(blob: bytes | bytearray | memoryview) -> BlobHeader:
     """
     header = parse_header(blob)
     _check_length(header, blob)
-    got = blob_checksum(blob)
+    got = running.digest if running is not None and running.seen == len(blob) else blob_checksum(blob)
     if got != header.checksum:
         raise StateError(
             f"the state blob is corrupt: checksum {got:016x} does not match the header's {header.checksum:016x}",
@@ -277,38 +318,84 @@ def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
     }
 
 
-def save_slot(m: LoadedModel, slot: Slot, model_hash: str) -> tuple[int, bytearray]:
+def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
     """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.
 
-    Peak memory: llama.cpp's state buffer plus the blob (the KV bytes twice, briefly).
+    llama.cpp writes the sequence state straight into the blob's buffer, placed
+    so that the slot's stream lands where the blob's KV bytes go: its 12-byte
+    prefix and the other streams' empty counts fall on the token list, which is
+    written afterwards.  The KV bytes are copied once (by llama.cpp, which must
+    write them somewhere: the C API has no streaming form) and the checksum is
+    taken while they are hot.  Peak memory: the blob.  An unexpected layout
+    (the cells in another stream than llama.cpp's ``seq_to_stream`` puts them)
+    takes a slower path with one more copy.
+
+    ``pool``: where the buffer comes from (a transfer gives it back when sent,
+    :meth:`BlobBuffer.release`); None: a buffer of its own.
     """
     tokens = slot.cache_tokens
     id_slot = slot.id
     kv_size = llama_cpp.llama_state_seq_get_size(m.ctx, id_slot)
-    raw = (ctypes.c_uint8 * kv_size)()
-    written = llama_cpp.llama_state_seq_get_data(m.ctx, raw, kv_size, id_slot)
-    kv = memoryview(raw).cast("B")[:written]
-    one = _one_stream(kv)
-    kv_format = KV_ONE_STREAM if one is not None else KV_RAW
-    body = one if one is not None else kv
-    ident = canonical(kv_identity(m))
+    identity = kv_identity(m)
+    ident = canonical(identity)
     tokens_at = HEADER_SIZE + _IDENT.size + len(ident)
     head = tokens_at + 4 * len(tokens)
-    blob = bytearray(head + len(body))
-    _HEADER.pack_into(
-        blob, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(model_hash),
-        len(body), 0,
-    )
-    _IDENT.pack_into(blob, HEADER_SIZE, bytes.fromhex(identity_hash(kv_identity(m))), len(ident))
-    blob[HEADER_SIZE + _IDENT.size : tokens_at] = ident
-    struct.pack_into(f"<{len(tokens)}I", blob, tokens_at, *tokens)
-    blob[head:] = body
-    struct.pack_into("<Q", blob, _CHECKSUM_AT, blob_checksum(blob))
+    stream = id_slot if m.n_stream > 1 else 0  # llama.cpp keeps sequence i in stream i (non-unified KV)
+    lead = _SEQ_PREFIX.size + 4 * stream  # the bytes before that stream's cell count
+    at = max(head - lead, 0)
+    size = at + kv_size
+    blob = pool.take(size, populate=True) if pool is not None else BlobBuffer(size, populate=True)
+    whole = blob.whole()
+    raw = (ctypes.c_uint8 * kv_size).from_buffer(whole, at)
+    try:
+        written = llama_cpp.llama_state_seq_get_data(m.ctx, raw, kv_size, id_slot)
+    finally:
+        del raw
+    body = _stream_at(whole[at : at + written], stream, m.n_stream) if at == head - lead else None
+    if body is not None:
+        kv_format = KV_ONE_STREAM
+        blob.size = head + body
+    else:  # another layout: the raw state (or the stream _one_stream finds) moves to its place at ``head``
+        state_bytes = bytes(whole[at : at + written])
+        one = _one_stream(memoryview(state_bytes))
+        kv_format = KV_ONE_STREAM if one is not None else KV_RAW
+        kv = one if one is not None else memoryview(state_bytes)
+        if head + len(kv) + TAIL_ROOM > blob.capacity:
+            blob.release()
+            blob = pool.take(head + len(kv)) if pool is not None else BlobBuffer(head + len(kv))
+            whole = blob.whole()
+        whole[head : head + len(kv)] = kv
+        blob.size = head + len(kv)
+    view = blob.view()
+    _HEADER.pack_into(view, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(model_hash),
+                      blob.size - head, 0)
+    _IDENT.pack_into(view, HEADER_SIZE, bytes.fromhex(identity_hash(identity)), len(ident))
+    view[HEADER_SIZE + _IDENT.size : tokens_at] = ident
+    view[tokens_at:head] = array.array("I", tokens).tobytes() if sys.byteorder == "little" else \
+        struct.pack(f"<{len(tokens)}I", *tokens)
+    struct.pack_into("<Q", view, _CHECKSUM_AT, blob_checksum(view))
     return len(tokens), blob
 
 
+def _stream_at(raw: memoryview, stream: int, n_stream: int) -> int | None:
+    """Bytes of the one stream ``stream`` of a sequence state (its count and cells), when every other
+    stream is empty and the prefix is llama.cpp's; None otherwise (see the module docstring)."""
+    lead, tail = _SEQ_PREFIX.size + 4 * stream, 4 * (n_stream - stream - 1)
+    if len(raw) < lead + 4 + tail:
+        return None
+    magic, _seq, n = _SEQ_PREFIX.unpack_from(raw, 0)
+    if magic != _IO_MAGIC or n != n_stream or any(raw[_SEQ_PREFIX.size : lead]):
+        return None
+    (cells,) = struct.unpack_from("<I", raw, lead)
+    if cells == 0:  # an empty slot: every stream must say "no cells"; it keeps one such count
+        return 4 if len(raw) == _SEQ_PREFIX.size + 4 * n_stream and not any(raw[lead:]) else None
+    if tail and any(raw[len(raw) - tail :]):
+        return None
+    return len(raw) - lead - tail
+
+
 def check_blob(
-    blob: bytearray, model_hash: str, n_ctx_slot: int, *, identity: dict | None = None,
+    blob: Blob, model_hash: str, n_ctx_slot: int, *, identity: dict | None = None,
     allow_cross_model_kv: bool = False, checksum_verified: bool = False,
 ) -> BlobHeader:
     """Check a whole blob against this node before applying it: its model (``model_hash``, and
@@ -350,14 +437,15 @@ def check_blob(
 
 
 def restore_slot(
-    m: LoadedModel, slot: Slot, blob: bytearray, model_hash: str, *, allow_cross_model_kv: bool = False,
+    m: LoadedModel, slot: Slot, blob: bytearray | BlobBuffer, model_hash: str, *, allow_cross_model_kv: bool = False,
     checksum_verified: bool = False,
 ) -> Restored:
     """Engine thread: apply a checked blob to an idle slot, all or nothing.
 
-    Memory: the blob is framed for llama.cpp in place (it is consumed: its
-    bytes are changed), so the restore holds the blob plus, when the slot
-    already held tokens, a backup of its old state.  An empty slot's blob
+    Memory: the blob (a bytearray, or a :class:`BlobBuffer` with its tail
+    room) is framed for llama.cpp in place (it is consumed: its bytes are
+    changed), so the restore holds the blob plus, when the slot already held
+    tokens, a backup of its old state.  An empty slot's blob
     (``n_tokens`` 0) empties the slot.
 
     Raises:
@@ -371,16 +459,21 @@ def restore_slot(
     same_file = header.model_hash == model_hash
     same_layout = same_file or header.kv_identity_hash == identity_hash(identity)
     id_slot = slot.id
-    tokens = list(struct.unpack_from(f"<{header.n_tokens}I", blob, header.tokens_at))
-    bad = next((t for t in tokens if t >= m.n_vocab), None)
-    if bad is not None:
+    view = _bytes(blob)
+    tokens = array.array("I")
+    tokens.frombytes(view[header.tokens_at : header.tokens_at + 4 * header.n_tokens])
+    if sys.byteorder != "little":
+        tokens.byteswap()
+    bad = max(tokens, default=-1)
+    if bad >= m.n_vocab:
         raise StateError(f"the blob holds token id {bad}, outside the vocabulary (0..{m.n_vocab - 1})")
     if not tokens:  # an empty slot's state: "this slot is now empty"
-        _check_empty_kv(header, memoryview(blob)[header.tokens_at:])
+        _check_empty_kv(header, view[header.tokens_at:])
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         slot.cache_tokens.clear()
         return Restored(0, same_file, same_layout)
     backup = save_slot(m, slot, model_hash)[1] if slot.n_past else None  # an empty slot needs no backup
+    del view
     if not _apply_kv(m, id_slot, header, blob):
         # llama.cpp cleared the sequence on failure: put the old state back, and check that it went back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
@@ -397,11 +490,11 @@ def restore_slot(
             f"llama.cpp rejected the KV state (see the node's log), and putting the slot's previous state back "
             f"failed too: the slot is now empty ({lost} tokens dropped)", slot_cleared=True, n_past=0,
         )
-    slot.cache_tokens[:] = tokens
+    slot.cache_tokens[:] = tokens.tolist()
     return Restored(len(tokens), same_file, same_layout)
 
 
-def put_back(m: LoadedModel, id_slot: int, backup: bytearray) -> bool:
+def put_back(m: LoadedModel, id_slot: int, backup: bytearray | BlobBuffer) -> bool:
     """Engine thread: restore a slot's own backup (:func:`save_slot` output) after a failed restore;
     True when the KV cache holds the backup's tokens again (the backup is consumed)."""
     return _apply_kv(m, id_slot, parse_header(backup), backup)
@@ -418,26 +511,33 @@ def _check_empty_kv(header: BlobHeader, kv: memoryview) -> None:
         raise StateError("the blob has no tokens but its KV state holds cells")
 
 
-def _apply_kv(m: LoadedModel, id_slot: int, header: BlobHeader, blob: bytearray) -> bool:
+def _apply_kv(m: LoadedModel, id_slot: int, header: BlobHeader, blob: bytearray | BlobBuffer) -> bool:
     """Hand the blob's KV bytes to llama.cpp; True when the slot now holds exactly the blob's tokens.
 
     A one-stream blob is framed in place: the 12-byte sequence-state prefix
     overwrites the end of the (already parsed) token list and the empty
-    streams are appended as zeros, so no second copy of the KV bytes is made.
+    streams' counts follow the KV bytes as zeros (appended to a bytearray,
+    written into a BlobBuffer's tail room), so no second copy of the KV bytes is made.
     """
     start = header.tokens_at + 4 * header.n_tokens
-    if header.kv_format == KV_ONE_STREAM:
-        begin = start - _SEQ_PREFIX.size  # the header alone is 60 bytes: always room for 12
-        _SEQ_PREFIX.pack_into(blob, begin, _IO_MAGIC, id_slot, m.n_stream)
-        del blob[start + header.kv_len :]
-        blob.extend(bytes(4 * (m.n_stream - 1)))
+    end = start + header.kv_len
+    pad = 4 * (m.n_stream - 1) if header.kv_format == KV_ONE_STREAM else 0
+    begin = start - _SEQ_PREFIX.size if header.kv_format == KV_ONE_STREAM else start  # the header alone is 60 bytes
+    if isinstance(blob, BlobBuffer):
+        target = blob.whole()
+        if end + pad > len(target):
+            raise StateError(f"the state blob's buffer has no room for {m.n_stream} KV streams")
+        target[end : end + pad] = bytes(pad)
     else:
-        begin = start
-        del blob[start + header.kv_len :]
-    size = len(blob) - begin
-    buf = (ctypes.c_uint8 * size).from_buffer(blob, begin)
+        del blob[end:]
+        blob.extend(bytes(pad))
+        target = memoryview(blob)
+    if header.kv_format == KV_ONE_STREAM:
+        _SEQ_PREFIX.pack_into(target, begin, _IO_MAGIC, id_slot, m.n_stream)
+    size = end + pad - begin
+    buf = (ctypes.c_uint8 * size).from_buffer(target, begin)
     read = llama_cpp.llama_state_seq_set_data(m.ctx, buf, size, id_slot)
-    del buf
+    del buf, target
     # the KV must hold exactly positions 0..n_tokens-1 for the token list to be true
     pos_max = llama_cpp.llama_memory_seq_pos_max(m.memory, id_slot)
     return read == size and pos_max == header.n_tokens - 1

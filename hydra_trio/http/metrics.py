@@ -24,12 +24,15 @@ if TYPE_CHECKING:
     from ..control import ControlChannel
     from ..engine.engine import Engine
 
-__all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "NodeMetrics"]
+__all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "STATE_RATE_BUCKETS", "NodeMetrics"]
 
 EXPERT_MODES = ("solo", "combined", "pipeline")
 # seconds: an INFO takes well under a millisecond, a PREFILL or a multi-GB STATE_PUT tens of seconds
 HYDRA_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                          120.0, float("inf"))
+# MB/s (10^6 bytes per second) of one STATE_GET / STATE_PUT: a congested link to a loopback transfer from memory
+STATE_RATE_BUCKETS = (10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2000.0, 4000.0, 8000.0, 16000.0, float("inf"))
+STATE_OPS = {"STATE_GET": "out", "STATE_PUT": "in"}  # the ops whose time is the transfer: op -> direction
 
 
 class NodeMetrics:
@@ -72,10 +75,16 @@ class NodeMetrics:
             "hydra_trio:hydra_request_seconds", "Hydra request latency, header in to reply out, by opcode.",
             ["op"], buckets=HYDRA_LATENCY_BUCKETS, registry=self.registry,
         )
+        self.state_rate = Histogram(
+            "hydra_trio:state_transfer_mb_per_second", "KV state transfer rate of one STATE_GET (out) or STATE_PUT "
+            "(in, restored), blob bytes / request seconds, in MB/s.",
+            ["direction"], buckets=STATE_RATE_BUCKETS, registry=self.registry,
+        )
         self.registry.register(_Collector(self))  # type: ignore[arg-type]
 
     def hydra_request(self, op: str, status: str, seconds: float, *, state_in: int = 0, state_out: int = 0) -> None:
-        """Count one answered Hydra request.
+        """Count one answered Hydra request; an OK STATE_GET / STATE_PUT also observes its rate
+        (``state_transfer_mb_per_second``: the blob's bytes over the request's seconds, 10^6 bytes/s).
 
         Args:
             op: the opcode's name (``INFO``), or ``unknown`` for an opcode the protocol does not name.
@@ -91,6 +100,9 @@ class NodeMetrics:
             self.state_bytes["in", op] += state_in
         if state_out:
             self.state_bytes["out", op] += state_out
+        moved = state_in if STATE_OPS.get(op) == "in" else state_out if STATE_OPS.get(op) == "out" else 0
+        if moved and seconds > 0 and status == "OK":
+            self.state_rate.labels(STATE_OPS[op]).observe(moved / seconds / 1e6)
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition of the current values: ``(body, content_type)``."""

@@ -32,6 +32,7 @@ from ..api.jobs import chat_prompt, job_from_completion
 from ..api.native import NativeCompletion, generation_settings
 from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from ..engine.requests import JobRun
+from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import verify_checksum
 from ..errors import HydraTrioError
 from ._common import _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
@@ -150,26 +151,33 @@ class NativeRoutes:
 
     # --------------------------------------------------------------- slot state
     async def get_state(self, request: Request) -> Response:
+        """The blob is saved into a buffer of the transfer pool (:func:`~hydra_trio.engine.state.save_slot`)
+        and streamed from it in :data:`STATE_CHUNK` slices (the server copies each as it frames it), with
+        its ``Content-Length``; the buffer goes back to the pool when the body is sent or the client left."""
         e = self.api.engine
         id_slot = self.api._slot_id(request)
         if isinstance(id_slot, Response):
             return id_slot
         assert e is not None and e.identity is not None
         try:
-            n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
+            n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot, pool=TRANSFER_POOL))
         except HydraTrioError as exc:
             return error_for(exc)
-        return Response(bytes(blob), media_type=STATE_TYPE, headers={
-            "X-Slot-Id": str(id_slot), "X-N-Past": str(n_past), "X-Model-Hash": e.identity.model_hash})
+        return StreamingResponse(_slices(blob), media_type=STATE_TYPE, headers={
+            "Content-Length": str(len(blob)), "X-Slot-Id": str(id_slot), "X-N-Past": str(n_past),
+            "X-Model-Hash": e.identity.model_hash})
 
     async def put_state(self, request: Request) -> Response:
+        """The body goes into one buffer (:meth:`_read_blob`), is checked in a worker thread and applied
+        on the engine thread, as Hydra STATE_PUT."""
         e = self.api.engine
         id_slot = self.api._slot_id(request)
         if isinstance(id_slot, Response):
             return id_slot
         assert e is not None and e.identity is not None
+        blob: bytearray | BlobBuffer | None = None
         try:
-            blob = await self.api._read_bytes(request, self.api.settings.max_state_body)
+            blob = await self._read_blob(request, self.api.settings.max_state_body)
             size = len(blob)  # restore_slot consumes the blob (frames it in place)
             # integrity first, in a worker thread: the engine thread never hashes a large blob
             await trio.to_thread.run_sync(verify_checksum, blob)
@@ -177,10 +185,66 @@ class NativeRoutes:
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
         except HydraTrioError as exc:  # a blob this node cannot take: 400 with its meta (StateError)
+            _release(blob)
             return error_for(exc)
+        _release(blob)  # the worker thread and the engine are done with it (cancelled: dropped, not pooled)
         return JSONResponse({"restored": True, "id_slot": id_slot, "bytes": size, "n_past": done.n_past,
                              "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
                              **e.identity.as_meta()})
+
+    async def _read_blob(self, request: Request, limit: int) -> bytearray | BlobBuffer:
+        """A state body of a declared ``Content-Length`` (at least :data:`STATE_CHUNK`) into one buffer of
+        the transfer pool, each chunk copied in as it arrives; otherwise into a bytearray
+        (``Api._read_bytes``).  Raises _BodyError: over ``limit`` (413), a stall (408), a body whose
+        length is not the declared one (400)."""
+        declared = request.headers.get("content-length")
+        if declared is None or not declared.isdigit() or not STATE_CHUNK <= int(declared) <= limit:
+            return await self.api._read_bytes(request, limit)
+        n, pos, timeout = int(declared), 0, self.api.settings.body_timeout
+        blob = TRANSFER_POOL.take(n)
+        try:
+            view = blob.view()
+            chunks = request.stream().__aiter__()
+            while True:
+                with trio.move_on_after(timeout) as waited:
+                    try:
+                        chunk = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                if waited.cancelled_caught:
+                    raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
+                if pos + len(chunk) > n:
+                    raise _BodyError(400, f"the body is longer than its Content-Length ({n} bytes)")
+                view[pos : pos + len(chunk)] = chunk
+                pos += len(chunk)
+            del view
+            if pos != n:
+                raise _BodyError(400, f"the body ended after {pos} of its {n} bytes (Content-Length)")
+        except BaseException:
+            blob.release()  # nothing else has seen it
+            raise
+        return blob
+
+
+STATE_CHUNK = 1024 * 1024
+"""Bytes per body slice of ``GET /slots/{id}/state``; smaller ``PUT`` bodies are read into a bytearray."""
+
+
+async def _slices(blob: BlobBuffer) -> AsyncIterator[memoryview]:
+    """The blob in :data:`STATE_CHUNK` slices; the buffer goes back to its pool at the end (the ASGI
+    server has copied each slice before it asks for the next)."""
+    try:
+        view = blob.view()
+        for i in range(0, len(view), STATE_CHUNK):
+            yield view[i : i + STATE_CHUNK]
+        del view
+    finally:
+        blob.release()
+
+
+def _release(blob: bytearray | BlobBuffer | None) -> None:
+    if isinstance(blob, BlobBuffer):
+        blob.release()
 
 
 def native_routes(api: Any) -> list[Route]:

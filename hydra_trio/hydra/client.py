@@ -176,6 +176,25 @@ class HydraClient(HydraConnection):
             raise
         return rs.meta
 
+    async def state_get_into(
+        self, slot: int, buffer: bytearray | memoryview | None = None, *, trace_id: str | None = None
+    ) -> tuple[dict[str, Any], memoryview]:
+        """STATE_GET (0x30) into one buffer: ``(meta, blob)``, ``blob`` a view of the state's bytes at
+        the start of ``buffer`` (None: a bytearray of the state's size is made).  On a plain TCP
+        connection the socket writes straight into the buffer (`ResponseStream.receive_into`): the
+        fastest way to read a large state into memory.  Raises ValueError when ``buffer`` is read-only
+        or smaller than the state (the payload is drained first: the connection stays usable)."""
+        async with self.state_get(slot, trace_id=trace_id) as rs:
+            if buffer is None:
+                buffer = bytearray(rs.payload_len)
+            view = memoryview(buffer).cast("B")
+            if view.readonly or len(view) < rs.payload_len:
+                await rs.drain()
+                raise ValueError(f"STATE_GET of slot {slot}: the buffer must be writable and hold "
+                                 f"{rs.payload_len} bytes ({'read-only' if view.readonly else f'{len(view)} bytes'})")
+            n = await rs.receive_into(view)
+        return rs.meta, view[:n]
+
     async def state_get_bytes(
         self, slot: int, *, trace_id: str | None = None
     ) -> tuple[dict[str, Any], bytes]:

@@ -13,7 +13,8 @@ connection alone:
 - its **payload policy**: the cap per op (``max_state_payload`` for
   STATE_PUT, ``max_json_payload`` for the rest, hydra-protocol.md §2) and
   whether a payload is kept (only ops that read it, and never a control op's
-  this connection may not run, CONFIGURE excepted: it may carry the token);
+  this connection may not run, CONFIGURE excepted: it may carry the token),
+  and where (a large STATE_PUT straight into a buffer of the KV transfer pool);
 - its **dispatch**: the access rules first, then the op from
   :data:`hydra_trio.hydra.ops.OPS`; every request gets one reply, one log
   line and one count in ``/metrics``.
@@ -26,11 +27,12 @@ import time
 
 import trio
 
+from ..engine.blobbuf import BlobBuffer
 from ..errors import HydraTrioError
 from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
 from .gate import ConnectionTrust
-from .ops import OPS, Node, OpContext, Reply, reply_for
+from .ops import OPS, Node, OpContext, Reply, payload_buffer, reply_for
 from .session import HydraRequest
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -65,6 +67,11 @@ class ServerConnection:
         """Whether ``op``'s payload is collected: the op reads it, and this connection may run the op (or it is
         CONFIGURE, whose payload may carry the token).  A refused STATE_PUT's payload is dropped as it arrives."""
         return op in OPS and OPS[op].keeps_payload and self.trust.keeps_payload(op)
+
+    def payload_buffer(self, op: int, payload_len: int) -> BlobBuffer | None:
+        """Where a kept payload of ``payload_len`` bytes is received: a transfer-pool buffer for a large
+        STATE_PUT, None (a growing bytearray) for the rest (:func:`hydra_trio.hydra.ops.payload_buffer`)."""
+        return payload_buffer(op, payload_len)
 
     # ------------------------------------------------------------------ dispatch
     async def handle(self, req: HydraRequest) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import trio
 
+from .._net import send_view
 from .._version import __version__
 from ..api.jobs import ChatTools, chat_job, job_continue
 from ..api.tools import parse_reply
@@ -33,6 +34,7 @@ from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
+from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import verify_checksum
 from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..ggml_rpc.backend import RpcBackend
@@ -94,14 +96,24 @@ class OpContext:
         """Send a reply without payload."""
         await self.stream.send_all(encode_response(status, meta))
 
-    async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes) -> None:
-        """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)."""
+    async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes | BlobBuffer) -> None:
+        """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)
+        taken straight from the blob's one buffer, never copied: on a plain TCP stream by
+        :func:`~hydra_trio._net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS by
+        ``send_all`` of memoryview slices (the cipher reads them)."""
         await self.stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
-        view = memoryview(blob)
+        view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
         step = self.node.state_chunk_size
+        if isinstance(self.stream, trio.SocketStream):
+            await send_view(self.stream, view, step, sent=self._count_sent)
+            return
         for i in range(0, len(view), step):
-            await self.stream.send_all(view[i : i + step])
-            self.blob_bytes_sent += len(view[i : i + step])
+            piece = view[i : i + step]
+            await self.stream.send_all(piece)
+            self.blob_bytes_sent += len(piece)
+
+    def _count_sent(self, n: int) -> None:
+        self.blob_bytes_sent += n
 
     def engine(self) -> Engine:
         """The serving engine; ERROR when the node has none or it is not ready."""
@@ -140,25 +152,61 @@ class OpContext:
 
 
 async def state_get(ctx: OpContext) -> None:
+    """STATE_GET: llama.cpp writes the slot's state into a buffer of the transfer pool, the reply is sent
+    from it (:meth:`OpContext.send_blob`), and the buffer goes back to the pool."""
     e, id_slot = ctx.slot()
     with _state_event(e, "state.get", ctx.req.trace_id, id_slot) as event:
-        n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot))
-        event.update(bytes=len(blob), n_past=n_past)
-        await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)}, blob)
+        # cancelled while waiting, the engine may still write the buffer: it is then dropped, not pooled
+        n_past, blob = await e.call(lambda engine: engine.save_slot(id_slot, pool=TRANSFER_POOL))
+        try:
+            event.update(bytes=len(blob), n_past=n_past)
+            await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)},
+                                blob)
+        finally:
+            blob.release()
+
+
+def payload_buffer(op: int, payload_len: int) -> BlobBuffer | None:
+    """Where a kept payload is received (:func:`~hydra_trio.hydra.session.serve_connection`): a STATE_PUT
+    of at least :data:`BUFFERED_PAYLOAD` bytes goes into a buffer of the transfer pool; others into a
+    bytearray (so does a STATE_PUT whose mapping the kernel refuses: it then grows as its bytes come)."""
+    if op != Op.STATE_PUT or payload_len < BUFFERED_PAYLOAD:
+        return None
+    try:
+        return TRANSFER_POOL.take(payload_len)
+    except OSError as exc:  # ENOMEM: too many large uploads announced at once
+        log.warning("STATE_PUT of %d bytes: no buffer mapping (%s); receiving into a bytearray", payload_len, exc)
+        return None
+
+
+BUFFERED_PAYLOAD = 64 * 1024  # bytes
 
 
 async def state_put(ctx: OpContext) -> None:
+    """STATE_PUT: the blob (received into one buffer, :func:`payload_buffer`, and hashed as it arrived) is
+    checked in a worker thread, applied on the engine thread, and its buffer goes back to the pool."""
     e, id_slot = ctx.slot()
     blob = ctx.req.payload
     size = len(blob)  # restore_slot consumes the blob (frames it in place)
     with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=size) as event:
-        # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob
-        await trio.to_thread.run_sync(verify_checksum, blob)
-        done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+        try:
+            # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob (a
+            # buffered payload was hashed as it arrived: only its header is read then)
+            await trio.to_thread.run_sync(verify_checksum, blob, ctx.req.checksum)
+            done = await e.call(lambda engine: engine.restore_slot(id_slot, blob, checksum_verified=True))
+        except HydraTrioError:  # the thread and the engine are done with it (cancelled: it is dropped, not pooled)
+            _give_back(blob)
+            raise
+        _give_back(blob)
         event["n_past"] = done.n_past
         await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
                          "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
                          **ctx.identity(e)})
+
+
+def _give_back(blob: bytearray | BlobBuffer) -> None:
+    if isinstance(blob, BlobBuffer):
+        blob.release()
 
 
 @contextmanager

@@ -24,6 +24,9 @@ from typing import Any, Protocol
 import attrs
 import trio
 
+from .._net import recv_into_view
+from ..engine.blobbuf import BlobBuffer
+from ..engine.state import RunningChecksum
 from ..protocol.hydra import (
     PayloadChunk,
     ProtocolError,
@@ -61,7 +64,10 @@ class HydraSettings:
 
 @attrs.define
 class HydraRequest:
-    """One whole request: header fields, the decoded key and trace id, and (for ops that keep it) the payload."""
+    """One whole request: header fields, the decoded key and trace id, and (for ops that keep it) the payload:
+    a bytearray, or for a large payload of an op that takes one (STATE_PUT) a
+    :class:`~hydra_trio.engine.blobbuf.BlobBuffer` of the announced size, ``filled`` bytes received so far,
+    their KV blob checksum in ``checksum`` (:class:`~hydra_trio.engine.state.RunningChecksum`)."""
 
     op: int
     key: str
@@ -69,7 +75,9 @@ class HydraRequest:
     flags: int
     payload_len: int
     key_error: str | None
-    payload: bytearray = attrs.field(factory=bytearray)
+    payload: bytearray | BlobBuffer = attrs.field(factory=bytearray)
+    filled: int = 0
+    checksum: RunningChecksum | None = None  # a buffered payload's blob checksum, taken as its bytes arrive
 
 
 class Drain:
@@ -117,6 +125,10 @@ class ConnectionProtocol(Protocol):
         """Whether the payload of ``op`` is collected into :attr:`HydraRequest.payload` (else consumed and dropped)."""
         ...
 
+    def payload_buffer(self, op: int, payload_len: int) -> BlobBuffer | None:
+        """A buffer of ``payload_len`` bytes to receive a kept payload into, or None for a growing bytearray."""
+        ...
+
     async def handle(self, req: HydraRequest) -> None:
         """Answer one whole request (its reply written before the next request is read)."""
         ...
@@ -135,6 +147,10 @@ async def serve_connection(
     seconds does not hold a connection); inside a payload, ``request_timeout``
     without progress.  ``protocol`` sets each op's payload cap and whether its
     payload is collected, and answers each whole request, in the order they came.
+    Its ``payload_buffer(op, payload_len)`` may give a buffer for a kept payload:
+    on a plain TCP stream the payload then goes from the socket straight into it
+    (:func:`~hydra_trio._net.recv_into_view`: as much as the kernel holds per
+    read, past the decoder); over TLS the decrypted chunks are copied in.
     """
     dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=protocol.max_payload)
     req: HydraRequest | None = None
@@ -153,6 +169,21 @@ async def serve_connection(
             deadline = header_deadline
         else:  # payload: the timeout is per receive (no progress)
             deadline = trio.current_time() + settings.request_timeout
+        into = _direct_target(req, dec, stream)
+        if into is not None:  # the rest of a buffered payload, straight from the socket
+            assert req is not None
+            hash_piece = req.checksum.update if req.checksum is not None else None
+            got, closed = await recv_into_view(stream, into, settings.request_timeout, hash_piece)
+            del into  # no view of the buffer outlives the receive
+            req.filled += got
+            req = await _handle_events(dec.skip_payload(got), req, protocol)
+            if req is not None and req.filled < req.payload_len:  # the log lines of the receive loop below
+                if closed:
+                    log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
+                else:
+                    log.info("hydra: connection stalled mid-request; closed")
+                return
+            continue
         with trio.move_on_at(deadline) as scope:
             # between requests a drain may close it now
             with drain.while_idle(scope) if idle else contextlib.nullcontext():
@@ -176,15 +207,32 @@ async def serve_connection(
             return
 
 
+def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -> memoryview | None:
+    """Where the next bytes go when they can skip the decoder: the rest of a buffered payload on a plain socket."""
+    if req is None or not isinstance(req.payload, BlobBuffer) or not isinstance(stream, trio.SocketStream):
+        return None
+    left = dec.payload_remaining
+    return req.payload.view()[req.filled : req.filled + left] if left else None
+
+
 async def _handle_events(events: list[Any], req: HydraRequest | None, protocol: ConnectionProtocol) -> HydraRequest | None:
     """Feed decoder events into the request in progress; hand each completed request to ``protocol``."""
     for ev in events:
         if isinstance(ev, RequestStarted):
             h = ev.header
             req = HydraRequest(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
+            if h.payload_len and protocol.keeps_payload(h.op):
+                req.payload = protocol.payload_buffer(h.op, h.payload_len) or req.payload
+                if isinstance(req.payload, BlobBuffer):
+                    req.checksum = RunningChecksum()
         elif isinstance(ev, PayloadChunk):
             assert req is not None
-            if protocol.keeps_payload(req.op):
+            if isinstance(req.payload, BlobBuffer):
+                req.payload.view()[req.filled : req.filled + len(ev.data)] = ev.data
+                req.filled += len(ev.data)
+                if req.checksum is not None:
+                    req.checksum.update(ev.data)
+            elif protocol.keeps_payload(req.op):
                 req.payload += ev.data
         elif isinstance(ev, RequestEnded):
             assert req is not None

@@ -77,6 +77,9 @@ class ReplyTransport(Protocol):
     def reply_complete(self) -> None:
         """The reply's last byte has been read: the connection is in sync."""
 
+    async def receive_payload_into(self, rs: ResponseStream, view: memoryview) -> int:
+        """Read the rest of the payload into ``view``; the bytes written (errors as `next_event`)."""
+
 
 class _ReplyReader(Generic[T]):
     """The life cycle shared by the reply streams.
@@ -288,6 +291,19 @@ class ResponseStream(_ReplyReader[bytes]):
             op=self.op,
             trace_id=self.trace_id,
         )
+
+    async def receive_into(self, buffer: bytearray | memoryview) -> int:
+        """The rest of the payload straight into ``buffer`` (writable, at least `remaining` bytes),
+        from its start; returns the bytes written.  On a plain TCP connection the socket writes into
+        ``buffer`` itself (``recv_into``); no chunk objects are made.  Raises ValueError for a buffer
+        that is too small (nothing read), `HydraTimeout`, `HydraConnectionClosed`, `HydraProtocolError`."""
+        view = memoryview(buffer).cast("B")
+        if view.readonly or len(view) < self.remaining:
+            raise ValueError(f"the buffer must be writable and hold {self.remaining} bytes "
+                             f"({'read-only' if view.readonly else f'{len(view)} bytes'})")
+        if self.done:
+            return 0
+        return await self._conn.receive_payload_into(self, view)
 
     async def read_all(self) -> bytes:
         """The rest of the payload, in memory (use only for small payloads)."""

@@ -485,6 +485,21 @@ class _Decoder:
 
     _ended: ClassVar[Any]
 
+    def skip_payload(self, n: int) -> list[Any]:
+        """The caller took the next ``n`` payload bytes off the stream itself (``recv_into`` a buffer of
+        its own: no `PayloadChunk` is made for them); returns the events that completes (the frame's end
+        event once the payload is whole, else nothing).
+
+        Raises ValueError outside a payload, or for more bytes than the payload has left.
+        """
+        if self._state is not DecoderState.PAYLOAD or not 0 <= n <= self._remaining:
+            raise ValueError(f"skip_payload({n}): {self._remaining} payload bytes left in state {self._state.value}")
+        self._remaining -= n
+        if self._remaining:
+            return []
+        self._state = DecoderState.IDLE
+        return [self._ended]
+
     def feed(self, data: Bytes) -> list[Any]:
         if self._state is DecoderState.CLOSED:
             raise ProtocolError("decoder is closed after a protocol error")

@@ -1,0 +1,243 @@
+"""KV state through one buffer (issue 24 §1): the transfer pool, the bulk socket loops, the decoder's
+skip, and real multi-MB blobs over Hydra (plain and TLS) and HTTP on a real node: the bytes, the
+checksum, the restored slot's continuation."""
+
+from __future__ import annotations
+
+import mmap
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trustme
+
+from hydra_trio import EngineConfig, ServerConfig
+from hydra_trio._net import BULK_WRITE, recv_into_view, send_view
+from hydra_trio.engine.blobbuf import TAIL_ROOM, TRANSFER_POOL, BlobBuffer, BlobPool
+from hydra_trio.engine.state import verify_checksum
+from hydra_trio.frontdoor import FrontDoorSettings
+from hydra_trio.hydra.client import HydraClient
+from hydra_trio.models.presets import resolve_model
+from hydra_trio.protocol.hydra import Op, RequestDecoder, RequestEnded, RequestStarted, encode_request_header
+from hydra_trio.tls import TlsSettings, client_context, server_context
+
+from .conftest import embedded_node
+
+# ------------------------------------------------------------------------------------------- no model
+
+
+def test_pool_keeps_one_idle_mapping_and_reuses_it() -> None:
+    pool = BlobPool(keep_s=60)
+    a = pool.take(3 << 20)
+    assert len(a) == 3 << 20 and a.capacity >= (3 << 20) + TAIL_ROOM and pool.created == 1
+    a.view()[:4] = b"HYKV"
+    a.release()
+    assert pool.idle_bytes >= 3 << 20 and len(a) == 0
+    with pytest.raises(ValueError, match="released"):
+        a.view()
+    a.release()  # twice is harmless
+    b = pool.take(1 << 20)  # smaller: the idle mapping serves it
+    assert pool.reused == 1 and pool.idle_bytes == 0 and len(b) == 1 << 20
+    c = pool.take(8 << 20)  # none idle: a new one
+    assert pool.created == 2
+    b.release()
+    c.release()  # the larger one is kept, the smaller unmapped
+    assert pool.idle_bytes >= 8 << 20
+    d = pool.take(16 << 20)  # the idle one is too small: replaced
+    assert pool.created == 3 and pool.reused == 1 and pool.idle_bytes == 0
+    d.release()
+    pool.keep_s = 0
+    pool.trim()
+    assert pool.idle_bytes == 0
+
+
+def test_unpooled_buffer_has_tail_room_and_shrinks() -> None:
+    b = BlobBuffer(1000, populate=True)
+    assert len(b.whole()) >= 1000 + TAIL_ROOM and bytes(b.view()) == bytes(1000)
+    b.size = 10
+    assert len(b.view()) == 10
+    b.release()  # no pool: nothing to give back, the buffer is empty
+    assert len(b) == 0
+    with pytest.raises(ValueError, match="no room"):
+        BlobBuffer(10, _map=mmap.mmap(-1, 100))  # no tail room after the blob
+
+
+def test_decoder_skip_payload() -> None:
+    dec = RequestDecoder(max_payload=1 << 20)
+    events = dec.feed(encode_request_header(Op.STATE_PUT, "0", "t", 10) + b"abc")
+    assert isinstance(events[0], RequestStarted) and dec.payload_remaining == 7
+    with pytest.raises(ValueError):
+        dec.skip_payload(8)
+    assert dec.skip_payload(4) == [] and dec.payload_remaining == 3
+    assert dec.skip_payload(3) == [RequestEnded()] and dec.idle
+    with pytest.raises(ValueError):
+        dec.skip_payload(1)
+
+
+def test_bulk_loops_over_a_real_socket() -> None:
+    """send_view / recv_into_view move 24 MB intact in both directions; a stall and a close are reported."""
+    data = bytes(range(256)) * (24 * 4096)
+
+    async def main() -> None:
+        listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+        port = listener.socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            accepted: list[trio.SocketStream] = []
+
+            async def accept() -> None:
+                accepted.append(await listener.accept())
+
+            nursery.start_soon(accept)
+            client = await trio.open_tcp_stream("127.0.0.1", port)
+        server = accepted[0]
+        into = memoryview(bytearray(len(data)))
+        counted: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_view, client, memoryview(data), 256 * 1024, counted.append)
+            got, closed = await recv_into_view(server, into, 10.0)
+        assert (got, closed) == (len(data), False) and into == data and sum(counted) == len(data)
+        assert max(counted) <= BULK_WRITE  # several 256 KiB pieces per system call
+        # nothing more comes: a stall is reported after the progress timeout, with what did arrive
+        await client.send_all(b"xyz")
+        got, closed = await recv_into_view(server, into, 0.3)
+        assert (got, closed) == (3, False) and into[:3] == b"xyz"
+        await client.aclose()
+        got, closed = await recv_into_view(server, into, 5.0)
+        assert (got, closed) == (0, True)
+        await server.aclose()
+        await listener.aclose()
+
+    trio.run(main)
+
+
+# ------------------------------------------------------------------------------------------- a real node
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    d = tmp_path_factory.mktemp("kvcerts")
+    ca = trustme.CA()
+    ca_pem, cert, key = d / "ca.pem", d / "node.pem", d / "node.key"
+    ca.cert_pem.write_to_path(str(ca_pem))
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    leaf.private_key_pem.write_to_path(str(key))
+    for i, pem in enumerate(leaf.cert_chain_pems):
+        pem.write_to_path(str(cert), append=i > 0)
+    return ca_pem, cert, key
+
+
+@pytest.fixture(scope="module")
+def node(certs: tuple[Path, Path, Path]) -> Iterator[Any]:
+    """The default model, 2 slots, TLS on its port (plain served too), in a thread of this process."""
+    _, cert, key = certs
+    path, _ = resolve_model("smollm2-135m")
+    config = ServerConfig(port=0, rpc_backend=None,
+                          frontdoor=FrontDoorSettings(tls=server_context(TlsSettings(cert, key))),
+                          engine=EngineConfig(model_path=path, model_alias="kv", n_parallel=2, n_ctx=4096))
+    with embedded_node(config) as server:
+        yield server
+
+
+N_TOKENS = 400  # about 9 MB of KV state (f16) on the default model
+
+
+@pytest.fixture(scope="module")
+def prompt(node: Any) -> list[int]:
+    """Slot 0 holds these tokens."""
+    base = f"http://127.0.0.1:{node.port}"
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()[:20000]
+    tokens = httpx.post(base + "/tokenize", json={"content": text}, timeout=60).json()["tokens"][:N_TOKENS]
+    assert len(tokens) == N_TOKENS
+    r = httpx.post(base + "/completion", json={"prompt": tokens, "n_predict": 0, "id_slot": 0}, timeout=600)
+    assert r.status_code == 200, r.text
+    return tokens
+
+
+def continuation(base: str, id_slot: int, tokens: list[int]) -> dict[str, Any]:
+    r = httpx.post(base + "/completion", json={"prompt": tokens, "n_predict": 8, "temperature": 0,
+                                               "id_slot": id_slot}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("transport", ["plain", "tls"])
+def test_large_blob_round_trip(node: Any, prompt: list[int], certs: tuple[Path, Path, Path], transport: str) -> None:
+    """STATE_GET into one buffer (the socket writes into it on plain TCP), the same bytes as the chunked
+    read; STATE_PUT of it into the empty slot 1 (received into a pooled buffer); slot 1 then continues
+    exactly as slot 0 does, from the cache."""
+    base = f"http://127.0.0.1:{node.port}"
+    assert httpx.post(base + "/slots/1?action=erase", timeout=60).status_code == 200
+    ctx = client_context(certs[0]) if transport == "tls" else None
+    reused = TRANSFER_POOL.reused
+
+    async def main() -> tuple[dict[str, Any], bytes]:
+        async with HydraClient("127.0.0.1", node.port, timeout=120, ssl_context=ctx) as c:
+            meta, view = await c.state_get_into(0)
+            blob = bytes(view)
+            assert len(blob) == meta["state_size"] > 5_000_000 and meta["n_past"] == N_TOKENS
+            header = verify_checksum(blob)  # whole and intact
+            assert header.n_tokens == N_TOKENS
+            assert struct.unpack_from(f"<{N_TOKENS}I", blob, header.tokens_at) == tuple(prompt)
+            _, chunked = await c.state_get_bytes(0)  # the chunk-by-chunk read: the same bytes
+            assert chunked == blob
+            own = bytearray(len(blob) + 100)  # a caller's buffer, larger than the blob
+            _, view2 = await c.state_get_into(0, own)
+            assert view2 == blob and view2.obj is own
+            with pytest.raises(ValueError, match="hold"):
+                await c.state_get_into(0, bytearray(10))
+            assert (await c.info())["engine"] == "hydra-trio"  # the connection is still in sync
+            put = await c.state_put(1, blob)
+            return put, blob
+
+    put, blob = trio.run(main)
+    assert put["restored"] is True and put["bytes"] == len(blob) and put["n_past"] == N_TOKENS
+    assert TRANSFER_POOL.reused > reused  # later transfers took the kept buffer
+    more = prompt + [prompt[5], prompt[6]]
+    there, here = continuation(base, 1, more), continuation(base, 0, more)
+    assert there["content"] == here["content"] and there["tokens_predicted"] == 8
+    assert there["timings"]["cache_n"] == N_TOKENS  # slot 1 evaluated only the 2 new tokens
+    assert httpx.post(base + "/completion", json={"prompt": prompt, "n_predict": 0, "id_slot": 0},
+                      timeout=300).status_code == 200  # slot 0 back to exactly the prompt
+
+
+def test_http_slot_state_through_one_buffer(node: Any, prompt: list[int]) -> None:
+    """GET /slots/0/state streams the blob with its Content-Length; a PUT of it (over 1 MiB: read into a
+    pooled buffer) restores slot 1, which then continues from the cache."""
+    base = f"http://127.0.0.1:{node.port}"
+    with httpx.Client(base_url=base, timeout=300) as c:
+        assert c.post("/slots/1?action=erase").status_code == 200
+        r = c.get("/slots/0/state")
+        assert r.status_code == 200 and int(r.headers["content-length"]) == len(r.content) > 5_000_000
+        assert r.headers["x-n-past"] == str(N_TOKENS) and verify_checksum(r.content).n_tokens == N_TOKENS
+        put = c.put("/slots/1/state", content=r.content)
+        assert put.status_code == 200 and put.json()["n_past"] == N_TOKENS and put.json()["bytes"] == len(r.content)
+        damaged = bytearray(r.content)
+        damaged[len(damaged) // 2] ^= 1
+        bad = c.put("/slots/1/state", content=bytes(damaged))
+        assert bad.status_code == 400 and "corrupt" in bad.json()["error"]["message"], bad.text
+        assert c.get("/slots/1/state/meta").json()["n_past"] == N_TOKENS  # unchanged
+    more = prompt + [prompt[7]]
+    assert continuation(base, 1, more)["timings"]["cache_n"] == N_TOKENS
+
+
+def test_state_put_cut_off_mid_payload_changes_nothing(node: Any, prompt: list[int]) -> None:
+    """A STATE_PUT announcing 4 MB whose sender stops after 1 MB and closes: the node applies nothing
+    and serves on (the payload went straight into a buffer, past the decoder)."""
+    base = f"http://127.0.0.1:{node.port}"
+    assert httpx.get(base + "/slots/0/state/meta", timeout=60).json()["n_past"] == N_TOKENS
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        s.sendall(encode_request_header(Op.STATE_PUT, "0", "cut", 4_000_000) + bytes(1_000_000))
+        s.shutdown(socket.SHUT_WR)
+        assert s.recv(1) == b""  # the node closes without a reply: nothing was applied
+
+    async def info() -> dict[str, Any]:
+        async with HydraClient("127.0.0.1", node.port, timeout=60) as c:
+            return await c.info()
+
+    assert trio.run(info)["engine"] == "hydra-trio"
+    assert httpx.get(base + "/slots/0/state/meta", timeout=60).json()["n_past"] == N_TOKENS
