@@ -21,6 +21,7 @@ import trio
 import trio.testing
 
 from hydra_trio.access import AccessSettings, AllowList, Peer
+from hydra_trio.engine.blobbuf import BlobBuffer
 from hydra_trio.hydra.connection import ServerConnection
 from hydra_trio.hydra.server import HydraHandler
 from hydra_trio.hydra.session import Drain, HydraRequest, HydraSettings, serve_connection
@@ -54,9 +55,16 @@ class Recording(ServerConnection):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.seen: list[tuple[int, str, bytes]] = []
+        self.kinds: list[type] = []  # what each kept payload was received into
 
     async def handle(self, req: HydraRequest) -> None:
-        self.seen.append((req.op, req.trace_id, bytes(req.payload)))
+        if isinstance(req.payload, BlobBuffer):
+            assert req.filled == req.payload_len and req.checksum is not None
+            kept = bytes(req.payload.view()[: req.filled])
+        else:
+            kept = bytes(req.payload)
+        self.seen.append((req.op, req.trace_id, kept))
+        self.kinds.append(type(req.payload))
         await super().handle(req)
 
 
@@ -200,6 +208,20 @@ async def test_a_state_put_over_the_state_cap_is_refused_and_closes() -> None:
         assert status == Status.BAD_REQUEST and meta["op"] == Op.STATE_PUT and "8192" in meta["error"]
         assert await wire.closed()
         assert conn.seen == []
+
+
+async def test_a_large_state_put_is_received_into_a_pool_buffer_a_small_one_into_a_bytearray() -> None:
+    h = guarded_handler(HydraSettings(max_json_payload=1024, max_state_payload=1 << 20))
+    async with connection(h, ALLOWED) as (wire, conn, _):
+        assert conn.payload_buffer(Op.STATE_PUT, 100) is None
+        assert conn.payload_buffer(Op.CONFIGURE, 1 << 17) is None
+        blob = bytes(range(256)) * 512  # 128 KiB: over the size that goes into a pool buffer
+        status, meta, _ = await wire.call(Op.STATE_PUT, blob, key="0")
+        assert status == Status.ERROR and "no model" in meta["error"]
+        assert conn.seen[-1] == (Op.STATE_PUT, "t", blob) and conn.kinds[-1] is BlobBuffer
+        status, _, _ = await wire.call(Op.STATE_PUT, b"\x05" * 100, key="0")
+        assert status == Status.ERROR
+        assert conn.seen[-1] == (Op.STATE_PUT, "t", b"\x05" * 100) and conn.kinds[-1] is bytearray
 
 
 @pytest.mark.parametrize("bytewise", [False, True], ids=["one-chunk", "byte-by-byte"])
