@@ -1,11 +1,16 @@
-"""COMBINED vs SOLO on one head, same run: decode speed and the flip latency.
+"""COMBINED vs SOLO, and COMBINED through the TLS tunnel vs plain, in interleaved rounds; the flip latency.
 
-    .venv/bin/python bench/combined.py [--tokens 64] [--runs 3] [--passive none|peer|head|both]
+    .venv/bin/python bench/combined.py [--tokens 48] [--runs 5] [--no-tls] [--passive none|peer|head|both]
 
 Starts a compute-only node B and a head A with the test MoE
-(``smollm2-135m-moe``) and ``--rpc-engine B``; measures greedy decode tokens/s
-in COMBINED (experts computed on B over ggml-RPC) and in SOLO, and the
-``switch_ms`` of SET_EXPERT_MODE flips with both models resident.
+(``smollm2-135m-moe``) and ``--rpc-engine B``; with TLS (the default) also a
+compute-only node B2 with a certificate (made here with ``trustme``, the test
+extra) and a head A2 with ``--rpc-tls --rpc-engine B2``.  Each round measures
+greedy decode tokens/s of A in COMBINED (experts computed on B over ggml-RPC),
+of A in SOLO (a flip: both models stay resident), and of A2 in COMBINED
+through its tunnel, one after the other (only one decodes at a time), so a
+busy machine's drift hits all three alike.  Prints one table
+(:mod:`bench._table`) and the ``switch_ms`` of SET_EXPERT_MODE flips.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -25,53 +30,116 @@ from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
 from bench._decode import tok_s  # noqa: E402
+from bench._table import Row, print_table  # noqa: E402
+
+MOE = ("-m", "smollm2-135m-moe", "-np", "1", "-c", "2048", "--no-rpc-backend")
 
 
 def start(*args: str, passive: bool = False) -> tuple[subprocess.Popen, int]:
     proc, port = spawn("--log-level", "WARNING", *args, env={"OMP_WAIT_POLICY": "PASSIVE"} if passive else None)
-    wait_healthy(port, proc)
+    wait_healthy(port, proc, timeout=300)
     return proc, port
 
 
-async def mode(port: int, m: str) -> dict:
+async def _mode(port: int, m: str | None = None) -> dict:
     async with HydraClient("127.0.0.1", port) as c:
-        return await c.set_expert_mode(m)
+        return await c.set_expert_mode(m) if m else await c.info()
+
+
+def set_mode(port: int, m: str) -> dict:
+    import trio
+
+    return trio.run(_mode, port, m)
+
+
+def wait_combined(port: int, timeout: float = 300) -> None:
+    import trio
+
+    deadline = time.monotonic() + timeout
+    while trio.run(_mode, port)["mode"] != "combined":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the head on {port} did not reach COMBINED")
+        time.sleep(0.5)
+
+
+def certificates(d: str) -> tuple[list[str], Path]:
+    """Node flags ``--tls-cert/--tls-key`` for 127.0.0.1, and the CA file (trustme)."""
+    import trustme
+
+    ca = trustme.CA()
+    ca_pem, cert, key = Path(d, "ca.pem"), Path(d, "node.pem"), Path(d, "node.key")
+    ca.cert_pem.write_to_path(str(ca_pem))
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    leaf.private_key_pem.write_to_path(str(key))
+    for i, blob in enumerate(leaf.cert_chain_pems):
+        blob.write_to_path(str(cert), append=i > 0)
+    return ["--tls-cert", str(cert), "--tls-key", str(key)], ca_pem
+
+
+def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
+            passive: str = "none") -> tuple[list[Row], list[float]]:
+    """The rows (COMBINED/SOLO, TLS/plain COMBINED) and the flip-to-COMBINED times (ms)."""
+    procs: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            b, bport = start("--no-model", passive=passive in ("peer", "both"))
+            procs.append(b)
+            h, hport = start(*MOE, "--rpc-engine", f"127.0.0.1:{bport}", passive=passive in ("head", "both"))
+            procs.append(h)
+            h2port = None
+            if tls:
+                flags, ca_pem = certificates(d)
+                b2, b2port = start("--no-model", *flags, passive=passive in ("peer", "both"))
+                procs.append(b2)
+                h2, h2port = start(*MOE, "--rpc-engine", f"127.0.0.1:{b2port}", "--rpc-tls", "--tls-ca", str(ca_pem),
+                                   passive=passive in ("head", "both"))
+                procs.append(h2)
+                wait_combined(h2port)
+                tok_s(h2port, 8)
+            wait_combined(hport)
+            tok_s(hport, 8)
+            comb, sol, through = [], [], []
+            for _ in range(runs):
+                set_mode(hport, "combined")
+                comb.append(tok_s(hport, tokens))
+                if solo:
+                    set_mode(hport, "solo")
+                    sol.append(tok_s(hport, tokens))
+                if h2port is not None:
+                    through.append(tok_s(h2port, tokens))
+            flips = []
+            for _ in range(5):
+                set_mode(hport, "solo")
+                flips.append(set_mode(hport, "combined")["switch_ms"])
+        finally:
+            for p in procs[::-1]:
+                p.send_signal(signal.SIGTERM)
+            for p in procs:
+                p.wait(60)
+    rows = []
+    if solo:
+        rows.append(Row("combined", "COMBINED decode (experts on a loopback peer) vs SOLO, same head", "tok/s",
+                        comb, sol, target=0.5))
+    if tls:
+        rows.append(Row("combined", "COMBINED through the --rpc-tls tunnel vs plain COMBINED", "tok/s",
+                        through, comb, target=0.85))
+    return rows, flips
 
 
 def main() -> None:
-    import trio
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-tls", action="store_true", help="skip the TLS peer and head")
     ap.add_argument("--passive", choices=["none", "peer", "head", "both"], default="none",
-                    help="which node's environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
+                    help="which nodes' environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
                          "ggml-RPC child waits passively anyway, see hydra_trio.ggml_rpc.supervisor.CHILD_ENV)")
     a = ap.parse_args()
-    b, bport = start("--no-model", passive=a.passive in ("peer", "both"))
-    h, hport = start("-m", "smollm2-135m-moe", "-np", "1", "-c", "2048", "--no-rpc-backend",
-                     "--rpc-engine", f"127.0.0.1:{bport}", passive=a.passive in ("head", "both"))
-    try:
-        while trio.run(mode, hport, "combined")["mode"] != "combined":
-            time.sleep(0.5)
-        tok_s(hport, 8)
-        comb = statistics.median(tok_s(hport, a.tokens) for _ in range(a.runs))
-        flips = []
-        for _ in range(5):
-            flips.append(trio.run(mode, hport, "solo").get("switch_ms", 0.0))
-            flips.append(trio.run(mode, hport, "combined")["switch_ms"])
-        trio.run(mode, hport, "solo")
-        tok_s(hport, 8)
-        solo = statistics.median(tok_s(hport, a.tokens) for _ in range(a.runs))
-    finally:
-        for p in (h, b):
-            p.send_signal(signal.SIGTERM)
-            p.wait(30)
-    print(f"decode, {a.tokens} tokens, median of {a.runs}, OMP_WAIT_POLICY=PASSIVE on {a.passive}: COMBINED {comb:.1f} tok/s | SOLO {solo:.1f} tok/s | "
-          f"ratio COMBINED/SOLO {comb / solo:.2f}")
-    combined_flips = flips[1::2]
-    print(f"flip to COMBINED with both models resident: median {statistics.median(combined_flips):.2f} ms "
-          f"(max {max(combined_flips):.2f} ms over {len(combined_flips)})")
+    rows, flips = measure(a.tokens, a.runs, tls=not a.no_tls, passive=a.passive)
+    print_table(rows, "bench/combined.py " + " ".join(sys.argv[1:]))
+    print(f"\nflip to COMBINED with both models resident: median {statistics.median(flips):.2f} ms "
+          f"(max {max(flips):.2f} ms over {len(flips)}); {a.tokens} tokens per decode, "
+          f"OMP_WAIT_POLICY=PASSIVE on {a.passive}")
 
 
 if __name__ == "__main__":

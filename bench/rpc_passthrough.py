@@ -6,8 +6,10 @@
    with every layer on the RPC device: ~100 MB of SET_TENSOR uploads (the
    node runs without its tensor cache so every load uploads everything);
 2. small messages: RPC_CMD_DEVICE_COUNT round trips on one connection.
-Prints MB/s and microseconds per round trip for both paths and the ratio
-front door / direct.
+Both measured in alternating rounds; one table (:mod:`bench._table`): MB/s
+and microseconds per round trip for both paths, and the ratios (direct /
+front door for the round trip: the issue's bound is front door ≤ 1.5×
+direct, a ratio ≥ 0.67).
 """
 
 from __future__ import annotations
@@ -17,14 +19,18 @@ import json
 import re
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
 
-from hydra_trio._spawn import ROOT, spawn, wait_healthy
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hydra_trio._spawn import ROOT, spawn, wait_healthy  # noqa: E402
+
+from bench._table import Row, print_table  # noqa: E402
 
 
 
@@ -59,7 +65,7 @@ def load_s(port: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=2000, help="DEVICE_COUNT round trips per path, in 4 interleaved parts")
     ap.add_argument("--loads", type=int, default=3)
     a = ap.parse_args()
     log = open("/tmp/rpc-bench-node.log", "w+")
@@ -68,26 +74,30 @@ def main() -> None:
         wait_healthy(port, node)
         log.seek(0)
         child = int(re.search(r"ggml-RPC backend serving on 127\.0\.0\.1:(\d+)", log.read()).group(1))
-        before = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        fd_load = [load_s(port) for _ in range(a.loads)]
-        after = httpx.get(f"http://127.0.0.1:{port}/metrics").text
 
-        def bytes_in(text: str) -> float:
+        def bytes_in() -> float:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             return float(re.search(r'hydra_trio:rpc_bytes_total\{direction="in"\} (\S+)', text).group(1))
 
-        per_load = (bytes_in(after) - bytes_in(before)) / a.loads
-        direct_load = [load_s(child) for _ in range(a.loads)]
-        fd_rtt = rtt_us(port, a.rounds)
-        direct_rtt = rtt_us(child, a.rounds)
+        before = bytes_in()
+        fd_load, direct_load = [], []
+        for _ in range(a.loads):  # alternating, so that a busy machine's drift hits both paths
+            fd_load.append(load_s(port))
+            direct_load.append(load_s(child))
+        mb = (bytes_in() - before) / a.loads / 1e6
+        fd_rtt, direct_rtt = [], []
+        for _ in range(4):
+            fd_rtt.append(rtt_us(port, a.rounds // 4))
+            direct_rtt.append(rtt_us(child, a.rounds // 4))
     finally:
         node.send_signal(signal.SIGTERM)
         node.wait(30)
-    f, d = statistics.median(fd_load), statistics.median(direct_load)
-    mb = per_load / 1e6
-    print(f"bulk upload ({mb:.0f} MB per model load, median of {a.loads}):")
-    print(f"  front door {mb / f:7.1f} MB/s | direct {mb / d:7.1f} MB/s | ratio {d / f:.2f}")
-    print(f"small messages (DEVICE_COUNT round trip, {a.rounds} rounds):")
-    print(f"  front door {fd_rtt:7.1f} us | direct {direct_rtt:7.1f} us | ratio {fd_rtt / direct_rtt:.2f}")
+    print_table([
+        Row("rpc_passthrough", f"bulk upload through the front door vs direct to its child ({mb:.0f} MB per load)",
+            "MB/s", [mb / t for t in fd_load], [mb / t for t in direct_load]),
+        Row("rpc_passthrough", "DEVICE_COUNT round trip through the front door vs direct", "us",
+            fd_rtt, direct_rtt, higher_is_better=False, target=1 / 1.5),
+    ], "bench/rpc_passthrough.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

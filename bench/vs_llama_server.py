@@ -1,6 +1,6 @@
 """hydra-trio against llama-server, side by side: same model, same llama.cpp, same flags, same client.
 
-    .venv/bin/python bench/vs_llama_server.py [--rounds 4] [--tokens 128] [--json out.json]
+    .venv/bin/python bench/vs_llama_server.py [--rounds 4] [--tokens 128] [--case decode|multiturn|all] [--json out.json]
 
 The anchor is llama-server built by ``bench/build_llama_server.sh`` from the
 llama.cpp vendored in the llama-cpp-python sdist that hydra-trio runs on, with
@@ -20,11 +20,27 @@ drift hits both.  Cases, all greedy with ``ignore_eos``:
   prefix-4    4 concurrent chats sharing a ~1,000-token system prompt, with
               different questions, 32 tokens each: wall time as tok/s, TTFT
 
+``--case multiturn`` (``all``: both sets) runs chat traffic instead: users who
+each open with a ~330-token document of their own (generated, different per
+user and round) and then ask short follow-ups, the whole conversation resent
+each turn through ``/v1/chat/completions`` (greedy, 24-token replies, 1 opening
+and 3 returning turns per user); a client takes its users in turn, so another
+user's turn comes between two of one user's:
+
+  multiturn-3   3 users, 1 client, 4 slots (fewer users than slots)
+  multiturn-12  12 users, 4 clients of 3 users each, 4 slots (more users than slots)
+
+with total time, the median TTFT of opening and of returning turns, and the
+median cached prompt tokens of returning turns (``usage.prompt_tokens_details.cached_tokens``,
+else ``timings.cache_n``) with their median and smallest share of the prompt.
+llama-server runs with its defaults there too: its host-RAM prompt cache
+(``--cache-ram``, 8 GiB) is on.
+
 Prompts carry a per-round, per-case nonce at the start, so no case finds
 another's prompt in a cache.  Prints a line per measurement while it runs, then
 a table of medians (with min–max) and the ratio hydra-trio / llama-server
-(higher is better for tok/s; for TTFT the ratio is llama-server / hydra-trio,
-so higher is better there too).  ``--json`` writes every sample and the table.
+(higher is better for tok/s and cached tokens; for times the ratio is
+llama-server / hydra-trio, so higher is better there too).  ``--json`` writes every sample and the table.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -47,7 +64,7 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio._spawn import free_port, spawn, wait_healthy  # noqa: E402
+from hydra_trio._spawn import SHARED_MACHINE_ENV, free_port, spawn, wait_healthy  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
 
 FILLER = (
@@ -99,22 +116,22 @@ class Server:
                 self.proc.wait()
 
 
-def llama_server_factory(binary: Path, model: Path, threads: int) -> Any:
+def llama_server_factory(binary: Path, model: Path, threads: int, env: dict[str, str] | None = None) -> Any:
     def start() -> tuple[subprocess.Popen, int]:
         port = free_port()
         proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
              "-np", "4", "-c", "8192", "-b", "512", "-ub", "512", "--no-webui"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env} if env else None,
         )
         return proc, port
     return start
 
 
-def hydra_factory(threads: int) -> Any:
+def hydra_factory(threads: int, env: dict[str, str] | None = None) -> Any:
     def start() -> tuple[subprocess.Popen, int]:
         return spawn("-t", str(threads), "-np", "4", "-c", "8192", "-b", "512", "--log-level", "WARNING",
-                     output=subprocess.DEVNULL)
+                     output=subprocess.DEVNULL, env=env)
     return start
 
 
@@ -188,16 +205,130 @@ async def run_case(base: str, case: str, n: int, nonce: str) -> dict[str, float]
 
 CASES = ["chat-1", "text-1", "chat-4", "chat-8", "long-1500", "prefix-4"]
 
+# ------------------------------------------------------------------ multi-turn chat
+MULTITURN = {"multiturn-3": (3, 1), "multiturn-12": (12, 4)}
+"""Multi-turn cases: (users, clients)."""
+TURNS = 4
+REPLY_TOKENS = 24
+SYSTEM = "You are a helpful assistant. Answer briefly and to the point."  # the same for every user
+FOLLOW_UPS = ("What is the main point of the document?", "Who is mentioned in it?", "Give one more detail from it.")
+_WORDS = ("river harbor market winter garden letter engine village teacher bridge forest station captain "
+          "silver morning window doctor island mountain lantern baker orchard council tower museum ferry "
+          "valley meadow farmer painter signal library kitchen journey mirror cottage canal festival "
+          "storm sailor clock bakery quarry miller weaver chapel pasture glacier beacon merchant").split()
+_VERBS = "opened carried found repaired painted counted watched built visited crossed measured planted".split()
 
-def measure(server: Server, n: int, round_no: int) -> dict[str, dict[str, float]]:
+
+def document(user: int, nonce: str) -> str:
+    """About 330 tokens (SmolLM2's tokenizer) of plain sentences, the same for the same user and nonce,
+    different for another (a seeded pseudo-random text)."""
+    rng = random.Random(f"{nonce}-{user}")
+    sentences = []
+    for _ in range(35):
+        a, b, c = rng.sample(_WORDS, 3)
+        sentences.append(f"The {a} {rng.choice(_VERBS)} the {b} near the {c}.")
+    return f"Document {nonce}-{user}: " + " ".join(sentences)
+
+
+async def chat_turn(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """One streamed, greedy chat turn: times (perf_counter s), the reply text, prompt and cached tokens.
+
+    Sent again (timed afresh) when the server closed the pooled keep-alive connection just as it was
+    reused (llama-server's HTTP library closes idle ones after 5 s): no byte of a reply had come.
+    """
+    try:
+        return await _chat_turn(client, base, messages)
+    except httpx.RemoteProtocolError:
+        return await _chat_turn(client, base, messages)
+
+
+async def _chat_turn(client: httpx.AsyncClient, base: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    body = {"messages": messages, "max_tokens": REPLY_TOKENS, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, text, prompt, cached = None, [], 0, None
+    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            for ch in ev.get("choices") or ():
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    first = first or time.perf_counter()
+                    text.append(piece)
+            if ev.get("timings") and cached is None:
+                cached = ev["timings"].get("cache_n")
+            if ev.get("usage"):
+                prompt = ev["usage"]["prompt_tokens"]
+                details = ev["usage"].get("prompt_tokens_details") or {}
+                if "cached_tokens" in details:
+                    cached = details["cached_tokens"]
+    end = time.perf_counter()
+    return {"t0": t0, "first": first or end, "end": end, "text": "".join(text), "prompt": prompt,
+            "cached": cached or 0}
+
+
+async def run_multiturn(base: str, case: str, nonce: str, progress: str) -> dict[str, float]:
+    """Run a multi-turn case against ``base``; its figures (times in ms, cached tokens, shares in %)."""
+    n_users, n_clients = MULTITURN[case]
+    convs = [[{"role": "system", "content": SYSTEM},
+              {"role": "user", "content": document(u, nonce) + "\n\nSummarize this document in one sentence."}]
+             for u in range(n_users)]
+    turns: list[tuple[int, dict[str, Any]]] = []
+    done = [0]
+    tty = sys.stdout.isatty()
+
+    async def client_loop(client: httpx.AsyncClient, users: list[int]) -> None:
+        for t in range(TURNS):
+            for u in users:
+                if t > 0:
+                    convs[u].append({"role": "user", "content": FOLLOW_UPS[(t - 1) % len(FOLLOW_UPS)]})
+                s = await chat_turn(client, base, convs[u])
+                convs[u].append({"role": "assistant", "content": s["text"]})
+                turns.append((t, s))
+                done[0] += 1
+                if tty:
+                    print(f"\r  {progress} {case}: {done[0]}/{n_users * TURNS} turns", end="", flush=True)
+                elif done[0] % n_users == 0:
+                    print(f"  {progress} {case}: {done[0]}/{n_users * TURNS} turns", flush=True)
+
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=16)) as client:
+        async with trio.open_nursery() as nursery:
+            for c in range(n_clients):
+                nursery.start_soon(client_loop, client, list(range(c, n_users, n_clients)))
+    total = time.perf_counter() - t0
+    if tty:
+        print("\r", end="")
+    first = [s for t, s in turns if t == 0]
+    back = [s for t, s in turns if t > 0]
+    shares = [100 * s["cached"] / s["prompt"] for s in back if s["prompt"]]
+    return {"total_s": total,
+            "ttft_first_ms": 1e3 * statistics.median(s["first"] - s["t0"] for s in first),
+            "ttft_back_ms": 1e3 * statistics.median(s["first"] - s["t0"] for s in back),
+            "cached_back": statistics.median(s["cached"] for s in back),
+            "cached_pct": statistics.median(shares) if shares else 0.0,
+            "cached_min_pct": min(shares) if shares else 0.0}
+
+
+HIGHER_IS_BETTER = {"tok_s", "cached_back", "cached_pct", "cached_min_pct"}
+"""Metrics whose ratio is hydra-trio / llama-server; the others (times, RSS) are llama-server / hydra-trio."""
+
+
+def measure(server: Server, n: int, round_no: int, cases: list[str]) -> dict[str, dict[str, float]]:
     base = server.start()
     try:
         out: dict[str, dict[str, float]] = {"rss-idle": {"rss_mib": server.rss_mib()}}
         trio.run(run_case, base, "chat-1", 8, f"warm-{round_no}")  # warm up
-        for case in CASES:
-            out[case] = trio.run(run_case, base, case, n, f"r{round_no}-{case}")
+        for case in cases:
+            if case in MULTITURN:
+                out[case] = trio.run(run_multiturn, base, case, f"r{round_no}", f"round {round_no} {server.name}")
+            else:
+                out[case] = trio.run(run_case, base, case, n, f"r{round_no}-{case}")
             shown = "  ".join(f"{k} {v:8.1f}" for k, v in out[case].items())
-            print(f"  round {round_no} {server.name:12s} {case:10s} {shown}", flush=True)
+            print(f"  round {round_no} {server.name:12s} {case:12s} {shown}", flush=True)
         return out
     finally:
         server.stop()
@@ -205,13 +336,15 @@ def measure(server: Server, n: int, round_no: int) -> dict[str, dict[str, float]
 
 def summarize(samples: dict[str, list[dict[str, dict[str, float]]]]) -> list[dict[str, Any]]:
     rows = []
-    for case in ["rss-idle", *CASES]:
+    for case in samples["hydra-trio"][0]:
         for metric in samples["hydra-trio"][0][case]:
             a = [s[case][metric] for s in samples["llama-server"]]
             b = [s[case][metric] for s in samples["hydra-trio"]]
             ma, mb = statistics.median(a), statistics.median(b)
-            better_high = metric == "tok_s"
-            ratio = mb / ma if better_high else ma / mb
+            if metric in HIGHER_IS_BETTER:
+                ratio = mb / ma if ma else float("inf") if mb else 1.0
+            else:
+                ratio = ma / mb if mb else float("inf")
             rows.append({"case": case, "metric": metric, "llama_server": ma, "llama_server_range": [min(a), max(a)],
                          "hydra_trio": mb, "hydra_trio_range": [min(b), max(b)], "ratio": ratio})
     return rows
@@ -222,25 +355,33 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--case", choices=["decode", "multiturn", "all", *CASES, *MULTITURN], default="decode",
+                    help="the decode cases (default), the multi-turn chat cases, all, or one case")
+    ap.add_argument("--shared-machine", action="store_true",
+                    help="both servers wait passively at OpenMP barriers (OMP_WAIT_POLICY=PASSIVE): for a machine "
+                         "other work loads, where spinning threads collapse decode")
     ap.add_argument("--json", type=Path, help="write samples and table here")
     a = ap.parse_args()
+    env = SHARED_MACHINE_ENV if a.shared_machine else None
+    cases = {"decode": CASES, "multiturn": list(MULTITURN), "all": [*CASES, *MULTITURN]}.get(a.case, [a.case])
     binary = build_anchor()
     model, _ = resolve_model("smollm2-135m")
     print(f"anchor {binary}\nmodel {model}\n-t {a.threads} -np 4 -c 8192 -b 512, {a.tokens} tokens, "
-          f"{a.rounds} rounds", flush=True)
-    servers = [Server("llama-server", llama_server_factory(binary, model, a.threads)),
-               Server("hydra-trio", hydra_factory(a.threads))]
+          f"{a.rounds} rounds, cases {' '.join(cases)}{', OMP_WAIT_POLICY=PASSIVE' if env else ''}", flush=True)
+    servers = [Server("llama-server", llama_server_factory(binary, model, a.threads, env)),
+               Server("hydra-trio", hydra_factory(a.threads, env))]
     samples: dict[str, list[Any]] = {s.name: [] for s in servers}
     for r in range(a.rounds):
         for s in (servers if r % 2 == 0 else servers[::-1]):
-            samples[s.name].append(measure(s, a.tokens, r))
+            samples[s.name].append(measure(s, a.tokens, r, cases))
     rows = summarize(samples)
-    print(f"\n{'case':10s} {'metric':8s} {'llama-server':>22s} {'hydra-trio':>22s} {'ratio':>6s}")
+    print(f"\n{'case':12s} {'metric':14s} {'llama-server':>22s} {'hydra-trio':>22s} {'ratio':>6s}")
     for row in rows:
         ls, ht = row["llama_server_range"], row["hydra_trio_range"]
-        print(f"{row['case']:10s} {row['metric']:8s} {row['llama_server']:8.1f} ({ls[0]:6.1f}-{ls[1]:6.1f}) "
+        print(f"{row['case']:12s} {row['metric']:14s} {row['llama_server']:8.1f} ({ls[0]:6.1f}-{ls[1]:6.1f}) "
               f"{row['hydra_trio']:8.1f} ({ht[0]:6.1f}-{ht[1]:6.1f}) {row['ratio']:6.2f}")
-    print("ratio: hydra-trio / llama-server for tok/s, llama-server / hydra-trio for ttft and rss (higher is better)")
+    print("ratio: hydra-trio / llama-server for tok/s and cached tokens, llama-server / hydra-trio for times and rss "
+          "(higher is better)")
     rss = next(r for r in rows if r["case"] == "rss-idle")
     print(f"idle RSS, 4 slots: hydra-trio {rss['hydra_trio'] - rss['llama_server']:+.0f} MiB against llama-server")
     if a.json:

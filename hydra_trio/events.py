@@ -9,6 +9,17 @@ An event is one JSON object: ``{"ts": unix seconds (float), "type":
 "<category>.<name>", "trace_id": str (where one exists), ...fields}``.  The
 categories, each a ``?types=`` filter value:
 
+load       ``load.stage`` (stage, seconds of the stage before), ``load.progress``
+slot       ``slot.assigned``, ``slot.first_token``, ``slot.finished`` (with the
+           reply's ``timings``), ``slot.cancelled``, ``slot.failed``
+control    ``control.applied``, ``control.busy`` (``busy_slots``), ``control.failed``
+mode       ``mode.changed`` (``mode``, ``previous``, ``peer``)
+peer       ``peer.attached``, ``peer.lost``, ``peer.fallback`` (``reason``)
+state      ``state.get``, ``state.put`` (``slot``, ``bytes``, ``ms``, ``result``)
+rpc        ``rpc.child_started``, ``rpc.child_died``, ``rpc.child_restarted``
+stats      ``stats``, once a second while anyone subscribes: slots, queue, mode, connections per protocol
+=========  ===================================================================
+=======
 ============  ===================================================================
 load          ``load.stage`` (stage, seconds of the stage before), ``load.progress``
 slot          ``slot.assigned``, ``slot.first_token``, ``slot.finished`` (with the
@@ -20,7 +31,7 @@ mode          ``mode.changed`` (``mode``, ``previous``, ``peer``)
 peer          ``peer.attached``, ``peer.lost``, ``peer.fallback`` (``reason``)
 state         ``state.get``, ``state.put`` (``slot``, ``bytes``, ``ms``, ``result``)
 rpc           ``rpc.child_started``, ``rpc.child_died``, ``rpc.child_restarted``
-stats         ``stats``, once a second: slots, queue, mode, connections per protocol
+stats         ``stats``, once a second while anyone subscribes: slots, queue, mode, connections per protocol
 ============  ===================================================================
 
 A subscriber also gets ``hello`` first (the node's identity) and
@@ -140,6 +151,7 @@ class EventBus:
         self._lock = threading.Lock()  # guards _history when no trio loop is bound yet
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop_thread: int | None = None
+        self._subscribed: trio.Event | None = None  # set when a subscriber arrives (wait_subscribed)
         self.dropped_total = 0
         self.published = 0
         self.closed = False
@@ -208,6 +220,20 @@ class EventBus:
     def subscribers(self) -> int:
         return len(self._subs)
 
+    async def wait_subscribed(self) -> None:
+        """Return once the bus has a subscriber, at once if it has one (trio thread): a periodic
+        publisher such as the ``stats`` ticker sleeps here while nobody listens."""
+        while not self._subs:
+            if self._subscribed is None or self._subscribed.is_set():
+                self._subscribed = trio.Event()
+            await self._subscribed.wait()
+
+    def clear_stats(self) -> None:
+        """Forget the newest ``stats`` event (:meth:`recent` has none until the next): its publisher
+        paused, so it is no longer the node's state."""
+        with self._lock:
+            self._last_stats = None
+
     @contextmanager
     def subscribe(self, types: Collection[str] | None = None, maxlen: int = 1024) -> Iterator[Subscription]:
         """A subscription for the ``with`` block (trio thread); leaving the block frees it.
@@ -229,6 +255,8 @@ class EventBus:
         sub = Subscription(wanted, maxlen)
         with self._lock:
             self._subs.append(sub)
+        if self._subscribed is not None:
+            self._subscribed.set()
         try:
             yield sub
         finally:

@@ -37,7 +37,7 @@ def hello(engine: Engine | None, rpc: Any) -> dict[str, Any]:
 
 
 class StatsTicker:
-    """Publishes ``stats`` once a second (:meth:`run`).
+    """Publishes ``stats`` once a second while someone subscribes to the event bus (:meth:`run`).
 
     Fields: ``stage``, ``mode``, ``peer``, ``peer_reachable``, ``queue``
     (requests waiting for a slot), ``processing``, ``slots`` (``id``,
@@ -61,10 +61,19 @@ class StatsTicker:
         self._conns: dict[str, int] = {}
 
     async def run(self, every: float = 1.0) -> None:
-        """Publish every ``every`` seconds until cancelled."""
+        """Publish every ``every`` seconds while the bus has subscribers, until cancelled.
+
+        With none, it sleeps until one comes (no wake-ups on a node nobody watches) and the bus
+        forgets the last ``stats``; the rates of the first tick after cover that tick alone.
+        """
         while True:
+            if not self.bus.subscribers:
+                self.bus.clear_stats()
+                await self.bus.wait_subscribed()
+                self.snapshot()  # the rates start afresh
             await trio.sleep(every)
-            self.bus.publish("stats", **self.snapshot())
+            if self.bus.subscribers:
+                self.bus.publish("stats", **self.snapshot())
 
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()

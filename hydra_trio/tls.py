@@ -195,6 +195,12 @@ class TlsStream(trio.abc.Stream):
         """The pushed-back bytes still to be received (not consumed)."""
         return bytes(self._pushback)
 
+    def take_pushback(self) -> bytes:
+        """The pushed-back bytes still to be received, consumed (a reader that goes on without this stream)."""
+        data = bytes(self._pushback)
+        self._pushback.clear()
+        return data
+
     def unread(self, data: bytes) -> None:
         """Put ``data`` back in front of the bytes still to be received."""
         self._pushback[:0] = data

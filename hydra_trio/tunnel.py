@@ -6,7 +6,8 @@ with ``--rpc-tls`` gives ggml's client ``127.0.0.1:<tunnel port>`` for a peer
 is carried over TLS to ``HOST:PORT``, whose front door unwraps TLS and
 classifies ``0x0E`` (ggml-RPC) as for a plain connection.  One TLS
 connection per ggml connection; bytes are copied both ways as they come (no
-framing: the peer validates the messages).
+framing: the peer validates the messages), each way by a thread on blocking
+sockets (:mod:`hydra_trio.blocking`), as the peer's pump does.
 
 The peer's certificate is verified against the client context (``--tls-ca``)
 and must name ``HOST`` (an IP address in the certificate's subjectAltName
@@ -28,9 +29,11 @@ from __future__ import annotations
 import logging
 import socket
 import ssl
+from typing import Any
 
 import trio
 
+from .blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
 from .protocol.address import parse_peer
 
 log = logging.getLogger("hydra_trio.tunnel")
@@ -78,55 +81,58 @@ class RpcTunnel:
                 client = await listener.accept()
                 nursery.start_soon(self._carry, client)
 
-    async def _connect(self) -> trio.SSLStream[trio.SocketStream] | None:
-        try:
-            with trio.fail_after(self.connect_timeout):
-                tcp = await trio.open_tcp_stream(self.host, self.port)  # TCP_NODELAY: trio sets it
-                tls = trio.SSLStream(tcp, self.context, server_hostname=self.host)
-                try:
-                    await tls.do_handshake()
-                except BaseException:
-                    await trio.aclose_forcefully(tcp)
-                    raise
-                return tls
-        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-            self.failed += 1
-            log.warning("ggml-RPC tunnel to %s: %s", self.peer, getattr(exc, "__cause__", None) or exc or "timeout")
-            return None
-
     async def _carry(self, client: trio.SocketStream) -> None:
-        """One ggml connection: TLS to the peer, then bytes both ways until either side closes."""
+        """One ggml connection: TLS to the peer, then bytes both ways until either side closes.
+
+        The connect and handshake run on a worker thread (blocking, within
+        ``connect_timeout``); then each direction is a thread on blocking sockets
+        (:func:`~hydra_trio.blocking.run_blocking`, :class:`~hydra_trio.blocking.TlsPipe`):
+        a COMBINED token is about 60 round trips, each of which took four trio task
+        switches here before.
+        """
         try:
-            remote = await self._connect()
-            if remote is None:
+            try:
+                remote = await trio.to_thread.run_sync(
+                    TlsPipe.connect, self.host, self.port, self.context, self.connect_timeout,
+                    abandon_on_cancel=True)
+            except OSError as exc:
+                self.failed += 1
+                log.warning("ggml-RPC tunnel to %s: %s", self.peer, exc or type(exc).__name__)
                 return  # ggml's client sees the connection close: the peer is unreachable
             self.connections += 1
+            plain = blocking_dup(client.socket)
+            ends = [plain, remote]
             try:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_copy, client, remote, nursery.cancel_scope)
-                    nursery.start_soon(_copy, remote, client, nursery.cancel_scope)
+                    for src, dst in ((plain, remote), (remote, plain)):
+                        nursery.start_soon(self._direction, src, dst, ends)
             finally:
-                await trio.aclose_forcefully(remote)
+                restore(plain)
+                remote.close()
         finally:
             await trio.aclose_forcefully(client)
 
+    @staticmethod
+    async def _direction(src: Any, dst: Any, ends: list[Any]) -> None:
+        """One direction on a thread; when it ends, both ends are shut down (the other one ends too)."""
+        try:
+            await run_blocking(lambda: _copy(src, dst), lambda: shutdown_all(ends), name="rpc-tunnel")
+        finally:
+            shutdown_all(ends)
 
-async def _copy(src: trio.abc.ReceiveStream, dst: trio.abc.SendStream, done: trio.CancelScope) -> None:
-    """Copy ``src`` to ``dst`` until EOF or an error on either side; then end both directions (``done``).
 
-    No half-close: trio's TLS stream has none, and a ggml-RPC connection that
-    closes one way is over.
+def _copy(src: Any, dst: Any) -> None:
+    """Copy ``src`` to ``dst`` (blocking) until EOF or an error on either side.
+
+    No half-close: a ggml-RPC connection that closes one way is over (the caller shuts both down).
     """
+    buf = bytearray(COPY_BUFFER)  # reused: each piece is sent before the next receive
+    view = memoryview(buf)
     try:
-        while True:
-            data = await src.receive_some(COPY_BUFFER)
-            if not data:
-                break
-            await dst.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        while n := src.recv_into(buf):
+            dst.sendall(view[:n])
+    except OSError:  # ssl.SSLError too
         pass
-    finally:
-        done.cancel()
 
 
 class TunnelPool:

@@ -266,6 +266,48 @@ def test_buffer_named_before_its_alloc_is_answered() -> None:
     assert refused(conn, g.encode_request(RpcCmd.INIT_TENSOR, t.pack())) == "tensor_bounds"
 
 
+def test_a_head_that_passed_is_checked_again_once_the_buffers_change() -> None:
+    """The validated-head cache (a COMBINED head repeats its graphs and tensor heads every token)
+    gives the verdict a fresh check would: freeing or reallocating a buffer, or an ALLOC_BUFFER
+    still unanswered, makes the same bytes pass or fail as they would unchecked before."""
+    t = RpcTensor(id=1, type=0, buffer=RPC_BUFFER, ne=(16, 1, 1, 1), nb=(4, 64, 64, 64), data=RPC_BASE)
+    set_t = g.encode_set_tensor(t, 0, bytes(64))
+    conn = with_buffer()
+    for _ in range(2):
+        conn.receive_request(set_t)
+    assert set_t[: g.HEADER_SIZE + g.SET_TENSOR_HEAD_SIZE] in conn.checked  # remembered: the 2nd was a lookup
+    conn.receive_request(g.encode_request(RpcCmd.FREE_BUFFER, struct.pack("<Q", RPC_BUFFER)))
+    assert refused(conn, set_t) == "tensor_region"
+    # the same buffer handle again, smaller: the graph that passed now reaches outside it
+    nodes, ts = _graph()
+    graph = g.encode_graph_compute(0, nodes, ts)
+    conn = with_buffer()
+    conn.receive_request(graph)
+    conn.receive_request(g.encode_request(RpcCmd.FREE_BUFFER, struct.pack("<Q", RPC_BUFFER)))
+    run_session(conn, rpc_buffer_steps(size=64))
+    assert refused(conn, graph) == "tensor_bounds"
+    # a tensor in a buffer this connection does not know passes as "no buffer" (deserialize_tensor),
+    # unless an ALLOC_BUFFER is unanswered: then it is refused even though it passed before
+    leaf = RpcTensor(id=1, type=0, buffer=0xDEAD, ne=(4, 1, 1, 1), nb=(4, 16, 16, 16), data=0)
+    init = g.encode_request(RpcCmd.INIT_TENSOR, leaf.pack())
+    conn = with_buffer()
+    conn.receive_request(init)
+    conn.receive_request(init)
+    conn.receive_request(rpc_buffer_steps(buffer=0xBEEF)[0].request)  # ALLOC_BUFFER, unanswered
+    assert refused(conn, init) == "tensor_bounds"
+
+
+def test_a_remembered_get_tensor_still_owes_its_reply() -> None:
+    t = RpcTensor(id=1, type=0, buffer=RPC_BUFFER, ne=(16, 1, 1, 1), nb=(4, 64, 64, 64), data=RPC_BASE)
+    conn = with_buffer()
+    for _ in range(3):
+        evs = conn.receive_request(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 8, 24)))
+        assert evs[-1] == RequestEnd(RpcCmd.GET_TENSOR, 24)
+        assert [type(ev) for ev in conn.receive_reply(g.encode_reply(bytes(24)))] == [ReplyHeader, ReplyEnd]
+    with pytest.raises(InvalidReply):
+        conn.receive_reply(g.encode_reply(bytes(24)))  # three asked, three answered: nothing is owed
+
+
 @pytest.mark.parametrize(
     ("change", "check"),
     [

@@ -2,7 +2,7 @@
 
 What is covered: HTTPS (httpx, curl, the openai client) and plain HTTP on the
 same port; Hydra INFO over TLS (HydraClient and the ``hydra-trio info --tls``
-command); ggml-RPC HELLO over TLS (the trio pump path); an untrusted server
+command); ggml-RPC over TLS (HELLO, then round trips through the pump's threads); an untrusted server
 certificate refused by the clients; mutual TLS (no client certificate:
 refused; with one: served, its subject logged); ``--tls-required`` (loopback
 plain still served; a real plain connection from the machine's non-loopback
@@ -172,15 +172,31 @@ def tls_socket(port: int, ca: Path, cert: Path | None = None, key: Path | None =
     return ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=30), server_hostname="127.0.0.1")
 
 
+def _recv_exactly(s: ssl.SSLSocket, n: int) -> bytes:
+    reply = b""
+    while len(reply) < n:
+        chunk = s.recv(n - len(reply))
+        assert chunk, f"closed after {len(reply)} of {n} reply bytes"
+        reply += chunk
+    return reply
+
+
 def test_ggml_rpc_hello_over_tls(tls_node: ServerProcess, certs: Certs) -> None:
+    """HELLO, then round trips through the pump: its threads carry the TLS that trio's handshake began."""
     with tls_socket(tls_node.port, certs.ca_pem) as s:
         s.sendall(HELLO)
-        reply = b""
-        while len(reply) < 11:
-            chunk = s.recv(64)
-            assert chunk, "closed before the HELLO reply"
-            reply += chunk
-    assert reply[8] == 7  # RPC_PROTO_MAJOR_VERSION of this llama.cpp
+        reply = _recv_exactly(s, 8 + 28)
+        assert reply[8] == 7  # RPC_PROTO_MAJOR_VERSION of this llama.cpp
+        for _ in range(20):
+            s.sendall(bytes([15]) + bytes(8))  # RPC_CMD_DEVICE_COUNT
+            assert _recv_exactly(s, 8 + 4) == (4).to_bytes(8, "little") + (1).to_bytes(4, "little")
+
+    async def rpc_info() -> dict:
+        async with HydraClient("127.0.0.1", tls_node.port) as c:
+            return (await c.info())["rpc_backend"]
+
+    r = trio.run(rpc_info)
+    assert r["connections"] >= 1 and r["trio_pumped"] == 0  # pumped on threads, not in trio
 
 
 # ------------------------------------------------------------------ mutual TLS, --tls-required

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hydra_trio.api.replies import ResponseContext
 from hydra_trio.engine.slots import StopStringMatcher
+from hydra_trio.http._common import _sse
 from hydra_trio.api.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
 from hydra_trio.models.presets import PresetError, resolve_model
 from hydra_trio.protocol.classify import Protocol, classify
@@ -86,3 +88,17 @@ def test_presets() -> None:
     assert path2 == path and alias2 == "SmolLM2-135M-Instruct.Q4_1"
     with pytest.raises(PresetError, match="neither a file nor a known alias"):
         resolve_model("no-such-model")
+
+
+@given(st.booleans(), st.text(), st.one_of(st.text(), st.dictionaries(st.sampled_from(["content", "reasoning_content"]),
+                                                                     st.text(), max_size=2)),
+       st.one_of(st.none(), st.fixed_dictionaries({"content": st.lists(st.fixed_dictionaries(
+           {"token": st.text(max_size=3), "logprob": st.floats(-50, 0)}), max_size=2), "refusal": st.none()})))
+@settings(deadline=None)
+def test_stream_chunk_json_is_the_chunk_encoded(chat: bool, model: str, delta: object, logprobs: object) -> None:
+    """The per-token SSE chunk built from a fixed head (ResponseContext.chunk_json) is byte for byte the
+    chunk object encoded as the stream's other events are (compact, non-ASCII as is)."""
+    ctx = ResponseContext(chat=chat, model=model, include_usage=False, id="chatcmpl-\u00e9\"x")
+    for _ in range(2):  # the head is built once and reused
+        assert f"data: {ctx.chunk_json(delta, logprobs)}\n\n" == _sse(ctx.chunk(delta, None, logprobs))  # type: ignore[arg-type]
+    json.loads(ctx.chunk_json(delta, logprobs))

@@ -4,6 +4,7 @@ tool-call parser (:mod:`.tools`).  Sans-I/O: the HTTP app feeds it the engine's 
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -15,6 +16,9 @@ from .reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
 
 if TYPE_CHECKING:
     from .jobs import ChatTools
+
+
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def _usage(f: Finished, reasoning_tokens: int | None = None) -> dict[str, Any]:
@@ -66,6 +70,8 @@ class ResponseContext:
         # tool calls (api/tools.py): a chat reply's content is parsed into content and calls
         self.tools = tools
         self.tool_parser = api_tools.ToolCallParser(tools.format) if tools is not None else None
+        self._object = "chat.completion.chunk" if chat else "text_completion"
+        self._head: str | None = None  # chunk_json's envelope up to the delta
 
     def chat_chunks(self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool,
                     end: bool = False) -> list[dict[str, Any]]:
@@ -73,10 +79,15 @@ class ResponseContext:
         ``end``: the reply ended): ``delta.reasoning_content``, then ``delta.content`` and, with tools,
         ``delta.tool_calls`` as the tool-call parser finds them (:func:`hydra_trio.api.tools.stream_delta`).
         A delta's logprobs ride on its first chunk (an empty delta when its text is held back)."""
+        return [self.chunk(d, None, lp) for d, lp in self.chat_deltas(split, logprobs, has_tokens, end)]
+
+    def chat_deltas(self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool,
+                    end: bool = False) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+        """:meth:`chat_chunks` as ``(delta, logprobs)`` pairs, one per chunk, before the envelope
+        (for :meth:`chunk_json`)."""
         p, tools = self.tool_parser, self.tools
         if p is None or tools is None:
-            return [self.chunk(ChatReplyText.delta(split), None, logprobs)] if split or (
-                logprobs is not None and has_tokens) else []
+            return [(ChatReplyText.delta(split), logprobs)] if split or (logprobs is not None and has_tokens) else []
         deltas: list[dict[str, Any]] = [{"reasoning_content": split.reasoning}] if split.reasoning else []
         events = p.feed(split.content) if split.content else []
         if end:
@@ -85,7 +96,16 @@ class ResponseContext:
         deltas += [d for d in (shape(x) for x in events) if d is not None]
         if logprobs is not None and has_tokens and not deltas:
             deltas = [{}]
-        return [self.chunk(d, None, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+        return [(d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+
+    def chunk_json(self, delta: Any, logprobs: dict[str, Any] | None = None) -> str:
+        """The compact JSON (no spaces, non-ASCII as is) of ``self.chunk(delta, None, logprobs)``, built
+        from the request's fixed head and the delta's own JSON: a stream's per-token chunk without a
+        dict and a whole-object encoding for each."""
+        if self._head is None:
+            self._head = (f'{{"id":{_encode(self.id)},"object":{_encode(self._object)},"created":{self.created},'
+                          f'"model":{_encode(self.model)},"choices":[{{"index":0,"{"delta" if self.chat else "text"}":')
+        return f'{self._head}{_encode(delta)},"logprobs":{_encode(logprobs)},"finish_reason":null}}]}}'
 
     def finish_reason(self, reason: str) -> str:
         """``tool_calls`` (``function_call`` for legacy functions) when the reply stopped with calls."""

@@ -37,7 +37,7 @@ from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, sha256_file
 from .prompt_cache import PromptCache
-from .requests import CompletionJob, RequestHandle
+from .requests import CompletionJob, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits, erase_slot
 from .settings import EngineConfig, SamplingParams, check_n_parallel, check_n_predict
 from .slots import Slot
@@ -93,8 +93,10 @@ _WAKE = object()
 
 
 def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, stats: EngineStats, model_hash: str,
-                  events: EventBus, prompt_cache: PromptCache | None = None) -> Scheduler:
-    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings and ``prompt_cache``.
+                  events: EventBus, prompt_cache: PromptCache | None = None,
+                  hand_off: StepHandOff | None = None) -> Scheduler:
+    """The scheduler over ``model``'s slots, with ``cfg``'s slot and cache settings and ``prompt_cache``;
+    ``hand_off`` carries each step's token events to trio in one go.
 
     As llama-server, ``context_shift`` and ``n_cache_reuse`` are dropped with a
     warning when the model's memory cannot shift positions (recurrent or hybrid).
@@ -110,7 +112,8 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
                      slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
-                     checkpoint_min_step=cfg.checkpoint_min_step, prompt_cache=prompt_cache)
+                     checkpoint_min_step=cfg.checkpoint_min_step, prompt_cache=prompt_cache,
+                     hand_off=hand_off)
 
 
 def kv_cache(e: Engine) -> dict[str, str]:
@@ -178,6 +181,7 @@ class Engine:
         self._stop = False
         self._ready = trio.Event()
         self._trio_token: trio.lowlevel.TrioToken | None = None
+        self._hand_off = StepHandOff()  # the requests' token events, one hand-over to trio per step
         self.snapshot: EngineSnapshot = EMPTY
         """The slots and queue as of the engine's last step (:mod:`~hydra_trio.engine.snapshot`): the engine
         thread swaps a new immutable object in after every step and call; any thread reads it without waiting."""
@@ -285,7 +289,7 @@ class Engine:
         if not (-1 <= job.id_slot < len(self.slots)):
             raise InvalidRequest(f"id_slot: {job.id_slot} is out of range (0..{len(self.slots) - 1})")
         assert self._trio_token is not None
-        handle = RequestHandle(job, self._trio_token)
+        handle = RequestHandle(job, self._trio_token, self._hand_off)
         self._inbox.put(handle)
         return handle
 
@@ -353,7 +357,7 @@ class Engine:
                 kv_identity_hash=identity_hash(kv_identity(model)),
             )
             self.scheduler = new_scheduler(cfg, self.experts, model, self.stats, self.identity.model_hash, self.events,
-                                           self.prompt_cache)
+                                           self.prompt_cache, self._hand_off)
             self.scheduler.publish = self._publish_quietly
             self._set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
@@ -524,7 +528,7 @@ class Engine:
         self.identity = identity
         self.prompt_cache.clear("reload")
         self.scheduler = new_scheduler(self.config, self.experts, new, self.stats, identity.model_hash,
-                                       self.events, self.prompt_cache)
+                                       self.events, self.prompt_cache, self._hand_off)
         self.scheduler.publish = self._publish_quietly
         self.scheduler.pending = pending
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)

@@ -10,8 +10,9 @@ the request on every way out.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -213,17 +214,23 @@ class RequestHandle:
     """The trio side of a request: a channel of events, and cancellation.
 
     The engine thread calls :meth:`emit`; it never blocks (the channel is
-    unbounded and the hand-over goes through ``TrioToken.run_sync_soon``).
+    unbounded and the hand-over goes through ``TrioToken.run_sync_soon``,
+    or through ``hand_off``'s batch of the current step: :class:`StepHandOff`).
     """
 
-    def __init__(self, job: CompletionJob, trio_token: trio.lowlevel.TrioToken) -> None:
+    def __init__(self, job: CompletionJob, trio_token: trio.lowlevel.TrioToken,
+                 hand_off: StepHandOff | None = None) -> None:
         self.job = job
         self._token = trio_token
+        self._hand_off = hand_off
         self._send, self.events = trio.open_memory_channel[Event](math.inf)
         self.cancelled = False
         self.deferred = False
 
     def emit(self, event: Event) -> None:
+        if self._hand_off is not None:
+            self._hand_off.emit(self, event)
+            return
         try:
             self._token.run_sync_soon(self._deliver, event)
         except trio.RunFinishedError:
@@ -236,6 +243,58 @@ class RequestHandle:
             pass
         if isinstance(event, (Finished, Failed)):
             self._send.close()
+
+
+def _deliver_all(held: list[tuple[RequestHandle, Event]]) -> None:
+    """Trio side of :class:`StepHandOff`: each event to its request, in the order emitted."""
+    for handle, event in held:
+        handle._deliver(event)
+
+
+class StepHandOff:
+    """Hands the events of one engine step to trio in one go (engine thread only).
+
+    Outside :meth:`collect`, :meth:`emit` hands each event over at once
+    (``TrioToken.run_sync_soon``).  Inside, events are held in the order they
+    were emitted and handed over together when the outermost block ends: one
+    wake-up of the trio loop per batching step, instead of one per generated
+    token of each request (llama-server's ``update_slots`` likewise sends a
+    step's results to its HTTP threads after the step).  The engine runs each
+    :meth:`Scheduler.step <hydra_trio.engine.scheduler.Scheduler.step>` inside
+    :meth:`collect`; what it emits elsewhere (a call that fails requests, the
+    shutdown) goes at once, after anything held.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[RequestHandle, Event]] | None = None
+
+    @contextlib.contextmanager
+    def collect(self) -> Iterator[None]:
+        """Hold emitted events until the block ends, then hand them over (also when it raises)."""
+        if self._held is not None:  # nested: the outer block hands over
+            yield
+            return
+        self._held = []
+        try:
+            yield
+        finally:
+            held, self._held = self._held, None
+            if held:
+                self._hand(held)
+
+    def emit(self, handle: RequestHandle, event: Event) -> None:
+        """``event`` for ``handle``: held while a :meth:`collect` block runs, else handed over now."""
+        if self._held is not None:
+            self._held.append((handle, event))
+        else:
+            self._hand([(handle, event)])
+
+    @staticmethod
+    def _hand(held: list[tuple[RequestHandle, Event]]) -> None:
+        try:  # every request of an engine has the same trio loop: the first one's token reaches it
+            held[0][0]._token.run_sync_soon(_deliver_all, held)
+        except trio.RunFinishedError:
+            pass  # trio is gone: nobody reads the events
 
 
 class Submitter(Protocol):
@@ -272,6 +331,7 @@ class JobRun:
         self.handle: RequestHandle | None = None
         self.assigned: SlotAssigned | None = None
         self.finished: Finished | None = None
+        self._failed: Failed | None = None  # met by ready(), raised by the next read
 
     def submit(self) -> JobRun:
         """Submit the job (what entering does; for a reader that outlives this scope, e.g. a stream)."""
@@ -293,10 +353,36 @@ class JobRun:
 
     async def _next(self) -> Event | None:
         assert self.handle is not None, "use JobRun in 'async with'"
+        if self._failed is not None:  # met by ready(): raised now, after the deltas before it were used
+            ev, self._failed = self._failed, None
+            return self._take(ev)
         try:
             ev = await self.handle.events.receive()
         except trio.EndOfChannel:
             return None
+        return self._take(ev)
+
+    def ready(self) -> Iterator[TextDelta]:
+        """The deltas that have arrived and not been read, without waiting (none once the request ended).
+
+        For a reader that writes what a step produced in one go (an SSE stream falling behind
+        sends one write, not one per delta).  A failure it meets is raised by the next read of
+        the iteration, so the deltas before it can be used first.
+        """
+        assert self.handle is not None, "use JobRun in 'async with'"
+        while self.finished is None and self._failed is None:
+            try:
+                ev = self.handle.events.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            if isinstance(ev, Failed):
+                self._failed = ev
+                return
+            ev = self._take(ev)
+            if isinstance(ev, TextDelta):
+                yield ev
+
+    def _take(self, ev: Event) -> Event:
         if isinstance(ev, Failed):
             raise ev.error
         if isinstance(ev, SlotAssigned):

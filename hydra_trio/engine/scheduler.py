@@ -29,6 +29,7 @@ here too.  Nothing here is trio code: events go out through
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from .checkpoints import Checkpoints
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
 from .prompt_cache import PromptCache
-from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, TextDelta
+from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, StepHandOff, TextDelta
 from .thinking_budget import ThinkingBudget
 from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
 from .slots import Slot, StopStringMatcher
@@ -88,14 +89,16 @@ class Scheduler:
             checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
             those names (checkpoints: :mod:`~hydra_trio.engine.checkpoints`).
         prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.prompt_cache`; None: off).
+        hand_off: the tokens sampled in a step reach trio through it in one hand-over
+            (:class:`~hydra_trio.engine.requests.StepHandOff`); None: each event on its own.
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
                  model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
                  n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
                  n_ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192,
-                 prompt_cache: PromptCache | None = None) -> None:
-        self.experts = experts
+                 prompt_cache: PromptCache | None = None, hand_off: StepHandOff | None = None) -> None:
+        self.experts, self.hand_off = experts, hand_off
         self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
         self.context_shift = context_shift
         self.n_keep = n_keep
@@ -362,15 +365,7 @@ class Scheduler:
         share = n_prompt_fed / n_tokens if n_tokens else 0.0
         self.stats.prompt_seconds_total += dt * share
         self.stats.tokens_predicted_seconds_total += dt * (1 - share)
-        for slot, idx in to_sample:
-            if slot.handle is None:
-                continue
-            token, job = sample_token(m, slot, idx), slot.handle.job
-            if job.logprobs or job.n_probs:
-                probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
-                slot.pending_logprobs.append(probs.logprob)
-                slot.pending_top.append(probs.top)
-            self._on_token(slot, token)
+        sample(self, m, to_sample)
 
     def _on_token(self, slot: Slot, token: int) -> None:
         m = self.model
@@ -459,6 +454,22 @@ class Scheduler:
         # mid-prompt leaves a valid prefix in the slot's KV cache.
         slot.last_used = time.monotonic()
         slot.reset_request()
+
+
+def sample(sched: Scheduler, m: LoadedModel, to_sample: list[tuple[Slot, int]]) -> None:
+    """Sample each slot's token at its batch index after a decode and hand it on (``Scheduler._on_token``);
+    the step's token events reach trio together, in one hand-over (``sched.hand_off``), at the end."""
+    with sched.hand_off.collect() if sched.hand_off is not None else contextlib.nullcontext():
+        for slot, idx in to_sample:
+            if slot.handle is None:
+                continue
+            token, job = sample_token(m, slot, idx), slot.handle.job
+            if job.logprobs or job.n_probs:
+                probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
+                slot.pending_logprobs.append(probs.logprob)
+                slot.pending_top.append(probs.top)
+            sched._on_token(slot, token)
+
 
 def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
     """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot`; None: it waits."""

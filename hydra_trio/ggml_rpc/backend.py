@@ -20,8 +20,8 @@ door admits one ggml-RPC client at a time too:
 4. **Pump.** Both directions go through a validator (:mod:`hydra_trio.ggml_rpc.pump`).
 
 A client that came over TLS (:class:`~hydra_trio.tls.TlsStream`, unwrapped by
-the front door) goes through the same steps; its pump runs as trio tasks
-instead of threads on blocking sockets (the bytes on its socket are ciphertext).
+the front door) goes through the same steps; its pump's threads carry its TLS
+on from where trio's handshake left it (:class:`~hydra_trio.blocking.TlsPipe`).
 
 The parts: :class:`RpcBackend` (this module) is the admission (steps 1 to 3)
 and the face the rest of the node sees (counters, :meth:`~RpcBackend.drain`);
@@ -357,6 +357,7 @@ class RpcBackend:
             "serving": self.serving,
             "handshaking": self.handshaking,
             "crashes": self.crashes,
+            "trio_pumped": self.counters.trio_pumped,
             "draining": self.draining,
             "closed": dict(self.closed),
             "invalid_messages": dict(self.invalid),

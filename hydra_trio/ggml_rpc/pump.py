@@ -17,7 +17,6 @@ from :data:`CLOSE_REASONS`.
 from __future__ import annotations
 
 import collections
-import os
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -26,6 +25,8 @@ from typing import Any
 import attrs
 import trio
 
+from ..blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
+from ..tls import TlsStream
 from ..protocol.ggml_rpc import (
     CHECKS,
     GgmlRpcConnection,
@@ -37,7 +38,9 @@ from ..protocol.ggml_rpc import (
     RpcRequestEvent,
 )
 
-PUMP_BUFFER = 1 << 20  # bytes per receive_some: ggml-RPC moves tensors in large messages
+PUMP_BUFFER = 1 << 20  # bytes per receive: ggml-RPC moves tensors in large messages
+# The threads receive into one preallocated buffer each (recv_into): a fresh 1 MiB bytes object per
+# receive is an mmap and a munmap, ~30 µs, and a COMBINED token is ~270 receives.
 _COALESCE = 1 << 16  # pieces smaller than this (bytes) are joined into one send
 
 CLOSE_REASONS = (
@@ -70,11 +73,13 @@ class Counters:
     """Traffic counters of the backend, bumped by the admission and the pumps.
 
     ``bytes_in``: client → child, ``bytes_out``: child → client (bytes);
-    ``connections``: clients served; ``invalid``: refused messages by check
+    ``connections``: clients served; ``trio_pumped``: of those, pumped by trio tasks
+    instead of threads (a stream the threads cannot carry); ``invalid``: refused messages by check
     (:data:`~hydra_trio.protocol.ggml_rpc.CHECKS`).
     """
 
     connections: int = 0
+    trio_pumped: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
     invalid: collections.Counter[str] = attrs.field(factory=lambda: collections.Counter({c: 0 for c in CHECKS}))
@@ -148,17 +153,20 @@ class Pump:
     ``n_in``) and flags; the watchdog turns them into times, so the per-message
     path reads no clock and arms no timer.
 
-    For a plain client the two pumping tasks run on their own threads with blocking socket calls
+    The two pumping tasks run on their own threads with blocking socket calls
     (on duplicates of the connections' descriptors), not in the trio loop: a
     small message then costs two thread wake-ups instead of two trips through
     the scheduler (a DEVICE_COUNT round trip went from 92 to about 40 µs;
-    ``bench/rpc_passthrough.py``).  The validator is shared by both threads
-    under one lock.  The watchdog stays a trio task; whatever ends the
-    connection (a close, the watchdog, the child's exit, cancellation) shuts
-    both sockets down, which wakes the threads, and waits for them.  A TLS
-    client (:class:`~hydra_trio.tls.TlsStream`) cannot be read on its socket,
-    so its two pumping loops are trio tasks (:meth:`_inbound_trio`,
-    :meth:`_outbound_trio`); slower per message, same validation and deadlines.
+    ``bench/rpc_passthrough.py``).  A TLS client (:class:`~hydra_trio.tls.TlsStream`)
+    too: its TLS state, handshaken by trio, is taken over by a
+    :class:`~hydra_trio.blocking.TlsPipe` on the socket.  The validator is shared
+    by both threads under one lock.  The watchdog stays a trio task; whatever
+    ends the connection (a close, the watchdog, the child's exit, cancellation)
+    shuts both sockets down, which wakes the threads, and waits for them.  A
+    stream the threads cannot carry (another stream type, or a trio whose
+    ``SSLStream`` keeps its state elsewhere) is pumped by trio tasks
+    (:meth:`_inbound_trio`, :meth:`_outbound_trio`): slower per message, same
+    validation and deadlines.
 
     Args:
         conn: the connection's validator, past the handshake.
@@ -186,7 +194,7 @@ class Pump:
     close: Close | None = attrs.field(default=None, init=False)  # the first reason a task ended the connection
     _both: trio.CancelScope = attrs.field(factory=trio.CancelScope, init=False)  # the three tasks
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)  # the validator, shared by the threads
-    _socks: list[socket.socket] = attrs.field(factory=list, init=False)  # the threads' duplicates: [client, upstream]
+    _socks: list[Any] = attrs.field(factory=list, init=False)  # the threads' ends: [client, upstream]
 
     async def run(self, first: Sequence[bytes | memoryview], bound: set[trio.CancelScope]) -> None:
         """Send ``first`` (the child's answer to HELLO) to the client, then pump both ways until one
@@ -202,11 +210,12 @@ class Pump:
             try:
                 async with self.upstream:
                     await self._send_first(first)
-                    if isinstance(self.client, trio.SocketStream):
-                        self._socks = [_blocking_dup(self.client.socket), _blocking_dup(self.upstream.socket)]
+                    self._socks = self._thread_ends()
+                    if self._socks:
                         inbound = (self._threaded, self._inbound)
                         outbound = (self._threaded, self._outbound)
-                    else:  # TLS: the socket carries ciphertext; pump the decrypted stream in trio
+                    else:  # a stream the threads cannot carry: pump it in trio
+                        self.counters.trio_pumped += 1
                         inbound, outbound = (self._inbound_trio,), (self._outbound_trio,)
                     try:
                         with self._both:
@@ -216,7 +225,7 @@ class Pump:
                                 nursery.start_soon(self._guard, self._watchdog)
                     finally:
                         for sock in self._socks:
-                            _restore(sock)
+                            restore(sock)
             except Close as exc:  # from the first send of replies
                 self.close = exc
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -248,49 +257,38 @@ class Pump:
         except (_ChildClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             self._both.cancel()  # the child closed, or a reset on either side: the whole connection ends
 
+    def _thread_ends(self) -> list[Any]:
+        """Blocking ends for the pumping threads, ``[client, upstream]``; [] for the trio loops.
+
+        A plain client: a blocking duplicate of its socket.  A TLS client
+        (:class:`~hydra_trio.tls.TlsStream`): a :class:`~hydra_trio.blocking.TlsPipe`
+        that takes over its TLS state, the bytes it had pushed back first.
+        """
+        up = blocking_dup(self.upstream.socket)
+        if isinstance(self.client, trio.SocketStream):
+            return [blocking_dup(self.client.socket), up]
+        if isinstance(self.client, TlsStream):
+            raw = blocking_dup(self.client.transport_stream.socket)
+            pushed = self.client.take_pushback()
+            pipe = TlsPipe.take_over(self.client.ssl_stream, raw, plain=pushed)
+            if pipe is not None:
+                return [pipe, up]
+            self.client.unread(pushed)
+            restore(raw)
+        restore(up)
+        return []
+
     async def _threaded(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (a pumping loop) on a thread; when the connection ends first, wake it and wait.
 
         Shutting the sockets down ends the blocking calls at once, so the wait is short.
         """
-        done = trio.Event()
-        result: list[BaseException | None] = []
-
-        def run() -> None:
-            try:
-                fn()
-                result.append(None)
-            except BaseException as exc:  # handed to the trio side
-                result.append(exc)
-
-        token = trio.lowlevel.current_trio_token()
-
-        def thread_main() -> None:
-            run()
-            try:
-                token.run_sync_soon(done.set)
-            except trio.RunFinishedError:
-                pass
-
-        threading.Thread(target=thread_main, name="ggml-rpc-pump", daemon=True).start()
-        try:
-            await done.wait()
-        finally:
-            if not done.is_set():  # cancelled: the connection is ending
-                self._shutdown()
-                with trio.CancelScope(shield=True):
-                    await done.wait()
-        if result and result[0] is not None:
-            raise result[0]
+        await run_blocking(fn, self._shutdown, name="ggml-rpc-pump")
 
     def _shutdown(self) -> None:
-        for sock in self._socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        shutdown_all(self._socks)
 
-    def _requests(self, data: bytes) -> list[bytes | memoryview]:
+    def _requests(self, data: bytes | memoryview) -> list[bytes | memoryview]:
         """Validate client bytes (either thread, or a trio task); what may go on to the child.
 
         Raises:
@@ -302,7 +300,7 @@ class Pump:
         except InvalidRpcRequest as exc:
             raise self.counters.refuse(exc) from None
 
-    def _replies(self, data: bytes) -> list[bytes | memoryview]:
+    def _replies(self, data: bytes | memoryview) -> list[bytes | memoryview]:
         """Track the child's bytes (either thread, or a trio task); what goes on to the client.
 
         Raises:
@@ -317,10 +315,12 @@ class Pump:
     def _inbound(self) -> None:
         """Client → child (on a thread): validate each message, pass on what passed, half-close on EOF."""
         client, upstream = self._socks
+        buf = bytearray(PUMP_BUFFER)  # one buffer for the connection: the pieces are sent before it is reused
+        view = memoryview(buf)
         while True:
             self.ticks_in += 1
             self.receiving = True
-            data = _recv(client)
+            data = view[: client.recv_into(buf)]
             self.receiving = False
             self.ticks_in += 1
             self.n_in += 1
@@ -341,8 +341,10 @@ class Pump:
         (this returns; the caller cancels the other tasks).
         """
         client, upstream = self._socks
+        buf = bytearray(PUMP_BUFFER)
+        view = memoryview(buf)
         while True:
-            data = _recv(upstream)
+            data = view[: upstream.recv_into(buf)]
             if not data:  # the child is done with this client (it closed, or rejected a message)
                 client.shutdown(socket.SHUT_WR)
                 raise _ChildClosed
@@ -421,29 +423,3 @@ class Pump:
 
 class _ChildClosed(Exception):
     """The child closed its end: the client got EOF and the connection ends normally."""
-
-
-def _blocking_dup(sock: trio.socket.SocketType) -> socket.socket:
-    """A blocking plain socket on a duplicate of ``sock``'s descriptor, for a pumping thread.
-
-    The blocking flag belongs to the socket, not the descriptor, so trio's own
-    socket is blocking too while the threads run: trio does no I/O on it
-    then, and :func:`_restore` makes it non-blocking again before trio has it back.
-    """
-    dup = socket.socket(fileno=os.dup(sock.fileno()))
-    dup.setblocking(True)
-    return dup
-
-
-def _restore(dup: socket.socket) -> None:
-    """Non-blocking again (for trio), then close the duplicate."""
-    try:
-        dup.setblocking(False)
-    except OSError:
-        pass
-    dup.close()
-
-
-def _recv(sock: socket.socket) -> bytes:
-    """Up to PUMP_BUFFER bytes, waiting as long as it takes (b"" at EOF)."""
-    return sock.recv(PUMP_BUFFER)

@@ -37,8 +37,14 @@ def _unavailable(engine: Engine) -> JSONResponse:
     return error_response(503, f"Loading model (stage: {engine.stage})", "unavailable_error")
 
 
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+"""``json.dumps(obj, ensure_ascii=False, separators=(",", ":"))`` with one encoder for every call
+(``json.dumps`` with options builds a new encoder each time: once per streamed token)."""
+
+
 def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    """One server-sent event: ``data: <compact JSON>`` and a blank line."""
+    return f"data: {_encode(obj)}\n\n"
 
 
 class _BodyError(Exception):

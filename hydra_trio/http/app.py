@@ -42,7 +42,7 @@ from ..engine import slot_files
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_rpc import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
-from ..engine.requests import JobRun
+from ..engine.requests import JobRun, TextDelta
 from ..errors import HydraTrioError
 from . import metrics
 from .. import node_stats
@@ -458,38 +458,51 @@ class Api:
         return JSONResponse(ctx.final_body(run.finished))
 
     async def _sse(self, run: JobRun, ctx: _ResponseContext) -> AsyncIterator[str]:
+        """The stream's events; the deltas that arrived together (one engine step's, or more when the
+        client reads slower than the engine writes) go out in one write, as does the stream's end."""
         try:
             if ctx.chat:
                 yield _sse(ctx.chunk({"role": "assistant", "content": ""}, None))
             elif ctx.echo:
                 yield _sse(ctx.chunk(ctx.echo, None))
             async for delta in run:
-                if ctx.reply is not None:  # chat: thinking, then tool calls in what is content (parsers hold some back)
-                    lp = ctx.add(delta)
-                    for chunk in ctx.chat_chunks(ctx.split, lp, bool(delta.tokens)):
-                        yield _sse(chunk)
-                elif delta.text or (ctx.logprobs and delta.tokens):
-                    yield _sse(ctx.chunk(delta.text, None, ctx.add(delta)))
+                out = _stream_events(ctx, delta)
+                for more in run.ready():
+                    out += _stream_events(ctx, more)
+                if out:
+                    yield out
+            tail = ""
             if ctx.reply is not None:
-                for chunk in ctx.chat_chunks(ctx.reply.finish(), None, False, end=True):
-                    yield _sse(chunk)
+                for d, lp in ctx.chat_deltas(ctx.reply.finish(), None, False, end=True):
+                    tail += f"data: {ctx.chunk_json(d, lp)}\n\n"
             end = run.finished
             assert end is not None
             final = ctx.chunk({} if ctx.chat else "", ctx.finish_reason(end.finish_reason))
             final["id_slot"] = end.id_slot
             final["timings"] = end.timings()
-            yield _sse(final)
+            tail += _sse(final)
             if ctx.include_usage:
                 usage = ctx.chunk(None, None)
                 usage["choices"] = []
                 usage["usage"] = ctx.usage(end)
-                yield _sse(usage)
-            yield "data: [DONE]\n\n"
+                tail += _sse(usage)
+            yield tail + "data: [DONE]\n\n"
         except HydraTrioError as exc:  # the 200 is out: the error goes in the stream
             body = json.loads(error_for(exc).body)
             yield _sse(body)
         finally:
             run.close()
+
+
+def _stream_events(ctx: ResponseContext, delta: TextDelta) -> str:
+    """The SSE events for one engine delta of a streamed OpenAI reply ("" when it adds none)."""
+    if ctx.reply is not None:  # chat: thinking, then tool calls in what is content (parsers hold some back)
+        lp = ctx.add(delta)  # first: it sets ctx.split
+        pairs = ctx.chat_deltas(ctx.split, lp, bool(delta.tokens))
+        return "".join(f"data: {ctx.chunk_json(d, lp)}\n\n" for d, lp in pairs)
+    if delta.text or (ctx.logprobs and delta.tokens):
+        return f"data: {ctx.chunk_json(delta.text, ctx.add(delta))}\n\n"
+    return ""
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -97,10 +97,12 @@ class ReplyTracker(Direction[RpcReplyEvent]):
             ptr, size = U64_PAIR.unpack_from(p)
             if ptr:
                 state.buffers[ptr] = Buffer(size)
+                state.buffers_changed()
         elif cur.cmd is RpcCmd.BUFFER_GET_BASE:
             buf = state.buffers.get(cur.key)
             if buf is not None:
                 buf.base = U64.unpack_from(p)[0]
+                state.buffers_changed()
         return data
 
     def _finish(self) -> ReplyEnd:

@@ -22,6 +22,7 @@ from ._wire import (
     HEADER_SIZE,
     HELLO_REQUEST_SIZE,
     REPLY_SIZE,
+    RPC_TENSOR_SIZE,
     SET_TENSOR_HEAD_SIZE,
     U64,
     RpcCmd,
@@ -30,6 +31,15 @@ from ._wire import (
 _HELLO, _NONE = int(RpcCmd.HELLO), int(RpcCmd.NONE)
 _SET_TENSOR = int(RpcCmd.SET_TENSOR)
 _COMPUTES = frozenset({int(RpcCmd.GRAPH_COMPUTE), int(RpcCmd.GRAPH_RECOMPUTE)})
+_ASKED_AT = HEADER_SIZE + RPC_TENSOR_SIZE + 8  # GET_TENSOR: where the size it asks for is
+
+CACHEABLE = frozenset({RpcCmd.SET_TENSOR, RpcCmd.GET_TENSOR, RpcCmd.GRAPH_COMPUTE, RpcCmd.COPY_TENSOR,
+                       RpcCmd.INIT_TENSOR, RpcCmd.GET_ALLOC_SIZE, RpcCmd.MEMSET_TENSOR})
+"""Commands whose checks depend only on the head, the limits and the buffers, and change nothing:
+a head that passed once passes again while the buffers stay as they were
+(:meth:`~._state.ConnectionState.passed_before`).  Not SET_TENSOR_HASH (it reads the
+tensor cache's files), nor those that change state (FREE_BUFFER) or learn from their reply."""
+_CACHEABLE = tuple(c in CACHEABLE for c in CMDS)
 
 
 class RequestFramer(Direction[RpcRequestEvent]):
@@ -116,15 +126,30 @@ class RequestFramer(Direction[RpcRequestEvent]):
         return head
 
     def _release_head(self, wire: bytes | memoryview) -> RpcRequestEvent:
-        """Validate a whole header and head (``wire``); the Request event that passes it on."""
+        """Validate a whole header and head (``wire``); the Request event that passes it on.
+
+        A head of a :data:`CACHEABLE` command that passed before under the same buffers is not
+        checked again (the same bytes give the same answer).
+        """
         c = self.cmd
         assert c is not None
-        validate = VALIDATORS[c]
-        reply = validate(self.state, CMDS[c], wire[HEADER_SIZE:], self.size) if validate is not None else None
-        if reply is None and REPLY_SIZE[c] >= 0:
-            reply = self.state.expect(c, REPLY_SIZE[c])
+        state = self.state
         data = bytes(wire)
-        if c == _HELLO and self.state.mask_caps:
+        validate = VALIDATORS[c]
+        reply = None
+        if validate is not None:
+            if not _CACHEABLE[c]:
+                reply = validate(state, CMDS[c], memoryview(data)[HEADER_SIZE:], self.size)
+            elif not state.passed_before(data):
+                validate(state, CMDS[c], memoryview(data)[HEADER_SIZE:], self.size)
+                state.remember(data)
+        if reply is None:
+            n = REPLY_SIZE[c]
+            if n >= 0:
+                reply = state.expect(c, n)
+            elif n == -2:  # GET_TENSOR: the size it asks for
+                reply = state.expect(c, U64.unpack_from(data, _ASKED_AT)[0])
+        if c == _HELLO and state.mask_caps:
             data = data[:HEADER_SIZE] + bytes(HELLO_REQUEST_SIZE)
         self.body_left = self.size - (len(data) - HEADER_SIZE)
         self.reply = reply

@@ -21,6 +21,13 @@ from ._tensor import TYPE_TRAITS, RpcTensor, check_tensor
 from ._wire import CMDS, RpcCmd
 
 
+_ALLOC = RpcCmd.ALLOC_BUFFER
+CHECKED_BYTES = 4 << 20
+"""Most bytes of validated heads one connection remembers (:meth:`ConnectionState.remember`); then it starts over."""
+CHECKED_MAX_HEAD = 64 << 10
+"""Larger heads (bytes; a graph of more than ~200 tensors) are validated every time."""
+
+
 @attrs.define
 class Buffer:
     """A server buffer this connection allocated: ``size`` bytes at ``base`` (server address)."""
@@ -75,6 +82,39 @@ class ConnectionState:
         """Replies complete so far."""
         self.compute_seq = -1
         """Index of the last GRAPH_COMPUTE / GRAPH_RECOMPUTE request (-1: none yet)."""
+        self.layout = 0
+        """Bumped whenever :attr:`buffers` changes (a buffer allocated, its base learnt, freed)."""
+        self.checked: dict[bytes, int] = {}
+        """Validated request heads (header and held payload, as passed on) -> the :attr:`layout`
+        they passed under; see :meth:`passed_before`."""
+        self._checked_bytes = 0
+
+    def buffers_changed(self) -> None:
+        """Call after any change to :attr:`buffers`: heads validated before must be checked again."""
+        self.layout += 1
+
+    def passed_before(self, wire: bytes) -> bool:
+        """Whether the same request head (``wire``: header and held payload) passed validation under
+        the buffers as they are now, so that checking it again would give the same answer.
+
+        The checks of the cacheable commands (:data:`~._requests.CACHEABLE`) read only the
+        head, the connection's limits (fixed), its buffers (:attr:`layout`) and whether an
+        ALLOC_BUFFER is still unanswered (a tensor naming an unknown buffer passes only when
+        none is); the cache is not used while one is.  A COMBINED head sends the same few
+        dozen graphs and tensor heads every token, so most checks become one dict lookup.
+        """
+        return self.checked.get(wire) == self.layout and not any(p.cmd is _ALLOC for p in self.pending)
+
+    def remember(self, wire: bytes) -> None:
+        """Note that ``wire`` passed under the current :attr:`layout` (bounded: :data:`CHECKED_BYTES`)."""
+        if len(wire) > CHECKED_MAX_HEAD:
+            return
+        if self._checked_bytes + len(wire) > CHECKED_BYTES:
+            self.checked.clear()
+            self._checked_bytes = 0
+        if wire not in self.checked:
+            self._checked_bytes += len(wire)
+        self.checked[wire] = self.layout
 
     def expect(self, c: int, size: int, key: int = 0) -> Pending:
         """Queue the reply (``size`` payload bytes) that the request being released will get."""

@@ -37,7 +37,8 @@ Validator: TypeAlias = Callable[[ConnectionState, RpcCmd, bytes | memoryview, in
 """``(state, cmd, held part of the payload, payload size in bytes) -> the reply queued, or None``.
 
 It raises InvalidRpcRequest when a check fails.  A validator that returns None
-leaves queueing the reply (of the fixed size in REPLY_SIZES, if any) to the caller."""
+leaves queueing the reply (of the fixed size in REPLY_SIZES, if any; GET_TENSOR's: the size it
+asks for) to the caller."""
 
 
 def _device(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, size: int) -> None:
@@ -52,7 +53,8 @@ def _buffer_get_base(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview,
 
 def _free_buffer(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, size: int) -> None:
     """``| buffer u64 |``: forget the buffer (an unknown one is the server's to refuse)."""
-    state.buffers.pop(U64.unpack_from(p)[0], None)
+    if state.buffers.pop(U64.unpack_from(p)[0], None) is not None:
+        state.buffers_changed()
 
 
 def _set_tensor(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, size: int) -> None:
@@ -78,11 +80,11 @@ def _set_tensor_hash(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview,
                              f"overruns the tensor ({nbytes} bytes)", cmd)
 
 
-def _get_tensor(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, size: int) -> Pending:
-    """``| rpc_tensor | u64 offset | u64 size |``: the region must be in the tensor; the reply is that size."""
+def _get_tensor(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, size: int) -> None:
+    """``| rpc_tensor | u64 offset | u64 size |``: the region must be in the tensor (the reply, that
+    size, is queued by the caller: :data:`~._wire.REPLY_SIZE` -2)."""
     t, offset, want = _tensor_and_pair(p)
     state.check_region(cmd, t, offset, want)
-    return state.expect(cmd, want)
 
 
 def _memset_tensor(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, size: int) -> None:
