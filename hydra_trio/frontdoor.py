@@ -22,18 +22,31 @@ import errno
 import logging
 import socket
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeAlias
 
 import attrs
 import trio
 
 from .protocol.classify import Protocol, classify
-from .tls import HandshakeFailed, connection_info, plain_allowed, socket_info, unwrap
+from .tls import HandshakeFailed, TlsStream, connection_info, plain_allowed, socket_info, unwrap
 
 log = logging.getLogger("hydra_trio.frontdoor")
 
-Handler = Callable[[Any], Awaitable[None]]  # takes a trio.SocketStream or a hydra_trio.tls.TlsStream
+AcceptedStream: TypeAlias = "trio.SocketStream | TlsStream"
+"""What a protocol handler is handed: the accepted TCP stream, or the unwrapped TLS connection
+(:class:`~hydra_trio.tls.TlsStream`, its first bytes pushed back); either way untouched by the front door."""
+
+
+class ConnectionHandler(typing.Protocol):
+    """One protocol's server side, as the front door calls it: serve one classified connection until it
+    is done (the peer closed, a timeout, a drain).  The front door closes the stream afterwards;
+    :class:`trio.BrokenResourceError` and :class:`trio.ClosedResourceError` from it end the
+    connection quietly, any other exception is logged.  :class:`hydra_trio.http.HttpHandler`,
+    :class:`hydra_trio.hydra.HydraHandler` and :class:`hydra_trio.ggml_rpc.backend.RpcBackend` are ones."""
+
+    async def __call__(self, stream: AcceptedStream, /) -> None: ...
 
 
 @attrs.frozen
@@ -60,8 +73,8 @@ class FrontDoorSettings:
 class FrontDoor:
     """Accepts on listeners and dispatches each connection by its first byte.
 
-    ``handlers`` maps a :class:`Protocol` to an async callable taking the
-    stream; a protocol without a handler is closed with a log line.  Counts
+    ``handlers`` maps a :class:`Protocol` to its :class:`ConnectionHandler`
+    (called with the stream); a protocol without a handler is closed with a log line.  Counts
     per protocol (plus ``timeout``, ``closed_early``; with TLS ``tls`` for the
     outer layer, then the protocol inside, ``tls_failed`` for a failed
     handshake, ``plain_refused`` for plain from a non-loopback peer under
@@ -69,8 +82,8 @@ class FrontDoor:
     protocol in :attr:`open_by_protocol`.
     """
 
-    def __init__(self, handlers: Mapping[Protocol, Handler], settings: FrontDoorSettings = FrontDoorSettings()) -> None:
-        self.handlers = dict(handlers)
+    def __init__(self, handlers: Mapping[Protocol, ConnectionHandler], settings: FrontDoorSettings = FrontDoorSettings()) -> None:
+        self.handlers: dict[Protocol, ConnectionHandler] = dict(handlers)
         self.settings = settings
         self.counts: collections.Counter[str] = collections.Counter()
         self.active = 0
@@ -128,7 +141,7 @@ class FrontDoor:
         peer = peer_name(stream)
         proto: Protocol | None = None
         try:
-            conn: Any = stream
+            conn: AcceptedStream = stream
             first = b""
             with trio.move_on_after(self.settings.classify_timeout) as scope:
                 first = await _first_byte(stream)

@@ -46,7 +46,7 @@ import trio
 
 from ..access import AllowList, Refusals, allowed, new_refusals
 from ..engine.ggml_rpc import type_traits as ggml_type_traits
-from ..frontdoor import peer_name
+from ..frontdoor import AcceptedStream, peer_name
 from ..tls import TlsStream, peer_of
 from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRpcRequest, reconcile_type_traits
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
@@ -197,7 +197,7 @@ class RpcBackend:
             raise Close("draining", "the node is shutting down")
 
     # ------------------------------------------------------------ one client
-    async def __call__(self, stream: trio.SocketStream) -> None:
+    async def __call__(self, stream: AcceptedStream) -> None:
         """Serve one classified connection (first byte ``0x0E``) until it is done; the caller closes it."""
         self._open += 1
         peer = peer_name(stream)
@@ -241,7 +241,7 @@ class RpcBackend:
         except OSError:
             return None
 
-    async def _handle(self, stream: trio.SocketStream, peer: str) -> None:
+    async def _handle(self, stream: AcceptedStream, peer: str) -> None:
         if not allowed(self.settings.allow, who := peer_of(stream)):
             self.refused["ggml_rpc", "not_allowed"] += 1
             raise Close("not_allowed", f"peer {who} is not in --rpc-allow ({self.settings.allow})")

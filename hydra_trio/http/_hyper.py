@@ -40,6 +40,7 @@ from hypercorn.protocol import H11Protocol, ProtocolWrapper
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
+from ..frontdoor import AcceptedStream
 from ..tls import connection_info
 from .settings import HttpSettings
 
@@ -202,7 +203,7 @@ class HttpHandler:
         self.app = ASGIWrapper(app)  # type: ignore[arg-type]
         self.context = WorkerContext(None)
 
-    async def __call__(self, stream: trio.SocketStream) -> None:
+    async def __call__(self, stream: AcceptedStream) -> None:
         """Serve HTTP/1.1 on ``stream`` until the client or the server closes it."""
         server = _TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]
         server.write_timeout = self.write_timeout

@@ -90,7 +90,7 @@ class OpContext:
 
     node: Node
     req: HydraRequest
-    stream: trio.SocketStream
+    stream: trio.abc.Stream  # the front door's SocketStream or TlsStream
     blob_bytes_sent: int = 0  # KV-state payload bytes written by send_blob (``/metrics``)
 
     async def reply(self, meta: dict[str, Any], status: Status = Status.OK) -> None:

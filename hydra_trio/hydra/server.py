@@ -1,4 +1,6 @@
-"""The Hydra binary protocol, server side: connections (:mod:`.session`) and operations (:mod:`.ops`).
+"""The Hydra binary protocol, server side: the node's handler over the connection loop (:mod:`.session`),
+one protocol object per connection (:mod:`.connection`: trust, payload policy, dispatch) and the
+operations (:mod:`.ops`).
 
 Framing rules (hydra-protocol.md §2, the **[fix]** rows included): every
 request gets exactly one well-formed reply, non-OK replies carry
@@ -11,22 +13,21 @@ stays usable.  Opcodes: hydra-protocol.md §3.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import trio
 
+from ..access import AccessSettings, Peer, Refusals, new_refusals
 from ..control import ControlChannel
 from ..engine.engine import Engine
-from ..errors import HydraTrioError
-from ..access import AccessSettings, Refusals, new_refusals
-from ..tls import peer_of
+from ..frontdoor import AcceptedStream
 from ..ggml_rpc.backend import RpcBackend
 from ..http.metrics import NodeMetrics
-from ..protocol.hydra import Op, Status, encode_response, is_store_op
-from .gate import ConnectionTrust, Gate
-from .ops import OPS, Node, OpContext, Reply, info_meta, payload_buffer, reply_for
-from .session import Drain, HydraRequest, HydraSettings, serve_connection
+from ..tls import peer_of
+from .connection import ServerConnection
+from .gate import Gate
+from .ops import Node, info_meta
+from .session import Drain, HydraSettings, serve_connection
 
 log = logging.getLogger("hydra_trio.hydra")
 
@@ -36,9 +37,13 @@ __all__ = ["HydraHandler", "HydraSettings"]
 class HydraHandler:
     """Serves Hydra connections for one node (``engine`` None: a node without a model).
 
-    ``access`` (``control_allow``, ``hydra_token``) decides which connections
-    may run the ops that change the node (:mod:`hydra_trio.hydra.gate`);
-    refusals are counted in ``refused`` at ``("hydra", reason)``.
+    A :class:`hydra_trio.frontdoor.ConnectionHandler`: each connection gets its
+    own :class:`~hydra_trio.hydra.connection.ServerConnection` (its trust,
+    payload policy and dispatch) under the connection loop
+    (:func:`~hydra_trio.hydra.session.serve_connection`).  ``access``
+    (``control_allow``, ``hydra_token``) decides which connections may run the
+    ops that change the node (:mod:`hydra_trio.hydra.gate`); refusals are
+    counted in ``refused`` at ``("hydra", reason)``.
     """
 
     def __init__(
@@ -53,23 +58,22 @@ class HydraHandler:
     ) -> None:
         self.node = Node(engine, control, rpc, settings)
         self.settings = settings
-        self.requests = 0
-        self.metrics = metrics or NodeMetrics(engine)  # counted once per request in _dispatch
+        self.metrics = metrics or NodeMetrics(engine)  # each request counted once, by its ServerConnection
         self._drain = Drain()
         self.gate = Gate(access.control_allow, access.hydra_token, refused if refused is not None else new_refusals())
 
-    async def __call__(self, stream: trio.SocketStream) -> None:
+    async def __call__(self, stream: AcceptedStream) -> None:
         """Serve requests on ``stream`` until the peer closes, a timeout, a framing error or a drain."""
-        trust = self.gate.connection(peer_of(stream))
+        await self.serve(stream, peer_of(stream))
 
-        async def dispatch(req: HydraRequest, stream: trio.SocketStream) -> None:
-            await self._dispatch(req, stream, trust)
+    def connection(self, stream: trio.abc.Stream, peer: Peer) -> ServerConnection:
+        """The protocol object for a new connection from ``peer`` (its trust starts as the gate says)."""
+        return ServerConnection(self.node, stream, self.gate.connection(peer), self.metrics)
 
-        await serve_connection(
-            stream, self.settings, dispatch,
-            keeps_payload=lambda op: op in OPS and OPS[op].keeps_payload and trust.keeps_payload(op),
-            max_payload_for=self._max_payload, drain=self._drain, buffer_for=payload_buffer,
-        )
+    async def serve(self, stream: trio.abc.Stream, peer: Peer) -> None:
+        """Serve one connection from ``peer`` (any trio stream: the front door's, or a memory stream in tests)
+        until the peer closes, a timeout, a framing error or a drain; the caller closes ``stream``."""
+        await serve_connection(stream, self.settings, self.connection(stream, peer), self._drain)
 
     def drain(self) -> None:
         """Graceful shutdown: connections close between requests (idle ones now); requests in flight finish."""
@@ -79,57 +83,11 @@ class HydraHandler:
     def draining(self) -> bool:
         return self._drain.draining
 
+    @property
+    def requests(self) -> int:
+        """Hydra requests answered (or broken off) on every connection so far (``hydra_trio:hydra_requests``)."""
+        return sum(self.metrics.hydra_requests.values())
+
     def info(self) -> dict[str, Any]:
         """INFO meta (see :func:`hydra_trio.hydra.ops.info_meta`)."""
         return info_meta(self.node)
-
-    def _max_payload(self, op: int) -> int:
-        s = self.settings
-        return s.max_state_payload if op == Op.STATE_PUT else s.max_json_payload
-
-    async def _dispatch(self, req: HydraRequest, stream: trio.SocketStream, trust: ConnectionTrust) -> None:
-        """Answer one whole request: the op's reply, or the reply its refusal maps to; one log line, one count."""
-        self.requests += 1
-        t0 = time.perf_counter()
-        name = Op(req.op).name if req.op in Op._value2member_map_ else f"0x{req.op:02x}"
-        status: Status | None = Status.OK
-        ctx: OpContext | None = None
-        try:
-            try:
-                # the access rules first: a refused op is refused whatever else is wrong with it
-                req.payload, answer = trust.check(req.op, req.payload)
-                if answer is not None:
-                    await stream.send_all(encode_response(Status.OK, answer))
-                    return
-                if req.key_error:
-                    raise Reply(Status.BAD_REQUEST, req.key_error)
-                if req.flags:
-                    raise Reply(Status.BAD_REQUEST,
-                                f"flags 0x{req.flags:02x} are not implemented (compression is not supported)")
-                spec = OPS.get(req.op)
-                if spec is None:
-                    what = "a Store service opcode" if is_store_op(req.op) else "an unknown opcode"
-                    raise Reply(Status.NOT_IMPLEMENTED, f"opcode 0x{req.op:02x} is {what}; this is an engine node")
-                ctx = OpContext(self.node, req, stream)
-                await spec.run(ctx)
-            except HydraTrioError as exc:
-                raise reply_for(exc) from None
-        except Reply as r:
-            status = r.status
-            await stream.send_all(encode_response(r.status, r.meta))
-        except BaseException:
-            status = None  # the connection broke or the node stopped: no reply (or part of one) went out
-            raise
-        finally:
-            seconds, outcome = time.perf_counter() - t0, Status(status).name if status is not None else "NO_REPLY"
-            self.metrics.hydra_request(
-                name if req.op in OPS else "unknown", outcome, seconds,
-                state_in=req.payload_len if req.op == Op.STATE_PUT and status == Status.OK else 0,
-                state_out=ctx.blob_bytes_sent if ctx is not None else 0,
-            )
-            log.info(
-                "[%s] hydra %s key=%r %d bytes -> %s in %.1f ms",
-                req.trace_id, name, req.key, req.payload_len, outcome, seconds * 1e3,
-                extra={"trace_id": req.trace_id, "op": name, "ms": round(seconds * 1e3, 3),
-                       **({"slot": int(req.key)} if req.key.isascii() and req.key.isdigit() and len(req.key) < 10 else {})},
-            )

@@ -3,7 +3,9 @@
 The layer under the operations (as hypercorn's ``TCPServer`` is under its
 protocol): bytes from the socket go through the sans-I/O
 :class:`~hydra_trio.protocol.hydra.RequestDecoder`; each whole request is
-handed to ``dispatch``; a framing error is answered as its
+handed to the connection's one protocol object (a :class:`ConnectionProtocol`,
+in the node :class:`hydra_trio.hydra.connection.ServerConnection`), which also
+says how large each op's payload may be and whether it is kept; a framing error is answered as its
 :class:`~hydra_trio.protocol.hydra.ProtocolError` says (``reply`` with
 ``status``, then close).  Framing rules: hydra-protocol.md §2, the **[fix]**
 rows included: a payload is always consumed before the next header; over
@@ -13,10 +15,11 @@ closes without a reply.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -77,53 +80,79 @@ class HydraRequest:
     checksum: RunningChecksum | None = None  # a buffered payload's blob checksum, taken as its bytes arrive
 
 
-BufferFor = Callable[[int, int], "BlobBuffer | None"]
-"""``(op, payload_len) -> a buffer to receive the payload into``, or None for a bytearray."""
-
-
 class Drain:
     """Graceful shutdown for every connection: between requests, connections close.
 
     :meth:`start` closes the idle ones at once (their receive is cancelled);
-    a connection busy with a request closes after its reply.
+    a connection busy with a request closes after its reply.  A connection
+    loop waits for its next request inside :meth:`while_idle`.
     """
 
     def __init__(self) -> None:
-        self.draining = False
+        self._draining = False
         self._idle: set[trio.CancelScope] = set()
 
+    @property
+    def draining(self) -> bool:
+        """Whether :meth:`start` was called."""
+        return self._draining
+
     def start(self) -> None:
-        self.draining = True
+        """Begin the drain: cancel the scope of every connection waiting in :meth:`while_idle`."""
+        self._draining = True
         for scope in list(self._idle):
             scope.cancel()
 
+    @contextlib.contextmanager
+    def while_idle(self, scope: trio.CancelScope) -> Iterator[None]:
+        """Inside this block, a :meth:`start` cancels ``scope`` (a connection between two requests)."""
+        self._idle.add(scope)
+        try:
+            yield
+        finally:
+            self._idle.discard(scope)
 
-Dispatch = Callable[[HydraRequest, trio.SocketStream], Awaitable[None]]
+
+class ConnectionProtocol(Protocol):
+    """What :func:`serve_connection` hands one connection's requests to (hypercorn's transport hands
+    its events to one protocol object the same way): the payload policy, then each whole request."""
+
+    def max_payload(self, op: int) -> int:
+        """The largest payload (bytes) a request of ``op`` may announce; over it: BAD_REQUEST, then close."""
+        ...
+
+    def keeps_payload(self, op: int) -> bool:
+        """Whether the payload of ``op`` is collected into :attr:`HydraRequest.payload` (else consumed and dropped)."""
+        ...
+
+    def payload_buffer(self, op: int, payload_len: int) -> BlobBuffer | None:
+        """A buffer of ``payload_len`` bytes to receive a kept payload into, or None for a growing bytearray."""
+        ...
+
+    async def handle(self, req: HydraRequest) -> None:
+        """Answer one whole request (its reply written before the next request is read)."""
+        ...
 
 
 async def serve_connection(
-    stream: trio.SocketStream,
+    stream: trio.abc.Stream,
     settings: HydraSettings,
-    dispatch: Dispatch,
-    *,
-    keeps_payload: Callable[[int], bool],
-    max_payload_for: Callable[[int], int],
+    protocol: ConnectionProtocol,
     drain: Drain,
-    buffer_for: BufferFor | None = None,
 ) -> None:
     """Serve requests on ``stream`` until the peer closes, a timeout, a framing error or a drain.
 
     Deadlines: ``idle_timeout`` between requests; a header (16 bytes + key +
     trace id) must arrive whole within ``request_timeout`` (one byte every few
     seconds does not hold a connection); inside a payload, ``request_timeout``
-    without progress.  ``keeps_payload(op)`` says whether the op's payload is
-    collected (the others are consumed and dropped).  ``buffer_for(op,
-    payload_len)`` may give a buffer for a kept payload: on a plain TCP stream
-    the payload then goes from the socket straight into it
+    without progress.  ``protocol`` sets each op's payload cap and whether its
+    payload is collected, and answers each whole request, in the order they came.
+    Its ``payload_buffer(op, payload_len)`` may give a buffer for a kept payload:
+    on a plain TCP stream the payload then goes from the socket straight into it
     (:func:`~hydra_trio._net.recv_into_view`: as much as the kernel holds per
     read, past the decoder); over TLS the decrypted chunks are copied in.
     """
-    dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=max_payload_for)
+    dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=protocol.max_payload)
     req: HydraRequest | None = None
     header_deadline = math.inf
     while True:
@@ -147,7 +176,7 @@ async def serve_connection(
             got, closed = await recv_into_view(stream, into, settings.request_timeout, hash_piece)
             del into  # no view of the buffer outlives the receive
             req.filled += got
-            req = await _handle_events(dec.skip_payload(got), req, stream, dispatch, keeps_payload, buffer_for)
+            req = await _handle_events(dec.skip_payload(got), req, protocol)
             if req is not None and req.filled < req.payload_len:  # the log lines of the receive loop below
                 if closed:
                     log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
@@ -156,12 +185,9 @@ async def serve_connection(
                 return
             continue
         with trio.move_on_at(deadline) as scope:
-            if idle:  # between requests: a drain may close it now
-                drain._idle.add(scope)
-            try:
+            # between requests a drain may close it now
+            with drain.while_idle(scope) if idle else contextlib.nullcontext():
                 data = await stream.receive_some(settings.chunk_size)
-            finally:
-                drain._idle.discard(scope)
         if scope.cancelled_caught:
             why = "the node is shutting down" if idle and drain.draining else "idle" if idle else "stalled mid-request"
             log.info("hydra: connection %s; closed", why)
@@ -175,7 +201,7 @@ async def serve_connection(
             events = dec.feed(data)
         except ProtocolError as exc:
             events, error = list(exc.events or []), exc  # requests completed before the bad bytes
-        req = await _handle_events(events, req, stream, dispatch, keeps_payload, buffer_for)
+        req = await _handle_events(events, req, protocol)
         if error is not None:
             await _refuse(stream, error)
             return
@@ -189,17 +215,14 @@ def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -
     return req.payload.view()[req.filled : req.filled + left] if left else None
 
 
-async def _handle_events(
-    events: list[Any], req: HydraRequest | None, stream: trio.SocketStream, dispatch: Dispatch,
-    keeps_payload: Callable[[int], bool], buffer_for: BufferFor | None = None,
-) -> HydraRequest | None:
-    """Feed decoder events into the request in progress; dispatch each completed request."""
+async def _handle_events(events: list[Any], req: HydraRequest | None, protocol: ConnectionProtocol) -> HydraRequest | None:
+    """Feed decoder events into the request in progress; hand each completed request to ``protocol``."""
     for ev in events:
         if isinstance(ev, RequestStarted):
             h = ev.header
             req = HydraRequest(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
-            if buffer_for is not None and h.payload_len and keeps_payload(h.op):
-                req.payload = buffer_for(h.op, h.payload_len) or req.payload
+            if h.payload_len and protocol.keeps_payload(h.op):
+                req.payload = protocol.payload_buffer(h.op, h.payload_len) or req.payload
                 if isinstance(req.payload, BlobBuffer):
                     req.checksum = RunningChecksum()
         elif isinstance(ev, PayloadChunk):
@@ -209,16 +232,16 @@ async def _handle_events(
                 req.filled += len(ev.data)
                 if req.checksum is not None:
                     req.checksum.update(ev.data)
-            elif keeps_payload(req.op):
+            elif protocol.keeps_payload(req.op):
                 req.payload += ev.data
         elif isinstance(ev, RequestEnded):
             assert req is not None
-            await dispatch(req, stream)
+            await protocol.handle(req)
             req = None
     return req
 
 
-async def _refuse(stream: trio.SocketStream, error: ProtocolError) -> None:
+async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
     """The framing broke: reply as the error says (status and op), then the caller closes."""
     if error.reply:
         h = error.header
