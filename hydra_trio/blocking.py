@@ -228,7 +228,8 @@ class TlsPipe:
         try:
             while got < len(view):
                 n = self.obj.read(len(view) - got, view[got:])
-                if not n:
+                if not n:  # close_notify: _ssl returns 0 rather than raising once the peer's shutdown is in
+                    self._eof = True
                     break
                 got += n
         except ssl.SSLWantReadError:
