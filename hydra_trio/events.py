@@ -9,17 +9,6 @@ An event is one JSON object: ``{"ts": unix seconds (float), "type":
 "<category>.<name>", "trace_id": str (where one exists), ...fields}``.  The
 categories, each a ``?types=`` filter value:
 
-load       ``load.stage`` (stage, seconds of the stage before), ``load.progress``
-slot       ``slot.assigned``, ``slot.first_token``, ``slot.finished`` (with the
-           reply's ``timings``), ``slot.cancelled``, ``slot.failed``
-control    ``control.applied``, ``control.busy`` (``busy_slots``), ``control.failed``
-mode       ``mode.changed`` (``mode``, ``previous``, ``peer``)
-peer       ``peer.attached``, ``peer.lost``, ``peer.fallback`` (``reason``)
-state      ``state.get``, ``state.put`` (``slot``, ``bytes``, ``ms``, ``result``)
-rpc        ``rpc.child_started``, ``rpc.child_died``, ``rpc.child_restarted``
-stats      ``stats``, once a second while anyone subscribes: slots, queue, mode, connections per protocol
-=========  ===================================================================
-=======
 ============  ===================================================================
 load          ``load.stage`` (stage, seconds of the stage before), ``load.progress``
 slot          ``slot.assigned``, ``slot.first_token``, ``slot.finished`` (with the

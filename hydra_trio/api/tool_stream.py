@@ -35,7 +35,8 @@ _ESCAPES = frozenset('"\\/bfnrtu')
 _DECODER = json.JSONDecoder()
 
 
-def _decode_at(text: str, i: int) -> tuple[Any, int] | None:
+def decode_at(text: str, i: int) -> tuple[Any, int] | None:
+    """The JSON value that starts at ``text[i]`` and the index after it; None when none is whole there."""
     try:
         return _DECODER.raw_decode(text, i)
     except ValueError:
@@ -255,7 +256,7 @@ class CallStream:
             self.end = k + 1
             return "done"
         if k < len(buf) and buf[k] == ",":
-            got = _decode_at("{" + buf[k + 1:], 0)
+            got = decode_at("{" + buf[k + 1:], 0)
             if got is not None:
                 self.end = k + got[1]
                 return "done"
@@ -276,7 +277,7 @@ class CallStream:
                 return "more"
             if buf[k] != '"':
                 return "no"
-            got = _decode_at(buf, k)
+            got = decode_at(buf, k)
             if got is None:
                 return "more"
             key, k = got
@@ -295,7 +296,7 @@ class CallStream:
                 return "stream"
             if key not in ("name", "type", "id") or buf[k] != '"':
                 return "no"
-            got = _decode_at(buf, k)
+            got = decode_at(buf, k)
             if got is None:
                 return "more"
             value, k = got

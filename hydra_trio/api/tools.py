@@ -36,7 +36,7 @@ from typing import Any
 
 import attrs
 
-from .tool_stream import CallStream
+from .tool_stream import CallStream, decode_at as _decode_at
 from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one module for callers)
     FORMATS,
     GENERIC_INSTRUCTION,
@@ -170,14 +170,6 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
-_DECODER = json.JSONDecoder()
-
-
-def _decode_at(text: str, i: int) -> tuple[Any, int] | None:
-    try:
-        return _DECODER.raw_decode(text, i)
-    except ValueError:
-        return None
 
 
 def _call_from(obj: Any, args_keys: Sequence[str]) -> tuple[str, str] | None:

@@ -230,7 +230,7 @@ class PromptCache:
         for e in self.entries:
             if not e.tokens or e.tokens[0] != prompt[0]:
                 continue
-            n = _common_prefix(e.tokens, prompt)
+            n = common_prefix(e.tokens, prompt)
             if whole_only and n < len(e.tokens):
                 continue
             if n > best_n or (n == best_n and best is not None and len(e.tokens) < len(best.tokens)):
@@ -282,16 +282,18 @@ def _offered_by_others(slots: list[Slot], slot: Slot, prompt: list[int], have: i
             continue
         held = other.cache_tokens + other.pending_prompt if other.pending_prompt else other.cache_tokens
         if held and held[0] == prompt[0]:
-            best = max(best, _common_prefix(held, prompt))
+            best = max(best, common_prefix(held, prompt))
     return best if best >= have + share_min else 0
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (slice comparisons run in C: a binary search)."""
+def common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
+    """Length of the longest common prefix of two token sequences (slice comparisons run in C: a binary
+    search, not a Python loop)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    a, b = list(a[:n]), list(b[:n])
+    if a == b:
         return n
-    lo, hi = 0, n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a[:mid] == b[:mid]:

@@ -42,7 +42,7 @@ from ..events import EventBus
 from .checkpoints import Checkpoints
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, common_prefix as _common_prefix
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, StepHandOff, TextDelta
 from .thinking_budget import ThinkingBudget
 from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
@@ -730,19 +730,3 @@ def reuse_chunks(m: LoadedModel, slot: Slot, prompt: list[int], n_past: int, n_r
     if n_past > start:
         slot.cache_tokens = list(prompt[:n_past])
     return n_past
-
-
-def _common_prefix(a: list[int] | tuple[int, ...], b: list[int] | tuple[int, ...]) -> int:
-    """Length of the longest common prefix (slice comparisons run in C: a binary search, not a Python loop)."""
-    n = min(len(a), len(b))
-    a, b = list(a[:n]), list(b[:n])
-    if a == b:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo

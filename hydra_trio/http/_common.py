@@ -119,3 +119,18 @@ async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
+
+
+async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
+    """The request body's chunks as they arrive.  Raises _BodyError 408 when no chunk comes for
+    ``timeout`` seconds (a stalled client)."""
+    chunks = request.stream().__aiter__()
+    while True:
+        with trio.move_on_after(timeout) as waited:
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                return
+        if waited.cancelled_caught:
+            raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
+        yield chunk

@@ -50,7 +50,7 @@ from .. import node_stats
 from ..events import EventBus
 from .errors import error_response
 from ._common import (
-    _BodyError, _bad_request, _cancel_on_disconnect, _sse, _unavailable, error_for, prepare_unless_gone,
+    _BodyError, _bad_request, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for, prepare_unless_gone,
 )
 from .events import events_endpoint
 from .native import native_routes
@@ -375,15 +375,7 @@ class Api:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _BodyError(413, f"the body is {declared} bytes; the limit is {limit}")
         raw = bytearray()
-        chunks = request.stream().__aiter__()
-        while True:
-            with trio.move_on_after(timeout) as waited:
-                try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-            if waited.cancelled_caught:
-                raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
+        async for chunk in body_chunks(request, timeout):
             raw += chunk
             if len(raw) > limit:
                 raise _BodyError(413, f"the body is over the limit of {limit} bytes")

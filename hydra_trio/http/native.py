@@ -36,7 +36,7 @@ from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import verify_checksum
 from ..engine.tasks import RestoreSlot, SaveSlot
 from ..errors import HydraTrioError
-from ._common import _BodyError, _cancel_on_disconnect, _sse, _unavailable, error_for
+from ._common import _BodyError, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for
 from .errors import error_response
 
 STATE_TYPE = "application/octet-stream"
@@ -206,15 +206,7 @@ class NativeRoutes:
         blob = TRANSFER_POOL.take(n)
         try:
             view = blob.view()
-            chunks = request.stream().__aiter__()
-            while True:
-                with trio.move_on_after(timeout) as waited:
-                    try:
-                        chunk = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        break
-                if waited.cancelled_caught:
-                    raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
+            async for chunk in body_chunks(request, timeout):
                 if pos + len(chunk) > n:
                     raise _BodyError(400, f"the body is longer than its Content-Length ({n} bytes)")
                 view[pos : pos + len(chunk)] = chunk
