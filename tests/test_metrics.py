@@ -112,7 +112,8 @@ def test_every_family_is_exported_with_its_type_and_documented(server: ServerPro
     for name, kind in FAMILIES.items():
         assert name in scrape.families, f"{name} missing from /metrics"
         assert scrape.families[name].type == kind, (name, scrape.families[name].type)
-        assert f"`{name}" in readme, f"{name} is not in the README's metrics table"
+        # the table's row: the family's own name (a counter without the `_total` it is exported with) and type
+        assert f"| `{name}` | {kind} |" in readme, f"{name} ({kind}) is not a row of the README's metrics table"
     # and nothing is exported that the test (so the README) does not know
     unknown = set(scrape.families) - set(FAMILIES) - {"hydra_trio:hydra_request_seconds_created",
                                                       "hydra_trio:state_transfer_mb_per_second_created"}
