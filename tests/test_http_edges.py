@@ -133,6 +133,30 @@ def test_http2_is_not_offered_on_a_plain_connection(server: ServerProcess) -> No
 
 
 
+def test_a_malformed_chunked_body_is_refused_without_an_error_in_the_log(server: ServerProcess) -> None:
+    """A chunk ended by a bare LF (found by examples/fuzz_my_node.py): hypercorn answers 400 and closes
+    while the app answers the request too (405, 404) or reads its body.  The two sends and the close
+    raced on the socket (``BusyResourceError``: an ERROR traceback, no reply at all), and the body
+    reader's ``ClientDisconnect`` was a 500 with a traceback.  Now: one reply (or a close) per
+    connection, the body reader's request logged as 400, no ERROR line, and the node serves on."""
+    before = len(server.log())
+    cases = [(b"HEAD", b"/slots/0", (b"400", b"405")), (b"GET", b"/nope", (b"400", b"404")),
+             (b"POST", b"/v1/completions", (b"400",))]
+    for method, target, statuses in cases:
+        for _ in range(8):
+            out = exchange(server.port, method + b" " + target + b" HTTP/1.1\r\nHost: x\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n1\r\na\n0\r\n\r\n", timeout=60)
+            assert out == b"" or out.split(b" ", 2)[1] in statuses, (method, target, out[:200])
+            assert out.count(b"HTTP/1.1 ") <= 1, out[:400]
+    assert httpx.get(server.base + "/health", timeout=60).json() == {"status": "ok", "stage": "ready"}
+    deadline = time.monotonic() + 60
+    while server.log()[before:].count('"POST /v1/completions HTTP/1.1"') < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)  # the app logs a request when its handler returns, which may be after the close
+    new = server.log()[before:]
+    assert new.count('"POST /v1/completions HTTP/1.1" 400') == 8, new[-4000:]
+    assert " ERROR " not in new and "Traceback" not in new, new[-4000:]
+
+
 BIG = b"x" * (32 << 20)  # more than the kernel buffers on both ends of a loopback connection hold
 
 

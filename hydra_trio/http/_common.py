@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import trio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from ..engine.engine import Engine
@@ -123,7 +123,11 @@ async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[
 
 async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
     """The request body's chunks as they arrive.  Raises _BodyError 408 when no chunk comes for
-    ``timeout`` seconds (a stalled client)."""
+    ``timeout`` seconds (a stalled client), and 400 when the connection ends before the body does:
+    the client went away, or sent a body h11 cannot read (a malformed chunk), which hypercorn has
+    answered with its own 400 and a close.  Either way no reply reaches the client; the 400 keeps
+    that request out of the 500s and its traceback out of the error log (starlette's ``ClientDisconnect``
+    was unhandled there)."""
     chunks = request.stream().__aiter__()
     while True:
         with trio.move_on_after(timeout) as waited:
@@ -131,6 +135,9 @@ async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
                 return
+            except ClientDisconnect:
+                raise _BodyError(400, "the connection ended before the request body did "
+                                      "(the client went away, or the body was malformed)") from None
         if waited.cancelled_caught:
             raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
         yield chunk

@@ -163,6 +163,24 @@ class _TCPServer(TCPServer):
             return
         await super().protocol_send(event)
 
+    async def _close(self) -> None:
+        """hypercorn's close (``send_eof``, then ``aclose``), but under the send lock when it is free.
+
+        hypercorn calls ``send_eof`` without the lock its sends hold, and trio's ``send_eof`` keeps the
+        stream's send side busy across a checkpoint: a reply the app sends in that moment failed with
+        ``BusyResourceError`` (an ``ERROR`` traceback, and the client got no reply), e.g. a 404 or 405
+        racing hypercorn's own 400 for a malformed chunked body (``tests/test_http_edges.py``).  Under
+        the lock, a send that comes after the close finds the stream closed, which ends it as a client
+        that went away.  A send that holds the lock now (it may be blocked on a client that reads
+        nothing, or not yet inside ``send_all``) is not waited for and not raced: ``send_eof`` is
+        skipped (hypercorn skips it too when the send side is busy) and ``aclose`` ends that send.
+        """
+        if self.send_lock.locked():
+            await self.stream.aclose()
+            return
+        async with self.send_lock:
+            await super()._close()
+
     async def _send_data(self, data: bytes, timeout: float) -> None:
         """hypercorn's send of reply bytes (shielded from the connection's cancellation, as hypercorn's),
         but a client that takes none of them for ``timeout`` seconds has its connection closed: the
