@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import trio
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from ..engine.engine import Engine
@@ -48,7 +48,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 class _BodyError(Exception):
-    """The body could not be read: ``status`` 413 (too large) or 408 (the client stalled)."""
+    """The body could not be read: ``status`` 413 (too large), 408 (the client stalled) or 400 (the client left)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -123,14 +123,19 @@ async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[
 
 async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
     """The request body's chunks as they arrive.  Raises _BodyError 408 when no chunk comes for
-    ``timeout`` seconds (a stalled client)."""
+    ``timeout`` seconds (a stalled client), 400 when the client closes the connection inside the body
+    (starlette's ClientDisconnect: an expected end, answered to no one, not a server error)."""
     chunks = request.stream().__aiter__()
+    got = 0
     while True:
         with trio.move_on_after(timeout) as waited:
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
                 return
+            except ClientDisconnect:
+                raise _BodyError(400, f"the client closed the connection after {got} bytes of the body") from None
         if waited.cancelled_caught:
             raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
+        got += len(chunk)
         yield chunk
