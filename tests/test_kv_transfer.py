@@ -26,7 +26,7 @@ from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, RequestDecoder, RequestEnded, RequestStarted, encode_request_header
 from hydra_trio.tls import TlsSettings, client_context, server_context
 
-from .conftest import embedded_node
+from .conftest import embedded_node, wait_for
 
 # ------------------------------------------------------------------------------------------- no model
 
@@ -240,4 +240,25 @@ def test_state_put_cut_off_mid_payload_changes_nothing(node: Any, prompt: list[i
             return await c.info()
 
     assert trio.run(info)["engine"] == "hydra-trio"
+    assert httpx.get(base + "/slots/0/state/meta", timeout=60).json()["n_past"] == N_TOKENS
+
+
+@pytest.mark.parametrize("size", [4_000_000, 1000], ids=["pooled", "small"])
+def test_http_state_put_whose_client_leaves_mid_body_is_no_server_error(
+        node: Any, prompt: list[int], caplog: pytest.LogCaptureFixture, size: int) -> None:
+    """A PUT /slots/0/state whose client closes inside its body (a pooled buffer's read, or a small body's):
+    the node logs it as a 400 request (starlette's ClientDisconnect is the client's end, not a 500 with a
+    traceback at ERROR), applies nothing and serves on."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    base = f"http://127.0.0.1:{node.port}"
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        port = s.getsockname()[1]
+        s.sendall(f"PUT /slots/0/state HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n".encode() + bytes(size // 4))
+    lines = wait_for(lambda: [r for r in caplog.records if r.name == "hydra_trio.http.access"
+                              and "PUT /slots/0/state" in r.getMessage() and f":{port} " in r.getMessage()],
+                     what="the cut PUT's access line")
+    assert '" 400 ' in lines[0].getMessage(), lines[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert httpx.get(base + "/slots/0/state/meta", timeout=60).json()["n_past"] == N_TOKENS

@@ -401,3 +401,20 @@ def test_mistral_tool_result_turn(mistral: tuple[openai.OpenAI, ServerProcess]) 
                                        max_tokens=16, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
     assert r.usage.prompt_tokens > len(prompt) // 8  # the whole turn was rendered and evaluated
+
+
+def test_a_stop_string_inside_a_call_does_not_finish_with_tool_calls(client: openai.OpenAI) -> None:
+    """A stop string that ends the reply inside a call's arguments leaves a healed, unfinished call: the
+    reply finishes with ``stop`` (llama-server drops such a call), streamed or not; without the stop
+    string the same request finishes with ``tool_calls``."""
+    kw = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    assert "city" in json.loads(whole.choices[0].message.tool_calls[0].function.arguments)
+    cut = client.chat.completions.create(**kw, stop=["city"])
+    calls = cut.choices[0].message.tool_calls or []
+    assert all("city" not in json.loads(c.function.arguments) for c in calls)  # cut before the key
+    assert cut.choices[0].finish_reason == "stop"
+    reasons = [c.choices[0].finish_reason for c in client.chat.completions.create(**kw, stop=["city"], stream=True)
+               if c.choices and c.choices[0].finish_reason]
+    assert reasons == ["stop"]

@@ -141,3 +141,30 @@ async def test_the_pool_starts_one_tunnel_per_peer(tls_peer: ServerProcess, cert
         assert pool.stats() == {peer: {"local": local, "connections": 1, "failed": 0},
                                 "127.0.0.1:1": {"local": other, "connections": 0, "failed": 0}}
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("how", ["reset", "fin"])
+async def test_a_tls_client_gone_mid_message_leaves_the_backend_to_the_next(tls_peer: ServerProcess, certs: Certs,
+                                                                              how: str) -> None:
+    """A TLS ggml-RPC client that goes away inside a SET_TENSOR (its payload announced, a part sent; then a
+    TCP reset, or a FIN with no close_notify): the pump ends that connection and the backend serves the
+    next client whole."""
+    import socket
+
+    tcp = await trio.open_tcp_stream("127.0.0.1", tls_peer.port)
+    tls = trio.SSLStream(tcp, client_context(certs.ca_pem), server_hostname="127.0.0.1")
+    rpc = AsyncRpc(tls)  # type: ignore[arg-type]
+    assert len(await rpc.call(RpcCmd.HELLO, bytes(24), g.HELLO_REPLY_SIZE)) == g.HELLO_REPLY_SIZE
+    ptr, _ = struct.unpack("<QQ", await rpc.call(RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, 4 * N), 16))
+    (base,) = struct.unpack("<Q", await rpc.call(RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", ptr), 8))
+    t = RpcTensor(id=1, type=0, buffer=ptr, ne=(N, 1, 1, 1), nb=(4, 4 * N, 4 * N, 4 * N), data=base)
+    whole = g.encode_set_tensor(t, 0, bytes(4 * N))
+    await tls.send_all(whole[: len(whole) // 3])  # the message announced whole, a third of it sent
+    if how == "reset":
+        tcp.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await tcp.aclose()  # the TCP socket only: no close_notify
+    tcp = await trio.open_tcp_stream("127.0.0.1", tls_peer.port)
+    tls = trio.SSLStream(tcp, client_context(certs.ca_pem), server_hostname="127.0.0.1")
+    with trio.fail_after(120):
+        async with tls:
+            await round_trip(AsyncRpc(tls))  # type: ignore[arg-type]

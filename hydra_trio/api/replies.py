@@ -111,7 +111,7 @@ class ResponseContext:
         """``tool_calls`` (``function_call`` for legacy functions) when the reply stopped with calls."""
         if self.tool_parser is None or self.tools is None:
             return reason
-        return api_tools.finish_reason(reason, self.tool_parser.calls, self.tools.spec.legacy)
+        return api_tools.finish_reason(reason, self.tool_parser.calls, self.tools.spec.legacy, self.tool_parser.cut)
 
     def add(self, ev: TextDelta) -> dict[str, Any] | None:
         """Record a delta; returns the logprobs object for its own tokens (None when not asked).

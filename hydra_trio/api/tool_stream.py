@@ -211,6 +211,7 @@ class CallStream:
         self.args: ArgsStreamer | None = None  # set once committed
         self.end = start
         self._tail = -1  # where the arguments object ended
+        self.cut = False  # the reply ended inside the arguments (they were healed closed)
 
     @property
     def committed(self) -> bool:
@@ -234,6 +235,7 @@ class CallStream:
             if not (a.done or a.error):
                 if not final:
                     return "more", events
+                self.cut = True
                 healed = a.heal()
                 if healed:
                     events.append(("args", healed))

@@ -229,6 +229,7 @@ class ToolCallParser:
         self._fallback: tuple[int, str, str, bool] = (-1, "", "start", False)
         self.content: list[str] = []
         self.calls: list[ToolCall] = []
+        self.cut = False  # the reply ended inside a call's arguments (a stop string, max_tokens)
 
     # ------------------------------------------------------------ public
     def feed(self, text: str) -> list[Event]:
@@ -306,6 +307,7 @@ class ToolCallParser:
         cs = self._active
         assert cs is not None
         status, events = cs.advance(self._buf, final)
+        self.cut = self.cut or cs.cut
         for kind, text in events:
             (self._begin if kind == "start" else self._args)(text, out)
         if status == "more":
@@ -669,9 +671,11 @@ def legacy_delta(ev: Event) -> dict[str, Any] | None:
     return {"function_call": {"arguments": ev.text}}
 
 
-def finish_reason(reason: str, calls: Sequence[ToolCall], legacy: bool = False) -> str:
-    """llama-server: a reply that stopped by itself with calls finishes with ``tool_calls``."""
-    if calls and reason == "stop":
+def finish_reason(reason: str, calls: Sequence[ToolCall], legacy: bool = False, cut: bool = False) -> str:
+    """llama-server: a reply that stopped by itself with calls finishes with ``tool_calls``; not one
+    that a stop string ended inside a call's arguments (``cut``: the call is healed, not finished; llama-server
+    drops such a call, ``common/chat.cpp`` common_chat_parse, and finishes with ``stop``)."""
+    if calls and reason == "stop" and not cut:
         return "function_call" if legacy else "tool_calls"
     return reason
 

@@ -48,7 +48,7 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 class _BodyError(Exception):
-    """The body could not be read: ``status`` 413 (too large) or 408 (the client stalled)."""
+    """The body could not be read: ``status`` 413 (too large), 408 (the client stalled) or 400 (the client left)."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -129,6 +129,7 @@ async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
     that request out of the 500s and its traceback out of the error log (starlette's ``ClientDisconnect``
     was unhandled there)."""
     chunks = request.stream().__aiter__()
+    got = 0
     while True:
         with trio.move_on_after(timeout) as waited:
             try:
@@ -136,8 +137,9 @@ async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
             except StopAsyncIteration:
                 return
             except ClientDisconnect:
-                raise _BodyError(400, "the connection ended before the request body did "
+                raise _BodyError(400, f"the connection ended after {got} bytes of the request body "
                                       "(the client went away, or the body was malformed)") from None
         if waited.cancelled_caught:
             raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
+        got += len(chunk)
         yield chunk
