@@ -8,7 +8,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,17 +108,46 @@ class ServerProcess:
         self._log.close()
         return self.proc.returncode
 
+    @contextlib.contextmanager
+    def serving(self, timeout: float = 120.0) -> Iterator[ServerProcess]:
+        """This server once ready; stopped on the way out, where its exit code must be 0 (the log shows
+        otherwise)."""
+        try:
+            self.wait_ready(timeout)
+            yield self
+        finally:
+            code = self.stop()
+            assert code == 0, f"server exit code {code}:\n{self.log()}"
+
+
+@contextlib.asynccontextmanager
+async def running_engine(n_ctx: int = 2048, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """In-process: a ready :class:`~hydra_trio.engine.engine.Engine` on the packaged default model (2 slots,
+    ``n_ctx`` tokens, other :class:`~hydra_trio.EngineConfig` fields from ``config``) and its running
+    :class:`~hydra_trio.control.ControlChannel`; both end with the block."""
+    import trio
+
+    from hydra_trio import EngineConfig, resolve_model
+    from hydra_trio.control import ControlChannel
+    from hydra_trio.engine.engine import Engine
+
+    path, alias = resolve_model("smollm2-135m")
+    engine = Engine(EngineConfig(path, alias, n_parallel=2, n_ctx=n_ctx, **config))
+    control = ControlChannel(engine)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        with trio.fail_after(300):
+            await engine.wait_ready()
+        await nursery.start(control.run)
+        yield engine, control
+        nursery.cancel_scope.cancel()
+
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One shared server: default model, 4 slots, 1 s classify timeout."""
-    srv = ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--classify-timeout", "1")
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp_path_factory.mktemp("server") / "server.log", "--classify-timeout", "1").serving() as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, f"server exit code {code}:\n{srv.log()}"
 
 
 @pytest.fixture

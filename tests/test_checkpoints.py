@@ -25,13 +25,8 @@ DOC = " ".join(f"Item {i} of the list is worth a note;" for i in range(50))
 
 
 def _server(tmp: Path, model: Path, *args: str) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp / "server.log", "-m", str(model), "-c", "4096", *args)
-    try:
-        srv.wait_ready()
+    with ServerProcess(tmp / "server.log", "-m", str(model), "-c", "4096", *args).serving() as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0, f"server exit code {code}:\n{srv.log()}"
 
 
 @pytest.fixture(scope="module")

@@ -9,34 +9,19 @@ test, not by timing.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from hydra_trio import EngineConfig, resolve_model
-from hydra_trio.control import Change, ControlChannel
+from hydra_trio.control import Change
 from hydra_trio.engine.bridge import Call
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.errors import Busy
 
-
-@asynccontextmanager
-async def running_engine() -> AsyncIterator[tuple[Engine, ControlChannel]]:
-    path, alias = resolve_model("smollm2-135m")
-    engine = Engine(EngineConfig(path, alias, n_parallel=2, n_ctx=1024))
-    control = ControlChannel(engine)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        with trio.fail_after(300):
-            await engine.wait_ready()
-        await nursery.start(control.run)
-        yield engine, control
-        nursery.cancel_scope.cancel()
+from .conftest import running_engine
 
 
 class Gate:
@@ -68,7 +53,7 @@ def recorder(order: list[str], name: str) -> Change:
 
 
 async def test_changes_run_first_in_first_out_and_a_cancelled_submitter_does_not_stall_the_rest() -> None:
-    async with running_engine() as (engine, control):
+    async with running_engine(n_ctx=1024) as (engine, control):
         gate = Gate(engine)
         await gate.wait_entered()
         order: list[str] = []
@@ -98,7 +83,7 @@ async def test_changes_run_first_in_first_out_and_a_cancelled_submitter_does_not
 
 
 async def test_a_change_that_raises_fails_only_its_submitter() -> None:
-    async with running_engine() as (engine, control):
+    async with running_engine(n_ctx=1024) as (engine, control):
         gate = Gate(engine)
         await gate.wait_entered()
         order: list[str] = []
@@ -131,7 +116,7 @@ async def test_a_change_that_raises_fails_only_its_submitter() -> None:
 
 
 async def test_a_change_while_a_slot_processes_is_refused_busy_and_does_not_run() -> None:
-    async with running_engine() as (engine, control):
+    async with running_engine(n_ctx=1024) as (engine, control):
         job = CompletionJob(prompt_tokens=[1, 2, 3, 4], n_predict=400, ignore_eos=True, id_slot=1)
         ran: list[str] = []
         async with JobRun(engine, job) as run:

@@ -4,8 +4,6 @@ and CONFIGURE's tier-1 defaults swapped in whole, in-process on a real engine (t
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any, ClassVar
 
 import attrs
@@ -23,19 +21,7 @@ from hydra_trio.engine.tasks import EngineTask, EraseSlot, RestoreSlot, SaveSlot
 from hydra_trio.errors import InvalidRequest
 from hydra_trio.http.metrics import NodeMetrics
 
-
-@asynccontextmanager
-async def running_engine(**config: Any) -> AsyncIterator[tuple[Engine, ControlChannel]]:
-    path, alias = resolve_model("smollm2-135m")
-    engine = Engine(EngineConfig(path, alias, n_parallel=2, n_ctx=2048, **config))
-    control = ControlChannel(engine)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        with trio.fail_after(300):
-            await engine.wait_ready()
-        await nursery.start(control.run)
-        yield engine, control
-        nursery.cancel_scope.cancel()
+from .conftest import running_engine
 
 
 @attrs.frozen
@@ -89,7 +75,7 @@ async def test_a_slot_moves_through_its_states_in_order() -> None:
         prompt = [1, *range(1000, 1300)]  # 301 tokens: ten 32-token steps of prompt processing
         seen: list[tuple[SlotState, bool, bool, int]] = []
         async with JobRun(engine, CompletionJob(prompt_tokens=prompt, n_predict=2000, ignore_eos=True,
-                                                id_slot=0)) as run:
+                                                id_slot=0)):
             while not seen or seen[-1][0] is not SlotState.GENERATING:
                 seen.append(await engine.run_task(ReadSlot(0)))
             states = [s for s, *_ in seen]

@@ -162,13 +162,9 @@ ACCEPTED = [{"role": "user", "content": "Hi"}]
 def refusing(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     d: Path = tmp_path_factory.mktemp("refusing")
     (d / "refusing.jinja").write_text(REFUSING_TEMPLATE)
-    srv = ServerProcess(d / "server.log", "--chat-template-file", str(d / "refusing.jinja"), "-np", "1",
-                        "-c", "2048", "--no-rpc-backend")
-    try:
-        srv.wait_ready()
+    with ServerProcess(d / "server.log", "--chat-template-file", str(d / "refusing.jinja"), "-np", "1",
+                       "-c", "2048", "--no-rpc-backend").serving() as srv:
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 def test_raising_template_is_a_bad_request_over_http(refusing: ServerProcess) -> None:

@@ -212,12 +212,8 @@ HERMES = r"""{%- if tools %}{{- '<|im_start|>system\nYou are a helpful assistant
 def hermes(tmp_path_factory: pytest.TempPathFactory) -> openai.OpenAI:
     d = tmp_path_factory.mktemp("hermes")
     (d / "hermes.jinja").write_text(HERMES)
-    srv = ServerProcess(d / "server.log", "--chat-template-file", str(d / "hermes.jinja"), "-np", "1")
-    try:
-        srv.wait_ready()
+    with ServerProcess(d / "server.log", "--chat-template-file", str(d / "hermes.jinja"), "-np", "1").serving() as srv:
         yield openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0)
-    finally:
-        srv.stop()
 
 
 def test_hermes_template_required_and_streamed(hermes: openai.OpenAI) -> None:
@@ -351,12 +347,8 @@ MISTRAL_NEMO = r"""{%- if messages[0]["role"] == "system" %}
 def mistral(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, ServerProcess]]:
     d = tmp_path_factory.mktemp("mistral")
     (d / "mistral.jinja").write_text(MISTRAL_NEMO)
-    srv = ServerProcess(d / "server.log", "--chat-template-file", str(d / "mistral.jinja"), "-np", "1")
-    try:
-        srv.wait_ready()
+    with ServerProcess(d / "server.log", "--chat-template-file", str(d / "mistral.jinja"), "-np", "1").serving() as srv:
         yield openai.OpenAI(base_url=srv.base + "/v1", api_key="x", timeout=120, max_retries=0), srv
-    finally:
-        srv.stop()
 
 
 def test_mistral_template_renders_the_tools_and_its_calls_parse(mistral: tuple[openai.OpenAI, ServerProcess]) -> None:

@@ -63,11 +63,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     d = tmp_path_factory.mktemp("thinking")
     (d / "thinking.jinja").write_text(TEMPLATE)
     srv = ServerProcess(d / "server.log", "--chat-template-file", str(d / "thinking.jinja"), "-np", "2")
-    try:
-        srv.wait_ready()
+    with srv.serving():
         yield srv
-    finally:
-        assert srv.stop() == 0, srv.log()
 
 
 @pytest.fixture(scope="module")
