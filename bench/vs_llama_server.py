@@ -56,6 +56,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,16 @@ def hydra_factory(threads: int, env: dict[str, str] | None = None) -> Any:
     return start
 
 
+async def sse_events(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """POST ``body`` to ``url`` and yield each SSE ``data:`` event as parsed JSON (not the ``[DONE]`` line).
+    Raises httpx.HTTPStatusError for a non-2xx reply."""
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 async def one(client: httpx.AsyncClient, base: str, body: dict[str, Any], chat: bool) -> dict[str, float]:
     """One streaming request; returns send, first-token and end times (perf_counter s) and tokens."""
     url = base + ("/v1/chat/completions" if chat else "/v1/completions")
@@ -142,18 +153,13 @@ async def one(client: httpx.AsyncClient, base: str, body: dict[str, Any], chat: 
     t0 = time.perf_counter()
     first = None
     tokens = 0
-    async with client.stream("POST", url, json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            for ch in ev.get("choices") or ():
-                text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
-                if text and first is None:
-                    first = time.perf_counter()
-            if ev.get("usage"):
-                tokens = ev["usage"]["completion_tokens"]
+    async for ev in sse_events(client, url, body):
+        for ch in ev.get("choices") or ():
+            text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            if text and first is None:
+                first = time.perf_counter()
+        if ev.get("usage"):
+            tokens = ev["usage"]["completion_tokens"]
     end = time.perf_counter()
     return {"t0": t0, "first": first or end, "end": end, "tokens": tokens}
 
@@ -247,24 +253,19 @@ async def _chat_turn(client: httpx.AsyncClient, base: str, messages: list[dict[s
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, text, prompt, cached = None, [], 0, None
-    async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            for ch in ev.get("choices") or ():
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    first = first or time.perf_counter()
-                    text.append(piece)
-            if ev.get("timings") and cached is None:
-                cached = ev["timings"].get("cache_n")
-            if ev.get("usage"):
-                prompt = ev["usage"]["prompt_tokens"]
-                details = ev["usage"].get("prompt_tokens_details") or {}
-                if "cached_tokens" in details:
-                    cached = details["cached_tokens"]
+    async for ev in sse_events(client, base + "/v1/chat/completions", body):
+        for ch in ev.get("choices") or ():
+            piece = (ch.get("delta") or {}).get("content")
+            if piece:
+                first = first or time.perf_counter()
+                text.append(piece)
+        if ev.get("timings") and cached is None:
+            cached = ev["timings"].get("cache_n")
+        if ev.get("usage"):
+            prompt = ev["usage"]["prompt_tokens"]
+            details = ev["usage"].get("prompt_tokens_details") or {}
+            if "cached_tokens" in details:
+                cached = details["cached_tokens"]
     end = time.perf_counter()
     return {"t0": t0, "first": first or end, "end": end, "text": "".join(text), "prompt": prompt,
             "cached": cached or 0}
