@@ -59,6 +59,7 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.combined import certificates  # noqa: E402
 from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 from hydra_trio.tls import client_context  # noqa: E402
@@ -257,8 +258,6 @@ def sizes_mb(max_mb: int) -> list[int]:
 
 
 def main() -> None:
-    import trustme
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-mb", type=int, default=256, help="the biggest blob, MB (default 256; 1024 for 1 GB)")
     ap.add_argument("--runs", type=int, default=3, help="rounds per size and transport (after one warm-up)")
@@ -271,13 +270,8 @@ def main() -> None:
     a = ap.parse_args()
     sizes = sizes_mb(a.max_mb)
     with tempfile.TemporaryDirectory() as d:
-        ca = trustme.CA()
-        ca_pem, cert, key = Path(d, "ca.pem"), Path(d, "node.pem"), Path(d, "node.key")
-        ca.cert_pem.write_to_path(str(ca_pem))
-        leaf = ca.issue_cert("127.0.0.1", "localhost")
-        leaf.private_key_pem.write_to_path(str(key))
-        for i, pem in enumerate(leaf.cert_chain_pems):
-            pem.write_to_path(str(cert), append=i > 0)
+        tls_flags, ca_pem = certificates(d)
+        cert, key = tls_flags[1], tls_flags[3]  # ["--tls-cert", CERT, "--tls-key", KEY]
         cctx = client_context(ca_pem)
 
         # bytes per token of this model and KV type, from a small node
@@ -301,7 +295,7 @@ def main() -> None:
         scale = -(-n_ctx // a.n_ctx_train)
         rope = ["--rope-scaling", "linear", "--rope-scale", str(scale)] if scale > 1 else []
         node, port = spawn("--log-level", "WARNING", "-m", a.model, "-np", "1", "-c", str(n_ctx), *rope,
-                           "-ctk", a.kv_type, "-ctv", a.kv_type, "--tls-cert", str(cert), "--tls-key", str(key))
+                           "-ctk", a.kv_type, "-ctv", a.kv_type, *tls_flags)
         peers: dict[str, RawPeer] = {}
         results: dict[tuple[int, str, str], dict[str, Any]] = {}
         try:
@@ -310,7 +304,7 @@ def main() -> None:
             cap = int(sizes[-1] * MB * 1.05) + (1 << 20)
             peers["plain"] = RawPeer(cap, None)
             if not a.no_tls:
-                peers["tls"] = RawPeer(cap, (str(cert), str(key), cctx))
+                peers["tls"] = RawPeer(cap, (cert, key, cctx))
             # the bench's receive buffers (Hydra's, the raw socket's), touched once as the raw peer's
             views = (memoryview(bytearray(cap)), memoryview(bytearray(cap)))
             prompt = (words * (n_ctx // len(words) + 1))
