@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
 from bench._decode import tok_s  # noqa: E402
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--no-tls", action="store_true", help="skip the TLS peer and head")
     ap.add_argument("--passive", choices=["none", "peer", "head", "both"], default="none",
                     help="which nodes' environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
-                         "ggml-RPC child waits passively anyway, see hydra_trio.ggml_rpc.supervisor.CHILD_ENV)")
+                         "ggml-RPC child waits passively anyway, see hydra_trio.rpc_backend.supervisor.CHILD_ENV)")
     a = ap.parse_args()
     rows, flips = measure(a.tokens, a.runs, tls=not a.no_tls, passive=a.passive)
     print_table(rows, "bench/combined.py " + " ".join(sys.argv[1:]))

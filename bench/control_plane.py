@@ -33,7 +33,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio._spawn import free_port, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import free_port, wait_healthy  # noqa: E402
 from hydra_trio.protocol.hydra import Op  # noqa: E402
 from tests.hydra_wire import Wire  # noqa: E402
 

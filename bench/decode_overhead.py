@@ -23,7 +23,7 @@ out with ``git archive`` into a temporary folder), one after the other with
 then medians and the ratios (this tree / the other).  CPU time per token is
 the steadiest figure on a machine other work loads (wall-clock figures move
 with the load); servers run with ``OMP_WAIT_POLICY=PASSIVE`` (see
-:data:`hydra_trio._spawn.SHARED_MACHINE_ENV`) unless ``--spin``.
+:data:`hydra_trio.testing.spawn.SHARED_MACHINE_ENV`) unless ``--spin``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio._spawn import SHARED_MACHINE_ENV, free_port, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, free_port, wait_healthy  # noqa: E402
 
 
 def cpu_seconds(stat: str) -> float:

@@ -24,7 +24,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 WORDS = ("ship", "lamp", "oak", "river", "stone", "cloud", "wheel", "bell", "glass", "wool", "salt", "rope")
 

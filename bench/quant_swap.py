@@ -26,7 +26,7 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
 

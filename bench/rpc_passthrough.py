@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hydra_trio._spawn import ROOT, spawn, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import ROOT, spawn, wait_healthy  # noqa: E402
 
 from bench._table import Row, print_table  # noqa: E402
 

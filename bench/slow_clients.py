@@ -22,7 +22,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio._spawn import spawn, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 
 def measure(base: str, n: int = 10) -> tuple[float, float]:

@@ -39,7 +39,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from hydra_trio._spawn import ROOT, SHARED_MACHINE_ENV, spawn, wait_healthy
+from hydra_trio.testing.spawn import ROOT, SHARED_MACHINE_ENV, spawn, wait_healthy
 
 from . import access, live, tls
 

@@ -24,13 +24,14 @@ from ._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        ".server": ["serve", "Server", "ServerConfig"],
+        ".node.server": ["serve", "Server"],
+        ".config": ["ServerConfig"],
         ".engine.settings": ["EngineConfig", "SamplingParams"],
         ".models.presets": ["resolve_model"],
-        ".frontdoor": ["FrontDoorSettings"],
+        ".transport.frontdoor": ["FrontDoorSettings"],
         ".http.settings": ["HttpSettings"],
         ".hydra.session": ["HydraSettings"],
-        ".ggml_rpc.backend": ["RpcBackendSettings"],
+        ".rpc_backend.backend": ["RpcBackendSettings"],
         ".hydra.client": ["HydraClient"],
         ".errors": ["HydraTrioError", "InvalidRequest", "Busy", "NotReady", "Cancelled", "EngineFailure"],
     },

@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from hydra_trio import _spawn
-from hydra_trio._spawn import ROOT, free_port  # noqa: F401  (tests import both from here)
+from hydra_trio.testing import spawn as _spawn
+from hydra_trio.testing.spawn import ROOT, free_port  # noqa: F401  (tests import both from here)
 
 # The suite must pass on a machine busy with other work: every server and
 # client process the tests start waits passively at llama.cpp's thread
-# barriers (see hydra_trio._spawn.SHARED_MACHINE_ENV for the measurements).
+# barriers (see hydra_trio.testing.spawn.SHARED_MACHINE_ENV for the measurements).
 for _k, _v in _spawn.SHARED_MACHINE_ENV.items():
     os.environ.setdefault(_k, _v)
 
@@ -41,7 +41,7 @@ def wait_for(pred: Callable[[], Any], timeout: float = 60.0, what: str = "condit
 @contextlib.contextmanager
 def embedded_node(config: Any, ready_timeout: float = 180.0) -> Iterator[Any]:
     """A node (:func:`hydra_trio.serve` with ``config``) served by trio in a thread of this process, for
-    tests that reach into its engine; yields the running :class:`~hydra_trio.server.Server` once its model
+    tests that reach into its engine; yields the running :class:`~hydra_trio.node.server.Server` once its model
     serves, and stops it (cancels its nursery) afterwards."""
     import trio
 
@@ -124,11 +124,11 @@ class ServerProcess:
 async def running_engine(n_ctx: int = 2048, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
     """In-process: a ready :class:`~hydra_trio.engine.engine.Engine` on the packaged default model (2 slots,
     ``n_ctx`` tokens, other :class:`~hydra_trio.EngineConfig` fields from ``config``) and its running
-    :class:`~hydra_trio.control.ControlChannel`; both end with the block."""
+    :class:`~hydra_trio.engine.control.ControlChannel`; both end with the block."""
     import trio
 
     from hydra_trio import EngineConfig, resolve_model
-    from hydra_trio.control import ControlChannel
+    from hydra_trio.engine.control import ControlChannel
     from hydra_trio.engine.engine import Engine
 
     path, alias = resolve_model("smollm2-135m")

@@ -17,7 +17,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from hydra_trio._spawn import ROOT
+from hydra_trio.testing.spawn import ROOT
 
 VERSION = next(line.split("=", 1)[1].strip() for line in (ROOT / "dev.sh").read_text().splitlines()
                if line.startswith("LLAMA_CPP_PYTHON_VERSION="))

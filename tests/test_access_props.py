@@ -12,8 +12,8 @@ import ipaddress
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hydra_trio.access import AllowList, normalize_address, parse_network
-from hydra_trio.tls import plain_allowed
+from hydra_trio.transport.access import AllowList, normalize_address, parse_network
+from hydra_trio.transport.tls import plain_allowed
 
 v4 = st.ip_addresses(v=4)
 v6 = st.ip_addresses(v=6)

@@ -82,21 +82,50 @@ def test_modules_and_classes_stay_small(name: str) -> None:
             assert size <= 400, f"{name}.{node.name} has {size} lines"
 
 
+TOP_LEVEL = {"hydra_trio", "hydra_trio.__main__", "hydra_trio._version", "hydra_trio._lazy", "hydra_trio.errors",
+             "hydra_trio.config"}
+"""What may sit directly in ``hydra_trio/``: the public API (``__init__`` and its lazy exports), the version, the errors and
+the configuration; every layer has its folder."""
+
+LAYERS = ("node", "transport", "observability", "client", "cli", "testing", "engine", "api", "http", "hydra",
+          "rpc_backend", "protocol", "models")
+
+
+def test_the_top_level_holds_only_the_public_api() -> None:
+    top = {n for n in MODULES if n.count(".") <= 1 and not any(n == f"hydra_trio.{layer}" for layer in LAYERS)}
+    assert top == TOP_LEVEL, top ^ TOP_LEVEL
+    assert {n.split(".")[1] for n in MODULES if n.count(".") >= 2} == set(LAYERS)
+
+
+def _layer(name: str) -> str:
+    return name.split(".")[1] if name.count(".") >= 1 else ""
+
+
 def test_layers() -> None:
-    """The engine knows no front end; product code does not use the test helper."""
+    """Which layer may import which: the engine and the codecs know no front end; the observability leaves
+    (events, progress) import nothing of the package; nothing of the product imports the test helpers, the
+    CLI or the watch client; only the composition root (``node``) and the CLI assemble a whole node."""
+    leaves = {"hydra_trio.observability.events", "hydra_trio.observability.progress"}
     for name in MODULES:
         deps = _imports(name)
-        if name.startswith("hydra_trio.engine."):
-            outside = {d for d in deps if not d.startswith(("hydra_trio.engine", "hydra_trio.errors", "hydra_trio.protocol",
-                                                            "hydra_trio._lazy", "hydra_trio.events",
-                                                            "hydra_trio.progress"))}
+        layer = _layer(name)
+        if layer == "engine":
+            outside = {d for d in deps if _layer(d) not in ("engine", "protocol") and d not in (
+                "hydra_trio.errors", "hydra_trio._lazy", *leaves)}
             assert outside == set(), f"{name} imports {outside}"
-        if name in ("hydra_trio.events", "hydra_trio.progress"):  # leaves every layer may use
+        if layer == "protocol":  # sans-I/O: no front end, transport, server or process around it
+            outside = {d for d in deps if _layer(d) in ("http", "hydra", "node", "transport", "rpc_backend", "cli",
+                                                        "client", "observability")}
+            assert outside == set(), f"{name} imports {outside}"
+        if name in leaves:
             assert deps == set(), f"{name} imports {deps}"
-        if name != "hydra_trio._spawn":
-            assert "hydra_trio._spawn" not in deps, f"{name} imports the test helper _spawn"
-    protocol_deps = {d for n in MODULES if n.startswith("hydra_trio.protocol") for d in _imports(n)}
-    assert not {d for d in protocol_deps if d.startswith(("hydra_trio.http", "hydra_trio.hydra", "hydra_trio.server"))}
+        if layer != "testing":
+            assert not {d for d in deps if _layer(d) == "testing"}, f"{name} imports the test helpers"
+        if layer not in ("cli", "testing") and name not in ("hydra_trio.__main__",):
+            assert not {d for d in deps if _layer(d) in ("cli", "client")} or layer == "client", \
+                f"{name} imports the CLI or the watch client"
+        if layer not in ("node", "cli", "testing") and name not in ("hydra_trio", "hydra_trio.__main__"):
+            assert not {d for d in deps if _layer(d) == "node"}, f"{name} imports the composition root"
 
 
 def _public_type_names(name: str) -> set[str]:
@@ -155,5 +184,27 @@ def test_no_lambda_is_handed_to_the_engine_from_outside_it() -> None:
         lines = _lambdas_handed_to_the_engine(ast.parse(path.read_text()))
         if lines:
             found[name] = lines
-    assert "hydra_trio.hydra.ops" in MODULES and "hydra_trio.control" in MODULES
+    assert "hydra_trio.hydra.ops" in MODULES and "hydra_trio.engine.control" in MODULES
     assert found == {}, found
+
+
+def test_every_import_of_the_package_finds_its_module() -> None:
+    """``from .x import y`` / ``import hydra_trio.x`` name a module that exists (a stale path after a move
+    would otherwise only fail when that line runs)."""
+    missing = []
+    for name, path in MODULES.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                mods = [mod]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            missing += [f"{name}:{node.lineno} {m}" for m in mods if m.startswith("hydra_trio") and m not in MODULES]
+    assert missing == []

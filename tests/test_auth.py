@@ -20,7 +20,7 @@ import trio
 from hypothesis import HealthCheck, settings
 
 from fuzz import access as access_fuzz
-from hydra_trio.access import AllowList, Peer, Secrets, new_refusals, normalize_address, parse_network, read_key_file
+from hydra_trio.transport.access import AllowList, Peer, Secrets, new_refusals, normalize_address, parse_network, read_key_file
 from hydra_trio.hydra.client import HydraBadRequest, HydraClient
 from hydra_trio.hydra.gate import Gate
 from hydra_trio.hydra.ops import Reply

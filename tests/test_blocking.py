@@ -1,4 +1,4 @@
-"""hydra_trio.blocking: TLS on blocking sockets for relay threads, on real sockets with trustme certificates.
+"""hydra_trio.transport.blocking: TLS on blocking sockets for relay threads, on real sockets with trustme certificates.
 
 What is covered: a client :class:`TlsPipe` (the head's tunnel) against a trio
 TLS server whose stream a :class:`TlsPipe` takes over after the handshake and
@@ -21,8 +21,8 @@ import pytest
 import trio
 import trustme
 
-from hydra_trio.blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
-from hydra_trio.tls import client_context
+from hydra_trio.transport.blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
+from hydra_trio.transport.tls import client_context
 
 SIZE = 3 << 20  # bytes each way
 

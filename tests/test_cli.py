@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from hydra_trio import cli
-from hydra_trio.engine.ggml_rpc import _lib_dir, clean_build_paths
+from hydra_trio.engine.ggml_backend import _lib_dir, clean_build_paths
 from hydra_trio.models.presets import PRESETS, missing_distributions, resolve_model
 
 from .conftest import ROOT, ServerProcess, free_port
@@ -211,7 +211,7 @@ def test_gemma_preset_installs_for_real_and_chats_with_the_chatml_fallback(scrat
                                 stdout=f, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        from hydra_trio._spawn import wait_healthy
+        from hydra_trio.testing.spawn import wait_healthy
 
         wait_healthy(port, proc, 300)
         props = httpx.get(base + "/props", timeout=LONG).json()

@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hydra_trio import _spawn, cli
+from hydra_trio.testing import spawn as _spawn
+
+from hydra_trio import cli
 from hydra_trio.cli import RUN_FLAGS, table
 from hydra_trio.cli._flags import ACCEPTED, OWN, REFUSED
 from hydra_trio.models.presets import resolve_model

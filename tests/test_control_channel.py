@@ -1,4 +1,4 @@
-"""The serialized control channel (:mod:`hydra_trio.control`) on a real engine (the packaged default model),
+"""The serialized control channel (:mod:`hydra_trio.engine.control`) on a real engine (the packaged default model),
 in-process: FIFO order across concurrent submitters, a cancelled submitter, a change that raises, BUSY.
 
 The engine thread is held at a gate (a real :class:`~hydra_trio.engine.bridge.Call` that waits on a
@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from hydra_trio.control import Change
+from hydra_trio.engine.control import Change
 from hydra_trio.engine.bridge import Call
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun

@@ -42,7 +42,7 @@ def test_the_readme_library_example_runs_as_written(tmp_path) -> None:
     import subprocess
     import sys
 
-    from hydra_trio._spawn import ROOT
+    from hydra_trio.testing.spawn import ROOT
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## As a library"):]

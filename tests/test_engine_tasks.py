@@ -12,7 +12,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio import EngineConfig, resolve_model
-from hydra_trio.control import Change, ControlChannel
+from hydra_trio.engine.control import Change, ControlChannel
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.engine.settings import RequestDefaults

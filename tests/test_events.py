@@ -16,7 +16,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_url
 
-from hydra_trio.events import CATEGORIES, EventBus, parse_types
+from hydra_trio.observability.events import CATEGORIES, EventBus, parse_types
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, streaming
@@ -311,7 +311,7 @@ def test_the_events_address_without_an_upgrade_and_in_absolute_form(server: Serv
 
 
 def test_categories_are_documented_in_the_readme() -> None:
-    from hydra_trio._spawn import ROOT
+    from hydra_trio.testing.spawn import ROOT
     readme = (ROOT / "README.md").read_text()
     for c in CATEGORIES:
         assert f"`{c}" in readme, c

@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from hydra_trio.access import AccessSettings, AllowList, Peer
+from hydra_trio.transport.access import AccessSettings, AllowList, Peer
 from hydra_trio.engine.blobbuf import BlobBuffer
 from hydra_trio.hydra.connection import ServerConnection
 from hydra_trio.hydra.server import HydraHandler

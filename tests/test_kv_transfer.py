@@ -17,14 +17,14 @@ import trio
 import trustme
 
 from hydra_trio import EngineConfig, ServerConfig
-from hydra_trio._net import BULK_WRITE, recv_into_view, send_view
+from hydra_trio.transport.net import BULK_WRITE, recv_into_view, send_view
 from hydra_trio.engine.blobbuf import TAIL_ROOM, TRANSFER_POOL, BlobBuffer, BlobPool
 from hydra_trio.engine.state import verify_checksum
-from hydra_trio.frontdoor import FrontDoorSettings
+from hydra_trio.transport.frontdoor import FrontDoorSettings
 from hydra_trio.hydra.client import HydraClient
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, RequestDecoder, RequestEnded, RequestStarted, encode_request_header
-from hydra_trio.tls import TlsSettings, client_context, server_context
+from hydra_trio.transport.tls import TlsSettings, client_context, server_context
 
 from .conftest import embedded_node, wait_for
 

@@ -23,7 +23,7 @@ from hydra_trio.cli import main
 from hydra_trio.engine.settings import N_PARALLEL_MAX
 from hydra_trio.hydra.client import HydraClient
 from hydra_trio.hydra.errors import HydraNotFound
-from hydra_trio.logs import TextFormatter
+from hydra_trio.observability.logs import TextFormatter
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, ServerProcess, streaming

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from hydra_trio.engine.ggml_rpc import GgufHeader
+from hydra_trio.engine.ggml_backend import GgufHeader
 from hydra_trio.engine.model import LoadedModel, ModelLoadError
 from hydra_trio.engine.placement import Placement, PlacementError, check_placement
 from hydra_trio.engine.settings import LlamaOptions

@@ -1,4 +1,4 @@
-"""Progress of long start-up work (hydra_trio.progress): log lines without a terminal, rich bars on one, listeners."""
+"""Progress of long start-up work (hydra_trio.observability.progress): log lines without a terminal, rich bars on one, listeners."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from hydra_trio import _spawn, progress
+from hydra_trio.testing import spawn as _spawn
+
+from hydra_trio.observability import progress
 from hydra_trio.models.moe import make_test_moe
 from hydra_trio.models.presets import resolve_model
 

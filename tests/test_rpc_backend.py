@@ -90,7 +90,7 @@ import trio  # noqa: E402
 
 from hydra_trio.protocol import ggml_rpc as g  # noqa: E402
 from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor  # noqa: E402
-from hydra_trio.ggml_rpc.backend import RpcBackend, RpcBackendSettings  # noqa: E402
+from hydra_trio.rpc_backend.backend import RpcBackend, RpcBackendSettings  # noqa: E402
 
 LONG = 60.0  # seconds: generous bound for anything that should happen "soon" on a busy machine
 GRAPH_NODE_ZERO = bytes([10]) + (20).to_bytes(8, "little") + struct.pack("<IIQI", 0, 1, 0, 0)  # the issue's crasher
@@ -403,7 +403,7 @@ async def test_drain_lets_a_compute_in_flight_finish_and_closes_the_rest(nursery
 def test_the_child_waits_passively_unless_the_operator_says_otherwise(tmp_path) -> None:
     """The ggml-RPC child gets OMP_WAIT_POLICY=PASSIVE (its threads must not spin between a peer's
     graphs on cores others need); an OMP_WAIT_POLICY in the node's own environment wins."""
-    from hydra_trio._spawn import free_port, wait_healthy
+    from hydra_trio.testing.spawn import free_port, wait_healthy
 
     for given, expected in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}

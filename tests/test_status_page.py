@@ -203,7 +203,7 @@ def test_query_key_reads_the_first_api_key_parameter() -> None:
 def test_the_page_reconnects_when_the_node_comes_back(spawn: Any, page: Any, tmp_path: Path) -> None:
     from playwright.sync_api import expect
 
-    from hydra_trio import _spawn
+    from hydra_trio.testing import spawn as _spawn
 
     srv: ServerProcess = spawn("-np", "1")
     srv.wait_ready()

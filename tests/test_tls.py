@@ -28,7 +28,7 @@ import trio
 import trustme
 
 from hydra_trio.hydra.client import HydraClient, HydraConnectError, HydraError
-from hydra_trio.tls import client_context, plain_allowed
+from hydra_trio.transport.tls import client_context, plain_allowed
 
 from .conftest import ROOT, ServerProcess
 
@@ -376,7 +376,7 @@ def test_peer_named_later_goes_through_a_tls_tunnel(certs: Certs, spawn) -> None
 
 
 def test_allow_subject_lets_a_verified_certificate_pass_the_rpc_allow_list(certs: Certs, spawn, tmp_path: Path) -> None:
-    from hydra_trio.tls import subject_text
+    from hydra_trio.transport.tls import subject_text
 
     subject = subject_text(ssl._ssl._test_decode_cert(str(certs.client_cert)))  # type: ignore[attr-defined]
     assert subject and subject.endswith("CN=client-1")

@@ -1,10 +1,10 @@
-"""ggml-RPC beyond HELLO over TLS, quickly (no MoE, no model upload): the tunnel (:mod:`hydra_trio.tunnel`)
-and the front door's TLS pump (:mod:`hydra_trio.ggml_rpc.pump`, its trio path) carry real messages both
+"""ggml-RPC beyond HELLO over TLS, quickly (no MoE, no model upload): the tunnel (:mod:`hydra_trio.transport.tunnel`)
+and the front door's TLS pump (:mod:`hydra_trio.rpc_backend.pump`, its trio path) carry real messages both
 ways — buffers allocated, a 1 MiB tensor written and read back — to a real compute-only node with TLS.
 
 The slow tests in tests/test_tls.py run COMBINED through the tunnel with the test MoE; these cover the
 same parts in the normal suite: raw ggml-RPC (:class:`tests.test_rpc_backend.AsyncRpc`) through an
-:class:`~hydra_trio.tunnel.RpcTunnel` (plain loopback in, TLS out) or straight over TLS.
+:class:`~hydra_trio.transport.tunnel.RpcTunnel` (plain loopback in, TLS out) or straight over TLS.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import trio
 from hydra_trio.protocol import ggml_rpc as g
 from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor
 from hydra_trio.protocol.hydra import Op, Status
-from hydra_trio.tls import client_context
-from hydra_trio.tunnel import RpcTunnel, TunnelPool
+from hydra_trio.transport.tls import client_context
+from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool
 
 from .conftest import ServerProcess
 from .hydra_wire import Wire

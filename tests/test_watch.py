@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hydra_trio.watch import WatchState, render, summary
+from hydra_trio.client.watch import WatchState, render, summary
 
 from .conftest import ROOT, ServerProcess, streaming, wait_for
 from .test_tls import Certs

@@ -7,7 +7,7 @@
     hydra-trio models                       list the model presets and which are installed
     hydra-trio models install ALIAS         pip-install a preset's package into this environment
     hydra-trio info|state|mode ...          Hydra protocol client commands (:mod:`hydra_trio.hydra.cli`)
-    hydra-trio watch HOST:PORT [--json]     a node's live events in the terminal (:mod:`hydra_trio.watch`)
+    hydra-trio watch HOST:PORT [--json]     a node's live events in the terminal (:mod:`hydra_trio.client.watch`)
     hydra-trio --version
 
 The flags of ``run`` are data (:mod:`._flags`), in modules that follow llama-server's argument groups:
@@ -29,7 +29,7 @@ from collections.abc import Mapping
 
 from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, kv_cache_problem
 from ..hydra.cli import add_client_commands
-from ..watch import add_watch_command
+from ..client.watch import add_watch_command
 from . import sampling
 from ._flags import add_flags, apply_environment, normalize_argv, version_text
 from .flags import GROUPS, RUN_FLAGS

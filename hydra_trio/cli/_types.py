@@ -234,7 +234,7 @@ def key_list(text: str) -> tuple[str, ...]:
 
 def cidr(text: str) -> str:
     """A CIDR network or a single IP address (checked, returned unchanged)."""
-    from ..access import parse_network
+    from ..transport.access import parse_network
 
     try:
         parse_network(text)

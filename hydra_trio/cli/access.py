@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..access import AccessSettings, AllowList, read_key_file
+from ..transport.access import AccessSettings, AllowList, read_key_file
 from . import _types as t
 from ._flags import OWN, Flag
 

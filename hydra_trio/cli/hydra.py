@@ -8,11 +8,11 @@ from typing import Any
 import attrs
 
 from ..engine.settings import EngineConfig
-from ..frontdoor import FrontDoorSettings
-from ..ggml_rpc.backend import RpcBackendSettings
+from ..transport.frontdoor import FrontDoorSettings
+from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
 from ..hydra.cli import _address
-from ..logs import LOG_FORMATS
+from ..observability.logs import LOG_FORMATS
 from . import _types as t
 from ._flags import ACCEPTED, OWN, Flag
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import trio
 
 from ..engine.settings import EngineConfig, LlamaOptions
-from ..frontdoor import FrontDoorSettings
-from ..ggml_rpc.backend import RpcBackendSettings
+from ..transport.frontdoor import FrontDoorSettings
+from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
-from ..logs import configure_logging
+from ..observability.logs import configure_logging
 from ..models.presets import DEFAULT_ALIAS, PresetError, resolve_model
-from ..tls import TlsSettings, client_context, server_context
+from ..transport.tls import TlsSettings, client_context, server_context
 from .flags import RUN_FLAGS
 from ._flags import accepted_notes, given_environment
 from .access import access_settings
@@ -121,7 +121,7 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
 
 def _has_gpu() -> bool:
     """A device layers can be offloaded to (llama-server's ``llama_supports_gpu_offload``, without ggml-RPC)."""
-    from ..engine.ggml_rpc import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
+    from ..engine.ggml_backend import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
         device_type, is_rpc_device
 
     return any(device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL)
@@ -143,7 +143,7 @@ def _check_devices(opts: LlamaOptions) -> str | None:
 
 def _log_devices() -> None:
     """The start-up log's device lines: the build's backends, each device with its free/total memory."""
-    from ..engine.ggml_rpc import build_backends, local_devices
+    from ..engine.ggml_backend import build_backends, local_devices
 
     log.info("backends: %s", ", ".join(build_backends()))
     for name, free, total in local_devices():
@@ -151,7 +151,7 @@ def _log_devices() -> None:
 
 
 def _list_devices() -> int:
-    from ..engine.ggml_rpc import local_devices
+    from ..engine.ggml_backend import local_devices
 
     print("Available devices:")
     for name, free, total in local_devices():
@@ -238,7 +238,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from ..server import Server, ServerConfig, serve  # loads llama.cpp: only for `run`
+    from ..node.server import Server, ServerConfig, serve  # loads llama.cpp: only for `run`
 
     try:
         access = access_settings(args)

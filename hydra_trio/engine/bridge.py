@@ -13,7 +13,7 @@ own result type), and the caller gets it back with ``.unwrap()``:
 a trio caller that is cancelled stops waiting at once, but the function still
 runs on the worker when its turn comes, and its result is dropped.  So a
 function posted this way must leave the worker's state consistent on its own
-(every engine-wide change is all or nothing, see :mod:`hydra_trio.control`).
+(every engine-wide change is all or nothing, see :mod:`hydra_trio.engine.control`).
 
 **Thread crossings.**  :class:`Call` is the one way trio code gets a result from a thread that owns
 a queue (the engine thread, whose work is typed: :mod:`hydra_trio.engine.tasks`; a COMBINED
@@ -23,12 +23,12 @@ peer's worker).  The other crossings each do what a ``Call`` cannot, and say so 
   read the vocabulary, a connect probe) runs in trio's worker threads (``trio.to_thread.run_sync``),
   so it neither blocks the event loop nor waits behind a prefill on the engine thread;
 - one-way notices from a thread, with no result to carry back (a request's events,
-  :class:`~hydra_trio.engine.requests.RequestHandle`; the event bus, :mod:`hydra_trio.events`; the
+  :class:`~hydra_trio.engine.requests.RequestHandle`; the event bus, :mod:`hydra_trio.observability.events`; the
   engine's "ready") go through ``TrioToken.run_sync_soon``, which never blocks the engine thread;
 - the reverse crossing, a thread waiting for trio code (the engine thread dialing a TLS tunnel,
-  :meth:`hydra_trio.tunnel.TunnelPool.dial`), is ``trio.from_thread.run``;
+  :meth:`hydra_trio.transport.tunnel.TunnelPool.dial`), is ``trio.from_thread.run``;
 - the ggml-RPC pump's two blocking-socket threads per plain connection
-  (:mod:`hydra_trio.ggml_rpc.pump`) are plain threads for latency, not trio's limited workers.
+  (:mod:`hydra_trio.rpc_backend.pump`) are plain threads for latency, not trio's limited workers.
 """
 
 from __future__ import annotations

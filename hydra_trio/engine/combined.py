@@ -39,11 +39,11 @@ from typing import Any, TypeVar
 
 import llama_cpp
 
-from .. import progress
+from ..observability import progress
 from ..protocol.address import parse_peer
 from ..protocol.strict import MessageError
-from . import ggml_rpc
-from ..events import EventBus
+from . import ggml_backend
+from ..observability.events import EventBus
 from .bridge import Call
 from .model import LoadedModel
 from .settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
@@ -74,7 +74,7 @@ for the life of the process, and a new attach to the same ``host:port`` would wa
 
 @ctypes.CFUNCTYPE(None, ctypes.c_char_p)
 def _on_ggml_abort(message: bytes) -> None:
-    text = ggml_rpc.clean_build_paths(message.decode("utf-8", "replace")) if message else "?"
+    text = ggml_backend.clean_build_paths(message.decode("utf-8", "replace")) if message else "?"
     worker: PeerWorker | None = getattr(_local, "worker", None)
     # ggml-RPC's client sends from its own thread, so the abort may come from
     # there: any RPC abort while peers are attached is a peer failure
@@ -93,7 +93,7 @@ def install_abort_handler() -> None:
     global _abort_installed
     if _abort_installed:
         return
-    base, _, _ = ggml_rpc.libs()
+    base, _, _ = ggml_backend.libs()
     base.ggml_set_abort_callback.argtypes = [ctypes.c_void_p]
     base.ggml_set_abort_callback.restype = ctypes.c_void_p
     base.ggml_set_abort_callback(ctypes.cast(_on_ggml_abort, ctypes.c_void_p))
@@ -206,11 +206,11 @@ def expert_bytes(path: Path, pattern: str, before: tuple[str, ...] = ()) -> int:
     overrides): those whose names match it and none of the ``before`` patterns (the overrides that come
     first in the list; llama.cpp applies the first that matches).
 
-    Reads only the GGUF header (:class:`~hydra_trio.engine.ggml_rpc.GgufHeader`).  Raises PeerError
+    Reads only the GGUF header (:class:`~hydra_trio.engine.ggml_backend.GgufHeader`).  Raises PeerError
     when the file's header cannot be read.
     """
     try:
-        header = ggml_rpc.GgufHeader(path)
+        header = ggml_backend.GgufHeader(path)
     except OSError as exc:
         raise PeerError(str(exc)) from None
     rx = re.compile(pattern)
@@ -279,7 +279,7 @@ class ExpertModes:
         self.on_switch: Callable[[], None] = lambda: None
         self.dial: Callable[[str], str] = lambda peer: peer
         """The address ggml's client and the HELLO probe use for a peer: the peer itself, or (``--rpc-tls``)
-        a loopback TLS tunnel's (:meth:`hydra_trio.tunnel.TunnelPool.dial`).  Raises OSError when none can
+        a loopback TLS tunnel's (:meth:`hydra_trio.transport.tunnel.TunnelPool.dial`).  Raises OSError when none can
         serve it.  :attr:`peer`, INFO, events and the watchdog keep the real address."""
         self._worker: PeerWorker | None = None
 
@@ -389,10 +389,10 @@ class ExpertModes:
         worker = PeerWorker(peer)
 
         def build() -> LoadedModel:
-            devs = ggml_rpc.add_peer(endpoint)
+            devs = ggml_backend.add_peer(endpoint)
             if not devs:
                 raise PeerError(f"peer {peer} has no ggml devices")
-            free, _total = ggml_rpc.device_memory(devs[0])
+            free, _total = ggml_backend.device_memory(devs[0])
             if free < need:
                 raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
             label = "COMBINED" if self.pattern == self.expert_pattern else "PIPELINE"

@@ -29,8 +29,8 @@ import attrs
 import llama_cpp
 import trio
 
-from ..events import EventBus
-from .. import progress
+from ..observability.events import EventBus
+from ..observability import progress
 from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
 from . import quants, state
 from .blobbuf import BlobBuffer, BlobPool

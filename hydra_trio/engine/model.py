@@ -23,9 +23,9 @@ import llama_cpp
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from ..errors import InvalidRequest, ModelLoadError
-from . import ggml_rpc
+from . import ggml_backend
 from .bridge import thread_local_set
-from .ggml_rpc import clean_build_paths
+from .ggml_backend import clean_build_paths
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
 from .settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
@@ -359,7 +359,7 @@ class LoadedModel:
         n_layer = None
         if opts.n_cpu_moe or opts.n_cpu_ffn:  # -ncmoe/-ncffn: one pattern per layer, up to the model's layers
             try:
-                n_layer = ggml_rpc.GgufHeader(path).block_count
+                n_layer = ggml_backend.GgufHeader(path).block_count
             except OSError:
                 pass  # llama.cpp says what is wrong with the file below
         try:
@@ -491,7 +491,7 @@ class LoadedModel:
         else ``n_embd / n_head`` as llama.cpp assumes.
         """
         from ..protocol.ggml_rpc import GGML_TYPE_COUNT
-        from .ggml_rpc import type_traits
+        from .ggml_backend import type_traits
 
         arch = self.meta("general.architecture") or ""
         n_head = max(1, llama_cpp.llama_model_n_head(self.model))

@@ -16,7 +16,7 @@ from typing import Any
 import llama_cpp
 
 from ..errors import HydraTrioError
-from . import ggml_rpc
+from . import ggml_backend
 from .settings import LlamaOptions
 
 
@@ -58,7 +58,7 @@ def ffn_block_regex(layer: int, ffn_regex: str) -> str:
 
 
 def _device_names() -> list[str]:
-    return sorted(name for name, _, _ in ggml_rpc.local_devices())
+    return sorted(name for name, _, _ in ggml_backend.local_devices())
 
 
 def offload_devices(opts: LlamaOptions) -> list[int]:
@@ -73,21 +73,21 @@ def offload_devices(opts: LlamaOptions) -> list[int]:
     Raises:
         PlacementError: a name that is no device of this machine, or the CPU's (the message names it).
     """
-    devs = [d for d in ggml_rpc.all_devices() if not ggml_rpc.is_rpc_device(d)]
+    devs = [d for d in ggml_backend.all_devices() if not ggml_backend.is_rpc_device(d)]
     if opts.devices is None:
-        gpus = [d for d in devs if ggml_rpc.device_type(d) == ggml_rpc.GGML_BACKEND_DEVICE_TYPE_GPU]
-        igpus = [d for d in devs if ggml_rpc.device_type(d) == ggml_rpc.GGML_BACKEND_DEVICE_TYPE_IGPU]
+        gpus = [d for d in devs if ggml_backend.device_type(d) == ggml_backend.GGML_BACKEND_DEVICE_TYPE_GPU]
+        igpus = [d for d in devs if ggml_backend.device_type(d) == ggml_backend.GGML_BACKEND_DEVICE_TYPE_IGPU]
         return gpus or igpus
     if tuple(opts.devices) == ("none",):
         return []
-    by_name = {ggml_rpc.device_name(d).lower(): d for d in devs}  # ggml_backend_dev_by_name: case-insensitive
+    by_name = {ggml_backend.device_name(d).lower(): d for d in devs}  # ggml_backend_dev_by_name: case-insensitive
     out = []
     for name in opts.devices:
         dev = by_name.get(name.lower())
         if dev is None:
             raise PlacementError(f"-dev/--device: no device {name!r} here (devices: {', '.join(_device_names())}; "
                                  "see --list-devices)")
-        if ggml_rpc.device_type(dev) == ggml_rpc.GGML_BACKEND_DEVICE_TYPE_CPU:
+        if ggml_backend.device_type(dev) == ggml_backend.GGML_BACKEND_DEVICE_TYPE_CPU:
             raise PlacementError(f"-dev/--device: {name!r} is the CPU, not an offload device (llama-server refuses "
                                  "it too); -dev none keeps every layer in host memory")
         out.append(dev)
@@ -102,7 +102,7 @@ def operator_overrides(opts: LlamaOptions) -> list[tuple[str, int, str]]:
     Raises:
         PlacementError: a buffer type no device here has (the message names it and lists those that exist).
     """
-    bufts = ggml_rpc.buffer_types()
+    bufts = ggml_backend.buffer_types()
     out = []
     for pattern, name in opts.tensor_overrides:
         if name not in bufts:
@@ -119,7 +119,7 @@ def host_overrides(opts: LlamaOptions, n_layer: int | None) -> list[tuple[str, i
     """``(pattern, CPU buffer type, flag)`` of ``-cmoe``, ``-ncmoe N`` and ``-ncffn N``, with llama-server's
     patterns (``llm_ffn_exps_cpu_override``, ``llm_add_n_cpu_ffn_overrides``): one per layer for the
     first N layers (at most ``n_layer``, the model's, when known: more would match nothing)."""
-    cpu = ggml_rpc.libs()[0].ggml_backend_dev_buffer_type(ggml_rpc.cpu_device())
+    cpu = ggml_backend.libs()[0].ggml_backend_dev_buffer_type(ggml_backend.cpu_device())
     out = []
     if opts.cpu_moe:
         out.append((LLM_FFN_EXPS_REGEX, cpu, "-cmoe"))
@@ -188,9 +188,9 @@ class Placement:
             devices = local
         else:
             peer_dev, pattern, label = peer
-            peer_entry = [(pattern, ggml_rpc.libs()[0].ggml_backend_dev_buffer_type(peer_dev), label)]
+            peer_entry = [(pattern, ggml_backend.libs()[0].ggml_backend_dev_buffer_type(peer_dev), label)]
             if not local or self.n_gpu_layers == 0:
-                devices = [peer_dev, ggml_rpc.cpu_device()]
+                devices = [peer_dev, ggml_backend.cpu_device()]
                 self.n_gpu_layers, self.split_mode, split = 0, _SPLIT_MODES["layer"], []
             elif opts.split_mode == "tensor":
                 raise PlacementError("-sm tensor with a ggml-RPC peer (COMBINED, PIPELINE_ATTACH) is not supported: "
@@ -200,7 +200,7 @@ class Placement:
                     local, self.main_gpu, self.split_mode = [local[opts.main_gpu]], 0, _SPLIT_MODES["layer"]
                 shares = (split + [0.0] * len(local))[:len(local)]
                 if not any(shares):  # llama.cpp's default: by free memory
-                    shares = [float(ggml_rpc.device_memory(d)[0]) or 1.0 for d in local]
+                    shares = [float(ggml_backend.device_memory(d)[0]) or 1.0 for d in local]
                 devices, split = [*local, peer_dev], [*shares, 0.0]
         self.overrides = ops + peer_entry + host_overrides(opts, n_layer)
         """``(pattern, buffer type, source)`` in llama.cpp's order; source: ``-ot``, ``-cmoe``, ``-ncmoe``,
@@ -224,7 +224,7 @@ class Placement:
 
     def describe(self) -> str:
         """One line for the log: the devices and the override rules by source."""
-        names = ", ".join(ggml_rpc.device_name(d) for d in self.devices) or "none (every layer in host memory)"
+        names = ", ".join(ggml_backend.device_name(d) for d in self.devices) or "none (every layer in host memory)"
         rules: dict[str, int] = {}
         for _, _, source in self.overrides:
             rules[source] = rules.get(source, 0) + 1

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import attrs
 import llama_cpp
 
-from ..events import EventBus
+from ..observability.events import EventBus
 
 if TYPE_CHECKING:
     from .model import LoadedModel

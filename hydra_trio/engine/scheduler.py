@@ -38,7 +38,7 @@ from typing import Any
 import llama_cpp
 
 from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
-from ..events import EventBus
+from ..observability.events import EventBus
 from .checkpoints import Checkpoints
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
@@ -84,7 +84,7 @@ class Scheduler:
             the most tokens per decode step.
         stats: the engine's counters (llama-server's metric names).
         model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
-        events: where ``slot.*`` events go (:mod:`hydra_trio.events`).
+        events: where ``slot.*`` events go (:mod:`hydra_trio.observability.events`).
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
             checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
             those names (checkpoints: :mod:`~hydra_trio.engine.checkpoints`).

@@ -7,7 +7,7 @@ a :class:`EngineTask` instance, not an anonymous function: :meth:`Engine.run_tas
 type (:meth:`Engine.execute <hydra_trio.engine.engine.Engine.execute>`), which logs it by
 :attr:`EngineTask.kind` and counts it in ``EngineStats.tasks`` (``/metrics``:
 ``hydra_trio:engine_tasks_total{type}``).  Engine-wide changes go through the control channel
-(:class:`hydra_trio.control.Change` takes a task as its ``apply``), which dispatches the same way.
+(:class:`hydra_trio.engine.control.Change` takes a task as its ``apply``), which dispatches the same way.
 
 Every task runs on the engine thread between two batching steps; ``run`` returns what the caller
 gets back and raises what the caller sees (the engine's errors: Busy, InvalidRequest, StateError, ...).

@@ -40,8 +40,8 @@ from hypercorn.protocol import H11Protocol, ProtocolWrapper
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 
-from ..frontdoor import AcceptedStream
-from ..tls import connection_info
+from ..transport.frontdoor import AcceptedStream
+from ..transport.tls import connection_info
 from .settings import HttpSettings
 
 log = logging.getLogger("hydra_trio.http")

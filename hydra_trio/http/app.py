@@ -40,14 +40,14 @@ from starlette.staticfiles import StaticFiles
 from .._version import __version__
 from ..engine import slot_files
 from ..engine.engine import Engine, kv_cache, memory_use
-from ..engine.ggml_rpc import build_backends, local_devices
+from ..engine.ggml_backend import build_backends, local_devices
 from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import JobRun, TextDelta
 from ..engine.tasks import EraseSlot
 from ..errors import HydraTrioError
 from . import metrics
-from .. import node_stats
-from ..events import EventBus
+from ..observability import node_stats
+from ..observability.events import EventBus
 from .errors import error_response
 from ._common import (
     _BodyError, _bad_request, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for, prepare_unless_gone,
@@ -69,7 +69,7 @@ from ..api.schemas import (
 )
 from .settings import HttpSettings
 from .auth import ApiKeyMiddleware, redact_query, send_refusal
-from ..access import AccessSettings, Refusals, Secrets
+from ..transport.access import AccessSettings, Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http")
 access_log = logging.getLogger("hydra_trio.http.access")
@@ -591,7 +591,7 @@ def _access_log(app: Any) -> Any:
     the server stopped).  ``/health`` polls log at DEBUG, everything else at INFO.
     The record carries ``op`` (``METHOD path``), ``ms`` and, for a completion,
     ``trace_id`` (the reply's id, as on the engine's timing line) for
-    :mod:`hydra_trio.logs`.
+    :mod:`hydra_trio.observability.logs`.
     (hypercorn's own access log is off: it logs a request twice, a ``- -`` line and
     the real one, when the client closes the connection while hypercorn is still
     inside its final send: see :mod:`hydra_trio.http._hyper`.)

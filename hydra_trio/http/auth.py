@@ -25,7 +25,7 @@ where the client can send one.  llama-server also leaves ``/models`` and ``/v1/m
 here they need a key, like the rest of the API.
 
 Keys are compared in constant time against every key
-(:class:`hydra_trio.access.Secrets`).  A header that is not valid in any
+(:class:`hydra_trio.transport.access.Secrets`).  A header that is not valid in any
 encoding is simply a wrong key: the reply is 401, never 500.
 """
 
@@ -37,7 +37,7 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
-from ..access import Refusals, Secrets
+from ..transport.access import Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http.auth")
 

@@ -1,10 +1,10 @@
-"""``GET /v1/events``: the node's live event stream (:mod:`hydra_trio.events`) over a WebSocket.
+"""``GET /v1/events``: the node's live event stream (:mod:`hydra_trio.observability.events`) over a WebSocket.
 
 Served by hypercorn (wsproto) on the same port as the rest of HTTP.  Query
 parameters:
 
 - ``types``: comma-separated categories (``slot,mode``; see
-  :data:`hydra_trio.events.CATEGORIES`); all when absent.
+  :data:`hydra_trio.observability.events.CATEGORIES`); all when absent.
 - ``recent``: first replay up to this many recent events that pass the filter
   (0..200, default 0).
 - ``queue``: this subscriber's bound, in events (1..4096, default 1024);
@@ -33,7 +33,7 @@ from typing import Any
 import trio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..events import EventBus, parse_types
+from ..observability.events import EventBus, parse_types
 from .errors import error_response
 
 log = logging.getLogger("hydra_trio.http.events")

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from ..control import ControlChannel
+    from ..engine.control import ControlChannel
     from ..engine.engine import Engine
 
 __all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "STATE_RATE_BUCKETS", "NodeMetrics"]
@@ -41,12 +41,12 @@ class NodeMetrics:
     Args:
         engine: the engine (None on a compute-only node: no ``llamacpp:`` families).
         connections: accepted connections by protocol name (the front door's counts).
-        rpc: the ggml-RPC backend (:class:`~hydra_trio.ggml_rpc.backend.RpcBackend`) or None.
+        rpc: the ggml-RPC backend (:class:`~hydra_trio.rpc_backend.backend.RpcBackend`) or None.
         open_connections: connections open now, of every protocol.
         control: the control channel (its ``applied``, ``refused_busy``, ``failed`` counts) or None.
         open_by_protocol: connections open now by protocol name.
         refused: refusals by the access rules, ``(protocol, reason) -> count``.
-        events: the event bus (:class:`~hydra_trio.events.EventBus`): its subscribers and drops.
+        events: the event bus (:class:`~hydra_trio.observability.events.EventBus`): its subscribers and drops.
     """
 
     def __init__(

@@ -39,7 +39,7 @@ import trio
 
 from .client import HydraClient, HydraConnectError, HydraError
 from ..protocol.messages import MessageError, parse_peer
-from ..tls import client_context
+from ..transport.tls import client_context
 
 __all__ = ["add_client_commands", "build_parser", "main"]
 

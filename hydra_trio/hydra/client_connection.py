@@ -55,7 +55,7 @@ from ..protocol.hydra import (
     encode_request,
     encode_request_header,
 )
-from .._net import recv_into_view, send_view
+from ..transport.net import recv_into_view, send_view
 from ..protocol.address import parse_peer
 from .errors import (
     HydraConnectError,
@@ -116,7 +116,7 @@ class HydraConnection:
             ``refused: "invalid_token"``) and close the connection.
         ssl_context: speak TLS (the node's ``--tls-cert``); the server's
             certificate is verified against it and must name ``host``
-            (`hydra_trio.tls.client_context` makes one, with a client
+            (`hydra_trio.transport.tls.client_context` makes one, with a client
             certificate for mutual TLS). None: plain TCP.
 
     Use as ``async with`` or call `connect` / `aclose`. Raises ValueError for
@@ -369,7 +369,7 @@ class HydraConnection:
         return await _receive_payload_into(self, rs, view)
 
     async def _send_all(self, data: Payload, rs: ResponseStream, *, bulk: bool = False) -> None:
-        """Send ``data``; ``bulk``: in `CHUNK_SIZE` pieces, on plain TCP by `hydra_trio._net.send_view`."""
+        """Send ``data``; ``bulk``: in `CHUNK_SIZE` pieces, on plain TCP by `hydra_trio.transport.net.send_view`."""
         stream = self._stream
         if stream is None:
             raise self._closed_error(rs)
@@ -488,7 +488,7 @@ class HydraConnection:
 async def _receive_payload_into(self: HydraConnection, rs: ResponseStream, view: memoryview) -> int:
     """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
     ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
-    (`hydra_trio._net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
+    (`hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
     TLS the decrypted chunks are copied in.  ``timeout`` bounds each wait for progress; errors as
     `next_event`."""
     pos = 0

@@ -3,7 +3,7 @@
 - **Control ops** (:data:`CONTROL_OPS`: CONFIGURE, SET_EXPERT_MODE, STATE_PUT,
   SWAP_QUANT, PIPELINE_ATTACH) need a *trusted* connection when the node has
   ``--control-allow`` or ``--hydra-token``: a peer in the allow-list (or with
-  an allowed verified identity, the TLS hook of :class:`hydra_trio.access.Peer`),
+  an allowed verified identity, the TLS hook of :class:`hydra_trio.transport.access.Peer`),
   or a connection that presented the token.  Without either flag every
   connection is trusted, as the orchestrator expects.
 - **Read-only and inference ops** (INFO, STATE_META, STATE_GET, PREFILL,
@@ -30,7 +30,7 @@ import json
 import logging
 from typing import Any
 
-from ..access import AllowList, Peer, Refusals, Secrets, allowed
+from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
 from ..protocol import strict
 from ..protocol.hydra import Op, Status
 from ..protocol.strict import MessageError

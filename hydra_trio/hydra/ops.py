@@ -23,22 +23,22 @@ from typing import Any
 import attrs
 import trio
 
-from .._net import send_view
+from ..transport.net import send_view
 from .._version import __version__
 from ..api.jobs import ChatTools, chat_job, job_continue
 from ..api.tools import parse_reply
 from ..api.reasoning import ChatReplyText, ThinkingSetup
 from ..api.schemas import ChatCompletionRequest, CompletionRequest
-from ..control import Change, ControlChannel
+from ..engine.control import Change, ControlChannel
 from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine, kv_cache, memory_use
-from ..engine.ggml_rpc import build_backends, local_devices
+from ..engine.ggml_backend import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import verify_checksum
 from ..engine.tasks import PipelineAttach, Reconfigure, RestoreSlot, SaveSlot, SetExpertMode, SwapQuant
 from ..errors import Busy, HydraTrioError, InvalidRequest
-from ..ggml_rpc.backend import RpcBackend
+from ..rpc_backend.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
 from ..protocol import messages as msg
 from ..protocol.hydra import DecodeFramer, Op, Status, encode_response, encode_response_header
@@ -100,7 +100,7 @@ class OpContext:
     async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes | BlobBuffer) -> None:
         """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)
         taken straight from the blob's one buffer, never copied: on a plain TCP stream by
-        :func:`~hydra_trio._net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS by
+        :func:`~hydra_trio.transport.net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS by
         ``send_all`` of memoryview slices (the cipher reads them)."""
         await self.stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
         view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)

@@ -17,13 +17,13 @@ from typing import Any
 
 import trio
 
-from ..access import AccessSettings, Peer, Refusals, new_refusals
-from ..control import ControlChannel
+from ..transport.access import AccessSettings, Peer, Refusals, new_refusals
+from ..engine.control import ControlChannel
 from ..engine.engine import Engine
-from ..frontdoor import AcceptedStream
-from ..ggml_rpc.backend import RpcBackend
+from ..transport.frontdoor import AcceptedStream
+from ..rpc_backend.backend import RpcBackend
 from ..http.metrics import NodeMetrics
-from ..tls import peer_of
+from ..transport.tls import peer_of
 from .connection import ServerConnection
 from .gate import Gate
 from .ops import Node, info_meta
@@ -37,7 +37,7 @@ __all__ = ["HydraHandler", "HydraSettings"]
 class HydraHandler:
     """Serves Hydra connections for one node (``engine`` None: a node without a model).
 
-    A :class:`hydra_trio.frontdoor.ConnectionHandler`: each connection gets its
+    A :class:`hydra_trio.transport.frontdoor.ConnectionHandler`: each connection gets its
     own :class:`~hydra_trio.hydra.connection.ServerConnection` (its trust,
     payload policy and dispatch) under the connection loop
     (:func:`~hydra_trio.hydra.session.serve_connection`).  ``access``

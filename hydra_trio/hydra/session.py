@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from .._net import recv_into_view
+from ..transport.net import recv_into_view
 from ..engine.blobbuf import BlobBuffer
 from ..engine.state import RunningChecksum
 from ..protocol.hydra import (
@@ -149,7 +149,7 @@ async def serve_connection(
     payload is collected, and answers each whole request, in the order they came.
     Its ``payload_buffer(op, payload_len)`` may give a buffer for a kept payload:
     on a plain TCP stream the payload then goes from the socket straight into it
-    (:func:`~hydra_trio._net.recv_into_view`: as much as the kernel holds per
+    (:func:`~hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per
     read, past the decoder); over TLS the decrypted chunks are copied in.
     """
     dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=protocol.max_payload)

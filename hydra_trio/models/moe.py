@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import progress
+from ..observability import progress
 
 log = logging.getLogger("hydra_trio.models.moe")
 
@@ -38,7 +38,7 @@ def make_test_moe(src: Path, dst: Path, n_expert: int = 4, n_expert_used: int = 
     Written to a temporary file first and renamed, so a crash never leaves a
     half-written model.  Raises ValueError if ``src`` is not a dense llama model.
 
-    Progress: one :func:`hydra_trio.progress.step` ("building test MoE"); its total (the
+    Progress: one :func:`hydra_trio.observability.progress.step` ("building test MoE"); its total (the
     tensor bytes to write) is known once ``src`` is read (about 3 s of the 4 s for SmolLM2).
     """
     if not 1 <= n_expert_used <= n_expert:

@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from .. import progress
+from ..observability import progress
 
 log = logging.getLogger("hydra_trio.models.quant")
 
@@ -37,7 +37,7 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     """Write ``src`` quantized to ``qtype`` (a key of :data:`FTYPES`) to ``dst``; returns ``dst``.
 
     Logs a line when it starts and when it is done (size, seconds): about 2 s
-    for SmolLM2-135M on 2 cores; meanwhile a :func:`hydra_trio.progress.step`
+    for SmolLM2-135M on 2 cores; meanwhile a :func:`hydra_trio.observability.progress.step`
     shows the bytes written (the total is not known beforehand).
 
     Raises:

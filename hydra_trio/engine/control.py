@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .engine.bridge import Call
-from .errors import Busy
+from .bridge import Call
+from ..errors import Busy
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine
+    from .engine import Engine
 
 __all__ = ["Busy", "Change", "ControlChannel"]
 

@@ -1,7 +1,7 @@
 """Byte relays on worker threads: blocking sockets, TLS on them, and the bridge back to trio.
 
-The ggml-RPC pump (:mod:`hydra_trio.ggml_rpc.pump`) and the head's TLS tunnel
-(:mod:`hydra_trio.tunnel`) move many small messages per token (a COMBINED
+The ggml-RPC pump (:mod:`hydra_trio.rpc_backend.pump`) and the head's TLS tunnel
+(:mod:`hydra_trio.transport.tunnel`) move many small messages per token (a COMBINED
 decode step is about 200 ggml-RPC messages and 60 round trips).  Through the
 trio scheduler each costs several task switches; on a thread blocked in
 ``recv`` it costs one wake-up, and the socket calls (and OpenSSL's record
@@ -173,7 +173,7 @@ class TlsPipe:
         duplicate of its transport socket); None when this trio keeps its TLS state elsewhere.
 
         The stream must be idle (no task in it) and stay unused afterwards. ``plain``: bytes
-        already decrypted and not yet consumed (a :class:`~hydra_trio.tls.TlsStream`'s pushback).
+        already decrypted and not yet consumed (a :class:`~hydra_trio.transport.tls.TlsStream`'s pushback).
 
         Uses ``trio.SSLStream``'s own :class:`ssl.SSLObject` and memory BIOs
         (``_ssl_object``, ``_incoming``, ``_outgoing``, and ``_delayed_outgoing``: TLS 1.3

@@ -7,7 +7,7 @@ is carried over TLS to ``HOST:PORT``, whose front door unwraps TLS and
 classifies ``0x0E`` (ggml-RPC) as for a plain connection.  One TLS
 connection per ggml connection; bytes are copied both ways as they come (no
 framing: the peer validates the messages), each way by a thread on blocking
-sockets (:mod:`hydra_trio.blocking`), as the peer's pump does.
+sockets (:mod:`hydra_trio.transport.blocking`), as the peer's pump does.
 
 The peer's certificate is verified against the client context (``--tls-ca``)
 and must name ``HOST`` (an IP address in the certificate's subjectAltName
@@ -34,7 +34,7 @@ from typing import Any
 import trio
 
 from .blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
-from .protocol.address import parse_peer
+from ..protocol.address import parse_peer
 
 log = logging.getLogger("hydra_trio.tunnel")
 
@@ -47,7 +47,7 @@ class RpcTunnel:
 
     Args:
         peer: ``host:port`` of the peer node (its one port, with ``--tls-cert``).
-        context: the client context (:func:`hydra_trio.tls.client_context`).
+        context: the client context (:func:`hydra_trio.transport.tls.client_context`).
         connect_timeout: seconds for the TCP connect plus the TLS handshake.
 
     Raises:
@@ -86,7 +86,7 @@ class RpcTunnel:
 
         The connect and handshake run on a worker thread (blocking, within
         ``connect_timeout``); then each direction is a thread on blocking sockets
-        (:func:`~hydra_trio.blocking.run_blocking`, :class:`~hydra_trio.blocking.TlsPipe`):
+        (:func:`~hydra_trio.transport.blocking.run_blocking`, :class:`~hydra_trio.transport.blocking.TlsPipe`):
         a COMBINED token is about 60 round trips, each of which took four trio task
         switches here before.
         """
@@ -146,7 +146,7 @@ class TunnelPool:
     peer keeps one loopback address).
 
     Args:
-        context: the client TLS context (``--rpc-tls``, :func:`hydra_trio.tls.client_context`).
+        context: the client TLS context (``--rpc-tls``, :func:`hydra_trio.transport.tls.client_context`).
         limit: most distinct peers (:data:`MAX_TUNNELS`).
     """
 

@@ -2,7 +2,7 @@
 
     hydra-trio watch 127.0.0.1:8080                  live table, refreshed in place
     hydra-trio watch 127.0.0.1:8080 --json           raw events as JSON lines, for scripts
-    hydra-trio watch 127.0.0.1:8080 --types slot     only some categories (hydra_trio.events.CATEGORIES)
+    hydra-trio watch 127.0.0.1:8080 --types slot     only some categories (hydra_trio.observability.events.CATEGORIES)
 
 The table (drawn with :mod:`rich` ``Live``, no hand-made escape codes) shows
 the node (version, model, mode, peer, queue, tok/s, connections per
@@ -47,10 +47,10 @@ from rich.table import Table
 from rich.text import Text
 from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket
 
-from .events import CATEGORIES, parse_types
-from .protocol.address import parse_peer
-from .hydra.cli import _address
-from .tls import client_context
+from ..observability.events import CATEGORIES, parse_types
+from ..protocol.address import parse_peer
+from ..hydra.cli import _address
+from ..transport.tls import client_context
 
 RECENT = 10
 """Non-``stats`` events the table keeps."""

@@ -1,6 +1,6 @@
 """TLS on the one port: contexts, the unwrapping of a ``0x16`` connection, and who is on the other end.
 
-The front door (:mod:`hydra_trio.frontdoor`) classifies a connection by its
+The front door (:mod:`hydra_trio.transport.frontdoor`) classifies a connection by its
 first byte; ``0x16`` is a TLS handshake record.  With a server context
 (``--tls-cert``/``--tls-key``) such a connection is wrapped in a
 :class:`trio.SSLStream` (server side), the handshake is done and the first
@@ -148,7 +148,7 @@ def connection_info(stream: Any) -> ConnectionInfo:
 
 
 def peer_of(stream: Any) -> Peer:
-    """The :class:`~hydra_trio.access.Peer` the allow-lists see for a stream the front door handed
+    """The :class:`~hydra_trio.transport.access.Peer` the allow-lists see for a stream the front door handed
     over: its address (IPv4-mapped IPv6 as IPv4) and, under mutual TLS, the verified client
     certificate's subject as its identity."""
     info = connection_info(stream)

@@ -7,7 +7,7 @@ Shared by the three protocols (issue 14 §2, §3):
   ``None`` where a list is expected means "open to all" (the default, as the
   orchestrator expects).
 - :class:`Peer`: who a connection comes from, as the lists see it
-  (:func:`hydra_trio.tls.peer_of` makes one from an accepted stream).
+  (:func:`hydra_trio.transport.tls.peer_of` makes one from an accepted stream).
 - :class:`Secrets`: API keys or Hydra tokens, compared with
   :func:`hmac.compare_digest` against *every* configured secret, so the time
   taken says nothing about which one matched or how much of it.

@@ -1,15 +1,15 @@
 """The ggml-RPC server child: llama.cpp's own ggml-RPC server, in a process of its own.
 
-Run it as ``python -m hydra_trio.ggml_rpc.child --endpoint 127.0.0.1:PORT
+Run it as ``python -m hydra_trio.rpc_backend.child --endpoint 127.0.0.1:PORT
 [--cache-dir DIR] [--threads N] [--device cpu] [--parent-pid PID]``; it
 serves until killed (or until its parent dies).  hydra-trio does not
 reimplement the server (hydra-protocol.md §4): it is
 ``ggml_backend_rpc_start_server`` from the ``libggml-rpc`` that
 llama-cpp-python builds with ``GGML_RPC=ON``, reached through the ctypes layer
-of :mod:`hydra_trio.engine.ggml_rpc`.
+of :mod:`hydra_trio.engine.ggml_backend`.
 
 Its output is two streams the parent re-logs
-(:class:`~hydra_trio.ggml_rpc.supervisor.ChildSupervisor`): stdout carries
+(:class:`~hydra_trio.rpc_backend.supervisor.ChildSupervisor`): stdout carries
 chatter (its start line, llama.cpp's banner and per-connection lines, ggml's
 DEBUG/INFO log), stderr problems (ggml's WARN/ERROR log, aborts, tracebacks).
 """
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..engine.ggml_rpc import cpu_device, libs
+from ..engine.ggml_backend import cpu_device, libs
 
 
 def serve_forever(endpoint: str, cache_dir: str | None, n_threads: int, devices: list[str]) -> None:
@@ -72,7 +72,7 @@ def _die_with_parent(parent_pid: int | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """The child's command line (see the module's docstring)."""
-    ap = argparse.ArgumentParser(prog="python -m hydra_trio.ggml_rpc.child", description="ggml-RPC server child")
+    ap = argparse.ArgumentParser(prog="python -m hydra_trio.rpc_backend.child", description="ggml-RPC server child")
     ap.add_argument("--endpoint", required=True, help="host:port to listen on (loopback)")
     ap.add_argument("--cache-dir", default=None, help="tensor cache directory (SET_TENSOR_HASH)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)

@@ -2,7 +2,7 @@
 
 One API for every step that can take more than a second::
 
-    from hydra_trio import progress
+    from hydra_trio.observability import progress
 
     with progress.step("hashing model", total=size, unit="B") as p:
         for block in blocks:
@@ -18,7 +18,7 @@ Where it shows:
   does for ``sys.stderr``), so log lines print above the bar instead of
   tearing it.
 * **otherwise** (a file, a pipe, journald): INFO lines on the
-  ``hydra_trio.progress`` logger: ``NAME: started`` (with the total), a
+  ``hydra_trio.observability.progress`` logger: ``NAME: started`` (with the total), a
   progress line at most every :data:`LOG_EVERY_S` seconds and each 25 % of the
   total (every 30 s at least while it moves), and ``NAME: done in N ms``
   (``failed after N ms: ERROR`` when the block raises).  A step shorter than

@@ -1,6 +1,6 @@
 """Supervision of the ggml-RPC server child: start, restart with backoff, crash counting, output relay.
 
-The child (:mod:`hydra_trio.ggml_rpc.child`) listens on a private loopback
+The child (:mod:`hydra_trio.rpc_backend.child`) listens on a private loopback
 port chosen anew at each start.  When it exits, every connection bound to it
 is cancelled (:attr:`ChildSupervisor.bound`) and it is restarted at once;
 only repeated crashes (exits by a signal or with a non-zero code, counted in
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import trio
 
-from .._net import free_port
-from ..engine.ggml_rpc import clean_build_paths
-from ..events import EventBus
+from ..transport.net import free_port
+from ..engine.ggml_backend import clean_build_paths
+from ..observability.events import EventBus
 
 log = logging.getLogger("hydra_trio.rpc")
 child_log = logging.getLogger("hydra_trio.rpc.child")
@@ -81,7 +81,7 @@ class ChildSupervisor:
 
     def command(self, port: int) -> list[str]:
         """The child's command line, listening on ``127.0.0.1:port``."""
-        cmd = [sys.executable, "-m", "hydra_trio.ggml_rpc.child", "--endpoint", f"127.0.0.1:{port}",
+        cmd = [sys.executable, "-m", "hydra_trio.rpc_backend.child", "--endpoint", f"127.0.0.1:{port}",
                "--parent-pid", str(os.getpid())]
         if self.cache_dir is not None:
             cmd += ["--cache-dir", str(self.cache_dir)]
@@ -103,7 +103,7 @@ class ChildSupervisor:
             self.pid = proc.pid
             started = trio.current_time()
             async with trio.open_nursery() as relays:
-                # the child's output goes through logging (see hydra_trio.ggml_rpc.child): chatter at
+                # the child's output goes through logging (see hydra_trio.rpc_backend.child): chatter at
                 # DEBUG, problems at WARNING; the relays read until the child's end closes the pipes
                 assert proc.stdout is not None and proc.stderr is not None
                 relays.start_soon(_relay_output, proc.stdout, logging.DEBUG, proc.pid)

@@ -11,9 +11,9 @@ import urllib.request
 from pathlib import Path
 from typing import IO, Any
 
-from ._net import free_port  # tests, benches and the fuzzer import it from here too
+from ..transport.net import free_port  # tests, benches and the fuzzer import it from here too
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 SHARED_MACHINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}

@@ -4,7 +4,7 @@ hydra-trio does not reimplement ggml or its wire protocol (hydra-protocol.md
 §4): a peer is registered with ``ggml_backend_rpc_add_server``, whose device
 then goes into ``llama_model_params.devices`` like any local device; the
 server this node lends is ``ggml_backend_rpc_start_server``, run in a child
-process by :mod:`hydra_trio.ggml_rpc.child`.  The libraries are those
+process by :mod:`hydra_trio.rpc_backend.child`.  The libraries are those
 llama-cpp-python builds with ``GGML_RPC=ON``.
 """
 

@@ -1,6 +1,6 @@
 """The ggml-RPC backend behind the front door: a supervised child process, a queue and a validating pump.
 
-The child runs llama.cpp's own ggml-RPC server (:mod:`hydra_trio.ggml_rpc.child`)
+The child runs llama.cpp's own ggml-RPC server (:mod:`hydra_trio.rpc_backend.child`)
 on a private loopback port, with a tensor cache directory.  That server serves
 one client connection at a time (ggml-rpc.cpp v7.0.0,
 ``ggml_backend_rpc_start_server``: a sequential accept loop), so the front
@@ -17,18 +17,18 @@ door admits one ggml-RPC client at a time too:
    it is back (at most ``restart_wait`` seconds); a child that dies before
    answering HELLO is replaced and HELLO is sent again, so a restart is invisible
    to a client that connects meanwhile.
-4. **Pump.** Both directions go through a validator (:mod:`hydra_trio.ggml_rpc.pump`).
+4. **Pump.** Both directions go through a validator (:mod:`hydra_trio.rpc_backend.pump`).
 
-A client that came over TLS (:class:`~hydra_trio.tls.TlsStream`, unwrapped by
+A client that came over TLS (:class:`~hydra_trio.transport.tls.TlsStream`, unwrapped by
 the front door) goes through the same steps; its pump's threads carry its TLS
-on from where trio's handshake left it (:class:`~hydra_trio.blocking.TlsPipe`).
+on from where trio's handshake left it (:class:`~hydra_trio.transport.blocking.TlsPipe`).
 
 The parts: :class:`RpcBackend` (this module) is the admission (steps 1 to 3)
 and the face the rest of the node sees (counters, :meth:`~RpcBackend.drain`);
-:class:`~hydra_trio.ggml_rpc.supervisor.ChildSupervisor` starts the child and
+:class:`~hydra_trio.rpc_backend.supervisor.ChildSupervisor` starts the child and
 restarts it when it dies (by a signal or a non-zero exit: a *crash*, counted
 apart from planned restarts; backoff only for repeated crashes);
-:class:`~hydra_trio.ggml_rpc.pump.Pump` moves a served client's bytes.  The
+:class:`~hydra_trio.rpc_backend.pump.Pump` moves a served client's bytes.  The
 engine's own inference runs in the parent and is not disturbed by any of this.
 """
 
@@ -44,10 +44,10 @@ from typing import Any
 import attrs
 import trio
 
-from ..access import AllowList, Refusals, allowed, new_refusals
-from ..engine.ggml_rpc import type_traits as ggml_type_traits
-from ..frontdoor import AcceptedStream, peer_name
-from ..tls import TlsStream, peer_of
+from ..transport.access import AllowList, Refusals, allowed, new_refusals
+from ..engine.ggml_backend import type_traits as ggml_type_traits
+from ..transport.frontdoor import AcceptedStream, peer_name
+from ..transport.tls import TlsStream, peer_of
 from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRpcRequest, reconcile_type_traits
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
 from .supervisor import ChildSupervisor
@@ -129,7 +129,7 @@ class RpcBackend:
     :attr:`active` (it accepts connections), :attr:`port` and :attr:`pid` (None
     before its first start).  ``active``, ``port``, ``pid``, ``restarts`` and
     ``crashes`` are read from :attr:`child` (the
-    :class:`~hydra_trio.ggml_rpc.supervisor.ChildSupervisor`); ``connections``,
+    :class:`~hydra_trio.rpc_backend.supervisor.ChildSupervisor`); ``connections``,
     ``bytes_*`` and ``invalid`` from :attr:`counters`, which the pumps bump.
     """
 

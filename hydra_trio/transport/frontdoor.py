@@ -6,13 +6,13 @@ Each accepted connection gets its own task, which peeks one byte with
 to that protocol's handler (hydra-protocol.md §1).
 
 With a TLS server context (``--tls-cert``/``--tls-key``), a connection whose
-first byte is ``0x16`` is unwrapped (:func:`hydra_trio.tls.unwrap`: the
+first byte is ``0x16`` is unwrapped (:func:`hydra_trio.transport.tls.unwrap`: the
 handshake, then the first bytes inside TLS) and the first byte inside is
-classified the same way; the handler gets a :class:`~hydra_trio.tls.TlsStream`.
+classified the same way; the handler gets a :class:`~hydra_trio.transport.tls.TlsStream`.
 The classify timeout covers the handshake and that first byte.  With
 ``--tls-required`` a plain connection from a non-loopback peer is closed
 (counted ``plain_refused``).  Handlers learn who is on the other end with
-:func:`hydra_trio.tls.connection_info`.
+:func:`hydra_trio.transport.tls.connection_info`.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ from typing import Any, TypeAlias
 import attrs
 import trio
 
-from .protocol.classify import Protocol, classify
+from ..protocol.classify import Protocol, classify
 from .tls import HandshakeFailed, TlsStream, connection_info, plain_allowed, socket_info, unwrap
 
 log = logging.getLogger("hydra_trio.frontdoor")
 
 AcceptedStream: TypeAlias = "trio.SocketStream | TlsStream"
 """What a protocol handler is handed: the accepted TCP stream, or the unwrapped TLS connection
-(:class:`~hydra_trio.tls.TlsStream`, its first bytes pushed back); either way untouched by the front door."""
+(:class:`~hydra_trio.transport.tls.TlsStream`, its first bytes pushed back); either way untouched by the front door."""
 
 
 class ConnectionHandler(typing.Protocol):
@@ -44,7 +44,7 @@ class ConnectionHandler(typing.Protocol):
     is done (the peer closed, a timeout, a drain).  The front door closes the stream afterwards;
     :class:`trio.BrokenResourceError` and :class:`trio.ClosedResourceError` from it end the
     connection quietly, any other exception is logged.  :class:`hydra_trio.http.HttpHandler`,
-    :class:`hydra_trio.hydra.HydraHandler` and :class:`hydra_trio.ggml_rpc.backend.RpcBackend` are ones."""
+    :class:`hydra_trio.hydra.HydraHandler` and :class:`hydra_trio.rpc_backend.backend.RpcBackend` are ones."""
 
     async def __call__(self, stream: AcceptedStream, /) -> None: ...
 

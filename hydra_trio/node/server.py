@@ -8,61 +8,29 @@ import ssl
 import attrs
 import trio
 
-from .access import AccessSettings, is_loopback, new_refusals
-from .control import Change, ControlChannel
-from .errors import Busy
-from .engine.blobbuf import TRANSFER_POOL
-from .engine.combined import peer_listening
-from .engine.engine import Engine
-from .engine.settings import EngineConfig
-from .engine.tasks import AttachPeerAtStart, PeerGone
-from .events import EventBus
-from .frontdoor import FrontDoor, FrontDoorSettings
-from .hydra.server import HydraHandler, HydraSettings
-from .http._hyper import HttpHandler
-from .http.app import build_app
-from .http.metrics import NodeMetrics
-from .http.settings import HttpSettings
-from . import progress
-from .node_stats import ProgressEvents, StatsTicker
-from .protocol.classify import Protocol
-from .ggml_rpc.backend import RpcBackend, RpcBackendSettings
-from .tunnel import TunnelPool
+from ..config import ServerConfig
+from ..transport.access import is_loopback, new_refusals
+from ..engine.control import Change, ControlChannel
+from ..errors import Busy
+from ..engine.blobbuf import TRANSFER_POOL
+from ..engine.combined import peer_listening
+from ..engine.engine import Engine
+from ..engine.settings import EngineConfig
+from ..engine.tasks import AttachPeerAtStart, PeerGone
+from ..observability.events import EventBus
+from ..transport.frontdoor import FrontDoor, FrontDoorSettings
+from ..hydra.server import HydraHandler, HydraSettings
+from ..http._hyper import HttpHandler
+from ..http.app import build_app
+from ..http.metrics import NodeMetrics
+from ..http.settings import HttpSettings
+from ..observability import progress
+from ..observability.node_stats import ProgressEvents, StatsTicker
+from ..protocol.classify import Protocol
+from ..rpc_backend.backend import RpcBackend, RpcBackendSettings
+from ..transport.tunnel import TunnelPool
 
 log = logging.getLogger("hydra_trio.server")
-
-
-@attrs.frozen
-class ServerConfig:
-    """Where to listen and what to serve.
-
-    Attributes:
-        host: address to bind (``--host``).
-        port: TCP port for all three protocols (``--port``); 0 picks a free one.
-        extra_ports: more ports served by the same front door, every protocol on
-            each (the C++ engine's ``--rpc-port`` and ``--ggml-rpc-port``, which
-            its clients still dial); 0 picks a free one.
-        engine: the model to serve; None runs a node without a model.
-        frontdoor: connection limits and the classify timeout.
-        http: HTTP timeouts and the body cap.
-        hydra: Hydra protocol limits and timeouts.
-        rpc_backend: the ggml-RPC backend this node lends to peers; None: off.
-        access: API keys, allow-lists and the Hydra token (all open by default).
-        rpc_tls: a client TLS context (``--rpc-tls``): every peer the engine dials (``--rpc-engine``,
-            SET_EXPERT_MODE, PIPELINE_ATTACH) is reached through a local
-            :class:`~hydra_trio.tunnel.RpcTunnel` over TLS (:class:`~hydra_trio.tunnel.TunnelPool`).
-    """
-
-    host: str = "127.0.0.1"
-    port: int = 8080
-    extra_ports: tuple[int, ...] = ()
-    engine: EngineConfig | None = None
-    frontdoor: FrontDoorSettings = FrontDoorSettings()
-    http: HttpSettings = HttpSettings()
-    hydra: HydraSettings = HydraSettings()
-    rpc_backend: RpcBackendSettings | None = RpcBackendSettings()
-    access: AccessSettings = AccessSettings()
-    rpc_tls: ssl.SSLContext | None = None
 
 
 class Server:
@@ -75,7 +43,7 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.events = EventBus()
-        """The node's live events (``GET /v1/events``; :mod:`hydra_trio.events`)."""
+        """The node's live events (``GET /v1/events``; :mod:`hydra_trio.observability.events`)."""
         engine_config = config.engine
         self.engine = Engine(engine_config, self.events) if engine_config is not None else None
         self.tunnels: TunnelPool | None = None

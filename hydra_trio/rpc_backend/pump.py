@@ -25,8 +25,8 @@ from typing import Any
 import attrs
 import trio
 
-from ..blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
-from ..tls import TlsStream
+from ..transport.blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
+from ..transport.tls import TlsStream
 from ..protocol.ggml_rpc import (
     CHECKS,
     GgmlRpcConnection,
@@ -157,9 +157,9 @@ class Pump:
     (on duplicates of the connections' descriptors), not in the trio loop: a
     small message then costs two thread wake-ups instead of two trips through
     the scheduler (a DEVICE_COUNT round trip went from 92 to about 40 µs;
-    ``bench/rpc_passthrough.py``).  A TLS client (:class:`~hydra_trio.tls.TlsStream`)
+    ``bench/rpc_passthrough.py``).  A TLS client (:class:`~hydra_trio.transport.tls.TlsStream`)
     too: its TLS state, handshaken by trio, is taken over by a
-    :class:`~hydra_trio.blocking.TlsPipe` on the socket.  The validator is shared
+    :class:`~hydra_trio.transport.blocking.TlsPipe` on the socket.  The validator is shared
     by both threads under one lock.  The watchdog stays a trio task; whatever
     ends the connection (a close, the watchdog, the child's exit, cancellation)
     shuts both sockets down, which wakes the threads, and waits for them.  A
@@ -175,7 +175,7 @@ class Pump:
         stall_timeout: seconds a begun message may go without a byte, or a reply without being read.
         drain_idle: seconds of quiet between messages before a drain closes the connection.
         drain_started: set when the node drains (:meth:`RpcBackend.drain
-            <hydra_trio.ggml_rpc.backend.RpcBackend.drain>`).
+            <hydra_trio.rpc_backend.backend.RpcBackend.drain>`).
     """
 
     conn: GgmlRpcConnection
@@ -261,7 +261,7 @@ class Pump:
         """Blocking ends for the pumping threads, ``[client, upstream]``; [] for the trio loops.
 
         A plain client: a blocking duplicate of its socket.  A TLS client
-        (:class:`~hydra_trio.tls.TlsStream`): a :class:`~hydra_trio.blocking.TlsPipe`
+        (:class:`~hydra_trio.transport.tls.TlsStream`): a :class:`~hydra_trio.transport.blocking.TlsPipe`
         that takes over its TLS state, the bytes it had pushed back first.
         """
         up = blocking_dup(self.upstream.socket)

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._version import __version__
+from .._version import __version__
 from .events import EventBus
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine
+    from ..engine.engine import Engine
 
 
 def hello(engine: Engine | None, rpc: Any) -> dict[str, Any]:
@@ -122,7 +122,7 @@ class StatsTicker:
 
 
 class ProgressEvents:
-    """A :func:`hydra_trio.progress.add_listener` listener that publishes ``load.progress`` events.
+    """A :func:`hydra_trio.observability.progress.add_listener` listener that publishes ``load.progress`` events.
 
     ``{"step": name, "done", "total" (None when unknown), "finished": bool}``, at most
     one per step per 5 % of its total (or per second when the total is unknown),

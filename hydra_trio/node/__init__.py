@@ -1,0 +1,1 @@
+"""The composition root: the server's nursery (listener, front door, protocols, engine, control channel, drain)."""

@@ -1,0 +1,1 @@
+"""Observability: the event bus, progress of long steps, node statistics and logging."""

@@ -1,0 +1,1 @@
+"""Helpers for tests and benches (never imported by product code)."""
