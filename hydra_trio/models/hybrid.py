@@ -25,11 +25,14 @@ are the source model's (SmolLM2): ``tokenizer.*`` metadata is copied, as
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_path, copy_field
 
 log = logging.getLogger("hydra_trio.models.hybrid")
 
@@ -168,10 +171,7 @@ def _write(dst: Path, arch: str, name: str, kv: dict, tok_fields: list, tensors:
     """``{arch}.KEY`` for each of ``kv``, the tokenizer fields, the tensors; to a temporary file, then renamed."""
     import gguf
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_suffix(f".tmp{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch)
-    try:
+    with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), arch)) as writer:
         writer.add_string("general.name", name)
         for key, value in kv.items():
             if isinstance(value, list):
@@ -181,20 +181,12 @@ def _write(dst: Path, arch: str, name: str, kv: dict, tok_fields: list, tensors:
             else:
                 writer.add_uint32(f"{arch}.{key}", value)
         for field in tok_fields:
-            vtype = field.types[0]
-            sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+            copy_field(writer, field)
         for tname, data in tensors.items():
             writer.add_tensor(tname, data)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(dst)
 
 
 def ensure_test_hybrid(source: Path) -> Path:

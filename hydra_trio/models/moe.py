@@ -12,15 +12,18 @@ compared.  (Method: DESIGN.md, "Environment facts".)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..observability import progress
+from .files import atomic_path, copy_field
 
 log = logging.getLogger("hydra_trio.models.moe")
 
@@ -61,15 +64,17 @@ def _make(src: Path, dst: Path, n_expert: int, n_expert_used: int, bar: progress
         raise ValueError(f"{src} is already a MoE model")
     n_embd = int(reader.fields[f"{arch}.embedding_length"].contents())
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_suffix(f".tmp{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), arch)
+    with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), arch)) as writer:
+        _write_moe(writer, reader, arch, n_expert, n_expert_used, n_embd, src, bar)
+
+
+def _write_moe(writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used: int, n_embd: int, src: Path,
+               bar: progress.Step) -> None:
+    """The MoE's keys, its tensor infos, then each tensor's data (stacked experts, zero routers)."""
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.name"):
             continue
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+        copy_field(writer, field)
     writer.add_uint32(f"{arch}.expert_count", n_expert)
     writer.add_uint32(f"{arch}.expert_used_count", n_expert_used)
     name = reader.fields["general.name"].contents() if "general.name" in reader.fields else src.stem
@@ -98,20 +103,13 @@ def _make(src: Path, dst: Path, n_expert: int, n_expert_used: int, bar: progress
             planned.append((router.nbytes, lambda router=router: router))
     if not routers:
         raise ValueError(f"{src} has no dense FFN tensors")
-    try:
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        bar.update(0, total=sum(n for n, _ in planned))
-        for nbytes, make in planned:
-            writer.write_tensor_data(make())
-            bar.advance(nbytes)
-        writer.close()
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    tmp.replace(dst)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    bar.update(0, total=sum(n for n, _ in planned))
+    for nbytes, make in planned:
+        writer.write_tensor_data(make())
+        bar.advance(nbytes)
 
 
 def ensure_test_moe(source: Path, n_expert: int = 4, n_expert_used: int = 2) -> Path:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ..observability import progress
+from .files import atomic_path
 
 log = logging.getLogger("hydra_trio.models.quant")
 
@@ -51,25 +52,19 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     if qtype not in FTYPES:
         raise ValueError(f"unknown quantization {qtype!r}; known: {', '.join(FTYPES)}")
     init_backend()  # llama.cpp's log lines (one per tensor here) go to Python logging, not across the bar
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_suffix(f".tmp{os.getpid()}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[qtype]
     params.allow_requantize = True
     params.nthread = threads or os.cpu_count() or 1
     log.info("making %s (%s) from %s with llama.cpp's quantizer ...", dst.name, qtype, src.name)
     t0 = time.perf_counter()
-    try:
-        # llama.cpp's quantizer reports nothing while it runs: the bar follows the bytes it has written
-        with progress.step(f"quantizing {src.name} to {qtype}", unit="B") as bar, \
-                progress.polling(bar, lambda: tmp.stat().st_size):
-            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-            if rc != 0:
-                raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) failed with code {rc}")
-            bar.update(tmp.stat().st_size)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # llama.cpp's quantizer reports nothing while it runs: the bar follows the bytes it has written
+    with atomic_path(dst) as tmp, progress.step(f"quantizing {src.name} to {qtype}", unit="B") as bar, \
+            progress.polling(bar, lambda: tmp.stat().st_size):
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) failed with code {rc}")
+        bar.update(tmp.stat().st_size)
     log.info("made %s: %.1f MB in %.1f s", dst, dst.stat().st_size / 1e6, time.perf_counter() - t0)
     return dst
 
