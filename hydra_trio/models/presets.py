@@ -13,7 +13,6 @@ interpreter's environment (:func:`install_command`): each preset knows the
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -182,6 +181,8 @@ def _requirement_name(req: str) -> str | None:
 def missing_distributions(preset: Preset) -> list[str]:
     """Distributions ``preset`` needs that are not installed: its package and, unless it is
     installed with ``--no-deps``, the package's unconditional requirements (empty: installed)."""
+    import importlib.metadata  # here: some 30 modules (email, zipfile, csv...) a node needs for this alone
+
     try:
         requires = importlib.metadata.requires(preset.package) or []
     except importlib.metadata.PackageNotFoundError:
