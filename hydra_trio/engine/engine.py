@@ -101,6 +101,9 @@ def _trim_heap(when: str) -> None:
     """:func:`~.model.release_free_memory` (glibc ``malloc_trim``, about 20 µs), logged at DEBUG with the
     resident set size: after the load and each time the last busy slot goes idle, never between two
     decode steps of a request."""
+    if not log.isEnabledFor(logging.DEBUG):
+        release_free_memory()
+        return
     before = resident_bytes()
     released = release_free_memory()
     after = resident_bytes()

