@@ -108,8 +108,8 @@ def _render(fmt: object, messages: list, tools: list | None, kwargs: dict) -> st
 
 
 @pytest.mark.parametrize("name", [*TEMPLATES, "the default model's GGUF template"])
-def test_the_jinja_copy_renders_as_llama_cpp_python(name: str) -> None:
-    """:class:`~hydra_trio.engine.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` it copies,
+def test_the_jinja_renderer_renders_as_llama_cpp_python(name: str) -> None:
+    """:class:`~hydra_trio.engine.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` whose behaviour it follows,
     on the same templates, messages, tools and extra variables: the same prompt, or the same error."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 

@@ -5,10 +5,10 @@ and ``lstrip_blocks``, the ``loopcontrols`` extension and a pass-through for
 HuggingFace's ``{% generation %}`` tag, ``tojson`` as Transformers renders it)
 and the same variables (``messages``, ``bos_token``, ``eos_token``,
 ``raise_exception``, ``add_generation_prompt``, ``functions``, ``function_call``,
-``tools``, ``tool_choice``, ``strftime_now``, then the caller's), from
-``llama_cpp/llama_chat_format.py``.  It is a copy because that module imports
+``tools``, ``tool_choice``, ``strftime_now``, then the caller's): the behaviour of
+``llama_cpp/llama_chat_format.py``, written here because that module imports
 ``llama_cpp.llama`` and numpy (15 MiB of resident memory a node does not
-otherwise need, :mod:`.bindings`); ``tests/test_chat_template.py`` renders
+otherwise need, :mod:`.bindings`); ``tests/test_memory.py`` renders
 templates with both and compares.
 """
 
