@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import attrs
-from llama_cpp.llama_grammar import JSON_GBNF
 
 from ..engine.engine import Engine
 from ..engine.model import LoadedModel
@@ -252,6 +251,8 @@ def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) ->
     schema = body.json_schema if body.json_schema is not None else body.json_response_schema()
     if schema is not None:
         field = "json_schema" if body.json_schema is not None else "response_format"
+        from llama_cpp.llama_grammar import JSON_GBNF  # here: only a JSON-constrained request needs the module
+
         try:
             gbnf = JSON_GBNF if schema in ({}, {"type": "object"}) else schema_to_gbnf(schema)
         except SchemaError as exc:

@@ -31,7 +31,7 @@ from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, kv_c
 from ..hydra.cli import add_client_commands
 from ..client.watch import add_watch_command
 from . import sampling
-from ._flags import add_flags, apply_environment, normalize_argv, version_text
+from ._flags import Version, add_flags, apply_environment, normalize_argv, version_text
 from .flags import GROUPS, RUN_FLAGS
 from .models import add_models_command
 
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     ``parser.run_parser`` is ``run``'s."""
     parser = argparse.ArgumentParser(prog="hydra-trio", allow_abbrev=False,
                                      description="A trio-based engine node for Hydra LLM clusters.")
-    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument("--version", action=Version, help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
     parser.run_parser = _add_run_parser(sub)  # type: ignore[attr-defined]
     add_models_command(sub)

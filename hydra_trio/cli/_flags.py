@@ -15,7 +15,6 @@ The README's flag table (``python -m hydra_trio.cli.table``) and the coverage te
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -80,6 +79,8 @@ class Flag:
 
 def version_text() -> str:
     """``hydra-trio --version``: this package's version and llama-cpp-python's (read without loading llama.cpp)."""
+    import importlib.metadata  # here, not with the module: some 40 modules a node does not need
+
     try:
         llama = importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
@@ -88,6 +89,20 @@ def version_text() -> str:
 
     backends = ", ".join(build_backends()) or "none"
     return f"hydra-trio {__version__} (llama-cpp-python {llama}, backends {backends}, Python {sys.version.split()[0]})"
+
+
+class Version(argparse.Action):
+    """``--version``: print :func:`version_text` and exit 0, as argparse's ``version`` action; the text is
+    made when the flag is given, not when the parser is built (a node does not read package metadata)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002 (argparse's)
+        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(version_text())
+        parser.exit()
 
 
 class _Refuse(argparse.Action):
@@ -125,7 +140,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, flags: Iterable[Flag]) -> N
             parser.add_argument(*f.names, action="help", help=f.note)
             continue
         if f.action == "version":
-            parser.add_argument(*f.names, action="version", version=version_text(), help=f.note)
+            parser.add_argument(*f.names, action=Version, help=f.note)
             continue
         if f.kind == REFUSED:
             parser.add_argument(*f.all_names, dest=f"_refused_{dest}", action=_Refuse, reason=f.note,

@@ -8,7 +8,9 @@ The table (drawn with :mod:`rich` ``Live``, no hand-made escape codes) shows
 the node (version, model, mode, peer, queue, tok/s, connections per
 protocol) and its slots from the once-a-second ``stats`` event, and the last
 :data:`RECENT` other events (time, type, trace id, a short summary).  The
-client is built on trio-websocket.
+client is built on trio-websocket.  Both are imported when the watch runs, not
+with the module: the ``hydra-trio`` command line (a node included) adds
+``watch`` to its parser, and rich with trio-websocket are some 80 modules.
 
 Reconnects: when the connection cannot be opened or drops (the node stopped,
 restarted, went away), the watch says so ("disconnected, retrying in N s")
@@ -37,15 +39,14 @@ import signal
 import ssl
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import trio
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
-from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.table import Table
 
 from ..observability.events import CATEGORIES, parse_types
 from ..protocol.address import parse_peer
@@ -133,6 +134,8 @@ def _add_row(table: Table, *cells: Any) -> None:
     """``table.add_row`` with every ``str`` cell as a plain :class:`rich.text.Text`: rich reads a ``str``
     cell as console markup, and these cells hold what clients chose (a Hydra trace id ``[/x]`` raised
     MarkupError and ended the watch; ``[blink]`` styled the screen).  ``Text`` also drops control codes."""
+    from rich.text import Text
+
     table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
 
 
@@ -141,6 +144,10 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
 
     ``now`` (``trio.current_time()``) counts down to the next attempt while disconnected;
     ``width``: the terminal's, in columns (the events table fits it)."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -208,6 +215,8 @@ async def follow(host: str, port: int, resource: str, on_event: Any, on_state: A
     Raises:
         Fatal: the handshake was refused (HTTP 401/403) or the certificate does not verify.
     """
+    from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket
+
     headers = [(b"authorization", b"Bearer " + api_key.encode())] if api_key else None
     delay = BACKOFF_FIRST
     while True:
@@ -318,6 +327,9 @@ async def _live_table(nursery: trio.Nursery, address: str, host: str, port: int,
         if not connected:
             state.status = f"disconnected ({why}), retrying{{wait}}…"
             state.retry_at = trio.current_time() + (retry_in or 0.0)
+
+    from rich.console import Console
+    from rich.live import Live
 
     console = Console()
     with Live(render(state, None, console.width), console=console, auto_refresh=False, redirect_stdout=False,

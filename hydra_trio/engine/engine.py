@@ -37,7 +37,7 @@ from .blobbuf import BlobBuffer, BlobPool
 from .bridge import Call
 from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
-from .model import LoadedModel, ModelIdentity, sha256_file
+from .model import LoadedModel, ModelIdentity, release_free_memory, resident_bytes, sha256_file
 from .prompt_cache import PromptCache
 from .requests import CompletionJob, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits, erase_slot
@@ -95,6 +95,30 @@ def check_serves_completions(engine: Engine) -> None:
 
 _STOP = object()
 _WAKE = object()
+
+
+def _trim_heap(when: str) -> None:
+    """:func:`~.model.release_free_memory` (glibc ``malloc_trim``, about 20 µs), logged at DEBUG with the
+    resident set size: after the load and each time the last busy slot goes idle, never between two
+    decode steps of a request."""
+    if not log.isEnabledFor(logging.DEBUG):
+        release_free_memory()
+        return
+    before = resident_bytes()
+    released = release_free_memory()
+    after = resident_bytes()
+    if before is not None and after is not None:
+        log.debug("heap trimmed %s: resident %.1f MiB (%+.1f MiB)%s", when, after / 2**20, (after - before) / 2**20,
+                  "" if released else ", nothing to release")
+
+
+def _warmup(m: LoadedModel) -> None:
+    """One tiny decode so the first request does not pay for lazy init (like llama-server), then
+    :func:`_trim_heap`: the load's temporaries go back to the system."""
+    tokens = (llama_cpp.llama_token * 1)(m.bos_id if m.bos_id >= 0 else 0)  # alive while the batch points at it
+    llama_cpp.llama_decode(m.ctx, llama_cpp.llama_batch_get_one(tokens, 1))
+    llama_cpp.llama_memory_clear(m.memory, True)
+    _trim_heap("after loading")
 
 
 def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, stats: EngineStats, model_hash: str,
@@ -383,7 +407,7 @@ class Engine:
             self.scheduler.publish = self._publish_quietly
             self._set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
-                self._warmup(model)
+                _warmup(model)
         except Exception as exc:
             self.experts.close()
             if self._stop:  # the node is stopping: the load was aborted on purpose, not a failure
@@ -413,13 +437,6 @@ class Engine:
         self.experts.close()
         log.info("engine stopped")
 
-    @staticmethod
-    def _warmup(m: LoadedModel) -> None:
-        """One tiny decode so the first request does not pay for lazy init (like llama-server)."""
-        tokens = (llama_cpp.llama_token * 1)(m.bos_id if m.bos_id >= 0 else 0)  # alive while the batch points at it
-        llama_cpp.llama_decode(m.ctx, llama_cpp.llama_batch_get_one(tokens, 1))
-        llama_cpp.llama_memory_clear(m.memory, True)
-
     def _loop(self) -> None:
         sched = self.scheduler
         assert sched is not None
@@ -437,6 +454,8 @@ class Engine:
                 log.exception("engine step failed; failing the requests in flight")
                 sched.fail_all(EngineFailure(f"engine error: {exc}"))
             self._publish()
+            if not sched.busy and not sched.pending:  # the last request finished: every slot idle
+                _trim_heap("idle")
 
     def _drain_inbox(self, block: bool) -> None:
         """Take everything in the inbox: new requests join the queue, calls run (each publishes

@@ -33,7 +33,6 @@ from typing import Any
 
 import attrs
 import llama_cpp
-import numpy as np
 
 from ..errors import InvalidRequest
 from .settings import SAMPLER_ORDER, SamplingParams
@@ -296,8 +295,11 @@ def token_probs(ctx: Any, idx: int, n_vocab: int, token: int, n_top: int) -> Tok
     """Log-softmax of the raw logits at batch row ``idx``: the sampled ``token``'s value and the top ``n_top``.
 
     This is the distribution before any sampler (llama-server's default,
-    ``post_sampling_probs`` off).  Values are <= 0.
+    ``post_sampling_probs`` off).  Values are <= 0.  numpy is imported here, by the first request that asks
+    for log-probabilities, not with the node (about 15 MiB of resident memory).
     """
+    import numpy as np
+
     ptr = llama_cpp.llama_get_logits_ith(ctx, idx)
     logits = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
     peak = float(logits.max())

@@ -37,7 +37,6 @@ from typing import Any
 
 import trio
 
-from .client import HydraClient, HydraConnectError, HydraError
 from ..protocol.messages import MessageError, parse_peer
 from ..transport.tls import client_context
 
@@ -98,14 +97,17 @@ def _dump(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)
 
 
-async def _one_request(
-    args: argparse.Namespace, method: Callable[..., Awaitable[dict[str, Any]]], *method_args: Any
-) -> dict[str, Any]:
+async def _one_request(args: argparse.Namespace, method: str, *method_args: Any) -> dict[str, Any]:
     """Connect to ``args.address`` (``args.timeout`` seconds per wait), run
-    ``method(client, *method_args, trace_id=args.trace_id)``, close; its meta."""
+    ``HydraClient.<method>(client, *method_args, trace_id=args.trace_id)``, close; its meta.
+
+    The client is imported here, when a command runs: the ``hydra-trio`` parser (a node's
+    included) adds these commands without loading the client and its connection."""
+    from .client import HydraClient
+
     async with HydraClient.from_address(args.address, timeout=args.timeout, token=args.token,
                                         ssl_context=_ssl_context(args)) as c:
-        meta: dict[str, Any] = await method(c, *method_args, trace_id=args.trace_id)
+        meta: dict[str, Any] = await getattr(HydraClient, method)(c, *method_args, trace_id=args.trace_id)
     return meta
 
 
@@ -116,7 +118,7 @@ async def _one_request(
 
 async def info_command(args: argparse.Namespace) -> int:
     """``info HOST:PORT``: print the INFO meta."""
-    print(_dump(await _one_request(args, HydraClient.info)))
+    print(_dump(await _one_request(args, "info")))
     return EXIT_OK
 
 
@@ -124,7 +126,7 @@ async def state_get_command(args: argparse.Namespace) -> int:
     """``state get HOST:PORT SLOT FILE``: stream the slot's KV state to FILE
     (written atomically); print the meta, then ``wrote N bytes to FILE`` on
     stderr."""
-    meta = await _one_request(args, HydraClient.state_get_to_file, args.slot, args.file)
+    meta = await _one_request(args, "state_get_to_file", args.slot, args.file)
     size = os.stat(args.file).st_size
     print(_dump(meta))
     print(f"wrote {size} bytes to {args.file}", file=sys.stderr)
@@ -135,7 +137,7 @@ async def state_put_command(args: argparse.Namespace) -> int:
     """``state put HOST:PORT SLOT FILE``: stream FILE as the slot's KV state;
     print the reply meta, then ``sent N bytes from FILE`` on stderr."""
     size = os.stat(args.file).st_size  # fail before connecting on a missing file
-    meta = await _one_request(args, HydraClient.state_put_from_file, args.slot, args.file)
+    meta = await _one_request(args, "state_put_from_file", args.slot, args.file)
     print(_dump(meta))
     print(f"sent {size} bytes from {args.file}", file=sys.stderr)
     return EXIT_OK
@@ -143,7 +145,7 @@ async def state_put_command(args: argparse.Namespace) -> int:
 
 async def state_meta_command(args: argparse.Namespace) -> int:
     """``state meta HOST:PORT SLOT``: print STATE_META."""
-    print(_dump(await _one_request(args, HydraClient.state_meta, args.slot)))
+    print(_dump(await _one_request(args, "state_meta", args.slot)))
     return EXIT_OK
 
 
@@ -171,7 +173,7 @@ async def mode_command(args: argparse.Namespace) -> int:
     tries = 0
     while True:
         tries += 1
-        meta = await _one_request(args, HydraClient.set_expert_mode, args.mode, args.peer)
+        meta = await _one_request(args, "set_expert_mode", args.mode, args.peer)
         if meta.get("mode") == args.mode or not _peer_not_answering(meta):
             break
         if trio.current_time() + MODE_RETRY_INTERVAL > deadline:
@@ -189,7 +191,7 @@ async def mode_command(args: argparse.Namespace) -> int:
 
 async def swap_command(args: argparse.Namespace) -> int:
     """``swap HOST:PORT KEY``: SWAP_QUANT of the whole model to quant KEY; print the meta."""
-    print(_dump(await _one_request(args, HydraClient.swap_quant, args.key, args.tensor_pattern)))
+    print(_dump(await _one_request(args, "swap_quant", args.key, args.tensor_pattern)))
     return EXIT_OK
 
 
@@ -200,6 +202,8 @@ async def swap_command(args: argparse.Namespace) -> int:
 
 def run_command(fn: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace) -> int:
     """Run one async command with `trio.run` and map errors to exit codes."""
+    from .client import HydraConnectError, HydraError
+
     try:
         return trio.run(fn, args)
     except HydraConnectError as exc:

@@ -13,7 +13,6 @@ interpreter's environment (:func:`install_command`): each preset knows the
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -182,6 +181,8 @@ def _requirement_name(req: str) -> str | None:
 def missing_distributions(preset: Preset) -> list[str]:
     """Distributions ``preset`` needs that are not installed: its package and, unless it is
     installed with ``--no-deps``, the package's unconditional requirements (empty: installed)."""
+    import importlib.metadata  # here: some 30 modules (email, zipfile, csv...) a node needs for this alone
+
     try:
         requires = importlib.metadata.requires(preset.package) or []
     except importlib.metadata.PackageNotFoundError:
@@ -260,12 +261,15 @@ def resolve_model(model: str) -> tuple[Path, str]:
     """
     preset = PRESETS.get(model)
     if preset is not None:
-        missing = missing_distributions(preset)
+        # a --no-deps package needs only itself, which locate() finds: the distribution metadata (and the
+        # 30 modules importlib.metadata loads) is read only to name what is missing
+        missing = missing_distributions(preset) if preset.needs_dependencies else []
         try:
             if missing:
                 raise ImportError(", ".join(missing))
             path = preset.locate()
         except ImportError as exc:
+            missing = missing or missing_distributions(preset)
             raise PresetError(
                 f"model alias {model!r} needs the package {preset.package!r} "
                 f"(not installed: {', '.join(missing) or exc}); install it with: {install_hint(preset)}"

@@ -25,8 +25,6 @@ import re
 import sys
 from typing import TextIO
 
-from pythonjsonlogger.json import JsonFormatter
-
 __all__ = ["LOG_FORMATS", "REQUEST_FIELDS", "TextFormatter", "configure_logging", "json_formatter"]
 
 LOG_FORMATS = ("text", "json")
@@ -54,7 +52,10 @@ class TextFormatter(logging.Formatter):
 
 
 def json_formatter() -> logging.Formatter:
-    """One JSON object per record: ``ts``, ``level``, ``logger``, ``msg``, then every ``extra=`` field."""
+    """One JSON object per record: ``ts``, ``level``, ``logger``, ``msg``, then every ``extra=`` field
+    (python-json-logger, imported here: a node logging text does not load it)."""
+    from pythonjsonlogger.json import JsonFormatter
+
     return JsonFormatter(
         "{levelname}{name}{message}", style="{", timestamp="ts",
         rename_fields={"levelname": "level", "name": "logger", "message": "msg"},

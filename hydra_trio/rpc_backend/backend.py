@@ -48,7 +48,8 @@ from ..transport.access import AllowList, Refusals, allowed, new_refusals
 from ..engine.ggml_backend import type_traits as ggml_type_traits
 from ..transport.frontdoor import AcceptedStream, peer_name
 from ..transport.tls import TlsStream, peer_of
-from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRpcRequest, reconcile_type_traits
+from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRpcRequest, live_type_table
+from ..protocol.ggml_rpc import reconcile_type_traits
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
 from .supervisor import ChildSupervisor
 
@@ -226,11 +227,14 @@ class RpcBackend:
         )
 
     def type_traits(self) -> dict[int, tuple[int, int]]:
-        """The type table the validator uses: gguf's, checked against this ggml's own (logged once)."""
+        """The type table the validator uses: this ggml's own sizes; where gguf's differ is logged once at
+        DEBUG (only then is ``gguf`` imported: it brings numpy, 15 MiB of a node's memory)."""
         if self._traits is None:
-            self._traits, notes = reconcile_type_traits(ggml_type_traits(GGML_TYPE_COUNT))
-            for note in notes:
-                log.debug("ggml-RPC validator: %s", note)
+            live = ggml_type_traits(GGML_TYPE_COUNT)
+            self._traits = live_type_table(live)
+            if log.isEnabledFor(logging.DEBUG):
+                for note in reconcile_type_traits(live)[1]:
+                    log.debug("ggml-RPC validator: %s", note)
         return self._traits
 
     def _cached_size(self, h: int) -> int | None:

@@ -29,9 +29,10 @@ tensor data) has been validated; :class:`InvalidRpcRequest` says which check
 failed (:attr:`InvalidRpcRequest.check`, one of :data:`CHECKS`).
 
 Type sizes and block sizes come from the ``gguf`` package
-(``gguf.GGML_QUANT_SIZES``, :data:`TYPE_TRAITS`); :func:`reconcile_type_traits`
-checks them against the running ggml, and the front door validates with the
-reconciled table.
+(``gguf.GGML_QUANT_SIZES``, :data:`TYPE_TRAITS`, read on first use:
+``gguf`` imports numpy); :func:`reconcile_type_traits` checks them against
+the running ggml, and the front door validates with ggml's own sizes
+(:func:`live_type_table`).
 
 The parts (private modules; this package re-exports their public names):
 
@@ -48,6 +49,9 @@ The parts (private modules; this package re-exports their public names):
 
 from __future__ import annotations
 
+from typing import Any
+
+from . import _tensor
 from ._connection import GgmlRpcConnection
 from ._events import CHECKS, GgmlRpcError, InvalidReply, InvalidRpcRequest
 from ._events import (
@@ -60,13 +64,23 @@ from ._events import (
     RpcReplyEvent,
     RpcRequestEvent,
 )
-from ._tensor import TYPE_TRAITS, UNDESCRIBED_TYPES, RpcTensor, reconcile_type_traits, tensor_nbytes
+from ._tensor import RpcTensor, live_type_table, reconcile_type_traits, tensor_nbytes, type_traits
 from ._tensor import encode_graph_compute, encode_set_tensor
 from ._wire import GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_OP_COUNT, GGML_OP_NONE
 from ._wire import GGML_TYPE_COUNT, MAX_GRAPH_DEPTH, REMOVED_TYPES, VIEW_OPS
 from ._wire import GRAPH_HEAD_SIZE, HEADER_SIZE, REPLY_HEADER_SIZE, RPC_TENSOR_SIZE, SET_TENSOR_HEAD_SIZE
 from ._wire import HELLO_REPLY_SIZE, HELLO_REQUEST_SIZE, RPC_CONN_CAPS_SIZE, RPC_PROTO_MAJOR_VERSION
 from ._wire import REPLY_SIZES, REQUEST_SIZES, RpcCmd, encode_reply, encode_request, hello_request
+
+
+
+def __getattr__(name: str) -> Any:
+    """:data:`TYPE_TRAITS` and :data:`UNDESCRIBED_TYPES` from :mod:`._tensor`, computed on first use (PEP 562):
+    they import ``gguf``, and with it numpy."""
+    if name in ("TYPE_TRAITS", "UNDESCRIBED_TYPES"):
+        return getattr(_tensor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CHECKS",
@@ -112,6 +126,8 @@ __all__ = [
     "encode_request",
     "encode_set_tensor",
     "hello_request",
+    "live_type_table",
     "reconcile_type_traits",
     "tensor_nbytes",
+    "type_traits",
 ]

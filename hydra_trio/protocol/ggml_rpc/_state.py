@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 import attrs
 
 from ._events import InvalidRpcRequest
-from ._tensor import TYPE_TRAITS, RpcTensor, check_tensor
+from ._tensor import RpcTensor, check_tensor
+from ._tensor import type_traits as _default_traits
 from ._wire import CMDS, RpcCmd
 
 
@@ -62,7 +63,7 @@ class ConnectionState:
         mask_caps: bool = True,
         type_traits: Mapping[int, tuple[int, int]] | None = None,
     ) -> None:
-        self.traits = TYPE_TRAITS if type_traits is None else type_traits
+        self.traits = _default_traits() if type_traits is None else type_traits
         self.max_message_size = max_message_size
         self.max_graph_size = max_graph_size
         self.n_devices = n_devices

@@ -1,7 +1,9 @@
 """``rpc_tensor``: decoding, type sizes, and the checks that need no connection state.
 
 Type sizes and block sizes come from the ``gguf`` package
-(``gguf.GGML_QUANT_SIZES``, :data:`TYPE_TRAITS`); :func:`reconcile_type_traits`
+(``gguf.GGML_QUANT_SIZES``, :data:`TYPE_TRAITS`, read on first use: ``gguf``
+imports numpy, 15 MiB of resident memory a node without ggml-RPC
+clients does not need); :func:`reconcile_type_traits`
 checks them against the running ggml, and the front door validates with the
 reconciled table.  :func:`check_tensor` holds the preconditions of ggml-rpc.cpp
 v7.0.0's ``rpc_server::deserialize_tensor`` (and the ggml asserts behind it)
@@ -11,11 +13,12 @@ are :meth:`~hydra_trio.protocol.ggml_rpc._state.ConnectionState.check_tensor`.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
-import gguf
 
 from ._events import InvalidRpcRequest
 from ._wire import (
@@ -33,7 +36,11 @@ TWO64 = 1 << 64
 INT64_MAX = (1 << 63) - 1
 
 
-def _type_traits() -> dict[int, tuple[int, int]]:
+@functools.cache
+def type_traits() -> dict[int, tuple[int, int]]:
+    """:data:`TYPE_TRAITS`, computed on the first call (it imports ``gguf``)."""
+    import gguf
+
     out: dict[int, tuple[int, int]] = {}
     for qtype, (blck, size) in gguf.GGML_QUANT_SIZES.items():
         t = int(qtype)
@@ -42,12 +49,29 @@ def _type_traits() -> dict[int, tuple[int, int]]:
     return out
 
 
-TYPE_TRAITS: dict[int, tuple[int, int]] = _type_traits()
+TYPE_TRAITS: dict[int, tuple[int, int]]
 """``type id -> (blck_size, type_size)`` in bytes, from ``gguf.GGML_QUANT_SIZES``: the default of
 :class:`~hydra_trio.protocol.ggml_rpc.GgmlRpcConnection`.  Check it against the running ggml with
-:func:`reconcile_type_traits`."""
-UNDESCRIBED_TYPES: frozenset[int] = frozenset(range(GGML_TYPE_COUNT)) - REMOVED_TYPES - TYPE_TRAITS.keys()
+:func:`reconcile_type_traits`.  Computed on first use (:func:`type_traits`)."""
+UNDESCRIBED_TYPES: frozenset[int]
 """Live ggml types the installed ``gguf`` has no sizes for; with :data:`TYPE_TRAITS` they are refused."""
+
+
+def __getattr__(name: str) -> Any:
+    """:data:`TYPE_TRAITS` and :data:`UNDESCRIBED_TYPES` on first use (PEP 562)."""
+    if name == "TYPE_TRAITS":
+        return type_traits()
+    if name == "UNDESCRIBED_TYPES":
+        return frozenset(range(GGML_TYPE_COUNT)) - REMOVED_TYPES - type_traits().keys()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def live_type_table(ggml_traits: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """The table to validate with: ``ggml_traits`` (every type id below :data:`GGML_TYPE_COUNT` to what
+    ``ggml_blck_size`` / ``ggml_type_size`` return, blck_size 0 for a removed type) without the removed
+    types.  The child computes with ggml's sizes, so these are the ones a request is checked against;
+    :func:`reconcile_type_traits` says where gguf's differ."""
+    return {t: live for t in range(GGML_TYPE_COUNT) if (live := ggml_traits.get(t, (0, 0)))[0] > 0}
 
 
 def reconcile_type_traits(
@@ -57,16 +81,15 @@ def reconcile_type_traits(
 
     ``ggml_traits`` maps every type id below :data:`GGML_TYPE_COUNT` to what
     ``ggml_blck_size`` / ``ggml_type_size`` return (blck_size 0: a removed type).
-    Returns the table to validate with, which is gguf's wherever the two agree
-    and ggml's where they do not (the child computes with ggml's), and one line
-    per disagreement or type gguf lacks (the gguf 0.19.0 on the registry says
-    40 bytes for a Q8_1 block, ggml-common.h has 36, and it lacks Q2_0).
+    Returns the table to validate with (:func:`live_type_table`: gguf's wherever
+    the two agree and ggml's where they do not, the child computes with ggml's),
+    and one line per disagreement or type gguf lacks (the gguf 0.19.0 on the
+    registry says 40 bytes for a Q8_1 block, ggml-common.h has 36, and it lacks Q2_0).
     """
-    table: dict[int, tuple[int, int]] = {}
     notes: list[str] = []
     for t in range(GGML_TYPE_COUNT):
         live = ggml_traits.get(t, (0, 0))
-        ours = TYPE_TRAITS.get(t)
+        ours = type_traits().get(t)
         if live[0] <= 0:
             if ours is not None:
                 notes.append(f"type {t}: gguf describes it {ours}, this ggml has removed it")
@@ -75,8 +98,7 @@ def reconcile_type_traits(
             notes.append(f"type {t}: gguf has no sizes; using ggml's {live}")
         elif ours != live:
             notes.append(f"type {t}: gguf says {ours}, ggml {live}; using ggml's")
-        table[t] = live
-    return table, notes
+    return live_type_table(ggml_traits), notes
 
 
 @attrs.frozen
@@ -121,14 +143,15 @@ class RpcTensor:
         )
 
 
-def tensor_nbytes(t: RpcTensor, traits: Mapping[int, tuple[int, int]] = TYPE_TRAITS) -> int:
-    """``ggml_nbytes`` of a tensor whose type is in ``traits``, in bytes (exact, no wrap-around).
+def tensor_nbytes(t: RpcTensor, traits: Mapping[int, tuple[int, int]] | None = None) -> int:
+    """``ggml_nbytes`` of a tensor whose type is in ``traits`` (default :data:`TYPE_TRAITS`), in bytes (exact,
+    no wrap-around).
 
     0 when some ``ne[i]`` is 0 (an empty tensor), as ggml.c computes it.
     """
     if 0 in t.ne:
         return 0
-    blck, size = traits[t.type]
+    blck, size = (type_traits() if traits is None else traits)[t.type]
     tail = sum((t.ne[i] - 1) * t.nb[i] for i in range(1, GGML_MAX_DIMS))
     if blck == 1:
         return size + (t.ne[0] - 1) * t.nb[0] + tail

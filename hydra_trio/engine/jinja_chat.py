@@ -1,0 +1,75 @@
+"""A Jinja chat template's renderer, as llama-cpp-python 0.3.36's ``Jinja2ChatFormatter`` renders it.
+
+The same environment (jinja2's ``ImmutableSandboxedEnvironment``, ``trim_blocks``
+and ``lstrip_blocks``, the ``loopcontrols`` extension and a pass-through for
+HuggingFace's ``{% generation %}`` tag, ``tojson`` as Transformers renders it)
+and the same variables (``messages``, ``bos_token``, ``eos_token``,
+``raise_exception``, ``add_generation_prompt``, ``functions``, ``function_call``,
+``tools``, ``tool_choice``, ``strftime_now``, then the caller's): the behaviour of
+``llama_cpp/llama_chat_format.py``, written here because that module imports
+``llama_cpp.llama`` and numpy (15 MiB of resident memory a node does not
+otherwise need, :mod:`.bindings`); ``tests/test_memory.py`` renders
+templates with both and compares.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class _IgnoreGenerationTags(jinja2.ext.Extension):
+    """Pass-through for HuggingFace's ``{% generation %}`` chat-template tag."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        parser.stream.skip(1)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(f: str) -> str:
+    return datetime.now().strftime(f)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)
+
+
+class JinjaChatFormatter:
+    """``formatter(messages=[...], tools=..., **variables) -> prompt`` for one Jinja template text.
+
+    Raises jinja2.TemplateSyntaxError (and the other errors of jinja2's
+    ``from_string``) when the text does not compile; rendering raises ValueError
+    for the template's ``raise_exception(...)`` and jinja2's errors for the rest.
+    """
+
+    def __init__(self, template: str, eos_token: str, bos_token: str, add_generation_prompt: bool = True) -> None:
+        self.template = template
+        self.eos_token = eos_token
+        self.bos_token = bos_token
+        self.add_generation_prompt = add_generation_prompt
+        environment = ImmutableSandboxedEnvironment(
+            loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
+            extensions=[_IgnoreGenerationTags, jinja2.ext.loopcontrols])
+        environment.filters["tojson"] = _tojson
+        self._template = environment.from_string(template)
+
+    def __call__(self, *, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None = None,
+                 function_call: Any = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
+                 **kwargs: Any) -> str:
+        """The prompt: the template rendered with ``messages`` and the variables above."""
+        return self._template.render(
+            messages=messages, eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
+            add_generation_prompt=self.add_generation_prompt, functions=functions, function_call=function_call,
+            tools=tools, tool_choice=tool_choice, strftime_now=_strftime_now, **kwargs)
