@@ -23,7 +23,8 @@ from hydra_trio.engine.state import verify_checksum
 from hydra_trio.transport.frontdoor import FrontDoorSettings
 from hydra_trio.hydra.client import HydraClient
 from hydra_trio.models.presets import resolve_model
-from hydra_trio.protocol.hydra import Op, RequestDecoder, RequestEnded, RequestStarted, encode_request_header
+from hydra_trio.protocol.hydra import (Op, RequestDecoder, RequestEnded, RequestStarted, ResponseDecoder, ResponseStarted,
+                                       Status, encode_request_header)
 from hydra_trio.transport.tls import TlsSettings, client_context, server_context
 
 from .conftest import embedded_node, wait_for
@@ -262,3 +263,65 @@ def test_http_state_put_whose_client_leaves_mid_body_is_no_server_error(
     assert '" 400 ' in lines[0].getMessage(), lines[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert httpx.get(base + "/slots/0/state/meta", timeout=60).json()["n_past"] == N_TOKENS
+
+
+def _tls_socket(node: Any, certs: tuple[Path, Path, Path]) -> Any:
+    """A blocking TLS client socket (the ssl module, not trio) to the node."""
+    return client_context(certs[0]).wrap_socket(socket.create_connection(("127.0.0.1", node.port), timeout=120),
+                                                server_hostname="127.0.0.1")
+
+
+def _replies(sock: Any, n: int) -> list[tuple[int, dict[str, Any]]]:
+    """The next ``n`` replies on ``sock``: (status, meta) each (payloads dropped)."""
+    dec, out = ResponseDecoder(), []
+    while len(out) < n:
+        data = sock.recv(1 << 16)
+        assert data, f"the node closed after {len(out)} of {n} replies"
+        out += [(ev.header.status, ev.meta) for ev in dec.feed(data) if isinstance(ev, ResponseStarted)]
+    return out
+
+
+def test_tls_state_put_received_on_a_thread_then_trio_goes_on(
+        node: Any, prompt: list[int], certs: tuple[Path, Path, Path]) -> None:
+    """Over TLS a large STATE_PUT payload is decrypted into its buffer on a worker thread with the
+    connection's own TLS state; sent as the first request on a fresh connection (TLS 1.3 session tickets
+    still held back by trio) in one write with an INFO, a corrupt STATE_PUT and another INFO behind it, the
+    ciphertext the thread read past each payload is served by trio afterwards: four replies in order, the
+    corrupt blob refused by the checksum taken as it arrived, slot 1 restored once."""
+    base = f"http://127.0.0.1:{node.port}"
+    blob = httpx.get(base + "/slots/0/state", timeout=120).content
+    assert len(blob) > 5_000_000
+    bad = bytearray(blob)
+    bad[len(bad) * 2 // 3] ^= 0x10
+    assert httpx.post(base + "/slots/1?action=erase", timeout=60).status_code == 200
+    frames = (encode_request_header(Op.STATE_PUT, "1", "tls-put", len(blob)) + blob
+              + encode_request_header(Op.INFO, "", "tls-info") + encode_request_header(Op.STATE_PUT, "1", "tls-bad", len(bad))
+              + bytes(bad) + encode_request_header(Op.INFO, "", "tls-info2"))
+    with _tls_socket(node, certs) as s:
+        assert s.version() == "TLSv1.3"
+        s.sendall(frames)
+        (st1, put), (st2, info), (st3, refused), (st4, info2) = _replies(s, 4)
+    assert st1 == Status.OK and put["restored"] is True and put["n_past"] == N_TOKENS and put["bytes"] == len(blob)
+    assert st2 == st4 == Status.OK and info["engine"] == info2["engine"] == "hydra-trio"
+    assert st3 == Status.ERROR and "corrupt" in refused["error"], refused
+    assert httpx.get(base + "/slots/1/state/meta", timeout=60).json()["n_past"] == N_TOKENS
+    assert continuation(base, 1, prompt + [prompt[9]])["timings"]["cache_n"] == N_TOKENS
+
+
+def test_tls_state_put_cut_off_mid_payload_changes_nothing(
+        node: Any, prompt: list[int], certs: tuple[Path, Path, Path]) -> None:
+    """Over TLS, a STATE_PUT announcing 4 MB whose sender closes after 1 MB: the worker thread sees the end,
+    the node applies nothing, closes and serves on."""
+    base = f"http://127.0.0.1:{node.port}"
+    assert httpx.post(base + "/slots/1?action=erase", timeout=60).status_code == 200
+    with _tls_socket(node, certs) as s:
+        s.sendall(encode_request_header(Op.STATE_PUT, "1", "tls-cut", 4_000_000) + bytes(1_000_000))
+        socket.socket.shutdown(s, socket.SHUT_WR)  # the TCP end mid-payload, without a TLS close_notify
+        assert s.recv(1) == b""  # the node closes without a reply (its session tickets are read by ssl)
+
+    async def info() -> dict[str, Any]:
+        async with HydraClient("127.0.0.1", node.port, timeout=60, ssl_context=client_context(certs[0])) as c:
+            return await c.info()
+
+    assert trio.run(info)["engine"] == "hydra-trio"
+    assert httpx.get(base + "/slots/1/state/meta", timeout=60).json()["n_past"] == 0

@@ -56,6 +56,7 @@ from ..protocol.hydra import (
     encode_request_header,
 )
 from ..transport.net import recv_into_view, send_view
+from ..transport.tls_bulk import BULK_TLS_MIN, ssl_stream_of, tls_recv_into_view, tls_send_view
 from ..protocol.address import parse_peer
 from .errors import (
     HydraConnectError,
@@ -380,7 +381,7 @@ class HydraConnection:
                     await stream.send_all(data)
             elif isinstance(stream, trio.SocketStream):
                 await send_view(stream, memoryview(data).cast("B"), CHUNK_SIZE, progress_timeout=self.timeout)
-            else:
+            elif len(data) < BULK_TLS_MIN or not await tls_send_view(stream, memoryview(data).cast("B"), self.timeout):
                 await _send_pieces(stream, memoryview(data).cast("B"), self.timeout)
         except trio.TooSlowError:
             await self._abort("send timed out")
@@ -489,16 +490,23 @@ async def _receive_payload_into(self: HydraConnection, rs: ResponseStream, view:
     """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
     ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
     (`hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
-    TLS the decrypted chunks are copied in.  ``timeout`` bounds each wait for progress; errors as
+    TLS they are decrypted straight into it on a worker thread (`hydra_trio.transport.tls_bulk.tls_recv_into_view`;
+    under 256 KiB left: the decrypted chunks are copied in).  ``timeout`` bounds each wait for progress; errors as
     `next_event`."""
     pos = 0
     while self._events and not rs.done:  # what came with the reply header
         pos += _take_event(self, rs, view, pos)
     stream = self._stream
     left = self._decoder.payload_remaining
-    if not rs.done and isinstance(stream, trio.SocketStream) and left:
+    direct = isinstance(stream, trio.SocketStream) or (left >= BULK_TLS_MIN and ssl_stream_of(stream) is not None)
+    if not rs.done and direct and left:
         try:
-            got, closed = await recv_into_view(stream, view[pos : pos + left], self.timeout)
+            if isinstance(stream, trio.SocketStream):
+                done = await recv_into_view(stream, view[pos : pos + left], self.timeout)
+            else:
+                done = await tls_recv_into_view(stream, view[pos : pos + left], self.timeout)
+            assert done is not None  # ssl_stream_of found the TLS state
+            got, closed = done
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             await self._abort("connection lost")
             raise HydraConnectionClosed(f"connection to {self.address} lost: {exc}", op=rs.op,

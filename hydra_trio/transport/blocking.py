@@ -132,6 +132,7 @@ class TlsPipe:
         self._eof = False
         self._raw = bytearray(RECV_BUFFER)  # ciphertext from the socket (the receiving thread's)
         self._raw_view = memoryview(self._raw)
+        self.alert_at_end = True  # send what OpenSSL queues on the peer's end (its fatal alert on a TCP end)
 
     # ------------------------------------------------------------ making one
     @classmethod
@@ -208,7 +209,7 @@ class TlsPipe:
         while True:
             with self._ssl:
                 n, flush = self._read(view)
-            if flush:
+            if flush and (self.alert_at_end or not self._eof):
                 self._flush()
             if n is not None:
                 return n
