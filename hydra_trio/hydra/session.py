@@ -81,6 +81,10 @@ class HydraRequest:
     checksum: RunningChecksum | None = None  # a buffered payload's blob checksum, taken as its bytes arrive
 
 
+HEAD_READ = 16 * 1024
+"""Bytes read at most while no request is under way (its head, or small requests whole)."""
+
+
 class Drain:
     """Graceful shutdown for every connection: between requests, connections close.
 
@@ -195,7 +199,10 @@ async def serve_connection(
         with trio.move_on_at(deadline) as scope:
             # between requests a drain may close it now
             with drain.while_idle(scope) if idle else contextlib.nullcontext():
-                data = await stream.receive_some(settings.chunk_size)
+                # a request's head is read in small pieces: a large payload behind it then goes past the
+                # decoder (straight into its buffer) from its first bytes on, instead of up to a chunk of it
+                # being copied out of the decoder's events
+                data = await stream.receive_some(settings.chunk_size if req is not None else HEAD_READ)
         if scope.cancelled_caught:
             why = "the node is shutting down" if idle and drain.draining else "idle" if idle else "stalled mid-request"
             log.info("hydra: connection %s; closed", why)
