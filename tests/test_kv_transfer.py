@@ -269,10 +269,15 @@ def test_http_state_put_whose_client_leaves_mid_body_is_no_server_error(
     assert httpx.get(base + "/slots/0/state/meta", timeout=60).json()["n_past"] == N_TOKENS
 
 
-def _tls_socket(node: Any, certs: tuple[Path, Path, Path]) -> Any:
-    """A blocking TLS client socket (the ssl module, not trio) to the node."""
-    return client_context(certs[0]).wrap_socket(socket.create_connection(("127.0.0.1", node.port), timeout=120),
-                                                server_hostname="127.0.0.1")
+def _tls_socket(node: Any, certs: tuple[Path, Path, Path], rcvbuf: int = 0) -> Any:
+    """A blocking TLS client socket (the ssl module, not trio) to the node; ``rcvbuf``: its receive buffer
+    (bytes, set before it connects: a small one keeps the node's send waiting on it)."""
+    raw = socket.socket()
+    raw.settimeout(120)
+    if rcvbuf:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    raw.connect(("127.0.0.1", node.port))
+    return client_context(certs[0]).wrap_socket(raw, server_hostname="127.0.0.1")
 
 
 def _replies(sock: Any, n: int) -> list[tuple[int, dict[str, Any]]]:
@@ -329,3 +334,33 @@ def test_tls_state_put_cut_off_mid_payload_changes_nothing(
 
     assert trio.run(info)["engine"] == "hydra-trio"
     assert httpx.get(base + "/slots/1/state/meta", timeout=60).json()["n_past"] == 0
+
+
+def test_tls_state_get_whose_client_leaves_mid_payload(node: Any, prompt: list[int], certs: tuple[Path, Path, Path],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Over TLS a STATE_GET's payload is sent from a worker thread; a client that reads the first MB and
+    closes ends that send (the node logs no error and serves on), and the blob's buffer goes back to the pool."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    base = f"http://127.0.0.1:{node.port}"
+    size = httpx.get(base + "/slots/0/state/meta", timeout=60).json()["state_size"]
+    assert size > 5_000_000
+    TRANSFER_POOL.clear()  # no idle mapping: the STATE_GET makes one, and gives it back when its send ends
+    with _tls_socket(node, certs, rcvbuf=64 * 1024) as s:  # the kernel cannot take the rest of the blob
+        s.sendall(encode_request_header(Op.STATE_GET, "0", "tls-leave"))
+        got = 0
+        while got < 1_000_000:
+            got += len(s.recv(1 << 16))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    assert wait_for(lambda: TRANSFER_POOL.idle_bytes >= size, what="the blob's buffer back in the pool")
+
+    async def get() -> tuple[dict[str, Any], bytes]:
+        async with HydraClient("127.0.0.1", node.port, timeout=60, ssl_context=client_context(certs[0])) as c:
+            meta, view = await c.state_get_into(0)
+            return meta, bytes(view)
+
+    meta, blob = trio.run(get)  # a new TLS connection gets the whole blob
+    assert meta["n_past"] == N_TOKENS and verify_checksum(blob).n_tokens == N_TOKENS
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
