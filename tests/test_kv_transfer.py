@@ -96,16 +96,23 @@ def test_bulk_loops_over_a_real_socket() -> None:
             nursery.start_soon(accept)
             client = await trio.open_tcp_stream("127.0.0.1", port)
         server = accepted[0]
-        into = memoryview(bytearray(len(data)))
+        head = b"frame header"
+        into = memoryview(bytearray(len(head) + len(data)))
         counted: list[int] = []
         pieces: list[bytes] = []  # what the received callback was handed, in order
+
+        async def send() -> None:
+            await send_view(client, memoryview(data), 256 * 1024, counted.append, head=head)
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_view, client, memoryview(data), 256 * 1024, counted.append)
+            nursery.start_soon(send)
             got, closed = await recv_into_view(server, into, 10.0, lambda p: pieces.append(bytes(p)))
-        assert (got, closed) == (len(data), False) and into == data and sum(counted) == len(data)
+        assert (got, closed) == (len(into), False) and into == head + data
+        assert sum(counted) == len(data)  # the count is the view's bytes (the head rode in the first write)
         assert max(counted) <= BULK_WRITE  # several 256 KiB pieces per system call
         # the callback saw every byte once, in order (batched: fewer calls than reads of 64 KiB would make)
-        assert b"".join(pieces) == data and 1 < len(pieces)
+        assert b"".join(pieces) == head + data and 1 < len(pieces)
+        into = memoryview(bytearray(len(data)))
         # nothing more comes: a stall is reported after the progress timeout, with what did arrive (and told)
         await client.send_all(b"xyz")
         pieces.clear()

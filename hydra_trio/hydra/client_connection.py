@@ -369,18 +369,24 @@ class HydraConnection:
         """The rest of ``rs``'s payload into ``view``; the bytes written (:func:`_receive_payload_into`)."""
         return await _receive_payload_into(self, rs, view)
 
-    async def _send_all(self, data: Payload, rs: ResponseStream, *, bulk: bool = False) -> None:
-        """Send ``data``; ``bulk``: in `CHUNK_SIZE` pieces, on plain TCP by `hydra_trio.transport.net.send_view`."""
+    async def _send_all(self, data: Payload, rs: ResponseStream, *, bulk: bool = False, head: bytes = b"") -> None:
+        """Send ``head`` then ``data``; ``bulk``: in `CHUNK_SIZE` pieces, on plain TCP by
+        `hydra_trio.transport.net.send_view` (``head`` in its first write)."""
         stream = self._stream
         if stream is None:
             raise self._closed_error(rs)
         self._in_request = True  # from the first byte on, a failure desyncs the stream
         try:
+            if bulk and isinstance(stream, trio.SocketStream):
+                await send_view(stream, memoryview(data).cast("B"), CHUNK_SIZE, progress_timeout=self.timeout,
+                                head=head)
+                return
+            if head:
+                with trio.fail_after(self.timeout):
+                    await stream.send_all(head)
             if not bulk:
                 with trio.fail_after(self.timeout):
                     await stream.send_all(data)
-            elif isinstance(stream, trio.SocketStream):
-                await send_view(stream, memoryview(data).cast("B"), CHUNK_SIZE, progress_timeout=self.timeout)
             elif len(data) < BULK_TLS_MIN or not await tls_send_view(stream, memoryview(data).cast("B"), self.timeout):
                 await _send_pieces(stream, memoryview(data).cast("B"), self.timeout)
         except trio.TooSlowError:
@@ -430,8 +436,7 @@ class HydraConnection:
             if len(payload) <= CHUNK_SIZE:
                 await self._send_all(header + bytes(payload), rs)
                 return
-            await self._send_all(header, rs)
-            await self._send_all(payload, rs, bulk=True)
+            await self._send_all(payload, rs, bulk=True, head=header)
 
         return ResponseStream(self, op, key, tid, send, check)
 

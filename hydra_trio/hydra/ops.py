@@ -104,12 +104,13 @@ class OpContext:
         :func:`~hydra_trio.transport.net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS
         from a worker thread (:func:`~hydra_trio.transport.tls_bulk.tls_send_view`; a payload under
         :data:`~hydra_trio.transport.tls_bulk.BULK_TLS_MIN`: ``send_all`` of memoryview slices)."""
-        await self.stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
+        header = encode_response_header(Status.OK, meta, len(blob))
         view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
         step = self.node.state_chunk_size
-        if isinstance(self.stream, trio.SocketStream):
-            await send_view(self.stream, view, step, sent=self._count_sent)
+        if isinstance(self.stream, trio.SocketStream):  # the header rides in the first write
+            await send_view(self.stream, view, step, sent=self._count_sent, head=header)
             return
+        await self.stream.send_all(header)
         if len(view) >= BULK_TLS_MIN and await tls_send_view(self.stream, view, sent=self._count_sent):
             return
         for i in range(0, len(view), step):

@@ -40,16 +40,19 @@ def _fd(stream: trio.SocketStream) -> int:
 
 
 async def send_view(stream: trio.SocketStream, view: memoryview, step: int,
-                    sent: Callable[[int], None] | None = None, progress_timeout: float = math.inf) -> None:
-    """Send all of ``view`` on a plain TCP stream, straight from its memory, in pieces of at most ``step``
-    bytes: non-blocking ``writev`` calls of up to :data:`BULK_WRITE` bytes (several pieces each),
-    waiting (``wait_writable``) only when the kernel's send buffer is full.
+                    sent: Callable[[int], None] | None = None, progress_timeout: float = math.inf,
+                    head: bytes = b"") -> None:
+    """Send ``head`` then all of ``view`` on a plain TCP stream, straight from its memory, in pieces of at
+    most ``step`` bytes: non-blocking ``writev`` calls of up to :data:`BULK_WRITE` bytes (several pieces
+    each; ``head``, a frame header, rides in the first, so the peer wakes once rather than for a header
+    alone: a loopback send costs about 0.13 ms on the project's VM), waiting (``wait_writable``) only
+    when the kernel's send buffer is full.
 
     The loop trio's ``send_all`` runs, without its two scheduler checkpoints per write and with fewer
     system calls (measured on loopback: trio's ``send_all`` of 256 KiB pieces and one write per
     256 KiB both reach 0.6-0.75x of a blocking ``sendall``; 4 MiB per call about 1x); it checkpoints
-    every :data:`FAIR_BYTES`.  ``sent(n)`` is called after each call.  The caller holds the stream
-    (no other task sends on it).
+    every :data:`FAIR_BYTES`.  ``sent(n)`` is called after each call with the bytes of ``view`` it took.
+    The caller holds the stream (no other task sends on it).
 
     Raises:
         trio.TooSlowError: the kernel took no byte for ``progress_timeout`` seconds.
@@ -58,10 +61,12 @@ async def send_view(stream: trio.SocketStream, view: memoryview, step: int,
     """
     await trio.lowlevel.checkpoint_if_cancelled()
     pos, since, total = 0, 0, len(view)
-    while pos < total:
+    rest = memoryview(head)  # what is left of the head
+    while pos < total or rest:
         end = min(total, pos + max(step, BULK_WRITE // step * step))
+        pieces = [view[i : min(i + step, end)] for i in range(pos, end, step)]
         try:
-            n = os.writev(_fd(stream), [view[i : min(i + step, end)] for i in range(pos, end, step)])
+            n = os.writev(_fd(stream), [rest, *pieces] if rest else pieces)
         except BlockingIOError:
             with trio.fail_after(progress_timeout):
                 await trio.lowlevel.wait_writable(stream.socket)
@@ -69,9 +74,12 @@ async def send_view(stream: trio.SocketStream, view: memoryview, step: int,
             continue
         except OSError as exc:
             raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+        if rest:
+            took = min(n, len(rest))
+            rest, n = rest[took:], n - took
         pos += n
         since += n
-        if sent is not None:
+        if sent is not None and n:
             sent(n)
         if since >= FAIR_BYTES:
             await trio.lowlevel.checkpoint()
