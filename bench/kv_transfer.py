@@ -18,7 +18,9 @@ one warm-up round, each round in this order:
 
 * raw GET: a peer process sends the same number of bytes from a buffer over a
   kept loopback socket, the bench receives them with ``recv_into`` into its
-  buffer (the same socket kind: plain, or TLS with the ssl module);
+  buffer (the same socket kind: plain, or TLS with the ssl module; ``TCP_NODELAY``
+  on both ends, as on trio's sockets: without it a TLS round trip of a few MB
+  sometimes waited 40 ms on Nagle and delayed ACKs, and the reference swung 10x);
 * Hydra STATE_GET of slot 0 through `HydraClient` over a kept connection,
   the payload received into the same kind of buffer (``state_get_into``);
 * raw PUT: the bench sends the bytes, the peer receives them into its buffer
@@ -79,6 +81,7 @@ PEER = textwrap.dedent(r"""
         ctx.load_cert_chain(cert, key)
     while True:
         conn, _ = ls.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as trio's sockets (the node's, the client's)
         if ctx is not None:
             conn = ctx.wrap_socket(conn, server_side=True)
         while True:
@@ -111,6 +114,7 @@ class RawPeer:
         assert self.proc.stdout is not None
         port = int(self.proc.stdout.readline())
         sock = socket.create_connection(("127.0.0.1", port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle stall behind the 9-byte command
         self.sock = tls[2].wrap_socket(sock, server_hostname="127.0.0.1") if tls else sock
 
     def get(self, into: memoryview, n: int) -> float:

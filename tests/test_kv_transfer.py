@@ -23,7 +23,8 @@ from hydra_trio.engine.state import verify_checksum
 from hydra_trio.transport.frontdoor import FrontDoorSettings
 from hydra_trio.hydra.client import HydraClient
 from hydra_trio.models.presets import resolve_model
-from hydra_trio.protocol.hydra import Op, RequestDecoder, RequestEnded, RequestStarted, encode_request_header
+from hydra_trio.protocol.hydra import (Op, RequestDecoder, RequestEnded, RequestStarted, ResponseDecoder, ResponseStarted,
+                                       Status, encode_request_header)
 from hydra_trio.transport.tls import TlsSettings, client_context, server_context
 
 from .conftest import embedded_node, wait_for
@@ -95,17 +96,28 @@ def test_bulk_loops_over_a_real_socket() -> None:
             nursery.start_soon(accept)
             client = await trio.open_tcp_stream("127.0.0.1", port)
         server = accepted[0]
-        into = memoryview(bytearray(len(data)))
+        head = b"frame header"
+        into = memoryview(bytearray(len(head) + len(data)))
         counted: list[int] = []
+        pieces: list[bytes] = []  # what the received callback was handed, in order
+
+        async def send() -> None:
+            await send_view(client, memoryview(data), 256 * 1024, counted.append, head=head)
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_view, client, memoryview(data), 256 * 1024, counted.append)
-            got, closed = await recv_into_view(server, into, 10.0)
-        assert (got, closed) == (len(data), False) and into == data and sum(counted) == len(data)
+            nursery.start_soon(send)
+            got, closed = await recv_into_view(server, into, 10.0, lambda p: pieces.append(bytes(p)))
+        assert (got, closed) == (len(into), False) and into == head + data
+        assert sum(counted) == len(data)  # the count is the view's bytes (the head rode in the first write)
         assert max(counted) <= BULK_WRITE  # several 256 KiB pieces per system call
-        # nothing more comes: a stall is reported after the progress timeout, with what did arrive
+        # the callback saw every byte once, in order (batched: fewer calls than reads of 64 KiB would make)
+        assert b"".join(pieces) == head + data and 1 < len(pieces)
+        into = memoryview(bytearray(len(data)))
+        # nothing more comes: a stall is reported after the progress timeout, with what did arrive (and told)
         await client.send_all(b"xyz")
-        got, closed = await recv_into_view(server, into, 0.3)
-        assert (got, closed) == (3, False) and into[:3] == b"xyz"
+        pieces.clear()
+        got, closed = await recv_into_view(server, into, 0.3, lambda p: pieces.append(bytes(p)))
+        assert (got, closed) == (3, False) and into[:3] == b"xyz" and pieces == [b"xyz"]
         await client.aclose()
         got, closed = await recv_into_view(server, into, 5.0)
         assert (got, closed) == (0, True)
@@ -262,3 +274,100 @@ def test_http_state_put_whose_client_leaves_mid_body_is_no_server_error(
     assert '" 400 ' in lines[0].getMessage(), lines[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
     assert httpx.get(base + "/slots/0/state/meta", timeout=60).json()["n_past"] == N_TOKENS
+
+
+def _tls_socket(node: Any, certs: tuple[Path, Path, Path], rcvbuf: int = 0) -> Any:
+    """A blocking TLS client socket (the ssl module, not trio) to the node; ``rcvbuf``: its receive buffer
+    (bytes, set before it connects: a small one keeps the node's send waiting on it)."""
+    raw = socket.socket()
+    raw.settimeout(120)
+    if rcvbuf:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    raw.connect(("127.0.0.1", node.port))
+    return client_context(certs[0]).wrap_socket(raw, server_hostname="127.0.0.1")
+
+
+def _replies(sock: Any, n: int) -> list[tuple[int, dict[str, Any]]]:
+    """The next ``n`` replies on ``sock``: (status, meta) each (payloads dropped)."""
+    dec, out = ResponseDecoder(), []
+    while len(out) < n:
+        data = sock.recv(1 << 16)
+        assert data, f"the node closed after {len(out)} of {n} replies"
+        out += [(ev.header.status, ev.meta) for ev in dec.feed(data) if isinstance(ev, ResponseStarted)]
+    return out
+
+
+def test_tls_state_put_received_on_a_thread_then_trio_goes_on(
+        node: Any, prompt: list[int], certs: tuple[Path, Path, Path]) -> None:
+    """Over TLS a large STATE_PUT payload is decrypted into its buffer on a worker thread with the
+    connection's own TLS state; sent as the first request on a fresh connection (TLS 1.3 session tickets
+    still held back by trio) in one write with an INFO, a corrupt STATE_PUT and another INFO behind it, the
+    ciphertext the thread read past each payload is served by trio afterwards: four replies in order, the
+    corrupt blob refused by the checksum taken as it arrived, slot 1 restored once."""
+    base = f"http://127.0.0.1:{node.port}"
+    blob = httpx.get(base + "/slots/0/state", timeout=120).content
+    assert len(blob) > 5_000_000
+    bad = bytearray(blob)
+    bad[len(bad) * 2 // 3] ^= 0x10
+    assert httpx.post(base + "/slots/1?action=erase", timeout=60).status_code == 200
+    frames = (encode_request_header(Op.STATE_PUT, "1", "tls-put", len(blob)) + blob
+              + encode_request_header(Op.INFO, "", "tls-info") + encode_request_header(Op.STATE_PUT, "1", "tls-bad", len(bad))
+              + bytes(bad) + encode_request_header(Op.INFO, "", "tls-info2"))
+    with _tls_socket(node, certs) as s:
+        assert s.version() == "TLSv1.3"
+        s.sendall(frames)
+        (st1, put), (st2, info), (st3, refused), (st4, info2) = _replies(s, 4)
+    assert st1 == Status.OK and put["restored"] is True and put["n_past"] == N_TOKENS and put["bytes"] == len(blob)
+    assert st2 == st4 == Status.OK and info["engine"] == info2["engine"] == "hydra-trio"
+    assert st3 == Status.ERROR and "corrupt" in refused["error"], refused
+    assert httpx.get(base + "/slots/1/state/meta", timeout=60).json()["n_past"] == N_TOKENS
+    assert continuation(base, 1, prompt + [prompt[9]])["timings"]["cache_n"] == N_TOKENS
+
+
+def test_tls_state_put_cut_off_mid_payload_changes_nothing(
+        node: Any, prompt: list[int], certs: tuple[Path, Path, Path]) -> None:
+    """Over TLS, a STATE_PUT announcing 4 MB whose sender closes after 1 MB: the worker thread sees the end,
+    the node applies nothing, closes and serves on."""
+    base = f"http://127.0.0.1:{node.port}"
+    assert httpx.post(base + "/slots/1?action=erase", timeout=60).status_code == 200
+    with _tls_socket(node, certs) as s:
+        s.sendall(encode_request_header(Op.STATE_PUT, "1", "tls-cut", 4_000_000) + bytes(1_000_000))
+        socket.socket.shutdown(s, socket.SHUT_WR)  # the TCP end mid-payload, without a TLS close_notify
+        assert s.recv(1) == b""  # the node closes without a reply (its session tickets are read by ssl)
+
+    async def info() -> dict[str, Any]:
+        async with HydraClient("127.0.0.1", node.port, timeout=60, ssl_context=client_context(certs[0])) as c:
+            return await c.info()
+
+    assert trio.run(info)["engine"] == "hydra-trio"
+    assert httpx.get(base + "/slots/1/state/meta", timeout=60).json()["n_past"] == 0
+
+
+def test_tls_state_get_whose_client_leaves_mid_payload(node: Any, prompt: list[int], certs: tuple[Path, Path, Path],
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Over TLS a STATE_GET's payload is sent from a worker thread; a client that reads the first MB and
+    closes ends that send (the node logs no error and serves on), and the blob's buffer goes back to the pool."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    base = f"http://127.0.0.1:{node.port}"
+    size = httpx.get(base + "/slots/0/state/meta", timeout=60).json()["state_size"]
+    assert size > 5_000_000
+    TRANSFER_POOL.clear()  # no idle mapping: the STATE_GET makes one, and gives it back when its send ends
+    with _tls_socket(node, certs, rcvbuf=64 * 1024) as s:  # the kernel cannot take the rest of the blob
+        s.sendall(encode_request_header(Op.STATE_GET, "0", "tls-leave"))
+        got = 0
+        while got < 1_000_000:
+            got += len(s.recv(1 << 16))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+    assert wait_for(lambda: TRANSFER_POOL.idle_bytes >= size, what="the blob's buffer back in the pool")
+
+    async def get() -> tuple[dict[str, Any], bytes]:
+        async with HydraClient("127.0.0.1", node.port, timeout=60, ssl_context=client_context(certs[0])) as c:
+            meta, view = await c.state_get_into(0)
+            return meta, bytes(view)
+
+    meta, blob = trio.run(get)  # a new TLS connection gets the whole blob
+    assert meta["n_past"] == N_TOKENS and verify_checksum(blob).n_tokens == N_TOKENS
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors

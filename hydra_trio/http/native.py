@@ -33,7 +33,7 @@ from ..api.native import NativeCompletion, generation_settings
 from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from ..engine.requests import JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import verify_checksum
+from ..engine.state import RunningChecksum, verify_checksum
 from ..engine.tasks import RestoreSlot, SaveSlot
 from ..errors import HydraTrioError
 from ._common import _BodyError, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for
@@ -170,8 +170,8 @@ class NativeRoutes:
             "X-Model-Hash": e.identity.model_hash})
 
     async def put_state(self, request: Request) -> Response:
-        """The body goes into one buffer (:meth:`_read_blob`), is checked in a worker thread and applied
-        on the engine thread, as Hydra STATE_PUT."""
+        """The body goes into one buffer (:meth:`_read_blob`, hashed as it arrives), is checked off the engine
+        thread (a small body read whole: in a worker thread) and applied on the engine thread, as Hydra STATE_PUT."""
         e = self.api.engine
         id_slot = self.api._slot_id(request)
         if isinstance(id_slot, Response):
@@ -179,10 +179,14 @@ class NativeRoutes:
         assert e is not None and e.identity is not None
         blob: bytearray | BlobBuffer | None = None
         try:
-            blob = await self._read_blob(request, self.api.settings.max_state_body)
+            blob, running = await self._read_blob(request, self.api.settings.max_state_body)
             size = len(blob)  # restore_slot consumes the blob (frames it in place)
-            # integrity first, in a worker thread: the engine thread never hashes a large blob
-            await trio.to_thread.run_sync(verify_checksum, blob)
+            # integrity first, never on the engine thread: a body hashed as it arrived has only its header
+            # read now; another in a worker thread
+            if running is not None:
+                verify_checksum(blob, running)
+            else:
+                await trio.to_thread.run_sync(verify_checksum, blob)
             done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
@@ -194,22 +198,25 @@ class NativeRoutes:
                              "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
                              **e.identity.as_meta()})
 
-    async def _read_blob(self, request: Request, limit: int) -> bytearray | BlobBuffer:
+    async def _read_blob(self, request: Request, limit: int) -> tuple[bytearray | BlobBuffer, RunningChecksum | None]:
         """A state body of a declared ``Content-Length`` (at least :data:`STATE_CHUNK`) into one buffer of
-        the transfer pool, each chunk copied in as it arrives; otherwise into a bytearray
-        (``Api._read_bytes``).  Raises _BodyError: over ``limit`` (413), a stall (408), a body whose
-        length is not the declared one (400)."""
+        the transfer pool, each chunk copied in and hashed (the blob checksum, while it is in cache) as it
+        arrives: ``(blob, its running checksum)``; otherwise into a bytearray (``Api._read_bytes``), with
+        None.  Raises _BodyError: over ``limit`` (413), a stall (408), a body whose length is not the
+        declared one (400)."""
         declared = request.headers.get("content-length")
         if declared is None or not declared.isdigit() or not STATE_CHUNK <= int(declared) <= limit:
-            return await self.api._read_bytes(request, limit)
+            return await self.api._read_bytes(request, limit), None
         n, pos, timeout = int(declared), 0, self.api.settings.body_timeout
         blob = TRANSFER_POOL.take(n)
+        running = RunningChecksum()
         try:
             view = blob.view()
             async for chunk in body_chunks(request, timeout):
                 if pos + len(chunk) > n:
                     raise _BodyError(400, f"the body is longer than its Content-Length ({n} bytes)")
                 view[pos : pos + len(chunk)] = chunk
+                running.update(view[pos : pos + len(chunk)])
                 pos += len(chunk)
             del view
             if pos != n:
@@ -217,7 +224,7 @@ class NativeRoutes:
         except BaseException:
             blob.release()  # nothing else has seen it
             raise
-        return blob
+        return blob, running
 
 
 STATE_CHUNK = 1024 * 1024

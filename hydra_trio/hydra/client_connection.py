@@ -56,6 +56,7 @@ from ..protocol.hydra import (
     encode_request_header,
 )
 from ..transport.net import recv_into_view, send_view
+from ..transport.tls_bulk import BULK_TLS_MIN, ssl_stream_of, tls_recv_into_view, tls_send_view
 from ..protocol.address import parse_peer
 from .errors import (
     HydraConnectError,
@@ -368,19 +369,25 @@ class HydraConnection:
         """The rest of ``rs``'s payload into ``view``; the bytes written (:func:`_receive_payload_into`)."""
         return await _receive_payload_into(self, rs, view)
 
-    async def _send_all(self, data: Payload, rs: ResponseStream, *, bulk: bool = False) -> None:
-        """Send ``data``; ``bulk``: in `CHUNK_SIZE` pieces, on plain TCP by `hydra_trio.transport.net.send_view`."""
+    async def _send_all(self, data: Payload, rs: ResponseStream, *, bulk: bool = False, head: bytes = b"") -> None:
+        """Send ``head`` then ``data``; ``bulk``: in `CHUNK_SIZE` pieces, on plain TCP by
+        `hydra_trio.transport.net.send_view` (``head`` in its first write)."""
         stream = self._stream
         if stream is None:
             raise self._closed_error(rs)
         self._in_request = True  # from the first byte on, a failure desyncs the stream
         try:
+            if bulk and isinstance(stream, trio.SocketStream):
+                await send_view(stream, memoryview(data).cast("B"), CHUNK_SIZE, progress_timeout=self.timeout,
+                                head=head)
+                return
+            if head:
+                with trio.fail_after(self.timeout):
+                    await stream.send_all(head)
             if not bulk:
                 with trio.fail_after(self.timeout):
                     await stream.send_all(data)
-            elif isinstance(stream, trio.SocketStream):
-                await send_view(stream, memoryview(data).cast("B"), CHUNK_SIZE, progress_timeout=self.timeout)
-            else:
+            elif len(data) < BULK_TLS_MIN or not await tls_send_view(stream, memoryview(data).cast("B"), self.timeout):
                 await _send_pieces(stream, memoryview(data).cast("B"), self.timeout)
         except trio.TooSlowError:
             await self._abort("send timed out")
@@ -429,8 +436,7 @@ class HydraConnection:
             if len(payload) <= CHUNK_SIZE:
                 await self._send_all(header + bytes(payload), rs)
                 return
-            await self._send_all(header, rs)
-            await self._send_all(payload, rs, bulk=True)
+            await self._send_all(payload, rs, bulk=True, head=header)
 
         return ResponseStream(self, op, key, tid, send, check)
 
@@ -489,16 +495,23 @@ async def _receive_payload_into(self: HydraConnection, rs: ResponseStream, view:
     """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
     ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
     (`hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
-    TLS the decrypted chunks are copied in.  ``timeout`` bounds each wait for progress; errors as
+    TLS they are decrypted straight into it on a worker thread (`hydra_trio.transport.tls_bulk.tls_recv_into_view`;
+    under 256 KiB left: the decrypted chunks are copied in).  ``timeout`` bounds each wait for progress; errors as
     `next_event`."""
     pos = 0
     while self._events and not rs.done:  # what came with the reply header
         pos += _take_event(self, rs, view, pos)
     stream = self._stream
     left = self._decoder.payload_remaining
-    if not rs.done and isinstance(stream, trio.SocketStream) and left:
+    direct = isinstance(stream, trio.SocketStream) or (left >= BULK_TLS_MIN and ssl_stream_of(stream) is not None)
+    if not rs.done and direct and left:
         try:
-            got, closed = await recv_into_view(stream, view[pos : pos + left], self.timeout)
+            if isinstance(stream, trio.SocketStream):
+                done = await recv_into_view(stream, view[pos : pos + left], self.timeout)
+            else:
+                done = await tls_recv_into_view(stream, view[pos : pos + left], self.timeout)
+            assert done is not None  # ssl_stream_of found the TLS state
+            got, closed = done
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             await self._abort("connection lost")
             raise HydraConnectionClosed(f"connection to {self.address} lost: {exc}", op=rs.op,

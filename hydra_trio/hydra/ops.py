@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from ..transport.net import send_view
+from ..transport.tls_bulk import BULK_TLS_MIN, tls_send_view
 from .._version import __version__
 from ..api.jobs import ChatTools, chat_job, job_continue
 from ..api.tools import parse_reply
@@ -35,7 +36,7 @@ from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import verify_checksum
+from ..engine.state import RunningChecksum, verify_checksum
 from ..engine.tasks import PipelineAttach, Reconfigure, RestoreSlot, SaveSlot, SetExpertMode, SwapQuant
 from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..rpc_backend.backend import RpcBackend
@@ -100,13 +101,17 @@ class OpContext:
     async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes | BlobBuffer) -> None:
         """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)
         taken straight from the blob's one buffer, never copied: on a plain TCP stream by
-        :func:`~hydra_trio.transport.net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS by
-        ``send_all`` of memoryview slices (the cipher reads them)."""
-        await self.stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
+        :func:`~hydra_trio.transport.net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS
+        from a worker thread (:func:`~hydra_trio.transport.tls_bulk.tls_send_view`; a payload under
+        :data:`~hydra_trio.transport.tls_bulk.BULK_TLS_MIN`: ``send_all`` of memoryview slices)."""
+        header = encode_response_header(Status.OK, meta, len(blob))
         view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
         step = self.node.state_chunk_size
-        if isinstance(self.stream, trio.SocketStream):
-            await send_view(self.stream, view, step, sent=self._count_sent)
+        if isinstance(self.stream, trio.SocketStream):  # the header rides in the first write
+            await send_view(self.stream, view, step, sent=self._count_sent, head=header)
+            return
+        await self.stream.send_all(header)
+        if len(view) >= BULK_TLS_MIN and await tls_send_view(self.stream, view, sent=self._count_sent):
             return
         for i in range(0, len(view), step):
             piece = view[i : i + step]
@@ -191,9 +196,9 @@ async def state_put(ctx: OpContext) -> None:
     size = len(blob)  # restore_slot consumes the blob (frames it in place)
     with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=size) as event:
         try:
-            # integrity first, in a worker thread: the engine thread never hashes a multi-GB blob (a
-            # buffered payload was hashed as it arrived: only its header is read then)
-            await trio.to_thread.run_sync(verify_checksum, blob, ctx.req.checksum)
+            # integrity first, never on the engine thread; a payload hashed as it arrived (only its header is
+            # read now) or a small one is checked here, a large unhashed one in a worker thread
+            await check_off_engine(blob, ctx.req.checksum)
             done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         except HydraTrioError:  # the thread and the engine are done with it (cancelled: it is dropped, not pooled)
             _give_back(blob)
@@ -203,6 +208,22 @@ async def state_put(ctx: OpContext) -> None:
         await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
                          "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
                          **ctx.identity(e)})
+
+
+INLINE_CHECK = 1 << 20
+"""Bytes of a STATE_PUT blob not hashed on arrival that are still hashed on the event loop (about 0.1 ms):
+a worker thread's round trip costs more than that on a loaded machine."""
+
+
+async def check_off_engine(blob: bytearray | BlobBuffer, running: RunningChecksum | None = None) -> None:
+    """:func:`~hydra_trio.engine.state.verify_checksum` of a STATE_PUT blob before the engine sees it: here
+    when ``running`` already hashed all of it (only the header is read) or it is at most
+    :data:`INLINE_CHECK` bytes, else in a worker thread.  Raises StateError."""
+    if (running is not None and running.seen == len(blob)) or len(blob) <= INLINE_CHECK:
+        verify_checksum(blob, running)
+        await trio.lowlevel.checkpoint()
+    else:
+        await trio.to_thread.run_sync(verify_checksum, blob, running)
 
 
 def _give_back(blob: bytearray | BlobBuffer) -> None:

@@ -25,6 +25,7 @@ import attrs
 import trio
 
 from ..transport.net import recv_into_view
+from ..transport.tls_bulk import BULK_TLS_MIN, ssl_stream_of, tls_recv_into_view
 from ..engine.blobbuf import BlobBuffer
 from ..engine.state import RunningChecksum
 from ..protocol.hydra import (
@@ -78,6 +79,10 @@ class HydraRequest:
     payload: bytearray | BlobBuffer = attrs.field(factory=bytearray)
     filled: int = 0
     checksum: RunningChecksum | None = None  # a buffered payload's blob checksum, taken as its bytes arrive
+
+
+HEAD_READ = 16 * 1024
+"""Bytes read at most while no request is under way (its head, or small requests whole)."""
 
 
 class Drain:
@@ -150,7 +155,9 @@ async def serve_connection(
     Its ``payload_buffer(op, payload_len)`` may give a buffer for a kept payload:
     on a plain TCP stream the payload then goes from the socket straight into it
     (:func:`~hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per
-    read, past the decoder); over TLS the decrypted chunks are copied in.
+    read, past the decoder); over TLS it is decrypted straight into it on a worker
+    thread (:func:`~hydra_trio.transport.tls_bulk.tls_recv_into_view`; the last
+    bytes of a payload, under 256 KiB, as decrypted chunks copied in).
     """
     dec = RequestDecoder(max_payload=settings.max_json_payload, max_payload_for=protocol.max_payload)
     req: HydraRequest | None = None
@@ -173,7 +180,12 @@ async def serve_connection(
         if into is not None:  # the rest of a buffered payload, straight from the socket
             assert req is not None
             hash_piece = req.checksum.update if req.checksum is not None else None
-            got, closed = await recv_into_view(stream, into, settings.request_timeout, hash_piece)
+            if isinstance(stream, trio.SocketStream):
+                done = await recv_into_view(stream, into, settings.request_timeout, hash_piece)
+            else:
+                done = await tls_recv_into_view(stream, into, settings.request_timeout, hash_piece)
+            assert done is not None  # _direct_target found the TLS state
+            got, closed = done
             del into  # no view of the buffer outlives the receive
             req.filled += got
             req = await _handle_events(dec.skip_payload(got), req, protocol)
@@ -187,7 +199,10 @@ async def serve_connection(
         with trio.move_on_at(deadline) as scope:
             # between requests a drain may close it now
             with drain.while_idle(scope) if idle else contextlib.nullcontext():
-                data = await stream.receive_some(settings.chunk_size)
+                # a request's head is read in small pieces: a large payload behind it then goes past the
+                # decoder (straight into its buffer) from its first bytes on, instead of up to a chunk of it
+                # being copied out of the decoder's events
+                data = await stream.receive_some(settings.chunk_size if req is not None else HEAD_READ)
         if scope.cancelled_caught:
             why = "the node is shutting down" if idle and drain.draining else "idle" if idle else "stalled mid-request"
             log.info("hydra: connection %s; closed", why)
@@ -208,10 +223,14 @@ async def serve_connection(
 
 
 def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -> memoryview | None:
-    """Where the next bytes go when they can skip the decoder: the rest of a buffered payload on a plain socket."""
-    if req is None or not isinstance(req.payload, BlobBuffer) or not isinstance(stream, trio.SocketStream):
+    """Where the next bytes go when they can skip the decoder: the rest of a buffered payload on a plain
+    socket, or over TLS when at least :data:`~hydra_trio.transport.tls_bulk.BULK_TLS_MIN` bytes are left
+    (received on a worker thread, :func:`~hydra_trio.transport.tls_bulk.tls_recv_into_view`)."""
+    if req is None or not isinstance(req.payload, BlobBuffer):
         return None
     left = dec.payload_remaining
+    if not isinstance(stream, trio.SocketStream) and (left < BULK_TLS_MIN or ssl_stream_of(stream) is None):
+        return None
     return req.payload.view()[req.filled : req.filled + left] if left else None
 
 

@@ -130,8 +130,9 @@ class TlsPipe:
         self._ssl = threading.Lock()
         self._tx = threading.Lock()
         self._eof = False
-        self._raw = bytearray(RECV_BUFFER)  # ciphertext from the socket (the receiving thread's)
-        self._raw_view = memoryview(self._raw)
+        self._raw: bytearray | None = None  # ciphertext from the socket (the receiving thread's; made on first use)
+        self._raw_view = memoryview(b"")
+        self.alert_at_end = True  # send what OpenSSL queues on the peer's end (its fatal alert on a TCP end)
 
     # ------------------------------------------------------------ making one
     @classmethod
@@ -208,10 +209,13 @@ class TlsPipe:
         while True:
             with self._ssl:
                 n, flush = self._read(view)
-            if flush:
+            if flush and (self.alert_at_end or not self._eof):
                 self._flush()
             if n is not None:
                 return n
+            if self._raw is None:
+                self._raw = bytearray(RECV_BUFFER)
+                self._raw_view = memoryview(self._raw)
             got = self.sock.recv_into(self._raw)
             with self._ssl:
                 if got:
