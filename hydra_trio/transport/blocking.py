@@ -20,9 +20,12 @@ work in :class:`TlsPipe`) run without the GIL.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import ssl
+import struct
+import termios
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +56,67 @@ def restore(dup: Any) -> None:
     except OSError:
         pass
     dup.close()
+
+
+def send_pieces(sock: Any, pieces: list[bytes | memoryview]) -> int:
+    """Send ``pieces`` in order, all of them (blocking), with as few system calls as they allow:
+    one ``sendall`` for one piece, gathered ``sendmsg`` calls for several (a :class:`TlsPipe`:
+    one encryption pass and one send).  Returns the bytes sent.
+
+    Raises:
+        OSError: the connection broke.
+    """
+    if len(pieces) == 1:
+        sock.sendall(pieces[0])
+        return len(pieces[0])
+    if isinstance(sock, TlsPipe):
+        return sock.send_pieces(pieces)
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    total = sum(len(v) for v in views)
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while sent:  # drop what went out; a partial piece is resent from where it stopped
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return total
+
+
+_IOV_MAX = 512  # pieces per sendmsg (Linux allows 1024)
+
+
+class LowWater:
+    """A plain socket's receive low-water mark (``SO_RCVLOWAT``), set only when it changes.
+
+    A blocking receive then returns only once ``at`` bytes are there (or at the end, an error, or
+    a shutdown), so a relay that needs the rest of a message head before it can pass anything on
+    is woken once instead of once per TCP segment (ggml's client sends a request's command byte,
+    its size and its payload in three sends).  The caller must never ask for more than the peer
+    will send without waiting for an answer.  A socket that refuses the option (another
+    kind) keeps receiving as before.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.at = 1  # the kernel's default
+        self.works = True
+
+    def set(self, at: int) -> None:
+        if at != self.at and self.works:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, at)
+                self.at = at
+            except OSError:
+                self.works = False
+
+    def queued(self) -> int:
+        """Bytes received by the kernel and not yet read (``FIONREAD``); 0 when it cannot tell."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            return 0
 
 
 def shutdown_all(socks: list[Any]) -> None:
@@ -253,6 +317,24 @@ class TlsPipe:
                     view = view[n:]
                 out = self._take_out()
             self.sock.sendall(out)
+
+    def send_pieces(self, pieces: list[bytes | memoryview]) -> int:
+        """:meth:`sendall` of ``pieces`` in order, encrypted in one pass and sent in one call; their size."""
+        total = 0
+        with self._tx:
+            with self._ssl:
+                for piece in pieces:
+                    view = memoryview(piece)
+                    total += len(view)
+                    while view:
+                        try:
+                            n = self.obj.write(view)
+                        except ssl.SSLWantReadError:
+                            raise ssl.SSLError("TLS renegotiation is not supported here") from None
+                        view = view[n:]
+                out = self._take_out()
+            self.sock.sendall(out)
+        return total
 
     def _take_out(self) -> bytes:
         out = self._out.read()
