@@ -9,18 +9,21 @@ same parts in the normal suite: raw ggml-RPC (:class:`tests.test_rpc_backend.Asy
 
 from __future__ import annotations
 
+import itertools
 import os
 import struct
 from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hydra_trio.protocol import ggml_rpc as g
 from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor
 from hydra_trio.protocol.hydra import Op, Status
 from hydra_trio.transport.tls import client_context
-from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool
+from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool, _RequestBounds
 
 from .conftest import ServerProcess
 from .hydra_wire import Wire
@@ -168,3 +171,24 @@ async def test_a_tls_client_gone_mid_message_leaves_the_backend_to_the_next(tls_
     with trio.fail_after(120):
         async with tls:
             await round_trip(AsyncRpc(tls))  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 17), st.binary(max_size=600)), min_size=1, max_size=6), st.data())
+def test_the_tunnels_low_water_mark_never_outruns_the_request_under_way(
+        requests: list[tuple[int, bytes]], data: st.DataObject) -> None:
+    """The tunnel waits for at most the rest of the request a client is sending (a 9-byte header
+    between requests), whatever the pieces the bytes arrive in: it can never wait for bytes
+    ggml's client holds back until it has an answer."""
+    stream = b"".join(g.encode_request(cmd, payload) for cmd, payload in requests)
+    ends = set(itertools.accumulate(len(g.encode_request(c, p)) for c, p in requests))
+    bounds = _RequestBounds()
+    at = 0
+    for cut in sorted(set(data.draw(st.lists(st.integers(1, len(stream)), max_size=8)))) + [len(stream)]:
+        if cut <= at:
+            continue
+        bounds.feed(memoryview(stream[at:cut]))
+        at = cut
+        rest = 9 if at in ends else min(e for e in ends if e > at) - at  # of the request under way
+        assert 1 <= bounds.low_water(1 << 18) <= rest, at
+    assert bounds.low_water(1 << 18) == 9 and bounds.low_water(4) == 4  # between requests: a header
