@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from hypothesis import strategies as st
 from hydra_trio.protocol import ggml_rpc as g
 from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.transport.blocking import LowWater
 from hydra_trio.transport.tls import client_context
 from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool, _RequestBounds
 
@@ -192,3 +196,35 @@ def test_the_tunnels_low_water_mark_never_outruns_the_request_under_way(
         rest = 9 if at in ends else min(e for e in ends if e > at) - at  # of the request under way
         assert 1 <= bounds.low_water(1 << 18) <= rest, at
     assert bounds.low_water(1 << 18) == 9 and bounds.low_water(4) == 4  # between requests: a header
+
+
+def test_a_low_water_receive_returns_once_the_mark_is_there_counting_bytes_already_queued() -> None:
+    """LowWater (the pump's and the tunnel's receives): one byte queued before the receive, eight after:
+    it returns the nine (a blocking recv under SO_RCVLOWAT would copy the one, then wait for nine more)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    server, _ = listener.accept()
+    with listener, client, server:
+        low = LowWater(server)
+        client.sendall(b"\x0f")
+        time.sleep(0.1)
+        low.set(9)
+        got: list[int] = []
+        buf = bytearray(64)
+        reader = threading.Thread(target=lambda: got.append(low.recv_into(buf)), daemon=True)
+        reader.start()
+        time.sleep(0.2)
+        assert got == []  # one byte is below the mark: no wake-up
+        client.sendall(bytes(8))
+        reader.join(10)
+        assert got == [9] and buf[:9] == b"\x0f" + bytes(8)
+        assert low.queued() == 0
+        client.sendall(b"\x01\x02")
+        time.sleep(0.1)
+        assert low.queued() == 2
+        low.set(1)
+        assert low.recv_into(buf) == 2
+        client.close()
+        low.set(9)
+        assert low.recv_into(buf) == 0  # the end wakes it below the mark

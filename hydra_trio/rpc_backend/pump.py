@@ -335,7 +335,7 @@ class Pump:
                 low.set(conn.request_low_water(LOW_WATER_CAP))
             self.ticks_in += 1
             self.receiving = True
-            n = client.recv_into(buf)
+            n = client.recv_into(buf) if low is None else low.recv_into(buf)
             self.receiving = False
             self.ticks_in += 1
             self.n_in += 1
@@ -362,7 +362,7 @@ class Pump:
         view = memoryview(buf)
         while True:
             low.set(conn.reply_low_water(LOW_WATER_CAP))
-            n = upstream.recv_into(buf)
+            n = low.recv_into(buf)
             if not n:  # the child is done with this client (it closed, or rejected a message)
                 client.shutdown(socket.SHUT_WR)
                 raise _ChildClosed

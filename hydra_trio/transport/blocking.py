@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import select
 import socket
 import ssl
 import struct
@@ -88,28 +89,44 @@ _IOV_MAX = 512  # pieces per sendmsg (Linux allows 1024)
 
 
 class LowWater:
-    """A plain socket's receive low-water mark (``SO_RCVLOWAT``), set only when it changes.
+    """Receives on a plain blocking socket that wake only once ``at`` bytes are there (``SO_RCVLOWAT``).
 
-    A blocking receive then returns only once ``at`` bytes are there (or at the end, an error, or
-    a shutdown), so a relay that needs the rest of a message head before it can pass anything on
-    is woken once instead of once per TCP segment (ggml's client sends a request's command byte,
-    its size and its payload in three sends).  The caller must never ask for more than the peer
-    will send without waiting for an answer.  A socket that refuses the option (another
-    kind) keeps receiving as before.
+    A relay that needs the rest of a message head before it can pass anything on is then woken
+    once instead of once per TCP segment (ggml's client sends a request's command byte, its size
+    and its payload in three sends).  The wait is a ``poll`` (the mark gates its readiness), then a
+    non-blocking receive of all there is: a blocking ``recv`` under a mark would copy the bytes
+    already queued and then wait for ``at`` *more* (Linux compares the mark with the bytes not yet
+    copied), which can hang a connection whose message ends sooner.  The caller must never ask for
+    more than the peer sends without waiting for an answer.  A socket that refuses the option
+    receives as before.
     """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.at = 1  # the kernel's default
         self.works = True
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
 
     def set(self, at: int) -> None:
+        """The mark for the next receives (bytes, at least 1); set in the kernel only when it changes."""
         if at != self.at and self.works:
             try:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, at)
                 self.at = at
             except OSError:
                 self.works = False
+
+    def recv_into(self, buf: bytearray) -> int:
+        """As ``socket.recv_into``: at least the mark's bytes (fewer at the end or on a shutdown), 0 at the end."""
+        if self.at <= 1:
+            return self.sock.recv_into(buf)
+        while True:
+            self._poll.poll()
+            try:
+                return self.sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:  # woken with nothing to read: wait again
+                continue
 
     def queued(self) -> int:
         """Bytes received by the kernel and not yet read (``FIONREAD``); 0 when it cannot tell."""

@@ -136,7 +136,7 @@ def _copy(src: Any, dst: Any, bounds: _RequestBounds | None = None) -> None:
         while True:
             if low is not None and bounds is not None:
                 low.set(bounds.low_water(LOW_WATER_CAP))
-            n = src.recv_into(buf)
+            n = src.recv_into(buf) if low is None else low.recv_into(buf)
             if not n:
                 break
             if bounds is not None:
