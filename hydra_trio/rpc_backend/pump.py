@@ -321,9 +321,9 @@ class Pump:
     def _inbound(self) -> None:
         """Client → child (on a thread): validate each message, pass on what passed, half-close on EOF.
 
-        Per receive: one ``recv_into`` (a plain client's low-water mark set to the rest of the head
-        being collected, so that a request sent in three pieces wakes this thread once), the checks,
-        and one send of what passed.
+        Per receive: one wake-up (a plain client's low-water mark is the rest of the head being
+        collected, :class:`~hydra_trio.transport.blocking.LowWater`, so that a request sent in three
+        pieces wakes this thread once), the checks, and one send of what passed.
         """
         client, upstream = self._socks
         conn, counters = self.conn, self.counters
