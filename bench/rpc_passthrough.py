@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hydra_trio.models.presets import resolve_model  # noqa: E402
 from hydra_trio.testing.spawn import ROOT, spawn, wait_healthy  # noqa: E402
 
 from bench._table import Row, print_table  # noqa: E402
@@ -58,7 +59,8 @@ def _recv(s: socket.socket, n: int) -> bytes:
 
 
 def load_s(port: int) -> float:
-    out = subprocess.run([sys.executable, "tests/rpc_client_probe.py", f"127.0.0.1:{port}", "Hi", "1"],
+    model = str(resolve_model("smollm2-135m")[0])  # the probe takes HOST:PORT MODEL.gguf PROMPT N
+    out = subprocess.run([sys.executable, "tests/rpc_client_probe.py", f"127.0.0.1:{port}", model, "Hi", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["load_s"]
 

@@ -472,6 +472,91 @@ def test_mutants_are_refused_whatever_the_split(m: GgmlRpcMutant, data: st.DataO
     assert events_of([msg], whole) == (evs, check)
 
 
+def passed_on(conn: GgmlRpcConnection, pieces: list[bytes], requests: bool = True) -> tuple[bytes, str | None]:
+    """The bytes the pump's path (pass_requests / pass_replies) passes on for ``pieces`` fed one by one,
+    and the check (or "reply") that stopped it; the pieces of a feed that raised are not passed on."""
+    out = bytearray()
+    try:
+        for piece in pieces:
+            passed = conn.pass_requests(piece) if requests else conn.pass_replies(piece)
+            out += b"".join(bytes(p) for p in passed)
+    except InvalidRpcRequest as exc:
+        return bytes(out), exc.check
+    except InvalidReply:
+        return bytes(out), "reply"
+    return bytes(out), None
+
+
+@FAST
+@given(ggml_rpc_sessions(max_steps=4), st.data())
+def test_the_pumps_path_passes_on_what_the_events_do_in_fewer_pieces(steps: list[RpcStep], data: st.DataObject) -> None:
+    """pass_requests / pass_replies (the pump's per-message path) against the events, for any split:
+    the same bytes, the same state; a feed of whole messages comes out as one slice of the input."""
+    events, fast = GgmlRpcConnection(), GgmlRpcConnection()
+    for step in steps:
+        up, _, _, _ = run_session(events, [RpcStep(step.request, None)])
+        cuts = split_at(step.request, data.draw(chunk_cuts(len(step.request))))
+        assert passed_on(fast, cuts) == (up, None)
+        if step.reply is not None:
+            down = b"".join(bytes(ev.data) for ev in events.receive_reply(step.reply) if not isinstance(ev, ReplyEnd))
+            assert passed_on(fast, split_at(step.reply, data.draw(chunk_cuts(len(step.reply)))), False) == (down, None)
+        assert (fast.requests, fast.replies, len(fast.pending), fast.compute_pending, fast.hello_answered) == (
+            events.requests, events.replies, len(events.pending), events.compute_pending, events.hello_answered)
+        assert fast.buffers == events.buffers and fast.between_messages == events.between_messages
+    batch = b"".join(s.request for s in steps if s.reply is None and s.request[0] != RpcCmd.HELLO)
+    if batch and not fast.pending:
+        pieces = fast.pass_requests(batch)
+        assert len(pieces) == 1 and bytes(pieces[0]) == batch  # whole valid messages: the input itself
+
+
+@FAST
+@given(ggml_rpc_mutants(), st.data())
+def test_the_pumps_path_refuses_mutants_as_the_events_do(m: GgmlRpcMutant, data: st.DataObject) -> None:
+    """A mutant stops the pump's path at the same check, and none of its bytes is passed on, whatever the split."""
+    prefix = [RpcStep(g.hello_request(), HELLO_REPLY), *rpc_buffer_steps()]
+    msg = m.make(RPC_BUFFER, RPC_BASE)
+    conn = GgmlRpcConnection()
+    run_session(conn, prefix)
+    out, check = passed_on(conn, split_at(msg, data.draw(chunk_cuts(len(msg)))))
+    assert check == m.check, m.kind
+    whole = GgmlRpcConnection()
+    run_session(whole, prefix)
+    evs, _ = events_of([msg], whole)
+    assert out == b"".join(bytes(e.data) for e in evs if not isinstance(e, RequestEnd))  # what the events release
+    assert len(out) < len(msg)
+    with pytest.raises(InvalidRpcRequest):  # the error sticks
+        conn.pass_requests(b"")
+
+
+def test_reply_of_the_wrong_size_stops_the_pumps_path() -> None:
+    conn = GgmlRpcConnection()
+    conn.pass_requests(g.hello_request())
+    assert passed_on(conn, [g.encode_reply(bytes(27))], False) == (b"", "reply")
+    stray = GgmlRpcConnection()
+    assert passed_on(stray, [b"\0" * 8], False) == (b"", "reply")  # nothing owed
+
+
+def test_low_water_marks_never_ask_for_more_than_the_message_holds() -> None:
+    """request_low_water: 9 between messages, the rest of a head being collected, 1 in tensor data;
+    reply_low_water: the whole reply owed (capped), 1 when none is."""
+    conn = with_buffer()
+    assert conn.request_low_water(1 << 18) == 9 and conn.reply_low_water(1 << 18) == 1
+    get = g.encode_request(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0))
+    conn.pass_requests(get[:3])
+    assert conn.request_low_water(1 << 18) == 6  # the rest of the header
+    conn.pass_requests(get[3:11])
+    assert conn.request_low_water(1 << 18) == 2  # the rest of the head
+    assert conn.request_low_water(1) == 1
+    conn.pass_requests(get[11:])
+    assert conn.request_low_water(1 << 18) == 9
+    assert conn.reply_low_water(1 << 18) == 8 + 16 and conn.reply_low_water(10) == 10
+    reply = g.encode_reply(bytes(16))
+    conn.pass_replies(reply[:5])
+    assert conn.reply_low_water(1 << 18) == 8 + 16 - 5
+    conn.pass_replies(reply[5:])
+    assert conn.reply_low_water(1 << 18) == 1
+
+
 @FAST
 @given(ggml_rpc_crashing_graphs())
 def test_crashing_graphs_never_get_through(m: GgmlRpcMutant) -> None:

@@ -308,6 +308,25 @@ def test_idle_between_messages_is_fine_a_stalled_message_is_not(spawn) -> None:
     assert r["crashes"] == 0
 
 
+def test_a_message_that_keeps_arriving_slowly_is_not_a_stall(spawn) -> None:
+    """The pump waits for a request's head in one receive (a low-water mark), so the bytes of a slow
+    client sit in the kernel meanwhile: they still count as arriving (a byte every 0.5 s of a 13-byte
+    request: its 4-byte head takes 2 s against a 1 s stall timeout), and a request split into single
+    bytes is answered as a whole one is."""
+    node = spawn("--no-model", "--rpc-stall-timeout", "1")
+    node.wait_ready()
+    with RawRpc(node.port) as c:
+        c.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one segment per byte
+        c.hello()
+        for byte in g.encode_request(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0)):
+            c.send(bytes([byte]))
+            time.sleep(0.5)
+        free, total = struct.unpack("<QQ", c.reply(16))
+        assert 0 < free <= total
+        assert c.device_count() == 1
+    assert rpc_info(node.port)["closed"]["stall_timeout"] == 0
+
+
 # ----------------------------------------------------------------------------
 # drain(): in-process, with a real child and a real compute in flight
 # ----------------------------------------------------------------------------

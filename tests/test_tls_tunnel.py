@@ -9,18 +9,25 @@ same parts in the normal suite: raw ggml-RPC (:class:`tests.test_rpc_backend.Asy
 
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import struct
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hydra_trio.protocol import ggml_rpc as g
 from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.transport.blocking import LowWater
 from hydra_trio.transport.tls import client_context
-from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool
+from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool, _RequestBounds
 
 from .conftest import ServerProcess
 from .hydra_wire import Wire
@@ -168,3 +175,56 @@ async def test_a_tls_client_gone_mid_message_leaves_the_backend_to_the_next(tls_
     with trio.fail_after(120):
         async with tls:
             await round_trip(AsyncRpc(tls))  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 17), st.binary(max_size=600)), min_size=1, max_size=6), st.data())
+def test_the_tunnels_low_water_mark_never_outruns_the_request_under_way(
+        requests: list[tuple[int, bytes]], data: st.DataObject) -> None:
+    """The tunnel waits for at most the rest of the request a client is sending (a 9-byte header
+    between requests), whatever the pieces the bytes arrive in: it can never wait for bytes
+    ggml's client holds back until it has an answer."""
+    stream = b"".join(g.encode_request(cmd, payload) for cmd, payload in requests)
+    ends = set(itertools.accumulate(len(g.encode_request(c, p)) for c, p in requests))
+    bounds = _RequestBounds()
+    at = 0
+    for cut in sorted(set(data.draw(st.lists(st.integers(1, len(stream)), max_size=8)))) + [len(stream)]:
+        if cut <= at:
+            continue
+        bounds.feed(memoryview(stream[at:cut]))
+        at = cut
+        rest = 9 if at in ends else min(e for e in ends if e > at) - at  # of the request under way
+        assert 1 <= bounds.low_water(1 << 18) <= rest, at
+    assert bounds.low_water(1 << 18) == 9 and bounds.low_water(4) == 4  # between requests: a header
+
+
+def test_a_low_water_receive_returns_once_the_mark_is_there_counting_bytes_already_queued() -> None:
+    """LowWater (the pump's and the tunnel's receives): one byte queued before the receive, eight after:
+    it returns the nine (a blocking recv under SO_RCVLOWAT would copy the one, then wait for nine more)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    server, _ = listener.accept()
+    with listener, client, server:
+        low = LowWater(server)
+        client.sendall(b"\x0f")
+        time.sleep(0.1)
+        low.set(9)
+        got: list[int] = []
+        buf = bytearray(64)
+        reader = threading.Thread(target=lambda: got.append(low.recv_into(buf)), daemon=True)
+        reader.start()
+        time.sleep(0.2)
+        assert got == []  # one byte is below the mark: no wake-up
+        client.sendall(bytes(8))
+        reader.join(10)
+        assert got == [9] and buf[:9] == b"\x0f" + bytes(8)
+        assert low.queued() == 0
+        client.sendall(b"\x01\x02")
+        time.sleep(0.1)
+        assert low.queued() == 2
+        low.set(1)
+        assert low.recv_into(buf) == 2
+        client.close()
+        low.set(9)
+        assert low.recv_into(buf) == 0  # the end wakes it below the mark

@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..transport.blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
+from ..transport.blocking import LowWater, TlsPipe, blocking_dup, restore, run_blocking, send_pieces, shutdown_all
 from ..transport.tls import TlsStream
 from ..protocol.ggml_rpc import (
     CHECKS,
@@ -41,7 +41,8 @@ from ..protocol.ggml_rpc import (
 PUMP_BUFFER = 1 << 20  # bytes per receive: ggml-RPC moves tensors in large messages
 # The threads receive into one preallocated buffer each (recv_into): a fresh 1 MiB bytes object per
 # receive is an mmap and a munmap, ~30 µs, and a COMBINED token is ~270 receives.
-_COALESCE = 1 << 16  # pieces smaller than this (bytes) are joined into one send
+_COALESCE = 1 << 16  # pieces smaller than this (bytes) are joined into one send (the trio loops)
+LOW_WATER_CAP = 1 << 18  # most bytes (a receive low-water mark) a pump thread waits for before it wakes
 
 CLOSE_REASONS = (
     "queue_full",  # refused: max_waiting clients already wait
@@ -195,6 +196,7 @@ class Pump:
     _both: trio.CancelScope = attrs.field(factory=trio.CancelScope, init=False)  # the three tasks
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)  # the validator, shared by the threads
     _socks: list[Any] = attrs.field(factory=list, init=False)  # the threads' ends: [client, upstream]
+    _low_in: LowWater | None = attrs.field(default=None, init=False)  # a plain client's low-water mark
 
     async def run(self, first: Sequence[bytes | memoryview], bound: set[trio.CancelScope]) -> None:
         """Send ``first`` (the child's answer to HELLO) to the client, then pump both ways until one
@@ -266,7 +268,9 @@ class Pump:
         """
         up = blocking_dup(self.upstream.socket)
         if isinstance(self.client, trio.SocketStream):
-            return [blocking_dup(self.client.socket), up]
+            plain = blocking_dup(self.client.socket)
+            self._low_in = LowWater(plain)
+            return [plain, up]
         if isinstance(self.client, TlsStream):
             raw = blocking_dup(self.client.transport_stream.socket)
             pushed = self.client.take_pushback()
@@ -289,14 +293,16 @@ class Pump:
         shutdown_all(self._socks)
 
     def _requests(self, data: bytes | memoryview) -> list[bytes | memoryview]:
-        """Validate client bytes (either thread, or a trio task); what may go on to the child.
+        """Validate client bytes (either thread, or a trio task); what may go on to the child
+        (:meth:`~hydra_trio.protocol.ggml_rpc.GgmlRpcConnection.pass_requests`: whole valid
+        messages as one slice of ``data``).
 
         Raises:
             Close: a message failed validation (counted by its check).
         """
         try:
             with self._lock:
-                return payload(self.conn.receive_request(data))
+                return self.conn.pass_requests(data)
         except InvalidRpcRequest as exc:
             raise self.counters.refuse(exc) from None
 
@@ -308,53 +314,64 @@ class Pump:
         """
         try:
             with self._lock:
-                return payload(self.conn.receive_reply(data))
+                return self.conn.pass_replies(data)
         except InvalidReply as exc:
             raise Close("invalid_reply", str(exc)) from None
 
     def _inbound(self) -> None:
-        """Client → child (on a thread): validate each message, pass on what passed, half-close on EOF."""
+        """Client → child (on a thread): validate each message, pass on what passed, half-close on EOF.
+
+        Per receive: one wake-up (a plain client's low-water mark is the rest of the head being
+        collected, :class:`~hydra_trio.transport.blocking.LowWater`, so that a request sent in three
+        pieces wakes this thread once), the checks, and one send of what passed.
+        """
         client, upstream = self._socks
+        conn, counters = self.conn, self.counters
+        low = self._low_in
         buf = bytearray(PUMP_BUFFER)  # one buffer for the connection: the pieces are sent before it is reused
         view = memoryview(buf)
         while True:
+            if low is not None:
+                low.set(conn.request_low_water(LOW_WATER_CAP))
             self.ticks_in += 1
             self.receiving = True
-            data = view[: client.recv_into(buf)]
+            n = client.recv_into(buf) if low is None else low.recv_into(buf)
             self.receiving = False
             self.ticks_in += 1
             self.n_in += 1
-            if not data:
+            if not n:
                 upstream.shutdown(socket.SHUT_WR)  # half-close: the replies keep flowing
                 return
-            pieces = self._requests(data)
-            self.busy_up = True
-            for piece in coalesce(pieces):
-                upstream.sendall(piece)
-                self.counters.bytes_in += len(piece)
-            self.busy_up = False
+            pieces = self._requests(view[:n])
+            if pieces:
+                self.busy_up = True
+                counters.bytes_in += send_pieces(upstream, pieces)
+                self.busy_up = False
 
     def _outbound(self) -> None:
         """Child → client (on a thread): track the replies and pass them on.
 
-        When the child closes, the client gets EOF and the connection ends
-        (this returns; the caller cancels the other tasks).
+        The child's socket gets a low-water mark of the reply owed (ggml's server sends a reply's size
+        and its payload in two sends: one wake-up here, not two).  When the child closes, the
+        client gets EOF and the connection ends (this returns; the caller cancels the other tasks).
         """
         client, upstream = self._socks
+        conn, counters = self.conn, self.counters
+        low = LowWater(upstream)
         buf = bytearray(PUMP_BUFFER)
         view = memoryview(buf)
         while True:
-            data = view[: upstream.recv_into(buf)]
-            if not data:  # the child is done with this client (it closed, or rejected a message)
+            low.set(conn.reply_low_water(LOW_WATER_CAP))
+            n = low.recv_into(buf)
+            if not n:  # the child is done with this client (it closed, or rejected a message)
                 client.shutdown(socket.SHUT_WR)
                 raise _ChildClosed
-            pieces = self._replies(data)
-            self.busy_down = True
-            for piece in coalesce(pieces):
+            pieces = self._replies(view[:n])
+            if pieces:
+                self.busy_down = True
                 self.ticks_out += 1
-                client.sendall(piece)
-                self.counters.bytes_out += len(piece)
-            self.busy_down = False
+                counters.bytes_out += send_pieces(client, pieces)
+                self.busy_down = False
 
     async def _inbound_trio(self) -> None:
         """Client → child as a trio task (a TLS client): as :meth:`_inbound`."""
@@ -399,8 +416,8 @@ class Pump:
         stall, idle = self.stall_timeout, self.drain_idle
         period = max(0.01, min(stall / 4, 5.0))
         now = trio.current_time()
-        seen = [self.ticks_in, self.n_in, self.ticks_out]
-        since = [now, now, now]  # when each counter was first seen at its current value
+        seen = [self.ticks_in, self.n_in, self.ticks_out, 0]
+        since = [now, now, now, now]  # when each counter was first seen at its current value
         while True:
             if self.drain_started.is_set():
                 await trio.sleep(0.02)
@@ -408,16 +425,20 @@ class Pump:
                 with trio.move_on_after(period):
                     await self.drain_started.wait()
             now = trio.current_time()
-            for i, value in enumerate((self.ticks_in, self.n_in, self.ticks_out)):
+            # bytes the kernel holds for the inbound thread below its low-water mark: they count as
+            # arrived (a begun message, and progress while their number grows)
+            queued = self._low_in.queued() if self._low_in is not None and self.receiving else 0
+            for i, value in enumerate((self.ticks_in, self.n_in, self.ticks_out, queued)):
                 if value != seen[i]:
                     seen[i], since[i] = value, now
             conn = self.conn
-            if self.receiving and conn.request_in_progress and now - since[0] > stall:
+            begun = conn.request_in_progress or queued > 0
+            if self.receiving and begun and now - max(since[0], since[3]) > stall:
                 raise Close("stall_timeout", f"a begun message got no byte for {stall:g} s")
             if self.busy_down and now - since[2] > stall:
                 raise Close("stall_timeout", f"the client read no reply bytes for {stall:g} s")
-            if (self.drain_started.is_set() and conn.between_messages and not (self.busy_up or self.busy_down)
-                    and now - since[1] >= idle):
+            if (self.drain_started.is_set() and conn.between_messages and not queued
+                    and not (self.busy_up or self.busy_down) and now - max(since[1], since[3]) >= idle):
                 raise Close("draining", "closed between messages: the node is shutting down")
 
 

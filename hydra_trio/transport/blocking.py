@@ -20,9 +20,13 @@ work in :class:`TlsPipe`) run without the GIL.
 
 from __future__ import annotations
 
+import fcntl
 import os
+import select
 import socket
 import ssl
+import struct
+import termios
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +57,83 @@ def restore(dup: Any) -> None:
     except OSError:
         pass
     dup.close()
+
+
+def send_pieces(sock: Any, pieces: list[bytes | memoryview]) -> int:
+    """Send ``pieces`` in order, all of them (blocking), with as few system calls as they allow:
+    one ``sendall`` for one piece, gathered ``sendmsg`` calls for several (a :class:`TlsPipe`:
+    one encryption pass and one send).  Returns the bytes sent.
+
+    Raises:
+        OSError: the connection broke.
+    """
+    if len(pieces) == 1:
+        sock.sendall(pieces[0])
+        return len(pieces[0])
+    if isinstance(sock, TlsPipe):
+        return sock.send_pieces(pieces)
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    total = sum(len(v) for v in views)
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while sent:  # drop what went out; a partial piece is resent from where it stopped
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+    return total
+
+
+_IOV_MAX = 512  # pieces per sendmsg (Linux allows 1024)
+
+
+class LowWater:
+    """Receives on a plain blocking socket that wake only once ``at`` bytes are there (``SO_RCVLOWAT``).
+
+    A relay that needs the rest of a message head before it can pass anything on is then woken
+    once instead of once per TCP segment (ggml's client sends a request's command byte, its size
+    and its payload in three sends).  The wait is a ``poll`` (the mark gates its readiness), then a
+    non-blocking receive of all there is: a blocking ``recv`` under a mark would copy the bytes
+    already queued and then wait for ``at`` *more* (Linux compares the mark with the bytes not yet
+    copied), which can hang a connection whose message ends sooner.  The caller must never ask for
+    more than the peer sends without waiting for an answer.  A socket that refuses the option
+    receives as before.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.at = 1  # the kernel's default
+        self.works = True
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+
+    def set(self, at: int) -> None:
+        """The mark for the next receives (bytes, at least 1); set in the kernel only when it changes."""
+        if at != self.at and self.works:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, at)
+                self.at = at
+            except OSError:
+                self.works = False
+
+    def recv_into(self, buf: bytearray) -> int:
+        """As ``socket.recv_into``: at least the mark's bytes (fewer at the end or on a shutdown), 0 at the end."""
+        if self.at <= 1:
+            return self.sock.recv_into(buf)
+        while True:
+            self._poll.poll()
+            try:
+                return self.sock.recv_into(buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:  # woken with nothing to read: wait again
+                continue
+
+    def queued(self) -> int:
+        """Bytes received by the kernel and not yet read (``FIONREAD``); 0 when it cannot tell."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            return 0
 
 
 def shutdown_all(socks: list[Any]) -> None:
@@ -257,6 +338,24 @@ class TlsPipe:
                     view = view[n:]
                 out = self._take_out()
             self.sock.sendall(out)
+
+    def send_pieces(self, pieces: list[bytes | memoryview]) -> int:
+        """:meth:`sendall` of ``pieces`` in order, encrypted in one pass and sent in one call; their size."""
+        total = 0
+        with self._tx:
+            with self._ssl:
+                for piece in pieces:
+                    view = memoryview(piece)
+                    total += len(view)
+                    while view:
+                        try:
+                            n = self.obj.write(view)
+                        except ssl.SSLWantReadError:
+                            raise ssl.SSLError("TLS renegotiation is not supported here") from None
+                        view = view[n:]
+                out = self._take_out()
+            self.sock.sendall(out)
+        return total
 
     def _take_out(self) -> bytes:
         out = self._out.read()

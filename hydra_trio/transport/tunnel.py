@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from .blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
+from .blocking import LowWater, TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
 from ..protocol.address import parse_peer
 
 log = logging.getLogger("hydra_trio.tunnel")
@@ -104,8 +104,8 @@ class RpcTunnel:
             ends = [plain, remote]
             try:
                 async with trio.open_nursery() as nursery:
-                    for src, dst in ((plain, remote), (remote, plain)):
-                        nursery.start_soon(self._direction, src, dst, ends)
+                    nursery.start_soon(self._direction, plain, remote, ends, _RequestBounds())
+                    nursery.start_soon(self._direction, remote, plain, ends, None)
             finally:
                 restore(plain)
                 remote.close()
@@ -113,26 +113,74 @@ class RpcTunnel:
             await trio.aclose_forcefully(client)
 
     @staticmethod
-    async def _direction(src: Any, dst: Any, ends: list[Any]) -> None:
+    async def _direction(src: Any, dst: Any, ends: list[Any], bounds: _RequestBounds | None) -> None:
         """One direction on a thread; when it ends, both ends are shut down (the other one ends too)."""
         try:
-            await run_blocking(lambda: _copy(src, dst), lambda: shutdown_all(ends), name="rpc-tunnel")
+            await run_blocking(lambda: _copy(src, dst, bounds), lambda: shutdown_all(ends), name="rpc-tunnel")
         finally:
             shutdown_all(ends)
 
 
-def _copy(src: Any, dst: Any) -> None:
+def _copy(src: Any, dst: Any, bounds: _RequestBounds | None = None) -> None:
     """Copy ``src`` to ``dst`` (blocking) until EOF or an error on either side.
 
+    With ``bounds`` (ggml's requests, on the plain loopback side): ``src``'s receive low-water mark
+    is the rest of the request under way, so a request that ggml's client writes in three sends
+    (command, size, payload) crosses as one TLS record and wakes the peer once.
     No half-close: a ggml-RPC connection that closes one way is over (the caller shuts both down).
     """
     buf = bytearray(COPY_BUFFER)  # reused: each piece is sent before the next receive
     view = memoryview(buf)
+    low = LowWater(src) if bounds is not None else None
     try:
-        while n := src.recv_into(buf):
+        while True:
+            if low is not None and bounds is not None:
+                low.set(bounds.low_water(LOW_WATER_CAP))
+            n = src.recv_into(buf) if low is None else low.recv_into(buf)
+            if not n:
+                break
+            if bounds is not None:
+                bounds.feed(view[:n])
             dst.sendall(view[:n])
     except OSError:  # ssl.SSLError too
         pass
+
+
+class _RequestBounds:
+    """Where ggml-RPC requests (``[u8 cmd][u64 size][payload]``) end in a client's byte stream.
+
+    No checks (the peer's front door validates): only the rest of the request under way, for a
+    receive low-water mark that never exceeds what ggml's client sends before it waits for an answer.
+    """
+
+    def __init__(self) -> None:
+        self.header = bytearray()  # a request header being collected
+        self.left = 0  # payload bytes of the request under way still to come
+
+    def feed(self, data: memoryview) -> None:
+        pos, n = 0, len(data)
+        while pos < n:
+            if self.left:
+                k = min(self.left, n - pos)
+                self.left -= k
+                pos += k
+                continue
+            k = min(_HEADER - len(self.header), n - pos)
+            self.header += data[pos : pos + k]
+            pos += k
+            if len(self.header) == _HEADER:
+                self.left = int.from_bytes(self.header[1:], "little")
+                self.header.clear()
+
+    def low_water(self, cap: int) -> int:
+        """Bytes surely still to come of the request under way (1 to ``cap``); a header's 9 between requests."""
+        if self.left:
+            return min(self.left, cap)
+        return min(_HEADER - len(self.header), cap)
+
+
+_HEADER = 9  # a ggml-RPC request header: u8 command, u64 payload size
+LOW_WATER_CAP = 1 << 18  # most bytes the copying thread waits for before it wakes
 
 
 class TunnelPool:

@@ -85,6 +85,21 @@ class GgmlRpcConnection(ConnectionState):
         """:meth:`feed_request` then every event it makes (convenience for tests and tools)."""
         return self._receive(self._requests, data)
 
+    def pass_requests(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+        """:meth:`receive_request`'s bytes to pass on, without the events: the same checks and state,
+        the input passed on unchanged as slices of ``data`` (one slice for whole valid messages).
+
+        Raises:
+            InvalidRpcRequest: a message failed validation (nothing of ``data`` is to be passed on;
+                again on every later call).
+        """
+        return self._pass(self._requests, data)
+
+    def request_low_water(self, cap: int) -> int:
+        """Bytes the client must send before its stream can move on (a receive low-water mark,
+        1 to ``cap``): the rest of a header and head, or 9 between messages; 1 in a message's data."""
+        return self._requests.low_water(cap)
+
     # ------------------------------------------------------------ replies
     def feed_reply(self, data: bytes | bytearray | memoryview) -> None:
         """Bytes the server sent; as :meth:`feed_request`, read with :meth:`next_reply_event`."""
@@ -99,7 +114,26 @@ class GgmlRpcConnection(ConnectionState):
         """:meth:`feed_reply` then every event it makes."""
         return self._receive(self._replies, data)
 
+    def pass_replies(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+        """:meth:`receive_reply`'s bytes to pass on, as :meth:`pass_requests` (raises InvalidReply)."""
+        return self._pass(self._replies, data)
+
+    def reply_low_water(self, cap: int) -> int:
+        """Bytes the server will surely send next without being asked for more (a receive low-water
+        mark, 1 to ``cap``): the rest of the reply under way or the next owed; 1 when none is owed."""
+        return self._replies.low_water(cap)
+
     # ------------------------------------------------------------ both
+    def _pass(self, direction: RequestFramer | ReplyTracker, data: bytes | bytearray | memoryview,
+              ) -> list[bytes | memoryview]:
+        if self._error is not None:
+            raise self._error
+        try:
+            return direction.pass_on(data)
+        except GgmlRpcError as exc:
+            self._error = exc
+            raise
+
     def _next(self, direction: Direction[EventT]) -> EventT | None:
         """``direction``'s next event; its first error sticks to the connection."""
         if self._error is not None:

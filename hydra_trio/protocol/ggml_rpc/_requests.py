@@ -125,8 +125,84 @@ class RequestFramer(Direction[RpcRequestEvent]):
         self.cmd, self.size = c, size
         return head
 
+    def pass_on(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+        """Feed ``data`` and return the bytes to pass on, as the events' ``data`` would give them, in
+        fewer pieces: input bytes passed on unchanged come out as slices of ``data``, one per run
+        (a chunk of whole valid messages is one slice: the input itself).
+
+        The per-message path of the front door's pump: no event objects, the same checks and the
+        same state changes as :meth:`next_event` (``tests/test_ggml_rpc_codec.py`` compares them).
+
+        Raises:
+            RuntimeError: the previous input has not been read out yet.
+            InvalidRpcRequest: as :meth:`next_event`; nothing of ``data`` is to be passed on then.
+        """
+        self.feed(data)
+        buf = self.buf
+        n = len(buf)
+        out: list[bytes | memoryview] = []
+        run = -1  # start of the current run of input bytes passed on unchanged; -1: none
+        while True:
+            pos = self.pos
+            if self.body_left:  # tensor data streams through
+                k = min(self.body_left, n - pos)
+                if not k:
+                    break
+                if run < 0:
+                    run = pos
+                self.pos = pos + k
+                self.body_left -= k
+                if not self.body_left:
+                    self._finish()
+                continue
+            if pos == n:
+                break
+            if not self.head and n - pos >= HEADER_SIZE:  # a header here: the head too, in place?
+                end = pos + HEADER_SIZE + self._start_request(buf[pos], U64.unpack_from(buf, pos + 1)[0])
+                if end <= n:
+                    self.pos = end
+                    changed = self._release(buf[pos:end])
+                    if changed is None:
+                        if run < 0:
+                            run = pos
+                    else:
+                        if run >= 0:
+                            out.append(buf[run:pos])
+                            run = -1
+                        out.append(changed)
+                    if self.end is not None:
+                        self.end = None  # _finish ran: the message is whole
+                    continue
+            if run >= 0:  # a head that is not all here: collected (copied) across inputs
+                out.append(buf[run:pos])
+                run = -1
+            ev = self._next_head()
+            if ev is None:
+                break
+            out.append(ev.data)  # type: ignore[union-attr]
+            self.end = None
+        if run >= 0:
+            out.append(buf[run : self.pos])
+        return out
+
+    def low_water(self, cap: int) -> int:
+        """Bytes that must arrive before :meth:`pass_on` can pass anything on (1 to ``cap``): the rest
+        of a header and head being collected; 9 (a header) between messages; 1 in a message's data."""
+        if self.body_left:
+            return 1
+        return min(self.head_need - len(self.head), cap) if self.head else min(HEADER_SIZE, cap)
+
     def _release_head(self, wire: bytes | memoryview) -> RpcRequestEvent:
-        """Validate a whole header and head (``wire``); the Request event that passes it on.
+        """Validate a whole header and head (``wire``); the Request event that passes it on."""
+        c = self.cmd
+        assert c is not None
+        size = self.size
+        changed = self._release(wire)
+        return Request(CMDS[c], size, bytes(wire) if changed is None else changed)
+
+    def _release(self, wire: bytes | memoryview) -> bytes | None:
+        """Validate a whole header and head (``wire``) and queue its reply; None: pass ``wire`` on as it
+        is, else the bytes to pass on instead (HELLO with its caps zeroed).
 
         A head of a :data:`CACHEABLE` command that passed before under the same buffers is not
         checked again (the same bytes give the same answer).
@@ -149,13 +225,14 @@ class RequestFramer(Direction[RpcRequestEvent]):
                 reply = state.expect(c, n)
             elif n == -2:  # GET_TENSOR: the size it asks for
                 reply = state.expect(c, U64.unpack_from(data, _ASKED_AT)[0])
+        changed = None
         if c == _HELLO and state.mask_caps:
-            data = data[:HEADER_SIZE] + bytes(HELLO_REQUEST_SIZE)
+            changed = data[:HEADER_SIZE] + bytes(HELLO_REQUEST_SIZE)
         self.body_left = self.size - (len(data) - HEADER_SIZE)
         self.reply = reply
         if not self.body_left:
             self.end = self._finish()
-        return Request(CMDS[c], self.size, data)
+        return changed
 
     def _finish(self) -> RequestEnd:
         c = self.cmd
