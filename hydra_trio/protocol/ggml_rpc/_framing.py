@@ -15,6 +15,9 @@ from ._state import ConnectionState
 
 EventT = TypeVar("EventT")
 
+NOT_HERE = object()
+""":meth:`Direction._pass_in_place`'s answer when the next message's head is not whole in the input."""
+
 
 class Direction(Generic[EventT]):
     """One direction's parser state, over the bytes fed last (a byte view, not copied).
@@ -68,6 +71,66 @@ class Direction(Generic[EventT]):
         if not self.body_left:
             self.end = self._finish()
         return self.data_event(self.buf[pos : pos + n])
+
+    def pass_on(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
+        """Feed ``data`` and return the bytes to pass on, as the events' ``data`` would give them, in
+        fewer pieces: input bytes passed on unchanged come out as slices of ``data``, one per run
+        (a chunk of whole valid messages is one slice: the input itself).
+
+        The per-message path of the front door's pump: no event objects, the same checks and the
+        same state changes as :meth:`next_event` (``tests/test_ggml_rpc_codec.py`` compares them).
+        A message whose head is whole in the input is checked in place (:meth:`_pass_in_place`);
+        a head that arrives in pieces goes the event path (collected, copied, across inputs).
+
+        Raises:
+            RuntimeError: the previous input has not been read out yet.
+            GgmlRpcError: the subclass's, as :meth:`next_event`; nothing of ``data`` is to be passed on then.
+        """
+        self.feed(data)
+        buf = self.buf
+        n = len(buf)
+        out: list[bytes | memoryview] = []
+        run = -1  # start of the current run of input bytes passed on unchanged; -1: none
+        while True:
+            pos = self.pos
+            if self.body_left:  # a message's bulk streams through
+                k = min(self.body_left, n - pos)
+                if not k:
+                    break
+                if run < 0:
+                    run = pos
+                self.pos = pos + k
+                self.body_left -= k
+                if not self.body_left:
+                    self._finish()
+                continue
+            if pos == n:
+                break
+            changed = self._pass_in_place(buf, pos, n)
+            if changed is None:  # a whole head, passed on as it came
+                if run < 0:
+                    run = pos
+                continue
+            if run >= 0:
+                out.append(buf[run:pos])
+                run = -1
+            if changed is not NOT_HERE:  # a whole head, passed on changed
+                out.append(changed)  # type: ignore[arg-type]
+                continue
+            ev = self._next_head()
+            if ev is None:
+                break
+            out.append(ev.data)  # type: ignore[attr-defined]
+            self.end = None
+        if run >= 0:
+            out.append(buf[run : self.pos])
+        return out
+
+    def _pass_in_place(self, buf: memoryview, pos: int, n: int) -> object:
+        """Check the message whose header starts at ``buf[pos]`` in place when its head is whole in
+        ``buf[:n]``, moving :attr:`pos` past it: None (pass it on unchanged), or the bytes to pass on
+        instead; :data:`NOT_HERE` (nothing moved) when the head is not all here."""
+        raise NotImplementedError
 
     def _next_head(self) -> EventT | None:
         raise NotImplementedError

@@ -13,7 +13,7 @@ streams through as slices of the input.
 from __future__ import annotations
 
 from ._events import InvalidReply, ReplyData, ReplyEnd, ReplyHeader, RpcReplyEvent
-from ._framing import Direction
+from ._framing import NOT_HERE, Direction
 from ._state import Buffer, ConnectionState, Pending
 from ._wire import REPLY_HEADER_SIZE, RPC_CONN_CAPS_SIZE, RPC_PROTO_MAJOR_VERSION, U64, U64_PAIR, RpcCmd
 
@@ -39,75 +39,28 @@ class ReplyTracker(Direction[RpcReplyEvent]):
         """Some bytes of a reply have arrived but not all of it (or its end is not yet read out)."""
         return bool(self.head) or self.cur is not None or self.end is not None
 
-    def pass_on(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
-        """Feed ``data`` and return the bytes to pass on, as the events' ``data`` would give them, in
-        fewer pieces: input bytes passed on unchanged come out as slices of ``data``, one per run.
-
-        The pump's per-message path (as :meth:`RequestFramer.pass_on <._requests.RequestFramer.pass_on>`):
-        the same checks and state changes as :meth:`next_event`, no event objects.
-
-        Raises:
-            RuntimeError: the previous input has not been read out yet.
-            InvalidReply: as :meth:`next_event`.
-        """
-        self.feed(data)
-        buf = self.buf
-        n = len(buf)
+    def _pass_in_place(self, buf: memoryview, pos: int, n: int) -> object:
         pending = self.state.pending
-        out: list[bytes | memoryview] = []
-        run = -1  # start of the current run of input bytes passed on unchanged; -1: none
-        while True:
-            pos = self.pos
-            if self.body_left:  # a large reply's payload streams through
-                k = min(self.body_left, n - pos)
-                if not k:
-                    break
-                if run < 0:
-                    run = pos
-                self.pos = pos + k
-                self.body_left -= k
-                if not self.body_left:
-                    self._finish()
-                continue
-            if pos == n:
-                break
-            if self.cur is None and not self.head and n - pos >= REPLY_HEADER_SIZE and pending:
-                cur = pending[0]  # at a reply boundary with its header here: check it in place
-                size = U64.unpack_from(buf, pos)[0]
-                end = pos + REPLY_HEADER_SIZE + size
-                if size == cur.size and (size > SMALL_REPLY or end <= n):
-                    changed = None
-                    if size > SMALL_REPLY:  # its payload streams through
-                        end = pos + REPLY_HEADER_SIZE
-                        self.cur, self.body_left = cur, size
-                    else:
-                        if size and cur.cmd in _LEARN:
-                            whole = bytes(buf[pos:end])
-                            kept = self._reply_payload(cur, whole)
-                            changed = None if kept is whole else kept
-                        self.cur = cur
-                        self._finish()
-                    self.pos = end
-                    if changed is None:
-                        if run < 0:
-                            run = pos
-                    else:
-                        if run >= 0:
-                            out.append(buf[run:pos])
-                            run = -1
-                        out.append(changed)
-                    continue
-            if run >= 0:  # anything else (a header in pieces, a wrong size): the event path
-                out.append(buf[run:pos])
-                run = -1
-            ev = self._next_head()
-            if ev is None:
-                break
-            out.append(ev.data)  # type: ignore[union-attr]
-            self.end = None
-        if run >= 0:
-            out.append(buf[run : self.pos])
-        return out
+        if self.cur is not None or self.head or n - pos < REPLY_HEADER_SIZE or not pending:
+            return NOT_HERE
+        cur = pending[0]  # at a reply boundary with its header here
+        size = U64.unpack_from(buf, pos)[0]
+        end = pos + REPLY_HEADER_SIZE + size
+        if size != cur.size or (size <= SMALL_REPLY and end > n):
+            return NOT_HERE
+        changed = None
+        if size > SMALL_REPLY:  # its payload streams through
+            end = pos + REPLY_HEADER_SIZE
+            self.cur, self.body_left = cur, size
+        else:
+            if size and cur.cmd in _LEARN:
+                whole = bytes(buf[pos:end])
+                kept = self._reply_payload(cur, whole)
+                changed = None if kept is whole else kept
+            self.cur = cur
+            self._finish()
+        self.pos = end
+        return changed
 
     def low_water(self, cap: int) -> int:
         """Bytes the server will send for sure before anything more is asked (at least 1, at most

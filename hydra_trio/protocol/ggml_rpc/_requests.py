@@ -12,7 +12,7 @@ the input, never collected.
 from __future__ import annotations
 
 from ._events import InvalidRpcRequest, Request, RequestData, RequestEnd, RpcRequestEvent
-from ._framing import Direction
+from ._framing import NOT_HERE, Direction
 from ._state import ConnectionState, Pending
 from ._validators import VALIDATORS
 from ._wire import (
@@ -125,65 +125,17 @@ class RequestFramer(Direction[RpcRequestEvent]):
         self.cmd, self.size = c, size
         return head
 
-    def pass_on(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
-        """Feed ``data`` and return the bytes to pass on, as the events' ``data`` would give them, in
-        fewer pieces: input bytes passed on unchanged come out as slices of ``data``, one per run
-        (a chunk of whole valid messages is one slice: the input itself).
-
-        The per-message path of the front door's pump: no event objects, the same checks and the
-        same state changes as :meth:`next_event` (``tests/test_ggml_rpc_codec.py`` compares them).
-
-        Raises:
-            RuntimeError: the previous input has not been read out yet.
-            InvalidRpcRequest: as :meth:`next_event`; nothing of ``data`` is to be passed on then.
-        """
-        self.feed(data)
-        buf = self.buf
-        n = len(buf)
-        out: list[bytes | memoryview] = []
-        run = -1  # start of the current run of input bytes passed on unchanged; -1: none
-        while True:
-            pos = self.pos
-            if self.body_left:  # tensor data streams through
-                k = min(self.body_left, n - pos)
-                if not k:
-                    break
-                if run < 0:
-                    run = pos
-                self.pos = pos + k
-                self.body_left -= k
-                if not self.body_left:
-                    self._finish()
-                continue
-            if pos == n:
-                break
-            if not self.head and n - pos >= HEADER_SIZE:  # a header here: the head too, in place?
-                end = pos + HEADER_SIZE + self._start_request(buf[pos], U64.unpack_from(buf, pos + 1)[0])
-                if end <= n:
-                    self.pos = end
-                    changed = self._release(buf[pos:end])
-                    if changed is None:
-                        if run < 0:
-                            run = pos
-                    else:
-                        if run >= 0:
-                            out.append(buf[run:pos])
-                            run = -1
-                        out.append(changed)
-                    if self.end is not None:
-                        self.end = None  # _finish ran: the message is whole
-                    continue
-            if run >= 0:  # a head that is not all here: collected (copied) across inputs
-                out.append(buf[run:pos])
-                run = -1
-            ev = self._next_head()
-            if ev is None:
-                break
-            out.append(ev.data)  # type: ignore[union-attr]
-            self.end = None
-        if run >= 0:
-            out.append(buf[run : self.pos])
-        return out
+    def _pass_in_place(self, buf: memoryview, pos: int, n: int) -> object:
+        if self.head or n - pos < HEADER_SIZE:
+            return NOT_HERE
+        end = pos + HEADER_SIZE + self._start_request(buf[pos], U64.unpack_from(buf, pos + 1)[0])
+        if end > n:
+            return NOT_HERE
+        self.pos = end
+        changed = self._release(buf[pos:end])
+        if self.end is not None:
+            self.end = None  # _finish ran: the message is whole
+        return changed
 
     def low_water(self, cap: int) -> int:
         """Bytes that must arrive before :meth:`pass_on` can pass anything on (1 to ``cap``): the rest
