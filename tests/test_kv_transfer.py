@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import socket
+import ssl
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from hydra_trio.engine.blobbuf import TAIL_ROOM, TRANSFER_POOL, BlobBuffer, Blob
 from hydra_trio.engine.state import verify_checksum
 from hydra_trio.transport.frontdoor import FrontDoorSettings
 from hydra_trio.hydra.client import HydraClient
+from hydra_trio.hydra.session import HydraSettings
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import (Op, RequestDecoder, RequestEnded, RequestStarted, ResponseDecoder, ResponseStarted,
                                        Status, encode_request_header)
@@ -143,12 +145,15 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
     return ca_pem, cert, key
 
 
+REQUEST_TIMEOUT = 10.0  # the node's seconds without progress inside a request (and, in a reply, a send)
+
+
 @pytest.fixture(scope="module")
 def node(certs: tuple[Path, Path, Path]) -> Iterator[Any]:
     """The default model, 2 slots, TLS on its port (plain served too), in a thread of this process."""
     _, cert, key = certs
     path, _ = resolve_model("smollm2-135m")
-    config = ServerConfig(port=0, rpc_backend=None,
+    config = ServerConfig(port=0, rpc_backend=None, hydra=HydraSettings(request_timeout=REQUEST_TIMEOUT),
                           frontdoor=FrontDoorSettings(tls=server_context(TlsSettings(cert, key))),
                           engine=EngineConfig(model_path=path, model_alias="kv", n_parallel=2, n_ctx=4096))
     with embedded_node(config) as server:
@@ -371,3 +376,49 @@ def test_tls_state_get_whose_client_leaves_mid_payload(node: Any, prompt: list[i
     assert meta["n_past"] == N_TOKENS and verify_checksum(blob).n_tokens == N_TOKENS
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors
+
+
+@pytest.mark.parametrize("transport", ["plain", "tls"])
+def test_state_get_whose_client_stops_reading_is_closed(node: Any, prompt: list[int], certs: tuple[Path, Path, Path],
+                                                        caplog: pytest.LogCaptureFixture, transport: str) -> None:
+    """A client that sends STATE_GET and then reads nothing, its connection kept open: after
+    ``request_timeout`` seconds in which the kernel took no byte of the reply the node ends the send (over
+    TLS its worker thread ends), the blob's buffer goes back to the pool, the connection is closed before
+    the whole blob went out, nothing is logged as an error, and the node serves on."""
+    import logging
+    import threading
+
+    caplog.set_level(logging.INFO)
+    base = f"http://127.0.0.1:{node.port}"
+    size = httpx.get(base + "/slots/0/state/meta", timeout=60).json()["state_size"]
+    assert size > 5_000_000
+    TRANSFER_POOL.clear()  # no idle mapping: the STATE_GET makes one, and gives it back when its send ends
+    if transport == "tls":
+        s = _tls_socket(node, certs, rcvbuf=64 * 1024)
+    else:
+        s = socket.socket()
+        s.settimeout(120)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        s.connect(("127.0.0.1", node.port))
+    with s:
+        s.sendall(encode_request_header(Op.STATE_GET, "0", "no-reader"))
+        assert s.recv(1)  # the reply has begun; from here on the client reads nothing
+        wait_for(lambda: TRANSFER_POOL.idle_bytes >= size, timeout=REQUEST_TIMEOUT + 120,
+                 what="the stalled send given up (the blob's buffer back in the pool)")
+        wait_for(lambda: not [t for t in threading.enumerate() if t.name == "tls-bulk-send"], timeout=120,
+                 what="no TLS send thread left")
+        got = 1
+        try:
+            while data := s.recv(1 << 16):
+                got += len(data)
+        except (ConnectionResetError, ssl.SSLError):
+            pass
+        assert got < size  # closed mid-reply
+    assert trio.run(_info, node.port)["engine"] == "hydra-trio"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
+
+
+async def _info(port: int) -> dict[str, Any]:
+    async with HydraClient("127.0.0.1", port, timeout=60) as c:
+        return await c.info()

@@ -103,20 +103,31 @@ class OpContext:
         taken straight from the blob's one buffer, never copied: on a plain TCP stream by
         :func:`~hydra_trio.transport.net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS
         from a worker thread (:func:`~hydra_trio.transport.tls_bulk.tls_send_view`; a payload under
-        :data:`~hydra_trio.transport.tls_bulk.BULK_TLS_MIN`: ``send_all`` of memoryview slices)."""
+        :data:`~hydra_trio.transport.tls_bulk.BULK_TLS_MIN`: ``send_all`` of memoryview slices).
+
+        Raises:
+            trio.BrokenResourceError: the connection broke, or the client took no byte of the reply for
+                ``settings.request_timeout`` seconds (the connection is then closed)."""
         header = encode_response_header(Status.OK, meta, len(blob))
         view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
         step = self.node.state_chunk_size
-        if isinstance(self.stream, trio.SocketStream):  # the header rides in the first write
-            await send_view(self.stream, view, step, sent=self._count_sent, head=header)
-            return
-        await self.stream.send_all(header)
-        if len(view) >= BULK_TLS_MIN and await tls_send_view(self.stream, view, sent=self._count_sent):
-            return
-        for i in range(0, len(view), step):
-            piece = view[i : i + step]
-            await self.stream.send_all(piece)
-            self.blob_bytes_sent += len(piece)
+        wait = self.node.settings.request_timeout  # a client that reads none of it holds no buffer (or thread) for ever
+        try:
+            if isinstance(self.stream, trio.SocketStream):  # the header rides in the first write
+                await send_view(self.stream, view, step, sent=self._count_sent, progress_timeout=wait, head=header)
+                return
+            with trio.fail_after(wait):
+                await self.stream.send_all(header)
+            if len(view) >= BULK_TLS_MIN and await tls_send_view(self.stream, view, wait, sent=self._count_sent):
+                return
+            for i in range(0, len(view), step):
+                piece = view[i : i + step]
+                with trio.fail_after(wait):
+                    await self.stream.send_all(piece)
+                self.blob_bytes_sent += len(piece)
+        except trio.TooSlowError:
+            log.info("[%s] hydra: the client read none of the reply for %g s; closed", self.req.trace_id, wait)
+            raise trio.BrokenResourceError("the client stopped reading the reply") from None
 
     def _count_sent(self, n: int) -> None:
         self.blob_bytes_sent += n
