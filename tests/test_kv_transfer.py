@@ -422,3 +422,27 @@ def test_state_get_whose_client_stops_reading_is_closed(node: Any, prompt: list[
 async def _info(port: int) -> dict[str, Any]:
     async with HydraClient("127.0.0.1", port, timeout=60) as c:
         return await c.info()
+
+
+@pytest.mark.parametrize("transport", ["plain", "tls"])
+async def test_a_state_put_the_node_refuses_mid_send_surfaces_its_refusal(
+        certs: tuple[Path, Path, Path], transport: str) -> None:
+    """A STATE_PUT over the node's cap is refused at its header (BAD_REQUEST, then the node closes without
+    reading the rest): the client, still sending its 8 MB payload (over TLS from a worker thread), gets a
+    failed send and then reads the node's refusal, which it raises as HydraBadRequest, on TLS as on plain
+    TCP (the send's failure leaves the TLS stream able to receive what the node sent before it closed)."""
+    from hydra_trio.hydra.errors import HydraBadRequest
+    from hydra_trio.node.server import serve
+
+    ca_pem, cert, key = certs
+    config = ServerConfig(port=0, rpc_backend=None, hydra=HydraSettings(max_state_payload=1 << 20),
+                          frontdoor=FrontDoorSettings(tls=server_context(TlsSettings(cert, key))))
+    async with trio.open_nursery() as nursery:
+        server = await nursery.start(serve, config)  # compute-only: the refusal comes before any op
+        ctx = client_context(ca_pem) if transport == "tls" else None
+        async with HydraClient("127.0.0.1", server.port, timeout=120, ssl_context=ctx) as c:
+            with pytest.raises(HydraBadRequest, match="over the limit 1048576"):
+                await c.state_put(0, bytes(8 << 20))
+        async with HydraClient("127.0.0.1", server.port, timeout=120, ssl_context=ctx) as c:
+            assert (await c.info())["engine"] == "hydra-trio"  # and it serves on
+        nursery.cancel_scope.cancel()

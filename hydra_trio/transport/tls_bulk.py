@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,8 @@ async def tls_send_view(stream: Any, view: memoryview, timeout: float = math.inf
 
     Raises:
         trio.TooSlowError: the socket took no byte for ``timeout`` seconds.
-        trio.BrokenResourceError: the connection broke (or a TLS error).
+        trio.BrokenResourceError: the connection broke (or a TLS error).  When the socket refused the
+            bytes (the peer closed or reset), the stream can still receive what the peer sent before.
     """
     ssl_stream = ssl_stream_of(stream)
     if ssl_stream is None:
@@ -109,6 +111,10 @@ async def tls_send_view(stream: Any, view: memoryview, timeout: float = math.inf
     except TimeoutError as exc:  # socket.timeout
         raise trio.TooSlowError(f"the peer took no byte for {timeout:g} s") from exc
     except OSError as exc:
+        # the socket refused the bytes (the peer closed or reset): the receiving half of the TLS state is
+        # intact, so what the peer sent before it closed (a server's refusal of the request being sent)
+        # can still be read through the trio stream, as on a plain socket
+        ok = not isinstance(exc, ssl.SSLError)
         raise trio.BrokenResourceError(f"TLS send failed: {exc}") from exc
     finally:
         _hand_back(ssl_stream, pipe, dup, broken=not ok)
