@@ -528,6 +528,56 @@ def test_the_pumps_path_refuses_mutants_as_the_events_do(m: GgmlRpcMutant, data:
         conn.pass_requests(b"")
 
 
+def released_by_events(conn: GgmlRpcConnection, pieces: list[bytes], requests: bool = True) -> tuple[bytes, bool]:
+    """The bytes the event path releases for ``pieces`` fed one by one (up to its error), and whether it refused."""
+    out = bytearray()
+    feed = conn.feed_request if requests else conn.feed_reply
+    nxt = conn.next_request_event if requests else conn.next_reply_event
+    try:
+        for piece in pieces:
+            feed(piece)
+            while (ev := nxt()) is not None:
+                if not isinstance(ev, (RequestEnd, ReplyEnd)):
+                    out += bytes(ev.data)
+    except (InvalidRpcRequest, InvalidReply):
+        return bytes(out), True
+    return bytes(out), False
+
+
+@FAST
+@given(ggml_rpc_sessions(max_steps=4), st.booleans(), st.sampled_from(["flip", "flips", "stray", "cut_stray", "huge"]),
+       st.data())
+def test_the_pumps_path_never_passes_more_of_damaged_input_than_the_events(
+        steps: list[RpcStep], requests: bool, kind: str, data: st.DataObject) -> None:
+    """A valid session whose last request (or reply) is damaged (bytes flipped, stray bytes after it, cut
+    short and followed by junk, a huge size field): for any two splits, what the pump's path passes on is
+    a prefix of what the events release, and when the events pass all of it, so does the pump's path."""
+    events, fast = GgmlRpcConnection(), GgmlRpcConnection()
+    last = steps[-1]
+    run_session(events, steps[:-1])
+    run_session(fast, steps[:-1])
+    if not requests:
+        run_session(events, [RpcStep(last.request, None)])
+        run_session(fast, [RpcStep(last.request, None)])
+    wire = bytearray(last.request if requests else last.reply or b"")
+    if kind in ("flip", "flips") and wire:
+        for _ in range(1 if kind == "flip" else 3):
+            wire[data.draw(st.integers(0, len(wire) - 1))] ^= data.draw(st.integers(1, 255))
+    elif kind == "stray":
+        wire += data.draw(st.binary(min_size=1, max_size=40))
+    elif kind == "cut_stray" and wire:
+        wire = wire[: data.draw(st.integers(0, len(wire) - 1))] + data.draw(st.binary(min_size=1, max_size=40))
+    elif kind == "huge":
+        at = data.draw(st.integers(0, len(wire)))
+        wire = wire[:at] + (b"\x06" if requests else b"") + (2**64 - 1).to_bytes(8, "little") + bytes(8)
+    wire_b = bytes(wire)
+    released, refused = released_by_events(events, split_at(wire_b, data.draw(chunk_cuts(len(wire_b)))), requests)
+    out, check = passed_on(fast, split_at(wire_b, data.draw(chunk_cuts(len(wire_b)))), requests)
+    assert out == released[: len(out)]
+    if not refused:
+        assert (out, check) == (released, None)
+
+
 def test_reply_of_the_wrong_size_stops_the_pumps_path() -> None:
     conn = GgmlRpcConnection()
     conn.pass_requests(g.hello_request())
