@@ -23,22 +23,31 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _imports(name: str) -> set[str]:
-    """Modules of the package that ``name`` imports anywhere: top level, inside functions, under TYPE_CHECKING."""
+def _import_statements(name: str) -> list[tuple[int, str, list[str]]]:
+    """Each import of module ``name`` (top level, inside functions, under TYPE_CHECKING) as
+    ``(line, module, names)``: ``from M import a, b`` is ``M`` (made absolute) with ``[a, b]``,
+    ``import M`` is ``M`` with ``[]``."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    found: set[str] = set()
+    out = []
     for node in ast.walk(ast.parse(path.read_text())):
-        targets: list[str] = []
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 mod = ".".join(base + ([node.module] if node.module else []))
             else:
                 mod = node.module or ""
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+            out.append((node.lineno, mod, [a.name for a in node.names]))
         elif isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
+            out += [(node.lineno, a.name, []) for a in node.names]
+    return out
+
+
+def _imports(name: str) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere: top level, inside functions, under TYPE_CHECKING."""
+    found: set[str] = set()
+    for _line, mod, names in _import_statements(name):
+        targets = [f"{mod}.{n}" if f"{mod}.{n}" in MODULES else mod for n in names] or [mod]
         for t in targets:
             while t not in MODULES and "." in t:
                 t = t.rsplit(".", 1)[0]
@@ -191,20 +200,6 @@ def test_no_lambda_is_handed_to_the_engine_from_outside_it() -> None:
 def test_every_import_of_the_package_finds_its_module() -> None:
     """``from .x import y`` / ``import hydra_trio.x`` name a module that exists (a stale path after a move
     would otherwise only fail when that line runs)."""
-    missing = []
-    for name, path in MODULES.items():
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                mods = [mod]
-            elif isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            else:
-                continue
-            missing += [f"{name}:{node.lineno} {m}" for m in mods if m.startswith("hydra_trio") and m not in MODULES]
+    missing = [f"{name}:{line} {mod}" for name in MODULES for line, mod, _names in _import_statements(name)
+               if mod.startswith("hydra_trio") and mod not in MODULES]
     assert missing == []
