@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 import llama_cpp
+import trio
 import xxhash
 
 from ..errors import HydraTrioError, InvalidRequest
@@ -299,6 +300,23 @@ def verify_checksum(blob: Blob, running: RunningChecksum | None = None) -> BlobH
             expected_checksum=f"{header.checksum:016x}", got_checksum=f"{got:016x}",
         )
     return header
+
+
+INLINE_CHECK = 1 << 20
+"""Bytes of a blob to restore not hashed on arrival that are still hashed on the event loop (about 0.1 ms):
+a worker thread's round trip costs more than that on a loaded machine."""
+
+
+async def verify_checksum_off_engine(blob: Blob, running: RunningChecksum | None = None) -> None:
+    """:func:`verify_checksum` of a blob to restore (Hydra STATE_PUT, HTTP ``PUT /slots/{id}/state``), from
+    the event loop, before the engine thread sees it: on the event loop when ``running`` already hashed all
+    of it (only the header is read) or it is at most :data:`INLINE_CHECK` bytes, else in a worker thread.
+    Raises StateError."""
+    if (running is not None and running.seen == len(blob)) or len(blob) <= INLINE_CHECK:
+        verify_checksum(blob, running)
+        await trio.lowlevel.checkpoint()
+    else:
+        await trio.to_thread.run_sync(verify_checksum, blob, running)
 
 
 def blob_size(m: LoadedModel, slot: Slot) -> int:

@@ -33,7 +33,7 @@ from ..api.native import NativeCompletion, generation_settings
 from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
 from ..engine.requests import JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import RunningChecksum, verify_checksum
+from ..engine.state import RunningChecksum, verify_checksum_off_engine
 from ..engine.tasks import RestoreSlot, SaveSlot
 from ..errors import HydraTrioError
 from ._common import _BodyError, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for
@@ -171,7 +171,8 @@ class NativeRoutes:
 
     async def put_state(self, request: Request) -> Response:
         """The body goes into one buffer (:meth:`_read_blob`, hashed as it arrives), is checked off the engine
-        thread (a small body read whole: in a worker thread) and applied on the engine thread, as Hydra STATE_PUT."""
+        thread (:func:`~hydra_trio.engine.state.verify_checksum_off_engine`) and applied on the engine thread,
+        as Hydra STATE_PUT."""
         e = self.api.engine
         id_slot = self.api._slot_id(request)
         if isinstance(id_slot, Response):
@@ -181,12 +182,8 @@ class NativeRoutes:
         try:
             blob, running = await self._read_blob(request, self.api.settings.max_state_body)
             size = len(blob)  # restore_slot consumes the blob (frames it in place)
-            # integrity first, never on the engine thread: a body hashed as it arrived has only its header
-            # read now; another in a worker thread
-            if running is not None:
-                verify_checksum(blob, running)
-            else:
-                await trio.to_thread.run_sync(verify_checksum, blob)
+            # integrity first, never on the engine thread (a body hashed as it arrived: only its header is read)
+            await verify_checksum_off_engine(blob, running)
             done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})

@@ -55,8 +55,7 @@ from ..protocol.hydra import (
     encode_request,
     encode_request_header,
 )
-from ..transport.net import recv_into_view, send_view
-from ..transport.tls_bulk import BULK_TLS_MIN, ssl_stream_of, tls_recv_into_view, tls_send_view
+from ..transport.tls_bulk import receives_bulk, recv_bulk_into, send_bulk
 from ..protocol.address import parse_peer
 from .errors import (
     HydraConnectError,
@@ -370,25 +369,21 @@ class HydraConnection:
         return await _receive_payload_into(self, rs, view)
 
     async def _send_all(self, data: Payload, rs: ResponseStream, *, bulk: bool = False, head: bytes = b"") -> None:
-        """Send ``head`` then ``data``; ``bulk``: in `CHUNK_SIZE` pieces, on plain TCP by
-        `hydra_trio.transport.net.send_view` (``head`` in its first write)."""
+        """Send ``head`` then ``data``; ``bulk``: in `CHUNK_SIZE` pieces by
+        `hydra_trio.transport.tls_bulk.send_bulk` (on plain TCP ``head`` rides in its first write)."""
         stream = self._stream
         if stream is None:
             raise self._closed_error(rs)
         self._in_request = True  # from the first byte on, a failure desyncs the stream
         try:
-            if bulk and isinstance(stream, trio.SocketStream):
-                await send_view(stream, memoryview(data).cast("B"), CHUNK_SIZE, progress_timeout=self.timeout,
-                                head=head)
-                return
-            if head:
-                with trio.fail_after(self.timeout):
-                    await stream.send_all(head)
-            if not bulk:
+            if bulk:
+                await send_bulk(stream, memoryview(data).cast("B"), CHUNK_SIZE, self.timeout, head=head)
+            else:
+                if head:
+                    with trio.fail_after(self.timeout):
+                        await stream.send_all(head)
                 with trio.fail_after(self.timeout):
                     await stream.send_all(data)
-            elif len(data) < BULK_TLS_MIN or not await tls_send_view(stream, memoryview(data).cast("B"), self.timeout):
-                await _send_pieces(stream, memoryview(data).cast("B"), self.timeout)
         except trio.TooSlowError:
             await self._abort("send timed out")
             raise HydraTimeout(
@@ -503,15 +498,9 @@ async def _receive_payload_into(self: HydraConnection, rs: ResponseStream, view:
         pos += _take_event(self, rs, view, pos)
     stream = self._stream
     left = self._decoder.payload_remaining
-    direct = isinstance(stream, trio.SocketStream) or (left >= BULK_TLS_MIN and ssl_stream_of(stream) is not None)
-    if not rs.done and direct and left:
+    if not rs.done and left and receives_bulk(stream, left):
         try:
-            if isinstance(stream, trio.SocketStream):
-                done = await recv_into_view(stream, view[pos : pos + left], self.timeout)
-            else:
-                done = await tls_recv_into_view(stream, view[pos : pos + left], self.timeout)
-            assert done is not None  # ssl_stream_of found the TLS state
-            got, closed = done
+            got, closed = await recv_bulk_into(stream, view[pos : pos + left], self.timeout)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             await self._abort("connection lost")
             raise HydraConnectionClosed(f"connection to {self.address} lost: {exc}", op=rs.op,
@@ -547,13 +536,6 @@ def _take_event(self: HydraConnection, rs: ResponseStream, view: memoryview, pos
         return 0
     raise HydraProtocolError(f"unexpected {type(ev).__name__} inside a reply payload",  # pragma: no cover
                              op=rs.op, trace_id=rs.trace_id)
-
-
-async def _send_pieces(stream: trio.abc.Stream, view: memoryview, timeout: float) -> None:
-    """``view`` in `CHUNK_SIZE` pieces (a TLS stream), ``timeout`` bounding each."""
-    for i in range(0, len(view), CHUNK_SIZE):
-        with trio.fail_after(timeout):
-            await stream.send_all(view[i : i + CHUNK_SIZE])
 
 
 async def _salvage_reply(self: HydraConnection) -> ResponseStarted | None:

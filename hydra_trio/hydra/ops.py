@@ -23,8 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..transport.net import send_view
-from ..transport.tls_bulk import BULK_TLS_MIN, tls_send_view
+from ..transport.tls_bulk import send_bulk
 from .._version import __version__
 from ..api.jobs import ChatTools, chat_job, job_continue
 from ..api.tools import parse_reply
@@ -36,7 +35,7 @@ from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import RunningChecksum, verify_checksum
+from ..engine.state import verify_checksum_off_engine
 from ..engine.tasks import PipelineAttach, Reconfigure, RestoreSlot, SaveSlot, SetExpertMode, SwapQuant
 from ..errors import Busy, HydraTrioError, InvalidRequest
 from ..rpc_backend.backend import RpcBackend
@@ -100,10 +99,8 @@ class OpContext:
 
     async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes | BlobBuffer) -> None:
         """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)
-        taken straight from the blob's one buffer, never copied: on a plain TCP stream by
-        :func:`~hydra_trio.transport.net.send_view` (each write at most ``state_chunk_size`` bytes), over TLS
-        from a worker thread (:func:`~hydra_trio.transport.tls_bulk.tls_send_view`; a payload under
-        :data:`~hydra_trio.transport.tls_bulk.BULK_TLS_MIN`: ``send_all`` of memoryview slices).
+        taken straight from the blob's one buffer, never copied (:func:`~hydra_trio.transport.tls_bulk.send_bulk`:
+        on a plain TCP stream each write at most ``state_chunk_size`` bytes, over TLS from a worker thread).
 
         Raises:
             trio.BrokenResourceError: the connection broke, or the client took no byte of the reply for
@@ -112,19 +109,8 @@ class OpContext:
         view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
         step = self.node.state_chunk_size
         wait = self.node.settings.request_timeout  # a client that reads none of it holds no buffer (or thread) for ever
-        try:
-            if isinstance(self.stream, trio.SocketStream):  # the header rides in the first write
-                await send_view(self.stream, view, step, sent=self._count_sent, progress_timeout=wait, head=header)
-                return
-            with trio.fail_after(wait):
-                await self.stream.send_all(header)
-            if len(view) >= BULK_TLS_MIN and await tls_send_view(self.stream, view, wait, sent=self._count_sent):
-                return
-            for i in range(0, len(view), step):
-                piece = view[i : i + step]
-                with trio.fail_after(wait):
-                    await self.stream.send_all(piece)
-                self.blob_bytes_sent += len(piece)
+        try:  # on plain TCP the header rides in the first write
+            await send_bulk(self.stream, view, step, wait, head=header, sent=self._count_sent)
         except trio.TooSlowError:
             log.info("[%s] hydra: the client read none of the reply for %g s; closed", self.req.trace_id, wait)
             raise trio.BrokenResourceError("the client stopped reading the reply") from None
@@ -209,7 +195,7 @@ async def state_put(ctx: OpContext) -> None:
         try:
             # integrity first, never on the engine thread; a payload hashed as it arrived (only its header is
             # read now) or a small one is checked here, a large unhashed one in a worker thread
-            await check_off_engine(blob, ctx.req.checksum)
+            await verify_checksum_off_engine(blob, ctx.req.checksum)
             done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
         except HydraTrioError:  # the thread and the engine are done with it (cancelled: it is dropped, not pooled)
             _give_back(blob)
@@ -219,22 +205,6 @@ async def state_put(ctx: OpContext) -> None:
         await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
                          "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
                          **ctx.identity(e)})
-
-
-INLINE_CHECK = 1 << 20
-"""Bytes of a STATE_PUT blob not hashed on arrival that are still hashed on the event loop (about 0.1 ms):
-a worker thread's round trip costs more than that on a loaded machine."""
-
-
-async def check_off_engine(blob: bytearray | BlobBuffer, running: RunningChecksum | None = None) -> None:
-    """:func:`~hydra_trio.engine.state.verify_checksum` of a STATE_PUT blob before the engine sees it: here
-    when ``running`` already hashed all of it (only the header is read) or it is at most
-    :data:`INLINE_CHECK` bytes, else in a worker thread.  Raises StateError."""
-    if (running is not None and running.seen == len(blob)) or len(blob) <= INLINE_CHECK:
-        verify_checksum(blob, running)
-        await trio.lowlevel.checkpoint()
-    else:
-        await trio.to_thread.run_sync(verify_checksum, blob, running)
 
 
 def _give_back(blob: bytearray | BlobBuffer) -> None:

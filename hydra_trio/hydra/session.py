@@ -24,8 +24,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..transport.net import recv_into_view
-from ..transport.tls_bulk import BULK_TLS_MIN, ssl_stream_of, tls_recv_into_view
+from ..transport.tls_bulk import receives_bulk, recv_bulk_into
 from ..engine.blobbuf import BlobBuffer
 from ..engine.state import RunningChecksum
 from ..protocol.hydra import (
@@ -180,12 +179,7 @@ async def serve_connection(
         if into is not None:  # the rest of a buffered payload, straight from the socket
             assert req is not None
             hash_piece = req.checksum.update if req.checksum is not None else None
-            if isinstance(stream, trio.SocketStream):
-                done = await recv_into_view(stream, into, settings.request_timeout, hash_piece)
-            else:
-                done = await tls_recv_into_view(stream, into, settings.request_timeout, hash_piece)
-            assert done is not None  # _direct_target found the TLS state
-            got, closed = done
+            got, closed = await recv_bulk_into(stream, into, settings.request_timeout, hash_piece)
             del into  # no view of the buffer outlives the receive
             req.filled += got
             req = await _handle_events(dec.skip_payload(got), req, protocol)
@@ -229,7 +223,7 @@ def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -
     if req is None or not isinstance(req.payload, BlobBuffer):
         return None
     left = dec.payload_remaining
-    if not isinstance(stream, trio.SocketStream) and (left < BULK_TLS_MIN or ssl_stream_of(stream) is None):
+    if not receives_bulk(stream, left):
         return None
     return req.payload.view()[req.filled : req.filled + left] if left else None
 

@@ -17,6 +17,10 @@ as before.
 
 The caller must hold the stream: no other task sends or receives on it
 while a bulk call runs (a Hydra connection runs one request at a time).
+
+:func:`send_bulk`, :func:`receives_bulk` and :func:`recv_bulk_into` choose the path for a payload
+on any stream (plain TCP: :mod:`hydra_trio.transport.net`; TLS: the worker thread, or trio's records
+under :data:`BULK_TLS_MIN`), for the node's and the client's side alike.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from typing import Any
 import trio
 
 from .blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
+from .net import recv_into_view, send_view
 
-__all__ = ["BULK_TLS_MIN", "ssl_stream_of", "tls_recv_into_view", "tls_send_view"]
+__all__ = ["BULK_TLS_MIN", "receives_bulk", "recv_bulk_into", "send_bulk", "ssl_stream_of", "tls_recv_into_view",
+           "tls_send_view"]
 
 BULK_TLS_MIN = 256 * 1024
 """Bytes from which a payload over TLS takes the worker thread (below it, the thread and the duplicate
@@ -172,3 +178,49 @@ async def tls_recv_into_view(stream: Any, view: memoryview, timeout: float = mat
             pipe._plain = b""
         _hand_back(ssl_stream, pipe, dup, broken=not ok)
     return pos, closed
+
+
+async def send_bulk(stream: Any, view: memoryview, step: int, timeout: float, *, head: bytes = b"",
+                    sent: Callable[[int], None] | None = None) -> None:
+    """Send ``head`` (a frame header), then all of ``view`` in pieces of at most ``step`` bytes, on any
+    stream: plain TCP by :func:`~hydra_trio.transport.net.send_view` (``head`` in its first write); TLS
+    by :func:`tls_send_view` from :data:`BULK_TLS_MIN` bytes on, else ``send_all`` of each piece.
+    ``timeout`` bounds each wait for progress; ``sent(n)`` counts the bytes of ``view`` sent.
+
+    Raises:
+        trio.TooSlowError: no progress for ``timeout`` seconds.
+        trio.BrokenResourceError, trio.ClosedResourceError: the connection broke or was closed.
+    """
+    if isinstance(stream, trio.SocketStream):
+        await send_view(stream, view, step, sent=sent, progress_timeout=timeout, head=head)
+        return
+    if head:
+        with trio.fail_after(timeout):
+            await stream.send_all(head)
+    if len(view) >= BULK_TLS_MIN and await tls_send_view(stream, view, timeout, sent=sent):
+        return
+    for i in range(0, len(view), step):
+        piece = view[i : i + step]
+        with trio.fail_after(timeout):
+            await stream.send_all(piece)
+        if sent is not None:
+            sent(len(piece))
+
+
+def receives_bulk(stream: Any, n: int) -> bool:
+    """Whether the next ``n`` payload bytes on ``stream`` can go straight into a buffer
+    (:func:`recv_bulk_into`): on plain TCP always, over TLS from :data:`BULK_TLS_MIN` bytes on when
+    :func:`ssl_stream_of` finds the TLS state."""
+    return isinstance(stream, trio.SocketStream) or (n >= BULK_TLS_MIN and ssl_stream_of(stream) is not None)
+
+
+async def recv_bulk_into(stream: Any, view: memoryview, timeout: float,
+                         received: Callable[[memoryview], None] | None = None) -> tuple[int, bool]:
+    """Receive into ``view`` straight from ``stream`` (for which :func:`receives_bulk` holds): plain TCP by
+    :func:`~hydra_trio.transport.net.recv_into_view`, TLS by :func:`tls_recv_into_view`;
+    ``(received, closed)`` as they return.  Raises as they do."""
+    if isinstance(stream, trio.SocketStream):
+        return await recv_into_view(stream, view, timeout, received)
+    done = await tls_recv_into_view(stream, view, timeout, received)
+    assert done is not None  # receives_bulk found the TLS state
+    return done

@@ -73,7 +73,6 @@ from ._wire import HELLO_REPLY_SIZE, HELLO_REQUEST_SIZE, RPC_CONN_CAPS_SIZE, RPC
 from ._wire import REPLY_SIZES, REQUEST_SIZES, RpcCmd, encode_reply, encode_request, hello_request
 
 
-
 def __getattr__(name: str) -> Any:
     """:data:`TYPE_TRAITS` and :data:`UNDESCRIBED_TYPES` from :mod:`._tensor`, computed on first use (PEP 562):
     they import ``gguf``, and with it numpy."""
