@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,6 +35,19 @@ def complete(base: str) -> str:
     r = httpx.post(base + "/v1/completions", json=BODY, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
+
+
+def compute_threads(pid: int) -> set[int]:
+    """The head's thread ids but trio's cached workers (``Trio thread N``: they come and go when idle)."""
+    tasks = Path(f"/proc/{pid}/task")
+    out = set()
+    for t in tasks.iterdir():
+        try:
+            if not (t / "comm").read_text().startswith("Trio thread"):
+                out.add(int(t.name))
+        except FileNotFoundError:  # it exited meanwhile
+            pass
+    return out
 
 
 def set_mode(port: int, payload: bytes) -> tuple[int, dict]:
@@ -64,7 +78,7 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     c = spawn("--no-model")
     b.wait_ready()
     c.wait_ready()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "2", "-c", "2048", "--no-rpc-backend",
+    a = spawn("-m", "smollm2-135m-moe", "-np", "2", "-c", "2048", "--no-rpc-backend", "-t", "2",
               "--rpc-engine", f"127.0.0.1:{b.port}")
     a.wait_ready()
     # the start-up attach builds the head (combined_head_attached), then switches to it (mode)
@@ -79,6 +93,7 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     before = rpc_bytes(b.port)
     combined_text = complete(a.base)
     during_combined = rpc_bytes(b.port) - before
+    threads_combined = compute_threads(a.proc.pid)
     status, sw = set_mode(a.port, b"solo")
     assert status == Status.OK and sw["mode"] == "solo"
     before = rpc_bytes(b.port)
@@ -86,11 +101,19 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     during_solo = rpc_bytes(b.port) - before
     assert combined_text == solo_text == dense
     assert during_combined > 100_000 and during_solo == 0
+    # one OpenMP team at a time (engine/openmp.py): the peer worker's team left at the flip (-t 2: one
+    # OpenMP worker thread) and the engine thread started its own; with both alive, libgomp would
+    # throttle every barrier of both for good (SOLO at about 0.7x)
+    threads_solo = compute_threads(a.proc.pid)
+    assert len(threads_combined - threads_solo) == 1 and len(threads_solo - threads_combined) == 1
     before = rpc_bytes(b.port)
     status, sw = set_mode(a.port, b"combined")
     assert status == Status.OK and sw["mode"] == "combined" and 0 <= sw["switch_ms"] < 120_000
     # both models stay resident: switching back uploads no expert tensors again (the first upload was > 150 MB)
     assert rpc_bytes(b.port) - before < 1_000_000
+    assert complete(a.base) == dense
+    threads_back = compute_threads(a.proc.pid)  # and back: the engine thread's team left
+    assert len(threads_solo - threads_back) == 1 and len(threads_back - threads_solo) == 1
     assert "detaching peer" not in a.log()
     assert "hydra_trio:combined_mode 1.0" in httpx.get(a.base + "/metrics").text
 

@@ -42,7 +42,7 @@ import llama_cpp
 from ..observability import progress
 from ..protocol.address import parse_peer
 from ..protocol.strict import MessageError
-from . import ggml_backend
+from . import ggml_backend, openmp
 from ..observability.events import EventBus
 from .bridge import Call
 from .model import LoadedModel
@@ -85,6 +85,16 @@ def _on_ggml_abort(message: bytes) -> None:
     for w in victims:
         log.error("peer %s: %s; its worker is parked for good, the head goes back to SOLO", w.peer, text)
         w._die()
+    if worker is not None:  # the parked thread's OpenMP team would slow every later SOLO decode
+        try:
+            openmp.release_thread_team()
+        except Exception:  # noqa: BLE001  (returning from here would abort() the process)
+            log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
+    elif openmp.in_use():
+        # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
+        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py)
+        log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
+                    "spin waits (slower) until this node restarts")
     threading.Event().wait()  # never returns: returning would abort() the process
 
 
@@ -332,10 +342,27 @@ class ExpertModes:
         """Make ``m`` serve new work: its KV cache starts empty and the slots forget their cached prompts."""
         if m is None or m is self.active:
             return
+        self._release_compute_threads(self.active)
         llama_cpp.llama_memory_clear(m.memory, True)
         self.active = m
         self.counters.mode_switches += 1
         self.on_switch()
+
+    def _release_compute_threads(self, old: LoadedModel | None) -> None:
+        """The thread that ran ``old``'s graphs (the engine thread for SOLO, the peer's worker for
+        COMBINED) frees its OpenMP team before another thread starts one (:mod:`.openmp`: two teams at
+        once throttle both).  A worker that is gone released its team as it died."""
+        if old is None:
+            return
+        if old is self.solo:
+            openmp.release_thread_team()  # we are on the engine thread
+            return
+        worker = self._worker
+        if old is self.combined and worker is not None and not worker.dead:
+            try:
+                worker.call(openmp.release_thread_team, timeout=30)
+            except (PeerLost, TimeoutError) as exc:
+                log.warning("peer %s: its worker did not release its OpenMP threads (%s)", worker.peer, exc)
 
     def detach(self) -> None:
         """Free the COMBINED model (on the peer's worker: it frees buffers on the peer); SOLO serves."""

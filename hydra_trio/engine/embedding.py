@@ -25,7 +25,7 @@ import array
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -143,9 +143,13 @@ def check_input(m: LoadedModel, n_tokens: int, field: str) -> None:
         raise InvalidRequest(f"{field}: the input has {n_tokens} tokens; at most {limit} fit ({why})")
 
 
-def embed(m: LoadedModel, job: EmbeddingJob, seq: int) -> Embedding:
+def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], int] | None = None) -> Embedding:
     """Engine thread: decode ``job.tokens`` on sequence ``seq`` (which must hold nothing of value) and
     read the embedding.  The sequence is empty again afterwards.
+
+    ``decode``: runs ``llama_decode`` of a batch on ``m`` (the engine's
+    :meth:`ExpertModes.decode <hydra_trio.engine.combined.ExpertModes.decode>`, which runs a COMBINED
+    model's decodes on its peer's worker thread); default: ``llama_decode`` here.
 
     Raises:
         InvalidRequest: the input is empty or too long (:func:`check_input`).
@@ -171,7 +175,7 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int) -> Embedding:
                 batch.seq_id[i][0] = seq
                 batch.logits[i] = 1  # every token is an output (llama-server's need_embd)
             batch.n_tokens = len(part)
-            rc = llama_cpp.llama_decode(m.ctx, batch)
+            rc = llama_cpp.llama_decode(m.ctx, batch) if decode is None else decode(batch)
             if rc != 0:
                 raise EngineFailure(f"llama_decode failed (code {rc}) while embedding {n} tokens")
             if pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
@@ -194,11 +198,12 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int) -> Embedding:
     return Embedding(tuple(vectors), n, (time.perf_counter() - t0) * 1e3)
 
 
-def embed_counted(m: LoadedModel, stats: Any, job: EmbeddingJob) -> Embedding:
-    """Engine thread: :func:`embed` on sequence 0, counted in the engine's prompt metrics (``stats``:
-    ``EngineStats``).  Inputs go one at a time and no slot of an embedding node holds tokens, so sequence 0
-    is always free."""
-    out = embed(m, job, seq=0)
+def embed_counted(m: LoadedModel, stats: Any, job: EmbeddingJob,
+                  decode: Callable[[Any], int] | None = None) -> Embedding:
+    """Engine thread: :func:`embed` on sequence 0 (with ``decode``), counted in the engine's prompt metrics
+    (``stats``: ``EngineStats``).  Inputs go one at a time and no slot of an embedding node holds tokens,
+    so sequence 0 is always free."""
+    out = embed(m, job, seq=0, decode=decode)
     stats.prompt_tokens_total += out.n_tokens
     stats.prompt_seconds_total += out.ms / 1e3
     return out

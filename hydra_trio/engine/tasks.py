@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from ..errors import EngineFailure
 from . import quants
+from .combined import PeerLost
 from .embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
 
 if TYPE_CHECKING:
@@ -184,4 +186,11 @@ class Embed(EngineTask):
 
     def run(self, engine: Any) -> Embedding:
         assert engine.model is not None
-        return embed_counted(engine.model, engine.stats, job=self.job)
+        experts = engine.experts
+        try:
+            return embed_counted(engine.model, engine.stats, job=self.job, decode=experts.decode)
+        except PeerLost as exc:  # as a completion's step does (Scheduler._step): back to SOLO, this request fails
+            peer = experts.peer
+            experts.peer_lost(str(exc))
+            raise EngineFailure(f"the ggml-RPC peer {peer} died mid-request; the node is back in SOLO mode, "
+                                "retry") from None
