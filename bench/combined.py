@@ -1,6 +1,7 @@
 """COMBINED vs SOLO, and COMBINED through the TLS tunnel vs plain, in interleaved rounds; the flip latency.
 
     .venv/bin/python bench/combined.py [--tokens 48] [--runs 5] [--no-tls] [--passive none|peer|head|both]
+                                       [--llama-server]
 
 Starts a compute-only node B and a head A with the test MoE
 (``smollm2-135m-moe``) and ``--rpc-engine B``; with TLS (the default) also a
@@ -11,11 +12,21 @@ of A in SOLO (a flip: both models stay resident), and of A2 in COMBINED
 through its tunnel, one after the other (only one decodes at a time), so a
 busy machine's drift hits all three alike.  Prints one table
 (:mod:`bench._table`) and the ``switch_ms`` of SET_EXPERT_MODE flips.
+
+With ``--llama-server`` (built on first use by ``bench/build_llama_server.sh``,
+as ``bench/vs_llama_server.py`` does) the rounds also time llama.cpp alone on
+the same model and flags: llama-server with the same expert tensors on a bare
+ggml-RPC server (``--rpc HOST:PORT -ngl 0 -ot 'ffn_(up|down|gate)_exps=RPC0[HOST:PORT]'``,
+the server being this package's child, ``ggml_backend_rpc_start_server``
+with no front door) against llama-server alone.  Two more rows: that ratio
+(what llama.cpp's own ggml-RPC reaches on this machine: the ceiling of the
+first row's), and hydra-trio's COMBINED against llama-server's.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import subprocess
@@ -26,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
+from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
 from bench._decode import tok_s  # noqa: E402
@@ -76,12 +87,57 @@ def certificates(d: str) -> tuple[list[str], Path]:
     return ["--tls-cert", str(cert), "--tls-key", str(key)], ca_pem
 
 
+def llama_cpp_pair(procs: list[subprocess.Popen]) -> tuple[int, int]:
+    """llama-server with the experts on a bare ggml-RPC server, and llama-server alone: their ports
+    (the processes join ``procs``)."""
+    from bench.vs_llama_server import build_anchor
+    from hydra_trio.models.presets import resolve_model
+    from hydra_trio.rpc_backend.supervisor import CHILD_ENV
+
+    binary, model = str(build_anchor()), str(resolve_model("smollm2-135m-moe")[0])
+    rpc = f"127.0.0.1:{free_port()}"
+    child = subprocess.Popen([sys.executable, "-m", "hydra_trio.rpc_backend.child", "--endpoint", rpc],
+                             env={**CHILD_ENV, **os.environ}, stdout=subprocess.DEVNULL)
+    procs.append(child)
+    ports = []
+    for extra in (("--rpc", rpc, "-ngl", "0", "-ot", rf"ffn_(up|down|gate)_exps=RPC0[{rpc}]"), ()):
+        if extra:
+            _wait_listening(rpc, child)
+        port = free_port()
+        proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
+                                 "-c", "2048", "--no-webui", *extra], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        wait_healthy(port, proc, timeout=300)
+        ports.append(port)
+    return ports[0], ports[1]
+
+
+def _wait_listening(endpoint: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    import socket
+
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"no ggml-RPC server on {endpoint}")
+
+
 def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
-            passive: str = "none") -> tuple[list[Row], list[float]]:
-    """The rows (COMBINED/SOLO, TLS/plain COMBINED) and the flip-to-COMBINED times (ms)."""
+            passive: str = "none", llama_server: bool = False) -> tuple[list[Row], list[float]]:
+    """The rows (COMBINED/SOLO, TLS/plain COMBINED, llama.cpp's own) and the flip-to-COMBINED times (ms)."""
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         try:
+            lport = lsolo = None
+            if llama_server:
+                lport, lsolo = llama_cpp_pair(procs)
+                tok_s(lport, 8)
+                tok_s(lsolo, 8)
             b, bport = start("--no-model", passive=passive in ("peer", "both"))
             procs.append(b)
             h, hport = start(*MOE, "--rpc-engine", f"127.0.0.1:{bport}", passive=passive in ("head", "both"))
@@ -98,8 +154,9 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
                 tok_s(h2port, 8)
             wait_combined(hport)
             tok_s(hport, 8)
-            comb, sol, through = [], [], []
-            for _ in range(runs):
+            comb, sol, through, lcomb, lsol = [], [], [], [], []
+            for i in range(runs):
+                print(f"  round {i + 1}/{runs}", file=sys.stderr, flush=True)
                 set_mode(hport, "combined")
                 comb.append(tok_s(hport, tokens))
                 if solo:
@@ -107,6 +164,9 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
                     sol.append(tok_s(hport, tokens))
                 if h2port is not None:
                     through.append(tok_s(h2port, tokens))
+                if lport is not None and lsolo is not None:
+                    lcomb.append(tok_s(lport, tokens))
+                    lsol.append(tok_s(lsolo, tokens))
             flips = []
             for _ in range(5):
                 set_mode(hport, "solo")
@@ -123,6 +183,11 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
     if tls:
         rows.append(Row("combined", "COMBINED through the --rpc-tls tunnel vs plain COMBINED", "tok/s",
                         through, comb, target=0.85))
+    if llama_server:
+        rows.append(Row("combined", "llama.cpp alone: llama-server --rpc (bare ggml-RPC server) vs llama-server",
+                        "tok/s", lcomb, lsol))
+        rows.append(Row("combined", "hydra-trio COMBINED (peer's front door) vs llama-server --rpc (bare server)",
+                        "tok/s", comb, lcomb))
     return rows, flips
 
 
@@ -134,8 +199,11 @@ def main() -> None:
     ap.add_argument("--passive", choices=["none", "peer", "head", "both"], default="none",
                     help="which nodes' environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
                          "ggml-RPC child waits passively anyway, see hydra_trio.rpc_backend.supervisor.CHILD_ENV)")
+    ap.add_argument("--llama-server", action="store_true",
+                    help="also time llama.cpp alone: llama-server with the experts on a bare ggml-RPC server, and "
+                         "llama-server by itself (built on first use, about 10 minutes on 2 cores)")
     a = ap.parse_args()
-    rows, flips = measure(a.tokens, a.runs, tls=not a.no_tls, passive=a.passive)
+    rows, flips = measure(a.tokens, a.runs, tls=not a.no_tls, passive=a.passive, llama_server=a.llama_server)
     print_table(rows, "bench/combined.py " + " ".join(sys.argv[1:]))
     print(f"\nflip to COMBINED with both models resident: median {statistics.median(flips):.2f} ms "
           f"(max {max(flips):.2f} ms over {len(flips)}); {a.tokens} tokens per decode, "
