@@ -13,7 +13,6 @@ defines are ignored, as llama-server does.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from typing import Any

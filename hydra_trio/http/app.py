@@ -439,7 +439,7 @@ class Api:
             )
         return await self._collect(request, run, ctx)
 
-    async def _collect(self, request: Request, run: JobRun, ctx: _ResponseContext) -> Response:
+    async def _collect(self, request: Request, run: JobRun, ctx: ResponseContext) -> Response:
         """A non-streamed reply: gather the text; a client that disconnects ends the handler at once."""
         try:
             async with _cancel_on_disconnect(request, run):
@@ -451,7 +451,7 @@ class Api:
             return error_response(503, "the request was cancelled", "unavailable_error")
         return JSONResponse(ctx.final_body(run.finished))
 
-    async def _sse(self, run: JobRun, ctx: _ResponseContext) -> AsyncIterator[str]:
+    async def _sse(self, run: JobRun, ctx: ResponseContext) -> AsyncIterator[str]:
         """The stream's events; the deltas that arrived together (one engine step's, or more when the
         client reads slower than the engine writes) go out in one write, as does the stream's end."""
         try:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import ssl
 
-import attrs
 import trio
 
 from ..config import ServerConfig
@@ -15,19 +13,17 @@ from ..errors import Busy
 from ..engine.blobbuf import TRANSFER_POOL
 from ..engine.combined import peer_listening
 from ..engine.engine import Engine
-from ..engine.settings import EngineConfig
 from ..engine.tasks import AttachPeerAtStart, PeerGone
 from ..observability.events import EventBus
-from ..transport.frontdoor import FrontDoor, FrontDoorSettings
-from ..hydra.server import HydraHandler, HydraSettings
+from ..transport.frontdoor import FrontDoor
+from ..hydra.server import HydraHandler
 from ..http._hyper import HttpHandler
 from ..http.app import build_app
 from ..http.metrics import NodeMetrics
-from ..http.settings import HttpSettings
 from ..observability import progress
 from ..observability.node_stats import ProgressEvents, StatsTicker
 from ..protocol.classify import Protocol
-from ..rpc_backend.backend import RpcBackend, RpcBackendSettings
+from ..rpc_backend.backend import RpcBackend
 from ..transport.tunnel import TunnelPool
 
 log = logging.getLogger("hydra_trio.server")

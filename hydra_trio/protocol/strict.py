@@ -98,12 +98,6 @@ def _as_str(v: Any) -> str:
     raise TypeMismatch(f"expected str, got {type_name(v)}")
 
 
-def _as_bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    raise TypeMismatch(f"expected bool, got {type_name(v)}")
-
-
 def _as_str_or_str_list(v: Any) -> str | list[str]:
     if isinstance(v, str):
         return v
