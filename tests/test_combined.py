@@ -191,3 +191,34 @@ def test_sigterm_on_a_compute_only_peer_lets_the_heads_request_finish(spawn) -> 
     assert "grace period" not in b.log()
     wait_for(lambda: info(a.port)["mode"] == "solo", timeout=60)  # the head notices its peer left and keeps serving
     assert "Paris" in complete(a.base)
+
+
+@pytest.mark.slow
+def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> None:
+    """The peer dies while the head serves SOLO with the COMBINED model kept (the watchdog acts only in
+    COMBINED): SET_EXPERT_MODE combined must not report success on that dead connection, fail the next
+    request and leave the stuck worker with its OpenMP team; it falls back to SOLO, which keeps answering."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+              "--rpc-engine", f"127.0.0.1:{b.port}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+    combined_text = complete(a.base)
+    status, sw = set_mode(a.port, b"solo")
+    assert status == Status.OK and sw["mode"] == "solo"
+    assert complete(a.base) == combined_text
+    threads_solo = compute_threads(a.proc.pid)
+    assert info(a.port)["combined_head_attached"] is True  # kept for a fast flip back
+
+    b.stop(signal.SIGKILL)
+    status, sw = set_mode(a.port, b"combined")
+    assert status == Status.OK and sw["success"] is False and sw["mode"] == "solo", sw
+    assert f"127.0.0.1:{b.port}" in sw["fallback_reason"]
+    meta = info(a.port)
+    assert meta["mode"] == "solo" and meta["combined_head_attached"] is False and meta["peer_attach"] == "failed"
+    assert meta["peer_reachable"] is False
+    assert complete(a.base) == combined_text  # SOLO, not a 500 from a decode on the dead peer
+    # the engine thread's OpenMP team stayed: no second team next to a stuck worker's (engine/openmp.py)
+    assert compute_threads(a.proc.pid) - threads_solo == set()
+    assert a.proc.poll() is None

@@ -171,6 +171,18 @@ class PeerWorker:
             job.fail(PeerLost(f"peer {self.peer} is gone"))
         return job.wait_blocking(timeout)
 
+    def answers(self, dev: int, timeout: float = 30.0) -> bool:
+        """True when the peer answers a ``GET_DEVICE_MEMORY`` round trip on this process's own ggml-RPC
+        connection to it (the one the attached model's buffers use, through ggml-RPC's dispatcher).  False
+        when it does not (the worker is dead then, parked without an OpenMP team if it computed nothing
+        since it last released one) or within ``timeout`` seconds.  A TCP connect would not tell: a peer
+        restarted at the same address accepts, and the connection this node holds is still broken."""
+        try:
+            self.call(lambda: ggml_backend.device_memory(dev), timeout=timeout)
+        except (PeerLost, TimeoutError):
+            return False
+        return True
+
     def stop(self) -> None:
         _live_workers.discard(self)
         if not self.dead:
@@ -292,6 +304,7 @@ class ExpertModes:
         a loopback TLS tunnel's (:meth:`hydra_trio.transport.tunnel.TunnelPool.dial`).  Raises OSError when none can
         serve it.  :attr:`peer`, INFO, events and the watchdog keep the real address."""
         self._worker: PeerWorker | None = None
+        self._peer_dev = 0  # the attached peer's ggml device (ggml_backend_dev_t), for the liveness round trip
 
     @property
     def mode(self) -> ExpertMode:
@@ -419,6 +432,7 @@ class ExpertModes:
             devs = ggml_backend.add_peer(endpoint)
             if not devs:
                 raise PeerError(f"peer {peer} has no ggml devices")
+            self._peer_dev = devs[0]
             free, _total = ggml_backend.device_memory(devs[0])
             if free < need:
                 raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
@@ -504,6 +518,8 @@ class ExpertModes:
         if self.pattern != self.expert_pattern:  # the peer holds a pipeline split: COMBINED needs the experts
             self.detach()
             self.pattern = self.expert_pattern
+        if target == self.peer:
+            self._drop_dead_attachment()
         if target != self.peer or self.combined is None or self._worker is None or self._worker.dead:
             if self.combined is not None:
                 log.info("detaching peer %s", self.peer)
@@ -554,6 +570,7 @@ class ExpertModes:
             if expert_bytes(self.solo.path, ot_split, before=tuple(p for p, _ in self.solo.options.tensor_overrides)) == 0:
                 return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
             self.detach()
+        self._drop_dead_attachment()
         old = self.peer, self.pattern
         self.peer, self.pattern = peer, ot_split
         if self.combined is None or self._worker is None or self._worker.dead:
@@ -568,6 +585,20 @@ class ExpertModes:
         ms = (time.perf_counter() - t0) * 1e3
         log.info("PIPELINE: tensors matching %r on peer %s, attached in %.1f ms", ot_split, peer, ms)
         return {"success": True, "mode": "pipeline", "peer": peer, "layer_split": ot_split, "switch_ms": round(ms, 3)}
+
+    def _drop_dead_attachment(self) -> None:
+        """Before a kept COMBINED/PIPELINE model serves again: if its peer died while SOLO served (the
+        watchdog acts only in COMBINED/PIPELINE), forget it (leaked with its parked worker, as
+        :meth:`peer_lost` does), so the switch attaches afresh or falls back instead of reporting success
+        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/openmp.py)."""
+        worker = self._worker
+        if self.combined is None or self.active is self.combined or worker is None or worker.answers(self._peer_dev):
+            return
+        log.warning("peer %s: the kept %s model's connection no longer answers; it is dropped", self.peer, self.pattern)
+        self.counters.peer_losses += 1
+        self.peer_reachable = False
+        self.combined = self._worker = None
+        self.peer_attach = PeerAttach.NONE
 
     def _refuse(self, reason: str, asked: str) -> dict[str, Any]:
         """``asked`` cannot be done and nothing changed (the mode in effect stays): ``success`` false."""
