@@ -146,6 +146,8 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     wait_for(lambda: info(a.port)["mode"] == "solo", timeout=30)
     meta = info(a.port)
     assert meta["peer_reachable"] is False and meta["combined_head_attached"] is False and meta["fallback_reason"]
+    # the worker waits inside that decode for good, with the OpenMP team it computed with: said in the log
+    assert "keeps its OpenMP threads" in a.log()
     assert complete(a.base) == dense
     assert a.proc.poll() is None
 
@@ -221,4 +223,6 @@ def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> No
     assert complete(a.base) == combined_text  # SOLO, not a 500 from a decode on the dead peer
     # the engine thread's OpenMP team stayed: no second team next to a stuck worker's (engine/openmp.py)
     assert compute_threads(a.proc.pid) - threads_solo == set()
+    # and the log does not claim otherwise: the parked worker had released its team at the flip to SOLO
+    assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
     assert a.proc.poll() is None

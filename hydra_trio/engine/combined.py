@@ -90,9 +90,10 @@ def _on_ggml_abort(message: bytes) -> None:
             openmp.release_thread_team()
         except Exception:  # noqa: BLE001  (returning from here would abort() the process)
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
-    elif openmp.in_use():
+    elif openmp.in_use() and any(w.holds_team for w in victims):
         # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
-        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py)
+        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py); one that
+        # released its team (a switch to SOLO before a detach or a liveness check) keeps none
         log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
                     "spin waits (slower) until this node restarts")
     threading.Event().wait()  # never returns: returning would abort() the process
@@ -124,6 +125,8 @@ class PeerWorker:
         self.peer = peer
         self._jobs: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
         self._current: Call[Any] | None = None
+        self.holds_team = False
+        """True from a decode on this worker until it releases its OpenMP team (:mod:`.openmp`)."""
         self._dead = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"peer-{peer}", daemon=True)
         self._thread.start()
@@ -348,6 +351,7 @@ class ExpertModes:
         m = self.active
         assert m is not None
         if m is self.combined and self._worker is not None:
+            self._worker.holds_team = True
             return self._worker.call(lambda: llama_cpp.llama_decode(m.ctx, batch))
         return llama_cpp.llama_decode(m.ctx, batch)
 
@@ -374,6 +378,7 @@ class ExpertModes:
         if old is self.combined and worker is not None and not worker.dead:
             try:
                 worker.call(openmp.release_thread_team, timeout=30)
+                worker.holds_team = False
             except (PeerLost, TimeoutError) as exc:
                 log.warning("peer %s: its worker did not release its OpenMP threads (%s)", worker.peer, exc)
 
