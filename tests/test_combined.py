@@ -16,6 +16,7 @@ from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, ServerProcess, free_port, streaming, wait_for
 from .hydra_wire import Wire
+from .relay import Relay
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
@@ -226,3 +227,44 @@ def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> No
     # and the log does not claim otherwise: the parked worker had released its team at the flip to SOLO
     assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
     assert a.proc.poll() is None
+
+
+def embed(base: str) -> httpx.Response:
+    return httpx.post(base + "/v1/embeddings", json={"input": "The capital of France is Paris."}, timeout=120)
+
+
+@pytest.mark.slow
+def test_embeddings_on_a_combined_head_and_a_peer_connection_that_breaks(spawn) -> None:
+    """--embedding with the MoE on a COMBINED head: the peer computes the experts and the vector is SOLO's;
+    when the head's ggml-RPC connection breaks (a relay cuts it and keeps accepting, so the watchdog's
+    connect probe sees nothing), the embedding gets OpenAI's JSON error, not a hang, and the head is back in
+    SOLO with the same vectors."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    with Relay(b.port) as relay:
+        a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+                  "--embedding", "--pooling", "mean", "--rpc-engine", f"127.0.0.1:{relay.port}")
+        a.wait_ready()
+        wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+        before = rpc_bytes(b.port)
+        r = embed(a.base)
+        assert r.status_code == 200, r.text
+        combined_vec = r.json()["data"][0]["embedding"]
+        assert rpc_bytes(b.port) - before > 100_000  # the peer computed the experts
+        status, sw = set_mode(a.port, b"solo")
+        assert status == Status.OK and sw["mode"] == "solo"
+        solo_vec = embed(a.base).json()["data"][0]["embedding"]
+        assert len(solo_vec) == len(combined_vec) == 576
+        assert max(abs(x - y) for x, y in zip(combined_vec, solo_vec)) < 1e-5
+        status, sw = set_mode(a.port, b"combined")
+        assert status == Status.OK and sw["success"] is True and sw["mode"] == "combined"
+
+        relay.cut()
+        r = embed(a.base)
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        assert "died mid-request" in r.json()["error"]["message"]
+        meta = info(a.port)
+        assert meta["mode"] == "solo" and meta["combined_head_attached"] is False and meta["fallback_reason"]
+        r = embed(a.base)
+        assert r.status_code == 200 and r.json()["data"][0]["embedding"] == solo_vec
+        assert a.proc.poll() is None
