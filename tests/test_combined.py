@@ -94,7 +94,6 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     before = rpc_bytes(b.port)
     combined_text = complete(a.base)
     during_combined = rpc_bytes(b.port) - before
-    threads_combined = compute_threads(a.proc.pid)
     status, sw = set_mode(a.port, b"solo")
     assert status == Status.OK and sw["mode"] == "solo"
     before = rpc_bytes(b.port)
@@ -102,24 +101,25 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     during_solo = rpc_bytes(b.port) - before
     assert combined_text == solo_text == dense
     assert during_combined > 100_000 and during_solo == 0
-    # one OpenMP team at a time (engine/openmp.py): the peer worker's team left at the flip (-t 2: one
-    # OpenMP worker thread) and the engine thread started its own; with both alive, libgomp would
-    # throttle every barrier of both for good (SOLO at about 0.7x)
-    threads_solo = compute_threads(a.proc.pid)
-    assert len(threads_combined - threads_solo) == 1 and len(threads_solo - threads_combined) == 1
+    threads_solo = compute_threads(a.proc.pid)  # the engine thread's OpenMP team is in (-t 2: one more thread)
     before = rpc_bytes(b.port)
     status, sw = set_mode(a.port, b"combined")
     assert status == Status.OK and sw["mode"] == "combined" and 0 <= sw["switch_ms"] < 120_000
     # both models stay resident: switching back uploads no expert tensors again (the first upload was > 150 MB)
     assert rpc_bytes(b.port) - before < 1_000_000
     assert complete(a.base) == dense
-    threads_back = compute_threads(a.proc.pid)  # and back: the engine thread's team left
-    assert len(threads_solo - threads_back) == 1 and len(threads_back - threads_solo) == 1
+    # one OpenMP team at a time (engine/openmp.py): the engine thread's team left at the flip, and the peer
+    # worker frees its own once the slots are idle (the reply goes out just before); with both teams alive,
+    # libgomp would throttle every barrier of both for good (SOLO at about 0.7x)
+    threads_back = wait_for(lambda: (t := compute_threads(a.proc.pid)) < threads_solo
+                            and len(threads_solo - t) == 1 and t, timeout=30, what="one OpenMP team left")
     assert "detaching peer" not in a.log()
     assert "hydra_trio:combined_mode 1.0" in httpx.get(a.base + "/metrics").text
 
     # a switch while a stream runs: BUSY, nothing changes
     with streaming(a.base, {**BODY, "max_tokens": 400}):
+        # while COMBINED decodes, the peer worker's team is the only one (-t 2: one more thread)
+        assert len(compute_threads(a.proc.pid) - threads_back) == 1
         info_before = info(a.port)
         status, meta = set_mode(a.port, b"solo")
         assert status == Status.BUSY and meta["busy_slots"] and meta["success"] is False
@@ -267,4 +267,37 @@ def test_embeddings_on_a_combined_head_and_a_peer_connection_that_breaks(spawn) 
         assert meta["mode"] == "solo" and meta["combined_head_attached"] is False and meta["fallback_reason"]
         r = embed(a.base)
         assert r.status_code == 200 and r.json()["data"][0]["embedding"] == solo_vec
+        assert a.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_connection_that_breaks_while_combined_is_idle_leaves_one_openmp_team(spawn) -> None:
+    """The head's ggml-RPC connection breaks while COMBINED is idle (a relay cuts it and keeps accepting:
+    the watchdog sees nothing); the next request fails with the JSON error and the head goes back to SOLO.
+    The worker, parked for good, must hold no OpenMP team: it released its team when the slots went idle
+    and checked the peer before computing again, so SOLO's team is the only one (engine/openmp.py)."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    with Relay(b.port) as relay:
+        a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+                  "--rpc-engine", f"127.0.0.1:{relay.port}")
+        a.wait_ready()
+        wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+        text = complete(a.base)
+        status, sw = set_mode(a.port, b"solo")
+        assert status == Status.OK and sw["mode"] == "solo"
+        assert complete(a.base) == text
+        n_solo = len(compute_threads(a.proc.pid))
+        status, sw = set_mode(a.port, b"combined")
+        assert status == Status.OK and sw["success"] is True
+        assert complete(a.base) == text
+
+        relay.cut()
+        r = httpx.post(a.base + "/v1/completions", json=BODY, timeout=120)
+        assert r.status_code == 500 and "died mid-request" in r.json()["error"]["message"]
+        assert info(a.port)["mode"] == "solo"
+        assert complete(a.base) == text
+        # SOLO's team, the parked worker and ggml-RPC's parked thread: no second team
+        wait_for(lambda: len(compute_threads(a.proc.pid)) == n_solo, timeout=30, what="no second OpenMP team")
+        assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
         assert a.proc.poll() is None

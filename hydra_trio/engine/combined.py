@@ -186,6 +186,29 @@ class PeerWorker:
             return False
         return True
 
+    def decode(self, ctx: Any, batch: Any, dev: int) -> int:
+        """``llama_decode(ctx, batch)`` here.  The first decode after :meth:`rest` checks the peer first
+        (:meth:`answers`, one round trip per busy period): a connection that broke while the slots were
+        idle then parks this worker before it builds an OpenMP team, not inside the decode with one.
+
+        Raises PeerLost when the peer does not answer or died during the call.
+        """
+        if not self.holds_team and not self.answers(dev):
+            raise PeerLost(f"peer {self.peer} stopped answering")
+        self.holds_team = True
+        return self.call(lambda: llama_cpp.llama_decode(ctx, batch))
+
+    def rest(self) -> None:
+        """Free this worker's OpenMP team (:mod:`.openmp`), if it holds one: at a switch away from its model,
+        and when the slots go idle, so that a peer lost in between leaves no team behind."""
+        if not self.holds_team or self.dead:
+            return
+        try:
+            self.call(openmp.release_thread_team, timeout=30)
+            self.holds_team = False
+        except (PeerLost, TimeoutError) as exc:
+            log.warning("peer %s: its worker did not release its OpenMP threads (%s)", self.peer, exc)
+
     def stop(self) -> None:
         _live_workers.discard(self)
         if not self.dead:
@@ -351,9 +374,13 @@ class ExpertModes:
         m = self.active
         assert m is not None
         if m is self.combined and self._worker is not None:
-            self._worker.holds_team = True
-            return self._worker.call(lambda: llama_cpp.llama_decode(m.ctx, batch))
+            return self._worker.decode(m.ctx, batch, self._peer_dev)
         return llama_cpp.llama_decode(m.ctx, batch)
+
+    def rest(self) -> None:
+        """Every slot idle (engine thread): the peer's worker frees its OpenMP team (:meth:`PeerWorker.rest`)."""
+        if self._worker is not None and self.active is self.combined:
+            self._worker.rest()
 
     def _activate(self, m: LoadedModel | None) -> None:
         """Make ``m`` serve new work: its KV cache starts empty and the slots forget their cached prompts."""
@@ -374,13 +401,8 @@ class ExpertModes:
         if old is self.solo:
             openmp.release_thread_team()  # we are on the engine thread
             return
-        worker = self._worker
-        if old is self.combined and worker is not None and not worker.dead:
-            try:
-                worker.call(openmp.release_thread_team, timeout=30)
-                worker.holds_team = False
-            except (PeerLost, TimeoutError) as exc:
-                log.warning("peer %s: its worker did not release its OpenMP threads (%s)", worker.peer, exc)
+        if old is self.combined and self._worker is not None:
+            self._worker.rest()
 
     def detach(self) -> None:
         """Free the COMBINED model (on the peer's worker: it frees buffers on the peer); SOLO serves."""
