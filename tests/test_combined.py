@@ -301,3 +301,31 @@ def test_a_connection_that_breaks_while_combined_is_idle_leaves_one_openmp_team(
         wait_for(lambda: len(compute_threads(a.proc.pid)) == n_solo, timeout=30, what="no second OpenMP team")
         assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
         assert a.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_hung_peer_fails_the_request_and_frees_its_connection_when_it_answers_again(spawn) -> None:
+    """The peer hangs (SIGSTOP; its kernel still accepts, so the watchdog sees nothing) while COMBINED is
+    idle: the next request's check of the peer (PeerWorker.decode) gives up after its 30 s, the request gets
+    the JSON error and SOLO serves, instead of the head waiting on the peer for good.  When the peer runs
+    again, the connection given up on is freed (the peer serves one ggml-RPC client at a time), so
+    COMBINED attaches to it again and gives the same text."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+              "--rpc-engine", f"127.0.0.1:{b.port}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+    text = complete(a.base)
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = httpx.post(a.base + "/v1/completions", json=BODY, timeout=120)
+        assert r.status_code == 500 and "died mid-request" in r.json()["error"]["message"]
+        assert info(a.port)["mode"] == "solo"
+        assert complete(a.base) == text
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: set_mode(a.port, b"combined")[1]["success"], timeout=60, every=1.0,
+             what="COMBINED on the peer that answers again")
+    assert complete(a.base) == text
+    assert info(a.port)["peer_addr"] == f"127.0.0.1:{b.port}" and a.proc.poll() is None

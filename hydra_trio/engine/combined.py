@@ -79,6 +79,11 @@ def _on_ggml_abort(message: bytes) -> None:
     # ggml-RPC's client sends from its own thread, so the abort may come from
     # there: any RPC abort while peers are attached is a peer failure
     victims = [worker] if worker is not None else ([*_live_workers] if "RPC" in text else [])
+    if not victims and "RPC" in text and isinstance(threading.current_thread(), threading._DummyThread):
+        # ggml-RPC's own thread (not one Python started) of a connection whose worker was retired
+        # (PeerWorker.retire): park it; the process has nothing else waiting on it
+        log.error("ggml-RPC: %s (a connection given up on earlier); its thread is parked", text)
+        threading.Event().wait()
     if not victims:
         log.critical("ggml abort: %s", text)
         return  # ggml calls abort() next
@@ -208,6 +213,13 @@ class PeerWorker:
             self.holds_team = False
         except (PeerLost, TimeoutError) as exc:
             log.warning("peer %s: its worker did not release its OpenMP threads (%s)", self.peer, exc)
+
+    def retire(self, model: LoadedModel) -> None:
+        """Given up on while a call of its waits for a peer that does not answer (a hung peer, not a dead
+        one): should that call ever return, free ``model`` (its buffers on the peer, and so the ggml-RPC
+        connection, which the peer needs closed to serve a new client) and end the thread."""
+        self._jobs.put(Call(model.close, from_trio=False))
+        self.stop()
 
     def stop(self) -> None:
         _live_workers.discard(self)
@@ -624,6 +636,8 @@ class ExpertModes:
         log.warning("peer %s: the kept %s model's connection no longer answers; it is dropped", self.peer, self.pattern)
         self.counters.peer_losses += 1
         self.peer_reachable = False
+        if not worker.dead:  # no answer in time: a hung peer
+            worker.retire(self.combined)
         self.combined = self._worker = None
         self.peer_attach = PeerAttach.NONE
 
@@ -666,6 +680,8 @@ class ExpertModes:
         self.fallback_reason = f"peer {self.peer} stopped answering mid-request"
         self.events.publish("peer.lost", peer=self.peer or "", reason=why, in_flight=True)
         self.peer_reachable = False
+        if self._worker is not None and self.combined is not None and not self._worker.dead:
+            self._worker.retire(self.combined)  # no answer in time (PeerWorker.decode), not dead
         self.combined = None
         self._worker = None
         self.peer_attach = PeerAttach.FAILED
