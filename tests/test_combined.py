@@ -16,6 +16,7 @@ from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, ServerProcess, free_port, streaming, wait_for
 from .hydra_wire import Wire
+from .relay import Relay
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
@@ -93,7 +94,6 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     before = rpc_bytes(b.port)
     combined_text = complete(a.base)
     during_combined = rpc_bytes(b.port) - before
-    threads_combined = compute_threads(a.proc.pid)
     status, sw = set_mode(a.port, b"solo")
     assert status == Status.OK and sw["mode"] == "solo"
     before = rpc_bytes(b.port)
@@ -101,24 +101,25 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     during_solo = rpc_bytes(b.port) - before
     assert combined_text == solo_text == dense
     assert during_combined > 100_000 and during_solo == 0
-    # one OpenMP team at a time (engine/openmp.py): the peer worker's team left at the flip (-t 2: one
-    # OpenMP worker thread) and the engine thread started its own; with both alive, libgomp would
-    # throttle every barrier of both for good (SOLO at about 0.7x)
-    threads_solo = compute_threads(a.proc.pid)
-    assert len(threads_combined - threads_solo) == 1 and len(threads_solo - threads_combined) == 1
+    threads_solo = compute_threads(a.proc.pid)  # the engine thread's OpenMP team is in (-t 2: one more thread)
     before = rpc_bytes(b.port)
     status, sw = set_mode(a.port, b"combined")
     assert status == Status.OK and sw["mode"] == "combined" and 0 <= sw["switch_ms"] < 120_000
     # both models stay resident: switching back uploads no expert tensors again (the first upload was > 150 MB)
     assert rpc_bytes(b.port) - before < 1_000_000
     assert complete(a.base) == dense
-    threads_back = compute_threads(a.proc.pid)  # and back: the engine thread's team left
-    assert len(threads_solo - threads_back) == 1 and len(threads_back - threads_solo) == 1
+    # one OpenMP team at a time (engine/openmp.py): the engine thread's team left at the flip, and the peer
+    # worker frees its own once the slots are idle (the reply goes out just before); with both teams alive,
+    # libgomp would throttle every barrier of both for good (SOLO at about 0.7x)
+    threads_back = wait_for(lambda: (t := compute_threads(a.proc.pid)) < threads_solo
+                            and len(threads_solo - t) == 1 and t, timeout=30, what="one OpenMP team left")
     assert "detaching peer" not in a.log()
     assert "hydra_trio:combined_mode 1.0" in httpx.get(a.base + "/metrics").text
 
     # a switch while a stream runs: BUSY, nothing changes
     with streaming(a.base, {**BODY, "max_tokens": 400}):
+        # while COMBINED decodes, the peer worker's team is the only one (-t 2: one more thread)
+        assert len(compute_threads(a.proc.pid) - threads_back) == 1
         info_before = info(a.port)
         status, meta = set_mode(a.port, b"solo")
         assert status == Status.BUSY and meta["busy_slots"] and meta["success"] is False
@@ -146,6 +147,8 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     wait_for(lambda: info(a.port)["mode"] == "solo", timeout=30)
     meta = info(a.port)
     assert meta["peer_reachable"] is False and meta["combined_head_attached"] is False and meta["fallback_reason"]
+    # the worker waits inside that decode for good, with the OpenMP team it computed with: said in the log
+    assert "keeps its OpenMP threads" in a.log()
     assert complete(a.base) == dense
     assert a.proc.poll() is None
 
@@ -191,3 +194,138 @@ def test_sigterm_on_a_compute_only_peer_lets_the_heads_request_finish(spawn) -> 
     assert "grace period" not in b.log()
     wait_for(lambda: info(a.port)["mode"] == "solo", timeout=60)  # the head notices its peer left and keeps serving
     assert "Paris" in complete(a.base)
+
+
+@pytest.mark.slow
+def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> None:
+    """The peer dies while the head serves SOLO with the COMBINED model kept (the watchdog acts only in
+    COMBINED): SET_EXPERT_MODE combined must not report success on that dead connection, fail the next
+    request and leave the stuck worker with its OpenMP team; it falls back to SOLO, which keeps answering."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+              "--rpc-engine", f"127.0.0.1:{b.port}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+    combined_text = complete(a.base)
+    status, sw = set_mode(a.port, b"solo")
+    assert status == Status.OK and sw["mode"] == "solo"
+    assert complete(a.base) == combined_text
+    threads_solo = compute_threads(a.proc.pid)
+    assert info(a.port)["combined_head_attached"] is True  # kept for a fast flip back
+
+    b.stop(signal.SIGKILL)
+    status, sw = set_mode(a.port, b"combined")
+    assert status == Status.OK and sw["success"] is False and sw["mode"] == "solo", sw
+    assert f"127.0.0.1:{b.port}" in sw["fallback_reason"]
+    meta = info(a.port)
+    assert meta["mode"] == "solo" and meta["combined_head_attached"] is False and meta["peer_attach"] == "failed"
+    assert meta["peer_reachable"] is False
+    assert complete(a.base) == combined_text  # SOLO, not a 500 from a decode on the dead peer
+    # the engine thread's OpenMP team stayed: no second team next to a stuck worker's (engine/openmp.py)
+    assert compute_threads(a.proc.pid) - threads_solo == set()
+    # and the log does not claim otherwise: the parked worker had released its team at the flip to SOLO
+    assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
+    assert a.proc.poll() is None
+
+
+def embed(base: str) -> httpx.Response:
+    return httpx.post(base + "/v1/embeddings", json={"input": "The capital of France is Paris."}, timeout=120)
+
+
+@pytest.mark.slow
+def test_embeddings_on_a_combined_head_and_a_peer_connection_that_breaks(spawn) -> None:
+    """--embedding with the MoE on a COMBINED head: the peer computes the experts and the vector is SOLO's;
+    when the head's ggml-RPC connection breaks (a relay cuts it and keeps accepting, so the watchdog's
+    connect probe sees nothing), the embedding gets OpenAI's JSON error, not a hang, and the head is back in
+    SOLO with the same vectors."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    with Relay(b.port) as relay:
+        a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+                  "--embedding", "--pooling", "mean", "--rpc-engine", f"127.0.0.1:{relay.port}")
+        a.wait_ready()
+        wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+        before = rpc_bytes(b.port)
+        r = embed(a.base)
+        assert r.status_code == 200, r.text
+        combined_vec = r.json()["data"][0]["embedding"]
+        assert rpc_bytes(b.port) - before > 100_000  # the peer computed the experts
+        status, sw = set_mode(a.port, b"solo")
+        assert status == Status.OK and sw["mode"] == "solo"
+        solo_vec = embed(a.base).json()["data"][0]["embedding"]
+        assert len(solo_vec) == len(combined_vec) == 576
+        assert max(abs(x - y) for x, y in zip(combined_vec, solo_vec)) < 1e-5
+        status, sw = set_mode(a.port, b"combined")
+        assert status == Status.OK and sw["success"] is True and sw["mode"] == "combined"
+
+        relay.cut()
+        r = embed(a.base)
+        assert r.status_code == 500 and r.headers["content-type"] == "application/json"
+        assert "died mid-request" in r.json()["error"]["message"]
+        meta = info(a.port)
+        assert meta["mode"] == "solo" and meta["combined_head_attached"] is False and meta["fallback_reason"]
+        r = embed(a.base)
+        assert r.status_code == 200 and r.json()["data"][0]["embedding"] == solo_vec
+        assert a.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_connection_that_breaks_while_combined_is_idle_leaves_one_openmp_team(spawn) -> None:
+    """The head's ggml-RPC connection breaks while COMBINED is idle (a relay cuts it and keeps accepting:
+    the watchdog sees nothing); the next request fails with the JSON error and the head goes back to SOLO.
+    The worker, parked for good, must hold no OpenMP team: it released its team when the slots went idle
+    and checked the peer before computing again, so SOLO's team is the only one (engine/openmp.py)."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    with Relay(b.port) as relay:
+        a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+                  "--rpc-engine", f"127.0.0.1:{relay.port}")
+        a.wait_ready()
+        wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+        text = complete(a.base)
+        status, sw = set_mode(a.port, b"solo")
+        assert status == Status.OK and sw["mode"] == "solo"
+        assert complete(a.base) == text
+        n_solo = len(compute_threads(a.proc.pid))
+        status, sw = set_mode(a.port, b"combined")
+        assert status == Status.OK and sw["success"] is True
+        assert complete(a.base) == text
+
+        relay.cut()
+        r = httpx.post(a.base + "/v1/completions", json=BODY, timeout=120)
+        assert r.status_code == 500 and "died mid-request" in r.json()["error"]["message"]
+        assert info(a.port)["mode"] == "solo"
+        assert complete(a.base) == text
+        # SOLO's team, the parked worker and ggml-RPC's parked thread: no second team
+        wait_for(lambda: len(compute_threads(a.proc.pid)) == n_solo, timeout=30, what="no second OpenMP team")
+        assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
+        assert a.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_hung_peer_fails_the_request_and_frees_its_connection_when_it_answers_again(spawn) -> None:
+    """The peer hangs (SIGSTOP; its kernel still accepts, so the watchdog sees nothing) while COMBINED is
+    idle: the next request's check of the peer (PeerWorker.decode) gives up after its 30 s, the request gets
+    the JSON error and SOLO serves, instead of the head waiting on the peer for good.  When the peer runs
+    again, the connection given up on is freed (the peer serves one ggml-RPC client at a time), so
+    COMBINED attaches to it again and gives the same text."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
+              "--rpc-engine", f"127.0.0.1:{b.port}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+    text = complete(a.base)
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        r = httpx.post(a.base + "/v1/completions", json=BODY, timeout=120)
+        assert r.status_code == 500 and "died mid-request" in r.json()["error"]["message"]
+        assert info(a.port)["mode"] == "solo"
+        assert complete(a.base) == text
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: set_mode(a.port, b"combined")[1]["success"], timeout=60, every=1.0,
+             what="COMBINED on the peer that answers again")
+    assert complete(a.base) == text
+    assert info(a.port)["peer_addr"] == f"127.0.0.1:{b.port}" and a.proc.poll() is None

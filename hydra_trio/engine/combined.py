@@ -79,6 +79,11 @@ def _on_ggml_abort(message: bytes) -> None:
     # ggml-RPC's client sends from its own thread, so the abort may come from
     # there: any RPC abort while peers are attached is a peer failure
     victims = [worker] if worker is not None else ([*_live_workers] if "RPC" in text else [])
+    if not victims and "RPC" in text and isinstance(threading.current_thread(), threading._DummyThread):
+        # ggml-RPC's own thread (not one Python started) of a connection whose worker was retired
+        # (PeerWorker.retire): park it; the process has nothing else waiting on it
+        log.error("ggml-RPC: %s (a connection given up on earlier); its thread is parked", text)
+        threading.Event().wait()
     if not victims:
         log.critical("ggml abort: %s", text)
         return  # ggml calls abort() next
@@ -90,9 +95,10 @@ def _on_ggml_abort(message: bytes) -> None:
             openmp.release_thread_team()
         except Exception:  # noqa: BLE001  (returning from here would abort() the process)
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
-    elif openmp.in_use():
+    elif openmp.in_use() and any(w.holds_team for w in victims):
         # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
-        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py)
+        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py); one that
+        # released its team (a switch to SOLO before a detach or a liveness check) keeps none
         log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
                     "spin waits (slower) until this node restarts")
     threading.Event().wait()  # never returns: returning would abort() the process
@@ -124,6 +130,8 @@ class PeerWorker:
         self.peer = peer
         self._jobs: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
         self._current: Call[Any] | None = None
+        self.holds_team = False
+        """True from a decode on this worker until it releases its OpenMP team (:mod:`.openmp`)."""
         self._dead = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"peer-{peer}", daemon=True)
         self._thread.start()
@@ -170,6 +178,48 @@ class PeerWorker:
         if self.dead:  # it died between the check and the put: nobody will run the job
             job.fail(PeerLost(f"peer {self.peer} is gone"))
         return job.wait_blocking(timeout)
+
+    def answers(self, dev: int, timeout: float = 30.0) -> bool:
+        """True when the peer answers a ``GET_DEVICE_MEMORY`` round trip on this process's own ggml-RPC
+        connection to it (the one the attached model's buffers use, through ggml-RPC's dispatcher).  False
+        when it does not (the worker is dead then, parked without an OpenMP team if it computed nothing
+        since it last released one) or within ``timeout`` seconds.  A TCP connect would not tell: a peer
+        restarted at the same address accepts, and the connection this node holds is still broken."""
+        try:
+            self.call(lambda: ggml_backend.device_memory(dev), timeout=timeout)
+        except (PeerLost, TimeoutError):
+            return False
+        return True
+
+    def decode(self, ctx: Any, batch: Any, dev: int) -> int:
+        """``llama_decode(ctx, batch)`` here.  The first decode after :meth:`rest` checks the peer first
+        (:meth:`answers`, one round trip per busy period): a connection that broke while the slots were
+        idle then parks this worker before it builds an OpenMP team, not inside the decode with one.
+
+        Raises PeerLost when the peer does not answer or died during the call.
+        """
+        if not self.holds_team and not self.answers(dev):
+            raise PeerLost(f"peer {self.peer} stopped answering")
+        self.holds_team = True
+        return self.call(lambda: llama_cpp.llama_decode(ctx, batch))
+
+    def rest(self) -> None:
+        """Free this worker's OpenMP team (:mod:`.openmp`), if it holds one: at a switch away from its model,
+        and when the slots go idle, so that a peer lost in between leaves no team behind."""
+        if not self.holds_team or self.dead:
+            return
+        try:
+            self.call(openmp.release_thread_team, timeout=30)
+            self.holds_team = False
+        except (PeerLost, TimeoutError) as exc:
+            log.warning("peer %s: its worker did not release its OpenMP threads (%s)", self.peer, exc)
+
+    def retire(self, model: LoadedModel) -> None:
+        """Given up on while a call of its waits for a peer that does not answer (a hung peer, not a dead
+        one): should that call ever return, free ``model`` (its buffers on the peer, and so the ggml-RPC
+        connection, which the peer needs closed to serve a new client) and end the thread."""
+        self._jobs.put(Call(model.close, from_trio=False))
+        self.stop()
 
     def stop(self) -> None:
         _live_workers.discard(self)
@@ -292,6 +342,7 @@ class ExpertModes:
         a loopback TLS tunnel's (:meth:`hydra_trio.transport.tunnel.TunnelPool.dial`).  Raises OSError when none can
         serve it.  :attr:`peer`, INFO, events and the watchdog keep the real address."""
         self._worker: PeerWorker | None = None
+        self._peer_dev = 0  # the attached peer's ggml device (ggml_backend_dev_t), for the liveness round trip
 
     @property
     def mode(self) -> ExpertMode:
@@ -335,8 +386,13 @@ class ExpertModes:
         m = self.active
         assert m is not None
         if m is self.combined and self._worker is not None:
-            return self._worker.call(lambda: llama_cpp.llama_decode(m.ctx, batch))
+            return self._worker.decode(m.ctx, batch, self._peer_dev)
         return llama_cpp.llama_decode(m.ctx, batch)
+
+    def rest(self) -> None:
+        """Every slot idle (engine thread): the peer's worker frees its OpenMP team (:meth:`PeerWorker.rest`)."""
+        if self._worker is not None and self.active is self.combined:
+            self._worker.rest()
 
     def _activate(self, m: LoadedModel | None) -> None:
         """Make ``m`` serve new work: its KV cache starts empty and the slots forget their cached prompts."""
@@ -357,12 +413,8 @@ class ExpertModes:
         if old is self.solo:
             openmp.release_thread_team()  # we are on the engine thread
             return
-        worker = self._worker
-        if old is self.combined and worker is not None and not worker.dead:
-            try:
-                worker.call(openmp.release_thread_team, timeout=30)
-            except (PeerLost, TimeoutError) as exc:
-                log.warning("peer %s: its worker did not release its OpenMP threads (%s)", worker.peer, exc)
+        if old is self.combined and self._worker is not None:
+            self._worker.rest()
 
     def detach(self) -> None:
         """Free the COMBINED model (on the peer's worker: it frees buffers on the peer); SOLO serves."""
@@ -419,6 +471,7 @@ class ExpertModes:
             devs = ggml_backend.add_peer(endpoint)
             if not devs:
                 raise PeerError(f"peer {peer} has no ggml devices")
+            self._peer_dev = devs[0]
             free, _total = ggml_backend.device_memory(devs[0])
             if free < need:
                 raise PeerError(f"peer {peer} has {free} bytes free; the expert tensors need {need}")
@@ -504,6 +557,8 @@ class ExpertModes:
         if self.pattern != self.expert_pattern:  # the peer holds a pipeline split: COMBINED needs the experts
             self.detach()
             self.pattern = self.expert_pattern
+        if target == self.peer:
+            self._drop_dead_attachment()
         if target != self.peer or self.combined is None or self._worker is None or self._worker.dead:
             if self.combined is not None:
                 log.info("detaching peer %s", self.peer)
@@ -554,6 +609,7 @@ class ExpertModes:
             if expert_bytes(self.solo.path, ot_split, before=tuple(p for p, _ in self.solo.options.tensor_overrides)) == 0:
                 return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
             self.detach()
+        self._drop_dead_attachment()
         old = self.peer, self.pattern
         self.peer, self.pattern = peer, ot_split
         if self.combined is None or self._worker is None or self._worker.dead:
@@ -568,6 +624,22 @@ class ExpertModes:
         ms = (time.perf_counter() - t0) * 1e3
         log.info("PIPELINE: tensors matching %r on peer %s, attached in %.1f ms", ot_split, peer, ms)
         return {"success": True, "mode": "pipeline", "peer": peer, "layer_split": ot_split, "switch_ms": round(ms, 3)}
+
+    def _drop_dead_attachment(self) -> None:
+        """Before a kept COMBINED/PIPELINE model serves again: if its peer died while SOLO served (the
+        watchdog acts only in COMBINED/PIPELINE), forget it (leaked with its parked worker, as
+        :meth:`peer_lost` does), so the switch attaches afresh or falls back instead of reporting success
+        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/openmp.py)."""
+        worker = self._worker
+        if self.combined is None or self.active is self.combined or worker is None or worker.answers(self._peer_dev):
+            return
+        log.warning("peer %s: the kept %s model's connection no longer answers; it is dropped", self.peer, self.pattern)
+        self.counters.peer_losses += 1
+        self.peer_reachable = False
+        if not worker.dead:  # no answer in time: a hung peer
+            worker.retire(self.combined)
+        self.combined = self._worker = None
+        self.peer_attach = PeerAttach.NONE
 
     def _refuse(self, reason: str, asked: str) -> dict[str, Any]:
         """``asked`` cannot be done and nothing changed (the mode in effect stays): ``success`` false."""
@@ -608,6 +680,8 @@ class ExpertModes:
         self.fallback_reason = f"peer {self.peer} stopped answering mid-request"
         self.events.publish("peer.lost", peer=self.peer or "", reason=why, in_flight=True)
         self.peer_reachable = False
+        if self._worker is not None and self.combined is not None and not self._worker.dead:
+            self._worker.retire(self.combined)  # no answer in time (PeerWorker.decode), not dead
         self.combined = None
         self._worker = None
         self.peer_attach = PeerAttach.FAILED

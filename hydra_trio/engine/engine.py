@@ -112,6 +112,13 @@ def _trim_heap(when: str) -> None:
                   "" if released else ", nothing to release")
 
 
+def _at_idle(experts: ExpertModes) -> None:
+    """Every slot idle after a request: :func:`_trim_heap`, and a COMBINED peer's worker frees its OpenMP team
+    (:meth:`ExpertModes.rest`: a peer lost before the next request then leaves no second team behind)."""
+    _trim_heap("idle")
+    experts.rest()
+
+
 def _warmup(m: LoadedModel) -> None:
     """One tiny decode so the first request does not pay for lazy init (like llama-server), then
     :func:`_trim_heap`: the load's temporaries go back to the system."""
@@ -455,7 +462,7 @@ class Engine:
                 sched.fail_all(EngineFailure(f"engine error: {exc}"))
             self._publish()
             if not sched.busy and not sched.pending:  # the last request finished: every slot idle
-                _trim_heap("idle")
+                _at_idle(self.experts)
 
     def _drain_inbox(self, block: bool) -> None:
         """Take everything in the inbox: new requests join the queue, calls run (each publishes

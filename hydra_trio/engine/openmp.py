@@ -21,11 +21,16 @@ libgomp implements for the host as "free the calling thread's team"
 and the next parallel region on the thread that takes over starts one
 afresh (thread creation, well under a millisecond, once per switch).
 
-Left: a peer that dies in the middle of a COMBINED decode leaves the worker
-waiting inside ``llama_decode`` for good (ggml-RPC's dispatcher thread
-aborted, and the abort handler parks it), and that worker's team cannot be
-released from another thread, so SOLO runs throttled until the node
-restarts (logged as a warning).
+The peer's worker also frees its team whenever the slots go idle, and checks
+the peer with one round trip before it computes again
+(:meth:`~hydra_trio.engine.combined.PeerWorker.decode`), so a connection
+that breaks between requests parks the worker without a team.
+
+Left: a peer that dies in the middle of a busy period (a request decoding)
+leaves the worker waiting inside ``llama_decode`` for good (ggml-RPC's
+dispatcher thread aborted, and the abort handler parks it), and that
+worker's team cannot be released from another thread, so SOLO runs
+throttled until the node restarts (logged as a warning).
 """
 
 from __future__ import annotations

@@ -188,7 +188,9 @@ class Embed(EngineTask):
         assert engine.model is not None
         experts = engine.experts
         try:
-            return embed_counted(engine.model, engine.stats, job=self.job, decode=experts.decode)
+            out = embed_counted(engine.model, engine.stats, job=self.job, decode=experts.decode)
+            experts.rest()  # inputs come one at a time: free the peer worker's OpenMP team as after a request
+            return out
         except PeerLost as exc:  # as a completion's step does (Scheduler._step): back to SOLO, this request fails
             peer = experts.peer
             experts.peer_lost(str(exc))
