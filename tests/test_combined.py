@@ -51,6 +51,15 @@ def compute_threads(pid: int) -> set[int]:
     return out
 
 
+def combined_head(spawn, peer_port: int, *extra: str) -> ServerProcess:
+    """A head with the test MoE (1 slot, ``-t 2``) and ``--rpc-engine 127.0.0.1:PEER_PORT``, once it serves COMBINED."""
+    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2", *extra,
+              "--rpc-engine", f"127.0.0.1:{peer_port}")
+    a.wait_ready()
+    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+    return a
+
+
 def set_mode(port: int, payload: bytes) -> tuple[int, dict]:
     with Wire(port) as w:
         status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=payload)
@@ -203,10 +212,7 @@ def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> No
     request and leave the stuck worker with its OpenMP team; it falls back to SOLO, which keeps answering."""
     b = spawn("--no-model")
     b.wait_ready()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
-              "--rpc-engine", f"127.0.0.1:{b.port}")
-    a.wait_ready()
-    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+    a = combined_head(spawn, b.port)
     combined_text = complete(a.base)
     status, sw = set_mode(a.port, b"solo")
     assert status == Status.OK and sw["mode"] == "solo"
@@ -242,10 +248,7 @@ def test_embeddings_on_a_combined_head_and_a_peer_connection_that_breaks(spawn) 
     b = spawn("--no-model")
     b.wait_ready()
     with Relay(b.port) as relay:
-        a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
-                  "--embedding", "--pooling", "mean", "--rpc-engine", f"127.0.0.1:{relay.port}")
-        a.wait_ready()
-        wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+        a = combined_head(spawn, relay.port, "--embedding", "--pooling", "mean")
         before = rpc_bytes(b.port)
         r = embed(a.base)
         assert r.status_code == 200, r.text
@@ -279,10 +282,7 @@ def test_a_connection_that_breaks_while_combined_is_idle_leaves_one_openmp_team(
     b = spawn("--no-model")
     b.wait_ready()
     with Relay(b.port) as relay:
-        a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
-                  "--rpc-engine", f"127.0.0.1:{relay.port}")
-        a.wait_ready()
-        wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+        a = combined_head(spawn, relay.port)
         text = complete(a.base)
         status, sw = set_mode(a.port, b"solo")
         assert status == Status.OK and sw["mode"] == "solo"
@@ -312,10 +312,7 @@ def test_a_hung_peer_fails_the_request_and_frees_its_connection_when_it_answers_
     COMBINED attaches to it again and gives the same text."""
     b = spawn("--no-model")
     b.wait_ready()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2",
-              "--rpc-engine", f"127.0.0.1:{b.port}")
-    a.wait_ready()
-    wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
+    a = combined_head(spawn, b.port)
     text = complete(a.base)
     b.proc.send_signal(signal.SIGSTOP)
     try:
