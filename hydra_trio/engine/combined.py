@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import llama_cpp
 
 from ..observability import progress
+from ..errors import EngineFailure
 from ..protocol.address import parse_peer
 from ..protocol.strict import MessageError
 from . import ggml_backend, openmp
@@ -670,11 +671,13 @@ class ExpertModes:
         self.detach()
         self.peer_attach = PeerAttach.FAILED
 
-    def peer_lost(self, why: str) -> None:
-        """The peer died during a decode (the scheduler failed the requests in flight): back to SOLO.
+    def peer_lost(self, why: str) -> EngineFailure:
+        """The peer died during a decode (a completion step's or an embedding's): back to SOLO, then the
+        error the requests in flight fail with (so INFO shows SOLO by the time a client hears of it).
 
         The COMBINED model is leaked with its parked worker thread (ggml cannot free it).
         """
+        peer = self.peer
         self.counters.peer_losses += 1
         log.error("COMBINED peer %s lost (%s): requests in flight fail, back to SOLO", self.peer, why)
         self.fallback_reason = f"peer {self.peer} stopped answering mid-request"
@@ -687,6 +690,7 @@ class ExpertModes:
         self.peer_attach = PeerAttach.FAILED
         self._activate(self.solo)
         self.mode = ExpertMode.SOLO
+        return EngineFailure(f"the ggml-RPC peer {peer} died mid-request; the node is back in SOLO mode, retry")
 
     def close(self) -> None:
         """Free both models (engine thread, at shutdown)."""

@@ -143,13 +143,13 @@ def check_input(m: LoadedModel, n_tokens: int, field: str) -> None:
         raise InvalidRequest(f"{field}: the input has {n_tokens} tokens; at most {limit} fit ({why})")
 
 
-def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], int] | None = None) -> Embedding:
+def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], int]) -> Embedding:
     """Engine thread: decode ``job.tokens`` on sequence ``seq`` (which must hold nothing of value) and
     read the embedding.  The sequence is empty again afterwards.
 
     ``decode``: runs ``llama_decode`` of a batch on ``m`` (the engine's
     :meth:`ExpertModes.decode <hydra_trio.engine.combined.ExpertModes.decode>`, which runs a COMBINED
-    model's decodes on its peer's worker thread); default: ``llama_decode`` here.
+    model's decodes on its peer's worker thread).
 
     Raises:
         InvalidRequest: the input is empty or too long (:func:`check_input`).
@@ -175,7 +175,7 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], i
                 batch.seq_id[i][0] = seq
                 batch.logits[i] = 1  # every token is an output (llama-server's need_embd)
             batch.n_tokens = len(part)
-            rc = llama_cpp.llama_decode(m.ctx, batch) if decode is None else decode(batch)
+            rc = decode(batch)
             if rc != 0:
                 raise EngineFailure(f"llama_decode failed (code {rc}) while embedding {n} tokens")
             if pooling == llama_cpp.LLAMA_POOLING_TYPE_NONE:
@@ -198,8 +198,7 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], i
     return Embedding(tuple(vectors), n, (time.perf_counter() - t0) * 1e3)
 
 
-def embed_counted(m: LoadedModel, stats: Any, job: EmbeddingJob,
-                  decode: Callable[[Any], int] | None = None) -> Embedding:
+def embed_counted(m: LoadedModel, stats: Any, job: EmbeddingJob, decode: Callable[[Any], int]) -> Embedding:
     """Engine thread: :func:`embed` on sequence 0 (with ``decode``), counted in the engine's prompt metrics
     (``stats``: ``EngineStats``).  Inputs go one at a time and no slot of an embedding node holds tokens,
     so sequence 0 is always free."""

@@ -330,11 +330,8 @@ class Scheduler:
         try:
             rc = self.experts.decode(self._batch)
         except PeerLost as exc:
-            peer = self.experts.peer
             failing = self.model  # the slots' half-decoded KV lives in it
-            self.experts.peer_lost(str(exc))  # first: INFO shows SOLO by the time a client hears of the failure
-            self.fail_all(EngineFailure(f"the ggml-RPC peer {peer} died mid-request; the node is back in SOLO mode, retry"),
-                          model=failing)
+            self.fail_all(self.experts.peer_lost(str(exc)), model=failing)
             return
         dt = time.perf_counter() - t0
         self.stats.n_decode_total += 1

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
-from ..errors import EngineFailure
 from . import quants
 from .combined import PeerLost
 from .embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
@@ -192,7 +191,4 @@ class Embed(EngineTask):
             experts.rest()  # inputs come one at a time: free the peer worker's OpenMP team as after a request
             return out
         except PeerLost as exc:  # as a completion's step does (Scheduler._step): back to SOLO, this request fails
-            peer = experts.peer
-            experts.peer_lost(str(exc))
-            raise EngineFailure(f"the ggml-RPC peer {peer} died mid-request; the node is back in SOLO mode, "
-                                "retry") from None
+            raise experts.peer_lost(str(exc)) from None
