@@ -224,5 +224,10 @@ def test_two_slots_in_one_batch_each_resume_from_their_own_checkpoints(tmp_path:
             seconds = [f[:180] + [8000 + k + i for i in range(30)] for k, f in enumerate(firsts)]
             replies = list(pool.map(lambda k: _complete(srv.base, seconds[k], id_slot=k), range(2)))
         for k, r in enumerate(replies):
-            assert r.timings["cache_n"] == 200 - 64, k  # the checkpoint 64 tokens (one step) before the end
+            # Every first turn has a chunk boundary 64 tokens (one step) before its end, so a checkpoint at
+            # 136; when the two prompts share a step's budget, chunks may also start between 136 and the
+            # end, each with its own checkpoint.  The second turn resumes from the latest at or before the
+            # 180 tokens it shares, which depends on how the prompts' arrivals fell into steps.
+            assert 200 - 64 <= r.timings["cache_n"] <= 180, (k, r.timings)
+            assert r.timings["prompt_n"] == 210 - r.timings["cache_n"], (k, r.timings)
             assert r.same_as(_complete(srv.base, seconds[k], id_slot=k, cache_prompt=False)), k
