@@ -63,8 +63,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
