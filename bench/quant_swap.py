@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import struct
 import subprocess
 import sys
 import threading
