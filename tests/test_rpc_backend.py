@@ -327,6 +327,79 @@ def test_a_message_that_keeps_arriving_slowly_is_not_a_stall(spawn) -> None:
     assert rpc_info(node.port)["closed"]["stall_timeout"] == 0
 
 
+def _restarted_after(port: int, old_pid: int, reason: str) -> dict:
+    """The backend's stats once the client's close (``reason``) is counted and a new child (not
+    ``old_pid``, which was killed: one crash) accepts connections."""
+    def ready() -> dict | None:
+        meta = info(port)
+        r = meta["rpc_backend"]
+        done = (r["closed"][reason] == 1 and r["crashes"] == 1 and r["pid"] not in (None, old_pid)
+                and meta["rpc_backend_active"])
+        return r if done else None
+    return wait_for(ready, timeout=LONG, what=f"{reason} counted and the child restarted")
+
+
+def _resume_and_kill(pid: int) -> None:
+    """Leave no stopped child behind a failed test (the node's teardown cannot reach a stopped one)."""
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+
+
+def test_a_child_hung_mid_reply_is_killed_and_the_next_client_served(spawn) -> None:
+    """The child stops (SIGSTOP) after it has begun a big GET_TENSOR reply: the client, still reading,
+    gets what was under way and then the connection's end after the stall timeout (``backend_stall``);
+    the hung child is killed and a fresh one serves the next client.  Before, the client waited for
+    good and so did every later one, behind the same hung child."""
+    node = spawn("--no-model", "--rpc-stall-timeout", "2")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    size = 512 << 20  # far more than the sockets between child and client hold: the child is mid-reply
+    try:
+        with RawRpc(node.port) as c:
+            c.hello()
+            ptr, base = c.alloc(size)
+            t = RpcTensor(id=1, type=0, buffer=ptr, ne=(size // 4, 1, 1, 1), nb=(4, size, size, size), data=base)
+            c.send(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, size)))
+            (announced,) = struct.unpack("<Q", c.recv_exact(8))  # the reply has begun
+            assert announced == size
+            os.kill(pid, signal.SIGSTOP)  # the client read nothing since: flow control holds the child
+            got = 0
+            while chunk := c.sock.recv(1 << 20):  # read on: what was under way, then the end
+                got += len(chunk)
+            assert got < size, got
+        r = _restarted_after(node.port, pid, "backend_stall")
+        assert r["closed"]["stall_timeout"] == 0
+        with RawRpc(node.port) as d:
+            d.hello()
+            assert d.device_count() == 1
+        assert "is unresponsive" in node.log()
+    finally:
+        _resume_and_kill(pid)
+
+
+def test_a_child_hung_before_hello_is_killed_and_the_next_client_served(spawn) -> None:
+    """A child that does not answer HELLO within the handshake timeout is hung for every client: the
+    client is closed (``handshake_timeout``) and the child killed, so the next client is served.  Before,
+    each later client waited the timeout out and was closed too."""
+    node = spawn("--no-model", "--rpc-handshake-timeout", "2")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    try:
+        os.kill(pid, signal.SIGSTOP)  # its kernel still accepts the pump's connection
+        with RawRpc(node.port) as c:
+            c.send(g.hello_request())
+            assert c.closed_within()
+        _restarted_after(node.port, pid, "handshake_timeout")
+        with RawRpc(node.port) as d:
+            d.hello()
+            assert d.device_count() == 1
+    finally:
+        _resume_and_kill(pid)
+
+
 # ----------------------------------------------------------------------------
 # drain(): in-process, with a real child and a real compute in flight
 # ----------------------------------------------------------------------------

@@ -82,9 +82,9 @@ FLAGS: list[Flag] = [
     H(("--rpc-wait-timeout",), "how long a ggml-RPC client may wait for its turn", value="SECONDS",
       type=t.seconds(), default=_default(_rpc, "wait_timeout")),
     H(("--rpc-handshake-timeout",), "time for a ggml-RPC client's HELLO to arrive whole, and for the backend to "
-      "answer it", value="SECONDS", type=t.seconds(), default=_default(_rpc, "handshake_timeout")),
-    H(("--rpc-stall-timeout",), "a begun ggml-RPC message may go this long without a byte; idle time between "
-      "messages is unlimited", value="SECONDS", type=t.seconds(), default=_default(_rpc, "stall_timeout")),
+      "answer it (a backend that does not is restarted)", value="SECONDS", type=t.seconds(), default=_default(_rpc, "handshake_timeout")),
+    H(("--rpc-stall-timeout",), "a begun ggml-RPC message may go this long without a byte (a backend stopped "
+      "mid-reply is restarted); idle time between messages is unlimited", value="SECONDS", type=t.seconds(), default=_default(_rpc, "stall_timeout")),
     H(("--rpc-restart-wait",), "how long a ggml-RPC client is held while the backend restarts (0 = not held)",
       value="SECONDS", type=t.seconds(zero_ok=True), default=_default(_rpc, "restart_wait")),
     H(("--rpc-max-message-size",), "largest ggml-RPC message accepted", value="BYTES",

@@ -16,8 +16,12 @@ door admits one ggml-RPC client at a time too:
    ``handshake_timeout``.  If the child is restarting, the client is held until
    it is back (at most ``restart_wait`` seconds); a child that dies before
    answering HELLO is replaced and HELLO is sent again, so a restart is invisible
-   to a client that connects meanwhile.
+   to a client that connects meanwhile.  A child that does not answer HELLO in
+   time (or answers it wrongly) is hung: the client is closed and the child
+   killed, so its supervisor starts a fresh one for the next client.
 4. **Pump.** Both directions go through a validator (:mod:`hydra_trio.rpc_backend.pump`).
+   A child that stops mid-reply for ``stall_timeout`` seconds is killed too
+   (reason ``backend_stall``); a reply not yet begun may take as long as its compute.
 
 A client that came over TLS (:class:`~hydra_trio.transport.tls.TlsStream`, unwrapped by
 the front door) goes through the same steps; its pump's threads carry its TLS
@@ -73,10 +77,12 @@ class RpcBackendSettings:
             more are closed at once.
         wait_timeout: seconds a client may wait for its turn, then it is closed.
         handshake_timeout: seconds for a client's HELLO to arrive whole, and again
-            for the child to answer it once the client's turn has come.
+            for the child to answer it once the client's turn has come (a child
+            that does not is killed and restarted).
         stall_timeout: seconds a begun message may go without a byte, or a reply
-            without being read, before the connection is closed.  Between messages
-            there is no limit.
+            without being read, before the connection is closed; and a reply the
+            child has begun without its next byte, before the child is killed and
+            restarted.  Between messages there is no limit.
         restart_wait: seconds a client whose turn has come is held while the child
             restarts, then it is closed.
         drain_idle: seconds a served connection must have been quiet, with nothing
@@ -337,7 +343,12 @@ class RpcBackend:
                 raise Close("draining", "the node is shutting down")
             if upstream is None:
                 raise Close("backend_unavailable", f"the ggml-RPC backend was not up within {s.restart_wait:g} s")
-            replies = await exchange_hello(upstream, conn, early, s.handshake_timeout)
+            pid = self.child.pid
+            try:
+                replies = await exchange_hello(upstream, conn, early, s.handshake_timeout)
+            except Close as exc:  # no answer in time, or a wrong one: a child hung at HELLO answers nobody
+                self.child.kill_unresponsive(pid, exc.detail)
+                raise
             if replies is not None:
                 break
             await upstream.aclose()  # the child went away before answering: a fresh one gets the same HELLO
@@ -350,7 +361,12 @@ class RpcBackend:
         self.counters.connections += 1
         pump = Pump(conn, client, upstream, self.counters, stall_timeout=s.stall_timeout, drain_idle=s.drain_idle,
                     drain_started=self._drain_started)
-        await pump.run(replies, self.child.bound)
+        try:
+            await pump.run(replies, self.child.bound)
+        except Close as exc:
+            if exc.reason == "backend_stall":  # hung mid-reply: the next client would hang in it too
+                self.child.kill_unresponsive(pid, exc.detail)
+            raise
 
     # ------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:

@@ -7,8 +7,11 @@ passed on: the connection is closed, counted and logged), bulk tensor data
 streams through without being collected, and the replies are tracked so that
 the pump knows when the connection is between messages.  A message that has
 begun must keep arriving (``stall_timeout`` seconds without a byte of it
-closes the connection); between messages a connection may stay idle as long
-as it wants (a COMBINED head keeps one open for hours).
+closes the connection), and so must a reply the child has begun (a child that
+stops mid-reply is hung: the connection closes as ``backend_stall`` and the
+backend kills the child, which its supervisor restarts); between messages a
+connection may stay idle as long as it wants (a COMBINED head keeps one open
+for hours), and a reply not yet begun may take as long as its compute.
 
 :class:`Close` is how every part of the backend ends a client, with a reason
 from :data:`CLOSE_REASONS`.
@@ -53,6 +56,7 @@ CLOSE_REASONS = (
     "invalid_reply",  # the child answered something unexpected (should never happen)
     "backend_unavailable",  # the child was not back within restart_wait
     "backend_exit",  # the child exited while serving this client
+    "backend_stall",  # the child stopped mid-reply for stall_timeout: it is killed and restarted
     "draining",  # drain(): refused, dequeued, or closed at a message boundary
     "not_allowed",  # the peer is not in --rpc-allow: closed before anything is read
 )
@@ -192,11 +196,14 @@ class Pump:
     busy_up: bool = attrs.field(default=False, init=False)  # forwarding client bytes to the child right now
     ticks_out: int = attrs.field(default=0, init=False)  # bumped when a send to the client starts, and at each piece
     busy_down: bool = attrs.field(default=False, init=False)  # forwarding child bytes to the client right now
+    ticks_up: int = attrs.field(default=0, init=False)  # bumped when outbound starts waiting for the child, and on bytes
+    receiving_up: bool = attrs.field(default=False, init=False)  # waiting for the child's bytes
     close: Close | None = attrs.field(default=None, init=False)  # the first reason a task ended the connection
     _both: trio.CancelScope = attrs.field(factory=trio.CancelScope, init=False)  # the three tasks
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False)  # the validator, shared by the threads
     _socks: list[Any] = attrs.field(factory=list, init=False)  # the threads' ends: [client, upstream]
     _low_in: LowWater | None = attrs.field(default=None, init=False)  # a plain client's low-water mark
+    _low_up: LowWater | None = attrs.field(default=None, init=False)  # the child's socket's low-water mark
 
     async def run(self, first: Sequence[bytes | memoryview], bound: set[trio.CancelScope]) -> None:
         """Send ``first`` (the child's answer to HELLO) to the client, then pump both ways until one
@@ -357,12 +364,16 @@ class Pump:
         """
         client, upstream = self._socks
         conn, counters = self.conn, self.counters
-        low = LowWater(upstream)
+        low = self._low_up = LowWater(upstream)
         buf = bytearray(PUMP_BUFFER)
         view = memoryview(buf)
         while True:
             low.set(conn.reply_low_water(LOW_WATER_CAP))
+            self.ticks_up += 1
+            self.receiving_up = True
             n = low.recv_into(buf)
+            self.receiving_up = False
+            self.ticks_up += 1
             if not n:  # the child is done with this client (it closed, or rejected a message)
                 client.shutdown(socket.SHUT_WR)
                 raise _ChildClosed
@@ -395,7 +406,11 @@ class Pump:
     async def _outbound_trio(self) -> None:
         """Child → client as a trio task (a TLS client): as :meth:`_outbound` (no half-close: TLS has none in trio)."""
         while True:
+            self.ticks_up += 1
+            self.receiving_up = True
             data = await self.upstream.receive_some(PUMP_BUFFER)
+            self.receiving_up = False
+            self.ticks_up += 1
             if not data:
                 raise _ChildClosed
             pieces = self._replies(data)
@@ -410,14 +425,16 @@ class Pump:
         """The connection's deadlines, checked a few times per ``stall_timeout``.
 
         Closes it when a begun message gets no byte, or the client reads none of its replies,
-        for ``stall_timeout`` seconds (detected within a quarter of it more); once the drain has
-        started, at the first message boundary with ``drain_idle`` seconds of quiet.
+        for ``stall_timeout`` seconds (detected within a quarter of it more), and as
+        ``backend_stall`` when a reply the child has begun gets no byte for as long while the
+        pump waits for it; once the drain has started, at the first message boundary with
+        ``drain_idle`` seconds of quiet.
         """
         stall, idle = self.stall_timeout, self.drain_idle
         period = max(0.01, min(stall / 4, 5.0))
         now = trio.current_time()
-        seen = [self.ticks_in, self.n_in, self.ticks_out, 0]
-        since = [now, now, now, now]  # when each counter was first seen at its current value
+        seen = [self.ticks_in, self.n_in, self.ticks_out, 0, self.ticks_up, 0]
+        since = [now] * len(seen)  # when each counter was first seen at its current value
         while True:
             if self.drain_started.is_set():
                 await trio.sleep(0.02)
@@ -428,7 +445,8 @@ class Pump:
             # bytes the kernel holds for the inbound thread below its low-water mark: they count as
             # arrived (a begun message, and progress while their number grows)
             queued = self._low_in.queued() if self._low_in is not None and self.receiving else 0
-            for i, value in enumerate((self.ticks_in, self.n_in, self.ticks_out, queued)):
+            queued_up = self._low_up.queued() if self._low_up is not None and self.receiving_up else 0
+            for i, value in enumerate((self.ticks_in, self.n_in, self.ticks_out, queued, self.ticks_up, queued_up)):
                 if value != seen[i]:
                     seen[i], since[i] = value, now
             conn = self.conn
@@ -437,6 +455,9 @@ class Pump:
                 raise Close("stall_timeout", f"a begun message got no byte for {stall:g} s")
             if self.busy_down and now - since[2] > stall:
                 raise Close("stall_timeout", f"the client read no reply bytes for {stall:g} s")
+            if (self.receiving_up and (conn.reply_in_progress or queued_up > 0)
+                    and now - max(since[4], since[5]) > stall):
+                raise Close("backend_stall", f"the ggml-RPC backend sent no byte of a begun reply for {stall:g} s")
             if (self.drain_started.is_set() and conn.between_messages and not queued
                     and not (self.busy_up or self.busy_down) and now - max(since[1], since[3]) >= idle):
                 raise Close("draining", "closed between messages: the node is shutting down")

@@ -76,6 +76,7 @@ class ChildSupervisor:
         self.bound: set[trio.CancelScope] = set()
         """Scopes of the connections to the current child: cancelled when it exits."""
         self._up = trio.Event()
+        self._proc: trio.Process | None = None
         self.events = EventBus()
         """Where ``rpc.child_started`` / ``rpc.child_died`` / ``rpc.child_restarted`` go (the server sets its bus)."""
 
@@ -101,6 +102,7 @@ class ChildSupervisor:
             proc = await trio.lowlevel.open_process(self.command(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                     env=env)
             self.pid = proc.pid
+            self._proc = proc
             started = trio.current_time()
             async with trio.open_nursery() as relays:
                 # the child's output goes through logging (see hydra_trio.rpc_backend.child): chatter at
@@ -146,6 +148,15 @@ class ChildSupervisor:
                                 restart_in_s=delay)
             await trio.sleep(delay)
             delay = min(delay * 2, biggest)
+
+    def kill_unresponsive(self, pid: int | None, why: str) -> None:
+        """Kill the child ``pid`` (SIGKILL) if it is still the running one: it stopped answering
+        (``why``, for the log). :meth:`run` then restarts it, counting a crash."""
+        proc = self._proc
+        if proc is None or pid is None or proc.pid != pid or proc.returncode is not None:
+            return
+        log.warning("ggml-RPC backend (pid %d) is unresponsive (%s): killing it", pid, why)
+        proc.kill()
 
     async def _wait_listening(self, proc: trio.Process, port: int, timeout: float = _LISTEN_TIMEOUT) -> bool:
         """True once the child accepts a connection on ``port``; False if it exits or ``timeout`` passes."""
