@@ -81,6 +81,11 @@ class _HoldAtStart(logging.Handler):
         super().__init__(logging.DEBUG)
         self.held, self.go_on = threading.Event(), threading.Event()  # (Handler.release is its lock's)
 
+    def handle(self, record: logging.LogRecord) -> bool:
+        # without Handler.handle's lock: while the engine thread is held here, other threads' records pass
+        self.emit(record)
+        return True
+
     def emit(self, record: logging.LogRecord) -> None:
         if not self.held.is_set() and record.getMessage().startswith("slot 0: start,"):
             self.held.set()
