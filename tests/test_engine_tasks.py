@@ -3,7 +3,11 @@ and CONFIGURE's tier-1 defaults swapped in whole, in-process on a real engine (t
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import threading
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import attrs
@@ -12,6 +16,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio import EngineConfig, resolve_model
+from hydra_trio.engine.bridge import Call
 from hydra_trio.engine.control import Change, ControlChannel
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
@@ -68,31 +73,74 @@ async def test_slot_tasks_are_typed_dispatched_by_type_and_counted() -> None:
                                              "set_expert_mode": 1.0}
 
 
+class _HoldAtStart(logging.Handler):
+    """Holds the engine thread where the scheduler logs slot 0's start (``Scheduler._start``, inside the
+    step that assigns the slot, before that step feeds the prompt's first chunk) until :attr:`go_on` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.held, self.go_on = threading.Event(), threading.Event()  # (Handler.release is its lock's)
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        # without Handler.handle's lock: while the engine thread is held here, other threads' records pass
+        self.emit(record)
+        return True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.held.is_set() and record.getMessage().startswith("slot 0: start,"):
+            self.held.set()
+            assert self.go_on.wait(300), "never let go on"
+
+
+@contextlib.contextmanager
+def _held_at_slot_start() -> Iterator[_HoldAtStart]:
+    """A :class:`_HoldAtStart` on the ``hydra_trio.engine`` logger (at DEBUG) for the block."""
+    engine_log = logging.getLogger("hydra_trio.engine")
+    hold, level = _HoldAtStart(), engine_log.level
+    engine_log.setLevel(logging.DEBUG)
+    engine_log.addHandler(hold)
+    try:
+        yield hold
+    finally:
+        hold.go_on.set()
+        engine_log.removeHandler(hold)
+        engine_log.setLevel(level)
+
+
 async def test_a_slot_moves_through_its_states_in_order() -> None:
     order = list(SlotState)
-    async with running_engine(n_batch=32) as (engine, _):
-        assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
-        prompt = [1, *range(1000, 1300)]  # 301 tokens: ten 32-token steps of prompt processing
-        seen: list[tuple[SlotState, bool, bool, int]] = []
-        async with JobRun(engine, CompletionJob(prompt_tokens=prompt, n_predict=2000, ignore_eos=True,
-                                                id_slot=0)):
-            while not seen or seen[-1][0] is not SlotState.GENERATING:
-                seen.append(await engine.run_task(ReadSlot(0)))
-            states = [s for s, *_ in seen]
-            # between two steps the engine is never in the middle of a state change: the states come in order
-            assert [order.index(s) for s in states] == sorted(order.index(s) for s in states)
-            assert SlotState.PROCESSING_PROMPT in states
-            for state, processing, generating, n_decoded in seen:
-                assert processing == (state is not SlotState.IDLE)
-                assert generating == (state is SlotState.GENERATING)
-                assert (n_decoded > 0) == (state is SlotState.GENERATING)
-            assert engine.snapshot.slot(0).is_processing
-        with trio.fail_after(120):  # the closed run's slot frees at the engine's next step
-            while (await engine.run_task(ReadSlot(0)))[0] is not SlotState.IDLE:
-                await trio.sleep(0.01)
-        assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
-        assert not engine.snapshot.slot(0).is_processing
-        assert engine.stats.tasks["read_slot"] >= len(seen) + 2
+    with _held_at_slot_start() as hold:
+        async with running_engine(n_batch=32) as (engine, _):
+            assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
+            prompt = [1, *range(1000, 1300)]  # 301 tokens: ten 32-token steps of prompt processing
+            seen: list[tuple[SlotState, bool, bool, int]] = []
+            async with JobRun(engine, CompletionJob(prompt_tokens=prompt, n_predict=2000, ignore_eos=True,
+                                                    id_slot=0)):
+                # the first read is queued while the step that assigns the slot is held, so it runs right
+                # after that step (one 32-token chunk fed) however slowly this thread runs; queued after the
+                # assignment, it could come after all ten prompt steps on a busy machine (GENERATING only)
+                assert await trio.to_thread.run_sync(hold.held.wait, 300), "slot 0 never started"
+                first: Call[Any] = Call(functools.partial(engine.execute, ReadSlot(0)))  # run_task's own call
+                engine.post(first)
+                hold.go_on.set()
+                seen.append(await first.wait())
+                assert seen[0] == (SlotState.PROCESSING_PROMPT, True, False, 0), seen
+                while seen[-1][0] is not SlotState.GENERATING:
+                    seen.append(await engine.run_task(ReadSlot(0)))
+                states = [s for s, *_ in seen]
+                # between two steps the engine is never in the middle of a state change: the states come in order
+                assert [order.index(s) for s in states] == sorted(order.index(s) for s in states)
+                for state, processing, generating, n_decoded in seen:
+                    assert processing == (state is not SlotState.IDLE)
+                    assert generating == (state is SlotState.GENERATING)
+                    assert (n_decoded > 0) == (state is SlotState.GENERATING)
+                assert engine.snapshot.slot(0).is_processing
+            with trio.fail_after(120):  # the closed run's slot frees at the engine's next step
+                while (await engine.run_task(ReadSlot(0)))[0] is not SlotState.IDLE:
+                    await trio.sleep(0.01)
+            assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
+            assert not engine.snapshot.slot(0).is_processing
+            assert engine.stats.tasks["read_slot"] >= len(seen) + 2
 
 
 def test_configure_tier_1_swaps_one_immutable_defaults_object() -> None:

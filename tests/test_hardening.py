@@ -18,7 +18,7 @@ from hydra_trio.engine.settings import N_PARALLEL_MAX, EngineConfig, ParameterEr
 from hydra_trio.engine.state import blob_checksum, parse_header
 from hydra_trio.protocol.hydra import Op, Status, encode_request, encode_request_header, unpack_decode_frames
 
-from .conftest import ROOT, ServerProcess, streaming
+from .conftest import ROOT, ServerProcess, streaming, wait_for
 from .hydra_wire import Wire
 
 HI = [{"role": "user", "content": "Say hi."}]
@@ -111,6 +111,10 @@ def test_concurrent_prefills_on_one_slot(server: ServerProcess, http: httpx.Clie
             Wire(server.port) as w:
         status, meta, blob = w.call(Op.PREFILL, key="3", payload=bodies[0])
         assert status == Status.BUSY and meta["busy_slots"] == [3] and blob == b"", meta
+    # the closed stream's slot frees only once the node has seen its client go and the engine's next step has
+    # dropped it: until then both racing PREFILLs would get BUSY (a reply pair that proves nothing)
+    wait_for(lambda: not http.get("/slots").json()[3]["is_processing"], timeout=120,
+             what="slot 3 free after the closed stream")
     # two PREFILLs racing for the slot: each reply that is OK carries the KV of its own prompt, never the other's
     for _ in range(3):
         replies: list[tuple[int, dict, bytes]] = []

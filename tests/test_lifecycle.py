@@ -103,6 +103,11 @@ def test_sigterm_lets_requests_in_flight_finish(spawn) -> None:
         except httpx.ConnectError:
             refused = True
             break
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError):
+            # a poll that raced the shutdown: its connection sat in the listen backlog when the listener
+            # closed (reset), or was accepted just before and closed unanswered as an idle connection;
+            # the next poll must be refused
+            pass
         time.sleep(0.02)
     t.join(120)
     assert srv.proc.wait(120) == 0

@@ -189,11 +189,10 @@ def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) 
         status, meta = _swap(srv.port, "q4")
         assert status == Status.BUSY and meta["busy_slots"] and meta["swapped"] is False
         assert _info(srv.port)["quant"] == "q8"
-    status, meta = _swap(srv.port, "q4")
-    for _ in range(50):  # the stream's slot frees at the engine's next step
-        if status != Status.BUSY:
-            break
-        status, meta = _swap(srv.port, "q4")
+    # the closed stream's slot frees once the node has seen the client go and the engine has taken its next
+    # step: polled with a deadline (fifty quick retries could all come before that on a busy machine)
+    status, meta = wait_for(lambda: (r := _swap(srv.port, "q4"))[0] != Status.BUSY and r, timeout=120,
+                            what="the swap past the closed stream", every=0.05)
     assert status == Status.OK and meta["quant"] == "q4"
 
 

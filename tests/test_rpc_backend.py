@@ -65,13 +65,14 @@ def test_backend_crash_restarts_and_http_stays_up(spawn) -> None:
     node.wait_ready()
     first = info(node.port)["rpc_backend"]
     os.kill(first["pid"], signal.SIGKILL)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+
+    def restarted() -> dict | None:  # HTTP answers all the while the child is down
         assert httpx.get(node.base + "/health").status_code in (200, 503)
         now = info(node.port)
-        if now["rpc_backend"]["restarts"] == 1 and now["rpc_backend_active"]:
-            break
-        time.sleep(0.1)
+        return now if now["rpc_backend"]["restarts"] >= 1 and now["rpc_backend_active"] else None
+
+    # a fresh child process on a busy machine may take far longer than its restart delay
+    now = wait_for(restarted, timeout=LONG, what="the ggml-RPC child restarted")
     assert now["rpc_backend"]["restarts"] == 1 and now["rpc_backend_active"] is True
     assert now["rpc_backend"]["pid"] != first["pid"]
     assert probe(f"127.0.0.1:{node.port}", n=4)["text"].startswith(" Paris")

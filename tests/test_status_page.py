@@ -49,8 +49,10 @@ def page() -> Iterator[Any]:
         if os.environ.get("HYDRA_TRIO_REQUIRE_BROWSER") == "1":
             pytest.fail(f"HYDRA_TRIO_REQUIRE_BROWSER=1 but {missing}")
         pytest.skip(missing)
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
+    # expect()'s assertions poll for 5 s unless told otherwise: page.set_default_timeout does not reach them
+    expect.set_options(timeout=WAIT_MS)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=shutil.which("chromium"), headless=True, args=CHROMIUM_ARGS)
         try:
@@ -63,6 +65,7 @@ def page() -> Iterator[Any]:
             assert not errors, f"JavaScript errors on the page: {errors}"
         finally:
             browser.close()
+            expect.set_options(timeout=None)  # back to playwright's 5 s
 
 
 # ------------------------------------------------------------------ the files, over HTTP

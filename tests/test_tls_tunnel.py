@@ -29,7 +29,7 @@ from hydra_trio.transport.blocking import LowWater
 from hydra_trio.transport.tls import client_context
 from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool, _RequestBounds
 
-from .conftest import ServerProcess
+from .conftest import ServerProcess, wait_for
 from .hydra_wire import Wire
 from .test_rpc_backend import AsyncRpc
 from .test_tls import Certs
@@ -208,7 +208,9 @@ def test_a_low_water_receive_returns_once_the_mark_is_there_counting_bytes_alrea
     with listener, client, server:
         low = LowWater(server)
         client.sendall(b"\x0f")
-        time.sleep(0.1)
+        # the byte is queued before the receive starts (loopback delivery may lag the send on a busy
+        # machine: waited for, not slept for)
+        wait_for(lambda: low.queued() == 1, timeout=60, what="the first byte queued")
         low.set(9)
         got: list[int] = []
         buf = bytearray(64)
@@ -221,8 +223,7 @@ def test_a_low_water_receive_returns_once_the_mark_is_there_counting_bytes_alrea
         assert got == [9] and buf[:9] == b"\x0f" + bytes(8)
         assert low.queued() == 0
         client.sendall(b"\x01\x02")
-        time.sleep(0.1)
-        assert low.queued() == 2
+        wait_for(lambda: low.queued() == 2, timeout=60, what="the two bytes queued")
         low.set(1)
         assert low.recv_into(buf) == 2
         client.close()
