@@ -4,7 +4,6 @@ parse-time refusals, and launcher-style argvs that start real nodes (issue 19)."
 
 from __future__ import annotations
 
-import json
 import shlex
 import signal
 import subprocess

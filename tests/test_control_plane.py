@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

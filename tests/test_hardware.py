@@ -48,7 +48,7 @@ def test_props_and_the_log_name_the_backends_and_devices(server: ServerProcess) 
         [d["name"] for d in props["devices"]]
     log = server.log()
     assert "backends: " + ", ".join(build_backends()) in log
-    assert f"device CPU: " in log and " MiB free of " in log
+    assert "device CPU: " in log and " MiB free of " in log
 
 
 @pytest.mark.slow

@@ -14,7 +14,6 @@ import socket
 import struct
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 import pytest

@@ -15,7 +15,6 @@ import socket
 import struct
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import trio
