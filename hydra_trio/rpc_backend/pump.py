@@ -28,7 +28,16 @@ from typing import Any
 import attrs
 import trio
 
-from ..transport.blocking import LowWater, TlsPipe, blocking_dup, restore, run_blocking, send_pieces, shutdown_all
+from ..transport.blocking import (
+    LowWater,
+    TlsPipe,
+    blocking_dup,
+    bytes_acked,
+    restore,
+    run_blocking,
+    send_pieces,
+    shutdown_all,
+)
 from ..transport.tls import TlsStream
 from ..protocol.ggml_rpc import (
     CHECKS,
@@ -424,8 +433,9 @@ class Pump:
     async def _watchdog(self) -> None:
         """The connection's deadlines, checked a few times per ``stall_timeout``.
 
-        Closes it when a begun message gets no byte, or the client reads none of its replies,
-        for ``stall_timeout`` seconds (detected within a quarter of it more), and as
+        Closes it when a begun message gets no byte, or the client reads none of its replies
+        (a send to it stays blocked and its kernel acknowledges no byte: a slow reader behind one
+        big send is reading), for ``stall_timeout`` seconds (detected within a quarter of it more), and as
         ``backend_stall`` when a reply the child has begun gets no byte for as long while the
         pump waits for it; once the drain has started, at the first message boundary with
         ``drain_idle`` seconds of quiet.
@@ -433,7 +443,9 @@ class Pump:
         stall, idle = self.stall_timeout, self.drain_idle
         period = max(0.01, min(stall / 4, 5.0))
         now = trio.current_time()
-        seen = [self.ticks_in, self.n_in, self.ticks_out, 0, self.ticks_up, 0]
+        seen = [self.ticks_in, self.n_in, self.ticks_out, 0, self.ticks_up, 0, 0]
+        client_sock = self._socks[0] if self._socks else getattr(
+            getattr(self.client, "transport_stream", self.client), "socket", None)
         since = [now] * len(seen)  # when each counter was first seen at its current value
         while True:
             if self.drain_started.is_set():
@@ -446,14 +458,17 @@ class Pump:
             # arrived (a begun message, and progress while their number grows)
             queued = self._low_in.queued() if self._low_in is not None and self.receiving else 0
             queued_up = self._low_up.queued() if self._low_up is not None and self.receiving_up else 0
-            for i, value in enumerate((self.ticks_in, self.n_in, self.ticks_out, queued, self.ticks_up, queued_up)):
+            # the client's kernel acknowledging reply bytes while a send to it is blocked: it reads
+            acked = bytes_acked(client_sock) if self.busy_down and client_sock is not None else 0
+            values = (self.ticks_in, self.n_in, self.ticks_out, queued, self.ticks_up, queued_up, acked)
+            for i, value in enumerate(values):
                 if value != seen[i]:
                     seen[i], since[i] = value, now
             conn = self.conn
             begun = conn.request_in_progress or queued > 0
             if self.receiving and begun and now - max(since[0], since[3]) > stall:
                 raise Close("stall_timeout", f"a begun message got no byte for {stall:g} s")
-            if self.busy_down and now - since[2] > stall:
+            if self.busy_down and now - max(since[2], since[6]) > stall:
                 raise Close("stall_timeout", f"the client read no reply bytes for {stall:g} s")
             if (self.receiving_up and (conn.reply_in_progress or queued_up > 0)
                     and now - max(since[4], since[5]) > stall):

@@ -136,6 +136,25 @@ class LowWater:
             return 0
 
 
+_TCP_INFO_ACKED = struct.Struct("<Q")  # tcpi_bytes_acked: offset 120 of Linux's struct tcp_info (since 4.1)
+
+
+def bytes_acked(sock: Any) -> int:
+    """Bytes sent on TCP socket ``sock`` that its peer's kernel acknowledged (``TCP_INFO``'s
+    ``tcpi_bytes_acked``); 0 when it cannot tell (not TCP, an older kernel).
+
+    Progress of a reader behind a blocked send: once its receive buffer is full, the count grows
+    only as the peer's application reads.  ``sock``: anything with ``getsockopt`` (a socket, a trio
+    socket); a :class:`TlsPipe` is read through its socket.
+    """
+    try:
+        raw = getattr(sock, "sock", sock) if isinstance(sock, TlsPipe) else sock
+        info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
+        return _TCP_INFO_ACKED.unpack_from(info, 120)[0] if len(info) >= 128 else 0
+    except (OSError, AttributeError, ValueError):
+        return 0
+
+
 def shutdown_all(socks: list[Any]) -> None:
     """``shutdown(SHUT_RDWR)`` each of ``socks`` (sockets or pipes), ignoring errors: wakes their threads."""
     for sock in socks:
