@@ -328,6 +328,82 @@ def test_a_message_that_keeps_arriving_slowly_is_not_a_stall(spawn) -> None:
     assert rpc_info(node.port)["closed"]["stall_timeout"] == 0
 
 
+def test_idle_after_each_kind_of_reply_is_not_a_backend_stall(spawn) -> None:
+    """A COMBINED head keeps its connection idle between messages for as long as it likes: after every
+    kind of reply (small, zero-length, streamed, and after a message that gets none) a pause longer than
+    the stall timeout neither closes the connection nor kills the child (the reply tracker is between
+    replies then, and nothing sits below the child socket's low-water mark)."""
+    node = spawn("--no-model", "--rpc-stall-timeout", "1")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    pause = 1.5  # > the stall timeout plus the watchdog's period (a quarter of it)
+    with RawRpc(node.port) as c:
+        c.hello()
+        time.sleep(pause)
+        assert c.device_count() == 1
+        time.sleep(pause)
+        ptr, base = c.alloc(1 << 16)  # ALLOC_BUFFER, BUFFER_GET_BASE
+        time.sleep(pause)
+        t = RpcTensor(id=1, type=0, buffer=ptr, ne=(1024, 1, 1, 1), nb=(4, 4096, 4096, 4096), data=base)
+        u = RpcTensor(id=2, type=0, buffer=ptr, ne=(1024, 1, 1, 1), nb=(4, 4096, 4096, 4096), data=base + 4096)
+        data = bytes(range(256)) * 16
+        c.call(RpcCmd.SET_TENSOR, t.pack() + struct.pack("<BQ", 0, 0) + data)  # cache flag, offset; no reply
+        time.sleep(pause)
+        for size in (0, 64, 65, 4096):  # empty, the largest whole one, streamed ones
+            assert c.call(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, size), size) == data[:size]
+            time.sleep(pause)
+        assert c.call(RpcCmd.COPY_TENSOR, t.pack() + u.pack(), 1) == b"\x01"
+        time.sleep(pause)
+        assert c.call(RpcCmd.GET_TENSOR, u.pack() + struct.pack("<QQ", 0, 4096), 4096) == data
+    r = rpc_info(node.port)
+    assert (r["pid"], r["crashes"], r["restarts"]) == (pid, 0, 0)
+    assert {k: v for k, v in r["closed"].items() if v} == {}
+
+
+def slow_read_of_a_big_reply(c: RawRpc, size: int) -> int:
+    """GET_TENSOR of ``size`` bytes (a fresh buffer) read 64 KiB every 0.5 s; the bytes read before
+    the end (``size`` when all came)."""
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # the kernel holds little of it
+    ptr, base = c.alloc(size)
+    t = RpcTensor(id=1, type=0, buffer=ptr, ne=(size // 4, 1, 1, 1), nb=(4, size, size, size), data=base)
+    c.send(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, size)))
+    got = 0
+    try:
+        assert struct.unpack("<Q", c.recv_exact(8))[0] == size
+        while got < size:
+            got += len(c.recv_exact(min(1 << 16, size - got)))
+            time.sleep(0.5)
+    except OSError:  # closed mid-reply
+        pass
+    return got
+
+
+def test_a_slow_reader_is_served_and_one_that_reads_nothing_closed_and_no_child_killed(spawn) -> None:
+    """A client reading a 1 MiB reply at 128 KiB/s keeps reading longer than the stall timeout behind
+    one blocked send: it is reading, so it gets it all (before, ``stall_timeout`` after ~160 KiB: the
+    watchdog saw no new send start); a client that reads nothing is closed (``stall_timeout``).  Neither
+    is the child's fault: it is never killed (``backend_stall``: the pump was sending, not waiting on it)."""
+    node = spawn("--no-model", "--rpc-stall-timeout", "1")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    with RawRpc(node.port) as c:
+        c.hello()
+        assert slow_read_of_a_big_reply(c, 1 << 20) == 1 << 20
+        assert c.device_count() == 1
+    assert rpc_info(node.port)["closed"]["stall_timeout"] == 0
+    with RawRpc(node.port) as c:
+        c.hello()
+        size = 64 << 20  # more than the sockets hold
+        ptr, base = c.alloc(size)
+        t = RpcTensor(id=1, type=0, buffer=ptr, ne=(size // 4, 1, 1, 1), nb=(4, size, size, size), data=base)
+        c.send(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, size)))
+        time.sleep(3)  # reads nothing
+        assert c.closed_within()
+    r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r,
+                 timeout=LONG, what="stall counted")
+    assert (r["pid"], r["crashes"], r["restarts"], r["closed"]["backend_stall"]) == (pid, 0, 0, 0)
+
+
 def _restarted_after(port: int, old_pid: int, reason: str) -> dict:
     """The backend's stats once the client's close (``reason``) is counted and a new child (not
     ``old_pid``, which was killed: one crash) accepts connections."""

@@ -30,7 +30,7 @@ from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool, _RequestBounds
 
 from .conftest import ServerProcess, wait_for
 from .hydra_wire import Wire
-from .test_rpc_backend import AsyncRpc
+from .test_rpc_backend import AsyncRpc, RawRpc, slow_read_of_a_big_reply
 from .test_tls import Certs
 
 N = 1 << 18  # f32 values: a 1 MiB tensor
@@ -91,6 +91,23 @@ async def test_ggml_rpc_through_the_tunnel_to_a_tls_node(tls_peer: ServerProcess
     after = await trio.to_thread.run_sync(rpc_backend, tls_peer.port)
     assert after["bytes_in"] - before["bytes_in"] >= 4 * N  # the tensor reached the node's backend
     assert after["connections"] == before["connections"] + 1
+
+
+def test_a_slow_tls_reader_is_served_and_no_child_killed(certs: Certs, spawn) -> None:
+    """Over TLS (the front door's TlsPipe): a 1 MiB reply read at 128 KiB/s, longer than the stall
+    timeout behind one blocked send, all arrives (the client's kernel acknowledging bytes is progress);
+    the child is never killed (``backend_stall``)."""
+    node = spawn("--no-model", "--rpc-stall-timeout", "1", *certs.tls_flags())
+    node.wait_ready()
+    pid = rpc_backend(node.port)["pid"]
+    with RawRpc(node.port) as c:
+        c.sock = client_context(certs.ca_pem).wrap_socket(c.sock, server_hostname="127.0.0.1")
+        c.hello()
+        assert slow_read_of_a_big_reply(c, 1 << 20) == 1 << 20
+        assert c.device_count() == 1
+    r = rpc_backend(node.port)
+    assert (r["pid"], r["crashes"], r["trio_pumped"]) == (pid, 0, 0)
+    assert {k: v for k, v in r["closed"].items() if v} == {}
 
 
 async def test_ggml_rpc_straight_over_tls_beyond_hello(tls_peer: ServerProcess, certs: Certs) -> None:
