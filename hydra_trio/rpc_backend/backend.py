@@ -18,7 +18,10 @@ door admits one ggml-RPC client at a time too:
    answering HELLO is replaced and HELLO is sent again, so a restart is invisible
    to a client that connects meanwhile.  A child that does not answer HELLO in
    time (or answers it wrongly) is hung: the client is closed and the child
-   killed, so its supervisor starts a fresh one for the next client.
+   killed, so its supervisor starts a fresh one for the next client.  Unless the
+   last connection ended with work in flight (its client reset mid-compute): the
+   child, single-threaded, answers only once that work is done, so that HELLO gets
+   ``wait_timeout`` (if longer) and no kill: a healthy child busy is not hung.
 4. **Pump.** Both directions go through a validator (:mod:`hydra_trio.rpc_backend.pump`).
    A child that stops mid-reply for ``stall_timeout`` seconds is killed too
    (reason ``backend_stall``); a reply not yet begun may take as long as its compute.
@@ -158,6 +161,9 @@ class RpcBackend:
         self._one_closed = trio.Event()
         self._drain_started = trio.Event()
         self._traits: dict[int, tuple[int, int]] | None = None
+        # the child (pid) a connection left with work in flight (a compute, a reply owed, a message
+        # half-sent): it answers the next HELLO only once that work is done
+        self._busy_pid: int | None = None
 
     # ------------------------------------------------------------ the child
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -344,10 +350,16 @@ class RpcBackend:
             if upstream is None:
                 raise Close("backend_unavailable", f"the ggml-RPC backend was not up within {s.restart_wait:g} s")
             pid = self.child.pid
-            try:
-                replies = await exchange_hello(upstream, conn, early, s.handshake_timeout)
+            busy = pid is not None and pid == self._busy_pid
+            self._busy_pid = None  # that grace is given once: a child still silent after it is hung
+            try:  # a child still busy with the last client's work gets that work's time (wait_timeout)
+                replies = await exchange_hello(upstream, conn, early,
+                                               max(s.handshake_timeout, s.wait_timeout) if busy else s.handshake_timeout)
             except Close as exc:  # no answer in time, or a wrong one: a child hung at HELLO answers nobody
-                self.child.kill_unresponsive(pid, exc.detail)
+                if busy and exc.reason == "handshake_timeout":
+                    log.warning("ggml-RPC backend (pid %s) still busy with a previous client's work: %s", pid, exc.detail)
+                else:
+                    self.child.kill_unresponsive(pid, exc.detail)
                 raise
             if replies is not None:
                 break
@@ -367,6 +379,9 @@ class RpcBackend:
             if exc.reason == "backend_stall":  # hung mid-reply: the next client would hang in it too
                 self.child.kill_unresponsive(pid, exc.detail)
             raise
+        finally:
+            if not conn.between_messages:  # ended with work in flight (a reset, a close): the child may
+                self._busy_pid = pid  # still compute, and reads the close only after that
 
     # ------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
