@@ -404,6 +404,39 @@ def test_a_slow_reader_is_served_and_one_that_reads_nothing_closed_and_no_child_
     assert (r["pid"], r["crashes"], r["restarts"], r["closed"]["backend_stall"]) == (pid, 0, 0, 0)
 
 
+def test_a_child_busy_with_a_reset_clients_compute_is_not_killed_at_the_next_hello(spawn) -> None:
+    """A client resets while computes it sent still run: the child, single-threaded, answers the next
+    client's HELLO only once they are done, later than the handshake timeout.  It is busy, not hung:
+    that HELLO waits and is answered, the child is not killed (before: closed ``handshake_timeout``
+    and the healthy child killed as unresponsive)."""
+    node = spawn("--no-model", "--rpc-handshake-timeout", "1")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    K, M, N = 8192, 1024, 1024  # MUL_MAT of a [K, M] by b [K, N], f32
+    with RawRpc(node.port) as a:
+        a.hello()
+        size = 4 * (K * M + K * N + M * N)
+        ptr, base = a.alloc(size)
+        ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(K, M, 1, 1), nb=(4, 4 * K, 4 * K * M, 4 * K * M), data=base)
+        tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(K, N, 1, 1), nb=(4, 4 * K, 4 * K * N, 4 * K * N),
+                       data=base + 4 * K * M)
+        tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(M, N, 1, 1), nb=(4, 4 * M, 4 * M * N, 4 * M * N),
+                       data=base + 4 * (K * M + K * N), op=29, flags=16, src=(1, 2) + (0,) * 8)
+        compute = g.encode_graph_compute(0, [3], [ta, tb, tc])
+        t0 = time.monotonic()
+        a.send(compute)
+        assert a.device_count() == 1  # answered after the compute
+        one = time.monotonic() - t0
+        a.send(compute * max(1, int(4 / one) + 1))  # work for about 4 s: past the 1 s handshake timeout
+        time.sleep(0.2)
+        a.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+    with RawRpc(node.port) as b:
+        b.hello()
+        assert b.device_count() == 1
+    r = rpc_info(node.port)
+    assert (r["pid"], r["crashes"], r["restarts"], r["closed"]["handshake_timeout"]) == (pid, 0, 0, 0)
+
+
 def _restarted_after(port: int, old_pid: int, reason: str) -> dict:
     """The backend's stats once the client's close (``reason``) is counted and a new child (not
     ``old_pid``, which was killed: one crash) accepts connections."""
