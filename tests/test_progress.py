@@ -159,7 +159,10 @@ def test_run_on_a_terminal_draws_bars_and_stops_cleanly_on_sigterm(tmp_path: Pat
                  timeout=30, what="the hashing bar")
         wait_for(lambda: re.search(r"warm-up ━+ 100%", text()), timeout=30, what="the warm-up bar")
         assert "hydra_trio.progress:" not in text()  # bars instead of progress log lines
-        assert re.search(r"INFO +hydra_trio\.engine: stage ready", text())  # other logs still show, whole
+        # other logs still show, whole (the engine logs "stage ready" as /health turns 200: wait for the
+        # line to come through the terminal)
+        wait_for(lambda: re.search(r"INFO +hydra_trio\.engine: stage ready", text()), timeout=60,
+                 what="the 'stage ready' log line")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, text()[-3000:]
     finally:
