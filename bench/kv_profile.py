@@ -104,8 +104,9 @@ def node_main(argv: list[str]) -> int:
     _timed(Engine, "execute", "engine.execute", mark=True)
     _timed(os, "writev", "os.writev")
     _timed(os, "readv", "os.readv")
-    _atimed(ops, "send_view", "send_view")
-    _atimed(session, "recv_into_view", "recv_into_view")
+    import hydra_trio.transport.tls_bulk as tls_bulk
+    _atimed(tls_bulk, "send_view", "send_view")  # the plain-TCP send and receive loops, where they are called
+    _atimed(tls_bulk, "recv_into_view", "recv_into_view")
     _atimed(ops.OpContext, "send_blob", "send_blob")
     _timed(ops, "payload_buffer", "payload_buffer", mark=True)
     import trio
@@ -152,7 +153,7 @@ def main() -> None:
     import httpx
     import trio
 
-    import hydra_trio.hydra.client_connection as cc
+    import hydra_trio.transport.tls_bulk as cc  # the client's plain-TCP loops are called from here
     from bench.kv_transfer import MB, _put_bytes, grown_blob, prefill, slot_size
     from hydra_trio.hydra.client import HydraClient
     from hydra_trio.testing.spawn import free_port, wait_healthy
