@@ -1,7 +1,7 @@
 """COMBINED vs SOLO, and COMBINED through the TLS tunnel vs plain, in interleaved rounds; the flip latency.
 
-    .venv/bin/python bench/combined.py [--tokens 48] [--runs 5] [--no-tls] [--passive none|peer|head|both]
-                                       [--llama-server]
+    .venv/bin/python bench/combined.py [--tokens 48] [--runs 5] [--no-tls] [--no-relay]
+                                       [--passive none|peer|head|both] [--llama-server]
 
 Starts a compute-only node B and a head A with the test MoE
 (``smollm2-135m-moe``) and ``--rpc-engine B``; with TLS (the default) also a
@@ -12,6 +12,14 @@ of A in SOLO (a flip: both models stay resident), and of A2 in COMBINED
 through its tunnel, one after the other (only one decodes at a time), so a
 busy machine's drift hits all three alike.  Prints one table
 (:mod:`bench._table`) and the ``switch_ms`` of SET_EXPERT_MODE flips.
+
+Unless ``--no-relay``, a fourth pair in the same rounds: a compute-only node
+B3 and a head A3 whose ``--rpc-engine`` is the bare relay
+(``bench/bare_relay.c``, :mod:`bench._relay`) in front of B3.  The relay
+copies bytes and nothing else, so its row against plain COMBINED is what one
+more hop costs on this machine: the floor of the TLS tunnel, which is one
+more hop plus the cipher (the tunnel's row against it is what TLS and the
+tunnel's own work add).
 
 With ``--llama-server`` (built on first use by ``bench/build_llama_server.sh``,
 as ``bench/vs_llama_server.py`` does) the rounds also time llama.cpp alone on
@@ -41,6 +49,7 @@ from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E40
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 
 from bench._decode import tok_s  # noqa: E402
+from bench._relay import start as start_relay  # noqa: E402
 from bench._table import Row, print_table  # noqa: E402
 
 MOE = ("-m", "smollm2-135m-moe", "-np", "1", "-c", "2048", "--no-rpc-backend")
@@ -127,9 +136,10 @@ def _wait_listening(endpoint: str, proc: subprocess.Popen, timeout: float = 60) 
     raise TimeoutError(f"no ggml-RPC server on {endpoint}")
 
 
-def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
+def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True, relay: bool = True,
             passive: str = "none", llama_server: bool = False) -> tuple[list[Row], list[float]]:
-    """The rows (COMBINED/SOLO, TLS/plain COMBINED, llama.cpp's own) and the flip-to-COMBINED times (ms)."""
+    """The rows (COMBINED/SOLO, TLS/plain COMBINED, the bare relay's, llama.cpp's own) and the
+    flip-to-COMBINED times (ms)."""
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as d:
         try:
@@ -152,9 +162,19 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
                 procs.append(h2)
                 wait_combined(h2port)
                 tok_s(h2port, 8)
+            h3port = None
+            if relay:
+                b3, b3port = start("--no-model", passive=passive in ("peer", "both"))
+                procs.append(b3)
+                r3, r3port = start_relay(b3port)
+                procs.append(r3)
+                h3, h3port = start(*MOE, "--rpc-engine", f"127.0.0.1:{r3port}", passive=passive in ("head", "both"))
+                procs.append(h3)
+                wait_combined(h3port)
+                tok_s(h3port, 8)
             wait_combined(hport)
             tok_s(hport, 8)
-            comb, sol, through, lcomb, lsol = [], [], [], [], []
+            comb, sol, through, relayed, lcomb, lsol = [], [], [], [], [], []
             for i in range(runs):
                 print(f"  round {i + 1}/{runs}", file=sys.stderr, flush=True)
                 set_mode(hport, "combined")
@@ -164,6 +184,8 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
                     sol.append(tok_s(hport, tokens))
                 if h2port is not None:
                     through.append(tok_s(h2port, tokens))
+                if h3port is not None:
+                    relayed.append(tok_s(h3port, tokens))
                 if lport is not None and lsolo is not None:
                     lcomb.append(tok_s(lport, tokens))
                     lsol.append(tok_s(lsolo, tokens))
@@ -183,6 +205,12 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True,
     if tls:
         rows.append(Row("combined", "COMBINED through the --rpc-tls tunnel vs plain COMBINED", "tok/s",
                         through, comb, target=0.85))
+    if relay:
+        rows.append(Row("combined", "COMBINED through the bare C relay vs plain COMBINED (the floor of one more hop)",
+                        "tok/s", relayed, comb))
+    if tls and relay:
+        rows.append(Row("combined", "COMBINED through the --rpc-tls tunnel vs through the bare C relay", "tok/s",
+                        through, relayed))
     if llama_server:
         rows.append(Row("combined", "llama.cpp alone: llama-server --rpc (bare ggml-RPC server) vs llama-server",
                         "tok/s", lcomb, lsol))
@@ -196,6 +224,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-tls", action="store_true", help="skip the TLS peer and head")
+    ap.add_argument("--no-relay", action="store_true", help="skip the peer and head behind the bare C relay")
     ap.add_argument("--passive", choices=["none", "peer", "head", "both"], default="none",
                     help="which nodes' environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
                          "ggml-RPC child waits passively anyway, see hydra_trio.rpc_backend.supervisor.CHILD_ENV)")
@@ -203,7 +232,8 @@ def main() -> None:
                     help="also time llama.cpp alone: llama-server with the experts on a bare ggml-RPC server, and "
                          "llama-server by itself (built on first use, about 10 minutes on 2 cores)")
     a = ap.parse_args()
-    rows, flips = measure(a.tokens, a.runs, tls=not a.no_tls, passive=a.passive, llama_server=a.llama_server)
+    rows, flips = measure(a.tokens, a.runs, tls=not a.no_tls, relay=not a.no_relay, passive=a.passive,
+                          llama_server=a.llama_server)
     print_table(rows, "bench/combined.py " + " ".join(sys.argv[1:]))
     print(f"\nflip to COMBINED with both models resident: median {statistics.median(flips):.2f} ms "
           f"(max {max(flips):.2f} ms over {len(flips)}); {a.tokens} tokens per decode, "

@@ -10,6 +10,13 @@ Both measured in alternating rounds; one table (:mod:`bench._table`): MB/s
 and microseconds per round trip for both paths, and the ratios (direct /
 front door for the round trip: the issue's bound is front door ≤ 1.5×
 direct, a ratio ≥ 0.67).
+
+A third path, in the same rounds, is the child behind the bare relay
+(``bench/bare_relay.c``, :mod:`bench._relay`): a C relay that copies bytes
+and does nothing else.  Its row against direct is the machine's floor for
+any relay (what the two more wake-ups per round trip cost here), and the
+front door's row against it is what the front door adds over that floor
+(validation, tracking, deadlines, Python).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from hydra_trio.models.presets import resolve_model  # noqa: E402
 from hydra_trio.testing.spawn import ROOT, spawn, wait_healthy  # noqa: E402
 
+from bench._relay import start as start_relay  # noqa: E402
 from bench._table import Row, print_table  # noqa: E402
 
 
@@ -72,26 +80,33 @@ def main() -> None:
     a = ap.parse_args()
     log = open("/tmp/rpc-bench-node.log", "w+")
     node, port = spawn("--no-model", "--rpc-cache-dir", "", output=log)
+    relay = None
     try:
         wait_healthy(port, node)
         log.seek(0)
         child = int(re.search(r"ggml-RPC backend serving on 127\.0\.0\.1:(\d+)", log.read()).group(1))
+        relay, relayed = start_relay(child)
 
         def bytes_in() -> float:
             text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             return float(re.search(r'hydra_trio:rpc_bytes_total\{direction="in"\} (\S+)', text).group(1))
 
         before = bytes_in()
-        fd_load, direct_load = [], []
-        for _ in range(a.loads):  # alternating, so that a busy machine's drift hits both paths
+        fd_load, direct_load, relay_load = [], [], []
+        for _ in range(a.loads):  # alternating, so that a busy machine's drift hits every path
             fd_load.append(load_s(port))
             direct_load.append(load_s(child))
+            relay_load.append(load_s(relayed))
         mb = (bytes_in() - before) / a.loads / 1e6
-        fd_rtt, direct_rtt = [], []
+        fd_rtt, direct_rtt, relay_rtt = [], [], []
         for _ in range(4):
             fd_rtt.append(rtt_us(port, a.rounds // 4))
             direct_rtt.append(rtt_us(child, a.rounds // 4))
+            relay_rtt.append(rtt_us(relayed, a.rounds // 4))
     finally:
+        if relay is not None:
+            relay.kill()
+            relay.wait()
         node.send_signal(signal.SIGTERM)
         node.wait(30)
     print_table([
@@ -99,6 +114,14 @@ def main() -> None:
             "MB/s", [mb / t for t in fd_load], [mb / t for t in direct_load]),
         Row("rpc_passthrough", "DEVICE_COUNT round trip through the front door vs direct", "us",
             fd_rtt, direct_rtt, higher_is_better=False, target=1 / 1.5),
+        Row("rpc_passthrough", "bulk upload through the bare C relay vs direct (the floor of a relay)",
+            "MB/s", [mb / t for t in relay_load], [mb / t for t in direct_load]),
+        Row("rpc_passthrough", "DEVICE_COUNT round trip through the bare C relay vs direct (the floor of a relay)",
+            "us", relay_rtt, direct_rtt, higher_is_better=False),
+        Row("rpc_passthrough", "bulk upload through the front door vs the bare C relay", "MB/s",
+            [mb / t for t in fd_load], [mb / t for t in relay_load]),
+        Row("rpc_passthrough", "DEVICE_COUNT round trip through the front door vs the bare C relay", "us",
+            fd_rtt, relay_rtt, higher_is_better=False),
     ], "bench/rpc_passthrough.py " + " ".join(sys.argv[1:]))
 
 
