@@ -170,8 +170,10 @@ class Pump:
     The two pumping tasks run on their own threads with blocking socket calls
     (on duplicates of the connections' descriptors), not in the trio loop: a
     small message then costs two thread wake-ups instead of two trips through
-    the scheduler (a DEVICE_COUNT round trip went from 92 to about 40 µs;
-    ``bench/rpc_passthrough.py``).  A TLS client (:class:`~hydra_trio.transport.tls.TlsStream`)
+    the scheduler.  Those two wake-ups are most of a round trip's cost: on the
+    2-core development VM, ``bench/rpc_passthrough.py`` measures a DEVICE_COUNT
+    round trip at ~27 µs direct, ~110-150 µs through a C relay that only
+    copies (``bench/bare_relay.c``) and ~125-180 µs through this pump.  A TLS client (:class:`~hydra_trio.transport.tls.TlsStream`)
     too: its TLS state, handshaken by trio, is taken over by a
     :class:`~hydra_trio.transport.blocking.TlsPipe` on the socket.  The validator is shared
     by both threads under one lock.  The watchdog stays a trio task; whatever
@@ -442,11 +444,10 @@ class Pump:
         """
         stall, idle = self.stall_timeout, self.drain_idle
         period = max(0.01, min(stall / 4, 5.0))
-        now = trio.current_time()
-        seen = [self.ticks_in, self.n_in, self.ticks_out, 0, self.ticks_up, 0, 0]
         client_sock = self._socks[0] if self._socks else getattr(
             getattr(self.client, "transport_stream", self.client), "socket", None)
-        since = [now] * len(seen)  # when each counter was first seen at its current value
+        progress = _LastChange(trio.current_time(), ticks_in=self.ticks_in, n_in=self.n_in,
+                               ticks_out=self.ticks_out, queued=0, ticks_up=self.ticks_up, queued_up=0, acked=0)
         while True:
             if self.drain_started.is_set():
                 await trio.sleep(0.02)
@@ -460,22 +461,42 @@ class Pump:
             queued_up = self._low_up.queued() if self._low_up is not None and self.receiving_up else 0
             # the client's kernel acknowledging reply bytes while a send to it is blocked: it reads
             acked = bytes_acked(client_sock) if self.busy_down and client_sock is not None else 0
-            values = (self.ticks_in, self.n_in, self.ticks_out, queued, self.ticks_up, queued_up, acked)
-            for i, value in enumerate(values):
-                if value != seen[i]:
-                    seen[i], since[i] = value, now
+            progress.update(now, ticks_in=self.ticks_in, n_in=self.n_in, ticks_out=self.ticks_out, queued=queued,
+                            ticks_up=self.ticks_up, queued_up=queued_up, acked=acked)
             conn = self.conn
             begun = conn.request_in_progress or queued > 0
-            if self.receiving and begun and now - max(since[0], since[3]) > stall:
+            if self.receiving and begun and progress.quiet(now, "ticks_in", "queued") > stall:
                 raise Close("stall_timeout", f"a begun message got no byte for {stall:g} s")
-            if self.busy_down and now - max(since[2], since[6]) > stall:
+            if self.busy_down and progress.quiet(now, "ticks_out", "acked") > stall:
                 raise Close("stall_timeout", f"the client read no reply bytes for {stall:g} s")
             if (self.receiving_up and (conn.reply_in_progress or queued_up > 0)
-                    and now - max(since[4], since[5]) > stall):
+                    and progress.quiet(now, "ticks_up", "queued_up") > stall):
                 raise Close("backend_stall", f"the ggml-RPC backend sent no byte of a begun reply for {stall:g} s")
             if (self.drain_started.is_set() and conn.between_messages and not queued
-                    and not (self.busy_up or self.busy_down) and now - max(since[1], since[3]) >= idle):
+                    and not (self.busy_up or self.busy_down) and progress.quiet(now, "n_in", "queued") >= idle):
                 raise Close("draining", "closed between messages: the node is shutting down")
+
+
+class _LastChange:
+    """When each of the watchdog's progress signals last changed (trio time, seconds).
+
+    A signal is any value that changes while its side makes progress: the pump's tick counters,
+    the bytes queued below a low-water mark, the client's acknowledged bytes.
+    """
+
+    def __init__(self, now: float, **values: int) -> None:
+        self._seen = dict(values)
+        self._since = dict.fromkeys(values, now)
+
+    def update(self, now: float, **values: int) -> None:
+        """Note the signals' current values; a changed one restarts its quiet time."""
+        for name, value in values.items():
+            if value != self._seen[name]:
+                self._seen[name], self._since[name] = value, now
+
+    def quiet(self, now: float, *names: str) -> float:
+        """Seconds since the last change of any of ``names``."""
+        return now - max(self._since[n] for n in names)
 
 
 class _ChildClosed(Exception):

@@ -148,7 +148,7 @@ def bytes_acked(sock: Any) -> int:
     socket); a :class:`TlsPipe` is read through its socket.
     """
     try:
-        raw = getattr(sock, "sock", sock) if isinstance(sock, TlsPipe) else sock
+        raw = sock.sock if isinstance(sock, TlsPipe) else sock
         info = raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
         return _TCP_INFO_ACKED.unpack_from(info, 120)[0] if len(info) >= 128 else 0
     except (OSError, AttributeError, ValueError):
