@@ -437,6 +437,42 @@ def test_a_child_busy_with_a_reset_clients_compute_is_not_killed_at_the_next_hel
     assert (r["pid"], r["crashes"], r["restarts"], r["closed"]["handshake_timeout"]) == (pid, 0, 0, 0)
 
 
+def test_a_child_silent_through_its_busy_grace_is_killed_at_its_end(spawn) -> None:
+    """A client resets with a compute in flight, and the child hangs in it (SIGSTOP): the next HELLO
+    gets the busy child's grace (``--rpc-wait-timeout``), and when that ends unanswered the child is
+    killed then and restarted, so the client after is served.  Before, the grace's end only closed
+    that client, and the hung child was killed at the following HELLO (one more client closed)."""
+    node = spawn("--no-model", "--rpc-handshake-timeout", "1", "--rpc-wait-timeout", "2")
+    node.wait_ready()
+    pid = rpc_info(node.port)["pid"]
+    try:
+        with RawRpc(node.port) as a:
+            a.hello()
+            ptr, base = a.alloc(4 * 3)
+            ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(1, 1, 1, 1), nb=(4, 4, 4, 4), data=base)
+            tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(1, 1, 1, 1), nb=(4, 4, 4, 4), data=base + 4)
+            tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(1, 1, 1, 1), nb=(4, 4, 4, 4), data=base + 8,
+                           op=29, flags=16, src=(1, 2) + (0,) * 8)
+            compute = g.encode_graph_compute(0, [3], [ta, tb, tc])
+            base_url = f"http://127.0.0.1:{node.port}"
+            before = metric(base_url, 'hydra_trio:rpc_bytes_total{direction="in"}')
+            os.kill(pid, signal.SIGSTOP)  # hung from here on, with the compute below unread
+            a.send(compute)
+            wait_for(lambda: metric(base_url, 'hydra_trio:rpc_bytes_total{direction="in"}') >= before + len(compute),
+                     timeout=LONG, what="the compute passed on to the child")
+            a.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+        with RawRpc(node.port) as b:
+            b.send(g.encode_request(RpcCmd.HELLO, bytes(24)))
+            assert b.closed_within()  # at the grace's end (2 s), unanswered
+        r = _restarted_after(node.port, pid, "handshake_timeout")
+        assert (r["crashes"], r["closed"]["handshake_timeout"]) == (1, 1)
+        with RawRpc(node.port) as c:
+            c.hello()
+            assert c.device_count() == 1
+    finally:
+        _resume_and_kill(pid)
+
+
 def _restarted_after(port: int, old_pid: int, reason: str) -> dict:
     """The backend's stats once the client's close (``reason``) is counted and a new child (not
     ``old_pid``, which was killed: one crash) accepts connections."""

@@ -351,15 +351,15 @@ class RpcBackend:
                 raise Close("backend_unavailable", f"the ggml-RPC backend was not up within {s.restart_wait:g} s")
             pid = self.child.pid
             busy = pid is not None and pid == self._busy_pid
-            self._busy_pid = None  # that grace is given once: a child still silent after it is hung
+            self._busy_pid = None  # that grace is given once: a child still silent at its end is hung (killed)
             try:  # a child still busy with the last client's work gets that work's time (wait_timeout)
                 replies = await exchange_hello(upstream, conn, early,
                                                max(s.handshake_timeout, s.wait_timeout) if busy else s.handshake_timeout)
             except Close as exc:  # no answer in time, or a wrong one: a child hung at HELLO answers nobody
-                if busy and exc.reason == "handshake_timeout":
-                    log.warning("ggml-RPC backend (pid %s) still busy with a previous client's work: %s", pid, exc.detail)
-                else:
-                    self.child.kill_unresponsive(pid, exc.detail)
+                if busy and exc.reason == "handshake_timeout":  # silent through all of its grace: hung
+                    log.warning("ggml-RPC backend (pid %s) still silent after the time given to a previous client's "
+                                "work: %s", pid, exc.detail)
+                self.child.kill_unresponsive(pid, exc.detail)
                 raise
             if replies is not None:
                 break
