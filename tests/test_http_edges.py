@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import trio
 
 from .conftest import ServerProcess
@@ -62,6 +63,51 @@ def test_expect_continue_over_the_cap_is_413_without_100(server: ServerProcess) 
         s.sendall(body)
         rest = s.recv(65536)
         assert rest.startswith(b"HTTP/1.1 200 ") or b"HTTP/1.1 200 " in first + rest
+
+
+def _read_reply(s: socket.socket) -> tuple[bytes, bytes]:
+    """One reply on ``s``: its head (status line and headers, lower-cased) and its body (Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before a whole reply head: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(line.split(b":", 1)[1] for line in head.lower().split(b"\r\n")
+                      if line.startswith(b"content-length:")))
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, "closed inside the reply body"
+        body += chunk
+    return head.lower(), body
+
+
+@pytest.mark.parametrize("path", ["/props", "/infill", "/no/such/route"])
+def test_a_reply_before_the_body_is_read_says_connection_close(server: ServerProcess, path: str) -> None:
+    """The app answers these without reading the body (501, 404).  hypercorn then closes the connection,
+    because the request is unfinished, and before it said nothing: a client that sent its next request on
+    that kept connection got no reply (seen in CI as httpx's "Server disconnected without sending a
+    response" on ``GET /props`` after a ``POST /props``).  Now the reply says ``Connection: close``, and
+    the close follows it."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+                  % path.encode())  # the body ({}) is never sent: the reply comes first
+        head, body = _read_reply(s)
+        assert head.split(b" ", 2)[1] in (b"501", b"404"), head
+        assert b"\r\nconnection: close" in head, head
+        assert json.loads(body)["error"]["message"]
+        assert s.recv(65536) == b""  # and the server closes
+
+
+def test_a_reply_to_a_request_whose_body_was_read_keeps_the_connection(server: ServerProcess) -> None:
+    body = json.dumps({"content": "Hello"}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
+        for _ in range(3):
+            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            head, reply = _read_reply(s)
+            assert head.startswith(b"http/1.1 200 ") and b"connection: close" not in head, head
+            assert json.loads(reply)["tokens"]
 
 
 def test_cors(server: ServerProcess, spawn) -> None:

@@ -65,7 +65,8 @@ class _Config(Config):
 
 
 class _H11Protocol(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol, but no ``100 Continue`` for a body over the cap.
+    """hypercorn's HTTP/1.1 protocol, but no ``100 Continue`` for a body over the cap, and
+    ``Connection: close`` on a reply that starts before the request's body was read (:meth:`_send_h11_event`).
 
     hypercorn answers ``Expect: 100-continue`` itself, before the app sees
     the request; for a declared ``Content-Length`` over the server's limit
@@ -104,8 +105,22 @@ class _H11Protocol(H11Protocol):
     _over_limit = False
 
     async def _send_h11_event(self, event: Any) -> None:
+        """hypercorn's send, but no ``100 Continue`` over the cap, and a reply that starts before the
+        request's body was read whole says ``Connection: close``.
+
+        hypercorn keeps a connection only if both sides are done when the reply ends, and closes it
+        otherwise (``_maybe_recycle``) without telling the client.  A reply sent before the body was
+        read (a 501 or 401 that needs no body, a 413 over the cap) then ended a kept-alive connection
+        unannounced, and a client that sent its next request on it got no reply ("Server disconnected
+        without sending a response").  With the header the client knows to open a new one (RFC 9112
+        §9.6).  A reply to a request whose body the app read whole is unchanged.
+        """
         if isinstance(event, h11.InformationalResponse) and event.status_code == 100 and self._over_limit:
             return
+        if (isinstance(event, h11.Response) and self.connection.their_state is not h11.DONE
+                and not any(k.lower() == b"connection" for k, _ in event.headers)):
+            event = h11.Response(status_code=event.status_code, headers=[*event.headers, (b"connection", b"close")],
+                                 reason=event.reason, http_version=event.http_version)
         await super()._send_h11_event(event)
 
 
