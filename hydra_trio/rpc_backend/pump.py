@@ -173,8 +173,8 @@ class Pump:
     the scheduler.  Those two wake-ups are most of a round trip's cost: on the
     2-core development VM, ``bench/rpc_passthrough.py`` measures a DEVICE_COUNT
     round trip at ~27 µs direct, ~110-150 µs through a C relay that only
-    copies (``bench/bare_relay.c``) and ~125-180 µs through this pump.  A TLS client (:class:`~hydra_trio.transport.tls.TlsStream`)
-    too: its TLS state, handshaken by trio, is taken over by a
+    copies (``bench/bare_relay.c``) and ~125-180 µs through this pump.  A TLS
+    client (:class:`~hydra_trio.transport.tls.TlsStream`) too: its TLS state, handshaken by trio, is taken over by a
     :class:`~hydra_trio.transport.blocking.TlsPipe` on the socket.  The validator is shared
     by both threads under one lock.  The watchdog stays a trio task; whatever
     ends the connection (a close, the watchdog, the child's exit, cancellation)
