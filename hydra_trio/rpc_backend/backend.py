@@ -356,10 +356,8 @@ class RpcBackend:
                 replies = await exchange_hello(upstream, conn, early,
                                                max(s.handshake_timeout, s.wait_timeout) if busy else s.handshake_timeout)
             except Close as exc:  # no answer in time, or a wrong one: a child hung at HELLO answers nobody
-                if busy and exc.reason == "handshake_timeout":  # silent through all of its grace: hung
-                    log.warning("ggml-RPC backend (pid %s) still silent after the time given to a previous client's "
-                                "work: %s", pid, exc.detail)
-                self.child.kill_unresponsive(pid, exc.detail)
+                grace = " (after the time given to a previous client's work)" if busy else ""
+                self.child.kill_unresponsive(pid, exc.detail + grace)
                 raise
             if replies is not None:
                 break
