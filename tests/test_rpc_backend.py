@@ -360,13 +360,18 @@ def test_idle_after_each_kind_of_reply_is_not_a_backend_stall(spawn) -> None:
     assert {k: v for k, v in r["closed"].items() if v} == {}
 
 
+def ask_for_a_big_reply(c: RawRpc, size: int) -> None:
+    """Send a GET_TENSOR of ``size`` bytes, the whole of a fresh buffer's one f32 vector."""
+    ptr, base = c.alloc(size)
+    t = RpcTensor(id=1, type=0, buffer=ptr, ne=(size // 4, 1, 1, 1), nb=(4, size, size, size), data=base)
+    c.send(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, size)))
+
+
 def slow_read_of_a_big_reply(c: RawRpc, size: int) -> int:
     """GET_TENSOR of ``size`` bytes (a fresh buffer) read 64 KiB every 0.5 s; the bytes read before
     the end (``size`` when all came)."""
     c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # the kernel holds little of it
-    ptr, base = c.alloc(size)
-    t = RpcTensor(id=1, type=0, buffer=ptr, ne=(size // 4, 1, 1, 1), nb=(4, size, size, size), data=base)
-    c.send(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, size)))
+    ask_for_a_big_reply(c, size)
     got = 0
     try:
         assert struct.unpack("<Q", c.recv_exact(8))[0] == size
@@ -393,15 +398,24 @@ def test_a_slow_reader_is_served_and_one_that_reads_nothing_closed_and_no_child_
     assert rpc_info(node.port)["closed"]["stall_timeout"] == 0
     with RawRpc(node.port) as c:
         c.hello()
-        size = 64 << 20  # more than the sockets hold
-        ptr, base = c.alloc(size)
-        t = RpcTensor(id=1, type=0, buffer=ptr, ne=(size // 4, 1, 1, 1), nb=(4, size, size, size), data=base)
-        c.send(g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, size)))
+        ask_for_a_big_reply(c, 64 << 20)  # more than the sockets hold
         time.sleep(3)  # reads nothing
         assert c.closed_within()
     r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r,
                  timeout=LONG, what="stall counted")
     assert (r["pid"], r["crashes"], r["restarts"], r["closed"]["backend_stall"]) == (pid, 0, 0, 0)
+
+
+def mul_mat_compute(c: RawRpc, k: int, m: int, n: int) -> bytes:
+    """A GRAPH_COMPUTE of one MUL_MAT, f32: a ``[k, m]`` by b ``[k, n]`` into ``[m, n]``, all three in a
+    fresh buffer of ``c``'s (the request, to send as often as wanted)."""
+    ptr, base = c.alloc(4 * (k * m + k * n + m * n))
+    ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(k, m, 1, 1), nb=(4, 4 * k, 4 * k * m, 4 * k * m), data=base)
+    tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(k, n, 1, 1), nb=(4, 4 * k, 4 * k * n, 4 * k * n),
+                   data=base + 4 * k * m)
+    tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(m, n, 1, 1), nb=(4, 4 * m, 4 * m * n, 4 * m * n),
+                   data=base + 4 * (k * m + k * n), op=29, flags=16, src=(1, 2) + (0,) * 8)
+    return g.encode_graph_compute(0, [3], [ta, tb, tc])
 
 
 def test_a_child_busy_with_a_reset_clients_compute_is_not_killed_at_the_next_hello(spawn) -> None:
@@ -412,17 +426,9 @@ def test_a_child_busy_with_a_reset_clients_compute_is_not_killed_at_the_next_hel
     node = spawn("--no-model", "--rpc-handshake-timeout", "1")
     node.wait_ready()
     pid = rpc_info(node.port)["pid"]
-    K, M, N = 8192, 1024, 1024  # MUL_MAT of a [K, M] by b [K, N], f32
     with RawRpc(node.port) as a:
         a.hello()
-        size = 4 * (K * M + K * N + M * N)
-        ptr, base = a.alloc(size)
-        ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(K, M, 1, 1), nb=(4, 4 * K, 4 * K * M, 4 * K * M), data=base)
-        tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(K, N, 1, 1), nb=(4, 4 * K, 4 * K * N, 4 * K * N),
-                       data=base + 4 * K * M)
-        tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(M, N, 1, 1), nb=(4, 4 * M, 4 * M * N, 4 * M * N),
-                       data=base + 4 * (K * M + K * N), op=29, flags=16, src=(1, 2) + (0,) * 8)
-        compute = g.encode_graph_compute(0, [3], [ta, tb, tc])
+        compute = mul_mat_compute(a, 8192, 1024, 1024)
         t0 = time.monotonic()
         a.send(compute)
         assert a.device_count() == 1  # answered after the compute
@@ -448,12 +454,7 @@ def test_a_child_silent_through_its_busy_grace_is_killed_at_its_end(spawn) -> No
     try:
         with RawRpc(node.port) as a:
             a.hello()
-            ptr, base = a.alloc(4 * 3)
-            ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(1, 1, 1, 1), nb=(4, 4, 4, 4), data=base)
-            tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(1, 1, 1, 1), nb=(4, 4, 4, 4), data=base + 4)
-            tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(1, 1, 1, 1), nb=(4, 4, 4, 4), data=base + 8,
-                           op=29, flags=16, src=(1, 2) + (0,) * 8)
-            compute = g.encode_graph_compute(0, [3], [ta, tb, tc])
+            compute = mul_mat_compute(a, 1, 1, 1)
             base_url = f"http://127.0.0.1:{node.port}"
             before = metric(base_url, 'hydra_trio:rpc_bytes_total{direction="in"}')
             os.kill(pid, signal.SIGSTOP)  # hung from here on, with the compute below unread
