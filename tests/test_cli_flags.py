@@ -88,7 +88,7 @@ def test_no_flag_is_an_abbreviation_of_another() -> None:
     args = parse("-n", "128")  # was -np 128
     assert args.n_predict == 128 and args.parallel == 4
     args = parse("-ctk", "q8_0", "-ctv", "q8_0")  # was -c tk
-    assert (args.cache_type_k, args.cache_type_v, args.ctx_size) == ("q8_0", "q8_0", 8192)
+    assert (args.cache_type_k, args.cache_type_v, args.ctx_size) == ("q8_0", "q8_0", None)  # not given: the default
 
 
 def test_an_abbreviation_is_an_error(capsys) -> None:
@@ -342,8 +342,9 @@ def test_ctx_size_0_and_parallel_auto_mean_what_they_mean_in_llama_server(launch
     node = launch(["--port", str(port), "-c", "0", "-np", "-1", "--no-rpc-backend", "--numa", "distribute"], port)
     node.wait_ready()
     props = httpx.get(node.base + "/props", timeout=30).json()
-    # -np -1: llama-server's auto, 4 slots; -c 0: the model's training context (8192 for SmolLM2), split over them
-    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 8192 // 4
+    # -np -1: llama-server's auto, 4 slots sharing a unified KV cache of -c 0: the model's training context
+    # (8192 for SmolLM2), which one slot may fill
+    assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 8192
 
 
 def test_every_llama_option_flag_reaches_the_engine_settings() -> None:

@@ -41,7 +41,7 @@ from .model import LoadedModel, ModelIdentity, release_free_memory, resident_byt
 from .prompt_cache import PromptCache
 from .requests import CompletionJob, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits, erase_slot
-from .settings import EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
+from .settings import INT32_MAX, EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 from .tasks import EngineTask
@@ -145,6 +145,8 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
         if n_cache_reuse:
             log.warning("cache reuse is not supported by this model's memory; it is disabled")
             n_cache_reuse = 0
+    log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'", model.n_parallel, model.n_ctx_slot,
+             "true" if model.options.kv_unified else "false")  # llama-server's line
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
                      slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
@@ -514,8 +516,10 @@ class Engine:
         """
         slot = self._idle_slot(id_slot)
         assert self.model is not None and self.identity is not None
-        return state.restore_slot(self.model, slot, blob, self.identity.model_hash,
-                                  allow_cross_model_kv=self.allow_cross_model_kv, checksum_verified=checksum_verified)
+        m, sched = self.model, self.scheduler
+        return state.restore_slot(m, slot, blob, self.identity.model_hash,
+                                  allow_cross_model_kv=self.allow_cross_model_kv, checksum_verified=checksum_verified,
+                                  make_room=None if sched is None else lambda: sched.make_room(m, keep=slot))
 
     def _idle_slot(self, id_slot: int) -> Slot:
         """The slot, idle: InvalidRequest when it is gone (the slot count changed), Busy when it works."""
@@ -596,12 +600,8 @@ self: Engine, *, n_ctx: int | None = None, n_parallel: int | None = None,
     n_ctx = old.n_ctx if n_ctx is None else n_ctx
     n_parallel = old.n_parallel if n_parallel is None else n_parallel
     check_n_parallel(n_parallel)  # the bound -np has too
-    n_ctx_max = int(old.n_ctx_train * old.rope_context_scale(old.options))  # a slot's most (RoPE scaling too)
-    if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
-        raise InvalidRequest(
-            f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{n_ctx_max * n_parallel} "
-            f"for {n_parallel} slots: 16 to {n_ctx_max} tokens each)"
-        )
+    if not 16 * n_parallel <= n_ctx <= INT32_MAX:  # a slot's cap (the training context) is the model's, as at start
+        raise InvalidRequest(f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{INT32_MAX} for {n_parallel} slots)")
     path = model_path or old.path
     alias = model_alias or self.config.model_alias
     try:

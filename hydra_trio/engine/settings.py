@@ -352,7 +352,8 @@ class LlamaOptions:
     numa: str | None = None  # --numa distribute|isolate|numactl (set once per process); None: off
     cache_type_k: str = "f16"  # -ctk
     cache_type_v: str = "f16"  # -ctv
-    kv_unified: bool = False  # -kvu: one KV stream for every slot (each still holds n_ctx/n_parallel at most)
+    kv_unified: bool = False  # -kvu: one KV stream for every slot; a slot may fill all of it
+    kv_unified_per_slot: int = 0  # --kv-unified-per-slot: the most tokens one slot holds (0 = no cap)
     rope_scaling: str | None = None  # --rope-scaling none|linear|yarn; None = the model's
     rope_freq_base: float = 0.0  # --rope-freq-base; 0 = the model's
     rope_freq_scale: float = 0.0  # --rope-freq-scale (--rope-scale N = 1/N); 0 = the model's
