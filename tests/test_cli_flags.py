@@ -84,7 +84,9 @@ def test_a_first_argument_that_is_a_flag_runs_the_server() -> None:
 
 def test_no_flag_is_an_abbreviation_of_another() -> None:
     args = parse("--metrics")  # was silently --metrics-auth
-    assert args.metrics is True and args.metrics_auth is False
+    assert args.metrics is True and args.metrics_auth is True  # (the default: /metrics needs the API key)
+    assert parse("--no-metrics-auth").metrics_auth is False
+    assert parse("--no-metrics-auth", "--metrics-auth").metrics_auth is True  # the last one wins
     args = parse("-n", "128")  # was -np 128
     assert args.n_predict == 128 and args.parallel == 4
     args = parse("-ctk", "q8_0", "-ctv", "q8_0")  # was -c tk
@@ -93,6 +95,7 @@ def test_no_flag_is_an_abbreviation_of_another() -> None:
 
 def test_an_abbreviation_is_an_error(capsys) -> None:
     assert "unrecognized arguments: --metr" in refused(capsys, "--metr")
+    assert "unrecognized arguments: --no-metrics" in refused(capsys, "--no-metrics")
     assert "unrecognized arguments: --paral 2" in refused(capsys, "--paral", "2")
 
 

@@ -249,8 +249,6 @@ async def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    if args.metrics_auth and not access.api_keys:
-        log.warning("--metrics-auth without --api-key/--api-key-file: /metrics stays open")
     opts = llama_options(args)
     problem = _check_devices(opts)
     if problem:

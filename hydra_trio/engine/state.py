@@ -208,7 +208,8 @@ def parse_header(data: Blob) -> BlobHeader:
         raise StateError(f"state blob too short: {len(data)} bytes, the header alone is {HEADER_SIZE}")
     magic, version, kv_format, n_tokens, digest, kv_len, checksum = _HEADER.unpack_from(data)
     if magic != BLOB_MAGIC:
-        raise StateError(f"not a hydra-trio state blob (magic {bytes(magic)!r}, expected {BLOB_MAGIC!r})")
+        # none of its bytes in the message: the blob may be any file (a slot file) that is not one
+        raise StateError(f"not a hydra-trio state blob (it does not start with {BLOB_MAGIC!r})")
     if version not in READ_VERSIONS:
         raise StateError(
             f"state blob format version {version} is not supported (this node reads versions "

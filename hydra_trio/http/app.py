@@ -588,7 +588,7 @@ def _access_log(app: Any) -> Any:
 
     ``client "METHOD target HTTP/version" status bytes seconds``; ``-`` for a status
     never sent, and `` (incomplete)`` when the body did not end (the client went away,
-    the server stopped).  ``/health`` polls log at DEBUG, everything else at INFO.
+    the server stopped).  ``/health`` and ``/v1/health`` polls log at DEBUG, everything else at INFO.
     The record carries ``op`` (``METHOD path``), ``ms`` and, for a completion,
     ``trace_id`` (the reply's id, as on the engine's timing line) for
     :mod:`hydra_trio.observability.logs`.
@@ -620,7 +620,7 @@ def _access_log(app: Any) -> Any:
             target = scope.get("raw_path") or scope["path"].encode()
             if scope.get("query_string"):
                 target += b"?" + redact_query(scope["query_string"])  # a key in a query is logged as ***
-            level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
+            level = logging.DEBUG if scope["path"] in ("/health", "/v1/health") else logging.INFO
             seconds = time.perf_counter() - t0
             extra = {"op": f'{scope["method"]} {scope["path"]}', "ms": round(seconds * 1e3, 3)}
             if "trace_id" in request_state:
