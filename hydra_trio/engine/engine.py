@@ -316,7 +316,11 @@ class Engine:
         Raises:
             NotReady: before the model serves.
             InvalidRequest: the node serves embeddings only, or the job is invalid for this engine (empty prompt,
-                prompt longer than a slot's context, slot id out of range).
+                prompt longer than a slot's context, a continuation without a slot).
+
+        ``id_slot`` takes any integer, as llama-server's ``get_available_slot`` (``tools/server/server-context.cpp``):
+        ``id_slot`` >= the slot count wraps around (``id_slot % n_slots``); one below -1 names no slot, and the
+        job takes the least recently used idle slot (without -1's prompt-similarity choice).
         """
         check_serves_completions(self)
         if not job.prompt_tokens and not job.continue_slot:
@@ -324,8 +328,8 @@ class Engine:
         if job.continue_slot and job.id_slot < 0:
             raise InvalidRequest("id_slot: continuing a slot's KV cache needs a slot id")
         check_prompt_fits(len(job.prompt_tokens), self.n_ctx_slot)
-        if not (-1 <= job.id_slot < len(self.slots)):
-            raise InvalidRequest(f"id_slot: {job.id_slot} is out of range (0..{len(self.slots) - 1})")
+        if job.id_slot >= len(self.slots):
+            job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None
         handle = RequestHandle(job, self._trio_token, self._hand_off)
         self._inbox.put(handle)

@@ -35,10 +35,15 @@ class CompletionJob:
     Attributes:
         prompt_tokens: the full prompt, in tokens (at least one).
         n_predict: most tokens to generate; -1 = until end of generation or the
-            slot's context is full; 0 = process the prompt only.
+            slot's context is full.  0 is llama-server's: its limit is checked after a token is
+            sampled, so one token is sampled from the prompt's logits and returned, and the request
+            ends (``length``) without decoding it: the slot holds the prompt only (as with 1).
+        prompt_only: evaluate the prompt into the slot and generate nothing, not even the logits
+            of its last token (Hydra PREFILL); ``n_predict`` is not read.
         stop: strings that end generation (not included in the output).
         id_slot: the slot to run on, or -1 for "pick one" (longest common
-            prefix with a slot's cached tokens, as llama-server does).
+            prefix with a slot's cached tokens, as llama-server does); see
+            ``Engine.submit`` for other values.
         cache_prompt: reuse the slot's cached prefix (llama-server's
             ``cache_prompt``).
         ignore_eos: keep generating past end-of-generation tokens.
@@ -86,6 +91,7 @@ class CompletionJob:
 
     prompt_tokens: tuple[int, ...]
     n_predict: int = -1
+    prompt_only: bool = False
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     id_slot: int = -1

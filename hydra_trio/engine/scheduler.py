@@ -240,7 +240,7 @@ class Scheduler:
             except InvalidRequest as exc:
                 handle.emit(Failed(exc))
                 continue
-            if job.fail_if_busy and self.slots[job.id_slot].is_processing:
+            if job.fail_if_busy and job.id_slot >= 0 and self.slots[job.id_slot].is_processing:
                 handle.emit(Failed(Busy(f"slot {job.id_slot} is processing a request", [job.id_slot])))
                 continue
             slot = pick_slot(self.slots, job, self.slot_prompt_similarity)
@@ -317,7 +317,7 @@ class Scheduler:
             chunk = self.checkpoints.chunk(m, slot, budget)  # a context checkpoint first where one is due
             last_chunk = len(chunk) == len(slot.pending_prompt)
             for j, tok in enumerate(chunk):
-                want = last_chunk and j == len(chunk) - 1 and slot.handle.job.n_predict != 0
+                want = last_chunk and j == len(chunk) - 1 and not slot.handle.job.prompt_only
                 idx = self._batch_add(tok, slot.n_past + j, slot.id, want)
                 if want:
                     to_sample.append((slot, idx))
@@ -366,7 +366,7 @@ class Scheduler:
                 if not slot.pending_prompt:
                     slot.state = SlotState.DONE_PROMPT
                     slot.t_first = time.perf_counter()
-                    if slot.handle is not None and slot.handle.job.n_predict == 0:
+                    if slot.handle is not None and slot.handle.job.prompt_only:
                         self._finish(slot, "length")
         self.stats.prompt_tokens_total += n_prompt_fed
         share = n_prompt_fed / n_tokens if n_tokens else 0.0
@@ -398,7 +398,7 @@ class Scheduler:
             return
         slot.last_token = token
         slot.state = SlotState.GENERATING
-        if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
+        if job.n_predict >= 0 and slot.n_decoded >= job.n_predict:  # n_predict 0: after one token, as llama-server
             self._finish(slot, "length")
         elif (job.t_max_predict_ms > 0 and "\n" in text
               and (time.perf_counter() - slot.t_first) * 1e3 > job.t_max_predict_ms):
@@ -481,12 +481,13 @@ def sample(sched: Scheduler, m: LoadedModel, to_sample: list[tuple[Slot, int]]) 
 
 
 def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
-    """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot`; None: it waits."""
+    """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot` (by prompt similarity
+    for ``id_slot`` -1 only, as llama-server: one below -1 takes the least recently used); None: it waits."""
     if job.id_slot >= 0:
         slot = slots[job.id_slot]
         return None if slot.is_processing else slot
     idle = [s for s in slots if not s.is_processing]
-    return pick_idle_slot(idle, job.prompt_tokens, similarity) if idle else None
+    return pick_idle_slot(idle, job.prompt_tokens, similarity if job.id_slot == -1 else 0.0) if idle else None
 
 
 def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int], n_cache_reuse: int,
@@ -514,8 +515,8 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
             and shared_cells(m, list(slots), slot) <= cache_n):  # cells other slots share never move
         cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
     if checkpoints.needed(m):  # with --ctx-checkpoints 0 too: then it finds none
-        cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=job.n_predict != 0)
-    if job.n_predict != 0 and cache_n >= len(prompt):
+        cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=not job.prompt_only)
+    if not job.prompt_only and cache_n >= len(prompt):
         cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
     if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
         llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot be cut back there

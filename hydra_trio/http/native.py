@@ -78,7 +78,7 @@ class NativeRoutes:
                 raise RequestError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
             # tokenizing reads only the vocabulary: a trio worker thread, not the engine's (bridge.py)
             job = await trio.to_thread.run_sync(lambda: job_from_completion(e, body))
-            n_probs = body.n_probs if body.n_probs is not None else (body.logprobs or 0)
+            n_probs = body.top_logprobs_n  # n_probs, else its alias logprobs (llama-server's order)
             job = attrs.evolve(job, request_id=request_id, logprobs=n_probs > 0, n_probs=n_probs)
             run = JobRun(e, job).submit()
         except _BodyError as exc:
