@@ -270,7 +270,6 @@ class Scheduler:
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
             handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))
             return
-        slot.reset_request()
         slot.start_task(job)
         slot.sampler = sampler
         slot.handle = handle

@@ -105,8 +105,10 @@ class Slot:
         self.reset_request()
 
     def start_task(self, job: CompletionJob) -> None:
-        """A request starts on the slot: a new ``id_task``, and ``job`` is the slot's task (kept without its
-        prompt tokens: the slot holds them, and an ended request's need not stay in memory)."""
+        """A request starts on the slot: the request state is reset (:meth:`reset_request`), a new
+        ``id_task``, and ``job`` is the slot's task (kept without its prompt tokens: the slot holds them,
+        and an ended request's need not stay in memory)."""
+        self.reset_request()
         self.id_task = next(_TASK_IDS)
         self.task = attrs.evolve(job, prompt_tokens=())
 
