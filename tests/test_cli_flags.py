@@ -277,7 +277,7 @@ def test_the_launchers_argv_starts_a_node_that_serves(tmp_path: Path, launch) ->
     node.wait_ready()
     slots = httpx.get(node.base + "/slots", timeout=30).json()
     assert [s["id"] for s in slots] == [0, 1]
-    assert all({"id", "is_processing", "n_past"} <= set(s) and "n_remain" in s["next_token"] for s in slots)
+    assert all({"id", "is_processing", "n_past"} <= set(s) and "n_remain" in s["next_token"][0] for s in slots)
     r = httpx.post(node.base + "/v1/chat/completions", timeout=120,
                    json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
     assert r.status_code == 200, r.text

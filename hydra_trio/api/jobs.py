@@ -220,6 +220,7 @@ def _job(
         adaptive_target=body.adaptive_target,
         adaptive_decay=body.adaptive_decay,
         t_max_predict_ms=max(0, body.t_max_predict_ms),
+        stream=bool(body.stream), timings_per_token=bool(body.timings_per_token),
     )
 
 

@@ -67,11 +67,15 @@ class EngineStats:
     """Counters behind ``/metrics`` (llama-server's metric names)."""
 
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0
+    """Prompt tokens a request found in its slot's cache (or the prompt cache) and did not evaluate."""
     prompt_seconds_total: float = 0.0
     tokens_predicted_total: int = 0
     tokens_predicted_seconds_total: float = 0.0
     n_decode_total: int = 0
     n_busy_slots_total: int = 0
+    n_tokens_max: int = 0
+    """The most tokens a slot has held (prompt + generated) after a decode step."""
     requests_deferred: int = 0
     requests_total: int = 0
     mode_switches: int = 0
@@ -248,11 +252,12 @@ class Engine:
     def ready(self) -> bool:
         return self.stage == Stage.READY
 
-    def slots_info(self) -> list[dict[str, Any]]:
-        """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits), with the KV
-        cache's ``kv_cache`` (:meth:`kv_cache`) and the host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
+    def slots_info(self, params: Callable[[CompletionJob], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits: :meth:`SlotSnapshot.info`,
+        ``params`` formats a slot's request), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
+        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
         kv, pc = kv_cache(self), self.prompt_cache.info()
-        return [{**s.info(), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
+        return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
 
     def slot_meta_now(self, id_slot: int) -> dict[str, Any] | None:
         """STATE_META's keys for a slot from :attr:`snapshot` (any thread, never waits), without model

@@ -629,6 +629,22 @@ class LoadedModel:
         release_free_memory()
 
 
+def model_meta(m: LoadedModel) -> dict[str, Any]:
+    """llama-server's model facts (``/v1/models``' ``meta``, ``/props``' ``model_ftype``), read from llama.cpp:
+    ``{"vocab_type": int (llama_vocab_type), "n_vocab", "n_ctx_train", "n_embd" (input width), "n_params",
+    "size" (bytes of weights), "ftype": str ("Q4_1", llama_ftype_name)}``."""
+    ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(m.model))
+    return {
+        "vocab_type": int(llama_cpp.llama_vocab_type(m.vocab)),
+        "n_vocab": m.n_vocab,
+        "n_ctx_train": m.n_ctx_train,
+        "n_embd": int(llama_cpp.llama_model_n_embd_inp(m.model)),
+        "n_params": int(llama_cpp.llama_model_n_params(m.model)),
+        "size": int(llama_cpp.llama_model_size(m.model)),
+        "ftype": ftype.decode("utf-8", "replace") if ftype else "",
+    }
+
+
 GGML_TYPES = KV_CACHE_TYPES
 """ggml type ids of llama-server's KV cache types (``ggml.h``; :data:`~hydra_trio.engine.settings.KV_CACHE_TYPES`)."""
 

@@ -87,6 +87,8 @@ class CompletionJob:
             after that many tokens inside the thinking block its end marker is forced); None: none.
         chat_reply: how the reply text is shaped by the API layer (a chat reply's
             :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
+        stream, timings_per_token: the request's fields of those names (the reply is streamed; each
+            event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -116,6 +118,8 @@ class CompletionJob:
     t_max_predict_ms: int = 0
     reasoning_budget: BudgetSpec | None = None
     chat_reply: Any = attrs.field(default=None, eq=False)
+    stream: bool = False
+    timings_per_token: bool = False
 
 
 # ---------------------------------------------------------------------------

@@ -270,7 +270,7 @@ class Scheduler:
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
             handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))
             return
-        slot.reset_request()
+        slot.start_task(job)
         slot.sampler = sampler
         slot.handle = handle
         slot.state = SlotState.STARTED
@@ -278,6 +278,7 @@ class Scheduler:
         cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
                               self.slots)
         slot.cache_n = cache_n
+        self.stats.prompt_tokens_cached_total += cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.state = SlotState.PROCESSING_PROMPT if slot.pending_prompt else SlotState.DONE_PROMPT
@@ -360,6 +361,7 @@ class Scheduler:
         n_prompt_fed = 0
         for slot, toks in fed:
             slot.cache_tokens.extend(toks)
+            self.stats.n_tokens_max = max(self.stats.n_tokens_max, slot.n_past)
             if slot.pending_prompt:
                 del slot.pending_prompt[: len(toks)]
                 n_prompt_fed += len(toks)
@@ -391,6 +393,7 @@ class Scheduler:
                                 ms=round((time.perf_counter() - slot.t_start) * 1e3, 3))
         slot.pending_tokens.append(token)
         text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token)))
+        slot.has_new_line = slot.has_new_line or "\n" in text
         if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
             self._emit_text(slot, text)
         if stopped:

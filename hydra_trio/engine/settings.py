@@ -244,8 +244,11 @@ class SamplingParams:
         return self.dry_multiplier != 0.0 and self.dry_base >= 1.0 and self.dry_penalty_last_n != 0
 
     def to_json(self) -> dict[str, Any]:
-        """Every field under llama-server's name (``task_params::to_json``): ``seed`` -1 when unset, lists for tuples."""
+        """Every field under llama-server's name (``task_params::to_json``): ``seed`` -1 when unset, lists for
+        tuples, a float field a JSON float (``1.0``, as llama-server writes it, though a request gave ``1``)."""
         out: dict[str, Any] = attrs.asdict(self, recurse=False)
+        for name in _FLOAT_FIELDS:
+            out[name] = float(out[name])
         out["seed"] = -1 if self.seed is None else self.seed
         out["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
         return out
@@ -253,6 +256,9 @@ class SamplingParams:
     def seed_u32(self) -> int:
         """The seed for llama.cpp's ``dist`` sampler: ``LLAMA_DEFAULT_SEED`` (0xFFFFFFFF, random) when unset or -1."""
         return UINT32_MAX if self.seed is None or self.seed < 0 else self.seed
+
+
+_FLOAT_FIELDS = tuple(a.name for a in attrs.fields(SamplingParams) if a.type == "float")
 
 
 def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
