@@ -27,6 +27,23 @@ def cmake_args(**env: str) -> str:
     return out.stdout.strip()
 
 
+def test_dev_sh_builds_for_the_instruction_sets_it_is_told() -> None:
+    v3 = cmake_args(HYDRA_TRIO_CPU="x86-64-v3")
+    assert "-DGGML_NATIVE=OFF" in v3 and "-DGGML_AVX2=ON" in v3 and "-DGGML_FMA=ON" in v3
+    assert "-DGGML_AVX512=OFF" in v3 and "-DGGML_AVX_VNNI=OFF" in v3
+    assert "-DGGML_AVX512=ON" in cmake_args(HYDRA_TRIO_CPU="x86-64-v4")
+    listed = cmake_args(HYDRA_TRIO_CPU="avx,avx2")
+    assert "-DGGML_AVX2=ON" in listed and "-DGGML_FMA=OFF" in listed
+    flags = set(next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
+                     []))
+    native = cmake_args()  # the default: what /proc/cpuinfo lists, under its own names
+    assert ("-DGGML_AVX512_VBMI=ON" in native) == ("avx512vbmi" in flags)
+    assert ("-DGGML_AVX2=ON" in native) == ("avx2" in flags)
+    out = subprocess.run(["bash", str(ROOT / "dev.sh"), "cmake-args"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HYDRA_TRIO_CPU": "avx,sse9"})
+    assert out.returncode != 0 and "HYDRA_TRIO_CPU: unknown instruction set sse9" in out.stderr
+
+
 def test_dev_sh_builds_cuda_only_where_a_gpu_is_or_when_told() -> None:
     forced = cmake_args(HYDRA_TRIO_CUDA="1", CMAKE_CUDA_ARCHITECTURES="90")
     assert forced.endswith("-DGGML_CUDA=ON -DGGML_CUDA_FA=ON -DCMAKE_CUDA_ARCHITECTURES=90")
