@@ -208,6 +208,63 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
     return chain
 
 
+def sample_next(chain: Any, ctx: Any, idx: int, n_vocab: int, *, constrained: bool) -> int:
+    """The token ``chain`` picks from the logits at batch row ``idx``, accepted into the chain (penalties,
+    DRY and the grammar see it): llama.cpp's ``llama_sampler_sample``.
+
+    With a grammar (``constrained``) the pick is checked before it is accepted.  Settings that llama-server
+    accepts can drive logits to infinity and the chain's arithmetic to NaN (a negative ``typical_p``, a huge
+    negative ``frequency_penalty`` or ``dry_multiplier``, a vanishing ``temperature`` or ``repeat_penalty``);
+    llama.cpp's ``dist`` then takes the last candidate, which may be a token the grammar refused, and
+    accepting it throws inside llama.cpp and aborts the process.  Such a pick is replaced by the most likely
+    token the grammar allows (the largest raw logit among them).  numpy is imported by the first request
+    with a grammar.
+    """
+    if not constrained:
+        return int(llama_cpp.llama_sampler_sample(chain, ctx, idx))
+    import numpy as np
+
+    logits = np.ctypeslib.as_array(
+        ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, idx), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+    cur = _candidates(logits)
+    arr = llama_cpp.llama_token_data_array(
+        data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=n_vocab, selected=-1, sorted=False)
+    llama_cpp.llama_sampler_apply(chain, ctypes.byref(arr))
+    token = int(cur["id"][arr.selected]) if 0 <= arr.selected < arr.size else -1
+    if token < 0 or not grammar_allows(chain, token):
+        token = _best_allowed(chain, logits)
+    llama_cpp.llama_sampler_accept(chain, token)
+    return token
+
+
+def _candidates(logits: Any) -> Any:
+    """llama.cpp's ``llama_token_data`` array (``id``, ``logit``, ``p``) of every token, as a numpy array."""
+    import numpy as np
+
+    cur = np.empty(len(logits), dtype=[("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+    cur["id"] = np.arange(len(logits), dtype=np.int32)
+    cur["logit"] = logits
+    cur["p"] = 0.0
+    return cur
+
+
+def _best_allowed(chain: Any, logits: Any) -> int:
+    """The token with the largest raw logit among those the chain's grammar allows next."""
+    import numpy as np
+
+    cur = _candidates(logits)
+    for i in range(llama_cpp.llama_sampler_chain_n(chain)):
+        smpl = llama_cpp.llama_sampler_chain_get(chain, i)
+        if llama_cpp.llama_sampler_name(smpl) == b"grammar":
+            arr = llama_cpp.llama_token_data_array(
+                data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(cur), selected=-1,
+                sorted=False)
+            llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
+            break
+    allowed = np.where(np.isfinite(cur["logit"]), cur["logit"], -np.inf)
+    return int(cur["id"][int(np.argmax(allowed))])
+
+
 def grammar_allows(chain: Any, token: int) -> bool:
     """Whether the chain's grammar sampler (if it has one; a lazy one not yet triggered allows all) lets
     ``token`` come next: llama.cpp's grammar ``apply`` on that one candidate.  Accepting a token the

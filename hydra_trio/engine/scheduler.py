@@ -48,7 +48,7 @@ from .model import LoadedModel
 from .prompt_cache import PromptCache, common_prefix as _common_prefix
 from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, StepHandOff, TextDelta
 from .thinking_budget import ThinkingBudget
-from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, token_probs
+from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, sample_next, token_probs
 from .slots import Slot, SlotState, StopStringMatcher
 from .state import save_slot
 
@@ -544,7 +544,7 @@ def sample_token(m: LoadedModel, slot: Slot, idx: int) -> int:
         slot.budget.give_up()
         forced = None
     if forced is None:
-        token = llama_cpp.llama_sampler_sample(slot.sampler, m.ctx, idx)
+        token = sample_next(slot.sampler, m.ctx, idx, m.n_vocab, constrained=bool(slot.handle.job.grammar))
     else:
         token = forced
         llama_cpp.llama_sampler_accept(slot.sampler, token)
