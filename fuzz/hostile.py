@@ -18,27 +18,37 @@ import time
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from hydra_trio.engine.settings import INT32_MAX, REPEAT_LAST_N_MAX, UINT32_MAX
+from hydra_trio.engine.settings import INT32_MAX
 from hydra_trio.engine.state import HEADER_SIZE
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
 from .findings import timeouts_are_findings
 from .strategies import SurrogateCase, http_surrogate_bodies, hydra_surrogate_payloads
 
-# field -> (JSON type, smallest accepted, largest accepted): hydra_trio.engine.settings' table
-BOUNDS: dict[str, tuple[str, float, float]] = {
-    "temperature": ("float", 0.0, 2.0),
-    "top_k": ("int", -1, INT32_MAX),
-    "top_p": ("float", 0.0, 1.0),
-    "min_p": ("float", 0.0, 1.0),
-    "seed": ("int", -1, UINT32_MAX),
-    "repeat_penalty": ("float", 0.0, 10.0),  # 0 itself is refused (open bound)
-    "repeat_last_n": ("int", -1, REPEAT_LAST_N_MAX),
-    "presence_penalty": ("float", -2.0, 2.0),
-    "frequency_penalty": ("float", -2.0, 2.0),
-    "max_tokens": ("int", 0, INT32_MAX),
-    "n_predict": ("int", -1, INT32_MAX),
+# field -> (rule, C type, lo, hi), as llama-server reads the field (tools/server/server-schema.cpp):
+#   soft: clamped into [lo, hi], always answered;  hard: a 400 outside [lo, hi] (a float field compared as a
+#   32-bit float, an integer field after truncation);  any: no limits;  finite: a 400 unless finite as a
+#   32-bit float (llama.cpp's common_sampler_init);  repeat_penalty: finite, > 0 and 1/value finite;
+#   seed: any finite number (modulo 2**32)
+RULES: dict[str, tuple[str, str, float, float]] = {
+    "temperature": ("soft", "float", 0.0, math.inf),
+    "top_k": ("soft", "int", 0, INT32_MAX),
+    "top_p": ("soft", "float", 0.0, 1.0),
+    "min_p": ("soft", "float", 0.0, 1.0),
+    "mirostat": ("soft", "int", 0, 2),
+    "typical_p": ("any", "float", -math.inf, math.inf),
+    "seed": ("seed", "int", -math.inf, math.inf),
+    "repeat_penalty": ("repeat_penalty", "float", 0.0, math.inf),
+    "presence_penalty": ("finite", "float", -math.inf, math.inf),
+    "frequency_penalty": ("finite", "float", -math.inf, math.inf),
+    "repeat_last_n": ("hard", "int", -1, INT32_MAX),  # -1: the slot's context (earlier llama-server versions')
+    "min_keep": ("hard", "int", 0, INT32_MAX),
+    "adaptive_decay": ("hard", "float", 0.0, 0.99),
+    "max_tokens": ("hard", "int", -1, INT32_MAX),
+    "n_predict": ("hard", "int", -1, INT32_MAX),
 }
+BUDGETS = ("n_predict", "max_tokens")
+"""Fields that are the token budget itself: sent alone, and not at all when the budget they give is unbounded."""
 
 _huge_ints = st.one_of(
     st.integers(-(2**70), 2**70),
@@ -46,7 +56,7 @@ _huge_ints = st.one_of(
 )
 _nasty_floats = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False, width=64),
-    st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-320"]),  # raw JSON text
+    st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1e-320", "true", "false"]),  # raw JSON text
 )
 
 
@@ -54,21 +64,47 @@ def _json_number(v: object) -> str:
     return v if isinstance(v, str) else json.dumps(v)
 
 
-def _accepted(field: str, raw: str) -> bool:
-    """Whether the bounds table accepts this JSON number for ``field``."""
-    kind, lo, hi = BOUNDS[field]
+def _f32(x: float) -> float:
     try:
-        v = json.loads(raw)
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _read(raw: str) -> float | None:
+    """The JSON number ``raw`` as llama-server's JSON library holds it (a boolean is 1 or 0), or None for text
+    that is not JSON (NaN, Infinity)."""
+    def not_json(name: str) -> float:
+        raise ValueError(name)
+
+    try:
+        v = json.loads(raw, parse_constant=not_json)
     except ValueError:
-        return False  # NaN / Infinity literals: not JSON
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return int(v) if isinstance(v, bool) else v
+
+
+def _accepted(field: str, raw: str) -> bool:
+    """Whether ``RULES`` accepts this JSON number for ``field`` (the node answers it rather than a 400)."""
+    rule, kind, lo, hi = RULES[field]
+    v = _read(raw)
+    if v is None:
         return False
-    if kind == "int" and not isinstance(v, int):
-        return False
-    if isinstance(v, float) and not math.isfinite(v):
-        return False
-    if field == "repeat_penalty" and v == 0:
-        return False
+    if rule in ("soft", "any"):
+        return True
+    if rule == "seed":
+        return math.isfinite(v)
+    if rule == "finite":
+        return math.isfinite(_f32(v))
+    if rule == "repeat_penalty":
+        f = _f32(v)
+        return math.isfinite(f) and f > 0 and math.isfinite(_f32(1.0 / f))
+    if kind == "float":
+        return _f32(lo) <= _f32(v) <= _f32(hi)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return False
+        v = math.trunc(v)
     return lo <= v <= hi
 
 
@@ -101,18 +137,26 @@ class HostileRules(RuleBasedStateMachine):
                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             time.sleep(after)
 
-    @rule(field=st.sampled_from(sorted(BOUNDS)), value=st.one_of(_huge_ints, _nasty_floats))
+    @rule(field=st.sampled_from(sorted(RULES)), value=st.one_of(_huge_ints, _nasty_floats))
     @timeouts_are_findings
     def hostile_number(self, field: str, value: object) -> None:
-        """Any number in any bounded field: a 400 naming the field, or (inside the bounds) a real answer."""
+        """Any number in any numeric field: a 400 naming the field where llama-server refuses it (hard limits,
+        the penalties' finiteness), else a real answer (soft limits clamp, fields without limits take any
+        value)."""
         from . import live
 
-        live.STATS["http"] += 1
         raw = _json_number(value)
-        # max_completion_tokens wins over max_tokens and n_predict: a valid huge budget still runs 4 tokens
-        content = '{"prompt": "The cat sat on the mat.", "max_completion_tokens": 4, "%s": %s}' % (field, raw)
+        accepted = _accepted(field, raw)
+        if field in BUDGETS:
+            v = _read(raw)
+            if accepted and (v == -1 or v > 16):
+                return  # a valid budget this large runs until the context is full
+            content = '{"prompt": "The cat sat on the mat.", "%s": %s}' % (field, raw)
+        else:
+            content = '{"prompt": "The cat sat on the mat.", "n_predict": 4, "%s": %s}' % (field, raw)
+        live.STATS["http"] += 1
         r = self.http.post("/v1/completions", content=content.encode(), headers={"content-type": "application/json"})
-        if _accepted(field, raw):
+        if accepted:
             assert r.status_code == 200, (field, raw, r.text)
         else:
             assert r.status_code == 400, (field, raw, r.text)
@@ -192,4 +236,4 @@ def _settings() -> dict[str, object]:
                                      "n_ctx", "n_slots", "model_hash", "quant")}
 
 
-__all__ = ["BOUNDS", "HostileRules"]
+__all__ = ["RULES", "HostileRules"]

@@ -529,7 +529,7 @@ def _pipeline(payload: bytes) -> PipelineAttachRequest:
         (b'{"messages": []}', parse_prefill, "messages: at least one message"),
         (b'{"model": "m"}', parse_prefill, "messages: at least one message"),
         (b'{"messages": [{"role": "user"}], "model": 1}', parse_prefill, "model: expected str"),
-        (b'{"messages": [{"role": "user"}], "temperature": 9}', parse_prefill, "temperature: must be in"),
+        (b'{"messages": [{"role": "user"}], "repeat_last_n": -2}', parse_prefill, "repeat_last_n: must be between"),
         (b'{"peer": "h:1"}', _pipeline, "ot_split: missing"),
         (b'{"peer": "h", "ot_split": "x"}', _pipeline, "peer"),
         (b"\xff", parse_decode, "UTF-8"),

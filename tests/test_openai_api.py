@@ -90,12 +90,11 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_logprobs_bounds(client: openai.OpenAI) -> None:
+    """``top_logprobs`` without ``logprobs: true`` is llama-server's 400; the counts themselves have no limits
+    there (tests/test_request_ranges.py)."""
     msgs = [{"role": "user", "content": "Hi"}]
-    _bad(client, "top_logprobs", messages=msgs, logprobs=True, top_logprobs=21)
     _bad(client, "top_logprobs", messages=msgs, top_logprobs=2)
-    _bad(client, "logprobs", prompt="Hi", logprobs=-1)
-    _bad(client, "logprobs", prompt="Hi", logprobs=21)
-    _bad(client, "n_probs", prompt="Hi", extra_body={"n_probs": 10**12})
+    _bad(client, "logprobs", prompt="Hi", logprobs="2")
 
 
 # --------------------------------------------------------------------------- logit_bias

@@ -213,25 +213,24 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
 
 # --------------------------------------------------------------------------- 3. hostile parameters
 HOSTILE = [
-    ({"repeat_penalty": 1.3, "repeat_last_n": 2147483647}, "repeat_last_n"),
-    ({"repeat_last_n": -2}, "repeat_last_n"),
+    # llama-server's hard limits (tools/server/server-schema.cpp, set_hard_limits): a 400 outside them
+    ({"repeat_last_n": -2}, "repeat_last_n"),  # -1: the slot's context (earlier llama-server versions' meaning)
     ({"repeat_last_n": 2**63 + 5}, "repeat_last_n"),
-    ({"top_k": 2**32 + 5}, "top_k"),
-    ({"top_k": -5}, "top_k"),
-    ({"seed": 2**32}, "seed"),
-    ({"seed": -2}, "seed"),
+    ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    ({"min_keep": -1}, "min_keep"),
+    ({"n_keep": -2}, "n_keep"),
+    ({"adaptive_decay": 1.5}, "adaptive_decay"),
     ({"max_tokens": 2**31}, "max_tokens"),
     ({"max_tokens": 10**30}, "max_tokens"),
     ({"n_predict": -2}, "n_predict"),
     ({"max_completion_tokens": -2}, "max_completion_tokens"),  # -1 is llama-server's "no limit"
     ({"stop": ["x"] * 17}, "stop"),
     ({"stop": ["y" * 513]}, "stop[0]"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 1.5}, "top_p"),
+    # what llama.cpp's common_sampler_init refuses (common/sampling.cpp): penalties that are not finite
     ({"repeat_penalty": 0}, "repeat_penalty"),
-    ({"repeat_penalty": 11}, "repeat_penalty"),
-    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"repeat_penalty": 1e-39}, "repeat_penalty"),  # 1/value is not a finite float
     ({"frequency_penalty": "1e999"}, "frequency_penalty"),  # sent as the JSON number 1e999: parses as infinity
+    ({"presence_penalty": 1e39}, "presence_penalty"),  # beyond the largest 32-bit float
 ]
 
 
@@ -257,22 +256,27 @@ def test_non_finite_numbers_are_refused(http: httpx.Client, field: str, literal:
 
 
 def test_bounded_parameters_at_their_edges_run(http: httpx.Client) -> None:
-    """The largest accepted values run and answer (the window is clamped to the slot's context)."""
-    edges = {"repeat_penalty": 1.3, "repeat_last_n": 1 << 20, "top_k": 2**31 - 1, "seed": 2**32 - 1,
+    """The largest values llama-server accepts run and answer: the penalty window is clamped to the slot's
+    context (llama.cpp would allocate the whole window), ``top_k`` clamped into its soft limits, ``seed``
+    taken modulo 2**32, a huge temperature read as the largest 32-bit float."""
+    edges = {"repeat_penalty": 1.3, "repeat_last_n": 2**31 - 1, "top_k": 2**40, "seed": 2**63,
              "stop": ["z" * 512] * 16, "temperature": 0}
     r = http.post("/v1/completions", json={"prompt": "The cat sat on the mat.", "max_tokens": 8, **edges})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 8
-    r = http.post("/v1/completions", json={"prompt": "The cat sat on the mat.", "max_tokens": 8, "repeat_last_n": -1,
-                                           "repeat_penalty": 1.3, "seed": -1})
+    r = http.post("/v1/completions", json={"prompt": "The cat sat on the mat.", "max_tokens": 8, "dry_multiplier": 0.8,
+                                           "dry_penalty_last_n": 2**31 - 1, "temperature": 1e300, "seed": -1,
+                                           "repeat_last_n": -1, "repeat_penalty": 1.3})
     assert r.status_code == 200, r.text
 
 
 def test_configure_bounds(server) -> None:
     with Wire(server.port) as w:
-        for params, name in [({"repeat_last_n": 2**31 - 1}, "repeat_last_n"), ({"top_k": 2**40}, "top_k"),
+        # CONFIGURE refuses what the engine cannot run, where a request's value would be clamped or wrapped
+        for params, name in [({"repeat_last_n": -2}, "repeat_last_n"), ({"top_k": 2**40}, "top_k"),
                              ({"seed": 2**32 + 1}, "seed"), ({"n_predict": 2**31}, "n_predict"),
                              ({"repeat_penalty": 0.0}, "repeat_penalty"), ({"temperature": "1e999"}, "temperature"),
+                             ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
                              ({"n_ctx": 2**40}, "n_ctx"), ({"n_parallel": 2**40}, "n_parallel")]:
             status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps(params).replace('"1e999"', "1e999").encode())
             assert status == Status.BAD_REQUEST, (params, meta)

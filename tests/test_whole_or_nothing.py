@@ -187,7 +187,7 @@ def test_configure_busy_on_tier2_leaves_tier1_unchanged(node: Node) -> None:
         status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps({"temperature": 0.3, "model": "nope.gguf"}).encode())
         assert status == Status.BAD_REQUEST and meta["params_applied"] == {} and "nope.gguf" in meta["error"], meta
         # and a bad tier-1 value refuses the whole request, tier 2 included
-        status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps({"temperature": 9, "n_ctx": 2048}).encode())
+        status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps({"temperature": -9, "n_ctx": 2048}).encode())
         assert status == Status.BAD_REQUEST and "temperature" in meta["error"], meta
     after = snapshot(node)
     assert after["sampling_defaults"] == before["sampling_defaults"] and after["props"] == before["props"]

@@ -1,8 +1,11 @@
 """OpenAI request bodies as frozen attrs classes, structured by cattrs.
 
-Type checks are strict (``"5"`` is not an int, ``true`` is not a number), and
-every error names the field, e.g. ``max_tokens: expected an integer, got str``,
-so that an HTTP 400 tells the client exactly what to fix.
+Type checks are strict (``"5"`` is not a number, ``1`` is not a string), and
+every error names the field, e.g. ``max_tokens: expected a number, got str``,
+so that an HTTP 400 tells the client exactly what to fix.  Numeric fields are
+read as llama-server reads them (:mod:`hydra_trio.api.field_limits`: a float
+truncated for an integer field, a boolean as 1 or 0, soft limits clamped, hard
+limits refused).
 
 Every field OpenAI marks nullable accepts ``null`` and then means its
 default; llama-server's extensions likewise.  A field that this server
@@ -20,16 +23,14 @@ from typing import Any
 import attrs
 from cattrs.gen import override
 
-from ..engine.settings import (
-    INT32_MAX, ParameterError, SamplingParams, check_float, check_int, check_n_predict, check_stop, parse_samplers,
-)
+from ..engine.settings import INT32_MAX, UINT32_MAX, ParameterError, SamplingParams, check_stop, parse_samplers
 from ..protocol import strict as msg
+from . import field_limits
 from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
 
 RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
 
-MAX_TOP_LOGPROBS = 20
 DEFAULT_TOP_LOGPROBS = 20
 """Alternatives per token for a chat request with ``logprobs: true`` and no ``top_logprobs`` (llama-server's
 ``oaicompat_chat_params_parse``, ``tools/server/server-common.cpp``)."""
@@ -189,21 +190,13 @@ class _GenerationFields:
         try:
             # -1 (the node's -n) too, under every name (GET /props shows max_tokens: -1)
             if (budget := _first_set(self, N_PREDICT_NAMES)) is not None:
-                check_n_predict(*budget)
+                field_limits.check_hard(*budget)
             check_stop(self.stop)
-            if (probs := self.n_probs_field()) is not None:
-                check_int(probs[0], probs[1], 0, MAX_TOP_LOGPROBS)
             if self.dry_sequence_breakers is not None and not self.dry_sequence_breakers:
                 raise RequestError("dry_sequence_breakers: must be a non-empty array of strings")
-            if self.n_keep is not None:
-                check_int("n_keep", self.n_keep, -1, INT32_MAX)
-            check_int("n_discard", self.n_discard, 0, INT32_MAX)
-            check_int("t_max_predict_ms", self.t_max_predict_ms, -1, 2**63 - 1)
-            check_float("adaptive_target", self.adaptive_target, -1e30, 1.0)
-            check_float("adaptive_decay", self.adaptive_decay, 0.0, 0.99)
-            if self.n_cache_reuse is not None:
-                check_int("n_cache_reuse", self.n_cache_reuse, 0, INT32_MAX)
-            self.sampling(SamplingParams())  # the sampler fields' own validators
+            for name in _HARD_FIELDS:  # soft-limited fields were clamped when the body was read
+                field_limits.check_hard(name, getattr(self, name))
+            self.sampling(SamplingParams())  # the sampler fields' own validators (the penalties' finiteness)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
         self.constraint()  # a malformed response_format, or a combination llama-server refuses
@@ -288,6 +281,8 @@ class _GenerationFields:
             values[name] = getattr(d, name) if v is None else v
         if self.dry_base is not None and self.dry_base < 1.0:
             values["dry_base"] = d.dry_base
+        if self.seed == UINT32_MAX:  # llama.cpp's LLAMA_DEFAULT_SEED (a request's -1): random, shown as -1
+            values["seed"] = None
         return SamplingParams(**values)
 
     def n_probs_field(self) -> tuple[str, int] | None:
@@ -296,9 +291,10 @@ class _GenerationFields:
 
     @property
     def top_logprobs_n(self) -> int:
-        """Alternatives per token the reply carries (0: none)."""
+        """Alternatives per token the reply carries: 0 (none) for a value of 0 or less, at most
+        :data:`~hydra_trio.api.field_limits.N_PROBS_MAX`."""
         got = self.n_probs_field()
-        return 0 if got is None else got[1]
+        return field_limits.n_probs(None if got is None else got[1])
 
     @property
     def wants_logprobs(self) -> bool:
@@ -312,6 +308,12 @@ N_PREDICT_NAMES = ("n_predict", "max_completion_tokens", "max_tokens")
 read (Core's prefill sends a client's ``max_tokens`` with ``n_predict: 0``)."""
 N_CMPL_NAMES = ("n_cmpl", "n")
 """Completions per request: llama-server's ``n_cmpl``, then its alias ``n`` (OpenAI's)."""
+
+
+_HARD_FIELDS = ("n_keep", "n_discard", "n_cache_reuse", "t_max_predict_ms", "repeat_last_n", "dry_allowed_length",
+                "dry_penalty_last_n", "min_keep", "adaptive_decay")
+"""The hard-limited fields (:mod:`~hydra_trio.api.field_limits`) that are one name each; the token budget's
+names are checked where they are resolved (only the one read)."""
 
 
 def _first_set(body: Any, names: tuple[str, ...]) -> tuple[str, Any] | None:
@@ -371,10 +373,11 @@ class ChatCompletionRequest(_GenerationFields):
         if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS:
             raise RequestError(f"reasoning_format: {self.reasoning_format!r} is not one of "
                                f"{', '.join(REASONING_FORMATS)}")
-        for name in ("thinking_budget_tokens", "reasoning_budget_tokens"):
-            v = getattr(self, name)
-            if v is not None:
-                check_int_or_400(name, v, -1, INT32_MAX)
+        if (budget := _first_set(self, ("reasoning_budget_tokens", "thinking_budget_tokens"))) is not None:
+            try:
+                field_limits.check_hard(*budget)
+            except ParameterError as exc:
+                raise RequestError(str(exc)) from None
         if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
             raise RequestError(f"reasoning_effort: {self.reasoning_effort!r} is not one of "
                                f"{', '.join(REASONING_EFFORTS)}")
@@ -448,10 +451,10 @@ class CompletionRequest(_GenerationFields):
 
     @property
     def wants_logprobs(self) -> bool:
-        """OpenAI's ``logprobs`` when it is the field read (with 0 too: the sampled tokens' log-probabilities,
-        no alternatives), else ``n_probs`` > 0 (llama-server's)."""
+        """OpenAI's ``logprobs`` when it is the field read and not negative (with 0 too: the sampled tokens'
+        log-probabilities, no alternatives), else ``n_probs`` > 0 (llama-server's)."""
         got = self.n_probs_field()
-        return got is not None and (got[0] == "logprobs" or got[1] > 0)
+        return got is not None and (got[1] > 0 or (got[0] == "logprobs" and got[1] == 0))
 
 
 @attrs.frozen
@@ -491,13 +494,6 @@ class SlotFileRequest:
 
     def check(self) -> None:
         pass
-
-
-def check_int_or_400(name: str, value: int, lo: int, hi: int) -> None:
-    try:
-        check_int(name, value, lo, hi)
-    except ValueError as exc:
-        raise RequestError(str(exc)) from None
 
 
 # --------------------------------------------------------------------------- converter
@@ -637,9 +633,15 @@ def _tool_choice(v: Any, _t: Any) -> str | dict[str, Any] | None:
     raise msg.TypeMismatch(f"expected a string, an object or null, got {msg.type_name(v)}")
 
 
+def _number(name: str) -> Any:
+    """The structure hook of numeric field ``name``: :func:`~hydra_trio.api.field_limits.read_number`."""
+    return override(struct_hook=lambda v, _t: field_limits.read_number(name, v))
+
+
 _conv = msg.StrictConverter()
 
 _COMMON = dict(
+    **{n: _number(n) for n in attrs.fields_dict(_GenerationFields) if n in field_limits.FIELDS},
     stop=override(struct_hook=_stop),
     logit_bias=override(struct_hook=_logit_bias),
     response_format=override(struct_hook=_object_or_null),
@@ -653,8 +655,11 @@ _conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_co
 _conv.register(StreamOptions, forbid_extra=False)
 _conv.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
              tool_choice=override(struct_hook=_tool_choice),
-             chat_template_kwargs=override(struct_hook=_object_or_null), **_COMMON)
-_conv.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt), **_COMMON)
+             chat_template_kwargs=override(struct_hook=_object_or_null), top_logprobs=_number("top_logprobs"),
+             thinking_budget_tokens=_number("thinking_budget_tokens"),
+             reasoning_budget_tokens=_number("reasoning_budget_tokens"), **_COMMON)
+_conv.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt),
+               logprobs=_number("logprobs"), **_COMMON)
 _conv.register(TokenizeRequest, forbid_extra=False)
 _conv.register(DetokenizeRequest, forbid_extra=False)
 _conv.register(SlotFileRequest, forbid_extra=False)

@@ -50,7 +50,7 @@ class CompletionJob:
         logprobs: compute each sampled token's log-probability (natural log,
             over the model's raw logits) into ``TextDelta.logprobs``.
         n_probs: also the ``n_probs`` most likely tokens at each step
-            (``TextDelta.top_logprobs``), 0..20.
+            (``TextDelta.top_logprobs``), 0 .. ``hydra_trio.api.field_limits.N_PROBS_MAX``.
         logit_bias: ``(token id, bias)`` pairs added to the logits.
         grammar: GBNF text the output must match (llama.cpp's grammar sampler).
         grammar_lazy: the grammar applies only from the first match of one of

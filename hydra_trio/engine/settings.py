@@ -10,30 +10,30 @@ errors name the field.
 =====================  ==============================  =======================================
 field                  accepted                        meaning at the edges
 =====================  ==============================  =======================================
-temperature            finite, 0 .. 2                  0: greedy
+temperature            0 .. FLT_MAX                    0: greedy
 top_k                  -1 .. 2**31-1                   <= 0: off; above the vocabulary: all
-top_p, min_p           finite, 0 .. 1
+top_p, min_p           0 .. 1
 seed                   -1 .. 2**32-1, or null          -1, null, 2**32-1: a random seed
-repeat_penalty         finite, > 0 and <= 10           1: off
-repeat_last_n          -1 .. 1048576                   -1: the slot's context; 0: off
-presence_penalty,      finite, -2 .. 2                 0: off
+repeat_penalty         > 0, finite, 1/value finite     1: off (llama.cpp's own rule)
+repeat_last_n          -1 .. 2**31-1                   -1: the slot's context; 0: off
+presence_penalty,      finite                          0: off
 frequency_penalty
 min_keep               0 .. 2**31-1                    tokens top-p, min-p, typical, XTC keep
-typical_p              finite, 0 .. 1                  1: off
-top_n_sigma            finite, -1 .. 100               <= 0: off
-xtc_probability        finite, 0 .. 1                  0: off
-xtc_threshold          finite, 0 .. 1                  > 0.5: off
-dry_multiplier         finite, 0 .. 100                0: off
-dry_base               finite, 1 .. 100                (a request's value < 1: the default)
+typical_p              finite                          >= 1: off
+top_n_sigma            finite                          <= 0: off
+xtc_probability        0 .. 1                          0: off
+xtc_threshold          0 .. 1                          > 0.5: off
+dry_multiplier         finite                          0: off
+dry_base               1 .. FLT_MAX                    (a request's value < 1: the default)
 dry_allowed_length     0 .. 2**31-1
-dry_penalty_last_n     -1 .. 1048576                   -1: the slot's context; 0: off
+dry_penalty_last_n     -1 .. 2**31-1                   -1: the slot's context; 0: off
 dry_sequence_breakers  at most 16 strings of 1 to 40   none: DRY never stops at a breaker
                        UTF-8 bytes each
 mirostat               0, 1, 2                         0: off; 1, 2: Mirostat 1.0 / 2.0
-mirostat_tau           finite, 0 .. 100                target surprise, bits
-mirostat_eta           finite, 0 .. 10                 learning rate
-dynatemp_range         finite, 0 .. 2                  0: off
-dynatemp_exponent      finite, 0 .. 10
+mirostat_tau           finite                          target surprise, bits
+mirostat_eta           finite                          learning rate
+dynatemp_range         finite                          <= 0: off
+dynatemp_exponent      finite
 n_predict              -1 .. 2**31-1                   -1: until end of generation / context
 max_tokens,            -1 .. 2**31-1                   as n_predict (llama-server's aliases);
 max_completion_tokens                                  0: process the prompt only
@@ -41,15 +41,22 @@ stop                   at most 16 strings of at most
                        512 characters each
 =====================  ==============================  =======================================
 
-The penalty windows (``repeat_last_n``, ``dry_penalty_last_n``) are also
-clamped to the slot's context (a window larger than the context sees the same
-tokens), so the samplers' ring buffers are at most ``n_ctx_slot`` tokens.
+"finite" is finite as a 32-bit float, the type llama.cpp holds these in (at most ``FLT_MAX``, about
+3.4e38).  These are the values the engine runs: the node's flags and CONFIGURE are refused outside them.
+A request's fields are first read as llama-server reads them (:mod:`hydra_trio.api.field_limits`: soft
+limits clamp, hard limits refuse), which gives a value inside but for the penalties, refused here as
+llama.cpp's ``common_sampler_init`` refuses them (``common/sampling.cpp``).
+
+The penalty windows (``repeat_last_n``, ``dry_penalty_last_n``) are clamped to the slot's context when
+the sampler is built (a window larger than the context sees the same tokens), so the samplers' ring
+buffers are at most ``n_ctx_slot`` tokens (llama.cpp would allocate the whole window up front).
 llama.cpp truncates a DRY sequence breaker to 40 bytes; a longer one is
 refused here instead.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 from pathlib import Path
 from typing import Any
@@ -62,8 +69,10 @@ DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
 """The tensors a COMBINED head places on its peer: the MoE experts (``--combined-pattern``)."""
 
 INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
 UINT32_MAX = 2**32 - 1
-REPEAT_LAST_N_MAX = 1 << 20
+FLT_MAX = 3.4028234663852886e38
+"""The largest finite 32-bit float (C's ``FLT_MAX``): llama.cpp holds sampler settings as ``float``."""
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_DRY_BREAKERS = 16
@@ -144,6 +153,25 @@ def check_float(name: str, value: float, lo: float, hi: float, *, lo_open: bool 
         raise ParameterError(f"{name}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}")
 
 
+def check_float32(name: str, value: float, lo: float = -FLT_MAX, hi: float = FLT_MAX) -> None:
+    """Raise ParameterError unless ``value`` is finite as a 32-bit float (what llama.cpp receives) and, as
+    that float, in ``[lo, hi]``."""
+    v = ctypes.c_float(value).value
+    if not math.isfinite(v):
+        raise ParameterError(f"{name}: must be a finite number (at most {FLT_MAX:.8g} in size), got {value:g}")
+    if not lo <= v <= hi:
+        at_least = f"at least {lo:g}" if hi == FLT_MAX else f"in [{lo:g}, {hi:g}]"
+        raise ParameterError(f"{name}: must be {at_least}, got {value:g}")
+
+
+def check_repeat_penalty(value: float) -> None:
+    """llama.cpp's rule for ``repeat_penalty`` (``common_sampler_init``, ``common/sampling.cpp``): finite,
+    greater than 0, and 1/value finite, all as 32-bit floats (the penalty divides positive logits)."""
+    v = ctypes.c_float(value).value
+    if not (math.isfinite(v) and v > 0.0 and math.isfinite(ctypes.c_float(1.0 / v).value)):
+        raise ParameterError(f"repeat_penalty: must be finite and greater than 0 (1/value finite too), got {value:g}")
+
+
 def _int(lo: int, hi: int) -> Any:
     def v(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
         if value is not None:
@@ -157,6 +185,17 @@ def _float(lo: float, hi: float, *, lo_open: bool = False) -> Any:
         check_float(attr.name, value, lo, hi, lo_open=lo_open)
 
     return v
+
+
+def _float32(lo: float = -FLT_MAX, hi: float = FLT_MAX) -> Any:
+    def v(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+        check_float32(attr.name, value, lo, hi)
+
+    return v
+
+
+def _repeat_penalty(_inst: Any, _attr: attrs.Attribute[Any], value: float) -> None:
+    check_repeat_penalty(value)
 
 
 def check_dry_sequence_breakers(breakers: tuple[str, ...]) -> None:
@@ -201,32 +240,32 @@ class SamplingParams:
         ParameterError: a value out of its bounds (also from ``attrs.evolve``).
     """
 
-    temperature: float = attrs.field(default=0.8, validator=_float(0.0, 2.0))
+    temperature: float = attrs.field(default=0.8, validator=_float32(0.0))
     top_k: int = attrs.field(default=40, validator=_int(-1, INT32_MAX))
     top_p: float = attrs.field(default=0.95, validator=_float(0.0, 1.0))
     min_p: float = attrs.field(default=0.05, validator=_float(0.0, 1.0))
     seed: int | None = attrs.field(default=None, validator=_int(-1, UINT32_MAX))
-    repeat_penalty: float = attrs.field(default=1.0, validator=_float(0.0, 10.0, lo_open=True))
-    repeat_last_n: int = attrs.field(default=64, validator=_int(-1, REPEAT_LAST_N_MAX))
-    presence_penalty: float = attrs.field(default=0.0, validator=_float(-2.0, 2.0))
-    frequency_penalty: float = attrs.field(default=0.0, validator=_float(-2.0, 2.0))
+    repeat_penalty: float = attrs.field(default=1.0, validator=_repeat_penalty)
+    repeat_last_n: int = attrs.field(default=64, validator=_int(-1, INT32_MAX))
+    presence_penalty: float = attrs.field(default=0.0, validator=_float32())
+    frequency_penalty: float = attrs.field(default=0.0, validator=_float32())
     min_keep: int = attrs.field(default=0, validator=_int(0, INT32_MAX))
-    typical_p: float = attrs.field(default=1.0, validator=_float(0.0, 1.0))
-    top_n_sigma: float = attrs.field(default=-1.0, validator=_float(-1.0, 100.0))
+    typical_p: float = attrs.field(default=1.0, validator=_float32())
+    top_n_sigma: float = attrs.field(default=-1.0, validator=_float32())
     xtc_probability: float = attrs.field(default=0.0, validator=_float(0.0, 1.0))
     xtc_threshold: float = attrs.field(default=0.1, validator=_float(0.0, 1.0))
-    dry_multiplier: float = attrs.field(default=0.0, validator=_float(0.0, 100.0))
-    dry_base: float = attrs.field(default=1.75, validator=_float(1.0, 100.0))
+    dry_multiplier: float = attrs.field(default=0.0, validator=_float32())
+    dry_base: float = attrs.field(default=1.75, validator=_float32(1.0))
     dry_allowed_length: int = attrs.field(default=2, validator=_int(0, INT32_MAX))
-    dry_penalty_last_n: int = attrs.field(default=64, validator=_int(-1, REPEAT_LAST_N_MAX))
+    dry_penalty_last_n: int = attrs.field(default=64, validator=_int(-1, INT32_MAX))
     dry_sequence_breakers: tuple[str, ...] = attrs.field(
         default=DEFAULT_DRY_SEQUENCE_BREAKERS, converter=_breakers_tuple, validator=_breakers
     )
     mirostat: int = attrs.field(default=0, validator=_int(0, 2))
-    mirostat_tau: float = attrs.field(default=5.0, validator=_float(0.0, 100.0))
-    mirostat_eta: float = attrs.field(default=0.1, validator=_float(0.0, 10.0))
-    dynatemp_range: float = attrs.field(default=0.0, validator=_float(0.0, 2.0))
-    dynatemp_exponent: float = attrs.field(default=1.0, validator=_float(0.0, 10.0))
+    mirostat_tau: float = attrs.field(default=5.0, validator=_float32())
+    mirostat_eta: float = attrs.field(default=0.1, validator=_float32())
+    dynatemp_range: float = attrs.field(default=0.0, validator=_float32())
+    dynatemp_exponent: float = attrs.field(default=1.0, validator=_float32())
 
     def penalty_window(self, n_ctx_slot: int) -> int:
         """Tokens the repetition penalties look back over: ``repeat_last_n`` (-1: the context), at most ``n_ctx_slot``."""
