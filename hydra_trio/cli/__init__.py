@@ -106,6 +106,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """
     given = {field: getattr(args, dest) for dest, field in sampling.FIELDS.items()
              if getattr(args, dest, None) is not None}
+    given = sampling.as_llama_server_reads(given)
     breakers = getattr(args, "dry_sequence_breakers", None)
     if breakers:
         given["dry_sequence_breakers"] = () if breakers == ["none"] else tuple(b for b in breakers if b != "none")

@@ -32,6 +32,9 @@ def _named(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     return parse
 
 
+INT32_MIN = -(2**31)
+
+
 def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
     """A decimal integer in ``[lo, hi]``."""
 
@@ -47,6 +50,12 @@ def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
         return value
 
     return _named(parse, "integer")
+
+
+def threads(text: str) -> int:
+    """``-t/-tb N``: threads, at most :data:`GGML_MAX_N_THREADS`; 0 or less is every core, as llama-server
+    (``common/arg.cpp``: ``hardware_concurrency()``).  Returns N, or 0 for every core."""
+    return max(0, int_range(-INT32_MAX - 1, GGML_MAX_N_THREADS, "ggml's most threads")(text))
 
 
 def _finite(text: str, what: str) -> float:
@@ -82,6 +91,12 @@ def seconds(*, zero_ok: bool = False) -> Callable[[str], float]:
         return value
 
     return _named(parse, "seconds")
+
+
+def timeout_seconds(text: str) -> float:
+    """``-to/--timeout N``: any finite number of seconds, as llama-server's (an integer there, read with
+    ``std::stoi``): above 0 the limit; 0 no waiting; below 0 no limit (cpp-httplib's ``poll`` conventions)."""
+    return _finite(text, "number of seconds")
 
 
 port = int_range(0, 65535, "a TCP port; 0 = any free port")
@@ -310,13 +325,30 @@ def quant_value(text: str) -> tuple[str, str]:
     return key.strip(), model.strip()
 
 
-def combined_ot(text: str) -> str:
-    """The C++ engine's ``--combined-ot-pattern REGEX=BUFT[,...]``: the tensors that go to the peer.  Each
-    BUFT must name the peer (``RPC...``); returns the regexes joined with ``|``."""
-    patterns = []
-    for pattern, buft in tensor_overrides(text):
-        if not buft.upper().startswith("RPC"):
-            raise argparse.ArgumentTypeError(
-                f"{pattern}={buft}: COMBINED places tensors on the ggml-RPC peer only (BUFT RPC...), got {buft!r}")
-        patterns.append(pattern)
-    return "|".join(f"(?:{p})" for p in patterns) if len(patterns) > 1 else patterns[0]
+def combined_ot(text: str) -> tuple[str, str | None]:
+    """The C++ engine's ``--combined-ot-pattern REGEX[=BUFT]``: the COMBINED expert pattern is everything
+    before the last ``=`` (the engine reads the value in ``--override-tensor`` syntax and ignores the buffer
+    type); a value without ``=`` is the regex whole.  Returns ``(regex, buffer type or None)``.
+
+    Never refuses, as the engine starts with any value: a regex that is empty or does not compile leaves
+    COMBINED off, which the node says at start-up (:func:`hydra_trio.cli.run.combined_target`).
+    """
+    regex, sep, buft = text.rpartition("=")
+    return (regex, buft) if sep else (text, None)
+
+
+def c_atoi(text: str) -> int:
+    """An integer read as C's ``atoi``: leading blanks, an optional sign, the digits that follow; 0 when
+    there are none (the C++ engine reads ``--ggml-rpc-port`` so, and starts with any value)."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    return int(m.group(1)) if m else 0
+
+
+def engine_port(text: str) -> int:
+    """A port flag of the C++ engine (``--rpc-port``): a decimal integer; 0 or less opens no port, as the
+    engine (which starts its server only for a port above 0); one above 65535 is reported at start-up and
+    opens nothing (the engine's bind fails and it serves on)."""
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -37,8 +38,8 @@ def log_level(args: argparse.Namespace) -> str:
         return args.log_level
     if args.verbose:
         return "DEBUG"
-    if args.log_verbosity is not None:
-        return _VERBOSITY.get(args.log_verbosity, "DEBUG")
+    if args.log_verbosity is not None:  # below 0 llama-server logs nothing: fatal errors only here
+        return "CRITICAL" if args.log_verbosity < 0 else _VERBOSITY.get(args.log_verbosity, "DEBUG")
     return "INFO"
 
 
@@ -48,7 +49,9 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
     if freq_scale is None and args.rope_scale is not None and args.rope_scale > 0:
         freq_scale = 1.0 / args.rope_scale  # llama-server: --rope-scale N sets rope_freq_scale = 1/N
     opts = {
-        "n_threads_batch": args.threads_batch, "n_ubatch": args.ubatch_size, "swa_full": args.swa_full,
+        # -tb 0: every core, as llama-server (not "as --threads", which is what leaving it out means)
+        "n_threads_batch": (args.threads_batch or os.cpu_count() or 1) if args.threads_batch is not None else None,
+        "n_ubatch": args.ubatch_size, "swa_full": args.swa_full,
         "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
         "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
         "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
@@ -79,12 +82,55 @@ def template_kwargs(args: argparse.Namespace) -> dict:
 
 
 def extra_ports(args: argparse.Namespace) -> tuple[int, ...]:
-    """``--rpc-port`` and ``--ggml-rpc-port``: more ports for the same front door (0 and --port: none)."""
+    """``--rpc-port`` and ``--ggml-rpc-port``: more ports for the same front door (0 or less, above 65535
+    (:func:`combined_target`'s notes say so) and --port itself: none)."""
     ports = []
     for p in (args.rpc_port, args.ggml_rpc_port):
-        if p and p != args.port and p not in ports:
+        if p is not None and 0 < p <= 65535 and p != args.port and p not in ports:
             ports.append(p)
     return tuple(ports)
+
+
+def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str]]:
+    """COMBINED's peer and expert pattern from ``--rpc-engine``, ``--combined-ot-pattern`` (else
+    ``--combined-pattern``), and the start-up lines about them: ``(peer or None, pattern, warnings)``.
+
+    The C++ engine starts with any value of its flags, and runs SOLO when one leaves COMBINED nothing to
+    do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a regular
+    expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
+    ``=`` is ignored, as the engine ignores it (one line says so).
+    """
+    from ..protocol.address import parse_peer
+    from ..protocol.strict import MessageError
+
+    notes: list[str] = []
+    peer = args.rpc_engine
+    if peer is not None:
+        try:
+            parse_peer(peer, field="--rpc-engine")
+        except MessageError as exc:
+            notes.append(f"{exc}: COMBINED is off, the node serves SOLO")
+            peer = None
+    pattern = args.combined_pattern
+    if args.combined_ot_pattern is not None:
+        pattern, buft = args.combined_ot_pattern
+        problem = "is empty" if not pattern else None
+        if problem is None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                problem = f"is not a regular expression ({exc})"
+        if problem is not None:
+            notes.append(f"--combined-ot-pattern: the pattern before the last '=' {problem}: COMBINED is off, the "
+                         "node serves SOLO")
+            peer, pattern = None, args.combined_pattern
+        elif buft is not None:
+            notes.append(f"--combined-ot-pattern: the buffer type {buft} after the last '=' is ignored; COMBINED "
+                         f"places the tensors matching {pattern} on the --rpc-engine peer")
+    for flag, port in (("--rpc-port", args.rpc_port), ("--ggml-rpc-port", args.ggml_rpc_port)):
+        if port is not None and port > 65535:
+            notes.append(f"{flag} {port}: not a TCP port; no port opened for it")
+    return peer, pattern, notes
 
 
 def _process_settings(args: argparse.Namespace) -> None:
@@ -115,8 +161,8 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
     if gpu and not _has_gpu():
         log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
                     "same way)", ", ".join(gpu))
-    if args.combined_ot_pattern is not None:
-        log.info("--combined-ot-pattern: COMBINED places tensors matching %s on the peer", args.combined_ot_pattern)
+    for note in combined_target(args)[2]:
+        log.warning("%s", note)
 
 
 def _has_gpu() -> bool:
@@ -208,6 +254,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     path, alias = resolve_model(args.model or DEFAULT_ALIAS)
     quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
     template, _origin = args.chat_template or args.chat_template_file or (None, "")
+    peer, pattern, _notes = combined_target(args)
     given = {  # a flag not given (None) leaves EngineConfig's own default, which is llama-server's
         "n_predict": args.n_predict, "n_keep": args.n_keep, "n_cache_reuse": args.n_cache_reuse,
         "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
@@ -222,9 +269,9 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         n_parallel=4 if args.parallel == -1 else args.parallel,  # llama-server's auto: 4 slots
         n_ctx=args.ctx_size,
         n_batch=args.batch_size,
-        n_threads=args.threads,
-        peer=args.rpc_engine,
-        combined_pattern=args.combined_ot_pattern or args.combined_pattern,
+        n_threads=args.threads or None,  # -t 0: every core
+        peer=peer,
+        combined_pattern=pattern,
         chat_template=template,
         allow_cross_model_kv=args.allow_cross_model_kv,
         quants=quants,
@@ -294,7 +341,9 @@ async def _run(args: argparse.Namespace) -> int:
         log.error("TLS: %s", exc)
         return 2
     cors = tuple(args.cors_origins or ()) + tuple(args.cors_origin or ())
-    http_kw = {"body_timeout": args.timeout, "write_timeout": args.timeout} if args.timeout is not None else {}
+    http_kw = {}  # -to not given: HttpSettings' defaults (llama-server's)
+    if args.timeout is not None:  # below 0: no limit (None); 0: no waiting
+        http_kw = dict.fromkeys(("body_timeout", "write_timeout"), None if args.timeout < 0 else args.timeout)
     config = ServerConfig(
         host=args.host,
         port=args.port,

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
@@ -29,6 +30,32 @@ FIELDS = {
 }
 
 _num = t.float_range()
+
+
+def _clamp(lo: float, hi: float) -> Any:
+    return lambda v: min(max(v, lo), hi)
+
+
+_SAME_AS = {
+    "temperature": lambda v: max(v, 0.0),  # llama-server: std::max(temp, 0)
+    "top_k": lambda v: max(v, -1),  # llama.cpp: top_k <= 0 is off
+    "top_p": _clamp(0.0, 1.0),  # llama.cpp: p >= 1 is off; p <= 0 keeps the top token
+    "typical_p": _clamp(0.0, 1.0),  # the same for locally typical sampling
+    "min_p": lambda v: max(v, 0.0),  # llama.cpp: p <= 0 is off
+    "xtc_probability": _clamp(0.0, 1.0),  # a chance: <= 0 never, >= 1 always
+    "xtc_threshold": _clamp(0.0, 1.0),  # > 0.5 is off; <= 0 counts every token
+}
+
+
+def as_llama_server_reads(given: dict[str, Any]) -> dict[str, Any]:
+    """The sampling flags' values as llama-server takes them (``common/arg.cpp``, the samplers of
+    ``src/llama-sampler.cpp``): a value past a sampler's range that llama.cpp treats as the range's end
+    becomes that end (``--top-p 1.5`` is top-p off, as 1.0), a negative ``--temp`` is 0 as llama-server
+    makes it, and ``--dry-base`` below 1 is ignored (the default stays), as llama-server ignores it."""
+    out = {k: _SAME_AS[k](v) if k in _SAME_AS else v for k, v in given.items()}
+    if out.get("dry_base", 1.0) < 1.0:
+        del out["dry_base"]
+    return out
 _int = t.int_range(-(2**31), 2**31 - 1)
 
 

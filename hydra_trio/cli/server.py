@@ -114,10 +114,11 @@ FLAGS: list[Flag] = [
     V(("--chat-template-kwargs",), WIRED, "extra variables for the Jinja chat template, a JSON object, e.g. "
       "'{\"enable_thinking\": true}'", value="STRING", type=t.json_object, env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS",
       lands="EngineConfig.chat_template_kwargs"),
-    V(("-to", "--timeout"), WIRED, "HTTP read/write timeout in seconds: silence allowed while a request body "
-      "arrives (408 after; default: 30), and time a reply may wait for a client that reads none of it (the "
-      "connection closes; default: 600). A reply runs as long as it needs", value="SECONDS", type=t.seconds(),
-      env="LLAMA_ARG_TIMEOUT", lands="HttpSettings.body_timeout, .write_timeout"),
+    V(("-to", "--timeout"), WIRED, "HTTP read/write timeout in seconds, as llama-server's: silence allowed while a "
+      "request body arrives (408 after), and time a reply may wait for a client that reads none of it (the "
+      "connection closes); 0: no waiting (only what the client has already sent, or what the socket takes at "
+      "once), below 0: no limit (default: 3600). A reply runs as long as it needs", value="SECONDS",
+      type=t.timeout_seconds, env="LLAMA_ARG_TIMEOUT", lands="HttpSettings.body_timeout, .write_timeout"),
     V(("--sse-ping-interval",), ACCEPTED, "streams send no SSE pings", value="N", type=t.int_range(-1, t.INT32_MAX),
       env="LLAMA_ARG_SSE_PING_INTERVAL"),
     V(("--threads-http",), ACCEPTED, "HTTP is served by trio tasks, not a thread pool", value="N",
