@@ -352,3 +352,94 @@ def engine_port(text: str) -> int:
         return int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def sampler_names(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``--samplers NAMES``: sampler names separated by ``;``, any case, in llama-server's spellings
+    (``common_sampler_types_from_names``).  Returns ``(canonical names, the names it does not know)``: as
+    llama-server, an unknown name is left out (the start-up log names it)."""
+    from ..engine.settings import SAMPLER_NAMES
+
+    names = [(n, SAMPLER_NAMES.get(n.lower())) for n in text.split(";")]
+    return tuple(c for _, c in names if c), tuple(n for n, c in names if not c)
+
+
+def sampler_chars(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``--sampler-seq CHARS``: one letter per sampler (``common_sampler_types_from_chars``), as
+    :func:`sampler_names` returns them."""
+    from ..engine.settings import SAMPLER_CHARS
+
+    return tuple(SAMPLER_CHARS[c] for c in text if c in SAMPLER_CHARS), tuple(c for c in text if c not in SAMPLER_CHARS)
+
+
+def logit_bias(text: str) -> tuple[int, float]:
+    """``-l TOKEN_ID(+/-)BIAS``, as llama-server reads it: a token id, ``+`` or ``-``, then the bias
+    (``15043+1``, ``15043-inf`` bans the token).  Returns ``(token id, signed bias)``."""
+    m = re.fullmatch(r"\s*([+-]?[0-9]+)([+-])(.+)", text)
+    try:
+        if m is None:
+            raise ValueError(text)
+        token, bias = int(m.group(1)), float(m.group(3))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID(+/-)BIAS, got {text!r}") from None
+    if not -(2**31) <= token < 2**31 or math.isnan(bias):
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID(+/-)BIAS, got {text!r}")
+    return token, -bias if m.group(2) == "-" else bias
+
+
+def grammar_file(path: str) -> str:
+    """``--grammar-file FNAME``: the file's GBNF text (read now, as llama-server reads it)."""
+    try:
+        return Path(os.path.expanduser(path)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+
+
+def json_schema_grammar(text: str) -> str:
+    """``-j SCHEMA``: a JSON schema, as the GBNF that enforces it (converted now, as llama-server converts
+    it: a schema that cannot be turned into a grammar exits 2).  ``{"type": "object"}`` is any JSON object."""
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON schema, got {text[:80]!r}: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise argparse.ArgumentTypeError(f"expected a JSON schema (an object), got {type(schema).__name__}")
+    from ..api.json_schema import SchemaError, schema_to_gbnf
+
+    try:
+        return schema_to_gbnf(schema)
+    except SchemaError as exc:
+        raise argparse.ArgumentTypeError(f"this schema cannot be enforced: {exc}"[:600]) from None
+
+
+def json_schema_file(path: str) -> str:
+    """``-jf FILE``: :func:`json_schema_grammar` of the file's text."""
+    return json_schema_grammar(grammar_file(path))
+
+
+def escapes(text: str) -> str:
+    """llama-server's ``string_process_escapes`` (``common/common.cpp``), which ``-e/--escape`` (on by
+    default) applies to ``-r`` and ``--dry-sequence-breaker``: ``\\n``, ``\\r``, ``\\t``, ``\\'``, ``\\"``,
+    ``\\\\`` and ``\\xNN``; any other backslash stays as it is.  Works on the UTF-8 bytes; bytes that are
+    not valid UTF-8 afterwards (a lone ``\\xNN`` above 0x7f) become U+FFFD."""
+    raw, out, i = text.encode("utf-8"), bytearray(), 0
+    simple = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("'"): 39, ord('"'): 34, ord("\\"): 92}
+    while i < len(raw):
+        c = raw[i]
+        if c == 92 and i + 1 < len(raw):
+            nxt = raw[i + 1]
+            if nxt in simple:
+                out.append(simple[nxt])
+                i += 2
+                continue
+            hexdigits = raw[i + 2 : i + 4]
+            if nxt == ord("x") and len(hexdigits) == 2 and re.fullmatch(rb"[0-9a-fA-F]{2}", hexdigits):
+                out.append(int(hexdigits, 16))
+                i += 4
+                continue
+            out += raw[i : i + 2]
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return out.decode("utf-8", "replace")

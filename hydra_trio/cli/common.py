@@ -67,8 +67,9 @@ FLAGS: list[Flag] = [
       type=t.on_off_auto, env="LLAMA_ARG_FLASH_ATTN", lands="EngineConfig.llama.flash_attn"),
     F(("--perf",), ACCEPTED, "timings are always measured and reported", neg=("--no-perf",),
       env="LLAMA_ARG_PERF"),
-    F(("-e", "--escape"), ACCEPTED, "escape sequences apply to command-line prompts, which a server has none of",
-      neg=("--no-escape",)),
+    F(("-e", "--escape"), WIRED, "process escape sequences (\\n, \\r, \\t, \\', \\\", \\\\, \\xNN) in -r and "
+      "--dry-sequence-breaker (default: on)", neg=("--no-escape",), default=True, dest="escape",
+      lands="EngineConfig.generation.stop, .sampling.dry_sequence_breakers"),
     # -- RoPE ----------------------------------------------------------------------------------------
     F(("--rope-scaling",), WIRED, "RoPE scaling: none, linear or yarn (default: the model's)",
       value="{none,linear,yarn}", type=t.choice("none", "linear", "yarn"), env="LLAMA_ARG_ROPE_SCALING_TYPE",

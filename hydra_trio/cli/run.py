@@ -13,7 +13,7 @@ from pathlib import Path
 
 import trio
 
-from ..engine.settings import EngineConfig, LlamaOptions
+from ..engine.settings import EngineConfig, GenerationDefaults, LlamaOptions
 from ..transport.frontdoor import FrontDoorSettings
 from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
@@ -22,6 +22,7 @@ from ..models.presets import DEFAULT_ALIAS, PresetError, resolve_model
 from ..transport.tls import TlsSettings, client_context, server_context
 from .flags import RUN_FLAGS
 from ._flags import accepted_notes, given_environment
+from . import _types
 from .access import access_settings
 
 log = logging.getLogger("hydra_trio")
@@ -89,6 +90,19 @@ def extra_ports(args: argparse.Namespace) -> tuple[int, ...]:
         if p is not None and 0 < p <= 65535 and p != args.port and p not in ports:
             ports.append(p)
     return tuple(ports)
+
+
+def generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
+    """The :class:`GenerationDefaults` of parsed ``run`` flags: ``--samplers``/``--sampler-seq``,
+    ``--ignore-eos``, ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r`` (escapes processed unless
+    ``--no-escape``, as llama-server) and ``--cache-prompt``."""
+    stop = tuple(_types.escapes(r) if args.escape else r for r in args.reverse_prompt or ())
+    return GenerationDefaults(
+        samplers=args.samplers[0] if args.samplers is not None else None,
+        ignore_eos=args.ignore_eos, logit_bias=tuple(args.logit_bias or ()), grammar=args.grammar,
+        adaptive_target=min(args.adaptive_target, 1.0) if args.adaptive_target is not None else -1.0,
+        adaptive_decay=min(max(args.adaptive_decay, 0.0), 0.99) if args.adaptive_decay is not None else 0.9,
+        stop=stop, cache_prompt=args.cache_prompt)
 
 
 def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str]]:
@@ -163,6 +177,8 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
                     "same way)", ", ".join(gpu))
     for note in combined_target(args)[2]:
         log.warning("%s", note)
+    if args.samplers is not None and args.samplers[1]:  # llama-server warns and leaves them out too
+        log.warning("--samplers/--sampler-seq: unknown samplers left out: %s", ", ".join(map(repr, args.samplers[1])))
 
 
 def _has_gpu() -> bool:
@@ -280,6 +296,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         sampling=args.sampling,
         context_shift=args.context_shift,
         slot_save_path=args.slot_save_path,
+        generation=generation_defaults(args),
         **{k: v for k, v in given.items() if v is not None},
     )
 

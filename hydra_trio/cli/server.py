@@ -47,8 +47,9 @@ FLAGS: list[Flag] = [
       lands="EngineConfig.context_shift"),
     V(("--keep",), WIRED, "prompt tokens kept by a context shift (-1 = all)", value="N",
       type=t.int_range(-1, t.INT32_MAX), dest="n_keep", lands="EngineConfig.n_keep"),
-    V(("-r", "--reverse-prompt"), ACCEPTED, "reverse prompts are for interactive tools; requests carry stop "
-      "strings", value="PROMPT"),
+    V(("-r", "--reverse-prompt"), WIRED, "a stop string for every request whose stop list (with its chat "
+      "template's) is empty, repeatable (at most 16 of 512 characters)", value="PROMPT", action="append",
+      dest="reverse_prompt", lands="EngineConfig.generation.stop"),
     V(("-sp", "--special"), ACCEPTED, "special tokens are rendered as llama-server's server does"),
     V(("--warmup",), ACCEPTED, "the node always runs its warm-up step at start",
       neg=("--no-warmup",)),
@@ -123,8 +124,9 @@ FLAGS: list[Flag] = [
       env="LLAMA_ARG_SSE_PING_INTERVAL"),
     V(("--threads-http",), ACCEPTED, "HTTP is served by trio tasks, not a thread pool", value="N",
       type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_THREADS_HTTP"),
-    V(("--cache-prompt",), ACCEPTED, "prompts are always cached (a request may set cache_prompt: false)",
-      neg=("--no-cache-prompt",), env="LLAMA_ARG_CACHE_PROMPT"),
+    V(("--cache-prompt",), WIRED, "reuse a slot's cached prefix, for every request that sends no cache_prompt "
+      "(default: on)", neg=("--no-cache-prompt",), default=True, env="LLAMA_ARG_CACHE_PROMPT", dest="cache_prompt",
+      lands="EngineConfig.generation.cache_prompt"),
     V(("--cache-reuse",), WIRED, "minimum chunk of cached tokens to reuse by shifting the KV cache (0 = off)",
       value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
       lands="EngineConfig.n_cache_reuse"),

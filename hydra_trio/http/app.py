@@ -41,7 +41,6 @@ from .._version import __version__
 from ..engine import slot_files
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
-from ..engine.settings import SAMPLER_ORDER
 from ..engine.requests import JobRun, TextDelta
 from ..engine.tasks import EraseSlot
 from ..errors import HydraTrioError
@@ -152,8 +151,8 @@ class Api:
 
         ``params`` lists every sampler setting under llama-server's name (the node's
         defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
-        ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``,
-        and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
+        ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``, ``ignore_eos`` and
+        ``adaptive_target`` / ``adaptive_decay`` (``EngineConfig.generation``), and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
         llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one).  hydra-trio's own keys: ``kv_cache``, the
@@ -180,10 +179,9 @@ class Api:
             **defaults.sampling.to_json(),
             "max_tokens": defaults.n_predict,
             "n_predict": defaults.n_predict,
-            "ignore_eos": False,
             "stream": False,
             "n_probs": 0,
-            "samplers": list(SAMPLER_ORDER),
+            **defaults.generation.as_json(),  # samplers, ignore_eos, adaptive_* (--samplers, --ignore-eos, ...)
             # context shift's defaults (--keep; n_discard 0: half of what follows n_keep)
             "n_keep": e.config.n_keep,
             "n_discard": 0,
