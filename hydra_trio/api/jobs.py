@@ -78,11 +78,12 @@ def chat_job(
     tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
     job = _job(e, body, tokens, stop, n_predict, id_slot)
-    thinking = ThinkingSetup.for_prompt(body.reasoning_format or e.config.reasoning_format, m.chat_template.source,
-                                        prompt)
+    pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
+    thinking = ThinkingSetup.for_prompt("none" if pure else body.reasoning_format or e.config.reasoning_format,
+                                        m.chat_template.source, prompt)
     job = attrs.evolve(job, chat_reply=thinking, reasoning_budget=budget_spec(e, body, prompt))
     spec = body.tool_spec
-    if spec is None or not spec.active:
+    if spec is None or not spec.active or pure:
         return job, None
     try:
         g = _tools.tool_grammar(spec, fmt)
@@ -228,7 +229,7 @@ def _job(
 def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob,
                   g: GenerationDefaults) -> CompletionJob:
     """``job`` with the node's defaults (``EngineConfig.generation``: ``--samplers``, ``--ignore-eos``,
-    ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r``, ``--no-cache-prompt``) for the fields ``body``
+    ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r``, ``--no-cache-prompt``; and ``-sp``) for the fields ``body``
     leaves out or sends as null, as llama-server starts each request from its ``params_base``
     (``tools/server/server-schema.cpp``).  An empty stop list (the chat template's stops included) takes
     ``-r``'s, as llama-server falls back to its antiprompts.  A default yields to the request's own
@@ -258,7 +259,7 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
             changes[name] = getattr(g, name)
     if not job.stop and g.stop:
         changes["stop"] = g.stop
-    return attrs.evolve(job, **changes)
+    return attrs.evolve(job, special=g.special, **changes)
 
 
 def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:

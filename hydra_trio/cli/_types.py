@@ -443,3 +443,32 @@ def escapes(text: str) -> str:
         out.append(c)
         i += 1
     return out.decode("utf-8", "replace")
+
+
+def kv_overrides(text: str) -> tuple[tuple[str, str, Any], ...]:
+    """``--override-kv KEY=TYPE:VALUE,...`` as llama-server reads it (``string_parse_kv_override``,
+    ``common/common.cpp``): a key of at most 127 bytes; ``int:`` read as C's ``atol``, ``float:`` as ``atof``,
+    ``bool:true|false``, ``str:`` at most 127 bytes.  Items are comma-separated (a quoted item may hold
+    commas).  Returns ``(key, type, value)`` triples."""
+    import csv as _csv
+
+    out = []
+    for item in next(_csv.reader([text], skipinitialspace=False), []):
+        key, sep, typed = item.partition("=")
+        kind, colon, value = typed.partition(":")
+        if not sep or len(key.encode()) >= 128 or not colon or kind not in ("int", "float", "bool", "str"):
+            raise argparse.ArgumentTypeError(f"expected KEY=TYPE:VALUE (TYPE: int, float, bool, str), got {item!r}")
+        if kind == "int":
+            out.append((key, kind, c_atoi(value)))
+        elif kind == "float":
+            m = re.match(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", value)
+            out.append((key, kind, float(m.group(0)) if m else 0.0))
+        elif kind == "bool":
+            if value not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"{item!r}: a bool is true or false")
+            out.append((key, kind, value == "true"))
+        else:
+            if len(value.encode()) > 127:
+                raise argparse.ArgumentTypeError(f"{item!r}: a str value is at most 127 bytes")
+            out.append((key, kind, value))
+    return tuple(out)

@@ -22,8 +22,10 @@ FLAGS: list[Flag] = [
     # -- tool ----------------------------------------------------------------------------------------
     F(("-h", "--help", "--usage"), WIRED, "show this help and exit", action="help", default=None),
     F(("--version",), WIRED, "show the version and exit", action="version", default=None),
-    F(("-cl", "--cache-list"), REFUSED, NO_DOWNLOADS + "; it has no model cache to list"),
-    F(("--completion-bash",), REFUSED, "no bash completion script"),
+    F(("-cl", "--cache-list"), WIRED, "list the installed model presets (this node's model cache; hydra-trio "
+      "models lists them all) and exit", lands="(prints and exits)"),
+    F(("--completion-bash",), WIRED, "print a source-able bash completion script for hydra-trio's flags and exit",
+      lands="(prints and exits)"),
     # -- CPU -----------------------------------------------------------------------------------------
     F(("-t", "--threads"), WIRED, "CPU threads for generation, at most 512; 0 or less: all cores (default: all "
       "cores)", value="N", type=t.threads, env="LLAMA_ARG_THREADS", lands="EngineConfig.n_threads"),
@@ -161,8 +163,9 @@ FLAGS: list[Flag] = [
       type=t.int_range(t.INT32_MIN, t.INT32_MAX), env="LLAMA_ARG_FIT_CTX"),
     F(("--check-tensors",), WIRED, "check the model's tensor data for invalid values while loading",
       lands="EngineConfig.llama.check_tensors"),
-    F(("--override-kv",), REFUSED, "GGUF metadata overrides are not supported; edit the file with the gguf "
-      "package", value="KEY=TYPE:VALUE,..."),
+    F(("--override-kv",), WIRED, "override GGUF metadata by key when the model loads, repeatable; types int, "
+      "float, bool, str, e.g. tokenizer.ggml.add_bos_token=bool:false", value="KEY=TYPE:VALUE,...",
+      type=t.kv_overrides, action="append", lands="EngineConfig.llama.kv_overrides"),
     F(("--op-offload",), WIRED, "offload host tensor operations to the device (default: on)",
       neg=("--no-op-offload",), default=True, lands="EngineConfig.llama.op_offload"),
     F(("--lora",), REFUSED, NO_LORA, value="FNAME"),
@@ -198,9 +201,9 @@ FLAGS: list[Flag] = [
       env="LLAMA_ARG_LOG_PREFIX"),
     F(("--log-timestamps",), WIRED, "time stamps in text log lines (default: on)", neg=("--no-log-timestamps",),
       default=True, env="LLAMA_ARG_LOG_TIMESTAMPS", lands="logging"),
-    F(("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), REFUSED, "no speculative decoding (no draft model)",
+    F(("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), REFUSED, "no draft model: speculative decoding is not supported yet",
       value="TYPE", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
-    F(("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), REFUSED, "no speculative decoding (no draft model)",
+    F(("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), REFUSED, "no draft model: speculative decoding is not supported yet",
       value="TYPE", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
 ]
 assert all(f.kind != OWN for f in FLAGS)

@@ -67,18 +67,22 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "tensor_overrides": tuple(p for group in args.override_tensor or [] for p in group),
         "cpu_moe": args.cpu_moe, "n_cpu_moe": args.n_cpu_moe, "n_cpu_ffn": args.n_cpu_ffn,
         "embeddings": args.embedding, "pooling": args.pooling,
+        "kv_overrides": tuple(kv for group in args.override_kv or [] for kv in group) or None,
     }
     return LlamaOptions(**{k: v for k, v in opts.items() if v is not None})
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
-    """``--chat-template-kwargs`` plus ``--reasoning on|off`` (``enable_thinking``) and ``--reasoning-effort``
-    (``reasoning_effort``; ``default`` leaves it out), as llama-server (``common/arg.cpp``)."""
+    """``--chat-template-kwargs`` plus ``--reasoning on|off`` (``enable_thinking``), ``--reasoning-effort``
+    (``reasoning_effort``; ``default`` leaves it out) and ``--[no-]reasoning-preserve``
+    (``preserve_reasoning``), as llama-server (``common/arg.cpp``)."""
     kwargs = dict(args.chat_template_kwargs or {})
     if args.reasoning in ("on", "off"):
         kwargs["enable_thinking"] = args.reasoning == "on"
     if args.reasoning_effort is not None and args.reasoning_effort != "default":
         kwargs["reasoning_effort"] = args.reasoning_effort
+    if args.reasoning_preserve is not None:  # not given: the renderer's default, llama-server's (true)
+        kwargs["preserve_reasoning"] = args.reasoning_preserve
     return kwargs
 
 
@@ -102,7 +106,7 @@ def generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
         ignore_eos=args.ignore_eos, logit_bias=tuple(args.logit_bias or ()), grammar=args.grammar,
         adaptive_target=min(args.adaptive_target, 1.0) if args.adaptive_target is not None else -1.0,
         adaptive_decay=min(max(args.adaptive_decay, 0.0), 0.99) if args.adaptive_decay is not None else 0.9,
-        stop=stop, cache_prompt=args.cache_prompt)
+        stop=stop, cache_prompt=args.cache_prompt, special=args.special)
 
 
 def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str]]:
@@ -249,6 +253,14 @@ def run_node(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; the exit code (2: a setting refused before anything bound or loaded)."""
     if args.list_devices:
         return _list_devices()
+    if args.cache_list:
+        from .models import print_cache_list
+
+        return print_cache_list()
+    if args.completion_bash:
+        from .models import print_completion_bash
+
+        return print_completion_bash([n for f in RUN_FLAGS if f.kind != "refused" for n in f.all_names])
     configure_logging("CRITICAL" if args.log_disable else log_level(args),
                       args.log_format or ("json" if args.log_jsonl else "text"), sys.stderr,
                       file=args.log_file, timestamps=args.log_timestamps, disabled=args.log_disable)
@@ -297,6 +309,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         context_shift=args.context_shift,
         slot_save_path=args.slot_save_path,
         generation=generation_defaults(args),
+        skip_chat_parsing=args.skip_chat_parsing,
         **{k: v for k, v in given.items() if v is not None},
     )
 
@@ -374,6 +387,7 @@ async def _run(args: argparse.Namespace) -> int:
                           endpoint_props=bool(args.endpoint_props), **http_kw),
         rpc_backend=rpc,
         access=access,
+        reuse_port=args.reuse_port,
     )
     async with trio.open_nursery() as nursery:
 

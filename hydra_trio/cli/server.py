@@ -9,11 +9,10 @@ from ..engine.settings import EngineConfig
 from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
 
-NO_SPEC = "no speculative decoding (no draft model)"
+NO_SPEC = "speculative decoding (a draft model, n-gram lookup) is not supported yet"
 NO_RERANK = "this node has no reranking endpoint"
 NO_ROUTER = "one model per node: llama-server's router mode (models directory, presets) is not supported"
 NO_UI = "the node serves its own status page at /, not llama-server's web UI"
-NOT_YET = "accepted and kept in the engine settings; this node does not yet act on it"
 
 
 V = functools.partial(Flag, group="server")  # a table row of this group
@@ -50,10 +49,11 @@ FLAGS: list[Flag] = [
     V(("-r", "--reverse-prompt"), WIRED, "a stop string for every request whose stop list (with its chat "
       "template's) is empty, repeatable (at most 16 of 512 characters)", value="PROMPT", action="append",
       dest="reverse_prompt", lands="EngineConfig.generation.stop"),
-    V(("-sp", "--special"), ACCEPTED, "special tokens are rendered as llama-server's server does"),
+    V(("-sp", "--special"), WIRED, "write generated special tokens into the reply's text (default: they add "
+      "none)", lands="EngineConfig.generation.special"),
     V(("--warmup",), ACCEPTED, "the node always runs its warm-up step at start",
       neg=("--no-warmup",)),
-    V(("--spm-infill",), REFUSED, "no /infill endpoint"),
+    V(("--spm-infill",), REFUSED, "/infill is not served (501), so there is no infill prompt order to choose"),
     V(("--pooling",), WIRED, "pooling of embeddings: none, mean, cls, last or rank (default: the model's)",
       value="{none,mean,cls,last,rank}", type=t.choice("none", "mean", "cls", "last", "rank"),
       env="LLAMA_ARG_POOLING", lands="EngineConfig.llama.pooling"),
@@ -76,7 +76,9 @@ FLAGS: list[Flag] = [
       lands="ServerConfig.host"),
     V(("--port",), WIRED, "TCP port for HTTP, Hydra and ggml-RPC, 0-65535 (0 = any free port)", value="PORT",
       type=t.port, default=8080, env="LLAMA_ARG_PORT", lands="ServerConfig.port"),
-    V(("--reuse-port",), REFUSED, "SO_REUSEPORT is not supported: one process per port", env="LLAMA_ARG_REUSE_PORT"),
+    V(("--reuse-port",), WIRED, "listen with SO_REUSEPORT: other processes started with it may listen on the "
+      "same port, the kernel shares the connections out among them", env="LLAMA_ARG_REUSE_PORT",
+      lands="ServerConfig.reuse_port"),
     V(("--path",), REFUSED, NO_UI + "; it serves no other static files", value="PATH", env="LLAMA_ARG_STATIC_PATH"),
     V(("--cors-origins",), WIRED, "comma-separated origins allowed by CORS (default: *)", value="ORIGINS",
       type=t.csv, env="LLAMA_ARG_CORS_ORIGINS", lands="HttpSettings.cors_origins"),
@@ -165,16 +167,21 @@ FLAGS: list[Flag] = [
     V(("--reasoning-budget-message",), WIRED, "text forced before the end-of-thinking marker when the thinking "
       "budget is spent (default: none)", value="MESSAGE", env="LLAMA_ARG_THINK_BUDGET_MESSAGE",
       lands="EngineConfig.reasoning_budget_message"),
-    V(("--reasoning-preserve",), ACCEPTED, "the chat template decides whether past thinking is kept",
-      neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE"),
+    V(("--reasoning-preserve",), WIRED, "keep past thinking in the history: the template variable "
+      "preserve_reasoning (default: on, as llama-server), from which preserve_thinking, clear_thinking, "
+      "truncate_history_thinking and drop_thinking follow for templates that read them",
+      neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE", extra={"default": None},
+      lands="EngineConfig.chat_template_kwargs"),
     V(("--chat-template",), WIRED, "chat template: a built-in name (hydra-trio models templates), a Jinja file "
       "or Jinja text (default: the GGUF's; chatml when it has none)", value="JINJA_TEMPLATE",
       type=t.chat_template_value, env="LLAMA_ARG_CHAT_TEMPLATE", lands="EngineConfig.chat_template"),
     V(("--chat-template-file",), WIRED, "a Jinja chat template file", value="JINJA_TEMPLATE_FILE",
       type=t.chat_template_file, env="LLAMA_ARG_CHAT_TEMPLATE_FILE", lands="EngineConfig.chat_template"),
-    V(("--skip-chat-parsing",), ACCEPTED, "replies are not parsed for thinking or tool calls yet",
-      neg=("--no-skip-chat-parsing",), env="LLAMA_ARG_SKIP_CHAT_PARSING"),
-    V(("--prefill-assistant",), ACCEPTED, NOT_YET + " (a final assistant message is rendered by the template)",
+    V(("--skip-chat-parsing",), WIRED, "a chat reply is content whole: thinking is not split into "
+      "reasoning_content, tool calls are neither parsed nor constrained by a grammar (default: off)",
+      neg=("--no-skip-chat-parsing",), env="LLAMA_ARG_SKIP_CHAT_PARSING", lands="EngineConfig.skip_chat_parsing"),
+    V(("--prefill-assistant",), ACCEPTED, "a final assistant message is rendered as a closed turn and the reply "
+      "starts a new one, as llama-server's --no-prefill-assistant; continuing that message is not supported yet",
       neg=("--no-prefill-assistant",), env="LLAMA_ARG_PREFILL_ASSISTANT"),
     V(("-sps", "--slot-prompt-similarity"), WIRED, "how much a prompt must match a slot's cached prompt to use "
       "that slot (0.0 = off)", value="SIMILARITY", type=t.float_range(0.0, 1.0), dest="slot_prompt_similarity",

@@ -281,6 +281,7 @@ class GenerationDefaults:
         stop: stop strings for a request whose stop list (with its chat template's) is empty
             (``-r/--reverse-prompt``, llama-server's ``antiprompt``).
         cache_prompt: reuse a slot's cached prefix (``--cache-prompt`` / ``--no-cache-prompt``).
+        special: write generated special tokens into the reply's text (``-sp/--special``; not a request field).
     """
 
     samplers: tuple[str, ...] | None = None
@@ -291,6 +292,7 @@ class GenerationDefaults:
     adaptive_decay: float = attrs.field(default=0.9, validator=_float(0.0, 0.99))
     stop: tuple[str, ...] = ()
     cache_prompt: bool = True
+    special: bool = False
 
     def as_json(self) -> dict[str, Any]:
         """The fields ``/props`` shows in ``default_generation_settings.params`` (llama-server's names)."""
@@ -413,6 +415,7 @@ class LlamaOptions:
     n_cpu_ffn: int = 0  # -ncffn
     embeddings: bool = False  # --embedding: the context outputs embeddings (llama_context_params.embeddings)
     pooling: str | None = None  # --pooling none|mean|cls|last|rank; None = the model's
+    kv_overrides: tuple[tuple[str, str, Any], ...] = ()  # --override-kv: (key, int|float|bool|str, value)
 
     def __attrs_post_init__(self) -> None:
         problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)
@@ -504,6 +507,8 @@ class EngineConfig:
             (``--reasoning-budget-message``; a request's ``reasoning_budget_message`` overrides it).
         generation: the defaults of a request's other fields: sampler order, ``ignore_eos``, logit biases,
             grammar, stop strings, ``cache_prompt`` (:class:`GenerationDefaults`).
+        skip_chat_parsing: a chat reply is content whole: no thinking split off, no tool calls parsed and
+            no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
 
     Raises:
         ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
@@ -549,3 +554,4 @@ class EngineConfig:
     reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, INT32_MAX))
     reasoning_budget_message: str = ""
     generation: GenerationDefaults = GenerationDefaults()
+    skip_chat_parsing: bool = False

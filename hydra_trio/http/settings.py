@@ -7,7 +7,6 @@ from contextlib import asynccontextmanager
 
 import attrs
 import trio
-import trio.testing
 
 
 @attrs.frozen
@@ -72,11 +71,14 @@ async def waiting_for_client(timeout: float | None) -> AsyncIterator[trio.Cancel
         with trio.move_on_after(timeout) as scope:
             yield scope
     else:
+        # here: trio.testing imports importlib.metadata, which a node does not otherwise need
+        from trio.testing import wait_all_tasks_blocked
+
         cutter = trio.CancelScope()
 
         async def cut_off() -> None:
             with cutter:  # trio's "every task is blocked": its I/O poll with a zero timeout found nothing to do
-                await trio.testing.wait_all_tasks_blocked()
+                await wait_all_tasks_blocked()
                 scope.cancel()
 
         with trio.CancelScope() as scope:
