@@ -50,3 +50,14 @@ def test_sampling_values_past_a_samplers_range_mean_what_they_mean_in_llama_serv
     assert s.min_p == 0.0  # p <= 0: off
     assert (s.xtc_probability, s.xtc_threshold) == (1.0, 0.0)
     assert s.dry_base == 1.75  # arg.cpp keeps the default for a base below 1
+
+
+def test_every_value_below_a_floor_means_what_the_floor_means() -> None:
+    from hydra_trio.cli.run import engine_config, llama_options
+
+    args = parse("-np", "-5", "-cram", "-7", "-ctxcp", "-1", "--cache-reuse", "-3")
+    cfg = engine_config(args, llama_options(args))
+    # server.cpp: any negative -np is auto (4 slots, unified KV); a negative --cache-ram is no limit; checkpoints
+    # and cache reuse at 0 or less are off
+    assert (cfg.n_parallel, cfg.llama.kv_unified) == (4, True)
+    assert (cfg.cache_ram_mib, cfg.n_ctx_checkpoints, cfg.n_cache_reuse) == (-1, 0, 0)

@@ -104,15 +104,30 @@ port = int_range(0, 65535, "a TCP port; 0 = any free port")
 
 def n_parallel(text: str) -> int:
     """``-np N``: slots, 1 to :data:`~hydra_trio.engine.settings.N_PARALLEL_MAX` (llama.cpp's most sequences, the
-    bound CONFIGURE uses too), or -1 (llama-server's auto)."""
+    bound CONFIGURE uses too), or below 0 for llama-server's auto (``tools/server/server.cpp``: any negative
+    value), returned as -1."""
     try:
         value = int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value != -1 and not 1 <= value <= N_PARALLEL_MAX:
+    if value < 0:
+        return -1
+    if not 1 <= value <= N_PARALLEL_MAX:
         raise argparse.ArgumentTypeError(
-            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or -1 (auto), got {value}")
+            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or below 0 (auto), got {value}")
     return value
+
+
+def int_at_least(floor: int, hi: int = INT32_MAX) -> Callable[[str], int]:
+    """A 32-bit integer up to ``hi``; one below ``floor`` is ``floor``, where llama-server gives every value
+    below it the same meaning (``--cache-ram`` below 0: no limit; ``--ctx-checkpoints``, ``--cache-reuse`` 0
+    or less: off)."""
+    parse_int = int_range(INT32_MIN, hi)
+
+    def parse(text: str) -> int:
+        return max(floor, parse_int(text))
+
+    return _named(parse, "integer")
 
 
 def choice(*values: str) -> Callable[[str], str]:

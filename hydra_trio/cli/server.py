@@ -25,15 +25,15 @@ FLAGS: list[Flag] = [
       "-c is split evenly over the slots", value="N", env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
     V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), WIRED, "context checkpoints kept per slot for "
       "recurrent, hybrid and SWA models: a diverging prompt resumes from the latest one instead of being "
-      "evaluated whole (default: 32; 0 = off)", value="N", type=t.int_range(0, t.INT32_MAX),
+      "evaluated whole (default: 32; 0 or less = off)", value="N", type=t.int_at_least(0),
       env="LLAMA_ARG_CTX_CHECKPOINTS", dest="n_ctx_checkpoints", lands="EngineConfig.n_ctx_checkpoints"),
     V(("-cms", "--checkpoint-min-step"), WIRED, "minimum spacing in tokens between context checkpoints of "
       "different requests once a slot's are full (default: 8192; 0 = no minimum)", value="N",
       type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", dest="checkpoint_min_step",
       lands="EngineConfig.checkpoint_min_step"),
     V(("-cram", "--cache-ram"), WIRED, "host-RAM prompt cache in MiB: slots' KV states kept by their tokens and "
-      "restored for a prompt that starts with them (default: 8192, -1 = no limit, 0 = off)", value="N",
-      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM", dest="cache_ram_mib",
+      "restored for a prompt that starts with them (default: 8192, below 0 = no limit, 0 = off)", value="N",
+      type=t.int_at_least(-1), env="LLAMA_ARG_CACHE_RAM", dest="cache_ram_mib",
       lands="EngineConfig.cache_ram_mib"),
     V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; each slot still holds at most "
       "n_ctx/n_parallel tokens (-np -1 turns it on, as llama-server)", neg=("-no-kvu", "--no-kv-unified"),
@@ -57,7 +57,7 @@ FLAGS: list[Flag] = [
     V(("--pooling",), WIRED, "pooling of embeddings: none, mean, cls, last or rank (default: the model's)",
       value="{none,mean,cls,last,rank}", type=t.choice("none", "mean", "cls", "last", "rank"),
       env="LLAMA_ARG_POOLING", lands="EngineConfig.llama.pooling"),
-    V(("-np", "--parallel"), WIRED, "number of slots, 1-256 (-1 = auto: 4)", value="N",
+    V(("-np", "--parallel"), WIRED, "number of slots, 1-256 (below 0 = auto: 4)", value="N",
       type=t.n_parallel, default=EngineConfig.__attrs_attrs__.n_parallel.default, env="LLAMA_ARG_N_PARALLEL",
       lands="EngineConfig.n_parallel"),
     V(("-cb", "--cont-batching"), ACCEPTED, "continuous batching is always on", neg=("-nocb", "--no-cont-batching"),
@@ -129,8 +129,8 @@ FLAGS: list[Flag] = [
     V(("--cache-prompt",), WIRED, "reuse a slot's cached prefix, for every request that sends no cache_prompt "
       "(default: on)", neg=("--no-cache-prompt",), default=True, env="LLAMA_ARG_CACHE_PROMPT", dest="cache_prompt",
       lands="EngineConfig.generation.cache_prompt"),
-    V(("--cache-reuse",), WIRED, "minimum chunk of cached tokens to reuse by shifting the KV cache (0 = off)",
-      value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
+    V(("--cache-reuse",), WIRED, "minimum chunk of cached tokens to reuse by shifting the KV cache (0 or less = off)",
+      value="N", type=t.int_at_least(0), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
       lands="EngineConfig.n_cache_reuse"),
     V(("--metrics",), ACCEPTED, "/metrics is always on", env="LLAMA_ARG_ENDPOINT_METRICS"),
     V(("--props",), WIRED, "offer POST /props (as llama-server at this version it sets no property: "
