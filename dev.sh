@@ -4,7 +4,9 @@
 #   ./dev.sh test [pytest args...]           set up, then run the whole test suite
 #   ./dev.sh setup                           only set up (.venv with everything installed)
 #   ./dev.sh cmake-args                      print the CMake flags llama.cpp is built with here
-#                                            (CUDA when the machine has nvcc; HYDRA_TRIO_CUDA=0|1 forces it)
+#                                            (CUDA when the machine has nvcc; HYDRA_TRIO_CUDA=0|1 forces it;
+#                                            HYDRA_TRIO_CPU=native|x86-64-v3|x86-64-v4|LIST picks the x86
+#                                            instruction sets, see cpu_cmake_args)
 # Needs only Python 3.11, gcc and cmake; llama-cpp-python is built from source
 # (no binary wheels on the registry) with ggml-RPC on and native CPU tuning off.
 set -euo pipefail
@@ -15,27 +17,46 @@ PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null 2>&1 || PY=python3
 LLAMA_CPP_PYTHON_VERSION=0.3.36
 
-# ggml's CPU flags, from what this CPU really has. GGML_NATIVE=ON (llama.cpp's
-# default) is not used: on some machines here the CPU advertises AMX that it
-# cannot run, and the native build dies with SIGSEGV in the AMX kernel; a
-# fixed AVX-512 list dies with SIGILL on AVX2-only CPUs (AMD EPYC seen here).
-# So: native off, each x86 extension on only if /proc/cpuinfo lists it, AMX never.
+# ggml's CPU flags.  GGML_NATIVE=ON (llama.cpp's default) is never used: on some
+# machines here the CPU advertises AMX that it cannot run, and the native build
+# dies with SIGSEGV in the AMX kernel; a fixed AVX-512 list dies with SIGILL on
+# AVX2-only CPUs (AMD EPYC seen here).  HYDRA_TRIO_CPU chooses the instruction
+# sets (AMX is never on):
+#   native (default)  each x86 extension that /proc/cpuinfo lists
+#   x86-64-v3         AVX, AVX2, FMA, F16C, BMI2 (any AVX2 CPU; what a packager ships for most machines)
+#   x86-64-v4         x86-64-v3 and AVX-512 (F/BW/DQ/VL/CD)
+#   a comma list      exactly those, by cpuinfo name: avx,avx2,fma,f16c,bmi2,avx_vnni,avx512f,avx512vbmi,
+#                     avx512_vnni,avx512_bf16 (e.g. HYDRA_TRIO_CPU=avx,avx2,fma,f16c)
+# The wheel cache is keyed by the resulting flags, so builds for several sets live side by side.
 cpu_cmake_args() {
-  "$PY" - <<'PYEOF'
-import platform
-flags = set()
-try:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-except OSError:
-    pass
+  HYDRA_TRIO_CPU="${HYDRA_TRIO_CPU:-native}" "$PY" - <<'PYEOF'
+import os, platform, sys
+EXTENSIONS = [("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("bmi2", "BMI2"),
+              ("avx_vnni", "AVX_VNNI"), ("avx512f", "AVX512"), ("avx512vbmi", "AVX512_VBMI"),
+              ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16")]
+V3 = {"avx", "avx2", "fma", "f16c", "bmi2"}
+LEVELS = {"x86-64-v3": V3, "x86-64-v4": V3 | {"avx512f"}}
+choice = os.environ["HYDRA_TRIO_CPU"].strip().lower()
+if choice == "native":
+    flags = set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+elif choice in LEVELS:
+    flags = LEVELS[choice]
+else:
+    flags = {f.strip() for f in choice.split(",") if f.strip()}
+    unknown = flags - {name for name, _ in EXTENSIONS}
+    if unknown:
+        sys.exit(f"HYDRA_TRIO_CPU: unknown instruction set {', '.join(sorted(unknown))} (native, x86-64-v3, "
+                 f"x86-64-v4 or a comma list of {', '.join(name for name, _ in EXTENSIONS)})")
 opts = ["-DGGML_RPC=ON", "-DGGML_NATIVE=OFF"]
 if platform.machine() in ("x86_64", "AMD64"):
-    for flag, opt in [("avx", "AVX"), ("avx2", "AVX2"), ("fma", "FMA"), ("f16c", "F16C"), ("bmi2", "BMI2"),
-                      ("avx_vnni", "AVX_VNNI"), ("avx512f", "AVX512"), ("avx512_vbmi", "AVX512_VBMI"),
-                      ("avx512_vnni", "AVX512_VNNI"), ("avx512_bf16", "AVX512_BF16")]:
+    for flag, opt in EXTENSIONS:
         opts.append(f"-DGGML_{opt}={'ON' if flag in flags else 'OFF'}")
 print(" ".join(opts))
 PYEOF
@@ -61,9 +82,10 @@ gpu_cmake_args() {
 
 # every CMake flag llama.cpp is built with here (the wheel and bench/build_llama_server.sh)
 cmake_args() {
-  local gpu
+  local cpu gpu
+  cpu="$(cpu_cmake_args)"
   gpu="$(gpu_cmake_args)"
-  echo "$(cpu_cmake_args)${gpu:+ $gpu}"
+  echo "$cpu${gpu:+ $gpu}"
 }
 
 # The llama-cpp-python sdist, kept in the cache: the wheel builds from it, bench/build_llama_server.sh

@@ -44,6 +44,8 @@ CONTROL = [  # (op, key, payload) of every op that changes the node
 
 
 def metric(base: str, name: str, headers: dict | None = None) -> float:
+    """A sample of ``/metrics``, read with the key (llama-server's ``--api-key`` protects ``/metrics``)."""
+    headers = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
     text = httpx.get(base + "/metrics", headers=headers, timeout=LONG).text
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
@@ -119,15 +121,53 @@ def test_wrong_keys_are_401_never_500(node: ServerProcess, headers: dict) -> Non
 @pytest.mark.parametrize("headers", [
     {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"bearer   {FILE_KEY}"},
     {"Authorization": KEY}, {"X-Api-Key": FILE_KEY},  # llama-server accepts the last two as well
+    # llama-server (tools/server/server-http.cpp) reads X-Api-Key when Authorization is empty, and takes
+    # "Bearer " off whichever header it read
+    {"Authorization": "", "X-Api-Key": KEY}, {"X-Api-Key": f"Bearer {FILE_KEY}"},
 ])
 def test_key_forms_llama_server_accepts(node: ServerProcess, headers: dict) -> None:
     assert httpx.get(node.base + "/v1/models", headers=headers, timeout=LONG).status_code == 200
 
 
-def test_health_metrics_and_preflight_stay_open(node: ServerProcess) -> None:
-    assert httpx.get(node.base + "/health", timeout=LONG).json()["status"] == "ok"
+@pytest.mark.parametrize("headers, key", [
+    ([(b"authorization", b"Bearer k1"), (b"x-api-key", b"k2")], b"k1"),  # Authorization wins
+    ([(b"authorization", b""), (b"x-api-key", b"k2")], b"k2"),
+    ([(b"authorization", b"  "), (b"x-api-key", b"Bearer k2")], b"k2"),
+    ([(b"x-api-key", b"bearer k2")], b"k2"),
+    ([(b"authorization", b"Basic k1")], b"Basic k1"),  # another scheme: the whole value, a wrong key
+    ([(b"authorization", b"")], None),
+    ([], None),
+])
+def test_bearer_key_reads_headers_as_llama_server(headers: list, key: bytes | None) -> None:
+    assert bearer_key(headers) == key
+
+
+def test_open_set_is_llama_servers(node: ServerProcess) -> None:
+    """Without a key: llama-server's public endpoints (/health, /v1/health; tools/server/server-http.cpp,
+    ``get_public_endpoints``), the status page's files and CORS preflights.  /metrics needs the key, as in
+    llama-server, and so does the status page's data (its event stream)."""
+    for path in ("/health", "/v1/health"):
+        r = httpx.get(node.base + path, timeout=LONG)
+        assert r.status_code == 200 and r.json()["status"] == "ok", (path, r.text)
+    for path in ("/", "/static/status.js", "/static/status.css"):
+        assert httpx.get(node.base + path, timeout=LONG).status_code == 200, path
+    before = metric(node.base, 'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}')
     r = httpx.get(node.base + "/metrics", timeout=LONG)
-    assert r.status_code == 200 and "hydra_trio:refused_total" in r.text
+    assert r.status_code == 401 and r.json() == UNAUTHORIZED and "llamacpp:" not in r.text
+    assert httpx.get(node.base + "/metrics", headers={"X-Api-Key": KEY}, timeout=LONG).status_code == 200
+    r = httpx.get(node.base + "/v1/events", headers={"Connection": "Upgrade", "Upgrade": "websocket",
+                                                     "Sec-WebSocket-Version": "13",
+                                                     "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}, timeout=LONG)
+    assert r.status_code == 401 and r.json() == UNAUTHORIZED
+    after = metric(node.base, 'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}')
+    assert after - before == 2
+    # an OPTIONS that is not a preflight passes the key check but carries no node data
+    r = httpx.options(node.base + "/slots", timeout=LONG)
+    assert r.status_code != 200 and "n_ctx" not in r.text
+
+
+def test_health_and_preflight_stay_open(node: ServerProcess) -> None:
+    assert httpx.get(node.base + "/health", timeout=LONG).json()["status"] == "ok"
     r = httpx.options(node.base + "/v1/chat/completions", timeout=LONG, headers={
         "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization, content-type"})
@@ -261,6 +301,7 @@ def test_rpc_from_outside_the_allow_list_is_closed_before_any_reply(node: Server
 
 
 def test_open_rpc_on_a_public_address_warns_once_and_metrics_auth(tmp_path: Path) -> None:
+    # --metrics-auth, once needed to protect /metrics, is the default now and still accepted
     srv = ServerProcess(tmp_path / "public.log", "--no-model", "--host", "0.0.0.0", "--api-key", KEY,
                         "--metrics-auth")
     try:
@@ -271,6 +312,21 @@ def test_open_rpc_on_a_public_address_warns_once_and_metrics_auth(tmp_path: Path
         assert metric(srv.base, 'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}',
                       headers={"Authorization": f"Bearer {KEY}"}) == 1
         assert httpx.get(srv.base + "/health", timeout=LONG).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+def test_no_metrics_auth_opens_metrics_only(tmp_path: Path) -> None:
+    """The opt-in for a Prometheus without credentials: /metrics open, the rest as llama-server's --api-key."""
+    srv = ServerProcess(tmp_path / "open-metrics.log", "--no-model", "--api-key", KEY, "--no-metrics-auth")
+    try:
+        srv.wait_ready()
+        r = httpx.get(srv.base + "/metrics", timeout=LONG)
+        assert r.status_code == 200 and "hydra_trio:refused_total" in r.text
+        for path in ("/v1/models", "/slots", "/props"):
+            r = httpx.get(srv.base + path, timeout=LONG)
+            assert r.status_code == 401 and r.json() == UNAUTHORIZED, path
+        assert metric(srv.base, 'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}', {}) == 3
     finally:
         assert srv.stop() == 0, srv.log()
 

@@ -159,8 +159,8 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     wait_for(lambda: info(a.port)["mode"] == "solo", timeout=30)
     meta = info(a.port)
     assert meta["peer_reachable"] is False and meta["combined_head_attached"] is False and meta["fallback_reason"]
-    # the worker waits inside that decode for good, with the OpenMP team it computed with: said in the log
-    assert "keeps its OpenMP threads" in a.log()
+    # the worker waits inside that decode for good; it released the OpenMP team it computed with, on a signal
+    assert "the stuck worker released its OpenMP threads" in a.log() and "keeps its OpenMP threads" not in a.log()
     assert complete(a.base) == dense
     assert a.proc.poll() is None
 
@@ -235,6 +235,32 @@ def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> No
     assert compute_threads(a.proc.pid) - threads_solo == set()
     # and the log does not claim otherwise: the parked worker had released its team at the flip to SOLO
     assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
+    assert a.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_a_peer_that_dies_mid_decode_leaves_one_openmp_team(spawn) -> None:
+    """The peer dies while COMBINED decodes: the request fails, the head goes back to SOLO, and the worker
+    stuck inside that decode for good frees its OpenMP team (on a signal, engine/openmp.py), so SOLO's
+    team is the only one and libgomp does not throttle SOLO's barriers (two teams on 2 cores: SOLO at
+    0.80-0.94x; bench/peer_death.py measures it)."""
+    b = spawn("--no-model")
+    b.wait_ready()
+    a = combined_head(spawn, b.port)
+    text = complete(a.base)
+    status, sw = set_mode(a.port, b"solo")
+    assert status == Status.OK and sw["mode"] == "solo"
+    assert complete(a.base) == text
+    n_solo = len(compute_threads(a.proc.pid))  # SOLO's team, the worker (its team freed at the flip), ggml-RPC's
+    status, sw = set_mode(a.port, b"combined")
+    assert status == Status.OK and sw["success"] is True
+
+    reply = peer_dies_mid_request(a, b)
+    assert reply.status_code == 500 and "died mid-request" in reply.json()["error"]["message"]
+    wait_for(lambda: info(a.port)["mode"] == "solo", timeout=60)
+    assert complete(a.base) == text
+    wait_for(lambda: len(compute_threads(a.proc.pid)) == n_solo, timeout=60, what="the stuck worker's team freed")
+    assert "the stuck worker released its OpenMP threads" in a.log() and "keeps its OpenMP threads" not in a.log()
     assert a.proc.poll() is None
 
 

@@ -151,6 +151,10 @@ BAD_NAMES = [
     (" lead.bin", "start with"),
     ("ok..bin", ".."),
     ("\u2215slash.bin", "'∕'"),
+    # the rest of fs_validate_filename's list (common/common.cpp): every character it forbids
+    *((f"a{ch}b.bin", repr(ch)) for ch in '*?"<>|\uff0e\u2216\ufffd\ufeff'),
+    ("del\x7f.bin", "U+007F"),
+    ("c1\x85.bin", "U+0085"),
 ]
 
 
@@ -250,6 +254,7 @@ def test_refused_restores_change_nothing(node: Node) -> None:
             assert n_past(c) == held, name
         assert "no file 'missing.bin'" in messages["missing.bin"]
         assert "not a hydra-trio state blob" in messages["garbage.bin"]
+        assert repr(files["garbage.bin"][:4]) not in messages["garbage.bin"]  # no byte of the file quoted
         assert "corrupt" in messages["flipped.bin"]
         assert "another model file" in messages["other-file.bin"]
         assert "n_layer: this node 30, the blob 31" in messages["other-model.bin"]
@@ -258,6 +263,47 @@ def test_refused_restores_change_nothing(node: Node) -> None:
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == again["usage"]["prompt_tokens"] - 1
         for name in [*files, "good.bin"]:
             (node.slot_dir / name).unlink()
+
+
+def test_links_in_the_slot_directory_are_never_followed(node: Node) -> None:
+    """A symbolic link planted in the slot save path reaches nothing: restore opens the name without following
+    it (O_NOFOLLOW), save refuses it and leaves the link and its target as they were, and no refusal quotes a
+    byte of any file.  (llama-server follows links both ways: ``fopen`` of ``slot_save_path + filename``.)"""
+    secret = node.outside / "secret.txt"
+    secret.write_bytes(b"root:x:0:0:SECRET-LINE\n" * 200)
+    with node.client() as c:
+        assert action(c, "erase").status_code == 200
+        complete(c)
+        assert action(c, "save", {"filename": "good.bin"}).status_code == 200
+        good_outside = node.outside / "good-outside.bin"  # a slot file this node would restore, outside
+        good_outside.write_bytes((node.slot_dir / "good.bin").read_bytes())
+        (node.slot_dir / "good.bin").unlink()
+        (node.outside / "adir").mkdir(exist_ok=True)
+        links = {"to-secret.bin": secret, "to-good.bin": good_outside, "to-dir.bin": node.outside / "adir",
+                 "dangling.bin": node.outside / "nothing-here.bin", "relative.bin": Path("../secret.txt")}
+        for name, target in links.items():
+            os.symlink(target, node.slot_dir / name)
+        (node.slot_dir / "plain.bin").write_bytes(b"root:" + os.urandom(4000))  # a regular file, not a blob
+        held = n_past(c)
+        try:
+            for name in links:
+                message = error_of(action(c, "restore", {"filename": name}), 400)
+                assert message.startswith("filename:") and "symbolic link" in message, (name, message)
+                assert "root" not in message and "SECRET" not in message
+                assert n_past(c) == held, name
+            message = error_of(action(c, "restore", {"filename": "plain.bin"}), 400)
+            assert "not a hydra-trio state blob" in message and "root" not in message, message
+            for name in links:
+                message = error_of(action(c, "save", {"filename": name}), 400)
+                assert message.startswith("filename:") and "symbolic link" in message, (name, message)
+                assert (node.slot_dir / name).is_symlink() and os.readlink(node.slot_dir / name) == str(links[name])
+            assert secret.read_bytes() == b"root:x:0:0:SECRET-LINE\n" * 200
+            assert good_outside.read_bytes()[:4] == state.BLOB_MAGIC
+            assert not (node.outside / "nothing-here.bin").exists() and os.listdir(node.outside / "adir") == []
+            assert not [n for n in os.listdir(node.slot_dir) if n.endswith(".part")]
+        finally:
+            for name in [*links, "plain.bin"]:
+                (node.slot_dir / name).unlink()
 
 
 def test_busy_slot_is_refused(node: Node) -> None:

@@ -222,6 +222,7 @@ def _job(
         adaptive_target=body.adaptive_target,
         adaptive_decay=body.adaptive_decay,
         t_max_predict_ms=max(0, body.t_max_predict_ms),
+        stream=bool(body.stream), timings_per_token=bool(body.timings_per_token),
     )
     return node_defaults(m, body, job, defaults.generation)
 
@@ -285,18 +286,19 @@ def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) ->
 
     Raises RequestError naming the field.
     """
-    field, gbnf = "grammar", body.grammar
-    schema = body.json_schema if body.json_schema is not None else body.json_response_schema()
-    if schema is not None:
-        field = "json_schema" if body.json_schema is not None else "response_format"
+    got = body.constraint()  # which of the fields is in effect: the request class's (llama-server's) order
+    if got is None:
+        return None
+    field, value = got
+    if isinstance(value, str):
+        gbnf = value
+    else:
         from llama_cpp.llama_grammar import JSON_GBNF  # here: only a JSON-constrained request needs the module
 
         try:
-            gbnf = JSON_GBNF if schema in ({}, {"type": "object"}) else schema_to_gbnf(schema)
+            gbnf = JSON_GBNF if value in ({}, {"type": "object"}) else schema_to_gbnf(value)
         except SchemaError as exc:
             raise RequestError(f"{field}: {exc}"[:1000]) from None
-    if gbnf is None:
-        return None
     try:
         check_grammar(m.vocab, gbnf)
     except GrammarError as exc:

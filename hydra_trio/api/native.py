@@ -1,4 +1,5 @@
-"""llama-server's native reply shapes (``POST /completion``), sans-I/O: engine events in, JSON objects out.
+"""llama-server's native reply shapes (``POST /completion``; a task's ``params`` for ``/slots`` and ``/props``,
+:func:`task_params`; ``GET /v1/models``, :func:`models_reply`), sans-I/O: engine events in, JSON objects out.
 
 The shapes are llama-server's at the version this package runs
 (``tools/server/server-task.cpp``: ``server_task_result_cmpl_final`` /
@@ -27,6 +28,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from ..engine.engine import Engine
+from ..engine.model import model_meta
 from ..engine.requests import CompletionJob, Finished, SlotAssigned, TextDelta
 from ..engine.settings import SAMPLER_ORDER
 from .schemas import CompletionRequest
@@ -65,30 +68,60 @@ def select_fields(paths: Sequence[str], obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def generation_settings(body: CompletionRequest, job: CompletionJob, stream: bool) -> dict[str, Any]:
-    """``generation_settings``: the request's parameters in effect (``task_params::to_json``)."""
+def task_params(job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = "none") -> dict[str, Any]:
+    """A request's parameters as llama-server's ``task_params::to_json(only_metrics=true)`` writes them
+    (``tools/server/server-task.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors): a slot's
+    ``params`` in ``/slots``, ``default_generation_settings.params`` in ``/props``::
+
+        {sampler settings (SamplingParams.to_json), "adaptive_target", "adaptive_decay", "max_tokens",
+         "n_predict", "n_keep", "n_discard", "ignore_eos", "stream", "n_probs", "chat_format",
+         "reasoning_format", "reasoning_in_content", "generation_prompt", "samplers", "speculative.types",
+         "timings_per_token", "post_sampling_probs", "backend_sampling", "lora"}
+
+    ``n_keep``: the node's (``--keep``) for a job that sets none; ``reasoning_format``: the node's
+    (``--reasoning-format``) for a job that is not a chat reply (a chat reply's is the one it is parsed
+    with).  ``chat_format`` is ``Content-only`` (no llama.cpp chat parser reads the reply here),
+    ``generation_prompt`` empty, ``speculative.types`` ``none`` and ``lora`` empty (no draft model, no
+    adapters)."""
+    fmt = getattr(job.chat_reply, "fmt", None) or reasoning_format
     return {
         **job.sampling.to_json(),
-        "adaptive_target": job.adaptive_target,
-        "adaptive_decay": job.adaptive_decay,
-        "stop": list(job.stop),
+        "adaptive_target": float(job.adaptive_target),
+        "adaptive_decay": float(job.adaptive_decay),
         "max_tokens": job.n_predict,
         "n_predict": job.n_predict,
-        "n_keep": job.n_keep if job.n_keep is not None else 0,
+        "n_keep": job.n_keep if job.n_keep is not None else n_keep,
         "n_discard": job.n_discard,
         "ignore_eos": job.ignore_eos,
+        "stream": job.stream,
+        "n_probs": job.n_probs,
+        "chat_format": "Content-only",
+        "reasoning_format": fmt,
+        "reasoning_in_content": job.stream and fmt == "deepseek-legacy",
+        "generation_prompt": "",
+        "samplers": list(job.samplers if job.samplers is not None else SAMPLER_ORDER),
+        "speculative.types": "none",
+        "timings_per_token": job.timings_per_token,
+        "post_sampling_probs": False,
+        "backend_sampling": False,
+        "lora": [],
+    }
+
+
+def generation_settings(body: CompletionRequest, job: CompletionJob, stream: bool) -> dict[str, Any]:
+    """``generation_settings``: the request's parameters in effect (``task_params::to_json``: :func:`task_params`
+    and the fields it writes beyond them)."""
+    return {
+        **task_params(job),
+        "stop": list(job.stop),
         "stream": stream,
         # a banned token's -inf is null, as llama-server's JSON writes it
         "logit_bias": [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in job.logit_bias],
-        "n_probs": job.n_probs,
         "grammar": job.grammar or "",
-        "samplers": list(job.samplers if job.samplers is not None else SAMPLER_ORDER),
         "timings_per_token": body.timings_per_token,
-        "post_sampling_probs": False,
         "t_max_predict_ms": job.t_max_predict_ms,
         "cache_prompt": job.cache_prompt,
         "id_slot": job.id_slot,
-        "lora": [],
     }
 
 
@@ -200,3 +233,42 @@ class NativeCompletion:
         if not stream and self.probs:
             body["completion_probabilities"] = self.probs
         return select_fields(self.response_fields, body) if self.response_fields else body
+
+
+def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
+    """``GET /v1/models`` (and ``/models``), llama-server's shape (``get_res_models`` and
+    ``get_res_model_info`` in ``tools/server/server-context.cpp``) with the node's keys::
+
+        {"object": "list",
+         "data": [{"id": alias, "aliases": [], "tags": [], "object": "model", "created", "owned_by",
+                   "status": {"value": "loaded"|"loading"},
+                   "meta": {"model_path", "model_hash", and once loaded "vocab_type", "n_vocab", "n_ctx"
+                            (tokens per slot), "n_ctx_train", "n_embd", "n_params", "size", "ftype"}}],
+         "models": [{"name", "model", "modified_at": "", "size": "", "digest": "", "type": "model",
+                     "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                     "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                                 "parameter_size": "", "quantization_level": ""}}]}
+
+    ``created``: Unix seconds (the node's start); ``data`` and ``models`` are empty on a node without a
+    model (``e`` None, or no identity yet)."""
+    data: list[dict[str, Any]] = []
+    listed: list[dict[str, Any]] = []
+    if e is not None and e.identity is not None:
+        alias = e.identity.model_alias
+        meta: dict[str, Any] = {"model_path": e.identity.model_path, "model_hash": e.identity.model_hash}
+        m = e.solo_model or e.model
+        if e.ready and m is not None:
+            facts = model_meta(m)
+            meta.update(vocab_type=facts["vocab_type"], n_vocab=facts["n_vocab"], n_ctx=e.n_ctx_slot,
+                        n_ctx_train=facts["n_ctx_train"], n_embd=facts["n_embd"], n_params=facts["n_params"],
+                        size=facts["size"], ftype=facts["ftype"])
+        data.append({"id": alias, "aliases": [], "tags": [], "object": "model", "created": created,
+                     "owned_by": "hydra-trio", "status": {"value": "loaded" if e.ready else "loading"},
+                     "meta": meta})
+        listed.append({
+            "name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
+            "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+            "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                        "parameter_size": "", "quantization_level": ""},
+        })
+    return {"models": listed, "object": "list", "data": data}

@@ -30,6 +30,9 @@ RequestError = msg.MessageError
 """An invalid request body; the message names the field (HTTP 400)."""
 
 MAX_TOP_LOGPROBS = 20
+DEFAULT_TOP_LOGPROBS = 20
+"""Alternatives per token for a chat request with ``logprobs: true`` and no ``top_logprobs`` (llama-server's
+``oaicompat_chat_params_parse``, ``tools/server/server-common.cpp``)."""
 REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # hydra_trio.api.reasoning.FORMATS
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """``reasoning_effort`` levels: OpenAI's, and llama-server's ``--reasoning-effort`` ones (``max``)."""
@@ -82,7 +85,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "lora": ((),),
     "image_data": ((),),
     "n_indent": (0,),
-    "n_cmpl": (1,),
     "return_progress": (False,),
     "backend_sampling": (False,),
     "grammar_lazy": (False,),
@@ -114,7 +116,8 @@ class _GenerationFields:
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n_predict: int | None = None  # llama-server
-    n: int | None = attrs.field(default=1, converter=_or(1))
+    n: int | None = None  # OpenAI; llama-server reads it after n_cmpl (N_CMPL_NAMES)
+    n_cmpl: int | None = None  # llama-server
     best_of: int | None = attrs.field(default=1, converter=_or(1))
     stop: tuple[str, ...] = ()
     temperature: float | None = None
@@ -158,7 +161,7 @@ class _GenerationFields:
     grammar: str | None = attrs.field(default=None, converter=lambda v: v or None)  # llama-server; "" = none
     json_schema: dict[str, Any] | None = None  # llama-server
     n_probs: int | None = None  # llama-server: top logprobs per token
-    id_slot: int | None = attrs.field(default=-1, converter=_or(-1))  # llama-server
+    id_slot: int | None = attrs.field(default=-1, converter=_or(-1))  # llama-server: any integer (Engine.submit)
     cache_prompt: bool | None = attrs.field(default=True, converter=_or(True))  # llama-server
     ignore_eos: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
     n_keep: int | None = None  # llama-server: context shift keeps these prompt tokens (-1: all); null: the node's --keep
@@ -167,22 +170,29 @@ class _GenerationFields:
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def check(self) -> None:
-        """Every field against its bounds (:mod:`hydra_trio.engine.settings`); raises RequestError naming it."""
-        if self.n != 1:
-            raise RequestError("n: only n = 1 is supported")
+        """Every field against its bounds (:mod:`hydra_trio.engine.settings`); raises RequestError naming it.
+
+        Of fields that are one setting under several names (:data:`N_PREDICT_NAMES`, :data:`N_CMPL_NAMES`,
+        the log-probability fields) only the one that is read is checked against its bounds, as llama-server
+        reads only that one; every field's type is checked.
+        """
+        n_name, n_cmpl = _first_set(self, N_CMPL_NAMES) or ("n", 1)
+        if n_cmpl < 1:
+            raise RequestError(f"{n_name}: must be at least 1, got {n_cmpl}")
+        if n_cmpl != 1:
+            raise RequestError(f"{n_name}: only one completion per request is supported ({n_name} = 1)")
         if self.best_of != 1:
             raise RequestError("best_of: only best_of = 1 is supported")
         if self.service_tier not in (None, "auto", "default"):
             raise RequestError(f"service_tier: {self.service_tier!r} is not offered (auto or default)")
         _check_unsupported(self.raw)
         try:
-            # -1 (no limit) too: llama-server's aliases of n_predict (GET /props shows max_tokens: -1)
-            check_n_predict("max_tokens", self.max_tokens)
-            check_n_predict("max_completion_tokens", self.max_completion_tokens)
-            check_n_predict("n_predict", self.n_predict)
+            # -1 (the node's -n) too, under every name (GET /props shows max_tokens: -1)
+            if (budget := _first_set(self, N_PREDICT_NAMES)) is not None:
+                check_n_predict(*budget)
             check_stop(self.stop)
-            if self.n_probs is not None:
-                check_int("n_probs", self.n_probs, 0, MAX_TOP_LOGPROBS)
+            if (probs := self.n_probs_field()) is not None:
+                check_int(probs[0], probs[1], 0, MAX_TOP_LOGPROBS)
             if self.dry_sequence_breakers is not None and not self.dry_sequence_breakers:
                 raise RequestError("dry_sequence_breakers: must be a non-empty array of strings")
             if self.n_keep is not None:
@@ -196,20 +206,18 @@ class _GenerationFields:
             self.sampling(SamplingParams())  # the sampler fields' own validators
         except ValueError as exc:
             raise RequestError(str(exc)) from None
-        if self.id_slot < -1:
-            raise RequestError(f"id_slot: must be >= -1, got {self.id_slot}")
-        if sum(x is not None for x in (self.grammar, self.json_schema, self.json_response_schema())) > 1:
-            raise RequestError("grammar, json_schema and response_format: give at most one of them")
+        self.constraint()  # a malformed response_format, or a combination llama-server refuses
         if self.ignore_eos and self.constrained:
             raise RequestError("ignore_eos: cannot be combined with grammar, json_schema or response_format "
                                "(a finished grammar allows only end of generation)")
 
     def n_predict_effective(self, default: int = -1) -> int:
-        """Tokens to generate: ``max_completion_tokens``, ``max_tokens``, ``n_predict``, else ``default``."""
-        for v in (self.max_completion_tokens, self.max_tokens, self.n_predict):
-            if v is not None:
-                return v
-        return default
+        """The token budget (the engine's ``CompletionJob.n_predict``), as llama-server resolves it: the first of
+        :data:`N_PREDICT_NAMES` that is set and not null (the others are not read); -1 or none set: ``default``
+        (the node's ``-n``).  0 is llama-server's "evaluate the prompt": one token is sampled from the prompt's
+        logits and returned, never decoded into the slot's cache."""
+        got = _first_set(self, N_PREDICT_NAMES)
+        return default if got is None or got[1] == -1 else got[1]
 
     @property
     def include_usage(self) -> bool:
@@ -218,13 +226,32 @@ class _GenerationFields:
     @property
     def constrained(self) -> bool:
         """The output must follow a grammar (``grammar``, ``json_schema`` or a JSON ``response_format``)."""
-        return self.grammar is not None or self.json_schema is not None or self.json_response_schema() is not None
+        return self.constraint() is not None
+
+    def constraint(self) -> tuple[str, str | dict[str, Any]] | None:
+        """The output constraint in effect: ``("grammar", GBNF)``, ``("json_schema" or "response_format",
+        schema)`` (``{}``: any JSON object), or None.
+
+        On the completion endpoints as llama-server's ``json_schema`` field reads them
+        (``tools/server/server-schema.cpp``): a ``grammar`` wins over a ``json_schema``; ``response_format``,
+        which llama-server does not read there, applies only without either.
+
+        Raises RequestError for a malformed ``response_format``.
+        """
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        schema = self.json_response_schema()
+        return None if schema is None else ("response_format", schema)
 
     def json_response_schema(self) -> dict[str, Any] | None:
         """``response_format`` as a JSON schema: ``{}`` for any JSON object, None for plain text.
 
         OpenAI's ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema":
-        {"schema": ...}}``; llama-server's ``{"type": "json_object", "schema": ...}``.
+        {"schema": ...}}``; llama-server's ``{"type": "json_object", "schema": ...}``.  As llama-server's
+        ``oaicompat_chat_params_parse`` (``tools/server/server-common.cpp``): no ``type`` (or ``""``) is
+        plain text, and a missing or null ``schema`` (or ``json_schema``) means any JSON object.
 
         Raises RequestError for another type or a malformed object.
         """
@@ -232,17 +259,19 @@ class _GenerationFields:
         if rf is None:
             return None
         kind = rf.get("type")
-        if kind == "text":
+        if kind in (None, "", "text"):
             return None
         if kind == "json_object":
-            schema = rf.get("schema", {"type": "object"})
+            schema = rf.get("schema")
         elif kind == "json_schema":
             spec = rf.get("json_schema")
-            if not isinstance(spec, dict):
+            if spec is not None and not isinstance(spec, dict):
                 raise RequestError("response_format.json_schema: expected an object with a 'schema'")
-            schema = spec.get("schema", {"type": "object"})
+            schema = (spec or {}).get("schema")
         else:
             raise RequestError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+        if schema is None:
+            return {}
         if not isinstance(schema, dict):
             raise RequestError("response_format: the schema must be a JSON object")
         return schema
@@ -261,14 +290,38 @@ class _GenerationFields:
             values["dry_base"] = d.dry_base
         return SamplingParams(**values)
 
+    def n_probs_field(self) -> tuple[str, int] | None:
+        """The field that sets the alternatives per token, and its value (None: none set)."""
+        return _first_set(self, ("n_probs",))
+
     @property
     def top_logprobs_n(self) -> int:
         """Alternatives per token the reply carries (0: none)."""
-        return self.n_probs or 0
+        got = self.n_probs_field()
+        return 0 if got is None else got[1]
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.n_probs is not None
+        """The reply carries log-probabilities: llama-server's rule, ``n_probs`` > 0."""
+        return self.top_logprobs_n > 0
+
+
+N_PREDICT_NAMES = ("n_predict", "max_completion_tokens", "max_tokens")
+"""The token budget's names, in the order llama-server reads them (``n_predict`` and its aliases,
+``tools/server/server-schema.cpp``): the first that is set and not null is the budget, the others are not
+read (Core's prefill sends a client's ``max_tokens`` with ``n_predict: 0``)."""
+N_CMPL_NAMES = ("n_cmpl", "n")
+"""Completions per request: llama-server's ``n_cmpl``, then its alias ``n`` (OpenAI's)."""
+
+
+def _first_set(body: Any, names: tuple[str, ...]) -> tuple[str, Any] | None:
+    """``(name, value)`` of the first of ``names`` that ``body`` sets to something other than null: how
+    llama-server reads a field and its aliases (``field::eval``, ``tools/server/server-schema.cpp``)."""
+    for name in names:
+        v = getattr(body, name)
+        if v is not None:
+            return name, v
+    return None
 
 
 _SAMPLING_FIELDS = tuple(f.name for f in attrs.fields(SamplingParams))
@@ -308,10 +361,8 @@ class ChatCompletionRequest(_GenerationFields):
             raise RequestError("tools: cannot be combined with grammar, json_schema or response_format "
                                "(the tool calls have their own grammar)")
         object.__setattr__(self, "tool_spec", spec)
-        if self.top_logprobs is not None:
-            check_int_or_400("top_logprobs", self.top_logprobs, 0, MAX_TOP_LOGPROBS)
-            if not self.logprobs:
-                raise RequestError("top_logprobs: needs logprobs: true")
+        if self.top_logprobs is not None and not self.logprobs:  # its bounds: _GenerationFields.check
+            raise RequestError("top_logprobs: needs logprobs: true")
 
     def check_thinking(self) -> None:
         """``reasoning_format`` one of llama-server's; a budget -1 (the node's), 0 (no thinking) or N tokens;
@@ -334,20 +385,45 @@ class ChatCompletionRequest(_GenerationFields):
 
     @property
     def thinking_budget(self) -> int | None:
-        """The request's thinking budget (``reasoning_budget_tokens``, else ``thinking_budget_tokens``,
-        as llama-server reads them); None: the node's."""
-        for v in (self.reasoning_budget_tokens, self.thinking_budget_tokens):
-            if v is not None and v != -1:
-                return v
-        return None
+        """The request's thinking budget as llama-server's ``oaicompat_chat_params_parse`` reads it
+        (``tools/server/server-common.cpp``): ``reasoning_budget_tokens``, else ``thinking_budget_tokens``
+        (the first not null; the other is not read); -1 or neither: None, the node's."""
+        got = _first_set(self, ("reasoning_budget_tokens", "thinking_budget_tokens"))
+        return None if got is None or got[1] == -1 else got[1]
 
-    @property
-    def top_logprobs_n(self) -> int:
-        return self.top_logprobs or self.n_probs or 0
+    def constraint(self) -> tuple[str, str | dict[str, Any]] | None:
+        """The output constraint in effect (see :meth:`_GenerationFields.constraint`), as llama-server's
+        ``oaicompat_chat_params_parse`` resolves a chat body (``tools/server/server-common.cpp``): a
+        ``json_schema`` with a non-empty ``grammar`` is refused; a JSON ``response_format`` gives the schema
+        (``json_object`` without its own ``schema`` keeps a non-empty ``json_schema``), then ``json_schema``;
+        any schema wins over ``grammar``.
+
+        Raises RequestError for a malformed ``response_format`` or ``json_schema`` with ``grammar``.
+        """
+        if self.json_schema is not None and self.grammar is not None:
+            raise RequestError("grammar: cannot be combined with json_schema in a chat request (give one of them)")
+        field, schema = "json_schema", self.json_schema
+        rf = self.json_response_schema()
+        if rf is not None:
+            rf_type = (self.response_format or {}).get("type")
+            if rf_type == "json_schema" or "schema" in (self.response_format or {}) or not schema:
+                field, schema = "response_format", rf
+        if schema is not None:
+            return field, schema
+        return None if self.grammar is None else ("grammar", self.grammar)
+
+    def n_probs_field(self) -> tuple[str, int] | None:
+        """As llama-server's ``oaicompat_chat_params_parse`` (``tools/server/server-common.cpp``):
+        with ``logprobs: true``, ``top_logprobs`` (20 when null or left out) and ``n_probs`` is not read;
+        otherwise ``n_probs``."""
+        if self.logprobs:
+            return "top_logprobs", DEFAULT_TOP_LOGPROBS if self.top_logprobs is None else self.top_logprobs
+        return _first_set(self, ("n_probs",))
 
     @property
     def wants_logprobs(self) -> bool:
-        return bool(self.logprobs) or self.n_probs is not None
+        """``logprobs: true`` (OpenAI's: with ``top_logprobs: 0`` too), or ``n_probs`` > 0 (llama-server's)."""
+        return bool(self.logprobs) or self.top_logprobs_n > 0
 
 
 @attrs.frozen
@@ -362,18 +438,20 @@ class CompletionRequest(_GenerationFields):
         super().check()
         if self.prompt is not None and not self.prompt:
             raise RequestError("prompt: must not be empty (null starts a new document)")
-        if self.logprobs is not None:
-            check_int_or_400("logprobs", self.logprobs, 0, MAX_TOP_LOGPROBS)
         if self.echo and self.wants_logprobs:
             raise RequestError("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
 
-    @property
-    def top_logprobs_n(self) -> int:
-        return self.logprobs if self.logprobs is not None else (self.n_probs or 0)
+    def n_probs_field(self) -> tuple[str, int] | None:
+        """llama-server's ``n_probs``, then its alias ``logprobs`` (``tools/server/server-schema.cpp``):
+        ``logprobs`` is not read when ``n_probs`` is set."""
+        return _first_set(self, ("n_probs", "logprobs"))
 
     @property
     def wants_logprobs(self) -> bool:
-        return self.logprobs is not None or self.n_probs is not None
+        """OpenAI's ``logprobs`` when it is the field read (with 0 too: the sampled tokens' log-probabilities,
+        no alternatives), else ``n_probs`` > 0 (llama-server's)."""
+        got = self.n_probs_field()
+        return got is not None and (got[0] == "logprobs" or got[1] > 0)
 
 
 @attrs.frozen
@@ -428,12 +506,14 @@ def check_int_or_400(name: str, value: int, lo: int, hi: int) -> None:
 
 
 def _stop(v: Any, _t: Any) -> tuple[str, ...]:
+    """A stop string or a list of them; empty strings are dropped (they stop nothing: llama-server's
+    ``stop`` field)."""
     if v is None:
         return ()
     if isinstance(v, str):
-        return (v,)
+        return (v,) if v else ()
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return tuple(v)
+        return tuple(s for s in v if s)
     raise msg.TypeMismatch(f"expected a string or a list of strings, got {msg.type_name(v)}")
 
 

@@ -14,7 +14,9 @@ def A(names: tuple[str, ...], note: str, **kw) -> Flag:  # noqa: N802 (a table r
 
 
 FLAGS: list[Flag] = [
-    A(("--metrics-auth",), "HTTP: /metrics needs an API key too (default: open for Prometheus)", action="store_true"),
+    A(("--metrics-auth",), "HTTP: with --api-key, /metrics needs the key, as in llama-server (default: on); "
+      "--no-metrics-auth serves /metrics without one, for a Prometheus that sends no credentials",
+      neg=("--no-metrics-auth",), default=True),
     A(("--control-allow",), "Hydra: only peers in these networks may run CONFIGURE, SET_EXPERT_MODE, STATE_PUT, "
       "SWAP_QUANT, PIPELINE_ATTACH (repeatable; others get BAD_REQUEST 'refused')", value="CIDR", type=t.cidr,
       action="append", default=[]),

@@ -58,6 +58,7 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
         "numa": (args.numa or "distribute") if args.numa is not None else None,  # llama-server: '' = distribute
         "kv_unified": args.kv_unified or args.parallel == -1,  # -np -1, llama-server's auto: unified KV
+        "kv_unified_per_slot": args.kv_unified_per_slot,
         "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
         "rope_freq_scale": freq_scale, "yarn_orig_ctx": args.yarn_orig_ctx,
         "yarn_ext_factor": args.yarn_ext_factor, "yarn_attn_factor": args.yarn_attn_factor,
@@ -283,8 +284,12 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
     template, _origin = args.chat_template or args.chat_template_file or (None, "")
     peer, pattern, _notes = combined_target(args)
+    n_parallel = 4 if args.parallel == -1 else args.parallel  # llama-server's auto: 4 slots
+    n_ctx = args.ctx_size
+    if n_ctx is None and args.kv_unified_per_slot is not None and args.kv_unified_per_slot > 0:
+        n_ctx = n_parallel * args.kv_unified_per_slot  # llama-server sizes the pool so when -c is not given
     given = {  # a flag not given (None) leaves EngineConfig's own default, which is llama-server's
-        "n_predict": args.n_predict, "n_keep": args.n_keep, "n_cache_reuse": args.n_cache_reuse,
+        "n_ctx": n_ctx, "n_predict": args.n_predict, "n_keep": args.n_keep, "n_cache_reuse": args.n_cache_reuse,
         "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
         "n_ctx_checkpoints": args.n_ctx_checkpoints, "checkpoint_min_step": args.checkpoint_min_step,
         "cache_ram_mib": args.cache_ram_mib, "cache_idle_slots": args.cache_idle_slots,
@@ -294,8 +299,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     return EngineConfig(
         model_path=path,
         model_alias=args.alias or alias,
-        n_parallel=4 if args.parallel == -1 else args.parallel,  # llama-server's auto: 4 slots
-        n_ctx=args.ctx_size,
+        n_parallel=n_parallel,
         n_batch=args.batch_size,
         n_threads=args.threads or None,  # -t 0: every core
         peer=peer,
@@ -322,8 +326,6 @@ async def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    if args.metrics_auth and not access.api_keys:
-        log.warning("--metrics-auth without --api-key/--api-key-file: /metrics stays open")
     opts = llama_options(args)
     problem = _check_devices(opts)
     if problem:
@@ -342,7 +344,7 @@ async def _run(args: argparse.Namespace) -> int:
         if args.chat_template or args.chat_template_file:
             log.info("chat template: %s", (args.chat_template or args.chat_template_file)[1])
         log.info("model %s (%s), %d slots, n_ctx %s", engine.model_alias, engine.model_path, engine.n_parallel,
-                 engine.n_ctx or "the model's training context per slot")
+                 engine.n_ctx or "the model's training context")
         if engine.embeddings:
             log.info("embeddings only (--embedding): pooling %s, normalization %d; completions are refused",
                      engine.pooling or "the model's", engine.embd_normalize)

@@ -21,8 +21,10 @@ V = functools.partial(Flag, group="server")  # a table row of this group
 FLAGS: list[Flag] = [
     V(("-lcs", "--lookup-cache-static"), REFUSED, NO_SPEC, value="FNAME"),
     V(("-lcd", "--lookup-cache-dynamic"), REFUSED, NO_SPEC, value="FNAME"),
-    V(("--kv-unified-per-slot",), REFUSED, "the per-slot limit of a unified KV pool is not supported; "
-      "-c is split evenly over the slots", value="N", env="LLAMA_ARG_KV_UNIFIED_PER_SLOT"),
+    V(("--kv-unified-per-slot",), WIRED, "the most tokens one slot may hold (default: unset, 0 or less: no cap; "
+      "with -kvu a slot may fill the whole cache); given without -c, the KV pool is sized to -np x N", value="N",
+      type=t.int_range(-t.INT32_MAX - 1, t.INT32_MAX), env="LLAMA_ARG_KV_UNIFIED_PER_SLOT",
+      lands="EngineConfig.llama.kv_unified_per_slot"),
     V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), WIRED, "context checkpoints kept per slot for "
       "recurrent, hybrid and SWA models: a diverging prompt resumes from the latest one instead of being "
       "evaluated whole (default: 32; 0 or less = off)", value="N", type=t.int_at_least(0),
@@ -35,8 +37,8 @@ FLAGS: list[Flag] = [
       "restored for a prompt that starts with them (default: 8192, below 0 = no limit, 0 = off)", value="N",
       type=t.int_at_least(-1), env="LLAMA_ARG_CACHE_RAM", dest="cache_ram_mib",
       lands="EngineConfig.cache_ram_mib"),
-    V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; each slot still holds at most "
-      "n_ctx/n_parallel tokens (-np -1 turns it on, as llama-server)", neg=("-no-kvu", "--no-kv-unified"),
+    V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; a slot may fill all of it (cap: "
+      "--kv-unified-per-slot); when it is full, idle slots make room (-np -1 turns it on, as llama-server)", neg=("-no-kvu", "--no-kv-unified"),
       env="LLAMA_ARG_KV_UNIFIED", lands="EngineConfig.llama.kv_unified"),
     V(("--cache-idle-slots",), WIRED, "keep idle slots' KV states in the prompt cache too, when the node goes "
       "idle (default: on; needs --cache-ram)", neg=("--no-cache-idle-slots",), env="LLAMA_ARG_CACHE_IDLE_SLOTS",

@@ -96,13 +96,31 @@ def _on_ggml_abort(message: bytes) -> None:
             openmp.release_thread_team()
         except Exception:  # noqa: BLE001  (returning from here would abort() the process)
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
-    elif openmp.in_use() and any(w.holds_team for w in victims):
+    elif openmp.in_use():
         # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
-        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py); one that
-        # released its team (a switch to SOLO before a detach or a liveness check) keeps none
+        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py); it releases
+        # the team itself, on a signal (one that released its team already, at a switch to SOLO or
+        # when the slots went idle, keeps none)
+        for w in victims:
+            if w.holds_team:
+                _release_stuck_team(w)
+    threading.Event().wait()  # never returns: returning would abort() the process
+
+
+def _release_stuck_team(w: PeerWorker) -> None:
+    """The dead peer's worker is stuck inside a decode with its OpenMP team: make it free the team
+    (:func:`.openmp.release_team_of`), so SOLO decodes are not throttled; logged either way."""
+    try:
+        released = openmp.release_team_of(w._thread)
+    except Exception:  # noqa: BLE001  (we are in ggml's abort handler: returning would abort() the process)
+        log.exception("peer %s: releasing the stuck worker's OpenMP threads failed", w.peer)
+        released = False
+    if released:
+        w.holds_team = False
+        log.info("peer %s: the stuck worker released its OpenMP threads; SOLO decodes at full speed", w.peer)
+    else:
         log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
                     "spin waits (slower) until this node restarts")
-    threading.Event().wait()  # never returns: returning would abort() the process
 
 
 def install_abort_handler() -> None:

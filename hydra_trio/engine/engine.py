@@ -41,7 +41,7 @@ from .model import LoadedModel, ModelIdentity, release_free_memory, resident_byt
 from .prompt_cache import PromptCache
 from .requests import CompletionJob, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits, erase_slot
-from .settings import EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
+from .settings import INT32_MAX, EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 from .tasks import EngineTask
@@ -67,11 +67,15 @@ class EngineStats:
     """Counters behind ``/metrics`` (llama-server's metric names)."""
 
     prompt_tokens_total: int = 0
+    prompt_tokens_cached_total: int = 0
+    """Prompt tokens a request found in its slot's cache (or the prompt cache) and did not evaluate."""
     prompt_seconds_total: float = 0.0
     tokens_predicted_total: int = 0
     tokens_predicted_seconds_total: float = 0.0
     n_decode_total: int = 0
     n_busy_slots_total: int = 0
+    n_tokens_max: int = 0
+    """The most tokens a slot has held (prompt + generated) after a decode step."""
     requests_deferred: int = 0
     requests_total: int = 0
     mode_switches: int = 0
@@ -145,6 +149,8 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
         if n_cache_reuse:
             log.warning("cache reuse is not supported by this model's memory; it is disabled")
             n_cache_reuse = 0
+    log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'", model.n_parallel, model.n_ctx_slot,
+             "true" if model.options.kv_unified else "false")  # llama-server's line
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
                      slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
@@ -246,11 +252,12 @@ class Engine:
     def ready(self) -> bool:
         return self.stage == Stage.READY
 
-    def slots_info(self) -> list[dict[str, Any]]:
-        """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits), with the KV
-        cache's ``kv_cache`` (:meth:`kv_cache`) and the host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
+    def slots_info(self, params: Callable[[CompletionJob], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits: :meth:`SlotSnapshot.info`,
+        ``params`` formats a slot's request), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
+        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
         kv, pc = kv_cache(self), self.prompt_cache.info()
-        return [{**s.info(), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
+        return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
 
     def slot_meta_now(self, id_slot: int) -> dict[str, Any] | None:
         """STATE_META's keys for a slot from :attr:`snapshot` (any thread, never waits), without model
@@ -314,7 +321,11 @@ class Engine:
         Raises:
             NotReady: before the model serves.
             InvalidRequest: the node serves embeddings only, or the job is invalid for this engine (empty prompt,
-                prompt longer than a slot's context, slot id out of range).
+                prompt longer than a slot's context, a continuation without a slot).
+
+        ``id_slot`` takes any integer, as llama-server's ``get_available_slot`` (``tools/server/server-context.cpp``):
+        ``id_slot`` >= the slot count wraps around (``id_slot % n_slots``); one below -1 names no slot, and the
+        job takes the least recently used idle slot (without -1's prompt-similarity choice).
         """
         check_serves_completions(self)
         if not job.prompt_tokens and not job.continue_slot:
@@ -322,8 +333,8 @@ class Engine:
         if job.continue_slot and job.id_slot < 0:
             raise InvalidRequest("id_slot: continuing a slot's KV cache needs a slot id")
         check_prompt_fits(len(job.prompt_tokens), self.n_ctx_slot)
-        if not (-1 <= job.id_slot < len(self.slots)):
-            raise InvalidRequest(f"id_slot: {job.id_slot} is out of range (0..{len(self.slots) - 1})")
+        if job.id_slot >= len(self.slots):
+            job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None
         handle = RequestHandle(job, self._trio_token, self._hand_off)
         self._inbox.put(handle)
@@ -514,8 +525,10 @@ class Engine:
         """
         slot = self._idle_slot(id_slot)
         assert self.model is not None and self.identity is not None
-        return state.restore_slot(self.model, slot, blob, self.identity.model_hash,
-                                  allow_cross_model_kv=self.allow_cross_model_kv, checksum_verified=checksum_verified)
+        m, sched = self.model, self.scheduler
+        return state.restore_slot(m, slot, blob, self.identity.model_hash,
+                                  allow_cross_model_kv=self.allow_cross_model_kv, checksum_verified=checksum_verified,
+                                  make_room=None if sched is None else lambda: sched.make_room(m, keep=slot))
 
     def _idle_slot(self, id_slot: int) -> Slot:
         """The slot, idle: InvalidRequest when it is gone (the slot count changed), Busy when it works."""
@@ -596,12 +609,8 @@ self: Engine, *, n_ctx: int | None = None, n_parallel: int | None = None,
     n_ctx = old.n_ctx if n_ctx is None else n_ctx
     n_parallel = old.n_parallel if n_parallel is None else n_parallel
     check_n_parallel(n_parallel)  # the bound -np has too
-    n_ctx_max = int(old.n_ctx_train * old.rope_context_scale(old.options))  # a slot's most (RoPE scaling too)
-    if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
-        raise InvalidRequest(
-            f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{n_ctx_max * n_parallel} "
-            f"for {n_parallel} slots: 16 to {n_ctx_max} tokens each)"
-        )
+    if not 16 * n_parallel <= n_ctx <= INT32_MAX:  # a slot's cap (the training context) is the model's, as at start
+        raise InvalidRequest(f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{INT32_MAX} for {n_parallel} slots)")
     path = model_path or old.path
     alias = model_alias or self.config.model_alias
     try:

@@ -81,6 +81,27 @@ _NUMA = {"distribute": 1, "isolate": 2, "numactl": 3}  # enum ggml_numa_strategy
 _numa_set = False
 
 
+def slot_context(n_ctx_seq: int, per_slot: int, n_ctx_train: int) -> int:
+    """Tokens one slot may hold, as llama-server's ``n_ctx_slot()`` (``tools/server/server-context.cpp`` of
+    the vendored llama.cpp): the context's ``n_ctx_seq`` (without ``-kvu`` a slot's own stream,
+    ``n_ctx / n_parallel``; with ``-kvu`` the whole shared cache), capped by ``--kv-unified-per-slot``
+    (``per_slot`` > 0) and by the model's training context ``n_ctx_train`` (which llama.cpp stretches
+    when YaRN scales RoPE: ``n_ctx_orig_yarn / rope_freq_scale``).  Each cap that binds is logged, as
+    llama-server logs it."""
+    n = n_ctx_seq
+    if per_slot > 0:
+        if per_slot < n:
+            log.info("capping per-slot context (%d) to --kv-unified-per-slot (%d)", n, per_slot)
+        elif per_slot > n:
+            log.warning("--kv-unified-per-slot (%d) exceeds the per-slot pool capacity (%d) - cap has no effect, "
+                        "slots are limited to %d", per_slot, n, n)
+        n = min(n, per_slot)
+    if n > n_ctx_train:
+        log.warning("the slot context (%d) exceeds the training context of the model (%d) - capping", n, n_ctx_train)
+        n = n_ctx_train
+    return n
+
+
 class LoadStopped(RuntimeError):
     """A load or hash was stopped on purpose (the node is shutting down)."""
 
@@ -395,16 +416,10 @@ class LoadedModel:
         if n_ctx == 0:  # llama-server's -c 0: the model's training context
             n_ctx = self.n_ctx_train
 
-        scale = self.rope_context_scale(opts)
-        n_ctx_max = int(self.n_ctx_train * scale)
-        if not 16 * n_parallel <= n_ctx <= n_ctx_max * n_parallel:
+        if n_ctx < 16 * n_parallel:
             llama_cpp.llama_model_free(self.model)
             self.model = None
-            raise ModelLoadError(
-                f"n_ctx {n_ctx} must be between {16 * n_parallel} and {n_ctx_max * n_parallel} "
-                f"(16 to n_ctx_train={self.n_ctx_train}{f' x {scale:g} (RoPE scaling)' if scale != 1 else ''} "
-                f"tokens per slot, {n_parallel} slots)"
-            )
+            raise ModelLoadError(f"n_ctx {n_ctx} is too small: at least 16 tokens per slot ({n_parallel} slots)")
         # the KV cache's ggml types (-ctk / -ctv): the memory check counts them
         self.type_k, self.type_v = KV_CACHE_TYPES[opts.cache_type_k], KV_CACHE_TYPES[opts.cache_type_v]
         kv_bytes = n_ctx * self.kv_bytes_per_token()
@@ -439,9 +454,9 @@ class LoadedModel:
             )
         # read back what llama.cpp chose: it may round n_ctx up and cap n_batch at n_ctx
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
-        # a unified KV cache lets each sequence reach all n_ctx cells; a slot still holds at most its share,
-        # so that the slots together never need more cells than there are
-        self.n_ctx_slot = self.n_ctx // n_parallel if opts.kv_unified else llama_cpp.llama_n_ctx_seq(self.ctx)
+        self.n_ctx_slot = slot_context(llama_cpp.llama_n_ctx_seq(self.ctx), opts.kv_unified_per_slot,
+                                       llama_cpp.llama_model_n_ctx_train(self.model))
+        """Tokens one slot may hold (:func:`slot_context`): with ``-kvu`` the whole shared cache."""
         self.n_batch = min(n_batch, llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
         self.n_parallel = n_parallel
         self.n_stream = 1 if opts.kv_unified else n_parallel  # KV streams: one, or one per sequence
@@ -470,21 +485,6 @@ class LoadedModel:
         self.eog_tokens = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
 
     # -- metadata ---------------------------------------------------------
-    def rope_context_scale(self, opts: LlamaOptions) -> float:
-        """How far RoPE scaling stretches the training context: ``1 / --rope-freq-scale`` (``--rope-scale``)
-        when given, else the GGUF's ``{arch}.rope.scaling.factor`` when the model (or ``--rope-scaling``)
-        scales, else 1.  A slot may hold ``n_ctx_train`` times this (YaRN's extended context)."""
-        if opts.rope_freq_scale > 0:
-            return max(1.0, 1.0 / opts.rope_freq_scale)
-        if opts.rope_scaling == "none":
-            return 1.0
-        arch = self.meta("general.architecture") or ""
-        try:
-            factor = float(self.meta(f"{arch}.rope.scaling.factor") or 1.0)
-        except ValueError:
-            factor = 1.0
-        return max(1.0, factor)
-
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token takes with this model's cache types (:attr:`type_k`, :attr:`type_v`,
         from ``-ctk`` / ``-ctv``), over all layers.
@@ -629,6 +629,22 @@ class LoadedModel:
             llama_cpp.llama_model_free(self.model)
             self.model = None
         release_free_memory()
+
+
+def model_meta(m: LoadedModel) -> dict[str, Any]:
+    """llama-server's model facts (``/v1/models``' ``meta``, ``/props``' ``model_ftype``), read from llama.cpp:
+    ``{"vocab_type": int (llama_vocab_type), "n_vocab", "n_ctx_train", "n_embd" (input width), "n_params",
+    "size" (bytes of weights), "ftype": str ("Q4_1", llama_ftype_name)}``."""
+    ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(m.model))
+    return {
+        "vocab_type": int(llama_cpp.llama_vocab_type(m.vocab)),
+        "n_vocab": m.n_vocab,
+        "n_ctx_train": m.n_ctx_train,
+        "n_embd": int(llama_cpp.llama_model_n_embd_inp(m.model)),
+        "n_params": int(llama_cpp.llama_model_n_params(m.model)),
+        "size": int(llama_cpp.llama_model_size(m.model)),
+        "ftype": ftype.decode("utf-8", "replace") if ftype else "",
+    }
 
 
 GGML_TYPES = KV_CACHE_TYPES

@@ -26,11 +26,15 @@ the peer with one round trip before it computes again
 (:meth:`~hydra_trio.engine.combined.PeerWorker.decode`), so a connection
 that breaks between requests parks the worker without a team.
 
-Left: a peer that dies in the middle of a busy period (a request decoding)
-leaves the worker waiting inside ``llama_decode`` for good (ggml-RPC's
-dispatcher thread aborted, and the abort handler parks it), and that
-worker's team cannot be released from another thread, so SOLO runs
-throttled until the node restarts (logged as a warning).
+A peer that dies in the middle of a busy period (a request decoding) leaves
+the worker waiting inside ``llama_decode`` for good: ggml-RPC's dispatcher
+thread aborted (the abort handler parks it) before it completed the message
+the worker waits for.  No other thread can release the worker's team, so
+:func:`release_team_of` makes the worker release it itself: a signal sent to
+that thread alone runs a handler there, which calls
+``omp_pause_resource_all``.  The worker is blocked in a futex wait (ggml-RPC's
+``std::future::wait``), outside any parallel region and holding no lock that
+the handler takes, and goes back to that wait when the handler returns.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import signal
+import threading
+import time
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -80,3 +87,50 @@ def release_thread_team() -> bool:
     if rc != 0:
         log.debug("omp_pause_resource_all: %d (the thread's OpenMP team stays)", rc)
     return rc == 0
+
+
+RELEASE_SIGNAL = signal.SIGRTMIN + 4
+"""The real-time signal :func:`release_team_of` sends to a stuck thread (neither Python, trio nor ggml
+uses real-time signals)."""
+
+_released: dict[int, int] = {}  # thread ident -> omp_pause_resource_all's return code, set by the handler
+_handler_installed = False
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int)
+def _release_here(_signum: int) -> None:
+    """Runs on the thread the signal was sent to: free that thread's team (no logging here: a signal handler)."""
+    lib = _libgomp()
+    _released[threading.get_ident()] = lib.omp_pause_resource_all(OMP_PAUSE_SOFT) if lib is not None else 0
+
+
+def _install_handler() -> None:
+    global _handler_installed
+    if _handler_installed:
+        return
+    libc = ctypes.CDLL(None)
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal(RELEASE_SIGNAL, ctypes.cast(_release_here, ctypes.c_void_p))  # BSD semantics: restarts syscalls
+    _handler_installed = True
+
+
+def release_team_of(thread: threading.Thread, tries: int = 20, every: float = 0.25) -> bool:
+    """Free the OpenMP team of ``thread``, a thread blocked for good (a peer worker stuck inside a
+    ``llama_decode`` whose peer died): :data:`RELEASE_SIGNAL` is sent to that thread alone and its handler
+    calls ``omp_pause_resource_all`` there.  libgomp refuses while the thread is inside a parallel region
+    (it may still be finishing a CPU part of the graph), so the signal is sent again, every ``every``
+    seconds, up to ``tries`` times.  True once released (or when there is nothing to release)."""
+    if _libgomp() is None or thread.ident is None or not thread.is_alive():
+        return True
+    _install_handler()
+    for _ in range(tries):
+        _released.pop(thread.ident, None)
+        signal.pthread_kill(thread.ident, RELEASE_SIGNAL)
+        deadline = time.monotonic() + every
+        while thread.ident not in _released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if _released.get(thread.ident) == 0:
+            return True
+    log.debug("thread %s did not release its OpenMP team (return code %s)", thread.name, _released.get(thread.ident))
+    return False

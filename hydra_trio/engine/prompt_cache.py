@@ -49,6 +49,7 @@ import collections
 import ctypes
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -110,6 +111,9 @@ class PromptCache:
         self.n_entries = 0
         self.hits = self.misses = self.saves = self.restore_failures = 0
         self.evicted: collections.Counter[str] = collections.Counter()
+        self.make_room: Callable[[LoadedModel, Slot, Entry], bool] | None = None
+        """Frees another slot's cells when a restore finds no room in a unified KV cache (the scheduler's
+        :meth:`~hydra_trio.engine.scheduler.Scheduler.make_room`, which keeps the entry being restored)."""
 
     @property
     def enabled(self) -> bool:
@@ -241,11 +245,13 @@ class PromptCache:
         """Put ``entry`` into ``slot``; False (the entry dropped, the slot empty) when llama.cpp refuses it."""
         size = entry.size
         ok = False
-        if size:
+        while size:
             buf = (ctypes.c_uint8 * size).from_buffer(entry.data)
             read = llama_cpp.llama_state_seq_set_data(m.ctx, buf, size, slot.id)
             del buf
             ok = read == size and llama_cpp.llama_memory_seq_pos_max(m.memory, slot.id) == len(entry.tokens) - 1
+            if ok or self.make_room is None or not self.make_room(m, slot, entry):
+                break  # else another slot's cells were freed: try again
         if not ok:
             llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
             slot.cache_tokens.clear()

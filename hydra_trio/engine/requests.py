@@ -35,10 +35,15 @@ class CompletionJob:
     Attributes:
         prompt_tokens: the full prompt, in tokens (at least one).
         n_predict: most tokens to generate; -1 = until end of generation or the
-            slot's context is full; 0 = process the prompt only.
+            slot's context is full.  0 is llama-server's: its limit is checked after a token is
+            sampled, so one token is sampled from the prompt's logits and returned, and the request
+            ends (``length``) without decoding it: the slot holds the prompt only (as with 1).
+        prompt_only: evaluate the prompt into the slot and generate nothing, not even the logits
+            of its last token (Hydra PREFILL); ``n_predict`` is not read.
         stop: strings that end generation (not included in the output).
         id_slot: the slot to run on, or -1 for "pick one" (longest common
-            prefix with a slot's cached tokens, as llama-server does).
+            prefix with a slot's cached tokens, as llama-server does); see
+            ``Engine.submit`` for other values.
         cache_prompt: reuse the slot's cached prefix (llama-server's
             ``cache_prompt``).
         ignore_eos: keep generating past end-of-generation tokens.
@@ -84,10 +89,13 @@ class CompletionJob:
             ``-sp/--special``); otherwise they add no text.
         chat_reply: how the reply text is shaped by the API layer (a chat reply's
             :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
+        stream, timings_per_token: the request's fields of those names (the reply is streamed; each
+            event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
     """
 
     prompt_tokens: tuple[int, ...]
     n_predict: int = -1
+    prompt_only: bool = False
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     id_slot: int = -1
@@ -113,6 +121,8 @@ class CompletionJob:
     reasoning_budget: BudgetSpec | None = None
     special: bool = False
     chat_reply: Any = attrs.field(default=None, eq=False)
+    stream: bool = False
+    timings_per_token: bool = False
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -40,6 +41,8 @@ import llama_cpp
 from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
 from ..observability.events import EventBus
 from .checkpoints import Checkpoints
+from .kv_cells import (SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells,
+                       shift_context)
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
 from .prompt_cache import PromptCache, common_prefix as _common_prefix
@@ -50,16 +53,6 @@ from .slots import Slot, SlotState, StopStringMatcher
 from .state import save_slot
 
 log = logging.getLogger("hydra_trio.engine")
-
-SHARE_MIN_TOKENS = 128
-"""The shortest prompt prefix that is copied from another slot rather than evaluated.
-
-With one KV stream per slot, llama.cpp copies a sequence between streams
-whole (every layer's K and V of the slot: 2 x n_ctx_slot x n_embd_kv values,
-about 47 MiB for SmolLM2-135M at 2,048 tokens), which costs about as much as
-evaluating some tens of prompt tokens on 2 cores; below this length
-evaluating is cheaper.
-"""
 
 
 def check_prompt_fits(n_tokens: int, n_ctx_slot: int) -> None:
@@ -112,7 +105,14 @@ class Scheduler:
         self.model_hash = model_hash
         self.n_batch = n_batch
         self._batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self._budget_cap = 0
+        """While the KV cache had no room for a batch: the most tokens the next batch takes (halved at each
+        such failure, as llama-server's ``update_slots`` does); 0 otherwise."""
         experts.on_switch = self.forget_cached_prompts
+        self.make_room = functools.partial(free_idle_cells, slots=self.slots, prompt_cache=self.prompt_cache,
+                                           events=self.events)
+        """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.kv_cells.free_idle_cells`."""
+        self.prompt_cache.make_room = self.make_room
         self.publish: Callable[[], None] = lambda: None
         """Called before a request hears that it ended, once its slot is released: the engine publishes
         its snapshot (:mod:`~hydra_trio.engine.snapshot`), so the client's next status read sees the slot
@@ -240,7 +240,7 @@ class Scheduler:
             except InvalidRequest as exc:
                 handle.emit(Failed(exc))
                 continue
-            if job.fail_if_busy and self.slots[job.id_slot].is_processing:
+            if job.fail_if_busy and job.id_slot >= 0 and self.slots[job.id_slot].is_processing:
                 handle.emit(Failed(Busy(f"slot {job.id_slot} is processing a request", [job.id_slot])))
                 continue
             slot = pick_slot(self.slots, job, self.slot_prompt_similarity)
@@ -270,7 +270,7 @@ class Scheduler:
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
             handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))
             return
-        slot.reset_request()
+        slot.start_task(job)
         slot.sampler = sampler
         slot.handle = handle
         slot.state = SlotState.STARTED
@@ -278,6 +278,7 @@ class Scheduler:
         cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
                               self.slots)
         slot.cache_n = cache_n
+        self.stats.prompt_tokens_cached_total += cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
         slot.state = SlotState.PROCESSING_PROMPT if slot.pending_prompt else SlotState.DONE_PROMPT
@@ -297,7 +298,7 @@ class Scheduler:
         m = self.model
         assert m is not None
         self._batch_clear()
-        budget = m.n_batch
+        budget = self._budget_cap or m.n_batch
         to_sample: list[tuple[Slot, int]] = []
         fed: list[tuple[Slot, list[int]]] = []
         for slot in self.slots:
@@ -317,7 +318,7 @@ class Scheduler:
             chunk = self.checkpoints.chunk(m, slot, budget)  # a context checkpoint first where one is due
             last_chunk = len(chunk) == len(slot.pending_prompt)
             for j, tok in enumerate(chunk):
-                want = last_chunk and j == len(chunk) - 1 and slot.handle.job.n_predict != 0
+                want = last_chunk and j == len(chunk) - 1 and not slot.handle.job.prompt_only
                 idx = self._batch_add(tok, slot.n_past + j, slot.id, want)
                 if want:
                     to_sample.append((slot, idx))
@@ -333,6 +334,13 @@ class Scheduler:
             failing = self.model  # the slots' half-decoded KV lives in it
             self.fail_all(self.experts.peer_lost(str(exc)), model=failing)
             return
+        if rc == 1:  # no room in the KV cache: llama.cpp applied nothing of the batch; the next step retries
+            cap = retry_without_room(m, n_tokens, self.make_room)
+            if cap is None:
+                self.fail_all(EngineFailure("Context size has been exceeded."), model=m)
+            self._budget_cap = cap or 0
+            return
+        self._budget_cap = 0
         dt = time.perf_counter() - t0
         self.stats.n_decode_total += 1
         self.stats.n_busy_slots_total += len(fed)
@@ -353,13 +361,14 @@ class Scheduler:
         n_prompt_fed = 0
         for slot, toks in fed:
             slot.cache_tokens.extend(toks)
+            self.stats.n_tokens_max = max(self.stats.n_tokens_max, slot.n_past)
             if slot.pending_prompt:
                 del slot.pending_prompt[: len(toks)]
                 n_prompt_fed += len(toks)
                 if not slot.pending_prompt:
                     slot.state = SlotState.DONE_PROMPT
                     slot.t_first = time.perf_counter()
-                    if slot.handle is not None and slot.handle.job.n_predict == 0:
+                    if slot.handle is not None and slot.handle.job.prompt_only:
                         self._finish(slot, "length")
         self.stats.prompt_tokens_total += n_prompt_fed
         share = n_prompt_fed / n_tokens if n_tokens else 0.0
@@ -384,6 +393,7 @@ class Scheduler:
                                 ms=round((time.perf_counter() - slot.t_start) * 1e3, 3))
         slot.pending_tokens.append(token)
         text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token, special=job.special)))
+        slot.has_new_line = slot.has_new_line or "\n" in text
         if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
             self._emit_text(slot, text)
         if stopped:
@@ -391,12 +401,13 @@ class Scheduler:
             return
         slot.last_token = token
         slot.state = SlotState.GENERATING
-        if job.n_predict > 0 and slot.n_decoded >= job.n_predict:
+        if job.n_predict >= 0 and slot.n_decoded >= job.n_predict:  # n_predict 0: after one token, as llama-server
             self._finish(slot, "length")
         elif (job.t_max_predict_ms > 0 and "\n" in text
               and (time.perf_counter() - slot.t_first) * 1e3 > job.t_max_predict_ms):
             self._finish(slot, "length")  # llama-server: the time limit acts at a new line
-        elif slot.n_past + 1 >= slot.n_ctx and not (self.context_shift and shift_context(m, slot, self.n_keep)):
+        elif slot.n_past + 1 >= slot.n_ctx and not (
+                self.context_shift and shift_context(m, slot, self.n_keep, shared_cells(m, self.slots, slot))):
             self._finish(slot, "length", stop_reason="n_tokens_limit")
 
     def _finish(self, slot: Slot, reason: str, flush: bool = True, stop_reason: str = "length") -> None:
@@ -473,12 +484,13 @@ def sample(sched: Scheduler, m: LoadedModel, to_sample: list[tuple[Slot, int]]) 
 
 
 def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
-    """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot`; None: it waits."""
+    """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot` (by prompt similarity
+    for ``id_slot`` -1 only, as llama-server: one below -1 takes the least recently used); None: it waits."""
     if job.id_slot >= 0:
         slot = slots[job.id_slot]
         return None if slot.is_processing else slot
     idle = [s for s in slots if not s.is_processing]
-    return pick_idle_slot(idle, job.prompt_tokens, similarity) if idle else None
+    return pick_idle_slot(idle, job.prompt_tokens, similarity if job.id_slot == -1 else 0.0) if idle else None
 
 
 def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int], n_cache_reuse: int,
@@ -502,11 +514,12 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
     n_reuse = n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
     if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
             and cache_n < min(len(slot.cache_tokens), len(prompt))
-            and llama_cpp.llama_memory_can_shift(m.memory) and not checkpoints.needed(m)):
+            and llama_cpp.llama_memory_can_shift(m.memory) and not checkpoints.needed(m)
+            and shared_cells(m, list(slots), slot) <= cache_n):  # cells other slots share never move
         cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
     if checkpoints.needed(m):  # with --ctx-checkpoints 0 too: then it finds none
-        cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=job.n_predict != 0)
-    if job.n_predict != 0 and cache_n >= len(prompt):
+        cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=not job.prompt_only)
+    if not job.prompt_only and cache_n >= len(prompt):
         cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
     if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
         llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot be cut back there
@@ -566,71 +579,6 @@ def end(publish: Callable[[], None], handles: list[RequestHandle], event: Finish
         handle.emit(event)
 
 
-def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
-    """Copy the longest prefix of ``slot``'s prompt that another of ``slots`` holds (in ``m``'s KV
-    cache); True: wait a step instead.
-
-    Called before ``slot`` feeds its first prompt token.  Waits while a
-    slot that is feeding its prompt now will hold a prefix at least
-    :data:`SHARE_MIN_TOKENS` longer than any held now (that slot is fed in
-    this same step, so the wait ends); otherwise copies the best prefix
-    held now if it is that much longer than the slot's own cache, and
-    from then on feeds the rest.  The last prompt token is always
-    evaluated here (its logits are needed).
-
-    Not used for a model whose memory cannot be cut back (recurrent, hybrid,
-    SWA: :func:`~hydra_trio.engine.checkpoints.needs_checkpoints`; the
-    scheduler never sets ``may_share`` for one): ``llama_memory_seq_cp`` of
-    recurrent memory ignores the range and gives the slot the donor's whole
-    state, after all of the donor's tokens rather than after the shared
-    prefix (``llama_memory_recurrent::seq_cp``), and cutting it back fails;
-    with a unified KV cache the old code kept that wrong state.  Such a slot
-    evaluates the prefix itself.
-    """
-    assert slot.handle is not None
-    prompt = slot.cache_tokens + slot.pending_prompt
-    limit = len(prompt) - 1
-    have = slot.n_past
-    donor, best_now, best_later = None, have, have
-    for other in slots:
-        if other is slot or not other.cache_tokens and not other.pending_prompt:
-            continue
-        n = min(_common_prefix(other.cache_tokens, prompt), limit)
-        if n > best_now:
-            donor, best_now = other, n
-        if (other.handle is not None and other.pending_prompt and not other.may_share
-                and n == other.n_past < limit):
-            later = min(n + _common_prefix(other.pending_prompt, prompt[n:]), limit)
-            best_later = max(best_later, later)
-    if best_later >= best_now + SHARE_MIN_TOKENS:
-        return True
-    slot.may_share = False
-    if donor is None or best_now < have + SHARE_MIN_TOKENS:
-        return False
-    if m.n_stream == 1 and m.n_parallel > 1:
-        # unified KV: the copy tags the donor's cells with the slot's sequence too (no bytes move), and
-        # adds to the slot's own cells, so those go first; the prefix is all of both
-        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
-        llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, 0, best_now)
-        ok = True
-    else:
-        # non-unified KV: the copy is the donor's whole stream (done at the next
-        # llama_decode, before its batch), then everything past the prefix goes
-        llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, -1, -1)
-        ok = llama_cpp.llama_memory_seq_rm(m.memory, slot.id, best_now, -1)
-    if not ok:
-        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot cut a sequence
-        slot.cache_tokens = []
-        slot.pending_prompt = prompt
-        slot.cache_n = 0
-        return False
-    slot.cache_tokens = prompt[:best_now]
-    slot.pending_prompt = prompt[best_now:]
-    slot.cache_n = best_now
-    log.debug("slot %d: %d prompt tokens copied from slot %d", slot.id, best_now - have, donor.id)
-    return False
-
-
 def pick_idle_slot(idle: list[Slot], prompt: tuple[int, ...], similarity: float) -> Slot:
     """llama-server's ``get_available_slot`` for a request without ``id_slot``, over the ``idle`` slots.
 
@@ -654,76 +602,3 @@ def pick_idle_slot(idle: list[Slot], prompt: tuple[int, ...], similarity: float)
         if s.last_used < lru.last_used:
             lru = s
     return lru
-
-
-def shift_context(m: LoadedModel, slot: Slot, n_keep_default: int) -> bool:
-    """llama-server's context shift on the full ``slot``: drop tokens after the first ``n_keep``
-    and move the rest down; False (nothing done) when ``m``'s memory cannot shift positions.
-
-    ``n_keep`` is the job's (None: ``n_keep_default``; -1: the whole prompt), plus
-    the BOS token when the model adds one, at most ``n_ctx_slot - 4``;
-    ``n_discard`` is the job's, 0 meaning half of the tokens after ``n_keep``
-    (``server-context.cpp``, ``pre_decode``).
-    """
-    assert slot.handle is not None
-    if not llama_cpp.llama_memory_can_shift(m.memory):
-        return False
-    job = slot.handle.job
-    n_keep = n_keep_default if job.n_keep is None else job.n_keep
-    if n_keep < 0:
-        n_keep = slot.n_prompt
-    if m.add_bos:
-        n_keep += 1
-    n_keep = min(slot.n_ctx - 4, n_keep)
-    n_past = slot.n_past
-    n_left = n_past - n_keep
-    n_discard = min(max(job.n_discard or n_left // 2, 0), max(0, n_left - 1))
-    if n_discard <= 0:
-        return False
-    llama_cpp.llama_memory_seq_rm(m.memory, slot.id, n_keep, n_keep + n_discard)
-    llama_cpp.llama_memory_seq_add(m.memory, slot.id, n_keep + n_discard, n_past, -n_discard)
-    del slot.cache_tokens[n_keep:n_keep + n_discard]
-    slot.n_shifts += 1
-    log.info("slot %d: context shift, n_keep %d, n_left %d, n_discard %d", slot.id, n_keep, n_left, n_discard)
-    return True
-
-
-def reuse_chunks(m: LoadedModel, slot: Slot, prompt: list[int], n_past: int, n_reuse: int) -> int:
-    """llama-server's ``--cache-reuse``: move chunks of ``slot``'s cached tokens that ``prompt``
-    holds further on into place by a KV shift; returns the prompt tokens now cached.
-
-    ``n_past`` is the common prefix of the cache and the prompt.  From there,
-    each cached run of at least ``n_reuse`` tokens equal to the prompt's next
-    tokens is shifted down to the prompt's position (``llama_memory_seq_rm`` of
-    the cells in between, ``llama_memory_seq_add`` of the run); cached tokens
-    that match nothing are skipped (``server-context.cpp``, ``n_cache_reuse``).
-    The caller removes what lies past the returned count.  Needs a memory that
-    can shift (``llama_memory_can_shift``).  Leaves ``slot.cache_tokens`` equal
-    to ``prompt[:returned]`` when it moved anything.
-    """
-    cache = slot.cache_tokens
-    head_c = head_p = n_past
-    n_c, n_p = len(cache), len(prompt)
-    start = n_past
-    while head_c < n_c and head_p < n_p:
-        try:  # the next cached token that could start a chunk (a C scan, not a Python loop)
-            head_c = cache.index(prompt[head_p], head_c)
-        except ValueError:
-            break
-        if cache[head_c:head_c + n_reuse] != prompt[head_p:head_p + n_reuse]:
-            head_c += 1
-            continue
-        n_match = _common_prefix(cache[head_c:], prompt[head_p:])
-        if n_match < n_reuse:
-            head_c += 1
-            continue
-        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, head_p, head_c)
-        llama_cpp.llama_memory_seq_add(m.memory, slot.id, head_c, head_c + n_match, head_p - head_c)
-        log.debug("slot %d: reusing %d cached tokens, shifted [%d, %d) -> [%d, %d)", slot.id, n_match,
-                  head_c, head_c + n_match, head_p, head_p + n_match)
-        n_past += n_match
-        head_c += n_match
-        head_p += n_match
-    if n_past > start:
-        slot.cache_tokens = list(prompt[:n_past])
-    return n_past

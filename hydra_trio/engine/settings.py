@@ -244,8 +244,11 @@ class SamplingParams:
         return self.dry_multiplier != 0.0 and self.dry_base >= 1.0 and self.dry_penalty_last_n != 0
 
     def to_json(self) -> dict[str, Any]:
-        """Every field under llama-server's name (``task_params::to_json``): ``seed`` -1 when unset, lists for tuples."""
+        """Every field under llama-server's name (``task_params::to_json``): ``seed`` -1 when unset, lists for
+        tuples, a float field a JSON float (``1.0``, as llama-server writes it, though a request gave ``1``)."""
         out: dict[str, Any] = attrs.asdict(self, recurse=False)
+        for name in _FLOAT_FIELDS:
+            out[name] = float(out[name])
         out["seed"] = -1 if self.seed is None else self.seed
         out["dry_sequence_breakers"] = list(self.dry_sequence_breakers)
         return out
@@ -253,6 +256,9 @@ class SamplingParams:
     def seed_u32(self) -> int:
         """The seed for llama.cpp's ``dist`` sampler: ``LLAMA_DEFAULT_SEED`` (0xFFFFFFFF, random) when unset or -1."""
         return UINT32_MAX if self.seed is None or self.seed < 0 else self.seed
+
+
+_FLOAT_FIELDS = tuple(a.name for a in attrs.fields(SamplingParams) if a.type == "float")
 
 
 def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
@@ -293,12 +299,6 @@ class GenerationDefaults:
     stop: tuple[str, ...] = ()
     cache_prompt: bool = True
     special: bool = False
-
-    def as_json(self) -> dict[str, Any]:
-        """The fields ``/props`` shows in ``default_generation_settings.params`` (llama-server's names)."""
-        return {"samplers": list(self.samplers if self.samplers is not None else SAMPLER_ORDER),
-                "ignore_eos": self.ignore_eos, "adaptive_target": self.adaptive_target,
-                "adaptive_decay": self.adaptive_decay}
 
 
 @attrs.frozen
@@ -395,7 +395,8 @@ class LlamaOptions:
     numa: str | None = None  # --numa distribute|isolate|numactl (set once per process); None: off
     cache_type_k: str = "f16"  # -ctk
     cache_type_v: str = "f16"  # -ctv
-    kv_unified: bool = False  # -kvu: one KV stream for every slot (each still holds n_ctx/n_parallel at most)
+    kv_unified: bool = False  # -kvu: one KV stream for every slot; a slot may fill all of it
+    kv_unified_per_slot: int = 0  # --kv-unified-per-slot: the most tokens one slot holds (0 = no cap)
     rope_scaling: str | None = None  # --rope-scaling none|linear|yarn; None = the model's
     rope_freq_base: float = 0.0  # --rope-freq-base; 0 = the model's
     rope_freq_scale: float = 0.0  # --rope-freq-scale (--rope-scale N = 1/N); 0 = the model's

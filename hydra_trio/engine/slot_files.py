@@ -17,12 +17,21 @@ before the slot is touched, and a checksum, so a damaged file is too.
   as they were (llama-server clears the slot instead).
 
 File names follow llama-server's ``fs_validate_filename`` (``common/common.cpp``,
-subdirectories not allowed): :func:`check_filename`.
+subdirectories not allowed): :func:`check_filename`.  So a name is one path component, and that
+component is never a link followed: restore opens it with ``O_NOFOLLOW`` in the directory, save refuses
+a name that is a symbolic link (and would replace, never write through, one that appears meanwhile).
+A slot file is a regular file the node wrote, or the operator put, in the directory; a link planted there
+reaches nothing outside it (llama-server follows links both ways).
+
+No refusal quotes a file's bytes: a file that does not start with the state blob's magic is refused
+without any of them (only its size may be named); the facts a hydra-trio header declares (format
+version, token count, model identity) are named, so an operator can tell why a slot file is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import tempfile
@@ -81,20 +90,37 @@ def check_filename(name: str) -> str:
     return name
 
 
+def _is_link(directory: Path, filename: str) -> bool:
+    """Whether ``directory/filename`` is a symbolic link (dangling or not); False when it does not exist."""
+    try:
+        return stat.S_ISLNK(os.lstat(directory / filename).st_mode)
+    except OSError:
+        return False
+
+
+def _refuse_link(filename: str) -> InvalidRequest:
+    return InvalidRequest(f"filename: {filename!r} is a symbolic link; slot files are regular files in the slot "
+                          "save path, and links there are never followed")
+
+
 def write_file(directory: Path, filename: str, blob: bytes | bytearray | BlobBuffer) -> int:
     """Worker thread: write ``blob`` to ``directory/filename`` atomically (temporary file, fsync, rename).
 
-    Returns the bytes written.
+    Returns the bytes written.  A symbolic link at ``filename`` is refused and left as it is; the rename
+    replaces a directory entry, so even a link that appears after that check is replaced, never written
+    through.
 
     Raises:
-        InvalidRequest: ``filename`` names a directory.
+        InvalidRequest: ``filename`` names a directory or a symbolic link.
         SlotFileError: the directory is missing or unwritable, the disk is full, ... (nothing is left behind).
     """
     final = directory / filename
+    if _is_link(directory, filename):
+        raise _refuse_link(filename)
     if final.is_dir():
         raise InvalidRequest(f"filename: {filename!r} is a directory in the slot save path")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".slot-", suffix=".part", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=".slot-", suffix=".part", dir=directory)  # O_EXCL: never through a link
     except OSError as exc:
         raise SlotFileError(f"Unable to save slot: cannot write in the slot save path: {exc.strerror}") from None
     try:
@@ -121,17 +147,19 @@ def write_file(directory: Path, filename: str, blob: bytes | bytearray | BlobBuf
 
 
 def read_file(directory: Path, filename: str) -> bytearray:
-    """Worker thread: the bytes of ``directory/filename``, a regular file.
+    """Worker thread: the bytes of ``directory/filename``, a regular file, opened without following a link.
 
     Raises:
-        InvalidRequest: no such file, a directory or other non-regular file (a FIFO is never waited on),
-            or unreadable (all 400, as llama-server's "Unable to restore slot").
+        InvalidRequest: no such file, a symbolic link, a directory or other non-regular file (a FIFO is
+            never waited on), or unreadable (all 400, as llama-server's "Unable to restore slot").
     """
     try:
-        fd = os.open(directory / filename, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(directory / filename, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise InvalidRequest(f"filename: no file {filename!r} in the slot save path") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP or _is_link(directory, filename):  # O_NOFOLLOW met a link
+            raise _refuse_link(filename) from None
         raise InvalidRequest(f"filename: cannot read {filename!r}: {exc.strerror}") from None
     try:
         st = os.fstat(fd)

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import codecs
 import enum
+import itertools
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 if TYPE_CHECKING:
-    from .requests import RequestHandle
+    from .requests import CompletionJob, RequestHandle
     from .thinking_budget import ThinkingBudget
 
 # ---------------------------------------------------------------------------
@@ -81,15 +84,33 @@ class SlotState(enum.Enum):
     GENERATING = "generating"
 
 
+_TASK_IDS = itertools.count()
+"""Task ids (``id_task``), one per request started on any slot of the process, from 0 up (engine thread)."""
+
+
 class Slot:
-    """One KV sequence and the request running on it (if any); :attr:`state` says where the request is."""
+    """One KV sequence and the request running on it (if any); :attr:`state` says where the request is.
+
+    ``id_task`` and ``task`` are the running request's id and job, or the last one's once it ended (-1 and
+    None before the slot's first), as llama-server's slot keeps its previous task for ``/slots``.
+    """
 
     def __init__(self, id_slot: int, n_ctx: int) -> None:
         self.id = id_slot
         self.n_ctx = n_ctx
         self.cache_tokens: list[int] = []
         self.last_used = 0.0
+        self.id_task = -1
+        self.task: CompletionJob | None = None
         self.reset_request()
+
+    def start_task(self, job: CompletionJob) -> None:
+        """A request starts on the slot: the request state is reset (:meth:`reset_request`), a new
+        ``id_task``, and ``job`` is the slot's task (kept without its prompt tokens: the slot holds them,
+        and an ended request's need not stay in memory)."""
+        self.reset_request()
+        self.id_task = next(_TASK_IDS)
+        self.task = attrs.evolve(job, prompt_tokens=())
 
     def reset_request(self) -> None:
         self.state = SlotState.IDLE
@@ -100,6 +121,7 @@ class Slot:
         self.cache_n = 0
         self.n_decoded = 0
         self.n_shifts = 0  # context shifts during this request (llama-server's ``truncated``)
+        self.has_new_line = False  # the text sent so far holds a newline (llama-server's ``has_new_line``)
         self.last_token: int | None = None
         self.sampler: Any = None
         self.budget: ThinkingBudget | None = None  # the request's thinking budget, once it samples

@@ -55,6 +55,7 @@ import json
 import logging
 import struct
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
@@ -207,7 +208,8 @@ def parse_header(data: Blob) -> BlobHeader:
         raise StateError(f"state blob too short: {len(data)} bytes, the header alone is {HEADER_SIZE}")
     magic, version, kv_format, n_tokens, digest, kv_len, checksum = _HEADER.unpack_from(data)
     if magic != BLOB_MAGIC:
-        raise StateError(f"not a hydra-trio state blob (magic {bytes(magic)!r}, expected {BLOB_MAGIC!r})")
+        # none of its bytes in the message: the blob may be any file (a slot file) that is not one
+        raise StateError(f"not a hydra-trio state blob (it does not start with {BLOB_MAGIC!r})")
     if version not in READ_VERSIONS:
         raise StateError(
             f"state blob format version {version} is not supported (this node reads versions "
@@ -456,7 +458,7 @@ def check_blob(
 
 def restore_slot(
     m: LoadedModel, slot: Slot, blob: bytearray | BlobBuffer, model_hash: str, *, allow_cross_model_kv: bool = False,
-    checksum_verified: bool = False,
+    checksum_verified: bool = False, make_room: Callable[[], bool] | None = None,
 ) -> Restored:
     """Engine thread: apply a checked blob to an idle slot, all or nothing.
 
@@ -465,6 +467,9 @@ def restore_slot(
     changed), so the restore holds the blob plus, when the slot already held
     tokens, a backup of its old state.  An empty slot's blob
     (``n_tokens`` 0) empties the slot.
+
+    ``make_room``: called when llama.cpp finds no room for the blob's cells (a unified KV cache that
+    other slots fill); True when it freed some, and the restore is tried again.
 
     Raises:
         StateError: the blob is invalid or of a model it may not restore on
@@ -492,7 +497,10 @@ def restore_slot(
         return Restored(0, same_file, same_layout)
     backup = save_slot(m, slot, model_hash)[1] if slot.n_past else None  # an empty slot needs no backup
     del view
-    if not _apply_kv(m, id_slot, header, blob):
+    applied = _apply_kv(m, id_slot, header, blob)
+    while not applied and make_room is not None and make_room():
+        applied = _apply_kv(m, id_slot, header, blob)  # framing the blob again writes the same bytes
+    if not applied:
         # llama.cpp cleared the sequence on failure: put the old state back, and check that it went back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         if backup is None or put_back(m, id_slot, backup):

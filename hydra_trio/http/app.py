@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 import time
 import urllib.parse
 import uuid
@@ -41,7 +43,7 @@ from .._version import __version__
 from ..engine import slot_files
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
-from ..engine.requests import JobRun, TextDelta
+from ..engine.requests import CompletionJob, JobRun, TextDelta
 from ..engine.tasks import EraseSlot
 from ..errors import HydraTrioError
 from . import metrics
@@ -56,7 +58,10 @@ from .native import native_routes
 from ..api.jobs import chat_job, job_from_completion
 from ..api.embeddings import EmbeddingsRequest, embed_request
 from ..engine.engine import NO_EMBEDDINGS
+from ..api.native import models_reply, task_params
 from ..api.replies import ResponseContext
+from ..api.template_caps import known, template_caps
+from ..engine.model import model_meta
 from ..api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -75,6 +80,8 @@ access_log = logging.getLogger("hydra_trio.http.access")
 
 STATIC_DIR = Path(__file__).with_name("static")
 """The status page's files (``index.html``, ``status.js``, ``status.css``), shipped as package data."""
+MEDIA_MARKER = os.environ.get("LLAMA_MEDIA_MARKER") or f"<__media_{secrets.token_hex(16)}__>"
+"""``/props``' ``media_marker``: llama-server's (``LLAMA_MEDIA_MARKER``, else drawn once per process)."""
 _NO_CACHE = {"Cache-Control": "no-cache"}  # a node upgraded in place serves its new page at once
 
 
@@ -124,13 +131,17 @@ class Api:
         e = self.engine
         if e is None:  # a compute-only node: ready once the ggml-RPC backend serves
             if self.rpc is not None and not self.rpc.active:
-                return JSONResponse({"status": "loading", "stage": "starting_rpc_backend", "progress": 0.0}, status_code=503)
+                return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"},
+                                     "status": "loading", "stage": "starting_rpc_backend", "progress": 0.0},
+                                    status_code=503)
             return JSONResponse({"status": "ok", "stage": "ready"})
         if e.ready:
             return JSONResponse({"status": "ok", "stage": "ready"})
         if e.stage == "error":
             return error_response(500, f"model failed to load: {e.error}", "server_error")
-        body = {"status": "loading", "stage": e.stage, "progress": round(e.progress, 4)}
+        # llama-server's body while it loads is the error object alone; the stage and progress are the node's
+        body = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"},
+                "status": "loading", "stage": e.stage, "progress": round(e.progress, 4)}
         return JSONResponse(body, status_code=503)
 
     async def version(self, request: Request) -> Response:
@@ -139,23 +150,30 @@ class Api:
         )
 
     async def props(self, request: Request) -> Response:
-        """``GET /props``, llama-server's shape (tools read ``model_path`` here)::
+        """``GET /props``, llama-server's keys (``get_res_props`` in ``tools/server/server-context.cpp``) and the
+        node's (tools read ``model_path`` here)::
 
             {"default_generation_settings": {"params": {sampling defaults, "n_predict", ...}, "n_ctx": tokens per slot},
-             "total_slots", "model_alias", "model_path", "model_hash", "modalities": {"vision", "video", "audio"},
-             "endpoint_slots", "endpoint_props", "endpoint_metrics", "chat_template", "bos_token", "eos_token",
-             "build_info", "is_sleeping", "tensor_placement", "tensor_placement_peer",
+             "total_slots", "model_alias", "model_ftype", "model_path", "model_hash",
+             "modalities": {"vision", "video", "audio"}, "media_marker", "endpoint_slots", "endpoint_props",
+             "endpoint_metrics", "ui": false, "ui_settings": {}, "chat_template", "chat_template_caps",
+             "bos_token", "eos_token", "build_info", "is_sleeping", "cors_proxy_enabled": false,
+             "tensor_placement", "tensor_placement_peer",
              "backends": the ggml backends of this build (["CPU", "RPC"], "CUDA" on a GPU build),
              "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds,
              "kv_cache": {"type_k", "type_v", "flash_attn"}, "memory": {device: {"weights", "kv", "compute"}}}
 
-        ``params`` lists every sampler setting under llama-server's name (the node's
-        defaults: ``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
+        ``params`` is :func:`~hydra_trio.api.native.task_params` of the node's defaults: every sampler
+        setting under llama-server's name (``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
         ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``, ``ignore_eos`` and
-        ``adaptive_target`` / ``adaptive_decay`` (``EngineConfig.generation``), and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
+        ``adaptive_target`` / ``adaptive_decay`` (``EngineConfig.generation``),
+        and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
         llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
-        template in effect (``chatml`` for a GGUF without one).  hydra-trio's own keys: ``kv_cache``, the
+        template in effect (``chatml`` for a GGUF without one); ``chat_template_caps`` what it renders
+        (:mod:`hydra_trio.api.template_caps`); ``model_ftype`` the weights' type (``Q4_1``);
+        ``media_marker`` llama-server's placeholder for media in a prompt (this node takes no media; the
+        marker is drawn at start-up, or ``LLAMA_MEDIA_MARKER``).  hydra-trio's own keys: ``kv_cache``, the
         KV cache types (``-ctk`` / ``-ctv``, e.g. ``q8_0``) and flash attention in effect (``on`` / ``off``;
         ``auto`` when llama.cpp did not say what ``-fa auto`` chose), and ``memory``, bytes per device
         (``CPU``, ``CUDA0``, ``RPC0[host:port]``) of weights, KV cache and compute buffers, as llama.cpp
@@ -175,32 +193,34 @@ class Api:
         m = e.solo_model or e.model
         assert m is not None and e.identity is not None
         defaults = e.request_defaults  # one consistent pair (CONFIGURE swaps a new one in)
-        params = {
-            **defaults.sampling.to_json(),
-            "max_tokens": defaults.n_predict,
-            "n_predict": defaults.n_predict,
-            "stream": False,
-            "n_probs": 0,
-            **defaults.generation.as_json(),  # samplers, ignore_eos, adaptive_* (--samplers, --ignore-eos, ...)
-            # context shift's defaults (--keep; n_discard 0: half of what follows n_keep)
-            "n_keep": e.config.n_keep,
-            "n_discard": 0,
-        }
+        g = defaults.generation  # --samplers, --ignore-eos, --adaptive-*
+        params = task_params(CompletionJob((), n_predict=defaults.n_predict, sampling=defaults.sampling,
+                                           samplers=g.samplers, ignore_eos=g.ignore_eos,
+                                           adaptive_target=g.adaptive_target, adaptive_decay=g.adaptive_decay),
+                             n_keep=e.config.n_keep, reasoning_format=e.config.reasoning_format)
+        tmpl = m.chat_template
+        caps = template_caps(tmpl) if known(tmpl) else await trio.to_thread.run_sync(template_caps, tmpl)
         return JSONResponse({
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
             "total_slots": e.n_slots,
             "model_alias": e.identity.model_alias,
+            "model_ftype": model_meta(m)["ftype"],
             "model_path": e.identity.model_path,
             "model_hash": e.identity.model_hash,
             "modalities": {"vision": False, "video": False, "audio": False},
+            "media_marker": MEDIA_MARKER,
             "endpoint_slots": True,
             "endpoint_props": self.settings.endpoint_props,
             "endpoint_metrics": True,
-            "chat_template": m.chat_template.source,
+            "ui": False,
+            "ui_settings": {},
+            "chat_template": tmpl.source,
+            "chat_template_caps": caps,
             "bos_token": m.token_text(m.bos_id) if m.bos_id >= 0 else "",
             "eos_token": m.token_text(m.eos_id) if m.eos_id >= 0 else "",
             "build_info": f"hydra-trio {__version__} (llama-cpp-python {llama_cpp.__version__})",
             "is_sleeping": False,
+            "cors_proxy_enabled": False,
             "backends": build_backends(),
             "devices": [{"name": name, "memory_free": free, "memory_total": total}
                         for name, free, total in local_devices()],
@@ -267,28 +287,23 @@ class Api:
             return e, _bad_request(str(exc))
 
     async def models(self, request: Request) -> Response:
-        e = self.engine
-        data = []
-        if e is not None and e.identity is not None:
-            data.append(
-                {
-                    "id": e.identity.model_alias,
-                    "object": "model",
-                    "created": int(self.started),
-                    "owned_by": "hydra-trio",
-                    "status": {"value": "loaded" if e.ready else "loading"},
-                    "meta": {"model_path": e.identity.model_path, "model_hash": e.identity.model_hash},
-                }
-            )
-        return JSONResponse({"object": "list", "data": data})
+        """``GET /v1/models`` (and ``/models``): :func:`~hydra_trio.api.native.models_reply`."""
+        return JSONResponse(models_reply(self.engine, int(self.started)))
 
     async def slots(self, request: Request) -> Response:
+        """``GET /slots``: one object per slot (:meth:`~hydra_trio.engine.snapshot.SlotSnapshot.info`, its
+        ``params`` :func:`~hydra_trio.api.native.task_params`).  With ``?fail_on_no_slot=<anything but empty>``
+        and every slot processing, 503 ``no slot available`` (``unavailable_error``), as llama-server answers."""
         e = self.engine
         if e is None:
             return JSONResponse([])
         if not e.ready:
             return _unavailable(e)
-        return JSONResponse(e.slots_info())
+        n_keep, fmt = e.config.n_keep, e.config.reasoning_format
+        slots = e.slots_info(lambda job: task_params(job, n_keep=n_keep, reasoning_format=fmt))
+        if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in slots):
+            return error_response(503, "no slot available", "unavailable_error")
+        return JSONResponse(slots)
 
     def _slot_id(self, request: Request) -> int | Response:
         """The path's slot id, or the error response (503 loading, 400 not a number, 404 no such slot)."""
@@ -586,7 +601,7 @@ def _access_log(app: Any) -> Any:
 
     ``client "METHOD target HTTP/version" status bytes seconds``; ``-`` for a status
     never sent, and `` (incomplete)`` when the body did not end (the client went away,
-    the server stopped).  ``/health`` polls log at DEBUG, everything else at INFO.
+    the server stopped).  ``/health`` and ``/v1/health`` polls log at DEBUG, everything else at INFO.
     The record carries ``op`` (``METHOD path``), ``ms`` and, for a completion,
     ``trace_id`` (the reply's id, as on the engine's timing line) for
     :mod:`hydra_trio.observability.logs`.
@@ -618,7 +633,7 @@ def _access_log(app: Any) -> Any:
             target = scope.get("raw_path") or scope["path"].encode()
             if scope.get("query_string"):
                 target += b"?" + redact_query(scope["query_string"])  # a key in a query is logged as ***
-            level = logging.DEBUG if scope["path"] == "/health" else logging.INFO
+            level = logging.DEBUG if scope["path"] in ("/health", "/v1/health") else logging.INFO
             seconds = time.perf_counter() - t0
             extra = {"op": f'{scope["method"]} {scope["path"]}', "ms": round(seconds * 1e3, 3)}
             if "trace_id" in request_state:

@@ -1,28 +1,31 @@
-"""API keys on the HTTP API: a pure ASGI middleware (issue 14 §2), as llama-server's ``--api-key``.
+"""API keys on the HTTP API: a pure ASGI middleware, as llama-server's ``--api-key``.
 
 With keys configured, every HTTP request but the open ones must carry
 ``Authorization: Bearer KEY`` with one of the keys (``X-Api-Key: KEY`` is
 accepted too, as llama-server does for Anthropic-style clients).  Otherwise
-the reply is llama-server's (tools/server/server-http.cpp,
-``middleware_validate_api_key``)::
+the reply is llama-server's (``tools/server/server-http.cpp`` of the llama.cpp
+that llama-cpp-python 0.3.36 vendors, ``middleware_validate_api_key``)::
 
     401 {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
 
 plus ``WWW-Authenticate: Bearer realm="hydra-trio"`` (RFC 6750 §3; with
 ``error="invalid_token"`` when a key was sent but is wrong).
 
-Open without a key: ``/health`` (orchestrators and load balancers probe it),
-``/metrics`` unless ``metrics_auth``, every ``OPTIONS`` request (CORS
+Open without a key, llama-server's public set: ``/health`` and ``/v1/health``
+(orchestrators and load balancers probe them), every ``OPTIONS`` request (CORS
 preflights carry no credentials; llama-server answers them before its key
-check too), and the status page's static files (``/`` and ``/static/...``:
-fixed files with no node data in them; llama-server leaves its web UI open too).
+check too), and the status page's files (``/`` and ``/static/...``: fixed files
+with no node data in them, as llama-server leaves its web UI's assets open).
+Everything else needs the key, ``/metrics`` included, as in llama-server;
+``metrics_auth=False`` (``--no-metrics-auth``) opens ``/metrics`` for a
+Prometheus that sends no credentials.  The status page's data, the event
+stream ``/v1/events``, needs the key.
 
 A browser cannot set ``Authorization`` on a WebSocket, so ``GET /v1/events``
 also takes the key as the query parameter ``?api_key=KEY`` (the status page
 sends the key given in its URL fragment, ``/#key=KEY``).  A header, when
 present, wins.  Query strings can end up in proxies' logs: prefer the header
-where the client can send one.  llama-server also leaves ``/models`` and ``/v1/models`` open;
-here they need a key, like the rest of the API.
+where the client can send one.
 
 Keys are compared in constant time against every key
 (:class:`hydra_trio.transport.access.Secrets`).  A header that is not valid in any
@@ -41,8 +44,9 @@ from ..transport.access import Refusals, Secrets
 
 log = logging.getLogger("hydra_trio.http.auth")
 
-OPEN_PATHS = frozenset({"/health", "/"})
-"""Paths served without a key (``/metrics`` joins them unless ``metrics_auth``)."""
+OPEN_PATHS = frozenset({"/health", "/v1/health", "/"})
+"""Paths served without a key: llama-server's public endpoints and the status page (``/metrics`` joins them
+when ``metrics_auth`` is off)."""
 OPEN_PREFIXES = ("/static/",)
 """Path prefixes served without a key: the status page's files."""
 
@@ -53,20 +57,23 @@ _REALM = b'Bearer realm="hydra-trio"'
 
 
 def bearer_key(headers: Mapping[bytes, bytes] | list[tuple[bytes, bytes]]) -> bytes | None:
-    """The key a request carries: ``Authorization: Bearer KEY`` (scheme case-insensitive, RFC 6750 §2.1),
-    else ``X-Api-Key: KEY``; None when it carries neither.  Header names are lower-case bytes (ASGI)."""
+    """The key a request carries, read as llama-server reads it: ``Authorization``, or ``X-Api-Key`` when
+    ``Authorization`` is absent or empty; a ``Bearer`` scheme (any case, RFC 6750 §2.1) is taken off either,
+    any other value is the key as it is.  None when it carries neither.  Header names are lower-case bytes
+    (ASGI); the first of a repeated header counts."""
     auth = x_api_key = None
     for name, value in headers.items() if isinstance(headers, Mapping) else headers:
         if name == b"authorization" and auth is None:
             auth = value
         elif name == b"x-api-key" and x_api_key is None:
             x_api_key = value
-    if auth is not None:
-        scheme, _, token = auth.strip().partition(b" ")
-        if scheme.lower() == b"bearer":
-            return token.strip()
-        return auth.strip()  # llama-server: a bare key without "Bearer " is compared as it is
-    return x_api_key.strip() if x_api_key is not None else None
+    value = auth if auth is not None and auth.strip() else x_api_key
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(b" ")
+    if scheme.lower() == b"bearer":
+        return token.strip()
+    return value.strip()  # llama-server: a bare key without "Bearer " is compared as it is
 
 
 SECRET_PARAMS = frozenset({"api_key", "apikey", "api-key", "key", "token", "access_token", "auth", "password"})
@@ -102,14 +109,14 @@ class ApiKeyMiddleware:
     Args:
         app: the ASGI app it protects.
         keys: the accepted keys; empty lets everything through.
-        metrics_auth: ``/metrics`` needs a key too.
+        metrics_auth: ``/metrics`` needs a key, as in llama-server (the default); False serves it without one.
         refused: counter bumped at ``("http", "missing_api_key" | "invalid_api_key")``.
 
     WebSocket handshakes without a valid key get the same 401 (:func:`send_refusal`)
     before the app sees them; lifespan events pass through.
     """
 
-    def __init__(self, app: Any, keys: Secrets, metrics_auth: bool = False, refused: Refusals | None = None) -> None:
+    def __init__(self, app: Any, keys: Secrets, metrics_auth: bool = True, refused: Refusals | None = None) -> None:
         self.app = app
         self.keys = keys
         self.open_paths = OPEN_PATHS if metrics_auth else OPEN_PATHS | {"/metrics"}

@@ -1,5 +1,9 @@
 """Prometheus metrics: llama-server's names (``llamacpp:`` prefix) and the node's own (``hydra_trio:``, ``hydra_rpc_``).
 
+Every ``llamacpp:`` family llama-server writes (``server_task_result_metrics::to_metrics`` in
+``tools/server/server-task.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors) is here under its
+name and type; the speculative-decoding counters stay 0 (no draft model).
+
 Most values are read from the counters of the engine, the control channel,
 the front door and the ggml-RPC backend at scrape time by a custom
 collector, so the engine thread never calls into prometheus-client.  The
@@ -106,7 +110,18 @@ class NodeMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """Prometheus text exposition of the current values: ``(body, content_type)``."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        body = generate_latest(self.registry)
+        if self.engine is not None:
+            body += _n_tokens_max(self.engine.stats.n_tokens_max)
+        return body, CONTENT_TYPE_LATEST
+
+
+def _n_tokens_max(value: int) -> bytes:
+    """``llamacpp:n_tokens_max``, written as llama-server writes it: a counter whose name has no ``_total``
+    (prometheus-client would add one to a counter's name, so the family is written here)."""
+    name = "llamacpp:n_tokens_max"
+    return (f"# HELP {name} Largest observed sequence length (prompt + generation)\n"
+            f"# TYPE {name} counter\n{name} {float(value)!r}\n").encode()
 
 
 class _Collector:
@@ -197,12 +212,18 @@ def _engine(e: Engine) -> Iterator[Metric]:
     """llama-server's families, and the expert mode and peer."""
     s = e.stats
     yield CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.", s.prompt_tokens_total)
+    yield CounterMetricFamily("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from the cache",
+                              s.prompt_tokens_cached_total)
     yield CounterMetricFamily("llamacpp:prompt_seconds", "Prompt process time.", s.prompt_seconds_total)
     yield CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.tokens_predicted_total)
     yield CounterMetricFamily(
         "llamacpp:tokens_predicted_seconds", "Predict process time.", s.tokens_predicted_seconds_total
     )
     yield CounterMetricFamily("llamacpp:n_decode", "Number of llama_decode() calls.", s.n_decode_total)
+    for name, what in (("draft_tokens", "Total draft tokens generated"),
+                       ("accepted_tokens", "Total draft tokens accepted by the target model"),
+                       ("drafts", "Total speculative decoding verification steps")):  # no draft model here: 0
+        yield CounterMetricFamily(f"llamacpp:spec_decode_num_{name}", f"Speculative: {what}", 0)
     yield CounterMetricFamily(
         "hydra_trio:requests_deferred", "Requests that waited in the queue for a free slot.", s.requests_deferred
     )

@@ -2,8 +2,8 @@
 
 * ``POST /completion``, ``POST /completions``: llama-server's completion, whole or streamed.
 * ``POST /apply-template``: ``{"messages": [...]}`` -> ``{"prompt": text}``, the chat template in effect.
-* ``POST /props``: llama-server at this version sets no property through it: ``{"success": true}``
-  with ``--props``, else 501 (llama-server's message).
+* ``POST /props``: llama-server at this version sets no property through it and ignores the body:
+  ``{"success": true}`` with ``--props``, else 501 (llama-server's message).
 * ``GET /v1/health``: ``GET /health``.
 * ``GET /slots/{id}/state``: the idle slot's KV state blob (``application/octet-stream``, the bytes
   Hydra ``STATE_GET`` sends; headers ``X-Slot-Id``, ``X-N-Past``, ``X-Model-Hash``);
@@ -78,7 +78,7 @@ class NativeRoutes:
                 raise RequestError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
             # tokenizing reads only the vocabulary: a trio worker thread, not the engine's (bridge.py)
             job = await trio.to_thread.run_sync(lambda: job_from_completion(e, body))
-            n_probs = body.n_probs if body.n_probs is not None else (body.logprobs or 0)
+            n_probs = body.top_logprobs_n  # n_probs, else its alias logprobs (llama-server's order)
             job = attrs.evolve(job, request_id=request_id, logprobs=n_probs > 0, n_probs=n_probs)
             run = JobRun(e, job).submit()
         except _BodyError as exc:
@@ -141,8 +141,21 @@ class NativeRoutes:
         return JSONResponse({"prompt": prompt})
 
     async def post_props(self, request: Request) -> Response:
-        """llama-server at this version changes no property here: ``{"success": true}`` with ``--props``."""
-        if not self.api.settings.endpoint_props:
+        """As llama-server's ``post_props`` (``tools/server/server-context.cpp`` of the llama.cpp that
+        llama-cpp-python 0.3.36 vendors): it changes no property and does not look at the body, so any body
+        gets ``{"success": true}`` with ``--props`` and 501 without; 503 while the model loads (llama-server's
+        middleware), 501 on a compute-only node.  The body is read (413 over the body limit, 408 when the
+        client stalls), so the connection stays open for the next request, as llama-server's."""
+        api, e = self.api, self.api.engine
+        try:
+            await api._read_bytes(request, api.settings.max_body)
+        except _BodyError as exc:
+            return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
+        if e is None:
+            return error_response(501, "this node has no model (compute-only)", "not_supported_error")
+        if not e.ready:
+            return _unavailable(e)
+        if not api.settings.endpoint_props:
             return error_response(501, "This server does not support changing global properties. "
                                   "Start it with `--props`", "not_supported_error")
         return JSONResponse({"success": True})

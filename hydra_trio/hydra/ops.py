@@ -259,7 +259,7 @@ async def prefill(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     body = ctx.parse(msg.parse_prefill)
     # the blob is saved on the engine thread as the prefill ends, before anything else can use the slot
-    job, _ = await _job(ctx, e, id_slot, body, 0, snapshot=True)
+    job, _ = await _job(ctx, e, id_slot, body, 0, snapshot=True, prompt_only=True)
     t0 = time.perf_counter()
     async with JobRun(e, job) as run:
         done = await run.result()
@@ -291,15 +291,16 @@ async def decode(ctx: OpContext) -> None:
     """
     e, id_slot = ctx.slot()
     parsed = ctx.parse(msg.parse_decode)
-    for name in ("n_predict", "max_tokens"):
-        value = getattr(parsed, name)
-        if value is not None and value < -1:
-            raise Reply(Status.BAD_REQUEST, f"{name}: must be >= -1 (-1: the default budget), got {value}")
+    budget_field = parsed.budget_field()  # the one read, as llama-server (n_predict, max_completion_tokens, max_tokens)
+    if budget_field is not None and budget_field[1] < -1:
+        name, value = budget_field
+        raise Reply(Status.BAD_REQUEST, f"{name}: must be >= -1 (-1: the default budget), got {value}")
     settings = ctx.node.settings
     budget = parsed.frame_budget(settings.decode_default, settings.decode_cap)
     if budget == 0:
         raise Reply(Status.BAD_REQUEST, "n_predict: DECODE generates at least one token (PREFILL processes a prompt only)")
-    job, tools = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True)
+    # the frames carry each token's own logprob, never alternatives (a body's logprobs / n_probs ask for none here)
+    job, tools = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True, n_probs=0)
     framer = DecodeFramer(budget)
     streamed = parsed.stream is not False
     meta: dict[str, Any] = {

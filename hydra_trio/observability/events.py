@@ -12,7 +12,8 @@ categories, each a ``?types=`` filter value:
 ============  ===================================================================
 load          ``load.stage`` (stage, seconds of the stage before), ``load.progress``
 slot          ``slot.assigned``, ``slot.first_token``, ``slot.finished`` (with the
-              reply's ``timings``), ``slot.cancelled``, ``slot.failed``
+              reply's ``timings``), ``slot.cancelled``, ``slot.failed``, ``slot.purged``
+              (an idle slot's cells freed for others in a full unified KV cache)
 prompt_cache  ``prompt_cache.saved``, ``.restored``, ``.evicted`` (``reason``),
               ``.restore_failed``: the host-RAM prompt cache (``--cache-ram``)
 control       ``control.applied``, ``control.busy`` (``busy_slots``), ``control.failed``

@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ..api.schemas import REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
+from ..api.schemas import N_PREDICT_NAMES, REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
 from .address import parse_peer
 from .strict import (
     Bytes,
@@ -231,19 +231,28 @@ class DecodeRequest:
     n_predict: int | None = None
     max_tokens: int | None = None
     stream: bool | None = None
+    max_completion_tokens: int | None = None
 
     @property
     def continues_slot(self) -> bool:
         """``messages`` was null or absent: generation continues from the slot's KV cache."""
         return isinstance(self.body, CompletionRequest)
 
+    def budget_field(self) -> tuple[str, int] | None:
+        """``(name, value)`` of the token budget: the first of ``n_predict``, ``max_completion_tokens``,
+        ``max_tokens`` that is set and not null, the order llama-server reads them
+        (:data:`hydra_trio.api.schemas.N_PREDICT_NAMES`); None: none set."""
+        for name in N_PREDICT_NAMES:
+            v = getattr(self, name)
+            if v is not None:
+                return name, v
+        return None
+
     def frame_budget(self, default: int, cap: int) -> int:
-        """Tokens (= 9-byte frames) to announce: ``n_predict``, else
-        ``max_tokens``; a missing or negative value (llama-server's -1 =
-        "until EOS") means ``default``; the result is at most ``cap``."""
-        n = self.n_predict if self.n_predict is not None else self.max_tokens
-        if n is None or n < 0:
-            n = default
+        """Tokens (= 9-byte frames) to announce: :meth:`budget_field`'s value; none set or a
+        negative value (llama-server's -1 = "until EOS") means ``default``; the result is at most ``cap``."""
+        got = self.budget_field()
+        n = default if got is None or got[1] < 0 else got[1]
         return min(n, cap)
 
 
@@ -252,6 +261,7 @@ class _DecodeFields:
     n_predict: int | None = None
     max_tokens: int | None = None
     stream: bool | None = None
+    max_completion_tokens: int | None = None
 
 
 _conv.register(_DecodeFields, forbid_extra=False)
@@ -279,7 +289,7 @@ def parse_decode(payload: Bytes) -> DecodeRequest:
         if rest["messages"] == []:
             raise MessageError("messages: empty (send the conversation, or null to continue the slot's KV cache)")
         body = structure_body(rest, ChatCompletionRequest)
-    return DecodeRequest(body, fields.n_predict, fields.max_tokens, fields.stream)
+    return DecodeRequest(body, fields.n_predict, fields.max_tokens, fields.stream, fields.max_completion_tokens)
 
 
 def parse_prefill(payload: Bytes) -> ChatCompletionRequest:

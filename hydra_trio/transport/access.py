@@ -230,8 +230,8 @@ class AccessSettings:
     Attributes:
         api_keys: keys one of which ``Authorization: Bearer KEY`` must carry on
             the HTTP API (``--api-key``, ``--api-key-file``); empty: no key needed.
-        metrics_auth: ``/metrics`` needs a key too (``--metrics-auth``); by
-            default it stays open for Prometheus.
+        metrics_auth: ``/metrics`` needs a key, as every endpoint but llama-server's public ones
+            (the default, ``--metrics-auth``); False serves it without one (``--no-metrics-auth``).
         control_allow: peers that may run the Hydra ops that change the node
             (``--control-allow``); None: everyone.
         hydra_token: a token that makes a Hydra connection trusted for those ops
@@ -240,7 +240,7 @@ class AccessSettings:
     """
 
     api_keys: tuple[str, ...] = attrs.field(default=(), repr=False)
-    metrics_auth: bool = False
+    metrics_auth: bool = True
     control_allow: AllowList | None = None
     hydra_token: str | None = attrs.field(default=None, repr=False)
     rpc_allow: AllowList | None = None
