@@ -37,6 +37,7 @@ class ServerConfig:
         rpc_tls: a client TLS context (``--rpc-tls``): every peer the engine dials (``--rpc-engine``,
             SET_EXPERT_MODE, PIPELINE_ATTACH) is reached through a local
             :class:`~hydra_trio.transport.tunnel.RpcTunnel` over TLS (:class:`~hydra_trio.transport.tunnel.TunnelPool`).
+        reuse_port: listen with ``SO_REUSEPORT`` (``--reuse-port``): other processes may share the ports.
     """
 
     host: str = "127.0.0.1"
@@ -49,3 +50,4 @@ class ServerConfig:
     rpc_backend: RpcBackendSettings | None = RpcBackendSettings()
     access: AccessSettings = AccessSettings()
     rpc_tls: ssl.SSLContext | None = None
+    reuse_port: bool = False

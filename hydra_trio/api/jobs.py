@@ -10,6 +10,7 @@ from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
 from ..engine.requests import CompletionJob
+from ..engine.settings import GenerationDefaults
 from ..engine.thinking_budget import BudgetSpec
 from .reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from .json_schema import SchemaError, schema_to_gbnf
@@ -77,11 +78,12 @@ def chat_job(
     tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
     job = _job(e, body, tokens, stop, n_predict, id_slot)
-    thinking = ThinkingSetup.for_prompt(body.reasoning_format or e.config.reasoning_format, m.chat_template.source,
-                                        prompt)
+    pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
+    thinking = ThinkingSetup.for_prompt("none" if pure else body.reasoning_format or e.config.reasoning_format,
+                                        m.chat_template.source, prompt)
     job = attrs.evolve(job, chat_reply=thinking, reasoning_budget=budget_spec(e, body, prompt))
     spec = body.tool_spec
-    if spec is None or not spec.active:
+    if spec is None or not spec.active or pure:
         return job, None
     try:
         g = _tools.tool_grammar(spec, fmt)
@@ -201,7 +203,7 @@ def _job(
     m = e.model
     assert m is not None
     defaults = e.request_defaults  # read once: CONFIGURE may swap a new pair in meanwhile (any thread)
-    return CompletionJob(
+    job = CompletionJob(
         prompt_tokens=tuple(tokens),
         n_predict=body.n_predict_effective(defaults.n_predict) if n_predict is None else n_predict,
         sampling=body.sampling(defaults.sampling),
@@ -222,6 +224,43 @@ def _job(
         t_max_predict_ms=max(0, body.t_max_predict_ms),
         stream=bool(body.stream), timings_per_token=bool(body.timings_per_token),
     )
+    return node_defaults(m, body, job, defaults.generation)
+
+
+def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob,
+                  g: GenerationDefaults) -> CompletionJob:
+    """``job`` with the node's defaults (``EngineConfig.generation``: ``--samplers``, ``--ignore-eos``,
+    ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r``, ``--no-cache-prompt``; and ``-sp``) for the fields ``body``
+    leaves out or sends as null, as llama-server starts each request from its ``params_base``
+    (``tools/server/server-schema.cpp``).  An empty stop list (the chat template's stops included) takes
+    ``-r``'s, as llama-server falls back to its antiprompts.  A default yields to the request's own
+    opposite: the node's grammar to a request's ``ignore_eos: true``, the node's ``--ignore-eos`` to a
+    request's grammar, json_schema or JSON response_format (a finished grammar allows only the end of
+    generation; the two defaults together are refused at start).
+
+    Raises RequestError: the node's grammar does not parse for this model's vocabulary.
+    """
+    sent = {k for k, v in body.raw.items() if v is not None}
+    own_ignore_eos = "ignore_eos" in sent and bool(body.ignore_eos)
+    changes: dict[str, Any] = {}
+    if body.samplers is None and g.samplers is not None:
+        changes["samplers"] = g.samplers
+    if "ignore_eos" not in sent and g.ignore_eos and not body.constrained:
+        changes["ignore_eos"] = True
+    if "logit_bias" not in sent and g.logit_bias:
+        changes["logit_bias"] = g.logit_bias
+    if g.grammar is not None and not body.constrained and not own_ignore_eos:
+        try:
+            check_grammar(m.vocab, g.grammar)
+        except GrammarError as exc:
+            raise RequestError(f"the node's grammar (--grammar, --json-schema): {exc}") from None
+        changes["grammar"] = g.grammar
+    for name in ("adaptive_target", "adaptive_decay", "cache_prompt"):
+        if name not in sent:
+            changes[name] = getattr(g, name)
+    if not job.stop and g.stop:
+        changes["stop"] = g.stop
+    return attrs.evolve(job, special=g.special, **changes)
 
 
 def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:

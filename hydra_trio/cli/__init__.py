@@ -27,10 +27,10 @@ import os
 import sys
 from collections.abc import Mapping
 
-from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, kv_cache_problem
+from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, check_stop, kv_cache_problem
 from ..hydra.cli import add_client_commands
 from ..client.watch import add_watch_command
-from . import sampling
+from . import _types, sampling
 from ._flags import Version, add_flags, apply_environment, normalize_argv, version_text
 from .flags import GROUPS, RUN_FLAGS
 from .models import add_models_command
@@ -90,6 +90,13 @@ def _check_run(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                                args.cache_type_v or defaults.cache_type_v)
     if problem is not None:  # llama.cpp would refuse the context after the model loaded
         p.error(problem)
+    if args.ignore_eos and args.grammar is not None:  # a finished grammar allows only the end of generation
+        p.error("argument --ignore-eos: not allowed with a grammar (--grammar, --grammar-file, -j, -jf): a finished "
+                "grammar allows only the end of generation")
+    try:
+        check_stop(tuple(args.reverse_prompt or ()))
+    except ParameterError as exc:
+        p.error(f"argument -r/--reverse-prompt: {exc}")
     try:
         args.sampling = sampling_params(args)
     except ParameterError as exc:
@@ -106,8 +113,11 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """
     given = {field: getattr(args, dest) for dest, field in sampling.FIELDS.items()
              if getattr(args, dest, None) is not None}
+    given = sampling.as_llama_server_reads(given)
     breakers = getattr(args, "dry_sequence_breakers", None)
     if breakers:
+        if getattr(args, "escape", True):  # -e (on by default): llama-server processes their escapes
+            breakers = [_types.escapes(b) for b in breakers]
         given["dry_sequence_breakers"] = () if breakers == ["none"] else tuple(b for b in breakers if b != "none")
     return SamplingParams(**given)
 

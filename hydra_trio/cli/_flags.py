@@ -158,9 +158,10 @@ def add_flags(parser: argparse.ArgumentParser | Any, flags: Iterable[Flag]) -> N
         helptext = f.note.replace("%", "%%")
         if f.default is not None and "(default" not in f.note:
             helptext += " (default: %(default)s)"
-        if f.value is None and f.action is None:  # a switch, with its negative spellings
-            parser.add_argument(*f.names, dest=dest, action="store_const", const=True,
-                                default=f.default if f.default is not None else False, help=helptext)
+        if f.value is None and f.action is None:  # a switch, with its negative spellings (extra default None: unset)
+            default = f.extra.get("default", f.default if f.default is not None else False)
+            parser.add_argument(*f.names, dest=dest, action="store_const", const=True, default=default,
+                                help=helptext)
             if f.neg:
                 parser.add_argument(*f.neg, dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
             continue

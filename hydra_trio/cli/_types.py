@@ -32,6 +32,9 @@ def _named(parse: Callable[[str], Any], name: str) -> Callable[[str], Any]:
     return parse
 
 
+INT32_MIN = -(2**31)
+
+
 def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
     """A decimal integer in ``[lo, hi]``."""
 
@@ -47,6 +50,12 @@ def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
         return value
 
     return _named(parse, "integer")
+
+
+def threads(text: str) -> int:
+    """``-t/-tb N``: threads, at most :data:`GGML_MAX_N_THREADS`; 0 or less is every core, as llama-server
+    (``common/arg.cpp``: ``hardware_concurrency()``).  Returns N, or 0 for every core."""
+    return max(0, int_range(-INT32_MAX - 1, GGML_MAX_N_THREADS, "ggml's most threads")(text))
 
 
 def _finite(text: str, what: str) -> float:
@@ -84,20 +93,41 @@ def seconds(*, zero_ok: bool = False) -> Callable[[str], float]:
     return _named(parse, "seconds")
 
 
+def timeout_seconds(text: str) -> float:
+    """``-to/--timeout N``: any finite number of seconds, as llama-server's (an integer there, read with
+    ``std::stoi``): above 0 the limit; 0 no waiting; below 0 no limit (cpp-httplib's ``poll`` conventions)."""
+    return _finite(text, "number of seconds")
+
+
 port = int_range(0, 65535, "a TCP port; 0 = any free port")
 
 
 def n_parallel(text: str) -> int:
     """``-np N``: slots, 1 to :data:`~hydra_trio.engine.settings.N_PARALLEL_MAX` (llama.cpp's most sequences, the
-    bound CONFIGURE uses too), or -1 (llama-server's auto)."""
+    bound CONFIGURE uses too), or below 0 for llama-server's auto (``tools/server/server.cpp``: any negative
+    value), returned as -1."""
     try:
         value = int(text, 10)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value != -1 and not 1 <= value <= N_PARALLEL_MAX:
+    if value < 0:
+        return -1
+    if not 1 <= value <= N_PARALLEL_MAX:
         raise argparse.ArgumentTypeError(
-            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or -1 (auto), got {value}")
+            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or below 0 (auto), got {value}")
     return value
+
+
+def int_at_least(floor: int, hi: int = INT32_MAX) -> Callable[[str], int]:
+    """A 32-bit integer up to ``hi``; one below ``floor`` is ``floor``, where llama-server gives every value
+    below it the same meaning (``--cache-ram`` below 0: no limit; ``--ctx-checkpoints``, ``--cache-reuse`` 0
+    or less: off)."""
+    parse_int = int_range(INT32_MIN, hi)
+
+    def parse(text: str) -> int:
+        return max(floor, parse_int(text))
+
+    return _named(parse, "integer")
 
 
 def choice(*values: str) -> Callable[[str], str]:
@@ -310,13 +340,150 @@ def quant_value(text: str) -> tuple[str, str]:
     return key.strip(), model.strip()
 
 
-def combined_ot(text: str) -> str:
-    """The C++ engine's ``--combined-ot-pattern REGEX=BUFT[,...]``: the tensors that go to the peer.  Each
-    BUFT must name the peer (``RPC...``); returns the regexes joined with ``|``."""
-    patterns = []
-    for pattern, buft in tensor_overrides(text):
-        if not buft.upper().startswith("RPC"):
-            raise argparse.ArgumentTypeError(
-                f"{pattern}={buft}: COMBINED places tensors on the ggml-RPC peer only (BUFT RPC...), got {buft!r}")
-        patterns.append(pattern)
-    return "|".join(f"(?:{p})" for p in patterns) if len(patterns) > 1 else patterns[0]
+def combined_ot(text: str) -> tuple[str, str | None]:
+    """The C++ engine's ``--combined-ot-pattern REGEX[=BUFT]``: the COMBINED expert pattern is everything
+    before the last ``=`` (the engine reads the value in ``--override-tensor`` syntax and ignores the buffer
+    type); a value without ``=`` is the regex whole.  Returns ``(regex, buffer type or None)``.
+
+    Never refuses, as the engine starts with any value: a regex that is empty or does not compile leaves
+    COMBINED off, which the node says at start-up (:func:`hydra_trio.cli.run.combined_target`).
+    """
+    regex, sep, buft = text.rpartition("=")
+    return (regex, buft) if sep else (text, None)
+
+
+def c_atoi(text: str) -> int:
+    """An integer read as C's ``atoi``: leading blanks, an optional sign, the digits that follow; 0 when
+    there are none (the C++ engine reads ``--ggml-rpc-port`` so, and starts with any value)."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    return int(m.group(1)) if m else 0
+
+
+def engine_port(text: str) -> int:
+    """A port flag of the C++ engine (``--rpc-port``): a decimal integer; 0 or less opens no port, as the
+    engine (which starts its server only for a port above 0); one above 65535 is reported at start-up and
+    opens nothing (the engine's bind fails and it serves on)."""
+    try:
+        return int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def sampler_names(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``--samplers NAMES``: sampler names separated by ``;``, any case, in llama-server's spellings
+    (``common_sampler_types_from_names``).  Returns ``(canonical names, the names it does not know)``: as
+    llama-server, an unknown name is left out (the start-up log names it)."""
+    from ..engine.settings import SAMPLER_NAMES
+
+    names = [(n, SAMPLER_NAMES.get(n.lower())) for n in text.split(";")]
+    return tuple(c for _, c in names if c), tuple(n for n, c in names if not c)
+
+
+def sampler_chars(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``--sampler-seq CHARS``: one letter per sampler (``common_sampler_types_from_chars``), as
+    :func:`sampler_names` returns them."""
+    from ..engine.settings import SAMPLER_CHARS
+
+    return tuple(SAMPLER_CHARS[c] for c in text if c in SAMPLER_CHARS), tuple(c for c in text if c not in SAMPLER_CHARS)
+
+
+def logit_bias(text: str) -> tuple[int, float]:
+    """``-l TOKEN_ID(+/-)BIAS``, as llama-server reads it: a token id, ``+`` or ``-``, then the bias
+    (``15043+1``, ``15043-inf`` bans the token).  Returns ``(token id, signed bias)``."""
+    m = re.fullmatch(r"\s*([+-]?[0-9]+)([+-])(.+)", text)
+    try:
+        if m is None:
+            raise ValueError(text)
+        token, bias = int(m.group(1)), float(m.group(3))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID(+/-)BIAS, got {text!r}") from None
+    if not -(2**31) <= token < 2**31 or math.isnan(bias):
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID(+/-)BIAS, got {text!r}")
+    return token, -bias if m.group(2) == "-" else bias
+
+
+def grammar_file(path: str) -> str:
+    """``--grammar-file FNAME``: the file's GBNF text (read now, as llama-server reads it)."""
+    try:
+        return Path(os.path.expanduser(path)).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc}") from None
+
+
+def json_schema_grammar(text: str) -> str:
+    """``-j SCHEMA``: a JSON schema, as the GBNF that enforces it (converted now, as llama-server converts
+    it: a schema that cannot be turned into a grammar exits 2).  ``{"type": "object"}`` is any JSON object."""
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON schema, got {text[:80]!r}: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise argparse.ArgumentTypeError(f"expected a JSON schema (an object), got {type(schema).__name__}")
+    from ..api.json_schema import SchemaError, schema_to_gbnf
+
+    try:
+        return schema_to_gbnf(schema)
+    except SchemaError as exc:
+        raise argparse.ArgumentTypeError(f"this schema cannot be enforced: {exc}"[:600]) from None
+
+
+def json_schema_file(path: str) -> str:
+    """``-jf FILE``: :func:`json_schema_grammar` of the file's text."""
+    return json_schema_grammar(grammar_file(path))
+
+
+def escapes(text: str) -> str:
+    """llama-server's ``string_process_escapes`` (``common/common.cpp``), which ``-e/--escape`` (on by
+    default) applies to ``-r`` and ``--dry-sequence-breaker``: ``\\n``, ``\\r``, ``\\t``, ``\\'``, ``\\"``,
+    ``\\\\`` and ``\\xNN``; any other backslash stays as it is.  Works on the UTF-8 bytes; bytes that are
+    not valid UTF-8 afterwards (a lone ``\\xNN`` above 0x7f) become U+FFFD."""
+    raw, out, i = text.encode("utf-8"), bytearray(), 0
+    simple = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("'"): 39, ord('"'): 34, ord("\\"): 92}
+    while i < len(raw):
+        c = raw[i]
+        if c == 92 and i + 1 < len(raw):
+            nxt = raw[i + 1]
+            if nxt in simple:
+                out.append(simple[nxt])
+                i += 2
+                continue
+            hexdigits = raw[i + 2 : i + 4]
+            if nxt == ord("x") and len(hexdigits) == 2 and re.fullmatch(rb"[0-9a-fA-F]{2}", hexdigits):
+                out.append(int(hexdigits, 16))
+                i += 4
+                continue
+            out += raw[i : i + 2]
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return out.decode("utf-8", "replace")
+
+
+def kv_overrides(text: str) -> tuple[tuple[str, str, Any], ...]:
+    """``--override-kv KEY=TYPE:VALUE,...`` as llama-server reads it (``string_parse_kv_override``,
+    ``common/common.cpp``): a key of at most 127 bytes; ``int:`` read as C's ``atol``, ``float:`` as ``atof``,
+    ``bool:true|false``, ``str:`` at most 127 bytes.  Items are comma-separated (a quoted item may hold
+    commas).  Returns ``(key, type, value)`` triples."""
+    import csv as _csv
+
+    out = []
+    for item in next(_csv.reader([text], skipinitialspace=False), []):
+        key, sep, typed = item.partition("=")
+        kind, colon, value = typed.partition(":")
+        if not sep or len(key.encode()) >= 128 or not colon or kind not in ("int", "float", "bool", "str"):
+            raise argparse.ArgumentTypeError(f"expected KEY=TYPE:VALUE (TYPE: int, float, bool, str), got {item!r}")
+        if kind == "int":
+            out.append((key, kind, c_atoi(value)))
+        elif kind == "float":
+            m = re.match(r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", value)
+            out.append((key, kind, float(m.group(0)) if m else 0.0))
+        elif kind == "bool":
+            if value not in ("true", "false"):
+                raise argparse.ArgumentTypeError(f"{item!r}: a bool is true or false")
+            out.append((key, kind, value == "true"))
+        else:
+            if len(value.encode()) > 127:
+                raise argparse.ArgumentTypeError(f"{item!r}: a str value is at most 127 bytes")
+            out.append((key, kind, value))
+    return tuple(out)

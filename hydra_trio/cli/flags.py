@@ -15,6 +15,6 @@ GROUPS = {
     "common": "common params (llama-server's)",
     "sampling": "sampling params: the defaults of every request that does not set them (llama-server's)",
     "server": "server params (llama-server's)",
-    "speculative": "speculative decoding (llama-server's; refused: no draft model here)",
+    "speculative": "speculative decoding (llama-server's; refused: not supported yet)",
     "hydra": "hydra-trio's own params and the C++ llama-engine's",
 }

@@ -11,7 +11,6 @@ from ..engine.settings import EngineConfig
 from ..transport.frontdoor import FrontDoorSettings
 from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
-from ..hydra.cli import _address
 from ..observability.logs import LOG_FORMATS
 from . import _types as t
 from ._flags import ACCEPTED, OWN, Flag
@@ -67,7 +66,8 @@ FLAGS: list[Flag] = [
       value="FILE"),
     # -- COMBINED and the ggml-RPC backend -----------------------------------------------------------
     H(("--rpc-engine",), "COMBINED mode: once the model serves, place its MoE expert tensors on this ggml-RPC "
-      "peer (another node's port or --ggml-rpc-port) and switch to COMBINED", value="HOST:PORT", type=_address),
+      "peer (another node's port or --ggml-rpc-port) and switch to COMBINED (a value that is not HOST:PORT leaves "
+      "COMBINED off, said at start-up, as the C++ engine runs SOLO then)", value="HOST:PORT"),
     H(("--combined-pattern",), "tensors that live on the peer in COMBINED mode", value="REGEX", type=t.regex,
       default=_default(EngineConfig, "combined_pattern")),
     H(("--no-rpc-backend",), "do not lend this node's compute over ggml-RPC", action="store_true"),
@@ -91,15 +91,22 @@ FLAGS: list[Flag] = [
       type=t.int_range(1, 2**63 - 1), default=_default(_rpc, "max_message_size")),
     # -- the C++ llama-engine's flags ----------------------------------------------------------------
     H(("--rpc-port",), "C++ engine: the Hydra protocol's port; also served by this node's front door (every "
-      "protocol on every port; 0 or --port itself opens nothing more)", value="PORT", type=t.port),
+      "protocol on every port; 0 or less, or --port itself, opens nothing more)", value="PORT", type=t.engine_port),
     H(("--ggml-rpc-port",), "C++ engine: the ggml-RPC port a head's --rpc-engine names; also served by this "
-      "node's front door (0 or --port itself opens nothing more)", value="PORT", type=t.port),
-    H(("--combined-ot-pattern",), "C++ engine: REGEX=RPC...[,...]: the tensors COMBINED places on the peer "
-      "(sets --combined-pattern)", value="REGEX=BUFT", type=t.combined_ot),
+      "node's front door (read as C's atoi, as the engine: 0 or less, or --port itself, opens nothing more)",
+      value="PORT", type=t.c_atoi),
+    H(("--combined-ot-pattern",), "C++ engine: REGEX[=BUFT], override-tensor syntax: the regex before the last "
+      "'=' is the pattern of the tensors COMBINED places on the --rpc-engine peer (sets --combined-pattern); the "
+      "buffer type is ignored, as the engine ignores it (said at start-up)", value="REGEX[=BUFT]",
+      type=t.combined_ot),
     Flag(("--peer-only",), ACCEPTED, "this node lends its compute over ggml-RPC on every port whether or not it "
          "serves a model; --no-model makes a compute-only node", group="hydra"),
     Flag(("--combined-split-mode",), ACCEPTED, "COMBINED places the --combined-pattern tensors on the peer; "
          "no split mode applies", value="MODE", group="hydra"),
     Flag(("--combined-tensor-split",), ACCEPTED, "COMBINED places the --combined-pattern tensors on the peer; "
          "no tensor split applies", value="N0,N1,...", group="hydra"),
+    Flag(("--peer-health-url",), ACCEPTED, "the head tries its --rpc-engine peer once it serves and watches "
+         "the peer's ggml-RPC port from then on (SET_EXPERT_MODE tries again); no separate health probe", value="HOST:PORT", group="hydra"),
+    Flag(("--yarn-ext-ctx",), ACCEPTED, "the C++ engine drops it unread; YaRN follows --yarn-orig-ctx and the "
+         "--yarn-* flags", value="N", group="hydra"),
 ]

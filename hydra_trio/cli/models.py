@@ -88,3 +88,32 @@ def _models_templates(args: argparse.Namespace) -> int:
 
     print("\n".join(builtin_chat_templates()))
     return 0
+
+
+def print_cache_list() -> int:
+    """``hydra-trio -cl``: the installed presets, in llama-server's ``--cache-list`` form
+    (``number of models in cache: N`` then one numbered line each: alias and file)."""
+    rows = [r for r in (preset_status(alias) for alias in PRESETS) if r.installed]
+    print(f"number of models in cache: {len(rows)}")
+    for i, r in enumerate(rows, 1):
+        print(f"{i:4d}. {r.alias} ({r.path or 'made on first use'})")
+    return 0
+
+
+def print_completion_bash(names: list[str]) -> int:
+    """``hydra-trio --completion-bash``: a bash completion script for ``names`` (every flag spelling), in the
+    shape of llama-server's (``common_params_print_completion``): GGUF files after ``-m``, ``.gbnf`` after
+    ``--grammar-file``, ``.jinja`` after ``--chat-template-file``, the subcommands and flags otherwise."""
+    words = " ".join(["run", "models", "info", "state", "mode", "watch", *names])
+    files = {"--model|-m": "*.gguf", "--grammar-file": "*.gbnf", "--chat-template-file": "*.jinja"}
+    print("_hydra_trio_completions() {\n    local cur prev opts\n    COMPREPLY=()\n"
+          '    cur="${COMP_WORDS[COMP_CWORD]}"\n    prev="${COMP_WORDS[COMP_CWORD-1]}"\n')
+    print(f'    opts="{words}"\n')
+    print('    case "$prev" in')
+    for flags, glob in files.items():
+        print(f"        {flags})\n            COMPREPLY=( $(compgen -f -X '!{glob}' -- \"$cur\") "
+              '$(compgen -d -- "$cur") )\n            return 0\n            ;;')
+    print('        *)\n            COMPREPLY=( $(compgen -W "${opts}" -- "$cur") )\n            return 0\n'
+          "            ;;\n    esac\n}\n")
+    print("complete -F _hydra_trio_completions hydra-trio")
+    return 0

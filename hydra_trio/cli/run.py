@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import ssl
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import trio
 
-from ..engine.settings import EngineConfig, LlamaOptions
+from ..engine.settings import EngineConfig, GenerationDefaults, LlamaOptions
 from ..transport.frontdoor import FrontDoorSettings
 from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
@@ -21,6 +22,7 @@ from ..models.presets import DEFAULT_ALIAS, PresetError, resolve_model
 from ..transport.tls import TlsSettings, client_context, server_context
 from .flags import RUN_FLAGS
 from ._flags import accepted_notes, given_environment
+from . import _types
 from .access import access_settings
 
 log = logging.getLogger("hydra_trio")
@@ -37,8 +39,8 @@ def log_level(args: argparse.Namespace) -> str:
         return args.log_level
     if args.verbose:
         return "DEBUG"
-    if args.log_verbosity is not None:
-        return _VERBOSITY.get(args.log_verbosity, "DEBUG")
+    if args.log_verbosity is not None:  # below 0 llama-server logs nothing: fatal errors only here
+        return "CRITICAL" if args.log_verbosity < 0 else _VERBOSITY.get(args.log_verbosity, "DEBUG")
     return "INFO"
 
 
@@ -48,7 +50,9 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
     if freq_scale is None and args.rope_scale is not None and args.rope_scale > 0:
         freq_scale = 1.0 / args.rope_scale  # llama-server: --rope-scale N sets rope_freq_scale = 1/N
     opts = {
-        "n_threads_batch": args.threads_batch, "n_ubatch": args.ubatch_size, "swa_full": args.swa_full,
+        # -tb 0: every core, as llama-server (not "as --threads", which is what leaving it out means)
+        "n_threads_batch": (args.threads_batch or os.cpu_count() or 1) if args.threads_batch is not None else None,
+        "n_ubatch": args.ubatch_size, "swa_full": args.swa_full,
         "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
         "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
         "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
@@ -64,28 +68,88 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
         "tensor_overrides": tuple(p for group in args.override_tensor or [] for p in group),
         "cpu_moe": args.cpu_moe, "n_cpu_moe": args.n_cpu_moe, "n_cpu_ffn": args.n_cpu_ffn,
         "embeddings": args.embedding, "pooling": args.pooling,
+        "kv_overrides": tuple(kv for group in args.override_kv or [] for kv in group) or None,
     }
     return LlamaOptions(**{k: v for k, v in opts.items() if v is not None})
 
 
 def template_kwargs(args: argparse.Namespace) -> dict:
-    """``--chat-template-kwargs`` plus ``--reasoning on|off`` (``enable_thinking``) and ``--reasoning-effort``
-    (``reasoning_effort``; ``default`` leaves it out), as llama-server (``common/arg.cpp``)."""
+    """``--chat-template-kwargs`` plus ``--reasoning on|off`` (``enable_thinking``), ``--reasoning-effort``
+    (``reasoning_effort``; ``default`` leaves it out) and ``--[no-]reasoning-preserve``
+    (``preserve_reasoning``), as llama-server (``common/arg.cpp``)."""
     kwargs = dict(args.chat_template_kwargs or {})
     if args.reasoning in ("on", "off"):
         kwargs["enable_thinking"] = args.reasoning == "on"
     if args.reasoning_effort is not None and args.reasoning_effort != "default":
         kwargs["reasoning_effort"] = args.reasoning_effort
+    if args.reasoning_preserve is not None:  # not given: the renderer's default, llama-server's (true)
+        kwargs["preserve_reasoning"] = args.reasoning_preserve
     return kwargs
 
 
 def extra_ports(args: argparse.Namespace) -> tuple[int, ...]:
-    """``--rpc-port`` and ``--ggml-rpc-port``: more ports for the same front door (0 and --port: none)."""
+    """``--rpc-port`` and ``--ggml-rpc-port``: more ports for the same front door (0 or less, above 65535
+    (:func:`combined_target`'s notes say so) and --port itself: none)."""
     ports = []
     for p in (args.rpc_port, args.ggml_rpc_port):
-        if p and p != args.port and p not in ports:
+        if p is not None and 0 < p <= 65535 and p != args.port and p not in ports:
             ports.append(p)
     return tuple(ports)
+
+
+def generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
+    """The :class:`GenerationDefaults` of parsed ``run`` flags: ``--samplers``/``--sampler-seq``,
+    ``--ignore-eos``, ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r`` (escapes processed unless
+    ``--no-escape``, as llama-server) and ``--cache-prompt``."""
+    stop = tuple(_types.escapes(r) if args.escape else r for r in args.reverse_prompt or ())
+    return GenerationDefaults(
+        samplers=args.samplers[0] if args.samplers is not None else None,
+        ignore_eos=args.ignore_eos, logit_bias=tuple(args.logit_bias or ()), grammar=args.grammar,
+        adaptive_target=min(args.adaptive_target, 1.0) if args.adaptive_target is not None else -1.0,
+        adaptive_decay=min(max(args.adaptive_decay, 0.0), 0.99) if args.adaptive_decay is not None else 0.9,
+        stop=stop, cache_prompt=args.cache_prompt, special=args.special)
+
+
+def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str]]:
+    """COMBINED's peer and expert pattern from ``--rpc-engine``, ``--combined-ot-pattern`` (else
+    ``--combined-pattern``), and the start-up lines about them: ``(peer or None, pattern, warnings)``.
+
+    The C++ engine starts with any value of its flags, and runs SOLO when one leaves COMBINED nothing to
+    do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a regular
+    expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
+    ``=`` is ignored, as the engine ignores it (one line says so).
+    """
+    from ..protocol.address import parse_peer
+    from ..protocol.strict import MessageError
+
+    notes: list[str] = []
+    peer = args.rpc_engine
+    if peer is not None:
+        try:
+            parse_peer(peer, field="--rpc-engine")
+        except MessageError as exc:
+            notes.append(f"{exc}: COMBINED is off, the node serves SOLO")
+            peer = None
+    pattern = args.combined_pattern
+    if args.combined_ot_pattern is not None:
+        pattern, buft = args.combined_ot_pattern
+        problem = "is empty" if not pattern else None
+        if problem is None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                problem = f"is not a regular expression ({exc})"
+        if problem is not None:
+            notes.append(f"--combined-ot-pattern: the pattern before the last '=' {problem}: COMBINED is off, the "
+                         "node serves SOLO")
+            peer, pattern = None, args.combined_pattern
+        elif buft is not None:
+            notes.append(f"--combined-ot-pattern: the buffer type {buft} after the last '=' is ignored; COMBINED "
+                         f"places the tensors matching {pattern} on the --rpc-engine peer")
+    for flag, port in (("--rpc-port", args.rpc_port), ("--ggml-rpc-port", args.ggml_rpc_port)):
+        if port is not None and port > 65535:
+            notes.append(f"{flag} {port}: not a TCP port; no port opened for it")
+    return peer, pattern, notes
 
 
 def _process_settings(args: argparse.Namespace) -> None:
@@ -116,8 +180,10 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
     if gpu and not _has_gpu():
         log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
                     "same way)", ", ".join(gpu))
-    if args.combined_ot_pattern is not None:
-        log.info("--combined-ot-pattern: COMBINED places tensors matching %s on the peer", args.combined_ot_pattern)
+    for note in combined_target(args)[2]:
+        log.warning("%s", note)
+    if args.samplers is not None and args.samplers[1]:  # llama-server warns and leaves them out too
+        log.warning("--samplers/--sampler-seq: unknown samplers left out: %s", ", ".join(map(repr, args.samplers[1])))
 
 
 def _has_gpu() -> bool:
@@ -188,6 +254,14 @@ def run_node(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; the exit code (2: a setting refused before anything bound or loaded)."""
     if args.list_devices:
         return _list_devices()
+    if args.cache_list:
+        from .models import print_cache_list
+
+        return print_cache_list()
+    if args.completion_bash:
+        from .models import print_completion_bash
+
+        return print_completion_bash([n for f in RUN_FLAGS if f.kind != "refused" for n in f.all_names])
     configure_logging("CRITICAL" if args.log_disable else log_level(args),
                       args.log_format or ("json" if args.log_jsonl else "text"), sys.stderr,
                       file=args.log_file, timestamps=args.log_timestamps, disabled=args.log_disable)
@@ -209,6 +283,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     path, alias = resolve_model(args.model or DEFAULT_ALIAS)
     quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
     template, _origin = args.chat_template or args.chat_template_file or (None, "")
+    peer, pattern, _notes = combined_target(args)
     n_parallel = 4 if args.parallel == -1 else args.parallel  # llama-server's auto: 4 slots
     n_ctx = args.ctx_size
     if n_ctx is None and args.kv_unified_per_slot is not None and args.kv_unified_per_slot > 0:
@@ -226,9 +301,9 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         model_alias=args.alias or alias,
         n_parallel=n_parallel,
         n_batch=args.batch_size,
-        n_threads=args.threads,
-        peer=args.rpc_engine,
-        combined_pattern=args.combined_ot_pattern or args.combined_pattern,
+        n_threads=args.threads or None,  # -t 0: every core
+        peer=peer,
+        combined_pattern=pattern,
         chat_template=template,
         allow_cross_model_kv=args.allow_cross_model_kv,
         quants=quants,
@@ -237,6 +312,8 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         sampling=args.sampling,
         context_shift=args.context_shift,
         slot_save_path=args.slot_save_path,
+        generation=generation_defaults(args),
+        skip_chat_parsing=args.skip_chat_parsing,
         **{k: v for k, v in given.items() if v is not None},
     )
 
@@ -296,7 +373,9 @@ async def _run(args: argparse.Namespace) -> int:
         log.error("TLS: %s", exc)
         return 2
     cors = tuple(args.cors_origins or ()) + tuple(args.cors_origin or ())
-    http_kw = {"body_timeout": args.timeout, "write_timeout": args.timeout} if args.timeout is not None else {}
+    http_kw = {}  # -to not given: HttpSettings' defaults (llama-server's)
+    if args.timeout is not None:  # below 0: no limit (None); 0: no waiting
+        http_kw = dict.fromkeys(("body_timeout", "write_timeout"), None if args.timeout < 0 else args.timeout)
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -310,6 +389,7 @@ async def _run(args: argparse.Namespace) -> int:
                           endpoint_props=bool(args.endpoint_props), **http_kw),
         rpc_backend=rpc,
         access=access,
+        reuse_port=args.reuse_port,
     )
     async with trio.open_nursery() as nursery:
 

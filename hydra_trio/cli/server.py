@@ -9,11 +9,10 @@ from ..engine.settings import EngineConfig
 from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
 
-NO_SPEC = "no speculative decoding (no draft model)"
+NO_SPEC = "speculative decoding (a draft model, n-gram lookup) is not supported yet"
 NO_RERANK = "this node has no reranking endpoint"
 NO_ROUTER = "one model per node: llama-server's router mode (models directory, presets) is not supported"
 NO_UI = "the node serves its own status page at /, not llama-server's web UI"
-NOT_YET = "accepted and kept in the engine settings; this node does not yet act on it"
 
 
 V = functools.partial(Flag, group="server")  # a table row of this group
@@ -28,15 +27,15 @@ FLAGS: list[Flag] = [
       lands="EngineConfig.llama.kv_unified_per_slot"),
     V(("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"), WIRED, "context checkpoints kept per slot for "
       "recurrent, hybrid and SWA models: a diverging prompt resumes from the latest one instead of being "
-      "evaluated whole (default: 32; 0 = off)", value="N", type=t.int_range(0, t.INT32_MAX),
+      "evaluated whole (default: 32; 0 or less = off)", value="N", type=t.int_at_least(0),
       env="LLAMA_ARG_CTX_CHECKPOINTS", dest="n_ctx_checkpoints", lands="EngineConfig.n_ctx_checkpoints"),
     V(("-cms", "--checkpoint-min-step"), WIRED, "minimum spacing in tokens between context checkpoints of "
       "different requests once a slot's are full (default: 8192; 0 = no minimum)", value="N",
       type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT", dest="checkpoint_min_step",
       lands="EngineConfig.checkpoint_min_step"),
     V(("-cram", "--cache-ram"), WIRED, "host-RAM prompt cache in MiB: slots' KV states kept by their tokens and "
-      "restored for a prompt that starts with them (default: 8192, -1 = no limit, 0 = off)", value="N",
-      type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_CACHE_RAM", dest="cache_ram_mib",
+      "restored for a prompt that starts with them (default: 8192, below 0 = no limit, 0 = off)", value="N",
+      type=t.int_at_least(-1), env="LLAMA_ARG_CACHE_RAM", dest="cache_ram_mib",
       lands="EngineConfig.cache_ram_mib"),
     V(("-kvu", "--kv-unified"), WIRED, "one KV buffer shared by every slot; a slot may fill all of it (cap: "
       "--kv-unified-per-slot); when it is full, idle slots make room (-np -1 turns it on, as llama-server)", neg=("-no-kvu", "--no-kv-unified"),
@@ -49,16 +48,18 @@ FLAGS: list[Flag] = [
       lands="EngineConfig.context_shift"),
     V(("--keep",), WIRED, "prompt tokens kept by a context shift (-1 = all)", value="N",
       type=t.int_range(-1, t.INT32_MAX), dest="n_keep", lands="EngineConfig.n_keep"),
-    V(("-r", "--reverse-prompt"), ACCEPTED, "reverse prompts are for interactive tools; requests carry stop "
-      "strings", value="PROMPT"),
-    V(("-sp", "--special"), ACCEPTED, "special tokens are rendered as llama-server's server does"),
+    V(("-r", "--reverse-prompt"), WIRED, "a stop string for every request whose stop list (with its chat "
+      "template's) is empty, repeatable (at most 16 of 512 characters)", value="PROMPT", action="append",
+      dest="reverse_prompt", lands="EngineConfig.generation.stop"),
+    V(("-sp", "--special"), WIRED, "write generated special tokens into the reply's text (default: they add "
+      "none)", lands="EngineConfig.generation.special"),
     V(("--warmup",), ACCEPTED, "the node always runs its warm-up step at start",
       neg=("--no-warmup",)),
-    V(("--spm-infill",), REFUSED, "no /infill endpoint"),
+    V(("--spm-infill",), REFUSED, "/infill is not served (501), so there is no infill prompt order to choose"),
     V(("--pooling",), WIRED, "pooling of embeddings: none, mean, cls, last or rank (default: the model's)",
       value="{none,mean,cls,last,rank}", type=t.choice("none", "mean", "cls", "last", "rank"),
       env="LLAMA_ARG_POOLING", lands="EngineConfig.llama.pooling"),
-    V(("-np", "--parallel"), WIRED, "number of slots, 1-256 (-1 = auto: 4)", value="N",
+    V(("-np", "--parallel"), WIRED, "number of slots, 1-256 (below 0 = auto: 4)", value="N",
       type=t.n_parallel, default=EngineConfig.__attrs_attrs__.n_parallel.default, env="LLAMA_ARG_N_PARALLEL",
       lands="EngineConfig.n_parallel"),
     V(("-cb", "--cont-batching"), ACCEPTED, "continuous batching is always on", neg=("-nocb", "--no-cont-batching"),
@@ -77,7 +78,9 @@ FLAGS: list[Flag] = [
       lands="ServerConfig.host"),
     V(("--port",), WIRED, "TCP port for HTTP, Hydra and ggml-RPC, 0-65535 (0 = any free port)", value="PORT",
       type=t.port, default=8080, env="LLAMA_ARG_PORT", lands="ServerConfig.port"),
-    V(("--reuse-port",), REFUSED, "SO_REUSEPORT is not supported: one process per port", env="LLAMA_ARG_REUSE_PORT"),
+    V(("--reuse-port",), WIRED, "listen with SO_REUSEPORT: other processes started with it may listen on the "
+      "same port, the kernel shares the connections out among them", env="LLAMA_ARG_REUSE_PORT",
+      lands="ServerConfig.reuse_port"),
     V(("--path",), REFUSED, NO_UI + "; it serves no other static files", value="PATH", env="LLAMA_ARG_STATIC_PATH"),
     V(("--cors-origins",), WIRED, "comma-separated origins allowed by CORS (default: *)", value="ORIGINS",
       type=t.csv, env="LLAMA_ARG_CORS_ORIGINS", lands="HttpSettings.cors_origins"),
@@ -116,18 +119,20 @@ FLAGS: list[Flag] = [
     V(("--chat-template-kwargs",), WIRED, "extra variables for the Jinja chat template, a JSON object, e.g. "
       "'{\"enable_thinking\": true}'", value="STRING", type=t.json_object, env="LLAMA_ARG_CHAT_TEMPLATE_KWARGS",
       lands="EngineConfig.chat_template_kwargs"),
-    V(("-to", "--timeout"), WIRED, "HTTP read/write timeout in seconds: silence allowed while a request body "
-      "arrives (408 after; default: 30), and time a reply may wait for a client that reads none of it (the "
-      "connection closes; default: 600). A reply runs as long as it needs", value="SECONDS", type=t.seconds(),
-      env="LLAMA_ARG_TIMEOUT", lands="HttpSettings.body_timeout, .write_timeout"),
+    V(("-to", "--timeout"), WIRED, "HTTP read/write timeout in seconds, as llama-server's: silence allowed while a "
+      "request body arrives (408 after), and time a reply may wait for a client that reads none of it (the "
+      "connection closes); 0: no waiting (only what the client has already sent, or what the socket takes at "
+      "once), below 0: no limit (default: 3600). A reply runs as long as it needs", value="SECONDS",
+      type=t.timeout_seconds, env="LLAMA_ARG_TIMEOUT", lands="HttpSettings.body_timeout, .write_timeout"),
     V(("--sse-ping-interval",), ACCEPTED, "streams send no SSE pings", value="N", type=t.int_range(-1, t.INT32_MAX),
       env="LLAMA_ARG_SSE_PING_INTERVAL"),
     V(("--threads-http",), ACCEPTED, "HTTP is served by trio tasks, not a thread pool", value="N",
       type=t.int_range(-1, t.INT32_MAX), env="LLAMA_ARG_THREADS_HTTP"),
-    V(("--cache-prompt",), ACCEPTED, "prompts are always cached (a request may set cache_prompt: false)",
-      neg=("--no-cache-prompt",), env="LLAMA_ARG_CACHE_PROMPT"),
-    V(("--cache-reuse",), WIRED, "minimum chunk of cached tokens to reuse by shifting the KV cache (0 = off)",
-      value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
+    V(("--cache-prompt",), WIRED, "reuse a slot's cached prefix, for every request that sends no cache_prompt "
+      "(default: on)", neg=("--no-cache-prompt",), default=True, env="LLAMA_ARG_CACHE_PROMPT", dest="cache_prompt",
+      lands="EngineConfig.generation.cache_prompt"),
+    V(("--cache-reuse",), WIRED, "minimum chunk of cached tokens to reuse by shifting the KV cache (0 or less = off)",
+      value="N", type=t.int_at_least(0), env="LLAMA_ARG_CACHE_REUSE", dest="n_cache_reuse",
       lands="EngineConfig.n_cache_reuse"),
     V(("--metrics",), ACCEPTED, "/metrics is always on", env="LLAMA_ARG_ENDPOINT_METRICS"),
     V(("--props",), WIRED, "offer POST /props (as llama-server at this version it sets no property: "
@@ -164,16 +169,21 @@ FLAGS: list[Flag] = [
     V(("--reasoning-budget-message",), WIRED, "text forced before the end-of-thinking marker when the thinking "
       "budget is spent (default: none)", value="MESSAGE", env="LLAMA_ARG_THINK_BUDGET_MESSAGE",
       lands="EngineConfig.reasoning_budget_message"),
-    V(("--reasoning-preserve",), ACCEPTED, "the chat template decides whether past thinking is kept",
-      neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE"),
+    V(("--reasoning-preserve",), WIRED, "keep past thinking in the history: the template variable "
+      "preserve_reasoning (default: on, as llama-server), from which preserve_thinking, clear_thinking, "
+      "truncate_history_thinking and drop_thinking follow for templates that read them",
+      neg=("--no-reasoning-preserve",), env="LLAMA_ARG_REASONING_PRESERVE", extra={"default": None},
+      lands="EngineConfig.chat_template_kwargs"),
     V(("--chat-template",), WIRED, "chat template: a built-in name (hydra-trio models templates), a Jinja file "
       "or Jinja text (default: the GGUF's; chatml when it has none)", value="JINJA_TEMPLATE",
       type=t.chat_template_value, env="LLAMA_ARG_CHAT_TEMPLATE", lands="EngineConfig.chat_template"),
     V(("--chat-template-file",), WIRED, "a Jinja chat template file", value="JINJA_TEMPLATE_FILE",
       type=t.chat_template_file, env="LLAMA_ARG_CHAT_TEMPLATE_FILE", lands="EngineConfig.chat_template"),
-    V(("--skip-chat-parsing",), ACCEPTED, "replies are not parsed for thinking or tool calls yet",
-      neg=("--no-skip-chat-parsing",), env="LLAMA_ARG_SKIP_CHAT_PARSING"),
-    V(("--prefill-assistant",), ACCEPTED, NOT_YET + " (a final assistant message is rendered by the template)",
+    V(("--skip-chat-parsing",), WIRED, "a chat reply is content whole: thinking is not split into "
+      "reasoning_content, tool calls are neither parsed nor constrained by a grammar (default: off)",
+      neg=("--no-skip-chat-parsing",), env="LLAMA_ARG_SKIP_CHAT_PARSING", lands="EngineConfig.skip_chat_parsing"),
+    V(("--prefill-assistant",), ACCEPTED, "a final assistant message is rendered as a closed turn and the reply "
+      "starts a new one, as llama-server's --no-prefill-assistant; continuing that message is not supported yet",
       neg=("--no-prefill-assistant",), env="LLAMA_ARG_PREFILL_ASSISTANT"),
     V(("-sps", "--slot-prompt-similarity"), WIRED, "how much a prompt must match a slot's cached prompt to use "
       "that slot (0.0 = off)", value="SIMILARITY", type=t.float_range(0.0, 1.0), dest="slot_prompt_similarity",

@@ -210,7 +210,7 @@ class Engine:
         """STATE_PUT applies blobs of other files with this KV identity (CONFIGURE ``allow_cross_model_kv``)."""
         self.stats = EngineStats()
         self.stage_times: dict[str, float] = {}
-        self.request_defaults = RequestDefaults(config.sampling, config.n_predict)
+        self.request_defaults = RequestDefaults(config.sampling, config.n_predict, config.generation)
         """What a request leaves out gets (CONFIGURE tier 1 swaps a new immutable object in: one assignment, so
         a thread that reads it once sees one consistent pair; :meth:`defaults`, :meth:`default_n_predict`)."""
         self.experts = ExpertModes(config.peer, config.combined_pattern, self.stats, model_kwargs(config),

@@ -73,3 +73,22 @@ class JinjaChatFormatter:
             messages=messages, eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
             add_generation_prompt=self.add_generation_prompt, functions=functions, function_call=function_call,
             tools=tools, tool_choice=tool_choice, strftime_now=_strftime_now, **kwargs)
+
+
+def capability_variables(variables: dict[str, Any]) -> dict[str, Any]:
+    """``variables`` (the node's and the request's template kwargs) with the variables llama-server derives
+    from two of them (``common/chat.cpp``, ``jinja::caps_apply_*`` in ``common/jinja/caps.cpp``):
+    ``preserve_reasoning`` (true unless given: llama-server sets it by default, ``--no-reasoning-preserve``
+    clears it) sets ``preserve_thinking`` and its opposites ``clear_thinking``, ``truncate_history_thinking``,
+    ``drop_thinking``; a non-empty ``reasoning_effort`` sets ``reasoning_strength`` too.  A variable given
+    by name wins over a derived one, as llama-server applies the kwargs after them."""
+    out = {"preserve_reasoning": True, **variables}
+    derived: dict[str, Any] = {}
+    if isinstance(out["preserve_reasoning"], bool):
+        keep = out["preserve_reasoning"]
+        derived.update(preserve_thinking=keep, clear_thinking=not keep, truncate_history_thinking=not keep,
+                       drop_thinking=not keep)
+    effort = out.get("reasoning_effort")
+    if isinstance(effort, str) and effort:
+        derived["reasoning_strength"] = effort
+    return {**derived, **out}

@@ -22,10 +22,10 @@ import attrs
 import llama_cpp
 
 from ..errors import InvalidRequest, ModelLoadError
-from . import ggml_backend
+from . import ggml_backend, kv_overrides
 from .bridge import thread_local_set
 from .ggml_backend import clean_build_paths
-from .jinja_chat import JinjaChatFormatter
+from .jinja_chat import JinjaChatFormatter, capability_variables
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
 from .settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
@@ -255,7 +255,8 @@ class ChatTemplate:
 
         def render(messages: list[dict], more: dict[str, Any] | None = None,
                    tools: list[dict] | None = None) -> tuple[str, list[str]]:
-            variables = {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}}
+            variables = capability_variables(
+                {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}})
             try:
                 prompt = fmt(messages=messages, tools=tools, **variables)
             except Exception as exc:  # raise_exception's ValueError, jinja2's TemplateError, a TypeError, ...
@@ -379,6 +380,7 @@ class LoadedModel:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         mparams = llama_cpp.llama_model_default_params()
         _apply_model_options(mparams, opts)
+        self._kv_overrides = kv_overrides.apply(mparams, opts.kv_overrides)  # --override-kv; kept alive
         n_layer = None
         if opts.n_cpu_moe or opts.n_cpu_ffn:  # -ncmoe/-ncffn: one pattern per layer, up to the model's layers
             try:

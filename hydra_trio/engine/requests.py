@@ -85,6 +85,8 @@ class CompletionJob:
             (llama-server's ``t_max_predict_ms``); 0: no limit.
         reasoning_budget: the thinking budget (:class:`~hydra_trio.engine.thinking_budget.BudgetSpec`:
             after that many tokens inside the thinking block its end marker is forced); None: none.
+        special: generated special tokens are written into the text as their text (llama-server's
+            ``-sp/--special``); otherwise they add no text.
         chat_reply: how the reply text is shaped by the API layer (a chat reply's
             :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
@@ -117,6 +119,7 @@ class CompletionJob:
     adaptive_decay: float = 0.9
     t_max_predict_ms: int = 0
     reasoning_budget: BudgetSpec | None = None
+    special: bool = False
     chat_reply: Any = attrs.field(default=None, eq=False)
     stream: bool = False
     timings_per_token: bool = False

@@ -392,7 +392,7 @@ class Scheduler:
             self.events.publish("slot.first_token", job.request_id, slot=slot.id,
                                 ms=round((time.perf_counter() - slot.t_start) * 1e3, 3))
         slot.pending_tokens.append(token)
-        text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token)))
+        text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token, special=job.special)))
         slot.has_new_line = slot.has_new_line or "\n" in text
         if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
             self._emit_text(slot, text)

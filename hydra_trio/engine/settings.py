@@ -307,6 +307,40 @@ def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
 
 
 @attrs.frozen
+class GenerationDefaults:
+    """What llama-server's command line sets for every request besides the sampler settings: its
+    ``params_base``, which a request's own field replaces (``tools/server/server-schema.cpp`` of the
+    llama.cpp that llama-cpp-python 0.3.36 vendors).
+
+    Attributes:
+        samplers: the chain's order under llama-server's canonical names (``--samplers``, ``--sampler-seq``);
+            None: llama-server's default order (:data:`SAMPLER_ORDER`).
+        ignore_eos: keep generating past end-of-generation tokens (``--ignore-eos``).
+        logit_bias: ``(token id, bias)`` pairs (``-l/--logit-bias``); a request's ``logit_bias`` replaces them
+            (an id outside the vocabulary does nothing, as in llama.cpp's logit-bias sampler).
+        grammar: GBNF every reply follows (``--grammar``, ``--grammar-file``, or ``-j/--json-schema``,
+            ``-jf`` turned into GBNF); a request's ``grammar``, ``json_schema`` or JSON ``response_format``
+            replaces it.
+        adaptive_target, adaptive_decay: the ``adaptive_p`` sampler's settings (``--adaptive-target``,
+            ``--adaptive-decay``; used only where ``samplers`` names it).
+        stop: stop strings for a request whose stop list (with its chat template's) is empty
+            (``-r/--reverse-prompt``, llama-server's ``antiprompt``).
+        cache_prompt: reuse a slot's cached prefix (``--cache-prompt`` / ``--no-cache-prompt``).
+        special: write generated special tokens into the reply's text (``-sp/--special``; not a request field).
+    """
+
+    samplers: tuple[str, ...] | None = None
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: str | None = None
+    adaptive_target: float = attrs.field(default=-1.0, validator=_float(-math.inf, 1.0))
+    adaptive_decay: float = attrs.field(default=0.9, validator=_float(0.0, 0.99))
+    stop: tuple[str, ...] = ()
+    cache_prompt: bool = True
+    special: bool = False
+
+
+@attrs.frozen
 class RequestDefaults:
     """What a request that leaves fields out gets: the sampling settings and the token budget
     (``EngineConfig.sampling`` / ``n_predict``; CONFIGURE tier 1 replaces them).
@@ -320,6 +354,8 @@ class RequestDefaults:
     sampling: SamplingParams
     n_predict: int = -1
     """Tokens for a request that sets no budget (-1: until done)."""
+    generation: GenerationDefaults = GenerationDefaults()
+    """The other fields' defaults (``EngineConfig.generation``; CONFIGURE leaves them)."""
 
     def evolve(self, **params: Any) -> RequestDefaults:
         """These defaults with ``params`` (SamplingParams' fields, and ``n_predict``) replaced.
@@ -329,7 +365,8 @@ class RequestDefaults:
         params = dict(params)
         n_predict = params.pop("n_predict", self.n_predict)
         check_n_predict("n_predict", n_predict)
-        return RequestDefaults(attrs.evolve(self.sampling, **params), n_predict)  # validators check each field
+        # the validators check each field
+        return RequestDefaults(attrs.evolve(self.sampling, **params), n_predict, self.generation)
 
 
 def check_stop(stop: tuple[str, ...]) -> None:
@@ -418,6 +455,7 @@ class LlamaOptions:
     n_cpu_ffn: int = 0  # -ncffn
     embeddings: bool = False  # --embedding: the context outputs embeddings (llama_context_params.embeddings)
     pooling: str | None = None  # --pooling none|mean|cls|last|rank; None = the model's
+    kv_overrides: tuple[tuple[str, str, Any], ...] = ()  # --override-kv: (key, int|float|bool|str, value)
 
     def __attrs_post_init__(self) -> None:
         problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)
@@ -507,6 +545,10 @@ class EngineConfig:
             ``reasoning_budget_tokens`` overrides it.
         reasoning_budget_message: text forced before the end marker when the budget is spent
             (``--reasoning-budget-message``; a request's ``reasoning_budget_message`` overrides it).
+        generation: the defaults of a request's other fields: sampler order, ``ignore_eos``, logit biases,
+            grammar, stop strings, ``cache_prompt`` (:class:`GenerationDefaults`).
+        skip_chat_parsing: a chat reply is content whole: no thinking split off, no tool calls parsed and
+            no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
 
     Raises:
         ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
@@ -551,3 +593,5 @@ class EngineConfig:
         ("none", "deepseek", "deepseek-legacy", "auto")))
     reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, INT32_MAX))
     reasoning_budget_message: str = ""
+    generation: GenerationDefaults = GenerationDefaults()
+    skip_chat_parsing: bool = False

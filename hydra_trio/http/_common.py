@@ -17,6 +17,7 @@ from ..engine.engine import Engine
 from ..engine.requests import JobRun
 from ..errors import HydraTrioError
 from .errors import error_response, error_type
+from .settings import waiting_for_client
 
 T = TypeVar("T")
 
@@ -121,9 +122,10 @@ async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[
         raise
 
 
-async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
+async def body_chunks(request: Request, timeout: float | None) -> AsyncIterator[bytes]:
     """The request body's chunks as they arrive.  Raises _BodyError 408 when no chunk comes for
-    ``timeout`` seconds (a stalled client), and 400 when the connection ends before the body does:
+    ``timeout`` seconds (a stalled client; None: no limit, 0: no waiting, :func:`.settings.waiting_for_client`),
+    and 400 when the connection ends before the body does:
     the client went away, or sent a body h11 cannot read (a malformed chunk), which hypercorn has
     answered with its own 400 and a close.  Either way no reply reaches the client; the 400 keeps
     that request out of the 500s and its traceback out of the error log (starlette's ``ClientDisconnect``
@@ -131,7 +133,7 @@ async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
     chunks = request.stream().__aiter__()
     got = 0
     while True:
-        with trio.move_on_after(timeout) as waited:
+        async with waiting_for_client(timeout) as waited:
             try:
                 chunk = await chunks.__anext__()
             except StopAsyncIteration:
@@ -140,6 +142,7 @@ async def body_chunks(request: Request, timeout: float) -> AsyncIterator[bytes]:
                 raise _BodyError(400, f"the connection ended after {got} bytes of the request body "
                                       "(the client went away, or the body was malformed)") from None
         if waited.cancelled_caught:
-            raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s")
+            raise _BodyError(408, f"the request body stalled: no data for {timeout:g} s" if timeout
+                             else "the request body stalled: no data waiting (--timeout 0: no waiting)")
         got += len(chunk)
         yield chunk

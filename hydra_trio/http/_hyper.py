@@ -42,7 +42,7 @@ from hypercorn.trio.worker_context import WorkerContext
 
 from ..transport.frontdoor import AcceptedStream
 from ..transport.tls import connection_info
-from .settings import HttpSettings
+from .settings import HttpSettings, waiting_for_client
 
 log = logging.getLogger("hydra_trio.http")
 
@@ -203,8 +203,9 @@ class _TCPServer(TCPServer):
         stalled = False
         async with self.send_lock:
             try:
-                with trio.CancelScope(shield=True), trio.move_on_after(timeout) as timer:
-                    await self.stream.send_all(data)
+                with trio.CancelScope(shield=True):
+                    async with waiting_for_client(timeout) as timer:
+                        await self.stream.send_all(data)
                 stalled = timer.cancelled_caught
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.protocol.handle(Closed())

@@ -165,7 +165,8 @@ class Api:
 
         ``params`` is :func:`~hydra_trio.api.native.task_params` of the node's defaults: every sampler
         setting under llama-server's name (``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
-        ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``,
+        ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``, ``ignore_eos`` and
+        ``adaptive_target`` / ``adaptive_decay`` (``EngineConfig.generation``),
         and the context-shift defaults ``n_keep`` (``--keep``) and ``n_discard`` (0: half), as
         llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
@@ -192,7 +193,10 @@ class Api:
         m = e.solo_model or e.model
         assert m is not None and e.identity is not None
         defaults = e.request_defaults  # one consistent pair (CONFIGURE swaps a new one in)
-        params = task_params(CompletionJob((), n_predict=defaults.n_predict, sampling=defaults.sampling),
+        g = defaults.generation  # --samplers, --ignore-eos, --adaptive-*
+        params = task_params(CompletionJob((), n_predict=defaults.n_predict, sampling=defaults.sampling,
+                                           samplers=g.samplers, ignore_eos=g.ignore_eos,
+                                           adaptive_target=g.adaptive_target, adaptive_decay=g.adaptive_decay),
                              n_keep=e.config.n_keep, reasoning_format=e.config.reasoning_format)
         tmpl = m.chat_template
         caps = template_caps(tmpl) if known(tmpl) else await trio.to_thread.run_sync(template_caps, tmpl)

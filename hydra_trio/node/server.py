@@ -16,6 +16,7 @@ from ..engine.engine import Engine
 from ..engine.tasks import AttachPeerAtStart, PeerGone
 from ..observability.events import EventBus
 from ..transport.frontdoor import FrontDoor
+from ..transport.listen import open_tcp_listeners
 from ..hydra.server import HydraHandler
 from ..http._hyper import HttpHandler
 from ..http.app import build_app
@@ -79,7 +80,8 @@ class Server:
             ModelLoadError: the model failed to load (the node stops).
         """
         cfg = self.config
-        listeners = self._listeners = await _open_listeners(cfg.host, (cfg.port, *cfg.extra_ports))
+        listeners = self._listeners = await _open_listeners(cfg.host, (cfg.port, *cfg.extra_ports),
+                                                            cfg.reuse_port)
         progress.add_listener(self._progress_events)
         self.ports = list(dict.fromkeys(listener.socket.getsockname()[1] for listener in listeners))
         self.port = self.ports[0]
@@ -205,8 +207,9 @@ class Server:
                     pass  # a request is running: its decode notices the dead peer itself
 
 
-async def _open_listeners(host: str, ports: tuple[int, ...]) -> list[trio.SocketListener]:
-    """Listeners on every port of ``ports`` (each as ``trio.open_tcp_listeners``); all or none.
+async def _open_listeners(host: str, ports: tuple[int, ...], reuse_port: bool = False) -> list[trio.SocketListener]:
+    """Listeners on every port of ``ports`` (each as ``trio.open_tcp_listeners``, with ``SO_REUSEPORT`` for
+    ``reuse_port``: :func:`~hydra_trio.transport.listen.open_tcp_listeners`); all or none.
 
     Raises:
         OSError: a port cannot be bound (the ones already bound are closed).
@@ -214,7 +217,7 @@ async def _open_listeners(host: str, ports: tuple[int, ...]) -> list[trio.Socket
     listeners: list[trio.SocketListener] = []
     try:
         for port in ports:
-            listeners += await trio.open_tcp_listeners(port, host=host)
+            listeners += await open_tcp_listeners(port, host, reuse_port)
     except BaseException:
         for listener in listeners:
             with trio.CancelScope(shield=True):
