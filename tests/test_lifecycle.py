@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import signal
 import socket
 import threading
@@ -147,3 +148,44 @@ def test_sigterm_delivers_a_state_get_in_flight_whole(spawn) -> None:
         assert w.closed_by_server()  # then the connection closes
     idle.close()
     assert srv.proc.wait(120) == 0
+
+
+def test_sigterm_to_the_process_group_stops_the_rpc_child_with_the_node(tmp_path) -> None:
+    """systemd's default (KillMode=control-group) and a launcher that stops its child's group send SIGTERM to
+    the node and its ggml-RPC child at once: the child's end is part of the stop, not a crash to restart."""
+    import os
+    import subprocess
+
+    from hydra_trio.testing.spawn import wait_healthy
+    from .conftest import ROOT, free_port
+
+    port = free_port()
+    log_path = tmp_path / "node.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-np", "1", "-c", "512",
+                                 "--shutdown-grace", "5"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group, as a service has
+        try:
+            wait_healthy(port, proc, timeout=120)
+            # a stream in flight keeps the node in its grace, where the child's end is seen
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 100000, "ignore_eos": True,
+                               "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", port)) as held:
+                held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                got = b""
+                while b"data: " not in got:  # streaming
+                    chunk = held.recv(65536)
+                    assert chunk, got
+                    got += chunk
+                os.killpg(proc.pid, signal.SIGTERM)
+                code = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    log = log_path.read_text(errors="replace")
+    assert code == 0, log
+    assert "SIGTERM received" in log
+    assert "ggml-RPC backend" in log and "crashed" not in log and "restarting" not in log, log
+    assert log.count("ggml-RPC backend serving") == 1, log

@@ -319,6 +319,8 @@ async def _run(args: argparse.Namespace) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 first = True
                 async for signum in signals:
+                    if server is not None:
+                        server.begin_stop()  # before anything awaits: the ggml-RPC child may have got it too
                     if first and server is not None and args.shutdown_grace > 0:
                         log.info("%s received: no new connections; requests in flight get %.0f s to finish "
                                  "(send it again to stop at once)", signal.Signals(signum).name, args.shutdown_grace)

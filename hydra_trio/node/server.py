@@ -69,6 +69,8 @@ class Server:
             self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc
         self.port: int | None = None
         self.ports: list[int] = []  # every bound port, the main one first
+        self.stopping = False
+        """True once the node began to stop (:meth:`begin_stop`)."""
         self.stopped = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -138,6 +140,14 @@ class Server:
             task_status.started(self)
 
 
+    def begin_stop(self) -> None:
+        """The node is stopping (a stop signal came, or :meth:`shutdown` began): from now on a ggml-RPC child
+        that ends is part of the stop, neither a crash nor restarted (it may have got the same signal: a
+        stop sent to the whole process group).  Idempotent; any thread of the trio run."""
+        self.stopping = True
+        if self.rpc is not None:
+            self.rpc.child.node_stopping()
+
     async def shutdown(self, grace: float) -> None:
         """Graceful stop by drain and deadline (hypercorn's way), then cancel what is left.
 
@@ -150,6 +160,7 @@ class Server:
         (engine-side changes such as a STATE_PUT restore are atomic on the
         engine thread, so a cancel never leaves one half-applied).
         """
+        self.begin_stop()
         self.frontdoor.stop_accepting()
         for listener in self._listeners:
             await listener.aclose()
