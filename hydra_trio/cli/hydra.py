@@ -48,8 +48,9 @@ FLAGS: list[Flag] = [
       "a request's headers", value="SECONDS", type=t.seconds(), default=_default(HttpSettings, "keep_alive_timeout")),
     H(("--cors-origin",), "HTTP: an origin allowed by CORS, repeatable (adds to --cors-origins)", value="ORIGIN",
       action="append"),
-    H(("--shutdown-grace",), "on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (0 = stop at "
-      "once)", value="SECONDS", type=t.seconds(zero_ok=True), default=10.0),
+    H(("--shutdown-grace",), "on SIGTERM/Ctrl-C, let requests in flight finish for up to this long; those still "
+      "running then end with an error saying so (a stream's error event, a 503) (0 = end them at once)",
+      value="SECONDS", type=t.seconds(zero_ok=True), default=10.0),
     H(("--log-level",), "log level: DEBUG, INFO, WARNING, ERROR (default: INFO)", value="LEVEL",
       type=t.choice("DEBUG", "INFO", "WARNING", "ERROR")),
     H(("--log-format",), "log lines as text, or one JSON object per line with ts, level, logger, msg and, "

@@ -321,8 +321,8 @@ async def _run(args: argparse.Namespace) -> int:
                 async for signum in signals:
                     if server is not None:
                         server.begin_stop()  # before anything awaits: the ggml-RPC child may have got it too
-                    if first and server is not None and args.shutdown_grace > 0:
-                        log.info("%s received: no new connections; requests in flight get %.0f s to finish "
+                    if first and server is not None:  # a grace of 0: the requests in flight are ended at once
+                        log.info("%s received: no new connections; requests in flight get %g s to finish "
                                  "(send it again to stop at once)", signal.Signals(signum).name, args.shutdown_grace)
                         first = False
                         nursery.start_soon(server.shutdown, args.shutdown_grace)

@@ -39,7 +39,7 @@ from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, release_free_memory, resident_bytes, sha256_file
 from .prompt_cache import PromptCache
-from .requests import CompletionJob, RequestHandle, StepHandOff
+from .requests import CompletionJob, LiveRequests, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits, erase_slot
 from .settings import INT32_MAX, EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
 from .slots import Slot
@@ -223,6 +223,8 @@ class Engine:
         self._ready = trio.Event()
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._hand_off = StepHandOff()  # the requests' token events, one hand-over to trio per step
+        self.live = LiveRequests()
+        """Requests submitted and not ended (trio side); ``live.end_all`` ends them as the node stops."""
         self.snapshot: EngineSnapshot = EMPTY
         """The slots and queue as of the engine's last step (:mod:`~hydra_trio.engine.snapshot`): the engine
         thread swaps a new immutable object in after every step and call; any thread reads it without waiting."""
@@ -311,7 +313,8 @@ class Engine:
         await self._ready.wait()
 
     def check_ready(self) -> None:
-        """Raise NotReady unless the model serves."""
+        """Raise NotReady unless the model serves, Stopping once the node's stop ended the requests (:attr:`live`)."""
+        self.live.check()
         if not self.ready:
             raise NotReady(f"model not ready (stage: {self.stage})", str(self.stage))
 
@@ -337,6 +340,7 @@ class Engine:
             job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None
         handle = RequestHandle(job, self._trio_token, self._hand_off)
+        self.live.add(handle)
         self._inbox.put(handle)
         return handle
 

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Protocol
 
 import attrs
 import trio
 
-from ..errors import HydraTrioError
+from ..errors import HydraTrioError, Stopping
 from .blobbuf import BlobBuffer
 from .settings import SamplingParams
 from .thinking_budget import BudgetSpec
@@ -236,6 +237,8 @@ class RequestHandle:
         self._send, self.events = trio.open_memory_channel[Event](math.inf)
         self.cancelled = False
         self.deferred = False
+        self.ended = False
+        """True once the request's last event (Finished or Failed) was handed to trio."""
 
     def emit(self, event: Event) -> None:
         if self._hand_off is not None:
@@ -252,7 +255,49 @@ class RequestHandle:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         if isinstance(event, (Finished, Failed)):
+            self.ended = True
             self._send.close()
+
+    def end(self, error: HydraTrioError) -> bool:
+        """Trio side: end the request now with ``error`` (a :class:`Failed` after the events already handed
+        over), whatever the engine sends later (dropped); False when it had already ended."""
+        if self.ended:
+            return False
+        self._deliver(Failed(error))
+        return True
+
+
+class LiveRequests:
+    """Trio side: the requests submitted to an engine and not ended yet, and the node's stop that ends them.
+
+    ``stopped_why`` is None until :meth:`end_all`; from then on the engine refuses new work with it.
+    """
+
+    def __init__(self) -> None:
+        self._handles: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
+        self.stopped_why: str | None = None
+
+    def add(self, handle: RequestHandle) -> None:
+        self._handles.add(handle)
+
+    def check(self) -> None:
+        """Raise :class:`~hydra_trio.errors.Stopping` once :meth:`end_all` ran (the engine refuses new work)."""
+        if self.stopped_why is not None:
+            raise Stopping(self.stopped_why)
+
+    def end_all(self, why: str, cancel: Callable[[RequestHandle], None]) -> int:
+        """At the end of the node's shutdown grace: end each request not ended with
+        :class:`~hydra_trio.errors.Stopping` (``why``) at once, as its reader sees it after the events already
+        handed over (:meth:`RequestHandle.end`), without waiting for the engine thread, and ``cancel`` it
+        there (``Engine.cancel``: its slot frees at the next step); from now on :meth:`check` refuses new work.
+        So a stream ends with an error event, a whole reply is a 503, a streamed DECODE pads its rest with
+        the error flag.  Returns the number ended."""
+        self.stopped_why = why
+        n = 0
+        for handle in list(self._handles):
+            n += handle.end(Stopping(why))
+            cancel(handle)
+        return n
 
 
 def _deliver_all(held: list[tuple[RequestHandle, Event]]) -> None:

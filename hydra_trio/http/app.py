@@ -54,6 +54,7 @@ from ._common import (
     _BodyError, _bad_request, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for, prepare_unless_gone,
 )
 from .events import events_endpoint
+from .inflight import InFlight
 from .native import native_routes
 from ..api.jobs import chat_job, job_from_completion
 from ..api.embeddings import EmbeddingsRequest, embed_request
@@ -527,6 +528,7 @@ def build_app(
     node_metrics: metrics.NodeMetrics | None = None,
     access: AccessSettings = AccessSettings(),
     refused: Refusals | None = None,
+    inflight: InFlight | None = None,
 ) -> Any:
     """The ASGI app for one engine (``None``: a node without a model).
 
@@ -538,7 +540,8 @@ def build_app(
     ``access.api_keys`` puts the API behind keys
     (:class:`~hydra_trio.http.auth.ApiKeyMiddleware`, inside CORS so that
     preflights and the CORS headers of a 401 work); ``refused`` counts the
-    refusals of every protocol, exported by ``/metrics``.
+    refusals of every protocol, exported by ``/metrics``; ``inflight`` tracks the requests that do work
+    (:mod:`.inflight`: counted, stopped when their client leaves, ended at the node's stop; a new one when None).
     """
     api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics,
               refused)
@@ -589,7 +592,7 @@ def build_app(
         await not_found(scope, receive, send)
 
     app.router.default = websocket_not_found
-    return _absolute_form(_access_log(app))
+    return _absolute_form(_access_log((inflight or InFlight()).wrap(app)))
 
 
 def _access_log(app: Any) -> Any:
