@@ -35,6 +35,9 @@ FLAGS: list[Flag] = [
       "'default'", value="KEY=PATH|ALIAS", type=t.quant_value, action="append", default=[]),
     H(("--allow-cross-model-kv",), "STATE_PUT applies a KV blob of another model file with the same KV identity "
       "(e.g. another quantization of this model)", action="store_true"),
+    H(("--max-embedding-inputs",), "most inputs in one embeddings request; more are a 400 naming this limit "
+      "(default: 2048, OpenAI's)", value="N", type=t.int_range(1, t.INT32_MAX),
+      default=_default(EngineConfig, "max_embedding_inputs")),
     H(("--no-model",), "a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots",
       action="store_true"),
     # -- connections and HTTP ------------------------------------------------------------------------

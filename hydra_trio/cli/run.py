@@ -218,6 +218,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
         "n_ctx_checkpoints": args.n_ctx_checkpoints, "checkpoint_min_step": args.checkpoint_min_step,
         "cache_ram_mib": args.cache_ram_mib, "cache_idle_slots": args.cache_idle_slots,
+        "max_embedding_inputs": args.max_embedding_inputs,
         "reasoning_format": args.reasoning_format,
         "reasoning_budget": args.reasoning_budget, "reasoning_budget_message": args.reasoning_budget_message,
     }

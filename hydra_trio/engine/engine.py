@@ -225,6 +225,7 @@ class Engine:
         self._hand_off = StepHandOff()  # the requests' token events, one hand-over to trio per step
         self.live = LiveRequests()
         """Requests submitted and not ended (trio side); ``live.end_all`` ends them as the node stops."""
+        self.embeddings_in_flight = 0  # embeddings requests working (trio side): they decode on slot 0's sequence
         self.snapshot: EngineSnapshot = EMPTY
         """The slots and queue as of the engine's last step (:mod:`~hydra_trio.engine.snapshot`): the engine
         thread swaps a new immutable object in after every step and call; any thread reads it without waiting."""
@@ -257,9 +258,11 @@ class Engine:
     def slots_info(self, params: Callable[[CompletionJob], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits: :meth:`SlotSnapshot.info`,
         ``params`` formats a slot's request), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
-        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
-        kv, pc = kv_cache(self), self.prompt_cache.info()
-        return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
+        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`); slot 0 is processing while an embeddings request
+        works (its inputs decode on that slot's sequence)."""
+        kv, pc, embedding = kv_cache(self), self.prompt_cache.info(), {"is_processing": True}
+        return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc, **(embedding if self.embeddings_in_flight
+                 and s.id == 0 else {})} for s in self.snapshot.slots]
 
     def slot_meta_now(self, id_slot: int) -> dict[str, Any] | None:
         """STATE_META's keys for a slot from :attr:`snapshot` (any thread, never waits), without model
@@ -273,8 +276,8 @@ class Engine:
         return len(self.snapshot.slots)
 
     @property
-    def requests_processing(self) -> int:
-        return self.snapshot.requests_processing
+    def requests_processing(self) -> int:  # embeddings requests too, as llama-server's slots run them
+        return self.snapshot.requests_processing + self.embeddings_in_flight
 
     @property
     def requests_waiting(self) -> int:
