@@ -174,3 +174,23 @@ def test_every_route_that_takes_a_body_is_tracked_or_answers_at_once(monkeypatch
             assert work_route(method, route.path.replace("{id_slot}", "0")) or (method, route.path) in at_once, \
                 (method, route.path)
     assert ("POST", "/v1/embeddings") in seen and ("PUT", "/slots/{id_slot}/state") in seen
+
+
+def test_a_hydra_prefill_whose_peer_leaves_stops(spawn) -> None:
+    """A PREFILL of a long prompt (a KV transfer: its reply is the slot's state) whose peer closes the
+    connection stops at the engine's next step instead of evaluating the whole prompt for nobody."""
+    from hydra_trio.protocol.hydra import Op, encode_request
+
+    srv = spawn("-np", "1", "-c", "8192", "-b", "256", "-ub", "256", "--no-rpc-backend")
+    srv.wait_ready()
+    prompt = [{"role": "user", "content": TEXT * 500}]  # about 7,000 tokens: 28 steps of 256
+    n_prompt = len(httpx.post(srv.base + "/tokenize", json={"content": TEXT * 500}, timeout=120).json()["tokens"])
+    assert n_prompt > 5000
+    fed = lambda: scrape(srv.base).get(("llamacpp:prompt_tokens_total", ()), 0.0)  # noqa: E731
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=120) as s:
+        s.sendall(encode_request(Op.PREFILL, key="0", payload=json.dumps({"messages": prompt}).encode()))
+        wait_for(lambda: fed() > 0, timeout=120, what="the prefill under way")
+    wait_for(lambda: not httpx.get(srv.base + "/slots", timeout=120).json()[0]["is_processing"], timeout=120,
+             what="the slot free again")
+    assert fed() < n_prompt / 2  # it stopped within a few steps of the peer's leaving
+    assert "the peer closed the connection during PREFILL; its work stopped" in srv.log()
