@@ -194,7 +194,7 @@ async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
     every input is tokenized and checked first, so a bad one costs no decoding.  ``prepare(fn)`` runs the
     tokenizing off the event loop (the HTTP app's runs it in a worker thread that stops with the request;
     default: a trio worker thread).  Cancelled, it embeds no further input.  While it works it counts in
-    ``Engine.embeddings_in_flight`` (``/slots``, ``/metrics``: the inputs decode on slot 0's sequence).
+    ``Engine.live.embeddings`` (``/slots``, ``/metrics``: the inputs decode on slot 0's sequence).
 
     Raises:
         RequestError: the body or an input is invalid, too many inputs (400), or ``oai`` on a node with
@@ -206,11 +206,11 @@ async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
         raise InvalidRequest(NO_EMBEDDINGS)
     max_inputs = e.config.max_embedding_inputs
     check_input_count(body, max_inputs)  # before anything is tokenized or queued
-    e.embeddings_in_flight += 1
+    e.live.embeddings += 1
     try:
         return await _embed(e, body, oai, prepare or trio.to_thread.run_sync, max_inputs)
     finally:
-        e.embeddings_in_flight -= 1
+        e.live.embeddings -= 1
 
 
 async def _embed(e: Engine, body: EmbeddingsRequest, oai: bool, prepare: Callable[[Callable[[], Any]], Awaitable[Any]],
