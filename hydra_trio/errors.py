@@ -17,6 +17,7 @@ InvalidRequest        400   BAD_REQUEST
 Busy                  409   BUSY         ``busy_slots``
 NotReady              503   ERROR        ``stage``
 Cancelled             503   ERROR
+Stopping              503   ERROR
 EngineFailure         500   ERROR
 ====================  ====  ===========  =======================
 
@@ -91,6 +92,12 @@ class Cancelled(HydraTrioError):
     """The request was cancelled (its client went away, or the node is stopping): HTTP 503, Hydra ERROR."""
 
     http_status = 503
+
+
+class Stopping(Cancelled):
+    """The node is stopping and its shutdown grace (``--shutdown-grace``) is over: the request was ended
+    unfinished (HTTP 503 ``unavailable_error``, in a stream an error event; Hydra ERROR, a streamed DECODE's
+    rest padded with the error flag)."""
 
 
 class EngineFailure(HydraTrioError):

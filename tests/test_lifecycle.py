@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import signal
 import socket
 import threading
@@ -13,6 +14,7 @@ import httpx
 from hydra_trio.engine.state import verify_checksum
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
+from .conftest import wait_for
 from .hydra_wire import Wire
 
 
@@ -147,3 +149,119 @@ def test_sigterm_delivers_a_state_get_in_flight_whole(spawn) -> None:
         assert w.closed_by_server()  # then the connection closes
     idle.close()
     assert srv.proc.wait(120) == 0
+
+
+def test_sigterm_to_the_process_group_stops_the_rpc_child_with_the_node(tmp_path) -> None:
+    """systemd's default (KillMode=control-group) and a launcher that stops its child's group send SIGTERM to
+    the node and its ggml-RPC child at once: the child's end is part of the stop, not a crash to restart."""
+    import os
+    import subprocess
+
+    from hydra_trio.testing.spawn import wait_healthy
+    from .conftest import ROOT, free_port
+
+    port = free_port()
+    log_path = tmp_path / "node.log"
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-np", "1", "-c", "512",
+                                 "--shutdown-grace", "5"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group, as a service has
+        try:
+            wait_healthy(port, proc, timeout=120)
+            # a stream in flight keeps the node in its grace, where the child's end is seen
+            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 100000, "ignore_eos": True,
+                               "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", port)) as held:
+                held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                got = b""
+                while b"data: " not in got:  # streaming
+                    chunk = held.recv(65536)
+                    assert chunk, got
+                    got += chunk
+                os.killpg(proc.pid, signal.SIGTERM)
+                code = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    log = log_path.read_text(errors="replace")
+    assert code == 0, log
+    assert "SIGTERM received" in log
+    assert "ggml-RPC backend" in log and "crashed" not in log and "restarting" not in log, log
+    assert log.count("ggml-RPC backend serving") == 1, log
+
+
+def _read_stream(base: str, path: str, body: dict, out: dict, key: str) -> None:
+    """POST ``body`` and keep the reply as ``out[key]``: ``(status, [data payloads])`` for a stream,
+    ``(status, JSON body)`` otherwise, or the transport error that ended it."""
+    try:
+        with httpx.stream("POST", base + path, json=body, timeout=300) as r:
+            if r.headers.get("content-type", "").startswith("text/event-stream"):
+                out[key] = (r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")])
+            else:
+                raw = r.read()
+                out[key] = (r.status_code, json.loads(raw) if raw else (r.headers, raw))
+    except httpx.HTTPError as exc:
+        out[key] = exc
+
+
+def _stopping_error(error: dict) -> None:
+    """llama-server's error object for a request the node ended as it stopped: 503, unavailable_error."""
+    assert error["code"] == 503 and error["type"] == "unavailable_error", error
+    assert "the node is stopping" in error["message"] and "grace" in error["message"], error
+
+
+def test_requests_in_flight_at_the_end_of_the_grace_are_told_the_node_is_stopping(spawn) -> None:
+    """At the end of --shutdown-grace every stream still running ends with an OpenAI error event (llama-server's
+    ``data: {"error": {...}}``) and its chunked body ends properly; a reply not yet sent is a 503 with OpenAI's
+    error body; a streamed Hydra DECODE delivers exactly its payload_len, the rest padded with the error flag.
+    The requests never end by themselves (n_predict -1, ignore_eos, context shift), so each is in flight then."""
+    from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, decode_stop_reason, unpack_decode_frames
+
+    srv = spawn("-np", "5", "-c", "2560", "--context-shift", "--shutdown-grace", "1")
+    srv.wait_ready()
+    endless = {"n_predict": -1, "ignore_eos": True}
+    chat = [{"role": "user", "content": "Tell me a story."}]
+    requests = {
+        "completions": ("/v1/completions", {"prompt": "Once upon a time", "stream": True, **endless}),
+        "chat": ("/v1/chat/completions", {"messages": chat, "stream": True, **endless}),
+        "native": ("/completion", {"prompt": "Once upon a time", "stream": True, **endless}),
+        "whole": ("/v1/completions", {"prompt": "Once upon a time", **endless}),
+    }
+    out: dict = {}
+    threads = [threading.Thread(target=_read_stream, args=(srv.base, path, body, out, key))
+               for key, (path, body) in requests.items()]
+    for t in threads:
+        t.start()
+    decode = Wire(srv.port, timeout=300)
+    decode.send(encode_request(Op.DECODE, key="4", payload=json.dumps({"messages": chat, "n_predict": 8192,
+                                                                        "ignore_eos": True}).encode()))
+    busy = lambda: sum(s["is_processing"] for s in httpx.get(srv.base + "/slots", timeout=60).json()) == 5  # noqa: E731
+    wait_for(busy, timeout=120, what="five requests generating")
+    srv.proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(300)
+    status, meta, payload = decode.read_reply()  # raises if the connection closed short of payload_len
+    decode.close()
+    assert srv.proc.wait(120) == 0, srv.log()
+    assert "grace period of 1.0 s over" in srv.log()
+    for key in ("completions", "chat", "native"):
+        assert not isinstance(out[key], Exception), (key, out[key])  # the chunked body ended properly
+        code, events = out[key]
+        assert code == 200 and events, (key, out[key])
+        assert "[DONE]" not in events, (key, events[-3:])
+        last = json.loads(events[-1])
+        _stopping_error(last["error"])
+        assert all("error" not in json.loads(e) for e in events[:-1]), key  # tokens until then
+    assert not isinstance(out["whole"], Exception), out["whole"]
+    code, body = out["whole"]
+    assert code == 503, body
+    _stopping_error(body["error"])
+    # the DECODE: exactly 9 x budget bytes, generated frames then PAD frames, the first carrying "error"
+    assert status == Status.OK and len(payload) == 9 * meta["n_predict"] == 9 * 8192
+    frames = unpack_decode_frames(payload)
+    first_pad = next(i for i, f in enumerate(frames) if f[2] & DECODE_FLAG_PAD)
+    end = frames[first_pad - 1 if first_pad else 0]  # FINAL, or the first PAD frame when no token came
+    assert decode_stop_reason(end[2]) == "error", end
+    assert all(f[2] & DECODE_FLAG_PAD for f in frames[first_pad:])

@@ -57,6 +57,7 @@ FAMILIES = {
     "hydra_trio:rpc_backend_active": "gauge",
     "hydra_trio:rpc_backend_restarts": "counter",
     "hydra_rpc_clients_waiting": "gauge",
+    "hydra_trio:http_requests_in_flight": "gauge",
     "hydra_rpc_clients_serving": "gauge",
     "hydra_rpc_clients_handshaking": "gauge",
     "hydra_rpc_clients_served": "counter",

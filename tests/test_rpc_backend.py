@@ -79,6 +79,20 @@ def test_backend_crash_restarts_and_http_stays_up(spawn) -> None:
     assert "restarting in" in node.log()
 
 
+def test_a_child_sigtermed_alone_is_a_crash_and_restarts(spawn) -> None:
+    """SIGTERM to the child alone (the node is not stopping) is a crash as before: counted and restarted; only a
+    child that ends with its node's stop is not (tests/test_lifecycle.py, the process-group SIGTERM)."""
+    node = spawn("--no-model")
+    node.wait_ready()
+    first = info(node.port)["rpc_backend"]
+    os.kill(first["pid"], signal.SIGTERM)
+    now = wait_for(lambda: (r := info(node.port))["rpc_backend"]["restarts"] >= 1 and r["rpc_backend_active"] and r,
+                   timeout=LONG, what="the ggml-RPC child restarted")
+    assert (now["rpc_backend"]["restarts"], now["rpc_backend"]["crashes"]) == (1, 1)
+    assert now["rpc_backend"]["pid"] != first["pid"]
+    assert "crashed: SIGTERM" in node.log()
+
+
 # ----------------------------------------------------------------------------
 # The front door's ggml-RPC queue, deadlines and validation (real child, real sockets)
 # ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ Replies (``format_embeddings_response_oaicompat`` and
 from __future__ import annotations
 
 import base64
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -134,8 +134,22 @@ def input_tokens(m: LoadedModel, name: str, value: Any) -> list[int]:
     return tokens
 
 
-def tokenize_inputs(m: LoadedModel, body: EmbeddingsRequest, max_tokens: int, why: str) -> list[tuple[str, list[int]]]:
-    """Every input of ``body`` as ``(name, tokens)``, checked: none empty, none over ``max_tokens``.
+def check_input_count(body: EmbeddingsRequest, max_inputs: int) -> list[tuple[str, Any]]:
+    """The inputs of ``body`` (:func:`split_inputs`), at most ``max_inputs`` of them.
+
+    Raises RequestError naming the field and the limit (``--max-embedding-inputs``) for more.
+    """
+    items = split_inputs(body.input if body.input is not None else body.content, body.field)
+    if len(items) > max_inputs:
+        raise RequestError(f"{body.field}: {len(items)} inputs; at most {max_inputs} fit in one request "
+                           "(--max-embedding-inputs)")
+    return items
+
+
+def tokenize_inputs(m: LoadedModel, body: EmbeddingsRequest, max_tokens: int, why: str,
+                    max_inputs: int = INT32_MAX) -> list[tuple[str, list[int]]]:
+    """Every input of ``body`` as ``(name, tokens)``, checked: at most ``max_inputs`` of them
+    (:func:`check_input_count`), none empty, none over ``max_tokens``.
 
     Raises RequestError naming the field or item (``input[2]: ...``).
     """
@@ -144,8 +158,7 @@ def tokenize_inputs(m: LoadedModel, body: EmbeddingsRequest, max_tokens: int, wh
         if body.dimensions != n_embd:
             raise RequestError(f"dimensions: this model's embeddings have {n_embd} dimensions; "
                                f"other sizes are not supported, got {body.dimensions}")
-    value = body.input if body.input is not None else body.content
-    out = [(name, input_tokens(m, name, item)) for name, item in split_inputs(value, body.field)]
+    out = [(name, input_tokens(m, name, item)) for name, item in check_input_count(body, max_inputs)]
     for name, tokens in out:
         if len(tokens) > max_tokens:
             raise RequestError(f"{name}: the input has {len(tokens)} tokens; at most {max_tokens} fit ({why})")
@@ -171,27 +184,45 @@ def native_body(results: Sequence[Embedding]) -> list[dict[str, Any]]:
     return [{"index": i, "embedding": [list(v) for v in r.vectors]} for i, r in enumerate(results)]
 
 
-async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool) -> dict[str, Any] | list[dict[str, Any]]:
+async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
+                        prepare: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+                        ) -> dict[str, Any] | list[dict[str, Any]]:
     """Answer one embeddings body: the OpenAI list (``oai``: ``/v1/embeddings`` with ``input``) or the native list.
 
-    Each input is one engine call (:func:`~hydra_trio.engine.embedding.embed_counted`), in order; every input is tokenized and
-    checked first, so a bad one costs no decoding.
+    At most ``--max-embedding-inputs`` inputs (``EngineConfig.max_embedding_inputs``), counted before any is
+    tokenized.  Each input is one engine call (:func:`~hydra_trio.engine.embedding.embed_counted`), in order;
+    every input is tokenized and checked first, so a bad one costs no decoding.  ``prepare(fn)`` runs the
+    tokenizing off the event loop (the HTTP app's runs it in a worker thread that stops with the request;
+    default: a trio worker thread).  Cancelled, it embeds no further input.  While it works it counts in
+    ``Engine.live.embeddings`` (``/slots``, ``/metrics``: the inputs decode on slot 0's sequence).
 
     Raises:
-        RequestError: the body or an input is invalid (400), or ``oai`` on a node with pooling ``none``.
+        RequestError: the body or an input is invalid, too many inputs (400), or ``oai`` on a node with
+            pooling ``none``.
         InvalidRequest: the node does not serve embeddings (no ``--embedding``).
         NotReady, EngineFailure: from the engine.
     """
     if not e.config.embeddings:
         raise InvalidRequest(NO_EMBEDDINGS)
+    max_inputs = e.config.max_embedding_inputs
+    check_input_count(body, max_inputs)  # before anything is tokenized or queued
+    e.live.embeddings += 1
+    try:
+        return await _embed(e, body, oai, prepare or trio.to_thread.run_sync, max_inputs)
+    finally:
+        e.live.embeddings -= 1
+
+
+async def _embed(e: Engine, body: EmbeddingsRequest, oai: bool, prepare: Callable[[Callable[[], Any]], Awaitable[Any]],
+                 max_inputs: int) -> dict[str, Any] | list[dict[str, Any]]:
     pooling, limit, why = await e.run_task(EmbeddingLimits())
     oai = oai and body.input is not None  # llama-server: "content" is its own field, answered in its own shape
     if oai and pooling == POOLING["none"]:
         raise RequestError(OAI_NONE_POOLING)
     m = e.model
     assert m is not None and e.identity is not None
-    # tokenizing reads only the vocabulary: a trio worker thread, not the engine's (bridge.py)
-    inputs = await trio.to_thread.run_sync(lambda: tokenize_inputs(m, body, limit, why))
+    # tokenizing reads only the vocabulary: off the event loop and the engine thread (bridge.py)
+    inputs = await prepare(lambda: tokenize_inputs(m, body, limit, why, max_inputs))
     normalize = e.config.embd_normalize if body.embd_normalize is None else body.embd_normalize
     results = []
     for _, tokens in inputs:  # one engine call each: other requests' inputs may run in between

@@ -34,6 +34,9 @@ FLAGS: list[Flag] = [
       "'default'", value="KEY=PATH|ALIAS", type=t.quant_value, action="append", default=[]),
     H(("--allow-cross-model-kv",), "STATE_PUT applies a KV blob of another model file with the same KV identity "
       "(e.g. another quantization of this model)", action="store_true"),
+    H(("--max-embedding-inputs",), "most inputs in one embeddings request; more are a 400 naming this limit "
+      "(default: 2048, OpenAI's)", value="N", type=t.int_range(1, t.INT32_MAX),
+      default=_default(EngineConfig, "max_embedding_inputs")),
     H(("--no-model",), "a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots",
       action="store_true"),
     # -- connections and HTTP ------------------------------------------------------------------------
@@ -47,8 +50,9 @@ FLAGS: list[Flag] = [
       "a request's headers", value="SECONDS", type=t.seconds(), default=_default(HttpSettings, "keep_alive_timeout")),
     H(("--cors-origin",), "HTTP: an origin allowed by CORS, repeatable (adds to --cors-origins)", value="ORIGIN",
       action="append"),
-    H(("--shutdown-grace",), "on SIGTERM/Ctrl-C, let requests in flight finish for up to this long (0 = stop at "
-      "once)", value="SECONDS", type=t.seconds(zero_ok=True), default=10.0),
+    H(("--shutdown-grace",), "on SIGTERM/Ctrl-C, let requests in flight finish for up to this long; those still "
+      "running then end with an error saying so (a stream's error event, a 503) (0 = end them at once)",
+      value="SECONDS", type=t.seconds(zero_ok=True), default=10.0),
     H(("--log-level",), "log level: DEBUG, INFO, WARNING, ERROR (default: INFO)", value="LEVEL",
       type=t.choice("DEBUG", "INFO", "WARNING", "ERROR")),
     H(("--log-format",), "log lines as text, or one JSON object per line with ts, level, logger, msg and, "

@@ -293,6 +293,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
         "n_ctx_checkpoints": args.n_ctx_checkpoints, "checkpoint_min_step": args.checkpoint_min_step,
         "cache_ram_mib": args.cache_ram_mib, "cache_idle_slots": args.cache_idle_slots,
+        "max_embedding_inputs": args.max_embedding_inputs,
         "reasoning_format": args.reasoning_format,
         "reasoning_budget": args.reasoning_budget, "reasoning_budget_message": args.reasoning_budget_message,
     }
@@ -399,8 +400,10 @@ async def _run(args: argparse.Namespace) -> int:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 first = True
                 async for signum in signals:
-                    if first and server is not None and args.shutdown_grace > 0:
-                        log.info("%s received: no new connections; requests in flight get %.0f s to finish "
+                    if server is not None:
+                        server.begin_stop()  # before anything awaits: the ggml-RPC child may have got it too
+                    if first and server is not None:  # a grace of 0: the requests in flight are ended at once
+                        log.info("%s received: no new connections; requests in flight get %g s to finish "
                                  "(send it again to stop at once)", signal.Signals(signum).name, args.shutdown_grace)
                         first = False
                         nursery.start_soon(server.shutdown, args.shutdown_grace)

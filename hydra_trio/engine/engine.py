@@ -39,7 +39,7 @@ from .combined import ExpertModes
 from .kv_identity import identity_hash, kv_identity
 from .model import LoadedModel, ModelIdentity, release_free_memory, resident_bytes, sha256_file
 from .prompt_cache import PromptCache
-from .requests import CompletionJob, RequestHandle, StepHandOff
+from .requests import CompletionJob, LiveRequests, RequestHandle, StepHandOff
 from .scheduler import Scheduler, check_prompt_fits, erase_slot
 from .settings import INT32_MAX, EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
 from .slots import Slot
@@ -204,10 +204,9 @@ class Engine:
         self.progress = 0.0
         self.error: str | None = None
         self.identity: ModelIdentity | None = None
-        self.allow_cross_model_kv = config.allow_cross_model_kv
+        self.allow_cross_model_kv = config.allow_cross_model_kv  # STATE_PUT: blobs of other files, same KV identity
         self.quants = quants.QuantSet(config.quants, config.model_path, config.model_alias)
         """The node's quantizations by key (``--quant KEY=PATH_OR_ALIAS``) and the active one."""
-        """STATE_PUT applies blobs of other files with this KV identity (CONFIGURE ``allow_cross_model_kv``)."""
         self.stats = EngineStats()
         self.stage_times: dict[str, float] = {}
         self.request_defaults = RequestDefaults(config.sampling, config.n_predict, config.generation)
@@ -223,6 +222,7 @@ class Engine:
         self._ready = trio.Event()
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._hand_off = StepHandOff()  # the requests' token events, one hand-over to trio per step
+        self.live = LiveRequests()  # the requests in flight (trio side); live.end_all ends them as the node stops
         self.snapshot: EngineSnapshot = EMPTY
         """The slots and queue as of the engine's last step (:mod:`~hydra_trio.engine.snapshot`): the engine
         thread swaps a new immutable object in after every step and call; any thread reads it without waiting."""
@@ -255,9 +255,9 @@ class Engine:
     def slots_info(self, params: Callable[[CompletionJob], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits: :meth:`SlotSnapshot.info`,
         ``params`` formats a slot's request), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
-        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`)."""
-        kv, pc = kv_cache(self), self.prompt_cache.info()
-        return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc} for s in self.snapshot.slots]
+        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`); an embeddings request's too (``LiveRequests.busy``)."""
+        kv, pc, busy = kv_cache(self), self.prompt_cache.info(), self.live.busy
+        return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc, **busy(s.id)} for s in self.snapshot.slots]
 
     def slot_meta_now(self, id_slot: int) -> dict[str, Any] | None:
         """STATE_META's keys for a slot from :attr:`snapshot` (any thread, never waits), without model
@@ -271,8 +271,8 @@ class Engine:
         return len(self.snapshot.slots)
 
     @property
-    def requests_processing(self) -> int:
-        return self.snapshot.requests_processing
+    def requests_processing(self) -> int:  # embeddings requests too, as llama-server's slots run them
+        return self.snapshot.requests_processing + self.live.embeddings
 
     @property
     def requests_waiting(self) -> int:
@@ -336,7 +336,7 @@ class Engine:
         if job.id_slot >= len(self.slots):
             job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None
-        handle = RequestHandle(job, self._trio_token, self._hand_off)
+        handle = RequestHandle(job, self._trio_token, self._hand_off, self.live)  # Stopping once the node stopped
         self._inbox.put(handle)
         return handle
 

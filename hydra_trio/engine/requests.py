@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import AsyncIterator, Iterator
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Protocol
 
 import attrs
 import trio
 
-from ..errors import HydraTrioError
+from ..errors import HydraTrioError, Stopping
 from .blobbuf import BlobBuffer
 from .settings import SamplingParams
 from .thinking_budget import BudgetSpec
@@ -232,13 +233,18 @@ class RequestHandle:
     """
 
     def __init__(self, job: CompletionJob, trio_token: trio.lowlevel.TrioToken,
-                 hand_off: StepHandOff | None = None) -> None:
+                 hand_off: StepHandOff | None = None, live: LiveRequests | None = None) -> None:
+        """``live``: the engine's requests in flight, which this one joins (raises Stopping once the node stopped)."""
+        if live is not None:
+            live.add(self)
         self.job = job
         self._token = trio_token
         self._hand_off = hand_off
         self._send, self.events = trio.open_memory_channel[Event](math.inf)
         self.cancelled = False
         self.deferred = False
+        self.ended = False
+        """True once the request's last event (Finished or Failed) was handed to trio."""
 
     def emit(self, event: Event) -> None:
         if self._hand_off is not None:
@@ -255,7 +261,58 @@ class RequestHandle:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         if isinstance(event, (Finished, Failed)):
+            self.ended = True
             self._send.close()
+
+    def end(self, error: HydraTrioError) -> bool:
+        """Trio side: end the request now with ``error`` (a :class:`Failed` after the events already handed
+        over), whatever the engine sends later (dropped); False when it had already ended."""
+        if self.ended:
+            return False
+        self._deliver(Failed(error))
+        return True
+
+
+class LiveRequests:
+    """Trio side: an engine's requests in flight, and the node's stop that ends them.
+
+    Attributes:
+        stopped_why: None until :meth:`end_all`; from then on a new request is refused with it (:meth:`add`).
+        embeddings: embeddings requests working now (``hydra_trio.api.embeddings.embed_request`` counts them):
+            they count in ``Engine.requests_processing``, and slot 0, whose sequence their inputs decode on,
+            is processing meanwhile (:meth:`busy`), as llama-server runs an embeddings request in a slot.
+    """
+
+    def __init__(self) -> None:
+        self._handles: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
+        self.stopped_why: str | None = None
+        self.embeddings = 0
+
+    def add(self, handle: RequestHandle) -> None:
+        """Track a request being submitted; raise :class:`~hydra_trio.errors.Stopping` once the node stopped
+        (:meth:`end_all`): a request prepared meanwhile never reaches the engine."""
+        if self.stopped_why is not None:
+            raise Stopping(self.stopped_why)
+        self._handles.add(handle)
+
+    def busy(self, id_slot: int) -> dict[str, Any]:
+        """What slot ``id_slot``'s ``/slots`` entry shows besides its snapshot: ``{"is_processing": true}`` for
+        slot 0 while :attr:`embeddings` work, else nothing."""
+        return {"is_processing": True} if self.embeddings and id_slot == 0 else {}
+
+    def end_all(self, why: str, cancel: Callable[[RequestHandle], None]) -> int:
+        """At the end of the node's shutdown grace: end each request not ended with
+        :class:`~hydra_trio.errors.Stopping` (``why``) at once, as its reader sees it after the events already
+        handed over (:meth:`RequestHandle.end`), without waiting for the engine thread, and ``cancel`` it
+        there (``Engine.cancel``: its slot frees at the next step); from now on :meth:`add` refuses new ones.
+        So a stream ends with an error event, a whole reply is a 503, a streamed DECODE pads its rest with
+        the error flag.  Returns the number ended."""
+        self.stopped_why = why
+        n = 0
+        for handle in list(self._handles):
+            n += handle.end(Stopping(why))
+            cancel(handle)
+        return n
 
 
 def _deliver_all(held: list[tuple[RequestHandle, Event]]) -> None:

@@ -535,6 +535,8 @@ class EngineConfig:
             (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
             see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
             ``pooling`` (``--pooling``) are context parameters and live in :attr:`llama`.
+        max_embedding_inputs: the most inputs one embeddings request may hold (``--max-embedding-inputs``;
+            2048, OpenAI's limit on an ``input`` array; llama-server has none): more are a 400 naming it.
         reasoning_format: how chat replies are split into ``reasoning_content`` and ``content``
             (``--reasoning-format``: ``none``, ``deepseek``, ``deepseek-legacy`` or ``auto``;
             :mod:`hydra_trio.api.reasoning`); a request's ``reasoning_format`` overrides it.
@@ -579,6 +581,7 @@ class EngineConfig:
     cache_ram_mib: int = attrs.field(default=8192, validator=_int(-1, INT32_MAX))
     cache_idle_slots: bool = True
     embd_normalize: int = attrs.field(default=2, validator=_int(-1, INT32_MAX))
+    max_embedding_inputs: int = attrs.field(default=2048, validator=_int(1, INT32_MAX))
 
     @property
     def embeddings(self) -> bool:

@@ -1,20 +1,19 @@
 """Helpers shared by the HTTP route modules (:mod:`.app`, :mod:`.native`): typed errors as HTTP replies,
-SSE framing, the body-read error, and cancelling a request when its client goes away."""
+SSE framing, the body-read error, and work off the event loop that stops with its request (its client
+leaving cancels the request itself: :mod:`.inflight`)."""
 
 from __future__ import annotations
 
 import json
 import threading
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import trio
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from ..engine.engine import Engine
-from ..engine.requests import JobRun
 from ..errors import HydraTrioError
 from .errors import error_response, error_type
 from .settings import waiting_for_client
@@ -56,70 +55,33 @@ class _BodyError(Exception):
         self.status = status
 
 
-async def prepare_unless_gone(request: Request, work: Callable[[], T]) -> T | None:
-    """``work()`` (preparing a prompt: rendering, tokenizing) in a worker thread; None when the client
-    disconnects first.  Then the thread's tokenizing stops at its next chunk
-    (:func:`hydra_trio.engine.tokenize.stop_when`) and this returns at once, without waiting for it."""
+def json_body(obj: Any) -> bytes:
+    """``obj`` as Starlette's ``JSONResponse`` renders it (compact UTF-8, no NaN), for a reply rendered in a
+    worker thread (a large one: :func:`json_reply`)."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def json_reply(body: bytes) -> Response:
+    """A 200 ``application/json`` reply of a body :func:`json_body` rendered."""
+    return Response(body, media_type="application/json")
+
+
+async def off_loop(request: Request, work: Callable[[], T]) -> T:
+    """``work()`` (preparing a prompt, tokenizing, templating: work that only reads the vocabulary) in a trio
+    worker thread, stopped with its request (:class:`~hydra_trio.http.inflight.Work`): once the request's
+    ``stop`` is set (its client left, the node stopped it) tokenizing in the thread raises Cancelled at its next
+    chunk (:func:`hydra_trio.engine.tokenize.stop_when`, as do loops that call
+    :func:`~hydra_trio.engine.tokenize.check_stop`), and a cancelled caller stops waiting at once."""
     from ..engine.tokenize import stop_when
 
-    stop = threading.Event()
+    tracked = getattr(request.state, "work", None)
+    stop = tracked.stop if tracked is not None else threading.Event()
 
     def run() -> T:
         with stop_when(stop):
             return work()
 
-    result: list[T] = []
-    try:
-        async with trio.open_nursery() as nursery:
-
-            async def watch() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                stop.set()
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch)
-            result.append(await trio.to_thread.run_sync(run, abandon_on_cancel=True))
-            nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:  # the work's own error (the watcher never fails): raised as it is
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
-    return result[0] if result else None
-
-
-@asynccontextmanager
-async def _cancel_on_disconnect(request: Request, run: JobRun) -> AsyncIterator[None]:
-    """Run the body until it ends or the client disconnects, whichever comes first.
-
-    On a disconnect the body is cancelled at once (it does not wait for the
-    engine) and the request is cancelled in the engine, which frees its slot
-    or its place in the queue.  The request is cancelled on every exit.
-    """
-    try:
-        with trio.CancelScope() as body_scope:
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    while True:
-                        msg = await request.receive()
-                        if msg["type"] == "http.disconnect":
-                            run.close()
-                            body_scope.cancel()
-                            return
-
-                nursery.start_soon(watch)
-                try:
-                    yield
-                finally:
-                    run.close()
-                    nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        # the watcher never fails: a group holds the body's own error, which the
-        # caller handles as it is (an engine error becomes its HTTP status)
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+    return await trio.to_thread.run_sync(run, abandon_on_cancel=True)
 
 
 async def body_chunks(request: Request, timeout: float | None) -> AsyncIterator[bytes]:

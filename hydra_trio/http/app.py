@@ -51,9 +51,10 @@ from ..observability import node_stats
 from ..observability.events import EventBus
 from .errors import error_response
 from ._common import (
-    _BodyError, _bad_request, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for, prepare_unless_gone,
+    _BodyError, _bad_request, body_chunks, _sse, _unavailable, error_for, json_body, json_reply, off_loop,
 )
 from .events import events_endpoint
+from .inflight import InFlight
 from .native import native_routes
 from ..api.jobs import chat_job, job_from_completion
 from ..api.embeddings import EmbeddingsRequest, embed_request
@@ -241,21 +242,13 @@ class Api:
             return body
         m = e.solo_model or e.model
         assert m is not None
-        tokens = await trio.to_thread.run_sync(  # reads only the vocabulary: a trio worker thread (bridge.py)
-            lambda: m.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
-            if body.content else []
-        )
-        if not body.with_pieces:
-            return JSONResponse({"tokens": tokens})
-        out: list[dict[str, Any]] = []
-        for t in tokens:
-            raw = m.token_bytes(t, special=True)
-            try:
-                piece: Any = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(raw)
-            out.append({"id": t, "piece": piece})
-        return JSONResponse({"tokens": out})
+
+        def work() -> bytes:  # reads only the vocabulary: a worker thread that stops with the request
+            tokens = m.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special) \
+                if body.content else []
+            return json_body({"tokens": _with_pieces(m, tokens) if body.with_pieces else tokens})
+
+        return json_reply(await off_loop(request, work))
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize``, llama-server's: ``{"tokens": [id, ...]}`` → ``{"content": str}``
@@ -269,8 +262,8 @@ class Api:
         bad = next((t for t in body.tokens if not 0 <= t < m.n_vocab), None)
         if bad is not None:
             return _bad_request(f"tokens: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
-        text = b"".join(m.token_bytes(t, special=True) for t in body.tokens).decode("utf-8", "replace")
-        return JSONResponse({"content": text})
+        return json_reply(await off_loop(request, lambda: json_body(
+            {"content": b"".join(_token_bytes(m, body.tokens)).decode("utf-8", "replace")})))
 
     async def _simple_body(self, request: Request, cls: type[Any]) -> tuple[Engine, Any]:
         """``(engine, parsed body)`` for a route that needs the model, or ``(engine, error response)``."""
@@ -369,13 +362,18 @@ class Api:
 
     # ------------------------------------------------------------ completions
     async def _read(self, request: Request, cls: type[Any]) -> Any:
-        """Read and parse the body: at most ``max_body`` bytes, no gap longer than ``body_timeout``.
+        """Read and parse the body: at most ``max_body`` bytes, no gap longer than ``body_timeout``; a body over
+        :data:`PARSE_INLINE_MAX` is parsed in a worker thread (16 MiB of token ids take seconds to parse, which
+        would stall every other request on the event loop).
 
         Raises:
             RequestError: invalid body (400).
             _BodyError: too large (413) or the client stalled (408).
         """
-        return parse_body(bytes(await self._read_bytes(request, self.settings.max_body)), cls)
+        raw = bytes(await self._read_bytes(request, self.settings.max_body))
+        if len(raw) > PARSE_INLINE_MAX:
+            return await trio.to_thread.run_sync(parse_body, raw, cls)
+        return parse_body(raw, cls)
 
     async def _read_bytes(self, request: Request, limit: int) -> bytearray:
         """The raw body: at most ``limit`` bytes, no gap longer than ``body_timeout``.
@@ -403,8 +401,10 @@ class Api:
         e, body = await self._simple_body(request, EmbeddingsRequest)
         if isinstance(body, Response):
             return body
-        try:
-            return JSONResponse(await embed_request(e, body, oai=request.url.path == "/v1/embeddings"))
+        try:  # the client leaving cancels it (.inflight): no input is embedded after that
+            reply = await embed_request(e, body, oai=request.url.path == "/v1/embeddings",
+                                        prepare=lambda work: off_loop(request, work))
+            return json_reply(await trio.to_thread.run_sync(json_body, reply))  # up to 2048 vectors: off the loop
         except HydraTrioError as exc:
             return error_for(exc)
 
@@ -427,11 +427,8 @@ class Api:
             body = await self._read(request, cls)
             # templating and tokenization only read the vocabulary: keep them off the event loop, and
             # stop them for a client that leaves meanwhile
-            prepared = await prepare_unless_gone(
+            job, tools = await off_loop(
                 request, lambda: chat_job(e, body) if chat else (job_from_completion(e, body), None))
-            if prepared is None:
-                return error_response(503, "the request was cancelled", "unavailable_error")
-            job, tools = prepared
             run = JobRun(e, attrs.evolve(job, request_id=request_id)).submit()
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
@@ -453,15 +450,16 @@ class Api:
         return await self._collect(request, run, ctx)
 
     async def _collect(self, request: Request, run: JobRun, ctx: ResponseContext) -> Response:
-        """A non-streamed reply: gather the text; a client that disconnects ends the handler at once."""
+        """A non-streamed reply: gather the text.  A client that disconnects cancels the handler at once
+        (:mod:`.inflight`); the engine's request is cancelled on every way out."""
         try:
-            async with _cancel_on_disconnect(request, run):
-                async for delta in run:
-                    ctx.add(delta)
+            async for delta in run:
+                ctx.add(delta)
         except HydraTrioError as exc:
             return error_for(exc)
-        if run.finished is None:  # the client went away: nobody reads this
-            return error_response(503, "the request was cancelled", "unavailable_error")
+        finally:
+            run.close()
+        assert run.finished is not None
         return JSONResponse(ctx.final_body(run.finished))
 
     async def _sse(self, run: JobRun, ctx: ResponseContext) -> AsyncIterator[str]:
@@ -501,6 +499,38 @@ class Api:
             run.close()
 
 
+PARSE_INLINE_MAX = 1 << 20
+"""Bytes of request body parsed on the event loop; a larger one is parsed in a worker thread (:meth:`Api._read`)."""
+_STOP_CHECK_EVERY = 4096
+"""Tokens between two stop checks of a worker thread's loop over a request's tokens (:func:`_token_bytes`)."""
+
+
+def _token_bytes(m: Any, tokens: Any) -> list[bytes]:
+    """Worker thread: each token's bytes, special tokens as their text (``/detokenize``, ``with_pieces``);
+    stops (Cancelled) with its request (:func:`~hydra_trio.engine.tokenize.check_stop`)."""
+    from ..engine.tokenize import check_stop
+
+    out = []
+    for i, t in enumerate(tokens):
+        if i % _STOP_CHECK_EVERY == 0:
+            check_stop("its tokens were rendered")
+        out.append(m.token_bytes(t, special=True))
+    return out
+
+
+def _with_pieces(m: Any, tokens: list[int]) -> list[dict[str, Any]]:
+    """``/tokenize``'s ``with_pieces`` list: ``{"id", "piece"}``, a piece that is not valid UTF-8 on its own as
+    its list of byte values (llama-server's)."""
+    out: list[dict[str, Any]] = []
+    for t, raw in zip(tokens, _token_bytes(m, tokens), strict=True):
+        try:
+            piece: Any = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        out.append({"id": t, "piece": piece})
+    return out
+
+
 def _stream_events(ctx: ResponseContext, delta: TextDelta) -> str:
     """The SSE events for one engine delta of a streamed OpenAI reply ("" when it adds none)."""
     if ctx.reply is not None:  # chat: thinking, then tool calls in what is content (parsers hold some back)
@@ -531,6 +561,7 @@ def build_app(
     node_metrics: metrics.NodeMetrics | None = None,
     access: AccessSettings = AccessSettings(),
     refused: Refusals | None = None,
+    inflight: InFlight | None = None,
 ) -> Any:
     """The ASGI app for one engine (``None``: a node without a model).
 
@@ -542,7 +573,8 @@ def build_app(
     ``access.api_keys`` puts the API behind keys
     (:class:`~hydra_trio.http.auth.ApiKeyMiddleware`, inside CORS so that
     preflights and the CORS headers of a 401 work); ``refused`` counts the
-    refusals of every protocol, exported by ``/metrics``.
+    refusals of every protocol, exported by ``/metrics``; ``inflight`` tracks the requests that do work
+    (:mod:`.inflight`: counted, stopped when their client leaves, ended at the node's stop; a new one when None).
     """
     api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics,
               refused)
@@ -593,7 +625,7 @@ def build_app(
         await not_found(scope, receive, send)
 
     app.router.default = websocket_not_found
-    return _absolute_form(_access_log(app))
+    return _absolute_form(_access_log((inflight or InFlight()).wrap(app)))
 
 
 def _access_log(app: Any) -> Any:

@@ -51,6 +51,7 @@ class NodeMetrics:
         open_by_protocol: connections open now by protocol name.
         refused: refusals by the access rules, ``(protocol, reason) -> count``.
         events: the event bus (:class:`~hydra_trio.observability.events.EventBus`): its subscribers and drops.
+        http_in_flight: the HTTP requests doing work now, by route (:meth:`hydra_trio.http.inflight.InFlight.counts`).
     """
 
     def __init__(
@@ -63,8 +64,10 @@ class NodeMetrics:
         open_by_protocol: Mapping[str, int] | None = None,
         refused: Mapping[tuple[str, str], int] | None = None,
         events: Any = None,
+        http_in_flight: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self.engine = engine
+        self.http_in_flight = http_in_flight
         self.connections = connections if connections is not None else {}
         self.rpc = rpc
         self.open_connections = open_connections
@@ -156,6 +159,14 @@ class _Collector:
                                     node.events.subscribers)
             yield CounterMetricFamily("hydra_trio:events_dropped", "Events dropped for subscribers that read too slowly.",
                                       node.events.dropped_total)
+        if node.http_in_flight is not None:
+            in_flight = GaugeMetricFamily(
+                "hydra_trio:http_requests_in_flight", "HTTP requests doing work now (from their arrival to the end "
+                "of their reply), by route.", labels=["route"],
+            )
+            for route, n in sorted(node.http_in_flight().items()):
+                in_flight.add_metric([route], n)
+            yield in_flight
         if node.open_by_protocol is not None:
             open_now = GaugeMetricFamily(
                 "hydra_trio:protocol_connections_open", "Connections open now, by classified protocol.",

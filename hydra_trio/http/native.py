@@ -23,7 +23,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
-import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -36,7 +35,7 @@ from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import RunningChecksum, verify_checksum_off_engine
 from ..engine.tasks import RestoreSlot, SaveSlot
 from ..errors import HydraTrioError
-from ._common import _BodyError, body_chunks, _cancel_on_disconnect, _sse, _unavailable, error_for
+from ._common import _BodyError, body_chunks, _sse, _unavailable, error_for, off_loop
 from .errors import error_response
 
 STATE_TYPE = "application/octet-stream"
@@ -76,8 +75,8 @@ class NativeRoutes:
             body = await api._read(request, CompletionRequest)
             if body.echo:
                 raise RequestError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
-            # tokenizing reads only the vocabulary: a trio worker thread, not the engine's (bridge.py)
-            job = await trio.to_thread.run_sync(lambda: job_from_completion(e, body))
+            # tokenizing reads only the vocabulary: a worker thread that stops with the request (bridge.py)
+            job = await off_loop(request, lambda: job_from_completion(e, body))
             n_probs = body.top_logprobs_n  # n_probs, else its alias logprobs (llama-server's order)
             job = attrs.evolve(job, request_id=request_id, logprobs=n_probs > 0, n_probs=n_probs)
             run = JobRun(e, job).submit()
@@ -96,14 +95,14 @@ class NativeRoutes:
         if body.stream:
             return StreamingResponse(self._stream(run, reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        try:
-            async with _cancel_on_disconnect(request, run):
-                async for _ in self._events(run, reply):
-                    pass
+        try:  # a client that disconnects cancels the handler at once (.inflight)
+            async for _ in self._events(run, reply):
+                pass
         except HydraTrioError as exc:
             return error_for(exc)
-        if run.finished is None:
-            return error_response(503, "the request was cancelled", "unavailable_error")
+        finally:
+            run.close()
+        assert run.finished is not None
         return JSONResponse(reply.final(run.finished, stream=False))
 
     @staticmethod
@@ -134,8 +133,8 @@ class NativeRoutes:
         e, body = await self.api._simple_body(request, ChatCompletionRequest)
         if isinstance(body, Response):
             return body
-        try:
-            prompt, _ = await trio.to_thread.run_sync(lambda: chat_prompt(e, body))  # templating: a worker thread
+        try:  # templating: a worker thread that stops with the request
+            prompt, _ = await off_loop(request, lambda: chat_prompt(e, body))
         except HydraTrioError as exc:  # the template failed (ChatTemplateError: 400) or rejected a field
             return error_for(exc)
         return JSONResponse({"prompt": prompt})

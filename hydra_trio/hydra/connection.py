@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import trio
 
@@ -32,12 +33,41 @@ from ..errors import HydraTrioError
 from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
 from .gate import ConnectionTrust
+from ..transport.net import wait_peer_closed
 from .ops import OPS, Node, OpContext, Reply, payload_buffer, reply_for
 from .session import HydraRequest
 
 log = logging.getLogger("hydra_trio.hydra")
 
-__all__ = ["ServerConnection"]
+__all__ = ["ServerConnection", "WATCHED_OPS"]
+
+WATCHED_OPS = frozenset({Op.PREFILL, Op.DECODE})
+"""Ops that work long on the engine before (or while) they reply: a peer that closes the connection meanwhile
+cancels them (:func:`_unless_peer_leaves`), freeing the slot, instead of their running to the end."""
+
+
+async def _unless_peer_leaves(stream: trio.abc.Stream, run: Any, ctx: OpContext) -> bool:
+    """``await run(ctx)``, cancelled once the peer closes the connection
+    (:func:`~hydra_trio.transport.net.wait_peer_closed`); False when it was.  The op's own errors are
+    raised as they are."""
+    gone = False
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                nonlocal gone
+                await wait_peer_closed(stream)
+                gone = True
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            await run(ctx)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the watcher never fails: the op's own error
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    return not gone
 
 
 class ServerConnection:
@@ -107,7 +137,12 @@ class ServerConnection:
                     what = "a Store service opcode" if is_store_op(req.op) else "an unknown opcode"
                     raise Reply(Status.NOT_IMPLEMENTED, f"opcode 0x{req.op:02x} is {what}; this is an engine node")
                 ctx = OpContext(self.node, req, self.stream)
-                await spec.run(ctx)
+                if req.op not in WATCHED_OPS:
+                    await spec.run(ctx)
+                elif not await _unless_peer_leaves(self.stream, spec.run, ctx):
+                    log.info("[%s] hydra: the peer closed the connection during %s; its work stopped",
+                             req.trace_id, name)
+                    status = None  # no reply: nobody is there to read it
             except HydraTrioError as exc:
                 raise reply_for(exc) from None
         except Reply as r:

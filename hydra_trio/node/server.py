@@ -20,6 +20,7 @@ from ..transport.listen import open_tcp_listeners
 from ..hydra.server import HydraHandler
 from ..http._hyper import HttpHandler
 from ..http.app import build_app
+from ..http.inflight import InFlight
 from ..http.metrics import NodeMetrics
 from ..observability import progress
 from ..observability.node_stats import ProgressEvents, StatsTicker
@@ -28,6 +29,10 @@ from ..rpc_backend.backend import RpcBackend
 from ..transport.tunnel import TunnelPool
 
 log = logging.getLogger("hydra_trio.server")
+
+END_WINDOW_S = 5.0
+"""Seconds the end of the shutdown grace gives the requests it ended to write their last bytes (an error event,
+a 503, a DECODE's padding) before what is still open is cancelled; a client that reads them closes sooner."""
 
 
 class Server:
@@ -54,13 +59,16 @@ class Server:
         if self.rpc is not None:
             self.rpc.child.events = self.events
         self.control = ControlChannel(self.engine) if self.engine is not None else None
+        self.inflight = InFlight()
+        """The HTTP requests doing work (:mod:`hydra_trio.http.inflight`)."""
         self.metrics = NodeMetrics(self.engine, self.frontdoor.counts, self.rpc, lambda: self.frontdoor.active,
                                    self.control, self.frontdoor.open_by_protocol, refused=self.refused,
-                                   events=self.events)
+                                   events=self.events, http_in_flight=self.inflight.counts)
         self._progress_events = ProgressEvents(self.events)
         self.stats = StatsTicker(self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc)
         self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active,
-                             events=self.events, node_metrics=self.metrics, access=config.access, refused=self.refused)
+                             events=self.events, node_metrics=self.metrics, access=config.access, refused=self.refused,
+                             inflight=self.inflight)
         self.http = HttpHandler(self.app, config.http)
         self.frontdoor.handlers[Protocol.HTTP] = self.http
         self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc, metrics=self.metrics,
@@ -70,6 +78,8 @@ class Server:
             self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc
         self.port: int | None = None
         self.ports: list[int] = []  # every bound port, the main one first
+        self.stopping = False
+        """True once the node began to stop (:meth:`begin_stop`)."""
         self.stopped = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -140,6 +150,14 @@ class Server:
             task_status.started(self)
 
 
+    def begin_stop(self) -> None:
+        """The node is stopping (a stop signal came, or :meth:`shutdown` began): from now on a ggml-RPC child
+        that ends is part of the stop, neither a crash nor restarted (it may have got the same signal: a
+        stop sent to the whole process group).  Idempotent; any thread of the trio run."""
+        self.stopping = True
+        if self.rpc is not None:
+            self.rpc.child.node_stopping()
+
     async def shutdown(self, grace: float) -> None:
         """Graceful stop by drain and deadline (hypercorn's way), then cancel what is left.
 
@@ -148,10 +166,16 @@ class Server:
         keep-alive and Hydra connections at once, the others once the reply
         in flight is written whole (a stream up to its ``[DONE]``, a STATE_GET
         blob to its last byte); ggml-RPC connections at their next message
-        boundary.  Whatever is still open after ``grace`` seconds is cancelled
-        (engine-side changes such as a STATE_PUT restore are atomic on the
-        engine thread, so a cancel never leaves one half-applied).
+        boundary.  When ``grace`` seconds are over, the requests still in flight
+        are ended so that their clients know (:meth:`_end_in_flight`): a
+        completion's stream with an error event, a reply not yet started with a
+        503, a streamed Hydra DECODE with the rest of its budget padded (error
+        flag); then, after at most :data:`END_WINDOW_S` for those last writes,
+        whatever is still open is cancelled (engine-side changes such as a
+        STATE_PUT restore are atomic on the engine thread, so a cancel never
+        leaves one half-applied).
         """
+        self.begin_stop()
         self.frontdoor.stop_accepting()
         for listener in self._listeners:
             await listener.aclose()
@@ -166,9 +190,27 @@ class Server:
         if self.frontdoor.active:
             e = self.engine
             requests = e.requests_processing + e.requests_waiting if e is not None else 0
-            log.warning("grace period of %.1f s over: cancelling %d connections (%d requests)",
+            log.warning("grace period of %.1f s over: ending %d connections (%d requests)",
                         grace, self.frontdoor.active, requests)
+            await self._end_in_flight(f"the node is stopping: its shutdown grace of {grace:g} s is over")
         self._scope.cancel()
+
+    async def _end_in_flight(self, why: str) -> None:
+        """The end of the grace: every request in flight ends, its client told ``why``.
+
+        The engine's requests end at once with :class:`~hydra_trio.errors.Stopping` (their streams' error
+        events, their 503s, a DECODE's padding: :meth:`LiveRequests.end_all
+        <hydra_trio.engine.requests.LiveRequests.end_all>`), the other HTTP requests whose reply has not
+        started are answered 503 (:meth:`InFlight.stop_all <hydra_trio.http.inflight.InFlight.stop_all>`);
+        their connections then close after those replies (the drain), for at most :data:`END_WINDOW_S`.
+        """
+        # first the HTTP requests whose reply has not started (a 503 each), so that their handlers unwind
+        # from the cancel rather than from their engine request's end
+        answered = self.inflight.stop_all(why)
+        ended = self.engine.live.end_all(why, self.engine.cancel) if self.engine is not None else 0
+        log.info("ended %d engine requests and %d other HTTP requests: %s", ended, answered, why)
+        with trio.move_on_after(END_WINDOW_S):
+            await self.frontdoor.wait_no_connections()
 
     async def _combined_at_start(self) -> None:
         """``--rpc-engine``: once SOLO serves, attach the peer and switch to COMBINED; then watch the peer."""

@@ -6,6 +6,14 @@ is cancelled (:attr:`ChildSupervisor.bound`) and it is restarted at once;
 only repeated crashes (exits by a signal or with a non-zero code, counted in
 :attr:`ChildSupervisor.crashes`) back off, doubling the delay while the child
 keeps dying within 10 s of its start.
+
+A child that ends while the node stops (:meth:`ChildSupervisor.node_stopping`) is
+part of the stop, not a crash: it is neither counted nor restarted.  That is the
+usual case when the stop signal goes to the whole process group (systemd's
+default ``KillMode=control-group``, a launcher that stops its child's group, Ctrl-C
+in a terminal): the child gets the same SIGTERM as the node, and may die before
+the node has handled its own.  So a child ended by SIGTERM or SIGINT waits up to
+:data:`STOP_SIGNAL_SETTLE_S` for the node's stop before it counts as a crash.
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ child_log = logging.getLogger("hydra_trio.rpc.child")
 STABLE_S = 10.0
 """A child that ran this long (seconds) before exiting restarts after the shortest delay again."""
 _MAX_LINE = 1 << 16  # longer lines are logged in pieces
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+"""Signals that stop a node: a child ended by one of them may have got its node's own stop signal."""
+STOP_SIGNAL_SETTLE_S = 3.0
+"""Seconds a child ended by a :data:`STOP_SIGNALS` signal waits for the node's stop before it counts as a crash
+(the node's signal handler runs in its event loop, a moment after the child's end may be seen)."""
 _LISTEN_TIMEOUT = 30.0  # seconds for a fresh child to accept connections
 _RETRY_S = 0.02  # seconds between connection attempts to a child that is not listening (yet)
 
@@ -76,6 +89,7 @@ class ChildSupervisor:
         self.bound: set[trio.CancelScope] = set()
         """Scopes of the connections to the current child: cancelled when it exits."""
         self._up = trio.Event()
+        self._stopping = trio.Event()
         self._proc: trio.Process | None = None
         self.events = EventBus()
         """Where ``rpc.child_started`` / ``rpc.child_died`` / ``rpc.child_restarted`` go (the server sets its bus)."""
@@ -132,6 +146,10 @@ class ChildSupervisor:
                     # the pipes end with the child; bound the wait in case something else holds them open
                     relays.cancel_scope.deadline = trio.current_time() + 2.0
             lived = trio.current_time() - started
+            if await self._ended_with_node(code):
+                log.info("ggml-RPC backend (pid %d) %s with the node", proc.pid,
+                         f"ended by {_signal_name(-code)}" if code < 0 else f"exited (code {code})")
+                await trio.sleep_forever()  # the node is stopping: nothing to restart; its cancel ends this
             self.restarts += 1
             if lived >= STABLE_S:
                 delay = first
@@ -148,6 +166,25 @@ class ChildSupervisor:
                                 restart_in_s=delay)
             await trio.sleep(delay)
             delay = min(delay * 2, biggest)
+
+    def node_stopping(self) -> None:
+        """The node is stopping (a stop signal, :meth:`Server.begin_stop
+        <hydra_trio.node.server.Server.begin_stop>`): a child that ends from now on is not restarted
+        and not counted as a crash."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`node_stopping` was called."""
+        return self._stopping.is_set()
+
+    async def _ended_with_node(self, code: int) -> bool:
+        """Whether a child that exited with ``code`` ended as part of the node's stop: the node is stopping,
+        or starts to within :data:`STOP_SIGNAL_SETTLE_S` of a child ended by a stop signal."""
+        if not self._stopping.is_set() and code < 0 and -code in STOP_SIGNALS:
+            with trio.move_on_after(STOP_SIGNAL_SETTLE_S):
+                await self._stopping.wait()
+        return self._stopping.is_set()
 
     def kill_unresponsive(self, pid: int | None, why: str) -> None:
         """Kill the child ``pid`` (SIGKILL) if it is still the running one: it stopped answering

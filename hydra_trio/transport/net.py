@@ -18,6 +18,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+async def wait_peer_closed(stream: object) -> None:
+    """Return once the peer of ``stream`` (a ``trio.SocketStream``, or a TLS stream over one: its
+    ``transport_stream``) has closed or reset the connection, seen without consuming anything
+    (``MSG_PEEK``, as the front door classifies).  Waits forever when the peer sends bytes first (a
+    pipelined request, a TLS alert: it cannot tell, so the connection counts as alive) or the stream has
+    no socket.  For a request handler that has read its whole request and works before it replies."""
+    sock = getattr(stream, "socket", None) or getattr(getattr(stream, "transport_stream", None), "socket", None)
+    if sock is not None:
+        try:
+            if await sock.recv(1, socket.MSG_PEEK) == b"":
+                return
+        except OSError:  # reset, or the socket was closed meanwhile
+            return
+    await trio.sleep_forever()
+
+
 # ----------------------------------------------------------------------------- bulk bytes on a trio socket
 
 BULK_WRITE = 4 * 1024 * 1024
