@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters that propose tokens the target model verifies in one batch."""
