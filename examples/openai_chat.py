@@ -7,7 +7,7 @@ reply = client.chat.completions.create(
     model="smollm2-135m",
     messages=[
         {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "user", "content": "What is the capital of France? Answer in one word."},
     ],
     temperature=0,
     max_tokens=32,

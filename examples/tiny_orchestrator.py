@@ -15,7 +15,7 @@ import trio
 from hydra_trio import EngineConfig, HydraClient, ServerConfig, resolve_model, serve
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France?"}]
+            {"role": "user", "content": "What is the capital of France? Answer in one word."}]
 
 
 async def main() -> None:

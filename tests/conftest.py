@@ -24,6 +24,17 @@ from hydra_trio.testing.spawn import ROOT, free_port  # noqa: F401  (tests impor
 for _k, _v in _spawn.SHARED_MACHINE_ENV.items():
     os.environ.setdefault(_k, _v)
 
+# README's question ("Talk to it"), for tests that need SmolLM2-135M to say "Paris" in a chat.  A tiny model's
+# words depend on the kernels' arithmetic, which differs between the instruction sets a build uses, so the
+# question is one the model answers with a wide margin: greedy, it answers "The capital of France is Paris."
+# and over the six tokens up to " Paris" the likeliest token's probability leads the runner-up's by at least
+# 0.24 (measured on an AVX2-only and an AVX-512 build, with f16 and q8_0 KV caches, on the Q4_1 and the Q8_0
+# model).  Without "Answer in one word." the first token is a near tie ("The" against "La", a lead of 0.02 to
+# 0.06) and an AVX2-only build with a q8_0 cache answers in French.
+CAPITAL_QUESTION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France? Answer in one word."},
+]
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 60.0, what: str = "condition", every: float = 0.1) -> Any:

@@ -23,14 +23,11 @@ from hydra_trio import cli
 from hydra_trio.engine.ggml_backend import _lib_dir, clean_build_paths
 from hydra_trio.models.presets import PRESETS, missing_distributions, resolve_model
 
-from .conftest import ROOT, ServerProcess, free_port
+from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess, free_port
 
 LONG = 120
 
-SYSTEM_CAPITAL = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
-]
+SYSTEM_CAPITAL = CAPITAL_QUESTION
 
 
 def run_cli(*args: str, python: str = sys.executable, env: dict | None = None, timeout: float = LONG):

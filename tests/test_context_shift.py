@@ -88,14 +88,21 @@ async def test_without_context_shift_a_full_slot_stops_with_length() -> None:
         assert reply["usage"]["completion_tokens"] == N_CTX_SLOT - n_prompt
 
 
-# three parts: A + B + C, then A + C; C is longer than n_cache_reuse
+# three parts: A + B + C, then A + C; C is longer than n_cache_reuse.  The fresh, reused and plain runs below are
+# not the same arithmetic (the reused run's C was moved into place by a RoPE shift of its keys; the fresh run's
+# prompt goes through ggml's flash attention as one batch of over 64 tokens, which takes its tiled kernel), so
+# they are compared over a stretch the model answers with a wide margin: over the 7 tokens of " 1871.\n" the
+# likeliest token leads the runner-up by 0.44 or more in probability, in all three runs, on an AVX2-only and an
+# AVX-512 build (the shift moves such leads by up to 0.2; "how many steps does the keeper climb?" had leads of
+# 0.06 to 0.13 in its first 12 tokens)
 PART_A = "Notes on the harbour.\n"
 PART_B = ("The ferry to the island leaves at nine in the morning and returns at six in the evening, "
           "except on Sundays when it does not run at all.\n")
 PART_C = ("The lighthouse on the rock at the end of the bay was built in 1871. Its keeper climbs one hundred "
           "and twelve steps every night to light the lamp, and he counts them as his father did.\n"
-          "Question: how many steps does the keeper climb?\nAnswer:")
+          "Question: when was the lighthouse built?\nAnswer: It was built in")
 N_REUSE = 16
+ANSWER_TOKENS = 7  # " 1871.\n"
 
 
 async def test_cache_reuse_shifts_a_later_chunk_into_place() -> None:
@@ -105,9 +112,10 @@ async def test_cache_reuse_shifts_a_later_chunk_into_place() -> None:
         prefix = next(i for i, (x, y) in enumerate(zip(abc, ac)) if x != y)  # the plain common prefix
         assert prefix >= len(a) - 1 and len(ac) - prefix > N_REUSE
         # the answer without any cache (cache_prompt false evaluates the whole prompt)
-        fresh = await complete(client, ac, max_tokens=12, cache_prompt=False)
+        fresh = await complete(client, ac, max_tokens=ANSWER_TOKENS, cache_prompt=False)
+        assert fresh["choices"][0]["text"] == " 1871.\n"
         await complete(client, abc, max_tokens=1)
-        reused = await complete(client, ac, max_tokens=12)
+        reused = await complete(client, ac, max_tokens=ANSWER_TOKENS)
         cached = reused["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert reused["timings"]["cache_n"] == cached
         # more than the common prefix was reused: C moved into place (all of the prompt but the
@@ -117,7 +125,7 @@ async def test_cache_reuse_shifts_a_later_chunk_into_place() -> None:
         assert reused["choices"][0]["text"] == fresh["choices"][0]["text"]
         # a request can switch it off: only the prefix is reused then
         await complete(client, abc, max_tokens=1)
-        plain = await complete(client, ac, max_tokens=12, n_cache_reuse=0)
+        plain = await complete(client, ac, max_tokens=ANSWER_TOKENS, n_cache_reuse=0)
         assert plain["usage"]["prompt_tokens_details"]["cached_tokens"] == prefix
         assert plain["choices"][0]["text"] == fresh["choices"][0]["text"]
 

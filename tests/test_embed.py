@@ -8,6 +8,8 @@ import trio
 from hydra_trio import EngineConfig, ServerConfig, serve
 from hydra_trio.models.presets import resolve_model
 
+from .conftest import CAPITAL_QUESTION
+
 
 async def test_serve_in_own_nursery() -> None:
     path, alias = resolve_model("smollm2-135m")
@@ -21,9 +23,7 @@ async def test_serve_in_own_nursery() -> None:
                 await server.engine.wait_ready()
             r = await client.post(
                 "/v1/chat/completions",
-                json={"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                               {"role": "user", "content": "What is the capital of France?"}],
-                      "temperature": 0, "max_tokens": 16},
+                json={"messages": CAPITAL_QUESTION, "temperature": 0, "max_tokens": 16},
             )
             assert r.status_code == 200
             assert "Paris" in r.json()["choices"][0]["message"]["content"]

@@ -13,7 +13,7 @@ import pytest
 
 from hydra_trio.engine.ggml_backend import build_backends
 
-from .conftest import ROOT, ServerProcess
+from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess
 from .test_cli_flags import hydra_info
 from .test_prefix_sharing import SYSTEM, SYSTEM_TOKENS_AT_LEAST, ask, text
 
@@ -116,8 +116,7 @@ def test_a_gpu_node_offloads_everything_and_answers(spawn) -> None:
     node.wait_ready()
     props = httpx.get(node.base + "/props", timeout=30).json()
     assert any(d["name"].startswith("CUDA") for d in props["devices"])
-    r = httpx.post(node.base + "/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 16,
-        "temperature": 0})
+    r = httpx.post(node.base + "/v1/chat/completions", timeout=120,
+                   json={"messages": CAPITAL_QUESTION, "max_tokens": 16, "temperature": 0})
     assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
     assert "no usable GPU" not in node.log()

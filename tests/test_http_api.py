@@ -9,14 +9,12 @@ import httpx
 import openai
 import pytest
 
-from .conftest import ServerProcess, wait_for
+from .conftest import CAPITAL_QUESTION, ServerProcess, wait_for
 
-# SmolLM2-135M's built-in system prompt sends this question astray (greedy
-# answer: French babble); with a plain system prompt it answers "Paris".
-CAPITAL = [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "What is the capital of France?"},
-]
+# SmolLM2-135M's built-in system prompt sends the plain question astray (greedy answer: French babble); README's
+# question has its own system prompt and asks for one word, which the model answers "Paris" on AVX2-only and
+# AVX-512 builds alike (conftest.CAPITAL_QUESTION gives the margin)
+CAPITAL = CAPITAL_QUESTION
 
 
 def chat(http: httpx.Client, messages: list[dict], **kw: object) -> dict:

@@ -22,7 +22,7 @@ from hydra_trio.engine.settings import LlamaOptions, kv_cache_problem
 from hydra_trio.errors import ModelLoadError
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
 
-from .conftest import ROOT, ServerProcess
+from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess
 from .hydra_wire import Wire
 
 Q8 = ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0")
@@ -31,9 +31,12 @@ F16_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2  # 2 bytes a value
 Q8_BYTES_PER_TOKEN = 30 * 2 * (3 * 64 // 32) * 34  # 34 bytes a block of 32 values
 
 FILLER = " ".join(f"Line {i}: the weather in town {i} was mild and the market sold apples." for i in range(12))
-NEEDLE = [{"role": "user", "content": f"{FILLER} The secret word is tangerine. {FILLER} What is the secret word?"}]
-README_QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
-                   {"role": "user", "content": "What is the capital of France?"}]
+# greedy, SmolLM2 answers "The secret word is banana." from a q8_0 cache, the likeliest token leading the runner-up
+# by at least 0.49 in probability over those tokens on an AVX2-only and an AVX-512 build (with "tangerine" and
+# "What is the secret word?" the lead at " t" was 0.13 to 0.22: too close to hold on every CPU's kernels)
+NEEDLE = [{"role": "system", "content": "You are a helpful assistant."},
+          {"role": "user", "content": f"{FILLER} The secret word is banana. {FILLER} Which word is the secret word?"}]
+README_QUESTION = CAPITAL_QUESTION
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,7 @@ def test_a_prefill_decode_move_between_q8_0_nodes_gives_one_nodes_text(q8_nodes)
     assert moved == one_node and moved
     text = _text(a.base, moved)
     print(f"\nP/D move of {pre['n_past']} tokens: {text!r}")
-    assert "tangerine" in text  # the needle, found from the moved KV
+    assert "banana" in text  # the needle, found from the moved KV
 
 
 def test_a_blob_of_other_cache_types_is_refused_naming_both(q8_nodes, server: ServerProcess) -> None:

@@ -9,12 +9,21 @@ import httpx
 
 from hydra_trio.protocol.hydra import Op, Status
 
-from .conftest import ServerProcess, streaming
+from .conftest import streaming
 from .hydra_wire import Wire
 from .conftest import wait_for
 from .test_combined import BODY, complete, info, peer_dies_mid_request, rpc_bytes
 
 UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."  # SmolLM2-135M has 30 layers
+# The head runs without flash attention (-fa off).  llama.cpp turns flash attention off by itself once a layer's
+# attention weights are on the peer, since its KV cache stays here ("layer 15 is assigned to device CPU but Flash
+# Attention is assigned to device RPC0 ... Flash Attention not supported, set to disabled"), so with the default
+# (auto: on, on the CPU) the local text and the pipeline's would come from two attention kernels, and a near tie
+# may fall otherwise in each (" 321" locally, " 311 million" over the peer, on an AVX2-only build).  With -fa off
+# both are the same arithmetic: the same probabilities for each of the 48 tokens, on AVX2-only and AVX-512
+# builds, so the texts are equal on any CPU.  (Repacking is no cause: on x86 llama.cpp repacks none of this
+# model's weight types, Q4_1 and Q8_0.)
+HEAD = ("-np", "1", "-c", "1024", "--no-rpc-backend", "-fa", "off")
 
 
 def attach(port: int, body: dict) -> tuple[int, dict]:
@@ -23,13 +32,13 @@ def attach(port: int, body: dict) -> tuple[int, dict]:
     return status, meta
 
 
-def test_half_the_layers_on_a_peer_give_the_local_output(server: ServerProcess, spawn) -> None:
+def test_half_the_layers_on_a_peer_give_the_local_output(spawn) -> None:
     b = spawn("--no-model")
     b.wait_ready()
-    a = spawn("-np", "1", "-c", "1024", "--no-rpc-backend")
+    a = spawn(*HEAD)
     a.wait_ready()
     local = complete(a.base)
-    assert local == complete(server.base)
+    assert "flash attention off" in a.log()
     assert info(a.port)["pipeline_capable"] is True and info(a.port)["mode"] == "solo"
 
     uploaded = rpc_bytes(b.port)

@@ -13,7 +13,7 @@ from hydra_trio import EngineConfig, SamplingParams, ServerConfig, serve
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, unpack_decode_frames
 
-from .conftest import ServerProcess
+from .conftest import CAPITAL_QUESTION, ServerProcess
 from .hydra_wire import Wire
 
 FRANCE = "The capital of France is"
@@ -48,9 +48,7 @@ def test_llama_server_defaults_are_accepted_and_change_nothing_under_greedy(serv
     assert _text(server.base, max_tokens=12, temperature=0,
                  **{**LLAMA_SERVER_DEFAULTS, "dry_penalty_last_n": -1, "dry_base": 0.5}) == plain
     # the chat endpoint too
-    msgs = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France?"}]
-    chat = {"messages": msgs, "max_tokens": 16, "temperature": 0}
+    chat = {"messages": CAPITAL_QUESTION, "max_tokens": 16, "temperature": 0}
     a = httpx.post(server.base + "/v1/chat/completions", json=chat, timeout=120)
     b = httpx.post(server.base + "/v1/chat/completions", json={**chat, **LLAMA_SERVER_DEFAULTS}, timeout=120)
     assert a.status_code == b.status_code == 200, b.text

@@ -5,10 +5,18 @@ chatml that writes an assistant turn's ``reasoning_content`` as
 ``<think>\\n...\\n</think>\\n\\n`` and, with ``enable_thinking`` (the default),
 opens ``<think>\\n`` at the end of the prompt (as Qwen3's does; with
 ``enable_thinking`` false it writes an empty, closed block); a ``reasoning_effort``
-variable is written as a system line (as gpt-oss's template writes ``Reasoning: low``).  A one-shot
-conversation whose assistant turn carries ``reasoning_content`` makes greedy
+variable is written as a system line (as gpt-oss's template writes ``Reasoning: low``).  A three-shot
+conversation whose assistant turns carry ``reasoning_content`` makes greedy
 SmolLM2 answer ``2 plus 2 is 4.\\n</think>\\n\\nThe answer is 4.``: the reply
 starts inside the thinking the prompt opened and closes it itself.
+
+Every generated word asserted here holds on any x86-64 build (the kernels' arithmetic differs between
+instruction sets, and with it a tiny model's near ties): measured with greedy decoding on an AVX2-only and an
+AVX-512 build, the smallest gap between the top two tokens' probabilities over the tokens each assertion reads
+is at least 0.33 (the whole reply 0.41; after a budget of 1, 3 or 7 tokens, or 3 and a message, the free tokens
+up to "The answer is" 0.33; with thinking off, up to "2 + 2 is 4" 0.40).  With one example turn instead of
+three, the newline after ``</think>`` led the end of turn by only 0.14, and by 0.04 after a forced end: an
+AVX2-only build ended such replies with empty content.
 """
 
 from __future__ import annotations
@@ -52,6 +60,10 @@ MESSAGES = [
     {"role": "system", "content": SYSTEM},
     {"role": "user", "content": "What is 1 + 1?"},
     {"role": "assistant", "content": "The answer is 2.", "reasoning_content": "1 plus 1 is 2."},
+    {"role": "user", "content": "What is 3 + 3?"},
+    {"role": "assistant", "content": "The answer is 6.", "reasoning_content": "3 plus 3 is 6."},
+    {"role": "user", "content": "What is 5 + 5?"},
+    {"role": "assistant", "content": "The answer is 10.", "reasoning_content": "5 plus 5 is 10."},
     {"role": "user", "content": "What is 2 + 2?"},
 ]
 RAW = "2 plus 2 is 4.\n</think>\n\nThe answer is 4."  # greedy SmolLM2's reply to MESSAGES
@@ -156,7 +168,7 @@ def test_thinking_off_by_kwargs_or_budget(client: openai.OpenAI, node: ServerPro
         m = r.choices[0].message
         # the template closed the (empty) block in the prompt, so the reply is outside thinking (were a stray
         # end marker written, it would stay in content, as llama-server's parser leaves it)
-        assert _reasoning(m) is None and m.content.startswith("2 plus 2")
+        assert _reasoning(m) is None and m.content.startswith("2 + 2 is 4")
         assert r.usage.completion_tokens_details.reasoning_tokens == 0
     # the prompt holds the closed, empty block: more tokens than the open one
     assert off.usage.prompt_tokens == budget.usage.prompt_tokens > _chat(client, max_tokens=1).usage.prompt_tokens
@@ -213,7 +225,7 @@ def test_node_flags(tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-d
     c = openai.OpenAI(base_url=off.base + "/v1", api_key="none", timeout=120, max_retries=0)
     r = _chat(c)
     m = r.choices[0].message
-    assert _reasoning(m) is None and m.content.startswith("2 plus 2")
+    assert _reasoning(m) is None and m.content.startswith("2 + 2 is 4")
     assert r.usage.completion_tokens_details.reasoning_tokens == 0
 
 
@@ -236,7 +248,7 @@ def _tokens(node: ServerProcess, text: str) -> int:
     return len(httpx.post(node.base + "/tokenize", json={"content": text}, timeout=60).json()["tokens"])
 
 
-@pytest.mark.parametrize("budget", [1, 3, 5])
+@pytest.mark.parametrize("budget", [1, 3, 7])
 def test_a_budget_of_n_tokens_ends_the_thinking_and_the_model_answers(
         client: openai.OpenAI, node: ServerProcess, budget: int) -> None:
     """``thinking_budget_tokens: N`` (llama-server's budget sampler): after N tokens inside the block the node
