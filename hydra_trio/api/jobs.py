@@ -98,7 +98,7 @@ def chat_job(
         return job, None
     try:
         g = _tools.tool_grammar(spec, fmt)
-    except SchemaError as exc:  # each tool was checked alone; together they may be over a limit
+    except SchemaError as exc:  # checked together when the body was read; a format's wrapping adds a little
         raise RequestError(f"tools: {exc}"[:1000]) from None
     if g is not None and not g.lazy and thinking.prompt_open is not None:  # the reply starts in thinking
         g = attrs.evolve(g, gbnf=_tools.after_thinking(g.gbnf, thinking.prompt_open[1]))
