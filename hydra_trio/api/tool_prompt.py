@@ -223,8 +223,10 @@ def _check_call_function(fn: Any, where: str) -> None:
     args = fn.get("arguments", "{}")
     if not isinstance(args, (str, dict)):
         raise RequestError(f"{where}.arguments: expected a JSON string")
-    if isinstance(args, str):
-        _arguments_object(args, f"{where}.arguments")  # raises TooDeep past the depth limit
+    # past the depth limit: TooDeep (read only when the brackets could nest that deep: a text is parsed once, to render)
+    if isinstance(args, str) and args.count("[") + args.count("{") > msg.MAX_JSON_DEPTH and \
+            msg.json_depth(args) > msg.MAX_JSON_DEPTH:
+        _arguments_object(args, f"{where}.arguments")
 
 
 # --------------------------------------------------------------------------- formats and rendering
