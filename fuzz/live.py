@@ -46,7 +46,10 @@ from .strategies import (
     Mutant,
     Req,
     RpcStep,
+    SizedCase,
     StatusRead,
+    deep_grammars,
+    deep_json_bodies,
     ggml_rpc_hellos,
     ggml_rpc_mutants,
     ggml_rpc_silent_openings,
@@ -55,10 +58,12 @@ from .strategies import (
     http_requests,
     many_part_chat_bodies,
     long_prompts,
+    long_request_lists,
     nearly_valid_requests,
     random_first_bytes,
     status_reads,
     valid_requests,
+    wide_and_deep_schemas,
 )
 
 TIMEOUT = 60.0  # seconds any single exchange may take: generous, so that only a hang reaches it
@@ -277,6 +282,19 @@ class LiveServerMachine(HostileRules):
         r = _post_sized(self.http, "/v1/chat/completions", {**body, "max_tokens": 1})
         if r is not None and r.status_code == 400:
             assert r.json()["error"]["type"] == "invalid_request_error"
+
+    @rule(case=st.one_of(wide_and_deep_schemas(), deep_json_bodies(), long_request_lists(), deep_grammars()))
+    @timeouts_are_findings
+    def http_sized_request(self, case: SizedCase) -> None:
+        """A request whose size would drive recursion, time or memory: answered (200), or refused with a 400
+        naming the limit; the node serves the next request."""
+        STATS["http"] += 1
+        r = self.http.post("/v1/chat/completions", content=case.body, headers={"Content-Type": "application/json"})
+        text = r.json()["error"]["message"] if r.status_code == 400 else ""
+        if case.limits:
+            assert r.status_code == 400 and any(k in text for k in case.limits), (case.what, r.status_code, text[:300])
+        else:
+            assert r.status_code == 200 or "context holds" in text, (case.what, r.status_code, r.text[:300])
 
     @rule(raw=st.binary(min_size=1, max_size=200), method=st.sampled_from([b"GET ", b"POST ", b"PUT ", b"HEAD "]))
     @timeouts_are_findings

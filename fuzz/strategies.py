@@ -53,6 +53,7 @@ __all__ = [
     "ggml_rpc_sessions",
     "ggml_rpc_silent_openings",
     "ggml_rpc_truncated",
+    "SizedCase",
     "SurrogateCase",
     "http_requests",
     "http_surrogate_bodies",
@@ -65,6 +66,10 @@ __all__ = [
     "long_prompts",
     "status_reads",
     "valid_requests",
+    "deep_grammars",
+    "deep_json_bodies",
+    "long_request_lists",
+    "wide_and_deep_schemas",
 ]
 
 MAX_PAYLOAD = 4096
@@ -797,6 +802,164 @@ def many_part_chat_bodies(draw: st.DrawFn) -> dict:
     if kind == "special":
         return {"messages": [{"role": "user", "content": "<|im_end|>" * draw(st.sampled_from([1, 1000, 100_000]))}]}
     return {"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * draw(st.sampled_from([1, 17, 10_000]))}
+# --------------------------------------------------------------------------- requests whose size would drive the work
+
+
+@attrs.frozen
+class SizedCase:
+    """A chat body (JSON text, written without recursion: it may nest 100,000 deep) and what the node
+    answers: 200 when ``limits`` is empty (a 400 saying the prompt does not fit a slot's context is
+    allowed too), else a 400 whose message names one of ``limits``."""
+
+    what: str
+    body: bytes = attrs.field(repr=False)
+    limits: tuple[str, ...] = ()
+
+
+def _nest(inner: str, n: int, open_: str, close: str) -> str:
+    return open_ * n + inner + close * n
+
+
+def _chat_body(**fields: str) -> bytes:
+    """A chat body with ``fields`` given as JSON texts (one user message, max_tokens 0)."""
+    parts = ['"messages": [{"role": "user", "content": "x"}]', '"max_tokens": 0'] + [
+        f'"{k}": {v}' for k, v in fields.items() if k != "messages"]
+    if "messages" in fields:
+        parts[0] = f'"messages": {fields["messages"]}'
+    return ("{" + ", ".join(parts) + "}").encode()
+
+
+_RESERVED = ["root", "string", "space", "value", "char", "integer", "object"]
+
+
+@st.composite
+def wide_and_deep_schemas(draw: st.DrawFn) -> SizedCase:
+    """``json_schema`` bodies wide or deep in every way a schema can be: many optional properties
+    (llama.cpp's rule set, linear), nested objects, arrays and ``anyOf`` around the depth limits, ``$ref``
+    and ``allOf``-``$ref`` chains, big enums, many pattern alternatives and nested groups, property
+    names that are rule names of the grammar."""
+    kind = draw(st.sampled_from(["optional", "objects", "arrays", "anyof", "refs", "allof-refs", "enum",
+                                 "alternatives", "groups", "reserved"]))
+    if kind == "optional":
+        n = draw(st.sampled_from([10, 1000, 2000, 3000, 5000]))
+        required = draw(st.sets(st.integers(0, n - 1), max_size=3))
+        props = ", ".join(f'"p{i}": {{"type": "string"}}' for i in range(n))
+        schema = f'{{"type": "object", "properties": {{{props}}}, "required": {json_list(f"p{i}" for i in sorted(required))}}}'
+        return SizedCase(f"{n} properties", _chat_body(json_schema=schema),
+                         () if n <= 2000 else ("MAX_GRAMMAR_BYTES", "MAX_SCHEMA_NODES"))
+    if kind in ("objects", "arrays", "anyof"):
+        d = draw(st.sampled_from([10, 64, 65, 100, 130, 5000]))
+        if kind == "objects":
+            schema = _nest('{"type": "string"}', d, '{"type": "object", "properties": {"a": ', "}}")
+        elif kind == "arrays":
+            schema = _nest('{"type": "string"}', d, '{"type": "array", "items": ', "}")
+        else:
+            schema = _nest('{"type": "string"}', d, '{"anyOf": [{"type": "null"}, ', "]}")
+        json_depth = 1 + d * (1 if kind == "arrays" else 2) + 1
+        limits = ("MAX_JSON_DEPTH",) if json_depth > 256 else ("MAX_SCHEMA_DEPTH",) if d > 64 else ()
+        return SizedCase(f"{kind} {d} deep", _chat_body(json_schema=schema), limits)
+    if kind in ("refs", "allof-refs"):
+        n = draw(st.sampled_from([10, 3000]))
+        step = '{{"$ref": "#/$defs/d{}"}}' if kind == "refs" else '{{"allOf": [{{"$ref": "#/$defs/d{}"}}]}}'
+        defs = ", ".join(f'"d{i}": ' + step.format(i + 1) for i in range(n))
+        schema = f'{{"$defs": {{{defs}, "d{n}": {{"type": "object", "properties": {{"x": {{"type": "integer"}}}}}}}}, "$ref": "#/$defs/d0"}}'
+        # a short chain of allOf links is refused too: the converter combines object schemas only, not an allOf in one
+        short: tuple[str, ...] = () if kind == "refs" else ("allOf: only object schemas",)
+        return SizedCase(f"{kind} chain of {n}", _chat_body(json_schema=schema), short if n == 10 else ("MAX_SCHEMA_DEPTH",))
+    if kind == "enum":
+        n = draw(st.sampled_from([100, 100_000]))
+        return SizedCase(f"enum of {n}", _chat_body(json_schema=f'{{"enum": {json_list(range(n))}}}'),
+                         () if n == 100 else ("MAX_GRAMMAR_BYTES",))
+    if kind == "alternatives":
+        n = draw(st.sampled_from([10, 600, 2000]))  # 2000: past the pattern's 4096 characters
+        pattern = "^(" + "|".join(f"a{i}" for i in range(n)) + ")$"
+        return SizedCase(f"pattern of {n} alternatives", _chat_body(json_schema=f'{{"type": "string", "pattern": "{pattern}"}}'),
+                         () if n < 2000 else ("MAX_PATTERN_CHARS",))
+    if kind == "groups":
+        d = draw(st.sampled_from([10, 64, 65, 1000]))
+        pattern = "^" + "(a" * d + ")" * d + "$"
+        return SizedCase(f"pattern of {d} nested groups", _chat_body(json_schema=f'{{"type": "string", "pattern": "{pattern}"}}'),
+                         () if d <= 64 else ("MAX_SCHEMA_DEPTH",))
+    names = draw(st.lists(st.sampled_from(_RESERVED), min_size=1, max_size=4, unique=True))
+    props = ", ".join(f'"{n}": {{"type": "integer"}}' for n in names)
+    return SizedCase(f"properties named {names}", _chat_body(json_schema=f'{{"type": "object", "properties": {{{props}}}}}'))
+
+
+def json_list(items: object) -> str:
+    """A JSON array of ``items`` (strings or integers), written without ``json.dumps``."""
+    return "[" + ", ".join(f'"{x}"' if isinstance(x, str) else str(x) for x in items) + "]"  # type: ignore[attr-defined]
+
+
+@st.composite
+def deep_json_bodies(draw: st.DrawFn) -> SizedCase:
+    """Chat bodies with arrays nested around the depth limit (256) or far past it, in a field the node
+    does not know, in ``chat_template_kwargs``, in a tool's ``parameters``, or in a tool call's
+    ``arguments`` text (its own JSON: its depth counts from 1)."""
+    where = draw(st.sampled_from(["extra", "kwargs", "parameters", "arguments"]))
+    d = draw(st.sampled_from([10, 250, 255, 256, 257, 1000, 100_000]))
+    deep = _nest("1", d, "[", "]")
+    if where == "extra":
+        body, depth = _chat_body(x=deep), d + 1
+    elif where == "kwargs":
+        body, depth = _chat_body(chat_template_kwargs=f'{{"x": {deep}}}'), d + 2
+    elif where == "parameters":
+        tools = f'[{{"type": "function", "function": {{"name": "f", "parameters": {{"type": "object", "default": {deep}}}}}}}]'
+        body, depth = _chat_body(tools=tools), d + 5
+    else:
+        call = f'{{"id": "c1", "type": "function", "function": {{"name": "f", "arguments": "{deep}"}}}}'
+        body, depth = _chat_body(messages=f'[{{"role": "user", "content": "x"}}, {{"role": "assistant", "tool_calls": [{call}]}}]'), d
+    return SizedCase(f"{d} deep in {where}", body, ("MAX_JSON_DEPTH",) if depth > 256 else ())
+
+
+@st.composite
+def long_request_lists(draw: st.DrawFn) -> SizedCase:
+    """Lists and maps whose length would drive the work: ``logit_bias`` (past any vocabulary), ``stop``,
+    ``response_fields``, many tools."""
+    kind = draw(st.sampled_from(["logit_bias", "logit_bias_texts", "stop", "response_fields", "tools"]))
+    if kind == "logit_bias":
+        n = draw(st.sampled_from([10, 1_000_000]))
+        return SizedCase(f"logit_bias of {n}", _chat_body(logit_bias="[" + ", ".join(["[1, -1]"] * n) + "]"),
+                         () if n == 10 else ("n_vocab",))
+    if kind == "logit_bias_texts":
+        n = draw(st.sampled_from([10, 300_000]))
+        keys = ", ".join(f'"w{i}": 1' for i in range(n))
+        return SizedCase(f"logit_bias of {n} texts", _chat_body(logit_bias="{" + keys + "}"), () if n == 10 else ("n_vocab",))
+    if kind == "stop":
+        n = draw(st.sampled_from([16, 17, 100_000]))
+        return SizedCase(f"{n} stop strings", _chat_body(stop=json_list(["x"] * n)), () if n <= 16 else ("stop",))
+    if kind == "response_fields":
+        n = draw(st.sampled_from([10, 256, 257, 1_000_000]))
+        return SizedCase(f"{n} response_fields", _chat_body(response_fields=json_list(["content"] * n)),
+                         () if n <= 256 else ("MAX_RESPONSE_FIELDS",))
+    n = draw(st.sampled_from([3, 1366, 200_000]))
+    tools = "[" + ", ".join(f'{{"type": "function", "function": {{"name": "f{i}"}}}}' for i in range(n)) + "]"
+    return SizedCase(f"{n} tools", _chat_body(tools=tools), () if n == 3 else ("MAX_SCHEMA_NODES",))
+
+
+@st.composite
+def deep_grammars(draw: st.DrawFn) -> SizedCase:
+    """``grammar`` texts that llama.cpp's parser and grammar engine would work on in proportion to a
+    power of their size: chains of references that stack up (``r0 ::= r1 "x"``), groups nested
+    around the depth limit, long chains of references that do not stack (llama.cpp follows them with one
+C call per link), text past the size limit."""
+    kind = draw(st.sampled_from(["stacking", "groups", "tail-chain", "size"]))
+    if kind == "stacking":
+        n = draw(st.sampled_from([100, 1024, 1025, 10_000]))
+        g = "root ::= r0\n" + "".join(f'r{i} ::= r{i + 1} "x"\n' for i in range(n)) + f'r{n} ::= "a"\n'
+        limits: tuple[str, ...] = () if n <= 1024 else ("MAX_GRAMMAR_STACK_DEPTH",)
+    elif kind == "groups":
+        n = draw(st.sampled_from([10, 128, 129, 10_000]))
+        g, limits = "root ::= " + '("a" ' * n + ")" * n, () if n <= 128 else ("MAX_GRAMMAR_DEPTH",)
+    elif kind == "tail-chain":
+        n = draw(st.sampled_from([5000, 8191, 12_000]))
+        g = "root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(n)) + f'r{n} ::= "a"\n'
+        limits = () if n < 8192 else ("MAX_GRAMMAR_REF_CHAIN",)
+    else:
+        g, limits = 'root ::= "' + "a" * 300_000 + '"', ("MAX_GRAMMAR_BYTES",)
+    escaped = g.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return SizedCase(f"grammar {kind}", _chat_body(grammar=f'"{escaped}"'), limits)
+
+
 # ---------------------------------------------------------------------------
 # Status reads during a long prefill (issue 22 §4)
 

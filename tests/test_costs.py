@@ -70,7 +70,7 @@ def _wide(n: int) -> dict:
 
 
 @pytest.mark.parametrize("schema,keyword,limit", OVER_LIMITS + [
-    (_deep(400), "nests deeper", "MAX_SCHEMA_DEPTH"),
+    (_deep(100), "nests deeper", "MAX_SCHEMA_DEPTH"),
     (_wide(50_000), "subschemas", "MAX_SCHEMA_NODES"),
     ({"enum": ["x" * 1000] * 1000}, "exceed", "MAX_GRAMMAR_BYTES"),
 ], ids=lambda v: str(v)[:30] if isinstance(v, str) else None)
@@ -224,7 +224,7 @@ def test_hydra_decode_and_prefill_refuse_schemas_over_limits(server: ServerProce
     with Wire(server.port) as w:
         for op, extra in ((Op.DECODE, {"n_predict": 4}), (Op.PREFILL, {})):
             for schema, word in ((OVER_LIMITS[0][0], "MAX_REPETITION"), ({"type": "number", "maximum": 3}, "maximum"),
-                                 (_deep(500), "MAX_SCHEMA_DEPTH")):
+                                 (_deep(100), "MAX_SCHEMA_DEPTH")):
                 body = {"messages": MSGS, "json_schema": schema, **extra}
                 status, meta, _ = w.call(op, key="1", payload=json.dumps(body).encode())
                 assert status == Status.BAD_REQUEST and word in meta["error"], (op, meta)

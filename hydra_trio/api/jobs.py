@@ -9,6 +9,8 @@ import attrs
 from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
+from ..engine.tokenize import PromptTooLong
+from ..protocol.strict import TooLong
 from ..engine.requests import CompletionJob
 from ..engine.settings import GenerationDefaults
 from ..engine.thinking_budget import BudgetSpec
@@ -58,9 +60,18 @@ def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str
     fmt = _tools.detect_format(tmpl.source if tmpl.kind == "jinja" else "")
     native = _tools.template_supports_tools(tmpl.kind, tmpl.source)
     spec = body.tool_spec
-    messages = _tools.render_messages(body.messages, spec, fmt, native)
-    offered = [t.as_openai() for t in spec.tools] if spec is not None and spec.active and native else None
-    return m.apply_chat_template(messages, thinking_kwargs(e, body), tools=offered), fmt
+    # no prompt longer than this can fit a slot (each token stands for at most max_token_bytes + 1 bytes):
+    # rendering stops there, so JSON pretty-printed over deep values (its text grows with the depth) is
+    # refused as the tokenizer refuses a long prompt, before it is built whole
+    n_ctx = e.n_ctx_slot
+    max_chars = (m.special_tokens.max_token_bytes + 1) * n_ctx if n_ctx else None
+    try:
+        messages = _tools.render_messages(body.messages, spec, fmt, native, max_chars)
+        offered = [t.as_openai() for t in spec.tools] if spec is not None and spec.active and native else None
+        return m.apply_chat_template(messages, thinking_kwargs(e, body), tools=offered, max_chars=max_chars), fmt
+    except TooLong:
+        raise PromptTooLong(f"the prompt is longer than {max_chars} characters, at least {n_ctx} tokens; a slot's "
+                            f"context holds {n_ctx} (--ctx-size / --parallel)") from None
 
 
 def chat_job(
@@ -87,8 +98,8 @@ def chat_job(
         return job, None
     try:
         g = _tools.tool_grammar(spec, fmt)
-    except Exception as exc:  # checked with each tool; the combination may still fail
-        raise RequestError(f"tools: the JSON schemas cannot be turned into a grammar: {exc!r}"[:500]) from None
+    except SchemaError as exc:  # checked together when the body was read; a format's wrapping adds a little
+        raise RequestError(f"tools: {exc}"[:1000]) from None
     if g is not None and not g.lazy and thinking.prompt_open is not None:  # the reply starts in thinking
         g = attrs.evolve(g, gbnf=_tools.after_thinking(g.gbnf, thinking.prompt_open[1]))
     if g is not None:
@@ -266,11 +277,18 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
 def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
     """A request's ``logit_bias`` as ``(token id, bias)`` pairs: a text becomes every token of its
     tokenization (no BOS, special-token text not parsed: llama-server's ``common_tokenize(vocab, text,
-    false)``).  Raises RequestError for an id outside the vocabulary."""
+    false)``).  Raises RequestError for an id outside the vocabulary, and for more pairs than the
+    vocabulary has tokens (``n_vocab``: every token once; llama.cpp's logit-bias sampler walks all pairs
+    at each token, so the limit keeps that walk within one pass over the vocabulary's size)."""
+    too_many = f"logit_bias: more than {m.n_vocab} (token, bias) pairs, the vocabulary's size (n_vocab)"
+    if len(entries) > m.n_vocab:  # each entry is one pair or more
+        raise RequestError(f"{too_many}: {len(entries)} entries")
     out: list[tuple[int, float]] = []
     for tok, bias in entries:
         if isinstance(tok, str):
             out += [(t, bias) for t in m.tokenize(tok, add_special=False, parse_special=False)]
+            if len(out) > m.n_vocab:
+                raise RequestError(f"{too_many}, once the texts are tokenized")
         elif tok >= m.n_vocab:
             raise RequestError(f"logit_bias: token id {tok} is out of the vocabulary (0..{m.n_vocab - 1})")
         else:

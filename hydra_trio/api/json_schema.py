@@ -1,8 +1,10 @@
 """JSON schema -> GBNF, with the work bounded before it is done.
 
-The node's own converter (llama-cpp-python's ``json_schema_to_gbnf`` expands
+The node's one converter, for ``json_schema``, ``response_format`` and tools'
+``parameters`` (llama-cpp-python's ``json_schema_to_gbnf`` expands
 ``minItems: 100000000`` into a 100-million-item string before anything can
-refuse it, and ignores keywords it does not enforce).  It enforces what
+refuse it, recurses once per optional property, and ignores keywords it does
+not enforce).  It enforces what
 llama.cpp's converter enforces (``common/json-schema.cpp`` and
 ``common/json-schema-to-grammar.cpp`` of the llama.cpp we run):
 
@@ -24,6 +26,10 @@ not enforce it (``minimum`` on a ``number``, ``minLength`` beside
 ``pattern``, ``format: email``, ``multipleOf``, ``uniqueItems: true``, ...)
 raises :class:`SchemaError` naming it and its place (``#/properties/x``).
 
+Nothing recurses with the schema's width: an object's optional properties
+become llama.cpp's rule set (``_build_object_rule``), built from the last
+property back, linear in time and text.
+
 Limits, checked while walking the schema, before any output is built:
 :data:`MAX_SCHEMA_DEPTH`, :data:`MAX_SCHEMA_NODES`, :data:`MAX_REPETITION`
 (every count and ``{m,n}``; llama.cpp's GBNF parser refuses a larger minimum
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ..engine.sampling import MAX_GRAMMAR_BYTES
@@ -111,15 +118,37 @@ class SchemaError(InvalidRequest, ValueError):
     the message names the keyword or the limit and where (``#/properties/a``)."""
 
 
-def schema_to_gbnf(schema: Any) -> str:
-    """GBNF (root rule ``root``) for JSON values that satisfy ``schema``.
+class Document:
+    """A schema placed inside another (a tool's ``parameters`` inside the call object its grammar
+    describes) that is a document of its own: its ``$ref``s resolve inside it (``#`` is this schema),
+    the depth limit counts from its root, and errors name places in it after ``where``
+    (``tools[0].function.parameters/properties/a``)."""
+
+    __slots__ = ("schema", "where")
+
+    def __init__(self, schema: Any, where: str = "#") -> None:
+        self.schema = schema
+        self.where = where
+
+
+def schema_to_gbnf(schema: Any, *, wrap: Callable[[str], str] | None = None) -> str:
+    """GBNF for JSON values that satisfy ``schema`` (which may hold :class:`Document` s).
+
+    The root rule ``root`` is the schema's rule; with ``wrap``, it is ``wrap(name)``: GBNF text
+    around ``name``, the schema's rule (a tool call between its format's markers).
 
     Raises:
         SchemaError: a keyword that cannot be enforced, an invalid schema, or a limit
             (this module's docstring) exceeded; nothing larger than the limits is built.
     """
     conv = _Converter(schema)
-    conv.visit(schema, "", "#", 0)
+    if wrap is None:
+        conv.visit(schema, "", "#", 0)
+    else:
+        conv.rules["root"] = ""  # held for the wrapper: no rule of the schema takes the name
+        call = conv.visit(schema, "call", "#", 0)
+        del conv.rules["root"]
+        conv.add_rule("root", wrap(call))
     return conv.grammar()
 
 
@@ -447,9 +476,9 @@ class _Converter:
         self.nodes += 1
         if self.nodes > MAX_SCHEMA_NODES:
             raise SchemaError(f"the schema has more than {MAX_SCHEMA_NODES} subschemas (MAX_SCHEMA_NODES)")
-        rule_name = name or "root"
-        if rule_name in _PRIMITIVES or rule_name == "space":
-            rule_name += "-"
+        if isinstance(schema, Document):
+            return self.document(schema, name)
+        rule_name = name + "-" if name in _PRIMITIVES or name in ("space", "root") else name or "root"
         sub = name + "-" if name else ""
         if schema is True:
             schema = {}
@@ -510,19 +539,30 @@ class _Converter:
         used: set[str] = {"type"}
         if t is None:
             self.check_keys(keys, used, None, path)
-            return self.add_rule(rule_name, self.primitive("value"))
-        self.check_keys(keys, used | _consumed(t, schema), t, path)
-        if t == "object":
-            return self.add_rule(rule_name, self.object(schema, name, sub, path, depth))
-        if t == "array":
-            return self.add_rule(rule_name, self.array(schema, name, sub, path, depth))
-        if t == "string":
-            return self.add_rule(rule_name, self.string(schema, rule_name, path))
-        if t == "integer":
-            return self.add_rule(rule_name, self.integer(schema, path))
-        if t == "number":
-            return self.add_rule(rule_name, self.primitive("number"))
-        return self.add_rule(rule_name, self.primitive(t))
+            body = self.primitive("value")
+        else:
+            self.check_keys(keys, used | _consumed(t, schema), t, path)
+            if t == "object":
+                body = self.object(schema, name, sub, path, depth)
+            elif t == "array":
+                body = self.array(schema, name, sub, path, depth)
+            elif t == "string":
+                body = self.string(schema, rule_name, path)
+            elif t == "integer":
+                body = self.integer(schema, path)
+            else:
+                body = self.primitive(t)
+        # a plain primitive is referred to by its own name (llama.cpp's converter does the same), not by a rule
+        # that only names it: a thousand string properties are a thousand rules fewer
+        return body if name and body in _PRIMITIVES else self.add_rule(rule_name, body)
+
+    def document(self, doc: Document, name: str) -> str:
+        saved = self.root, self.refs
+        self.root, self.refs = doc.schema, {}
+        try:
+            return self.visit(doc.schema, name, doc.where, 0)
+        finally:
+            self.root, self.refs = saved
 
     def check_keys(self, keys: set[str], used: set[str], t: str | None, path: str) -> None:
         for k in sorted(keys - used):
@@ -552,7 +592,7 @@ class _Converter:
                 target = target[int(part)]
             else:
                 raise SchemaError(f"{path}: $ref {ref[:80]!r} cannot be resolved")
-        name = "ref-" + ref.rsplit("/", 1)[-1] if ref != "#" else "root"
+        name = "ref-" + (ref.rsplit("/", 1)[-1] if ref != "#" else "root")
         self.refs[ref] = key = self.add_rule(name, "space")  # placeholder: a cycle back here stops at the name
         real = self.visit(target, key, ref, depth + 1)
         if real != key:
@@ -588,7 +628,7 @@ class _Converter:
             if level > MAX_SCHEMA_DEPTH:
                 raise SchemaError(f"{cpath}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (MAX_SCHEMA_DEPTH)")
             if isinstance(comp, dict) and "$ref" in comp and set(comp) - ANNOTATIONS == {"$ref"}:
-                target = self.resolve(comp["$ref"], cpath)
+                target = self.resolve(comp["$ref"], cpath, level)
                 return add(target, comp["$ref"], is_required, level + 1)
             if isinstance(comp, dict) and "anyOf" in comp and set(comp) - ANNOTATIONS == {"anyOf"}:
                 for i, c in enumerate(self.alternatives(comp["anyOf"], f"{cpath}/anyOf")):
@@ -611,8 +651,8 @@ class _Converter:
             raise SchemaError(f"{path}: allOf with other keywords beside it is not enforced")
         return self.object_rule(props, required & {k for k, _ in props}, False, name, sub, path, depth)
 
-    def resolve(self, ref: Any, path: str) -> Any:
-        self.ref(ref, path, 0)
+    def resolve(self, ref: Any, path: str, depth: int) -> Any:
+        self.ref(ref, path, depth)
         target: Any = self.root
         for part in ref[2:].split("/") if ref != "#" else ():
             part = part.replace("~1", "/").replace("~0", "~")
@@ -636,17 +676,17 @@ class _Converter:
             opt.append("*")
         rule = '"{" space ' + ' "," space '.join(kv[p] for p in req)
         if opt:
-            def rest(keys: list[str], first_optional: bool) -> str:
-                k, more = keys[0], keys[1:]
-                if k == "*":
-                    res = self.add_rule(f"{sub}additional-kvs", f'{kv[k]} ( "," space {kv[k]} )*')
-                else:
-                    res = f'( "," space {kv[k]} )?' if first_optional else kv[k]
-                if more:
-                    res += " " + self.add_rule(f"{sub}{k}-rest", rest(more, True))
-                return res
-
-            alts = " | ".join(rest(opt[i:], False) for i in range(len(opt)))
+            # llama.cpp's rule set (``_build_object_rule``): one alternative per optional property that may
+            # come first, each followed by a ``<name>-rest`` rule for the properties after it (each optional);
+            # built from the last property back, so the work and the text are linear in the properties
+            rests = [""] * len(opt)  # rests[i]: the rule for what may follow opt[i] ("" after the last)
+            for i in range(len(opt) - 2, -1, -1):
+                k = opt[i + 1]
+                body = f'( "," space {kv[k]} )' + ("*" if k == "*" else "?")
+                rests[i] = self.add_rule(f"{sub}{opt[i]}-rest", body + (f" {rests[i + 1]}" if rests[i + 1] else ""))
+            alts = " | ".join(
+                kv[k] + (f' ( "," space {kv[k]} )*' if k == "*" else "") + (f" {rests[i]}" if rests[i] else "")
+                for i, k in enumerate(opt))
             rule += f' ( "," space ( {alts} ) )?' if req else f" ( {alts} )?"
         return rule + ' "}" space'
 

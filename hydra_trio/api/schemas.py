@@ -42,6 +42,9 @@ MAX_MESSAGES = 10000
 MAX_CONTENT_PARTS = 1024
 """Most content parts in one message (400 beyond)."""
 LOGIT_BIAS_MAX = 100.0
+MAX_RESPONSE_FIELDS = 256
+"""Most ``response_fields`` paths, each at most this many characters (every reply and stream chunk is
+filtered with them; a reply has far fewer fields)."""
 
 
 def _or(default: Any) -> Any:
@@ -192,6 +195,10 @@ class _GenerationFields:
             if (budget := _first_set(self, N_PREDICT_NAMES)) is not None:
                 field_limits.check_hard(*budget)
             check_stop(self.stop)
+            fields = self.response_fields or ()
+            if len(fields) > MAX_RESPONSE_FIELDS or any(len(f) > MAX_RESPONSE_FIELDS for f in fields):
+                raise RequestError(f"response_fields: at most {MAX_RESPONSE_FIELDS} paths of at most "
+                                   f"{MAX_RESPONSE_FIELDS} characters (MAX_RESPONSE_FIELDS)")
             if self.dry_sequence_breakers is not None and not self.dry_sequence_breakers:
                 raise RequestError("dry_sequence_breakers: must be a non-empty array of strings")
             for name in _HARD_FIELDS:  # soft-limited fields were clamped when the body was read

@@ -10,12 +10,12 @@ import hashlib
 import json
 import re
 import string
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from .json_schema import SchemaError, schema_to_gbnf
+from .json_schema import MAX_SCHEMA_NODES, Document, SchemaError, schema_to_gbnf
 from ..protocol import strict as msg
 
 RequestError = msg.MessageError
@@ -102,17 +102,20 @@ def _tool(field: str, raw: Any, *, legacy: bool) -> Tool:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise RequestError(f"{where}.parameters: expected a JSON schema object, got {msg.type_name(params)}")
-    tool = Tool(name, desc or "", params)
-    try:  # the node's bounded converter first: limits and keywords no grammar enforces are a 400, cheaply
-        schema_to_gbnf(params)
-    except SchemaError as exc:
-        raise RequestError(f"{where}.parameters: {exc}") from None
+    return Tool(name, desc or "", params)
+
+
+def _check_schemas(tools: Sequence[Tool], field: str, legacy: bool) -> None:
+    """The tools' ``parameters`` become one grammar (a call of any of them), as the reply's grammar
+    will: a keyword no grammar enforces, or the converter's limits passed by the tools together (their
+    subschemas, the grammar's size), is a RequestError naming the tool's field, before any of the
+    request's work; the work done here is bounded by those limits, however many tools there are."""
+    label = "{}[{}].parameters" if legacy else "{}[{}].function.parameters"
     try:
-        _schema_grammar([tool], "arguments")
-    except Exception as exc:  # the converter raises anything from KeyError to RecursionError
-        raise RequestError(f"{where}.parameters: the JSON schema cannot be turned into a grammar: {exc!r}"[:500]) \
-            from None
-    return tool
+        schema_to_gbnf(_calls(tools, "arguments", where=[label.format(field, i) for i in range(len(tools))]))
+    except SchemaError as exc:
+        text = str(exc)
+        raise RequestError(text if text.startswith(field) else f"{field}: {text}") from None
 
 
 def parse_tool_spec(raw: dict[str, Any]) -> ToolSpec | None:
@@ -141,11 +144,17 @@ def parse_tool_spec(raw: dict[str, Any]) -> ToolSpec | None:
         return None
     if not isinstance(items, list):
         raise RequestError(f"{field}: expected a list, got {msg.type_name(items)}")
+    if len(items) * 3 > MAX_SCHEMA_NODES:  # a call is 3 subschemas at least: its object, its name, its arguments
+        raise RequestError(f"{field}: {len(items)} tools; the grammar of a call holds at most {MAX_SCHEMA_NODES // 3} "
+                           f"(3 subschemas each at least, {MAX_SCHEMA_NODES} in all: MAX_SCHEMA_NODES)")
     tools = tuple(_tool(f"{field}[{i}]", t, legacy=legacy) for i, t in enumerate(items))
-    names = [t.name for t in tools]
-    dup = next((n for n in names if names.count(n) > 1), None)
-    if dup is not None:
-        raise RequestError(f"{field}: the name {dup!r} is given twice")
+    names: set[str] = set()
+    for t in tools:
+        if t.name in names:
+            raise RequestError(f"{field}: the name {t.name!r} is given twice")
+        names.add(t.name)
+    if tools:
+        _check_schemas(tools, field, legacy)
     parallel = raw.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError(f"parallel_tool_calls: expected a boolean, got {msg.type_name(parallel)}")
@@ -214,6 +223,10 @@ def _check_call_function(fn: Any, where: str) -> None:
     args = fn.get("arguments", "{}")
     if not isinstance(args, (str, dict)):
         raise RequestError(f"{where}.arguments: expected a JSON string")
+    # past the depth limit: TooDeep (read only when the brackets could nest that deep: a text is parsed once, to render)
+    if isinstance(args, str) and args.count("[") + args.count("{") > msg.MAX_JSON_DEPTH and \
+            msg.json_depth(args) > msg.MAX_JSON_DEPTH:
+        _arguments_object(args, f"{where}.arguments")
 
 
 # --------------------------------------------------------------------------- formats and rendering
@@ -233,11 +246,16 @@ def template_supports_tools(kind: str, source: str) -> bool:
     return kind == "jinja" and "tools" in source
 
 
-def _arguments_object(args: Any) -> Any:
+def _arguments_object(args: Any, where: str = "arguments") -> Any:
+    """A call's ``arguments`` as the template sees them: the JSON value of a text that holds JSON (at most
+    :data:`~hydra_trio.protocol.strict.MAX_JSON_DEPTH` levels deep, else :class:`~hydra_trio.protocol.strict.TooDeep`
+    naming ``where``), else the text itself."""
     if isinstance(args, str):
         try:
-            return json.loads(args)
-        except ValueError:
+            return msg.loads(args, where)
+        except msg.TooDeep:
+            raise
+        except msg.MessageError:
             return args
     return args
 
@@ -251,8 +269,14 @@ def _mistral_id(call_id: str) -> str:
     return "".join(alphabet[b % len(alphabet)] for b in digest[:9])
 
 
-def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, native: bool) -> list[dict[str, Any]]:
+def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, native: bool,
+                    max_chars: int | None = None) -> list[dict[str, Any]]:
     """Chat messages as the template receives them.
+
+    ``max_chars``: the most characters the JSON written here may have in all (the text tool calls,
+    tool results and the tool list become; None: no limit), else
+    :class:`~hydra_trio.protocol.strict.TooLong`: pretty-printed JSON grows with the depth of what it
+    writes, and no prompt longer than a slot's context is of use.
 
     ``native``: the template renders tools and tool calls itself: assistant
     ``tool_calls`` keep their shape (arguments as objects, as templates ``tojson``
@@ -264,6 +288,15 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
     """
     names_by_id: dict[str, str] = {}
     out: list[dict[str, Any]] = []
+    written = 0
+
+    def dumps(value: Any) -> str:
+        nonlocal written
+        text = msg.dumps_within(value, None if max_chars is None else max_chars - written, indent=2,
+                                ensure_ascii=False)
+        written += len(text)
+        return text
+
     for m in messages:
         calls = m.tool_calls
         if calls is None and m.function_call is not None:  # legacy: one call, no id
@@ -292,7 +325,7 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
                     for c in norm]}
                 if m.content:
                     body["content"] = m.content
-                d["content"] = json.dumps(body, indent=2, ensure_ascii=False)
+                d["content"] = dumps(body)
         if role == "tool":
             cid = m.tool_call_id or ""
             name = m.name or names_by_id.get(cid, "")
@@ -304,7 +337,7 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
                 resp: dict[str, Any] = {"tool": name, "content": m.content or ""}
                 if cid:
                     resp["tool_call_id"] = cid
-                d = {"role": "user", "content": json.dumps({"tool_response": resp}, indent=2, ensure_ascii=False)}
+                d = {"role": "user", "content": dumps({"tool_response": resp})}
         out.append(d)
     if spec is not None and spec.active and fmt == "generic":
         text = GENERIC_INSTRUCTION
@@ -314,7 +347,7 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
                        ([{"name": "tool_name", "arguments": {"arg1": "some_value"}}] if spec.parallel
                         else {"name": "tool_name", "arguments": {"arg1": "some_value"}})}
             text = ("You can call any of the following tools to satisfy the user's requests: "
-                    + json.dumps(tools, indent=2, ensure_ascii=False)
+                    + dumps(tools)
                     + "\n\nExample tool call syntax:\n\n" + json.dumps(example, indent=2) + "\n\n" + text)
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + text) if out[0]["content"] else text}
@@ -335,8 +368,11 @@ class ToolGrammar:
     triggers: tuple[str, ...] = ()
 
 
-def _call_schema(tool: Tool, args_key: str, with_id: bool = False) -> dict[str, Any]:
-    props: dict[str, Any] = {"name": {"const": tool.name}, args_key: tool.parameters}
+def _call_schema(tool: Tool, args_key: str, with_id: bool = False, where: str = "#") -> dict[str, Any]:
+    """The call object's schema: ``name``, the arguments (the tool's ``parameters``, a document of
+    its own: its ``$ref``s resolve inside it; ``where`` names it in errors), and for ``with_id`` a
+    9-character ``id``."""
+    props: dict[str, Any] = {"name": {"const": tool.name}, args_key: Document(tool.parameters, where)}
     required = ["name", args_key]
     if with_id:
         props["id"] = {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"}
@@ -344,28 +380,18 @@ def _call_schema(tool: Tool, args_key: str, with_id: bool = False) -> dict[str, 
     return {"type": "object", "properties": props, "required": required}
 
 
-def _converter(tools: Sequence[Tool], args_key: str, with_id: bool = False) -> tuple[Any, list[dict[str, Any]]]:
-    """llama-cpp-python's schema converter and one call-object schema per tool, each tool's
-    ``$ref``s resolved against its own ``parameters`` (``#/$defs/...``)."""
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    conv = SchemaConverter(prop_order={"name": 0, args_key: 1, "id": 2}, allow_fetch=False, dotall=False,
-                           raw_pattern=False)
-    calls = []
-    for i, t in enumerate(tools):
-        resolved = conv.resolve_refs(json.loads(json.dumps(t.parameters)), f"tool{i}")
-        calls.append(_call_schema(Tool(t.name, t.description, resolved), args_key, with_id))
-    return conv, calls
+def _calls(tools: Sequence[Tool], args_key: str, with_id: bool = False,
+           where: Sequence[str] | None = None) -> dict[str, Any]:
+    calls = [_call_schema(t, args_key, with_id, where[i] if where else "#") for i, t in enumerate(tools)]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def _schema_grammar(tools: Sequence[Tool], args_key: str, *, with_id: bool = False,
-                    wrap: str | None = None) -> str:
-    """GBNF whose ``call`` rule is one call object of any of ``tools``; ``root`` is ``wrap``
-    (GBNF using ``call``), or ``call``.  Raises what the converter raises on a bad schema."""
-    conv, alts = _converter(tools, args_key, with_id)
-    call = conv.visit(alts[0] if len(alts) == 1 else {"anyOf": alts}, "call")
-    conv._add_rule("root", wrap if wrap is not None else call)
-    return conv.format_grammar()
+                    wrap: Callable[[str], str] | None = None) -> str:
+    """GBNF for one call object of any of ``tools`` (:func:`hydra_trio.api.json_schema.schema_to_gbnf`):
+    the root rule is the call, or ``wrap(call rule)``.  Raises SchemaError (a limit, a keyword no
+    grammar enforces)."""
+    return schema_to_gbnf(_calls(tools, args_key, with_id), wrap=wrap)
 
 
 def _ecma_escape(word: str) -> str:
@@ -375,31 +401,34 @@ def _ecma_escape(word: str) -> str:
 def tool_grammar(spec: ToolSpec, fmt: str) -> ToolGrammar | None:
     """The grammar that makes the reply a valid call (``required``, named) or lets it be one
     (``auto``: lazy, or the generic call-or-response object); None for ``none``.
-    Raises what the schema converter raises on a bad schema (checked by :func:`parse_tool_spec`)."""
+    Raises SchemaError when the tools together are over a limit of the converter (each alone was
+    checked by :func:`parse_tool_spec`)."""
     if not spec.active:
         return None
     tools = spec.offered
     forced = spec.choice in ("required", "function")
     many = spec.parallel
     if fmt == "generic":
-        conv, alts = _converter(tools, "arguments")
-        calls: dict[str, Any] = {"anyOf": alts} if len(alts) > 1 else alts[0]
+        calls = _calls(tools, "arguments")
         call_obj = ({"type": "object", "properties": {"tool_calls": {"type": "array", "items": calls, "minItems": 1}},
                      "required": ["tool_calls"]} if many else
                     {"type": "object", "properties": {"tool_call": calls}, "required": ["tool_call"]})
         schema = call_obj if forced else {"anyOf": [call_obj, {
             "type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}]}
-        conv.visit(schema, "")
-        return ToolGrammar(conv.format_grammar())
+        return ToolGrammar(schema_to_gbnf(schema))
     if fmt == "hermes":
-        one = '"<tool_call>\\n" space call space "\\n</tool_call>"'
-        wrap = f"{one} (space {one})*" if many else one
-        gbnf = _schema_grammar(tools, "arguments", wrap=wrap)
+        def hermes(call: str) -> str:
+            one = f'"<tool_call>\\n" space {call} space "\\n</tool_call>"'
+            return f"{one} (space {one})*" if many else one
+
+        gbnf = _schema_grammar(tools, "arguments", wrap=hermes)
         trig = ("<tool_call>",)
     elif fmt == "mistral":
-        wrap = '"[TOOL_CALLS]" "[" space call (space "," space call)* space "]"' if many else \
-            '"[TOOL_CALLS]" "[" space call space "]"'
-        gbnf = _schema_grammar(tools, "arguments", with_id=True, wrap=wrap)
+        def mistral(call: str) -> str:
+            more = f' (space "," space {call})*' if many else ""
+            return f'"[TOOL_CALLS]" "[" space {call}{more} space "]"'
+
+        gbnf = _schema_grammar(tools, "arguments", with_id=True, wrap=mistral)
         trig = ("[TOOL_CALLS]",)
     elif fmt == "llama3":
         gbnf = _schema_grammar(tools, "parameters")

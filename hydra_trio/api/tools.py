@@ -19,8 +19,8 @@ llama-server detected them before its automatic parser (llama.cpp
   tool prompt, its minja polyfills for templates that know no tools).
 
 Grammars (:func:`tool_grammar`): each tool's ``parameters`` JSON schema becomes
-GBNF through llama-cpp-python's schema converter, wrapped in the format's
-markers.  ``required`` and a named function constrain the whole reply; ``auto``
+GBNF through the node's bounded converter (:mod:`hydra_trio.api.json_schema`, the
+one ``json_schema`` uses), wrapped in the format's markers.  ``required`` and a named function constrain the whole reply; ``auto``
 uses a lazy grammar that wakes at the format's marker (``<tool_call>``,
 ``[TOOL_CALLS]``, ``{"name": "``) for the native formats, and the whole-reply
 grammar (call or ``response``) for ``generic``, as llama-server did.

@@ -14,13 +14,15 @@ templates with both and compares.
 
 from __future__ import annotations
 
-import json
+import contextvars
 from datetime import datetime
 from typing import Any
 
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..protocol.strict import TooLong, dumps_within
 
 
 class _IgnoreGenerationTags(jinja2.ext.Extension):
@@ -33,9 +35,14 @@ class _IgnoreGenerationTags(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+_MAX_CHARS: contextvars.ContextVar[int | None] = contextvars.ContextVar("max_chars", default=None)
+"""The limit of the rendering in progress on this thread (:meth:`JinjaChatFormatter.__call__`)."""
+
+
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return dumps_within(x, _MAX_CHARS.get(), ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                        sort_keys=sort_keys)
 
 
 def _strftime_now(f: str) -> str:
@@ -69,10 +76,31 @@ class JinjaChatFormatter:
                  function_call: Any = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
                  **kwargs: Any) -> str:
         """The prompt: the template rendered with ``messages`` and the variables above."""
-        return self._template.render(
-            messages=messages, eos_token=self.eos_token, bos_token=self.bos_token, raise_exception=_raise_exception,
-            add_generation_prompt=self.add_generation_prompt, functions=functions, function_call=function_call,
-            tools=tools, tool_choice=tool_choice, strftime_now=_strftime_now, **kwargs)
+        return self.render(None, messages=messages, functions=functions, function_call=function_call, tools=tools,
+                           tool_choice=tool_choice, **kwargs)
+
+    def render(self, max_chars: int | None, /, *, messages: list[dict[str, Any]],
+               functions: list[dict[str, Any]] | None = None, function_call: Any = None,
+               tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, **kwargs: Any) -> str:
+        """:meth:`__call__`, raising :class:`~hydra_trio.protocol.strict.TooLong` as soon as the prompt
+        would be longer than ``max_chars`` characters (None: no limit).  The text is rendered piece by
+        piece (jinja2's ``generate``) and ``tojson`` stops at the limit too, so a template that
+        pretty-prints a deep value (whose text grows with its depth) builds nothing much longer."""
+        token = _MAX_CHARS.set(max_chars)
+        try:
+            pieces, n = [], 0
+            for piece in self._template.generate(
+                    messages=messages, eos_token=self.eos_token, bos_token=self.bos_token,
+                    raise_exception=_raise_exception, add_generation_prompt=self.add_generation_prompt,
+                    functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
+                    strftime_now=_strftime_now, **kwargs):
+                n += len(piece)
+                if max_chars is not None and n > max_chars:
+                    raise TooLong(f"the prompt would be longer than {max_chars} characters")
+                pieces.append(piece)
+            return "".join(pieces)
+        finally:
+            _MAX_CHARS.reset(token)
 
 
 def capability_variables(variables: dict[str, Any]) -> dict[str, Any]:

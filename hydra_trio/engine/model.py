@@ -22,6 +22,7 @@ import attrs
 import llama_cpp
 
 from ..errors import InvalidRequest, ModelLoadError
+from ..protocol.strict import TooLong
 from . import ggml_backend, kv_overrides
 from .bridge import thread_local_set
 from .ggml_backend import clean_build_paths
@@ -234,7 +235,8 @@ class ChatTemplate:
     """
 
     def __init__(self, kind: str, source: str, origin: str,
-                 render: Callable[[list[dict], dict[str, Any] | None, list[dict] | None], tuple[str, list[str]]]):
+                 render: Callable[[list[dict], dict[str, Any] | None, list[dict] | None, int | None],
+                                  tuple[str, list[str]]]):
         self.kind = kind
         self.source = source
         self.origin = origin
@@ -253,12 +255,14 @@ class ChatTemplate:
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ValueError(f"the chat template does not compile: {exc}") from None
 
-        def render(messages: list[dict], more: dict[str, Any] | None = None,
-                   tools: list[dict] | None = None) -> tuple[str, list[str]]:
+        def render(messages: list[dict], more: dict[str, Any] | None = None, tools: list[dict] | None = None,
+                   max_chars: int | None = None) -> tuple[str, list[str]]:
             variables = capability_variables(
                 {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}})
             try:
-                prompt = fmt(messages=messages, tools=tools, **variables)
+                prompt = fmt.render(max_chars, messages=messages, tools=tools, **variables)
+            except TooLong:
+                raise
             except Exception as exc:  # raise_exception's ValueError, jinja2's TemplateError, a TypeError, ...
                 raise ChatTemplateError(f"messages: the chat template failed: {exc}") from exc
             return prompt, [eos_token]
@@ -273,16 +277,18 @@ class ChatTemplate:
         end = tail.split(_SENTINEL, 1)[1].strip() if _SENTINEL in tail else ""
         stop = [end] if end else []
         return cls("builtin", name, origin,
-                   lambda messages, more=None, tools=None: (_apply_builtin(name, messages, add_assistant=True),
-                                                             list(stop)))
+                   lambda messages, more=None, tools=None, max_chars=None: (
+                       _apply_builtin(name, messages, add_assistant=True), list(stop)))
 
     def __call__(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
-                 tools: list[dict] | None = None) -> tuple[str, list[str]]:
+                 tools: list[dict] | None = None, max_chars: int | None = None) -> tuple[str, list[str]]:
         """``(prompt, stop strings)``; ``kwargs`` are template variables over the node's (a request's
         ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
         variable (a built-in template has no variables and never renders tools: callers describe them
-        in a message instead, :func:`hydra_trio.api.tools.render_messages`)."""
-        return self._render(messages, kwargs, tools)
+        in a message instead, :func:`hydra_trio.api.tools.render_messages`).  ``max_chars``: a Jinja
+        template's rendering stops with :class:`~hydra_trio.protocol.strict.TooLong` past that many
+        characters (a built-in template writes little more than the messages themselves)."""
+        return self._render(messages, kwargs, tools, max_chars)
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -600,16 +606,17 @@ class LoadedModel:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     def apply_chat_template(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
-                            tools: list[dict] | None = None) -> tuple[str, list[str]]:
+                            tools: list[dict] | None = None, max_chars: int | None = None) -> tuple[str, list[str]]:
         """Render chat messages (``[{"role", "content"}]``) with the template in effect
         (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`); ``kwargs``
         are extra template variables over the node's ``chat_template_kwargs``; ``tools`` is the
         Jinja template's ``tools`` variable.
 
         Returns ``(prompt, extra_stop_strings)``.  Raises :class:`ChatTemplateError` (an InvalidRequest) when the
-        template rejects the messages.
+        template rejects the messages, :class:`~hydra_trio.protocol.strict.TooLong` when a Jinja template's prompt
+        would pass ``max_chars`` characters.
         """
-        return self.chat_template(messages, kwargs, tools)
+        return self.chat_template(messages, kwargs, tools, max_chars)
 
     def chat_prompt_tokens(self, prompt: str, limit: int | None = None) -> list[int]:
         """Tokenize a rendered chat prompt as llama-server does: special tokens are parsed, and

@@ -35,6 +35,7 @@ import attrs
 import llama_cpp
 
 from ..errors import InvalidRequest
+from .gbnf_depth import depths
 from .settings import SAMPLER_ORDER, SamplingParams
 
 MAX_GRAMMAR_BYTES = 256 * 1024
@@ -42,6 +43,14 @@ MAX_GRAMMAR_DEPTH = 128
 MAX_GRAMMAR_REPETITION = 2000
 """Largest ``{m,n}`` count: llama.cpp's parser (``MAX_REPETITION_THRESHOLD``) refuses a larger minimum and
 silently makes a larger maximum unbounded, so both are refused here."""
+MAX_GRAMMAR_STACK_DEPTH = 1024
+"""Longest chain of references llama.cpp's grammar engine stacks up (:func:`.gbnf_depth.stack_depth`): its
+time and memory grow with the square of it (10,000: 2.5 s and 630 MiB before the first token); the
+node's JSON schemas at their own depth limit need 130."""
+MAX_GRAMMAR_REF_CHAIN = 8192
+"""Longest chain of rule references (:func:`.gbnf_depth.depths`): llama.cpp's check for left recursion
+follows one with a C call per link, about 140 bytes of the thread's stack each (18,000 overflowed 2 MiB);
+the node's JSON schemas make chains of about 2,100 at most (2,000 optional properties)."""
 MAX_GRAMMAR_EXPANSION = 500_000
 """Most grammar elements llama.cpp's parser may create expanding ``{m,n}``, ``*``, ``+`` and ``?``
 (estimated as count x the repeated item's text length, summed over the grammar)."""
@@ -85,20 +94,29 @@ def check_grammar(vocab: Any, grammar: str) -> None:
     llama.cpp's GBNF parser recurses once per nesting level, and copies the
     repeated item once per ``{m,n}`` count, so text larger than 256 KiB,
     nested deeper than 128 groups, with a count over 2000 or expanding to more
-    than 500,000 elements is refused before it is parsed (one linear scan).
+    than 500,000 elements is refused before it is parsed (one linear scan);
+    so is a grammar whose stacks would grow deeper than :data:`MAX_GRAMMAR_STACK_DEPTH`, or
+    with a chain of references longer than :data:`MAX_GRAMMAR_REF_CHAIN`.
 
     Raises:
         GrammarError: too large, too deep, or llama.cpp's parser refused it.
     """
     data = grammar.encode("utf-8")
     if len(data) > MAX_GRAMMAR_BYTES:
-        raise GrammarError(f"the grammar is {len(data)} bytes; the limit is {MAX_GRAMMAR_BYTES}")
+        raise GrammarError(f"the grammar is {len(data)} bytes; the limit is {MAX_GRAMMAR_BYTES} (MAX_GRAMMAR_BYTES)")
     depth, expansion = _scan(grammar)
     if depth > MAX_GRAMMAR_DEPTH:
-        raise GrammarError(f"the grammar nests groups deeper than {MAX_GRAMMAR_DEPTH} levels")
+        raise GrammarError(f"the grammar nests groups deeper than {MAX_GRAMMAR_DEPTH} levels (MAX_GRAMMAR_DEPTH)")
     if expansion > MAX_GRAMMAR_EXPANSION:
         raise GrammarError(f"the grammar's repetitions expand to about {expansion} elements; the limit is "
                            f"{MAX_GRAMMAR_EXPANSION} (MAX_GRAMMAR_EXPANSION)")
+    nesting, chain = depths(grammar)
+    if nesting > MAX_GRAMMAR_STACK_DEPTH:
+        raise GrammarError(f"the grammar's rules nest {nesting} deep (a chain of references each followed by more "
+                           f"of its alternative); the limit is {MAX_GRAMMAR_STACK_DEPTH} (MAX_GRAMMAR_STACK_DEPTH)")
+    if chain > MAX_GRAMMAR_REF_CHAIN:
+        raise GrammarError(f"the grammar has a chain of {chain} rule references; the limit is {MAX_GRAMMAR_REF_CHAIN} "
+                           "(MAX_GRAMMAR_REF_CHAIN)")
     smpl = llama_cpp.llama_sampler_init_grammar(vocab, data, b"root")
     if not smpl:
         raise GrammarError("llama.cpp could not parse the grammar (GBNF, with a 'root' rule)")

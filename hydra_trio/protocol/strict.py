@@ -14,6 +14,7 @@ Hydra payloads in :mod:`hydra_trio.protocol.messages`, the OpenAI bodies in
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -305,10 +306,40 @@ def check_unicode(obj: Any) -> None:
             stack.extend((x, [*path, i]) for i, x in reversed(list(enumerate(v))))
 
 
-def loads(text: str | Bytes) -> Any:
-    """Strict JSON (no NaN / Infinity, Unicode text only); raises MessageError, also for invalid
-    UTF-8 (bytes are read as UTF-8, a leading BOM skipped) and nesting too deep to parse, and
-    :class:`NotUnicode` naming the field for a string with a lone surrogate (:func:`check_unicode`)."""
+MAX_JSON_DEPTH = 256
+"""Deepest nesting of arrays and objects in JSON a request carries (its body, a tool call's ``arguments``
+text).  llama-server's JSON parser has no such limit; here every walk over a request (the schema
+converter, templates, re-encoding) may recurse once per level, so the depth stays well inside Python's
+recursion limit (1000).  A JSON schema at the converter's own depth limit (64 subschemas, two JSON levels
+each) fits with room for the body around it."""
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_BRACKET_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+
+
+class TooDeep(MessageError):
+    """JSON nested deeper than :data:`MAX_JSON_DEPTH`; the message names the limit."""
+
+    def __init__(self, where: str = "") -> None:
+        super().__init__(f"{where + ': ' if where else ''}nested deeper than {MAX_JSON_DEPTH} levels of arrays and "
+                         "objects (MAX_JSON_DEPTH)")
+
+
+def json_depth(data: str | Bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text ``data`` (valid JSON: strings are skipped
+    whole).  Linear, and no recursion: one regular-expression pass drops the strings, the brackets left
+    are summed."""
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else bytes(data)
+    steps = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS).translate(_BRACKET_STEP)
+    return max(itertools.accumulate(memoryview(steps).cast("b")), default=0)
+
+
+def loads(text: str | Bytes, where: str = "") -> Any:
+    """Strict JSON (no NaN / Infinity, Unicode text only, at most :data:`MAX_JSON_DEPTH` levels deep);
+    raises MessageError, also for invalid UTF-8 (bytes are read as UTF-8, a leading BOM skipped),
+    :class:`TooDeep` naming the limit (``where``: the field, for its message) and :class:`NotUnicode`
+    naming the field for a string with a lone surrogate (:func:`check_unicode`)."""
     if not isinstance(text, str):
         try:
             text = bytes(text).decode("utf-8").removeprefix("\ufeff")
@@ -318,12 +349,39 @@ def loads(text: str | Bytes) -> Any:
         obj = json.loads(text, parse_constant=_reject_constant)
     except ValueError as exc:
         raise MessageError(f"payload is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise MessageError("payload is not valid JSON: nested too deeply") from None
+    except RecursionError:  # deeper than Python's parser goes (about 1000 levels)
+        raise TooDeep(where) from None
+    # no text with fewer brackets than the limit can nest deeper than it: most skip the scan
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and json_depth(text) > MAX_JSON_DEPTH:
+        raise TooDeep(where)
     # the walk only when the text may hold a surrogate: escaped, or raw (a str argument)
     if _SURROGATE_ESCAPE.search(text) is not None or _SURROGATE.search(text) is not None:
         check_unicode(obj)
     return obj
+
+
+class TooLong(MessageError):
+    """Text that would pass the caller's limit on characters (:func:`dumps_within`)."""
+
+
+def dumps_within(value: Any, max_chars: int | None, **options: Any) -> str:
+    """``json.dumps(value, **options)``, refused with :class:`TooLong` as soon as the text passes
+    ``max_chars`` characters (None: no limit).  Pretty-printed JSON (``indent``) repeats each level's
+    indentation on each of its lines, so its text can be the value's length times its depth: it is
+    written piece by piece and stops at the limit, so nothing much larger than the limit is built."""
+    if options.get("indent") is None:  # compact: at most a few times the value's own text
+        text = json.dumps(value, **options)
+    else:
+        pieces, n = [], 0
+        for piece in json.JSONEncoder(**options).iterencode(value):
+            n += len(piece)
+            if max_chars is not None and n > max_chars:
+                raise TooLong(f"the text would be longer than {max_chars} characters")
+            pieces.append(piece)
+        text = "".join(pieces)
+    if max_chars is not None and len(text) > max_chars:
+        raise TooLong(f"the text would be longer than {max_chars} characters")
+    return text
 
 
 def load_json_object(payload: Bytes) -> dict[str, Any]:
