@@ -132,25 +132,21 @@ class ServerProcess:
 
 
 @contextlib.asynccontextmanager
-async def running_engine(n_ctx: int = 2048, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
+async def running_engine(n_ctx: int = 2048, **config: Any) -> AsyncIterator[Any]:
     """In-process: a ready :class:`~hydra_trio.engine.engine.Engine` on the packaged default model (2 slots,
-    ``n_ctx`` tokens, other :class:`~hydra_trio.EngineConfig` fields from ``config``) and its running
-    :class:`~hydra_trio.engine.control.ControlChannel`; both end with the block."""
+    ``n_ctx`` tokens, other :class:`~hydra_trio.EngineConfig` fields from ``config``); it ends with the block."""
     import trio
 
     from hydra_trio import EngineConfig, resolve_model
-    from hydra_trio.engine.control import ControlChannel
     from hydra_trio.engine.engine import Engine
 
     path, alias = resolve_model("smollm2-135m")
     engine = Engine(EngineConfig(path, alias, n_parallel=2, n_ctx=n_ctx, **config))
-    control = ControlChannel(engine)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         with trio.fail_after(300):
             await engine.wait_ready()
-        await nursery.start(control.run)
-        yield engine, control
+        yield engine
         nursery.cancel_scope.cancel()
 
 

@@ -160,9 +160,9 @@ def test_no_public_class_name_is_defined_twice() -> None:
     assert twice == {}, twice
 
 
-ENGINE_DOORS = {"call", "run_task", "execute", "post", "run_in_engine", "Call", "Change"}
-"""Callables through which work reaches the engine thread (``engine.call``, ``Engine.run_task``, a bridge
-``Call`` posted to it, a control-channel ``Change``)."""
+ENGINE_DOORS = {"call", "run_task", "execute", "post", "run_in_engine", "Call"}
+"""Callables through which work could reach the engine thread (``Engine.run_task``, a bridge ``Call``, and
+the names of doors the engine no longer has)."""
 
 
 def _lambdas_handed_to_the_engine(tree: ast.AST) -> list[int]:
@@ -181,10 +181,10 @@ def _lambdas_handed_to_the_engine(tree: ast.AST) -> list[int]:
 
 def test_no_lambda_is_handed_to_the_engine_from_outside_it() -> None:
     """Work reaches the engine as typed tasks (hydra_trio/engine/tasks.py), never as an anonymous function:
-    outside ``hydra_trio/engine/`` no lambda is passed to ``.call(``, ``.run_task(``, ``Call(``, ``Change(``..."""
+    outside ``hydra_trio/engine/`` no lambda is passed to ``.call(``, ``.run_task(``, ``Call(``..."""
     # the scan finds what it looks for
     assert _lambdas_handed_to_the_engine(ast.parse("e.call(lambda engine: engine.save_slot(0))")) == [1]
-    assert _lambdas_handed_to_the_engine(ast.parse("Change('x', apply=lambda e: e.peer_gone())")) == [1]
+    assert _lambdas_handed_to_the_engine(ast.parse("Call(fn=lambda: e.peer_gone())")) == [1]
     assert _lambdas_handed_to_the_engine(ast.parse("e.run_task(SaveSlot(0)); f(lambda: 1)")) == []
     found = {}
     for name, path in MODULES.items():
@@ -193,8 +193,19 @@ def test_no_lambda_is_handed_to_the_engine_from_outside_it() -> None:
         lines = _lambdas_handed_to_the_engine(ast.parse(path.read_text()))
         if lines:
             found[name] = lines
-    assert "hydra_trio.hydra.ops" in MODULES and "hydra_trio.engine.control" in MODULES
+    assert "hydra_trio.hydra.ops" in MODULES and "hydra_trio.engine.tasks" in MODULES
     assert found == {}, found
+
+
+def test_the_engine_has_one_inbox_and_one_door_for_work() -> None:
+    """Work reaches the engine thread only as typed tasks on its one inbox: :meth:`Engine.run_task` (a result
+    back), :meth:`Engine.submit` and :meth:`Engine.cancel` (a completion's start and cancel); an engine-wide
+    change is an exclusive task, not a second queue (no control-channel module, no ``call``/``post``)."""
+    from hydra_trio.engine.engine import Engine
+
+    assert "hydra_trio.engine.control" not in MODULES
+    assert not hasattr(Engine, "call") and not hasattr(Engine, "post")
+    assert {"run_task", "submit", "cancel"} <= set(vars(Engine))
 
 
 def test_every_import_of_the_package_finds_its_module() -> None:

@@ -4,20 +4,18 @@ and CONFIGURE's tier-1 defaults swapped in whole, in-process on a real engine (t
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 import pytest
 import trio
+import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio import EngineConfig, resolve_model
-from hydra_trio.engine.bridge import Call
-from hydra_trio.engine.control import Change, ControlChannel
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.engine.settings import RequestDefaults
@@ -36,20 +34,20 @@ class ReadSlot(EngineTask):
     kind: ClassVar[str] = "read_slot"
     id_slot: int
 
-    def run(self, engine: Any) -> tuple[SlotState, bool, bool, int]:
+    def run(self, engine: Engine) -> tuple[SlotState, bool, bool, int]:
         assert threading.current_thread() is not threading.main_thread()  # the engine thread, not trio's
         s = engine.slots[self.id_slot]
         return s.state, s.is_processing, s.generating, s.n_decoded
 
 
-def _samples(engine: Engine, control: ControlChannel) -> dict[str, float]:
-    body, _ = NodeMetrics(engine=engine, control=control).render()
+def _samples(engine: Engine) -> dict[str, float]:
+    body, _ = NodeMetrics(engine=engine).render()
     fams = {f.name: f for f in text_string_to_metric_families(body.decode())}
     return {s.labels["type"]: s.value for s in fams["hydra_trio:engine_tasks"].samples}
 
 
 async def test_slot_tasks_are_typed_dispatched_by_type_and_counted() -> None:
-    async with running_engine() as (engine, control):
+    async with running_engine() as engine:
         async with JobRun(engine, CompletionJob(prompt_tokens=[1, 504, 3458, 314, 4649, 253], n_predict=4,
                                                 id_slot=0)) as run:
             await run.result()
@@ -65,12 +63,14 @@ async def test_slot_tasks_are_typed_dispatched_by_type_and_counted() -> None:
         assert engine.snapshot.slot(1).n_past == 0
         with pytest.raises(InvalidRequest, match="no longer exists"):
             await engine.run_task(SaveSlot(7))  # a task's own error reaches its caller
-        # a control-channel change is a task too, dispatched and counted the same way
-        meta = await control.submit(Change("solo", SetExpertMode("solo")))
+        # a change (an exclusive task: the serialized control channel) is dispatched and counted the same way
+        meta = await engine.run_task(SetExpertMode("solo"))
         assert meta["mode"] == "solo"
-        assert engine.stats.tasks == {"save_slot": 2, "restore_slot": 1, "erase_slot": 1, "set_expert_mode": 1}
-        assert _samples(engine, control) == {"erase_slot": 1.0, "restore_slot": 1.0, "save_slot": 2.0,
-                                             "set_expert_mode": 1.0}
+        # a completion's start is a task too (its cancel is not queued: the request had ended)
+        assert engine.stats.tasks == {"completion": 1, "save_slot": 2, "restore_slot": 1, "erase_slot": 1,
+                                      "set_expert_mode": 1}
+        assert _samples(engine) == {"completion": 1.0, "erase_slot": 1.0, "restore_slot": 1.0, "save_slot": 2.0,
+                                    "set_expert_mode": 1.0}
 
 
 class _HoldAtStart(logging.Handler):
@@ -110,7 +110,7 @@ def _held_at_slot_start() -> Iterator[_HoldAtStart]:
 async def test_a_slot_moves_through_its_states_in_order() -> None:
     order = list(SlotState)
     with _held_at_slot_start() as hold:
-        async with running_engine(n_batch=32) as (engine, _):
+        async with running_engine(n_batch=32) as engine:
             assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
             prompt = [1, *range(1000, 1300)]  # 301 tokens: ten 32-token steps of prompt processing
             seen: list[tuple[SlotState, bool, bool, int]] = []
@@ -120,10 +120,16 @@ async def test_a_slot_moves_through_its_states_in_order() -> None:
                 # after that step (one 32-token chunk fed) however slowly this thread runs; queued after the
                 # assignment, it could come after all ten prompt steps on a busy machine (GENERATING only)
                 assert await trio.to_thread.run_sync(hold.held.wait, 300), "slot 0 never started"
-                first: Call[Any] = Call(functools.partial(engine.execute, ReadSlot(0)))  # run_task's own call
-                engine.post(first)
-                hold.go_on.set()
-                seen.append(await first.wait())
+                first: list[tuple[SlotState, bool, bool, int]] = []
+
+                async def read_first() -> None:
+                    first.append(await engine.run_task(ReadSlot(0)))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(read_first)
+                    await trio.testing.wait_all_tasks_blocked()  # the read waits in the engine's inbox
+                    hold.go_on.set()
+                seen.append(first[0])
                 assert seen[0] == (SlotState.PROCESSING_PROMPT, True, False, 0), seen
                 while seen[-1][0] is not SlotState.GENERATING:
                     seen.append(await engine.run_task(ReadSlot(0)))

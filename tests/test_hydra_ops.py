@@ -18,12 +18,14 @@ import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import trio
 
 from hydra_trio import EngineConfig, ServerConfig, resolve_model, serve
 from hydra_trio.engine.engine import Engine
+from hydra_trio.engine.tasks import EngineTask
 from hydra_trio.errors import EngineFailure
 from hydra_trio.protocol.decode_frames import (
     DECODE_FLAG_FINAL,
@@ -149,10 +151,19 @@ async def test_busy_slot_refuses_prefill_decode_and_state_put_with_busy() -> Non
         assert status == Status.OK and meta["restored"] is True and meta["n_past"] == n_past > 0, meta
 
 
-def fail_running(engine: Engine) -> list[int]:
+@attrs.frozen
+class FailRunning(EngineTask):
     """Engine thread, between two steps: what the engine does when a step raises (``Engine._loop``) —
     every running request fails with an EngineFailure and its slot's half-decoded KV is dropped.
     Returns the slots that were running."""
+
+    kind: ClassVar[str] = "test_fail_running"
+
+    def run(self, engine: Engine) -> list[int]:
+        return fail_running(engine)
+
+
+def fail_running(engine: Engine) -> list[int]:
     assert engine.scheduler is not None
     running = [s.id for s in engine.slots if s.is_processing]
     engine.scheduler.fail_all(EngineFailure("engine error: injected by the test"))
@@ -166,7 +177,7 @@ async def test_a_decode_that_fails_after_its_header_pads_the_budget_with_the_err
         assert head.header.status == Status.OK and head.header.payload_len == 9 * 2000
         assert head.meta["stream"] is True and head.meta["n_predict"] == 2000
         first = await w.payload(at_least=9)  # tokens are coming: the header is long gone
-        assert await server.engine.call(fail_running) == [1]
+        assert await server.engine.run_task(FailRunning()) == [1]
         rest = await w.payload()  # up to ResponseEnded: exactly payload_len bytes in all
         got = frames(first + rest)
         assert len(got) == 2000
@@ -194,7 +205,7 @@ async def test_a_non_streamed_decode_that_fails_is_an_error_reply() -> None:
         with trio.fail_after(120):  # the slot is assigned and decoding
             while not (server.engine.slots[0].is_processing and server.engine.slots[0].n_decoded > 0):
                 await trio.sleep(0.02)
-        assert await server.engine.call(fail_running) == [0]
+        assert await server.engine.run_task(FailRunning()) == [0]
         head = await w.started()
         assert head.header.status == Status.ERROR and head.header.payload_len == 0
         assert "injected by the test" in head.meta["error"]

@@ -13,7 +13,7 @@ own result type), and the caller gets it back with ``.unwrap()``:
 a trio caller that is cancelled stops waiting at once, but the function still
 runs on the worker when its turn comes, and its result is dropped.  So a
 function posted this way must leave the worker's state consistent on its own
-(every engine-wide change is all or nothing, see :mod:`hydra_trio.engine.control`).
+(every engine-wide change is all or nothing, see :mod:`hydra_trio.engine.tasks`).
 
 **Thread crossings.**  :class:`Call` is the one way trio code gets a result from a thread that owns
 a queue (the engine thread, whose work is typed: :mod:`hydra_trio.engine.tasks`; a COMBINED

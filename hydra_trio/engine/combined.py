@@ -321,8 +321,8 @@ class PeerAttach(enum.StrEnum):
 class ExpertModes:
     """SOLO and COMBINED: the two models, the peer, and the switches between them.
 
-    The engine thread calls every method (the control channel runs switches
-    when every slot is idle); other threads read :meth:`snapshot` (INFO,
+    The engine thread calls every method (switches run as exclusive engine
+    tasks, when every slot is idle); other threads read :meth:`snapshot` (INFO,
     ``/health``, ``/metrics``), whose values are plain attributes updated in
     an order that never shows a half switch.  Both models stay resident once
     built, so a flip costs milliseconds; each has its own KV cache, so
@@ -557,7 +557,7 @@ class ExpertModes:
                 "swap_ms": round(ms, 3), "kv_preserved": False, "mode": str(self.mode), "peer": self.peer}
 
     def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
-        """Every slot idle (the control channel checks): switch SOLO / COMBINED; returns the reply meta.
+        """Every slot idle (an exclusive task: :class:`~.tasks.SetExpertMode`): switch SOLO / COMBINED; returns the reply meta.
 
         ``peer`` different from the current one detaches the old peer (frees
         what lives there) and attaches the new one.  COMBINED without a usable

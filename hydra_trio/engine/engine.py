@@ -44,7 +44,7 @@ from .scheduler import Scheduler, check_prompt_fits, erase_slot
 from .settings import INT32_MAX, EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
-from .tasks import EngineTask
+from .tasks import CancelCompletion, EngineTask, StartCompletion, Stop
 
 log = logging.getLogger("hydra_trio.engine")
 T = TypeVar("T")
@@ -83,6 +83,8 @@ class EngineStats:
     peer_losses: int = 0
     tasks: dict[str, int] = attrs.Factory(dict)
     """Engine tasks run (:mod:`~hydra_trio.engine.tasks`), by kind (``hydra_trio:engine_tasks_total{type}``)."""
+    control: dict[str, int] = attrs.Factory(lambda: {"applied": 0, "refused_busy": 0, "failed": 0})
+    """Exclusive tasks (the serialized control channel) by result (``hydra_trio:control_changes_total{result}``)."""
 
 
 EMBEDDING_ONLY = ("this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
@@ -95,10 +97,6 @@ def check_serves_completions(engine: Engine) -> None:
     engine.check_ready()
     if engine.config.embeddings:
         raise InvalidRequest(EMBEDDING_ONLY)
-
-
-_STOP = object()
-_WAKE = object()
 
 
 def _trim_heap(when: str) -> None:
@@ -304,7 +302,7 @@ class Engine:
             await trio.sleep_forever()
         finally:
             self._stop = True
-            self._inbox.put(_STOP)
+            self._inbox.put(Stop())
 
     async def wait_ready(self) -> None:
         """Wait until the model serves (stage ``ready``)."""
@@ -337,50 +335,40 @@ class Engine:
             job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None
         handle = RequestHandle(job, self._trio_token, self._hand_off, self.live)  # Stopping once the node stopped
-        self._inbox.put(handle)
+        self._inbox.put(StartCompletion(handle, trace_id=job.request_id))
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
-        """Stop a request and free its slot at the next step (idempotent)."""
+        """Stop a request and free its slot at the next step (idempotent): the handle is marked at once (a
+        step in progress sees it) and a :class:`~.tasks.CancelCompletion` wakes an idle engine thread."""
         if not handle.cancelled:
             handle.cancelled = True
-            self._inbox.put(_WAKE)
+            self._inbox.put(CancelCompletion(handle))
 
-    async def call(self, fn: Callable[[Engine], T]) -> T:
-        """Run ``fn(engine)`` on the engine thread between two steps; return its result.
+    async def run_task(self, task: EngineTask) -> Any:
+        """Queue ``task`` (:mod:`~hydra_trio.engine.tasks`) on the engine's inbox and wait for its result; it
+        runs on the engine thread between two steps, in the order queued (:meth:`execute`).
 
-        Exceptions raised by ``fn`` are re-raised here.  A caller cancelled
-        while it waits stops waiting at once; ``fn`` still runs when its turn
-        comes and its result is dropped (:mod:`hydra_trio.engine.bridge`).
+        A caller cancelled while it waits stops waiting at once; the task still runs when its turn
+        comes and its result is dropped (:mod:`hydra_trio.engine.bridge`), so a task must leave the
+        engine consistent on its own.
 
         Raises:
             NotReady: before the model serves.
+            Busy: an exclusive task found a slot processing.
+            Exception: what the task raises (InvalidRequest, StateError, ...).
         """
         self.check_ready()
-        call = Call(lambda: fn(self))
-        self.post(call)
-        return await call.wait()
-
-    async def run_task(self, task: EngineTask) -> Any:
-        """Run a typed task (:mod:`~hydra_trio.engine.tasks`) on the engine thread between two steps
-        (:meth:`execute`); return its result.  Cancellation as :meth:`call`.  Raises NotReady (before the
-        model serves), or what the task raises (Busy, InvalidRequest, StateError, ...)."""
-        self.check_ready()
         call: Call[Any] = Call(functools.partial(self.execute, task))
-        self.post(call)
+        self._inbox.put(call)
         return await call.wait()
 
     def execute(self, task: EngineTask) -> Any:
         """Engine thread: dispatch ``task`` by its type (``task.run``), counted in ``stats.tasks`` by its
-        kind and logged (llama-server's ``process_single_task`` switch over ``server_task_type``)."""
-        kind = type(task).kind
-        self.stats.tasks[kind] = self.stats.tasks.get(kind, 0) + 1
-        log.debug("task %s: %r", kind, task)
-        return task.run(self)
-
-    def post(self, call: Call[Any]) -> None:
-        """Hand a call to the engine thread; it runs between two batching steps (see :meth:`call`)."""
-        self._inbox.put(call)
+        kind and logged (llama-server's ``process_single_task`` switch over ``server_task_type``).  An
+        exclusive task runs only when every slot is idle (:meth:`EngineTask.perform`)."""
+        log.debug("task %s: %r", task.kind, task)
+        return task.perform(self)
 
     # -------------------------------------------------------- engine thread
     def _set_stage(self, stage: Stage) -> None:
@@ -455,6 +443,10 @@ class Engine:
         self.experts.close()
         log.info("engine stopped")
 
+    def stop_loop(self) -> None:
+        """Engine thread: leave the loop after the current inbox item (the :class:`~.tasks.Stop` task)."""
+        self._stop = True
+
     def _loop(self) -> None:
         sched = self.scheduler
         assert sched is not None
@@ -484,15 +476,10 @@ class Engine:
             return
         queued = False
         while True:
-            if item is _STOP:
-                self._stop = True
-            elif item is _WAKE:
-                pass
-            elif isinstance(item, RequestHandle):
-                assert self.scheduler is not None
-                self.scheduler.add(item)
-                queued = True
-            else:
+            if isinstance(item, EngineTask):  # queued without a waiter: a completion's start or cancel, the stop
+                self.execute(item)
+                queued = queued or isinstance(item, StartCompletion)
+            else:  # a Call of run_task: published before its caller hears back
                 item.run(after=self._publish_quietly)
             try:
                 item = self._inbox.get_nowait()
@@ -592,7 +579,7 @@ def reconfigure(
 self: Engine, *, n_ctx: int | None = None, n_parallel: int | None = None,
     model_path: Path | None = None, model_alias: str | None = None,
 ) -> dict[str, Any]:
-    """Engine thread, every slot idle (the control channel checks): CONFIGURE tiers 2 and 3.
+    """Engine thread, every slot idle (an exclusive task: :class:`~.tasks.Reconfigure`): CONFIGURE tiers 2 and 3.
 
     ``n_ctx`` / ``n_parallel`` rebuild the context; ``model_path`` (already
     resolved from a path or preset alias by the caller) reloads the model.

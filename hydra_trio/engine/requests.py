@@ -410,7 +410,7 @@ class JobRun:
 
     def close(self) -> None:
         """Cancel the request unless it ended (what leaving does; idempotent)."""
-        if self.handle is not None:
+        if self.handle is not None and not self.handle.ended:
             self.engine.cancel(self.handle)
 
     async def __aenter__(self) -> JobRun:

@@ -1,25 +1,36 @@
-"""Typed engine work: each kind of work trio code hands the engine thread is one frozen class.
+"""Typed engine work: everything trio code hands the engine thread is one frozen class on one inbox.
 
 As llama-server has task types (``server_task_type`` in ``tools/server/server-task.h``:
-``SERVER_TASK_TYPE_SLOT_SAVE``, ``..._SLOT_RESTORE``, ``..._SLOT_ERASE``, ...), the engine gets
-a :class:`EngineTask` instance, not an anonymous function: :meth:`Engine.run_task
-<hydra_trio.engine.engine.Engine.run_task>` queues it, and the engine thread dispatches it by its
-type (:meth:`Engine.execute <hydra_trio.engine.engine.Engine.execute>`), which logs it by
-:attr:`EngineTask.kind` and counts it in ``EngineStats.tasks`` (``/metrics``:
-``hydra_trio:engine_tasks_total{type}``).  Engine-wide changes go through the control channel
-(:class:`hydra_trio.engine.control.Change` takes a task as its ``apply``), which dispatches the same way.
+``SERVER_TASK_TYPE_COMPLETION``, ``..._CANCEL``, ``..._SLOT_SAVE``, ...), the engine gets an
+:class:`EngineTask` instance, not an anonymous function, on its one inbox, first in, first out:
+:meth:`Engine.run_task <hydra_trio.engine.engine.Engine.run_task>` queues a task and waits for its
+result, :meth:`Engine.submit <hydra_trio.engine.engine.Engine.submit>` and :meth:`Engine.cancel
+<hydra_trio.engine.engine.Engine.cancel>` queue a completion's start and cancel.  The engine thread
+dispatches each by its type (:meth:`Engine.execute <hydra_trio.engine.engine.Engine.execute>`), which
+logs it by :attr:`EngineTask.kind` and counts it in ``EngineStats.tasks`` (``/metrics``:
+``hydra_trio:engine_tasks_total{type}``).
+
+The serialized control channel (mode switches, reconfigurations, quant swaps, pipeline attach) is
+this inbox: such a task is :attr:`EngineTask.exclusive`, and runs only when every slot is idle, else
+it raises :class:`~hydra_trio.errors.Busy` and nothing changes.  While it runs the engine thread is
+inside it, so no slot starts new work: requests that arrive meanwhile wait in the inbox and then run
+on the new state.
 
 Every task runs on the engine thread between two batching steps; ``run`` returns what the caller
-gets back and raises what the caller sees (the engine's errors: Busy, InvalidRequest, StateError, ...).
+gets back and raises what the caller sees (the engine's errors: Busy, InvalidRequest, StateError, ...),
+and must leave the engine as it was when it raises.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
+from ..errors import Busy
 from . import quants
 from .combined import PeerLost
 from .embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
@@ -28,9 +39,11 @@ if TYPE_CHECKING:
     from .embedding import Embedding
     from .state import Restored
 
+log = logging.getLogger("hydra_trio.control")
+
 __all__ = [
-    "AttachPeerAtStart", "Embed", "EmbeddingLimits", "EngineTask", "EraseSlot", "PeerGone", "PipelineAttach", "Reconfigure",
-    "RestoreSlot", "SaveSlot", "SetExpertMode", "SwapQuant",
+    "AttachPeerAtStart", "CancelCompletion", "Embed", "EmbeddingLimits", "EngineTask", "EraseSlot", "PeerGone",
+    "PipelineAttach", "Reconfigure", "RestoreSlot", "SaveSlot", "SetExpertMode", "StartCompletion", "Stop", "SwapQuant",
 ]
 
 
@@ -40,6 +53,45 @@ class EngineTask:
 
     kind: ClassVar[str] = "task"
     """The task's type as logs and ``/metrics`` name it (``save_slot``, ``restore_slot``, ...)."""
+    exclusive: ClassVar[bool] = False
+    """Runs only when every slot is idle, else Busy (the serialized control channel): counted in
+    ``EngineStats.control`` and published as ``control.applied`` / ``.busy`` / ``.failed``."""
+    trace_id: str = attrs.field(default="", kw_only=True, repr=False)
+    """The request's trace id, for the logs and events (Hydra's ``trace_id``)."""
+
+    def label(self) -> str:
+        """What the logs call this task (the kind, and for a change what it changes)."""
+        return self.kind
+
+    def perform(self, engine: Any) -> Any:
+        """Engine thread: :meth:`run`, counted in ``engine.stats.tasks`` by :attr:`kind`, and for an
+        :attr:`exclusive` task first the check that every slot is idle (else Busy: nothing changed, and the
+        task did not run), with its count, log line and ``control.*`` event."""
+        kind = self.kind
+        if not self.exclusive:
+            engine.stats.tasks[kind] = engine.stats.tasks.get(kind, 0) + 1
+            return self.run(engine)
+        counts, label, trace = engine.stats.control, self.label(), self.trace_id
+        busy = [s.id for s in engine.slots if s.is_processing]
+        if busy:
+            counts["refused_busy"] += 1
+            log.info("[%s] %s refused: slots %s busy", trace, label, busy, extra={"trace_id": trace, "op": label})
+            engine.events.publish("control.busy", trace, change=label, busy_slots=busy)
+            raise Busy(f"slots {busy} are processing; retry when every slot is idle", busy)
+        engine.stats.tasks[kind] = engine.stats.tasks.get(kind, 0) + 1
+        t0 = time.perf_counter()
+        try:
+            result = self.run(engine)
+        except BaseException as exc:
+            counts["failed"] += 1
+            engine.events.publish("control.failed", trace, change=label, error=str(exc))
+            raise
+        counts["applied"] += 1
+        ms = round((time.perf_counter() - t0) * 1e3, 3)
+        log.info("[%s] %s applied", trace, label, extra={"trace_id": trace, "op": label, "ms": ms})
+        success = {"success": result["success"]} if isinstance(result, dict) and "success" in result else {}
+        engine.events.publish("control.applied", trace, change=label, ms=ms, **success)
+        return result
 
     def run(self, engine: Any) -> Any:  # pragma: no cover - every subclass overrides it
         """Engine thread: do the work on ``engine`` (the :class:`~hydra_trio.engine.engine.Engine`; typed Any
@@ -47,9 +99,41 @@ class EngineTask:
         the caller's error."""
         raise NotImplementedError
 
-    def __call__(self, engine: Any) -> Any:
-        """Dispatch through the engine (counted and logged): what a control-channel change calls."""
-        return engine.execute(self)
+
+
+@attrs.frozen
+class StartCompletion(EngineTask):
+    """A completion joins the scheduler's queue (llama-server's ``SERVER_TASK_TYPE_COMPLETION``); it
+    starts when a slot is free, its events go out on its handle."""
+
+    kind: ClassVar[str] = "completion"
+    handle: Any  # a RequestHandle (engine/requests.py)
+
+    def run(self, engine: Any) -> None:
+        engine.scheduler.add(self.handle)
+
+
+@attrs.frozen
+class CancelCompletion(EngineTask):
+    """A completion's client is gone (llama-server's ``SERVER_TASK_TYPE_CANCEL``): the handle is marked
+    cancelled when the task is queued, so a step in progress sees it; the scheduler ends the request
+    and frees its slot at the next step, and this task wakes an idle engine thread for it."""
+
+    kind: ClassVar[str] = "cancel"
+    handle: Any
+
+    def run(self, engine: Any) -> None:
+        pass  # the scheduler drops cancelled requests at every step
+
+
+@attrs.frozen
+class Stop(EngineTask):
+    """The node is stopping: the engine thread leaves its loop after this task."""
+
+    kind: ClassVar[str] = "stop"
+
+    def run(self, engine: Any) -> None:
+        engine.stop_loop()
 
 
 @attrs.frozen
@@ -94,13 +178,18 @@ class EraseSlot(EngineTask):
 
 @attrs.frozen
 class Reconfigure(EngineTask):
-    """CONFIGURE tiers 2 and 3 (every slot idle: the control channel checks); the applied values."""
+    """CONFIGURE tiers 2 and 3 (exclusive: every slot idle); the applied values."""
 
     kind: ClassVar[str] = "configure"
+    exclusive: ClassVar[bool] = True
     n_ctx: int | None = None
     n_parallel: int | None = None
     model_path: Path | None = None
     model_alias: str | None = None
+
+    def label(self) -> str:
+        return "configure " + ",".join(k for k in ("n_ctx", "n_parallel", "model_path", "model_alias")
+                                       if getattr(self, k) is not None)
 
     def run(self, engine: Any) -> dict[str, Any]:
         return engine.reconfigure(n_ctx=self.n_ctx, n_parallel=self.n_parallel, model_path=self.model_path,
@@ -112,8 +201,12 @@ class SetExpertMode(EngineTask):
     """SET_EXPERT_MODE: SOLO / COMBINED (``peer``: host:port of the ggml-RPC peer); the reply's meta."""
 
     kind: ClassVar[str] = "set_expert_mode"
+    exclusive: ClassVar[bool] = True
     mode: str
     peer: str | None = None
+
+    def label(self) -> str:
+        return f"set_expert_mode {self.mode}" + (f" peer={self.peer}" if self.peer else "")
 
     def run(self, engine: Any) -> dict[str, Any]:
         return engine.experts.set_mode(self.mode, self.peer)
@@ -121,9 +214,13 @@ class SetExpertMode(EngineTask):
 
 @attrs.frozen
 class AttachPeerAtStart(EngineTask):
-    """Start-up: COMBINED with the configured peer (``--peer``)."""
+    """Start-up: COMBINED with the configured peer (``--rpc-engine``)."""
 
     kind: ClassVar[str] = "set_expert_mode"
+    exclusive: ClassVar[bool] = True
+
+    def label(self) -> str:
+        return "attach peer at start"
 
     def run(self, engine: Any) -> dict[str, Any]:
         return engine.experts.set_mode("combined", engine.experts.peer)
@@ -134,6 +231,7 @@ class PeerGone(EngineTask):
     """The watchdog found the peer unreachable: back to SOLO."""
 
     kind: ClassVar[str] = "peer_gone"
+    exclusive: ClassVar[bool] = True
 
     def run(self, engine: Any) -> None:
         engine.experts.peer_gone()
@@ -145,8 +243,12 @@ class SwapQuant(EngineTask):
     tensors on a COMBINED head's peer (:func:`~hydra_trio.engine.quants.swap_peer_tensors`)."""
 
     kind: ClassVar[str] = "swap_quant"
+    exclusive: ClassVar[bool] = True
     key: str
     experts_only: bool = False
+
+    def label(self) -> str:
+        return f"swap_quant {self.key}" + (" (peer tensors)" if self.experts_only else "")
 
     def run(self, engine: Any) -> dict[str, Any]:
         return (quants.swap_peer_tensors if self.experts_only else quants.swap_quant)(engine, self.key)
@@ -157,8 +259,12 @@ class PipelineAttach(EngineTask):
     """PIPELINE_ATTACH (``peer`` None: detach; ``ot_split``: the tensor-split regex)."""
 
     kind: ClassVar[str] = "pipeline_attach"
+    exclusive: ClassVar[bool] = True
     peer: str | None
     ot_split: str
+
+    def label(self) -> str:
+        return f"pipeline_attach peer={self.peer or '-'} ot_split={self.ot_split!r}"
 
     def run(self, engine: Any) -> dict[str, Any]:
         return engine.experts.attach_pipeline(self.peer, self.ot_split)

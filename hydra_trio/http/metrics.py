@@ -4,7 +4,7 @@ Every ``llamacpp:`` family llama-server writes (``server_task_result_metrics::to
 ``tools/server/server-task.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors) is here under its
 name and type; the speculative-decoding counters stay 0 (no draft model).
 
-Most values are read from the counters of the engine, the control channel,
+Most values are read from the counters of the engine (its exclusive tasks too),
 the front door and the ggml-RPC backend at scrape time by a custom
 collector, so the engine thread never calls into prometheus-client.  The
 Hydra requests are counted where they are answered
@@ -25,7 +25,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from ..engine.control import ControlChannel
     from ..engine.engine import Engine
 
 __all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "STATE_RATE_BUCKETS", "NodeMetrics"]
@@ -47,7 +46,6 @@ class NodeMetrics:
         connections: accepted connections by protocol name (the front door's counts).
         rpc: the ggml-RPC backend (:class:`~hydra_trio.rpc_backend.backend.RpcBackend`) or None.
         open_connections: connections open now, of every protocol.
-        control: the control channel (its ``applied``, ``refused_busy``, ``failed`` counts) or None.
         open_by_protocol: connections open now by protocol name.
         refused: refusals by the access rules, ``(protocol, reason) -> count``.
         events: the event bus (:class:`~hydra_trio.observability.events.EventBus`): its subscribers and drops.
@@ -60,7 +58,6 @@ class NodeMetrics:
         connections: Mapping[str, int] | None = None,
         rpc: Any = None,
         open_connections: Callable[[], int] | None = None,
-        control: ControlChannel | None = None,
         open_by_protocol: Mapping[str, int] | None = None,
         refused: Mapping[tuple[str, str], int] | None = None,
         events: Any = None,
@@ -71,7 +68,6 @@ class NodeMetrics:
         self.connections = connections if connections is not None else {}
         self.rpc = rpc
         self.open_connections = open_connections
-        self.control = control
         self.open_by_protocol = open_by_protocol
         self.refused = refused
         self.events = events
@@ -206,16 +202,14 @@ def _hydra(node: NodeMetrics) -> Iterator[Metric]:
     for (direction, op), n in sorted(node.state_bytes.items()):
         state.add_metric([direction, op], n)
     yield state
-    if node.control is not None:
-        c = node.control
+    if node.engine is not None:
         changes = CounterMetricFamily(
             "hydra_trio:control_changes",
             "Engine-wide changes (SET_EXPERT_MODE, CONFIGURE T2/T3, SWAP_QUANT, PIPELINE_ATTACH) by result.",
             labels=["result"],
         )
-        changes.add_metric(["applied"], c.applied)
-        changes.add_metric(["refused_busy"], c.refused_busy)
-        changes.add_metric(["failed"], c.failed)
+        for result, n in node.engine.stats.control.items():
+            changes.add_metric([result], n)
         yield changes
 
 

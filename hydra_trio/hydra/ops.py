@@ -29,7 +29,6 @@ from ..api.jobs import ChatTools, chat_job, job_continue
 from ..api.tools import parse_reply
 from ..api.reasoning import ChatReplyText, ThinkingSetup
 from ..api.schemas import ChatCompletionRequest, CompletionRequest
-from ..engine.control import Change, ControlChannel
 from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
@@ -74,11 +73,10 @@ def reply_for(exc: HydraTrioError, **meta: Any) -> Reply:
 
 @attrs.define
 class Node:
-    """What the operations act on: the engine (None on a compute-only node), the control channel,
-    the ggml-RPC backend, the protocol settings, and the settings CONFIGURE changes here."""
+    """What the operations act on: the engine (None on a compute-only node; its inbox is the serialized
+    control channel), the ggml-RPC backend, the protocol settings, and the settings CONFIGURE changes here."""
 
     engine: Engine | None
-    control: ControlChannel | None
     rpc: RpcBackend | None
     settings: HydraSettings
     state_chunk_size: int = 256 * 1024
@@ -448,11 +446,8 @@ async def configure(ctx: OpContext) -> None:
     # 2. tiers 2 / 3, which can still be refused (BUSY: a slot works; llama.cpp refusing the settings)
     result: dict[str, Any] = {}
     if t2 or t3:
-        assert ctx.node.control is not None
         try:
-            result = await ctx.node.control.submit(
-                Change("configure " + ",".join(deferred), Reconfigure(**changes), ctx.req.trace_id)
-            )
+            result = await e.run_task(Reconfigure(**changes, trace_id=ctx.req.trace_id))
         except HydraTrioError as exc:
             raise reply_for(exc, success=False, params_applied={}, tier=tier) from None
         deferred = []
@@ -474,14 +469,8 @@ async def configure(ctx: OpContext) -> None:
 async def set_expert_mode(ctx: OpContext) -> None:
     e = ctx.engine()
     want = ctx.parse(msg.parse_set_expert_mode, success=False)
-    assert ctx.node.control is not None
-    change = Change(
-        f"set_expert_mode {want.mode}" + (f" peer={want.peer}" if want.peer else ""),
-        SetExpertMode(want.mode, want.peer),
-        ctx.req.trace_id,
-    )
     try:
-        meta = await ctx.node.control.submit(change)
+        meta = await e.run_task(SetExpertMode(want.mode, want.peer, trace_id=ctx.req.trace_id))
     except Busy as exc:
         raise reply_for(exc, success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
     await ctx.reply(meta)
@@ -489,7 +478,7 @@ async def set_expert_mode(ctx: OpContext) -> None:
 
 async def swap_quant(ctx: OpContext) -> None:
     """SWAP_QUANT: the whole model to another of the node's quants, through the control channel
-    (:mod:`hydra_trio.engine.quants`); a pattern that leaves some tensors out is NOT_IMPLEMENTED."""
+    (an exclusive engine task, :mod:`hydra_trio.engine.quants`); a pattern that leaves some tensors out is NOT_IMPLEMENTED."""
     e = ctx.engine()
     want = ctx.parse(msg.parse_swap_quant, swapped=False)
     target = e.quants.paths.get(want.quant_key)
@@ -510,12 +499,8 @@ async def swap_quant(ctx: OpContext) -> None:
                 raise Reply(Status.NOT_IMPLEMENTED, f"tensor_pattern picks {len(picked)} of {len(names)} tensors: "
                             "a swap takes the whole model (an empty pattern), or on a COMBINED head exactly the "
                             f"tensors on its peer ({e.experts.pattern!r})", swapped=False)
-    assert ctx.node.control is not None
-    change = Change(f"swap_quant {want.quant_key}" + (" (peer tensors)" if experts_only else ""),
-                    SwapQuant(want.quant_key, experts_only=experts_only),
-                    ctx.req.trace_id)
     try:
-        meta = await ctx.node.control.submit(change)
+        meta = await e.run_task(SwapQuant(want.quant_key, experts_only=experts_only, trace_id=ctx.req.trace_id))
     except HydraTrioError as exc:
         raise reply_for(exc, swapped=False, quant=e.quants.active) from None
     await ctx.reply(meta)
@@ -533,15 +518,12 @@ def _pattern_scope(path: Path, pattern: str, peer_pattern: str) -> tuple[set[str
 
 
 async def pipeline_attach(ctx: OpContext) -> None:
-    """PIPELINE_ATTACH: the tensors matching ``ot_split`` on the peer, through the control channel
+    """PIPELINE_ATTACH: the tensors matching ``ot_split`` on the peer, an exclusive engine task
     (slots idle, else BUSY); ``{"peer": ""}`` detaches."""
     e = ctx.engine()
     want = ctx.parse(lambda p: msg.structure_json(p, msg.PipelineAttachRequest), success=False)
-    assert ctx.node.control is not None
-    change = Change(f"pipeline_attach peer={want.peer or '-'} ot_split={want.ot_split!r}",
-                    PipelineAttach(want.peer, want.ot_split), ctx.req.trace_id)
     try:
-        meta = await ctx.node.control.submit(change)
+        meta = await e.run_task(PipelineAttach(want.peer, want.ot_split, trace_id=ctx.req.trace_id))
     except HydraTrioError as exc:
         raise reply_for(exc, success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
     await ctx.reply(meta)

@@ -18,7 +18,6 @@ from typing import Any
 import trio
 
 from ..transport.access import AccessSettings, Peer, Refusals, new_refusals
-from ..engine.control import ControlChannel
 from ..engine.engine import Engine
 from ..transport.frontdoor import AcceptedStream
 from ..rpc_backend.backend import RpcBackend
@@ -49,14 +48,13 @@ class HydraHandler:
     def __init__(
         self,
         engine: Engine | None,
-        control: ControlChannel | None,
         settings: HydraSettings = HydraSettings(),
         rpc: RpcBackend | None = None,
         metrics: NodeMetrics | None = None,
         access: AccessSettings = AccessSettings(),
         refused: Refusals | None = None,
     ) -> None:
-        self.node = Node(engine, control, rpc, settings)
+        self.node = Node(engine, rpc, settings)
         self.settings = settings
         self.metrics = metrics or NodeMetrics(engine)  # each request counted once, by its ServerConnection
         self._drain = Drain()

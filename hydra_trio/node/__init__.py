@@ -1,1 +1,1 @@
-"""The composition root: the server's nursery (listener, front door, protocols, engine, control channel, drain)."""
+"""The composition root: the server's nursery (listener, front door, protocols, engine, drain)."""

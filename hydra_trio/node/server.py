@@ -8,7 +8,6 @@ import trio
 
 from ..config import ServerConfig
 from ..transport.access import is_loopback, new_refusals
-from ..engine.control import Change, ControlChannel
 from ..errors import Busy
 from ..engine.blobbuf import TRANSFER_POOL
 from ..engine.combined import peer_listening
@@ -58,11 +57,10 @@ class Server:
         self.rpc = RpcBackend(config.rpc_backend, self.refused) if config.rpc_backend is not None else None
         if self.rpc is not None:
             self.rpc.child.events = self.events
-        self.control = ControlChannel(self.engine) if self.engine is not None else None
         self.inflight = InFlight()
         """The HTTP requests doing work (:mod:`hydra_trio.http.inflight`)."""
         self.metrics = NodeMetrics(self.engine, self.frontdoor.counts, self.rpc, lambda: self.frontdoor.active,
-                                   self.control, self.frontdoor.open_by_protocol, refused=self.refused,
+                                   self.frontdoor.open_by_protocol, refused=self.refused,
                                    events=self.events, http_in_flight=self.inflight.counts)
         self._progress_events = ProgressEvents(self.events)
         self.stats = StatsTicker(self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc)
@@ -71,7 +69,7 @@ class Server:
                              inflight=self.inflight)
         self.http = HttpHandler(self.app, config.http)
         self.frontdoor.handlers[Protocol.HTTP] = self.http
-        self.hydra = HydraHandler(self.engine, self.control, config.hydra, rpc=self.rpc, metrics=self.metrics,
+        self.hydra = HydraHandler(self.engine, config.hydra, rpc=self.rpc, metrics=self.metrics,
                                   access=config.access, refused=self.refused)
         self.frontdoor.handlers[Protocol.HYDRA] = self.hydra
         if self.rpc is not None:
@@ -139,8 +137,6 @@ class Server:
                 await nursery.start(self.rpc.run)
             if self.engine is not None:
                 await nursery.start(self.engine.run)
-            if self.control is not None:
-                await nursery.start(self.control.run)
             if self.engine is not None:
                 nursery.start_soon(_trim_transfer_pool)
             if self.engine is not None and self.engine.experts.peer is not None:
@@ -214,14 +210,12 @@ class Server:
 
     async def _combined_at_start(self) -> None:
         """``--rpc-engine``: once SOLO serves, attach the peer and switch to COMBINED; then watch the peer."""
-        engine, control = self.engine, self.control
-        assert engine is not None and control is not None
+        engine = self.engine
+        assert engine is not None
         await engine.wait_ready()
         for _ in range(100):
             try:
-                meta = await control.submit(
-                    Change("attach peer at start", AttachPeerAtStart(), "startup")
-                )
+                meta = await engine.run_task(AttachPeerAtStart(trace_id="startup"))
                 log.info("start-up COMBINED attach: %s", meta)
                 break
             except Busy:
@@ -230,8 +224,8 @@ class Server:
 
     async def _watch_peer(self, every: float = 2.0) -> None:
         """Keep ``peer_reachable`` true to life; a peer that vanishes while COMBINED is idle sends the node to SOLO."""
-        engine, control = self.engine, self.control
-        assert engine is not None and control is not None
+        engine = self.engine
+        assert engine is not None
         while True:
             await trio.sleep(every)
             experts = engine.experts
@@ -244,7 +238,7 @@ class Server:
             if experts.mode in ("combined", "pipeline") and not experts.peer_reachable:
                 log.warning("peer %s unreachable while %s: going back to SOLO", peer, str(experts.mode).upper())
                 try:
-                    await control.submit(Change("peer unreachable", PeerGone(), "watchdog"))
+                    await engine.run_task(PeerGone(trace_id="watchdog"))
                 except Busy:
                     pass  # a request is running: its decode notices the dead peer itself
 
