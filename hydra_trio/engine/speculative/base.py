@@ -26,7 +26,9 @@ class DraftRequest:
         pos0: the position the first drafted token will take (the slot's n_past + 1: ``id_last`` sits at
             n_past, not yet decoded).
         id_last: the token the target sampled last (drafting continues after it).
-        tokens: the slot's tokens so far: prompt and generated, ending just before ``id_last``.
+        tokens: the slot's tokens so far: prompt and generated, ending just before ``id_last``.  Between two
+            :meth:`Drafter.begin` calls of a slot they only grow at the end or get shorter (a context shift):
+            the n-gram and suffix drafters keep a copy and compare only the length and the last tokens.
         result: the draft, filled by :meth:`Drafter.draft` (empty: no proposal).
     """
 
@@ -41,7 +43,8 @@ class DraftRequest:
 @attrs.define
 class DrafterStats:
     """Counters of one implementation (llama.cpp's ``n_gen_drafts``, ``n_acc_drafts``, ``n_gen_tokens``,
-    ``n_acc_tokens``), for ``/metrics``, ``/slots`` and the logs."""
+    ``n_acc_tokens``), for ``/metrics``, ``/slots`` and the logs; kept by the combiner
+    (:class:`~.combine.Speculative`), as ``common_speculative_draft``/``_accept`` do, not by the drafters."""
 
     n_gen_drafts: int = 0
     n_acc_drafts: int = 0

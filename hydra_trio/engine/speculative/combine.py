@@ -1,0 +1,202 @@
+"""Several drafters as one: llama.cpp's ``common_speculative`` with hydra-trio's ``suffix`` type added.
+
+After ``common_speculative_draft`` / ``_accept`` / ``_get_state`` in ``common/speculative.cpp`` of the llama.cpp
+that llama-cpp-python 0.3.36 vendors: the drafters are asked in a fixed order (:data:`~.settings.PRIORITY`,
+whatever the order on the command line); for each slot the first non-empty draft wins, cut to the slot's
+``n_max``; the accept goes to the winner (``is_other=False``) and to every other drafter (``is_other=True``).
+
+``suffix`` is asked first and does not end the chain: the other drafters are asked only for the slots where
+its draft is shorter than they could draft, and the longer draft wins (a tie: suffix's).  Its draft is
+already cut where its estimated acceptance gets too low, so the longer confident draft wins: long
+suffix drafts where text repeats, the model-based drafter's few tokens elsewhere.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from .base import Drafter, DraftRequest
+from .ngram_cache import NgramCacheDrafter
+from .ngram_map import NgramMapK4vDrafter, NgramMapKDrafter, NgramSimpleDrafter
+from .ngram_mod import NgramModDrafter
+from .settings import PRIORITY, SpecSettings
+from .suffix import SuffixDrafter
+
+
+class Speculative(Drafter):
+    """The drafters of one node (``common_speculative``), behind the :class:`Drafter` contract.
+
+    The combiner keeps each drafter's :class:`~.base.DrafterStats` (drafts generated and accepted, tokens
+    generated and accepted), as ``common_speculative_draft``/``_accept`` do; the drafters do not count.
+
+    Args:
+        drafters: at least one, all for the same number of slots; reordered by :data:`PRIORITY` (names not
+            in it come last, in the order given).
+
+    Raises:
+        ValueError: no drafter, or drafters for different slot counts.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]) -> None:
+        if not drafters:
+            raise ValueError("no drafter")
+        if len({d.n_seq for d in drafters}) != 1:
+            raise ValueError("drafters for different numbers of slots")
+        rank = {name: i for i, name in enumerate(PRIORITY)}
+        self.drafters = sorted(drafters, key=lambda d: rank.get(d.name, len(PRIORITY)))
+        super().__init__(drafters[0].n_seq, max(max(0, d.n_max) for d in drafters))
+        self.name = ",".join(d.name for d in self.drafters)  # type: ignore[misc]
+        self.impl_last: list[Drafter | None] = [None] * self.n_seq
+        """The drafter whose draft each slot is verifying."""
+
+    def begin(self, id_slot: int, prompt: Sequence[int]) -> None:
+        for d in self.drafters:
+            d.begin(id_slot, prompt)
+
+    def process(self, batch: Any) -> bool:
+        """Every drafter's :meth:`~.base.Drafter.process` until one returns False (llama.cpp's ``&&``)."""
+        return all(d.process(batch) for d in self.drafters)
+
+    def draft(self, requests: list[DraftRequest]) -> None:
+        """Fill each request's ``result`` with the winning draft (see the module docstring)."""
+        won: dict[int, tuple[Drafter, list[int]]] = {}
+        chain = self.drafters
+        if chain[0].name == "suffix":
+            suffix, chain = chain[0], chain[1:]
+            mine = [_copy(r) for r in requests]
+            suffix.draft(mine)
+            for req, got in zip(requests, mine):
+                res = _cut(got.result, req.n_max)
+                if res:
+                    won[id(req)] = (suffix, res)
+            reach = max((max(0, d.n_max) for d in chain), default=0)
+            pending = [r for r in requests if len(won.get(id(r), (None, []))[1]) < _cap(reach, r.n_max)]
+        else:
+            pending = list(requests)
+        for d in chain:
+            if not pending:
+                break
+            asked = [_copy(r) for r in pending]
+            d.draft(asked)
+            still = []
+            for req, got in zip(pending, asked):
+                res = _cut(got.result, req.n_max)
+                if not res:
+                    still.append(req)
+                elif len(res) > len(won.get(id(req), (None, []))[1]):
+                    won[id(req)] = (d, res)
+            pending = still
+        for req in requests:
+            winner, res = won.get(id(req), (None, []))
+            req.result[:] = res
+            self.impl_last[req.id_slot] = winner
+            if winner is not None:
+                winner.stats.n_gen_drafts += 1
+                winner.stats.n_gen_tokens += len(res)
+
+    def accept(self, id_slot: int, n_accepted: int, is_other: bool = False) -> None:
+        """The target accepted ``n_accepted`` tokens of the slot's last draft (``is_other`` is ignored)."""
+        impl = self.impl_last[id_slot]
+        if impl is None:
+            return
+        if n_accepted > 0:
+            impl.stats.n_acc_drafts += 1
+            impl.stats.n_acc_tokens += n_accepted
+        impl.accept(id_slot, n_accepted, False)
+        for d in self.drafters:
+            if d is not impl:
+                d.accept(id_slot, n_accepted, True)
+
+    def end(self, id_slot: int, tokens: Sequence[int]) -> None:
+        for d in self.drafters:
+            d.end(id_slot, tokens)
+        self.impl_last[id_slot] = None
+
+    def get_state(self, id_slot: int) -> bytes | None:
+        """Every drafter's state for the slot, tagged by type name: records of ``u8 name length, name,
+        u32 (little-endian) length, state``; None when no drafter keeps any."""
+        out = bytearray()
+        for d in self.drafters:
+            data = d.get_state(id_slot)
+            if data is not None:
+                name = d.name.encode()
+                out += struct.pack("<B", len(name)) + name + struct.pack("<I", len(data)) + data
+        return bytes(out) if out else None
+
+    def set_state(self, id_slot: int, data: bytes) -> None:
+        """Give each drafter its part of :meth:`get_state`'s bytes (parts of types this node does not run are
+        skipped).  Raises ValueError: malformed bytes (nothing applied)."""
+        parts: dict[str, bytes] = {}
+        i = 0
+        while i < len(data):
+            n = data[i]
+            if i + 1 + n + 4 > len(data):
+                raise ValueError("speculative state: truncated record")
+            name = data[i + 1:i + 1 + n].decode("utf-8", "replace")
+            (size,) = struct.unpack_from("<I", data, i + 1 + n)
+            start = i + 1 + n + 4
+            if start + size > len(data):
+                raise ValueError("speculative state: truncated record")
+            parts[name] = data[start:start + size]
+            i = start + size
+        for d in self.drafters:
+            if d.name in parts:
+                d.set_state(id_slot, parts[d.name])
+
+
+def _copy(req: DraftRequest) -> DraftRequest:
+    return attrs.evolve(req, result=[])
+
+
+def _cut(result: list[int], n_max: int) -> list[int]:
+    """llama.cpp truncates a draft to the slot's ``n_max`` when that is set (> 0)."""
+    return result[:n_max] if n_max > 0 else list(result)
+
+
+def _cap(reach: int, n_max: int) -> int:
+    return min(reach, n_max) if n_max > 0 else reach
+
+
+DrafterFactory = Callable[[SpecSettings, int], Drafter]
+"""Builds one drafter for ``n_seq`` slots from the settings (the draft-model types: given by the engine)."""
+
+
+BUILTIN_FACTORIES: dict[str, DrafterFactory] = {
+    "ngram-simple": lambda s, n: NgramSimpleDrafter(n, s.ngram_simple_size_n, s.ngram_simple_size_m),
+    "ngram-map-k": lambda s, n: NgramMapKDrafter(n, s.ngram_map_k_size_n, s.ngram_map_k_size_m,
+                                                 s.ngram_map_k_min_hits),
+    "ngram-map-k4v": lambda s, n: NgramMapK4vDrafter(n, s.ngram_map_k4v_size_n, s.ngram_map_k4v_size_m,
+                                                     s.ngram_map_k4v_min_hits),
+    "ngram-mod": lambda s, n: NgramModDrafter(n, s.ngram_mod_n_match, s.ngram_mod_n_max, s.ngram_mod_n_min),
+    "ngram-cache": lambda s, n: NgramCacheDrafter(n, s.lookup_cache_static, s.lookup_cache_dynamic),
+    "suffix": lambda s, n: SuffixDrafter(n, s.suffix_n_max, s.suffix_max_depth, s.suffix_min_match,
+                                         s.suffix_max_spec_factor, s.suffix_max_spec_offset,
+                                         s.suffix_min_token_prob, s.suffix_cache_tokens),
+}
+"""The model-free types, built from the settings."""
+
+
+def make_speculative(settings: SpecSettings, n_seq: int,
+                     factories: Mapping[str, DrafterFactory] | None = None) -> Speculative | None:
+    """The node's drafters for ``settings.enabled`` (None: no type enabled).
+
+    The model-free types (``ngram-*``, ``suffix``) are built here; the others come from ``factories`` (type
+    name -> factory).
+
+    Raises:
+        ValueError: an enabled type without a factory (``speculative type NAME needs a draft model or MTP
+            layers``), or from a factory.
+        OSError, ValueError: ``-lcs``/``-lcd`` cannot be read.
+    """
+    known = {**BUILTIN_FACTORIES, **(factories or {})}
+    drafters = []
+    for name in settings.enabled:
+        if name not in known:
+            raise ValueError(f"speculative type {name} needs a draft model or MTP layers, which this node "
+                             "does not provide")
+        drafters.append(known[name](settings, n_seq))
+    return Speculative(drafters) if drafters else None
