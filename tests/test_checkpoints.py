@@ -207,8 +207,7 @@ def test_the_flags_land_in_the_engine_settings() -> None:
         assert (c.n_ctx_checkpoints, c.checkpoint_min_step) == (3, 100)
     c = cfg(env={"LLAMA_ARG_CTX_CHECKPOINTS": "0", "LLAMA_ARG_CHECKPOINT_MIN_SPACING_NT": "7"})
     assert (c.n_ctx_checkpoints, c.checkpoint_min_step) == (0, 7)
-    with pytest.raises(SystemExit):
-        cfg("-ctxcp", "-1")
+    assert cfg("-ctxcp", "-1").n_ctx_checkpoints == 0  # llama-server takes any integer; 0 or less: none kept
 
 
 def test_two_slots_in_one_batch_each_resume_from_their_own_checkpoints(tmp_path: Path, hybrid_model: Path) -> None:
