@@ -132,15 +132,16 @@ class ServerProcess:
 
 
 @contextlib.asynccontextmanager
-async def running_engine(n_ctx: int = 2048, **config: Any) -> AsyncIterator[Any]:
-    """In-process: a ready :class:`~hydra_trio.engine.engine.Engine` on the packaged default model (2 slots,
-    ``n_ctx`` tokens, other :class:`~hydra_trio.EngineConfig` fields from ``config``); it ends with the block."""
+async def running_engine(n_ctx: int = 2048, model: str = "smollm2-135m", **config: Any) -> AsyncIterator[Any]:
+    """In-process: a ready :class:`~hydra_trio.engine.engine.Engine` on ``model`` (a preset; the packaged default
+    model unless told: 2 slots, ``n_ctx`` tokens, other :class:`~hydra_trio.EngineConfig` fields from ``config``);
+    it ends with the block."""
     import trio
 
     from hydra_trio import EngineConfig, resolve_model
     from hydra_trio.engine.engine import Engine
 
-    path, alias = resolve_model("smollm2-135m")
+    path, alias = resolve_model(model)
     engine = Engine(EngineConfig(path, alias, n_parallel=2, n_ctx=n_ctx, **config))
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)

@@ -44,6 +44,7 @@ from .scheduler import Scheduler, check_prompt_fits, erase_slot
 from .settings import INT32_MAX, EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
 from .slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
+from .speculative.build import build_speculative, target_options
 from .tasks import CancelCompletion, EngineTask, StartCompletion, Stop
 
 log = logging.getLogger("hydra_trio.engine")
@@ -149,7 +150,9 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
             n_cache_reuse = 0
     log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'", model.n_parallel, model.n_ctx_slot,
              "true" if model.options.kv_unified else "false")  # llama-server's line
+    spec, spec_cap = build_speculative(cfg.speculative, model, model.n_parallel)
     return Scheduler(experts, model.n_parallel, model.n_ctx_slot, model.n_batch, stats, model_hash, events=events,
+                     spec=spec, spec_cap=spec_cap,
                      context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
                      slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
                      checkpoint_min_step=cfg.checkpoint_min_step, prompt_cache=prompt_cache,
@@ -181,7 +184,8 @@ def model_kwargs(config: EngineConfig) -> dict[str, Any]:
     """The :class:`LoadedModel` keyword arguments every model of this engine is built with (SOLO at start
     and on reload, COMBINED, PIPELINE) besides its path, context and slots."""
     return {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,
-            "options": config.llama, "chat_template_kwargs": config.chat_template_kwargs}
+            "options": target_options(config.speculative, config.llama),
+            "chat_template_kwargs": config.chat_template_kwargs}
 
 
 class Engine:
@@ -501,7 +505,9 @@ class Engine:
         (:func:`state.save_slot`).  Raises Busy."""
         slot = self._idle_slot(id_slot)
         assert self.model is not None and self.identity is not None
-        return state.save_slot(self.model, slot, self.identity.model_hash, pool=pool)
+        spec = self.scheduler.spec if self.scheduler is not None else None
+        return state.save_slot(self.model, slot, self.identity.model_hash, pool=pool,
+                               extra=spec.get_state(id_slot) if spec is not None and slot.n_past else None)
 
     def restore_slot(self, id_slot: int, blob: bytearray | BlobBuffer, *,
                      checksum_verified: bool = False) -> state.Restored:
@@ -513,9 +519,18 @@ class Engine:
         slot = self._idle_slot(id_slot)
         assert self.model is not None and self.identity is not None
         m, sched = self.model, self.scheduler
-        return state.restore_slot(m, slot, blob, self.identity.model_hash,
+        done = state.restore_slot(m, slot, blob, self.identity.model_hash,
                                   allow_cross_model_kv=self.allow_cross_model_kv, checksum_verified=checksum_verified,
                                   make_room=None if sched is None else lambda: sched.make_room(m, keep=slot))
+        if sched is not None and sched.spec is not None:  # the drafters follow: the blob's part, else nothing
+            sched.spec.seq_rm(id_slot, -1, -1)
+            if done.extra:
+                try:
+                    sched.spec.set_state(id_slot, done.extra)
+                except ValueError as exc:
+                    log.warning("slot %d: the blob's drafters' state was not applied (%s); it drafts afresh",
+                                id_slot, exc)
+        return done
 
     def _idle_slot(self, id_slot: int) -> Slot:
         """The slot, idle: InvalidRequest when it is gone (the slot count changed), Busy when it works."""

@@ -724,6 +724,7 @@ def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
     mparams.check_tensors = opts.check_tensors
     mparams.use_extra_bufts = opts.repack
     mparams.no_host = opts.no_host
+    mparams.load_mtp = opts.load_mtp
 
 
 def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
@@ -744,6 +745,7 @@ def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     cparams.yarn_beta_slow = opts.yarn_beta_slow
     cparams.yarn_beta_fast = opts.yarn_beta_fast
     cparams.embeddings = opts.embeddings
+    cparams.n_rs_seq = opts.n_rs_seq
     if opts.pooling is not None:  # enum llama_pooling_type (engine/embedding.py's POOLING)
         cparams.pooling_type = ("none", "mean", "cls", "last", "rank").index(opts.pooling)
 

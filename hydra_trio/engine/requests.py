@@ -167,7 +167,9 @@ class Finished:
 
     Timings are llama-server's: ``prompt_n`` tokens evaluated for the prompt
     (after the cache), ``cache_n`` prompt tokens reused, ``predicted_n``
-    tokens generated, both durations in milliseconds.
+    tokens generated, both durations in milliseconds; with speculative decoding ``draft_n`` tokens drafted
+    and ``draft_n_accepted`` of them accepted (None: nothing was drafted; llama-server's timings carry them
+    only then).
     """
 
     finish_reason: str
@@ -183,6 +185,8 @@ class Finished:
     truncated: bool = False
     stopping_word: str = ""
     state: tuple[int, BlobBuffer] | None = attrs.field(default=None, eq=False, repr=False)
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
 
     def timings(self) -> dict[str, Any]:
         def per_token(ms: float, n: int) -> float:
@@ -191,6 +195,7 @@ class Finished:
         def per_second(ms: float, n: int) -> float:
             return 1e3 * n / ms if ms > 0 else 0.0
 
+        draft = {} if self.draft_n is None else {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted}
         return {
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
@@ -201,6 +206,7 @@ class Finished:
             "predicted_ms": self.predicted_ms,
             "predicted_per_token_ms": per_token(self.predicted_ms, self.predicted_n),
             "predicted_per_second": per_second(self.predicted_ms, self.predicted_n),
+            **draft,
         }
 
 

@@ -29,7 +29,6 @@ here too.  Nothing here is trio code: events go out through
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import time
@@ -41,16 +40,16 @@ import llama_cpp
 from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
 from ..observability.events import EventBus
 from .checkpoints import Checkpoints
-from .kv_cells import (SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells,
-                       shift_context)
+from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
 from .combined import ExpertModes, PeerLost
 from .model import LoadedModel
 from .prompt_cache import PromptCache, common_prefix as _common_prefix
-from .requests import CompletionJob, Failed, Finished, RequestHandle, SlotAssigned, StepHandOff, TextDelta
-from .thinking_budget import ThinkingBudget
-from .sampling import GrammarError, SamplerSpec, build_sampler, grammar_allows, sample_next, token_probs
+from .requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
+from .sampling import GrammarError, SamplerSpec, build_sampler
 from .slots import Slot, SlotState, StopStringMatcher
-from .state import save_slot
+from .generation import Generation
+from .speculative.base import DraftRequest
+from .speculative.combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -84,13 +83,16 @@ class Scheduler:
         prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.prompt_cache`; None: off).
         hand_off: the tokens sampled in a step reach trio through it in one hand-over
             (:class:`~hydra_trio.engine.requests.StepHandOff`); None: each event on its own.
+        spec, spec_cap: speculative decoding (:mod:`~hydra_trio.engine.speculative`): the drafters, and
+            the most tokens a draft may hold.
     """
 
     def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
                  model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
                  n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
                  n_ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192,
-                 prompt_cache: PromptCache | None = None, hand_off: StepHandOff | None = None) -> None:
+                 prompt_cache: PromptCache | None = None, hand_off: StepHandOff | None = None,
+                 spec: Speculative | None = None, spec_cap: int = 1 << 30) -> None:
         self.experts, self.hand_off = experts, hand_off
         self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
         self.context_shift = context_shift
@@ -113,6 +115,12 @@ class Scheduler:
                                            events=self.events)
         """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.kv_cells.free_idle_cells`."""
         self.prompt_cache.make_room = self.make_room
+        self.spec: Speculative | None = spec
+        """The node's drafters (``--spec-type``; None: no speculative decoding)."""
+        self.spec_cap = spec_cap
+        """The most tokens one draft may hold besides the drafters' own limits (a recurrent memory removes
+        only that many positions again: its ``n_rs_seq``)."""
+        self.gen = Generation(self)
         self.publish: Callable[[], None] = lambda: None
         """Called before a request hears that it ended, once its slot is released: the engine publishes
         its snapshot (:mod:`~hydra_trio.engine.snapshot`), so the client's next status read sees the slot
@@ -153,15 +161,18 @@ class Scheduler:
         ended = []
         for slot in self.slots:
             if slot.handle is not None:
-                self._publish_end(slot, "slot.failed", error)
+                self.gen.publish_end(slot, "slot.failed", error)
                 ended.append(slot.handle)
-                self._release(slot)
-        self._end(ended, Failed(error))
+                self.gen.release(slot)
+        self.gen.end(ended, Failed(error))
         while self.pending:
             self.pending.popleft().emit(Failed(error))
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
+        if self.spec is not None:
+            self.spec.close()
+            self.spec = None
 
     def fail_all(self, error: HydraTrioError, model: LoadedModel | None = None) -> None:
         """Fail every running request with ``error``; their slots' KV caches (in ``model``, default the
@@ -174,19 +185,34 @@ class Scheduler:
                 if m is not None:
                     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
                 slot.cache_tokens.clear()
-                self._publish_end(slot, "slot.failed", error)
-                self._release(slot)
-        self._end(ended, Failed(error))
+                self.gen.publish_end(slot, "slot.failed", error)
+                self.gen.release(slot)
+        self.gen.end(ended, Failed(error))
 
-    def _end(self, handles: list[RequestHandle], event: Finished | Failed) -> None:
-        """Tell ``handles`` (slots released) that they ended with ``event``, after :attr:`publish` (:func:`end`)."""
-        end(self.publish, handles, event)
+    def spec_follows(self, m: LoadedModel) -> bool:
+        """Speculative decoding runs on ``m``: drafters that follow the target (``draft-mtp``,
+        ``draft-simple``) only on the model they were built for (SOLO's)."""
+        return self.spec is not None and (m is self.experts.solo or not self.spec.follows_the_target)
 
-    def _publish_end(self, slot: Slot, type_: str, error: Exception) -> None:
-        """``slot.failed`` / ``slot.cancelled`` for the request running on ``slot`` (before its release)."""
-        assert slot.handle is not None
-        self.events.publish(type_, slot.handle.job.request_id, slot=slot.id, n_decoded=slot.n_decoded,
-                            error=str(error))
+    def _drafts(self, m: LoadedModel) -> dict[int, list[int]]:
+        """This step's drafts, by slot: every generating slot that speculates asks for at most as many tokens
+        as leave room for one more in its context and in its ``n_predict`` (so that neither limit falls
+        inside a draft), and :attr:`spec_cap`."""
+        spec = self.spec
+        if spec is None or not self.spec_follows(m):
+            return {}
+        requests = []
+        for slot in self.slots:
+            if not (slot.generating and slot.speculative) or slot.last_token is None:
+                continue
+            job = slot.handle.job  # type: ignore[union-attr]
+            n_max = min(spec.n_max, self.spec_cap, slot.n_ctx - slot.n_past - 3,
+                        job.n_predict - slot.n_decoded - 1 if job.n_predict >= 0 else spec.n_max)
+            if n_max >= 1:
+                requests.append(DraftRequest(slot.id, n_max, slot.n_past, slot.last_token, slot.cache_tokens))
+        if requests:
+            spec.draft(requests)
+        return {r.id_slot: list(r.result) for r in requests if r.result}
 
     def _batch_clear(self) -> None:
         self._batch.n_tokens = 0
@@ -222,10 +248,10 @@ class Scheduler:
             handle = slot.handle
             if handle is not None and handle.cancelled:
                 log.info("slot %d: request cancelled (client gone); slot freed", slot.id)
-                self._publish_end(slot, "slot.cancelled", Cancelled("the request was cancelled"))
-                self._release(slot)
+                self.gen.publish_end(slot, "slot.cancelled", Cancelled("the request was cancelled"))
+                self.gen.release(slot)
                 ended.append(handle)
-        self._end(ended, Failed(Cancelled("the request was cancelled")))
+        self.gen.end(ended, Failed(Cancelled("the request was cancelled")))
 
     def _assign_pending(self) -> None:
         waiting: collections.deque[RequestHandle] = collections.deque()
@@ -278,6 +304,11 @@ class Scheduler:
         cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
                               self.slots)
         slot.cache_n = cache_n
+        if self.spec is not None:  # the drafters' own contexts follow the target's cut (llama-server's common_memory)
+            self.spec.seq_rm(slot.id, cache_n, -1)
+            slot.speculative = not job.prompt_only and self.spec_follows(m)
+            if slot.speculative:
+                self.spec.begin(slot.id, prompt)
         self.stats.prompt_tokens_cached_total += cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]
@@ -292,7 +323,7 @@ class Scheduler:
         log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
         if not slot.pending_prompt:  # prefill-only request fully cached
             slot.t_first = time.perf_counter()
-            self._finish(slot, "length")
+            self.gen.finish(slot, "length")
 
     def _step(self) -> None:
         m = self.model
@@ -300,14 +331,21 @@ class Scheduler:
         self._batch_clear()
         budget = self._budget_cap or m.n_batch
         to_sample: list[tuple[Slot, int]] = []
+        to_verify: list[tuple[Slot, list[int], list[int]]] = []
         fed: list[tuple[Slot, list[int]]] = []
+        drafts = self._drafts(m)
         for slot in self.slots:
             if slot.generating and budget > 0:
                 assert slot.last_token is not None
                 idx = self._batch_add(slot.last_token, slot.n_past, slot.id, True)
-                to_sample.append((slot, idx))
+                draft = drafts.get(slot.id, [])[: budget - 1]
+                if draft:  # verified in this batch: logits at every drafted position
+                    to_verify.append((slot, [idx, *(self._batch_add(t, slot.n_past + 1 + k, slot.id, True)
+                                                    for k, t in enumerate(draft))], draft))
+                else:
+                    to_sample.append((slot, idx))
                 fed.append((slot, [slot.last_token]))
-                budget -= 1
+                budget -= 1 + len(draft)
         for slot in self.slots:
             if budget <= 0:
                 break
@@ -341,6 +379,9 @@ class Scheduler:
             self._budget_cap = cap or 0
             return
         self._budget_cap = 0
+        if rc == 0 and self.spec is not None and self.spec_follows(m) and not self.spec.process(self._batch):
+            log.warning("speculative decoding stopped: a drafter cannot follow the target's batches")
+            self.spec = None
         dt = time.perf_counter() - t0
         self.stats.n_decode_total += 1
         self.stats.n_busy_slots_total += len(fed)
@@ -353,10 +394,10 @@ class Scheduler:
                 assert handle is not None
                 llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
                 slot.cache_tokens.clear()
-                self._publish_end(slot, "slot.failed", failure)
-                self._release(slot)
+                self.gen.publish_end(slot, "slot.failed", failure)
+                self.gen.release(slot)
                 ended.append(handle)
-            self._end(ended, Failed(failure))
+            self.gen.end(ended, Failed(failure))
             return
         n_prompt_fed = 0
         for slot, toks in fed:
@@ -369,119 +410,12 @@ class Scheduler:
                     slot.state = SlotState.DONE_PROMPT
                     slot.t_first = time.perf_counter()
                     if slot.handle is not None and slot.handle.job.prompt_only:
-                        self._finish(slot, "length")
+                        self.gen.finish(slot, "length")
         self.stats.prompt_tokens_total += n_prompt_fed
         share = n_prompt_fed / n_tokens if n_tokens else 0.0
         self.stats.prompt_seconds_total += dt * share
         self.stats.tokens_predicted_seconds_total += dt * (1 - share)
-        sample(self, m, to_sample)
-
-    def _on_token(self, slot: Slot, token: int) -> None:
-        m = self.model
-        assert m is not None and slot.handle is not None
-        job = slot.handle.job
-        if not job.ignore_eos and m.is_eog(token):
-            if slot.pending_logprobs:
-                slot.pending_logprobs.pop()
-                slot.pending_top.pop()
-            self._finish(slot, "stop", stop_reason="eos")
-            return
-        slot.n_decoded += 1
-        self.stats.tokens_predicted_total += 1
-        if slot.n_decoded == 1:
-            self.events.publish("slot.first_token", job.request_id, slot=slot.id,
-                                ms=round((time.perf_counter() - slot.t_start) * 1e3, 3))
-        slot.pending_tokens.append(token)
-        text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token, special=job.special)))
-        slot.has_new_line = slot.has_new_line or "\n" in text
-        if text or job.logprobs:  # logprob jobs (Hydra DECODE) want every token at once
-            self._emit_text(slot, text)
-        if stopped:
-            self._finish(slot, "stop", flush=False, stop_reason="stop")
-            return
-        slot.last_token = token
-        slot.state = SlotState.GENERATING
-        if job.n_predict >= 0 and slot.n_decoded >= job.n_predict:  # n_predict 0: after one token, as llama-server
-            self._finish(slot, "length")
-        elif (job.t_max_predict_ms > 0 and "\n" in text
-              and (time.perf_counter() - slot.t_first) * 1e3 > job.t_max_predict_ms):
-            self._finish(slot, "length")  # llama-server: the time limit acts at a new line
-        elif slot.n_past + 1 >= slot.n_ctx and not (
-                self.context_shift and shift_context(m, slot, self.n_keep, shared_cells(m, self.slots, slot))):
-            self._finish(slot, "length", stop_reason="n_tokens_limit")
-
-    def _finish(self, slot: Slot, reason: str, flush: bool = True, stop_reason: str = "length") -> None:
-        m = self.model
-        handle = slot.handle
-        assert handle is not None and m is not None
-        if flush:
-            # bytes of a character the generation stopped inside of are dropped, never
-            # sent as U+FFFD (llama-server's behaviour); held-back stop-string text is sent
-            tail = slot.stopper.flush()
-            if tail or slot.pending_tokens:
-                self._emit_text(slot, tail)
-        now = time.perf_counter()
-        t_first = slot.t_first or now
-        done = Finished(
-            finish_reason=reason,
-            id_slot=slot.id,
-            n_prompt=slot.n_prompt,
-            cache_n=slot.cache_n,
-            prompt_n=slot.n_prompt - slot.cache_n,
-            prompt_ms=(t_first - slot.t_start) * 1e3,
-            predicted_n=slot.n_decoded,
-            predicted_ms=(now - t_first) * 1e3 if slot.n_decoded else 0.0,
-            stop_reason=stop_reason,
-            n_past=slot.n_past,
-            truncated=slot.n_shifts > 0,
-            stopping_word=slot.stopper.matched if stop_reason == "stop" else "",
-            state=save_slot(m, slot, self.model_hash) if handle.job.snapshot else None,
-        )
-        # one line per finished request, whatever protocol it came by (llama-server's print_timings, on one line)
-        t = done.timings()
-        log.info("slot %d | %s | prompt %d tokens (%d cached) %.1f ms, %.1f tok/s | generated %d tokens %.1f ms, "
-                 "%.1f tok/s | finish %s (%s)", slot.id, handle.job.request_id or "-", t["prompt_n"], t["cache_n"],
-                 t["prompt_ms"], t["prompt_per_second"], t["predicted_n"], t["predicted_ms"],
-                 t["predicted_per_second"], reason, stop_reason,
-                 extra={"trace_id": handle.job.request_id or None, "slot": slot.id,
-                        "ms": round(t["prompt_ms"] + t["predicted_ms"], 3)})
-        self.events.publish("slot.finished", handle.job.request_id, slot=slot.id, finish_reason=reason,
-                            stop_reason=stop_reason, timings=t)
-        # the slot is idle, and published so, before the client hears of the end: a
-        # follow-up request on the same slot never sees it busy, nor a status read stale
-        self._release(slot)
-        self._end([handle], done)
-
-    def _emit_text(self, slot: Slot, text: str) -> None:
-        assert slot.handle is not None
-        slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens), tuple(slot.pending_logprobs), tuple(slot.pending_top)))
-        slot.pending_tokens = []
-        slot.pending_logprobs = []
-        slot.pending_top = []
-
-    def _release(self, slot: Slot) -> None:
-        if slot.sampler is not None:
-            llama_cpp.llama_sampler_free(slot.sampler)
-        # cache_tokens tracks exactly what was decoded, so a request cut off
-        # mid-prompt leaves a valid prefix in the slot's KV cache.
-        slot.last_used = time.monotonic()
-        slot.reset_request()
-
-
-def sample(sched: Scheduler, m: LoadedModel, to_sample: list[tuple[Slot, int]]) -> None:
-    """Sample each slot's token at its batch index after a decode and hand it on (``Scheduler._on_token``);
-    the step's token events reach trio together, in one hand-over (``sched.hand_off``), at the end."""
-    with sched.hand_off.collect() if sched.hand_off is not None else contextlib.nullcontext():
-        for slot, idx in to_sample:
-            if slot.handle is None:
-                continue
-            token, job = sample_token(m, slot, idx), slot.handle.job
-            if job.logprobs or job.n_probs:
-                probs = token_probs(m.ctx, idx, m.n_vocab, token, job.n_probs)
-                slot.pending_logprobs.append(probs.logprob)
-                slot.pending_top.append(probs.top)
-            sched._on_token(slot, token)
-
+        self.gen.sample(m, to_sample, to_verify)
 
 def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
     """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot` (by prompt similarity
@@ -528,31 +462,6 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
     return cache_n
 
 
-def sample_token(m: LoadedModel, slot: Slot, idx: int) -> int:
-    """The next token of ``slot``'s request from the logits at batch index ``idx``: sampled by the slot's
-    chain, or the token its thinking budget forces (:mod:`.thinking_budget`; the chain accepts it, so
-    penalties and a grammar see it as llama-server's budget sampler lets them).  A forced token the
-    request's grammar refuses ends the forcing (the grammar wins: llama-server's grammar comes first in
-    its chain and would leave no candidate)."""
-    assert slot.handle is not None
-    spec = slot.handle.job.reasoning_budget
-    if slot.budget is None and spec is not None:
-        slot.budget = ThinkingBudget(spec)
-    forced = slot.budget.forced if slot.budget is not None else None
-    if forced is not None and slot.handle.job.grammar and not grammar_allows(slot.sampler, forced):
-        assert slot.budget is not None
-        slot.budget.give_up()
-        forced = None
-    if forced is None:
-        token = sample_next(slot.sampler, m.ctx, idx, m.n_vocab, constrained=bool(slot.handle.job.grammar))
-    else:
-        token = forced
-        llama_cpp.llama_sampler_accept(slot.sampler, token)
-    if slot.budget is not None:
-        slot.budget.accept(token, m.token_bytes(token))
-    return int(token)
-
-
 def erase_slot(m: LoadedModel, slot: Slot, prompt_cache: PromptCache | None = None) -> int:
     """Drop ``slot``'s KV cache in ``m``, and the ``prompt_cache`` entries of its conversation
     (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
@@ -567,16 +476,6 @@ def erase_slot(m: LoadedModel, slot: Slot, prompt_cache: PromptCache | None = No
     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
     slot.cache_tokens.clear()
     return n
-
-
-def end(publish: Callable[[], None], handles: list[RequestHandle], event: Finished | Failed) -> None:
-    """Tell ``handles`` (whose slots are released) that they ended with ``event``, after ``publish()`` (the
-    engine's snapshot), so a client's next status read sees its slot as the engine left it."""
-    if not handles:
-        return
-    publish()
-    for handle in handles:
-        handle.emit(event)
 
 
 def pick_idle_slot(idle: list[Slot], prompt: tuple[int, ...], similarity: float) -> Slot:

@@ -64,6 +64,7 @@ from typing import Any
 import attrs
 
 from ..errors import InvalidRequest, ModelLoadError
+from .speculative.settings import SpecSettings
 
 DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
 """The tensors a COMBINED head places on its peer: the MoE experts (``--combined-pattern``)."""
@@ -436,6 +437,8 @@ class LlamaOptions:
     cache_type_v: str = "f16"  # -ctv
     kv_unified: bool = False  # -kvu: one KV stream for every slot; a slot may fill all of it
     kv_unified_per_slot: int = 0  # --kv-unified-per-slot: the most tokens one slot holds (0 = no cap)
+    load_mtp: bool = False  # the model's MTP (NextN) layers are loaded too (--spec-type draft-mtp)
+    n_rs_seq: int = 0  # recurrent-state snapshots per slot, so the last n positions can be removed again (drafts)
     rope_scaling: str | None = None  # --rope-scaling none|linear|yarn; None = the model's
     rope_freq_base: float = 0.0  # --rope-freq-base; 0 = the model's
     rope_freq_scale: float = 0.0  # --rope-freq-scale (--rope-scale N = 1/N); 0 = the model's
@@ -551,6 +554,8 @@ class EngineConfig:
             grammar, stop strings, ``cache_prompt`` (:class:`GenerationDefaults`).
         skip_chat_parsing: a chat reply is content whole: no thinking split off, no tool calls parsed and
             no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
+        speculative: speculative decoding (``--spec-type`` and the other ``--spec-*`` flags;
+            :mod:`hydra_trio.engine.speculative`).
 
     Raises:
         ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
@@ -598,3 +603,4 @@ class EngineConfig:
     reasoning_budget_message: str = ""
     generation: GenerationDefaults = GenerationDefaults()
     skip_chat_parsing: bool = False
+    speculative: SpecSettings = SpecSettings()

@@ -132,6 +132,12 @@ class Slot:
         self.pending_tokens: list[int] = []
         self.pending_logprobs: list[float] = []
         self.pending_top: list[tuple[tuple[int, float], ...]] = []
+        self.speculative = False  # this request drafts (the node speculates, and on the model serving it)
+        self.draft_n = 0  # tokens drafted for this request (llama-server's timings ``draft_n``)
+        self.draft_n_accepted = 0  # of those, the ones the target agreed with (``draft_n_accepted``)
+        self.spec_ahead = 0
+        """While a verified draft's tokens are handed on: the accepted drafted tokens in the KV cache past the
+        one being handed on (cut when the request ends there: ``Generation.drop_ahead``)."""
 
     @property
     def n_past(self) -> int:

@@ -38,7 +38,8 @@ class SlotSnapshot:
     ``has_new_line``: the text it sent so far holds a newline;
     ``id_task``: the id of the running request, else of the slot's last one (-1: none yet);
     ``task``: that request's :class:`~hydra_trio.engine.requests.CompletionJob` (None: none yet);
-    ``trace_id``: the running request's id (``""`` when idle or none was given).
+    ``trace_id``: the running request's id (``""`` when idle or none was given);
+    ``speculative``: the running request drafts (idle: a request would, on the model that serves now).
     """
 
     id: int
@@ -55,13 +56,14 @@ class SlotSnapshot:
     task: Any = attrs.field(default=None, eq=False)
     trace_id: str = ""
     state_size: int = 0
+    speculative: bool = False
 
     def info(self, params: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
         """The slot's ``/slots`` entry: llama-server's slot object (``server_slot::to_json`` in
         ``tools/server/server-context.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors) and the
         node's own ``n_past`` and ``n_decoded``, without ``kv_cache``::
 
-            {"id", "id_task", "n_ctx", "speculative": false, "is_processing", "n_past", "n_decoded",
+            {"id", "id_task", "n_ctx", "speculative", "is_processing", "n_past", "n_decoded",
              "n_prompt_tokens": tokens in the slot's cache (llama-server's count, generated ones included),
              "n_prompt_tokens_processed", "n_prompt_tokens_cache",
              "next_token": [{"has_next_token", "has_new_line", "n_remain", "n_decoded"}],
@@ -74,7 +76,7 @@ class SlotSnapshot:
             "id": self.id,
             "id_task": self.id_task,
             "n_ctx": self.n_ctx,
-            "speculative": False,
+            "speculative": self.speculative,
             "is_processing": self.is_processing,
             "n_past": self.n_past,
             "n_decoded": self.n_decoded,
@@ -131,19 +133,20 @@ class EngineSnapshot:
 EMPTY = EngineSnapshot()
 
 
-def slot_snapshot(slot: Any, state_size: int) -> SlotSnapshot:
-    """Engine thread: ``slot`` (a :class:`~hydra_trio.engine.slots.Slot`) as a :class:`SlotSnapshot`."""
+def slot_snapshot(slot: Any, state_size: int, speculative: bool = False) -> SlotSnapshot:
+    """Engine thread: ``slot`` (a :class:`~hydra_trio.engine.slots.Slot`) as a :class:`SlotSnapshot`
+    (``speculative``: what an idle slot reports)."""
     h = slot.handle
     if h is None:
         return SlotSnapshot(id=slot.id, n_ctx=slot.n_ctx, n_past=slot.n_past, is_processing=False,
-                            id_task=slot.id_task, task=slot.task, state_size=state_size)
+                            id_task=slot.id_task, task=slot.task, state_size=state_size, speculative=speculative)
     n_predict = h.job.n_predict
     return SlotSnapshot(
         id=slot.id, n_ctx=slot.n_ctx, n_past=slot.n_past, is_processing=True, n_decoded=slot.n_decoded,
         n_prompt=slot.n_prompt, n_prompt_processed=max(0, slot.n_prompt - slot.cache_n - len(slot.pending_prompt)),
         n_prompt_cache=slot.cache_n, n_remain=(n_predict - slot.n_decoded) if n_predict >= 0 else -1,
         has_new_line=slot.has_new_line, id_task=slot.id_task, task=slot.task, trace_id=h.job.request_id,
-        state_size=state_size,
+        state_size=state_size, speculative=slot.speculative,
     )
 
 
@@ -162,12 +165,13 @@ def next_snapshot(prev: EngineSnapshot, sched: Any, m: Any, n_decode_total: int,
     if sched is None or m is None:
         return prev
     out: list[SlotSnapshot] = []
+    speculates = sched.spec_follows(m)
     for slot in sched.slots:
         key = (id(m), slot.n_past)
         known = sizes.get(slot.id)
         if known is None or known[0] != key:
             known = (key, state.blob_size(m, slot))
             sizes[slot.id] = known
-        out.append(slot_snapshot(slot, known[1]))
+        out.append(slot_snapshot(slot, known[1], speculates))
     return EngineSnapshot(seq=prev.seq + 1, at=time.monotonic(), slots=tuple(out),
                           requests_waiting=len(sched.pending), n_ctx=m.n_ctx, n_decode_total=n_decode_total)

@@ -17,6 +17,13 @@ Blob format, version 3 (all integers little-endian; documented in
     96      ident_len   the KV identity, canonical JSON (engine/kv_identity.py) (version 3)
     ...     4*n_tokens  the slot's tokens (u32 each)
     ...     kv_len      llama_state_seq_get_data() output for the slot's sequence
+    ...     4           extra_len: bytes of the drafters' state that follow     (version 4)
+    ...     extra_len   the slot's speculative-decoding state (``draft-mtp``'s MTP sequence;
+                        :meth:`~hydra_trio.engine.speculative.base.Drafter.get_state`)  (version 4)
+
+A node writes version 4 only when its drafters keep state for the slot (``--spec-type draft-mtp``,
+``draft-simple``), else version 3, so a node without them reads what it is sent; a node that does not
+speculate restores a version 4 blob's KV and ignores the drafters' part.
 
 Version 2 has no identity (its tokens start at 60): such a blob restores
 only on a node whose model file has the same hash.  A version 3 blob from
@@ -74,7 +81,10 @@ if TYPE_CHECKING:
 
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 3
-READ_VERSIONS = (2, 3)
+BLOB_VERSION_EXTRA = 4  # version 3 and the drafters' state after the KV bytes
+READ_VERSIONS = (2, 3, 4)
+_EXTRA_LEN = struct.Struct("<I")
+MAX_EXTRA = 1 << 31  # bytes of drafters' state a blob may carry
 _HEADER = struct.Struct("<4sHHI32sQQ")
 HEADER_SIZE = _HEADER.size  # 60 bytes: the part every version has
 _IDENT = struct.Struct("<32sI")  # version 3: identity hash, identity JSON length
@@ -140,10 +150,16 @@ class BlobHeader:
     kv_identity_hash: str | None = None  # 64 hex digits; None in a version 2 blob
     kv_identity: dict | None = None
     tokens_at: int = HEADER_SIZE  # where the token list starts
+    extra_len: int = 0  # version 4: bytes of the drafters' state after the KV bytes
+
+    @property
+    def kv_end(self) -> int:
+        """Where the KV bytes end (a version 4 blob's drafters' part follows)."""
+        return self.tokens_at + 4 * self.n_tokens + self.kv_len
 
     @property
     def total_size(self) -> int:
-        return self.tokens_at + 4 * self.n_tokens + self.kv_len
+        return self.kv_end + (_EXTRA_LEN.size + self.extra_len if self.version >= BLOB_VERSION_EXTRA else 0)
 
 
 @attrs.frozen
@@ -154,6 +170,8 @@ class Restored:
     n_past: int
     model_hash_match: bool
     kv_identity_match: bool
+    extra: bytes | None = None
+    """A version 4 blob's drafters' state (None: none came with it)."""
 
 
 KV_RAW = 0
@@ -235,7 +253,25 @@ def parse_header(data: Blob) -> BlobHeader:
         identity = None
     if not isinstance(identity, dict):
         raise StateError("state blob's KV identity is not a JSON object")
-    return attrs.evolve(header, kv_identity_hash=ident_digest.hex(), kv_identity=identity, tokens_at=end + ident_len)
+    header = attrs.evolve(header, kv_identity_hash=ident_digest.hex(), kv_identity=identity, tokens_at=end + ident_len)
+    if version >= BLOB_VERSION_EXTRA:
+        at = header.kv_end
+        if len(data) < at + _EXTRA_LEN.size:
+            raise StateError(f"state blob too short: {len(data)} bytes, its KV bytes end at {at} and the "
+                             "drafters' state length follows")
+        (extra_len,) = _EXTRA_LEN.unpack_from(data, at)
+        if extra_len > MAX_EXTRA:
+            raise StateError(f"state blob's drafters' state is {extra_len} bytes: more than {MAX_EXTRA}")
+        header = attrs.evolve(header, extra_len=extra_len)
+    return header
+
+
+def blob_extra(header: BlobHeader, blob: Blob) -> bytes | None:
+    """A checked blob's drafters' state (version 4), copied out; None for an earlier version."""
+    if header.version < BLOB_VERSION_EXTRA:
+        return None
+    at = header.kv_end + _EXTRA_LEN.size
+    return bytes(_bytes(blob)[at : at + header.extra_len])
 
 
 def _check_length(header: BlobHeader, blob: Blob) -> None:
@@ -338,8 +374,10 @@ def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
     }
 
 
-def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
-    """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.
+def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None,
+              extra: bytes | None = None) -> tuple[int, BlobBuffer]:
+    """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.  ``extra``: the drafters'
+    state of the slot (a version 4 blob carries it after the KV bytes).
 
     llama.cpp writes the sequence state straight into the blob's buffer, placed
     so that the slot's stream lands where the blob's KV bytes go: its 12-byte
@@ -363,7 +401,8 @@ def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | N
     stream = id_slot if m.n_stream > 1 else 0  # llama.cpp keeps sequence i in stream i (non-unified KV)
     lead = _SEQ_PREFIX.size + 4 * stream  # the bytes before that stream's cell count
     at = max(head - lead, 0)
-    size = at + kv_size
+    tail = _EXTRA_LEN.size + len(extra) if extra else 0  # a version 4 blob's drafters' part
+    size = at + kv_size + tail
     blob = pool.take(size, populate=True) if pool is not None else BlobBuffer(size, populate=True)
     whole = blob.whole()
     raw = (ctypes.c_uint8 * kv_size).from_buffer(whole, at)
@@ -380,15 +419,21 @@ def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | N
         one = _one_stream(memoryview(state_bytes))
         kv_format = KV_ONE_STREAM if one is not None else KV_RAW
         kv = one if one is not None else memoryview(state_bytes)
-        if head + len(kv) + TAIL_ROOM > blob.capacity:
+        if head + len(kv) + tail + TAIL_ROOM > blob.capacity:
             blob.release()
-            blob = pool.take(head + len(kv)) if pool is not None else BlobBuffer(head + len(kv))
+            blob = pool.take(head + len(kv) + tail) if pool is not None else BlobBuffer(head + len(kv) + tail)
             whole = blob.whole()
         whole[head : head + len(kv)] = kv
         blob.size = head + len(kv)
+    kv_len = blob.size - head
+    if extra:
+        whole = blob.whole()
+        _EXTRA_LEN.pack_into(whole, blob.size, len(extra))
+        whole[blob.size + _EXTRA_LEN.size : blob.size + tail] = extra
+        blob.size += tail
     view = blob.view()
-    _HEADER.pack_into(view, 0, BLOB_MAGIC, BLOB_VERSION, kv_format, len(tokens), bytes.fromhex(model_hash),
-                      blob.size - head, 0)
+    _HEADER.pack_into(view, 0, BLOB_MAGIC, BLOB_VERSION_EXTRA if extra else BLOB_VERSION, kv_format, len(tokens),
+                      bytes.fromhex(model_hash), kv_len, 0)
     _IDENT.pack_into(view, HEADER_SIZE, bytes.fromhex(identity_hash(identity)), len(ident))
     view[HEADER_SIZE + _IDENT.size : tokens_at] = ident
     view[tokens_at:head] = array.array("I", tokens).tobytes() if sys.byteorder == "little" else \
@@ -490,11 +535,12 @@ def restore_slot(
     bad = max(tokens, default=-1)
     if bad >= m.n_vocab:
         raise StateError(f"the blob holds token id {bad}, outside the vocabulary (0..{m.n_vocab - 1})")
+    extra = blob_extra(header, blob)  # before the KV bytes are framed in place, which writes past them
     if not tokens:  # an empty slot's state: "this slot is now empty"
-        _check_empty_kv(header, view[header.tokens_at:])
+        _check_empty_kv(header, view[header.tokens_at : header.kv_end])
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         slot.cache_tokens.clear()
-        return Restored(0, same_file, same_layout)
+        return Restored(0, same_file, same_layout, extra)
     backup = save_slot(m, slot, model_hash)[1] if slot.n_past else None  # an empty slot needs no backup
     del view
     applied = _apply_kv(m, id_slot, header, blob)
@@ -517,7 +563,7 @@ def restore_slot(
             f"failed too: the slot is now empty ({lost} tokens dropped)", slot_cleared=True, n_past=0,
         )
     slot.cache_tokens[:] = tokens.tolist()
-    return Restored(len(tokens), same_file, same_layout)
+    return Restored(len(tokens), same_file, same_layout, extra)
 
 
 def put_back(m: LoadedModel, id_slot: int, backup: bytearray | BlobBuffer) -> bool:

@@ -116,6 +116,28 @@ class Speculative(Drafter):
             d.end(id_slot, tokens)
         self.impl_last[id_slot] = None
 
+    def seq_rm(self, id_slot: int, p0: int, p1: int = -1) -> None:
+        for d in self.drafters:
+            d.seq_rm(id_slot, p0, p1)
+
+    def seq_add(self, id_slot: int, p0: int, p1: int, delta: int) -> None:
+        for d in self.drafters:
+            d.seq_add(id_slot, p0, p1, delta)
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        for d in self.drafters:
+            d.seq_cp(src, dst, p0, p1)
+
+    def close(self) -> None:
+        for d in self.drafters:
+            d.close()
+
+    @property
+    def follows_the_target(self) -> bool:
+        """A drafter reads the target's context or keeps a model in step with it (``draft-mtp``,
+        ``draft-simple``): it follows only the model it was built for (SOLO's, not COMBINED's)."""
+        return any(d.name in ("draft-mtp", "draft-simple") for d in self.drafters)
+
     def get_state(self, id_slot: int) -> bytes | None:
         """Every drafter's state for the slot, tagged by type name: records of ``u8 name length, name,
         u32 (little-endian) length, state``; None when no drafter keeps any."""

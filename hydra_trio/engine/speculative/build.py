@@ -1,0 +1,94 @@
+"""The node's drafters for its model: what ``--spec-type`` asks for, built beside the target model.
+
+As llama-server's ``common_speculative_init`` does when a server context starts (``common/speculative.cpp``
+and ``tools/server/server-context.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors): the
+model-free types from their settings, ``draft-mtp`` on an MTP context of the target's own model,
+``draft-simple`` on ``--model-draft`` with its own context.  Engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import attrs
+import llama_cpp
+
+from ...errors import ModelLoadError
+from ..settings import LlamaOptions
+from .combine import Speculative, make_speculative
+from .drafting import DraftParams
+from .settings import SpecSettings
+
+log = logging.getLogger("hydra_trio.engine")
+
+RS_SEQ_MAX = 16
+"""The most recurrent-state snapshots a slot keeps for the model-free types on a recurrent or hybrid model
+(each is a copy of the slot's recurrent state): their drafts are cut to this many tokens there."""
+
+
+def target_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions:
+    """The target model's options for ``settings``: ``draft-mtp`` loads the MTP layers, and a recurrent or
+    hybrid model keeps per-token snapshots of its recurrent state so a rejected draft can be removed
+    (``n_rs_seq``: ``--spec-draft-n-max`` for ``draft-mtp``, as llama-server's ``need_n_rs_seq``; the other
+    types, which llama-server rolls back with checkpoints, up to :data:`RS_SEQ_MAX`)."""
+    enabled = settings.enabled
+    if not enabled:
+        return options
+    mtp = "draft-mtp" in enabled
+    n_rs = settings.draft_n_max if mtp else min(settings.n_max(), RS_SEQ_MAX)
+    return attrs.evolve(options, load_mtp=options.load_mtp or mtp, n_rs_seq=max(options.n_rs_seq, n_rs))
+
+
+def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions:
+    """``--model-draft``'s options: the target's, with the draft's KV cache types (``-ctkd``/``-ctvd``) and
+    without the target's tensor overrides, MTP or snapshots."""
+    return attrs.evolve(options, cache_type_k=settings.draft_cache_type_k, cache_type_v=settings.draft_cache_type_v,
+                        tensor_overrides=(), load_mtp=False, n_rs_seq=0)
+
+
+def build_speculative(settings: SpecSettings, model: object, n_parallel: int) -> tuple[Speculative | None, int]:
+    """The drafters for ``model`` (a :class:`~hydra_trio.engine.model.LoadedModel`, built with
+    :func:`target_options`) and the most tokens one draft may hold on it (a recurrent or hybrid model:
+    its ``n_rs_seq``).  ``(None, 0)`` when no type is enabled.
+
+    Raises:
+        ModelLoadError: a type the model cannot serve (``draft-mtp`` without MTP layers, a draft model
+            whose vocabulary differs, a draft file that does not load), or a recurrent model without
+            snapshots.
+    """
+    from ..model import LoadedModel
+
+    assert isinstance(model, LoadedModel)
+    if not settings.enabled:
+        return None, 0
+    params = DraftParams(n_max=settings.draft_n_max, n_min=settings.draft_n_min, p_min=settings.draft_p_min)
+
+    def mtp(s: SpecSettings, n: int):  # noqa: ANN202 (a factory of make_speculative)
+        from .mtp import DraftMtp, create_mtp_context
+
+        return DraftMtp(model.ctx, create_mtp_context(model.model, model.ctx, model.options), n, params)
+
+    def simple(s: SpecSettings, n: int):  # noqa: ANN202
+        from .draft_model import DraftSimple, load_draft_model
+
+        if not s.draft_model:
+            raise ValueError("draft-simple needs a draft model (--model-draft)")
+        draft = load_draft_model(Path(s.draft_model), model, draft_options(s, model.options),
+                                 n_threads=s.draft_threads)
+        return DraftSimple(model.model, draft, n, params)
+
+    cap = 1 << 30
+    if llama_cpp.llama_model_is_recurrent(model.model) or llama_cpp.llama_model_is_hybrid(model.model):
+        cap = int(llama_cpp.llama_n_rs_seq(model.ctx))
+        if cap < 1:
+            raise ModelLoadError("speculative decoding on a recurrent or hybrid model needs recurrent-state "
+                                 "snapshots (n_rs_seq), which this context has none of")
+    try:
+        spec = make_speculative(settings, n_parallel, {"draft-mtp": mtp, "draft-simple": simple})
+    except (ValueError, RuntimeError, OSError) as exc:
+        raise ModelLoadError(f"speculative decoding ({','.join(settings.enabled)}): {exc}") from None
+    if spec is not None:
+        log.info("speculative decoding: %s, at most %d tokens a draft%s", spec.name, spec.n_max,
+                 f" (recurrent memory: {cap})" if cap < spec.n_max else "")
+    return spec, cap

@@ -1,0 +1,145 @@
+"""Speculative decoding in the scheduler, on real models in-process: drafts are verified in the same batch,
+the accepted prefix kept and the rest removed from the KV cache, so the output is what the target alone
+gives (llama.cpp's own speculative tests assert the same: identical greedy tokens, and identical tokens
+for a seeded low temperature, since each position is sampled by the target's own chain).
+
+Prompts are ones the tiny models continue with wide margins (the alphabet, counting), so that the few
+ulps by which a batch of several positions differs from one position at a time cannot flip a token on
+any x86-64 CPU; every comparison is this node's arithmetic against itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+
+from hydra_trio.engine.engine import Engine
+from hydra_trio.engine.requests import CompletionJob, Finished, JobRun
+from hydra_trio.engine.settings import SamplingParams
+from hydra_trio.engine.speculative.settings import SpecSettings
+from hydra_trio.engine.tasks import RestoreSlot, SaveSlot
+
+from .conftest import running_engine
+
+ALPHABET = "a b c d e f g h i j k l m n o p q r s t u v w x y z\n" * 12 + "a b c d"  # copied on, p > 0.9 a token
+GREEDY = SamplingParams(temperature=0.0)
+SEEDED = SamplingParams(temperature=0.2, seed=4242)  # llama-server's own speculative test: 0.2, 16 tokens
+MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
+
+
+@contextlib.asynccontextmanager
+async def engine_with(*types: str, **config: Any) -> AsyncIterator[Engine]:
+    spec = SpecSettings(types=("none", *types), **config.pop("spec", {})) if types else SpecSettings()
+    async with running_engine(n_ctx=config.pop("n_ctx", 4096), speculative=spec, **config) as engine:
+        yield engine
+
+
+async def generate(engine: Engine, prompt: str | list[int], **job: Any) -> tuple[list[int], str, Finished]:
+    """One completion on ``engine``: its tokens, text and Finished event."""
+    tokens = engine.model.tokenize(prompt, add_special=True) if isinstance(prompt, str) else prompt
+    # the whole prompt evaluated every time: a cached prompt evaluates only its last token, with other
+    # kernels than a whole prompt, and that would be a difference of its own
+    fields: dict[str, Any] = {"n_predict": 64, "ignore_eos": True, "id_slot": 0, "sampling": GREEDY,
+                              "cache_prompt": False, **job}
+    out, text = [], []
+    async with JobRun(engine, CompletionJob(prompt_tokens=tuple(tokens), **fields)) as run:
+        async for delta in run:
+            out.extend(delta.tokens)
+            text.append(delta.text)
+        assert run.finished is not None
+        return out, "".join(text), run.finished
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, Any]:
+    """What the target alone gives for each case (one engine without speculation)."""
+    out: dict[str, Any] = {}
+    trio.run(_plain, out)
+    return out
+
+
+async def _plain(out: dict[str, Any]) -> None:
+    async with engine_with() as engine:
+        out["greedy"] = await generate(engine, ALPHABET)
+        out["seeded"] = await generate(engine, ALPHABET, sampling=SEEDED, n_predict=16)
+        out["stop"] = await generate(engine, ALPHABET, stop=("q r",), n_predict=200)
+        out["budget"] = await generate(engine, ALPHABET, n_predict=37)
+        out["probs"] = await generate(engine, ALPHABET, n_probs=3, n_predict=24)
+        assert not engine.slots[0].speculative and out["greedy"][2].draft_n is None
+
+
+@pytest.mark.parametrize("kind", MODEL_FREE)
+async def test_each_model_free_type_gives_the_targets_own_tokens(kind: str, plain: dict[str, Any]) -> None:
+    async with engine_with(kind) as engine:
+        tokens, text, done = await generate(engine, ALPHABET)
+        assert tokens == plain["greedy"][0] and text == plain["greedy"][1]
+        # it did speculate, and the target agreed with drafts of this repeating text
+        assert done.draft_n and done.draft_n_accepted, done
+        assert 0 < done.draft_n_accepted <= done.draft_n
+        timings = done.timings()
+        assert (timings["draft_n"], timings["draft_n_accepted"]) == (done.draft_n, done.draft_n_accepted)
+        # the slot holds what it would hold without drafts: prompt and generated tokens but the last
+        assert done.n_past == plain["greedy"][2].n_past
+        assert engine.snapshot.slot(0).speculative and engine.slots[0].n_past == done.n_past
+
+
+async def test_sampled_output_is_the_targets_and_limits_cut_inside_a_draft(plain: dict[str, Any]) -> None:
+    """A seeded low temperature gives the same tokens (one draw per position, by the target's chain); a stop
+    string and ``n_predict`` that end the request inside a verified draft leave the slot as generating
+    without one would; log-probabilities come one per token, equal to the target's."""
+    async with engine_with("suffix", "ngram-simple") as engine:
+        for case, job in [("seeded", {"sampling": SEEDED, "n_predict": 16}),
+                          ("stop", {"stop": ("q r",), "n_predict": 200}), ("budget", {"n_predict": 37})]:
+            tokens, text, done = await generate(engine, ALPHABET, **job)
+            want_tokens, want_text, want = plain[case]
+            assert (tokens, text) == (want_tokens, want_text), case
+            assert (done.finish_reason, done.stop_reason, done.predicted_n, done.n_past) == \
+                (want.finish_reason, want.stop_reason, want.predicted_n, want.n_past), case
+            assert done.draft_n_accepted, case
+        tokens, _, done = await generate(engine, ALPHABET, n_probs=3, n_predict=24)
+        assert tokens == plain["probs"][0] and done.draft_n_accepted
+
+
+async def test_a_grammar_composes_with_drafts() -> None:
+    """A grammar that allows only the alphabet's letters: drafts the grammar refuses are rejected by
+    sampling, the output follows the grammar and equals the target's alone."""
+    grammar = 'root ::= ([a-z] " ")+'
+    results = []
+    for types in ((), ("suffix",)):
+        async with engine_with(*types) as engine:
+            results.append(await generate(engine, ALPHABET, grammar=grammar, n_predict=20))  # to the "z" before a "\\n" it refuses
+    (plain_tokens, plain_text, _), (tokens, text, done) = results
+    assert tokens == plain_tokens and text == plain_text and set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
+    assert done.draft_n
+
+
+async def test_draft_mtp_on_the_tiny_mtp_model_and_its_state_moves_with_a_kv_blob() -> None:
+    """``draft-mtp`` (the target's own MTP layer; the model is hybrid: rejected drafts leave its
+    recurrent state through snapshots) gives the target's greedy tokens; a slot saved with its drafters'
+    state (a version 4 blob) and restored on another node continues with the same tokens as the slot that
+    stayed, and drafts from the moved MTP sequence at once."""
+    from hydra_trio.models.presets import resolve_model
+
+    resolve_model("tiny-mtp")  # made on first use
+    prompt = list(range(300, 340))
+    async with engine_with(model="tiny-mtp") as engine:
+        want, _, _ = await generate(engine, prompt, n_predict=48)
+    async with engine_with("draft-mtp", model="tiny-mtp") as a, engine_with("draft-mtp", model="tiny-mtp") as b:
+        tokens, _, done = await generate(a, prompt, n_predict=24)
+        assert tokens == want[:24] and done.draft_n_accepted, done
+        n_past, blob = await a.run_task(SaveSlot(0))
+        assert bytes(blob.view()[4:6]) == (4).to_bytes(2, "little")  # version 4: the drafters' part rides along
+        data = bytes(blob.view())
+        restored = await b.run_task(RestoreSlot(0, bytearray(data)))
+        assert restored.n_past == n_past and restored.extra
+        cont = {"continue_slot": True, "n_predict": 24}
+        here, _, _ = await generate(a, [], **cont)
+        there, _, moved = await generate(b, [], **cont)
+        # a slot continued re-evaluates its last cached token, so the 24th token comes again (the Hydra
+        # DECODE way of going on from a PREFILL): the target's own tokens from there
+        assert here == there == want[23:47]
+        assert moved.draft_n_accepted, moved
