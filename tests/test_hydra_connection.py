@@ -46,7 +46,7 @@ SETTINGS = HydraSettings(max_json_payload=1024, max_state_payload=8192)
 def guarded_handler(settings: HydraSettings = SETTINGS) -> HydraHandler:
     """A compute-only node with ``--control-allow 10.0.0.0/8`` and ``--hydra-token t0ken``."""
     access = AccessSettings(control_allow=AllowList.parse(["10.0.0.0/8"], "--control-allow"), hydra_token=TOKEN)
-    return HydraHandler(None, None, settings, access=access)
+    return HydraHandler(None, settings, access=access)
 
 
 class Recording(ServerConnection):

@@ -18,13 +18,15 @@ slot held, so it must match a slot that never lost them exactly.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, ClassVar
 
+import attrs
 import httpx
 import pytest
 
 from hydra_trio import EngineConfig, ServerConfig
 from hydra_trio.engine.prompt_cache import MIN_TOKENS
+from hydra_trio.engine.tasks import EngineTask
 from hydra_trio.models.presets import resolve_model
 
 from .conftest import embedded_node, wait_for
@@ -158,10 +160,21 @@ def embedded() -> Any:
         yield server
 
 
+@attrs.frozen
+class Apply(EngineTask):
+    """A test's own engine-thread work: ``fn(engine)``."""
+
+    kind: ClassVar[str] = "test_apply"
+    fn: Any
+
+    def run(self, engine: Any) -> Any:
+        return self.fn(engine)
+
+
 def on_engine(server: Any, fn: Any) -> Any:
     import trio
 
-    return trio.from_thread.run(server.engine.call, fn, trio_token=server.engine._trio_token)
+    return trio.from_thread.run(server.engine.run_task, Apply(fn), trio_token=server.engine._trio_token)
 
 
 def test_a_restore_llama_cpp_refuses_falls_back_to_evaluating_the_prompt(embedded: Any) -> None:

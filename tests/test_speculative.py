@@ -85,6 +85,9 @@ async def test_each_model_free_type_gives_the_targets_own_tokens(kind: str, plai
         # the slot holds what it would hold without drafts: prompt and generated tokens but the last
         assert done.n_past == plain["greedy"][2].n_past
         assert engine.snapshot.slot(0).speculative and engine.slots[0].n_past == done.n_past
+        stats = engine.stats  # llama-server's spec_decode_num_* counters
+        assert (stats.spec_draft_tokens, stats.spec_accepted_tokens) == (done.draft_n, done.draft_n_accepted)
+        assert stats.spec_drafts > 0 and stats.spec_accepted_per_pos[0] > 0
 
 
 async def test_sampled_output_is_the_targets_and_limits_cut_inside_a_draft(plain: dict[str, Any]) -> None:

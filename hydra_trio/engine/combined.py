@@ -93,7 +93,9 @@ def _on_ggml_abort(message: bytes) -> None:
         w._die()
     if worker is not None:  # the parked thread's OpenMP team would slow every later SOLO decode
         try:
-            openmp.release_thread_team()
+            if openmp.release_thread_team():
+                worker.holds_team = False
+                log.info("peer %s: the parked worker released its OpenMP threads", worker.peer)
         except Exception:  # noqa: BLE001  (returning from here would abort() the process)
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
     elif openmp.in_use():

@@ -84,6 +84,12 @@ class EngineStats:
     peer_losses: int = 0
     tasks: dict[str, int] = attrs.Factory(dict)
     """Engine tasks run (:mod:`~hydra_trio.engine.tasks`), by kind (``hydra_trio:engine_tasks_total{type}``)."""
+    spec_draft_tokens: int = 0
+    """Speculative decoding: tokens drafted, drafted tokens the target accepted, verification steps, and
+    accepted tokens by draft position (llama-server's ``spec_decode_num_*_total``)."""
+    spec_accepted_tokens: int = 0
+    spec_drafts: int = 0
+    spec_accepted_per_pos: list[int] = attrs.Factory(list)
     control: dict[str, int] = attrs.Factory(lambda: {"applied": 0, "refused_busy": 0, "failed": 0})
     """Exclusive tasks (the serialized control channel) by result (``hydra_trio:control_changes_total{result}``)."""
 

@@ -111,6 +111,14 @@ class Generation:
             spec.accept(slot.id, n_accepted)
         slot.draft_n += len(draft)
         slot.draft_n_accepted += n_accepted
+        stats = self.sched.stats
+        stats.spec_drafts += 1
+        stats.spec_draft_tokens += len(draft)
+        stats.spec_accepted_tokens += n_accepted
+        per_pos = stats.spec_accepted_per_pos
+        per_pos.extend([0] * (n_accepted - len(per_pos)))
+        for i in range(n_accepted):
+            per_pos[i] += 1
         for j, (token, logprobs, top) in enumerate(sampled):
             slot.spec_ahead = n_accepted - j
             slot.pending_logprobs.extend(logprobs)

@@ -2,7 +2,7 @@
 
 Every ``llamacpp:`` family llama-server writes (``server_task_result_metrics::to_metrics`` in
 ``tools/server/server-task.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors) is here under its
-name and type; the speculative-decoding counters stay 0 (no draft model).
+name and type; the speculative-decoding counters count drafts (``--spec-type``).
 
 Most values are read from the counters of the engine (its exclusive tasks too),
 the front door and the ggml-RPC backend at scrape time by a custom
@@ -225,10 +225,17 @@ def _engine(e: Engine) -> Iterator[Metric]:
         "llamacpp:tokens_predicted_seconds", "Predict process time.", s.tokens_predicted_seconds_total
     )
     yield CounterMetricFamily("llamacpp:n_decode", "Number of llama_decode() calls.", s.n_decode_total)
-    for name, what in (("draft_tokens", "Total draft tokens generated"),
-                       ("accepted_tokens", "Total draft tokens accepted by the target model"),
-                       ("drafts", "Total speculative decoding verification steps")):  # no draft model here: 0
-        yield CounterMetricFamily(f"llamacpp:spec_decode_num_{name}", f"Speculative: {what}", 0)
+    for name, what, value in (("draft_tokens", "Total draft tokens generated", s.spec_draft_tokens),
+                              ("accepted_tokens", "Total draft tokens accepted by the target model",
+                               s.spec_accepted_tokens),
+                              ("drafts", "Total speculative decoding verification steps", s.spec_drafts)):
+        yield CounterMetricFamily(f"llamacpp:spec_decode_num_{name}", f"Speculative: {what}", value)
+    if s.spec_accepted_per_pos:
+        per_pos = CounterMetricFamily("llamacpp:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position", labels=["position"])
+        for i, n in enumerate(list(s.spec_accepted_per_pos)):
+            per_pos.add_metric([str(i)], n)
+        yield per_pos
     yield CounterMetricFamily(
         "hydra_trio:requests_deferred", "Requests that waited in the queue for a free slot.", s.requests_deferred
     )
