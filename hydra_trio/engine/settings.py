@@ -64,6 +64,7 @@ from typing import Any
 import attrs
 
 from ..errors import InvalidRequest, ModelLoadError
+from .speculative.settings import SpecSettings
 
 DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
 """The tensors a COMBINED head places on its peer: the MoE experts (``--combined-pattern``)."""
@@ -551,6 +552,8 @@ class EngineConfig:
             grammar, stop strings, ``cache_prompt`` (:class:`GenerationDefaults`).
         skip_chat_parsing: a chat reply is content whole: no thinking split off, no tool calls parsed and
             no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
+        speculative: speculative decoding: ``--spec-type`` and the ``--spec-*`` parameters
+            (:class:`hydra_trio.engine.speculative.settings.SpecSettings`; ``draft_model`` is a resolved path).
 
     Raises:
         ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
@@ -598,3 +601,4 @@ class EngineConfig:
     reasoning_budget_message: str = ""
     generation: GenerationDefaults = GenerationDefaults()
     skip_chat_parsing: bool = False
+    speculative: SpecSettings = SpecSettings()
