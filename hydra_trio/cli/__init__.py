@@ -11,7 +11,7 @@
     hydra-trio --version
 
 The flags of ``run`` are data (:mod:`._flags`), in modules that follow llama-server's argument groups:
-:mod:`.common`, :mod:`.sampling`, :mod:`.server` (with the speculative-decoding flags) and :mod:`.hydra`
+:mod:`.common`, :mod:`.sampling`, :mod:`.server`, :mod:`.speculative` and :mod:`.hydra`
 (hydra-trio's own and the C++ llama-engine's, with :mod:`.access`).  Every flag is its own spelling (no
 abbreviations), ``--long_name`` reads as ``--long-name`` and ``LLAMA_ARG_*`` environment variables set
 the flags they set in llama-server (an explicit flag wins), as llama.cpp's ``common/arg.cpp``.  Every value
@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, check_stop, kv_cache_problem
 from ..hydra.cli import add_client_commands
 from ..client.watch import add_watch_command
-from . import _types, sampling
+from . import _types, sampling, speculative
 from ._flags import Version, add_flags, apply_environment, normalize_argv, version_text
 from .flags import GROUPS, RUN_FLAGS
 from .models import add_models_command
@@ -97,6 +97,10 @@ def _check_run(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         check_stop(tuple(args.reverse_prompt or ()))
     except ParameterError as exc:
         p.error(f"argument -r/--reverse-prompt: {exc}")
+    try:
+        args.speculative = speculative.spec_settings(args)
+    except ValueError as exc:
+        p.error(str(exc))
     try:
         args.sampling = sampling_params(args)
     except ParameterError as exc:

@@ -42,7 +42,8 @@ class Flag:
         type: argparse ``type=`` for the value.
         default: the value when the flag is not given (None: "not given").
         dest: the namespace attribute (default: argparse's, from the first long name).
-        action: argparse ``action=`` for a wired/own flag (``append``, ``store_true``, ...).
+        action: argparse ``action=`` for a wired/own flag (``append``, ``store_true``, ..., or an Action class,
+            which gets the negative spellings too).
         env: llama-server's environment variable (``LLAMA_ARG_*``); an explicit flag wins over it.
         group: llama-server's argument group: ``common``, ``sampling``, ``server``, ``speculative``,
             or ``hydra`` for hydra-trio's and the C++ engine's own flags.
@@ -57,7 +58,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     default: Any = None
     dest: str | None = None
-    action: str | None = None
+    action: str | type[argparse.Action] | None = None
     env: str | None = None
     group: str = "common"
     lands: str = ""
@@ -174,6 +175,8 @@ def add_flags(parser: argparse.ArgumentParser | Any, flags: Iterable[Flag]) -> N
             if f.type is not None:
                 kw["type"] = f.type
         parser.add_argument(*f.names, **kw)
+        if f.neg and not isinstance(f.action, str):  # an Action class takes the negative spellings too
+            parser.add_argument(*f.neg, **{**kw, "help": argparse.SUPPRESS})
 
 
 def apply_environment(parser: argparse.ArgumentParser, flags: Iterable[Flag], environ: dict[str, str]) -> None:

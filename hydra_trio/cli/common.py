@@ -201,9 +201,5 @@ FLAGS: list[Flag] = [
       env="LLAMA_ARG_LOG_PREFIX"),
     F(("--log-timestamps",), WIRED, "time stamps in text log lines (default: on)", neg=("--no-log-timestamps",),
       default=True, env="LLAMA_ARG_LOG_TIMESTAMPS", lands="logging"),
-    F(("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), REFUSED, "no draft model: speculative decoding is not supported yet",
-      value="TYPE", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K"),
-    F(("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), REFUSED, "no draft model: speculative decoding is not supported yet",
-      value="TYPE", env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V"),
 ]
 assert all(f.kind != OWN for f in FLAGS)

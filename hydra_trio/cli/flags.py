@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from . import access, common, hydra, sampling, server
+from . import access, common, hydra, sampling, server, speculative
 from ._flags import KINDS, Flag, check_unique
 
-RUN_FLAGS: list[Flag] = [*common.FLAGS, *sampling.FLAGS, *server.FLAGS, *server.SPECULATIVE, *hydra.FLAGS,
-                         *access.FLAGS]
+RUN_FLAGS: list[Flag] = [*common.FLAGS, *sampling.FLAGS, *server.FLAGS, *speculative.FLAGS, *hydra.FLAGS,
+                         *speculative.OWN_FLAGS, *access.FLAGS]
 """Every flag of ``hydra-trio run``, llama-server's and the node's own (README's flag table)."""
 check_unique(RUN_FLAGS)
 assert all(f.kind in KINDS for f in RUN_FLAGS)
@@ -15,6 +15,6 @@ GROUPS = {
     "common": "common params (llama-server's)",
     "sampling": "sampling params: the defaults of every request that does not set them (llama-server's)",
     "server": "server params (llama-server's)",
-    "speculative": "speculative decoding (llama-server's; refused: not supported yet)",
+    "speculative": "speculative decoding (llama-server's)",
     "hydra": "hydra-trio's own params and the C++ llama-engine's",
 }

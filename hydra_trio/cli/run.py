@@ -11,6 +11,7 @@ import ssl
 import sys
 from pathlib import Path
 
+import attrs
 import trio
 
 from ..engine.settings import EngineConfig, GenerationDefaults, LlamaOptions
@@ -278,10 +279,17 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     """The :class:`EngineConfig` of parsed ``run`` flags.
 
     Raises:
-        PresetError: ``-m`` or a ``--quant`` names neither a file nor an installed preset.
+        PresetError: ``-m``, a ``--quant`` or ``-md`` names neither a file nor an installed preset.
     """
     path, alias = resolve_model(args.model or DEFAULT_ALIAS)
     quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
+    speculative = args.speculative
+    if speculative.draft_model:  # a file or a preset, as -m
+        try:
+            draft, _alias = resolve_model(speculative.draft_model)
+        except PresetError as exc:
+            raise PresetError(f"--spec-draft-model/-md/--model-draft: {exc}") from exc
+        speculative = attrs.evolve(speculative, draft_model=str(draft))
     template, _origin = args.chat_template or args.chat_template_file or (None, "")
     peer, pattern, _notes = combined_target(args)
     n_parallel = 4 if args.parallel == -1 else args.parallel  # llama-server's auto: 4 slots
@@ -315,6 +323,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         slot_save_path=args.slot_save_path,
         generation=generation_defaults(args),
         skip_chat_parsing=args.skip_chat_parsing,
+        speculative=speculative,
         **{k: v for k, v in given.items() if v is not None},
     )
 

@@ -1,5 +1,6 @@
 """llama-server's own parameters (``LLAMA_EXAMPLE_SERVER`` in ``common/arg.cpp``): slots, caching, HTTP,
-API keys, chat templates and thinking, plus the speculative-decoding and preset flags it refuses."""
+API keys, chat templates and thinking, plus the preset flags it refuses (the speculative-decoding ones are
+:mod:`.speculative`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ from ..engine.settings import EngineConfig
 from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
 
-NO_SPEC = "speculative decoding (a draft model, n-gram lookup) is not supported yet"
 NO_RERANK = "this node has no reranking endpoint"
 NO_ROUTER = "one model per node: llama-server's router mode (models directory, presets) is not supported"
 NO_UI = "the node serves its own status page at /, not llama-server's web UI"
@@ -19,8 +19,6 @@ V = functools.partial(Flag, group="server")  # a table row of this group
 
 
 FLAGS: list[Flag] = [
-    V(("-lcs", "--lookup-cache-static"), REFUSED, NO_SPEC, value="FNAME"),
-    V(("-lcd", "--lookup-cache-dynamic"), REFUSED, NO_SPEC, value="FNAME"),
     V(("--kv-unified-per-slot",), WIRED, "the most tokens one slot may hold (default: unset, 0 or less: no cap; "
       "with -kvu a slot may fill the whole cache); given without -c, the KV pool is sized to -np x N", value="N",
       type=t.int_range(-t.INT32_MAX - 1, t.INT32_MAX), env="LLAMA_ARG_KV_UNIFIED_PER_SLOT",
@@ -196,50 +194,6 @@ FLAGS: list[Flag] = [
       for name in ("--embd-gemma-default", "--fim-qwen-1.5b-default", "--fim-qwen-3b-default",
                    "--fim-qwen-7b-default", "--fim-qwen-7b-spec", "--fim-qwen-14b-spec", "--fim-qwen-30b-default",
                    "--gpt-oss-20b-default", "--gpt-oss-120b-default", "--vision-gemma-4b-default",
-                   "--vision-gemma-12b-default", "--spec-default")),
+                   "--vision-gemma-12b-default")),
 ]
 
-
-def _spec(names: tuple[str, ...], value: str | None = "N", neg: tuple[str, ...] = (), env: str | None = None) -> Flag:
-    return Flag(names, REFUSED, NO_SPEC, neg=neg, value=value, env=env, group="speculative")
-
-
-SPECULATIVE: list[Flag] = [
-    _spec(("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), "<user>/<model>[:quant]",
-          env="LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
-    _spec(("--spec-draft-threads", "-td", "--threads-draft")),
-    _spec(("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft")),
-    _spec(("--spec-draft-cpu-mask", "-Cd", "--cpu-mask-draft"), "M"),
-    _spec(("--spec-draft-cpu-range", "-Crd", "--cpu-range-draft"), "lo-hi"),
-    _spec(("--spec-draft-cpu-strict", "--cpu-strict-draft"), "<0|1>"),
-    _spec(("--spec-draft-prio", "--prio-draft")),
-    _spec(("--spec-draft-poll", "--poll-draft"), "<0|1>"),
-    _spec(("--spec-draft-cpu-mask-batch", "-Cbd", "--cpu-mask-batch-draft"), "M"),
-    _spec(("--spec-draft-cpu-strict-batch", "--cpu-strict-batch-draft"), "<0|1>"),
-    _spec(("--spec-draft-prio-batch", "--prio-batch-draft")),
-    _spec(("--spec-draft-poll-batch", "--poll-batch-draft"), "<0|1>"),
-    _spec(("--spec-draft-override-tensor", "-otd", "--override-tensor-draft"),
-          "<tensor name pattern>=<buffer type>,..."),
-    _spec(("--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft"), None, env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE"),
-    _spec(("--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft"),
-          env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE"),
-    _spec(("--spec-draft-n-max",), env="LLAMA_ARG_SPEC_DRAFT_N_MAX"),
-    _spec(("--spec-draft-n-min",), env="LLAMA_ARG_SPEC_DRAFT_N_MIN"),
-    _spec(("--spec-synth-len",), "L", env="LLAMA_ARG_SPEC_SYNTH_LEN"),
-    _spec(("--spec-synth-rates",), "P0,P1,...", env="LLAMA_ARG_SPEC_SYNTH_RATES"),
-    _spec(("--spec-draft-p-split", "--draft-p-split"), "P", env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT"),
-    _spec(("--spec-draft-p-min", "--draft-p-min"), "P", env="LLAMA_ARG_SPEC_DRAFT_P_MIN"),
-    _spec(("--spec-draft-backend-sampling",), None, neg=("--no-spec-draft-backend-sampling",),
-          env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING"),
-    _spec(("--spec-draft-device", "-devd", "--device-draft"), "<dev1,dev2,..>"),
-    _spec(("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
-          env="LLAMA_ARG_N_GPU_LAYERS_DRAFT"),
-    _spec(("--spec-draft-model", "-md", "--model-draft"), "FNAME", env="LLAMA_ARG_SPEC_DRAFT_MODEL"),
-    _spec(("--spec-type",), "TYPES", env="LLAMA_ARG_SPEC_TYPE"),
-    *(_spec((f"--spec-ngram-{name}",)) for name in (
-        "mod-n-min", "mod-n-max", "mod-n-match", "simple-size-n", "simple-size-m", "simple-min-hits",
-        "map-k-size-n", "map-k-size-m", "map-k-min-hits", "map-k4v-size-n", "map-k4v-size-m", "map-k4v-min-hits",
-        "size-n", "size-m", "min-hits")),
-    _spec(("--draft", "--draft-n", "--draft-max"), env="LLAMA_ARG_DRAFT_MAX"),
-    _spec(("--draft-min", "--draft-n-min"), env="LLAMA_ARG_DRAFT_MIN"),
-]

@@ -554,8 +554,8 @@ class EngineConfig:
             grammar, stop strings, ``cache_prompt`` (:class:`GenerationDefaults`).
         skip_chat_parsing: a chat reply is content whole: no thinking split off, no tool calls parsed and
             no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
-        speculative: speculative decoding (``--spec-type`` and the other ``--spec-*`` flags;
-            :mod:`hydra_trio.engine.speculative`).
+        speculative: speculative decoding: ``--spec-type`` and the ``--spec-*`` parameters
+            (:class:`hydra_trio.engine.speculative.settings.SpecSettings`; ``draft_model`` is a resolved path).
 
     Raises:
         ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.

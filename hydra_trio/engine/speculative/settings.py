@@ -399,6 +399,8 @@ def apply_option(settings: SpecSettings, name: str, text: str | None = None) -> 
     """
     opt = _BY_NAME[name]
     if opt.removed:
+        if text is not None:
+            stoi(text)  # llama-server reads a removed option's value as an int before it refuses the option
         raise ValueError(f"the argument has been removed. {opt.removed}")
     if opt.value is None:
         if text is not None:
