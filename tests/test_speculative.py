@@ -19,7 +19,7 @@ import trio
 
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, Finished, JobRun
-from hydra_trio.engine.settings import SamplingParams
+from hydra_trio.engine.settings import LlamaOptions, SamplingParams
 from hydra_trio.engine.speculative.settings import SpecSettings
 from hydra_trio.engine.tasks import RestoreSlot, SaveSlot
 
@@ -146,3 +146,30 @@ async def test_draft_mtp_on_the_tiny_mtp_model_and_its_state_moves_with_a_kv_blo
         # DECODE way of going on from a PREFILL): the target's own tokens from there
         assert here == there == want[23:47]
         assert moved.draft_n_accepted, moved
+
+
+async def test_context_shift_and_a_unified_cache_compose_with_drafts() -> None:
+    """A generation that runs past a small slot context with ``--context-shift`` (drafts are cut to leave
+    room, so a shift never falls inside one), and two slots drafting at once in one unified KV cache:
+    each gives the target's own tokens."""
+    cases = {"shift": {"n_ctx": 1024, "context_shift": True}, "unified": {"llama": LlamaOptions(kv_unified=True)}}
+    for name, config in cases.items():
+        outs = []
+        for types in ((), ("suffix", "ngram-simple")):
+            async with engine_with(*types, **dict(config)) as engine:
+                prompt = engine.model.tokenize(ALPHABET, add_special=True)
+                if name == "shift":
+                    done = await generate(engine, prompt, n_predict=260)  # past the 512 of a slot
+                    assert done[2].truncated  # it did shift
+                    outs.append(done[0])
+                else:
+                    async with trio.open_nursery() as nursery:
+                        got: dict[int, list[int]] = {}
+
+                        async def one(i: int) -> None:
+                            got[i] = (await generate(engine, prompt, id_slot=i, n_predict=40))[0]
+
+                        for i in range(2):
+                            nursery.start_soon(one, i)
+                    outs.append([got[0], got[1]])
+        assert outs[0] == outs[1], name

@@ -68,7 +68,8 @@ def select_fields(paths: Sequence[str], obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def task_params(job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = "none") -> dict[str, Any]:
+def task_params(job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = "none",
+                spec_types: str = "none") -> dict[str, Any]:
     """A request's parameters as llama-server's ``task_params::to_json(only_metrics=true)`` writes them
     (``tools/server/server-task.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors): a slot's
     ``params`` in ``/slots``, ``default_generation_settings.params`` in ``/props``::
@@ -81,8 +82,8 @@ def task_params(job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = 
     ``n_keep``: the node's (``--keep``) for a job that sets none; ``reasoning_format``: the node's
     (``--reasoning-format``) for a job that is not a chat reply (a chat reply's is the one it is parsed
     with).  ``chat_format`` is ``Content-only`` (no llama.cpp chat parser reads the reply here),
-    ``generation_prompt`` empty, ``speculative.types`` ``none`` and ``lora`` empty (no draft model, no
-    adapters)."""
+    ``generation_prompt`` empty, ``speculative.types`` the node's (``spec_types``: ``--spec-type``'s list as
+    llama-server joins it, ``none`` first) and ``lora`` empty (no adapters)."""
     fmt = getattr(job.chat_reply, "fmt", None) or reasoning_format
     return {
         **job.sampling.to_json(),
@@ -100,7 +101,7 @@ def task_params(job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = 
         "reasoning_in_content": job.stream and fmt == "deepseek-legacy",
         "generation_prompt": "",
         "samplers": list(job.samplers if job.samplers is not None else SAMPLER_ORDER),
-        "speculative.types": "none",
+        "speculative.types": spec_types,
         "timings_per_token": job.timings_per_token,
         "post_sampling_probs": False,
         "backend_sampling": False,

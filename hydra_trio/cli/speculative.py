@@ -7,8 +7,9 @@ value is an argparse error (exit 2).  The values are applied as llama-server app
 ``LLAMA_ARG_*`` variables first, then the flags in command-line order (``--spec-type`` adds to the list
 each time it is given), into ``args.speculative`` (:func:`spec_settings`), which ``EngineConfig.speculative``
 takes.  Refused at parse time, naming why: ``-hfd`` (a download), the ``--spec-type`` names the bindings
-cannot serve (:data:`hydra_trio.engine.speculative.reasons.UNSUPPORTED`), and ``draft-simple`` without a
-draft model.
+cannot serve (:data:`hydra_trio.engine.speculative.reasons.UNSUPPORTED`).  ``draft-simple`` without a draft
+model parses, as in llama-server, which then logs that it cannot set it up and serves without speculative
+decoding (the engine does the same: :func:`hydra_trio.engine.speculative.build.build_speculative`).
 """
 
 from __future__ import annotations
@@ -133,11 +134,7 @@ OWN_FLAGS: list[Flag] = [_flag(opt) for opt in SPEC_OPTIONS if opt.own]
 def spec_settings(args: argparse.Namespace) -> SpecSettings:
     """The :class:`SpecSettings` of a parsed command line: ``LLAMA_ARG_*`` values first, in llama-server's
     option order, then the flags in command-line order (llama-server's ``common_params_parse_ex``).  The draft
-    model stays as given (``engine_config`` resolves it as ``-m``).
-
-    Raises:
-        ValueError: ``--spec-type draft-simple`` without a draft model (names why).
-    """
+    model stays as given (``engine_config`` resolves it as ``-m``)."""
     settings = SpecSettings()
     for f in FLAGS + OWN_FLAGS:
         value = getattr(args, f.key, None) if f.env and f.kind != REFUSED else None
@@ -149,8 +146,4 @@ def spec_settings(args: argparse.Namespace) -> SpecSettings:
             settings = apply_option(settings, f.names[0], value)
     for name, text in getattr(args, GIVEN, None) or ():
         settings = apply_option(settings, name, text)
-    if "draft-simple" in settings.enabled and not settings.draft_model:
-        raise ValueError("argument --spec-type: draft-simple requires a draft context: give the draft model with "
-                         "--spec-draft-model/-md/--model-draft FILE|ALIAS (llama-server logs this when it loads and "
-                         "serves without speculative decoding)")
     return settings

@@ -198,7 +198,8 @@ class Api:
         params = task_params(CompletionJob((), n_predict=defaults.n_predict, sampling=defaults.sampling,
                                            samplers=g.samplers, ignore_eos=g.ignore_eos,
                                            adaptive_target=g.adaptive_target, adaptive_decay=g.adaptive_decay),
-                             n_keep=e.config.n_keep, reasoning_format=e.config.reasoning_format)
+                             n_keep=e.config.n_keep, reasoning_format=e.config.reasoning_format,
+                             spec_types=",".join(e.config.speculative.types))
         tmpl = m.chat_template
         caps = template_caps(tmpl) if known(tmpl) else await trio.to_thread.run_sync(template_caps, tmpl)
         return JSONResponse({
@@ -292,8 +293,8 @@ class Api:
             return JSONResponse([])
         if not e.ready:
             return _unavailable(e)
-        n_keep, fmt = e.config.n_keep, e.config.reasoning_format
-        slots = e.slots_info(lambda job: task_params(job, n_keep=n_keep, reasoning_format=fmt))
+        n_keep, fmt, spec = e.config.n_keep, e.config.reasoning_format, ",".join(e.config.speculative.types)
+        slots = e.slots_info(lambda job: task_params(job, n_keep=n_keep, reasoning_format=fmt, spec_types=spec))
         if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in slots):
             return error_response(503, "no slot available", "unavailable_error")
         return JSONResponse(slots)

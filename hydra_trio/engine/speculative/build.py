@@ -50,12 +50,11 @@ def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions
 def build_speculative(settings: SpecSettings, model: object, n_parallel: int) -> tuple[Speculative | None, int]:
     """The drafters for ``model`` (a :class:`~hydra_trio.engine.model.LoadedModel`, built with
     :func:`target_options`) and the most tokens one draft may hold on it (a recurrent or hybrid model:
-    its ``n_rs_seq``).  ``(None, 0)`` when no type is enabled.
-
-    Raises:
-        ModelLoadError: a type the model cannot serve (``draft-mtp`` without MTP layers, a draft model
-            whose vocabulary differs, a draft file that does not load), or a recurrent model without
-            snapshots.
+    its ``n_rs_seq``).  ``(None, 0)`` when no type is enabled, and when one cannot be set up
+    (``draft-mtp`` without MTP layers, ``draft-simple`` without a draft model or with one whose vocabulary
+    differs, a draft file that does not load, a recurrent model without snapshots): as llama-server, the
+    node then logs ``failed to initialize speculative decoding context`` with the reason and serves
+    without speculative decoding.
     """
     from ..model import LoadedModel
 
@@ -73,21 +72,23 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
         from .draft_model import DraftSimple, load_draft_model
 
         if not s.draft_model:
-            raise ValueError("draft-simple needs a draft model (--model-draft)")
+            raise ValueError("draft-simple requires a draft context (--model-draft)")
         draft = load_draft_model(Path(s.draft_model), model, draft_options(s, model.options),
                                  n_threads=s.draft_threads)
         return DraftSimple(model.model, draft, n, params)
 
     cap = 1 << 30
-    if llama_cpp.llama_model_is_recurrent(model.model) or llama_cpp.llama_model_is_hybrid(model.model):
-        cap = int(llama_cpp.llama_n_rs_seq(model.ctx))
-        if cap < 1:
-            raise ModelLoadError("speculative decoding on a recurrent or hybrid model needs recurrent-state "
-                                 "snapshots (n_rs_seq), which this context has none of")
     try:
+        if llama_cpp.llama_model_is_recurrent(model.model) or llama_cpp.llama_model_is_hybrid(model.model):
+            cap = int(llama_cpp.llama_n_rs_seq(model.ctx))
+            if cap < 1:
+                raise ValueError("a recurrent or hybrid model needs recurrent-state snapshots (n_rs_seq), which "
+                                 "this context has none of")
         spec = make_speculative(settings, n_parallel, {"draft-mtp": mtp, "draft-simple": simple})
-    except (ValueError, RuntimeError, OSError) as exc:
-        raise ModelLoadError(f"speculative decoding ({','.join(settings.enabled)}): {exc}") from None
+    except (ValueError, RuntimeError, OSError, ModelLoadError) as exc:
+        log.error("failed to initialize speculative decoding context (%s): %s; serving without speculative "
+                  "decoding", ",".join(settings.enabled), exc)
+        return None, 0
     if spec is not None:
         log.info("speculative decoding: %s, at most %d tokens a draft%s", spec.name, spec.n_max,
                  f" (recurrent memory: {cap})" if cap < spec.n_max else "")
