@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import llama_cpp
 
@@ -29,8 +29,10 @@ from .requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
 from .sampling import grammar_allows, sample_next, token_probs
 from .slots import Slot, SlotState
 from .state import save_slot
-from .speculative.combine import Speculative
 from .thinking_budget import ThinkingBudget
+
+if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
+    from .speculative.combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
 

@@ -33,7 +33,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
@@ -49,7 +49,9 @@ from .sampling import GrammarError, SamplerSpec, build_sampler
 from .slots import Slot, SlotState, StopStringMatcher
 from .generation import Generation
 from .speculative.base import DraftRequest
-from .speculative.combine import Speculative
+
+if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
+    from .speculative.combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
 

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import llama_cpp
 
 from ...errors import ModelLoadError
 from ..settings import LlamaOptions
-from .combine import Speculative, make_speculative
-from .drafting import DraftParams
 from .settings import SpecSettings
+
+if TYPE_CHECKING:  # the drafters load numpy: only a node that speculates imports them (build_speculative)
+    from .combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -61,6 +63,9 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
     assert isinstance(model, LoadedModel)
     if not settings.enabled:
         return None, 0
+    from .combine import make_speculative  # the drafters load numpy: only a node that speculates
+    from .drafting import DraftParams
+
     params = DraftParams(n_max=settings.draft_n_max, n_min=settings.draft_n_min, p_min=settings.draft_p_min)
 
     def mtp(s: SpecSettings, n: int):  # noqa: ANN202 (a factory of make_speculative)
