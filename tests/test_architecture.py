@@ -96,7 +96,7 @@ TOP_LEVEL = {"hydra_trio", "hydra_trio.__main__", "hydra_trio._version", "hydra_
 """What may sit directly in ``hydra_trio/``: the public API (``__init__`` and its lazy exports), the version, the errors and
 the configuration; every layer has its folder."""
 
-LAYERS = ("node", "transport", "observability", "client", "cli", "testing", "engine", "api", "http", "hydra",
+LAYERS = ("node", "transport", "observability", "client", "cli", "testing", "engine", "service", "openai", "http", "hydra",
           "rpc_backend", "protocol", "models")
 
 

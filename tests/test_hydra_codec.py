@@ -56,7 +56,7 @@ from hydra_trio.protocol.hydra import (
     pack_decode_frame,
     unpack_decode_frames,
 )
-from hydra_trio.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from hydra_trio.protocol.messages import (
     MessageError,
     PipelineAttachRequest,

@@ -29,7 +29,7 @@ def _python(code: str) -> str:
 def test_the_node_modules_import_none_of_the_heavy_ones() -> None:
     loaded = json.loads(_python(
         "import json, sys\n"
-        "import hydra_trio.cli, hydra_trio.cli.run, hydra_trio.node.server, hydra_trio.api.embeddings\n"
+        "import hydra_trio.cli, hydra_trio.cli.run, hydra_trio.node.server, hydra_trio.openai.embeddings\n"
         "import hydra_trio.engine.engine, hydra_trio.engine.model\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules] + [len(sys.modules)]))"))
     *heavy, n = loaded

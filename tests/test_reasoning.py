@@ -1,4 +1,4 @@
-"""The sans-I/O thinking parser (hydra_trio.api.reasoning): exact splits, and for any chunking of a
+"""The sans-I/O thinking parser (hydra_trio.openai.reasoning): exact splits, and for any chunking of a
 text the concatenated deltas equal the whole-text parse (hypothesis)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.api.reasoning import (
+from hydra_trio.openai.reasoning import (
     MARKERS,
     ReasoningParser,
     check_format,

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz.strategies import SizedCase, deep_grammars, deep_json_bodies, long_request_lists, wide_and_deep_schemas
-from hydra_trio.api.json_schema import MAX_SCHEMA_NODES, schema_to_gbnf
-from hydra_trio.api.tools import parse_tool_spec, tool_grammar
+from hydra_trio.openai.json_schema import MAX_SCHEMA_NODES, schema_to_gbnf
+from hydra_trio.openai.tools import parse_tool_spec, tool_grammar
 from hydra_trio.engine.gbnf_depth import depths, stack_depth
 from hydra_trio.engine.sampling import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STACK_DEPTH, GrammarError, check_grammar
 from hydra_trio.protocol import strict
@@ -316,7 +316,7 @@ def test_raw_grammars_that_stack_deep_are_refused(http: httpx.Client) -> None:
 
 
 def test_response_fields_and_tools_are_bounded(http: httpx.Client) -> None:
-    from hydra_trio.api.schemas import MAX_RESPONSE_FIELDS
+    from hydra_trio.openai.schemas import MAX_RESPONSE_FIELDS
 
     r = http.post("/completion", json={"prompt": "x", "n_predict": 1, "response_fields": ["content"] * MAX_RESPONSE_FIELDS})
     assert r.status_code == 200 and list(r.json()) == ["content"], r.text[:300]

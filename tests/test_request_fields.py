@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hydra_trio.api.schemas import ChatCompletionRequest, parse_body
+from hydra_trio.openai.schemas import ChatCompletionRequest, parse_body
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
 
 from .conftest import ServerProcess

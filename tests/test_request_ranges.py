@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from hydra_trio.api.field_limits import N_PROBS_MAX
+from hydra_trio.openai.field_limits import N_PROBS_MAX
 
 from .conftest import ServerProcess
 

@@ -1,4 +1,4 @@
-"""Tool calling, sans-I/O (hydra_trio.api.tools): request checks, formats, grammars, and the reply
+"""Tool calling, sans-I/O (hydra_trio.openai.tools): request checks, formats, grammars, and the reply
 parser, with hypothesis: any chunking of the same reply gives the same content and calls."""
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.api import tools as T
-from hydra_trio.api.schemas import ChatCompletionRequest, RequestError, structure_body
+from hydra_trio.protocol.strict import MessageError
+from hydra_trio.openai import tools as T
+from hydra_trio.openai.schemas import ChatCompletionRequest, structure_body
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
@@ -27,7 +28,7 @@ def _chat(**kw: object) -> ChatCompletionRequest:
 
 
 def _err(field: str, **kw: object) -> None:
-    with pytest.raises(RequestError) as info:
+    with pytest.raises(MessageError) as info:
         _chat(**kw)
     assert str(info.value).startswith(field), str(info.value)
 
@@ -79,7 +80,7 @@ def test_tool_messages_are_checked() -> None:
          "messages[0].tool_calls[0].function.name"),
         ([{"role": "assistant", "tool_calls": "x"}], "messages[0].tool_calls"),
     ):
-        with pytest.raises(RequestError) as info:
+        with pytest.raises(MessageError) as info:
             structure_body({"messages": bad}, ChatCompletionRequest)
         assert str(info.value).startswith(field), str(info.value)
 

@@ -8,10 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.api.replies import ResponseContext
+from hydra_trio.protocol.strict import MessageError
+from hydra_trio.openai.replies import ResponseContext
 from hydra_trio.engine.slots import StopStringMatcher
 from hydra_trio.http._common import _sse
-from hydra_trio.api.schemas import ChatCompletionRequest, CompletionRequest, RequestError, parse_body
+from hydra_trio.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from hydra_trio.models.presets import PresetError, resolve_model
 from hydra_trio.protocol.classify import Protocol, classify
 
@@ -41,11 +42,11 @@ def test_stop_matcher_holds_back_partial_match() -> None:
 
 
 def test_schema_errors_name_fields() -> None:
-    with pytest.raises(RequestError, match=r"messages\[1\]"):
+    with pytest.raises(MessageError, match=r"messages\[1\]"):
         parse_body(json.dumps({"messages": [{"role": "user", "content": "a"}, 5]}).encode(), ChatCompletionRequest)
-    with pytest.raises(RequestError, match="stop"):
+    with pytest.raises(MessageError, match="stop"):
         parse_body(json.dumps({"prompt": "a", "stop": 3}).encode(), CompletionRequest)
-    with pytest.raises(RequestError, match="max_tokens: must be between -1 and 2147483647, got -2"):
+    with pytest.raises(MessageError, match="max_tokens: must be between -1 and 2147483647, got -2"):
         parse_body(json.dumps({"prompt": "a", "max_tokens": -2}).encode(), CompletionRequest)
     # -1 is llama-server's "no limit" for n_predict and its aliases max_tokens / max_completion_tokens
     # (GET /props shows max_tokens: -1; a client sends it back)

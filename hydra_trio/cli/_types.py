@@ -419,7 +419,7 @@ def json_schema_grammar(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a JSON schema, got {text[:80]!r}: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise argparse.ArgumentTypeError(f"expected a JSON schema (an object), got {type(schema).__name__}")
-    from ..api.json_schema import SchemaError, schema_to_gbnf
+    from ..openai.json_schema import SchemaError, schema_to_gbnf
 
     try:
         return schema_to_gbnf(schema)

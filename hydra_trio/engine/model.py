@@ -285,7 +285,7 @@ class ChatTemplate:
         """``(prompt, stop strings)``; ``kwargs`` are template variables over the node's (a request's
         ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
         variable (a built-in template has no variables and never renders tools: callers describe them
-        in a message instead, :func:`hydra_trio.api.tools.render_messages`).  ``max_chars``: a Jinja
+        in a message instead, :func:`hydra_trio.openai.tools.render_messages`).  ``max_chars``: a Jinja
         template's rendering stops with :class:`~hydra_trio.protocol.strict.TooLong` past that many
         characters (a built-in template writes little more than the messages themselves)."""
         return self._render(messages, kwargs, tools, max_chars)

@@ -51,7 +51,7 @@ class CompletionJob:
         logprobs: compute each sampled token's log-probability (natural log,
             over the model's raw logits) into ``TextDelta.logprobs``.
         n_probs: also the ``n_probs`` most likely tokens at each step
-            (``TextDelta.top_logprobs``), 0 .. ``hydra_trio.api.field_limits.N_PROBS_MAX``.
+            (``TextDelta.top_logprobs``), 0 .. ``hydra_trio.openai.field_limits.N_PROBS_MAX``.
         logit_bias: ``(token id, bias)`` pairs added to the logits.
         grammar: GBNF text the output must match (llama.cpp's grammar sampler).
         grammar_lazy: the grammar applies only from the first match of one of
@@ -89,7 +89,7 @@ class CompletionJob:
         special: generated special tokens are written into the text as their text (llama-server's
             ``-sp/--special``); otherwise they add no text.
         chat_reply: how the reply text is shaped by the API layer (a chat reply's
-            :class:`~hydra_trio.api.reasoning.ThinkingSetup`); the engine never reads it.
+            :class:`~hydra_trio.openai.reasoning.ThinkingSetup`); the engine never reads it.
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
     """
@@ -284,7 +284,7 @@ class LiveRequests:
 
     Attributes:
         stopped_why: None until :meth:`end_all`; from then on a new request is refused with it (:meth:`add`).
-        embeddings: embeddings requests working now (``hydra_trio.api.embeddings.embed_request`` counts them):
+        embeddings: embeddings requests working now (``hydra_trio.openai.embeddings.embed_request`` counts them):
             they count in ``Engine.requests_processing``, and slot 0, whose sequence their inputs decode on,
             is processing meanwhile (:meth:`busy`), as llama-server runs an embeddings request in a slot.
     """

@@ -43,7 +43,7 @@ stop                   at most 16 strings of at most
 
 "finite" is finite as a 32-bit float, the type llama.cpp holds these in (at most ``FLT_MAX``, about
 3.4e38).  These are the values the engine runs: the node's flags and CONFIGURE are refused outside them.
-A request's fields are first read as llama-server reads them (:mod:`hydra_trio.api.field_limits`: soft
+A request's fields are first read as llama-server reads them (:mod:`hydra_trio.openai.field_limits`: soft
 limits clamp, hard limits refuse), which gives a value inside but for the penalties, refused here as
 llama.cpp's ``common_sampler_init`` refuses them (``common/sampling.cpp``).
 
@@ -495,7 +495,7 @@ class EngineConfig:
             (``--chat-template-kwargs``; ``--reasoning on|off`` sets ``enable_thinking``).
         slot_save_path: the directory of slot files, ``POST /slots/{id}?action=save|restore``
             (``--slot-save-path``); None: those actions answer 501, as llama-server's without the flag
-            (see :mod:`hydra_trio.engine.slot_files`).
+            (see :mod:`hydra_trio.service.slot_files`).
         sampling: the node's sampling defaults, for every request field a
             request leaves out or sends as null (``--temp``, ``--top-k``, ...;
             CONFIGURE tier 1 changes them at run time).
@@ -542,7 +542,7 @@ class EngineConfig:
             2048, OpenAI's limit on an ``input`` array; llama-server has none): more are a 400 naming it.
         reasoning_format: how chat replies are split into ``reasoning_content`` and ``content``
             (``--reasoning-format``: ``none``, ``deepseek``, ``deepseek-legacy`` or ``auto``;
-            :mod:`hydra_trio.api.reasoning`); a request's ``reasoning_format`` overrides it.
+            :mod:`hydra_trio.openai.reasoning`); a request's ``reasoning_format`` overrides it.
         reasoning_budget: thinking budget in tokens (``--reasoning-budget``): -1 unrestricted,
             0 no thinking (``enable_thinking`` false for the template, as llama-server), N > 0: after
             N tokens inside the thinking block its end marker is forced

@@ -13,7 +13,7 @@ tells :meth:`ThinkingBudget.accept` every token with its bytes.  Unlike
 llama-server, which matches the markers as token sequences, the markers are
 matched on the generated *bytes*, so a marker the model spells with other tokens
 than the tokenizer's (``".\\n</"`` + ``"think>"``) still counts; and, like this
-node's thinking parser (:mod:`hydra_trio.api.reasoning`), a block is recognised
+node's thinking parser (:mod:`hydra_trio.openai.reasoning`), a block is recognised
 only at the start of the reply (whitespace aside) or when the prompt opened it.
 """
 

@@ -40,7 +40,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
-from ..engine import slot_files
+from ..service import slot_files
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
 from ..engine.requests import CompletionJob, JobRun, TextDelta
@@ -56,22 +56,23 @@ from ._common import (
 from .events import events_endpoint
 from .inflight import InFlight
 from .native import native_routes
-from ..api.jobs import chat_job, job_from_completion
-from ..api.embeddings import EmbeddingsRequest, embed_request
+from ..service.jobs import chat_job, job_from_completion
+from ..openai.embeddings import EmbeddingsRequest
+from ..service.embeddings import embed_request
 from ..engine.engine import NO_EMBEDDINGS
-from ..api.native import models_reply, task_params
-from ..api.replies import ResponseContext
-from ..api.template_caps import known, template_caps
+from ..openai.native import models_reply, task_params
+from ..openai.replies import ResponseContext
+from ..openai.template_caps import known, template_caps
 from ..engine.model import model_meta
-from ..api.schemas import (
+from ..openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    RequestError,
     SlotFileRequest,
     TokenizeRequest,
     parse_body,
 )
+from ..protocol.strict import MessageError
 from .settings import HttpSettings
 from .auth import ApiKeyMiddleware, redact_query, send_refusal
 from ..transport.access import AccessSettings, Refusals, Secrets
@@ -164,7 +165,7 @@ class Api:
              "devices": [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds,
              "kv_cache": {"type_k", "type_v", "flash_attn"}, "memory": {device: {"weights", "kv", "compute"}}}
 
-        ``params`` is :func:`~hydra_trio.api.native.task_params` of the node's defaults: every sampler
+        ``params`` is :func:`~hydra_trio.openai.native.task_params` of the node's defaults: every sampler
         setting under llama-server's name (``EngineConfig.sampling``, changed by CONFIGURE), ``n_predict`` /
         ``max_tokens`` (``EngineConfig.n_predict``), the chain's order in ``samplers``, ``ignore_eos`` and
         ``adaptive_target`` / ``adaptive_decay`` (``EngineConfig.generation``),
@@ -172,7 +173,7 @@ class Api:
         llama-server's ``task_params::to_json`` does.
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one); ``chat_template_caps`` what it renders
-        (:mod:`hydra_trio.api.template_caps`); ``model_ftype`` the weights' type (``Q4_1``);
+        (:mod:`hydra_trio.openai.template_caps`); ``model_ftype`` the weights' type (``Q4_1``);
         ``media_marker`` llama-server's placeholder for media in a prompt (this node takes no media; the
         marker is drawn at start-up, or ``LLAMA_MEDIA_MARKER``).  hydra-trio's own keys: ``kv_cache``, the
         KV cache types (``-ctk`` / ``-ctv``, e.g. ``q8_0``) and flash attention in effect (``on`` / ``off``;
@@ -277,16 +278,16 @@ class Api:
             return e, await self._read(request, cls)
         except _BodyError as exc:
             return e, error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
-        except RequestError as exc:
+        except MessageError as exc:
             return e, _bad_request(str(exc))
 
     async def models(self, request: Request) -> Response:
-        """``GET /v1/models`` (and ``/models``): :func:`~hydra_trio.api.native.models_reply`."""
+        """``GET /v1/models`` (and ``/models``): :func:`~hydra_trio.openai.native.models_reply`."""
         return JSONResponse(models_reply(self.engine, int(self.started)))
 
     async def slots(self, request: Request) -> Response:
         """``GET /slots``: one object per slot (:meth:`~hydra_trio.engine.snapshot.SlotSnapshot.info`, its
-        ``params`` :func:`~hydra_trio.api.native.task_params`).  With ``?fail_on_no_slot=<anything but empty>``
+        ``params`` :func:`~hydra_trio.openai.native.task_params`).  With ``?fail_on_no_slot=<anything but empty>``
         and every slot processing, 503 ``no slot available`` (``unavailable_error``), as llama-server answers."""
         e = self.engine
         if e is None:
@@ -327,7 +328,7 @@ class Api:
 
     async def slot_action(self, request: Request) -> Response:
         """``POST /slots/{id}?action=erase|save|restore``, llama-server's replies: erase ``{"id_slot", "n_erased"}``;
-        save and restore take ``{"filename"}`` (:mod:`hydra_trio.engine.slot_files`).  Save and restore answer
+        save and restore take ``{"filename"}`` (:mod:`hydra_trio.service.slot_files`).  Save and restore answer
         501 without ``slot_save_path`` (erase always works); 400 for another action, a bad or missing filename,
         or a file this node cannot restore; 409 while the slot processes a request; 500 when the file cannot be
         written."""
@@ -352,7 +353,7 @@ class Api:
             return JSONResponse(await run(e, id_slot, Path(directory), body.filename))
         except _BodyError as exc:
             return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
-        except RequestError as exc:
+        except MessageError as exc:
             return _bad_request(str(exc))
         except HydraTrioError as exc:
             return error_for(exc)
@@ -368,7 +369,7 @@ class Api:
         would stall every other request on the event loop).
 
         Raises:
-            RequestError: invalid body (400).
+            MessageError: invalid body (400).
             _BodyError: too large (413) or the client stalled (408).
         """
         raw = bytes(await self._read_bytes(request, self.settings.max_body))
@@ -395,7 +396,7 @@ class Api:
 
     async def embeddings(self, request: Request) -> Response:
         """``POST /v1/embeddings`` (OpenAI's shape) and ``POST /embedding``, ``/embeddings`` (llama-server's):
-        :mod:`hydra_trio.api.embeddings`.  501 on a node without ``--embedding``, as llama-server."""
+        :mod:`hydra_trio.openai.embeddings`.  501 on a node without ``--embedding``, as llama-server."""
         e = self.engine
         if e is not None and not e.config.embeddings:
             return error_response(501, NO_EMBEDDINGS, "not_supported_error")

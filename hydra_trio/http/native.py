@@ -1,4 +1,4 @@
-"""llama-server's native HTTP routes beyond the OpenAI API (the shapes live in :mod:`hydra_trio.api.native`).
+"""llama-server's native HTTP routes beyond the OpenAI API (the shapes live in :mod:`hydra_trio.openai.native`).
 
 * ``POST /completion``, ``POST /completions``: llama-server's completion, whole or streamed.
 * ``POST /apply-template``: ``{"messages": [...]}`` -> ``{"prompt": text}``, the chat template in effect.
@@ -27,9 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..api.jobs import chat_prompt, job_from_completion
-from ..api.native import NativeCompletion, generation_settings
-from ..api.schemas import ChatCompletionRequest, CompletionRequest, RequestError
+from ..service.jobs import chat_prompt, job_from_completion
+from ..openai.native import NativeCompletion, generation_settings
+from ..openai.schemas import ChatCompletionRequest, CompletionRequest
+from ..protocol.strict import MessageError
 from ..engine.requests import JobRun
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.state import RunningChecksum, verify_checksum_off_engine
@@ -74,7 +75,7 @@ class NativeRoutes:
         try:
             body = await api._read(request, CompletionRequest)
             if body.echo:
-                raise RequestError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
+                raise MessageError("echo: an OpenAI field; /completion always returns the prompt in 'prompt'")
             # tokenizing reads only the vocabulary: a worker thread that stops with the request (bridge.py)
             job = await off_loop(request, lambda: job_from_completion(e, body))
             n_probs = body.top_logprobs_n  # n_probs, else its alias logprobs (llama-server's order)

@@ -25,10 +25,11 @@ import trio
 
 from ..transport.tls_bulk import send_bulk
 from .._version import __version__
-from ..api.jobs import ChatTools, chat_job, job_continue
-from ..api.tools import parse_reply
-from ..api.reasoning import ChatReplyText, ThinkingSetup
-from ..api.schemas import ChatCompletionRequest, CompletionRequest
+from ..openai.tools import ChatTools
+from ..service.jobs import chat_job, job_continue
+from ..openai.tools import parse_reply
+from ..openai.reasoning import ChatReplyText, ThinkingSetup
+from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
@@ -281,7 +282,7 @@ async def decode(ctx: OpContext) -> None:
     stop reason rides in the flags of the frame that ends it).
     ``"stream": false``: the reply is sent once generation ends, its meta has
     ``tokens_generated``, ``reasoning_tokens`` (those of the thinking block, split
-    by the body's ``reasoning_format`` as a chat reply is: :mod:`hydra_trio.api.reasoning`),
+    by the body's ``reasoning_format`` as a chat reply is: :mod:`hydra_trio.openai.reasoning`),
     ``n_past`` (after) and ``stop_reason``, with ``tools`` in the body also ``tool_calls``
     (the HTTP reply's ``message.tool_calls``: :func:`_tool_calls`), and its payload is exactly the
     generated frames.  A streamed DECODE's meta leaves before the reply exists: its client reads the
@@ -338,7 +339,7 @@ async def decode(ctx: OpContext) -> None:
 def _tool_calls(reply: ChatReplyText, tools: ChatTools | None) -> dict[str, Any]:
     """A non-streamed DECODE's tool calls, when the body offered tools: ``{"tool_calls": [{"id", "type",
     "function": {"name", "arguments"}}]}`` (the HTTP reply's ``message.tool_calls``; ``[]``: none), parsed from
-    the reply's content (its thinking split off) by the template's format (:mod:`hydra_trio.api.tools`)."""
+    the reply's content (its thinking split off) by the template's format (:mod:`hydra_trio.openai.tools`)."""
     if tools is None:
         return {}
     reply.finish()

@@ -5,7 +5,7 @@ out, through this module's own :class:`~hydra_trio.protocol.strict.StrictConvert
 Every parse error is a :class:`~hydra_trio.protocol.strict.MessageError`
 whose message names the offending field (the BAD_REQUEST ``{"error": ...}``
 text).  PREFILL and DECODE carry OpenAI chat bodies: they are parsed whole
-into :mod:`hydra_trio.api.schemas` classes, the same ones the HTTP API uses.
+into :mod:`hydra_trio.openai.schemas` classes, the same ones the HTTP API uses.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ..api.schemas import N_PREDICT_NAMES, REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
+from ..openai.schemas import N_PREDICT_NAMES, REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
 from .address import parse_peer
 from .strict import (
     Bytes,
@@ -241,7 +241,7 @@ class DecodeRequest:
     def budget_field(self) -> tuple[str, int] | None:
         """``(name, value)`` of the token budget: the first of ``n_predict``, ``max_completion_tokens``,
         ``max_tokens`` that is set and not null, the order llama-server reads them
-        (:data:`hydra_trio.api.schemas.N_PREDICT_NAMES`); None: none set."""
+        (:data:`hydra_trio.openai.schemas.N_PREDICT_NAMES`); None: none set."""
         for name in N_PREDICT_NAMES:
             v = getattr(self, name)
             if v is not None:

@@ -9,7 +9,7 @@ e.g. ``"n_predict: expected int, got str"`` or ``"messages[0].role: missing"``.
 
 Each module that reads bodies makes its own :class:`StrictConverter` (the
 Hydra payloads in :mod:`hydra_trio.protocol.messages`, the OpenAI bodies in
-:mod:`hydra_trio.api.schemas`): importing one never changes another's hooks.
+:mod:`hydra_trio.openai.schemas`): importing one never changes another's hooks.
 """
 
 from __future__ import annotations

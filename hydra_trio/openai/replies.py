@@ -15,7 +15,7 @@ from . import tools as api_tools
 from .reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
 
 if TYPE_CHECKING:
-    from .jobs import ChatTools
+    from .tools import ChatTools
 
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -44,7 +44,7 @@ class ResponseContext:
     token (one entry per completion token).
 
     A chat reply's text goes through the thinking parser (``thinking``, the job's
-    :class:`~hydra_trio.api.reasoning.ThinkingSetup`; :class:`~hydra_trio.api.reasoning.ChatReplyText`).
+    :class:`~hydra_trio.openai.reasoning.ThinkingSetup`; :class:`~hydra_trio.openai.reasoning.ChatReplyText`).
     """
 
     def __init__(
@@ -77,7 +77,7 @@ class ResponseContext:
                     end: bool = False) -> list[dict[str, Any]]:
         """Stream chunks for what a delta added to a chat reply (``split``: its thinking and content;
         ``end``: the reply ended): ``delta.reasoning_content``, then ``delta.content`` and, with tools,
-        ``delta.tool_calls`` as the tool-call parser finds them (:func:`hydra_trio.api.tools.stream_delta`).
+        ``delta.tool_calls`` as the tool-call parser finds them (:func:`hydra_trio.openai.tools.stream_delta`).
         A delta's logprobs ride on its first chunk (an empty delta when its text is held back)."""
         return [self.chunk(d, None, lp) for d, lp in self.chat_deltas(split, logprobs, has_tokens, end)]
 

@@ -3,7 +3,7 @@
 Type checks are strict (``"5"`` is not a number, ``1`` is not a string), and
 every error names the field, e.g. ``max_tokens: expected a number, got str``,
 so that an HTTP 400 tells the client exactly what to fix.  Numeric fields are
-read as llama-server reads them (:mod:`hydra_trio.api.field_limits`: a float
+read as llama-server reads them (:mod:`hydra_trio.openai.field_limits`: a float
 truncated for an integer field, a boolean as 1 or 0, soft limits clamped, hard
 limits refused).
 
@@ -25,16 +25,15 @@ from cattrs.gen import override
 
 from ..engine.settings import INT32_MAX, UINT32_MAX, ParameterError, SamplingParams, check_stop, parse_samplers
 from ..protocol import strict as msg
+from ..protocol.strict import MessageError
 from . import field_limits
 from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
 
-RequestError = msg.MessageError
-"""An invalid request body; the message names the field (HTTP 400)."""
 
 DEFAULT_TOP_LOGPROBS = 20
 """Alternatives per token for a chat request with ``logprobs: true`` and no ``top_logprobs`` (llama-server's
 ``oaicompat_chat_params_parse``, ``tools/server/server-common.cpp``)."""
-REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # hydra_trio.api.reasoning.FORMATS
+REASONING_FORMATS = ("none", "deepseek", "deepseek-legacy", "auto")  # hydra_trio.openai.reasoning.FORMATS
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 """``reasoning_effort`` levels: OpenAI's, and llama-server's ``--reasoning-effort`` ones (``max``)."""
 MAX_MESSAGES = 10000
@@ -60,7 +59,7 @@ class StreamOptions:
 @attrs.frozen
 class ChatMessage:
     """One chat message; ``tool_calls`` (assistant), ``tool_call_id`` (role ``tool``) and the
-    legacy ``function_call`` are checked by :func:`hydra_trio.api.tools.check_messages`."""
+    legacy ``function_call`` are checked by :func:`hydra_trio.openai.tools.check_messages`."""
 
     role: str
     content: str | None = None
@@ -74,7 +73,7 @@ class ChatMessage:
 # Fields of the OpenAI API and of llama-server that hydra-trio does not act on:
 # name -> the neutral values that are accepted (they ask for nothing).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    # OpenAI chat (tools, functions: hydra_trio.api.tools)
+    # OpenAI chat (tools, functions: hydra_trio.openai.tools)
     "store": (False,),
     "metadata": ({},),
     "modalities": (("text",),),
@@ -107,7 +106,7 @@ def _check_unsupported(raw: dict[str, Any]) -> None:
         key = tuple(v) if isinstance(v, list) else v
         if any(type(key) is type(n) and key == n for n in neutral):
             continue
-        raise RequestError(f"{name}: not supported by this server (send null or leave it out)")
+        raise MessageError(f"{name}: not supported by this server (send null or leave it out)")
 
 
 @attrs.frozen
@@ -174,7 +173,7 @@ class _GenerationFields:
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
     def check(self) -> None:
-        """Every field against its bounds (:mod:`hydra_trio.engine.settings`); raises RequestError naming it.
+        """Every field against its bounds (:mod:`hydra_trio.engine.settings`); raises MessageError naming it.
 
         Of fields that are one setting under several names (:data:`N_PREDICT_NAMES`, :data:`N_CMPL_NAMES`,
         the log-probability fields) only the one that is read is checked against its bounds, as llama-server
@@ -182,13 +181,13 @@ class _GenerationFields:
         """
         n_name, n_cmpl = _first_set(self, N_CMPL_NAMES) or ("n", 1)
         if n_cmpl < 1:
-            raise RequestError(f"{n_name}: must be at least 1, got {n_cmpl}")
+            raise MessageError(f"{n_name}: must be at least 1, got {n_cmpl}")
         if n_cmpl != 1:
-            raise RequestError(f"{n_name}: only one completion per request is supported ({n_name} = 1)")
+            raise MessageError(f"{n_name}: only one completion per request is supported ({n_name} = 1)")
         if self.best_of != 1:
-            raise RequestError("best_of: only best_of = 1 is supported")
+            raise MessageError("best_of: only best_of = 1 is supported")
         if self.service_tier not in (None, "auto", "default"):
-            raise RequestError(f"service_tier: {self.service_tier!r} is not offered (auto or default)")
+            raise MessageError(f"service_tier: {self.service_tier!r} is not offered (auto or default)")
         _check_unsupported(self.raw)
         try:
             # -1 (the node's -n) too, under every name (GET /props shows max_tokens: -1)
@@ -197,18 +196,18 @@ class _GenerationFields:
             check_stop(self.stop)
             fields = self.response_fields or ()
             if len(fields) > MAX_RESPONSE_FIELDS or any(len(f) > MAX_RESPONSE_FIELDS for f in fields):
-                raise RequestError(f"response_fields: at most {MAX_RESPONSE_FIELDS} paths of at most "
+                raise MessageError(f"response_fields: at most {MAX_RESPONSE_FIELDS} paths of at most "
                                    f"{MAX_RESPONSE_FIELDS} characters (MAX_RESPONSE_FIELDS)")
             if self.dry_sequence_breakers is not None and not self.dry_sequence_breakers:
-                raise RequestError("dry_sequence_breakers: must be a non-empty array of strings")
+                raise MessageError("dry_sequence_breakers: must be a non-empty array of strings")
             for name in _HARD_FIELDS:  # soft-limited fields were clamped when the body was read
                 field_limits.check_hard(name, getattr(self, name))
             self.sampling(SamplingParams())  # the sampler fields' own validators (the penalties' finiteness)
         except ValueError as exc:
-            raise RequestError(str(exc)) from None
+            raise MessageError(str(exc)) from None
         self.constraint()  # a malformed response_format, or a combination llama-server refuses
         if self.ignore_eos and self.constrained:
-            raise RequestError("ignore_eos: cannot be combined with grammar, json_schema or response_format "
+            raise MessageError("ignore_eos: cannot be combined with grammar, json_schema or response_format "
                                "(a finished grammar allows only end of generation)")
 
     def n_predict_effective(self, default: int = -1) -> int:
@@ -236,7 +235,7 @@ class _GenerationFields:
         (``tools/server/server-schema.cpp``): a ``grammar`` wins over a ``json_schema``; ``response_format``,
         which llama-server does not read there, applies only without either.
 
-        Raises RequestError for a malformed ``response_format``.
+        Raises MessageError for a malformed ``response_format``.
         """
         if self.grammar is not None:
             return "grammar", self.grammar
@@ -253,7 +252,7 @@ class _GenerationFields:
         ``oaicompat_chat_params_parse`` (``tools/server/server-common.cpp``): no ``type`` (or ``""``) is
         plain text, and a missing or null ``schema`` (or ``json_schema``) means any JSON object.
 
-        Raises RequestError for another type or a malformed object.
+        Raises MessageError for another type or a malformed object.
         """
         rf = self.response_format
         if rf is None:
@@ -266,14 +265,14 @@ class _GenerationFields:
         elif kind == "json_schema":
             spec = rf.get("json_schema")
             if spec is not None and not isinstance(spec, dict):
-                raise RequestError("response_format.json_schema: expected an object with a 'schema'")
+                raise MessageError("response_format.json_schema: expected an object with a 'schema'")
             schema = (spec or {}).get("schema")
         else:
-            raise RequestError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
+            raise MessageError(f"response_format.type: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
         if schema is None:
             return {}
         if not isinstance(schema, dict):
-            raise RequestError("response_format: the schema must be a JSON object")
+            raise MessageError("response_format: the schema must be a JSON object")
         return schema
 
     def sampling(self, d: SamplingParams) -> SamplingParams:
@@ -299,7 +298,7 @@ class _GenerationFields:
     @property
     def top_logprobs_n(self) -> int:
         """Alternatives per token the reply carries: 0 (none) for a value of 0 or less, at most
-        :data:`~hydra_trio.api.field_limits.N_PROBS_MAX`."""
+        :data:`~hydra_trio.openai.field_limits.N_PROBS_MAX`."""
         got = self.n_probs_field()
         return field_limits.n_probs(None if got is None else got[1])
 
@@ -319,7 +318,7 @@ N_CMPL_NAMES = ("n_cmpl", "n")
 
 _HARD_FIELDS = ("n_keep", "n_discard", "n_cache_reuse", "t_max_predict_ms", "repeat_last_n", "dry_allowed_length",
                 "dry_penalty_last_n", "min_keep", "adaptive_decay")
-"""The hard-limited fields (:mod:`~hydra_trio.api.field_limits`) that are one name each; the token budget's
+"""The hard-limited fields (:mod:`~hydra_trio.openai.field_limits`) that are one name each; the token budget's
 names are checked where they are resolved (only the one read)."""
 
 
@@ -354,43 +353,43 @@ class ChatCompletionRequest(_GenerationFields):
     reasoning_budget_tokens: int | None = None
     reasoning_budget_message: str | None = None
     reasoning_effort: str | None = None  # OpenAI: none (no thinking) or a level for the template
-    # tools, tool_choice, parallel_tool_calls, functions, function_call, checked (hydra_trio.api.tools)
+    # tools, tool_choice, parallel_tool_calls, functions, function_call, checked (hydra_trio.openai.tools)
     tool_spec: ToolSpec | None = attrs.field(default=None, init=False, eq=False, repr=False)
 
     def check(self) -> None:
         super().check()
         if not self.messages:
-            raise RequestError("messages: at least one message is required")
+            raise MessageError("messages: at least one message is required")
         if len(self.messages) > MAX_MESSAGES:
-            raise RequestError(f"messages: at most {MAX_MESSAGES} messages (MAX_MESSAGES), got {len(self.messages)}")
+            raise MessageError(f"messages: at most {MAX_MESSAGES} messages (MAX_MESSAGES), got {len(self.messages)}")
         self.check_thinking()
         spec = parse_tool_spec(self.raw)
         check_messages(self.messages)
         if spec is not None and spec.active and self.constrained:
-            raise RequestError("tools: cannot be combined with grammar, json_schema or response_format "
+            raise MessageError("tools: cannot be combined with grammar, json_schema or response_format "
                                "(the tool calls have their own grammar)")
         object.__setattr__(self, "tool_spec", spec)
         if self.top_logprobs is not None and not self.logprobs:  # its bounds: _GenerationFields.check
-            raise RequestError("top_logprobs: needs logprobs: true")
+            raise MessageError("top_logprobs: needs logprobs: true")
 
     def check_thinking(self) -> None:
         """``reasoning_format`` one of llama-server's; a budget -1 (the node's), 0 (no thinking) or N tokens;
         ``reasoning_effort`` one of :data:`REASONING_EFFORTS`;
         ``chat_template_kwargs.enable_thinking`` a boolean (llama-server's rule)."""
         if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS:
-            raise RequestError(f"reasoning_format: {self.reasoning_format!r} is not one of "
+            raise MessageError(f"reasoning_format: {self.reasoning_format!r} is not one of "
                                f"{', '.join(REASONING_FORMATS)}")
         if (budget := _first_set(self, ("reasoning_budget_tokens", "thinking_budget_tokens"))) is not None:
             try:
                 field_limits.check_hard(*budget)
             except ParameterError as exc:
-                raise RequestError(str(exc)) from None
+                raise MessageError(str(exc)) from None
         if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
-            raise RequestError(f"reasoning_effort: {self.reasoning_effort!r} is not one of "
+            raise MessageError(f"reasoning_effort: {self.reasoning_effort!r} is not one of "
                                f"{', '.join(REASONING_EFFORTS)}")
         kwargs = self.chat_template_kwargs or {}
         if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
-            raise RequestError("chat_template_kwargs.enable_thinking: expected a boolean, "
+            raise MessageError("chat_template_kwargs.enable_thinking: expected a boolean, "
                                f"got {msg.type_name(kwargs['enable_thinking'])}")
 
     @property
@@ -408,10 +407,10 @@ class ChatCompletionRequest(_GenerationFields):
         (``json_object`` without its own ``schema`` keeps a non-empty ``json_schema``), then ``json_schema``;
         any schema wins over ``grammar``.
 
-        Raises RequestError for a malformed ``response_format`` or ``json_schema`` with ``grammar``.
+        Raises MessageError for a malformed ``response_format`` or ``json_schema`` with ``grammar``.
         """
         if self.json_schema is not None and self.grammar is not None:
-            raise RequestError("grammar: cannot be combined with json_schema in a chat request (give one of them)")
+            raise MessageError("grammar: cannot be combined with json_schema in a chat request (give one of them)")
         field, schema = "json_schema", self.json_schema
         rf = self.json_response_schema()
         if rf is not None:
@@ -447,9 +446,9 @@ class CompletionRequest(_GenerationFields):
     def check(self) -> None:
         super().check()
         if self.prompt is not None and not self.prompt:
-            raise RequestError("prompt: must not be empty (null starts a new document)")
+            raise MessageError("prompt: must not be empty (null starts a new document)")
         if self.echo and self.wants_logprobs:
-            raise RequestError("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
+            raise MessageError("echo: cannot be combined with logprobs (prompt logprobs are not computed)")
 
     def n_probs_field(self) -> tuple[str, int] | None:
         """llama-server's ``n_probs``, then its alias ``logprobs`` (``tools/server/server-schema.cpp``):
@@ -495,7 +494,7 @@ class DetokenizeRequest:
 class SlotFileRequest:
     """``POST /slots/{id}?action=save|restore`` (llama-server's): ``filename``, a file name in the
     node's slot save path.  The name's own rules are checked by the handler
-    (:func:`hydra_trio.engine.slot_files.check_filename`)."""
+    (:func:`hydra_trio.service.slot_files.check_filename`)."""
 
     filename: str
 
@@ -583,7 +582,7 @@ def _logit_bias(v: Any, _t: Any) -> tuple[tuple[int | str, float], ...]:
     text (``{"Hello": -5}``), or an array of ``[token id or text, bias]`` pairs; a bias may be
     ``false`` (never produce the token).  A text stands for every token of its tokenization (no
     BOS, special-token text not parsed), as llama-server; ids are checked against the vocabulary
-    and texts tokenized when the job is built (:mod:`hydra_trio.api.jobs`)."""
+    and texts tokenized when the job is built (:mod:`hydra_trio.service.jobs`)."""
     if v is None:
         return ()
     out: list[tuple[int | str, float]] = []
@@ -641,7 +640,7 @@ def _tool_choice(v: Any, _t: Any) -> str | dict[str, Any] | None:
 
 
 def _number(name: str) -> Any:
-    """The structure hook of numeric field ``name``: :func:`~hydra_trio.api.field_limits.read_number`."""
+    """The structure hook of numeric field ``name``: :func:`~hydra_trio.openai.field_limits.read_number`."""
     return override(struct_hook=lambda v, _t: field_limits.read_number(name, v))
 
 
@@ -676,7 +675,7 @@ def parse_body(raw: bytes, cls: type[Any]) -> Any:
     """Parse a JSON body into ``cls`` and run its checks.
 
     Raises:
-        RequestError: invalid UTF-8 or JSON (NaN and Infinity included), not
+        MessageError: invalid UTF-8 or JSON (NaN and Infinity included), not
             an object, a field of the wrong type or out of range; the message
             names the field.
     """
@@ -684,15 +683,15 @@ def parse_body(raw: bytes, cls: type[Any]) -> Any:
         data = msg.loads(raw)
     except msg.NotUnicode:
         raise  # it names the field already
-    except RequestError as exc:
-        raise RequestError(f"invalid JSON body: {str(exc).removeprefix('payload is not valid JSON: ')}") from None
+    except MessageError as exc:
+        raise MessageError(f"invalid JSON body: {str(exc).removeprefix('payload is not valid JSON: ')}") from None
     return structure_body(data, cls)
 
 
 def structure_body(data: Any, cls: type[Any]) -> Any:
     """Structure an already-decoded JSON value into ``cls``; same errors as :func:`parse_body`."""
     if not isinstance(data, dict):
-        raise RequestError(f"the body must be a JSON object, got {msg.type_name(data)}")
+        raise MessageError(f"the body must be a JSON object, got {msg.type_name(data)}")
     obj = _conv.structure(data, cls)
     obj.check()
     return obj

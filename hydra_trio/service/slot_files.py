@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import HydraTrioError, InvalidRequest
-from .blobbuf import BlobBuffer
-from .state import StateError, verify_checksum
-from .tasks import RestoreSlot, SaveSlot
+from ..engine.blobbuf import BlobBuffer
+from ..engine.state import StateError, verify_checksum
+from ..engine.tasks import RestoreSlot, SaveSlot
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine.engine import Engine
 
 MAX_FILENAME_BYTES = 255
 """The longest file name, in UTF-8 bytes (Linux's NAME_MAX; llama-server's limit)."""

@@ -19,7 +19,7 @@ llama-server detected them before its automatic parser (llama.cpp
   tool prompt, its minja polyfills for templates that know no tools).
 
 Grammars (:func:`tool_grammar`): each tool's ``parameters`` JSON schema becomes
-GBNF through the node's bounded converter (:mod:`hydra_trio.api.json_schema`, the
+GBNF through the node's bounded converter (:mod:`hydra_trio.openai.json_schema`, the
 one ``json_schema`` uses), wrapped in the format's markers.  ``required`` and a named function constrain the whole reply; ``auto``
 uses a lazy grammar that wakes at the format's marker (``<tool_call>``,
 ``[TOOL_CALLS]``, ``{"name": "``) for the native formats, and the whole-reply
@@ -191,6 +191,16 @@ def _call_from(obj: Any, args_keys: Sequence[str]) -> tuple[str, str] | None:
                 return None
             return name, json.dumps(args, ensure_ascii=False, separators=(",", ":"))
     return name, "{}"
+
+
+@attrs.frozen
+class ChatTools:
+    """How a chat request's tools are handled: the request's :class:`~.tool_prompt.ToolSpec` and the
+    template's tool-call ``format`` (:func:`detect_format`); the reply is parsed with
+    :class:`ToolCallParser` ``(format)`` when ``spec.active``."""
+
+    spec: ToolSpec
+    format: str
 
 
 class ToolCallParser:

@@ -14,20 +14,12 @@ from ..protocol.strict import TooLong
 from ..engine.requests import CompletionJob
 from ..engine.settings import GenerationDefaults
 from ..engine.thinking_budget import BudgetSpec
-from .reasoning import MARKERS, ThinkingSetup, opened_in_prompt
-from .json_schema import SchemaError, schema_to_gbnf
-from .schemas import ChatCompletionRequest, CompletionRequest, RequestError
-from . import tools as _tools
-
-
-@attrs.frozen
-class ChatTools:
-    """How a chat request's tools are handled: the request's :class:`~.tools.ToolSpec` and the
-    template's tool-call ``format`` (:func:`~.tools.detect_format`); the reply is parsed with
-    ``tools.ToolCallParser(format)`` when ``spec.active``."""
-
-    spec: _tools.ToolSpec
-    format: str
+from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
+from ..openai.json_schema import SchemaError, schema_to_gbnf
+from ..openai.schemas import ChatCompletionRequest, CompletionRequest
+from ..protocol.strict import MessageError
+from ..openai import tools as _tools
+from ..openai.tools import ChatTools
 
 
 def job_from_chat(
@@ -37,7 +29,7 @@ def job_from_chat(
     else chatml) and tokenize it (BOS added as llama-server adds it).
 
     ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).
-    Raises ChatTemplateError (the template failed; an InvalidRequest) or RequestError.
+    Raises ChatTemplateError (the template failed; an InvalidRequest) or MessageError.
     """
     return chat_job(e, body, n_predict=n_predict, id_slot=id_slot)[0]
 
@@ -99,14 +91,14 @@ def chat_job(
     try:
         g = _tools.tool_grammar(spec, fmt)
     except SchemaError as exc:  # checked together when the body was read; a format's wrapping adds a little
-        raise RequestError(f"tools: {exc}"[:1000]) from None
+        raise MessageError(f"tools: {exc}"[:1000]) from None
     if g is not None and not g.lazy and thinking.prompt_open is not None:  # the reply starts in thinking
         g = attrs.evolve(g, gbnf=_tools.after_thinking(g.gbnf, thinking.prompt_open[1]))
     if g is not None:
         try:
             check_grammar(m.vocab, g.gbnf)
         except GrammarError as exc:
-            raise RequestError(f"tools: {exc}") from None
+            raise MessageError(f"tools: {exc}") from None
         job = attrs.evolve(job, grammar=g.gbnf, grammar_lazy=g.lazy, grammar_triggers=g.triggers)
     return job, ChatTools(spec, fmt)
 
@@ -185,11 +177,11 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
             if isinstance(part, str):
                 tokens += m.tokenize(part, add_special=i == 0, parse_special=True)
             elif not 0 <= part < m.n_vocab:
-                raise RequestError(f"prompt: token id {part} is out of the vocabulary (0..{m.n_vocab - 1})")
+                raise MessageError(f"prompt: token id {part} is out of the vocabulary (0..{m.n_vocab - 1})")
             else:
                 tokens.append(part)
         if not tokens:
-            raise RequestError("prompt: the prompt holds no tokens")
+            raise MessageError("prompt: the prompt holds no tokens")
     return _job(e, body, tokens, list(body.stop), None, None)
 
 
@@ -249,7 +241,7 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
     request's grammar, json_schema or JSON response_format (a finished grammar allows only the end of
     generation; the two defaults together are refused at start).
 
-    Raises RequestError: the node's grammar does not parse for this model's vocabulary.
+    Raises MessageError: the node's grammar does not parse for this model's vocabulary.
     """
     sent = {k for k, v in body.raw.items() if v is not None}
     own_ignore_eos = "ignore_eos" in sent and bool(body.ignore_eos)
@@ -264,7 +256,7 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
         try:
             check_grammar(m.vocab, g.grammar)
         except GrammarError as exc:
-            raise RequestError(f"the node's grammar (--grammar, --json-schema): {exc}") from None
+            raise MessageError(f"the node's grammar (--grammar, --json-schema): {exc}") from None
         changes["grammar"] = g.grammar
     for name in ("adaptive_target", "adaptive_decay", "cache_prompt"):
         if name not in sent:
@@ -277,20 +269,20 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
 def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
     """A request's ``logit_bias`` as ``(token id, bias)`` pairs: a text becomes every token of its
     tokenization (no BOS, special-token text not parsed: llama-server's ``common_tokenize(vocab, text,
-    false)``).  Raises RequestError for an id outside the vocabulary, and for more pairs than the
+    false)``).  Raises MessageError for an id outside the vocabulary, and for more pairs than the
     vocabulary has tokens (``n_vocab``: every token once; llama.cpp's logit-bias sampler walks all pairs
     at each token, so the limit keeps that walk within one pass over the vocabulary's size)."""
     too_many = f"logit_bias: more than {m.n_vocab} (token, bias) pairs, the vocabulary's size (n_vocab)"
     if len(entries) > m.n_vocab:  # each entry is one pair or more
-        raise RequestError(f"{too_many}: {len(entries)} entries")
+        raise MessageError(f"{too_many}: {len(entries)} entries")
     out: list[tuple[int, float]] = []
     for tok, bias in entries:
         if isinstance(tok, str):
             out += [(t, bias) for t in m.tokenize(tok, add_special=False, parse_special=False)]
             if len(out) > m.n_vocab:
-                raise RequestError(f"{too_many}, once the texts are tokenized")
+                raise MessageError(f"{too_many}, once the texts are tokenized")
         elif tok >= m.n_vocab:
-            raise RequestError(f"logit_bias: token id {tok} is out of the vocabulary (0..{m.n_vocab - 1})")
+            raise MessageError(f"logit_bias: token id {tok} is out of the vocabulary (0..{m.n_vocab - 1})")
         else:
             out.append((tok, bias))
     return tuple(out)
@@ -299,10 +291,10 @@ def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> 
 def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The request's output constraint as GBNF, checked by llama.cpp's parser (llama-server's fields:
     ``grammar`` as GBNF, ``json_schema`` / ``response_format`` as a JSON schema converted by
-    :func:`hydra_trio.api.json_schema.schema_to_gbnf`, which refuses what it cannot enforce and
+    :func:`hydra_trio.openai.json_schema.schema_to_gbnf`, which refuses what it cannot enforce and
     what is over its limits; an empty schema means any JSON object).
 
-    Raises RequestError naming the field.
+    Raises MessageError naming the field.
     """
     got = body.constraint()  # which of the fields is in effect: the request class's (llama-server's) order
     if got is None:
@@ -316,9 +308,9 @@ def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) ->
         try:
             gbnf = JSON_GBNF if value in ({}, {"type": "object"}) else schema_to_gbnf(value)
         except SchemaError as exc:
-            raise RequestError(f"{field}: {exc}"[:1000]) from None
+            raise MessageError(f"{field}: {exc}"[:1000]) from None
     try:
         check_grammar(m.vocab, gbnf)
     except GrammarError as exc:
-        raise RequestError(f"{field}: {exc}") from None
+        raise MessageError(f"{field}: {exc}") from None
     return gbnf

@@ -39,7 +39,8 @@ from ..engine.settings import INT32_MAX
 from ..engine.tasks import Embed, EmbeddingLimits
 from ..errors import InvalidRequest
 from ..protocol import strict as msg
-from .schemas import RequestError, _conv
+from ..protocol.strict import MessageError
+from .schemas import _conv
 
 OAI_NONE_POOLING = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
 """llama-server's 400 for ``/v1/embeddings`` on a node with ``--pooling none``."""
@@ -72,13 +73,13 @@ class EmbeddingsRequest:
 
     def check(self) -> None:
         if self.input is None and self.content is None:
-            raise RequestError("input: required (\"input\" or \"content\" must be provided): a string, a list of "
+            raise MessageError("input: required (\"input\" or \"content\" must be provided): a string, a list of "
                                "strings, a list of token ids or a list of token-id lists")
         if self.encoding_format not in (None, "float", "base64"):
-            raise RequestError(f"encoding_format: {self.encoding_format!r} is not supported; "
+            raise MessageError(f"encoding_format: {self.encoding_format!r} is not supported; "
                                "The format to return the embeddings in. Can be either float or base64")
         if self.embd_normalize is not None and not -1 <= self.embd_normalize <= INT32_MAX:
-            raise RequestError(f"embd_normalize: must be -1 (none), 0 (max absolute, int16), 1 (taxicab), "
+            raise MessageError(f"embd_normalize: must be -1 (none), 0 (max absolute, int16), 1 (taxicab), "
                                f"2 (Euclidean) or a larger p-norm, got {self.embd_normalize}")
 
 
@@ -92,15 +93,15 @@ def _is_id(x: Any) -> bool:
 def split_inputs(value: Any, field: str) -> list[tuple[str, Any]]:
     """The inputs of ``input`` / ``content``, each as ``(name for errors, JSON value)``.
 
-    Raises RequestError naming the field (or the item) for an empty list or an item of another type.
+    Raises MessageError naming the field (or the item) for an empty list or an item of another type.
     """
     if isinstance(value, str):
         return [(field, value)]
     if not isinstance(value, list):
-        raise RequestError(f"{field}: expected a string, a list of strings, a list of token ids or a list of "
+        raise MessageError(f"{field}: expected a string, a list of strings, a list of token ids or a list of "
                            f"token-id lists, got {msg.type_name(value)}")
     if not value:
-        raise RequestError(f"{field}: must not be empty")
+        raise MessageError(f"{field}: must not be empty")
     if any(_is_id(x) for x in value):
         return [(field, value)]  # one input: token ids, or ids mixed with strings
     return [(f"{field}[{i}]", item) for i, item in enumerate(value)]
@@ -109,39 +110,39 @@ def split_inputs(value: Any, field: str) -> list[tuple[str, Any]]:
 def input_tokens(m: LoadedModel, name: str, value: Any) -> list[int]:
     """One input's tokens: a string, or a list of token ids and strings (llama-server's ``tokenize_mixed``).
 
-    Raises RequestError naming ``name`` for an empty input, a float, an object, or an id outside the vocabulary.
+    Raises MessageError naming ``name`` for an empty input, a float, an object, or an id outside the vocabulary.
     """
     if isinstance(value, str):
         if not value:
-            raise RequestError(f"{name}: the input is empty (an empty string has nothing to embed)")
+            raise MessageError(f"{name}: the input is empty (an empty string has nothing to embed)")
         return m.tokenize(value, add_special=True, parse_special=True)
     if not isinstance(value, list):
-        raise RequestError(f"{name}: expected a string or a list of token ids, got {msg.type_name(value)}")
+        raise MessageError(f"{name}: expected a string or a list of token ids, got {msg.type_name(value)}")
     if not value:
-        raise RequestError(f"{name}: the input is empty (no token ids)")
+        raise MessageError(f"{name}: the input is empty (no token ids)")
     tokens: list[int] = []
     for i, x in enumerate(value):
         if isinstance(x, str):
             tokens += m.tokenize(x, add_special=i == 0, parse_special=True)
         elif _is_id(x):
             if not 0 <= x < m.n_vocab:
-                raise RequestError(f"{name}[{i}]: token id {x} is out of the vocabulary (0..{m.n_vocab - 1})")
+                raise MessageError(f"{name}[{i}]: token id {x} is out of the vocabulary (0..{m.n_vocab - 1})")
             tokens.append(x)
         else:
-            raise RequestError(f"{name}[{i}]: expected a token id or a string, got {msg.type_name(x)}")
+            raise MessageError(f"{name}[{i}]: expected a token id or a string, got {msg.type_name(x)}")
     if not tokens:
-        raise RequestError(f"{name}: the input is empty (no tokens)")
+        raise MessageError(f"{name}: the input is empty (no tokens)")
     return tokens
 
 
 def check_input_count(body: EmbeddingsRequest, max_inputs: int) -> list[tuple[str, Any]]:
     """The inputs of ``body`` (:func:`split_inputs`), at most ``max_inputs`` of them.
 
-    Raises RequestError naming the field and the limit (``--max-embedding-inputs``) for more.
+    Raises MessageError naming the field and the limit (``--max-embedding-inputs``) for more.
     """
     items = split_inputs(body.input if body.input is not None else body.content, body.field)
     if len(items) > max_inputs:
-        raise RequestError(f"{body.field}: {len(items)} inputs; at most {max_inputs} fit in one request "
+        raise MessageError(f"{body.field}: {len(items)} inputs; at most {max_inputs} fit in one request "
                            "(--max-embedding-inputs)")
     return items
 
@@ -151,17 +152,17 @@ def tokenize_inputs(m: LoadedModel, body: EmbeddingsRequest, max_tokens: int, wh
     """Every input of ``body`` as ``(name, tokens)``, checked: at most ``max_inputs`` of them
     (:func:`check_input_count`), none empty, none over ``max_tokens``.
 
-    Raises RequestError naming the field or item (``input[2]: ...``).
+    Raises MessageError naming the field or item (``input[2]: ...``).
     """
     if body.dimensions is not None:
         n_embd = n_embd_out(m)
         if body.dimensions != n_embd:
-            raise RequestError(f"dimensions: this model's embeddings have {n_embd} dimensions; "
+            raise MessageError(f"dimensions: this model's embeddings have {n_embd} dimensions; "
                                f"other sizes are not supported, got {body.dimensions}")
     out = [(name, input_tokens(m, name, item)) for name, item in check_input_count(body, max_inputs)]
     for name, tokens in out:
         if len(tokens) > max_tokens:
-            raise RequestError(f"{name}: the input has {len(tokens)} tokens; at most {max_tokens} fit ({why})")
+            raise MessageError(f"{name}: the input has {len(tokens)} tokens; at most {max_tokens} fit ({why})")
     return out
 
 
@@ -182,52 +183,3 @@ def openai_body(results: Sequence[Embedding], model: str, *, base64_floats: bool
 def native_body(results: Sequence[Embedding]) -> list[dict[str, Any]]:
     """llama-server's native list: ``{"index", "embedding": [vector, ...]}`` per input."""
     return [{"index": i, "embedding": [list(v) for v in r.vectors]} for i, r in enumerate(results)]
-
-
-async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
-                        prepare: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
-                        ) -> dict[str, Any] | list[dict[str, Any]]:
-    """Answer one embeddings body: the OpenAI list (``oai``: ``/v1/embeddings`` with ``input``) or the native list.
-
-    At most ``--max-embedding-inputs`` inputs (``EngineConfig.max_embedding_inputs``), counted before any is
-    tokenized.  Each input is one engine call (:func:`~hydra_trio.engine.embedding.embed_counted`), in order;
-    every input is tokenized and checked first, so a bad one costs no decoding.  ``prepare(fn)`` runs the
-    tokenizing off the event loop (the HTTP app's runs it in a worker thread that stops with the request;
-    default: a trio worker thread).  Cancelled, it embeds no further input.  While it works it counts in
-    ``Engine.live.embeddings`` (``/slots``, ``/metrics``: the inputs decode on slot 0's sequence).
-
-    Raises:
-        RequestError: the body or an input is invalid, too many inputs (400), or ``oai`` on a node with
-            pooling ``none``.
-        InvalidRequest: the node does not serve embeddings (no ``--embedding``).
-        NotReady, EngineFailure: from the engine.
-    """
-    if not e.config.embeddings:
-        raise InvalidRequest(NO_EMBEDDINGS)
-    max_inputs = e.config.max_embedding_inputs
-    check_input_count(body, max_inputs)  # before anything is tokenized or queued
-    e.live.embeddings += 1
-    try:
-        return await _embed(e, body, oai, prepare or trio.to_thread.run_sync, max_inputs)
-    finally:
-        e.live.embeddings -= 1
-
-
-async def _embed(e: Engine, body: EmbeddingsRequest, oai: bool, prepare: Callable[[Callable[[], Any]], Awaitable[Any]],
-                 max_inputs: int) -> dict[str, Any] | list[dict[str, Any]]:
-    pooling, limit, why = await e.run_task(EmbeddingLimits())
-    oai = oai and body.input is not None  # llama-server: "content" is its own field, answered in its own shape
-    if oai and pooling == POOLING["none"]:
-        raise RequestError(OAI_NONE_POOLING)
-    m = e.model
-    assert m is not None and e.identity is not None
-    # tokenizing reads only the vocabulary: off the event loop and the engine thread (bridge.py)
-    inputs = await prepare(lambda: tokenize_inputs(m, body, limit, why, max_inputs))
-    normalize = e.config.embd_normalize if body.embd_normalize is None else body.embd_normalize
-    results = []
-    for _, tokens in inputs:  # one engine call each: other requests' inputs may run in between
-        job = EmbeddingJob(tuple(tokens), normalize)
-        results.append(await e.run_task(Embed(job)))
-    if oai:
-        return openai_body(results, body.model or e.identity.model_alias, base64_floats=body.base64)
-    return native_body(results)

@@ -1,6 +1,6 @@
 """Tool calling, the request side: tool checks, the formats, prompt rendering and grammars.
 
-Sans-I/O.  The reply side (parsing, reply shapes) is :mod:`hydra_trio.api.tools`, which
+Sans-I/O.  The reply side (parsing, reply shapes) is :mod:`hydra_trio.openai.tools`, which
 re-exports these names; the formats and the grammar approach are described there.
 """
 
@@ -17,8 +17,8 @@ import attrs
 
 from .json_schema import MAX_SCHEMA_NODES, Document, SchemaError, schema_to_gbnf
 from ..protocol import strict as msg
+from ..protocol.strict import MessageError
 
-RequestError = msg.MessageError
 
 FORMATS = ("generic", "hermes", "llama3", "mistral")
 GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with "
@@ -83,88 +83,88 @@ def _tool(field: str, raw: Any, *, legacy: bool) -> Tool:
         fn, where = raw, field
     else:
         if not isinstance(raw, dict):
-            raise RequestError(f"{field}: expected an object, got {msg.type_name(raw)}")
+            raise MessageError(f"{field}: expected an object, got {msg.type_name(raw)}")
         if raw.get("type", "function") != "function":
-            raise RequestError(f"{field}.type: only 'function' tools are supported, got {raw.get('type')!r}")
+            raise MessageError(f"{field}.type: only 'function' tools are supported, got {raw.get('type')!r}")
         fn, where = raw.get("function"), f"{field}.function"
     if not isinstance(fn, dict):
-        raise RequestError(f"{where}: expected an object, got {msg.type_name(fn)}")
+        raise MessageError(f"{where}: expected an object, got {msg.type_name(fn)}")
     name = fn.get("name")
     if not isinstance(name, str) or not name:
-        raise RequestError(f"{where}.name: expected a non-empty string, got {msg.type_name(name)}")
+        raise MessageError(f"{where}.name: expected a non-empty string, got {msg.type_name(name)}")
     if not _NAME.fullmatch(name):
-        raise RequestError(f"{where}.name: {name[:80]!r} must be 1 to 64 letters, digits, '_', '-', '.' or ':'")
+        raise MessageError(f"{where}.name: {name[:80]!r} must be 1 to 64 letters, digits, '_', '-', '.' or ':'")
     desc = fn.get("description")
     if desc is not None and not isinstance(desc, str):
-        raise RequestError(f"{where}.description: expected a string, got {msg.type_name(desc)}")
+        raise MessageError(f"{where}.description: expected a string, got {msg.type_name(desc)}")
     params = fn.get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
-        raise RequestError(f"{where}.parameters: expected a JSON schema object, got {msg.type_name(params)}")
+        raise MessageError(f"{where}.parameters: expected a JSON schema object, got {msg.type_name(params)}")
     return Tool(name, desc or "", params)
 
 
 def _check_schemas(tools: Sequence[Tool], field: str, legacy: bool) -> None:
     """The tools' ``parameters`` become one grammar (a call of any of them), as the reply's grammar
     will: a keyword no grammar enforces, or the converter's limits passed by the tools together (their
-    subschemas, the grammar's size), is a RequestError naming the tool's field, before any of the
+    subschemas, the grammar's size), is a MessageError naming the tool's field, before any of the
     request's work; the work done here is bounded by those limits, however many tools there are."""
     label = "{}[{}].parameters" if legacy else "{}[{}].function.parameters"
     try:
         schema_to_gbnf(_calls(tools, "arguments", where=[label.format(field, i) for i in range(len(tools))]))
     except SchemaError as exc:
         text = str(exc)
-        raise RequestError(text if text.startswith(field) else f"{field}: {text}") from None
+        raise MessageError(text if text.startswith(field) else f"{field}: {text}") from None
 
 
 def parse_tool_spec(raw: dict[str, Any]) -> ToolSpec | None:
     """The tool fields of a chat request body (``tools``, ``tool_choice``, ``parallel_tool_calls``,
     legacy ``functions`` / ``function_call``), checked; None when it offers no tools.
 
-    Raises RequestError naming the field: ``tools`` not a list, a tool without a name,
+    Raises MessageError naming the field: ``tools`` not a list, a tool without a name,
     a schema that cannot become a grammar, a ``tool_choice`` naming no offered tool, both
     ``tools`` and ``functions``.
     """
     tools_raw, functions_raw = raw.get("tools"), raw.get("functions")
     if tools_raw is not None and functions_raw is not None:
-        raise RequestError("functions: give tools or the legacy functions, not both")
+        raise MessageError("functions: give tools or the legacy functions, not both")
     legacy = functions_raw is not None
     field = "functions" if legacy else "tools"
     items = functions_raw if legacy else tools_raw
     choice_raw = raw.get("function_call") if legacy else raw.get("tool_choice")
     choice_field = "function_call" if legacy else "tool_choice"
     if legacy and raw.get("tool_choice") is not None:
-        raise RequestError("tool_choice: use function_call with functions")
+        raise MessageError("tool_choice: use function_call with functions")
     if not legacy and raw.get("function_call") is not None:
-        raise RequestError("function_call: needs functions (with tools, use tool_choice)")
+        raise MessageError("function_call: needs functions (with tools, use tool_choice)")
     if items is None:
         if choice_raw not in (None, "none", "auto"):
-            raise RequestError(f"{choice_field}: {choice_raw!r} needs {field}")
+            raise MessageError(f"{choice_field}: {choice_raw!r} needs {field}")
         return None
     if not isinstance(items, list):
-        raise RequestError(f"{field}: expected a list, got {msg.type_name(items)}")
+        raise MessageError(f"{field}: expected a list, got {msg.type_name(items)}")
     if len(items) * 3 > MAX_SCHEMA_NODES:  # a call is 3 subschemas at least: its object, its name, its arguments
-        raise RequestError(f"{field}: {len(items)} tools; the grammar of a call holds at most {MAX_SCHEMA_NODES // 3} "
+        raise MessageError(f"{field}: {len(items)} tools; the grammar of a call holds at most {MAX_SCHEMA_NODES // 3} "
                            f"(3 subschemas each at least, {MAX_SCHEMA_NODES} in all: MAX_SCHEMA_NODES)")
     tools = tuple(_tool(f"{field}[{i}]", t, legacy=legacy) for i, t in enumerate(items))
     names: set[str] = set()
     for t in tools:
         if t.name in names:
-            raise RequestError(f"{field}: the name {t.name!r} is given twice")
+            raise MessageError(f"{field}: the name {t.name!r} is given twice")
         names.add(t.name)
     if tools:
         _check_schemas(tools, field, legacy)
     parallel = raw.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise RequestError(f"parallel_tool_calls: expected a boolean, got {msg.type_name(parallel)}")
+        raise MessageError(f"parallel_tool_calls: expected a boolean, got {msg.type_name(parallel)}")
     choice, name = "auto", None
     if choice_raw is None:
         choice = "auto" if tools else "none"
     elif isinstance(choice_raw, str):
         allowed = ("auto", "none") if legacy else ("auto", "none", "required")
         if choice_raw not in allowed:
-            raise RequestError(f"{choice_field}: expected one of {', '.join(allowed)} or a named function, "
+            raise MessageError(f"{choice_field}: expected one of {', '.join(allowed)} or a named function, "
                                f"got {choice_raw[:40]!r}")
         choice = choice_raw
     elif isinstance(choice_raw, dict):
@@ -172,57 +172,57 @@ def parse_tool_spec(raw: dict[str, Any]) -> ToolSpec | None:
             name = choice_raw.get("name")
         else:
             if choice_raw.get("type") != "function":
-                raise RequestError(f"{choice_field}.type: expected 'function'")
+                raise MessageError(f"{choice_field}.type: expected 'function'")
             fn = choice_raw.get("function")
             name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
-            raise RequestError(f"{choice_field}: expected the function's name"
+            raise MessageError(f"{choice_field}: expected the function's name"
                                + ("" if legacy else " as {\"type\": \"function\", \"function\": {\"name\": ...}}"))
         if name not in names:
-            raise RequestError(f"{choice_field}: no tool is named {name[:80]!r}")
+            raise MessageError(f"{choice_field}: no tool is named {name[:80]!r}")
         choice = "function"
     else:
-        raise RequestError(f"{choice_field}: expected a string or an object, got {msg.type_name(choice_raw)}")
+        raise MessageError(f"{choice_field}: expected a string or an object, got {msg.type_name(choice_raw)}")
     if choice in ("required", "function") and not tools:
-        raise RequestError(f"{choice_field}: {choice!r} needs at least one tool")
+        raise MessageError(f"{choice_field}: {choice!r} needs at least one tool")
     return ToolSpec(tools, choice, name, bool(parallel) and not legacy, legacy)
 
 
 def check_messages(messages: Sequence[Any]) -> None:
     """Tool fields of chat messages: an assistant's ``tool_calls`` (or legacy ``function_call``),
-    a ``tool`` message's ``tool_call_id``.  Raises RequestError naming ``messages[i]....``."""
+    a ``tool`` message's ``tool_call_id``.  Raises MessageError naming ``messages[i]....``."""
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if m.tool_calls is not None:
             if m.role != "assistant":
-                raise RequestError(f"{where}.tool_calls: only assistant messages carry tool calls")
+                raise MessageError(f"{where}.tool_calls: only assistant messages carry tool calls")
             for j, call in enumerate(m.tool_calls):
                 w = f"{where}.tool_calls[{j}]"
                 if not isinstance(call, dict):
-                    raise RequestError(f"{w}: expected an object, got {msg.type_name(call)}")
+                    raise MessageError(f"{w}: expected an object, got {msg.type_name(call)}")
                 if call.get("type", "function") != "function":
-                    raise RequestError(f"{w}.type: expected 'function'")
+                    raise MessageError(f"{w}.type: expected 'function'")
                 _check_call_function(call.get("function"), f"{w}.function")
                 if call.get("id") is not None and not isinstance(call["id"], str):
-                    raise RequestError(f"{w}.id: expected a string")
+                    raise MessageError(f"{w}.id: expected a string")
         if m.function_call is not None:
             if m.role != "assistant":
-                raise RequestError(f"{where}.function_call: only assistant messages carry a function call")
+                raise MessageError(f"{where}.function_call: only assistant messages carry a function call")
             _check_call_function(m.function_call, f"{where}.function_call")
         if m.role == "tool" and m.tool_call_id is None:
-            raise RequestError(f"{where}.tool_call_id: a tool message needs the id of the call it answers")
+            raise MessageError(f"{where}.tool_call_id: a tool message needs the id of the call it answers")
         if m.role == "function" and not m.name:
-            raise RequestError(f"{where}.name: a function message needs the function's name")
+            raise MessageError(f"{where}.name: a function message needs the function's name")
 
 
 def _check_call_function(fn: Any, where: str) -> None:
     if not isinstance(fn, dict):
-        raise RequestError(f"{where}: expected an object with name and arguments")
+        raise MessageError(f"{where}: expected an object with name and arguments")
     if not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise RequestError(f"{where}.name: expected a non-empty string")
+        raise MessageError(f"{where}.name: expected a non-empty string")
     args = fn.get("arguments", "{}")
     if not isinstance(args, (str, dict)):
-        raise RequestError(f"{where}.arguments: expected a JSON string")
+        raise MessageError(f"{where}.arguments: expected a JSON string")
     # past the depth limit: TooDeep (read only when the brackets could nest that deep: a text is parsed once, to render)
     if isinstance(args, str) and args.count("[") + args.count("{") > msg.MAX_JSON_DEPTH and \
             msg.json_depth(args) > msg.MAX_JSON_DEPTH:
@@ -388,7 +388,7 @@ def _calls(tools: Sequence[Tool], args_key: str, with_id: bool = False,
 
 def _schema_grammar(tools: Sequence[Tool], args_key: str, *, with_id: bool = False,
                     wrap: Callable[[str], str] | None = None) -> str:
-    """GBNF for one call object of any of ``tools`` (:func:`hydra_trio.api.json_schema.schema_to_gbnf`):
+    """GBNF for one call object of any of ``tools`` (:func:`hydra_trio.openai.json_schema.schema_to_gbnf`):
     the root rule is the call, or ``wrap(call rule)``.  Raises SchemaError (a limit, a keyword no
     grammar enforces)."""
     return schema_to_gbnf(_calls(tools, args_key, with_id), wrap=wrap)
