@@ -4,22 +4,31 @@ Every error the package raises on purpose is a :class:`HydraTrioError`, and
 each class says what it is on the wire, as h11's errors carry an
 ``error_status_hint``: :attr:`~HydraTrioError.http_status` (the HTTP status of
 the OpenAI-style error body) and :attr:`~HydraTrioError.hydra_status` (the
-Hydra reply status, hydra-protocol.md §2), plus :meth:`~HydraTrioError.wire_meta`
-(extra keys for the error reply).  Both front ends look these up
-(:func:`hydra_trio.http._common.error_for`, :func:`hydra_trio.hydra.ops.reply_for`)
-instead of mapping classes themselves:
+Hydra reply status), plus :meth:`~HydraTrioError.wire_meta` (extra keys for the
+error reply) and the op-specific keys a front end adds with
+:meth:`~HydraTrioError.with_meta`.  Every refusal of a request is one of them,
+and each front end turns them into replies at one boundary
+(:mod:`hydra_trio.http.boundary`; :meth:`hydra_trio.hydra.connection.ServerConnection.handle`),
+never writing a status of its own:
 
-====================  ====  ===========  =======================
-class                 HTTP  Hydra        extra keys
-====================  ====  ===========  =======================
+====================  ====  ===============  =======================
+class                 HTTP  Hydra            extra keys
+====================  ====  ===============  =======================
 HydraTrioError        500   ERROR
 InvalidRequest        400   BAD_REQUEST
-Busy                  409   BUSY         ``busy_slots``
-NotReady              503   ERROR        ``stage``
+BodyError             400   BAD_REQUEST      (HTTP: the connection is closed)
+BodyTooLarge          413   BAD_REQUEST
+BodyTimeout           408   BAD_REQUEST
+NotFound              404   NOT_FOUND
+NotSupported          501   NOT_IMPLEMENTED
+NoModel               501   NOT_IMPLEMENTED
+Busy                  409   BUSY             ``busy_slots``
+Overloaded            503   BUSY
+NotReady              503   ERROR            ``stage``
 Cancelled             503   ERROR
 Stopping              503   ERROR
 EngineFailure         500   ERROR
-====================  ====  ===========  =======================
+====================  ====  ===============  =======================
 
 Subclasses elsewhere set their own (a state blob this node cannot take,
 :class:`hydra_trio.engine.state.StateError`, is HTTP 400 and Hydra ERROR).
@@ -28,7 +37,7 @@ A bare ``ValueError`` does not mean "invalid request".
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from .protocol.hydra import Status
 
@@ -45,6 +54,16 @@ class HydraTrioError(Exception):
         """Extra keys of the error reply (Hydra meta, and HTTP's ``error`` object); none here."""
         return {}
 
+    def with_meta(self, **meta: Any) -> Self:
+        """Add keys to this error's reply (a refused CONFIGURE's ``success: false`` and ``tier``, ...), over
+        :meth:`wire_meta`'s; returns ``self``, to be raised."""
+        self._reply_meta = {**getattr(self, "_reply_meta", {}), **meta}
+        return self
+
+    def reply_meta(self) -> dict[str, Any]:
+        """Every extra key of the error reply: :meth:`wire_meta`'s, then those :meth:`with_meta` added."""
+        return {**self.wire_meta(), **getattr(self, "_reply_meta", {})}
+
 
 class InvalidRequest(HydraTrioError):
     """The client's request is wrong (a field's type, range or meaning); the message names the field.
@@ -52,6 +71,49 @@ class InvalidRequest(HydraTrioError):
 
     http_status = 400
     hydra_status = Status.BAD_REQUEST
+
+
+class BodyError(HydraTrioError):
+    """The request's body could not be read whole: the connection ended before it did, or its length is not
+    the one declared (HTTP 400; the reply closes the connection, whose bytes are out of step; Hydra
+    BAD_REQUEST)."""
+
+    http_status = 400
+    hydra_status = Status.BAD_REQUEST
+
+
+class BodyTooLarge(BodyError):
+    """The body is over the node's limit (``--max-body``, ``--max-state-body``): HTTP 413."""
+
+    http_status = 413
+
+
+class BodyTimeout(BodyError):
+    """The client stopped sending its body for longer than ``--timeout``: HTTP 408."""
+
+    http_status = 408
+
+
+class NotFound(HydraTrioError):
+    """What the request names does not exist (a slot id past the node's slots): HTTP 404, Hydra NOT_FOUND."""
+
+    http_status = 404
+    hydra_status = Status.NOT_FOUND
+
+
+class NotSupported(HydraTrioError):
+    """The node does not offer what the request asks for (a feature off by its flags, an endpoint or opcode it
+    does not implement): HTTP 501 ``not_supported_error``, as llama-server answers, Hydra NOT_IMPLEMENTED."""
+
+    http_status = 501
+    hydra_status = Status.NOT_IMPLEMENTED
+
+
+class NoModel(NotSupported):
+    """The node has no model (a compute-only node: it lends its ggml-RPC backend), and the request needs one."""
+
+    def __init__(self, message: str = "this node has no model (compute-only)") -> None:
+        super().__init__(message)
 
 
 class Busy(HydraTrioError):
@@ -72,6 +134,14 @@ class Busy(HydraTrioError):
 
     def wire_meta(self) -> dict[str, Any]:
         return {"busy_slots": self.busy_slots}
+
+
+class Overloaded(HydraTrioError):
+    """Every place the request could take is taken (every slot processing, every event subscription in use)
+    and it asked not to wait: HTTP 503 ``unavailable_error``, Hydra BUSY."""
+
+    http_status = 503
+    hydra_status = Status.BUSY
 
 
 class NotReady(HydraTrioError):

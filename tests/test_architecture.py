@@ -111,7 +111,9 @@ def _layer(name: str) -> str:
 
 
 def test_layers() -> None:
-    """Which layer may import which: the engine and the codecs know no front end; the observability leaves
+    """Which layer may import which: the engine and the codecs know no front end; the front ends (``http``,
+    ``hydra``) call the service, which knows none of them, and the OpenAI shapes sit below the service (front
+    ends -> service -> openai -> engine); the observability leaves
     (events, progress) import nothing of the package; nothing of the product imports the test helpers, the
     CLI or the watch client; only the composition root (``node``) and the CLI assemble a whole node."""
     leaves = {"hydra_trio.observability.events", "hydra_trio.observability.progress"}
@@ -125,6 +127,14 @@ def test_layers() -> None:
         if layer == "protocol":  # sans-I/O: no front end, transport, server or process around it
             outside = {d for d in deps if _layer(d) in ("http", "hydra", "node", "transport", "rpc_backend", "cli",
                                                         "client", "observability")}
+            assert outside == set(), f"{name} imports {outside}"
+        if layer == "service":  # what every front end calls: it knows none of them
+            outside = {d for d in deps if _layer(d) not in ("service", "openai", "engine", "protocol") and d not in (
+                "hydra_trio.errors", "hydra_trio._lazy")}
+            assert outside == set(), f"{name} imports {outside}"
+        if layer == "openai":  # the request and reply shapes: below the service, above the engine's values
+            outside = {d for d in deps if _layer(d) not in ("openai", "engine", "protocol") and d not in (
+                "hydra_trio.errors", "hydra_trio._lazy")}
             assert outside == set(), f"{name} imports {outside}"
         if name in leaves:
             assert deps == set(), f"{name} imports {deps}"
@@ -214,3 +224,36 @@ def test_every_import_of_the_package_finds_its_module() -> None:
     missing = [f"{name}:{line} {mod}" for name in MODULES for line, mod, _names in _import_statements(name)
                if mod.startswith("hydra_trio") and mod not in MODULES]
     assert missing == []
+
+
+ROUTE_MODULES = ("hydra_trio.http.app", "hydra_trio.http.completions", "hydra_trio.http.slots", "hydra_trio.http.native",
+                 "hydra_trio.http.events", "hydra_trio.hydra.ops", "hydra_trio.hydra.connection", "hydra_trio.hydra.gate")
+"""The modules that answer requests (HTTP routes, Hydra ops and their dispatch)."""
+
+
+def _literal_statuses(tree: ast.AST) -> list[str]:
+    """Error statuses written out: an int from 400 to 599 (an HTTP error status) or a ``Status.X`` other than
+    ``Status.OK`` (a Hydra error status)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and type(node.value) is int and 400 <= node.value <= 599:
+            found.append(f"{node.lineno}: {node.value}")
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Status"
+              and node.attr != "OK"):
+            found.append(f"{node.lineno}: Status.{node.attr}")
+    return found
+
+
+def test_routes_write_no_error_status_of_their_own() -> None:
+    """One error boundary per front end: a route refuses by raising a typed error (hydra_trio/errors.py), whose
+    class names its HTTP and Hydra status; only the boundary (hydra_trio/http/errors.py for HTTP,
+    ``ServerConnection.handle`` for Hydra) turns it into a reply.  No route module writes a status itself."""
+    assert _literal_statuses(ast.parse("error_response(404, 'x')")) == ["1: 404"]
+    assert _literal_statuses(ast.parse("raise Reply(Status.NOT_FOUND, 'x')")) == ["1: Status.NOT_FOUND"]
+    assert _literal_statuses(ast.parse("send(Status.OK, exc.http_status); sleep(4096)")) == []
+    found = {}
+    for name in ROUTE_MODULES:
+        lines = _literal_statuses(ast.parse(MODULES[name].read_text()))
+        if lines:
+            found[name] = lines
+    assert found == {}, found

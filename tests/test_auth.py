@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, settings
 from fuzz import access as access_fuzz
 from hydra_trio.transport.access import AllowList, Peer, Secrets, new_refusals, normalize_address, parse_network, read_key_file
 from hydra_trio.hydra.client import HydraBadRequest, HydraClient
+from hydra_trio.errors import InvalidRequest
 from hydra_trio.hydra.gate import Gate
-from hydra_trio.hydra.ops import Reply
 from hydra_trio.http.auth import bearer_key
 from hydra_trio.protocol.hydra import Op, Status
 
@@ -401,9 +401,9 @@ def test_gate_policy_without_a_network() -> None:
     refused = new_refusals()
     local = Peer(ipaddress.ip_address("127.0.0.1"))
     trust = Gate(None, "t0ken", refused).connection(local)
-    with pytest.raises(Reply) as info:
+    with pytest.raises(InvalidRequest) as info:
         trust.check(Op.SWAP_QUANT, bytearray(b"x"))
-    assert info.value.status == Status.BAD_REQUEST and info.value.meta["refused"] == "not_allowed"
+    assert info.value.hydra_status == Status.BAD_REQUEST and info.value.reply_meta()["refused"] == "not_allowed"
     assert trust.check(Op.INFO, bytearray())[1] is None and trust.check(Op.DECODE, bytearray(b"{}"))[1] is None
     assert not trust.keeps_payload(Op.STATE_PUT) and trust.keeps_payload(Op.CONFIGURE)
     payload, answer = trust.check(Op.CONFIGURE, bytearray(b'{"auth": "t0ken"}'))

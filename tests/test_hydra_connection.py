@@ -2,7 +2,8 @@
 connection loop (:func:`hydra_trio.hydra.session.serve_connection`), in-process on trio's memory streams.
 
 The node is compute-only (no engine: the ops these tests use need none): INFO answers from the node's
-settings, a control op a trusted connection may run fails later for want of a model (ERROR), so a
+settings, a control op a trusted connection may run fails later for want of a model (NOT_IMPLEMENTED, as
+HTTP answers it 501: :class:`hydra_trio.errors.NoModel`), so a
 refusal by the connection's trust (BAD_REQUEST with ``refused``) is told apart from a pass.  Requests
 and replies go through the real codec (``encode_request`` / ``ResponseDecoder``).
 """
@@ -112,7 +113,7 @@ async def connection(
     """One connection served by the node's protocol object under the connection loop; yields the client end,
     the protocol object and an event set when the loop has returned (its end of the stream then closed)."""
     client, server = trio.testing.memory_stream_pair()
-    conn = Recording(handler.node, server, handler.gate.connection(peer), handler.metrics)
+    conn = Recording(handler.target, server, handler.gate.connection(peer), handler.metrics)
     done = trio.Event()
 
     async def serve() -> None:
@@ -138,7 +139,7 @@ async def test_the_handler_makes_one_protocol_object_per_connection_with_its_own
     b = h.connection(trio.testing.memory_stream_pair()[1], ALLOWED)
     assert isinstance(a, ServerConnection) and a is not b
     assert (a.trust.trusted, b.trust.trusted) == (False, True)
-    assert a.node is b.node is h.node and a.metrics is h.metrics
+    assert a.target is b.target is h.target and a.metrics is h.metrics
 
 
 async def test_a_request_refused_by_trust_gets_bad_request_and_the_connection_goes_on() -> None:
@@ -175,7 +176,7 @@ async def test_the_token_trusts_this_connection_only() -> None:
         assert conn.trust.trusted is True and conn.keeps_payload(Op.STATE_PUT) is True
         # now the STATE_PUT passes the trust check, its payload is kept, and it fails for want of a model
         status, meta, _ = await wire.call(Op.STATE_PUT, b"\x02" * 100, key="0")
-        assert status == Status.ERROR and "refused" not in meta and "no model" in meta["error"]
+        assert status == Status.NOT_IMPLEMENTED and "refused" not in meta and "no model" in meta["error"]
         assert conn.seen[-1] == (Op.STATE_PUT, "t", b"\x02" * 100)
     async with connection(h) as (wire, conn, _):  # a new connection from the same peer starts untrusted
         status, meta, _ = await wire.call(Op.STATE_PUT, b"\x02" * 100, key="0")
@@ -188,9 +189,10 @@ async def test_a_payload_over_its_ops_cap_is_refused_at_the_header_and_the_conne
     async with connection(h, ALLOWED) as (wire, conn, done):
         assert (conn.max_payload(Op.INFO), conn.max_payload(Op.CONFIGURE)) == (1024, 1024)
         assert conn.max_payload(Op.STATE_PUT) == 8192
-        # STATE_PUT's cap is the state one: 4000 bytes pass (then ERROR: no model) where JSON's 1024 would not
+        # STATE_PUT's cap is the state one: 4000 bytes pass (then NOT_IMPLEMENTED: no model) where JSON's 1024
+        # would not
         status, _, _ = await wire.call(Op.STATE_PUT, b"\x03" * 4000, key="0")
-        assert status == Status.ERROR
+        assert status == Status.NOT_IMPLEMENTED
         # only the header of an INFO announcing 1025 bytes goes out: the refusal comes before any payload byte
         await wire.stream.send_all(encode_request_header(Op.INFO, trace_id="big", payload_len=1025))
         status, meta, _ = await wire.reply()
@@ -217,10 +219,10 @@ async def test_a_large_state_put_is_received_into_a_pool_buffer_a_small_one_into
         assert conn.payload_buffer(Op.CONFIGURE, 1 << 17) is None
         blob = bytes(range(256)) * 512  # 128 KiB: over the size that goes into a pool buffer
         status, meta, _ = await wire.call(Op.STATE_PUT, blob, key="0")
-        assert status == Status.ERROR and "no model" in meta["error"]
+        assert status == Status.NOT_IMPLEMENTED and "no model" in meta["error"]
         assert conn.seen[-1] == (Op.STATE_PUT, "t", blob) and conn.kinds[-1] is BlobBuffer
         status, _, _ = await wire.call(Op.STATE_PUT, b"\x05" * 100, key="0")
-        assert status == Status.ERROR
+        assert status == Status.NOT_IMPLEMENTED
         assert conn.seen[-1] == (Op.STATE_PUT, "t", b"\x05" * 100) and conn.kinds[-1] is bytearray
 
 

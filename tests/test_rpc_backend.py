@@ -45,12 +45,14 @@ def test_compute_only_node_serves_a_stock_llama_cpp_client(spawn) -> None:
     before = info(node.port)
     assert before["rpc_backend_active"] is True and before["solo_active"] is False
     assert "ggml_rpc" in before["protocols"]
-    # ops that need a model answer a clear error
+    # ops that need a model answer a clear error, the same on both front ends: not implemented here (NoModel)
     with Wire(node.port) as w:
         status, meta, _ = w.call(Op.STATE_META, key="0")
-        assert status == Status.ERROR and "no model" in meta["error"]
+        assert status == Status.NOT_IMPLEMENTED and "no model" in meta["error"]
     r = httpx.post(node.base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 501 and "compute-only" in r.json()["error"]["message"]
+    r = httpx.get(node.base + "/slots/0/state/meta")  # a slot of a node without slots: no model, as on Hydra
+    assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
     remote = probe(f"127.0.0.1:{node.port}")
     local = probe("local")
     assert remote["devices"] == ["RPC0"] and local["devices"] == ["CPU"]

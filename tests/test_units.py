@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hydra_trio.protocol.strict import MessageError
 from hydra_trio.openai.replies import ResponseContext
 from hydra_trio.engine.slots import StopStringMatcher
-from hydra_trio.http._common import _sse
+from hydra_trio.openai.replies import sse as _sse
 from hydra_trio.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from hydra_trio.models.presets import PresetError, resolve_model
 from hydra_trio.protocol.classify import Protocol, classify

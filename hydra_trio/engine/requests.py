@@ -88,8 +88,8 @@ class CompletionJob:
             after that many tokens inside the thinking block its end marker is forced); None: none.
         special: generated special tokens are written into the text as their text (llama-server's
             ``-sp/--special``); otherwise they add no text.
-        chat_reply: how the reply text is shaped by the API layer (a chat reply's
-            :class:`~hydra_trio.openai.reasoning.ThinkingSetup`); the engine never reads it.
+        reasoning_format: the format a chat reply's text is split with (``/slots``' ``params``); None: the
+            node's.  The engine never reads it: how a reply is shaped stays with the front end.
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
     """
@@ -121,7 +121,7 @@ class CompletionJob:
     t_max_predict_ms: int = 0
     reasoning_budget: BudgetSpec | None = None
     special: bool = False
-    chat_reply: Any = attrs.field(default=None, eq=False)
+    reasoning_format: str | None = None
     stream: bool = False
     timings_per_token: bool = False
 

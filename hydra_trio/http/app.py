@@ -1,14 +1,15 @@
 """The HTTP API: an ASGI (Starlette) app over the engine.
 
 Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
-``/health``, ``/version``, ``/props``, ``/v1/models``, ``/slots``,
-``/slots/{id}`` (erase, save, restore), ``/slots/{id}/state/meta``, ``/tokenize``, ``/detokenize``,
-``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/embedding(s)``, ``/metrics``; llama-server's
-native routes (``/completion``, ``/apply-template``, ``POST /props``, ``/slots/{id}/state``, the 501s) in :mod:`.native`;
-``GET /v1/events``
-(WebSocket, :mod:`.events`) and the status page ``GET /`` with its files under
-``/static/`` (:data:`STATIC_DIR`).  Errors use
-OpenAI's body shape ``{"error": {"message", "type", "code"}}``.
+``/health``, ``/version``, ``/props``, ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/v1/embeddings``,
+``/embedding(s)``, ``/metrics`` here; the completions (``/v1/chat/completions``, ``/v1/completions``,
+``/completion``) in :mod:`.completions`; the slots (``/slots``, ``/slots/{id}`` erase, save, restore,
+``/slots/{id}/state``, ``/slots/{id}/state/meta``) in :mod:`.slots`; llama-server's other native routes
+(``/apply-template``, ``POST /props``, the 501s) in :mod:`.native`; ``GET /v1/events`` (WebSocket,
+:mod:`.events`) and the status page ``GET /`` with its files under ``/static/`` (:data:`STATIC_DIR`).
+
+Every route is :func:`.errors.guarded`: a handler raises a typed error (:mod:`hydra_trio.errors`) and the
+boundary answers with OpenAI's body shape ``{"error": {"message", "type", "code"}}`` and the error's status.
 
 Each request is logged once when it ends (logger ``hydra_trio.http.access``,
 :func:`_access_log`): INFO, or DEBUG for ``/health`` polls.
@@ -16,18 +17,15 @@ Each request is logged once when it ends (logger ``hydra_trio.http.access``,
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import time
 import urllib.parse
-import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-import attrs
 import llama_cpp
 import trio
 from starlette.applications import Starlette
@@ -35,47 +33,35 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
-from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
-from ..service import slot_files
-from ..engine.engine import Engine, kv_cache, memory_use
-from ..engine.ggml_backend import build_backends, local_devices
-from ..engine.requests import CompletionJob, JobRun, TextDelta
-from ..engine.tasks import EraseSlot
-from ..errors import HydraTrioError
-from . import metrics
+from ..engine.engine import Engine
+from ..engine.model import model_meta
+from ..engine.requests import CompletionJob
+from ..errors import InvalidRequest, ModelLoadError, NotReady
 from ..observability import node_stats
 from ..observability.events import EventBus
-from .errors import error_response
-from ._common import (
-    _BodyError, _bad_request, body_chunks, _sse, _unavailable, error_for, json_body, json_reply, off_loop,
-)
+from ..openai.embeddings import EmbeddingsRequest
+from ..openai.native import models_reply, task_params
+from ..openai.schemas import DetokenizeRequest, TokenizeRequest
+from ..openai.template_caps import known, template_caps
+from ..service import node
+from ..service.completions import in_worker
+from ..service.embeddings import check_offered, embed_request
+from ..transport.access import AccessSettings, Refusals, Secrets
+from . import metrics
+from .auth import ApiKeyMiddleware, redact_query, send_refusal
+from .bodies import RequestReader, json_body, json_reply, stop_of
+from .completions import CompletionRoutes
+from .errors import error_body, error_reply, guarded, http_exception, no_route, upgrade_required
 from .events import events_endpoint
 from .inflight import InFlight
-from .native import native_routes
-from ..service.jobs import chat_job, job_from_completion
-from ..openai.embeddings import EmbeddingsRequest
-from ..service.embeddings import embed_request
-from ..engine.engine import NO_EMBEDDINGS
-from ..openai.native import models_reply, task_params
-from ..openai.replies import ResponseContext
-from ..openai.template_caps import known, template_caps
-from ..engine.model import model_meta
-from ..openai.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    SlotFileRequest,
-    TokenizeRequest,
-    parse_body,
-)
-from ..protocol.strict import MessageError
+from .native import NOT_IMPLEMENTED, NativeRoutes
 from .settings import HttpSettings
-from .auth import ApiKeyMiddleware, redact_query, send_refusal
-from ..transport.access import AccessSettings, Refusals, Secrets
+from .slots import SlotRoutes
 
 log = logging.getLogger("hydra_trio.http")
 access_log = logging.getLogger("hydra_trio.http.access")
@@ -99,14 +85,8 @@ async def _to_the_page(request: Request) -> Response:
     return RedirectResponse("../", status_code=308)
 
 
-async def _upgrade_required(request: Request) -> Response:
-    """``GET /v1/events`` without a WebSocket upgrade: 426 with ``Upgrade: websocket`` (RFC 9110 §15.5.22)."""
-    return error_response(426, "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, "
-                          "Upgrade: websocket)", "invalid_request_error", headers={"Upgrade": "websocket"})
-
-
 class Api:
-    """Route handlers bound to one engine (``None`` for a node without a model)."""
+    """The status, model and tokenizer routes over one engine (``None`` for a node without a model)."""
 
     def __init__(
         self,
@@ -126,25 +106,24 @@ class Api:
         self.node_metrics = node_metrics or metrics.NodeMetrics(engine, connections, rpc, open_connections,
                                                                  refused=refused)
         self.settings = settings
+        self.reader = RequestReader(settings)
         self.started = time.time()
 
     # ----------------------------------------------------------- status routes
     async def health(self, request: Request) -> Response:
+        """``GET /health``: 200 ``{"status": "ok", "stage": "ready"}`` once the node serves; while its model
+        loads (or a compute-only node's ggml-RPC backend starts), 503 with llama-server's loading error object
+        and the node's ``status``, ``stage`` and ``progress`` (0..1); 500 when the model failed to load."""
         e = self.engine
         if e is None:  # a compute-only node: ready once the ggml-RPC backend serves
             if self.rpc is not None and not self.rpc.active:
-                return JSONResponse({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"},
-                                     "status": "loading", "stage": "starting_rpc_backend", "progress": 0.0},
-                                    status_code=503)
+                return _loading("starting_rpc_backend", 0.0)
             return JSONResponse({"status": "ok", "stage": "ready"})
         if e.ready:
             return JSONResponse({"status": "ok", "stage": "ready"})
         if e.stage == "error":
-            return error_response(500, f"model failed to load: {e.error}", "server_error")
-        # llama-server's body while it loads is the error object alone; the stage and progress are the node's
-        body = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"},
-                "status": "loading", "stage": e.stage, "progress": round(e.progress, 4)}
-        return JSONResponse(body, status_code=503)
+            raise ModelLoadError(f"model failed to load: {e.error}")
+        return _loading(str(e.stage), round(e.progress, 4))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse(
@@ -187,11 +166,7 @@ class Api:
         "buffer type overridden to" load lines; ``tensor_placement_peer``: the same for the
         COMBINED / PIPELINE model while one is attached (``{"RPC0[host:port]": 90, ...}``), else null.
         """
-        e = self.engine
-        if e is None:
-            return error_response(501, "this node has no model (compute-only)", "not_supported_error")
-        if not e.ready:
-            return _unavailable(e)
+        e = node.serving(self.engine)
         m = e.solo_model or e.model
         assert m is not None and e.identity is not None
         defaults = e.request_defaults  # one consistent pair (CONFIGURE swaps a new one in)
@@ -224,13 +199,10 @@ class Api:
             "build_info": f"hydra-trio {__version__} (llama-cpp-python {llama_cpp.__version__})",
             "is_sleeping": False,
             "cors_proxy_enabled": False,
-            "backends": build_backends(),
-            "devices": [{"name": name, "memory_free": free, "memory_total": total}
-                        for name, free, total in local_devices()],
+            **node.hardware(),
             "tensor_placement": dict(m.tensor_placement),
             "tensor_placement_peer": dict(c.tensor_placement) if (c := e.experts.combined) is not None else None,
-            "kv_cache": kv_cache(e),
-            "memory": memory_use(e),
+            **node.model_use(e),
         })
 
     async def tokenize(self, request: Request) -> Response:
@@ -239,9 +211,8 @@ class Api:
         ``{"tokens": [{"id": int, "piece": str}]}`` (a piece that is not valid UTF-8 on its
         own, part of a character, is a list of its byte values, as llama-server sends it).
         400 for an invalid body."""
-        e, body = await self._simple_body(request, TokenizeRequest)
-        if isinstance(body, Response):
-            return body
+        e = node.serving(self.engine)
+        body = await self.reader.read(request, TokenizeRequest)
         m = e.solo_model or e.model
         assert m is not None
 
@@ -250,259 +221,51 @@ class Api:
                 if body.content else []
             return json_body({"tokens": _with_pieces(m, tokens) if body.with_pieces else tokens})
 
-        return json_reply(await off_loop(request, work))
+        return json_reply(await in_worker(work, stop_of(request)))
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize``, llama-server's: ``{"tokens": [id, ...]}`` → ``{"content": str}``
         (special tokens as their text; bytes that are not valid UTF-8 as U+FFFD).  400 for an
         id outside the vocabulary (``0 .. n_vocab-1``) or an invalid body."""
-        e, body = await self._simple_body(request, DetokenizeRequest)
-        if isinstance(body, Response):
-            return body
+        e = node.serving(self.engine)
+        body = await self.reader.read(request, DetokenizeRequest)
         m = e.solo_model or e.model
         assert m is not None
         bad = next((t for t in body.tokens if not 0 <= t < m.n_vocab), None)
         if bad is not None:
-            return _bad_request(f"tokens: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
-        return json_reply(await off_loop(request, lambda: json_body(
-            {"content": b"".join(_token_bytes(m, body.tokens)).decode("utf-8", "replace")})))
-
-    async def _simple_body(self, request: Request, cls: type[Any]) -> tuple[Engine, Any]:
-        """``(engine, parsed body)`` for a route that needs the model, or ``(engine, error response)``."""
-        e = self.engine
-        if e is None:
-            return e, error_response(501, "this node has no model (compute-only)", "not_supported_error")  # type: ignore[return-value]
-        if not e.ready:
-            return e, _unavailable(e)
-        try:
-            return e, await self._read(request, cls)
-        except _BodyError as exc:
-            return e, error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
-        except MessageError as exc:
-            return e, _bad_request(str(exc))
+            raise InvalidRequest(f"tokens: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
+        return json_reply(await in_worker(lambda: json_body(
+            {"content": b"".join(_token_bytes(m, body.tokens)).decode("utf-8", "replace")}), stop_of(request)))
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models`` (and ``/models``): :func:`~hydra_trio.openai.native.models_reply`."""
         return JSONResponse(models_reply(self.engine, int(self.started)))
 
-    async def slots(self, request: Request) -> Response:
-        """``GET /slots``: one object per slot (:meth:`~hydra_trio.engine.snapshot.SlotSnapshot.info`, its
-        ``params`` :func:`~hydra_trio.openai.native.task_params`).  With ``?fail_on_no_slot=<anything but empty>``
-        and every slot processing, 503 ``no slot available`` (``unavailable_error``), as llama-server answers."""
-        e = self.engine
-        if e is None:
-            return JSONResponse([])
-        if not e.ready:
-            return _unavailable(e)
-        n_keep, fmt, spec = e.config.n_keep, e.config.reasoning_format, ",".join(e.config.speculative.types)
-        slots = e.slots_info(lambda job: task_params(job, n_keep=n_keep, reasoning_format=fmt, spec_types=spec))
-        if request.query_params.get("fail_on_no_slot") and all(s["is_processing"] for s in slots):
-            return error_response(503, "no slot available", "unavailable_error")
-        return JSONResponse(slots)
-
-    def _slot_id(self, request: Request) -> int | Response:
-        """The path's slot id, or the error response (503 loading, 400 not a number, 404 no such slot)."""
-        e = self.engine
-        if e is not None and not e.ready:
-            return _unavailable(e)
-        raw = request.path_params["id_slot"]
-        if not (raw.isascii() and raw.isdigit() and len(raw) < 10):
-            return _bad_request(f"id_slot: {raw!r} is not a slot id (a decimal integer)")
-        id_slot = int(raw)
-        if e is None or not (0 <= id_slot < e.n_slots):
-            return error_response(404, f"slot {id_slot} not found", "not_found_error")
-        return id_slot
-
-    async def slot_state_meta(self, request: Request) -> Response:
-        e = self.engine
-        id_slot = self._slot_id(request)
-        if isinstance(id_slot, Response):
-            return id_slot
-        assert e is not None and e.identity is not None
-
-        body = e.slot_meta_now(id_slot)  # the engine's published snapshot: never waits behind a prefill
-        if body is None:  # the slot count changed since _slot_id looked
-            return error_response(404, f"slot {id_slot} not found", "not_found_error")
-        body.update(e.identity.as_meta())
-        return JSONResponse(body)
-
-    async def slot_action(self, request: Request) -> Response:
-        """``POST /slots/{id}?action=erase|save|restore``, llama-server's replies: erase ``{"id_slot", "n_erased"}``;
-        save and restore take ``{"filename"}`` (:mod:`hydra_trio.service.slot_files`).  Save and restore answer
-        501 without ``slot_save_path`` (erase always works); 400 for another action, a bad or missing filename,
-        or a file this node cannot restore; 409 while the slot processes a request; 500 when the file cannot be
-        written."""
-        e = self.engine
-        id_slot = self._slot_id(request)
-        if isinstance(id_slot, Response):
-            return id_slot
-        assert e is not None
-        action = request.query_params.get("action")
-        try:
-            if action == "erase":
-                n = await e.run_task(EraseSlot(id_slot))
-                return JSONResponse({"id_slot": id_slot, "n_erased": n})
-            if action not in ("save", "restore"):
-                return _bad_request(f"action: {action!r} is not supported (supported: erase, save, restore)")
-            directory = e.config.slot_save_path
-            if directory is None:
-                return error_response(501, "This server does not support slots action. Start it with "
-                                      "`--slot-save-path`", "not_supported_error")
-            body = await self._read(request, SlotFileRequest)
-            run = slot_files.save if action == "save" else slot_files.restore
-            return JSONResponse(await run(e, id_slot, Path(directory), body.filename))
-        except _BodyError as exc:
-            return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
-        except MessageError as exc:
-            return _bad_request(str(exc))
-        except HydraTrioError as exc:
-            return error_for(exc)
-
     async def metrics(self, request: Request) -> Response:
         body, content_type = self.node_metrics.render()
         return Response(body, media_type=content_type)
 
-    # ------------------------------------------------------------ completions
-    async def _read(self, request: Request, cls: type[Any]) -> Any:
-        """Read and parse the body: at most ``max_body`` bytes, no gap longer than ``body_timeout``; a body over
-        :data:`PARSE_INLINE_MAX` is parsed in a worker thread (16 MiB of token ids take seconds to parse, which
-        would stall every other request on the event loop).
-
-        Raises:
-            MessageError: invalid body (400).
-            _BodyError: too large (413) or the client stalled (408).
-        """
-        raw = bytes(await self._read_bytes(request, self.settings.max_body))
-        if len(raw) > PARSE_INLINE_MAX:
-            return await trio.to_thread.run_sync(parse_body, raw, cls)
-        return parse_body(raw, cls)
-
-    async def _read_bytes(self, request: Request, limit: int) -> bytearray:
-        """The raw body: at most ``limit`` bytes, no gap longer than ``body_timeout``.
-
-        Raises:
-            _BodyError: too large (413) or the client stalled (408).
-        """
-        timeout = self.settings.body_timeout
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _BodyError(413, f"the body is {declared} bytes; the limit is {limit}")
-        raw = bytearray()
-        async for chunk in body_chunks(request, timeout):
-            raw += chunk
-            if len(raw) > limit:
-                raise _BodyError(413, f"the body is over the limit of {limit} bytes")
-        return raw
-
     async def embeddings(self, request: Request) -> Response:
         """``POST /v1/embeddings`` (OpenAI's shape) and ``POST /embedding``, ``/embeddings`` (llama-server's):
-        :mod:`hydra_trio.openai.embeddings`.  501 on a node without ``--embedding``, as llama-server."""
-        e = self.engine
-        if e is not None and not e.config.embeddings:
-            return error_response(501, NO_EMBEDDINGS, "not_supported_error")
-        e, body = await self._simple_body(request, EmbeddingsRequest)
-        if isinstance(body, Response):
-            return body
-        try:  # the client leaving cancels it (.inflight): no input is embedded after that
-            reply = await embed_request(e, body, oai=request.url.path == "/v1/embeddings",
-                                        prepare=lambda work: off_loop(request, work))
-            return json_reply(await trio.to_thread.run_sync(json_body, reply))  # up to 2048 vectors: off the loop
-        except HydraTrioError as exc:
-            return error_for(exc)
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self._complete(request, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._complete(request, chat=False)
-
-    async def _complete(self, request: Request, *, chat: bool) -> Response:
-        e = self.engine
-        if e is None:
-            return error_response(501, "this node has no model (compute-only)", "not_supported_error")
-        if not e.ready:
-            return _unavailable(e)
-        cls = ChatCompletionRequest if chat else CompletionRequest
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex  # the reply's id, and the engine's log line's
-        request.state.trace_id = request_id  # and the access log line's (see _access_log)
-        try:
-            body = await self._read(request, cls)
-            # templating and tokenization only read the vocabulary: keep them off the event loop, and
-            # stop them for a client that leaves meanwhile
-            job, tools = await off_loop(
-                request, lambda: chat_job(e, body) if chat else (job_from_completion(e, body), None))
-            run = JobRun(e, attrs.evolve(job, request_id=request_id)).submit()
-        except _BodyError as exc:
-            return error_response(exc.status, str(exc), "invalid_request_error", headers={"Connection": "close"})
-        except HydraTrioError as exc:
-            return error_for(exc)
-        assert e.identity is not None and e.model is not None
-        echo = ""
-        if not chat and body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(job.prompt_tokens)
-        ctx = ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
-                               logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
-                               thinking=job.chat_reply, tools=tools)
-        if body.stream:
-            return StreamingResponse(
-                self._sse(run, ctx),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        return await self._collect(request, run, ctx)
-
-    async def _collect(self, request: Request, run: JobRun, ctx: ResponseContext) -> Response:
-        """A non-streamed reply: gather the text.  A client that disconnects cancels the handler at once
-        (:mod:`.inflight`); the engine's request is cancelled on every way out."""
-        try:
-            async for delta in run:
-                ctx.add(delta)
-        except HydraTrioError as exc:
-            return error_for(exc)
-        finally:
-            run.close()
-        assert run.finished is not None
-        return JSONResponse(ctx.final_body(run.finished))
-
-    async def _sse(self, run: JobRun, ctx: ResponseContext) -> AsyncIterator[str]:
-        """The stream's events; the deltas that arrived together (one engine step's, or more when the
-        client reads slower than the engine writes) go out in one write, as does the stream's end."""
-        try:
-            if ctx.chat:
-                yield _sse(ctx.chunk({"role": "assistant", "content": ""}, None))
-            elif ctx.echo:
-                yield _sse(ctx.chunk(ctx.echo, None))
-            async for delta in run:
-                out = _stream_events(ctx, delta)
-                for more in run.ready():
-                    out += _stream_events(ctx, more)
-                if out:
-                    yield out
-            tail = ""
-            if ctx.reply is not None:
-                for d, lp in ctx.chat_deltas(ctx.reply.finish(), None, False, end=True):
-                    tail += f"data: {ctx.chunk_json(d, lp)}\n\n"
-            end = run.finished
-            assert end is not None
-            final = ctx.chunk({} if ctx.chat else "", ctx.finish_reason(end.finish_reason))
-            final["id_slot"] = end.id_slot
-            final["timings"] = end.timings()
-            tail += _sse(final)
-            if ctx.include_usage:
-                usage = ctx.chunk(None, None)
-                usage["choices"] = []
-                usage["usage"] = ctx.usage(end)
-                tail += _sse(usage)
-            yield tail + "data: [DONE]\n\n"
-        except HydraTrioError as exc:  # the 200 is out: the error goes in the stream
-            body = json.loads(error_for(exc).body)
-            yield _sse(body)
-        finally:
-            run.close()
+        :mod:`hydra_trio.service.embeddings`.  501 on a node without ``--embedding``, as llama-server."""
+        if self.engine is not None:
+            check_offered(self.engine)
+        e = node.serving(self.engine)
+        body = await self.reader.read(request, EmbeddingsRequest)
+        # the client leaving cancels it (.inflight): no input is embedded after that
+        reply = await embed_request(e, body, oai=request.url.path == "/v1/embeddings",
+                                    prepare=lambda work: in_worker(work, stop_of(request)))
+        return json_reply(await trio.to_thread.run_sync(json_body, reply))  # up to 2048 vectors: off the loop
 
 
-PARSE_INLINE_MAX = 1 << 20
-"""Bytes of request body parsed on the event loop; a larger one is parsed in a worker thread (:meth:`Api._read`)."""
+def _loading(stage: str, progress: float) -> Response:
+    """``/health`` while the node gets ready: llama-server's loading body is the error object alone
+    (``Loading model``, NotReady's status); the stage and progress are the node's."""
+    status = NotReady.http_status
+    return JSONResponse({**error_body(status, "Loading model"), "status": "loading", "stage": stage,
+                         "progress": progress}, status_code=status)
+
+
 _STOP_CHECK_EVERY = 4096
 """Tokens between two stop checks of a worker thread's loop over a request's tokens (:func:`_token_bytes`)."""
 
@@ -533,26 +296,6 @@ def _with_pieces(m: Any, tokens: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def _stream_events(ctx: ResponseContext, delta: TextDelta) -> str:
-    """The SSE events for one engine delta of a streamed OpenAI reply ("" when it adds none)."""
-    if ctx.reply is not None:  # chat: thinking, then tool calls in what is content (parsers hold some back)
-        lp = ctx.add(delta)  # first: it sets ctx.split
-        pairs = ctx.chat_deltas(ctx.split, lp, bool(delta.tokens))
-        return "".join(f"data: {ctx.chunk_json(d, lp)}\n\n" for d, lp in pairs)
-    if delta.text or (ctx.logprobs and delta.tokens):
-        return f"data: {ctx.chunk_json(delta.text, ctx.add(delta))}\n\n"
-    return ""
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    if exc.status_code == 404:
-        return error_response(404, f"no route for {request.url.path}", "not_found_error")
-    if exc.status_code == 405:
-        return error_response(405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed")
-    return error_response(exc.status_code, exc.detail, "invalid_request_error")
-
-
 def build_app(
     engine: Engine | None,
     connections: Mapping[str, int] | None = None,
@@ -580,34 +323,48 @@ def build_app(
     """
     api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics,
               refused)
+    completions = CompletionRoutes(engine, api.reader)
+    slots = SlotRoutes(engine, api.reader)
+    native = NativeRoutes(engine, settings, api.reader)
     bus = events if events is not None else (engine.events if engine is not None else EventBus())
-    routes = [
-        Route("/health", api.health, methods=["GET"]),
-        Route("/version", api.version, methods=["GET"]),
-        Route("/props", api.props, methods=["GET"]),
-        Route("/tokenize", api.tokenize, methods=["POST"]),
-        Route("/detokenize", api.detokenize, methods=["POST"]),
-        Route("/v1/models", api.models, methods=["GET"]),
-        Route("/models", api.models, methods=["GET"]),
-        Route("/slots", api.slots, methods=["GET"]),
-        Route("/slots/{id_slot}", api.slot_action, methods=["POST"]),
-        Route("/slots/{id_slot}/state/meta", api.slot_state_meta, methods=["GET"]),
-        Route("/metrics", api.metrics, methods=["GET"]),
-        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
-        Route("/chat/completions", api.chat_completions, methods=["POST"]),
-        Route("/v1/completions", api.completions, methods=["POST"]),
-        *(Route(path, api.embeddings, methods=["POST"]) for path in ("/v1/embeddings", "/embeddings", "/embedding")),
+
+    def route(path: str, handler: Any, *methods: str) -> Route:
+        return Route(path, guarded(handler), methods=list(methods))
+
+    routes: list[BaseRoute] = [
+        route("/health", api.health, "GET"),
+        route("/v1/health", api.health, "GET"),
+        route("/version", api.version, "GET"),
+        route("/props", api.props, "GET"),
+        route("/props", native.post_props, "POST"),
+        route("/tokenize", api.tokenize, "POST"),
+        route("/detokenize", api.detokenize, "POST"),
+        route("/apply-template", native.apply_template, "POST"),
+        route("/v1/models", api.models, "GET"),
+        route("/models", api.models, "GET"),
+        route("/slots", slots.list, "GET"),
+        route("/slots/{id_slot}", slots.action, "POST"),
+        route("/slots/{id_slot}/state/meta", slots.state_meta, "GET"),
+        route("/slots/{id_slot}/state", slots.get_state, "GET"),
+        route("/slots/{id_slot}/state", slots.put_state, "PUT"),
+        route("/metrics", api.metrics, "GET"),
+        route("/v1/chat/completions", completions.chat, "POST"),
+        route("/chat/completions", completions.chat, "POST"),
+        route("/v1/completions", completions.text, "POST"),
+        route("/completion", completions.native, "POST"),
+        route("/completions", completions.native, "POST"),
+        *(route(path, api.embeddings, "POST") for path in ("/v1/embeddings", "/embeddings", "/embedding")),
+        *(route(path, native.not_implemented, "GET", "POST") for path in NOT_IMPLEMENTED),
         WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
                                                      settings.max_event_subscribers)),
-        Route("/v1/events", _upgrade_required, methods=["GET"]),
+        Route("/v1/events", upgrade_required, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),
         Route("/static/index.html", _to_the_page, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
-    routes += native_routes(api)
     app = Starlette(
         routes=routes,
-        exception_handlers={HTTPException: _http_error},
+        exception_handlers={HTTPException: http_exception},
         middleware=[
             # llama-server answers CORS preflights and allows any origin unless told otherwise
             Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
@@ -621,8 +378,8 @@ def build_app(
     async def websocket_not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
         # Starlette closes an unrouted handshake, which reaches the client as a bare 403
         if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
-            await send_refusal(scope, send, 404, error_response(404, f"no route for {scope['path']}",
-                                                                "not_found_error").body)
+            refusal = error_reply(no_route(scope["path"]))
+            await send_refusal(scope, send, refusal.status_code, refusal.body)
             return
         await not_found(scope, receive, send)
 

@@ -34,7 +34,8 @@ import trio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from ..observability.events import EventBus, parse_types
-from .errors import error_response
+from ..errors import HydraTrioError, InvalidRequest, Overloaded, Stopping
+from .errors import error_reply
 
 log = logging.getLogger("hydra_trio.http.events")
 
@@ -61,8 +62,8 @@ def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]],
         nonlocal active
         if active >= max_subscribers:
             log.warning("event subscriber refused: %d at once already (--max-event-subscribers)", active)
-            await _refuse(ws, 503, f"too many event subscribers ({max_subscribers} at once; "
-                                   "--max-event-subscribers); retry later", "unavailable_error")
+            await _refuse(ws, Overloaded(f"too many event subscribers ({max_subscribers} at once; "
+                                         "--max-event-subscribers); retry later"))
             return
         active += 1
         try:
@@ -76,10 +77,10 @@ def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]],
             recent = _int_param(ws, "recent", 0, 0, MAX_RECENT)
             maxlen = _int_param(ws, "queue", 1024, 1, MAX_QUEUE)
         except ValueError as exc:
-            await _refuse(ws, 400, str(exc), "invalid_request_error")
+            await _refuse(ws, InvalidRequest(str(exc)))
             return
         if bus.closed:
-            await _refuse(ws, 503, "the node is shutting down", "unavailable_error")
+            await _refuse(ws, Stopping("the node is shutting down"))
             return
         client = f"{ws.client.host}:{ws.client.port}" if ws.client else "-"
         await ws.accept()
@@ -116,13 +117,14 @@ def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]],
     return endpoint
 
 
-async def _refuse(ws: WebSocket, status: int, message: str, kind: str) -> None:
-    """Refuse the handshake with an HTTP ``status`` and an OpenAI-style error body (ASGI's WebSocket Denial
-    Response, which hypercorn implements; without it, a close with 1008 and the message as its reason)."""
+async def _refuse(ws: WebSocket, exc: HydraTrioError) -> None:
+    """Refuse the handshake with the typed error's reply (:func:`~.errors.error_reply`, as ASGI's WebSocket
+    Denial Response, which hypercorn implements; without it, a close with 1008 and the message as its
+    reason)."""
     if "websocket.http.response" not in ws.scope.get("extensions", {}):
-        await ws.close(code=1008, reason=message.encode()[:123].decode(errors="ignore"))  # a reason's limit
+        await ws.close(code=1008, reason=str(exc).encode()[:123].decode(errors="ignore"))  # a reason's limit
         return
-    await ws.send_denial_response(error_response(status, message, kind))
+    await ws.send_denial_response(error_reply(exc))
 
 
 def _dumps(event: dict[str, Any]) -> str:

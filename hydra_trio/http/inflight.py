@@ -44,7 +44,8 @@ from typing import Any
 import attrs
 import trio
 
-from .errors import error_response
+from ..errors import Stopping
+from .errors import error_reply
 
 log = logging.getLogger("hydra_trio.http")
 
@@ -88,7 +89,7 @@ class Work:
     Attributes:
         route: its :data:`WORK_ROUTES` template.
         stop: set once the work is to stop (its client left, the node stopped it, or its handling ended):
-            worker threads check it (:func:`hydra_trio.http._common.off_loop`).
+            worker threads check it (:func:`hydra_trio.service.completions.in_worker`).
         client_gone: the client closed its connection before the reply was out.
         stopping: the node's stop message, once :meth:`InFlight.stop_all` ended the request.
         started, complete: the reply's start, and its last body message, went out.
@@ -152,7 +153,7 @@ class InFlight:
                 self.work.discard(work)
                 work.stop.set()  # anything it left in a worker thread stops at its next check
             if work.stopping is not None and not work.started:
-                reply = error_response(503, work.stopping, "unavailable_error", headers={"Connection": "close"})
+                reply = error_reply(Stopping(work.stopping), headers={"Connection": "close"})
                 await reply(scope, receive, send)
 
         return wrapped

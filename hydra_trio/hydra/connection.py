@@ -29,12 +29,12 @@ from typing import Any
 import trio
 
 from ..engine.blobbuf import BlobBuffer
-from ..errors import HydraTrioError
+from ..errors import HydraTrioError, InvalidRequest, NotSupported
 from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
 from .gate import ConnectionTrust
 from ..transport.net import wait_peer_closed
-from .ops import OPS, Node, OpContext, Reply, payload_buffer, reply_for
+from .ops import OPS, OpContext, OpTarget, payload_buffer
 from .session import HydraRequest
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -74,14 +74,15 @@ class ServerConnection:
     """The protocol object of one Hydra connection (a :class:`hydra_trio.hydra.session.ConnectionProtocol`).
 
     Args:
-        node: what the operations act on (shared by every connection of the node).
+        target: what the operations act on (shared by every connection of the node).
         stream: the connection; replies are written to it.
         trust: this connection's standing with the node's gate.
         metrics: where each answered request is counted (``hydra_trio:hydra_requests``).
     """
 
-    def __init__(self, node: Node, stream: trio.abc.Stream, trust: ConnectionTrust, metrics: NodeMetrics) -> None:
-        self.node = node
+    def __init__(self, target: OpTarget, stream: trio.abc.Stream, trust: ConnectionTrust,
+                 metrics: NodeMetrics) -> None:
+        self.target = target
         self.stream = stream
         self.trust = trust
         self.metrics = metrics
@@ -90,7 +91,7 @@ class ServerConnection:
     # ------------------------------------------------------------------ payload policy
     def max_payload(self, op: int) -> int:
         """Payload cap in bytes: ``max_state_payload`` for STATE_PUT, ``max_json_payload`` for every other op."""
-        s = self.node.settings
+        s = self.target.settings
         return s.max_state_payload if op == Op.STATE_PUT else s.max_json_payload
 
     def keeps_payload(self, op: int) -> bool:
@@ -110,9 +111,12 @@ class ServerConnection:
         Order of checks: the access rules (a refused op is refused whatever else
         is wrong with it; an auth-only CONFIGURE is answered here), then the
         key's UTF-8, the flags (none is implemented), the opcode (Store and
-        unknown opcodes: NOT_IMPLEMENTED), then the op.  A ``HydraTrioError``
-        becomes the reply its ``hydra_status`` names; the connection stays
-        usable.  Logs one line and counts one request, also when no reply
+        unknown opcodes: NOT_IMPLEMENTED), then the op.  This is the Hydra front
+        end's error boundary: every refusal is a typed error
+        (:mod:`hydra_trio.errors`), and becomes here the reply its
+        ``hydra_status`` names, ``{"error": message}`` with its
+        :meth:`~hydra_trio.errors.HydraTrioError.reply_meta` keys; the
+        connection stays usable.  Logs one line and counts one request, also when no reply
         could be written (outcome ``NO_REPLY``; the exception propagates).
         """
         self.requests += 1
@@ -121,33 +125,29 @@ class ServerConnection:
         status: Status | None = Status.OK
         ctx: OpContext | None = None
         try:
-            try:
-                # the access rules first: a refused op is refused whatever else is wrong with it
-                req.payload, answer = self.trust.check(req.op, req.payload)
-                if answer is not None:
-                    await self.stream.send_all(encode_response(Status.OK, answer))
-                    return
-                if req.key_error:
-                    raise Reply(Status.BAD_REQUEST, req.key_error)
-                if req.flags:
-                    raise Reply(Status.BAD_REQUEST,
-                                f"flags 0x{req.flags:02x} are not implemented (compression is not supported)")
-                spec = OPS.get(req.op)
-                if spec is None:
-                    what = "a Store service opcode" if is_store_op(req.op) else "an unknown opcode"
-                    raise Reply(Status.NOT_IMPLEMENTED, f"opcode 0x{req.op:02x} is {what}; this is an engine node")
-                ctx = OpContext(self.node, req, self.stream)
-                if req.op not in WATCHED_OPS:
-                    await spec.run(ctx)
-                elif not await _unless_peer_leaves(self.stream, spec.run, ctx):
-                    log.info("[%s] hydra: the peer closed the connection during %s; its work stopped",
-                             req.trace_id, name)
-                    status = None  # no reply: nobody is there to read it
-            except HydraTrioError as exc:
-                raise reply_for(exc) from None
-        except Reply as r:
-            status = r.status
-            await self.stream.send_all(encode_response(r.status, r.meta))
+            # the access rules first: a refused op is refused whatever else is wrong with it
+            req.payload, answer = self.trust.check(req.op, req.payload)
+            if answer is not None:
+                await self.stream.send_all(encode_response(Status.OK, answer))
+                return
+            if req.key_error:
+                raise InvalidRequest(req.key_error)
+            if req.flags:
+                raise InvalidRequest(f"flags 0x{req.flags:02x} are not implemented (compression is not supported)")
+            spec = OPS.get(req.op)
+            if spec is None:
+                what = "a Store service opcode" if is_store_op(req.op) else "an unknown opcode"
+                raise NotSupported(f"opcode 0x{req.op:02x} is {what}; this is an engine node")
+            ctx = OpContext(self.target, req, self.stream)
+            if req.op not in WATCHED_OPS:
+                await spec.run(ctx)
+            elif not await _unless_peer_leaves(self.stream, spec.run, ctx):
+                log.info("[%s] hydra: the peer closed the connection during %s; its work stopped",
+                         req.trace_id, name)
+                status = None  # no reply: nobody is there to read it
+        except HydraTrioError as exc:
+            status = exc.hydra_status
+            await self.stream.send_all(encode_response(status, {"error": str(exc), **exc.reply_meta()}))
         except BaseException:
             status = None  # the connection broke or the node stopped: no reply (or part of one) went out
             raise

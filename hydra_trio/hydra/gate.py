@@ -32,9 +32,9 @@ from typing import Any
 
 from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
 from ..protocol import strict
-from ..protocol.hydra import Op, Status
+from ..protocol.hydra import Op
 from ..protocol.strict import MessageError
-from .ops import Reply
+from ..errors import InvalidRequest
 
 log = logging.getLogger("hydra_trio.hydra")
 
@@ -88,7 +88,7 @@ class ConnectionTrust:
         answered the request itself (a CONFIGURE with only ``auth``), else None.
 
         Raises:
-            Reply: BAD_REQUEST with ``refused`` in its meta, for a wrong token or a
+            InvalidRequest: BAD_REQUEST with ``refused`` in its meta, for a wrong token or a
                 control op on an untrusted connection.
         """
         name = Op(op).name if op in Op._value2member_map_ else f"0x{op:02x}"
@@ -126,7 +126,7 @@ class ConnectionTrust:
         return rest, {"success": True, "trusted": self.trusted, "tier": 1, "params_applied": {},
                       "deferred_keys": [], "unrecognized_keys": []}
 
-    def _refuse(self, reason: str, error: str, op: str) -> Reply:
+    def _refuse(self, reason: str, error: str, op: str) -> InvalidRequest:
         self.gate.refused["hydra", reason] += 1
         log.warning("hydra: %s: %s", self.peer, error)
-        return Reply(Status.BAD_REQUEST, error, refused=reason, op=op)
+        return InvalidRequest(error).with_meta(refused=reason, op=op)

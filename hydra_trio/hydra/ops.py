@@ -1,13 +1,17 @@
 """The Hydra operations: a table from opcode to a function of a small context (hydra-protocol.md §3).
 
 Each operation is ``async def op(ctx: OpContext) -> None`` and sends exactly
-one reply through the context; to refuse, it raises — :class:`Reply` for a
-status of its own choosing, or any :class:`~hydra_trio.errors.HydraTrioError`,
-which :func:`reply_for` turns into the status its class names
-(:attr:`~hydra_trio.errors.HydraTrioError.hydra_status`: InvalidRequest →
-BAD_REQUEST, Busy → BUSY with ``busy_slots``, NotReady → ERROR with ``stage``,
+one reply through the context; to refuse, it raises a typed error
+(:mod:`hydra_trio.errors`, op-specific reply keys added with
+:meth:`~hydra_trio.errors.HydraTrioError.with_meta`), which the connection's
+boundary (:meth:`hydra_trio.hydra.connection.ServerConnection.handle`) turns into
+the status its class names (:attr:`~hydra_trio.errors.HydraTrioError.hydra_status`:
+InvalidRequest → BAD_REQUEST, NotFound → NOT_FOUND, NotSupported and NoModel →
+NOT_IMPLEMENTED, Busy → BUSY with ``busy_slots``, NotReady → ERROR with ``stage``,
 a state blob's StateError → ERROR with its meta, anything else → ERROR).
-Every non-OK reply carries ``{"error": ...}``.
+Every non-OK reply carries ``{"error": ...}``.  The work itself is the service's
+(:mod:`hydra_trio.service`), shared with HTTP; this module decodes payloads and
+encodes replies.
 """
 
 from __future__ import annotations
@@ -25,19 +29,16 @@ import trio
 
 from ..transport.tls_bulk import send_bulk
 from .._version import __version__
-from ..openai.tools import ChatTools
-from ..service.jobs import chat_job, job_continue
-from ..openai.tools import parse_reply
-from ..openai.reasoning import ChatReplyText, ThinkingSetup
+from ..openai.tools import ChatTools, parse_reply
+from ..openai.reasoning import ChatReplyText
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..engine.settings import DEFAULT_PATTERN
-from ..engine.engine import Engine, kv_cache, memory_use
-from ..engine.ggml_backend import build_backends, local_devices
-from ..engine.requests import CompletionJob, JobRun
+from ..engine.engine import Engine
 from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import verify_checksum_off_engine
-from ..engine.tasks import PipelineAttach, Reconfigure, RestoreSlot, SaveSlot, SetExpertMode, SwapQuant
-from ..errors import Busy, HydraTrioError, InvalidRequest
+from ..engine.tasks import PipelineAttach, Reconfigure, SetExpertMode, SwapQuant
+from ..errors import Busy, HydraTrioError, InvalidRequest, NotSupported
+from ..service import completions, node, slots
+from ..service.completions import PreparedCompletion
 from ..rpc_backend.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
 from ..protocol import messages as msg
@@ -56,24 +57,8 @@ CAPABILITIES = [
 ]
 
 
-class Reply(Exception):
-    """Raised by an operation to send a non-OK reply: ``status`` and ``meta`` (with ``error``)."""
-
-    def __init__(self, status: Status, error: str, **meta: Any) -> None:
-        super().__init__(error)
-        self.status = status
-        self.meta = {"error": error, **meta}
-
-
-def reply_for(exc: HydraTrioError, **meta: Any) -> Reply:
-    """The wire reply for a typed error: its class's :attr:`~hydra_trio.errors.HydraTrioError.hydra_status`,
-    ``{"error": str(exc)}`` and its :meth:`~hydra_trio.errors.HydraTrioError.wire_meta` keys; ``meta`` adds
-    op-specific keys (and wins over the error's own)."""
-    return Reply(exc.hydra_status, str(exc), **{**exc.wire_meta(), **meta})
-
-
 @attrs.define
-class Node:
+class OpTarget:
     """What the operations act on: the engine (None on a compute-only node; its inbox is the serialized
     control channel), the ggml-RPC backend, the protocol settings, and the settings CONFIGURE changes here."""
 
@@ -85,9 +70,9 @@ class Node:
 
 @attrs.define
 class OpContext:
-    """One request being answered: the node, the request and its connection."""
+    """One request being answered: what it acts on, the request and its connection."""
 
-    node: Node
+    target: OpTarget
     req: HydraRequest
     stream: trio.abc.Stream  # the front door's SocketStream or TlsStream
     blob_bytes_sent: int = 0  # KV-state payload bytes written by send_blob (``/metrics``)
@@ -106,8 +91,8 @@ class OpContext:
                 ``settings.request_timeout`` seconds (the connection is then closed)."""
         header = encode_response_header(Status.OK, meta, len(blob))
         view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
-        step = self.node.state_chunk_size
-        wait = self.node.settings.request_timeout  # a client that reads none of it holds no buffer (or thread) for ever
+        step = self.target.state_chunk_size
+        wait = self.target.settings.request_timeout  # a client that reads none of it holds no buffer (or thread) for ever
         try:  # on plain TCP the header rides in the first write
             await send_bulk(self.stream, view, step, wait, head=header, sent=self._count_sent)
         except trio.TooSlowError:
@@ -118,36 +103,26 @@ class OpContext:
         self.blob_bytes_sent += n
 
     def engine(self) -> Engine:
-        """The serving engine; ERROR when the node has none or it is not ready."""
-        e = self.node.engine
-        if e is None:
-            raise Reply(Status.ERROR, "this node has no model (compute-only): the op needs one")
-        e.check_ready()
-        return e
+        """The serving engine (:func:`hydra_trio.service.node.serving`): NoModel (NOT_IMPLEMENTED) on a node
+        without one, NotReady (ERROR) while it loads."""
+        return node.serving(self.target.engine)
 
     def slot(self) -> tuple[Engine, int]:
-        """The engine and the slot the key names (hydra-protocol.md §2 Keys): BAD_REQUEST / NOT_FOUND otherwise."""
+        """The engine and the slot the key names (hydra-protocol.md §2 Keys): InvalidRequest (BAD_REQUEST)
+        for a key that is not a slot id, NotFound for a slot the node does not have."""
         key = self.req.key
         if not _SLOT_ID.fullmatch(key):
-            raise Reply(Status.BAD_REQUEST, f"key {key!r} is not a slot id (a decimal integer)")
+            raise InvalidRequest(f"key {key!r} is not a slot id (a decimal integer)")
         id_slot = int(key)
-        e = self.engine()
-        n_slots = e.n_slots  # the engine's published snapshot (the engine checks again where it acts)
-        if not 0 <= id_slot < n_slots:
-            raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{n_slots - 1})")
-        return e, id_slot
-
-    @staticmethod
-    def identity(e: Engine) -> dict[str, Any]:
-        assert e.identity is not None
-        return e.identity.as_meta()
+        return node.slot(self.target.engine, id_slot), id_slot
 
     def parse(self, parser: Callable[[bytes | bytearray], Any], **meta: Any) -> Any:
-        """The payload through ``parser``; BAD_REQUEST naming the field otherwise."""
+        """The payload through ``parser``; MessageError (BAD_REQUEST) naming the field otherwise, with
+        ``meta`` in its reply."""
         try:
             return parser(self.req.payload)
         except msg.MessageError as exc:
-            raise reply_for(exc, **meta) from None
+            raise exc.with_meta(**meta) from None
 
 
 # ----------------------------------------------------------------------------- slot ops
@@ -158,14 +133,13 @@ async def state_get(ctx: OpContext) -> None:
     from it (:meth:`OpContext.send_blob`), and the buffer goes back to the pool."""
     e, id_slot = ctx.slot()
     with _state_event(e, "state.get", ctx.req.trace_id, id_slot) as event:
-        # cancelled while waiting, the engine may still write the buffer: it is then dropped, not pooled
-        n_past, blob = await e.run_task(SaveSlot(id_slot, pool=TRANSFER_POOL))
+        n_past, blob = await slots.save(e, id_slot)
         try:
             event.update(bytes=len(blob), n_past=n_past)
-            await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **ctx.identity(e)},
+            await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **node.identity(e)},
                                 blob)
         finally:
-            blob.release()
+            slots.release(blob)
 
 
 def payload_buffer(op: int, payload_len: int) -> BlobBuffer | None:
@@ -186,29 +160,14 @@ BUFFERED_PAYLOAD = 64 * 1024  # bytes
 
 async def state_put(ctx: OpContext) -> None:
     """STATE_PUT: the blob (received into one buffer, :func:`payload_buffer`, and hashed as it arrived) is
-    checked in a worker thread, applied on the engine thread, and its buffer goes back to the pool."""
+    restored as every blob is (:func:`hydra_trio.service.slots.restore`: checked off the engine thread,
+    applied on it, its buffer back to the pool)."""
     e, id_slot = ctx.slot()
     blob = ctx.req.payload
-    size = len(blob)  # restore_slot consumes the blob (frames it in place)
-    with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=size) as event:
-        try:
-            # integrity first, never on the engine thread; a payload hashed as it arrived (only its header is
-            # read now) or a small one is checked here, a large unhashed one in a worker thread
-            await verify_checksum_off_engine(blob, ctx.req.checksum)
-            done = await e.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
-        except HydraTrioError:  # the thread and the engine are done with it (cancelled: it is dropped, not pooled)
-            _give_back(blob)
-            raise
-        _give_back(blob)
+    with _state_event(e, "state.put", ctx.req.trace_id, id_slot, bytes=len(blob)) as event:
+        done = await slots.restore(e, id_slot, blob, ctx.req.checksum)
         event["n_past"] = done.n_past
-        await ctx.reply({"restored": True, "slot_id": id_slot, "bytes": size, "n_past": done.n_past,
-                         "model_hash_match": done.model_hash_match, "kv_identity_match": done.kv_identity_match,
-                         **ctx.identity(e)})
-
-
-def _give_back(blob: bytearray | BlobBuffer) -> None:
-    if isinstance(blob, BlobBuffer):
-        blob.release()
+        await ctx.reply(done.as_reply("slot_id"))
 
 
 @contextmanager
@@ -229,10 +188,7 @@ def _state_event(e: Engine, type_: str, trace_id: str, id_slot: int, **fields: A
 
 async def state_meta(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
-    meta = e.slot_meta_now(id_slot)  # the engine's published snapshot: never waits behind a prefill
-    if meta is None:  # the slot count changed since ctx.slot() looked
-        raise Reply(Status.NOT_FOUND, f"slot {id_slot} not found (this node has slots 0..{e.n_slots - 1})")
-    await ctx.reply({**meta, **ctx.identity(e)})
+    await ctx.reply(node.slot_meta(e, id_slot))  # the engine's published snapshot: never waits behind a prefill
 
 
 def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -241,33 +197,32 @@ def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) 
     return isinstance(body.model, str) and body.model not in ("", e.identity.model_alias)
 
 
-async def _job(ctx: OpContext, e: Engine, id_slot: int, body: ChatCompletionRequest | CompletionRequest,
-               n_predict: int, **changes: Any) -> tuple[CompletionJob, ChatTools | None]:
-    """The engine job for PREFILL / DECODE, and how its reply's tool calls are read (None: the body
-    offers no tools); templating and tokenization run in a worker thread (they only read the
-    vocabulary).  It fails BUSY rather than wait when the slot works."""
-    tools = None
+async def _prepare(ctx: OpContext, e: Engine, id_slot: int, body: ChatCompletionRequest | CompletionRequest,
+                   n_predict: int, **changes: Any) -> PreparedCompletion:
+    """PREFILL's / DECODE's completion: a chat's prepared in a worker thread that stops when the peer leaves
+    (:func:`hydra_trio.service.completions.prepare`), a continuation at once; it fails BUSY rather than wait
+    when the slot works."""
+    changes.update(fail_if_busy=True, request_id=ctx.req.trace_id)
     if isinstance(body, ChatCompletionRequest):
-        job, tools = await trio.to_thread.run_sync(lambda: chat_job(e, body, n_predict=n_predict, id_slot=id_slot))
-    else:
-        job = job_continue(e, body, n_predict=n_predict, id_slot=id_slot)
-    return attrs.evolve(job, fail_if_busy=True, request_id=ctx.req.trace_id, **changes), tools
+        return await completions.prepare(
+            lambda: completions.prepare_chat(e, body, n_predict=n_predict, id_slot=id_slot), **changes)
+    return completions.prepare_continue(e, body, n_predict=n_predict, id_slot=id_slot).changed(**changes)
 
 
 async def prefill(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     body = ctx.parse(msg.parse_prefill)
     # the blob is saved on the engine thread as the prefill ends, before anything else can use the slot
-    job, _ = await _job(ctx, e, id_slot, body, 0, snapshot=True, prompt_only=True)
+    prepared = await _prepare(ctx, e, id_slot, body, 0, snapshot=True, prompt_only=True)
     t0 = time.perf_counter()
-    async with JobRun(e, job) as run:
+    async with completions.run(e, prepared) as run:
         done = await run.result()
     assert done.state is not None
     n_past, blob = done.state
     await ctx.send_blob({
         "slot_id": id_slot, "n_past": n_past, "tokens_processed": done.prompt_n, "cache_n": done.cache_n,
         "prefill_ms": round((time.perf_counter() - t0) * 1e3, 3), "state_size": len(blob),
-        "model_fallback": _model_fallback(e, body), **ctx.identity(e),
+        "model_fallback": _model_fallback(e, body), **node.identity(e),
     }, blob)
 
 
@@ -293,25 +248,25 @@ async def decode(ctx: OpContext) -> None:
     budget_field = parsed.budget_field()  # the one read, as llama-server (n_predict, max_completion_tokens, max_tokens)
     if budget_field is not None and budget_field[1] < -1:
         name, value = budget_field
-        raise Reply(Status.BAD_REQUEST, f"{name}: must be >= -1 (-1: the default budget), got {value}")
-    settings = ctx.node.settings
+        raise InvalidRequest(f"{name}: must be >= -1 (-1: the default budget), got {value}")
+    settings = ctx.target.settings
     budget = parsed.frame_budget(settings.decode_default, settings.decode_cap)
     if budget == 0:
-        raise Reply(Status.BAD_REQUEST, "n_predict: DECODE generates at least one token (PREFILL processes a prompt only)")
+        raise InvalidRequest("n_predict: DECODE generates at least one token (PREFILL processes a prompt only)")
     # the frames carry each token's own logprob, never alternatives (a body's logprobs / n_probs ask for none here)
-    job, tools = await _job(ctx, e, id_slot, parsed.body, budget, logprobs=True, n_probs=0)
+    prepared = await _prepare(ctx, e, id_slot, parsed.body, budget, logprobs=True, n_probs=0)
     framer = DecodeFramer(budget)
     streamed = parsed.stream is not False
     meta: dict[str, Any] = {
         "slot_id": id_slot, "n_predict": budget, "frame_size": 9, "stream": streamed,
-        "model_fallback": _model_fallback(e, parsed.body), **ctx.identity(e),
+        "model_fallback": _model_fallback(e, parsed.body), **node.identity(e),
     }
-    async with JobRun(e, job) as run:
+    async with completions.run(e, prepared) as run:
         # wait for the slot before the reply header: BUSY must be a status, not padding
         assigned = await run.started()
         if not streamed:
             frames = bytearray()
-            reply = ChatReplyText(_thinking(e, parsed.body, job))
+            reply = ChatReplyText(prepared.plan.thinking)
             async for delta in run:
                 frames += framer.push(delta.tokens, delta.logprobs)
                 reply.add(delta.text, len(delta.tokens))
@@ -319,7 +274,7 @@ async def decode(ctx: OpContext) -> None:
             assert end is not None
             frames += framer.finish(end.stop_reason, pad=False)
             meta.update(tokens_generated=framer.tokens_generated, reasoning_tokens=reply.reasoning_tokens, n_past=end.n_past,
-                        stop_reason=end.stop_reason, **_tool_calls(reply, tools))
+                        stop_reason=end.stop_reason, **_tool_calls(reply, prepared.plan.tools))
             await ctx.stream.send_all(encode_response_header(Status.OK, meta, len(frames)) + frames)
             return
         meta["n_past"] = assigned.n_prompt
@@ -347,27 +302,17 @@ def _tool_calls(reply: ChatReplyText, tools: ChatTools | None) -> dict[str, Any]
     return {"tool_calls": [c.as_openai() for c in calls]}
 
 
-def _thinking(e: Engine, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob) -> ThinkingSetup:
-    """How a DECODE's text is split: the chat job's setup (its prompt may open the thinking), or for
-    a continuation the body's ``reasoning_format`` (else the node's) on the node's template."""
-    if isinstance(job.chat_reply, ThinkingSetup):
-        return job.chat_reply
-    m = e.solo_model or e.model
-    assert m is not None
-    fmt = body.raw.get("reasoning_format") or e.config.reasoning_format  # checked by parse_decode
-    return ThinkingSetup.for_prompt(fmt, m.chat_template.source, "")
-
-
 # ----------------------------------------------------------------------------- engine-wide ops
 
 
 async def info(ctx: OpContext) -> None:
-    await ctx.reply(info_meta(ctx.node))
+    await ctx.reply(info_meta(ctx.target))
 
 
-def info_meta(node: Node) -> dict[str, Any]:
-    """INFO meta (hydra-protocol.md §3): Core's keys, then hydra-trio's own."""
-    e, rpc = node.engine, node.rpc
+def info_meta(target: OpTarget) -> dict[str, Any]:
+    """INFO meta (hydra-protocol.md §3): Core's keys, then hydra-trio's own (the node's facts that ``/props``
+    reports too come from :mod:`hydra_trio.service.node`)."""
+    e, rpc = target.engine, target.rpc
     experts = e.experts.snapshot() if e is not None else {
         "mode": "solo", "peer_addr": "", "peer_reachable": False, "layer_split": DEFAULT_PATTERN,
         "combined_head_attached": False, "fallback_reason": None, "peer_attach": "none",
@@ -376,9 +321,7 @@ def info_meta(node: Node) -> dict[str, Any]:
         "engine": "hydra-trio",
         "version": __version__,
         "capabilities": CAPABILITIES,
-        "backends": build_backends(),
-        "devices": [{"name": name, "memory_free": free, "memory_total": total}
-                    for name, free, total in local_devices()],
+        **node.hardware(),
         "preset_aliases": sorted(PRESETS),
         "solo_active": e is not None and e.ready,
         "rpc_backend_active": rpc is not None and rpc.active,
@@ -388,7 +331,7 @@ def info_meta(node: Node) -> dict[str, Any]:
         "quant_swap": {"whole_model": True, "tensor_subsets": False,
                        "peak_memory": "the old model + the new one + one KV blob per slot holding tokens"},
         "protocols": ["http", "hydra"] + (["ggml_rpc"] if rpc is not None else []),
-        "state_chunk_size": node.state_chunk_size,
+        "state_chunk_size": target.state_chunk_size,
     }
     if rpc is not None:
         meta["rpc_backend"] = {
@@ -409,8 +352,7 @@ def info_meta(node: Node) -> dict[str, Any]:
                 n_ctx_slot=e.n_ctx_slot,
                 slots_processing=snap.slots_processing,
                 sampling_defaults=attrs.asdict(e.defaults),
-                kv_cache=kv_cache(e),  # {"type_k", "type_v", "flash_attn"}, as /props
-                memory=memory_use(e),  # {device: {"weights", "kv", "compute"}} bytes, as /props
+                **node.model_use(e),  # kv_cache {"type_k", "type_v", "flash_attn"}, memory {device: bytes}: /props'
                 **e.identity.as_meta(),
             )
     return meta
@@ -423,10 +365,7 @@ async def configure(ctx: OpContext) -> None:
     (BAD_REQUEST, BUSY, ERROR: ``success`` false, ``params_applied`` empty) changes nothing."""
     e = ctx.engine()
     params = ctx.parse(msg.parse_configure).params
-    try:
-        t1, t2, t3, unknown = msg.classify_configure_keys(params)
-    except msg.MessageError as exc:
-        raise reply_for(exc) from None
+    t1, t2, t3, unknown = msg.classify_configure_keys(params)
     tier = 3 if t3 else 2 if t2 else 1
     deferred = sorted([*t2, *t3])
     chunk = msg.clamp_state_chunk_size(t1.pop("state_chunk_size")) if "state_chunk_size" in t1 else None
@@ -443,20 +382,20 @@ async def configure(ctx: OpContext) -> None:
         if target is not None:  # the engine gets a resolved path (a file, or a preset's file)
             changes["model_path"], changes["model_alias"] = resolve_model(str(target))
     except HydraTrioError as exc:
-        raise reply_for(exc, success=False, params_applied={}, tier=tier) from None
+        raise exc.with_meta(success=False, params_applied={}, tier=tier) from None
     # 2. tiers 2 / 3, which can still be refused (BUSY: a slot works; llama.cpp refusing the settings)
     result: dict[str, Any] = {}
     if t2 or t3:
         try:
             result = await e.run_task(Reconfigure(**changes, trace_id=ctx.req.trace_id))
         except HydraTrioError as exc:
-            raise reply_for(exc, success=False, params_applied={}, tier=tier) from None
+            raise exc.with_meta(success=False, params_applied={}, tier=tier) from None
         deferred = []
     # 3. tier 1: checked above (a field's bounds do not depend on the others), so it cannot fail now
     applied: dict[str, Any] = {}
     meta: dict[str, Any] = {}
     if chunk is not None:
-        ctx.node.state_chunk_size = meta["state_chunk_size_applied"] = applied["state_chunk_size"] = chunk
+        ctx.target.state_chunk_size = meta["state_chunk_size_applied"] = applied["state_chunk_size"] = chunk
     if cross_model_kv is not None:  # one bool, read once per STATE_PUT on the engine thread
         e.allow_cross_model_kv = applied["allow_cross_model_kv"] = cross_model_kv
     if t1:  # one new immutable RequestDefaults, swapped in whole: job-building threads see all or none of it
@@ -473,7 +412,7 @@ async def set_expert_mode(ctx: OpContext) -> None:
     try:
         meta = await e.run_task(SetExpertMode(want.mode, want.peer, trace_id=ctx.req.trace_id))
     except Busy as exc:
-        raise reply_for(exc, success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
+        raise exc.with_meta(success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
     await ctx.reply(meta)
 
 
@@ -488,22 +427,23 @@ async def swap_quant(ctx: OpContext) -> None:
         try:
             msg.check_tensor_regex(want.tensor_pattern)
         except msg.MessageError as exc:
-            raise Reply(Status.BAD_REQUEST, f"tensor_pattern: {exc}", swapped=False) from None
+            raise InvalidRequest(f"tensor_pattern: {exc}").with_meta(swapped=False) from None
         try:  # the file is parsed and the regex run in a worker thread: never on the event loop
             names, picked, on_peer = await trio.to_thread.run_sync(
                 _pattern_scope, target[0], want.tensor_pattern, e.experts.pattern, abandon_on_cancel=True)
         except (OSError, ValueError) as exc:
-            raise Reply(Status.ERROR, f"quant {want.quant_key!r}: cannot read {target[0]}: {exc}", swapped=False) from None
+            raise HydraTrioError(f"quant {want.quant_key!r}: cannot read {target[0]}: {exc}").with_meta(
+                swapped=False) from None
         if picked != names:  # not the whole model: only the peer's tensors on a COMBINED head
             experts_only = e.experts.combined is not None and picked == on_peer
             if not experts_only:
-                raise Reply(Status.NOT_IMPLEMENTED, f"tensor_pattern picks {len(picked)} of {len(names)} tensors: "
-                            "a swap takes the whole model (an empty pattern), or on a COMBINED head exactly the "
-                            f"tensors on its peer ({e.experts.pattern!r})", swapped=False)
+                raise NotSupported(f"tensor_pattern picks {len(picked)} of {len(names)} tensors: a swap takes the "
+                                   "whole model (an empty pattern), or on a COMBINED head exactly the tensors on "
+                                   f"its peer ({e.experts.pattern!r})").with_meta(swapped=False)
     try:
         meta = await e.run_task(SwapQuant(want.quant_key, experts_only=experts_only, trace_id=ctx.req.trace_id))
     except HydraTrioError as exc:
-        raise reply_for(exc, swapped=False, quant=e.quants.active) from None
+        raise exc.with_meta(swapped=False, quant=e.quants.active) from None
     await ctx.reply(meta)
 
 
@@ -526,7 +466,7 @@ async def pipeline_attach(ctx: OpContext) -> None:
     try:
         meta = await e.run_task(PipelineAttach(want.peer, want.ot_split, trace_id=ctx.req.trace_id))
     except HydraTrioError as exc:
-        raise reply_for(exc, success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
+        raise exc.with_meta(success=False, mode=str(e.experts.mode), peer=e.experts.peer) from None
     await ctx.reply(meta)
 
 

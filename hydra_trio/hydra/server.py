@@ -25,7 +25,7 @@ from ..http.metrics import NodeMetrics
 from ..transport.tls import peer_of
 from .connection import ServerConnection
 from .gate import Gate
-from .ops import Node, info_meta
+from .ops import OpTarget, info_meta
 from .session import Drain, HydraSettings, serve_connection
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -54,7 +54,7 @@ class HydraHandler:
         access: AccessSettings = AccessSettings(),
         refused: Refusals | None = None,
     ) -> None:
-        self.node = Node(engine, rpc, settings)
+        self.target = OpTarget(engine, rpc, settings)
         self.settings = settings
         self.metrics = metrics or NodeMetrics(engine)  # each request counted once, by its ServerConnection
         self._drain = Drain()
@@ -66,7 +66,7 @@ class HydraHandler:
 
     def connection(self, stream: trio.abc.Stream, peer: Peer) -> ServerConnection:
         """The protocol object for a new connection from ``peer`` (its trust starts as the gate says)."""
-        return ServerConnection(self.node, stream, self.gate.connection(peer), self.metrics)
+        return ServerConnection(self.target, stream, self.gate.connection(peer), self.metrics)
 
     async def serve(self, stream: trio.abc.Stream, peer: Peer) -> None:
         """Serve one connection from ``peer`` (any trio stream: the front door's, or a memory stream in tests)
@@ -88,4 +88,4 @@ class HydraHandler:
 
     def info(self) -> dict[str, Any]:
         """INFO meta (see :func:`hydra_trio.hydra.ops.info_meta`)."""
-        return info_meta(self.node)
+        return info_meta(self.target)

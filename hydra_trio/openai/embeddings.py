@@ -26,18 +26,14 @@ Replies (``format_embeddings_response_oaicompat`` and
 from __future__ import annotations
 
 import base64
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
-import trio
 
-from ..engine.embedding import POOLING, Embedding, EmbeddingJob, float32_bytes, n_embd_out
-from ..engine.engine import NO_EMBEDDINGS, Engine
+from ..engine.embedding import Embedding, float32_bytes, n_embd_out
 from ..engine.model import LoadedModel
 from ..engine.settings import INT32_MAX
-from ..engine.tasks import Embed, EmbeddingLimits
-from ..errors import InvalidRequest
 from ..protocol import strict as msg
 from ..protocol.strict import MessageError
 from .schemas import _conv

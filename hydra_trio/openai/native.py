@@ -15,7 +15,7 @@ A whole reply::
      "tokens_cached", "timings", "completion_probabilities" (n_probs > 0)}
 
 filtered by ``response_fields`` when the request names any.  A stream sends one
-``data: {...}`` event per delta of text (``{"index", "content", "tokens", "stop": false,
+``data: {...}`` server-sent event per delta of text (``{"index", "content", "tokens", "stop": false,
 "id_slot", "tokens_predicted", "tokens_evaluated"}``, with ``completion_probabilities`` for
 its tokens and, with ``timings_per_token``, ``timings`` so far), then the whole reply with
 empty ``content`` and ``tokens`` and no ``completion_probabilities``; no ``[DONE]``.
@@ -32,6 +32,7 @@ from ..engine.engine import Engine
 from ..engine.model import model_meta
 from ..engine.requests import CompletionJob, Finished, SlotAssigned, TextDelta
 from ..engine.settings import SAMPLER_ORDER
+from .replies import sse
 from .schemas import CompletionRequest
 
 STOP_TYPES = {"eos": "eos", "stop": "word", "length": "limit", "n_tokens_limit": "limit"}
@@ -84,7 +85,7 @@ def task_params(job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = 
     with).  ``chat_format`` is ``Content-only`` (no llama.cpp chat parser reads the reply here),
     ``generation_prompt`` empty, ``speculative.types`` the node's (``spec_types``: ``--spec-type``'s list as
     llama-server joins it, ``none`` first) and ``lora`` empty (no adapters)."""
-    fmt = getattr(job.chat_reply, "fmt", None) or reasoning_format
+    fmt = job.reasoning_format or reasoning_format
     return {
         **job.sampling.to_json(),
         "adaptive_target": float(job.adaptive_target),
@@ -133,7 +134,8 @@ class NativeCompletion:
     ``prompt_text`` is the prompt as text, special tokens included;
     ``settings`` is :func:`generation_settings`.  Feed the engine's events in
     order: :meth:`assigned`, :meth:`add` per delta (returns the stream event),
-    then :meth:`final`.
+    then :meth:`final`; or, as every :class:`~hydra_trio.openai.replies.CompletionReply`, streamed
+    (:meth:`stream_delta`, :meth:`stream_tail`) or whole (:meth:`add`, :meth:`whole`).
     """
 
     def __init__(
@@ -173,8 +175,11 @@ class NativeCompletion:
         return [{**self._token_json(tok, lp), "top_logprobs": [self._token_json(t, v) for t, v in top]}
                 for tok, lp, top in zip(ev.tokens, ev.logprobs, tops, strict=True)]
 
-    def add(self, ev: TextDelta) -> dict[str, Any] | None:
-        """Record a delta; its stream event (None when it carries neither text nor tokens)."""
+    def add(self, ev: TextDelta, assigned: SlotAssigned | None = None) -> dict[str, Any] | None:
+        """Record a delta (``assigned``: the slot the request runs on, once known); its stream event (None
+        when it carries neither text nor tokens)."""
+        if assigned is not None and self.id_slot < 0:
+            self.assigned(assigned)
         if self.t_first is None:
             self.t_first = self.clock()
         self.texts.append(ev.text)
@@ -209,6 +214,23 @@ class NativeCompletion:
             "predicted_per_token_ms": predicted_ms / n if n else 0.0,
             "predicted_per_second": 1e3 * n / predicted_ms if predicted_ms > 0 else 0.0,
         }
+
+    def stream_head(self) -> str:
+        """Nothing: llama-server's stream starts with the first delta."""
+        return ""
+
+    def stream_delta(self, delta: TextDelta, assigned: SlotAssigned | None = None) -> str:
+        """The event for one engine delta (``""`` when it carries neither text nor tokens)."""
+        chunk = self.add(delta, assigned)
+        return sse(chunk) if chunk is not None else ""
+
+    def stream_tail(self, f: Finished) -> str:
+        """The stream's last event: the whole reply without the text and tokens already sent (no ``[DONE]``)."""
+        return sse(self.final(f, stream=True))
+
+    def whole(self, f: Finished) -> dict[str, Any]:
+        """The whole reply."""
+        return self.final(f, stream=False)
 
     def final(self, f: Finished, *, stream: bool) -> dict[str, Any]:
         """The whole reply (``stream``: the last event, without the text and tokens already sent)."""

@@ -1,6 +1,11 @@
 """OpenAI reply objects for one completion or chat request, whole or streamed: ids, choices, logprobs in
 OpenAI's two shapes, usage, and a chat reply's text through the thinking split (:mod:`.reasoning`) and the
-tool-call parser (:mod:`.tools`).  Sans-I/O: the HTTP app feeds it the engine's deltas."""
+tool-call parser (:mod:`.tools`).  Sans-I/O: a front end feeds it the engine's deltas and sends what it
+returns, a stream as server-sent events (:func:`sse`): the first chunk, one event per engine delta, then the
+final chunk, the usage chunk and ``data: [DONE]`` (:meth:`ResponseContext.stream_tail`).
+
+Every reply object of a completion (this module's :class:`ResponseContext`, llama-server's native
+:class:`~hydra_trio.openai.native.NativeCompletion`) is a :class:`CompletionReply`."""
 
 from __future__ import annotations
 
@@ -8,9 +13,9 @@ import json
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from ..engine.requests import Finished, TextDelta
+from ..engine.requests import Finished, SlotAssigned, TextDelta
 from . import tools as api_tools
 from .reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
 
@@ -19,6 +24,33 @@ if TYPE_CHECKING:
 
 
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+"""``json.dumps(obj, ensure_ascii=False, separators=(",", ":"))`` with one encoder for every call
+(``json.dumps`` with options builds a new encoder each time: once per streamed token)."""
+
+DONE = "data: [DONE]\n\n"
+"""The OpenAI stream's last event."""
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event: ``data: <compact JSON>`` and a blank line."""
+    return f"data: {_encode(obj)}\n\n"
+
+
+class CompletionReply(Protocol):
+    """The reply of one completion request, fed the engine's events in order and giving what is sent.
+
+    Streamed: :meth:`stream_head`, then :meth:`stream_delta` per delta, then :meth:`stream_tail` (each
+    returns server-sent events, ``""`` for none).  Whole: :meth:`add` per delta, then :meth:`whole`."""
+
+    def stream_head(self) -> str: ...
+
+    def stream_delta(self, delta: TextDelta, assigned: SlotAssigned | None) -> str: ...
+
+    def stream_tail(self, f: Finished) -> str: ...
+
+    def add(self, delta: TextDelta, assigned: SlotAssigned | None = None) -> Any: ...
+
+    def whole(self, f: Finished) -> Any: ...
 
 
 def _usage(f: Finished, reasoning_tokens: int | None = None) -> dict[str, Any]:
@@ -113,9 +145,9 @@ class ResponseContext:
             return reason
         return api_tools.finish_reason(reason, self.tool_parser.calls, self.tools.spec.legacy, self.tool_parser.cut)
 
-    def add(self, ev: TextDelta) -> dict[str, Any] | None:
+    def add(self, ev: TextDelta, assigned: SlotAssigned | None = None) -> dict[str, Any] | None:
         """Record a delta; returns the logprobs object for its own tokens (None when not asked).
-        A chat reply's split of it is in :attr:`split`."""
+        A chat reply's split of it is in :attr:`split`; ``assigned`` is not needed here."""
         self.texts.append(ev.text)
         if self.reply is not None:
             self.split = self.reply.add(ev.text, len(ev.tokens))
@@ -156,6 +188,48 @@ class ResponseContext:
             choice = {"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    # ------------------------------------------------------------------ streamed
+    def stream_head(self) -> str:
+        """The stream's first event: a chat's ``{"role": "assistant", "content": ""}`` delta, a completion's
+        echoed prompt (``echo``), else none."""
+        if self.chat:
+            return sse(self.chunk({"role": "assistant", "content": ""}, None))
+        return sse(self.chunk(self.echo, None)) if self.echo else ""
+
+    def stream_delta(self, delta: TextDelta, assigned: SlotAssigned | None = None) -> str:
+        """The events for one engine delta (``""`` when it adds none): a chat's thinking, then its content and
+        tool calls as the parsers let them go (they hold some back); a completion's text and logprobs."""
+        if self.reply is not None:
+            lp = self.add(delta)  # first: it sets self.split
+            pairs = self.chat_deltas(self.split, lp, bool(delta.tokens))
+            return "".join(f"data: {self.chunk_json(d, lp)}\n\n" for d, lp in pairs)
+        if delta.text or (self.logprobs and delta.tokens):
+            return f"data: {self.chunk_json(delta.text, self.add(delta))}\n\n"
+        return ""
+
+    def stream_tail(self, f: Finished) -> str:
+        """The stream's end: what the parsers held back, the final chunk (its ``finish_reason``, ``id_slot`` and
+        ``timings``), the usage chunk (``stream_options.include_usage``: no choices) and ``[DONE]``."""
+        tail = ""
+        if self.reply is not None:
+            for d, lp in self.chat_deltas(self.reply.finish(), None, False, end=True):
+                tail += f"data: {self.chunk_json(d, lp)}\n\n"
+        final = self.chunk({} if self.chat else "", self.finish_reason(f.finish_reason))
+        final["id_slot"] = f.id_slot
+        final["timings"] = f.timings()
+        tail += sse(final)
+        if self.include_usage:
+            usage = self.chunk(None, None)
+            usage["choices"] = []
+            usage["usage"] = self.usage(f)
+            tail += sse(usage)
+        return tail + DONE
+
+    # ------------------------------------------------------------------ whole
+    def whole(self, f: Finished) -> dict[str, Any]:
+        """The whole reply (:meth:`final_body`)."""
+        return self.final_body(f)
 
     def final_body(self, f: Finished) -> dict[str, Any]:
         text = "".join(self.texts)

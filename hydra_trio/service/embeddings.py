@@ -11,10 +11,16 @@ import trio
 from ..engine.embedding import POOLING, EmbeddingJob
 from ..engine.engine import NO_EMBEDDINGS, Engine
 from ..engine.tasks import Embed, EmbeddingLimits
-from ..errors import InvalidRequest
+from ..errors import NotSupported
 from ..openai.embeddings import OAI_NONE_POOLING, EmbeddingsRequest, check_input_count, native_body, openai_body, \
     tokenize_inputs
 from ..protocol.strict import MessageError
+
+
+def check_offered(e: Engine) -> None:
+    """Raise NotSupported (HTTP 501, as llama-server) unless the node serves embeddings (``--embedding``)."""
+    if not e.config.embeddings:
+        raise NotSupported(NO_EMBEDDINGS)
 
 
 async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
@@ -32,11 +38,10 @@ async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
     Raises:
         MessageError: the body or an input is invalid, too many inputs (400), or ``oai`` on a node with
             pooling ``none``.
-        InvalidRequest: the node does not serve embeddings (no ``--embedding``).
+        NotSupported: the node does not serve embeddings (no ``--embedding``).
         NotReady, EngineFailure: from the engine.
     """
-    if not e.config.embeddings:
-        raise InvalidRequest(NO_EMBEDDINGS)
+    check_offered(e)
     max_inputs = e.config.max_embedding_inputs
     check_input_count(body, max_inputs)  # before anything is tokenized or queued
     e.live.embeddings += 1

@@ -1,4 +1,5 @@
-"""Turn OpenAI request bodies into engine jobs (shared by HTTP and the Hydra protocol)."""
+"""Turn OpenAI request bodies into engine jobs (for every front end, through :mod:`.completions`): the prompt
+rendered and tokenized, the sampling fields, the grammar, the node's defaults for what a body leaves out."""
 
 from __future__ import annotations
 
@@ -22,21 +23,9 @@ from ..openai import tools as _tools
 from ..openai.tools import ChatTools
 
 
-def job_from_chat(
-    e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None, id_slot: int | None = None
-) -> CompletionJob:
-    """Render the chat with the chat template in effect (``--chat-template``, else the GGUF's,
-    else chatml) and tokenize it (BOS added as llama-server adds it).
-
-    ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).
-    Raises ChatTemplateError (the template failed; an InvalidRequest) or MessageError.
-    """
-    return chat_job(e, body, n_predict=n_predict, id_slot=id_slot)[0]
-
-
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
     """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
-    (what ``POST /apply-template`` answers, and what :func:`job_from_chat` tokenizes).
+    (what ``POST /apply-template`` answers, and what :func:`chat_job` tokenizes).
     Raises ChatTemplateError (the template failed; an InvalidRequest)."""
     return _render(e, body)[0]
 
@@ -68,11 +57,16 @@ def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str
 
 def chat_job(
     e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None, id_slot: int | None = None
-) -> tuple[CompletionJob, ChatTools | None]:
-    """:func:`job_from_chat`, and how the reply's tool calls are to be read (None: no tools offered).
+) -> tuple[CompletionJob, ThinkingSetup, ChatTools | None]:
+    """The job for a chat: the chat rendered with the chat template in effect (``--chat-template``, else the
+    GGUF's, else chatml) and tokenized (BOS added as llama-server adds it); how the reply's text is split into
+    thinking and content; how its tool calls are read (None: no tools offered).
 
-    ``required`` and a named function constrain the reply with a grammar, ``auto`` with a lazy
-    one (:func:`~.tools.tool_grammar`).
+    ``n_predict`` / ``id_slot`` override the body's (the Hydra ops set them).  ``required`` and a named
+    function constrain the reply with a grammar, ``auto`` with a lazy one
+    (:func:`~hydra_trio.openai.tools.tool_grammar`).
+
+    Raises ChatTemplateError (the template failed; an InvalidRequest) or MessageError.
     """
     m = e.solo_model or e.model
     assert m is not None
@@ -84,10 +78,10 @@ def chat_job(
     pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
     thinking = ThinkingSetup.for_prompt("none" if pure else body.reasoning_format or e.config.reasoning_format,
                                         m.chat_template.source, prompt)
-    job = attrs.evolve(job, chat_reply=thinking, reasoning_budget=budget_spec(e, body, prompt))
+    job = attrs.evolve(job, reasoning_format=thinking.fmt, reasoning_budget=budget_spec(e, body, prompt))
     spec = body.tool_spec
     if spec is None or not spec.active or pure:
-        return job, None
+        return job, thinking, None
     try:
         g = _tools.tool_grammar(spec, fmt)
     except SchemaError as exc:  # checked together when the body was read; a format's wrapping adds a little
@@ -100,7 +94,7 @@ def chat_job(
         except GrammarError as exc:
             raise MessageError(f"tools: {exc}") from None
         job = attrs.evolve(job, grammar=g.gbnf, grammar_lazy=g.lazy, grammar_triggers=g.triggers)
-    return job, ChatTools(spec, fmt)
+    return job, thinking, ChatTools(spec, fmt)
 
 
 def thinking_budget(e: Engine, body: ChatCompletionRequest) -> int:

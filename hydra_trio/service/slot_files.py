@@ -5,15 +5,12 @@ STATE_GET returns), not llama.cpp's ``llama_state_seq_save_file`` format: it
 carries the model hash and KV identity, so a file of another model is refused
 before the slot is touched, and a checksum, so a damaged file is too.
 
-* **save** takes the idle slot's blob on the engine thread
-  (:meth:`Engine.save_slot <hydra_trio.engine.engine.Engine.save_slot>`), then
+* **save** takes the idle slot's blob on the engine thread (:func:`.slots.save`), then
   writes it in a worker thread to a temporary file in the same directory
   (mode 0600), fsyncs it and renames it over ``filename``: a reader never
   sees half a file, and a failed save leaves the old file (if any) as it was.
-* **restore** reads the file and checks its checksum in a worker thread, then
-  applies it on the engine thread
-  (:meth:`Engine.restore_slot <hydra_trio.engine.engine.Engine.restore_slot>`),
-  all or nothing: a refused restore leaves the slot's KV cache and ``n_past``
+* **restore** reads the file in a worker thread, then restores it as every blob is
+  (:func:`.slots.restore`: the checksum off the engine thread, then the engine thread), all or nothing: a refused restore leaves the slot's KV cache and ``n_past``
   as they were (llama-server clears the slot instead).
 
 File names follow llama-server's ``fs_validate_filename`` (``common/common.cpp``,
@@ -43,8 +40,8 @@ import trio
 
 from ..errors import HydraTrioError, InvalidRequest
 from ..engine.blobbuf import BlobBuffer
-from ..engine.state import StateError, verify_checksum
-from ..engine.tasks import RestoreSlot, SaveSlot
+from ..engine.state import StateError
+from . import slots
 
 if TYPE_CHECKING:
     from ..engine.engine import Engine
@@ -192,7 +189,7 @@ async def save(engine: Engine, id_slot: int, directory: Path, filename: str) -> 
     """
     check_filename(filename)
     t0 = time.perf_counter()
-    n_saved, blob = await engine.run_task(SaveSlot(id_slot))
+    n_saved, blob = await slots.save(engine, id_slot, pool=None)
     n_written = await trio.to_thread.run_sync(write_file, directory, filename, blob)  # file I/O off the loop
     return {"id_slot": id_slot, "filename": filename, "n_saved": n_saved, "n_written": n_written,
             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
@@ -209,13 +206,10 @@ async def restore(engine: Engine, id_slot: int, directory: Path, filename: str) 
     """
     check_filename(filename)
     t0 = time.perf_counter()
-    blob = await trio.to_thread.run_sync(read_file, directory, filename)  # file I/O and hashing: off the loop and
-    # off the engine thread, in trio's worker threads (see bridge.py, "Thread crossings")
-    n_read = len(blob)  # restore_slot consumes the blob (frames it in place)
+    blob = await trio.to_thread.run_sync(read_file, directory, filename)  # file I/O: off the loop and the engine
     try:
-        await trio.to_thread.run_sync(verify_checksum, blob)
-        done = await engine.run_task(RestoreSlot(id_slot, blob, checksum_verified=True))
+        done = await slots.restore(engine, id_slot, blob)
     except StateError as exc:
         raise InvalidRequest(f"filename: {filename!r} cannot be restored on this node: {exc}") from None
-    return {"id_slot": id_slot, "filename": filename, "n_restored": done.n_past, "n_read": n_read,
+    return {"id_slot": id_slot, "filename": filename, "n_restored": done.n_past, "n_read": done.bytes,
             "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
