@@ -17,7 +17,8 @@ import pytest
 
 import hydra_trio
 from hydra_trio.engine.state import HEADER_SIZE, blob_checksum
-from hydra_trio.errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest, NotReady
+from hydra_trio.errors import (BodyError, BodyTimeout, BodyTooLarge, Busy, Cancelled, EngineFailure, HydraTrioError,
+                               InvalidRequest, NoModel, NotFound, NotReady, NotSupported, Overloaded)
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, streaming
@@ -50,7 +51,10 @@ def test_every_error_class_names_its_wire_statuses() -> None:
             assert (cls.http_status, cls.hydra_status) == (400, Status.BAD_REQUEST), cls
     table = {HydraTrioError: (500, Status.ERROR), InvalidRequest: (400, Status.BAD_REQUEST),
              Busy: (409, Status.BUSY), NotReady: (503, Status.ERROR), Cancelled: (503, Status.ERROR),
-             EngineFailure: (500, Status.ERROR)}
+             EngineFailure: (500, Status.ERROR), NotFound: (404, Status.NOT_FOUND),
+             NotSupported: (501, Status.NOT_IMPLEMENTED), NoModel: (501, Status.NOT_IMPLEMENTED),
+             Overloaded: (503, Status.BUSY), BodyError: (400, Status.BAD_REQUEST),
+             BodyTooLarge: (413, Status.BAD_REQUEST), BodyTimeout: (408, Status.BAD_REQUEST)}
     for cls, want in table.items():
         assert (cls.http_status, cls.hydra_status) == want, cls
     by_name = {c.__name__: c for c in classes}
@@ -64,6 +68,8 @@ def test_every_error_class_names_its_wire_statuses() -> None:
             assert type(error_for_status(st, {})).hydra_status == st
     assert Busy("x", [2]).wire_meta() == {"busy_slots": [2]} and NotReady("x", "loading").wire_meta() == {
         "stage": "loading"}
+    # an op's own reply keys join the error's, and win
+    assert Busy("x", [2]).with_meta(success=False, busy_slots=[3]).reply_meta() == {"busy_slots": [3], "success": False}
 
 
 # ----------------------------------------------------------------------------- state errors over both front ends

@@ -36,7 +36,7 @@ from ..engine.model import LoadedModel
 from ..engine.settings import INT32_MAX
 from ..protocol import strict as msg
 from ..protocol.strict import MessageError
-from .schemas import _conv
+from .schemas import CONVERTER
 
 OAI_NONE_POOLING = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
 """llama-server's 400 for ``/v1/embeddings`` on a node with ``--pooling none``."""
@@ -79,7 +79,7 @@ class EmbeddingsRequest:
                                f"2 (Euclidean) or a larger p-norm, got {self.embd_normalize}")
 
 
-_conv.register(EmbeddingsRequest, forbid_extra=False)
+CONVERTER.register(EmbeddingsRequest, forbid_extra=False)
 
 
 def _is_id(x: Any) -> bool:

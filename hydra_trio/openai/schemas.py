@@ -644,7 +644,8 @@ def _number(name: str) -> Any:
     return override(struct_hook=lambda v, _t: field_limits.read_number(name, v))
 
 
-_conv = msg.StrictConverter()
+CONVERTER = msg.StrictConverter()
+"""The OpenAI bodies' converter; each body class of this layer registers on it (:mod:`.embeddings` too)."""
 
 _COMMON = dict(
     **{n: _number(n) for n in attrs.fields_dict(_GenerationFields) if n in field_limits.FIELDS},
@@ -656,19 +657,19 @@ _COMMON = dict(
     response_fields=override(struct_hook=_str_list),
     samplers=override(struct_hook=_samplers),
 )
-_conv.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content),
+CONVERTER.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content),
                tool_calls=override(struct_hook=_tools), function_call=override(struct_hook=_object_or_null))
-_conv.register(StreamOptions, forbid_extra=False)
-_conv.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
+CONVERTER.register(StreamOptions, forbid_extra=False)
+CONVERTER.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
              tool_choice=override(struct_hook=_tool_choice),
              chat_template_kwargs=override(struct_hook=_object_or_null), top_logprobs=_number("top_logprobs"),
              thinking_budget_tokens=_number("thinking_budget_tokens"),
              reasoning_budget_tokens=_number("reasoning_budget_tokens"), **_COMMON)
-_conv.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt),
+CONVERTER.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt),
                logprobs=_number("logprobs"), **_COMMON)
-_conv.register(TokenizeRequest, forbid_extra=False)
-_conv.register(DetokenizeRequest, forbid_extra=False)
-_conv.register(SlotFileRequest, forbid_extra=False)
+CONVERTER.register(TokenizeRequest, forbid_extra=False)
+CONVERTER.register(DetokenizeRequest, forbid_extra=False)
+CONVERTER.register(SlotFileRequest, forbid_extra=False)
 
 
 def parse_body(raw: bytes, cls: type[Any]) -> Any:
@@ -692,6 +693,6 @@ def structure_body(data: Any, cls: type[Any]) -> Any:
     """Structure an already-decoded JSON value into ``cls``; same errors as :func:`parse_body`."""
     if not isinstance(data, dict):
         raise MessageError(f"the body must be a JSON object, got {msg.type_name(data)}")
-    obj = _conv.structure(data, cls)
+    obj = CONVERTER.structure(data, cls)
     obj.check()
     return obj
