@@ -226,7 +226,7 @@ def _check_call_function(fn: Any, where: str) -> None:
     # past the depth limit: TooDeep (read only when the brackets could nest that deep: a text is parsed once, to render)
     if isinstance(args, str) and args.count("[") + args.count("{") > msg.MAX_JSON_DEPTH and \
             msg.json_depth(args) > msg.MAX_JSON_DEPTH:
-        _arguments_object(args, f"{where}.arguments")
+        arguments_object(args, f"{where}.arguments")
 
 
 # --------------------------------------------------------------------------- formats and rendering
@@ -246,7 +246,7 @@ def template_supports_tools(kind: str, source: str) -> bool:
     return kind == "jinja" and "tools" in source
 
 
-def _arguments_object(args: Any, where: str = "arguments") -> Any:
+def arguments_object(args: Any, where: str = "arguments") -> Any:
     """A call's ``arguments`` as the template sees them: the JSON value of a text that holds JSON (at most
     :data:`~hydra_trio.protocol.strict.MAX_JSON_DEPTH` levels deep, else :class:`~hydra_trio.protocol.strict.TooDeep`
     naming ``where``), else the text itself."""
@@ -316,7 +316,7 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
                 if fmt == "mistral":
                     cid = _mistral_id(cid)
                 norm.append({"id": cid, "type": "function",
-                             "function": {"name": fn["name"], "arguments": _arguments_object(fn.get("arguments", {}))}})
+                             "function": {"name": fn["name"], "arguments": arguments_object(fn.get("arguments", {}))}})
             if native:
                 d["tool_calls"] = norm
             else:

@@ -43,7 +43,7 @@ from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one mo
     Tool,
     ToolGrammar,
     ToolSpec,
-    _arguments_object,
+    arguments_object,
     after_thinking,
     check_messages,
     detect_format,
@@ -185,7 +185,7 @@ def _call_from(obj: Any, args_keys: Sequence[str]) -> tuple[str, str] | None:
         if key in obj:
             args = obj[key]
             if isinstance(args, str):
-                parsed = _arguments_object(args)
+                parsed = arguments_object(args)
                 args = parsed if isinstance(parsed, dict) else args
             if not isinstance(args, dict):
                 return None
