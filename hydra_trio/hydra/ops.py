@@ -352,7 +352,7 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
                 n_ctx_slot=e.n_ctx_slot,
                 slots_processing=snap.slots_processing,
                 sampling_defaults=attrs.asdict(e.defaults),
-                **node.model_use(e),  # kv_cache {"type_k", "type_v", "flash_attn"}, memory {device: bytes}: /props'
+                **node.model_use(e),  # kv_cache {"type_k", "type_v", "flash_attn"}, memory {device: bytes}, as /props
                 **e.identity.as_meta(),
             )
     return meta

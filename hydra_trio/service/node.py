@@ -1,5 +1,6 @@
-"""The node as every front end sees it: whether it serves a model now, which slots it has, and the facts
-both ``GET /props`` and Hydra INFO report (its ggml backends and devices, the KV cache and memory in use).
+"""The node as every front end sees it: whether it serves a model now, which slots it has (each front end
+reads a slot id in its own syntax: a path's ``{id}``, a Hydra key), and the facts both ``GET /props`` and
+Hydra INFO report (its ggml backends and devices, the KV cache and memory in use).
 
 Every refusal is a typed error (:mod:`hydra_trio.errors`) that each front end turns into its own status.
 """
@@ -10,10 +11,7 @@ from typing import Any
 
 from ..engine.engine import Engine, kv_cache, memory_use
 from ..engine.ggml_backend import build_backends, local_devices
-from ..errors import InvalidRequest, NoModel, NotFound, NotReady
-
-MAX_SLOT_ID_DIGITS = 9
-"""Digits of the longest slot id a request may name (a path's ``{id}``, a Hydra key)."""
+from ..errors import NoModel, NotFound, NotReady
 
 
 def serving(engine: Engine | None) -> Engine:
@@ -29,16 +27,6 @@ def serving(engine: Engine | None) -> Engine:
     if not engine.ready:
         raise NotReady(f"Loading model (stage: {engine.stage})", str(engine.stage))
     return engine
-
-
-def slot_id(text: str, field: str) -> int:
-    """A slot id as a request writes it (``GET /slots/{id}/state``, a Hydra slot op's key): a decimal
-    integer of at most :data:`MAX_SLOT_ID_DIGITS` digits, a ``-`` allowed (no slot has a negative id: it is
-    not found).  Raises InvalidRequest naming ``field`` for anything else (a sign ``+``, spaces, ``_``)."""
-    digits = text[1:] if text.startswith("-") else text
-    if not (digits.isascii() and digits.isdigit() and len(digits) <= MAX_SLOT_ID_DIGITS):
-        raise InvalidRequest(f"{field}: {text!r} is not a slot id (a decimal integer)")
-    return int(text)
 
 
 def slot(engine: Engine | None, id_slot: int) -> Engine:

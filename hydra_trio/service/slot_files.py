@@ -10,8 +10,9 @@ before the slot is touched, and a checksum, so a damaged file is too.
   (mode 0600), fsyncs it and renames it over ``filename``: a reader never
   sees half a file, and a failed save leaves the old file (if any) as it was.
 * **restore** reads the file in a worker thread, then restores it as every blob is
-  (:func:`.slots.restore`: the checksum off the engine thread, then the engine thread), all or nothing: a refused restore leaves the slot's KV cache and ``n_past``
-  as they were (llama-server clears the slot instead).
+  (:func:`.slots.restore`: the checksum off the engine thread, then the engine thread), all or
+  nothing: a refused restore leaves the slot's KV cache and ``n_past`` as they were (llama-server
+  clears the slot instead).
 
 File names follow llama-server's ``fs_validate_filename`` (``common/common.cpp``,
 subdirectories not allowed): :func:`check_filename`.  So a name is one path component, and that
