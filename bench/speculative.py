@@ -165,7 +165,7 @@ def spec_args(kind: str, draft: Path) -> list[str]:
 def start_llama(binary: Path, model: Path, kind: str, draft: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-                             "-np", "1", "-c", "8192", "--no-webui", *spec_args(kind, draft)],
+                             "-np", "1", "-c", "8192", "--no-webui", "--metrics", *spec_args(kind, draft)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(port, proc, timeout=300)
     return proc, port

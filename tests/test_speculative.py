@@ -173,3 +173,32 @@ async def test_context_shift_and_a_unified_cache_compose_with_drafts() -> None:
                             nursery.start_soon(one, i)
                     outs.append([got[0], got[1]])
         assert outs[0] == outs[1], name
+
+
+async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_run() -> None:
+    """``--spec-draft-row-cost``: with a per-row cost, a slot whose drafts are rejected drafts less than
+    with drafts verified whole (0, llama-server's way), and a draft's length depends on the tokens only, so
+    two runs of one request verify the same drafts and give the same text."""
+    from hydra_trio.engine.speculative.budget import DraftBudget
+
+    budget = DraftBudget(1, 0.35)
+    assert budget.cap(0, 16) >= 1  # the prior's acceptance pays for a draft
+    for _ in range(20):
+        budget.observe_verify(0, 4, 0)  # every draft rejected at once
+    held = [budget.cap(0, 16) for _ in range(8)]
+    assert held == [0] * 7 + [1]  # held to none, with a one-token probe every EXPLORE steps
+    for _ in range(40):
+        budget.observe_verify(0, 8, 8)  # every draft accepted whole
+    assert budget.cap(0, 16) >= 8
+    assert DraftBudget(1, 0.01).cap(0, 64) > DraftBudget(1, 1.0).cap(0, 64)  # cheaper rows, longer drafts
+
+    prose = "The history of the city begins with a small market by the river, where traders met"
+    runs = []
+    for row_cost in (0.35, 0.35, 0.0):
+        async with engine_with("ngram-simple", "suffix", spec={"draft_row_cost": row_cost}) as engine:
+            assert (engine.scheduler.spec.budget is None) == (row_cost == 0)
+            runs.append(await generate(engine, prose, n_predict=96))
+    (a, text_a, done_a), (b, text_b, done_b), (whole, _, done_whole) = runs
+    assert (a, text_a, done_a.draft_n, done_a.draft_n_accepted) == (b, text_b, done_b.draft_n,
+                                                                     done_b.draft_n_accepted)
+    assert done_whole.draft_n - done_whole.draft_n_accepted > done_a.draft_n - done_a.draft_n_accepted

@@ -111,6 +111,8 @@ class Generation:
         if spec is not None:
             spec.seq_rm(slot.id, keep, -1)
             spec.accept(slot.id, n_accepted)
+            if spec.budget is not None:
+                spec.budget.observe_verify(slot.id, len(draft), n_accepted)
         slot.draft_n += len(draft)
         slot.draft_n_accepted += n_accepted
         stats = self.sched.stats

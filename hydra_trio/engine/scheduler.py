@@ -210,6 +210,8 @@ class Scheduler:
             job = slot.handle.job  # type: ignore[union-attr]
             n_max = min(spec.n_max, self.spec_cap, slot.n_ctx - slot.n_past - 3,
                         job.n_predict - slot.n_decoded - 1 if job.n_predict >= 0 else spec.n_max)
+            if spec.budget is not None:
+                n_max = spec.budget.cap(slot.id, n_max)
             if n_max >= 1:
                 requests.append(DraftRequest(slot.id, n_max, slot.n_past, slot.last_token, slot.cache_tokens))
         if requests:
@@ -311,6 +313,8 @@ class Scheduler:
             slot.speculative = not job.prompt_only and self.spec_follows(m)
             if slot.speculative:
                 self.spec.begin(slot.id, prompt)
+                if self.spec.budget is not None:
+                    self.spec.budget.reset(slot.id)
         self.stats.prompt_tokens_cached_total += cache_n
         slot.n_prompt = len(prompt)
         slot.pending_prompt = prompt[cache_n:]

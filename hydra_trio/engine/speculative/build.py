@@ -20,6 +20,7 @@ from ..settings import LlamaOptions
 from .settings import SpecSettings
 
 if TYPE_CHECKING:  # the drafters load numpy: only a node that speculates imports them (build_speculative)
+    from .budget import DraftBudget
     from .combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
@@ -47,6 +48,19 @@ def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions
     without the target's tensor overrides, MTP or snapshots."""
     return attrs.evolve(options, cache_type_k=settings.draft_cache_type_k, cache_type_v=settings.draft_cache_type_v,
                         tensor_overrides=(), load_mtp=False, n_rs_seq=0)
+
+
+def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:
+    """The node's :class:`~.budget.DraftBudget` (``--spec-draft-row-cost``; ``auto``: the CPU's ratio when
+    the model's ``options`` offload no layer to a GPU), None when every draft is verified whole (a ratio
+    of 0)."""
+    from .budget import CPU_ROW_COST, DraftBudget
+
+    ratio = settings.draft_row_cost
+    if ratio < 0:
+        on_gpu = llama_cpp.llama_supports_gpu_offload() and options.n_gpu_layers not in (0, "0")
+        ratio = 0.0 if on_gpu else CPU_ROW_COST
+    return DraftBudget(n_parallel, ratio) if ratio > 0 else None
 
 
 def build_speculative(settings: SpecSettings, model: object, n_parallel: int) -> tuple[Speculative | None, int]:
@@ -95,6 +109,7 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
                   "decoding", ",".join(settings.enabled), exc)
         return None, 0
     if spec is not None:
+        spec.budget = draft_budget(settings, model.options, n_parallel)
         log.info("speculative decoding: %s, at most %d tokens a draft%s", spec.name, spec.n_max,
                  f" (recurrent memory: {cap})" if cap < spec.n_max else "")
     return spec, cap

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -24,6 +24,9 @@ from .ngram_cache import NgramCacheDrafter
 from .ngram_map import NgramMapK4vDrafter, NgramMapKDrafter, NgramSimpleDrafter
 from .ngram_mod import NgramModDrafter
 from .settings import PRIORITY, SpecSettings
+
+if TYPE_CHECKING:
+    from .budget import DraftBudget
 from .suffix import SuffixDrafter
 
 
@@ -52,6 +55,8 @@ class Speculative(Drafter):
         self.name = ",".join(d.name for d in self.drafters)  # type: ignore[misc]
         self.impl_last: list[Drafter | None] = [None] * self.n_seq
         """The drafter whose draft each slot is verifying."""
+        self.budget: DraftBudget | None = None
+        """How long a draft is worth verifying (None: every draft whole; set by :mod:`.build`)."""
 
     def begin(self, id_slot: int, prompt: Sequence[int]) -> None:
         for d in self.drafters:

@@ -137,6 +137,11 @@ def _synth_rates(text: str) -> tuple[float, ...]:
     return tuple(_stod_whole(part) for part in text.split(","))
 
 
+def _row_cost(text: str) -> float:
+    """``--spec-draft-row-cost``: ``auto`` (-1) or a number in [0, 100]."""
+    return -1.0 if text == "auto" else _float_in(0.0, 100.0)(text)
+
+
 def _float_in(lo: float, hi: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
         v = stof(text)
@@ -208,6 +213,8 @@ class SpecSettings:
     suffix_max_spec_offset: float = 0.0
     suffix_min_token_prob: float = 0.1
     suffix_cache_tokens: int = 262144
+    # the draft budget (hydra-trio's own, every type)
+    draft_row_cost: float = -1.0  # -1: auto (speculative/budget.py)
 
     @property
     def enabled(self) -> tuple[str, ...]:
@@ -375,6 +382,10 @@ SPEC_OPTIONS: tuple[SpecOption, ...] = (
     _o(("--spec-suffix-cache-tokens",), "suffix_cache_tokens", "suffix: tokens of finished requests kept for "
        "matching (least recently used requests evicted first; 0: only the request's own)", own=True,
        parse=_int_in(0, 2**31 - 1, "suffix cache tokens must be between 0 and 2147483647 inclusive")),
+    _o(("--spec-draft-row-cost",), "draft_row_cost", "every type: what one more verified row costs over a decode "
+       "step; drafts are cut to the length that yields the most tokens per cost for the slot's observed "
+       "acceptance (0: verify every draft whole, as llama-server; auto: 0.35 when the model runs on the CPU, "
+       "else 0)", "R|auto", own=True, parse=_row_cost),
 )
 """Every speculative-decoding option of llama-server's (``common/arg.cpp``) and hydra-trio's ``suffix`` ones."""
 
