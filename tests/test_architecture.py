@@ -58,7 +58,7 @@ def _imports(name: str) -> set[str]:
 
 def test_the_scan_sees_the_package() -> None:
     assert "hydra_trio.engine.engine" in MODULES and "hydra_trio.hydra.ops" in MODULES
-    assert "hydra_trio.engine.scheduler" in _imports("hydra_trio.engine.engine")
+    assert "hydra_trio.engine.batching.scheduler" in _imports("hydra_trio.engine.engine")
 
 
 def test_no_import_cycles() -> None:

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from hydra_trio import EngineConfig, ServerConfig
-from hydra_trio.engine.prompt_cache import MIN_TOKENS
+from hydra_trio.engine.batching.prompt_cache import MIN_TOKENS
 from hydra_trio.engine.tasks import EngineTask
 from hydra_trio.models.presets import resolve_model
 

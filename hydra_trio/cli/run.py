@@ -189,7 +189,7 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
 
 def _has_gpu() -> bool:
     """A device layers can be offloaded to (llama-server's ``llama_supports_gpu_offload``, without ggml-RPC)."""
-    from ..engine.ggml_backend import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
+    from ..engine.llama.ggml_backend import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
         device_type, is_rpc_device
 
     return any(device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL)
@@ -199,8 +199,8 @@ def _has_gpu() -> bool:
 def _check_devices(opts: LlamaOptions) -> str | None:
     """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None.
 
-    The engine's own check (:func:`hydra_trio.engine.placement.check_placement`), which a model load repeats."""
-    from ..engine.placement import PlacementError, check_placement
+    The engine's own check (:func:`hydra_trio.engine.llama.placement.check_placement`), which a model load repeats."""
+    from ..engine.llama.placement import PlacementError, check_placement
 
     try:
         check_placement(opts)
@@ -211,7 +211,7 @@ def _check_devices(opts: LlamaOptions) -> str | None:
 
 def _log_devices() -> None:
     """The start-up log's device lines: the build's backends, each device with its free/total memory."""
-    from ..engine.ggml_backend import build_backends, local_devices
+    from ..engine.llama.ggml_backend import build_backends, local_devices
 
     log.info("backends: %s", ", ".join(build_backends()))
     for name, free, total in local_devices():
@@ -219,7 +219,7 @@ def _log_devices() -> None:
 
 
 def _list_devices() -> int:
-    from ..engine.ggml_backend import local_devices
+    from ..engine.llama.ggml_backend import local_devices
 
     print("Available devices:")
     for name, free, total in local_devices():

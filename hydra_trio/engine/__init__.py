@@ -1,7 +1,7 @@
 """The engine: llama.cpp through llama-cpp-python, N slots with continuous batching; no networking.
 
 :class:`Engine` (lifecycle, the engine thread, submit / cancel / run_task; typed tasks in :mod:`.tasks`),
-:class:`~hydra_trio.engine.scheduler.Scheduler` (batching), the expert modes
+:class:`~hydra_trio.engine.batching.scheduler.Scheduler` (batching), the expert modes
 (SOLO / COMBINED), sampling, slot KV state blobs, model loading.
 """
 
@@ -14,10 +14,10 @@ __all__, __getattr__, __dir__ = lazy_exports(
     {
         ".engine": ["Engine", "EngineStats", "Stage"],
         ".settings": ["EngineConfig", "SamplingParams"],
-        ".scheduler": ["Scheduler"],
-        ".combined": ["ExpertModes", "ExpertMode", "PeerAttach"],
+        ".batching.scheduler": ["Scheduler"],
+        ".experts.combined": ["ExpertModes", "ExpertMode", "PeerAttach"],
         ".requests": ["CompletionJob", "JobRun", "SlotAssigned", "TextDelta", "Finished", "Failed"],
-        ".model": ["LoadedModel", "ModelIdentity"],
-        ".state": ["StateError"],
+        ".llama.model": ["LoadedModel", "ModelIdentity"],
+        ".kv.state": ["StateError"],
     },
 )

@@ -6,8 +6,8 @@ stop), the stages ``/health`` reports, the engine thread and its inbox, and
 the calls trio code makes — :meth:`Engine.submit` (a completion),
 :meth:`Engine.cancel`, :meth:`Engine.run_task` (a typed task of :mod:`~hydra_trio.engine.tasks`,
 run between two batching steps) and :meth:`Engine.call` (any function; for the engine package's
-own use).  The batching itself is :class:`~hydra_trio.engine.scheduler.Scheduler`;
-SOLO / COMBINED is :class:`~hydra_trio.engine.combined.ExpertModes`.
+own use).  The batching itself is :class:`~hydra_trio.engine.batching.scheduler.Scheduler`;
+SOLO / COMBINED is :class:`~hydra_trio.engine.experts.combined.ExpertModes`.
 
 Only the engine thread touches the models, the contexts, the batch and the
 samplers.
@@ -32,17 +32,18 @@ import trio
 from ..observability.events import EventBus
 from ..observability import progress
 from ..errors import Busy, Cancelled, EngineFailure, InvalidRequest, NotReady
-from . import quants, state
-from .blobbuf import BlobBuffer, BlobPool
+from . import quants
+from .kv import state
+from .kv.blobbuf import BlobBuffer, BlobPool
 from .bridge import Call
-from .combined import ExpertModes
-from .kv_identity import identity_hash, kv_identity
-from .model import LoadedModel, ModelIdentity, release_free_memory, resident_bytes, sha256_file
-from .prompt_cache import PromptCache
+from .experts.combined import ExpertModes
+from .kv.kv_identity import identity_hash, kv_identity
+from .llama.model import LoadedModel, ModelIdentity, release_free_memory, resident_bytes, sha256_file
+from .batching.prompt_cache import PromptCache
 from .requests import CompletionJob, LiveRequests, RequestHandle, StepHandOff
-from .scheduler import Scheduler, check_prompt_fits, erase_slot
+from .batching.scheduler import Scheduler, check_prompt_fits, erase_slot
 from .settings import INT32_MAX, EngineConfig, RequestDefaults, SamplingParams, check_n_parallel
-from .slots import Slot
+from .batching.slots import Slot
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 from .speculative.build import build_speculative, target_options
 from .tasks import CancelCompletion, EngineTask, StartCompletion, Stop
@@ -167,7 +168,7 @@ def new_scheduler(cfg: EngineConfig, experts: ExpertModes, model: LoadedModel, s
 
 def kv_cache(e: Engine) -> dict[str, str]:
     """The serving model's KV cache: ``{"type_k", "type_v", "flash_attn"}`` (``q8_0``, ``on``/``off``;
-    :meth:`~hydra_trio.engine.model.LoadedModel.kv_cache_info`) for ``/props``, ``/slots``, INFO and
+    :meth:`~hydra_trio.engine.llama.model.LoadedModel.kv_cache_info`) for ``/props``, ``/slots``, INFO and
     ``/metrics``; ``{}`` before a model loads."""
     m = e.model or e.solo_model
     return m.kv_cache_info() if m is not None else {}
@@ -175,7 +176,7 @@ def kv_cache(e: Engine) -> dict[str, str]:
 
 def memory_use(e: Engine) -> dict[str, dict[str, int]]:
     """Bytes the loaded models take per device: ``{"CPU": {"weights", "kv", "compute"}}``, the SOLO
-    model's plus a COMBINED one's while loaded (:attr:`~hydra_trio.engine.model.LoadedModel.memory_use`,
+    model's plus a COMBINED one's while loaded (:attr:`~hydra_trio.engine.llama.model.LoadedModel.memory_use`,
     llama.cpp's own buffer sizes); ``{}`` before a model loads."""
     out: dict[str, dict[str, int]] = {}
     for m in (e.experts.solo, getattr(e.experts, "combined", None)):

@@ -4,7 +4,7 @@ A node knows its quantizations by key (``--quant KEY=PATH_OR_ALIAS``,
 repeatable; the model loaded at start is the one whose path matches, else
 key ``default``).  A swap loads the other file, moves every slot's KV cache
 into it when both files have the same KV identity
-(:mod:`hydra_trio.engine.kv_identity`: e.g. Q4_1 and Q8_0 of one model), and
+(:mod:`hydra_trio.engine.kv.kv_identity`: e.g. Q4_1 and Q8_0 of one model), and
 frees the old model.  It is whole or nothing: when the new file does not
 load, the old model keeps serving.  Peak memory during a swap: the old model,
 the new one and one KV blob per slot that holds tokens.
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineFailure, InvalidRequest
-from .combined import PeerError
-from .kv_identity import identity_hash, kv_identity
-from .model import LoadedModel, ModelIdentity, sha256_file
-from .state import StateError, restore_slot, save_slot
+from .experts.combined import PeerError
+from .kv.kv_identity import identity_hash, kv_identity
+from .llama.model import LoadedModel, ModelIdentity, sha256_file
+from .kv.state import StateError, restore_slot, save_slot
 
 log = logging.getLogger("hydra_trio.engine")
 

@@ -32,12 +32,12 @@ import attrs
 
 from ..errors import Busy
 from . import quants
-from .combined import PeerLost
-from .embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
+from .experts.combined import PeerLost
+from .llama.embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
 
 if TYPE_CHECKING:
-    from .embedding import Embedding
-    from .state import Restored
+    from .llama.embedding import Embedding
+    from .kv.state import Restored
 
 log = logging.getLogger("hydra_trio.control")
 
@@ -142,7 +142,7 @@ class SaveSlot(EngineTask):
 
     kind: ClassVar[str] = "save_slot"
     id_slot: int
-    pool: Any = None  # a BlobPool (engine/blobbuf.py): the blob's buffer comes from it; None: a new one
+    pool: Any = None  # a BlobPool (engine/kv/blobbuf.py): the blob's buffer comes from it; None: a new one
 
     def run(self, engine: Any) -> tuple[int, Any]:
         return engine.save_slot(self.id_slot, pool=self.pool)

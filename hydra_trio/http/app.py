@@ -39,7 +39,7 @@ from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
 from ..engine.engine import Engine
-from ..engine.model import model_meta
+from ..engine.llama.model import model_meta
 from ..engine.requests import CompletionJob
 from ..errors import InvalidRequest, ModelLoadError, NotReady
 from ..observability import node_stats
@@ -272,8 +272,8 @@ _STOP_CHECK_EVERY = 4096
 
 def _token_bytes(m: Any, tokens: Any) -> list[bytes]:
     """Worker thread: each token's bytes, special tokens as their text (``/detokenize``, ``with_pieces``);
-    stops (Cancelled) with its request (:func:`~hydra_trio.engine.tokenize.check_stop`)."""
-    from ..engine.tokenize import check_stop
+    stops (Cancelled) with its request (:func:`~hydra_trio.engine.llama.tokenize.check_stop`)."""
+    from ..engine.llama.tokenize import check_stop
 
     out = []
     for i, t in enumerate(tokens):

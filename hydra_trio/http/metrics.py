@@ -295,7 +295,7 @@ def _engine(e: Engine) -> Iterator[Metric]:
 
 
 def _prompt_cache(pc: Any) -> Iterator[Metric]:
-    """The host-RAM prompt cache (:class:`~hydra_trio.engine.prompt_cache.PromptCache`; plain ints)."""
+    """The host-RAM prompt cache (:class:`~hydra_trio.engine.batching.prompt_cache.PromptCache`; plain ints)."""
     yield CounterMetricFamily("hydra_trio:prompt_cache_hits", "Prompts that got a prefix restored from the host-RAM "
                               "prompt cache.", pc.hits)
     yield CounterMetricFamily("hydra_trio:prompt_cache_misses", "Prompts the slots left at least 32 tokens short of "

@@ -34,7 +34,7 @@ from ..openai.reasoning import ChatReplyText
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..engine.settings import DEFAULT_PATTERN
 from ..engine.engine import Engine
-from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
+from ..engine.kv.blobbuf import TRANSFER_POOL, BlobBuffer
 from ..engine.tasks import PipelineAttach, Reconfigure, SetExpertMode, SwapQuant
 from ..errors import Busy, HydraTrioError, InvalidRequest, NotSupported
 from ..service import completions, node, slots

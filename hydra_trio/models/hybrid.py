@@ -8,7 +8,7 @@ whose rolling conv state is recurrent memory) with attention layers
 recurrent where ``lfm2.attention.head_count_kv`` is 0.  llama.cpp gives it a
 hybrid memory (``llama_memory_hybrid``): a partial ``llama_memory_seq_rm``
 fails, as on the cluster's production hybrid model, which is what context
-checkpoints are for (:mod:`hydra_trio.engine.checkpoints`).
+checkpoints are for (:mod:`hydra_trio.engine.batching.checkpoints`).
 
 A tiny Gemma 3 (``gemma3``) is made the same way for the sliding-window
 case (:func:`make_test_swa`): its SWA layers keep only the last

@@ -9,8 +9,8 @@ import trio
 from ..config import ServerConfig
 from ..transport.access import is_loopback, new_refusals
 from ..errors import Busy
-from ..engine.blobbuf import TRANSFER_POOL
-from ..engine.combined import peer_listening
+from ..engine.kv.blobbuf import TRANSFER_POOL
+from ..engine.experts.combined import peer_listening
 from ..engine.engine import Engine
 from ..engine.tasks import AttachPeerAtStart, PeerGone
 from ..observability.events import EventBus
@@ -279,7 +279,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
 
 
 async def _trim_transfer_pool(every: float = 5.0) -> None:
-    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s`` (:mod:`hydra_trio.engine.blobbuf`)."""
+    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s`` (:mod:`hydra_trio.engine.kv.blobbuf`)."""
     while True:
         await trio.sleep(every)
         if TRANSFER_POOL.idle_bytes:

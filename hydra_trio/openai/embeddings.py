@@ -31,8 +31,8 @@ from typing import Any
 
 import attrs
 
-from ..engine.embedding import Embedding, float32_bytes, n_embd_out
-from ..engine.model import LoadedModel
+from ..engine.llama.embedding import Embedding, float32_bytes, n_embd_out
+from ..engine.llama.model import LoadedModel
 from ..engine.settings import INT32_MAX
 from ..protocol import strict as msg
 from ..protocol.strict import MessageError

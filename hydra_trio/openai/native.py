@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..engine.engine import Engine
-from ..engine.model import model_meta
+from ..engine.llama.model import model_meta
 from ..engine.requests import CompletionJob, Finished, SlotAssigned, TextDelta
 from ..engine.settings import SAMPLER_ORDER
 from .replies import sse

@@ -8,13 +8,13 @@ from typing import Any
 import attrs
 
 from ..engine.engine import Engine
-from ..engine.model import LoadedModel
-from ..engine.sampling import GrammarError, check_grammar
-from ..engine.tokenize import PromptTooLong
+from ..engine.llama.model import LoadedModel
+from ..engine.batching.sampling import GrammarError, check_grammar
+from ..engine.llama.tokenize import PromptTooLong
 from ..protocol.strict import TooLong
 from ..engine.requests import CompletionJob
 from ..engine.settings import GenerationDefaults
-from ..engine.thinking_budget import BudgetSpec
+from ..engine.batching.thinking_budget import BudgetSpec
 from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.json_schema import SchemaError, schema_to_gbnf
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest

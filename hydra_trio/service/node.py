@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..engine.engine import Engine, kv_cache, memory_use
-from ..engine.ggml_backend import build_backends, local_devices
+from ..engine.llama.ggml_backend import build_backends, local_devices
 from ..errors import NoModel, NotFound, NotReady
 
 

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import HydraTrioError, InvalidRequest
-from ..engine.blobbuf import BlobBuffer
-from ..engine.state import StateError
+from ..engine.kv.blobbuf import BlobBuffer
+from ..engine.kv.state import StateError
 from . import slots
 
 if TYPE_CHECKING:

@@ -68,7 +68,7 @@ def create_mtp_context(model: Any, ctx_tgt: Any, options: LlamaOptions | None = 
             ``load_mtp``).
         RuntimeError: llama.cpp could not create the context.
     """
-    from ..model import _apply_context_options
+    from ..llama.model import _apply_context_options
 
     if llama_cpp.llama_model_n_layer_nextn(model) < 1:
         raise ValueError("draft-mtp needs a model with MTP layers (GGUF key nextn_predict_layers)")

@@ -31,8 +31,8 @@ from typing import Any
 
 import llama_cpp
 
-from ..errors import Cancelled, InvalidRequest
-from .bridge import thread_local_set
+from ...errors import Cancelled, InvalidRequest
+from ..bridge import thread_local_set
 
 _work = threading.local()
 

@@ -21,15 +21,15 @@ from typing import Any
 import attrs
 import llama_cpp
 
-from ..errors import InvalidRequest, ModelLoadError
-from ..protocol.strict import TooLong
+from ...errors import InvalidRequest, ModelLoadError
+from ...protocol.strict import TooLong
 from . import ggml_backend, kv_overrides
-from .bridge import thread_local_set
+from ..bridge import thread_local_set
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
-from .settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
+from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -318,7 +318,7 @@ def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> s
 @attrs.frozen
 class ModelIdentity:
     """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF, and the
-    SHA-256 of its KV identity (:mod:`hydra_trio.engine.kv_identity`): files with equal
+    SHA-256 of its KV identity (:mod:`hydra_trio.engine.kv.kv_identity`): files with equal
     ``kv_identity_hash`` can exchange slot KV."""
 
     model_alias: str
@@ -353,7 +353,7 @@ class LoadedModel:
         options: llama.cpp model and context parameters from llama-server's
             flags (:class:`~hydra_trio.engine.settings.LlamaOptions`); the
             placement ones (devices, layers, tensor overrides) as
-            :class:`~hydra_trio.engine.placement.Placement` builds them,
+            :class:`~hydra_trio.engine.llama.placement.Placement` builds them,
             composed with ``peer``.
         chat_template_kwargs: extra variables for a Jinja chat template
             (``--chat-template-kwargs``).
@@ -362,7 +362,7 @@ class LoadedModel:
         ModelLoadError: llama.cpp refused the file or the context, the
             Jinja chat template does not compile, or a device or buffer type
             of ``options`` does not exist here
-            (:class:`~hydra_trio.engine.placement.Placement`).
+            (:class:`~hydra_trio.engine.llama.placement.Placement`).
     """
 
     def __init__(
@@ -500,7 +500,7 @@ class LoadedModel:
         bytes a block of 32); head sizes from the GGUF (``{arch}.attention.key_length`` / ``value_length``),
         else ``n_embd / n_head`` as llama.cpp assumes.
         """
-        from ..protocol.ggml_rpc import GGML_TYPE_COUNT
+        from ...protocol.ggml_rpc import GGML_TYPE_COUNT
         from .ggml_backend import type_traits
 
         arch = self.meta("general.architecture") or ""
@@ -572,8 +572,8 @@ class LoadedModel:
                  limit: int | None = None) -> list[int]:
         """Tokenize UTF-8 text; ``add_special`` adds BOS when the model wants one.
 
-        Linear in the text (:mod:`hydra_trio.engine.tokenize`).  ``limit``: raise
-        :class:`~hydra_trio.engine.tokenize.PromptTooLong` (an InvalidRequest) once the text
+        Linear in the text (:mod:`hydra_trio.engine.llama.tokenize`).  ``limit``: raise
+        :class:`~hydra_trio.engine.llama.tokenize.PromptTooLong` (an InvalidRequest) once the text
         has that many tokens, or before tokenizing when its length alone shows it will.
         """
         return tokenize_linear(self.vocab, self.special_tokens, text.encode("utf-8"), add_special=add_special,
@@ -719,7 +719,7 @@ _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
 def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
-    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.placement.Placement`)."""
+    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.llama.placement.Placement`)."""
     mparams.load_mode = _LOAD_MODES[opts.load_mode]
     mparams.check_tensors = opts.check_tensors
     mparams.use_extra_bufts = opts.repack
@@ -746,7 +746,7 @@ def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     cparams.yarn_beta_fast = opts.yarn_beta_fast
     cparams.embeddings = opts.embeddings
     cparams.n_rs_seq = opts.n_rs_seq
-    if opts.pooling is not None:  # enum llama_pooling_type (engine/embedding.py's POOLING)
+    if opts.pooling is not None:  # enum llama_pooling_type (engine/llama/embedding.py's POOLING)
         cparams.pooling_type = ("none", "mean", "cls", "last", "rank").index(opts.pooling)
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import llama_cpp
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from ..llama.model import LoadedModel
 
 
 def kv_identity(m: LoadedModel) -> dict[str, Any]:

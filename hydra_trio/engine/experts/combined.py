@@ -6,7 +6,7 @@ costs milliseconds, not a reload) with the peer's device in
 every tensor matching the expert pattern (default ``ffn_(up|down|gate)_exps``)
 in the peer's buffer type (DESIGN.md, "Environment facts").  It keeps the
 operator's placement flags, composed in this order (first match wins, as
-llama.cpp applies overrides; :class:`~hydra_trio.engine.placement.Placement`): the
+llama.cpp applies overrides; :class:`~hydra_trio.engine.llama.placement.Placement`): the
 operator's ``-ot`` entries, then the expert pattern on the peer, then
 ``-cmoe``/``-ncmoe``/``-ncffn``.  So ``-ot 'token_embd\\.weight=CPU'`` keeps the
 embedding where it says and the experts still go to the peer, while an ``-ot``
@@ -39,15 +39,15 @@ from typing import Any, TypeVar
 
 import llama_cpp
 
-from ..observability import progress
-from ..errors import EngineFailure
-from ..protocol.address import parse_peer
-from ..protocol.strict import MessageError
-from . import ggml_backend, openmp
-from ..observability.events import EventBus
-from .bridge import Call
-from .model import LoadedModel
-from .settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
+from ...observability import progress
+from ...errors import EngineFailure
+from ...protocol.address import parse_peer
+from ...protocol.strict import MessageError
+from ..llama import ggml_backend, openmp
+from ...observability.events import EventBus
+from ..bridge import Call
+from ..llama.model import LoadedModel
+from ..settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
 
 
 log = logging.getLogger("hydra_trio.combined")
@@ -100,7 +100,7 @@ def _on_ggml_abort(message: bytes) -> None:
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
     elif openmp.in_use():
         # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
-        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py); it releases
+        # good, with its OpenMP team, and two teams throttle each other (engine/llama/openmp.py); it releases
         # the team itself, on a signal (one that released its team already, at a switch to SOLO or
         # when the slots went idle, keeps none)
         for w in victims:
@@ -287,7 +287,7 @@ def expert_bytes(path: Path, pattern: str, before: tuple[str, ...] = ()) -> int:
     overrides): those whose names match it and none of the ``before`` patterns (the overrides that come
     first in the list; llama.cpp applies the first that matches).
 
-    Reads only the GGUF header (:class:`~hydra_trio.engine.ggml_backend.GgufHeader`).  Raises PeerError
+    Reads only the GGUF header (:class:`~hydra_trio.engine.llama.ggml_backend.GgufHeader`).  Raises PeerError
     when the file's header cannot be read.
     """
     try:
@@ -336,7 +336,7 @@ class ExpertModes:
         counters: an object with ``mode_switches``, ``combined_fallbacks`` and
             ``peer_losses`` integer attributes (the engine's stats).
         model_kwargs: keyword arguments for building the COMBINED
-            :class:`~hydra_trio.engine.model.LoadedModel` like the SOLO one
+            :class:`~hydra_trio.engine.llama.model.LoadedModel` like the SOLO one
             (``n_batch``, ``n_threads``, ``chat_template``).
     """
 
@@ -650,7 +650,7 @@ class ExpertModes:
         """Before a kept COMBINED/PIPELINE model serves again: if its peer died while SOLO served (the
         watchdog acts only in COMBINED/PIPELINE), forget it (leaked with its parked worker, as
         :meth:`peer_lost` does), so the switch attaches afresh or falls back instead of reporting success
-        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/openmp.py)."""
+        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/llama/openmp.py)."""
         worker = self._worker
         if self.combined is None or self.active is self.combined or worker is None or worker.answers(self._peer_dev):
             return

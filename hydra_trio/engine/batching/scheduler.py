@@ -19,9 +19,9 @@ gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
 again: concurrent requests with one long system prompt evaluate it once
 (not for recurrent, hybrid or SWA models: :func:`share_prefix`).  For those
 models, whose memory cannot be cut back to a shorter prefix, a slot keeps
-context checkpoints (:mod:`~hydra_trio.engine.checkpoints`).  A slot about to lose its cached
+context checkpoints (:mod:`~hydra_trio.engine.batching.checkpoints`).  A slot about to lose its cached
 tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there serves better
-gets it restored (:mod:`~hydra_trio.engine.prompt_cache`).  Stop strings, finishing, and cancellation are
+gets it restored (:mod:`~hydra_trio.engine.batching.prompt_cache`).  Stop strings, finishing, and cancellation are
 here too.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
@@ -37,21 +37,21 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
-from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
-from ..observability.events import EventBus
+from ...errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
+from ...observability.events import EventBus
 from .checkpoints import Checkpoints
 from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
-from .combined import ExpertModes, PeerLost
-from .model import LoadedModel
+from ..experts.combined import ExpertModes, PeerLost
+from ..llama.model import LoadedModel
 from .prompt_cache import PromptCache, common_prefix as _common_prefix
-from .requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
+from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
 from .sampling import GrammarError, SamplerSpec, build_sampler
 from .slots import Slot, SlotState, StopStringMatcher
 from .generation import Generation
-from .speculative.base import DraftRequest
+from ..speculative.base import DraftRequest
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
-    from .speculative.combine import Speculative
+    from ..speculative.combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -81,8 +81,8 @@ class Scheduler:
         events: where ``slot.*`` events go (:mod:`hydra_trio.observability.events`).
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
             checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
-            those names (checkpoints: :mod:`~hydra_trio.engine.checkpoints`).
-        prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.prompt_cache`; None: off).
+            those names (checkpoints: :mod:`~hydra_trio.engine.batching.checkpoints`).
+        prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.batching.prompt_cache`; None: off).
         hand_off: the tokens sampled in a step reach trio through it in one hand-over
             (:class:`~hydra_trio.engine.requests.StepHandOff`); None: each event on its own.
         spec, spec_cap: speculative decoding (:mod:`~hydra_trio.engine.speculative`): the drafters, and
@@ -115,7 +115,7 @@ class Scheduler:
         experts.on_switch = self.forget_cached_prompts
         self.make_room = functools.partial(free_idle_cells, slots=self.slots, prompt_cache=self.prompt_cache,
                                            events=self.events)
-        """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.kv_cells.free_idle_cells`."""
+        """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.batching.kv_cells.free_idle_cells`."""
         self.prompt_cache.make_room = self.make_room
         self.spec: Speculative | None = spec
         """The node's drafters (``--spec-type``; None: no speculative decoding)."""
