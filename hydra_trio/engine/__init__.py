@@ -12,7 +12,8 @@ from .._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        ".engine": ["Engine", "EngineStats", "Stage"],
+        ".engine": ["Engine", "EngineStats"],
+        ".lifecycle": ["Stage"],
         ".settings": ["EngineConfig", "SamplingParams"],
         ".batching.scheduler": ["Scheduler"],
         ".experts.combined": ["ExpertModes", "ExpertMode", "PeerAttach"],

@@ -17,7 +17,7 @@ from ..observability.events import EventBus
 from ..transport.frontdoor import FrontDoor
 from ..transport.listen import open_tcp_listeners
 from ..hydra.server import HydraHandler
-from ..http._hyper import HttpHandler
+from ..http import HttpHandler
 from ..http.app import build_app
 from ..http.inflight import InFlight
 from ..http.metrics import NodeMetrics

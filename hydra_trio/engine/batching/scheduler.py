@@ -48,6 +48,8 @@ from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepH
 from .sampling import GrammarError, SamplerSpec, build_sampler
 from .slots import Slot, SlotState, StopStringMatcher
 from .generation import Generation
+from ..kv.blobbuf import BlobBuffer, BlobPool
+from ..kv.state import Restored, restore_slot, save_slot
 from ..speculative.base import DraftRequest
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
@@ -195,6 +197,66 @@ class Scheduler:
         """Speculative decoding runs on ``m``: drafters that follow the target (``draft-mtp``,
         ``draft-simple``) only on the model they were built for (SOLO's)."""
         return self.spec is not None and (m is self.experts.solo or not self.spec.follows_the_target)
+
+    # ------------------------------------------------------------ one idle slot's KV cache
+    def idle_slot(self, id_slot: int) -> Slot:
+        """The slot, idle: InvalidRequest when it is gone (the slot count changed), Busy when it works."""
+        if not 0 <= id_slot < len(self.slots):
+            raise InvalidRequest(f"id_slot: slot {id_slot} no longer exists (slots 0..{len(self.slots) - 1})")
+        slot = self.slots[id_slot]
+        if slot.is_processing:
+            raise Busy(f"slot {id_slot} is processing a request", [id_slot])
+        return slot
+
+    def save_slot(self, id_slot: int, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
+        """The idle slot's KV state blob, ``(n_past, blob)``, its buffer from ``pool``, with the drafters'
+        state of the slot (:func:`~hydra_trio.engine.kv.state.save_slot`).  Raises Busy, InvalidRequest."""
+        slot = self.idle_slot(id_slot)
+        m = self.model
+        assert m is not None
+        spec = self.spec
+        return save_slot(m, slot, self.model_hash, pool=pool,
+                         extra=spec.get_state(id_slot) if spec is not None and slot.n_past else None)
+
+    def restore_slot(self, id_slot: int, blob: bytearray | BlobBuffer, *, allow_cross_model_kv: bool,
+                     checksum_verified: bool = False) -> Restored:
+        """Apply a blob to the idle slot, all or nothing (:func:`~hydra_trio.engine.kv.state.restore_slot`); the
+        drafters take the blob's part of their state, else start afresh.
+
+        A blob of another model file with the same KV identity is applied only with
+        ``allow_cross_model_kv``.  Raises Busy, InvalidRequest, StateError.
+        """
+        slot = self.idle_slot(id_slot)
+        m = self.model
+        assert m is not None
+        done = restore_slot(m, slot, blob, self.model_hash, allow_cross_model_kv=allow_cross_model_kv,
+                            checksum_verified=checksum_verified, make_room=lambda: self.make_room(m, keep=slot))
+        if self.spec is not None:  # the drafters follow: the blob's part, else nothing
+            self.spec.seq_rm(id_slot, -1, -1)
+            if done.extra:
+                try:
+                    self.spec.set_state(id_slot, done.extra)
+                except ValueError as exc:
+                    log.warning("slot %d: the blob's drafters' state was not applied (%s); it drafts afresh",
+                                id_slot, exc)
+        return done
+
+    def erase_slot(self, id_slot: int) -> int:
+        """Drop the slot's KV cache, and the prompt-cache entries of its conversation
+        (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
+
+        Raises Busy when the slot is processing.
+        """
+        slot = self.slots[id_slot]
+        m = self.model
+        assert m is not None
+        if slot.is_processing:
+            raise Busy(f"slot {slot.id} is processing a request", [slot.id])
+        self.prompt_cache.forget(slot.cache_tokens)
+        n = slot.n_past
+        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+        slot.cache_tokens.clear()
+        return n
 
     def _drafts(self, m: LoadedModel) -> dict[int, list[int]]:
         """This step's drafts, by slot: every generating slot that speculates asks for at most as many tokens
@@ -466,22 +528,6 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
         cache_n = 0
     del slot.cache_tokens[cache_n:]
     return cache_n
-
-
-def erase_slot(m: LoadedModel, slot: Slot, prompt_cache: PromptCache | None = None) -> int:
-    """Drop ``slot``'s KV cache in ``m``, and the ``prompt_cache`` entries of its conversation
-    (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
-
-    Raises Busy when the slot is processing.
-    """
-    if slot.is_processing:
-        raise Busy(f"slot {slot.id} is processing a request", [slot.id])
-    if prompt_cache is not None:
-        prompt_cache.forget(slot.cache_tokens)
-    n = slot.n_past
-    llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
-    slot.cache_tokens.clear()
-    return n
 
 
 def pick_idle_slot(idle: list[Slot], prompt: tuple[int, ...], similarity: float) -> Slot:

@@ -105,24 +105,8 @@ def _on_ggml_abort(message: bytes) -> None:
         # when the slots went idle, keeps none)
         for w in victims:
             if w.holds_team:
-                _release_stuck_team(w)
+                w.release_stuck_team()
     threading.Event().wait()  # never returns: returning would abort() the process
-
-
-def _release_stuck_team(w: PeerWorker) -> None:
-    """The dead peer's worker is stuck inside a decode with its OpenMP team: make it free the team
-    (:func:`.openmp.release_team_of`), so SOLO decodes are not throttled; logged either way."""
-    try:
-        released = openmp.release_team_of(w._thread)
-    except Exception:  # noqa: BLE001  (we are in ggml's abort handler: returning would abort() the process)
-        log.exception("peer %s: releasing the stuck worker's OpenMP threads failed", w.peer)
-        released = False
-    if released:
-        w.holds_team = False
-        log.info("peer %s: the stuck worker released its OpenMP threads; SOLO decodes at full speed", w.peer)
-    else:
-        log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
-                    "spin waits (slower) until this node restarts")
 
 
 def install_abort_handler() -> None:
@@ -168,6 +152,22 @@ class PeerWorker:
             self._current = call
             call.run()
             self._current = None
+
+    def release_stuck_team(self) -> None:
+        """The dead peer's worker is stuck inside a decode with its OpenMP team: make it free the team
+        (:func:`~hydra_trio.engine.llama.openmp.release_team_of`), so SOLO decodes are not throttled; logged
+        either way.  Runs in ggml's abort handler: it never raises."""
+        try:
+            released = openmp.release_team_of(self._thread)
+        except Exception:  # noqa: BLE001  (we are in ggml's abort handler: returning would abort() the process)
+            log.exception("peer %s: releasing the stuck worker's OpenMP threads failed", self.peer)
+            released = False
+        if released:
+            self.holds_team = False
+            log.info("peer %s: the stuck worker released its OpenMP threads; SOLO decodes at full speed", self.peer)
+        else:
+            log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
+                        "spin waits (slower) until this node restarts")
 
     def _die(self) -> None:
         """The peer is gone: fail the call in progress and all queued ones (from the abort handler)."""

@@ -447,7 +447,7 @@ class LoadedModel:
         cparams.n_seq_max = n_parallel
         cparams.n_threads = threads
         cparams.n_threads_batch = opts.n_threads_batch or threads
-        _apply_context_options(cparams, opts)
+        apply_context_options(cparams, opts)
         cparams.kv_unified = opts.kv_unified  # default: one KV stream per slot, like llama-server's
         cparams.no_perf = True
         with _tap_llama_log(self._llama_log):
@@ -727,7 +727,7 @@ def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
     mparams.load_mtp = opts.load_mtp
 
 
-def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
+def apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     """The context parameters of ``opts``: flash attention, KV cache types and offload, RoPE/YaRN."""
     cparams.flash_attn_type = _FLASH_ATTN[opts.flash_attn]
     cparams.type_k = GGML_TYPES[opts.cache_type_k]
