@@ -289,6 +289,40 @@ def test_layers() -> None:
             assert not {d for d in deps if _layer(d) == "node"}, f"{name} imports the composition root"
 
 
+ENGINE_PUBLIC_MODULES = {
+    "hydra_trio.engine": "the engine's public names (hydra_trio/engine/__init__.py)",
+    "hydra_trio.engine.settings": "the configuration classes and the bounds requests are checked against",
+    "hydra_trio.engine.speculative.settings": "speculative decoding's settings, parsed by the CLI's --spec-* flags",
+    "hydra_trio.engine.llama.ggml_backend": "ggml's libraries and devices, for the ggml-RPC server and --list-devices",
+    "hydra_trio.engine.llama.bindings": "the llama.cpp bindings, installed once as the package loads",
+}
+"""The modules of ``hydra_trio/engine/`` that the rest of the package may import, and why."""
+
+
+def test_the_rest_of_the_package_uses_the_engine_through_its_public_names() -> None:
+    """Front ends, the service, the CLI and the node import ``hydra_trio.engine`` (the names its
+    ``__init__`` exports: ``Engine``, the tasks, the requests, ``ModelView``...) and the few modules of
+    :data:`ENGINE_PUBLIC_MODULES`, never the engine's inner modules; every name they import from
+    ``hydra_trio.engine`` is exported there."""
+    import hydra_trio.engine as engine
+
+    found = []
+    for name in MODULES:
+        if name == "hydra_trio.engine" or name.startswith("hydra_trio.engine."):
+            continue
+        for line, mod, names in _import_statements(name):
+            if mod != "hydra_trio.engine" and not mod.startswith("hydra_trio.engine."):
+                continue
+            if mod not in ENGINE_PUBLIC_MODULES:
+                found.append(f"{name}:{line} {mod}")
+            elif mod == "hydra_trio.engine":
+                found += [f"{name}:{line} hydra_trio.engine.{n}" for n in names if n not in engine.__all__]
+    assert "hydra_trio.http.app" in MODULES and "hydra_trio.engine.tasks" in MODULES
+    assert found == [], found
+    for n in engine.__all__:  # each export finds its object
+        getattr(engine, n)
+
+
 def _public_type_names(name: str) -> set[str]:
     """The public classes and type aliases (``X: TypeAlias = ...``) a module defines, at any depth."""
     out = set()

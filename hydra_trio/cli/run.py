@@ -200,7 +200,7 @@ def _check_devices(opts: LlamaOptions) -> str | None:
     """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None.
 
     The engine's own check (:func:`hydra_trio.engine.llama.placement.check_placement`), which a model load repeats."""
-    from ..engine.llama.placement import PlacementError, check_placement
+    from ..engine import PlacementError, check_placement
 
     try:
         check_placement(opts)

@@ -18,7 +18,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.speculative.reasons import UNSUPPORTED
+from ..engine import UNSUPPORTED
 from ..engine.speculative.settings import (
     SPEC_OPTIONS,
     SpecOption,

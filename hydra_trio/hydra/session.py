@@ -25,8 +25,7 @@ import attrs
 import trio
 
 from ..transport.tls_bulk import receives_bulk, recv_bulk_into
-from ..engine.kv.blobbuf import BlobBuffer
-from ..engine.kv.state import RunningChecksum
+from ..engine import BlobBuffer, RunningChecksum
 from ..protocol.hydra import (
     PayloadChunk,
     ProtocolError,

@@ -9,10 +9,7 @@ import trio
 from ..config import ServerConfig
 from ..transport.access import is_loopback, new_refusals
 from ..errors import Busy
-from ..engine.kv.blobbuf import TRANSFER_POOL
-from ..engine.experts.combined import peer_listening
-from ..engine.engine import Engine
-from ..engine.tasks import AttachPeerAtStart, PeerGone
+from ..engine import AttachPeerAtStart, Engine, peer_listening, PeerGone, TRANSFER_POOL
 from ..observability.events import EventBus
 from ..transport.frontdoor import FrontDoor
 from ..transport.listen import open_tcp_listeners

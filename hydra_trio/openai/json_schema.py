@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.batching.sampling import MAX_GRAMMAR_BYTES
+from ..engine import MAX_GRAMMAR_BYTES
 from ..errors import InvalidRequest
 
 MAX_SCHEMA_DEPTH = 64

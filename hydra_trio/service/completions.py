@@ -24,9 +24,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..engine.engine import Engine
-from ..engine.requests import CompletionJob, JobRun
-from ..engine.llama.tokenize import stop_when
+from ..engine import CompletionJob, Engine, JobRun, stop_when
 from ..openai.reasoning import ThinkingSetup
 from ..openai.replies import CompletionReply
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -98,7 +96,7 @@ async def in_worker(work: Callable[[], T], stop: threading.Event | None = None) 
     It stops with its request: once ``stop`` is set (an HTTP request's, set when its client leaves), or
     once the caller is cancelled (a Hydra peer that left), tokenizing in the thread raises Cancelled at its
     next chunk (:func:`~hydra_trio.engine.llama.tokenize.stop_when`, as do loops that call
-    :func:`~hydra_trio.engine.llama.tokenize.check_stop`), and a cancelled caller stops waiting at once."""
+    :func:`~hydra_trio.engine.llama.tokenize.raise_if_stopped`), and a cancelled caller stops waiting at once."""
     stop = stop if stop is not None else threading.Event()
 
     def run() -> T:

@@ -8,9 +8,7 @@ from typing import Any
 
 import trio
 
-from ..engine.llama.embedding import POOLING, EmbeddingJob
-from ..engine.engine import NO_EMBEDDINGS, Engine
-from ..engine.tasks import Embed, EmbeddingLimits
+from ..engine import Embed, EmbeddingJob, EmbeddingLimits, Engine, NO_EMBEDDINGS, POOLING
 from ..errors import NotSupported
 from ..openai.embeddings import OAI_NONE_POOLING, EmbeddingsRequest, check_input_count, native_body, openai_body, \
     tokenize_inputs

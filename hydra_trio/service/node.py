@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.engine import Engine
+from ..engine import Engine
 from ..engine.llama.ggml_backend import build_backends, local_devices
 from ..errors import NoModel, NotFound, NotReady
 

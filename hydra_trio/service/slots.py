@@ -14,10 +14,7 @@ from typing import Any
 
 import attrs
 
-from ..engine.kv.blobbuf import TRANSFER_POOL, BlobBuffer, BlobPool
-from ..engine.engine import Engine
-from ..engine.kv.state import RunningChecksum, verify_checksum_off_engine
-from ..engine.tasks import EraseSlot, RestoreSlot, SaveSlot
+from ..engine import BlobBuffer, BlobPool, Engine, EraseSlot, RestoreSlot, RunningChecksum, SaveSlot, TRANSFER_POOL, verify_checksum_off_engine
 from ..errors import HydraTrioError
 
 Blob = bytearray | BlobBuffer

@@ -627,6 +627,28 @@ class LoadedModel:
             tokens.insert(0, self.bos_id)
         return tokens
 
+    def facts(self) -> dict[str, Any]:
+        """llama-server's model facts (``/v1/models``' ``meta``, ``/props``' ``model_ftype``), read from llama.cpp:
+        ``{"vocab_type": int (llama_vocab_type), "n_vocab", "n_ctx_train", "n_embd" (input width), "n_params",
+        "size" (bytes of weights), "ftype": str ("Q4_1", llama_ftype_name)}``."""
+        ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(self.model))
+        return {
+            "vocab_type": int(llama_cpp.llama_vocab_type(self.vocab)),
+            "n_vocab": self.n_vocab,
+            "n_ctx_train": self.n_ctx_train,
+            "n_embd": int(llama_cpp.llama_model_n_embd_inp(self.model)),
+            "n_params": int(llama_cpp.llama_model_n_params(self.model)),
+            "size": int(llama_cpp.llama_model_size(self.model)),
+            "ftype": ftype.decode("utf-8", "replace") if ftype else "",
+        }
+
+    def check_grammar(self, grammar: str) -> None:
+        """Check that llama.cpp accepts the GBNF ``grammar`` over this vocabulary (any thread: it only reads
+        the vocabulary; :func:`~hydra_trio.engine.batching.sampling.check_grammar`).  Raises GrammarError."""
+        from ..batching.sampling import check_grammar  # the sampler chains' module: loaded with the engine
+
+        check_grammar(self.vocab, grammar)
+
     def close(self) -> None:
         """Free the context and the model (engine thread only)."""
         if getattr(self, "ctx", None):
@@ -636,22 +658,6 @@ class LoadedModel:
             llama_cpp.llama_model_free(self.model)
             self.model = None
         release_free_memory()
-
-
-def model_meta(m: LoadedModel) -> dict[str, Any]:
-    """llama-server's model facts (``/v1/models``' ``meta``, ``/props``' ``model_ftype``), read from llama.cpp:
-    ``{"vocab_type": int (llama_vocab_type), "n_vocab", "n_ctx_train", "n_embd" (input width), "n_params",
-    "size" (bytes of weights), "ftype": str ("Q4_1", llama_ftype_name)}``."""
-    ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(m.model))
-    return {
-        "vocab_type": int(llama_cpp.llama_vocab_type(m.vocab)),
-        "n_vocab": m.n_vocab,
-        "n_ctx_train": m.n_ctx_train,
-        "n_embd": int(llama_cpp.llama_model_n_embd_inp(m.model)),
-        "n_params": int(llama_cpp.llama_model_n_params(m.model)),
-        "size": int(llama_cpp.llama_model_size(m.model)),
-        "ftype": ftype.decode("utf-8", "replace") if ftype else "",
-    }
 
 
 GGML_TYPES = KV_CACHE_TYPES
