@@ -21,8 +21,10 @@ again: concurrent requests with one long system prompt evaluate it once
 models, whose memory cannot be cut back to a shorter prefix, a slot keeps
 context checkpoints (:mod:`~hydra_trio.engine.batching.checkpoints`).  A slot about to lose its cached
 tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there serves better
-gets it restored (:mod:`~hydra_trio.engine.batching.prompt_cache`).  Stop strings, finishing, and cancellation are
-here too.  Nothing here is trio code: events go out through
+gets it restored (:mod:`~hydra_trio.engine.batching.prompt_cache`).  Cancellation is here too, and an idle
+slot's KV cache saved as a blob, restored from one or erased (:meth:`Scheduler.save_slot`,
+:meth:`Scheduler.restore_slot`, :meth:`Scheduler.erase_slot`); each sampled token's handling, stop strings
+and finishing are :class:`~hydra_trio.engine.batching.generation.Generation`'s.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
 

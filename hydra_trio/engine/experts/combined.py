@@ -136,7 +136,7 @@ class PeerWorker:
         self._jobs: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
         self._current: Call[Any] | None = None
         self.holds_team = False
-        """True from a decode on this worker until it releases its OpenMP team (:mod:`.openmp`)."""
+        """True from a decode on this worker until it releases its OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`)."""
         self._dead = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"peer-{peer}", daemon=True)
         self._thread.start()
@@ -225,7 +225,7 @@ class PeerWorker:
         return self.call(lambda: llama_cpp.llama_decode(ctx, batch))
 
     def rest(self) -> None:
-        """Free this worker's OpenMP team (:mod:`.openmp`), if it holds one: at a switch away from its model,
+        """Free this worker's OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`), if it holds one: at a switch away from its model,
         and when the slots go idle, so that a peer lost in between leaves no team behind."""
         if not self.holds_team or self.dead:
             return
@@ -427,7 +427,7 @@ class ExpertModes:
 
     def _release_compute_threads(self, old: LoadedModel | None) -> None:
         """The thread that ran ``old``'s graphs (the engine thread for SOLO, the peer's worker for
-        COMBINED) frees its OpenMP team before another thread starts one (:mod:`.openmp`: two teams at
+        COMBINED) frees its OpenMP team before another thread starts one (:mod:`~hydra_trio.engine.llama.openmp`: two teams at
         once throttle both).  A worker that is gone released its team as it died."""
         if old is None:
             return
@@ -559,7 +559,7 @@ class ExpertModes:
                 "swap_ms": round(ms, 3), "kv_preserved": False, "mode": str(self.mode), "peer": self.peer}
 
     def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
-        """Every slot idle (an exclusive task: :class:`~.tasks.SetExpertMode`): switch SOLO / COMBINED; returns the reply meta.
+        """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.SetExpertMode`): switch SOLO / COMBINED; returns the reply meta.
 
         ``peer`` different from the current one detaches the old peer (frees
         what lives there) and attaches the new one.  COMBINED without a usable

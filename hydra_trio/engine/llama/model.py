@@ -1,6 +1,6 @@
 """Model loading and model identity, through llama-cpp-python's low-level API.
 
-Everything here runs on the engine thread (see :mod:`hydra_trio.engine.engine`):
+Everything here runs on the engine thread (see :mod:`hydra_trio.engine.loop`):
 llama.cpp objects are created, used and freed by that one thread only.
 """
 
