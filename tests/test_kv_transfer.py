@@ -1,4 +1,4 @@
-"""KV state through one buffer (issue 24 §1): the transfer pool, the bulk socket loops, the decoder's
+"""KV state through one buffer: the transfer pool, the bulk socket loops, the decoder's
 skip, and real multi-MB blobs over Hydra (plain and TLS) and HTTP on a real node: the bytes, the
 checksum, the restored slot's continuation."""
 

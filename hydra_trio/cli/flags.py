@@ -16,5 +16,5 @@ GROUPS = {
     "sampling": "sampling params: the defaults of every request that does not set them (llama-server's)",
     "server": "server params (llama-server's)",
     "speculative": "speculative decoding (llama-server's)",
-    "hydra": "hydra-trio's own params and the C++ llama-engine's",
+    "hydra": "hydra-trio's own params and those of the cluster's llama-server fork",
 }

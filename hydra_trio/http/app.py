@@ -1,6 +1,6 @@
 """The HTTP API: an ASGI (Starlette) app over the engine.
 
-Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
+Routes follow llama-server and the OpenAI API (docs/hydra-protocol.md §5):
 ``/health``, ``/version``, ``/props``, ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/v1/embeddings``,
 ``/embedding(s)``, ``/metrics`` here; the completions (``/v1/chat/completions``, ``/v1/completions``,
 ``/completion``) in :mod:`.completions`; the slots (``/slots``, ``/slots/{id}`` erase, save, restore,
