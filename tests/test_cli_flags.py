@@ -67,9 +67,9 @@ def test_the_reader_sees_what_llama_server_registers(llama_server) -> None:
     assert llama_server["--ctx-size"] == {"LLAMA_ARG_CTX_SIZE"}
 
 
-def test_readme_holds_the_generated_flag_table() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert table.markdown() in readme, "README's flag table is stale: python -m hydra_trio.cli.table"
+def test_the_command_line_page_holds_the_generated_flag_table() -> None:
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert table.markdown() in page, "docs/cli.md's flag table is stale: python -m hydra_trio.cli.table"
 
 
 # --------------------------------------------------------------------------- invocation

@@ -89,3 +89,78 @@ def test_the_rules_catch_each_kind(text: str, tmp_path: Path) -> None:
 def test_the_rules_leave_citations_of_the_repository(text: str) -> None:
     hits = [what for what, rx in {**EVERYWHERE, "wire": WIRE_REFERENCE}.items() if rx.search(text)]
     assert not hits, (text, hits)
+
+
+# --------------------------------------------------------------------------- the pages and their links
+_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors mkdocs gives ``page``'s headings (Python-Markdown's toc slugs), outside code fences."""
+    from markdown.extensions.toc import slugify
+
+    out, fence = set(), False
+    for line in page.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        m = None if fence else re.match(r"#{1,6} (.*)", line)
+        if m:
+            out.add(slugify(m.group(1).replace("`", ""), "-"))
+    return out
+
+
+def _broken_links(page: Path) -> list[str]:
+    out, fence = [], False
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        if fence:
+            continue
+        for target in _LINK.findall(line):
+            if re.match(r"[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                out.append(f"{page.relative_to(ROOT)}:{n}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                out.append(f"{page.relative_to(ROOT)}:{n}: {target}: no such heading")
+    return out
+
+
+def test_every_relative_link_resolves() -> None:
+    """README's and docs/'s links name a file that exists and, with ``#``, a heading of it."""
+    bad = [b for p in _doc_files() for b in _broken_links(p)]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_broken_link_is_caught(tmp_path: Path) -> None:
+    page = ROOT / "docs" / "_probe_broken_link.md"
+    try:
+        page.write_text("# Probe\n\n[x](cli.md#no-such-heading) [y](no-such-page.md) [z](cli.md#kv-cache-types)\n")
+        assert [b.split(": ")[1] for b in _broken_links(page)] == ["cli.md#no-such-heading", "no-such-page.md"]
+    finally:
+        page.unlink()
+
+
+def test_the_readme_is_a_first_page() -> None:
+    """README is what a newcomer reads first: the set-up's two commands (``.ci/run`` runs the second),
+    talking to a node, the main options, and links into docs/ for the reference."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 400
+    assert "./dev.sh run     #" in readme and "./dev.sh test    #" in readme
+    assert "<!-- flag table" not in readme  # the reference lives in docs/
+    linked = {Path(t).name for t in _LINK.findall(readme) if t.startswith("docs/")}
+    assert {p.name for p in (ROOT / "docs").glob("*.md")} - {"index.md"} <= linked
+
+
+def test_mkdocs_builds_the_site_strictly(tmp_path: Path) -> None:
+    """``mkdocs build --strict`` (mkdocs.yml: nav, link and anchor validation as warnings): a broken link or
+    anchor, a page missing from the nav, a nav entry without its page all fail the build."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                        "-d", str(tmp_path / "site")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "site" / "cli" / "index.html").exists()

@@ -8,7 +8,7 @@
   the flag and the reason;
 * ``own``: hydra-trio's flags and those of the cluster's llama-server fork, which llama-server does not have.
 
-The README's flag table (``python -m hydra_trio.cli.table``) and the coverage test over the vendored
+The flag table of docs/cli.md (``python -m hydra_trio.cli.table``) and the coverage test over the vendored
 ``common/arg.cpp`` (``tests/test_cli_flags.py``) are made from these lists.
 """
 
@@ -47,7 +47,7 @@ class Flag:
         env: llama-server's environment variable (``LLAMA_ARG_*``); an explicit flag wins over it.
         group: llama-server's argument group: ``common``, ``sampling``, ``server``, ``speculative``,
             or ``hydra`` for hydra-trio's own flags and those of the cluster's llama-server fork.
-        lands: where a wired flag lands (a settings field), for the README table.
+        lands: where a wired flag lands (a settings field), for the flag table.
     """
 
     names: tuple[str, ...]

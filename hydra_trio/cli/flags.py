@@ -7,7 +7,7 @@ from ._flags import KINDS, Flag, check_unique
 
 RUN_FLAGS: list[Flag] = [*common.FLAGS, *sampling.FLAGS, *server.FLAGS, *speculative.FLAGS, *hydra.FLAGS,
                          *speculative.OWN_FLAGS, *access.FLAGS]
-"""Every flag of ``hydra-trio run``, llama-server's and the node's own (README's flag table)."""
+"""Every flag of ``hydra-trio run``, llama-server's and the node's own (the flag table of docs/cli.md)."""
 check_unique(RUN_FLAGS)
 assert all(f.kind in KINDS for f in RUN_FLAGS)
 

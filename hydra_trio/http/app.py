@@ -75,7 +75,7 @@ _NO_CACHE = {"Cache-Control": "no-cache"}  # a node upgraded in place serves its
 
 async def status_page(request: Request) -> Response:
     """``GET /``: the status page, a live view drawn from ``GET /v1/events`` in the browser
-    (``static/status.js``; README "Status page").  Plain files, nothing fetched from elsewhere."""
+    (``static/status.js``; docs/operations.md "Status page").  Plain files, nothing fetched from elsewhere."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
 
 async def _to_the_page(request: Request) -> Response:
