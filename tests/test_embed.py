@@ -36,7 +36,7 @@ async def test_serve_in_own_nursery() -> None:
     assert server.engine.model is None
 
 
-def test_the_readme_library_example_runs_as_written(tmp_path) -> None:
+def test_the_library_example_runs_as_written(tmp_path) -> None:
     """The "As a library" block of docs/library.md, with its ``...`` replaced by one request and a cancel."""
     import re
     import subprocess
