@@ -324,5 +324,6 @@ def test_drafts_compose_with_thinking_its_budget_and_a_required_tool_call(
         assert [(t.function.name, t.function.arguments) for t in g.message.tool_calls or []] == \
             [(t.function.name, t.function.arguments) for t in w.message.tool_calls or []], kw
     metrics = httpx.get(spec.base + "/metrics", timeout=60).text
-    accepted = [line for line in metrics.splitlines() if line.startswith("llamacpp:spec_decode_num_accepted_tokens_total")]
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("llamacpp:spec_decode_num_accepted_tokens_total")]
     assert accepted and float(accepted[0].split()[-1]) > 0, accepted
