@@ -358,6 +358,7 @@ class ModelLifecycle:
         if experts.combined is None:
             raise InvalidRequest(
                 "a tensor_pattern swaps the tensors on the COMBINED peer; no COMBINED model is attached")
+        assert experts.solo is not None  # a COMBINED model is built next to the SOLO one
         base, other = experts.solo.path, qs.paths[key][0]
         tag = hashlib.sha256(f"{base}|{other}|{experts.pattern}".encode()).hexdigest()[:12]
         dst = cache_dir() / f"{base.stem}+{key}-peer-tensors-{tag}.gguf"
