@@ -94,7 +94,7 @@ def make_tiny_vision(src: Path, model: Path, mmproj: Path, seed: int = SEED) -> 
     metadata, a BPE vocabulary) plus :data:`IMAGE_TOKENS` to ``model``, and its ``qwen2vl_merger`` projector to
     ``mmproj``; returns ``(model, mmproj)``.
 
-    About 19 MB and 0.2 MB (F16 token embedding, F32 elsewhere), written in about a second; each to a
+    About 21 MB and 0.3 MB (F16 token embedding, F32 elsewhere), written in about four seconds; each to a
     temporary file first and renamed, so a crash never leaves a half-written file.  Raises ValueError if
     ``src`` has no tokenizer.
     """
