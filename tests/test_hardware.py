@@ -1,4 +1,4 @@
-"""The node on the hardware it is given (issue 20): the build's backends and devices, CUDA builds from
+"""The node on the hardware it is given: the build's backends and devices, CUDA builds from
 dev.sh where a GPU exists, a unified KV cache (-kvu) with prefix sharing, RoPE-scaled contexts past the
 training context.  GPU-marked tests run where a CUDA build exists and skip, saying so, elsewhere."""
 

@@ -2,7 +2,7 @@
 
 No model is ever downloaded from a hub at run time: an alias names a package
 from the package registry that carries the GGUF file.  The aliases are the
-``preset_aliases`` that the Hydra INFO reply reports (hydra-protocol.md §3).
+``preset_aliases`` that the Hydra INFO reply reports (docs/hydra-protocol.md §3).
 
 ``hydra-trio models`` lists them (:func:`preset_status`) and
 ``hydra-trio models install ALIAS`` installs one into the running
