@@ -51,12 +51,12 @@ def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions
 
 
 def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:
-    """The node's :class:`~.budget.DraftBudget` (``--spec-draft-row-cost``; ``auto``: the CPU's ratio when
+    """The node's :class:`~.budget.DraftBudget` (``--spec-budget-row-cost``; ``auto``: the CPU's ratio when
     the model's ``options`` offload no layer to a GPU), None when every draft is verified whole (a ratio
     of 0)."""
     from .budget import CPU_ROW_COST, DraftBudget
 
-    ratio = settings.draft_row_cost
+    ratio = settings.budget_row_cost
     if ratio < 0:
         on_gpu = llama_cpp.llama_supports_gpu_offload() and options.n_gpu_layers not in (0, "0")
         ratio = 0.0 if on_gpu else CPU_ROW_COST
