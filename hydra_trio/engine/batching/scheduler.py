@@ -514,12 +514,15 @@ class Scheduler:
         (``mtmd_helper_eval_chunk_single`` at the slot's next position), before this step's batch: one chunk per
         slot and step, so a request is cancelled between chunks as between text pieces (llama-server's
         ``update_slots`` evaluates media chunks the same way, outside the batch of text).  A chunk that ends a
-        generating prompt gives the first token from its last embedding's logits.  A failed chunk fails its
+        generating prompt gives the first token from its last embedding's logits.  A prefix that another slot
+        holds or is evaluating, through the same media, is copied first (:func:`share_prefix`).  A failed chunk fails its
         request (llama-server's "failed to process mtmd chunk"), its cells removed."""
         for slot in self.slots:
             handle = slot.handle
             if handle is None or not slot.pending_prompt or not slot.media:
                 continue
+            if slot.media.chunk_at(slot.n_past) is not None and slot.may_share and share_prefix(self.slots, slot, m):
+                continue  # another slot is evaluating this prompt's prefix, the image too: copy it when done
             chunk = slot.media.chunk_at(slot.n_past)
             if chunk is None:
                 continue
