@@ -144,8 +144,9 @@ def decode_base64(text: str, where: str) -> bytes:
     """Standard base64 (padding optional, as llama-server's decoder) to bytes, at most :data:`MAX_MEDIA_BYTES`.
     Raises InvalidRequest: not base64 (llama-server's ``Invalid base64 value``), empty, or too big."""
     text = text.strip()
-    if len(text) // 4 * 3 > MAX_MEDIA_BYTES + 3:
-        raise _too_big(len(text) // 4 * 3, where)
+    n = len(text.rstrip("=")) * 3 // 4  # the decoded size of valid base64, known before decoding
+    if n > MAX_MEDIA_BYTES:
+        raise _too_big(n, where)
     try:
         data = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
     except (binascii.Error, ValueError):
