@@ -107,10 +107,14 @@ def test_a_preset_with_a_projector_reports_it_and_one_without_does_not(vhttp, ht
 
 
 def test_no_mmproj_turns_the_presets_projector_off(spawn) -> None:
-    """``--no-mmproj`` (llama-server's negative of ``--mmproj-auto``): the preset's projector is not used."""
+    """``--no-mmproj`` (llama-server's negative of ``--mmproj-auto``): the preset's projector is not used, and an
+    image part is llama-server's answer without a projector."""
     with spawn("-m", "tiny-vision", "-np", "1", "-c", "512", "-t", "1", "--no-mmproj").serving(300) as srv:
         props = httpx.get(f"{srv.base}/props", timeout=60).json()
+        r = httpx.post(f"{srv.base}/v1/chat/completions", json=chat(image(DATA_URL)), timeout=60)
+        assert "multimodal projector" not in srv.log()
     assert props["modalities"] == {"vision": False, "video": False, "audio": False}
+    assert error_of(r, 500) == NOT_SUPPORTED.format("image")
 
 
 def test_a_file_that_is_no_projector_is_refused_at_start(spawn) -> None:
@@ -133,14 +137,6 @@ def test_apply_template_puts_the_media_marker_where_each_part_was(vhttp) -> None
     r = vhttp.post("/apply-template", json=body)
     assert r.status_code == 200, r.text
     assert f"<|im_start|>user\na\nb{MARKER}c{MARKER}{MARKER}<|im_end|>\n<|im_start|>assistant\n" in r.json()["prompt"]
-
-
-def test_tokenize_reads_the_marker_as_text(vhttp) -> None:
-    """``/tokenize`` takes no media (llama-server's reads ``content`` with ``tokenize_mixed``): the marker is text,
-    tokenized as any text."""
-    with_marker = vhttp.post("/tokenize", json={"content": f"x{MARKER}y"}).json()["tokens"]
-    assert len(with_marker) > 3 and with_marker == vhttp.post("/tokenize", json={"content": f"x{MARKER}y"}).json()[
-        "tokens"]
 
 
 # --------------------------------------------------------------------------- a request with media
@@ -175,8 +171,7 @@ def test_a_completion_with_media_is_read_whole_then_answers_501(vhttp, vision, m
 
 BAD_PARTS = [
     # llama-server's messages (handle_media), each with where the part is
-    (image("https://example.com/cat.png"), 400, "remote media URLs are not fetched: this node makes no network "
-                                                "requests"),
+    (image("https://example.com/cat.png"), 400, "remote media URLs are not fetched: this node makes no network"),
     (image("data:text/plain;base64,QUJD"), 400, "Invalid uri format: data:text/plain;base64 (messages[0].content[0])"),
     (image("data:image/png;utf8,abc"), 400, "uri must be base64 encoded (messages[0].content[0])"),
     (image("data:image/png;base64,QU,JD"), 400, "Invalid uri-encoded base64 value (messages[0].content[0])"),
@@ -236,16 +231,20 @@ def test_a_bad_multimodal_prompt_is_a_400(vhttp, prompt, message) -> None:
     assert message in error_of(vhttp.post("/completion", json={"prompt": prompt}), 400)
 
 
-def test_a_node_without_a_projector_answers_media_as_llama_server(http) -> None:
+def test_a_node_without_a_projector_answers_media_as_llama_server(http, server) -> None:
     """The default model has no projector: an image part is llama-server's 500 ``image input is not supported -
     hint: ...`` (chat and ``/apply-template``), audio likewise, checked before the URL is read; ``multimodal_data``
-    is its 400 ``Multimodal data provided, but model does not support multimodal requests.``."""
+    is its 400 ``Multimodal data provided, but model does not support multimodal requests.``; a Hydra PREFILL
+    with an image is BAD_REQUEST with the same message."""
     for path in ("/v1/chat/completions", "/apply-template"):
         assert error_of(http.post(path, json=chat(image("https://x/y.png"))), 500) == NOT_SUPPORTED.format("image")
         audio = {"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}
         assert error_of(http.post(path, json=chat(audio)), 500) == NOT_SUPPORTED.format("audio")
     body = {"prompt": {"prompt_string": "x", "multimodal_data": ["QUJD"]}}
     assert error_of(http.post("/completion", json=body), 400) == NO_MULTIMODAL_DATA
+    with Wire(server.port) as w:
+        status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps(chat(image(DATA_URL))).encode())
+    assert status == Status.BAD_REQUEST and meta["error"] == NOT_SUPPORTED.format("image")
     assert http.get("/health").status_code == 200
 
 
