@@ -176,7 +176,7 @@ async def test_context_shift_and_a_unified_cache_compose_with_drafts() -> None:
 
 
 async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_run() -> None:
-    """``--spec-draft-row-cost``: with a per-row cost, a slot whose drafts are rejected drafts less than
+    """``--spec-budget-row-cost``: with a per-row cost, a slot whose drafts are rejected drafts less than
     with drafts verified whole (0, llama-server's way), and a draft's length depends on the tokens only, so
     two runs of one request verify the same drafts and give the same text."""
     from hydra_trio.engine.speculative.budget import DraftBudget
@@ -195,7 +195,7 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
     prose = "The history of the city begins with a small market by the river, where traders met"
     runs = []
     for row_cost in (0.35, 0.35, 0.0):
-        async with engine_with("ngram-simple", "suffix", spec={"draft_row_cost": row_cost}) as engine:
+        async with engine_with("ngram-simple", "suffix", spec={"budget_row_cost": row_cost}) as engine:
             assert (engine.scheduler.spec.budget is None) == (row_cost == 0)
             runs.append(await generate(engine, prose, n_predict=96))
     (a, text_a, done_a), (b, text_b, done_b), (whole, _, done_whole) = runs

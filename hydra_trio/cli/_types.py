@@ -320,7 +320,7 @@ def cpu_range(text: str) -> int:
 def chat_template_value(text: str) -> tuple[str, str]:
     """``--chat-template NAME|FILE|JINJA`` (llama-server's flag): a built-in template name, a Jinja file, or
     Jinja text.  Returns ``(name or Jinja text, what it is for the log)``."""
-    from ..engine.model import builtin_chat_templates
+    from ..engine import builtin_chat_templates
 
     if text in builtin_chat_templates():
         return text, f"built-in {text!r}"
@@ -346,7 +346,7 @@ def chat_template_file(path: str) -> tuple[str, str]:
 
 
 def _check_template(text: str, jinja: bool = False) -> str:
-    from ..engine.model import check_chat_template
+    from ..engine import check_chat_template
 
     return check_chat_template(text, jinja=jinja)
 

@@ -191,7 +191,7 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
 
 def _has_gpu() -> bool:
     """A device layers can be offloaded to (llama-server's ``llama_supports_gpu_offload``, without ggml-RPC)."""
-    from ..engine.ggml_backend import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
+    from ..engine.llama.ggml_backend import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
         device_type, is_rpc_device
 
     return any(device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL)
@@ -201,8 +201,8 @@ def _has_gpu() -> bool:
 def _check_devices(opts: LlamaOptions) -> str | None:
     """A -dev name or an -ot buffer type this machine does not have: the message (exit 2), else None.
 
-    The engine's own check (:func:`hydra_trio.engine.placement.check_placement`), which a model load repeats."""
-    from ..engine.placement import PlacementError, check_placement
+    The engine's own check (:func:`hydra_trio.engine.llama.placement.check_placement`), which a model load repeats."""
+    from ..engine import PlacementError, check_placement
 
     try:
         check_placement(opts)
@@ -213,7 +213,7 @@ def _check_devices(opts: LlamaOptions) -> str | None:
 
 def _log_devices() -> None:
     """The start-up log's device lines: the build's backends, each device with its free/total memory."""
-    from ..engine.ggml_backend import build_backends, local_devices
+    from ..engine.llama.ggml_backend import build_backends, local_devices
 
     log.info("backends: %s", ", ".join(build_backends()))
     for name, free, total in local_devices():
@@ -221,7 +221,7 @@ def _log_devices() -> None:
 
 
 def _list_devices() -> int:
-    from ..engine.ggml_backend import local_devices
+    from ..engine.llama.ggml_backend import local_devices
 
     print("Available devices:")
     for name, free, total in local_devices():
@@ -290,7 +290,7 @@ def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
         path = preset.projector()
     device = args.mmproj_device
     if device not in (None, "none"):
-        from ..engine.ggml_backend import local_devices
+        from ..engine.llama.ggml_backend import local_devices
 
         names = [name for name, _free, _total in local_devices()]
         if device not in names:

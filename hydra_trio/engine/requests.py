@@ -22,9 +22,9 @@ import trio
 
 from ..errors import HydraTrioError, Stopping
 from ..protocol.media import MediaPrompt
-from .blobbuf import BlobBuffer
+from .kv.blobbuf import BlobBuffer
 from .settings import SamplingParams
-from .thinking_budget import BudgetSpec
+from .batching.thinking_budget import BudgetSpec
 
 # ---------------------------------------------------------------------------
 # What a request asks for
@@ -85,7 +85,7 @@ class CompletionJob:
         t_max_predict_ms: stop (``length``) once generation has run this many milliseconds,
             measured from the first generated token, at a token whose text holds a newline
             (llama-server's ``t_max_predict_ms``); 0: no limit.
-        reasoning_budget: the thinking budget (:class:`~hydra_trio.engine.thinking_budget.BudgetSpec`:
+        reasoning_budget: the thinking budget (:class:`~hydra_trio.engine.batching.thinking_budget.BudgetSpec`:
             after that many tokens inside the thinking block its end marker is forced); None: none.
         special: generated special tokens are written into the text as their text (llama-server's
             ``-sp/--special``); otherwise they add no text.
@@ -342,7 +342,7 @@ class StepHandOff:
     wake-up of the trio loop per batching step, instead of one per generated
     token of each request (llama-server's ``update_slots`` likewise sends a
     step's results to its HTTP threads after the step).  The engine runs each
-    :meth:`Scheduler.step <hydra_trio.engine.scheduler.Scheduler.step>` inside
+    :meth:`Scheduler.step <hydra_trio.engine.batching.scheduler.Scheduler.step>` inside
     :meth:`collect`; what it emits elsewhere (a call that fails requests, the
     shutdown) goes at once, after anything held.
     """

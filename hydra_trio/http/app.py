@@ -36,9 +36,7 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
-from ..engine.engine import Engine
-from ..engine.model import model_meta
-from ..engine.requests import CompletionJob
+from ..engine import CompletionJob, Engine
 from ..errors import InvalidRequest, ModelLoadError, NotReady
 from ..observability import node_stats
 from ..observability.events import EventBus
@@ -181,7 +179,7 @@ class Api:
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
             "total_slots": e.n_slots,
             "model_alias": e.identity.model_alias,
-            "model_ftype": model_meta(m)["ftype"],
+            "model_ftype": m.facts()["ftype"],
             "model_path": e.identity.model_path,
             "model_hash": e.identity.model_hash,
             "modalities": node.modalities(e),
@@ -271,13 +269,13 @@ _STOP_CHECK_EVERY = 4096
 
 def _token_bytes(m: Any, tokens: Any) -> list[bytes]:
     """Worker thread: each token's bytes, special tokens as their text (``/detokenize``, ``with_pieces``);
-    stops (Cancelled) with its request (:func:`~hydra_trio.engine.tokenize.check_stop`)."""
-    from ..engine.tokenize import check_stop
+    stops (Cancelled) with its request (:func:`~hydra_trio.engine.llama.tokenize.raise_if_stopped`)."""
+    from ..engine import raise_if_stopped
 
     out = []
     for i, t in enumerate(tokens):
         if i % _STOP_CHECK_EVERY == 0:
-            check_stop("its tokens were rendered")
+            raise_if_stopped("its tokens were rendered")
         out.append(m.token_bytes(t, special=True))
     return out
 

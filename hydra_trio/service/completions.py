@@ -24,9 +24,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..engine.engine import Engine
-from ..engine.requests import CompletionJob, JobRun
-from ..engine.tokenize import stop_when
+from ..engine import CompletionJob, Engine, JobRun, stop_when
 from ..errors import NotSupported
 from ..openai.reasoning import ThinkingSetup
 from ..openai.replies import CompletionReply
@@ -98,8 +96,8 @@ async def in_worker(work: Callable[[], T], stop: threading.Event | None = None) 
 
     It stops with its request: once ``stop`` is set (an HTTP request's, set when its client leaves), or
     once the caller is cancelled (a Hydra peer that left), tokenizing in the thread raises Cancelled at its
-    next chunk (:func:`~hydra_trio.engine.tokenize.stop_when`, as do loops that call
-    :func:`~hydra_trio.engine.tokenize.check_stop`), and a cancelled caller stops waiting at once."""
+    next chunk (:func:`~hydra_trio.engine.llama.tokenize.stop_when`, as do loops that call
+    :func:`~hydra_trio.engine.llama.tokenize.raise_if_stopped`), and a cancelled caller stops waiting at once."""
     stop = stop if stop is not None else threading.Event()
 
     def run() -> T:

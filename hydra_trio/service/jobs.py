@@ -7,14 +7,9 @@ from typing import Any
 
 import attrs
 
-from ..engine.engine import Engine
-from ..engine.model import LoadedModel
-from ..engine.sampling import GrammarError, check_grammar
-from ..engine.tokenize import PromptTooLong
+from ..engine import BudgetSpec, CompletionJob, Engine, GrammarError, ModelView, PromptTooLong
 from ..protocol.strict import TooLong
-from ..engine.requests import CompletionJob
 from ..engine.settings import GenerationDefaults
-from ..engine.thinking_budget import BudgetSpec
 from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.json_schema import SchemaError, schema_to_gbnf
 from ..openai.media import MultimodalPrompt, check_markers, load_media, load_multimodal_data
@@ -42,7 +37,7 @@ def chat_media(e: Engine, body: ChatCompletionRequest) -> tuple[MediaItem, ...]:
     return load_media(parts, e.config.media) if parts else ()
 
 
-def _media_job(e: Engine, m: LoadedModel, prompt: str, items: tuple[MediaItem, ...], *, chat: bool) -> tuple[
+def _media_job(e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...], *, chat: bool) -> tuple[
         list[int], MediaPrompt]:
     """A media prompt's text tokens (the markers left out: a lower bound of its length, checked against the
     slot's context) and its :class:`~hydra_trio.protocol.media.MediaPrompt`.  Raises InvalidRequest (markers
@@ -119,7 +114,7 @@ def chat_job(
         g = attrs.evolve(g, gbnf=_tools.after_thinking(g.gbnf, thinking.prompt_open[1]))
     if g is not None:
         try:
-            check_grammar(m.vocab, g.gbnf)
+            m.check_grammar(g.gbnf)
         except GrammarError as exc:
             raise MessageError(f"tools: {exc}") from None
         job = attrs.evolve(job, grammar=g.gbnf, grammar_lazy=g.lazy, grammar_triggers=g.triggers)
@@ -266,7 +261,7 @@ def _job(
     return node_defaults(m, body, job, defaults.generation)
 
 
-def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob,
+def node_defaults(m: ModelView, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob,
                   g: GenerationDefaults) -> CompletionJob:
     """``job`` with the node's defaults (``EngineConfig.generation``: ``--samplers``, ``--ignore-eos``,
     ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r``, ``--no-cache-prompt``; and ``-sp``) for the fields ``body``
@@ -290,7 +285,7 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
         changes["logit_bias"] = g.logit_bias
     if g.grammar is not None and not body.constrained and not own_ignore_eos:
         try:
-            check_grammar(m.vocab, g.grammar)
+            m.check_grammar(g.grammar)
         except GrammarError as exc:
             raise MessageError(f"the node's grammar (--grammar, --json-schema): {exc}") from None
         changes["grammar"] = g.grammar
@@ -302,7 +297,7 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
     return attrs.evolve(job, special=g.special, **changes)
 
 
-def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
+def logit_bias(m: ModelView, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
     """A request's ``logit_bias`` as ``(token id, bias)`` pairs: a text becomes every token of its
     tokenization (no BOS, special-token text not parsed: llama-server's ``common_tokenize(vocab, text,
     false)``).  Raises MessageError for an id outside the vocabulary, and for more pairs than the
@@ -324,7 +319,7 @@ def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> 
     return tuple(out)
 
 
-def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:
+def _grammar(m: ModelView, body: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The request's output constraint as GBNF, checked by llama.cpp's parser (llama-server's fields:
     ``grammar`` as GBNF, ``json_schema`` / ``response_format`` as a JSON schema converted by
     :func:`hydra_trio.openai.json_schema.schema_to_gbnf`, which refuses what it cannot enforce and
@@ -346,7 +341,7 @@ def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) ->
         except SchemaError as exc:
             raise MessageError(f"{field}: {exc}"[:1000]) from None
     try:
-        check_grammar(m.vocab, gbnf)
+        m.check_grammar(gbnf)
     except GrammarError as exc:
         raise MessageError(f"{field}: {exc}") from None
     return gbnf

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engine.engine import Engine, kv_cache, memory_use
-from ..engine.ggml_backend import build_backends, local_devices
+from ..engine import Engine
+from ..engine.llama.ggml_backend import build_backends, local_devices
 from ..errors import NoModel, NotFound, NotReady
 
 
@@ -85,4 +85,4 @@ def model_use(e: Engine) -> dict[str, Any]:
     """``{"kv_cache": {"type_k", "type_v", "flash_attn"}, "memory": {device: {"weights", "kv", "compute"}}}``
     (bytes) of the loaded models (``/props``, INFO: :func:`~hydra_trio.engine.engine.kv_cache`,
     :func:`~hydra_trio.engine.engine.memory_use`)."""
-    return {"kv_cache": kv_cache(e), "memory": memory_use(e)}
+    return {"kv_cache": e.kv_cache(), "memory": e.memory_use()}
