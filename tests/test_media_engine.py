@@ -20,7 +20,7 @@ import attrs
 import pytest
 import trio
 
-from hydra_trio.engine import MEDIA_MARKER, MediaPrompt
+from hydra_trio.engine import MEDIA_MARKER, MediaTokens
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, Finished, JobRun
 from hydra_trio.engine.settings import LlamaOptions, SamplingParams
@@ -52,7 +52,7 @@ async def vision_engine(**config: Any) -> AsyncIterator[Engine]:
         yield engine
 
 
-def prompt_with(engine: Engine, *seeds: int, question: str = "", size: tuple[int, int] = (112, 84)) -> MediaPrompt:
+def prompt_with(engine: Engine, *seeds: int, question: str = "", size: tuple[int, int] = (112, 84)) -> MediaTokens:
     """The chat prompt with one image per seed (``png_image(seed, *size)``) before the question."""
     markers = MEDIA_MARKER * len(seeds)
     text = chat_prompt(markers)
@@ -61,7 +61,7 @@ def prompt_with(engine: Engine, *seeds: int, question: str = "", size: tuple[int
     return engine.model.tokenize_with_media(text, [Item(tiny_vision.png_image(s, *size)) for s in seeds])
 
 
-async def generate(engine: Engine, prompt: MediaPrompt, **job: Any) -> tuple[list[int], Finished]:
+async def generate(engine: Engine, prompt: MediaTokens, **job: Any) -> tuple[list[int], Finished]:
     fields: dict[str, Any] = {"n_predict": N_PREDICT, "ignore_eos": True, "id_slot": 0, "sampling": GREEDY, **job}
     out: list[int] = []
     async with JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks,

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from ..errors import HydraTrioError, Stopping
+from ..protocol.media import MediaPrompt
 from .kv.blobbuf import BlobBuffer
 from .settings import SamplingParams
 from .batching.thinking_budget import BudgetSpec
@@ -99,6 +100,10 @@ class CompletionJob:
             cannot ask for a ``snapshot`` (NotSupported).
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
+        media: a prompt with media as the request gave it (:class:`~hydra_trio.protocol.media.MediaPrompt`: the
+            text with one media marker per item, and the items); the engine evaluates ``media_chunks``, which
+            :meth:`ModelView.tokenize_with_media <hydra_trio.engine.view.ModelView.tokenize_with_media>` makes
+            of it.  None: a text prompt.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -132,6 +137,7 @@ class CompletionJob:
     stream: bool = False
     timings_per_token: bool = False
     media_chunks: tuple[MediaChunk, ...] = ()
+    media: MediaPrompt | None = None
 
 
 # ---------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .llama.media import MediaPrompt
+    from .llama.media import MediaTokens
     from .llama.model import ChatTemplate
     from .llama.tokenize import SpecialTokens
 
@@ -68,7 +68,7 @@ class ModelView(Protocol):
         ...
 
     def tokenize_with_media(self, text: str, media: Sequence[Any], *, add_special: bool = True,
-                            parse_special: bool = True) -> MediaPrompt:
+                            parse_special: bool = True) -> MediaTokens:
         """``text`` with one ``<__media__>`` marker per item of ``media`` (each with ``data: bytes``, ``id: str``)
         as text tokens with the media chunks in place; the job takes ``tokens`` as its ``prompt_tokens`` and
         ``chunks`` as its ``media_chunks``.  Any thread; CPU work (decoding and resizing images): call it off

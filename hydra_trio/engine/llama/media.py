@@ -32,11 +32,10 @@ import attrs
 import llama_cpp
 
 from ...errors import InvalidRequest, ModelLoadError
+from ...protocol.media import MEDIA_MARKER
 
 log = logging.getLogger("hydra_trio.engine")
 
-MEDIA_MARKER = "<__media__>"
-"""The text that stands for one media item in a prompt (llama-server's ``get_media_marker()``)."""
 
 _PLACEHOLDER_SPAN = 2**31 - 3
 
@@ -73,7 +72,7 @@ class _ChunkHandle:
 @attrs.frozen(eq=False)
 class MediaChunk:
     """One image or audio clip of a prompt, tokenized: ``n_tokens`` embeddings (KV cells) at token index
-    ``start`` of :attr:`MediaPrompt.tokens`, advancing the position by ``n_pos``."""
+    ``start`` of :attr:`MediaTokens.tokens`, advancing the position by ``n_pos``."""
 
     id: str
     """The media's id: the SHA-256 (hex) of its file's bytes, as llama.cpp's ``mtmd_helper_bitmap_init_from_buf``
@@ -134,7 +133,7 @@ NO_MEDIA = MediaLayout()
 
 
 @attrs.frozen(eq=False)
-class MediaPrompt:
+class MediaTokens:
     """A prompt with media, tokenized (:meth:`MediaContext.tokenize`): ``tokens`` are the text tokens with
     each chunk's ``n_tokens`` placeholders in place (``len(tokens)``: the prompt's tokens as llama-server counts
     them, ``usage.prompt_tokens``), ``chunks`` the media chunks in order."""
@@ -169,7 +168,7 @@ class MediaContext:
         params.use_gpu = use_gpu
         params.print_timings = False
         params.n_threads = n_threads
-        self._marker = MEDIA_MARKER.encode()  # kept alive while the context reads it
+        self._marker = MEDIA_MARKER.encode()  # the process's marker (the front ends write it); kept alive
         params.media_marker = self._marker
         params.image_min_tokens = image_min_tokens
         params.image_max_tokens = image_max_tokens
@@ -194,7 +193,7 @@ class MediaContext:
             self.ctx = None
 
     def tokenize(self, text: str, media: Sequence[Any], *, add_special: bool = True,
-                 parse_special: bool = True) -> MediaPrompt:
+                 parse_special: bool = True) -> MediaTokens:
         """``text``, whose :data:`MEDIA_MARKER` each stands for one item of ``media`` in order, as text
         tokens and media chunks (llama-server's ``process_mtmd_prompt``: special tokens parsed, BOS added
         when the vocabulary wants one).  Each item has ``data`` (the file's bytes: an image stb_image decodes,
@@ -233,7 +232,7 @@ class MediaContext:
             for b in bitmaps:
                 mtmd.mtmd_bitmap_free(b)
 
-    def _collect(self, chunks: Any) -> MediaPrompt:
+    def _collect(self, chunks: Any) -> MediaTokens:
         mtmd = self._mtmd
         tokens: list[int] = []
         found: list[MediaChunk] = []
@@ -255,7 +254,7 @@ class MediaContext:
                                n_pos=int(mtmd.mtmd_input_chunk_get_n_pos(chunk)), handle=_ChunkHandle(copy))
             found.append(media)
             tokens.extend([media.placeholder] * media.n_tokens)
-        return MediaPrompt(tuple(tokens), tuple(found))
+        return MediaTokens(tuple(tokens), tuple(found))
 
     def eval_chunk(self, lctx: Any, chunk: MediaChunk, pos: int, seq_id: int, n_batch: int,
                    logits_last: bool) -> int:

@@ -27,7 +27,7 @@ from . import ggml_backend, kv_overrides
 from ..bridge import thread_local_set
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
-from .media import MediaContext, MediaPrompt
+from .media import MediaContext, MediaTokens
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
 from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
@@ -597,7 +597,7 @@ class LoadedModel:
         return self.media.modalities if self.media is not None else {"vision": False, "audio": False}
 
     def tokenize_with_media(self, text: str, media: Sequence[Any], *, add_special: bool = True,
-                            parse_special: bool = True) -> MediaPrompt:
+                            parse_special: bool = True) -> MediaTokens:
         """``text`` with one :data:`~hydra_trio.engine.llama.media.MEDIA_MARKER` per item of ``media`` (items with
         ``data: bytes`` and ``id: str``), tokenized into text tokens and media chunks
         (:meth:`~hydra_trio.engine.llama.media.MediaContext.tokenize`; any thread).
