@@ -322,8 +322,9 @@ def test_llama_server_without_a_projector_gives_the_same_errors(http, tmp_path: 
 def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp_path: Path) -> None:
     """llama-server with ``-m LM --mmproj PROJ`` (tiny-vision's files): the same ``/props`` vision and audio
     modalities and marker (its ``video`` is true for any vision projector in a build with ``MTMD_VIDEO``,
-    ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same ``/apply-template`` prompt for parts around images, and for a
-    bad data URL a message that ours starts with (ours adds where the part is)."""
+    ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same ``/apply-template`` prompt for parts around images, for a
+    bad data URL a message that ours starts with (ours adds where the part is), and for two images the same
+    prompt token count and greedy text."""
     model, _ = resolve_model("tiny-vision")
     body = chat({"type": "text", "text": "a"}, {"type": "text", "text": "b"}, image(DATA_URL),
                 {"type": "text", "text": "c"}, image(DATA_URL))
@@ -339,3 +340,12 @@ def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp
             o = vhttp.post("/v1/chat/completions", json=chat(image(url)))
             assert t.status_code == o.status_code == 400
             assert o.json()["error"]["message"].startswith(t.json()["error"]["message"])
+        # the same image and question: the same media tokens and the same greedy text (one machine, one
+        # ggml: the same arithmetic)
+        other = "data:image/png;base64," + base64.b64encode(tiny_vision.png_image(5, 224, 224)).decode()
+        for url in (DATA_URL, other):
+            ask = chat(image(url), {"type": "text", "text": "What is in the picture?"}, max_tokens=8,
+                       cache_prompt=False)
+            t, o = (c.post("/v1/chat/completions", json=ask).json() for c in (ls, vhttp))
+            assert t["usage"]["prompt_tokens"] == o["usage"]["prompt_tokens"]
+            assert t["choices"][0]["message"]["content"] == o["choices"][0]["message"]["content"]
