@@ -349,3 +349,16 @@ def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp
             t, o = (c.post("/v1/chat/completions", json=ask).json() for c in (ls, vhttp))
             assert t["usage"]["prompt_tokens"] == o["usage"]["prompt_tokens"]
             assert t["choices"][0]["message"]["content"] == o["choices"][0]["message"]["content"]
+
+
+def test_projector_device_and_encode_batch_flags_reach_the_projector(spawn) -> None:
+    """``-mmdev CPU --mtmd-batch-max-tokens 64`` (llama-server's flags; the device by ggml's case-insensitive
+    name) load the projector there and serve an image; ``-mmdev`` naming no device exits 2 naming it."""
+    with spawn("-m", "tiny-vision", "-np", "1", "-c", "1024", "-t", "2", "-mmdev", "cpu",
+               "--mtmd-batch-max-tokens", "64").serving(300) as srv:
+        r = httpx.post(f"{srv.base}/v1/chat/completions", json=chat(image(DATA_URL)), timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 12
+    bad = spawn("-m", "tiny-vision", "-mmdev", "NoSuchGPU0")
+    assert bad.proc.wait(120) == 2
+    assert "-mmdev/--mmproj-device: invalid device: NoSuchGPU0" in bad.log()

@@ -293,7 +293,7 @@ def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
         from ..engine.llama.ggml_backend import local_devices
 
         names = [name for name, _free, _total in local_devices()]
-        if device not in names:
+        if device.lower() not in {n.lower() for n in names}:  # ggml_backend_dev_by_name: case-insensitive
             raise ProjectorError(f"-mmdev/--mmproj-device: invalid device: {device} (this machine has: "
                                  f"{', '.join(names)})")
     vision, audio = projector_modalities(path) if path is not None else (False, False)

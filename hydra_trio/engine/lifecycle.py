@@ -78,11 +78,13 @@ def warm_up(m: LoadedModel) -> None:
 def model_kwargs(config: EngineConfig) -> dict[str, Any]:
     """The :class:`LoadedModel` keyword arguments every model of this engine is built with (SOLO at start
     and on reload, COMBINED, PIPELINE) besides its path, context and slots; ``config.media``'s projector is
-    loaded with each (its ``mmproj``, ``offload``, ``image_min_tokens``, ``image_max_tokens``)."""
+    loaded with each (its ``mmproj``, ``offload``, ``device``, ``image_min_tokens``, ``image_max_tokens``,
+    ``batch_max_tokens``)."""
     options, media = config.llama, config.media
     if media.mmproj is not None:
         options = attrs.evolve(options, mmproj=str(media.mmproj), mmproj_offload=media.offload,
-                               image_min_tokens=media.image_min_tokens, image_max_tokens=media.image_max_tokens)
+                               image_min_tokens=media.image_min_tokens, image_max_tokens=media.image_max_tokens,
+                               mmproj_batch_max_tokens=media.batch_max_tokens, mmproj_device=media.device or "")
     return {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,
             "options": target_options(config.speculative, options),
             "chat_template_kwargs": config.chat_template_kwargs}

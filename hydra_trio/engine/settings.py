@@ -464,6 +464,8 @@ class LlamaOptions:
     mmproj_offload: bool = True  # --mmproj-offload / --no-mmproj-offload: the projector on the GPU
     image_min_tokens: int = -1  # --image-min-tokens; -1 = the projector's own
     image_max_tokens: int = -1  # --image-max-tokens; -1 = the projector's own
+    mmproj_batch_max_tokens: int = 1024  # --mtmd-batch-max-tokens: most image tokens in one encode batch
+    mmproj_device: str = ""  # -mmdev/--mmproj-device: the projector's device ("": mtmd's choice)
 
     def __attrs_post_init__(self) -> None:
         problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)

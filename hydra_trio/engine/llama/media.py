@@ -150,15 +150,17 @@ class MediaTokens:
 class MediaContext:
     """An ``mtmd`` context: the projector at ``path`` loaded for the model ``model`` (a ``llama_model``
     pointer), with llama-server's context parameters (``use_gpu``: ``--mmproj-offload``; ``n_threads``;
-    ``image_min_tokens``/``image_max_tokens``: -1 for the projector's own; the media marker
-    :data:`MEDIA_MARKER`).
+    ``image_min_tokens``/``image_max_tokens``: -1 for the projector's own; ``batch_max_tokens``: the most
+    image tokens one encode batch holds, ``--mtmd-batch-max-tokens``; ``device``: ``-mmdev``, a ggml device
+    name, "" for mtmd's own choice; the media marker :data:`MEDIA_MARKER`).
 
     Raises:
         ModelLoadError: mtmd refused the file (not a projector, or one for a model of another width).
     """
 
     def __init__(self, path: str | Path, model: Any, *, use_gpu: bool = True, n_threads: int = 1,
-                 image_min_tokens: int = -1, image_max_tokens: int = -1) -> None:
+                 image_min_tokens: int = -1, image_max_tokens: int = -1, batch_max_tokens: int = 1024,
+                 device: str = "") -> None:
         import llama_cpp.mtmd_cpp as mtmd
 
         self._mtmd = mtmd
@@ -172,6 +174,15 @@ class MediaContext:
         params.media_marker = self._marker
         params.image_min_tokens = image_min_tokens
         params.image_max_tokens = image_max_tokens
+        params.batch_max_tokens = batch_max_tokens
+        if device:  # llama-server: ggml_backend_dev_by_name, case-insensitive (checked when the node started)
+            from . import ggml_backend
+
+            dev = next((d for d in ggml_backend.all_devices() if ggml_backend.device_name(d).lower() == device.lower()),
+                       None)
+            if dev is None:
+                raise ModelLoadError(f"-mmdev/--mmproj-device: no device {device!r}")
+            params.device = dev
         self.path = str(path)
         self.ctx = mtmd.mtmd_init_from_file(self.path.encode(), model, params)
         if not self.ctx:

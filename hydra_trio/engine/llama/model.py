@@ -496,7 +496,8 @@ class LoadedModel:
             try:
                 self.media = MediaContext(opts.mmproj, self.model, use_gpu=opts.mmproj_offload, n_threads=threads,
                                           image_min_tokens=opts.image_min_tokens,
-                                          image_max_tokens=opts.image_max_tokens)
+                                          image_max_tokens=opts.image_max_tokens,
+                                          batch_max_tokens=opts.mmproj_batch_max_tokens, device=opts.mmproj_device)
             except Exception:
                 self.close()
                 raise
