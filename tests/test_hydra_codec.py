@@ -57,7 +57,7 @@ from hydra_trio.protocol.hydra import (
     unpack_decode_frames,
 )
 from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from hydra_trio.protocol.messages import (
+from hydra_trio.hydra.messages import (
     MessageError,
     PipelineAttachRequest,
     SetExpertModeRequest,

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 from ..observability.events import CATEGORIES, parse_types
-from ..protocol.address import parse_peer
+from ..validation.address import parse_peer
 from ..hydra.cli import _address
 from ..transport.tls import client_context
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import trio
 
-from ..protocol.messages import MessageError, parse_peer
+from .messages import MessageError, parse_peer
 from ..transport.tls import client_context
 
 __all__ = ["add_client_commands", "build_parser", "main"]

@@ -56,7 +56,7 @@ from ..protocol.hydra import (
     encode_request_header,
 )
 from ..transport.tls_bulk import receives_bulk, recv_bulk_into, send_bulk
-from ..protocol.address import parse_peer
+from ..validation.address import parse_peer
 from .errors import (
     HydraConnectError,
     HydraConnectionClosed,

@@ -11,14 +11,14 @@ from ..engine.engine import Engine
 from ..engine.model import LoadedModel
 from ..engine.sampling import GrammarError, check_grammar
 from ..engine.tokenize import PromptTooLong
-from ..protocol.strict import TooLong
+from ..validation.strict import TooLong
 from ..engine.requests import CompletionJob
 from ..engine.settings import GenerationDefaults
 from ..engine.thinking_budget import BudgetSpec
 from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.json_schema import SchemaError, schema_to_gbnf
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
-from ..protocol.strict import MessageError
+from ..validation.strict import MessageError
 from ..openai import tools as _tools
 from ..openai.tools import ChatTools
 

@@ -1,8 +1,8 @@
 """Typed Hydra request payloads (hydra-protocol.md §3): frozen attrs classes, strict parsing.
 
 Sans-I/O like :mod:`hydra_trio.protocol.hydra`: bytes in, frozen attrs objects
-out, through this module's own :class:`~hydra_trio.protocol.strict.StrictConverter`.
-Every parse error is a :class:`~hydra_trio.protocol.strict.MessageError`
+out, through this module's own :class:`~hydra_trio.validation.strict.StrictConverter`.
+Every parse error is a :class:`~hydra_trio.validation.strict.MessageError`
 whose message names the offending field (the BAD_REQUEST ``{"error": ...}``
 text).  PREFILL and DECODE carry OpenAI chat bodies: they are parsed whole
 into :mod:`hydra_trio.openai.schemas` classes, the same ones the HTTP API uses.
@@ -18,8 +18,8 @@ from typing import Any, Literal, TypeAlias
 import attrs
 
 from ..openai.schemas import N_PREDICT_NAMES, REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
-from .address import parse_peer
-from .strict import (
+from ..validation.address import parse_peer
+from ..validation.strict import (
     Bytes,
     MessageError,
     StrictConverter,

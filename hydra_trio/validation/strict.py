@@ -8,7 +8,7 @@ Infinity).  Every error is a :class:`MessageError` (an
 e.g. ``"n_predict: expected int, got str"`` or ``"messages[0].role: missing"``.
 
 Each module that reads bodies makes its own :class:`StrictConverter` (the
-Hydra payloads in :mod:`hydra_trio.protocol.messages`, the OpenAI bodies in
+Hydra payloads in :mod:`hydra_trio.hydra.messages`, the OpenAI bodies in
 :mod:`hydra_trio.openai.schemas`): importing one never changes another's hooks.
 """
 
@@ -32,7 +32,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from ..errors import InvalidRequest
-from .decode_frames import Bytes
+from ..protocol.decode_frames import Bytes
 
 T = TypeVar("T")
 
