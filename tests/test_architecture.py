@@ -198,6 +198,35 @@ def test_benches_and_the_fuzzer_import_no_test() -> None:
     assert found == []
 
 
+def _sibling_imports(folder: Path) -> dict[str, set[str]]:
+    """``module -> modules of the same folder it imports`` (``from . import x``, ``from .x import y``,
+    ``from folder.x import y``), anywhere in the module, for the modules of ``folder``."""
+    names = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for p in folder.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level == 1 or mod.split(".")[0] == folder.name:
+                    head = mod.split(".")[-1] if mod and mod != folder.name else ""
+                    deps |= {head} if head else {a.name for a in node.names}
+        graph[p.stem] = (deps & names) - {p.stem}
+    return graph
+
+
+def test_the_fuzzer_and_the_benches_have_no_import_cycle() -> None:
+    """The fuzzer's modules import each other one way (its shared wire helpers are ``fuzz/wire.py``)."""
+    for folder in ("fuzz", "bench"):
+        graph = _sibling_imports(PKG.parent / folder)
+        assert graph, folder
+        reach = {m: set(deps) for m, deps in graph.items()}
+        for _ in graph:  # the transitive closure: what each module reaches through others
+            reach = {m: r.union(*(reach[d] for d in r)) for m, r in reach.items()}
+        assert sorted(m for m in graph if m in reach[m]) == [], folder
+    assert "wire" in _sibling_imports(PKG.parent / "fuzz")["hostile"]
+
+
 def _public_type_names(name: str) -> set[str]:
     """The public classes and type aliases (``X: TypeAlias = ...``) a module defines, at any depth."""
     out = set()
