@@ -67,7 +67,7 @@ def make_test_hybrid(src: Path, dst: Path, seed: int = SEED) -> Path:
     half-written model.  Returns ``dst``.  Raises ValueError if ``src`` has
     no tokenizer.
     """
-    n_vocab, tok_fields = _tokenizer(src)
+    n_vocab, tok_fields = read_tokenizer(src)
     rng = np.random.default_rng(seed)
     head_dim = N_EMBD // N_HEAD
     tensors = _embedding_and_output(rng, n_vocab, "token_embd_norm")  # LFM2's name for the output norm
@@ -78,9 +78,9 @@ def make_test_hybrid(src: Path, dst: Path, seed: int = SEED) -> Path:
         if kind == "attn":
             tensors.update(_attention(rng, b, head_dim))
         else:
-            tensors[f"{b}.shortconv.conv.weight"] = _mat(rng, N_EMBD, L_CACHE)  # ggml {l_cache, n_embd}
-            tensors[f"{b}.shortconv.in_proj.weight"] = _mat(rng, 3 * N_EMBD, N_EMBD)
-            tensors[f"{b}.shortconv.out_proj.weight"] = _mat(rng, N_EMBD, N_EMBD)
+            tensors[f"{b}.shortconv.conv.weight"] = random_matrix(rng, N_EMBD, L_CACHE)  # ggml {l_cache, n_embd}
+            tensors[f"{b}.shortconv.in_proj.weight"] = random_matrix(rng, 3 * N_EMBD, N_EMBD)
+            tensors[f"{b}.shortconv.out_proj.weight"] = random_matrix(rng, N_EMBD, N_EMBD)
     kv = {
         "context_length": 8192, "embedding_length": N_EMBD, "feed_forward_length": N_FF,
         "block_count": len(LAYERS), "attention.head_count": N_HEAD,
@@ -88,7 +88,7 @@ def make_test_hybrid(src: Path, dst: Path, seed: int = SEED) -> Path:
         "rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "shortconv.l_cache": L_CACHE,
         "vocab_size": n_vocab,
     }
-    _write(dst, ARCH, f"tiny {ARCH} hybrid (random weights, test)", kv, tok_fields, tensors)
+    write_gguf(dst, ARCH, f"tiny {ARCH} hybrid (random weights, test)", kv, tok_fields, tensors)
     log.info("wrote test hybrid %s (%s, %d layers, n_embd %d)", dst, ARCH, len(LAYERS), N_EMBD)
     return dst
 
@@ -101,7 +101,7 @@ def make_test_swa(src: Path, dst: Path, seed: int = SEED) -> Path:
     so it too cannot be cut back to any prefix.  As :func:`make_test_hybrid`:
     random weights, about 13 MB, written in about a second.
     """
-    n_vocab, tok_fields = _tokenizer(src)
+    n_vocab, tok_fields = read_tokenizer(src)
     rng = np.random.default_rng(seed)
     head_dim = N_EMBD // N_HEAD
     tensors = _embedding_and_output(rng, n_vocab, "output_norm")
@@ -118,12 +118,13 @@ def make_test_swa(src: Path, dst: Path, seed: int = SEED) -> Path:
         "attention.sliding_window": SWA_WINDOW, "rope.freq_base": 10000.0,
         "attention.layer_norm_rms_epsilon": 1e-6,
     }
-    _write(dst, "gemma3", "tiny gemma3 SWA (random weights, test)", kv, tok_fields, tensors)
+    write_gguf(dst, "gemma3", "tiny gemma3 SWA (random weights, test)", kv, tok_fields, tensors)
     log.info("wrote test SWA model %s (gemma3, %d layers, window %d)", dst, SWA_LAYERS, SWA_WINDOW)
     return dst
 
 
-def _tokenizer(src: Path) -> tuple[int, list]:
+def read_tokenizer(src: Path) -> tuple[int, list]:
+    """The vocabulary size and the ``tokenizer.*`` fields of GGUF file ``src``; ValueError when it has none."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -133,7 +134,7 @@ def _tokenizer(src: Path) -> tuple[int, list]:
     return len(tokens.data), [f for f in reader.fields.values() if f.name.startswith("tokenizer.")]
 
 
-def _mat(rng: np.random.Generator, rows: int, cols: int, scale: float = 1.0, dtype: type = np.float32) -> np.ndarray:
+def random_matrix(rng: np.random.Generator, rows: int, cols: int, scale: float = 1.0, dtype: type = np.float32) -> np.ndarray:
     """A (rows, cols) numpy matrix = ggml {cols, rows}: ``cols`` is the input width."""
     return (rng.standard_normal((rows, cols), dtype=np.float32) * (scale / np.sqrt(cols))).astype(dtype)
 
@@ -143,31 +144,31 @@ def _embedding_and_output(rng: np.random.Generator, n_vocab: int, norm: str) -> 
         "token_embd.weight": rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32).astype(np.float16),
         f"{norm}.weight": np.ones(N_EMBD, dtype=np.float32),
         # logits = output · norm(h): rows of norm ~1 per element, so logits have a standard deviation of ~6
-        "output.weight": _mat(rng, n_vocab, N_EMBD, 6.0, np.float16),
+        "output.weight": random_matrix(rng, n_vocab, N_EMBD, 6.0, np.float16),
     }
 
 
 def _ffn(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
     return {
         f"{b}.ffn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
-        f"{b}.ffn_gate.weight": _mat(rng, N_FF, N_EMBD),
-        f"{b}.ffn_up.weight": _mat(rng, N_FF, N_EMBD),
-        f"{b}.ffn_down.weight": _mat(rng, N_EMBD, N_FF),
+        f"{b}.ffn_gate.weight": random_matrix(rng, N_FF, N_EMBD),
+        f"{b}.ffn_up.weight": random_matrix(rng, N_FF, N_EMBD),
+        f"{b}.ffn_down.weight": random_matrix(rng, N_EMBD, N_FF),
     }
 
 
 def _attention(rng: np.random.Generator, b: str, head_dim: int) -> dict[str, np.ndarray]:
     return {
-        f"{b}.attn_q.weight": _mat(rng, N_EMBD, N_EMBD),
-        f"{b}.attn_k.weight": _mat(rng, N_HEAD_KV * head_dim, N_EMBD),
-        f"{b}.attn_v.weight": _mat(rng, N_HEAD_KV * head_dim, N_EMBD),
-        f"{b}.attn_output.weight": _mat(rng, N_EMBD, N_EMBD),
+        f"{b}.attn_q.weight": random_matrix(rng, N_EMBD, N_EMBD),
+        f"{b}.attn_k.weight": random_matrix(rng, N_HEAD_KV * head_dim, N_EMBD),
+        f"{b}.attn_v.weight": random_matrix(rng, N_HEAD_KV * head_dim, N_EMBD),
+        f"{b}.attn_output.weight": random_matrix(rng, N_EMBD, N_EMBD),
         f"{b}.attn_q_norm.weight": np.ones(head_dim, dtype=np.float32),
         f"{b}.attn_k_norm.weight": np.ones(head_dim, dtype=np.float32),
     }
 
 
-def _write(dst: Path, arch: str, name: str, kv: dict, tok_fields: list, tensors: dict[str, np.ndarray]) -> None:
+def write_gguf(dst: Path, arch: str, name: str, kv: dict, tok_fields: list, tensors: dict[str, np.ndarray]) -> None:
     """``{arch}.KEY`` for each of ``kv``, the tokenizer fields, the tensors; to a temporary file, then renamed."""
     import gguf
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .hybrid import _mat, _tokenizer, _write
+from .hybrid import random_matrix, read_tokenizer, write_gguf
 
 log = logging.getLogger("hydra_trio.models.tiny_mtp")
 
@@ -73,13 +73,13 @@ def make_test_mtp(src: Path, dst: Path, seed: int = SEED) -> Path:
     first and renamed, so a crash never leaves a half-written model.  Raises ValueError if ``src`` has no
     tokenizer.
     """
-    n_vocab, tok_fields = _tokenizer(src)
+    n_vocab, tok_fields = read_tokenizer(src)
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32).astype(np.float16),
         "output_norm.weight": np.ones(N_EMBD, dtype=np.float32),
         # logits = output · norm(h): rows of norm ~1 per element, so logits have a standard deviation of ~6
-        "output.weight": _mat(rng, n_vocab, N_EMBD, 6.0),  # F32: greedy picks do not hang on F16 rounding
+        "output.weight": random_matrix(rng, n_vocab, N_EMBD, 6.0),  # F32: greedy picks do not hang on F16 rounding
     }
     for il in range(N_LAYER + 1):
         b = f"blk.{il}"
@@ -104,14 +104,14 @@ def make_test_mtp(src: Path, dst: Path, seed: int = SEED) -> Path:
         "ssm.time_step_rank": SSM_DT_RANK, "ssm.inner_size": SSM_D_STATE * SSM_DT_RANK,
         "full_attention_interval": 4, "vocab_size": n_vocab,
     }
-    _write(dst, ARCH, f"tiny {ARCH} with one MTP layer (random weights, test)", kv, tok_fields, tensors)
+    write_gguf(dst, ARCH, f"tiny {ARCH} with one MTP layer (random weights, test)", kv, tok_fields, tensors)
     log.info("wrote test MTP model %s (%s, %d layers + 1 MTP, n_embd %d)", dst, ARCH, N_LAYER, N_EMBD)
     return dst
 
 
 def _out(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     """An output projection: a small update to the residual stream."""
-    return _mat(rng, rows, cols, RESIDUAL_SCALE)
+    return random_matrix(rng, rows, cols, RESIDUAL_SCALE)
 
 
 def _linear_attention(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
@@ -121,13 +121,13 @@ def _linear_attention(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]
     value_dim = SSM_D_STATE * SSM_DT_RANK
     conv_dim = 2 * key_dim + value_dim
     return {
-        f"{b}.attn_qkv.weight": _mat(rng, conv_dim, N_EMBD),
-        f"{b}.attn_gate.weight": _mat(rng, value_dim, N_EMBD),
-        f"{b}.ssm_conv1d.weight": _mat(rng, conv_dim, SSM_D_CONV),  # ggml {d_conv, conv_dim}
+        f"{b}.attn_qkv.weight": random_matrix(rng, conv_dim, N_EMBD),
+        f"{b}.attn_gate.weight": random_matrix(rng, value_dim, N_EMBD),
+        f"{b}.ssm_conv1d.weight": random_matrix(rng, conv_dim, SSM_D_CONV),  # ggml {d_conv, conv_dim}
         f"{b}.ssm_dt.bias": np.zeros(SSM_DT_RANK, dtype=np.float32),
         f"{b}.ssm_a": -rng.uniform(0.5, 2.0, SSM_DT_RANK).astype(np.float32),  # -exp(A_log): a decay
-        f"{b}.ssm_beta.weight": _mat(rng, SSM_DT_RANK, N_EMBD),
-        f"{b}.ssm_alpha.weight": _mat(rng, SSM_DT_RANK, N_EMBD),
+        f"{b}.ssm_beta.weight": random_matrix(rng, SSM_DT_RANK, N_EMBD),
+        f"{b}.ssm_alpha.weight": random_matrix(rng, SSM_DT_RANK, N_EMBD),
         f"{b}.ssm_norm.weight": np.ones(SSM_D_STATE, dtype=np.float32),
         f"{b}.ssm_out.weight": _out(rng, N_EMBD, value_dim),
     }
@@ -136,9 +136,9 @@ def _linear_attention(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]
 def _attention(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
     """Full attention with the gated query (``attn_q`` gives query and gate, ``HEAD_DIM`` each per head)."""
     return {
-        f"{b}.attn_q.weight": _mat(rng, 2 * N_HEAD * HEAD_DIM, N_EMBD),
-        f"{b}.attn_k.weight": _mat(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
-        f"{b}.attn_v.weight": _mat(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
+        f"{b}.attn_q.weight": random_matrix(rng, 2 * N_HEAD * HEAD_DIM, N_EMBD),
+        f"{b}.attn_k.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
+        f"{b}.attn_v.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
         f"{b}.attn_output.weight": _out(rng, N_EMBD, N_HEAD * HEAD_DIM),
         f"{b}.attn_q_norm.weight": np.ones(HEAD_DIM, dtype=np.float32),
         f"{b}.attn_k_norm.weight": np.ones(HEAD_DIM, dtype=np.float32),
@@ -148,16 +148,16 @@ def _attention(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
 def _moe(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
     """Routed experts (numpy ``(E, rows, cols)`` = ggml ``{cols, rows, E}``) and the gated shared expert."""
     def experts(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
-        return np.stack([_mat(rng, rows, cols, scale) for _ in range(N_EXPERT)])
+        return np.stack([random_matrix(rng, rows, cols, scale) for _ in range(N_EXPERT)])
 
     return {
-        f"{b}.ffn_gate_inp.weight": _mat(rng, N_EXPERT, N_EMBD),
+        f"{b}.ffn_gate_inp.weight": random_matrix(rng, N_EXPERT, N_EMBD),
         f"{b}.ffn_gate_exps.weight": experts(N_FF_EXP, N_EMBD),
         f"{b}.ffn_up_exps.weight": experts(N_FF_EXP, N_EMBD),
         f"{b}.ffn_down_exps.weight": experts(N_EMBD, N_FF_EXP, RESIDUAL_SCALE),
-        f"{b}.ffn_gate_inp_shexp.weight": _mat(rng, 1, N_EMBD)[0],  # ggml {n_embd}: one gate value per token
-        f"{b}.ffn_gate_shexp.weight": _mat(rng, N_FF_SHEXP, N_EMBD),
-        f"{b}.ffn_up_shexp.weight": _mat(rng, N_FF_SHEXP, N_EMBD),
+        f"{b}.ffn_gate_inp_shexp.weight": random_matrix(rng, 1, N_EMBD)[0],  # ggml {n_embd}: one gate value per token
+        f"{b}.ffn_gate_shexp.weight": random_matrix(rng, N_FF_SHEXP, N_EMBD),
+        f"{b}.ffn_up_shexp.weight": random_matrix(rng, N_FF_SHEXP, N_EMBD),
         f"{b}.ffn_down_shexp.weight": _out(rng, N_EMBD, N_FF_SHEXP),
     }
 
@@ -165,7 +165,7 @@ def _moe(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
 def _nextn(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
     """The MTP block's front: ``eh_proj`` maps ``concat(enorm(embed(x_{p+1})), hnorm(h_p))`` (2 × n_embd)
     to n_embd; here the token half passes through and the hidden half adds a small random term."""
-    eh = np.concatenate([np.eye(N_EMBD, dtype=np.float32), _mat(rng, N_EMBD, N_EMBD, RESIDUAL_SCALE)], axis=1)
+    eh = np.concatenate([np.eye(N_EMBD, dtype=np.float32), random_matrix(rng, N_EMBD, N_EMBD, RESIDUAL_SCALE)], axis=1)
     return {
         f"{b}.nextn.eh_proj.weight": eh,  # ggml {2 n_embd, n_embd}
         f"{b}.nextn.enorm.weight": np.ones(N_EMBD, dtype=np.float32),
