@@ -4,7 +4,7 @@ Each row compares a figure with its reference *measured in the same run*
 (interleaved rounds where the two can alternate, so that a busy machine's
 drift hits both): ``ratio`` is figure / reference for speeds and reference /
 figure for times, so higher is better in every row; ``target`` is the
-issue's bound on that ratio, when there is one.
+bound the project sets on that ratio, when there is one.
 """
 
 from __future__ import annotations

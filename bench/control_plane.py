@@ -1,4 +1,4 @@
-"""Control-plane latency during a long prefill (issue 22 §4): status reads must not wait for the engine.
+"""Control-plane latency during a long prefill: status reads must not wait for the engine.
 
     .venv/bin/python bench/control_plane.py [--tokens 4000] [--ctx 8192] [--rounds 1]
     .venv/bin/python bench/control_plane.py --server-cwd /path/to/other/checkout   # the same bench, another tree

@@ -1,4 +1,4 @@
-"""Issue 22 §2/§3: what refusing costs.
+"""What refusing costs.
 
     .venv/bin/python bench/costs.py [--ctx 8192]
 

@@ -8,7 +8,7 @@
 2. small messages: RPC_CMD_DEVICE_COUNT round trips on one connection.
 Both measured in alternating rounds; one table (:mod:`bench._table`): MB/s
 and microseconds per round trip for both paths, and the ratios (direct /
-front door for the round trip: the issue's bound is front door ≤ 1.5×
+front door for the round trip: the target is front door ≤ 1.5×
 direct, a ratio ≥ 0.67).
 
 A third path, in the same rounds, is the child behind the bare relay

@@ -39,9 +39,9 @@ llama-server runs with its defaults there too: its host-RAM prompt cache
 ``--case idle`` runs no case: each server's VmRSS when it first answers
 ``/health`` (the ``rss-idle`` row every run has) and again 2 s after one short
 chat request (``rss-post-req``), with llama-server / hydra-trio as the ratio
-(issue 23 asks at least 0.91: hydra-trio within 1.1x of llama-server); a few
+(the target is at least 0.91: hydra-trio within 1.1x of llama-server); a few
 seconds per round.  It then splits the gap: this interpreter's RSS alone and
-after importing the design card's serving libraries (a subprocess, no
+after importing its serving libraries (trio, hypercorn, starlette; a subprocess, no
 hydra-trio code), less llama-server's own code that a node does not map
 (its binary, ``libllama-common``, ``libllama-server-impl``, ``libmtmd``).
 
@@ -324,7 +324,7 @@ async def run_multiturn(base: str, case: str, nonce: str, progress: str) -> dict
 STACK_IMPORTS = ("import trio, h11, attrs, cattrs, jinja2, prometheus_client, hypercorn.config, "
                  "hypercorn.app_wrappers, hypercorn.trio.tcp_server, starlette.applications, starlette.routing, "
                  "starlette.responses")
-"""The design card's serving libraries as a node imports them (no hydra-trio code, no llama.cpp)."""
+"""The serving libraries (trio, hypercorn, starlette) as a node imports them (no hydra-trio code, no llama.cpp)."""
 
 LLAMA_SERVER_OWN = ("llama-server", "libllama-common", "libllama-server-impl", "libmtmd")
 """Mapped files of llama-server's own code, which a hydra-trio node does not map (it shares libllama and ggml)."""
@@ -332,7 +332,7 @@ LLAMA_SERVER_OWN = ("llama-server", "libllama-common", "libllama-server-impl", "
 
 def python_floor_mib() -> tuple[float, float]:
     """VmRSS (MiB) of this interpreter doing nothing, and after importing :data:`STACK_IMPORTS`: the part of
-    a hydra-trio node's memory that comes with its runtime and design card before any of its own code."""
+    a hydra-trio node's memory that comes with its runtime and serving libraries before any of its own code."""
     probe = ("def rss():\n for l in open('/proc/self/status'):\n  if l.startswith('VmRSS'): return l.split()[1]\n"
              f"a = rss()\n{STACK_IMPORTS}\nprint(a, rss())")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
@@ -442,13 +442,13 @@ def main() -> None:
         if rss is not None:
             print(f"{when} RSS, 4 slots: hydra-trio {rss['hydra_trio']:.1f} MiB, llama-server "
                   f"{rss['llama_server']:.1f} MiB ({rss['hydra_trio'] - rss['llama_server']:+.1f} MiB), "
-                  f"llama-server / hydra-trio {rss['ratio']:.3f} (issue 23 asks >= 0.91, i.e. at most 1.1x)")
+                  f"llama-server / hydra-trio {rss['ratio']:.3f} (target >= 0.91, i.e. at most 1.1x)")
     idle = next((r for r in rows if r["case"] == "rss-idle"), None)
     if idle is not None and OWN_CODE_MIB:
         bare, stack = python_floor_mib()
         own = statistics.median(OWN_CODE_MIB)
         allowed = 0.1 * idle["llama_server"]
-        print(f"where the idle gap comes from: this Python alone {bare:.1f} MiB, with the design card's serving "
+        print(f"where the idle gap comes from: this Python alone {bare:.1f} MiB, with its serving "
               f"libraries {stack:.1f} MiB (no hydra-trio code, no llama.cpp); llama-server's own code that a node "
               f"does not map ({', '.join(LLAMA_SERVER_OWN)}) {own:.1f} MiB; so the runtime and libraries take "
               f"{stack - own:+.1f} MiB net of the {allowed:.1f} MiB that 1.1x allows, leaving "

@@ -5,7 +5,7 @@
     .venv/bin/python -m fuzz --port 8080 --slots 4  # against a server you started (plus the access node)
     .venv/bin/python -m fuzz --no-access            # only the protocol machine
 
-Two nodes (issue 14 §5): the **main node** (no access rules: the protocol
+Two nodes: the **main node** (no access rules: the protocol
 machine, :mod:`fuzz.live`, needs its control ops to work) and the **access
 node**, which has TLS (certificates made at start with ``trustme``, a test
 extra), ``--tls-required``, an API key, ``--control-allow 10.0.0.0/8``, a

@@ -1,4 +1,4 @@
-"""Fuzzing the access rules (issue 14 §5) of a live node: wrong API keys, refused control ops, wrong tokens.
+"""Fuzzing the access rules of a live node: wrong API keys, refused control ops, wrong tokens.
 
 :class:`AccessMachine` drives a node started with ``--api-key KEY``,
 ``--control-allow`` a network that does not hold 127.0.0.1, and

@@ -121,7 +121,7 @@ class LiveServerMachine(HostileRules):
     @rule(schema=extreme_schemas())
     @timeouts_are_findings
     def http_extreme_schema(self, schema: dict) -> None:
-        """Issue 22 §2: a schema is converted, or refused with a 400 naming why; never a 500, never a hang."""
+        """A schema is converted, or refused with a 400 naming why; never a 500, never a hang."""
         STATS["http"] += 1
         r = _post_sized(self.http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                              "max_tokens": 0, "json_schema": schema})
@@ -131,7 +131,7 @@ class LiveServerMachine(HostileRules):
     @rule(body=many_part_chat_bodies())
     @timeouts_are_findings
     def http_many_parts(self, body: dict) -> None:
-        """Issue 22 §3: bodies of many small parts are answered (400 over a limit), in bounded time."""
+        """Bodies of many small parts are answered (400 over a limit), in bounded time."""
         STATS["http"] += 1
         r = _post_sized(self.http, "/v1/chat/completions", {**body, "max_tokens": 1})
         if r is not None and r.status_code == 400:
@@ -226,7 +226,7 @@ class LiveServerMachine(HostileRules):
         """Status reads while one slot evaluates a long prompt answer at once (from the engine's
         snapshot) with consistent values: the other slots keep their ``n_past`` and stay idle, the busy
         slot's ``n_past`` only grows, and once the completion returns every read shows its final
-        ``n_past`` (issue 22 §4)."""
+        ``n_past``."""
         STATS["http"] += 1
         n_slots = int(wire.TARGET["n_slots"])  # type: ignore[call-overload]
         slot %= n_slots

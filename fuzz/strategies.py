@@ -9,7 +9,7 @@ fuzzers; ``examples/fuzz_my_node.py`` fuzzes a node of yours with them.
   :func:`chunk_cuts` / :func:`split_at` (a request in pieces).
 * HTTP: :func:`http_requests` (raw requests, valid or broken in one way, each
   ending with ``Connection: close``).
-* Text that is not Unicode (issue 22 §1): :func:`http_surrogate_bodies` and
+* Text that is not Unicode: :func:`http_surrogate_bodies` and
   :func:`hydra_surrogate_payloads` (:class:`SurrogateCase`: a body of every
   endpoint / JSON op with a lone surrogate in one string, key or value).
 * Status reads during a long prefill: :func:`long_prompts` (a long text for
@@ -267,7 +267,7 @@ def http_requests(draw: st.DrawFn) -> bytes:
 
 
 # --------------------------------------------------------------------------
-# Text that is not Unicode: a lone surrogate in any string of a JSON body (issue 22 §1)
+# Text that is not Unicode: a lone surrogate in any string of a JSON body
 # --------------------------------------------------------------------------
 
 lone_surrogates = st.integers(0xD800, 0xDFFF).map(chr)
@@ -620,7 +620,7 @@ def ggml_rpc_crashing_graphs(draw: st.DrawFn) -> GgmlRpcMutant:
     with bad types or shapes. Random node counts and ids."""
     kind = draw(st.sampled_from(["zero_node_bare", "zero_node", "missing_node", "missing_src", "missing_view_src",
                                  "bad_op", "unbacked_node", "no_nodes", "bad_count", "bad_type", "bad_shape"]))
-    if kind == "zero_node_bare":  # the issue's crasher: command 10, size 20, zeros but n_nodes = 1
+    if kind == "zero_node_bare":  # crashes an unguarded server: command 10, size 20, zeros but n_nodes = 1
         n = draw(st.integers(1, 4))
         data = _g.encode_request(_g.RpcCmd.GRAPH_COMPUTE, struct.pack(f"<II{n}QI", 0, n, *([0] * n), 0))
         return _mutant(kind, "graph", lambda b, a: data, needs_buffer=False)
@@ -667,8 +667,8 @@ def ggml_rpc_crashing_graphs(draw: st.DrawFn) -> GgmlRpcMutant:
 @st.composite
 def ggml_rpc_bad_tensor_messages(draw: st.DrawFn) -> GgmlRpcMutant:
     """A tensor-carrying message (SET_TENSOR, GET_TENSOR, MEMSET_TENSOR, INIT_TENSOR, COPY_TENSOR,
-    GET_ALLOC_SIZE) whose tensor has a bad type, shape, strides or place; includes the issue's Q4_0 tensor
-    with ne0 = 1 in SET_TENSOR."""
+    GET_ALLOC_SIZE) whose tensor has a bad type, shape, strides or place; includes a Q4_0 tensor
+    with ne0 = 1 in SET_TENSOR (it crashes an unguarded server)."""
     C = _g.RpcCmd
     kind = draw(st.sampled_from(["type_out_of_range", "removed_type", "q4_0_ne0_1", "ne0_not_blocks", "zero_ne",
                                  "ne_overflow", "zero_stride", "nb0_not_block", "outside_buffer", "region_outside"]))
@@ -744,7 +744,7 @@ def ggml_rpc_mutants() -> st.SearchStrategy[GgmlRpcMutant]:
     return st.one_of(ggml_rpc_crashing_graphs(), ggml_rpc_bad_tensor_messages(), ggml_rpc_framing_mutants())
 
 
-# --------------------------------------------------------------------------- issue 22 §2/§3: costs
+# --------------------------------------------------------------------------- costs bounded before the work
 
 _HUGE = st.one_of(st.integers(2001, 10**12), st.sampled_from([2**31, 2**63, 10**18, 100_000_000]))
 _COUNT = st.one_of(st.integers(0, 2000), _HUGE)
@@ -961,7 +961,7 @@ C call per link), text past the size limit."""
 
 
 # ---------------------------------------------------------------------------
-# Status reads during a long prefill (issue 22 §4)
+# Status reads during a long prefill
 
 _PROMPT_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
                  "bright jovial nymphs near misty harbours and old lanterns glow").split()

@@ -1,4 +1,4 @@
-"""Fuzzing TLS on the one port (issue 14 §5) of a live node that also has the access rules of :mod:`fuzz.access`.
+"""Fuzzing TLS on the one port of a live node that also has the access rules of :mod:`fuzz.access`.
 
 The node (:func:`server_flags`) has ``--tls-cert/--tls-key`` made at start by
 ``trustme`` (:func:`make_certs`), ``--tls-required``, ``--api-key``,

@@ -26,8 +26,8 @@ class ServerConfig:
         host: address to bind (``--host``).
         port: TCP port for all three protocols (``--port``); 0 picks a free one.
         extra_ports: more ports served by the same front door, every protocol on
-            each (the C++ engine's ``--rpc-port`` and ``--ggml-rpc-port``, which
-            its clients still dial); 0 picks a free one.
+            each (``--rpc-port`` and ``--ggml-rpc-port`` of the cluster's llama-server
+            fork, which its clients still dial); 0 picks a free one.
         engine: the model to serve; None runs a node without a model.
         frontdoor: connection limits and the classify timeout.
         http: HTTP timeouts and the body cap.

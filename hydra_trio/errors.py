@@ -48,7 +48,7 @@ class HydraTrioError(Exception):
     http_status: ClassVar[int] = 500
     """The HTTP status of the reply this error becomes (OpenAI-style body, ``error.code`` the same)."""
     hydra_status: ClassVar[Status] = Status.ERROR
-    """The Hydra reply status this error becomes (hydra-protocol.md §2)."""
+    """The Hydra reply status this error becomes (docs/hydra-protocol.md §2)."""
 
     def wire_meta(self) -> dict[str, Any]:
         """Extra keys of the error reply (Hydra meta, and HTTP's ``error`` object); none here."""

@@ -1,4 +1,4 @@
-"""Allow-list address matching as properties (issue 14 §5): IPv4, IPv6, IPv4-mapped IPv6, zones, junk.
+"""Allow-list address matching as properties: IPv4, IPv6, IPv4-mapped IPv6, zones, junk.
 
 Hypothesis draws addresses and networks; the reference is Python's
 ``ipaddress`` membership on the address as the kernel would report it.  No

@@ -1,4 +1,4 @@
-"""Access rules (issue 14 §2, §3): API keys on HTTP, allow-lists and the token for Hydra control ops,
+"""Access rules: API keys on HTTP, allow-lists and the token for Hydra control ops,
 the allow-list for ggml-RPC.  Live nodes with the real model, real sockets; the matching rules as units."""
 
 from __future__ import annotations

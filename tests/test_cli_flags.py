@@ -1,6 +1,6 @@
 """The command line as the cluster's launcher uses it: llama-server's whole flag set (every flag of the
 vendored ``common/arg.cpp`` in a class), no subcommand, no abbreviations, ``LLAMA_ARG_*`` variables,
-parse-time refusals, and launcher-style argvs that start real nodes (issue 19)."""
+parse-time refusals, and launcher-style argvs that start real nodes."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_every_llama_server_flag_is_in_exactly_one_class(llama_server) -> None:
     assert not missing, f"llama-server flags in no class (wire, accept or refuse each): {missing}"
     own = sorted(n for n in llama_server if BY_NAME[n].kind == OWN)
     assert not own, f"llama-server's flags listed as hydra-trio's own: {own}"
-    # the other way: every flag claimed as llama-server's is one (not the C++ engine's or hydra-trio's)
+    # the other way: every flag claimed as llama-server's is one (not the fork's or hydra-trio's own)
     stale = sorted(n for n, f in BY_NAME.items() if f.kind != OWN and f.group != "hydra" and n not in llama_server)
     assert not stale, f"flags classed as llama-server's that it does not have: {stale}"
     wrong_env = sorted(n for n in llama_server if BY_NAME[n].env and BY_NAME[n].env not in llama_server[n])
@@ -67,9 +67,9 @@ def test_the_reader_sees_what_llama_server_registers(llama_server) -> None:
     assert llama_server["--ctx-size"] == {"LLAMA_ARG_CTX_SIZE"}
 
 
-def test_readme_holds_the_generated_flag_table() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert table.markdown() in readme, "README's flag table is stale: python -m hydra_trio.cli.table"
+def test_the_command_line_page_holds_the_generated_flag_table() -> None:
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert table.markdown() in page, "docs/cli.md's flag table is stale: python -m hydra_trio.cli.table"
 
 
 # --------------------------------------------------------------------------- invocation

@@ -1,4 +1,4 @@
-"""The README's KV move, with the hydra-trio CLI as a new user runs it."""
+"""The KV move of docs/hydra.md, with the hydra-trio CLI as a new user runs it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """HydraClient framing against an in-test trio TCP server that uses the REAL
 codec (`RequestDecoder` to parse, `encode_response*` to reply): checks the
-client's side of hydra-protocol.md §2/§3, not the engine. No model needed."""
+client's side of docs/hydra-protocol.md §2/§3, not the engine. No model needed."""
 
 from __future__ import annotations
 
@@ -531,7 +531,7 @@ async def test_cli(start_engine, tmp_path: Path) -> None:
 
 async def test_early_reply_while_put_is_sent(nursery: trio.Nursery) -> None:
     """A server that rejects a big payload after its header (BAD_REQUEST,
-    then close without draining, hydra-protocol.md §2) surfaces as
+    then close without draining, docs/hydra-protocol.md §2) surfaces as
     HydraBadRequest even though the client is still sending."""
 
     async def serve(stream: trio.SocketStream) -> None:

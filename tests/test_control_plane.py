@@ -1,4 +1,4 @@
-"""Issue 22 §4: status reads answer from the engine's published snapshot, never behind a prefill.
+"""Status reads answer from the engine's published snapshot, never behind a prefill.
 
 A real node (``-c 4096 -np 2 -b 32``: a 1,500-token prompt is evaluated in
 about 47 batching steps) evaluates a long prompt on slot 0 while the tests

@@ -1,4 +1,4 @@
-"""Issue 22 §2 and §3: structured output and chat bodies whose cost is bounded before the work.
+"""Structured output and chat bodies whose cost is bounded before the work.
 
 No wall-clock assertions: the refusals are checked by status, message and the
 node's memory (RSS), the linear tokenizer by token-for-token equality with
@@ -305,7 +305,7 @@ def test_check_grammar_scan_offline() -> None:
 
 
 def test_tokenizing_stops_for_a_client_that_left() -> None:
-    """Prompt preparation for a client that disconnected stops at the next chunk (issue 22 §3): under
+    """Prompt preparation for a client that disconnected stops at the next chunk: under
     ``stop_when`` with the event set, tokenizing a long prompt raises Cancelled instead of finishing."""
     import threading
 

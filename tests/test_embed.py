@@ -36,16 +36,16 @@ async def test_serve_in_own_nursery() -> None:
     assert server.engine.model is None
 
 
-def test_the_readme_library_example_runs_as_written(tmp_path) -> None:
-    """The README's "As a library" block, with its ``...`` replaced by one request and a cancel."""
+def test_the_library_example_runs_as_written(tmp_path) -> None:
+    """The "As a library" block of docs/library.md, with its ``...`` replaced by one request and a cancel."""
     import re
     import subprocess
     import sys
 
     from hydra_trio.testing.spawn import ROOT
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## As a library"):]
+    page = (ROOT / "docs" / "library.md").read_text()
+    section = page[page.index("## As a library"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "\n        ...  #" in code
     code = code.replace("\n        ...  #", "\n        import httpx; r = await httpx.AsyncClient().get(f'http://127.0.0.1:{server.port}/health')"

@@ -1,4 +1,4 @@
-"""Two nodes embedded in one trio process (the library API, README "As a library") keep their own HTTP
+"""Two nodes embedded in one trio process (the library API, docs/library.md "As a library") keep their own HTTP
 limits: hypercorn's fixes (:mod:`hydra_trio.http._hyper`) are each server's, not the process's.
 
 Real sockets and real requests to two real engines (the packaged default model) in one ``trio.run``.

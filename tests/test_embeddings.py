@@ -1,4 +1,4 @@
-"""Embeddings (issue 21 §4): ``--embedding`` nodes serving the real SmolLM2 as an embedding model.
+"""Embeddings: ``--embedding`` nodes serving the real SmolLM2 as an embedding model.
 
 llama.cpp pools a decoder's hidden states with ``--pooling mean`` / ``last``; ``--pooling none`` gives
 one vector per token.  OpenAI's shape through the official ``openai`` client, llama-server's native

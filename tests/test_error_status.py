@@ -1,5 +1,5 @@
 """Errors carry their wire status: each HydraTrioError class names its HTTP status and its Hydra status, and
-both front ends answer with them (issue 25).  Checked on the classes, then over real sockets on the real
+both front ends answer with them.  Checked on the classes, then over real sockets on the real
 default model: state blobs this node cannot take (HTTP GET/PUT /slots/{id}/state and Hydra STATE_PUT say the
 same), and a chat template that raises (HTTP 400 with its message, Hydra BAD_REQUEST on a connection that
 stays in sync)."""

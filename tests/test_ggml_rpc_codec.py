@@ -213,7 +213,7 @@ def test_device_index() -> None:
     assert refused(conn, g.encode_request(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 1))) == "device"
 
 
-# ---------------------------------------------------------------- the issue's crashers
+# ---------------------------------------------------------------- messages that crash an unguarded server
 def test_graph_compute_naming_node_zero_is_refused() -> None:
     """Command 10, size 20, zeros with one node: SIGSEGV in an unguarded server (graph_compute
     accepts node id 0 and computes a NULL node)."""

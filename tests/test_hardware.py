@@ -1,4 +1,4 @@
-"""The node on the hardware it is given (issue 20): the build's backends and devices, CUDA builds from
+"""The node on the hardware it is given: the build's backends and devices, CUDA builds from
 dev.sh where a GPU exists, a unified KV cache (-kvu) with prefix sharing, RoPE-scaled contexts past the
 training context.  GPU-marked tests run where a CUDA build exists and skip, saying so, elsewhere."""
 
@@ -21,8 +21,11 @@ CUDA = "CUDA" in build_backends()
 
 
 def cmake_args(**env: str) -> str:
+    """``dev.sh cmake-args`` with ``env`` over a copy of this process's environment without the build
+    choices (``HYDRA_TRIO_CPU``/``_CUDA``: the suite may itself run on a build chosen by them)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("HYDRA_TRIO_CPU", "HYDRA_TRIO_CUDA")}
     out = subprocess.run(["bash", str(ROOT / "dev.sh"), "cmake-args"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, **env})
+                         env={**base, **env})
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -40,7 +43,7 @@ def test_dev_sh_builds_for_the_instruction_sets_it_is_told() -> None:
     assert ("-DGGML_AVX512_VBMI=ON" in native) == ("avx512vbmi" in flags)
     assert ("-DGGML_AVX2=ON" in native) == ("avx2" in flags)
     out = subprocess.run(["bash", str(ROOT / "dev.sh"), "cmake-args"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "HYDRA_TRIO_CPU": "avx,sse9"})
+                         env={**os.environ, "HYDRA_TRIO_CPU": "avx,sse9"})  # set over any inherited choice
     assert out.returncode != 0 and "HYDRA_TRIO_CPU: unknown instruction set sse9" in out.stderr
 
 

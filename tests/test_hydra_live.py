@@ -295,4 +295,4 @@ def test_info_uses_the_cpp_engines_capability_names(spawn) -> None:
         status, meta, _ = w.call(Op.INFO)
     assert {"state_transfer", "expert_mode", "preset", "model_hash", "prefill", "decode"} <= set(meta["capabilities"])
     assert {"quant_swap", "pipeline_attach", "kv_identity"} <= set(meta["capabilities"])
-    assert meta["peer_addr"] == ""  # no peer: an empty string, as the C++ engine sends
+    assert meta["peer_addr"] == ""  # no peer: an empty string (docs/hydra-protocol.md §3, INFO)

@@ -7,7 +7,7 @@ API), over real loopback sockets, on the real engine (the packaged default model
   frame that ends it carries the error stop reason (docs/protocol-notes.md "DECODE frames and padding");
   the failure is the engine's own path for a failed step (``Scheduler.fail_all`` with an
   ``EngineFailure``), run on the engine thread between two steps through ``Engine.call``;
-* CONFIGURE tier 3 (a model reload, hydra-protocol.md §3): to another model and back, refused BUSY
+* CONFIGURE tier 3 (a model reload, docs/hydra-protocol.md §3): to another model and back, refused BUSY
   while a slot works, refused for a file llama.cpp cannot load; nothing changes when refused.
 """
 

@@ -1,4 +1,4 @@
-"""KV cache types and flash attention (issue 20 §2–§3, CPU side), on real nodes serving SmolLM2.
+"""KV cache types and flash attention (the CPU side), on real nodes serving SmolLM2.
 
 Two q8_0 nodes (``-fa on -ctk q8_0 -ctv q8_0``) and the shared f16 node (llama.cpp's default types,
 ``-fa auto``): the q8_0 cache serves the README question, its KV blob is about half the f16 one, a

@@ -1,4 +1,4 @@
-"""KV state through one buffer (issue 24 §1): the transfer pool, the bulk socket loops, the decoder's
+"""KV state through one buffer: the transfer pool, the bulk socket loops, the decoder's
 skip, and real multi-MB blobs over Hydra (plain and TLS) and HTTP on a real node: the bytes, the
 checksum, the restored slot's continuation."""
 
@@ -174,7 +174,7 @@ N_TOKENS = 400  # about 9 MB of KV state (f16) on the default model
 def prompt(node: Any) -> list[int]:
     """Slot 0 holds these tokens."""
     base = f"http://127.0.0.1:{node.port}"
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()[:20000]
+    text = (Path(__file__).resolve().parent.parent / "docs" / "http-api.md").read_text()[:20000]
     tokens = httpx.post(base + "/tokenize", json={"content": text}, timeout=60).json()["tokens"][:N_TOKENS]
     assert len(tokens) == N_TOKENS
     r = httpx.post(base + "/completion", json={"prompt": tokens, "n_predict": 0, "id_slot": 0}, timeout=600)

@@ -6,7 +6,7 @@ sorted, a true boolean as a bare ``--key``, a false one left out, an integer as 
 ``%v``, a string as it is; the node's ``llama.env`` is added to the process environment.  The params
 below are the configs' own, as YAML reads them (``"blk\\\\.…"`` in YAML double quotes is ``blk\\.…``);
 only the model path, the chat template and the ports are replaced by the packaged model, a test
-template and free ports.  Every value is one the C++ engine (and llama-server, for its flags) starts
+template and free ports.  Every value is one the cluster's llama-server fork (and llama-server, for its flags) starts
 with, so hydra-trio starts with each of them too.
 """
 

@@ -1,4 +1,4 @@
-"""A node's resident memory (issue 23 §4): what it does not import, the heap it gives back, and the two
+"""A node's resident memory: what it does not import, the heap it gives back, and the two
 stand-ins that make it so (``hydra_trio.engine.bindings``, ``hydra_trio.engine.jinja_chat``)."""
 
 from __future__ import annotations

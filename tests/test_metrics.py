@@ -114,13 +114,13 @@ def _completion(base: str, slot: int, n: int = 8) -> dict:
 
 def test_every_family_is_exported_with_its_type_and_documented(server: ServerProcess) -> None:
     scrape = Scrape(server.base)
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "operations.md").read_text()
     for name, kind in FAMILIES.items():
         assert name in scrape.families, f"{name} missing from /metrics"
         assert scrape.families[name].type == kind, (name, scrape.families[name].type)
         # the table's row: the family's own name (a counter without the `_total` it is exported with) and type
-        assert f"| `{name}` | {kind} |" in readme, f"{name} ({kind}) is not a row of the README's metrics table"
-    # and nothing is exported that the test (so the README) does not know
+        assert f"| `{name}` | {kind} |" in page, f"{name} ({kind}) is not a row of docs/operations.md's metrics table"
+    # and nothing is exported that the test (so docs/operations.md) does not know
     unknown = set(scrape.families) - set(FAMILIES) - {"hydra_trio:hydra_request_seconds_created",
                                                       "hydra_trio:state_transfer_mb_per_second_created"}
     assert unknown == set(), unknown

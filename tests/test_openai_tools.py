@@ -1,4 +1,4 @@
-"""Tool calls through the official ``openai`` client, on the real SmolLM2 (issue 21 §2).
+"""Tool calls through the official ``openai`` client, on the real SmolLM2.
 
 SmolLM2's own template knows no tools: the generic format (a JSON reply, tools described in a
 system message).  A Hermes/Qwen-style template given with ``--chat-template-file`` exercises the

@@ -1,4 +1,4 @@
-"""Placement flags applied for real (issue 20 §2): -ot, -cmoe, -ncmoe on the test MoE and SmolLM2, COMBINED composed
+"""Placement flags applied for real: -ot, -cmoe, -ncmoe on the test MoE and SmolLM2, COMBINED composed
 with the operator's -ot, where each overridden tensor went (log and /props), and unknown devices / buffer types."""
 
 from __future__ import annotations

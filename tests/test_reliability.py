@@ -159,7 +159,7 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
                  timeout=LONG, what=f"fds back to {baseline} after the headroom check ({how})")
 
     long_body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
-    # the example, three times: a non-streamed request whose client leaves after 0.5 s
+    # three times: a non-streamed request whose client leaves after 0.5 s
     for i in range(3):
         post_then_close(port, long_body, lambda: time.sleep(0.5))
         no_leak(f"client gone from a non-streamed request ({i + 1})")

@@ -110,7 +110,7 @@ from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor  # noqa: E402
 from hydra_trio.rpc_backend.backend import RpcBackend, RpcBackendSettings  # noqa: E402
 
 LONG = 60.0  # seconds: generous bound for anything that should happen "soon" on a busy machine
-GRAPH_NODE_ZERO = bytes([10]) + (20).to_bytes(8, "little") + struct.pack("<IIQI", 0, 1, 0, 0)  # the crasher
+GRAPH_NODE_ZERO = bytes([10]) + (20).to_bytes(8, "little") + struct.pack("<IIQI", 0, 1, 0, 0)  # crashed an unguarded ggml-RPC server
 
 
 class RawRpc:

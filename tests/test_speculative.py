@@ -202,3 +202,54 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
     assert (a, text_a, done_a.draft_n, done_a.draft_n_accepted) == (b, text_b, done_b.draft_n,
                                                                      done_b.draft_n_accepted)
     assert done_whole.draft_n - done_whole.draft_n_accepted > done_a.draft_n - done_a.draft_n_accepted
+
+
+async def test_prefix_sharing_and_the_prompt_cache_compose_with_drafts() -> None:
+    """One sequence of requests on a node with and without drafts: a conversation evaluated on slot 0, the
+    same prefix continued on slot 1 (shared from slot 0's cells), both slots taken by another prompt (their
+    conversations go to the host-RAM prompt cache) and the conversation back on slot 0 (restored from the
+    cache, with the drafters' view of the slot rebuilt from the restored tokens).  Each request gives the
+    target's own tokens, and the speculating node reuses as much of each prompt as the other."""
+    counting = " ".join(str(i) for i in range(1, 120))
+    runs = []
+    for types in ((), ("suffix", "ngram-simple")):
+        async with engine_with(*types) as engine:
+            first = await generate(engine, ALPHABET, n_predict=24, cache_prompt=True)
+            convo = engine.model.tokenize(ALPHABET, add_special=True) + first[0]
+            steps = [first,
+                     await generate(engine, convo, id_slot=1, n_predict=24, cache_prompt=True),
+                     await generate(engine, counting, n_predict=8, cache_prompt=True),
+                     await generate(engine, counting, id_slot=1, n_predict=8, cache_prompt=True),
+                     await generate(engine, convo, id_slot=0, n_predict=24, cache_prompt=True)]
+            runs.append(steps)
+            if types:
+                assert engine.prompt_cache.hits >= 1
+    plain, spec = runs
+    for i, ((want, _, w), (got, _, g)) in enumerate(zip(plain, spec)):
+        assert got == want, i
+        assert g.cache_n == w.cache_n, i
+    assert spec[1][2].cache_n > 0 and spec[4][2].cache_n >= len(spec[0][0])  # shared; restored
+    assert all(step[2].draft_n_accepted for i, step in enumerate(spec) if i in (0, 1, 4))
+
+
+async def test_context_checkpoints_compose_with_drafts() -> None:
+    """On a hybrid model (tiny-mtp: its recurrent memory cannot be cut back), a prompt that diverges from
+    the slot's cache resumes from the context checkpoint taken 4 tokens before the end of the first prompt
+    (llama-server's placement), with drafts on: the same tokens, and as much of the prompt reused, as on
+    a node that does not draft, where the drafts' rolled-back positions left no trace in the checkpoint."""
+    from hydra_trio.models.presets import resolve_model
+
+    resolve_model("tiny-mtp")  # made on first use
+    first = list(range(300, 300 + 600))
+    second = first + list(range(1000, 1040))  # the first prompt and more: it diverges after the reply
+    runs = []
+    for types in ((), ("draft-mtp", "ngram-simple")):
+        async with engine_with(*types, model="tiny-mtp") as engine:
+            runs.append([await generate(engine, first, n_predict=24, cache_prompt=True),
+                         await generate(engine, second, n_predict=24, cache_prompt=True)])
+    plain, spec = runs
+    for (want, _, w), (got, _, g) in zip(plain, spec):
+        assert got == want
+        assert (g.cache_n, g.prompt_n) == (w.cache_n, w.prompt_n)
+    assert spec[1][2].cache_n == len(first) - 4  # resumed from the checkpoint
+    assert spec[0][2].draft_n_accepted and spec[1][2].draft_n_accepted

@@ -159,7 +159,7 @@ def test_the_page_shows_a_slot_busy_with_its_tokens_then_idle_and_the_finished_e
         assert int(row.locator(".n-decoded").inner_text()) > first
         page.wait_for_function("document.getElementById('chart-line').getAttribute('points').split(' ').length >= 2")
         page.screenshot(path=tmp_path / "status-busy.png")
-        if SCREENSHOT_COPY:  # the README's picture: the top of the page
+        if SCREENSHOT_COPY:  # docs/operations.md's picture: the top of the page
             page.screenshot(path=SCREENSHOT_COPY, clip={"x": 0, "y": 0, "width": 1000, "height": 660})
     finally:
         streamer.join(WAIT_MS / 1e3)

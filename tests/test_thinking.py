@@ -300,3 +300,30 @@ def test_a_grammar_that_refuses_the_end_marker_wins_over_the_budget(client: open
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
     assert set(_reasoning(m)) <= set("abcdefghijklmnopqrstuvwxyz ") and m.content == ""
     assert httpx.get(node.base + "/health", timeout=10).status_code == 200
+
+
+def test_drafts_compose_with_thinking_its_budget_and_a_required_tool_call(
+        client: openai.OpenAI, tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-def]
+    """A node that drafts (``--spec-type suffix,ngram-simple``) gives the replies of one that does not: the
+    split of thinking and content, a thinking budget forced inside a draft's reach, and a required tool
+    call whose grammar rejects drafts outside it; and it did draft."""
+    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    spec = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "1", "--spec-type", "suffix,ngram-simple")
+    spec.wait_ready()
+    drafting = openai.OpenAI(base_url=spec.base + "/v1", api_key="none", timeout=120, max_retries=0)
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"]}}}
+    whole = {"cache_prompt": False}
+    for kw in ({"extra_body": whole}, {"extra_body": {**whole, "thinking_budget_tokens": 3}},
+               {"extra_body": whole, "tools": [tool], "tool_choice": "required", "max_tokens": 120}):
+        want, got = _chat(client, **kw), _chat(drafting, **kw)
+        w, g = want.choices[0], got.choices[0]  # type: ignore[attr-defined]
+        assert (g.message.content, _reasoning(g.message), g.finish_reason) == \
+            (w.message.content, _reasoning(w.message), w.finish_reason), kw
+        assert [(t.function.name, t.function.arguments) for t in g.message.tool_calls or []] == \
+            [(t.function.name, t.function.arguments) for t in w.message.tool_calls or []], kw
+    metrics = httpx.get(spec.base + "/metrics", timeout=60).text
+    accepted = [line for line in metrics.splitlines()
+                if line.startswith("llamacpp:spec_decode_num_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) > 0, accepted

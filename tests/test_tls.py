@@ -1,4 +1,4 @@
-"""TLS on the one port (issue 14 §1, §4) with real processes and certificates made here by ``trustme``.
+"""TLS on the one port with real processes and certificates made here by ``trustme``.
 
 What is covered: HTTPS (httpx, curl, the openai client) and plain HTTP on the
 same port; Hydra INFO over TLS (HydraClient and the ``hydra-trio info --tls``

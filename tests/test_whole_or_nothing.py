@@ -1,4 +1,4 @@
-"""Issue 22 §1 and §5: text that is not Unicode is refused naming the field, and a refused request changes nothing.
+"""Text that is not Unicode is refused naming the field, and a refused request changes nothing.
 
 A real node (SmolLM2, 2 slots, a slot-file directory) runs in this process on a real socket (HTTP and
 Hydra on one port), so the put-back test can make llama.cpp really refuse a slot's own backup.

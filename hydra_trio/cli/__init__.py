@@ -12,7 +12,7 @@
 
 The flags of ``run`` are data (:mod:`._flags`), in modules that follow llama-server's argument groups:
 :mod:`.common`, :mod:`.sampling`, :mod:`.server`, :mod:`.speculative` and :mod:`.own`
-(hydra-trio's own and the C++ llama-engine's, with :mod:`.access`).  Every flag is its own spelling (no
+(hydra-trio's own and the cluster's llama-server fork's, with :mod:`.access`).  Every flag is its own spelling (no
 abbreviations), ``--long_name`` reads as ``--long-name`` and ``LLAMA_ARG_*`` environment variables set
 the flags they set in llama-server (an explicit flag wins), as llama.cpp's ``common/arg.cpp``.  Every value
 is checked when the command line is parsed: a wrong one is an argparse error (exit 2, the usage on stderr),

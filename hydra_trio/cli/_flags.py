@@ -6,9 +6,9 @@
   that way or the flag does not apply; the start-up log says so once for each one given;
 * ``refused``: llama-server's flag for a feature this node does not have: exit 2 at parse time, naming
   the flag and the reason;
-* ``own``: hydra-trio's flags and the C++ llama-engine's, which llama-server does not have.
+* ``own``: hydra-trio's flags and those of the cluster's llama-server fork, which llama-server does not have.
 
-The README's flag table (``python -m hydra_trio.cli.table``) and the coverage test over the vendored
+The flag table of docs/cli.md (``python -m hydra_trio.cli.table``) and the coverage test over the vendored
 ``common/arg.cpp`` (``tests/test_cli_flags.py``) are made from these lists.
 """
 
@@ -46,8 +46,8 @@ class Flag:
             which gets the negative spellings too).
         env: llama-server's environment variable (``LLAMA_ARG_*``); an explicit flag wins over it.
         group: llama-server's argument group: ``common``, ``sampling``, ``server``, ``speculative``,
-            or ``hydra`` for hydra-trio's and the C++ engine's own flags.
-        lands: where a wired flag lands (a settings field), for the README table.
+            or ``hydra`` for hydra-trio's own flags and those of the cluster's llama-server fork.
+        lands: where a wired flag lands (a settings field), for the flag table.
     """
 
     names: tuple[str, ...]

@@ -341,11 +341,11 @@ def quant_value(text: str) -> tuple[str, str]:
 
 
 def combined_ot(text: str) -> tuple[str, str | None]:
-    """The C++ engine's ``--combined-ot-pattern REGEX[=BUFT]``: the COMBINED expert pattern is everything
-    before the last ``=`` (the engine reads the value in ``--override-tensor`` syntax and ignores the buffer
+    """``--combined-ot-pattern REGEX[=BUFT]`` of the cluster's llama-server fork: the COMBINED expert pattern is everything
+    before the last ``=`` (the fork reads the value in ``--override-tensor`` syntax and ignores the buffer
     type); a value without ``=`` is the regex whole.  Returns ``(regex, buffer type or None)``.
 
-    Never refuses, as the engine starts with any value: a regex that is empty or does not compile leaves
+    Never refuses, as the fork starts with any value: a regex that is empty or does not compile leaves
     COMBINED off, which the node says at start-up (:func:`hydra_trio.cli.run.combined_target`).
     """
     regex, sep, buft = text.rpartition("=")
@@ -354,15 +354,15 @@ def combined_ot(text: str) -> tuple[str, str | None]:
 
 def c_atoi(text: str) -> int:
     """An integer read as C's ``atoi``: leading blanks, an optional sign, the digits that follow; 0 when
-    there are none (the C++ engine reads ``--ggml-rpc-port`` so, and starts with any value)."""
+    there are none (the cluster's llama-server fork reads ``--ggml-rpc-port`` so, and starts with any value)."""
     m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
     return int(m.group(1)) if m else 0
 
 
 def engine_port(text: str) -> int:
-    """A port flag of the C++ engine (``--rpc-port``): a decimal integer; 0 or less opens no port, as the
-    engine (which starts its server only for a port above 0); one above 65535 is reported at start-up and
-    opens nothing (the engine's bind fails and it serves on)."""
+    """A port flag of the cluster's llama-server fork (``--rpc-port``): a decimal integer; 0 or less opens no
+    port, as in the fork (which starts its server only for a port above 0); one above 65535 is reported at
+    start-up and opens nothing (the fork's bind fails and it serves on)."""
     try:
         return int(text, 10)
     except ValueError:

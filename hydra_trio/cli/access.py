@@ -1,4 +1,4 @@
-"""The access flags of ``run`` (README "Security"): all open when none is given."""
+"""The access flags of ``run`` (docs/operations.md "Security"): all open when none is given."""
 
 from __future__ import annotations
 

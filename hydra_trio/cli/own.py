@@ -1,5 +1,5 @@
 """hydra-trio's own flags (connections, TLS, access, the ggml-RPC backend, COMBINED, quantizations, logs,
-shutdown) and the C++ llama-engine's legacy flags, which llama-server does not have."""
+shutdown) and the legacy flags of the cluster's llama-server fork, which llama-server does not have."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ FLAGS: list[Flag] = [
     # -- COMBINED and the ggml-RPC backend -----------------------------------------------------------
     H(("--rpc-engine",), "COMBINED mode: once the model serves, place its MoE expert tensors on this ggml-RPC "
       "peer (another node's port or --ggml-rpc-port) and switch to COMBINED (a value that is not HOST:PORT leaves "
-      "COMBINED off, said at start-up, as the C++ engine runs SOLO then)", value="HOST:PORT"),
+      "COMBINED off, said at start-up: the node runs SOLO then)", value="HOST:PORT"),
     H(("--combined-pattern",), "tensors that live on the peer in COMBINED mode", value="REGEX", type=t.regex,
       default=_default(EngineConfig, "combined_pattern")),
     H(("--no-rpc-backend",), "do not lend this node's compute over ggml-RPC", action="store_true"),
@@ -93,15 +93,15 @@ FLAGS: list[Flag] = [
       value="SECONDS", type=t.seconds(zero_ok=True), default=_default(_rpc, "restart_wait")),
     H(("--rpc-max-message-size",), "largest ggml-RPC message accepted", value="BYTES",
       type=t.int_range(1, 2**63 - 1), default=_default(_rpc, "max_message_size")),
-    # -- the C++ llama-engine's flags ----------------------------------------------------------------
-    H(("--rpc-port",), "C++ engine: the Hydra protocol's port; also served by this node's front door (every "
+    # -- flags of the cluster's llama-server fork-------------------------------------------------------------
+    H(("--rpc-port",), "Hydra's llama-server fork: the Hydra protocol's port; also served by this node's front door (every "
       "protocol on every port; 0 or less, or --port itself, opens nothing more)", value="PORT", type=t.engine_port),
-    H(("--ggml-rpc-port",), "C++ engine: the ggml-RPC port a head's --rpc-engine names; also served by this "
-      "node's front door (read as C's atoi, as the engine: 0 or less, or --port itself, opens nothing more)",
+    H(("--ggml-rpc-port",), "Hydra's llama-server fork: the ggml-RPC port a head's --rpc-engine names; also served by this "
+      "node's front door (read as C's atoi, as the fork reads it: 0 or less, or --port itself, opens nothing more)",
       value="PORT", type=t.c_atoi),
-    H(("--combined-ot-pattern",), "C++ engine: REGEX[=BUFT], override-tensor syntax: the regex before the last "
+    H(("--combined-ot-pattern",), "Hydra's llama-server fork: REGEX[=BUFT], override-tensor syntax: the regex before the last "
       "'=' is the pattern of the tensors COMBINED places on the --rpc-engine peer (sets --combined-pattern); the "
-      "buffer type is ignored, as the engine ignores it (said at start-up)", value="REGEX[=BUFT]",
+      "buffer type is ignored, as the fork ignores it (said at start-up)", value="REGEX[=BUFT]",
       type=t.combined_ot),
     Flag(("--peer-only",), ACCEPTED, "this node lends its compute over ggml-RPC on every port whether or not it "
          "serves a model; --no-model makes a compute-only node", group="hydra"),
@@ -111,6 +111,6 @@ FLAGS: list[Flag] = [
          "no tensor split applies", value="N0,N1,...", group="hydra"),
     Flag(("--peer-health-url",), ACCEPTED, "the head tries its --rpc-engine peer once it serves and watches "
          "the peer's ggml-RPC port from then on (SET_EXPERT_MODE tries again); no separate health probe", value="HOST:PORT", group="hydra"),
-    Flag(("--yarn-ext-ctx",), ACCEPTED, "the C++ engine drops it unread; YaRN follows --yarn-orig-ctx and the "
+    Flag(("--yarn-ext-ctx",), ACCEPTED, "Hydra's llama-server fork drops it unread; YaRN follows --yarn-orig-ctx and the "
          "--yarn-* flags", value="N", group="hydra"),
 ]

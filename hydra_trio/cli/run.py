@@ -115,10 +115,10 @@ def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str
     """COMBINED's peer and expert pattern from ``--rpc-engine``, ``--combined-ot-pattern`` (else
     ``--combined-pattern``), and the start-up lines about them: ``(peer or None, pattern, warnings)``.
 
-    The C++ engine starts with any value of its flags, and runs SOLO when one leaves COMBINED nothing to
-    do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a regular
+    The cluster's llama-server fork starts with any value of these flags, and runs SOLO when one leaves
+    COMBINED nothing to do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a regular
     expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
-    ``=`` is ignored, as the engine ignores it (one line says so).
+    ``=`` is ignored, as the fork ignores it (one line says so).
     """
     from ..validation.address import parse_peer
     from ..validation.strict import MessageError

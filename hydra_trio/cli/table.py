@@ -1,6 +1,6 @@
-"""README's flag table, made from the flag lists (``python -m hydra_trio.cli.table`` prints it).
+"""The flag table of docs/cli.md, made from the flag lists (``python -m hydra_trio.cli.table`` prints it).
 
-``tests/test_cli_flags.py`` checks that README.md holds exactly this text between its markers."""
+``tests/test_cli_flags.py`` checks that docs/cli.md holds exactly this text between its markers."""
 
 from __future__ import annotations
 

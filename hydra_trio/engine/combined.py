@@ -4,7 +4,7 @@ The COMBINED model is built next to the SOLO one (so a flip between them
 costs milliseconds, not a reload) with the peer's device in
 ``llama_model_params.devices`` and a ``tensor_buft_overrides`` entry that puts
 every tensor matching the expert pattern (default ``ffn_(up|down|gate)_exps``)
-in the peer's buffer type (DESIGN.md, "Environment facts").  It keeps the
+in the peer's buffer type (``ggml_backend_dev_buffer_type`` of the peer's device).  It keeps the
 operator's placement flags, composed in this order (first match wins, as
 llama.cpp applies overrides; :class:`~hydra_trio.engine.placement.Placement`): the
 operator's ``-ot`` entries, then the expert pattern on the peer, then
@@ -304,7 +304,7 @@ def expert_bytes(path: Path, pattern: str, before: tuple[str, ...] = ()) -> int:
 
 
 class ExpertMode(enum.StrEnum):
-    """Which model serves new work (hydra-protocol.md §3 SET_EXPERT_MODE)."""
+    """Which model serves new work (docs/hydra-protocol.md §3 SET_EXPERT_MODE)."""
 
     SOLO = "solo"
     COMBINED = "combined"
@@ -377,7 +377,7 @@ class ExpertModes:
             self.events.publish("mode.changed", mode=str(mode), previous=str(previous), peer=self.peer or "")
 
     def snapshot(self) -> dict[str, Any]:
-        """The expert-mode keys of Hydra INFO (hydra-protocol.md §3), safe to call from any thread."""
+        """The expert-mode keys of Hydra INFO (docs/hydra-protocol.md §3), safe to call from any thread."""
         return {
             "mode": str(self.mode),
             "peer_addr": self.peer or "",
@@ -564,7 +564,7 @@ class ExpertModes:
         ``peer`` different from the current one detaches the old peer (frees
         what lives there) and attaches the new one.  COMBINED without a usable
         peer stays SOLO: ``success`` false, ``mode: "solo"`` and a
-        ``fallback_reason`` (hydra-protocol.md §3, SET_EXPERT_MODE).
+        ``fallback_reason`` (docs/hydra-protocol.md §3, SET_EXPERT_MODE).
         """
         t0 = time.perf_counter()
         if mode == ExpertMode.SOLO:
@@ -597,7 +597,7 @@ class ExpertModes:
         return {"success": True, "mode": "combined", "peer": self.peer, "switch_ms": round(ms, 3)}
 
     def attach_pipeline(self, peer: str | None, ot_split: str) -> dict[str, Any]:
-        """Every slot idle: PIPELINE_ATTACH (hydra-protocol.md §3) with COMBINED's machinery.
+        """Every slot idle: PIPELINE_ATTACH (docs/hydra-protocol.md §3) with COMBINED's machinery.
 
         The tensors whose names match ``ot_split`` (``re.search``; e.g. the
         upper half of the layers, ``blk\\.(1[5-9]|2[0-9])\\.``) are placed on

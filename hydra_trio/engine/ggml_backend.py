@@ -1,6 +1,6 @@
 """ggml-RPC through ctypes: the libraries, the local CPU device and peer devices.
 
-hydra-trio does not reimplement ggml or its wire protocol (hydra-protocol.md
+hydra-trio does not reimplement ggml or its wire protocol (docs/hydra-protocol.md
 §4): a peer is registered with ``ggml_backend_rpc_add_server``, whose device
 then goes into ``llama_model_params.devices`` like any local device; the
 server this node lends is ``ggml_backend_rpc_start_server``, run in a child

@@ -317,7 +317,7 @@ def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> s
 
 @attrs.frozen
 class ModelIdentity:
-    """Model identity keys of hydra-protocol.md §3: alias, path, SHA-256 of the GGUF, and the
+    """Model identity keys of docs/hydra-protocol.md §3: alias, path, SHA-256 of the GGUF, and the
     SHA-256 of its KV identity (:mod:`hydra_trio.engine.kv_identity`): files with equal
     ``kv_identity_hash`` can exchange slot KV."""
 
@@ -397,7 +397,7 @@ class LoadedModel:
             self.placement = Placement(opts, n_layer=n_layer, peer=peer)
         except PlacementError as exc:
             raise ModelLoadError(str(exc)) from None
-        self.placement.apply(mparams)  # an explicit device list, never NULL (DESIGN.md)
+        self.placement.apply(mparams)  # an explicit device list: a NULL one means every registered device, ggml-RPC peers too
         if progress is not None:
 
             @llama_cpp.llama_progress_callback

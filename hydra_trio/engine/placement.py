@@ -67,7 +67,7 @@ def offload_devices(opts: LlamaOptions) -> list[int]:
     ``opts.devices`` None: llama.cpp's default choice (``llama_prepare_model_devices``) without ggml-RPC
     peers: every GPU, else the integrated GPUs; none on a CPU-only build.  ``("none",)``: no device
     (``-dev none``).  Names: those devices, in that order.  ggml-RPC peers are never in this list (a NULL
-    list would pull them in: DESIGN.md), and the CPU is not an offload device (llama-server refuses
+    list means every registered device, peers included), and the CPU is not an offload device (llama-server refuses
     ``-dev CPU`` too): every layer not offloaded stays in host memory.
 
     Raises:

@@ -91,7 +91,7 @@ class SlotSnapshot:
         return out
 
     def meta(self) -> dict[str, Any]:
-        """STATE_META's keys for the slot (hydra-protocol.md §3), without model identity."""
+        """STATE_META's keys for the slot (docs/hydra-protocol.md §3), without model identity."""
         return {
             "slot_id": self.id,
             "n_past": self.n_past,

@@ -98,7 +98,7 @@ class StateError(HydraTrioError):
     """A blob that cannot be applied; ``meta`` holds extra keys for the error reply.
 
     HTTP 400, as llama-server answers a slot file it cannot restore ("Unable to restore slot",
-    ``ERROR_TYPE_INVALID_REQUEST``, tools/server/server-context.cpp); Hydra ERROR, as hydra-protocol.md §3
+    ``ERROR_TYPE_INVALID_REQUEST``, tools/server/server-context.cpp); Hydra ERROR, as docs/hydra-protocol.md §3
     has STATE_PUT refuse another model's blob (with ``expected_hash`` / ``got_hash``)."""
 
     http_status = 400
@@ -365,7 +365,7 @@ def blob_size(m: LoadedModel, slot: Slot) -> int:
 
 
 def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
-    """Engine thread: STATE_META's keys for a slot (hydra-protocol.md §3), without model identity."""
+    """Engine thread: STATE_META's keys for a slot (docs/hydra-protocol.md §3), without model identity."""
     return {
         "slot_id": slot.id,
         "n_past": slot.n_past,

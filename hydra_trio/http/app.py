@@ -1,6 +1,6 @@
 """The HTTP API: an ASGI (Starlette) app over the engine.
 
-Routes follow llama-server and the OpenAI API (hydra-protocol.md §5):
+Routes follow llama-server and the OpenAI API (docs/hydra-protocol.md §5):
 ``/health``, ``/version``, ``/props``, ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/v1/embeddings``,
 ``/embedding(s)``, ``/metrics`` here; the completions (``/v1/chat/completions``, ``/v1/completions``,
 ``/completion``) in :mod:`.completions`; the slots (``/slots``, ``/slots/{id}`` erase, save, restore,
@@ -75,7 +75,7 @@ _NO_CACHE = {"Cache-Control": "no-cache"}  # a node upgraded in place serves its
 
 async def status_page(request: Request) -> Response:
     """``GET /``: the status page, a live view drawn from ``GET /v1/events`` in the browser
-    (``static/status.js``; README "Status page").  Plain files, nothing fetched from elsewhere."""
+    (``static/status.js``; docs/operations.md "Status page").  Plain files, nothing fetched from elsewhere."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
 
 async def _to_the_page(request: Request) -> Response:

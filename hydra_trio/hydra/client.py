@@ -1,4 +1,4 @@
-"""Async Hydra protocol client: the engine opcodes of hydra-protocol.md §3
+"""Async Hydra protocol client: the engine opcodes of docs/hydra-protocol.md §3
 over one persistent trio TCP connection.
 
 Usage::
@@ -95,11 +95,11 @@ class HydraClient(HydraConnection):
     `HydraConnection`: ``HydraClient(host, port, *, timeout=30.0,
     reconnect=False, max_meta=None, token=None)`` (``token``: the node's
     ``--hydra-token``, presented on every new connection). This class adds one method per
-    engine opcode (hydra-protocol.md §3).
+    engine opcode (docs/hydra-protocol.md §3).
 
     Every request method takes ``trace_id`` (str; default: a fresh
     `new_trace_id`), sent in the request frame for log correlation
-    (hydra-protocol.md §2). Slot methods send the slot id in decimal as the
+    (docs/hydra-protocol.md §2). Slot methods send the slot id in decimal as the
     key; engine-wide methods send key ``""``.
 
     Every request method can raise: the `HydraError` subclass of a non-OK
@@ -115,7 +115,7 @@ class HydraClient(HydraConnection):
         meta, _ = await self.request(op, key, payload, trace_id)
         return meta
 
-    # -- typed opcodes (hydra-protocol.md §3) -----------------------------------
+    # -- typed opcodes (docs/hydra-protocol.md §3) -----------------------------------
 
     async def info(self, *, trace_id: str | None = None) -> dict[str, Any]:
         """INFO (0x41): the engine description (``engine``, ``version``,

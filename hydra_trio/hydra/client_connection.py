@@ -1,13 +1,13 @@
 """One persistent trio TCP connection to a Hydra engine, client side, kept in sync.
 
 The transport under `hydra_trio.hydra.client.HydraClient`: framing of
-hydra-protocol.md §2 with the sans-I/O codec in `hydra_trio.protocol.hydra`
+docs/hydra-protocol.md §2 with the sans-I/O codec in `hydra_trio.protocol.hydra`
 (`encode_request_header` to send, `ResponseDecoder` to read), one exchange
 at a time, and the generic requests (`HydraConnection.open_request`,
 `exchange`, `request`) that the typed opcodes are built on. Imports neither
 llama.cpp nor the server.
 
-Rules the connection keeps (hydra-protocol.md §2):
+Rules the connection keeps (docs/hydra-protocol.md §2):
 
 - One request at a time per connection: every call takes the connection's
   `trio.Lock` for the whole exchange (for streamed replies: until the
@@ -69,8 +69,8 @@ from .streams import HydraReply, ResponseStream
 __all__ = ["CHUNK_SIZE", "HydraConnection", "Payload", "new_trace_id"]
 
 CHUNK_SIZE = 256 * 1024
-"""Bytes per send and most bytes per receive (the spec's 256 KiB buffers,
-hydra-protocol.md §2)."""
+"""Bytes per send and most bytes per receive (256 KiB buffers,
+docs/hydra-protocol.md §2)."""
 
 Payload = bytes | bytearray | memoryview
 """A request payload held in memory."""

@@ -1,5 +1,5 @@
 """``hydra-trio`` client subcommands: talk to an engine over the Hydra binary
-protocol (hydra-protocol.md §2, §3) with `hydra_trio.hydra.client.HydraClient`.
+protocol (docs/hydra-protocol.md §2, §3) with `hydra_trio.hydra.client.HydraClient`.
 
     hydra-trio info HOST:PORT
     hydra-trio state get  HOST:PORT SLOT FILE

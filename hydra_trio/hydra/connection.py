@@ -11,7 +11,7 @@ connection alone:
   (the policy: :mod:`hydra_trio.hydra.gate`); a token presented on it trusts
   this connection only, until it closes;
 - its **payload policy**: the cap per op (``max_state_payload`` for
-  STATE_PUT, ``max_json_payload`` for the rest, hydra-protocol.md §2) and
+  STATE_PUT, ``max_json_payload`` for the rest, docs/hydra-protocol.md §2) and
   whether a payload is kept (only ops that read it, and never a control op's
   this connection may not run, CONFIGURE excepted: it may carry the token),
   and where (a large STATE_PUT straight into a buffer of the KV transfer pool);

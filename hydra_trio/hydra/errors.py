@@ -1,4 +1,4 @@
-"""The errors the Hydra protocol client raises (hydra-protocol.md §2 status codes).
+"""The errors the Hydra protocol client raises (docs/hydra-protocol.md §2 status codes).
 
 Two families, both under the package's root `hydra_trio.errors.HydraTrioError`:
 

@@ -1,4 +1,4 @@
-"""Who may run the Hydra ops that change the node (issue 14 §3); the policy is in docs/protocol-notes.md.
+"""Who may run the Hydra ops that change the node; the policy is in docs/protocol-notes.md.
 
 - **Control ops** (:data:`CONTROL_OPS`: CONFIGURE, SET_EXPERT_MODE, STATE_PUT,
   SWAP_QUANT, PIPELINE_ATTACH) need a *trusted* connection when the node has
@@ -18,7 +18,7 @@
   Other keys in the same CONFIGURE are applied as usual once trusted.
 - **A refusal** is a BAD_REQUEST reply (the protocol's one status for "the
   request as sent will not be done; do not retry it as it is", the
-  4xx of hydra-protocol.md §2) with ``{"error", "refused": "not_allowed" |
+  4xx of docs/hydra-protocol.md §2) with ``{"error", "refused": "not_allowed" |
   "invalid_token", "op"}``; the payload of a refused STATE_PUT is read and
   dropped, never kept; the connection stays usable.  Each refusal is counted
   at ``("hydra", reason)``.

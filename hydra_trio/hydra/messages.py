@@ -1,4 +1,4 @@
-"""Typed Hydra request payloads (hydra-protocol.md §3): frozen attrs classes, strict parsing.
+"""Typed Hydra request payloads (docs/hydra-protocol.md §3): frozen attrs classes, strict parsing.
 
 Sans-I/O like :mod:`hydra_trio.protocol.hydra`: bytes in, frozen attrs objects
 out, through this module's own :class:`~hydra_trio.validation.strict.StrictConverter`.
@@ -92,7 +92,7 @@ ExpertModeName: TypeAlias = Literal["solo", "combined"]
 
 @attrs.frozen
 class SetExpertModeRequest:
-    """SET_EXPERT_MODE payload (hydra-protocol.md §3): ``mode`` is
+    """SET_EXPERT_MODE payload (docs/hydra-protocol.md §3): ``mode`` is
     ``"solo"`` or ``"combined"``; ``peer`` is ``"host:port"`` or None (an
     empty string is read as None). Build it with `parse_set_expert_mode`.
     Raises MessageError on a bad peer."""
@@ -107,14 +107,14 @@ _conv.register(SetExpertModeRequest, forbid_extra=True)
 
 
 def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
-    """Parse a SET_EXPERT_MODE payload (hydra-protocol.md §3).
+    """Parse a SET_EXPERT_MODE payload (docs/hydra-protocol.md §3).
 
     Accepted forms: raw ``solo`` / ``combined`` (ASCII, any case, surrounding
     whitespace ignored); a JSON string of those; a JSON object
     ``{"mode": ..., "peer": "host:port"}`` (mode case-insensitive, other
     keys rejected). Raises MessageError for invalid UTF-8, bad JSON, an
-    unknown mode or a bad peer: the server replies BAD_REQUEST (the C++
-    engine silently fell back to solo, §3 **[fix]**).
+    unknown mode or a bad peer: the server replies BAD_REQUEST, never a
+    silent fall-back to solo (docs/hydra-protocol.md §3).
     """
     try:
         text = bytes(payload).decode("utf-8").strip()
@@ -163,7 +163,7 @@ def check_tensor_regex(pattern: str) -> None:
 
 @attrs.frozen
 class SwapQuantRequest:
-    """SWAP_QUANT payload (hydra-protocol.md §3): ``[u16 LE quant_key_len][quant_key][tensor_pattern]``,
+    """SWAP_QUANT payload (docs/hydra-protocol.md §3): ``[u16 LE quant_key_len][quant_key][tensor_pattern]``,
     both UTF-8; an empty ``tensor_pattern`` means the whole model."""
 
     quant_key: str
@@ -193,7 +193,7 @@ def _non_empty(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 @attrs.frozen
 class PipelineAttachRequest:
-    """PIPELINE_ATTACH payload (hydra-protocol.md §3): ``peer``
+    """PIPELINE_ATTACH payload (docs/hydra-protocol.md §3): ``peer``
     ``"host:port"``, ``ot_split`` the tensor-override regex naming the
     tensors the peer owns (non-empty with a peer; matched with Python's
     ``re.search``, as the node counts the bytes). ``{"peer": ""}`` (peer
@@ -217,7 +217,7 @@ _conv.register(PipelineAttachRequest, forbid_extra=True)
 
 @attrs.frozen
 class DecodeRequest:
-    """DECODE payload (hydra-protocol.md §3), parsed whole: ``{"n_predict": N, "messages": [...]}``
+    """DECODE payload (docs/hydra-protocol.md §3), parsed whole: ``{"n_predict": N, "messages": [...]}``
     or a full OpenAI chat body.
 
     ``body`` is the parsed OpenAI request: a chat request when ``messages`` is
@@ -293,7 +293,7 @@ def parse_decode(payload: Bytes) -> DecodeRequest:
 
 
 def parse_prefill(payload: Bytes) -> ChatCompletionRequest:
-    """PREFILL payload (hydra-protocol.md §3): an OpenAI chat-completions body, ``messages``
+    """PREFILL payload (docs/hydra-protocol.md §3): an OpenAI chat-completions body, ``messages``
     required and non-empty, parsed whole; its length fields are ignored (PREFILL
     processes the prompt only).  Raises MessageError naming the field."""
     obj = load_json_object(payload)
@@ -366,7 +366,7 @@ STATE_CHUNK_MAX = 64 * 1024 * 1024
 @attrs.frozen
 class ConfigureRequest:
     """CONFIGURE payload: a free JSON object of engine/sampling params
-    (hydra-protocol.md §3). Split it with `classify_configure_keys`."""
+    (docs/hydra-protocol.md §3). Split it with `classify_configure_keys`."""
 
     params: dict[str, Any]
 
@@ -383,7 +383,7 @@ def classify_configure_keys(
     d: Mapping[str, Any],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], list[str]]:
     """Split CONFIGURE params into ``(t1, t2, t3, unrecognized)`` (tiers of
-    hydra-protocol.md §3; ``unrecognized`` keeps input order and becomes
+    docs/hydra-protocol.md §3; ``unrecognized`` keeps input order and becomes
     ``unrecognized_keys``). Values are type-checked (floats accept ints, a
     bool is not an int) and floats normalised to float; ``state_chunk_size``
     is returned unclamped (see `clamp_state_chunk_size`). Raises MessageError
@@ -409,5 +409,5 @@ def classify_configure_keys(
 
 
 def clamp_state_chunk_size(n: int) -> int:
-    """Clamp a state chunk size (bytes) to 64 KiB..64 MiB (hydra-protocol.md §3)."""
+    """Clamp a state chunk size (bytes) to 64 KiB..64 MiB (docs/hydra-protocol.md §3)."""
     return max(STATE_CHUNK_MIN, min(STATE_CHUNK_MAX, n))

@@ -1,4 +1,4 @@
-"""The Hydra operations: a table from opcode to a function of a small context (hydra-protocol.md §3).
+"""The Hydra operations: a table from opcode to a function of a small context (docs/hydra-protocol.md §3).
 
 Each operation is ``async def op(ctx: OpContext) -> None`` and sends exactly
 one reply through the context; to refuse, it raises a typed error
@@ -49,7 +49,7 @@ log = logging.getLogger("hydra_trio.hydra")
 _SLOT_ID = re.compile(r"0|-?[1-9][0-9]{0,8}", re.ASCII)  # plain ASCII decimal: no "+", spaces, padding or "_"
 
 CAPABILITIES = [
-    # the C++ engine's names where they mean the same, then hydra-trio's finer ones
+    # the names Core knows from the cluster's llama-server fork where they mean the same, then hydra-trio's finer ones
     "state_transfer", "expert_mode", "preset", "model_hash",
     "state_get", "state_put", "state_meta", "configure", "info",
     "prefill", "decode", "set_expert_mode", "openai_http", "kv_checksum",
@@ -82,7 +82,7 @@ class OpContext:
         await self.stream.send_all(encode_response(status, meta))
 
     async def send_blob(self, meta: dict[str, Any], blob: bytearray | bytes | BlobBuffer) -> None:
-        """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (hydra-protocol.md §2)
+        """Send an OK reply whose payload is ``blob``, in ``state_chunk_size`` pieces (docs/hydra-protocol.md §2)
         taken straight from the blob's one buffer, never copied (:func:`~hydra_trio.transport.tls_bulk.send_bulk`:
         on a plain TCP stream each write at most ``state_chunk_size`` bytes, over TLS from a worker thread).
 
@@ -108,7 +108,7 @@ class OpContext:
         return node.serving(self.target.engine)
 
     def slot(self) -> tuple[Engine, int]:
-        """The engine and the slot the key names (hydra-protocol.md §2 Keys): InvalidRequest (BAD_REQUEST)
+        """The engine and the slot the key names (docs/hydra-protocol.md §2 Keys): InvalidRequest (BAD_REQUEST)
         for a key that is not a slot id, NotFound for a slot the node does not have."""
         key = self.req.key
         if not _SLOT_ID.fullmatch(key):
@@ -192,7 +192,7 @@ async def state_meta(ctx: OpContext) -> None:
 
 
 def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) -> bool:
-    """The body names a model other than the one loaded (served anyway; hydra-protocol.md §3 PREFILL)."""
+    """The body names a model other than the one loaded (served anyway; docs/hydra-protocol.md §3 PREFILL)."""
     assert e.identity is not None
     return isinstance(body.model, str) and body.model not in ("", e.identity.model_alias)
 
@@ -227,7 +227,7 @@ async def prefill(ctx: OpContext) -> None:
 
 
 async def decode(ctx: OpContext) -> None:
-    """DECODE: generate on a slot, one 9-byte frame per token (hydra-protocol.md §3, docs/protocol-notes.md).
+    """DECODE: generate on a slot, one 9-byte frame per token (docs/hydra-protocol.md §3, docs/protocol-notes.md).
 
     ``messages`` renders a conversation (reusing the slot's cached prefix);
     ``messages: null`` (or absent) continues from what the slot holds.
@@ -310,7 +310,7 @@ async def info(ctx: OpContext) -> None:
 
 
 def info_meta(target: OpTarget) -> dict[str, Any]:
-    """INFO meta (hydra-protocol.md §3): Core's keys, then hydra-trio's own (the node's facts that ``/props``
+    """INFO meta (docs/hydra-protocol.md §3): Core's keys, then hydra-trio's own (the node's facts that ``/props``
     reports too come from :mod:`hydra_trio.service.node`)."""
     e, rpc = target.engine, target.rpc
     experts = e.experts.snapshot() if e is not None else {
@@ -359,7 +359,7 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
 
 
 async def configure(ctx: OpContext) -> None:
-    """CONFIGURE (hydra-protocol.md §3), whole or nothing: every key is checked first (types, tier-1
+    """CONFIGURE (docs/hydra-protocol.md §3), whole or nothing: every key is checked first (types, tier-1
     bounds, tier-2/3 keys this node supports, the model named); tiers 2 / 3 then go through the
     control channel (every slot idle), and tier 1 applies only once they have.  A refused request
     (BAD_REQUEST, BUSY, ERROR: ``success`` false, ``params_applied`` empty) changes nothing."""
@@ -490,4 +490,4 @@ OPS: dict[int, OpSpec] = {
     Op.SWAP_QUANT: OpSpec(swap_quant, keeps_payload=True),
     Op.PIPELINE_ATTACH: OpSpec(pipeline_attach, keeps_payload=True),
 }
-"""Opcode → operation (hydra-protocol.md §3)."""
+"""Opcode → operation (docs/hydra-protocol.md §3)."""

@@ -2,12 +2,12 @@
 one protocol object per connection (:mod:`.connection`: trust, payload policy, dispatch) and the
 operations (:mod:`.ops`).
 
-Framing rules (hydra-protocol.md §2, the **[fix]** rows included): every
+Framing rules (docs/hydra-protocol.md §2): every
 request gets exactly one well-formed reply, non-OK replies carry
 ``{"error": ...}``; a payload is always consumed before the next header
 (over its cap: reply BAD_REQUEST, then close); bad magic closes without a
 reply; unknown and Store opcodes answer NOT_IMPLEMENTED and the connection
-stays usable.  Opcodes: hydra-protocol.md §3.
+stays usable.  Opcodes: docs/hydra-protocol.md §3.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ handed to the connection's one protocol object (a :class:`ConnectionProtocol`,
 in the node :class:`hydra_trio.hydra.connection.ServerConnection`), which also
 says how large each op's payload may be and whether it is kept; a framing error is answered as its
 :class:`~hydra_trio.protocol.hydra.ProtocolError` says (``reply`` with
-``status``, then close).  Framing rules: hydra-protocol.md §2, the **[fix]**
-rows included: a payload is always consumed before the next header; over
+``status``, then close).  Framing rules: docs/hydra-protocol.md §2:
+a payload is always consumed before the next header; over
 its cap the reply is BAD_REQUEST and the connection closes; bad magic
 closes without a reply.
 """
@@ -42,7 +42,7 @@ log = logging.getLogger("hydra_trio.hydra")
 
 @attrs.frozen
 class HydraSettings:
-    """Limits of the Hydra protocol (bytes and seconds), hydra-protocol.md §2.
+    """Limits of the Hydra protocol (bytes and seconds), docs/hydra-protocol.md §2.
 
     Attributes:
         max_json_payload: cap on JSON payloads (64 MiB).

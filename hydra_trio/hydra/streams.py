@@ -10,7 +10,7 @@ of the items or an error leaves). `DecodeStream` is built on a
 
 A stream talks to its connection through `ReplyTransport` (what
 `hydra_trio.hydra.client_connection.HydraConnection` provides): one
-exchange at a time, every reply read to its last byte (hydra-protocol.md
+exchange at a time, every reply read to its last byte (docs/hydra-protocol.md
 §2). Sizes are in bytes.
 """
 
@@ -39,7 +39,7 @@ from .errors import HydraProtocolError, error_for_status
 __all__ = ["DecodeFrame", "DecodeStream", "HydraReply", "ReplyTransport", "ResponseStream"]
 
 DecodeFrame: TypeAlias = tuple[int, float, int]
-"""One DECODE frame: ``(token_id, logprob, flags)`` (hydra-protocol.md §3)."""
+"""One DECODE frame: ``(token_id, logprob, flags)`` (docs/hydra-protocol.md §3)."""
 
 T = TypeVar("T")
 
@@ -321,7 +321,7 @@ class ResponseStream(_ReplyReader[bytes]):
 
 
 class DecodeStream(_ReplyReader[DecodeFrame]):
-    """A DECODE reply read token by token (hydra-protocol.md §3).
+    """A DECODE reply read token by token (docs/hydra-protocol.md §3).
 
     The reply announces ``payload_len = 9 * budget``; frames
     ``(token_id, logprob, flags)`` arrive as the engine generates them.

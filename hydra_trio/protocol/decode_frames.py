@@ -1,4 +1,4 @@
-"""DECODE reply frames (hydra-protocol.md §3), sans-I/O: ``[u32 token_id][f32 logprob][u8 flags]``.
+"""DECODE reply frames (docs/hydra-protocol.md §3), sans-I/O: ``[u32 token_id][f32 logprob][u8 flags]``.
 
 The frame layout, the flags (FINAL, PAD, and hydra-trio's stop-reason bits),
 padding, and :class:`DecodeFramer`, which turns generated tokens into exactly
@@ -32,7 +32,7 @@ DECODE_STOP_FLAGS: dict[str, int] = {
 """Why generation stopped, in the otherwise reserved flag bits of the DECODE
 frame that ends it (hydra-trio's extension: the reply meta is sent before the
 first token, so it cannot say): set on the FINAL frame, or on the first PAD
-frame when no token was generated.  Names as the spec's ``stop_reason``."""
+frame when no token was generated.  Names as DECODE's ``stop_reason`` meta key (docs/protocol-notes.md)."""
 
 
 def decode_stop_reason(flags: int) -> str | None:
@@ -45,7 +45,7 @@ assert _FRAME.size == DECODE_FRAME_SIZE
 DECODE_PAD_FRAME = _FRAME.pack(DECODE_PAD_TOKEN, 0.0, DECODE_FLAG_PAD)
 """The padding frame.
 
-Padding rule (hydra-trio's answer to hydra-protocol.md §3 "define and
+Padding rule (hydra-trio's answer to docs/hydra-protocol.md §3 "define and
 document the padding"): a DECODE reply announces ``payload_len = 9 *
 budget`` frames up front. Real tokens are sent as they are generated; the
 last real token carries `DECODE_FLAG_FINAL`. When generation ends before the
@@ -65,7 +65,7 @@ def pack_decode_frame(token_id: int, logprob: float, flags: int) -> bytes:
 
 
 class DecodeFramer:
-    """DECODE frames for a budget of ``budget`` tokens, sans-I/O (hydra-protocol.md §3).
+    """DECODE frames for a budget of ``budget`` tokens, sans-I/O (docs/hydra-protocol.md §3).
 
     Feed generated tokens with :meth:`push` (it returns the frames that can be
     sent now: the last token is held back so that it can carry FINAL) and end

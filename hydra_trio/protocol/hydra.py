@@ -1,4 +1,4 @@
-"""Sans-I/O codec for the Hydra binary protocol (hydra-protocol.md §2, §3).
+"""Sans-I/O codec for the Hydra binary protocol (docs/hydra-protocol.md §2, §3).
 
 Bytes in, events out; no sockets, no trio, no asyncio, like h11 / h2.
 
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------
-# Constants and enums (hydra-protocol.md §2)
+# Constants and enums (docs/hydra-protocol.md §2)
 # --------------------------------------------------------------------------
 
 MAGIC = 0x4859
@@ -82,10 +82,10 @@ MAGIC = 0x4859
 REQUEST_HEADER_SIZE = 16
 RESPONSE_HEADER_SIZE = 12
 FLAG_COMPRESSED = 0x01
-"""Request flag: compressed payload. Defined by the spec, not implemented by
-hydra-trio: the server answers BAD_REQUEST (hydra-protocol.md §2)."""
+"""Request flag: compressed payload. Defined by the protocol, not implemented by
+hydra-trio: the server answers BAD_REQUEST (docs/hydra-protocol.md §2)."""
 KNOWN_FLAGS = FLAG_COMPRESSED
-"""Mask of every flag bit the spec defines (not: that hydra-trio implements)."""
+"""Mask of every flag bit the protocol defines (not: that hydra-trio implements)."""
 MAX_META_LEN = (1 << 24) - 1
 """Largest response meta JSON, in bytes (24-bit field)."""
 
@@ -100,7 +100,7 @@ _U64 = (1 << 64) - 1
 
 
 class Op(enum.IntEnum):
-    """Engine opcodes (hydra-protocol.md §3)."""
+    """Engine opcodes (docs/hydra-protocol.md §3)."""
 
     STATE_GET = 0x30
     STATE_PUT = 0x31
@@ -117,13 +117,13 @@ class Op(enum.IntEnum):
 def is_store_op(op: int) -> bool:
     """True for Store-service opcodes (``0x01``-``0x15`` and ``0x33``).
 
-    An engine answers them NOT_IMPLEMENTED (hydra-protocol.md §2).
+    An engine answers them NOT_IMPLEMENTED (docs/hydra-protocol.md §2).
     """
     return 0x01 <= op <= 0x15 or op == 0x33
 
 
 class Status(enum.IntEnum):
-    """Response status codes (hydra-protocol.md §2)."""
+    """Response status codes (docs/hydra-protocol.md §2)."""
 
     OK = 0
     NOT_FOUND = 1
@@ -179,7 +179,7 @@ class ProtocolError(Exception):
 class BadMagic(ProtocolError):
     """The first two bytes of a request header are not ``59 48``.
 
-    Close the connection without a reply (hydra-protocol.md §2). Raised as
+    Close the connection without a reply (docs/hydra-protocol.md §2). Raised as
     soon as the first wrong byte arrives.
     """
 
@@ -190,7 +190,7 @@ class FrameTooLarge(ProtocolError):
     """A length field is over the configured limit.
 
     Reply BAD_REQUEST, then close instead of draining the payload
-    (hydra-protocol.md §2). ``header`` is the complete header; ``limit`` the
+    (docs/hydra-protocol.md §2). ``header`` is the complete header; ``limit`` the
     limit (bytes) that was exceeded.
     """
 
@@ -220,7 +220,7 @@ def _range(lo: int, hi: int) -> Callable[[Any, attrs.Attribute[int], int], None]
 
 @attrs.frozen
 class RequestHeader:
-    """The 16-byte request header (hydra-protocol.md §2): magic (implicit),
+    """The 16-byte request header (docs/hydra-protocol.md §2): magic (implicit),
     op, flags, key_len, payload_len, trace_len. Lengths in bytes.
 
     Raises ValueError on construction when a field is out of its wire range.
@@ -255,7 +255,7 @@ class RequestHeader:
 
 @attrs.frozen
 class ResponseHeader:
-    """The 12-byte response header (hydra-protocol.md §2): status (u8),
+    """The 12-byte response header (docs/hydra-protocol.md §2): status (u8),
     meta_len (u24), payload_len (u64). Lengths in bytes. ``status`` is kept
     as a plain int so that codes newer than `Status` survive decoding.
 
@@ -310,7 +310,7 @@ def encode_request(
     trace_id: str = "",
     flags: int = 0,
 ) -> bytes:
-    """A complete request frame (hydra-protocol.md §2). Raises ValueError as
+    """A complete request frame (docs/hydra-protocol.md §2). Raises ValueError as
     `encode_request_header` does."""
     return encode_request_header(op, key, trace_id, len(payload), flags) + bytes(payload)
 
@@ -606,7 +606,7 @@ class _Decoder:
 
 
 class RequestDecoder(_Decoder):
-    """Incremental SERVER-side request decoder (hydra-protocol.md §2).
+    """Incremental SERVER-side request decoder (docs/hydra-protocol.md §2).
 
     ``receive_data(data)`` takes any chunking of the byte stream (one byte at a time,
     empty bytes, several pipelined requests in one chunk); ``next_event()`` returns the
@@ -713,7 +713,7 @@ class RequestDecoder(_Decoder):
 
 
 class ResponseDecoder(_Decoder):
-    """Incremental CLIENT-side reply decoder (hydra-protocol.md §2).
+    """Incremental CLIENT-side reply decoder (docs/hydra-protocol.md §2).
 
     Same contract as `RequestDecoder`: any chunking; events
     ``ResponseStarted`` (header + parsed meta), ``PayloadChunk`` * n,

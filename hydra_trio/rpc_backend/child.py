@@ -3,7 +3,7 @@
 Run it as ``python -m hydra_trio.rpc_backend.child --endpoint 127.0.0.1:PORT
 [--cache-dir DIR] [--threads N] [--device cpu] [--parent-pid PID]``; it
 serves until killed (or until its parent dies).  hydra-trio does not
-reimplement the server (hydra-protocol.md §4): it is
+reimplement the server (docs/hydra-protocol.md §4): it is
 ``ggml_backend_rpc_start_server`` from the ``libggml-rpc`` that
 llama-cpp-python builds with ``GGML_RPC=ON``, reached through the ctypes layer
 of :mod:`hydra_trio.engine.ggml_backend`.

@@ -11,7 +11,7 @@ Hydra requests are counted where they are answered
 (:meth:`NodeMetrics.hydra_request`, called once per request by the Hydra
 dispatch); their latency goes into a prometheus-client
 :class:`~prometheus_client.Histogram` held in the node's own registry.
-Every family is listed, with its unit, in the README ("Metrics").
+Every family is listed, with its unit, in docs/operations.md ("Metrics").
 """
 
 from __future__ import annotations

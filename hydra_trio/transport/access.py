@@ -1,8 +1,8 @@
 """Who may use what on the node's one port: allow-lists, secrets compared in constant time, refusal counts.
 
-Shared by the three protocols (issue 14 §2, §3):
+Shared by the three protocols:
 
-- :class:`AllowList`: CIDR networks (and, for the TLS layer of issue 14 §1,
+- :class:`AllowList`: CIDR networks (and, for the TLS layer,
   trusted client-certificate subjects) that a connection's peer must match;
   ``None`` where a list is expected means "open to all" (the default, as the
   orchestrator expects).
@@ -105,7 +105,7 @@ class Peer:
         address: the peer's IP address (IPv4-mapped IPv6 already turned into
             IPv4); None when the socket has no peer any more.
         identity: a *verified* identity, e.g. the subject of a TLS client
-            certificate checked against ``--tls-client-ca`` (issue 14 §1); None
+            certificate checked against ``--tls-client-ca``; None
             for plain TCP.  Only the TLS layer may set it.
     """
 
@@ -126,7 +126,7 @@ class AllowList:
             in any of them is allowed.
         identities: verified peer identities allowed whatever their address
             (exact match on :attr:`Peer.identity`; the hook for TLS client
-            certificates, issue 14 §1; empty until a flag fills it).
+            certificates; empty until a flag fills it).
         flag: the command-line flag this list came from, for messages.
     """
 
@@ -225,7 +225,7 @@ def read_key_file(path: str | Path) -> list[str]:
 
 @attrs.frozen
 class AccessSettings:
-    """The node's access rules (issue 14 §2, §3); the defaults leave everything open.
+    """The node's access rules; the defaults leave everything open.
 
     Attributes:
         api_keys: keys one of which ``Authorization: Bearer KEY`` must carry on

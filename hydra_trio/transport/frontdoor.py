@@ -3,7 +3,7 @@
 Each accepted connection gets its own task, which peeks one byte with
 ``MSG_PEEK`` (so the byte stays in the stream), classifies it with
 :func:`hydra_trio.protocol.classify.classify` and hands the untouched stream
-to that protocol's handler (hydra-protocol.md §1).
+to that protocol's handler (docs/hydra-protocol.md §1).
 
 With a TLS server context (``--tls-cert``/``--tls-key``), a connection whose
 first byte is ``0x16`` is unwrapped (:func:`hydra_trio.transport.tls.unwrap`: the

@@ -279,7 +279,7 @@ def _field_path(parts: list[str | int]) -> str:
 
 def check_unicode(obj: Any) -> None:
     """Every string of decoded JSON ``obj``, keys and values at any depth, must be Unicode text
-    (encodable as UTF-8): the node's one policy for text that comes in (README, Security).
+    (encodable as UTF-8): the node's one policy for text that comes in (docs/operations.md, Security).
 
     Raises:
         NotUnicode: the first string holding a lone surrogate, naming its field

@@ -1,5 +1,5 @@
 // hydra-trio status page: one WebSocket to GET /v1/events, drawn into the page.
-// Plain JS, no build step, nothing fetched from elsewhere. Event shapes: README "Live events".
+// Plain JS, no build step, nothing fetched from elsewhere. Event shapes: docs/operations.md "Live events".
 // With API keys on the node, open the page as /#key=KEY: the key (never sent in the page's
 // own request, fragments are not) goes to the WebSocket as ?api_key=KEY.
 "use strict";

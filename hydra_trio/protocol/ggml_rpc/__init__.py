@@ -1,7 +1,7 @@
 """Sans-I/O ggml-RPC (protocol v7.0.0): a framer and validator for client messages, and a reply tracker.
 
 Bytes in, events out; no sockets, no trio (like :mod:`hydra_trio.protocol.hydra`).
-The front door does not reimplement ggml (hydra-protocol.md §4): llama.cpp's
+The front door does not reimplement ggml (docs/hydra-protocol.md §4): llama.cpp's
 own ggml-RPC server runs in a child process, and this package only decides,
 message by message, whether the bytes a client sends are safe to hand to it.
 
