@@ -306,6 +306,44 @@ def test_every_import_of_the_package_finds_its_module() -> None:
     assert missing == []
 
 
+def _top_level_names(name: str) -> set[str] | None:
+    """The names module ``name`` binds at its top level (definitions, assignments, imports, ``if`` / ``try``
+    bodies); None when it has a module ``__getattr__`` (its names are lazy)."""
+    out: set[str] = set()
+    body = list(ast.parse(MODULES[name].read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "__getattr__":
+                return None
+            out.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for tg in targets for n in ast.walk(tg) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
+    return out
+
+
+def test_every_name_imported_from_the_package_exists() -> None:
+    """``from hydra_trio.x import y`` names a ``y`` that ``x`` binds (or a submodule): a renamed function
+    otherwise only fails when the importing module loads."""
+    missing = []
+    for name in MODULES:
+        for line, mod, names in _import_statements(name):
+            if not mod.startswith("hydra_trio") or mod not in MODULES:
+                continue
+            bound = _top_level_names(mod)
+            if bound is None:
+                continue
+            missing += [f"{name}:{line} {mod}.{n}" for n in names if n != "*" and n not in bound
+                        and f"{mod}.{n}" not in MODULES]
+    assert missing == []
+
+
 ROUTE_MODULES = ("hydra_trio.http.app", "hydra_trio.http.completions", "hydra_trio.http.slots", "hydra_trio.http.native",
                  "hydra_trio.http.events", "hydra_trio.hydra.ops", "hydra_trio.hydra.connection", "hydra_trio.hydra.gate")
 """The modules that answer requests (HTTP routes, Hydra ops and their dispatch)."""

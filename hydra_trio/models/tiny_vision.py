@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from .files import atomic_path, copy_field
-from .hybrid import _mat, _tokenizer
+from .hybrid import random_matrix, read_tokenizer
 
 log = logging.getLogger("hydra_trio.models.tiny_vision")
 
@@ -108,29 +108,29 @@ def make_tiny_vision(src: Path, model: Path, mmproj: Path, seed: int = SEED) -> 
 def _write_model(src: Path, dst: Path, rng: np.random.Generator) -> None:
     import gguf
 
-    n_src, tok_fields = _tokenizer(src)
+    n_src, tok_fields = read_tokenizer(src)
     n_vocab = n_src + len(IMAGE_TOKENS)
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32).astype(np.float16),
         "output_norm.weight": np.ones(N_EMBD, dtype=np.float32),
         # logits = output · norm(h): rows of norm ~1 per element, so logits have a standard deviation of ~6
-        "output.weight": _mat(rng, n_vocab, N_EMBD, 6.0),  # F32: greedy picks do not hang on F16 rounding
+        "output.weight": random_matrix(rng, n_vocab, N_EMBD, 6.0),  # F32: greedy picks do not hang on F16 rounding
     }
     for il in range(N_LAYER):
         b = f"blk.{il}"
         tensors.update({
             f"{b}.attn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
-            f"{b}.attn_q.weight": _mat(rng, N_HEAD * HEAD_DIM, N_EMBD),
-            f"{b}.attn_q.bias": _mat(rng, 1, N_HEAD * HEAD_DIM, 0.1)[0],
-            f"{b}.attn_k.weight": _mat(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
-            f"{b}.attn_k.bias": _mat(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
-            f"{b}.attn_v.weight": _mat(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
-            f"{b}.attn_v.bias": _mat(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
-            f"{b}.attn_output.weight": _mat(rng, N_EMBD, N_HEAD * HEAD_DIM, 2.0),
+            f"{b}.attn_q.weight": random_matrix(rng, N_HEAD * HEAD_DIM, N_EMBD),
+            f"{b}.attn_q.bias": random_matrix(rng, 1, N_HEAD * HEAD_DIM, 0.1)[0],
+            f"{b}.attn_k.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
+            f"{b}.attn_k.bias": random_matrix(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
+            f"{b}.attn_v.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
+            f"{b}.attn_v.bias": random_matrix(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
+            f"{b}.attn_output.weight": random_matrix(rng, N_EMBD, N_HEAD * HEAD_DIM, 2.0),
             f"{b}.ffn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
-            f"{b}.ffn_gate.weight": _mat(rng, N_FF, N_EMBD),
-            f"{b}.ffn_up.weight": _mat(rng, N_FF, N_EMBD),
-            f"{b}.ffn_down.weight": _mat(rng, N_EMBD, N_FF, 0.5),
+            f"{b}.ffn_gate.weight": random_matrix(rng, N_FF, N_EMBD),
+            f"{b}.ffn_up.weight": random_matrix(rng, N_FF, N_EMBD),
+            f"{b}.ffn_down.weight": random_matrix(rng, N_EMBD, N_FF, 0.5),
         })
     with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), ARCH)) as w:
         w.add_string("general.name", f"tiny {ARCH} (random weights, test)")
@@ -172,7 +172,7 @@ def _write_mmproj(dst: Path, rng: np.random.Generator) -> None:
     merged = V_EMBD * MERGE * MERGE
 
     def conv() -> np.ndarray:  # ggml {kw, kh, c_in, c_out}
-        return _mat(rng, V_EMBD, patch_in).reshape(V_EMBD, 3, PATCH_SIZE, PATCH_SIZE)
+        return random_matrix(rng, V_EMBD, patch_in).reshape(V_EMBD, 3, PATCH_SIZE, PATCH_SIZE)
 
     tensors: dict[str, np.ndarray] = {
         # the two temporal halves of Qwen2-VL's 3D patch convolution; a still image goes through both
@@ -185,21 +185,21 @@ def _write_mmproj(dst: Path, rng: np.random.Generator) -> None:
             tensors[f"{b}.{norm}.weight"] = np.ones(V_EMBD, dtype=np.float32)
             tensors[f"{b}.{norm}.bias"] = np.zeros(V_EMBD, dtype=np.float32)
         for proj in ("attn_q", "attn_k", "attn_v"):
-            tensors[f"{b}.{proj}.weight"] = _mat(rng, V_EMBD, V_EMBD)
+            tensors[f"{b}.{proj}.weight"] = random_matrix(rng, V_EMBD, V_EMBD)
             tensors[f"{b}.{proj}.bias"] = _vec(rng, V_EMBD, 0.1)
-        tensors[f"{b}.attn_out.weight"] = _mat(rng, V_EMBD, V_EMBD)
+        tensors[f"{b}.attn_out.weight"] = random_matrix(rng, V_EMBD, V_EMBD)
         tensors[f"{b}.attn_out.bias"] = _vec(rng, V_EMBD, 0.1)
-        tensors[f"{b}.ffn_up.weight"] = _mat(rng, V_FF, V_EMBD)
+        tensors[f"{b}.ffn_up.weight"] = random_matrix(rng, V_FF, V_EMBD)
         tensors[f"{b}.ffn_up.bias"] = _vec(rng, V_FF, 0.1)
-        tensors[f"{b}.ffn_down.weight"] = _mat(rng, V_EMBD, V_FF)
+        tensors[f"{b}.ffn_down.weight"] = random_matrix(rng, V_EMBD, V_FF)
         tensors[f"{b}.ffn_down.bias"] = _vec(rng, V_EMBD, 0.1)
     tensors.update({
         # the merger: LayerNorm (Qwen2-VL's ln_q), then an MLP from 2 × 2 patches to the language model's width
         "v.post_ln.weight": np.ones(V_EMBD, dtype=np.float32),
         "v.post_ln.bias": np.zeros(V_EMBD, dtype=np.float32),
-        "mm.0.weight": _mat(rng, merged, merged, 2.0),
+        "mm.0.weight": random_matrix(rng, merged, merged, 2.0),
         "mm.0.bias": _vec(rng, merged, 0.1),
-        "mm.2.weight": _mat(rng, N_EMBD, merged, 2.0),  # embeddings of about a token embedding's size
+        "mm.2.weight": random_matrix(rng, N_EMBD, merged, 2.0),  # embeddings of about a token embedding's size
         "mm.2.bias": _vec(rng, N_EMBD, 0.1),
     })
     with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), "clip")) as w:
