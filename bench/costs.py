@@ -63,8 +63,8 @@ def main() -> None:
         proc.wait(30)
 
     # the tokenizer alone, no limit: linear in the messages
-    from hydra_trio.engine.model import LoadedModel
-    from hydra_trio.engine.tokenize import tokenize_bytes
+    from hydra_trio.engine.llama.model import LoadedModel
+    from hydra_trio.engine.llama.tokenize import tokenize_bytes
     from hydra_trio.models.presets import _smollm2
 
     m = LoadedModel(_smollm2(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)

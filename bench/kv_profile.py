@@ -87,7 +87,7 @@ def node_main(argv: list[str]) -> int:
     """The node, with timers around the transfer path."""
     import llama_cpp
 
-    import hydra_trio.engine.state as state
+    import hydra_trio.engine.kv.state as state
     import hydra_trio.hydra.connection as connection
     import hydra_trio.hydra.ops as ops
     import hydra_trio.hydra.session as session

@@ -193,9 +193,9 @@ def prefill(base: str, tokens: list[int]) -> None:
 
 def grown_blob(blob: bytes, n: int, tokens: list[int]) -> bytes:
     """A one-stream blob of ``n`` cells made from a real one: positions 0..n-1, the real cells' KV rows
-    repeated, ``tokens[:n]`` as its token list (hydra_trio.engine.state's layout, llama.cpp's
+    repeated, ``tokens[:n]`` as its token list (hydra_trio.engine.kv.state's layout, llama.cpp's
     llama_kv_cache::state_write_meta / state_write_data), checksum resealed."""
-    from hydra_trio.engine.state import KV_ONE_STREAM, blob_checksum, parse_header
+    from hydra_trio.engine.kv.state import KV_ONE_STREAM, blob_checksum, parse_header
 
     h = parse_header(blob)
     assert h.kv_format == KV_ONE_STREAM, "a one-stream blob"

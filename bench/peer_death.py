@@ -11,7 +11,7 @@ tokens: the request fails and A falls back to SOLO.  Rounds after: A, then R
 again.
 
 A's worker thread stays inside that decode for good (ggml-RPC's dispatcher
-aborted); before it frees its OpenMP team (``engine/openmp.py``), libgomp
+aborted); before it frees its OpenMP team (``engine/llama/openmp.py``), libgomp
 counts two teams on 2 cores and throttles every barrier of SOLO's.  The row
 compares A's speed relative to R after the death with the same before it, so
 the machine's drift between the two halves cancels; the target is 0.95.

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
 from hydra_trio.engine.settings import INT32_MAX
-from hydra_trio.engine.state import HEADER_SIZE
+from hydra_trio.engine.kv.state import HEADER_SIZE
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
 from . import wire

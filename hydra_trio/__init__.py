@@ -15,14 +15,14 @@ client, the errors and ``resolve_model`` (a preset name or a path to a
 (PEP 562), so ``import hydra_trio.protocol`` or ``hydra_trio.hydra.client``
 does not load llama.cpp.  Importing the package also makes ``import llama_cpp`` load only
 llama-cpp-python's ctypes bindings, not its numpy-based ``Llama`` half, until something asks for
-a name of that half (:mod:`hydra_trio.engine.bindings`).
+a name of that half (:mod:`hydra_trio.engine.llama.bindings`).
 """
 
 from __future__ import annotations
 
 from ._version import __version__
 from ._lazy import lazy_exports
-from .engine.bindings import install as _install_llama_bindings
+from .engine.llama.bindings import install as _install_llama_bindings
 
 _install_llama_bindings()
 

@@ -31,7 +31,7 @@ EngineFailure         500   ERROR
 ====================  ====  ===============  =======================
 
 Subclasses elsewhere set their own (a state blob this node cannot take,
-:class:`hydra_trio.engine.state.StateError`, is HTTP 400 and Hydra ERROR).
+:class:`hydra_trio.engine.kv.state.StateError`, is HTTP 400 and Hydra ERROR).
 A bare ``ValueError`` does not mean "invalid request".
 """
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from hydra_trio import cli
-from hydra_trio.engine.ggml_backend import _lib_dir, clean_build_paths
+from hydra_trio.engine.llama.ggml_backend import _lib_dir, clean_build_paths
 from hydra_trio.models.presets import PRESETS, missing_distributions, resolve_model
 
 from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess, free_port
@@ -280,7 +280,7 @@ def test_builtin_templates_render_as_llama_cpp_and_stop_at_their_end_of_turn_tex
     """llama.cpp's own rendering (llama_chat_apply_template); the stop string is the text the
     template writes after an assistant turn, so a model whose end-of-turn token differs (gemma
     on chatml writes '<|im_end|>' as text) still stops there."""
-    from hydra_trio.engine.model import ChatTemplate
+    from hydra_trio.engine.llama.model import ChatTemplate
 
     t = ChatTemplate.builtin(name, "test")
     assert t([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]) == (prompt, stop)

@@ -117,7 +117,7 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     # both models stay resident: switching back uploads no expert tensors again (the first upload was > 150 MB)
     assert rpc_bytes(b.port) - before < 1_000_000
     assert complete(a.base) == dense
-    # one OpenMP team at a time (engine/openmp.py): the engine thread's team left at the flip, and the peer
+    # one OpenMP team at a time (engine/llama/openmp.py): the engine thread's team left at the flip, and the peer
     # worker frees its own once the slots are idle (the reply goes out just before); with both teams alive,
     # libgomp would throttle every barrier of both for good (SOLO at about 0.7x)
     threads_back = wait_for(lambda: (t := compute_threads(a.proc.pid)) < threads_solo
@@ -160,7 +160,7 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     meta = info(a.port)
     assert meta["peer_reachable"] is False and meta["combined_head_attached"] is False and meta["fallback_reason"]
     # the worker waits inside that decode for good (or its own thread aborted and parked); either way it
-    # released the OpenMP team it computed with (a stuck one on a signal, engine/openmp.py)
+    # released the OpenMP team it computed with (a stuck one on a signal, engine/llama/openmp.py)
     wait_for(lambda: "worker released its OpenMP threads" in a.log(), timeout=60, what="the worker's team freed")
     assert "keeps its OpenMP threads" not in a.log()
     assert complete(a.base) == dense
@@ -233,7 +233,7 @@ def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> No
     assert meta["mode"] == "solo" and meta["combined_head_attached"] is False and meta["peer_attach"] == "failed"
     assert meta["peer_reachable"] is False
     assert complete(a.base) == combined_text  # SOLO, not a 500 from a decode on the dead peer
-    # the engine thread's OpenMP team stayed: no second team next to a stuck worker's (engine/openmp.py)
+    # the engine thread's OpenMP team stayed: no second team next to a stuck worker's (engine/llama/openmp.py)
     assert compute_threads(a.proc.pid) - threads_solo == set()
     # and the log does not claim otherwise: the parked worker had released its team at the flip to SOLO
     assert "parked for good" in a.log() and "keeps its OpenMP threads" not in a.log()
@@ -243,7 +243,7 @@ def test_a_peer_that_died_while_solo_served_is_not_switched_back_to(spawn) -> No
 @pytest.mark.slow
 def test_a_peer_that_dies_mid_decode_leaves_one_openmp_team(spawn) -> None:
     """The peer dies while COMBINED decodes: the request fails, the head goes back to SOLO, and the worker
-    stuck inside that decode for good frees its OpenMP team (on a signal, engine/openmp.py), so SOLO's
+    stuck inside that decode for good frees its OpenMP team (on a signal, engine/llama/openmp.py), so SOLO's
     team is the only one and libgomp does not throttle SOLO's barriers (two teams on 2 cores: SOLO at
     0.80-0.94x; bench/peer_death.py measures it)."""
     b = spawn("--no-model")
@@ -309,7 +309,7 @@ def test_a_connection_that_breaks_while_combined_is_idle_leaves_one_openmp_team(
     """The head's ggml-RPC connection breaks while COMBINED is idle (a relay cuts it and keeps accepting:
     the watchdog sees nothing); the next request fails with the JSON error and the head goes back to SOLO.
     The worker, parked for good, must hold no OpenMP team: it released its team when the slots went idle
-    and checked the peer before computing again, so SOLO's team is the only one (engine/openmp.py)."""
+    and checked the peer before computing again, so SOLO's team is the only one (engine/llama/openmp.py)."""
     b = spawn("--no-model")
     b.wait_ready()
     with Relay(b.port) as relay:

@@ -15,7 +15,7 @@ import httpx
 import trio
 
 from hydra_trio import EngineConfig, ServerConfig, serve
-from hydra_trio.engine.scheduler import SHARE_MIN_TOKENS
+from hydra_trio.engine.batching.scheduler import SHARE_MIN_TOKENS
 from hydra_trio.models.presets import resolve_model
 
 N_CTX_SLOT = 256

@@ -19,7 +19,7 @@ from hydra_trio.openai.json_schema import (
     MAX_REPETITION, MAX_SCHEMA_DEPTH, SchemaError, integer_range_gbnf, schema_to_gbnf,
 )
 from hydra_trio.openai.schemas import MAX_CONTENT_PARTS, MAX_MESSAGES
-from hydra_trio.engine.sampling import GrammarError, check_grammar
+from hydra_trio.engine.batching.sampling import GrammarError, check_grammar
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess
@@ -272,8 +272,8 @@ def test_hydra_decode_refuses_a_chat_body_over_the_limits(server: ServerProcess)
 
 def test_linear_tokenizer_gives_llama_cpp_tokens() -> None:
     """Chunked tokenization equals one llama_tokenize call, special-token texts, BOS and all."""
-    from hydra_trio.engine.model import LoadedModel
-    from hydra_trio.engine.tokenize import PromptTooLong, tokenize_bytes
+    from hydra_trio.engine.llama.model import LoadedModel
+    from hydra_trio.engine.llama.tokenize import PromptTooLong, tokenize_bytes
     from hydra_trio.models.presets import _smollm2
 
     m = LoadedModel(_smollm2(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
@@ -297,7 +297,7 @@ def test_linear_tokenizer_gives_llama_cpp_tokens() -> None:
 
 
 def test_check_grammar_scan_offline() -> None:
-    from hydra_trio.engine import sampling
+    from hydra_trio.engine.batching import sampling
 
     assert sampling._scan('root ::= ("a"){3} [a-z]{2,5} x*')[1] == 3 + 5 * 5 + 2
     with pytest.raises(GrammarError, match="MAX_GRAMMAR_REPETITION"):
@@ -309,8 +309,8 @@ def test_tokenizing_stops_for_a_client_that_left() -> None:
     ``stop_when`` with the event set, tokenizing a long prompt raises Cancelled instead of finishing."""
     import threading
 
-    from hydra_trio.engine.model import LoadedModel
-    from hydra_trio.engine.tokenize import CHUNK_BYTES, stop_when
+    from hydra_trio.engine.llama.model import LoadedModel
+    from hydra_trio.engine.llama.tokenize import CHUNK_BYTES, stop_when
     from hydra_trio.errors import Cancelled
     from hydra_trio.models.presets import _smollm2
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from hydra_trio.engine.embedding import normalize
+from hydra_trio.engine.llama.embedding import normalize
 
 from .conftest import ServerProcess
 

@@ -1,4 +1,4 @@
-"""Typed engine work (:mod:`hydra_trio.engine.tasks`), slot states (:class:`~hydra_trio.engine.slots.SlotState`)
+"""Typed engine work (:mod:`hydra_trio.engine.tasks`), slot states (:class:`~hydra_trio.engine.batching.slots.SlotState`)
 and CONFIGURE's tier-1 defaults swapped in whole, in-process on a real engine (the packaged default model)."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hydra_trio import EngineConfig, resolve_model
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.engine.settings import RequestDefaults
-from hydra_trio.engine.slots import SlotState
+from hydra_trio.engine.batching.slots import SlotState
 from hydra_trio.engine.tasks import EngineTask, EraseSlot, RestoreSlot, SaveSlot, SetExpertMode
 from hydra_trio.errors import InvalidRequest
 from hydra_trio.service.metrics import NodeMetrics

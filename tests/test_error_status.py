@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 import hydra_trio
-from hydra_trio.engine.state import HEADER_SIZE, blob_checksum
+from hydra_trio.engine.kv.state import HEADER_SIZE, blob_checksum
 from hydra_trio.errors import (BodyError, BodyTimeout, BodyTooLarge, Busy, Cancelled, EngineFailure, HydraTrioError,
                                InvalidRequest, NoModel, NotFound, NotReady, NotSupported, Overloaded)
 from hydra_trio.protocol.hydra import Op, Status

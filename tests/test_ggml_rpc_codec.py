@@ -104,7 +104,7 @@ def refused(conn: GgmlRpcConnection, data: bytes) -> str:
 # ---------------------------------------------------------------- tables
 def test_type_sizes_come_from_gguf_and_are_checked_against_this_ggml() -> None:
     """gguf.GGML_QUANT_SIZES against the ggml this node runs (ggml_blck_size / ggml_type_size via ctypes)."""
-    from hydra_trio.engine.ggml_backend import type_traits
+    from hydra_trio.engine.llama.ggml_backend import type_traits
     from hydra_trio.rpc_backend.backend import RpcBackend
 
     live = type_traits(g.GGML_TYPE_COUNT)

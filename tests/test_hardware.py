@@ -11,7 +11,7 @@ import uuid
 import httpx
 import pytest
 
-from hydra_trio.engine.ggml_backend import build_backends
+from hydra_trio.engine.llama.ggml_backend import build_backends
 
 from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess
 from .test_cli_flags import hydra_info

@@ -22,7 +22,7 @@ import trio
 import trio.testing
 
 from hydra_trio.transport.access import AccessSettings, AllowList, Peer
-from hydra_trio.engine.blobbuf import BlobBuffer
+from hydra_trio.engine.kv.blobbuf import BlobBuffer
 from hydra_trio.hydra.connection import ServerConnection
 from hydra_trio.hydra.server import HydraHandler
 from hydra_trio.hydra.session import Drain, HydraRequest, HydraSettings, serve_connection

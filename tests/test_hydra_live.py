@@ -10,7 +10,7 @@ import uuid
 import httpx
 import pytest
 
-from hydra_trio.engine.state import HEADER_SIZE, blob_checksum
+from hydra_trio.engine.kv.state import HEADER_SIZE, blob_checksum
 from hydra_trio.protocol.hydra import (
     DECODE_FLAG_FINAL,
     DECODE_FLAG_PAD,

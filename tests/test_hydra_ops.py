@@ -153,7 +153,7 @@ async def test_busy_slot_refuses_prefill_decode_and_state_put_with_busy() -> Non
 
 @attrs.frozen
 class FailRunning(EngineTask):
-    """Engine thread, between two steps: what the engine does when a step raises (``Engine._loop``) —
+    """Engine thread, between two steps: what the engine does when a step raises (``EngineLoop._serve``) —
     every running request fails with an EngineFailure and its slot's half-decoded KV is dropped.
     Returns the slots that were running."""
 

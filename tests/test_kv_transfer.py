@@ -19,8 +19,8 @@ import trustme
 
 from hydra_trio import EngineConfig, ServerConfig
 from hydra_trio.transport.net import BULK_WRITE, recv_into_view, send_view
-from hydra_trio.engine.blobbuf import TAIL_ROOM, TRANSFER_POOL, BlobBuffer, BlobPool
-from hydra_trio.engine.state import verify_checksum
+from hydra_trio.engine.kv.blobbuf import TAIL_ROOM, TRANSFER_POOL, BlobBuffer, BlobPool
+from hydra_trio.engine.kv.state import verify_checksum
 from hydra_trio.transport.frontdoor import FrontDoorSettings
 from hydra_trio.hydra.client import HydraClient
 from hydra_trio.hydra.session import HydraSettings

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from hydra_trio.engine.state import verify_checksum
+from hydra_trio.engine.kv.state import verify_checksum
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
 from .conftest import wait_for

@@ -1,5 +1,5 @@
 """A node's resident memory: what it does not import, the heap it gives back, and the two
-stand-ins that make it so (``hydra_trio.engine.bindings``, ``hydra_trio.engine.jinja_chat``)."""
+stand-ins that make it so (``hydra_trio.engine.llama.bindings``, ``hydra_trio.engine.llama.jinja_chat``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_the_node_modules_import_none_of_the_heavy_ones() -> None:
     loaded = json.loads(_python(
         "import json, sys\n"
         "import hydra_trio.cli, hydra_trio.cli.run, hydra_trio.node.server, hydra_trio.openai.embeddings\n"
-        "import hydra_trio.engine.engine, hydra_trio.engine.model\n"
+        "import hydra_trio.engine.engine, hydra_trio.engine.llama.model\n"
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules] + [len(sys.modules)]))"))
     *heavy, n = loaded
     assert heavy == []
@@ -109,11 +109,11 @@ def _render(fmt: object, messages: list, tools: list | None, kwargs: dict) -> st
 
 @pytest.mark.parametrize("name", [*TEMPLATES, "the default model's GGUF template"])
 def test_the_jinja_renderer_renders_as_llama_cpp_python(name: str) -> None:
-    """:class:`~hydra_trio.engine.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` whose behaviour it follows,
+    """:class:`~hydra_trio.engine.llama.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` whose behaviour it follows,
     on the same templates, messages, tools and extra variables: the same prompt, or the same error."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from hydra_trio.engine.jinja_chat import JinjaChatFormatter
+    from hydra_trio.engine.llama.jinja_chat import JinjaChatFormatter
 
     text = TEMPLATES.get(name) or _gguf_chat_template()
     theirs = Jinja2ChatFormatter(template=text, eos_token="</s>", bos_token="<s>", add_generation_prompt=True)
@@ -131,7 +131,7 @@ def test_the_jinja_renderer_renders_as_llama_cpp_python(name: str) -> None:
 def test_a_template_that_does_not_compile_is_refused_as_before() -> None:
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    from hydra_trio.engine.jinja_chat import JinjaChatFormatter
+    from hydra_trio.engine.llama.jinja_chat import JinjaChatFormatter
 
     errors = []
     for cls in (Jinja2ChatFormatter, JinjaChatFormatter):

@@ -10,9 +10,9 @@ import sys
 import httpx
 import pytest
 
-from hydra_trio.engine.ggml_backend import GgufHeader
-from hydra_trio.engine.model import LoadedModel, ModelLoadError
-from hydra_trio.engine.placement import Placement, PlacementError, check_placement
+from hydra_trio.engine.llama.ggml_backend import GgufHeader
+from hydra_trio.engine.llama.model import LoadedModel, ModelLoadError
+from hydra_trio.engine.llama.placement import Placement, PlacementError, check_placement
 from hydra_trio.engine.settings import LlamaOptions
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status

@@ -12,7 +12,7 @@ import uuid
 
 import httpx
 
-from hydra_trio.engine.scheduler import SHARE_MIN_TOKENS
+from hydra_trio.engine.batching.scheduler import SHARE_MIN_TOKENS
 
 from .conftest import ServerProcess
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from hydra_trio import EngineConfig, ServerConfig
-from hydra_trio.engine.prompt_cache import MIN_TOKENS
+from hydra_trio.engine.batching.prompt_cache import MIN_TOKENS
 from hydra_trio.engine.tasks import EngineTask
 from hydra_trio.models.presets import resolve_model
 
@@ -222,7 +222,7 @@ def test_erase_and_a_new_context_drop_the_entries(embedded: Any) -> None:
         back = a.turn(c)
         assert cached(back) == 0
         # a new context (CONFIGURE n_ctx): every entry goes
-        on_engine(embedded, lambda e: e.reconfigure(n_ctx=2048 + 256))
+        on_engine(embedded, lambda e: e.models.reconfigure(n_ctx=2048 + 256))
         assert cache_info(c)["entries"] == 0 and embedded.engine.prompt_cache.evicted["reload"] >= 1
         assert cached(b.turn(c)) < MIN_TOKENS
-        on_engine(embedded, lambda e: e.reconfigure(n_ctx=2048))
+        on_engine(embedded, lambda e: e.models.reconfigure(n_ctx=2048))

@@ -75,7 +75,7 @@ def test_kv_moves_between_quants_when_the_node_allows_it(server: ServerProcess, 
     import json
     import struct
 
-    from hydra_trio.engine.state import blob_checksum
+    from hydra_trio.engine.kv.state import blob_checksum
     from hydra_trio.protocol.hydra import Op, Status
 
     from hydra_trio.testing.hydra_wire import Wire
@@ -262,7 +262,7 @@ def test_a_combined_head_swaps_only_the_experts_on_its_peer(spawn) -> None:
 def test_a_blob_whose_identity_nests_too_deep_is_refused_and_the_connection_lives(server: ServerProcess) -> None:
     import struct
 
-    from hydra_trio.engine.state import HEADER_SIZE, blob_checksum, parse_header
+    from hydra_trio.engine.kv.state import HEADER_SIZE, blob_checksum, parse_header
     from hydra_trio.protocol.hydra import Op, Status
 
     from hydra_trio.testing.hydra_wire import Wire

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from hydra_trio.engine.state import HEADER_SIZE, StateError, parse_header, verify_checksum
+from hydra_trio.engine.kv.state import HEADER_SIZE, StateError, parse_header, verify_checksum
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import wait_for

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from hydra_trio import EngineConfig, ServerConfig
-from hydra_trio.engine import state
+from hydra_trio.engine.kv import state
 from hydra_trio.models.presets import resolve_model
 
 from .conftest import embedded_node, streaming

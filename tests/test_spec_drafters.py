@@ -403,8 +403,8 @@ def test_defaults_and_flag_spellings_are_llama_servers() -> None:
     assert prefixed <= set(ours) <= set(llama) and len(ours) > 80  # every such option, each spelling llama-server's
     assert all(ours[n].env is None or ours[n].env in llama[n] for n in ours)
     assert all((ours[n].env is not None) == bool(llama[n]) for n in ours)
-    assert all(not n.startswith("--spec") or n.startswith("--spec-suffix") for o in SPEC_OPTIONS if o.own
-               for n in o.names) and not {n for o in SPEC_OPTIONS if o.own for n in o.names} & set(llama)
+    assert all(not n.startswith("--spec") or n.startswith(("--spec-suffix-", "--spec-budget-"))
+               for o in SPEC_OPTIONS if o.own for n in o.names) and not {n for o in SPEC_OPTIONS if o.own for n in o.names} & set(llama)
 
 
 def test_suffix_takes_more_tokens_per_step_than_llama_servers_types_on_an_agent_session() -> None:

@@ -68,7 +68,7 @@ SAMPLE: dict[str, tuple[str, object]] = {
     "suffix_max_spec_offset": ("-1", -1.0),
     "suffix_min_token_prob": ("0.5", 0.5),
     "suffix_cache_tokens": ("1000", 1000),
-    "draft_row_cost": ("0.5", 0.5),
+    "budget_row_cost": ("0.5", 0.5),
 }
 VALUED = [(name, opt) for opt in SPEC_OPTIONS if opt.field and opt.value and opt.field != "draft_hf_repo"
           for name in opt.names]

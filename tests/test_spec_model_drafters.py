@@ -22,7 +22,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from hydra_trio.engine.model import LoadedModel, init_backend
+from hydra_trio.engine.llama.model import LoadedModel, init_backend
 from hydra_trio.engine.settings import LlamaOptions
 from hydra_trio.engine.speculative import reasons
 from hydra_trio.engine.speculative.base import Drafter, DraftRequest

@@ -1,11 +1,11 @@
-"""The thinking budget's state machine (:mod:`hydra_trio.engine.thinking_budget`), sans-I/O: token pieces in,
+"""The thinking budget's state machine (:mod:`hydra_trio.engine.batching.thinking_budget`), sans-I/O: token pieces in,
 forced tokens out, as llama-server's ``common/reasoning-budget.cpp`` behaves."""
 
 from __future__ import annotations
 
 import pytest
 
-from hydra_trio.engine.thinking_budget import COUNTING, DONE, FORCING, IDLE, WAITING_UTF8, BudgetSpec, ThinkingBudget
+from hydra_trio.engine.batching.thinking_budget import COUNTING, DONE, FORCING, IDLE, WAITING_UTF8, BudgetSpec, ThinkingBudget
 
 FORCED = (900, 901, 902)  # e.g. "</", "think", ">"
 

@@ -26,7 +26,7 @@ import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 import pytest
 
-from hydra_trio.engine.model import init_backend
+from hydra_trio.engine.llama.model import init_backend
 from hydra_trio.models import tiny_vision
 from hydra_trio.models.presets import PRESETS, resolve_model
 from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, wait_healthy

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from hydra_trio.validation.strict import MessageError
 from hydra_trio.openai.replies import ResponseContext
-from hydra_trio.engine.slots import StopStringMatcher
+from hydra_trio.engine.batching.slots import StopStringMatcher
 from hydra_trio.openai.replies import sse as _sse
 from hydra_trio.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from hydra_trio.models.presets import PresetError, resolve_model

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from hydra_trio import EngineConfig, ServerConfig
-from hydra_trio.engine import state
-from hydra_trio.engine.blobbuf import BlobBuffer
-from hydra_trio.engine.state import blob_checksum, parse_header
+from hydra_trio.engine.kv import state
+from hydra_trio.engine.kv.blobbuf import BlobBuffer
+from hydra_trio.engine.kv.state import blob_checksum, parse_header
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, encode_request_header
 

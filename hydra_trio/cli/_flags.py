@@ -86,7 +86,7 @@ def version_text() -> str:
         llama = importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError:
         llama = "not installed"
-    from ..engine.ggml_backend import build_backends
+    from ..engine.llama.ggml_backend import build_backends
 
     backends = ", ".join(build_backends()) or "none"
     return f"hydra-trio {__version__} (llama-cpp-python {llama}, backends {backends}, Python {sys.version.split()[0]})"

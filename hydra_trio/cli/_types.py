@@ -248,6 +248,25 @@ def directory(text: str) -> Path:
     return Path(os.path.expanduser(text))
 
 
+def existing_directory(text: str) -> Path:
+    """An existing directory (llama-server's ``--media-path``: ``not a directory: PATH``)."""
+    path = Path(os.path.expanduser(text))
+    if not text or not path.is_dir():
+        raise argparse.ArgumentTypeError(f"not a directory: {text}")
+    return path
+
+
+def mmproj_device(text: str) -> str:
+    """``-mmdev DEVICE``: ``none`` (not offloaded) or one device name (llama-server: ``only one device may be
+    specified for mmproj``); whether this machine has it is checked when the node starts."""
+    if text == "none":
+        return text
+    names = csv(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError("only one device may be specified for mmproj")
+    return names[0]
+
+
 def secret(text: str) -> str:
     """A non-empty key or token without surrounding whitespace."""
     if not text.strip() or text != text.strip():
@@ -301,7 +320,7 @@ def cpu_range(text: str) -> int:
 def chat_template_value(text: str) -> tuple[str, str]:
     """``--chat-template NAME|FILE|JINJA`` (llama-server's flag): a built-in template name, a Jinja file, or
     Jinja text.  Returns ``(name or Jinja text, what it is for the log)``."""
-    from ..engine.model import builtin_chat_templates
+    from ..engine import builtin_chat_templates
 
     if text in builtin_chat_templates():
         return text, f"built-in {text!r}"
@@ -327,7 +346,7 @@ def chat_template_file(path: str) -> tuple[str, str]:
 
 
 def _check_template(text: str, jinja: bool = False) -> str:
-    from ..engine.model import check_chat_template
+    from ..engine import check_chat_template
 
     return check_chat_template(text, jinja=jinja)
 

@@ -84,7 +84,7 @@ def _models_install(args: argparse.Namespace) -> int:
 
 def _models_templates(args: argparse.Namespace) -> int:
     """``hydra-trio models templates``: llama.cpp's built-in chat template names, one a line."""
-    from ..engine.model import builtin_chat_templates
+    from ..engine import builtin_chat_templates
 
     print("\n".join(builtin_chat_templates()))
     return 0

@@ -18,7 +18,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.speculative.reasons import UNSUPPORTED
+from ..engine import UNSUPPORTED
 from ..engine.speculative.settings import (
     SPEC_OPTIONS,
     SpecOption,
@@ -109,7 +109,8 @@ def _flag(opt: SpecOption) -> Flag:
     elif opt.field is None:  # --spec-default
         lands = "EngineConfig.speculative.types, .ngram_mod_*"
     if opt.field is not None and opt.default is not None and "(default" not in note:
-        note += f" (default: {'auto' if opt.field == 'draft_n_gpu_layers' else _shown(opt.default)})"
+        auto = opt.field in ("draft_n_gpu_layers", "budget_row_cost")  # -1: auto
+        note += f" (default: {'auto' if auto else _shown(opt.default)})"
     return Flag(opt.names, kind, note, neg=opt.neg, value=opt.value, env=opt.env, group=group, lands=lands,
                 action=_Given, type=None if opt.value is None else _checker(opt),
                 extra={"nargs": 0} if opt.value is None else {})

@@ -1,16 +1,16 @@
-"""SWAP_QUANT: a node's quantizations of its model, and swapping the whole model between them.
+"""SWAP_QUANT: a node's quantizations of its model (:class:`QuantSet`), and the rules of swapping between them.
 
 A node knows its quantizations by key (``--quant KEY=PATH_OR_ALIAS``,
 repeatable; the model loaded at start is the one whose path matches, else
 key ``default``).  A swap loads the other file, moves every slot's KV cache
 into it when both files have the same KV identity
-(:mod:`hydra_trio.engine.kv_identity`: e.g. Q4_1 and Q8_0 of one model), and
-frees the old model.  It is whole or nothing: when the new file does not
+(:mod:`hydra_trio.engine.kv.kv_identity`: e.g. Q4_1 and Q8_0 of one model), and
+frees the old model (:meth:`~hydra_trio.engine.lifecycle.ModelLifecycle.swap_quant`).  It is whole or nothing: when the new file does not
 load, the old model keeps serving.  Peak memory during a swap: the old model,
 the new one and one KV blob per slot that holds tokens.
 
 On a COMBINED head, a ``tensor_pattern`` that picks exactly the tensors on
-the peer swaps only those (:func:`swap_peer_tensors`): llama.cpp loads a
+the peer swaps only those (:meth:`~hydra_trio.engine.lifecycle.ModelLifecycle.swap_peer_tensors`): llama.cpp loads a
 model from one file, so a file is made with the head's own tensors from the
 current model and the peer's from the other quant
 (:func:`~hydra_trio.models.quant.merge_tensors`, cached), and the COMBINED
@@ -22,15 +22,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import EngineFailure, InvalidRequest
-from .combined import PeerError
-from .kv_identity import identity_hash, kv_identity
-from .model import LoadedModel, ModelIdentity, sha256_file
-from .state import StateError, restore_slot, save_slot
+from .llama.model import sha256_file
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -84,99 +79,6 @@ class QuantSet:
     def snapshot(self) -> dict[str, Any]:
         """INFO's keys: ``quants`` (the keys) and ``quant`` (the active key, or None)."""
         return {"quants": self.keys, "quant": self.active}
-
-
-def swap_quant(engine: Any, key: str) -> dict[str, Any]:
-    """Engine thread, every slot idle: make quant ``key`` the served model of ``engine`` (an
-    :class:`~hydra_trio.engine.engine.Engine`); returns SWAP_QUANT's meta.
-
-    Meta: ``swapped`` (False when ``key`` is already active), ``quant``,
-    ``bytes`` (the size of the file loaded), ``swap_ms``, ``kv_preserved``
-    (every slot kept its KV cache: same KV identity), ``slots_preserved``, and
-    the new model's identity keys.
-
-    Raises:
-        InvalidRequest: an unknown key, or a COMBINED head (switch to SOLO first).
-        EngineFailure: the file did not load; the old model still serves.
-    """
-    qs = engine.quants
-    if key not in qs.paths:
-        known = ", ".join(qs.keys) or "none: start the node with --quant KEY=PATH_OR_ALIAS"
-        raise InvalidRequest(f"quant {key!r} is not one of this node's quants ({known})")
-    if str(engine.experts.mode) != "solo":
-        raise InvalidRequest(f"SWAP_QUANT of the whole model while {str(engine.experts.mode).upper()} serves: switch "
-                             "to SOLO first (the attached model is then freed by the swap)")
-    old = engine.experts.solo
-    old_identity = engine.identity
-    assert old is not None and old_identity is not None
-    if key == qs.active:
-        return {"swapped": False, "quant": key, "bytes": 0, "swap_ms": 0.0, "kv_preserved": True,
-                "slots_preserved": sum(1 for s in engine.slots if s.n_past), **old_identity.as_meta()}
-    path, alias = qs.paths[key]
-    t0 = time.perf_counter()
-    try:
-        new = LoadedModel(path, n_ctx=old.n_ctx, n_parallel=old.n_parallel, n_batch=old.n_batch,
-                          n_threads=engine.config.n_threads, chat_template=engine.config.chat_template,
-                          options=old.options, chat_template_kwargs=old.chat_template_kwargs)
-    except Exception as exc:
-        raise EngineFailure(f"quant {key!r} ({path}) did not load: {exc}; the node still serves "
-                            f"{qs.active or old.path.name}") from None
-    try:
-        identity = ModelIdentity(model_alias=alias or path.stem, model_path=str(path), model_hash=qs.file_hash(path),
-                                 kv_identity_hash=identity_hash(kv_identity(new)))
-        kv_preserved = identity.kv_identity_hash == old_identity.kv_identity_hash
-        blobs = ([(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in engine.slots if s.n_past]
-                 if kv_preserved else [])
-    except Exception:
-        new.close()
-        raise
-    engine.install_model(new, identity)
-    qs.loaded(path, key)
-    preserved = 0
-    for id_slot, blob in blobs:
-        try:
-            restore_slot(new, engine.slots[id_slot], blob, identity.model_hash, allow_cross_model_kv=True)
-            preserved += 1
-        except StateError as exc:  # the slot stays empty
-            log.warning("SWAP_QUANT: slot %d's KV cache did not move to %s: %s", id_slot, key, exc)
-            kv_preserved = False
-    ms = (time.perf_counter() - t0) * 1e3
-    log.info("SWAP_QUANT to %s (%s) in %.0f ms; %d slot(s) kept their KV cache", key, path.name, ms, preserved)
-    return {"swapped": True, "quant": key, "bytes": path.stat().st_size, "swap_ms": round(ms, 3),
-            "kv_preserved": kv_preserved, "slots_preserved": preserved, **identity.as_meta()}
-
-
-def swap_peer_tensors(engine: Any, key: str) -> dict[str, Any]:
-    """Engine thread, every slot idle, a COMBINED head: the tensors on the peer (the experts) from
-    quant ``key``, the head's own tensors as they are; returns SWAP_QUANT's meta (``bytes``: what was
-    uploaded to the peer; ``kv_preserved`` false: the COMBINED model's KV cache starts empty).
-
-    Raises:
-        InvalidRequest: an unknown key, no COMBINED model, or a quant file without those tensors.
-        EngineFailure: the new COMBINED model did not build (the node is back in SOLO, saying why).
-    """
-    import hashlib
-
-    qs, experts = engine.quants, engine.experts
-    if key not in qs.paths:
-        raise InvalidRequest(f"quant {key!r} is not one of this node's quants ({', '.join(qs.keys)})")
-    if experts.combined is None:
-        raise InvalidRequest("a tensor_pattern swaps the tensors on the COMBINED peer; no COMBINED model is attached")
-    base, other = experts.solo.path, qs.paths[key][0]
-    tag = hashlib.sha256(f"{base}|{other}|{experts.pattern}".encode()).hexdigest()[:12]
-    dst = cache_dir() / f"{base.stem}+{key}-peer-tensors-{tag}.gguf"
-    try:
-        if not dst.is_file():
-            merge_tensors(base, other, experts.pattern, dst)
-    except ValueError as exc:
-        raise InvalidRequest(f"quant {key!r}: {exc}") from None
-    try:
-        meta = experts.replace_peer_tensors(dst, key)
-    except PeerError as exc:
-        raise EngineFailure(str(exc)) from None
-    log.info("SWAP_QUANT: the tensors on peer %s now come from %s (%s), in %.0f ms", experts.peer, key,
-             other.name, meta["swap_ms"])
-    return meta
 
 
 def merge_tensors(base: Path, other: Path, pattern: str, dst: Path) -> Path:

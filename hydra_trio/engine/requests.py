@@ -21,9 +21,10 @@ import attrs
 import trio
 
 from ..errors import HydraTrioError, Stopping
-from .blobbuf import BlobBuffer
+from ..protocol.media import MediaPrompt
+from .kv.blobbuf import BlobBuffer
 from .settings import SamplingParams
-from .thinking_budget import BudgetSpec
+from .batching.thinking_budget import BudgetSpec
 
 # ---------------------------------------------------------------------------
 # What a request asks for
@@ -84,7 +85,7 @@ class CompletionJob:
         t_max_predict_ms: stop (``length``) once generation has run this many milliseconds,
             measured from the first generated token, at a token whose text holds a newline
             (llama-server's ``t_max_predict_ms``); 0: no limit.
-        reasoning_budget: the thinking budget (:class:`~hydra_trio.engine.thinking_budget.BudgetSpec`:
+        reasoning_budget: the thinking budget (:class:`~hydra_trio.engine.batching.thinking_budget.BudgetSpec`:
             after that many tokens inside the thinking block its end marker is forced); None: none.
         special: generated special tokens are written into the text as their text (llama-server's
             ``-sp/--special``); otherwise they add no text.
@@ -92,6 +93,10 @@ class CompletionJob:
             node's.  The engine never reads it: how a reply is shaped stays with the front end.
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
+        media: a prompt with media (:class:`~hydra_trio.protocol.media.MediaPrompt`: the text with one media
+            marker per item, and the items); the prompt is then ``media.text`` tokenized by ``mtmd_tokenize``,
+            and ``prompt_tokens`` holds only its text's tokens without the markers (a lower bound of its length).
+            None: a text prompt.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -124,6 +129,7 @@ class CompletionJob:
     reasoning_format: str | None = None
     stream: bool = False
     timings_per_token: bool = False
+    media: MediaPrompt | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -336,7 +342,7 @@ class StepHandOff:
     wake-up of the trio loop per batching step, instead of one per generated
     token of each request (llama-server's ``update_slots`` likewise sends a
     step's results to its HTTP threads after the step).  The engine runs each
-    :meth:`Scheduler.step <hydra_trio.engine.scheduler.Scheduler.step>` inside
+    :meth:`Scheduler.step <hydra_trio.engine.batching.scheduler.Scheduler.step>` inside
     :meth:`collect`; what it emits elsewhere (a call that fails requests, the
     shutdown) goes at once, after anything held.
     """

@@ -64,6 +64,7 @@ from typing import Any
 import attrs
 
 from ..errors import InvalidRequest, ModelLoadError
+from ..protocol.media import MediaSettings
 from .speculative.settings import SpecSettings
 
 DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
@@ -234,7 +235,7 @@ class SamplingParams:
 
     Defaults are llama.cpp's ``common_params_sampling`` (``common/common.h``)
     at the version this package runs; the sampler order is llama-server's
-    (:func:`hydra_trio.engine.sampling.build_sampler`).
+    (:func:`hydra_trio.engine.batching.sampling.build_sampler`).
     ``temperature <= 0`` means greedy.  ``seed`` None (or -1) picks a random seed.
 
     Raises:
@@ -412,9 +413,9 @@ def kv_cache_problem(flash_attn: str, cache_type_k: str, cache_type_v: str) -> s
 class LlamaOptions:
     """llama.cpp model and context parameters from llama-server's flags (names in comments).
 
-    Applied when a model loads (:class:`hydra_trio.engine.model.LoadedModel`); the placement ones
+    Applied when a model loads (:class:`hydra_trio.engine.llama.model.LoadedModel`); the placement ones
     (``n_gpu_layers``, ``split_mode``, ``tensor_split``, ``main_gpu``, ``devices``, ``tensor_overrides``,
-    ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) as :class:`hydra_trio.engine.placement.Placement` builds them,
+    ``cpu_moe``, ``n_cpu_moe``, ``n_cpu_ffn``) as :class:`hydra_trio.engine.llama.placement.Placement` builds them,
     in llama-server's way (without a GPU nothing is offloaded; the overrides still apply).
 
     Raises:
@@ -483,7 +484,7 @@ class EngineConfig:
         chat_template: ``--chat-template``: None for the GGUF's own template
             (llama.cpp's built-in ``chatml`` when the GGUF has none, as
             llama-server does), a built-in template name or Jinja text
-            (see :class:`~hydra_trio.engine.model.ChatTemplate`).
+            (see :class:`~hydra_trio.engine.llama.model.ChatTemplate`).
         allow_cross_model_kv: STATE_PUT takes a blob of another model file
             with the same KV identity (``--allow-cross-model-kv``; e.g. another
             quantization of the same model); also CONFIGURE ``allow_cross_model_kv``.
@@ -525,18 +526,18 @@ class EngineConfig:
             cut back (recurrent, hybrid, SWA without ``--swa-full``): a diverging prompt restores the
             latest one at or before the common prefix instead of evaluating everything again
             (``--ctx-checkpoints``; 0 = none; default 32 as llama-server;
-            :mod:`hydra_trio.engine.checkpoints`).
+            :mod:`hydra_trio.engine.batching.checkpoints`).
         checkpoint_min_step: once a slot's checkpoints are full, earlier requests' checkpoints
             closer than this many tokens to the previous one are dropped first
             (``--checkpoint-min-step``; default 8192 as llama-server).
         cache_ram_mib: the host-RAM prompt cache's budget in MiB (``--cache-ram``; -1 no limit, 0 off;
             8192 as llama-server): slots' KV states kept, keyed by their tokens, and restored for a
-            prompt that starts with them (:mod:`hydra_trio.engine.prompt_cache`).
+            prompt that starts with them (:mod:`hydra_trio.engine.batching.prompt_cache`).
         cache_idle_slots: keep idle slots' states in that cache too, when the engine goes idle
             (``--cache-idle-slots``; on as llama-server; nothing without ``cache_ram_mib``).
         embd_normalize: how pooled embeddings are normalized when a request does not say
             (``--embd-normalize``: -1 none, 0 max-abs int16, 1 taxicab, 2 Euclidean, p > 2 p-norm;
-            see :func:`hydra_trio.engine.embedding.normalize`).  ``embeddings`` (``--embedding``) and
+            see :func:`hydra_trio.engine.llama.embedding.normalize`).  ``embeddings`` (``--embedding``) and
             ``pooling`` (``--pooling``) are context parameters and live in :attr:`llama`.
         max_embedding_inputs: the most inputs one embeddings request may hold (``--max-embedding-inputs``;
             2048, OpenAI's limit on an ``input`` array; llama-server has none): more are a 400 naming it.
@@ -546,7 +547,7 @@ class EngineConfig:
         reasoning_budget: thinking budget in tokens (``--reasoning-budget``): -1 unrestricted,
             0 no thinking (``enable_thinking`` false for the template, as llama-server), N > 0: after
             N tokens inside the thinking block its end marker is forced
-            (:mod:`hydra_trio.engine.thinking_budget`); a request's ``thinking_budget_tokens`` /
+            (:mod:`hydra_trio.engine.batching.thinking_budget`); a request's ``thinking_budget_tokens`` /
             ``reasoning_budget_tokens`` overrides it.
         reasoning_budget_message: text forced before the end marker when the budget is spent
             (``--reasoning-budget-message``; a request's ``reasoning_budget_message`` overrides it).
@@ -556,6 +557,8 @@ class EngineConfig:
             no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
         speculative: speculative decoding: ``--spec-type`` and the ``--spec-*`` parameters
             (:class:`hydra_trio.engine.speculative.settings.SpecSettings`; ``draft_model`` is a resolved path).
+        media: the multimodal projector and its settings (``--mmproj`` ...;
+            :class:`hydra_trio.protocol.media.MediaSettings`); its ``mmproj`` None: the node takes no media.
 
     Raises:
         ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
@@ -604,3 +607,4 @@ class EngineConfig:
     generation: GenerationDefaults = GenerationDefaults()
     skip_chat_parsing: bool = False
     speculative: SpecSettings = SpecSettings()
+    media: MediaSettings = MediaSettings()

@@ -31,13 +31,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from ..errors import Busy
-from . import quants
-from .combined import PeerLost
-from .embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
+from .experts.combined import PeerLost
+from .llama.embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
 
 if TYPE_CHECKING:
-    from .embedding import Embedding
-    from .state import Restored
+    from .llama.embedding import Embedding
+    from .kv.state import Restored
 
 log = logging.getLogger("hydra_trio.control")
 
@@ -94,9 +93,9 @@ class EngineTask:
         return result
 
     def run(self, engine: Any) -> Any:  # pragma: no cover - every subclass overrides it
-        """Engine thread: do the work on ``engine`` (the :class:`~hydra_trio.engine.engine.Engine`; typed Any
-        as in :mod:`.quants`, since ``engine.py`` imports this module); return the caller's result, raise
-        the caller's error."""
+        """Engine thread: do the work on ``engine`` (the :class:`~hydra_trio.engine.engine.Engine`; typed Any,
+        since ``engine.py`` imports this module): its ``scheduler`` (the slots), ``models`` (the model's
+        lifecycle), ``experts`` or ``loop``; return the caller's result, raise the caller's error."""
         raise NotImplementedError
 
 
@@ -133,7 +132,7 @@ class Stop(EngineTask):
     kind: ClassVar[str] = "stop"
 
     def run(self, engine: Any) -> None:
-        engine.stop_loop()
+        engine.loop.stop()
 
 
 @attrs.frozen
@@ -142,10 +141,10 @@ class SaveSlot(EngineTask):
 
     kind: ClassVar[str] = "save_slot"
     id_slot: int
-    pool: Any = None  # a BlobPool (engine/blobbuf.py): the blob's buffer comes from it; None: a new one
+    pool: Any = None  # a BlobPool (engine/kv/blobbuf.py): the blob's buffer comes from it; None: a new one
 
     def run(self, engine: Any) -> tuple[int, Any]:
-        return engine.save_slot(self.id_slot, pool=self.pool)
+        return engine.scheduler.save_slot(self.id_slot, pool=self.pool)
 
 
 @attrs.frozen
@@ -162,7 +161,8 @@ class RestoreSlot(EngineTask):
     checksum_verified: bool = False
 
     def run(self, engine: Any) -> Restored:
-        return engine.restore_slot(self.id_slot, self.blob, checksum_verified=self.checksum_verified)
+        return engine.scheduler.restore_slot(self.id_slot, self.blob, allow_cross_model_kv=engine.allow_cross_model_kv,
+                                             checksum_verified=self.checksum_verified)
 
 
 @attrs.frozen
@@ -173,7 +173,7 @@ class EraseSlot(EngineTask):
     id_slot: int
 
     def run(self, engine: Any) -> int:
-        return engine.erase_slot(self.id_slot)
+        return engine.scheduler.erase_slot(self.id_slot)
 
 
 @attrs.frozen
@@ -192,8 +192,8 @@ class Reconfigure(EngineTask):
                                        if getattr(self, k) is not None)
 
     def run(self, engine: Any) -> dict[str, Any]:
-        return engine.reconfigure(n_ctx=self.n_ctx, n_parallel=self.n_parallel, model_path=self.model_path,
-                                  model_alias=self.model_alias)
+        return engine.models.reconfigure(n_ctx=self.n_ctx, n_parallel=self.n_parallel,
+                                         model_path=self.model_path, model_alias=self.model_alias)
 
 
 @attrs.frozen
@@ -239,8 +239,9 @@ class PeerGone(EngineTask):
 
 @attrs.frozen
 class SwapQuant(EngineTask):
-    """SWAP_QUANT to quant ``key``: :func:`~hydra_trio.engine.quants.swap_quant`, or with ``experts_only`` only the
-    tensors on a COMBINED head's peer (:func:`~hydra_trio.engine.quants.swap_peer_tensors`)."""
+    """SWAP_QUANT to quant ``key``: :meth:`~hydra_trio.engine.lifecycle.ModelLifecycle.swap_quant`, or with
+    ``experts_only`` only the tensors on a COMBINED head's peer
+    (:meth:`~hydra_trio.engine.lifecycle.ModelLifecycle.swap_peer_tensors`)."""
 
     kind: ClassVar[str] = "swap_quant"
     exclusive: ClassVar[bool] = True
@@ -251,7 +252,8 @@ class SwapQuant(EngineTask):
         return f"swap_quant {self.key}" + (" (peer tensors)" if self.experts_only else "")
 
     def run(self, engine: Any) -> dict[str, Any]:
-        return (quants.swap_peer_tensors if self.experts_only else quants.swap_quant)(engine, self.key)
+        models = engine.models
+        return (models.swap_peer_tensors if self.experts_only else models.swap_quant)(self.key)
 
 
 @attrs.frozen

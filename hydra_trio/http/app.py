@@ -18,8 +18,6 @@ Each request is logged once when it ends (logger ``hydra_trio.http.access``,
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -38,9 +36,7 @@ from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
 from .._version import __version__
-from ..engine.engine import Engine
-from ..engine.model import model_meta
-from ..engine.requests import CompletionJob
+from ..engine import CompletionJob, Engine
 from ..errors import InvalidRequest, ModelLoadError, NotReady
 from ..service import node_stats
 from ..observability.events import EventBus
@@ -48,6 +44,7 @@ from ..openai.embeddings import EmbeddingsRequest
 from ..openai.native import models_reply, task_params
 from ..openai.schemas import DetokenizeRequest, TokenizeRequest
 from ..openai.template_caps import known, template_caps
+from ..protocol.media import MEDIA_MARKER
 from ..service import node
 from ..service.completions import in_worker
 from ..service.embeddings import check_offered, embed_request
@@ -68,8 +65,6 @@ access_log = logging.getLogger("hydra_trio.http.access")
 
 STATIC_DIR = Path(__file__).with_name("static")
 """The status page's files (``index.html``, ``status.js``, ``status.css``), shipped as package data."""
-MEDIA_MARKER = os.environ.get("LLAMA_MEDIA_MARKER") or f"<__media_{secrets.token_hex(16)}__>"
-"""``/props``' ``media_marker``: llama-server's (``LLAMA_MEDIA_MARKER``, else drawn once per process)."""
 _NO_CACHE = {"Cache-Control": "no-cache"}  # a node upgraded in place serves its new page at once
 
 
@@ -153,8 +148,10 @@ class Api:
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one); ``chat_template_caps`` what it renders
         (:mod:`hydra_trio.openai.template_caps`); ``model_ftype`` the weights' type (``Q4_1``);
-        ``media_marker`` llama-server's placeholder for media in a prompt (this node takes no media; the
-        marker is drawn at start-up, or ``LLAMA_MEDIA_MARKER``).  hydra-trio's own keys: ``kv_cache``, the
+        ``modalities`` the media the node takes (its ``--mmproj`` projector's encoders; video never);
+        ``media_marker`` llama-server's placeholder for media in a prompt (drawn at start-up, or
+        ``LLAMA_MEDIA_MARKER``; a ``/completion`` prompt with ``multimodal_data`` holds it once per item).
+        hydra-trio's own keys: ``kv_cache``, the
         KV cache types (``-ctk`` / ``-ctv``, e.g. ``q8_0``) and flash attention in effect (``on`` / ``off``;
         ``auto`` when llama.cpp did not say what ``-fa auto`` chose), and ``memory``, bytes per device
         (``CPU``, ``CUDA0``, ``RPC0[host:port]``) of weights, KV cache and compute buffers, as llama.cpp
@@ -182,10 +179,10 @@ class Api:
             "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
             "total_slots": e.n_slots,
             "model_alias": e.identity.model_alias,
-            "model_ftype": model_meta(m)["ftype"],
+            "model_ftype": m.facts()["ftype"],
             "model_path": e.identity.model_path,
             "model_hash": e.identity.model_hash,
-            "modalities": {"vision": False, "video": False, "audio": False},
+            "modalities": node.modalities(e),
             "media_marker": MEDIA_MARKER,
             "endpoint_slots": True,
             "endpoint_props": self.settings.endpoint_props,
@@ -272,13 +269,13 @@ _STOP_CHECK_EVERY = 4096
 
 def _token_bytes(m: Any, tokens: Any) -> list[bytes]:
     """Worker thread: each token's bytes, special tokens as their text (``/detokenize``, ``with_pieces``);
-    stops (Cancelled) with its request (:func:`~hydra_trio.engine.tokenize.check_stop`)."""
-    from ..engine.tokenize import check_stop
+    stops (Cancelled) with its request (:func:`~hydra_trio.engine.llama.tokenize.raise_if_stopped`)."""
+    from ..engine import raise_if_stopped
 
     out = []
     for i, t in enumerate(tokens):
         if i % _STOP_CHECK_EVERY == 0:
-            check_stop("its tokens were rendered")
+            raise_if_stopped("its tokens were rendered")
         out.append(m.token_bytes(t, special=True))
     return out
 

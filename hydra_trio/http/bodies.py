@@ -18,8 +18,7 @@ import trio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.state import RunningChecksum
+from ..engine import BlobBuffer, RunningChecksum, TRANSFER_POOL
 from ..errors import BodyError, BodyTimeout, BodyTooLarge, InvalidRequest
 from ..openai.schemas import parse_body
 from .settings import HttpSettings, waiting_for_client

@@ -20,7 +20,7 @@ import attrs
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.engine import Engine
+from ..engine import Engine
 from ..openai.native import NativeCompletion, generation_settings
 from ..openai.replies import CompletionReply, ResponseContext
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest

@@ -16,7 +16,7 @@ handles it, reply included:
   and cancels the request's tasks; a body cut short is left to the app's body
   read, which ends with a 400), and :attr:`Work.stop` is set for work in
   worker threads, which checks it
-  (tokenizing stops at its next chunk: :func:`hydra_trio.engine.tokenize.stop_when`).
+  (tokenizing stops at its next chunk: :func:`hydra_trio.engine.llama.tokenize.stop_when`).
   Work already handed to the engine thread finishes its current step (an
   engine task is all or nothing), and nothing more follows it: an embeddings
   request stops after the input being decoded.

@@ -15,7 +15,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..engine.engine import Engine
+from ..engine import Engine
 from ..errors import NotSupported
 from ..openai.schemas import ChatCompletionRequest
 from ..service import completions

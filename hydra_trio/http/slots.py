@@ -28,8 +28,7 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.blobbuf import BlobBuffer
-from ..engine.engine import Engine
+from ..engine import BlobBuffer, Engine
 from ..errors import InvalidRequest, NotSupported, Overloaded
 from ..openai.native import task_params
 from ..openai.schemas import SlotFileRequest

@@ -364,8 +364,8 @@ class HydraConnection:
             self._decoder.receive_data(data)
 
     async def receive_payload_into(self, rs: ResponseStream, view: memoryview) -> int:
-        """The rest of ``rs``'s payload into ``view``; the bytes written (:func:`_receive_payload_into`)."""
-        return await _receive_payload_into(self, rs, view)
+        """The rest of ``rs``'s payload into ``view``; the bytes written (:meth:`_receive_payload_into`)."""
+        return await self._receive_payload_into(rs, view)
 
     async def _send_all(self, data: Payload, rs: ResponseStream, *, bulk: bool = False, head: bytes = b"") -> None:
         """Send ``head`` then ``data``; ``bulk``: in `CHUNK_SIZE` pieces by
@@ -393,7 +393,7 @@ class HydraConnection:
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             # The server may have replied (e.g. BAD_REQUEST: payload over its
             # cap) and closed without reading the rest: surface that reply.
-            reply = await _salvage_reply(self)
+            reply = await self._salvage_reply()
             await self._abort("the server closed the connection while the request was sent")
             if reply is not None and reply.header.status != Status.OK:
                 raise error_for_status(
@@ -484,72 +484,71 @@ class HydraConnection:
             data = await rs.read_all()
         return rs.meta, data
 
-
-async def _receive_payload_into(self: HydraConnection, rs: ResponseStream, view: memoryview) -> int:
-    """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
-    ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
-    (`hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
-    TLS they are decrypted straight into it on a worker thread (`hydra_trio.transport.tls_bulk.tls_recv_into_view`;
-    under 256 KiB left: the decrypted chunks are copied in).  ``timeout`` bounds each wait for progress; errors as
-    `next_event`."""
-    pos = 0
-    while not rs.done and (ev := self._decoder.next_event()) is not NEED_DATA:  # what came with the reply header
-        pos += _take_event(self, rs, view, pos, ev)
-    stream = self._stream
-    left = self._decoder.payload_remaining
-    if not rs.done and left and receives_bulk(stream, left):
-        try:
-            got, closed = await recv_bulk_into(stream, view[pos : pos + left], self.timeout)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            await self._abort("connection lost")
-            raise HydraConnectionClosed(f"connection to {self.address} lost: {exc}", op=rs.op,
-                                        trace_id=rs.trace_id) from exc
-        pos += got
-        rs.received += got
-        self._decoder.skip_payload(got)
-        if got < left:
-            await self._abort("closed by the server" if closed else "receive timed out")
-            if closed:
-                raise HydraConnectionClosed(f"{self.address} closed the connection mid-reply", op=rs.op,
-                                            trace_id=rs.trace_id)
-            raise HydraTimeout(f"no reply data from {self.address} for {self.timeout:g} s "
-                               f"(op 0x{rs.op:02x}, trace {rs.trace_id})", op=rs.op, trace_id=rs.trace_id)
-    while not rs.done:  # TLS (or the end event still to come): through the decoder
-        pos += _take_event(self, rs, view, pos, await self.next_event(rs))
-    return pos
-
-
-def _take_event(self: HydraConnection, rs: ResponseStream, view: memoryview, pos: int, ev: ResponseEvent) -> int:
-    """Apply reply event ``ev`` to ``rs``: a payload chunk is copied to ``view[pos:]``
-    (its length returned), the end marks the reply complete."""
-    if isinstance(ev, PayloadChunk):
-        view[pos : pos + len(ev.data)] = ev.data
-        rs.received += len(ev.data)
-        return len(ev.data)
-    if isinstance(ev, ResponseEnded):
-        rs.done = True
-        self.reply_complete()
-        return 0
-    raise HydraProtocolError(f"unexpected {type(ev).__name__} inside a reply payload",  # pragma: no cover
-                             op=rs.op, trace_id=rs.trace_id)
+    async def _receive_payload_into(self, rs: ResponseStream, view: memoryview) -> int:
+        """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
+        ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
+        (`hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
+        TLS they are decrypted straight into it on a worker thread (`hydra_trio.transport.tls_bulk.tls_recv_into_view`;
+        under 256 KiB left: the decrypted chunks are copied in).  ``timeout`` bounds each wait for progress; errors as
+        `next_event`."""
+        pos = 0
+        while not rs.done and (ev := self._decoder.next_event()) is not NEED_DATA:  # what came with the reply header
+            pos += self._take_event(rs, view, pos, ev)
+        stream = self._stream
+        left = self._decoder.payload_remaining
+        if not rs.done and left and receives_bulk(stream, left):
+            try:
+                got, closed = await recv_bulk_into(stream, view[pos : pos + left], self.timeout)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                await self._abort("connection lost")
+                raise HydraConnectionClosed(f"connection to {self.address} lost: {exc}", op=rs.op,
+                                            trace_id=rs.trace_id) from exc
+            pos += got
+            rs.received += got
+            self._decoder.skip_payload(got)
+            if got < left:
+                await self._abort("closed by the server" if closed else "receive timed out")
+                if closed:
+                    raise HydraConnectionClosed(f"{self.address} closed the connection mid-reply", op=rs.op,
+                                                trace_id=rs.trace_id)
+                raise HydraTimeout(f"no reply data from {self.address} for {self.timeout:g} s "
+                                   f"(op 0x{rs.op:02x}, trace {rs.trace_id})", op=rs.op, trace_id=rs.trace_id)
+        while not rs.done:  # TLS (or the end event still to come): through the decoder
+            pos += self._take_event(rs, view, pos, await self.next_event(rs))
+        return pos
 
 
-async def _salvage_reply(self: HydraConnection) -> ResponseStarted | None:
-    """A reply header the server sent before closing, read for at most
-    2 s; None when there is none (or it is unreadable)."""
-    stream = self._stream
-    if stream is None:
-        return None
-    with trio.move_on_after(min(self.timeout, 2.0)):
-        try:
-            while True:
-                while (ev := self._decoder.next_event()) is not NEED_DATA:
-                    if isinstance(ev, ResponseStarted):
-                        return ev
-                data = await stream.receive_some(CHUNK_SIZE)
-                if not data:
-                    return None
-                self._decoder.receive_data(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
+    def _take_event(self, rs: ResponseStream, view: memoryview, pos: int, ev: ResponseEvent) -> int:
+        """Apply reply event ``ev`` to ``rs``: a payload chunk is copied to ``view[pos:]``
+        (its length returned), the end marks the reply complete."""
+        if isinstance(ev, PayloadChunk):
+            view[pos : pos + len(ev.data)] = ev.data
+            rs.received += len(ev.data)
+            return len(ev.data)
+        if isinstance(ev, ResponseEnded):
+            rs.done = True
+            self.reply_complete()
+            return 0
+        raise HydraProtocolError(f"unexpected {type(ev).__name__} inside a reply payload",  # pragma: no cover
+                                 op=rs.op, trace_id=rs.trace_id)
+
+
+    async def _salvage_reply(self) -> ResponseStarted | None:
+        """A reply header the server sent before closing, read for at most
+        2 s; None when there is none (or it is unreadable)."""
+        stream = self._stream
+        if stream is None:
             return None
-    return None
+        with trio.move_on_after(min(self.timeout, 2.0)):
+            try:
+                while True:
+                    while (ev := self._decoder.next_event()) is not NEED_DATA:
+                        if isinstance(ev, ResponseStarted):
+                            return ev
+                    data = await stream.receive_some(CHUNK_SIZE)
+                    if not data:
+                        return None
+                    self._decoder.receive_data(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
+                return None
+        return None

@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from ..engine.blobbuf import BlobBuffer
+from ..engine import BlobBuffer
 from ..errors import HydraTrioError, InvalidRequest, NotSupported
 from ..service.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op

@@ -87,7 +87,7 @@ def _empty_to_none(v: str | None) -> str | None:
 # --------------------------------------------------------------------------
 
 ExpertModeName: TypeAlias = Literal["solo", "combined"]
-"""A SET_EXPERT_MODE mode as the wire names it; the engine's is :class:`hydra_trio.engine.combined.ExpertMode`."""
+"""A SET_EXPERT_MODE mode as the wire names it; the engine's is :class:`hydra_trio.engine.experts.combined.ExpertMode`."""
 
 
 @attrs.frozen

@@ -33,9 +33,7 @@ from ..openai.tools import ChatTools, parse_reply
 from ..openai.reasoning import ChatReplyText
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..engine.settings import DEFAULT_PATTERN
-from ..engine.engine import Engine
-from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer
-from ..engine.tasks import PipelineAttach, Reconfigure, SetExpertMode, SwapQuant
+from ..engine import BlobBuffer, Engine, PipelineAttach, Reconfigure, SetExpertMode, SwapQuant, TRANSFER_POOL
 from ..errors import Busy, HydraTrioError, InvalidRequest, NotSupported
 from ..service import completions, node, slots
 from ..service.completions import PreparedCompletion
@@ -343,6 +341,7 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
         meta.update(stage="ready", model=None)
     else:
         meta["stage"] = str(e.stage)
+        meta["modalities"] = node.modalities(e)  # /props' (vision, video, audio)
         if e.ready:
             assert e.identity is not None
             snap = e.snapshot  # the engine's published slots: never waits behind a prefill

@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from ..transport.access import AccessSettings, Peer, Refusals, new_refusals
-from ..engine.engine import Engine
+from ..engine import Engine
 from ..transport.frontdoor import AcceptedStream
 from ..rpc_backend.backend import RpcBackend
 from ..service.metrics import NodeMetrics

@@ -25,8 +25,7 @@ import attrs
 import trio
 
 from ..transport.tls_bulk import receives_bulk, recv_bulk_into
-from ..engine.blobbuf import BlobBuffer
-from ..engine.state import RunningChecksum
+from ..engine import BlobBuffer, RunningChecksum
 from ..protocol.hydra import (
     NEED_DATA,
     PayloadChunk,
@@ -67,8 +66,8 @@ class HydraSettings:
 class HydraRequest:
     """One whole request: header fields, the decoded key and trace id, and (for ops that keep it) the payload:
     a bytearray, or for a large payload of an op that takes one (STATE_PUT) a
-    :class:`~hydra_trio.engine.blobbuf.BlobBuffer` of the announced size, ``filled`` bytes received so far,
-    their KV blob checksum in ``checksum`` (:class:`~hydra_trio.engine.state.RunningChecksum`)."""
+    :class:`~hydra_trio.engine.kv.blobbuf.BlobBuffer` of the announced size, ``filled`` bytes received so far,
+    their KV blob checksum in ``checksum`` (:class:`~hydra_trio.engine.kv.state.RunningChecksum`)."""
 
     op: int
     key: str

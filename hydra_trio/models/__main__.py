@@ -15,12 +15,12 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "tiny-vision":
         print("usage: python -m hydra_trio.models tiny-vision OUT_DIR", file=sys.stderr)
         return 2
-    from .presets import _smollm2
+    from .presets import smollm2_path
     from .tiny_vision import default_paths, make_tiny_vision
 
     out = Path(argv[1])
     model, mmproj = (out / p.name for p in default_paths())
-    make_tiny_vision(_smollm2(), model, mmproj)
+    make_tiny_vision(smollm2_path(), model, mmproj)
     print(model)
     print(mmproj)
     return 0

@@ -8,7 +8,7 @@ whose rolling conv state is recurrent memory) with attention layers
 recurrent where ``lfm2.attention.head_count_kv`` is 0.  llama.cpp gives it a
 hybrid memory (``llama_memory_hybrid``): a partial ``llama_memory_seq_rm``
 fails, as on the cluster's production hybrid model, which is what context
-checkpoints are for (:mod:`hydra_trio.engine.checkpoints`).
+checkpoints are for (:mod:`hydra_trio.engine.batching.checkpoints`).
 
 A tiny Gemma 3 (``gemma3``) is made the same way for the sliding-window
 case (:func:`make_test_swa`): its SWA layers keep only the last
@@ -67,7 +67,7 @@ def make_test_hybrid(src: Path, dst: Path, seed: int = SEED) -> Path:
     half-written model.  Returns ``dst``.  Raises ValueError if ``src`` has
     no tokenizer.
     """
-    n_vocab, tok_fields = read_tokenizer(src)
+    n_vocab, tok_fields = source_tokenizer(src)
     rng = np.random.default_rng(seed)
     head_dim = N_EMBD // N_HEAD
     tensors = _embedding_and_output(rng, n_vocab, "token_embd_norm")  # LFM2's name for the output norm
@@ -101,7 +101,7 @@ def make_test_swa(src: Path, dst: Path, seed: int = SEED) -> Path:
     so it too cannot be cut back to any prefix.  As :func:`make_test_hybrid`:
     random weights, about 13 MB, written in about a second.
     """
-    n_vocab, tok_fields = read_tokenizer(src)
+    n_vocab, tok_fields = source_tokenizer(src)
     rng = np.random.default_rng(seed)
     head_dim = N_EMBD // N_HEAD
     tensors = _embedding_and_output(rng, n_vocab, "output_norm")
@@ -123,8 +123,7 @@ def make_test_swa(src: Path, dst: Path, seed: int = SEED) -> Path:
     return dst
 
 
-def read_tokenizer(src: Path) -> tuple[int, list]:
-    """The vocabulary size and the ``tokenizer.*`` fields of GGUF file ``src``; ValueError when it has none."""
+def source_tokenizer(src: Path) -> tuple[int, list]:
     import gguf
 
     reader = gguf.GGUFReader(str(src))

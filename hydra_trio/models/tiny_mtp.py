@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .hybrid import random_matrix, read_tokenizer, write_gguf
+from .hybrid import random_matrix, source_tokenizer, write_gguf
 
 log = logging.getLogger("hydra_trio.models.tiny_mtp")
 
@@ -73,7 +73,7 @@ def make_test_mtp(src: Path, dst: Path, seed: int = SEED) -> Path:
     first and renamed, so a crash never leaves a half-written model.  Raises ValueError if ``src`` has no
     tokenizer.
     """
-    n_vocab, tok_fields = read_tokenizer(src)
+    n_vocab, tok_fields = source_tokenizer(src)
     rng = np.random.default_rng(seed)
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32).astype(np.float16),

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from .files import atomic_path, copy_field
-from .hybrid import random_matrix, read_tokenizer
+from .hybrid import random_matrix, source_tokenizer
 
 log = logging.getLogger("hydra_trio.models.tiny_vision")
 
@@ -108,7 +108,7 @@ def make_tiny_vision(src: Path, model: Path, mmproj: Path, seed: int = SEED) -> 
 def _write_model(src: Path, dst: Path, rng: np.random.Generator) -> None:
     import gguf
 
-    n_src, tok_fields = read_tokenizer(src)
+    n_src, tok_fields = source_tokenizer(src)
     n_vocab = n_src + len(IMAGE_TOKENS)
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32).astype(np.float16),

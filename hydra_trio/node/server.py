@@ -9,15 +9,12 @@ import trio
 from ..config import ServerConfig
 from ..transport.access import is_loopback, new_refusals
 from ..errors import Busy
-from ..engine.blobbuf import TRANSFER_POOL
-from ..engine.combined import peer_listening
-from ..engine.engine import Engine
-from ..engine.tasks import AttachPeerAtStart, PeerGone
+from ..engine import AttachPeerAtStart, Engine, peer_listening, PeerGone, TRANSFER_POOL
 from ..observability.events import EventBus
 from ..transport.frontdoor import FrontDoor
 from ..transport.listen import open_tcp_listeners
 from ..hydra.server import HydraHandler
-from ..http._hyper import HttpHandler
+from ..http import HttpHandler
 from ..http.app import build_app
 from ..http.inflight import InFlight
 from ..service.metrics import NodeMetrics
@@ -279,7 +276,7 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
 
 
 async def _trim_transfer_pool(every: float = 5.0) -> None:
-    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s`` (:mod:`hydra_trio.engine.blobbuf`)."""
+    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s`` (:mod:`hydra_trio.engine.kv.blobbuf`)."""
     while True:
         await trio.sleep(every)
         if TRANSFER_POOL.idle_bytes:

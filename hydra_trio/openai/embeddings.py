@@ -31,8 +31,7 @@ from typing import Any
 
 import attrs
 
-from ..engine.embedding import Embedding, float32_bytes, n_embd_out
-from ..engine.model import LoadedModel
+from ..engine import Embedding, float32_bytes, ModelView, n_embd_out
 from ..engine.settings import INT32_MAX
 from ..validation import strict as msg
 from ..validation.strict import MessageError
@@ -103,7 +102,7 @@ def split_inputs(value: Any, field: str) -> list[tuple[str, Any]]:
     return [(f"{field}[{i}]", item) for i, item in enumerate(value)]
 
 
-def input_tokens(m: LoadedModel, name: str, value: Any) -> list[int]:
+def input_tokens(m: ModelView, name: str, value: Any) -> list[int]:
     """One input's tokens: a string, or a list of token ids and strings (llama-server's ``tokenize_mixed``).
 
     Raises MessageError naming ``name`` for an empty input, a float, an object, or an id outside the vocabulary.
@@ -143,7 +142,7 @@ def check_input_count(body: EmbeddingsRequest, max_inputs: int) -> list[tuple[st
     return items
 
 
-def tokenize_inputs(m: LoadedModel, body: EmbeddingsRequest, max_tokens: int, why: str,
+def tokenize_inputs(m: ModelView, body: EmbeddingsRequest, max_tokens: int, why: str,
                     max_inputs: int = INT32_MAX) -> list[tuple[str, list[int]]]:
     """Every input of ``body`` as ``(name, tokens)``, checked: at most ``max_inputs`` of them
     (:func:`check_input_count`), none empty, none over ``max_tokens``.

@@ -34,7 +34,7 @@ Limits, checked while walking the schema, before any output is built:
 :data:`MAX_SCHEMA_DEPTH`, :data:`MAX_SCHEMA_NODES`, :data:`MAX_REPETITION`
 (every count and ``{m,n}``; llama.cpp's GBNF parser refuses a larger minimum
 and turns a larger maximum into "unbounded"), :data:`MAX_PATTERN_CHARS`, and
-the grammar's size (:data:`hydra_trio.engine.sampling.MAX_GRAMMAR_BYTES`).
+the grammar's size (:data:`hydra_trio.engine.batching.sampling.MAX_GRAMMAR_BYTES`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.sampling import MAX_GRAMMAR_BYTES
+from ..engine import MAX_GRAMMAR_BYTES
 from ..errors import InvalidRequest
 
 MAX_SCHEMA_DEPTH = 64

@@ -28,9 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ..engine.engine import Engine
-from ..engine.model import model_meta
-from ..engine.requests import CompletionJob, Finished, SlotAssigned, TextDelta
+from ..engine import CompletionJob, Engine, Finished, SlotAssigned, TextDelta
 from ..engine.settings import SAMPLER_ORDER
 from .replies import sse
 from .schemas import CompletionRequest
@@ -268,7 +266,8 @@ def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
                    "meta": {"model_path", "model_hash", and once loaded "vocab_type", "n_vocab", "n_ctx"
                             (tokens per slot), "n_ctx_train", "n_embd", "n_params", "size", "ftype"}}],
          "models": [{"name", "model", "modified_at": "", "size": "", "digest": "", "type": "model",
-                     "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                     "description": "", "tags": [""], "capabilities": ["completion"] (with a projector
+                     ``--mmproj``: ["completion", "multimodal"], as llama-server), "parameters": "",
                      "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
                                  "parameter_size": "", "quantization_level": ""}}]}
 
@@ -281,7 +280,7 @@ def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
         meta: dict[str, Any] = {"model_path": e.identity.model_path, "model_hash": e.identity.model_hash}
         m = e.solo_model or e.model
         if e.ready and m is not None:
-            facts = model_meta(m)
+            facts = m.facts()
             meta.update(vocab_type=facts["vocab_type"], n_vocab=facts["n_vocab"], n_ctx=e.n_ctx_slot,
                         n_ctx_train=facts["n_ctx_train"], n_embd=facts["n_embd"], n_params=facts["n_params"],
                         size=facts["size"], ftype=facts["ftype"])
@@ -290,8 +289,9 @@ def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
                      "meta": meta})
         listed.append({
             "name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
-            "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
-            "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+            "description": "", "tags": [""],
+            "capabilities": ["completion", "multimodal"] if e.config.media.mmproj is not None else ["completion"],
+            "parameters": "", "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
                         "parameter_size": "", "quantization_level": ""},
         })
     return {"models": listed, "object": "list", "data": data}

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..engine.requests import Finished, SlotAssigned, TextDelta
+from ..engine import Finished, SlotAssigned, TextDelta
 from . import tools as api_tools
 from .reasoning import ChatReplyText, ReasoningDelta, ThinkingSetup
 

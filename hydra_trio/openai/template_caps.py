@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..engine.model import ChatTemplate
+from ..engine import ChatTemplate
 
 _CACHE: weakref.WeakKeyDictionary[ChatTemplate, dict[str, bool]] = weakref.WeakKeyDictionary()
 

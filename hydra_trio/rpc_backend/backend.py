@@ -52,7 +52,7 @@ import attrs
 import trio
 
 from ..transport.access import AllowList, Refusals, allowed, new_refusals
-from ..engine.ggml_backend import type_traits as ggml_type_traits
+from ..engine.llama.ggml_backend import type_traits as ggml_type_traits
 from ..transport.frontdoor import AcceptedStream, peer_name
 from ..transport.tls import TlsStream, peer_of
 from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRpcRequest, live_type_table

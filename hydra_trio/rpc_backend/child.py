@@ -6,7 +6,7 @@ serves until killed (or until its parent dies).  hydra-trio does not
 reimplement the server (docs/hydra-protocol.md §4): it is
 ``ggml_backend_rpc_start_server`` from the ``libggml-rpc`` that
 llama-cpp-python builds with ``GGML_RPC=ON``, reached through the ctypes layer
-of :mod:`hydra_trio.engine.ggml_backend`.
+of :mod:`hydra_trio.engine.llama.ggml_backend`.
 
 Its output is two streams the parent re-logs
 (:class:`~hydra_trio.rpc_backend.supervisor.ChildSupervisor`): stdout carries
@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..engine.ggml_backend import cpu_device, libs
+from ..engine.llama.ggml_backend import cpu_device, libs
 
 
 def serve_forever(endpoint: str, cache_dir: str | None, n_threads: int, devices: list[str]) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from ..transport.net import free_port
-from ..engine.ggml_backend import clean_build_paths
+from ..engine.llama.ggml_backend import clean_build_paths
 from ..observability.events import EventBus
 
 log = logging.getLogger("hydra_trio.rpc")

@@ -24,9 +24,8 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from ..engine.engine import Engine
-from ..engine.requests import CompletionJob, JobRun
-from ..engine.tokenize import stop_when
+from ..engine import CompletionJob, Engine, JobRun, stop_when
+from ..errors import NotSupported
 from ..openai.reasoning import ThinkingSetup
 from ..openai.replies import CompletionReply
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -97,8 +96,8 @@ async def in_worker(work: Callable[[], T], stop: threading.Event | None = None) 
 
     It stops with its request: once ``stop`` is set (an HTTP request's, set when its client leaves), or
     once the caller is cancelled (a Hydra peer that left), tokenizing in the thread raises Cancelled at its
-    next chunk (:func:`~hydra_trio.engine.tokenize.stop_when`, as do loops that call
-    :func:`~hydra_trio.engine.tokenize.check_stop`), and a cancelled caller stops waiting at once."""
+    next chunk (:func:`~hydra_trio.engine.llama.tokenize.stop_when`, as do loops that call
+    :func:`~hydra_trio.engine.llama.tokenize.raise_if_stopped`), and a cancelled caller stops waiting at once."""
     stop = stop if stop is not None else threading.Event()
 
     def run() -> T:
@@ -119,9 +118,16 @@ async def prepare(work: Callable[[], PreparedCompletion], *, stop: threading.Eve
     return (await in_worker(work, stop)).changed(**changes)
 
 
+MEDIA_NOT_EVALUATED = ("media input is read and checked, but this node's engine does not evaluate media yet "
+                       "(the projector is loaded only for GET /props modalities); send text only")
+
+
 def run(e: Engine, prepared: PreparedCompletion) -> JobRun:
     """The prepared job's run, not yet submitted: ``async with`` it (submits on entry, cancels the engine's
-    request on exit), or :func:`start` it."""
+    request on exit), or :func:`start` it.  Raises NotSupported (501) for a job with media
+    (:attr:`~hydra_trio.engine.requests.CompletionJob.media`) until the engine evaluates it."""
+    if prepared.job.media is not None:
+        raise NotSupported(MEDIA_NOT_EVALUATED)
     return JobRun(e, prepared.job)
 
 

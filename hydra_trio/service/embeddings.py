@@ -8,9 +8,7 @@ from typing import Any
 
 import trio
 
-from ..engine.embedding import POOLING, EmbeddingJob
-from ..engine.engine import NO_EMBEDDINGS, Engine
-from ..engine.tasks import Embed, EmbeddingLimits
+from ..engine import Embed, EmbeddingJob, EmbeddingLimits, Engine, NO_EMBEDDINGS, POOLING
 from ..errors import NotSupported
 from ..openai.embeddings import OAI_NONE_POOLING, EmbeddingsRequest, check_input_count, native_body, openai_body, \
     tokenize_inputs
@@ -29,7 +27,7 @@ async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
     """Answer one embeddings body: the OpenAI list (``oai``: ``/v1/embeddings`` with ``input``) or the native list.
 
     At most ``--max-embedding-inputs`` inputs (``EngineConfig.max_embedding_inputs``), counted before any is
-    tokenized.  Each input is one engine call (:func:`~hydra_trio.engine.embedding.embed_counted`), in order;
+    tokenized.  Each input is one engine call (:func:`~hydra_trio.engine.llama.embedding.embed_counted`), in order;
     every input is tokenized and checked first, so a bad one costs no decoding.  ``prepare(fn)`` runs the
     tokenizing off the event loop (the HTTP app's runs it in a worker thread that stops with the request;
     default: a trio worker thread).  Cancelled, it embeds no further input.  While it works it counts in

@@ -7,17 +7,14 @@ from typing import Any
 
 import attrs
 
-from ..engine.engine import Engine
-from ..engine.model import LoadedModel
-from ..engine.sampling import GrammarError, check_grammar
-from ..engine.tokenize import PromptTooLong
+from ..engine import BudgetSpec, CompletionJob, Engine, GrammarError, ModelView, PromptTooLong
 from ..validation.strict import TooLong
-from ..engine.requests import CompletionJob
 from ..engine.settings import GenerationDefaults
-from ..engine.thinking_budget import BudgetSpec
 from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.json_schema import SchemaError, schema_to_gbnf
+from ..openai.media import MultimodalPrompt, check_markers, load_media, load_multimodal_data
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
+from ..protocol.media import MEDIA_MARKER, MediaItem, MediaPrompt
 from ..validation.strict import MessageError
 from ..openai import tools as _tools
 from ..openai.tools import ChatTools
@@ -25,9 +22,32 @@ from ..openai.tools import ChatTools
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
     """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
-    (what ``POST /apply-template`` answers, and what :func:`chat_job` tokenizes).
-    Raises ChatTemplateError (the template failed; an InvalidRequest)."""
+    (what ``POST /apply-template`` answers, and what :func:`chat_job` tokenizes); each media part is the media
+    marker in it, once read and checked as a chat completion reads it (:func:`chat_media`).
+    Raises ChatTemplateError (the template failed; an InvalidRequest), and :func:`chat_media`'s errors."""
+    chat_media(e, body)
     return _render(e, body)[0]
+
+
+def chat_media(e: Engine, body: ChatCompletionRequest) -> tuple[MediaItem, ...]:
+    """The chat's media items, in order, read as llama-server reads them before it renders the template
+    (:func:`~hydra_trio.openai.media.load_media` with the node's ``EngineConfig.media``).  Raises
+    MediaNotSupported (a kind the node's projector does not take, or no projector) or InvalidRequest."""
+    parts = body.media_parts
+    return load_media(parts, e.config.media) if parts else ()
+
+
+def _media_job(e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...], *, chat: bool) -> tuple[
+        list[int], MediaPrompt]:
+    """A media prompt's text tokens (the markers left out: a lower bound of its length, checked against the
+    slot's context) and its :class:`~hydra_trio.protocol.media.MediaPrompt`.  Raises InvalidRequest (markers
+    and items do not pair), PromptTooLong."""
+    check_markers(prompt, len(items))
+    text = prompt.replace(MEDIA_MARKER, "")
+    limit = e.n_ctx_slot or None
+    tokens = m.chat_prompt_tokens(text, limit=limit) if chat else \
+        m.tokenize(text, add_special=True, parse_special=True, limit=limit)
+    return tokens, MediaPrompt(prompt, items)
 
 
 def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str]], str]:
@@ -70,11 +90,15 @@ def chat_job(
     """
     m = e.solo_model or e.model
     assert m is not None
+    items = chat_media(e, body)
     (prompt, extra_stop), fmt = _render(e, body)
-    # a prompt that cannot fit is refused while tokenizing (or before, from its length alone)
-    tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
+    media = None
+    if items:
+        tokens, media = _media_job(e, m, prompt, items, chat=True)
+    else:  # a prompt that cannot fit is refused while tokenizing (or before, from its length alone)
+        tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
-    job = _job(e, body, tokens, stop, n_predict, id_slot)
+    job = attrs.evolve(_job(e, body, tokens, stop, n_predict, id_slot), media=media)
     pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
     thinking = ThinkingSetup.for_prompt("none" if pure else body.reasoning_format or e.config.reasoning_format,
                                         m.chat_template.source, prompt)
@@ -90,7 +114,7 @@ def chat_job(
         g = attrs.evolve(g, gbnf=_tools.after_thinking(g.gbnf, thinking.prompt_open[1]))
     if g is not None:
         try:
-            check_grammar(m.vocab, g.gbnf)
+            m.check_grammar(g.gbnf)
         except GrammarError as exc:
             raise MessageError(f"tools: {exc}") from None
         job = attrs.evolve(job, grammar=g.gbnf, grammar_lazy=g.lazy, grammar_triggers=g.triggers)
@@ -154,6 +178,10 @@ def budget_spec(e: Engine, body: ChatCompletionRequest, prompt: str) -> BudgetSp
 def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     """Tokenize a text prompt (adding BOS when the model wants it) or check a token-id prompt.
 
+    llama-server's prompt object ``{"prompt_string", "multimodal_data"}`` gives a job with media
+    (:func:`~hydra_trio.openai.media.load_multimodal_data`); without ``multimodal_data`` its
+    ``prompt_string`` is the prompt.
+
     A null prompt generates "as if from the beginning of a new document" (OpenAI):
     the prompt is the model's BOS token (EOS when it has none).  A list mixing
     token ids and strings is tokenized as llama-server's ``tokenize_mixed``:
@@ -161,13 +189,22 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     """
     m = e.model
     assert m is not None
-    if body.prompt is None:
+    prompt = body.prompt
+    if isinstance(prompt, MultimodalPrompt):
+        if prompt.data is not None:
+            assert isinstance(prompt.prompt, str)
+            items = load_multimodal_data(prompt, e.config.media)
+            if items:
+                tokens, media = _media_job(e, m, prompt.prompt, items, chat=False)
+                return attrs.evolve(_job(e, body, tokens, list(body.stop), None, None), media=media)
+        prompt = prompt.prompt
+    if prompt is None:
         tokens = [m.bos_id if m.bos_id >= 0 else m.eos_id]
-    elif isinstance(body.prompt, str):
-        tokens = m.tokenize(body.prompt, add_special=True, parse_special=True, limit=e.n_ctx_slot or None)
+    elif isinstance(prompt, str):
+        tokens = m.tokenize(prompt, add_special=True, parse_special=True, limit=e.n_ctx_slot or None)
     else:
         tokens = []
-        for i, part in enumerate(body.prompt):
+        for i, part in enumerate(prompt):
             if isinstance(part, str):
                 tokens += m.tokenize(part, add_special=i == 0, parse_special=True)
             elif not 0 <= part < m.n_vocab:
@@ -224,7 +261,7 @@ def _job(
     return node_defaults(m, body, job, defaults.generation)
 
 
-def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob,
+def node_defaults(m: ModelView, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob,
                   g: GenerationDefaults) -> CompletionJob:
     """``job`` with the node's defaults (``EngineConfig.generation``: ``--samplers``, ``--ignore-eos``,
     ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r``, ``--no-cache-prompt``; and ``-sp``) for the fields ``body``
@@ -248,7 +285,7 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
         changes["logit_bias"] = g.logit_bias
     if g.grammar is not None and not body.constrained and not own_ignore_eos:
         try:
-            check_grammar(m.vocab, g.grammar)
+            m.check_grammar(g.grammar)
         except GrammarError as exc:
             raise MessageError(f"the node's grammar (--grammar, --json-schema): {exc}") from None
         changes["grammar"] = g.grammar
@@ -260,7 +297,7 @@ def node_defaults(m: LoadedModel, body: ChatCompletionRequest | CompletionReques
     return attrs.evolve(job, special=g.special, **changes)
 
 
-def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
+def logit_bias(m: ModelView, entries: tuple[tuple[int | str, float], ...]) -> tuple[tuple[int, float], ...]:
     """A request's ``logit_bias`` as ``(token id, bias)`` pairs: a text becomes every token of its
     tokenization (no BOS, special-token text not parsed: llama-server's ``common_tokenize(vocab, text,
     false)``).  Raises MessageError for an id outside the vocabulary, and for more pairs than the
@@ -282,7 +319,7 @@ def logit_bias(m: LoadedModel, entries: tuple[tuple[int | str, float], ...]) -> 
     return tuple(out)
 
 
-def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) -> str | None:
+def _grammar(m: ModelView, body: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The request's output constraint as GBNF, checked by llama.cpp's parser (llama-server's fields:
     ``grammar`` as GBNF, ``json_schema`` / ``response_format`` as a JSON schema converted by
     :func:`hydra_trio.openai.json_schema.schema_to_gbnf`, which refuses what it cannot enforce and
@@ -304,7 +341,7 @@ def _grammar(m: LoadedModel, body: ChatCompletionRequest | CompletionRequest) ->
         except SchemaError as exc:
             raise MessageError(f"{field}: {exc}"[:1000]) from None
     try:
-        check_grammar(m.vocab, gbnf)
+        m.check_grammar(gbnf)
     except GrammarError as exc:
         raise MessageError(f"{field}: {exc}") from None
     return gbnf

@@ -25,7 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..engine import Engine
 
 __all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "STATE_RATE_BUCKETS", "NodeMetrics"]
 
@@ -274,9 +274,8 @@ def _engine(e: Engine) -> Iterator[Metric]:
     yield CounterMetricFamily("hydra_trio:expert_mode_switches", "Switches between SOLO and COMBINED models.", s.mode_switches)
     yield CounterMetricFamily("hydra_trio:combined_fallbacks", "COMBINED requests answered with SOLO.", s.combined_fallbacks)
     yield CounterMetricFamily("hydra_trio:peer_losses", "ggml-RPC peers lost mid-request.", s.peer_losses)
-    from ..engine.engine import kv_cache, memory_use  # the engine is loaded when it is scraped
 
-    kv = kv_cache(e)
+    kv = e.kv_cache()
     if kv:
         info = GaugeMetricFamily("hydra_trio:kv_cache_info", "1, labelled with the KV cache types (-ctk, -ctv) and "
                                  "flash attention in effect (on, off; auto when llama.cpp did not say).",
@@ -285,7 +284,7 @@ def _engine(e: Engine) -> Iterator[Metric]:
         yield info
         memory = GaugeMetricFamily("hydra_trio:memory_bytes", "Bytes the loaded models take, by device and kind "
                                    "(weights, kv, compute), as llama.cpp allocated them.", labels=["device", "kind"])
-        for dev, use in sorted(memory_use(e).items()):
+        for dev, use in sorted(e.memory_use().items()):
             for kind, n in use.items():
                 memory.add_metric([dev, kind], n)
         yield memory
@@ -295,7 +294,7 @@ def _engine(e: Engine) -> Iterator[Metric]:
 
 
 def _prompt_cache(pc: Any) -> Iterator[Metric]:
-    """The host-RAM prompt cache (:class:`~hydra_trio.engine.prompt_cache.PromptCache`; plain ints)."""
+    """The host-RAM prompt cache (:class:`~hydra_trio.engine.batching.prompt_cache.PromptCache`; plain ints)."""
     yield CounterMetricFamily("hydra_trio:prompt_cache_hits", "Prompts that got a prefix restored from the host-RAM "
                               "prompt cache.", pc.hits)
     yield CounterMetricFamily("hydra_trio:prompt_cache_misses", "Prompts the slots left at least 32 tokens short of "

@@ -18,7 +18,7 @@ from .._version import __version__
 from ..observability.events import EventBus
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..engine import Engine
 
 
 def hello(engine: Engine | None, rpc: Any) -> dict[str, Any]:

@@ -40,12 +40,11 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..errors import HydraTrioError, InvalidRequest
-from ..engine.blobbuf import BlobBuffer
-from ..engine.state import StateError
+from ..engine import BlobBuffer, StateError
 from . import slots
 
 if TYPE_CHECKING:
-    from ..engine.engine import Engine
+    from ..engine import Engine
 
 MAX_FILENAME_BYTES = 255
 """The longest file name, in UTF-8 bytes (Linux's NAME_MAX; llama-server's limit)."""

@@ -3,7 +3,7 @@
 and erase.
 
 A blob to restore is checked before the engine thread sees it (its checksum, off the engine thread:
-:func:`~hydra_trio.engine.state.verify_checksum_off_engine`), then applied on the engine thread all or
+:func:`~hydra_trio.engine.kv.state.verify_checksum_off_engine`), then applied on the engine thread all or
 nothing; its buffer goes back to the transfer pool once the engine is done with it (a restore cancelled
 meanwhile drops it instead: the engine may still read it).
 """
@@ -14,10 +14,7 @@ from typing import Any
 
 import attrs
 
-from ..engine.blobbuf import TRANSFER_POOL, BlobBuffer, BlobPool
-from ..engine.engine import Engine
-from ..engine.state import RunningChecksum, verify_checksum_off_engine
-from ..engine.tasks import EraseSlot, RestoreSlot, SaveSlot
+from ..engine import BlobBuffer, BlobPool, Engine, EraseSlot, RestoreSlot, RunningChecksum, SaveSlot, TRANSFER_POOL, verify_checksum_off_engine
 from ..errors import HydraTrioError
 
 Blob = bytearray | BlobBuffer

@@ -189,7 +189,7 @@ class TunnelPool:
     Owned by the server and run in a nursery that outlives the engine (the
     engine frees its peer's buffers through the tunnel at shutdown).  The
     engine thread calls :meth:`dial` (the ``dial`` hook of
-    :class:`~hydra_trio.engine.combined.ExpertModes`); tunnels stay for the
+    :class:`~hydra_trio.engine.experts.combined.ExpertModes`); tunnels stay for the
     life of the node (llama.cpp caches its connection per endpoint, so a
     peer keeps one loopback address).
 

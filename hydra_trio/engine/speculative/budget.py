@@ -8,7 +8,7 @@ rejected early is slower than no draft.  :class:`DraftBudget` keeps, per slot, t
 drafted token is accepted given the ones before it were (accepted drafted tokens over accepted ones plus
 rejections, with a prior, recent drafts weighing more), and cuts each draft to the length ``L`` that makes
 the most tokens per unit of decode cost, ``(1 + a + a² + ... + a^L) / (1 + r × (L + 1))`` with ``r`` the
-cost of one more row over the cost of a step (``--spec-draft-row-cost``) — 0 when no draft pays.  A slot
+cost of one more row over the cost of a step (``--spec-budget-row-cost``) — 0 when no draft pays.  A slot
 whose drafts do not pay is still given a one-token draft every :data:`EXPLORE` steps, so its estimate
 follows the text.
 
@@ -19,7 +19,7 @@ request gives the same batches, and the same greedy text, on every run.
 from __future__ import annotations
 
 CPU_ROW_COST = 0.35
-"""``--spec-draft-row-cost auto`` when the model's layers run on the CPU (see the module docstring)."""
+"""``--spec-budget-row-cost auto`` when the model's layers run on the CPU (see the module docstring)."""
 
 EXPLORE = 8
 """A slot held to no draft verifies a one-token draft every this many steps."""

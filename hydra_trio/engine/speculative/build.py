@@ -51,12 +51,12 @@ def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions
 
 
 def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:
-    """The node's :class:`~.budget.DraftBudget` (``--spec-draft-row-cost``; ``auto``: the CPU's ratio when
+    """The node's :class:`~.budget.DraftBudget` (``--spec-budget-row-cost``; ``auto``: the CPU's ratio when
     the model's ``options`` offload no layer to a GPU), None when every draft is verified whole (a ratio
     of 0)."""
     from .budget import CPU_ROW_COST, DraftBudget
 
-    ratio = settings.draft_row_cost
+    ratio = settings.budget_row_cost
     if ratio < 0:
         on_gpu = llama_cpp.llama_supports_gpu_offload() and options.n_gpu_layers not in (0, "0")
         ratio = 0.0 if on_gpu else CPU_ROW_COST
@@ -64,7 +64,7 @@ def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int)
 
 
 def build_speculative(settings: SpecSettings, model: object, n_parallel: int) -> tuple[Speculative | None, int]:
-    """The drafters for ``model`` (a :class:`~hydra_trio.engine.model.LoadedModel`, built with
+    """The drafters for ``model`` (a :class:`~hydra_trio.engine.llama.model.LoadedModel`, built with
     :func:`target_options`) and the most tokens one draft may hold on it (a recurrent or hybrid model:
     its ``n_rs_seq``).  ``(None, 0)`` when no type is enabled, and when one cannot be set up
     (``draft-mtp`` without MTP layers, ``draft-simple`` without a draft model or with one whose vocabulary
@@ -72,7 +72,7 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
     node then logs ``failed to initialize speculative decoding context`` with the reason and serves
     without speculative decoding.
     """
-    from ..model import LoadedModel
+    from ..llama.model import LoadedModel
 
     assert isinstance(model, LoadedModel)
     if not settings.enabled:

@@ -25,7 +25,7 @@ from typing import Any
 
 import llama_cpp
 
-from ..model import LoadedModel
+from ..llama.model import LoadedModel
 from ..settings import LlamaOptions
 from .base import Drafter, DraftRequest
 from .drafting import DraftBatch, DraftParams, pick_greedy, seq_state, set_seq_state, sync_seq
@@ -67,7 +67,7 @@ def load_draft_model(path: Path, target: LoadedModel, options: LlamaOptions | No
     ``-ngld``, ``-devd``, ``-otd`` as the placement fields, ``-tbd`` as ``n_threads_batch``), ``n_threads``
     is ``-td`` (None: the target's).
 
-    Raises ModelLoadError as :class:`~hydra_trio.engine.model.LoadedModel` does.
+    Raises ModelLoadError as :class:`~hydra_trio.engine.llama.model.LoadedModel` does.
     """
     return LoadedModel(path, n_ctx=target.n_ctx, n_parallel=target.n_parallel, n_batch=target.n_batch,
                        n_threads=n_threads or llama_cpp.llama_n_threads(target.ctx), options=options)

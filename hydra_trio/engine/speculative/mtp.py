@@ -68,13 +68,13 @@ def create_mtp_context(model: Any, ctx_tgt: Any, options: LlamaOptions | None = 
             ``load_mtp``).
         RuntimeError: llama.cpp could not create the context.
     """
-    from ..model import _apply_context_options
+    from ..llama.model import apply_context_options
 
     if llama_cpp.llama_model_n_layer_nextn(model) < 1:
         raise ValueError("draft-mtp needs a model with MTP layers (GGUF key nextn_predict_layers)")
     cparams = llama_cpp.llama_context_default_params()
     if options is not None:
-        _apply_context_options(cparams, options)
+        apply_context_options(cparams, options)
         cparams.kv_unified = options.kv_unified
     cparams.embeddings = False
     cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP

@@ -138,7 +138,7 @@ def _synth_rates(text: str) -> tuple[float, ...]:
 
 
 def _row_cost(text: str) -> float:
-    """``--spec-draft-row-cost``: ``auto`` (-1) or a number in [0, 100]."""
+    """``--spec-budget-row-cost``: ``auto`` (-1) or a number in [0, 100]."""
     return -1.0 if text == "auto" else _float_in(0.0, 100.0)(text)
 
 
@@ -214,7 +214,7 @@ class SpecSettings:
     suffix_min_token_prob: float = 0.1
     suffix_cache_tokens: int = 262144
     # the draft budget (hydra-trio's own, every type)
-    draft_row_cost: float = -1.0  # -1: auto (speculative/budget.py)
+    budget_row_cost: float = -1.0  # -1: auto (speculative/budget.py)
 
     @property
     def enabled(self) -> tuple[str, ...]:
@@ -382,7 +382,7 @@ SPEC_OPTIONS: tuple[SpecOption, ...] = (
     _o(("--spec-suffix-cache-tokens",), "suffix_cache_tokens", "suffix: tokens of finished requests kept for "
        "matching (least recently used requests evicted first; 0: only the request's own)", own=True,
        parse=_int_in(0, 2**31 - 1, "suffix cache tokens must be between 0 and 2147483647 inclusive")),
-    _o(("--spec-draft-row-cost",), "draft_row_cost", "every type: what one more verified row costs over a decode "
+    _o(("--spec-budget-row-cost",), "budget_row_cost", "every type: what one more verified row costs over a decode "
        "step; drafts are cut to the length that yields the most tokens per cost for the slot's observed "
        "acceptance (0: verify every draft whole, as llama-server; auto: 0.35 when the model runs on the CPU, "
        "else 0)", "R|auto", own=True, parse=_row_cost),

@@ -25,17 +25,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from ..llama.model import LoadedModel
+
+
+_known: weakref.WeakKeyDictionary[LoadedModel, dict[str, Any]] = weakref.WeakKeyDictionary()
+"""Each loaded model's KV identity, computed once (it hashes the whole vocabulary); gone with the model."""
 
 
 def kv_identity(m: LoadedModel) -> dict[str, Any]:
-    """The KV identity of ``m`` (computed once, then cached on the model): an ordered dict of JSON values."""
-    cached = getattr(m, "_kv_identity", None)
+    """The KV identity of ``m`` (computed once per model): an ordered dict of JSON values."""
+    cached = _known.get(m)
     if cached is not None:
         return cached
     arch = m.meta("general.architecture") or ""
@@ -67,7 +72,7 @@ def kv_identity(m: LoadedModel) -> dict[str, Any]:
         "n_vocab": m.n_vocab,
         "vocab_sha256": vocab.hexdigest(),
     }
-    m._kv_identity = identity  # type: ignore[attr-defined]
+    _known[m] = identity
     return identity
 
 

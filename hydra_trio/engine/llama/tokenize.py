@@ -31,8 +31,8 @@ from typing import Any
 
 import llama_cpp
 
-from ..errors import Cancelled, InvalidRequest
-from .bridge import thread_local_set
+from ...errors import Cancelled, InvalidRequest
+from ..bridge import thread_local_set
 
 _work = threading.local()
 
@@ -46,7 +46,7 @@ def stop_when(event: threading.Event) -> Iterator[None]:
         yield
 
 
-def check_stop(what: str = "its prompt was tokenized") -> None:
+def raise_if_stopped(what: str = "its prompt was tokenized") -> None:
     """Raise :class:`~hydra_trio.errors.Cancelled` when this thread's :func:`stop_when` event is set (long
     loops over a request's data call it now and then)."""
     stop = getattr(_work, "stop", None)
@@ -158,7 +158,7 @@ def tokenize_linear(vocab: Any, special: SpecialTokens, data: bytes, *, add_spec
             bounds.append(len(data))
     out: list[int] = []
     for i in range(len(bounds) - 1):
-        check_stop()
+        raise_if_stopped()
         out += tokenize_bytes(vocab, data[bounds[i]:bounds[i + 1]], add_special and i == 0, parse_special)
         if limit is not None and len(out) >= limit:
             more = "at least " if bounds[i + 1] < len(data) else ""

@@ -22,7 +22,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..validation.strict import TooLong, dumps_within
+from ...validation.strict import TooLong, dumps_within
 
 
 class _IgnoreGenerationTags(jinja2.ext.Extension):

@@ -5,7 +5,7 @@ wherever the compiler has it), so each thread that runs a CPU graph
 (``llama_decode``) becomes the master of its own libgomp thread team, and
 the team stays until that thread exits.  A COMBINED head decodes on two
 threads: SOLO on the engine thread, COMBINED on the peer's worker
-(:class:`~hydra_trio.engine.combined.PeerWorker`, so that a dead peer's
+(:class:`~hydra_trio.engine.experts.combined.PeerWorker`, so that a dead peer's
 abort parks that thread and not the engine).  With both teams alive, libgomp
 counts more threads than CPUs and switches every thread of both teams to
 its *throttled* spin (``gomp_throttled_spin_count_var``: 100 spins instead
@@ -23,7 +23,7 @@ afresh (thread creation, well under a millisecond, once per switch).
 
 The peer's worker also frees its team whenever the slots go idle, and checks
 the peer with one round trip before it computes again
-(:meth:`~hydra_trio.engine.combined.PeerWorker.decode`), so a connection
+(:meth:`~hydra_trio.engine.experts.combined.PeerWorker.decode`), so a connection
 that breaks between requests parks the worker without a team.
 
 A peer that dies in the middle of a busy period (a request decoding) leaves

@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 import llama_cpp
 
-from ..errors import EngineFailure, InvalidRequest
+from ...errors import EngineFailure, InvalidRequest
 from .model import LoadedModel
 
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
@@ -148,7 +148,7 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], i
     read the embedding.  The sequence is empty again afterwards.
 
     ``decode``: runs ``llama_decode`` of a batch on ``m`` (the engine's
-    :meth:`ExpertModes.decode <hydra_trio.engine.combined.ExpertModes.decode>`, which runs a COMBINED
+    :meth:`ExpertModes.decode <hydra_trio.engine.experts.combined.ExpertModes.decode>`, which runs a COMBINED
     model's decodes on its peer's worker thread).
 
     Raises:

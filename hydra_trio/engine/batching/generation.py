@@ -2,7 +2,7 @@
 
 llama-server keeps this per slot (``server_slot``'s token processing, ``send_final_response``, ``release``
 in ``tools/server/server-context.cpp``); here one :class:`Generation` serves every slot of a
-:class:`~hydra_trio.engine.scheduler.Scheduler`, which builds and decodes the batches.  After a decode,
+:class:`~hydra_trio.engine.batching.scheduler.Scheduler`, which builds and decodes the batches.  After a decode,
 :meth:`Generation.sample` samples each slot's token with the slot's own sampler chain and hands it on
 (:meth:`Generation.on_token`: end of generation, stop strings, ``n_predict``, the time limit, a full
 context); a slot that speculates had its draft verified in the same batch, and
@@ -22,23 +22,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import llama_cpp
 
-from ..errors import HydraTrioError
+from ...errors import HydraTrioError
 from .kv_cells import shared_cells, shift_context
-from .model import LoadedModel
-from .requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
+from ..llama.model import LoadedModel
+from ..requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
 from .sampling import grammar_allows, sample_next, token_probs
 from .slots import Slot, SlotState
-from .state import save_slot
+from ..kv.state import save_slot
 from .thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
-    from .speculative.combine import Speculative
+    from ..speculative.combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
 
 
 class Batching(Protocol):
-    """What :class:`Generation` reads of its scheduler (:class:`~hydra_trio.engine.scheduler.Scheduler`)."""
+    """What :class:`Generation` reads of its scheduler (:class:`~hydra_trio.engine.batching.scheduler.Scheduler`)."""
 
     slots: list[Slot]
     stats: Any

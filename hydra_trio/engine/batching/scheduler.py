@@ -19,10 +19,12 @@ gets them by a copy (``llama_memory_seq_cp``) instead of evaluating them
 again: concurrent requests with one long system prompt evaluate it once
 (not for recurrent, hybrid or SWA models: :func:`share_prefix`).  For those
 models, whose memory cannot be cut back to a shorter prefix, a slot keeps
-context checkpoints (:mod:`~hydra_trio.engine.checkpoints`).  A slot about to lose its cached
+context checkpoints (:mod:`~hydra_trio.engine.batching.checkpoints`).  A slot about to lose its cached
 tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there serves better
-gets it restored (:mod:`~hydra_trio.engine.prompt_cache`).  Stop strings, finishing, and cancellation are
-here too.  Nothing here is trio code: events go out through
+gets it restored (:mod:`~hydra_trio.engine.batching.prompt_cache`).  Cancellation is here too, and an idle
+slot's KV cache saved as a blob, restored from one or erased (:meth:`Scheduler.save_slot`,
+:meth:`Scheduler.restore_slot`, :meth:`Scheduler.erase_slot`); each sampled token's handling, stop strings
+and finishing are :class:`~hydra_trio.engine.batching.generation.Generation`'s.  Nothing here is trio code: events go out through
 ``RequestHandle.emit``, which never blocks.
 """
 
@@ -37,21 +39,23 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
-from ..errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
-from ..observability.events import EventBus
+from ...errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
+from ...observability.events import EventBus
 from .checkpoints import Checkpoints
 from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
-from .combined import ExpertModes, PeerLost
-from .model import LoadedModel
+from ..experts.combined import ExpertModes, PeerLost
+from ..llama.model import LoadedModel
 from .prompt_cache import PromptCache, common_prefix as _common_prefix
-from .requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
+from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
 from .sampling import GrammarError, SamplerSpec, build_sampler
 from .slots import Slot, SlotState, StopStringMatcher
 from .generation import Generation
-from .speculative.base import DraftRequest
+from ..kv.blobbuf import BlobBuffer, BlobPool
+from ..kv.state import Restored, restore_slot, save_slot
+from ..speculative.base import DraftRequest
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
-    from .speculative.combine import Speculative
+    from ..speculative.combine import Speculative
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -81,8 +85,8 @@ class Scheduler:
         events: where ``slot.*`` events go (:mod:`hydra_trio.observability.events`).
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
             checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
-            those names (checkpoints: :mod:`~hydra_trio.engine.checkpoints`).
-        prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.prompt_cache`; None: off).
+            those names (checkpoints: :mod:`~hydra_trio.engine.batching.checkpoints`).
+        prompt_cache: the host-RAM prompt cache (:mod:`~hydra_trio.engine.batching.prompt_cache`; None: off).
         hand_off: the tokens sampled in a step reach trio through it in one hand-over
             (:class:`~hydra_trio.engine.requests.StepHandOff`); None: each event on its own.
         spec, spec_cap: speculative decoding (:mod:`~hydra_trio.engine.speculative`): the drafters, and
@@ -115,7 +119,7 @@ class Scheduler:
         experts.on_switch = self.forget_cached_prompts
         self.make_room = functools.partial(free_idle_cells, slots=self.slots, prompt_cache=self.prompt_cache,
                                            events=self.events)
-        """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.kv_cells.free_idle_cells`."""
+        """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.batching.kv_cells.free_idle_cells`."""
         self.prompt_cache.make_room = self.make_room
         self.spec: Speculative | None = spec
         """The node's drafters (``--spec-type``; None: no speculative decoding)."""
@@ -195,6 +199,66 @@ class Scheduler:
         """Speculative decoding runs on ``m``: drafters that follow the target (``draft-mtp``,
         ``draft-simple``) only on the model they were built for (SOLO's)."""
         return self.spec is not None and (m is self.experts.solo or not self.spec.follows_the_target)
+
+    # ------------------------------------------------------------ one idle slot's KV cache
+    def idle_slot(self, id_slot: int) -> Slot:
+        """The slot, idle: InvalidRequest when it is gone (the slot count changed), Busy when it works."""
+        if not 0 <= id_slot < len(self.slots):
+            raise InvalidRequest(f"id_slot: slot {id_slot} no longer exists (slots 0..{len(self.slots) - 1})")
+        slot = self.slots[id_slot]
+        if slot.is_processing:
+            raise Busy(f"slot {id_slot} is processing a request", [id_slot])
+        return slot
+
+    def save_slot(self, id_slot: int, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
+        """The idle slot's KV state blob, ``(n_past, blob)``, its buffer from ``pool``, with the drafters'
+        state of the slot (:func:`~hydra_trio.engine.kv.state.save_slot`).  Raises Busy, InvalidRequest."""
+        slot = self.idle_slot(id_slot)
+        m = self.model
+        assert m is not None
+        spec = self.spec
+        return save_slot(m, slot, self.model_hash, pool=pool,
+                         extra=spec.get_state(id_slot) if spec is not None and slot.n_past else None)
+
+    def restore_slot(self, id_slot: int, blob: bytearray | BlobBuffer, *, allow_cross_model_kv: bool,
+                     checksum_verified: bool = False) -> Restored:
+        """Apply a blob to the idle slot, all or nothing (:func:`~hydra_trio.engine.kv.state.restore_slot`); the
+        drafters take the blob's part of their state, else start afresh.
+
+        A blob of another model file with the same KV identity is applied only with
+        ``allow_cross_model_kv``.  Raises Busy, InvalidRequest, StateError.
+        """
+        slot = self.idle_slot(id_slot)
+        m = self.model
+        assert m is not None
+        done = restore_slot(m, slot, blob, self.model_hash, allow_cross_model_kv=allow_cross_model_kv,
+                            checksum_verified=checksum_verified, make_room=lambda: self.make_room(m, keep=slot))
+        if self.spec is not None:  # the drafters follow: the blob's part, else nothing
+            self.spec.seq_rm(id_slot, -1, -1)
+            if done.extra:
+                try:
+                    self.spec.set_state(id_slot, done.extra)
+                except ValueError as exc:
+                    log.warning("slot %d: the blob's drafters' state was not applied (%s); it drafts afresh",
+                                id_slot, exc)
+        return done
+
+    def erase_slot(self, id_slot: int) -> int:
+        """Drop the slot's KV cache, and the prompt-cache entries of its conversation
+        (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
+
+        Raises Busy when the slot is processing.
+        """
+        slot = self.slots[id_slot]
+        m = self.model
+        assert m is not None
+        if slot.is_processing:
+            raise Busy(f"slot {slot.id} is processing a request", [slot.id])
+        self.prompt_cache.forget(slot.cache_tokens)
+        n = slot.n_past
+        llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+        slot.cache_tokens.clear()
+        return n
 
     def _drafts(self, m: LoadedModel) -> dict[int, list[int]]:
         """This step's drafts, by slot: every generating slot that speculates asks for at most as many tokens
@@ -466,22 +530,6 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
         cache_n = 0
     del slot.cache_tokens[cache_n:]
     return cache_n
-
-
-def erase_slot(m: LoadedModel, slot: Slot, prompt_cache: PromptCache | None = None) -> int:
-    """Drop ``slot``'s KV cache in ``m``, and the ``prompt_cache`` entries of its conversation
-    (:meth:`PromptCache.forget`).  Returns the number of tokens erased.
-
-    Raises Busy when the slot is processing.
-    """
-    if slot.is_processing:
-        raise Busy(f"slot {slot.id} is processing a request", [slot.id])
-    if prompt_cache is not None:
-        prompt_cache.forget(slot.cache_tokens)
-    n = slot.n_past
-    llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
-    slot.cache_tokens.clear()
-    return n
 
 
 def pick_idle_slot(idle: list[Slot], prompt: tuple[int, ...], similarity: float) -> Slot:

@@ -20,7 +20,7 @@ the rules here:
   prefix with it is restored into the chosen slot (``llama_state_seq_set_data``)
   when that prefix is at least :data:`MIN_TOKENS` longer than what the slot
   keeps and than what another slot would give by a copy
-  (:func:`~hydra_trio.engine.scheduler.share_prefix`); then only the rest is
+  (:func:`~hydra_trio.engine.batching.scheduler.share_prefix`); then only the rest is
   evaluated.  The entry stays in the cache (llama-server moves it out, so a
   turn that diverges early loses the rest of it).  Models that keep context
   checkpoints instead (recurrent, hybrid, SWA: :mod:`.checkpoints`) do not use
@@ -55,10 +55,10 @@ from typing import TYPE_CHECKING
 import attrs
 import llama_cpp
 
-from ..observability.events import EventBus
+from ...observability.events import EventBus
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from ..llama.model import LoadedModel
     from .slots import Slot
 
 log = logging.getLogger("hydra_trio.engine")
@@ -113,7 +113,7 @@ class PromptCache:
         self.evicted: collections.Counter[str] = collections.Counter()
         self.make_room: Callable[[LoadedModel, Slot, Entry], bool] | None = None
         """Frees another slot's cells when a restore finds no room in a unified KV cache (the scheduler's
-        :meth:`~hydra_trio.engine.scheduler.Scheduler.make_room`, which keeps the entry being restored)."""
+        :meth:`~hydra_trio.engine.batching.scheduler.Scheduler.make_room`, which keeps the entry being restored)."""
 
     @property
     def enabled(self) -> bool:

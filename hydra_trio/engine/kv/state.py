@@ -14,7 +14,7 @@ Blob format, version 3 (all integers little-endian; documented in
     52      8           checksum: XXH3-64 of bytes 0..51 and of every byte after 60
     60      32          KV identity hash: raw SHA-256 of the identity JSON     (version 3)
     92      4           ident_len: bytes of the identity JSON                   (version 3)
-    96      ident_len   the KV identity, canonical JSON (engine/kv_identity.py) (version 3)
+    96      ident_len   the KV identity, canonical JSON (engine/kv/kv_identity.py) (version 3)
     ...     4*n_tokens  the slot's tokens (u32 each)
     ...     kv_len      llama_state_seq_get_data() output for the slot's sequence
     ...     4           extra_len: bytes of the drafters' state that follow     (version 4)
@@ -70,14 +70,14 @@ import llama_cpp
 import trio
 import xxhash
 
-from ..errors import HydraTrioError, InvalidRequest
+from ...errors import HydraTrioError, InvalidRequest
 from .blobbuf import TAIL_ROOM, BlobBuffer, BlobPool
 from .kv_identity import canonical, first_difference, identity_hash, kv_identity
-from .settings import kv_type_name
+from ..settings import kv_type_name
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
-    from .slots import Slot
+    from ..llama.model import LoadedModel
+    from ..batching.slots import Slot
 
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 3
@@ -207,7 +207,7 @@ def _one_stream(raw: memoryview) -> memoryview | None:
 
 
 Blob = bytes | bytearray | memoryview | BlobBuffer
-"""A blob's bytes: in memory, or in a :class:`~hydra_trio.engine.blobbuf.BlobBuffer` (what :func:`save_slot`
+"""A blob's bytes: in memory, or in a :class:`~hydra_trio.engine.kv.blobbuf.BlobBuffer` (what :func:`save_slot`
 returns and the transfer paths receive into)."""
 
 

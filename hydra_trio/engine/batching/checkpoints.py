@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 import llama_cpp
 
 if TYPE_CHECKING:
-    from .model import LoadedModel
+    from ..llama.model import LoadedModel
     from .slots import Slot
 
 log = logging.getLogger("hydra_trio.engine")

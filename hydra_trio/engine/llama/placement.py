@@ -15,14 +15,14 @@ from typing import Any
 
 import llama_cpp
 
-from ..errors import HydraTrioError
+from ...errors import HydraTrioError
 from . import ggml_backend
-from .settings import LlamaOptions
+from ..settings import LlamaOptions
 
 
 class PlacementError(HydraTrioError, ValueError):
     """A device or buffer type that does not exist here, or placement values llama.cpp cannot take (the
-    message names the flag and the value); :class:`~hydra_trio.engine.model.LoadedModel` raises it as
+    message names the flag and the value); :class:`~hydra_trio.engine.llama.model.LoadedModel` raises it as
     ``ModelLoadError``."""
 
 

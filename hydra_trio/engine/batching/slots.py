@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 if TYPE_CHECKING:
-    from .requests import CompletionJob, RequestHandle
+    from ..requests import CompletionJob, RequestHandle
     from .thinking_budget import ThinkingBudget
 
 # ---------------------------------------------------------------------------

@@ -34,9 +34,9 @@ from typing import Any
 import attrs
 import llama_cpp
 
-from ..errors import InvalidRequest
+from ...errors import InvalidRequest
 from .gbnf_depth import depths
-from .settings import SAMPLER_ORDER, SamplingParams
+from ..settings import SAMPLER_ORDER, SamplingParams
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_DEPTH = 128

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import llama_cpp
 
-from ..observability.events import EventBus
-from .model import LoadedModel
+from ...observability.events import EventBus
+from ..llama.model import LoadedModel
 from .prompt_cache import Entry, PromptCache, common_prefix as _common_prefix
 from .slots import Slot
 
@@ -46,7 +46,7 @@ def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     evaluated here (its logits are needed).
 
     Not used for a model whose memory cannot be cut back (recurrent, hybrid,
-    SWA: :func:`~hydra_trio.engine.checkpoints.needs_checkpoints`; the
+    SWA: :func:`~hydra_trio.engine.batching.checkpoints.needs_checkpoints`; the
     scheduler never sets ``may_share`` for one): ``llama_memory_seq_cp`` of
     recurrent memory ignores the range and gives the slot the donor's whole
     state, after all of the donor's tokens rather than after the shared

@@ -6,7 +6,7 @@ costs milliseconds, not a reload) with the peer's device in
 every tensor matching the expert pattern (default ``ffn_(up|down|gate)_exps``)
 in the peer's buffer type (``ggml_backend_dev_buffer_type`` of the peer's device).  It keeps the
 operator's placement flags, composed in this order (first match wins, as
-llama.cpp applies overrides; :class:`~hydra_trio.engine.placement.Placement`): the
+llama.cpp applies overrides; :class:`~hydra_trio.engine.llama.placement.Placement`): the
 operator's ``-ot`` entries, then the expert pattern on the peer, then
 ``-cmoe``/``-ncmoe``/``-ncffn``.  So ``-ot 'token_embd\\.weight=CPU'`` keeps the
 embedding where it says and the experts still go to the peer, while an ``-ot``
@@ -39,15 +39,15 @@ from typing import Any, TypeVar
 
 import llama_cpp
 
-from ..observability import progress
-from ..errors import EngineFailure
-from ..validation.address import parse_peer
-from ..validation.strict import MessageError
-from . import ggml_backend, openmp
-from ..observability.events import EventBus
-from .bridge import Call
-from .model import LoadedModel
-from .settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
+from ...observability import progress
+from ...errors import EngineFailure
+from ...validation.address import parse_peer
+from ...validation.strict import MessageError
+from ..llama import ggml_backend, openmp
+from ...observability.events import EventBus
+from ..bridge import Call
+from ..llama.model import LoadedModel
+from ..settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
 
 
 log = logging.getLogger("hydra_trio.combined")
@@ -100,29 +100,13 @@ def _on_ggml_abort(message: bytes) -> None:
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
     elif openmp.in_use():
         # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
-        # good, with its OpenMP team, and two teams throttle each other (engine/openmp.py); it releases
+        # good, with its OpenMP team, and two teams throttle each other (engine/llama/openmp.py); it releases
         # the team itself, on a signal (one that released its team already, at a switch to SOLO or
         # when the slots went idle, keeps none)
         for w in victims:
             if w.holds_team:
-                _release_stuck_team(w)
+                w.release_stuck_team()
     threading.Event().wait()  # never returns: returning would abort() the process
-
-
-def _release_stuck_team(w: PeerWorker) -> None:
-    """The dead peer's worker is stuck inside a decode with its OpenMP team: make it free the team
-    (:func:`.openmp.release_team_of`), so SOLO decodes are not throttled; logged either way."""
-    try:
-        released = openmp.release_team_of(w._thread)
-    except Exception:  # noqa: BLE001  (we are in ggml's abort handler: returning would abort() the process)
-        log.exception("peer %s: releasing the stuck worker's OpenMP threads failed", w.peer)
-        released = False
-    if released:
-        w.holds_team = False
-        log.info("peer %s: the stuck worker released its OpenMP threads; SOLO decodes at full speed", w.peer)
-    else:
-        log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
-                    "spin waits (slower) until this node restarts")
 
 
 def install_abort_handler() -> None:
@@ -152,7 +136,7 @@ class PeerWorker:
         self._jobs: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
         self._current: Call[Any] | None = None
         self.holds_team = False
-        """True from a decode on this worker until it releases its OpenMP team (:mod:`.openmp`)."""
+        """True from a decode on this worker until it releases its OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`)."""
         self._dead = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"peer-{peer}", daemon=True)
         self._thread.start()
@@ -168,6 +152,22 @@ class PeerWorker:
             self._current = call
             call.run()
             self._current = None
+
+    def release_stuck_team(self) -> None:
+        """The dead peer's worker is stuck inside a decode with its OpenMP team: make it free the team
+        (:func:`~hydra_trio.engine.llama.openmp.release_team_of`), so SOLO decodes are not throttled; logged
+        either way.  Runs in ggml's abort handler: it never raises."""
+        try:
+            released = openmp.release_team_of(self._thread)
+        except Exception:  # noqa: BLE001  (we are in ggml's abort handler: returning would abort() the process)
+            log.exception("peer %s: releasing the stuck worker's OpenMP threads failed", self.peer)
+            released = False
+        if released:
+            self.holds_team = False
+            log.info("peer %s: the stuck worker released its OpenMP threads; SOLO decodes at full speed", self.peer)
+        else:
+            log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
+                        "spin waits (slower) until this node restarts")
 
     def _die(self) -> None:
         """The peer is gone: fail the call in progress and all queued ones (from the abort handler)."""
@@ -225,7 +225,7 @@ class PeerWorker:
         return self.call(lambda: llama_cpp.llama_decode(ctx, batch))
 
     def rest(self) -> None:
-        """Free this worker's OpenMP team (:mod:`.openmp`), if it holds one: at a switch away from its model,
+        """Free this worker's OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`), if it holds one: at a switch away from its model,
         and when the slots go idle, so that a peer lost in between leaves no team behind."""
         if not self.holds_team or self.dead:
             return
@@ -287,7 +287,7 @@ def expert_bytes(path: Path, pattern: str, before: tuple[str, ...] = ()) -> int:
     overrides): those whose names match it and none of the ``before`` patterns (the overrides that come
     first in the list; llama.cpp applies the first that matches).
 
-    Reads only the GGUF header (:class:`~hydra_trio.engine.ggml_backend.GgufHeader`).  Raises PeerError
+    Reads only the GGUF header (:class:`~hydra_trio.engine.llama.ggml_backend.GgufHeader`).  Raises PeerError
     when the file's header cannot be read.
     """
     try:
@@ -336,7 +336,7 @@ class ExpertModes:
         counters: an object with ``mode_switches``, ``combined_fallbacks`` and
             ``peer_losses`` integer attributes (the engine's stats).
         model_kwargs: keyword arguments for building the COMBINED
-            :class:`~hydra_trio.engine.model.LoadedModel` like the SOLO one
+            :class:`~hydra_trio.engine.llama.model.LoadedModel` like the SOLO one
             (``n_batch``, ``n_threads``, ``chat_template``).
     """
 
@@ -427,7 +427,7 @@ class ExpertModes:
 
     def _release_compute_threads(self, old: LoadedModel | None) -> None:
         """The thread that ran ``old``'s graphs (the engine thread for SOLO, the peer's worker for
-        COMBINED) frees its OpenMP team before another thread starts one (:mod:`.openmp`: two teams at
+        COMBINED) frees its OpenMP team before another thread starts one (:mod:`~hydra_trio.engine.llama.openmp`: two teams at
         once throttle both).  A worker that is gone released its team as it died."""
         if old is None:
             return
@@ -559,7 +559,7 @@ class ExpertModes:
                 "swap_ms": round(ms, 3), "kv_preserved": False, "mode": str(self.mode), "peer": self.peer}
 
     def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
-        """Every slot idle (an exclusive task: :class:`~.tasks.SetExpertMode`): switch SOLO / COMBINED; returns the reply meta.
+        """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.SetExpertMode`): switch SOLO / COMBINED; returns the reply meta.
 
         ``peer`` different from the current one detaches the old peer (frees
         what lives there) and attaches the new one.  COMBINED without a usable
@@ -650,7 +650,7 @@ class ExpertModes:
         """Before a kept COMBINED/PIPELINE model serves again: if its peer died while SOLO served (the
         watchdog acts only in COMBINED/PIPELINE), forget it (leaked with its parked worker, as
         :meth:`peer_lost` does), so the switch attaches afresh or falls back instead of reporting success
-        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/openmp.py)."""
+        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/llama/openmp.py)."""
         worker = self._worker
         if self.combined is None or self.active is self.combined or worker is None or worker.answers(self._peer_dev):
             return

@@ -1,6 +1,6 @@
 """Model loading and model identity, through llama-cpp-python's low-level API.
 
-Everything here runs on the engine thread (see :mod:`hydra_trio.engine.engine`):
+Everything here runs on the engine thread (see :mod:`hydra_trio.engine.loop`):
 llama.cpp objects are created, used and freed by that one thread only.
 """
 
@@ -21,15 +21,15 @@ from typing import Any
 import attrs
 import llama_cpp
 
-from ..errors import InvalidRequest, ModelLoadError
-from ..validation.strict import TooLong
+from ...errors import InvalidRequest, ModelLoadError
+from ...validation.strict import TooLong
 from . import ggml_backend, kv_overrides
-from .bridge import thread_local_set
+from ..bridge import thread_local_set
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
-from .settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
+from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -318,7 +318,7 @@ def _apply_builtin(name: str, messages: list[dict], *, add_assistant: bool) -> s
 @attrs.frozen
 class ModelIdentity:
     """Model identity keys of docs/hydra-protocol.md §3: alias, path, SHA-256 of the GGUF, and the
-    SHA-256 of its KV identity (:mod:`hydra_trio.engine.kv_identity`): files with equal
+    SHA-256 of its KV identity (:mod:`hydra_trio.engine.kv.kv_identity`): files with equal
     ``kv_identity_hash`` can exchange slot KV."""
 
     model_alias: str
@@ -353,7 +353,7 @@ class LoadedModel:
         options: llama.cpp model and context parameters from llama-server's
             flags (:class:`~hydra_trio.engine.settings.LlamaOptions`); the
             placement ones (devices, layers, tensor overrides) as
-            :class:`~hydra_trio.engine.placement.Placement` builds them,
+            :class:`~hydra_trio.engine.llama.placement.Placement` builds them,
             composed with ``peer``.
         chat_template_kwargs: extra variables for a Jinja chat template
             (``--chat-template-kwargs``).
@@ -362,7 +362,7 @@ class LoadedModel:
         ModelLoadError: llama.cpp refused the file or the context, the
             Jinja chat template does not compile, or a device or buffer type
             of ``options`` does not exist here
-            (:class:`~hydra_trio.engine.placement.Placement`).
+            (:class:`~hydra_trio.engine.llama.placement.Placement`).
     """
 
     def __init__(
@@ -447,7 +447,7 @@ class LoadedModel:
         cparams.n_seq_max = n_parallel
         cparams.n_threads = threads
         cparams.n_threads_batch = opts.n_threads_batch or threads
-        _apply_context_options(cparams, opts)
+        apply_context_options(cparams, opts)
         cparams.kv_unified = opts.kv_unified  # default: one KV stream per slot, like llama-server's
         cparams.no_perf = True
         with _tap_llama_log(self._llama_log):
@@ -500,7 +500,7 @@ class LoadedModel:
         bytes a block of 32); head sizes from the GGUF (``{arch}.attention.key_length`` / ``value_length``),
         else ``n_embd / n_head`` as llama.cpp assumes.
         """
-        from ..protocol.ggml_rpc import GGML_TYPE_COUNT
+        from ...protocol.ggml_rpc import GGML_TYPE_COUNT
         from .ggml_backend import type_traits
 
         arch = self.meta("general.architecture") or ""
@@ -572,8 +572,8 @@ class LoadedModel:
                  limit: int | None = None) -> list[int]:
         """Tokenize UTF-8 text; ``add_special`` adds BOS when the model wants one.
 
-        Linear in the text (:mod:`hydra_trio.engine.tokenize`).  ``limit``: raise
-        :class:`~hydra_trio.engine.tokenize.PromptTooLong` (an InvalidRequest) once the text
+        Linear in the text (:mod:`hydra_trio.engine.llama.tokenize`).  ``limit``: raise
+        :class:`~hydra_trio.engine.llama.tokenize.PromptTooLong` (an InvalidRequest) once the text
         has that many tokens, or before tokenizing when its length alone shows it will.
         """
         return tokenize_linear(self.vocab, self.special_tokens, text.encode("utf-8"), add_special=add_special,
@@ -627,6 +627,28 @@ class LoadedModel:
             tokens.insert(0, self.bos_id)
         return tokens
 
+    def facts(self) -> dict[str, Any]:
+        """llama-server's model facts (``/v1/models``' ``meta``, ``/props``' ``model_ftype``), read from llama.cpp:
+        ``{"vocab_type": int (llama_vocab_type), "n_vocab", "n_ctx_train", "n_embd" (input width), "n_params",
+        "size" (bytes of weights), "ftype": str ("Q4_1", llama_ftype_name)}``."""
+        ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(self.model))
+        return {
+            "vocab_type": int(llama_cpp.llama_vocab_type(self.vocab)),
+            "n_vocab": self.n_vocab,
+            "n_ctx_train": self.n_ctx_train,
+            "n_embd": int(llama_cpp.llama_model_n_embd_inp(self.model)),
+            "n_params": int(llama_cpp.llama_model_n_params(self.model)),
+            "size": int(llama_cpp.llama_model_size(self.model)),
+            "ftype": ftype.decode("utf-8", "replace") if ftype else "",
+        }
+
+    def check_grammar(self, grammar: str) -> None:
+        """Check that llama.cpp accepts the GBNF ``grammar`` over this vocabulary (any thread: it only reads
+        the vocabulary; :func:`~hydra_trio.engine.batching.sampling.check_grammar`).  Raises GrammarError."""
+        from ..batching.sampling import check_grammar  # the sampler chains' module: loaded with the engine
+
+        check_grammar(self.vocab, grammar)
+
     def close(self) -> None:
         """Free the context and the model (engine thread only)."""
         if getattr(self, "ctx", None):
@@ -636,22 +658,6 @@ class LoadedModel:
             llama_cpp.llama_model_free(self.model)
             self.model = None
         release_free_memory()
-
-
-def model_meta(m: LoadedModel) -> dict[str, Any]:
-    """llama-server's model facts (``/v1/models``' ``meta``, ``/props``' ``model_ftype``), read from llama.cpp:
-    ``{"vocab_type": int (llama_vocab_type), "n_vocab", "n_ctx_train", "n_embd" (input width), "n_params",
-    "size" (bytes of weights), "ftype": str ("Q4_1", llama_ftype_name)}``."""
-    ftype = llama_cpp.llama_ftype_name(llama_cpp.llama_model_ftype(m.model))
-    return {
-        "vocab_type": int(llama_cpp.llama_vocab_type(m.vocab)),
-        "n_vocab": m.n_vocab,
-        "n_ctx_train": m.n_ctx_train,
-        "n_embd": int(llama_cpp.llama_model_n_embd_inp(m.model)),
-        "n_params": int(llama_cpp.llama_model_n_params(m.model)),
-        "size": int(llama_cpp.llama_model_size(m.model)),
-        "ftype": ftype.decode("utf-8", "replace") if ftype else "",
-    }
 
 
 GGML_TYPES = KV_CACHE_TYPES
@@ -719,7 +725,7 @@ _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
 def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
-    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.placement.Placement`)."""
+    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.llama.placement.Placement`)."""
     mparams.load_mode = _LOAD_MODES[opts.load_mode]
     mparams.check_tensors = opts.check_tensors
     mparams.use_extra_bufts = opts.repack
@@ -727,7 +733,7 @@ def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
     mparams.load_mtp = opts.load_mtp
 
 
-def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
+def apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     """The context parameters of ``opts``: flash attention, KV cache types and offload, RoPE/YaRN."""
     cparams.flash_attn_type = _FLASH_ATTN[opts.flash_attn]
     cparams.type_k = GGML_TYPES[opts.cache_type_k]
@@ -746,7 +752,7 @@ def _apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     cparams.yarn_beta_fast = opts.yarn_beta_fast
     cparams.embeddings = opts.embeddings
     cparams.n_rs_seq = opts.n_rs_seq
-    if opts.pooling is not None:  # enum llama_pooling_type (engine/embedding.py's POOLING)
+    if opts.pooling is not None:  # enum llama_pooling_type (engine/llama/embedding.py's POOLING)
         cparams.pooling_type = ("none", "mean", "cls", "last", "rank").index(opts.pooling)
 
 

@@ -1,0 +1,2 @@
+"""The expert modes: SOLO, COMBINED (the MoE experts on a ggml-RPC peer) and PIPELINE
+(:mod:`.combined`)."""

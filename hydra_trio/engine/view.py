@@ -1,0 +1,69 @@
+"""What a front end reads of the served model: :class:`ModelView`.
+
+The service, the OpenAI shapes and the front ends render prompts, count and decode tokens, check a
+grammar and report the model's facts; they never touch llama.cpp's handles (the model, context and
+vocabulary pointers), which only the engine thread uses.  :class:`~hydra_trio.engine.llama.model.LoadedModel`
+is a :class:`ModelView`; :attr:`Engine.model <hydra_trio.engine.engine.Engine.model>` returns the one that
+serves.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .llama.model import ChatTemplate
+    from .llama.tokenize import SpecialTokens
+
+
+class ModelView(Protocol):
+    """The served model as the front ends see it: its chat template, tokenizer, vocabulary facts and
+    grammar check (all safe from any thread: they read the vocabulary and the template only)."""
+
+    n_vocab: int
+    """Tokens in the vocabulary."""
+    bos_id: int
+    """The beginning-of-sequence token (-1: none)."""
+    eos_id: int
+    """The end-of-sequence token (-1: none)."""
+    chat_template: ChatTemplate
+    """The chat template chosen at load (``--chat-template``, ``--jinja``, the GGUF's own)."""
+    tensor_placement: dict[str, int]
+    """Tensors placed on each buffer type by ``-ot`` / ``-cmoe`` overrides (``/props``)."""
+
+    @property
+    def special_tokens(self) -> SpecialTokens: ...
+
+    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True,
+                 limit: int | None = None) -> list[int]:
+        """``text``'s tokens (llama.cpp's tokenizer); ``limit``: stop past that many (PromptTooLong)."""
+        ...
+
+    def detokenize(self, tokens: tuple[int, ...] | list[int]) -> str:
+        """The text ``tokens`` render to (special tokens empty)."""
+        ...
+
+    def token_bytes(self, token: int, special: bool = False) -> bytes:
+        """The bytes one token renders to; with ``special`` a special token's own text."""
+        ...
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary's text of ``token``."""
+        ...
+
+    def apply_chat_template(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
+                            tools: list[dict] | None = None, max_chars: int | None = None) -> tuple[str, list[str]]:
+        """The rendered chat prompt and the template's extra stop strings."""
+        ...
+
+    def chat_prompt_tokens(self, prompt: str, limit: int | None = None) -> list[int]:
+        """A rendered chat prompt's tokens, as llama-server tokenizes it."""
+        ...
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise GrammarError unless llama.cpp accepts the GBNF ``grammar`` over this vocabulary."""
+        ...
+
+    def facts(self) -> dict[str, Any]:
+        """llama-server's model facts (``/v1/models``' ``meta``, ``/props``' ``model_ftype``)."""
+        ...
