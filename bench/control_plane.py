@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from hydra_trio.testing.spawn import free_port, wait_healthy  # noqa: E402
 from hydra_trio.protocol.hydra import Op  # noqa: E402
-from tests.hydra_wire import Wire  # noqa: E402
+from hydra_trio.testing.hydra_wire import Wire  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "bright jovial nymphs near misty harbours and old lanterns glow ").split()

@@ -28,7 +28,7 @@ from hydra_trio.http.auth import bearer_key
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, ServerProcess
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 from .conftest import wait_for
 from .test_rpc_backend import LONG, RawRpc
 

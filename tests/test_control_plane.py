@@ -21,7 +21,7 @@ import pytest
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, wait_for
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "bright jovial nymphs near misty harbours and old lanterns glow ").split()

@@ -23,7 +23,7 @@ from hydra_trio.engine.batching.sampling import GrammarError, check_grammar
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 MSGS = [{"role": "user", "content": "Give a number."}]
 

@@ -22,7 +22,7 @@ from hydra_trio.errors import (BodyError, BodyTimeout, BodyTooLarge, Busy, Cance
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 
 def _all_error_classes() -> list[type[HydraTrioError]]:

@@ -20,7 +20,7 @@ from hydra_trio.observability.events import CATEGORIES, EventBus, parse_types
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 
 # ------------------------------------------------------------------ the bus, in-process

@@ -23,7 +23,7 @@ from hydra_trio.errors import ModelLoadError
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
 
 from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 Q8 = ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0")
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 values for K and for V

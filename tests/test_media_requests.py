@@ -29,7 +29,7 @@ from hydra_trio.protocol.hydra import Op, Status
 from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, wait_healthy
 
 from .conftest import ROOT, ServerProcess, free_port
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 MARKER = "<__media_hydra_trio_test__>"
 """The media marker both nodes and llama-server are given (``LLAMA_MEDIA_MARKER``), so prompts compare."""

@@ -27,7 +27,7 @@ from hydra_trio.observability.logs import TextFormatter
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ROOT, ServerProcess, streaming
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 # family -> type, as prometheus-client's parser names them (a counter without its _total)
 FAMILIES = {

@@ -15,7 +15,7 @@ import pytest
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0}

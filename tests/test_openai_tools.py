@@ -18,7 +18,7 @@ import pytest
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",

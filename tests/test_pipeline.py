@@ -10,7 +10,7 @@ import httpx
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import streaming
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 from .conftest import wait_for
 from .test_combined import BODY, complete, info, peer_dies_mid_request, rpc_bytes
 

@@ -22,7 +22,7 @@ from hydra_trio.engine.kv.state import HEADER_SIZE, StateError, parse_header, ve
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import wait_for
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 LONG = 120.0  # seconds: an upper bound no healthy step comes near, even on a busy machine
 

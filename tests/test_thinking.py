@@ -32,7 +32,7 @@ import pytest
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 TEMPLATE = r"""
 {%- if reasoning_effort is defined -%}

@@ -334,7 +334,7 @@ def test_peer_named_later_goes_through_a_tls_tunnel(certs: Certs, spawn) -> None
 
     from hydra_trio.protocol.hydra import Op
 
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
     from .conftest import wait_for
     from .test_combined import complete, info, rpc_bytes, set_mode
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.protocol.strict import MessageError
+from hydra_trio.validation.strict import MessageError
 from hydra_trio.openai import tools as T
 from hydra_trio.openai.schemas import ChatCompletionRequest, structure_body
 

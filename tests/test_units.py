@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.protocol.strict import MessageError
+from hydra_trio.validation.strict import MessageError
 from hydra_trio.openai.replies import ResponseContext
 from hydra_trio.engine.batching.slots import StopStringMatcher
 from hydra_trio.openai.replies import sse as _sse

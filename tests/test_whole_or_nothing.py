@@ -24,7 +24,7 @@ from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, encode_request_header
 
 from .conftest import embedded_node, streaming
-from .hydra_wire import Wire
+from hydra_trio.testing.hydra_wire import Wire
 
 HI = '[{"role":"user","content":"Say hi."}]'
 

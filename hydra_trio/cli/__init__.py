@@ -6,12 +6,12 @@
     hydra-trio run [flags]                  the same (``run --help`` lists the flags)
     hydra-trio models                       list the model presets and which are installed
     hydra-trio models install ALIAS         pip-install a preset's package into this environment
-    hydra-trio info|state|mode ...          Hydra protocol client commands (:mod:`hydra_trio.hydra.cli`)
+    hydra-trio info|state|mode ...          Hydra protocol client commands (:mod:`hydra_trio.hydra.commands`)
     hydra-trio watch HOST:PORT [--json]     a node's live events in the terminal (:mod:`hydra_trio.client.watch`)
     hydra-trio --version
 
 The flags of ``run`` are data (:mod:`._flags`), in modules that follow llama-server's argument groups:
-:mod:`.common`, :mod:`.sampling`, :mod:`.server`, :mod:`.speculative` and :mod:`.hydra`
+:mod:`.common`, :mod:`.sampling`, :mod:`.server`, :mod:`.speculative` and :mod:`.own`
 (hydra-trio's own and the cluster's llama-server fork's, with :mod:`.access`).  Every flag is its own spelling (no
 abbreviations), ``--long_name`` reads as ``--long-name`` and ``LLAMA_ARG_*`` environment variables set
 the flags they set in llama-server (an explicit flag wins), as llama.cpp's ``common/arg.cpp``.  Every value
@@ -28,7 +28,7 @@ import sys
 from collections.abc import Mapping
 
 from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, check_stop, kv_cache_problem
-from ..hydra.cli import add_client_commands
+from ..hydra.commands import add_client_commands
 from ..client.watch import add_watch_command
 from . import _types, sampling, speculative
 from ._flags import Version, add_flags, apply_environment, normalize_argv, version_text

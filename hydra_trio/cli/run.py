@@ -122,8 +122,8 @@ def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str
     expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
     ``=`` is ignored, as the fork ignores it (one line says so).
     """
-    from ..protocol.address import parse_peer
-    from ..protocol.strict import MessageError
+    from ..validation.address import parse_peer
+    from ..validation.strict import MessageError
 
     notes: list[str] = []
     peer = args.rpc_engine

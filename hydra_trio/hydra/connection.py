@@ -30,7 +30,7 @@ import trio
 
 from ..engine import BlobBuffer
 from ..errors import HydraTrioError, InvalidRequest, NotSupported
-from ..http.metrics import NodeMetrics
+from ..service.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
 from .gate import ConnectionTrust
 from ..transport.net import wait_peer_closed

@@ -31,9 +31,9 @@ import logging
 from typing import Any
 
 from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
-from ..protocol import strict
+from ..validation import strict
 from ..protocol.hydra import Op
-from ..protocol.strict import MessageError
+from ..validation.strict import MessageError
 from ..errors import InvalidRequest
 
 log = logging.getLogger("hydra_trio.hydra")

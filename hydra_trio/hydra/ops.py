@@ -39,7 +39,7 @@ from ..service import completions, node, slots
 from ..service.completions import PreparedCompletion
 from ..rpc_backend.backend import RpcBackend
 from ..models.presets import PRESETS, resolve_model
-from ..protocol import messages as msg
+from . import messages as msg
 from ..protocol.hydra import DecodeFramer, Op, Status, encode_response, encode_response_header
 from .session import HydraRequest, HydraSettings
 

@@ -17,9 +17,9 @@ from ..hydra.server import HydraHandler
 from ..http import HttpHandler
 from ..http.app import build_app
 from ..http.inflight import InFlight
-from ..http.metrics import NodeMetrics
+from ..service.metrics import NodeMetrics
 from ..observability import progress
-from ..observability.node_stats import ProgressEvents, StatsTicker
+from ..service.node_stats import ProgressEvents, StatsTicker
 from ..protocol.classify import Protocol
 from ..rpc_backend.backend import RpcBackend
 from ..transport.tunnel import TunnelPool

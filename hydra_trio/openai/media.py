@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 
 from ..errors import HydraTrioError, InvalidRequest
-from ..protocol import strict as msg
+from ..validation import strict as msg
 from ..protocol.hydra import Status
 from ..protocol.media import MEDIA_MARKER, MediaItem, MediaSettings
 

@@ -12,7 +12,7 @@ from ..engine import Embed, EmbeddingJob, EmbeddingLimits, Engine, NO_EMBEDDINGS
 from ..errors import NotSupported
 from ..openai.embeddings import OAI_NONE_POOLING, EmbeddingsRequest, check_input_count, native_body, openai_body, \
     tokenize_inputs
-from ..protocol.strict import MessageError
+from ..validation.strict import MessageError
 
 
 def check_offered(e: Engine) -> None:

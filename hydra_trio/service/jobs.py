@@ -8,14 +8,14 @@ from typing import Any
 import attrs
 
 from ..engine import BudgetSpec, CompletionJob, Engine, GrammarError, ModelView, PromptTooLong
-from ..protocol.strict import TooLong
+from ..validation.strict import TooLong
 from ..engine.settings import GenerationDefaults
 from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.json_schema import SchemaError, schema_to_gbnf
 from ..openai.media import MultimodalPrompt, check_markers, load_media, load_multimodal_data
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..protocol.media import MediaItem, MediaPrompt
-from ..protocol.strict import MessageError
+from ..validation.strict import MessageError
 from ..openai import tools as _tools
 from ..openai.tools import ChatTools
 

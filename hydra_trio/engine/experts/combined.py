@@ -41,8 +41,8 @@ import llama_cpp
 
 from ...observability import progress
 from ...errors import EngineFailure
-from ...protocol.address import parse_peer
-from ...protocol.strict import MessageError
+from ...validation.address import parse_peer
+from ...validation.strict import MessageError
 from ..llama import ggml_backend, openmp
 from ...observability.events import EventBus
 from ..bridge import Call

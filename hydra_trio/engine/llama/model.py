@@ -22,7 +22,7 @@ import attrs
 import llama_cpp
 
 from ...errors import InvalidRequest, ModelLoadError
-from ...protocol.strict import TooLong
+from ...validation.strict import TooLong
 from . import ggml_backend, kv_overrides
 from ..bridge import thread_local_set
 from .ggml_backend import clean_build_paths
@@ -287,7 +287,7 @@ class ChatTemplate:
         ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
         variable (a built-in template has no variables and never renders tools: callers describe them
         in a message instead, :func:`hydra_trio.openai.tools.render_messages`).  ``max_chars``: a Jinja
-        template's rendering stops with :class:`~hydra_trio.protocol.strict.TooLong` past that many
+        template's rendering stops with :class:`~hydra_trio.validation.strict.TooLong` past that many
         characters (a built-in template writes little more than the messages themselves)."""
         return self._render(messages, kwargs, tools, max_chars)
 
@@ -652,7 +652,7 @@ class LoadedModel:
         Jinja template's ``tools`` variable.
 
         Returns ``(prompt, extra_stop_strings)``.  Raises :class:`ChatTemplateError` (an InvalidRequest) when the
-        template rejects the messages, :class:`~hydra_trio.protocol.strict.TooLong` when a Jinja template's prompt
+        template rejects the messages, :class:`~hydra_trio.validation.strict.TooLong` when a Jinja template's prompt
         would pass ``max_chars`` characters.
         """
         return self.chat_template(messages, kwargs, tools, max_chars)
