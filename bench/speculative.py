@@ -171,9 +171,11 @@ def start_llama(binary: Path, model: Path, kind: str, draft: Path) -> tuple[subp
     return proc, port
 
 
-def start_hydra(kind: str, draft: Path) -> tuple[subprocess.Popen, int]:
+def start_hydra(entry: str, draft: Path) -> tuple[subprocess.Popen, int]:
+    """hydra-trio with ``entry``'s type and, after a ``:``, its own extra flags (``suffix:--spec-budget-row-cost 0``)."""
+    kind, _, extra = entry.partition(":")
     proc, port = spawn("-t", "2", "-np", "1", "-c", "8192", "--no-rpc-backend", "--log-level", "WARNING",
-                       *spec_args(kind, draft), output=subprocess.DEVNULL)
+                       *spec_args(kind, draft), *extra.split(), output=subprocess.DEVNULL)
     wait_healthy(port, proc, timeout=300)
     return proc, port
 
@@ -211,7 +213,10 @@ def run_workload(base: str, requests: list[list[dict[str, str]]], tokens: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--types", default=",".join(TYPES),
+                    help="comma-separated; a type may carry hydra-trio flags after a colon, e.g. "
+                         "'suffix:--spec-budget-row-cost 0' (hydra-trio only)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--json")
@@ -219,12 +224,12 @@ def main() -> None:
     types = [t for t in args.types.split(",") if t]
     model, draft = resolve_model("smollm2-135m")[0], resolve_model("smollm2-135m-q8")[0]
     binary = build_anchor()
-    loads = {w: workload(w, args.turns) for w in WORKLOADS}
+    loads = {w: workload(w, args.turns) for w in args.workloads.split(",") if w}
     samples: dict[tuple[str, str, str], list[dict[str, float]]] = {}
     for rnd in range(args.rounds):
         for kind in types:
             servers = [("hydra-trio", lambda k=kind: start_hydra(k, draft))]
-            if kind in LLAMA_TYPES:
+            if kind in LLAMA_TYPES:  # (an entry with hydra-trio's own flags is not one)
                 servers.append(("llama-server", lambda k=kind: start_llama(binary, model, k, draft)))
             if rnd % 2:
                 servers.reverse()
@@ -247,7 +252,7 @@ def main() -> None:
     print("| workload | type | hydra-trio tok/s | llama-server tok/s | vs llama-server | vs no speculation "
           "| acceptance (h / l) | mean accepted (h / l) |")
     print("|---|---|---|---|---|---|---|---|")
-    for w in WORKLOADS:
+    for w in loads:
         none = med.get(("none", "hydra-trio", w), {}).get("tok_s")
         for kind in types:
             h = med.get((kind, "hydra-trio", w))
