@@ -235,8 +235,8 @@ def test_no_private_member_is_used_from_another_module() -> None:
 
 TOP_LEVEL = {"hydra_trio", "hydra_trio.__main__", "hydra_trio._version", "hydra_trio._lazy", "hydra_trio.errors",
              "hydra_trio.config"}
-"""What may sit directly in ``hydra_trio/``: the public API (``__init__`` and its lazy exports), the version, the errors and
-the configuration; every layer has its folder."""
+"""What may sit directly in ``hydra_trio/``: the public API (``__init__`` and its lazy exports), the version, the errors
+and the configuration; every layer has its folder."""
 
 LAYERS = ("node", "transport", "observability", "client", "cli", "testing", "engine", "service", "openai", "http", "hydra",
           "rpc_backend", "protocol", "models")

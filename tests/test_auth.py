@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import time
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,20 +16,26 @@ import httpx
 import openai
 import pytest
 import trio
-
 from hypothesis import HealthCheck, settings
 
 from fuzz import access as access_fuzz
-from hydra_trio.transport.access import AllowList, Peer, Secrets, new_refusals, normalize_address, parse_network, read_key_file
-from hydra_trio.hydra.client import HydraBadRequest, HydraClient
 from hydra_trio.errors import InvalidRequest
-from hydra_trio.hydra.gate import Gate
 from hydra_trio.http.auth import bearer_key
+from hydra_trio.hydra.client import HydraBadRequest, HydraClient
+from hydra_trio.hydra.gate import Gate
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.transport.access import (
+    AllowList,
+    Peer,
+    Secrets,
+    new_refusals,
+    normalize_address,
+    parse_network,
+    read_key_file,
+)
 
-from .conftest import ROOT, ServerProcess
+from .conftest import ROOT, ServerProcess, wait_for
 from .hydra_wire import Wire
-from .conftest import wait_for
 from .test_rpc_backend import LONG, RawRpc
 
 KEY, FILE_KEY, TOKEN = "sk-test-one", "sk-from-file", "hydra-secret-token"
@@ -218,7 +224,7 @@ def test_the_token_makes_the_connection_trusted(node: ServerProcess) -> None:
         assert status == Status.OK and meta["mode"] == "solo"
         status, meta, _ = w.call(Op.CONFIGURE, payload=b'{"seed": 7}')
         assert status == Status.OK and meta["params_applied"] == {"seed": 7}
-        s, meta0, blob = w.call(Op.STATE_GET, key="0")
+        _s, meta0, blob = w.call(Op.STATE_GET, key="0")
         status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob)
         assert status == Status.OK and meta["n_past"] == meta0["n_past"]
     with Wire(node.port) as w:  # trust belongs to the connection, not to the address
@@ -406,7 +412,7 @@ def test_gate_policy_without_a_network() -> None:
     assert info.value.hydra_status == Status.BAD_REQUEST and info.value.reply_meta()["refused"] == "not_allowed"
     assert trust.check(Op.INFO, bytearray())[1] is None and trust.check(Op.DECODE, bytearray(b"{}"))[1] is None
     assert not trust.keeps_payload(Op.STATE_PUT) and trust.keeps_payload(Op.CONFIGURE)
-    payload, answer = trust.check(Op.CONFIGURE, bytearray(b'{"auth": "t0ken"}'))
+    _payload, answer = trust.check(Op.CONFIGURE, bytearray(b'{"auth": "t0ken"}'))
     assert answer is not None and answer["trusted"] is True and trust.keeps_payload(Op.STATE_PUT)
     assert refused["hydra", "not_allowed"] == 1 and refused["hydra", "invalid_token"] == 0
     open_trust = Gate(None, None, refused).connection(local)

@@ -63,7 +63,7 @@ class Reply:
     def same_as(self, fresh: Reply) -> bool:
         """Token for token the same text, log-probabilities within :data:`TOL`."""
         return (self.text == fresh.text and len(self.logprobs) == len(fresh.logprobs) > 0
-                and max(abs(a - b) for a, b in zip(self.logprobs, fresh.logprobs)) < TOL)
+                and max(abs(a - b) for a, b in zip(self.logprobs, fresh.logprobs, strict=False)) < TOL)
 
 
 def _chat(base: str, messages: list[dict], **extra) -> Reply:
@@ -219,9 +219,9 @@ def test_two_slots_in_one_batch_each_resume_from_their_own_checkpoints(tmp_path:
     for srv in _server(tmp_path, hybrid_model, "-np", "2", "-b", "64", "-ub", "64"):
         firsts = [[1000 + 7 * k + i for i in range(200)] for k in range(2)]
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda k: _complete(srv.base, firsts[k], id_slot=k), range(2)))
+            list(pool.map(lambda k: _complete(srv.base, firsts[k], id_slot=k), range(2)))  # noqa: B023  (called and finished within this iteration)
             seconds = [f[:180] + [8000 + k + i for i in range(30)] for k, f in enumerate(firsts)]
-            replies = list(pool.map(lambda k: _complete(srv.base, seconds[k], id_slot=k), range(2)))
+            replies = list(pool.map(lambda k: _complete(srv.base, seconds[k], id_slot=k), range(2)))  # noqa: B023  (called and finished within this iteration)
         for k, r in enumerate(replies):
             # Every first turn has a chunk boundary 64 tokens (one step) before its end, so a checkpoint at
             # 136; when the two prompts share a step's budget, chunks may also start between 136 and the

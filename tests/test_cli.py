@@ -402,6 +402,6 @@ def test_readme_peer_move_works_when_pasted(spawn, tmp_path: Path) -> None:
 
 
 def _spawn_on(log_path: Path, port: int) -> subprocess.Popen:
-    out = open(log_path, "wb")
+    out = open(log_path, "wb")  # noqa: SIM115  (the child's log, open while the child runs)
     return subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--no-model", "--port", str(port)],
                             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -13,13 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hydra_trio.testing import spawn as _spawn
-
 from hydra_trio import cli
 from hydra_trio.cli import RUN_FLAGS, table
 from hydra_trio.cli._flags import ACCEPTED, OWN, REFUSED
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing import spawn as _spawn
 
 from .conftest import ROOT, free_port, wait_for
 from .hydra_wire import Wire
@@ -218,7 +217,7 @@ class Launched:
 
     def __init__(self, log: Path, argv: list[str], port: int) -> None:
         self.port, self.base, self.log_path = port, f"http://127.0.0.1:{port}", log
-        self._log = open(log, "wb")
+        self._log = open(log, "wb")  # noqa: SIM115  (the child's log, open while the child runs)
         self.proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", *argv], cwd=ROOT, stdout=self._log,
                                      stderr=subprocess.STDOUT)
 

@@ -145,7 +145,7 @@ def test_an_embeddings_request_at_the_end_of_the_grace_is_a_503(spawn) -> None:
     assert r.status_code == 503 and r.headers["connection"] == "close"
     error = r.json()["error"]
     assert error["code"] == 503 and error["type"] == "unavailable_error"
-    assert "the node is stopping: its shutdown grace of 0.5 s is over" == error["message"]
+    assert error["message"] == "the node is stopping: its shutdown grace of 0.5 s is over"
 
 
 def test_every_route_that_takes_a_body_is_tracked_or_answers_at_once(monkeypatch) -> None:

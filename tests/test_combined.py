@@ -289,7 +289,7 @@ def test_embeddings_on_a_combined_head_and_a_peer_connection_that_breaks(spawn) 
         assert status == Status.OK and sw["mode"] == "solo"
         solo_vec = embed(a.base).json()["data"][0]["embedding"]
         assert len(solo_vec) == len(combined_vec) == 576
-        assert max(abs(x - y) for x, y in zip(combined_vec, solo_vec)) < 1e-5
+        assert max(abs(x - y) for x, y in zip(combined_vec, solo_vec, strict=False)) < 1e-5
         status, sw = set_mode(a.port, b"combined")
         assert status == Status.OK and sw["success"] is True and sw["mode"] == "combined"
 

@@ -109,7 +109,7 @@ async def test_cache_reuse_shifts_a_later_chunk_into_place() -> None:
     # without the host-RAM prompt cache: it would restore the earlier A+C turn whole, which is not what this checks
     async with node(n_parallel=1, n_ctx=1024, n_cache_reuse=N_REUSE, cache_ram_mib=0) as (client, _):
         a, abc, ac = [await tokens(client, t) for t in (PART_A, PART_A + PART_B + PART_C, PART_A + PART_C)]
-        prefix = next(i for i, (x, y) in enumerate(zip(abc, ac)) if x != y)  # the plain common prefix
+        prefix = next(i for i, (x, y) in enumerate(zip(abc, ac, strict=False)) if x != y)  # the plain common prefix
         assert prefix >= len(a) - 1 and len(ac) - prefix > N_REUSE
         # the answer without any cache (cache_prompt false evaluates the whole prompt)
         fresh = await complete(client, ac, max_tokens=ANSWER_TOKENS, cache_prompt=False)
@@ -156,7 +156,7 @@ async def test_each_user_returns_to_the_slot_holding_their_prompt() -> None:
         turns = await _turns(client, "XYXYYX")
         slot_x, slot_y = turns[0][0], turns[1][0]
         assert slot_x != slot_y
-        for (id_slot, cached, held), user in zip(turns, "XYXYYX"):
+        for (id_slot, cached, held), user in zip(turns, "XYXYYX", strict=False):
             assert id_slot == (slot_x if user == "X" else slot_y)
             # the previous turn's whole prompt is cached (and the reply tokens it appended, when
             # they tokenize the same way in the new prompt)

@@ -23,8 +23,7 @@ from hydra_trio.protocol.hydra import Op, Status
 from .conftest import ServerProcess, wait_for
 from .hydra_wire import Wire
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
-         "bright jovial nymphs near misty harbours and old lanterns glow ").split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "hex", "bright", "jovial", "nymphs", "near", "misty", "harbours", "and", "old", "lanterns", "glow"]
 LONG_TEXT = " ".join(WORDS[i % len(WORDS)] for i in range(1500))
 
 
@@ -65,7 +64,7 @@ class Prefill(threading.Thread):
     def result(self) -> dict:
         self.join(600)
         assert self.reply is not None, "PREFILL got no reply"
-        status, meta, blob = self.reply
+        status, meta, _blob = self.reply
         assert status == Status.OK, meta
         return meta
 

@@ -15,11 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hydra_trio.engine.batching.sampling import GrammarError, check_grammar
 from hydra_trio.openai.json_schema import (
-    MAX_REPETITION, MAX_SCHEMA_DEPTH, SchemaError, integer_range_gbnf, schema_to_gbnf,
+    MAX_REPETITION,
+    MAX_SCHEMA_DEPTH,
+    SchemaError,
+    integer_range_gbnf,
+    schema_to_gbnf,
 )
 from hydra_trio.openai.schemas import MAX_CONTENT_PARTS, MAX_MESSAGES
-from hydra_trio.engine.batching.sampling import GrammarError, check_grammar
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess

@@ -12,7 +12,7 @@ from .conftest import CAPITAL_QUESTION
 
 
 async def test_serve_in_own_nursery() -> None:
-    path, alias = resolve_model("smollm2-135m")
+    path, _alias = resolve_model("smollm2-135m")
     config = ServerConfig(port=0, engine=EngineConfig(model_path=path, model_alias="embedded", n_parallel=2, n_ctx=2048))
     async with trio.open_nursery() as nursery:
         server = await nursery.start(serve, config)

@@ -83,7 +83,7 @@ def test_same_input_same_vector_different_inputs_differ(client: openai.OpenAI) -
     a, b, c = _floats(client, TEXT)[0], _floats(client, TEXT)[0], _floats(client, OTHER)[0]
     assert a == b
     assert a != c
-    cos = sum(x * y for x, y in zip(a, c))
+    cos = sum(x * y for x, y in zip(a, c, strict=False))
     assert cos < 0.999
 
 
@@ -133,7 +133,7 @@ def test_embd_normalize_per_request(mean_node: ServerProcess, client: openai.Ope
     raw = native(-1)
     assert abs(_norm(raw) - 1.0) > 1e-3  # not normalized ...
     scaled = [x / _norm(raw) for x in raw]
-    assert max(abs(x - y) for x, y in zip(scaled, unit)) < 1e-6  # ... but the same direction
+    assert max(abs(x - y) for x, y in zip(scaled, unit, strict=False)) < 1e-6  # ... but the same direction
     assert abs(max(abs(x) for x in native(0)) - 32760.0) < 1e-2
     assert abs(_norm(native(1), 1) - 1.0) < 1e-5
     assert abs(_norm(native(3), 3) - 1.0) < 1e-5
@@ -176,10 +176,10 @@ def test_pooling_none_gives_one_vector_per_token(none_node: ServerProcess, mean_
     assert all(len(v) == N_EMBD for v in per_token)
     assert abs(_norm(per_token[-1]) - 1.0) > 1e-3  # per-token vectors are not normalized (llama-server)
     # mean pooling is the mean of these hidden states, normalized
-    mean = [math.fsum(col) / len(per_token) for col in zip(*per_token)]
+    mean = [math.fsum(col) / len(per_token) for col in zip(*per_token, strict=False)]
     mean = [x / _norm(mean) for x in mean]
     pooled = _floats(client, TEXT)[0]
-    assert max(abs(x - y) for x, y in zip(mean, pooled)) < 1e-3
+    assert max(abs(x - y) for x, y in zip(mean, pooled, strict=False)) < 1e-3
 
 
 def test_pooling_none_is_not_openai(none_node: ServerProcess) -> None:
@@ -259,7 +259,7 @@ def test_pooling_last_splits_a_long_input(tmp_path, none_node: ServerProcess) ->
         vec = r.json()["data"][0]["embedding"]
         last = httpx.post(none_node.base + "/embedding", json={"content": text}, timeout=60).json()[0]["embedding"][-1]
         last = [x / _norm(last) for x in last]
-        assert max(abs(x - y) for x, y in zip(vec, last)) < 1e-3
+        assert max(abs(x - y) for x, y in zip(vec, last, strict=False)) < 1e-3
         # a prompt longer than the slot's context is still refused
         r = httpx.post(srv.base + "/v1/embeddings", json={"input": "word " * 300}, timeout=60)
         assert r.status_code == 400 and "the slot's context" in r.json()["error"]["message"]

@@ -1,4 +1,5 @@
-"""Typed engine work (:mod:`hydra_trio.engine.tasks`), slot states (:class:`~hydra_trio.engine.batching.slots.SlotState`)
+"""Typed engine work (:mod:`hydra_trio.engine.tasks`), slot states
+(:class:`~hydra_trio.engine.batching.slots.SlotState`)
 and CONFIGURE's tier-1 defaults swapped in whole, in-process on a real engine (the packaged default model)."""
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio import EngineConfig, resolve_model
+from hydra_trio.engine.batching.slots import SlotState
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.engine.settings import RequestDefaults
-from hydra_trio.engine.batching.slots import SlotState
 from hydra_trio.engine.tasks import EngineTask, EraseSlot, RestoreSlot, SaveSlot, SetExpertMode
 from hydra_trio.errors import InvalidRequest
 from hydra_trio.http.metrics import NodeMetrics

@@ -17,8 +17,21 @@ import pytest
 
 import hydra_trio
 from hydra_trio.engine.kv.state import HEADER_SIZE, blob_checksum
-from hydra_trio.errors import (BodyError, BodyTimeout, BodyTooLarge, Busy, Cancelled, EngineFailure, HydraTrioError,
-                               InvalidRequest, NoModel, NotFound, NotReady, NotSupported, Overloaded)
+from hydra_trio.errors import (
+    BodyError,
+    BodyTimeout,
+    BodyTooLarge,
+    Busy,
+    Cancelled,
+    EngineFailure,
+    HydraTrioError,
+    InvalidRequest,
+    NoModel,
+    NotFound,
+    NotReady,
+    NotSupported,
+    Overloaded,
+)
 from hydra_trio.protocol.hydra import Op, Status
 
 from .conftest import ServerProcess, streaming

@@ -66,9 +66,8 @@ async def test_closing_the_bus_ends_every_subscription() -> None:
         bus.close()
         with pytest.raises(trio.EndOfChannel):
             await sub.get()
-    with pytest.raises(RuntimeError):
-        with bus.subscribe():
-            pass
+    with pytest.raises(RuntimeError), bus.subscribe():
+        pass
 
 
 # ------------------------------------------------------------------ live, over a WebSocket
@@ -96,19 +95,18 @@ class Reader:
 @asynccontextmanager
 async def subscribed(port: int, query: str = "") -> AsyncIterator[Reader]:
     reader = Reader()
-    async with open_websocket_url(f"ws://127.0.0.1:{port}/v1/events{query}") as ws:
-        async with trio.open_nursery() as nursery:
+    async with open_websocket_url(f"ws://127.0.0.1:{port}/v1/events{query}") as ws, trio.open_nursery() as nursery:
 
-            async def pump() -> None:
-                try:
-                    while True:
-                        reader.add(json.loads(await ws.get_message()))
-                except ConnectionClosed:
-                    pass
+        async def pump() -> None:
+            try:
+                while True:
+                    reader.add(json.loads(await ws.get_message()))
+            except ConnectionClosed:
+                pass
 
-            nursery.start_soon(pump)
-            yield reader
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(pump)
+        yield reader
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_completion_shows_as_slot_events_with_the_replys_timings(server: ServerProcess) -> None:
@@ -170,11 +168,11 @@ async def test_stats_every_second_and_control_busy_and_state_events(server: Serv
 
         def round_trip() -> int:
             with Wire(server.port) as w:
-                status, meta, blob = w.call(Op.STATE_GET, key="3", trace_id="evt-get")
+                status, _meta, blob = w.call(Op.STATE_GET, key="3", trace_id="evt-get")
                 assert status == Status.OK
-                status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob, trace_id="evt-put")
+                status, _meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob, trace_id="evt-put")
                 assert status == Status.OK
-                status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=b"\0" * 64, trace_id="evt-bad")
+                status, _meta, _ = w.call(Op.STATE_PUT, key="1", payload=b"\0" * 64, trace_id="evt-bad")
                 assert status != Status.OK
                 return len(blob)
 
@@ -238,7 +236,7 @@ async def test_many_subscribers_that_vanish_free_everything(server: ServerProces
     with trio.fail_after(120):
         while await trio.to_thread.run_sync(open_now) > before:
             await trio.sleep(0.5)
-    client.close()
+    await trio.to_thread.run_sync(client.close)
 
 
 def _hold(port: int) -> socket.socket:

@@ -113,7 +113,7 @@ def test_type_sizes_come_from_gguf_and_are_checked_against_this_ggml() -> None:
     assert table == {t: v for t, v in live.items() if v[0] > 0}  # the backend validates with this ggml's sizes
     differ = {t for t, v in g.TYPE_TRAITS.items() if live[t] != v}
     assert len(notes) == len(differ) + len(g.UNDESCRIBED_TYPES)  # every disagreement is reported
-    assert g.UNDESCRIBED_TYPES == {t for t, v in live.items() if v[0] > 0} - set(g.TYPE_TRAITS)
+    assert {t for t, v in live.items() if v[0] > 0} - set(g.TYPE_TRAITS) == g.UNDESCRIBED_TYPES
     # gguf is the source: it must describe nearly all of this ggml's types, and agree on nearly all
     assert len(differ) + len(g.UNDESCRIBED_TYPES) <= 3, notes
     assert all(g.TYPE_TRAITS[t] == live[t] for t in (0, 1, 2, 3, 8, 10, 12, 14, 30)), notes  # F32..BF16

@@ -12,7 +12,14 @@ import pytest
 import trio
 
 from hydra_trio.engine.requests import (
-    CompletionJob, Failed, Finished, JobRun, RequestHandle, SlotAssigned, StepHandOff, TextDelta,
+    CompletionJob,
+    Failed,
+    Finished,
+    JobRun,
+    RequestHandle,
+    SlotAssigned,
+    StepHandOff,
+    TextDelta,
 )
 from hydra_trio.errors import Cancelled
 
@@ -69,7 +76,7 @@ def test_a_steps_events_reach_trio_together_and_in_order() -> None:
             assert list(ra.ready()) == [] and list(rb.ready()) == []
             release.set()
             await trio.to_thread.run_sync(thread.join, 30)
-            first = await ra.__aiter__().__anext__()  # noqa: PLC2801
+            first = await ra.__aiter__().__anext__()
             assert first.text == "x"
             assert [d.text for d in ra.ready()] == ["z"]  # already there: read without waiting
             assert ra.finished is not None and ra.finished.predicted_n == 2

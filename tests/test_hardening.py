@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from hydra_trio.cli._types import n_parallel as cli_n_parallel
-from hydra_trio.engine.settings import N_PARALLEL_MAX, EngineConfig, ParameterError
 from hydra_trio.engine.kv.state import blob_checksum, parse_header
+from hydra_trio.engine.settings import N_PARALLEL_MAX, EngineConfig, ParameterError
 from hydra_trio.protocol.hydra import Op, Status, encode_request, encode_request_header, unpack_decode_frames
 
 from .conftest import ROOT, ServerProcess, streaming, wait_for

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -37,7 +38,7 @@ def test_dev_sh_builds_for_the_instruction_sets_it_is_told() -> None:
     assert "-DGGML_AVX512=ON" in cmake_args(HYDRA_TRIO_CPU="x86-64-v4")
     listed = cmake_args(HYDRA_TRIO_CPU="avx,avx2")
     assert "-DGGML_AVX2=ON" in listed and "-DGGML_FMA=OFF" in listed
-    flags = set(next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")),
+    flags = set(next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
                      []))
     native = cmake_args()  # the default: what /proc/cpuinfo lists, under its own names
     assert ("-DGGML_AVX512_VBMI=ON" in native) == ("avx512vbmi" in flags)

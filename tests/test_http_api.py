@@ -182,7 +182,7 @@ def test_version_models_metrics(http: httpx.Client) -> None:
     for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "llamacpp:requests_processing",
                  "llamacpp:requests_deferred", "llamacpp:n_decode_total"):
         assert name in text
-    predicted = [ln for ln in text.splitlines() if ln.startswith("llamacpp:tokens_predicted_total")][0]
+    predicted = next(ln for ln in text.splitlines() if ln.startswith("llamacpp:tokens_predicted_total"))
     assert float(predicted.split()[-1]) > 0
 
 

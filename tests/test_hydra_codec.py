@@ -23,6 +23,7 @@ from fuzz.strategies import (
     split_at,
     valid_requests,
 )
+from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from hydra_trio.protocol.hydra import (
     DECODE_FLAG_FINAL,
     DECODE_FLAG_PAD,
@@ -56,7 +57,6 @@ from hydra_trio.protocol.hydra import (
     pack_decode_frame,
     unpack_decode_frames,
 )
-from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from hydra_trio.protocol.messages import (
     MessageError,
     PipelineAttachRequest,

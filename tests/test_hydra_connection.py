@@ -21,7 +21,6 @@ import pytest
 import trio
 import trio.testing
 
-from hydra_trio.transport.access import AccessSettings, AllowList, Peer
 from hydra_trio.engine.kv.blobbuf import BlobBuffer
 from hydra_trio.hydra.connection import ServerConnection
 from hydra_trio.hydra.server import HydraHandler
@@ -37,6 +36,7 @@ from hydra_trio.protocol.hydra import (
     encode_request,
     encode_request_header,
 )
+from hydra_trio.transport.access import AccessSettings, AllowList, Peer
 
 TOKEN = "t0ken"
 LOCAL = Peer(ipaddress.ip_address("127.0.0.1"))  # not in the allow-list below
@@ -204,7 +204,7 @@ async def test_a_payload_over_its_ops_cap_is_refused_at_the_header_and_the_conne
 
 async def test_a_state_put_over_the_state_cap_is_refused_and_closes() -> None:
     h = guarded_handler()
-    async with connection(h, ALLOWED) as (wire, conn, done):
+    async with connection(h, ALLOWED) as (wire, conn, _done):
         await wire.stream.send_all(encode_request_header(Op.STATE_PUT, key="0", payload_len=8193))
         status, meta, _ = await wire.reply()
         assert status == Status.BAD_REQUEST and meta["op"] == Op.STATE_PUT and "8192" in meta["error"]
@@ -282,7 +282,7 @@ async def test_drain_closes_an_idle_connection_now_and_a_busy_one_after_its_repl
         assert await busy.closed()  # and it closes after that reply, before reading another request
         await busy_done.wait()
         assert [trace for _, trace, _ in busy_conn.seen] == ["mid"]
-    async with connection(h, drain=drain) as (late, late_conn, late_done):  # a connection after the drain
+    async with connection(h, drain=drain) as (late, late_conn, _late_done):  # a connection after the drain
         with contextlib.suppress(trio.BrokenResourceError):  # the loop may have closed its end already
             await late.send(Op.INFO)
         assert await late.closed()  # closed with no reply

@@ -105,7 +105,7 @@ def test_a_prefill_decode_move_between_q8_0_nodes_gives_one_nodes_text(q8_nodes)
         assert status == Status.OK, put
         assert put["n_past"] == pre["n_past"] and put["model_hash_match"] is True and put["kv_identity_match"]
         # the same types move byte-equal (the cells name their slot: the same slot id on both nodes)
-        status, meta, moved_blob = wb.call(Op.STATE_GET, key="0")
+        status, _meta, moved_blob = wb.call(Op.STATE_GET, key="0")
         assert status == Status.OK and moved_blob == blob
         moved = _decode(wb, 0)
         one_node = _decode(wa, 0)  # A goes on from its own prefill

@@ -135,7 +135,7 @@ def test_each_node_config_parses_with_its_values_in_place(tmp_path: Path, node: 
     assert opts.n_gpu_layers == params["n-gpu-layers"] and opts.n_cpu_moe == params["n-cpu-moe"]
     config = engine_config(args, opts)
     assert config.chat_template_kwargs == {"preserve_thinking": True, "enable_thinking": True}
-    peer, pattern, notes = combined_target(args)
+    _peer, _pattern, notes = combined_target(args)
     if node == "rtx":  # the head: the regex before the last '=' is COMBINED's pattern, the buffer type ignored
         assert (config.peer, config.combined_pattern) == ("localhost:9506", r"blk\.([0-9]+)\.ffn_.*_exps\.weight")
         assert notes == [r"--combined-ot-pattern: the buffer type CPU after the last '=' is ignored; COMBINED "
@@ -179,7 +179,7 @@ class Node:
 
     def __init__(self, log: Path, argv: list[str], env: dict[str, str], port: int) -> None:
         self.port, self.base, self.log_path = port, f"http://127.0.0.1:{port}", log
-        self._log = open(log, "wb")
+        self._log = open(log, "wb")  # noqa: SIM115  (the child's log, open while the child runs)
         self.proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", *argv], cwd=ROOT, env=env,
                                      stdout=self._log, stderr=subprocess.STDOUT)
 
@@ -240,7 +240,7 @@ def test_the_combined_head_and_its_peer_start_from_their_configs_and_serve(tmp_p
         assert hydra_info(peer_rpc)["rpc_backend"]["bytes_in"] > 0  # the experts went to the peer's ggml-RPC port
         log = head.log()
         assert log.count("the buffer type CPU after the last '=' is ignored") == 1, log[-4000:]
-        for node, port in ((head, head_ggml), (peer, peer_ggml)):  # each config's --ggml-rpc-port is served
+        for port in (head_ggml, peer_ggml):  # each config's --ggml-rpc-port is served
             assert hydra_info(port)["stage"] == "ready"
     finally:
         for node in reversed(nodes):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -158,6 +158,7 @@ def test_sigterm_to_the_process_group_stops_the_rpc_child_with_the_node(tmp_path
     import subprocess
 
     from hydra_trio.testing.spawn import wait_healthy
+
     from .conftest import ROOT, free_port
 
     port = free_port()

@@ -255,8 +255,8 @@ call.function.arguments | tojson }}}</tool_call>{%- endfor %}<|im_end|>
 
 
 def test_chat_template_caps_of_three_templates() -> None:
-    from hydra_trio.openai.template_caps import template_caps
     from hydra_trio.engine.llama.model import ChatTemplate
+    from hydra_trio.openai.template_caps import template_caps
 
     from .test_thinking import TEMPLATE as THINKING  # writes earlier turns' reasoning, reads reasoning_effort
 

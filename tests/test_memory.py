@@ -43,7 +43,8 @@ def test_llama_cpp_is_whole_when_asked() -> None:
     out = json.loads(_python(
         "import json, sys, importlib.metadata\n"
         "import hydra_trio, llama_cpp\n"
-        "steps = [llama_cpp.__version__ == importlib.metadata.version('llama-cpp-python'), 'numpy' in sys.modules]\n"
+        "steps = [llama_cpp.__version__ == importlib.metadata.version('llama-cpp-python'),"
+        " 'numpy' in sys.modules]\n"
         "steps += [callable(llama_cpp.llama_backend_init), 'numpy' in sys.modules]\n"
         "from llama_cpp import Llama\n"
         "steps += [Llama.__module__, 'numpy' in sys.modules, llama_cpp.LlamaGrammar.__name__]\n"
@@ -109,7 +110,8 @@ def _render(fmt: object, messages: list, tools: list | None, kwargs: dict) -> st
 
 @pytest.mark.parametrize("name", [*TEMPLATES, "the default model's GGUF template"])
 def test_the_jinja_renderer_renders_as_llama_cpp_python(name: str) -> None:
-    """:class:`~hydra_trio.engine.llama.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` whose behaviour it follows,
+    """:class:`~hydra_trio.engine.llama.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` whose
+    behaviour it follows,
     on the same templates, messages, tools and extra variables: the same prompt, or the same error."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 

@@ -247,7 +247,7 @@ def test_slot_state_over_http(server: ServerProcess, http: httpx.Client) -> None
     n_past = http.get("/slots/0/state/meta").json()["n_past"]
     assert int(r.headers["x-n-past"]) == n_past == first["tokens_evaluated"]
     with Wire(server.port) as w:
-        status, meta, payload = w.call(Op.STATE_GET, key="0")
+        status, _meta, payload = w.call(Op.STATE_GET, key="0")
     assert status == Status.OK and payload == blob  # the same bytes as Hydra STATE_GET
     http.post("/slots/1?action=erase")
     put = http.put("/slots/1/state", content=blob)

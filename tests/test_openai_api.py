@@ -79,7 +79,7 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert lp.tokens[0] == " Paris"
     assert "".join(lp.tokens) == r.choices[0].text
     assert all(v <= 0 for v in lp.token_logprobs)
-    assert all(len(t) <= 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(len(t) <= 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=False))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     # the streamed pieces add up to the same lists
     tokens: list[str] = []

@@ -221,7 +221,7 @@ def test_hermes_template_required_and_streamed(hermes: openai.OpenAI) -> None:
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
     _args(call)
-    content, calls, finish = _streamed(hermes, **kw)
+    _content, calls, finish = _streamed(hermes, **kw)
     assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
         (call.function.name, call.function.arguments)]
 

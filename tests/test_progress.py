@@ -1,8 +1,10 @@
-"""Progress of long start-up work (hydra_trio.observability.progress): log lines without a terminal, rich bars on one, listeners."""
+"""Progress of long start-up work (hydra_trio.observability.progress): log lines without a terminal, rich bars on one,
+listeners."""
 
 from __future__ import annotations
 
 import fcntl
+import io
 import logging
 import os
 import pty
@@ -18,11 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from hydra_trio.testing import spawn as _spawn
-
-from hydra_trio.observability import progress
 from hydra_trio.models.moe import make_test_moe
 from hydra_trio.models.presets import resolve_model
+from hydra_trio.observability import progress
+from hydra_trio.testing import spawn as _spawn
 
 from .conftest import ROOT, ServerProcess, free_port, wait_for
 
@@ -104,7 +105,7 @@ def test_server_log_has_the_start_up_steps_with_elapsed_ms(server: ServerProcess
 def test_test_moe_build_reports_the_bytes_it_writes(recorder, tmp_path: Path) -> None:
     dst = make_test_moe(resolve_model("smollm2-135m")[0], tmp_path / "moe.gguf")
     calls = [c for c in recorder.calls if c[0].startswith("building test MoE")]
-    name, done, total, finished = calls[-1]
+    _name, done, total, finished = calls[-1]
     assert finished and total and done == total
     assert 0.9 * dst.stat().st_size < total < dst.stat().st_size  # the tensors are most of the file
     dones = [c[1] for c in calls]
@@ -180,7 +181,7 @@ def test_a_step_name_is_shown_as_it_is_never_as_rich_markup() -> None:
     from rich.console import Console
 
     display = progress._Display()
-    display._console = Console(width=200, record=True, file=open(os.devnull, "w"), force_terminal=True)
+    display._console = Console(width=200, record=True, file=io.StringIO(), force_terminal=True)
     bars = display._make_progress()
     bars.add_task("quantizing [/x] [blink]m.gguf", total=10, amount="")
     display._console.print(bars.make_tasks_table(bars.tasks))

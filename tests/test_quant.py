@@ -217,7 +217,7 @@ def test_swapping_back_and_forth_does_not_grow_memory(spawn) -> None:
     srv = spawn("-np", "1", "-c", "1024", "--quant", "q4=smollm2-135m", "--quant", "q8=smollm2-135m-q8")
     srv.wait_ready()
     rss = []
-    for i in range(10):
+    for _i in range(10):
         for key in ("q8", "q4"):
             status, meta = _swap(srv.port, key)
             assert status == Status.OK and meta["swapped"] is True, meta

@@ -378,7 +378,7 @@ def test_an_empty_slots_state_empties_a_full_slot(server) -> None:
 
 # --------------------------------------------------------------------------- 6. shutdown and start-up
 def test_sigterm_while_the_model_loads_exits_zero_quietly(spawn) -> None:
-    for attempt in range(5):
+    for _attempt in range(5):
         srv = spawn()
         caught = False
         deadline = time.monotonic() + LONG
@@ -417,7 +417,7 @@ def test_a_request_queued_across_a_configure_that_shrinks_the_slots_gets_a_400(s
         replies: dict[str, httpx.Response] = {}
 
         def post(name: str, body: dict) -> None:
-            replies[name] = httpx.post(srv.base + "/v1/completions", json=body, timeout=300)
+            replies[name] = httpx.post(srv.base + "/v1/completions", json=body, timeout=300)  # noqa: B023  (called and finished within this iteration)
 
         deferred = _metric(srv.base, "llamacpp:requests_deferred")
         running = threading.Thread(target=post, args=("running", {
@@ -426,15 +426,15 @@ def test_a_request_queued_across_a_configure_that_shrinks_the_slots_gets_a_400(s
         wait_for(lambda: httpx.get(srv.base + "/slots").json()[0]["is_processing"], timeout=120.0)
         queued = threading.Thread(target=post, args=("queued", {"prompt": long_prompt, "max_tokens": 4}))
         queued.start()
-        wait_for(lambda: _metric(srv.base, "llamacpp:requests_deferred") > deferred, timeout=120.0)
+        wait_for(lambda: _metric(srv.base, "llamacpp:requests_deferred") > deferred, timeout=120.0)  # noqa: B023  (called and finished within this iteration)
         applied = threading.Event()
 
         def configure() -> None:
             with Wire(srv.port) as w:
-                while not applied.is_set():
+                while not applied.is_set():  # noqa: B023  (called and finished within this iteration)
                     status, _, _ = w.call(Op.CONFIGURE, payload=b'{"n_ctx": 2048}')
                     if status == Status.OK:
-                        applied.set()
+                        applied.set()  # noqa: B023  (called and finished within this iteration)
 
         hammers = [threading.Thread(target=configure) for _ in range(4)]
         for t in hammers:

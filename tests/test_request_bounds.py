@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz.strategies import SizedCase, deep_grammars, deep_json_bodies, long_request_lists, wide_and_deep_schemas
-from hydra_trio.openai.json_schema import MAX_SCHEMA_NODES, schema_to_gbnf
-from hydra_trio.openai.tools import parse_tool_spec, tool_grammar
 from hydra_trio.engine.batching.gbnf_depth import depths, stack_depth
 from hydra_trio.engine.batching.sampling import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STACK_DEPTH, GrammarError, check_grammar
+from hydra_trio.openai.json_schema import MAX_SCHEMA_NODES, schema_to_gbnf
+from hydra_trio.openai.tools import parse_tool_spec, tool_grammar
 from hydra_trio.protocol import strict
 from hydra_trio.protocol.hydra import Op, Status
 

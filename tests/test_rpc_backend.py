@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -670,8 +671,8 @@ def test_the_child_waits_passively_unless_the_operator_says_otherwise(tmp_path) 
                                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_healthy(port, proc)
-            pid = wait_for(lambda: rpc_info(port).get("pid"), timeout=LONG, what="the child's pid")
-            environ = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ").read().split("\0") if "=" in e)
+            pid = wait_for(lambda: rpc_info(port).get("pid"), timeout=LONG, what="the child's pid")  # noqa: B023  (called and finished within this iteration)
+            environ = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
             assert environ.get("OMP_WAIT_POLICY") == expected
         finally:
             proc.send_signal(signal.SIGTERM)

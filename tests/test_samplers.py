@@ -212,8 +212,8 @@ async def test_engine_config_sets_the_node_defaults() -> None:
 
 def test_engine_config_checks_its_values() -> None:
     path, _alias = resolve_model("smollm2-135m")
-    with pytest.raises(ValueError, match="^n_predict"):
+    with pytest.raises(ValueError, match=r"^n_predict"):
         EngineConfig(model_path=path, model_alias="x", n_predict=-2)
-    with pytest.raises(ValueError, match="^dry_sequence_breakers"):
+    with pytest.raises(ValueError, match=r"^dry_sequence_breakers"):
         SamplingParams(dry_sequence_breakers=["x" * 41])
     assert SamplingParams(dry_sequence_breakers=[]).dry_sequence_breakers == ()  # --dry-sequence-breaker none

@@ -19,12 +19,23 @@ import pytest
 
 from hydra_trio.engine.speculative.base import Drafter, DraftRequest
 from hydra_trio.engine.speculative.combine import Speculative, make_speculative
-from hydra_trio.engine.speculative.ngram_cache import (NgramCache, NgramCacheDrafter, ngram_cache_load,
-                                                       ngram_cache_save, ngram_cache_update, std_unordered_order)
+from hydra_trio.engine.speculative.ngram_cache import (
+    NgramCache,
+    NgramCacheDrafter,
+    ngram_cache_load,
+    ngram_cache_save,
+    ngram_cache_update,
+    std_unordered_order,
+)
 from hydra_trio.engine.speculative.ngram_map import NgramMapK4vDrafter, NgramMapKDrafter, NgramSimpleDrafter
 from hydra_trio.engine.speculative.ngram_mod import NGRAM_MOD_SIZE, NgramModDrafter
-from hydra_trio.engine.speculative.settings import (SPEC_OPTIONS, SpecSettings, apply_option, parse_spec_type,
-                                                    types_from_names)
+from hydra_trio.engine.speculative.settings import (
+    SPEC_OPTIONS,
+    SpecSettings,
+    apply_option,
+    parse_spec_type,
+    types_from_names,
+)
 from hydra_trio.engine.speculative.suffix import SuffixCorpus, SuffixDrafter
 
 from .llama_arg_cpp import VERSION, sdist, server_flags
@@ -174,7 +185,7 @@ def test_ngram_cache_file_round_trip_and_format(tmp_path) -> None:
     assert back.parts == cache.parts and len(back) == len(cache) > 40
     assert [list(p) for p in back.parts.values()] == [list(p) for p in cache.parts.values()]  # token order kept
     (tmp_path / "cut.bin").write_bytes(_record((1, -1, -1, -1), [(2, 1), (3, 1)])[:-4])
-    with pytest.raises(ValueError, match="truncated|ntokens"):
+    with pytest.raises(ValueError, match=r"truncated|ntokens"):
         ngram_cache_load(tmp_path / "cut.bin")
     (tmp_path / "zero.bin").write_bytes(_record((1, -1, -1, -1), []))
     with pytest.raises(ValueError, match="ntokens=0"):
@@ -389,7 +400,7 @@ def test_defaults_and_flag_spellings_are_llama_servers() -> None:
                                   ("common_params_speculative_ngram_mod", ("ngram_mod_",)),
                                   ("common_params_speculative_ngram_map", ("ngram_simple_", "ngram_map_k_",
                                                                           "ngram_map_k4v_"))):
-        body = re.search(r"struct %s \{(.*?)\n\};" % struct_name, common_h, re.S).group(1)
+        body = re.search(rf"struct {struct_name} \{{(.*?)\n\}};", common_h, re.S).group(1)
         fields = dict(re.findall(r"^\s*\w+\s+(\w+)\s*=\s*([-\d.]+)f?;", body, re.M))
         assert len(fields) >= 3
         for name, value in fields.items():
@@ -420,4 +431,4 @@ def test_suffix_takes_more_tokens_per_step_than_llama_servers_types_on_an_agent_
         assert spec is not None
         per_step[name] = replay(spec, turns)["tps"]
     best = max(v for k, v in per_step.items() if k != "suffix")
-    assert 1.0 < best and per_step["suffix"] > 1.5 * best, per_step
+    assert best > 1.0 and per_step["suffix"] > 1.5 * best, per_step

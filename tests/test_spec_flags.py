@@ -301,7 +301,7 @@ def test_a_draft_from_hugging_face_is_refused_nothing_is_downloaded(capsys, name
 
 def test_a_draft_model_that_is_neither_a_file_nor_a_preset_is_refused(tmp_path: Path) -> None:
     args = parse("-md", str(tmp_path / "missing.gguf"), "--spec-type", "draft-simple")
-    with pytest.raises(PresetError, match="--spec-draft-model/-md/--model-draft: model .* is neither a file nor"):
+    with pytest.raises(PresetError, match=r"--spec-draft-model/-md/--model-draft: model .* is neither a file nor"):
         engine_config(args, llama_options(args))
     # the whole path: exit 2 before anything binds or loads
     out = subprocess.run([sys.executable, "-m", "hydra_trio", "--port", str(free_port()), "--no-rpc-backend",

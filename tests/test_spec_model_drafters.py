@@ -28,8 +28,7 @@ from hydra_trio.engine.speculative import reasons
 from hydra_trio.engine.speculative.base import Drafter, DraftRequest
 from hydra_trio.engine.speculative.draft_model import DraftSimple, load_draft_model, vocab_problem
 from hydra_trio.engine.speculative.drafting import DraftParams, seq_state, set_seq_state
-from hydra_trio.engine.speculative.mtp import (DraftMtp, create_mtp_context, target_context_params,
-                                               target_model_params)
+from hydra_trio.engine.speculative.mtp import DraftMtp, create_mtp_context, target_context_params, target_model_params
 from hydra_trio.models.presets import resolve_model
 
 N_MAX = 3
@@ -117,14 +116,14 @@ def speculate(t: Target, d: Drafter, runs: list[Run], n: int, mirror: bool = Tru
         reqs = [DraftRequest(r.seq, N_MAX, r.n_past, r.out[-1], r.prompt + r.out[:-1]) for r in live]
         d.draft(reqs)
         entries, first = [], {}
-        for r, q in zip(live, reqs):
+        for r, q in zip(live, reqs, strict=False):
             assert len(q.result) <= N_MAX
             r.drafts.append(list(q.result))
             first[r.seq] = len(entries)
             entries += [(tok, r.n_past + i, r.seq, True) for i, tok in enumerate([r.out[-1], *q.result])]
         t.decode(entries)
         assert d.process(t.batch)
-        for r, q in zip(live, reqs):
+        for r, q in zip(live, reqs, strict=False):
             pos0, k = r.n_past, 0
             new = [t.greedy(first[r.seq])]
             while k < len(q.result) and q.result[k] == new[-1]:
@@ -198,7 +197,7 @@ def test_draft_mtp_verify_loop_gives_the_greedy_output_on_two_slots(mtp_pair: tu
     runs = [Run(seq, p) for seq, p in enumerate(prompts)]
     prefill(t, d, runs)
     speculate(t, d, runs, 60)
-    for r, w in zip(runs, want):
+    for r, w in zip(runs, want, strict=False):
         assert r.out[:60] == w
         assert 0 < r.n_accepted < r.n_drafted, (r.n_accepted, r.n_drafted)
         assert all(len(x) == N_MAX for x in r.drafts)  # p_min 0: always n_max (the target had room)

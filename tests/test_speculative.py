@@ -167,7 +167,7 @@ async def test_context_shift_and_a_unified_cache_compose_with_drafts() -> None:
                         got: dict[int, list[int]] = {}
 
                         async def one(i: int) -> None:
-                            got[i] = (await generate(engine, prompt, id_slot=i, n_predict=40))[0]
+                            got[i] = (await generate(engine, prompt, id_slot=i, n_predict=40))[0]  # noqa: B023  (called and finished within this iteration)
 
                         for i in range(2):
                             nursery.start_soon(one, i)
@@ -198,7 +198,7 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
         async with engine_with("ngram-simple", "suffix", spec={"budget_row_cost": row_cost}) as engine:
             assert (engine.scheduler.spec.budget is None) == (row_cost == 0)
             runs.append(await generate(engine, prose, n_predict=96))
-    (a, text_a, done_a), (b, text_b, done_b), (whole, _, done_whole) = runs
+    (a, text_a, done_a), (b, text_b, done_b), (_whole, _, done_whole) = runs
     assert (a, text_a, done_a.draft_n, done_a.draft_n_accepted) == (b, text_b, done_b.draft_n,
                                                                      done_b.draft_n_accepted)
     assert done_whole.draft_n - done_whole.draft_n_accepted > done_a.draft_n - done_a.draft_n_accepted
@@ -225,7 +225,7 @@ async def test_prefix_sharing_and_the_prompt_cache_compose_with_drafts() -> None
             if types:
                 assert engine.prompt_cache.hits >= 1
     plain, spec = runs
-    for i, ((want, _, w), (got, _, g)) in enumerate(zip(plain, spec)):
+    for i, ((want, _, w), (got, _, g)) in enumerate(zip(plain, spec, strict=False)):
         assert got == want, i
         assert g.cache_n == w.cache_n, i
     assert spec[1][2].cache_n > 0 and spec[4][2].cache_n >= len(spec[0][0])  # shared; restored
@@ -248,7 +248,7 @@ async def test_context_checkpoints_compose_with_drafts() -> None:
             runs.append([await generate(engine, first, n_predict=24, cache_prompt=True),
                          await generate(engine, second, n_predict=24, cache_prompt=True)])
     plain, spec = runs
-    for (want, _, w), (got, _, g) in zip(plain, spec):
+    for (want, _, w), (got, _, g) in zip(plain, spec, strict=False):
         assert got == want
         assert (g.cache_n, g.prompt_n) == (w.cache_n, w.prompt_n)
     assert spec[1][2].cache_n == len(first) - 4  # resumed from the checkpoint

@@ -90,7 +90,7 @@ def test_the_page_is_only_served_where_its_relative_links_resolve(http: httpx.Cl
     r = http.get("/static/index.html")
     assert r.status_code == 308 and r.headers["location"] == "../", (r.status_code, r.headers)
     followed = http.get("/static/index.html", follow_redirects=True)
-    assert followed.status_code == 200 and str(followed.url).endswith(":%d/" % followed.url.port)
+    assert followed.status_code == 200 and str(followed.url).endswith(f":{followed.url.port}/")
     assert 'src="static/status.js"' in followed.text
 
 
@@ -154,7 +154,8 @@ def test_the_page_shows_a_slot_busy_with_its_tokens_then_idle_and_the_finished_e
         # the generated-token count grows while the slot works
         page.wait_for_function(
             """([sel, n]) => { const r = document.querySelector(sel);
-                               return r.dataset.state === "processing" && +r.querySelector(".n-decoded").textContent > n; }""",
+                               return r.dataset.state === "processing"
+                                      && +r.querySelector(".n-decoded").textContent > n; }""",
             arg=['#slots-body tr[data-slot="0"]', max(first, 0)])
         assert int(row.locator(".n-decoded").inner_text()) > first
         page.wait_for_function("document.getElementById('chart-line').getAttribute('points').split(' ').length >= 2")

@@ -193,7 +193,7 @@ def test_preset_makes_the_pair_side_by_side_and_the_cli_writes_the_same_files(pa
     assert out.returncode == 0, out.stderr
     written = [Path(line) for line in out.stdout.split()]
     assert written == [tmp_path / model.name, tmp_path / mmproj.name]
-    for mine, cached in zip(written, pair):
+    for mine, cached in zip(written, pair, strict=False):
         assert hashlib.sha256(mine.read_bytes()).digest() == hashlib.sha256(cached.read_bytes()).digest()
 
 

@@ -3,6 +3,8 @@ API keys and TLS, all against real nodes."""
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import os
 import re
@@ -146,7 +148,7 @@ def test_live_table_in_tmux_shows_a_busy_slot_then_idle_and_exits_0_on_ctrl_c(se
             busy = wait_for(lambda: [(i, r) for i, r in slot_rows(term.screen()).items()
                                  if r[0] == "processing" and r[2] > 0],
                             timeout=120, what="a busy slot with generated tokens")
-            slot, (_, n_prompt, n_generated) = busy[0]
+            _slot, (_, n_prompt, n_generated) = busy[0]
             assert n_prompt > 0 and n_generated > 0
             (tmp_path / "busy.txt").write_text(term.screen())
             assert "slot.assigned" in term.screen() and re.search(r"\d+\.\d tok/s", term.screen())
@@ -185,7 +187,7 @@ def test_reconnects_when_the_node_restarts(spawn, watch) -> None:
     assert w.proc.poll() is None  # it kept running through the restart
     delays = [float(m[1]) for line in w.errors if (m := re.search(r"retrying in ([\d.]+) s", line))]
     assert delays[0] == 0.5 and all(d <= 5.0 for d in delays)
-    assert all(b2 >= b1 for b1, b2 in zip(delays, delays[1:]))  # backing off, capped at 5 s
+    assert all(b2 >= b1 for b1, b2 in itertools.pairwise(delays))  # backing off, capped at 5 s
     assert w.stop() == 0
 
 
@@ -226,7 +228,7 @@ def test_render_and_summary_without_a_node() -> None:
     assert summary(state.events[0]) == "slot 0, finish_reason length, prompt 7 (cached 0), generated 9, 4.0 tok/s"
     from rich.console import Console
 
-    console = Console(width=120, record=True, file=open("/dev/null", "w"))
+    console = Console(width=120, record=True, file=io.StringIO())
     state.connected = True
     console.print(render(state, 0.0, 120))
     text = console.export_text()
@@ -251,7 +253,7 @@ def test_text_from_clients_is_shown_as_it_is_never_as_rich_markup() -> None:
     state.on_event({"ts": 2.0, "type": "stats", "mode": evil, "peer": evil, "stage": evil, "connections": {evil: 1},
                     "slots": [{"id": 0, "state": evil, "trace_id": evil}]})
     state.on_event({"ts": 3.0, "type": evil, "trace_id": evil, "error": evil})
-    console = Console(width=400, record=True, file=open("/dev/null", "w"))
+    console = Console(width=400, record=True, file=io.StringIO())
     console.print(render(state, 0.0, 400))
     text = console.export_text()
     assert text.count("[/nope] [blink]x[link=file:///etc/passwd]y") >= 6, text  # markup would eat the tags

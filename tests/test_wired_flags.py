@@ -137,7 +137,7 @@ def test_reuse_port_lets_two_nodes_share_a_port(tmp_path) -> None:
     from .conftest import free_port
 
     port = free_port()
-    logs = [open(tmp_path / f"node{i}.log", "wb") for i in range(2)]
+    logs = [open(tmp_path / f"node{i}.log", "wb") for i in range(2)]  # noqa: SIM115  (the child's log, open while the child runs)
     procs = []
     try:
         for log in logs:  # each with a port of its own too (--rpc-port), to see it ready

@@ -45,12 +45,12 @@ from urllib.parse import quote
 import trio
 
 if TYPE_CHECKING:
-    from rich.console import RenderableType
+    from rich.console import JustifyMethod, RenderableType
     from rich.table import Table
 
+from ..hydra.cli import _address
 from ..observability.events import CATEGORIES, parse_types
 from ..protocol.address import parse_peer
-from ..hydra.cli import _address
 from ..transport.tls import client_context
 
 RECENT = 10
@@ -174,9 +174,11 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
                                     f"{stats.get('events_dropped_total', 0)}")
 
     slots = Table(title="slots", title_justify="left", expand=False)
-    for name, justify in (("slot", "right"), ("state", "left"), ("prompt", "right"), ("generated", "right"),
-                          ("tok/s", "right"), ("n_past/n_ctx", "right"), ("trace id", "left")):
-        slots.add_column(name, justify=justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("slot", "right"), ("state", "left"), ("prompt", "right"), ("generated", "right"), ("tok/s", "right"),
+        ("n_past/n_ctx", "right"), ("trace id", "left"))
+    for name, justify in columns:
+        slots.add_column(name, justify=justify)
     for s in stats.get("slots") or []:
         busy = s.get("state") == "processing"
         _add_row(slots, str(s.get("id")), Text(str(s.get("state")), style="bold yellow" if busy else "dim"),
@@ -239,7 +241,8 @@ async def follow(host: str, port: int, resource: str, on_event: Any, on_state: A
         except ssl.SSLCertVerificationError as exc:
             raise Fatal(f"TLS: the node's certificate does not verify: {exc.verify_message}") from None
         except ConnectionClosed as exc:
-            why = f"closed ({exc.reason.code}{': ' + exc.reason.reason if exc.reason.reason else ''})"
+            reason = exc.reason
+            why = f"closed ({reason.code}{': ' + reason.reason if reason.reason else ''})" if reason else "closed"
         except HandshakeError as exc:
             cause = exc.__cause__ or exc.__context__
             why = str(cause or exc) or type(cause or exc).__name__
@@ -367,7 +370,7 @@ def watch_command(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def add_watch_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_watch_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``watch`` to the ``hydra-trio`` subparsers."""
     p = subparsers.add_parser(
         "watch", help="watch a node's live events: slots, mode, queue, connections (GET /v1/events)",

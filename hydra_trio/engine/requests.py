@@ -21,9 +21,9 @@ import attrs
 import trio
 
 from ..errors import HydraTrioError, Stopping
+from .batching.thinking_budget import BudgetSpec
 from .kv.blobbuf import BlobBuffer
 from .settings import SamplingParams
-from .batching.thinking_budget import BudgetSpec
 
 # ---------------------------------------------------------------------------
 # What a request asks for
@@ -430,8 +430,8 @@ class JobRun:
     async def _next(self) -> Event | None:
         assert self.handle is not None, "use JobRun in 'async with'"
         if self._failed is not None:  # met by ready(): raised now, after the deltas before it were used
-            ev, self._failed = self._failed, None
-            return self._take(ev)
+            failed, self._failed = self._failed, None
+            return self._take(failed)
         try:
             ev = await self.handle.events.receive()
         except trio.EndOfChannel:

@@ -117,13 +117,13 @@ def parse_samplers(value: Any) -> tuple[str, ...]:
                                  f"(letters: {''.join(SAMPLER_CHARS)})")
         out = tuple(SAMPLER_CHARS[c] for c in value)
     elif isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
-        out = []
+        names: list[str] = []
         for x in value:
             name = SAMPLER_NAMES.get(x.lower())
             if name is None:
                 raise ParameterError(f"samplers: unknown sampler {x[:40]!r} (known: {', '.join(SAMPLER_CHARS.values())})")
-            out.append(name)
-        out = tuple(out)
+            names.append(name)
+        out = tuple(names)
     else:
         raise ParameterError("samplers: expected a list of sampler names or a string of sampler letters")
     if len(out) > MAX_SAMPLERS:
@@ -269,7 +269,8 @@ class SamplingParams:
     dynatemp_exponent: float = attrs.field(default=1.0, validator=_float32())
 
     def penalty_window(self, n_ctx_slot: int) -> int:
-        """Tokens the repetition penalties look back over: ``repeat_last_n`` (-1: the context), at most ``n_ctx_slot``."""
+        """Tokens the repetition penalties look back over: ``repeat_last_n`` (-1: the context), at most
+        ``n_ctx_slot``."""
         n = n_ctx_slot if self.repeat_last_n < 0 else self.repeat_last_n
         return min(n, n_ctx_slot)
 
@@ -302,7 +303,8 @@ _FLOAT_FIELDS = tuple(a.name for a in attrs.fields(SamplingParams) if a.type == 
 
 
 def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
-    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` the same (``lo`` raises the floor)."""
+    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` the same (``lo`` raises
+    the floor)."""
     if value is not None:
         check_int(name, value, lo, INT32_MAX)
 
@@ -381,7 +383,8 @@ def check_stop(stop: tuple[str, ...]) -> None:
 
 KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6,
                   "q5_1": 7}
-"""llama-server's KV cache types (``-ctk`` / ``-ctv``, ``kv_cache_types`` in ``common/arg.cpp``) -> ggml type id (``ggml.h``)."""
+"""llama-server's KV cache types (``-ctk`` / ``-ctv``, ``kv_cache_types`` in ``common/arg.cpp``) -> ggml type id
+(``ggml.h``)."""
 UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
 """The KV cache types that are not quantized: the only V cache types llama.cpp allows without flash attention."""
 

@@ -35,8 +35,8 @@ from .experts.combined import PeerLost
 from .llama.embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
 
 if TYPE_CHECKING:
-    from .llama.embedding import Embedding
     from .kv.state import Restored
+    from .llama.embedding import Embedding
 
 log = logging.getLogger("hydra_trio.control")
 

@@ -28,7 +28,6 @@ keep their own limits (``tests/test_embedded_servers.py``).
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 import h11
@@ -142,7 +141,7 @@ class _TCPServer(TCPServer):
     _protocol: ProtocolWrapper
 
     @property
-    def protocol(self) -> ProtocolWrapper:  # type: ignore[override]
+    def protocol(self) -> ProtocolWrapper:
         """The connection's hypercorn ``ProtocolWrapper``, its HTTP/1.1 protocol this module's.
 
         hypercorn's ``TCPServer.run`` builds the wrapper, which picks hypercorn's own
@@ -234,12 +233,12 @@ class HttpHandler:
         config.errorlog = logging.getLogger("hydra_trio.http.error")
         self.config = config
         self.write_timeout = settings.write_timeout
-        self.app = ASGIWrapper(app)  # type: ignore[arg-type]
+        self.app = ASGIWrapper(app)  # type: ignore[arg-type]  # any ASGI app (hypercorn types its own kind)
         self.context = WorkerContext(None)
 
     async def __call__(self, stream: AcceptedStream) -> None:
         """Serve HTTP/1.1 on ``stream`` until the client or the server closes it."""
-        server = _TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]
+        server = _TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]  # any trio stream
         server.write_timeout = self.write_timeout
         await server.run()
 

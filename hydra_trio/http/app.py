@@ -36,6 +36,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.types import Receive, Scope, Send
 
 from .._version import __version__
 from ..engine import CompletionJob, Engine
@@ -373,11 +374,11 @@ def build_app(
     )
     not_found = app.router.default
 
-    async def websocket_not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def websocket_not_found(scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette closes an unrouted handshake, which reaches the client as a bare 403
         if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
             refusal = error_reply(no_route(scope["path"]))
-            await send_refusal(scope, send, refusal.status_code, refusal.body)
+            await send_refusal(scope, send, refusal.status_code, bytes(refusal.body))
             return
         await not_found(scope, receive, send)
 

@@ -18,7 +18,7 @@ import trio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from ..engine import BlobBuffer, RunningChecksum, TRANSFER_POOL
+from ..engine import TRANSFER_POOL, BlobBuffer, RunningChecksum
 from ..errors import BodyError, BodyTimeout, BodyTooLarge, InvalidRequest
 from ..openai.schemas import parse_body
 from .settings import HttpSettings, waiting_for_client

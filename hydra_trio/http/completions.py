@@ -50,7 +50,7 @@ def _openai_reply(e: Engine, body: ChatCompletionRequest | CompletionRequest, pr
     assert e.identity is not None and e.model is not None
     chat = isinstance(body, ChatCompletionRequest)
     echo = ""
-    if not chat and body.echo:
+    if not isinstance(body, ChatCompletionRequest) and body.echo:
         echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(prepared.job.prompt_tokens)
     return ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
                            logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
@@ -75,9 +75,9 @@ def _native_reply(e: Engine, body: CompletionRequest, prepared: PreparedCompleti
     job = prepared.job
     prompt_text = b"".join(m.token_bytes(t, special=True) for t in job.prompt_tokens).decode("utf-8", "replace")
     return NativeCompletion(
-        model=e.identity.model_alias, return_tokens=body.return_tokens, n_probs=job.n_probs,
-        response_fields=body.response_fields, timings_per_token=body.timings_per_token, piece=m.token_bytes,
-        prompt_text=prompt_text, settings=generation_settings(body, job, body.stream),
+        model=e.identity.model_alias, return_tokens=bool(body.return_tokens), n_probs=job.n_probs,
+        response_fields=body.response_fields, timings_per_token=bool(body.timings_per_token), piece=m.token_bytes,
+        prompt_text=prompt_text, settings=generation_settings(body, job, bool(body.stream)),
     )
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import trio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..observability.events import EventBus, parse_types
 from ..errors import HydraTrioError, InvalidRequest, Overloaded, Stopping
+from ..observability.events import EventBus, parse_types
 from .errors import error_reply
 
 log = logging.getLogger("hydra_trio.http.events")

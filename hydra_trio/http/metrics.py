@@ -83,7 +83,7 @@ class NodeMetrics:
             "(in, restored), blob bytes / request seconds, in MB/s.",
             ["direction"], buckets=STATE_RATE_BUCKETS, registry=self.registry,
         )
-        self.registry.register(_Collector(self))  # type: ignore[arg-type]
+        self.registry.register(_Collector(self))
 
     def hydra_request(self, op: str, status: str, seconds: float, *, state_in: int = 0, state_out: int = 0) -> None:
         """Count one answered Hydra request; an OK STATE_GET / STATE_PUT also observes its rate

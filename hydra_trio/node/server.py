@@ -7,21 +7,21 @@ import logging
 import trio
 
 from ..config import ServerConfig
-from ..transport.access import is_loopback, new_refusals
+from ..engine import TRANSFER_POOL, AttachPeerAtStart, Engine, PeerGone, peer_listening
 from ..errors import Busy
-from ..engine import AttachPeerAtStart, Engine, peer_listening, PeerGone, TRANSFER_POOL
-from ..observability.events import EventBus
-from ..transport.frontdoor import FrontDoor
-from ..transport.listen import open_tcp_listeners
-from ..hydra.server import HydraHandler
 from ..http import HttpHandler
 from ..http.app import build_app
 from ..http.inflight import InFlight
 from ..http.metrics import NodeMetrics
+from ..hydra.server import HydraHandler
 from ..observability import progress
+from ..observability.events import EventBus
 from ..observability.node_stats import ProgressEvents, StatsTicker
 from ..protocol.classify import Protocol
 from ..rpc_backend.backend import RpcBackend
+from ..transport.access import is_loopback, new_refusals
+from ..transport.frontdoor import FrontDoor
+from ..transport.listen import open_tcp_listeners
 from ..transport.tunnel import TunnelPool
 
 log = logging.getLogger("hydra_trio.server")
@@ -276,7 +276,8 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
 
 
 async def _trim_transfer_pool(every: float = 5.0) -> None:
-    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s`` (:mod:`hydra_trio.engine.kv.blobbuf`)."""
+    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s``
+    (:mod:`hydra_trio.engine.kv.blobbuf`)."""
     while True:
         await trio.sleep(every)
         if TRANSFER_POOL.idle_bytes:

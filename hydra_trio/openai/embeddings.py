@@ -31,7 +31,7 @@ from typing import Any
 
 import attrs
 
-from ..engine import Embedding, float32_bytes, ModelView, n_embd_out
+from ..engine import Embedding, ModelView, float32_bytes, n_embd_out
 from ..engine.settings import INT32_MAX
 from ..protocol import strict as msg
 from ..protocol.strict import MessageError

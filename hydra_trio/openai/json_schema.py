@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from ..engine import MAX_GRAMMAR_BYTES
 from ..errors import InvalidRequest
@@ -276,7 +276,7 @@ def integer_range_gbnf(lo: int | None, hi: int | None) -> str:
 class _Pattern:
     """An anchored regular expression (``^...$``) -> GBNF, JSON-string-safe, bounded."""
 
-    _CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r"}
+    _CLASS_ESCAPES: ClassVar[dict[str, str]] = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r"}
 
     def __init__(self, pattern: str, path: str) -> None:
         self.p = pattern
@@ -411,6 +411,7 @@ class _Pattern:
             spec = self.p[self.i:end]
             self.i = end + 1
             parts = spec.split(",")
+            hi: int | None
             try:
                 if len(parts) == 1:
                     lo = hi = int(parts[0])
@@ -528,9 +529,7 @@ class _Converter:
                                       "(MAX_GRAMMAR_BYTES)")
             return self.add_rule(rule_name, "(" + " | ".join(lits) + ")")
         if t is None:  # no type: the structural keywords decide, as in llama.cpp
-            if "properties" in schema or ("additionalProperties" in schema and schema["additionalProperties"] is not True):
-                t = "object"
-            elif "allOf" in schema:
+            if "properties" in schema or ("additionalProperties" in schema and schema["additionalProperties"] is not True) or "allOf" in schema:
                 t = "object"
             elif "items" in schema or "prefixItems" in schema:
                 t = "array"

@@ -29,7 +29,6 @@ from ..protocol.strict import MessageError
 from . import field_limits
 from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
 
-
 DEFAULT_TOP_LOGPROBS = 20
 """Alternatives per token for a chat request with ``logprobs: true`` and no ``top_logprobs`` (llama-server's
 ``oaicompat_chat_params_parse``, ``tools/server/server-common.cpp``)."""
@@ -46,14 +45,38 @@ MAX_RESPONSE_FIELDS = 256
 filtered with them; a reply has far fewer fields)."""
 
 
-def _or(default: Any) -> Any:
-    """attrs converter: ``null`` means the field's default."""
-    return lambda v: default if v is None else v
+# attrs converters: ``null`` means the field's default (named functions, so type checkers see the fields' types)
+def _null_false(v: bool | None) -> bool:
+    return False if v is None else v
+
+
+def _null_true(v: bool | None) -> bool:
+    return True if v is None else v
+
+
+def _null_0(v: int | None) -> int:
+    return 0 if v is None else v
+
+
+def _null_1(v: int | None) -> int:
+    return 1 if v is None else v
+
+
+def _null_minus_1(v: int | None) -> int:
+    return -1 if v is None else v
+
+
+def _null_minus_1_0(v: float | None) -> float:
+    return -1.0 if v is None else v
+
+
+def _null_0_9(v: float | None) -> float:
+    return 0.9 if v is None else v
 
 
 @attrs.frozen
 class StreamOptions:
-    include_usage: bool | None = attrs.field(default=False, converter=_or(False))
+    include_usage: bool | None = attrs.field(default=False, converter=_null_false)
 
 
 @attrs.frozen
@@ -114,14 +137,14 @@ class _GenerationFields:
     """Fields shared by chat and text completions (OpenAI + llama-server extensions)."""
 
     model: str | None = None
-    stream: bool | None = attrs.field(default=False, converter=_or(False))
+    stream: bool | None = attrs.field(default=False, converter=_null_false)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n_predict: int | None = None  # llama-server
     n: int | None = None  # OpenAI; llama-server reads it after n_cmpl (N_CMPL_NAMES)
     n_cmpl: int | None = None  # llama-server
-    best_of: int | None = attrs.field(default=1, converter=_or(1))
+    best_of: int | None = attrs.field(default=1, converter=_null_1)
     stop: tuple[str, ...] = ()
     temperature: float | None = None
     top_p: float | None = None
@@ -152,11 +175,11 @@ class _GenerationFields:
     # stands for every token of its tokenization (resolved by api.jobs, which has the vocabulary)
     logit_bias: tuple[tuple[int | str, float], ...] = ()
     samplers: tuple[str, ...] | None = None  # llama-server: the chain's order (canonical names)
-    adaptive_target: float | None = attrs.field(default=-1.0, converter=_or(-1.0))  # llama-server: < 0 off
-    adaptive_decay: float | None = attrs.field(default=0.9, converter=_or(0.9))
-    t_max_predict_ms: int | None = attrs.field(default=0, converter=_or(0))  # llama-server: 0 = no limit
-    return_tokens: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server: /completion "tokens"
-    timings_per_token: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
+    adaptive_target: float | None = attrs.field(default=-1.0, converter=_null_minus_1_0)  # llama-server: < 0 off
+    adaptive_decay: float | None = attrs.field(default=0.9, converter=_null_0_9)
+    t_max_predict_ms: int | None = attrs.field(default=0, converter=_null_0)  # llama-server: 0 = no limit
+    return_tokens: bool | None = attrs.field(default=False, converter=_null_false)  # llama-server: /completion "tokens"
+    timings_per_token: bool | None = attrs.field(default=False, converter=_null_false)  # llama-server
     response_fields: tuple[str, ...] | None = None  # llama-server: /completion's field filter
     user: str | None = None  # accepted: it only identifies the end user to the API provider
     service_tier: str | None = None
@@ -164,11 +187,11 @@ class _GenerationFields:
     grammar: str | None = attrs.field(default=None, converter=lambda v: v or None)  # llama-server; "" = none
     json_schema: dict[str, Any] | None = None  # llama-server
     n_probs: int | None = None  # llama-server: top logprobs per token
-    id_slot: int | None = attrs.field(default=-1, converter=_or(-1))  # llama-server: any integer (Engine.submit)
-    cache_prompt: bool | None = attrs.field(default=True, converter=_or(True))  # llama-server
-    ignore_eos: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
+    id_slot: int | None = attrs.field(default=-1, converter=_null_minus_1)  # llama-server: any integer (Engine.submit)
+    cache_prompt: bool | None = attrs.field(default=True, converter=_null_true)  # llama-server
+    ignore_eos: bool | None = attrs.field(default=False, converter=_null_false)  # llama-server
     n_keep: int | None = None  # llama-server: context shift keeps these prompt tokens (-1: all); null: the node's --keep
-    n_discard: int | None = attrs.field(default=0, converter=_or(0))  # llama-server: 0 = half of those after n_keep
+    n_discard: int | None = attrs.field(default=0, converter=_null_0)  # llama-server: 0 = half of those after n_keep
     n_cache_reuse: int | None = None  # llama-server: null: the node's --cache-reuse
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
@@ -220,7 +243,7 @@ class _GenerationFields:
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def constrained(self) -> bool:
@@ -341,7 +364,7 @@ class ChatCompletionRequest(_GenerationFields):
     """``POST /v1/chat/completions`` (OpenAI), with llama-server's extensions."""
 
     messages: tuple[ChatMessage, ...] = ()
-    logprobs: bool | None = attrs.field(default=False, converter=_or(False))
+    logprobs: bool | None = attrs.field(default=False, converter=_null_false)
     top_logprobs: int | None = None
     tools: tuple[Any, ...] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -441,7 +464,7 @@ class CompletionRequest(_GenerationFields):
 
     prompt: str | tuple[int | str, ...] | None = None
     logprobs: int | None = None
-    echo: bool | None = attrs.field(default=False, converter=_or(False))
+    echo: bool | None = attrs.field(default=False, converter=_null_false)
 
     def check(self) -> None:
         super().check()
@@ -471,9 +494,9 @@ class TokenizeRequest:
     ``with_pieces`` answers ``[{"id", "piece"}]`` instead of bare ids (default false)."""
 
     content: str = ""
-    add_special: bool | None = attrs.field(default=False, converter=_or(False))
-    parse_special: bool | None = attrs.field(default=True, converter=_or(True))
-    with_pieces: bool | None = attrs.field(default=False, converter=_or(False))
+    add_special: bool | None = attrs.field(default=False, converter=_null_false)
+    parse_special: bool | None = attrs.field(default=True, converter=_null_true)
+    with_pieces: bool | None = attrs.field(default=False, converter=_null_false)
 
     def check(self) -> None:
         pass

@@ -52,7 +52,7 @@ def _shows(tmpl: ChatTemplate, marker: str, messages: list[dict[str, Any]],
     """``marker`` is in the prompt ``tmpl`` renders from ``messages`` (False when rendering fails)."""
     try:
         return marker in tmpl(messages, kwargs, tools)[0]
-    except Exception:  # noqa: BLE001  (a template that fails on a probe lacks that capability)
+    except Exception:  # a template that fails on a probe lacks that capability
         return False
 
 

@@ -15,10 +15,9 @@ from typing import Any
 
 import attrs
 
-from .json_schema import MAX_SCHEMA_NODES, Document, SchemaError, schema_to_gbnf
 from ..protocol import strict as msg
 from ..protocol.strict import MessageError
-
+from .json_schema import MAX_SCHEMA_NODES, Document, SchemaError, schema_to_gbnf
 
 FORMATS = ("generic", "hermes", "llama3", "mistral")
 GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with "
@@ -308,7 +307,7 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
         if getattr(m, "reasoning_content", None) is not None:  # an assistant turn's thinking, for the template
             d["reasoning_content"] = m.reasoning_content
         if calls:
-            norm = []
+            norm: list[dict[str, Any]] = []
             for c in calls:
                 fn = c["function"]
                 cid = c.get("id") or f"call_{len(names_by_id)}"

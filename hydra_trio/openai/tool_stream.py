@@ -104,7 +104,7 @@ class ArgsStreamer:
             self.done = True
         return True
 
-    def _step(self, c: str, out: list[str]) -> bool:  # noqa: C901  (one state machine)
+    def _step(self, c: str, out: list[str]) -> bool:  # one state machine
         mode = self._mode
         if mode == "str":
             if c == "\\":

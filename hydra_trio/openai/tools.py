@@ -20,8 +20,8 @@ llama-server detected them before its automatic parser (llama.cpp
 
 Grammars (:func:`tool_grammar`): each tool's ``parameters`` JSON schema becomes
 GBNF through the node's bounded converter (:mod:`hydra_trio.openai.json_schema`, the
-one ``json_schema`` uses), wrapped in the format's markers.  ``required`` and a named function constrain the whole reply; ``auto``
-uses a lazy grammar that wakes at the format's marker (``<tool_call>``,
+one ``json_schema`` uses), wrapped in the format's markers.  ``required`` and a named function constrain the whole
+reply; ``auto`` uses a lazy grammar that wakes at the format's marker (``<tool_call>``,
 ``[TOOL_CALLS]``, ``{"name": "``) for the native formats, and the whole-reply
 grammar (call or ``response``) for ``generic``, as llama-server did.
 """
@@ -36,15 +36,14 @@ from typing import Any
 
 import attrs
 
-from .tool_stream import CallStream, decode_at as _decode_at
 from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one module for callers)
     FORMATS,
     GENERIC_INSTRUCTION,
     Tool,
     ToolGrammar,
     ToolSpec,
-    arguments_object,
     after_thinking,
+    arguments_object,
     check_messages,
     detect_format,
     parse_tool_spec,
@@ -52,6 +51,8 @@ from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one mo
     template_supports_tools,
     tool_grammar,
 )
+from .tool_stream import CallStream
+from .tool_stream import decode_at as _decode_at
 
 
 # --------------------------------------------------------------------------- output parsing
@@ -333,7 +334,7 @@ class ToolCallParser:
             self._after = "outer"
         return True
 
-    def _after_call(self, final: bool, out: list[Event]) -> bool:  # noqa: C901  (one small state machine)
+    def _after_call(self, final: bool, out: list[Event]) -> bool:  # one small state machine
         """What follows a streamed call: hermes's ``</tool_call>``; in a list of calls, ``,`` and the next
         call or ``]``; the end of a generic ``{"tool_calls": [...]}`` object (its ``content``, if any)."""
         buf, after = self._buf, self._after
@@ -366,7 +367,7 @@ class ToolCallParser:
             if got is None and not final:
                 return False
             call = _call_from(got[0], ("arguments", "parameters")) if got is not None else None
-            if call is None:  # not a call: the list ends here, the rest is text
+            if got is None or call is None:  # not a call: the list ends here, the rest is text
                 if len(self.calls) == self._n_at_mark:  # no call in it: all of it, read again whole
                     k, self._whole_at = self._mark, self._mark_whole
                 self._pos, self._after, self._outer = k, "", False

@@ -28,6 +28,16 @@ from typing import Any
 import attrs
 import trio
 
+from ..protocol.ggml_rpc import (
+    CHECKS,
+    GgmlRpcConnection,
+    InvalidReply,
+    InvalidRpcRequest,
+    ReplyEnd,
+    RequestEnd,
+    RpcReplyEvent,
+    RpcRequestEvent,
+)
 from ..transport.blocking import (
     LowWater,
     TlsPipe,
@@ -39,16 +49,6 @@ from ..transport.blocking import (
     shutdown_all,
 )
 from ..transport.tls import TlsStream
-from ..protocol.ggml_rpc import (
-    CHECKS,
-    GgmlRpcConnection,
-    InvalidReply,
-    InvalidRpcRequest,
-    ReplyEnd,
-    RequestEnd,
-    RpcReplyEvent,
-    RpcRequestEvent,
-)
 
 PUMP_BUFFER = 1 << 20  # bytes per receive: ggml-RPC moves tensors in large messages
 # The threads receive into one preallocated buffer each (recv_into): a fresh 1 MiB bytes object per
@@ -195,7 +195,7 @@ class Pump:
     """
 
     conn: GgmlRpcConnection
-    client: trio.SocketStream
+    client: trio.SocketStream | TlsStream
     upstream: trio.SocketStream
     counters: Counters
     stall_timeout: float = attrs.field(kw_only=True)
@@ -231,6 +231,8 @@ class Pump:
                 async with self.upstream:
                     await self._send_first(first)
                     self._socks = self._thread_ends()
+                    inbound: tuple[Any, ...]  # a task and its arguments, for _guard
+                    outbound: tuple[Any, ...]
                     if self._socks:
                         inbound = (self._threaded, self._inbound)
                         outbound = (self._threaded, self._outbound)

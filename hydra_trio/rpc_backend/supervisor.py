@@ -28,9 +28,9 @@ from pathlib import Path
 
 import trio
 
-from ..transport.net import free_port
 from ..engine.llama.ggml_backend import clean_build_paths
 from ..observability.events import EventBus
+from ..transport.net import free_port
 
 log = logging.getLogger("hydra_trio.rpc")
 child_log = logging.getLogger("hydra_trio.rpc.child")

@@ -8,10 +8,16 @@ from typing import Any
 
 import trio
 
-from ..engine import Embed, EmbeddingJob, EmbeddingLimits, Engine, NO_EMBEDDINGS, POOLING
+from ..engine import NO_EMBEDDINGS, POOLING, Embed, EmbeddingJob, EmbeddingLimits, Engine
 from ..errors import NotSupported
-from ..openai.embeddings import OAI_NONE_POOLING, EmbeddingsRequest, check_input_count, native_body, openai_body, \
-    tokenize_inputs
+from ..openai.embeddings import (
+    OAI_NONE_POOLING,
+    EmbeddingsRequest,
+    check_input_count,
+    native_body,
+    openai_body,
+    tokenize_inputs,
+)
 from ..protocol.strict import MessageError
 
 

@@ -8,14 +8,13 @@ from typing import Any
 import attrs
 
 from ..engine import BudgetSpec, CompletionJob, Engine, GrammarError, ModelView, PromptTooLong
-from ..protocol.strict import TooLong
 from ..engine.settings import GenerationDefaults
-from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
-from ..openai.json_schema import SchemaError, schema_to_gbnf
-from ..openai.schemas import ChatCompletionRequest, CompletionRequest
-from ..protocol.strict import MessageError
 from ..openai import tools as _tools
+from ..openai.json_schema import SchemaError, schema_to_gbnf
+from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
+from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..openai.tools import ChatTools
+from ..protocol.strict import MessageError, TooLong
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
@@ -213,7 +212,7 @@ def _job(
         samplers=body.samplers,
         adaptive_target=body.adaptive_target,
         adaptive_decay=body.adaptive_decay,
-        t_max_predict_ms=max(0, body.t_max_predict_ms),
+        t_max_predict_ms=max(0, body.t_max_predict_ms or 0),
         stream=bool(body.stream), timings_per_token=bool(body.timings_per_token),
     )
     return node_defaults(m, body, job, defaults.generation)

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import HydraTrioError, InvalidRequest
 from ..engine import BlobBuffer, StateError
+from ..errors import HydraTrioError, InvalidRequest
 from . import slots
 
 if TYPE_CHECKING:

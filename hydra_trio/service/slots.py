@@ -10,14 +10,24 @@ meanwhile drops it instead: the engine may still read it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 
-from ..engine import BlobBuffer, BlobPool, Engine, EraseSlot, RestoreSlot, RunningChecksum, SaveSlot, TRANSFER_POOL, verify_checksum_off_engine
+from ..engine import (
+    TRANSFER_POOL,
+    BlobBuffer,
+    BlobPool,
+    Engine,
+    EraseSlot,
+    RestoreSlot,
+    RunningChecksum,
+    SaveSlot,
+    verify_checksum_off_engine,
+)
 from ..errors import HydraTrioError
 
-Blob = bytearray | BlobBuffer
+Blob: TypeAlias = bytearray | BlobBuffer
 """A state blob as received: one buffer of the transfer pool (a large upload), else a bytearray."""
 
 

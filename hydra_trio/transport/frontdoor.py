@@ -99,13 +99,13 @@ class FrontDoor:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept on every listener until cancelled (or :meth:`stop_accepting`); connections live in this task's nursery."""
-        async with trio.open_nursery() as connections:
-            async with trio.open_nursery() as accepting:
-                self._accepting = accepting.cancel_scope
-                for listener in listeners:
-                    accepting.start_soon(self._accept_loop, listener, connections)
-                task_status.started()
+        """Accept on every listener until cancelled (or :meth:`stop_accepting`); connections live in this task's
+        nursery."""
+        async with trio.open_nursery() as connections, trio.open_nursery() as accepting:
+            self._accepting = accepting.cancel_scope
+            for listener in listeners:
+                accepting.start_soon(self._accept_loop, listener, connections)
+            task_status.started()
 
     def stop_accepting(self) -> None:
         """Stop accepting new connections; the ones in flight go on."""

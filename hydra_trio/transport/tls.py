@@ -113,7 +113,8 @@ def client_context(ca: str | Path | None = None, cert: str | Path | None = None,
 
 
 def subject_text(cert: dict[str, Any] | None) -> str | None:
-    """``CN=a,O=b`` from :meth:`ssl.SSLSocket.getpeercert`'s ``subject`` (RDNs in certificate order); None without one."""
+    """``CN=a,O=b`` from :meth:`ssl.SSLSocket.getpeercert`'s ``subject`` (RDNs in certificate order); None without
+    one."""
     if not cert or "subject" not in cert:
         return None
     return ",".join(f"{_SHORT.get(k, k)}={v}" for rdn in cert["subject"] for k, v in rdn)

@@ -75,11 +75,11 @@ def _hand_back(ssl_stream: trio.SSLStream[Any], pipe: TlsPipe, dup: socket.socke
     ``broken``: the connection ended or failed on the thread, so the trio stream is marked broken as its
     own receive would have (its close then sends no close_notify from a TLS state that saw the end)."""
     if pipe._early:
-        ssl_stream._delayed_outgoing = pipe._early  # type: ignore[attr-defined]
+        ssl_stream._delayed_outgoing = pipe._early
         pipe._early = b""
     state = getattr(ssl_stream, "_state", None)
     if broken and state is not None and hasattr(type(state), "BROKEN"):
-        ssl_stream._state = type(state).BROKEN  # type: ignore[attr-defined]
+        ssl_stream._state = type(state).BROKEN
     restore(dup)
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import trio
 
-from .blocking import LowWater, TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
 from ..protocol.address import parse_peer
+from .blocking import LowWater, TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
 
 log = logging.getLogger("hydra_trio.tunnel")
 

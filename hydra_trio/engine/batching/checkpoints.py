@@ -77,10 +77,10 @@ def needs_checkpoints(m: LoadedModel) -> bool:
 class Checkpoint:
     """The state of one slot's uncuttable memory after its first ``n_tokens`` tokens (``tokens``)."""
 
-    __slots__ = ("n_tokens", "pos_min", "pos_max", "tokens", "data", "ctx", "task")
+    __slots__ = ("ctx", "data", "n_tokens", "pos_max", "pos_min", "task", "tokens")
 
     def __init__(self, n_tokens: int, pos_min: int, pos_max: int, tokens: array, data: ctypes.Array,
-                 ctx: int, task: int) -> None:
+                 ctx: int | None, task: int) -> None:
         self.n_tokens = n_tokens
         self.pos_min = pos_min
         self.pos_max = pos_max

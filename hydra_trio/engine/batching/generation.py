@@ -17,18 +17,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import llama_cpp
 
 from ...errors import HydraTrioError
-from .kv_cells import shared_cells, shift_context
+from ..kv.state import save_slot
 from ..llama.model import LoadedModel
 from ..requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
+from .kv_cells import shared_cells, shift_context
 from .sampling import grammar_allows, sample_next, token_probs
 from .slots import Slot, SlotState
-from ..kv.state import save_slot
 from .thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
@@ -62,7 +62,7 @@ class Generation:
 
     # ---------------------------------------------------------------- sampling
     def sample(self, m: LoadedModel, to_sample: list[tuple[Slot, int]],
-               to_verify: list[tuple[Slot, list[int], list[int]]] = ()) -> None:  # type: ignore[assignment]
+               to_verify: Sequence[tuple[Slot, list[int], list[int]]] = ()) -> None:
         """After a decode: each slot of ``to_sample`` samples its token at its batch index, each slot of
         ``to_verify`` checks its draft (:meth:`verify`); the step's token events reach trio together, in
         one hand-over (``sched.hand_off``)."""

@@ -17,7 +17,8 @@ import llama_cpp
 
 from ...observability.events import EventBus
 from ..llama.model import LoadedModel
-from .prompt_cache import Entry, PromptCache, common_prefix as _common_prefix
+from .prompt_cache import Entry, PromptCache
+from .prompt_cache import common_prefix as _common_prefix
 from .slots import Slot
 
 log = logging.getLogger("hydra_trio.engine")
@@ -60,7 +61,7 @@ def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     have = slot.n_past
     donor, best_now, best_later = None, have, have
     for other in slots:
-        if other is slot or not other.cache_tokens and not other.pending_prompt:
+        if other is slot or (not other.cache_tokens and not other.pending_prompt):
             continue
         n = min(_common_prefix(other.cache_tokens, prompt), limit)
         if n > best_now:

@@ -35,8 +35,8 @@ import attrs
 import llama_cpp
 
 from ...errors import InvalidRequest
-from .gbnf_depth import depths
 from ..settings import SAMPLER_ORDER, SamplingParams
+from .gbnf_depth import depths
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_DEPTH = 128
@@ -189,9 +189,9 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
     if spec.grammar:
         if spec.lazy_triggers is not None:
             patterns = [p.encode("utf-8") for p in spec.lazy_triggers]
-            arr = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
+            triggers = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
             grammar = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
-                vocab, spec.grammar.encode("utf-8"), b"root", arr, len(patterns), None, 0)
+                vocab, spec.grammar.encode("utf-8"), b"root", triggers, len(patterns), None, 0)
         else:
             grammar = llama_cpp.llama_sampler_init_grammar(vocab, spec.grammar.encode("utf-8"), b"root")
         if not grammar:

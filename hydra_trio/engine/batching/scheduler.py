@@ -24,8 +24,8 @@ tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there
 gets it restored (:mod:`~hydra_trio.engine.batching.prompt_cache`).  Cancellation is here too, and an idle
 slot's KV cache saved as a blob, restored from one or erased (:meth:`Scheduler.save_slot`,
 :meth:`Scheduler.restore_slot`, :meth:`Scheduler.erase_slot`); each sampled token's handling, stop strings
-and finishing are :class:`~hydra_trio.engine.batching.generation.Generation`'s.  Nothing here is trio code: events go out through
-``RequestHandle.emit``, which never blocks.
+and finishing are :class:`~hydra_trio.engine.batching.generation.Generation`'s.  Nothing here is trio code: events go
+out through ``RequestHandle.emit``, which never blocks.
 """
 
 from __future__ import annotations
@@ -34,25 +34,26 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
 from ...errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
 from ...observability.events import EventBus
-from .checkpoints import Checkpoints
-from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
 from ..experts.combined import ExpertModes, PeerLost
-from ..llama.model import LoadedModel
-from .prompt_cache import PromptCache, common_prefix as _common_prefix
-from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
-from .sampling import GrammarError, SamplerSpec, build_sampler
-from .slots import Slot, SlotState, StopStringMatcher
-from .generation import Generation
 from ..kv.blobbuf import BlobBuffer, BlobPool
 from ..kv.state import Restored, restore_slot, save_slot
+from ..llama.model import LoadedModel
+from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
 from ..speculative.base import DraftRequest
+from .checkpoints import Checkpoints
+from .generation import Generation
+from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
+from .prompt_cache import PromptCache
+from .prompt_cache import common_prefix as _common_prefix
+from .sampling import GrammarError, SamplerSpec, build_sampler
+from .slots import Slot, SlotState, StopStringMatcher
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
     from ..speculative.combine import Speculative
@@ -119,7 +120,8 @@ class Scheduler:
         experts.on_switch = self.forget_cached_prompts
         self.make_room = functools.partial(free_idle_cells, slots=self.slots, prompt_cache=self.prompt_cache,
                                            events=self.events)
-        """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.batching.kv_cells.free_idle_cells`."""
+        """``make_room(m, keep=None, keep_entry=None)``:
+        :func:`~hydra_trio.engine.batching.kv_cells.free_idle_cells`."""
         self.prompt_cache.make_room = self.make_room
         self.spec: Speculative | None = spec
         """The node's drafters (``--spec-type``; None: no speculative decoding)."""
@@ -152,8 +154,11 @@ class Scheduler:
         self._assign_pending()
         if self.busy:
             self._step()
-        if not self.busy and not self.pending and not self.checkpoints.needed(self.model):
-            self.prompt_cache.save_idle(self.model, self.slots)  # idle now: keep idle slots (--cache-idle-slots)
+        if not self.busy and not self.pending:
+            m = self.model
+            assert m is not None
+            if not self.checkpoints.needed(m):
+                self.prompt_cache.save_idle(m, self.slots)  # idle now: keep idle slots (--cache-idle-slots)
 
     def forget_cached_prompts(self) -> None:
         """The model changed (each has its own KV cache): no slot nor prompt-cache entry may be reused."""
@@ -271,7 +276,8 @@ class Scheduler:
         for slot in self.slots:
             if not (slot.generating and slot.speculative) or slot.last_token is None:
                 continue
-            job = slot.handle.job  # type: ignore[union-attr]
+            assert slot.handle is not None  # a generating slot serves a request
+            job = slot.handle.job
             n_max = min(spec.n_max, self.spec_cap, slot.n_ctx - slot.n_past - 3,
                         job.n_predict - slot.n_decoded - 1 if job.n_predict >= 0 else spec.n_max)
             if spec.budget is not None:
@@ -498,7 +504,7 @@ def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot 
 
 
 def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int], n_cache_reuse: int,
-                checkpoints: Checkpoints, prompt_cache: PromptCache | None = None, slots: list[Slot] = ()) -> int:
+                checkpoints: Checkpoints, prompt_cache: PromptCache | None = None, slots: Sequence[Slot] = ()) -> int:
     """How many of ``prompt``'s first tokens ``slot`` keeps from its cache; its memory and ``cache_tokens``
     are cut back to them and the caller evaluates the rest (llama-server's ``update_slots`` when a slot starts).
 
@@ -513,7 +519,7 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
     """
     cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
     if prompt_cache is not None and not job.continue_slot and not checkpoints.needed(m):
-        cache_n = prompt_cache.prepare(m, slot, prompt, cache_n, slots, job.cache_prompt, SHARE_MIN_TOKENS,
+        cache_n = prompt_cache.prepare(m, slot, prompt, cache_n, list(slots), job.cache_prompt, SHARE_MIN_TOKENS,
                                        job.request_id)
     n_reuse = n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
     if (n_reuse > 0 and job.cache_prompt and not job.continue_slot

@@ -39,16 +39,15 @@ from typing import Any, TypeVar
 
 import llama_cpp
 
-from ...observability import progress
 from ...errors import EngineFailure
+from ...observability import progress
+from ...observability.events import EventBus
 from ...protocol.address import parse_peer
 from ...protocol.strict import MessageError
-from ..llama import ggml_backend, openmp
-from ...observability.events import EventBus
 from ..bridge import Call
+from ..llama import ggml_backend, openmp
 from ..llama.model import LoadedModel
 from ..settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
-
 
 log = logging.getLogger("hydra_trio.combined")
 T = TypeVar("T")
@@ -96,7 +95,7 @@ def _on_ggml_abort(message: bytes) -> None:
             if openmp.release_thread_team():
                 worker.holds_team = False
                 log.info("peer %s: the parked worker released its OpenMP threads", worker.peer)
-        except Exception:  # noqa: BLE001  (returning from here would abort() the process)
+        except Exception:  # returning from here would abort() the process
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
     elif openmp.in_use():
         # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
@@ -136,7 +135,8 @@ class PeerWorker:
         self._jobs: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
         self._current: Call[Any] | None = None
         self.holds_team = False
-        """True from a decode on this worker until it releases its OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`)."""
+        """True from a decode on this worker until it releases its OpenMP team
+        (:mod:`~hydra_trio.engine.llama.openmp`)."""
         self._dead = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"peer-{peer}", daemon=True)
         self._thread.start()
@@ -159,7 +159,7 @@ class PeerWorker:
         either way.  Runs in ggml's abort handler: it never raises."""
         try:
             released = openmp.release_team_of(self._thread)
-        except Exception:  # noqa: BLE001  (we are in ggml's abort handler: returning would abort() the process)
+        except Exception:  # we are in ggml's abort handler: returning would abort() the process
             log.exception("peer %s: releasing the stuck worker's OpenMP threads failed", self.peer)
             released = False
         if released:
@@ -225,8 +225,8 @@ class PeerWorker:
         return self.call(lambda: llama_cpp.llama_decode(ctx, batch))
 
     def rest(self) -> None:
-        """Free this worker's OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`), if it holds one: at a switch away from its model,
-        and when the slots go idle, so that a peer lost in between leaves no team behind."""
+        """Free this worker's OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`), if it holds one: at a switch away
+        from its model, and when the slots go idle, so that a peer lost in between leaves no team behind."""
         if not self.holds_team or self.dead:
             return
         try:
@@ -427,8 +427,8 @@ class ExpertModes:
 
     def _release_compute_threads(self, old: LoadedModel | None) -> None:
         """The thread that ran ``old``'s graphs (the engine thread for SOLO, the peer's worker for
-        COMBINED) frees its OpenMP team before another thread starts one (:mod:`~hydra_trio.engine.llama.openmp`: two teams at
-        once throttle both).  A worker that is gone released its team as it died."""
+        COMBINED) frees its OpenMP team before another thread starts one (:mod:`~hydra_trio.engine.llama.openmp`: two
+        teams at once throttle both).  A worker that is gone released its team as it died."""
         if old is None:
             return
         if old is self.solo:
@@ -500,10 +500,15 @@ class ExpertModes:
             # llama.cpp reports the fraction of all weights loaded; scaled to the bytes bound for the
             # peer, it is their upload within a layer's worth (the tensors load in file order)
             with progress.step(f"attaching peer {peer}: uploading tensors", total=need, unit="B") as bar:
+
+                def uploaded(p: float) -> bool:
+                    bar.update(p * need)
+                    return True
+
                 return LoadedModel(
                     src, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
                     peer=(devs[0], self.pattern, label),
-                    progress=lambda p: bar.update(p * need) or True,
+                    progress=uploaded,
                 )
 
         t0 = time.perf_counter()
@@ -559,7 +564,8 @@ class ExpertModes:
                 "swap_ms": round(ms, 3), "kv_preserved": False, "mode": str(self.mode), "peer": self.peer}
 
     def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
-        """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.SetExpertMode`): switch SOLO / COMBINED; returns the reply meta.
+        """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.SetExpertMode`): switch SOLO / COMBINED;
+        returns the reply meta.
 
         ``peer`` different from the current one detaches the old peer (frees
         what lives there) and attaches the new one.  COMBINED without a usable
@@ -650,7 +656,8 @@ class ExpertModes:
         """Before a kept COMBINED/PIPELINE model serves again: if its peer died while SOLO served (the
         watchdog acts only in COMBINED/PIPELINE), forget it (leaked with its parked worker, as
         :meth:`peer_lost` does), so the switch attaches afresh or falls back instead of reporting success
-        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/llama/openmp.py)."""
+        and failing the next request, whose stuck decode would keep the worker's OpenMP team
+        (engine/llama/openmp.py)."""
         worker = self._worker
         if self.combined is None or self.active is self.combined or worker is None or worker.answers(self._peer_dev):
             return

@@ -139,6 +139,7 @@ class BlobPool:
 
     def give_back(self, m: mmap.mmap) -> None:
         """Keep ``m`` as the idle mapping if it is the largest (the other is unmapped)."""
+        drop: mmap.mmap | None
         with self._lock:
             old = self._idle
             if old is not None and len(old[0]) >= len(m):

@@ -71,13 +71,13 @@ import trio
 import xxhash
 
 from ...errors import HydraTrioError, InvalidRequest
+from ..settings import kv_type_name
 from .blobbuf import TAIL_ROOM, BlobBuffer, BlobPool
 from .kv_identity import canonical, first_difference, identity_hash, kv_identity
-from ..settings import kv_type_name
 
 if TYPE_CHECKING:
-    from ..llama.model import LoadedModel
     from ..batching.slots import Slot
+    from ..llama.model import LoadedModel
 
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 3

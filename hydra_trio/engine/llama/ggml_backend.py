@@ -41,7 +41,7 @@ def _lib_dir() -> Path:
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("llama_cpp is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
 
 
 _BACKEND_NAMES = {"cpu": "CPU", "rpc": "RPC", "cuda": "CUDA", "metal": "Metal", "vulkan": "Vulkan", "hip": "HIP",

@@ -28,7 +28,7 @@ from ...protocol.strict import TooLong, dumps_within
 class _IgnoreGenerationTags(jinja2.ext.Extension):
     """Pass-through for HuggingFace's ``{% generation %}`` chat-template tag."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012  (jinja2.ext.Extension declares tags an instance attribute)
 
     def parse(self, parser: Any) -> Any:
         parser.stream.skip(1)

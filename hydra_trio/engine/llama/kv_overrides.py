@@ -1,4 +1,5 @@
-"""GGUF metadata overrides (llama-server's ``--override-kv KEY=TYPE:VALUE,...``) as ``llama_model_params.kv_overrides``."""
+"""GGUF metadata overrides (llama-server's ``--override-kv KEY=TYPE:VALUE,...``) as
+``llama_model_params.kv_overrides``."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def apply(mparams: Any, overrides: tuple[tuple[str, str, Any], ...]) -> Any:
     if not overrides:
         return None
     arr = (llama_cpp.llama_model_kv_override * (len(overrides) + 1))()
-    for item, (key, kind, value) in zip(arr, overrides):
+    for item, (key, kind, value) in zip(arr, overrides, strict=False):  # arr ends with a terminator
         item.key = key.encode("utf-8")
         item.tag = _TAGS[kind]
         if kind == "int":

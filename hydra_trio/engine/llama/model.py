@@ -23,13 +23,13 @@ import llama_cpp
 
 from ...errors import InvalidRequest, ModelLoadError
 from ...protocol.strict import TooLong
-from . import ggml_backend, kv_overrides
 from ..bridge import thread_local_set
+from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
+from . import ggml_backend, kv_overrides
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
-from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -61,7 +61,7 @@ def _install_llama_log_handler() -> None:
             llog.log(logging.DEBUG if py_level == logging.INFO else py_level, "%s", msg)
 
     # keep a reference: ctypes callbacks must outlive their registration
-    _install_llama_log_handler.cb = _cb  # type: ignore[attr-defined]
+    _install_llama_log_handler.cb = _cb  # type: ignore[attr-defined]  # a function attribute holds it
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
 
 
@@ -141,14 +141,14 @@ def available_memory() -> int | None:
 
     limits: list[int] = []
     try:
-        for line in open("/proc/meminfo"):
+        for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 limits.append(int(line.split()[1]) * 1024)
                 break
     except (OSError, ValueError):
         pass
     try:
-        cg = open("/proc/self/cgroup").read().strip().split("\n")[0].split("::", 1)[1]
+        cg = Path("/proc/self/cgroup").read_text().strip().split("\n")[0].split("::", 1)[1]
         base = Path("/sys/fs/cgroup") / cg.lstrip("/")
         high = (base / "memory.max").read_text().strip()
         if high != "max":
@@ -158,7 +158,7 @@ def available_memory() -> int | None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         try:
-            vm = next(line for line in open("/proc/self/status") if line.startswith("VmSize:"))
+            vm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmSize:"))
             limits.append(soft - int(vm.split()[1]) * 1024)
         except (OSError, StopIteration, ValueError):
             pass
@@ -276,9 +276,12 @@ class ChatTemplate:
                               add_assistant=False)
         end = tail.split(_SENTINEL, 1)[1].strip() if _SENTINEL in tail else ""
         stop = [end] if end else []
-        return cls("builtin", name, origin,
-                   lambda messages, more=None, tools=None, max_chars=None: (
-                       _apply_builtin(name, messages, add_assistant=True), list(stop)))
+
+        def render(messages: list[dict], more: dict[str, Any] | None = None, tools: list[dict] | None = None,
+                   max_chars: int | None = None) -> tuple[str, list[str]]:
+            return _apply_builtin(name, messages, add_assistant=True), list(stop)
+
+        return cls("builtin", name, origin, render)
 
     def __call__(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
                  tools: list[dict] | None = None, max_chars: int | None = None) -> tuple[str, list[str]]:
@@ -725,7 +728,8 @@ _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
 def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
-    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.llama.placement.Placement`)."""
+    """The loading parameters of ``opts`` (the placement ones:
+    :class:`~hydra_trio.engine.llama.placement.Placement`)."""
     mparams.load_mode = _LOAD_MODES[opts.load_mode]
     mparams.check_tensors = opts.check_tensors
     mparams.use_extra_bufts = opts.repack

@@ -16,8 +16,8 @@ from typing import Any
 import llama_cpp
 
 from ...errors import HydraTrioError
-from . import ggml_backend
 from ..settings import LlamaOptions
+from . import ggml_backend
 
 
 class PlacementError(HydraTrioError, ValueError):

@@ -82,12 +82,12 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
 
     params = DraftParams(n_max=settings.draft_n_max, n_min=settings.draft_n_min, p_min=settings.draft_p_min)
 
-    def mtp(s: SpecSettings, n: int):  # noqa: ANN202 (a factory of make_speculative)
+    def mtp(s: SpecSettings, n: int):  # a factory of make_speculative
         from .mtp import DraftMtp, create_mtp_context
 
         return DraftMtp(model.ctx, create_mtp_context(model.model, model.ctx, model.options), n, params)
 
-    def simple(s: SpecSettings, n: int):  # noqa: ANN202
+    def simple(s: SpecSettings, n: int):
         from .draft_model import DraftSimple, load_draft_model
 
         if not s.draft_model:

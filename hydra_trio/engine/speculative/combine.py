@@ -52,7 +52,7 @@ class Speculative(Drafter):
         rank = {name: i for i, name in enumerate(PRIORITY)}
         self.drafters = sorted(drafters, key=lambda d: rank.get(d.name, len(PRIORITY)))
         super().__init__(drafters[0].n_seq, max(max(0, d.n_max) for d in drafters))
-        self.name = ",".join(d.name for d in self.drafters)  # type: ignore[misc]
+        self.name = ",".join(d.name for d in self.drafters)  # type: ignore[misc]  # this instance's parts name it
         self.impl_last: list[Drafter | None] = [None] * self.n_seq
         """The drafter whose draft each slot is verifying."""
         self.budget: DraftBudget | None = None
@@ -74,7 +74,7 @@ class Speculative(Drafter):
             suffix, chain = chain[0], chain[1:]
             mine = [_copy(r) for r in requests]
             suffix.draft(mine)
-            for req, got in zip(requests, mine):
+            for req, got in zip(requests, mine, strict=True):
                 res = _cut(got.result, req.n_max)
                 if res:
                     won[id(req)] = (suffix, res)
@@ -88,7 +88,7 @@ class Speculative(Drafter):
             asked = [_copy(r) for r in pending]
             d.draft(asked)
             still = []
-            for req, got in zip(pending, asked):
+            for req, got in zip(pending, asked, strict=True):
                 res = _cut(got.result, req.n_max)
                 if not res:
                     still.append(req)

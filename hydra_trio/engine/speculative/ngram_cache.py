@@ -34,7 +34,8 @@ LLAMA_TOKEN_NULL = -1
 NGRAM_CACHE_N_DRAFT = 8
 """Tokens the ngram-cache type drafts at most (llama-server's ``create_state_ngram_cache`` fixes it)."""
 
-Ngram = tuple[int, int, int, int]
+Ngram = tuple[int, ...]
+"""An n-gram key: always ``LLAMA_NGRAM_MAX`` tokens, a shorter n-gram padded with ``LLAMA_TOKEN_NULL``."""
 NgramCacheMap = dict[Ngram, dict[int, int]]
 
 # If sample size or percentage are below these thresholds the draft is aborted early (index: n-gram size - 1).
@@ -56,18 +57,18 @@ def std_unordered_order(keys: Iterable[int]) -> list[int]:
     """The iteration order of a libstdc++ ``std::unordered_map<int32_t, V>`` after inserting ``keys`` (distinct,
     in this order) one by one: each new node goes first in its bucket, or first in the whole list when its
     bucket is empty; a rehash relinks the list front to back the same way.  O(len(keys))."""
-    head = object()
-    nxt: dict[object, object] = {head: None}
-    buckets: dict[int, object] = {}
-    n_bkt, grow, count = 1, 0, 0
-    for key in keys:
+    head = None  # the list's head: no key (the keys are ints)
+    nxt: dict[int | None, int | None] = {head: None}
+    buckets: dict[int, int | None] = {}
+    n_bkt, grow = 1, 0
+    for count, key in enumerate(keys):
         if count + 1 > n_bkt:  # rehash before linking the new node
             while _BUCKET_GROWTH[grow][0] < count + 1:
                 grow += 1
             n_bkt = _BUCKET_GROWTH[grow][1]
             node, nxt[head], bbegin, buckets = nxt[head], None, 0, {}
             while node is not None:
-                after, bkt = nxt[node], node % n_bkt  # type: ignore[operator]
+                after, bkt = nxt[node], node % n_bkt
                 if bkt not in buckets:
                     nxt[node], nxt[head], buckets[bkt] = nxt[head], node, head
                     if nxt[node] is not None:
@@ -81,15 +82,16 @@ def std_unordered_order(keys: Iterable[int]) -> list[int]:
             nxt[key], nxt[buckets[bkt]] = nxt[buckets[bkt]], key
         else:
             nxt[key], nxt[head] = nxt[head], key
-            if nxt[key] is not None:
-                buckets[nxt[key] % n_bkt] = key  # type: ignore[operator]
+            first = nxt[key]
+            if first is not None:
+                buckets[first % n_bkt] = key
             buckets[bkt] = head
-        count += 1
-    out, node = [], nxt[head]
+    out: list[int] = []
+    node = nxt[head]
     while node is not None:
         out.append(node)
         node = nxt[node]
-    return out  # type: ignore[return-value]
+    return out
 
 
 class NgramCache:
@@ -148,7 +150,7 @@ class NgramCache:
 def ngram_of(tokens: Sequence[int], start: int, size: int) -> Ngram:
     """The cache key of ``tokens[start:start+size]`` (``common_ngram``: padded with -1 to 4 tokens)."""
     pad = (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
-    return tuple(tokens[start:start + size]) + pad  # type: ignore[return-value]
+    return tuple(tokens[start:start + size]) + pad
 
 
 def ngram_cache_update(cache: NgramCache, ngram_min: int, ngram_max: int, inp: Sequence[int], nnew: int) -> None:
@@ -158,7 +160,7 @@ def ngram_cache_update(cache: NgramCache, ngram_min: int, ngram_max: int, inp: S
     for size in range(ngram_min, ngram_max + 1):
         pad = (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
         for i in range(max(n - nnew, size), n):
-            cache.count(tuple(inp[i - size:i]) + pad, inp[i])  # type: ignore[arg-type]
+            cache.count(tuple(inp[i - size:i]) + pad, inp[i])
 
 
 def _try_draft_static(nc_static: NgramCache, ngram_static: Ngram) -> int:
@@ -227,7 +229,7 @@ def ngram_cache_draft(inp: Sequence[int], draft: list[int], n_draft: int, ngram_
         start = n - LLAMA_NGRAM_STATIC + len(draft) - 1
         ngram_static = tuple(token_at(j) for j in range(start, start + LLAMA_NGRAM_STATIC)) + (
             LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - LLAMA_NGRAM_STATIC)
-        part_static = nc_static.get(ngram_static) or {}  # type: ignore[arg-type]
+        part_static = nc_static.get(ngram_static) or {}
         ngrams_cd = []
         for size in range(ngram_min, ngram_max + 1):
             start = n - size + len(draft) - 1
@@ -238,7 +240,7 @@ def ngram_cache_draft(inp: Sequence[int], draft: list[int], n_draft: int, ngram_
             token = _try_draft(nc_dynamic, ngrams_cd, part_static, DRAFT_MIN_SAMPLE_SIZE_STRICT,
                                DRAFT_MIN_PERCENT_STRICT)
         if token == LLAMA_TOKEN_NULL:
-            token = _try_draft_static(nc_static, ngram_static)  # type: ignore[arg-type]
+            token = _try_draft_static(nc_static, ngram_static)
         if token == LLAMA_TOKEN_NULL:
             break
         draft.append(token)
@@ -296,8 +298,8 @@ def ngram_cache_load(path: str | PathLike[str]) -> NgramCache:
         counts = pairs[1::2]
         if min(counts) <= 0:
             raise ValueError(f"{path}: record at byte {4 * i} has a count ≤ 0")
-        part = dict(zip(pairs[0::2], counts))
-        cache.setdefault(key, part)  # type: ignore[arg-type]  # emplace: an n-gram seen twice keeps the first
+        part = dict(zip(pairs[0::2], counts, strict=True))
+        cache.setdefault(key, part)  # emplace: an n-gram seen twice keeps the first
         i += 5 + 2 * ntokens
     return NgramCache(cache)
 

@@ -202,7 +202,8 @@ class NgramMap:
     def _find_key(self, key_tokens: list[int]) -> int:
         """The first key whose tokens (read at its ``key_idx`` in the history now) are ``key_tokens``."""
         if self._key_of is None:
-            toks, n, found = self.history.tokens, self.size_key, {}
+            toks, n = self.history.tokens, self.size_key
+            found: dict[tuple[int, ...], int] = {}
             for i, k in enumerate(self.keys):
                 if k.key_idx + n <= len(toks):
                     found.setdefault(tuple(toks[k.key_idx:k.key_idx + n]), i)

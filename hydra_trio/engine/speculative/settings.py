@@ -419,13 +419,15 @@ def apply_option(settings: SpecSettings, name: str, text: str | None = None) -> 
         if opt.field is None:  # --spec-default
             return attrs.evolve(settings, types=settings.types + ("ngram-mod",), ngram_mod_n_match=24,
                                 ngram_mod_n_min=48, ngram_mod_n_max=64)
-        return attrs.evolve(settings, **{opt.field: name not in opt.neg})
+        flag: dict[str, Any] = {opt.field: name not in opt.neg}
+        return attrs.evolve(settings, **flag)
     if text is None:
         raise ValueError(f"{name} expects a value")
     assert opt.field is not None
-    value = opt.parse(text) if opt.parse else text
+    value: Any = opt.parse(text) if opt.parse else text
     if opt.field == "types":
         value = settings.types + value
     elif opt.field == "draft_override_tensor":
         value = settings.draft_override_tensor + (text,)
-    return attrs.evolve(settings, **{opt.field: value})
+    changes: dict[str, Any] = {opt.field: value}
+    return attrs.evolve(settings, **changes)

@@ -290,6 +290,7 @@ class SuffixDrafter(Drafter):
             x = toks[p] if p < n_tok else id_last
             nxt = []
             for src, e in cands:
+                t: int | None
                 if src is None:
                     t = toks[e] if e < n_tok else id_last
                 else:
