@@ -88,14 +88,15 @@ def embedded_node(config: Any, ready_timeout: float = 180.0) -> Iterator[Any]:
 
 
 class ServerProcess:
-    """``python -m hydra_trio run`` in a subprocess; logs go to a file under tmp."""
+    """``python -m hydra_trio run`` in a subprocess; logs go to a file under tmp; ``env`` is added to the
+    child's environment."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
+    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115  (the child's log, open while the child runs)
-        self.proc, _ = _spawn.spawn(*args, port=self.port, output=self._log)
+        self.proc, _ = _spawn.spawn(*args, port=self.port, output=self._log, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         try:

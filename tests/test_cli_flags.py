@@ -115,8 +115,10 @@ def test_environment_variables_set_flags_and_an_explicit_flag_wins(capsys) -> No
     assert parse("--context-shift", env=env).context_shift is True
     err = refused(capsys, env={"LLAMA_ARG_CTX_SIZE": "big"})
     assert "environment variable LLAMA_ARG_CTX_SIZE (--ctx-size): expected an integer, got 'big'" in err
-    err = refused(capsys, env={"LLAMA_ARG_MMPROJ": "x.gguf"})
-    assert "environment variable LLAMA_ARG_MMPROJ (--mmproj): not supported by hydra-trio" in err
+    err = refused(capsys, env={"LLAMA_ARG_MMPROJ_URL": "https://example.com/x.gguf"})
+    assert "environment variable LLAMA_ARG_MMPROJ_URL (--mmproj-url): not supported by hydra-trio" in err
+    err = refused(capsys, env={"LLAMA_ARG_MMPROJ": "x.gguf"})  # a wired flag's value, checked as the flag's
+    assert "environment variable LLAMA_ARG_MMPROJ (--mmproj): no such file: x.gguf" in err
 
 
 @pytest.mark.parametrize("name", sorted(n for n, f in BY_NAME.items() if f.kind == REFUSED))

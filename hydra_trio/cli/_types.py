@@ -248,6 +248,25 @@ def directory(text: str) -> Path:
     return Path(os.path.expanduser(text))
 
 
+def existing_directory(text: str) -> Path:
+    """An existing directory (llama-server's ``--media-path``: ``not a directory: PATH``)."""
+    path = Path(os.path.expanduser(text))
+    if not text or not path.is_dir():
+        raise argparse.ArgumentTypeError(f"not a directory: {text}")
+    return path
+
+
+def mmproj_device(text: str) -> str:
+    """``-mmdev DEVICE``: ``none`` (not offloaded) or one device name (llama-server: ``only one device may be
+    specified for mmproj``); whether this machine has it is checked when the node starts."""
+    if text == "none":
+        return text
+    names = csv(text)
+    if len(names) != 1:
+        raise argparse.ArgumentTypeError("only one device may be specified for mmproj")
+    return names[0]
+
+
 def secret(text: str) -> str:
     """A non-empty key or token without surrounding whitespace."""
     if not text.strip() or text != text.strip():

@@ -11,7 +11,7 @@ from ._flags import ACCEPTED, OWN, REFUSED, WIRED, Flag
 
 NO_DOWNLOADS = "the node loads a local GGUF file or a preset (hydra-trio models); it downloads nothing at run time"
 NO_LORA = "LoRA adapters and control vectors are not supported"
-NO_MULTIMODAL = "multimodal models (mmproj) are not supported"
+NO_VIDEO = "video input is not supported (GET /props modalities.video is false; a video part answers llama-server's error)"
 CPU_ONLY_NOTE = "applied when the model loads; without a GPU nothing is offloaded and the log warns once, as llama-server"
 
 
@@ -108,18 +108,26 @@ FLAGS: list[Flag] = [
     F(("-dt", "--defrag-thold"), ACCEPTED, "deprecated in llama.cpp; the KV cache needs no defragmentation",
       value="N", type=t.float_range(), env="LLAMA_ARG_DEFRAG_THOLD"),
     # -- multimodal ----------------------------------------------------------------------------------
-    F(("-mm", "--mmproj"), REFUSED, NO_MULTIMODAL, value="FILE", env="LLAMA_ARG_MMPROJ"),
-    F(("-mmu", "--mmproj-url"), REFUSED, NO_MULTIMODAL, value="URL", env="LLAMA_ARG_MMPROJ_URL"),
-    F(("--mmproj-offload",), ACCEPTED, "there is no multimodal projector to offload",
-      neg=("--no-mmproj-offload",), env="LLAMA_ARG_MMPROJ_OFFLOAD"),
-    F(("-mmdev", "--mmproj-device"), REFUSED, NO_MULTIMODAL, value="DEVICE", env="MTMD_BACKEND_DEVICE"),
-    F(("--image-min-tokens",), ACCEPTED, "there is no multimodal projector (images are not supported)", value="N",
-      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_IMAGE_MIN_TOKENS"),
-    F(("--image-max-tokens",), ACCEPTED, "there is no multimodal projector (images are not supported)", value="N",
-      type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_IMAGE_MAX_TOKENS"),
-    F(("--video-fps",), REFUSED, NO_MULTIMODAL, value="N", env="LLAMA_ARG_VIDEO_FPS"),
-    F(("--video-timestamp-interval",), REFUSED, NO_MULTIMODAL, value="N", env="LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL"),
-    F(("--video-ffmpeg-dir",), REFUSED, NO_MULTIMODAL, value="DIR", env="LLAMA_ARG_VIDEO_FFMPEG_DIR"),
+    F(("-mm", "--mmproj"), WIRED, "multimodal projector GGUF (images, audio) for the model (default: a preset's "
+      "own, see --mmproj-auto); the node reads its encoders' kinds at start (GET /props modalities)", value="FILE",
+      type=t.existing_file, env="LLAMA_ARG_MMPROJ", lands="EngineConfig.media.mmproj"),
+    F(("-mmu", "--mmproj-url"), REFUSED, "downloads the projector; " + NO_DOWNLOADS + ": give -mm FILE",
+      value="URL", env="LLAMA_ARG_MMPROJ_URL"),
+    F(("--mmproj-offload",), WIRED, "the projector on the GPU (default: on; without a GPU nothing is offloaded)",
+      neg=("--no-mmproj-offload",), default=True, env="LLAMA_ARG_MMPROJ_OFFLOAD", lands="EngineConfig.media.offload"),
+    F(("-mmdev", "--mmproj-device"), WIRED, "the projector's device (none = not offloaded; default: the first of "
+      "--device); one device this machine has, else refused at start", value="DEVICE", type=t.mmproj_device,
+      env="MTMD_BACKEND_DEVICE", lands="EngineConfig.media.device"),
+    F(("--image-min-tokens",), WIRED, "fewest tokens an image may take, for vision models with dynamic resolution "
+      "(default: the projector's)", value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_IMAGE_MIN_TOKENS",
+      lands="EngineConfig.media.image_min_tokens"),
+    F(("--image-max-tokens",), WIRED, "most tokens an image may take, for vision models with dynamic resolution "
+      "(default: the projector's)", value="N", type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_IMAGE_MAX_TOKENS",
+      lands="EngineConfig.media.image_max_tokens"),
+    F(("--video-fps",), ACCEPTED, NO_VIDEO, value="N", type=t.float_range(), env="LLAMA_ARG_VIDEO_FPS"),
+    F(("--video-timestamp-interval",), ACCEPTED, NO_VIDEO, value="N", type=t.int_range(t.INT32_MIN, t.INT32_MAX),
+      env="LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL"),
+    F(("--video-ffmpeg-dir",), ACCEPTED, NO_VIDEO, value="DIR", env="LLAMA_ARG_VIDEO_FFMPEG_DIR"),
     # -- devices and placement -----------------------------------------------------------------------
     F(("--rpc",), REFUSED, "layers are not split over --rpc servers; use --rpc-engine HOST:PORT (COMBINED: the "
       "MoE experts on a peer) or the Hydra PIPELINE_ATTACH op", value="SERVERS", env="LLAMA_ARG_RPC"),

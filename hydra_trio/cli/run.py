@@ -19,7 +19,9 @@ from ..transport.frontdoor import FrontDoorSettings
 from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
 from ..observability.logs import configure_logging
-from ..models.presets import DEFAULT_ALIAS, PresetError, resolve_model
+from ..models.presets import DEFAULT_ALIAS, PRESETS, PresetError, resolve_model
+from ..models.projector import ProjectorError, projector_modalities
+from ..protocol.media import MediaSettings
 from ..transport.tls import TlsSettings, client_context, server_context
 from .flags import RUN_FLAGS
 from ._flags import accepted_notes, given_environment
@@ -275,11 +277,40 @@ def run_node(args: argparse.Namespace) -> int:
         return 1
 
 
+def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
+    """The node's :class:`~hydra_trio.protocol.media.MediaSettings`: ``-mm FILE``, else with ``--mmproj-auto``
+    (the default) the projector of the ``-m`` preset when it has one (``tiny-vision``), as llama-server takes
+    the one it finds with ``-hf``; a ``-m FILE`` has none unless ``-mm`` names it.
+
+    Raises ProjectorError: the projector is no ``clip`` GGUF with an encoder, or ``-mmdev`` names a device
+    this machine does not have (llama-server's ``invalid device``)."""
+    path = Path(args.mmproj) if args.mmproj else None
+    preset = PRESETS.get(model)
+    if path is None and args.mmproj_auto and preset is not None and preset.projector is not None:
+        path = preset.projector()
+    device = args.mmproj_device
+    if device not in (None, "none"):
+        from ..engine.llama.ggml_backend import local_devices
+
+        names = [name for name, _free, _total in local_devices()]
+        if device not in names:
+            raise ProjectorError(f"-mmdev/--mmproj-device: invalid device: {device} (this machine has: "
+                                 f"{', '.join(names)})")
+    vision, audio = projector_modalities(path) if path is not None else (False, False)
+    given = {"image_min_tokens": args.image_min_tokens, "image_max_tokens": args.image_max_tokens,
+             "batch_max_tokens": args.mtmd_batch_max_tokens}
+    return MediaSettings(mmproj=path, vision=vision, audio=audio, offload=args.mmproj_offload and device != "none",
+                         device=None if device == "none" else device, media_path=args.media_path,
+                         **{k: v for k, v in given.items() if v is not None})
+
+
 def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
-    """The :class:`EngineConfig` of parsed ``run`` flags.
+    """The :class:`EngineConfig` of parsed ``run`` flags.  With a projector (:func:`media_settings`), context
+    shift and cache reuse are off, as llama-server turns them off for a multimodal model (with a warning).
 
     Raises:
         PresetError: ``-m``, a ``--quant`` or ``-md`` names neither a file nor an installed preset.
+        ProjectorError: the projector's settings (:func:`media_settings`).
     """
     path, alias = resolve_model(args.model or DEFAULT_ALIAS)
     quants = tuple((key, *resolve_model(model)) for key, model in args.quant)
@@ -305,6 +336,16 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         "reasoning_format": args.reasoning_format,
         "reasoning_budget": args.reasoning_budget, "reasoning_budget_message": args.reasoning_budget_message,
     }
+    media = media_settings(args, args.model or DEFAULT_ALIAS)
+    context_shift = args.context_shift
+    if media.mmproj is not None:
+        log.info("multimodal projector %s (vision %s, audio %s)", media.mmproj, media.vision, media.audio)
+        if context_shift:
+            log.warning("ctx_shift is not supported by multimodal, it will be disabled")
+            context_shift = False
+        if given["n_cache_reuse"]:
+            log.warning("cache_reuse is not supported by multimodal, it will be disabled")
+            given["n_cache_reuse"] = 0
     return EngineConfig(
         model_path=path,
         model_alias=args.alias or alias,
@@ -319,11 +360,12 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         llama=opts,
         chat_template_kwargs=template_kwargs(args),
         sampling=args.sampling,
-        context_shift=args.context_shift,
+        context_shift=context_shift,
         slot_save_path=args.slot_save_path,
         generation=generation_defaults(args),
         skip_chat_parsing=args.skip_chat_parsing,
         speculative=speculative,
+        media=media,
         **{k: v for k, v in given.items() if v is not None},
     )
 
@@ -348,7 +390,7 @@ async def _run(args: argparse.Namespace) -> int:
     if not args.no_model:
         try:
             engine = engine_config(args, opts)
-        except PresetError as exc:
+        except (PresetError, ProjectorError) as exc:
             log.error("%s", exc)
             return 2
         if args.chat_template or args.chat_template_file:

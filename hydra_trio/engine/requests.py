@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from ..errors import HydraTrioError, Stopping
+from ..protocol.media import MediaPrompt
 from .batching.thinking_budget import BudgetSpec
 from .kv.blobbuf import BlobBuffer
 from .settings import SamplingParams
@@ -92,6 +93,10 @@ class CompletionJob:
             node's.  The engine never reads it: how a reply is shaped stays with the front end.
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
+        media: a prompt with media (:class:`~hydra_trio.protocol.media.MediaPrompt`: the text with one media
+            marker per item, and the items); the prompt is then ``media.text`` tokenized by ``mtmd_tokenize``,
+            and ``prompt_tokens`` holds only its text's tokens without the markers (a lower bound of its length).
+            None: a text prompt.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -124,6 +129,7 @@ class CompletionJob:
     reasoning_format: str | None = None
     stream: bool = False
     timings_per_token: bool = False
+    media: MediaPrompt | None = None
 
 
 # ---------------------------------------------------------------------------

@@ -64,6 +64,7 @@ from typing import Any
 import attrs
 
 from ..errors import InvalidRequest, ModelLoadError
+from ..protocol.media import MediaSettings
 from .speculative.settings import SpecSettings
 
 DEFAULT_PATTERN = r"ffn_(up|down|gate)_exps"
@@ -559,6 +560,8 @@ class EngineConfig:
             no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
         speculative: speculative decoding: ``--spec-type`` and the ``--spec-*`` parameters
             (:class:`hydra_trio.engine.speculative.settings.SpecSettings`; ``draft_model`` is a resolved path).
+        media: the multimodal projector and its settings (``--mmproj`` ...;
+            :class:`hydra_trio.protocol.media.MediaSettings`); its ``mmproj`` None: the node takes no media.
 
     Raises:
         ParameterError: ``n_parallel`` out of 1 .. :data:`N_PARALLEL_MAX`, ``n_predict`` out of -1 .. 2**31-1.
@@ -607,3 +610,4 @@ class EngineConfig:
     generation: GenerationDefaults = GenerationDefaults()
     skip_chat_parsing: bool = False
     speculative: SpecSettings = SpecSettings()
+    media: MediaSettings = MediaSettings()

@@ -18,8 +18,6 @@ Each request is logged once when it ends (logger ``hydra_trio.http.access``,
 from __future__ import annotations
 
 import logging
-import os
-import secrets
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -47,6 +45,7 @@ from ..openai.embeddings import EmbeddingsRequest
 from ..openai.native import models_reply, task_params
 from ..openai.schemas import DetokenizeRequest, TokenizeRequest
 from ..openai.template_caps import known, template_caps
+from ..protocol.media import MEDIA_MARKER
 from ..service import node
 from ..service.completions import in_worker
 from ..service.embeddings import check_offered, embed_request
@@ -67,8 +66,6 @@ access_log = logging.getLogger("hydra_trio.http.access")
 
 STATIC_DIR = Path(__file__).with_name("static")
 """The status page's files (``index.html``, ``status.js``, ``status.css``), shipped as package data."""
-MEDIA_MARKER = os.environ.get("LLAMA_MEDIA_MARKER") or f"<__media_{secrets.token_hex(16)}__>"
-"""``/props``' ``media_marker``: llama-server's (``LLAMA_MEDIA_MARKER``, else drawn once per process)."""
 _NO_CACHE = {"Cache-Control": "no-cache"}  # a node upgraded in place serves its new page at once
 
 
@@ -152,8 +149,10 @@ class Api:
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one); ``chat_template_caps`` what it renders
         (:mod:`hydra_trio.openai.template_caps`); ``model_ftype`` the weights' type (``Q4_1``);
-        ``media_marker`` llama-server's placeholder for media in a prompt (this node takes no media; the
-        marker is drawn at start-up, or ``LLAMA_MEDIA_MARKER``).  hydra-trio's own keys: ``kv_cache``, the
+        ``modalities`` the media the node takes (its ``--mmproj`` projector's encoders; video never);
+        ``media_marker`` llama-server's placeholder for media in a prompt (drawn at start-up, or
+        ``LLAMA_MEDIA_MARKER``; a ``/completion`` prompt with ``multimodal_data`` holds it once per item).
+        hydra-trio's own keys: ``kv_cache``, the
         KV cache types (``-ctk`` / ``-ctv``, e.g. ``q8_0``) and flash attention in effect (``on`` / ``off``;
         ``auto`` when llama.cpp did not say what ``-fa auto`` chose), and ``memory``, bytes per device
         (``CPU``, ``CUDA0``, ``RPC0[host:port]``) of weights, KV cache and compute buffers, as llama.cpp
@@ -184,7 +183,7 @@ class Api:
             "model_ftype": m.facts()["ftype"],
             "model_path": e.identity.model_path,
             "model_hash": e.identity.model_hash,
-            "modalities": {"vision": False, "video": False, "audio": False},
+            "modalities": node.modalities(e),
             "media_marker": MEDIA_MARKER,
             "endpoint_slots": True,
             "endpoint_props": self.settings.endpoint_props,

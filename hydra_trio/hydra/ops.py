@@ -341,6 +341,7 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
         meta.update(stage="ready", model=None)
     else:
         meta["stage"] = str(e.stage)
+        meta["modalities"] = node.modalities(e)  # /props' (vision, video, audio)
         if e.ready:
             assert e.identity is not None
             snap = e.snapshot  # the engine's published slots: never waits behind a prefill

@@ -266,7 +266,8 @@ def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
                    "meta": {"model_path", "model_hash", and once loaded "vocab_type", "n_vocab", "n_ctx"
                             (tokens per slot), "n_ctx_train", "n_embd", "n_params", "size", "ftype"}}],
          "models": [{"name", "model", "modified_at": "", "size": "", "digest": "", "type": "model",
-                     "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                     "description": "", "tags": [""], "capabilities": ["completion"] (with a projector
+                     ``--mmproj``: ["completion", "multimodal"], as llama-server), "parameters": "",
                      "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
                                  "parameter_size": "", "quantization_level": ""}}]}
 
@@ -288,8 +289,9 @@ def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
                      "meta": meta})
         listed.append({
             "name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
-            "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
-            "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+            "description": "", "tags": [""],
+            "capabilities": ["completion", "multimodal"] if e.config.media.mmproj is not None else ["completion"],
+            "parameters": "", "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
                         "parameter_size": "", "quantization_level": ""},
         })
     return {"models": listed, "object": "list", "data": data}

@@ -27,6 +27,7 @@ from ..engine.settings import INT32_MAX, UINT32_MAX, ParameterError, SamplingPar
 from ..protocol import strict as msg
 from ..protocol.strict import MessageError
 from . import field_limits
+from .media import MediaPart, MultimodalPrompt, parse_content, parse_multimodal_prompt
 from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
 
 DEFAULT_TOP_LOGPROBS = 20
@@ -91,6 +92,9 @@ class ChatMessage:
     tool_calls: tuple[Any, ...] | None = None
     tool_call_id: str | None = None
     function_call: dict[str, Any] | None = None
+    media: tuple[MediaPart, ...] = ()
+    """The media parts of a content list (:func:`~hydra_trio.openai.media.parse_content`), in order;
+    ``content`` holds the media marker once for each."""
 
 
 # Fields of the OpenAI API and of llama-server that hydra-trio does not act on:
@@ -416,6 +420,12 @@ class ChatCompletionRequest(_GenerationFields):
                                f"got {msg.type_name(kwargs['enable_thinking'])}")
 
     @property
+    def media_parts(self) -> tuple[MediaPart, ...]:
+        """Every message's media parts in order, each naming where it is (``messages[i].content[j]``)."""
+        return tuple(attrs.evolve(p, where=f"messages[{i}].{p.where}")
+                     for i, m in enumerate(self.messages) for p in m.media)
+
+    @property
     def thinking_budget(self) -> int | None:
         """The request's thinking budget as llama-server's ``oaicompat_chat_params_parse`` reads it
         (``tools/server/server-common.cpp``): ``reasoning_budget_tokens``, else ``thinking_budget_tokens``
@@ -460,9 +470,10 @@ class ChatCompletionRequest(_GenerationFields):
 
 @attrs.frozen
 class CompletionRequest(_GenerationFields):
-    """``POST /v1/completions``: ``prompt`` is a string or a list of token ids."""
+    """``POST /v1/completions``: ``prompt`` is a string, a list of token ids (and strings), or llama-server's
+    prompt object with media (:class:`~hydra_trio.openai.media.MultimodalPrompt`)."""
 
-    prompt: str | tuple[int | str, ...] | None = None
+    prompt: str | tuple[int | str, ...] | MultimodalPrompt | None = None
     logprobs: int | None = None
     echo: bool | None = attrs.field(default=False, converter=_null_false)
 
@@ -551,36 +562,39 @@ def _str_list(v: Any, _t: Any) -> tuple[str, ...] | None:
     raise msg.TypeMismatch(f"expected a list of strings, got {msg.type_name(v)}")
 
 
+def _parts(v: list[Any]) -> tuple[str, tuple[MediaPart, ...]]:
+    if len(v) > MAX_CONTENT_PARTS:
+        raise msg.TypeMismatch(f"at most {MAX_CONTENT_PARTS} content parts (MAX_CONTENT_PARTS), got {len(v)}")
+    return parse_content(v)
+
+
 def _content(v: Any, _t: Any) -> str | None:
-    """OpenAI content: a string, null, or a list of parts whose text parts are joined."""
+    """OpenAI content: a string, null, or a list of parts (text and media:
+    :func:`~hydra_trio.openai.media.parse_content`), as one text."""
     if v is None or isinstance(v, str):
         return v
     if isinstance(v, list):
-        if len(v) > MAX_CONTENT_PARTS:
-            raise msg.TypeMismatch(f"at most {MAX_CONTENT_PARTS} content parts (MAX_CONTENT_PARTS), got {len(v)}")
-        texts = []
-        for i, part in enumerate(v):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise msg.TypeMismatch(f"part {i}: only parts of type 'text' with a string 'text' are supported")
-            texts.append(part["text"])
-        return "".join(texts)
+        return _parts(v)[0]
     raise msg.TypeMismatch(f"expected a string, a list of content parts or null, got {msg.type_name(v)}")
 
 
-def _prompt(v: Any, _t: Any) -> str | tuple[int | str, ...] | None:
+def _prompt(v: Any, _t: Any) -> str | tuple[int | str, ...] | MultimodalPrompt | None:
     """One prompt, as llama-server takes it: a string, a list of token ids, or a list mixing token ids
-    and strings (each string tokenized in place; only a leading one gets BOS); a list holding one
-    string is that string.  Several prompts in one request (a list of strings or of lists) are
+    and strings (each string tokenized in place; only a leading one gets BOS), or an object
+    ``{"prompt_string", "multimodal_data"}`` (:func:`~hydra_trio.openai.media.parse_multimodal_prompt`); a list
+    holding one string or object is that one.  Several prompts in one request (a list of strings or of lists) are
     refused: a request makes one completion here."""
     if v is None or isinstance(v, str):
         return v
+    if isinstance(v, dict):
+        return parse_multimodal_prompt(v)
     if isinstance(v, list):
-        if len(v) == 1 and isinstance(v[0], str):
-            return v[0]
+        if len(v) == 1 and isinstance(v[0], (str, dict)):
+            return _prompt(v[0], _t)
         ok = all(isinstance(t, str) or (isinstance(t, int) and not isinstance(t, bool)) for t in v)
         if ok and (not v or any(isinstance(t, int) for t in v)):
             return tuple(v)
-        if ok or all(isinstance(t, (str, list)) for t in v):
+        if ok or all(isinstance(t, (str, list, dict)) for t in v):
             raise msg.TypeMismatch("several prompts in one request are not supported: send one prompt per request")
     raise msg.TypeMismatch("expected a string, a list of token ids, or a list of token ids and strings")
 
@@ -681,7 +695,19 @@ _COMMON = dict(
     samplers=override(struct_hook=_samplers),
 )
 CONVERTER.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content),
-               tool_calls=override(struct_hook=_tools), function_call=override(struct_hook=_object_or_null))
+               tool_calls=override(struct_hook=_tools), function_call=override(struct_hook=_object_or_null),
+               media=override(omit=True))
+_message_hook = CONVERTER.cattrs.get_structure_hook(ChatMessage)
+
+
+def _message(v: Any, t: Any) -> ChatMessage:
+    """A chat message, with its content list's media parts in ``media``."""
+    m = _message_hook(v, t)
+    content = v.get("content")
+    return attrs.evolve(m, media=_parts(content)[1]) if isinstance(content, list) else m
+
+
+CONVERTER.cattrs.register_structure_hook(ChatMessage, _message)
 CONVERTER.register(StreamOptions, forbid_extra=False)
 CONVERTER.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
              tool_choice=override(struct_hook=_tool_choice),

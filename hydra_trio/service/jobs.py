@@ -11,17 +11,42 @@ from ..engine import BudgetSpec, CompletionJob, Engine, GrammarError, ModelView,
 from ..engine.settings import GenerationDefaults
 from ..openai import tools as _tools
 from ..openai.json_schema import SchemaError, schema_to_gbnf
+from ..openai.media import MultimodalPrompt, check_markers, load_media, load_multimodal_data
 from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..openai.tools import ChatTools
+from ..protocol.media import MEDIA_MARKER, MediaItem, MediaPrompt
 from ..protocol.strict import MessageError, TooLong
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
     """The chat rendered by the template in effect: ``(prompt text, the template's extra stop strings)``
-    (what ``POST /apply-template`` answers, and what :func:`chat_job` tokenizes).
-    Raises ChatTemplateError (the template failed; an InvalidRequest)."""
+    (what ``POST /apply-template`` answers, and what :func:`chat_job` tokenizes); each media part is the media
+    marker in it, once read and checked as a chat completion reads it (:func:`chat_media`).
+    Raises ChatTemplateError (the template failed; an InvalidRequest), and :func:`chat_media`'s errors."""
+    chat_media(e, body)
     return _render(e, body)[0]
+
+
+def chat_media(e: Engine, body: ChatCompletionRequest) -> tuple[MediaItem, ...]:
+    """The chat's media items, in order, read as llama-server reads them before it renders the template
+    (:func:`~hydra_trio.openai.media.load_media` with the node's ``EngineConfig.media``).  Raises
+    MediaNotSupported (a kind the node's projector does not take, or no projector) or InvalidRequest."""
+    parts = body.media_parts
+    return load_media(parts, e.config.media) if parts else ()
+
+
+def _media_job(e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...], *, chat: bool) -> tuple[
+        list[int], MediaPrompt]:
+    """A media prompt's text tokens (the markers left out: a lower bound of its length, checked against the
+    slot's context) and its :class:`~hydra_trio.protocol.media.MediaPrompt`.  Raises InvalidRequest (markers
+    and items do not pair), PromptTooLong."""
+    check_markers(prompt, len(items))
+    text = prompt.replace(MEDIA_MARKER, "")
+    limit = e.n_ctx_slot or None
+    tokens = m.chat_prompt_tokens(text, limit=limit) if chat else \
+        m.tokenize(text, add_special=True, parse_special=True, limit=limit)
+    return tokens, MediaPrompt(prompt, items)
 
 
 def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str]], str]:
@@ -64,11 +89,15 @@ def chat_job(
     """
     m = e.solo_model or e.model
     assert m is not None
+    items = chat_media(e, body)
     (prompt, extra_stop), fmt = _render(e, body)
-    # a prompt that cannot fit is refused while tokenizing (or before, from its length alone)
-    tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
+    media = None
+    if items:
+        tokens, media = _media_job(e, m, prompt, items, chat=True)
+    else:  # a prompt that cannot fit is refused while tokenizing (or before, from its length alone)
+        tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
-    job = _job(e, body, tokens, stop, n_predict, id_slot)
+    job = attrs.evolve(_job(e, body, tokens, stop, n_predict, id_slot), media=media)
     pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
     thinking = ThinkingSetup.for_prompt("none" if pure else body.reasoning_format or e.config.reasoning_format,
                                         m.chat_template.source, prompt)
@@ -148,6 +177,10 @@ def budget_spec(e: Engine, body: ChatCompletionRequest, prompt: str) -> BudgetSp
 def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     """Tokenize a text prompt (adding BOS when the model wants it) or check a token-id prompt.
 
+    llama-server's prompt object ``{"prompt_string", "multimodal_data"}`` gives a job with media
+    (:func:`~hydra_trio.openai.media.load_multimodal_data`); without ``multimodal_data`` its
+    ``prompt_string`` is the prompt.
+
     A null prompt generates "as if from the beginning of a new document" (OpenAI):
     the prompt is the model's BOS token (EOS when it has none).  A list mixing
     token ids and strings is tokenized as llama-server's ``tokenize_mixed``:
@@ -155,13 +188,22 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     """
     m = e.model
     assert m is not None
-    if body.prompt is None:
+    prompt = body.prompt
+    if isinstance(prompt, MultimodalPrompt):
+        if prompt.data is not None:
+            assert isinstance(prompt.prompt, str)
+            items = load_multimodal_data(prompt, e.config.media)
+            if items:
+                tokens, media = _media_job(e, m, prompt.prompt, items, chat=False)
+                return attrs.evolve(_job(e, body, tokens, list(body.stop), None, None), media=media)
+        prompt = prompt.prompt
+    if prompt is None:
         tokens = [m.bos_id if m.bos_id >= 0 else m.eos_id]
-    elif isinstance(body.prompt, str):
-        tokens = m.tokenize(body.prompt, add_special=True, parse_special=True, limit=e.n_ctx_slot or None)
+    elif isinstance(prompt, str):
+        tokens = m.tokenize(prompt, add_special=True, parse_special=True, limit=e.n_ctx_slot or None)
     else:
         tokens = []
-        for i, part in enumerate(body.prompt):
+        for i, part in enumerate(prompt):
             if isinstance(part, str):
                 tokens += m.tokenize(part, add_special=i == 0, parse_special=True)
             elif not 0 <= part < m.n_vocab:

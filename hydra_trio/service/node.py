@@ -73,6 +73,14 @@ def hardware() -> dict[str, Any]:
                         for name, free, total in local_devices()]}
 
 
+def modalities(e: Engine) -> dict[str, bool]:
+    """``{"vision", "video", "audio"}``: the media the node takes (``/props`` and INFO ``modalities``, as
+    llama-server's ``get_res_props``): its projector's encoders (``EngineConfig.media``); video never."""
+    media = e.config.media
+    return {"vision": media.mmproj is not None and media.vision, "video": False,
+            "audio": media.mmproj is not None and media.audio}
+
+
 def model_use(e: Engine) -> dict[str, Any]:
     """``{"kv_cache": {"type_k", "type_v", "flash_attn"}, "memory": {device: {"weights", "kv", "compute"}}}``
     (bytes) of the loaded models (``/props``, INFO: :func:`~hydra_trio.engine.engine.kv_cache`,
