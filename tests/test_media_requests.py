@@ -300,8 +300,9 @@ def test_llama_server_without_a_projector_gives_the_same_errors(http, tmp_path: 
 def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp_path: Path) -> None:
     """llama-server with ``-m LM --mmproj PROJ`` (tiny-vision's files): the same ``/props`` vision and audio
     modalities and marker (its ``video`` is true for any vision projector in a build with ``MTMD_VIDEO``,
-    ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same ``/apply-template`` prompt for parts around images, and for a
-    bad data URL a message that ours starts with (ours adds where the part is)."""
+    ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same
+    ``/apply-template`` prompt for parts around images, and for a bad data URL a message that ours starts with
+    (ours adds where the part is)."""
     model, _ = resolve_model("tiny-vision")
     body = chat({"type": "text", "text": "a"}, {"type": "text", "text": "b"}, image(DATA_URL),
                 {"type": "text", "text": "c"}, image(DATA_URL))
