@@ -30,7 +30,7 @@ class Row:
     @property
     def ratios(self) -> list[float]:
         """Per round (rounds paired in the order measured); higher is better."""
-        return [(o / r if self.higher_is_better else r / o) for o, r in zip(self.ours, self.reference)]
+        return [(o / r if self.higher_is_better else r / o) for o, r in zip(self.ours, self.reference, strict=False)]
 
     @property
     def ratio(self) -> float:

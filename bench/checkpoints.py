@@ -27,9 +27,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.models.hybrid import ensure_test_hybrid  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 
 def run_chat(base: str, turns: int, doc: str) -> tuple[list[str], list[dict]]:

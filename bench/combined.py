@@ -45,12 +45,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E402
-from hydra_trio.hydra.client import HydraClient  # noqa: E402
-
 from bench._decode import tok_s  # noqa: E402
 from bench._relay import start as start_relay  # noqa: E402
 from bench._table import Row, print_table  # noqa: E402
+from hydra_trio.hydra.client import HydraClient  # noqa: E402
+from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E402
 
 MOE = ("-m", "smollm2-135m-moe", "-np", "1", "-c", "2048", "--no-rpc-backend")
 

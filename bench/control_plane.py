@@ -33,9 +33,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import free_port, wait_healthy  # noqa: E402
 from hydra_trio.protocol.hydra import Op  # noqa: E402
-from tests.hydra_wire import Wire  # noqa: E402
+from hydra_trio.testing.hydra_wire import Wire  # noqa: E402
+from hydra_trio.testing.spawn import free_port, wait_healthy  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
          "bright jovial nymphs near misty harbours and old lanterns glow ").split()
@@ -43,7 +43,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
 
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def make_prompt(http: httpx.Client, n_tokens: int) -> tuple[str, int]:
@@ -80,7 +80,8 @@ def main() -> None:
         wait_healthy(port, proc)
         http = httpx.Client(base_url=base, timeout=300)
         text, n_prompt = make_prompt(http, a.tokens)
-        print(f"node on :{port} (cwd {a.server_cwd}, log {log_path}); prompt {n_prompt} tokens on slot 0, -c {a.ctx} -np 2", flush=True)
+        print(f"node on :{port} (cwd {a.server_cwd}, log {log_path}); "
+              f"prompt {n_prompt} tokens on slot 0, -c {a.ctx} -np 2", flush=True)
         r = http.post("/completion", json={"prompt": "A short note in slot one.", "n_predict": 4, "id_slot": 1,
                                            "temperature": 0})
         r.raise_for_status()
@@ -97,7 +98,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            except Exception as exc:  # reported, not fatal
                 errors.append(f"{name}: {exc!r}")
                 return
             lat[name].append((time.perf_counter() - t0) * 1e3)
@@ -135,9 +136,9 @@ def main() -> None:
                 with httpx.Client(base_url=base, timeout=600) as c:
                     resp = c.post("/completion", json={"prompt": text, "n_predict": 1, "id_slot": 0,
                                                        "cache_prompt": False, "temperature": 0})
-                result["status"] = resp.status_code
-                result["s"] = time.perf_counter() - t0
-                done.set()
+                result["status"] = resp.status_code  # noqa: B023  (called and finished within this iteration)
+                result["s"] = time.perf_counter() - t0  # noqa: B023  (called and finished within this iteration)
+                done.set()  # noqa: B023  (called and finished within this iteration)
 
             t = threading.Thread(target=prefill)
             t.start()
@@ -146,7 +147,7 @@ def main() -> None:
                 time.sleep(0.002)
             def state_gets() -> None:  # on its own connection and thread: it waits for a batch each time
                 with Wire(port, timeout=300) as w2:
-                    while not done.is_set():
+                    while not done.is_set():  # noqa: B023  (called and finished within this iteration)
                         t0 = time.perf_counter()
                         status, meta, _ = w2.call(Op.STATE_GET, key="1")
                         if status == 0:

@@ -86,10 +86,9 @@ async def chats(base: str, k: int, n: int, nonce: str) -> tuple[float, int]:
                         done.append(usage["completion_tokens"])
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
-        async with trio.open_nursery() as nursery:
-            for i in range(k):
-                nursery.start_soon(one, client, i)
+    async with httpx.AsyncClient(timeout=600) as client, trio.open_nursery() as nursery:
+        for i in range(k):
+            nursery.start_soon(one, client, i)
     return time.perf_counter() - t0, sum(done)
 
 

@@ -240,7 +240,8 @@ def main() -> None:
                         t = time.perf_counter()
                         _meta, view = await c.state_get_into(0, buf)
                         dt = (time.perf_counter() - t) * 1e3
-                        print(f"round {r} client GET {len(view) / MB:.1f} MB: {dt:.1f} ms ({len(view) / MB / dt * 1e3:.0f} MB/s) "
+                        print(f"round {r} client GET {len(view) / MB:.1f} MB: {dt:.1f} ms "
+                              f"({len(view) / MB / dt * 1e3:.0f} MB/s) "
                               + " ".join(f"{k}={v:.1f}" for k, v in ct.items()), flush=True)
                         ct.clear()
                         blob = memoryview(buf)[: len(view)]

@@ -62,8 +62,8 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.combined import certificates  # noqa: E402
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.transport.tls import client_context  # noqa: E402
 
 MB = 1_000_000

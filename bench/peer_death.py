@@ -102,8 +102,8 @@ def main() -> None:
             p.terminate()
         for p in procs:
             p.wait()
-    before = [o / f for o, f in zip(ours_before, ref_before)]
-    after = [o / f for o, f in zip(ours_after, ref_after)]
+    before = [o / f for o, f in zip(ours_before, ref_before, strict=False)]
+    after = [o / f for o, f in zip(ours_after, ref_after, strict=False)]
     print_table([
         Row("peer death", "SOLO tok/s (head / reference head), after the peer died mid-decode vs before", "x",
             after, before, target=0.95),

@@ -22,10 +22,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
-from hydra_trio.hydra.client import HydraClient  # noqa: E402
-
 from bench._decode import tok_s  # noqa: E402
+from hydra_trio.hydra.client import HydraClient  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."
 

@@ -25,9 +25,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:
@@ -69,8 +69,8 @@ def main() -> None:
                 samples: list[float] = []
 
                 def sample() -> None:
-                    while not stop.is_set():
-                        samples.append(rss_mib(proc.pid))
+                    while not stop.is_set():  # noqa: B023  (called and finished within this iteration)
+                        samples.append(rss_mib(proc.pid))  # noqa: B023  (called and finished within this iteration)
                         time.sleep(0.002)
 
                 t = threading.Thread(target=sample)

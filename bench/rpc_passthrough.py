@@ -29,18 +29,15 @@ import socket
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hydra_trio.models.presets import resolve_model  # noqa: E402
-from hydra_trio.testing.spawn import ROOT, spawn, wait_healthy  # noqa: E402
-
-from bench._relay import start as start_relay  # noqa: E402
-from bench._table import Row, print_table  # noqa: E402
-
+from bench._relay import start as start_relay
+from bench._table import Row, print_table
+from hydra_trio.models.presets import resolve_model
+from hydra_trio.testing.spawn import ROOT, spawn, wait_healthy
 
 
 def rtt_us(port: int, rounds: int) -> float:

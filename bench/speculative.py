@@ -33,16 +33,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.vs_llama_server import build_anchor  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
 from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E402
-
-from bench.vs_llama_server import build_anchor  # noqa: E402
 
 LLAMA_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "draft-simple")
 TYPES = (*LLAMA_TYPES, "suffix")
@@ -129,7 +127,7 @@ def agent_session(turns: int) -> list[list[dict[str, str]]]:
             call = {"tool": "read_file", "args": {"path": "report.py"}}
             result = source
         elif step == 1:
-            old = f"    lines = [f\"{{r.name:<20}} {{r.count:>5}} {{r.price:>8.2f}}\" for r in rows]"
+            old = "    lines = [f\"{r.name:<20} {r.count:>5} {r.price:>8.2f}\" for r in rows]"
             new = old.replace("for r in rows]", f"for r in sorted(rows, key=lambda r: r.name)]  # pass {t}")
             source = source.replace(old, new) if old in source else source + f"\n# pass {t}\n"
             call = {"tool": "edit_file", "args": {"path": "report.py", "old": old, "new": new}}

@@ -29,10 +29,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
-
-from bench.combined import certificates, measure  # noqa: E402
 from bench._table import Row, print_table  # noqa: E402
+from bench.combined import certificates, measure  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 
 def start(*args: str) -> tuple[subprocess.Popen, int]:

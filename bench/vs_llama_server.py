@@ -1,6 +1,7 @@
 """hydra-trio against llama-server, side by side: same model, same llama.cpp, same flags, same client.
 
-    .venv/bin/python bench/vs_llama_server.py [--rounds 4] [--tokens 128] [--case decode|multiturn|all|idle] [--json out.json]
+    .venv/bin/python bench/vs_llama_server.py [--rounds 4] [--tokens 128]
+        [--case decode|multiturn|all|idle|vision] [--json out.json]
 
 The anchor is llama-server built by ``bench/build_llama_server.sh`` from the
 llama.cpp vendored in the llama-cpp-python sdist that hydra-trio runs on, with
@@ -35,6 +36,13 @@ median cached prompt tokens of returning turns (``usage.prompt_tokens_details.ca
 else ``timings.cache_n``) with their median and smallest share of the prompt.
 llama-server runs with its defaults there too: its host-RAM prompt cache
 (``--cache-ram``, 8 GiB) is on.
+
+``--case vision`` serves the generated vision-language pair ``tiny-vision`` (its language model and its
+projector, ``-m FILE --mmproj FILE`` for llama-server, ``-m tiny-vision`` for hydra-trio) and runs
+:data:`VISION_USERS` users, each sending one picture (448x448, 256 image tokens, different per user and
+round) with a short question, then returning with the whole conversation and a follow-up on the same
+picture (streaming, greedy, 16-token replies): the median TTFT of the opening and of the returning turn,
+and the returning turn's cached prompt tokens (``timings.cache_n``: the picture served from the cache).
 
 ``--case idle`` runs no case: each server's VmRSS when it first answers
 ``/health`` (the ``rss-idle`` row every run has) and again 2 s after one short
@@ -72,8 +80,8 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, free_port, spawn, wait_healthy  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
+from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, free_port, spawn, wait_healthy  # noqa: E402
 
 FILLER = (
     "The lighthouse stood on a rock at the end of the bay, and every night its keeper climbed the "
@@ -124,21 +132,22 @@ class Server:
                 self.proc.wait()
 
 
-def llama_server_factory(binary: Path, model: Path, threads: int, env: dict[str, str] | None = None) -> Any:
+def llama_server_factory(binary: Path, model: Path, threads: int, env: dict[str, str] | None = None,
+                         extra: tuple[str, ...] = ()) -> Any:
     def start() -> tuple[subprocess.Popen, int]:
         port = free_port()
         proc = subprocess.Popen(
             [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-             "-np", "4", "-c", "8192", "-b", "512", "-ub", "512", "--no-webui"],
+             "-np", "4", "-c", "8192", "-b", "512", "-ub", "512", "--no-webui", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env} if env else None,
         )
         return proc, port
     return start
 
 
-def hydra_factory(threads: int, env: dict[str, str] | None = None) -> Any:
+def hydra_factory(threads: int, env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> Any:
     def start() -> tuple[subprocess.Popen, int]:
-        return spawn("-t", str(threads), "-np", "4", "-c", "8192", "-b", "512", "--log-level", "WARNING",
+        return spawn("-t", str(threads), "-np", "4", "-c", "8192", "-b", "512", "--log-level", "WARNING", *extra,
                      output=subprocess.DEVNULL, env=env)
     return start
 
@@ -219,6 +228,46 @@ async def run_case(base: str, case: str, n: int, nonce: str) -> dict[str, float]
 CASES = ["chat-1", "text-1", "chat-4", "chat-8", "long-1500", "prefix-4"]
 
 # ------------------------------------------------------------------ multi-turn chat
+VISION_USERS = 4
+"""``--case vision``: users per round, one after another."""
+
+
+async def run_vision(base: str, nonce: str) -> dict[str, float]:
+    """:data:`VISION_USERS` users, each an opening turn with a picture and a returning turn on it."""
+    import base64
+
+    from hydra_trio.models.tiny_vision import png_image
+
+    opening, back, cached = [], [], []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for user in range(VISION_USERS):
+            seed = abs(hash((nonce, user))) % 100_000
+            url = "data:image/png;base64," + base64.b64encode(png_image(seed, 448, 448)).decode()
+            messages: list[dict[str, Any]] = [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": f"({nonce}) What is in this picture?"}]}]
+            for turn in range(2):
+                body = {"messages": messages, "max_tokens": 16, "stream": True, "temperature": 0, "ignore_eos": True}
+                t0, first, text, timings = time.perf_counter(), None, [], {}
+                async for ev in sse_events(client, base + "/v1/chat/completions", body):
+                    for ch in ev.get("choices") or ():
+                        piece = (ch.get("delta") or {}).get("content")
+                        if piece:
+                            first = first or time.perf_counter()
+                            text.append(piece)
+                    timings = ev.get("timings") or timings
+                ttft = ((first or time.perf_counter()) - t0) * 1000
+                if turn == 0:
+                    opening.append(ttft)
+                    messages = [*messages, {"role": "assistant", "content": "".join(text)},
+                                {"role": "user", "content": "And what colour is it?"}]
+                else:
+                    back.append(ttft)
+                    cached.append(float(timings.get("cache_n", 0)))
+    return {"ttft_open_ms": statistics.median(opening), "ttft_back_ms": statistics.median(back),
+            "cached_back": statistics.median(cached)}
+
+
 MULTITURN = {"multiturn-3": (3, 1), "multiturn-12": (12, 4)}
 """Multi-turn cases: (users, clients)."""
 TURNS = 4
@@ -303,10 +352,12 @@ async def run_multiturn(base: str, case: str, nonce: str, progress: str) -> dict
                     print(f"  {progress} {case}: {done[0]}/{n_users * TURNS} turns", flush=True)
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=16)) as client:
-        async with trio.open_nursery() as nursery:
-            for c in range(n_clients):
-                nursery.start_soon(client_loop, client, list(range(c, n_users, n_clients)))
+    async with (
+        httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=16)) as client,
+        trio.open_nursery() as nursery,
+    ):
+        for c in range(n_clients):
+            nursery.start_soon(client_loop, client, list(range(c, n_users, n_clients)))
     total = time.perf_counter() - t0
     if tty:
         print("\r", end="")
@@ -358,7 +409,7 @@ OWN_CODE_MIB: list[float] = []
 IDLE_SETTLE_S = 2.0
 """``--case idle``: seconds between the warm-up request's end and the second RSS reading."""
 
-HIGHER_IS_BETTER = {"tok_s", "cached_back", "cached_pct", "cached_min_pct"}
+HIGHER_IS_BETTER = {"tok_s", "cached_back", "cached_pct", "cached_min_pct"}  # (vision's cached_back too)
 """Metrics whose ratio is hydra-trio / llama-server; the others (times, RSS) are llama-server / hydra-trio."""
 
 
@@ -368,7 +419,10 @@ def measure(server: Server, n: int, round_no: int, cases: list[str]) -> dict[str
         out: dict[str, dict[str, float]] = {"rss-idle": {"rss_mib": server.rss_mib()}}
         if "idle" in cases and server.name == "llama-server" and server.proc is not None:
             OWN_CODE_MIB.append(mapped_rss_mib(server.proc.pid, LLAMA_SERVER_OWN))
-        trio.run(run_case, base, "chat-1", 8, f"warm-{round_no}")  # warm up
+        if "vision" in cases:
+            trio.run(run_vision, base, f"warm-{round_no}")  # warm up (the projector's first encode)
+        else:
+            trio.run(run_case, base, "chat-1", 8, f"warm-{round_no}")  # warm up
         if "idle" in cases:  # idle again after one request: what a request leaves behind
             time.sleep(IDLE_SETTLE_S)
             out["rss-post-req"] = {"rss_mib": server.rss_mib()}
@@ -379,6 +433,8 @@ def measure(server: Server, n: int, round_no: int, cases: list[str]) -> dict[str
                 continue
             if case in MULTITURN:
                 out[case] = trio.run(run_multiturn, base, case, f"r{round_no}", f"round {round_no} {server.name}")
+            elif case == "vision":
+                out[case] = trio.run(run_vision, base, f"r{round_no}")
             else:
                 out[case] = trio.run(run_case, base, case, n, f"r{round_no}-{case}")
             shown = "  ".join(f"{k} {v:8.1f}" for k, v in out[case].items())
@@ -409,7 +465,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--case", choices=["decode", "multiturn", "all", "idle", *CASES, *MULTITURN], default="decode",
+    ap.add_argument("--case", choices=["decode", "multiturn", "all", "idle", "vision", *CASES, *MULTITURN],
+                    default="decode",
                     help="the decode cases (default), the multi-turn chat cases, all, one case, or idle: only the "
                          "resident memory, at start and again after one short request")
     ap.add_argument("--shared-machine", action="store_true",
@@ -420,11 +477,17 @@ def main() -> None:
     env = SHARED_MACHINE_ENV if a.shared_machine else None
     cases = {"decode": CASES, "multiturn": list(MULTITURN), "all": [*CASES, *MULTITURN]}.get(a.case, [a.case])
     binary = build_anchor()
-    model, _ = resolve_model("smollm2-135m")
+    model, _ = resolve_model("tiny-vision" if a.case == "vision" else "smollm2-135m")
+    ls_extra: tuple[str, ...] = ()
+    ht_extra: tuple[str, ...] = ()
+    if a.case == "vision":
+        from hydra_trio.models.presets import PRESETS
+
+        ls_extra, ht_extra = ("--mmproj", str(PRESETS["tiny-vision"].projector())), ("-m", "tiny-vision")
     print(f"anchor {binary}\nmodel {model}\n-t {a.threads} -np 4 -c 8192 -b 512, {a.tokens} tokens, "
           f"{a.rounds} rounds, cases {' '.join(cases)}{', OMP_WAIT_POLICY=PASSIVE' if env else ''}", flush=True)
-    servers = [Server("llama-server", llama_server_factory(binary, model, a.threads, env)),
-               Server("hydra-trio", hydra_factory(a.threads, env))]
+    servers = [Server("llama-server", llama_server_factory(binary, model, a.threads, env, ls_extra)),
+               Server("hydra-trio", hydra_factory(a.threads, env, ht_extra))]
     samples: dict[str, list[Any]] = {s.name: [] for s in servers}
     for r in range(a.rounds):
         for s in (servers if r % 2 == 0 else servers[::-1]):

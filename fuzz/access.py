@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hydra_trio.http.auth import bearer_key
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
-from . import live
+from . import wire
 
 TIMEOUT = 60.0
 TARGET: dict[str, object] = {"port": None, "key": None, "token": None, "n_slots": 2}
@@ -41,18 +41,18 @@ def configure(port: int, key: str, token: str, n_slots: int) -> None:
     """Point the machine at a node on 127.0.0.1:``port`` run with ``--api-key key --hydra-token token``
     and a ``--control-allow`` that excludes 127.0.0.1, with ``n_slots`` slots."""
     TARGET.update(port=port, key=key, token=token, n_slots=n_slots)
-    live.configure(port, n_slots)
+    wire.configure(port, n_slots)
 
 
 def count(kind: str) -> None:
-    """One more request of ``kind`` in the fuzzer's summary (``fuzz.live.STATS``), and one more ``access``."""
-    live.STATS["access"] = live.STATS.get("access", 0) + 1
-    live.STATS[kind] = live.STATS.get(kind, 0) + 1
+    """One more request of ``kind`` in the fuzzer's summary (``fuzz.wire.STATS``), and one more ``access``."""
+    wire.STATS["access"] = wire.STATS.get("access", 0) + 1
+    wire.STATS[kind] = wire.STATS.get(kind, 0) + 1
 
 
 def hydra_exchange(op: int, key: str = "", payload: bytes = b"") -> tuple[int, dict, bytes]:
     """One Hydra request on a fresh (untrusted) connection; its reply, checked well-formed (fuzz.live)."""
-    reply = live.hydra_exchange([encode_request(op, key=key, payload=payload, trace_id="fuzz-access")])
+    reply = wire.hydra_exchange([encode_request(op, key=key, payload=payload, trace_id="fuzz-access")])
     assert reply is not None, f"op 0x{op:02x}: the connection closed instead of replying"
     return reply
 
@@ -142,6 +142,6 @@ class AccessMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_changed(self) -> None:
         self.steps += 1
-        live.STATS["steps"] += 1
+        wire.STATS["steps"] += 1
         assert httpx.get(_base() + "/health", timeout=TIMEOUT).status_code == 200
         assert snapshot() == self.before

@@ -26,6 +26,7 @@ Decoders under test should use the limits below (`MAX_PAYLOAD`, `MAX_KEY`,
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Literal, get_args
 
@@ -47,28 +48,28 @@ __all__ = [
     "Mutant",
     "Req",
     "RpcStep",
+    "SizedCase",
+    "StatusRead",
+    "SurrogateCase",
     "chunk_cuts",
+    "deep_grammars",
+    "deep_json_bodies",
     "ggml_rpc_hellos",
     "ggml_rpc_mutants",
     "ggml_rpc_sessions",
     "ggml_rpc_silent_openings",
     "ggml_rpc_truncated",
-    "SizedCase",
-    "SurrogateCase",
     "http_requests",
     "http_surrogate_bodies",
     "hydra_surrogate_payloads",
     "lone_surrogates",
+    "long_prompts",
+    "long_request_lists",
     "nearly_valid_requests",
     "random_first_bytes",
     "split_at",
-    "StatusRead",
-    "long_prompts",
     "status_reads",
     "valid_requests",
-    "deep_grammars",
-    "deep_json_bodies",
-    "long_request_lists",
     "wide_and_deep_schemas",
 ]
 
@@ -212,7 +213,7 @@ def chunk_cuts(n: int) -> st.SearchStrategy[list[int]]:
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     """Split ``data`` at the (sorted) offsets in ``cuts``."""
     bounds = [0, *cuts, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 # --------------------------------------------------------------------------
@@ -844,7 +845,8 @@ def wide_and_deep_schemas(draw: st.DrawFn) -> SizedCase:
         n = draw(st.sampled_from([10, 1000, 2000, 3000, 5000]))
         required = draw(st.sets(st.integers(0, n - 1), max_size=3))
         props = ", ".join(f'"p{i}": {{"type": "string"}}' for i in range(n))
-        schema = f'{{"type": "object", "properties": {{{props}}}, "required": {json_list(f"p{i}" for i in sorted(required))}}}'
+        required_names = json_list(f"p{i}" for i in sorted(required))
+        schema = f'{{"type": "object", "properties": {{{props}}}, "required": {required_names}}}'
         return SizedCase(f"{n} properties", _chat_body(json_schema=schema),
                          () if n <= 2000 else ("MAX_GRAMMAR_BYTES", "MAX_SCHEMA_NODES"))
     if kind in ("objects", "arrays", "anyof"):
@@ -862,7 +864,8 @@ def wide_and_deep_schemas(draw: st.DrawFn) -> SizedCase:
         n = draw(st.sampled_from([10, 3000]))
         step = '{{"$ref": "#/$defs/d{}"}}' if kind == "refs" else '{{"allOf": [{{"$ref": "#/$defs/d{}"}}]}}'
         defs = ", ".join(f'"d{i}": ' + step.format(i + 1) for i in range(n))
-        schema = f'{{"$defs": {{{defs}, "d{n}": {{"type": "object", "properties": {{"x": {{"type": "integer"}}}}}}}}, "$ref": "#/$defs/d0"}}'
+        last = '{"type": "object", "properties": {"x": {"type": "integer"}}}'
+        schema = f'{{"$defs": {{{defs}, "d{n}": {last}}}, "$ref": "#/$defs/d0"}}'
         # a short chain of allOf links is refused too: the converter combines object schemas only, not an allOf in one
         short: tuple[str, ...] = () if kind == "refs" else ("allOf: only object schemas",)
         return SizedCase(f"{kind} chain of {n}", _chat_body(json_schema=schema), short if n == 10 else ("MAX_SCHEMA_DEPTH",))
@@ -903,7 +906,8 @@ def deep_json_bodies(draw: st.DrawFn) -> SizedCase:
     elif where == "kwargs":
         body, depth = _chat_body(chat_template_kwargs=f'{{"x": {deep}}}'), d + 2
     elif where == "parameters":
-        tools = f'[{{"type": "function", "function": {{"name": "f", "parameters": {{"type": "object", "default": {deep}}}}}}}]'
+        parameters = f'{{"type": "object", "default": {deep}}}'
+        tools = f'[{{"type": "function", "function": {{"name": "f", "parameters": {parameters}}}}}]'
         body, depth = _chat_body(tools=tools), d + 5
     else:
         call = f'{{"id": "c1", "type": "function", "function": {{"name": "f", "arguments": "{deep}"}}}}'

@@ -177,17 +177,6 @@ FOREIGN_PRIVATES = {
 }
 """Private members of other libraries that the package uses, which the scan cannot tell from its own."""
 
-PRIVATE_IMPORTS_BEING_RENAMED = {
-    # the codec floor's names (protocol/, hydra/): renamed public where they are shared
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_bool"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_float"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_int"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_str"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_str_or_str_list"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._json_kind"),
-    ("hydra_trio.client.watch", "hydra_trio.hydra.cli._address"),
-}
-"""Private imports across modules that the layering work renames; to be emptied."""
 
 
 def _private_uses(name: str, tree: ast.Module) -> list[str]:
@@ -207,8 +196,7 @@ def _private_uses(name: str, tree: ast.Module) -> list[str]:
         for i, part in enumerate(parts):
             if _is_private(part) and not f"{package}.".startswith(".".join(parts[:i]) + "."):
                 found.append(f"{line}: {mod}")
-        found += [f"{line}: {mod}.{n}" for n in names if _is_private(n) and f"{mod}.{n}" not in MODULES
-                  and (name, f"{mod}.{n}") not in PRIVATE_IMPORTS_BEING_RENAMED]
+        found += [f"{line}: {mod}.{n}" for n in names if _is_private(n) and f"{mod}.{n}" not in MODULES]
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and _is_private(node.attr)) or (name, node.attr) in FOREIGN_PRIVATES:
             continue
@@ -239,7 +227,25 @@ TOP_LEVEL = {"hydra_trio", "hydra_trio.__main__", "hydra_trio._version", "hydra_
 and the configuration; every layer has its folder."""
 
 LAYERS = ("node", "transport", "observability", "client", "cli", "testing", "engine", "service", "openai", "http", "hydra",
-          "rpc_backend", "protocol", "models")
+          "rpc_backend", "protocol", "validation", "models")
+
+LAYER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("protocol",),  # the floor: wire framing and status codes (Hydra, ggml-RPC, the first bytes), nothing else
+    ("errors", "_version", "_lazy"),  # the typed errors (each names its Hydra status), the version, lazy exports
+    ("validation",),  # strict JSON -> attrs classes, ``host:port``: what reads a peer's values
+    ("observability", "transport"),  # the event bus, progress, logs; sockets, TLS, the front door
+    ("engine",),  # llama.cpp, slots, batching, the one inbox
+    ("models", "openai", "rpc_backend"),  # model files; the OpenAI / llama-server shapes; the ggml-RPC backend
+    ("service",),  # what every front end calls: completions, slots, node facts, metrics, stats
+    ("http", "hydra"),  # the front ends: decode, route, encode
+    ("config",),  # the settings of a whole node
+    ("node",),  # the composition root
+    ("testing", "client"),  # test helpers; the watch client
+    ("cli",),  # the command line
+    ("", "__main__"),  # the public API (``hydra_trio/__init__.py``) and ``python -m hydra_trio``
+)
+"""The layers, bottom first.  A module imports only its own layer and the layers listed before its own:
+no import runs back up, and two layers of one row know nothing of each other."""
 
 
 def test_the_top_level_holds_only_the_public_api() -> None:
@@ -252,32 +258,46 @@ def _layer(name: str) -> str:
     return name.split(".")[1] if name.count(".") >= 1 else ""
 
 
+def _rank(layer: str) -> int:
+    return next(i for i, row in enumerate(LAYER_ORDER) if layer in row)
+
+
+def _imports_back_up(graph: dict[str, set[str]]) -> list[str]:
+    """Each ``module -> module`` import of ``graph`` whose target is in another layer of the same row of
+    :data:`LAYER_ORDER` or in a later row."""
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                  if _layer(d) != _layer(m) and _rank(_layer(d)) >= _rank(_layer(m)))
+
+
+def test_the_layer_order_names_every_layer_once() -> None:
+    named = [layer for row in LAYER_ORDER for layer in row]
+    assert len(named) == len(set(named))
+    assert set(named) == {_layer(m) for m in MODULES}
+
+
+def test_no_import_runs_back_up() -> None:
+    """Every import of the package goes down :data:`LAYER_ORDER` (or stays in its layer): the codecs are the
+    floor and import nothing of the package; the errors know only the codecs' status codes; the engine
+    knows no OpenAI shape, service or front end; the service knows no front end; the front ends know
+    neither each other nor the composition root."""
+    # the check finds what it looks for
+    assert _imports_back_up({"hydra_trio.protocol.hydra": {"hydra_trio.errors"}}) == [
+        "hydra_trio.protocol.hydra -> hydra_trio.errors"]
+    assert _imports_back_up({"hydra_trio.hydra.ops": {"hydra_trio.http.app", "hydra_trio.engine.engine"}}) == [
+        "hydra_trio.hydra.ops -> hydra_trio.http.app"]
+    assert _imports_back_up({"hydra_trio.errors": {"hydra_trio.protocol.hydra"}}) == []
+    assert _imports_back_up({m: _imports(m) for m in MODULES}) == []
+    assert {d for m in MODULES if _layer(m) == "protocol" for d in _imports(m) if _layer(d) != "protocol"} == set()
+
+
 def test_layers() -> None:
-    """Which layer may import which: the engine and the codecs know no front end; the front ends (``http``,
-    ``hydra``) call the service, which knows none of them, and the OpenAI shapes sit below the service (front
-    ends -> service -> openai -> engine); the observability leaves
-    (events, progress) import nothing of the package; nothing of the product imports the test helpers, the
-    CLI or the watch client; only the composition root (``node``) and the CLI assemble a whole node."""
+    """What :data:`LAYER_ORDER` alone does not say: the observability leaves (events, progress) import
+    nothing of the package; nothing of the product imports the test helpers, the CLI or the watch client;
+    only the composition root (``node``) and the CLI assemble a whole node."""
     leaves = {"hydra_trio.observability.events", "hydra_trio.observability.progress"}
     for name in MODULES:
         deps = _imports(name)
         layer = _layer(name)
-        if layer == "engine":
-            outside = {d for d in deps if _layer(d) not in ("engine", "protocol") and d not in (
-                "hydra_trio.errors", "hydra_trio._lazy", *leaves)}
-            assert outside == set(), f"{name} imports {outside}"
-        if layer == "protocol":  # sans-I/O: no front end, transport, server or process around it
-            outside = {d for d in deps if _layer(d) in ("http", "hydra", "node", "transport", "rpc_backend", "cli",
-                                                        "client", "observability")}
-            assert outside == set(), f"{name} imports {outside}"
-        if layer == "service":  # what every front end calls: it knows none of them
-            outside = {d for d in deps if _layer(d) not in ("service", "openai", "engine", "protocol") and d not in (
-                "hydra_trio.errors", "hydra_trio._lazy")}
-            assert outside == set(), f"{name} imports {outside}"
-        if layer == "openai":  # the request and reply shapes: below the service, above the engine's values
-            outside = {d for d in deps if _layer(d) not in ("openai", "engine", "protocol") and d not in (
-                "hydra_trio.errors", "hydra_trio._lazy")}
-            assert outside == set(), f"{name} imports {outside}"
         if name in leaves:
             assert deps == set(), f"{name} imports {deps}"
         if layer != "testing":
@@ -287,6 +307,54 @@ def test_layers() -> None:
                 f"{name} imports the CLI or the watch client"
         if layer not in ("node", "cli", "testing") and name not in ("hydra_trio", "hydra_trio.__main__"):
             assert not {d for d in deps if _layer(d) == "node"}, f"{name} imports the composition root"
+
+
+def _imports_of_tests(path: Path) -> list[str]:
+    """Lines of ``path`` that import the test suite (``tests`` or ``tests.x``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found += [f"{path.name}:{node.lineno}" for n in names if n == "tests" or n.startswith("tests.")]
+    return found
+
+
+def test_benches_and_the_fuzzer_import_no_test() -> None:
+    """``bench/``, ``fuzz/`` and ``examples/`` sit beside the suite, not on it: what they share with it lives in
+    ``hydra_trio/testing/``."""
+    root = PKG.parent
+    found = [hit for folder in ("bench", "fuzz", "examples") for p in sorted((root / folder).rglob("*.py"))
+             for hit in _imports_of_tests(p)]
+    assert found == []
+
+
+def _sibling_imports(folder: Path) -> dict[str, set[str]]:
+    """``module -> modules of the same folder it imports`` (``from . import x``, ``from .x import y``,
+    ``from folder.x import y``), anywhere in the module, for the modules of ``folder``."""
+    names = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for p in folder.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level == 1 or mod.split(".")[0] == folder.name:
+                    head = mod.split(".")[-1] if mod and mod != folder.name else ""
+                    deps |= {head} if head else {a.name for a in node.names}
+        graph[p.stem] = (deps & names) - {p.stem}
+    return graph
+
+
+def test_the_fuzzer_and_the_benches_have_no_import_cycle() -> None:
+    """The fuzzer's modules import each other one way (its shared wire helpers are ``fuzz/wire.py``)."""
+    for folder in ("fuzz", "bench"):
+        graph = _sibling_imports(PKG.parent / folder)
+        assert graph, folder
+        reach = {m: set(deps) for m, deps in graph.items()}
+        for _ in graph:  # the transitive closure: what each module reaches through others
+            reach = {m: r.union(*(reach[d] for d in r)) for m, r in reach.items()}
+        assert sorted(m for m in graph if m in reach[m]) == [], folder
+    assert "wire" in _sibling_imports(PKG.parent / "fuzz")["hostile"]
 
 
 ENGINE_PUBLIC_MODULES = {
@@ -399,6 +467,44 @@ def test_every_import_of_the_package_finds_its_module() -> None:
     would otherwise only fail when that line runs)."""
     missing = [f"{name}:{line} {mod}" for name in MODULES for line, mod, _names in _import_statements(name)
                if mod.startswith("hydra_trio") and mod not in MODULES]
+    assert missing == []
+
+
+def _top_level_names(name: str) -> set[str] | None:
+    """The names module ``name`` binds at its top level (definitions, assignments, imports, ``if`` / ``try``
+    bodies); None when it has a module ``__getattr__`` (its names are lazy)."""
+    out: set[str] = set()
+    body = list(ast.parse(MODULES[name].read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "__getattr__":
+                return None
+            out.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for tg in targets for n in ast.walk(tg) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
+    return None if "__getattr__" in out else out
+
+
+def test_every_name_imported_from_the_package_exists() -> None:
+    """``from hydra_trio.x import y`` names a ``y`` that ``x`` binds (or a submodule): a renamed function
+    otherwise only fails when the importing module loads."""
+    missing = []
+    for name in MODULES:
+        for line, mod, names in _import_statements(name):
+            if not mod.startswith("hydra_trio") or mod not in MODULES:
+                continue
+            bound = _top_level_names(mod)
+            if bound is None:
+                continue
+            missing += [f"{name}:{line} {mod}.{n}" for n in names if n != "*" and n not in bound
+                        and f"{mod}.{n}" not in MODULES]
     assert missing == []
 
 

@@ -24,6 +24,7 @@ from hydra_trio.http.auth import bearer_key
 from hydra_trio.hydra.client import HydraBadRequest, HydraClient
 from hydra_trio.hydra.gate import Gate
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 from hydra_trio.transport.access import (
     AllowList,
     Peer,
@@ -35,7 +36,6 @@ from hydra_trio.transport.access import (
 )
 
 from .conftest import ROOT, ServerProcess, wait_for
-from .hydra_wire import Wire
 from .test_rpc_backend import LONG, RawRpc
 
 KEY, FILE_KEY, TOKEN = "sk-test-one", "sk-from-file", "hydra-secret-token"

@@ -19,9 +19,9 @@ from hydra_trio.cli._flags import ACCEPTED, OWN, REFUSED
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
 from hydra_trio.testing import spawn as _spawn
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, free_port, wait_for
-from .hydra_wire import Wire
 from .llama_arg_cpp import server_flags
 
 BY_NAME = {n: f for f in RUN_FLAGS for n in f.all_names}

@@ -472,7 +472,7 @@ async def test_connect_refused() -> None:
 
 async def run_cli(*argv: str) -> trio.CompletedProcess:
     return await trio.run_process(
-        [sys.executable, "-m", "hydra_trio.hydra.cli", *argv],
+        [sys.executable, "-m", "hydra_trio.hydra.commands", *argv],
         cwd=ROOT,
         capture_stdout=True,
         capture_stderr=True,

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, free_port, streaming, wait_for
-from .hydra_wire import Wire
 from .relay import Relay
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}

@@ -19,11 +19,12 @@ import httpx
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, wait_for
-from .hydra_wire import Wire
 
-WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "wizards", "quietly", "hex", "bright", "jovial", "nymphs", "near", "misty", "harbours", "and", "old", "lanterns", "glow"]
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+         "bright jovial nymphs near misty harbours and old lanterns glow ").split()
 LONG_TEXT = " ".join(WORDS[i % len(WORDS)] for i in range(1500))
 
 

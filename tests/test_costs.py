@@ -25,9 +25,9 @@ from hydra_trio.openai.json_schema import (
 )
 from hydra_trio.openai.schemas import MAX_CONTENT_PARTS, MAX_MESSAGES
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
 MSGS = [{"role": "user", "content": "Give a number."}]
 

@@ -23,7 +23,7 @@ from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.engine.settings import RequestDefaults
 from hydra_trio.engine.tasks import EngineTask, EraseSlot, RestoreSlot, SaveSlot, SetExpertMode
 from hydra_trio.errors import InvalidRequest
-from hydra_trio.http.metrics import NodeMetrics
+from hydra_trio.service.metrics import NodeMetrics
 
 from .conftest import running_engine
 

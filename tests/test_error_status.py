@@ -33,9 +33,9 @@ from hydra_trio.errors import (
     Overloaded,
 )
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
 
 
 def _all_error_classes() -> list[type[HydraTrioError]]:

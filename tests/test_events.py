@@ -18,9 +18,9 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_
 
 from hydra_trio.observability.events import CATEGORIES, EventBus, parse_types
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
 
 
 # ------------------------------------------------------------------ the bus, in-process

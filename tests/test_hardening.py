@@ -17,9 +17,9 @@ from hydra_trio.cli._types import n_parallel as cli_n_parallel
 from hydra_trio.engine.kv.state import blob_checksum, parse_header
 from hydra_trio.engine.settings import N_PARALLEL_MAX, EngineConfig, ParameterError
 from hydra_trio.protocol.hydra import Op, Status, encode_request, encode_request_header, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, streaming, wait_for
-from .hydra_wire import Wire
 
 HI = [{"role": "user", "content": "Say hi."}]
 

@@ -23,9 +23,9 @@ from hydra_trio.protocol.hydra import (
     encode_request_header,
     unpack_decode_frames,
 )
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming, wait_for
-from .hydra_wire import Wire
 
 CORE_INFO_KEYS = {
     "engine", "version", "capabilities", "preset_aliases", "solo_active", "rpc_backend_active", "mode",

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from hydra_trio.engine.settings import LlamaOptions, kv_cache_problem
 from hydra_trio.errors import ModelLoadError
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess
-from .hydra_wire import Wire
 
 Q8 = ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0")
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 values for K and for V

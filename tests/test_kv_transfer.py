@@ -24,6 +24,7 @@ from hydra_trio.hydra.client import HydraClient
 from hydra_trio.hydra.session import HydraSettings
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import (
+    NEED_DATA,
     Op,
     RequestDecoder,
     RequestEnded,
@@ -84,9 +85,16 @@ def test_decoder_skip_payload() -> None:
     assert isinstance(events[0], RequestStarted) and dec.payload_remaining == 7
     with pytest.raises(ValueError):
         dec.skip_payload(8)
-    assert dec.skip_payload(4) == [] and dec.payload_remaining == 3
-    assert dec.skip_payload(3) == [RequestEnded()] and dec.idle
+    dec.skip_payload(4)
+    assert dec.payload_remaining == 3 and dec.next_event() is NEED_DATA
+    dec.skip_payload(3)
+    assert dec.in_frame and dec.next_event() == RequestEnded() and dec.idle  # the end comes as an event
     with pytest.raises(ValueError):
+        dec.skip_payload(1)
+    dec.receive_data(encode_request_header(Op.STATE_PUT, "0", "t", 10))
+    assert isinstance(dec.next_event(), RequestStarted)
+    dec.receive_data(b"abc")
+    with pytest.raises(ValueError):  # received bytes come before skipped ones
         dec.skip_payload(1)
 
 

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, wait_for
-from .hydra_wire import Wire
 
 N_CTX = 1024
 PROMPT = 700  # tokens: one prompt fits in the shared cache, two do not

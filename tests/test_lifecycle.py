@@ -13,9 +13,9 @@ import httpx
 
 from hydra_trio.engine.kv.state import verify_checksum
 from hydra_trio.protocol.hydra import Op, Status, encode_request
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import wait_for
-from .hydra_wire import Wire
 
 
 def test_health_stages_before_ready(spawn) -> None:

@@ -4,8 +4,8 @@ vendored llama.cpp: ``oaicompat_content_load_media``, ``handle_media``, ``tokeni
 
 A node with a projector (``-m tiny-vision``, its projector found beside it) reports it (``/props`` modalities,
 ``/v1/models`` capabilities, Hydra INFO), renders media parts as its media marker (``/apply-template``), checks
-every part (URL forms, base64, limits) with llama-server's messages, and answers a completion with media 501
-until the engine evaluates media.  A node without one answers media parts with llama-server's error and status.
+every part (URL forms, base64, limits) with llama-server's messages, and evaluates the media into the slot.  A node
+without one answers media parts with llama-server's error and status.
 The slow tests ask llama-server built from the vendored llama.cpp the same questions.
 """
 
@@ -27,10 +27,10 @@ from hydra_trio.models import tiny_vision
 from hydra_trio.models.presets import PRESETS, resolve_model
 from hydra_trio.openai.media import MAX_MEDIA_BYTES, MAX_MEDIA_ITEMS
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, wait_healthy
 
 from .conftest import ROOT, ServerProcess, free_port
-from .hydra_wire import Wire
 
 MARKER = "<__media_hydra_trio_test__>"
 """The media marker both nodes and llama-server are given (``LLAMA_MEDIA_MARKER``), so prompts compare."""
@@ -142,29 +142,52 @@ def test_apply_template_puts_the_media_marker_where_each_part_was(vhttp) -> None
 # --------------------------------------------------------------------------- a request with media
 
 
-def test_a_completion_with_media_is_read_whole_then_answers_501(vhttp, vision, media_dir) -> None:
-    """Every form of media that passes the checks reaches the engine's job, which answers 501 (its message says
-    why) until the engine evaluates media; text-only requests are served as before; Hydra PREFILL carries media
-    in its chat body as HTTP does (NOT_IMPLEMENTED)."""
+def test_a_completion_with_media_is_served_on_every_path(vhttp, vision, media_dir) -> None:
+    """Every form of media that passes the checks is evaluated into the slot (the image's cells counted in
+    ``usage.prompt_tokens`` and ``timings.prompt_n``, as llama-server counts a media chunk's tokens): data:
+    URLs, bare base64, ``file://`` under ``--media-path``, streamed, ``/completion``'s and ``/v1/completions``'
+    ``multimodal_data`` (Hydra PREFILL's chat body is read the same way, and refused: its reply is the slot's KV
+    blob, which a slot holding media does not give); the same request twice gives the same greedy text and
+    the second finds its prompt, image and all, in the slot's cache; another image is a miss at the image."""
     bare = base64.b64encode(PNG).decode().rstrip("=")  # bare base64, padding optional (llama-server's decoder)
-    wav = base64.b64encode(b"RIFF\0\0\0\0WAVEfmt ").decode()
-    for body in (chat(image(DATA_URL), {"type": "text", "text": "What is it?"}), chat(image(bare)),
-                 chat(image("file://sub/cat.png")), chat(image(DATA_URL), stream=True),
-                 chat({"type": "image_url", "image_url": {"url": "data:audio/wav;base64," + wav}})):
-        msg = error_of(vhttp.post("/v1/chat/completions", json=body), 501)
-        assert "does not evaluate media yet" in msg
+    text_only = vhttp.post("/v1/chat/completions", json=chat({"type": "text", "text": "What is it?"},
+                                                             cache_prompt=False)).json()
+    n_text = text_only["usage"]["prompt_tokens"]
+    first = None
+    for body in (chat(image(DATA_URL), {"type": "text", "text": "What is it?"}, cache_prompt=False),
+                 chat(image(bare), {"type": "text", "text": "What is it?"}),
+                 chat(image("file://sub/cat.png"), {"type": "text", "text": "What is it?"})):
+        r = vhttp.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        # tiny-vision's 112x84 default image: 12 image cells, and its two markers' tokens around them
+        assert j["usage"]["prompt_tokens"] == n_text + 12 + 2, j["usage"]
+        if first is None:
+            first = j
+            assert j["timings"]["prompt_n"] == j["usage"]["prompt_tokens"]
+        else:  # the same prompt: all of it from the slot's cache but the last token
+            assert j["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+            assert j["timings"]["cache_n"] == j["usage"]["prompt_tokens"] - 1, j["timings"]
+    other = base64.b64encode(tiny_vision.png_image(7)).decode()
+    j = vhttp.post("/v1/chat/completions", json=chat(image(other), {"type": "text", "text": "What is it?"})).json()
+    assert j["usage"]["prompt_tokens"] == n_text + 14 and j["timings"]["cache_n"] < n_text  # a miss at the image
+    with vhttp.stream("POST", "/v1/chat/completions", json=chat(image(DATA_URL), stream=True)) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
     for path in ("/completion", "/v1/completions"):
         body = {"prompt": {"prompt_string": f"Look: {MARKER} and {MARKER}", "multimodal_data": [bare, bare]},
-                "n_predict": 2}
-        assert "does not evaluate media yet" in error_of(vhttp.post(path, json=body), 501)
+                "n_predict": 2, "temperature": 0}
+        r = vhttp.post(path, json=body)
+        assert r.status_code == 200, r.text
     # a prompt object without multimodal_data is its prompt_string
     r = vhttp.post("/completion", json={"prompt": {"prompt_string": "Hello"}, "n_predict": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["tokens_evaluated"] >= 1
-    r = vhttp.post("/v1/chat/completions", json=chat({"type": "text", "text": "Hi"}))
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     with Wire(vision.port) as w:
+        # PREFILL answers the slot's KV blob, and a slot holding media is not saved (docs/protocol-notes.md):
+        # refused before any work, naming why
         status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps(chat(image(DATA_URL))).encode())
-        assert status == Status.NOT_IMPLEMENTED and "does not evaluate media yet" in meta["error"]
+        assert status == Status.NOT_IMPLEMENTED and "a slot holding media cannot be saved" in meta["error"], meta
         status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps(chat(image("x"))).encode())
         assert status == Status.BAD_REQUEST and "Invalid base64 value" in meta["error"]
 
@@ -208,7 +231,7 @@ def test_media_limits_are_400s_naming_the_limit(vhttp) -> None:
     many = chat(*[image(tiny)] * (MAX_MEDIA_ITEMS + 1))
     msg = error_of(vhttp.post("/v1/chat/completions", json=many), 400)
     assert msg == f"{MAX_MEDIA_ITEMS + 1} media items in one request, more than {MAX_MEDIA_ITEMS} (MAX_MEDIA_ITEMS)"
-    assert error_of(vhttp.post("/v1/chat/completions", json=chat(*[image(tiny)] * MAX_MEDIA_ITEMS)), 501)
+    assert vhttp.post("/v1/chat/completions", json=chat(*[image(tiny)] * MAX_MEDIA_ITEMS)).status_code == 200
     big = base64.b64encode(b"\x89PNG" + bytes(MAX_MEDIA_BYTES)).decode()
     msg = error_of(vhttp.post("/v1/chat/completions", json=chat(image("data:image/png;base64," + big))), 400)
     assert f"messages[0].content[0]: the media item is {MAX_MEDIA_BYTES + 4} bytes, more than {MAX_MEDIA_BYTES}" \
@@ -301,8 +324,9 @@ def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp
     """llama-server with ``-m LM --mmproj PROJ`` (tiny-vision's files): the same ``/props`` vision and audio
     modalities and marker (its ``video`` is true for any vision projector in a build with ``MTMD_VIDEO``,
     ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same
-    ``/apply-template`` prompt for parts around images, and for a bad data URL a message that ours starts with
-    (ours adds where the part is)."""
+    ``/apply-template`` prompt for parts around images, for a
+    bad data URL a message that ours starts with (ours adds where the part is), and for two images the same
+    prompt token count and greedy text."""
     model, _ = resolve_model("tiny-vision")
     body = chat({"type": "text", "text": "a"}, {"type": "text", "text": "b"}, image(DATA_URL),
                 {"type": "text", "text": "c"}, image(DATA_URL))
@@ -318,3 +342,25 @@ def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp
             o = vhttp.post("/v1/chat/completions", json=chat(image(url)))
             assert t.status_code == o.status_code == 400
             assert o.json()["error"]["message"].startswith(t.json()["error"]["message"])
+        # the same image and question: the same media tokens and the same greedy text (one machine, one
+        # ggml: the same arithmetic)
+        other = "data:image/png;base64," + base64.b64encode(tiny_vision.png_image(5, 224, 224)).decode()
+        for url in (DATA_URL, other):
+            ask = chat(image(url), {"type": "text", "text": "What is in the picture?"}, max_tokens=8,
+                       cache_prompt=False)
+            t, o = (c.post("/v1/chat/completions", json=ask).json() for c in (ls, vhttp))
+            assert t["usage"]["prompt_tokens"] == o["usage"]["prompt_tokens"]
+            assert t["choices"][0]["message"]["content"] == o["choices"][0]["message"]["content"]
+
+
+def test_projector_device_and_encode_batch_flags_reach_the_projector(spawn) -> None:
+    """``-mmdev CPU --mtmd-batch-max-tokens 64`` (llama-server's flags; the device by ggml's case-insensitive
+    name) load the projector there and serve an image; ``-mmdev`` naming no device exits 2 naming it."""
+    with spawn("-m", "tiny-vision", "-np", "1", "-c", "1024", "-t", "2", "-mmdev", "cpu",
+               "--mtmd-batch-max-tokens", "64").serving(300) as srv:
+        r = httpx.post(f"{srv.base}/v1/chat/completions", json=chat(image(DATA_URL)), timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 12
+    bad = spawn("-m", "tiny-vision", "-mmdev", "NoSuchGPU0")
+    assert bad.proc.wait(120) == 2
+    assert "-mmdev/--mmproj-device: invalid device: NoSuchGPU0" in bad.log()

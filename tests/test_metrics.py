@@ -25,9 +25,9 @@ from hydra_trio.hydra.client import HydraClient
 from hydra_trio.hydra.errors import HydraNotFound
 from hydra_trio.observability.logs import TextFormatter
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, streaming
-from .hydra_wire import Wire
 
 # family -> type, as prometheus-client's parser names them (a counter without its _total)
 FAMILIES = {

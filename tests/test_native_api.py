@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0}

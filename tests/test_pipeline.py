@@ -8,9 +8,9 @@ import signal
 import httpx
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import streaming, wait_for
-from .hydra_wire import Wire
 from .test_combined import BODY, complete, info, peer_dies_mid_request, rpc_bytes
 
 UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."  # SmolLM2-135M has 30 layers

@@ -16,9 +16,9 @@ from hydra_trio.engine.llama.placement import Placement, PlacementError, check_p
 from hydra_trio.engine.settings import LlamaOptions
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, free_port, wait_for
-from .hydra_wire import Wire
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 SMALL = ("-np", "1", "-c", "512", "--no-rpc-backend")

@@ -77,8 +77,7 @@ def test_kv_moves_between_quants_when_the_node_allows_it(server: ServerProcess, 
 
     from hydra_trio.engine.kv.state import blob_checksum
     from hydra_trio.protocol.hydra import Op, Status
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     q8 = spawn("-m", "smollm2-135m-q8", "-np", "2", "-c", "2048", "--allow-cross-model-kv")
     strict = spawn("-m", "smollm2-135m-q8", "-np", "1", "-c", "1024")
@@ -136,8 +135,7 @@ def _swap(port: int, key: str, pattern: str = "") -> tuple[int, dict]:
     import struct
 
     from hydra_trio.protocol.hydra import Op
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     k = key.encode()
     with Wire(port) as w:
@@ -147,8 +145,7 @@ def _swap(port: int, key: str, pattern: str = "") -> tuple[int, dict]:
 
 def _info(port: int) -> dict:
     from hydra_trio.protocol.hydra import Op
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     with Wire(port) as w:
         return w.call(Op.INFO)[1]
@@ -264,8 +261,7 @@ def test_a_blob_whose_identity_nests_too_deep_is_refused_and_the_connection_live
 
     from hydra_trio.engine.kv.state import HEADER_SIZE, blob_checksum, parse_header
     from hydra_trio.protocol.hydra import Op, Status
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     with Wire(server.port) as w:
         status, meta, blob = w.call(Op.STATE_GET, key="3")

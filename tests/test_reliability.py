@@ -20,9 +20,9 @@ import pytest
 
 from hydra_trio.engine.kv.state import HEADER_SIZE, StateError, parse_header, verify_checksum
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import wait_for
-from .hydra_wire import Wire
 
 LONG = 120.0  # seconds: an upper bound no healthy step comes near, even on a busy machine
 

@@ -26,11 +26,11 @@ from hydra_trio.engine.batching.gbnf_depth import depths, stack_depth
 from hydra_trio.engine.batching.sampling import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STACK_DEPTH, GrammarError, check_grammar
 from hydra_trio.openai.json_schema import MAX_SCHEMA_NODES, schema_to_gbnf
 from hydra_trio.openai.tools import parse_tool_spec, tool_grammar
-from hydra_trio.protocol import strict
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
+from hydra_trio.validation import strict
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
 MSGS = [{"role": "user", "content": "Give a record."}]
 

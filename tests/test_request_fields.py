@@ -19,9 +19,9 @@ import pytest
 
 from hydra_trio.openai.schemas import ChatCompletionRequest, parse_body
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
 MESSAGES = [{"role": "user", "content": "Tell me about the history of Paris."}]
 PROMPT = "The history of Paris began"

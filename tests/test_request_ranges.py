@@ -221,8 +221,7 @@ def test_configure_refuses_rather_than_clamps(server: ServerProcess, http: httpx
     """CONFIGURE (hydra-trio's own protocol) sets the node's defaults: a value the engine cannot run is
     refused, never clamped; what a request may send unclamped (a temperature of 5) it accepts."""
     from hydra_trio.protocol.hydra import Op, Status
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     with Wire(server.port) as w:
         for params, name in (({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),

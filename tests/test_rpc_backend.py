@@ -14,9 +14,9 @@ import httpx
 
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, wait_for
-from .hydra_wire import Wire
 
 
 def probe(where: str, prompt: str = "The capital of France is", n: int = 16) -> dict:

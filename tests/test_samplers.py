@@ -12,9 +12,9 @@ import trio
 from hydra_trio import EngineConfig, SamplingParams, ServerConfig, serve
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import CAPITAL_QUESTION, ServerProcess
-from .hydra_wire import Wire
 
 FRANCE = "The capital of France is"
 COUNTING = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3,"

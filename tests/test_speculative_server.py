@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 from .test_speculative import ALPHABET
 
 BODY = {"prompt": ALPHABET, "n_predict": 48, "temperature": 0, "ignore_eos": True, "cache_prompt": False,

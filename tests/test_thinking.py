@@ -30,9 +30,9 @@ import openai
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
 TEMPLATE = r"""
 {%- if reasoning_effort is defined -%}

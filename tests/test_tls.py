@@ -333,9 +333,9 @@ def test_peer_named_later_goes_through_a_tls_tunnel(certs: Certs, spawn) -> None
     import json
 
     from hydra_trio.protocol.hydra import Op
+    from hydra_trio.testing.hydra_wire import Wire
 
     from .conftest import wait_for
-    from .hydra_wire import Wire
     from .test_combined import complete, info, rpc_bytes, set_mode
 
     b = spawn("--no-model", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem), "--tls-required")

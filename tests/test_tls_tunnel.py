@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from hydra_trio.protocol import ggml_rpc as g
 from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 from hydra_trio.transport.blocking import LowWater
 from hydra_trio.transport.tls import client_context
 from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool, _RequestBounds
 
 from .conftest import ServerProcess, wait_for
-from .hydra_wire import Wire
 from .test_rpc_backend import AsyncRpc, RawRpc, slow_read_of_a_big_reply
 from .test_tls import Certs
 

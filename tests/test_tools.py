@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from hydra_trio.openai import tools as T
 from hydra_trio.openai.schemas import ChatCompletionRequest, structure_body
-from hydra_trio.protocol.strict import MessageError
+from hydra_trio.validation.strict import MessageError
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -14,7 +14,7 @@ from hydra_trio.openai.replies import ResponseContext
 from hydra_trio.openai.replies import sse as _sse
 from hydra_trio.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 from hydra_trio.protocol.classify import Protocol, classify
-from hydra_trio.protocol.strict import MessageError
+from hydra_trio.validation.strict import MessageError
 
 
 @given(st.lists(st.text(max_size=5), max_size=12), st.lists(st.text(min_size=1, max_size=4), max_size=3))

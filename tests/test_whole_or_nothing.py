@@ -22,9 +22,9 @@ from hydra_trio.engine.kv.blobbuf import BlobBuffer
 from hydra_trio.engine.kv.state import blob_checksum, parse_header
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, encode_request_header
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import embedded_node, streaming
-from .hydra_wire import Wire
 
 HI = '[{"role":"user","content":"Say hi."}]'
 

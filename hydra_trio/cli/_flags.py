@@ -15,9 +15,10 @@ The flag table of docs/cli.md (``python -m hydra_trio.cli.table``) and the cover
 from __future__ import annotations
 
 import argparse
+import builtins
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -58,7 +59,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     default: Any = None
     dest: str | None = None
-    action: str | type[argparse.Action] | None = None
+    action: str | builtins.type[argparse.Action] | None = None
     env: str | None = None
     group: str = "common"
     lands: str = ""
@@ -97,7 +98,7 @@ class Version(argparse.Action):
     made when the flag is given, not when the parser is built (a node does not read package metadata)."""
 
     def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
-                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002 (argparse's)
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:  # argparse's
         super().__init__(option_strings, dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
@@ -150,7 +151,7 @@ def add_flags(parser: argparse.ArgumentParser | Any, flags: Iterable[Flag]) -> N
             continue
         if f.kind == ACCEPTED:
             nargs = None if f.value else 0
-            parser.add_argument(*f.names, dest=dest, action=_Accept, nargs=nargs, const=True, type=f.type,
+            parser.add_argument(*f.names, dest=dest, action=_Accept, nargs=nargs, const=True, type=f.type,  # type: ignore[arg-type]  # None: no conversion
                                 metavar=f.value, default=f.default, help=f"accepted, no effect: {f.note}")
             if f.neg:
                 parser.add_argument(*f.neg, dest=dest, action=_Accept, nargs=0, const=False,
@@ -257,7 +258,7 @@ def accepted_notes(flags: Iterable[Flag], args: argparse.Namespace) -> list[str]
     return notes
 
 
-def given_environment(flags: Iterable[Flag], environ: dict[str, str] | None = None) -> list[str]:
+def given_environment(flags: Iterable[Flag], environ: Mapping[str, str] | None = None) -> list[str]:
     """The ``LLAMA_ARG_*`` variables set in ``environ`` that name a flag (for the start-up log)."""
     environ = os.environ if environ is None else environ
     names = []

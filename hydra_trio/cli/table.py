@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from .flags import GROUPS, RUN_FLAGS
 from ._flags import ACCEPTED, OWN, REFUSED, WIRED
+from .flags import GROUPS, RUN_FLAGS
 
 BEGIN = "<!-- flag table: python -m hydra_trio.cli.table -->"
 END = "<!-- end of flag table -->"

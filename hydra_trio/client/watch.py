@@ -48,10 +48,9 @@ if TYPE_CHECKING:
     from rich.console import JustifyMethod, RenderableType
     from rich.table import Table
 
-from ..hydra.cli import _address
 from ..observability.events import CATEGORIES, parse_types
-from ..protocol.address import parse_peer
 from ..transport.tls import client_context
+from ..validation.address import address_argument, parse_peer
 
 RECENT = 10
 """Non-``stats`` events the table keeps."""
@@ -377,7 +376,7 @@ def add_watch_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         description="Show a node's live state in the terminal from its event stream (GET /v1/events, a "
                     "WebSocket), refreshed in place; reconnects when the node restarts; Ctrl-C to quit.",
     )
-    p.add_argument("address", type=_address, metavar="HOST:PORT")
+    p.add_argument("address", type=address_argument, metavar="HOST:PORT")
     p.add_argument("--json", action="store_true", help="print the raw events as JSON lines (one per line, flushed)")
     p.add_argument("--types", type=_types, default=None, metavar="CATEGORIES",
                    help=f"comma-separated event categories ({','.join(CATEGORIES)}); the table always gets stats")

@@ -37,6 +37,7 @@ __all__, __getattr__, __dir__ = lazy_exports(
         ".batching.thinking_budget": ["BudgetSpec"],
         ".llama.model": ["builtin_chat_templates", "ChatTemplate", "check_chat_template", "init_backend", "LoadedModel",
             "ModelIdentity"],
+        ".llama.media": ["MEDIA_MARKER", "MediaChunk", "MediaTokens"],
         ".llama.tokenize": ["PromptTooLong", "raise_if_stopped", "stop_when"],
         ".llama.placement": ["check_placement", "PlacementError"],
         ".llama.embedding": ["Embedding", "EmbeddingJob", "float32_bytes", "n_embd_out", "POOLING"],

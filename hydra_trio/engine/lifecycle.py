@@ -77,9 +77,16 @@ def warm_up(m: LoadedModel) -> None:
 
 def model_kwargs(config: EngineConfig) -> dict[str, Any]:
     """The :class:`LoadedModel` keyword arguments every model of this engine is built with (SOLO at start
-    and on reload, COMBINED, PIPELINE) besides its path, context and slots."""
+    and on reload, COMBINED, PIPELINE) besides its path, context and slots; ``config.media``'s projector is
+    loaded with each (its ``mmproj``, ``offload``, ``device``, ``image_min_tokens``, ``image_max_tokens``,
+    ``batch_max_tokens``)."""
+    options, media = config.llama, config.media
+    if media.mmproj is not None:
+        options = attrs.evolve(options, mmproj=str(media.mmproj), mmproj_offload=media.offload,
+                               image_min_tokens=media.image_min_tokens, image_max_tokens=media.image_max_tokens,
+                               mmproj_batch_max_tokens=media.batch_max_tokens, mmproj_device=media.device or "")
     return {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,
-            "options": target_options(config.speculative, config.llama),
+            "options": target_options(config.speculative, options),
             "chat_template_kwargs": config.chat_template_kwargs}
 
 
@@ -189,7 +196,9 @@ class ModelLifecycle:
         prompt cache; each step's token events reach trio in one hand-over.
 
         As llama-server, ``context_shift`` and ``n_cache_reuse`` are dropped with a
-        warning when the model's memory cannot shift positions (recurrent or hybrid).
+        warning when the model's memory cannot shift positions (recurrent or hybrid) or a projector is loaded
+        (``--mmproj``); with a projector, drafters that decode the target's batches (a draft model, MTP) are
+        dropped too (ngram drafters stay; a slot with media never drafts).
         """
         cfg = self.config
         context_shift, n_cache_reuse = cfg.context_shift, cfg.n_cache_reuse
@@ -200,9 +209,22 @@ class ModelLifecycle:
             if n_cache_reuse:
                 log.warning("cache reuse is not supported by this model's memory; it is disabled")
                 n_cache_reuse = 0
+        if model.media is not None:  # an image's cells cannot be shifted or moved (positions != cells with M-RoPE)
+            if context_shift:
+                log.warning("ctx_shift is not supported by multimodal, it will be disabled")  # llama-server's line
+                context_shift = False
+            if n_cache_reuse:
+                log.warning("cache_reuse is not supported by multimodal, it will be disabled")
+                n_cache_reuse = 0
         log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'", model.n_parallel,
                  model.n_ctx_slot, "true" if model.options.kv_unified else "false")  # llama-server's line
         spec, spec_cap = build_speculative(cfg.speculative, model, model.n_parallel)
+        if spec is not None and model.media is not None and spec.follows_the_target:
+            # a draft model or MTP head decodes the target's batches, but never sees the media's embeddings
+            log.warning("speculative decoding with a draft model or MTP is not supported by multimodal here; "
+                        "it is disabled")
+            spec.close()
+            spec, spec_cap = None, 1 << 30
         sched = Scheduler(self.experts, model.n_parallel, model.n_ctx_slot, model.n_batch, self.stats, model_hash,
                           events=self.events, spec=spec, spec_cap=spec_cap,
                           context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
@@ -323,7 +345,8 @@ class ModelLifecycle:
             identity = ModelIdentity(model_alias=alias or path.stem, model_path=str(path),
                                      model_hash=qs.file_hash(path), kv_identity_hash=identity_hash(kv_identity(new)))
             kv_preserved = identity.kv_identity_hash == old_identity.kv_identity_hash
-            blobs = ([(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in self.slots if s.n_past]
+            blobs = ([(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in self.slots
+                      if s.n_past and not s.holds_media]  # a slot holding media starts empty
                      if kv_preserved else [])
         except Exception:
             new.close()

@@ -15,7 +15,7 @@ import math
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import TracebackType
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -25,6 +25,9 @@ from ..protocol.media import MediaPrompt
 from .batching.thinking_budget import BudgetSpec
 from .kv.blobbuf import BlobBuffer
 from .settings import SamplingParams
+
+if TYPE_CHECKING:
+    from .llama.media import MediaChunk
 
 # ---------------------------------------------------------------------------
 # What a request asks for
@@ -91,12 +94,16 @@ class CompletionJob:
             ``-sp/--special``); otherwise they add no text.
         reasoning_format: the format a chat reply's text is split with (``/slots``' ``params``); None: the
             node's.  The engine never reads it: how a reply is shaped stays with the front end.
+        media_chunks: the prompt's images and audio clips, tokenized (:meth:`ModelView.tokenize_with_media
+            <hydra_trio.engine.view.ModelView.tokenize_with_media>` gives ``prompt_tokens`` and these): each fills
+            its ``n_tokens`` entries of ``prompt_tokens`` (its placeholder) from its ``start``.  A job with media
+            cannot ask for a ``snapshot`` (NotSupported).
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
-        media: a prompt with media (:class:`~hydra_trio.protocol.media.MediaPrompt`: the text with one media
-            marker per item, and the items); the prompt is then ``media.text`` tokenized by ``mtmd_tokenize``,
-            and ``prompt_tokens`` holds only its text's tokens without the markers (a lower bound of its length).
-            None: a text prompt.
+        media: a prompt with media as the request gave it (:class:`~hydra_trio.protocol.media.MediaPrompt`: the
+            text with one media marker per item, and the items); the engine evaluates ``media_chunks``, which
+            :meth:`ModelView.tokenize_with_media <hydra_trio.engine.view.ModelView.tokenize_with_media>` makes
+            of it.  None: a text prompt.
     """
 
     prompt_tokens: tuple[int, ...]
@@ -129,6 +136,7 @@ class CompletionJob:
     reasoning_format: str | None = None
     stream: bool = False
     timings_per_token: bool = False
+    media_chunks: tuple[MediaChunk, ...] = ()
     media: MediaPrompt | None = None
 
 

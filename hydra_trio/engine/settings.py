@@ -463,6 +463,12 @@ class LlamaOptions:
     embeddings: bool = False  # --embedding: the context outputs embeddings (llama_context_params.embeddings)
     pooling: str | None = None  # --pooling none|mean|cls|last|rank; None = the model's
     kv_overrides: tuple[tuple[str, str, Any], ...] = ()  # --override-kv: (key, int|float|bool|str, value)
+    mmproj: str = ""  # -mm/--mmproj: the multimodal projector loaded with the model ("": none)
+    mmproj_offload: bool = True  # --mmproj-offload / --no-mmproj-offload: the projector on the GPU
+    image_min_tokens: int = -1  # --image-min-tokens; -1 = the projector's own
+    image_max_tokens: int = -1  # --image-max-tokens; -1 = the projector's own
+    mmproj_batch_max_tokens: int = 1024  # --mtmd-batch-max-tokens: most image tokens in one encode batch
+    mmproj_device: str = ""  # -mmdev/--mmproj-device: the projector's device ("": mtmd's choice)
 
     def __attrs_post_init__(self) -> None:
         problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)

@@ -9,9 +9,11 @@ serves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from .llama.media import MediaTokens
     from .llama.model import ChatTemplate
     from .llama.tokenize import SpecialTokens
 
@@ -58,6 +60,19 @@ class ModelView(Protocol):
 
     def chat_prompt_tokens(self, prompt: str, limit: int | None = None) -> list[int]:
         """A rendered chat prompt's tokens, as llama-server tokenizes it."""
+        ...
+
+    @property
+    def modalities(self) -> dict[str, bool]:
+        """``{"vision": bool, "audio": bool}``: what the projector (``--mmproj``) takes; both False without one."""
+        ...
+
+    def tokenize_with_media(self, text: str, media: Sequence[Any], *, add_special: bool = True,
+                            parse_special: bool = True) -> MediaTokens:
+        """``text`` with one ``<__media__>`` marker per item of ``media`` (each with ``data: bytes``, ``id: str``)
+        as text tokens with the media chunks in place; the job takes ``tokens`` as its ``prompt_tokens`` and
+        ``chunks`` as its ``media_chunks``.  Any thread; CPU work (decoding and resizing images): call it off
+        the event loop.  Raises InvalidRequest (no projector, media mtmd refuses)."""
         ...
 
     def check_grammar(self, grammar: str) -> None:

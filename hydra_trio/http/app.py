@@ -39,18 +39,16 @@ from starlette.types import Receive, Scope, Send
 from .._version import __version__
 from ..engine import CompletionJob, Engine
 from ..errors import InvalidRequest, ModelLoadError, NotReady
-from ..observability import node_stats
 from ..observability.events import EventBus
 from ..openai.embeddings import EmbeddingsRequest
 from ..openai.native import models_reply, task_params
 from ..openai.schemas import DetokenizeRequest, TokenizeRequest
 from ..openai.template_caps import known, template_caps
 from ..protocol.media import MEDIA_MARKER
-from ..service import node
+from ..service import metrics, node, node_stats
 from ..service.completions import in_worker
 from ..service.embeddings import check_offered, embed_request
 from ..transport.access import AccessSettings, Refusals, Secrets
-from . import metrics
 from .auth import ApiKeyMiddleware, redact_query, send_refusal
 from .bodies import RequestReader, json_body, json_reply, stop_of
 from .completions import CompletionRoutes

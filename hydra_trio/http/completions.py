@@ -24,10 +24,10 @@ from ..engine import Engine
 from ..openai.native import NativeCompletion, generation_settings
 from ..openai.replies import CompletionReply, ResponseContext
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
-from ..protocol.strict import MessageError
 from ..service import completions
 from ..service.completions import PreparedCompletion
 from ..service.node import serving
+from ..validation.strict import MessageError
 from .bodies import RequestReader, stop_of
 from .errors import guarded_stream
 

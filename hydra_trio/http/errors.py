@@ -48,7 +48,7 @@ def error_body(status: int, message: str, type_: str | None = None, code: int | 
     ``code`` defaults to ``status``); ``extra`` keys join the ``error`` object (never replacing those three).
 
     A message with a lone surrogate (echoed from a request; requests refuse them, see
-    :func:`hydra_trio.protocol.strict.check_unicode`) is sent with it escaped: never a 500 for a 400."""
+    :func:`hydra_trio.validation.strict.check_unicode`) is sent with it escaped: never a 500 for a 400."""
     if _SURROGATE.search(message) is not None:
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     error: dict[str, Any] = {"message": message, "type": type_ or error_type(status),

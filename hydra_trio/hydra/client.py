@@ -38,7 +38,6 @@ from typing import Any
 import trio
 
 from ..protocol.hydra import Op
-from . import errors as _errors
 from .client_connection import CHUNK_SIZE, HydraConnection, Payload, new_trace_id
 from .errors import (
     HydraBadRequest,
@@ -60,13 +59,25 @@ __all__ = [
     "CHUNK_SIZE",
     "DecodeFrame",
     "DecodeStream",
+    # HydraError and its subclasses, HydraConnectError, error_for_status (all of .errors)
+    "HydraBadRequest",
+    "HydraBusy",
     "HydraClient",
+    "HydraConnectError",
     "HydraConnection",
+    "HydraConnectionClosed",
+    "HydraError",
+    "HydraNotFound",
+    "HydraNotImplemented",
+    "HydraPartial",
+    "HydraProtocolError",
     "HydraReply",
+    "HydraServerError",
+    "HydraTimeout",
     "ResponseStream",
+    "error_for_status",
     "new_trace_id",
 ]
-__all__ += _errors.__all__  # HydraError and its subclasses, HydraConnectError, error_for_status
 
 
 def _json_bytes(obj: Mapping[str, Any]) -> bytes:
@@ -155,7 +166,7 @@ class HydraClient(HydraConnection):
         left untouched. Raises what the request raises, and OSError for
         file errors."""
         target = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(target))
+        directory = os.path.dirname(os.path.abspath(target))  # noqa: ASYNC240  (no I/O but getcwd)
         tmp = os.path.join(
             directory, f".{os.path.basename(target)}.{secrets.token_hex(4)}.part"
         )

@@ -30,16 +30,16 @@ import trio
 
 from ..engine import BlobBuffer
 from ..errors import HydraTrioError, InvalidRequest, NotSupported
-from ..http.metrics import NodeMetrics
 from ..protocol.hydra import Op, Status, encode_response, is_store_op
-from .gate import ConnectionTrust
+from ..service.metrics import NodeMetrics
 from ..transport.net import wait_peer_closed
+from .gate import ConnectionTrust
 from .ops import OPS, OpContext, OpTarget, payload_buffer
 from .session import HydraRequest
 
 log = logging.getLogger("hydra_trio.hydra")
 
-__all__ = ["ServerConnection", "WATCHED_OPS"]
+__all__ = ["WATCHED_OPS", "ServerConnection"]
 
 WATCHED_OPS = frozenset({Op.PREFILL, Op.DECODE})
 """Ops that work long on the engine before (or while) they reply: a peer that closes the connection meanwhile

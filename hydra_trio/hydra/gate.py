@@ -30,11 +30,11 @@ import json
 import logging
 from typing import Any
 
-from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
-from ..protocol import strict
-from ..protocol.hydra import Op
-from ..protocol.strict import MessageError
 from ..errors import InvalidRequest
+from ..protocol.hydra import Op
+from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
+from ..validation import strict
+from ..validation.strict import MessageError
 
 log = logging.getLogger("hydra_trio.hydra")
 

@@ -27,20 +27,20 @@ from typing import Any
 import attrs
 import trio
 
-from ..transport.tls_bulk import send_bulk
 from .._version import __version__
-from ..openai.tools import ChatTools, parse_reply
+from ..engine import TRANSFER_POOL, BlobBuffer, Engine, PipelineAttach, Reconfigure, SetExpertMode, SwapQuant
+from ..engine.settings import DEFAULT_PATTERN
+from ..errors import Busy, HydraTrioError, InvalidRequest, NotSupported
+from ..models.presets import PRESETS, resolve_model
 from ..openai.reasoning import ChatReplyText
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
-from ..engine.settings import DEFAULT_PATTERN
-from ..engine import BlobBuffer, Engine, PipelineAttach, Reconfigure, SetExpertMode, SwapQuant, TRANSFER_POOL
-from ..errors import Busy, HydraTrioError, InvalidRequest, NotSupported
+from ..openai.tools import ChatTools, parse_reply
+from ..protocol.hydra import DecodeFramer, Op, Status, encode_response, encode_response_header
+from ..rpc_backend.backend import RpcBackend
 from ..service import completions, node, slots
 from ..service.completions import PreparedCompletion
-from ..rpc_backend.backend import RpcBackend
-from ..models.presets import PRESETS, resolve_model
-from ..protocol import messages as msg
-from ..protocol.hydra import DecodeFramer, Op, Status, encode_response, encode_response_header
+from ..transport.tls_bulk import send_bulk
+from . import messages as msg
 from .session import HydraRequest, HydraSettings
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -417,7 +417,8 @@ async def set_expert_mode(ctx: OpContext) -> None:
 
 async def swap_quant(ctx: OpContext) -> None:
     """SWAP_QUANT: the whole model to another of the node's quants, through the control channel
-    (an exclusive engine task, :mod:`hydra_trio.engine.quants`); a pattern that leaves some tensors out is NOT_IMPLEMENTED."""
+    (an exclusive engine task, :mod:`hydra_trio.engine.quants`); a pattern that leaves some tensors out is
+    NOT_IMPLEMENTED."""
     e = ctx.engine()
     want = ctx.parse(msg.parse_swap_quant, swapped=False)
     target = e.quants.paths.get(want.quant_key)

@@ -12,13 +12,13 @@ from ..errors import Busy
 from ..http import HttpHandler
 from ..http.app import build_app
 from ..http.inflight import InFlight
-from ..http.metrics import NodeMetrics
 from ..hydra.server import HydraHandler
 from ..observability import progress
 from ..observability.events import EventBus
-from ..observability.node_stats import ProgressEvents, StatsTicker
 from ..protocol.classify import Protocol
 from ..rpc_backend.backend import RpcBackend
+from ..service.metrics import NodeMetrics
+from ..service.node_stats import ProgressEvents, StatsTicker
 from ..transport.access import is_loopback, new_refusals
 from ..transport.frontdoor import FrontDoor
 from ..transport.listen import open_tcp_listeners

@@ -46,7 +46,7 @@ class TextFormatter(logging.Formatter):
     def __init__(self, timestamps: bool = True) -> None:
         super().__init__(("%(asctime)s " if timestamps else "") + "%(levelname)-7s %(name)s: %(message)s")
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+    def formatMessage(self, record: logging.LogRecord) -> str:  # logging's name
         extras = "".join(f" {k}={getattr(record, k)}" for k in REQUEST_FIELDS if getattr(record, k, None) is not None)
         return escape_controls(super().formatMessage(record) + extras)
 

@@ -33,8 +33,8 @@ import attrs
 
 from ..engine import Embedding, ModelView, float32_bytes, n_embd_out
 from ..engine.settings import INT32_MAX
-from ..protocol import strict as msg
-from ..protocol.strict import MessageError
+from ..validation import strict as msg
+from ..validation.strict import MessageError
 from .schemas import CONVERTER
 
 OAI_NONE_POOLING = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"

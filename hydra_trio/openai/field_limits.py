@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 
 from ..engine.settings import FLT_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, ParameterError
-from ..protocol.strict import TypeMismatch, type_name
+from ..validation.strict import TypeMismatch, type_name
 
 INT64_MAX = 2**63 - 1
 N_PROBS_MAX = 100

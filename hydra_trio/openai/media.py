@@ -28,9 +28,9 @@ from typing import Any
 import attrs
 
 from ..errors import HydraTrioError, InvalidRequest
-from ..protocol import strict as msg
 from ..protocol.hydra import Status
 from ..protocol.media import MEDIA_MARKER, MediaItem, MediaSettings
+from ..validation import strict as msg
 
 MAX_MEDIA_ITEMS = 64
 """Most media items in one request (400 beyond; llama-server has no limit)."""

@@ -24,8 +24,8 @@ import attrs
 from cattrs.gen import override
 
 from ..engine.settings import INT32_MAX, UINT32_MAX, ParameterError, SamplingParams, check_stop, parse_samplers
-from ..protocol import strict as msg
-from ..protocol.strict import MessageError
+from ..validation import strict as msg
+from ..validation.strict import MessageError
 from . import field_limits
 from .media import MediaPart, MultimodalPrompt, parse_content, parse_multimodal_prompt
 from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
@@ -537,7 +537,7 @@ class SlotFileRequest:
 
 
 # --------------------------------------------------------------------------- converter
-# This module's own strict converter (hydra_trio.protocol.strict) with strict
+# This module's own strict converter (hydra_trio.validation.strict) with strict
 # primitives; these classes allow unknown keys, as OpenAI servers do.
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from ..protocol import strict as msg
-from ..protocol.strict import MessageError
+from ..validation import strict as msg
+from ..validation.strict import MessageError
 from .json_schema import MAX_SCHEMA_NODES, Document, SchemaError, schema_to_gbnf
 
 FORMATS = ("generic", "hermes", "llama3", "mistral")
@@ -247,7 +247,8 @@ def template_supports_tools(kind: str, source: str) -> bool:
 
 def arguments_object(args: Any, where: str = "arguments") -> Any:
     """A call's ``arguments`` as the template sees them: the JSON value of a text that holds JSON (at most
-    :data:`~hydra_trio.protocol.strict.MAX_JSON_DEPTH` levels deep, else :class:`~hydra_trio.protocol.strict.TooDeep`
+    :data:`~hydra_trio.validation.strict.MAX_JSON_DEPTH` levels deep, else
+    :class:`~hydra_trio.validation.strict.TooDeep`
     naming ``where``), else the text itself."""
     if isinstance(args, str):
         try:
@@ -274,7 +275,7 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
 
     ``max_chars``: the most characters the JSON written here may have in all (the text tool calls,
     tool results and the tool list become; None: no limit), else
-    :class:`~hydra_trio.protocol.strict.TooLong`: pretty-printed JSON grows with the depth of what it
+    :class:`~hydra_trio.validation.strict.TooLong`: pretty-printed JSON grows with the depth of what it
     writes, and no prompt longer than a slot's context is of use.
 
     ``native``: the template renders tools and tool calls itself: assistant

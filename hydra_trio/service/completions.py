@@ -25,7 +25,6 @@ import attrs
 import trio
 
 from ..engine import CompletionJob, Engine, JobRun, stop_when
-from ..errors import NotSupported
 from ..openai.reasoning import ThinkingSetup
 from ..openai.replies import CompletionReply
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
@@ -118,16 +117,9 @@ async def prepare(work: Callable[[], PreparedCompletion], *, stop: threading.Eve
     return (await in_worker(work, stop)).changed(**changes)
 
 
-MEDIA_NOT_EVALUATED = ("media input is read and checked, but this node's engine does not evaluate media yet "
-                       "(the projector is loaded only for GET /props modalities); send text only")
-
-
 def run(e: Engine, prepared: PreparedCompletion) -> JobRun:
     """The prepared job's run, not yet submitted: ``async with`` it (submits on entry, cancels the engine's
-    request on exit), or :func:`start` it.  Raises NotSupported (501) for a job with media
-    (:attr:`~hydra_trio.engine.requests.CompletionJob.media`) until the engine evaluates it."""
-    if prepared.job.media is not None:
-        raise NotSupported(MEDIA_NOT_EVALUATED)
+    request on exit), or :func:`start` it."""
     return JobRun(e, prepared.job)
 
 

@@ -18,7 +18,7 @@ from ..openai.embeddings import (
     openai_body,
     tokenize_inputs,
 )
-from ..protocol.strict import MessageError
+from ..validation.strict import MessageError
 
 
 def check_offered(e: Engine) -> None:

@@ -15,8 +15,8 @@ from ..openai.media import MultimodalPrompt, check_markers, load_media, load_mul
 from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..openai.tools import ChatTools
-from ..protocol.media import MEDIA_MARKER, MediaItem, MediaPrompt
-from ..protocol.strict import MessageError, TooLong
+from ..protocol.media import MediaItem, MediaPrompt
+from ..validation.strict import MessageError, TooLong
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
@@ -36,17 +36,19 @@ def chat_media(e: Engine, body: ChatCompletionRequest) -> tuple[MediaItem, ...]:
     return load_media(parts, e.config.media) if parts else ()
 
 
-def _media_job(e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...], *, chat: bool) -> tuple[
-        list[int], MediaPrompt]:
-    """A media prompt's text tokens (the markers left out: a lower bound of its length, checked against the
-    slot's context) and its :class:`~hydra_trio.protocol.media.MediaPrompt`.  Raises InvalidRequest (markers
-    and items do not pair), PromptTooLong."""
+def _media_job(e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...]) -> tuple[
+        list[int], MediaPrompt, tuple[Any, ...]]:
+    """A media prompt tokenized by the model's projector (:meth:`~hydra_trio.engine.ModelView.tokenize_with_media`:
+    text tokens with each media chunk's cells in place), its :class:`~hydra_trio.protocol.media.MediaPrompt`
+    and its media chunks (the job's ``media_chunks``).  Raises InvalidRequest (markers and items do not pair;
+    media the projector refuses), PromptTooLong (more tokens than a slot holds)."""
     check_markers(prompt, len(items))
-    text = prompt.replace(MEDIA_MARKER, "")
-    limit = e.n_ctx_slot or None
-    tokens = m.chat_prompt_tokens(text, limit=limit) if chat else \
-        m.tokenize(text, add_special=True, parse_special=True, limit=limit)
-    return tokens, MediaPrompt(prompt, items)
+    mt = m.tokenize_with_media(prompt, items, add_special=True, parse_special=True)
+    n_ctx = e.n_ctx_slot
+    if n_ctx and len(mt.tokens) > n_ctx:
+        raise PromptTooLong(f"the prompt has {len(mt.tokens)} tokens with its media; a slot's context holds {n_ctx} "
+                            "(--ctx-size / --parallel)")
+    return list(mt.tokens), MediaPrompt(prompt, items), mt.chunks
 
 
 def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str]], str]:
@@ -91,13 +93,13 @@ def chat_job(
     assert m is not None
     items = chat_media(e, body)
     (prompt, extra_stop), fmt = _render(e, body)
-    media = None
+    media, chunks = None, ()
     if items:
-        tokens, media = _media_job(e, m, prompt, items, chat=True)
+        tokens, media, chunks = _media_job(e, m, prompt, items)
     else:  # a prompt that cannot fit is refused while tokenizing (or before, from its length alone)
         tokens = m.chat_prompt_tokens(prompt, limit=e.n_ctx_slot or None)
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
-    job = attrs.evolve(_job(e, body, tokens, stop, n_predict, id_slot), media=media)
+    job = attrs.evolve(_job(e, body, tokens, stop, n_predict, id_slot), media=media, media_chunks=chunks)
     pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
     thinking = ThinkingSetup.for_prompt("none" if pure else body.reasoning_format or e.config.reasoning_format,
                                         m.chat_template.source, prompt)
@@ -194,8 +196,9 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
             assert isinstance(prompt.prompt, str)
             items = load_multimodal_data(prompt, e.config.media)
             if items:
-                tokens, media = _media_job(e, m, prompt.prompt, items, chat=False)
-                return attrs.evolve(_job(e, body, tokens, list(body.stop), None, None), media=media)
+                tokens, media, chunks = _media_job(e, m, prompt.prompt, items)
+                return attrs.evolve(_job(e, body, tokens, list(body.stop), None, None), media=media,
+                                    media_chunks=chunks)
         prompt = prompt.prompt
     if prompt is None:
         tokens = [m.bos_id if m.bos_id >= 0 else m.eos_id]

@@ -33,7 +33,7 @@ from typing import Any
 
 import trio
 
-from ..protocol.address import parse_peer
+from ..validation.address import parse_peer
 from .blocking import LowWater, TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
 
 log = logging.getLogger("hydra_trio.tunnel")
@@ -52,7 +52,7 @@ class RpcTunnel:
 
     Raises:
         OSError: no loopback port could be bound.
-        hydra_trio.protocol.strict.MessageError: a malformed ``peer``.
+        hydra_trio.validation.strict.MessageError: a malformed ``peer``.
 
     Attributes:
         local: ``127.0.0.1:port``, the address to give ggml's RPC client.
@@ -217,7 +217,7 @@ class TunnelPool:
 
         Raises:
             OSError: the pool is not running, holds :attr:`limit` tunnels already, or no port could be bound.
-            hydra_trio.protocol.strict.MessageError: a malformed ``peer``.
+            hydra_trio.validation.strict.MessageError: a malformed ``peer``.
         """
         async with self._lock:
             tunnel = self.tunnels.get(peer)

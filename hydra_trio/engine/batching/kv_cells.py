@@ -73,19 +73,21 @@ def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     if best_later >= best_now + SHARE_MIN_TOKENS:
         return True
     slot.may_share = False
+    best_now = slot.media.snap(best_now)  # a media chunk (equal by id: its placeholder) is copied whole or not at all
     if donor is None or best_now < have + SHARE_MIN_TOKENS:
         return False
+    at = slot.media.pos(best_now)  # the position after the prefix (M-RoPE media advance fewer than their cells)
     if m.n_stream == 1 and m.n_parallel > 1:
         # unified KV: the copy tags the donor's cells with the slot's sequence too (no bytes move), and
         # adds to the slot's own cells, so those go first; the prefix is all of both
         llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
-        llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, 0, best_now)
+        llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, 0, at)
         ok = True
     else:
         # non-unified KV: the copy is the donor's whole stream (done at the next
         # llama_decode, before its batch), then everything past the prefix goes
         llama_cpp.llama_memory_seq_cp(m.memory, donor.id, slot.id, -1, -1)
-        ok = llama_cpp.llama_memory_seq_rm(m.memory, slot.id, best_now, -1)
+        ok = llama_cpp.llama_memory_seq_rm(m.memory, slot.id, at, -1)
     if not ok:
         llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot cut a sequence
         slot.cache_tokens = []

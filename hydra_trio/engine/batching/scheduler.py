@@ -39,11 +39,12 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
-from ...errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest
+from ...errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest, NotSupported
 from ...observability.events import EventBus
 from ..experts.combined import ExpertModes, PeerLost
 from ..kv.blobbuf import BlobBuffer, BlobPool
 from ..kv.state import Restored, restore_slot, save_slot
+from ..llama.media import NO_MEDIA, MediaLayout
 from ..llama.model import LoadedModel
 from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
 from ..speculative.base import DraftRequest
@@ -217,8 +218,12 @@ class Scheduler:
 
     def save_slot(self, id_slot: int, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
         """The idle slot's KV state blob, ``(n_past, blob)``, its buffer from ``pool``, with the drafters'
-        state of the slot (:func:`~hydra_trio.engine.kv.state.save_slot`).  Raises Busy, InvalidRequest."""
+        state of the slot (:func:`~hydra_trio.engine.kv.state.save_slot`).  Raises Busy, InvalidRequest, NotSupported (a
+        slot holding media: its blob would not carry the media chunks)."""
         slot = self.idle_slot(id_slot)
+        if slot.holds_media:
+            raise NotSupported(f"slot {id_slot}: a slot holding media cannot be saved (its KV cache holds image or "
+                               "audio embeddings, which a state blob does not carry)")
         m = self.model
         assert m is not None
         spec = self.spec
@@ -236,8 +241,12 @@ class Scheduler:
         slot = self.idle_slot(id_slot)
         m = self.model
         assert m is not None
+        if slot.holds_media:  # no backup of it can be taken: emptied first, so a failure leaves it empty
+            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
+            slot.cache_tokens.clear()
         done = restore_slot(m, slot, blob, self.model_hash, allow_cross_model_kv=allow_cross_model_kv,
                             checksum_verified=checksum_verified, make_room=lambda: self.make_room(m, keep=slot))
+        slot.media = NO_MEDIA  # a blob holds text tokens only
         if self.spec is not None:  # the drafters follow: the blob's part, else nothing
             self.spec.seq_rm(id_slot, -1, -1)
             if done.extra:
@@ -362,11 +371,15 @@ class Scheduler:
             handle.emit(Failed(InvalidRequest(
                 f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)")))
             return
+        if job.media_chunks and m.media is None:  # the model serving now has no projector (another mode's)
+            handle.emit(Failed(NotSupported("the model serving now has no multimodal projector (--mmproj)")))
+            return
         spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar,
                            lazy_triggers=job.grammar_triggers if job.grammar_lazy else None,
                            order=job.samplers, adaptive_target=job.adaptive_target, adaptive_decay=job.adaptive_decay)
         try:
-            sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx, prompt)
+            sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx,
+                                    [t for t in prompt if t >= 0] if job.media_chunks else prompt)
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
             handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))
             return
@@ -375,12 +388,14 @@ class Scheduler:
         slot.handle = handle
         slot.state = SlotState.STARTED
         slot.t_start = time.perf_counter()
+        if not job.continue_slot:  # the prompt's media chunks: its cached prefix has the same ones
+            slot.media = MediaLayout(job.media_chunks) if job.media_chunks else NO_MEDIA
         cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
                               self.slots)
         slot.cache_n = cache_n
         if self.spec is not None:  # the drafters' own contexts follow the target's cut (llama-server's common_memory)
             self.spec.seq_rm(slot.id, cache_n, -1)
-            slot.speculative = not job.prompt_only and self.spec_follows(m)
+            slot.speculative = not job.prompt_only and self.spec_follows(m) and not slot.media  # none with media
             if slot.speculative:
                 self.spec.begin(slot.id, prompt)
                 if self.spec.budget is not None:
@@ -409,11 +424,12 @@ class Scheduler:
         to_sample: list[tuple[Slot, int]] = []
         to_verify: list[tuple[Slot, list[int], list[int]]] = []
         fed: list[tuple[Slot, list[int]]] = []
+        self._eval_media(m)
         drafts = self._drafts(m)
         for slot in self.slots:
             if slot.generating and budget > 0:
                 assert slot.last_token is not None
-                idx = self._batch_add(slot.last_token, slot.n_past, slot.id, True)
+                idx = self._batch_add(slot.last_token, slot.pos_next, slot.id, True)
                 draft = drafts.get(slot.id, [])[: budget - 1]
                 if draft:  # verified in this batch: logits at every drafted position
                     to_verify.append((slot, [idx, *(self._batch_add(t, slot.n_past + 1 + k, slot.id, True)
@@ -429,11 +445,17 @@ class Scheduler:
                 continue
             if slot.may_share and share_prefix(self.slots, slot, m):
                 continue  # another slot is evaluating this prompt's prefix: copy it when done
-            chunk = self.checkpoints.chunk(m, slot, budget)  # a context checkpoint first where one is due
+            room = budget
+            if slot.media and (media_at := slot.media.next_start(slot.n_past)) is not None:
+                room = min(room, media_at - slot.n_past)  # the text up to the next media chunk
+                if room <= 0:
+                    continue  # a media chunk is next: the next step evaluates it (_eval_media)
+            chunk = self.checkpoints.chunk(m, slot, room)  # a context checkpoint first where one is due
             last_chunk = len(chunk) == len(slot.pending_prompt)
+            pos = slot.pos_next
             for j, tok in enumerate(chunk):
                 want = last_chunk and j == len(chunk) - 1 and not slot.handle.job.prompt_only
-                idx = self._batch_add(tok, slot.n_past + j, slot.id, want)
+                idx = self._batch_add(tok, pos + j, slot.id, want)
                 if want:
                     to_sample.append((slot, idx))
             fed.append((slot, chunk))
@@ -493,6 +515,53 @@ class Scheduler:
         self.stats.tokens_predicted_seconds_total += dt * (1 - share)
         self.gen.sample(m, to_sample, to_verify)
 
+    def _eval_media(self, m: LoadedModel) -> None:
+        """Each slot whose prompt goes on with a media chunk evaluates that one chunk now, on its own decode
+        (``mtmd_helper_eval_chunk_single`` at the slot's next position), before this step's batch: one chunk per
+        slot and step, so a request is cancelled between chunks as between text pieces (llama-server's
+        ``update_slots`` evaluates media chunks the same way, outside the batch of text).  A chunk that ends a
+        generating prompt gives the first token from its last embedding's logits.  A prefix that another slot
+        holds or is evaluating, through the same media, is copied first (:func:`share_prefix`).  A failed chunk fails
+        its request (llama-server's "failed to process mtmd chunk"), its cells removed."""
+        for slot in self.slots:
+            handle = slot.handle
+            if handle is None or not slot.pending_prompt or not slot.media:
+                continue
+            if slot.media.chunk_at(slot.n_past) is not None and slot.may_share and share_prefix(self.slots, slot, m):
+                continue  # another slot is evaluating this prompt's prefix, the image too: copy it when done
+            chunk = slot.media.chunk_at(slot.n_past)
+            if chunk is None:
+                continue
+            assert m.media is not None  # _start refused media on a model without a projector
+            want = len(slot.pending_prompt) == chunk.n_tokens and not handle.job.prompt_only
+            pos = slot.pos_next
+            t0 = time.perf_counter()
+            rc = m.media.eval_chunk(m.ctx, chunk, pos, slot.id, m.n_batch, want)
+            dt = time.perf_counter() - t0
+            self.stats.n_decode_total += 1
+            if rc != 0:
+                log.error("slot %d: failed to process mtmd chunk (code %d)", slot.id, rc)
+                llama_cpp.llama_memory_seq_rm(m.memory, slot.id, pos, -1)
+                failure = EngineFailure("failed to process mtmd chunk")
+                self.gen.publish_end(slot, "slot.failed", failure)
+                self.gen.release(slot)
+                self.gen.end([handle], Failed(failure))
+                continue
+            slot.cache_tokens.extend(slot.pending_prompt[: chunk.n_tokens])
+            del slot.pending_prompt[: chunk.n_tokens]
+            slot.may_share = False
+            self.stats.n_tokens_max = max(self.stats.n_tokens_max, slot.n_past)
+            self.stats.prompt_tokens_total += chunk.n_tokens
+            self.stats.prompt_seconds_total += dt
+            if not slot.pending_prompt:
+                slot.state = SlotState.DONE_PROMPT
+                slot.t_first = time.perf_counter()
+                if handle.job.prompt_only:
+                    self.gen.finish(slot, "length")
+                else:
+                    self.gen.sample(m, [(slot, -1)])
+
+
 def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
     """The slot ``job`` starts on now: its ``id_slot`` if idle, else :func:`pick_idle_slot` (by prompt similarity
     for ``id_slot`` -1 only, as llama-server: one below -1 takes the least recently used); None: it waits."""
@@ -531,7 +600,8 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
         cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=not job.prompt_only)
     if not job.prompt_only and cache_n >= len(prompt):
         cache_n = len(prompt) - 1  # re-evaluate the last token to get its logits
-    if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, cache_n, -1):
+    cache_n = slot.media.snap(cache_n)  # a media chunk is kept or evaluated whole (llama-server's keep_first)
+    if not llama_cpp.llama_memory_seq_rm(m.memory, slot.id, slot.media.pos(cache_n), -1):
         llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)  # this memory cannot be cut back there
         cache_n = 0
     del slot.cache_tokens[cache_n:]

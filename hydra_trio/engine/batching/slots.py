@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..llama.media import NO_MEDIA, MediaLayout
+
 if TYPE_CHECKING:
     from ..requests import CompletionJob, RequestHandle
     from .thinking_budget import ThinkingBudget
@@ -99,6 +101,9 @@ class Slot:
         self.id = id_slot
         self.n_ctx = n_ctx
         self.cache_tokens: list[int] = []
+        self.media: MediaLayout = NO_MEDIA
+        """The media chunks of the prompt whose prefix ``cache_tokens`` is (set when a request starts): where
+        they lie and the positions they advance (:class:`~hydra_trio.engine.llama.media.MediaLayout`)."""
         self.last_used = 0.0
         self.id_task = -1
         self.task: CompletionJob | None = None
@@ -142,6 +147,16 @@ class Slot:
     @property
     def n_past(self) -> int:
         return len(self.cache_tokens)
+
+    @property
+    def pos_next(self) -> int:
+        """The position of the next cell (``n_past`` less what media chunks hold beyond their positions: M-RoPE)."""
+        return self.media.pos(self.n_past) if self.media else len(self.cache_tokens)
+
+    @property
+    def holds_media(self) -> bool:
+        """The slot's KV cache holds an image's or audio clip's embeddings."""
+        return self.media.held(self.n_past)
 
     @property
     def is_processing(self) -> bool:

@@ -42,8 +42,8 @@ import llama_cpp
 from ...errors import EngineFailure
 from ...observability import progress
 from ...observability.events import EventBus
-from ...protocol.address import parse_peer
-from ...protocol.strict import MessageError
+from ...validation.address import parse_peer
+from ...validation.strict import MessageError
 from ..bridge import Call
 from ..llama import ggml_backend, openmp
 from ..llama.model import LoadedModel

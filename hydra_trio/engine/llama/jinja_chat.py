@@ -22,7 +22,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ...protocol.strict import TooLong, dumps_within
+from ...validation.strict import TooLong, dumps_within
 
 
 class _IgnoreGenerationTags(jinja2.ext.Extension):
@@ -82,7 +82,7 @@ class JinjaChatFormatter:
     def render(self, max_chars: int | None, /, *, messages: list[dict[str, Any]],
                functions: list[dict[str, Any]] | None = None, function_call: Any = None,
                tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, **kwargs: Any) -> str:
-        """:meth:`__call__`, raising :class:`~hydra_trio.protocol.strict.TooLong` as soon as the prompt
+        """:meth:`__call__`, raising :class:`~hydra_trio.validation.strict.TooLong` as soon as the prompt
         would be longer than ``max_chars`` characters (None: no limit).  The text is rendered piece by
         piece (jinja2's ``generate``) and ``tojson`` stops at the limit too, so a template that
         pretty-prints a deep value (whose text grows with its depth) builds nothing much longer."""

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +22,13 @@ import attrs
 import llama_cpp
 
 from ...errors import InvalidRequest, ModelLoadError
-from ...protocol.strict import TooLong
+from ...validation.strict import TooLong
 from ..bridge import thread_local_set
 from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 from . import ggml_backend, kv_overrides
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
+from .media import MediaContext, MediaTokens
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
 
@@ -289,7 +290,7 @@ class ChatTemplate:
         ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
         variable (a built-in template has no variables and never renders tools: callers describe them
         in a message instead, :func:`hydra_trio.openai.tools.render_messages`).  ``max_chars``: a Jinja
-        template's rendering stops with :class:`~hydra_trio.protocol.strict.TooLong` past that many
+        template's rendering stops with :class:`~hydra_trio.validation.strict.TooLong` past that many
         characters (a built-in template writes little more than the messages themselves)."""
         return self._render(messages, kwargs, tools, max_chars)
 
@@ -492,6 +493,17 @@ class LoadedModel:
             log.info("chat template: %s", self.chat_template.describe())
         # end-of-generation tokens, for ignore_eos (banned with a logit bias, as llama-server does)
         self.eog_tokens = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
+        self.media: MediaContext | None = None
+        """The projector (``--mmproj``), loaded with the model and freed with it; None: text only."""
+        if opts.mmproj:
+            try:
+                self.media = MediaContext(opts.mmproj, self.model, use_gpu=opts.mmproj_offload, n_threads=threads,
+                                          image_min_tokens=opts.image_min_tokens,
+                                          image_max_tokens=opts.image_max_tokens,
+                                          batch_max_tokens=opts.mmproj_batch_max_tokens, device=opts.mmproj_device)
+            except Exception:
+                self.close()
+                raise
 
     # -- metadata ---------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -582,6 +594,29 @@ class LoadedModel:
         return tokenize_linear(self.vocab, self.special_tokens, text.encode("utf-8"), add_special=add_special,
                                parse_special=parse_special, adds_suffix=self._adds_suffix, limit=limit)
 
+    @property
+    def modalities(self) -> dict[str, bool]:
+        """What the projector takes besides text: ``{"vision": bool, "audio": bool}`` (both False without one;
+        llama-server's ``/props`` ``modalities``)."""
+        return self.media.modalities if self.media is not None else {"vision": False, "audio": False}
+
+    def tokenize_with_media(self, text: str, media: Sequence[Any], *, add_special: bool = True,
+                            parse_special: bool = True) -> MediaTokens:
+        """``text`` with one :data:`~hydra_trio.engine.llama.media.MEDIA_MARKER` per item of ``media`` (items with
+        ``data: bytes`` and ``id: str``), tokenized into text tokens and media chunks
+        (:meth:`~hydra_trio.engine.llama.media.MediaContext.tokenize`; any thread).
+
+        Raises:
+            InvalidRequest: the model has no projector (llama-server's words for an image or an audio clip), or
+                mtmd refused the media or the markers.
+        """
+        if self.media is None:
+            kinds = {getattr(item, "kind", "image") for item in media} or {"image"}
+            kind = "audio" if kinds == {"audio"} else "image"
+            raise InvalidRequest(f"{kind} input is not supported - hint: if this is unexpected, you may need to "
+                                 "provide the mmproj")
+        return self.media.tokenize(text, media, add_special=add_special, parse_special=parse_special)
+
     @functools.cached_property
     def special_tokens(self) -> SpecialTokens:
         """The vocabulary's special tokens as llama.cpp's tokenizer partitions with them (read once)."""
@@ -593,7 +628,11 @@ class LoadedModel:
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
         """The bytes one token renders to; special tokens (``<|im_end|>``...) render empty
-        unless ``special`` (then as their text, like llama.cpp's ``common_token_to_piece``)."""
+        unless ``special`` (then as their text, like llama.cpp's ``common_token_to_piece``); a media
+        chunk's placeholder (a negative id, :mod:`~hydra_trio.engine.llama.media`) renders empty, as llama-server's
+        ``server_tokens::detokenize`` skips media."""
+        if token < 0:
+            return b""
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -616,7 +655,7 @@ class LoadedModel:
         Jinja template's ``tools`` variable.
 
         Returns ``(prompt, extra_stop_strings)``.  Raises :class:`ChatTemplateError` (an InvalidRequest) when the
-        template rejects the messages, :class:`~hydra_trio.protocol.strict.TooLong` when a Jinja template's prompt
+        template rejects the messages, :class:`~hydra_trio.validation.strict.TooLong` when a Jinja template's prompt
         would pass ``max_chars`` characters.
         """
         return self.chat_template(messages, kwargs, tools, max_chars)
@@ -653,7 +692,11 @@ class LoadedModel:
         check_grammar(self.vocab, grammar)
 
     def close(self) -> None:
-        """Free the context and the model (engine thread only)."""
+        """Free the projector, the context and the model (engine thread only)."""
+        media = getattr(self, "media", None)
+        if media is not None:
+            media.close()
+            self.media = None
         if getattr(self, "ctx", None):
             llama_cpp.llama_free(self.ctx)
             self.ctx = None

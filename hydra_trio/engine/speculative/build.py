@@ -45,9 +45,9 @@ def target_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOption
 
 def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions:
     """``--model-draft``'s options: the target's, with the draft's KV cache types (``-ctkd``/``-ctvd``) and
-    without the target's tensor overrides, MTP or snapshots."""
+    without the target's tensor overrides, MTP, snapshots or projector."""
     return attrs.evolve(options, cache_type_k=settings.draft_cache_type_k, cache_type_v=settings.draft_cache_type_v,
-                        tensor_overrides=(), load_mtp=False, n_rs_seq=0)
+                        tensor_overrides=(), load_mtp=False, n_rs_seq=0, mmproj="")
 
 
 def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from functools import cached_property
 
 from ._events import GgmlRpcError, RpcReplyEvent, RpcRequestEvent
+from ._framing import Direction, EventT
 from ._replies import ReplyTracker
 from ._requests import RequestFramer
-from ._framing import Direction, EventT
 from ._state import ConnectionState
 
 

@@ -81,6 +81,7 @@ class ReplyTracker(Direction[RpcReplyEvent]):
         expected (InvalidReply if not)."""
         buf, pos = self.buf, self.pos
         pending = self.state.pending
+        cur: Pending | None
         if self.cur is None and not self.head and len(buf) - pos >= REPLY_HEADER_SIZE and pending:
             cur = pending[0]  # at a reply boundary, a small reply all here: parse it in place
             size = U64.unpack_from(buf, pos)[0]

@@ -21,7 +21,6 @@ from ._tensor import RpcTensor, check_tensor
 from ._tensor import type_traits as _default_traits
 from ._wire import CMDS, RpcCmd
 
-
 _ALLOC = RpcCmd.ALLOC_BUFFER
 CHECKED_BYTES = 4 << 20
 """Most bytes of validated heads one connection remembers (:meth:`ConnectionState.remember`); then it starts over."""

@@ -153,11 +153,11 @@ def _graph_compute(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, s
     for i, node in enumerate(nodes):
         if node == 0:
             raise InvalidRpcRequest("graph", f"node {i} has id 0", cmd)
-        t = tensors.get(node)
-        if t is None:
+        tensor = tensors.get(node)
+        if tensor is None:
             raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is not among the graph's tensors", cmd)
-        if t.op != GGML_OP_NONE and t.op not in VIEW_OPS and 0 not in t.ne and t.data == 0:
-            raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is computed (op {t.op}) into no memory", cmd)
+        if tensor.op != GGML_OP_NONE and tensor.op not in VIEW_OPS and 0 not in tensor.ne and tensor.data == 0:
+            raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is computed (op {tensor.op}) into no memory", cmd)
     _check_depth(nodes, tensors)
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .._version import __version__
-from .events import EventBus
+from ..observability.events import EventBus
 
 if TYPE_CHECKING:
     from ..engine import Engine

@@ -20,7 +20,7 @@ unknown host) or bad arguments (argparse).
 
 Wiring: call `add_client_commands` on the ``hydra-trio`` subparsers; each
 subcommand sets ``args.func`` (takes the Namespace, runs `trio.run`
-itself, returns the exit code). ``python -m hydra_trio.hydra.cli ...``
+itself, returns the exit code). ``python -m hydra_trio.hydra.commands ...``
 runs the same commands standalone (`main`).
 """
 
@@ -37,23 +37,14 @@ from typing import Any
 
 import trio
 
-from ..protocol.messages import MessageError, parse_peer
 from ..transport.tls import client_context
+from ..validation.address import address_argument
 
 __all__ = ["add_client_commands", "build_parser", "main"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONNECT = 2
-
-
-def _address(s: str) -> str:
-    """argparse type: a ``HOST:PORT`` string (checked, returned unchanged); ``hydra-trio watch`` uses it too."""
-    try:
-        parse_peer(s, field="address")
-    except MessageError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return s
 
 
 def _slot(s: str) -> int:
@@ -251,7 +242,7 @@ def _common() -> argparse.ArgumentParser:
 
 
 _POSITIONALS: dict[str, dict[str, Any]] = {
-    "address": {"type": _address, "metavar": "HOST:PORT"},
+    "address": {"type": address_argument, "metavar": "HOST:PORT"},
     "slot": {"type": _slot, "metavar": "SLOT"},
     "file": {"metavar": "FILE"},
 }
@@ -276,7 +267,7 @@ def _command(
     return p
 
 
-def add_client_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``info``, ``state {get,put,meta}`` and ``mode`` to ``subparsers``
     (the ``add_subparsers()`` object of the ``hydra-trio`` parser). Each
     leaf parser sets ``func`` (Namespace -> exit code, runs trio itself) and
@@ -313,7 +304,7 @@ def add_client_commands(subparsers: argparse._SubParsersAction[argparse.Argument
     )
     e.add_argument("mode", choices=["solo", "combined"])
     e.add_argument(
-        "--peer", type=_address, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
+        "--peer", type=address_argument, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
     )
     sw = _command(
         subparsers, "swap", swap_command, ("address",),

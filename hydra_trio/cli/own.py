@@ -8,10 +8,10 @@ from typing import Any
 import attrs
 
 from ..engine.settings import EngineConfig
-from ..transport.frontdoor import FrontDoorSettings
-from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
 from ..observability.logs import LOG_FORMATS
+from ..rpc_backend.backend import RpcBackendSettings
+from ..transport.frontdoor import FrontDoorSettings
 from . import _types as t
 from ._flags import ACCEPTED, OWN, Flag
 
@@ -21,7 +21,7 @@ def _default(settings: type[Any], field: str) -> Any:
     return attrs.fields_dict(settings)[field].default
 
 
-def H(names: tuple[str, ...], note: str, **kw) -> Flag:  # noqa: N802 (a table row: hydra-trio's own flag)
+def H(names: tuple[str, ...], note: str, **kw) -> Flag:  # a table row: hydra-trio's own flag
     return Flag(names, OWN, note, group="hydra", **kw)
 
 
