@@ -52,5 +52,7 @@ def print_table(rows: Sequence[Row], command: str) -> None:
         rs = r.ratios
         tgt = "" if r.target is None else f"≥ {r.target:.2f}"
         ok = "" if r.target is None else ("yes" if r.ratio >= r.target else "NO")
-        print(f"| {r.bench} | {r.case} | {r.unit} | {_fig(r.ours)} | {_fig(r.reference)} | "
-              f"{r.ratio:.2f} ({min(rs):.2f}-{max(rs):.2f}) | {tgt} | {ok} |")
+        print(
+            f"| {r.bench} | {r.case} | {r.unit} | {_fig(r.ours)} | {_fig(r.reference)} | "
+            f"{r.ratio:.2f} ({min(rs):.2f}-{max(rs):.2f}) | {tgt} | {ok} |"
+        )

@@ -89,10 +89,16 @@ def main() -> None:
             fresh = interleaved(hport, verify, a.requests, fresh=True)
         finally:
             stop(h)
-    rows.append(Row("tls", "HTTPS vs HTTP completion (8 tokens), kept connection", "ms", *keep,
-                    higher_is_better=False))
-    rows.append(Row("tls", "HTTPS vs HTTP completion (8 tokens), new connection and handshake each", "ms", *fresh,
-                    higher_is_better=False))
+    rows.append(Row("tls", "HTTPS vs HTTP completion (8 tokens), kept connection", "ms", *keep, higher_is_better=False))
+    rows.append(
+        Row(
+            "tls",
+            "HTTPS vs HTTP completion (8 tokens), new connection and handshake each",
+            "ms",
+            *fresh,
+            higher_is_better=False,
+        )
+    )
     print_table(rows, "bench/tls.py " + " ".join(sys.argv[1:]))
 
 

@@ -96,11 +96,15 @@ async def test_without_context_shift_a_full_slot_stops_with_length() -> None:
 # AVX-512 build (the shift moves such leads by up to 0.2; "how many steps does the keeper climb?" had leads of
 # 0.06 to 0.13 in its first 12 tokens)
 PART_A = "Notes on the harbour.\n"
-PART_B = ("The ferry to the island leaves at nine in the morning and returns at six in the evening, "
-          "except on Sundays when it does not run at all.\n")
-PART_C = ("The lighthouse on the rock at the end of the bay was built in 1871. Its keeper climbs one hundred "
-          "and twelve steps every night to light the lamp, and he counts them as his father did.\n"
-          "Question: when was the lighthouse built?\nAnswer: It was built in")
+PART_B = (
+    "The ferry to the island leaves at nine in the morning and returns at six in the evening, "
+    "except on Sundays when it does not run at all.\n"
+)
+PART_C = (
+    "The lighthouse on the rock at the end of the bay was built in 1871. Its keeper climbs one hundred "
+    "and twelve steps every night to light the lamp, and he counts them as his father did.\n"
+    "Question: when was the lighthouse built?\nAnswer: It was built in"
+)
 N_REUSE = 16
 ANSWER_TOKENS = 7  # " 1871.\n"
 

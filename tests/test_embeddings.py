@@ -32,8 +32,17 @@ def _norm(v: list[float], p: float = 2) -> float:
 @pytest.fixture(scope="module")
 def mean_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Mean pooling; 2 slots of 256 tokens (so the slot's context, not the 512-token micro-batch, limits inputs)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("emb") / "mean.log", "--embedding", "--pooling", "mean",
-                        "-np", "2", "-c", "512", "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("emb") / "mean.log",
+        "--embedding",
+        "--pooling",
+        "mean",
+        "-np",
+        "2",
+        "-c",
+        "512",
+        "--no-rpc-backend",
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -44,8 +53,21 @@ def mean_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProces
 @pytest.fixture(scope="module")
 def none_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Pooling none: per-token vectors; a 64-token micro-batch (the limit for an input that cannot be split)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("emb") / "none.log", "--embeddings", "--pooling", "none",
-                        "-np", "1", "-c", "512", "-b", "64", "-ub", "64", "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("emb") / "none.log",
+        "--embeddings",
+        "--pooling",
+        "none",
+        "-np",
+        "1",
+        "-c",
+        "512",
+        "-b",
+        "64",
+        "-ub",
+        "64",
+        "--no-rpc-backend",
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -96,8 +118,9 @@ def test_a_list_gives_one_vector_per_input_in_order(client: openai.OpenAI) -> No
 
 def test_base64_decodes_to_the_same_floats(client: openai.OpenAI, mean_node: ServerProcess) -> None:
     floats = _floats(client, TEXT)[0]
-    raw = httpx.post(mean_node.base + "/v1/embeddings", json={"input": TEXT, "encoding_format": "base64"},
-                     timeout=60).json()
+    raw = httpx.post(
+        mean_node.base + "/v1/embeddings", json={"input": TEXT, "encoding_format": "base64"}, timeout=60
+    ).json()
     item = raw["data"][0]
     assert item["encoding_format"] == "base64" and isinstance(item["embedding"], str)
     data = base64.b64decode(item["embedding"])
@@ -165,8 +188,9 @@ def test_native_shape(mean_node: ServerProcess, client: openai.OpenAI) -> None:
     assert r.json() == [{"index": 0, "embedding": [unit]}]
 
 
-def test_pooling_none_gives_one_vector_per_token(none_node: ServerProcess, mean_node: ServerProcess,
-                                                 client: openai.OpenAI) -> None:
+def test_pooling_none_gives_one_vector_per_token(
+    none_node: ServerProcess, mean_node: ServerProcess, client: openai.OpenAI
+) -> None:
     tokens = _tokens(none_node, TEXT)
     r = httpx.post(none_node.base + "/embedding", json={"content": TEXT}, timeout=60)
     assert r.status_code == 200, r.text
@@ -197,19 +221,22 @@ def test_input_over_the_micro_batch_is_a_400(none_node: ServerProcess) -> None:
 
 
 # --------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("body, field", [
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [TEXT, ""]}, "input[1]"),
-    ({"input": [[1, 2], []]}, "input[1]"),
-    ({"model": "m"}, "input"),
-    ({"input": {"a": 1}}, "input"),
-    ({"input": [1.5]}, "input"),
-    ({"input": [[99999999]]}, "input[0][0]"),
-    ({"input": TEXT, "encoding_format": "int8"}, "encoding_format"),
-    ({"input": TEXT, "embd_normalize": -2}, "embd_normalize"),
-    ({"input": TEXT, "embd_normalize": "2"}, "embd_normalize"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [TEXT, ""]}, "input[1]"),
+        ({"input": [[1, 2], []]}, "input[1]"),
+        ({"model": "m"}, "input"),
+        ({"input": {"a": 1}}, "input"),
+        ({"input": [1.5]}, "input"),
+        ({"input": [[99999999]]}, "input[0][0]"),
+        ({"input": TEXT, "encoding_format": "int8"}, "encoding_format"),
+        ({"input": TEXT, "embd_normalize": -2}, "embd_normalize"),
+        ({"input": TEXT, "embd_normalize": "2"}, "embd_normalize"),
+    ],
+)
 def test_bad_bodies_are_400_naming_the_field(mean_node: ServerProcess, body: dict, field: str) -> None:
     r = httpx.post(mean_node.base + "/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -246,8 +273,21 @@ def test_embeddings_on_a_generation_node_are_a_501(server: ServerProcess) -> Non
 def test_pooling_last_splits_a_long_input(tmp_path, none_node: ServerProcess) -> None:  # type: ignore[no-untyped-def]
     """``last`` pooling reads the final token, so an input longer than the micro-batch is decoded in
     several batches (llama-server's ``can_split``) and equals the last per-token hidden state, normalized."""
-    srv = ServerProcess(tmp_path / "last.log", "--embedding", "--pooling", "last", "-np", "1", "-c", "256",
-                        "-b", "16", "-ub", "16", "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path / "last.log",
+        "--embedding",
+        "--pooling",
+        "last",
+        "-np",
+        "1",
+        "-c",
+        "256",
+        "-b",
+        "16",
+        "-ub",
+        "16",
+        "--no-rpc-backend",
+    )
     try:
         srv.wait_ready()
         text = " ".join([TEXT, OTHER, TEXT])

@@ -73,8 +73,11 @@ def test_half_the_layers_on_a_peer_give_the_local_output(spawn) -> None:
         assert status == Status.BUSY and meta["busy_slots"] and meta["mode"] == "pipeline"
     # the closed stream's slot frees once the node has seen the client go and the engine's next step (a
     # step over ggml-RPC) has run: seconds on a busy machine
-    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), 120,
-             "the closed stream's slot free")
+    wait_for(
+        lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()),
+        120,
+        "the closed stream's slot free",
+    )
 
     # detach: local again, same text
     status, meta = attach(a.port, {"peer": ""})

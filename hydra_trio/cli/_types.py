@@ -44,9 +44,7 @@ def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(
-                f"must be between {lo} and {hi}{f' ({why})' if why else ''}, got {value}"
-            )
+            raise argparse.ArgumentTypeError(f"must be between {lo} and {hi}{f' ({why})' if why else ''}, got {value}")
         return value
 
     return _named(parse, "integer")
@@ -114,7 +112,8 @@ def n_parallel(text: str) -> int:
         return -1
     if not 1 <= value <= N_PARALLEL_MAX:
         raise argparse.ArgumentTypeError(
-            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or below 0 (auto), got {value}")
+            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or below 0 (auto), got {value}"
+        )
     return value
 
 
@@ -202,8 +201,7 @@ def tensor_overrides(text: str) -> tuple[tuple[str, str], ...]:
     for item in text.split(","):
         pattern, sep, buft = item.partition("=")
         if not sep or not pattern or not buft:
-            raise argparse.ArgumentTypeError(
-                f"expected <tensor name pattern>=<buffer type>,..., got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected <tensor name pattern>=<buffer type>,..., got {item!r}")
         pairs.append((regex(pattern), buft))
     return tuple(pairs)
 

@@ -252,8 +252,13 @@ class RequestHandle:
     or through ``hand_off``'s batch of the current step: :class:`StepHandOff`).
     """
 
-    def __init__(self, job: CompletionJob, trio_token: trio.lowlevel.TrioToken,
-                 hand_off: StepHandOff | None = None, live: LiveRequests | None = None) -> None:
+    def __init__(
+        self,
+        job: CompletionJob,
+        trio_token: trio.lowlevel.TrioToken,
+        hand_off: StepHandOff | None = None,
+        live: LiveRequests | None = None,
+    ) -> None:
         """``live``: the engine's requests in flight, which this one joins (raises Stopping once the node stopped)."""
         if live is not None:
             live.add(self)

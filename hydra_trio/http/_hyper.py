@@ -116,10 +116,17 @@ class _H11Protocol(H11Protocol):
         """
         if isinstance(event, h11.InformationalResponse) and event.status_code == 100 and self._over_limit:
             return
-        if (isinstance(event, h11.Response) and self.connection.their_state is not h11.DONE
-                and not any(k.lower() == b"connection" for k, _ in event.headers)):
-            event = h11.Response(status_code=event.status_code, headers=[*event.headers, (b"connection", b"close")],
-                                 reason=event.reason, http_version=event.http_version)
+        if (
+            isinstance(event, h11.Response)
+            and self.connection.their_state is not h11.DONE
+            and not any(k.lower() == b"connection" for k, _ in event.headers)
+        ):
+            event = h11.Response(
+                status_code=event.status_code,
+                headers=[*event.headers, (b"connection", b"close")],
+                reason=event.reason,
+                http_version=event.http_version,
+            )
         await super()._send_h11_event(event)
 
 
@@ -156,8 +163,15 @@ class _TCPServer(TCPServer):
     def protocol(self, wrapper: ProtocolWrapper) -> None:
         if type(wrapper.protocol) is H11Protocol:
             wrapper.protocol = _H11Protocol(
-                wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state,
-                wrapper.ssl, wrapper.client, wrapper.server, wrapper.send,
+                wrapper.app,
+                wrapper.config,
+                wrapper.context,
+                wrapper.task_group,
+                wrapper.state,
+                wrapper.ssl,
+                wrapper.client,
+                wrapper.server,
+                wrapper.send,
             )
         self._protocol = wrapper
 
@@ -210,8 +224,11 @@ class _TCPServer(TCPServer):
                 await self.protocol.handle(Closed())
                 return
         if stalled:
-            log.info("HTTP client %s read nothing for %g s: connection closed (write timeout, -to)",
-                     connection_info(self.stream).peer, timeout)
+            log.info(
+                "HTTP client %s read nothing for %g s: connection closed (write timeout, -to)",
+                connection_info(self.stream).peer,
+                timeout,
+            )
             await self._close()
             await self.protocol.handle(Closed())
 

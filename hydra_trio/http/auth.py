@@ -128,8 +128,9 @@ class ApiKeyMiddleware:
         if kind not in ("http", "websocket") or not self.keys:
             await self.app(scope, receive, send)
             return
-        if kind == "http" and (scope["method"] == "OPTIONS" or scope["path"] in self.open_paths
-                               or scope["path"].startswith(OPEN_PREFIXES)):
+        if kind == "http" and (
+            scope["method"] == "OPTIONS" or scope["path"] in self.open_paths or scope["path"].startswith(OPEN_PREFIXES)
+        ):
             await self.app(scope, receive, send)
             return
         key = bearer_key(scope.get("headers") or [])
@@ -142,14 +143,20 @@ class ApiKeyMiddleware:
         if self.refused is not None:
             self.refused["http", reason] += 1
         client = scope.get("client")
-        log.warning("%s: %s %s refused: %s", f"{client[0]}:{client[1]}" if client else "-",
-                    scope.get("method", "WEBSOCKET"), scope["path"], reason.replace("_", " "))
+        log.warning(
+            "%s: %s %s refused: %s",
+            f"{client[0]}:{client[1]}" if client else "-",
+            scope.get("method", "WEBSOCKET"),
+            scope["path"],
+            reason.replace("_", " "),
+        )
         challenge = _REALM if key is None else _REALM + b', error="invalid_token"'
         await send_refusal(scope, send, 401, _BODY, [(b"www-authenticate", challenge)])
 
 
-async def send_refusal(scope: Mapping[str, Any], send: Any, status: int, body: bytes,
-                       headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+async def send_refusal(
+    scope: Mapping[str, Any], send: Any, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     """Answer an HTTP request, or refuse a WebSocket handshake, with ``status`` and a JSON ``body``.
 
     A WebSocket handshake gets the same HTTP response as a plain request
@@ -158,8 +165,11 @@ async def send_refusal(scope: Mapping[str, Any], send: Any, status: int, body: b
     without the extension could only close it, which reaches the client as a
     bare 403.
     """
-    head = [(b"content-type", b"application/json; charset=utf-8"),
-            (b"content-length", str(len(body)).encode()), *headers]
+    head = [
+        (b"content-type", b"application/json; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        *headers,
+    ]
     if scope["type"] == "websocket":
         if "websocket.http.response" not in scope.get("extensions", {}):
             await send({"type": "websocket.close", "code": 1008})

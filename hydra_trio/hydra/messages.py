@@ -78,6 +78,7 @@ def structure_json(payload: Bytes, cls: type[Any]) -> Any:
 # Peers
 # --------------------------------------------------------------------------
 
+
 def _peer_validator(_inst: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None:
         parse_peer(value, field=attr.name)
@@ -104,9 +105,7 @@ class SetExpertModeRequest:
     Raises MessageError on a bad peer."""
 
     mode: ExpertModeName
-    peer: str | None = attrs.field(
-        default=None, converter=_empty_to_none, validator=_peer_validator
-    )
+    peer: str | None = attrs.field(default=None, converter=_empty_to_none, validator=_peer_validator)
 
 
 _conv.register(SetExpertModeRequest, forbid_extra=True)
@@ -159,8 +158,9 @@ def check_tensor_regex(pattern: str) -> None:
         raise MessageError(f"the regex is {len(pattern)} characters; at most 1024")
     bad = _NOT_IN_STD_REGEX.search(pattern)
     if bad is not None:
-        raise MessageError(f"{bad.group(0)!r} is Python-only regex syntax; llama.cpp matches tensor names with "
-                           "std::regex (ECMAScript)")
+        raise MessageError(
+            f"{bad.group(0)!r} is Python-only regex syntax; llama.cpp matches tensor names with std::regex (ECMAScript)"
+        )
     try:
         re.compile(pattern)
     except re.error as exc:

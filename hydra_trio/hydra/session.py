@@ -226,8 +226,11 @@ def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -
     return req.payload.view()[req.filled : req.filled + left] if left else None
 
 
-async def _handle_events(dec: RequestDecoder, req: HydraRequest | None, protocol: ConnectionProtocol,
-                         ) -> tuple[HydraRequest | None, ProtocolError | None]:
+async def _handle_events(
+    dec: RequestDecoder,
+    req: HydraRequest | None,
+    protocol: ConnectionProtocol,
+) -> tuple[HydraRequest | None, ProtocolError | None]:
     """Read the decoder's events until it needs data into the request in progress; hand each completed
     request to ``protocol``.  Returns the request still in progress and the error that broke the framing
     (the decoder is closed then), or None."""

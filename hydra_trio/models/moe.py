@@ -69,8 +69,9 @@ def _make(src: Path, dst: Path, n_expert: int, n_expert_used: int, bar: progress
         _write_moe(writer, reader, arch, n_expert, n_expert_used, n_embd, src, bar)
 
 
-def _write_moe(writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used: int, n_embd: int, src: Path,
-               bar: progress.Step) -> None:
+def _write_moe(
+    writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used: int, n_embd: int, src: Path, bar: progress.Step
+) -> None:
     """The MoE's keys, its tensor infos, then each tensor's data (stacked experts, zero routers)."""
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.name"):
@@ -94,8 +95,9 @@ def _write_moe(writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used
             continue
         block, kind = m.groups()
         shape = (n_expert, *t.data.shape)  # (E, rows, row bytes or elements)
-        writer.add_tensor_info(f"{block}.ffn_{kind}_exps.weight", shape, t.data.dtype, n_expert * t.data.nbytes,
-                               raw_dtype=t.tensor_type)
+        writer.add_tensor_info(
+            f"{block}.ffn_{kind}_exps.weight", shape, t.data.dtype, n_expert * t.data.nbytes, raw_dtype=t.tensor_type
+        )
         planned.append((n_expert * t.data.nbytes, functools.partial(_stacked, t.data, n_expert)))
         if block not in routers:
             routers.add(block)

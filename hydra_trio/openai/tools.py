@@ -112,7 +112,7 @@ def _heads_state(s: str, heads: Iterable[Sequence[str]]) -> str:
             if k:
                 while i < len(s) and s[i] in _WS:
                     i += 1
-            rest = s[i:i + len(tok)]
+            rest = s[i : i + len(tok)]
             if rest == tok:
                 i += len(tok)
                 continue
@@ -144,7 +144,7 @@ def _head_end(s: str, head: Sequence[str]) -> int:
         if k:
             while i < len(s) and s[i] in _WS:
                 i += 1
-        rest = s[i:i + len(tok)]
+        rest = s[i : i + len(tok)]
         if rest != tok:
             return -1 if tok.startswith(rest) and i + len(rest) == len(s) else 0
         i += len(tok)
@@ -169,8 +169,6 @@ def _partial_marker(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
 
 
 def _call_from(obj: Any, args_keys: Sequence[str]) -> tuple[str, str] | None:
@@ -266,7 +264,7 @@ class ToolCallParser:
                 return
             self._started = True
         body = text.rstrip(_WS)
-        tail = text[len(body):]
+        tail = text[len(body) :]
         if body:
             piece = self._ws + body
             self._ws = ""
@@ -291,8 +289,9 @@ class ToolCallParser:
 
     def _scan(self, *, final: bool) -> list[Event]:
         out: list[Event] = []
-        step = {"hermes": self._hermes, "mistral": self._mistral, "llama3": self._llama3,
-                "generic": self._generic}[self.fmt]
+        step = {"hermes": self._hermes, "mistral": self._mistral, "llama3": self._llama3, "generic": self._generic}[
+            self.fmt
+        ]
         while self._pos < len(self._buf) or self._active is not None or (final and self._after):
             if self._active is not None:
                 if not self._stream(final, out):
@@ -380,7 +379,7 @@ class ToolCallParser:
         if buf[k] == "}":
             self._pos = k + 1
         elif buf[k] == ",":
-            got = _decode_at("{" + buf[k + 1:], 0)
+            got = _decode_at("{" + buf[k + 1 :], 0)
             if got is None and not final:
                 return False
             if got is not None:
@@ -426,7 +425,7 @@ class ToolCallParser:
         j = buf.find(end_tag, i + len(start))
         if j < 0 and not final:
             return False
-        inner = buf[i + len(start):j if j >= 0 else len(buf)]
+        inner = buf[i + len(start) : j if j >= 0 else len(buf)]
         stop = j + len(end_tag) if j >= 0 else len(buf)
         call = self._json_call(inner.strip(), ("arguments", "parameters"))
         if call is None:
@@ -594,7 +593,7 @@ class ToolCallParser:
     @staticmethod
     def _json_call(text: str, keys: Sequence[str]) -> tuple[str, str] | None:
         got = _decode_at(text, 0) if text else None
-        if got is None or text[got[1]:].strip():
+        if got is None or text[got[1] :].strip():
             return None
         return _call_from(got[0], keys)
 
@@ -611,14 +610,14 @@ def _response_chars(buf: str, i: int, final: bool) -> tuple[str, int, bool]:
             chars.append(c)
             i += 1
             continue
-        n = 6 if buf[i + 1:i + 2] == "u" else 2
-        if n == 6 and 0xD800 <= _hex(buf[i + 2:i + 6]) < 0xDC00:  # a surrogate pair's high half
-            nxt = buf[i + 6:i + 8]
+        n = 6 if buf[i + 1 : i + 2] == "u" else 2
+        if n == 6 and 0xD800 <= _hex(buf[i + 2 : i + 6]) < 0xDC00:  # a surrogate pair's high half
+            nxt = buf[i + 6 : i + 8]
             if nxt == "\\u":
                 n = 12
             elif "\\u".startswith(nxt) and i + 6 + len(nxt) == len(buf) and not final:
                 break  # the low half may follow
-        esc = buf[i:i + n]
+        esc = buf[i : i + n]
         if len(esc) < n:
             break
         try:
@@ -666,8 +665,11 @@ def stream_delta(ev: Event) -> dict[str, Any]:
     if isinstance(ev, ContentDelta):
         return {"content": ev.text}
     if isinstance(ev, CallStart):
-        return {"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                "function": {"name": ev.name, "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+            ]
+        }
     return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
 
 

@@ -358,8 +358,9 @@ class RpcBackend:
             busy = pid is not None and pid == self._busy_pid
             self._busy_pid = None  # that grace is given once: a child still silent at its end is hung (killed)
             try:  # a child still busy with the last client's work gets that work's time (wait_timeout)
-                replies = await exchange_hello(upstream, conn, early,
-                                               max(s.handshake_timeout, s.wait_timeout) if busy else s.handshake_timeout)
+                replies = await exchange_hello(
+                    upstream, conn, early, max(s.handshake_timeout, s.wait_timeout) if busy else s.handshake_timeout
+                )
             except Close as exc:  # no answer in time, or a wrong one: a child hung at HELLO answers nobody
                 grace = " (after the time given to a previous client's work)" if busy else ""
                 self.child.kill_unresponsive(pid, exc.detail + grace)
@@ -374,8 +375,15 @@ class RpcBackend:
             conn.receive_request(b"".join(early))
         self.counters.bytes_in += sum(len(p) for p in early)
         self.counters.connections += 1
-        pump = Pump(conn, client, upstream, self.counters, stall_timeout=s.stall_timeout, drain_idle=s.drain_idle,
-                    drain_started=self._drain_started)
+        pump = Pump(
+            conn,
+            client,
+            upstream,
+            self.counters,
+            stall_timeout=s.stall_timeout,
+            drain_idle=s.drain_idle,
+            drain_started=self._drain_started,
+        )
         try:
             await pump.run(replies, self.child.bound)
         except Close as exc:

@@ -219,8 +219,15 @@ class TlsPipe:
     a broken connection or a TLS error.
     """
 
-    def __init__(self, sock: socket.socket, obj: ssl.SSLObject, incoming: ssl.MemoryBIO,
-                 outgoing: ssl.MemoryBIO, plain: bytes = b"", early: bytes = b"") -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        obj: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        plain: bytes = b"",
+        early: bytes = b"",
+    ) -> None:
         self.sock = sock
         self.obj = obj
         self._in = incoming
@@ -284,8 +291,11 @@ class TlsPipe:
         obj = getattr(stream, "_ssl_object", None)
         incoming = getattr(stream, "_incoming", None)
         outgoing = getattr(stream, "_outgoing", None)
-        if not (isinstance(obj, ssl.SSLObject) and isinstance(incoming, ssl.MemoryBIO)
-                and isinstance(outgoing, ssl.MemoryBIO)):
+        if not (
+            isinstance(obj, ssl.SSLObject)
+            and isinstance(incoming, ssl.MemoryBIO)
+            and isinstance(outgoing, ssl.MemoryBIO)
+        ):
             return None
         early = getattr(stream, "_delayed_outgoing", None) or b""
         stream._delayed_outgoing = None

@@ -127,8 +127,6 @@ def _literal_hook(v: Any, t: Any) -> Any:
     raise TypeMismatch(f"expected {want}, got {v!r}")
 
 
-
-
 def _is_list(t: Any) -> bool:
     return t is list or getattr(t, "__origin__", None) is list
 
@@ -293,19 +291,23 @@ def check_unicode(obj: Any) -> None:
             bad = _SURROGATE.search(v)
             if bad is not None:
                 where = _field_path(path) or "the payload"
-                raise NotUnicode(f"{where}: not valid Unicode (UTF-8 cannot encode it): "
-                                 f"a lone surrogate U+{ord(bad.group()):04X} at "
-                                 f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
-                                 "pair is fine, a surrogate alone is not)")
+                raise NotUnicode(
+                    f"{where}: not valid Unicode (UTF-8 cannot encode it): "
+                    f"a lone surrogate U+{ord(bad.group()):04X} at "
+                    f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
+                    "pair is fine, a surrogate alone is not)"
+                )
         elif isinstance(v, dict):
             items = list(v.items())
             for k, _ in items:
                 bad = _SURROGATE.search(k)
                 if bad is not None:
                     where = _field_path(path)
-                    raise NotUnicode(f"{where + ': ' if where else ''}key {_show(k)}: "
-                                     "not valid Unicode (UTF-8 cannot encode it): a lone "
-                                     f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)")
+                    raise NotUnicode(
+                        f"{where + ': ' if where else ''}key {_show(k)}: "
+                        "not valid Unicode (UTF-8 cannot encode it): a lone "
+                        f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)"
+                    )
             stack.extend((x, [*path, k]) for k, x in reversed(items))
         elif isinstance(v, list):
             stack.extend((x, [*path, i]) for i, x in reversed(list(enumerate(v))))
@@ -327,8 +329,10 @@ class TooDeep(MessageError):
     """JSON nested deeper than :data:`MAX_JSON_DEPTH`; the message names the limit."""
 
     def __init__(self, where: str = "") -> None:
-        super().__init__(f"{where + ': ' if where else ''}nested deeper than {MAX_JSON_DEPTH} levels of arrays and "
-                         "objects (MAX_JSON_DEPTH)")
+        super().__init__(
+            f"{where + ': ' if where else ''}nested deeper than {MAX_JSON_DEPTH} levels of arrays and "
+            "objects (MAX_JSON_DEPTH)"
+        )
 
 
 def json_depth(data: str | Bytes) -> int:

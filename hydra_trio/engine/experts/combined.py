@@ -53,7 +53,6 @@ log = logging.getLogger("hydra_trio.combined")
 T = TypeVar("T")
 
 
-
 class PeerError(RuntimeError):
     """The peer cannot host the experts (unreachable, too little memory, load failed)."""
 
@@ -166,8 +165,10 @@ class PeerWorker:
             self.holds_team = False
             log.info("peer %s: the stuck worker released its OpenMP threads; SOLO decodes at full speed", self.peer)
         else:
-            log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
-                        "spin waits (slower) until this node restarts")
+            log.warning(
+                "the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
+                "spin waits (slower) until this node restarts"
+            )
 
     def _die(self) -> None:
         """The peer is gone: fail the call in progress and all queued ones (from the abort handler)."""
@@ -296,8 +297,7 @@ def expert_bytes(path: Path, pattern: str, before: tuple[str, ...] = ()) -> int:
         raise PeerError(str(exc)) from None
     rx = re.compile(pattern)
     earlier = [re.compile(p) for p in before]
-    return sum(size for name, size in header.tensors
-               if rx.search(name) and not any(e.search(name) for e in earlier))
+    return sum(size for name, size in header.tensors if rx.search(name) and not any(e.search(name) for e in earlier))
 
 
 # ----------------------------------------------------------------------------- expert modes
@@ -340,8 +340,14 @@ class ExpertModes:
             (``n_batch``, ``n_threads``, ``chat_template``).
     """
 
-    def __init__(self, peer: str | None, pattern: str, counters: Any, model_kwargs: dict[str, Any],
-                 events: EventBus | None = None) -> None:
+    def __init__(
+        self,
+        peer: str | None,
+        pattern: str,
+        counters: Any,
+        model_kwargs: dict[str, Any],
+        events: EventBus | None = None,
+    ) -> None:
         self.events = events if events is not None else EventBus()
         self._mode = ExpertMode.SOLO
         self.peer = peer
@@ -392,8 +398,11 @@ class ExpertModes:
     def set_solo(self, model: LoadedModel) -> None:
         """A new SOLO model (load or reload): it serves; a COMBINED model of the old one is detached first."""
         if self.combined is not None:
-            log.info("the SOLO model changes: detaching the %s model (SET_EXPERT_MODE combined or PIPELINE_ATTACH "
-                     "rebuilds it)", "PIPELINE" if self.pattern != self.expert_pattern else "COMBINED")
+            log.info(
+                "the SOLO model changes: detaching the %s model (SET_EXPERT_MODE combined or PIPELINE_ATTACH "
+                "rebuilds it)",
+                "PIPELINE" if self.pattern != self.expert_pattern else "COMBINED",
+            )
             self.detach()
             self.pattern = self.expert_pattern
         self.solo = self.active = model
@@ -467,25 +476,35 @@ class ExpertModes:
         src = path or solo.path
         t_probe = time.perf_counter()
         if peer in _lost_endpoints:
-            raise PeerError(f"the ggml-RPC connection to {peer} broke mid-call earlier, and llama.cpp keeps it for "
-                            "the life of this process: restart this node to use that address again, or reach the "
-                            "peer by another address (its host name, another IP)")
+            raise PeerError(
+                f"the ggml-RPC connection to {peer} broke mid-call earlier, and llama.cpp keeps it for "
+                "the life of this process: restart this node to use that address again, or reach the "
+                "peer by another address (its host name, another IP)"
+            )
         endpoint = self._endpoint(peer)
         if not peer_reachable(endpoint):
             self.peer_reachable = False
-            raise PeerError(f"peer {peer} does not answer ggml-RPC"
-                            + (f" (through the TLS tunnel {endpoint})" if endpoint != peer else ""))
+            raise PeerError(
+                f"peer {peer} does not answer ggml-RPC"
+                + (f" (through the TLS tunnel {endpoint})" if endpoint != peer else "")
+            )
         self.peer_reachable = True
         t_bytes = time.perf_counter()
         # the operator's -ot entries come first in the override list (Placement): what they match stays theirs
         operator = tuple(p for p, _ in solo.options.tensor_overrides)
         need = expert_bytes(src, self.pattern, before=operator)
-        log.info("attach %s: probe %.0f ms, expert bytes counted in %.0f ms", peer,
-                 (t_bytes - t_probe) * 1e3, (time.perf_counter() - t_bytes) * 1e3)
+        log.info(
+            "attach %s: probe %.0f ms, expert bytes counted in %.0f ms",
+            peer,
+            (t_bytes - t_probe) * 1e3,
+            (time.perf_counter() - t_bytes) * 1e3,
+        )
         if need == 0:
-            raise PeerError(f"no tensor of {solo.path.name} matches {self.pattern!r}"
-                            + (" (not a MoE model?)" if self.pattern == self.expert_pattern else "")
-                            + (" that no -ot/--override-tensor entry places first" if operator else ""))
+            raise PeerError(
+                f"no tensor of {solo.path.name} matches {self.pattern!r}"
+                + (" (not a MoE model?)" if self.pattern == self.expert_pattern else "")
+                + (" that no -ot/--override-tensor entry places first" if operator else "")
+            )
         worker = PeerWorker(peer)
 
         def build() -> LoadedModel:
@@ -506,7 +525,10 @@ class ExpertModes:
                     return True
 
                 return LoadedModel(
-                    src, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
+                    src,
+                    n_ctx=solo.n_ctx,
+                    n_parallel=solo.n_parallel,
+                    **self.model_kwargs,
                     peer=(devs[0], self.pattern, label),
                     progress=uploaded,
                 )
@@ -524,10 +546,16 @@ class ExpertModes:
             raise PeerError(f"COMBINED model failed to load on {peer}: {exc}") from None
         self.combined, self._worker = model, worker
         self.peer_attach = PeerAttach.ATTACHED
-        self.events.publish("peer.attached", peer=peer, bytes=need, pattern=self.pattern,
-                            ms=round((time.perf_counter() - t0) * 1e3, 1))
-        log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
-                 need, self.pattern, peer, time.perf_counter() - t0)
+        self.events.publish(
+            "peer.attached", peer=peer, bytes=need, pattern=self.pattern, ms=round((time.perf_counter() - t0) * 1e3, 1)
+        )
+        log.info(
+            "COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
+            need,
+            self.pattern,
+            peer,
+            time.perf_counter() - t0,
+        )
         return need
 
     def _endpoint(self, peer: str) -> str:
@@ -560,8 +588,16 @@ class ExpertModes:
             self.mode = ExpertMode.COMBINED
         self.expert_quant = quant
         ms = (time.perf_counter() - t0) * 1e3
-        return {"swapped": True, "quant": quant, "tensor_pattern": self.pattern, "bytes": uploaded,
-                "swap_ms": round(ms, 3), "kv_preserved": False, "mode": str(self.mode), "peer": self.peer}
+        return {
+            "swapped": True,
+            "quant": quant,
+            "tensor_pattern": self.pattern,
+            "bytes": uploaded,
+            "swap_ms": round(ms, 3),
+            "kv_preserved": False,
+            "mode": str(self.mode),
+            "peer": self.peer,
+        }
 
     def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
         """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.SetExpertMode`): switch SOLO / COMBINED;
@@ -580,7 +616,9 @@ class ExpertModes:
             return {"success": True, "mode": "solo", "peer": self.peer}
         target = peer or self.peer
         if target is None:
-            return self._fallback("no peer: start with --rpc-engine HOST:PORT or send {\"mode\": \"combined\", \"peer\": ...}")
+            return self._fallback(
+                'no peer: start with --rpc-engine HOST:PORT or send {"mode": "combined", "peer": ...}'
+            )
         if self.pattern != self.expert_pattern:  # the peer holds a pipeline split: COMBINED needs the experts
             self.detach()
             self.pattern = self.expert_pattern
@@ -633,7 +671,10 @@ class ExpertModes:
             held = peer == self.peer and self._worker is not None and not self._worker.dead
             if not held and (peer in _lost_endpoints or not peer_reachable(endpoint)):
                 return self._refuse(f"peer {peer} does not answer ggml-RPC", "pipeline")
-            if expert_bytes(self.solo.path, ot_split, before=tuple(p for p, _ in self.solo.options.tensor_overrides)) == 0:
+            if (
+                expert_bytes(self.solo.path, ot_split, before=tuple(p for p, _ in self.solo.options.tensor_overrides))
+                == 0
+            ):
                 return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
             self.detach()
         self._drop_dead_attachment()
@@ -692,7 +733,9 @@ class ExpertModes:
         """Slots idle: the watchdog found the peer unreachable; back to SOLO."""
         if self.mode not in (ExpertMode.COMBINED, ExpertMode.PIPELINE):
             return
-        self.fallback_reason = f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
+        self.fallback_reason = (
+            f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
+        )
         self.counters.combined_fallbacks += 1
         self.events.publish("peer.lost", peer=self.peer or "", reason=self.fallback_reason, in_flight=False)
         self.detach()

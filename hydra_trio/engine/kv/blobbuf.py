@@ -60,8 +60,9 @@ class BlobBuffer:
 
     __slots__ = ("_map", "_pool", "size")
 
-    def __init__(self, size: int, *, populate: bool = False, _map: mmap.mmap | None = None,
-                 _pool: BlobPool | None = None) -> None:
+    def __init__(
+        self, size: int, *, populate: bool = False, _map: mmap.mmap | None = None, _pool: BlobPool | None = None
+    ) -> None:
         if size < 0:
             raise ValueError(f"a blob buffer of {size} bytes")
         self._map: mmap.mmap | None = _map if _map is not None else _new_map(size + TAIL_ROOM, populate)

@@ -7,8 +7,12 @@ from typing import Any
 
 import llama_cpp
 
-_TAGS = {"int": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, "float": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_FLOAT,
-         "bool": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_BOOL, "str": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR}
+_TAGS = {
+    "int": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT,
+    "float": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_FLOAT,
+    "bool": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_BOOL,
+    "str": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR,
+}
 
 
 def apply(mparams: Any, overrides: tuple[tuple[str, str, Any], ...]) -> Any:

@@ -44,10 +44,30 @@ DRAFT_MIN_PERCENT_LAX = (66, 50, 50, 50)
 DRAFT_MIN_SAMPLE_SIZE_STRICT = (4, 3, 2, 2)
 DRAFT_MIN_PERCENT_STRICT = (75, 66, 66, 66)
 
-_BUCKET_GROWTH = ((13, 13), (28, 29), (58, 59), (126, 127), (256, 257), (540, 541), (1108, 1109),
-                  (2356, 2357), (5086, 5087), (10272, 10273), (20752, 20753), (42042, 42043), (85228, 85229),
-                  (172932, 172933), (351060, 351061), (712696, 712697), (1447152, 1447153), (2938678, 2938679),
-                  (5967346, 5967347), (12117361, 12117361), (24607243, 24607243), (49969847, 49969847))
+_BUCKET_GROWTH = (
+    (13, 13),
+    (28, 29),
+    (58, 59),
+    (126, 127),
+    (256, 257),
+    (540, 541),
+    (1108, 1109),
+    (2356, 2357),
+    (5086, 5087),
+    (10272, 10273),
+    (20752, 20753),
+    (42042, 42043),
+    (85228, 85229),
+    (172932, 172933),
+    (351060, 351061),
+    (712696, 712697),
+    (1447152, 1447153),
+    (2938678, 2938679),
+    (5967346, 5967347),
+    (12117361, 12117361),
+    (24607243, 24607243),
+    (49969847, 49969847),
+)
 """libstdc++'s bucket counts of an ``unordered_map`` filled by single inserts: ``(n, buckets)``: up to ``n``
 elements it has ``buckets`` buckets (its ``_Prime_rehash_policy``: the first insert makes 13, each rehash
 the prime at or after twice the count)."""
@@ -150,7 +170,7 @@ class NgramCache:
 def ngram_of(tokens: Sequence[int], start: int, size: int) -> Ngram:
     """The cache key of ``tokens[start:start+size]`` (``common_ngram``: padded with -1 to 4 tokens)."""
     pad = (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
-    return tuple(tokens[start:start + size]) + pad
+    return tuple(tokens[start : start + size]) + pad
 
 
 def ngram_cache_update(cache: NgramCache, ngram_min: int, ngram_max: int, inp: Sequence[int], nnew: int) -> None:
@@ -160,7 +180,7 @@ def ngram_cache_update(cache: NgramCache, ngram_min: int, ngram_max: int, inp: S
     for size in range(ngram_min, ngram_max + 1):
         pad = (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
         for i in range(max(n - nnew, size), n):
-            cache.count(tuple(inp[i - size:i]) + pad, inp[i])
+            cache.count(tuple(inp[i - size : i]) + pad, inp[i])
 
 
 def _try_draft_static(nc_static: NgramCache, ngram_static: Ngram) -> int:
@@ -193,8 +213,13 @@ def _best_weighted(cache: NgramCache, key: Ngram, part_static: Mapping[int, int]
     return cache.first_in_order(key, tied)
 
 
-def _try_draft(nc_primary: NgramCache, ngrams_primary: list[Ngram], part_static: Mapping[int, int],
-               min_sample_size: tuple[int, ...], min_percent: tuple[int, ...]) -> int:
+def _try_draft(
+    nc_primary: NgramCache,
+    ngrams_primary: list[Ngram],
+    part_static: Mapping[int, int],
+    min_sample_size: tuple[int, ...],
+    min_percent: tuple[int, ...],
+) -> int:
     for i in range(len(ngrams_primary) - 1, -1, -1):
         key = ngrams_primary[i]
         part = nc_primary.get(key)
@@ -210,8 +235,16 @@ def _try_draft(nc_primary: NgramCache, ngrams_primary: list[Ngram], part_static:
     return LLAMA_TOKEN_NULL
 
 
-def ngram_cache_draft(inp: Sequence[int], draft: list[int], n_draft: int, ngram_min: int, ngram_max: int,
-                      nc_context: NgramCache, nc_dynamic: NgramCache, nc_static: NgramCache) -> None:
+def ngram_cache_draft(
+    inp: Sequence[int],
+    draft: list[int],
+    n_draft: int,
+    ngram_min: int,
+    ngram_max: int,
+    nc_context: NgramCache,
+    nc_dynamic: NgramCache,
+    nc_static: NgramCache,
+) -> None:
     """Append up to ``n_draft`` tokens to ``draft`` (which holds the last sampled token, as in
     ``common_ngram_cache_draft``): each from the context cache (lax thresholds), else the dynamic cache
     (strict), else the static cache; the context and dynamic candidates are weighed by the static counts."""
@@ -227,18 +260,21 @@ def ngram_cache_draft(inp: Sequence[int], draft: list[int], n_draft: int, ngram_
 
     while len(draft) - 1 < n_draft:
         start = n - LLAMA_NGRAM_STATIC + len(draft) - 1
-        ngram_static = tuple(token_at(j) for j in range(start, start + LLAMA_NGRAM_STATIC)) + (
-            LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - LLAMA_NGRAM_STATIC)
+        ngram_static = tuple(token_at(j) for j in range(start, start + LLAMA_NGRAM_STATIC)) + (LLAMA_TOKEN_NULL,) * (
+            LLAMA_NGRAM_MAX - LLAMA_NGRAM_STATIC
+        )
         part_static = nc_static.get(ngram_static) or {}
         ngrams_cd = []
         for size in range(ngram_min, ngram_max + 1):
             start = n - size + len(draft) - 1
-            ngrams_cd.append(tuple(token_at(j) for j in range(start, start + size)) + (
-                LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size))
+            ngrams_cd.append(
+                tuple(token_at(j) for j in range(start, start + size)) + (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
+            )
         token = _try_draft(nc_context, ngrams_cd, part_static, DRAFT_MIN_SAMPLE_SIZE_LAX, DRAFT_MIN_PERCENT_LAX)
         if token == LLAMA_TOKEN_NULL:
-            token = _try_draft(nc_dynamic, ngrams_cd, part_static, DRAFT_MIN_SAMPLE_SIZE_STRICT,
-                               DRAFT_MIN_PERCENT_STRICT)
+            token = _try_draft(
+                nc_dynamic, ngrams_cd, part_static, DRAFT_MIN_SAMPLE_SIZE_STRICT, DRAFT_MIN_PERCENT_STRICT
+            )
         if token == LLAMA_TOKEN_NULL:
             token = _try_draft_static(nc_static, ngram_static)
         if token == LLAMA_TOKEN_NULL:
@@ -291,10 +327,10 @@ def ngram_cache_load(path: str | PathLike[str]) -> NgramCache:
     while i < end:
         if i + 5 > end:
             raise ValueError(f"{path}: record at byte {4 * i} is truncated")
-        key, ntokens = tuple(values[i:i + 4]), values[i + 4]
+        key, ntokens = tuple(values[i : i + 4]), values[i + 4]
         if ntokens <= 0 or i + 5 + 2 * ntokens > end:
             raise ValueError(f"{path}: record at byte {4 * i} has ntokens={ntokens} (file of {len(data)} bytes)")
-        pairs = values[i + 5:i + 5 + 2 * ntokens]
+        pairs = values[i + 5 : i + 5 + 2 * ntokens]
         counts = pairs[1::2]
         if min(counts) <= 0:
             raise ValueError(f"{path}: record at byte {4 * i} has a count ≤ 0")
@@ -336,13 +372,14 @@ class NgramCacheDrafter(Drafter):
     def _draft_one(self, req: DraftRequest) -> None:
         slot, prompt = req.id_slot, req.tokens
         if self.cache_size[slot] < len(prompt) + 1:
-            tokens_new = list(prompt[self.cache_size[slot]:])
+            tokens_new = list(prompt[self.cache_size[slot] :])
             tokens_new.append(req.id_last)
             ngram_cache_update(self.context[slot], LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, tokens_new, len(tokens_new))
             self.cache_size[slot] = len(prompt) + 1
-        tail = list(prompt[-(LLAMA_NGRAM_MAX - 1):])
+        tail = list(prompt[-(LLAMA_NGRAM_MAX - 1) :])
         tail.append(req.id_last)  # the draft reads the last LLAMA_NGRAM_MAX tokens of the input only
         draft = [req.id_last]
-        ngram_cache_draft(tail, draft, self.n_draft, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX,
-                          self.context[slot], self.dynamic, self.static)
+        ngram_cache_draft(
+            tail, draft, self.n_draft, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, self.context[slot], self.dynamic, self.static
+        )
         req.result[:] = draft[1:]

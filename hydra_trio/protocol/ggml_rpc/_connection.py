@@ -124,8 +124,11 @@ class GgmlRpcConnection(ConnectionState):
         return self._replies.low_water(cap)
 
     # ------------------------------------------------------------ both
-    def _pass(self, direction: RequestFramer | ReplyTracker, data: bytes | bytearray | memoryview,
-              ) -> list[bytes | memoryview]:
+    def _pass(
+        self,
+        direction: RequestFramer | ReplyTracker,
+        data: bytes | bytearray | memoryview,
+    ) -> list[bytes | memoryview]:
         if self._error is not None:
             raise self._error
         try:
