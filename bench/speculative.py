@@ -206,7 +206,7 @@ def start_llama(binary: Path, model: Path, kind: str, draft: Path) -> tuple[subp
 
 
 def start_hydra(entry: str, draft: Path) -> tuple[subprocess.Popen, int]:
-    """hydra-trio with ``entry``'s type and, after a ``:``, its own extra flags (``suffix:--spec-budget-row-cost 0``)."""
+    """hydra-trio with ``entry``'s type and, after a ``:``, its own flags (``suffix:--spec-budget-row-cost 0``)."""
     kind, _, extra = entry.partition(":")
     proc, port = spawn(
         "-t",
