@@ -30,7 +30,7 @@ import trio
 
 from ..engine import BlobBuffer
 from ..errors import HydraTrioError, InvalidRequest, NotSupported
-from ..protocol.hydra import Op, Status, encode_response, is_store_op
+from ..protocol.hydra import Op, Status, encode_response, is_store_op, op_name
 from ..service.metrics import NodeMetrics
 from ..transport.net import wait_peer_closed
 from .gate import ConnectionTrust
@@ -120,7 +120,7 @@ class ServerConnection:
         """
         self.requests += 1
         t0 = time.perf_counter()
-        name = Op(req.op).name if req.op in Op._value2member_map_ else f"0x{req.op:02x}"
+        name = op_name(req.op)
         status: Status | None = Status.OK
         ctx: OpContext | None = None
         try:

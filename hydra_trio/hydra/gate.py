@@ -31,7 +31,7 @@ import logging
 from typing import Any
 
 from ..errors import InvalidRequest
-from ..protocol.hydra import Op
+from ..protocol.hydra import Op, op_name
 from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
 from ..validation import strict
 from ..validation.strict import MessageError
@@ -91,7 +91,7 @@ class ConnectionTrust:
             InvalidRequest: BAD_REQUEST with ``refused`` in its meta, for a wrong token or a
                 control op on an untrusted connection.
         """
-        name = Op(op).name if op in Op._value2member_map_ else f"0x{op:02x}"
+        name = op_name(op)
         if op == Op.CONFIGURE:
             payload, answer = self._configure_auth(payload, name)
             if answer is not None:

@@ -114,6 +114,14 @@ class Op(enum.IntEnum):
     PIPELINE_ATTACH = 0x46
 
 
+def op_name(op: int) -> str:
+    """The opcode's name (``Op.NAME``), or ``0x..`` for a byte that is no opcode (log lines, metrics)."""
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"0x{op:02x}"
+
+
 def is_store_op(op: int) -> bool:
     """True for Store-service opcodes (``0x01``-``0x15`` and ``0x33``).
 
