@@ -345,9 +345,8 @@ class ModelLifecycle:
             identity = ModelIdentity(model_alias=alias or path.stem, model_path=str(path),
                                      model_hash=qs.file_hash(path), kv_identity_hash=identity_hash(kv_identity(new)))
             kv_preserved = identity.kv_identity_hash == old_identity.kv_identity_hash
-            blobs = ([(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in self.slots
-                      if s.n_past and not s.holds_media]  # a slot holding media starts empty
-                     if kv_preserved else [])
+            blobs = ([(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in self.slots if s.n_past]
+                     if kv_preserved else [])  # a slot holding media too: its blob carries its media layout
         except Exception:
             new.close()
             raise
