@@ -674,8 +674,8 @@ def restore_slot(
         # llama.cpp cleared the sequence on failure: put the old state back, and check that it went back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         if backup is None or put_back(m, id_slot, backup):
-            raise StateError("llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
-                             slot_cleared=False)
+            raise StateError("llama.cpp rejected the KV state, or it holds other positions than the blob's tokens "
+                             "and media layout give (see the node's log); the slot is unchanged", slot_cleared=False)
         # even the put-back failed: the slot must claim no token its KV cache does not hold
         lost = len(slot.cache_tokens)
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
