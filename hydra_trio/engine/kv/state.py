@@ -1,11 +1,11 @@
 """Slot KV state blobs: save and restore one slot's KV cache (llama.cpp's per-sequence state API).
 
-Blob format, version 3 (all integers little-endian; documented in
+Blob format, versions 3 to 5 (all integers little-endian; documented in
 ``docs/protocol-notes.md``)::
 
     offset  size        field
     0       4           magic  b"HYKV"
-    4       2           format version (3; version 2 blobs are still read)
+    4       2           format version (3, 4 or 5; version 2 blobs are still read)
     6       2           kv_format: 1 = one KV stream (portable across n_parallel),
                         0 = llama.cpp's raw sequence state (same n_parallel only)
     8       4           n_tokens: tokens in the slot's KV cache (= n_past)
@@ -15,15 +15,28 @@ Blob format, version 3 (all integers little-endian; documented in
     60      32          KV identity hash: raw SHA-256 of the identity JSON     (version 3)
     92      4           ident_len: bytes of the identity JSON                   (version 3)
     96      ident_len   the KV identity, canonical JSON (engine/kv/kv_identity.py) (version 3)
-    ...     4*n_tokens  the slot's tokens (u32 each)
+    ...     4           media_len: bytes of the media layout that follow         (version 5)
+    ...     media_len   the slot's media layout, canonical JSON (:func:`media_json`) (version 5)
+    ...     4*n_tokens  the slot's tokens (u32 each; a media cell's placeholder, an int32, as its u32)
     ...     kv_len      llama_state_seq_get_data() output for the slot's sequence
-    ...     4           extra_len: bytes of the drafters' state that follow     (version 4)
+    ...     4           extra_len: bytes of the drafters' state that follow     (versions 4, 5)
     ...     extra_len   the slot's speculative-decoding state (``draft-mtp``'s MTP sequence;
-                        :meth:`~hydra_trio.engine.speculative.base.Drafter.get_state`)  (version 4)
+                        :meth:`~hydra_trio.engine.speculative.base.Drafter.get_state`)  (versions 4, 5)
 
 A node writes version 4 only when its drafters keep state for the slot (``--spec-type draft-mtp``,
 ``draft-simple``), else version 3, so a node without them reads what it is sent; a node that does not
 speculate restores a version 4 blob's KV and ignores the drafters' part.
+
+A slot holding media (an image's or audio clip's embeddings) gives version 5: version 4 (its drafters' part
+maybe empty) and the media layout of its cached tokens, ``{"chunks": [{"id", "kind", "n_pos", "n_tokens",
+"start"}, ...]}``, before the tokens.  llama.cpp's sequence state already holds each cell's position and, for
+M-RoPE models, its extra position dimensions, so the KV bytes are whole; the layout is what a slot needs to go
+on (the position after the media: :meth:`~hydra_trio.engine.llama.media.MediaLayout.pos`) and to match a
+returning prompt's media by id.  It is checked strictly before the slot is touched (:func:`parse_media`,
+:func:`check_media_tokens`: :class:`MediaLayoutError`, HTTP 400 / Hydra BAD_REQUEST), and the KV applied must
+end at the layout's position.  A node without a projector takes such a blob (the KV identity pins the language
+model; the slot decodes on, and a request with media there is refused as always); the restored layout's
+chunks have no projector input, which no evaluation needs (a request's chunks come from its own prompt).
 
 Version 2 has no identity (its tokens start at 60): such a blob restores
 only on a node whose model file has the same hash.  A version 3 blob from
@@ -49,7 +62,7 @@ the target.  That is what lets a slot move between nodes with different slot
 counts.
 
 A blob is checked whole (magic, version, lengths, model hash, token count
-against the slot's context) *before* anything touches the slot, and the
+against the slot's context, the media layout) *before* anything touches the slot, and the
 restore is all or nothing: when llama.cpp rejects the KV bytes, the slot's
 previous state is put back.
 """
@@ -641,8 +654,12 @@ def restore_slot(
 
     Raises:
         StateError: the blob is invalid or of a model it may not restore on
-            (see :func:`check_blob`) or llama.cpp rejected its KV bytes; in
-            every case the slot is as it was.
+            (see :func:`check_blob`), its media layout disagrees with its tokens
+            (:class:`MediaLayoutError`), or llama.cpp rejected its KV bytes (or they
+            end at another position than the tokens give); in every case the slot
+            is as it was.
+
+    The slot gets the blob's tokens and, from a version 5 blob, its media layout (:meth:`Slot.hold`).
     """
     identity = kv_identity(m)
     header = check_blob(blob, model_hash, slot.n_ctx, identity=identity, allow_cross_model_kv=allow_cross_model_kv,
