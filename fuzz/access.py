@@ -70,16 +70,22 @@ def snapshot() -> dict:
     props = httpx.get(_base() + "/props", headers=_auth(), timeout=TIMEOUT).json()
     slots = httpx.get(_base() + "/slots", headers=_auth(), timeout=TIMEOUT).json()
     _, info, _ = hydra_exchange(Op.INFO)
-    return {"params": props["default_generation_settings"]["params"], "mode": info["mode"],
-            "n_past": [s["n_past"] for s in slots]}
+    return {
+        "params": props["default_generation_settings"]["params"],
+        "mode": info["mode"],
+        "n_past": [s["n_past"] for s in slots],
+    }
 
 
 def raw_http(method: str, path: str, header: bytes) -> tuple[int, bytes]:
     """One HTTP/1.1 request with ``header`` (a whole ``Name: value`` line, sent as it is) over a raw
     socket, ``Connection: close``; ``(status, body)``.  (httpx refuses to send odd header values.)"""
     with socket.create_connection(("127.0.0.1", int(TARGET["port"])), timeout=TIMEOUT) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 0\r\n".encode() + header
-                  + b"\r\nConnection: close\r\n\r\n")
+        s.sendall(
+            f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 0\r\n".encode()
+            + header
+            + b"\r\nConnection: close\r\n\r\n"
+        )
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -96,8 +102,11 @@ class AccessMachine(RuleBasedStateMachine):
         self.before = snapshot()
         self.steps = 0
 
-    @rule(key=_header_bytes, scheme=st.sampled_from([b"Bearer ", b"bearer ", b"", b"Basic ", b"Bearer  "]),
-          path=st.sampled_from(["/v1/models", "/v1/chat/completions", "/slots", "/props", "/metricsx", "/v1/events"]))
+    @rule(
+        key=_header_bytes,
+        scheme=st.sampled_from([b"Bearer ", b"bearer ", b"", b"Basic ", b"Bearer  "]),
+        path=st.sampled_from(["/v1/models", "/v1/chat/completions", "/slots", "/props", "/metricsx", "/v1/events"]),
+    )
     def wrong_api_key(self, key: bytes, scheme: bytes, path: str) -> None:
         if bearer_key([(b"authorization", scheme + key)]) == str(TARGET["key"]).encode():
             return
@@ -124,8 +133,12 @@ class AccessMachine(RuleBasedStateMachine):
         assert status == Status.BAD_REQUEST and body == b"", (op, status, meta)
         assert meta.get("refused") in ("not_allowed", "invalid_token") and meta.get("error"), meta
 
-    @rule(token=st.one_of(_json_values, st.text(max_size=40)), extra=st.dictionaries(
-        st.sampled_from(["temperature", "seed", "top_k", "n_ctx", "model", "bogus"]), _json_values, max_size=3))
+    @rule(
+        token=st.one_of(_json_values, st.text(max_size=40)),
+        extra=st.dictionaries(
+            st.sampled_from(["temperature", "seed", "top_k", "n_ctx", "model", "bogus"]), _json_values, max_size=3
+        ),
+    )
     def wrong_token(self, token: object, extra: dict) -> None:
         if token == TARGET["token"]:
             return

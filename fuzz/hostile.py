@@ -18,8 +18,8 @@ import time
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from hydra_trio.engine.settings import INT32_MAX
 from hydra_trio.engine.kv.state import HEADER_SIZE
+from hydra_trio.engine.settings import INT32_MAX
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
 from . import wire
@@ -75,6 +75,7 @@ def _f32(x: float) -> float:
 def _read(raw: str) -> float | None:
     """The JSON number ``raw`` as llama-server's JSON library holds it (a boolean is 1 or 0), or None for text
     that is not JSON (NaN, Infinity)."""
+
     def not_json(name: str) -> float:
         raise ValueError(name)
 
@@ -117,8 +118,10 @@ class HostileRules(RuleBasedStateMachine):
     def long_request_outlives_timeouts(self, n: int) -> None:
         """A non-streamed request silent for longer than the server's client timeouts still answers in full."""
         wire.STATS["http"] += 1
-        r = self.http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": n,
-                                                    "ignore_eos": True, "temperature": 0})
+        r = self.http.post(
+            "/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": n, "ignore_eos": True, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == n
         assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -130,8 +133,10 @@ class HostileRules(RuleBasedStateMachine):
         wire.STATS["disconnects"] += 1
         body = json.dumps({"prompt": "Hello", "max_tokens": n, "ignore_eos": True, "stream": stream}).encode()
         with wire.connect() as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             time.sleep(after)
 
     @rule(field=st.sampled_from(sorted(RULES)), value=st.one_of(_huge_ints, _nasty_floats))
@@ -158,7 +163,10 @@ class HostileRules(RuleBasedStateMachine):
             message = r.json()["error"]["message"]
             assert message.startswith(field + ":") or message.startswith("invalid JSON"), (field, raw, message)
 
-    @rule(slot=st.integers(0, 1), flips=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 7)), min_size=1, max_size=4))
+    @rule(
+        slot=st.integers(0, 1),
+        flips=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 7)), min_size=1, max_size=4),
+    )
     @timeouts_are_findings
     def corrupt_blob(self, slot: int, flips: list[tuple[int, int]]) -> None:
         """A STATE_GET blob with flipped bits: STATE_PUT refuses it and the slot is unchanged."""
@@ -219,8 +227,20 @@ def _settings() -> dict[str, object]:
     got = wire.hydra_exchange([encode_request(Op.INFO)])
     assert got is not None and got[0] == Status.OK
     meta = got[1]
-    return {k: meta.get(k) for k in ("sampling_defaults", "state_chunk_size", "mode", "peer_addr", "layer_split",
-                                     "n_ctx", "n_slots", "model_hash", "quant")}
+    return {
+        k: meta.get(k)
+        for k in (
+            "sampling_defaults",
+            "state_chunk_size",
+            "mode",
+            "peer_addr",
+            "layer_split",
+            "n_ctx",
+            "n_slots",
+            "model_hash",
+            "quant",
+        )
+    }
 
 
 __all__ = ["RULES", "HostileRules"]

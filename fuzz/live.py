@@ -24,19 +24,17 @@ import httpx
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
+from hydra_trio.http.settings import HttpSettings
+from hydra_trio.protocol import ggml_rpc as _g
 from hydra_trio.protocol.hydra import (
     Op,
     Status,
     encode_request,
 )
 
-from hydra_trio.http.settings import HttpSettings
-from hydra_trio.protocol import ggml_rpc as _g
-
 from . import wire
 from .findings import FINDINGS, timeouts_are_findings
 from .hostile import HostileRules
-from .wire import STATS, configure
 from .strategies import (
     RPC_BUFFER_SIZE,
     GgmlRpcMutant,
@@ -47,21 +45,22 @@ from .strategies import (
     StatusRead,
     deep_grammars,
     deep_json_bodies,
+    extreme_schemas,
     ggml_rpc_hellos,
     ggml_rpc_mutants,
     ggml_rpc_silent_openings,
-    extreme_schemas,
     ggml_rpc_truncated,
     http_requests,
-    many_part_chat_bodies,
     long_prompts,
     long_request_lists,
+    many_part_chat_bodies,
     nearly_valid_requests,
     random_first_bytes,
     status_reads,
     valid_requests,
     wide_and_deep_schemas,
 )
+from .wire import STATS, configure
 
 STATUS_READ_LIMIT = 10.0
 """Seconds a status read may take while a slot evaluates a long prompt: it answers from the engine's
@@ -92,8 +91,13 @@ class LiveServerMachine(HostileRules):
     @timeouts_are_findings
     def http_chat(self, content: str, max_tokens: int, stream: bool, slot: int) -> None:
         STATS["http"] += 1
-        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream,
-                "temperature": 0, "id_slot": slot}
+        body = {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "temperature": 0,
+            "id_slot": slot,
+        }
         r = self.http.post("/v1/chat/completions", json=body)
         # llama-server's rules: an id_slot past the last slot wraps around (id_slot % n_slots); a budget of 0
         # evaluates the prompt and still reports the one token sampled from it
@@ -105,10 +109,16 @@ class LiveServerMachine(HostileRules):
             assert reply["usage"]["completion_tokens"] <= max(max_tokens, 1)
             assert reply["id_slot"] == slot % int(wire.TARGET["n_slots"]) if slot >= 0 else True  # type: ignore[call-overload]
 
-    @rule(body=st.one_of(st.binary(max_size=300), st.recursive(
-        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
-        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20,
-    ).map(lambda v: json.dumps(v).encode())))
+    @rule(
+        body=st.one_of(
+            st.binary(max_size=300),
+            st.recursive(
+                st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+                lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                max_leaves=20,
+            ).map(lambda v: json.dumps(v).encode()),
+        )
+    )
     @timeouts_are_findings
     def http_bad_body(self, body: bytes) -> None:
         STATS["http"] += 1
@@ -124,8 +134,11 @@ class LiveServerMachine(HostileRules):
         """A schema is converted, or refused with a 400 naming why (the schema's limit; for a schema nested past
         the body's depth limit, the body's); never a 500, never a hang."""
         STATS["http"] += 1
-        r = _post_sized(self.http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                             "max_tokens": 0, "json_schema": schema})
+        r = _post_sized(
+            self.http,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "json_schema": schema},
+        )
         if r is not None and r.status_code == 400:
             message = r.json()["error"]["message"]
             assert message.startswith("json_schema") or "nested deeper than" in message, r.text[:300]
@@ -183,8 +196,11 @@ class LiveServerMachine(HostileRules):
         STATS["http"] += n
 
         def one(i: int) -> int:
-            r = httpx.post(wire.base() + "/v1/completions", timeout=wire.TIMEOUT,
-                           json={"prompt": f"Item {i}:", "max_tokens": tokens, "temperature": 0})
+            r = httpx.post(
+                wire.base() + "/v1/completions",
+                timeout=wire.TIMEOUT,
+                json={"prompt": f"Item {i}:", "max_tokens": tokens, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
             return r.json()["usage"]["completion_tokens"]
 
@@ -238,8 +254,10 @@ class LiveServerMachine(HostileRules):
         def prefill() -> None:
             try:
                 with httpx.Client(base_url=wire.base(), timeout=wire.TIMEOUT * 5) as c:
-                    out["r"] = c.post("/completion", json={"prompt": text, "n_predict": 1, "id_slot": slot,
-                                                           "cache_prompt": False, "temperature": 0})
+                    out["r"] = c.post(
+                        "/completion",
+                        json={"prompt": text, "n_predict": 1, "id_slot": slot, "cache_prompt": False, "temperature": 0},
+                    )
             finally:
                 done.set()
 

@@ -31,7 +31,16 @@ from pathlib import Path
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from hydra_trio.protocol.hydra import NEED_DATA, Op, PayloadChunk, ResponseDecoder, ResponseEnded, ResponseStarted, Status, encode_request
+from hydra_trio.protocol.hydra import (
+    NEED_DATA,
+    Op,
+    PayloadChunk,
+    ResponseDecoder,
+    ResponseEnded,
+    ResponseStarted,
+    Status,
+    encode_request,
+)
 
 from . import access, wire
 from .findings import StepTimeout, timeouts_are_findings
@@ -61,9 +70,23 @@ def make_certs(d: Path) -> dict[str, Path]:
 
 def server_flags(certs: dict[str, Path], key: str, token: str) -> list[str]:
     """The access node's flags (see the module docstring); ``--host`` is the caller's choice."""
-    return ["--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"]), "--tls-required",
-            "--api-key", key, "--control-allow", "10.0.0.0/8", "--hydra-token", token, "--rpc-allow", "127.0.0.0/8",
-            "--classify-timeout", str(CLASSIFY_TIMEOUT)]
+    return [
+        "--tls-cert",
+        str(certs["cert"]),
+        "--tls-key",
+        str(certs["key"]),
+        "--tls-required",
+        "--api-key",
+        key,
+        "--control-allow",
+        "10.0.0.0/8",
+        "--hydra-token",
+        token,
+        "--rpc-allow",
+        "127.0.0.0/8",
+        "--classify-timeout",
+        str(CLASSIFY_TIMEOUT),
+    ]
 
 
 def own_address() -> str | None:
@@ -254,8 +277,10 @@ class TlsMachine(RuleBasedStateMachine):
             except TimeoutError:
                 raise StepTimeout("plain from outside not closed within the classify timeout") from None
 
-    @rule(key=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40),
-          path=st.sampled_from(["/v1/models", "/slots", "/props", "/v1/completions"]))
+    @rule(
+        key=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40),
+        path=st.sampled_from(["/v1/models", "/slots", "/props", "/v1/completions"]),
+    )
     @timeouts_are_findings
     def wrong_key_over_https(self, key: str, path: str) -> None:
         if key == access.TARGET["key"]:

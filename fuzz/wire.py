@@ -28,8 +28,18 @@ from .findings import StepTimeout
 
 TIMEOUT = 60.0  # seconds any single exchange may take: generous, so that only a hang reaches it
 TARGET: dict[str, object] = {"port": None, "n_slots": 2}
-STATS: dict[str, int] = {"examples": 0, "steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0,
-                         "prefill_status_reads": 0}
+STATS: dict[str, int] = {
+    "examples": 0,
+    "steps": 0,
+    "http": 0,
+    "hydra": 0,
+    "ggml_rpc": 0,
+    "garbage": 0,
+    "disconnects": 0,
+    "prefill_status_reads": 0,
+}
+
+
 def configure(port: int, n_slots: int, timeout: float | None = None) -> None:
     """Point the machine at a server on 127.0.0.1:``port`` with ``n_slots`` slots (and a step timeout, seconds)."""
     global TIMEOUT
@@ -56,9 +66,7 @@ def connect() -> socket.socket:
     return socket.create_connection(("127.0.0.1", port()), timeout=TIMEOUT)
 
 
-def hydra_exchange(
-    frames: list[bytes], pause: float = 0.0, half_close: bool = False
-) -> tuple[int, dict, bytes] | None:
+def hydra_exchange(frames: list[bytes], pause: float = 0.0, half_close: bool = False) -> tuple[int, dict, bytes] | None:
     """Send ``frames`` (pieces of one request) and read one reply; None if the server closed instead.
 
     ``half_close`` sends EOF after the frames (for frames that may declare

@@ -24,6 +24,20 @@ from fuzz.strategies import (
     split_at,
     valid_requests,
 )
+from hydra_trio.hydra.messages import (
+    MessageError,
+    PipelineAttachRequest,
+    SetExpertModeRequest,
+    clamp_state_chunk_size,
+    classify_configure_keys,
+    parse_configure,
+    parse_decode,
+    parse_peer,
+    parse_prefill,
+    parse_set_expert_mode,
+    structure_json,
+)
+from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from hydra_trio.protocol.hydra import (
     DECODE_FLAG_FINAL,
     DECODE_FLAG_PAD,
@@ -57,20 +71,6 @@ from hydra_trio.protocol.hydra import (
     is_store_op,
     pack_decode_frame,
     unpack_decode_frames,
-)
-from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from hydra_trio.hydra.messages import (
-    MessageError,
-    PipelineAttachRequest,
-    SetExpertModeRequest,
-    clamp_state_chunk_size,
-    classify_configure_keys,
-    parse_configure,
-    parse_decode,
-    parse_peer,
-    parse_prefill,
-    parse_set_expert_mode,
-    structure_json,
 )
 
 
@@ -155,10 +155,7 @@ def test_encode_request_layout() -> None:
     b = encode_request(Op.DECODE, "3", b"{}", "tr-1", flags=0)
     assert b[:16] == RequestHeader(0x43, 0, 1, 2, 4).pack()
     assert b[16:] == b"3tr-1{}"
-    assert (
-        encode_request_header(Op.STATE_PUT, "0", "", 10)
-        == RequestHeader(0x31, 0, 1, 10, 0).pack() + b"0"
-    )
+    assert encode_request_header(Op.STATE_PUT, "0", "", 10) == RequestHeader(0x31, 0, 1, 10, 0).pack() + b"0"
     with pytest.raises(ValueError):
         encode_request(Op.INFO, "k" * 70000)
 
@@ -389,9 +386,7 @@ _json_meta = st.dictionaries(
     ),
     st.data(),
 )
-def test_response_any_chunking(
-    frames: list[tuple[Status, dict[str, Any], bytes]], data: st.DataObject
-) -> None:
+def test_response_any_chunking(frames: list[tuple[Status, dict[str, Any], bytes]], data: st.DataObject) -> None:
     stream = b"".join(encode_response(s, m, p) for s, m, p in frames)
     dec = ResponseDecoder()
     out: list[tuple[int, dict[str, Any], bytes]] = []
@@ -478,8 +473,11 @@ def test_two_frames_in_one_chunk_give_two_frames_of_events() -> None:
     assert first == [RequestStarted(RequestHeader(Op.INFO, 0, 0, 0, 1), "", "a"), RequestEnded()]
     assert dec.unread == REQUEST_HEADER_SIZE + 2 + 2  # the second frame waits, unread, until asked for
     rest = pull(dec)
-    assert rest == [RequestStarted(RequestHeader(Op.PREFILL, 0, 1, 2, 1), "1", "b"), PayloadChunk(b"{}"),
-                    RequestEnded()]
+    assert rest == [
+        RequestStarted(RequestHeader(Op.PREFILL, 0, 1, 2, 1), "1", "b"),
+        PayloadChunk(b"{}"),
+        RequestEnded(),
+    ]
     assert dec.next_event() is NEED_DATA and dec.idle
     resp = ResponseDecoder()
     resp.receive_data(encode_response(Status.OK, {"a": 1}) + encode_response(Status.NOT_FOUND, {"error": "x"}))
@@ -516,9 +514,7 @@ def test_bytes_received_twice_before_reading_are_read_in_order() -> None:
 
 @given(
     st.lists(
-        st.tuples(
-            st.integers(0, 2**32 - 1), st.floats(width=32, allow_nan=False), st.integers(0, 255)
-        ),
+        st.tuples(st.integers(0, 2**32 - 1), st.floats(width=32, allow_nan=False), st.integers(0, 255)),
         max_size=20,
     )
 )

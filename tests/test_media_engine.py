@@ -23,9 +23,9 @@ import trio
 
 from hydra_trio.engine import MEDIA_MARKER, MediaTokens
 from hydra_trio.engine.engine import Engine
+from hydra_trio.engine.kv.state import MediaLayoutError, blob_checksum, verify_checksum
 from hydra_trio.engine.requests import CompletionJob, Finished, JobRun
 from hydra_trio.engine.settings import LlamaOptions, SamplingParams
-from hydra_trio.engine.kv.state import MediaLayoutError, blob_checksum, verify_checksum
 from hydra_trio.engine.tasks import RestoreSlot, SwapQuant
 from hydra_trio.errors import Cancelled, InvalidRequest
 from hydra_trio.models import tiny_vision
@@ -66,8 +66,7 @@ def prompt_with(engine: Engine, *seeds: int, question: str = "", size: tuple[int
 async def generate(engine: Engine, prompt: MediaTokens, **job: Any) -> tuple[list[int], Finished]:
     fields: dict[str, Any] = {"n_predict": N_PREDICT, "ignore_eos": True, "id_slot": 0, "sampling": GREEDY, **job}
     out: list[int] = []
-    async with JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks,
-                                            **fields)) as run:
+    async with JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, **fields)) as run:
         async for delta in run:
             out.extend(delta.tokens)
         assert run.finished is not None
@@ -156,15 +155,25 @@ async def test_a_slot_holding_media_moves_whole_through_a_blob() -> None:
     async with vision_engine(quants=(("a", path, "tiny-vision"), ("b", path, "tiny-vision"))) as engine:
         prompt = prompt_with(engine, 1)
         (chunk,) = prompt.chunks
-        async with JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, id_slot=0,
-                                                n_predict=0, prompt_only=True, snapshot=True)) as run:
+        async with JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=prompt.tokens,
+                media_chunks=prompt.chunks,
+                id_slot=0,
+                n_predict=0,
+                prompt_only=True,
+                snapshot=True,
+            ),
+        ) as run:
             done = await run.result()
         assert done.state is not None
         n_past, blob = done.state
         header = verify_checksum(blob)
         assert (n_past, header.version, header.n_tokens) == (len(prompt.tokens), 5, len(prompt.tokens))
         assert [(c.id, c.kind, c.start, c.n_tokens, c.n_pos) for c in header.media] == [
-            (chunk.id, "image", chunk.start, IMAGE_TOKENS, IMAGE_POS)]
+            (chunk.id, "image", chunk.start, IMAGE_TOKENS, IMAGE_POS)
+        ]
         saved = bytes(blob.view())
         restored = await engine.run_task(RestoreSlot(1, bytearray(saved)))
         assert restored.n_past == len(prompt.tokens)
@@ -173,9 +182,18 @@ async def test_a_slot_holding_media_moves_whole_through_a_blob() -> None:
         assert slots[1].pos_next == slots[0].pos_next == prompt.n_pos
         on = {}
         for id_slot in (0, 1):
-            async with JobRun(engine, CompletionJob(prompt_tokens=(), continue_slot=True, cache_prompt=True,
-                                                    id_slot=id_slot, n_predict=N_PREDICT, ignore_eos=True,
-                                                    sampling=GREEDY)) as run:
+            async with JobRun(
+                engine,
+                CompletionJob(
+                    prompt_tokens=(),
+                    continue_slot=True,
+                    cache_prompt=True,
+                    id_slot=id_slot,
+                    n_predict=N_PREDICT,
+                    ignore_eos=True,
+                    sampling=GREEDY,
+                ),
+            ) as run:
                 on[id_slot] = [t async for delta in run for t in delta.tokens]
         assert on[1] == on[0] and len(on[0]) == N_PREDICT
         # the image's prompt again on the restored slot: all of it from the cache but the last token
@@ -201,15 +219,28 @@ async def test_a_slot_ending_with_a_restored_image_refuses_to_generate_on_and_a_
         whole = prompt_with(engine, 1)
         # the prompt up to the image's last cell (mtmd puts the projector's end-of-image token after it)
         prompt = attrs.evolve(whole, tokens=whole.tokens[: whole.chunks[0].end])
-        async with JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, id_slot=0,
-                                                n_predict=0, prompt_only=True, snapshot=True)) as run:
+        async with JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=prompt.tokens,
+                media_chunks=prompt.chunks,
+                id_slot=0,
+                n_predict=0,
+                prompt_only=True,
+                snapshot=True,
+            ),
+        ) as run:
             done = await run.result()
         assert done.state is not None
         saved = bytes(done.state[1].view())
         assert (await engine.run_task(RestoreSlot(1, bytearray(saved)))).n_past == len(prompt.tokens)
-        async with JobRun(engine, CompletionJob(prompt_tokens=(), continue_slot=True, cache_prompt=True, id_slot=1,
-                                                n_predict=2, sampling=GREEDY)) as run:
-            with pytest.raises(InvalidRequest, match="ends with media .image. restored from a state blob"):
+        async with JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=(), continue_slot=True, cache_prompt=True, id_slot=1, n_predict=2, sampling=GREEDY
+            ),
+        ) as run:
+            with pytest.raises(InvalidRequest, match=r"ends with media \(image\) restored from a state blob"):
                 await run.result()
         assert engine.scheduler.slots[1].cache_tokens == list(prompt.tokens)
         # the last placeholder changed (checksum made good): refused, slot 1 as it was
@@ -229,8 +260,17 @@ async def test_a_request_cancelled_during_its_images_leaves_whole_chunks() -> No
     async with vision_engine() as engine:
         prompt = prompt_with(engine, 1, 2, 3, size=(448, 448))
         assert len(prompt.chunks) == 3
-        run = JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, id_slot=0,
-                                           n_predict=N_PREDICT, ignore_eos=True, sampling=GREEDY)).submit()
+        run = JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=prompt.tokens,
+                media_chunks=prompt.chunks,
+                id_slot=0,
+                n_predict=N_PREDICT,
+                ignore_eos=True,
+                sampling=GREEDY,
+            ),
+        ).submit()
         await run.started()
         run.close()
         with pytest.raises(Cancelled):

@@ -31,9 +31,19 @@ from .conftest import ServerProcess
 
 PNG = tiny_vision.png_image(3)
 DATA_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
-CHAT = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": DATA_URL}},
-                                                  {"type": "text", "text": "What is in the picture?"}]}],
-        "max_tokens": 4, "temperature": 0}
+CHAT = {
+    "messages": [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": DATA_URL}},
+                {"type": "text", "text": "What is in the picture?"},
+            ],
+        }
+    ],
+    "max_tokens": 4,
+    "temperature": 0,
+}
 N_DECODE = 8
 
 
@@ -42,8 +52,9 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc
     """A: ``tiny-vision`` with its projector, 2 slots, slot files in a directory; B: the same model, no projector."""
     d = tmp_path_factory.mktemp("media_kv")
     (d / "slots").mkdir()
-    a = ServerProcess(d / "a.log", "-m", "tiny-vision", "-np", "2", "-c", "4096", "-t", "1",
-                      "--slot-save-path", str(d / "slots"))
+    a = ServerProcess(
+        d / "a.log", "-m", "tiny-vision", "-np", "2", "-c", "4096", "-t", "1", "--slot-save-path", str(d / "slots")
+    )
     b = ServerProcess(d / "b.log", "-m", "tiny-vision", "--no-mmproj", "-np", "2", "-c", "4096", "-t", "1")
     with a.serving(timeout=300), b.serving(timeout=300):
         yield a, b, d / "slots"
@@ -159,15 +170,23 @@ def test_a_tampered_media_layout_is_refused_naming_why_and_the_slot_is_untouched
         good = {"id": chunk.id, "kind": "image", "n_pos": 4, "n_tokens": 12, "start": chunk.start}
         n = header.n_tokens
         cases = [
-            (with_token(blob, chunk.start + 5, placeholder(chunk.id, 12) - 1),
-             f"token {chunk.start + 5} is {placeholder(chunk.id, 12) - 1}, not the placeholder"),
+            (
+                with_token(blob, chunk.start + 5, placeholder(chunk.id, 12) - 1),
+                f"token {chunk.start + 5} is {placeholder(chunk.id, 12) - 1}, not the placeholder",
+            ),
             (with_token(blob, 0, -7), "token 0 is -7, outside every media chunk"),
-            (with_layout(blob, {"chunks": [{**good, "start": n - 6}]}),
-             f"media chunk 0 (tokens {n - 6}..{n + 5}) lies outside the blob's {n} tokens"),
-            (with_layout(blob, {"chunks": [{**good, "start": chunk.start + 1}]}),
-             f"token {chunk.start} is {placeholder(chunk.id, 12)}, outside every media chunk"),
-            (with_layout(blob, {"chunks": [good, {**good, "start": chunk.start + 6}]}),
-             "media chunk 1 starts at token"),
+            (
+                with_layout(blob, {"chunks": [{**good, "start": n - 6}]}),
+                f"media chunk 0 (tokens {n - 6}..{n + 5}) lies outside the blob's {n} tokens",
+            ),
+            (
+                with_layout(blob, {"chunks": [{**good, "start": chunk.start + 1}]}),
+                f"token {chunk.start} is {placeholder(chunk.id, 12)}, outside every media chunk",
+            ),
+            (
+                with_layout(blob, {"chunks": [good, {**good, "start": chunk.start + 6}]}),
+                "media chunk 1 starts at token",
+            ),
             (with_layout(blob, {"chunks": [{**good, "kind": "video"}]}), "kind 'video' is not one of"),
             (with_layout(blob, {"chunks": []}), "one chunk at least"),
         ]

@@ -201,15 +201,11 @@ class HydraConnection:
         except HydraConnectError:
             raise
         except trio.TooSlowError:
-            raise HydraTimeout(
-                f"connecting to {self.address} took more than {self.timeout:g} s"
-            ) from None
+            raise HydraTimeout(f"connecting to {self.address} took more than {self.timeout:g} s") from None
         except OSError as exc:
             raise HydraConnectError(self.host, self.port, _os_reason(exc)) from exc
         self._stream = stream
-        self._decoder = ResponseDecoder(
-            **({} if self._max_meta is None else {"max_meta": self._max_meta})
-        )
+        self._decoder = ResponseDecoder(**({} if self._max_meta is None else {"max_meta": self._max_meta}))
         self._in_request = False
         self._closed_reason = None
         self._ever_connected = True
@@ -234,19 +230,24 @@ class HydraConnection:
                     elif ev is NEED_DATA:
                         data = await stream.receive_some(CHUNK_SIZE)
                         if not data:
-                            raise HydraConnectionClosed(f"{self.address} closed the connection before answering "
-                                                        "the token", op=Op.CONFIGURE, trace_id=trace_id)
+                            raise HydraConnectionClosed(
+                                f"{self.address} closed the connection before answering the token",
+                                op=Op.CONFIGURE,
+                                trace_id=trace_id,
+                            )
                         self._decoder.receive_data(data)
         except trio.TooSlowError:
             await self._abort("token exchange timed out")
-            raise HydraTimeout(f"{self.address} did not answer the token within {self.timeout:g} s",
-                               op=Op.CONFIGURE, trace_id=trace_id) from None
+            raise HydraTimeout(
+                f"{self.address} did not answer the token within {self.timeout:g} s", op=Op.CONFIGURE, trace_id=trace_id
+            ) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError, HydraConnectionClosed) as exc:
             await self._abort(f"token exchange failed: {exc}")
             if isinstance(exc, HydraConnectionClosed):
                 raise
-            raise HydraConnectionClosed(f"token exchange with {self.address} failed: {exc}",
-                                        op=Op.CONFIGURE, trace_id=trace_id) from exc
+            raise HydraConnectionClosed(
+                f"token exchange with {self.address} failed: {exc}", op=Op.CONFIGURE, trace_id=trace_id
+            ) from exc
         assert started is not None
         if started.header.status != Status.OK:
             await self._abort("the node refused the token")
@@ -341,8 +342,7 @@ class HydraConnection:
             except trio.TooSlowError:
                 await self._abort("receive timed out")
                 raise HydraTimeout(
-                    f"no reply data from {self.address} for {self.timeout:g} s "
-                    f"(op 0x{rs.op:02x}, trace {rs.trace_id})",
+                    f"no reply data from {self.address} for {self.timeout:g} s (op 0x{rs.op:02x}, trace {rs.trace_id})",
                     op=rs.op,
                     trace_id=rs.trace_id,
                 ) from None
@@ -350,8 +350,10 @@ class HydraConnection:
                 await self._abort("connection lost")
                 why = str(exc) or str(exc.__cause__ or "") or type(exc).__name__
                 if isinstance(stream, trio.SSLStream):
-                    why += (" (over TLS: the node may have refused the handshake, e.g. it requires a client "
-                            "certificate: --tls-cert/--tls-key; its log says why)")
+                    why += (
+                        " (over TLS: the node may have refused the handshake, e.g. it requires a client "
+                        "certificate: --tls-cert/--tls-key; its log says why)"
+                    )
                 raise HydraConnectionClosed(
                     f"connection to {self.address} lost: {why}", op=rs.op, trace_id=rs.trace_id
                 ) from exc
@@ -396,9 +398,7 @@ class HydraConnection:
             reply = await self._salvage_reply()
             await self._abort("the server closed the connection while the request was sent")
             if reply is not None and reply.header.status != Status.OK:
-                raise error_for_status(
-                    reply.header.status, reply.meta, op=rs.op, trace_id=rs.trace_id
-                ) from exc
+                raise error_for_status(reply.header.status, reply.meta, op=rs.op, trace_id=rs.trace_id) from exc
             raise HydraConnectionClosed(
                 f"{self.address} closed the connection while the request was sent",
                 op=rs.op,
@@ -458,17 +458,14 @@ class HydraConnection:
                     chunk = await f.read(min(CHUNK_SIZE, left))
                     if not chunk:
                         raise OSError(
-                            f"{os.fspath(path)!r} shrank while being sent "
-                            f"({size - left} of {size} bytes sent)"
+                            f"{os.fspath(path)!r} shrank while being sent ({size - left} of {size} bytes sent)"
                         )
                     await self._send_all(chunk, rs)
                     left -= len(chunk)
 
         return ResponseStream(self, op, key, tid, send, check)
 
-    async def exchange(
-        self, op: int, key: str = "", payload: Payload = b"", trace_id: str | None = None
-    ) -> HydraReply:
+    async def exchange(self, op: int, key: str = "", payload: Payload = b"", trace_id: str | None = None) -> HydraReply:
         """One request, the whole reply in memory, whatever its status
         (no HydraError for a non-OK status; transport errors still raise)."""
         async with self.open_request(op, key, payload, trace_id, check=False) as rs:
@@ -486,7 +483,8 @@ class HydraConnection:
 
     async def _receive_payload_into(self, rs: ResponseStream, view: memoryview) -> int:
         """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
-        ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
+        ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket
+        straight into ``view``
         (`hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
         TLS they are decrypted straight into it on a worker thread (`hydra_trio.transport.tls_bulk.tls_recv_into_view`;
         under 256 KiB left: the decrypted chunks are copied in).  ``timeout`` bounds each wait for progress; errors as
@@ -501,22 +499,26 @@ class HydraConnection:
                 got, closed = await recv_bulk_into(stream, view[pos : pos + left], self.timeout)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 await self._abort("connection lost")
-                raise HydraConnectionClosed(f"connection to {self.address} lost: {exc}", op=rs.op,
-                                            trace_id=rs.trace_id) from exc
+                raise HydraConnectionClosed(
+                    f"connection to {self.address} lost: {exc}", op=rs.op, trace_id=rs.trace_id
+                ) from exc
             pos += got
             rs.received += got
             self._decoder.skip_payload(got)
             if got < left:
                 await self._abort("closed by the server" if closed else "receive timed out")
                 if closed:
-                    raise HydraConnectionClosed(f"{self.address} closed the connection mid-reply", op=rs.op,
-                                                trace_id=rs.trace_id)
-                raise HydraTimeout(f"no reply data from {self.address} for {self.timeout:g} s "
-                                   f"(op 0x{rs.op:02x}, trace {rs.trace_id})", op=rs.op, trace_id=rs.trace_id)
+                    raise HydraConnectionClosed(
+                        f"{self.address} closed the connection mid-reply", op=rs.op, trace_id=rs.trace_id
+                    )
+                raise HydraTimeout(
+                    f"no reply data from {self.address} for {self.timeout:g} s (op 0x{rs.op:02x}, trace {rs.trace_id})",
+                    op=rs.op,
+                    trace_id=rs.trace_id,
+                )
         while not rs.done:  # TLS (or the end event still to come): through the decoder
             pos += self._take_event(rs, view, pos, await self.next_event(rs))
         return pos
-
 
     def _take_event(self, rs: ResponseStream, view: memoryview, pos: int, ev: ResponseEvent) -> int:
         """Apply reply event ``ev`` to ``rs``: a payload chunk is copied to ``view[pos:]``
@@ -529,9 +531,11 @@ class HydraConnection:
             rs.done = True
             self.reply_complete()
             return 0
-        raise HydraProtocolError(f"unexpected {type(ev).__name__} inside a reply payload",  # pragma: no cover
-                                 op=rs.op, trace_id=rs.trace_id)
-
+        raise HydraProtocolError(
+            f"unexpected {type(ev).__name__} inside a reply payload",  # pragma: no cover
+            op=rs.op,
+            trace_id=rs.trace_id,
+        )
 
     async def _salvage_reply(self) -> ResponseStarted | None:
         """A reply header the server sent before closing, read for at most

@@ -11,13 +11,18 @@ into :mod:`hydra_trio.openai.schemas` classes, the same ones the HTTP API uses.
 from __future__ import annotations
 
 import re
-
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ..openai.schemas import N_PREDICT_NAMES, REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
+from ..openai.schemas import (
+    N_PREDICT_NAMES,
+    REASONING_FORMATS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    structure_body,
+)
 from ..validation.address import parse_peer
 from ..validation.strict import (
     Bytes,
@@ -47,7 +52,6 @@ __all__ = [
     "PipelineAttachRequest",
     "SetExpertModeRequest",
     "SwapQuantRequest",
-    "parse_swap_quant",
     "check_tensor_regex",
     "clamp_state_chunk_size",
     "classify_configure_keys",
@@ -57,6 +61,7 @@ __all__ = [
     "parse_peer",
     "parse_prefill",
     "parse_set_expert_mode",
+    "parse_swap_quant",
     "structure_json",
 ]
 
@@ -73,6 +78,7 @@ def structure_json(payload: Bytes, cls: type[Any]) -> Any:
 # Peers
 # --------------------------------------------------------------------------
 
+
 def _peer_validator(_inst: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None:
         parse_peer(value, field=attr.name)
@@ -87,7 +93,8 @@ def _empty_to_none(v: str | None) -> str | None:
 # --------------------------------------------------------------------------
 
 ExpertModeName: TypeAlias = Literal["solo", "combined"]
-"""A SET_EXPERT_MODE mode as the wire names it; the engine's is :class:`hydra_trio.engine.experts.combined.ExpertMode`."""
+"""A SET_EXPERT_MODE mode as the wire names it; the engine's is
+:class:`hydra_trio.engine.experts.combined.ExpertMode`."""
 
 
 @attrs.frozen
@@ -98,9 +105,7 @@ class SetExpertModeRequest:
     Raises MessageError on a bad peer."""
 
     mode: ExpertModeName
-    peer: str | None = attrs.field(
-        default=None, converter=_empty_to_none, validator=_peer_validator
-    )
+    peer: str | None = attrs.field(default=None, converter=_empty_to_none, validator=_peer_validator)
 
 
 _conv.register(SetExpertModeRequest, forbid_extra=True)
@@ -136,7 +141,7 @@ def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
     mode = text.lower()
     if mode not in ("solo", "combined"):
         raise MessageError(f"mode: expected 'solo' or 'combined', got {text[:40]!r}")
-    return SetExpertModeRequest(mode)  # type: ignore[arg-type]
+    return SetExpertModeRequest(mode)  # type: ignore[arg-type]  # one of the two, checked above
 
 
 _NOT_IN_STD_REGEX = re.compile(r"\(\?(?![:=!])|\\[AZzGP]|\(\?P")
@@ -153,8 +158,9 @@ def check_tensor_regex(pattern: str) -> None:
         raise MessageError(f"the regex is {len(pattern)} characters; at most 1024")
     bad = _NOT_IN_STD_REGEX.search(pattern)
     if bad is not None:
-        raise MessageError(f"{bad.group(0)!r} is Python-only regex syntax; llama.cpp matches tensor names with "
-                           "std::regex (ECMAScript)")
+        raise MessageError(
+            f"{bad.group(0)!r} is Python-only regex syntax; llama.cpp matches tensor names with std::regex (ECMAScript)"
+        )
     try:
         re.compile(pattern)
     except re.error as exc:

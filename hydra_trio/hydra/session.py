@@ -24,7 +24,6 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..transport.tls_bulk import receives_bulk, recv_bulk_into
 from ..engine import BlobBuffer, RunningChecksum
 from ..protocol.hydra import (
     NEED_DATA,
@@ -32,9 +31,11 @@ from ..protocol.hydra import (
     ProtocolError,
     RequestDecoder,
     RequestEnded,
+    RequestHeader,
     RequestStarted,
     encode_response,
 )
+from ..transport.tls_bulk import receives_bulk, recv_bulk_into
 
 log = logging.getLogger("hydra_trio.hydra")
 
@@ -225,8 +226,11 @@ def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -
     return req.payload.view()[req.filled : req.filled + left] if left else None
 
 
-async def _handle_events(dec: RequestDecoder, req: HydraRequest | None, protocol: ConnectionProtocol,
-                         ) -> tuple[HydraRequest | None, ProtocolError | None]:
+async def _handle_events(
+    dec: RequestDecoder,
+    req: HydraRequest | None,
+    protocol: ConnectionProtocol,
+) -> tuple[HydraRequest | None, ProtocolError | None]:
     """Read the decoder's events until it needs data into the request in progress; hand each completed
     request to ``protocol``.  Returns the request still in progress and the error that broke the framing
     (the decoder is closed then), or None."""
@@ -264,6 +268,7 @@ async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
     if error.reply:
         h = error.header
         log.warning("hydra: %s; replying %s and closing", error, error.status.name)
-        await stream.send_all(encode_response(error.status, {"error": str(error), "op": h.op if h else None}))
+        op = h.op if isinstance(h, RequestHeader) else None  # a request's framing: its header, if read
+        await stream.send_all(encode_response(error.status, {"error": str(error), "op": op}))
     else:
         log.warning("hydra: %s; closing without a reply", error)

@@ -36,7 +36,6 @@ __all__ = [
     "DECODE_PAD_FRAME",
     "DECODE_PAD_TOKEN",
     "DECODE_STOP_FLAGS",
-    "DecodeFramer",
     "FLAG_COMPRESSED",
     "KNOWN_FLAGS",
     "MAGIC",
@@ -45,6 +44,7 @@ __all__ = [
     "REQUEST_HEADER_SIZE",
     "RESPONSE_HEADER_SIZE",
     "BadMagic",
+    "DecodeFramer",
     "DecoderState",
     "FrameTooLarge",
     "NeedData",
@@ -291,9 +291,7 @@ def _utf8(name: str, s: str, limit: int) -> bytes:
     return b
 
 
-def encode_request_header(
-    op: int, key: str = "", trace_id: str = "", payload_len: int = 0, flags: int = 0
-) -> bytes:
+def encode_request_header(op: int, key: str = "", trace_id: str = "", payload_len: int = 0, flags: int = 0) -> bytes:
     """Header + key + trace_id, for a request whose ``payload_len`` payload
     bytes the caller streams after it. Raises ValueError when a field does
     not fit its wire size (key/trace_id over 65535 UTF-8 bytes, ...)."""
@@ -345,9 +343,7 @@ def encode_response_header(status: int, meta: Mapping[str, Any], payload_len: in
     return ResponseHeader(int(status), len(mb), payload_len).pack() + mb
 
 
-def encode_response(
-    status: int, meta: Mapping[str, Any], payload: bytes | bytearray | memoryview = b""
-) -> bytes:
+def encode_response(status: int, meta: Mapping[str, Any], payload: bytes | bytearray | memoryview = b"") -> bytes:
     """A complete reply frame; raises as `encode_response_header` does."""
     return encode_response_header(status, meta, len(payload)) + bytes(payload)
 
@@ -587,8 +583,10 @@ class _Decoder:
         received are still unread (they come first).
         """
         if self._state is not DecoderState.PAYLOAD or not 0 <= n <= self._remaining or self.unread:
-            raise ValueError(f"skip_payload({n}): {self._remaining} payload bytes left in state {self._state.value}, "
-                             f"{self.unread} received bytes unread")
+            raise ValueError(
+                f"skip_payload({n}): {self._remaining} payload bytes left in state {self._state.value}, "
+                f"{self.unread} received bytes unread"
+            )
         self._remaining -= n
 
     def feed(self, data: Bytes) -> list[Any]:
@@ -662,7 +660,7 @@ class RequestDecoder(_Decoder):
     def next_event(self) -> RequestEvent | NeedData:
         """The next event of the bytes received, or `NEED_DATA`. Raises `BadMagic`, `FrameTooLarge` or
         `ProtocolError` (all with close=True)."""
-        return super().next_event()  # type: ignore[no-any-return]  # the base class's events are untyped
+        return super().next_event()
 
     def feed(self, data: Bytes) -> list[RequestEvent]:
         """`receive_data` then every event `next_event` makes; raises as it does."""
@@ -683,9 +681,7 @@ class RequestDecoder(_Decoder):
                 limit=limit,
             )
         if h.key_len > self.max_key:
-            raise FrameTooLarge(
-                f"key_len {h.key_len} over the limit {self.max_key}", header=h, limit=self.max_key
-            )
+            raise FrameTooLarge(f"key_len {h.key_len} over the limit {self.max_key}", header=h, limit=self.max_key)
         if h.trace_len > self.max_trace:
             raise FrameTooLarge(
                 f"trace_len {h.trace_len} over the limit {self.max_trace}",
@@ -738,7 +734,7 @@ class ResponseDecoder(_Decoder):
     def next_event(self) -> ResponseEvent | NeedData:
         """The next event of the bytes received, or `NEED_DATA`. Raises `FrameTooLarge` or
         `ProtocolError` (close=True)."""
-        return super().next_event()  # type: ignore[no-any-return]  # the base class's events are untyped
+        return super().next_event()
 
     def feed(self, data: Bytes) -> list[ResponseEvent]:
         """`receive_data` then every event `next_event` makes; raises as it does."""

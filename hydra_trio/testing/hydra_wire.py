@@ -47,6 +47,7 @@ class Wire:
                 elif isinstance(ev, PayloadChunk):
                     body += ev.data
                 elif isinstance(ev, ResponseEnded):
+                    assert status is not None and meta is not None  # ResponseStarted came first
                     return status, meta, bytes(body)
             data = self.sock.recv(1 << 20)
             if not data:

@@ -19,6 +19,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from types import GenericAlias
 from typing import Any, Literal, TypeVar, get_args
 
 import attrs
@@ -126,8 +127,6 @@ def _literal_hook(v: Any, t: Any) -> Any:
     raise TypeMismatch(f"expected {want}, got {v!r}")
 
 
-
-
 def _is_list(t: Any) -> bool:
     return t is list or getattr(t, "__origin__", None) is list
 
@@ -168,7 +167,7 @@ class StrictConverter:
         for i, x in enumerate(v):
             try:
                 out.append(hook(x, elem))
-            except Exception as exc:  # noqa: BLE001 - collected into the group
+            except Exception as exc:  # collected into the group
                 exc.__notes__ = [
                     *getattr(exc, "__notes__", []),
                     IterableValidationNote(f"Structuring {t} @ index {i}", i, elem),
@@ -179,7 +178,7 @@ class StrictConverter:
         return out
 
     def _var_tuple_hook(self, v: Any, t: Any) -> tuple[Any, ...]:
-        return tuple(self._list_hook(v, list[get_args(t)[0]]))  # type: ignore[valid-type]
+        return tuple(self._list_hook(v, GenericAlias(list, get_args(t)[0])))  # list[item type]
 
     def register(self, cls: type[Any], *, forbid_extra: bool, keep_raw: bool = False, **overrides: Any) -> None:
         """Read ``cls`` from a JSON object (anything else: "expected object"); ``overrides`` are
@@ -292,17 +291,23 @@ def check_unicode(obj: Any) -> None:
             bad = _SURROGATE.search(v)
             if bad is not None:
                 where = _field_path(path) or "the payload"
-                raise NotUnicode(f"{where}: not valid Unicode (UTF-8 cannot encode it): a lone surrogate U+{ord(bad.group()):04X} at "
-                                 f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
-                                 "pair is fine, a surrogate alone is not)")
+                raise NotUnicode(
+                    f"{where}: not valid Unicode (UTF-8 cannot encode it): "
+                    f"a lone surrogate U+{ord(bad.group()):04X} at "
+                    f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
+                    "pair is fine, a surrogate alone is not)"
+                )
         elif isinstance(v, dict):
             items = list(v.items())
             for k, _ in items:
                 bad = _SURROGATE.search(k)
                 if bad is not None:
                     where = _field_path(path)
-                    raise NotUnicode(f"{where + ': ' if where else ''}key {_show(k)}: not valid Unicode (UTF-8 cannot encode it): a lone "
-                                     f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)")
+                    raise NotUnicode(
+                        f"{where + ': ' if where else ''}key {_show(k)}: "
+                        "not valid Unicode (UTF-8 cannot encode it): a lone "
+                        f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)"
+                    )
             stack.extend((x, [*path, k]) for k, x in reversed(items))
         elif isinstance(v, list):
             stack.extend((x, [*path, i]) for i, x in reversed(list(enumerate(v))))
@@ -324,8 +329,10 @@ class TooDeep(MessageError):
     """JSON nested deeper than :data:`MAX_JSON_DEPTH`; the message names the limit."""
 
     def __init__(self, where: str = "") -> None:
-        super().__init__(f"{where + ': ' if where else ''}nested deeper than {MAX_JSON_DEPTH} levels of arrays and "
-                         "objects (MAX_JSON_DEPTH)")
+        super().__init__(
+            f"{where + ': ' if where else ''}nested deeper than {MAX_JSON_DEPTH} levels of arrays and "
+            "objects (MAX_JSON_DEPTH)"
+        )
 
 
 def json_depth(data: str | Bytes) -> int:

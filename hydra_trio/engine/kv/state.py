@@ -84,14 +84,14 @@ import trio
 import xxhash
 
 from ...errors import HydraTrioError, InvalidRequest
-from .blobbuf import TAIL_ROOM, BlobBuffer, BlobPool
-from .kv_identity import canonical, first_difference, identity_hash, kv_identity
 from ..llama.media import NO_MEDIA, MediaChunk, MediaLayout
 from ..settings import kv_type_name
+from .blobbuf import TAIL_ROOM, BlobBuffer, BlobPool
+from .kv_identity import canonical, first_difference, identity_hash, kv_identity
 
 if TYPE_CHECKING:
-    from ..llama.model import LoadedModel
     from ..batching.slots import Slot
+    from ..llama.model import LoadedModel
 
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 3
@@ -161,8 +161,10 @@ def check_kv_types(identity: dict, blob_identity: dict) -> None:
             f"KV cache types differ: blob K {name(theirs[0])} / V {name(theirs[1])}, "
             f"this node K {name(ours[0])} / V {name(ours[1])}",
             kv_identity_match=False,
-            kv_cache_types={"blob": {"type_k": name(theirs[0]), "type_v": name(theirs[1])},
-                            "node": {"type_k": name(ours[0]), "type_v": name(ours[1])}},
+            kv_cache_types={
+                "blob": {"type_k": name(theirs[0]), "type_v": name(theirs[1])},
+                "node": {"type_k": name(ours[0]), "type_v": name(ours[1])},
+            },
         )
 
 
@@ -266,8 +268,14 @@ def parse_header(data: Blob) -> BlobHeader:
         )
     if kv_format not in (KV_RAW, KV_ONE_STREAM):
         raise StateError(f"state blob KV format {kv_format} is not supported")
-    header = BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format,
-                        checksum=checksum, version=version)
+    header = BlobHeader(
+        n_tokens=n_tokens,
+        model_hash=digest.hex(),
+        kv_len=kv_len,
+        kv_format=kv_format,
+        checksum=checksum,
+        version=version,
+    )
     if version == 2:
         return header
     end = HEADER_SIZE + _IDENT.size
@@ -275,8 +283,9 @@ def parse_header(data: Blob) -> BlobHeader:
         raise StateError(f"state blob too short: {len(data)} bytes, a version 3 header is at least {end}")
     ident_digest, ident_len = _IDENT.unpack_from(data, HEADER_SIZE)
     if ident_len > MAX_IDENTITY_JSON or len(data) < end + ident_len:
-        raise StateError(f"state blob's KV identity is {ident_len} bytes: longer than the blob or than "
-                         f"{MAX_IDENTITY_JSON}")
+        raise StateError(
+            f"state blob's KV identity is {ident_len} bytes: longer than the blob or than {MAX_IDENTITY_JSON}"
+        )
     try:
         identity = json.loads(bytes(data[end : end + ident_len]))
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
@@ -291,15 +300,19 @@ def parse_header(data: Blob) -> BlobHeader:
         (media_len,) = _MEDIA_LEN.unpack_from(data, at)
         at += _MEDIA_LEN.size
         if media_len > MAX_MEDIA_JSON or len(data) < at + media_len:
-            raise StateError(f"state blob's media layout is {media_len} bytes: longer than the blob or than "
-                             f"{MAX_MEDIA_JSON}")
-        header = attrs.evolve(header, media=parse_media(bytes(data[at : at + media_len]), n_tokens),
-                              tokens_at=at + media_len)
+            raise StateError(
+                f"state blob's media layout is {media_len} bytes: longer than the blob or than {MAX_MEDIA_JSON}"
+            )
+        header = attrs.evolve(
+            header, media=parse_media(bytes(data[at : at + media_len]), n_tokens), tokens_at=at + media_len
+        )
     if version >= BLOB_VERSION_EXTRA:
         at = header.kv_end
         if len(data) < at + _EXTRA_LEN.size:
-            raise StateError(f"state blob too short: {len(data)} bytes, its KV bytes end at {at} and the "
-                             "drafters' state length follows")
+            raise StateError(
+                f"state blob too short: {len(data)} bytes, its KV bytes end at {at} and the "
+                "drafters' state length follows"
+            )
         (extra_len,) = _EXTRA_LEN.unpack_from(data, at)
         if extra_len > MAX_EXTRA:
             raise StateError(f"state blob's drafters' state is {extra_len} bytes: more than {MAX_EXTRA}")
@@ -310,8 +323,11 @@ def parse_header(data: Blob) -> BlobHeader:
 def media_json(layout: MediaLayout, n_past: int) -> bytes:
     """A version 5 blob's media layout: the chunks of ``layout`` that lie in the first ``n_past`` tokens, as
     canonical JSON ``{"chunks": [{"id", "kind", "n_pos", "n_tokens", "start"}, ...]}`` (keys sorted, no spaces)."""
-    chunks = [{"id": c.id, "kind": c.kind, "n_pos": c.n_pos, "n_tokens": c.n_tokens, "start": c.start}
-              for c in layout.chunks if c.start < n_past]
+    chunks = [
+        {"id": c.id, "kind": c.kind, "n_pos": c.n_pos, "n_tokens": c.n_tokens, "start": c.start}
+        for c in layout.chunks
+        if c.start < n_past
+    ]
     return json.dumps({"chunks": chunks}, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -335,26 +351,33 @@ def parse_media(raw: bytes, n_tokens: int) -> tuple[MediaChunk, ...]:
     end = 0
     for i, c in enumerate(chunks):
         if not isinstance(c, dict) or sorted(c) != list(_CHUNK_KEYS):
-            raise MediaLayoutError(f"state blob's media chunk {i} is not an object of exactly "
-                                   f"{', '.join(_CHUNK_KEYS)}")
+            raise MediaLayoutError(f"state blob's media chunk {i} is not an object of exactly {', '.join(_CHUNK_KEYS)}")
         nums = [c["start"], c["n_tokens"], c["n_pos"]]
         if not all(type(v) is int for v in nums) or not isinstance(c["id"], str) or len(c["id"]) > MAX_MEDIA_ID:
-            raise MediaLayoutError(f"state blob's media chunk {i}: start, n_tokens and n_pos must be integers and "
-                                   f"id a string of at most {MAX_MEDIA_ID} characters")
+            raise MediaLayoutError(
+                f"state blob's media chunk {i}: start, n_tokens and n_pos must be integers and "
+                f"id a string of at most {MAX_MEDIA_ID} characters"
+            )
         if c["kind"] not in MEDIA_KINDS:
-            raise MediaLayoutError(f"state blob's media chunk {i}: kind {c['kind']!r} is not one of "
-                                   f"{', '.join(MEDIA_KINDS)}")
+            raise MediaLayoutError(
+                f"state blob's media chunk {i}: kind {c['kind']!r} is not one of {', '.join(MEDIA_KINDS)}"
+            )
         start, n, n_pos = nums
         if n < 1 or not 1 <= n_pos <= n:
-            raise MediaLayoutError(f"state blob's media chunk {i}: n_tokens {n} and n_pos {n_pos} (a chunk holds a "
-                                   "token at least and advances the position by 1 to n_tokens)")
+            raise MediaLayoutError(
+                f"state blob's media chunk {i}: n_tokens {n} and n_pos {n_pos} (a chunk holds a "
+                "token at least and advances the position by 1 to n_tokens)"
+            )
         if start < end:
-            raise MediaLayoutError(f"state blob's media chunk {i} starts at token {start}, before the end of the "
-                                   f"chunk before it ({end}): chunks must be in order and not overlap")
+            raise MediaLayoutError(
+                f"state blob's media chunk {i} starts at token {start}, before the end of the "
+                f"chunk before it ({end}): chunks must be in order and not overlap"
+            )
         end = start + n
         if end > n_tokens:
-            raise MediaLayoutError(f"state blob's media chunk {i} (tokens {start}..{end - 1}) lies outside the "
-                                   f"blob's {n_tokens} tokens")
+            raise MediaLayoutError(
+                f"state blob's media chunk {i} (tokens {start}..{end - 1}) lies outside the blob's {n_tokens} tokens"
+            )
         out.append(MediaChunk(id=c["id"], kind=c["kind"], start=start, n_tokens=n, n_pos=n_pos))
     return tuple(out)
 
@@ -375,7 +398,8 @@ def check_media_tokens(tokens: Sequence[int], chunks: Sequence[MediaChunk], n_vo
             j = next(j for j in range(c.start, c.end) if tokens[j] != want)
             raise MediaLayoutError(
                 f"state blob's token {j} is {tokens[j]}, not the placeholder {want} of media chunk {i} "
-                f"({c.kind} {c.id[:16]}, tokens {c.start}..{c.end - 1}): the layout disagrees with the tokens")
+                f"({c.kind} {c.id[:16]}, tokens {c.start}..{c.end - 1}): the layout disagrees with the tokens"
+            )
         at = c.end
     _check_text(tokens, at, len(tokens), n_vocab)
 
@@ -385,8 +409,10 @@ def _check_text(tokens: Sequence[int], start: int, end: int, n_vocab: int) -> No
     seg = tokens[start:end]
     if seg and (min(seg) < 0 or max(seg) >= n_vocab):
         j = next(j for j in range(start, end) if not 0 <= tokens[j] < n_vocab)
-        raise MediaLayoutError(f"state blob's token {j} is {tokens[j]}, outside every media chunk and outside "
-                               f"the vocabulary (0..{n_vocab - 1})")
+        raise MediaLayoutError(
+            f"state blob's token {j} is {tokens[j]}, outside every media chunk and outside "
+            f"the vocabulary (0..{n_vocab - 1})"
+        )
 
 
 def blob_extra(header: BlobHeader, blob: Blob) -> bytes | None:
@@ -458,7 +484,8 @@ def verify_checksum(blob: Blob, running: RunningChecksum | None = None) -> BlobH
     if got != header.checksum:
         raise StateError(
             f"the state blob is corrupt: checksum {got:016x} does not match the header's {header.checksum:016x}",
-            expected_checksum=f"{header.checksum:016x}", got_checksum=f"{got:016x}",
+            expected_checksum=f"{header.checksum:016x}",
+            got_checksum=f"{got:016x}",
         )
     return header
 
@@ -485,8 +512,7 @@ def blob_size(m: LoadedModel, slot: Slot) -> int:
     media: its media layout and an empty drafters' part too)."""
     raw = llama_cpp.llama_state_seq_get_size(m.ctx, slot.id)
     one_stream = raw - _SEQ_PREFIX.size - 4 * (m.n_stream - 1)
-    media = (_MEDIA_LEN.size + len(media_json(slot.media, slot.n_past)) + _EXTRA_LEN.size
-             if slot.holds_media else 0)
+    media = _MEDIA_LEN.size + len(media_json(slot.media, slot.n_past)) + _EXTRA_LEN.size if slot.holds_media else 0
     return HEADER_SIZE + _IDENT.size + len(canonical(kv_identity(m))) + media + 4 * slot.n_past + one_stream
 
 
@@ -500,8 +526,9 @@ def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
     }
 
 
-def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None,
-              extra: bytes | None = None) -> tuple[int, BlobBuffer]:
+def save_slot(
+    m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None, extra: bytes | None = None
+) -> tuple[int, BlobBuffer]:
     """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.  ``extra``: the drafters'
     state of the slot (a version 4 blob carries it after the KV bytes).  A slot holding media gives a
     version 5 blob: its media layout (:func:`media_json`) before the tokens, the drafters' part (maybe empty)
@@ -572,8 +599,9 @@ def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | N
         _MEDIA_LEN.pack_into(view, ident_end, len(media))
         view[ident_end + _MEDIA_LEN.size : tokens_at] = media
     # int32 ids (media cells' placeholders are negative): their two's-complement bytes are the u32 the format has
-    view[tokens_at:head] = array.array("i", tokens).tobytes() if sys.byteorder == "little" else \
-        struct.pack(f"<{len(tokens)}i", *tokens)
+    view[tokens_at:head] = (
+        array.array("i", tokens).tobytes() if sys.byteorder == "little" else struct.pack(f"<{len(tokens)}i", *tokens)
+    )
     struct.pack_into("<Q", view, _CHECKSUM_AT, blob_checksum(view))
     return len(tokens), blob
 
@@ -596,8 +624,13 @@ def _stream_at(raw: memoryview, stream: int, n_stream: int) -> int | None:
 
 
 def check_blob(
-    blob: Blob, model_hash: str, n_ctx_slot: int, *, identity: dict | None = None,
-    allow_cross_model_kv: bool = False, checksum_verified: bool = False,
+    blob: Blob,
+    model_hash: str,
+    n_ctx_slot: int,
+    *,
+    identity: dict | None = None,
+    allow_cross_model_kv: bool = False,
+    checksum_verified: bool = False,
 ) -> BlobHeader:
     """Check a whole blob against this node before applying it: its model (``model_hash``, and
     ``identity``, this model's KV identity), slots of ``n_ctx_slot`` tokens.
@@ -621,16 +654,26 @@ def check_blob(
     if header.model_hash != model_hash:
         hashes = {"expected_hash": model_hash, "got_hash": header.model_hash}
         if header.kv_identity is None or identity is None:
-            raise StateError("the state blob was made by another model (and carries no KV identity: "
-                             "a version 2 blob)", **hashes, kv_identity_match=False)
+            raise StateError(
+                "the state blob was made by another model (and carries no KV identity: a version 2 blob)",
+                **hashes,
+                kv_identity_match=False,
+            )
         diff = first_difference(identity, header.kv_identity)
         if diff is not None or header.kv_identity_hash != identity_hash(identity):
-            raise StateError(f"the state blob was made by a model with another KV layout ({diff or 'hash'})",
-                             **hashes, kv_identity_match=False)
+            raise StateError(
+                f"the state blob was made by a model with another KV layout ({diff or 'hash'})",
+                **hashes,
+                kv_identity_match=False,
+            )
         if not allow_cross_model_kv:
-            raise StateError("the state blob was made by another model file with the same KV identity; this "
-                             "node does not take KV from other files (--allow-cross-model-kv, or CONFIGURE "
-                             "allow_cross_model_kv)", **hashes, kv_identity_match=True)
+            raise StateError(
+                "the state blob was made by another model file with the same KV identity; this "
+                "node does not take KV from other files (--allow-cross-model-kv, or CONFIGURE "
+                "allow_cross_model_kv)",
+                **hashes,
+                kv_identity_match=True,
+            )
     _check_length(header, blob)
     if header.n_tokens >= n_ctx_slot:
         raise StateError(f"the blob holds {header.n_tokens} tokens; a slot's context holds {n_ctx_slot}")
@@ -638,8 +681,14 @@ def check_blob(
 
 
 def restore_slot(
-    m: LoadedModel, slot: Slot, blob: bytearray | BlobBuffer, model_hash: str, *, allow_cross_model_kv: bool = False,
-    checksum_verified: bool = False, make_room: Callable[[], bool] | None = None,
+    m: LoadedModel,
+    slot: Slot,
+    blob: bytearray | BlobBuffer,
+    model_hash: str,
+    *,
+    allow_cross_model_kv: bool = False,
+    checksum_verified: bool = False,
+    make_room: Callable[[], bool] | None = None,
 ) -> Restored:
     """Engine thread: apply a checked blob to an idle slot, all or nothing.
 
@@ -662,8 +711,14 @@ def restore_slot(
     The slot gets the blob's tokens and, from a version 5 blob, its media layout (:meth:`Slot.hold`).
     """
     identity = kv_identity(m)
-    header = check_blob(blob, model_hash, slot.n_ctx, identity=identity, allow_cross_model_kv=allow_cross_model_kv,
-                        checksum_verified=checksum_verified)
+    header = check_blob(
+        blob,
+        model_hash,
+        slot.n_ctx,
+        identity=identity,
+        allow_cross_model_kv=allow_cross_model_kv,
+        checksum_verified=checksum_verified,
+    )
     same_file = header.model_hash == model_hash
     same_layout = same_file or header.kv_identity_hash == identity_hash(identity)
     id_slot = slot.id
@@ -691,17 +746,26 @@ def restore_slot(
         # llama.cpp cleared the sequence on failure: put the old state back, and check that it went back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         if backup is None or put_back(m, id_slot, backup):
-            raise StateError("llama.cpp rejected the KV state, or it holds other positions than the blob's tokens "
-                             "and media layout give (see the node's log); the slot is unchanged", slot_cleared=False)
+            raise StateError(
+                "llama.cpp rejected the KV state, or it holds other positions than the blob's tokens "
+                "and media layout give (see the node's log); the slot is unchanged",
+                slot_cleared=False,
+            )
         # even the put-back failed: the slot must claim no token its KV cache does not hold
         lost = len(slot.cache_tokens)
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         slot.cache_tokens.clear()
-        log.error("slot %d: llama.cpp rejected a restored KV state and then the slot's own backup; the slot "
-                  "is cleared (%d tokens dropped)", id_slot, lost)
+        log.error(
+            "slot %d: llama.cpp rejected a restored KV state and then the slot's own backup; the slot "
+            "is cleared (%d tokens dropped)",
+            id_slot,
+            lost,
+        )
         raise StateError(
             f"llama.cpp rejected the KV state (see the node's log), and putting the slot's previous state back "
-            f"failed too: the slot is now empty ({lost} tokens dropped)", slot_cleared=True, n_past=0,
+            f"failed too: the slot is now empty ({lost} tokens dropped)",
+            slot_cleared=True,
+            n_past=0,
         )
     slot.hold(tokens.tolist(), MediaLayout(header.media) if header.media else NO_MEDIA)
     return Restored(len(tokens), same_file, same_layout, extra)
