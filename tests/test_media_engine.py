@@ -3,7 +3,7 @@ its Qwen2-VL merger projector): a prompt tokenized with its image (``ModelView.t
 as llama-server runs it (``tools/server/server-context.cpp`` of the llama.cpp that llama-cpp-python 0.3.36
 vendors): the image's chunk evaluated at the slot's position, the text after it at the position the image advanced
 to, the prompt's tokens counting the image's embeddings; a cached prefix reaches through an identical image and
-stops at a different one; a slot holding media is not saved into a state blob.
+stops at a different one; a slot holding media moves whole through a state blob (version 5: its media layout).
 
 A tiny model's exact tokens depend on the kernels' arithmetic, so each test compares runs on this machine: the
 engine against llama-cpp-python's own ``mtmd_helper_eval_chunks`` path (the same prompt, the same batch shapes),
@@ -13,6 +13,7 @@ or against itself.
 from __future__ import annotations
 
 import contextlib
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,10 +23,11 @@ import trio
 
 from hydra_trio.engine import MEDIA_MARKER, MediaTokens
 from hydra_trio.engine.engine import Engine
+from hydra_trio.engine.kv.state import MediaLayoutError, blob_checksum, verify_checksum
 from hydra_trio.engine.requests import CompletionJob, Finished, JobRun
 from hydra_trio.engine.settings import LlamaOptions, SamplingParams
-from hydra_trio.engine.tasks import SaveSlot
-from hydra_trio.errors import Cancelled, NotSupported
+from hydra_trio.engine.tasks import RestoreSlot, SwapQuant
+from hydra_trio.errors import Cancelled, InvalidRequest
 from hydra_trio.models import tiny_vision
 from hydra_trio.models.presets import PRESETS, resolve_model
 
@@ -143,25 +145,113 @@ async def test_two_slots_with_different_images_at_once_give_what_each_gives_alon
         assert tokens == fresh
 
 
-async def test_a_slot_holding_media_is_not_saved() -> None:
-    """STATE_GET, ``/slots?action=save`` and slot files of a slot whose KV cache holds an image are refused with
-    NotSupported (HTTP 501, llama-server's ``not_supported_error`` status); so is a PREFILL snapshot of a prompt
-    with media.  Once a text-only prompt cut the slot back before the image, it saves again."""
-    async with vision_engine() as engine:
+async def test_a_slot_holding_media_moves_whole_through_a_blob() -> None:
+    """A PREFILL snapshot of a prompt with an image is a version 5 blob: the image's chunk (id, kind, start,
+    n_tokens, n_pos) and its cells' placeholders.  Restored onto the other slot, that slot has the layout (its
+    next position is the image's M-RoPE one, not its cell count), generates on as the prefilled slot does
+    (greedy), and the same prompt returning there is a cache hit through the image.  SWAP_QUANT to the same file
+    under another key keeps the slot, image and all, as it keeps a text slot."""
+    path = resolve_model("tiny-vision")[0]
+    async with vision_engine(quants=(("a", path, "tiny-vision"), ("b", path, "tiny-vision"))) as engine:
         prompt = prompt_with(engine, 1)
-        await generate(engine, prompt)
-        with pytest.raises(NotSupported, match="a slot holding media cannot be saved") as info:
-            await engine.run_task(SaveSlot(0))
-        assert info.value.http_status == 501
-        with pytest.raises(NotSupported, match="a slot holding media cannot be saved"):
-            engine.submit(
-                CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, snapshot=True, n_predict=1)
-            )
-        text = engine.model.chat_prompt_tokens(chat_prompt("a picture"))
-        async with JobRun(engine, CompletionJob(prompt_tokens=tuple(text), n_predict=2, id_slot=0)) as run:
-            await run.result()
-        n_past, blob = await engine.run_task(SaveSlot(0))
-        assert n_past == len(text) + 2 - 1 and len(blob)
+        (chunk,) = prompt.chunks
+        async with JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=prompt.tokens,
+                media_chunks=prompt.chunks,
+                id_slot=0,
+                n_predict=0,
+                prompt_only=True,
+                snapshot=True,
+            ),
+        ) as run:
+            done = await run.result()
+        assert done.state is not None
+        n_past, blob = done.state
+        header = verify_checksum(blob)
+        assert (n_past, header.version, header.n_tokens) == (len(prompt.tokens), 5, len(prompt.tokens))
+        assert [(c.id, c.kind, c.start, c.n_tokens, c.n_pos) for c in header.media] == [
+            (chunk.id, "image", chunk.start, IMAGE_TOKENS, IMAGE_POS)
+        ]
+        saved = bytes(blob.view())
+        restored = await engine.run_task(RestoreSlot(1, bytearray(saved)))
+        assert restored.n_past == len(prompt.tokens)
+        slots = engine.scheduler.slots
+        assert slots[1].cache_tokens == list(prompt.tokens) and slots[1].holds_media
+        assert slots[1].pos_next == slots[0].pos_next == prompt.n_pos
+        on = {}
+        for id_slot in (0, 1):
+            async with JobRun(
+                engine,
+                CompletionJob(
+                    prompt_tokens=(),
+                    continue_slot=True,
+                    cache_prompt=True,
+                    id_slot=id_slot,
+                    n_predict=N_PREDICT,
+                    ignore_eos=True,
+                    sampling=GREEDY,
+                ),
+            ) as run:
+                on[id_slot] = [t async for delta in run for t in delta.tokens]
+        assert on[1] == on[0] and len(on[0]) == N_PREDICT
+        # the image's prompt again on the restored slot: all of it from the cache but the last token
+        await engine.run_task(RestoreSlot(1, bytearray(saved)))
+        again, done = await generate(engine, prompt, id_slot=1)
+        assert done.cache_n == len(prompt.tokens) - 1
+        fresh, _ = await generate(engine, prompt, id_slot=0, cache_prompt=False)
+        assert again == fresh
+        # SWAP_QUANT: the slot keeps its tokens and its layout on the new model
+        meta = await engine.run_task(SwapQuant("b"))
+        assert meta["swapped"] and meta["kv_preserved"] and meta["slots_preserved"] == 2
+        moved = engine.scheduler.slots[1]
+        assert moved.holds_media and moved.n_past == len(prompt.tokens) + N_PREDICT - 1
+        assert moved.pos_next == prompt.n_pos + N_PREDICT - 1
+
+
+async def test_a_slot_ending_with_a_restored_image_refuses_to_generate_on_and_a_bad_layout_is_refused() -> None:
+    """A blob whose tokens end with an image cannot give the first token of a continuation (that needs the
+    image's last cell evaluated again, and a restored slot has its embeddings, not the picture): a continuation
+    there is refused naming why, the slot untouched; a blob whose layout disagrees with its tokens is refused
+    before the slot is touched."""
+    async with vision_engine() as engine:
+        whole = prompt_with(engine, 1)
+        # the prompt up to the image's last cell (mtmd puts the projector's end-of-image token after it)
+        prompt = attrs.evolve(whole, tokens=whole.tokens[: whole.chunks[0].end])
+        async with JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=prompt.tokens,
+                media_chunks=prompt.chunks,
+                id_slot=0,
+                n_predict=0,
+                prompt_only=True,
+                snapshot=True,
+            ),
+        ) as run:
+            done = await run.result()
+        assert done.state is not None
+        saved = bytes(done.state[1].view())
+        assert (await engine.run_task(RestoreSlot(1, bytearray(saved)))).n_past == len(prompt.tokens)
+        async with JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=(), continue_slot=True, cache_prompt=True, id_slot=1, n_predict=2, sampling=GREEDY
+            ),
+        ) as run:
+            with pytest.raises(InvalidRequest, match=r"ends with media \(image\) restored from a state blob"):
+                await run.result()
+        assert engine.scheduler.slots[1].cache_tokens == list(prompt.tokens)
+        # the last placeholder changed (checksum made good): refused, slot 1 as it was
+        bad = bytearray(saved)
+        header = verify_checksum(bad)
+        struct.pack_into("<i", bad, header.tokens_at + 4 * (header.n_tokens - 1), -5)
+        struct.pack_into("<Q", bad, 52, blob_checksum(bad))
+        with pytest.raises(MediaLayoutError, match=f"token {header.n_tokens - 1} is -5, not the placeholder"):
+            await engine.run_task(RestoreSlot(1, bad))
+        assert engine.scheduler.slots[1].cache_tokens == list(prompt.tokens)
+        assert engine.scheduler.slots[1].holds_media
 
 
 async def test_a_request_cancelled_during_its_images_leaves_whole_chunks() -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hydra_trio.engine.kv.state import verify_checksum
 from hydra_trio.models import tiny_vision
 from hydra_trio.models.presets import PRESETS, resolve_model
 from hydra_trio.openai.media import MAX_MEDIA_BYTES, MAX_MEDIA_ITEMS
@@ -165,8 +166,8 @@ def test_a_completion_with_media_is_served_on_every_path(vhttp, vision, media_di
     """Every form of media that passes the checks is evaluated into the slot (the image's cells counted in
     ``usage.prompt_tokens`` and ``timings.prompt_n``, as llama-server counts a media chunk's tokens): data:
     URLs, bare base64, ``file://`` under ``--media-path``, streamed, ``/completion``'s and ``/v1/completions``'
-    ``multimodal_data`` (Hydra PREFILL's chat body is read the same way, and refused: its reply is the slot's KV
-    blob, which a slot holding media does not give); the same request twice gives the same greedy text and
+    ``multimodal_data`` (Hydra PREFILL's chat body is read the same way: its reply is the slot's KV blob, a
+    version 5 one carrying the image's chunk); the same request twice gives the same greedy text and
     the second finds its prompt, image and all, in the slot's cache; another image is a miss at the image."""
     bare = base64.b64encode(PNG).decode().rstrip("=")  # bare base64, padding optional (llama-server's decoder)
     text_only = vhttp.post(
@@ -209,10 +210,11 @@ def test_a_completion_with_media_is_served_on_every_path(vhttp, vision, media_di
     r = vhttp.post("/completion", json={"prompt": {"prompt_string": "Hello"}, "n_predict": 2, "temperature": 0})
     assert r.status_code == 200 and r.json()["tokens_evaluated"] >= 1
     with Wire(vision.port) as w:
-        # PREFILL answers the slot's KV blob, and a slot holding media is not saved (docs/protocol-notes.md):
-        # refused before any work, naming why
-        status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps(chat(image(DATA_URL))).encode())
-        assert status == Status.NOT_IMPLEMENTED and "a slot holding media cannot be saved" in meta["error"], meta
+        # PREFILL answers the slot's KV blob: with media, version 5 with the image's chunk (docs/protocol-notes.md)
+        status, meta, blob = w.call(Op.PREFILL, key="0", payload=json.dumps(chat(image(DATA_URL))).encode())
+        assert status == Status.OK, meta
+        header = verify_checksum(blob)
+        assert header.version == 5 and [(c.kind, c.n_tokens) for c in header.media] == [("image", 12)]
         status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps(chat(image("x"))).encode())
         assert status == Status.BAD_REQUEST and "Invalid base64 value" in meta["error"]
 

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import trio
 
-from ..errors import InvalidRequest, NotReady, NotSupported
+from ..errors import InvalidRequest, NotReady
 from ..observability.events import EventBus
 from .batching.prompt_cache import PromptCache
 from .batching.scheduler import Scheduler, check_prompt_fits
@@ -284,7 +284,6 @@ class Engine:
             NotReady: before the model serves.
             InvalidRequest: the node serves embeddings only, or the job is invalid for this engine (empty prompt,
                 prompt longer than a slot's context, a continuation without a slot).
-            NotSupported: a job with media asks for a snapshot (a slot holding media cannot be saved).
 
         ``id_slot`` takes any integer, as llama-server's ``get_available_slot`` (``tools/server/server-context.cpp``):
         ``id_slot`` >= the slot count wraps around (``id_slot % n_slots``); one below -1 names no slot, and the
@@ -296,8 +295,6 @@ class Engine:
         if job.continue_slot and job.id_slot < 0:
             raise InvalidRequest("id_slot: continuing a slot's KV cache needs a slot id")
         check_prompt_fits(len(job.prompt_tokens), self.n_ctx_slot)
-        if job.media_chunks and job.snapshot:
-            raise NotSupported("a slot holding media cannot be saved: a PREFILL snapshot of a prompt with media")
         if job.id_slot >= len(self.slots):
             job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None

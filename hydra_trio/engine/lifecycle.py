@@ -418,14 +418,10 @@ class ModelLifecycle:
             )
             kv_preserved = identity.kv_identity_hash == old_identity.kv_identity_hash
             blobs = (
-                [
-                    (s.id, save_slot(old, s, old_identity.model_hash)[1])
-                    for s in self.slots
-                    if s.n_past and not s.holds_media
-                ]  # a slot holding media starts empty
+                [(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in self.slots if s.n_past]
                 if kv_preserved
                 else []
-            )
+            )  # a slot holding media too: its blob carries its media layout
         except Exception:
             new.close()
             raise

@@ -234,14 +234,9 @@ class Scheduler:
 
     def save_slot(self, id_slot: int, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
         """The idle slot's KV state blob, ``(n_past, blob)``, its buffer from ``pool``, with the drafters'
-        state of the slot (:func:`~hydra_trio.engine.kv.state.save_slot`).  Raises Busy, InvalidRequest, NotSupported (a
-        slot holding media: its blob would not carry the media chunks)."""
+        state of the slot and, when it holds media, its media layout (:func:`~hydra_trio.engine.kv.state.save_slot`).
+        Raises Busy, InvalidRequest."""
         slot = self.idle_slot(id_slot)
-        if slot.holds_media:
-            raise NotSupported(
-                f"slot {id_slot}: a slot holding media cannot be saved (its KV cache holds image or "
-                "audio embeddings, which a state blob does not carry)"
-            )
         m = self.model
         assert m is not None
         spec = self.spec
@@ -260,14 +255,14 @@ class Scheduler:
         drafters take the blob's part of their state, else start afresh.
 
         A blob of another model file with the same KV identity is applied only with
-        ``allow_cross_model_kv``.  Raises Busy, InvalidRequest, StateError.
+        ``allow_cross_model_kv``.  A blob of a slot holding media (version 5) gives the slot its media layout,
+        whether or not this node has a projector: the KV cache holds the embeddings, so the slot decodes on,
+        and a returning prompt with the same media (by id) is a cache hit through it.  Raises Busy,
+        InvalidRequest, StateError.
         """
         slot = self.idle_slot(id_slot)
         m = self.model
         assert m is not None
-        if slot.holds_media:  # no backup of it can be taken: emptied first, so a failure leaves it empty
-            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
-            slot.cache_tokens.clear()
         done = restore_slot(
             m,
             slot,
@@ -277,7 +272,6 @@ class Scheduler:
             checksum_verified=checksum_verified,
             make_room=lambda: self.make_room(m, keep=slot),
         )
-        slot.media = NO_MEDIA  # a blob holds text tokens only
         if self.spec is not None:  # the drafters follow: the blob's part, else nothing
             self.spec.seq_rm(id_slot, -1, -1)
             if done.extra:
@@ -411,6 +405,16 @@ class Scheduler:
         if job.media_chunks and m.media is None:  # the model serving now has no projector (another mode's)
             handle.emit(Failed(NotSupported("the model serving now has no multimodal projector (--mmproj)")))
             return
+        if job.continue_slot and not job.prompt_only and slot.media:  # its last token's logits are computed again
+            last = slot.media.chunk_at(slot.media.snap(len(prompt) - 1))
+            if last is not None and last.handle is None:
+                why = (
+                    f"slot {slot.id} ends with media ({last.kind}) restored from a state blob: generating on "
+                    "needs its last cell evaluated again, which only a prompt holding the media does (send the "
+                    "next turn)"
+                )
+                handle.emit(Failed(InvalidRequest(why)))
+                return
         spec = SamplerSpec(
             job.sampling,
             job.logit_bias,
@@ -423,7 +427,11 @@ class Scheduler:
         )
         try:
             sampler = build_sampler(
-                spec, m.vocab, m.n_vocab, slot.n_ctx, [t for t in prompt if t >= 0] if job.media_chunks else prompt
+                spec,
+                m.vocab,
+                m.n_vocab,
+                slot.n_ctx,
+                [t for t in prompt if t >= 0] if job.media_chunks or slot.media else prompt,
             )
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
             handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))

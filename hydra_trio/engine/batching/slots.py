@@ -144,6 +144,12 @@ class Slot:
         """While a verified draft's tokens are handed on: the accepted drafted tokens in the KV cache past the
         one being handed on (cut when the request ends there: ``Generation.drop_ahead``)."""
 
+    def hold(self, tokens: list[int], media: MediaLayout = NO_MEDIA) -> None:
+        """The slot's KV cache now holds ``tokens`` (each media cell its chunk's placeholder), with ``media``'s
+        chunks where they lie: what a restored state blob put there."""
+        self.cache_tokens[:] = tokens
+        self.media = media
+
     @property
     def n_past(self) -> int:
         return len(self.cache_tokens)

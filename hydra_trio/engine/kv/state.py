@@ -1,11 +1,11 @@
 """Slot KV state blobs: save and restore one slot's KV cache (llama.cpp's per-sequence state API).
 
-Blob format, version 3 (all integers little-endian; documented in
+Blob format, versions 3 to 5 (all integers little-endian; documented in
 ``docs/protocol-notes.md``)::
 
     offset  size        field
     0       4           magic  b"HYKV"
-    4       2           format version (3; version 2 blobs are still read)
+    4       2           format version (3, 4 or 5; version 2 blobs are still read)
     6       2           kv_format: 1 = one KV stream (portable across n_parallel),
                         0 = llama.cpp's raw sequence state (same n_parallel only)
     8       4           n_tokens: tokens in the slot's KV cache (= n_past)
@@ -15,15 +15,28 @@ Blob format, version 3 (all integers little-endian; documented in
     60      32          KV identity hash: raw SHA-256 of the identity JSON     (version 3)
     92      4           ident_len: bytes of the identity JSON                   (version 3)
     96      ident_len   the KV identity, canonical JSON (engine/kv/kv_identity.py) (version 3)
-    ...     4*n_tokens  the slot's tokens (u32 each)
+    ...     4           media_len: bytes of the media layout that follow         (version 5)
+    ...     media_len   the slot's media layout, canonical JSON (:func:`media_json`) (version 5)
+    ...     4*n_tokens  the slot's tokens (u32 each; a media cell's placeholder, an int32, as its u32)
     ...     kv_len      llama_state_seq_get_data() output for the slot's sequence
-    ...     4           extra_len: bytes of the drafters' state that follow     (version 4)
+    ...     4           extra_len: bytes of the drafters' state that follow     (versions 4, 5)
     ...     extra_len   the slot's speculative-decoding state (``draft-mtp``'s MTP sequence;
-                        :meth:`~hydra_trio.engine.speculative.base.Drafter.get_state`)  (version 4)
+                        :meth:`~hydra_trio.engine.speculative.base.Drafter.get_state`)  (versions 4, 5)
 
 A node writes version 4 only when its drafters keep state for the slot (``--spec-type draft-mtp``,
 ``draft-simple``), else version 3, so a node without them reads what it is sent; a node that does not
 speculate restores a version 4 blob's KV and ignores the drafters' part.
+
+A slot holding media (an image's or audio clip's embeddings) gives version 5: version 4 (its drafters' part
+maybe empty) and the media layout of its cached tokens, ``{"chunks": [{"id", "kind", "n_pos", "n_tokens",
+"start"}, ...]}``, before the tokens.  llama.cpp's sequence state already holds each cell's position and, for
+M-RoPE models, its extra position dimensions, so the KV bytes are whole; the layout is what a slot needs to go
+on (the position after the media: :meth:`~hydra_trio.engine.llama.media.MediaLayout.pos`) and to match a
+returning prompt's media by id.  It is checked strictly before the slot is touched (:func:`parse_media`,
+:func:`check_media_tokens`: :class:`MediaLayoutError`, HTTP 400 / Hydra BAD_REQUEST), and the KV applied must
+end at the layout's position.  A node without a projector takes such a blob (the KV identity pins the language
+model; the slot decodes on, and a request with media there is refused as always); the restored layout's
+chunks have no projector input, which no evaluation needs (a request's chunks come from its own prompt).
 
 Version 2 has no identity (its tokens start at 60): such a blob restores
 only on a node whose model file has the same hash.  A version 3 blob from
@@ -49,7 +62,7 @@ the target.  That is what lets a slot move between nodes with different slot
 counts.
 
 A blob is checked whole (magic, version, lengths, model hash, token count
-against the slot's context) *before* anything touches the slot, and the
+against the slot's context, the media layout) *before* anything touches the slot, and the
 restore is all or nothing: when llama.cpp rejects the KV bytes, the slot's
 previous state is put back.
 """
@@ -62,7 +75,7 @@ import json
 import logging
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -71,6 +84,7 @@ import trio
 import xxhash
 
 from ...errors import HydraTrioError, InvalidRequest
+from ..llama.media import NO_MEDIA, MediaChunk, MediaLayout
 from ..settings import kv_type_name
 from .blobbuf import TAIL_ROOM, BlobBuffer, BlobPool
 from .kv_identity import canonical, first_difference, identity_hash, kv_identity
@@ -82,9 +96,15 @@ if TYPE_CHECKING:
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 3
 BLOB_VERSION_EXTRA = 4  # version 3 and the drafters' state after the KV bytes
-READ_VERSIONS = (2, 3, 4)
+BLOB_VERSION_MEDIA = 5  # version 4 and the slot's media layout before the tokens
+READ_VERSIONS = (2, 3, 4, 5)
 _EXTRA_LEN = struct.Struct("<I")
 MAX_EXTRA = 1 << 31  # bytes of drafters' state a blob may carry
+_MEDIA_LEN = struct.Struct("<I")
+MAX_MEDIA_JSON = 1 << 22  # bytes of a version 5 blob's media layout
+MAX_MEDIA_ID = 4096  # characters of one media chunk's id
+MEDIA_KINDS = ("image", "audio")
+_CHUNK_KEYS = ("id", "kind", "n_pos", "n_tokens", "start")
 _HEADER = struct.Struct("<4sHHI32sQQ")
 HEADER_SIZE = _HEADER.size  # 60 bytes: the part every version has
 _IDENT = struct.Struct("<32sI")  # version 3: identity hash, identity JSON length
@@ -109,6 +129,15 @@ class StateError(HydraTrioError):
 
     def wire_meta(self) -> dict[str, object]:
         return dict(self.meta)
+
+
+class MediaLayoutError(StateError, InvalidRequest):
+    """A version 5 blob whose media layout is malformed or disagrees with its token list (a placeholder that
+    is not its chunk's, a chunk past the tokens, chunks out of order, an id no vocabulary has outside any
+    chunk): HTTP 400, Hydra BAD_REQUEST, naming the first fault; nothing touched the slot."""
+
+    http_status = 400
+    hydra_status = InvalidRequest.hydra_status
 
 
 class KvTypesDiffer(StateError, InvalidRequest):
@@ -153,6 +182,7 @@ class BlobHeader:
     kv_identity: dict | None = None
     tokens_at: int = HEADER_SIZE  # where the token list starts
     extra_len: int = 0  # version 4: bytes of the drafters' state after the KV bytes
+    media: tuple[MediaChunk, ...] = ()  # version 5: the media chunks in the tokens, in order (no handles)
 
     @property
     def kv_end(self) -> int:
@@ -263,6 +293,19 @@ def parse_header(data: Blob) -> BlobHeader:
     if not isinstance(identity, dict):
         raise StateError("state blob's KV identity is not a JSON object")
     header = attrs.evolve(header, kv_identity_hash=ident_digest.hex(), kv_identity=identity, tokens_at=end + ident_len)
+    if version >= BLOB_VERSION_MEDIA:
+        at = header.tokens_at
+        if len(data) < at + _MEDIA_LEN.size:
+            raise StateError(f"state blob too short: {len(data)} bytes, its media layout's length is at {at}")
+        (media_len,) = _MEDIA_LEN.unpack_from(data, at)
+        at += _MEDIA_LEN.size
+        if media_len > MAX_MEDIA_JSON or len(data) < at + media_len:
+            raise StateError(
+                f"state blob's media layout is {media_len} bytes: longer than the blob or than {MAX_MEDIA_JSON}"
+            )
+        header = attrs.evolve(
+            header, media=parse_media(bytes(data[at : at + media_len]), n_tokens), tokens_at=at + media_len
+        )
     if version >= BLOB_VERSION_EXTRA:
         at = header.kv_end
         if len(data) < at + _EXTRA_LEN.size:
@@ -277,8 +320,103 @@ def parse_header(data: Blob) -> BlobHeader:
     return header
 
 
+def media_json(layout: MediaLayout, n_past: int) -> bytes:
+    """A version 5 blob's media layout: the chunks of ``layout`` that lie in the first ``n_past`` tokens, as
+    canonical JSON ``{"chunks": [{"id", "kind", "n_pos", "n_tokens", "start"}, ...]}`` (keys sorted, no spaces)."""
+    chunks = [
+        {"id": c.id, "kind": c.kind, "n_pos": c.n_pos, "n_tokens": c.n_tokens, "start": c.start}
+        for c in layout.chunks
+        if c.start < n_past
+    ]
+    return json.dumps({"chunks": chunks}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_media(raw: bytes, n_tokens: int) -> tuple[MediaChunk, ...]:
+    """A version 5 blob's media layout (:func:`media_json`) read and checked against its ``n_tokens``: one
+    chunk at least, each with exactly the five keys, a non-empty ``kind`` of :data:`MEDIA_KINDS`, ``n_tokens``
+    >= 1, 1 <= ``n_pos`` <= ``n_tokens`` (mtmd's chunks advance the position by at most their cells), in order,
+    none overlapping the next, all inside the tokens.  The chunks have no handle.
+
+    Raises:
+        MediaLayoutError: the first fault, named.
+    """
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError):
+        doc = None
+    chunks = doc.get("chunks") if isinstance(doc, dict) and set(doc) == {"chunks"} else None
+    if not isinstance(chunks, list) or not chunks:
+        raise MediaLayoutError('state blob\'s media layout is not {"chunks": [...]} with one chunk at least')
+    out: list[MediaChunk] = []
+    end = 0
+    for i, c in enumerate(chunks):
+        if not isinstance(c, dict) or sorted(c) != list(_CHUNK_KEYS):
+            raise MediaLayoutError(f"state blob's media chunk {i} is not an object of exactly {', '.join(_CHUNK_KEYS)}")
+        nums = [c["start"], c["n_tokens"], c["n_pos"]]
+        if not all(type(v) is int for v in nums) or not isinstance(c["id"], str) or len(c["id"]) > MAX_MEDIA_ID:
+            raise MediaLayoutError(
+                f"state blob's media chunk {i}: start, n_tokens and n_pos must be integers and "
+                f"id a string of at most {MAX_MEDIA_ID} characters"
+            )
+        if c["kind"] not in MEDIA_KINDS:
+            raise MediaLayoutError(
+                f"state blob's media chunk {i}: kind {c['kind']!r} is not one of {', '.join(MEDIA_KINDS)}"
+            )
+        start, n, n_pos = nums
+        if n < 1 or not 1 <= n_pos <= n:
+            raise MediaLayoutError(
+                f"state blob's media chunk {i}: n_tokens {n} and n_pos {n_pos} (a chunk holds a "
+                "token at least and advances the position by 1 to n_tokens)"
+            )
+        if start < end:
+            raise MediaLayoutError(
+                f"state blob's media chunk {i} starts at token {start}, before the end of the "
+                f"chunk before it ({end}): chunks must be in order and not overlap"
+            )
+        end = start + n
+        if end > n_tokens:
+            raise MediaLayoutError(
+                f"state blob's media chunk {i} (tokens {start}..{end - 1}) lies outside the blob's {n_tokens} tokens"
+            )
+        out.append(MediaChunk(id=c["id"], kind=c["kind"], start=start, n_tokens=n, n_pos=n_pos))
+    return tuple(out)
+
+
+def check_media_tokens(tokens: Sequence[int], chunks: Sequence[MediaChunk], n_vocab: int) -> None:
+    """Every token of a version 5 blob (``tokens``, as int32) against its media layout: each chunk's cells hold
+    its placeholder (:func:`~hydra_trio.engine.llama.media.placeholder` of its id and size), every other
+    token is a vocabulary id (0..``n_vocab`` - 1).
+
+    Raises:
+        MediaLayoutError: the first token that disagrees, named with its index.
+    """
+    at = 0
+    for i, c in enumerate(chunks):
+        _check_text(tokens, at, c.start, n_vocab)
+        want = c.placeholder
+        if tokens[c.start : c.end].count(want) != c.n_tokens:
+            j = next(j for j in range(c.start, c.end) if tokens[j] != want)
+            raise MediaLayoutError(
+                f"state blob's token {j} is {tokens[j]}, not the placeholder {want} of media chunk {i} "
+                f"({c.kind} {c.id[:16]}, tokens {c.start}..{c.end - 1}): the layout disagrees with the tokens"
+            )
+        at = c.end
+    _check_text(tokens, at, len(tokens), n_vocab)
+
+
+def _check_text(tokens: Sequence[int], start: int, end: int, n_vocab: int) -> None:
+    """Tokens ``start..end-1`` of a version 5 blob lie outside every media chunk: vocabulary ids only."""
+    seg = tokens[start:end]
+    if seg and (min(seg) < 0 or max(seg) >= n_vocab):
+        j = next(j for j in range(start, end) if not 0 <= tokens[j] < n_vocab)
+        raise MediaLayoutError(
+            f"state blob's token {j} is {tokens[j]}, outside every media chunk and outside "
+            f"the vocabulary (0..{n_vocab - 1})"
+        )
+
+
 def blob_extra(header: BlobHeader, blob: Blob) -> bytes | None:
-    """A checked blob's drafters' state (version 4), copied out; None for an earlier version."""
+    """A checked blob's drafters' state (version 4 and 5), copied out; None for an earlier version."""
     if header.version < BLOB_VERSION_EXTRA:
         return None
     at = header.kv_end + _EXTRA_LEN.size
@@ -370,10 +508,12 @@ async def verify_checksum_off_engine(blob: Blob, running: RunningChecksum | None
 
 
 def blob_size(m: LoadedModel, slot: Slot) -> int:
-    """Bytes a STATE_GET of the slot returns now (header + identity + tokens + one KV stream)."""
+    """Bytes a STATE_GET of the slot returns now (header + identity + tokens + one KV stream; a slot holding
+    media: its media layout and an empty drafters' part too)."""
     raw = llama_cpp.llama_state_seq_get_size(m.ctx, slot.id)
     one_stream = raw - _SEQ_PREFIX.size - 4 * (m.n_stream - 1)
-    return HEADER_SIZE + _IDENT.size + len(canonical(kv_identity(m))) + 4 * slot.n_past + one_stream
+    media = _MEDIA_LEN.size + len(media_json(slot.media, slot.n_past)) + _EXTRA_LEN.size if slot.holds_media else 0
+    return HEADER_SIZE + _IDENT.size + len(canonical(kv_identity(m))) + media + 4 * slot.n_past + one_stream
 
 
 def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
@@ -390,7 +530,9 @@ def save_slot(
     m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None, extra: bytes | None = None
 ) -> tuple[int, BlobBuffer]:
     """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.  ``extra``: the drafters'
-    state of the slot (a version 4 blob carries it after the KV bytes).
+    state of the slot (a version 4 blob carries it after the KV bytes).  A slot holding media gives a
+    version 5 blob: its media layout (:func:`media_json`) before the tokens, the drafters' part (maybe empty)
+    after the KV bytes; each media cell's token is its chunk's placeholder, written as a u32 of the int32.
 
     llama.cpp writes the sequence state straight into the blob's buffer, placed
     so that the slot's stream lands where the blob's KV bytes go: its 12-byte
@@ -409,12 +551,16 @@ def save_slot(
     kv_size = llama_cpp.llama_state_seq_get_size(m.ctx, id_slot)
     identity = kv_identity(m)
     ident = canonical(identity)
-    tokens_at = HEADER_SIZE + _IDENT.size + len(ident)
+    media = media_json(slot.media, len(tokens)) if slot.holds_media else None
+    ident_end = HEADER_SIZE + _IDENT.size + len(ident)
+    tokens_at = ident_end + (_MEDIA_LEN.size + len(media) if media is not None else 0)
     head = tokens_at + 4 * len(tokens)
     stream = id_slot if m.n_stream > 1 else 0  # llama.cpp keeps sequence i in stream i (non-unified KV)
     lead = _SEQ_PREFIX.size + 4 * stream  # the bytes before that stream's cell count
     at = max(head - lead, 0)
-    tail = _EXTRA_LEN.size + len(extra) if extra else 0  # a version 4 blob's drafters' part
+    with_extra = bool(extra) or media is not None  # versions 4 and 5 have the drafters' part
+    extra = extra or b""
+    tail = _EXTRA_LEN.size + len(extra) if with_extra else 0
     size = at + kv_size + tail
     blob = pool.take(size, populate=True) if pool is not None else BlobBuffer(size, populate=True)
     whole = blob.whole()
@@ -439,27 +585,22 @@ def save_slot(
         whole[head : head + len(kv)] = kv
         blob.size = head + len(kv)
     kv_len = blob.size - head
-    if extra:
+    if with_extra:
         whole = blob.whole()
         _EXTRA_LEN.pack_into(whole, blob.size, len(extra))
         whole[blob.size + _EXTRA_LEN.size : blob.size + tail] = extra
         blob.size += tail
     view = blob.view()
-    _HEADER.pack_into(
-        view,
-        0,
-        BLOB_MAGIC,
-        BLOB_VERSION_EXTRA if extra else BLOB_VERSION,
-        kv_format,
-        len(tokens),
-        bytes.fromhex(model_hash),
-        kv_len,
-        0,
-    )
+    version = BLOB_VERSION_MEDIA if media is not None else BLOB_VERSION_EXTRA if with_extra else BLOB_VERSION
+    _HEADER.pack_into(view, 0, BLOB_MAGIC, version, kv_format, len(tokens), bytes.fromhex(model_hash), kv_len, 0)
     _IDENT.pack_into(view, HEADER_SIZE, bytes.fromhex(identity_hash(identity)), len(ident))
-    view[HEADER_SIZE + _IDENT.size : tokens_at] = ident
+    view[HEADER_SIZE + _IDENT.size : ident_end] = ident
+    if media is not None:
+        _MEDIA_LEN.pack_into(view, ident_end, len(media))
+        view[ident_end + _MEDIA_LEN.size : tokens_at] = media
+    # int32 ids (media cells' placeholders are negative): their two's-complement bytes are the u32 the format has
     view[tokens_at:head] = (
-        array.array("I", tokens).tobytes() if sys.byteorder == "little" else struct.pack(f"<{len(tokens)}I", *tokens)
+        array.array("i", tokens).tobytes() if sys.byteorder == "little" else struct.pack(f"<{len(tokens)}i", *tokens)
     )
     struct.pack_into("<Q", view, _CHECKSUM_AT, blob_checksum(view))
     return len(tokens), blob
@@ -562,8 +703,12 @@ def restore_slot(
 
     Raises:
         StateError: the blob is invalid or of a model it may not restore on
-            (see :func:`check_blob`) or llama.cpp rejected its KV bytes; in
-            every case the slot is as it was.
+            (see :func:`check_blob`), its media layout disagrees with its tokens
+            (:class:`MediaLayoutError`), or llama.cpp rejected its KV bytes (or they
+            end at another position than the tokens give); in every case the slot
+            is as it was.
+
+    The slot gets the blob's tokens and, from a version 5 blob, its media layout (:meth:`Slot.hold`).
     """
     identity = kv_identity(m)
     header = check_blob(
@@ -578,18 +723,19 @@ def restore_slot(
     same_layout = same_file or header.kv_identity_hash == identity_hash(identity)
     id_slot = slot.id
     view = _bytes(blob)
-    tokens = array.array("I")
+    tokens = array.array("i" if header.media else "I")  # version 5: media cells hold negative placeholders
     tokens.frombytes(view[header.tokens_at : header.tokens_at + 4 * header.n_tokens])
     if sys.byteorder != "little":
         tokens.byteswap()
-    bad = max(tokens, default=-1)
-    if bad >= m.n_vocab:
+    if header.media:
+        check_media_tokens(tokens, header.media, m.n_vocab)
+    elif (bad := max(tokens, default=-1)) >= m.n_vocab:
         raise StateError(f"the blob holds token id {bad}, outside the vocabulary (0..{m.n_vocab - 1})")
     extra = blob_extra(header, blob)  # before the KV bytes are framed in place, which writes past them
     if not tokens:  # an empty slot's state: "this slot is now empty"
         _check_empty_kv(header, view[header.tokens_at : header.kv_end])
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
-        slot.cache_tokens.clear()
+        slot.hold([])
         return Restored(0, same_file, same_layout, extra)
     backup = save_slot(m, slot, model_hash)[1] if slot.n_past else None  # an empty slot needs no backup
     del view
@@ -601,7 +747,9 @@ def restore_slot(
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         if backup is None or put_back(m, id_slot, backup):
             raise StateError(
-                "llama.cpp rejected the KV state (see the node's log); the slot is unchanged", slot_cleared=False
+                "llama.cpp rejected the KV state, or it holds other positions than the blob's tokens "
+                "and media layout give (see the node's log); the slot is unchanged",
+                slot_cleared=False,
             )
         # even the put-back failed: the slot must claim no token its KV cache does not hold
         lost = len(slot.cache_tokens)
@@ -619,7 +767,7 @@ def restore_slot(
             slot_cleared=True,
             n_past=0,
         )
-    slot.cache_tokens[:] = tokens.tolist()
+    slot.hold(tokens.tolist(), MediaLayout(header.media) if header.media else NO_MEDIA)
     return Restored(len(tokens), same_file, same_layout, extra)
 
 
@@ -667,6 +815,16 @@ def _apply_kv(m: LoadedModel, id_slot: int, header: BlobHeader, blob: bytearray 
     buf = (ctypes.c_uint8 * size).from_buffer(target, begin)
     read = llama_cpp.llama_state_seq_set_data(m.ctx, buf, size, id_slot)
     del buf, target
-    # the KV must hold exactly positions 0..n_tokens-1 for the token list to be true
+    # the KV must hold exactly the positions of the token list for it to be true: 0..n_tokens-1 without media
     pos_max = llama_cpp.llama_memory_seq_pos_max(m.memory, id_slot)
-    return read == size and pos_max == header.n_tokens - 1
+    return read == size and pos_max in _last_positions(header)
+
+
+def _last_positions(header: BlobHeader) -> range:
+    """The last position a blob's KV may hold: the one before the position its tokens advance to
+    (:meth:`MediaLayout.pos`); when a media chunk ends the tokens, any from the chunk's first position on (with
+    M-RoPE every cell of an image sits at the chunk's first position, its grid in the extra dimensions)."""
+    layout = MediaLayout(header.media)
+    end = layout.pos(header.n_tokens)
+    last = layout.chunks[-1] if layout.chunks else None
+    return range(layout.pos(last.start) if last is not None and last.end == header.n_tokens else end - 1, end)

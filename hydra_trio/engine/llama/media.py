@@ -72,7 +72,9 @@ class _ChunkHandle:
 @attrs.frozen(eq=False)
 class MediaChunk:
     """One image or audio clip of a prompt, tokenized: ``n_tokens`` embeddings (KV cells) at token index
-    ``start`` of :attr:`MediaTokens.tokens`, advancing the position by ``n_pos``."""
+    ``start`` of :attr:`MediaTokens.tokens`, advancing the position by ``n_pos``; ``handle`` None: a chunk known by
+    its place only (a slot's layout restored from a state blob: its embeddings are in the KV cache, and a chunk
+    that must be evaluated always comes from its own request's prompt)."""
 
     id: str
     """The media's id: the SHA-256 (hex) of its file's bytes, as llama.cpp's ``mtmd_helper_bitmap_init_from_buf``
@@ -82,7 +84,7 @@ class MediaChunk:
     start: int
     n_tokens: int
     n_pos: int
-    handle: _ChunkHandle = attrs.field(repr=False)
+    handle: _ChunkHandle | None = attrs.field(default=None, repr=False)
 
     @property
     def end(self) -> int:
@@ -287,7 +289,10 @@ class MediaContext:
         """Engine thread: encode ``chunk`` and decode its embeddings into sequence ``seq_id`` of the llama
         context ``lctx`` at position ``pos``, in pieces of at most ``n_batch`` (``mtmd_helper_eval_chunk_single``;
         a non-causal projector's decode takes the whole chunk at once); ``logits_last``: the last embedding's
-        logits are kept (index -1).  Returns mtmd's code (0: done)."""
+        logits are kept (index -1).  Returns mtmd's code (0: done; -1 too for a chunk without a handle)."""
+        if chunk.handle is None:  # a restored slot's chunk: no input to encode (mtmd's failure code)
+            log.error("media chunk %s has no projector input (restored from a state blob)", chunk.id)
+            return -1
         new_pos = llama_cpp.llama_pos(0)
         return int(
             self._mtmd.mtmd_helper_eval_chunk_single(
