@@ -239,7 +239,7 @@ TOP_LEVEL = {"hydra_trio", "hydra_trio.__main__", "hydra_trio._version", "hydra_
 the configuration; every layer has its folder."""
 
 LAYERS = ("node", "transport", "observability", "client", "cli", "testing", "engine", "service", "openai", "http", "hydra",
-          "rpc_backend", "protocol", "models")
+          "rpc_backend", "protocol", "models", "router")
 
 
 def test_the_top_level_holds_only_the_public_api() -> None:
@@ -278,6 +278,9 @@ def test_layers() -> None:
             outside = {d for d in deps if _layer(d) not in ("openai", "engine", "protocol") and d not in (
                 "hydra_trio.errors", "hydra_trio._lazy")}
             assert outside == set(), f"{name} imports {outside}"
+        if layer == "router":  # router mode: children serve the models; the router loads none itself
+            outside = {d for d in deps if _layer(d) in ("engine", "service", "openai", "hydra", "rpc_backend")}
+            assert outside == set(), f"{name} imports {outside}"
         if name in leaves:
             assert deps == set(), f"{name} imports {deps}"
         if layer != "testing":
@@ -304,7 +307,7 @@ def test_the_rest_of_the_package_uses_the_engine_through_its_public_names() -> N
     ``__init__`` exports: ``Engine``, the tasks, the requests, ``ModelView``...) and the few modules of
     :data:`ENGINE_PUBLIC_MODULES`, never the engine's inner modules; every name they import from
     ``hydra_trio.engine`` is exported there."""
-    import hydra_trio.engine as engine
+    from hydra_trio import engine
 
     found = []
     for name in MODULES:
