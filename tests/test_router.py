@@ -52,13 +52,14 @@ stop-timeout = 5
 
 
 class Router:
-    """``python -m hydra_trio FLAGS`` (router mode) in a subprocess, logging to ``log_path``."""
+    """``python -m hydra_trio FLAGS`` (router mode), or ``binary FLAGS``, in a subprocess logging to ``log_path``."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
+    def __init__(self, log_path: Path, *args: str, binary: str | None = None) -> None:
         self.port = free_port()
         self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "--port", str(self.port), "-t", "1", *args],
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed by stop)
+        command = [binary] if binary else [sys.executable, "-m", "hydra_trio"]
+        self.proc = subprocess.Popen([*command, "--port", str(self.port), "-t", "1", *args],
                                      cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **SHARED_MACHINE_ENV})
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=300)
@@ -146,7 +147,7 @@ def run_router_cli(tmp_path: Path, preset: str, *args: str) -> subprocess.Comple
     path = tmp_path / "p.ini"
     path.write_text(preset)
     return subprocess.run([sys.executable, "-m", "hydra_trio", "--models-preset", str(path), "--port",
-                           str(free_port()), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+                           str(free_port()), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.mark.parametrize("preset, needles", [
@@ -364,29 +365,23 @@ def test_the_same_preset_answers_as_llama_servers_router(tmp_path: Path) -> None
               f"alias = tiny\n[q8]\nmodel = {q8}\nno-warmup = true\nstop-timeout = 3\n")
     path = tmp_path / "p.ini"
     path.write_text(preset)
-    port = free_port()
-    with open(tmp_path / "llama.log", "wb") as log:
-        proc = subprocess.Popen([binary, "--models-preset", str(path), "--models-max", "1", "--port", str(port),
-                                 "-t", "1"], stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **SHARED_MACHINE_ENV})
+    theirs = Router(tmp_path / "llama-server.log", "--models-preset", str(path), "--models-max", "1", binary=binary)
     try:
-        theirs = Router.__new__(Router)
-        theirs.http = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
-        theirs.proc, theirs.log_path, theirs._log = proc, tmp_path / "llama.log", open(os.devnull, "wb")
         theirs.wait_listening()
-        with router(tmp_path, preset, "--models-max", "1") as ours:
-            seen = [_walk(theirs), _walk(ours)]
-        for key in ("keys", "statuses", "errors", "flags", "preset", "aliases"):
-            assert seen[0][key] == seen[1][key], key
+        seen = [_walk(theirs)]
     finally:
-        proc.terminate()
-        proc.wait(60)
+        theirs.stop()
+    with router(tmp_path, preset, "--models-max", "1") as ours:
+        seen.append(_walk(ours))
+    for key in ("order", "keys", "statuses", "errors", "flags", "preset", "aliases"):
+        assert seen[0][key] == seen[1][key], key
 
 
 def _walk(r: Router) -> dict[str, Any]:
     """The same questions to a router: its models' keys and flags, statuses through load / route / unload, errors."""
     out: dict[str, Any] = {"statuses": []}
     models = r.models()
+    out["order"] = list(models)
     out["keys"] = set().union(*(set(m) for m in models.values())) - {"created"}
     out["aliases"] = {n: m["aliases"] for n, m in models.items()}
     out["flags"] = {n: [a for a in m["status"]["args"] if a.startswith("-") and a not in ("-m", "--no-rpc-backend")]

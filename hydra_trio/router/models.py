@@ -152,7 +152,8 @@ class ModelRouter:
 
     def __init__(self, models: list[ModelInstance], settings: RouterSettings,
                  environ: Mapping[str, str] | None = None) -> None:
-        self.models = {m.name: m for m in models}
+        self.models = {m.name: m for m in sorted(models, key=lambda m: m.name.encode())}
+        """By name, as llama-server lists them (its models are a ``std::map``)."""
         self.settings = settings
         self.environ = dict(environ) if environ is not None else None
         self.wanted: dict[str, int] = {}
