@@ -70,7 +70,7 @@ FLAGS: list[Flag] = [
       lands="EngineConfig.media.batch_max_tokens"),
     V(("-a", "--alias"), WIRED, "model id in API replies (default: the preset alias or file name)", value="STRING",
       env="LLAMA_ARG_ALIAS", lands="EngineConfig.model_alias"),
-    V(("--tags",), ACCEPTED, "model tags are for llama-server's router mode", value="STRING", env="LLAMA_ARG_TAGS"),
+    V(("--tags",), ACCEPTED, "a model's tags are for router mode: a preset's tags are listed by /models", value="STRING", env="LLAMA_ARG_TAGS"),
     V(("--embd-normalize",), WIRED, "normalization of pooled embeddings: -1 none, 0 max absolute (int16), "
       "1 taxicab, 2 Euclidean (default), >2 p-norm", value="N", type=t.int_range(-1, t.INT32_MAX),
       lands="EngineConfig.embd_normalize"),
