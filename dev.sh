@@ -3,6 +3,8 @@
 #   ./dev.sh run [hydra-trio run flags...]   set up, then serve the default model on 127.0.0.1:8080
 #   ./dev.sh test [pytest args...]           set up, then run the whole test suite
 #   ./dev.sh setup                           only set up (.venv with everything installed)
+#   ./dev.sh lint                            set up, then check hydra_trio/, tests/, fuzz/, bench/, examples/:
+#                                            ruff's lint rules and format, mypy on the package (pyproject.toml)
 #   ./dev.sh cmake-args                      print the CMake flags llama.cpp is built with here
 #                                            (CUDA when the machine has nvcc; HYDRA_TRIO_CUDA=0|1 forces it;
 #                                            HYDRA_TRIO_CPU=native|x86-64-v3|x86-64-v4|LIST picks the x86
@@ -141,6 +143,18 @@ setup() {
   fi
 }
 
+# The checks CI runs before the tests (settings in pyproject.toml); each runs, and any finding fails.
+lint() {
+  local paths=(hydra_trio tests fuzz bench examples) rc=0
+  echo "==> ruff check"
+  "$VENV/bin/ruff" check "${paths[@]}" || rc=1
+  echo "==> ruff format --check"
+  "$VENV/bin/ruff" format --check "${paths[@]}" || rc=1
+  echo "==> mypy hydra_trio"
+  "$VENV/bin/python" -m mypy hydra_trio || rc=1
+  return $rc
+}
+
 cmd="${1:-}"
 [ $# -gt 0 ] && shift
 case "$cmd" in
@@ -148,5 +162,6 @@ case "$cmd" in
   cmake-args) cmake_args ;;
   run) setup; exec "$VENV/bin/hydra-trio" run "$@" ;;
   test) setup; exec "$VENV/bin/python" -m pytest "$@" ;;
-  *) echo "usage: $0 {setup|run|test|cmake-args} [args...]" >&2; exit 2 ;;
+  lint) setup; lint ;;
+  *) echo "usage: $0 {setup|run|test|lint|cmake-args} [args...]" >&2; exit 2 ;;
 esac

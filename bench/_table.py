@@ -30,7 +30,7 @@ class Row:
     @property
     def ratios(self) -> list[float]:
         """Per round (rounds paired in the order measured); higher is better."""
-        return [(o / r if self.higher_is_better else r / o) for o, r in zip(self.ours, self.reference)]
+        return [(o / r if self.higher_is_better else r / o) for o, r in zip(self.ours, self.reference, strict=False)]
 
     @property
     def ratio(self) -> float:
@@ -52,5 +52,7 @@ def print_table(rows: Sequence[Row], command: str) -> None:
         rs = r.ratios
         tgt = "" if r.target is None else f"≥ {r.target:.2f}"
         ok = "" if r.target is None else ("yes" if r.ratio >= r.target else "NO")
-        print(f"| {r.bench} | {r.case} | {r.unit} | {_fig(r.ours)} | {_fig(r.reference)} | "
-              f"{r.ratio:.2f} ({min(rs):.2f}-{max(rs):.2f}) | {tgt} | {ok} |")
+        print(
+            f"| {r.bench} | {r.case} | {r.unit} | {_fig(r.ours)} | {_fig(r.reference)} | "
+            f"{r.ratio:.2f} ({min(rs):.2f}-{max(rs):.2f}) | {tgt} | {ok} |"
+        )

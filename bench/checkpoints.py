@@ -27,9 +27,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.models.hybrid import ensure_test_hybrid  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 
 def run_chat(base: str, turns: int, doc: str) -> tuple[list[str], list[dict]]:
@@ -56,8 +56,9 @@ def main() -> None:
     doc = " ".join(f"Item {i} of the list is worth a note;" for i in range(a.doc_items))
     results = {}
     for name, extra in (("checkpoints", ()), ("none", ("--ctx-checkpoints", "0"))):
-        proc, port = spawn("-m", str(model), "-np", "1", "-c", "8192", "--log-level", "WARNING", *extra,
-                           output=subprocess.DEVNULL)
+        proc, port = spawn(
+            "-m", str(model), "-np", "1", "-c", "8192", "--log-level", "WARNING", *extra, output=subprocess.DEVNULL
+        )
         try:
             wait_healthy(port, proc)
             results[name] = run_chat(f"http://127.0.0.1:{port}", a.turns, doc)

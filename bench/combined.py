@@ -45,12 +45,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E402
-from hydra_trio.hydra.client import HydraClient  # noqa: E402
-
 from bench._decode import tok_s  # noqa: E402
 from bench._relay import start as start_relay  # noqa: E402
 from bench._table import Row, print_table  # noqa: E402
+from hydra_trio.hydra.client import HydraClient  # noqa: E402
+from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E402
 
 MOE = ("-m", "smollm2-135m-moe", "-np", "1", "-c", "2048", "--no-rpc-backend")
 
@@ -105,17 +104,36 @@ def llama_cpp_pair(procs: list[subprocess.Popen]) -> tuple[int, int]:
 
     binary, model = str(build_anchor()), str(resolve_model("smollm2-135m-moe")[0])
     rpc = f"127.0.0.1:{free_port()}"
-    child = subprocess.Popen([sys.executable, "-m", "hydra_trio.rpc_backend.child", "--endpoint", rpc],
-                             env={**CHILD_ENV, **os.environ}, stdout=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "hydra_trio.rpc_backend.child", "--endpoint", rpc],
+        env={**CHILD_ENV, **os.environ},
+        stdout=subprocess.DEVNULL,
+    )
     procs.append(child)
     ports = []
     for extra in (("--rpc", rpc, "-ngl", "0", "-ot", rf"ffn_(up|down|gate)_exps=RPC0[{rpc}]"), ()):
         if extra:
             _wait_listening(rpc, child)
         port = free_port()
-        proc = subprocess.Popen([binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "-np", "1",
-                                 "-c", "2048", "--no-webui", *extra], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                binary,
+                "-m",
+                model,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-np",
+                "1",
+                "-c",
+                "2048",
+                "--no-webui",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         procs.append(proc)
         wait_healthy(port, proc, timeout=300)
         ports.append(port)
@@ -136,8 +154,16 @@ def _wait_listening(endpoint: str, proc: subprocess.Popen, timeout: float = 60) 
     raise TimeoutError(f"no ggml-RPC server on {endpoint}")
 
 
-def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True, relay: bool = True,
-            passive: str = "none", llama_server: bool = False) -> tuple[list[Row], list[float]]:
+def measure(
+    tokens: int,
+    runs: int,
+    *,
+    tls: bool = True,
+    solo: bool = True,
+    relay: bool = True,
+    passive: str = "none",
+    llama_server: bool = False,
+) -> tuple[list[Row], list[float]]:
     """The rows (COMBINED/SOLO, TLS/plain COMBINED, the bare relay's, llama.cpp's own) and the
     flip-to-COMBINED times (ms)."""
     procs: list[subprocess.Popen] = []
@@ -157,8 +183,15 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True, rela
                 flags, ca_pem = certificates(d)
                 b2, b2port = start("--no-model", *flags, passive=passive in ("peer", "both"))
                 procs.append(b2)
-                h2, h2port = start(*MOE, "--rpc-engine", f"127.0.0.1:{b2port}", "--rpc-tls", "--tls-ca", str(ca_pem),
-                                   passive=passive in ("head", "both"))
+                h2, h2port = start(
+                    *MOE,
+                    "--rpc-engine",
+                    f"127.0.0.1:{b2port}",
+                    "--rpc-tls",
+                    "--tls-ca",
+                    str(ca_pem),
+                    passive=passive in ("head", "both"),
+                )
                 procs.append(h2)
                 wait_combined(h2port)
                 tok_s(h2port, 8)
@@ -200,22 +233,66 @@ def measure(tokens: int, runs: int, *, tls: bool = True, solo: bool = True, rela
                 p.wait(60)
     rows = []
     if solo:
-        rows.append(Row("combined", "COMBINED decode (experts on a loopback peer) vs SOLO, same head", "tok/s",
-                        comb, sol, target=0.5))
+        rows.append(
+            Row(
+                "combined",
+                "COMBINED decode (experts on a loopback peer) vs SOLO, same head",
+                "tok/s",
+                comb,
+                sol,
+                target=0.5,
+            )
+        )
     if tls:
-        rows.append(Row("combined", "COMBINED through the --rpc-tls tunnel vs plain COMBINED", "tok/s",
-                        through, comb, target=0.85))
+        rows.append(
+            Row(
+                "combined",
+                "COMBINED through the --rpc-tls tunnel vs plain COMBINED",
+                "tok/s",
+                through,
+                comb,
+                target=0.85,
+            )
+        )
     if relay:
-        rows.append(Row("combined", "COMBINED through the bare C relay vs plain COMBINED (the floor of one more hop)",
-                        "tok/s", relayed, comb))
+        rows.append(
+            Row(
+                "combined",
+                "COMBINED through the bare C relay vs plain COMBINED (the floor of one more hop)",
+                "tok/s",
+                relayed,
+                comb,
+            )
+        )
     if tls and relay:
-        rows.append(Row("combined", "COMBINED through the --rpc-tls tunnel vs through the bare C relay", "tok/s",
-                        through, relayed))
+        rows.append(
+            Row(
+                "combined",
+                "COMBINED through the --rpc-tls tunnel vs through the bare C relay",
+                "tok/s",
+                through,
+                relayed,
+            )
+        )
     if llama_server:
-        rows.append(Row("combined", "llama.cpp alone: llama-server --rpc (bare ggml-RPC server) vs llama-server",
-                        "tok/s", lcomb, lsol))
-        rows.append(Row("combined", "hydra-trio COMBINED (peer's front door) vs llama-server --rpc (bare server)",
-                        "tok/s", comb, lcomb))
+        rows.append(
+            Row(
+                "combined",
+                "llama.cpp alone: llama-server --rpc (bare ggml-RPC server) vs llama-server",
+                "tok/s",
+                lcomb,
+                lsol,
+            )
+        )
+        rows.append(
+            Row(
+                "combined",
+                "hydra-trio COMBINED (peer's front door) vs llama-server --rpc (bare server)",
+                "tok/s",
+                comb,
+                lcomb,
+            )
+        )
     return rows, flips
 
 
@@ -225,19 +302,29 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-tls", action="store_true", help="skip the TLS peer and head")
     ap.add_argument("--no-relay", action="store_true", help="skip the peer and head behind the bare C relay")
-    ap.add_argument("--passive", choices=["none", "peer", "head", "both"], default="none",
-                    help="which nodes' environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
-                         "ggml-RPC child waits passively anyway, see hydra_trio.rpc_backend.supervisor.CHILD_ENV)")
-    ap.add_argument("--llama-server", action="store_true",
-                    help="also time llama.cpp alone: llama-server with the experts on a bare ggml-RPC server, and "
-                         "llama-server by itself (built on first use, about 10 minutes on 2 cores)")
+    ap.add_argument(
+        "--passive",
+        choices=["none", "peer", "head", "both"],
+        default="none",
+        help="which nodes' environment sets OMP_WAIT_POLICY=PASSIVE (default: none; the peer's "
+        "ggml-RPC child waits passively anyway, see hydra_trio.rpc_backend.supervisor.CHILD_ENV)",
+    )
+    ap.add_argument(
+        "--llama-server",
+        action="store_true",
+        help="also time llama.cpp alone: llama-server with the experts on a bare ggml-RPC server, and "
+        "llama-server by itself (built on first use, about 10 minutes on 2 cores)",
+    )
     a = ap.parse_args()
-    rows, flips = measure(a.tokens, a.runs, tls=not a.no_tls, relay=not a.no_relay, passive=a.passive,
-                          llama_server=a.llama_server)
+    rows, flips = measure(
+        a.tokens, a.runs, tls=not a.no_tls, relay=not a.no_relay, passive=a.passive, llama_server=a.llama_server
+    )
     print_table(rows, "bench/combined.py " + " ".join(sys.argv[1:]))
-    print(f"\nflip to COMBINED with both models resident: median {statistics.median(flips):.2f} ms "
-          f"(max {max(flips):.2f} ms over {len(flips)}); {a.tokens} tokens per decode, "
-          f"OMP_WAIT_POLICY=PASSIVE on {a.passive}")
+    print(
+        f"\nflip to COMBINED with both models resident: median {statistics.median(flips):.2f} ms "
+        f"(max {max(flips):.2f} ms over {len(flips)}); {a.tokens} tokens per decode, "
+        f"OMP_WAIT_POLICY=PASSIVE on {a.passive}"
+    )
 
 
 if __name__ == "__main__":

@@ -33,17 +33,19 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import free_port, wait_healthy  # noqa: E402
 from hydra_trio.protocol.hydra import Op  # noqa: E402
-from tests.hydra_wire import Wire  # noqa: E402
+from hydra_trio.testing.hydra_wire import Wire  # noqa: E402
+from hydra_trio.testing.spawn import free_port, wait_healthy  # noqa: E402
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
-         "bright jovial nymphs near misty harbours and old lanterns glow ").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+    "bright jovial nymphs near misty harbours and old lanterns glow "
+).split()
 
 
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
-    return s[min(len(s) - 1, max(0, int(round(q * (len(s) - 1)))))]
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def make_prompt(http: httpx.Client, n_tokens: int) -> tuple[str, int]:
@@ -72,23 +74,54 @@ def main() -> None:
     env = {**os.environ, **({"OMP_WAIT_POLICY": "PASSIVE"} if a.passive else {})}
     log_path = Path(tempfile.gettempdir()) / "hydra-bench-control-plane.log"
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-c", str(a.ctx),
-                             "-np", "2", "--log-level", "WARNING"],
-                            cwd=a.server_cwd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hydra_trio",
+            "run",
+            "--port",
+            str(port),
+            "-c",
+            str(a.ctx),
+            "-np",
+            "2",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=a.server_cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(port, proc)
         http = httpx.Client(base_url=base, timeout=300)
         text, n_prompt = make_prompt(http, a.tokens)
-        print(f"node on :{port} (cwd {a.server_cwd}, log {log_path}); prompt {n_prompt} tokens on slot 0, -c {a.ctx} -np 2", flush=True)
-        r = http.post("/completion", json={"prompt": "A short note in slot one.", "n_predict": 4, "id_slot": 1,
-                                           "temperature": 0})
+        print(
+            f"node on :{port} (cwd {a.server_cwd}, log {log_path}); "
+            f"prompt {n_prompt} tokens on slot 0, -c {a.ctx} -np 2",
+            flush=True,
+        )
+        r = http.post(
+            "/completion", json={"prompt": "A short note in slot one.", "n_predict": 4, "id_slot": 1, "temperature": 0}
+        )
         r.raise_for_status()
         n_past_1 = http.get("/slots/1/state/meta").json()["n_past"]
 
-        lat: dict[str, list[float]] = {k: [] for k in (
-            "GET /slots", "GET /slots/1/state/meta", "GET /health", "GET /props", "Hydra INFO",
-            "Hydra STATE_META 1", "Hydra STATE_GET 1 (engine thread)")}
+        lat: dict[str, list[float]] = {
+            k: []
+            for k in (
+                "GET /slots",
+                "GET /slots/1/state/meta",
+                "GET /health",
+                "GET /props",
+                "Hydra INFO",
+                "Hydra STATE_META 1",
+                "Hydra STATE_GET 1 (engine thread)",
+            )
+        }
         errors: list[str] = []
         prefill_s: list[float] = []
         wire: Wire | None = None
@@ -97,7 +130,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 fn()
-            except Exception as exc:  # noqa: BLE001 - reported, not fatal
+            except Exception as exc:  # reported, not fatal
                 errors.append(f"{name}: {exc!r}")
                 return
             lat[name].append((time.perf_counter() - t0) * 1e3)
@@ -108,6 +141,7 @@ def main() -> None:
                 assert resp.status_code == want, (path, resp.status_code, resp.text[:200])
                 if path == "/slots/1/state/meta":
                     assert resp.json()["n_past"] == n_past_1, resp.json()
+
             return go
 
         def check_hydra(op: int, key: str = ""):
@@ -124,6 +158,7 @@ def main() -> None:
                 assert status == 0, (op, status, meta)
                 if op == Op.STATE_META:
                     assert meta["n_past"] == n_past_1 and not meta["is_processing"], meta
+
             return go
 
         for rnd in range(a.rounds):
@@ -133,20 +168,23 @@ def main() -> None:
             def prefill() -> None:
                 t0 = time.perf_counter()
                 with httpx.Client(base_url=base, timeout=600) as c:
-                    resp = c.post("/completion", json={"prompt": text, "n_predict": 1, "id_slot": 0,
-                                                       "cache_prompt": False, "temperature": 0})
-                result["status"] = resp.status_code
-                result["s"] = time.perf_counter() - t0
-                done.set()
+                    resp = c.post(
+                        "/completion",
+                        json={"prompt": text, "n_predict": 1, "id_slot": 0, "cache_prompt": False, "temperature": 0},
+                    )
+                result["status"] = resp.status_code  # noqa: B023  (called and finished within this iteration)
+                result["s"] = time.perf_counter() - t0  # noqa: B023  (called and finished within this iteration)
+                done.set()  # noqa: B023  (called and finished within this iteration)
 
             t = threading.Thread(target=prefill)
             t.start()
             # wait until slot 0 is processing (the snapshot says so), then poll until the prefill returns
             while not done.is_set() and not http.get("/slots").json()[0]["is_processing"]:
                 time.sleep(0.002)
+
             def state_gets() -> None:  # on its own connection and thread: it waits for a batch each time
                 with Wire(port, timeout=300) as w2:
-                    while not done.is_set():
+                    while not done.is_set():  # noqa: B023  (called and finished within this iteration)
                         t0 = time.perf_counter()
                         status, meta, _ = w2.call(Op.STATE_GET, key="1")
                         if status == 0:
@@ -171,8 +209,11 @@ def main() -> None:
                 if time.monotonic() - t_line >= 5:
                     t_line = time.monotonic()
                     n_past_0 = http.get("/slots").json()[0]["n_past"]
-                    print(f"round {rnd + 1}/{a.rounds}: {t_line - t_start:5.1f} s, {polls} polling rounds, "
-                          f"slot 0 n_past {n_past_0}", flush=True)
+                    print(
+                        f"round {rnd + 1}/{a.rounds}: {t_line - t_start:5.1f} s, {polls} polling rounds, "
+                        f"slot 0 n_past {n_past_0}",
+                        flush=True,
+                    )
                 time.sleep(a.interval)
             t.join()
             getter.join()
@@ -182,8 +223,10 @@ def main() -> None:
                 wire.close()
                 wire = None
 
-        print(f"\nprefill of {n_prompt} tokens: {', '.join(f'{s:.2f} s' for s in prefill_s)} "
-              f"({n_prompt / statistics.median(prefill_s):.0f} tok/s)")
+        print(
+            f"\nprefill of {n_prompt} tokens: {', '.join(f'{s:.2f} s' for s in prefill_s)} "
+            f"({n_prompt / statistics.median(prefill_s):.0f} tok/s)"
+        )
         print(f"{'endpoint':<36}{'n':>6}{'p50 ms':>10}{'p99 ms':>10}{'max ms':>10}")
         summary = {}
         for name, xs in lat.items():

@@ -48,16 +48,20 @@ def main() -> None:
             t0 = time.perf_counter()
             r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "json_schema": schema})
             dt = time.perf_counter() - t0
-            print(f"minItems 100M schema: {r.status_code} in {dt * 1e3:.1f} ms, RSS {before / 2**20:.0f} -> "
-                  f"{rss(proc.pid) / 2**20:.0f} MiB (delta {(rss(proc.pid) - before) / 2**20:+.1f} MiB): "
-                  f"{r.json()['error']['message']}")
+            print(
+                f"minItems 100M schema: {r.status_code} in {dt * 1e3:.1f} ms, RSS {before / 2**20:.0f} -> "
+                f"{rss(proc.pid) / 2**20:.0f} MiB (delta {(rss(proc.pid) - before) / 2**20:+.1f} MiB): "
+                f"{r.json()['error']['message']}"
+            )
             for n in (5_000, 10_000, 20_000, 40_000):
                 body = {"messages": [{"role": "user", "content": "hi"}] * n, "max_tokens": 1}
                 t0 = time.perf_counter()
                 r = c.post("/v1/chat/completions", json=body)
                 dt = time.perf_counter() - t0
-                print(f"{n:6d} messages: {r.status_code} in {dt * 1e3:7.1f} ms ({dt / n * 1e6:6.1f} us/message): "
-                      f"{r.json()['error']['message'][:90]}")
+                print(
+                    f"{n:6d} messages: {r.status_code} in {dt * 1e3:7.1f} ms ({dt / n * 1e6:6.1f} us/message): "
+                    f"{r.json()['error']['message'][:90]}"
+                )
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
@@ -77,7 +81,11 @@ def main() -> None:
         t0 = time.perf_counter()
         single = tokenize_bytes(m.vocab, prompt.encode(), False, True) if n <= 20_000 else None
         ds = time.perf_counter() - t0
-        same = "" if single is None else f", one llama_tokenize call {ds:6.2f} s (same tokens: {single == toks[-len(single):]})"
+        same = (
+            ""
+            if single is None
+            else f", one llama_tokenize call {ds:6.2f} s (same tokens: {single == toks[-len(single) :]})"
+        )
         print(f"tokenize {n:6d} messages ({len(toks)} tokens): {dt:6.2f} s ({dt / n * 1e6:5.1f} us/message){same}")
     m.close()
 

@@ -74,9 +74,14 @@ async def chats(base: str, k: int, n: int, nonce: str) -> tuple[float, int]:
     done: list[int] = []
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
-        body = {"messages": [{"role": "user", "content": f"[{nonce}-{i}] Tell me a long story about number {i}."}],
-                "max_tokens": n, "stream": True, "temperature": 0, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "messages": [{"role": "user", "content": f"[{nonce}-{i}] Tell me a long story about number {i}."}],
+            "max_tokens": n,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
         async with client.stream("POST", base + "/v1/chat/completions", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
@@ -86,10 +91,9 @@ async def chats(base: str, k: int, n: int, nonce: str) -> tuple[float, int]:
                         done.append(usage["completion_tokens"])
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as client:
-        async with trio.open_nursery() as nursery:
-            for i in range(k):
-                nursery.start_soon(one, client, i)
+    async with httpx.AsyncClient(timeout=600) as client, trio.open_nursery() as nursery:
+        for i in range(k):
+            nursery.start_soon(one, client, i)
     return time.perf_counter() - t0, sum(done)
 
 
@@ -103,9 +107,30 @@ def tree_of(ref: str, into: Path) -> Path:
 def run_node(tree: Path, args: argparse.Namespace, round_no: int) -> dict[str, float]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(tree), **({} if args.spin else SHARED_MACHINE_ENV)}
-    proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-t", str(args.threads),
-                             "-np", "4", "-c", "8192", "-b", "512", "--log-level", "WARNING"],
-                            cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hydra_trio",
+            "run",
+            "--port",
+            str(port),
+            "-t",
+            str(args.threads),
+            "-np",
+            "4",
+            "-c",
+            "8192",
+            "-b",
+            "512",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(port, proc, timeout=300)
@@ -113,8 +138,12 @@ def run_node(tree: Path, args: argparse.Namespace, round_no: int) -> dict[str, f
         d0, (c0, t0) = decode_seconds(base), cpu(proc.pid)
         wall, tokens = trio.run(chats, base, args.clients, args.tokens, f"r{round_no}")
         d1, (c1, t1) = decode_seconds(base), cpu(proc.pid)
-        return {"tok_s": tokens / wall, "decode_pct": 100 * (d1 - d0) / wall, "cpu_ms_tok": 1e3 * (c1 - c0) / tokens,
-                "trio_ms_tok": 1e3 * (t1 - t0) / tokens}
+        return {
+            "tok_s": tokens / wall,
+            "decode_pct": 100 * (d1 - d0) / wall,
+            "cpu_ms_tok": 1e3 * (c1 - c0) / tokens,
+            "trio_ms_tok": 1e3 * (t1 - t0) / tokens,
+        }
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -139,7 +168,7 @@ def main() -> None:
         samples: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         order = list(trees)
         for r in range(args.rounds):
-            for name in (order if r % 2 == 0 else order[::-1]):
+            for name in order if r % 2 == 0 else order[::-1]:
                 s = run_node(trees[name], args, r)
                 samples[name].append(s)
                 print(f"  round {r} {name:12s} " + "  ".join(f"{k} {v:7.2f}" for k, v in s.items()), flush=True)

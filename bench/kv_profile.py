@@ -105,11 +105,13 @@ def node_main(argv: list[str]) -> int:
     _timed(os, "writev", "os.writev")
     _timed(os, "readv", "os.readv")
     import hydra_trio.transport.tls_bulk as tls_bulk
+
     _atimed(tls_bulk, "send_view", "send_view")  # the plain-TCP send and receive loops, where they are called
     _atimed(tls_bulk, "recv_into_view", "recv_into_view")
     _atimed(ops.OpContext, "send_blob", "send_blob")
     _timed(ops, "payload_buffer", "payload_buffer", mark=True)
     import trio
+
     _atimed(trio.lowlevel, "wait_readable", "wait_readable")
     _atimed(trio.lowlevel, "wait_writable", "wait_writable")
     handle = connection.ServerConnection.handle
@@ -135,6 +137,7 @@ def node_main(argv: list[str]) -> int:
 
     session.serve_connection = timed_serve
     import hydra_trio.hydra.server as hserver
+
     if hasattr(hserver, "serve_connection"):
         hserver.serve_connection = timed_serve
     return main(argv)
@@ -165,9 +168,31 @@ def main() -> None:
         n_ctx = int(a.mb * MB / 23000) + 4096  # bytes per token of smollm2 f32 ~ 23 KB; refined below
         scale = -(-n_ctx // 8192)
         rope = ["--rope-scaling", "linear", "--rope-scale", str(scale)] if scale > 1 else []
-        node = subprocess.Popen([sys.executable, __file__, "--node", "run", "--port", str(port), "--log-level",
-                                 "WARNING", "-m", a.model, "-np", "1", "-c", str(n_ctx), *rope, "-ctk", a.kv_type,
-                                 "-ctv", a.kv_type], cwd=ROOT, stderr=logf)
+        node = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--node",
+                "run",
+                "--port",
+                str(port),
+                "--log-level",
+                "WARNING",
+                "-m",
+                a.model,
+                "-np",
+                "1",
+                "-c",
+                str(n_ctx),
+                *rope,
+                "-ctk",
+                a.kv_type,
+                "-ctv",
+                a.kv_type,
+            ],
+            cwd=ROOT,
+            stderr=logf,
+        )
         try:
             wait_healthy(port, node, timeout=300)
             base = f"http://127.0.0.1:{port}"
@@ -212,6 +237,7 @@ def main() -> None:
 
             cc.recv_into_view, cc.send_view = timed_recv, timed_send
             for mod, name in ((os, "writev"), (os, "readv")):
+
                 def wrap(fn, label):  # type: ignore[no-untyped-def]
                     def w(*x, **k):  # type: ignore[no-untyped-def]
                         t = time.perf_counter()
@@ -220,9 +246,12 @@ def main() -> None:
                         finally:
                             ct["client." + label] += (time.perf_counter() - t) * 1e3
                             ct["client.n_" + label] += 1
+
                     return w
+
                 setattr(mod, name, wrap(getattr(mod, name), name))
             for name in ("wait_readable", "wait_writable"):
+
                 def awrap(fn, label):  # type: ignore[no-untyped-def]
                     async def w(*x, **k):  # type: ignore[no-untyped-def]
                         t = time.perf_counter()
@@ -231,7 +260,9 @@ def main() -> None:
                         finally:
                             ct["client." + label] += (time.perf_counter() - t) * 1e3
                             ct["client.n_" + label] += 1
+
                     return w
+
                 setattr(trio.lowlevel, name, awrap(getattr(trio.lowlevel, name), name))
 
             async def rounds() -> None:
@@ -240,17 +271,26 @@ def main() -> None:
                         t = time.perf_counter()
                         _meta, view = await c.state_get_into(0, buf)
                         dt = (time.perf_counter() - t) * 1e3
-                        print(f"round {r} client GET {len(view) / MB:.1f} MB: {dt:.1f} ms ({len(view) / MB / dt * 1e3:.0f} MB/s) "
-                              + " ".join(f"{k}={v:.1f}" for k, v in ct.items()), flush=True)
+                        print(
+                            f"round {r} client GET {len(view) / MB:.1f} MB: {dt:.1f} ms "
+                            f"({len(view) / MB / dt * 1e3:.0f} MB/s) "
+                            + " ".join(f"{k}={v:.1f}" for k, v in ct.items()),
+                            flush=True,
+                        )
                         ct.clear()
                         blob = memoryview(buf)[: len(view)]
                         del view
-                        await trio.to_thread.run_sync(lambda: httpx.post(f"{base}/slots/0?action=erase").raise_for_status())
+                        await trio.to_thread.run_sync(
+                            lambda: httpx.post(f"{base}/slots/0?action=erase").raise_for_status()
+                        )
                         t = time.perf_counter()
                         await c.state_put(0, blob)
                         dt = (time.perf_counter() - t) * 1e3
-                        print(f"round {r} client PUT: {dt:.1f} ms ({len(blob) / MB / dt * 1e3:.0f} MB/s) "
-                              + " ".join(f"{k}={v:.1f}" for k, v in ct.items()), flush=True)
+                        print(
+                            f"round {r} client PUT: {dt:.1f} ms ({len(blob) / MB / dt * 1e3:.0f} MB/s) "
+                            + " ".join(f"{k}={v:.1f}" for k, v in ct.items()),
+                            flush=True,
+                        )
                         ct.clear()
                         del blob
 

@@ -62,8 +62,8 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.combined import certificates  # noqa: E402
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.hydra.client import HydraClient  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 from hydra_trio.transport.tls import client_context  # noqa: E402
 
 MB = 1_000_000
@@ -186,8 +186,9 @@ async def hydra_put(c: HydraClient, blob: memoryview) -> float:
 
 def prefill(base: str, tokens: list[int]) -> None:
     """Slot 0 holds exactly ``tokens`` afterwards (a prefill-only completion; the cached prefix is kept)."""
-    r = httpx.post(base + "/completion", json={"prompt": tokens, "n_predict": 0, "id_slot": 0, "cache_prompt": True},
-                   timeout=3600)
+    r = httpx.post(
+        base + "/completion", json={"prompt": tokens, "n_predict": 0, "id_slot": 0, "cache_prompt": True}, timeout=3600
+    )
     r.raise_for_status()
 
 
@@ -238,6 +239,7 @@ def slot_size(port: int) -> tuple[int, int]:
         async with HydraClient("127.0.0.1", port) as c:
             m = await c.state_meta(0)
             return m["n_past"], m["state_size"]
+
     return trio.run(go)
 
 
@@ -268,8 +270,12 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--kv-type", default="f32", help="-ctk / -ctv of the node (default f32)")
     ap.add_argument("--no-tls", action="store_true", help="plain TCP only")
-    ap.add_argument("--n-ctx-train", type=int, default=8192,
-                    help="the model's training context (SmolLM2: 8192): a longer -c gets linear RoPE scaling")
+    ap.add_argument(
+        "--n-ctx-train",
+        type=int,
+        default=8192,
+        help="the model's training context (SmolLM2: 8192): a longer -c gets linear RoPE scaling",
+    )
     ap.add_argument("--prefill", action="store_true", help="fill the slot with a real prompt (slow for big sizes)")
     a = ap.parse_args()
     sizes = sizes_mb(a.max_mb)
@@ -279,8 +285,9 @@ def main() -> None:
         cctx = client_context(ca_pem)
 
         # bytes per token of this model and KV type, from a small node
-        probe, pport = spawn("--log-level", "WARNING", "-m", a.model, "-np", "1", "-c", "1024",
-                             "-ctk", a.kv_type, "-ctv", a.kv_type)
+        probe, pport = spawn(
+            "--log-level", "WARNING", "-m", a.model, "-np", "1", "-c", "1024", "-ctk", a.kv_type, "-ctv", a.kv_type
+        )
         try:
             wait_healthy(pport, probe, timeout=300)
             words = httpx.post(f"http://127.0.0.1:{pport}/tokenize", json={"content": __doc__}).json()["tokens"]
@@ -298,8 +305,22 @@ def main() -> None:
         # a slot holds at most the training context; RoPE scaling lets it hold more (the KV bytes are what count)
         scale = -(-n_ctx // a.n_ctx_train)
         rope = ["--rope-scaling", "linear", "--rope-scale", str(scale)] if scale > 1 else []
-        node, port = spawn("--log-level", "WARNING", "-m", a.model, "-np", "1", "-c", str(n_ctx), *rope,
-                           "-ctk", a.kv_type, "-ctv", a.kv_type, *tls_flags)
+        node, port = spawn(
+            "--log-level",
+            "WARNING",
+            "-m",
+            a.model,
+            "-np",
+            "1",
+            "-c",
+            str(n_ctx),
+            *rope,
+            "-ctk",
+            a.kv_type,
+            "-ctv",
+            a.kv_type,
+            *tls_flags,
+        )
         peers: dict[str, RawPeer] = {}
         results: dict[tuple[int, str, str], dict[str, Any]] = {}
         try:
@@ -311,7 +332,7 @@ def main() -> None:
                 peers["tls"] = RawPeer(cap, (cert, key, cctx))
             # the bench's receive buffers (Hydra's, the raw socket's), touched once as the raw peer's
             views = (memoryview(bytearray(cap)), memoryview(bytearray(cap)))
-            prompt = (words * (n_ctx // len(words) + 1))
+            prompt = words * (n_ctx // len(words) + 1)
             seed = b""
             if not a.prefill:
                 prefill(base, prompt[:256])
@@ -337,10 +358,12 @@ def main() -> None:
                         results[size, transport, "PUT"]["rss_first"] = fill_rss
                     for d_ in ("GET", "PUT"):
                         r = results[size, transport, d_]
-                        print(f"  {r['mb']:8.1f} MB {transport:5} STATE_{d_}: {r['hydra']:7.1f} MB/s | raw "
-                              f"{r['raw']:7.1f} MB/s | x raw {r['hydra'] / r['raw']:.2f} | peak RSS "
-                              f"+{r['rss_first']:.2f}x blob first, +{r['rss']:.2f}x later",
-                              flush=True)
+                        print(
+                            f"  {r['mb']:8.1f} MB {transport:5} STATE_{d_}: {r['hydra']:7.1f} MB/s | raw "
+                            f"{r['raw']:7.1f} MB/s | x raw {r['hydra'] / r['raw']:.2f} | peak RSS "
+                            f"+{r['rss_first']:.2f}x blob first, +{r['rss']:.2f}x later",
+                            flush=True,
+                        )
         finally:
             for p in peers.values():
                 p.close()
@@ -349,8 +372,16 @@ def main() -> None:
     _table(results, peers)
 
 
-def _measure(port: int, pid: int, transport: str, cctx: ssl.SSLContext, peer: RawPeer,
-             views: tuple[memoryview, memoryview], runs: int, base: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _measure(
+    port: int,
+    pid: int,
+    transport: str,
+    cctx: ssl.SSLContext,
+    peer: RawPeer,
+    views: tuple[memoryview, memoryview],
+    runs: int,
+    base: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Medians over ``runs`` rounds (after a warm-up) of raw and Hydra GET and PUT: MB/s and peak RSS."""
     raw_get: list[float] = []
     raw_put: list[float] = []
@@ -363,8 +394,7 @@ def _measure(port: int, pid: int, transport: str, cctx: ssl.SSLContext, peer: Ra
 
     async def rounds() -> None:
         nonlocal n
-        async with HydraClient("127.0.0.1", port, timeout=600,
-                               ssl_context=cctx if transport == "tls" else None) as c:
+        async with HydraClient("127.0.0.1", port, timeout=600, ssl_context=cctx if transport == "tls" else None) as c:
             for r in range(runs + 1):
                 with PeakRss(pid) as rg:
                     dt_get, n = await hydra_get(c, views[0].obj)  # type: ignore[arg-type]
@@ -388,21 +418,30 @@ def _measure(port: int, pid: int, transport: str, cctx: ssl.SSLContext, peer: Ra
     mb = n / MB
 
     def row(h: list[float], raw: list[float], rss: list[float], op: str) -> dict[str, Any]:
-        return {"mb": mb, "hydra": mb / statistics.median(h), "raw": mb / statistics.median(raw),
-                "rss": statistics.median(rss), "rss_first": first[op]}
+        return {
+            "mb": mb,
+            "hydra": mb / statistics.median(h),
+            "raw": mb / statistics.median(raw),
+            "rss": statistics.median(rss),
+            "rss_first": first[op],
+        }
 
     return row(h_get, raw_get, rss_get, "GET"), row(h_put, raw_put, rss_put, "PUT")
 
 
 def _table(results: dict[tuple[int, str, str], dict[str, Any]], peers: dict[str, RawPeer]) -> None:
     print()
-    print("| blob MB | transport | op | Hydra MB/s | raw socket MB/s | × raw (same transport) | × raw plain "
-          "| peak RSS above before, × blob: first / later |")
+    print(
+        "| blob MB | transport | op | Hydra MB/s | raw socket MB/s | × raw (same transport) | × raw plain "
+        "| peak RSS above before, × blob: first / later |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for (size, transport, op), r in results.items():
         plain = results[size, "plain", op]["raw"]
-        print(f"| {r['mb']:.1f} | {transport} | STATE_{op} | {r['hydra']:.0f} | {r['raw']:.0f} | "
-              f"{r['hydra'] / r['raw']:.2f} | {r['hydra'] / plain:.2f} | {r['rss_first']:.2f} / {r['rss']:.2f} |")
+        print(
+            f"| {r['mb']:.1f} | {transport} | STATE_{op} | {r['hydra']:.0f} | {r['raw']:.0f} | "
+            f"{r['hydra'] / r['raw']:.2f} | {r['hydra'] / plain:.2f} | {r['rss_first']:.2f} / {r['rss']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

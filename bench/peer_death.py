@@ -55,15 +55,19 @@ def kill_mid_decode(a: int, peer) -> None:
 
     def run() -> None:
         try:
-            httpx.post(f"http://127.0.0.1:{a}/v1/completions", timeout=300,
-                       json={"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True})
+            httpx.post(
+                f"http://127.0.0.1:{a}/v1/completions",
+                timeout=300,
+                json={"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True},
+            )
         finally:
             done.set()
 
     threading.Thread(target=run, daemon=True).start()
     deadline = time.monotonic() + 120
-    while not any(s["is_processing"] and s["n_decoded"] > 0
-                  for s in httpx.get(f"http://127.0.0.1:{a}/slots", timeout=30).json()):
+    while not any(
+        s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(f"http://127.0.0.1:{a}/slots", timeout=30).json()
+    ):
         if time.monotonic() > deadline:
             raise TimeoutError("the COMBINED request produced no token")
         time.sleep(0.05)
@@ -102,15 +106,25 @@ def main() -> None:
             p.terminate()
         for p in procs:
             p.wait()
-    before = [o / f for o, f in zip(ours_before, ref_before)]
-    after = [o / f for o, f in zip(ours_after, ref_after)]
-    print_table([
-        Row("peer death", "SOLO tok/s (head / reference head), after the peer died mid-decode vs before", "x",
-            after, before, target=0.95),
-        Row("peer death", "head SOLO after vs before (raw, drift included)", "tok/s", ours_after, ours_before),
-    ], "bench/peer_death.py " + " ".join(sys.argv[1:]))
-    print(f"\nreference head: {statistics.median(ref_before):.1f} tok/s before, "
-          f"{statistics.median(ref_after):.1f} after")
+    before = [o / f for o, f in zip(ours_before, ref_before, strict=False)]
+    after = [o / f for o, f in zip(ours_after, ref_after, strict=False)]
+    print_table(
+        [
+            Row(
+                "peer death",
+                "SOLO tok/s (head / reference head), after the peer died mid-decode vs before",
+                "x",
+                after,
+                before,
+                target=0.95,
+            ),
+            Row("peer death", "head SOLO after vs before (raw, drift included)", "tok/s", ours_after, ours_before),
+        ],
+        "bench/peer_death.py " + " ".join(sys.argv[1:]),
+    )
+    print(
+        f"\nreference head: {statistics.median(ref_before):.1f} tok/s before, {statistics.median(ref_after):.1f} after"
+    )
 
 
 if __name__ == "__main__":

@@ -22,10 +22,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
-from hydra_trio.hydra.client import HydraClient  # noqa: E402
-
 from bench._decode import tok_s  # noqa: E402
+from hydra_trio.hydra.client import HydraClient  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."
 
@@ -59,9 +58,11 @@ def main() -> None:
         for p in (h, b):
             p.send_signal(signal.SIGTERM)
             p.wait(30)
-    print(f"decode, {a.tokens} tokens, median of {a.runs}: local {local:.1f} tok/s | layers 15-29 on a loopback "
-          f"peer {piped:.1f} tok/s | local after detach {again:.1f} tok/s | ratio pipeline/local "
-          f"{piped / ((local + again) / 2):.2f}")
+    print(
+        f"decode, {a.tokens} tokens, median of {a.runs}: local {local:.1f} tok/s | layers 15-29 on a loopback "
+        f"peer {piped:.1f} tok/s | local after detach {again:.1f} tok/s | ratio pipeline/local "
+        f"{piped / ((local + again) / 2):.2f}"
+    )
 
 
 if __name__ == "__main__":

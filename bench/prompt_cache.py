@@ -31,16 +31,24 @@ WORDS = ("ship", "lamp", "oak", "river", "stone", "cloud", "wheel", "bell", "gla
 
 def document(user: int, n: int) -> str:
     w = WORDS[user % len(WORDS)]
-    return f"{w.capitalize()} log of user {user}: " + " ".join(f"the {w} number {i} rests by the north gate"
-                                                                for i in range(n)) + " Summarize it."
+    return (
+        f"{w.capitalize()} log of user {user}: "
+        + " ".join(f"the {w} number {i} rests by the north gate" for i in range(n))
+        + " Summarize it."
+    )
 
 
 def turn(c: httpx.Client, messages: list[dict]) -> tuple[float, int, str]:
     """One streamed turn: (seconds to the first content, cached prompt tokens, the reply's text)."""
     t0 = time.perf_counter()
     first, parts, cached = None, [], 0
-    body = {"messages": messages, "max_tokens": 16, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "messages": messages,
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with c.stream("POST", "/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -68,8 +76,12 @@ def run(base: str, users: int, turns: int, words: int) -> dict:
                     ttft.append(s)
                     cached.append(n)
                 convs[u] += [{"role": "assistant", "content": text}, {"role": "user", "content": "And then?"}]
-    return {"ttft_ms": statistics.median(ttft) * 1e3, "cached": statistics.mean(cached),
-            "total_s": time.perf_counter() - t0, "texts": texts}
+    return {
+        "ttft_ms": statistics.median(ttft) * 1e3,
+        "cached": statistics.mean(cached),
+        "total_s": time.perf_counter() - t0,
+        "texts": texts,
+    }
 
 
 def main() -> None:
@@ -81,8 +93,9 @@ def main() -> None:
     a = ap.parse_args()
     results = {}
     for name, extra in (("cache on", ()), ("cache off", ("--cache-ram", "0"))):
-        proc, port = spawn("--log-level", "WARNING", "--no-rpc-backend", "-np", str(a.slots), "-c",
-                           str(2048 * a.slots), *extra)
+        proc, port = spawn(
+            "--log-level", "WARNING", "--no-rpc-backend", "-np", str(a.slots), "-c", str(2048 * a.slots), *extra
+        )
         try:
             wait_healthy(port, proc, 180)
             results[name] = run(f"http://127.0.0.1:{port}", a.users, a.turns, a.doc_words)
@@ -92,10 +105,14 @@ def main() -> None:
     on, off = results["cache on"], results["cache off"]
     print(f"{a.users} users, {a.slots} slot(s), {a.turns} turns")
     for name, r in results.items():
-        print(f"  {name:9}  returning-turn TTFT {r['ttft_ms']:8.1f} ms  cached {r['cached']:6.1f} tokens  "
-              f"total {r['total_s']:6.2f} s")
-    print(f"  on/off     TTFT {on['ttft_ms'] / off['ttft_ms']:.2f}x  total {on['total_s'] / off['total_s']:.2f}x  "
-          f"same texts: {on['texts'] == off['texts']}")
+        print(
+            f"  {name:9}  returning-turn TTFT {r['ttft_ms']:8.1f} ms  cached {r['cached']:6.1f} tokens  "
+            f"total {r['total_s']:6.2f} s"
+        )
+    print(
+        f"  on/off     TTFT {on['ttft_ms'] / off['ttft_ms']:.2f}x  total {on['total_s'] / off['total_s']:.2f}x  "
+        f"same texts: {on['texts'] == off['texts']}"
+    )
 
 
 if __name__ == "__main__":

@@ -29,18 +29,15 @@ import socket
 import subprocess
 import sys
 import time
-
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hydra_trio.models.presets import resolve_model  # noqa: E402
-from hydra_trio.testing.spawn import ROOT, spawn, wait_healthy  # noqa: E402
-
-from bench._relay import start as start_relay  # noqa: E402
-from bench._table import Row, print_table  # noqa: E402
-
+from bench._relay import start as start_relay
+from bench._table import Row, print_table
+from hydra_trio.models.presets import resolve_model
+from hydra_trio.testing.spawn import ROOT, spawn, wait_healthy
 
 
 def rtt_us(port: int, rounds: int) -> float:
@@ -68,14 +65,22 @@ def _recv(s: socket.socket, n: int) -> bytes:
 
 def load_s(port: int) -> float:
     model = str(resolve_model("smollm2-135m")[0])  # the probe takes HOST:PORT MODEL.gguf PROMPT N
-    out = subprocess.run([sys.executable, "tests/rpc_client_probe.py", f"127.0.0.1:{port}", model, "Hi", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, "tests/rpc_client_probe.py", f"127.0.0.1:{port}", model, "Hi", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["load_s"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2000, help="DEVICE_COUNT round trips per path, in 4 interleaved parts")
+    ap.add_argument(
+        "--rounds", type=int, default=2000, help="DEVICE_COUNT round trips per path, in 4 interleaved parts"
+    )
     ap.add_argument("--loads", type=int, default=3)
     a = ap.parse_args()
     log = open("/tmp/rpc-bench-node.log", "w+")
@@ -109,20 +114,57 @@ def main() -> None:
             relay.wait()
         node.send_signal(signal.SIGTERM)
         node.wait(30)
-    print_table([
-        Row("rpc_passthrough", f"bulk upload through the front door vs direct to its child ({mb:.0f} MB per load)",
-            "MB/s", [mb / t for t in fd_load], [mb / t for t in direct_load]),
-        Row("rpc_passthrough", "DEVICE_COUNT round trip through the front door vs direct", "us",
-            fd_rtt, direct_rtt, higher_is_better=False, target=1 / 1.5),
-        Row("rpc_passthrough", "bulk upload through the bare C relay vs direct (the floor of a relay)",
-            "MB/s", [mb / t for t in relay_load], [mb / t for t in direct_load]),
-        Row("rpc_passthrough", "DEVICE_COUNT round trip through the bare C relay vs direct (the floor of a relay)",
-            "us", relay_rtt, direct_rtt, higher_is_better=False),
-        Row("rpc_passthrough", "bulk upload through the front door vs the bare C relay", "MB/s",
-            [mb / t for t in fd_load], [mb / t for t in relay_load]),
-        Row("rpc_passthrough", "DEVICE_COUNT round trip through the front door vs the bare C relay", "us",
-            fd_rtt, relay_rtt, higher_is_better=False),
-    ], "bench/rpc_passthrough.py " + " ".join(sys.argv[1:]))
+    print_table(
+        [
+            Row(
+                "rpc_passthrough",
+                f"bulk upload through the front door vs direct to its child ({mb:.0f} MB per load)",
+                "MB/s",
+                [mb / t for t in fd_load],
+                [mb / t for t in direct_load],
+            ),
+            Row(
+                "rpc_passthrough",
+                "DEVICE_COUNT round trip through the front door vs direct",
+                "us",
+                fd_rtt,
+                direct_rtt,
+                higher_is_better=False,
+                target=1 / 1.5,
+            ),
+            Row(
+                "rpc_passthrough",
+                "bulk upload through the bare C relay vs direct (the floor of a relay)",
+                "MB/s",
+                [mb / t for t in relay_load],
+                [mb / t for t in direct_load],
+            ),
+            Row(
+                "rpc_passthrough",
+                "DEVICE_COUNT round trip through the bare C relay vs direct (the floor of a relay)",
+                "us",
+                relay_rtt,
+                direct_rtt,
+                higher_is_better=False,
+            ),
+            Row(
+                "rpc_passthrough",
+                "bulk upload through the front door vs the bare C relay",
+                "MB/s",
+                [mb / t for t in fd_load],
+                [mb / t for t in relay_load],
+            ),
+            Row(
+                "rpc_passthrough",
+                "DEVICE_COUNT round trip through the front door vs the bare C relay",
+                "us",
+                fd_rtt,
+                relay_rtt,
+                higher_is_better=False,
+            ),
+        ],
+        "bench/rpc_passthrough.py " + " ".join(sys.argv[1:]),
+    )
 
 
 if __name__ == "__main__":

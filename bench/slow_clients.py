@@ -43,8 +43,9 @@ def main() -> None:
     ap.add_argument("--idle", type=int, default=1000)
     ap.add_argument("--trickle", type=int, default=100)
     a = ap.parse_args()
-    proc, port = spawn("--log-level", "WARNING", "--max-connections", "4096", "--classify-timeout", "30",
-                       "--no-rpc-backend")
+    proc, port = spawn(
+        "--log-level", "WARNING", "--max-connections", "4096", "--classify-timeout", "30", "--no-rpc-backend"
+    )
     base = f"http://127.0.0.1:{port}"
     socks: list[socket.socket] = []
     stop = threading.Event()
@@ -54,7 +55,9 @@ def main() -> None:
         for _ in range(a.idle):
             socks.append(socket.create_connection(("127.0.0.1", port)))
         trickle = [socket.create_connection(("127.0.0.1", port)) for _ in range(a.trickle)]
-        payloads = [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" if i % 2 else b"YH" + bytes(40) for i in range(a.trickle)]
+        payloads = [
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" if i % 2 else b"YH" + bytes(40) for i in range(a.trickle)
+        ]
 
         def drip() -> None:
             i = 0

@@ -31,8 +31,28 @@ from hydra_trio.engine.speculative.base import DraftRequest  # noqa: E402
 from hydra_trio.engine.speculative.combine import Speculative, make_speculative  # noqa: E402
 from hydra_trio.engine.speculative.settings import SpecSettings, apply_option  # noqa: E402
 
-WORDS = ("value", "count", "items", "result", "config", "path", "name", "index", "total", "buffer", "state",
-         "token", "slot", "batch", "cache", "limit", "offset", "request", "reply", "error")
+WORDS = (
+    "value",
+    "count",
+    "items",
+    "result",
+    "config",
+    "path",
+    "name",
+    "index",
+    "total",
+    "buffer",
+    "state",
+    "token",
+    "slot",
+    "batch",
+    "cache",
+    "limit",
+    "offset",
+    "request",
+    "reply",
+    "error",
+)
 
 
 def _file(rng: random.Random, n_lines: int) -> list[str]:
@@ -55,10 +75,12 @@ def session(turns: int, seed: int = 7) -> list[tuple[str, str]]:
     """``(prompt text added this turn, assistant answer)`` for each turn."""
     rng = random.Random(seed)
     files = {f"src/{w}.py": _file(rng, 30) for w in WORDS[:6]}
-    tools = ('{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", '
-             '"properties": {"path": {"type": "string"}, "offset": {"type": "integer"}}}}}\n'
-             '{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", '
-             '"properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}\n')
+    tools = (
+        '{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object", '
+        '"properties": {"path": {"type": "string"}, "offset": {"type": "integer"}}}}}\n'
+        '{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", '
+        '"properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}\n'
+    )
     out = [("system: You are a coding agent. Tools:\n" + tools, "I will read the files first.\n")]
     for t in range(turns):
         path = rng.choice(list(files))
@@ -67,9 +89,13 @@ def session(turns: int, seed: int = 7) -> list[tuple[str, str]]:
         result = "tool: " + "\n".join(lines) + "\n"
         j = rng.randrange(len(lines))  # the edit the assistant makes
         a, b = rng.sample(WORDS, 2)
-        edited = lines[:j] + [f"    {a} = {b}  # fixed in turn {t}"] + lines[j + 1:]
-        answer = (f'{{"name": "write_file", "arguments": {{"path": "{path}", "content": "'
-                  + "\\n".join(edited) + '"}}\n' + f"Done: changed line {j} of {path}.\n")
+        edited = lines[:j] + [f"    {a} = {b}  # fixed in turn {t}"] + lines[j + 1 :]
+        answer = (
+            f'{{"name": "write_file", "arguments": {{"path": "{path}", "content": "'
+            + "\\n".join(edited)
+            + '"}}\n'
+            + f"Done: changed line {j} of {path}.\n"
+        )
         files[path] = edited
         out.append((f"user: fix {a} in {path}\nassistant: {call}{result}", answer))
     return out
@@ -119,7 +145,7 @@ def replay(spec: Speculative, turns: list[tuple[list[int], list[int]]]) -> dict[
             drafted += len(req.result)
             accepted += n_acc
             tokens.append(id_last)
-            tokens += answer[pos:pos + n_acc]
+            tokens += answer[pos : pos + n_acc]
             pos += n_acc
             if pos < len(answer):
                 id_last = answer[pos]
@@ -130,26 +156,36 @@ def replay(spec: Speculative, turns: list[tuple[list[int], list[int]]]) -> dict[
         t_turn += time.perf_counter() - t0
         hist = tokens
     times.sort()
-    return {"steps": steps, "us": 1e6 * t_all / max(1, steps), "us_late": 1e6 * t_late / max(1, late_steps),
-            "p99": 1e6 * times[int(0.99 * (len(times) - 1))] if times else 0.0,
-            "late": late_steps, "turn_ms": 1e3 * t_turn / max(1, len(turns)), "draft": drafted / max(1, steps), "acc": accepted / max(1, drafted),
-            "tps": (accepted + steps) / max(1, steps), "n_tokens": len(hist)}
+    return {
+        "steps": steps,
+        "us": 1e6 * t_all / max(1, steps),
+        "us_late": 1e6 * t_late / max(1, late_steps),
+        "p99": 1e6 * times[int(0.99 * (len(times) - 1))] if times else 0.0,
+        "late": late_steps,
+        "turn_ms": 1e3 * t_turn / max(1, len(turns)),
+        "draft": drafted / max(1, steps),
+        "acc": accepted / max(1, drafted),
+        "tps": (accepted + steps) / max(1, steps),
+        "n_tokens": len(hist),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--turns", type=int, default=24)
-    ap.add_argument("--types", default="ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache,suffix,"
-                    "suffix+ngram-mod")
+    ap.add_argument(
+        "--types", default="ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache,suffix,suffix+ngram-mod"
+    )
     ap.add_argument("--ints", action="store_true", help="word ids instead of the model's tokenizer")
     args = ap.parse_args()
     tok = tokenizer(args.ints)
     turns = [(tok(p), tok(a)) for p, a in session(args.turns)]
     total = sum(len(p) + len(a) for p, a in turns)
-    print(f"session: {len(turns)} turns, {total} tokens "
-          f"({sum(len(a) for _, a in turns)} of them answers, replayed)")
-    print(f"{'type':24s} {'steps':>6s} {'us/step':>8s} {'us>15k':>8s} {'p99 us':>8s} {'draft':>6s} "
-          f"{'oracle acc':>10s} {'tok/step':>8s} {'begin+end ms':>12s}")
+    print(f"session: {len(turns)} turns, {total} tokens ({sum(len(a) for _, a in turns)} of them answers, replayed)")
+    print(
+        f"{'type':24s} {'steps':>6s} {'us/step':>8s} {'us>15k':>8s} {'p99 us':>8s} {'draft':>6s} "
+        f"{'oracle acc':>10s} {'tok/step':>8s} {'begin+end ms':>12s}"
+    )
     for spec_type in args.types.split(","):
         settings = SpecSettings()
         for name in spec_type.split("+"):
@@ -157,8 +193,10 @@ def main() -> None:
         spec = make_speculative(settings, 1)
         assert spec is not None
         r = replay(spec, turns)
-        print(f"{spec_type:24s} {r['steps']:6.0f} {r['us']:8.1f} {r['us_late']:8.1f} {r['p99']:8.1f} {r['draft']:6.2f} "
-              f"{r['acc']:10.3f} {r['tps']:8.2f} {r['turn_ms']:12.2f}")
+        print(
+            f"{spec_type:24s} {r['steps']:6.0f} {r['us']:8.1f} {r['us_late']:8.1f} {r['p99']:8.1f} {r['draft']:6.2f} "
+            f"{r['acc']:10.3f} {r['tps']:8.2f} {r['turn_ms']:12.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -33,22 +33,20 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.vs_llama_server import build_anchor  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
 from hydra_trio.testing.spawn import free_port, spawn, wait_healthy  # noqa: E402
-
-from bench.vs_llama_server import build_anchor  # noqa: E402
 
 LLAMA_TYPES = ("none", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "draft-simple")
 TYPES = (*LLAMA_TYPES, "suffix")
 WORKLOADS = ("copy", "agent", "chat")
 
-SOURCE = '''import csv
+SOURCE = """import csv
 import sys
 from dataclasses import dataclass
 
@@ -91,25 +89,34 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-'''
+"""
 
-TEXT = ("The harbour was quiet in the early morning. Fishing boats rocked gently against the pier, and the "
-        "gulls waited on the posts for the first catch to come in.\n\n"
-        "By seven the market opened. Traders set out crates of mackerel and herring, and the smell of salt "
-        "and diesel hung over the stalls while buyers argued about the price of the day.\n\n"
-        "In the afternoon the wind turned, and the boats that had stayed out came back early, their crews "
-        "tired and wet, to tie up before the storm reached the coast.")
+TEXT = (
+    "The harbour was quiet in the early morning. Fishing boats rocked gently against the pier, and the "
+    "gulls waited on the posts for the first catch to come in.\n\n"
+    "By seven the market opened. Traders set out crates of mackerel and herring, and the smell of salt "
+    "and diesel hung over the stalls while buyers argued about the price of the day.\n\n"
+    "In the afternoon the wind turned, and the boats that had stayed out came back early, their crews "
+    "tired and wet, to tie up before the storm reached the coast."
+)
 
 SYSTEM = "You are a helpful assistant. Follow the instructions exactly."
 
 
 def copy_requests() -> list[list[dict[str, str]]]:
     return [
-        [{"role": "system", "content": SYSTEM},
-         {"role": "user", "content": f"Here is a file:\n\n{SOURCE}\nRename the function parse_line to parse_row "
-                                     "everywhere. Reply with the whole file and nothing else."}],
-        [{"role": "system", "content": SYSTEM},
-         {"role": "user", "content": f"{TEXT}\n\nQuote the second paragraph of the text above exactly."}],
+        [
+            {"role": "system", "content": SYSTEM},
+            {
+                "role": "user",
+                "content": f"Here is a file:\n\n{SOURCE}\nRename the function parse_line to parse_row "
+                "everywhere. Reply with the whole file and nothing else.",
+            },
+        ],
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{TEXT}\n\nQuote the second paragraph of the text above exactly."},
+        ],
     ]
 
 
@@ -117,9 +124,13 @@ def agent_session(turns: int) -> list[list[dict[str, str]]]:
     """The conversation before each of ``turns`` assistant turns of a read-edit-test loop; the tool results
     repeat the file with one more change each time."""
     messages: list[dict[str, str]] = [
-        {"role": "system", "content": SYSTEM + " You work on a repository with tools. Call one tool per turn as "
-                                               'JSON: {"tool": NAME, "args": {...}}.'},
-        {"role": "user", "content": "Make report() print the rows sorted by name, then run the tests."}]
+        {
+            "role": "system",
+            "content": SYSTEM + " You work on a repository with tools. Call one tool per turn as "
+            'JSON: {"tool": NAME, "args": {...}}.',
+        },
+        {"role": "user", "content": "Make report() print the rows sorted by name, then run the tests."},
+    ]
     out = []
     source = SOURCE
     for t in range(turns):
@@ -129,7 +140,7 @@ def agent_session(turns: int) -> list[list[dict[str, str]]]:
             call = {"tool": "read_file", "args": {"path": "report.py"}}
             result = source
         elif step == 1:
-            old = f"    lines = [f\"{{r.name:<20}} {{r.count:>5}} {{r.price:>8.2f}}\" for r in rows]"
+            old = '    lines = [f"{r.name:<20} {r.count:>5} {r.price:>8.2f}" for r in rows]'
             new = old.replace("for r in rows]", f"for r in sorted(rows, key=lambda r: r.name)]  # pass {t}")
             source = source.replace(old, new) if old in source else source + f"\n# pass {t}\n"
             call = {"tool": "edit_file", "args": {"path": "report.py", "old": old, "new": new}}
@@ -142,8 +153,12 @@ def agent_session(turns: int) -> list[list[dict[str, str]]]:
     return out
 
 
-CHAT = ["What is the capital of France? Answer in one word.", "Name three colours.",
-        "Why is the sky blue? One sentence.", "Write a haiku about autumn."]
+CHAT = [
+    "What is the capital of France? Answer in one word.",
+    "Name three colours.",
+    "Why is the sky blue? One sentence.",
+    "Write a haiku about autumn.",
+]
 
 
 def workload(name: str, turns: int) -> list[list[dict[str, str]]]:
@@ -164,16 +179,49 @@ def spec_args(kind: str, draft: Path) -> list[str]:
 
 def start_llama(binary: Path, model: Path, kind: str, draft: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    proc = subprocess.Popen([str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-                             "-np", "1", "-c", "8192", "--no-webui", "--metrics", *spec_args(kind, draft)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-t",
+            "2",
+            "-np",
+            "1",
+            "-c",
+            "8192",
+            "--no-webui",
+            "--metrics",
+            *spec_args(kind, draft),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_healthy(port, proc, timeout=300)
     return proc, port
 
 
-def start_hydra(kind: str, draft: Path) -> tuple[subprocess.Popen, int]:
-    proc, port = spawn("-t", "2", "-np", "1", "-c", "8192", "--no-rpc-backend", "--log-level", "WARNING",
-                       *spec_args(kind, draft), output=subprocess.DEVNULL)
+def start_hydra(entry: str, draft: Path) -> tuple[subprocess.Popen, int]:
+    """hydra-trio with ``entry``'s type and, after a ``:``, its own flags (``suffix:--spec-budget-row-cost 0``)."""
+    kind, _, extra = entry.partition(":")
+    proc, port = spawn(
+        "-t",
+        "2",
+        "-np",
+        "1",
+        "-c",
+        "8192",
+        "--no-rpc-backend",
+        "--log-level",
+        "WARNING",
+        *spec_args(kind, draft),
+        *extra.split(),
+        output=subprocess.DEVNULL,
+    )
     wait_healthy(port, proc, timeout=300)
     return proc, port
 
@@ -181,11 +229,17 @@ def start_hydra(kind: str, draft: Path) -> tuple[subprocess.Popen, int]:
 def spec_counters(base: str) -> tuple[float, float]:
     """``(verification steps, accepted tokens)`` from ``/metrics`` (0s where the server has none)."""
     text = httpx.get(base + "/metrics", timeout=30).text
-    got = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-           if line.startswith("llamacpp:spec_decode_num_") and "{" not in line}
-    return (got.get("llamacpp:spec_decode_num_drafts_total", got.get("llamacpp:spec_decode_num_drafts", 0.0)),
-            got.get("llamacpp:spec_decode_num_accepted_tokens_total",
-                    got.get("llamacpp:spec_decode_num_accepted_tokens", 0.0)))
+    got = {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("llamacpp:spec_decode_num_") and "{" not in line
+    }
+    return (
+        got.get("llamacpp:spec_decode_num_drafts_total", got.get("llamacpp:spec_decode_num_drafts", 0.0)),
+        got.get(
+            "llamacpp:spec_decode_num_accepted_tokens_total", got.get("llamacpp:spec_decode_num_accepted_tokens", 0.0)
+        ),
+    )
 
 
 def run_workload(base: str, requests: list[list[dict[str, str]]], tokens: int) -> dict[str, float]:
@@ -193,8 +247,9 @@ def run_workload(base: str, requests: list[list[dict[str, str]]], tokens: int) -
     steps0, acc0 = spec_counters(base)
     with httpx.Client(timeout=600) as client:
         for messages in requests:
-            r = client.post(base + "/v1/chat/completions",
-                            json={"messages": messages, "max_tokens": tokens, "temperature": 0})
+            r = client.post(
+                base + "/v1/chat/completions", json={"messages": messages, "max_tokens": tokens, "temperature": 0}
+            )
             r.raise_for_status()
             t = r.json()["timings"]
             n += t["predicted_n"]
@@ -203,15 +258,26 @@ def run_workload(base: str, requests: list[list[dict[str, str]]], tokens: int) -
             accepted += t.get("draft_n_accepted", 0)
     steps1, acc1 = spec_counters(base)
     steps = steps1 - steps0
-    return {"tok_s": 1e3 * n / ms if ms else 0.0, "tokens": n, "draft_n": draft_n, "accepted": accepted,
-            "acceptance": accepted / draft_n if draft_n else 0.0,
-            "mean_accepted": (acc1 - acc0) / steps if steps else 0.0}
+    return {
+        "tok_s": 1e3 * n / ms if ms else 0.0,
+        "tokens": n,
+        "draft_n": draft_n,
+        "accepted": accepted,
+        "acceptance": accepted / draft_n if draft_n else 0.0,
+        "mean_accepted": (acc1 - acc0) / steps if steps else 0.0,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument(
+        "--types",
+        default=",".join(TYPES),
+        help="comma-separated; a type may carry hydra-trio flags after a colon, e.g. "
+        "'suffix:--spec-budget-row-cost 0' (hydra-trio only)",
+    )
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--json")
@@ -219,12 +285,12 @@ def main() -> None:
     types = [t for t in args.types.split(",") if t]
     model, draft = resolve_model("smollm2-135m")[0], resolve_model("smollm2-135m-q8")[0]
     binary = build_anchor()
-    loads = {w: workload(w, args.turns) for w in WORKLOADS}
+    loads = {w: workload(w, args.turns) for w in args.workloads.split(",") if w}
     samples: dict[tuple[str, str, str], list[dict[str, float]]] = {}
     for rnd in range(args.rounds):
         for kind in types:
             servers = [("hydra-trio", lambda k=kind: start_hydra(k, draft))]
-            if kind in LLAMA_TYPES:
+            if kind in LLAMA_TYPES:  # (an entry with hydra-trio's own flags is not one)
                 servers.append(("llama-server", lambda k=kind: start_llama(binary, model, k, draft)))
             if rnd % 2:
                 servers.reverse()
@@ -236,18 +302,23 @@ def main() -> None:
                         t0 = time.monotonic()
                         got = run_workload(base, requests, args.tokens)
                         samples.setdefault((kind, name, w), []).append(got)
-                        print(f"round {rnd + 1} {kind:<14} {name:<12} {w:<6} {got['tok_s']:7.1f} tok/s  "
-                              f"accepted {got['accepted']:.0f}/{got['draft_n']:.0f}  "
-                              f"({time.monotonic() - t0:.0f} s)", flush=True)
+                        print(
+                            f"round {rnd + 1} {kind:<14} {name:<12} {w:<6} {got['tok_s']:7.1f} tok/s  "
+                            f"accepted {got['accepted']:.0f}/{got['draft_n']:.0f}  "
+                            f"({time.monotonic() - t0:.0f} s)",
+                            flush=True,
+                        )
                 finally:
                     proc.terminate()
                     proc.wait(60)
     med = {k: {f: statistics.median(s[f] for s in v) for f in v[0]} for k, v in samples.items()}
     print(f"\n`bench/speculative.py {' '.join(sys.argv[1:])}` (median of rounds; tok/s: tokens over decode time)\n")
-    print("| workload | type | hydra-trio tok/s | llama-server tok/s | vs llama-server | vs no speculation "
-          "| acceptance (h / l) | mean accepted (h / l) |")
+    print(
+        "| workload | type | hydra-trio tok/s | llama-server tok/s | vs llama-server | vs no speculation "
+        "| acceptance (h / l) | mean accepted (h / l) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    for w in WORKLOADS:
+    for w in loads:
         none = med.get(("none", "hydra-trio", w), {}).get("tok_s")
         for kind in types:
             h = med.get((kind, "hydra-trio", w))
@@ -258,17 +329,35 @@ def main() -> None:
             vs_n = f"{h['tok_s'] / none:.2f}" if none else ""
             acc = f"{h['acceptance']:.2f} / {ll['acceptance']:.2f}" if ll else f"{h['acceptance']:.2f} / -"
             mean = f"{h['mean_accepted']:.2f} / {ll['mean_accepted']:.2f}" if ll else f"{h['mean_accepted']:.2f} / -"
-            print(f"| {w} | {kind} | {h['tok_s']:.1f} | {ll['tok_s']:.1f} | {vs_l} | {vs_n} | {acc} | {mean} |"
-                  if ll else f"| {w} | {kind} | {h['tok_s']:.1f} | - | - | {vs_n} | {acc} | {mean} |")
-        best = max((med[(k, "llama-server", w)]["tok_s"] for k in LLAMA_TYPES
-                    if k != "none" and (k, "llama-server", w) in med), default=None)
+            print(
+                f"| {w} | {kind} | {h['tok_s']:.1f} | {ll['tok_s']:.1f} | {vs_l} | {vs_n} | {acc} | {mean} |"
+                if ll
+                else f"| {w} | {kind} | {h['tok_s']:.1f} | - | - | {vs_n} | {acc} | {mean} |"
+            )
+        best = max(
+            (
+                med[(k, "llama-server", w)]["tok_s"]
+                for k in LLAMA_TYPES
+                if k != "none" and (k, "llama-server", w) in med
+            ),
+            default=None,
+        )
         suffix = med.get(("suffix", "hydra-trio", w))
         if best and suffix:
-            print(f"| {w} | suffix vs llama-server's best type | {suffix['tok_s']:.1f} | {best:.1f} | "
-                  f"{suffix['tok_s'] / best:.2f} | | | |")
+            print(
+                f"| {w} | suffix vs llama-server's best type | {suffix['tok_s']:.1f} | {best:.1f} | "
+                f"{suffix['tok_s'] / best:.2f} | | | |"
+            )
     if args.json:
-        Path(args.json).write_text(json.dumps({"samples": {"|".join(k): v for k, v in samples.items()},
-                                               "median": {"|".join(k): v for k, v in med.items()}}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "samples": {"|".join(k): v for k, v in samples.items()},
+                    "median": {"|".join(k): v for k, v in med.items()},
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

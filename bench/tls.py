@@ -29,10 +29,9 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
-
-from bench.combined import certificates, measure  # noqa: E402
 from bench._table import Row, print_table  # noqa: E402
+from bench.combined import certificates, measure  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
 
 
 def start(*args: str) -> tuple[subprocess.Popen, int]:
@@ -90,10 +89,16 @@ def main() -> None:
             fresh = interleaved(hport, verify, a.requests, fresh=True)
         finally:
             stop(h)
-    rows.append(Row("tls", "HTTPS vs HTTP completion (8 tokens), kept connection", "ms", *keep,
-                    higher_is_better=False))
-    rows.append(Row("tls", "HTTPS vs HTTP completion (8 tokens), new connection and handshake each", "ms", *fresh,
-                    higher_is_better=False))
+    rows.append(Row("tls", "HTTPS vs HTTP completion (8 tokens), kept connection", "ms", *keep, higher_is_better=False))
+    rows.append(
+        Row(
+            "tls",
+            "HTTPS vs HTTP completion (8 tokens), new connection and handshake each",
+            "ms",
+            *fresh,
+            higher_is_better=False,
+        )
+    )
     print_table(rows, "bench/tls.py " + " ".join(sys.argv[1:]))
 
 

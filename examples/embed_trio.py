@@ -16,10 +16,17 @@ from hydra_trio import EngineConfig, ServerConfig, resolve_model, serve
 
 async def my_task(port: int) -> None:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-        r = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                         {"role": "user", "content": "What is the capital of France? Answer in one word."}],
-            "temperature": 0, "max_tokens": 16})
+        r = await client.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": "What is the capital of France? Answer in one word."},
+                ],
+                "temperature": 0,
+                "max_tokens": 16,
+            },
+        )
         reply = r.json()
         print("answer:", reply["choices"][0]["message"]["content"])
         print("prompt_ms:", round(reply["timings"]["prompt_ms"], 1), "predicted_n:", reply["timings"]["predicted_n"])

@@ -26,8 +26,12 @@ from hydra_trio.protocol.hydra import ResponseDecoder, ResponseEnded, ResponseSt
 
 HOST, _, PORT = os.environ.get("HYDRA_NODE", "127.0.0.1:8080").rpartition(":")
 TIMEOUT = 60.0  # seconds: generous, so that only a hang fails
-fuzz = settings(max_examples=int(os.environ.get("HYDRA_FUZZ_EXAMPLES", "25")), deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
+fuzz = settings(
+    max_examples=int(os.environ.get("HYDRA_FUZZ_EXAMPLES", "25")),
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def exchange(data: bytes) -> bytes:

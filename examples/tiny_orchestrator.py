@@ -14,8 +14,10 @@ import trio
 
 from hydra_trio import EngineConfig, HydraClient, ServerConfig, resolve_model, serve
 
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the capital of France? Answer in one word."}]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France? Answer in one word."},
+]
 
 
 async def main() -> None:
@@ -32,8 +34,9 @@ async def main() -> None:
             put = await node_b.state_put(1, blob)
         print(f"B restored slot 1: n_past {put['n_past']}")
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{b.port}", timeout=120) as client:
-            r = await client.post("/v1/chat/completions", json={
-                "messages": MESSAGES, "temperature": 0, "max_tokens": 16, "id_slot": 1})
+            r = await client.post(
+                "/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0, "max_tokens": 16, "id_slot": 1}
+            )
         reply = r.json()
         print("B answered:", reply["choices"][0]["message"]["content"])
         print("cache_n:", reply["timings"]["cache_n"], "prompt_n:", reply["timings"]["prompt_n"])

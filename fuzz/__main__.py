@@ -49,8 +49,12 @@ def proc_stats(pid: int) -> dict[str, int]:
     targets = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     status = Path(f"/proc/{pid}/status").read_text()
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {"fds": len(targets), "sockets": sum(t.startswith("socket:") for t in targets),
-            "threads": int(fields["Threads"]), "rss_kib": int(fields["VmRSS"].split()[0])}
+    return {
+        "fds": len(targets),
+        "sockets": sum(t.startswith("socket:") for t in targets),
+        "threads": int(fields["Threads"]),
+        "rss_kib": int(fields["VmRSS"].split()[0]),
+    }
 
 
 _EXAMPLES_PER_RUN = 3  # with --minutes: hypothesis runs this short, so the time limit is checked often
@@ -67,8 +71,18 @@ class AccessNode:
         self.slots = slots
         log = open(ROOT / ".fuzz-access-server.log", "wb")
         self.proc, self.port = spawn(
-            "--host", "0.0.0.0" if self.own else "127.0.0.1", "-np", str(slots), "-c", "2048", "--timeout", "5",
-            *tls.server_flags(self.certs, self.key, self.token), output=log, env=SHARED_MACHINE_ENV)
+            "--host",
+            "0.0.0.0" if self.own else "127.0.0.1",
+            "-np",
+            str(slots),
+            "-c",
+            "2048",
+            "--timeout",
+            "5",
+            *tls.server_flags(self.certs, self.key, self.token),
+            output=log,
+            env=SHARED_MACHINE_ENV,
+        )
 
     def point(self) -> None:
         """Aim fuzz.access and fuzz.tls at this node."""
@@ -78,9 +92,13 @@ class AccessNode:
 def _run(machine: type, examples: int, steps: int) -> None:
     """One hypothesis run of a state machine (raises its failure)."""
     test = machine.TestCase
-    test.settings = settings(max_examples=examples, stateful_step_count=steps, deadline=None,
-                             database=DirectoryBasedExampleDatabase(str(ROOT / ".fuzz-failures")),
-                             suppress_health_check=list(HealthCheck))
+    test.settings = settings(
+        max_examples=examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=DirectoryBasedExampleDatabase(str(ROOT / ".fuzz-failures")),
+        suppress_health_check=list(HealthCheck),
+    )
     test("runTest").runTest()
 
 
@@ -97,19 +115,31 @@ def _sockets_back(proc: subprocess.Popen | None, before: dict[str, int], wait: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m fuzz", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--examples", type=int, default=None, help="hypothesis examples (state machine runs)")
-    budget.add_argument("--minutes", type=float, default=None,
-                        help="keep going until this much time has passed (the example in progress finishes: "
-                             "a minute more at most)")
+    budget.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="keep going until this much time has passed (the example in progress finishes: a minute more at most)",
+    )
     ap.add_argument("--steps", type=int, default=25, help="steps per example (default 25)")
     ap.add_argument("--port", type=int, default=None, help="fuzz a server already running on this port")
     ap.add_argument("--slots", type=int, default=2, help="slots of that server (default 2)")
-    ap.add_argument("--step-timeout", type=float, default=60.0,
-                    help="seconds one exchange may take before it is reported as a hang (default 60)")
-    ap.add_argument("--no-access", action="store_true",
-                    help="no access node: skip the TLS, API key and allow-list rules (fuzz.access, fuzz.tls)")
+    ap.add_argument(
+        "--step-timeout",
+        type=float,
+        default=60.0,
+        help="seconds one exchange may take before it is reported as a hang (default 60)",
+    )
+    ap.add_argument(
+        "--no-access",
+        action="store_true",
+        help="no access node: skip the TLS, API key and allow-list rules (fuzz.access, fuzz.tls)",
+    )
     a = ap.parse_args(argv)
 
     def _interrupt(signum: int, frame: object) -> None:
@@ -121,8 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     if port is None:
         log = open(ROOT / ".fuzz-server.log", "wb")
         # a short body timeout: long requests must still run to their end (fuzz.hostile)
-        proc, port = spawn("-np", str(a.slots), "-c", "4096", "--classify-timeout", "2", "--timeout", "1", output=log,
-                           env=SHARED_MACHINE_ENV)
+        proc, port = spawn(
+            "-np",
+            str(a.slots),
+            "-c",
+            "4096",
+            "--classify-timeout",
+            "2",
+            "--timeout",
+            "1",
+            output=log,
+            env=SHARED_MACHINE_ENV,
+        )
     node = None if a.no_access else AccessNode(slots=2)
     if proc is not None:
         wait_healthy(port, proc)
@@ -143,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 live.configure(port, a.slots, a.step_timeout)
                 _run(live.LiveServerMachine, n, a.steps)
                 if node is not None:  # the access rules: as many examples (a fifth with --examples), 2 at least,
-                    node.point()      # as hypothesis' first example of a run is its simplest (the first rule only)
+                    node.point()  # as hypothesis' first example of a run is its simplest (the first rule only)
                     live.configure(node.port, node.slots, a.step_timeout)
                     k = max(2, n if end else n // 5)
                     _run(access.AccessMachine, k, a.steps)
@@ -155,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
                 failures += 1
                 traceback.print_exc()
                 break
-            print(f"[{time.monotonic() - t0:5.0f} s] run {runs}: {live.STATS['examples']} examples, "
-                  f"{live.STATS['steps']} steps checked, 0 failures", flush=True)
+            print(
+                f"[{time.monotonic() - t0:5.0f} s] run {runs}: {live.STATS['examples']} examples, "
+                f"{live.STATS['steps']} steps checked, 0 failures",
+                flush=True,
+            )
             if end is None or time.monotonic() > end:
                 break
     finally:
@@ -169,13 +212,21 @@ def main(argv: list[str] | None = None) -> int:
                 codes[name] = p.wait(30)
     leaks = [name for name, stats in after.items() if not stats or stats["sockets"] > before[name]["sockets"] + 2]
     print("\n== fuzz summary ==")
-    print(f"time {time.monotonic() - t0:.0f} s, examples {live.STATS['examples']} (in {runs} hypothesis runs), "
-          f"steps checked {live.STATS['steps']}")
-    print("requests: " + ", ".join(f"{k} {v}" for k, v in live.STATS.items()
-                                    if k not in ("steps", "examples") and not k.endswith("_ms")))
+    print(
+        f"time {time.monotonic() - t0:.0f} s, examples {live.STATS['examples']} (in {runs} hypothesis runs), "
+        f"steps checked {live.STATS['steps']}"
+    )
+    print(
+        "requests: "
+        + ", ".join(
+            f"{k} {v}" for k, v in live.STATS.items() if k not in ("steps", "examples") and not k.endswith("_ms")
+        )
+    )
     if "tls_slowest_close_ms" in live.STATS:
-        print(f"bad TLS: slowest close {live.STATS['tls_slowest_close_ms']} ms (classify timeout "
-              f"{tls.CLASSIFY_TIMEOUT * 1e3:.0f} ms)")
+        print(
+            f"bad TLS: slowest close {live.STATS['tls_slowest_close_ms']} ms (classify timeout "
+            f"{tls.CLASSIFY_TIMEOUT * 1e3:.0f} ms)"
+        )
     print(f"failures {failures}")
     print(f"hangs (steps past --step-timeout or the classify timeout) {len(live.FINDINGS)}")
     for f in live.FINDINGS:

@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hydra_trio.http.auth import bearer_key
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
-from . import live
+from . import wire
 
 TIMEOUT = 60.0
 TARGET: dict[str, object] = {"port": None, "key": None, "token": None, "n_slots": 2}
@@ -41,18 +41,18 @@ def configure(port: int, key: str, token: str, n_slots: int) -> None:
     """Point the machine at a node on 127.0.0.1:``port`` run with ``--api-key key --hydra-token token``
     and a ``--control-allow`` that excludes 127.0.0.1, with ``n_slots`` slots."""
     TARGET.update(port=port, key=key, token=token, n_slots=n_slots)
-    live.configure(port, n_slots)
+    wire.configure(port, n_slots)
 
 
 def count(kind: str) -> None:
-    """One more request of ``kind`` in the fuzzer's summary (``fuzz.live.STATS``), and one more ``access``."""
-    live.STATS["access"] = live.STATS.get("access", 0) + 1
-    live.STATS[kind] = live.STATS.get(kind, 0) + 1
+    """One more request of ``kind`` in the fuzzer's summary (``fuzz.wire.STATS``), and one more ``access``."""
+    wire.STATS["access"] = wire.STATS.get("access", 0) + 1
+    wire.STATS[kind] = wire.STATS.get(kind, 0) + 1
 
 
 def hydra_exchange(op: int, key: str = "", payload: bytes = b"") -> tuple[int, dict, bytes]:
     """One Hydra request on a fresh (untrusted) connection; its reply, checked well-formed (fuzz.live)."""
-    reply = live.hydra_exchange([encode_request(op, key=key, payload=payload, trace_id="fuzz-access")])
+    reply = wire.hydra_exchange([encode_request(op, key=key, payload=payload, trace_id="fuzz-access")])
     assert reply is not None, f"op 0x{op:02x}: the connection closed instead of replying"
     return reply
 
@@ -70,16 +70,22 @@ def snapshot() -> dict:
     props = httpx.get(_base() + "/props", headers=_auth(), timeout=TIMEOUT).json()
     slots = httpx.get(_base() + "/slots", headers=_auth(), timeout=TIMEOUT).json()
     _, info, _ = hydra_exchange(Op.INFO)
-    return {"params": props["default_generation_settings"]["params"], "mode": info["mode"],
-            "n_past": [s["n_past"] for s in slots]}
+    return {
+        "params": props["default_generation_settings"]["params"],
+        "mode": info["mode"],
+        "n_past": [s["n_past"] for s in slots],
+    }
 
 
 def raw_http(method: str, path: str, header: bytes) -> tuple[int, bytes]:
     """One HTTP/1.1 request with ``header`` (a whole ``Name: value`` line, sent as it is) over a raw
     socket, ``Connection: close``; ``(status, body)``.  (httpx refuses to send odd header values.)"""
     with socket.create_connection(("127.0.0.1", int(TARGET["port"])), timeout=TIMEOUT) as s:
-        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 0\r\n".encode() + header
-                  + b"\r\nConnection: close\r\n\r\n")
+        s.sendall(
+            f"{method} {path} HTTP/1.1\r\nHost: fuzz\r\nContent-Length: 0\r\n".encode()
+            + header
+            + b"\r\nConnection: close\r\n\r\n"
+        )
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -96,8 +102,11 @@ class AccessMachine(RuleBasedStateMachine):
         self.before = snapshot()
         self.steps = 0
 
-    @rule(key=_header_bytes, scheme=st.sampled_from([b"Bearer ", b"bearer ", b"", b"Basic ", b"Bearer  "]),
-          path=st.sampled_from(["/v1/models", "/v1/chat/completions", "/slots", "/props", "/metricsx", "/v1/events"]))
+    @rule(
+        key=_header_bytes,
+        scheme=st.sampled_from([b"Bearer ", b"bearer ", b"", b"Basic ", b"Bearer  "]),
+        path=st.sampled_from(["/v1/models", "/v1/chat/completions", "/slots", "/props", "/metricsx", "/v1/events"]),
+    )
     def wrong_api_key(self, key: bytes, scheme: bytes, path: str) -> None:
         if bearer_key([(b"authorization", scheme + key)]) == str(TARGET["key"]).encode():
             return
@@ -124,8 +133,12 @@ class AccessMachine(RuleBasedStateMachine):
         assert status == Status.BAD_REQUEST and body == b"", (op, status, meta)
         assert meta.get("refused") in ("not_allowed", "invalid_token") and meta.get("error"), meta
 
-    @rule(token=st.one_of(_json_values, st.text(max_size=40)), extra=st.dictionaries(
-        st.sampled_from(["temperature", "seed", "top_k", "n_ctx", "model", "bogus"]), _json_values, max_size=3))
+    @rule(
+        token=st.one_of(_json_values, st.text(max_size=40)),
+        extra=st.dictionaries(
+            st.sampled_from(["temperature", "seed", "top_k", "n_ctx", "model", "bogus"]), _json_values, max_size=3
+        ),
+    )
     def wrong_token(self, token: object, extra: dict) -> None:
         if token == TARGET["token"]:
             return
@@ -142,6 +155,6 @@ class AccessMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_changed(self) -> None:
         self.steps += 1
-        live.STATS["steps"] += 1
+        wire.STATS["steps"] += 1
         assert httpx.get(_base() + "/health", timeout=TIMEOUT).status_code == 200
         assert snapshot() == self.before

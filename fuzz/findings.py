@@ -30,7 +30,13 @@ def timeouts_are_findings(fn: Callable[..., None]) -> Callable[..., None]:
         try:
             fn(self, **kwargs)
         except (StepTimeout, httpx.TimeoutException, TimeoutError) as exc:
-            FINDINGS.append({"rule": fn.__name__, "example": {k: repr(v)[:300] for k, v in kwargs.items()},
-                             "seconds": round(time.monotonic() - t0, 1), "error": f"{type(exc).__name__}: {exc}"})
+            FINDINGS.append(
+                {
+                    "rule": fn.__name__,
+                    "example": {k: repr(v)[:300] for k, v in kwargs.items()},
+                    "seconds": round(time.monotonic() - t0, 1),
+                    "error": f"{type(exc).__name__}: {exc}",
+                }
+            )
 
     return step

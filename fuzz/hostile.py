@@ -1,6 +1,6 @@
 """Fuzzing rules for what an unattended node meets: long requests, vanished clients, hostile numbers, corrupt blobs.
 
-:class:`HostileRules` is mixed into :class:`fuzz.live.LiveServerMachine`; its
+:class:`HostileRules` is mixed into :class:`fuzz.wire.LiveServerMachine`; its
 rules need the helpers of :mod:`fuzz.live` (imported lazily, as the two
 modules refer to each other).  Each rule checks the right value, not just
 "no crash": a long request answers in full, a hostile number is a 400 naming
@@ -18,10 +18,11 @@ import time
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from hydra_trio.engine.settings import INT32_MAX
 from hydra_trio.engine.kv.state import HEADER_SIZE
+from hydra_trio.engine.settings import INT32_MAX
 from hydra_trio.protocol.hydra import Op, Status, encode_request
 
+from . import wire
 from .findings import timeouts_are_findings
 from .strategies import SurrogateCase, http_surrogate_bodies, hydra_surrogate_payloads
 
@@ -74,6 +75,7 @@ def _f32(x: float) -> float:
 def _read(raw: str) -> float | None:
     """The JSON number ``raw`` as llama-server's JSON library holds it (a boolean is 1 or 0), or None for text
     that is not JSON (NaN, Infinity)."""
+
     def not_json(name: str) -> float:
         raise ValueError(name)
 
@@ -115,11 +117,11 @@ class HostileRules(RuleBasedStateMachine):
     @timeouts_are_findings
     def long_request_outlives_timeouts(self, n: int) -> None:
         """A non-streamed request silent for longer than the server's client timeouts still answers in full."""
-        from . import live
-
-        live.STATS["http"] += 1
-        r = self.http.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": n,
-                                                    "ignore_eos": True, "temperature": 0})
+        wire.STATS["http"] += 1
+        r = self.http.post(
+            "/v1/completions",
+            json={"prompt": "Once upon a time", "max_tokens": n, "ignore_eos": True, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == n
         assert r.json()["choices"][0]["finish_reason"] == "length"
@@ -128,13 +130,13 @@ class HostileRules(RuleBasedStateMachine):
     @timeouts_are_findings
     def client_vanishes(self, stream: bool, after: float, n: int) -> None:
         """A client that closes its socket before the reply: its slot and connection come back (invariants)."""
-        from . import live
-
-        live.STATS["disconnects"] += 1
+        wire.STATS["disconnects"] += 1
         body = json.dumps({"prompt": "Hello", "max_tokens": n, "ignore_eos": True, "stream": stream}).encode()
-        with live._connect() as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        with wire.connect() as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: fuzz\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
             time.sleep(after)
 
     @rule(field=st.sampled_from(sorted(RULES)), value=st.one_of(_huge_ints, _nasty_floats))
@@ -143,8 +145,6 @@ class HostileRules(RuleBasedStateMachine):
         """Any number in any numeric field: a 400 naming the field where llama-server refuses it (hard limits,
         the penalties' finiteness), else a real answer (soft limits clamp, fields without limits take any
         value)."""
-        from . import live
-
         raw = _json_number(value)
         accepted = _accepted(field, raw)
         if field in BUDGETS:
@@ -154,7 +154,7 @@ class HostileRules(RuleBasedStateMachine):
             content = '{"prompt": "The cat sat on the mat.", "%s": %s}' % (field, raw)
         else:
             content = '{"prompt": "The cat sat on the mat.", "n_predict": 4, "%s": %s}' % (field, raw)
-        live.STATS["http"] += 1
+        wire.STATS["http"] += 1
         r = self.http.post("/v1/completions", content=content.encode(), headers={"content-type": "application/json"})
         if accepted:
             assert r.status_code == 200, (field, raw, r.text)
@@ -163,14 +163,15 @@ class HostileRules(RuleBasedStateMachine):
             message = r.json()["error"]["message"]
             assert message.startswith(field + ":") or message.startswith("invalid JSON"), (field, raw, message)
 
-    @rule(slot=st.integers(0, 1), flips=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 7)), min_size=1, max_size=4))
+    @rule(
+        slot=st.integers(0, 1),
+        flips=st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 7)), min_size=1, max_size=4),
+    )
     @timeouts_are_findings
     def corrupt_blob(self, slot: int, flips: list[tuple[int, int]]) -> None:
         """A STATE_GET blob with flipped bits: STATE_PUT refuses it and the slot is unchanged."""
-        from . import live
-
-        live.STATS["hydra"] += 1
-        got = live.hydra_exchange([encode_request(Op.STATE_GET, key=str(slot))])
+        wire.STATS["hydra"] += 1
+        got = wire.hydra_exchange([encode_request(Op.STATE_GET, key=str(slot))])
         assert got is not None
         if got[0] == Status.BUSY:
             return
@@ -181,12 +182,12 @@ class HostileRules(RuleBasedStateMachine):
             bad[pos % len(bad)] ^= 1 << bit
         if bytes(bad) == blob:
             return  # the flips cancelled out
-        put = live.hydra_exchange([encode_request(Op.STATE_PUT, key=str(slot), payload=bytes(bad))])
+        put = wire.hydra_exchange([encode_request(Op.STATE_PUT, key=str(slot), payload=bytes(bad))])
         assert put is not None
         if put[0] == Status.BUSY:
             return
         assert put[0] == Status.ERROR, (flips, put[1])
-        after = live.hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])
+        after = wire.hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])
         assert after is not None and after[0] == Status.OK
         assert after[1]["n_past"] == meta["n_past"], "a refused blob changed the slot"
         n_tokens = struct.unpack_from("<I", blob, 8)[0]
@@ -197,10 +198,8 @@ class HostileRules(RuleBasedStateMachine):
     def http_lone_surrogate(self, case: SurrogateCase) -> None:
         """A lone surrogate in any string of any endpoint's body: 400 "not valid Unicode" (501 where the
         endpoint is off on this node), and the node's settings are as they were."""
-        from . import live
-
-        live.STATS["http"] += 1
-        live.STATS["not_unicode"] = live.STATS.get("not_unicode", 0) + 1
+        wire.STATS["http"] += 1
+        wire.STATS["not_unicode"] = wire.STATS.get("not_unicode", 0) + 1
         before = _settings()
         r = self.http.post(str(case.target), content=case.body, headers={"content-type": "application/json"})
         if r.status_code != 501:
@@ -213,13 +212,11 @@ class HostileRules(RuleBasedStateMachine):
     def hydra_lone_surrogate(self, case: SurrogateCase) -> None:
         """A lone surrogate in any string of a Hydra op's JSON: BAD_REQUEST "not valid Unicode", one reply,
         and the node's settings are as they were."""
-        from . import live
-
-        live.STATS["hydra"] += 1
-        live.STATS["not_unicode"] = live.STATS.get("not_unicode", 0) + 1
+        wire.STATS["hydra"] += 1
+        wire.STATS["not_unicode"] = wire.STATS.get("not_unicode", 0) + 1
         before = _settings()
         op, key = case.target  # type: ignore[misc]
-        got = live.hydra_exchange([encode_request(op, key=key, payload=case.body)])
+        got = wire.hydra_exchange([encode_request(op, key=key, payload=case.body)])
         assert got is not None, (case, "the connection closed without a reply")
         assert got[0] == Status.BAD_REQUEST and "not valid Unicode" in got[1]["error"], (case, got[:2])
         assert _settings() == before, (case, "a refused request changed the node")
@@ -227,13 +224,23 @@ class HostileRules(RuleBasedStateMachine):
 
 def _settings() -> dict[str, object]:
     """What no refused request may change: INFO's sampling defaults, chunk size, mode, peer, n_ctx, slots."""
-    from . import live
-
-    got = live.hydra_exchange([encode_request(Op.INFO)])
+    got = wire.hydra_exchange([encode_request(Op.INFO)])
     assert got is not None and got[0] == Status.OK
     meta = got[1]
-    return {k: meta.get(k) for k in ("sampling_defaults", "state_chunk_size", "mode", "peer_addr", "layer_split",
-                                     "n_ctx", "n_slots", "model_hash", "quant")}
+    return {
+        k: meta.get(k)
+        for k in (
+            "sampling_defaults",
+            "state_chunk_size",
+            "mode",
+            "peer_addr",
+            "layer_split",
+            "n_ctx",
+            "n_slots",
+            "model_hash",
+            "quant",
+        )
+    }
 
 
 __all__ = ["RULES", "HostileRules"]

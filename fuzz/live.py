@@ -24,21 +24,16 @@ import httpx
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
 
+from hydra_trio.http.settings import HttpSettings
+from hydra_trio.protocol import ggml_rpc as _g
 from hydra_trio.protocol.hydra import (
     Op,
-    PayloadChunk,
-    ProtocolError,
-    ResponseDecoder,
-    ResponseEnded,
-    ResponseStarted,
     Status,
     encode_request,
 )
 
-from hydra_trio.http.settings import HttpSettings
-from hydra_trio.protocol import ggml_rpc as _g
-
-from .findings import FINDINGS, StepTimeout, timeouts_are_findings
+from . import wire
+from .findings import FINDINGS, timeouts_are_findings
 from .hostile import HostileRules
 from .strategies import (
     RPC_BUFFER_SIZE,
@@ -50,170 +45,28 @@ from .strategies import (
     StatusRead,
     deep_grammars,
     deep_json_bodies,
+    extreme_schemas,
     ggml_rpc_hellos,
     ggml_rpc_mutants,
     ggml_rpc_silent_openings,
-    extreme_schemas,
     ggml_rpc_truncated,
     http_requests,
-    many_part_chat_bodies,
     long_prompts,
     long_request_lists,
+    many_part_chat_bodies,
     nearly_valid_requests,
     random_first_bytes,
     status_reads,
     valid_requests,
     wide_and_deep_schemas,
 )
+from .wire import STATS, configure
 
-TIMEOUT = 60.0  # seconds any single exchange may take: generous, so that only a hang reaches it
 STATUS_READ_LIMIT = 10.0
 """Seconds a status read may take while a slot evaluates a long prompt: it answers from the engine's
 snapshot, so only a read that waits for the engine thread (a batch, or the whole prefill) gets near it."""
-TARGET: dict[str, object] = {"port": None, "n_slots": 2}
-STATS: dict[str, int] = {"examples": 0, "steps": 0, "http": 0, "hydra": 0, "ggml_rpc": 0, "garbage": 0, "disconnects": 0,
-                         "prefill_status_reads": 0}
-def configure(port: int, n_slots: int, timeout: float | None = None) -> None:
-    """Point the machine at a server on 127.0.0.1:``port`` with ``n_slots`` slots (and a step timeout, seconds)."""
-    global TIMEOUT
-    TARGET["port"] = port
-    TARGET["n_slots"] = n_slots
-    if timeout is not None:
-        TIMEOUT = timeout
-
 
 __all__ = ["FINDINGS", "STATS", "LiveServerMachine", "configure"]
-
-
-def _port() -> int:
-    port = TARGET["port"]
-    assert isinstance(port, int), "call fuzz.live.configure(port, n_slots) first"
-    return port
-
-
-def _base() -> str:
-    return f"http://127.0.0.1:{_port()}"
-
-
-def _connect() -> socket.socket:
-    return socket.create_connection(("127.0.0.1", _port()), timeout=TIMEOUT)
-
-
-def hydra_exchange(
-    frames: list[bytes], pause: float = 0.0, half_close: bool = False
-) -> tuple[int, dict, bytes] | None:
-    """Send ``frames`` (pieces of one request) and read one reply; None if the server closed instead.
-
-    ``half_close`` sends EOF after the frames (for frames that may declare
-    more payload than they carry: the server must then close, not wait).
-    Raises AssertionError for a malformed reply or a hang past TIMEOUT.
-    """
-    with _connect() as s:
-        try:
-            for piece in frames:
-                s.sendall(piece)
-                if pause:
-                    time.sleep(pause)
-            if half_close:
-                s.shutdown(socket.SHUT_WR)
-        except OSError:  # the server closed first (bad magic, oversize): a close is an answer
-            pass
-        dec = ResponseDecoder()
-        status, meta, body = None, None, bytearray()
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                data = s.recv(1 << 20)
-            except ConnectionResetError:
-                return None
-            except TimeoutError as exc:
-                raise StepTimeout("no reply and no close within the timeout") from exc
-            if not data:
-                assert status is None, "connection closed in the middle of a reply"
-                return None
-            try:
-                events = dec.feed(data)
-            except ProtocolError as exc:
-                raise AssertionError(f"malformed reply: {exc}") from exc
-            for ev in events:
-                if isinstance(ev, ResponseStarted):
-                    status, meta = ev.header.status, ev.meta
-                elif isinstance(ev, PayloadChunk):
-                    body += ev.data
-                elif isinstance(ev, ResponseEnded):
-                    assert status in set(Status), f"unknown status {status}"
-                    if status != Status.OK:
-                        assert isinstance(meta.get("error"), str) and meta["error"], meta
-                    return status, meta, bytes(body)
-        raise StepTimeout("reply not finished within the timeout")
-
-
-def _exchange_until_close(data: bytes) -> bytes:
-    """Send ``data``, half-close, read until the server closes; AssertionError on a hang."""
-    with _connect() as s:
-        try:
-            s.sendall(data)
-            s.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # the server already closed: fine
-        out = b""
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                chunk = s.recv(1 << 16)
-            except ConnectionResetError:
-                return out
-            except TimeoutError as exc:
-                raise StepTimeout("server neither answered nor closed") from exc
-            if not chunk:
-                return out
-            out += chunk
-        raise StepTimeout("server kept the connection open past the timeout")
-
-
-def _recv_exact(s: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = s.recv(n - len(data))
-        if not chunk:
-            raise ConnectionError(f"closed after {len(data)} of {n} bytes")
-        data += chunk
-    return data
-
-
-def _ggml_reply(s: socket.socket) -> bytes:
-    """One ggml-RPC reply ``[u64 size][payload]``; ConnectionError if the server closed instead."""
-    (size,) = struct.unpack("<Q", _recv_exact(s, 8))
-    return _recv_exact(s, size)
-
-
-def _closes(s: socket.socket) -> bool:
-    """Read until the server closes (True) or TIMEOUT passes (False)."""
-    deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline:
-        try:
-            if not s.recv(65536):
-                return True
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except TimeoutError:
-            return False
-    return False
-
-
-def _rpc_pid() -> int:
-    status, meta, _ = hydra_exchange([encode_request(Op.INFO)])  # type: ignore[misc]
-    assert status == Status.OK
-    return meta["rpc_backend"]["pid"]
-
-
-def _ggml_backend_answers(pid: int) -> None:
-    """A real HELLO is answered, and the ggml-RPC child is still the one it was (pid unchanged)."""
-    with _connect() as s:
-        s.sendall(_g.hello_request())
-        reply = _ggml_reply(s)
-        assert reply[0] == _g.RPC_PROTO_MAJOR_VERSION, reply
-    assert _rpc_pid() == pid, "the ggml-RPC child was restarted: something crashed it"
 
 
 class LiveServerMachine(HostileRules):
@@ -223,7 +76,7 @@ class LiveServerMachine(HostileRules):
     def __init__(self) -> None:
         super().__init__()
         STATS["examples"] += 1
-        self.http = httpx.Client(base_url=_base(), timeout=TIMEOUT)
+        self.http = httpx.Client(base_url=wire.base(), timeout=wire.TIMEOUT)
 
     def teardown(self) -> None:
         self.http.close()
@@ -238,8 +91,13 @@ class LiveServerMachine(HostileRules):
     @timeouts_are_findings
     def http_chat(self, content: str, max_tokens: int, stream: bool, slot: int) -> None:
         STATS["http"] += 1
-        body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "stream": stream,
-                "temperature": 0, "id_slot": slot}
+        body = {
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "temperature": 0,
+            "id_slot": slot,
+        }
         r = self.http.post("/v1/chat/completions", json=body)
         # llama-server's rules: an id_slot past the last slot wraps around (id_slot % n_slots); a budget of 0
         # evaluates the prompt and still reports the one token sampled from it
@@ -249,12 +107,18 @@ class LiveServerMachine(HostileRules):
         else:
             reply = r.json()
             assert reply["usage"]["completion_tokens"] <= max(max_tokens, 1)
-            assert reply["id_slot"] == slot % int(TARGET["n_slots"]) if slot >= 0 else True  # type: ignore[call-overload]
+            assert reply["id_slot"] == slot % int(wire.TARGET["n_slots"]) if slot >= 0 else True  # type: ignore[call-overload]
 
-    @rule(body=st.one_of(st.binary(max_size=300), st.recursive(
-        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
-        lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20,
-    ).map(lambda v: json.dumps(v).encode())))
+    @rule(
+        body=st.one_of(
+            st.binary(max_size=300),
+            st.recursive(
+                st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+                lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                max_leaves=20,
+            ).map(lambda v: json.dumps(v).encode()),
+        )
+    )
     @timeouts_are_findings
     def http_bad_body(self, body: bytes) -> None:
         STATS["http"] += 1
@@ -267,12 +131,17 @@ class LiveServerMachine(HostileRules):
     @rule(schema=extreme_schemas())
     @timeouts_are_findings
     def http_extreme_schema(self, schema: dict) -> None:
-        """A schema is converted, or refused with a 400 naming why; never a 500, never a hang."""
+        """A schema is converted, or refused with a 400 naming why (the schema's limit; for a schema nested past
+        the body's depth limit, the body's); never a 500, never a hang."""
         STATS["http"] += 1
-        r = _post_sized(self.http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                                             "max_tokens": 0, "json_schema": schema})
+        r = _post_sized(
+            self.http,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "json_schema": schema},
+        )
         if r is not None and r.status_code == 400:
-            assert r.json()["error"]["message"].startswith("json_schema"), r.text[:300]
+            message = r.json()["error"]["message"]
+            assert message.startswith("json_schema") or "nested deeper than" in message, r.text[:300]
 
     @rule(body=many_part_chat_bodies())
     @timeouts_are_findings
@@ -300,7 +169,7 @@ class LiveServerMachine(HostileRules):
     @timeouts_are_findings
     def http_garbage_request(self, raw: bytes, method: bytes) -> None:
         STATS["garbage"] += 1
-        with _connect() as s:
+        with wire.connect() as s:
             s.sendall(method + raw + b"\r\n\r\n")
             s.shutdown(socket.SHUT_WR)
             data = b""
@@ -312,7 +181,7 @@ class LiveServerMachine(HostileRules):
     @timeouts_are_findings
     def http_raw(self, raw: bytes) -> None:
         STATS["http"] += 1
-        data = _exchange_until_close(raw)
+        data = wire.exchange_until_close(raw)
         assert data == b"" or data.startswith(b"HTTP/1.1 "), data[:80]
         # _exchange_until_close half-closes after sending: the server takes that as the client
         # leaving (as llama-server does), so a request that was still running is cancelled (503)
@@ -327,8 +196,11 @@ class LiveServerMachine(HostileRules):
         STATS["http"] += n
 
         def one(i: int) -> int:
-            r = httpx.post(_base() + "/v1/completions", timeout=TIMEOUT,
-                           json={"prompt": f"Item {i}:", "max_tokens": tokens, "temperature": 0})
+            r = httpx.post(
+                wire.base() + "/v1/completions",
+                timeout=wire.TIMEOUT,
+                json={"prompt": f"Item {i}:", "max_tokens": tokens, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
             return r.json()["usage"]["completion_tokens"]
 
@@ -342,7 +214,7 @@ class LiveServerMachine(HostileRules):
         STATS["hydra"] += 1
         if req.op == Op.CONFIGURE:
             return  # random CONFIGURE bodies could legitimately retune the engine; covered below
-        reply = hydra_exchange([req.encode()])
+        reply = wire.hydra_exchange([req.encode()])
         if req.flags:
             assert reply is not None and reply[0] == Status.BAD_REQUEST
         elif reply is not None and req.op not in set(Op):
@@ -354,17 +226,17 @@ class LiveServerMachine(HostileRules):
         STATS["hydra"] += 1
         if m.req.op == Op.CONFIGURE:
             return
-        hydra_exchange([m.data], half_close=True)
+        wire.hydra_exchange([m.data], half_close=True)
 
     @rule(slot=st.integers(0, 3))
     @timeouts_are_findings
     def hydra_info_and_meta(self, slot: int) -> None:
         STATS["hydra"] += 1
-        status, meta, _ = hydra_exchange([encode_request(Op.INFO, trace_id="fuzz")])  # type: ignore[misc]
+        status, meta, _ = wire.hydra_exchange([encode_request(Op.INFO, trace_id="fuzz")])  # type: ignore[misc]
         assert status == Status.OK and meta["engine"] == "hydra-trio"
-        reply = hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])
+        reply = wire.hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])
         assert reply is not None
-        assert reply[0] == (Status.OK if slot < int(TARGET["n_slots"]) else Status.NOT_FOUND)  # type: ignore[call-overload]
+        assert reply[0] == (Status.OK if slot < int(wire.TARGET["n_slots"]) else Status.NOT_FOUND)  # type: ignore[call-overload]
 
     @rule(text=long_prompts(), slot=st.integers(0, 3), reads=status_reads(2))
     @timeouts_are_findings
@@ -374,16 +246,18 @@ class LiveServerMachine(HostileRules):
         slot's ``n_past`` only grows, and once the completion returns every read shows its final
         ``n_past``."""
         STATS["http"] += 1
-        n_slots = int(TARGET["n_slots"])  # type: ignore[call-overload]
+        n_slots = int(wire.TARGET["n_slots"])  # type: ignore[call-overload]
         slot %= n_slots
         before = {s["id"]: s["n_past"] for s in self.http.get("/slots").json()}
         done, out = threading.Event(), {}
 
         def prefill() -> None:
             try:
-                with httpx.Client(base_url=_base(), timeout=TIMEOUT * 5) as c:
-                    out["r"] = c.post("/completion", json={"prompt": text, "n_predict": 1, "id_slot": slot,
-                                                           "cache_prompt": False, "temperature": 0})
+                with httpx.Client(base_url=wire.base(), timeout=wire.TIMEOUT * 5) as c:
+                    out["r"] = c.post(
+                        "/completion",
+                        json={"prompt": text, "n_predict": 1, "id_slot": slot, "cache_prompt": False, "temperature": 0},
+                    )
             finally:
                 done.set()
 
@@ -419,7 +293,7 @@ class LiveServerMachine(HostileRules):
                 else:
                     STATS["hydra"] += 1
                     op = Op.INFO if read.target == "INFO" else Op.STATE_META
-                    status, meta, _ = hydra_exchange([encode_request(op, key=read.key)])  # type: ignore[misc]
+                    status, meta, _ = wire.hydra_exchange([encode_request(op, key=read.key)])  # type: ignore[misc]
                     assert status == Status.OK, (read, meta)
                     if op == Op.INFO:
                         assert meta["n_slots"] == n_slots and set(meta["slots_processing"]) <= {slot}, meta
@@ -429,26 +303,26 @@ class LiveServerMachine(HostileRules):
                 took = time.monotonic() - t0
                 assert took < STATUS_READ_LIMIT, f"{read} took {took:.1f} s during a prefill: it waited for the engine"
         finally:
-            worker.join(TIMEOUT * 5)
+            worker.join(wire.TIMEOUT * 5)
         r = out.get("r")
         assert r is not None and r.status_code == 200, r.text if r is not None else "no reply"
         final = r.json()["tokens_cached"]
         assert not seen or max(seen) <= final, (seen, final)
         s = self.http.get("/slots").json()[slot]
         assert s["n_past"] == final and not s["is_processing"], (s, final)
-        status, meta, _ = hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])  # type: ignore[misc]
+        status, meta, _ = wire.hydra_exchange([encode_request(Op.STATE_META, key=str(slot))])  # type: ignore[misc]
         assert status == Status.OK and meta["n_past"] == final and not meta["is_processing"], meta
 
     @rule(slot=st.integers(0, 1))
     @timeouts_are_findings
     def hydra_state_round_trip(self, slot: int) -> None:
         STATS["hydra"] += 1
-        got = hydra_exchange([encode_request(Op.STATE_GET, key=str(slot))])
+        got = wire.hydra_exchange([encode_request(Op.STATE_GET, key=str(slot))])
         assert got is not None
         if got[0] == Status.BUSY:
             return
         assert got[0] == Status.OK, got[1]
-        put = hydra_exchange([encode_request(Op.STATE_PUT, key=str(slot), payload=got[2])])
+        put = wire.hydra_exchange([encode_request(Op.STATE_PUT, key=str(slot), payload=got[2])])
         assert put is not None and put[0] in (Status.OK, Status.BUSY), put[1]
         if put[0] == Status.OK:
             assert put[1]["n_past"] == got[1]["n_past"]
@@ -457,7 +331,7 @@ class LiveServerMachine(HostileRules):
     @timeouts_are_findings
     def hydra_mode_switch(self, mode: bytes) -> None:
         STATS["hydra"] += 1
-        reply = hydra_exchange([encode_request(Op.SET_EXPERT_MODE, payload=mode)])
+        reply = wire.hydra_exchange([encode_request(Op.SET_EXPERT_MODE, payload=mode)])
         assert reply is not None
         if mode in (b"{bad", b"turbo"):
             assert reply[0] == Status.BAD_REQUEST
@@ -469,7 +343,7 @@ class LiveServerMachine(HostileRules):
     def hydra_disconnect_mid_request(self, req: Req, cut: float) -> None:
         STATS["disconnects"] += 1
         data = req.encode()
-        with _connect() as s:
+        with wire.connect() as s:
             s.sendall(data[: int(len(data) * cut)])
 
     @rule(pause=st.floats(0.0, 0.05))
@@ -477,7 +351,7 @@ class LiveServerMachine(HostileRules):
     def hydra_slow_sender(self, pause: float) -> None:
         STATS["hydra"] += 1
         data = encode_request(Op.INFO, trace_id="slow")
-        reply = hydra_exchange([data[:3], data[3:10], data[10:]], pause=pause)
+        reply = wire.hydra_exchange([data[:3], data[3:10], data[10:]], pause=pause)
         assert reply is not None and reply[0] == Status.OK
 
     # ----------------------------------------------------- other first bytes
@@ -487,7 +361,7 @@ class LiveServerMachine(HostileRules):
         STATS["garbage"] += 1
         if first[:1] in (b"Y", b"\x0e") or first[:1].isupper():
             return  # real protocols: covered by their own rules
-        with _connect() as s:
+        with wire.connect() as s:
             s.sendall(first)
             try:
                 assert s.recv(16) == b""
@@ -498,7 +372,7 @@ class LiveServerMachine(HostileRules):
     @timeouts_are_findings
     def ggml_rpc_hello(self, hello: bytes) -> None:
         STATS["ggml_rpc"] += 1
-        reply = _exchange_until_close(hello)
+        reply = wire.exchange_until_close(hello)
         if hello == b"\x0e" + (24).to_bytes(8, "little") + bytes(24):
             assert len(reply) >= 36 and reply[8] == 7, reply  # the real backend answered
         else:
@@ -509,10 +383,10 @@ class LiveServerMachine(HostileRules):
     def ggml_rpc_silent_client(self, opening: bytes) -> None:
         """A client that goes quiet inside its HELLO must not block anyone's HELLO."""
         STATS["ggml_rpc"] += 1
-        pid = _rpc_pid()
-        with _connect() as silent:
+        pid = wire.rpc_pid()
+        with wire.connect() as silent:
             silent.sendall(opening)
-            _ggml_backend_answers(pid)
+            wire.ggml_backend_answers(pid)
 
     @rule(steps=ggml_rpc_truncated())
     @timeouts_are_findings
@@ -520,39 +394,39 @@ class LiveServerMachine(HostileRules):
         """A session that disconnects in the middle of a message (its buffer handles are made up, so
         the real server may refuse it earlier: any ending is fine but a crash or a hang)."""
         STATS["disconnects"] += 1
-        pid = _rpc_pid()
-        with _connect() as s:
+        pid = wire.rpc_pid()
+        with wire.connect() as s:
             try:
                 for step in steps:
                     s.sendall(step.request)
                     if step.reply is not None:
-                        _ggml_reply(s)
+                        wire.ggml_reply(s)
             except (ConnectionError, OSError):
                 pass  # refused on the way
-        _ggml_backend_answers(pid)
+        wire.ggml_backend_answers(pid)
 
     @rule(m=ggml_rpc_mutants())
     @timeouts_are_findings
     def ggml_rpc_malformed(self, m: GgmlRpcMutant) -> None:
         """Crashing GRAPH_COMPUTEs, bad tensors, bad framing: closed before the child sees them."""
         STATS["garbage"] += 1
-        pid = _rpc_pid()
-        with _connect() as s:
+        pid = wire.rpc_pid()
+        with wire.connect() as s:
             s.sendall(_g.hello_request())
-            _ggml_reply(s)
+            wire.ggml_reply(s)
             buffer = base = 0
             if m.needs_buffer:
                 s.sendall(_g.encode_request(_g.RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, RPC_BUFFER_SIZE)))
-                buffer, size = struct.unpack("<QQ", _ggml_reply(s))
+                buffer, size = struct.unpack("<QQ", wire.ggml_reply(s))
                 assert buffer and size >= RPC_BUFFER_SIZE
                 s.sendall(_g.encode_request(_g.RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", buffer)))
-                (base,) = struct.unpack("<Q", _ggml_reply(s))
+                (base,) = struct.unpack("<Q", wire.ggml_reply(s))
             try:
                 s.sendall(m.make(buffer, base))
             except OSError:
                 pass  # closed while we were still sending: refused
-            assert _closes(s), f"{m.kind}: the front door neither refused it nor closed"
-        _ggml_backend_answers(pid)
+            assert wire.closes(s), f"{m.kind}: the front door neither refused it nor closed"
+        wire.ggml_backend_answers(pid)
 
     # ---------------------------------------------------------- invariants
     @invariant()
@@ -562,11 +436,11 @@ class LiveServerMachine(HostileRules):
         # A request whose client has just gone can still be on its way in (its
         # job is being built when the step ends) and then be cancelled at the
         # engine's next step: poll until /slots and INFO agree that all is idle.
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + wire.TIMEOUT
         while True:
             slots = self.http.get("/slots").json()
             busy = [s["id"] for s in slots if s["is_processing"]]
-            status, meta, _ = hydra_exchange([encode_request(Op.INFO)])  # type: ignore[misc]
+            status, meta, _ = wire.hydra_exchange([encode_request(Op.INFO)])  # type: ignore[misc]
             assert status == Status.OK and meta["n_slots"] == len(slots)
             if (not busy and meta["slots_processing"] == []) or time.monotonic() > deadline:
                 break
@@ -580,7 +454,7 @@ class LiveServerMachine(HostileRules):
         Open now: this machine's keep-alive client and the scrape itself.  A
         leaked connection (a handler that never ends) stays and fails this.
         """
-        deadline = time.monotonic() + TIMEOUT
+        deadline = time.monotonic() + wire.TIMEOUT
         while True:
             open_now = _metric(self.http.get("/metrics").text, "hydra_trio:connections_open")
             if open_now <= 2 or time.monotonic() > deadline:

@@ -26,6 +26,7 @@ Decoders under test should use the limits below (`MAX_PAYLOAD`, `MAX_KEY`,
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Literal, get_args
 
@@ -47,28 +48,28 @@ __all__ = [
     "Mutant",
     "Req",
     "RpcStep",
+    "SizedCase",
+    "StatusRead",
+    "SurrogateCase",
     "chunk_cuts",
+    "deep_grammars",
+    "deep_json_bodies",
     "ggml_rpc_hellos",
     "ggml_rpc_mutants",
     "ggml_rpc_sessions",
     "ggml_rpc_silent_openings",
     "ggml_rpc_truncated",
-    "SizedCase",
-    "SurrogateCase",
     "http_requests",
     "http_surrogate_bodies",
     "hydra_surrogate_payloads",
     "lone_surrogates",
+    "long_prompts",
+    "long_request_lists",
     "nearly_valid_requests",
     "random_first_bytes",
     "split_at",
-    "StatusRead",
-    "long_prompts",
     "status_reads",
     "valid_requests",
-    "deep_grammars",
-    "deep_json_bodies",
-    "long_request_lists",
     "wide_and_deep_schemas",
 ]
 
@@ -212,7 +213,7 @@ def chunk_cuts(n: int) -> st.SearchStrategy[list[int]]:
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     """Split ``data`` at the (sorted) offsets in ``cuts``."""
     bounds = [0, *cuts, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 # --------------------------------------------------------------------------
@@ -225,8 +226,7 @@ _json_values = st.recursive(
     max_leaves=16,
 )
 _valid_json_values = st.recursive(  # what JSON allows (no Infinity): a body whose only fault is the one put in
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
     max_leaves=16,
 )
@@ -242,8 +242,22 @@ def http_requests(draw: st.DrawFn) -> bytes:
 
     path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/health", "/slots", "/nope", "/slots/0"]))
     method = draw(st.sampled_from(["POST", "GET", "PUT", "DELETE", "OPTIONS", "HEAD", "PATCH"]))
-    kind = draw(st.sampled_from(["json", "nested", "bad_utf8", "huge", "bad_line", "bad_header", "short_length",
-                                 "long_length", "chunked", "bad_chunked"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "json",
+                "nested",
+                "bad_utf8",
+                "huge",
+                "bad_line",
+                "bad_header",
+                "short_length",
+                "long_length",
+                "chunked",
+                "bad_chunked",
+            ]
+        )
+    )
     body = _json.dumps(draw(_json_values)).encode()
     if kind == "nested":
         body = b"[" * draw(st.integers(100, 50_000))
@@ -253,11 +267,23 @@ def http_requests(draw: st.DrawFn) -> bytes:
         body = _json.dumps({"prompt": "x" * draw(st.integers(1000, 200_000)), "max_tokens": 0}).encode()
     line = f"{method} {path} HTTP/1.1\r\n".encode()
     if kind == "bad_line":
-        line = draw(st.sampled_from([b"POST\r\n", b"GET /health HTTP/9.9\r\n", b"POST /v1/completions HTTP/1.1 x\r\n",
-                                     b"G\x00T / HTTP/1.1\r\n"]))
+        line = draw(
+            st.sampled_from(
+                [
+                    b"POST\r\n",
+                    b"GET /health HTTP/9.9\r\n",
+                    b"POST /v1/completions HTTP/1.1 x\r\n",
+                    b"G\x00T / HTTP/1.1\r\n",
+                ]
+            )
+        )
     headers = b"Host: fuzz\r\nConnection: close\r\nContent-Type: application/json\r\n"
     if kind == "bad_header":
-        headers += draw(st.sampled_from([b"X: \x00\r\n", b"no colon here\r\n", b": empty\r\n", b"X-Long: " + b"a" * 70000 + b"\r\n"]))
+        headers += draw(
+            st.sampled_from(
+                [b"X: \x00\r\n", b"no colon here\r\n", b": empty\r\n", b"X-Long: " + b"a" * 70000 + b"\r\n"]
+            )
+        )
     if kind in ("chunked", "bad_chunked"):
         size = len(body) + (draw(st.integers(1, 9)) if kind == "bad_chunked" else 0)
         framed = f"{size:x}\r\n".encode() + body + b"\r\n0\r\n\r\n"
@@ -273,20 +299,56 @@ def http_requests(draw: st.DrawFn) -> bytes:
 lone_surrogates = st.integers(0xD800, 0xDFFF).map(chr)
 """One UTF-16 surrogate code point alone: JSON can spell it (``"\\ud800"``), Unicode text cannot hold it."""
 
-_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}}, "required": ["city"]}}}]
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "the weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 HTTP_TEXT_BODIES: list[tuple[str, dict]] = [
-    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
-                                           {"role": "user", "content": "hi", "name": "ann"}],
-                              "max_tokens": 1, "stop": ["x"], "user": "u", "tools": _TOOLS, "tool_choice": "auto",
-                              "logit_bias": {"hello": 1}}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-                              "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": {
-                                  "name": "s", "schema": {"type": "object", "properties": {"k": {"type": "string"}}}}}}),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi", "name": "ann"}],
+            "max_tokens": 1,
+            "stop": ["x"],
+            "user": "u",
+            "tools": _TOOLS,
+            "tool_choice": "auto",
+            "logit_bias": {"hello": 1},
+        },
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 1,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "s", "schema": {"type": "object", "properties": {"k": {"type": "string"}}}},
+            },
+        },
+    ),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "stop": "x", "grammar": 'root ::= "a"'}),
-    ("/completion", {"prompt": ["a", "b"], "n_predict": 1, "json_schema": {"type": "string", "pattern": "a+"},
-                     "samplers": ["top_k", "temperature"], "dry_sequence_breakers": ["\n"]}),
+    (
+        "/completion",
+        {
+            "prompt": ["a", "b"],
+            "n_predict": 1,
+            "json_schema": {"type": "string", "pattern": "a+"},
+            "samplers": ["top_k", "temperature"],
+            "dry_sequence_breakers": ["\n"],
+        },
+    ),
     ("/tokenize", {"content": "hi there", "with_pieces": True}),
     ("/detokenize", {"tokens": [1, 2]}),
     ("/apply-template", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}),
@@ -298,11 +360,23 @@ HTTP_TEXT_BODIES: list[tuple[str, dict]] = [
 
 HYDRA_TEXT_BODIES: list[tuple[int, str, dict]] = [
     (Op.CONFIGURE, "", {"temperature": 0.7, "top_k": 40, "dry_sequence_breakers": ["\n", ":"], "cache_type_k": "f16"}),
-    (Op.DECODE, "0", {"n_predict": 2, "messages": [{"role": "user", "content": "hi"}], "stop": ["x"],
-                      "grammar": 'root ::= "a"'}),
+    (
+        Op.DECODE,
+        "0",
+        {"n_predict": 2, "messages": [{"role": "user", "content": "hi"}], "stop": ["x"], "grammar": 'root ::= "a"'},
+    ),
     (Op.DECODE, "1", {"n_predict": 2, "messages": None, "stop": ["x"], "logit_bias": {"a": 1}}),
-    (Op.PREFILL, "0", {"messages": [{"role": "system", "content": "s"},
-                                    {"role": "user", "content": [{"type": "text", "text": "t"}]}], "tools": _TOOLS}),
+    (
+        Op.PREFILL,
+        "0",
+        {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "t"}]},
+            ],
+            "tools": _TOOLS,
+        },
+    ),
     (Op.SET_EXPERT_MODE, "", {"mode": "solo", "peer": "127.0.0.1:1"}),
     (Op.PIPELINE_ATTACH, "", {"peer": "127.0.0.1:1", "ot_split": "blk\\.1\\."}),
 ]
@@ -369,8 +443,12 @@ def _with_surrogate(draw: st.DrawFn, body: dict) -> tuple[bytes, str]:
 
     def bad(old: str) -> str:
         at = draw(st.integers(0, len(old)))
-        piece = {"insert": surrogate, "replace": surrogate, "then_ascii": surrogate + "a",
-                 "reversed_pair": chr(0xDC00) + chr(0xD800)}[how]
+        piece = {
+            "insert": surrogate,
+            "replace": surrogate,
+            "then_ascii": surrogate + "a",
+            "reversed_pair": chr(0xDC00) + chr(0xD800),
+        }[how]
         return piece if how == "replace" else old[:at] + piece + old[at:]
 
     out = _spoil(body, path, is_key, bad)
@@ -482,10 +560,14 @@ class GgmlRpcMutant:
 def rpc_buffer_steps(buffer: int = RPC_BUFFER, base: int = RPC_BASE, size: int = RPC_BUFFER_SIZE) -> list[RpcStep]:
     """ALLOC_BUFFER (device 0) and BUFFER_GET_BASE with the answers a server would give."""
     return [
-        RpcStep(_g.encode_request(_g.RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, size)),
-                _g.encode_reply(struct.pack("<QQ", buffer, size))),
-        RpcStep(_g.encode_request(_g.RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", buffer)),
-                _g.encode_reply(struct.pack("<Q", base))),
+        RpcStep(
+            _g.encode_request(_g.RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, size)),
+            _g.encode_reply(struct.pack("<QQ", buffer, size)),
+        ),
+        RpcStep(
+            _g.encode_request(_g.RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", buffer)),
+            _g.encode_reply(struct.pack("<Q", base)),
+        ),
     ]
 
 
@@ -503,8 +585,13 @@ _names = st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=20
 
 
 @st.composite
-def rpc_tensors(draw: st.DrawFn, buffer: int = RPC_BUFFER, base: int = RPC_BASE, size: int = RPC_BUFFER_SIZE,
-                types: list[int] | None = None) -> _g.RpcTensor:
+def rpc_tensors(
+    draw: st.DrawFn,
+    buffer: int = RPC_BUFFER,
+    base: int = RPC_BASE,
+    size: int = RPC_BUFFER_SIZE,
+    types: list[int] | None = None,
+) -> _g.RpcTensor:
     """A valid, contiguous ``rpc_tensor`` whose data lies inside the given buffer (buffer 0: no buffer)."""
     t = draw(st.sampled_from(types or sorted(_g.TYPE_TRAITS)))
     blck, _ = _g.TYPE_TRAITS[t]
@@ -532,8 +619,9 @@ def _graph(draw: st.DrawFn, buffer: int = RPC_BUFFER, base: int = RPC_BASE) -> t
         else:
             a, b = draw(st.sampled_from(ids[:i])), draw(st.sampled_from(ids[:i]))
             src = (a, b) + (0,) * (_g.GGML_MAX_SRC - 2)
-            tensors.append(_g.RpcTensor(id=ids[i], type=0, buffer=buffer, ne=ne, nb=nb, op=_GGML_OP_ADD, src=src,
-                                        data=data))
+            tensors.append(
+                _g.RpcTensor(id=ids[i], type=0, buffer=buffer, ne=ne, nb=nb, op=_GGML_OP_ADD, src=src, data=data)
+            )
     return ids[n_leaves:], tensors
 
 
@@ -541,10 +629,26 @@ def _graph(draw: st.DrawFn, buffer: int = RPC_BUFFER, base: int = RPC_BASE) -> t
 def ggml_rpc_steps(draw: st.DrawFn) -> RpcStep:
     """One valid message after HELLO, ALLOC_BUFFER and BUFFER_GET_BASE (see :func:`ggml_rpc_sessions`)."""
     C = _g.RpcCmd
-    kind = draw(st.sampled_from([
-        "device_count", "alignment", "max_size", "device_memory", "set_tensor", "get_tensor", "set_tensor_hash",
-        "copy_tensor", "memset_tensor", "init_tensor", "alloc_size", "buffer_clear", "graph", "recompute",
-    ]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "device_count",
+                "alignment",
+                "max_size",
+                "device_memory",
+                "set_tensor",
+                "get_tensor",
+                "set_tensor_hash",
+                "copy_tensor",
+                "memset_tensor",
+                "init_tensor",
+                "alloc_size",
+                "buffer_clear",
+                "graph",
+                "recompute",
+            ]
+        )
+    )
     if kind == "device_count":
         return RpcStep(_g.encode_request(C.DEVICE_COUNT), _g.encode_reply(struct.pack("<I", 1)))
     if kind in ("alignment", "max_size"):
@@ -553,8 +657,9 @@ def ggml_rpc_steps(draw: st.DrawFn) -> RpcStep:
     if kind == "device_memory":
         return RpcStep(_g.encode_request(C.GET_DEVICE_MEMORY, struct.pack("<I", 0)), _g.encode_reply(bytes(16)))
     if kind == "buffer_clear":
-        return RpcStep(_g.encode_request(C.BUFFER_CLEAR, struct.pack("<QB", RPC_BUFFER, draw(st.integers(0, 255)))),
-                       None)
+        return RpcStep(
+            _g.encode_request(C.BUFFER_CLEAR, struct.pack("<QB", RPC_BUFFER, draw(st.integers(0, 255)))), None
+        )
     if kind == "recompute":
         return RpcStep(_g.encode_request(C.GRAPH_RECOMPUTE, struct.pack("<I", 0)), None)
     if kind == "graph":
@@ -567,11 +672,15 @@ def ggml_rpc_steps(draw: st.DrawFn) -> RpcStep:
     if kind == "set_tensor":
         return RpcStep(_g.encode_set_tensor(t, offset, draw(st.binary(min_size=length, max_size=length))), None)
     if kind == "get_tensor":
-        return RpcStep(_g.encode_request(C.GET_TENSOR, t.pack() + struct.pack("<QQ", offset, length)),
-                       _g.encode_reply(draw(st.binary(min_size=length, max_size=length))))
+        return RpcStep(
+            _g.encode_request(C.GET_TENSOR, t.pack() + struct.pack("<QQ", offset, length)),
+            _g.encode_reply(draw(st.binary(min_size=length, max_size=length))),
+        )
     if kind == "set_tensor_hash":
-        return RpcStep(_g.encode_request(C.SET_TENSOR_HASH, t.pack() + struct.pack("<QQ", offset, draw(_ids))),
-                       _g.encode_reply(b"\x00"))
+        return RpcStep(
+            _g.encode_request(C.SET_TENSOR_HASH, t.pack() + struct.pack("<QQ", offset, draw(_ids))),
+            _g.encode_reply(b"\x00"),
+        )
     if kind == "copy_tensor":
         other = draw(rpc_tensors())
         return RpcStep(_g.encode_request(C.COPY_TENSOR, t.pack() + other.pack()), _g.encode_reply(b"\x01"))
@@ -618,8 +727,23 @@ def ggml_rpc_crashing_graphs(draw: st.DrawFn) -> GgmlRpcMutant:
     """The GRAPH_COMPUTE family that crashes an unguarded ggml-RPC server, or would: node ids that are 0 or
     absent, dangling sources, ops past GGML_OP_COUNT, computed nodes without memory, bad counts, tensors
     with bad types or shapes. Random node counts and ids."""
-    kind = draw(st.sampled_from(["zero_node_bare", "zero_node", "missing_node", "missing_src", "missing_view_src",
-                                 "bad_op", "unbacked_node", "no_nodes", "bad_count", "bad_type", "bad_shape"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "zero_node_bare",
+                "zero_node",
+                "missing_node",
+                "missing_src",
+                "missing_view_src",
+                "bad_op",
+                "unbacked_node",
+                "no_nodes",
+                "bad_count",
+                "bad_type",
+                "bad_shape",
+            ]
+        )
+    )
     if kind == "zero_node_bare":  # crashes an unguarded server: command 10, size 20, zeros but n_nodes = 1
         n = draw(st.integers(1, 4))
         data = _g.encode_request(_g.RpcCmd.GRAPH_COMPUTE, struct.pack(f"<II{n}QI", 0, n, *([0] * n), 0))
@@ -656,7 +780,7 @@ def ggml_rpc_crashing_graphs(draw: st.DrawFn) -> GgmlRpcMutant:
         data = _g.encode_graph_compute(0, ns, ts)
         if kind == "bad_count":  # n_tensors one more than present
             head = 4 + 4 + 8 * len(ns)
-            body = bytearray(data[_g.HEADER_SIZE:])
+            body = bytearray(data[_g.HEADER_SIZE :])
             struct.pack_into("<I", body, head, len(ts) + 1)
             data = _g.encode_request(_g.RpcCmd.GRAPH_COMPUTE, bytes(body))
         return data
@@ -670,10 +794,25 @@ def ggml_rpc_bad_tensor_messages(draw: st.DrawFn) -> GgmlRpcMutant:
     GET_ALLOC_SIZE) whose tensor has a bad type, shape, strides or place; includes a Q4_0 tensor
     with ne0 = 1 in SET_TENSOR (it crashes an unguarded server)."""
     C = _g.RpcCmd
-    kind = draw(st.sampled_from(["type_out_of_range", "removed_type", "q4_0_ne0_1", "ne0_not_blocks", "zero_ne",
-                                 "ne_overflow", "zero_stride", "nb0_not_block", "outside_buffer", "region_outside"]))
-    cmd = draw(st.sampled_from([C.SET_TENSOR, C.GET_TENSOR, C.MEMSET_TENSOR, C.INIT_TENSOR, C.COPY_TENSOR,
-                                C.GET_ALLOC_SIZE]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "type_out_of_range",
+                "removed_type",
+                "q4_0_ne0_1",
+                "ne0_not_blocks",
+                "zero_ne",
+                "ne_overflow",
+                "zero_stride",
+                "nb0_not_block",
+                "outside_buffer",
+                "region_outside",
+            ]
+        )
+    )
+    cmd = draw(
+        st.sampled_from([C.SET_TENSOR, C.GET_TENSOR, C.MEMSET_TENSOR, C.INIT_TENSOR, C.COPY_TENSOR, C.GET_ALLOC_SIZE])
+    )
     if kind in ("zero_ne", "region_outside"):  # only wrong where data moves
         cmd = draw(st.sampled_from([C.SET_TENSOR, C.GET_TENSOR, C.MEMSET_TENSOR]))
     if kind == "q4_0_ne0_1":
@@ -681,13 +820,24 @@ def ggml_rpc_bad_tensor_messages(draw: st.DrawFn) -> GgmlRpcMutant:
     base_t = draw(rpc_tensors(buffer=1, base=0))  # buffer/data fixed up in make()
     quant = draw(st.sampled_from(sorted(t for t, (b, _) in _g.TYPE_TRAITS.items() if b > 1)))
     blck, qsize = _g.TYPE_TRAITS[quant]
-    bad_type = draw(st.integers(_g.GGML_TYPE_COUNT, 2**32 - 1)) if kind == "type_out_of_range" else \
-        draw(st.sampled_from(sorted(_g.REMOVED_TYPES)))
+    bad_type = (
+        draw(st.integers(_g.GGML_TYPE_COUNT, 2**32 - 1))
+        if kind == "type_out_of_range"
+        else draw(st.sampled_from(sorted(_g.REMOVED_TYPES)))
+    )
     odd = draw(st.integers(1, blck - 1))
-    check = {"type_out_of_range": "tensor_type", "removed_type": "tensor_type", "q4_0_ne0_1": "tensor_shape",
-             "ne0_not_blocks": "tensor_shape", "zero_ne": "tensor_shape", "ne_overflow": "tensor_shape",
-             "zero_stride": "tensor_strides", "nb0_not_block": "tensor_strides", "outside_buffer": "tensor_bounds",
-             "region_outside": "tensor_region"}[kind]
+    check = {
+        "type_out_of_range": "tensor_type",
+        "removed_type": "tensor_type",
+        "q4_0_ne0_1": "tensor_shape",
+        "ne0_not_blocks": "tensor_shape",
+        "zero_ne": "tensor_shape",
+        "ne_overflow": "tensor_shape",
+        "zero_stride": "tensor_strides",
+        "nb0_not_block": "tensor_strides",
+        "outside_buffer": "tensor_bounds",
+        "region_outside": "tensor_region",
+    }[kind]
 
     def make(buffer: int, base: int) -> bytes:
         t = attrs.evolve(base_t, buffer=buffer, data=base + (base_t.data or 0))
@@ -705,8 +855,9 @@ def ggml_rpc_bad_tensor_messages(draw: st.DrawFn) -> GgmlRpcMutant:
         elif kind == "zero_stride":
             t = attrs.evolve(t, type=0, ne=(4, 2, 1, 1), nb=(4, 0, 8, 8), data=base)
         elif kind == "nb0_not_block":
-            t = attrs.evolve(t, type=quant, ne=(blck, 1, 1, 1), nb=(qsize + 1, qsize + 1, qsize + 1, qsize + 1),
-                             data=base)
+            t = attrs.evolve(
+                t, type=quant, ne=(blck, 1, 1, 1), nb=(qsize + 1, qsize + 1, qsize + 1, qsize + 1), data=base
+            )
         elif kind == "outside_buffer":
             t = attrs.evolve(t, data=base + RPC_BUFFER_SIZE - nbytes + 1)
         offset, length = (nbytes, 1) if kind == "region_outside" else (0, 0)
@@ -729,13 +880,19 @@ def ggml_rpc_framing_mutants() -> st.SearchStrategy[GgmlRpcMutant]:
     """Framing errors after HELLO: unknown commands, wrong fixed sizes, a second HELLO, a huge SET_TENSOR."""
     C = _g.RpcCmd
     unknown = st.integers(int(C.NONE), 255).map(
-        lambda c: _mutant("unknown_command", "unknown_command", lambda b, a: _g.encode_request(c), False))
-    wrong = st.tuples(st.sampled_from(sorted(_g.REQUEST_SIZES)), st.integers(0, 4000)).filter(
-        lambda cs: cs[0] != C.HELLO and cs[1] != _g.REQUEST_SIZES[cs[0]]).map(
-        lambda cs: _mutant("wrong_size", "size", lambda b, a: _g.encode_request(cs[0], bytes(cs[1])), False))
+        lambda c: _mutant("unknown_command", "unknown_command", lambda b, a: _g.encode_request(c), False)
+    )
+    wrong = (
+        st.tuples(st.sampled_from(sorted(_g.REQUEST_SIZES)), st.integers(0, 4000))
+        .filter(lambda cs: cs[0] != C.HELLO and cs[1] != _g.REQUEST_SIZES[cs[0]])
+        .map(lambda cs: _mutant("wrong_size", "size", lambda b, a: _g.encode_request(cs[0], bytes(cs[1])), False))
+    )
     again = st.just(_mutant("hello_again", "hello_repeated", lambda b, a: _g.hello_request(), False))
-    huge = st.integers(17 << 30, 2**64 - 1).map(lambda n: _mutant(
-        "too_large", "too_large", lambda b, a: struct.pack("<BQ", C.SET_TENSOR, n) + bytes(400), False))
+    huge = st.integers(17 << 30, 2**64 - 1).map(
+        lambda n: _mutant(
+            "too_large", "too_large", lambda b, a: struct.pack("<BQ", C.SET_TENSOR, n) + bytes(400), False
+        )
+    )
     return st.one_of(unknown, wrong, again, huge)
 
 
@@ -761,15 +918,23 @@ def extreme_schemas(draw: st.DrawFn, depth: int = 0) -> dict:
             s[k] = draw(_COUNT)
         return s
     if kind == "string":
-        return {"type": "string", **{k: draw(_COUNT) for k in draw(st.sets(st.sampled_from(["minLength", "maxLength"])))}}
+        return {
+            "type": "string",
+            **{k: draw(_COUNT) for k in draw(st.sets(st.sampled_from(["minLength", "maxLength"])))},
+        }
     if kind == "pattern":
         lo, hi = draw(_COUNT), draw(st.one_of(st.none(), _COUNT))
         item = draw(st.sampled_from(["a", "[a-z]", "(ab|c)", "\\d", "."]))
         return {"type": "string", "pattern": f"^{item}{{{lo},{'' if hi is None else hi}}}$"}
     if kind == "integer":
         big = st.integers(-(2**64), 2**64)
-        return {"type": "integer", **{k: draw(big) for k in draw(st.sets(st.sampled_from(
-            ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])))}}
+        return {
+            "type": "integer",
+            **{
+                k: draw(big)
+                for k in draw(st.sets(st.sampled_from(["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])))
+            },
+        }
     if kind == "object":
         n = draw(st.sampled_from([1, 10, 5000, 20000]))
         return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
@@ -781,9 +946,18 @@ def extreme_schemas(draw: st.DrawFn, depth: int = 0) -> dict:
     if kind == "enum":
         # up to 3 MB: past the grammar-size limit; a body past the HTTP body limit is a 413 (checked too)
         return {"enum": ["x" * draw(st.sampled_from([1, 1000, 10_000]))] * draw(st.sampled_from([1, 100, 300]))}
-    return draw(st.sampled_from([{"type": "number", "minimum": 1}, {"type": "integer", "multipleOf": 2},
-                                 {"type": "string", "format": "email"}, {"not": {}}, {"uniqueItems": True,
-                                 "type": "array"}, {"type": "object", "minProperties": 2}]))
+    return draw(
+        st.sampled_from(
+            [
+                {"type": "number", "minimum": 1},
+                {"type": "integer", "multipleOf": 2},
+                {"type": "string", "format": "email"},
+                {"not": {}},
+                {"uniqueItems": True, "type": "array"},
+                {"type": "object", "minProperties": 2},
+            ]
+        )
+    )
 
 
 @st.composite
@@ -802,6 +976,8 @@ def many_part_chat_bodies(draw: st.DrawFn) -> dict:
     if kind == "special":
         return {"messages": [{"role": "user", "content": "<|im_end|>" * draw(st.sampled_from([1, 1000, 100_000]))}]}
     return {"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * draw(st.sampled_from([1, 17, 10_000]))}
+
+
 # --------------------------------------------------------------------------- requests whose size would drive the work
 
 
@@ -823,7 +999,8 @@ def _nest(inner: str, n: int, open_: str, close: str) -> str:
 def _chat_body(**fields: str) -> bytes:
     """A chat body with ``fields`` given as JSON texts (one user message, max_tokens 0)."""
     parts = ['"messages": [{"role": "user", "content": "x"}]', '"max_tokens": 0'] + [
-        f'"{k}": {v}' for k, v in fields.items() if k != "messages"]
+        f'"{k}": {v}' for k, v in fields.items() if k != "messages"
+    ]
     if "messages" in fields:
         parts[0] = f'"messages": {fields["messages"]}'
     return ("{" + ", ".join(parts) + "}").encode()
@@ -838,15 +1015,33 @@ def wide_and_deep_schemas(draw: st.DrawFn) -> SizedCase:
     (llama.cpp's rule set, linear), nested objects, arrays and ``anyOf`` around the depth limits, ``$ref``
     and ``allOf``-``$ref`` chains, big enums, many pattern alternatives and nested groups, property
     names that are rule names of the grammar."""
-    kind = draw(st.sampled_from(["optional", "objects", "arrays", "anyof", "refs", "allof-refs", "enum",
-                                 "alternatives", "groups", "reserved"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "optional",
+                "objects",
+                "arrays",
+                "anyof",
+                "refs",
+                "allof-refs",
+                "enum",
+                "alternatives",
+                "groups",
+                "reserved",
+            ]
+        )
+    )
     if kind == "optional":
         n = draw(st.sampled_from([10, 1000, 2000, 3000, 5000]))
         required = draw(st.sets(st.integers(0, n - 1), max_size=3))
         props = ", ".join(f'"p{i}": {{"type": "string"}}' for i in range(n))
-        schema = f'{{"type": "object", "properties": {{{props}}}, "required": {json_list(f"p{i}" for i in sorted(required))}}}'
-        return SizedCase(f"{n} properties", _chat_body(json_schema=schema),
-                         () if n <= 2000 else ("MAX_GRAMMAR_BYTES", "MAX_SCHEMA_NODES"))
+        required_names = json_list(f"p{i}" for i in sorted(required))
+        schema = f'{{"type": "object", "properties": {{{props}}}, "required": {required_names}}}'
+        return SizedCase(
+            f"{n} properties",
+            _chat_body(json_schema=schema),
+            () if n <= 2000 else ("MAX_GRAMMAR_BYTES", "MAX_SCHEMA_NODES"),
+        )
     if kind in ("objects", "arrays", "anyof"):
         d = draw(st.sampled_from([10, 64, 65, 100, 130, 5000]))
         if kind == "objects":
@@ -862,27 +1057,41 @@ def wide_and_deep_schemas(draw: st.DrawFn) -> SizedCase:
         n = draw(st.sampled_from([10, 3000]))
         step = '{{"$ref": "#/$defs/d{}"}}' if kind == "refs" else '{{"allOf": [{{"$ref": "#/$defs/d{}"}}]}}'
         defs = ", ".join(f'"d{i}": ' + step.format(i + 1) for i in range(n))
-        schema = f'{{"$defs": {{{defs}, "d{n}": {{"type": "object", "properties": {{"x": {{"type": "integer"}}}}}}}}, "$ref": "#/$defs/d0"}}'
+        last = '{"type": "object", "properties": {"x": {"type": "integer"}}}'
+        schema = f'{{"$defs": {{{defs}, "d{n}": {last}}}, "$ref": "#/$defs/d0"}}'
         # a short chain of allOf links is refused too: the converter combines object schemas only, not an allOf in one
         short: tuple[str, ...] = () if kind == "refs" else ("allOf: only object schemas",)
-        return SizedCase(f"{kind} chain of {n}", _chat_body(json_schema=schema), short if n == 10 else ("MAX_SCHEMA_DEPTH",))
+        return SizedCase(
+            f"{kind} chain of {n}", _chat_body(json_schema=schema), short if n == 10 else ("MAX_SCHEMA_DEPTH",)
+        )
     if kind == "enum":
         n = draw(st.sampled_from([100, 100_000]))
-        return SizedCase(f"enum of {n}", _chat_body(json_schema=f'{{"enum": {json_list(range(n))}}}'),
-                         () if n == 100 else ("MAX_GRAMMAR_BYTES",))
+        return SizedCase(
+            f"enum of {n}",
+            _chat_body(json_schema=f'{{"enum": {json_list(range(n))}}}'),
+            () if n == 100 else ("MAX_GRAMMAR_BYTES",),
+        )
     if kind == "alternatives":
         n = draw(st.sampled_from([10, 600, 2000]))  # 2000: past the pattern's 4096 characters
         pattern = "^(" + "|".join(f"a{i}" for i in range(n)) + ")$"
-        return SizedCase(f"pattern of {n} alternatives", _chat_body(json_schema=f'{{"type": "string", "pattern": "{pattern}"}}'),
-                         () if n < 2000 else ("MAX_PATTERN_CHARS",))
+        return SizedCase(
+            f"pattern of {n} alternatives",
+            _chat_body(json_schema=f'{{"type": "string", "pattern": "{pattern}"}}'),
+            () if n < 2000 else ("MAX_PATTERN_CHARS",),
+        )
     if kind == "groups":
         d = draw(st.sampled_from([10, 64, 65, 1000]))
         pattern = "^" + "(a" * d + ")" * d + "$"
-        return SizedCase(f"pattern of {d} nested groups", _chat_body(json_schema=f'{{"type": "string", "pattern": "{pattern}"}}'),
-                         () if d <= 64 else ("MAX_SCHEMA_DEPTH",))
+        return SizedCase(
+            f"pattern of {d} nested groups",
+            _chat_body(json_schema=f'{{"type": "string", "pattern": "{pattern}"}}'),
+            () if d <= 64 else ("MAX_SCHEMA_DEPTH",),
+        )
     names = draw(st.lists(st.sampled_from(_RESERVED), min_size=1, max_size=4, unique=True))
     props = ", ".join(f'"{n}": {{"type": "integer"}}' for n in names)
-    return SizedCase(f"properties named {names}", _chat_body(json_schema=f'{{"type": "object", "properties": {{{props}}}}}'))
+    return SizedCase(
+        f"properties named {names}", _chat_body(json_schema=f'{{"type": "object", "properties": {{{props}}}}}')
+    )
 
 
 def json_list(items: object) -> str:
@@ -903,11 +1112,17 @@ def deep_json_bodies(draw: st.DrawFn) -> SizedCase:
     elif where == "kwargs":
         body, depth = _chat_body(chat_template_kwargs=f'{{"x": {deep}}}'), d + 2
     elif where == "parameters":
-        tools = f'[{{"type": "function", "function": {{"name": "f", "parameters": {{"type": "object", "default": {deep}}}}}}}]'
+        parameters = f'{{"type": "object", "default": {deep}}}'
+        tools = f'[{{"type": "function", "function": {{"name": "f", "parameters": {parameters}}}}}]'
         body, depth = _chat_body(tools=tools), d + 5
     else:
         call = f'{{"id": "c1", "type": "function", "function": {{"name": "f", "arguments": "{deep}"}}}}'
-        body, depth = _chat_body(messages=f'[{{"role": "user", "content": "x"}}, {{"role": "assistant", "tool_calls": [{call}]}}]'), d
+        body, depth = (
+            _chat_body(
+                messages=f'[{{"role": "user", "content": "x"}}, {{"role": "assistant", "tool_calls": [{call}]}}]'
+            ),
+            d,
+        )
     return SizedCase(f"{d} deep in {where}", body, ("MAX_JSON_DEPTH",) if depth > 256 else ())
 
 
@@ -918,19 +1133,27 @@ def long_request_lists(draw: st.DrawFn) -> SizedCase:
     kind = draw(st.sampled_from(["logit_bias", "logit_bias_texts", "stop", "response_fields", "tools"]))
     if kind == "logit_bias":
         n = draw(st.sampled_from([10, 1_000_000]))
-        return SizedCase(f"logit_bias of {n}", _chat_body(logit_bias="[" + ", ".join(["[1, -1]"] * n) + "]"),
-                         () if n == 10 else ("n_vocab",))
+        return SizedCase(
+            f"logit_bias of {n}",
+            _chat_body(logit_bias="[" + ", ".join(["[1, -1]"] * n) + "]"),
+            () if n == 10 else ("n_vocab",),
+        )
     if kind == "logit_bias_texts":
         n = draw(st.sampled_from([10, 300_000]))
         keys = ", ".join(f'"w{i}": 1' for i in range(n))
-        return SizedCase(f"logit_bias of {n} texts", _chat_body(logit_bias="{" + keys + "}"), () if n == 10 else ("n_vocab",))
+        return SizedCase(
+            f"logit_bias of {n} texts", _chat_body(logit_bias="{" + keys + "}"), () if n == 10 else ("n_vocab",)
+        )
     if kind == "stop":
         n = draw(st.sampled_from([16, 17, 100_000]))
         return SizedCase(f"{n} stop strings", _chat_body(stop=json_list(["x"] * n)), () if n <= 16 else ("stop",))
     if kind == "response_fields":
         n = draw(st.sampled_from([10, 256, 257, 1_000_000]))
-        return SizedCase(f"{n} response_fields", _chat_body(response_fields=json_list(["content"] * n)),
-                         () if n <= 256 else ("MAX_RESPONSE_FIELDS",))
+        return SizedCase(
+            f"{n} response_fields",
+            _chat_body(response_fields=json_list(["content"] * n)),
+            () if n <= 256 else ("MAX_RESPONSE_FIELDS",),
+        )
     n = draw(st.sampled_from([3, 1366, 200_000]))
     tools = "[" + ", ".join(f'{{"type": "function", "function": {{"name": "f{i}"}}}}' for i in range(n)) + "]"
     return SizedCase(f"{n} tools", _chat_body(tools=tools), () if n == 3 else ("MAX_SCHEMA_NODES",))
@@ -939,9 +1162,9 @@ def long_request_lists(draw: st.DrawFn) -> SizedCase:
 @st.composite
 def deep_grammars(draw: st.DrawFn) -> SizedCase:
     """``grammar`` texts that llama.cpp's parser and grammar engine would work on in proportion to a
-    power of their size: chains of references that stack up (``r0 ::= r1 "x"``), groups nested
-    around the depth limit, long chains of references that do not stack (llama.cpp follows them with one
-C call per link), text past the size limit."""
+        power of their size: chains of references that stack up (``r0 ::= r1 "x"``), groups nested
+        around the depth limit, long chains of references that do not stack (llama.cpp follows them with one
+    C call per link), text past the size limit."""
     kind = draw(st.sampled_from(["stacking", "groups", "tail-chain", "size"]))
     if kind == "stacking":
         n = draw(st.sampled_from([100, 1024, 1025, 10_000]))
@@ -963,8 +1186,10 @@ C call per link), text past the size limit."""
 # ---------------------------------------------------------------------------
 # Status reads during a long prefill
 
-_PROMPT_WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
-                 "bright jovial nymphs near misty harbours and old lanterns glow").split()
+_PROMPT_WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+    "bright jovial nymphs near misty harbours and old lanterns glow"
+).split()
 
 
 @attrs.frozen
@@ -981,7 +1206,8 @@ def long_prompts(min_words: int = 200, max_words: int = 1200) -> st.SearchStrate
     """A plain-words text of ``min_words`` to ``max_words`` words (about as many tokens with SmolLM2),
     each word drawn from a fixed list, starting anywhere in it."""
     return st.tuples(st.integers(min_words, max_words), st.integers(0, len(_PROMPT_WORDS) - 1)).map(
-        lambda t: " ".join(_PROMPT_WORDS[(t[1] + i) % len(_PROMPT_WORDS)] for i in range(t[0])))
+        lambda t: " ".join(_PROMPT_WORDS[(t[1] + i) % len(_PROMPT_WORDS)] for i in range(t[0]))
+    )
 
 
 def status_reads(n_slots: int, max_size: int = 40) -> st.SearchStrategy[list[StatusRead]]:

@@ -31,10 +31,19 @@ from pathlib import Path
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from hydra_trio.protocol.hydra import Op, PayloadChunk, ResponseDecoder, ResponseEnded, ResponseStarted, Status, encode_request
+from hydra_trio.protocol.hydra import (
+    NEED_DATA,
+    Op,
+    PayloadChunk,
+    ResponseDecoder,
+    ResponseEnded,
+    ResponseStarted,
+    Status,
+    encode_request,
+)
 
-from . import access, live
-from .findings import timeouts_are_findings
+from . import access, wire
+from .findings import StepTimeout, timeouts_are_findings
 
 CLASSIFY_TIMEOUT = 2.0  # the node's --classify-timeout (it covers the TLS handshake)
 SLACK = 10.0  # seconds over the classify timeout a close may take on a busy 2-core machine
@@ -61,9 +70,23 @@ def make_certs(d: Path) -> dict[str, Path]:
 
 def server_flags(certs: dict[str, Path], key: str, token: str) -> list[str]:
     """The access node's flags (see the module docstring); ``--host`` is the caller's choice."""
-    return ["--tls-cert", str(certs["cert"]), "--tls-key", str(certs["key"]), "--tls-required",
-            "--api-key", key, "--control-allow", "10.0.0.0/8", "--hydra-token", token, "--rpc-allow", "127.0.0.0/8",
-            "--classify-timeout", str(CLASSIFY_TIMEOUT)]
+    return [
+        "--tls-cert",
+        str(certs["cert"]),
+        "--tls-key",
+        str(certs["key"]),
+        "--tls-required",
+        "--api-key",
+        key,
+        "--control-allow",
+        "10.0.0.0/8",
+        "--hydra-token",
+        token,
+        "--rpc-allow",
+        "127.0.0.0/8",
+        "--classify-timeout",
+        str(CLASSIFY_TIMEOUT),
+    ]
 
 
 def own_address() -> str | None:
@@ -98,9 +121,9 @@ HELLO = _client_hello()
 
 
 def _count(kind: str) -> None:
-    """One more TLS request of ``kind`` in the fuzzer's summary (``fuzz.live.STATS``), and one more ``tls``."""
-    live.STATS["tls"] = live.STATS.get("tls", 0) + 1
-    live.STATS[kind] = live.STATS.get(kind, 0) + 1
+    """One more TLS request of ``kind`` in the fuzzer's summary (``fuzz.wire.STATS``), and one more ``tls``."""
+    wire.STATS["tls"] = wire.STATS.get("tls", 0) + 1
+    wire.STATS[kind] = wire.STATS.get(kind, 0) + 1
 
 
 def _port() -> int:
@@ -115,7 +138,7 @@ def _context(cert: object = None, key: object = None) -> ssl.SSLContext:
 
 
 def _tls(ctx: ssl.SSLContext | None = None) -> ssl.SSLSocket:
-    raw = socket.create_connection(("127.0.0.1", _port()), timeout=live.TIMEOUT)
+    raw = socket.create_connection(("127.0.0.1", _port()), timeout=wire.TIMEOUT)
     return (ctx or _context()).wrap_socket(raw, server_hostname="127.0.0.1")
 
 
@@ -129,19 +152,19 @@ def _seconds_to_close(s: socket.socket, limit: float) -> float:
     except (ConnectionResetError, BrokenPipeError):
         pass
     except TimeoutError:
-        raise live.StepTimeout(f"not closed within {limit:.0f} s") from None
+        raise StepTimeout(f"not closed within {limit:.0f} s") from None
     return time.monotonic() - t0
 
 
 def _send_and_wait_close(data: bytes) -> float:
     """Send ``data`` on a fresh TCP connection and wait for the close, bounded by the classify timeout + SLACK."""
-    with socket.create_connection(("127.0.0.1", _port()), timeout=live.TIMEOUT) as s:
+    with socket.create_connection(("127.0.0.1", _port()), timeout=wire.TIMEOUT) as s:
         try:
             s.sendall(data)
         except OSError:
             return 0.0  # closed before all of it went: a close is an answer
         took = _seconds_to_close(s, CLASSIFY_TIMEOUT + SLACK)
-        live.STATS["tls_slowest_close_ms"] = max(live.STATS.get("tls_slowest_close_ms", 0), round(took * 1e3))
+        wire.STATS["tls_slowest_close_ms"] = max(wire.STATS.get("tls_slowest_close_ms", 0), round(took * 1e3))
         return took
 
 
@@ -151,7 +174,8 @@ def tls_hydra(op: int, key: str = "", payload: bytes = b"") -> tuple[int, dict, 
         s.sendall(encode_request(op, key=key, payload=payload, trace_id="fuzz-tls"))
         dec, status, meta, body = ResponseDecoder(), None, {}, bytearray()
         while data := s.recv(1 << 16):
-            for ev in dec.feed(data):
+            dec.receive_data(data)
+            while (ev := dec.next_event()) is not NEED_DATA:
                 if isinstance(ev, ResponseStarted):
                     status, meta = ev.header.status, ev.meta
                 elif isinstance(ev, PayloadChunk):
@@ -219,7 +243,7 @@ class TlsMachine(RuleBasedStateMachine):
     @timeouts_are_findings
     def garbage_inside_tls(self, inside: bytes) -> None:
         _count("tls_inside")
-        raw = socket.create_connection(("127.0.0.1", _port()), timeout=live.TIMEOUT)
+        raw = socket.create_connection(("127.0.0.1", _port()), timeout=wire.TIMEOUT)
         tcp = raw.dup()  # the same TCP connection, to end it under the TLS layer
         try:
             with _context().wrap_socket(raw, server_hostname="127.0.0.1") as s:
@@ -228,7 +252,7 @@ class TlsMachine(RuleBasedStateMachine):
                 except OSError:
                     return
                 tcp.shutdown(socket.SHUT_WR)  # EOF without close_notify: whatever waits for more must give up
-                _seconds_to_close(tcp, live.TIMEOUT)
+                _seconds_to_close(tcp, wire.TIMEOUT)
         finally:
             tcp.close()
 
@@ -237,10 +261,10 @@ class TlsMachine(RuleBasedStateMachine):
     def plaintext_where_tls_is_required(self, data: bytes) -> None:
         own = TLS["own"]
         if own is None or data[:1] == b"\x16":
-            live.STATS["plaintext_skipped"] = live.STATS.get("plaintext_skipped", 0) + 1
+            wire.STATS["plaintext_skipped"] = wire.STATS.get("plaintext_skipped", 0) + 1
             return
         _count("tls_plaintext_refused")
-        with socket.create_connection((str(own), _port()), timeout=live.TIMEOUT) as s:
+        with socket.create_connection((str(own), _port()), timeout=wire.TIMEOUT) as s:
             try:
                 s.sendall(data)
             except OSError:
@@ -251,10 +275,12 @@ class TlsMachine(RuleBasedStateMachine):
             except ConnectionResetError:
                 pass
             except TimeoutError:
-                raise live.StepTimeout("plain from outside not closed within the classify timeout") from None
+                raise StepTimeout("plain from outside not closed within the classify timeout") from None
 
-    @rule(key=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40),
-          path=st.sampled_from(["/v1/models", "/slots", "/props", "/v1/completions"]))
+    @rule(
+        key=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=40),
+        path=st.sampled_from(["/v1/models", "/slots", "/props", "/v1/completions"]),
+    )
     @timeouts_are_findings
     def wrong_key_over_https(self, key: str, path: str) -> None:
         if key == access.TARGET["key"]:
@@ -273,7 +299,7 @@ class TlsMachine(RuleBasedStateMachine):
 
     @invariant()
     def nothing_changed(self) -> None:
-        live.STATS["steps"] += 1
+        wire.STATS["steps"] += 1
         assert access.snapshot() == self.before
         status, _, _ = tls_hydra(Op.INFO)
         assert status == Status.OK

@@ -20,8 +20,8 @@ a name of that half (:mod:`hydra_trio.engine.llama.bindings`).
 
 from __future__ import annotations
 
-from ._version import __version__
 from ._lazy import lazy_exports
+from ._version import __version__
 from .engine.llama.bindings import install as _install_llama_bindings
 
 _install_llama_bindings()

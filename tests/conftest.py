@@ -72,7 +72,7 @@ def embedded_node(config: Any, ready_timeout: float = 180.0) -> Iterator[Any]:
     def run() -> None:
         try:
             trio.run(main)
-        except BaseException as exc:  # noqa: BLE001  (reported below)
+        except BaseException as exc:  # reported below
             box["error"] = exc
         finally:
             up.set()
@@ -95,7 +95,7 @@ class ServerProcess:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self._log = open(log_path, "wb")
+        self._log = open(log_path, "wb")  # noqa: SIM115  (the child's log, open while the child runs)
         self.proc, _ = _spawn.spawn(*args, port=self.port, output=self._log, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> None:

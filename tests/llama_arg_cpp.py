@@ -19,8 +19,11 @@ from pathlib import Path
 
 from hydra_trio.testing.spawn import ROOT
 
-VERSION = next(line.split("=", 1)[1].strip() for line in (ROOT / "dev.sh").read_text().splitlines()
-               if line.startswith("LLAMA_CPP_PYTHON_VERSION="))
+VERSION = next(
+    line.split("=", 1)[1].strip()
+    for line in (ROOT / "dev.sh").read_text().splitlines()
+    if line.startswith("LLAMA_CPP_PYTHON_VERSION=")
+)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hydra-trio" / "sdist"
 
 
@@ -29,8 +32,22 @@ def sdist() -> Path:
     path = CACHE / f"llama_cpp_python-{VERSION}.tar.gz"
     if not path.exists():
         CACHE.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        "-d", str(CACHE), f"llama-cpp-python=={VERSION}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(CACHE),
+                f"llama-cpp-python=={VERSION}",
+            ],
+            check=True,
+        )
     return path
 
 
@@ -55,7 +72,7 @@ def _strip(src: str) -> str:
             quote, j = src[i], i + 1
             while src[j] != quote:
                 j += 2 if src[j] == "\\" else 1
-            out.append(src[i:j + 1] if quote == '"' else "' '")
+            out.append(src[i : j + 1] if quote == '"' else "' '")
             i = j + 1
         else:
             out.append(src[i])
@@ -93,7 +110,7 @@ def server_flags(text: str | None = None) -> dict[str, set[str]]:
         while body.startswith("{"):
             end = body.index("}")
             lists.append(re.findall(r'"([^"]*)"', body[1:end]))
-            body = body[end + 1:].lstrip().lstrip(",").lstrip()
+            body = body[end + 1 :].lstrip().lstrip(",").lstrip()
         examples = re.search(r"\.set_examples\(\{([^}]*)\}\)", block)
         excludes = re.search(r"\.set_excludes\(\{([^}]*)\}\)", block)
         ex = {x.strip() for x in examples.group(1).split(",")} if examples else {"LLAMA_EXAMPLE_COMMON"}

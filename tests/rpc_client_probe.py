@@ -83,8 +83,16 @@ def main() -> None:
         out += piece.raw[:k]
         arr = (llama_cpp.llama_token * 1)(tok)
         batch = llama_cpp.llama_batch_get_one(arr, 1)
-    print(json.dumps({"text": out.decode("utf-8", "replace"), "devices": [base.ggml_backend_dev_name(dev).decode()],
-                      "load_s": load_s, "hydra_trio_modules": sorted(m for m in sys.modules if m.startswith("hydra_trio"))}))
+    print(
+        json.dumps(
+            {
+                "text": out.decode("utf-8", "replace"),
+                "devices": [base.ggml_backend_dev_name(dev).decode()],
+                "load_s": load_s,
+                "hydra_trio_modules": sorted(m for m in sys.modules if m.startswith("hydra_trio")),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,9 @@ def v6_networks(draw: st.DrawFn) -> ipaddress.IPv6Network:
 
 
 @given(addr=v6_or_mapped, net=v6_networks(), zone=st.sampled_from(["", "%eth0", "%1", "%lo"]))
-def test_ipv6_matches_by_membership_zone_ignored(addr: ipaddress.IPv6Address, net: ipaddress.IPv6Network,
-                                                 zone: str) -> None:
+def test_ipv6_matches_by_membership_zone_ignored(
+    addr: ipaddress.IPv6Address, net: ipaddress.IPv6Network, zone: str
+) -> None:
     """A plain IPv6 peer matches by membership; a mapped one is matched as IPv4, so only by a network
     inside ``::ffff:0:0/96`` (which becomes its IPv4 network), never by a wider IPv6 one such as ``::/0``."""
     want = addr in net and (addr.ipv4_mapped is None or net.prefixlen >= 96)

@@ -69,7 +69,7 @@ def test_no_import_cycles() -> None:
         state[m] = 1
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycles.append(path[path.index(n):] + [n])
+                cycles.append(path[path.index(n) :] + [n])
             elif n not in state:
                 visit(n, path + [n])
         state[m] = 2
@@ -127,10 +127,16 @@ def _methods_outside_their_class(tree: ast.Module) -> list[str]:
         if _annotation_class(first.annotation) not in PACKAGE_CLASSES:
             continue
         for node in ast.walk(fn):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == first.arg
-                    and (isinstance(node.ctx, (ast.Store, ast.Del)) or _is_private(node.attr))):
-                found.append(f"{fn.lineno}: {fn.name}({first.arg}) {'sets' if isinstance(node.ctx, ast.Store) else 'uses'}"
-                             f" .{node.attr}")
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == first.arg
+                and (isinstance(node.ctx, (ast.Store, ast.Del)) or _is_private(node.attr))
+            ):
+                found.append(
+                    f"{fn.lineno}: {fn.name}({first.arg}) {'sets' if isinstance(node.ctx, ast.Store) else 'uses'}"
+                    f" .{node.attr}"
+                )
                 break
     return found
 
@@ -140,9 +146,11 @@ def test_no_function_is_a_method_moved_out_of_its_class() -> None:
     ``self`` (:func:`_methods_outside_their_class`), so a class's size is its responsibility's, never a
     method parked beside it."""
     assert _methods_outside_their_class(ast.parse("def reconfigure(self: Engine, n: int): pass")) == [
-        "1: reconfigure(self)"]
+        "1: reconfigure(self)"
+    ]
     assert _methods_outside_their_class(ast.parse("def sample(sched: 'Scheduler'): sched._on_token(1)")) == [
-        "1: sample(sched) uses ._on_token"]
+        "1: sample(sched) uses ._on_token"
+    ]
     assert _methods_outside_their_class(ast.parse("def f(e: Engine): e.config = 1")) == ["1: f(e) sets .config"]
     assert _methods_outside_their_class(ast.parse("def f(e: Engine): return e.config.n_ctx")) == []
     found = {name: lines for name, tree in TREES.items() if (lines := _methods_outside_their_class(tree))}
@@ -158,8 +166,12 @@ def _own_private_names(tree: ast.Module) -> set[str]:
             out.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             out.add(node.id)
-        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
-              and node.value.id in ("self", "cls")):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
             out.add(node.attr)
     return {n for n in out if _is_private(n)}
 
@@ -169,25 +181,15 @@ PACKAGE_PRIVATE = set().union(*OWN_PRIVATE.values())
 
 FOREIGN_PRIVATES = {
     # trio's SSLStream: the bulk TLS path hands over the bytes it buffered and marks the stream broken
-    ("hydra_trio.transport.tls_bulk", "_plain"), ("hydra_trio.transport.tls_bulk", "_early"),
-    ("hydra_trio.transport.tls_bulk", "_state"), ("hydra_trio.transport.tls_bulk", "_delayed_outgoing"),
+    ("hydra_trio.transport.tls_bulk", "_plain"),
+    ("hydra_trio.transport.tls_bulk", "_early"),
+    ("hydra_trio.transport.tls_bulk", "_state"),
+    ("hydra_trio.transport.tls_bulk", "_delayed_outgoing"),
     ("hydra_trio.transport.blocking", "_delayed_outgoing"),
     # the flag parser's own mark on argparse's Namespace (which flags a config file supplied)
     ("hydra_trio.cli._flags", "_accepted_given"),
 }
 """Private members of other libraries that the package uses, which the scan cannot tell from its own."""
-
-PRIVATE_IMPORTS_BEING_RENAMED = {
-    # the codec floor's names (protocol/, hydra/): renamed public where they are shared
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_bool"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_float"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_int"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_str"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._as_str_or_str_list"),
-    ("hydra_trio.protocol.messages", "hydra_trio.protocol.strict._json_kind"),
-    ("hydra_trio.client.watch", "hydra_trio.hydra.cli._address"),
-}
-"""Private imports across modules that the layering work renames; to be emptied."""
 
 
 def _private_uses(name: str, tree: ast.Module) -> list[str]:
@@ -198,8 +200,13 @@ def _private_uses(name: str, tree: ast.Module) -> list[str]:
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found = []
-    other_libraries = {(a.asname or a.name).split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                       for a in node.names if not a.name.startswith("hydra_trio")}  # os._exit is os's
+    other_libraries = {
+        (a.asname or a.name).split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for a in node.names
+        if not a.name.startswith("hydra_trio")
+    }  # os._exit is os's
     for line, mod, names in _import_statements(name, tree):
         if not mod.startswith("hydra_trio"):
             continue
@@ -207,8 +214,7 @@ def _private_uses(name: str, tree: ast.Module) -> list[str]:
         for i, part in enumerate(parts):
             if _is_private(part) and not f"{package}.".startswith(".".join(parts[:i]) + "."):
                 found.append(f"{line}: {mod}")
-        found += [f"{line}: {mod}.{n}" for n in names if _is_private(n) and f"{mod}.{n}" not in MODULES
-                  and (name, f"{mod}.{n}") not in PRIVATE_IMPORTS_BEING_RENAMED]
+        found += [f"{line}: {mod}.{n}" for n in names if _is_private(n) and f"{mod}.{n}" not in MODULES]
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and _is_private(node.attr)) or (name, node.attr) in FOREIGN_PRIVATES:
             continue
@@ -225,21 +231,67 @@ def _private_uses(name: str, tree: ast.Module) -> list[str]:
 def test_no_private_member_is_used_from_another_module() -> None:
     """A ``_name`` is its module's (or its class's) own: no other module imports it, reads it or sets it
     (:func:`_private_uses`); what two modules share is public."""
-    tree = ast.parse("from hydra_trio.engine.engine import _x, Engine\nfrom ..http._hyper import H\n"
-                     "import os\ndef f(s):\n    s._hand_off.emit()\n    s._kv = 1\n    self._y = 2\n    os._exit(0)")
+    tree = ast.parse(
+        "from hydra_trio.engine.engine import _x, Engine\nfrom ..http._hyper import H\n"
+        "import os\ndef f(s):\n    s._hand_off.emit()\n    s._kv = 1\n    self._y = 2\n    os._exit(0)"
+    )
     assert _private_uses("hydra_trio.node.server", tree) == [
-        "1: hydra_trio.engine.engine._x", "2: hydra_trio.http._hyper", "5: s._hand_off", "6: s._kv"]
+        "1: hydra_trio.engine.engine._x",
+        "2: hydra_trio.http._hyper",
+        "5: s._hand_off",
+        "6: s._kv",
+    ]
     found = {name: lines for name, tree in TREES.items() if (lines := _private_uses(name, tree))}
     assert found == {}, found
 
 
-TOP_LEVEL = {"hydra_trio", "hydra_trio.__main__", "hydra_trio._version", "hydra_trio._lazy", "hydra_trio.errors",
-             "hydra_trio.config"}
-"""What may sit directly in ``hydra_trio/``: the public API (``__init__`` and its lazy exports), the version, the errors and
-the configuration; every layer has its folder."""
+TOP_LEVEL = {
+    "hydra_trio",
+    "hydra_trio.__main__",
+    "hydra_trio._version",
+    "hydra_trio._lazy",
+    "hydra_trio.errors",
+    "hydra_trio.config",
+}
+"""What may sit directly in ``hydra_trio/``: the public API (``__init__`` and its lazy exports), the version, the errors
+and the configuration; every layer has its folder."""
 
-LAYERS = ("node", "transport", "observability", "client", "cli", "testing", "engine", "service", "openai", "http", "hydra",
-          "rpc_backend", "protocol", "models", "router")
+LAYERS = (
+    "node",
+    "transport",
+    "observability",
+    "client",
+    "cli",
+    "testing",
+    "engine",
+    "service",
+    "openai",
+    "http",
+    "hydra",
+    "rpc_backend",
+    "protocol",
+    "validation",
+    "models",
+    "router",
+)
+
+LAYER_ORDER: tuple[tuple[str, ...], ...] = (
+    ("protocol",),  # the floor: wire framing and status codes (Hydra, ggml-RPC, the first bytes), nothing else
+    ("errors", "_version", "_lazy"),  # the typed errors (each names its Hydra status), the version, lazy exports
+    ("validation",),  # strict JSON -> attrs classes, ``host:port``: what reads a peer's values
+    ("observability", "transport"),  # the event bus, progress, logs; sockets, TLS, the front door
+    ("engine",),  # llama.cpp, slots, batching, the one inbox
+    ("models", "openai", "rpc_backend"),  # model files; the OpenAI / llama-server shapes; the ggml-RPC backend
+    ("service",),  # what every front end calls: completions, slots, node facts, metrics, stats
+    ("http", "hydra"),  # the front ends: decode, route, encode
+    ("config",),  # the settings of a whole node
+    ("node", "router"),  # the composition root; router mode's (its models' children serve them)
+    ("testing", "client"),  # test helpers; the watch client
+    ("cli",),  # the command line
+    ("", "__main__"),  # the public API (``hydra_trio/__init__.py``) and ``python -m hydra_trio``
+)
+"""The layers, bottom first.  A module imports only its own layer and the layers listed before its own:
+no import runs back up, and two layers of one row know nothing of each other."""
 
 
 def test_the_top_level_holds_only_the_public_api() -> None:
@@ -252,32 +304,52 @@ def _layer(name: str) -> str:
     return name.split(".")[1] if name.count(".") >= 1 else ""
 
 
+def _rank(layer: str) -> int:
+    return next(i for i, row in enumerate(LAYER_ORDER) if layer in row)
+
+
+def _imports_back_up(graph: dict[str, set[str]]) -> list[str]:
+    """Each ``module -> module`` import of ``graph`` whose target is in another layer of the same row of
+    :data:`LAYER_ORDER` or in a later row."""
+    return sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if _layer(d) != _layer(m) and _rank(_layer(d)) >= _rank(_layer(m))
+    )
+
+
+def test_the_layer_order_names_every_layer_once() -> None:
+    named = [layer for row in LAYER_ORDER for layer in row]
+    assert len(named) == len(set(named))
+    assert set(named) == {_layer(m) for m in MODULES}
+
+
+def test_no_import_runs_back_up() -> None:
+    """Every import of the package goes down :data:`LAYER_ORDER` (or stays in its layer): the codecs are the
+    floor and import nothing of the package; the errors know only the codecs' status codes; the engine
+    knows no OpenAI shape, service or front end; the service knows no front end; the front ends know
+    neither each other nor the composition root."""
+    # the check finds what it looks for
+    assert _imports_back_up({"hydra_trio.protocol.hydra": {"hydra_trio.errors"}}) == [
+        "hydra_trio.protocol.hydra -> hydra_trio.errors"
+    ]
+    assert _imports_back_up({"hydra_trio.hydra.ops": {"hydra_trio.http.app", "hydra_trio.engine.engine"}}) == [
+        "hydra_trio.hydra.ops -> hydra_trio.http.app"
+    ]
+    assert _imports_back_up({"hydra_trio.errors": {"hydra_trio.protocol.hydra"}}) == []
+    assert _imports_back_up({m: _imports(m) for m in MODULES}) == []
+    assert {d for m in MODULES if _layer(m) == "protocol" for d in _imports(m) if _layer(d) != "protocol"} == set()
+
+
 def test_layers() -> None:
-    """Which layer may import which: the engine and the codecs know no front end; the front ends (``http``,
-    ``hydra``) call the service, which knows none of them, and the OpenAI shapes sit below the service (front
-    ends -> service -> openai -> engine); the observability leaves
-    (events, progress) import nothing of the package; nothing of the product imports the test helpers, the
-    CLI or the watch client; only the composition root (``node``) and the CLI assemble a whole node."""
+    """What :data:`LAYER_ORDER` alone does not say: the observability leaves (events, progress) import
+    nothing of the package; nothing of the product imports the test helpers, the CLI or the watch client;
+    only the composition root (``node``) and the CLI assemble a whole node."""
     leaves = {"hydra_trio.observability.events", "hydra_trio.observability.progress"}
     for name in MODULES:
         deps = _imports(name)
         layer = _layer(name)
-        if layer == "engine":
-            outside = {d for d in deps if _layer(d) not in ("engine", "protocol") and d not in (
-                "hydra_trio.errors", "hydra_trio._lazy", *leaves)}
-            assert outside == set(), f"{name} imports {outside}"
-        if layer == "protocol":  # sans-I/O: no front end, transport, server or process around it
-            outside = {d for d in deps if _layer(d) in ("http", "hydra", "node", "transport", "rpc_backend", "cli",
-                                                        "client", "observability")}
-            assert outside == set(), f"{name} imports {outside}"
-        if layer == "service":  # what every front end calls: it knows none of them
-            outside = {d for d in deps if _layer(d) not in ("service", "openai", "engine", "protocol") and d not in (
-                "hydra_trio.errors", "hydra_trio._lazy")}
-            assert outside == set(), f"{name} imports {outside}"
-        if layer == "openai":  # the request and reply shapes: below the service, above the engine's values
-            outside = {d for d in deps if _layer(d) not in ("openai", "engine", "protocol") and d not in (
-                "hydra_trio.errors", "hydra_trio._lazy")}
-            assert outside == set(), f"{name} imports {outside}"
         if layer == "router":  # router mode: children serve the models; the router loads none itself
             outside = {d for d in deps if _layer(d) in ("engine", "service", "openai", "hydra", "rpc_backend")}
             assert outside == set(), f"{name} imports {outside}"
@@ -286,10 +358,68 @@ def test_layers() -> None:
         if layer != "testing":
             assert not {d for d in deps if _layer(d) == "testing"}, f"{name} imports the test helpers"
         if layer not in ("cli", "testing") and name not in ("hydra_trio.__main__",):
-            assert not {d for d in deps if _layer(d) in ("cli", "client")} or layer == "client", \
+            assert not {d for d in deps if _layer(d) in ("cli", "client")} or layer == "client", (
                 f"{name} imports the CLI or the watch client"
+            )
         if layer not in ("node", "cli", "testing") and name not in ("hydra_trio", "hydra_trio.__main__"):
             assert not {d for d in deps if _layer(d) == "node"}, f"{name} imports the composition root"
+
+
+def _imports_of_tests(path: Path) -> list[str]:
+    """Lines of ``path`` that import the test suite (``tests`` or ``tests.x``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = (
+            [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else []
+        )
+        found += [f"{path.name}:{node.lineno}" for n in names if n == "tests" or n.startswith("tests.")]
+    return found
+
+
+def test_benches_and_the_fuzzer_import_no_test() -> None:
+    """``bench/``, ``fuzz/`` and ``examples/`` sit beside the suite, not on it: what they share with it lives in
+    ``hydra_trio/testing/``."""
+    root = PKG.parent
+    found = [
+        hit
+        for folder in ("bench", "fuzz", "examples")
+        for p in sorted((root / folder).rglob("*.py"))
+        for hit in _imports_of_tests(p)
+    ]
+    assert found == []
+
+
+def _sibling_imports(folder: Path) -> dict[str, set[str]]:
+    """``module -> modules of the same folder it imports`` (``from . import x``, ``from .x import y``,
+    ``from folder.x import y``), anywhere in the module, for the modules of ``folder``."""
+    names = {p.stem for p in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for p in folder.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                if node.level == 1 or mod.split(".")[0] == folder.name:
+                    head = mod.split(".")[-1] if mod and mod != folder.name else ""
+                    deps |= {head} if head else {a.name for a in node.names}
+        graph[p.stem] = (deps & names) - {p.stem}
+    return graph
+
+
+def test_the_fuzzer_and_the_benches_have_no_import_cycle() -> None:
+    """The fuzzer's modules import each other one way (its shared wire helpers are ``fuzz/wire.py``)."""
+    for folder in ("fuzz", "bench"):
+        graph = _sibling_imports(PKG.parent / folder)
+        assert graph, folder
+        reach = {m: set(deps) for m, deps in graph.items()}
+        for _ in graph:  # the transitive closure: what each module reaches through others
+            reach = {m: r.union(*(reach[d] for d in r)) for m, r in reach.items()}
+        assert sorted(m for m in graph if m in reach[m]) == [], folder
+    assert "wire" in _sibling_imports(PKG.parent / "fuzz")["hostile"]
 
 
 ENGINE_PUBLIC_MODULES = {
@@ -307,7 +437,7 @@ def test_the_rest_of_the_package_uses_the_engine_through_its_public_names() -> N
     ``__init__`` exports: ``Engine``, the tasks, the requests, ``ModelView``...) and the few modules of
     :data:`ENGINE_PUBLIC_MODULES`, never the engine's inner modules; every name they import from
     ``hydra_trio.engine`` is exported there."""
-    from hydra_trio import engine
+    import hydra_trio.engine as engine
 
     found = []
     for name in MODULES:
@@ -332,8 +462,11 @@ def _public_type_names(name: str) -> set[str]:
     for node in ast.walk(ast.parse(MODULES[name].read_text())):
         if isinstance(node, ast.ClassDef):
             out.add(node.name)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and "TypeAlias" in ast.unparse(
-                node.annotation):
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and "TypeAlias" in ast.unparse(node.annotation)
+        ):
             out.add(node.target.id)
     return {n for n in out if not n.startswith("_")}
 
@@ -362,8 +495,9 @@ def _lambdas_handed_to_the_engine(tree: ast.AST) -> list[int]:
             continue
         f = node.func
         name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-        if name in ENGINE_DOORS and any(isinstance(a, ast.Lambda)
-                                        for a in [*node.args, *(k.value for k in node.keywords)]):
+        if name in ENGINE_DOORS and any(
+            isinstance(a, ast.Lambda) for a in [*node.args, *(k.value for k in node.keywords)]
+        ):
             lines.append(node.lineno)
     return lines
 
@@ -400,13 +534,68 @@ def test_the_engine_has_one_inbox_and_one_door_for_work() -> None:
 def test_every_import_of_the_package_finds_its_module() -> None:
     """``from .x import y`` / ``import hydra_trio.x`` name a module that exists (a stale path after a move
     would otherwise only fail when that line runs)."""
-    missing = [f"{name}:{line} {mod}" for name in MODULES for line, mod, _names in _import_statements(name)
-               if mod.startswith("hydra_trio") and mod not in MODULES]
+    missing = [
+        f"{name}:{line} {mod}"
+        for name in MODULES
+        for line, mod, _names in _import_statements(name)
+        if mod.startswith("hydra_trio") and mod not in MODULES
+    ]
     assert missing == []
 
 
-ROUTE_MODULES = ("hydra_trio.http.app", "hydra_trio.http.completions", "hydra_trio.http.slots", "hydra_trio.http.native",
-                 "hydra_trio.http.events", "hydra_trio.hydra.ops", "hydra_trio.hydra.connection", "hydra_trio.hydra.gate")
+def _top_level_names(name: str) -> set[str] | None:
+    """The names module ``name`` binds at its top level (definitions, assignments, imports, ``if`` / ``try``
+    bodies); None when it has a module ``__getattr__`` (its names are lazy)."""
+    out: set[str] = set()
+    body = list(ast.parse(MODULES[name].read_text()).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "__getattr__":
+                return None
+            out.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {n.id for tg in targets for n in ast.walk(tg) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += [
+                *node.body,
+                *getattr(node, "orelse", []),
+                *getattr(node, "finalbody", []),
+                *(s for h in getattr(node, "handlers", []) for s in h.body),
+            ]
+    return None if "__getattr__" in out else out
+
+
+def test_every_name_imported_from_the_package_exists() -> None:
+    """``from hydra_trio.x import y`` names a ``y`` that ``x`` binds (or a submodule): a renamed function
+    otherwise only fails when the importing module loads."""
+    missing = []
+    for name in MODULES:
+        for line, mod, names in _import_statements(name):
+            if not mod.startswith("hydra_trio") or mod not in MODULES:
+                continue
+            bound = _top_level_names(mod)
+            if bound is None:
+                continue
+            missing += [
+                f"{name}:{line} {mod}.{n}" for n in names if n != "*" and n not in bound and f"{mod}.{n}" not in MODULES
+            ]
+    assert missing == []
+
+
+ROUTE_MODULES = (
+    "hydra_trio.http.app",
+    "hydra_trio.http.completions",
+    "hydra_trio.http.slots",
+    "hydra_trio.http.native",
+    "hydra_trio.http.events",
+    "hydra_trio.hydra.ops",
+    "hydra_trio.hydra.connection",
+    "hydra_trio.hydra.gate",
+)
 """The modules that answer requests (HTTP routes, Hydra ops and their dispatch)."""
 
 
@@ -417,8 +606,12 @@ def _literal_statuses(tree: ast.AST) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and type(node.value) is int and 400 <= node.value <= 599:
             found.append(f"{node.lineno}: {node.value}")
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "Status"
-              and node.attr != "OK"):
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "Status"
+            and node.attr != "OK"
+        ):
             found.append(f"{node.lineno}: Status.{node.attr}")
     return found
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import time
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,20 +16,26 @@ import httpx
 import openai
 import pytest
 import trio
-
 from hypothesis import HealthCheck, settings
 
 from fuzz import access as access_fuzz
-from hydra_trio.transport.access import AllowList, Peer, Secrets, new_refusals, normalize_address, parse_network, read_key_file
-from hydra_trio.hydra.client import HydraBadRequest, HydraClient
 from hydra_trio.errors import InvalidRequest
-from hydra_trio.hydra.gate import Gate
 from hydra_trio.http.auth import bearer_key
+from hydra_trio.hydra.client import HydraBadRequest, HydraClient
+from hydra_trio.hydra.gate import Gate
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
+from hydra_trio.transport.access import (
+    AllowList,
+    Peer,
+    Secrets,
+    new_refusals,
+    normalize_address,
+    parse_network,
+    read_key_file,
+)
 
-from .conftest import ROOT, ServerProcess
-from .hydra_wire import Wire
-from .conftest import wait_for
+from .conftest import ROOT, ServerProcess, wait_for
 from .test_rpc_backend import LONG, RawRpc
 
 KEY, FILE_KEY, TOKEN = "sk-test-one", "sk-from-file", "hydra-secret-token"
@@ -60,8 +66,19 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     keys = tmp / "keys.txt"
     keys.write_text(f"# the team's key\n\n  {FILE_KEY}\r\n")
     srv = ServerProcess(
-        tmp / "node.log", "-np", "2", "--api-key", KEY, "--api-key-file", str(keys),
-        "--control-allow", "10.0.0.0/8", "--hydra-token", TOKEN, "--rpc-allow", "10.0.0.0/8",
+        tmp / "node.log",
+        "-np",
+        "2",
+        "--api-key",
+        KEY,
+        "--api-key-file",
+        str(keys),
+        "--control-allow",
+        "10.0.0.0/8",
+        "--hydra-token",
+        TOKEN,
+        "--rpc-allow",
+        "10.0.0.0/8",
     )
     try:
         srv.wait_ready()
@@ -93,8 +110,13 @@ def test_openai_client_with_a_wrong_key_is_401(node: ServerProcess) -> None:
 
 def test_requests_without_a_key(node: ServerProcess) -> None:
     before = metric(node.base, 'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}')
-    for method, path in [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/slots"),
-                         ("POST", "/slots/0?action=erase"), ("GET", "/nowhere")]:
+    for method, path in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/slots"),
+        ("POST", "/slots/0?action=erase"),
+        ("GET", "/nowhere"),
+    ]:
         r = httpx.request(method, node.base + path, json={}, timeout=LONG)
         assert r.status_code == 401, (path, r.text)
         assert r.json() == UNAUTHORIZED
@@ -104,40 +126,52 @@ def test_requests_without_a_key(node: ServerProcess) -> None:
     assert after - before == 5
 
 
-@pytest.mark.parametrize("headers", [
-    {"Authorization": "Bearer sk-wrong"},
-    {"Authorization": f"Basic {KEY}"},  # not the Bearer scheme: the whole value is the key, a wrong one
-    {"Authorization": f"Bearer {KEY}x"},
-    {"Authorization": f"Bearer {KEY[:-1]}"},
-    {"Authorization": b"Bearer \xe9\xff"},  # not UTF-8: still just a wrong key
-    {"Authorization": "Bearer"},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": "Bearer sk-wrong"},
+        {"Authorization": f"Basic {KEY}"},  # not the Bearer scheme: the whole value is the key, a wrong one
+        {"Authorization": f"Bearer {KEY}x"},
+        {"Authorization": f"Bearer {KEY[:-1]}"},
+        {"Authorization": b"Bearer \xe9\xff"},  # not UTF-8: still just a wrong key
+        {"Authorization": "Bearer"},
+    ],
+)
 def test_wrong_keys_are_401_never_500(node: ServerProcess, headers: dict) -> None:
     r = httpx.get(node.base + "/v1/models", headers=headers, timeout=LONG)
     assert r.status_code == 401 and r.json() == UNAUTHORIZED
     assert r.headers["www-authenticate"].startswith("Bearer realm=")
 
 
-@pytest.mark.parametrize("headers", [
-    {"Authorization": f"Bearer {KEY}"}, {"Authorization": f"bearer   {FILE_KEY}"},
-    {"Authorization": KEY}, {"X-Api-Key": FILE_KEY},  # llama-server accepts the last two as well
-    # llama-server (tools/server/server-http.cpp) reads X-Api-Key when Authorization is empty, and takes
-    # "Bearer " off whichever header it read
-    {"Authorization": "", "X-Api-Key": KEY}, {"X-Api-Key": f"Bearer {FILE_KEY}"},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": f"Bearer {KEY}"},
+        {"Authorization": f"bearer   {FILE_KEY}"},
+        {"Authorization": KEY},
+        {"X-Api-Key": FILE_KEY},  # llama-server accepts the last two as well
+        # llama-server (tools/server/server-http.cpp) reads X-Api-Key when Authorization is empty, and takes
+        # "Bearer " off whichever header it read
+        {"Authorization": "", "X-Api-Key": KEY},
+        {"X-Api-Key": f"Bearer {FILE_KEY}"},
+    ],
+)
 def test_key_forms_llama_server_accepts(node: ServerProcess, headers: dict) -> None:
     assert httpx.get(node.base + "/v1/models", headers=headers, timeout=LONG).status_code == 200
 
 
-@pytest.mark.parametrize("headers, key", [
-    ([(b"authorization", b"Bearer k1"), (b"x-api-key", b"k2")], b"k1"),  # Authorization wins
-    ([(b"authorization", b""), (b"x-api-key", b"k2")], b"k2"),
-    ([(b"authorization", b"  "), (b"x-api-key", b"Bearer k2")], b"k2"),
-    ([(b"x-api-key", b"bearer k2")], b"k2"),
-    ([(b"authorization", b"Basic k1")], b"Basic k1"),  # another scheme: the whole value, a wrong key
-    ([(b"authorization", b"")], None),
-    ([], None),
-])
+@pytest.mark.parametrize(
+    "headers, key",
+    [
+        ([(b"authorization", b"Bearer k1"), (b"x-api-key", b"k2")], b"k1"),  # Authorization wins
+        ([(b"authorization", b""), (b"x-api-key", b"k2")], b"k2"),
+        ([(b"authorization", b"  "), (b"x-api-key", b"Bearer k2")], b"k2"),
+        ([(b"x-api-key", b"bearer k2")], b"k2"),
+        ([(b"authorization", b"Basic k1")], b"Basic k1"),  # another scheme: the whole value, a wrong key
+        ([(b"authorization", b"")], None),
+        ([], None),
+    ],
+)
 def test_bearer_key_reads_headers_as_llama_server(headers: list, key: bytes | None) -> None:
     assert bearer_key(headers) == key
 
@@ -155,9 +189,16 @@ def test_open_set_is_llama_servers(node: ServerProcess) -> None:
     r = httpx.get(node.base + "/metrics", timeout=LONG)
     assert r.status_code == 401 and r.json() == UNAUTHORIZED and "llamacpp:" not in r.text
     assert httpx.get(node.base + "/metrics", headers={"X-Api-Key": KEY}, timeout=LONG).status_code == 200
-    r = httpx.get(node.base + "/v1/events", headers={"Connection": "Upgrade", "Upgrade": "websocket",
-                                                     "Sec-WebSocket-Version": "13",
-                                                     "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}, timeout=LONG)
+    r = httpx.get(
+        node.base + "/v1/events",
+        headers={
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+        },
+        timeout=LONG,
+    )
     assert r.status_code == 401 and r.json() == UNAUTHORIZED
     after = metric(node.base, 'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}')
     assert after - before == 2
@@ -168,9 +209,15 @@ def test_open_set_is_llama_servers(node: ServerProcess) -> None:
 
 def test_health_and_preflight_stay_open(node: ServerProcess) -> None:
     assert httpx.get(node.base + "/health", timeout=LONG).json()["status"] == "ok"
-    r = httpx.options(node.base + "/v1/chat/completions", timeout=LONG, headers={
-        "Origin": "http://example.com", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "authorization, content-type"})
+    r = httpx.options(
+        node.base + "/v1/chat/completions",
+        timeout=LONG,
+        headers={
+            "Origin": "http://example.com",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] in ("*", "http://example.com")
     # a browser reading a 401 gets the CORS headers too
     r = httpx.get(node.base + "/v1/models", headers={"Origin": "http://example.com"}, timeout=LONG)
@@ -181,8 +228,12 @@ def test_health_and_preflight_stay_open(node: ServerProcess) -> None:
 
 
 def test_control_ops_refused_from_outside_the_allow_list(node: ServerProcess) -> None:
-    httpx.post(node.base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
-               json={"prompt": "The capital of France is", "max_tokens": 4, "id_slot": 0})
+    httpx.post(
+        node.base + "/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=120,
+        json={"prompt": "The capital of France is", "max_tokens": 4, "id_slot": 0},
+    )
     before = metric(node.base, 'hydra_trio:refused_total{protocol="hydra",reason="not_allowed"}')
     with Wire(node.port) as w:
         s, meta1, _ = w.call(Op.STATE_META, key="1")
@@ -201,8 +252,12 @@ def test_control_ops_refused_from_outside_the_allow_list(node: ServerProcess) ->
         assert w.call(Op.STATE_META, key="1")[1]["n_past"] == meta1["n_past"]
     after = metric(node.base, 'hydra_trio:refused_total{protocol="hydra",reason="not_allowed"}')
     assert after - before == len(CONTROL) + 1
-    assert httpx.get(node.base + "/props", headers={"Authorization": f"Bearer {KEY}"},
-                     timeout=LONG).json()["default_generation_settings"]["params"]["temperature"] != 0.5
+    assert (
+        httpx.get(node.base + "/props", headers={"Authorization": f"Bearer {KEY}"}, timeout=LONG).json()[
+            "default_generation_settings"
+        ]["params"]["temperature"]
+        != 0.5
+    )
 
 
 def test_the_token_makes_the_connection_trusted(node: ServerProcess) -> None:
@@ -218,7 +273,7 @@ def test_the_token_makes_the_connection_trusted(node: ServerProcess) -> None:
         assert status == Status.OK and meta["mode"] == "solo"
         status, meta, _ = w.call(Op.CONFIGURE, payload=b'{"seed": 7}')
         assert status == Status.OK and meta["params_applied"] == {"seed": 7}
-        s, meta0, blob = w.call(Op.STATE_GET, key="0")
+        _s, meta0, blob = w.call(Op.STATE_GET, key="0")
         status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob)
         assert status == Status.OK and meta["n_past"] == meta0["n_past"]
     with Wire(node.port) as w:  # trust belongs to the connection, not to the address
@@ -261,8 +316,9 @@ def test_hydra_client_and_cli_send_the_token(node: ServerProcess) -> None:
     ok = subprocess.run([*cmd, "--token", TOKEN], cwd=ROOT, capture_output=True, text=True, timeout=LONG, env=env)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["mode"] == "solo"
-    via_env = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=LONG,
-                             env={**env, "HYDRA_TRIO_TOKEN": TOKEN})
+    via_env = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=LONG, env={**env, "HYDRA_TRIO_TOKEN": TOKEN}
+    )
     assert via_env.returncode == 0, via_env.stderr
 
 
@@ -270,8 +326,9 @@ def test_fuzz_access_rules_short_budget(node: ServerProcess) -> None:
     """fuzz/access.py: wrong keys and tokens, refused control ops with random payloads; nothing changes."""
     access_fuzz.configure(node.port, KEY, TOKEN, n_slots=2)
     test = access_fuzz.AccessMachine.TestCase
-    test.settings = settings(max_examples=3, stateful_step_count=10, deadline=None, database=None,
-                             suppress_health_check=list(HealthCheck))
+    test.settings = settings(
+        max_examples=3, stateful_step_count=10, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     test("runTest").runTest()
     assert node.proc.poll() is None
 
@@ -302,15 +359,20 @@ def test_rpc_from_outside_the_allow_list_is_closed_before_any_reply(node: Server
 
 def test_open_rpc_on_a_public_address_warns_once_and_metrics_auth(tmp_path: Path) -> None:
     # --metrics-auth, once needed to protect /metrics, is the default now and still accepted
-    srv = ServerProcess(tmp_path / "public.log", "--no-model", "--host", "0.0.0.0", "--api-key", KEY,
-                        "--metrics-auth")
+    srv = ServerProcess(tmp_path / "public.log", "--no-model", "--host", "0.0.0.0", "--api-key", KEY, "--metrics-auth")
     try:
         srv.wait_ready()
         assert srv.log().count("ggml-RPC is open to every peer") == 1
         r = httpx.get(srv.base + "/metrics", timeout=LONG)
         assert r.status_code == 401 and r.json() == UNAUTHORIZED
-        assert metric(srv.base, 'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}',
-                      headers={"Authorization": f"Bearer {KEY}"}) == 1
+        assert (
+            metric(
+                srv.base,
+                'hydra_trio:refused_total{protocol="http",reason="missing_api_key"}',
+                headers={"Authorization": f"Bearer {KEY}"},
+            )
+            == 1
+        )
         assert httpx.get(srv.base + "/health", timeout=LONG).status_code == 200
     finally:
         assert srv.stop() == 0, srv.log()
@@ -334,26 +396,29 @@ def test_no_metrics_auth_opens_metrics_only(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- units: the matching rules
 
 
-@pytest.mark.parametrize("address, cidr, expected", [
-    ("127.0.0.1", "127.0.0.0/8", True),
-    ("::ffff:127.0.0.1", "127.0.0.0/8", True),  # IPv4-mapped IPv6, as a dual-stack listener reports it
-    ("::ffff:7f00:1", "127.0.0.0/8", True),
-    ("::ffff:10.1.2.3", "10.0.0.0/8", True),
-    ("::ffff:11.1.2.3", "10.0.0.0/8", False),
-    ("10.1.2.3", "::ffff:10.0.0.0/104", True),  # an IPv4-mapped network is its IPv4 network
-    ("::1", "127.0.0.0/8", False),  # IPv6 loopback is not 127/8
-    ("::1", "::1", True),
-    ("::1", "::/0", True),
-    ("127.0.0.1", "::/0", False),  # an IPv6 network never matches an IPv4 peer
-    ("fd00::5", "fd00::/8", True),
-    ("fe80::1%eth0", "fe80::/10", True),  # a zone id does not stop the match
-    ("fe80::1", "fd00::/8", False),
-    ("192.168.1.7", "192.168.1.7", True),  # a bare address is a /32
-    ("192.168.1.8", "192.168.1.7", False),
-    ("8.8.8.8", "0.0.0.0/0", True),
-    ("not-an-ip", "0.0.0.0/0", False),
-    (None, "0.0.0.0/0", False),
-])
+@pytest.mark.parametrize(
+    "address, cidr, expected",
+    [
+        ("127.0.0.1", "127.0.0.0/8", True),
+        ("::ffff:127.0.0.1", "127.0.0.0/8", True),  # IPv4-mapped IPv6, as a dual-stack listener reports it
+        ("::ffff:7f00:1", "127.0.0.0/8", True),
+        ("::ffff:10.1.2.3", "10.0.0.0/8", True),
+        ("::ffff:11.1.2.3", "10.0.0.0/8", False),
+        ("10.1.2.3", "::ffff:10.0.0.0/104", True),  # an IPv4-mapped network is its IPv4 network
+        ("::1", "127.0.0.0/8", False),  # IPv6 loopback is not 127/8
+        ("::1", "::1", True),
+        ("::1", "::/0", True),
+        ("127.0.0.1", "::/0", False),  # an IPv6 network never matches an IPv4 peer
+        ("fd00::5", "fd00::/8", True),
+        ("fe80::1%eth0", "fe80::/10", True),  # a zone id does not stop the match
+        ("fe80::1", "fd00::/8", False),
+        ("192.168.1.7", "192.168.1.7", True),  # a bare address is a /32
+        ("192.168.1.8", "192.168.1.7", False),
+        ("8.8.8.8", "0.0.0.0/0", True),
+        ("not-an-ip", "0.0.0.0/0", False),
+        (None, "0.0.0.0/0", False),
+    ],
+)
 def test_allow_list_matching(address: str | None, cidr: str, expected: bool) -> None:
     assert AllowList.parse([cidr]).allows(address) is expected
 
@@ -367,10 +432,14 @@ def test_bad_cidrs_are_refused_with_a_message(bad: str) -> None:
 def test_cli_refuses_bad_access_flags(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("# only a comment\n\n")
-    for args, says in [(["--control-allow", "10.0.0.1/8"], "has host bits set"),
-                       (["--rpc-allow", "x"], "not a CIDR"), (["--api-key", " "], "non-empty")]:
-        r = subprocess.run([sys.executable, "-m", "hydra_trio", "run", *args], cwd=ROOT, capture_output=True,
-                           text=True, timeout=LONG)
+    for args, says in [
+        (["--control-allow", "10.0.0.1/8"], "has host bits set"),
+        (["--rpc-allow", "x"], "not a CIDR"),
+        (["--api-key", " "], "non-empty"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "hydra_trio", "run", *args], cwd=ROOT, capture_output=True, text=True, timeout=LONG
+        )
         assert r.returncode == 2 and says in r.stderr, r.stderr
     with pytest.raises(ValueError, match="holds no key"):
         read_key_file(empty)
@@ -406,7 +475,7 @@ def test_gate_policy_without_a_network() -> None:
     assert info.value.hydra_status == Status.BAD_REQUEST and info.value.reply_meta()["refused"] == "not_allowed"
     assert trust.check(Op.INFO, bytearray())[1] is None and trust.check(Op.DECODE, bytearray(b"{}"))[1] is None
     assert not trust.keeps_payload(Op.STATE_PUT) and trust.keeps_payload(Op.CONFIGURE)
-    payload, answer = trust.check(Op.CONFIGURE, bytearray(b'{"auth": "t0ken"}'))
+    _payload, answer = trust.check(Op.CONFIGURE, bytearray(b'{"auth": "t0ken"}'))
     assert answer is not None and answer["trusted"] is True and trust.keeps_payload(Op.STATE_PUT)
     assert refused["hydra", "not_allowed"] == 1 and refused["hydra", "invalid_token"] == 0
     open_trust = Gate(None, None, refused).connection(local)
@@ -426,8 +495,13 @@ def test_a_key_in_the_query_is_not_written_to_the_log(node: ServerProcess) -> No
 def test_the_hydra_token_can_come_from_a_file(tmp_path: Path, spawn) -> None:
     path = tmp_path / "token"
     path.write_text("# the node's token\n\nfile-token-1\n")
-    r = subprocess.run([sys.executable, "-m", "hydra_trio", "run", "--hydra-token", "x", "--hydra-token-file",
-                        str(path)], cwd=ROOT, capture_output=True, text=True, timeout=LONG)
+    r = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "run", "--hydra-token", "x", "--hydra-token-file", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=LONG,
+    )
     assert r.returncode == 2 and "give one" in r.stderr, r.stderr
     node = spawn("-np", "1", "--control-allow", "10.0.0.0/8", "--hydra-token-file", str(path))
     node.wait_ready()

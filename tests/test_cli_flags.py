@@ -13,16 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hydra_trio.testing import spawn as _spawn
-
 from hydra_trio import cli
 from hydra_trio.cli import RUN_FLAGS, table
 from hydra_trio.cli._flags import ACCEPTED, OWN, REFUSED
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing import spawn as _spawn
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, free_port, wait_for
-from .hydra_wire import Wire
 from .llama_arg_cpp import server_flags
 
 BY_NAME = {n: f for f in RUN_FLAGS for n in f.all_names}
@@ -105,9 +104,16 @@ def test_underscores_read_as_dashes_as_llama_server() -> None:
 
 
 def test_environment_variables_set_flags_and_an_explicit_flag_wins(capsys) -> None:
-    env = {"LLAMA_ARG_CTX_SIZE": "1024", "LLAMA_ARG_N_PARALLEL": "2", "LLAMA_ARG_FLASH_ATTN": "on",
-           "LLAMA_API_KEY": "k1,k2", "LLAMA_ARG_TEMPERATURE": "0.3", "LLAMA_ARG_CONT_BATCHING": "1",
-           "LLAMA_ARG_NO_CONTEXT_SHIFT": "1", "LLAMA_ARG_HOST": "0.0.0.0"}
+    env = {
+        "LLAMA_ARG_CTX_SIZE": "1024",
+        "LLAMA_ARG_N_PARALLEL": "2",
+        "LLAMA_ARG_FLASH_ATTN": "on",
+        "LLAMA_API_KEY": "k1,k2",
+        "LLAMA_ARG_TEMPERATURE": "0.3",
+        "LLAMA_ARG_CONT_BATCHING": "1",
+        "LLAMA_ARG_NO_CONTEXT_SHIFT": "1",
+        "LLAMA_ARG_HOST": "0.0.0.0",
+    }
     args = parse("-np", "3", env=env)
     assert (args.ctx_size, args.parallel, args.flash_attn, args.host) == (1024, 3, "on", "0.0.0.0")
     assert args.api_key == [("k1", "k2")] and args.sampling.temperature == 0.3
@@ -131,8 +137,19 @@ def test_each_refused_flag_exits_2_naming_itself_and_why(capsys, name: str) -> N
     assert f"error: {name}: not supported by hydra-trio: {flag.note}" in err
 
 
-SAMPLE = {"N": "1", "[on|off|auto]": "on", "[on|off]": "off", "<0|1>": "1", "<0...100>": "50", "TYPE": "isolate",
-          "MODE": "auto", "M": "ff", "lo-hi": "0-1", "FORMAT": "deepseek", "SIMILARITY": "0.5"}
+SAMPLE = {
+    "N": "1",
+    "[on|off|auto]": "on",
+    "[on|off]": "off",
+    "<0|1>": "1",
+    "<0...100>": "50",
+    "TYPE": "isolate",
+    "MODE": "auto",
+    "M": "ff",
+    "lo-hi": "0-1",
+    "FORMAT": "deepseek",
+    "SIMILARITY": "0.5",
+}
 
 
 @pytest.mark.parametrize("name", sorted(n for n, f in BY_NAME.items() if f.kind == ACCEPTED))
@@ -182,23 +199,34 @@ def test_wrong_values_are_refused_with_llama_servers_value_syntax(capsys, argv: 
     assert needle in err, err
 
 
-LAUNCHER = ("--cache-prompt --cache-reuse 64 --cache-type-k q8_0 --cache-type-v q8_0 --chat-template-file {tmpl} "
-            "--chat-template-kwargs '{{\"enable_thinking\": true}}' --cont-batching --context-shift --ctx-size 4096 "
-            "--flash-attn on --jinja --kv-unified --log-verbosity 3 --metrics --model {model} --n-cpu-moe 8 "
-            "--n-gpu-layers all --override-tensor 'token_embd\\.weight=CPU' --parallel 2 --perf --prio 1 "
-            "--reasoning on --repeat-penalty 1.06 --rope-scaling yarn --rope-scale 1 --yarn-orig-ctx 8192 "
-            "--slot-prompt-similarity 0.4 --slots --temp 0.7 --top-k 20 --top-p 0.95 --timeout 1800")
+LAUNCHER = (
+    "--cache-prompt --cache-reuse 64 --cache-type-k q8_0 --cache-type-v q8_0 --chat-template-file {tmpl} "
+    "--chat-template-kwargs '{{\"enable_thinking\": true}}' --cont-batching --context-shift --ctx-size 4096 "
+    "--flash-attn on --jinja --kv-unified --log-verbosity 3 --metrics --model {model} --n-cpu-moe 8 "
+    "--n-gpu-layers all --override-tensor 'token_embd\\.weight=CPU' --parallel 2 --perf --prio 1 "
+    "--reasoning on --repeat-penalty 1.06 --rope-scaling yarn --rope-scale 1 --yarn-orig-ctx 8192 "
+    "--slot-prompt-similarity 0.4 --slots --temp 0.7 --top-k 20 --top-p 0.95 --timeout 1800"
+)
 
 
 def launcher_argv(tmp_path: Path, port: int, rpc_port: int) -> list[str]:
     """The cluster launcher's argv: ``--host H --port P --rpc-port R`` then sorted ``--key value`` pairs."""
     tmpl = tmp_path / "chat.jinja"
-    tmpl.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-                    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-                    "{% if enable_thinking %}<think>\n{% endif %}{% endif %}")
+    tmpl.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking %}<think>\n{% endif %}{% endif %}"
+    )
     model, _ = resolve_model("smollm2-135m")
-    return ["--host", "127.0.0.1", "--port", str(port), "--rpc-port", str(rpc_port),
-            *shlex.split(LAUNCHER.format(tmpl=tmpl, model=model))]
+    return [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--rpc-port",
+        str(rpc_port),
+        *shlex.split(LAUNCHER.format(tmpl=tmpl, model=model)),
+    ]
 
 
 def test_the_launchers_argv_parses_with_every_value_in_place(tmp_path: Path) -> None:
@@ -220,9 +248,10 @@ class Launched:
 
     def __init__(self, log: Path, argv: list[str], port: int) -> None:
         self.port, self.base, self.log_path = port, f"http://127.0.0.1:{port}", log
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", *argv], cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+        self._log = open(log, "wb")  # noqa: SIM115  (the child's log, open while the child runs)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hydra_trio", *argv], cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT
+        )
 
     def wait_ready(self) -> None:
         try:
@@ -278,14 +307,21 @@ def test_the_launchers_argv_starts_a_node_that_serves(tmp_path: Path, launch) ->
     slots = httpx.get(node.base + "/slots", timeout=30).json()
     assert [s["id"] for s in slots] == [0, 1]
     assert all({"id", "is_processing", "n_past"} <= set(s) and "n_remain" in s["next_token"][0] for s in slots)
-    r = httpx.post(node.base + "/v1/chat/completions", timeout=120,
-                   json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8})
+    r = httpx.post(
+        node.base + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] > 0
     props = httpx.get(node.base + "/props", timeout=30).json()
     params = props["default_generation_settings"]["params"]
-    assert (params["temperature"], params["top_k"], params["top_p"], params["repeat_penalty"]) == \
-        (pytest.approx(0.7), 20, pytest.approx(0.95), pytest.approx(1.06))
+    assert (params["temperature"], params["top_k"], params["top_p"], params["repeat_penalty"]) == (
+        pytest.approx(0.7),
+        20,
+        pytest.approx(0.95),
+        pytest.approx(1.06),
+    )
     assert "enable_thinking" in props["chat_template"]  # the template file is the one in use
     for p in (port, rpc_port):  # Hydra INFO on the main port and on --rpc-port
         meta = hydra_info(p)
@@ -309,32 +345,76 @@ def _slots_or_none(base: str):
 @pytest.mark.slow
 def test_a_head_reaches_its_peer_through_the_peers_ggml_rpc_port(launch) -> None:
     peer_port, peer_ggml, peer_rpc = free_port(), free_port(), free_port()
-    peer = launch(["--host", "127.0.0.1", "--port", str(peer_port), "--rpc-port", str(peer_rpc), "--ggml-rpc-port",
-                   str(peer_ggml), "--no-model", "--peer-only"], peer_port)
+    peer = launch(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(peer_port),
+            "--rpc-port",
+            str(peer_rpc),
+            "--ggml-rpc-port",
+            str(peer_ggml),
+            "--no-model",
+            "--peer-only",
+        ],
+        peer_port,
+    )
     peer.wait_ready()
     head_port, head_rpc = free_port(), free_port()
-    head = launch(["--host", "127.0.0.1", "--port", str(head_port), "--rpc-port", str(head_rpc),
-                   "--model", "smollm2-135m-moe", "--parallel", "1", "--ctx-size", "1024", "--no-rpc-backend",
-                   "--rpc-engine", f"127.0.0.1:{peer_ggml}", "--combined-ot-pattern", "ffn_.*_exps=RPC0"], head_port)
+    head = launch(
+        [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(head_port),
+            "--rpc-port",
+            str(head_rpc),
+            "--model",
+            "smollm2-135m-moe",
+            "--parallel",
+            "1",
+            "--ctx-size",
+            "1024",
+            "--no-rpc-backend",
+            "--rpc-engine",
+            f"127.0.0.1:{peer_ggml}",
+            "--combined-ot-pattern",
+            "ffn_.*_exps=RPC0",
+        ],
+        head_port,
+    )
     head.wait_ready()
-    meta = wait_for(lambda: (m := hydra_info(head_rpc))["mode"] == "combined" and m, timeout=180,
-                    what="the head in COMBINED")
+    meta = wait_for(
+        lambda: (m := hydra_info(head_rpc))["mode"] == "combined" and m, timeout=180, what="the head in COMBINED"
+    )
     assert meta["peer_addr"] == f"127.0.0.1:{peer_ggml}"
-    r = httpx.post(head.base + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 6,
-                                                       "temperature": 0}, timeout=120)
+    r = httpx.post(
+        head.base + "/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     assert hydra_info(peer_rpc)["rpc_backend"]["bytes_in"] > 0  # the experts went to the peer's extra port
     assert "--peer-only: accepted, no effect here" in peer.log()
 
 
 def test_list_devices_and_unknown_devices_or_buffer_types() -> None:
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "--list-devices"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "--list-devices"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.startswith("Available devices:\n  CPU: "), out
-    for argv, needle in ((["-dev", "CUDA7"], "-dev/--device: no device 'CUDA7' here (devices: CPU"),
-                         (["-ot", "token_embd\\.weight=CUDA0"], "unknown buffer type 'CUDA0' (available: CPU")):
-        out = subprocess.run([sys.executable, "-m", "hydra_trio", "--port", str(free_port()), *argv], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+    for argv, needle in (
+        (["-dev", "CUDA7"], "-dev/--device: no device 'CUDA7' here (devices: CPU"),
+        (["-ot", "token_embd\\.weight=CUDA0"], "unknown buffer type 'CUDA0' (available: CPU"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "hydra_trio", "--port", str(free_port()), *argv],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 2, out
         assert needle in out.stderr and "listening" not in out.stderr
 
@@ -353,23 +433,91 @@ def test_ctx_size_0_and_parallel_auto_mean_what_they_mean_in_llama_server(launch
 def test_every_llama_option_flag_reaches_the_engine_settings() -> None:
     from hydra_trio.cli.run import llama_options
 
-    opts = llama_options(parse(
-        "-tb", "3", "-ub", "64", "--swa-full", "-fa", "off", "-nkvo", "--no-op-offload", "-nr", "--no-host",
-        "--check-tensors", "-lm", "mmap", "--numa", "isolate", "-ctk", "q8_0", "-ctv", "f32", "-kvu", "--rope-scaling", "yarn",
-        "--rope-freq-base", "5000", "--rope-scale", "4", "--yarn-orig-ctx", "4096", "--yarn-ext-factor", "0.5",
-        "--yarn-attn-factor", "0.9", "--yarn-beta-slow", "2", "--yarn-beta-fast", "16", "-ngl", "7", "-sm", "row",
-        "-ts", "3,1", "-mg", "1", "-dev", "none", "-ot", "a=CPU", "-ot", "b=CPU,c=CPU", "-cmoe", "-ncmoe", "5",
-        "-ncffn", "2"))
+    opts = llama_options(
+        parse(
+            "-tb",
+            "3",
+            "-ub",
+            "64",
+            "--swa-full",
+            "-fa",
+            "off",
+            "-nkvo",
+            "--no-op-offload",
+            "-nr",
+            "--no-host",
+            "--check-tensors",
+            "-lm",
+            "mmap",
+            "--numa",
+            "isolate",
+            "-ctk",
+            "q8_0",
+            "-ctv",
+            "f32",
+            "-kvu",
+            "--rope-scaling",
+            "yarn",
+            "--rope-freq-base",
+            "5000",
+            "--rope-scale",
+            "4",
+            "--yarn-orig-ctx",
+            "4096",
+            "--yarn-ext-factor",
+            "0.5",
+            "--yarn-attn-factor",
+            "0.9",
+            "--yarn-beta-slow",
+            "2",
+            "--yarn-beta-fast",
+            "16",
+            "-ngl",
+            "7",
+            "-sm",
+            "row",
+            "-ts",
+            "3,1",
+            "-mg",
+            "1",
+            "-dev",
+            "none",
+            "-ot",
+            "a=CPU",
+            "-ot",
+            "b=CPU,c=CPU",
+            "-cmoe",
+            "-ncmoe",
+            "5",
+            "-ncffn",
+            "2",
+        )
+    )
     assert (opts.n_threads_batch, opts.n_ubatch, opts.swa_full, opts.flash_attn) == (3, 64, True, "off")
     assert (opts.kv_offload, opts.op_offload, opts.repack, opts.no_host, opts.check_tensors) == (
-        False, False, False, True, True)
+        False,
+        False,
+        False,
+        True,
+        True,
+    )
     assert (opts.load_mode, opts.cache_type_k, opts.cache_type_v, opts.kv_unified) == ("mmap", "q8_0", "f32", True)
     assert opts.numa == "isolate" and llama_options(parse("--numa", "")).numa == "distribute"
     assert (opts.rope_scaling, opts.rope_freq_base, opts.rope_freq_scale) == ("yarn", 5000.0, 0.25)
-    assert (opts.yarn_orig_ctx, opts.yarn_ext_factor, opts.yarn_attn_factor, opts.yarn_beta_slow,
-            opts.yarn_beta_fast) == (4096, 0.5, 0.9, 2.0, 16.0)
+    assert (
+        opts.yarn_orig_ctx,
+        opts.yarn_ext_factor,
+        opts.yarn_attn_factor,
+        opts.yarn_beta_slow,
+        opts.yarn_beta_fast,
+    ) == (4096, 0.5, 0.9, 2.0, 16.0)
     assert (opts.n_gpu_layers, opts.split_mode, opts.tensor_split, opts.main_gpu, opts.devices) == (
-        7, "row", (3.0, 1.0), 1, ("none",))
+        7,
+        "row",
+        (3.0, 1.0),
+        1,
+        ("none",),
+    )
     assert opts.tensor_overrides == (("a", "CPU"), ("b", "CPU"), ("c", "CPU"))
     assert (opts.cpu_moe, opts.n_cpu_moe, opts.n_cpu_ffn) == (True, 5, 2)
     assert llama_options(parse("-np", "-1")).kv_unified is True  # llama-server's auto
@@ -384,8 +532,10 @@ def test_a_thinking_budget_in_tokens_lands_with_its_message_and_the_effort_in_th
     assert (cfg.reasoning_budget, cfg.reasoning_budget_message) == (2048, "Enough.")
     assert engine_config(parse("--reasoning-budget", "0"), llama_options(args)).reasoning_budget == 0
     p = parse("--reasoning-effort", "low", "--reasoning", "on")
-    assert engine_config(p, llama_options(p)).chat_template_kwargs == {"reasoning_effort": "low",
-                                                                      "enable_thinking": True}
+    assert engine_config(p, llama_options(p)).chat_template_kwargs == {
+        "reasoning_effort": "low",
+        "enable_thinking": True,
+    }
     p = parse("--reasoning-effort", "default")
     assert "reasoning_effort" not in engine_config(p, llama_options(p)).chat_template_kwargs
 
@@ -400,10 +550,39 @@ def test_no_flag_leaves_the_engines_defaults_which_are_llama_servers() -> None:
     cfg = engine_config(args, llama_options(args))
     plain = EngineConfig(model_path=cfg.model_path, model_alias=cfg.model_alias)
     assert attrs.asdict(cfg, recurse=False) == attrs.asdict(plain, recurse=False)
-    given = engine_config(p := parse("-n", "9", "--keep", "-1", "--cache-reuse", "64", "-sps", "0.5",
-                                     "--embd-normalize", "1", "--reasoning-format", "none", "--reasoning-budget",
-                                     "0", "--context-shift", "-cram", "64", "--no-cache-idle-slots"), llama_options(p))
-    assert (given.n_predict, given.n_keep, given.n_cache_reuse, given.slot_prompt_similarity, given.embd_normalize,
-            given.reasoning_format, given.reasoning_budget, given.context_shift, given.cache_ram_mib,
-            given.cache_idle_slots) == (9, -1, 64, 0.5, 1, "none", 0, True, 64, False)
+    given = engine_config(
+        p := parse(
+            "-n",
+            "9",
+            "--keep",
+            "-1",
+            "--cache-reuse",
+            "64",
+            "-sps",
+            "0.5",
+            "--embd-normalize",
+            "1",
+            "--reasoning-format",
+            "none",
+            "--reasoning-budget",
+            "0",
+            "--context-shift",
+            "-cram",
+            "64",
+            "--no-cache-idle-slots",
+        ),
+        llama_options(p),
+    )
+    assert (
+        given.n_predict,
+        given.n_keep,
+        given.n_cache_reuse,
+        given.slot_prompt_similarity,
+        given.embd_normalize,
+        given.reasoning_format,
+        given.reasoning_budget,
+        given.context_shift,
+        given.cache_ram_mib,
+        given.cache_idle_slots,
+    ) == (9, -1, 64, 0.5, 1, "none", 0, True, 64, False)
     assert (cfg.cache_ram_mib, cfg.cache_idle_slots) == (8192, True)  # llama-server's defaults

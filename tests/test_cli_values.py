@@ -25,12 +25,17 @@ def test_threads_0_or_less_are_every_core() -> None:
     assert engine_config(args, llama_options(args)).n_threads == 2 and llama_options(args).n_threads_batch is None
 
 
-@pytest.mark.parametrize("argv", [
-    ["--cpu-strict", "2"], ["--cpu-strict-batch", "7"],  # std::stoul / int: any value, a truth value
-    ["--poll", "200"], ["--poll-batch", "5"],  # a polling level, any value
-    ["-mg", "-1"],  # llama.cpp: a negative main GPU with -sm none is the CPU; a CPU build ignores it
-    ["-fitc", "-5"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--cpu-strict", "2"],
+        ["--cpu-strict-batch", "7"],  # std::stoul / int: any value, a truth value
+        ["--poll", "200"],
+        ["--poll-batch", "5"],  # a polling level, any value
+        ["-mg", "-1"],  # llama.cpp: a negative main GPU with -sm none is the CPU; a CPU build ignores it
+        ["-fitc", "-5"],
+    ],
+)
 def test_cpu_and_device_numbers_llama_server_takes_parse(argv: list[str]) -> None:
     parse(*argv)
 
@@ -42,8 +47,24 @@ def test_a_negative_verbosity_logs_nothing_but_fatal_errors() -> None:
 
 
 def test_sampling_values_past_a_samplers_range_mean_what_they_mean_in_llama_server() -> None:
-    s = parse("--temp", "-1", "--top-k", "-7", "--top-p", "1.5", "--min-p", "-0.2", "--typical", "3",
-              "--xtc-probability", "2", "--xtc-threshold", "-1", "--dry-base", "0.5").sampling
+    s = parse(
+        "--temp",
+        "-1",
+        "--top-k",
+        "-7",
+        "--top-p",
+        "1.5",
+        "--min-p",
+        "-0.2",
+        "--typical",
+        "3",
+        "--xtc-probability",
+        "2",
+        "--xtc-threshold",
+        "-1",
+        "--dry-base",
+        "0.5",
+    ).sampling
     assert s.temperature == 0.0  # arg.cpp: std::max(temp, 0): greedy
     assert s.top_k == -1  # top_k <= 0: off
     assert (s.top_p, s.typical_p) == (1.0, 1.0)  # p >= 1: off

@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+import trio.lowlevel
 
 from hydra_trio.hydra.client import (
     CHUNK_SIZE,
@@ -137,7 +138,7 @@ async def test_state_get_streamed_to_file(start_engine, tmp_path: Path) -> None:
         await stream.send_all(encode_response_header(Status.OK, meta, len(blob)))
         for i in range(0, len(blob), 100_000):  # odd chunking on purpose
             await stream.send_all(blob[i : i + 100_000])
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     eng = await start_engine(handler)
     target = tmp_path / "slot3.kv"
@@ -145,7 +146,7 @@ async def test_state_get_streamed_to_file(start_engine, tmp_path: Path) -> None:
         meta = await c.state_get_to_file(3, target)
         assert meta == {"n_past": 42, "state_size": len(blob)}
         assert target.read_bytes() == blob
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["slot3.kv"]  # no temp left
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["slot3.kv"]  # no temp left  # noqa: ASYNC240  (a listing of a small local directory)
         # the streaming form and the in-memory form on the same connection
         async with c.state_get(3) as r:
             assert r.payload_len == len(blob)
@@ -170,7 +171,7 @@ async def test_state_get_to_file_cut_mid_stream(start_engine, tmp_path: Path) ->
     async with HydraClient("127.0.0.1", eng.port, timeout=5) as c:
         with pytest.raises(HydraConnectionClosed):
             await c.state_get_to_file(0, target)
-        assert list(tmp_path.iterdir()) == []  # neither target nor temp file
+        assert list(tmp_path.iterdir()) == []  # neither target nor temp file  # noqa: ASYNC240  (a listing of a small local directory)
         with pytest.raises(HydraConnectionClosed):  # no silent reconnect
             await c.info()
 
@@ -471,7 +472,7 @@ async def test_connect_refused() -> None:
 
 async def run_cli(*argv: str) -> trio.CompletedProcess:
     return await trio.run_process(
-        [sys.executable, "-m", "hydra_trio.hydra.cli", *argv],
+        [sys.executable, "-m", "hydra_trio.hydra.commands", *argv],
         cwd=ROOT,
         capture_stdout=True,
         capture_stderr=True,

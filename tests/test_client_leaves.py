@@ -23,8 +23,11 @@ MAX_INPUTS = 3000
 def scrape(base: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """/metrics as ``{(sample name, sorted labels): value}``."""
     text = httpx.get(base + "/metrics", timeout=120).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def in_flight(base: str, route: str) -> float | None:
@@ -40,37 +43,59 @@ def send_and_keep(port: int, path: str, body: dict) -> socket.socket:
     """A raw POST of ``body``, sent whole; the caller closes the socket to leave without reading the reply."""
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=120)
-    s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    s.sendall(
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data
+    )
     return s
 
 
 @pytest.fixture(scope="module")
 def embedding_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = ServerProcess(tmp_path_factory.mktemp("leaves") / "embedding.log", "--embedding", "--pooling", "mean",
-                        "-np", "2", "-c", "512", "--max-embedding-inputs", str(MAX_INPUTS), "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("leaves") / "embedding.log",
+        "--embedding",
+        "--pooling",
+        "mean",
+        "-np",
+        "2",
+        "-c",
+        "512",
+        "--max-embedding-inputs",
+        str(MAX_INPUTS),
+        "--no-rpc-backend",
+    )
     with srv.serving():
         yield srv
 
 
 def test_an_embeddings_request_whose_client_leaves_stops_and_counted_while_it_worked(
-        embedding_node: ServerProcess) -> None:
+    embedding_node: ServerProcess,
+) -> None:
     base = embedding_node.base
     s = send_and_keep(embedding_node.port, "/v1/embeddings", {"input": [f"{i}. {TEXT * 6}" for i in range(MAX_INPUTS)]})
 
     def working() -> bool:
         slots = httpx.get(base + "/slots", timeout=120).json()
         metrics = scrape(base)
-        return (in_flight(base, "/v1/embeddings") == 1 and embeds(base) > 0 and slots[0]["is_processing"]
-                and not slots[1]["is_processing"] and metrics[("llamacpp:requests_processing", ())] == 1)
+        return (
+            in_flight(base, "/v1/embeddings") == 1
+            and embeds(base) > 0
+            and slots[0]["is_processing"]
+            and not slots[1]["is_processing"]
+            and metrics[("llamacpp:requests_processing", ())] == 1
+        )
 
     wait_for(working, timeout=120, what="the embeddings request counted in flight while it embeds")
     s.close()  # the client leaves without its reply
 
     def stopped() -> bool:
         slots = httpx.get(base + "/slots", timeout=120).json()
-        return (in_flight(base, "/v1/embeddings") == 0 and not slots[0]["is_processing"]
-                and scrape(base)[("llamacpp:requests_processing", ())] == 0)
+        return (
+            in_flight(base, "/v1/embeddings") == 0
+            and not slots[0]["is_processing"]
+            and scrape(base)[("llamacpp:requests_processing", ())] == 0
+        )
 
     wait_for(stopped, timeout=120, what="the request out of flight")
     done = embeds(base)
@@ -109,11 +134,15 @@ def test_the_default_input_limit_is_openais() -> None:
 BIG_TEXT = (TEXT * 250_000)[: 15 << 20]  # under the 16 MiB body limit: seconds of tokenizing
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {"content": BIG_TEXT, "with_pieces": True}),
-    ("/detokenize", {"tokens": [504] * 3_000_000}),
-    ("/completion", {"prompt": BIG_TEXT, "n_predict": 1}),
-], ids=["tokenize", "detokenize", "completion"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/tokenize", {"content": BIG_TEXT, "with_pieces": True}),
+        ("/detokenize", {"tokens": [504] * 3_000_000}),
+        ("/completion", {"prompt": BIG_TEXT, "n_predict": 1}),
+    ],
+    ids=["tokenize", "detokenize", "completion"],
+)
 def test_a_request_whose_client_leaves_is_out_of_flight(spawn, path: str, body: dict) -> None:
     """Tokenizing, rendering tokens and preparing a prompt, each counted while it works and dropped as its
     client leaves (the worker thread stops at its next chunk: tests/test_costs.py)."""
@@ -129,15 +158,17 @@ def test_a_request_whose_client_leaves_is_out_of_flight(spawn, path: str, body: 
 def test_an_embeddings_request_at_the_end_of_the_grace_is_a_503(spawn) -> None:
     """Work in flight whose reply has not started when the shutdown grace ends is answered 503, OpenAI's body
     saying the node is stopping (the work is cancelled)."""
-    srv = spawn("--embedding", "--pooling", "mean", "-np", "1", "-c", "512", "--no-rpc-backend",
-                "--shutdown-grace", "0.5")
+    srv = spawn(
+        "--embedding", "--pooling", "mean", "-np", "1", "-c", "512", "--no-rpc-backend", "--shutdown-grace", "0.5"
+    )
     srv.wait_ready()
     with httpx.Client(timeout=300) as client:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as pool:
-            reply = pool.submit(client.post, srv.base + "/v1/embeddings",
-                                json={"input": [f"{i}. {TEXT * 6}" for i in range(2048)]})
+            reply = pool.submit(
+                client.post, srv.base + "/v1/embeddings", json={"input": [f"{i}. {TEXT * 6}" for i in range(2048)]}
+            )
             wait_for(lambda: embeds(srv.base) > 0, timeout=120, what="the embeddings request working")
             srv.proc.send_signal(signal.SIGTERM)
             r = reply.result(300)
@@ -145,7 +176,7 @@ def test_an_embeddings_request_at_the_end_of_the_grace_is_a_503(spawn) -> None:
     assert r.status_code == 503 and r.headers["connection"] == "close"
     error = r.json()["error"]
     assert error["code"] == 503 and error["type"] == "unavailable_error"
-    assert "the node is stopping: its shutdown grace of 0.5 s is over" == error["message"]
+    assert error["message"] == "the node is stopping: its shutdown grace of 0.5 s is over"
 
 
 def test_every_route_that_takes_a_body_is_tracked_or_answers_at_once(monkeypatch) -> None:
@@ -171,8 +202,10 @@ def test_every_route_that_takes_a_body_is_tracked_or_answers_at_once(monkeypatch
     for route in (r for r in built if isinstance(r, Route)):
         for method in {"POST", "PUT"} & set(route.methods or ()):
             seen.add((method, route.path))
-            assert work_route(method, route.path.replace("{id_slot}", "0")) or (method, route.path) in at_once, \
-                (method, route.path)
+            assert work_route(method, route.path.replace("{id_slot}", "0")) or (method, route.path) in at_once, (
+                method,
+                route.path,
+            )
     assert ("POST", "/v1/embeddings") in seen and ("PUT", "/slots/{id_slot}/state") in seen
 
 
@@ -190,7 +223,10 @@ def test_a_hydra_prefill_whose_peer_leaves_stops(spawn) -> None:
     with socket.create_connection(("127.0.0.1", srv.port), timeout=120) as s:
         s.sendall(encode_request(Op.PREFILL, key="0", payload=json.dumps({"messages": prompt}).encode()))
         wait_for(lambda: fed() > 0, timeout=120, what="the prefill under way")
-    wait_for(lambda: not httpx.get(srv.base + "/slots", timeout=120).json()[0]["is_processing"], timeout=120,
-             what="the slot free again")
+    wait_for(
+        lambda: not httpx.get(srv.base + "/slots", timeout=120).json()[0]["is_processing"],
+        timeout=120,
+        what="the slot free again",
+    )
     assert fed() < n_prompt / 2  # it stopped within a few steps of the peer's leaving
     assert "the peer closed the connection during PREFILL; its work stopped" in srv.log()

@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, free_port, streaming, wait_for
-from .hydra_wire import Wire
 from .relay import Relay
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -53,8 +53,20 @@ def compute_threads(pid: int) -> set[int]:
 
 def combined_head(spawn, peer_port: int, *extra: str) -> ServerProcess:
     """A head with the test MoE (1 slot, ``-t 2``) and ``--rpc-engine 127.0.0.1:PEER_PORT``, once it serves COMBINED."""
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-t", "2", *extra,
-              "--rpc-engine", f"127.0.0.1:{peer_port}")
+    a = spawn(
+        "-m",
+        "smollm2-135m-moe",
+        "-np",
+        "1",
+        "-c",
+        "1024",
+        "--no-rpc-backend",
+        "-t",
+        "2",
+        *extra,
+        "--rpc-engine",
+        f"127.0.0.1:{peer_port}",
+    )
     a.wait_ready()
     wait_for(lambda: info(a.port)["mode"] == "combined", timeout=120)
     return a
@@ -66,20 +78,25 @@ def set_mode(port: int, payload: bytes) -> tuple[int, dict]:
     return status, meta
 
 
-
 def peer_dies_mid_request(head: ServerProcess, peer: ServerProcess) -> httpx.Response:
     """A non-streamed completion runs on ``head``; once it has generated a token, ``peer`` (the ggml-RPC
     node it decodes on) is killed with SIGKILL; the completion's reply."""
     replies: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: replies.append(
-        httpx.post(head.base + "/v1/completions", json={**BODY, "max_tokens": 2000}, timeout=120)))
+    t = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(head.base + "/v1/completions", json={**BODY, "max_tokens": 2000}, timeout=120)
+        )
+    )
     t.start()
-    wait_for(lambda: any(s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(head.base + "/slots").json()),
-             timeout=60)
+    wait_for(
+        lambda: any(s["is_processing"] and s["n_decoded"] > 0 for s in httpx.get(head.base + "/slots").json()),
+        timeout=60,
+    )
     peer.stop(signal.SIGKILL)
     t.join(120)
     assert replies, "the request got no reply"
     return replies[0]
+
 
 @pytest.mark.slow
 def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProcess, spawn) -> None:
@@ -88,8 +105,19 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     c = spawn("--no-model")
     b.wait_ready()
     c.wait_ready()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "2", "-c", "2048", "--no-rpc-backend", "-t", "2",
-              "--rpc-engine", f"127.0.0.1:{b.port}")
+    a = spawn(
+        "-m",
+        "smollm2-135m-moe",
+        "-np",
+        "2",
+        "-c",
+        "2048",
+        "--no-rpc-backend",
+        "-t",
+        "2",
+        "--rpc-engine",
+        f"127.0.0.1:{b.port}",
+    )
     a.wait_ready()
     # the start-up attach builds the head (combined_head_attached), then switches to it (mode)
     wait_for(lambda: info(a.port)["mode"] == "combined", timeout=60.0)
@@ -120,8 +148,11 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
     # one OpenMP team at a time (engine/llama/openmp.py): the engine thread's team left at the flip, and the peer
     # worker frees its own once the slots are idle (the reply goes out just before); with both teams alive,
     # libgomp would throttle every barrier of both for good (SOLO at about 0.7x)
-    threads_back = wait_for(lambda: (t := compute_threads(a.proc.pid)) < threads_solo
-                            and len(threads_solo - t) == 1 and t, timeout=30, what="one OpenMP team left")
+    threads_back = wait_for(
+        lambda: (t := compute_threads(a.proc.pid)) < threads_solo and len(threads_solo - t) == 1 and t,
+        timeout=30,
+        what="one OpenMP team left",
+    )
     assert "detaching peer" not in a.log()
     assert "hydra_trio:combined_mode 1.0" in httpx.get(a.base + "/metrics").text
 
@@ -137,8 +168,11 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
             assert info_after[k] == info_before[k]
     # the closed stream's slot frees once the node has seen the client go and the engine's next step (a
     # step over ggml-RPC) has run: seconds on a busy machine
-    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), timeout=120,
-             what="the closed stream's slot free")
+    wait_for(
+        lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()),
+        timeout=120,
+        what="the closed stream's slot free",
+    )
 
     # move to peer C: B is detached, C gets the experts and does the work
     c_before = rpc_bytes(c.port)
@@ -169,7 +203,9 @@ def test_combined_head_flips_switches_and_survives_its_peer(server: ServerProces
 
 def test_unreachable_peer_at_start_leaves_solo(spawn) -> None:
     dead = free_port()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{dead}")
+    a = spawn(
+        "-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{dead}"
+    )
     a.wait_ready()
     wait_for(lambda: info(a.port)["fallback_reason"] is not None, timeout=30)
     meta = info(a.port)
@@ -179,8 +215,13 @@ def test_unreachable_peer_at_start_leaves_solo(spawn) -> None:
     # OK with the mode in effect; success is false: it is not the mode asked for
     assert status == Status.OK and sw["mode"] == "solo" and sw["fallback_reason"] and sw["success"] is False
     assert info(a.port)["peer_attach"] == "failed"
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "mode", f"127.0.0.1:{a.port}", "combined", "--wait", "1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "mode", f"127.0.0.1:{a.port}", "combined", "--wait", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 3 and "does not answer" in out.stderr  # the CLI says COMBINED is not in effect
     assert json.loads(out.stdout)["success"] is False
     assert "Paris" in complete(a.base)
@@ -191,12 +232,17 @@ def test_sigterm_on_a_compute_only_peer_lets_the_heads_request_finish(spawn) -> 
     """The peer drains: the head's request in flight gets every decode step, then the peer closes and exits 0."""
     b = spawn("--no-model", "--shutdown-grace", "120")
     b.wait_ready()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{b.port}")
+    a = spawn(
+        "-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{b.port}"
+    )
     a.wait_ready()
     wait_for(lambda: info(a.port)["combined_head_attached"], timeout=120)
     result: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: result.append(httpx.post(
-        a.base + "/v1/completions", json={**BODY, "max_tokens": 120}, timeout=600)))
+    t = threading.Thread(
+        target=lambda: result.append(
+            httpx.post(a.base + "/v1/completions", json={**BODY, "max_tokens": 120}, timeout=600)
+        )
+    )
     t.start()
     wait_for(lambda: any(s["is_processing"] for s in httpx.get(a.base + "/slots", timeout=60).json()), timeout=60)
     wait_for(lambda: any(s["n_decoded"] > 2 for s in httpx.get(a.base + "/slots", timeout=60).json()), timeout=60)
@@ -289,7 +335,7 @@ def test_embeddings_on_a_combined_head_and_a_peer_connection_that_breaks(spawn) 
         assert status == Status.OK and sw["mode"] == "solo"
         solo_vec = embed(a.base).json()["data"][0]["embedding"]
         assert len(solo_vec) == len(combined_vec) == 576
-        assert max(abs(x - y) for x, y in zip(combined_vec, solo_vec)) < 1e-5
+        assert max(abs(x - y) for x, y in zip(combined_vec, solo_vec, strict=False)) < 1e-5
         status, sw = set_mode(a.port, b"combined")
         assert status == Status.OK and sw["success"] is True and sw["mode"] == "combined"
 
@@ -353,8 +399,12 @@ def test_a_hung_peer_fails_the_request_and_frees_its_connection_when_it_answers_
         assert complete(a.base) == text
     finally:
         b.proc.send_signal(signal.SIGCONT)
-    wait_for(lambda: set_mode(a.port, b"combined")[1]["success"], timeout=60, every=1.0,
-             what="COMBINED on the peer that answers again")
+    wait_for(
+        lambda: set_mode(a.port, b"combined")[1]["success"],
+        timeout=60,
+        every=1.0,
+        what="COMBINED on the peer that answers again",
+    )
     assert complete(a.base) == text
     assert info(a.port)["peer_addr"] == f"127.0.0.1:{b.port}" and a.proc.poll() is None
 
@@ -371,8 +421,14 @@ def test_drafts_compose_with_combined_mode(spawn) -> None:
         p.wait_ready()
     plain = combined_head(spawn, peers[0].port)
     drafting = combined_head(spawn, peers[1].port, "--spec-type", "ngram-simple,suffix")
-    body = {"prompt": ALPHABET, "n_predict": 40, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
-            "return_tokens": True}
+    body = {
+        "prompt": ALPHABET,
+        "n_predict": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+        "return_tokens": True,
+    }
     want, got = (httpx.post(h.base + "/completion", json=body, timeout=300).json() for h in (plain, drafting))
     assert got["tokens"] == want["tokens"] and got["content"] == want["content"]
     assert got["timings"]["draft_n_accepted"] > 0 and "draft_n" not in want["timings"]

@@ -96,11 +96,15 @@ async def test_without_context_shift_a_full_slot_stops_with_length() -> None:
 # AVX-512 build (the shift moves such leads by up to 0.2; "how many steps does the keeper climb?" had leads of
 # 0.06 to 0.13 in its first 12 tokens)
 PART_A = "Notes on the harbour.\n"
-PART_B = ("The ferry to the island leaves at nine in the morning and returns at six in the evening, "
-          "except on Sundays when it does not run at all.\n")
-PART_C = ("The lighthouse on the rock at the end of the bay was built in 1871. Its keeper climbs one hundred "
-          "and twelve steps every night to light the lamp, and he counts them as his father did.\n"
-          "Question: when was the lighthouse built?\nAnswer: It was built in")
+PART_B = (
+    "The ferry to the island leaves at nine in the morning and returns at six in the evening, "
+    "except on Sundays when it does not run at all.\n"
+)
+PART_C = (
+    "The lighthouse on the rock at the end of the bay was built in 1871. Its keeper climbs one hundred "
+    "and twelve steps every night to light the lamp, and he counts them as his father did.\n"
+    "Question: when was the lighthouse built?\nAnswer: It was built in"
+)
 N_REUSE = 16
 ANSWER_TOKENS = 7  # " 1871.\n"
 
@@ -109,7 +113,7 @@ async def test_cache_reuse_shifts_a_later_chunk_into_place() -> None:
     # without the host-RAM prompt cache: it would restore the earlier A+C turn whole, which is not what this checks
     async with node(n_parallel=1, n_ctx=1024, n_cache_reuse=N_REUSE, cache_ram_mib=0) as (client, _):
         a, abc, ac = [await tokens(client, t) for t in (PART_A, PART_A + PART_B + PART_C, PART_A + PART_C)]
-        prefix = next(i for i, (x, y) in enumerate(zip(abc, ac)) if x != y)  # the plain common prefix
+        prefix = next(i for i, (x, y) in enumerate(zip(abc, ac, strict=False)) if x != y)  # the plain common prefix
         assert prefix >= len(a) - 1 and len(ac) - prefix > N_REUSE
         # the answer without any cache (cache_prompt false evaluates the whole prompt)
         fresh = await complete(client, ac, max_tokens=ANSWER_TOKENS, cache_prompt=False)
@@ -156,7 +160,7 @@ async def test_each_user_returns_to_the_slot_holding_their_prompt() -> None:
         turns = await _turns(client, "XYXYYX")
         slot_x, slot_y = turns[0][0], turns[1][0]
         assert slot_x != slot_y
-        for (id_slot, cached, held), user in zip(turns, "XYXYYX"):
+        for (id_slot, cached, held), user in zip(turns, "XYXYYX", strict=False):
             assert id_slot == (slot_x if user == "X" else slot_y)
             # the previous turn's whole prompt is cached (and the reply tokens it appended, when
             # they tokenize the same way in the new prompt)

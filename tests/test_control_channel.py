@@ -135,8 +135,11 @@ async def test_a_change_that_raises_fails_only_its_submitter() -> None:
             await trio.testing.wait_all_tasks_blocked()
             await gate.open()
         assert order == ["first", "broken", "last"]
-        assert outcomes == {"first": "result of first", "broken": "raised this change cannot apply",
-                            "last": "result of last"}
+        assert outcomes == {
+            "first": "result of first",
+            "broken": "raised this change cannot apply",
+            "last": "result of last",
+        }
         assert counts(engine) == {"applied": 2, "failed": 1, "refused_busy": 0}
         # the inbox still serves
         assert await engine.run_task(Record("after", order)) == "result of after"

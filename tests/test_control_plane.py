@@ -19,12 +19,14 @@ import httpx
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, wait_for
-from .hydra_wire import Wire
 
-WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
-         "bright jovial nymphs near misty harbours and old lanterns glow ").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven wizards quietly hex "
+    "bright jovial nymphs near misty harbours and old lanterns glow "
+).split()
 LONG_TEXT = " ".join(WORDS[i % len(WORDS)] for i in range(1500))
 
 
@@ -65,7 +67,7 @@ class Prefill(threading.Thread):
     def result(self) -> dict:
         self.join(600)
         assert self.reply is not None, "PREFILL got no reply"
-        status, meta, blob = self.reply
+        status, meta, _blob = self.reply
         assert status == Status.OK, meta
         return meta
 
@@ -74,8 +76,9 @@ def _prime_slot_1(http: httpx.Client) -> int:
     """Empty slot 0 (so the long prompt is evaluated, not found cached) and put a short prompt in
     slot 1; its n_past."""
     assert http.post("/slots/0?action=erase").status_code == 200
-    r = http.post("/completion", json={"prompt": "A short note for slot one.", "n_predict": 3, "id_slot": 1,
-                                       "temperature": 0})
+    r = http.post(
+        "/completion", json={"prompt": "A short note for slot one.", "n_predict": 3, "id_slot": 1, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     n = http.get("/slots").json()[1]["n_past"]
     assert n > 0
@@ -83,8 +86,7 @@ def _prime_slot_1(http: httpx.Client) -> int:
 
 
 def _wait_processing(http: httpx.Client, prefill: Prefill) -> None:
-    wait_for(lambda: prefill.done.is_set() or http.get("/slots").json()[0]["is_processing"], 300,
-             "slot 0 processing")
+    wait_for(lambda: prefill.done.is_set() or http.get("/slots").json()[0]["is_processing"], 300, "slot 0 processing")
     assert not prefill.done.is_set(), "the prefill ended before it was seen processing"
 
 

@@ -21,8 +21,11 @@ CODE_FILES = ("dev.sh", ".ci/run", "pyproject.toml")
 def _code_files() -> list[Path]:
     out = [ROOT / f for f in CODE_FILES if (ROOT / f).exists()]
     for d in CODE_DIRS:
-        out += sorted(p for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".sh", ".md", ".toml", ".yml")
-                      and "__pycache__" not in p.parts)
+        out += sorted(
+            p
+            for p in (ROOT / d).rglob("*")
+            if p.suffix in (".py", ".sh", ".md", ".toml", ".yml") and "__pycache__" not in p.parts
+        )
     return [p for p in out if p != Path(__file__).resolve()]  # this file spells out the examples it refuses
 
 
@@ -68,11 +71,22 @@ def test_docs_cite_only_the_repository() -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("text", [
-    "see ../shared/hydra-protocol.md", "(hydra-protocol.md §2)", "as DESIGN.md says", "issue 14 §3",
-    "Issue 22: costs", "fixed in #34", "the issue's crasher", "as the C++ engine does", "the C++ llama-engine's",
-    "0.13 ms on the project's VM", "rows marked **[fix]**",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "see ../shared/hydra-protocol.md",
+        "(hydra-protocol.md §2)",
+        "as DESIGN.md says",
+        "issue 14 §3",
+        "Issue 22: costs",
+        "fixed in #34",
+        "the issue's crasher",
+        "as the C++ engine does",
+        "the C++ llama-engine's",
+        "0.13 ms on the project's VM",
+        "rows marked **[fix]**",
+    ],
+)
 def test_the_rules_catch_each_kind(text: str, tmp_path: Path) -> None:
     """Each kind of citation is caught (so the two tests above can fail)."""
     p = tmp_path / "x.py"
@@ -82,10 +96,17 @@ def test_the_rules_catch_each_kind(text: str, tmp_path: Path) -> None:
     assert hits, text
 
 
-@pytest.mark.parametrize("text", [
-    "docs/hydra-protocol.md §2", "color: #e5e7eb",
-    "llama-server's C++ conversion", "docs/protocol-notes.md", "[§2](#2-framing)", "docs/hydra-protocol.md",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "docs/hydra-protocol.md §2",
+        "color: #e5e7eb",
+        "llama-server's C++ conversion",
+        "docs/protocol-notes.md",
+        "[§2](#2-framing)",
+        "docs/hydra-protocol.md",
+    ],
+)
 def test_the_rules_leave_citations_of_the_repository(text: str) -> None:
     hits = [what for what, rx in {**EVERYWHERE, "wire": WIRE_REFERENCE}.items() if rx.search(text)]
     assert not hits, (text, hits)
@@ -160,7 +181,22 @@ def test_mkdocs_builds_the_site_strictly(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
-                        "-d", str(tmp_path / "site")], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "site" / "cli" / "index.html").exists()

@@ -12,8 +12,10 @@ from .conftest import CAPITAL_QUESTION
 
 
 async def test_serve_in_own_nursery() -> None:
-    path, alias = resolve_model("smollm2-135m")
-    config = ServerConfig(port=0, engine=EngineConfig(model_path=path, model_alias="embedded", n_parallel=2, n_ctx=2048))
+    path, _alias = resolve_model("smollm2-135m")
+    config = ServerConfig(
+        port=0, engine=EngineConfig(model_path=path, model_alias="embedded", n_parallel=2, n_ctx=2048)
+    )
     async with trio.open_nursery() as nursery:
         server = await nursery.start(serve, config)
         assert server.port
@@ -45,11 +47,14 @@ def test_the_library_example_runs_as_written(tmp_path) -> None:
     from hydra_trio.testing.spawn import ROOT
 
     page = (ROOT / "docs" / "library.md").read_text()
-    section = page[page.index("## As a library"):]
+    section = page[page.index("## As a library") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "\n        ...  #" in code
-    code = code.replace("\n        ...  #", "\n        import httpx; r = await httpx.AsyncClient().get(f'http://127.0.0.1:{server.port}/health')"
-                                        "; print('health', r.status_code); nursery.cancel_scope.cancel()  #")
+    code = code.replace(
+        "\n        ...  #",
+        "\n        import httpx; r = await httpx.AsyncClient().get(f'http://127.0.0.1:{server.port}/health')"
+        "; print('health', r.status_code); nursery.cancel_scope.cancel()  #",
+    )
     script = tmp_path / "example.py"
     script.write_text(code)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)

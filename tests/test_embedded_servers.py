@@ -39,11 +39,22 @@ async def _exchange(port: int, data: bytes) -> bytes:
         return out
 
 
-def _post(body: bytes, *, expect: bool = False, path: bytes = b"/v1/completions", method: bytes = b"POST",
-          length: int | None = None) -> bytes:
-    head = (method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
-            + (b"Expect: 100-continue\r\n" if expect else b"")
-            + b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length))
+def _post(
+    body: bytes,
+    *,
+    expect: bool = False,
+    path: bytes = b"/v1/completions",
+    method: bytes = b"POST",
+    length: int | None = None,
+) -> bytes:
+    head = (
+        method
+        + b" "
+        + path
+        + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        + (b"Expect: 100-continue\r\n" if expect else b"")
+        + b"Content-Length: %d\r\n\r\n" % (len(body) if length is None else length)
+    )
     return head if expect else head + body
 
 
@@ -54,8 +65,12 @@ async def test_two_embedded_servers_each_enforce_their_own_body_limit() -> None:
     body += b" " * (64 * 1024 - len(body))
 
     def config(max_body: int) -> ServerConfig:
-        return ServerConfig(port=0, rpc_backend=None, http=HttpSettings(max_body=max_body),
-                            engine=EngineConfig(path, alias, n_parallel=1, n_ctx=512))
+        return ServerConfig(
+            port=0,
+            rpc_backend=None,
+            http=HttpSettings(max_body=max_body),
+            engine=EngineConfig(path, alias, n_parallel=1, n_ctx=512),
+        )
 
     async with trio.open_nursery() as nursery:
         # the small one first: a process-wide limit would be the last server's (LARGE) for both
@@ -94,8 +109,9 @@ async def test_two_embedded_servers_each_enforce_their_own_body_limit() -> None:
 
         # a KV state blob (PUT /slots/{id}/state) has its own, larger limit (max_state_body): the 100
         # comes for a body over max_body, as the app would read it
-        stream, head = await _head(small.port, _post(b"", expect=True, method=b"PUT", path=b"/slots/0/state",
-                                                     length=64 * 1024))
+        stream, head = await _head(
+            small.port, _post(b"", expect=True, method=b"PUT", path=b"/slots/0/state", length=64 * 1024)
+        )
         await stream.aclose()
         assert head.startswith(b"HTTP/1.1 100 "), head[:200]
         nursery.cancel_scope.cancel()

@@ -32,8 +32,17 @@ def _norm(v: list[float], p: float = 2) -> float:
 @pytest.fixture(scope="module")
 def mean_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Mean pooling; 2 slots of 256 tokens (so the slot's context, not the 512-token micro-batch, limits inputs)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("emb") / "mean.log", "--embedding", "--pooling", "mean",
-                        "-np", "2", "-c", "512", "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("emb") / "mean.log",
+        "--embedding",
+        "--pooling",
+        "mean",
+        "-np",
+        "2",
+        "-c",
+        "512",
+        "--no-rpc-backend",
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -44,8 +53,21 @@ def mean_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProces
 @pytest.fixture(scope="module")
 def none_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """Pooling none: per-token vectors; a 64-token micro-batch (the limit for an input that cannot be split)."""
-    srv = ServerProcess(tmp_path_factory.mktemp("emb") / "none.log", "--embeddings", "--pooling", "none",
-                        "-np", "1", "-c", "512", "-b", "64", "-ub", "64", "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("emb") / "none.log",
+        "--embeddings",
+        "--pooling",
+        "none",
+        "-np",
+        "1",
+        "-c",
+        "512",
+        "-b",
+        "64",
+        "-ub",
+        "64",
+        "--no-rpc-backend",
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -83,7 +105,7 @@ def test_same_input_same_vector_different_inputs_differ(client: openai.OpenAI) -
     a, b, c = _floats(client, TEXT)[0], _floats(client, TEXT)[0], _floats(client, OTHER)[0]
     assert a == b
     assert a != c
-    cos = sum(x * y for x, y in zip(a, c))
+    cos = sum(x * y for x, y in zip(a, c, strict=False))
     assert cos < 0.999
 
 
@@ -96,8 +118,9 @@ def test_a_list_gives_one_vector_per_input_in_order(client: openai.OpenAI) -> No
 
 def test_base64_decodes_to_the_same_floats(client: openai.OpenAI, mean_node: ServerProcess) -> None:
     floats = _floats(client, TEXT)[0]
-    raw = httpx.post(mean_node.base + "/v1/embeddings", json={"input": TEXT, "encoding_format": "base64"},
-                     timeout=60).json()
+    raw = httpx.post(
+        mean_node.base + "/v1/embeddings", json={"input": TEXT, "encoding_format": "base64"}, timeout=60
+    ).json()
     item = raw["data"][0]
     assert item["encoding_format"] == "base64" and isinstance(item["embedding"], str)
     data = base64.b64decode(item["embedding"])
@@ -133,7 +156,7 @@ def test_embd_normalize_per_request(mean_node: ServerProcess, client: openai.Ope
     raw = native(-1)
     assert abs(_norm(raw) - 1.0) > 1e-3  # not normalized ...
     scaled = [x / _norm(raw) for x in raw]
-    assert max(abs(x - y) for x, y in zip(scaled, unit)) < 1e-6  # ... but the same direction
+    assert max(abs(x - y) for x, y in zip(scaled, unit, strict=False)) < 1e-6  # ... but the same direction
     assert abs(max(abs(x) for x in native(0)) - 32760.0) < 1e-2
     assert abs(_norm(native(1), 1) - 1.0) < 1e-5
     assert abs(_norm(native(3), 3) - 1.0) < 1e-5
@@ -165,8 +188,9 @@ def test_native_shape(mean_node: ServerProcess, client: openai.OpenAI) -> None:
     assert r.json() == [{"index": 0, "embedding": [unit]}]
 
 
-def test_pooling_none_gives_one_vector_per_token(none_node: ServerProcess, mean_node: ServerProcess,
-                                                 client: openai.OpenAI) -> None:
+def test_pooling_none_gives_one_vector_per_token(
+    none_node: ServerProcess, mean_node: ServerProcess, client: openai.OpenAI
+) -> None:
     tokens = _tokens(none_node, TEXT)
     r = httpx.post(none_node.base + "/embedding", json={"content": TEXT}, timeout=60)
     assert r.status_code == 200, r.text
@@ -176,10 +200,10 @@ def test_pooling_none_gives_one_vector_per_token(none_node: ServerProcess, mean_
     assert all(len(v) == N_EMBD for v in per_token)
     assert abs(_norm(per_token[-1]) - 1.0) > 1e-3  # per-token vectors are not normalized (llama-server)
     # mean pooling is the mean of these hidden states, normalized
-    mean = [math.fsum(col) / len(per_token) for col in zip(*per_token)]
+    mean = [math.fsum(col) / len(per_token) for col in zip(*per_token, strict=False)]
     mean = [x / _norm(mean) for x in mean]
     pooled = _floats(client, TEXT)[0]
-    assert max(abs(x - y) for x, y in zip(mean, pooled)) < 1e-3
+    assert max(abs(x - y) for x, y in zip(mean, pooled, strict=False)) < 1e-3
 
 
 def test_pooling_none_is_not_openai(none_node: ServerProcess) -> None:
@@ -197,19 +221,22 @@ def test_input_over_the_micro_batch_is_a_400(none_node: ServerProcess) -> None:
 
 
 # --------------------------------------------------------------------------- refusals
-@pytest.mark.parametrize("body, field", [
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [TEXT, ""]}, "input[1]"),
-    ({"input": [[1, 2], []]}, "input[1]"),
-    ({"model": "m"}, "input"),
-    ({"input": {"a": 1}}, "input"),
-    ({"input": [1.5]}, "input"),
-    ({"input": [[99999999]]}, "input[0][0]"),
-    ({"input": TEXT, "encoding_format": "int8"}, "encoding_format"),
-    ({"input": TEXT, "embd_normalize": -2}, "embd_normalize"),
-    ({"input": TEXT, "embd_normalize": "2"}, "embd_normalize"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [TEXT, ""]}, "input[1]"),
+        ({"input": [[1, 2], []]}, "input[1]"),
+        ({"model": "m"}, "input"),
+        ({"input": {"a": 1}}, "input"),
+        ({"input": [1.5]}, "input"),
+        ({"input": [[99999999]]}, "input[0][0]"),
+        ({"input": TEXT, "encoding_format": "int8"}, "encoding_format"),
+        ({"input": TEXT, "embd_normalize": -2}, "embd_normalize"),
+        ({"input": TEXT, "embd_normalize": "2"}, "embd_normalize"),
+    ],
+)
 def test_bad_bodies_are_400_naming_the_field(mean_node: ServerProcess, body: dict, field: str) -> None:
     r = httpx.post(mean_node.base + "/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 400, r.text
@@ -246,8 +273,21 @@ def test_embeddings_on_a_generation_node_are_a_501(server: ServerProcess) -> Non
 def test_pooling_last_splits_a_long_input(tmp_path, none_node: ServerProcess) -> None:  # type: ignore[no-untyped-def]
     """``last`` pooling reads the final token, so an input longer than the micro-batch is decoded in
     several batches (llama-server's ``can_split``) and equals the last per-token hidden state, normalized."""
-    srv = ServerProcess(tmp_path / "last.log", "--embedding", "--pooling", "last", "-np", "1", "-c", "256",
-                        "-b", "16", "-ub", "16", "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path / "last.log",
+        "--embedding",
+        "--pooling",
+        "last",
+        "-np",
+        "1",
+        "-c",
+        "256",
+        "-b",
+        "16",
+        "-ub",
+        "16",
+        "--no-rpc-backend",
+    )
     try:
         srv.wait_ready()
         text = " ".join([TEXT, OTHER, TEXT])
@@ -259,7 +299,7 @@ def test_pooling_last_splits_a_long_input(tmp_path, none_node: ServerProcess) ->
         vec = r.json()["data"][0]["embedding"]
         last = httpx.post(none_node.base + "/embedding", json={"content": text}, timeout=60).json()[0]["embedding"][-1]
         last = [x / _norm(last) for x in last]
-        assert max(abs(x - y) for x, y in zip(vec, last)) < 1e-3
+        assert max(abs(x - y) for x, y in zip(vec, last, strict=False)) < 1e-3
         # a prompt longer than the slot's context is still refused
         r = httpx.post(srv.base + "/v1/embeddings", json={"input": "word " * 300}, timeout=60)
         assert r.status_code == 400 and "the slot's context" in r.json()["error"]["message"]

@@ -1,4 +1,5 @@
-"""Typed engine work (:mod:`hydra_trio.engine.tasks`), slot states (:class:`~hydra_trio.engine.batching.slots.SlotState`)
+"""Typed engine work (:mod:`hydra_trio.engine.tasks`), slot states
+(:class:`~hydra_trio.engine.batching.slots.SlotState`)
 and CONFIGURE's tier-1 defaults swapped in whole, in-process on a real engine (the packaged default model)."""
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio import EngineConfig, resolve_model
+from hydra_trio.engine.batching.slots import SlotState
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.engine.settings import RequestDefaults
-from hydra_trio.engine.batching.slots import SlotState
 from hydra_trio.engine.tasks import EngineTask, EraseSlot, RestoreSlot, SaveSlot, SetExpertMode
 from hydra_trio.errors import InvalidRequest
-from hydra_trio.http.metrics import NodeMetrics
+from hydra_trio.service.metrics import NodeMetrics
 
 from .conftest import running_engine
 
@@ -48,8 +49,9 @@ def _samples(engine: Engine) -> dict[str, float]:
 
 async def test_slot_tasks_are_typed_dispatched_by_type_and_counted() -> None:
     async with running_engine() as engine:
-        async with JobRun(engine, CompletionJob(prompt_tokens=[1, 504, 3458, 314, 4649, 253], n_predict=4,
-                                                id_slot=0)) as run:
+        async with JobRun(
+            engine, CompletionJob(prompt_tokens=[1, 504, 3458, 314, 4649, 253], n_predict=4, id_slot=0)
+        ) as run:
             await run.result()
         n_past, blob = await engine.run_task(SaveSlot(0))
         assert n_past == engine.snapshot.slot(0).n_past > 6  # prompt + generated tokens
@@ -67,10 +69,20 @@ async def test_slot_tasks_are_typed_dispatched_by_type_and_counted() -> None:
         meta = await engine.run_task(SetExpertMode("solo"))
         assert meta["mode"] == "solo"
         # a completion's start is a task too (its cancel is not queued: the request had ended)
-        assert engine.stats.tasks == {"completion": 1, "save_slot": 2, "restore_slot": 1, "erase_slot": 1,
-                                      "set_expert_mode": 1}
-        assert _samples(engine) == {"completion": 1.0, "erase_slot": 1.0, "restore_slot": 1.0, "save_slot": 2.0,
-                                    "set_expert_mode": 1.0}
+        assert engine.stats.tasks == {
+            "completion": 1,
+            "save_slot": 2,
+            "restore_slot": 1,
+            "erase_slot": 1,
+            "set_expert_mode": 1,
+        }
+        assert _samples(engine) == {
+            "completion": 1.0,
+            "erase_slot": 1.0,
+            "restore_slot": 1.0,
+            "save_slot": 2.0,
+            "set_expert_mode": 1.0,
+        }
 
 
 class _HoldAtStart(logging.Handler):
@@ -114,8 +126,7 @@ async def test_a_slot_moves_through_its_states_in_order() -> None:
             assert await engine.run_task(ReadSlot(0)) == (SlotState.IDLE, False, False, 0)
             prompt = [1, *range(1000, 1300)]  # 301 tokens: ten 32-token steps of prompt processing
             seen: list[tuple[SlotState, bool, bool, int]] = []
-            async with JobRun(engine, CompletionJob(prompt_tokens=prompt, n_predict=2000, ignore_eos=True,
-                                                    id_slot=0)):
+            async with JobRun(engine, CompletionJob(prompt_tokens=prompt, n_predict=2000, ignore_eos=True, id_slot=0)):
                 # the first read is queued while the step that assigns the slot is held, so it runs right
                 # after that step (one 32-token chunk fed) however slowly this thread runs; queued after the
                 # assignment, it could come after all ten prompt steps on a busy machine (GENERATING only)

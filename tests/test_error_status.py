@@ -17,12 +17,25 @@ import pytest
 
 import hydra_trio
 from hydra_trio.engine.kv.state import HEADER_SIZE, blob_checksum
-from hydra_trio.errors import (BodyError, BodyTimeout, BodyTooLarge, Busy, Cancelled, EngineFailure, HydraTrioError,
-                               InvalidRequest, NoModel, NotFound, NotReady, NotSupported, Overloaded)
+from hydra_trio.errors import (
+    BodyError,
+    BodyTimeout,
+    BodyTooLarge,
+    Busy,
+    Cancelled,
+    EngineFailure,
+    HydraTrioError,
+    InvalidRequest,
+    NoModel,
+    NotFound,
+    NotReady,
+    NotSupported,
+    Overloaded,
+)
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
 
 
 def _all_error_classes() -> list[type[HydraTrioError]]:
@@ -42,19 +55,35 @@ def test_every_error_class_names_its_wire_statuses() -> None:
     classes = _all_error_classes()
     names = {c.__name__ for c in classes}
     # the scan reaches subclasses all over the package
-    assert {"StateError", "KvTypesDiffer", "ChatTemplateError", "ParameterError", "SlotFileError",
-            "HydraBusy", "MessageError"} <= names, names
+    assert {
+        "StateError",
+        "KvTypesDiffer",
+        "ChatTemplateError",
+        "ParameterError",
+        "SlotFileError",
+        "HydraBusy",
+        "MessageError",
+    } <= names, names
     for cls in classes:
         assert isinstance(cls.http_status, int) and 400 <= cls.http_status <= 599, cls
         assert isinstance(cls.hydra_status, Status) and cls.hydra_status != Status.OK, cls
         if issubclass(cls, InvalidRequest):  # the client's fault, whatever else it is (KvTypesDiffer is a StateError)
             assert (cls.http_status, cls.hydra_status) == (400, Status.BAD_REQUEST), cls
-    table = {HydraTrioError: (500, Status.ERROR), InvalidRequest: (400, Status.BAD_REQUEST),
-             Busy: (409, Status.BUSY), NotReady: (503, Status.ERROR), Cancelled: (503, Status.ERROR),
-             EngineFailure: (500, Status.ERROR), NotFound: (404, Status.NOT_FOUND),
-             NotSupported: (501, Status.NOT_IMPLEMENTED), NoModel: (501, Status.NOT_IMPLEMENTED),
-             Overloaded: (503, Status.BUSY), BodyError: (400, Status.BAD_REQUEST),
-             BodyTooLarge: (413, Status.BAD_REQUEST), BodyTimeout: (408, Status.BAD_REQUEST)}
+    table = {
+        HydraTrioError: (500, Status.ERROR),
+        InvalidRequest: (400, Status.BAD_REQUEST),
+        Busy: (409, Status.BUSY),
+        NotReady: (503, Status.ERROR),
+        Cancelled: (503, Status.ERROR),
+        EngineFailure: (500, Status.ERROR),
+        NotFound: (404, Status.NOT_FOUND),
+        NotSupported: (501, Status.NOT_IMPLEMENTED),
+        NoModel: (501, Status.NOT_IMPLEMENTED),
+        Overloaded: (503, Status.BUSY),
+        BodyError: (400, Status.BAD_REQUEST),
+        BodyTooLarge: (413, Status.BAD_REQUEST),
+        BodyTimeout: (408, Status.BAD_REQUEST),
+    }
     for cls, want in table.items():
         assert (cls.http_status, cls.hydra_status) == want, cls
     by_name = {c.__name__: c for c in classes}
@@ -67,7 +96,8 @@ def test_every_error_class_names_its_wire_statuses() -> None:
         if st != Status.OK:
             assert type(error_for_status(st, {})).hydra_status == st
     assert Busy("x", [2]).wire_meta() == {"busy_slots": [2]} and NotReady("x", "loading").wire_meta() == {
-        "stage": "loading"}
+        "stage": "loading"
+    }
     # an op's own reply keys join the error's, and win
     assert Busy("x", [2]).with_meta(success=False, busy_slots=[3]).reply_meta() == {"busy_slots": [3], "success": False}
 
@@ -88,11 +118,11 @@ def _other_kv_types(blob: bytes) -> bytes:
     ident = struct.Struct("<32sI")
     digest, n = ident.unpack_from(blob, HEADER_SIZE)
     start = HEADER_SIZE + ident.size
-    identity = json.loads(blob[start:start + n])
+    identity = json.loads(blob[start : start + n])
     assert identity["type_k"] != 8
     identity["type_k"] = 8  # GGML_TYPE_Q8_0
     text = json.dumps(identity).encode()
-    out = bytearray(blob[:HEADER_SIZE] + ident.pack(digest, len(text)) + text + blob[start + n:])
+    out = bytearray(blob[:HEADER_SIZE] + ident.pack(digest, len(text)) + text + blob[start + n :])
     out[52:60] = blob_checksum(out).to_bytes(8, "little")
     return bytes(out)
 
@@ -168,8 +198,16 @@ ACCEPTED = [{"role": "user", "content": "Hi"}]
 def refusing(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
     d: Path = tmp_path_factory.mktemp("refusing")
     (d / "refusing.jinja").write_text(REFUSING_TEMPLATE)
-    with ServerProcess(d / "server.log", "--chat-template-file", str(d / "refusing.jinja"), "-np", "1",
-                       "-c", "2048", "--no-rpc-backend").serving() as srv:
+    with ServerProcess(
+        d / "server.log",
+        "--chat-template-file",
+        str(d / "refusing.jinja"),
+        "-np",
+        "1",
+        "-c",
+        "2048",
+        "--no-rpc-backend",
+    ).serving() as srv:
         yield srv
 
 
@@ -188,7 +226,8 @@ def test_raising_template_is_a_bad_request_over_http(refusing: ServerProcess) ->
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] >= 1
         assert http.post("/apply-template", json={"messages": ACCEPTED}).json()["prompt"] == (
-            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        )
     assert "Traceback" not in refusing.log()
 
 
@@ -202,7 +241,8 @@ def test_raising_template_is_a_bad_request_over_hydra(refusing: ServerProcess) -
         status, meta, blob = w.call(Op.PREFILL, key="0", payload=json.dumps({"messages": ACCEPTED}).encode())
         assert status == Status.OK, meta
         assert meta["n_past"] > 0 and len(blob) == meta["state_size"]
-        status, meta, frames = w.call(Op.DECODE, key="0", payload=json.dumps(
-            {"messages": ACCEPTED, "n_predict": 2}).encode())
+        status, meta, frames = w.call(
+            Op.DECODE, key="0", payload=json.dumps({"messages": ACCEPTED, "n_predict": 2}).encode()
+        )
         assert status == Status.OK and len(frames) == 9 * 2, meta
         assert w.call(Op.INFO)[0] == Status.OK

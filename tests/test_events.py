@@ -18,9 +18,9 @@ from trio_websocket import ConnectionClosed, ConnectionRejected, open_websocket_
 
 from hydra_trio.observability.events import CATEGORIES, EventBus, parse_types
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
 
 
 # ------------------------------------------------------------------ the bus, in-process
@@ -66,9 +66,8 @@ async def test_closing_the_bus_ends_every_subscription() -> None:
         bus.close()
         with pytest.raises(trio.EndOfChannel):
             await sub.get()
-    with pytest.raises(RuntimeError):
-        with bus.subscribe():
-            pass
+    with pytest.raises(RuntimeError), bus.subscribe():
+        pass
 
 
 # ------------------------------------------------------------------ live, over a WebSocket
@@ -96,28 +95,31 @@ class Reader:
 @asynccontextmanager
 async def subscribed(port: int, query: str = "") -> AsyncIterator[Reader]:
     reader = Reader()
-    async with open_websocket_url(f"ws://127.0.0.1:{port}/v1/events{query}") as ws:
-        async with trio.open_nursery() as nursery:
+    async with open_websocket_url(f"ws://127.0.0.1:{port}/v1/events{query}") as ws, trio.open_nursery() as nursery:
 
-            async def pump() -> None:
-                try:
-                    while True:
-                        reader.add(json.loads(await ws.get_message()))
-                except ConnectionClosed:
-                    pass
+        async def pump() -> None:
+            try:
+                while True:
+                    reader.add(json.loads(await ws.get_message()))
+            except ConnectionClosed:
+                pass
 
-            nursery.start_soon(pump)
-            yield reader
-            nursery.cancel_scope.cancel()
+        nursery.start_soon(pump)
+        yield reader
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_completion_shows_as_slot_events_with_the_replys_timings(server: ServerProcess) -> None:
     async with subscribed(server.port, "?types=slot") as reader:
         hello = await reader.wait_for(lambda e: True)
         assert hello["type"] == "hello" and hello["model"] == "smollm2-135m" and hello["n_slots"] == 4
-        reply = await trio.to_thread.run_sync(lambda: httpx.post(
-            server.base + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
-                                                    "ignore_eos": True}, timeout=120).json())
+        reply = await trio.to_thread.run_sync(
+            lambda: httpx.post(
+                server.base + "/v1/completions",
+                json={"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True},
+                timeout=120,
+            ).json()
+        )
         rid = reply["id"]
         done = await reader.wait_for(lambda e: e["type"] == "slot.finished" and e.get("trace_id") == rid)
         kinds = [e["type"] for e in reader.events if e.get("trace_id") == rid]
@@ -131,6 +133,7 @@ async def test_a_completion_shows_as_slot_events_with_the_replys_timings(server:
 
 async def test_a_cancelled_stream_is_a_slot_cancelled_event(server: ServerProcess) -> None:
     async with subscribed(server.port, "?types=slot") as reader:
+
         def run() -> None:
             with streaming(server.base, {"prompt": "Count to one thousand:", "max_tokens": 4000, "ignore_eos": True}):
                 pass
@@ -162,19 +165,20 @@ async def test_stats_every_second_and_control_busy_and_state_events(server: Serv
         assert status == Status.BUSY
         busy = await reader.wait_for(lambda e: e["type"] == "control.busy")
         assert busy["trace_id"] == "evt-busy" and busy["busy_slots"] == meta["busy_slots"] and busy["busy_slots"]
-        busy_stats = [e for e in reader.events if e["type"] == "stats" and any(s["state"] == "processing"
-                                                                                for s in e["slots"])]
+        busy_stats = [
+            e for e in reader.events if e["type"] == "stats" and any(s["state"] == "processing" for s in e["slots"])
+        ]
         assert busy_stats  # the stream ran across a tick (it was held until one came): its slot showed its tokens
         assert max(s["n_decoded"] for e in busy_stats for s in e["slots"]) >= 1
         assert [s["id"] for s in busy_stats[-1]["slots"] if s["state"] == "processing"] == [0]
 
         def round_trip() -> int:
             with Wire(server.port) as w:
-                status, meta, blob = w.call(Op.STATE_GET, key="3", trace_id="evt-get")
+                status, _meta, blob = w.call(Op.STATE_GET, key="3", trace_id="evt-get")
                 assert status == Status.OK
-                status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob, trace_id="evt-put")
+                status, _meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob, trace_id="evt-put")
                 assert status == Status.OK
-                status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=b"\0" * 64, trace_id="evt-bad")
+                status, _meta, _ = w.call(Op.STATE_PUT, key="1", payload=b"\0" * 64, trace_id="evt-bad")
                 assert status != Status.OK
                 return len(blob)
 
@@ -187,10 +191,17 @@ async def test_stats_every_second_and_control_busy_and_state_events(server: Serv
         assert bad["result"] != "ok" and bad["bytes"] == 64
 
 
-@pytest.mark.parametrize("query, named", [
-    ("types=slot,nope", "nope"), ("types=" + "%C3%A9" * 200, "unknown event categories"), ("queue=0", "queue"),
-    ("queue=99999999999999", "queue"), ("recent=%EF%BC%91", "recent"), ("recent=-1", "recent"),
-])
+@pytest.mark.parametrize(
+    "query, named",
+    [
+        ("types=slot,nope", "nope"),
+        ("types=" + "%C3%A9" * 200, "unknown event categories"),
+        ("queue=0", "queue"),
+        ("queue=99999999999999", "queue"),
+        ("recent=%EF%BC%91", "recent"),
+        ("recent=-1", "recent"),
+    ],
+)
 async def test_a_bad_query_is_refused_with_400_and_a_reason(server: ServerProcess, query: str, named: str) -> None:
     """The handshake is answered 400 with an OpenAI-style error body naming the parameter (a close before
     the handshake would reach the client as a bare 403 with no reason)."""
@@ -205,8 +216,10 @@ async def test_a_bad_query_is_refused_with_400_and_a_reason(server: ServerProces
 def _vanish(port: int) -> None:
     """Open the upgrade by hand and drop the TCP connection without a close frame."""
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    s.sendall(
+        b"GET /v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     assert s.recv(12).startswith(b"HTTP/1.1 101")
     s.close()
 
@@ -226,9 +239,11 @@ async def test_many_subscribers_that_vanish_free_everything(server: ServerProces
         t.join(60)
     async with trio.open_nursery() as nursery:  # and some that close properly
         for _ in range(10):
+
             async def polite() -> None:
                 async with subscribed(server.port) as r:
                     await r.wait_for(lambda e: e["type"] == "hello")
+
             nursery.start_soon(polite)
     async with subscribed(server.port, "?types=stats") as reader:
         await reader.wait_for(lambda e: e["type"] == "stats" and e["subscribers"] == 1, timeout=120)
@@ -238,14 +253,16 @@ async def test_many_subscribers_that_vanish_free_everything(server: ServerProces
     with trio.fail_after(120):
         while await trio.to_thread.run_sync(open_now) > before:
             await trio.sleep(0.5)
-    client.close()
+    await trio.to_thread.run_sync(client.close)
 
 
 def _hold(port: int) -> socket.socket:
     """An event subscriber that never reads and never leaves (until closed)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
-    s.sendall(b"GET /v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    s.sendall(
+        b"GET /v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     return s
 
 
@@ -292,15 +309,19 @@ def test_the_events_address_without_an_upgrade_and_in_absolute_form(server: Serv
     assert r.status_code == 426 and r.headers["upgrade"] == "websocket", (r.status_code, r.text)
     assert r.json()["error"]["code"] == 426 and "WebSocket" in r.json()["error"]["message"]
     s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-    s.sendall(b"GET http://x/v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    s.sendall(
+        b"GET http://x/v1/events HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     try:
         assert s.recv(12).startswith(b"HTTP/1.1 101")
     finally:
         s.close()
     s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-    s.sendall(b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-              b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n")
+    s.sendall(
+        b"GET /v1/nowhere HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     reply = b""
     try:
         while b"}}" not in reply and (more := s.recv(4096)):
@@ -312,6 +333,7 @@ def test_the_events_address_without_an_upgrade_and_in_absolute_form(server: Serv
 
 def test_categories_are_documented_in_the_operations_page() -> None:
     from hydra_trio.testing.spawn import ROOT
+
     page = (ROOT / "docs" / "operations.md").read_text()
     for c in CATEGORIES:
         assert f"`{c}" in page, c
@@ -333,10 +355,14 @@ async def test_an_unreachable_peer_is_a_peer_fallback_event(spawn) -> None:
     server = spawn("-np", "1")  # its own node: the peer it is given stays in its INFO
     await trio.to_thread.run_sync(server.wait_ready)
     async with subscribed(server.port, "?types=peer,mode,control") as reader:
+
         def switch() -> dict:
             with Wire(server.port) as w:
-                status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=json.dumps(
-                    {"mode": "combined", "peer": "127.0.0.1:1"}).encode(), trace_id="evt-peer")
+                status, meta, _ = w.call(
+                    Op.SET_EXPERT_MODE,
+                    payload=json.dumps({"mode": "combined", "peer": "127.0.0.1:1"}).encode(),
+                    trace_id="evt-peer",
+                )
                 assert status == Status.OK, meta
                 return meta
 

@@ -22,8 +22,14 @@ EXAMPLES = ROOT / "examples"
 
 
 def run_example(name: str) -> str:
-    out = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=600,
-                         cwd=ROOT, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -51,9 +57,14 @@ def test_openai_example_talks_to_a_node(server: ServerProcess) -> None:
 
 
 def test_fuzz_example_fuzzes_a_node(server: ServerProcess) -> None:
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", str(EXAMPLES / "fuzz_my_node.py")],
-                         capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env={**os.environ, "HYDRA_NODE": f"127.0.0.1:{server.port}", "HYDRA_FUZZ_EXAMPLES": "8"})
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", str(EXAMPLES / "fuzz_my_node.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "HYDRA_NODE": f"127.0.0.1:{server.port}", "HYDRA_FUZZ_EXAMPLES": "8"},
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert re.search(r"\b3 passed\b", out.stdout), out.stdout[-3000:]
     assert server.proc.poll() is None
@@ -79,13 +90,19 @@ def test_systemd_unit_and_scrape_config_match_the_node(server: ServerProcess) ->
 
 
 def test_watch_events_example_prints_a_completions_slot_events(server: ServerProcess) -> None:
-    proc = subprocess.Popen([sys.executable, str(EXAMPLES / "watch_events.py"), f"127.0.0.1:{server.port}", "slot", "4"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLES / "watch_events.py"), f"127.0.0.1:{server.port}", "slot", "4"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = proc.stdout.readline()  # hello: it is subscribed
         assert first.startswith("hello "), first + proc.stderr.read()
-        reply = httpx.post(server.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
-                           timeout=120).json()
+        reply = httpx.post(
+            server.base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=120
+        ).json()
         out, err = proc.communicate(timeout=120)  # it stops by itself after 4 events
     finally:
         if proc.poll() is None:
@@ -93,6 +110,7 @@ def test_watch_events_example_prints_a_completions_slot_events(server: ServerPro
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     lines = out.splitlines()
-    assert [line.split()[:2] for line in lines] == [[t, reply["id"]] for t in
-                                                    ("slot.assigned", "slot.first_token", "slot.finished")]
+    assert [line.split()[:2] for line in lines] == [
+        [t, reply["id"]] for t in ("slot.assigned", "slot.first_token", "slot.finished")
+    ]
     assert json.loads(lines[-1].split(" ", 2)[2])["timings"]["predicted_n"] == 3

@@ -29,8 +29,17 @@ def test_tls_and_access_fuzz_short_budget(spawn, tmp_path) -> None:
 
     certs = tls.make_certs(tmp_path)
     own = tls.own_address()  # plain from it meets --tls-required; None: that rule is skipped (and counted)
-    node = spawn("--host", "0.0.0.0" if own else "127.0.0.1", "-np", "2", "-c", "2048", "--timeout", "5",
-                 *tls.server_flags(certs, "fuzz-key", "fuzz-token"))
+    node = spawn(
+        "--host",
+        "0.0.0.0" if own else "127.0.0.1",
+        "-np",
+        "2",
+        "-c",
+        "2048",
+        "--timeout",
+        "5",
+        *tls.server_flags(certs, "fuzz-key", "fuzz-token"),
+    )
     node.wait_ready()
     tls.configure(node.port, "fuzz-key", "fuzz-token", 2, certs, own)
     findings = len(live.FINDINGS)

@@ -113,7 +113,7 @@ def test_type_sizes_come_from_gguf_and_are_checked_against_this_ggml() -> None:
     assert table == {t: v for t, v in live.items() if v[0] > 0}  # the backend validates with this ggml's sizes
     differ = {t for t, v in g.TYPE_TRAITS.items() if live[t] != v}
     assert len(notes) == len(differ) + len(g.UNDESCRIBED_TYPES)  # every disagreement is reported
-    assert g.UNDESCRIBED_TYPES == {t for t, v in live.items() if v[0] > 0} - set(g.TYPE_TRAITS)
+    assert {t for t, v in live.items() if v[0] > 0} - set(g.TYPE_TRAITS) == g.UNDESCRIBED_TYPES
     # gguf is the source: it must describe nearly all of this ggml's types, and agree on nearly all
     assert len(differ) + len(g.UNDESCRIBED_TYPES) <= 3, notes
     assert all(g.TYPE_TRAITS[t] == live[t] for t in (0, 1, 2, 3, 8, 10, 12, 14, 30)), notes  # F32..BF16
@@ -131,14 +131,28 @@ def test_reconcile_reports_each_difference() -> None:
     conn.receive_request(g.hello_request())
     t = RpcTensor(id=1, type=42, ne=(64, 1, 1, 1), nb=(18, 18, 18, 18))
     conn.receive_request(g.encode_request(RpcCmd.INIT_TENSOR, t.pack()))
-    assert refused(GgmlRpcConnection(), g.hello_request() + g.encode_request(RpcCmd.INIT_TENSOR, t.pack())) == \
-        "tensor_type"
+    assert (
+        refused(GgmlRpcConnection(), g.hello_request() + g.encode_request(RpcCmd.INIT_TENSOR, t.pack()))
+        == "tensor_type"
+    )
 
 
 def test_rpc_tensor_layout() -> None:
     assert g.RPC_TENSOR_SIZE == 296  # sizeof(rpc_tensor), packed
-    t = RpcTensor(id=7, type=2, buffer=9, ne=(32, 2, 1, 1), nb=(18, 18, 36, 36), op=29, src=(1,) + (0,) * 9,
-                  view_src=3, view_offs=4, data=5, name=b"blk.0.ffn_up_exps.weight", use_count=2)
+    t = RpcTensor(
+        id=7,
+        type=2,
+        buffer=9,
+        ne=(32, 2, 1, 1),
+        nb=(18, 18, 36, 36),
+        op=29,
+        src=(1,) + (0,) * 9,
+        view_src=3,
+        view_offs=4,
+        data=5,
+        name=b"blk.0.ffn_up_exps.weight",
+        use_count=2,
+    )
     raw = t.pack()
     assert len(raw) == 296 and RpcTensor.unpack_from(raw) == t
     assert struct.unpack_from("<Q", raw, 0)[0] == 7 and struct.unpack_from("<I", raw, 8)[0] == 2
@@ -324,8 +338,9 @@ def test_a_remembered_get_tensor_still_owes_its_reply() -> None:
     ],
 )
 def test_tensor_sanity(change: dict, check: str) -> None:
-    t = attrs.evolve(RpcTensor(id=1, type=0, buffer=RPC_BUFFER, ne=(4, 1, 1, 1), nb=(4, 16, 16, 16),
-                               data=RPC_BASE), **change)
+    t = attrs.evolve(
+        RpcTensor(id=1, type=0, buffer=RPC_BUFFER, ne=(4, 1, 1, 1), nb=(4, 16, 16, 16), data=RPC_BASE), **change
+    )
     msg = g.encode_request(RpcCmd.GET_TENSOR, t.pack() + struct.pack("<QQ", 0, 4))
     assert refused(with_buffer(), msg) == check
 
@@ -411,10 +426,11 @@ def test_unexpected_or_wrong_size_replies() -> None:
 
 def test_bulk_data_is_not_copied() -> None:
     conn = with_buffer()
-    t = RpcTensor(id=1, type=0, buffer=RPC_BUFFER, ne=(65536, 1, 1, 1), nb=(4, 1 << 18, 1 << 18, 1 << 18),
-                  data=RPC_BASE)
+    t = RpcTensor(
+        id=1, type=0, buffer=RPC_BUFFER, ne=(65536, 1, 1, 1), nb=(4, 1 << 18, 1 << 18, 1 << 18), data=RPC_BASE
+    )
     msg = g.encode_set_tensor(t, 0, bytes(1 << 18))
-    head, rest = msg[: g.HEADER_SIZE + 400], msg[g.HEADER_SIZE + 400:]
+    head, rest = msg[: g.HEADER_SIZE + 400], msg[g.HEADER_SIZE + 400 :]
     evs = conn.receive_request(head)
     assert [type(e) for e in evs] == [Request, RequestData]
     chunk = bytes(rest)
@@ -501,7 +517,12 @@ def test_the_pumps_path_passes_on_what_the_events_do_in_fewer_pieces(steps: list
             down = b"".join(bytes(ev.data) for ev in events.receive_reply(step.reply) if not isinstance(ev, ReplyEnd))
             assert passed_on(fast, split_at(step.reply, data.draw(chunk_cuts(len(step.reply)))), False) == (down, None)
         assert (fast.requests, fast.replies, len(fast.pending), fast.compute_pending, fast.hello_answered) == (
-            events.requests, events.replies, len(events.pending), events.compute_pending, events.hello_answered)
+            events.requests,
+            events.replies,
+            len(events.pending),
+            events.compute_pending,
+            events.hello_answered,
+        )
         assert fast.buffers == events.buffers and fast.between_messages == events.between_messages
     batch = b"".join(s.request for s in steps if s.reply is None and s.request[0] != RpcCmd.HELLO)
     if batch and not fast.pending:
@@ -545,10 +566,15 @@ def released_by_events(conn: GgmlRpcConnection, pieces: list[bytes], requests: b
 
 
 @FAST
-@given(ggml_rpc_sessions(max_steps=4), st.booleans(), st.sampled_from(["flip", "flips", "stray", "cut_stray", "huge"]),
-       st.data())
+@given(
+    ggml_rpc_sessions(max_steps=4),
+    st.booleans(),
+    st.sampled_from(["flip", "flips", "stray", "cut_stray", "huge"]),
+    st.data(),
+)
 def test_the_pumps_path_never_passes_more_of_damaged_input_than_the_events(
-        steps: list[RpcStep], requests: bool, kind: str, data: st.DataObject) -> None:
+    steps: list[RpcStep], requests: bool, kind: str, data: st.DataObject
+) -> None:
     """A valid session whose last request (or reply) is damaged (bytes flipped, stray bytes after it, cut
     short and followed by junk, a huge size field): for any two splits, what the pump's path passes on is
     a prefix of what the events release, and when the events pass all of it, so does the pump's path."""

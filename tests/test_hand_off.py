@@ -12,14 +12,29 @@ import pytest
 import trio
 
 from hydra_trio.engine.requests import (
-    CompletionJob, Failed, Finished, JobRun, RequestHandle, SlotAssigned, StepHandOff, TextDelta,
+    CompletionJob,
+    Failed,
+    Finished,
+    JobRun,
+    RequestHandle,
+    SlotAssigned,
+    StepHandOff,
+    TextDelta,
 )
 from hydra_trio.errors import Cancelled
 
 
 def _finished(n: int) -> Finished:
-    return Finished(finish_reason="length", id_slot=0, n_prompt=1, cache_n=0, prompt_n=1, prompt_ms=1.0,
-                    predicted_n=n, predicted_ms=1.0)
+    return Finished(
+        finish_reason="length",
+        id_slot=0,
+        n_prompt=1,
+        cache_n=0,
+        prompt_n=1,
+        prompt_ms=1.0,
+        predicted_n=n,
+        predicted_ms=1.0,
+    )
 
 
 class _Engine:
@@ -69,7 +84,7 @@ def test_a_steps_events_reach_trio_together_and_in_order() -> None:
             assert list(ra.ready()) == [] and list(rb.ready()) == []
             release.set()
             await trio.to_thread.run_sync(thread.join, 30)
-            first = await ra.__aiter__().__anext__()  # noqa: PLC2801
+            first = await ra.__aiter__().__anext__()
             assert first.text == "x"
             assert [d.text for d in ra.ready()] == ["z"]  # already there: read without waiting
             assert ra.finished is not None and ra.finished.predicted_n == 2
@@ -85,6 +100,7 @@ def test_a_steps_events_reach_trio_together_and_in_order() -> None:
 
 def test_ready_leaves_a_failure_to_the_next_read() -> None:
     """Deltas that arrived together with a failure are all readable before the failure is raised."""
+
     async def main() -> None:
         token = trio.lowlevel.current_trio_token()
         hand_off = StepHandOff()

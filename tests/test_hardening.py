@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from hydra_trio.cli._types import n_parallel as cli_n_parallel
-from hydra_trio.engine.settings import N_PARALLEL_MAX, EngineConfig, ParameterError
 from hydra_trio.engine.kv.state import blob_checksum, parse_header
+from hydra_trio.engine.settings import N_PARALLEL_MAX, EngineConfig, ParameterError
 from hydra_trio.protocol.hydra import Op, Status, encode_request, encode_request_header, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, streaming, wait_for
-from .hydra_wire import Wire
 
 HI = [{"role": "user", "content": "Say hi."}]
 
@@ -35,8 +35,15 @@ def test_penalties_do_not_kill_the_node(http: httpx.Client) -> None:
 def test_configure_rejects_out_of_range_values(server: ServerProcess) -> None:
     with Wire(server.port) as w:
         # was: 1e999 parsed as inf, applied, and then INFO could not be encoded
-        for params in ({"temperature": 1e999}, {"temperature": -5}, {"top_k": -5}, {"n_ctx": 2**31}, {"n_ctx": 2**32 + 512},
-                       {"n_parallel": 0}, {"n_parallel": N_PARALLEL_MAX + 1}):
+        for params in (
+            {"temperature": 1e999},
+            {"temperature": -5},
+            {"top_k": -5},
+            {"n_ctx": 2**31},
+            {"n_ctx": 2**32 + 512},
+            {"n_parallel": 0},
+            {"n_parallel": N_PARALLEL_MAX + 1},
+        ):
             status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps(params).encode())
             assert status == Status.BAD_REQUEST, (params, meta)
             assert meta["error"]
@@ -107,14 +114,19 @@ def test_concurrent_prefills_on_one_slot(server: ServerProcess, http: httpx.Clie
         own.append(http.post("/tokenize", json={"content": prompt, "parse_special": True}).json()["tokens"])
     assert own[0] != own[1]
     # BUSY, made to happen: the slot is processing a streamed request when the PREFILL arrives
-    with streaming(server.base, {"prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "id_slot": 3}), \
-            Wire(server.port) as w:
+    with (
+        streaming(server.base, {"prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "id_slot": 3}),
+        Wire(server.port) as w,
+    ):
         status, meta, blob = w.call(Op.PREFILL, key="3", payload=bodies[0])
         assert status == Status.BUSY and meta["busy_slots"] == [3] and blob == b"", meta
     # the closed stream's slot frees only once the node has seen its client go and the engine's next step has
     # dropped it: until then both racing PREFILLs would get BUSY (a reply pair that proves nothing)
-    wait_for(lambda: not http.get("/slots").json()[3]["is_processing"], timeout=120,
-             what="slot 3 free after the closed stream")
+    wait_for(
+        lambda: not http.get("/slots").json()[3]["is_processing"],
+        timeout=120,
+        what="slot 3 free after the closed stream",
+    )
     # two PREFILLs racing for the slot: each reply that is OK carries the KV of its own prompt, never the other's
     for _ in range(3):
         replies: list[tuple[int, dict, bytes]] = []
@@ -138,7 +150,9 @@ def test_decode_rejects_negative_budget(server: ServerProcess) -> None:
     with Wire(server.port) as w:
         status, meta, _ = w.call(Op.DECODE, key="0", payload=json.dumps({"messages": HI, "n_predict": -5}).encode())
         assert status == Status.BAD_REQUEST and "n_predict" in meta["error"]
-        status, meta, payload = w.call(Op.DECODE, key="0", payload=json.dumps({"messages": HI, "n_predict": -1}).encode())
+        status, meta, payload = w.call(
+            Op.DECODE, key="0", payload=json.dumps({"messages": HI, "n_predict": -1}).encode()
+        )
         assert status == Status.OK and len(payload) == 9 * meta["n_predict"]
         assert unpack_decode_frames(payload)
 
@@ -184,8 +198,13 @@ def test_model_load_errors_exit_cleanly(spawn, tmp_path) -> None:
 
 def test_port_in_use_exits(server: ServerProcess) -> None:
     # was: the signal task kept the nursery open and the process hung after the error
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "run", "--port", str(server.port)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "run", "--port", str(server.port)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "Address already in use" in out.stderr
 
 
@@ -201,7 +220,9 @@ def test_slow_sender_cannot_hold_a_hydra_connection() -> None:
 
     async def main() -> tuple[float, int]:
         config = ServerConfig(
-            port=0, engine=EngineConfig(path, alias, n_parallel=1, n_ctx=512), rpc_backend=None,
+            port=0,
+            engine=EngineConfig(path, alias, n_parallel=1, n_ctx=512),
+            rpc_backend=None,
             hydra=HydraSettings(request_timeout=1.0),
         )
         async with trio.open_nursery() as nursery:
@@ -247,7 +268,6 @@ def test_many_idle_connections_do_not_block_others(server: ServerProcess, http: 
             s.close()
 
 
-
 def reseal(blob: bytearray) -> None:
     """Write a tampered blob's checksum again (what a buggy or hostile peer that knows the format could send)."""
     blob[52:60] = blob_checksum(blob).to_bytes(8, "little")
@@ -256,7 +276,9 @@ def reseal(blob: bytearray) -> None:
 def test_state_put_rejected_by_llama_leaves_slot_as_it_was(server: ServerProcess, http: httpx.Client) -> None:
     """A blob whose header checks pass but whose KV bytes llama.cpp refuses: the old state is put back."""
     msgs = [{"role": "user", "content": "Name a large city."}]
-    ref = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}).json()
+    ref = http.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}
+    ).json()
     with Wire(server.port) as w:
         before = w.call(Op.STATE_META, key="0")[1]
         status, meta, blob = w.call(Op.STATE_GET, key="0")
@@ -276,6 +298,8 @@ def test_state_put_rejected_by_llama_leaves_slot_as_it_was(server: ServerProcess
         # the real blob still restores
         status, meta, _ = w.call(Op.STATE_PUT, key="1", payload=blob)
         assert status == Status.OK and meta["n_past"] == before["n_past"] and meta["bytes"] == len(blob)
-    again = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}).json()
+    again = http.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, "id_slot": 0}
+    ).json()
     assert again["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
     assert again["timings"]["cache_n"] > 0

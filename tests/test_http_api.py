@@ -82,9 +82,7 @@ def test_openai_client(server: ServerProcess) -> None:
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="sk-no-key-required")
     models = client.models.list()
     assert [m.id for m in models.data] == ["smollm2-135m"]
-    resp = client.chat.completions.create(
-        model="smollm2-135m", messages=CAPITAL, temperature=0, max_tokens=32
-    )
+    resp = client.chat.completions.create(model="smollm2-135m", messages=CAPITAL, temperature=0, max_tokens=32)
     assert "Paris" in resp.choices[0].message.content
     assert resp.usage.completion_tokens > 0
     stream = client.chat.completions.create(
@@ -92,7 +90,9 @@ def test_openai_client(server: ServerProcess) -> None:
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert "Paris" in text
-    comp = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0)
+    comp = client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     assert comp.choices[0].text.strip() != ""
 
 
@@ -133,7 +133,12 @@ def test_prefill_only_then_cache_reuse(http: httpx.Client) -> None:
     n_prompt = first["usage"]["prompt_tokens"]
     slot = http.get("/slots").json()[2]
     assert slot["n_past"] == n_prompt and not slot["is_processing"]
-    second = chat(http, messages + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}], max_tokens=4, id_slot=2)
+    second = chat(
+        http,
+        messages + [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+        max_tokens=4,
+        id_slot=2,
+    )
     assert second["timings"]["cache_n"] > 0
     assert second["timings"]["cache_n"] + second["timings"]["prompt_n"] == second["usage"]["prompt_tokens"]
 
@@ -179,10 +184,15 @@ def test_version_models_metrics(http: httpx.Client) -> None:
     assert "owned_by" in m
     chat(http, CAPITAL, max_tokens=2)
     text = http.get("/metrics").text
-    for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "llamacpp:requests_processing",
-                 "llamacpp:requests_deferred", "llamacpp:n_decode_total"):
+    for name in (
+        "llamacpp:prompt_tokens_total",
+        "llamacpp:tokens_predicted_total",
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+        "llamacpp:n_decode_total",
+    ):
         assert name in text
-    predicted = [ln for ln in text.splitlines() if ln.startswith("llamacpp:tokens_predicted_total")][0]
+    predicted = next(ln for ln in text.splitlines() if ln.startswith("llamacpp:tokens_predicted_total"))
     assert float(predicted.split()[-1]) > 0
 
 
@@ -220,10 +230,14 @@ def test_unknown_route_and_method(http: httpx.Client) -> None:
 
 
 def test_streamed_text_is_valid_utf8(server: ServerProcess) -> None:
-    msgs = [{"role": "user", "content": "Écris une phrase en français avec des accents: été, où, garçon, naïve. 日本語"}]
+    msgs = [
+        {"role": "user", "content": "Écris une phrase en français avec des accents: été, où, garçon, naïve. 日本語"}
+    ]
     text, chunks = stream_chat(server.base, msgs, max_tokens=60)
     assert text
-    assert sum(bool(c["choices"] and c["choices"][0]["delta"].get("content")) for c in chunks) >= 2  # the loop checks some
+    assert (
+        sum(bool(c["choices"] and c["choices"][0]["delta"].get("content")) for c in chunks) >= 2
+    )  # the loop checks some
     for c in chunks:
         if c["choices"]:
             assert "\ufffd" not in (c["choices"][0]["delta"].get("content") or "")

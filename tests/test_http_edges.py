@@ -37,19 +37,26 @@ def test_empty_lines_before_the_request_line_are_ignored(server: ServerProcess) 
 
 
 def test_absolute_form_targets_route_like_origin_form(server: ServerProcess) -> None:
-    out = exchange(server.port, b"GET http://example.invalid:8080/health HTTP/1.1\r\nHost: example.invalid\r\n"
-                   b"Connection: close\r\n\r\n")
+    out = exchange(
+        server.port,
+        b"GET http://example.invalid:8080/health HTTP/1.1\r\nHost: example.invalid\r\nConnection: close\r\n\r\n",
+    )
     assert out.startswith(b"HTTP/1.1 200 "), out[:200]
     body = json.dumps({"prompt": "Hi", "max_tokens": 1}).encode()
-    out = exchange(server.port, b"POST HTTP://x/v1/completions?a=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    out = exchange(
+        server.port,
+        b"POST HTTP://x/v1/completions?a=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
     assert out.startswith(b"HTTP/1.1 200 "), out[:200]
     assert b'"text_completion"' in out
 
 
 def test_expect_continue_over_the_cap_is_413_without_100(server: ServerProcess) -> None:
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n"
+    )
     out = exchange(server.port, head % (64 * 1024 * 1024))  # no body sent: the client waits for the 100
     assert out.startswith(b"HTTP/1.1 413 "), out[:200]
     assert b" 100 " not in out.split(b"\r\n", 1)[0]
@@ -73,8 +80,9 @@ def _read_reply(s: socket.socket) -> tuple[bytes, bytes]:
         assert chunk, f"closed before a whole reply head: {data!r}"
         data += chunk
     head, body = data.split(b"\r\n\r\n", 1)
-    length = int(next(line.split(b":", 1)[1] for line in head.lower().split(b"\r\n")
-                      if line.startswith(b"content-length:")))
+    length = int(
+        next(line.split(b":", 1)[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:"))
+    )
     while len(body) < length:
         chunk = s.recv(65536)
         assert chunk, "closed inside the reply body"
@@ -90,8 +98,10 @@ def test_a_reply_before_the_body_is_read_says_connection_close(server: ServerPro
     response" on ``GET /props`` after a ``POST /props``, whose body is read now).  Now the reply says
     ``Connection: close``, and the close follows it."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
-        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
-                  % path.encode())  # the body ({}) is never sent: the reply comes first
+        s.sendall(
+            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+            % path.encode()
+        )  # the body ({}) is never sent: the reply comes first
         head, body = _read_reply(s)
         assert head.split(b" ", 2)[1] in (b"501", b"404"), head
         assert b"\r\nconnection: close" in head, head
@@ -100,24 +110,33 @@ def test_a_reply_before_the_body_is_read_says_connection_close(server: ServerPro
 
 
 @pytest.mark.parametrize(("path", "status"), [("/tokenize", b"200"), ("/props", b"501")])
-def test_a_reply_to_a_request_whose_body_was_read_keeps_the_connection(server: ServerProcess, path: str,
-                                                                        status: bytes) -> None:
+def test_a_reply_to_a_request_whose_body_was_read_keeps_the_connection(
+    server: ServerProcess, path: str, status: bytes
+) -> None:
     """``POST /props`` reads its body before it answers (501 without ``--props``), as llama-server's HTTP
     server does, so the connection stays usable."""
     body = json.dumps({"content": "Hello"}).encode()
     with socket.create_connection(("127.0.0.1", server.port), timeout=120) as s:
         for _ in range(3):
-            s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+            s.sendall(
+                b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+            )
             head, reply = _read_reply(s)
             assert head.startswith(b"http/1.1 " + status + b" ") and b"connection: close" not in head, head
             assert json.loads(reply)
 
 
 def test_cors(server: ServerProcess, spawn) -> None:
-    pre = httpx.options(server.base + "/v1/chat/completions", headers={
-        "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "content-type,authorization"}, timeout=120)
+    pre = httpx.options(
+        server.base + "/v1/chat/completions",
+        headers={
+            "Origin": "http://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,authorization",
+        },
+        timeout=120,
+    )
     assert pre.status_code == 200
     assert pre.headers["access-control-allow-origin"] in ("*", "http://app.example")
     assert "POST" in pre.headers["access-control-allow-methods"]
@@ -130,8 +149,11 @@ def test_cors(server: ServerProcess, spawn) -> None:
     assert ok.headers["access-control-allow-origin"] == "http://ok.example"
     other = httpx.get(srv.base + "/health", headers={"Origin": "http://evil.example"}, timeout=120)
     assert "access-control-allow-origin" not in other.headers
-    pre = httpx.options(srv.base + "/v1/completions", headers={
-        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}, timeout=120)
+    pre = httpx.options(
+        srv.base + "/v1/completions",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+        timeout=120,
+    )
     assert pre.status_code == 400
 
 
@@ -163,8 +185,10 @@ def test_http2_is_not_offered_on_a_plain_connection(server: ServerProcess) -> No
     it); HTTP/2 with prior knowledge gets no HTTP/2 and its connection is closed, not held open (it was,
     until shutdown)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
-                  b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")
+        s.sendall(
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+            b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+        )
         reply = s.recv(4096)
     assert reply.startswith(b"HTTP/1.1 200"), reply
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
@@ -182,7 +206,6 @@ def test_http2_is_not_offered_on_a_plain_connection(server: ServerProcess) -> No
             raise AssertionError(f"HTTP/2 answered: {r.http_version} {r.status_code}")
 
 
-
 def test_a_malformed_chunked_body_is_refused_without_an_error_in_the_log(server: ServerProcess) -> None:
     """A chunk ended by a bare LF (found by examples/fuzz_my_node.py): hypercorn answers 400 and closes
     while the app answers the request too (405, 404) or reads its body.  The two sends and the close
@@ -190,12 +213,18 @@ def test_a_malformed_chunked_body_is_refused_without_an_error_in_the_log(server:
     reader's ``ClientDisconnect`` was a 500 with a traceback.  Now: one reply (or a close) per
     connection, the body reader's request logged as 400, no ERROR line, and the node serves on."""
     before = len(server.log())
-    cases = [(b"HEAD", b"/slots/0", (b"400", b"405")), (b"GET", b"/nope", (b"400", b"404")),
-             (b"POST", b"/v1/completions", (b"400",))]
+    cases = [
+        (b"HEAD", b"/slots/0", (b"400", b"405")),
+        (b"GET", b"/nope", (b"400", b"404")),
+        (b"POST", b"/v1/completions", (b"400",)),
+    ]
     for method, target, statuses in cases:
         for _ in range(8):
-            out = exchange(server.port, method + b" " + target + b" HTTP/1.1\r\nHost: x\r\n"
-                           b"Transfer-Encoding: chunked\r\n\r\n1\r\na\n0\r\n\r\n", timeout=60)
+            out = exchange(
+                server.port,
+                method + b" " + target + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\n0\r\n\r\n",
+                timeout=60,
+            )
             assert out == b"" or out.split(b" ", 2)[1] in statuses, (method, target, out[:200])
             assert out.count(b"HTTP/1.1 ") <= 1, out[:400]
     assert httpx.get(server.base + "/health", timeout=60).json() == {"status": "ok", "stage": "ready"}
@@ -211,8 +240,7 @@ BIG = b"x" * (32 << 20)  # more than the kernel buffers on both ends of a loopba
 
 
 async def _big_reply(scope, receive, send) -> None:  # a plain ASGI app: one 32 MiB reply
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-length", str(len(BIG)).encode())]})
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(BIG)).encode())]})
     await send({"type": "http.response.body", "body": BIG})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,6 +24,20 @@ from fuzz.strategies import (
     split_at,
     valid_requests,
 )
+from hydra_trio.hydra.messages import (
+    MessageError,
+    PipelineAttachRequest,
+    SetExpertModeRequest,
+    clamp_state_chunk_size,
+    classify_configure_keys,
+    parse_configure,
+    parse_decode,
+    parse_peer,
+    parse_prefill,
+    parse_set_expert_mode,
+    structure_json,
+)
+from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
 from hydra_trio.protocol.hydra import (
     DECODE_FLAG_FINAL,
     DECODE_FLAG_PAD,
@@ -30,6 +45,7 @@ from hydra_trio.protocol.hydra import (
     DECODE_PAD_TOKEN,
     MAGIC,
     MAX_META_LEN,
+    NEED_DATA,
     REQUEST_HEADER_SIZE,
     RESPONSE_HEADER_SIZE,
     BadMagic,
@@ -55,20 +71,6 @@ from hydra_trio.protocol.hydra import (
     is_store_op,
     pack_decode_frame,
     unpack_decode_frames,
-)
-from hydra_trio.openai.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
-from hydra_trio.protocol.messages import (
-    MessageError,
-    PipelineAttachRequest,
-    SetExpertModeRequest,
-    clamp_state_chunk_size,
-    classify_configure_keys,
-    parse_configure,
-    parse_decode,
-    parse_peer,
-    parse_prefill,
-    parse_set_expert_mode,
-    structure_json,
 )
 
 
@@ -153,10 +155,7 @@ def test_encode_request_layout() -> None:
     b = encode_request(Op.DECODE, "3", b"{}", "tr-1", flags=0)
     assert b[:16] == RequestHeader(0x43, 0, 1, 2, 4).pack()
     assert b[16:] == b"3tr-1{}"
-    assert (
-        encode_request_header(Op.STATE_PUT, "0", "", 10)
-        == RequestHeader(0x31, 0, 1, 10, 0).pack() + b"0"
-    )
+    assert encode_request_header(Op.STATE_PUT, "0", "", 10) == RequestHeader(0x31, 0, 1, 10, 0).pack() + b"0"
     with pytest.raises(ValueError):
         encode_request(Op.INFO, "k" * 70000)
 
@@ -387,9 +386,7 @@ _json_meta = st.dictionaries(
     ),
     st.data(),
 )
-def test_response_any_chunking(
-    frames: list[tuple[Status, dict[str, Any], bytes]], data: st.DataObject
-) -> None:
+def test_response_any_chunking(frames: list[tuple[Status, dict[str, Any], bytes]], data: st.DataObject) -> None:
     stream = b"".join(encode_response(s, m, p) for s, m, p in frames)
     dec = ResponseDecoder()
     out: list[tuple[int, dict[str, Any], bytes]] = []
@@ -425,15 +422,99 @@ def test_response_meta_edge_cases() -> None:
 
 
 # --------------------------------------------------------------------------
+# The pull-style interface: receive_data, then next_event until NEED_DATA (as h11)
+# --------------------------------------------------------------------------
+
+
+def pull(dec: RequestDecoder | ResponseDecoder) -> list[Any]:
+    """Every event the bytes received so far make, read one ``next_event()`` at a time."""
+    out = []
+    while (ev := dec.next_event()) is not NEED_DATA:
+        out.append(ev)
+    return out
+
+
+def test_a_frame_one_byte_at_a_time_gives_the_events_of_the_whole_frame() -> None:
+    cases: list[tuple[Callable[[], RequestDecoder | ResponseDecoder], bytes, int]] = [
+        (new_decoder, encode_request(Op.STATE_PUT, "3", b"blob", "trace"), 3),
+        (ResponseDecoder, encode_response(Status.BUSY, {"error": "busy", "busy_slots": [0]}), 2),
+        (ResponseDecoder, encode_response(Status.OK, {"n": 1}, b"payload"), 3),
+    ]
+    for make, frame, n_events in cases:
+        dec_whole, dec_bytes = make(), make()
+        dec_whole.receive_data(frame)
+        whole = pull(dec_whole)
+        assert len(whole) == n_events and dec_whole.idle
+        one_by_one = []
+        for i in range(len(frame)):
+            dec_bytes.receive_data(frame[i : i + 1])
+            one_by_one += pull(dec_bytes)
+            assert dec_bytes.in_frame == (i < len(frame) - 1)
+        # the same started event, the same payload bytes (chunk boundaries carry no meaning), one end
+        assert logical_any(one_by_one) == logical_any(whole)
+        assert type(one_by_one[-1]) is type(whole[-1]) and dec_bytes.idle
+
+
+def logical_any(events: list[Any]) -> list[tuple[Any, bytes]]:
+    """(started event, payload) per frame: chunk boundaries carry no meaning."""
+    out: list[tuple[Any, bytes]] = []
+    for ev in events:
+        if isinstance(ev, (RequestStarted, ResponseStarted)):
+            out.append((ev, b""))
+        elif isinstance(ev, PayloadChunk):
+            out[-1] = (out[-1][0], out[-1][1] + ev.data)
+    return out
+
+
+def test_two_frames_in_one_chunk_give_two_frames_of_events() -> None:
+    dec = new_decoder()
+    dec.receive_data(encode_request(Op.INFO, "", b"", "a") + encode_request(Op.PREFILL, "1", b"{}", "b"))
+    first = [dec.next_event(), dec.next_event()]
+    assert first == [RequestStarted(RequestHeader(Op.INFO, 0, 0, 0, 1), "", "a"), RequestEnded()]
+    assert dec.unread == REQUEST_HEADER_SIZE + 2 + 2  # the second frame waits, unread, until asked for
+    rest = pull(dec)
+    assert rest == [
+        RequestStarted(RequestHeader(Op.PREFILL, 0, 1, 2, 1), "1", "b"),
+        PayloadChunk(b"{}"),
+        RequestEnded(),
+    ]
+    assert dec.next_event() is NEED_DATA and dec.idle
+    resp = ResponseDecoder()
+    resp.receive_data(encode_response(Status.OK, {"a": 1}) + encode_response(Status.NOT_FOUND, {"error": "x"}))
+    assert [type(e).__name__ for e in pull(resp)] == ["ResponseStarted", "ResponseEnded"] * 2
+
+
+def test_bad_bytes_after_a_frame_raise_once_its_events_are_read() -> None:
+    """The events of the frames before bad bytes come first; the error comes at the call that reaches
+    them, and the decoder is closed after it."""
+    dec = new_decoder()
+    dec.receive_data(encode_request(Op.INFO, "a") + b"ZZ")
+    assert isinstance(dec.next_event(), RequestStarted) and dec.next_event() == RequestEnded()
+    with pytest.raises(BadMagic):
+        dec.next_event()
+    assert dec.state is DecoderState.CLOSED
+    with pytest.raises(ProtocolError):
+        dec.next_event()
+    with pytest.raises(ProtocolError):
+        dec.receive_data(b"x")
+
+
+def test_bytes_received_twice_before_reading_are_read_in_order() -> None:
+    frame = encode_request(Op.STATE_PUT, "0", b"abcdef", "t")
+    dec = new_decoder()
+    dec.receive_data(frame[:20])
+    dec.receive_data(frame[20:])
+    assert logical(pull(dec)) == ([Req(Op.STATE_PUT, 0, "0", "t", b"abcdef")], None)
+
+
+# --------------------------------------------------------------------------
 # DECODE frames
 # --------------------------------------------------------------------------
 
 
 @given(
     st.lists(
-        st.tuples(
-            st.integers(0, 2**32 - 1), st.floats(width=32, allow_nan=False), st.integers(0, 255)
-        ),
+        st.tuples(st.integers(0, 2**32 - 1), st.floats(width=32, allow_nan=False), st.integers(0, 255)),
         max_size=20,
     )
 )

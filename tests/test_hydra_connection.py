@@ -21,7 +21,6 @@ import pytest
 import trio
 import trio.testing
 
-from hydra_trio.transport.access import AccessSettings, AllowList, Peer
 from hydra_trio.engine.kv.blobbuf import BlobBuffer
 from hydra_trio.hydra.connection import ServerConnection
 from hydra_trio.hydra.server import HydraHandler
@@ -37,6 +36,7 @@ from hydra_trio.protocol.hydra import (
     encode_request,
     encode_request_header,
 )
+from hydra_trio.transport.access import AccessSettings, AllowList, Peer
 
 TOKEN = "t0ken"
 LOCAL = Peer(ipaddress.ip_address("127.0.0.1"))  # not in the allow-list below
@@ -204,7 +204,7 @@ async def test_a_payload_over_its_ops_cap_is_refused_at_the_header_and_the_conne
 
 async def test_a_state_put_over_the_state_cap_is_refused_and_closes() -> None:
     h = guarded_handler()
-    async with connection(h, ALLOWED) as (wire, conn, done):
+    async with connection(h, ALLOWED) as (wire, conn, _done):
         await wire.stream.send_all(encode_request_header(Op.STATE_PUT, key="0", payload_len=8193))
         status, meta, _ = await wire.reply()
         assert status == Status.BAD_REQUEST and meta["op"] == Op.STATE_PUT and "8192" in meta["error"]
@@ -251,8 +251,15 @@ async def test_pipelined_requests_are_dispatched_and_answered_in_order(bytewise:
     assert [op for op, _, _ in conn.seen] == [Op.INFO, 0x7F, 0x01, Op.INFO, Op.CONFIGURE, Op.INFO, Op.INFO]
     assert conn.seen[1][2] == b""  # an unknown op's payload is consumed, not kept
     statuses = [s for s, _, _ in replies]
-    assert statuses == [Status.OK, Status.NOT_IMPLEMENTED, Status.NOT_IMPLEMENTED, Status.BAD_REQUEST,
-                        Status.BAD_REQUEST, Status.BAD_REQUEST, Status.OK]
+    assert statuses == [
+        Status.OK,
+        Status.NOT_IMPLEMENTED,
+        Status.NOT_IMPLEMENTED,
+        Status.BAD_REQUEST,
+        Status.BAD_REQUEST,
+        Status.BAD_REQUEST,
+        Status.OK,
+    ]
     assert "unknown opcode" in replies[1][1]["error"] and "Store service" in replies[2][1]["error"]
     assert "flags 0x01" in replies[3][1]["error"] and replies[4][1]["refused"] == "not_allowed"
     assert "not valid UTF-8" in replies[5][1]["error"]
@@ -262,13 +269,16 @@ async def test_pipelined_requests_are_dispatched_and_answered_in_order(bytewise:
 async def test_drain_closes_an_idle_connection_now_and_a_busy_one_after_its_reply() -> None:
     h = guarded_handler()
     drain = Drain()
-    async with connection(h, drain=drain) as (idle, _, idle_done), \
-            connection(h, drain=drain) as (busy, busy_conn, busy_done):
+    async with (
+        connection(h, drain=drain) as (idle, _, idle_done),
+        connection(h, drain=drain) as (busy, busy_conn, busy_done),
+    ):
         assert (await idle.call(Op.INFO))[0] == Status.OK
         # the busy connection is inside a request: its header and half its payload are in
         body = configure({"n_parallel": 2})
-        await busy.stream.send_all(encode_request_header(Op.CONFIGURE, trace_id="mid", payload_len=len(body))
-                                   + body[:5])
+        await busy.stream.send_all(
+            encode_request_header(Op.CONFIGURE, trace_id="mid", payload_len=len(body)) + body[:5]
+        )
         await trio.testing.wait_all_tasks_blocked()
         drain.start()
         assert drain.draining
@@ -282,7 +292,7 @@ async def test_drain_closes_an_idle_connection_now_and_a_busy_one_after_its_repl
         assert await busy.closed()  # and it closes after that reply, before reading another request
         await busy_done.wait()
         assert [trace for _, trace, _ in busy_conn.seen] == ["mid"]
-    async with connection(h, drain=drain) as (late, late_conn, late_done):  # a connection after the drain
+    async with connection(h, drain=drain) as (late, late_conn, _late_done):  # a connection after the drain
         with contextlib.suppress(trio.BrokenResourceError):  # the loop may have closed its end already
             await late.send(Op.INFO)
         assert await late.closed()  # closed with no reply
@@ -294,6 +304,7 @@ async def test_the_handler_drain_reaches_connections_it_serves() -> None:
     client, server = trio.testing.memory_stream_pair()
     wire = Wire(client)
     async with trio.open_nursery() as nursery:
+
         async def serve() -> None:
             await h.serve(server, ALLOWED)
             await server.aclose()

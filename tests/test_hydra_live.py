@@ -18,18 +18,28 @@ from hydra_trio.protocol.hydra import (
     DECODE_STOP_FLAGS,
     Op,
     Status,
+    decode_stop_reason,
     encode_request,
     encode_request_header,
-    decode_stop_reason,
     unpack_decode_frames,
 )
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming, wait_for
-from .hydra_wire import Wire
 
 CORE_INFO_KEYS = {
-    "engine", "version", "capabilities", "preset_aliases", "solo_active", "rpc_backend_active", "mode",
-    "peer_addr", "peer_reachable", "layer_split", "combined_head_attached", "pipeline_capable",
+    "engine",
+    "version",
+    "capabilities",
+    "preset_aliases",
+    "solo_active",
+    "rpc_backend_active",
+    "mode",
+    "peer_addr",
+    "peer_reachable",
+    "layer_split",
+    "combined_head_attached",
+    "pipeline_capable",
 }
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -48,7 +58,7 @@ def test_info_has_core_keys(server: ServerProcess) -> None:
     with Wire(server.port) as w:
         status, meta, payload = w.call(Op.INFO, key="rtx")
     assert status == Status.OK and payload == b""
-    assert CORE_INFO_KEYS <= meta.keys()
+    assert meta.keys() >= CORE_INFO_KEYS
     assert meta["engine"] == "hydra-trio" and meta["mode"] == "solo" and meta["solo_active"] is True
     assert "smollm2-135m" in meta["preset_aliases"]
     assert meta["n_slots"] == 4 and meta["n_ctx_slot"] == 2048
@@ -77,7 +87,9 @@ def test_flags_key_rules_and_not_implemented_ops(server: ServerProcess) -> None:
         assert w.call(Op.STATE_META, key="-1")[0] == Status.NOT_FOUND
         status, meta, _ = w.call(Op.SWAP_QUANT, payload=struct.pack("<H", 4) + b"q8_0" + b"ffn_.*")
         assert status == Status.BAD_REQUEST and "not one of this node's quants" in meta["error"]
-        status, meta, _ = w.call(Op.PIPELINE_ATTACH, payload=json.dumps({"peer": "127.0.0.1:1", "ot_split": "x"}).encode())
+        status, meta, _ = w.call(
+            Op.PIPELINE_ATTACH, payload=json.dumps({"peer": "127.0.0.1:1", "ot_split": "x"}).encode()
+        )
         assert status == Status.OK and meta["success"] is False and "does not answer" in meta["fallback_reason"]
         assert meta["mode"] == "solo"
         status, meta, _ = w.call(Op.STATE_META, key="0")
@@ -121,7 +133,9 @@ def test_set_expert_mode_busy_while_streaming(server: ServerProcess) -> None:
 
 def test_set_expert_mode_forms(server: ServerProcess) -> None:
     with Wire(server.port) as w:
-        status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=json.dumps({"mode": "combined", "peer": "127.0.0.1:9504"}).encode())
+        status, meta, _ = w.call(
+            Op.SET_EXPERT_MODE, payload=json.dumps({"mode": "combined", "peer": "127.0.0.1:9504"}).encode()
+        )
         assert status == Status.OK and meta["mode"] == "solo" and meta["fallback_reason"]
         status, meta, _ = w.call(Op.SET_EXPERT_MODE, payload=b"{not json")
         assert status == Status.BAD_REQUEST and meta["error"]
@@ -221,11 +235,15 @@ def test_state_put_refuses_other_model_and_partial_uploads(server: ServerProcess
     # an upload cut off midway: the client disconnects after half the payload
     trace = f"cut-{uuid.uuid4().hex[:12]}"
     with Wire(server.port) as w:
-        w.send(encode_request_header(Op.STATE_PUT, key="1", trace_id=trace, payload_len=len(blob))
-               + blob[: len(blob) // 2])
+        w.send(
+            encode_request_header(Op.STATE_PUT, key="1", trace_id=trace, payload_len=len(blob)) + blob[: len(blob) // 2]
+        )
     # the node has seen the cut (and says nothing was applied) before the slot is looked at
-    wait_for(lambda: f"[{trace}] hydra: peer closed mid-request (op 0x31); nothing applied" in server.log(),
-             timeout=120, what="the node logs the cut-off upload")
+    wait_for(
+        lambda: f"[{trace}] hydra: peer closed mid-request (op 0x31); nothing applied" in server.log(),
+        timeout=120,
+        what="the node logs the cut-off upload",
+    )
     with Wire(server.port) as w:
         assert w.call(Op.STATE_META, key="1")[1]["n_past"] == before["n_past"]
     again = chat_on_slot(server.base, 1, max_tokens=8)
@@ -253,15 +271,17 @@ def test_decode_against_the_orchestrators_expectations(server: ServerProcess) ->
         # PREFILL then DECODE with "messages": null (what the orchestrator sends with no body)
         status, pre, _ = w.call(Op.PREFILL, key="1", payload=json.dumps({"messages": MESSAGES}).encode())
         assert status == Status.OK
-        status, meta, payload = w.call(Op.DECODE, key="1", payload=json.dumps(
-            {"messages": None, "n_predict": 4, "temperature": 0}).encode())
+        status, meta, payload = w.call(
+            Op.DECODE, key="1", payload=json.dumps({"messages": None, "n_predict": 4, "temperature": 0}).encode()
+        )
         assert status == Status.OK, meta
         assert meta["n_past"] == pre["n_past"] and meta["stream"] is True
         frames = [f for f in unpack_decode_frames(payload) if not f[2] & DECODE_FLAG_PAD]
         assert len(frames) == 4 and decode_stop_reason(frames[-1][2]) == "length"
         # the same tokens as the full conversation gives
-        status, meta_full, payload_full = w.call(Op.DECODE, key="2", payload=json.dumps(
-            {"messages": MESSAGES, "n_predict": 4, "temperature": 0}).encode())
+        status, _meta_full, payload_full = w.call(
+            Op.DECODE, key="2", payload=json.dumps({"messages": MESSAGES, "n_predict": 4, "temperature": 0}).encode()
+        )
         assert [f[0] for f in unpack_decode_frames(payload_full)] == [f[0] for f in frames]
         # an empty slot has nothing to continue from
         assert httpx.post(server.base + "/slots/3?action=erase", timeout=60).status_code == 200
@@ -274,16 +294,20 @@ def test_decode_against_the_orchestrators_expectations(server: ServerProcess) ->
         status, meta, _ = w.call(Op.DECODE, key="1", payload=b'{"messages": []}')
         assert status == Status.BAD_REQUEST
         # "stream": false: the whole reply at once, with its final meta
-        status, meta, payload = w.call(Op.DECODE, key="2", payload=json.dumps(
-            {"messages": MESSAGES, "n_predict": 64, "temperature": 0, "stream": False}).encode())
+        status, meta, payload = w.call(
+            Op.DECODE,
+            key="2",
+            payload=json.dumps({"messages": MESSAGES, "n_predict": 64, "temperature": 0, "stream": False}).encode(),
+        )
         assert status == Status.OK and meta["stream"] is False
         frames = unpack_decode_frames(payload)
         assert meta["tokens_generated"] == len(frames) > 3
         assert meta["stop_reason"] == "eos" and decode_stop_reason(frames[-1][2]) == "eos"
         status, slot_meta, _ = w.call(Op.STATE_META, key="2")
         assert meta["n_past"] == slot_meta["n_past"]
-        status, meta, payload = w.call(Op.DECODE, key="2", payload=json.dumps(
-            {"messages": MESSAGES, "n_predict": 3, "stream": False}).encode())
+        status, meta, payload = w.call(
+            Op.DECODE, key="2", payload=json.dumps({"messages": MESSAGES, "n_predict": 3, "stream": False}).encode()
+        )
         assert meta["tokens_generated"] == 3 and meta["stop_reason"] == "length" and len(payload) == 27
         assert w.call(Op.INFO)[0] == Status.OK  # in sync
 
@@ -292,7 +316,7 @@ def test_info_uses_the_cpp_engines_capability_names(spawn) -> None:
     fresh = spawn("-np", "1", "--no-rpc-backend")  # a node that never had a peer
     fresh.wait_ready()
     with Wire(fresh.port) as w:
-        status, meta, _ = w.call(Op.INFO)
+        _status, meta, _ = w.call(Op.INFO)
     assert {"state_transfer", "expert_mode", "preset", "model_hash", "prefill", "decode"} <= set(meta["capabilities"])
     assert {"quant_swap", "pipeline_attach", "kv_identity"} <= set(meta["capabilities"])
     assert meta["peer_addr"] == ""  # no peer: an empty string (docs/hydra-protocol.md §3, INFO)

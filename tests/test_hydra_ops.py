@@ -186,7 +186,7 @@ async def test_a_decode_that_fails_after_its_header_pads_the_budget_with_the_err
         assert decode_stop_reason(got[end][2]) == "error", got[end]
         assert all(flags == 0 and token != 0xFFFFFFFF for token, _, flags in got[:end])
         # after the frame that ends it, plain PAD frames up to the budget
-        assert (first + rest)[9 * (end + 1):] == DECODE_PAD_FRAME * (2000 - end - 1)
+        assert (first + rest)[9 * (end + 1) :] == DECODE_PAD_FRAME * (2000 - end - 1)
         # the connection is in sync: the next reply on it parses
         status, meta, _ = await w.call(Op.INFO)
         assert status == Status.OK and meta["engine"]
@@ -213,8 +213,9 @@ async def test_a_non_streamed_decode_that_fails_is_an_error_reply() -> None:
         assert (await w.call(Op.INFO))[0] == Status.OK
 
 
-async def test_configure_tier3_reloads_the_model_and_refusals_change_nothing(hybrid_model: Path,
-                                                                             tmp_path: Path) -> None:
+async def test_configure_tier3_reloads_the_model_and_refusals_change_nothing(
+    hybrid_model: Path, tmp_path: Path
+) -> None:
     async with node() as server, AsyncWire.open(server.port) as w:
         info0 = (await w.call(Op.INFO))[1]
         status, meta, blob = await w.call(Op.PREFILL, "0", body({"messages": HI}))

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from hydra_trio.engine.settings import LlamaOptions, kv_cache_problem
 from hydra_trio.errors import ModelLoadError
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess
-from .hydra_wire import Wire
 
 Q8 = ("-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0")
 # SmolLM2-135M: 30 layers, 3 KV heads of 64 values for K and for V
@@ -34,8 +34,10 @@ FILLER = " ".join(f"Line {i}: the weather in town {i} was mild and the market so
 # greedy, SmolLM2 answers "The secret word is banana." from a q8_0 cache, the likeliest token leading the runner-up
 # by at least 0.49 in probability over those tokens on an AVX2-only and an AVX-512 build (with "tangerine" and
 # "What is the secret word?" the lead at " t" was 0.13 to 0.22: too close to hold on every CPU's kernels)
-NEEDLE = [{"role": "system", "content": "You are a helpful assistant."},
-          {"role": "user", "content": f"{FILLER} The secret word is banana. {FILLER} Which word is the secret word?"}]
+NEEDLE = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": f"{FILLER} The secret word is banana. {FILLER} Which word is the secret word?"},
+]
 README_QUESTION = CAPITAL_QUESTION
 
 
@@ -66,8 +68,9 @@ def _prefill(port: int, slot: int, messages: list[dict]) -> tuple[dict, bytes]:
 
 def _decode(w: Wire, slot: int, n: int = 16) -> list[int]:
     """Greedy DECODE continuing the slot's own KV (``messages`` null): the token ids."""
-    status, meta, payload = w.call(Op.DECODE, key=str(slot), payload=json.dumps(
-        {"messages": None, "n_predict": n, "temperature": 0}).encode())
+    status, meta, payload = w.call(
+        Op.DECODE, key=str(slot), payload=json.dumps({"messages": None, "n_predict": n, "temperature": 0}).encode()
+    )
     assert status == Status.OK, meta
     return [f[0] for f in unpack_decode_frames(payload) if not f[2] & DECODE_FLAG_PAD]
 
@@ -78,8 +81,11 @@ def _text(base: str, tokens: list[int]) -> str:
 
 def test_q8_0_cache_with_flash_attention_answers_the_readme_question(q8_nodes) -> None:
     a, _ = q8_nodes
-    r = httpx.post(a.base + "/v1/chat/completions", timeout=120,
-                   json={"messages": README_QUESTION, "temperature": 0, "max_tokens": 32})
+    r = httpx.post(
+        a.base + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": README_QUESTION, "temperature": 0, "max_tokens": 32},
+    )
     assert r.status_code == 200, r.text
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
 
@@ -105,7 +111,7 @@ def test_a_prefill_decode_move_between_q8_0_nodes_gives_one_nodes_text(q8_nodes)
         assert status == Status.OK, put
         assert put["n_past"] == pre["n_past"] and put["model_hash_match"] is True and put["kv_identity_match"]
         # the same types move byte-equal (the cells name their slot: the same slot id on both nodes)
-        status, meta, moved_blob = wb.call(Op.STATE_GET, key="0")
+        status, _meta, moved_blob = wb.call(Op.STATE_GET, key="0")
         assert status == Status.OK and moved_blob == blob
         moved = _decode(wb, 0)
         one_node = _decode(wa, 0)  # A goes on from its own prefill
@@ -177,8 +183,13 @@ def test_the_cache_types_are_reported_everywhere(q8_nodes, server: ServerProcess
 def test_a_quantized_v_cache_without_flash_attention_exits_2() -> None:
     message = kv_cache_problem("off", "f16", "q8_0")
     assert message is not None and "-ctv/--cache-type-v q8_0" in message and "flash attention" in message
-    proc = subprocess.run([sys.executable, "-m", "hydra_trio", "run", "-ctv", "q8_0", "-fa", "off", "--port", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "run", "-ctv", "q8_0", "-fa", "off", "--port", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "loading" not in proc.stderr.lower()  # refused before anything loads
@@ -190,4 +201,3 @@ def test_a_quantized_v_cache_without_flash_attention_exits_2() -> None:
     for fa, k, v in (("off", "q8_0", "f16"), ("off", "f16", "bf16"), ("on", "q4_0", "q4_0"), ("auto", "f16", "q8_0")):
         assert kv_cache_problem(fa, k, v) is None
         LlamaOptions(flash_attn=fa, cache_type_k=k, cache_type_v=v)
-

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, wait_for
-from .hydra_wire import Wire
 
 N_CTX = 1024
 PROMPT = 700  # tokens: one prompt fits in the shared cache, two do not
@@ -45,8 +45,9 @@ def n_past(base: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def unified(tmp_path_factory: pytest.TempPathFactory):
-    srv = ServerProcess(tmp_path_factory.mktemp("kvu") / "kvu.log", "-kvu", "-np", "2", "-c", str(N_CTX),
-                        "--no-rpc-backend")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("kvu") / "kvu.log", "-kvu", "-np", "2", "-c", str(N_CTX), "--no-rpc-backend"
+    )
     with srv.serving(180):
         yield srv
 
@@ -67,7 +68,8 @@ def test_each_slot_may_hold_the_whole_unified_cache(unified: ServerProcess) -> N
 
 
 def test_a_full_cache_frees_an_idle_slot_and_its_conversation_comes_back_from_the_prompt_cache(
-        unified: ServerProcess) -> None:
+    unified: ServerProcess,
+) -> None:
     a, b = token_prompt(11), token_prompt(12)
     assert complete(unified.base, a, 0).status_code == 200
     # slot 1's prompt does not fit beside slot 0's idle tokens: slot 0 is freed (its state kept in RAM)
@@ -109,8 +111,10 @@ def test_two_prompts_that_cannot_fit_together_fail_as_llama_servers_do(unified: 
     for i in range(2):
         assert httpx.post(f"{unified.base}/slots/{i}?action=erase", timeout=30).status_code == 200
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(complete, unified.base, token_prompt(20 + i), i, n_predict=400, ignore_eos=True)
-                   for i in range(2)]
+        futures = [
+            pool.submit(complete, unified.base, token_prompt(20 + i), i, n_predict=400, ignore_eos=True)
+            for i in range(2)
+        ]
         replies = [f.result() for f in futures]
     for r in replies:
         assert r.status_code == 500, r.text

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import sys
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -13,9 +13,9 @@ import httpx
 
 from hydra_trio.engine.kv.state import verify_checksum
 from hydra_trio.protocol.hydra import Op, Status, encode_request
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import wait_for
-from .hydra_wire import Wire
 
 
 def test_health_stages_before_ready(spawn) -> None:
@@ -85,8 +85,13 @@ def test_sigterm_lets_requests_in_flight_finish(spawn) -> None:
     lines: list[str] = []
 
     def stream() -> None:
-        body = {"prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "Once upon a time",
+            "max_tokens": 60,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=120) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
@@ -158,22 +163,43 @@ def test_sigterm_to_the_process_group_stops_the_rpc_child_with_the_node(tmp_path
     import subprocess
 
     from hydra_trio.testing.spawn import wait_healthy
+
     from .conftest import ROOT, free_port
 
     port = free_port()
     log_path = tmp_path / "node.log"
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-np", "1", "-c", "512",
-                                 "--shutdown-grace", "5"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # its own process group, as a service has
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hydra_trio",
+                "run",
+                "--port",
+                str(port),
+                "-np",
+                "1",
+                "-c",
+                "512",
+                "--shutdown-grace",
+                "5",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own process group, as a service has
         try:
             wait_healthy(port, proc, timeout=120)
             # a stream in flight keeps the node in its grace, where the child's end is seen
-            body = json.dumps({"prompt": "Once upon a time", "max_tokens": 100000, "ignore_eos": True,
-                               "stream": True}).encode()
+            body = json.dumps(
+                {"prompt": "Once upon a time", "max_tokens": 100000, "ignore_eos": True, "stream": True}
+            ).encode()
             with socket.create_connection(("127.0.0.1", port)) as held:
-                held.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                held.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
                 got = b""
                 while b"data: " not in got:  # streaming
                     chunk = held.recv(65536)
@@ -230,13 +256,18 @@ def test_requests_in_flight_at_the_end_of_the_grace_are_told_the_node_is_stoppin
         "whole": ("/v1/completions", {"prompt": "Once upon a time", **endless}),
     }
     out: dict = {}
-    threads = [threading.Thread(target=_read_stream, args=(srv.base, path, body, out, key))
-               for key, (path, body) in requests.items()]
+    threads = [
+        threading.Thread(target=_read_stream, args=(srv.base, path, body, out, key))
+        for key, (path, body) in requests.items()
+    ]
     for t in threads:
         t.start()
     decode = Wire(srv.port, timeout=300)
-    decode.send(encode_request(Op.DECODE, key="4", payload=json.dumps({"messages": chat, "n_predict": 8192,
-                                                                        "ignore_eos": True}).encode()))
+    decode.send(
+        encode_request(
+            Op.DECODE, key="4", payload=json.dumps({"messages": chat, "n_predict": 8192, "ignore_eos": True}).encode()
+        )
+    )
     busy = lambda: sum(s["is_processing"] for s in httpx.get(srv.base + "/slots", timeout=60).json()) == 5  # noqa: E731
     wait_for(busy, timeout=120, what="five requests generating")
     srv.proc.send_signal(signal.SIGTERM)

@@ -27,15 +27,47 @@ from .conftest import ServerProcess, streaming
 # --------------------------------------------------------------------------- llama-server's shapes
 
 PARAMS = {  # task_params::to_json(only_metrics = true), tools/server/server-task.cpp
-    "seed": int, "temperature": float, "dynatemp_range": float, "dynatemp_exponent": float, "top_k": int,
-    "top_p": float, "min_p": float, "top_n_sigma": float, "xtc_probability": float, "xtc_threshold": float,
-    "typical_p": float, "repeat_last_n": int, "repeat_penalty": float, "presence_penalty": float,
-    "frequency_penalty": float, "dry_multiplier": float, "dry_base": float, "dry_allowed_length": int,
-    "dry_penalty_last_n": int, "mirostat": int, "mirostat_tau": float, "mirostat_eta": float,
-    "adaptive_target": float, "adaptive_decay": float, "max_tokens": int, "n_predict": int, "n_keep": int,
-    "n_discard": int, "ignore_eos": bool, "stream": bool, "n_probs": int, "min_keep": int, "chat_format": str,
-    "reasoning_format": str, "reasoning_in_content": bool, "generation_prompt": str, "samplers": [str],
-    "speculative.types": str, "timings_per_token": bool, "post_sampling_probs": bool, "backend_sampling": bool,
+    "seed": int,
+    "temperature": float,
+    "dynatemp_range": float,
+    "dynatemp_exponent": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "top_n_sigma": float,
+    "xtc_probability": float,
+    "xtc_threshold": float,
+    "typical_p": float,
+    "repeat_last_n": int,
+    "repeat_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "dry_multiplier": float,
+    "dry_base": float,
+    "dry_allowed_length": int,
+    "dry_penalty_last_n": int,
+    "mirostat": int,
+    "mirostat_tau": float,
+    "mirostat_eta": float,
+    "adaptive_target": float,
+    "adaptive_decay": float,
+    "max_tokens": int,
+    "n_predict": int,
+    "n_keep": int,
+    "n_discard": int,
+    "ignore_eos": bool,
+    "stream": bool,
+    "n_probs": int,
+    "min_keep": int,
+    "chat_format": str,
+    "reasoning_format": str,
+    "reasoning_in_content": bool,
+    "generation_prompt": str,
+    "samplers": [str],
+    "speculative.types": str,
+    "timings_per_token": bool,
+    "post_sampling_probs": bool,
+    "backend_sampling": bool,
     "lora": [{"id": int, "scale": float}],
 }
 
@@ -43,51 +75,128 @@ SLOT = {"id": int, "n_ctx": int, "speculative": bool, "is_processing": bool}
 """server_slot::to_json for a slot that never had a task."""
 
 SLOT_WITH_TASK = {
-    **SLOT, "id_task": int, "n_prompt_tokens": int, "n_prompt_tokens_processed": int, "n_prompt_tokens_cache": int,
+    **SLOT,
+    "id_task": int,
+    "n_prompt_tokens": int,
+    "n_prompt_tokens_processed": int,
+    "n_prompt_tokens_cache": int,
     "params": PARAMS,
     "next_token": [{"has_next_token": bool, "has_new_line": bool, "n_remain": int, "n_decoded": int}],
 }
 """server_slot::to_json once the slot ran a task (``next_token``: an array of one object)."""
 
-CAPS = {name: bool for name in (  # common/jinja/caps.cpp, caps::to_map
-    "supports_string_content", "supports_typed_content", "supports_tools", "supports_tool_calls",
-    "supports_parallel_tool_calls", "supports_system_role", "supports_preserve_reasoning",
-    "supports_reasoning_effort", "supports_object_arguments")}
+CAPS = {
+    name: bool
+    for name in (  # common/jinja/caps.cpp, caps::to_map
+        "supports_string_content",
+        "supports_typed_content",
+        "supports_tools",
+        "supports_tool_calls",
+        "supports_parallel_tool_calls",
+        "supports_system_role",
+        "supports_preserve_reasoning",
+        "supports_reasoning_effort",
+        "supports_object_arguments",
+    )
+}
 
 PROPS = {  # get_res_props
-    "default_generation_settings": {"params": PARAMS, "n_ctx": int}, "total_slots": int, "model_alias": str,
-    "model_ftype": str, "model_path": str, "modalities": {"vision": bool, "video": bool, "audio": bool},
-    "media_marker": str, "endpoint_slots": bool, "endpoint_props": bool, "endpoint_metrics": bool, "ui": bool,
-    "ui_settings": dict, "chat_template": str, "chat_template_caps": CAPS, "bos_token": str, "eos_token": str,
-    "build_info": str, "is_sleeping": bool, "cors_proxy_enabled": bool,
+    "default_generation_settings": {"params": PARAMS, "n_ctx": int},
+    "total_slots": int,
+    "model_alias": str,
+    "model_ftype": str,
+    "model_path": str,
+    "modalities": {"vision": bool, "video": bool, "audio": bool},
+    "media_marker": str,
+    "endpoint_slots": bool,
+    "endpoint_props": bool,
+    "endpoint_metrics": bool,
+    "ui": bool,
+    "ui_settings": dict,
+    "chat_template": str,
+    "chat_template_caps": CAPS,
+    "bos_token": str,
+    "eos_token": str,
+    "build_info": str,
+    "is_sleeping": bool,
+    "cors_proxy_enabled": bool,
 }
 
 MODELS = {  # get_res_models, get_res_model_info
-    "models": [{
-        "name": str, "model": str, "modified_at": str, "size": str, "digest": str, "type": str,
-        "description": str, "tags": [str], "capabilities": [str], "parameters": str,
-        "details": {"parent_model": str, "format": str, "family": str, "families": [str], "parameter_size": str,
-                    "quantization_level": str},
-    }],
+    "models": [
+        {
+            "name": str,
+            "model": str,
+            "modified_at": str,
+            "size": str,
+            "digest": str,
+            "type": str,
+            "description": str,
+            "tags": [str],
+            "capabilities": [str],
+            "parameters": str,
+            "details": {
+                "parent_model": str,
+                "format": str,
+                "family": str,
+                "families": [str],
+                "parameter_size": str,
+                "quantization_level": str,
+            },
+        }
+    ],
     "object": str,
-    "data": [{
-        "id": str, "aliases": [str], "tags": [str], "object": str, "created": int, "owned_by": str,
-        "meta": {"vocab_type": int, "n_vocab": int, "n_ctx": int, "n_ctx_train": int, "n_embd": int,
-                 "n_params": int, "size": int, "ftype": str},
-    }],
+    "data": [
+        {
+            "id": str,
+            "aliases": [str],
+            "tags": [str],
+            "object": str,
+            "created": int,
+            "owned_by": str,
+            "meta": {
+                "vocab_type": int,
+                "n_vocab": int,
+                "n_ctx": int,
+                "n_ctx_train": int,
+                "n_embd": int,
+                "n_params": int,
+                "size": int,
+                "ftype": str,
+            },
+        }
+    ],
 }
 
 HEALTH = {"status": str}  # the /health handler: {"status": "ok"}, 200
 ERROR = {"error": {"message": str, "type": str, "code": int}}  # format_error_response; the loading middleware's
 
 METRICS = {  # server_task_result_metrics::to_metrics: llamacpp:<name> -> its TYPE
-    **{name: "counter" for name in (
-        "prompt_tokens_total", "prompt_tokens_cached_total", "prompt_seconds_total", "tokens_predicted_total",
-        "tokens_predicted_seconds_total", "n_decode_total", "n_tokens_max", "spec_decode_num_draft_tokens_total",
-        "spec_decode_num_accepted_tokens_total", "spec_decode_num_drafts_total")},
-    **{name: "gauge" for name in (
-        "prompt_tokens_seconds", "predicted_tokens_seconds", "requests_processing", "requests_deferred",
-        "n_busy_slots_per_decode")},
+    **{
+        name: "counter"
+        for name in (
+            "prompt_tokens_total",
+            "prompt_tokens_cached_total",
+            "prompt_seconds_total",
+            "tokens_predicted_total",
+            "tokens_predicted_seconds_total",
+            "n_decode_total",
+            "n_tokens_max",
+            "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total",
+            "spec_decode_num_drafts_total",
+        )
+    },
+    **{
+        name: "gauge"
+        for name in (
+            "prompt_tokens_seconds",
+            "predicted_tokens_seconds",
+            "requests_processing",
+            "requests_deferred",
+            "n_busy_slots_per_decode",
+        )
+    },
 }
 
 
@@ -123,11 +232,13 @@ def test_the_comparison_sees_types_and_keys() -> None:
 
 # --------------------------------------------------------------------------- one node, two slots
 
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, list[tuple[int, Any]]]]:
     """A node with two slots and ``--props``, and the ``/health`` replies seen while it loaded."""
-    srv = ServerProcess(tmp_path_factory.mktemp("shapes") / "server.log", "--parallel", "2", "--ctx-size", "1024",
-                        "--props")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("shapes") / "server.log", "--parallel", "2", "--ctx-size", "1024", "--props"
+    )
     seen: list[tuple[int, Any]] = []
     deadline = time.monotonic() + 180
     try:
@@ -255,8 +366,8 @@ call.function.arguments | tojson }}}</tool_call>{%- endfor %}<|im_end|>
 
 
 def test_chat_template_caps_of_three_templates() -> None:
-    from hydra_trio.openai.template_caps import template_caps
     from hydra_trio.engine.llama.model import ChatTemplate
+    from hydra_trio.openai.template_caps import template_caps
 
     from .test_thinking import TEMPLATE as THINKING  # writes earlier turns' reasoning, reads reasoning_effort
 
@@ -265,7 +376,11 @@ def test_chat_template_caps_of_three_templates() -> None:
     assert {k for k, v in tools.items() if not v} == {"supports_preserve_reasoning", "supports_reasoning_effort"}
     thinking = template_caps(ChatTemplate.jinja(THINKING, "<s>", "</s>", "test"))
     assert {k for k, v in thinking.items() if v} == {
-        "supports_string_content", "supports_system_role", "supports_preserve_reasoning", "supports_reasoning_effort"}
+        "supports_string_content",
+        "supports_system_role",
+        "supports_preserve_reasoning",
+        "supports_reasoning_effort",
+    }
     builtin = template_caps(ChatTemplate.builtin("chatml", "test"))  # llama.cpp's: no variables, no tools
     assert {k for k, v in builtin.items() if v} == {"supports_string_content", "supports_system_role"}
 

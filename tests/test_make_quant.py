@@ -35,7 +35,8 @@ def test_make_quant_writes_a_loadable_q8_0_file_with_the_same_tensors(hybrid_mod
     try:
         assert model.n_vocab() == 49152
         assert model.tokenize(b"Hello world") == llama_cpp.Llama(
-            str(hybrid_model), n_ctx=64, verbose=False, vocab_only=True).tokenize(b"Hello world")
+            str(hybrid_model), n_ctx=64, verbose=False, vocab_only=True
+        ).tokenize(b"Hello world")
     finally:
         model.close()
 
@@ -51,8 +52,9 @@ def test_make_quant_refuses_an_unknown_type_and_a_file_that_is_no_model(tmp_path
     assert list(dst.parent.iterdir()) == []  # neither the file nor its temporary
 
 
-def test_ensure_quant_makes_the_file_once_in_the_cache(hybrid_model: Path, tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ensure_quant_makes_the_file_once_in_the_cache(
+    hybrid_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     dst = quant_path("hybrid", "F16")
     assert dst == tmp_path / "hydra-trio" / "models" / "hybrid-f16.gguf"

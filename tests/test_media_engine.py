@@ -64,8 +64,7 @@ def prompt_with(engine: Engine, *seeds: int, question: str = "", size: tuple[int
 async def generate(engine: Engine, prompt: MediaTokens, **job: Any) -> tuple[list[int], Finished]:
     fields: dict[str, Any] = {"n_predict": N_PREDICT, "ignore_eos": True, "id_slot": 0, "sampling": GREEDY, **job}
     out: list[int] = []
-    async with JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks,
-                                            **fields)) as run:
+    async with JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, **fields)) as run:
         async for delta in run:
             out.extend(delta.tokens)
         assert run.finished is not None
@@ -155,8 +154,9 @@ async def test_a_slot_holding_media_is_not_saved() -> None:
             await engine.run_task(SaveSlot(0))
         assert info.value.http_status == 501
         with pytest.raises(NotSupported, match="a slot holding media cannot be saved"):
-            engine.submit(CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, snapshot=True,
-                                        n_predict=1))
+            engine.submit(
+                CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, snapshot=True, n_predict=1)
+            )
         text = engine.model.chat_prompt_tokens(chat_prompt("a picture"))
         async with JobRun(engine, CompletionJob(prompt_tokens=tuple(text), n_predict=2, id_slot=0)) as run:
             await run.result()
@@ -170,8 +170,17 @@ async def test_a_request_cancelled_during_its_images_leaves_whole_chunks() -> No
     async with vision_engine() as engine:
         prompt = prompt_with(engine, 1, 2, 3, size=(448, 448))
         assert len(prompt.chunks) == 3
-        run = JobRun(engine, CompletionJob(prompt_tokens=prompt.tokens, media_chunks=prompt.chunks, id_slot=0,
-                                           n_predict=N_PREDICT, ignore_eos=True, sampling=GREEDY)).submit()
+        run = JobRun(
+            engine,
+            CompletionJob(
+                prompt_tokens=prompt.tokens,
+                media_chunks=prompt.chunks,
+                id_slot=0,
+                n_predict=N_PREDICT,
+                ignore_eos=True,
+                sampling=GREEDY,
+            ),
+        ).submit()
         await run.started()
         run.close()
         with pytest.raises(Cancelled):

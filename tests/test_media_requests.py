@@ -4,7 +4,8 @@ vendored llama.cpp: ``oaicompat_content_load_media``, ``handle_media``, ``tokeni
 
 A node with a projector (``-m tiny-vision``, its projector found beside it) reports it (``/props`` modalities,
 ``/v1/models`` capabilities, Hydra INFO), renders media parts as its media marker (``/apply-template``), checks
-every part (URL forms, base64, limits) with llama-server's messages, and evaluates the media into the slot.  A node without one answers media parts with llama-server's error and status.
+every part (URL forms, base64, limits) with llama-server's messages, and evaluates the media into the slot.  A node
+without one answers media parts with llama-server's error and status.
 The slow tests ask llama-server built from the vendored llama.cpp the same questions.
 """
 
@@ -26,10 +27,10 @@ from hydra_trio.models import tiny_vision
 from hydra_trio.models.presets import PRESETS, resolve_model
 from hydra_trio.openai.media import MAX_MEDIA_BYTES, MAX_MEDIA_ITEMS
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, wait_healthy
 
 from .conftest import ROOT, ServerProcess, free_port
-from .hydra_wire import Wire
 
 MARKER = "<__media_hydra_trio_test__>"
 """The media marker both nodes and llama-server are given (``LLAMA_MEDIA_MARKER``), so prompts compare."""
@@ -63,8 +64,20 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def vision(tmp_path_factory: pytest.TempPathFactory, media_dir: Path) -> Iterator[ServerProcess]:
     """``-m tiny-vision`` (its projector by ``--mmproj-auto``, the default), one slot, ``--media-path``."""
-    srv = ServerProcess(tmp_path_factory.mktemp("vision") / "server.log", "-m", "tiny-vision", "-np", "1", "-c",
-                        "2048", "-t", "2", "--media-path", str(media_dir), env={"LLAMA_MEDIA_MARKER": MARKER})
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("vision") / "server.log",
+        "-m",
+        "tiny-vision",
+        "-np",
+        "1",
+        "-c",
+        "2048",
+        "-t",
+        "2",
+        "--media-path",
+        str(media_dir),
+        env={"LLAMA_MEDIA_MARKER": MARKER},
+    )
     with srv.serving(timeout=300) as s:
         yield s
 
@@ -78,8 +91,9 @@ def vhttp(vision: ServerProcess) -> Iterator[httpx.Client]:
 def error_of(r: httpx.Response, status: int) -> str:
     assert r.status_code == status, r.text
     err = r.json()["error"]
-    assert err["code"] == status and err["type"] == ("server_error" if status == 500 else {
-        400: "invalid_request_error", 501: "not_supported_error"}[status])
+    assert err["code"] == status and err["type"] == (
+        "server_error" if status == 500 else {400: "invalid_request_error", 501: "not_supported_error"}[status]
+    )
     return err["message"]
 
 
@@ -131,8 +145,14 @@ def test_apply_template_puts_the_media_marker_where_each_part_was(vhttp) -> None
     """``/apply-template`` reads the parts as a chat does and renders each media part as the marker; text parts
     of a message with media are joined with a newline, none before or after a marker (``common/chat.cpp``,
     ``common_chat_msg::to_json_oaicompat``)."""
-    body = chat({"type": "text", "text": "a"}, {"type": "text", "text": "b"}, image(DATA_URL),
-                {"type": "text", "text": "c"}, image(DATA_URL), image(DATA_URL))
+    body = chat(
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+        image(DATA_URL),
+        {"type": "text", "text": "c"},
+        image(DATA_URL),
+        image(DATA_URL),
+    )
     r = vhttp.post("/apply-template", json=body)
     assert r.status_code == 200, r.text
     assert f"<|im_start|>user\na\nb{MARKER}c{MARKER}{MARKER}<|im_end|>\n<|im_start|>assistant\n" in r.json()["prompt"]
@@ -149,13 +169,16 @@ def test_a_completion_with_media_is_served_on_every_path(vhttp, vision, media_di
     blob, which a slot holding media does not give); the same request twice gives the same greedy text and
     the second finds its prompt, image and all, in the slot's cache; another image is a miss at the image."""
     bare = base64.b64encode(PNG).decode().rstrip("=")  # bare base64, padding optional (llama-server's decoder)
-    text_only = vhttp.post("/v1/chat/completions", json=chat({"type": "text", "text": "What is it?"},
-                                                             cache_prompt=False)).json()
+    text_only = vhttp.post(
+        "/v1/chat/completions", json=chat({"type": "text", "text": "What is it?"}, cache_prompt=False)
+    ).json()
     n_text = text_only["usage"]["prompt_tokens"]
     first = None
-    for body in (chat(image(DATA_URL), {"type": "text", "text": "What is it?"}, cache_prompt=False),
-                 chat(image(bare), {"type": "text", "text": "What is it?"}),
-                 chat(image("file://sub/cat.png"), {"type": "text", "text": "What is it?"})):
+    for body in (
+        chat(image(DATA_URL), {"type": "text", "text": "What is it?"}, cache_prompt=False),
+        chat(image(bare), {"type": "text", "text": "What is it?"}),
+        chat(image("file://sub/cat.png"), {"type": "text", "text": "What is it?"}),
+    ):
         r = vhttp.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         j = r.json()
@@ -175,8 +198,11 @@ def test_a_completion_with_media_is_served_on_every_path(vhttp, vision, media_di
         events = [line for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3
     for path in ("/completion", "/v1/completions"):
-        body = {"prompt": {"prompt_string": f"Look: {MARKER} and {MARKER}", "multimodal_data": [bare, bare]},
-                "n_predict": 2, "temperature": 0}
+        body = {
+            "prompt": {"prompt_string": f"Look: {MARKER} and {MARKER}", "multimodal_data": [bare, bare]},
+            "n_predict": 2,
+            "temperature": 0,
+        }
         r = vhttp.post(path, json=body)
         assert r.status_code == 200, r.text
     # a prompt object without multimodal_data is its prompt_string
@@ -233,20 +259,31 @@ def test_media_limits_are_400s_naming_the_limit(vhttp) -> None:
     assert vhttp.post("/v1/chat/completions", json=chat(*[image(tiny)] * MAX_MEDIA_ITEMS)).status_code == 200
     big = base64.b64encode(b"\x89PNG" + bytes(MAX_MEDIA_BYTES)).decode()
     msg = error_of(vhttp.post("/v1/chat/completions", json=chat(image("data:image/png;base64," + big))), 400)
-    assert f"messages[0].content[0]: the media item is {MAX_MEDIA_BYTES + 4} bytes, more than {MAX_MEDIA_BYTES}" \
-           " (MAX_MEDIA_BYTES)" in msg
-    body = {"prompt": {"prompt_string": MARKER * (MAX_MEDIA_ITEMS + 1), "multimodal_data": [tiny] * (
-        MAX_MEDIA_ITEMS + 1)}}
+    assert (
+        f"messages[0].content[0]: the media item is {MAX_MEDIA_BYTES + 4} bytes, more than {MAX_MEDIA_BYTES}"
+        " (MAX_MEDIA_BYTES)" in msg
+    )
+    body = {
+        "prompt": {"prompt_string": MARKER * (MAX_MEDIA_ITEMS + 1), "multimodal_data": [tiny] * (MAX_MEDIA_ITEMS + 1)}
+    }
     assert "more than 64 (MAX_MEDIA_ITEMS)" in error_of(vhttp.post("/completion", json=body), 400)
 
 
-@pytest.mark.parametrize(("prompt", "message"), [
-    ({"prompt_string": "no marker", "multimodal_data": ["QUJD"]},
-     "Failed to tokenize prompt: the prompt holds the media marker 0 times for 1 media items"),
-    ({"prompt_string": f"{MARKER}", "multimodal_data": ["@@"]}, "Invalid base64 value (multimodal_data[0])"),
-    ({"prompt_string": f"{MARKER}", "multimodal_data": "QUJD"}, "multimodal_data: expected a list of base64 strings"),
-    ({"multimodal_data": ["QUJD"]}, '"prompt" elements must be a string, a list of tokens, a JSON object'),
-])
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (
+            {"prompt_string": "no marker", "multimodal_data": ["QUJD"]},
+            "Failed to tokenize prompt: the prompt holds the media marker 0 times for 1 media items",
+        ),
+        ({"prompt_string": f"{MARKER}", "multimodal_data": ["@@"]}, "Invalid base64 value (multimodal_data[0])"),
+        (
+            {"prompt_string": f"{MARKER}", "multimodal_data": "QUJD"},
+            "multimodal_data: expected a list of base64 strings",
+        ),
+        ({"multimodal_data": ["QUJD"]}, '"prompt" elements must be a string, a list of tokens, a JSON object'),
+    ],
+)
 def test_a_bad_multimodal_prompt_is_a_400(vhttp, prompt, message) -> None:
     """llama-server's ``/completion`` prompt object: ``mtmd_tokenize`` pairs each media marker with one
     ``multimodal_data`` entry (``Failed to tokenize prompt`` otherwise); entries are base64 strings."""
@@ -276,15 +313,31 @@ def test_a_node_without_a_projector_answers_media_as_llama_server(http, server) 
 @contextlib.contextmanager
 def llama_server(tmp_path: Path, *args: str) -> Iterator[httpx.Client]:
     """llama-server built from the vendored llama.cpp (``bench/build_llama_server.sh``), with :data:`MARKER`."""
-    out = subprocess.run([str(ROOT / "bench" / "build_llama_server.sh")], check=True, stdout=subprocess.PIPE,
-                         text=True)
+    out = subprocess.run([str(ROOT / "bench" / "build_llama_server.sh")], check=True, stdout=subprocess.PIPE, text=True)
     binary = out.stdout.strip().splitlines()[-1]
     port = free_port()
     log = tmp_path / "llama-server.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([binary, "--host", "127.0.0.1", "--port", str(port), "-np", "1", "-c", "2048",
-                                 "-t", "2", "--no-webui", *args], stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **SHARED_MACHINE_ENV, "LLAMA_MEDIA_MARKER": MARKER})
+        proc = subprocess.Popen(
+            [
+                binary,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "-np",
+                "1",
+                "-c",
+                "2048",
+                "-t",
+                "2",
+                "--no-webui",
+                *args,
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SHARED_MACHINE_ENV, "LLAMA_MEDIA_MARKER": MARKER},
+        )
     try:
         try:
             wait_healthy(port, proc, timeout=300)
@@ -307,9 +360,12 @@ def test_llama_server_without_a_projector_gives_the_same_errors(http, tmp_path: 
     part, an audio part and ``multimodal_data``."""
     model, _ = resolve_model("smollm2-135m")
     audio = {"type": "input_audio", "input_audio": {"data": "QUJD", "format": "wav"}}
-    asks = [("/v1/chat/completions", chat(image(DATA_URL))), ("/v1/chat/completions", chat(audio)),
-            ("/apply-template", chat(image(DATA_URL))),
-            ("/completion", {"prompt": {"prompt_string": "x", "multimodal_data": ["QUJD"]}})]
+    asks = [
+        ("/v1/chat/completions", chat(image(DATA_URL))),
+        ("/v1/chat/completions", chat(audio)),
+        ("/apply-template", chat(image(DATA_URL))),
+        ("/completion", {"prompt": {"prompt_string": "x", "multimodal_data": ["QUJD"]}}),
+    ]
     with llama_server(tmp_path, "-m", str(model)) as ls:
         for path, body in asks:
             theirs, ours = ls.post(path, json=body), http.post(path, json=body)
@@ -322,18 +378,26 @@ def test_llama_server_without_a_projector_gives_the_same_errors(http, tmp_path: 
 def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp_path: Path) -> None:
     """llama-server with ``-m LM --mmproj PROJ`` (tiny-vision's files): the same ``/props`` vision and audio
     modalities and marker (its ``video`` is true for any vision projector in a build with ``MTMD_VIDEO``,
-    ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same ``/apply-template`` prompt for parts around images, for a
+    ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same
+    ``/apply-template`` prompt for parts around images, for a
     bad data URL a message that ours starts with (ours adds where the part is), and for two images the same
     prompt token count and greedy text."""
     model, _ = resolve_model("tiny-vision")
-    body = chat({"type": "text", "text": "a"}, {"type": "text", "text": "b"}, image(DATA_URL),
-                {"type": "text", "text": "c"}, image(DATA_URL))
+    body = chat(
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+        image(DATA_URL),
+        {"type": "text", "text": "c"},
+        image(DATA_URL),
+    )
     with llama_server(tmp_path, "-m", str(model), "--mmproj", str(PRESETS["tiny-vision"].projector())) as ls:
         theirs, ours = ls.get("/props").json(), vhttp.get("/props").json()
         assert theirs["modalities"] == {**ours["modalities"], "video": True}
         assert theirs["media_marker"] == ours["media_marker"] == MARKER
-        assert ls.get("/v1/models").json()["models"][0]["capabilities"] == \
-            vhttp.get("/v1/models").json()["models"][0]["capabilities"]
+        assert (
+            ls.get("/v1/models").json()["models"][0]["capabilities"]
+            == vhttp.get("/v1/models").json()["models"][0]["capabilities"]
+        )
         assert ls.post("/apply-template", json=body).json() == vhttp.post("/apply-template", json=body).json()
         for url in ("data:text/plain;base64,QUJD", "data:image/png;utf8,abc", "data:image/png;base64,QU,JD"):
             t = ls.post("/v1/chat/completions", json=chat(image(url)))
@@ -344,8 +408,23 @@ def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp
         # ggml: the same arithmetic)
         other = "data:image/png;base64," + base64.b64encode(tiny_vision.png_image(5, 224, 224)).decode()
         for url in (DATA_URL, other):
-            ask = chat(image(url), {"type": "text", "text": "What is in the picture?"}, max_tokens=8,
-                       cache_prompt=False)
+            ask = chat(
+                image(url), {"type": "text", "text": "What is in the picture?"}, max_tokens=8, cache_prompt=False
+            )
             t, o = (c.post("/v1/chat/completions", json=ask).json() for c in (ls, vhttp))
             assert t["usage"]["prompt_tokens"] == o["usage"]["prompt_tokens"]
             assert t["choices"][0]["message"]["content"] == o["choices"][0]["message"]["content"]
+
+
+def test_projector_device_and_encode_batch_flags_reach_the_projector(spawn) -> None:
+    """``-mmdev CPU --mtmd-batch-max-tokens 64`` (llama-server's flags; the device by ggml's case-insensitive
+    name) load the projector there and serve an image; ``-mmdev`` naming no device exits 2 naming it."""
+    with spawn(
+        "-m", "tiny-vision", "-np", "1", "-c", "1024", "-t", "2", "-mmdev", "cpu", "--mtmd-batch-max-tokens", "64"
+    ).serving(300) as srv:
+        r = httpx.post(f"{srv.base}/v1/chat/completions", json=chat(image(DATA_URL)), timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 12
+    bad = spawn("-m", "tiny-vision", "-mmdev", "NoSuchGPU0")
+    assert bad.proc.wait(120) == 2
+    assert "-mmdev/--mmproj-device: invalid device: NoSuchGPU0" in bad.log()

@@ -14,8 +14,19 @@ import pytest
 
 from tests.conftest import ROOT, wait_for
 
-HEAVY = ("numpy", "llama_cpp.llama", "llama_cpp.llama_chat_format", "gguf", "yaml", "diskcache", "rich",
-         "trio_websocket", "pythonjsonlogger", "hypothesis", "importlib.metadata")
+HEAVY = (
+    "numpy",
+    "llama_cpp.llama",
+    "llama_cpp.llama_chat_format",
+    "gguf",
+    "yaml",
+    "diskcache",
+    "rich",
+    "trio_websocket",
+    "pythonjsonlogger",
+    "hypothesis",
+    "importlib.metadata",
+)
 """Modules a serving node has no use for until a request asks (numpy: log-probabilities) or never."""
 
 
@@ -27,11 +38,14 @@ def _python(code: str) -> str:
 
 
 def test_the_node_modules_import_none_of_the_heavy_ones() -> None:
-    loaded = json.loads(_python(
-        "import json, sys\n"
-        "import hydra_trio.cli, hydra_trio.cli.run, hydra_trio.node.server, hydra_trio.openai.embeddings\n"
-        "import hydra_trio.engine.engine, hydra_trio.engine.llama.model\n"
-        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules] + [len(sys.modules)]))"))
+    loaded = json.loads(
+        _python(
+            "import json, sys\n"
+            "import hydra_trio.cli, hydra_trio.cli.run, hydra_trio.node.server, hydra_trio.openai.embeddings\n"
+            "import hydra_trio.engine.engine, hydra_trio.engine.llama.model\n"
+            f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules] + [len(sys.modules)]))"
+        )
+    )
     *heavy, n = loaded
     assert heavy == []
     assert n > 300  # the scan looked at a whole node's modules (602 when written)
@@ -40,20 +54,32 @@ def test_the_node_modules_import_none_of_the_heavy_ones() -> None:
 def test_llama_cpp_is_whole_when_asked() -> None:
     """After ``import hydra_trio``, ``import llama_cpp`` has the bindings without numpy, and a name of the
     high-level half (``Llama``) loads it: code that wants the whole package still gets it."""
-    out = json.loads(_python(
-        "import json, sys, importlib.metadata\n"
-        "import hydra_trio, llama_cpp\n"
-        "steps = [llama_cpp.__version__ == importlib.metadata.version('llama-cpp-python'), 'numpy' in sys.modules]\n"
-        "steps += [callable(llama_cpp.llama_backend_init), 'numpy' in sys.modules]\n"
-        "from llama_cpp import Llama\n"
-        "steps += [Llama.__module__, 'numpy' in sys.modules, llama_cpp.LlamaGrammar.__name__]\n"
-        "try:\n"
-        "    llama_cpp.no_such_name\n"
-        "except AttributeError as exc:\n"
-        "    steps.append(str(exc))\n"
-        "print(json.dumps(steps))"))
-    assert out == [True, False, True, False, "llama_cpp.llama", True, "LlamaGrammar",
-                   "module 'llama_cpp' has no attribute 'no_such_name'"]
+    out = json.loads(
+        _python(
+            "import json, sys, importlib.metadata\n"
+            "import hydra_trio, llama_cpp\n"
+            "steps = [llama_cpp.__version__ == importlib.metadata.version('llama-cpp-python'),"
+            " 'numpy' in sys.modules]\n"
+            "steps += [callable(llama_cpp.llama_backend_init), 'numpy' in sys.modules]\n"
+            "from llama_cpp import Llama\n"
+            "steps += [Llama.__module__, 'numpy' in sys.modules, llama_cpp.LlamaGrammar.__name__]\n"
+            "try:\n"
+            "    llama_cpp.no_such_name\n"
+            "except AttributeError as exc:\n"
+            "    steps.append(str(exc))\n"
+            "print(json.dumps(steps))"
+        )
+    )
+    assert out == [
+        True,
+        False,
+        True,
+        False,
+        "llama_cpp.llama",
+        True,
+        "LlamaGrammar",
+        "module 'llama_cpp' has no attribute 'no_such_name'",
+    ]
 
 
 TEMPLATES = {
@@ -63,20 +89,34 @@ TEMPLATES = {
         "{% if loop.index > 5 %}{% break %}{% endif %}{% endfor %}"
         "{% if tools %}{{ tools | tojson }}|{{ tools | tojson(indent=2) }}{% endif %}"
         "{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}{{ eos_token }}"),
+        "{% if add_generation_prompt %}<assistant>{% endif %}{{ eos_token }}"
+    ),
     "whitespace control": "{%- for m in messages %}\n  {{ m.content }}\n{% endfor -%}\n{{ strftime_now('%Y') }}",
     "raise_exception": "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools: ' + "
-                       "m.role) }}{% endif %}{{ m.content }}{% endfor %}",
+    "m.role) }}{% endif %}{{ m.content }}{% endfor %}",
 }
 MESSAGES = [
     [{"role": "user", "content": "hello"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "é ü 日本 \"quoted\" <tag>"},
-     {"role": "assistant", "content": "ok"}, {"role": "skip", "content": "x"}, {"role": "user", "content": "more"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": 'é ü 日本 "quoted" <tag>'},
+        {"role": "assistant", "content": "ok"},
+        {"role": "skip", "content": "x"},
+        {"role": "user", "content": "more"},
+    ],
     [{"role": "user", "content": str(i)} for i in range(9)],
     [{"role": "tool", "content": "result"}],
 ]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "météo",
-                                           "parameters": {"type": "object", "properties": {"city": {}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "météo",
+            "parameters": {"type": "object", "properties": {"city": {}}},
+        },
+    }
+]
 
 
 def _gguf_chat_template() -> str:
@@ -109,7 +149,8 @@ def _render(fmt: object, messages: list, tools: list | None, kwargs: dict) -> st
 
 @pytest.mark.parametrize("name", [*TEMPLATES, "the default model's GGUF template"])
 def test_the_jinja_renderer_renders_as_llama_cpp_python(name: str) -> None:
-    """:class:`~hydra_trio.engine.llama.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` whose behaviour it follows,
+    """:class:`~hydra_trio.engine.llama.jinja_chat.JinjaChatFormatter` against the ``Jinja2ChatFormatter`` whose
+    behaviour it follows,
     on the same templates, messages, tools and extra variables: the same prompt, or the same error."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -153,8 +194,10 @@ def test_a_serving_node_maps_no_numpy_until_log_probabilities_and_trims_its_heap
     gguf's type sizes differ from ggml's, and gguf imports numpy.)"""
     with spawn("--log-level", "DEBUG", "--no-rpc-backend").serving() as srv:
         pid = srv.proc.pid
-        line = wait_for(lambda: next((x for x in srv.log().splitlines() if "heap trimmed after loading" in x), None),
-                        what="the trim after the load")
+        line = wait_for(
+            lambda: next((x for x in srv.log().splitlines() if "heap trimmed after loading" in x), None),
+            what="the trim after the load",
+        )
         resident = float(line.split("resident ")[1].split(" MiB")[0])
         assert 100 < resident < 2000  # a real figure in MiB, not bytes or pages
         body = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "temperature": 0}
@@ -163,8 +206,9 @@ def test_a_serving_node_maps_no_numpy_until_log_probabilities_and_trims_its_heap
         assert r.json()["choices"][0]["message"]["content"]
         wait_for(lambda: "heap trimmed idle" in srv.log(), what="the trim once every slot is idle")
         assert "numpy" not in _maps(pid)
-        r = httpx.post(f"{srv.base}/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2},
-                       timeout=120)
+        r = httpx.post(
+            f"{srv.base}/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2}, timeout=120
+        )
         assert r.status_code == 200, r.text
         content = r.json()["choices"][0]["logprobs"]["content"]
         assert content and len(content[0]["top_logprobs"]) == 2 and content[0]["logprob"] <= 0

@@ -25,9 +25,9 @@ from hydra_trio.hydra.client import HydraClient
 from hydra_trio.hydra.errors import HydraNotFound
 from hydra_trio.observability.logs import TextFormatter
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, streaming
-from .hydra_wire import Wire
 
 # family -> type, as prometheus-client's parser names them (a counter without its _total)
 FAMILIES = {
@@ -106,8 +106,11 @@ class Scrape:
 
 
 def _completion(base: str, slot: int, n: int = 8) -> dict:
-    r = httpx.post(base + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": n,
-                                                   "temperature": 0, "id_slot": slot}, timeout=120)
+    r = httpx.post(
+        base + "/v1/completions",
+        json={"prompt": "The capital of France is", "max_tokens": n, "temperature": 0, "id_slot": slot},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -121,8 +124,11 @@ def test_every_family_is_exported_with_its_type_and_documented(server: ServerPro
         # the table's row: the family's own name (a counter without the `_total` it is exported with) and type
         assert f"| `{name}` | {kind} |" in page, f"{name} ({kind}) is not a row of docs/operations.md's metrics table"
     # and nothing is exported that the test (so docs/operations.md) does not know
-    unknown = set(scrape.families) - set(FAMILIES) - {"hydra_trio:hydra_request_seconds_created",
-                                                      "hydra_trio:state_transfer_mb_per_second_created"}
+    unknown = (
+        set(scrape.families)
+        - set(FAMILIES)
+        - {"hydra_trio:hydra_request_seconds_created", "hydra_trio:state_transfer_mb_per_second_created"}
+    )
     assert unknown == set(), unknown
     assert scrape.value("hydra_trio:expert_mode", mode="solo") == 1.0
     assert scrape.value("hydra_trio:expert_mode", mode="combined") == 0.0
@@ -188,11 +194,14 @@ def test_completions_move_llamacpp_counters(server: ServerProcess) -> None:
     before = Scrape(server.base)
     reply = _completion(server.base, slot=2, n=6)
     after = Scrape(server.base)
-    assert after.value("llamacpp:tokens_predicted_total") - before.value("llamacpp:tokens_predicted_total") == (
-        reply["usage"]["completion_tokens"])
+    assert (
+        after.value("llamacpp:tokens_predicted_total") - before.value("llamacpp:tokens_predicted_total")
+        == (reply["usage"]["completion_tokens"])
+    )
     assert after.value("llamacpp:n_decode_total") > before.value("llamacpp:n_decode_total")
     assert after.value("hydra_trio:connections_total", protocol="http") > before.value(
-        "hydra_trio:connections_total", protocol="http")
+        "hydra_trio:connections_total", protocol="http"
+    )
 
 
 def test_control_changes_applied_refused_busy_and_failed(server: ServerProcess) -> None:
@@ -276,7 +285,10 @@ def test_json_log_format_one_object_per_line_with_request_fields(spawn) -> None:
     assert len(meta) == 1 and meta[0]["op"] == "STATE_META" and meta[0]["slot"] == 1
     mode = {r["logger"]: r for r in records if r.get("trace_id") == "trace-mode-1"}
     assert mode["hydra_trio.hydra"]["op"] == "SET_EXPERT_MODE"
-    assert mode["hydra_trio.control"]["op"].startswith("set_expert_mode") and "applied" in mode["hydra_trio.control"]["msg"]
+    assert (
+        mode["hydra_trio.control"]["op"].startswith("set_expert_mode")
+        and "applied" in mode["hydra_trio.control"]["msg"]
+    )
 
 
 def test_text_log_format_appends_the_request_fields(server: ServerProcess) -> None:
@@ -323,7 +335,9 @@ def test_text_formatter_escapes_control_characters_but_not_the_traceback() -> No
     try:
         raise ValueError("boom")
     except ValueError:
-        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "bad %s", ("a\nb\r\x1b\x85\u2028é",), sys.exc_info())
+        record = logging.LogRecord(
+            "x", logging.ERROR, __file__, 1, "bad %s", ("a\nb\r\x1b\x85\u2028é",), sys.exc_info()
+        )
     record.op = "GET /x\ny"
     head, *rest = TextFormatter().format(record).splitlines()
     assert head.endswith("x: bad a\\nb\\r\\x1b\\x85\\u2028é op=GET /x\\ny"), head

@@ -22,9 +22,8 @@ def test_a_complete_write_replaces_the_target(tmp_path: Path) -> None:
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
     dst = tmp_path / "m.gguf"
     dst.write_bytes(b"old")
-    with pytest.raises(RuntimeError, match="quantizer failed"):
-        with atomic_path(dst) as tmp:
-            tmp.write_bytes(b"half")
-            raise RuntimeError("quantizer failed")
+    with pytest.raises(RuntimeError, match="quantizer failed"), atomic_path(dst) as tmp:
+        tmp.write_bytes(b"half")
+        raise RuntimeError("quantizer failed")
     assert dst.read_bytes() == b"old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess, streaming
-from .hydra_wire import Wire
 
 PROMPT = "The capital of France is"
 GREEDY = {"temperature": 0}
@@ -23,18 +23,57 @@ GREEDY = {"temperature": 0}
 # llama-server's defaults for every request field (tools/server/README.md "POST /completion" and
 # task_params::to_json / common/common.h at the version this package runs)
 LLAMA_SERVER_DEFAULTS = {
-    "temperature": 0.8, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": 40, "top_p": 0.95,
-    "min_p": 0.05, "n_predict": -1, "n_indent": 0, "n_keep": 0, "n_discard": 0, "n_cache_reuse": 0,
-    "stream": False, "stop": [], "typical_p": 1.0, "repeat_penalty": 1.1, "repeat_last_n": 64,
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "dry_base": 1.75,
-    "dry_allowed_length": 2, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n", ":", "\"", "*"],
-    "xtc_probability": 0.0, "xtc_threshold": 0.1, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
-    "top_n_sigma": -1.0, "adaptive_target": -1.0, "adaptive_decay": 0.9, "grammar": "", "seed": -1,
-    "ignore_eos": False, "logit_bias": [], "n_probs": 0, "min_keep": 0, "t_max_predict_ms": 0, "id_slot": -1,
-    "cache_prompt": True, "return_tokens": False, "return_progress": False, "timings_per_token": False,
-    "post_sampling_probs": False, "lora": [], "n_cmpl": 1, "backend_sampling": False, "grammar_lazy": False,
-    "grammar_triggers": [], "preserved_tokens": [], "samplers": ["dry", "top_k", "typ_p", "top_p", "min_p", "xtc",
-                                                                 "temperature"],
+    "temperature": 0.8,
+    "dynatemp_range": 0.0,
+    "dynatemp_exponent": 1.0,
+    "top_k": 40,
+    "top_p": 0.95,
+    "min_p": 0.05,
+    "n_predict": -1,
+    "n_indent": 0,
+    "n_keep": 0,
+    "n_discard": 0,
+    "n_cache_reuse": 0,
+    "stream": False,
+    "stop": [],
+    "typical_p": 1.0,
+    "repeat_penalty": 1.1,
+    "repeat_last_n": 64,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_penalty_last_n": -1,
+    "dry_sequence_breakers": ["\n", ":", '"', "*"],
+    "xtc_probability": 0.0,
+    "xtc_threshold": 0.1,
+    "mirostat": 0,
+    "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1,
+    "top_n_sigma": -1.0,
+    "adaptive_target": -1.0,
+    "adaptive_decay": 0.9,
+    "grammar": "",
+    "seed": -1,
+    "ignore_eos": False,
+    "logit_bias": [],
+    "n_probs": 0,
+    "min_keep": 0,
+    "t_max_predict_ms": 0,
+    "id_slot": -1,
+    "cache_prompt": True,
+    "return_tokens": False,
+    "return_progress": False,
+    "timings_per_token": False,
+    "post_sampling_probs": False,
+    "lora": [],
+    "n_cmpl": 1,
+    "backend_sampling": False,
+    "grammar_lazy": False,
+    "grammar_triggers": [],
+    "preserved_tokens": [],
+    "samplers": ["dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"],
 }
 
 
@@ -65,7 +104,10 @@ def test_completion_equals_openai_completion(server: ServerProcess, http: httpx.
     assert n["prompt"] == PROMPT  # SmolLM2 adds no BOS
     assert n["tokens_cached"] == n["tokens_evaluated"] + 16 - 1  # the last token is sampled, not yet decoded
     assert isinstance(n["id_slot"], int) and 0 <= n["id_slot"] < 4
-    assert n["timings"]["predicted_n"] == 16 and n["timings"]["prompt_n"] + n["timings"]["cache_n"] == n["tokens_evaluated"]
+    assert (
+        n["timings"]["predicted_n"] == 16
+        and n["timings"]["prompt_n"] + n["timings"]["cache_n"] == n["tokens_evaluated"]
+    )
     assert n["has_new_line"] == ("\n" in n["content"])
     gs = n["generation_settings"]
     assert gs["n_predict"] == 16 and gs["temperature"] == 0 and gs["samplers"][0] == "penalties"
@@ -121,8 +163,7 @@ def test_stream_matches_whole_reply(server: ServerProcess, http: httpx.Client) -
 
 
 def test_response_fields(http: httpx.Client) -> None:
-    n = completion(http, n_predict=3, response_fields=["content", "generation_settings/n_predict", "nope/x"],
-                   **GREEDY)
+    n = completion(http, n_predict=3, response_fields=["content", "generation_settings/n_predict", "nope/x"], **GREEDY)
     assert set(n) == {"content", "generation_settings/n_predict"} and n["generation_settings/n_predict"] == 3
 
 
@@ -150,8 +191,9 @@ def test_logit_bias_forms(server: ServerProcess, http: httpx.Client) -> None:
     assert len(r["generation_settings"]["logit_bias"]) > 1
     # the same forms through the OpenAI client
     client = openai.OpenAI(base_url=server.base + "/v1", api_key="none")
-    oa = client.completions.create(model="smollm2-135m", prompt=PROMPT, max_tokens=4, temperature=0,
-                                   extra_body={"logit_bias": [[text, False]]})
+    oa = client.completions.create(
+        model="smollm2-135m", prompt=PROMPT, max_tokens=4, temperature=0, extra_body={"logit_bias": [[text, False]]}
+    )
     assert not oa.choices[0].text.startswith(text)
     bad = http.post("/completion", json={"prompt": PROMPT, "logit_bias": [[1]]})
     assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
@@ -228,8 +270,9 @@ def test_health_alias_and_post_props(server: ServerProcess, http: httpx.Client, 
         assert other.get("/props").json()["endpoint_props"] is True
 
 
-@pytest.mark.parametrize("path", ["/infill", "/rerank", "/reranking", "/v1/rerank", "/lora-adapters",
-                                  "/v1/responses", "/v1/messages"])
+@pytest.mark.parametrize(
+    "path", ["/infill", "/rerank", "/reranking", "/v1/rerank", "/lora-adapters", "/v1/responses", "/v1/messages"]
+)
 def test_not_implemented_endpoints(http: httpx.Client, path: str) -> None:
     r = http.post(path, json={})
     assert r.status_code == 501
@@ -247,7 +290,7 @@ def test_slot_state_over_http(server: ServerProcess, http: httpx.Client) -> None
     n_past = http.get("/slots/0/state/meta").json()["n_past"]
     assert int(r.headers["x-n-past"]) == n_past == first["tokens_evaluated"]
     with Wire(server.port) as w:
-        status, meta, payload = w.call(Op.STATE_GET, key="0")
+        status, _meta, payload = w.call(Op.STATE_GET, key="0")
     assert status == Status.OK and payload == blob  # the same bytes as Hydra STATE_GET
     http.post("/slots/1?action=erase")
     put = http.put("/slots/1/state", content=blob)

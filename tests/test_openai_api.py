@@ -38,8 +38,12 @@ def _bad(client: openai.OpenAI, field: str, **kwargs: object) -> None:
 # --------------------------------------------------------------------------- logprobs
 def test_chat_logprobs(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0,
-        logprobs=True, top_logprobs=3,
+        model="m",
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens > 0
@@ -57,8 +61,14 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
 def test_chat_logprobs_streamed(client: openai.OpenAI) -> None:
     entries, usage, text = [], None, ""
     for chunk in client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Count to three."}], max_tokens=12, temperature=0,
-        logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True},
+        model="m",
+        messages=[{"role": "user", "content": "Count to three."}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
     ):
         if chunk.usage:
             usage = chunk.usage
@@ -79,11 +89,13 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert lp.tokens[0] == " Paris"
     assert "".join(lp.tokens) == r.choices[0].text
     assert all(v <= 0 for v in lp.token_logprobs)
-    assert all(len(t) <= 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(len(t) <= 2 and max(t.values()) == v for t, v in zip(lp.top_logprobs, lp.token_logprobs, strict=False))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
     # the streamed pieces add up to the same lists
     tokens: list[str] = []
-    for chunk in client.completions.create(model="m", prompt=FRANCE, max_tokens=6, temperature=0, logprobs=2, stream=True):
+    for chunk in client.completions.create(
+        model="m", prompt=FRANCE, max_tokens=6, temperature=0, logprobs=2, stream=True
+    ):
         if chunk.choices and chunk.choices[0].logprobs:
             tokens += chunk.choices[0].logprobs.tokens
     assert tokens == lp.tokens
@@ -101,11 +113,13 @@ def test_logprobs_bounds(client: openai.OpenAI) -> None:
 def test_logit_bias_acts(client: openai.OpenAI) -> None:
     plain = client.completions.create(model="m", prompt=FRANCE, max_tokens=6, temperature=0, logprobs=0)
     assert plain.choices[0].logprobs.tokens[0] == " Paris"
-    banned = client.completions.create(model="m", prompt=FRANCE, max_tokens=6, temperature=0,
-                                       logit_bias={str(PARIS): -100})
+    banned = client.completions.create(
+        model="m", prompt=FRANCE, max_tokens=6, temperature=0, logit_bias={str(PARIS): -100}
+    )
     assert "Paris" not in banned.choices[0].text
-    forced = client.completions.create(model="m", prompt=FRANCE, max_tokens=4, temperature=0,
-                                       logit_bias={str(BANANA): 100})
+    forced = client.completions.create(
+        model="m", prompt=FRANCE, max_tokens=4, temperature=0, logit_bias={str(BANANA): 100}
+    )
     assert forced.choices[0].text == " banana" * 4
 
 
@@ -125,7 +139,10 @@ PERSON = {
 
 def test_response_format_json_schema(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=60, temperature=0,
+        model="m",
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=60,
+        temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
     )
     obj = json.loads(r.choices[0].message.content)
@@ -134,16 +151,25 @@ def test_response_format_json_schema(client: openai.OpenAI) -> None:
 
 def test_response_format_json_object_and_llama_server_fields(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": 'Return {"ok": true} as JSON.'}], max_tokens=60, temperature=0,
+        model="m",
+        messages=[{"role": "user", "content": 'Return {"ok": true} as JSON.'}],
+        max_tokens=60,
+        temperature=0,
         response_format={"type": "json_object"},
     )
     assert r.choices[0].finish_reason == "stop"  # the grammar ended, not the budget
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = client.completions.create(model="m", prompt="Is the sky blue? Answer:", max_tokens=5, temperature=0,
-                                  extra_body={"grammar": 'root ::= " yes" | " no"'})
+    r = client.completions.create(
+        model="m",
+        prompt="Is the sky blue? Answer:",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"grammar": 'root ::= " yes" | " no"'},
+    )
     assert r.choices[0].text in (" yes", " no")
-    r = client.completions.create(model="m", prompt="A number:", max_tokens=12, temperature=0,
-                                  extra_body={"json_schema": {"type": "integer"}})
+    r = client.completions.create(
+        model="m", prompt="A number:", max_tokens=12, temperature=0, extra_body={"json_schema": {"type": "integer"}}
+    )
     assert isinstance(json.loads(r.choices[0].text), int)
 
 
@@ -177,28 +203,87 @@ def test_unsupported_fields_are_400_naming_them(client: openai.OpenAI) -> None:
 def test_echo(client: openai.OpenAI) -> None:
     r = client.completions.create(model="m", prompt=FRANCE, max_tokens=3, temperature=0, echo=True)
     assert r.choices[0].text == FRANCE + " Paris.\n"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt=FRANCE, max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="m", prompt=FRANCE, max_tokens=3, temperature=0, echo=True, stream=True
+        )
+        if c.choices
+    )
     assert streamed == r.choices[0].text
 
 
 def test_nullable_fields_mean_their_default(server: ServerProcess) -> None:
-    nulls = {k: None for k in ("n", "stream", "stream_options", "stop", "temperature", "top_p", "max_tokens",
-                               "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "seed", "user",
-                               "response_format", "tools", "tool_choice", "parallel_tool_calls", "store",
-                               "metadata", "service_tier", "max_completion_tokens", "top_logprobs", "id_slot",
-                               "cache_prompt", "ignore_eos", "n_predict", "top_k", "min_p", "repeat_penalty",
-                               "repeat_last_n", "grammar", "json_schema", "n_probs", "typical_p", "mirostat",
-                               "mirostat_tau", "mirostat_eta", "top_n_sigma", "xtc_probability", "xtc_threshold",
-                               "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
-                               "dry_sequence_breakers", "dynatemp_range", "dynatemp_exponent", "min_keep")}
+    nulls = {
+        k: None
+        for k in (
+            "n",
+            "stream",
+            "stream_options",
+            "stop",
+            "temperature",
+            "top_p",
+            "max_tokens",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "logprobs",
+            "seed",
+            "user",
+            "response_format",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "store",
+            "metadata",
+            "service_tier",
+            "max_completion_tokens",
+            "top_logprobs",
+            "id_slot",
+            "cache_prompt",
+            "ignore_eos",
+            "n_predict",
+            "top_k",
+            "min_p",
+            "repeat_penalty",
+            "repeat_last_n",
+            "grammar",
+            "json_schema",
+            "n_probs",
+            "typical_p",
+            "mirostat",
+            "mirostat_tau",
+            "mirostat_eta",
+            "top_n_sigma",
+            "xtc_probability",
+            "xtc_threshold",
+            "dry_multiplier",
+            "dry_base",
+            "dry_allowed_length",
+            "dry_penalty_last_n",
+            "dry_sequence_breakers",
+            "dynatemp_range",
+            "dynatemp_exponent",
+            "min_keep",
+        )
+    }
     chat = {"messages": [{"role": "user", "content": "Hi"}], **nulls, "max_tokens": 3, "temperature": 0}
     r = httpx.post(server.base + "/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 3
-    comp = {"prompt": FRANCE, **{k: v for k, v in nulls.items() if k not in ("tools", "tool_choice",
-            "parallel_tool_calls", "store", "metadata", "top_logprobs")}, "echo": None, "best_of": None,
-            "suffix": None, "max_tokens": 1, "temperature": 0}
+    comp = {
+        "prompt": FRANCE,
+        **{
+            k: v
+            for k, v in nulls.items()
+            if k not in ("tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "top_logprobs")
+        },
+        "echo": None,
+        "best_of": None,
+        "suffix": None,
+        "max_tokens": 1,
+        "temperature": 0,
+    }
     r = httpx.post(server.base + "/v1/completions", json=comp, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == " Paris"
@@ -216,8 +301,11 @@ def test_a_reply_cut_inside_a_character_drops_the_partial_bytes(client: openai.O
     raw = bytes(b for b in r.choices[0].logprobs.tokens[0].encode())  # what the token rendered to
     assert "\ufffd" in raw.decode(), "the first token must be a partial character for this test to mean anything"
     assert r.choices[0].text == ""
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="m", prompt=EMOJI, max_tokens=1, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="m", prompt=EMOJI, max_tokens=1, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == ""
     # with room for the whole character, it arrives whole
     r = client.completions.create(model="m", prompt=EMOJI, max_tokens=4, temperature=0)

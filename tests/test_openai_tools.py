@@ -16,19 +16,34 @@ import openai
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -63,8 +78,9 @@ def _streamed(client: openai.OpenAI, **kw: object) -> tuple[str, list[dict], str
 
 
 def test_required_gives_a_valid_call(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, ADD], tool_choice="required",
-                                       max_tokens=64, temperature=0)
+    r = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER, ADD], tool_choice="required", max_tokens=64, temperature=0
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -78,9 +94,14 @@ def test_required_gives_a_valid_call(client: openai.OpenAI) -> None:
 
 
 def test_named_function_is_called(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, ADD],
-                                       tool_choice={"type": "function", "function": {"name": "add"}},
-                                       max_tokens=64, temperature=0)
+    r = client.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=64,
+        temperature=0,
+    )
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "add"
     args = _args(call)
@@ -94,15 +115,21 @@ def test_streamed_calls_reassemble_to_the_whole_reply(client: openai.OpenAI) -> 
     content, calls, finish = _streamed(client, **kw)
     assert finish == "tool_calls" and content == ""
     assert [(c["name"], c["arguments"]) for c in calls] == [
-        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+        (c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls
+    ]
     assert all(c["id"].startswith("call_") for c in calls)
 
 
 def test_arguments_stream_in_fragments_as_generated(client: openai.OpenAI) -> None:
     """The arguments come in several fragments, as the model writes them (OpenAI's and llama-server's
     streaming), and their concatenation is the non-streamed reply's ``arguments``."""
-    kw = dict(messages=[{"role": "user", "content": "What is the weather in San Francisco, in fahrenheit?"}],
-              tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=0)
+    kw = dict(
+        messages=[{"role": "user", "content": "What is the weather in San Francisco, in fahrenheit?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=64,
+        temperature=0,
+    )
     whole = client.chat.completions.create(model="m", **kw).choices[0].message.tool_calls  # type: ignore[call-overload]
     content, calls, finish = _streamed(client, **kw)
     assert finish == "tool_calls" and content == "" and len(calls) == len(whole) == 1
@@ -116,29 +143,45 @@ def test_hydra_decode_reports_the_tool_calls(client: openai.OpenAI, server: Serv
     """A non-streamed DECODE with ``tools``: its meta has ``tool_calls`` as the HTTP reply's ``message.tool_calls``
     (the same calls for the same body); without tools the key is absent."""
     body = {"messages": ASK, "tools": [WEATHER, ADD], "tool_choice": "required", "temperature": 0}
-    http = client.chat.completions.create(model="m", max_tokens=64, extra_body={"cache_prompt": False},
-                                          **body).choices[0].message.tool_calls  # type: ignore[call-overload]
+    http = (
+        client.chat.completions.create(model="m", max_tokens=64, extra_body={"cache_prompt": False}, **body)
+        .choices[0]
+        .message.tool_calls
+    )  # type: ignore[call-overload]
     body["cache_prompt"] = False
     with Wire(server.port) as w:
-        status, meta, frames = w.call(Op.DECODE, key="1", payload=json.dumps(
-            {**body, "n_predict": 64, "stream": False}).encode())
+        status, meta, frames = w.call(
+            Op.DECODE, key="1", payload=json.dumps({**body, "n_predict": 64, "stream": False}).encode()
+        )
         assert status == Status.OK, meta
         assert len(frames) == 9 * meta["tokens_generated"] and meta["stop_reason"] == "eos"
         assert [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in meta["tool_calls"]] == [
-            ("function", c.function.name, c.function.arguments) for c in http]
+            ("function", c.function.name, c.function.arguments) for c in http
+        ]
         assert all(c["id"].startswith("call_") for c in meta["tool_calls"])
-        status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps(
-            {"messages": ASK, "n_predict": 2, "stream": False}).encode())
+        status, meta, _ = w.call(
+            Op.DECODE, key="1", payload=json.dumps({"messages": ASK, "n_predict": 2, "stream": False}).encode()
+        )
         assert status == Status.OK and "tool_calls" not in meta
-        status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps(
-            {**body, "tool_choice": "sometimes", "stream": False}).encode())
+        status, meta, _ = w.call(
+            Op.DECODE, key="1", payload=json.dumps({**body, "tool_choice": "sometimes", "stream": False}).encode()
+        )
         assert status == Status.BAD_REQUEST and meta["error"].startswith("tool_choice"), meta
 
 
 def test_a_tool_result_turn_renders_and_answers(client: openai.OpenAI) -> None:
     turn = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees"},
     ]
     r = client.chat.completions.create(model="m", messages=turn, tools=[WEATHER], max_tokens=48, temperature=0)
@@ -147,26 +190,37 @@ def test_a_tool_result_turn_renders_and_answers(client: openai.OpenAI) -> None:
     assert m.tool_calls or (m.content and r.choices[0].finish_reason in ("stop", "length"))
     content, calls, _ = _streamed(client, messages=turn, tools=[WEATHER], max_tokens=48, temperature=0)
     assert content == (m.content or "")  # a {"response": ...} reply streams its text
-    assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments)
-                                                             for c in m.tool_calls or ()]
-    assert r.usage.prompt_tokens > client.chat.completions.create(
-        model="m", messages=ASK, tools=[WEATHER], max_tokens=1, temperature=0).usage.prompt_tokens
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in m.tool_calls or ()
+    ]
+    assert (
+        r.usage.prompt_tokens
+        > client.chat.completions.create(
+            model="m", messages=ASK, tools=[WEATHER], max_tokens=1, temperature=0
+        ).usage.prompt_tokens
+    )
     # without tools in the request the history still renders (content: null, role tool)
     r = client.chat.completions.create(model="m", messages=turn, max_tokens=16, temperature=0)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
 
 
 def test_tool_choice_none_is_plain_text(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none",
-                                       max_tokens=16, temperature=0)
+    r = client.chat.completions.create(
+        model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=16, temperature=0
+    )
     plain = client.chat.completions.create(model="m", messages=ASK, max_tokens=16, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason != "tool_calls"
     assert r.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_legacy_functions_are_mapped(server: ServerProcess) -> None:
-    body = {"messages": ASK, "functions": [WEATHER["function"]], "function_call": {"name": "get_weather"},
-            "max_tokens": 48, "temperature": 0}
+    body = {
+        "messages": ASK,
+        "functions": [WEATHER["function"]],
+        "function_call": {"name": "get_weather"},
+        "max_tokens": 48,
+        "temperature": 0,
+    }
     r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
@@ -184,8 +238,18 @@ def test_bad_tools_are_400_naming_the_field(server: ServerProcess) -> None:
     bad("tools", tools="get_weather")
     bad("tools[0].function.name", tools=[{"type": "function", "function": {"parameters": {}}}])
     bad("tools[0].function.parameters", tools=[{"type": "function", "function": {"name": "f", "parameters": 7}}])
-    bad("tools[0].function.parameters", tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"x": {"$ref": "#/$defs/none"}}}}}])
+    bad(
+        "tools[0].function.parameters",
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"x": {"$ref": "#/$defs/none"}}},
+                },
+            }
+        ],
+    )
     bad("tool_choice", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
     bad("tool_choice", tool_choice="required")
     bad("messages[1].tool_call_id", messages=ASK + [{"role": "tool", "content": "x"}])
@@ -221,30 +285,54 @@ def test_hermes_template_required_and_streamed(hermes: openai.OpenAI) -> None:
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and call.function.name in ("get_weather", "add")
     _args(call)
-    content, calls, finish = _streamed(hermes, **kw)
+    _content, calls, finish = _streamed(hermes, **kw)
     assert finish == "tool_calls" and [(c["name"], c["arguments"]) for c in calls] == [
-        (call.function.name, call.function.arguments)]
+        (call.function.name, call.function.arguments)
+    ]
 
 
 def test_hermes_auto_lazy_grammar_wakes_at_the_marker(hermes: openai.OpenAI) -> None:
     """Few-shot history makes the model open a <tool_call>; the lazy grammar then holds it to the schema:
     the only city it may name is Tokyo, although the user asks about London."""
-    tokyo = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Tokyo"]}}, "required": ["city"]}}}
+    tokyo = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Tokyo"]}},
+                "required": ["city"],
+            },
+        },
+    }
     msgs: list[dict] = []
     for city in ("Paris", "Rome", "Berlin", "Madrid"):
-        msgs += [{"role": "user", "content": f"What is the weather in {city}?"},
-                 {"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{city}", "type": "function",
-                  "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}]
+        msgs += [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": f"call_{city}",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": json.dumps({"city": city})},
+                    }
+                ],
+            },
+        ]
     msgs.append({"role": "user", "content": "What is the weather in London?"})
     r = hermes.chat.completions.create(model="m", messages=msgs, tools=[tokyo], max_tokens=48, temperature=0)
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and _args(call) == {"city": "Tokyo"}
     # a tool-result turn in the template's own shape answers
-    msgs += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-             {"role": "tool", "tool_call_id": call.id, "content": "Rain"}]
-    r = hermes.chat.completions.create(model="m", messages=msgs, tools=[tokyo], tool_choice="none",
-                                       max_tokens=8, temperature=0)
+    msgs += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Rain"},
+    ]
+    r = hermes.chat.completions.create(
+        model="m", messages=msgs, tools=[tokyo], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.content
 
 
@@ -354,8 +442,9 @@ def test_mistral_template_renders_the_tools_and_its_calls_parse(mistral: tuple[o
     """The parser is chosen from the template (``[TOOL_CALLS]`` in it: the Mistral format); ``required`` and a
     named function make the grammar force ``[TOOL_CALLS][{...}]``, which becomes ``message.tool_calls``."""
     client, srv = mistral
-    prompt = httpx.post(srv.base + "/apply-template", json={"messages": ASK, "tools": [WEATHER, ADD]},
-                        timeout=60).json()["prompt"]
+    prompt = httpx.post(
+        srv.base + "/apply-template", json={"messages": ASK, "tools": [WEATHER, ADD]}, timeout=60
+    ).json()["prompt"]
     assert prompt.count("[AVAILABLE_TOOLS]") == 1 and '"name": "get_weather"' in prompt
     assert prompt.endswith("[INST]What is the weather in Paris?[/INST]")
     kw = dict(messages=ASK, tools=[WEATHER, ADD], max_tokens=64, temperature=0)
@@ -364,8 +453,13 @@ def test_mistral_template_renders_the_tools_and_its_calls_parse(mistral: tuple[o
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
     assert call.function.name in ("get_weather", "add") and call.id.startswith("call_")
     _args(call)
-    named = client.chat.completions.create(  # type: ignore[call-overload]
-        model="m", tool_choice={"type": "function", "function": {"name": "add"}}, **kw).choices[0].message
+    named = (
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model="m", tool_choice={"type": "function", "function": {"name": "add"}}, **kw
+        )
+        .choices[0]
+        .message
+    )
     (add,) = named.tool_calls
     args = _args(add)
     assert add.function.name == "add" and set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values())
@@ -379,17 +473,33 @@ def test_mistral_tool_result_turn(mistral: tuple[openai.OpenAI, ServerProcess]) 
     """A tool-result turn through the Mistral template: the call id becomes the 9 characters it demands."""
     client, srv = mistral
     turn = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_abc123DEF456ghi789JKL0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_abc123DEF456ghi789JKL0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_abc123DEF456ghi789JKL0", "content": '{"temperature_c": 18}'},
     ]
-    prompt = httpx.post(srv.base + "/apply-template", json={"messages": turn, "tools": [WEATHER]},
-                        timeout=60).json()["prompt"]
+    prompt = httpx.post(srv.base + "/apply-template", json={"messages": turn, "tools": [WEATHER]}, timeout=60).json()[
+        "prompt"
+    ]
     assert '[TOOL_CALLS][{"name": "get_weather", "arguments": ' in prompt and "[TOOL_RESULTS]" in prompt
     ids = re.findall(r'"id": "([^"]*)"\}\]', prompt) + re.findall(r'"call_id": "([^"]*)"', prompt)
     assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9 and ids[0].isalnum()
-    r = client.chat.completions.create(model="m", messages=turn, tools=[WEATHER], tool_choice="none",  # type: ignore
-                                       max_tokens=16, temperature=0)
+    r = client.chat.completions.create(
+        model="m",
+        messages=turn,
+        tools=[WEATHER],
+        tool_choice="none",  # type: ignore
+        max_tokens=16,
+        temperature=0,
+    )
     assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
     assert r.usage.prompt_tokens > len(prompt) // 8  # the whole turn was rendered and evaluated
 
@@ -406,6 +516,9 @@ def test_a_stop_string_inside_a_call_does_not_finish_with_tool_calls(client: ope
     calls = cut.choices[0].message.tool_calls or []
     assert all("city" not in json.loads(c.function.arguments) for c in calls)  # cut before the key
     assert cut.choices[0].finish_reason == "stop"
-    reasons = [c.choices[0].finish_reason for c in client.chat.completions.create(**kw, stop=["city"], stream=True)
-               if c.choices and c.choices[0].finish_reason]
+    reasons = [
+        c.choices[0].finish_reason
+        for c in client.chat.completions.create(**kw, stop=["city"], stream=True)
+        if c.choices and c.choices[0].finish_reason
+    ]
     assert reasons == ["stop"]

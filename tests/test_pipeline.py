@@ -8,10 +8,9 @@ import signal
 import httpx
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
-from .conftest import streaming
-from .hydra_wire import Wire
-from .conftest import wait_for
+from .conftest import streaming, wait_for
 from .test_combined import BODY, complete, info, peer_dies_mid_request, rpc_bytes
 
 UPPER_HALF = r"blk\.(1[5-9]|2[0-9])\."  # SmolLM2-135M has 30 layers
@@ -74,8 +73,11 @@ def test_half_the_layers_on_a_peer_give_the_local_output(spawn) -> None:
         assert status == Status.BUSY and meta["busy_slots"] and meta["mode"] == "pipeline"
     # the closed stream's slot frees once the node has seen the client go and the engine's next step (a
     # step over ggml-RPC) has run: seconds on a busy machine
-    wait_for(lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()), 120,
-             "the closed stream's slot free")
+    wait_for(
+        lambda: not any(s["is_processing"] for s in httpx.get(a.base + "/slots").json()),
+        120,
+        "the closed stream's slot free",
+    )
 
     # detach: local again, same text
     status, meta = attach(a.port, {"peer": ""})

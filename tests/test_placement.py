@@ -16,9 +16,9 @@ from hydra_trio.engine.llama.placement import Placement, PlacementError, check_p
 from hydra_trio.engine.settings import LlamaOptions
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, ServerProcess, free_port, wait_for
-from .hydra_wire import Wire
 
 BODY = {"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0, "ignore_eos": True}
 SMALL = ("-np", "1", "-c", "512", "--no-rpc-backend")
@@ -65,8 +65,17 @@ def test_the_engine_refuses_unknown_devices_and_buffer_types_before_loading(tmp_
 
 
 def test_override_order_and_llama_servers_patterns() -> None:
-    p = Placement(LlamaOptions(tensor_overrides=(("token_embd\\.weight", "CPU"),), cpu_moe=True, n_cpu_moe=2,
-                               n_cpu_ffn=1, devices=("none",), n_gpu_layers="all"), n_layer=30)
+    p = Placement(
+        LlamaOptions(
+            tensor_overrides=(("token_embd\\.weight", "CPU"),),
+            cpu_moe=True,
+            n_cpu_moe=2,
+            n_cpu_ffn=1,
+            devices=("none",),
+            n_gpu_layers="all",
+        ),
+        n_layer=30,
+    )
     assert [(pattern, source) for pattern, _, source in p.overrides] == [
         ("token_embd\\.weight", "-ot"),
         ("\\.ffn_(up|down|gate|gate_up)_(ch|)exps", "-cmoe"),
@@ -113,13 +122,21 @@ def test_token_embd_on_the_cpu_on_smollm2(server: ServerProcess, spawn) -> None:
     assert complete(node) == complete(server)
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["-ot", "x=CUDA0"], "-ot/--override-tensor x=CUDA0: unknown buffer type 'CUDA0' (available: CPU)"),
-    (["-dev", "CUDA0"], "-dev/--device: no device 'CUDA0' here (devices: CPU"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["-ot", "x=CUDA0"], "-ot/--override-tensor x=CUDA0: unknown buffer type 'CUDA0' (available: CPU)"),
+        (["-dev", "CUDA0"], "-dev/--device: no device 'CUDA0' here (devices: CPU"),
+    ],
+)
 def test_bad_buffer_type_or_device_exits_2_naming_it(argv, needle) -> None:
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "--port", str(free_port()), *argv], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "--port", str(free_port()), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out
     assert needle in out.stderr and "listening" not in out.stderr
 
@@ -130,8 +147,17 @@ def test_combined_keeps_the_operators_overrides_and_puts_the_rest_of_the_experts
     peer.wait_ready()
     # the operator's -ot (embedding and layer 0's experts on the CPU) come first, then COMBINED's pattern
     # (the other experts on the peer), then -ncmoe (nothing left for it in COMBINED)
-    head = spawn("-m", "smollm2-135m-moe", *SMALL, "-ot", "token_embd\\.weight=CPU,blk\\.0\\.ffn_.*_exps=CPU",
-                 "--n-cpu-moe", "8", "--rpc-engine", f"127.0.0.1:{peer.port}")
+    head = spawn(
+        "-m",
+        "smollm2-135m-moe",
+        *SMALL,
+        "-ot",
+        "token_embd\\.weight=CPU,blk\\.0\\.ffn_.*_exps=CPU",
+        "--n-cpu-moe",
+        "8",
+        "--rpc-engine",
+        f"127.0.0.1:{peer.port}",
+    )
     head.wait_ready(timeout=240)
     wait_for(lambda: info(head.port)["mode"] == "combined", timeout=180, what="the head in COMBINED")
     p = props(head)

@@ -16,14 +16,20 @@ from hydra_trio.engine.batching.scheduler import SHARE_MIN_TOKENS
 
 from .conftest import ServerProcess
 
-SYSTEM = ("You answer questions about the lighthouse on the rock at the end of the bay, where the keeper "
-          "climbs the stairs every night to light the lamp, counting the steps as his father did. ") * 12
+SYSTEM = (
+    "You answer questions about the lighthouse on the rock at the end of the bay, where the keeper "
+    "climbs the stairs every night to light the lamp, counting the steps as his father did. "
+) * 12
 SYSTEM_TOKENS_AT_LEAST = 300  # SYSTEM is about 440 tokens
 
 
 def ask(http: httpx.Client, system: str, question: str, **kw: object) -> dict:
-    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-            "temperature": 0, "max_tokens": 16, **kw}
+    body = {
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": 16,
+        **kw,
+    }
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()
@@ -75,8 +81,7 @@ def test_a_short_prefix_is_evaluated_not_copied(spawn) -> None:
         assert other["timings"]["cache_n"] == 0
 
 
-def test_concurrent_requests_with_one_system_prompt_evaluate_it_once(server: ServerProcess,
-                                                                     http: httpx.Client) -> None:
+def test_concurrent_requests_with_one_system_prompt_evaluate_it_once(server: ServerProcess, http: httpx.Client) -> None:
     fresh = f"[{uuid.uuid4().hex}] {SYSTEM}"  # in no slot's cache yet
     questions = ["How many steps?", "Who lit the lamp?", "Where is the rock?", "What did the father do?"]
     erase_all(http)  # the concurrent requests find the prefix in no slot's cache
@@ -90,4 +95,3 @@ def test_concurrent_requests_with_one_system_prompt_evaluate_it_once(server: Ser
     # one request evaluates the system prompt, the other three copy it
     assert evaluated < n_prompt + 3 * (n_prompt - SYSTEM_TOKENS_AT_LEAST)
     assert sum(r["timings"]["cache_n"] >= SYSTEM_TOKENS_AT_LEAST for r in together) >= 3
-

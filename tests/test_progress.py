@@ -1,8 +1,10 @@
-"""Progress of long start-up work (hydra_trio.observability.progress): log lines without a terminal, rich bars on one, listeners."""
+"""Progress of long start-up work (hydra_trio.observability.progress): log lines without a terminal, rich bars on one,
+listeners."""
 
 from __future__ import annotations
 
 import fcntl
+import io
 import logging
 import os
 import pty
@@ -18,11 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from hydra_trio.testing import spawn as _spawn
-
-from hydra_trio.observability import progress
 from hydra_trio.models.moe import make_test_moe
 from hydra_trio.models.presets import resolve_model
+from hydra_trio.observability import progress
+from hydra_trio.testing import spawn as _spawn
 
 from .conftest import ROOT, ServerProcess, free_port, wait_for
 
@@ -82,8 +83,10 @@ def test_step_logs_start_and_end_and_calls_listeners_from_many_threads(recorder,
 
 def test_a_long_step_logs_at_most_every_two_seconds_and_each_quarter(recorder, caplog, monkeypatch) -> None:
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.05)
-    with caplog.at_level(logging.INFO, logger="hydra_trio.progress"), \
-            progress.step("copying", total=100 * 2**20, unit="B") as p:
+    with (
+        caplog.at_level(logging.INFO, logger="hydra_trio.progress"),
+        progress.step("copying", total=100 * 2**20, unit="B") as p,
+    ):
         for _ in range(100):
             p.advance(2**20)
             time.sleep(0.01)
@@ -104,7 +107,7 @@ def test_server_log_has_the_start_up_steps_with_elapsed_ms(server: ServerProcess
 def test_test_moe_build_reports_the_bytes_it_writes(recorder, tmp_path: Path) -> None:
     dst = make_test_moe(resolve_model("smollm2-135m")[0], tmp_path / "moe.gguf")
     calls = [c for c in recorder.calls if c[0].startswith("building test MoE")]
-    name, done, total, finished = calls[-1]
+    _name, done, total, finished = calls[-1]
     assert finished and total and done == total
     assert 0.9 * dst.stat().st_size < total < dst.stat().st_size  # the tensors are most of the file
     dones = [c[1] for c in calls]
@@ -114,12 +117,17 @@ def test_test_moe_build_reports_the_bytes_it_writes(recorder, tmp_path: Path) ->
 def test_combined_attach_logs_the_upload(spawn) -> None:
     peer = spawn("--no-model")
     peer.wait_ready()
-    head = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend",
-                 "--rpc-engine", f"127.0.0.1:{peer.port}")
+    head = spawn(
+        "-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine", f"127.0.0.1:{peer.port}"
+    )
     head.wait_ready()
-    line = wait_for(lambda: re.search(
-        rf"attaching peer 127\.0\.0\.1:{peer.port}: uploading tensors: done in \d+ ms \(([\d.]+) MB\)", head.log()),
-                    timeout=120.0, what="the attach's done line")
+    line = wait_for(
+        lambda: re.search(
+            rf"attaching peer 127\.0\.0\.1:{peer.port}: uploading tensors: done in \d+ ms \(([\d.]+) MB\)", head.log()
+        ),
+        timeout=120.0,
+        what="the attach's done line",
+    )
     assert float(line.group(1)) > 100  # the expert tensors of the test MoE: about 170 MB
     assert f"attaching peer 127.0.0.1:{peer.port}: uploading tensors: started" in head.log()
 
@@ -131,7 +139,11 @@ def test_run_on_a_terminal_draws_bars_and_stops_cleanly_on_sigterm(tmp_path: Pat
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydra_trio", "run", "--port", str(port), "-np", "1", "-c", "1024"],
-        cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, close_fds=True,
+        cwd=ROOT,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        close_fds=True,
         env={**os.environ, **_spawn.SHARED_MACHINE_ENV, "TERM": "xterm-256color", "COLUMNS": "160"},
     )
     os.close(slave)
@@ -153,16 +165,25 @@ def test_run_on_a_terminal_draws_bars_and_stops_cleanly_on_sigterm(tmp_path: Pat
         _spawn.wait_healthy(port, proc, timeout=120)
         text = lambda: re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))  # noqa: E731
         # a finished step's last bar: name, bar characters, percentage, bytes, elapsed
-        wait_for(lambda: re.search(r"loading model ━+ 100% [\d.]+ MB / [\d.]+ MB \d+:\d\d:\d\d", text()),
-                 timeout=30, what="the loading bar")
-        wait_for(lambda: re.search(r"hashing model ━+ 100% [\d.]+ MB / [\d.]+ MB", text()),
-                 timeout=30, what="the hashing bar")
+        wait_for(
+            lambda: re.search(r"loading model ━+ 100% [\d.]+ MB / [\d.]+ MB \d+:\d\d:\d\d", text()),
+            timeout=30,
+            what="the loading bar",
+        )
+        wait_for(
+            lambda: re.search(r"hashing model ━+ 100% [\d.]+ MB / [\d.]+ MB", text()),
+            timeout=30,
+            what="the hashing bar",
+        )
         wait_for(lambda: re.search(r"warm-up ━+ 100%", text()), timeout=30, what="the warm-up bar")
         assert "hydra_trio.progress:" not in text()  # bars instead of progress log lines
         # other logs still show, whole (the engine logs "stage ready" as /health turns 200: wait for the
         # line to come through the terminal)
-        wait_for(lambda: re.search(r"INFO +hydra_trio\.engine: stage ready", text()), timeout=60,
-                 what="the 'stage ready' log line")
+        wait_for(
+            lambda: re.search(r"INFO +hydra_trio\.engine: stage ready", text()),
+            timeout=60,
+            what="the 'stage ready' log line",
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, text()[-3000:]
     finally:
@@ -180,7 +201,7 @@ def test_a_step_name_is_shown_as_it_is_never_as_rich_markup() -> None:
     from rich.console import Console
 
     display = progress._Display()
-    display._console = Console(width=200, record=True, file=open(os.devnull, "w"), force_terminal=True)
+    display._console = Console(width=200, record=True, file=io.StringIO(), force_terminal=True)
     bars = display._make_progress()
     bars.add_task("quantizing [/x] [blink]m.gguf", total=10, amount="")
     display._console.print(bars.make_tasks_table(bars.tasks))

@@ -31,16 +31,22 @@ from hydra_trio.models.presets import resolve_model
 
 from .conftest import embedded_node, wait_for
 
-WORDS = (["ship", "boat", "raft", "barge", "yacht", "canoe"], ["lamp", "torch", "candle", "lantern", "beacon", "flare"],
-         ["oak", "pine", "birch", "maple", "cedar", "willow"])
+WORDS = (
+    ["ship", "boat", "raft", "barge", "yacht", "canoe"],
+    ["lamp", "torch", "candle", "lantern", "beacon", "flare"],
+    ["oak", "pine", "birch", "maple", "cedar", "willow"],
+)
 
 
 def document(user: int, tag: str) -> str:
     """About 250 tokens of one user's own text (the three users share only the chat template's start, less
     than :data:`MIN_TOKENS`)."""
     words = WORDS[user]
-    return f"{words[0].capitalize()} notes [{tag}]: " + " ".join(
-        f"the {words[i % 6]} number {i} is kept near the harbour wall" for i in range(20)) + " Summarize them."
+    return (
+        f"{words[0].capitalize()} notes [{tag}]: "
+        + " ".join(f"the {words[i % 6]} number {i} is kept near the harbour wall" for i in range(20))
+        + " Summarize them."
+    )
 
 
 class Chat:
@@ -154,8 +160,13 @@ def test_the_budget_holds_and_the_least_recently_used_entry_goes_first(spawn) ->
 @pytest.fixture(scope="module")
 def embedded() -> Any:
     path, _ = resolve_model("smollm2-135m")
-    config = ServerConfig(port=0, rpc_backend=None, engine=EngineConfig(
-        model_path=path, model_alias="prompt-cache", n_parallel=1, n_ctx=2048, cache_idle_slots=False))
+    config = ServerConfig(
+        port=0,
+        rpc_backend=None,
+        engine=EngineConfig(
+            model_path=path, model_alias="prompt-cache", n_parallel=1, n_ctx=2048, cache_idle_slots=False
+        ),
+    )
     with embedded_node(config) as server:
         yield server
 
@@ -185,14 +196,16 @@ def test_a_restore_llama_cpp_refuses_falls_back_to_evaluating_the_prompt(embedde
         a.turn(c)
         b.turn(c)  # A's state is kept
         assert cache_info(c)["entries"] == 1
-        control = c.post("/v1/chat/completions", json={"messages": a.messages, "max_tokens": 12, "temperature": 0,
-                                                       "cache_prompt": False, "id_slot": 0})
+        control = c.post(
+            "/v1/chat/completions",
+            json={"messages": a.messages, "max_tokens": 12, "temperature": 0, "cache_prompt": False, "id_slot": 0},
+        )
         assert control.status_code == 200 and cached(control.json()) == 0
         b.turn(c)  # B back in the slot, restored; A's conversation is kept
 
         def truncate(engine: Any) -> int:  # the test hook: every entry loses its second half
             for entry in engine.prompt_cache.entries:
-                del entry.data[len(entry.data) // 2:]
+                del entry.data[len(entry.data) // 2 :]
             return len(engine.prompt_cache.entries)
 
         assert on_engine(embedded, truncate) >= 2

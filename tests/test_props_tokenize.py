@@ -32,8 +32,21 @@ def test_props_has_llama_servers_shape_and_real_values(http: httpx.Client) -> No
     assert params["xtc_probability"] == 0.0 and params["dry_multiplier"] == 0.0 and params["top_n_sigma"] == -1.0
     assert params["n_keep"] == 0 and params["min_keep"] == 0
     # ... so a client that sends them back as they are is accepted
-    off = {k: params[k] for k in ("typical_p", "mirostat", "dynatemp_range", "xtc_probability", "dry_multiplier",
-                                  "top_n_sigma", "n_keep", "min_keep", "samplers", "dry_sequence_breakers")}
+    off = {
+        k: params[k]
+        for k in (
+            "typical_p",
+            "mirostat",
+            "dynatemp_range",
+            "xtc_probability",
+            "dry_multiplier",
+            "top_n_sigma",
+            "n_keep",
+            "min_keep",
+            "samplers",
+            "dry_sequence_breakers",
+        )
+    }
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, **off})
     assert r.status_code == 200, r.text
     # the GGUF's own template, as the GGUF stores it
@@ -106,9 +119,13 @@ def test_compute_only_node_has_no_props(spawn) -> None:
 
 def test_usage_prompt_tokens_match_tokenize(server: ServerProcess, http: httpx.Client) -> None:
     """The chat prompt as the GGUF template renders it, tokenized by /tokenize, is what the engine ran."""
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "What is the capital of France?"}]
-    rendered = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    rendered = (
+        "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + "<|im_start|>assistant\n"
+    )
     tokens = http.post("/tokenize", json={"content": rendered}).json()["tokens"]
     r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "temperature": 0}).json()
     assert r["usage"]["prompt_tokens"] == len(tokens)

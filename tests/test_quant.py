@@ -13,8 +13,13 @@ from hydra_trio.models.presets import resolve_model
 
 from .conftest import CAPITAL_QUESTION, ROOT, ServerProcess, streaming, wait_for
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
-           "Water boils at"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at",
+]
 
 
 def test_the_q8_preset_is_a_q8_0_requantization_of_the_packaged_model() -> None:
@@ -33,21 +38,23 @@ def test_the_q8_preset_is_a_q8_0_requantization_of_the_packaged_model() -> None:
             assert types8[t.name] == "F32"
     ftype = r8.fields["general.file_type"].contents()
     assert ftype == 7  # LLAMA_FTYPE_MOSTLY_Q8_0
-    listed = subprocess.run([sys.executable, "-m", "hydra_trio", "models"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "models"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert "smollm2-135m-q8" in listed.stdout
 
 
 def _next_token_probs(base: str, tokens: list[int], n: int) -> dict[int, float]:
     """The ``n`` likeliest tokens to follow ``tokens`` and their probabilities (``/completion``'s ``n_probs``)."""
-    r = httpx.post(base + "/completion", json={"prompt": tokens, "n_predict": 1, "temperature": 0, "n_probs": n},
-                   timeout=120)
+    r = httpx.post(
+        base + "/completion", json={"prompt": tokens, "n_predict": 1, "temperature": 0, "n_probs": n}, timeout=120
+    )
     assert r.status_code == 200, r.text
     return {t["id"]: math.exp(t["logprob"]) for t in r.json()["completion_probabilities"][0]["top_logprobs"]}
 
 
 def test_q8_output_is_close_to_the_q4_1_output(server: ServerProcess, spawn) -> None:
-    """"Close": along the first 4 tokens of the Q4_1 model's greedy continuation of each prompt (the same
+    """ "Close": along the first 4 tokens of the Q4_1 model's greedy continuation of each prompt (the same
     tokens fed to both models), the Q8_0 model gives each of those tokens a probability within 0.15 of the Q4_1
     model's (they were at most 0.09 apart, on an AVX2-only and an AVX-512 build; the Q4_1 model is sure of 3 of
     those tokens, above 0.9, so other weights would fail); and the chat answer is right.  Not the same greedy
@@ -59,11 +66,14 @@ def test_q8_output_is_close_to_the_q4_1_output(server: ServerProcess, spawn) -> 
         tokens = httpx.post(server.base + "/tokenize", json={"content": prompt}, timeout=60).json()["tokens"]
         for _ in range(4):
             q4_probs, q8_probs = _next_token_probs(server.base, tokens, 1), _next_token_probs(q8.base, tokens, 10)
-            (token, p4), = q4_probs.items()
+            ((token, p4),) = q4_probs.items()
             assert abs(q8_probs.get(token, 0.0) - p4) < 0.15, (prompt, tokens, token, p4, q8_probs)
             tokens.append(token)
-    r = httpx.post(q8.base + "/v1/chat/completions", timeout=120,
-                   json={"messages": CAPITAL_QUESTION, "temperature": 0, "max_tokens": 16})
+    r = httpx.post(
+        q8.base + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": CAPITAL_QUESTION, "temperature": 0, "max_tokens": 16},
+    )
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
     assert r.json()["model"] == "smollm2-135m-q8"
 
@@ -77,15 +87,16 @@ def test_kv_moves_between_quants_when_the_node_allows_it(server: ServerProcess, 
 
     from hydra_trio.engine.kv.state import blob_checksum
     from hydra_trio.protocol.hydra import Op, Status
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     q8 = spawn("-m", "smollm2-135m-q8", "-np", "2", "-c", "2048", "--allow-cross-model-kv")
     strict = spawn("-m", "smollm2-135m-q8", "-np", "1", "-c", "1024")
     q8.wait_ready()
     strict.wait_ready()
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "Write one sentence about the sea."}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write one sentence about the sea."},
+    ]
     with Wire(server.port) as w:
         status, pre, blob = w.call(Op.PREFILL, key="1", payload=json.dumps({"messages": messages}).encode())
         assert status == Status.OK
@@ -101,8 +112,9 @@ def test_kv_moves_between_quants_when_the_node_allows_it(server: ServerProcess, 
     body = {"messages": messages, "max_tokens": 8, "temperature": 0}
     moved = httpx.post(q8.base + "/v1/chat/completions", json={**body, "id_slot": 0}, timeout=120).json()
     assert moved["timings"]["cache_n"] == pre["n_past"] - 1  # decoded on the moved KV, not evaluated again
-    own = httpx.post(q8.base + "/v1/chat/completions", json={**body, "id_slot": 1, "cache_prompt": False},
-                     timeout=120).json()
+    own = httpx.post(
+        q8.base + "/v1/chat/completions", json={**body, "id_slot": 1, "cache_prompt": False}, timeout=120
+    ).json()
     # "close" as in test_q8_output_is_close_to_the_q4_1_output: the first tokens agree
     first = lambda r: r["choices"][0]["message"]["content"].split()[:3]  # noqa: E731
     assert first(moved) == first(own) and first(own)
@@ -136,8 +148,7 @@ def _swap(port: int, key: str, pattern: str = "") -> tuple[int, dict]:
     import struct
 
     from hydra_trio.protocol.hydra import Op
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     k = key.encode()
     with Wire(port) as w:
@@ -147,8 +158,7 @@ def _swap(port: int, key: str, pattern: str = "") -> tuple[int, dict]:
 
 def _info(port: int) -> dict:
     from hydra_trio.protocol.hydra import Op
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     with Wire(port) as w:
         return w.call(Op.INFO)[1]
@@ -159,13 +169,25 @@ def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) 
 
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + bytes(4000))
-    srv = spawn("-np", "2", "-c", "2048", "--quant", "q4=smollm2-135m", "--quant", "q8=smollm2-135m-q8",
-                "--quant", f"bad={broken}")
+    srv = spawn(
+        "-np",
+        "2",
+        "-c",
+        "2048",
+        "--quant",
+        "q4=smollm2-135m",
+        "--quant",
+        "q8=smollm2-135m-q8",
+        "--quant",
+        f"bad={broken}",
+    )
     srv.wait_ready()
     info = _info(srv.port)
     assert info["quants"] == ["q4", "q8", "bad"] and info["quant"] == "q4" and "quant_swap" in info["capabilities"]
-    messages = [{"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": "Write one sentence about the sea."}]
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write one sentence about the sea."},
+    ]
     body = {"messages": messages, "temperature": 0}
     chat = lambda **kw: httpx.post(srv.base + "/v1/chat/completions", json={**body, **kw}, timeout=120).json()  # noqa: E731
     pre = chat(max_tokens=0, id_slot=0)
@@ -201,8 +223,12 @@ def test_swap_quant_keeps_the_slots_kv_and_is_whole_or_nothing(spawn, tmp_path) 
         assert _info(srv.port)["quant"] == "q8"
     # the closed stream's slot frees once the node has seen the client go and the engine has taken its next
     # step: polled with a deadline (fifty quick retries could all come before that on a busy machine)
-    status, meta = wait_for(lambda: (r := _swap(srv.port, "q4"))[0] != Status.BUSY and r, timeout=120,
-                            what="the swap past the closed stream", every=0.05)
+    status, meta = wait_for(
+        lambda: (r := _swap(srv.port, "q4"))[0] != Status.BUSY and r,
+        timeout=120,
+        what="the swap past the closed stream",
+        every=0.05,
+    )
     assert status == Status.OK and meta["quant"] == "q4"
 
 
@@ -217,7 +243,7 @@ def test_swapping_back_and_forth_does_not_grow_memory(spawn) -> None:
     srv = spawn("-np", "1", "-c", "1024", "--quant", "q4=smollm2-135m", "--quant", "q8=smollm2-135m-q8")
     srv.wait_ready()
     rss = []
-    for i in range(10):
+    for _i in range(10):
         for key in ("q8", "q4"):
             status, meta = _swap(srv.port, key)
             assert status == Status.OK and meta["swapped"] is True, meta
@@ -235,8 +261,21 @@ def test_a_combined_head_swaps_only_the_experts_on_its_peer(spawn) -> None:
 
     b = spawn("--no-model")
     b.wait_ready()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "--rpc-engine",
-              f"127.0.0.1:{b.port}", "--quant", "q4=smollm2-135m-moe", "--quant", "q8=smollm2-135m-moe-q8")
+    a = spawn(
+        "-m",
+        "smollm2-135m-moe",
+        "-np",
+        "1",
+        "-c",
+        "1024",
+        "--no-rpc-backend",
+        "--rpc-engine",
+        f"127.0.0.1:{b.port}",
+        "--quant",
+        "q4=smollm2-135m-moe",
+        "--quant",
+        "q8=smollm2-135m-moe-q8",
+    )
     a.wait_ready()
     wait_for(lambda: _info(a.port)["mode"] == "combined")
     before_text = complete(a.base)
@@ -264,15 +303,14 @@ def test_a_blob_whose_identity_nests_too_deep_is_refused_and_the_connection_live
 
     from hydra_trio.engine.kv.state import HEADER_SIZE, blob_checksum, parse_header
     from hydra_trio.protocol.hydra import Op, Status
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     with Wire(server.port) as w:
         status, meta, blob = w.call(Op.STATE_GET, key="3")
         assert status == Status.OK
         header = parse_header(blob)
         deep = b"[" * 30000 + b"]" * 30000
-        bad = bytearray(blob[:HEADER_SIZE + 32]) + struct.pack("<I", len(deep)) + deep + blob[header.tokens_at:]
+        bad = bytearray(blob[: HEADER_SIZE + 32]) + struct.pack("<I", len(deep)) + deep + blob[header.tokens_at :]
         struct.pack_into("<Q", bad, 52, blob_checksum(bad))
         status, meta, _ = w.call(Op.STATE_PUT, key="3", payload=bytes(bad))
         assert status == Status.ERROR and "not a JSON object" in meta["error"]

@@ -20,23 +20,26 @@ from hydra_trio.openai.reasoning import (
 THINK = ("<think>", "</think>")
 
 
-@pytest.mark.parametrize("text, reasoning, content", [
-    ("<think>\nI add 2 and 2.\n</think>\n\nIt is 4.", "I add 2 and 2.", "It is 4."),
-    ("  <think>a</think>b", "a", "b"),
-    ("<think>cut inside the thi", "cut inside the thi", ""),
-    ("<think>\n\n</think>\n\nonly content", "", "only content"),
-    ("no thinking at all", "", "no thinking at all"),
-    ("  leading space kept", "", "  leading space kept"),
-    ("text then <think>late</think>", "", "text then <think>late</think>"),
-    ("<think>a <think> b</think>c", "a <think> b", "c"),
-    ("<seed:think>s</seed:think>x", "s", "x"),
-    ("[THINK]m[/THINK]y", "m", "y"),
-    ("<|START_THINKING|>c<|END_THINKING|>z", "c", "z"),
-    ("<mm:think>q</mm:think>w", "q", "w"),
-    ("<think>a</seed:think>b", "a</seed:think>b", ""),  # the end marker of its own pair only
-    ("", "", ""),
-    ("<thin", "", "<thin"),  # a marker prefix that never completes is content
-])
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [
+        ("<think>\nI add 2 and 2.\n</think>\n\nIt is 4.", "I add 2 and 2.", "It is 4."),
+        ("  <think>a</think>b", "a", "b"),
+        ("<think>cut inside the thi", "cut inside the thi", ""),
+        ("<think>\n\n</think>\n\nonly content", "", "only content"),
+        ("no thinking at all", "", "no thinking at all"),
+        ("  leading space kept", "", "  leading space kept"),
+        ("text then <think>late</think>", "", "text then <think>late</think>"),
+        ("<think>a <think> b</think>c", "a <think> b", "c"),
+        ("<seed:think>s</seed:think>x", "s", "x"),
+        ("[THINK]m[/THINK]y", "m", "y"),
+        ("<|START_THINKING|>c<|END_THINKING|>z", "c", "z"),
+        ("<mm:think>q</mm:think>w", "q", "w"),
+        ("<think>a</seed:think>b", "a</seed:think>b", ""),  # the end marker of its own pair only
+        ("", "", ""),
+        ("<thin", "", "<thin"),  # a marker prefix that never completes is content
+    ],
+)
 def test_deepseek_splits(text: str, reasoning: str, content: str) -> None:
     got = parse(text, "deepseek")
     assert (got.reasoning, got.content) == (reasoning, content)
@@ -108,9 +111,12 @@ def _chunks(text: str, cuts: list[int]) -> list[str]:
 
 
 @settings(max_examples=600, deadline=None)
-@given(text=_texts, cuts=st.lists(st.integers(0, 1000), max_size=12),
-       fmt=st.sampled_from(["none", "deepseek", "deepseek-legacy"]),
-       open_=st.sampled_from([None, *MARKERS]))
+@given(
+    text=_texts,
+    cuts=st.lists(st.integers(0, 1000), max_size=12),
+    fmt=st.sampled_from(["none", "deepseek", "deepseek-legacy"]),
+    open_=st.sampled_from([None, *MARKERS]),
+)
 def test_any_chunking_equals_whole_parse(text: str, cuts: list[int], fmt: str, open_: tuple[str, str] | None) -> None:
     whole = parse(text, fmt, prompt_open=open_)
     p = ReasoningParser(fmt, prompt_open=open_)
@@ -127,8 +133,12 @@ def test_any_chunking_equals_whole_parse(text: str, cuts: list[int], fmt: str, o
 
 
 @settings(max_examples=300, deadline=None)
-@given(reasoning=st.text(st.characters(blacklist_characters="<>[]|"), max_size=20),
-       content=st.text(max_size=20), pair=st.sampled_from(MARKERS), cuts=st.lists(st.integers(0, 100), max_size=8))
+@given(
+    reasoning=st.text(st.characters(blacklist_characters="<>[]|"), max_size=20),
+    content=st.text(max_size=20),
+    pair=st.sampled_from(MARKERS),
+    cuts=st.lists(st.integers(0, 100), max_size=8),
+)
 def test_round_trip(reasoning: str, content: str, pair: tuple[str, str], cuts: list[int]) -> None:
     text = f"{pair[0]}{reasoning}{pair[1]}{content}"
     p = ReasoningParser("deepseek")

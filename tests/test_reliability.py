@@ -20,9 +20,9 @@ import pytest
 
 from hydra_trio.engine.kv.state import HEADER_SIZE, StateError, parse_header, verify_checksum
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import wait_for
-from .hydra_wire import Wire
 
 LONG = 120.0  # seconds: an upper bound no healthy step comes near, even on a busy machine
 
@@ -45,8 +45,10 @@ def post_then_close(port: int, body: dict, after: Callable[[], None]) -> None:
     """POST ``body`` to /v1/completions on a raw socket, call ``after()``, then close without reading."""
     data = json.dumps(body).encode()
     s = socket.create_connection(("127.0.0.1", port), timeout=LONG)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
     try:
         after()
     finally:
@@ -88,7 +90,9 @@ def test_requests_outlive_every_client_timeout(spawn) -> None:
     reply = r.json()
     assert reply["usage"]["completion_tokens"] == n
     assert reply["choices"][0]["finish_reason"] == "length"
-    assert reply["timings"]["predicted_ms"] > 2 * 100, "the request must outlast the timeouts for this test to mean anything"
+    assert reply["timings"]["predicted_ms"] > 2 * 100, (
+        "the request must outlast the timeouts for this test to mean anything"
+    )
     assert lines[-1] == "data: [DONE]"
     chunks = [json.loads(line[6:]) for line in lines[:-1]]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -102,8 +106,10 @@ def test_client_timeouts_still_apply_while_waiting_for_the_client(spawn) -> None
     srv.wait_ready()
     # a body that stalls: 408, connection closed
     with socket.create_connection(("127.0.0.1", srv.port), timeout=LONG) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100\r\n\r\n{\"prompt\":")
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt":'
+        )
         data = b""
         while chunk := s.recv(65536):
             data += chunk
@@ -152,11 +158,17 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
 
     def no_leak(how: str) -> None:
         wait_for(lambda: not slot_busy(base), timeout=LONG, what=f"the slot to be free after: {how}")
-        wait_for(lambda: open_fds(pid) <= baseline,
-                 timeout=LONG, what=f"fds back to {baseline} after: {how} (now {open_fds(pid)})")
+        wait_for(
+            lambda: open_fds(pid) <= baseline,
+            timeout=LONG,
+            what=f"fds back to {baseline} after: {how} (now {open_fds(pid)})",
+        )
         headroom()
-        wait_for(lambda: open_fds(pid) <= baseline,
-                 timeout=LONG, what=f"fds back to {baseline} after the headroom check ({how})")
+        wait_for(
+            lambda: open_fds(pid) <= baseline,
+            timeout=LONG,
+            what=f"fds back to {baseline} after the headroom check ({how})",
+        )
 
     long_body = {"prompt": "Hello", "max_tokens": 200, "ignore_eos": True}
     # three times: a non-streamed request whose client leaves after 0.5 s
@@ -164,16 +176,27 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
         post_then_close(port, long_body, lambda: time.sleep(0.5))
         no_leak(f"client gone from a non-streamed request ({i + 1})")
     # finished: non-streamed and streamed
-    r = httpx.post(base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers={"Connection": "close"}, timeout=LONG)
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers={"Connection": "close"}, timeout=LONG
+    )
     assert r.status_code == 200
     no_leak("finished")
-    with httpx.stream("POST", base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4, "stream": True},
-                      headers={"Connection": "close"}, timeout=LONG) as r:
+    with httpx.stream(
+        "POST",
+        base + "/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 4, "stream": True},
+        headers={"Connection": "close"},
+        timeout=LONG,
+    ) as r:
         assert "data: [DONE]" in list(r.iter_lines())
     no_leak("finished stream")
     # failed: refused before it runs (prompt too long for the slot)
-    r = httpx.post(base + "/v1/completions", json={"prompt": list(range(9000)), "max_tokens": 1},
-                   headers={"Connection": "close"}, timeout=LONG)
+    r = httpx.post(
+        base + "/v1/completions",
+        json={"prompt": list(range(9000)), "max_tokens": 1},
+        headers={"Connection": "close"},
+        timeout=LONG,
+    )
     assert r.status_code == 400
     no_leak("failed")
     # cancelled while running: the client leaves once its request holds the slot
@@ -190,8 +213,9 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
     holder_done = threading.Event()
 
     def holder() -> None:
-        with httpx.stream("POST", base + "/v1/completions", json={**long_body, "max_tokens": 100000, "stream": True},
-                          timeout=LONG) as r:
+        with httpx.stream(
+            "POST", base + "/v1/completions", json={**long_body, "max_tokens": 100000, "stream": True}, timeout=LONG
+        ) as r:
             for _ in r.iter_lines():
                 if holder_done.is_set():
                     break
@@ -200,10 +224,18 @@ def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
     t.start()
     try:
         wait_for(lambda: slot_busy(base), timeout=LONG, what="the holder to run")
-        post_then_close(port, long_body, lambda: wait_for(lambda: metric(base, "llamacpp:requests_deferred") == 1,
-                                                          timeout=LONG, what="the second request to wait"))
-        wait_for(lambda: metric(base, "llamacpp:requests_deferred") == 0,
-                 timeout=LONG, what="the queued request to be dropped")
+        post_then_close(
+            port,
+            long_body,
+            lambda: wait_for(
+                lambda: metric(base, "llamacpp:requests_deferred") == 1, timeout=LONG, what="the second request to wait"
+            ),
+        )
+        wait_for(
+            lambda: metric(base, "llamacpp:requests_deferred") == 0,
+            timeout=LONG,
+            what="the queued request to be dropped",
+        )
     finally:
         holder_done.set()
         t.join(LONG)
@@ -249,7 +281,9 @@ def test_out_of_bounds_parameters_are_400_naming_the_field(http: httpx.Client, f
 @pytest.mark.parametrize("field", ["repeat_penalty", "temperature", "top_p", "min_p", "presence_penalty"])
 def test_non_finite_numbers_are_refused(http: httpx.Client, field: str, literal: str) -> None:
     raw = '{"prompt": "Hi", "max_tokens": 1, "%s": %s}' % (field, literal)
-    r = http.post("/v1/chat/completions", content=raw.replace('"prompt": "Hi"', '"messages": [{"role": "user", "content": "Hi"}]'))
+    r = http.post(
+        "/v1/chat/completions", content=raw.replace('"prompt": "Hi"', '"messages": [{"role": "user", "content": "Hi"}]')
+    )
     assert r.status_code == 400, r.text
     r = http.post("/v1/completions", content=raw)
     assert r.status_code == 400, r.text
@@ -259,25 +293,48 @@ def test_bounded_parameters_at_their_edges_run(http: httpx.Client) -> None:
     """The largest values llama-server accepts run and answer: the penalty window is clamped to the slot's
     context (llama.cpp would allocate the whole window), ``top_k`` clamped into its soft limits, ``seed``
     taken modulo 2**32, a huge temperature read as the largest 32-bit float."""
-    edges = {"repeat_penalty": 1.3, "repeat_last_n": 2**31 - 1, "top_k": 2**40, "seed": 2**63,
-             "stop": ["z" * 512] * 16, "temperature": 0}
+    edges = {
+        "repeat_penalty": 1.3,
+        "repeat_last_n": 2**31 - 1,
+        "top_k": 2**40,
+        "seed": 2**63,
+        "stop": ["z" * 512] * 16,
+        "temperature": 0,
+    }
     r = http.post("/v1/completions", json={"prompt": "The cat sat on the mat.", "max_tokens": 8, **edges})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 8
-    r = http.post("/v1/completions", json={"prompt": "The cat sat on the mat.", "max_tokens": 8, "dry_multiplier": 0.8,
-                                           "dry_penalty_last_n": 2**31 - 1, "temperature": 1e300, "seed": -1,
-                                           "repeat_last_n": -1, "repeat_penalty": 1.3})
+    r = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "The cat sat on the mat.",
+            "max_tokens": 8,
+            "dry_multiplier": 0.8,
+            "dry_penalty_last_n": 2**31 - 1,
+            "temperature": 1e300,
+            "seed": -1,
+            "repeat_last_n": -1,
+            "repeat_penalty": 1.3,
+        },
+    )
     assert r.status_code == 200, r.text
 
 
 def test_configure_bounds(server) -> None:
     with Wire(server.port) as w:
         # CONFIGURE refuses what the engine cannot run, where a request's value would be clamped or wrapped
-        for params, name in [({"repeat_last_n": -2}, "repeat_last_n"), ({"top_k": 2**40}, "top_k"),
-                             ({"seed": 2**32 + 1}, "seed"), ({"n_predict": 2**31}, "n_predict"),
-                             ({"repeat_penalty": 0.0}, "repeat_penalty"), ({"temperature": "1e999"}, "temperature"),
-                             ({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
-                             ({"n_ctx": 2**40}, "n_ctx"), ({"n_parallel": 2**40}, "n_parallel")]:
+        for params, name in [
+            ({"repeat_last_n": -2}, "repeat_last_n"),
+            ({"top_k": 2**40}, "top_k"),
+            ({"seed": 2**32 + 1}, "seed"),
+            ({"n_predict": 2**31}, "n_predict"),
+            ({"repeat_penalty": 0.0}, "repeat_penalty"),
+            ({"temperature": "1e999"}, "temperature"),
+            ({"temperature": -0.5}, "temperature"),
+            ({"top_p": 1.5}, "top_p"),
+            ({"n_ctx": 2**40}, "n_ctx"),
+            ({"n_parallel": 2**40}, "n_parallel"),
+        ]:
             status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps(params).replace('"1e999"', "1e999").encode())
             assert status == Status.BAD_REQUEST, (params, meta)
             assert name in meta["error"], meta
@@ -334,8 +391,12 @@ def test_every_single_bit_flip_is_caught(server) -> None:
     assert header.version == 3 and header.tokens_at > HEADER_SIZE + 36
     # bytes no structural check reads (the model hash, the checksum field, the KV identity's hash, tokens and
     # KV): only the checksum can catch a flip there, and it must be what says so
-    checksum_only = {*range(12, 44), *range(52, 60), *range(HEADER_SIZE, HEADER_SIZE + 32),
-                     *range(header.tokens_at, len(blob))}
+    checksum_only = {
+        *range(12, 44),
+        *range(52, 60),
+        *range(HEADER_SIZE, HEADER_SIZE + 32),
+        *range(header.tokens_at, len(blob)),
+    }
     caught = 0
     by_checksum = 0
     for pos in range(len(blob)):
@@ -371,14 +432,17 @@ def test_an_empty_slots_state_empties_a_full_slot(server) -> None:
         status, meta, again = w.call(Op.STATE_GET, key="1")
         assert meta["n_past"] == 0 and again == empty
     # the emptied slot really starts from nothing
-    r = httpx.post(server.base + "/v1/completions", json={"prompt": "Some tokens to forget about.", "max_tokens": 1,
-                                                        "id_slot": 1}, timeout=LONG)
+    r = httpx.post(
+        server.base + "/v1/completions",
+        json={"prompt": "Some tokens to forget about.", "max_tokens": 1, "id_slot": 1},
+        timeout=LONG,
+    )
     assert r.json()["timings"]["cache_n"] == 0
 
 
 # --------------------------------------------------------------------------- 6. shutdown and start-up
 def test_sigterm_while_the_model_loads_exits_zero_quietly(spawn) -> None:
-    for attempt in range(5):
+    for _attempt in range(5):
         srv = spawn()
         caught = False
         deadline = time.monotonic() + LONG
@@ -417,24 +481,26 @@ def test_a_request_queued_across_a_configure_that_shrinks_the_slots_gets_a_400(s
         replies: dict[str, httpx.Response] = {}
 
         def post(name: str, body: dict) -> None:
-            replies[name] = httpx.post(srv.base + "/v1/completions", json=body, timeout=300)
+            replies[name] = httpx.post(srv.base + "/v1/completions", json=body, timeout=300)  # noqa: B023  (called and finished within this iteration)
 
         deferred = _metric(srv.base, "llamacpp:requests_deferred")
-        running = threading.Thread(target=post, args=("running", {
-            "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "temperature": 0}))
+        running = threading.Thread(
+            target=post,
+            args=("running", {"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True, "temperature": 0}),
+        )
         running.start()
         wait_for(lambda: httpx.get(srv.base + "/slots").json()[0]["is_processing"], timeout=120.0)
         queued = threading.Thread(target=post, args=("queued", {"prompt": long_prompt, "max_tokens": 4}))
         queued.start()
-        wait_for(lambda: _metric(srv.base, "llamacpp:requests_deferred") > deferred, timeout=120.0)
+        wait_for(lambda: _metric(srv.base, "llamacpp:requests_deferred") > deferred, timeout=120.0)  # noqa: B023  (called and finished within this iteration)
         applied = threading.Event()
 
         def configure() -> None:
             with Wire(srv.port) as w:
-                while not applied.is_set():
+                while not applied.is_set():  # noqa: B023  (called and finished within this iteration)
                     status, _, _ = w.call(Op.CONFIGURE, payload=b'{"n_ctx": 2048}')
                     if status == Status.OK:
-                        applied.set()
+                        applied.set()  # noqa: B023  (called and finished within this iteration)
 
         hammers = [threading.Thread(target=configure) for _ in range(4)]
         for t in hammers:
@@ -460,5 +526,3 @@ def _metric(base: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{name} missing")
-
-

@@ -22,15 +22,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzz.strategies import SizedCase, deep_grammars, deep_json_bodies, long_request_lists, wide_and_deep_schemas
-from hydra_trio.openai.json_schema import MAX_SCHEMA_NODES, schema_to_gbnf
-from hydra_trio.openai.tools import parse_tool_spec, tool_grammar
 from hydra_trio.engine.batching.gbnf_depth import depths, stack_depth
 from hydra_trio.engine.batching.sampling import MAX_GRAMMAR_BYTES, MAX_GRAMMAR_STACK_DEPTH, GrammarError, check_grammar
-from hydra_trio.protocol import strict
+from hydra_trio.openai.json_schema import MAX_SCHEMA_NODES, schema_to_gbnf
+from hydra_trio.openai.tools import parse_tool_spec, tool_grammar
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
+from hydra_trio.validation import strict
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
 MSGS = [{"role": "user", "content": "Give a record."}]
 
@@ -114,9 +114,15 @@ def test_a_thousand_optional_properties_make_llama_cpps_rule_set(vocab: Any) -> 
     g = schema_to_gbnf(_optional(1000))
     assert len(g) < MAX_GRAMMAR_BYTES and g.count("-rest ::=") == 999
     check_grammar(vocab, g)
-    for text, ok in (('{}', True), ('{"p0": "a"}', True), ('{"p0": "a", "p999": "b"}', True),
-                     ('{"p500": "x", "p501": "y"}', True), ('{"p999": "b", "p0": "a"}', False),
-                     ('{"p0": "a", "p0": "a"}', False), ('{"q": "a"}', False)):
+    for text, ok in (
+        ("{}", True),
+        ('{"p0": "a"}', True),
+        ('{"p0": "a", "p999": "b"}', True),
+        ('{"p500": "x", "p501": "y"}', True),
+        ('{"p999": "b", "p0": "a"}', False),
+        ('{"p0": "a", "p0": "a"}', False),
+        ('{"q": "a"}', False),
+    ):
         assert _accepts(vocab, g, text) == ok, text
     g = schema_to_gbnf(_optional(1000, ("p500",)))
     assert _accepts(vocab, g, '{"p500": "x"}') and _accepts(vocab, g, '{"p500": "x", "p999": "z"}')
@@ -125,9 +131,14 @@ def test_a_thousand_optional_properties_make_llama_cpps_rule_set(vocab: Any) -> 
 
 def test_additional_properties_after_optional_ones(vocab: Any) -> None:
     """llama.cpp's rule set: after the optional properties, any number of other keys (``"," kv`` each)."""
-    g = schema_to_gbnf({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                        "additionalProperties": {"type": "integer"}})
-    for text in ('{}', '{"a": 1}', '{"a": 1, "b": 2}', '{"a": 1, "x": 2}', '{"x": 2, "y": 3}', '{"b": 2, "x": 3}'):
+    g = schema_to_gbnf(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "additionalProperties": {"type": "integer"},
+        }
+    )
+    for text in ("{}", '{"a": 1}', '{"a": 1, "b": 2}', '{"a": 1, "x": 2}', '{"x": 2, "y": 3}', '{"b": 2, "x": 3}'):
         assert _accepts(vocab, g, text), text
     assert not _accepts(vocab, g, '{"a": 1 "x": 2}') and not _accepts(vocab, g, '{"x": "s"}')
 
@@ -144,9 +155,21 @@ def test_tool_grammars_come_from_the_bounded_converter(vocab: Any) -> None:
     grammar for each format, each tool's ``$ref`` resolves inside its own parameters, and a keyword or a limit is
     named with the tool's field."""
     big = {"type": "function", "function": {"name": "big", "parameters": _optional(1000)}}
-    own_refs = [{"type": "function", "function": {"name": f"t{i}", "parameters": {
-        "$defs": {"v": {"type": kind}}, "type": "object", "properties": {"v": {"$ref": "#/$defs/v"}}, "required": ["v"]}}}
-        for i, kind in enumerate(("integer", "string"))]
+    own_refs = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"t{i}",
+                "parameters": {
+                    "$defs": {"v": {"type": kind}},
+                    "type": "object",
+                    "properties": {"v": {"$ref": "#/$defs/v"}},
+                    "required": ["v"],
+                },
+            },
+        }
+        for i, kind in enumerate(("integer", "string"))
+    ]
     spec = parse_tool_spec({"tools": [big], "tool_choice": "required"})
     assert spec is not None
     for fmt in ("generic", "hermes", "mistral", "llama3"):
@@ -160,12 +183,27 @@ def test_tool_grammars_come_from_the_bounded_converter(vocab: Any) -> None:
     assert _accepts(vocab, gbnf, '{"name": "t0", "parameters": {"v": 1}}')
     assert _accepts(vocab, gbnf, '{"name": "t1", "parameters": {"v": "s"}}')
     assert not _accepts(vocab, gbnf, '{"name": "t0", "parameters": {"v": "s"}}')
-    with pytest.raises(strict.MessageError, match=r"tools\[1\]\.function\.parameters/properties/n: the keyword minimum"):
-        parse_tool_spec({"tools": [big, {"type": "function", "function": {"name": "n", "parameters": {
-            "type": "object", "properties": {"n": {"type": "number", "minimum": 1}}}}}]})
+    with pytest.raises(
+        strict.MessageError, match=r"tools\[1\]\.function\.parameters/properties/n: the keyword minimum"
+    ):
+        parse_tool_spec(
+            {
+                "tools": [
+                    big,
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "n",
+                            "parameters": {"type": "object", "properties": {"n": {"type": "number", "minimum": 1}}},
+                        },
+                    },
+                ]
+            }
+        )
     with pytest.raises(strict.MessageError, match="MAX_SCHEMA_NODES"):
-        parse_tool_spec({"tools": [{"type": "function", "function": {"name": f"f{i}"}}
-                                   for i in range(MAX_SCHEMA_NODES // 3 + 1)]})
+        parse_tool_spec(
+            {"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_SCHEMA_NODES // 3 + 1)]}
+        )
 
 
 def test_grammar_stack_depth_is_bounded(vocab: Any) -> None:
@@ -206,9 +244,11 @@ def test_json_depth_is_counted_without_recursion() -> None:
 def test_a_thousand_optional_properties_are_answered(server: ServerProcess, http: httpx.Client) -> None:
     """llama-server answers such a schema; so does the node, over HTTP (both fields) and Hydra DECODE."""
     names = [f"p{i}" for i in range(1000)]
-    for body in ({"json_schema": _optional(1000)},
-                 {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _optional(1000)}}},
-                 {"json_schema": _optional(1000, ("p999",))}):
+    for body in (
+        {"json_schema": _optional(1000)},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _optional(1000)}}},
+        {"json_schema": _optional(1000, ("p999",))},
+    ):
         r = http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 12, "temperature": 0, **body})
         assert r.status_code == 200, r.text[:300]
         choice = r.json()["choices"][0]
@@ -227,14 +267,19 @@ def test_an_allof_ref_chain_is_a_400_naming_the_depth_limit(http: httpx.Client) 
     """Each ``allOf``-``$ref`` link counts towards the schema's depth (it restarted from 0 and recursed into a 500)."""
     defs = {f"d{i}": {"allOf": [{"$ref": f"#/$defs/d{i + 1}"}]} for i in range(3000)}
     defs["d3000"] = {"type": "object", "properties": {"x": {"type": "integer"}}}
-    msg = _error(http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1,
-                                                         "json_schema": {"$defs": defs, "$ref": "#/$defs/d0"}}))
+    msg = _error(
+        http.post(
+            "/v1/chat/completions",
+            json={"messages": MSGS, "max_tokens": 1, "json_schema": {"$defs": defs, "$ref": "#/$defs/d0"}},
+        )
+    )
     assert msg.startswith("json_schema") and "MAX_SCHEMA_DEPTH" in msg
 
 
 @pytest.mark.parametrize("depth", [strict.MAX_JSON_DEPTH, strict.MAX_JSON_DEPTH + 1, 1000, 100_000])
-def test_deep_json_in_any_field_is_a_400_naming_the_limit(server: ServerProcess, http: httpx.Client,
-                                                          depth: int) -> None:
+def test_deep_json_in_any_field_is_a_400_naming_the_limit(
+    server: ServerProcess, http: httpx.Client, depth: int
+) -> None:
     """Every body the node reads (HTTP, Hydra) and a tool call's ``arguments`` text nest at most MAX_JSON_DEPTH deep
     (a body nesting 300 deep was served; 1,000 was 'nested too deeply' without a limit; arguments 100,000 deep were
     a RecursionError, an HTTP 500)."""
@@ -254,9 +299,17 @@ def test_deep_json_in_any_field_is_a_400_naming_the_limit(server: ServerProcess,
         else:
             assert r.status_code == 200, (path, r.text[:300])
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": _deep(depth)}}
-    r = http.post("/v1/chat/completions", json={"max_tokens": 1, "messages": [
-        *MSGS, {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "max_tokens": 1,
+            "messages": [
+                *MSGS,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ],
+        },
+    )
     if over:
         msg = _error(r)
         assert msg.startswith("messages[1].tool_calls[0].function.arguments") and "MAX_JSON_DEPTH" in msg, msg
@@ -266,8 +319,9 @@ def test_deep_json_in_any_field_is_a_400_naming_the_limit(server: ServerProcess,
         for op in (Op.DECODE, Op.PREFILL):
             payload = ('{"messages": [{"role": "user", "content": "x"}], "n_predict": 1, "x": %s}' % inner).encode()
             status, meta, _ = w.call(op, key="1", payload=payload)
-            assert (status == Status.BAD_REQUEST and "MAX_JSON_DEPTH" in meta["error"]) if over else \
-                status == Status.OK, (op, status, meta)
+            assert (
+                (status == Status.BAD_REQUEST and "MAX_JSON_DEPTH" in meta["error"]) if over else status == Status.OK
+            ), (op, status, meta)
         assert w.call(Op.INFO)[0] == Status.OK
     assert http.get("/health").status_code == 200
 
@@ -279,8 +333,9 @@ def test_pretty_printed_tool_calls_stop_at_the_context(spawn: Any) -> None:
     built (its peak grew by over 1 GiB)."""
     node = spawn("-np", "1", "-c", "2048")
     node.wait_ready()
-    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": _deep(250)}}
-             for i in range(8000)]
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": _deep(250)}} for i in range(8000)
+    ]
     body = {"max_tokens": 1, "messages": [*MSGS, {"role": "assistant", "content": None, "tool_calls": calls}]}
     with httpx.Client(base_url=node.base, timeout=300) as c:
         assert c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}).status_code == 200
@@ -310,15 +365,18 @@ def test_raw_grammars_that_stack_deep_are_refused(http: httpx.Client) -> None:
     A chain at the limit is served."""
     msg = _error(http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, "grammar": _chain(10_000)}))
     assert msg.startswith("grammar") and "MAX_GRAMMAR_STACK_DEPTH" in msg, msg
-    r = http.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2,
-                                                "grammar": _chain(MAX_GRAMMAR_STACK_DEPTH)})
+    r = http.post(
+        "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 2, "grammar": _chain(MAX_GRAMMAR_STACK_DEPTH)}
+    )
     assert r.status_code == 200 and re.fullmatch("a?x*", r.json()["choices"][0]["message"]["content"]), r.text[:300]
 
 
 def test_response_fields_and_tools_are_bounded(http: httpx.Client) -> None:
     from hydra_trio.openai.schemas import MAX_RESPONSE_FIELDS
 
-    r = http.post("/completion", json={"prompt": "x", "n_predict": 1, "response_fields": ["content"] * MAX_RESPONSE_FIELDS})
+    r = http.post(
+        "/completion", json={"prompt": "x", "n_predict": 1, "response_fields": ["content"] * MAX_RESPONSE_FIELDS}
+    )
     assert r.status_code == 200 and list(r.json()) == ["content"], r.text[:300]
     for fields in (["content"] * (MAX_RESPONSE_FIELDS + 1), ["x" * (MAX_RESPONSE_FIELDS + 1)]):
         msg = _error(http.post("/completion", json={"prompt": "x", "n_predict": 1, "response_fields": fields}))

@@ -36,8 +36,23 @@ def params(base: str) -> dict:
 
 def test_samplers_order_and_adaptive_p_defaults(spawn) -> None:
     # top-k 1 is set but not in the chain: temperature alone samples, so two seeds part ways
-    srv = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "--top-k", "1", "--temp", "1.5",
-                "--samplers", "Temperature;bogus", "--adaptive-target", "0.4", "--adaptive-decay", "1.5")
+    srv = spawn(
+        "-np",
+        "1",
+        "-c",
+        "1024",
+        "--no-rpc-backend",
+        "--top-k",
+        "1",
+        "--temp",
+        "1.5",
+        "--samplers",
+        "Temperature;bogus",
+        "--adaptive-target",
+        "0.4",
+        "--adaptive-decay",
+        "1.5",
+    )
     srv.wait_ready()
     p = params(srv.base)
     assert p["samplers"] == ["temperature"]  # an unknown name is left out, as llama-server does
@@ -57,8 +72,7 @@ def test_samplers_order_and_adaptive_p_defaults(spawn) -> None:
 
 
 def test_sampler_seq_sets_the_order_by_letters(spawn) -> None:
-    srv = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "--sampler-seq", "kt", "--top-k", "1",
-                "--temp", "1.5")
+    srv = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "--sampler-seq", "kt", "--top-k", "1", "--temp", "1.5")
     srv.wait_ready()
     assert params(srv.base)["samplers"] == ["top_k", "temperature"]
     a, b = (completion(srv.base, seed=s) for s in (1, 2))
@@ -109,12 +123,18 @@ def test_grammar_file_is_every_replys_unless_the_request_has_its_own(spawn, tmp_
     srv.wait_ready()
     r = completion(srv.base, prompt="Is Paris in France?")
     assert r["content"] in ("yes", "no") and r["generation_settings"]["grammar"] == YES_NO
-    chat = httpx.post(srv.base + "/v1/chat/completions", timeout=LONG,
-                      json={"messages": [{"role": "user", "content": "Is Paris in France?"}], "max_tokens": 8})
+    chat = httpx.post(
+        srv.base + "/v1/chat/completions",
+        timeout=LONG,
+        json={"messages": [{"role": "user", "content": "Is Paris in France?"}], "max_tokens": 8},
+    )
     assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"] in ("yes", "no"), chat.text
     assert completion(srv.base, grammar='root ::= "maybe"')["content"] == "maybe"
-    r = completion(srv.base, json_schema={"type": "object", "properties": {"a": {"type": "integer"}},
-                                          "required": ["a"]}, n_predict=32)
+    r = completion(
+        srv.base,
+        json_schema={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        n_predict=32,
+    )
     assert isinstance(json.loads(r["content"])["a"], int)
     r = completion(srv.base, ignore_eos=True, n_predict=4)  # the node's grammar yields to the request's ignore_eos
     assert r["generation_settings"]["grammar"] == "" and r["tokens_predicted"] == 4
@@ -144,7 +164,7 @@ def test_grammar_and_json_schema_flags_land_as_their_file_forms(tmp_path: Path) 
 
     assert grammar("--grammar", YES_NO) == grammar("--grammar-file", str(g)) == YES_NO
     assert grammar("-j", json.dumps(SCHEMA)) == grammar("-jf", str(s))
-    assert 'answer' in grammar("-j", json.dumps(SCHEMA))
+    assert "answer" in grammar("-j", json.dumps(SCHEMA))
     assert grammar("--grammar", YES_NO, "-j", json.dumps(SCHEMA)) != YES_NO  # the last one wins, as llama-server
 
 
@@ -154,8 +174,9 @@ def test_reverse_prompt_is_the_stop_list_of_a_request_without_one(spawn) -> None
     srv.wait_ready()
     r = completion(srv.base, prompt="The capital of France is Paris. The capital of Italy is", n_predict=32)
     assert r["stop_type"] == "word" and r["stopping_word"] == " " and " " not in r["content"], r
-    own = completion(srv.base, prompt="The capital of France is Paris. The capital of Italy is", n_predict=32,
-                     stop=["\u2603"])
+    own = completion(
+        srv.base, prompt="The capital of France is Paris. The capital of Italy is", n_predict=32, stop=["\u2603"]
+    )
     assert " " in own["content"] and own["generation_settings"]["stop"] == ["\u2603"]
 
 

@@ -19,9 +19,9 @@ import pytest
 
 from hydra_trio.openai.schemas import ChatCompletionRequest, parse_body
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
 MESSAGES = [{"role": "user", "content": "Tell me about the history of Paris."}]
 PROMPT = "The history of Paris began"
@@ -58,8 +58,7 @@ def test_core_prefill_body_evaluates_the_prompt_only(server: ServerProcess, http
     checked after a token is sampled, so it samples one token from the prompt's logits, returns it
     (``completion_tokens`` 1, ``finish_reason`` length) and ends without decoding it: the slot holds the
     prompt and nothing else.  Hydra PREFILL of the same body leaves the same ``n_past``."""
-    body = {"messages": MESSAGES, "max_tokens": 10, "n_predict": 0, "id_slot": 1, "temperature": 0,
-            "ignore_eos": True}
+    body = {"messages": MESSAGES, "max_tokens": 10, "n_predict": 0, "id_slot": 1, "temperature": 0, "ignore_eos": True}
     reply = _post(http, "/v1/chat/completions", body)
     n_prompt = reply["usage"]["prompt_tokens"]
     assert reply["id_slot"] == 1
@@ -71,8 +70,9 @@ def test_core_prefill_body_evaluates_the_prompt_only(server: ServerProcess, http
     assert status == Status.OK, meta
     assert meta["n_past"] == n_prompt and blob
     # the native endpoint: the same budget, its own counters
-    native = _post(http, "/completion", {"prompt": PROMPT, "max_tokens": 10, "n_predict": 0, "id_slot": 3,
-                                         "ignore_eos": True})
+    native = _post(
+        http, "/completion", {"prompt": PROMPT, "max_tokens": 10, "n_predict": 0, "id_slot": 3, "ignore_eos": True}
+    )
     assert native["tokens_predicted"] == 1 and native["stop_type"] == "limit"
     assert native["tokens_cached"] == native["tokens_evaluated"] == _n_past(http, 3)
     assert native["generation_settings"]["n_predict"] == 0
@@ -90,8 +90,9 @@ BUDGETS = [
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/completion"])
 @pytest.mark.parametrize(("fields", "expected"), BUDGETS, ids=[json.dumps(f) for f, _ in BUDGETS])
-def test_budget_names_are_read_in_llama_servers_order(http: httpx.Client, path: str, fields: dict,
-                                                      expected: int) -> None:
+def test_budget_names_are_read_in_llama_servers_order(
+    http: httpx.Client, path: str, fields: dict, expected: int
+) -> None:
     reply = _post(http, path, _body(path, **fields))
     assert _n_generated(path, reply) == expected
 
@@ -110,8 +111,7 @@ def test_budget_minus_one_is_the_nodes_n_predict(spawn) -> None:
 
 def test_hydra_decode_reads_the_budget_in_the_same_order(server: ServerProcess) -> None:
     """DECODE takes the chat body Core sends over HTTP: ``max_completion_tokens`` before ``max_tokens``."""
-    body = {"messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 3, "ignore_eos": True,
-            "temperature": 0}
+    body = {"messages": MESSAGES, "max_tokens": 9, "max_completion_tokens": 3, "ignore_eos": True, "temperature": 0}
     with Wire(server.port) as w:
         status, meta, payload = w.call(Op.DECODE, key="0", payload=json.dumps({**body, "stream": False}).encode())
         assert status == Status.OK, meta
@@ -135,8 +135,9 @@ def test_logprob_fields_in_llama_servers_order(http: httpx.Client) -> None:
     # logprobs: true without top_logprobs is n_probs 20 (oaicompat_chat_params_parse: top_logprobs defaults to 20)
     assert _chat_alternatives(_post(http, "/v1/chat/completions", {**chat, "logprobs": True})) == [20, 20]
     # with logprobs: true the body's n_probs is not read: top_logprobs is
-    assert _chat_alternatives(_post(http, "/v1/chat/completions",
-                                    {**chat, "logprobs": True, "top_logprobs": 2, "n_probs": 5})) == [2, 2]
+    assert _chat_alternatives(
+        _post(http, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 2, "n_probs": 5})
+    ) == [2, 2]
     # without logprobs, n_probs > 0 asks for them (llama-server's own field)
     assert _chat_alternatives(_post(http, "/v1/chat/completions", {**chat, "n_probs": 3})) == [3, 3]
     assert _chat_alternatives(_post(http, "/v1/chat/completions", {**chat, "n_probs": 0})) == []
@@ -194,8 +195,9 @@ def test_constraint_fields_in_llama_servers_order(http: httpx.Client) -> None:
     rf_obj = {"type": "json_object", "schema": YES_NO}
     reply = _post(http, "/v1/chat/completions", {**chat, "json_schema": RED_BLUE, "response_format": rf_obj})
     assert json.loads(reply["choices"][0]["message"]["content"]) in ("yes", "no")
-    reply = _post(http, "/v1/chat/completions", {**chat, "json_schema": RED_BLUE,
-                                                 "response_format": {"type": "json_object"}})
+    reply = _post(
+        http, "/v1/chat/completions", {**chat, "json_schema": RED_BLUE, "response_format": {"type": "json_object"}}
+    )
     assert json.loads(reply["choices"][0]["message"]["content"]) in ("red", "blue")
     # a schema (here response_format's) wins over grammar
     reply = _post(http, "/v1/chat/completions", {**chat, "grammar": GRAMMAR_X, "response_format": rf})
@@ -206,22 +208,25 @@ def test_constraint_fields_in_llama_servers_order(http: httpx.Client) -> None:
     assert reply["choices"][0]["message"]["content"].lstrip().startswith("{")
     # completions (the json_schema field, server-schema.cpp): grammar wins over json_schema
     for path in ("/v1/completions", "/completion"):
-        reply = _post(http, path, {"prompt": PROMPT, "temperature": 0, "max_tokens": 4, "grammar": GRAMMAR_X,
-                                   "json_schema": YES_NO})
+        reply = _post(
+            http,
+            path,
+            {"prompt": PROMPT, "temperature": 0, "max_tokens": 4, "grammar": GRAMMAR_X, "json_schema": YES_NO},
+        )
         text = reply["choices"][0]["text"] if path == "/v1/completions" else reply["content"]
         assert text in ("x", "xx"), (path, text)
 
 
 def test_empty_stop_strings_are_dropped(http: httpx.Client) -> None:
     """llama-server's ``stop`` keeps the non-empty strings of a list (an empty one would stop at once)."""
-    reply = _post(http, "/completion", {"prompt": PROMPT, "n_predict": 3, "ignore_eos": True,
-                                        "stop": ["", "zzqx", ""]})
+    reply = _post(http, "/completion", {"prompt": PROMPT, "n_predict": 3, "ignore_eos": True, "stop": ["", "zzqx", ""]})
     assert reply["generation_settings"]["stop"] == ["zzqx"] and reply["tokens_predicted"] == 3
 
 
 def test_thinking_budget_names_in_llama_servers_order() -> None:
     """``oaicompat_chat_params_parse``: ``reasoning_budget_tokens``, else ``thinking_budget_tokens`` (the first
     that is not null; the other is not read), and -1 means the node's ``--reasoning-budget``."""
+
     def budget(**fields: Any) -> int | None:
         body = {"messages": MESSAGES, **fields}
         return parse_body(json.dumps(body).encode(), ChatCompletionRequest).thinking_budget

@@ -76,22 +76,48 @@ def test_soft_limits_clamp_silently(http: httpx.Client, field: str, sent: Any, r
 def test_a_chat_request_runs_with_the_clamped_values(http: httpx.Client) -> None:
     """The OpenAI endpoints read the same fields the same way: the slot's ``params`` (``/slots``) show what
     a chat request ran with."""
-    body = {"messages": MESSAGES, "max_tokens": 1, "id_slot": 3, "temperature": 9, "top_p": 3, "top_k": -1,
-            "mirostat": 5, "xtc_threshold": 1.5, "min_p": -1, "seed": -2}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 1,
+        "id_slot": 3,
+        "temperature": 9,
+        "top_p": 3,
+        "top_k": -1,
+        "mirostat": 5,
+        "xtc_threshold": 1.5,
+        "min_p": -1,
+        "seed": -2,
+    }
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     params = next(s for s in http.get("/slots").json() if s["id"] == 3)["params"]
     assert {k: params[k] for k in ("temperature", "top_p", "top_k", "mirostat", "xtc_threshold", "min_p", "seed")} == {
-        "temperature": 9.0, "top_p": 1.0, "top_k": 0, "mirostat": 2, "xtc_threshold": 1.0, "min_p": 0.0,
-        "seed": 2**32 - 2}
+        "temperature": 9.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "mirostat": 2,
+        "xtc_threshold": 1.0,
+        "min_p": 0.0,
+        "seed": 2**32 - 2,
+    }
 
 
 # --------------------------------------------------------------------------- no limits: any value of the type
 ANY = [  # fields llama-server reads without limits (field_num with neither set_limits nor set_hard_limits)
-    ("typical_p", 7.0), ("typical_p", -3.0), ("top_n_sigma", 500.0), ("dynatemp_range", 5.0),
-    ("dynatemp_exponent", -2.0), ("dry_multiplier", -1.0), ("dry_multiplier", 1000.0), ("dry_base", 500.0),
-    ("mirostat_tau", 500.0), ("mirostat_eta", -1.0), ("repeat_penalty", 50.0), ("presence_penalty", -5.0),
-    ("frequency_penalty", 5.0), ("temperature", 1000.0),
+    ("typical_p", 7.0),
+    ("typical_p", -3.0),
+    ("top_n_sigma", 500.0),
+    ("dynatemp_range", 5.0),
+    ("dynatemp_exponent", -2.0),
+    ("dry_multiplier", -1.0),
+    ("dry_multiplier", 1000.0),
+    ("dry_base", 500.0),
+    ("mirostat_tau", 500.0),
+    ("mirostat_eta", -1.0),
+    ("repeat_penalty", 50.0),
+    ("presence_penalty", -5.0),
+    ("frequency_penalty", 5.0),
+    ("temperature", 1000.0),
 ]
 
 
@@ -112,13 +138,19 @@ def test_floats_beyond_a_32_bit_float_run_as_the_largest_one(http: httpx.Client)
 
 # --------------------------------------------------------------------------- hard limits: a 400 naming field and range
 HARD = [  # (field, value): set_hard_limits(lo, hi) in tools/server/server-schema.cpp
-    ("n_predict", -2, "-1 and 2147483647"), ("max_tokens", 2**31, "-1 and 2147483647"),
-    ("n_keep", -2, "-1 and 2147483647"), ("n_discard", -1, "0 and 2147483647"),
-    ("n_cache_reuse", -1, "0 and 2147483647"), ("t_max_predict_ms", -2, "-1 and 9223372036854775807"),
-    ("dry_allowed_length", -1, "0 and 2147483647"), ("min_keep", -1, "0 and 2147483647"),
-    ("adaptive_decay", 0.995, "0 and 0.99"), ("adaptive_decay", -0.5, "0 and 0.99"),
+    ("n_predict", -2, "-1 and 2147483647"),
+    ("max_tokens", 2**31, "-1 and 2147483647"),
+    ("n_keep", -2, "-1 and 2147483647"),
+    ("n_discard", -1, "0 and 2147483647"),
+    ("n_cache_reuse", -1, "0 and 2147483647"),
+    ("t_max_predict_ms", -2, "-1 and 9223372036854775807"),
+    ("dry_allowed_length", -1, "0 and 2147483647"),
+    ("min_keep", -1, "0 and 2147483647"),
+    ("adaptive_decay", 0.995, "0 and 0.99"),
+    ("adaptive_decay", -0.5, "0 and 0.99"),
     # the penalty windows: -1 is the slot's context (earlier llama-server versions' meaning), below is refused
-    ("repeat_last_n", -2, "-1 and 2147483647"), ("dry_penalty_last_n", -2, "-1 and 2147483647"),
+    ("repeat_last_n", -2, "-1 and 2147483647"),
+    ("dry_penalty_last_n", -2, "-1 and 2147483647"),
     # a float for an integer field is truncated first, then checked
     ("n_keep", -2.5, "-1 and 2147483647"),
 ]
@@ -126,8 +158,9 @@ HARD = [  # (field, value): set_hard_limits(lo, hi) in tools/server/server-schem
 
 @pytest.mark.parametrize(("field", "sent", "between"), HARD, ids=[f"{f}={v!r}" for f, v, _ in HARD])
 @pytest.mark.parametrize("path", ["/completion", "/v1/chat/completions"])
-def test_hard_limits_refuse_naming_the_field_and_range(http: httpx.Client, path: str, field: str, sent: Any,
-                                                         between: str) -> None:
+def test_hard_limits_refuse_naming_the_field_and_range(
+    http: httpx.Client, path: str, field: str, sent: Any, between: str
+) -> None:
     base: dict[str, Any] = {"messages": MESSAGES} if path == "/v1/chat/completions" else {"prompt": PROMPT}
     budget = {} if field in ("n_predict", "max_tokens") else {"n_predict": 1}  # n_predict is read first
     message = _refusal(http.post(path, json={**base, **budget, field: sent}))
@@ -137,13 +170,24 @@ def test_hard_limits_refuse_naming_the_field_and_range(http: httpx.Client, path:
 def test_hard_limits_accept_their_edges(http: httpx.Client) -> None:
     """The edges themselves run (llama-server's limits are inclusive; ``adaptive_decay`` compared as a 32-bit
     float, where 0.9900000001 is 0.99)."""
-    got = _settings(http, n_keep=-1, n_discard=0, repeat_last_n=2**31 - 1, dry_penalty_last_n=0, min_keep=0,
-                    adaptive_decay=0.9900000001, t_max_predict_ms=2**63 - 1)
+    got = _settings(
+        http,
+        n_keep=-1,
+        n_discard=0,
+        repeat_last_n=2**31 - 1,
+        dry_penalty_last_n=0,
+        min_keep=0,
+        adaptive_decay=0.9900000001,
+        t_max_predict_ms=2**63 - 1,
+    )
     assert got["repeat_last_n"] == 2**31 - 1 and got["n_keep"] == -1
 
 
 PENALTIES = [  # common_sampler_init (common/sampling.cpp) refuses these: not finite as a float, or <= 0
-    ("repeat_penalty", 0), ("repeat_penalty", -1.0), ("repeat_penalty", 1e-39), ("frequency_penalty", 1e39),
+    ("repeat_penalty", 0),
+    ("repeat_penalty", -1.0),
+    ("repeat_penalty", 1e-39),
+    ("frequency_penalty", 1e39),
     ("presence_penalty", -1e39),
 ]
 
@@ -195,13 +239,15 @@ NAN_PRONE = [  # values llama-server takes that drive logits to infinity and the
 
 
 @pytest.mark.parametrize("fields", NAN_PRONE, ids=[next(iter(f)) for f in NAN_PRONE])
-def test_a_grammar_holds_when_the_settings_overflow_the_logits(server: ServerProcess, http: httpx.Client,
-                                                               fields: dict[str, Any]) -> None:
+def test_a_grammar_holds_when_the_settings_overflow_the_logits(
+    server: ServerProcess, http: httpx.Client, fields: dict[str, Any]
+) -> None:
     """llama.cpp's ``dist`` takes the last candidate when its sums are NaN; with a grammar that may be a token
     the grammar refused, and accepting it throws inside llama.cpp, which aborts the process.  The node
     checks a grammar's pick before accepting it: the reply follows the grammar and the node stays up."""
-    r = http.post("/completion", json={"prompt": PROMPT, "n_predict": 6, "grammar": 'root ::= "{" "}" | "[" "]"',
-                                       **fields})
+    r = http.post(
+        "/completion", json={"prompt": PROMPT, "n_predict": 6, "grammar": 'root ::= "{" "}" | "[" "]"', **fields}
+    )
     assert r.status_code == 200, r.text
     assert r.json()["content"] in ("{}", "[]"), r.json()["content"]
     assert server.proc.poll() is None and http.get("/health").status_code == 200
@@ -221,12 +267,15 @@ def test_configure_refuses_rather_than_clamps(server: ServerProcess, http: httpx
     """CONFIGURE (hydra-trio's own protocol) sets the node's defaults: a value the engine cannot run is
     refused, never clamped; what a request may send unclamped (a temperature of 5) it accepts."""
     from hydra_trio.protocol.hydra import Op, Status
-
-    from .hydra_wire import Wire
+    from hydra_trio.testing.hydra_wire import Wire
 
     with Wire(server.port) as w:
-        for params, name in (({"temperature": -0.5}, "temperature"), ({"top_p": 1.5}, "top_p"),
-                             ({"mirostat": 3}, "mirostat"), ({"seed": -2}, "seed")):
+        for params, name in (
+            ({"temperature": -0.5}, "temperature"),
+            ({"top_p": 1.5}, "top_p"),
+            ({"mirostat": 3}, "mirostat"),
+            ({"seed": -2}, "seed"),
+        ):
             status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps(params).encode())
             assert status == Status.BAD_REQUEST and meta["error"].startswith(name + ":"), (params, meta)
         try:

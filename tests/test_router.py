@@ -59,9 +59,13 @@ class Router:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed by stop)
         command = [binary] if binary else [sys.executable, "-m", "hydra_trio"]
-        self.proc = subprocess.Popen([*command, "--port", str(self.port), "-t", "1", *args],
-                                     cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **SHARED_MACHINE_ENV})
+        self.proc = subprocess.Popen(
+            [*command, "--port", str(self.port), "-t", "1", *args],
+            cwd=ROOT,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SHARED_MACHINE_ENV},
+        )
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=300)
 
     def log(self) -> str:
@@ -75,6 +79,7 @@ class Router:
                 return self.http.get("/health").status_code == 200
             except httpx.HTTPError:
                 return False
+
         wait_for(up, 120, "the router listens")
 
     def models(self) -> dict[str, dict[str, Any]]:
@@ -121,8 +126,13 @@ def router(tmp_path: Path, preset: str, *args: str) -> Iterator[Router]:
 
 
 def chat(model: str, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
-            "temperature": 0, **extra}
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 4,
+        "temperature": 0,
+        **extra,
+    }
 
 
 def error_of(r: httpx.Response) -> tuple[int, str, str]:
@@ -136,9 +146,9 @@ def error_of(r: httpx.Response) -> tuple[int, str, str]:
 def test_the_ini_dialect_is_llama_servers() -> None:
     """``common/preset.cpp``'s grammar: keys keep their case, ``;``/``#`` end a value even without a space
     before them, quotes stay, keys before any section are in ``default``, a repeated section starts again."""
-    text = "top = 1\n[a]\nCtx-Size = 4096;comment\nx = \"q\" # c\n\n  ; indented comment\n[b]\nk=v\n[a]\ny = 2\n"
+    text = 'top = 1\n[a]\nCtx-Size = 4096;comment\nx = "q" # c\n\n  ; indented comment\n[b]\nk=v\n[a]\ny = 2\n'
     assert parse_ini(text) == {"default": {"top": "1"}, "a": {"y": "2"}, "b": {"k": "v"}}
-    assert parse_ini("[m]\nCtx-Size = 4096;c\nx = \"q\" # c\n")["m"] == {"Ctx-Size": "4096", "x": '"q"'}
+    assert parse_ini('[m]\nCtx-Size = 4096;c\nx = "q" # c\n')["m"] == {"Ctx-Size": "4096", "x": '"q"'}
     with pytest.raises(ValueError, match="line 2"):
         parse_ini("[m]\n  c = 1\n")  # llama-server reads no indented key (configparser would continue a value)
 
@@ -146,25 +156,37 @@ def test_the_ini_dialect_is_llama_servers() -> None:
 def run_router_cli(tmp_path: Path, preset: str, *args: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "p.ini"
     path.write_text(preset)
-    return subprocess.run([sys.executable, "-m", "hydra_trio", "--models-preset", str(path), "--port",
-                           str(free_port()), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "--models-preset", str(path), "--port", str(free_port()), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
-@pytest.mark.parametrize("preset, needles", [
-    ("[mine]\nmodel = smollm2-135m\nfoo-bar = 1\n", ["option 'foo-bar' not recognized in preset 'mine'"]),
-    ("[mine]\nmodel = smollm2-135m\nc = abc\n", ["preset 'mine'", "key 'c'", "-c/--ctx-size", "abc"]),
-    ("[*]\nnp = 0\n[mine]\nmodel = smollm2-135m\n", ["preset 'mine'", "key 'np' (from [*])", "--parallel"]),
-    ("[mine]\nmodel = smollm2-135m\nhf-repo = a/b\n", ["preset 'mine'", "key 'hf-repo'", "not supported"]),
-    ("[mine]\nmodel = smollm2-135m\nno-warmup = maybe\n", ["preset 'mine'", "key 'no-warmup'", "no boolean"]),
-    ("[mine]\nmodel = smollm2-135m\nstop-timeout = soon\n", ["preset 'mine'", "key 'stop-timeout'"]),
-    ("[mine]\nmodel = /no/such.gguf\n", ["preset 'mine'", "key 'model'", "/no/such.gguf"]),
-    ("[mine]\nc = 256\n", ["preset 'mine'", "no model"]),
-    ("[mine]\n  model = smollm2-135m\n", ["failed to parse server config file", "line 2"]),
-    ("[a]\nmodel = smollm2-135m\nload-on-startup = true\n[b]\nmodel = smollm2-135m\nload-on-startup = 1\n",
-     ["number of models to load on startup (2) exceeds models_max (1)"]),
-])
-def test_a_preset_the_node_refuses_exits_2_naming_the_preset_the_key_and_why(tmp_path: Path, preset: str,
-                                                                             needles: list[str]) -> None:
+@pytest.mark.parametrize(
+    "preset, needles",
+    [
+        ("[mine]\nmodel = smollm2-135m\nfoo-bar = 1\n", ["option 'foo-bar' not recognized in preset 'mine'"]),
+        ("[mine]\nmodel = smollm2-135m\nc = abc\n", ["preset 'mine'", "key 'c'", "-c/--ctx-size", "abc"]),
+        ("[*]\nnp = 0\n[mine]\nmodel = smollm2-135m\n", ["preset 'mine'", "key 'np' (from [*])", "--parallel"]),
+        ("[mine]\nmodel = smollm2-135m\nhf-repo = a/b\n", ["preset 'mine'", "key 'hf-repo'", "not supported"]),
+        ("[mine]\nmodel = smollm2-135m\nno-warmup = maybe\n", ["preset 'mine'", "key 'no-warmup'", "no boolean"]),
+        ("[mine]\nmodel = smollm2-135m\nstop-timeout = soon\n", ["preset 'mine'", "key 'stop-timeout'"]),
+        ("[mine]\nmodel = /no/such.gguf\n", ["preset 'mine'", "key 'model'", "/no/such.gguf"]),
+        ("[mine]\nc = 256\n", ["preset 'mine'", "no model"]),
+        ("[mine]\n  model = smollm2-135m\n", ["failed to parse server config file", "line 2"]),
+        (
+            "[a]\nmodel = smollm2-135m\nload-on-startup = true\n[b]\nmodel = smollm2-135m\nload-on-startup = 1\n",
+            ["number of models to load on startup (2) exceeds models_max (1)"],
+        ),
+    ],
+)
+def test_a_preset_the_node_refuses_exits_2_naming_the_preset_the_key_and_why(
+    tmp_path: Path, preset: str, needles: list[str]
+) -> None:
     """Before anything listens or loads (llama-server refuses an unknown key at start, with this message; a
     value it would only refuse when the child starts is refused here at once)."""
     out = run_router_cli(tmp_path, preset, "--models-max", "1")
@@ -178,18 +200,37 @@ def test_precedence_is_the_command_line_then_the_section_then_the_global_section
     """llama-server's cascade, and the keys it takes: a long or short spelling, a negative one (stored
     inverted), an environment variable name; the router's own flags and the model flags stay with the router."""
     path = tmp_path / "p.ini"
-    path.write_text("[*]\nc = 512\nnp = 2\ntemp = 0.5\n[m]\nmodel = smollm2-135m\nLLAMA_ARG_N_PARALLEL = 3\n"
-                    "no-warmup = 1\nctx-size = 1024\n")
+    path.write_text(
+        "[*]\nc = 512\nnp = 2\ntemp = 0.5\n[m]\nmodel = smollm2-135m\nLLAMA_ARG_N_PARALLEL = 3\n"
+        "no-warmup = 1\nctx-size = 1024\n"
+    )
     argv = ["--models-preset", str(path), "--models-max", "2", "--temp", "0.25", "--api-key", "k", "--port", "9"]
     args = parse_args(argv, {})
     (m,), startup = build_models(args, args.argv, parse_args, {})
     assert startup == []
     flags = m.args()[3:]
     # ordered by each flag's first spelling, written with its last (llama-server's std::map<common_arg, ...>)
-    assert flags == ["--host", "127.0.0.1", "--no-rpc-backend", "--port", "0", "--temperature", "0.25", "--no-warmup",
-                     "--alias", "m", "--ctx-size", "1024", "--model", "smollm2-135m", "--parallel", "3"]
-    assert m.entry(0)["status"]["preset"] == ("[m]\ntemperature = 0.25\nwarmup = false\nctx-size = 1024\n"
-                                              "model = smollm2-135m\nparallel = 3\n\n")
+    assert flags == [
+        "--host",
+        "127.0.0.1",
+        "--no-rpc-backend",
+        "--port",
+        "0",
+        "--temperature",
+        "0.25",
+        "--no-warmup",
+        "--alias",
+        "m",
+        "--ctx-size",
+        "1024",
+        "--model",
+        "smollm2-135m",
+        "--parallel",
+        "3",
+    ]
+    assert m.entry(0)["status"]["preset"] == (
+        "[m]\ntemperature = 0.25\nwarmup = false\nctx-size = 1024\nmodel = smollm2-135m\nparallel = 3\n\n"
+    )
 
 
 # ------------------------------------------------------------------------------------------ serving
@@ -201,8 +242,17 @@ def test_load_route_stream_and_unload_as_llama_server(tmp_path: Path) -> None:
         assert set(models) == {"smollm2-135m", "smollm2-135m-q8"}
         small = models["smollm2-135m"]
         assert small["status"]["value"] == "unloaded" and small["aliases"] == ["small"] and small["tags"] == []
-        assert {k for k in small if k != "created"} == {"id", "aliases", "tags", "object", "owned_by", "status",
-                                                        "architecture", "source", "can_remove"}
+        assert {k for k in small if k != "created"} == {
+            "id",
+            "aliases",
+            "tags",
+            "object",
+            "owned_by",
+            "status",
+            "architecture",
+            "source",
+            "can_remove",
+        }
         assert small["source"] == "preset" and small["can_remove"] is False and small["object"] == "model"
         assert small["architecture"] == {"input_modalities": ["text"], "output_modalities": ["text"]}
         args = small["status"]["args"]
@@ -210,14 +260,19 @@ def test_load_route_stream_and_unload_as_llama_server(tmp_path: Path) -> None:
         assert args[args.index("--alias") + 1] == "smollm2-135m" and args[args.index("--ctx-size") + 1] == "256"
         assert "stop-timeout = 5\n" in models["smollm2-135m-q8"]["status"]["preset"]
         health = r.http.get("/health").json()
-        assert health == {"status": "ok", "models": [{"id": "smollm2-135m", "status": "unloaded"},
-                                                     {"id": "smollm2-135m-q8", "status": "unloaded"}]}
+        assert health == {
+            "status": "ok",
+            "models": [{"id": "smollm2-135m", "status": "unloaded"}, {"id": "smollm2-135m-q8", "status": "unloaded"}],
+        }
 
         r1 = r.http.post("/models/load", json={"model": "smollm2-135m"})
         assert (r1.status_code, r1.json()) == (200, {"success": True})
         assert r.status("smollm2-135m") in ("loading", "loaded")
         assert error_of(r.http.post("/models/load", json={"model": "small"})) == (
-            400, "invalid_request_error", "model is already running")
+            400,
+            "invalid_request_error",
+            "model is already running",
+        )
         r.wait_status("smollm2-135m", "loaded")
         entry = r.models()["smollm2-135m"]
         assert entry["meta"]["n_ctx"] == 256 and entry["meta"]["n_vocab"] == 49152  # the child's own entry
@@ -246,7 +301,8 @@ def test_load_route_stream_and_unload_as_llama_server(tmp_path: Path) -> None:
         assert r.http.get("/props", params={"model": "small"}).json()["total_slots"] == 1  # the child's
         assert r.http.get("/slots", params={"model": "smollm2-135m"}).json()[0]["n_ctx"] == 256
         assert r.http.post("/tokenize", json={"model": "small", "content": "hi"}).json() == {
-            "tokens": httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"content": "hi"}).json()["tokens"]}
+            "tokens": httpx.post(f"http://127.0.0.1:{port}/tokenize", json={"content": "hi"}).json()["tokens"]
+        }
 
         assert r.http.post("/models/unload", json={"model": "smollm2-135m"}).json() == {"success": True}
         r.wait_status("smollm2-135m", "unloaded")
@@ -261,23 +317,47 @@ def test_refusals_have_llama_servers_statuses_and_messages(tmp_path: Path) -> No
         post = r.http.post
         no_model = {"messages": [{"role": "user", "content": "hi"}]}
         assert error_of(post("/v1/chat/completions", json=no_model)) == (
-            400, "invalid_request_error", "model name is missing from the request")
+            400,
+            "invalid_request_error",
+            "model name is missing from the request",
+        )
         assert error_of(post("/v1/chat/completions", json=chat("nope"))) == (
-            400, "invalid_request_error", "model 'nope' not found")
+            400,
+            "invalid_request_error",
+            "model 'nope' not found",
+        )
         assert error_of(post("/v1/chat/completions", json=chat("small"))) == (
-            400, "invalid_request_error", "model is not loaded")
-        assert error_of(r.http.get("/slots")) == (400, "invalid_request_error", "model name is missing from the request")
+            400,
+            "invalid_request_error",
+            "model is not loaded",
+        )
+        assert error_of(r.http.get("/slots")) == (
+            400,
+            "invalid_request_error",
+            "model name is missing from the request",
+        )
         assert error_of(r.http.get("/props", params={"model": "small"})) == (
-            400, "invalid_request_error", "model is not loaded")
+            400,
+            "invalid_request_error",
+            "model is not loaded",
+        )
         assert error_of(post("/models/load", json={"model": "nope"}))[:2] == (404, "not_found_error")
         assert error_of(post("/models/unload", json={"model": "nope"})) == (
-            400, "invalid_request_error", "model is not found")
+            400,
+            "invalid_request_error",
+            "model is not found",
+        )
         assert error_of(post("/models/unload", json={"model": "small"})) == (
-            400, "invalid_request_error", "model is not running")
+            400,
+            "invalid_request_error",
+            "model is not running",
+        )
         assert post("/models/load", content=b"{nope").status_code == 400
         assert r.http.get("/health").status_code == 200
         assert {m: r.status(m) for m in ("smollm2-135m", "smollm2-135m-q8")} == {
-            "smollm2-135m": "unloaded", "smollm2-135m-q8": "unloaded"}  # nothing was loaded by any of them
+            "smollm2-135m": "unloaded",
+            "smollm2-135m-q8": "unloaded",
+        }  # nothing was loaded by any of them
 
 
 def test_autoload_and_the_least_recently_used_model_unloads_at_models_max(tmp_path: Path) -> None:
@@ -287,8 +367,7 @@ def test_autoload_and_the_least_recently_used_model_unloads_at_models_max(tmp_pa
         replies: list[httpx.Response] = []
 
         def ask() -> None:
-            replies.append(httpx.post(f"{r.http.base_url}/v1/chat/completions", json=chat("smollm2-135m"),
-                                      timeout=300))
+            replies.append(httpx.post(f"{r.http.base_url}/v1/chat/completions", json=chat("smollm2-135m"), timeout=300))
 
         threads = [threading.Thread(target=ask) for _ in range(2)]
         for t in threads:
@@ -300,11 +379,16 @@ def test_autoload_and_the_least_recently_used_model_unloads_at_models_max(tmp_pa
         assert r.status("smollm2-135m") == "loaded"
 
         assert error_of(r.http.post("/v1/chat/completions?autoload=false", json=chat("smollm2-135m-q8"))) == (
-            400, "invalid_request_error", "model is not loaded")
+            400,
+            "invalid_request_error",
+            "model is not loaded",
+        )
         reply = r.http.post("/v1/chat/completions", json=chat("smollm2-135m-q8"))
         assert reply.status_code == 200 and reply.json()["model"] == "smollm2-135m-q8"
         assert {m: r.status(m) for m in ("smollm2-135m", "smollm2-135m-q8")} == {
-            "smollm2-135m": "unloaded", "smollm2-135m-q8": "loaded"}
+            "smollm2-135m": "unloaded",
+            "smollm2-135m-q8": "loaded",
+        }
         assert "models_max" in r.log() or "evicting idle LRU name=smollm2-135m" in r.log()
 
         assert r.http.post("/models/load", json={"model": "smollm2-135m"}).json() == {"success": True}
@@ -317,7 +401,10 @@ def test_a_model_that_fails_to_load_is_unloaded_with_failed_and_its_exit_code(tm
     broken.write_bytes(b"this is no GGUF file")
     with router(tmp_path, f"[broken]\nmodel = {broken}\nc = 256\n") as r:
         assert error_of(r.http.post("/v1/completions", json={"model": "broken", "prompt": "hi"})) == (
-            500, "server_error", "model name=broken failed to load")
+            500,
+            "server_error",
+            "model name=broken failed to load",
+        )
         status = r.models()["broken"]["status"]
         assert status["value"] == "unloaded" and status["failed"] is True and status["exit_code"] != 0
         assert r.http.get("/health").json()["models"] == [{"id": "broken", "status": "unloaded", "failed": True}]
@@ -326,13 +413,17 @@ def test_a_model_that_fails_to_load_is_unloaded_with_failed_and_its_exit_code(tm
 
 def test_a_client_that_leaves_a_stream_ends_its_request_in_the_child(tmp_path: Path) -> None:
     with router(tmp_path, TWO_MODELS) as r:
-        with r.http.stream("POST", "/v1/chat/completions",
-                           json=chat("smollm2-135m", stream=True, max_tokens=200, ignore_eos=True)) as s:
+        with r.http.stream(
+            "POST", "/v1/chat/completions", json=chat("smollm2-135m", stream=True, max_tokens=200, ignore_eos=True)
+        ) as s:
             for line in s.iter_lines():
                 if '"content"' in line:
                     break  # the first token: leave
-        wait_for(lambda: not r.http.get("/slots", params={"model": "smollm2-135m"}).json()[0]["is_processing"],
-                 60, "the child's slot is idle")
+        wait_for(
+            lambda: not r.http.get("/slots", params={"model": "smollm2-135m"}).json()[0]["is_processing"],
+            60,
+            "the child's slot is idle",
+        )
         slot = r.http.get("/slots", params={"model": "smollm2-135m"}).json()[0]
         assert slot["next_token"][0]["n_decoded"] < 200
 
@@ -357,12 +448,15 @@ def test_models_dir_lists_each_gguf_and_folder(tmp_path: Path) -> None:
 def test_the_same_preset_answers_as_llama_servers_router(tmp_path: Path) -> None:
     """llama-server built from the vendored llama.cpp and this router, on one preset (files by path, which
     llama-server reads): the same models, keys, statuses over load and unload, args order and errors."""
-    built = subprocess.run([str(ROOT / "bench" / "build_llama_server.sh")], check=True, stdout=subprocess.PIPE,
-                           text=True)
+    built = subprocess.run(
+        [str(ROOT / "bench" / "build_llama_server.sh")], check=True, stdout=subprocess.PIPE, text=True
+    )
     binary = built.stdout.strip().splitlines()[-1]
     q8 = PRESETS["smollm2-135m-q8"].locate()
-    preset = (f"version = 1\n[*]\nc = 256\nnp = 1\n[small]\nmodel = {resolve_model('smollm2-135m')[0]}\n"
-              f"alias = tiny\n[q8]\nmodel = {q8}\nno-warmup = true\nstop-timeout = 3\n")
+    preset = (
+        f"version = 1\n[*]\nc = 256\nnp = 1\n[small]\nmodel = {resolve_model('smollm2-135m')[0]}\n"
+        f"alias = tiny\n[q8]\nmodel = {q8}\nno-warmup = true\nstop-timeout = 3\n"
+    )
     path = tmp_path / "p.ini"
     path.write_text(preset)
     theirs = Router(tmp_path / "llama-server.log", "--models-preset", str(path), "--models-max", "1", binary=binary)
@@ -384,8 +478,10 @@ def _walk(r: Router) -> dict[str, Any]:
     out["order"] = list(models)
     out["keys"] = set().union(*(set(m) for m in models.values())) - {"created"}
     out["aliases"] = {n: m["aliases"] for n, m in models.items()}
-    out["flags"] = {n: [a for a in m["status"]["args"] if a.startswith("-") and a not in ("-m", "--no-rpc-backend")]
-                    for n, m in models.items()}
+    out["flags"] = {
+        n: [a for a in m["status"]["args"] if a.startswith("-") and a not in ("-m", "--no-rpc-backend")]
+        for n, m in models.items()
+    }
     out["preset"] = {n: m["status"]["preset"] for n, m in models.items()}
     out["statuses"].append({n: m["status"]["value"] for n, m in models.items()})
     assert r.http.post("/models/load", json={"model": "small"}).json() == {"success": True}

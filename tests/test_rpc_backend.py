@@ -8,21 +8,25 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ROOT, wait_for
-from .hydra_wire import Wire
 
 
 def probe(where: str, prompt: str = "The capital of France is", n: int = 16) -> dict:
     """The stock client's reply (tests/rpc_client_probe.py), on SmolLM2; it ran no hydra-trio code."""
     out = subprocess.run(
         [sys.executable, "tests/rpc_client_probe.py", where, str(resolve_model("smollm2-135m")[0]), prompt, str(n)],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     reply = json.loads(out.stdout.strip().splitlines()[-1])
@@ -88,8 +92,11 @@ def test_a_child_sigtermed_alone_is_a_crash_and_restarts(spawn) -> None:
     node.wait_ready()
     first = info(node.port)["rpc_backend"]
     os.kill(first["pid"], signal.SIGTERM)
-    now = wait_for(lambda: (r := info(node.port))["rpc_backend"]["restarts"] >= 1 and r["rpc_backend_active"] and r,
-                   timeout=LONG, what="the ggml-RPC child restarted")
+    now = wait_for(
+        lambda: (r := info(node.port))["rpc_backend"]["restarts"] >= 1 and r["rpc_backend_active"] and r,
+        timeout=LONG,
+        what="the ggml-RPC child restarted",
+    )
     assert (now["rpc_backend"]["restarts"], now["rpc_backend"]["crashes"]) == (1, 1)
     assert now["rpc_backend"]["pid"] != first["pid"]
     assert "crashed: SIGTERM" in node.log()
@@ -110,7 +117,9 @@ from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor  # noqa: E402
 from hydra_trio.rpc_backend.backend import RpcBackend, RpcBackendSettings  # noqa: E402
 
 LONG = 60.0  # seconds: generous bound for anything that should happen "soon" on a busy machine
-GRAPH_NODE_ZERO = bytes([10]) + (20).to_bytes(8, "little") + struct.pack("<IIQI", 0, 1, 0, 0)  # crashed an unguarded ggml-RPC server
+GRAPH_NODE_ZERO = (
+    bytes([10]) + (20).to_bytes(8, "little") + struct.pack("<IIQI", 0, 1, 0, 0)
+)  # crashed an unguarded ggml-RPC server
 
 
 class RawRpc:
@@ -205,15 +214,17 @@ def test_silent_client_does_not_block_another_clients_hello(spawn) -> None:
     pid = rpc_info(node.port)["pid"]
     with RawRpc(node.port) as silent:
         silent.send(b"\x0e")  # and nothing more
-        wait_for(lambda: rpc_info(node.port)["handshaking"] == 1,
-                 timeout=LONG, what="the silent client is in its handshake")
+        wait_for(
+            lambda: rpc_info(node.port)["handshaking"] == 1, timeout=LONG, what="the silent client is in its handshake"
+        )
         with RawRpc(node.port) as other:
             assert other.hello()[0] == 7  # answered while the silent one is still connected
             assert other.device_count() == 1
             assert silent.is_open()
         assert silent.closed_within()  # by its handshake deadline
-    now = wait_for(lambda: (r := rpc_info(node.port))["closed"]["handshake_timeout"] == 1 and r,
-                   timeout=LONG, what="counted")
+    now = wait_for(
+        lambda: (r := rpc_info(node.port))["closed"]["handshake_timeout"] == 1 and r, timeout=LONG, what="counted"
+    )
     assert now["pid"] == pid and now["crashes"] == 0 and now["handshaking"] == 0
     assert "handshake_timeout" in node.log()
     assert metric(node.base, 'hydra_rpc_clients_closed_total{reason="handshake_timeout"}') == 1
@@ -247,8 +258,9 @@ def test_crashing_messages_are_refused_and_the_backend_lives(spawn) -> None:
         direct.hello()
         direct.send(GRAPH_NODE_ZERO)
         assert direct.closed_within()
-    now = wait_for(lambda: (r := rpc_info(node.port))["crashes"] == 1 and r["pid"] != pid and r,
-                   timeout=LONG, what="crash counted")
+    now = wait_for(
+        lambda: (r := rpc_info(node.port))["crashes"] == 1 and r["pid"] != pid and r, timeout=LONG, what="crash counted"
+    )
     assert now["restarts"] == 1
     assert metric(node.base, "hydra_rpc_backend_crashes_total") == 1
 
@@ -286,8 +298,11 @@ def test_queue_is_fifo_bounded_and_timed(spawn) -> None:
         assert b.device_count() == 1
         assert c.is_open() and rpc_info(node.port)["waiting"] == 1
         assert c.closed_within()  # after its wait timeout, never answered
-        r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["wait_timeout"] == 1 and r,
-                     timeout=LONG, what="timeout counted")
+        r = wait_for(
+            lambda: (r := rpc_info(node.port))["closed"]["wait_timeout"] == 1 and r,
+            timeout=LONG,
+            what="timeout counted",
+        )
         assert r["waiting"] == 0 and r["serving"] == 1
         assert b.device_count() == 1  # the one served is undisturbed
         assert metric(node.base, "hydra_rpc_clients_serving") == 1
@@ -320,8 +335,9 @@ def test_idle_between_messages_is_fine_a_stalled_message_is_not(spawn) -> None:
         assert c.device_count() == 1
         c.send(g.encode_request(RpcCmd.GET_DEVICE_MEMORY, struct.pack("<I", 0))[:11])  # a begun message
         assert c.closed_within()
-    r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r,
-                 timeout=LONG, what="stall counted")
+    r = wait_for(
+        lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r, timeout=LONG, what="stall counted"
+    )
     assert r["crashes"] == 0
 
 
@@ -417,8 +433,9 @@ def test_a_slow_reader_is_served_and_one_that_reads_nothing_closed_and_no_child_
         ask_for_a_big_reply(c, 64 << 20)  # more than the sockets hold
         time.sleep(3)  # reads nothing
         assert c.closed_within()
-    r = wait_for(lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r,
-                 timeout=LONG, what="stall counted")
+    r = wait_for(
+        lambda: (r := rpc_info(node.port))["closed"]["stall_timeout"] == 1 and r, timeout=LONG, what="stall counted"
+    )
     assert (r["pid"], r["crashes"], r["restarts"], r["closed"]["backend_stall"]) == (pid, 0, 0, 0)
 
 
@@ -427,10 +444,20 @@ def mul_mat_compute(c: RawRpc, k: int, m: int, n: int) -> bytes:
     fresh buffer of ``c``'s (the request, to send as often as wanted)."""
     ptr, base = c.alloc(4 * (k * m + k * n + m * n))
     ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(k, m, 1, 1), nb=(4, 4 * k, 4 * k * m, 4 * k * m), data=base)
-    tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(k, n, 1, 1), nb=(4, 4 * k, 4 * k * n, 4 * k * n),
-                   data=base + 4 * k * m)
-    tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(m, n, 1, 1), nb=(4, 4 * m, 4 * m * n, 4 * m * n),
-                   data=base + 4 * (k * m + k * n), op=29, flags=16, src=(1, 2) + (0,) * 8)
+    tb = RpcTensor(
+        id=2, type=0, buffer=ptr, ne=(k, n, 1, 1), nb=(4, 4 * k, 4 * k * n, 4 * k * n), data=base + 4 * k * m
+    )
+    tc = RpcTensor(
+        id=3,
+        type=0,
+        buffer=ptr,
+        ne=(m, n, 1, 1),
+        nb=(4, 4 * m, 4 * m * n, 4 * m * n),
+        data=base + 4 * (k * m + k * n),
+        op=29,
+        flags=16,
+        src=(1, 2) + (0,) * 8,
+    )
     return g.encode_graph_compute(0, [3], [ta, tb, tc])
 
 
@@ -475,8 +502,11 @@ def test_a_child_silent_through_its_busy_grace_is_killed_at_its_end(spawn) -> No
             before = metric(base_url, 'hydra_trio:rpc_bytes_total{direction="in"}')
             os.kill(pid, signal.SIGSTOP)  # hung from here on, with the compute below unread
             a.send(compute)
-            wait_for(lambda: metric(base_url, 'hydra_trio:rpc_bytes_total{direction="in"}') >= before + len(compute),
-                     timeout=LONG, what="the compute passed on to the child")
+            wait_for(
+                lambda: metric(base_url, 'hydra_trio:rpc_bytes_total{direction="in"}') >= before + len(compute),
+                timeout=LONG,
+                what="the compute passed on to the child",
+            )
             a.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
         with RawRpc(node.port) as b:
             b.send(g.encode_request(RpcCmd.HELLO, bytes(24)))
@@ -493,12 +523,18 @@ def test_a_child_silent_through_its_busy_grace_is_killed_at_its_end(spawn) -> No
 def _restarted_after(port: int, old_pid: int, reason: str) -> dict:
     """The backend's stats once the client's close (``reason``) is counted and a new child (not
     ``old_pid``, which was killed: one crash) accepts connections."""
+
     def ready() -> dict | None:
         meta = info(port)
         r = meta["rpc_backend"]
-        done = (r["closed"][reason] == 1 and r["crashes"] == 1 and r["pid"] not in (None, old_pid)
-                and meta["rpc_backend_active"])
+        done = (
+            r["closed"][reason] == 1
+            and r["crashes"] == 1
+            and r["pid"] not in (None, old_pid)
+            and meta["rpc_backend_active"]
+        )
         return r if done else None
+
     return wait_for(ready, timeout=LONG, what=f"{reason} counted and the child restarted")
 
 
@@ -622,11 +658,20 @@ async def test_drain_lets_a_compute_in_flight_finish_and_closes_the_rest(nursery
         ptr, _ = struct.unpack("<QQ", await a.call(RpcCmd.ALLOC_BUFFER, struct.pack("<IQ", 0, size + 4096), 16))
         (base,) = struct.unpack("<Q", await a.call(RpcCmd.BUFFER_GET_BASE, struct.pack("<Q", ptr), 8))
         ta = RpcTensor(id=1, type=0, buffer=ptr, ne=(K, M, 1, 1), nb=(4, 4 * K, 4 * K * M, 4 * K * M), data=base)
-        tb = RpcTensor(id=2, type=0, buffer=ptr, ne=(K, N, 1, 1), nb=(4, 4 * K, 4 * K * N, 4 * K * N),
-                       data=base + 4 * K * M)
-        tc = RpcTensor(id=3, type=0, buffer=ptr, ne=(M, N, 1, 1), nb=(4, 4 * M, 4 * M * N, 4 * M * N),
-                       data=base + 4 * (K * M + K * N), op=29, flags=16,  # GGML_OP_MUL_MAT, FLAG_COMPUTE
-                       src=(1, 2) + (0,) * 8)
+        tb = RpcTensor(
+            id=2, type=0, buffer=ptr, ne=(K, N, 1, 1), nb=(4, 4 * K, 4 * K * N, 4 * K * N), data=base + 4 * K * M
+        )
+        tc = RpcTensor(
+            id=3,
+            type=0,
+            buffer=ptr,
+            ne=(M, N, 1, 1),
+            nb=(4, 4 * M, 4 * M * N, 4 * M * N),
+            data=base + 4 * (K * M + K * N),
+            op=29,
+            flags=16,  # GGML_OP_MUL_MAT, FLAG_COMPUTE
+            src=(1, 2) + (0,) * 8,
+        )
         one = struct.pack("<f", 1.0)
         await a.stream.send_all(g.encode_set_tensor(ta, 0, one * (K * M)) + g.encode_set_tensor(tb, 0, one * (K * N)))
         b = await AsyncRpc.connect(port)  # waits for its turn behind a
@@ -666,12 +711,17 @@ def test_the_child_waits_passively_unless_the_operator_says_otherwise(tmp_path) 
             env["OMP_WAIT_POLICY"] = given
         port = free_port()
         with open(tmp_path / f"node-{given}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "hydra_trio", "run", "--no-model", "--port", str(port)],
-                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "hydra_trio", "run", "--no-model", "--port", str(port)],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         try:
             wait_healthy(port, proc)
-            pid = wait_for(lambda: rpc_info(port).get("pid"), timeout=LONG, what="the child's pid")
-            environ = dict(e.split("=", 1) for e in open(f"/proc/{pid}/environ").read().split("\0") if "=" in e)
+            pid = wait_for(lambda: rpc_info(port).get("pid"), timeout=LONG, what="the child's pid")  # noqa: B023  (called and finished within this iteration)
+            environ = dict(e.split("=", 1) for e in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
             assert environ.get("OMP_WAIT_POLICY") == expected
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -23,8 +23,10 @@ from hydra_trio.models.presets import resolve_model
 
 from .conftest import embedded_node, streaming
 
-PROMPT = ("A painter mixes colors on a wooden palette in the morning light, and explains to the students that "
-          "the three primary colors are")
+PROMPT = (
+    "A painter mixes colors on a wooden palette in the morning light, and explains to the students that "
+    "the three primary colors are"
+)
 
 
 @attrs.define
@@ -45,8 +47,11 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     slot_dir = outside / "slots"
     slot_dir.mkdir()
     path, _ = resolve_model("smollm2-135m")
-    config = ServerConfig(port=0, rpc_backend=None, engine=EngineConfig(
-        model_path=path, model_alias="slots", n_parallel=2, n_ctx=4096, slot_save_path=slot_dir))
+    config = ServerConfig(
+        port=0,
+        rpc_backend=None,
+        engine=EngineConfig(model_path=path, model_alias="slots", n_parallel=2, n_ctx=4096, slot_save_path=slot_dir),
+    )
     with embedded_node(config) as server:
         yield Node(f"http://127.0.0.1:{server.port}", slot_dir, outside, server)
 
@@ -165,8 +170,11 @@ def test_bad_filenames_are_refused_and_write_nothing(node: Node, act: str) -> No
         complete(c)
         held = n_past(c)
         for name, needle in BAD_NAMES:
-            r = c.post(f"/slots/0?action={act}", content=json.dumps({"filename": name}).encode(),
-                       headers={"Content-Type": "application/json"})
+            r = c.post(
+                f"/slots/0?action={act}",
+                content=json.dumps({"filename": name}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             message = error_of(r, 400)
             assert message.startswith("filename:") and needle in message, (name, message)
         assert n_past(c) == held
@@ -188,14 +196,17 @@ def test_filename_that_is_a_directory(node: Node) -> None:
         (node.slot_dir / "adir").rmdir()
 
 
-@pytest.mark.parametrize(("body", "needle"), [
-    (b"", "invalid JSON"),
-    (b"{}", "filename"),
-    (b'{"filename": 3}', "filename"),
-    (b'{"filename": null}', "filename"),
-    (b'{"filename": "\xff.bin"}', "utf-8"),  # raw bytes that are not UTF-8
-    (b"[]", "JSON object"),
-])
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        (b"", "invalid JSON"),
+        (b"{}", "filename"),
+        (b'{"filename": 3}', "filename"),
+        (b'{"filename": null}', "filename"),
+        (b'{"filename": "\xff.bin"}', "utf-8"),  # raw bytes that are not UTF-8
+        (b"[]", "JSON object"),
+    ],
+)
 def test_bad_bodies(node: Node, body: bytes, needle: str) -> None:
     with node.client() as c:
         for act in ("save", "restore"):
@@ -219,10 +230,10 @@ def _blob_with(blob: bytes, **changes: bytes) -> bytes:
         out[12:44] = changes["model_hash"]
     if "identity" in changes:
         (ident_len,) = struct.unpack_from("<I", out, 92)
-        old = bytes(out[96:96 + ident_len])
+        old = bytes(out[96 : 96 + ident_len])
         new = changes["identity"](old)
         assert len(new) == len(old)
-        out[96:96 + ident_len] = new
+        out[96 : 96 + ident_len] = new
     struct.pack_into("<Q", out, 52, state.blob_checksum(out))
     return bytes(out)
 
@@ -241,8 +252,9 @@ def test_refused_restores_change_nothing(node: Node) -> None:
             "truncated.bin": good[: len(good) // 2],
             "flipped.bin": good[:-1] + bytes([good[-1] ^ 1]),
             "other-file.bin": _blob_with(good, model_hash=b"\x11" * 32),
-            "other-model.bin": _blob_with(good, model_hash=b"\x22" * 32,
-                                          identity=lambda j: j.replace(layer, b'"n_layer":31,')),
+            "other-model.bin": _blob_with(
+                good, model_hash=b"\x22" * 32, identity=lambda j: j.replace(layer, b'"n_layer":31,')
+            ),
         }
         for name, data in files.items():
             (node.slot_dir / name).write_bytes(data)
@@ -279,8 +291,13 @@ def test_links_in_the_slot_directory_are_never_followed(node: Node) -> None:
         good_outside.write_bytes((node.slot_dir / "good.bin").read_bytes())
         (node.slot_dir / "good.bin").unlink()
         (node.outside / "adir").mkdir(exist_ok=True)
-        links = {"to-secret.bin": secret, "to-good.bin": good_outside, "to-dir.bin": node.outside / "adir",
-                 "dangling.bin": node.outside / "nothing-here.bin", "relative.bin": Path("../secret.txt")}
+        links = {
+            "to-secret.bin": secret,
+            "to-good.bin": good_outside,
+            "to-dir.bin": node.outside / "adir",
+            "dangling.bin": node.outside / "nothing-here.bin",
+            "relative.bin": Path("../secret.txt"),
+        }
         for name, target in links.items():
             os.symlink(target, node.slot_dir / name)
         (node.slot_dir / "plain.bin").write_bytes(b"root:" + os.urandom(4000))  # a regular file, not a blob
@@ -310,8 +327,9 @@ def test_busy_slot_is_refused(node: Node) -> None:
     with node.client() as c:
         complete(c, id_slot=1)
         assert action(c, "save", {"filename": "busy.bin"}, id_slot=1).status_code == 200
-        with streaming(node.base, {"prompt": "Count to one thousand:", "max_tokens": 4000, "ignore_eos": True,
-                                   "id_slot": 1}):
+        with streaming(
+            node.base, {"prompt": "Count to one thousand:", "max_tokens": 4000, "ignore_eos": True, "id_slot": 1}
+        ):
             assert c.get("/slots").json()[1]["is_processing"]
             for act in ("save", "restore", "erase"):
                 assert "processing" in error_of(action(c, act, {"filename": "busy.bin"}, id_slot=1), 409)
@@ -338,6 +356,9 @@ def test_without_slot_save_path(http: httpx.Client) -> None:
     for act in ("save", "restore"):
         r = http.post(f"/slots/0?action={act}", json={"filename": "x.bin"})
         assert r.status_code == 501
-        assert r.json()["error"] == {"message": "This server does not support slots action. Start it with "
-                                                "`--slot-save-path`", "type": "not_supported_error", "code": 501}
+        assert r.json()["error"] == {
+            "message": "This server does not support slots action. Start it with `--slot-save-path`",
+            "type": "not_supported_error",
+            "code": 501,
+        }
     assert http.post("/slots/0?action=erase").status_code == 200

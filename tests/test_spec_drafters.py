@@ -19,12 +19,23 @@ import pytest
 
 from hydra_trio.engine.speculative.base import Drafter, DraftRequest
 from hydra_trio.engine.speculative.combine import Speculative, make_speculative
-from hydra_trio.engine.speculative.ngram_cache import (NgramCache, NgramCacheDrafter, ngram_cache_load,
-                                                       ngram_cache_save, ngram_cache_update, std_unordered_order)
+from hydra_trio.engine.speculative.ngram_cache import (
+    NgramCache,
+    NgramCacheDrafter,
+    ngram_cache_load,
+    ngram_cache_save,
+    ngram_cache_update,
+    std_unordered_order,
+)
 from hydra_trio.engine.speculative.ngram_map import NgramMapK4vDrafter, NgramMapKDrafter, NgramSimpleDrafter
 from hydra_trio.engine.speculative.ngram_mod import NGRAM_MOD_SIZE, NgramModDrafter
-from hydra_trio.engine.speculative.settings import (SPEC_OPTIONS, SpecSettings, apply_option, parse_spec_type,
-                                                    types_from_names)
+from hydra_trio.engine.speculative.settings import (
+    SPEC_OPTIONS,
+    SpecSettings,
+    apply_option,
+    parse_spec_type,
+    types_from_names,
+)
 from hydra_trio.engine.speculative.suffix import SuffixCorpus, SuffixDrafter
 
 from .llama_arg_cpp import VERSION, sdist, server_flags
@@ -174,7 +185,7 @@ def test_ngram_cache_file_round_trip_and_format(tmp_path) -> None:
     assert back.parts == cache.parts and len(back) == len(cache) > 40
     assert [list(p) for p in back.parts.values()] == [list(p) for p in cache.parts.values()]  # token order kept
     (tmp_path / "cut.bin").write_bytes(_record((1, -1, -1, -1), [(2, 1), (3, 1)])[:-4])
-    with pytest.raises(ValueError, match="truncated|ntokens"):
+    with pytest.raises(ValueError, match=r"truncated|ntokens"):
         ngram_cache_load(tmp_path / "cut.bin")
     (tmp_path / "zero.bin").write_bytes(_record((1, -1, -1, -1), []))
     with pytest.raises(ValueError, match="ntokens=0"):
@@ -218,7 +229,7 @@ def test_suffix_draft_length_follows_the_observed_acceptance() -> None:
     for _ in range(5):  # rejected: a = 9 / (10 + 1 + .95 + .95**2 + .95**3 + .95**4) = 0.62: 0.62**d >= 0.1 for d <= 4
         spec.accept(0, 0)
         assert draft(spec, h, seq[-1])
-    assert math.isclose(d.acceptance(0), 9 / (10 + sum(0.95 ** i for i in range(5))))
+    assert math.isclose(d.acceptance(0), 9 / (10 + sum(0.95**i for i in range(5))))
     assert len(draft(spec, h, seq[-1])) == 4
     for _ in range(20):  # fully accepted drafts: longer ones
         n = len(draft(spec, h, seq[-1]))
@@ -333,8 +344,11 @@ def test_make_speculative_builds_the_enabled_types() -> None:
     assert make_speculative(apply_option(SpecSettings(), "--spec-type", "none"), 3) is None
     with pytest.raises(ValueError, match="draft-mtp needs a draft model"):
         make_speculative(apply_option(SpecSettings(), "--spec-type", "draft-mtp"), 1)
-    spec = make_speculative(apply_option(SpecSettings(), "--spec-type", "draft-mtp"), 1,
-                            {"draft-mtp": lambda st, n: Fixed("draft-mtp", [1], st.draft_n_max)})
+    spec = make_speculative(
+        apply_option(SpecSettings(), "--spec-type", "draft-mtp"),
+        1,
+        {"draft-mtp": lambda st, n: Fixed("draft-mtp", [1], st.draft_n_max)},
+    )
     assert spec is not None and spec.n_max == 3
 
 
@@ -344,8 +358,12 @@ def test_make_speculative_builds_the_enabled_types() -> None:
 def test_spec_type_values_as_llama_server_parses_them() -> None:
     assert parse_spec_type("ngram-mod,suffix") == ("ngram-mod", "suffix")
     assert parse_spec_type("ngram-mod,none,bogus") == ("none",)  # names after none are not checked
-    for bad, name in (("bogus,none", "bogus"), ("ngram-mod,", ""), ("Ngram-Mod", "Ngram-Mod"),
-                      (" ngram-mod", " ngram-mod")):
+    for bad, name in (
+        ("bogus,none", "bogus"),
+        ("ngram-mod,", ""),
+        ("Ngram-Mod", "Ngram-Mod"),
+        (" ngram-mod", " ngram-mod"),
+    ):
         with pytest.raises(ValueError, match=f"^unknown speculative type: {re.escape(name)}$"):
             parse_spec_type(bad)
     assert types_from_names([]) == ()
@@ -363,15 +381,18 @@ def test_spec_options_apply_with_llama_servers_checks() -> None:
     assert apply_option(s, "-ngld", "all").draft_n_gpu_layers == -2
     assert apply_option(s, "--no-spec-draft-backend-sampling").draft_backend_sampling is False
     assert apply_option(s, "-lcs", "a.bin").lookup_cache_static == "a.bin"
-    for name, value, message in (("--spec-ngram-mod-n-max", "1025", "ngram n-max must be between 0 and 1024"),
-                                 ("--spec-ngram-simple-size-m", "0", "ngram size M must be between 1 and 1024"),
-                                 ("--spec-ngram-map-k-min-hits", "0", "ngram min hits must be at least 1"),
-                                 ("--spec-draft-n-max", "-1", "invalid value"), ("--spec-draft-n-max", "x", "stoi"),
-                                 ("-ctkd", "q9", "Unsupported cache type: q9"), ("--spec-synth-len", "-1", "invalid"),
-                                 ("--spec-synth-rates", "0.5,x", "invalid value"),
-                                 ("--draft-max", "3", "the argument has been removed. use --spec-draft-n-max or "
-                                  "--spec-ngram-mod-n-max"),
-                                 ("--spec-ngram-size-n", "3", "the argument has been removed")):
+    for name, value, message in (
+        ("--spec-ngram-mod-n-max", "1025", "ngram n-max must be between 0 and 1024"),
+        ("--spec-ngram-simple-size-m", "0", "ngram size M must be between 1 and 1024"),
+        ("--spec-ngram-map-k-min-hits", "0", "ngram min hits must be at least 1"),
+        ("--spec-draft-n-max", "-1", "invalid value"),
+        ("--spec-draft-n-max", "x", "stoi"),
+        ("-ctkd", "q9", "Unsupported cache type: q9"),
+        ("--spec-synth-len", "-1", "invalid"),
+        ("--spec-synth-rates", "0.5,x", "invalid value"),
+        ("--draft-max", "3", "the argument has been removed. use --spec-draft-n-max or --spec-ngram-mod-n-max"),
+        ("--spec-ngram-size-n", "3", "the argument has been removed"),
+    ):
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
             apply_option(s, name, value)
 
@@ -385,11 +406,12 @@ def _vendored(path: str) -> str:
 
 def test_defaults_and_flag_spellings_are_llama_servers() -> None:
     common_h = _vendored("common/common.h")
-    for struct_name, prefixes in (("common_params_speculative_draft", ("draft_",)),
-                                  ("common_params_speculative_ngram_mod", ("ngram_mod_",)),
-                                  ("common_params_speculative_ngram_map", ("ngram_simple_", "ngram_map_k_",
-                                                                          "ngram_map_k4v_"))):
-        body = re.search(r"struct %s \{(.*?)\n\};" % struct_name, common_h, re.S).group(1)
+    for struct_name, prefixes in (
+        ("common_params_speculative_draft", ("draft_",)),
+        ("common_params_speculative_ngram_mod", ("ngram_mod_",)),
+        ("common_params_speculative_ngram_map", ("ngram_simple_", "ngram_map_k_", "ngram_map_k4v_")),
+    ):
+        body = re.search(rf"struct {struct_name} \{{(.*?)\n\}};", common_h, re.S).group(1)
         fields = dict(re.findall(r"^\s*\w+\s+(\w+)\s*=\s*([-\d.]+)f?;", body, re.M))
         assert len(fields) >= 3
         for name, value in fields.items():
@@ -403,8 +425,12 @@ def test_defaults_and_flag_spellings_are_llama_servers() -> None:
     assert prefixed <= set(ours) <= set(llama) and len(ours) > 80  # every such option, each spelling llama-server's
     assert all(ours[n].env is None or ours[n].env in llama[n] for n in ours)
     assert all((ours[n].env is not None) == bool(llama[n]) for n in ours)
-    assert all(not n.startswith("--spec") or n.startswith(("--spec-suffix-", "--spec-budget-"))
-               for o in SPEC_OPTIONS if o.own for n in o.names) and not {n for o in SPEC_OPTIONS if o.own for n in o.names} & set(llama)
+    assert all(
+        not n.startswith("--spec") or n.startswith(("--spec-suffix-", "--spec-budget-"))
+        for o in SPEC_OPTIONS
+        if o.own
+        for n in o.names
+    ) and not {n for o in SPEC_OPTIONS if o.own for n in o.names} & set(llama)
 
 
 def test_suffix_takes_more_tokens_per_step_than_llama_servers_types_on_an_agent_session() -> None:
@@ -420,4 +446,4 @@ def test_suffix_takes_more_tokens_per_step_than_llama_servers_types_on_an_agent_
         assert spec is not None
         per_step[name] = replay(spec, turns)["tps"]
     best = max(v for k, v in per_step.items() if k != "suffix")
-    assert 1.0 < best and per_step["suffix"] > 1.5 * best, per_step
+    assert best > 1.0 and per_step["suffix"] > 1.5 * best, per_step

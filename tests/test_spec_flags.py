@@ -59,8 +59,11 @@ SAMPLE: dict[str, tuple[str, object]] = {
     "ngram_mod_n_min": ("16", 16),
     "ngram_mod_n_max": ("32", 32),
     "ngram_mod_n_match": ("8", 8),
-    **{f"{kind}_{what}": (text, int(text)) for kind in ("ngram_simple", "ngram_map_k", "ngram_map_k4v")
-       for what, text in (("size_n", "6"), ("size_m", "20"), ("min_hits", "2"))},
+    **{
+        f"{kind}_{what}": (text, int(text))
+        for kind in ("ngram_simple", "ngram_map_k", "ngram_map_k4v")
+        for what, text in (("size_n", "6"), ("size_m", "20"), ("min_hits", "2"))
+    },
     "suffix_n_max": ("16", 16),
     "suffix_max_depth": ("32", 32),
     "suffix_min_match": ("4", 4),
@@ -70,8 +73,12 @@ SAMPLE: dict[str, tuple[str, object]] = {
     "suffix_cache_tokens": ("1000", 1000),
     "budget_row_cost": ("0.5", 0.5),
 }
-VALUED = [(name, opt) for opt in SPEC_OPTIONS if opt.field and opt.value and opt.field != "draft_hf_repo"
-          for name in opt.names]
+VALUED = [
+    (name, opt)
+    for opt in SPEC_OPTIONS
+    if opt.field and opt.value and opt.field != "draft_hf_repo"
+    for name in opt.names
+]
 SWITCHES = [opt for opt in SPEC_OPTIONS if opt.field and opt.value is None]
 
 
@@ -112,8 +119,11 @@ def test_every_option_is_a_flag_of_its_class_and_group() -> None:
                 assert f.kind == REFUSED, name
             else:
                 assert (f.kind, f.group) == (WIRED, "speculative"), name
-    missing = sorted(opt.field for opt in SPEC_OPTIONS if opt.field and opt.field != "draft_hf_repo"
-                     and opt.value and opt.field not in SAMPLE)
+    missing = sorted(
+        opt.field
+        for opt in SPEC_OPTIONS
+        if opt.field and opt.field != "draft_hf_repo" and opt.value and opt.field not in SAMPLE
+    )
     assert not missing, f"options with no sample value here: {missing}"
 
 
@@ -158,7 +168,11 @@ def test_spec_default_is_llama_servers_ngram_mod_preset_applied_in_command_line_
 
 def test_spec_type_adds_to_the_list_each_time_and_none_ends_a_list() -> None:
     assert speculative("--spec-type", "ngram-mod", "--spec-type", "suffix,ngram-simple").types == (
-        "none", "ngram-mod", "suffix", "ngram-simple")
+        "none",
+        "ngram-mod",
+        "suffix",
+        "ngram-simple",
+    )
     # common_speculative_types_from_names stops at none: what follows it is not even checked
     assert speculative("--spec-type", "none,draft-eagle3,nonsense").types == ("none", "none")
     assert speculative("--spec_type", "ngram-cache").enabled == ("ngram-cache",)  # --long_name as llama-server
@@ -167,7 +181,9 @@ def test_spec_type_adds_to_the_list_each_time_and_none_ends_a_list() -> None:
 
 def test_override_tensors_for_the_draft_add_up() -> None:
     assert speculative("-otd", "a=CPU,b=CPU", "--override-tensor-draft", "c=CPU").draft_override_tensor == (
-        "a=CPU,b=CPU", "c=CPU")
+        "a=CPU,b=CPU",
+        "c=CPU",
+    )
 
 
 def test_draft_threads_of_0_or_less_are_every_core() -> None:
@@ -192,8 +208,7 @@ def test_environment_switches_and_a_flag_wins_over_a_variable() -> None:
     assert speculative(env={"LLAMA_ARG_NO_SPEC_DRAFT_BACKEND_SAMPLING": "1"}).draft_backend_sampling is False
     assert speculative(env={"LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING": "off"}).draft_backend_sampling is False
     assert speculative(env={"LLAMA_ARG_SPEC_DRAFT_CPU_MOE": "1"}).draft_cpu_moe is True
-    env = {"LLAMA_ARG_SPEC_DRAFT_N_MAX": "7", "LLAMA_ARG_SPEC_TYPE": "ngram-mod",
-           "LLAMA_ARG_SPEC_DRAFT_P_MIN": "0.5"}
+    env = {"LLAMA_ARG_SPEC_DRAFT_N_MAX": "7", "LLAMA_ARG_SPEC_TYPE": "ngram-mod", "LLAMA_ARG_SPEC_DRAFT_P_MIN": "0.5"}
     spec = speculative("--spec-draft-n-max", "3", "--spec-type", "suffix", env=env)
     assert (spec.draft_n_max, spec.draft_p_min) == (3, 0.5)
     assert spec.types == ("none", "ngram-mod", "suffix")  # llama-server: the variable's types, then the flag's
@@ -248,14 +263,26 @@ def test_a_wrong_environment_value_names_the_variable(capsys) -> None:
     [
         (["--draft", "4"], None, "the argument has been removed. use --spec-draft-n-max or --spec-ngram-mod-n-max"),
         (["--draft-max", "x"], None, "argument --draft/--draft-n/--draft-max: stoi"),  # its int is read first
-        (["--draft-n-min", "1"], None,
-         "the argument has been removed. use --spec-draft-n-min or --spec-ngram-mod-n-min"),
+        (
+            ["--draft-n-min", "1"],
+            None,
+            "the argument has been removed. use --spec-draft-n-min or --spec-ngram-mod-n-min",
+        ),
         (["--spec-ngram-size-n", "3"], None, "the argument has been removed. use the respective --spec-ngram-*-size-n"),
         (["--spec-ngram-size-m", "3"], None, "the argument has been removed. use the respective --spec-ngram-*-size-m"),
-        (["--spec-ngram-min-hits", "3"], None,
-         "the argument has been removed. use the respective --spec-ngram-*-min-hits"),
-        ([], {"LLAMA_ARG_DRAFT_MAX": "4"}, ("environment variable LLAMA_ARG_DRAFT_MAX (--draft): the argument has "
-                                            "been removed. use --spec-draft-n-max")),
+        (
+            ["--spec-ngram-min-hits", "3"],
+            None,
+            "the argument has been removed. use the respective --spec-ngram-*-min-hits",
+        ),
+        (
+            [],
+            {"LLAMA_ARG_DRAFT_MAX": "4"},
+            (
+                "environment variable LLAMA_ARG_DRAFT_MAX (--draft): the argument has "
+                "been removed. use --spec-draft-n-max"
+            ),
+        ),
         ([], {"LLAMA_ARG_DRAFT_MIN": "4"}, "the argument has been removed. use --spec-draft-n-min"),
     ],
 )
@@ -301,15 +328,33 @@ def test_a_draft_from_hugging_face_is_refused_nothing_is_downloaded(capsys, name
 
 def test_a_draft_model_that_is_neither_a_file_nor_a_preset_is_refused(tmp_path: Path) -> None:
     args = parse("-md", str(tmp_path / "missing.gguf"), "--spec-type", "draft-simple")
-    with pytest.raises(PresetError, match="--spec-draft-model/-md/--model-draft: model .* is neither a file nor"):
+    with pytest.raises(PresetError, match=r"--spec-draft-model/-md/--model-draft: model .* is neither a file nor"):
         engine_config(args, llama_options(args))
     # the whole path: exit 2 before anything binds or loads
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "--port", str(free_port()), "--no-rpc-backend",
-                          "-md", "no-such-draft", "--spec-type", "draft-simple"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hydra_trio",
+            "--port",
+            str(free_port()),
+            "--no-rpc-backend",
+            "-md",
+            "no-such-draft",
+            "--spec-type",
+            "draft-simple",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert out.returncode == 2, out
-    assert "--spec-draft-model/-md/--model-draft: model 'no-such-draft' is neither a file nor a known alias" in \
-        out.stderr and "listening" not in out.stderr
+    assert (
+        "--spec-draft-model/-md/--model-draft: model 'no-such-draft' is neither a file nor a known alias" in out.stderr
+        and "listening" not in out.stderr
+    )
 
 
 # --------------------------------------------------------------------------- the cluster's head

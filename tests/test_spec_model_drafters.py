@@ -28,13 +28,14 @@ from hydra_trio.engine.speculative import reasons
 from hydra_trio.engine.speculative.base import Drafter, DraftRequest
 from hydra_trio.engine.speculative.draft_model import DraftSimple, load_draft_model, vocab_problem
 from hydra_trio.engine.speculative.drafting import DraftParams, seq_state, set_seq_state
-from hydra_trio.engine.speculative.mtp import (DraftMtp, create_mtp_context, target_context_params,
-                                               target_model_params)
+from hydra_trio.engine.speculative.mtp import DraftMtp, create_mtp_context, target_context_params, target_model_params
 from hydra_trio.models.presets import resolve_model
 
 N_MAX = 3
-PROMPTS = ("The quick brown fox jumps over the lazy dog. Once upon a time",
-           "Hydra clusters serve agents: plans, tools and files, again and again.")
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog. Once upon a time",
+    "Hydra clusters serve agents: plans, tools and files, again and again.",
+)
 
 
 class Target:
@@ -117,14 +118,14 @@ def speculate(t: Target, d: Drafter, runs: list[Run], n: int, mirror: bool = Tru
         reqs = [DraftRequest(r.seq, N_MAX, r.n_past, r.out[-1], r.prompt + r.out[:-1]) for r in live]
         d.draft(reqs)
         entries, first = [], {}
-        for r, q in zip(live, reqs):
+        for r, q in zip(live, reqs, strict=False):
             assert len(q.result) <= N_MAX
             r.drafts.append(list(q.result))
             first[r.seq] = len(entries)
             entries += [(tok, r.n_past + i, r.seq, True) for i, tok in enumerate([r.out[-1], *q.result])]
         t.decode(entries)
         assert d.process(t.batch)
-        for r, q in zip(live, reqs):
+        for r, q in zip(live, reqs, strict=False):
             pos0, k = r.n_past, 0
             new = [t.greedy(first[r.seq])]
             while k < len(q.result) and q.result[k] == new[-1]:
@@ -140,6 +141,7 @@ def speculate(t: Target, d: Drafter, runs: list[Run], n: int, mirror: bool = Tru
 
 
 # -- draft-mtp on tiny-mtp --------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def mtp_model() -> Iterator[Any]:
@@ -198,7 +200,7 @@ def test_draft_mtp_verify_loop_gives_the_greedy_output_on_two_slots(mtp_pair: tu
     runs = [Run(seq, p) for seq, p in enumerate(prompts)]
     prefill(t, d, runs)
     speculate(t, d, runs, 60)
-    for r, w in zip(runs, want):
+    for r, w in zip(runs, want, strict=False):
         assert r.out[:60] == w
         assert 0 < r.n_accepted < r.n_drafted, (r.n_accepted, r.n_drafted)
         assert all(len(x) == N_MAX for x in r.drafts)  # p_min 0: always n_max (the target had room)
@@ -237,7 +239,7 @@ def test_draft_mtp_state_moves_with_the_slot(mtp_model: Any, mtp_pair: tuple[Tar
             speculate(t2, d2, [moved], 50, mirror=False)
             assert moved.out == whole.out
             if with_drafter_state:
-                assert moved.drafts[n_steps:] == whole.drafts[n_steps:len(moved.drafts)]
+                assert moved.drafts[n_steps:] == whole.drafts[n_steps : len(moved.drafts)]
         finally:
             d2.close()
             t2.close()
@@ -260,6 +262,7 @@ def test_draft_mtp_refuses_a_state_of_another_shape(mtp_pair: tuple[Target, Draf
 
 # -- draft-simple: SmolLM2 Q4_1 with its Q8_0 as the draft ------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smol_pair() -> Iterator[tuple[Target, DraftSimple, LoadedModel]]:
     target = LoadedModel(resolve_model("smollm2-135m")[0], n_ctx=2048, n_parallel=2, n_batch=512, n_threads=2)
@@ -273,7 +276,8 @@ def smol_pair() -> Iterator[tuple[Target, DraftSimple, LoadedModel]]:
 
 
 def test_draft_simple_q8_drafts_mostly_the_targets_greedy_tokens(
-        smol_pair: tuple[Target, DraftSimple, LoadedModel]) -> None:
+    smol_pair: tuple[Target, DraftSimple, LoadedModel],
+) -> None:
     """The Q8_0 draft of SmolLM2 proposes tokens the Q4_1 target would choose itself: at least half of the
     drafted tokens are accepted (measured: all of them on the prompts here, on an AVX2 machine)."""
     t, d, _ = smol_pair
@@ -335,8 +339,14 @@ def test_draft_simple_refuses_a_draft_with_another_bos(smol_pair: tuple[Target, 
     tokenizer pass."""
     _, _, target = smol_pair
     q8 = resolve_model("smollm2-135m-q8")[0]
-    odd = LoadedModel(q8, n_ctx=256, n_parallel=2, n_batch=64, n_threads=1, options=LlamaOptions(
-        kv_overrides=(("tokenizer.ggml.add_bos_token", "bool", not target.add_bos),)))
+    odd = LoadedModel(
+        q8,
+        n_ctx=256,
+        n_parallel=2,
+        n_batch=64,
+        n_threads=1,
+        options=LlamaOptions(kv_overrides=(("tokenizer.ggml.add_bos_token", "bool", not target.add_bos),)),
+    )
     try:
         assert "bos token" in (vocab_problem(target.model, odd.model) or "")
         with pytest.raises(ValueError, match="draft-simple: the draft model's bos token"):
@@ -354,6 +364,7 @@ def test_draft_simple_refuses_a_draft_with_another_bos(smol_pair: tuple[Target, 
 
 # -- the types the bindings cannot serve ----------------------------------------------------------
 
+
 def test_eagle3_dflash_dspark_refusals_name_the_missing_bindings() -> None:
     """The three types need llama.cpp's layer-input extraction, which the bindings lack (this fails, and the
     types can be built, once llama-cpp-python binds it); each refusal says so."""
@@ -368,8 +379,9 @@ def test_eagle3_dflash_dspark_refusals_name_the_missing_bindings() -> None:
         assert "llama_set_embeddings_layer_inp" in text and "llama_model_target_layer_ids" in text
 
 
-def test_draft_mtp_pairs_each_token_with_the_previous_hidden_state(mtp_model: Any,
-                                                                   mtp_pair: tuple[Target, DraftMtp]) -> None:
+def test_draft_mtp_pairs_each_token_with_the_previous_hidden_state(
+    mtp_model: Any, mtp_pair: tuple[Target, DraftMtp]
+) -> None:
     """The MTP context's entry at position ``p`` is ``(x_p, h_{p-1})`` with the target's final-norm hidden
     state of the token before (zeros before the first), and a draft starts from ``(id_last, h_{n_past-1})``
     (``common_speculative_impl_draft_mtp``): the drafter's first draft logits equal those of a fresh MTP

@@ -43,8 +43,14 @@ async def generate(engine: Engine, prompt: str | list[int], **job: Any) -> tuple
     tokens = engine.model.tokenize(prompt, add_special=True) if isinstance(prompt, str) else prompt
     # the whole prompt evaluated every time: a cached prompt evaluates only its last token, with other
     # kernels than a whole prompt, and that would be a difference of its own
-    fields: dict[str, Any] = {"n_predict": 64, "ignore_eos": True, "id_slot": 0, "sampling": GREEDY,
-                              "cache_prompt": False, **job}
+    fields: dict[str, Any] = {
+        "n_predict": 64,
+        "ignore_eos": True,
+        "id_slot": 0,
+        "sampling": GREEDY,
+        "cache_prompt": False,
+        **job,
+    }
     out, text = [], []
     async with JobRun(engine, CompletionJob(prompt_tokens=tuple(tokens), **fields)) as run:
         async for delta in run:
@@ -95,13 +101,20 @@ async def test_sampled_output_is_the_targets_and_limits_cut_inside_a_draft(plain
     string and ``n_predict`` that end the request inside a verified draft leave the slot as generating
     without one would; log-probabilities come one per token, equal to the target's."""
     async with engine_with("suffix", "ngram-simple") as engine:
-        for case, job in [("seeded", {"sampling": SEEDED, "n_predict": 16}),
-                          ("stop", {"stop": ("q r",), "n_predict": 200}), ("budget", {"n_predict": 37})]:
+        for case, job in [
+            ("seeded", {"sampling": SEEDED, "n_predict": 16}),
+            ("stop", {"stop": ("q r",), "n_predict": 200}),
+            ("budget", {"n_predict": 37}),
+        ]:
             tokens, text, done = await generate(engine, ALPHABET, **job)
             want_tokens, want_text, want = plain[case]
             assert (tokens, text) == (want_tokens, want_text), case
-            assert (done.finish_reason, done.stop_reason, done.predicted_n, done.n_past) == \
-                (want.finish_reason, want.stop_reason, want.predicted_n, want.n_past), case
+            assert (done.finish_reason, done.stop_reason, done.predicted_n, done.n_past) == (
+                want.finish_reason,
+                want.stop_reason,
+                want.predicted_n,
+                want.n_past,
+            ), case
             assert done.draft_n_accepted, case
         tokens, _, done = await generate(engine, ALPHABET, n_probs=3, n_predict=24)
         assert tokens == plain["probs"][0] and done.draft_n_accepted
@@ -114,7 +127,9 @@ async def test_a_grammar_composes_with_drafts() -> None:
     results = []
     for types in ((), ("suffix",)):
         async with engine_with(*types) as engine:
-            results.append(await generate(engine, ALPHABET, grammar=grammar, n_predict=20))  # to the "z" before a "\\n" it refuses
+            results.append(
+                await generate(engine, ALPHABET, grammar=grammar, n_predict=20)
+            )  # to the "z" before a "\\n" it refuses
     (plain_tokens, plain_text, _), (tokens, text, done) = results
     assert tokens == plain_tokens and text == plain_text and set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
     assert done.draft_n
@@ -164,7 +179,7 @@ async def test_context_shift_and_a_unified_cache_compose_with_drafts() -> None:
             async with engine_with(*types, **dict(config)) as engine:
                 prompt = engine.model.tokenize(ALPHABET, add_special=True)
                 if name == "shift":
-                    tokens, text, done = await generate(engine, prompt, n_predict=260)  # past the 512 of a slot
+                    tokens, _text, done = await generate(engine, prompt, n_predict=260)  # past the 512 of a slot
                     assert done.truncated and len(tokens) == 260  # it did shift, and went on
                     before = engine.slots[0].n_ctx - len(prompt)  # the tokens generated before the shift
                     outs.append((tokens[:before], done.n_past))
@@ -173,7 +188,7 @@ async def test_context_shift_and_a_unified_cache_compose_with_drafts() -> None:
                         got: dict[int, list[int]] = {}
 
                         async def one(i: int) -> None:
-                            got[i] = (await generate(engine, prompt, id_slot=i, n_predict=40))[0]
+                            got[i] = (await generate(engine, prompt, id_slot=i, n_predict=40))[0]  # noqa: B023  (called and finished within this iteration)
 
                         for i in range(2):
                             nursery.start_soon(one, i)
@@ -204,9 +219,8 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
         async with engine_with("ngram-simple", "suffix", spec={"budget_row_cost": row_cost}) as engine:
             assert (engine.scheduler.spec.budget is None) == (row_cost == 0)
             runs.append(await generate(engine, prose, n_predict=96))
-    (a, text_a, done_a), (b, text_b, done_b), (whole, _, done_whole) = runs
-    assert (a, text_a, done_a.draft_n, done_a.draft_n_accepted) == (b, text_b, done_b.draft_n,
-                                                                     done_b.draft_n_accepted)
+    (a, text_a, done_a), (b, text_b, done_b), (_whole, _, done_whole) = runs
+    assert (a, text_a, done_a.draft_n, done_a.draft_n_accepted) == (b, text_b, done_b.draft_n, done_b.draft_n_accepted)
     assert done_whole.draft_n - done_whole.draft_n_accepted > done_a.draft_n - done_a.draft_n_accepted
 
 
@@ -222,16 +236,18 @@ async def test_prefix_sharing_and_the_prompt_cache_compose_with_drafts() -> None
         async with engine_with(*types) as engine:
             first = await generate(engine, ALPHABET, n_predict=24, cache_prompt=True)
             convo = engine.model.tokenize(ALPHABET, add_special=True) + first[0]
-            steps = [first,
-                     await generate(engine, convo, id_slot=1, n_predict=24, cache_prompt=True),
-                     await generate(engine, counting, n_predict=8, cache_prompt=True),
-                     await generate(engine, counting, id_slot=1, n_predict=8, cache_prompt=True),
-                     await generate(engine, convo, id_slot=0, n_predict=24, cache_prompt=True)]
+            steps = [
+                first,
+                await generate(engine, convo, id_slot=1, n_predict=24, cache_prompt=True),
+                await generate(engine, counting, n_predict=8, cache_prompt=True),
+                await generate(engine, counting, id_slot=1, n_predict=8, cache_prompt=True),
+                await generate(engine, convo, id_slot=0, n_predict=24, cache_prompt=True),
+            ]
             runs.append(steps)
             if types:
                 assert engine.prompt_cache.hits >= 1
     plain, spec = runs
-    for i, ((want, _, w), (got, _, g)) in enumerate(zip(plain, spec)):
+    for i, ((want, _, w), (got, _, g)) in enumerate(zip(plain, spec, strict=False)):
         assert got == want, i
         assert g.cache_n == w.cache_n, i
     assert spec[1][2].cache_n > 0 and spec[4][2].cache_n >= len(spec[0][0])  # shared; restored
@@ -251,10 +267,14 @@ async def test_context_checkpoints_compose_with_drafts() -> None:
     runs = []
     for types in ((), ("draft-mtp", "ngram-simple")):
         async with engine_with(*types, model="tiny-mtp") as engine:
-            runs.append([await generate(engine, first, n_predict=24, cache_prompt=True),
-                         await generate(engine, second, n_predict=24, cache_prompt=True)])
+            runs.append(
+                [
+                    await generate(engine, first, n_predict=24, cache_prompt=True),
+                    await generate(engine, second, n_predict=24, cache_prompt=True),
+                ]
+            )
     plain, spec = runs
-    for (want, _, w), (got, _, g) in zip(plain, spec):
+    for (want, _, w), (got, _, g) in zip(plain, spec, strict=False):
         assert got == want
         assert (g.cache_n, g.prompt_n) == (w.cache_n, w.prompt_n)
     assert spec[1][2].cache_n == len(first) - 4  # resumed from the checkpoint

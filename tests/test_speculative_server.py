@@ -12,13 +12,19 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hydra_trio.protocol.hydra import DECODE_FLAG_PAD, Op, Status, unpack_decode_frames
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 from .test_speculative import ALPHABET
 
-BODY = {"prompt": ALPHABET, "n_predict": 48, "temperature": 0, "ignore_eos": True, "cache_prompt": False,
-        "return_tokens": True}
+BODY = {
+    "prompt": ALPHABET,
+    "n_predict": 48,
+    "temperature": 0,
+    "ignore_eos": True,
+    "cache_prompt": False,
+    "return_tokens": True,
+}
 
 
 def complete(base: str, **kw: object) -> dict:
@@ -29,8 +35,13 @@ def complete(base: str, **kw: object) -> dict:
 
 def decode_tokens(port: int, slot: int) -> list[int]:
     """A Hydra DECODE of the alphabet (a chat body with one user message), greedy: its token ids."""
-    body = {"messages": [{"role": "user", "content": ALPHABET}], "n_predict": 32, "temperature": 0,
-            "ignore_eos": True, "cache_prompt": False}
+    body = {
+        "messages": [{"role": "user", "content": ALPHABET}],
+        "n_predict": 32,
+        "temperature": 0,
+        "ignore_eos": True,
+        "cache_prompt": False,
+    }
     with Wire(port) as w:
         status, meta, payload = w.call(Op.DECODE, key=str(slot), payload=json.dumps(body).encode())
     assert status == Status.OK, meta
@@ -39,16 +50,21 @@ def decode_tokens(port: int, slot: int) -> list[int]:
 
 def spec_metrics(base: str) -> dict[str, float]:
     text = httpx.get(base + "/metrics", timeout=30).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name.startswith("llamacpp:spec_decode_num_") and "position" not in s.labels}
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("llamacpp:spec_decode_num_") and "position" not in s.labels
+    }
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("spec")
     plain = ServerProcess(d / "plain.log", "-np", "2", "--no-rpc-backend")
-    spec = ServerProcess(d / "spec.log", "-np", "2", "--no-rpc-backend", "--spec-type", "suffix,ngram-mod",
-                         "--spec-draft-n-max", "8")
+    spec = ServerProcess(
+        d / "spec.log", "-np", "2", "--no-rpc-backend", "--spec-type", "suffix,ngram-mod", "--spec-draft-n-max", "8"
+    )
     with plain.serving(180), spec.serving(180):
         yield plain, spec
 

@@ -24,8 +24,16 @@ from hydra_trio.http.app import STATIC_DIR
 
 from .conftest import ServerProcess
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 WAIT_MS = 120_000  # generous: the machine may be busy with other work
 SCREENSHOT_COPY = os.environ.get("HYDRA_TRIO_SCREENSHOT_COPY")  # docs/status-page.png is made with this set
 
@@ -90,12 +98,11 @@ def test_the_page_is_only_served_where_its_relative_links_resolve(http: httpx.Cl
     r = http.get("/static/index.html")
     assert r.status_code == 308 and r.headers["location"] == "../", (r.status_code, r.headers)
     followed = http.get("/static/index.html", follow_redirects=True)
-    assert followed.status_code == 200 and str(followed.url).endswith(":%d/" % followed.url.port)
+    assert followed.status_code == 200 and str(followed.url).endswith(f":{followed.url.port}/")
     assert 'src="static/status.js"' in followed.text
 
 
-def test_with_api_keys_the_page_is_open_and_the_event_socket_takes_the_key_as_a_query_parameter(
-        spawn: Any) -> None:
+def test_with_api_keys_the_page_is_open_and_the_event_socket_takes_the_key_as_a_query_parameter(spawn: Any) -> None:
     import trio
     from trio_websocket import ConnectionRejected, open_websocket_url
 
@@ -118,7 +125,8 @@ def test_with_api_keys_the_page_is_open_and_the_event_socket_takes_the_key_as_a_
 
 # ------------------------------------------------------------------ in Chromium
 def test_the_page_shows_a_slot_busy_with_its_tokens_then_idle_and_the_finished_event(
-        server: ServerProcess, page: Any, tmp_path: Path) -> None:
+    server: ServerProcess, page: Any, tmp_path: Path
+) -> None:
     from playwright.sync_api import expect
 
     page.goto(server.base + "/")
@@ -130,8 +138,14 @@ def test_the_page_shows_a_slot_busy_with_its_tokens_then_idle_and_the_finished_e
     expect(page.locator("#stage")).to_have_text("ready")
 
     # a long streamed completion on slot 0, read to its end in a thread
-    body = {"prompt": "Count to one thousand:", "max_tokens": 1000, "ignore_eos": True, "temperature": 0,
-            "id_slot": 0, "stream": True}
+    body = {
+        "prompt": "Count to one thousand:",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "id_slot": 0,
+        "stream": True,
+    }
     ids: list[str] = []
     failed: list[BaseException] = []
 
@@ -154,8 +168,10 @@ def test_the_page_shows_a_slot_busy_with_its_tokens_then_idle_and_the_finished_e
         # the generated-token count grows while the slot works
         page.wait_for_function(
             """([sel, n]) => { const r = document.querySelector(sel);
-                               return r.dataset.state === "processing" && +r.querySelector(".n-decoded").textContent > n; }""",
-            arg=['#slots-body tr[data-slot="0"]', max(first, 0)])
+                               return r.dataset.state === "processing"
+                                      && +r.querySelector(".n-decoded").textContent > n; }""",
+            arg=['#slots-body tr[data-slot="0"]', max(first, 0)],
+        )
         assert int(row.locator(".n-decoded").inner_text()) > first
         page.wait_for_function("document.getElementById('chart-line').getAttribute('points').split(' ').length >= 2")
         page.screenshot(path=tmp_path / "status-busy.png")
@@ -175,7 +191,8 @@ def test_the_page_shows_a_slot_busy_with_its_tokens_then_idle_and_the_finished_e
     # newest first: the request's own events, in reverse order
     types = page.locator("#events li").evaluate_all(
         f"els => els.filter(e => e.querySelector('.trace').textContent.trim() === {json.dumps(ids[0])})"
-        ".map(e => e.dataset.type)")
+        ".map(e => e.dataset.type)"
+    )
     assert types == ["slot.finished", "slot.first_token", "slot.assigned"]
     assert page.locator("#events li").count() <= 30
     page.screenshot(path=tmp_path / "status-idle.png")

@@ -30,9 +30,9 @@ import openai
 import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import ServerProcess
-from .hydra_wire import Wire
 
 TEMPLATE = r"""
 {%- if reasoning_effort is defined -%}
@@ -124,7 +124,10 @@ def test_split_streamed(client: openai.OpenAI) -> None:
     assert n_reasoning > 3
     first_content = next(i for i, d in enumerate(chunks) if d.content)
     assert all(not (d.model_extra or {}).get("reasoning_content") for d in chunks[first_content:])
-    assert usage.completion_tokens_details.reasoning_tokens == _chat(client).usage.completion_tokens_details.reasoning_tokens
+    assert (
+        usage.completion_tokens_details.reasoning_tokens
+        == _chat(client).usage.completion_tokens_details.reasoning_tokens
+    )
 
 
 def test_deepseek_legacy_keeps_tags(client: openai.OpenAI) -> None:
@@ -175,12 +178,14 @@ def test_thinking_off_by_kwargs_or_budget(client: openai.OpenAI, node: ServerPro
 
 
 def test_bad_fields(node: ServerProcess) -> None:
-    for body, field in (({"reasoning_format": "r1"}, "reasoning_format"),
-                        ({"thinking_budget_tokens": -2}, "thinking_budget_tokens"),
-                        ({"reasoning_budget_tokens": 2**31}, "reasoning_budget_tokens"),
-                        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
-                        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
-                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
+    for body, field in (
+        ({"reasoning_format": "r1"}, "reasoning_format"),
+        ({"thinking_budget_tokens": -2}, "thinking_budget_tokens"),
+        ({"reasoning_budget_tokens": 2**31}, "reasoning_budget_tokens"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"enable_thinking": "yes"}}, "chat_template_kwargs.enable_thinking"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+    ):
         r = httpx.post(node.base + "/v1/chat/completions", json={"messages": MESSAGES, **body}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
 
@@ -197,8 +202,11 @@ def test_hydra_decode_reports_reasoning_tokens(node: ServerProcess, client: open
         assert status == Status.OK and meta["reasoning_tokens"] == 0
         status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps({**body, "reasoning_format": "r1"}).encode())
         assert status == Status.BAD_REQUEST and meta["error"].startswith("reasoning_format")
-        status, meta, _ = w.call(Op.PREFILL, key="0", payload=json.dumps(
-            {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}).encode())
+        status, meta, _ = w.call(
+            Op.PREFILL,
+            key="0",
+            payload=json.dumps({"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}).encode(),
+        )
         assert status == Status.OK, meta
 
 
@@ -207,8 +215,18 @@ def test_node_flags(tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-d
     in the prompt (``enable_thinking`` false); ``--reasoning-budget 3 --reasoning-budget-message`` forces the
     message and the end marker after 3 thinking tokens; a request's fields override the node's."""
     (tmp_path / "t.jinja").write_text(TEMPLATE)
-    srv = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "1", "--reasoning-format", "none",
-                "--reasoning-budget", "3", "--reasoning-budget-message", " Answer now.")
+    srv = spawn(
+        "--chat-template-file",
+        str(tmp_path / "t.jinja"),
+        "-np",
+        "1",
+        "--reasoning-format",
+        "none",
+        "--reasoning-budget",
+        "3",
+        "--reasoning-budget-message",
+        " Answer now.",
+    )
     off = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "2", "--reasoning-budget", "0")
     srv.wait_ready()
     off.wait_ready()
@@ -232,9 +250,17 @@ def test_node_flags(tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-d
 def test_a_required_tool_call_comes_after_the_thinking(client: openai.OpenAI) -> None:
     """A thinking reply with ``tool_choice: "required"``: the grammar leaves the thinking block free and
     forces the call after its end marker, so the call is a tool call, not reasoning."""
-    tool = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"]}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
     r = _chat(client, tools=[tool], tool_choice="required", max_tokens=120)
     msg = r.choices[0].message
     assert msg.reasoning_content and "</think>" not in msg.reasoning_content
@@ -250,7 +276,8 @@ def _tokens(node: ServerProcess, text: str) -> int:
 
 @pytest.mark.parametrize("budget", [1, 3, 7])
 def test_a_budget_of_n_tokens_ends_the_thinking_and_the_model_answers(
-        client: openai.OpenAI, node: ServerProcess, budget: int) -> None:
+    client: openai.OpenAI, node: ServerProcess, budget: int
+) -> None:
     """``thinking_budget_tokens: N`` (llama-server's budget sampler): after N tokens inside the block the node
     forces ``</think>``; the reasoning holds at most N tokens (counted by ``/tokenize``), the content follows."""
     r = _chat(client, extra_body={"thinking_budget_tokens": budget})
@@ -295,7 +322,7 @@ def test_reasoning_effort(client: openai.OpenAI) -> None:
 def test_a_grammar_that_refuses_the_end_marker_wins_over_the_budget(client: openai.OpenAI, node: ServerProcess) -> None:
     """The budget's forced ``</think>`` is checked against the request's grammar first (accepting a token the
     grammar refuses would abort llama.cpp): refused, the forcing ends and the reply follows the grammar."""
-    r = _chat(client, max_tokens=8, extra_body={"thinking_budget_tokens": 2, "grammar": 'root ::= [a-z ]+'})
+    r = _chat(client, max_tokens=8, extra_body={"thinking_budget_tokens": 2, "grammar": "root ::= [a-z ]+"})
     m = r.choices[0].message
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 8
     assert set(_reasoning(m)) <= set("abcdefghijklmnopqrstuvwxyz ") and m.content == ""
@@ -303,7 +330,8 @@ def test_a_grammar_that_refuses_the_end_marker_wins_over_the_budget(client: open
 
 
 def test_drafts_compose_with_thinking_its_budget_and_a_required_tool_call(
-        client: openai.OpenAI, tmp_path: Path, spawn) -> None:  # type: ignore[no-untyped-def]
+    client: openai.OpenAI, tmp_path: Path, spawn
+) -> None:  # type: ignore[no-untyped-def]
     """A node that drafts (``--spec-type suffix,ngram-simple``) gives the replies of one that does not: the
     split of thinking and content, a thinking budget forced inside a draft's reach, and a required tool
     call whose grammar rejects drafts outside it; and it did draft."""
@@ -311,19 +339,35 @@ def test_drafts_compose_with_thinking_its_budget_and_a_required_tool_call(
     spec = spawn("--chat-template-file", str(tmp_path / "t.jinja"), "-np", "1", "--spec-type", "suffix,ngram-simple")
     spec.wait_ready()
     drafting = openai.OpenAI(base_url=spec.base + "/v1", api_key="none", timeout=120, max_retries=0)
-    tool = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-        "required": ["a", "b"]}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
     whole = {"cache_prompt": False}
-    for kw in ({"extra_body": whole}, {"extra_body": {**whole, "thinking_budget_tokens": 3}},
-               {"extra_body": whole, "tools": [tool], "tool_choice": "required", "max_tokens": 120}):
+    for kw in (
+        {"extra_body": whole},
+        {"extra_body": {**whole, "thinking_budget_tokens": 3}},
+        {"extra_body": whole, "tools": [tool], "tool_choice": "required", "max_tokens": 120},
+    ):
         want, got = _chat(client, **kw), _chat(drafting, **kw)
         w, g = want.choices[0], got.choices[0]  # type: ignore[attr-defined]
-        assert (g.message.content, _reasoning(g.message), g.finish_reason) == \
-            (w.message.content, _reasoning(w.message), w.finish_reason), kw
-        assert [(t.function.name, t.function.arguments) for t in g.message.tool_calls or []] == \
-            [(t.function.name, t.function.arguments) for t in w.message.tool_calls or []], kw
+        assert (g.message.content, _reasoning(g.message), g.finish_reason) == (
+            w.message.content,
+            _reasoning(w.message),
+            w.finish_reason,
+        ), kw
+        assert [(t.function.name, t.function.arguments) for t in g.message.tool_calls or []] == [
+            (t.function.name, t.function.arguments) for t in w.message.tool_calls or []
+        ], kw
     metrics = httpx.get(spec.base + "/metrics", timeout=60).text
-    accepted = [line for line in metrics.splitlines()
-                if line.startswith("llamacpp:spec_decode_num_accepted_tokens_total")]
+    accepted = [
+        line for line in metrics.splitlines() if line.startswith("llamacpp:spec_decode_num_accepted_tokens_total")
+    ]
     assert accepted and float(accepted[0].split()[-1]) > 0, accepted

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from hydra_trio.engine.batching.thinking_budget import COUNTING, DONE, FORCING, IDLE, WAITING_UTF8, BudgetSpec, ThinkingBudget
+from hydra_trio.engine.batching.thinking_budget import (
+    COUNTING,
+    DONE,
+    FORCING,
+    IDLE,
+    WAITING_UTF8,
+    BudgetSpec,
+    ThinkingBudget,
+)
 
 FORCED = (900, 901, 902)  # e.g. "</", "think", ">"
 

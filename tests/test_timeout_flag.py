@@ -58,13 +58,19 @@ def test_timeout_0_serves_what_has_arrived_and_waits_for_nothing(spawn) -> None:
     # a request whose body came with its headers is served whole (one write: a client that sends its body
     # later, as most send headers and body in two writes, may find it cut, as llama-server's -to 0 does)
     body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
-    data = _raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    data = _raw(
+        srv.port,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
     assert data.startswith(b"HTTP/1.1 200 "), data[:300]
     assert json.loads(data.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] > 0
     # a body that is not there yet is not waited for: 408 at once, the connection closed
-    data = _raw(srv.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: 100\r\n\r\n{\"prompt\":")
+    data = _raw(
+        srv.port,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt":',
+    )
     assert data.startswith(b"HTTP/1.1 408 "), data[:300]
     assert b"no data waiting (--timeout 0: no waiting)" in data
     assert httpx.get(srv.base + "/health", timeout=LONG).status_code == 200  # the node serves on
@@ -75,8 +81,10 @@ def test_a_negative_timeout_waits_for_a_slow_body(spawn) -> None:
     srv.wait_ready()
     body = json.dumps({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).encode()
     with socket.create_connection(("127.0.0.1", srv.port), timeout=LONG) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:10]))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body[:10])
+        )
         s.settimeout(3)  # the body's rest comes 3 s later: no 408 meanwhile
         with pytest.raises(TimeoutError):
             s.recv(1)
@@ -116,8 +124,9 @@ async def test_a_write_timeout_of_0_sends_what_the_socket_takes_at_once() -> Non
     reply = b"y" * 4096
 
     async def small(scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(reply)).encode())]})
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(reply)).encode())]}
+        )
         await send({"type": "http.response.body", "body": reply})
 
     handler = HttpHandler(small, HttpSettings(write_timeout=0))

@@ -116,8 +116,9 @@ class Bindings:
                 n = ctypes.c_size_t()
                 arr = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                 tokens = [arr[j] for j in range(n.value)]
-            out.append((kind, mtmd.mtmd_input_chunk_get_n_tokens(chunk), mtmd.mtmd_input_chunk_get_n_pos(chunk),
-                        tokens))
+            out.append(
+                (kind, mtmd.mtmd_input_chunk_get_n_tokens(chunk), mtmd.mtmd_input_chunk_get_n_pos(chunk), tokens)
+            )
         return out
 
     def greedy(self, png: bytes, n_predict: int = N_PREDICT) -> list[int]:
@@ -188,12 +189,18 @@ def test_preset_makes_the_pair_side_by_side_and_the_cli_writes_the_same_files(pa
     assert proj.fields["clip.projector_type"].contents() == "qwen2vl_merger"
     assert proj.fields["clip.vision.projection_dim"].contents() == lm.fields["qwen2vl.embedding_length"].contents()
 
-    out = subprocess.run([sys.executable, "-m", "hydra_trio.models", "tiny-vision", str(tmp_path)], check=False,
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_trio.models", "tiny-vision", str(tmp_path)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     written = [Path(line) for line in out.stdout.split()]
     assert written == [tmp_path / model.name, tmp_path / mmproj.name]
-    for mine, cached in zip(written, pair):
+    for mine, cached in zip(written, pair, strict=False):
         assert hashlib.sha256(mine.read_bytes()).digest() == hashlib.sha256(cached.read_bytes()).digest()
 
 
@@ -212,8 +219,11 @@ def test_bindings_load_the_projector_and_tokenize_an_image_into_chunks(bindings:
     with bindings.chunks(prompt, tiny_vision.png_image(1, IMAGE_W, IMAGE_H)) as chunks:
         layout = bindings.layout(chunks)
         kinds = [k for k, *_ in layout]
-        assert kinds == [mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT, mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE,
-                         mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT]
+        assert kinds == [
+            mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT,
+            mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE,
+            mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT,
+        ]
         (_, n_before, _, before), (_, n_image, n_pos, _), (_, n_after, _, after) = layout
         assert before[-1] == start and after[0] == end
         assert start not in before[:-1] and end not in after[1:]
@@ -241,8 +251,7 @@ def test_bindings_greedy_text_is_deterministic_and_depends_on_the_image(bindings
 def llama_server_binary() -> Path:
     """llama-server built from the vendored llama.cpp by ``bench/build_llama_server.sh`` (about 10 minutes on 2
     cores the first time, cached afterwards)."""
-    out = subprocess.run([str(ROOT / "bench" / "build_llama_server.sh")], check=True, stdout=subprocess.PIPE,
-                         text=True)
+    out = subprocess.run([str(ROOT / "bench" / "build_llama_server.sh")], check=True, stdout=subprocess.PIPE, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -251,8 +260,12 @@ def llama_server(tmp_path: Path, *args: str) -> Iterator[str]:
     port = free_port()
     log = tmp_path / "llama-server.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([str(llama_server_binary()), "--host", "127.0.0.1", "--port", str(port), *args],
-                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **SHARED_MACHINE_ENV})
+        proc = subprocess.Popen(
+            [str(llama_server_binary()), "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **SHARED_MACHINE_ENV},
+        )
     try:
         try:
             wait_healthy(port, proc, timeout=300)
@@ -278,17 +291,29 @@ def test_llama_server_serves_the_pair_with_the_bindings_tokens(pair, bindings: B
 
     def ask(png: bytes, client: httpx.Client) -> dict:
         url = "data:image/png;base64," + base64.b64encode(png).decode()
-        body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                           {"type": "text", "text": QUESTION}]}],
-                "max_tokens": N_PREDICT, "temperature": 0, "logprobs": True}
+        body = {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}],
+                }
+            ],
+            "max_tokens": N_PREDICT,
+            "temperature": 0,
+            "logprobs": True,
+        }
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         return r.json()
 
     with bindings.chunks(chat_prompt(mtmd.mtmd_default_marker().decode()), tiny_vision.png_image(1)) as chunks:
         n_prompt = mtmd.mtmd_helper_get_n_tokens(chunks)
-    with llama_server(tmp_path, "-m", str(model), "--mmproj", str(mmproj), "-c", str(N_CTX), "-np", "1",
-                      "-t", "2", "--no-webui") as base, httpx.Client(base_url=base, timeout=300) as client:
+    with (
+        llama_server(
+            tmp_path, "-m", str(model), "--mmproj", str(mmproj), "-c", str(N_CTX), "-np", "1", "-t", "2", "--no-webui"
+        ) as base,
+        httpx.Client(base_url=base, timeout=300) as client,
+    ):
         props = client.get("/props").json()
         assert props["modalities"]["vision"] is True and props["modalities"]["audio"] is False
         for seed in (1, 2):

@@ -78,9 +78,18 @@ def tls_node(tmp_path_factory: pytest.TempPathFactory, certs: Certs):
 @pytest.fixture(scope="module")
 def mtls_node(tmp_path_factory: pytest.TempPathFactory, certs: Certs):
     """A compute-only node that asks for client certificates and refuses plain from non-loopback peers."""
-    srv = ServerProcess(tmp_path_factory.mktemp("mtls") / "server.log", "--no-model", "--host", "0.0.0.0",
-                        "--classify-timeout", "2", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem),
-                        "--tls-required")
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("mtls") / "server.log",
+        "--no-model",
+        "--host",
+        "0.0.0.0",
+        "--classify-timeout",
+        "2",
+        *certs.tls_flags(),
+        "--tls-client-ca",
+        str(certs.ca_pem),
+        "--tls-required",
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -105,6 +114,7 @@ def wait_log(node: ServerProcess, text: str, timeout: float = 30.0) -> None:
 
 # ------------------------------------------------------------------ HTTP
 
+
 def test_https_and_plain_http_on_one_port(tls_node: ServerProcess, certs: Certs) -> None:
     r = httpx.get(https(tls_node) + "/health", verify=ca(certs.ca_pem), timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "ok"
@@ -119,12 +129,20 @@ def test_https_and_plain_http_on_one_port(tls_node: ServerProcess, certs: Certs)
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")
 def test_curl_over_https(tls_node: ServerProcess, certs: Certs) -> None:
-    out = subprocess.run(["curl", "-sS", "--cacert", str(certs.ca_pem), https(tls_node) + "/v1/models"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["curl", "-sS", "--cacert", str(certs.ca_pem), https(tls_node) + "/v1/models"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert '"object":"list"' in out.stdout.replace(" ", "")
-    out = subprocess.run(["curl", "-sS", "--cacert", str(certs.other_ca_pem), https(tls_node) + "/health"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["curl", "-sS", "--cacert", str(certs.other_ca_pem), https(tls_node) + "/health"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 60, (out.returncode, out.stderr)  # CURLE_PEER_FAILED_VERIFICATION
 
 
@@ -151,6 +169,7 @@ def test_untrusted_certificate_refused_by_clients(tls_node: ServerProcess, certs
 
 # ------------------------------------------------------------------ Hydra, ggml-RPC
 
+
 def test_hydra_info_over_tls(tls_node: ServerProcess, certs: Certs) -> None:
     async def main() -> dict:
         async with HydraClient("127.0.0.1", tls_node.port, ssl_context=client_context(certs.ca_pem)) as c:
@@ -160,9 +179,22 @@ def test_hydra_info_over_tls(tls_node: ServerProcess, certs: Certs) -> None:
             return first
 
     assert "rpc_backend" in trio.run(main)
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "info", f"127.0.0.1:{tls_node.port}",
-                          "--tls", "--tls-ca", str(certs.ca_pem)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hydra_trio",
+            "info",
+            f"127.0.0.1:{tls_node.port}",
+            "--tls",
+            "--tls-ca",
+            str(certs.ca_pem),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert '"mode": "solo"' in out.stdout
 
@@ -201,6 +233,7 @@ def test_ggml_rpc_hello_over_tls(tls_node: ServerProcess, certs: Certs) -> None:
 
 # ------------------------------------------------------------------ mutual TLS, --tls-required
 
+
 def test_mutual_tls(mtls_node: ServerProcess, certs: Certs) -> None:
     async def main() -> None:
         with pytest.raises((HydraError, OSError)):  # TLS 1.3: the refusal may arrive after the client's handshake
@@ -212,16 +245,33 @@ def test_mutual_tls(mtls_node: ServerProcess, certs: Certs) -> None:
 
     trio.run(main)
     # the CLI says why the node may have closed it (the node's log has the reason)
-    out = subprocess.run([sys.executable, "-m", "hydra_trio", "info", f"127.0.0.1:{mtls_node.port}", "--tls",
-                          "--tls-ca", str(certs.ca_pem)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hydra_trio",
+            "info",
+            f"127.0.0.1:{mtls_node.port}",
+            "--tls",
+            "--tls-ca",
+            str(certs.ca_pem),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode != 0 and "client certificate" in out.stderr, out.stderr
     wait_log(mtls_node, "TLS handshake failed")
     wait_log(mtls_node, "client certificate subject 'O=trustme")
     wait_log(mtls_node, ",CN=client-1'")  # trustme's subject: O, OU, CN
     with pytest.raises(httpx.HTTPError):
         httpx.get(https(mtls_node) + "/health", verify=ca(certs.ca_pem), timeout=30)
-    r = httpx.get(https(mtls_node) + "/health", timeout=30,
-                  verify=client_context(certs.ca_pem, certs.client_cert, certs.client_key))
+    r = httpx.get(
+        https(mtls_node) + "/health",
+        timeout=30,
+        verify=client_context(certs.ca_pem, certs.client_cert, certs.client_key),
+    )
     assert r.status_code == 200
 
 
@@ -269,6 +319,7 @@ def test_tls_required(mtls_node: ServerProcess, certs: Certs) -> None:
 
 # ------------------------------------------------------------------ bad input
 
+
 def _client_hello() -> bytes:
     """A real ClientHello, made with a memory BIO (nothing sent)."""
     ctx = ssl.create_default_context()
@@ -281,8 +332,11 @@ def _client_hello() -> bytes:
 @pytest.mark.parametrize("what", ["garbage", "truncated", "hello_then_silence"])
 def test_bad_tls_closes_within_the_classify_timeout(tls_node: ServerProcess, what: str) -> None:
     hello = _client_hello()
-    data = {"garbage": b"\x16" + bytes(range(200)), "truncated": hello[: len(hello) // 2],
-            "hello_then_silence": b"\x16\x03\x01"}[what]
+    data = {
+        "garbage": b"\x16" + bytes(range(200)),
+        "truncated": hello[: len(hello) // 2],
+        "hello_then_silence": b"\x16\x03\x01",
+    }[what]
     t0 = time.monotonic()
     with socket.create_connection(("127.0.0.1", tls_node.port), timeout=120) as s:
         s.sendall(data)
@@ -297,6 +351,7 @@ def test_bad_tls_closes_within_the_classify_timeout(tls_node: ServerProcess, wha
 
 # ------------------------------------------------------------------ §4: COMBINED through the TLS tunnel
 
+
 @pytest.mark.slow
 def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, spawn) -> None:
     """Peer B (compute only) with TLS, mutual TLS and --tls-required; head A with the test MoE reaches it
@@ -306,8 +361,21 @@ def test_combined_through_the_tls_tunnel(tls_node: ServerProcess, certs: Certs, 
 
     b = spawn("--no-model", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem), "--tls-required")
     b.wait_ready()
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend",
-              "--rpc-engine", f"127.0.0.1:{b.port}", "--rpc-tls", "--tls-ca", str(certs.ca_pem), *certs.tls_flags())
+    a = spawn(
+        "-m",
+        "smollm2-135m-moe",
+        "-np",
+        "1",
+        "-c",
+        "1024",
+        "--no-rpc-backend",
+        "--rpc-engine",
+        f"127.0.0.1:{b.port}",
+        "--rpc-tls",
+        "--tls-ca",
+        str(certs.ca_pem),
+        *certs.tls_flags(),
+    )
     a.wait_ready()
     wait_for(lambda: info(a.port)["mode"] == "combined", timeout=300)
     meta = info(a.port)
@@ -333,8 +401,8 @@ def test_peer_named_later_goes_through_a_tls_tunnel(certs: Certs, spawn) -> None
     import json
 
     from hydra_trio.protocol.hydra import Op
+    from hydra_trio.testing.hydra_wire import Wire
 
-    from .hydra_wire import Wire
     from .conftest import wait_for
     from .test_combined import complete, info, rpc_bytes, set_mode
 
@@ -342,8 +410,21 @@ def test_peer_named_later_goes_through_a_tls_tunnel(certs: Certs, spawn) -> None
     # -fa off: PIPELINE_ATTACH puts whole layers on B, where llama.cpp turns flash attention off by itself; the
     # SOLO text is computed without it too, so the texts compare the same arithmetic on any CPU
     # (tests/test_pipeline.py says more)
-    a = spawn("-m", "smollm2-135m-moe", "-np", "1", "-c", "1024", "--no-rpc-backend", "-fa", "off",
-              "--rpc-tls", "--tls-ca", str(certs.ca_pem), *certs.tls_flags())
+    a = spawn(
+        "-m",
+        "smollm2-135m-moe",
+        "-np",
+        "1",
+        "-c",
+        "1024",
+        "--no-rpc-backend",
+        "-fa",
+        "off",
+        "--rpc-tls",
+        "--tls-ca",
+        str(certs.ca_pem),
+        *certs.tls_flags(),
+    )
     b.wait_ready()
     a.wait_ready()
     peer = f"127.0.0.1:{b.port}"
@@ -387,8 +468,18 @@ def test_allow_subject_lets_a_verified_certificate_pass_the_rpc_allow_list(certs
     other_cert, other_key = tmp_path / "c2.pem", tmp_path / "c2.key"
     other.cert_chain_pems[0].write_to_path(str(other_cert))
     other.private_key_pem.write_to_path(str(other_key))
-    node = spawn("--no-model", "--classify-timeout", "2", *certs.tls_flags(), "--tls-client-ca", str(certs.ca_pem),
-                 "--rpc-allow", "10.0.0.0/8", "--allow-subject", subject)
+    node = spawn(
+        "--no-model",
+        "--classify-timeout",
+        "2",
+        *certs.tls_flags(),
+        "--tls-client-ca",
+        str(certs.ca_pem),
+        "--rpc-allow",
+        "10.0.0.0/8",
+        "--allow-subject",
+        subject,
+    )
     node.wait_ready()
 
     def hello(sock: socket.socket) -> bytes:

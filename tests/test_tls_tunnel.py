@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from hydra_trio.protocol import ggml_rpc as g
 from hydra_trio.protocol.ggml_rpc import RpcCmd, RpcTensor
 from hydra_trio.protocol.hydra import Op, Status
+from hydra_trio.testing.hydra_wire import Wire
 from hydra_trio.transport.blocking import LowWater
 from hydra_trio.transport.tls import client_context
 from hydra_trio.transport.tunnel import RpcTunnel, TunnelPool, _RequestBounds
 
 from .conftest import ServerProcess, wait_for
-from .hydra_wire import Wire
 from .test_rpc_backend import AsyncRpc, RawRpc, slow_read_of_a_big_reply
 from .test_tls import Certs
 
@@ -123,8 +123,7 @@ async def test_ggml_rpc_straight_over_tls_beyond_hello(tls_peer: ServerProcess, 
         await round_trip(AsyncRpc(tls))  # type: ignore[arg-type]
 
 
-async def test_a_tunnel_to_a_peer_it_cannot_verify_closes_the_connection(tls_peer: ServerProcess,
-                                                                         certs: Certs) -> None:
+async def test_a_tunnel_to_a_peer_it_cannot_verify_closes_the_connection(tls_peer: ServerProcess, certs: Certs) -> None:
     tunnel = RpcTunnel(f"127.0.0.1:{tls_peer.port}", client_context(certs.other_ca_pem))
     async with trio.open_nursery() as nursery:
         await nursery.start(tunnel.run)
@@ -161,14 +160,17 @@ async def test_the_pool_starts_one_tunnel_per_peer(tls_peer: ServerProcess, cert
         rpc = await AsyncRpc.connect(int(local.rsplit(":", 1)[1]))
         async with rpc.stream:
             await round_trip(rpc)
-        assert pool.stats() == {peer: {"local": local, "connections": 1, "failed": 0},
-                                "127.0.0.1:1": {"local": other, "connections": 0, "failed": 0}}
+        assert pool.stats() == {
+            peer: {"local": local, "connections": 1, "failed": 0},
+            "127.0.0.1:1": {"local": other, "connections": 0, "failed": 0},
+        }
         nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("how", ["reset", "fin"])
-async def test_a_tls_client_gone_mid_message_leaves_the_backend_to_the_next(tls_peer: ServerProcess, certs: Certs,
-                                                                              how: str) -> None:
+async def test_a_tls_client_gone_mid_message_leaves_the_backend_to_the_next(
+    tls_peer: ServerProcess, certs: Certs, how: str
+) -> None:
     """A TLS ggml-RPC client that goes away inside a SET_TENSOR (its payload announced, a part sent; then a
     TCP reset, or a FIN with no close_notify): the pump ends that connection and the backend serves the
     next client whole."""
@@ -196,7 +198,8 @@ async def test_a_tls_client_gone_mid_message_leaves_the_backend_to_the_next(tls_
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 17), st.binary(max_size=600)), min_size=1, max_size=6), st.data())
 def test_the_tunnels_low_water_mark_never_outruns_the_request_under_way(
-        requests: list[tuple[int, bytes]], data: st.DataObject) -> None:
+    requests: list[tuple[int, bytes]], data: st.DataObject
+) -> None:
     """The tunnel waits for at most the rest of the request a client is sending (a 9-byte header
     between requests), whatever the pieces the bytes arrive in: it can never wait for bytes
     ggml's client holds back until it has an answer."""

@@ -10,17 +10,33 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.protocol.strict import MessageError
 from hydra_trio.openai import tools as T
 from hydra_trio.openai.schemas import ChatCompletionRequest, structure_body
+from hydra_trio.validation.strict import MessageError
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                   "required": ["city"]}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                                  "required": ["a", "b"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
 
 
 def _chat(**kw: object) -> ChatCompletionRequest:
@@ -39,8 +55,9 @@ def test_tool_spec_from_a_request() -> None:
     assert spec is not None and spec.choice == "auto" and [t.name for t in spec.tools] == ["get_weather", "add"]
     assert not spec.parallel  # llama-server's default
     assert _chat(tools=[WEATHER], tool_choice="none").tool_spec.active is False
-    named = _chat(tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}},
-                  parallel_tool_calls=True).tool_spec
+    named = _chat(
+        tools=[WEATHER, ADD], tool_choice={"type": "function", "function": {"name": "add"}}, parallel_tool_calls=True
+    ).tool_spec
     assert named.choice == "function" and [t.name for t in named.offered] == ["add"] and named.parallel
     legacy = _chat(functions=[WEATHER["function"]], function_call={"name": "get_weather"}).tool_spec
     assert legacy.legacy and legacy.choice == "function" and legacy.tools[0].name == "get_weather"
@@ -55,8 +72,18 @@ def test_bad_tools_name_the_field() -> None:
     _err("tools[1].function", tools=[WEATHER, {"type": "function"}])
     _err("tools[0].type", tools=[{"type": "retrieval"}])
     _err("tools[0].function.parameters", tools=[{"type": "function", "function": {"name": "f", "parameters": []}}])
-    _err("tools[0].function.parameters", tools=[{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}])
+    _err(
+        "tools[0].function.parameters",
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+                },
+            }
+        ],
+    )
     _err("tools", tools=[WEATHER, WEATHER])
     _err("tool_choice", tools=[WEATHER], tool_choice="sometimes")
     _err("tool_choice", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
@@ -69,15 +96,20 @@ def test_bad_tools_name_the_field() -> None:
 
 def test_tool_messages_are_checked() -> None:
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
-    ok = [{"role": "user", "content": "w?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
-          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    ok = [
+        {"role": "user", "content": "w?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
     body = structure_body({"messages": ok}, ChatCompletionRequest)
     assert body.messages[1].tool_calls[0]["id"] == "call_1" and body.messages[2].tool_call_id == "call_1"
     for bad, field in (
         ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
         ([{"role": "user", "content": "x", "tool_calls": [call]}], "messages[0].tool_calls"),
-        ([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}],
-         "messages[0].tool_calls[0].function.name"),
+        (
+            [{"role": "assistant", "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}],
+            "messages[0].tool_calls[0].function.name",
+        ),
         ([{"role": "assistant", "tool_calls": "x"}], "messages[0].tool_calls"),
     ):
         with pytest.raises(MessageError) as info:
@@ -95,20 +127,38 @@ def test_format_detection() -> None:
 
 
 def test_generic_rendering_polyfills_tools_and_results() -> None:
-    body = structure_body({"messages": [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "w?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": [WEATHER]}, ChatCompletionRequest)
+    body = structure_body(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "w?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+            ],
+            "tools": [WEATHER],
+        },
+        ChatCompletionRequest,
+    )
     out = T.render_messages(body.messages, body.tool_spec, "generic", native=False)
     assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\nYou can call any of")
     assert T.GENERIC_INSTRUCTION in out[0]["content"] and '"get_weather"' in out[0]["content"]
-    assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"},
-                                                             "id": "call_1"}]}
+    assert json.loads(out[2]["content"]) == {
+        "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "call_1"}]
+    }
     assert out[3]["role"] == "user"
-    assert json.loads(out[3]["content"]) == {"tool_response": {"tool": "get_weather", "content": "sunny",
-                                                               "tool_call_id": "call_1"}}
+    assert json.loads(out[3]["content"]) == {
+        "tool_response": {"tool": "get_weather", "content": "sunny", "tool_call_id": "call_1"}
+    }
     native = T.render_messages(body.messages, body.tool_spec, "hermes", native=True)
     assert native[2]["content"] == "" and native[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert native[3] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1", "name": "get_weather"}
@@ -142,42 +192,70 @@ def _calls(fmt: str, text: str) -> tuple[str | None, list[tuple[str, dict]]]:
 PARIS = {"city": "Paris"}
 
 
-@pytest.mark.parametrize("fmt, text, want", [
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     (None, [("get_weather", PARIS)])),
-    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-               '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
-     ("Let me look.", [("get_weather", PARIS), ("add", {"a": 1, "b": 2})])),
-    ("hermes", "<tool_call>not json</tool_call> ok", ("<tool_call>not json</tool_call> ok", [])),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {}}', (None, [("f", {})])),  # cut before the closing tag
-    ("hermes", "a < b <tool_", ("a < b <tool_", [])),
-    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]',
-     (None, [("get_weather", PARIS)])),
-    ("mistral", "[TOOL_CALLS] nope", ("[TOOL_CALLS] nope", [])),
-    ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', (None, [("get_weather", PARIS)])),
-    ("llama3", '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}',
-     (None, [("get_weather", PARIS)])),
-    ("llama3", "Sets look like {1, 2}.", ("Sets look like {1, 2}.", [])),
-    ("llama3", '{"name": "x"', ('{"name": "x"', [])),
-    ("generic", '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
-     (None, [("get_weather", PARIS)])),
-    ("generic", '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-                '{"name": "add", "arguments": {"a": 1, "b": 2}}]}',
-     (None, [("get_weather", PARIS), ("add", {"a": 1, "b": 2})])),
-    ("generic", '{"response": "Hello!"}', ("Hello!", [])),
-    ("generic", '{ "response" : "a \\"q\\" \\u00e9 \\ud83d\\ude00" }  after', ('a "q" \u00e9 \U0001f600  after', [])),
-    ("generic", '{"response": "cut sho', ("cut sho", [])),
-    ("generic", '{"response": "lone \\ud83d"}', ("lone ?", [])),
-    ("generic", "Plain words.", ("Plain words.", [])),
-    ("generic", '{"other": 1}', ('{"other": 1}', [])),
-    ("generic", "   ", (None, [])),
-])
+@pytest.mark.parametrize(
+    "fmt, text, want",
+    [
+        (
+            "hermes",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+            (None, [("get_weather", PARIS)]),
+        ),
+        (
+            "hermes",
+            'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+            ("Let me look.", [("get_weather", PARIS), ("add", {"a": 1, "b": 2})]),
+        ),
+        ("hermes", "<tool_call>not json</tool_call> ok", ("<tool_call>not json</tool_call> ok", [])),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {}}', (None, [("f", {})])),  # cut before the closing tag
+        ("hermes", "a < b <tool_", ("a < b <tool_", [])),
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}]',
+            (None, [("get_weather", PARIS)]),
+        ),
+        ("mistral", "[TOOL_CALLS] nope", ("[TOOL_CALLS] nope", [])),
+        ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', (None, [("get_weather", PARIS)])),
+        (
+            "llama3",
+            '{"type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}',
+            (None, [("get_weather", PARIS)]),
+        ),
+        ("llama3", "Sets look like {1, 2}.", ("Sets look like {1, 2}.", [])),
+        ("llama3", '{"name": "x"', ('{"name": "x"', [])),
+        (
+            "generic",
+            '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
+            (None, [("get_weather", PARIS)]),
+        ),
+        (
+            "generic",
+            '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "add", "arguments": {"a": 1, "b": 2}}]}',
+            (None, [("get_weather", PARIS), ("add", {"a": 1, "b": 2})]),
+        ),
+        ("generic", '{"response": "Hello!"}', ("Hello!", [])),
+        (
+            "generic",
+            '{ "response" : "a \\"q\\" \\u00e9 \\ud83d\\ude00" }  after',
+            ('a "q" \u00e9 \U0001f600  after', []),
+        ),
+        ("generic", '{"response": "cut sho', ("cut sho", [])),
+        ("generic", '{"response": "lone \\ud83d"}', ("lone ?", [])),
+        ("generic", "Plain words.", ("Plain words.", [])),
+        ("generic", '{"other": 1}', ('{"other": 1}', [])),
+        ("generic", "   ", (None, [])),
+    ],
+)
 def test_parse_reply(fmt: str, text: str, want: tuple) -> None:
     assert _calls(fmt, text) == want
 
 
 def test_arguments_given_as_a_string_are_parsed() -> None:
-    assert _calls("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == (None, [("f", {"a": 1})])
+    assert _calls("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>') == (
+        None,
+        [("f", {"a": 1})],
+    )
 
 
 def test_stream_shapes() -> None:
@@ -189,8 +267,11 @@ def test_stream_shapes() -> None:
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":1}'}}]},
     ]
     assert T.finish_reason("stop", p.calls) == "tool_calls" and T.finish_reason("length", p.calls) == "length"
-    assert T.message(*p.result()) == {"role": "assistant", "content": "Hi", "tool_calls": [
-        {"id": "call_x", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}]}
+    assert T.message(*p.result()) == {
+        "role": "assistant",
+        "content": "Hi",
+        "tool_calls": [{"id": "call_x", "type": "function", "function": {"name": "f", "arguments": '{"a":1}'}}],
+    }
     assert T.new_call_id().startswith("call_") and len(T.new_call_id()) == 29
 
 
@@ -198,25 +279,39 @@ def test_arguments_stream_as_the_model_writes_them() -> None:
     """The head (name) as soon as ``"arguments": {`` has come, then minified fragments; each fragment ends
     where what was sent can be closed into valid JSON (a key waits for its value, a number for its end)."""
     p = T.ToolCallParser("hermes", ids=itertools.repeat("call_x"))
-    steps = ['<tool_call>\n{"name": "get_weather", "argu', 'ments": {"ci', 'ty": "Pa', 'ris", "n": 1', '2, "f": tr',
-             'ue}}\n</tool_call>']
+    steps = [
+        '<tool_call>\n{"name": "get_weather", "argu',
+        'ments": {"ci',
+        'ty": "Pa',
+        'ris", "n": 1',
+        '2, "f": tr',
+        "ue}}\n</tool_call>",
+    ]
     got = [[T.stream_delta(e) for e in p.feed(x)] for x in steps] + [[T.stream_delta(e) for e in p.finish()]]
-    args = [[d["tool_calls"][0]["function"]["arguments"] for d in step if "id" not in d["tool_calls"][0]]
-            for step in got]
+    args = [
+        [d["tool_calls"][0]["function"]["arguments"] for d in step if "id" not in d["tool_calls"][0]] for step in got
+    ]
     assert got[0] == [] and got[1][0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert args == [[], ["{"], ['"city":"Pa'], ['ris"'], [',"n":12'], [',"f":true}'], []]
     assert json.loads(p.calls[0].arguments) == {"city": "Paris", "n": 12, "f": True}
 
 
-@pytest.mark.parametrize("fmt, text, args", [
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "x y', '{"a":"x y"}'),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": [1, {"b": tr', '{"a":[1,{}]}'),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1.5, "b"', '{"a":1.5}'),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\u00', '{"a":""}'),
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "c', '{"b":"c"}'),
-    ("generic", '{"tool_calls": [{"name": "f", "arguments": {"q": "line\none"', '{"q":"line\\none"}'),
-    ("llama3", '{"name": "f", "parameters": {"a": 1} oops', '{"a":1}'),
-])
+@pytest.mark.parametrize(
+    "fmt, text, args",
+    [
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "x y', '{"a":"x y"}'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": [1, {"b": tr', '{"a":[1,{}]}'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": 1.5, "b"', '{"a":1.5}'),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": "\\u00', '{"a":""}'),
+        (
+            "mistral",
+            '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {"b": "c',
+            '{"b":"c"}',
+        ),
+        ("generic", '{"tool_calls": [{"name": "f", "arguments": {"q": "line\none"', '{"q":"line\\none"}'),
+        ("llama3", '{"name": "f", "parameters": {"a": 1} oops', '{"a":1}'),
+    ],
+)
 def test_a_reply_cut_or_broken_inside_the_arguments_gets_them_closed(fmt: str, text: str, args: str) -> None:
     _, calls = T.parse_reply(fmt, text)
     assert calls[-1].arguments == args and isinstance(json.loads(args), dict)
@@ -224,20 +319,89 @@ def test_a_reply_cut_or_broken_inside_the_arguments_gets_them_closed(fmt: str, t
 
 # --------------------------------------------------------------------------- any chunking, the same reply
 _PIECES = {
-    "hermes": ["Sure. ", "<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Paris"}}', "\n</tool_call>",
-               "\n", "<tool_call>", '{"name": "add", "arguments": {"a": 1}}', "</tool_call>", " done", "<tool",
-               "<", "x > y ", "{", "}", "  ", "\n", '{"name": "f", "arguments": {"s": "a b', ' c\\u00e9 ', '\\n"',
-               ', "n": [1, 2.5e3, true, null, {"k": ', '"v"}]', "}}", '{"arguments": {}, "name": "g"}'],
-    "mistral": ["[TOOL_CALLS]", '[{"name": "f", "arguments": {"a": [1, 2]}, "id": "abcdefghi"}]', "text ", "[", "]",
-                "[TOOL_", " ", "{}", '[{"name": "g", "arguments": {"x": "y', '"}, "id": "abcdefghi"}', ", ",
-                '{"name": "h", "arguments": {}}', '{"foo": 1}'],
-    "llama3": ['{"name": "f", "parameters": {"a": 1}}', "; ", "text ", "{", '"name"', ":", "}", '{"type": "function", ',
-               '"name": "g", "arguments": {}}', " ", "\n", '{"name": "h", "parameters": {"q": "x', '", "r": 1', "0}}"],
-    "generic": ['{"tool_call": {"name": "f", "arguments": {"a": 1}}}', '{"response": "hi"}',
-                '{"tool_calls": [{"name": "f", "arguments": {}}]}', "text", " ", "{", "}", '"', '{"response": "',
-                '\\"', "\\u00e9", "\\ud83d\\ude00", "\\ud83d", "\\n", "x", '"}', "\\", "u",
-                '{"tool_calls": [{"name": "f", "arguments": {"b": "c', '"}}, ', '{"name": "g", "arguments": {}}',
-                '], "content": "note"}', "]}", '{"tool_call": {"name": "h", "arguments": {"z": [', "1]}}}"],
+    "hermes": [
+        "Sure. ",
+        "<tool_call>\n",
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "\n</tool_call>",
+        "\n",
+        "<tool_call>",
+        '{"name": "add", "arguments": {"a": 1}}',
+        "</tool_call>",
+        " done",
+        "<tool",
+        "<",
+        "x > y ",
+        "{",
+        "}",
+        "  ",
+        "\n",
+        '{"name": "f", "arguments": {"s": "a b',
+        " c\\u00e9 ",
+        '\\n"',
+        ', "n": [1, 2.5e3, true, null, {"k": ',
+        '"v"}]',
+        "}}",
+        '{"arguments": {}, "name": "g"}',
+    ],
+    "mistral": [
+        "[TOOL_CALLS]",
+        '[{"name": "f", "arguments": {"a": [1, 2]}, "id": "abcdefghi"}]',
+        "text ",
+        "[",
+        "]",
+        "[TOOL_",
+        " ",
+        "{}",
+        '[{"name": "g", "arguments": {"x": "y',
+        '"}, "id": "abcdefghi"}',
+        ", ",
+        '{"name": "h", "arguments": {}}',
+        '{"foo": 1}',
+    ],
+    "llama3": [
+        '{"name": "f", "parameters": {"a": 1}}',
+        "; ",
+        "text ",
+        "{",
+        '"name"',
+        ":",
+        "}",
+        '{"type": "function", ',
+        '"name": "g", "arguments": {}}',
+        " ",
+        "\n",
+        '{"name": "h", "parameters": {"q": "x',
+        '", "r": 1',
+        "0}}",
+    ],
+    "generic": [
+        '{"tool_call": {"name": "f", "arguments": {"a": 1}}}',
+        '{"response": "hi"}',
+        '{"tool_calls": [{"name": "f", "arguments": {}}]}',
+        "text",
+        " ",
+        "{",
+        "}",
+        '"',
+        '{"response": "',
+        '\\"',
+        "\\u00e9",
+        "\\ud83d\\ude00",
+        "\\ud83d",
+        "\\n",
+        "x",
+        '"}',
+        "\\",
+        "u",
+        '{"tool_calls": [{"name": "f", "arguments": {"b": "c',
+        '"}}, ',
+        '{"name": "g", "arguments": {}}',
+        '], "content": "note"}',
+        "]}",
+        '{"tool_call": {"name": "h", "arguments": {"z": [',
+        "1]}}}",
+    ],
 }
 
 

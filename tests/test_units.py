@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydra_trio.protocol.strict import MessageError
-from hydra_trio.openai.replies import ResponseContext
 from hydra_trio.engine.batching.slots import StopStringMatcher
+from hydra_trio.models.presets import PresetError, resolve_model
+from hydra_trio.openai.replies import ResponseContext
 from hydra_trio.openai.replies import sse as _sse
 from hydra_trio.openai.schemas import ChatCompletionRequest, CompletionRequest, parse_body
-from hydra_trio.models.presets import PresetError, resolve_model
 from hydra_trio.protocol.classify import Protocol, classify
+from hydra_trio.validation.strict import MessageError
 
 
 @given(st.lists(st.text(max_size=5), max_size=12), st.lists(st.text(min_size=1, max_size=4), max_size=3))
@@ -58,7 +58,9 @@ def test_schema_accepts_openai_shapes() -> None:
         json.dumps(
             {
                 "model": "x",
-                "messages": [{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}],
+                "messages": [
+                    {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}
+                ],
                 "stop": "END",
                 "stream_options": {"include_usage": True},
                 "user": "ignored",
@@ -74,9 +76,18 @@ def test_schema_accepts_openai_shapes() -> None:
 
 @pytest.mark.parametrize(
     ("first", "proto"),
-    [(b"G", Protocol.HTTP), (b"P", Protocol.HTTP), (b"O", Protocol.HTTP), (b"Y", Protocol.HYDRA),
-     (b"\x0e", Protocol.GGML_RPC), (b"\x16", Protocol.TLS), (b"\x00", Protocol.UNKNOWN), (b"", Protocol.UNKNOWN),
-     (b"Z", Protocol.UNKNOWN), (b"g", Protocol.UNKNOWN)],
+    [
+        (b"G", Protocol.HTTP),
+        (b"P", Protocol.HTTP),
+        (b"O", Protocol.HTTP),
+        (b"Y", Protocol.HYDRA),
+        (b"\x0e", Protocol.GGML_RPC),
+        (b"\x16", Protocol.TLS),
+        (b"\x00", Protocol.UNKNOWN),
+        (b"", Protocol.UNKNOWN),
+        (b"Z", Protocol.UNKNOWN),
+        (b"g", Protocol.UNKNOWN),
+    ],
 )
 def test_classify(first: bytes, proto: Protocol) -> None:
     assert classify(first) is proto
@@ -91,15 +102,27 @@ def test_presets() -> None:
         resolve_model("no-such-model")
 
 
-@given(st.booleans(), st.text(), st.one_of(st.text(), st.dictionaries(st.sampled_from(["content", "reasoning_content"]),
-                                                                     st.text(), max_size=2)),
-       st.one_of(st.none(), st.fixed_dictionaries({"content": st.lists(st.fixed_dictionaries(
-           {"token": st.text(max_size=3), "logprob": st.floats(-50, 0)}), max_size=2), "refusal": st.none()})))
+@given(
+    st.booleans(),
+    st.text(),
+    st.one_of(st.text(), st.dictionaries(st.sampled_from(["content", "reasoning_content"]), st.text(), max_size=2)),
+    st.one_of(
+        st.none(),
+        st.fixed_dictionaries(
+            {
+                "content": st.lists(
+                    st.fixed_dictionaries({"token": st.text(max_size=3), "logprob": st.floats(-50, 0)}), max_size=2
+                ),
+                "refusal": st.none(),
+            }
+        ),
+    ),
+)
 @settings(deadline=None)
 def test_stream_chunk_json_is_the_chunk_encoded(chat: bool, model: str, delta: object, logprobs: object) -> None:
     """The per-token SSE chunk built from a fixed head (ResponseContext.chunk_json) is byte for byte the
     chunk object encoded as the stream's other events are (compact, non-ASCII as is)."""
-    ctx = ResponseContext(chat=chat, model=model, include_usage=False, id="chatcmpl-\u00e9\"x")
+    ctx = ResponseContext(chat=chat, model=model, include_usage=False, id='chatcmpl-\u00e9"x')
     for _ in range(2):  # the head is built once and reused
         assert f"data: {ctx.chunk_json(delta, logprobs)}\n\n" == _sse(ctx.chunk(delta, None, logprobs))  # type: ignore[arg-type]
     json.loads(ctx.chunk_json(delta, logprobs))

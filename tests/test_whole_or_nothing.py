@@ -22,9 +22,9 @@ from hydra_trio.engine.kv.blobbuf import BlobBuffer
 from hydra_trio.engine.kv.state import blob_checksum, parse_header
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.protocol.hydra import Op, Status, encode_request_header
+from hydra_trio.testing.hydra_wire import Wire
 
 from .conftest import embedded_node, streaming
-from .hydra_wire import Wire
 
 HI = '[{"role":"user","content":"Say hi."}]'
 
@@ -45,9 +45,13 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     slot_dir = tmp_path_factory.mktemp("won") / "slots"
     slot_dir.mkdir()
     path, _ = resolve_model("smollm2-135m")
-    config = ServerConfig(port=0, rpc_backend=None, engine=EngineConfig(
-        model_path=path, model_alias="won", n_parallel=2, n_ctx=2048, slot_save_path=slot_dir,
-        cache_ram_mib=0))  # a cleared slot must evaluate from scratch here, not get its prompt from the RAM cache
+    config = ServerConfig(
+        port=0,
+        rpc_backend=None,
+        engine=EngineConfig(
+            model_path=path, model_alias="won", n_parallel=2, n_ctx=2048, slot_save_path=slot_dir, cache_ram_mib=0
+        ),
+    )  # a cleared slot must evaluate from scratch here, not get its prompt from the RAM cache
     with embedded_node(config) as server:
         yield Node(f"http://127.0.0.1:{server.port}", server.port, slot_dir)
 
@@ -59,14 +63,23 @@ def snapshot(node: Node) -> dict[str, Any]:
         slots = [s["n_past"] for s in c.get("/slots").json()]
         info = w.call(Op.INFO)[1]
         metas = [w.call(Op.STATE_META, key=str(i))[1]["n_past"] for i in range(len(slots))]
-    return {"props": props, "slots": slots, "state_meta": metas, "sampling_defaults": info["sampling_defaults"],
-            "mode": info["mode"], "state_chunk_size": info["state_chunk_size"], "n_ctx": info["n_ctx"]}
+    return {
+        "props": props,
+        "slots": slots,
+        "state_meta": metas,
+        "sampling_defaults": info["sampling_defaults"],
+        "mode": info["mode"],
+        "state_chunk_size": info["state_chunk_size"],
+        "n_ctx": info["n_ctx"],
+    }
 
 
 def fill_slot(node: Node, id_slot: int) -> None:
     with node.client() as c:
-        r = c.post("/v1/chat/completions", json={"messages": json.loads(HI), "max_tokens": 4, "temperature": 0,
-                                                 "id_slot": id_slot})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": json.loads(HI), "max_tokens": 4, "temperature": 0, "id_slot": id_slot},
+        )
         assert r.status_code == 200, r.text
 
 
@@ -74,17 +87,30 @@ def fill_slot(node: Node, id_slot: int) -> None:
 
 HTTP_CASES = [
     # (path, raw JSON body, the field the error names)
-    ("/v1/chat/completions", r'{"messages":[{"role":"user","content":"hi \ud800"}],"max_tokens":2}',
-     "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        r'{"messages":[{"role":"user","content":"hi \ud800"}],"max_tokens":2}',
+        "messages[0].content",
+    ),
     ("/v1/chat/completions", '{"messages":%s,"max_tokens":2,"stop":["ok","\\udfff"]}' % HI, "stop[1]"),
     ("/v1/chat/completions", '{"messages":%s,"max_tokens":2,"grammar":"root ::= \\"\\ud800\\""}' % HI, "grammar"),
-    ("/v1/chat/completions", '{"messages":%s,"max_tokens":2,"tools":[{"type":"function","function":{"name":"f",'
-     '"parameters":{"type":"object","properties":{"a\\udc00":{"type":"string"}}}}}]}' % HI,
-     'tools[0].function.parameters.properties: key "a\\udc00"'),
-    ("/v1/chat/completions", '{"messages":[{"role":"user","content":[{"type":"text","text":"\\ud83d"}]}],"max_tokens":2}',
-     "messages[0].content[0].text"),
-    ("/v1/chat/completions", '{"messages":%s,"max_tokens":2,"response_format":{"type":"json_schema","json_schema":'
-     '{"schema":{"enum":["\\udbff"]}}}}' % HI, "response_format.json_schema.schema.enum[0]"),
+    (
+        "/v1/chat/completions",
+        '{"messages":%s,"max_tokens":2,"tools":[{"type":"function","function":{"name":"f",'
+        '"parameters":{"type":"object","properties":{"a\\udc00":{"type":"string"}}}}}]}' % HI,
+        'tools[0].function.parameters.properties: key "a\\udc00"',
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages":[{"role":"user","content":[{"type":"text","text":"\\ud83d"}]}],"max_tokens":2}',
+        "messages[0].content[0].text",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages":%s,"max_tokens":2,"response_format":{"type":"json_schema","json_schema":'
+        '{"schema":{"enum":["\\udbff"]}}}}' % HI,
+        "response_format.json_schema.schema.enum[0]",
+    ),
     ("/v1/completions", r'{"prompt":"a\ud800b","max_tokens":2}', "prompt"),
     ("/v1/completions", r'{"prompt":"ab","max_tokens":2,"logit_bias":{"\ud800":1}}', 'logit_bias: key "\\ud800"'),
     ("/completion", r'{"prompt":["x","\ud800"],"n_predict":2}', "prompt[1]"),
@@ -137,10 +163,12 @@ HYDRA_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("op", "key", "payload", "field"), HYDRA_CASES,
-                         ids=[f"{Op(o).name}:{f}" for o, _, _, f in HYDRA_CASES])
-def test_hydra_lone_surrogate_is_bad_request_naming_the_field(node: Node, op: int, key: str, payload: bytes,
-                                                              field: str) -> None:
+@pytest.mark.parametrize(
+    ("op", "key", "payload", "field"), HYDRA_CASES, ids=[f"{Op(o).name}:{f}" for o, _, _, f in HYDRA_CASES]
+)
+def test_hydra_lone_surrogate_is_bad_request_naming_the_field(
+    node: Node, op: int, key: str, payload: bytes, field: str
+) -> None:
     fill_slot(node, 0)
     before = snapshot(node)
     with Wire(node.port) as w:
@@ -175,8 +203,13 @@ def test_configure_busy_on_tier2_leaves_tier1_unchanged(node: Node) -> None:
     before = snapshot(node)
     body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "id_slot": 1}
     with Wire(node.port) as w, streaming(node.base, body):
-        change = {"temperature": 0.3, "top_k": 7, "state_chunk_size": 1 << 20, "allow_cross_model_kv": True,
-                  "n_ctx": before["n_ctx"]}
+        change = {
+            "temperature": 0.3,
+            "top_k": 7,
+            "state_chunk_size": 1 << 20,
+            "allow_cross_model_kv": True,
+            "n_ctx": before["n_ctx"],
+        }
         status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps(change).encode())
         assert status == Status.BUSY, meta
         assert meta["success"] is False and meta["params_applied"] == {} and meta["busy_slots"] == [1]
@@ -251,8 +284,9 @@ def test_state_put_put_back_fails_slot_is_cleared(node: Node, backup_refused: li
         assert r.status_code == 400 and r.json()["error"]["slot_cleared"] is True, r.text
         assert w.call(Op.STATE_META, key="0")[1]["n_past"] == 0
         # the slot serves again, from scratch (no prefix claimed that the KV cache does not hold)
-        r = c.post("/v1/chat/completions", json={"messages": json.loads(HI), "max_tokens": 4, "temperature": 0,
-                                                 "id_slot": 0})
+        r = c.post(
+            "/v1/chat/completions", json={"messages": json.loads(HI), "max_tokens": 4, "temperature": 0, "id_slot": 0}
+        )
         assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0, r.text
         # and the real blob still restores
         status, meta, _ = w.call(Op.STATE_PUT, key="0", payload=blob)

@@ -17,8 +17,15 @@ LONG = 120.0
 
 def test_override_kv_changes_the_models_metadata_as_it_loads(spawn) -> None:
     # -c 0 is the training context, which llama.context_length gives: 8192 in the file, 4096 overridden
-    srv = spawn("-np", "1", "-c", "0", "--no-rpc-backend",
-                "--override-kv", "llama.context_length=int:4096,tokenizer.ggml.add_bos_token=bool:true")
+    srv = spawn(
+        "-np",
+        "1",
+        "-c",
+        "0",
+        "--no-rpc-backend",
+        "--override-kv",
+        "llama.context_length=int:4096,tokenizer.ggml.add_bos_token=bool:true",
+    )
     srv.wait_ready()
     assert httpx.get(srv.base + "/props", timeout=LONG).json()["default_generation_settings"]["n_ctx"] == 4096
     # SmolLM2's file says add_bos_token false; overridden, /tokenize with add_special starts with BOS (id 1)
@@ -29,27 +36,40 @@ def test_override_kv_changes_the_models_metadata_as_it_loads(spawn) -> None:
 
 
 def test_override_kv_values_read_as_llama_server_reads_them(capsys) -> None:
-    args = cli.parse_args(["--override-kv", "a=int:12x,b=float:2.5,c=bool:false", "--override-kv", "d=str:x y"],
-                          environ={})
+    args = cli.parse_args(
+        ["--override-kv", "a=int:12x,b=float:2.5,c=bool:false", "--override-kv", "d=str:x y"], environ={}
+    )
     from hydra_trio.cli.run import llama_options
 
-    assert llama_options(args).kv_overrides == (("a", "int", 12), ("b", "float", 2.5), ("c", "bool", False),
-                                                ("d", "str", "x y"))
+    assert llama_options(args).kv_overrides == (
+        ("a", "int", 12),
+        ("b", "float", 2.5),
+        ("c", "bool", False),
+        ("d", "str", "x y"),
+    )
     for bad in ("a=int", "a=long:1", "c=bool:yes", "k=str:" + "x" * 128):
-        out = subprocess.run([sys.executable, "-m", "hydra_trio", "--override-kv", bad], cwd=ROOT,
-                             capture_output=True, text=True, timeout=LONG)
+        out = subprocess.run(
+            [sys.executable, "-m", "hydra_trio", "--override-kv", bad],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=LONG,
+        )
         assert out.returncode == 2 and "argument --override-kv" in out.stderr, out.stderr
 
 
-CAPS = ("{% for m in messages %}{{ m.content }}{% endfor %}|"
-        "{% if preserve_reasoning %}R{% else %}r{% endif %}{% if preserve_thinking %}P{% else %}p{% endif %}"
-        "{% if clear_thinking %}C{% else %}c{% endif %}{% if truncate_history_thinking %}T{% else %}t{% endif %}"
-        "{% if drop_thinking %}D{% else %}d{% endif %}|{{ reasoning_strength }}|")
+CAPS = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}|"
+    "{% if preserve_reasoning %}R{% else %}r{% endif %}{% if preserve_thinking %}P{% else %}p{% endif %}"
+    "{% if clear_thinking %}C{% else %}c{% endif %}{% if truncate_history_thinking %}T{% else %}t{% endif %}"
+    "{% if drop_thinking %}D{% else %}d{% endif %}|{{ reasoning_strength }}|"
+)
 
 
 def _rendered(base: str, **body) -> str:
-    r = httpx.post(base + "/apply-template", json={"messages": [{"role": "user", "content": "x"}], **body},
-                   timeout=LONG)
+    r = httpx.post(
+        base + "/apply-template", json={"messages": [{"role": "user", "content": "x"}], **body}, timeout=LONG
+    )
     assert r.status_code == 200, r.text
     return r.json()["prompt"]
 
@@ -62,44 +82,59 @@ def test_reasoning_preserve_sets_the_template_variables_llama_server_derives(spa
     assert _rendered(srv.base) == "x|RPctd|low|"
     assert _rendered(srv.base, chat_template_kwargs={"preserve_reasoning": False}) == "x|rpCTD|low|"
     # a variable given by name wins over the derived one
-    assert _rendered(srv.base, chat_template_kwargs={"preserve_reasoning": False, "clear_thinking": False}) \
+    assert (
+        _rendered(srv.base, chat_template_kwargs={"preserve_reasoning": False, "clear_thinking": False})
         == "x|rpcTD|low|"
+    )
     off = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "--chat-template", CAPS, "--no-reasoning-preserve")
     off.wait_ready()
     assert _rendered(off.base) == "x|rpCTD||"
     assert _rendered(off.base, chat_template_kwargs={"preserve_reasoning": True}) == "x|RPctd||"
 
 
-THINKING = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
 
 
 def test_skip_chat_parsing_leaves_the_whole_reply_in_content(spawn) -> None:
-    srv = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "--chat-template", THINKING, "--skip-chat-parsing",
-                "--temp", "0")
+    srv = spawn(
+        "-np", "1", "-c", "1024", "--no-rpc-backend", "--chat-template", THINKING, "--skip-chat-parsing", "--temp", "0"
+    )
     srv.wait_ready()
     chat = {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "max_tokens": 8}
     prompt = _rendered(srv.base, **chat)
     assert prompt.endswith("<think>\n")  # the reply starts inside the thinking block
     raw = httpx.post(srv.base + "/completion", json={"prompt": prompt, "n_predict": 8}, timeout=LONG).json()
     for fmt in (None, "deepseek"):  # a request's reasoning_format does not bring the parser back
-        r = httpx.post(srv.base + "/v1/chat/completions", json={**chat, **({"reasoning_format": fmt} if fmt else {})},
-                       timeout=LONG)
+        r = httpx.post(
+            srv.base + "/v1/chat/completions", json={**chat, **({"reasoning_format": fmt} if fmt else {})}, timeout=LONG
+        )
         assert r.status_code == 200, r.text
         msg = r.json()["choices"][0]["message"]
         assert msg["content"] == raw["content"] and not msg.get("reasoning_content"), msg
-    tools = [{"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}]
-    r = httpx.post(srv.base + "/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": "required"},
-                   timeout=LONG)
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            },
+        }
+    ]
+    r = httpx.post(
+        srv.base + "/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": "required"}, timeout=LONG
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert not choice["message"].get("tool_calls") and choice["finish_reason"] != "tool_calls"
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hydra_trio", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=LONG)
+    return subprocess.run(
+        [sys.executable, "-m", "hydra_trio", *argv], cwd=ROOT, capture_output=True, text=True, timeout=LONG
+    )
 
 
 def test_cache_list_prints_the_installed_models_and_exits() -> None:
@@ -119,10 +154,13 @@ def test_completion_bash_completes_the_flags(tmp_path) -> None:
     script.write_text(out.stdout)
 
     def complete(*words: str) -> list[str]:
-        cmd = (f"source {script}; COMP_WORDS=(hydra-trio {' '.join(words)}); COMP_CWORD={len(words)}; "
-               "_hydra_trio_completions; printf '%s\\n' \"${COMPREPLY[@]}\"")
-        return subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=LONG,
-                              cwd=tmp_path).stdout.split()
+        cmd = (
+            f"source {script}; COMP_WORDS=(hydra-trio {' '.join(words)}); COMP_CWORD={len(words)}; "
+            "_hydra_trio_completions; printf '%s\\n' \"${COMPREPLY[@]}\""
+        )
+        return subprocess.run(
+            ["bash", "-c", cmd], capture_output=True, text=True, timeout=LONG, cwd=tmp_path
+        ).stdout.split()
 
     assert complete("--ctx-s") == ["--ctx-size"]
     assert set(complete("--reasoning-p")) == {"--reasoning-preserve"}
@@ -137,13 +175,14 @@ def test_reuse_port_lets_two_nodes_share_a_port(tmp_path) -> None:
     from .conftest import free_port
 
     port = free_port()
-    logs = [open(tmp_path / f"node{i}.log", "wb") for i in range(2)]
+    logs = [open(tmp_path / f"node{i}.log", "wb") for i in range(2)]  # noqa: SIM115  (the child's log, open while the child runs)
     procs = []
     try:
         for log in logs:  # each with a port of its own too (--rpc-port), to see it ready
             own = free_port()
-            proc, _ = _spawn.spawn("--no-model", "--reuse-port", "--rpc-port", str(own), "--log-level", "DEBUG",
-                                   port=port, output=log)
+            proc, _ = _spawn.spawn(
+                "--no-model", "--reuse-port", "--rpc-port", str(own), "--log-level", "DEBUG", port=port, output=log
+            )
             procs.append(proc)
             _spawn.wait_healthy(own, proc, LONG)  # without --reuse-port the second cannot listen (as llama-server)
         for _ in range(40):  # new connections, each from a new source port: the kernel spreads them over both
@@ -167,9 +206,11 @@ def test_reuse_port_lets_two_nodes_share_a_port(tmp_path) -> None:
 def test_special_writes_generated_special_tokens_into_the_text(spawn) -> None:
     srv = spawn("-np", "1", "-c", "1024", "--no-rpc-backend", "-sp")
     srv.wait_ready()
-    ids = httpx.post(srv.base + "/tokenize", json={"content": "<|im_start|>", "parse_special": True},
-                     timeout=LONG).json()["tokens"]
+    ids = httpx.post(
+        srv.base + "/tokenize", json={"content": "<|im_start|>", "parse_special": True}, timeout=LONG
+    ).json()["tokens"]
     assert len(ids) == 1  # a special token, not end of generation
-    r = httpx.post(srv.base + "/completion", json={"prompt": "Hi", "n_predict": 3, "logit_bias": [[ids[0], 100]]},
-                   timeout=LONG).json()
+    r = httpx.post(
+        srv.base + "/completion", json={"prompt": "Hi", "n_predict": 3, "logit_bias": [[ids[0], 100]]}, timeout=LONG
+    ).json()
     assert r["tokens_predicted"] == 3 and r["content"] == "<|im_start|>" * 3  # without -sp: "" (no text)

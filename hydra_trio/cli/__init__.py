@@ -6,12 +6,12 @@
     hydra-trio run [flags]                  the same (``run --help`` lists the flags)
     hydra-trio models                       list the model presets and which are installed
     hydra-trio models install ALIAS         pip-install a preset's package into this environment
-    hydra-trio info|state|mode ...          Hydra protocol client commands (:mod:`hydra_trio.hydra.cli`)
+    hydra-trio info|state|mode ...          Hydra protocol client commands (:mod:`hydra_trio.hydra.commands`)
     hydra-trio watch HOST:PORT [--json]     a node's live events in the terminal (:mod:`hydra_trio.client.watch`)
     hydra-trio --version
 
 The flags of ``run`` are data (:mod:`._flags`), in modules that follow llama-server's argument groups:
-:mod:`.common`, :mod:`.sampling`, :mod:`.server`, :mod:`.speculative` and :mod:`.hydra`
+:mod:`.common`, :mod:`.sampling`, :mod:`.server`, :mod:`.speculative` and :mod:`.own`
 (hydra-trio's own and the cluster's llama-server fork's, with :mod:`.access`).  Every flag is its own spelling (no
 abbreviations), ``--long_name`` reads as ``--long-name`` and ``LLAMA_ARG_*`` environment variables set
 the flags they set in llama-server (an explicit flag wins), as llama.cpp's ``common/arg.cpp``.  Every value
@@ -27,9 +27,9 @@ import os
 import sys
 from collections.abc import Mapping
 
-from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, check_stop, kv_cache_problem
-from ..hydra.cli import add_client_commands
 from ..client.watch import add_watch_command
+from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, check_stop, kv_cache_problem
+from ..hydra.commands import add_client_commands
 from . import _types, sampling, speculative
 from ._flags import Version, add_flags, apply_environment, normalize_argv, version_text
 from .flags import GROUPS, RUN_FLAGS
@@ -39,29 +39,35 @@ __all__ = ["RUN_FLAGS", "build_parser", "main", "parse_args", "version_text"]
 
 log = logging.getLogger("hydra_trio")
 
-RUN_DESCRIPTION = ("Load a GGUF model and serve it on one TCP port: HTTP (OpenAI API), the Hydra protocol and "
-                   "ggml-RPC. Flags follow llama-server: each of its flags is wired with its meaning, accepted "
-                   "without effect (said once at start-up), or refused with the reason.")
+RUN_DESCRIPTION = (
+    "Load a GGUF model and serve it on one TCP port: HTTP (OpenAI API), the Hydra protocol and "
+    "ggml-RPC. Flags follow llama-server: each of its flags is wired with its meaning, accepted "
+    "without effect (said once at start-up), or refused with the reason."
+)
 
 
 class _SubcommandParser(argparse.ArgumentParser):
     """A subcommand's parser: no abbreviations, and an unknown argument is its error, reported with its own
     usage (argparse leaves unknown arguments after a subcommand to the top-level parser otherwise)."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs) -> None:
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+    def parse_known_args(self, args=None, namespace=None):
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return namespace, extras
 
 
-def _add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    p = sub.add_parser("run", add_help=False, help="serve a GGUF model (the default: `hydra-trio FLAGS...`)",
-                       description=RUN_DESCRIPTION)
+def _add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "run",
+        add_help=False,
+        help="serve a GGUF model (the default: `hydra-trio FLAGS...`)",
+        description=RUN_DESCRIPTION,
+    )
     for group, title in GROUPS.items():
         add_flags(p.add_argument_group(title), [f for f in RUN_FLAGS if f.group == group])
     return p
@@ -70,11 +76,12 @@ def _add_run_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def build_parser() -> argparse.ArgumentParser:
     """The ``hydra-trio`` parser: ``run``, ``models``, the client commands, ``watch``, ``--version``.
     ``parser.run_parser`` is ``run``'s."""
-    parser = argparse.ArgumentParser(prog="hydra-trio", allow_abbrev=False,
-                                     description="A trio-based engine node for Hydra LLM clusters.")
+    parser = argparse.ArgumentParser(
+        prog="hydra-trio", allow_abbrev=False, description="A trio-based engine node for Hydra LLM clusters."
+    )
     parser.add_argument("--version", action=Version, help="show program's version number and exit")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_SubcommandParser)
-    parser.run_parser = _add_run_parser(sub)  # type: ignore[attr-defined]
+    parser.run_parser = _add_run_parser(sub)  # type: ignore[attr-defined]  # our attribute on argparse's parser
     add_models_command(sub)
     add_client_commands(sub)  # info, state get/put/meta, mode: Hydra protocol client commands
     add_watch_command(sub)  # watch: the live event stream in the terminal
@@ -86,13 +93,18 @@ def _check_run(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.chat_template is not None and args.chat_template_file is not None:
         p.error("argument --chat-template-file: not allowed with argument --chat-template")
     defaults = LlamaOptions()
-    problem = kv_cache_problem(args.flash_attn or defaults.flash_attn, args.cache_type_k or defaults.cache_type_k,
-                               args.cache_type_v or defaults.cache_type_v)
+    problem = kv_cache_problem(
+        args.flash_attn or defaults.flash_attn,
+        args.cache_type_k or defaults.cache_type_k,
+        args.cache_type_v or defaults.cache_type_v,
+    )
     if problem is not None:  # llama.cpp would refuse the context after the model loaded
         p.error(problem)
     if args.ignore_eos and args.grammar is not None:  # a finished grammar allows only the end of generation
-        p.error("argument --ignore-eos: not allowed with a grammar (--grammar, --grammar-file, -j, -jf): a finished "
-                "grammar allows only the end of generation")
+        p.error(
+            "argument --ignore-eos: not allowed with a grammar (--grammar, --grammar-file, -j, -jf): a finished "
+            "grammar allows only the end of generation"
+        )
     try:
         check_stop(tuple(args.reverse_prompt or ()))
     except ParameterError as exc:
@@ -115,8 +127,9 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     Raises:
         ParameterError: a value out of the engine's bounds (names the field).
     """
-    given = {field: getattr(args, dest) for dest, field in sampling.FIELDS.items()
-             if getattr(args, dest, None) is not None}
+    given = {
+        field: getattr(args, dest) for dest, field in sampling.FIELDS.items() if getattr(args, dest, None) is not None
+    }
     given = sampling.as_llama_server_reads(given)
     breakers = getattr(args, "dry_sequence_breakers", None)
     if breakers:
@@ -136,7 +149,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         argv = ["run", *argv]
     parser = build_parser()
     if argv[0] == "run":
-        run = parser.run_parser  # type: ignore[attr-defined]
+        run = parser.run_parser  # type: ignore[attr-defined]  # set by build_parser
         argv = ["run", *normalize_argv(argv[1:], {n for f in RUN_FLAGS for n in f.all_names})]
         apply_environment(run, RUN_FLAGS, dict(os.environ if environ is None else environ))
         args = parser.parse_args(argv)

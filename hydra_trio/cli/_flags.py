@@ -15,9 +15,10 @@ The flag table of docs/cli.md (``python -m hydra_trio.cli.table``) and the cover
 from __future__ import annotations
 
 import argparse
+import builtins
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -58,7 +59,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     default: Any = None
     dest: str | None = None
-    action: str | type[argparse.Action] | None = None
+    action: str | builtins.type[argparse.Action] | None = None
     env: str | None = None
     group: str = "common"
     lands: str = ""
@@ -96,12 +97,22 @@ class Version(argparse.Action):
     """``--version``: print :func:`version_text` and exit 0, as argparse's ``version`` action; the text is
     made when the flag is given, not when the parser is built (a node does not read package metadata)."""
 
-    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
-                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:  # noqa: A002 (argparse's)
+    def __init__(
+        self,
+        option_strings: list[str],
+        dest: str = argparse.SUPPRESS,
+        default: Any = argparse.SUPPRESS,
+        help: str | None = None,
+    ) -> None:  # argparse's
         super().__init__(option_strings, dest, default=default, nargs=0, help=help)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         print(version_text())
         parser.exit()
 
@@ -113,8 +124,13 @@ class _Refuse(argparse.Action):
         self.reason = reason
         super().__init__(option_strings, dest, **kw)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         parser.error(f"{option_string}: not supported by hydra-trio: {self.reason}")
 
 
@@ -124,8 +140,13 @@ class _Accept(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, const: Any = None, **kw: Any) -> None:
         super().__init__(option_strings, dest, const=const, **kw)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
         given = getattr(namespace, "_accepted_given", None) or []
         if option_string not in given:
@@ -144,25 +165,41 @@ def add_flags(parser: argparse.ArgumentParser | Any, flags: Iterable[Flag]) -> N
             parser.add_argument(*f.names, action=Version, help=f.note)
             continue
         if f.kind == REFUSED:
-            parser.add_argument(*f.all_names, dest=f"_refused_{dest}", action=_Refuse, reason=f.note,
-                                default=argparse.SUPPRESS,
-                                nargs=None if f.value else 0, metavar=f.value, help=f"refused: {f.note}")
+            parser.add_argument(
+                *f.all_names,
+                dest=f"_refused_{dest}",
+                action=_Refuse,
+                reason=f.note,
+                default=argparse.SUPPRESS,
+                nargs=None if f.value else 0,
+                metavar=f.value,
+                help=f"refused: {f.note}",
+            )
             continue
         if f.kind == ACCEPTED:
             nargs = None if f.value else 0
-            parser.add_argument(*f.names, dest=dest, action=_Accept, nargs=nargs, const=True, type=f.type,
-                                metavar=f.value, default=f.default, help=f"accepted, no effect: {f.note}")
+            parser.add_argument(
+                *f.names,
+                dest=dest,
+                action=_Accept,
+                nargs=nargs,
+                const=True,
+                type=f.type,  # type: ignore[arg-type]  # None: no conversion
+                metavar=f.value,
+                default=f.default,
+                help=f"accepted, no effect: {f.note}",
+            )
             if f.neg:
-                parser.add_argument(*f.neg, dest=dest, action=_Accept, nargs=0, const=False,
-                                    default=f.default, help=argparse.SUPPRESS)
+                parser.add_argument(
+                    *f.neg, dest=dest, action=_Accept, nargs=0, const=False, default=f.default, help=argparse.SUPPRESS
+                )
             continue
         helptext = f.note.replace("%", "%%")
         if f.default is not None and "(default" not in f.note:
             helptext += " (default: %(default)s)"
         if f.value is None and f.action is None:  # a switch, with its negative spellings (extra default None: unset)
             default = f.extra.get("default", f.default if f.default is not None else False)
-            parser.add_argument(*f.names, dest=dest, action="store_const", const=True, default=default,
-                                help=helptext)
+            parser.add_argument(*f.names, dest=dest, action="store_const", const=True, default=default, help=helptext)
             if f.neg:
                 parser.add_argument(*f.neg, dest=dest, action="store_const", const=False, help=argparse.SUPPRESS)
             continue
@@ -257,7 +294,7 @@ def accepted_notes(flags: Iterable[Flag], args: argparse.Namespace) -> list[str]
     return notes
 
 
-def given_environment(flags: Iterable[Flag], environ: dict[str, str] | None = None) -> list[str]:
+def given_environment(flags: Iterable[Flag], environ: Mapping[str, str] | None = None) -> list[str]:
     """The ``LLAMA_ARG_*`` variables set in ``environ`` that name a flag (for the start-up log)."""
     environ = os.environ if environ is None else environ
     names = []

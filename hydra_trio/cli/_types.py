@@ -44,9 +44,7 @@ def int_range(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(
-                f"must be between {lo} and {hi}{f' ({why})' if why else ''}, got {value}"
-            )
+            raise argparse.ArgumentTypeError(f"must be between {lo} and {hi}{f' ({why})' if why else ''}, got {value}")
         return value
 
     return _named(parse, "integer")
@@ -114,7 +112,8 @@ def n_parallel(text: str) -> int:
         return -1
     if not 1 <= value <= N_PARALLEL_MAX:
         raise argparse.ArgumentTypeError(
-            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or below 0 (auto), got {value}")
+            f"must be between 1 and {N_PARALLEL_MAX} (llama.cpp's most sequences), or below 0 (auto), got {value}"
+        )
     return value
 
 
@@ -202,8 +201,7 @@ def tensor_overrides(text: str) -> tuple[tuple[str, str], ...]:
     for item in text.split(","):
         pattern, sep, buft = item.partition("=")
         if not sep or not pattern or not buft:
-            raise argparse.ArgumentTypeError(
-                f"expected <tensor name pattern>=<buffer type>,..., got {item!r}")
+            raise argparse.ArgumentTypeError(f"expected <tensor name pattern>=<buffer type>,..., got {item!r}")
         pairs.append((regex(pattern), buft))
     return tuple(pairs)
 
@@ -360,8 +358,8 @@ def quant_value(text: str) -> tuple[str, str]:
 
 
 def combined_ot(text: str) -> tuple[str, str | None]:
-    """``--combined-ot-pattern REGEX[=BUFT]`` of the cluster's llama-server fork: the COMBINED expert pattern is everything
-    before the last ``=`` (the fork reads the value in ``--override-tensor`` syntax and ignores the buffer
+    """``--combined-ot-pattern REGEX[=BUFT]`` of the cluster's llama-server fork: the COMBINED expert pattern is
+    everything before the last ``=`` (the fork reads the value in ``--override-tensor`` syntax and ignores the buffer
     type); a value without ``=`` is the regex whole.  Returns ``(regex, buffer type or None)``.
 
     Never refuses, as the fork starts with any value: a regex that is empty or does not compile leaves
@@ -486,7 +484,7 @@ def kv_overrides(text: str) -> tuple[tuple[str, str, Any], ...]:
     commas).  Returns ``(key, type, value)`` triples."""
     import csv as _csv
 
-    out = []
+    out: list[tuple[str, str, int | float | bool | str]] = []
     for item in next(_csv.reader([text], skipinitialspace=False), []):
         key, sep, typed = item.partition("=")
         kind, colon, value = typed.partition(":")

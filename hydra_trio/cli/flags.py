@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from . import access, common, hydra, sampling, server, speculative
+from . import access, common, own, sampling, server, speculative
 from ._flags import KINDS, Flag, check_unique
 
-RUN_FLAGS: list[Flag] = [*common.FLAGS, *sampling.FLAGS, *server.FLAGS, *speculative.FLAGS, *hydra.FLAGS,
-                         *speculative.OWN_FLAGS, *access.FLAGS]
+RUN_FLAGS: list[Flag] = [
+    *common.FLAGS,
+    *sampling.FLAGS,
+    *server.FLAGS,
+    *speculative.FLAGS,
+    *own.FLAGS,
+    *speculative.OWN_FLAGS,
+    *access.FLAGS,
+]
 """Every flag of ``hydra-trio run``, llama-server's and the node's own (the flag table of docs/cli.md)."""
 check_unique(RUN_FLAGS)
 assert all(f.kind in KINDS for f in RUN_FLAGS)

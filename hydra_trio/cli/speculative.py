@@ -29,8 +29,10 @@ from ..engine.speculative.settings import (
 from . import _types as t
 from ._flags import OWN, REFUSED, WIRED, Flag
 
-NO_DRAFT_DOWNLOAD = ("the node loads a local GGUF file or a preset (hydra-trio models); it downloads nothing at "
-                     "run time: give the draft model with -md FILE|ALIAS")
+NO_DRAFT_DOWNLOAD = (
+    "the node loads a local GGUF file or a preset (hydra-trio models); it downloads nothing at "
+    "run time: give the draft model with -md FILE|ALIAS"
+)
 GIVEN = "_spec_given"
 """The namespace attribute that lists the speculative flags given, ``(spelling, value)`` in command-line order."""
 
@@ -38,8 +40,13 @@ GIVEN = "_spec_given"
 class _Given(argparse.Action):
     """Records ``(option string, value)`` in command-line order (the value is already checked by its type)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         given = list(getattr(namespace, GIVEN, None) or [])
         given.append((option_string, None if self.nargs == 0 else values))
         setattr(namespace, GIVEN, given)
@@ -47,11 +54,13 @@ class _Given(argparse.Action):
 
 def _reworded(check: Callable[[str], Any], message: str) -> Callable[[str], Any]:
     """``check`` (a main flag's parser), its error led by llama-server's message for the draft option."""
+
     def run(text: str) -> Any:
         try:
             return check(text)
         except argparse.ArgumentTypeError as exc:
             raise argparse.ArgumentTypeError(f"{message} ({exc})") from None
+
     return run
 
 
@@ -111,9 +120,19 @@ def _flag(opt: SpecOption) -> Flag:
     if opt.field is not None and opt.default is not None and "(default" not in note:
         auto = opt.field in ("draft_n_gpu_layers", "budget_row_cost")  # -1: auto
         note += f" (default: {'auto' if auto else _shown(opt.default)})"
-    return Flag(opt.names, kind, note, neg=opt.neg, value=opt.value, env=opt.env, group=group, lands=lands,
-                action=_Given, type=None if opt.value is None else _checker(opt),
-                extra={"nargs": 0} if opt.value is None else {})
+    return Flag(
+        opt.names,
+        kind,
+        note,
+        neg=opt.neg,
+        value=opt.value,
+        env=opt.env,
+        group=group,
+        lands=lands,
+        action=_Given,
+        type=None if opt.value is None else _checker(opt),
+        extra={"nargs": 0} if opt.value is None else {},
+    )
 
 
 def _shown(value: Any) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from .flags import GROUPS, RUN_FLAGS
 from ._flags import ACCEPTED, OWN, REFUSED, WIRED
+from .flags import GROUPS, RUN_FLAGS
 
 BEGIN = "<!-- flag table: python -m hydra_trio.cli.table -->"
 END = "<!-- end of flag table -->"
@@ -24,8 +24,11 @@ def markdown() -> str:
     lines = [BEGIN]
     for group, title in GROUPS.items():
         flags = [f for f in RUN_FLAGS if f.group == group]
-        counts = ", ".join(f"{sum(f.kind == k for f in flags)} {_KIND_TEXT[k]}"
-                           for k in (WIRED, ACCEPTED, REFUSED, OWN) if any(f.kind == k for f in flags))
+        counts = ", ".join(
+            f"{sum(f.kind == k for f in flags)} {_KIND_TEXT[k]}"
+            for k in (WIRED, ACCEPTED, REFUSED, OWN)
+            if any(f.kind == k for f in flags)
+        )
         lines += ["", f"**{title}** ({counts})", "", "| flag | class | what it does here, or why |", "|---|---|---|"]
         for f in flags:
             names = ", ".join(f"`{n}`" for n in f.all_names)

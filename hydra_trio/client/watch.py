@@ -45,13 +45,12 @@ from urllib.parse import quote
 import trio
 
 if TYPE_CHECKING:
-    from rich.console import RenderableType
+    from rich.console import JustifyMethod, RenderableType
     from rich.table import Table
 
 from ..observability.events import CATEGORIES, parse_types
-from ..protocol.address import parse_peer
-from ..hydra.cli import _address
 from ..transport.tls import client_context
+from ..validation.address import address_argument, parse_peer
 
 RECENT = 10
 """Non-``stats`` events the table keeps."""
@@ -118,8 +117,10 @@ def summary(event: dict[str, Any], width: int = 200) -> str:
             v = int(v)
         parts.append(f"{k} {json.dumps(v, separators=(',', ':')) if isinstance(v, (dict, list)) else v}")
     if isinstance(timings, dict):
-        parts.append(f"prompt {timings.get('prompt_n')} (cached {timings.get('cache_n')}), "
-                     f"generated {timings.get('predicted_n')}, {timings.get('predicted_per_second', 0):.1f} tok/s")
+        parts.append(
+            f"prompt {timings.get('prompt_n')} (cached {timings.get('cache_n')}), "
+            f"generated {timings.get('predicted_n')}, {timings.get('predicted_per_second', 0):.1f} tok/s"
+        )
     text = ", ".join(parts)
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -159,29 +160,55 @@ def render(state: WatchState, now: float | None = None, width: int = 120) -> Ren
         status = Text(state.status.replace("{wait}", wait), style="bold red")
     _add_row(head, "node", Text.assemble(state.address, "  ", status))
     if hello:
-        _add_row(head, "hydra-trio", f"{hello.get('version')}  model {hello.get('model') or '-'}  "
-                                   f"slots {hello.get('n_slots')}  rpc backend {'yes' if hello.get('rpc_backend') else 'no'}")
+        _add_row(
+            head,
+            "hydra-trio",
+            f"{hello.get('version')}  model {hello.get('model') or '-'}  "
+            f"slots {hello.get('n_slots')}  rpc backend {'yes' if hello.get('rpc_backend') else 'no'}",
+        )
     if stats:
         peer = stats.get("peer") or "-"
         if stats.get("peer"):
             peer += " (reachable)" if stats.get("peer_reachable") else " (unreachable)"
         stage = stats.get("stage") if state.connected else "? (last seen: " + str(stats.get("stage")) + ")"
         _add_row(head, "mode", f"{stats.get('mode')}  peer {peer}  stage {stage}")
-        _add_row(head, "load", f"queue {stats.get('queue', 0)}  processing {stats.get('processing', 0)}  "
-                             f"{stats.get('tok_s', 0.0):.1f} tok/s  generated {stats.get('tokens_predicted_total', 0)}")
+        _add_row(
+            head,
+            "load",
+            f"queue {stats.get('queue', 0)}  processing {stats.get('processing', 0)}  "
+            f"{stats.get('tok_s', 0.0):.1f} tok/s  generated {stats.get('tokens_predicted_total', 0)}",
+        )
         _add_row(head, "connections", _connections(stats))
-        _add_row(head, "subscribers", f"{stats.get('subscribers', '?')}  events dropped "
-                                    f"{stats.get('events_dropped_total', 0)}")
+        _add_row(
+            head,
+            "subscribers",
+            f"{stats.get('subscribers', '?')}  events dropped {stats.get('events_dropped_total', 0)}",
+        )
 
     slots = Table(title="slots", title_justify="left", expand=False)
-    for name, justify in (("slot", "right"), ("state", "left"), ("prompt", "right"), ("generated", "right"),
-                          ("tok/s", "right"), ("n_past/n_ctx", "right"), ("trace id", "left")):
-        slots.add_column(name, justify=justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("slot", "right"),
+        ("state", "left"),
+        ("prompt", "right"),
+        ("generated", "right"),
+        ("tok/s", "right"),
+        ("n_past/n_ctx", "right"),
+        ("trace id", "left"),
+    )
+    for name, justify in columns:
+        slots.add_column(name, justify=justify)
     for s in stats.get("slots") or []:
         busy = s.get("state") == "processing"
-        _add_row(slots, str(s.get("id")), Text(str(s.get("state")), style="bold yellow" if busy else "dim"),
-                      str(s.get("n_prompt", 0)), str(s.get("n_decoded", 0)), f"{s.get('tok_s', 0.0):.1f}",
-                      f"{s.get('n_past', 0)}/{s.get('n_ctx', 0)}", s.get("trace_id") or "")
+        _add_row(
+            slots,
+            str(s.get("id")),
+            Text(str(s.get("state")), style="bold yellow" if busy else "dim"),
+            str(s.get("n_prompt", 0)),
+            str(s.get("n_decoded", 0)),
+            f"{s.get('tok_s', 0.0):.1f}",
+            f"{s.get('n_past', 0)}/{s.get('n_ctx', 0)}",
+            s.get("trace_id") or "",
+        )
     if not stats:
         slots.caption = "waiting for the first stats event…"
 
@@ -205,8 +232,15 @@ def _resource(types: frozenset[str] | None, recent: int = 0) -> str:
     return "/v1/events" + ("?" + "&".join(query) if query else "")
 
 
-async def follow(host: str, port: int, resource: str, on_event: Any, on_state: Any,
-                 ssl_context: ssl.SSLContext | None = None, api_key: str | None = None) -> None:
+async def follow(
+    host: str,
+    port: int,
+    resource: str,
+    on_event: Any,
+    on_state: Any,
+    ssl_context: ssl.SSLContext | None = None,
+    api_key: str | None = None,
+) -> None:
     """Read ``ws[s]://host:port{resource}`` for ever, calling ``on_event(event, raw_text)`` per frame;
     reconnect with back-off (0.5 s doubling to 5 s) when it cannot connect or drops.
 
@@ -222,8 +256,15 @@ async def follow(host: str, port: int, resource: str, on_event: Any, on_state: A
     while True:
         why = ""
         try:
-            async with open_websocket(host, port, resource, use_ssl=ssl_context or False, extra_headers=headers,
-                                      connect_timeout=10, disconnect_timeout=2) as ws:
+            async with open_websocket(
+                host,
+                port,
+                resource,
+                use_ssl=ssl_context or False,
+                extra_headers=headers,
+                connect_timeout=10,
+                disconnect_timeout=2,
+            ) as ws:
                 while True:
                     raw = await ws.get_message()
                     event = json.loads(raw)
@@ -233,13 +274,16 @@ async def follow(host: str, port: int, resource: str, on_event: Any, on_state: A
                     on_event(event, raw)
         except ConnectionRejected as exc:
             if exc.status_code in (401, 403):
-                raise Fatal(f"the node refused the connection (HTTP {exc.status_code}): "
-                            "it needs an API key (--api-key or $HYDRA_TRIO_API_KEY), or another one") from None
+                raise Fatal(
+                    f"the node refused the connection (HTTP {exc.status_code}): "
+                    "it needs an API key (--api-key or $HYDRA_TRIO_API_KEY), or another one"
+                ) from None
             why = f"refused (HTTP {exc.status_code})"
         except ssl.SSLCertVerificationError as exc:
             raise Fatal(f"TLS: the node's certificate does not verify: {exc.verify_message}") from None
         except ConnectionClosed as exc:
-            why = f"closed ({exc.reason.code}{': ' + exc.reason.reason if exc.reason.reason else ''})"
+            reason = exc.reason
+            why = f"closed ({reason.code}{': ' + reason.reason if reason.reason else ''})" if reason else "closed"
         except HandshakeError as exc:
             cause = exc.__cause__ or exc.__context__
             why = str(cause or exc) or type(cause or exc).__name__
@@ -302,8 +346,9 @@ async def watch(args: argparse.Namespace) -> int:
     return code
 
 
-async def _json_lines(nursery: trio.Nursery, host: str, port: int, resource: str, ctx: ssl.SSLContext | None,
-                      api_key: str | None) -> None:
+async def _json_lines(
+    nursery: trio.Nursery, host: str, port: int, resource: str, ctx: ssl.SSLContext | None, api_key: str | None
+) -> None:
     def on_event(event: dict[str, Any], raw: str) -> None:
         try:
             sys.stdout.write(raw + "\n")
@@ -318,8 +363,15 @@ async def _json_lines(nursery: trio.Nursery, host: str, port: int, resource: str
     await follow(host, port, resource, on_event, on_state, ctx, api_key)
 
 
-async def _live_table(nursery: trio.Nursery, address: str, host: str, port: int, resource: str,
-                      ctx: ssl.SSLContext | None, api_key: str | None) -> None:
+async def _live_table(
+    nursery: trio.Nursery,
+    address: str,
+    host: str,
+    port: int,
+    resource: str,
+    ctx: ssl.SSLContext | None,
+    api_key: str | None,
+) -> None:
     state = WatchState(address)
 
     def on_state(connected: bool, why: str, retry_in: float | None) -> None:
@@ -332,8 +384,14 @@ async def _live_table(nursery: trio.Nursery, address: str, host: str, port: int,
     from rich.live import Live
 
     console = Console()
-    with Live(render(state, None, console.width), console=console, auto_refresh=False, redirect_stdout=False,
-              redirect_stderr=False, vertical_overflow="crop") as live:
+    with Live(
+        render(state, None, console.width),
+        console=console,
+        auto_refresh=False,
+        redirect_stdout=False,
+        redirect_stderr=False,
+        vertical_overflow="crop",
+    ) as live:
 
         async def redraw() -> None:
             while True:
@@ -367,22 +425,36 @@ def watch_command(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def add_watch_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_watch_command(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add ``watch`` to the ``hydra-trio`` subparsers."""
     p = subparsers.add_parser(
-        "watch", help="watch a node's live events: slots, mode, queue, connections (GET /v1/events)",
+        "watch",
+        help="watch a node's live events: slots, mode, queue, connections (GET /v1/events)",
         description="Show a node's live state in the terminal from its event stream (GET /v1/events, a "
-                    "WebSocket), refreshed in place; reconnects when the node restarts; Ctrl-C to quit.",
+        "WebSocket), refreshed in place; reconnects when the node restarts; Ctrl-C to quit.",
     )
-    p.add_argument("address", type=_address, metavar="HOST:PORT")
+    p.add_argument("address", type=address_argument, metavar="HOST:PORT")
     p.add_argument("--json", action="store_true", help="print the raw events as JSON lines (one per line, flushed)")
-    p.add_argument("--types", type=_types, default=None, metavar="CATEGORIES",
-                   help=f"comma-separated event categories ({','.join(CATEGORIES)}); the table always gets stats")
-    p.add_argument("--api-key", default=os.environ.get("HYDRA_TRIO_API_KEY") or None, metavar="KEY",
-                   help="the node's --api-key, sent as Authorization: Bearer (default: $HYDRA_TRIO_API_KEY)")
+    p.add_argument(
+        "--types",
+        type=_types,
+        default=None,
+        metavar="CATEGORIES",
+        help=f"comma-separated event categories ({','.join(CATEGORIES)}); the table always gets stats",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HYDRA_TRIO_API_KEY") or None,
+        metavar="KEY",
+        help="the node's --api-key, sent as Authorization: Bearer (default: $HYDRA_TRIO_API_KEY)",
+    )
     p.add_argument("--tls", action="store_true", help="connect with TLS, wss:// (the node runs with --tls-cert)")
-    p.add_argument("--tls-ca", default=None, metavar="FILE",
-                   help="PEM CA bundle the node's certificate must chain to (default: the system's)")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM CA bundle the node's certificate must chain to (default: the system's)",
+    )
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM client certificate, for mutual TLS")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM key of --tls-cert")
     p.set_defaults(func=watch_command)

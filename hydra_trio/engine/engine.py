@@ -76,10 +76,11 @@ class EngineStats:
     """Exclusive tasks (the serialized control channel) by result (``hydra_trio:control_changes_total{result}``)."""
 
 
-EMBEDDING_ONLY = ("this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
-                  "start a node without --embedding for completions")
+EMBEDDING_ONLY = (
+    "this node serves embeddings (--embedding): use POST /v1/embeddings or /embedding; "
+    "start a node without --embedding for completions"
+)
 NO_EMBEDDINGS = "This server does not support embeddings. Start it with `--embeddings` (--embedding)"
-
 
 
 class Engine:

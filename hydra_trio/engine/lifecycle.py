@@ -62,8 +62,13 @@ def trim_heap(when: str) -> None:
     released = release_free_memory()
     after = resident_bytes()
     if before is not None and after is not None:
-        log.debug("heap trimmed %s: resident %.1f MiB (%+.1f MiB)%s", when, after / 2**20, (after - before) / 2**20,
-                  "" if released else ", nothing to release")
+        log.debug(
+            "heap trimmed %s: resident %.1f MiB (%+.1f MiB)%s",
+            when,
+            after / 2**20,
+            (after - before) / 2**20,
+            "" if released else ", nothing to release",
+        )
 
 
 def warm_up(m: LoadedModel) -> None:
@@ -78,14 +83,26 @@ def warm_up(m: LoadedModel) -> None:
 def model_kwargs(config: EngineConfig) -> dict[str, Any]:
     """The :class:`LoadedModel` keyword arguments every model of this engine is built with (SOLO at start
     and on reload, COMBINED, PIPELINE) besides its path, context and slots; ``config.media``'s projector is
-    loaded with each (its ``mmproj``, ``offload``, ``image_min_tokens``, ``image_max_tokens``)."""
+    loaded with each (its ``mmproj``, ``offload``, ``device``, ``image_min_tokens``, ``image_max_tokens``,
+    ``batch_max_tokens``)."""
     options, media = config.llama, config.media
     if media.mmproj is not None:
-        options = attrs.evolve(options, mmproj=str(media.mmproj), mmproj_offload=media.offload,
-                               image_min_tokens=media.image_min_tokens, image_max_tokens=media.image_max_tokens)
-    return {"n_batch": config.n_batch, "n_threads": config.n_threads, "chat_template": config.chat_template,
-            "options": target_options(config.speculative, options),
-            "chat_template_kwargs": config.chat_template_kwargs}
+        options = attrs.evolve(
+            options,
+            mmproj=str(media.mmproj),
+            mmproj_offload=media.offload,
+            image_min_tokens=media.image_min_tokens,
+            image_max_tokens=media.image_max_tokens,
+            mmproj_batch_max_tokens=media.batch_max_tokens,
+            mmproj_device=media.device or "",
+        )
+    return {
+        "n_batch": config.n_batch,
+        "n_threads": config.n_threads,
+        "chat_template": config.chat_template,
+        "options": target_options(config.speculative, options),
+        "chat_template_kwargs": config.chat_template_kwargs,
+    }
 
 
 class ModelLifecycle:
@@ -160,8 +177,14 @@ class ModelLifecycle:
                     bar.update(p * size)
                     return not stopping()  # False aborts the load (shutdown during load)
 
-                model = LoadedModel(cfg.model_path, n_ctx=cfg.n_ctx, n_parallel=cfg.n_parallel, progress=on_load,
-                                    log_chat_template=True, **self.experts.model_kwargs)
+                model = LoadedModel(
+                    cfg.model_path,
+                    n_ctx=cfg.n_ctx,
+                    n_parallel=cfg.n_parallel,
+                    progress=on_load,
+                    log_chat_template=True,
+                    **self.experts.model_kwargs,
+                )
             self.experts.set_solo(model)
             self.progress = 1.0
             self.set_stage(Stage.HASHING_MODEL)
@@ -214,21 +237,39 @@ class ModelLifecycle:
             if n_cache_reuse:
                 log.warning("cache_reuse is not supported by multimodal, it will be disabled")
                 n_cache_reuse = 0
-        log.info("initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'", model.n_parallel,
-                 model.n_ctx_slot, "true" if model.options.kv_unified else "false")  # llama-server's line
+        log.info(
+            "initializing, n_slots = %d, n_ctx_slot = %d, kv_unified = '%s'",
+            model.n_parallel,
+            model.n_ctx_slot,
+            "true" if model.options.kv_unified else "false",
+        )  # llama-server's line
         spec, spec_cap = build_speculative(cfg.speculative, model, model.n_parallel)
         if spec is not None and model.media is not None and spec.follows_the_target:
             # a draft model or MTP head decodes the target's batches, but never sees the media's embeddings
-            log.warning("speculative decoding with a draft model or MTP is not supported by multimodal here; "
-                        "it is disabled")
+            log.warning(
+                "speculative decoding with a draft model or MTP is not supported by multimodal here; it is disabled"
+            )
             spec.close()
             spec, spec_cap = None, 1 << 30
-        sched = Scheduler(self.experts, model.n_parallel, model.n_ctx_slot, model.n_batch, self.stats, model_hash,
-                          events=self.events, spec=spec, spec_cap=spec_cap,
-                          context_shift=context_shift, n_keep=cfg.n_keep, n_cache_reuse=n_cache_reuse,
-                          slot_prompt_similarity=cfg.slot_prompt_similarity, n_ctx_checkpoints=cfg.n_ctx_checkpoints,
-                          checkpoint_min_step=cfg.checkpoint_min_step, prompt_cache=self.prompt_cache,
-                          hand_off=self.hand_off)
+        sched = Scheduler(
+            self.experts,
+            model.n_parallel,
+            model.n_ctx_slot,
+            model.n_batch,
+            self.stats,
+            model_hash,
+            events=self.events,
+            spec=spec,
+            spec_cap=spec_cap,
+            context_shift=context_shift,
+            n_keep=cfg.n_keep,
+            n_cache_reuse=n_cache_reuse,
+            slot_prompt_similarity=cfg.slot_prompt_similarity,
+            n_ctx_checkpoints=cfg.n_ctx_checkpoints,
+            checkpoint_min_step=cfg.checkpoint_min_step,
+            prompt_cache=self.prompt_cache,
+            hand_off=self.hand_off,
+        )
         sched.publish = self.publish
         return sched
 
@@ -263,8 +304,14 @@ class ModelLifecycle:
         self.config = attrs.evolve(self.config, model_path=new.path, model_alias=identity.model_alias)
         self.quants.loaded(new.path)
 
-    def reconfigure(self, *, n_ctx: int | None = None, n_parallel: int | None = None,
-                    model_path: Path | None = None, model_alias: str | None = None) -> dict[str, Any]:
+    def reconfigure(
+        self,
+        *,
+        n_ctx: int | None = None,
+        n_parallel: int | None = None,
+        model_path: Path | None = None,
+        model_alias: str | None = None,
+    ) -> dict[str, Any]:
         """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.Reconfigure`): CONFIGURE
         tiers 2 and 3.
 
@@ -285,19 +332,25 @@ class ModelLifecycle:
         check_n_parallel(n_parallel)  # the bound -np has too
         if not 16 * n_parallel <= n_ctx <= INT32_MAX:  # a slot's cap (the training context) is the model's, as at start
             raise InvalidRequest(
-                f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{INT32_MAX} for {n_parallel} slots)")
+                f"n_ctx: {n_ctx} is out of range ({16 * n_parallel}..{INT32_MAX} for {n_parallel} slots)"
+            )
         path = model_path or old.path
         alias = model_alias or self.config.model_alias
         try:
-            new = LoadedModel(path, n_ctx=n_ctx, n_parallel=n_parallel, log_chat_template=True,
-                              **self.experts.model_kwargs)
+            new = LoadedModel(
+                path, n_ctx=n_ctx, n_parallel=n_parallel, log_chat_template=True, **self.experts.model_kwargs
+            )
         except Exception as exc:
             raise InvalidRequest(f"llama.cpp refused the new settings: {exc}") from None
         identity = self.identity
         assert identity is not None
         if path != old.path:
-            identity = ModelIdentity(model_alias=alias, model_path=str(path), model_hash=sha256_file(path),
-                                     kv_identity_hash=identity_hash(kv_identity(new)))
+            identity = ModelIdentity(
+                model_alias=alias,
+                model_path=str(path),
+                model_hash=sha256_file(path),
+                kv_identity_hash=identity_hash(kv_identity(new)),
+            )
         self.install_model(new, identity)
         self.config = attrs.evolve(self.config, n_ctx=n_ctx, n_parallel=n_parallel)
         log.info("reconfigured: model %s, n_ctx %d, %d slots", path.name, new.n_ctx, n_parallel)
@@ -322,30 +375,57 @@ class ModelLifecycle:
             known = ", ".join(qs.keys) or "none: start the node with --quant KEY=PATH_OR_ALIAS"
             raise InvalidRequest(f"quant {key!r} is not one of this node's quants ({known})")
         if str(self.experts.mode) != "solo":
-            raise InvalidRequest(f"SWAP_QUANT of the whole model while {str(self.experts.mode).upper()} serves: "
-                                 "switch to SOLO first (the attached model is then freed by the swap)")
+            raise InvalidRequest(
+                f"SWAP_QUANT of the whole model while {str(self.experts.mode).upper()} serves: "
+                "switch to SOLO first (the attached model is then freed by the swap)"
+            )
         old = self.experts.solo
         old_identity = self.identity
         assert old is not None and old_identity is not None
         if key == qs.active:
-            return {"swapped": False, "quant": key, "bytes": 0, "swap_ms": 0.0, "kv_preserved": True,
-                    "slots_preserved": sum(1 for s in self.slots if s.n_past), **old_identity.as_meta()}
+            return {
+                "swapped": False,
+                "quant": key,
+                "bytes": 0,
+                "swap_ms": 0.0,
+                "kv_preserved": True,
+                "slots_preserved": sum(1 for s in self.slots if s.n_past),
+                **old_identity.as_meta(),
+            }
         path, alias = qs.paths[key]
         t0 = time.perf_counter()
         try:
-            new = LoadedModel(path, n_ctx=old.n_ctx, n_parallel=old.n_parallel, n_batch=old.n_batch,
-                              n_threads=self.config.n_threads, chat_template=self.config.chat_template,
-                              options=old.options, chat_template_kwargs=old.chat_template_kwargs)
+            new = LoadedModel(
+                path,
+                n_ctx=old.n_ctx,
+                n_parallel=old.n_parallel,
+                n_batch=old.n_batch,
+                n_threads=self.config.n_threads,
+                chat_template=self.config.chat_template,
+                options=old.options,
+                chat_template_kwargs=old.chat_template_kwargs,
+            )
         except Exception as exc:
-            raise EngineFailure(f"quant {key!r} ({path}) did not load: {exc}; the node still serves "
-                                f"{qs.active or old.path.name}") from None
+            raise EngineFailure(
+                f"quant {key!r} ({path}) did not load: {exc}; the node still serves {qs.active or old.path.name}"
+            ) from None
         try:
-            identity = ModelIdentity(model_alias=alias or path.stem, model_path=str(path),
-                                     model_hash=qs.file_hash(path), kv_identity_hash=identity_hash(kv_identity(new)))
+            identity = ModelIdentity(
+                model_alias=alias or path.stem,
+                model_path=str(path),
+                model_hash=qs.file_hash(path),
+                kv_identity_hash=identity_hash(kv_identity(new)),
+            )
             kv_preserved = identity.kv_identity_hash == old_identity.kv_identity_hash
-            blobs = ([(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in self.slots
-                      if s.n_past and not s.holds_media]  # a slot holding media starts empty
-                     if kv_preserved else [])
+            blobs = (
+                [
+                    (s.id, save_slot(old, s, old_identity.model_hash)[1])
+                    for s in self.slots
+                    if s.n_past and not s.holds_media
+                ]  # a slot holding media starts empty
+                if kv_preserved
+                else []
+            )
         except Exception:
             new.close()
             raise
@@ -361,8 +441,15 @@ class ModelLifecycle:
                 kv_preserved = False
         ms = (time.perf_counter() - t0) * 1e3
         log.info("SWAP_QUANT to %s (%s) in %.0f ms; %d slot(s) kept their KV cache", key, path.name, ms, preserved)
-        return {"swapped": True, "quant": key, "bytes": path.stat().st_size, "swap_ms": round(ms, 3),
-                "kv_preserved": kv_preserved, "slots_preserved": preserved, **identity.as_meta()}
+        return {
+            "swapped": True,
+            "quant": key,
+            "bytes": path.stat().st_size,
+            "swap_ms": round(ms, 3),
+            "kv_preserved": kv_preserved,
+            "slots_preserved": preserved,
+            **identity.as_meta(),
+        }
 
     def swap_peer_tensors(self, key: str) -> dict[str, Any]:
         """Every slot idle, a COMBINED head: the tensors on the peer (the experts) from
@@ -378,7 +465,8 @@ class ModelLifecycle:
             raise InvalidRequest(f"quant {key!r} is not one of this node's quants ({', '.join(qs.keys)})")
         if experts.combined is None:
             raise InvalidRequest(
-                "a tensor_pattern swaps the tensors on the COMBINED peer; no COMBINED model is attached")
+                "a tensor_pattern swaps the tensors on the COMBINED peer; no COMBINED model is attached"
+            )
         assert experts.solo is not None  # a COMBINED model is built next to the SOLO one
         base, other = experts.solo.path, qs.paths[key][0]
         tag = hashlib.sha256(f"{base}|{other}|{experts.pattern}".encode()).hexdigest()[:12]
@@ -392,6 +480,11 @@ class ModelLifecycle:
             meta = experts.replace_peer_tensors(dst, key)
         except PeerError as exc:
             raise EngineFailure(str(exc)) from None
-        log.info("SWAP_QUANT: the tensors on peer %s now come from %s (%s), in %.0f ms", experts.peer, key,
-                 other.name, meta["swap_ms"])
+        log.info(
+            "SWAP_QUANT: the tensors on peer %s now come from %s (%s), in %.0f ms",
+            experts.peer,
+            key,
+            other.name,
+            meta["swap_ms"],
+        )
         return meta

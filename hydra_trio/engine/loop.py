@@ -34,8 +34,9 @@ class EngineLoop:
         n_decode_total: the decode steps so far, for the snapshot.
     """
 
-    def __init__(self, models: ModelLifecycle, execute: Callable[[EngineTask], Any],
-                 n_decode_total: Callable[[], int]) -> None:
+    def __init__(
+        self, models: ModelLifecycle, execute: Callable[[EngineTask], Any], n_decode_total: Callable[[], int]
+    ) -> None:
         self.models, self.execute, self.n_decode_total = models, execute, n_decode_total
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         """Tasks and task calls for the engine thread, in the order they were queued (any thread puts)."""
@@ -113,8 +114,9 @@ class EngineLoop:
 
     def publish(self) -> None:
         """Engine thread: swap a new :attr:`snapshot` in (one atomic assignment; :func:`next_snapshot`)."""
-        self.snapshot = next_snapshot(self.snapshot, self.models.scheduler, self.models.model,
-                                      self.n_decode_total(), self._state_sizes)
+        self.snapshot = next_snapshot(
+            self.snapshot, self.models.scheduler, self.models.model, self.n_decode_total(), self._state_sizes
+        )
 
     def publish_quietly(self) -> None:
         """:meth:`publish`, logging instead of raising (a failed publication keeps the previous snapshot)."""

@@ -22,9 +22,9 @@ import trio
 
 from ..errors import HydraTrioError, Stopping
 from ..protocol.media import MediaPrompt
+from .batching.thinking_budget import BudgetSpec
 from .kv.blobbuf import BlobBuffer
 from .settings import SamplingParams
-from .batching.thinking_budget import BudgetSpec
 
 if TYPE_CHECKING:
     from .llama.media import MediaChunk
@@ -252,8 +252,13 @@ class RequestHandle:
     or through ``hand_off``'s batch of the current step: :class:`StepHandOff`).
     """
 
-    def __init__(self, job: CompletionJob, trio_token: trio.lowlevel.TrioToken,
-                 hand_off: StepHandOff | None = None, live: LiveRequests | None = None) -> None:
+    def __init__(
+        self,
+        job: CompletionJob,
+        trio_token: trio.lowlevel.TrioToken,
+        hand_off: StepHandOff | None = None,
+        live: LiveRequests | None = None,
+    ) -> None:
         """``live``: the engine's requests in flight, which this one joins (raises Stopping once the node stopped)."""
         if live is not None:
             live.add(self)
@@ -444,8 +449,8 @@ class JobRun:
     async def _next(self) -> Event | None:
         assert self.handle is not None, "use JobRun in 'async with'"
         if self._failed is not None:  # met by ready(): raised now, after the deltas before it were used
-            ev, self._failed = self._failed, None
-            return self._take(ev)
+            failed, self._failed = self._failed, None
+            return self._take(failed)
         try:
             ev = await self.handle.events.receive()
         except trio.EndOfChannel:

@@ -79,18 +79,31 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_DRY_BREAKERS = 16
 MAX_DRY_BREAKER_BYTES = 40  # llama.cpp's MAX_CHAR_LEN in llama_sampler_init_dry
-DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+DEFAULT_DRY_SEQUENCE_BREAKERS = ("\n", ":", '"', "*")
 """llama-server's default DRY sequence breakers (``common/common.h``)."""
 SAMPLER_ORDER = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
 """The sampler chain's order, llama-server's default ``samplers`` under its names (``common/sampling.cpp``)."""
-SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
-                 "t": "temperature", "x": "xtc", "i": "infill", "e": "penalties", "a": "adaptive_p"}
+SAMPLER_CHARS = {
+    "d": "dry",
+    "k": "top_k",
+    "y": "typ_p",
+    "p": "top_p",
+    "s": "top_n_sigma",
+    "m": "min_p",
+    "t": "temperature",
+    "x": "xtc",
+    "i": "infill",
+    "e": "penalties",
+    "a": "adaptive_p",
+}
 """llama-server's one-letter sampler names (``common_sampler_type_to_chr``): ``samplers`` as a string."""
 SAMPLER_NAMES: dict[str, str] = {
     **{c: c for c in SAMPLER_CHARS.values()},
     **{c.replace("_", "-"): c for c in SAMPLER_CHARS.values() if "_" in c},
     **{c.replace("_", ""): c for c in SAMPLER_CHARS.values() if "_" in c},
-    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
+    "nucleus": "top_p",
+    "temp": "temperature",
+    "typ": "typ_p",
 }
 """Every sampler name llama-server accepts (``common_sampler_types_from_names``: canonical, kebab-case,
 without the underscore, and three aliases; matched case-insensitively) -> the canonical name."""
@@ -114,17 +127,18 @@ def parse_samplers(value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         unknown = [c for c in value if c not in SAMPLER_CHARS]
         if unknown:
-            raise ParameterError(f"samplers: unknown sampler letter {unknown[0]!r} "
-                                 f"(letters: {''.join(SAMPLER_CHARS)})")
+            raise ParameterError(f"samplers: unknown sampler letter {unknown[0]!r} (letters: {''.join(SAMPLER_CHARS)})")
         out = tuple(SAMPLER_CHARS[c] for c in value)
     elif isinstance(value, (list, tuple)) and all(isinstance(x, str) for x in value):
-        out = []
+        names: list[str] = []
         for x in value:
             name = SAMPLER_NAMES.get(x.lower())
             if name is None:
-                raise ParameterError(f"samplers: unknown sampler {x[:40]!r} (known: {', '.join(SAMPLER_CHARS.values())})")
-            out.append(name)
-        out = tuple(out)
+                raise ParameterError(
+                    f"samplers: unknown sampler {x[:40]!r} (known: {', '.join(SAMPLER_CHARS.values())})"
+                )
+            names.append(name)
+        out = tuple(names)
     else:
         raise ParameterError("samplers: expected a list of sampler names or a string of sampler letters")
     if len(out) > MAX_SAMPLERS:
@@ -270,7 +284,8 @@ class SamplingParams:
     dynatemp_exponent: float = attrs.field(default=1.0, validator=_float32())
 
     def penalty_window(self, n_ctx_slot: int) -> int:
-        """Tokens the repetition penalties look back over: ``repeat_last_n`` (-1: the context), at most ``n_ctx_slot``."""
+        """Tokens the repetition penalties look back over: ``repeat_last_n`` (-1: the context), at most
+        ``n_ctx_slot``."""
         n = n_ctx_slot if self.repeat_last_n < 0 else self.repeat_last_n
         return min(n, n_ctx_slot)
 
@@ -303,7 +318,8 @@ _FLOAT_FIELDS = tuple(a.name for a in attrs.fields(SamplingParams) if a.type == 
 
 
 def check_n_predict(name: str, value: int | None, lo: int = -1) -> None:
-    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` the same (``lo`` raises the floor)."""
+    """Token budgets: ``n_predict`` in [-1, 2**31-1], ``max_tokens`` / ``max_completion_tokens`` the same (``lo`` raises
+    the floor)."""
     if value is not None:
         check_int(name, value, lo, INT32_MAX)
 
@@ -380,9 +396,9 @@ def check_stop(stop: tuple[str, ...]) -> None:
             raise ParameterError(f"stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(s)}")
 
 
-KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6,
-                  "q5_1": 7}
-"""llama-server's KV cache types (``-ctk`` / ``-ctv``, ``kv_cache_types`` in ``common/arg.cpp``) -> ggml type id (``ggml.h``)."""
+KV_CACHE_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8, "q4_0": 2, "q4_1": 3, "iq4_nl": 20, "q5_0": 6, "q5_1": 7}
+"""llama-server's KV cache types (``-ctk`` / ``-ctv``, ``kv_cache_types`` in ``common/arg.cpp``) -> ggml type id
+(``ggml.h``)."""
 UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
 """The KV cache types that are not quantized: the only V cache types llama.cpp allows without flash attention."""
 
@@ -403,9 +419,11 @@ def kv_cache_problem(flash_attn: str, cache_type_k: str, cache_type_v: str) -> s
     if flash_attn not in ("on", "off", "auto"):
         return f"flash_attn: expected on, off or auto, got {flash_attn!r}"
     if flash_attn == "off" and cache_type_v not in UNQUANTIZED_KV_TYPES:
-        return (f"a quantized V cache (-ctv/--cache-type-v {cache_type_v}) needs flash attention, which is off "
-                f"(-fa/--flash-attn off): use -fa on or auto, or a V cache of type {', '.join(UNQUANTIZED_KV_TYPES)} "
-                "(llama.cpp would refuse the context)")
+        return (
+            f"a quantized V cache (-ctv/--cache-type-v {cache_type_v}) needs flash attention, which is off "
+            f"(-fa/--flash-attn off): use -fa on or auto, or a V cache of type {', '.join(UNQUANTIZED_KV_TYPES)} "
+            "(llama.cpp would refuse the context)"
+        )
     return None
 
 
@@ -464,6 +482,8 @@ class LlamaOptions:
     mmproj_offload: bool = True  # --mmproj-offload / --no-mmproj-offload: the projector on the GPU
     image_min_tokens: int = -1  # --image-min-tokens; -1 = the projector's own
     image_max_tokens: int = -1  # --image-max-tokens; -1 = the projector's own
+    mmproj_batch_max_tokens: int = 1024  # --mtmd-batch-max-tokens: most image tokens in one encode batch
+    mmproj_device: str = ""  # -mmdev/--mmproj-device: the projector's device ("": mtmd's choice)
 
     def __attrs_post_init__(self) -> None:
         problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)
@@ -604,8 +624,10 @@ class EngineConfig:
     def pooling(self) -> str | None:
         """``--pooling``: None for the model's own."""
         return self.llama.pooling
-    reasoning_format: str = attrs.field(default="auto", validator=attrs.validators.in_(
-        ("none", "deepseek", "deepseek-legacy", "auto")))
+
+    reasoning_format: str = attrs.field(
+        default="auto", validator=attrs.validators.in_(("none", "deepseek", "deepseek-legacy", "auto"))
+    )
     reasoning_budget: int = attrs.field(default=-1, validator=_int(-1, INT32_MAX))
     reasoning_budget_message: str = ""
     generation: GenerationDefaults = GenerationDefaults()

@@ -83,8 +83,14 @@ class SlotSnapshot:
             "n_prompt_tokens": self.n_past,
             "n_prompt_tokens_processed": self.n_prompt_processed,
             "n_prompt_tokens_cache": self.n_prompt_cache,
-            "next_token": [{"has_next_token": self.is_processing, "has_new_line": self.has_new_line,
-                            "n_remain": self.n_remain, "n_decoded": self.n_decoded}],
+            "next_token": [
+                {
+                    "has_next_token": self.is_processing,
+                    "has_new_line": self.has_new_line,
+                    "n_remain": self.n_remain,
+                    "n_decoded": self.n_decoded,
+                }
+            ],
         }
         if self.task is not None and params is not None:
             out["params"] = params(self.task)
@@ -138,15 +144,33 @@ def slot_snapshot(slot: Any, state_size: int, speculative: bool = False) -> Slot
     (``speculative``: what an idle slot reports)."""
     h = slot.handle
     if h is None:
-        return SlotSnapshot(id=slot.id, n_ctx=slot.n_ctx, n_past=slot.n_past, is_processing=False,
-                            id_task=slot.id_task, task=slot.task, state_size=state_size, speculative=speculative)
+        return SlotSnapshot(
+            id=slot.id,
+            n_ctx=slot.n_ctx,
+            n_past=slot.n_past,
+            is_processing=False,
+            id_task=slot.id_task,
+            task=slot.task,
+            state_size=state_size,
+            speculative=speculative,
+        )
     n_predict = h.job.n_predict
     return SlotSnapshot(
-        id=slot.id, n_ctx=slot.n_ctx, n_past=slot.n_past, is_processing=True, n_decoded=slot.n_decoded,
-        n_prompt=slot.n_prompt, n_prompt_processed=max(0, slot.n_prompt - slot.cache_n - len(slot.pending_prompt)),
-        n_prompt_cache=slot.cache_n, n_remain=(n_predict - slot.n_decoded) if n_predict >= 0 else -1,
-        has_new_line=slot.has_new_line, id_task=slot.id_task, task=slot.task, trace_id=h.job.request_id,
-        state_size=state_size, speculative=slot.speculative,
+        id=slot.id,
+        n_ctx=slot.n_ctx,
+        n_past=slot.n_past,
+        is_processing=True,
+        n_decoded=slot.n_decoded,
+        n_prompt=slot.n_prompt,
+        n_prompt_processed=max(0, slot.n_prompt - slot.cache_n - len(slot.pending_prompt)),
+        n_prompt_cache=slot.cache_n,
+        n_remain=(n_predict - slot.n_decoded) if n_predict >= 0 else -1,
+        has_new_line=slot.has_new_line,
+        id_task=slot.id_task,
+        task=slot.task,
+        trace_id=h.job.request_id,
+        state_size=state_size,
+        speculative=slot.speculative,
     )
 
 
@@ -154,8 +178,9 @@ def now() -> float:
     return time.monotonic()
 
 
-def next_snapshot(prev: EngineSnapshot, sched: Any, m: Any, n_decode_total: int,
-                  sizes: dict[int, tuple[tuple[int, int], int]]) -> EngineSnapshot:
+def next_snapshot(
+    prev: EngineSnapshot, sched: Any, m: Any, n_decode_total: int, sizes: dict[int, tuple[tuple[int, int], int]]
+) -> EngineSnapshot:
     """Engine thread: the snapshot of ``sched``'s slots and queue after ``prev`` (``prev`` itself while no
     scheduler or model serves).  A slot's ``state_size`` asks llama.cpp (:func:`state.blob_size`) only when
     the slot's token count or the model changed since ``sizes`` (slot id -> ((model id, n_past), size),
@@ -173,5 +198,11 @@ def next_snapshot(prev: EngineSnapshot, sched: Any, m: Any, n_decode_total: int,
             known = (key, state.blob_size(m, slot))
             sizes[slot.id] = known
         out.append(slot_snapshot(slot, known[1], speculates))
-    return EngineSnapshot(seq=prev.seq + 1, at=time.monotonic(), slots=tuple(out),
-                          requests_waiting=len(sched.pending), n_ctx=m.n_ctx, n_decode_total=n_decode_total)
+    return EngineSnapshot(
+        seq=prev.seq + 1,
+        at=time.monotonic(),
+        slots=tuple(out),
+        requests_waiting=len(sched.pending),
+        n_ctx=m.n_ctx,
+        n_decode_total=n_decode_total,
+    )

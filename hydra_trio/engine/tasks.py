@@ -35,14 +35,27 @@ from .experts.combined import PeerLost
 from .llama.embedding import EmbeddingJob, embed_counted, max_input_tokens, pooling_type
 
 if TYPE_CHECKING:
-    from .llama.embedding import Embedding
     from .kv.state import Restored
+    from .llama.embedding import Embedding
 
 log = logging.getLogger("hydra_trio.control")
 
 __all__ = [
-    "AttachPeerAtStart", "CancelCompletion", "Embed", "EmbeddingLimits", "EngineTask", "EraseSlot", "PeerGone",
-    "PipelineAttach", "Reconfigure", "RestoreSlot", "SaveSlot", "SetExpertMode", "StartCompletion", "Stop", "SwapQuant",
+    "AttachPeerAtStart",
+    "CancelCompletion",
+    "Embed",
+    "EmbeddingLimits",
+    "EngineTask",
+    "EraseSlot",
+    "PeerGone",
+    "PipelineAttach",
+    "Reconfigure",
+    "RestoreSlot",
+    "SaveSlot",
+    "SetExpertMode",
+    "StartCompletion",
+    "Stop",
+    "SwapQuant",
 ]
 
 
@@ -97,7 +110,6 @@ class EngineTask:
         since ``engine.py`` imports this module): its ``scheduler`` (the slots), ``models`` (the model's
         lifecycle), ``experts`` or ``loop``; return the caller's result, raise the caller's error."""
         raise NotImplementedError
-
 
 
 @attrs.frozen
@@ -161,8 +173,12 @@ class RestoreSlot(EngineTask):
     checksum_verified: bool = False
 
     def run(self, engine: Any) -> Restored:
-        return engine.scheduler.restore_slot(self.id_slot, self.blob, allow_cross_model_kv=engine.allow_cross_model_kv,
-                                             checksum_verified=self.checksum_verified)
+        return engine.scheduler.restore_slot(
+            self.id_slot,
+            self.blob,
+            allow_cross_model_kv=engine.allow_cross_model_kv,
+            checksum_verified=self.checksum_verified,
+        )
 
 
 @attrs.frozen
@@ -188,12 +204,14 @@ class Reconfigure(EngineTask):
     model_alias: str | None = None
 
     def label(self) -> str:
-        return "configure " + ",".join(k for k in ("n_ctx", "n_parallel", "model_path", "model_alias")
-                                       if getattr(self, k) is not None)
+        return "configure " + ",".join(
+            k for k in ("n_ctx", "n_parallel", "model_path", "model_alias") if getattr(self, k) is not None
+        )
 
     def run(self, engine: Any) -> dict[str, Any]:
-        return engine.models.reconfigure(n_ctx=self.n_ctx, n_parallel=self.n_parallel,
-                                         model_path=self.model_path, model_alias=self.model_alias)
+        return engine.models.reconfigure(
+            n_ctx=self.n_ctx, n_parallel=self.n_parallel, model_path=self.model_path, model_alias=self.model_alias
+        )
 
 
 @attrs.frozen

@@ -36,8 +36,9 @@ class ModelView(Protocol):
     @property
     def special_tokens(self) -> SpecialTokens: ...
 
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True,
-                 limit: int | None = None) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool, parse_special: bool = True, limit: int | None = None
+    ) -> list[int]:
         """``text``'s tokens (llama.cpp's tokenizer); ``limit``: stop past that many (PromptTooLong)."""
         ...
 
@@ -53,8 +54,13 @@ class ModelView(Protocol):
         """The vocabulary's text of ``token``."""
         ...
 
-    def apply_chat_template(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
-                            tools: list[dict] | None = None, max_chars: int | None = None) -> tuple[str, list[str]]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+        max_chars: int | None = None,
+    ) -> tuple[str, list[str]]:
         """The rendered chat prompt and the template's extra stop strings."""
         ...
 
@@ -67,8 +73,9 @@ class ModelView(Protocol):
         """``{"vision": bool, "audio": bool}``: what the projector (``--mmproj``) takes; both False without one."""
         ...
 
-    def tokenize_with_media(self, text: str, media: Sequence[Any], *, add_special: bool = True,
-                            parse_special: bool = True) -> MediaTokens:
+    def tokenize_with_media(
+        self, text: str, media: Sequence[Any], *, add_special: bool = True, parse_special: bool = True
+    ) -> MediaTokens:
         """``text`` with one ``<__media__>`` marker per item of ``media`` (each with ``data: bytes``, ``id: str``)
         as text tokens with the media chunks in place; the job takes ``tokens`` as its ``prompt_tokens`` and
         ``chunks`` as its ``media_chunks``.  Any thread; CPU work (decoding and resizing images): call it off

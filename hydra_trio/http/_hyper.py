@@ -28,7 +28,6 @@ keep their own limits (``tests/test_embedded_servers.py``).
 from __future__ import annotations
 
 import logging
-
 from typing import Any
 
 import h11
@@ -117,10 +116,17 @@ class _H11Protocol(H11Protocol):
         """
         if isinstance(event, h11.InformationalResponse) and event.status_code == 100 and self._over_limit:
             return
-        if (isinstance(event, h11.Response) and self.connection.their_state is not h11.DONE
-                and not any(k.lower() == b"connection" for k, _ in event.headers)):
-            event = h11.Response(status_code=event.status_code, headers=[*event.headers, (b"connection", b"close")],
-                                 reason=event.reason, http_version=event.http_version)
+        if (
+            isinstance(event, h11.Response)
+            and self.connection.their_state is not h11.DONE
+            and not any(k.lower() == b"connection" for k, _ in event.headers)
+        ):
+            event = h11.Response(
+                status_code=event.status_code,
+                headers=[*event.headers, (b"connection", b"close")],
+                reason=event.reason,
+                http_version=event.http_version,
+            )
         await super()._send_h11_event(event)
 
 
@@ -142,7 +148,7 @@ class _TCPServer(TCPServer):
     _protocol: ProtocolWrapper
 
     @property
-    def protocol(self) -> ProtocolWrapper:  # type: ignore[override]
+    def protocol(self) -> ProtocolWrapper:
         """The connection's hypercorn ``ProtocolWrapper``, its HTTP/1.1 protocol this module's.
 
         hypercorn's ``TCPServer.run`` builds the wrapper, which picks hypercorn's own
@@ -157,8 +163,15 @@ class _TCPServer(TCPServer):
     def protocol(self, wrapper: ProtocolWrapper) -> None:
         if type(wrapper.protocol) is H11Protocol:
             wrapper.protocol = _H11Protocol(
-                wrapper.app, wrapper.config, wrapper.context, wrapper.task_group, wrapper.state,
-                wrapper.ssl, wrapper.client, wrapper.server, wrapper.send,
+                wrapper.app,
+                wrapper.config,
+                wrapper.context,
+                wrapper.task_group,
+                wrapper.state,
+                wrapper.ssl,
+                wrapper.client,
+                wrapper.server,
+                wrapper.send,
             )
         self._protocol = wrapper
 
@@ -211,8 +224,11 @@ class _TCPServer(TCPServer):
                 await self.protocol.handle(Closed())
                 return
         if stalled:
-            log.info("HTTP client %s read nothing for %g s: connection closed (write timeout, -to)",
-                     connection_info(self.stream).peer, timeout)
+            log.info(
+                "HTTP client %s read nothing for %g s: connection closed (write timeout, -to)",
+                connection_info(self.stream).peer,
+                timeout,
+            )
             await self._close()
             await self.protocol.handle(Closed())
 
@@ -234,12 +250,12 @@ class HttpHandler:
         config.errorlog = logging.getLogger("hydra_trio.http.error")
         self.config = config
         self.write_timeout = settings.write_timeout
-        self.app = ASGIWrapper(app)  # type: ignore[arg-type]
+        self.app = ASGIWrapper(app)  # type: ignore[arg-type]  # any ASGI app (hypercorn types its own kind)
         self.context = WorkerContext(None)
 
     async def __call__(self, stream: AcceptedStream) -> None:
         """Serve HTTP/1.1 on ``stream`` until the client or the server closes it."""
-        server = _TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]
+        server = _TCPServer(self.app, self.config, self.context, {}, stream)  # type: ignore[arg-type]  # any trio stream
         server.write_timeout = self.write_timeout
         await server.run()
 

@@ -34,22 +34,21 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
+from starlette.types import Receive, Scope, Send
 
 from .._version import __version__
 from ..engine import CompletionJob, Engine
 from ..errors import InvalidRequest, ModelLoadError, NotReady
-from ..observability import node_stats
 from ..observability.events import EventBus
 from ..openai.embeddings import EmbeddingsRequest
 from ..openai.native import models_reply, task_params
 from ..openai.schemas import DetokenizeRequest, TokenizeRequest
 from ..openai.template_caps import known, template_caps
 from ..protocol.media import MEDIA_MARKER
-from ..service import node
+from ..service import metrics, node, node_stats
 from ..service.completions import in_worker
 from ..service.embeddings import check_offered, embed_request
 from ..transport.access import AccessSettings, Refusals, Secrets
-from . import metrics
 from .auth import ApiKeyMiddleware, redact_query, send_refusal
 from .bodies import RequestReader, json_body, json_reply, stop_of
 from .completions import CompletionRoutes
@@ -72,6 +71,7 @@ async def status_page(request: Request) -> Response:
     """``GET /``: the status page, a live view drawn from ``GET /v1/events`` in the browser
     (``static/status.js``; docs/operations.md "Status page").  Plain files, nothing fetched from elsewhere."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8", headers=_NO_CACHE)
+
 
 async def _to_the_page(request: Request) -> Response:
     """``GET /static/index.html``: 308 to ``../``, the page's own address.  The page's links are relative
@@ -98,8 +98,9 @@ class Api:
         self.open_connections = open_connections
         self.refused = refused
         self.rpc = rpc
-        self.node_metrics = node_metrics or metrics.NodeMetrics(engine, connections, rpc, open_connections,
-                                                                 refused=refused)
+        self.node_metrics = node_metrics or metrics.NodeMetrics(
+            engine, connections, rpc, open_connections, refused=refused
+        )
         self.settings = settings
         self.reader = RequestReader(settings)
         self.started = time.time()
@@ -121,9 +122,7 @@ class Api:
         return _loading(str(e.stage), round(e.progress, 4))
 
     async def version(self, request: Request) -> Response:
-        return JSONResponse(
-            {"engine": "hydra-trio", "version": __version__, "llama_cpp_python": llama_cpp.__version__}
-        )
+        return JSONResponse({"engine": "hydra-trio", "version": __version__, "llama_cpp_python": llama_cpp.__version__})
 
     async def props(self, request: Request) -> Response:
         """``GET /props``, llama-server's keys (``get_res_props`` in ``tools/server/server-context.cpp``) and the
@@ -168,39 +167,50 @@ class Api:
         assert m is not None and e.identity is not None
         defaults = e.request_defaults  # one consistent pair (CONFIGURE swaps a new one in)
         g = defaults.generation  # --samplers, --ignore-eos, --adaptive-*
-        params = task_params(CompletionJob((), n_predict=defaults.n_predict, sampling=defaults.sampling,
-                                           samplers=g.samplers, ignore_eos=g.ignore_eos,
-                                           adaptive_target=g.adaptive_target, adaptive_decay=g.adaptive_decay),
-                             n_keep=e.config.n_keep, reasoning_format=e.config.reasoning_format,
-                             spec_types=",".join(e.config.speculative.types))
+        params = task_params(
+            CompletionJob(
+                (),
+                n_predict=defaults.n_predict,
+                sampling=defaults.sampling,
+                samplers=g.samplers,
+                ignore_eos=g.ignore_eos,
+                adaptive_target=g.adaptive_target,
+                adaptive_decay=g.adaptive_decay,
+            ),
+            n_keep=e.config.n_keep,
+            reasoning_format=e.config.reasoning_format,
+            spec_types=",".join(e.config.speculative.types),
+        )
         tmpl = m.chat_template
         caps = template_caps(tmpl) if known(tmpl) else await trio.to_thread.run_sync(template_caps, tmpl)
-        return JSONResponse({
-            "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
-            "total_slots": e.n_slots,
-            "model_alias": e.identity.model_alias,
-            "model_ftype": m.facts()["ftype"],
-            "model_path": e.identity.model_path,
-            "model_hash": e.identity.model_hash,
-            "modalities": node.modalities(e),
-            "media_marker": MEDIA_MARKER,
-            "endpoint_slots": True,
-            "endpoint_props": self.settings.endpoint_props,
-            "endpoint_metrics": True,
-            "ui": False,
-            "ui_settings": {},
-            "chat_template": tmpl.source,
-            "chat_template_caps": caps,
-            "bos_token": m.token_text(m.bos_id) if m.bos_id >= 0 else "",
-            "eos_token": m.token_text(m.eos_id) if m.eos_id >= 0 else "",
-            "build_info": f"hydra-trio {__version__} (llama-cpp-python {llama_cpp.__version__})",
-            "is_sleeping": False,
-            "cors_proxy_enabled": False,
-            **node.hardware(),
-            "tensor_placement": dict(m.tensor_placement),
-            "tensor_placement_peer": dict(c.tensor_placement) if (c := e.experts.combined) is not None else None,
-            **node.model_use(e),
-        })
+        return JSONResponse(
+            {
+                "default_generation_settings": {"params": params, "n_ctx": e.n_ctx_slot},
+                "total_slots": e.n_slots,
+                "model_alias": e.identity.model_alias,
+                "model_ftype": m.facts()["ftype"],
+                "model_path": e.identity.model_path,
+                "model_hash": e.identity.model_hash,
+                "modalities": node.modalities(e),
+                "media_marker": MEDIA_MARKER,
+                "endpoint_slots": True,
+                "endpoint_props": self.settings.endpoint_props,
+                "endpoint_metrics": True,
+                "ui": False,
+                "ui_settings": {},
+                "chat_template": tmpl.source,
+                "chat_template_caps": caps,
+                "bos_token": m.token_text(m.bos_id) if m.bos_id >= 0 else "",
+                "eos_token": m.token_text(m.eos_id) if m.eos_id >= 0 else "",
+                "build_info": f"hydra-trio {__version__} (llama-cpp-python {llama_cpp.__version__})",
+                "is_sleeping": False,
+                "cors_proxy_enabled": False,
+                **node.hardware(),
+                "tensor_placement": dict(m.tensor_placement),
+                "tensor_placement_peer": dict(c.tensor_placement) if (c := e.experts.combined) is not None else None,
+                **node.model_use(e),
+            }
+        )
 
     async def tokenize(self, request: Request) -> Response:
         """``POST /tokenize``, llama-server's: ``{"content": str, "add_special": false, "parse_special": true,
@@ -214,8 +224,11 @@ class Api:
         assert m is not None
 
         def work() -> bytes:  # reads only the vocabulary: a worker thread that stops with the request
-            tokens = m.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special) \
-                if body.content else []
+            tokens = (
+                m.tokenize(body.content, add_special=body.add_special, parse_special=body.parse_special)
+                if body.content
+                else []
+            )
             return json_body({"tokens": _with_pieces(m, tokens) if body.with_pieces else tokens})
 
         return json_reply(await in_worker(work, stop_of(request)))
@@ -231,8 +244,12 @@ class Api:
         bad = next((t for t in body.tokens if not 0 <= t < m.n_vocab), None)
         if bad is not None:
             raise InvalidRequest(f"tokens: token id {bad} is out of the vocabulary (0..{m.n_vocab - 1})")
-        return json_reply(await in_worker(lambda: json_body(
-            {"content": b"".join(_token_bytes(m, body.tokens)).decode("utf-8", "replace")}), stop_of(request)))
+        return json_reply(
+            await in_worker(
+                lambda: json_body({"content": b"".join(_token_bytes(m, body.tokens)).decode("utf-8", "replace")}),
+                stop_of(request),
+            )
+        )
 
     async def models(self, request: Request) -> Response:
         """``GET /v1/models`` (and ``/models``): :func:`~hydra_trio.openai.native.models_reply`."""
@@ -250,8 +267,9 @@ class Api:
         e = node.serving(self.engine)
         body = await self.reader.read(request, EmbeddingsRequest)
         # the client leaving cancels it (.inflight): no input is embedded after that
-        reply = await embed_request(e, body, oai=request.url.path == "/v1/embeddings",
-                                    prepare=lambda work: in_worker(work, stop_of(request)))
+        reply = await embed_request(
+            e, body, oai=request.url.path == "/v1/embeddings", prepare=lambda work: in_worker(work, stop_of(request))
+        )
         return json_reply(await trio.to_thread.run_sync(json_body, reply))  # up to 2048 vectors: off the loop
 
 
@@ -259,8 +277,10 @@ def _loading(stage: str, progress: float) -> Response:
     """``/health`` while the node gets ready: llama-server's loading body is the error object alone
     (``Loading model``, NotReady's status); the stage and progress are the node's."""
     status = NotReady.http_status
-    return JSONResponse({**error_body(status, "Loading model"), "status": "loading", "stage": stage,
-                         "progress": progress}, status_code=status)
+    return JSONResponse(
+        {**error_body(status, "Loading model"), "status": "loading", "stage": stage, "progress": progress},
+        status_code=status,
+    )
 
 
 _STOP_CHECK_EVERY = 4096
@@ -318,8 +338,9 @@ def build_app(
     refusals of every protocol, exported by ``/metrics``; ``inflight`` tracks the requests that do work
     (:mod:`.inflight`: counted, stopped when their client leaves, ended at the node's stop; a new one when None).
     """
-    api = Api(engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics,
-              refused)
+    api = Api(
+        engine, connections if connections is not None else {}, rpc, settings, open_connections, node_metrics, refused
+    )
     completions = CompletionRoutes(engine, api.reader)
     slots = SlotRoutes(engine, api.reader)
     native = NativeRoutes(engine, settings, api.reader)
@@ -352,8 +373,9 @@ def build_app(
         route("/completions", completions.native, "POST"),
         *(route(path, api.embeddings, "POST") for path in ("/v1/embeddings", "/embeddings", "/embedding")),
         *(route(path, native.not_implemented, "GET", "POST") for path in NOT_IMPLEMENTED),
-        WebSocketRoute("/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc),
-                                                     settings.max_event_subscribers)),
+        WebSocketRoute(
+            "/v1/events", events_endpoint(bus, lambda: node_stats.hello(engine, rpc), settings.max_event_subscribers)
+        ),
         Route("/v1/events", upgrade_required, methods=["GET"]),
         Route("/", status_page, methods=["GET"]),
         Route("/static/index.html", _to_the_page, methods=["GET"]),
@@ -364,19 +386,25 @@ def build_app(
         exception_handlers={HTTPException: http_exception},
         middleware=[
             # llama-server answers CORS preflights and allows any origin unless told otherwise
-            Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
-                       allow_headers=["*"], max_age=600),
-            Middleware(ApiKeyMiddleware, keys=Secrets(access.api_keys), metrics_auth=access.metrics_auth,
-                       refused=refused),
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.cors_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+                max_age=600,
+            ),
+            Middleware(
+                ApiKeyMiddleware, keys=Secrets(access.api_keys), metrics_auth=access.metrics_auth, refused=refused
+            ),
         ],
     )
     not_found = app.router.default
 
-    async def websocket_not_found(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def websocket_not_found(scope: Scope, receive: Receive, send: Send) -> None:
         # Starlette closes an unrouted handshake, which reaches the client as a bare 403
         if scope["type"] == "websocket" and "websocket.http.response" in scope.get("extensions", {}):
             refusal = error_reply(no_route(scope["path"]))
-            await send_refusal(scope, send, refusal.status_code, refusal.body)
+            await send_refusal(scope, send, refusal.status_code, bytes(refusal.body))
             return
         await not_found(scope, receive, send)
 
@@ -423,16 +451,21 @@ def _access_log(app: Any) -> Any:
                 target += b"?" + redact_query(scope["query_string"])  # a key in a query is logged as ***
             level = logging.DEBUG if scope["path"] in ("/health", "/v1/health") else logging.INFO
             seconds = time.perf_counter() - t0
-            extra = {"op": f'{scope["method"]} {scope["path"]}', "ms": round(seconds * 1e3, 3)}
+            extra = {"op": f"{scope['method']} {scope['path']}", "ms": round(seconds * 1e3, 3)}
             if "trace_id" in request_state:
                 extra["trace_id"] = request_state["trace_id"]
             access_log.log(
-                level, '%s "%s %s HTTP/%s" %s %s %.6fs%s',
-                f"{client[0]}:{client[1]}" if client else "-", scope["method"],
-                target.decode("latin-1"), scope.get("http_version", "1.1"),
+                level,
+                '%s "%s %s HTTP/%s" %s %s %.6fs%s',
+                f"{client[0]}:{client[1]}" if client else "-",
+                scope["method"],
+                target.decode("latin-1"),
+                scope.get("http_version", "1.1"),
                 state["status"] if state["status"] is not None else "-",
                 state["bytes"] if state["status"] is not None else "-",
-                seconds, "" if state["done"] else " (incomplete)", extra=extra,
+                seconds,
+                "" if state["done"] else " (incomplete)",
+                extra=extra,
             )
 
     return wrapped
@@ -452,8 +485,12 @@ def _absolute_form(app: Any) -> Any:
             if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
                 parts = urllib.parse.urlsplit(target.decode("latin-1"))
                 path = parts.path or "/"
-                scope = {**scope, "path": urllib.parse.unquote(path), "raw_path": path.encode("latin-1"),
-                         "query_string": parts.query.encode("latin-1")}
+                scope = {
+                    **scope,
+                    "path": urllib.parse.unquote(path),
+                    "raw_path": path.encode("latin-1"),
+                    "query_string": parts.query.encode("latin-1"),
+                }
         await app(scope, receive, send)
 
     return wrapped

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..transport.access import Refusals, Secrets
@@ -61,19 +61,20 @@ def bearer_key(headers: Mapping[bytes, bytes] | list[tuple[bytes, bytes]]) -> by
     ``Authorization`` is absent or empty; a ``Bearer`` scheme (any case, RFC 6750 §2.1) is taken off either,
     any other value is the key as it is.  None when it carries neither.  Header names are lower-case bytes
     (ASGI); the first of a repeated header counts."""
-    auth = x_api_key = None
+    auth: bytes | None = None
+    x_api_key: bytes | None = None
     for name, value in headers.items() if isinstance(headers, Mapping) else headers:
         if name == b"authorization" and auth is None:
             auth = value
         elif name == b"x-api-key" and x_api_key is None:
             x_api_key = value
-    value = auth if auth is not None and auth.strip() else x_api_key
-    if value is None:
+    key = auth if auth is not None and auth.strip() else x_api_key
+    if key is None:
         return None
-    scheme, _, token = value.strip().partition(b" ")
+    scheme, _, token = key.strip().partition(b" ")
     if scheme.lower() == b"bearer":
         return token.strip()
-    return value.strip()  # llama-server: a bare key without "Bearer " is compared as it is
+    return key.strip()  # llama-server: a bare key without "Bearer " is compared as it is
 
 
 SECRET_PARAMS = frozenset({"api_key", "apikey", "api-key", "key", "token", "access_token", "auth", "password"})
@@ -127,8 +128,9 @@ class ApiKeyMiddleware:
         if kind not in ("http", "websocket") or not self.keys:
             await self.app(scope, receive, send)
             return
-        if kind == "http" and (scope["method"] == "OPTIONS" or scope["path"] in self.open_paths
-                               or scope["path"].startswith(OPEN_PREFIXES)):
+        if kind == "http" and (
+            scope["method"] == "OPTIONS" or scope["path"] in self.open_paths or scope["path"].startswith(OPEN_PREFIXES)
+        ):
             await self.app(scope, receive, send)
             return
         key = bearer_key(scope.get("headers") or [])
@@ -141,14 +143,20 @@ class ApiKeyMiddleware:
         if self.refused is not None:
             self.refused["http", reason] += 1
         client = scope.get("client")
-        log.warning("%s: %s %s refused: %s", f"{client[0]}:{client[1]}" if client else "-",
-                    scope.get("method", "WEBSOCKET"), scope["path"], reason.replace("_", " "))
+        log.warning(
+            "%s: %s %s refused: %s",
+            f"{client[0]}:{client[1]}" if client else "-",
+            scope.get("method", "WEBSOCKET"),
+            scope["path"],
+            reason.replace("_", " "),
+        )
         challenge = _REALM if key is None else _REALM + b', error="invalid_token"'
         await send_refusal(scope, send, 401, _BODY, [(b"www-authenticate", challenge)])
 
 
-async def send_refusal(scope: dict[str, Any], send: Any, status: int, body: bytes,
-                       headers: list[tuple[bytes, bytes]] = []) -> None:  # noqa: B006 (never changed)
+async def send_refusal(
+    scope: Mapping[str, Any], send: Any, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     """Answer an HTTP request, or refuse a WebSocket handshake, with ``status`` and a JSON ``body``.
 
     A WebSocket handshake gets the same HTTP response as a plain request
@@ -157,8 +165,11 @@ async def send_refusal(scope: dict[str, Any], send: Any, status: int, body: byte
     without the extension could only close it, which reaches the client as a
     bare 403.
     """
-    head = [(b"content-type", b"application/json; charset=utf-8"),
-            (b"content-length", str(len(body)).encode()), *headers]
+    head = [
+        (b"content-type", b"application/json; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        *headers,
+    ]
     if scope["type"] == "websocket":
         if "websocket.http.response" not in scope.get("extensions", {}):
             await send({"type": "websocket.close", "code": 1008})

@@ -18,7 +18,7 @@ import trio
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from ..engine import BlobBuffer, RunningChecksum, TRANSFER_POOL
+from ..engine import TRANSFER_POOL, BlobBuffer, RunningChecksum
 from ..errors import BodyError, BodyTimeout, BodyTooLarge, InvalidRequest
 from ..openai.schemas import parse_body
 from .settings import HttpSettings, waiting_for_client
@@ -124,11 +124,16 @@ async def body_chunks(request: Request, timeout: float | None) -> AsyncIterator[
             except StopAsyncIteration:
                 return
             except ClientDisconnect:
-                raise BodyError(f"the connection ended after {got} bytes of the request body "
-                                "(the client went away, or the body was malformed)") from None
+                raise BodyError(
+                    f"the connection ended after {got} bytes of the request body "
+                    "(the client went away, or the body was malformed)"
+                ) from None
         if waited.cancelled_caught:
-            raise BodyTimeout(f"the request body stalled: no data for {timeout:g} s" if timeout
-                              else "the request body stalled: no data waiting (--timeout 0: no waiting)")
+            raise BodyTimeout(
+                f"the request body stalled: no data for {timeout:g} s"
+                if timeout
+                else "the request body stalled: no data waiting (--timeout 0: no waiting)"
+            )
         got += len(chunk)
         yield chunk
 

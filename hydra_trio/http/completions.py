@@ -24,10 +24,10 @@ from ..engine import Engine
 from ..openai.native import NativeCompletion, generation_settings
 from ..openai.replies import CompletionReply, ResponseContext
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
-from ..protocol.strict import MessageError
 from ..service import completions
 from ..service.completions import PreparedCompletion
 from ..service.node import serving
+from ..validation.strict import MessageError
 from .bodies import RequestReader, stop_of
 from .errors import guarded_stream
 
@@ -45,16 +45,25 @@ class Kind:
     changes: Callable[[Any], dict[str, Any]] = lambda body: {}
 
 
-def _openai_reply(e: Engine, body: ChatCompletionRequest | CompletionRequest, prepared: PreparedCompletion,
-                  request_id: str) -> CompletionReply:
+def _openai_reply(
+    e: Engine, body: ChatCompletionRequest | CompletionRequest, prepared: PreparedCompletion, request_id: str
+) -> CompletionReply:
     assert e.identity is not None and e.model is not None
     chat = isinstance(body, ChatCompletionRequest)
     echo = ""
-    if not chat and body.echo:
+    if not isinstance(body, ChatCompletionRequest) and body.echo:
         echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(prepared.job.prompt_tokens)
-    return ResponseContext(chat=chat, model=e.identity.model_alias, include_usage=body.include_usage,
-                           logprobs=body.wants_logprobs, piece=e.model.token_bytes, echo=echo, id=request_id,
-                           thinking=prepared.plan.thinking, tools=prepared.plan.tools)
+    return ResponseContext(
+        chat=chat,
+        model=e.identity.model_alias,
+        include_usage=body.include_usage,
+        logprobs=body.wants_logprobs,
+        piece=e.model.token_bytes,
+        echo=echo,
+        id=request_id,
+        thinking=prepared.plan.thinking,
+        tools=prepared.plan.tools,
+    )
 
 
 def _prepare_native(e: Engine, body: CompletionRequest) -> PreparedCompletion:
@@ -68,16 +77,20 @@ def _native_changes(body: CompletionRequest) -> dict[str, Any]:
     return {"logprobs": n_probs > 0, "n_probs": n_probs}
 
 
-def _native_reply(e: Engine, body: CompletionRequest, prepared: PreparedCompletion,
-                  request_id: str) -> CompletionReply:
+def _native_reply(e: Engine, body: CompletionRequest, prepared: PreparedCompletion, request_id: str) -> CompletionReply:
     m = e.model
     assert m is not None and e.identity is not None
     job = prepared.job
     prompt_text = b"".join(m.token_bytes(t, special=True) for t in job.prompt_tokens).decode("utf-8", "replace")
     return NativeCompletion(
-        model=e.identity.model_alias, return_tokens=body.return_tokens, n_probs=job.n_probs,
-        response_fields=body.response_fields, timings_per_token=body.timings_per_token, piece=m.token_bytes,
-        prompt_text=prompt_text, settings=generation_settings(body, job, body.stream),
+        model=e.identity.model_alias,
+        return_tokens=bool(body.return_tokens),
+        n_probs=job.n_probs,
+        response_fields=body.response_fields,
+        timings_per_token=bool(body.timings_per_token),
+        piece=m.token_bytes,
+        prompt_text=prompt_text,
+        settings=generation_settings(body, job, bool(body.stream)),
     )
 
 
@@ -111,8 +124,9 @@ class CompletionRoutes:
         request_id = kind.id_prefix + uuid.uuid4().hex  # the reply's id, and the engine's log line's
         request.state.trace_id = request_id  # and the access log line's
         body = await self.reader.read(request, kind.body_class)
-        prepared = await completions.prepare(lambda: kind.prepare(e, body), stop=stop_of(request),
-                                             request_id=request_id, **kind.changes(body))
+        prepared = await completions.prepare(
+            lambda: kind.prepare(e, body), stop=stop_of(request), request_id=request_id, **kind.changes(body)
+        )
         run = completions.start(e, prepared)
         try:
             reply = kind.reply(e, body, prepared, request_id)
@@ -120,6 +134,9 @@ class CompletionRoutes:
             run.close()
             raise
         if body.stream:
-            return StreamingResponse(guarded_stream(completions.stream(run, reply)), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                guarded_stream(completions.stream(run, reply)),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return JSONResponse(await completions.collect(run, reply))

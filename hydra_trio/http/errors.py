@@ -28,9 +28,17 @@ from ..openai.replies import sse
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          501: "not_supported_error", 503: "unavailable_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+}
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -42,23 +50,35 @@ def error_type(status: int) -> str:
     return _TYPES.get(status, "server_error")
 
 
-def error_body(status: int, message: str, type_: str | None = None, code: int | str | None = None,
-               extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def error_body(
+    status: int,
+    message: str,
+    type_: str | None = None,
+    code: int | str | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """OpenAI's error body: ``{"error": {"message", "type", "code"}}`` (``type`` named after ``status``,
     ``code`` defaults to ``status``); ``extra`` keys join the ``error`` object (never replacing those three).
 
     A message with a lone surrogate (echoed from a request; requests refuse them, see
-    :func:`hydra_trio.protocol.strict.check_unicode`) is sent with it escaped: never a 500 for a 400."""
+    :func:`hydra_trio.validation.strict.check_unicode`) is sent with it escaped: never a 500 for a 400."""
     if _SURROGATE.search(message) is not None:
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    error: dict[str, Any] = {"message": message, "type": type_ or error_type(status),
-                             "code": status if code is None else code}
+    error: dict[str, Any] = {
+        "message": message,
+        "type": type_ or error_type(status),
+        "code": status if code is None else code,
+    }
     error.update((k, v) for k, v in (extra or {}).items() if k not in error)
     return {"error": error}
 
 
 def error_response(
-    status: int, message: str, type_: str, code: int | str | None = None, headers: Mapping[str, str] | None = None,
+    status: int,
+    message: str,
+    type_: str,
+    code: int | str | None = None,
+    headers: Mapping[str, str] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> JSONResponse:
     """:func:`error_body` as a reply of ``status``."""
@@ -110,8 +130,9 @@ async def http_exception(request: Request, exc: Exception) -> Response:
     if exc.status_code == NotFound.http_status:
         return error_reply(no_route(request.url.path))
     if exc.status_code == 405:
-        return error_response(405, f"method {request.method} is not allowed on {request.url.path}",
-                              "method_not_allowed")
+        return error_response(
+            405, f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        )
     return error_response(exc.status_code, exc.detail, error_type(InvalidRequest.http_status))
 
 
@@ -122,5 +143,9 @@ def no_route(path: str) -> NotFound:
 
 async def upgrade_required(request: Request) -> Response:
     """``GET /v1/events`` without a WebSocket upgrade: 426 with ``Upgrade: websocket`` (RFC 9110 §15.5.22)."""
-    return error_response(426, "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, "
-                          "Upgrade: websocket)", "invalid_request_error", headers={"Upgrade": "websocket"})
+    return error_response(
+        426,
+        "GET /v1/events is a WebSocket: send the upgrade (Connection: Upgrade, Upgrade: websocket)",
+        "invalid_request_error",
+        headers={"Upgrade": "websocket"},
+    )

@@ -33,8 +33,8 @@ from typing import Any
 import trio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from ..observability.events import EventBus, parse_types
 from ..errors import HydraTrioError, InvalidRequest, Overloaded, Stopping
+from ..observability.events import EventBus, parse_types
 from .errors import error_reply
 
 log = logging.getLogger("hydra_trio.http.events")
@@ -52,8 +52,9 @@ def _int_param(ws: WebSocket, name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
-def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]],
-                    max_subscribers: int = 256) -> Callable[[WebSocket], Any]:
+def events_endpoint(
+    bus: EventBus, hello: Callable[[], dict[str, Any]], max_subscribers: int = 256
+) -> Callable[[WebSocket], Any]:
     """The Starlette WebSocket endpoint for ``bus``; ``hello()`` builds the first event; past
     ``max_subscribers`` sockets at once (counted from the handshake on) a handshake gets 503."""
     active = 0
@@ -62,8 +63,12 @@ def events_endpoint(bus: EventBus, hello: Callable[[], dict[str, Any]],
         nonlocal active
         if active >= max_subscribers:
             log.warning("event subscriber refused: %d at once already (--max-event-subscribers)", active)
-            await _refuse(ws, Overloaded(f"too many event subscribers ({max_subscribers} at once; "
-                                         "--max-event-subscribers); retry later"))
+            await _refuse(
+                ws,
+                Overloaded(
+                    f"too many event subscribers ({max_subscribers} at once; --max-event-subscribers); retry later"
+                ),
+            )
             return
         active += 1
         try:

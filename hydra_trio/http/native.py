@@ -25,7 +25,7 @@ from .settings import HttpSettings
 
 NOT_IMPLEMENTED: dict[str, str] = {
     "/infill": "fill-in-the-middle completion is not implemented by this node (use /completion with the "
-               "model's FIM tokens in the prompt)",
+    "model's FIM tokens in the prompt)",
     "/rerank": "reranking needs a reranker model served with --pooling rank, which this node does not offer",
     "/reranking": "reranking needs a reranker model served with --pooling rank, which this node does not offer",
     "/v1/rerank": "reranking needs a reranker model served with --pooling rank, which this node does not offer",

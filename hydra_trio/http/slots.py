@@ -86,9 +86,16 @@ class SlotRoutes:
         its ``Content-Length``; the buffer goes back to the pool when the body is sent or the client left."""
         e, id_slot = self._slot(request)
         n_past, blob = await slots.save(e, id_slot)
-        return StreamingResponse(_slices(blob), media_type=STATE_TYPE, headers={
-            "Content-Length": str(len(blob)), "X-Slot-Id": str(id_slot), "X-N-Past": str(n_past),
-            "X-Model-Hash": node.identity(e)["model_hash"]})
+        return StreamingResponse(
+            _slices(blob),
+            media_type=STATE_TYPE,
+            headers={
+                "Content-Length": str(len(blob)),
+                "X-Slot-Id": str(id_slot),
+                "X-N-Past": str(n_past),
+                "X-Model-Hash": node.identity(e)["model_hash"],
+            },
+        )
 
     async def put_state(self, request: Request) -> Response:
         """The body goes into one buffer, hashed as it arrives (:meth:`~.bodies.RequestReader.read_blob`), and

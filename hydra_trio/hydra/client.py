@@ -38,7 +38,6 @@ from typing import Any
 import trio
 
 from ..protocol.hydra import Op
-from . import errors as _errors
 from .client_connection import CHUNK_SIZE, HydraConnection, Payload, new_trace_id
 from .errors import (
     HydraBadRequest,
@@ -60,19 +59,29 @@ __all__ = [
     "CHUNK_SIZE",
     "DecodeFrame",
     "DecodeStream",
+    # HydraError and its subclasses, HydraConnectError, error_for_status (all of .errors)
+    "HydraBadRequest",
+    "HydraBusy",
     "HydraClient",
+    "HydraConnectError",
     "HydraConnection",
+    "HydraConnectionClosed",
+    "HydraError",
+    "HydraNotFound",
+    "HydraNotImplemented",
+    "HydraPartial",
+    "HydraProtocolError",
     "HydraReply",
+    "HydraServerError",
+    "HydraTimeout",
     "ResponseStream",
+    "error_for_status",
     "new_trace_id",
 ]
-__all__ += _errors.__all__  # HydraError and its subclasses, HydraConnectError, error_for_status
 
 
 def _json_bytes(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
-        "utf-8"
-    )
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
 
 
 def _slot_key(slot: int) -> str:
@@ -155,10 +164,8 @@ class HydraClient(HydraConnection):
         left untouched. Raises what the request raises, and OSError for
         file errors."""
         target = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(target))
-        tmp = os.path.join(
-            directory, f".{os.path.basename(target)}.{secrets.token_hex(4)}.part"
-        )
+        directory = os.path.dirname(os.path.abspath(target))  # noqa: ASYNC240  (no I/O but getcwd)
+        tmp = os.path.join(directory, f".{os.path.basename(target)}.{secrets.token_hex(4)}.part")
         try:
             async with (
                 self.state_get(slot, trace_id=trace_id) as rs,
@@ -190,14 +197,14 @@ class HydraClient(HydraConnection):
             view = memoryview(buffer).cast("B")
             if view.readonly or len(view) < rs.payload_len:
                 await rs.drain()
-                raise ValueError(f"STATE_GET of slot {slot}: the buffer must be writable and hold "
-                                 f"{rs.payload_len} bytes ({'read-only' if view.readonly else f'{len(view)} bytes'})")
+                raise ValueError(
+                    f"STATE_GET of slot {slot}: the buffer must be writable and hold "
+                    f"{rs.payload_len} bytes ({'read-only' if view.readonly else f'{len(view)} bytes'})"
+                )
             n = await rs.receive_into(view)
         return rs.meta, view[:n]
 
-    async def state_get_bytes(
-        self, slot: int, *, trace_id: str | None = None
-    ) -> tuple[dict[str, Any], bytes]:
+    async def state_get_bytes(self, slot: int, *, trace_id: str | None = None) -> tuple[dict[str, Any], bytes]:
         """STATE_GET (0x30) into memory: ``(meta, state_blob)``. Only for
         small states; use `state_get_to_file` for real ones."""
         return await self.request(Op.STATE_GET, _slot_key(slot), b"", trace_id)
@@ -218,15 +225,11 @@ class HydraClient(HydraConnection):
         the payload_len; read and sent in `CHUNK_SIZE` pieces). Returns
         meta as `state_put`. Raises OSError for file errors (before anything
         is sent when the file cannot be opened)."""
-        async with self.open_request_from_file(
-            Op.STATE_PUT, _slot_key(slot), path, trace_id
-        ) as rs:
+        async with self.open_request_from_file(Op.STATE_PUT, _slot_key(slot), path, trace_id) as rs:
             await rs.drain()
         return rs.meta
 
-    async def configure(
-        self, params: Mapping[str, Any], *, trace_id: str | None = None
-    ) -> dict[str, Any]:
+    async def configure(self, params: Mapping[str, Any], *, trace_id: str | None = None) -> dict[str, Any]:
         """CONFIGURE (0x40) with a JSON object of engine/sampling params.
         Returns meta: ``success``, ``tier``, ``params_applied``,
         ``deferred_keys``, ``unrecognized_keys``, ``state_chunk_size_applied``
@@ -242,19 +245,13 @@ class HydraClient(HydraConnection):
         ``model_fallback``."""
         return await self.request(Op.PREFILL, _slot_key(slot), _json_bytes(body), trace_id)
 
-    def decode_stream(
-        self, slot: int, body: Mapping[str, Any], *, trace_id: str | None = None
-    ) -> DecodeStream:
+    def decode_stream(self, slot: int, body: Mapping[str, Any], *, trace_id: str | None = None) -> DecodeStream:
         """DECODE (0x43), tokens as they arrive: see `DecodeStream` (its
         `~DecodeStream.stop_reason` says why generation stopped). ``body``
         is ``{"n_predict": N, "messages": [...]}`` or a full chat body."""
-        return DecodeStream(
-            self.open_request(Op.DECODE, _slot_key(slot), _json_bytes(body), trace_id)
-        )
+        return DecodeStream(self.open_request(Op.DECODE, _slot_key(slot), _json_bytes(body), trace_id))
 
-    async def decode(
-        self, slot: int, body: Mapping[str, Any], *, trace_id: str | None = None
-    ) -> list[DecodeFrame]:
+    async def decode(self, slot: int, body: Mapping[str, Any], *, trace_id: str | None = None) -> list[DecodeFrame]:
         """DECODE (0x43) to completion: the real token frames
         ``[(token_id, logprob, flags), ...]``, the last with
         `DECODE_FLAG_FINAL` when the engine marked one; padding dropped."""
@@ -272,14 +269,10 @@ class HydraClient(HydraConnection):
         in effect: ``"solo"`` plus ``fallback_reason`` when combined had no
         usable peer), ``peer``. Raises `HydraBusy` (meta ``busy_slots``)
         while slots are processing, `HydraBadRequest` for a bad mode/peer."""
-        payload = (
-            mode.encode("utf-8") if peer is None else _json_bytes({"mode": mode, "peer": peer})
-        )
+        payload = mode.encode("utf-8") if peer is None else _json_bytes({"mode": mode, "peer": peer})
         return await self._meta(Op.SET_EXPERT_MODE, "", payload, trace_id)
 
-    async def swap_quant(
-        self, quant_key: str, tensor_pattern: str, *, trace_id: str | None = None
-    ) -> dict[str, Any]:
+    async def swap_quant(self, quant_key: str, tensor_pattern: str, *, trace_id: str | None = None) -> dict[str, Any]:
         """SWAP_QUANT (0x45), payload ``[u16 LE len][quant_key][tensor_pattern]``.
         Returns meta ``swapped``, ``bytes``, ``swap_ms``, ``kv_preserved``;
         may raise `HydraNotImplemented`. ValueError when quant_key is over
@@ -290,11 +283,7 @@ class HydraClient(HydraConnection):
         payload = struct.pack("<H", len(qk)) + qk + tensor_pattern.encode("utf-8")
         return await self._meta(Op.SWAP_QUANT, "", payload, trace_id)
 
-    async def pipeline_attach(
-        self, peer: str, ot_split: str, *, trace_id: str | None = None
-    ) -> dict[str, Any]:
+    async def pipeline_attach(self, peer: str, ot_split: str, *, trace_id: str | None = None) -> dict[str, Any]:
         """PIPELINE_ATTACH (0x46) with JSON ``{"peer": "host:port",
         "ot_split": "<regex>"}``. May raise `HydraNotImplemented`."""
-        return await self._meta(
-            Op.PIPELINE_ATTACH, "", _json_bytes({"peer": peer, "ot_split": ot_split}), trace_id
-        )
+        return await self._meta(Op.PIPELINE_ATTACH, "", _json_bytes({"peer": peer, "ot_split": ot_split}), trace_id)

@@ -34,7 +34,6 @@ All sizes are in bytes, all times in seconds.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import secrets
@@ -44,6 +43,7 @@ from typing import Any, Self
 import trio
 
 from ..protocol.hydra import (
+    NEED_DATA,
     Op,
     PayloadChunk,
     ProtocolError,
@@ -56,7 +56,7 @@ from ..protocol.hydra import (
     encode_request_header,
 )
 from ..transport.tls_bulk import receives_bulk, recv_bulk_into, send_bulk
-from ..protocol.address import parse_peer
+from ..validation.address import parse_peer
 from .errors import (
     HydraConnectError,
     HydraConnectionClosed,
@@ -147,7 +147,6 @@ class HydraConnection:
         self._lock = trio.Lock()
         self._stream: trio.abc.Stream | None = None
         self._decoder = ResponseDecoder()
-        self._events: collections.deque[ResponseEvent] = collections.deque()
         self._in_request = False
         self._closed_reason: str | None = "not connected"
         self._ever_connected = False
@@ -202,16 +201,11 @@ class HydraConnection:
         except HydraConnectError:
             raise
         except trio.TooSlowError:
-            raise HydraTimeout(
-                f"connecting to {self.address} took more than {self.timeout:g} s"
-            ) from None
+            raise HydraTimeout(f"connecting to {self.address} took more than {self.timeout:g} s") from None
         except OSError as exc:
             raise HydraConnectError(self.host, self.port, _os_reason(exc)) from exc
         self._stream = stream
-        self._decoder = ResponseDecoder(
-            **({} if self._max_meta is None else {"max_meta": self._max_meta})
-        )
-        self._events.clear()
+        self._decoder = ResponseDecoder(**({} if self._max_meta is None else {"max_meta": self._max_meta}))
         self._in_request = False
         self._closed_reason = None
         self._ever_connected = True
@@ -230,25 +224,30 @@ class HydraConnection:
         try:
             with trio.fail_after(self.timeout):
                 await stream.send_all(frame)
-                while True:
-                    data = await stream.receive_some(CHUNK_SIZE)
-                    if not data:
-                        raise HydraConnectionClosed(f"{self.address} closed the connection before answering "
-                                                    "the token", op=Op.CONFIGURE, trace_id=trace_id)
-                    events = self._decoder.feed(data)
-                    started = next((e for e in events if isinstance(e, ResponseStarted)), started)
-                    if any(isinstance(e, ResponseEnded) for e in events):
-                        break
+                while not isinstance(ev := self._decoder.next_event(), ResponseEnded):
+                    if isinstance(ev, ResponseStarted):
+                        started = ev
+                    elif ev is NEED_DATA:
+                        data = await stream.receive_some(CHUNK_SIZE)
+                        if not data:
+                            raise HydraConnectionClosed(
+                                f"{self.address} closed the connection before answering the token",
+                                op=Op.CONFIGURE,
+                                trace_id=trace_id,
+                            )
+                        self._decoder.receive_data(data)
         except trio.TooSlowError:
             await self._abort("token exchange timed out")
-            raise HydraTimeout(f"{self.address} did not answer the token within {self.timeout:g} s",
-                               op=Op.CONFIGURE, trace_id=trace_id) from None
+            raise HydraTimeout(
+                f"{self.address} did not answer the token within {self.timeout:g} s", op=Op.CONFIGURE, trace_id=trace_id
+            ) from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError, HydraConnectionClosed) as exc:
             await self._abort(f"token exchange failed: {exc}")
             if isinstance(exc, HydraConnectionClosed):
                 raise
-            raise HydraConnectionClosed(f"token exchange with {self.address} failed: {exc}",
-                                        op=Op.CONFIGURE, trace_id=trace_id) from exc
+            raise HydraConnectionClosed(
+                f"token exchange with {self.address} failed: {exc}", op=Op.CONFIGURE, trace_id=trace_id
+            ) from exc
         assert started is not None
         if started.header.status != Status.OK:
             await self._abort("the node refused the token")
@@ -266,7 +265,6 @@ class HydraConnection:
         if stream is not None:
             self._closed_reason = reason
         self._in_request = False
-        self._events.clear()
         if stream is not None:
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
@@ -325,7 +323,16 @@ class HydraConnection:
         """The next reply event for ``rs``, receiving as needed (each receive
         bounded by ``timeout``). Raises `HydraTimeout`,
         `HydraConnectionClosed`, `HydraProtocolError` (connection closed)."""
-        while not self._events:
+        while True:
+            try:
+                ev = self._decoder.next_event()
+            except ProtocolError as exc:
+                await self._abort(f"protocol error: {exc}")
+                raise HydraProtocolError(
+                    f"bad reply from {self.address}: {exc}", op=rs.op, trace_id=rs.trace_id
+                ) from exc
+            if ev is not NEED_DATA:
+                return ev
             stream = self._stream
             if stream is None:
                 raise self._closed_error(rs)
@@ -335,8 +342,7 @@ class HydraConnection:
             except trio.TooSlowError:
                 await self._abort("receive timed out")
                 raise HydraTimeout(
-                    f"no reply data from {self.address} for {self.timeout:g} s "
-                    f"(op 0x{rs.op:02x}, trace {rs.trace_id})",
+                    f"no reply data from {self.address} for {self.timeout:g} s (op 0x{rs.op:02x}, trace {rs.trace_id})",
                     op=rs.op,
                     trace_id=rs.trace_id,
                 ) from None
@@ -344,8 +350,10 @@ class HydraConnection:
                 await self._abort("connection lost")
                 why = str(exc) or str(exc.__cause__ or "") or type(exc).__name__
                 if isinstance(stream, trio.SSLStream):
-                    why += (" (over TLS: the node may have refused the handshake, e.g. it requires a client "
-                            "certificate: --tls-cert/--tls-key; its log says why)")
+                    why += (
+                        " (over TLS: the node may have refused the handshake, e.g. it requires a client "
+                        "certificate: --tls-cert/--tls-key; its log says why)"
+                    )
                 raise HydraConnectionClosed(
                     f"connection to {self.address} lost: {why}", op=rs.op, trace_id=rs.trace_id
                 ) from exc
@@ -355,14 +363,7 @@ class HydraConnection:
                 raise HydraConnectionClosed(
                     f"{self.address} closed the connection {mid}", op=rs.op, trace_id=rs.trace_id
                 )
-            try:
-                self._events.extend(self._decoder.feed(data))
-            except ProtocolError as exc:
-                await self._abort(f"protocol error: {exc}")
-                raise HydraProtocolError(
-                    f"bad reply from {self.address}: {exc}", op=rs.op, trace_id=rs.trace_id
-                ) from exc
-        return self._events.popleft()
+            self._decoder.receive_data(data)
 
     async def receive_payload_into(self, rs: ResponseStream, view: memoryview) -> int:
         """The rest of ``rs``'s payload into ``view``; the bytes written (:meth:`_receive_payload_into`)."""
@@ -397,9 +398,7 @@ class HydraConnection:
             reply = await self._salvage_reply()
             await self._abort("the server closed the connection while the request was sent")
             if reply is not None and reply.header.status != Status.OK:
-                raise error_for_status(
-                    reply.header.status, reply.meta, op=rs.op, trace_id=rs.trace_id
-                ) from exc
+                raise error_for_status(reply.header.status, reply.meta, op=rs.op, trace_id=rs.trace_id) from exc
             raise HydraConnectionClosed(
                 f"{self.address} closed the connection while the request was sent",
                 op=rs.op,
@@ -459,17 +458,14 @@ class HydraConnection:
                     chunk = await f.read(min(CHUNK_SIZE, left))
                     if not chunk:
                         raise OSError(
-                            f"{os.fspath(path)!r} shrank while being sent "
-                            f"({size - left} of {size} bytes sent)"
+                            f"{os.fspath(path)!r} shrank while being sent ({size - left} of {size} bytes sent)"
                         )
                     await self._send_all(chunk, rs)
                     left -= len(chunk)
 
         return ResponseStream(self, op, key, tid, send, check)
 
-    async def exchange(
-        self, op: int, key: str = "", payload: Payload = b"", trace_id: str | None = None
-    ) -> HydraReply:
+    async def exchange(self, op: int, key: str = "", payload: Payload = b"", trace_id: str | None = None) -> HydraReply:
         """One request, the whole reply in memory, whatever its status
         (no HydraError for a non-OK status; transport errors still raise)."""
         async with self.open_request(op, key, payload, trace_id, check=False) as rs:
@@ -487,14 +483,15 @@ class HydraConnection:
 
     async def _receive_payload_into(self, rs: ResponseStream, view: memoryview) -> int:
         """`HydraConnection.receive_payload_into`: read the rest of ``rs``'s payload into ``view`` (at least
-        ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket straight into ``view``
+        ``rs.remaining`` bytes long); returns the bytes written.  On a plain TCP stream the bytes go from the socket
+        straight into ``view``
         (`hydra_trio.transport.net.recv_into_view`: as much as the kernel holds per read), past the decoder; over
         TLS they are decrypted straight into it on a worker thread (`hydra_trio.transport.tls_bulk.tls_recv_into_view`;
         under 256 KiB left: the decrypted chunks are copied in).  ``timeout`` bounds each wait for progress; errors as
         `next_event`."""
         pos = 0
-        while self._events and not rs.done:  # what came with the reply header
-            pos += self._take_event(rs, view, pos)
+        while not rs.done and (ev := self._decoder.next_event()) is not NEED_DATA:  # what came with the reply header
+            pos += self._take_event(rs, view, pos, ev)
         stream = self._stream
         left = self._decoder.payload_remaining
         if not rs.done and left and receives_bulk(stream, left):
@@ -502,29 +499,30 @@ class HydraConnection:
                 got, closed = await recv_bulk_into(stream, view[pos : pos + left], self.timeout)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 await self._abort("connection lost")
-                raise HydraConnectionClosed(f"connection to {self.address} lost: {exc}", op=rs.op,
-                                            trace_id=rs.trace_id) from exc
+                raise HydraConnectionClosed(
+                    f"connection to {self.address} lost: {exc}", op=rs.op, trace_id=rs.trace_id
+                ) from exc
             pos += got
             rs.received += got
-            self._events.extend(self._decoder.skip_payload(got))
+            self._decoder.skip_payload(got)
             if got < left:
                 await self._abort("closed by the server" if closed else "receive timed out")
                 if closed:
-                    raise HydraConnectionClosed(f"{self.address} closed the connection mid-reply", op=rs.op,
-                                                trace_id=rs.trace_id)
-                raise HydraTimeout(f"no reply data from {self.address} for {self.timeout:g} s "
-                                   f"(op 0x{rs.op:02x}, trace {rs.trace_id})", op=rs.op, trace_id=rs.trace_id)
+                    raise HydraConnectionClosed(
+                        f"{self.address} closed the connection mid-reply", op=rs.op, trace_id=rs.trace_id
+                    )
+                raise HydraTimeout(
+                    f"no reply data from {self.address} for {self.timeout:g} s (op 0x{rs.op:02x}, trace {rs.trace_id})",
+                    op=rs.op,
+                    trace_id=rs.trace_id,
+                )
         while not rs.done:  # TLS (or the end event still to come): through the decoder
-            ev = await self.next_event(rs)
-            self._events.appendleft(ev)
-            pos += self._take_event(rs, view, pos)
+            pos += self._take_event(rs, view, pos, await self.next_event(rs))
         return pos
 
-
-    def _take_event(self, rs: ResponseStream, view: memoryview, pos: int) -> int:
-        """Apply the next queued reply event to ``rs``: a payload chunk is copied to ``view[pos:]``
+    def _take_event(self, rs: ResponseStream, view: memoryview, pos: int, ev: ResponseEvent) -> int:
+        """Apply reply event ``ev`` to ``rs``: a payload chunk is copied to ``view[pos:]``
         (its length returned), the end marks the reply complete."""
-        ev = self._events.popleft()
         if isinstance(ev, PayloadChunk):
             view[pos : pos + len(ev.data)] = ev.data
             rs.received += len(ev.data)
@@ -533,9 +531,11 @@ class HydraConnection:
             rs.done = True
             self.reply_complete()
             return 0
-        raise HydraProtocolError(f"unexpected {type(ev).__name__} inside a reply payload",  # pragma: no cover
-                                 op=rs.op, trace_id=rs.trace_id)
-
+        raise HydraProtocolError(
+            f"unexpected {type(ev).__name__} inside a reply payload",  # pragma: no cover
+            op=rs.op,
+            trace_id=rs.trace_id,
+        )
 
     async def _salvage_reply(self) -> ResponseStarted | None:
         """A reply header the server sent before closing, read for at most
@@ -546,13 +546,13 @@ class HydraConnection:
         with trio.move_on_after(min(self.timeout, 2.0)):
             try:
                 while True:
-                    for ev in self._events:
+                    while (ev := self._decoder.next_event()) is not NEED_DATA:
                         if isinstance(ev, ResponseStarted):
                             return ev
                     data = await stream.receive_some(CHUNK_SIZE)
                     if not data:
                         return None
-                    self._events.extend(self._decoder.feed(data))
+                    self._decoder.receive_data(data)
             except (trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
                 return None
         return None

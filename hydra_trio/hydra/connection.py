@@ -30,16 +30,16 @@ import trio
 
 from ..engine import BlobBuffer
 from ..errors import HydraTrioError, InvalidRequest, NotSupported
-from ..http.metrics import NodeMetrics
-from ..protocol.hydra import Op, Status, encode_response, is_store_op
-from .gate import ConnectionTrust
+from ..protocol.hydra import Op, Status, encode_response, is_store_op, op_name
+from ..service.metrics import NodeMetrics
 from ..transport.net import wait_peer_closed
+from .gate import ConnectionTrust
 from .ops import OPS, OpContext, OpTarget, payload_buffer
 from .session import HydraRequest
 
 log = logging.getLogger("hydra_trio.hydra")
 
-__all__ = ["ServerConnection", "WATCHED_OPS"]
+__all__ = ["WATCHED_OPS", "ServerConnection"]
 
 WATCHED_OPS = frozenset({Op.PREFILL, Op.DECODE})
 """Ops that work long on the engine before (or while) they reply: a peer that closes the connection meanwhile
@@ -80,8 +80,7 @@ class ServerConnection:
         metrics: where each answered request is counted (``hydra_trio:hydra_requests``).
     """
 
-    def __init__(self, target: OpTarget, stream: trio.abc.Stream, trust: ConnectionTrust,
-                 metrics: NodeMetrics) -> None:
+    def __init__(self, target: OpTarget, stream: trio.abc.Stream, trust: ConnectionTrust, metrics: NodeMetrics) -> None:
         self.target = target
         self.stream = stream
         self.trust = trust
@@ -121,7 +120,7 @@ class ServerConnection:
         """
         self.requests += 1
         t0 = time.perf_counter()
-        name = Op(req.op).name if req.op in Op._value2member_map_ else f"0x{req.op:02x}"
+        name = op_name(req.op)
         status: Status | None = Status.OK
         ctx: OpContext | None = None
         try:
@@ -142,8 +141,7 @@ class ServerConnection:
             if req.op not in WATCHED_OPS:
                 await spec.run(ctx)
             elif not await _unless_peer_leaves(self.stream, spec.run, ctx):
-                log.info("[%s] hydra: the peer closed the connection during %s; its work stopped",
-                         req.trace_id, name)
+                log.info("[%s] hydra: the peer closed the connection during %s; its work stopped", req.trace_id, name)
                 status = None  # no reply: nobody is there to read it
         except HydraTrioError as exc:
             status = exc.hydra_status
@@ -154,18 +152,30 @@ class ServerConnection:
         finally:
             self._record(req, name, status, ctx, time.perf_counter() - t0)
 
-    def _record(self, req: HydraRequest, name: str, status: Status | None, ctx: OpContext | None,
-                seconds: float) -> None:
+    def _record(
+        self, req: HydraRequest, name: str, status: Status | None, ctx: OpContext | None, seconds: float
+    ) -> None:
         """One count in ``/metrics`` and one log line for an answered (or broken-off) request."""
         outcome = Status(status).name if status is not None else "NO_REPLY"
         self.metrics.hydra_request(
-            name if req.op in OPS else "unknown", outcome, seconds,
+            name if req.op in OPS else "unknown",
+            outcome,
+            seconds,
             state_in=req.payload_len if req.op == Op.STATE_PUT and status == Status.OK else 0,
             state_out=ctx.blob_bytes_sent if ctx is not None else 0,
         )
         log.info(
             "[%s] hydra %s key=%r %d bytes -> %s in %.1f ms",
-            req.trace_id, name, req.key, req.payload_len, outcome, seconds * 1e3,
-            extra={"trace_id": req.trace_id, "op": name, "ms": round(seconds * 1e3, 3),
-                   **({"slot": int(req.key)} if req.key.isascii() and req.key.isdigit() and len(req.key) < 10 else {})},
+            req.trace_id,
+            name,
+            req.key,
+            req.payload_len,
+            outcome,
+            seconds * 1e3,
+            extra={
+                "trace_id": req.trace_id,
+                "op": name,
+                "ms": round(seconds * 1e3, 3),
+                **({"slot": int(req.key)} if req.key.isascii() and req.key.isdigit() and len(req.key) < 10 else {}),
+            },
         )

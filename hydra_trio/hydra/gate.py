@@ -30,11 +30,11 @@ import json
 import logging
 from typing import Any
 
-from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
-from ..protocol import strict
-from ..protocol.hydra import Op
-from ..protocol.strict import MessageError
 from ..errors import InvalidRequest
+from ..protocol.hydra import Op, op_name
+from ..transport.access import AllowList, Peer, Refusals, Secrets, allowed
+from ..validation import strict
+from ..validation.strict import MessageError
 
 log = logging.getLogger("hydra_trio.hydra")
 
@@ -91,18 +91,25 @@ class ConnectionTrust:
             InvalidRequest: BAD_REQUEST with ``refused`` in its meta, for a wrong token or a
                 control op on an untrusted connection.
         """
-        name = Op(op).name if op in Op._value2member_map_ else f"0x{op:02x}"
+        name = op_name(op)
         if op == Op.CONFIGURE:
             payload, answer = self._configure_auth(payload, name)
             if answer is not None:
                 return payload, answer
         if op in CONTROL_OPS and not self.trusted:
-            why = (f"peer {self.peer} is not in {self.gate.control_allow.flag or '--control-allow'} "
-                   f"({self.gate.control_allow})" if self.gate.control_allow is not None
-                   else "this node requires --hydra-token for control ops")
-            raise self._refuse("not_allowed", f"{name} refused: {why}; send the node's token (hydra-trio commands: --token or "
-                               f"$HYDRA_TRIO_TOKEN; HydraClient(token=...)) as CONFIGURE "
-                               f'{{"{AUTH_KEY}": ...}} first, or connect from an allowed address', name)
+            why = (
+                f"peer {self.peer} is not in {self.gate.control_allow.flag or '--control-allow'} "
+                f"({self.gate.control_allow})"
+                if self.gate.control_allow is not None
+                else "this node requires --hydra-token for control ops"
+            )
+            raise self._refuse(
+                "not_allowed",
+                f"{name} refused: {why}; send the node's token (hydra-trio commands: --token or "
+                f"$HYDRA_TRIO_TOKEN; HydraClient(token=...)) as CONFIGURE "
+                f'{{"{AUTH_KEY}": ...}} first, or connect from an allowed address',
+                name,
+            )
         return payload, None
 
     def _configure_auth(self, payload: bytearray, name: str) -> tuple[bytearray, dict[str, Any] | None]:
@@ -123,8 +130,14 @@ class ConnectionTrust:
         rest = bytearray(json.dumps(params).encode()) if params else bytearray()
         if params:
             return rest, None
-        return rest, {"success": True, "trusted": self.trusted, "tier": 1, "params_applied": {},
-                      "deferred_keys": [], "unrecognized_keys": []}
+        return rest, {
+            "success": True,
+            "trusted": self.trusted,
+            "tier": 1,
+            "params_applied": {},
+            "deferred_keys": [],
+            "unrecognized_keys": [],
+        }
 
     def _refuse(self, reason: str, error: str, op: str) -> InvalidRequest:
         self.gate.refused["hydra", reason] += 1

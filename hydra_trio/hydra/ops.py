@@ -27,20 +27,20 @@ from typing import Any
 import attrs
 import trio
 
-from ..transport.tls_bulk import send_bulk
 from .._version import __version__
-from ..openai.tools import ChatTools, parse_reply
+from ..engine import TRANSFER_POOL, BlobBuffer, Engine, PipelineAttach, Reconfigure, SetExpertMode, SwapQuant
+from ..engine.settings import DEFAULT_PATTERN
+from ..errors import Busy, HydraTrioError, InvalidRequest, NotSupported
+from ..models.presets import PRESETS, resolve_model
 from ..openai.reasoning import ChatReplyText
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
-from ..engine.settings import DEFAULT_PATTERN
-from ..engine import BlobBuffer, Engine, PipelineAttach, Reconfigure, SetExpertMode, SwapQuant, TRANSFER_POOL
-from ..errors import Busy, HydraTrioError, InvalidRequest, NotSupported
+from ..openai.tools import ChatTools, parse_reply
+from ..protocol.hydra import DecodeFramer, Op, Status, encode_response, encode_response_header
+from ..rpc_backend.backend import RpcBackend
 from ..service import completions, node, slots
 from ..service.completions import PreparedCompletion
-from ..rpc_backend.backend import RpcBackend
-from ..models.presets import PRESETS, resolve_model
-from ..protocol import messages as msg
-from ..protocol.hydra import DecodeFramer, Op, Status, encode_response, encode_response_header
+from ..transport.tls_bulk import send_bulk
+from . import messages as msg
 from .session import HydraRequest, HydraSettings
 
 log = logging.getLogger("hydra_trio.hydra")
@@ -48,10 +48,24 @@ _SLOT_ID = re.compile(r"0|-?[1-9][0-9]{0,8}", re.ASCII)  # plain ASCII decimal: 
 
 CAPABILITIES = [
     # the names Core knows from the cluster's llama-server fork where they mean the same, then hydra-trio's finer ones
-    "state_transfer", "expert_mode", "preset", "model_hash",
-    "state_get", "state_put", "state_meta", "configure", "info",
-    "prefill", "decode", "set_expert_mode", "openai_http", "kv_checksum",
-    "quant_swap", "kv_identity", "cross_model_kv", "pipeline_attach",
+    "state_transfer",
+    "expert_mode",
+    "preset",
+    "model_hash",
+    "state_get",
+    "state_put",
+    "state_meta",
+    "configure",
+    "info",
+    "prefill",
+    "decode",
+    "set_expert_mode",
+    "openai_http",
+    "kv_checksum",
+    "quant_swap",
+    "kv_identity",
+    "cross_model_kv",
+    "pipeline_attach",
 ]
 
 
@@ -90,7 +104,9 @@ class OpContext:
         header = encode_response_header(Status.OK, meta, len(blob))
         view = blob.view() if isinstance(blob, BlobBuffer) else memoryview(blob)
         step = self.target.state_chunk_size
-        wait = self.target.settings.request_timeout  # a client that reads none of it holds no buffer (or thread) for ever
+        wait = (
+            self.target.settings.request_timeout
+        )  # a client that reads none of it holds no buffer (or thread) for ever
         try:  # on plain TCP the header rides in the first write
             await send_bulk(self.stream, view, step, wait, head=header, sent=self._count_sent)
         except trio.TooSlowError:
@@ -134,8 +150,9 @@ async def state_get(ctx: OpContext) -> None:
         n_past, blob = await slots.save(e, id_slot)
         try:
             event.update(bytes=len(blob), n_past=n_past)
-            await ctx.send_blob({"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **node.identity(e)},
-                                blob)
+            await ctx.send_blob(
+                {"slot_id": id_slot, "n_past": n_past, "state_size": len(blob), **node.identity(e)}, blob
+            )
         finally:
             slots.release(blob)
 
@@ -195,15 +212,22 @@ def _model_fallback(e: Engine, body: ChatCompletionRequest | CompletionRequest) 
     return isinstance(body.model, str) and body.model not in ("", e.identity.model_alias)
 
 
-async def _prepare(ctx: OpContext, e: Engine, id_slot: int, body: ChatCompletionRequest | CompletionRequest,
-                   n_predict: int, **changes: Any) -> PreparedCompletion:
+async def _prepare(
+    ctx: OpContext,
+    e: Engine,
+    id_slot: int,
+    body: ChatCompletionRequest | CompletionRequest,
+    n_predict: int,
+    **changes: Any,
+) -> PreparedCompletion:
     """PREFILL's / DECODE's completion: a chat's prepared in a worker thread that stops when the peer leaves
     (:func:`hydra_trio.service.completions.prepare`), a continuation at once; it fails BUSY rather than wait
     when the slot works."""
     changes.update(fail_if_busy=True, request_id=ctx.req.trace_id)
     if isinstance(body, ChatCompletionRequest):
         return await completions.prepare(
-            lambda: completions.prepare_chat(e, body, n_predict=n_predict, id_slot=id_slot), **changes)
+            lambda: completions.prepare_chat(e, body, n_predict=n_predict, id_slot=id_slot), **changes
+        )
     return completions.prepare_continue(e, body, n_predict=n_predict, id_slot=id_slot).changed(**changes)
 
 
@@ -217,11 +241,19 @@ async def prefill(ctx: OpContext) -> None:
         done = await run.result()
     assert done.state is not None
     n_past, blob = done.state
-    await ctx.send_blob({
-        "slot_id": id_slot, "n_past": n_past, "tokens_processed": done.prompt_n, "cache_n": done.cache_n,
-        "prefill_ms": round((time.perf_counter() - t0) * 1e3, 3), "state_size": len(blob),
-        "model_fallback": _model_fallback(e, body), **node.identity(e),
-    }, blob)
+    await ctx.send_blob(
+        {
+            "slot_id": id_slot,
+            "n_past": n_past,
+            "tokens_processed": done.prompt_n,
+            "cache_n": done.cache_n,
+            "prefill_ms": round((time.perf_counter() - t0) * 1e3, 3),
+            "state_size": len(blob),
+            "model_fallback": _model_fallback(e, body),
+            **node.identity(e),
+        },
+        blob,
+    )
 
 
 async def decode(ctx: OpContext) -> None:
@@ -256,8 +288,12 @@ async def decode(ctx: OpContext) -> None:
     framer = DecodeFramer(budget)
     streamed = parsed.stream is not False
     meta: dict[str, Any] = {
-        "slot_id": id_slot, "n_predict": budget, "frame_size": 9, "stream": streamed,
-        "model_fallback": _model_fallback(e, parsed.body), **node.identity(e),
+        "slot_id": id_slot,
+        "n_predict": budget,
+        "frame_size": 9,
+        "stream": streamed,
+        "model_fallback": _model_fallback(e, parsed.body),
+        **node.identity(e),
     }
     async with completions.run(e, prepared) as run:
         # wait for the slot before the reply header: BUSY must be a status, not padding
@@ -271,8 +307,13 @@ async def decode(ctx: OpContext) -> None:
             end = run.finished
             assert end is not None
             frames += framer.finish(end.stop_reason, pad=False)
-            meta.update(tokens_generated=framer.tokens_generated, reasoning_tokens=reply.reasoning_tokens, n_past=end.n_past,
-                        stop_reason=end.stop_reason, **_tool_calls(reply, prepared.plan.tools))
+            meta.update(
+                tokens_generated=framer.tokens_generated,
+                reasoning_tokens=reply.reasoning_tokens,
+                n_past=end.n_past,
+                stop_reason=end.stop_reason,
+                **_tool_calls(reply, prepared.plan.tools),
+            )
             await ctx.stream.send_all(encode_response_header(Status.OK, meta, len(frames)) + frames)
             return
         meta["n_past"] = assigned.n_prompt
@@ -311,10 +352,19 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
     """INFO meta (docs/hydra-protocol.md §3): Core's keys, then hydra-trio's own (the node's facts that ``/props``
     reports too come from :mod:`hydra_trio.service.node`)."""
     e, rpc = target.engine, target.rpc
-    experts = e.experts.snapshot() if e is not None else {
-        "mode": "solo", "peer_addr": "", "peer_reachable": False, "layer_split": DEFAULT_PATTERN,
-        "combined_head_attached": False, "fallback_reason": None, "peer_attach": "none",
-    }
+    experts = (
+        e.experts.snapshot()
+        if e is not None
+        else {
+            "mode": "solo",
+            "peer_addr": "",
+            "peer_reachable": False,
+            "layer_split": DEFAULT_PATTERN,
+            "combined_head_attached": False,
+            "fallback_reason": None,
+            "peer_attach": "none",
+        }
+    )
     meta: dict[str, Any] = {
         "engine": "hydra-trio",
         "version": __version__,
@@ -326,15 +376,22 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
         **experts,
         "pipeline_capable": e is not None,
         **(e.quants.snapshot() if e is not None else {"quants": [], "quant": None}),
-        "quant_swap": {"whole_model": True, "tensor_subsets": False,
-                       "peak_memory": "the old model + the new one + one KV blob per slot holding tokens"},
+        "quant_swap": {
+            "whole_model": True,
+            "tensor_subsets": False,
+            "peak_memory": "the old model + the new one + one KV blob per slot holding tokens",
+        },
         "protocols": ["http", "hydra"] + (["ggml_rpc"] if rpc is not None else []),
         "state_chunk_size": target.state_chunk_size,
     }
     if rpc is not None:
         meta["rpc_backend"] = {
-            "devices": list(rpc.settings.devices), "connections": rpc.connections, "bytes_in": rpc.bytes_in,
-            "bytes_out": rpc.bytes_out, "restarts": rpc.restarts, "pid": rpc.pid,
+            "devices": list(rpc.settings.devices),
+            "connections": rpc.connections,
+            "bytes_in": rpc.bytes_in,
+            "bytes_out": rpc.bytes_out,
+            "restarts": rpc.restarts,
+            "pid": rpc.pid,
             **rpc.stats(),  # waiting, serving, crashes, closed by reason, invalid_messages by check, ...
         }
     if e is None:
@@ -417,7 +474,8 @@ async def set_expert_mode(ctx: OpContext) -> None:
 
 async def swap_quant(ctx: OpContext) -> None:
     """SWAP_QUANT: the whole model to another of the node's quants, through the control channel
-    (an exclusive engine task, :mod:`hydra_trio.engine.quants`); a pattern that leaves some tensors out is NOT_IMPLEMENTED."""
+    (an exclusive engine task, :mod:`hydra_trio.engine.quants`); a pattern that leaves some tensors out is
+    NOT_IMPLEMENTED."""
     e = ctx.engine()
     want = ctx.parse(msg.parse_swap_quant, swapped=False)
     target = e.quants.paths.get(want.quant_key)
@@ -429,16 +487,20 @@ async def swap_quant(ctx: OpContext) -> None:
             raise InvalidRequest(f"tensor_pattern: {exc}").with_meta(swapped=False) from None
         try:  # the file is parsed and the regex run in a worker thread: never on the event loop
             names, picked, on_peer = await trio.to_thread.run_sync(
-                _pattern_scope, target[0], want.tensor_pattern, e.experts.pattern, abandon_on_cancel=True)
+                _pattern_scope, target[0], want.tensor_pattern, e.experts.pattern, abandon_on_cancel=True
+            )
         except (OSError, ValueError) as exc:
             raise HydraTrioError(f"quant {want.quant_key!r}: cannot read {target[0]}: {exc}").with_meta(
-                swapped=False) from None
+                swapped=False
+            ) from None
         if picked != names:  # not the whole model: only the peer's tensors on a COMBINED head
             experts_only = e.experts.combined is not None and picked == on_peer
             if not experts_only:
-                raise NotSupported(f"tensor_pattern picks {len(picked)} of {len(names)} tensors: a swap takes the "
-                                   "whole model (an empty pattern), or on a COMBINED head exactly the tensors on "
-                                   f"its peer ({e.experts.pattern!r})").with_meta(swapped=False)
+                raise NotSupported(
+                    f"tensor_pattern picks {len(picked)} of {len(names)} tensors: a swap takes the "
+                    "whole model (an empty pattern), or on a COMBINED head exactly the tensors on "
+                    f"its peer ({e.experts.pattern!r})"
+                ).with_meta(swapped=False)
     try:
         meta = await e.run_task(SwapQuant(want.quant_key, experts_only=experts_only, trace_id=ctx.req.trace_id))
     except HydraTrioError as exc:

@@ -17,11 +17,11 @@ from typing import Any
 
 import trio
 
-from ..transport.access import AccessSettings, Peer, Refusals, new_refusals
 from ..engine import Engine
-from ..transport.frontdoor import AcceptedStream
 from ..rpc_backend.backend import RpcBackend
-from ..http.metrics import NodeMetrics
+from ..service.metrics import NodeMetrics
+from ..transport.access import AccessSettings, Peer, Refusals, new_refusals
+from ..transport.frontdoor import AcceptedStream
 from ..transport.tls import peer_of
 from .connection import ServerConnection
 from .gate import Gate

@@ -2,7 +2,7 @@
 
 The layer under the operations (as hypercorn's ``TCPServer`` is under its
 protocol): bytes from the socket go through the sans-I/O
-:class:`~hydra_trio.protocol.hydra.RequestDecoder`; each whole request is
+:class:`~hydra_trio.protocol.hydra.RequestDecoder` (``receive_data`` / ``next_event``); each whole request is
 handed to the connection's one protocol object (a :class:`ConnectionProtocol`,
 in the node :class:`hydra_trio.hydra.connection.ServerConnection`), which also
 says how large each op's payload may be and whether it is kept; a framing error is answered as its
@@ -24,16 +24,18 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..transport.tls_bulk import receives_bulk, recv_bulk_into
 from ..engine import BlobBuffer, RunningChecksum
 from ..protocol.hydra import (
+    NEED_DATA,
     PayloadChunk,
     ProtocolError,
     RequestDecoder,
     RequestEnded,
+    RequestHeader,
     RequestStarted,
     encode_response,
 )
+from ..transport.tls_bulk import receives_bulk, recv_bulk_into
 
 log = logging.getLogger("hydra_trio.hydra")
 
@@ -181,7 +183,8 @@ async def serve_connection(
             got, closed = await recv_bulk_into(stream, into, settings.request_timeout, hash_piece)
             del into  # no view of the buffer outlives the receive
             req.filled += got
-            req = await _handle_events(dec.skip_payload(got), req, protocol)
+            dec.skip_payload(got)
+            req, _ = await _handle_events(dec, req, protocol)
             if req is not None and req.filled < req.payload_len:  # the log lines of the receive loop below
                 if closed:
                     log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
@@ -204,12 +207,8 @@ async def serve_connection(
             if req is not None:
                 log.info("[%s] hydra: peer closed mid-request (op 0x%02x); nothing applied", req.trace_id, req.op)
             return
-        error: ProtocolError | None = None
-        try:
-            events = dec.feed(data)
-        except ProtocolError as exc:
-            events, error = list(exc.events or []), exc  # requests completed before the bad bytes
-        req = await _handle_events(events, req, protocol)
+        dec.receive_data(data)
+        req, error = await _handle_events(dec, req, protocol)  # the requests before bad bytes are answered
         if error is not None:
             await _refuse(stream, error)
             return
@@ -227,9 +226,21 @@ def _direct_target(req: HydraRequest | None, dec: RequestDecoder, stream: Any) -
     return req.payload.view()[req.filled : req.filled + left] if left else None
 
 
-async def _handle_events(events: list[Any], req: HydraRequest | None, protocol: ConnectionProtocol) -> HydraRequest | None:
-    """Feed decoder events into the request in progress; hand each completed request to ``protocol``."""
-    for ev in events:
+async def _handle_events(
+    dec: RequestDecoder,
+    req: HydraRequest | None,
+    protocol: ConnectionProtocol,
+) -> tuple[HydraRequest | None, ProtocolError | None]:
+    """Read the decoder's events until it needs data into the request in progress; hand each completed
+    request to ``protocol``.  Returns the request still in progress and the error that broke the framing
+    (the decoder is closed then), or None."""
+    while True:
+        try:
+            ev = dec.next_event()
+        except ProtocolError as exc:
+            return req, exc
+        if ev is NEED_DATA:
+            return req, None
         if isinstance(ev, RequestStarted):
             h = ev.header
             req = HydraRequest(h.op, ev.key, ev.trace_id, h.flags, h.payload_len, ev.key_error)
@@ -250,7 +261,6 @@ async def _handle_events(events: list[Any], req: HydraRequest | None, protocol: 
             assert req is not None
             await protocol.handle(req)
             req = None
-    return req
 
 
 async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
@@ -258,6 +268,7 @@ async def _refuse(stream: trio.abc.Stream, error: ProtocolError) -> None:
     if error.reply:
         h = error.header
         log.warning("hydra: %s; replying %s and closing", error, error.status.name)
-        await stream.send_all(encode_response(error.status, {"error": str(error), "op": h.op if h else None}))
+        op = h.op if isinstance(h, RequestHeader) else None  # a request's framing: its header, if read
+        await stream.send_all(encode_response(error.status, {"error": str(error), "op": op}))
     else:
         log.warning("hydra: %s; closing without a reply", error)

@@ -249,9 +249,7 @@ class ResponseStream(_ReplyReader[bytes]):
             self.payload_len = ev.header.payload_len
             if self._check and self.status != Status.OK:
                 await self.drain()
-                raise error_for_status(
-                    ev.header.status, ev.meta, op=self.op, trace_id=self.trace_id
-                )
+                raise error_for_status(ev.header.status, ev.meta, op=self.op, trace_id=self.trace_id)
         except BaseException:
             await conn.end_exchange(failed=True)
             raise
@@ -299,8 +297,10 @@ class ResponseStream(_ReplyReader[bytes]):
         that is too small (nothing read), `HydraTimeout`, `HydraConnectionClosed`, `HydraProtocolError`."""
         view = memoryview(buffer).cast("B")
         if view.readonly or len(view) < self.remaining:
-            raise ValueError(f"the buffer must be writable and hold {self.remaining} bytes "
-                             f"({'read-only' if view.readonly else f'{len(view)} bytes'})")
+            raise ValueError(
+                f"the buffer must be writable and hold {self.remaining} bytes "
+                f"({'read-only' if view.readonly else f'{len(view)} bytes'})"
+            )
         if self.done:
             return 0
         return await self._conn.receive_payload_into(self, view)

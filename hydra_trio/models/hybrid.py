@@ -82,10 +82,15 @@ def make_test_hybrid(src: Path, dst: Path, seed: int = SEED) -> Path:
             tensors[f"{b}.shortconv.in_proj.weight"] = random_matrix(rng, 3 * N_EMBD, N_EMBD)
             tensors[f"{b}.shortconv.out_proj.weight"] = random_matrix(rng, N_EMBD, N_EMBD)
     kv = {
-        "context_length": 8192, "embedding_length": N_EMBD, "feed_forward_length": N_FF,
-        "block_count": len(LAYERS), "attention.head_count": N_HEAD,
+        "context_length": 8192,
+        "embedding_length": N_EMBD,
+        "feed_forward_length": N_FF,
+        "block_count": len(LAYERS),
+        "attention.head_count": N_HEAD,
         "attention.head_count_kv": [N_HEAD_KV if k == "attn" else 0 for k in LAYERS],
-        "rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5, "shortconv.l_cache": L_CACHE,
+        "rope.freq_base": 10000.0,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "shortconv.l_cache": L_CACHE,
         "vocab_size": n_vocab,
     }
     write_gguf(dst, ARCH, f"tiny {ARCH} hybrid (random weights, test)", kv, tok_fields, tensors)
@@ -112,10 +117,16 @@ def make_test_swa(src: Path, dst: Path, seed: int = SEED) -> Path:
         for norm in ("attn_norm", "post_attention_norm", "post_ffw_norm"):
             tensors[f"{b}.{norm}.weight"] = np.ones(N_EMBD, dtype=np.float32)
     kv = {
-        "context_length": 8192, "embedding_length": N_EMBD, "feed_forward_length": N_FF,
-        "block_count": SWA_LAYERS, "attention.head_count": N_HEAD, "attention.head_count_kv": N_HEAD_KV,
-        "attention.key_length": head_dim, "attention.value_length": head_dim,
-        "attention.sliding_window": SWA_WINDOW, "rope.freq_base": 10000.0,
+        "context_length": 8192,
+        "embedding_length": N_EMBD,
+        "feed_forward_length": N_FF,
+        "block_count": SWA_LAYERS,
+        "attention.head_count": N_HEAD,
+        "attention.head_count_kv": N_HEAD_KV,
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "attention.sliding_window": SWA_WINDOW,
+        "rope.freq_base": 10000.0,
         "attention.layer_norm_rms_epsilon": 1e-6,
     }
     write_gguf(dst, "gemma3", "tiny gemma3 SWA (random weights, test)", kv, tok_fields, tensors)
@@ -133,7 +144,9 @@ def source_tokenizer(src: Path) -> tuple[int, list]:
     return len(tokens.data), [f for f in reader.fields.values() if f.name.startswith("tokenizer.")]
 
 
-def random_matrix(rng: np.random.Generator, rows: int, cols: int, scale: float = 1.0, dtype: type = np.float32) -> np.ndarray:
+def random_matrix(
+    rng: np.random.Generator, rows: int, cols: int, scale: float = 1.0, dtype: type = np.float32
+) -> np.ndarray:
     """A (rows, cols) numpy matrix = ggml {cols, rows}: ``cols`` is the input width."""
     return (rng.standard_normal((rows, cols), dtype=np.float32) * (scale / np.sqrt(cols))).astype(dtype)
 

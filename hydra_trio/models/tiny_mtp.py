@@ -92,17 +92,30 @@ def make_test_mtp(src: Path, dst: Path, seed: int = SEED) -> Path:
         tensors.update(_moe(rng, b))
     tensors.update(_nextn(rng, f"blk.{N_LAYER}"))
     kv = {
-        "context_length": 8192, "embedding_length": N_EMBD, "feed_forward_length": N_FF_SHEXP,
-        "block_count": N_LAYER + 1, "nextn_predict_layers": 1,
-        "attention.head_count": N_HEAD, "attention.head_count_kv": N_HEAD_KV,
-        "attention.key_length": HEAD_DIM, "attention.value_length": HEAD_DIM,
-        "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0,
-        "rope.dimension_count": N_ROT, "rope.dimension_sections": ROPE_SECTIONS,
-        "expert_count": N_EXPERT, "expert_used_count": N_EXPERT_USED,
-        "expert_feed_forward_length": N_FF_EXP, "expert_shared_feed_forward_length": N_FF_SHEXP,
-        "ssm.conv_kernel": SSM_D_CONV, "ssm.state_size": SSM_D_STATE, "ssm.group_count": SSM_N_GROUP,
-        "ssm.time_step_rank": SSM_DT_RANK, "ssm.inner_size": SSM_D_STATE * SSM_DT_RANK,
-        "full_attention_interval": 4, "vocab_size": n_vocab,
+        "context_length": 8192,
+        "embedding_length": N_EMBD,
+        "feed_forward_length": N_FF_SHEXP,
+        "block_count": N_LAYER + 1,
+        "nextn_predict_layers": 1,
+        "attention.head_count": N_HEAD,
+        "attention.head_count_kv": N_HEAD_KV,
+        "attention.key_length": HEAD_DIM,
+        "attention.value_length": HEAD_DIM,
+        "attention.layer_norm_rms_epsilon": 1e-6,
+        "rope.freq_base": 10000.0,
+        "rope.dimension_count": N_ROT,
+        "rope.dimension_sections": ROPE_SECTIONS,
+        "expert_count": N_EXPERT,
+        "expert_used_count": N_EXPERT_USED,
+        "expert_feed_forward_length": N_FF_EXP,
+        "expert_shared_feed_forward_length": N_FF_SHEXP,
+        "ssm.conv_kernel": SSM_D_CONV,
+        "ssm.state_size": SSM_D_STATE,
+        "ssm.group_count": SSM_N_GROUP,
+        "ssm.time_step_rank": SSM_DT_RANK,
+        "ssm.inner_size": SSM_D_STATE * SSM_DT_RANK,
+        "full_attention_interval": 4,
+        "vocab_size": n_vocab,
     }
     write_gguf(dst, ARCH, f"tiny {ARCH} with one MTP layer (random weights, test)", kv, tok_fields, tensors)
     log.info("wrote test MTP model %s (%s, %d layers + 1 MTP, n_embd %d)", dst, ARCH, N_LAYER, N_EMBD)
@@ -147,6 +160,7 @@ def _attention(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
 
 def _moe(rng: np.random.Generator, b: str) -> dict[str, np.ndarray]:
     """Routed experts (numpy ``(E, rows, cols)`` = ggml ``{cols, rows, E}``) and the gated shared expert."""
+
     def experts(rows: int, cols: int, scale: float = 1.0) -> np.ndarray:
         return np.stack([random_matrix(rng, rows, cols, scale) for _ in range(N_EXPERT)])
 

@@ -118,20 +118,22 @@ def _write_model(src: Path, dst: Path, rng: np.random.Generator) -> None:
     }
     for il in range(N_LAYER):
         b = f"blk.{il}"
-        tensors.update({
-            f"{b}.attn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
-            f"{b}.attn_q.weight": random_matrix(rng, N_HEAD * HEAD_DIM, N_EMBD),
-            f"{b}.attn_q.bias": random_matrix(rng, 1, N_HEAD * HEAD_DIM, 0.1)[0],
-            f"{b}.attn_k.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
-            f"{b}.attn_k.bias": random_matrix(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
-            f"{b}.attn_v.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
-            f"{b}.attn_v.bias": random_matrix(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
-            f"{b}.attn_output.weight": random_matrix(rng, N_EMBD, N_HEAD * HEAD_DIM, 2.0),
-            f"{b}.ffn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
-            f"{b}.ffn_gate.weight": random_matrix(rng, N_FF, N_EMBD),
-            f"{b}.ffn_up.weight": random_matrix(rng, N_FF, N_EMBD),
-            f"{b}.ffn_down.weight": random_matrix(rng, N_EMBD, N_FF, 0.5),
-        })
+        tensors.update(
+            {
+                f"{b}.attn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
+                f"{b}.attn_q.weight": random_matrix(rng, N_HEAD * HEAD_DIM, N_EMBD),
+                f"{b}.attn_q.bias": random_matrix(rng, 1, N_HEAD * HEAD_DIM, 0.1)[0],
+                f"{b}.attn_k.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
+                f"{b}.attn_k.bias": random_matrix(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
+                f"{b}.attn_v.weight": random_matrix(rng, N_HEAD_KV * HEAD_DIM, N_EMBD),
+                f"{b}.attn_v.bias": random_matrix(rng, 1, N_HEAD_KV * HEAD_DIM, 0.1)[0],
+                f"{b}.attn_output.weight": random_matrix(rng, N_EMBD, N_HEAD * HEAD_DIM, 2.0),
+                f"{b}.ffn_norm.weight": np.ones(N_EMBD, dtype=np.float32),
+                f"{b}.ffn_gate.weight": random_matrix(rng, N_FF, N_EMBD),
+                f"{b}.ffn_up.weight": random_matrix(rng, N_FF, N_EMBD),
+                f"{b}.ffn_down.weight": random_matrix(rng, N_EMBD, N_FF, 0.5),
+            }
+        )
     with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), ARCH)) as w:
         w.add_string("general.name", f"tiny {ARCH} (random weights, test)")
         w.add_context_length(8192)
@@ -193,15 +195,17 @@ def _write_mmproj(dst: Path, rng: np.random.Generator) -> None:
         tensors[f"{b}.ffn_up.bias"] = _vec(rng, V_FF, 0.1)
         tensors[f"{b}.ffn_down.weight"] = random_matrix(rng, V_EMBD, V_FF)
         tensors[f"{b}.ffn_down.bias"] = _vec(rng, V_EMBD, 0.1)
-    tensors.update({
-        # the merger: LayerNorm (Qwen2-VL's ln_q), then an MLP from 2 × 2 patches to the language model's width
-        "v.post_ln.weight": np.ones(V_EMBD, dtype=np.float32),
-        "v.post_ln.bias": np.zeros(V_EMBD, dtype=np.float32),
-        "mm.0.weight": random_matrix(rng, merged, merged, 2.0),
-        "mm.0.bias": _vec(rng, merged, 0.1),
-        "mm.2.weight": random_matrix(rng, N_EMBD, merged, 2.0),  # embeddings of about a token embedding's size
-        "mm.2.bias": _vec(rng, N_EMBD, 0.1),
-    })
+    tensors.update(
+        {
+            # the merger: LayerNorm (Qwen2-VL's ln_q), then an MLP from 2 × 2 patches to the language model's width
+            "v.post_ln.weight": np.ones(V_EMBD, dtype=np.float32),
+            "v.post_ln.bias": np.zeros(V_EMBD, dtype=np.float32),
+            "mm.0.weight": random_matrix(rng, merged, merged, 2.0),
+            "mm.0.bias": _vec(rng, merged, 0.1),
+            "mm.2.weight": random_matrix(rng, N_EMBD, merged, 2.0),  # embeddings of about a token embedding's size
+            "mm.2.bias": _vec(rng, N_EMBD, 0.1),
+        }
+    )
     with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), "clip")) as w:
         w.add_string("general.name", f"tiny {PROJECTOR_TYPE} projector (random weights, test)")
         w.add_clip_has_vision_encoder(True)

@@ -7,21 +7,21 @@ import logging
 import trio
 
 from ..config import ServerConfig
-from ..transport.access import is_loopback, new_refusals
+from ..engine import TRANSFER_POOL, AttachPeerAtStart, Engine, PeerGone, peer_listening
 from ..errors import Busy
-from ..engine import AttachPeerAtStart, Engine, peer_listening, PeerGone, TRANSFER_POOL
-from ..observability.events import EventBus
-from ..transport.frontdoor import FrontDoor
-from ..transport.listen import open_tcp_listeners
-from ..hydra.server import HydraHandler
 from ..http import HttpHandler
 from ..http.app import build_app
 from ..http.inflight import InFlight
-from ..http.metrics import NodeMetrics
+from ..hydra.server import HydraHandler
 from ..observability import progress
-from ..observability.node_stats import ProgressEvents, StatsTicker
+from ..observability.events import EventBus
 from ..protocol.classify import Protocol
 from ..rpc_backend.backend import RpcBackend
+from ..service.metrics import NodeMetrics
+from ..service.node_stats import ProgressEvents, StatsTicker
+from ..transport.access import is_loopback, new_refusals
+from ..transport.frontdoor import FrontDoor
+from ..transport.listen import open_tcp_listeners
 from ..transport.tunnel import TunnelPool
 
 log = logging.getLogger("hydra_trio.server")
@@ -56,18 +56,37 @@ class Server:
             self.rpc.child.events = self.events
         self.inflight = InFlight()
         """The HTTP requests doing work (:mod:`hydra_trio.http.inflight`)."""
-        self.metrics = NodeMetrics(self.engine, self.frontdoor.counts, self.rpc, lambda: self.frontdoor.active,
-                                   self.frontdoor.open_by_protocol, refused=self.refused,
-                                   events=self.events, http_in_flight=self.inflight.counts)
+        self.metrics = NodeMetrics(
+            self.engine,
+            self.frontdoor.counts,
+            self.rpc,
+            lambda: self.frontdoor.active,
+            self.frontdoor.open_by_protocol,
+            refused=self.refused,
+            events=self.events,
+            http_in_flight=self.inflight.counts,
+        )
         self._progress_events = ProgressEvents(self.events)
-        self.stats = StatsTicker(self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc)
-        self.app = build_app(self.engine, self.frontdoor.counts, self.rpc, config.http, lambda: self.frontdoor.active,
-                             events=self.events, node_metrics=self.metrics, access=config.access, refused=self.refused,
-                             inflight=self.inflight)
+        self.stats = StatsTicker(
+            self.events, self.engine, self.frontdoor.counts, lambda: self.frontdoor.active, self.rpc
+        )
+        self.app = build_app(
+            self.engine,
+            self.frontdoor.counts,
+            self.rpc,
+            config.http,
+            lambda: self.frontdoor.active,
+            events=self.events,
+            node_metrics=self.metrics,
+            access=config.access,
+            refused=self.refused,
+            inflight=self.inflight,
+        )
         self.http = HttpHandler(self.app, config.http)
         self.frontdoor.handlers[Protocol.HTTP] = self.http
-        self.hydra = HydraHandler(self.engine, config.hydra, rpc=self.rpc, metrics=self.metrics,
-                                  access=config.access, refused=self.refused)
+        self.hydra = HydraHandler(
+            self.engine, config.hydra, rpc=self.rpc, metrics=self.metrics, access=config.access, refused=self.refused
+        )
         self.frontdoor.handlers[Protocol.HYDRA] = self.hydra
         if self.rpc is not None:
             self.frontdoor.handlers[Protocol.GGML_RPC] = self.rpc
@@ -85,14 +104,18 @@ class Server:
             ModelLoadError: the model failed to load (the node stops).
         """
         cfg = self.config
-        listeners = self._listeners = await _open_listeners(cfg.host, (cfg.port, *cfg.extra_ports),
-                                                            cfg.reuse_port)
+        listeners = self._listeners = await _open_listeners(cfg.host, (cfg.port, *cfg.extra_ports), cfg.reuse_port)
         progress.add_listener(self._progress_events)
         self.ports = list(dict.fromkeys(listener.socket.getsockname()[1] for listener in listeners))
         self.port = self.ports[0]
-        log.info("listening on %s port%s %s (HTTP, Hydra and ggml-RPC share each port); status page http://%s:%d/, "
-                 "live events ws://%s:%d/v1/events", cfg.host, "s" if len(self.ports) > 1 else "",
-                 ", ".join(map(str, self.ports)), *(_url_host(cfg.host), self.port) * 2)
+        log.info(
+            "listening on %s port%s %s (HTTP, Hydra and ggml-RPC share each port); status page http://%s:%d/, "
+            "live events ws://%s:%d/v1/events",
+            cfg.host,
+            "s" if len(self.ports) > 1 else "",
+            ", ".join(map(str, self.ports)),
+            *(_url_host(cfg.host), self.port) * 2,
+        )
         self._warn_open_rpc(listeners)
         try:
             async with trio.open_nursery() as outer:  # the tunnels outlive the engine, which frees its peer's buffers
@@ -114,13 +137,15 @@ class Server:
         non-loopback address (llama.cpp's rpc-server warns likewise: never expose it on an open network)."""
         if self.rpc is None or self.config.rpc_backend is None or self.config.rpc_backend.allow is not None:
             return
-        exposed = [host for host in (listener.socket.getsockname()[0] for listener in listeners)
-                   if not is_loopback(host)]
+        exposed = [
+            host for host in (listener.socket.getsockname()[0] for listener in listeners) if not is_loopback(host)
+        ]
         if exposed:
             log.warning(
                 "ggml-RPC is open to every peer that reaches %s:%d: its commands write into this node's memory. "
                 "Limit it with --rpc-allow CIDR (e.g. the cluster network) or turn it off with --no-rpc-backend",
-                "/".join(sorted(set(exposed))), self.port,
+                "/".join(sorted(set(exposed))),
+                self.port,
             )
 
     async def _run_parts(self, listeners: list[trio.SocketListener], task_status: trio.TaskStatus[Server]) -> None:
@@ -141,7 +166,6 @@ class Server:
             elif self.engine is not None:  # a peer may come later (SET_EXPERT_MODE, PIPELINE_ATTACH)
                 nursery.start_soon(self._watch_peer)
             task_status.started(self)
-
 
     def begin_stop(self) -> None:
         """The node is stopping (a stop signal came, or :meth:`shutdown` began): from now on a ggml-RPC child
@@ -183,8 +207,12 @@ class Server:
         if self.frontdoor.active:
             e = self.engine
             requests = e.requests_processing + e.requests_waiting if e is not None else 0
-            log.warning("grace period of %.1f s over: ending %d connections (%d requests)",
-                        grace, self.frontdoor.active, requests)
+            log.warning(
+                "grace period of %.1f s over: ending %d connections (%d requests)",
+                grace,
+                self.frontdoor.active,
+                requests,
+            )
             await self._end_in_flight(f"the node is stopping: its shutdown grace of {grace:g} s is over")
         self._scope.cancel()
 
@@ -276,7 +304,8 @@ async def serve(config: ServerConfig, *, task_status: trio.TaskStatus[Server] = 
 
 
 async def _trim_transfer_pool(every: float = 5.0) -> None:
-    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s`` (:mod:`hydra_trio.engine.kv.blobbuf`)."""
+    """Unmap the KV transfer pool's idle buffer once it has been idle its ``keep_s``
+    (:mod:`hydra_trio.engine.kv.blobbuf`)."""
     while True:
         await trio.sleep(every)
         if TRANSFER_POOL.idle_bytes:

@@ -46,7 +46,7 @@ class TextFormatter(logging.Formatter):
     def __init__(self, timestamps: bool = True) -> None:
         super().__init__(("%(asctime)s " if timestamps else "") + "%(levelname)-7s %(name)s: %(message)s")
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+    def formatMessage(self, record: logging.LogRecord) -> str:  # logging's name
         extras = "".join(f" {k}={getattr(record, k)}" for k in REQUEST_FIELDS if getattr(record, k, None) is not None)
         return escape_controls(super().formatMessage(record) + extras)
 
@@ -57,13 +57,22 @@ def json_formatter() -> logging.Formatter:
     from pythonjsonlogger.json import JsonFormatter
 
     return JsonFormatter(
-        "{levelname}{name}{message}", style="{", timestamp="ts",
+        "{levelname}{name}{message}",
+        style="{",
+        timestamp="ts",
         rename_fields={"levelname": "level", "name": "logger", "message": "msg"},
     )
 
 
-def configure_logging(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None, *,
-                      file: str | None = None, timestamps: bool = True, disabled: bool = False) -> None:
+def configure_logging(
+    level: str = "INFO",
+    fmt: str = "text",
+    stream: TextIO | None = None,
+    *,
+    file: str | None = None,
+    timestamps: bool = True,
+    disabled: bool = False,
+) -> None:
     """Send every logger's records to ``stream`` (stderr) at ``level`` in format ``fmt`` (``text`` or ``json``).
 
     Replaces the root logger's handlers, as ``logging.basicConfig(force=True)``.  llama-server's log flags:

@@ -149,8 +149,13 @@ class Step:
                 return
             self._last_log, self._last_logged_done = now, done
         if self.total:
-            log.info("%s: %3.0f%% (%s of %s)", self.name, 100 * done / self.total,
-                     _amount(done, self.unit), _amount(self.total, self.unit))
+            log.info(
+                "%s: %3.0f%% (%s of %s)",
+                self.name,
+                100 * done / self.total,
+                _amount(done, self.unit),
+                _amount(self.total, self.unit),
+            )
         else:
             log.info("%s: %s", self.name, _amount(done, self.unit) if done else "working")
 
@@ -188,9 +193,16 @@ class _Display:
 
         return Progress(
             # markup=False: names hold file names and peer addresses, shown as they are ("[/x]" is not a tag)
-            SpinnerColumn(), TextColumn("{task.description}", markup=False), BarColumn(), TaskProgressColumn(),
-            TextColumn("{task.fields[amount]}", markup=False), TimeElapsedColumn(),
-            console=self._console, transient=True, redirect_stdout=False, redirect_stderr=False,
+            SpinnerColumn(),
+            TextColumn("{task.description}", markup=False),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[amount]}", markup=False),
+            TimeElapsedColumn(),
+            console=self._console,
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
         )
 
     def start(self, s: Step) -> None:
@@ -295,7 +307,9 @@ def step(name: str, total: float | None = None, unit: str = "") -> Iterator[Step
             if s.total is not None:
                 s.done = s.total
             if not bar:
-                amount = f" ({_amount(s.total, unit)})" if s.total else (f" ({_amount(s.done, unit)})" if s.done else "")
+                amount = (
+                    f" ({_amount(s.total, unit)})" if s.total else (f" ({_amount(s.done, unit)})" if s.done else "")
+                )
                 log.info("%s: done in %.0f ms%s", name, s.elapsed_ms, amount)
         _notify(name, s.done, s.total, True)
 

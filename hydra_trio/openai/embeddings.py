@@ -31,10 +31,10 @@ from typing import Any
 
 import attrs
 
-from ..engine import Embedding, float32_bytes, ModelView, n_embd_out
+from ..engine import Embedding, ModelView, float32_bytes, n_embd_out
 from ..engine.settings import INT32_MAX
-from ..protocol import strict as msg
-from ..protocol.strict import MessageError
+from ..validation import strict as msg
+from ..validation.strict import MessageError
 from .schemas import CONVERTER
 
 OAI_NONE_POOLING = "Pooling type 'none' is not OAI compatible. Please use a different pooling type"
@@ -68,14 +68,20 @@ class EmbeddingsRequest:
 
     def check(self) -> None:
         if self.input is None and self.content is None:
-            raise MessageError("input: required (\"input\" or \"content\" must be provided): a string, a list of "
-                               "strings, a list of token ids or a list of token-id lists")
+            raise MessageError(
+                'input: required ("input" or "content" must be provided): a string, a list of '
+                "strings, a list of token ids or a list of token-id lists"
+            )
         if self.encoding_format not in (None, "float", "base64"):
-            raise MessageError(f"encoding_format: {self.encoding_format!r} is not supported; "
-                               "The format to return the embeddings in. Can be either float or base64")
+            raise MessageError(
+                f"encoding_format: {self.encoding_format!r} is not supported; "
+                "The format to return the embeddings in. Can be either float or base64"
+            )
         if self.embd_normalize is not None and not -1 <= self.embd_normalize <= INT32_MAX:
-            raise MessageError(f"embd_normalize: must be -1 (none), 0 (max absolute, int16), 1 (taxicab), "
-                               f"2 (Euclidean) or a larger p-norm, got {self.embd_normalize}")
+            raise MessageError(
+                f"embd_normalize: must be -1 (none), 0 (max absolute, int16), 1 (taxicab), "
+                f"2 (Euclidean) or a larger p-norm, got {self.embd_normalize}"
+            )
 
 
 CONVERTER.register(EmbeddingsRequest, forbid_extra=False)
@@ -93,8 +99,10 @@ def split_inputs(value: Any, field: str) -> list[tuple[str, Any]]:
     if isinstance(value, str):
         return [(field, value)]
     if not isinstance(value, list):
-        raise MessageError(f"{field}: expected a string, a list of strings, a list of token ids or a list of "
-                           f"token-id lists, got {msg.type_name(value)}")
+        raise MessageError(
+            f"{field}: expected a string, a list of strings, a list of token ids or a list of "
+            f"token-id lists, got {msg.type_name(value)}"
+        )
     if not value:
         raise MessageError(f"{field}: must not be empty")
     if any(_is_id(x) for x in value):
@@ -137,13 +145,15 @@ def check_input_count(body: EmbeddingsRequest, max_inputs: int) -> list[tuple[st
     """
     items = split_inputs(body.input if body.input is not None else body.content, body.field)
     if len(items) > max_inputs:
-        raise MessageError(f"{body.field}: {len(items)} inputs; at most {max_inputs} fit in one request "
-                           "(--max-embedding-inputs)")
+        raise MessageError(
+            f"{body.field}: {len(items)} inputs; at most {max_inputs} fit in one request (--max-embedding-inputs)"
+        )
     return items
 
 
-def tokenize_inputs(m: ModelView, body: EmbeddingsRequest, max_tokens: int, why: str,
-                    max_inputs: int = INT32_MAX) -> list[tuple[str, list[int]]]:
+def tokenize_inputs(
+    m: ModelView, body: EmbeddingsRequest, max_tokens: int, why: str, max_inputs: int = INT32_MAX
+) -> list[tuple[str, list[int]]]:
     """Every input of ``body`` as ``(name, tokens)``, checked: at most ``max_inputs`` of them
     (:func:`check_input_count`), none empty, none over ``max_tokens``.
 
@@ -152,8 +162,10 @@ def tokenize_inputs(m: ModelView, body: EmbeddingsRequest, max_tokens: int, why:
     if body.dimensions is not None:
         n_embd = n_embd_out(m)
         if body.dimensions != n_embd:
-            raise MessageError(f"dimensions: this model's embeddings have {n_embd} dimensions; "
-                               f"other sizes are not supported, got {body.dimensions}")
+            raise MessageError(
+                f"dimensions: this model's embeddings have {n_embd} dimensions; "
+                f"other sizes are not supported, got {body.dimensions}"
+            )
     out = [(name, input_tokens(m, name, item)) for name, item in check_input_count(body, max_inputs)]
     for name, tokens in out:
         if len(tokens) > max_tokens:
@@ -167,8 +179,14 @@ def openai_body(results: Sequence[Embedding], model: str, *, base64_floats: bool
     for i, r in enumerate(results):
         vec = r.vectors[0]
         if base64_floats:
-            data.append({"embedding": base64.b64encode(float32_bytes(vec)).decode("ascii"), "index": i,
-                         "object": "embedding", "encoding_format": "base64"})
+            data.append(
+                {
+                    "embedding": base64.b64encode(float32_bytes(vec)).decode("ascii"),
+                    "index": i,
+                    "object": "embedding",
+                    "encoding_format": "base64",
+                }
+            )
         else:
             data.append({"embedding": list(vec), "index": i, "object": "embedding"})
     n = sum(r.n_tokens for r in results)

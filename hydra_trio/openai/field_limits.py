@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 
 from ..engine.settings import FLT_MAX, INT32_MAX, INT32_MIN, UINT32_MAX, ParameterError
-from ..protocol.strict import TypeMismatch, type_name
+from ..validation.strict import TypeMismatch, type_name
 
 INT64_MAX = 2**63 - 1
 N_PROBS_MAX = 100
@@ -70,7 +70,8 @@ class NumField:
     def __attrs_post_init__(self) -> None:
         if self.ctype in ("int32", "uint32", "int64"):
             lo, hi = {"int32": (INT32_MIN, INT32_MAX), "uint32": (0, UINT32_MAX), "int64": (-INT64_MAX - 1, INT64_MAX)}[
-                self.ctype]
+                self.ctype
+            ]
             object.__setattr__(self, "lo", max(lo, self.lo))
             object.__setattr__(self, "hi", min(hi, self.hi))
         elif self.clamp_float:
@@ -91,32 +92,47 @@ _PENALTY = NumField("float", clamp_float=False)
 
 FIELDS: dict[str, NumField] = {
     # the token budget and its aliases (read: n_predict, max_completion_tokens, max_tokens)
-    "n_predict": _BUDGET, "max_completion_tokens": _BUDGET, "max_tokens": _BUDGET,
+    "n_predict": _BUDGET,
+    "max_completion_tokens": _BUDGET,
+    "max_tokens": _BUDGET,
     "n_keep": _BUDGET,
     "n_discard": _COUNT,
     "n_cache_reuse": _COUNT,
     # completions per request (hard 1 .. the slot count in llama-server; only 1 here, checked by the body)
-    "n_cmpl": _ANY_INT, "n": _ANY_INT,
+    "n_cmpl": _ANY_INT,
+    "n": _ANY_INT,
     "t_max_predict_ms": NumField("int64", -1, INT64_MAX, hard=True),
     "top_k": NumField("int32", 0, INT32_MAX),
-    "top_p": _SOFT_01, "min_p": _SOFT_01, "xtc_probability": _SOFT_01, "xtc_threshold": _SOFT_01,
-    "top_n_sigma": _ANY_FLOAT, "typical_p": _ANY_FLOAT,
+    "top_p": _SOFT_01,
+    "min_p": _SOFT_01,
+    "xtc_probability": _SOFT_01,
+    "xtc_threshold": _SOFT_01,
+    "top_n_sigma": _ANY_FLOAT,
+    "typical_p": _ANY_FLOAT,
     "temperature": NumField("float", 0.0),
-    "dynatemp_range": _ANY_FLOAT, "dynatemp_exponent": _ANY_FLOAT,
+    "dynatemp_range": _ANY_FLOAT,
+    "dynatemp_exponent": _ANY_FLOAT,
     "repeat_last_n": _WINDOW,
-    "repeat_penalty": _PENALTY, "frequency_penalty": _PENALTY, "presence_penalty": _PENALTY,
+    "repeat_penalty": _PENALTY,
+    "frequency_penalty": _PENALTY,
+    "presence_penalty": _PENALTY,
     "dry_multiplier": _ANY_FLOAT,
     "dry_base": _ANY_FLOAT,  # below 1: the node's default (llama-server's handler; SamplingParams' caller)
-    "dry_allowed_length": _COUNT, "dry_penalty_last_n": _WINDOW,
+    "dry_allowed_length": _COUNT,
+    "dry_penalty_last_n": _WINDOW,
     "mirostat": NumField("int32", 0, 2),
-    "mirostat_tau": _ANY_FLOAT, "mirostat_eta": _ANY_FLOAT,
+    "mirostat_tau": _ANY_FLOAT,
+    "mirostat_eta": _ANY_FLOAT,
     "adaptive_target": NumField("float", -FLT_MAX, 1.0),
     "adaptive_decay": NumField("float", 0.0, 0.99, hard=True),
     "seed": NumField("uint32"),
     # alternatives per token: n_probs, its alias logprobs (completions); a chat's top_logprobs becomes n_probs
-    "n_probs": _ANY_INT, "logprobs": _ANY_INT, "top_logprobs": _ANY_INT,
+    "n_probs": _ANY_INT,
+    "logprobs": _ANY_INT,
+    "top_logprobs": _ANY_INT,
     "min_keep": _COUNT,
-    "reasoning_budget_tokens": _BUDGET, "thinking_budget_tokens": _BUDGET,
+    "reasoning_budget_tokens": _BUDGET,
+    "thinking_budget_tokens": _BUDGET,
 }
 """Every numeric request field, under each of its names, as ``tools/server/server-schema.cpp`` declares it."""
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from ..engine import MAX_GRAMMAR_BYTES
 from ..errors import InvalidRequest
@@ -61,23 +61,59 @@ MAX_INTEGER_DIGITS = 16
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-ANNOTATIONS = frozenset({
-    "title", "description", "default", "examples", "example", "$schema", "$id", "$comment", "$defs",
-    "definitions", "readOnly", "writeOnly", "deprecated", "discriminator", "$anchor", "contentMediaType",
-    "contentEncoding",
-})
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "example",
+        "$schema",
+        "$id",
+        "$comment",
+        "$defs",
+        "definitions",
+        "readOnly",
+        "writeOnly",
+        "deprecated",
+        "discriminator",
+        "$anchor",
+        "contentMediaType",
+        "contentEncoding",
+    }
+)
 """Keywords that constrain nothing (accepted, and not enforced because there is nothing to enforce)."""
 
 _APPLIES_TO = {
-    "properties": "object", "required": "object", "additionalProperties": "object",
-    "minProperties": "object", "maxProperties": "object", "patternProperties": "object",
-    "propertyNames": "object", "dependentRequired": "object", "dependentSchemas": "object",
-    "dependencies": "object", "unevaluatedProperties": "object",
-    "items": "array", "prefixItems": "array", "minItems": "array", "maxItems": "array",
-    "uniqueItems": "array", "contains": "array", "minContains": "array", "maxContains": "array",
-    "additionalItems": "array", "unevaluatedItems": "array",
-    "minLength": "string", "maxLength": "string", "pattern": "string", "format": "string",
-    "minimum": "number", "maximum": "number", "exclusiveMinimum": "number", "exclusiveMaximum": "number",
+    "properties": "object",
+    "required": "object",
+    "additionalProperties": "object",
+    "minProperties": "object",
+    "maxProperties": "object",
+    "patternProperties": "object",
+    "propertyNames": "object",
+    "dependentRequired": "object",
+    "dependentSchemas": "object",
+    "dependencies": "object",
+    "unevaluatedProperties": "object",
+    "items": "array",
+    "prefixItems": "array",
+    "minItems": "array",
+    "maxItems": "array",
+    "uniqueItems": "array",
+    "contains": "array",
+    "minContains": "array",
+    "maxContains": "array",
+    "additionalItems": "array",
+    "unevaluatedItems": "array",
+    "minLength": "string",
+    "maxLength": "string",
+    "pattern": "string",
+    "format": "string",
+    "minimum": "number",
+    "maximum": "number",
+    "exclusiveMinimum": "number",
+    "exclusiveMaximum": "number",
     "multipleOf": "number",
 }
 """The JSON type each type-specific keyword constrains (on values of another type it holds vacuously)."""
@@ -91,20 +127,32 @@ _PRIMITIVES: dict[str, tuple[str, tuple[str, ...]]] = {
     "integral-part": ("[0] | [1-9] [0-9]{0,15}", ()),
     "decimal-part": ("[0-9]{1,16}", ()),
     "integer": ('("-"? integral-part) space', ("integral-part",)),
-    "number": ('("-"? integral-part) ("." decimal-part)? ([eE] [-+]? integral-part)? space',
-               ("integral-part", "decimal-part")),
+    "number": (
+        '("-"? integral-part) ("." decimal-part)? ([eE] [-+]? integral-part)? space',
+        ("integral-part", "decimal-part"),
+    ),
     "char": (r'[^"\\\x7F\x00-\x1F] | [\\] (["\\/bfnrt] | "u" [0-9a-fA-F]{4})', ()),
     "string": (r'"\"" char* "\"" space', ("char",)),
-    "value": ("object | array | string | number | boolean | null",
-              ("object", "array", "string", "number", "boolean", "null")),
-    "object": ('"{" space ( string ":" space value ("," space string ":" space value)* )? "}" space',
-               ("string", "value")),
+    "value": (
+        "object | array | string | number | boolean | null",
+        ("object", "array", "string", "number", "boolean", "null"),
+    ),
+    "object": (
+        '"{" space ( string ":" space value ("," space string ":" space value)* )? "}" space',
+        ("string", "value"),
+    ),
     "array": ('"[" space ( value ("," space value)* )? "]" space', ("value",)),
-    "uuid": (r'"\"" [0-9a-fA-F]{8} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" '
-             r'[0-9a-fA-F]{12} "\"" space', ()),
+    "uuid": (
+        r'"\"" [0-9a-fA-F]{8} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" [0-9a-fA-F]{4} "-" '
+        r'[0-9a-fA-F]{12} "\"" space',
+        (),
+    ),
     "date": ('[0-9]{4} "-" ( "0" [1-9] | "1" [0-2] ) "-" ( "0" [1-9] | [1-2] [0-9] | "3" [0-1] )', ()),
-    "time": ('([01] [0-9] | "2" [0-3]) ":" [0-5] [0-9] ":" [0-5] [0-9] ( "." [0-9]{3} )? '
-             '( "Z" | ( "+" | "-" ) ( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] )', ()),
+    "time": (
+        '([01] [0-9] | "2" [0-3]) ":" [0-5] [0-9] ":" [0-5] [0-9] ( "." [0-9]{3} )? '
+        '( "Z" | ( "+" | "-" ) ( [01] [0-9] | "2" [0-3] ) ":" [0-5] [0-9] )',
+        (),
+    ),
     "date-time": ('date "T" time', ("date", "time")),
     "date-string": (r'"\"" date "\"" space', ("date",)),
     "time-string": (r'"\"" time "\"" space', ("time",)),
@@ -227,17 +275,17 @@ def _same_length(lo: str, hi: str) -> str:
     if rest == 0:
         return f"{prefix}[{a}-{b}]"
     alts = []
-    low_full = lo[i + 1:] == "0" * rest
-    high_full = hi[i + 1:] == "9" * rest
+    low_full = lo[i + 1 :] == "0" * rest
+    high_full = hi[i + 1 :] == "9" * rest
     first = a if low_full else a + 1
     last = b if high_full else b - 1
     if not low_full:
-        alts.append(f'"{a}" ({_same_length(lo[i + 1:], "9" * rest)})')
+        alts.append(f'"{a}" ({_same_length(lo[i + 1 :], "9" * rest)})')
     if first <= last:
         digits = f"[{first}]" if first == last else f"[{first}-{last}]"
         alts.append(f"{digits} [0-9]{{{rest}}}" if rest > 1 else f"{digits} [0-9]")
     if not high_full:
-        alts.append(f'"{b}" ({_same_length("0" * rest, hi[i + 1:])})')
+        alts.append(f'"{b}" ({_same_length("0" * rest, hi[i + 1 :])})')
     return f"{prefix}({' | '.join(alts)})"
 
 
@@ -276,7 +324,7 @@ def integer_range_gbnf(lo: int | None, hi: int | None) -> str:
 class _Pattern:
     """An anchored regular expression (``^...$``) -> GBNF, JSON-string-safe, bounded."""
 
-    _CLASS_ESCAPES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r"}
+    _CLASS_ESCAPES: ClassVar[dict[str, str]] = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r"}
 
     def __init__(self, pattern: str, path: str) -> None:
         self.p = pattern
@@ -288,8 +336,10 @@ class _Pattern:
 
     def convert(self) -> str:
         if len(self.p) > MAX_PATTERN_CHARS:
-            raise SchemaError(f"{self.path}: pattern is {len(self.p)} characters; the limit is "
-                              f"{MAX_PATTERN_CHARS} (MAX_PATTERN_CHARS)")
+            raise SchemaError(
+                f"{self.path}: pattern is {len(self.p)} characters; the limit is "
+                f"{MAX_PATTERN_CHARS} (MAX_PATTERN_CHARS)"
+            )
         if len(self.p) < 2 or self.p[0] != "^" or self.p[-1] != "$" or self.p.endswith("\\$"):
             raise self.fail("it must be anchored with ^ and $")
         self.p = self.p[1:-1]
@@ -408,9 +458,10 @@ class _Pattern:
             end = self.p.find("}", self.i)
             if end < 0:
                 raise self.fail("an unterminated {m,n}")
-            spec = self.p[self.i:end]
+            spec = self.p[self.i : end]
             self.i = end + 1
             parts = spec.split(",")
+            hi: int | None
             try:
                 if len(parts) == 1:
                     lo = hi = int(parts[0])
@@ -423,8 +474,10 @@ class _Pattern:
                 raise self.fail(f"{{{spec[:20]}}} is not a repetition count") from None
             for v in (lo, hi):
                 if v is not None and v > MAX_REPETITION:
-                    raise SchemaError(f"{self.path}: pattern repetition {{{spec[:40]}}}: {v} is over the limit of "
-                                      f"{MAX_REPETITION} (MAX_REPETITION)")
+                    raise SchemaError(
+                        f"{self.path}: pattern repetition {{{spec[:40]}}}: {v} is over the limit of "
+                        f"{MAX_REPETITION} (MAX_REPETITION)"
+                    )
             if hi is not None and hi < lo:
                 raise self.fail(f"{{{spec}}}: the maximum is below the minimum")
             out = f"({item}){{{lo}}}" if lo == hi else f"({item}){{{lo},{'' if hi is None else hi}}}"
@@ -456,8 +509,9 @@ class _Converter:
         if key not in self.rules:
             self.size += len(key) + len(rule.encode("utf-8")) + 6
             if self.size > MAX_GRAMMAR_BYTES:
-                raise SchemaError(f"the grammar for this schema would exceed {MAX_GRAMMAR_BYTES} bytes "
-                                  "(MAX_GRAMMAR_BYTES)")
+                raise SchemaError(
+                    f"the grammar for this schema would exceed {MAX_GRAMMAR_BYTES} bytes (MAX_GRAMMAR_BYTES)"
+                )
         self.rules[key] = rule
         return key
 
@@ -488,8 +542,9 @@ class _Converter:
 
         def only(*allowed: str) -> None:
             for k in sorted(keys - set(allowed)):
-                raise SchemaError(f"{path}: {k} beside {allowed[0]} is not enforced (the grammar follows "
-                                  f"{allowed[0]} alone)")
+                raise SchemaError(
+                    f"{path}: {k} beside {allowed[0]} is not enforced (the grammar follows {allowed[0]} alone)"
+                )
 
         if "$ref" in schema:
             only("$ref")
@@ -498,17 +553,26 @@ class _Converter:
             if key in schema:
                 only(key)
                 alts = self.alternatives(schema[key], f"{path}/{key}")
-                return self.add_rule(rule_name, " | ".join(
-                    self.visit(a, f"{sub}{key}-{i}" if name else f"alternative-{i}", f"{path}/{key}/{i}", depth + 1)
-                    for i, a in enumerate(alts)))
+                return self.add_rule(
+                    rule_name,
+                    " | ".join(
+                        self.visit(a, f"{sub}{key}-{i}" if name else f"alternative-{i}", f"{path}/{key}/{i}", depth + 1)
+                        for i, a in enumerate(alts)
+                    ),
+                )
         t = schema.get("type")
         if isinstance(t, list):
             if not t or not all(isinstance(x, str) for x in t):
                 raise SchemaError(f"{path}: type must be a string or a non-empty list of strings")
             if len(t) == 1:
                 return self.visit({**schema, "type": t[0]}, name, path, depth)
-            return self.add_rule(rule_name, " | ".join(
-                self.visit({**schema, "type": x}, f"{sub}{x}", f"{path}/type/{i}", depth + 1) for i, x in enumerate(t)))
+            return self.add_rule(
+                rule_name,
+                " | ".join(
+                    self.visit({**schema, "type": x}, f"{sub}{x}", f"{path}/type/{i}", depth + 1)
+                    for i, x in enumerate(t)
+                ),
+            )
         if t is not None and t not in _TYPES:
             raise SchemaError(f"{path}: type {t!r} is not a JSON schema type")
         if "const" in schema:
@@ -524,13 +588,16 @@ class _Converter:
                 lits.append(_json_literal(v, f"{path}/enum/{i}"))
                 self.size += len(lits[-1])
                 if self.size > MAX_GRAMMAR_BYTES:
-                    raise SchemaError(f"the grammar for this schema would exceed {MAX_GRAMMAR_BYTES} bytes "
-                                      "(MAX_GRAMMAR_BYTES)")
+                    raise SchemaError(
+                        f"the grammar for this schema would exceed {MAX_GRAMMAR_BYTES} bytes (MAX_GRAMMAR_BYTES)"
+                    )
             return self.add_rule(rule_name, "(" + " | ".join(lits) + ")")
         if t is None:  # no type: the structural keywords decide, as in llama.cpp
-            if "properties" in schema or ("additionalProperties" in schema and schema["additionalProperties"] is not True):
-                t = "object"
-            elif "allOf" in schema:
+            if (
+                "properties" in schema
+                or ("additionalProperties" in schema and schema["additionalProperties"] is not True)
+                or "allOf" in schema
+            ):
                 t = "object"
             elif "items" in schema or "prefixItems" in schema:
                 t = "array"
@@ -579,8 +646,9 @@ class _Converter:
 
     def ref(self, ref: Any, path: str, depth: int) -> str:
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise SchemaError(f"{path}: $ref {str(ref)[:80]!r}: only references into the same document (#/...) "
-                              "are supported")
+            raise SchemaError(
+                f"{path}: $ref {str(ref)[:80]!r}: only references into the same document (#/...) are supported"
+            )
         if ref in self.refs:
             return self.refs[ref]
         target: Any = self.root
@@ -610,8 +678,9 @@ class _Converter:
             raise SchemaError(f"{path}: required must be an array of strings")
         for r in required:
             if r not in props:
-                raise SchemaError(f"{path}: required property {r[:80]!r} has no schema in properties "
-                                  "(it could not be enforced)")
+                raise SchemaError(
+                    f"{path}: required property {r[:80]!r} has no schema in properties (it could not be enforced)"
+                )
         additional = schema.get("additionalProperties", "properties" not in schema)
         if not isinstance(additional, (bool, dict)):
             raise SchemaError(f"{path}: additionalProperties must be a boolean or a schema")
@@ -634,10 +703,15 @@ class _Converter:
                 for i, c in enumerate(self.alternatives(comp["anyOf"], f"{cpath}/anyOf")):
                     add(c, f"{cpath}/anyOf/{i}", False, level + 1)
                 return
-            if not isinstance(comp, dict) or not set(comp) - ANNOTATIONS <= {"type", "properties", "required"} or \
-                    comp.get("type", "object") != "object":
-                raise SchemaError(f"{cpath}: allOf: only object schemas (type, properties, required) and $refs to "
-                                  "them can be combined")
+            if (
+                not isinstance(comp, dict)
+                or not set(comp) - ANNOTATIONS <= {"type", "properties", "required"}
+                or comp.get("type", "object") != "object"
+            ):
+                raise SchemaError(
+                    f"{cpath}: allOf: only object schemas (type, properties, required) and $refs to "
+                    "them can be combined"
+                )
             cprops = comp.get("properties", {})
             if not isinstance(cprops, dict):
                 raise SchemaError(f"{cpath}: properties must be an object")
@@ -659,8 +733,16 @@ class _Converter:
             target = target[int(part)] if isinstance(target, list) else target[part]
         return target
 
-    def object_rule(self, props: list[tuple[str, Any]], required: set[str], additional: Any, name: str, sub: str,
-                    path: str, depth: int) -> str:
+    def object_rule(
+        self,
+        props: list[tuple[str, Any]],
+        required: set[str],
+        additional: Any,
+        name: str,
+        sub: str,
+        path: str,
+        depth: int,
+    ) -> str:
         kv: dict[str, str] = {}
         for pname, pschema in props:
             if not isinstance(pname, str):
@@ -670,8 +752,12 @@ class _Converter:
         req = [p for p, _ in props if p in required]
         opt = [p for p, _ in props if p not in required]
         if additional is not False:
-            value = self.visit({} if additional is True else additional, f"{sub}additional-value",
-                               f"{path}/additionalProperties", depth + 1)
+            value = self.visit(
+                {} if additional is True else additional,
+                f"{sub}additional-value",
+                f"{path}/additionalProperties",
+                depth + 1,
+            )
             kv["*"] = self.add_rule(f"{sub}additional-kv", f'{self.primitive("string")} ":" space {value}')
             opt.append("*")
         rule = '"{" space ' + ' "," space '.join(kv[p] for p in req)
@@ -686,7 +772,8 @@ class _Converter:
                 rests[i] = self.add_rule(f"{sub}{opt[i]}-rest", body + (f" {rests[i + 1]}" if rests[i + 1] else ""))
             alts = " | ".join(
                 kv[k] + (f' ( "," space {kv[k]} )*' if k == "*" else "") + (f" {rests[i]}" if rests[i] else "")
-                for i, k in enumerate(opt))
+                for i, k in enumerate(opt)
+            )
             rule += f' ( "," space ( {alts} ) )?' if req else f" ( {alts} )?"
         return rule + ' "}" space'
 
@@ -706,8 +793,10 @@ class _Converter:
             if len(items) > MAX_SCHEMA_NODES:
                 raise SchemaError(f"the schema has more than {MAX_SCHEMA_NODES} subschemas (MAX_SCHEMA_NODES)")
             if lo > len(items) or (hi is not None and hi < len(items)):
-                raise SchemaError(f"{path}: minItems / maxItems beside a list of {len(items)} {key} is not enforced "
-                                  "(the grammar makes exactly that many)")
+                raise SchemaError(
+                    f"{path}: minItems / maxItems beside a list of {len(items)} {key} is not enforced "
+                    "(the grammar makes exactly that many)"
+                )
             parts = [self.visit(it, f"{sub}tuple-{i}", f"{path}/{key}/{i}", depth + 1) for i, it in enumerate(items)]
             return '"[" space ' + ' "," space '.join(parts) + ' "]" space'
         if items is None and lo == 0 and hi is None:
@@ -724,8 +813,10 @@ class _Converter:
         lengths = "minLength" in schema or "maxLength" in schema
         if "pattern" in schema:
             if lengths or "format" in schema:
-                raise SchemaError(f"{path}: minLength, maxLength or format beside pattern is not enforced "
-                                  "(the grammar follows the pattern alone)")
+                raise SchemaError(
+                    f"{path}: minLength, maxLength or format beside pattern is not enforced "
+                    "(the grammar follows the pattern alone)"
+                )
             if not isinstance(schema["pattern"], str):
                 raise SchemaError(f"{path}: pattern must be a string")
             body = _Pattern(schema["pattern"], path).convert()
@@ -738,20 +829,30 @@ class _Converter:
                 return self.primitive(_FORMATS[fmt])
             if isinstance(fmt, str) and (fmt == "uuid" or (len(fmt) == 5 and fmt[:4] == "uuid" and fmt[4] in "12345")):
                 return self.primitive("uuid")
-            raise SchemaError(f"{path}: format {str(fmt)[:40]!r} cannot be enforced by the grammar (date, time, "
-                              "date-time and uuid can)")
+            raise SchemaError(
+                f"{path}: format {str(fmt)[:40]!r} cannot be enforced by the grammar (date, time, "
+                "date-time and uuid can)"
+            )
         if lengths:
             return r'"\"" ' + _repeat(self.primitive("char"), lo, hi) + r' "\"" space'
         return self.primitive("string")
 
     def integer(self, schema: dict, path: str) -> str:
         lo = hi = None
-        for key, is_min, exclusive in (("minimum", True, False), ("exclusiveMinimum", True, True),
-                                       ("maximum", False, False), ("exclusiveMaximum", False, True)):
+        for key, is_min, exclusive in (
+            ("minimum", True, False),
+            ("exclusiveMinimum", True, True),
+            ("maximum", False, False),
+            ("exclusiveMaximum", False, True),
+        ):
             if key not in schema:
                 continue
             v = schema[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or (isinstance(v, float) and not math.isfinite(v))
+            ):
                 raise SchemaError(f"{path}: {key} must be a finite number")
             if is_min:
                 b = (math.floor(v) + 1) if exclusive else math.ceil(v)
@@ -773,7 +874,9 @@ def _consumed(t: str, schema: dict) -> set[str]:
     if t == "object":
         return {"properties", "required", "additionalProperties", "allOf"}
     if t == "array":
-        return {"items", "prefixItems", "minItems", "maxItems"} | ({"uniqueItems"} if schema.get("uniqueItems") is False else set())
+        return {"items", "prefixItems", "minItems", "maxItems"} | (
+            {"uniqueItems"} if schema.get("uniqueItems") is False else set()
+        )
     if t == "string":
         return {"pattern", "minLength", "maxLength", "format"}
     if t == "integer":

@@ -28,9 +28,9 @@ from typing import Any
 import attrs
 
 from ..errors import HydraTrioError, InvalidRequest
-from ..protocol import strict as msg
 from ..protocol.hydra import Status
 from ..protocol.media import MEDIA_MARKER, MediaItem, MediaSettings
+from ..validation import strict as msg
 
 MAX_MEDIA_ITEMS = 64
 """Most media items in one request (400 beyond; llama-server has no limit)."""
@@ -125,8 +125,7 @@ def check_accepted(parts: Sequence[MediaPart], settings: MediaSettings) -> None:
         if not taken[kind]:
             raise MediaNotSupported(_NOT_SUPPORTED.format(kind))
     if len(parts) > MAX_MEDIA_ITEMS:
-        raise InvalidRequest(f"{len(parts)} media items in one request, more than {MAX_MEDIA_ITEMS} "
-                             "(MAX_MEDIA_ITEMS)")
+        raise InvalidRequest(f"{len(parts)} media items in one request, more than {MAX_MEDIA_ITEMS} (MAX_MEDIA_ITEMS)")
 
 
 def load_media(parts: Sequence[MediaPart], settings: MediaSettings) -> tuple[MediaItem, ...]:
@@ -171,10 +170,12 @@ def read_url(url: str, media_path: Path | None, where: str = "url") -> bytes:
 
     Raises InvalidRequest with llama-server's message and ``where``."""
     if url.startswith("http"):
-        raise InvalidRequest(f"remote media URLs are not fetched: this node makes no network requests; send the "
-                             f"file's bytes as a data: URL (base64) ({where}: {url[:100]!r})")
+        raise InvalidRequest(
+            f"remote media URLs are not fetched: this node makes no network requests; send the "
+            f"file's bytes as a data: URL (base64) ({where}: {url[:100]!r})"
+        )
     if url.startswith("file://"):
-        return _read_file(url[len("file://"):], media_path, where)
+        return _read_file(url[len("file://") :], media_path, where)
     if url.startswith("data:"):
         parts = url.split(",")
         if len(parts) != 2:
@@ -192,8 +193,12 @@ def _read_file(name: str, media_path: Path | None, where: str) -> bytes:
     if media_path is None:
         raise InvalidRequest(f"file:// URLs are not allowed unless --media-path is specified ({where})")
     rel = Path(name)
-    bad = (not name or rel.is_absolute() or any(p in ("..", ".", "") for p in name.split("/"))
-           or any(ord(c) < 32 or c in "\\:" for c in name))
+    bad = (
+        not name
+        or rel.is_absolute()
+        or any(p in ("..", ".", "") for p in name.split("/"))
+        or any(ord(c) < 32 or c in "\\:" for c in name)
+    )
     root = media_path.resolve()
     path = (root / rel).resolve()
     if bad or not path.is_relative_to(root):
@@ -222,12 +227,17 @@ def parse_multimodal_prompt(v: dict[str, Any]) -> MultimodalPrompt:
     """A prompt object.  Raises TypeMismatch: ``prompt_string`` missing or not a string (nor, without
     ``multimodal_data``, a list of token ids and strings), ``multimodal_data`` not a list of strings."""
     if "prompt_string" not in v:
-        raise msg.TypeMismatch('"prompt" elements must be a string, a list of tokens, a JSON object containing a '
-                               'prompt string, or a list of mixed strings & tokens.')
+        raise msg.TypeMismatch(
+            '"prompt" elements must be a string, a list of tokens, a JSON object containing a '
+            "prompt string, or a list of mixed strings & tokens."
+        )
     text, data = v["prompt_string"], v.get("multimodal_data")
     if data is None:
-        if isinstance(text, list) and all(isinstance(t, str) or (isinstance(t, int) and not isinstance(t, bool))
-                                          for t in text) and text:
+        if (
+            isinstance(text, list)
+            and all(isinstance(t, str) or (isinstance(t, int) and not isinstance(t, bool)) for t in text)
+            and text
+        ):
             return MultimodalPrompt(tuple(text))
         if not isinstance(text, str):
             raise msg.TypeMismatch("prompt_string: expected a string or a list of token ids and strings")
@@ -248,8 +258,9 @@ def load_multimodal_data(p: MultimodalPrompt, settings: MediaSettings) -> tuple[
     if settings.mmproj is None:
         raise InvalidRequest(NO_MULTIMODAL_DATA)
     if len(p.data) > MAX_MEDIA_ITEMS:
-        raise InvalidRequest(f"multimodal_data: {len(p.data)} media items, more than {MAX_MEDIA_ITEMS} "
-                             "(MAX_MEDIA_ITEMS)")
+        raise InvalidRequest(
+            f"multimodal_data: {len(p.data)} media items, more than {MAX_MEDIA_ITEMS} (MAX_MEDIA_ITEMS)"
+        )
     items = tuple(MediaItem.of(decode_base64(d, f"multimodal_data[{i}]")) for i, d in enumerate(p.data))
     check_markers(p.prompt, len(items))
     return items
@@ -260,5 +271,7 @@ def check_markers(text: str, n_items: int) -> None:
     ``n_items`` times (``mtmd_tokenize`` refuses other counts: llama-server's ``Failed to tokenize prompt``)."""
     n = text.count(MEDIA_MARKER)
     if n != n_items:
-        raise InvalidRequest(f"Failed to tokenize prompt: the prompt holds the media marker {n} times for "
-                             f"{n_items} media items (the marker is GET /props' media_marker)")
+        raise InvalidRequest(
+            f"Failed to tokenize prompt: the prompt holds the media marker {n} times for "
+            f"{n_items} media items (the marker is GET /props' media_marker)"
+        )

@@ -67,8 +67,9 @@ def select_fields(paths: Sequence[str], obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def task_params(job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = "none",
-                spec_types: str = "none") -> dict[str, Any]:
+def task_params(
+    job: CompletionJob, *, n_keep: int = 0, reasoning_format: str = "none", spec_types: str = "none"
+) -> dict[str, Any]:
     """A request's parameters as llama-server's ``task_params::to_json(only_metrics=true)`` writes them
     (``tools/server/server-task.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors): a slot's
     ``params`` in ``/slots``, ``default_generation_settings.params`` in ``/props``::
@@ -137,8 +138,16 @@ class NativeCompletion:
     """
 
     def __init__(
-        self, *, model: str, return_tokens: bool, n_probs: int, response_fields: Sequence[str] | None,
-        timings_per_token: bool, piece: Callable[[int], bytes], prompt_text: str, settings: dict[str, Any],
+        self,
+        *,
+        model: str,
+        return_tokens: bool,
+        n_probs: int,
+        response_fields: Sequence[str] | None,
+        timings_per_token: bool,
+        piece: Callable[[int], bytes],
+        prompt_text: str,
+        settings: dict[str, Any],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.model = model
@@ -170,8 +179,10 @@ class NativeCompletion:
         if self.n_probs <= 0:
             return []
         tops: Iterable[Any] = ev.top_logprobs or ((),) * len(ev.tokens)
-        return [{**self._token_json(tok, lp), "top_logprobs": [self._token_json(t, v) for t, v in top]}
-                for tok, lp, top in zip(ev.tokens, ev.logprobs, tops, strict=True)]
+        return [
+            {**self._token_json(tok, lp), "top_logprobs": [self._token_json(t, v) for t, v in top]}
+            for tok, lp, top in zip(ev.tokens, ev.logprobs, tops, strict=True)
+        ]
 
     def add(self, ev: TextDelta, assigned: SlotAssigned | None = None) -> dict[str, Any] | None:
         """Record a delta (``assigned``: the slot the request runs on, once known); its stream event (None
@@ -187,8 +198,13 @@ class NativeCompletion:
         if not ev.text and not ev.tokens:
             return None
         chunk: dict[str, Any] = {
-            "index": 0, "content": ev.text, "tokens": list(ev.tokens), "stop": False, "id_slot": self.id_slot,
-            "tokens_predicted": len(self.tokens), "tokens_evaluated": self.n_prompt,
+            "index": 0,
+            "content": ev.text,
+            "tokens": list(ev.tokens),
+            "stop": False,
+            "id_slot": self.id_slot,
+            "tokens_predicted": len(self.tokens),
+            "tokens_evaluated": self.n_prompt,
         }
         if self.timings_per_token:
             chunk["timings"] = self._timings_so_far()
@@ -205,10 +221,13 @@ class NativeCompletion:
         predicted_ms = (now - first) * 1e3
         n = len(self.tokens)
         return {
-            "cache_n": self.cache_n, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "cache_n": self.cache_n,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
             "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms > 0 else 0.0,
-            "predicted_n": n, "predicted_ms": predicted_ms,
+            "predicted_n": n,
+            "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / n if n else 0.0,
             "predicted_per_second": 1e3 * n / predicted_ms if predicted_ms > 0 else 0.0,
         }
@@ -281,17 +300,48 @@ def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
         m = e.solo_model or e.model
         if e.ready and m is not None:
             facts = m.facts()
-            meta.update(vocab_type=facts["vocab_type"], n_vocab=facts["n_vocab"], n_ctx=e.n_ctx_slot,
-                        n_ctx_train=facts["n_ctx_train"], n_embd=facts["n_embd"], n_params=facts["n_params"],
-                        size=facts["size"], ftype=facts["ftype"])
-        data.append({"id": alias, "aliases": [], "tags": [], "object": "model", "created": created,
-                     "owned_by": "hydra-trio", "status": {"value": "loaded" if e.ready else "loading"},
-                     "meta": meta})
-        listed.append({
-            "name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
-            "description": "", "tags": [""],
-            "capabilities": ["completion", "multimodal"] if e.config.media.mmproj is not None else ["completion"],
-            "parameters": "", "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
-                        "parameter_size": "", "quantization_level": ""},
-        })
+            meta.update(
+                vocab_type=facts["vocab_type"],
+                n_vocab=facts["n_vocab"],
+                n_ctx=e.n_ctx_slot,
+                n_ctx_train=facts["n_ctx_train"],
+                n_embd=facts["n_embd"],
+                n_params=facts["n_params"],
+                size=facts["size"],
+                ftype=facts["ftype"],
+            )
+        data.append(
+            {
+                "id": alias,
+                "aliases": [],
+                "tags": [],
+                "object": "model",
+                "created": created,
+                "owned_by": "hydra-trio",
+                "status": {"value": "loaded" if e.ready else "loading"},
+                "meta": meta,
+            }
+        )
+        listed.append(
+            {
+                "name": alias,
+                "model": alias,
+                "modified_at": "",
+                "size": "",
+                "digest": "",
+                "type": "model",
+                "description": "",
+                "tags": [""],
+                "capabilities": ["completion", "multimodal"] if e.config.media.mmproj is not None else ["completion"],
+                "parameters": "",
+                "details": {
+                    "parent_model": "",
+                    "format": "gguf",
+                    "family": "",
+                    "families": [""],
+                    "parameter_size": "",
+                    "quantization_level": "",
+                },
+            }
+        )
     return {"models": listed, "object": "list", "data": data}

@@ -127,7 +127,7 @@ class ThinkingSetup:
         (``auto`` resolved by :func:`resolve_format`)."""
         fmt = resolve_format(check_format(fmt), template_source, prompt)
         pair = opened_in_prompt(prompt) if fmt != "none" else None
-        return cls(fmt, pair, prompt[prompt.rstrip(_WS).rfind(pair[0]):] if pair else None)
+        return cls(fmt, pair, prompt[prompt.rstrip(_WS).rfind(pair[0]) :] if pair else None)
 
     def parser(self) -> ReasoningParser:
         return ReasoningParser(self.fmt, self.prompt_open, opened_text=self.opened_text)
@@ -150,8 +150,13 @@ class ReasoningParser:
             front of ``deepseek-legacy`` content; default: the start marker.
     """
 
-    def __init__(self, fmt: str = "deepseek", prompt_open: tuple[str, str] | None = None,
-                 markers: Iterable[tuple[str, str]] = MARKERS, opened_text: str | None = None) -> None:
+    def __init__(
+        self,
+        fmt: str = "deepseek",
+        prompt_open: tuple[str, str] | None = None,
+        markers: Iterable[tuple[str, str]] = MARKERS,
+        opened_text: str | None = None,
+    ) -> None:
         if fmt not in ("none", "deepseek", "deepseek-legacy"):
             raise ValueError(f"reasoning format {fmt!r}: resolve 'auto' first (resolve_format)")
         self.fmt = fmt
@@ -205,7 +210,7 @@ class ReasoningParser:
                 pair = next((p for p in self.markers if body.startswith(p[0])), None)
                 if pair is not None:
                     self._phase, self._end = _THINK, pair[1]
-                    self._buf = body[len(pair[0]):]
+                    self._buf = body[len(pair[0]) :]
                     continue
                 if not final and (not body or any(p[0].startswith(body) for p in self.markers)):
                     return "", ""  # whitespace, or possibly a marker still arriving
@@ -216,14 +221,14 @@ class ReasoningParser:
                 i = buf.find(self._end)
                 if i >= 0:
                     reasoning.append(self._reason(buf[:i], closing=True))
-                    self._phase, self._buf = _AFTER, buf[i + len(self._end):]
+                    self._phase, self._buf = _AFTER, buf[i + len(self._end) :]
                     continue
                 if final:
                     reasoning.append(self._reason(buf, closing=True))
                     self._buf = ""
                     break
                 keep = _held_suffix(buf, self._end)
-                self._buf = buf[len(buf) - keep:]
+                self._buf = buf[len(buf) - keep :]
                 reasoning.append(self._reason(buf[: len(buf) - keep], closing=False))  # may hold whitespace
                 break
             if self._phase == _AFTER:
@@ -253,7 +258,7 @@ class ReasoningParser:
             self._buf = text + self._buf
             return ""
         self._started = True
-        tail = text[len(body):]
+        tail = text[len(body) :]
         self._buf = tail + self._buf
         return body
 
@@ -277,8 +282,12 @@ class Split:
     content: str
 
 
-def parse(text: str, fmt: str = "deepseek", prompt_open: tuple[str, str] | None = None,
-          markers: Iterable[tuple[str, str]] = MARKERS) -> Split:
+def parse(
+    text: str,
+    fmt: str = "deepseek",
+    prompt_open: tuple[str, str] | None = None,
+    markers: Iterable[tuple[str, str]] = MARKERS,
+) -> Split:
     """The whole-text parse of one reply (same rules as :class:`ReasoningParser`)."""
     p = ReasoningParser(fmt, prompt_open, markers)
     a, b = p.feed(text), p.finish()

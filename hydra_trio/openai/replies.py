@@ -80,8 +80,15 @@ class ResponseContext:
     """
 
     def __init__(
-        self, *, chat: bool, model: str, include_usage: bool, logprobs: bool = False,
-        piece: Callable[[int], bytes] = lambda t: b"", echo: str = "", id: str | None = None,
+        self,
+        *,
+        chat: bool,
+        model: str,
+        include_usage: bool,
+        logprobs: bool = False,
+        piece: Callable[[int], bytes] = lambda t: b"",
+        echo: str = "",
+        id: str | None = None,
         thinking: ThinkingSetup | None = None,
         tools: ChatTools | None = None,
     ) -> None:
@@ -105,16 +112,18 @@ class ResponseContext:
         self._object = "chat.completion.chunk" if chat else "text_completion"
         self._head: str | None = None  # chunk_json's envelope up to the delta
 
-    def chat_chunks(self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool,
-                    end: bool = False) -> list[dict[str, Any]]:
+    def chat_chunks(
+        self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool, end: bool = False
+    ) -> list[dict[str, Any]]:
         """Stream chunks for what a delta added to a chat reply (``split``: its thinking and content;
         ``end``: the reply ended): ``delta.reasoning_content``, then ``delta.content`` and, with tools,
         ``delta.tool_calls`` as the tool-call parser finds them (:func:`hydra_trio.openai.tools.stream_delta`).
         A delta's logprobs ride on its first chunk (an empty delta when its text is held back)."""
         return [self.chunk(d, None, lp) for d, lp in self.chat_deltas(split, logprobs, has_tokens, end)]
 
-    def chat_deltas(self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool,
-                    end: bool = False) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    def chat_deltas(
+        self, split: ReasoningDelta, logprobs: dict[str, Any] | None, has_tokens: bool, end: bool = False
+    ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
         """:meth:`chat_chunks` as ``(delta, logprobs)`` pairs, one per chunk, before the envelope
         (for :meth:`chunk_json`)."""
         p, tools = self.tool_parser, self.tools
@@ -135,8 +144,10 @@ class ResponseContext:
         from the request's fixed head and the delta's own JSON: a stream's per-token chunk without a
         dict and a whole-object encoding for each."""
         if self._head is None:
-            self._head = (f'{{"id":{_encode(self.id)},"object":{_encode(self._object)},"created":{self.created},'
-                          f'"model":{_encode(self.model)},"choices":[{{"index":0,"{"delta" if self.chat else "text"}":')
+            self._head = (
+                f'{{"id":{_encode(self.id)},"object":{_encode(self._object)},"created":{self.created},'
+                f'"model":{_encode(self.model)},"choices":[{{"index":0,"{"delta" if self.chat else "text"}":'
+            )
         return f'{self._head}{_encode(delta)},"logprobs":{_encode(logprobs)},"finish_reason":null}}]}}'
 
     def finish_reason(self, reason: str) -> str:
@@ -240,9 +251,10 @@ class ResponseContext:
             if self.tool_parser is not None and self.tools is not None:  # the content may hold tool calls
                 self.tool_parser.feed(message["content"])
                 self.tool_parser.finish()
-                message = {**api_tools.message(*self.tool_parser.result(), legacy=self.tools.spec.legacy),
-                           **({"reasoning_content": message["reasoning_content"]} if "reasoning_content" in message
-                              else {})}
+                message = {
+                    **api_tools.message(*self.tool_parser.result(), legacy=self.tools.spec.legacy),
+                    **({"reasoning_content": message["reasoning_content"]} if "reasoning_content" in message else {}),
+                }
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": message,

@@ -24,12 +24,11 @@ import attrs
 from cattrs.gen import override
 
 from ..engine.settings import INT32_MAX, UINT32_MAX, ParameterError, SamplingParams, check_stop, parse_samplers
-from ..protocol import strict as msg
-from ..protocol.strict import MessageError
+from ..validation import strict as msg
+from ..validation.strict import MessageError
 from . import field_limits
 from .media import MediaPart, MultimodalPrompt, parse_content, parse_multimodal_prompt
 from .tool_prompt import ToolSpec, check_messages, parse_tool_spec
-
 
 DEFAULT_TOP_LOGPROBS = 20
 """Alternatives per token for a chat request with ``logprobs: true`` and no ``top_logprobs`` (llama-server's
@@ -47,14 +46,38 @@ MAX_RESPONSE_FIELDS = 256
 filtered with them; a reply has far fewer fields)."""
 
 
-def _or(default: Any) -> Any:
-    """attrs converter: ``null`` means the field's default."""
-    return lambda v: default if v is None else v
+# attrs converters: ``null`` means the field's default (named functions, so type checkers see the fields' types)
+def _null_false(v: bool | None) -> bool:
+    return False if v is None else v
+
+
+def _null_true(v: bool | None) -> bool:
+    return True if v is None else v
+
+
+def _null_0(v: int | None) -> int:
+    return 0 if v is None else v
+
+
+def _null_1(v: int | None) -> int:
+    return 1 if v is None else v
+
+
+def _null_minus_1(v: int | None) -> int:
+    return -1 if v is None else v
+
+
+def _null_minus_1_0(v: float | None) -> float:
+    return -1.0 if v is None else v
+
+
+def _null_0_9(v: float | None) -> float:
+    return 0.9 if v is None else v
 
 
 @attrs.frozen
 class StreamOptions:
-    include_usage: bool | None = attrs.field(default=False, converter=_or(False))
+    include_usage: bool | None = attrs.field(default=False, converter=_null_false)
 
 
 @attrs.frozen
@@ -118,14 +141,14 @@ class _GenerationFields:
     """Fields shared by chat and text completions (OpenAI + llama-server extensions)."""
 
     model: str | None = None
-    stream: bool | None = attrs.field(default=False, converter=_or(False))
+    stream: bool | None = attrs.field(default=False, converter=_null_false)
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n_predict: int | None = None  # llama-server
     n: int | None = None  # OpenAI; llama-server reads it after n_cmpl (N_CMPL_NAMES)
     n_cmpl: int | None = None  # llama-server
-    best_of: int | None = attrs.field(default=1, converter=_or(1))
+    best_of: int | None = attrs.field(default=1, converter=_null_1)
     stop: tuple[str, ...] = ()
     temperature: float | None = None
     top_p: float | None = None
@@ -156,11 +179,11 @@ class _GenerationFields:
     # stands for every token of its tokenization (resolved by api.jobs, which has the vocabulary)
     logit_bias: tuple[tuple[int | str, float], ...] = ()
     samplers: tuple[str, ...] | None = None  # llama-server: the chain's order (canonical names)
-    adaptive_target: float | None = attrs.field(default=-1.0, converter=_or(-1.0))  # llama-server: < 0 off
-    adaptive_decay: float | None = attrs.field(default=0.9, converter=_or(0.9))
-    t_max_predict_ms: int | None = attrs.field(default=0, converter=_or(0))  # llama-server: 0 = no limit
-    return_tokens: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server: /completion "tokens"
-    timings_per_token: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
+    adaptive_target: float | None = attrs.field(default=-1.0, converter=_null_minus_1_0)  # llama-server: < 0 off
+    adaptive_decay: float | None = attrs.field(default=0.9, converter=_null_0_9)
+    t_max_predict_ms: int | None = attrs.field(default=0, converter=_null_0)  # llama-server: 0 = no limit
+    return_tokens: bool | None = attrs.field(default=False, converter=_null_false)  # llama-server: /completion "tokens"
+    timings_per_token: bool | None = attrs.field(default=False, converter=_null_false)  # llama-server
     response_fields: tuple[str, ...] | None = None  # llama-server: /completion's field filter
     user: str | None = None  # accepted: it only identifies the end user to the API provider
     service_tier: str | None = None
@@ -168,11 +191,13 @@ class _GenerationFields:
     grammar: str | None = attrs.field(default=None, converter=lambda v: v or None)  # llama-server; "" = none
     json_schema: dict[str, Any] | None = None  # llama-server
     n_probs: int | None = None  # llama-server: top logprobs per token
-    id_slot: int | None = attrs.field(default=-1, converter=_or(-1))  # llama-server: any integer (Engine.submit)
-    cache_prompt: bool | None = attrs.field(default=True, converter=_or(True))  # llama-server
-    ignore_eos: bool | None = attrs.field(default=False, converter=_or(False))  # llama-server
-    n_keep: int | None = None  # llama-server: context shift keeps these prompt tokens (-1: all); null: the node's --keep
-    n_discard: int | None = attrs.field(default=0, converter=_or(0))  # llama-server: 0 = half of those after n_keep
+    id_slot: int | None = attrs.field(default=-1, converter=_null_minus_1)  # llama-server: any integer (Engine.submit)
+    cache_prompt: bool | None = attrs.field(default=True, converter=_null_true)  # llama-server
+    ignore_eos: bool | None = attrs.field(default=False, converter=_null_false)  # llama-server
+    n_keep: int | None = (
+        None  # llama-server: context shift keeps these prompt tokens (-1: all); null: the node's --keep
+    )
+    n_discard: int | None = attrs.field(default=0, converter=_null_0)  # llama-server: 0 = half of those after n_keep
     n_cache_reuse: int | None = None  # llama-server: null: the node's --cache-reuse
     raw: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False)
 
@@ -200,8 +225,10 @@ class _GenerationFields:
             check_stop(self.stop)
             fields = self.response_fields or ()
             if len(fields) > MAX_RESPONSE_FIELDS or any(len(f) > MAX_RESPONSE_FIELDS for f in fields):
-                raise MessageError(f"response_fields: at most {MAX_RESPONSE_FIELDS} paths of at most "
-                                   f"{MAX_RESPONSE_FIELDS} characters (MAX_RESPONSE_FIELDS)")
+                raise MessageError(
+                    f"response_fields: at most {MAX_RESPONSE_FIELDS} paths of at most "
+                    f"{MAX_RESPONSE_FIELDS} characters (MAX_RESPONSE_FIELDS)"
+                )
             if self.dry_sequence_breakers is not None and not self.dry_sequence_breakers:
                 raise MessageError("dry_sequence_breakers: must be a non-empty array of strings")
             for name in _HARD_FIELDS:  # soft-limited fields were clamped when the body was read
@@ -211,8 +238,10 @@ class _GenerationFields:
             raise MessageError(str(exc)) from None
         self.constraint()  # a malformed response_format, or a combination llama-server refuses
         if self.ignore_eos and self.constrained:
-            raise MessageError("ignore_eos: cannot be combined with grammar, json_schema or response_format "
-                               "(a finished grammar allows only end of generation)")
+            raise MessageError(
+                "ignore_eos: cannot be combined with grammar, json_schema or response_format "
+                "(a finished grammar allows only end of generation)"
+            )
 
     def n_predict_effective(self, default: int = -1) -> int:
         """The token budget (the engine's ``CompletionJob.n_predict``), as llama-server resolves it: the first of
@@ -224,7 +253,7 @@ class _GenerationFields:
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def constrained(self) -> bool:
@@ -320,8 +349,17 @@ N_CMPL_NAMES = ("n_cmpl", "n")
 """Completions per request: llama-server's ``n_cmpl``, then its alias ``n`` (OpenAI's)."""
 
 
-_HARD_FIELDS = ("n_keep", "n_discard", "n_cache_reuse", "t_max_predict_ms", "repeat_last_n", "dry_allowed_length",
-                "dry_penalty_last_n", "min_keep", "adaptive_decay")
+_HARD_FIELDS = (
+    "n_keep",
+    "n_discard",
+    "n_cache_reuse",
+    "t_max_predict_ms",
+    "repeat_last_n",
+    "dry_allowed_length",
+    "dry_penalty_last_n",
+    "min_keep",
+    "adaptive_decay",
+)
 """The hard-limited fields (:mod:`~hydra_trio.openai.field_limits`) that are one name each; the token budget's
 names are checked where they are resolved (only the one read)."""
 
@@ -345,7 +383,7 @@ class ChatCompletionRequest(_GenerationFields):
     """``POST /v1/chat/completions`` (OpenAI), with llama-server's extensions."""
 
     messages: tuple[ChatMessage, ...] = ()
-    logprobs: bool | None = attrs.field(default=False, converter=_or(False))
+    logprobs: bool | None = attrs.field(default=False, converter=_null_false)
     top_logprobs: int | None = None
     tools: tuple[Any, ...] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -370,8 +408,10 @@ class ChatCompletionRequest(_GenerationFields):
         spec = parse_tool_spec(self.raw)
         check_messages(self.messages)
         if spec is not None and spec.active and self.constrained:
-            raise MessageError("tools: cannot be combined with grammar, json_schema or response_format "
-                               "(the tool calls have their own grammar)")
+            raise MessageError(
+                "tools: cannot be combined with grammar, json_schema or response_format "
+                "(the tool calls have their own grammar)"
+            )
         object.__setattr__(self, "tool_spec", spec)
         if self.top_logprobs is not None and not self.logprobs:  # its bounds: _GenerationFields.check
             raise MessageError("top_logprobs: needs logprobs: true")
@@ -381,26 +421,31 @@ class ChatCompletionRequest(_GenerationFields):
         ``reasoning_effort`` one of :data:`REASONING_EFFORTS`;
         ``chat_template_kwargs.enable_thinking`` a boolean (llama-server's rule)."""
         if self.reasoning_format is not None and self.reasoning_format not in REASONING_FORMATS:
-            raise MessageError(f"reasoning_format: {self.reasoning_format!r} is not one of "
-                               f"{', '.join(REASONING_FORMATS)}")
+            raise MessageError(
+                f"reasoning_format: {self.reasoning_format!r} is not one of {', '.join(REASONING_FORMATS)}"
+            )
         if (budget := _first_set(self, ("reasoning_budget_tokens", "thinking_budget_tokens"))) is not None:
             try:
                 field_limits.check_hard(*budget)
             except ParameterError as exc:
                 raise MessageError(str(exc)) from None
         if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
-            raise MessageError(f"reasoning_effort: {self.reasoning_effort!r} is not one of "
-                               f"{', '.join(REASONING_EFFORTS)}")
+            raise MessageError(
+                f"reasoning_effort: {self.reasoning_effort!r} is not one of {', '.join(REASONING_EFFORTS)}"
+            )
         kwargs = self.chat_template_kwargs or {}
         if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
-            raise MessageError("chat_template_kwargs.enable_thinking: expected a boolean, "
-                               f"got {msg.type_name(kwargs['enable_thinking'])}")
+            raise MessageError(
+                "chat_template_kwargs.enable_thinking: expected a boolean, "
+                f"got {msg.type_name(kwargs['enable_thinking'])}"
+            )
 
     @property
     def media_parts(self) -> tuple[MediaPart, ...]:
         """Every message's media parts in order, each naming where it is (``messages[i].content[j]``)."""
-        return tuple(attrs.evolve(p, where=f"messages[{i}].{p.where}")
-                     for i, m in enumerate(self.messages) for p in m.media)
+        return tuple(
+            attrs.evolve(p, where=f"messages[{i}].{p.where}") for i, m in enumerate(self.messages) for p in m.media
+        )
 
     @property
     def thinking_budget(self) -> int | None:
@@ -452,7 +497,7 @@ class CompletionRequest(_GenerationFields):
 
     prompt: str | tuple[int | str, ...] | MultimodalPrompt | None = None
     logprobs: int | None = None
-    echo: bool | None = attrs.field(default=False, converter=_or(False))
+    echo: bool | None = attrs.field(default=False, converter=_null_false)
 
     def check(self) -> None:
         super().check()
@@ -482,9 +527,9 @@ class TokenizeRequest:
     ``with_pieces`` answers ``[{"id", "piece"}]`` instead of bare ids (default false)."""
 
     content: str = ""
-    add_special: bool | None = attrs.field(default=False, converter=_or(False))
-    parse_special: bool | None = attrs.field(default=True, converter=_or(True))
-    with_pieces: bool | None = attrs.field(default=False, converter=_or(False))
+    add_special: bool | None = attrs.field(default=False, converter=_null_false)
+    parse_special: bool | None = attrs.field(default=True, converter=_null_true)
+    with_pieces: bool | None = attrs.field(default=False, converter=_null_false)
 
     def check(self) -> None:
         pass
@@ -514,7 +559,7 @@ class SlotFileRequest:
 
 
 # --------------------------------------------------------------------------- converter
-# This module's own strict converter (hydra_trio.protocol.strict) with strict
+# This module's own strict converter (hydra_trio.validation.strict) with strict
 # primitives; these classes allow unknown keys, as OpenAI servers do.
 
 
@@ -671,9 +716,14 @@ _COMMON = dict(
     response_fields=override(struct_hook=_str_list),
     samplers=override(struct_hook=_samplers),
 )
-CONVERTER.register(ChatMessage, forbid_extra=False, content=override(struct_hook=_content),
-               tool_calls=override(struct_hook=_tools), function_call=override(struct_hook=_object_or_null),
-               media=override(omit=True))
+CONVERTER.register(
+    ChatMessage,
+    forbid_extra=False,
+    content=override(struct_hook=_content),
+    tool_calls=override(struct_hook=_tools),
+    function_call=override(struct_hook=_object_or_null),
+    media=override(omit=True),
+)
 _message_hook = CONVERTER.cattrs.get_structure_hook(ChatMessage)
 
 
@@ -686,13 +736,26 @@ def _message(v: Any, t: Any) -> ChatMessage:
 
 CONVERTER.cattrs.register_structure_hook(ChatMessage, _message)
 CONVERTER.register(StreamOptions, forbid_extra=False)
-CONVERTER.register(ChatCompletionRequest, forbid_extra=False, keep_raw=True, tools=override(struct_hook=_tools),
-             tool_choice=override(struct_hook=_tool_choice),
-             chat_template_kwargs=override(struct_hook=_object_or_null), top_logprobs=_number("top_logprobs"),
-             thinking_budget_tokens=_number("thinking_budget_tokens"),
-             reasoning_budget_tokens=_number("reasoning_budget_tokens"), **_COMMON)
-CONVERTER.register(CompletionRequest, forbid_extra=False, keep_raw=True, prompt=override(struct_hook=_prompt),
-               logprobs=_number("logprobs"), **_COMMON)
+CONVERTER.register(
+    ChatCompletionRequest,
+    forbid_extra=False,
+    keep_raw=True,
+    tools=override(struct_hook=_tools),
+    tool_choice=override(struct_hook=_tool_choice),
+    chat_template_kwargs=override(struct_hook=_object_or_null),
+    top_logprobs=_number("top_logprobs"),
+    thinking_budget_tokens=_number("thinking_budget_tokens"),
+    reasoning_budget_tokens=_number("reasoning_budget_tokens"),
+    **_COMMON,
+)
+CONVERTER.register(
+    CompletionRequest,
+    forbid_extra=False,
+    keep_raw=True,
+    prompt=override(struct_hook=_prompt),
+    logprobs=_number("logprobs"),
+    **_COMMON,
+)
 CONVERTER.register(TokenizeRequest, forbid_extra=False)
 CONVERTER.register(DetokenizeRequest, forbid_extra=False)
 CONVERTER.register(SlotFileRequest, forbid_extra=False)

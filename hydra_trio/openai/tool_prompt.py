@@ -15,14 +15,15 @@ from typing import Any
 
 import attrs
 
+from ..validation import strict as msg
+from ..validation.strict import MessageError
 from .json_schema import MAX_SCHEMA_NODES, Document, SchemaError, schema_to_gbnf
-from ..protocol import strict as msg
-from ..protocol.strict import MessageError
-
 
 FORMATS = ("generic", "hermes", "llama3", "mistral")
-GENERIC_INSTRUCTION = ("Respond in JSON format, either with `tool_call` (a request to call tools) or with "
-                       "`response` reply to the user's request")
+GENERIC_INSTRUCTION = (
+    "Respond in JSON format, either with `tool_call` (a request to call tools) or with "
+    "`response` reply to the user's request"
+)
 """llama-server's generic-format system instruction (``common_chat_params_init_generic``)."""
 
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -145,8 +146,10 @@ def parse_tool_spec(raw: dict[str, Any]) -> ToolSpec | None:
     if not isinstance(items, list):
         raise MessageError(f"{field}: expected a list, got {msg.type_name(items)}")
     if len(items) * 3 > MAX_SCHEMA_NODES:  # a call is 3 subschemas at least: its object, its name, its arguments
-        raise MessageError(f"{field}: {len(items)} tools; the grammar of a call holds at most {MAX_SCHEMA_NODES // 3} "
-                           f"(3 subschemas each at least, {MAX_SCHEMA_NODES} in all: MAX_SCHEMA_NODES)")
+        raise MessageError(
+            f"{field}: {len(items)} tools; the grammar of a call holds at most {MAX_SCHEMA_NODES // 3} "
+            f"(3 subschemas each at least, {MAX_SCHEMA_NODES} in all: MAX_SCHEMA_NODES)"
+        )
     tools = tuple(_tool(f"{field}[{i}]", t, legacy=legacy) for i, t in enumerate(items))
     names: set[str] = set()
     for t in tools:
@@ -164,8 +167,9 @@ def parse_tool_spec(raw: dict[str, Any]) -> ToolSpec | None:
     elif isinstance(choice_raw, str):
         allowed = ("auto", "none") if legacy else ("auto", "none", "required")
         if choice_raw not in allowed:
-            raise MessageError(f"{choice_field}: expected one of {', '.join(allowed)} or a named function, "
-                               f"got {choice_raw[:40]!r}")
+            raise MessageError(
+                f"{choice_field}: expected one of {', '.join(allowed)} or a named function, got {choice_raw[:40]!r}"
+            )
         choice = choice_raw
     elif isinstance(choice_raw, dict):
         if legacy:
@@ -176,8 +180,10 @@ def parse_tool_spec(raw: dict[str, Any]) -> ToolSpec | None:
             fn = choice_raw.get("function")
             name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
-            raise MessageError(f"{choice_field}: expected the function's name"
-                               + ("" if legacy else " as {\"type\": \"function\", \"function\": {\"name\": ...}}"))
+            raise MessageError(
+                f"{choice_field}: expected the function's name"
+                + ("" if legacy else ' as {"type": "function", "function": {"name": ...}}')
+            )
         if name not in names:
             raise MessageError(f"{choice_field}: no tool is named {name[:80]!r}")
         choice = "function"
@@ -224,8 +230,11 @@ def _check_call_function(fn: Any, where: str) -> None:
     if not isinstance(args, (str, dict)):
         raise MessageError(f"{where}.arguments: expected a JSON string")
     # past the depth limit: TooDeep (read only when the brackets could nest that deep: a text is parsed once, to render)
-    if isinstance(args, str) and args.count("[") + args.count("{") > msg.MAX_JSON_DEPTH and \
-            msg.json_depth(args) > msg.MAX_JSON_DEPTH:
+    if (
+        isinstance(args, str)
+        and args.count("[") + args.count("{") > msg.MAX_JSON_DEPTH
+        and msg.json_depth(args) > msg.MAX_JSON_DEPTH
+    ):
         arguments_object(args, f"{where}.arguments")
 
 
@@ -248,7 +257,8 @@ def template_supports_tools(kind: str, source: str) -> bool:
 
 def arguments_object(args: Any, where: str = "arguments") -> Any:
     """A call's ``arguments`` as the template sees them: the JSON value of a text that holds JSON (at most
-    :data:`~hydra_trio.protocol.strict.MAX_JSON_DEPTH` levels deep, else :class:`~hydra_trio.protocol.strict.TooDeep`
+    :data:`~hydra_trio.validation.strict.MAX_JSON_DEPTH` levels deep, else
+    :class:`~hydra_trio.validation.strict.TooDeep`
     naming ``where``), else the text itself."""
     if isinstance(args, str):
         try:
@@ -269,13 +279,14 @@ def _mistral_id(call_id: str) -> str:
     return "".join(alphabet[b % len(alphabet)] for b in digest[:9])
 
 
-def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, native: bool,
-                    max_chars: int | None = None) -> list[dict[str, Any]]:
+def render_messages(
+    messages: Sequence[Any], spec: ToolSpec | None, fmt: str, native: bool, max_chars: int | None = None
+) -> list[dict[str, Any]]:
     """Chat messages as the template receives them.
 
     ``max_chars``: the most characters the JSON written here may have in all (the text tool calls,
     tool results and the tool list become; None: no limit), else
-    :class:`~hydra_trio.protocol.strict.TooLong`: pretty-printed JSON grows with the depth of what it
+    :class:`~hydra_trio.validation.strict.TooLong`: pretty-printed JSON grows with the depth of what it
     writes, and no prompt longer than a slot's context is of use.
 
     ``native``: the template renders tools and tool calls itself: assistant
@@ -292,8 +303,7 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
 
     def dumps(value: Any) -> str:
         nonlocal written
-        text = msg.dumps_within(value, None if max_chars is None else max_chars - written, indent=2,
-                                ensure_ascii=False)
+        text = msg.dumps_within(value, None if max_chars is None else max_chars - written, indent=2, ensure_ascii=False)
         written += len(text)
         return text
 
@@ -308,21 +318,29 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
         if getattr(m, "reasoning_content", None) is not None:  # an assistant turn's thinking, for the template
             d["reasoning_content"] = m.reasoning_content
         if calls:
-            norm = []
+            norm: list[dict[str, Any]] = []
             for c in calls:
                 fn = c["function"]
                 cid = c.get("id") or f"call_{len(names_by_id)}"
                 names_by_id[cid] = fn["name"]
                 if fmt == "mistral":
                     cid = _mistral_id(cid)
-                norm.append({"id": cid, "type": "function",
-                             "function": {"name": fn["name"], "arguments": arguments_object(fn.get("arguments", {}))}})
+                norm.append(
+                    {
+                        "id": cid,
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": arguments_object(fn.get("arguments", {}))},
+                    }
+                )
             if native:
                 d["tool_calls"] = norm
             else:
-                body: dict[str, Any] = {"tool_calls": [
-                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"], "id": c["id"]}
-                    for c in norm]}
+                body: dict[str, Any] = {
+                    "tool_calls": [
+                        {"name": c["function"]["name"], "arguments": c["function"]["arguments"], "id": c["id"]}
+                        for c in norm
+                    ]
+                }
                 if m.content:
                     body["content"] = m.content
                 d["content"] = dumps(body)
@@ -343,12 +361,21 @@ def render_messages(messages: Sequence[Any], spec: ToolSpec | None, fmt: str, na
         text = GENERIC_INSTRUCTION
         if not native:
             tools = [t.as_openai() for t in spec.offered]
-            example = {"tool_calls" if spec.parallel else "tool_call":
-                       ([{"name": "tool_name", "arguments": {"arg1": "some_value"}}] if spec.parallel
-                        else {"name": "tool_name", "arguments": {"arg1": "some_value"}})}
-            text = ("You can call any of the following tools to satisfy the user's requests: "
-                    + dumps(tools)
-                    + "\n\nExample tool call syntax:\n\n" + json.dumps(example, indent=2) + "\n\n" + text)
+            example = {
+                "tool_calls" if spec.parallel else "tool_call": (
+                    [{"name": "tool_name", "arguments": {"arg1": "some_value"}}]
+                    if spec.parallel
+                    else {"name": "tool_name", "arguments": {"arg1": "some_value"}}
+                )
+            }
+            text = (
+                "You can call any of the following tools to satisfy the user's requests: "
+                + dumps(tools)
+                + "\n\nExample tool call syntax:\n\n"
+                + json.dumps(example, indent=2)
+                + "\n\n"
+                + text
+            )
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + text) if out[0]["content"] else text}
         else:
@@ -380,14 +407,16 @@ def _call_schema(tool: Tool, args_key: str, with_id: bool = False, where: str = 
     return {"type": "object", "properties": props, "required": required}
 
 
-def _calls(tools: Sequence[Tool], args_key: str, with_id: bool = False,
-           where: Sequence[str] | None = None) -> dict[str, Any]:
+def _calls(
+    tools: Sequence[Tool], args_key: str, with_id: bool = False, where: Sequence[str] | None = None
+) -> dict[str, Any]:
     calls = [_call_schema(t, args_key, with_id, where[i] if where else "#") for i, t in enumerate(tools)]
     return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def _schema_grammar(tools: Sequence[Tool], args_key: str, *, with_id: bool = False,
-                    wrap: Callable[[str], str] | None = None) -> str:
+def _schema_grammar(
+    tools: Sequence[Tool], args_key: str, *, with_id: bool = False, wrap: Callable[[str], str] | None = None
+) -> str:
     """GBNF for one call object of any of ``tools`` (:func:`hydra_trio.openai.json_schema.schema_to_gbnf`):
     the root rule is the call, or ``wrap(call rule)``.  Raises SchemaError (a limit, a keyword no
     grammar enforces)."""
@@ -410,13 +439,28 @@ def tool_grammar(spec: ToolSpec, fmt: str) -> ToolGrammar | None:
     many = spec.parallel
     if fmt == "generic":
         calls = _calls(tools, "arguments")
-        call_obj = ({"type": "object", "properties": {"tool_calls": {"type": "array", "items": calls, "minItems": 1}},
-                     "required": ["tool_calls"]} if many else
-                    {"type": "object", "properties": {"tool_call": calls}, "required": ["tool_call"]})
-        schema = call_obj if forced else {"anyOf": [call_obj, {
-            "type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]}]}
+        call_obj = (
+            {
+                "type": "object",
+                "properties": {"tool_calls": {"type": "array", "items": calls, "minItems": 1}},
+                "required": ["tool_calls"],
+            }
+            if many
+            else {"type": "object", "properties": {"tool_call": calls}, "required": ["tool_call"]}
+        )
+        schema = (
+            call_obj
+            if forced
+            else {
+                "anyOf": [
+                    call_obj,
+                    {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"]},
+                ]
+            }
+        )
         return ToolGrammar(schema_to_gbnf(schema))
     if fmt == "hermes":
+
         def hermes(call: str) -> str:
             one = f'"<tool_call>\\n" space {call} space "\\n</tool_call>"'
             return f"{one} (space {one})*" if many else one
@@ -424,6 +468,7 @@ def tool_grammar(spec: ToolSpec, fmt: str) -> ToolGrammar | None:
         gbnf = _schema_grammar(tools, "arguments", wrap=hermes)
         trig = ("<tool_call>",)
     elif fmt == "mistral":
+
         def mistral(call: str) -> str:
             more = f' (space "," space {call})*' if many else ""
             return f'"[TOOL_CALLS]" "[" space {call}{more} space "]"'
@@ -453,7 +498,10 @@ def after_thinking(gbnf: str, end_marker: str) -> str:
     it") repeat its first character or end with a proper prefix of it."""
     calls = re.sub(r"^root(\s*::=)", r"tool-call-root\1", gbnf, count=1, flags=re.M)
     first = _gbnf_class_char(end_marker[0])
-    alts = [f"[^{first}]"] + [f"{json.dumps(end_marker[:i])} [^{_gbnf_class_char(end_marker[i])}{first}]"
-                              for i in range(1, len(end_marker))]
-    return (f"root ::= thinking-text {json.dumps(end_marker)} [ \\t\\n]* tool-call-root\n"
-            f"thinking-text ::= ({' | '.join(alts)})*\n{calls}")
+    alts = [f"[^{first}]"] + [
+        f"{json.dumps(end_marker[:i])} [^{_gbnf_class_char(end_marker[i])}{first}]" for i in range(1, len(end_marker))
+    ]
+    return (
+        f"root ::= thinking-text {json.dumps(end_marker)} [ \\t\\n]* tool-call-root\n"
+        f"thinking-text ::= ({' | '.join(alts)})*\n{calls}"
+    )

@@ -104,7 +104,7 @@ class ArgsStreamer:
             self.done = True
         return True
 
-    def _step(self, c: str, out: list[str]) -> bool:  # noqa: C901  (one state machine)
+    def _step(self, c: str, out: list[str]) -> bool:  # one state machine
         mode = self._mode
         if mode == "str":
             if c == "\\":
@@ -258,7 +258,7 @@ class CallStream:
             self.end = k + 1
             return "done"
         if k < len(buf) and buf[k] == ",":
-            got = decode_at("{" + buf[k + 1:], 0)
+            got = decode_at("{" + buf[k + 1 :], 0)
             if got is not None:
                 self.end = k + got[1]
                 return "done"

@@ -20,8 +20,8 @@ llama-server detected them before its automatic parser (llama.cpp
 
 Grammars (:func:`tool_grammar`): each tool's ``parameters`` JSON schema becomes
 GBNF through the node's bounded converter (:mod:`hydra_trio.openai.json_schema`, the
-one ``json_schema`` uses), wrapped in the format's markers.  ``required`` and a named function constrain the whole reply; ``auto``
-uses a lazy grammar that wakes at the format's marker (``<tool_call>``,
+one ``json_schema`` uses), wrapped in the format's markers.  ``required`` and a named function constrain the whole
+reply; ``auto`` uses a lazy grammar that wakes at the format's marker (``<tool_call>``,
 ``[TOOL_CALLS]``, ``{"name": "``) for the native formats, and the whole-reply
 grammar (call or ``response``) for ``generic``, as llama-server did.
 """
@@ -36,15 +36,14 @@ from typing import Any
 
 import attrs
 
-from .tool_stream import CallStream, decode_at as _decode_at
 from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one module for callers)
     FORMATS,
     GENERIC_INSTRUCTION,
     Tool,
     ToolGrammar,
     ToolSpec,
-    arguments_object,
     after_thinking,
+    arguments_object,
     check_messages,
     detect_format,
     parse_tool_spec,
@@ -52,6 +51,8 @@ from .tool_prompt import (  # noqa: F401  (the request side, re-exported: one mo
     template_supports_tools,
     tool_grammar,
 )
+from .tool_stream import CallStream
+from .tool_stream import decode_at as _decode_at
 
 
 # --------------------------------------------------------------------------- output parsing
@@ -111,7 +112,7 @@ def _heads_state(s: str, heads: Iterable[Sequence[str]]) -> str:
             if k:
                 while i < len(s) and s[i] in _WS:
                     i += 1
-            rest = s[i:i + len(tok)]
+            rest = s[i : i + len(tok)]
             if rest == tok:
                 i += len(tok)
                 continue
@@ -143,7 +144,7 @@ def _head_end(s: str, head: Sequence[str]) -> int:
         if k:
             while i < len(s) and s[i] in _WS:
                 i += 1
-        rest = s[i:i + len(tok)]
+        rest = s[i : i + len(tok)]
         if rest != tok:
             return -1 if tok.startswith(rest) and i + len(rest) == len(s) else 0
         i += len(tok)
@@ -168,8 +169,6 @@ def _partial_marker(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
-
-
 
 
 def _call_from(obj: Any, args_keys: Sequence[str]) -> tuple[str, str] | None:
@@ -265,7 +264,7 @@ class ToolCallParser:
                 return
             self._started = True
         body = text.rstrip(_WS)
-        tail = text[len(body):]
+        tail = text[len(body) :]
         if body:
             piece = self._ws + body
             self._ws = ""
@@ -290,8 +289,9 @@ class ToolCallParser:
 
     def _scan(self, *, final: bool) -> list[Event]:
         out: list[Event] = []
-        step = {"hermes": self._hermes, "mistral": self._mistral, "llama3": self._llama3,
-                "generic": self._generic}[self.fmt]
+        step = {"hermes": self._hermes, "mistral": self._mistral, "llama3": self._llama3, "generic": self._generic}[
+            self.fmt
+        ]
         while self._pos < len(self._buf) or self._active is not None or (final and self._after):
             if self._active is not None:
                 if not self._stream(final, out):
@@ -333,7 +333,7 @@ class ToolCallParser:
             self._after = "outer"
         return True
 
-    def _after_call(self, final: bool, out: list[Event]) -> bool:  # noqa: C901  (one small state machine)
+    def _after_call(self, final: bool, out: list[Event]) -> bool:  # one small state machine
         """What follows a streamed call: hermes's ``</tool_call>``; in a list of calls, ``,`` and the next
         call or ``]``; the end of a generic ``{"tool_calls": [...]}`` object (its ``content``, if any)."""
         buf, after = self._buf, self._after
@@ -366,7 +366,7 @@ class ToolCallParser:
             if got is None and not final:
                 return False
             call = _call_from(got[0], ("arguments", "parameters")) if got is not None else None
-            if call is None:  # not a call: the list ends here, the rest is text
+            if got is None or call is None:  # not a call: the list ends here, the rest is text
                 if len(self.calls) == self._n_at_mark:  # no call in it: all of it, read again whole
                     k, self._whole_at = self._mark, self._mark_whole
                 self._pos, self._after, self._outer = k, "", False
@@ -379,7 +379,7 @@ class ToolCallParser:
         if buf[k] == "}":
             self._pos = k + 1
         elif buf[k] == ",":
-            got = _decode_at("{" + buf[k + 1:], 0)
+            got = _decode_at("{" + buf[k + 1 :], 0)
             if got is None and not final:
                 return False
             if got is not None:
@@ -425,7 +425,7 @@ class ToolCallParser:
         j = buf.find(end_tag, i + len(start))
         if j < 0 and not final:
             return False
-        inner = buf[i + len(start):j if j >= 0 else len(buf)]
+        inner = buf[i + len(start) : j if j >= 0 else len(buf)]
         stop = j + len(end_tag) if j >= 0 else len(buf)
         call = self._json_call(inner.strip(), ("arguments", "parameters"))
         if call is None:
@@ -593,7 +593,7 @@ class ToolCallParser:
     @staticmethod
     def _json_call(text: str, keys: Sequence[str]) -> tuple[str, str] | None:
         got = _decode_at(text, 0) if text else None
-        if got is None or text[got[1]:].strip():
+        if got is None or text[got[1] :].strip():
             return None
         return _call_from(got[0], keys)
 
@@ -610,14 +610,14 @@ def _response_chars(buf: str, i: int, final: bool) -> tuple[str, int, bool]:
             chars.append(c)
             i += 1
             continue
-        n = 6 if buf[i + 1:i + 2] == "u" else 2
-        if n == 6 and 0xD800 <= _hex(buf[i + 2:i + 6]) < 0xDC00:  # a surrogate pair's high half
-            nxt = buf[i + 6:i + 8]
+        n = 6 if buf[i + 1 : i + 2] == "u" else 2
+        if n == 6 and 0xD800 <= _hex(buf[i + 2 : i + 6]) < 0xDC00:  # a surrogate pair's high half
+            nxt = buf[i + 6 : i + 8]
             if nxt == "\\u":
                 n = 12
             elif "\\u".startswith(nxt) and i + 6 + len(nxt) == len(buf) and not final:
                 break  # the low half may follow
-        esc = buf[i:i + n]
+        esc = buf[i : i + n]
         if len(esc) < n:
             break
         try:
@@ -665,8 +665,11 @@ def stream_delta(ev: Event) -> dict[str, Any]:
     if isinstance(ev, ContentDelta):
         return {"content": ev.text}
     if isinstance(ev, CallStart):
-        return {"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
-                                "function": {"name": ev.name, "arguments": ""}}]}
+        return {
+            "tool_calls": [
+                {"index": ev.index, "id": ev.id, "type": "function", "function": {"name": ev.name, "arguments": ""}}
+            ]
+        }
     return {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}
 
 

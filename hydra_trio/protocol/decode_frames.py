@@ -39,6 +39,7 @@ def decode_stop_reason(flags: int) -> str | None:
     """The stop reason a frame's flags carry (see `DECODE_STOP_FLAGS`), or None."""
     return next((name for name, bit in DECODE_STOP_FLAGS.items() if flags & bit), None)
 
+
 _FRAME = struct.Struct("<IfB")
 assert _FRAME.size == DECODE_FRAME_SIZE
 
@@ -131,8 +132,5 @@ def unpack_decode_frames(b: Bytes) -> list[tuple[int, float, int]]:
     Padding frames are returned too. Raises ValueError when ``len(b)`` is not
     a multiple of 9."""
     if len(b) % DECODE_FRAME_SIZE:
-        raise ValueError(
-            f"DECODE payload of {len(b)} bytes is not a whole number of "
-            f"{DECODE_FRAME_SIZE}-byte frames"
-        )
+        raise ValueError(f"DECODE payload of {len(b)} bytes is not a whole number of {DECODE_FRAME_SIZE}-byte frames")
     return list(_FRAME.iter_unpack(b))

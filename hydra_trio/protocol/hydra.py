@@ -2,10 +2,11 @@
 
 Bytes in, events out; no sockets, no trio, no asyncio, like h11 / h2.
 
-Server side::
+Server side, pull-style as h11 (and the ggml-RPC codec)::
 
     dec = RequestDecoder(max_payload=64 * 1024 * 1024)
-    for event in dec.feed(await stream.receive_some()):
+    dec.receive_data(await stream.receive_some())
+    while (event := dec.next_event()) is not NEED_DATA:
         ...  # RequestStarted, PayloadChunk..., RequestEnded
 
 Client side: `encode_request` / `encode_request_header` to send,
@@ -35,16 +36,18 @@ __all__ = [
     "DECODE_PAD_FRAME",
     "DECODE_PAD_TOKEN",
     "DECODE_STOP_FLAGS",
-    "DecodeFramer",
     "FLAG_COMPRESSED",
     "KNOWN_FLAGS",
     "MAGIC",
     "MAX_META_LEN",
+    "NEED_DATA",
     "REQUEST_HEADER_SIZE",
     "RESPONSE_HEADER_SIZE",
     "BadMagic",
+    "DecodeFramer",
     "DecoderState",
     "FrameTooLarge",
+    "NeedData",
     "Op",
     "PayloadChunk",
     "ProtocolError",
@@ -111,6 +114,14 @@ class Op(enum.IntEnum):
     PIPELINE_ATTACH = 0x46
 
 
+def op_name(op: int) -> str:
+    """The opcode's name (``Op.NAME``), or ``0x..`` for a byte that is no opcode (log lines, metrics)."""
+    try:
+        return Op(op).name
+    except ValueError:
+        return f"0x{op:02x}"
+
+
 def is_store_op(op: int) -> bool:
     """True for Store-service opcodes (``0x01``-``0x15`` and ``0x33``).
 
@@ -149,7 +160,8 @@ class ProtocolError(Exception):
         header: the request/response header being decoded, when it was
             complete, else None (lets the server reply with the op's context).
         events: events the failing ``feed`` call completed before the error
-            (earlier pipelined frames); handle them first. Empty otherwise.
+            (earlier pipelined frames); handle them first. Empty otherwise
+            (``next_event`` returned them one by one before it raised).
     """
 
     default_status: ClassVar[Status] = Status.BAD_REQUEST
@@ -287,9 +299,7 @@ def _utf8(name: str, s: str, limit: int) -> bytes:
     return b
 
 
-def encode_request_header(
-    op: int, key: str = "", trace_id: str = "", payload_len: int = 0, flags: int = 0
-) -> bytes:
+def encode_request_header(op: int, key: str = "", trace_id: str = "", payload_len: int = 0, flags: int = 0) -> bytes:
     """Header + key + trace_id, for a request whose ``payload_len`` payload
     bytes the caller streams after it. Raises ValueError when a field does
     not fit its wire size (key/trace_id over 65535 UTF-8 bytes, ...)."""
@@ -341,9 +351,7 @@ def encode_response_header(status: int, meta: Mapping[str, Any], payload_len: in
     return ResponseHeader(int(status), len(mb), payload_len).pack() + mb
 
 
-def encode_response(
-    status: int, meta: Mapping[str, Any], payload: bytes | bytearray | memoryview = b""
-) -> bytes:
+def encode_response(status: int, meta: Mapping[str, Any], payload: bytes | bytearray | memoryview = b"") -> bytes:
     """A complete reply frame; raises as `encode_response_header` does."""
     return encode_response_header(status, meta, len(payload)) + bytes(payload)
 
@@ -416,15 +424,24 @@ class DecoderState(enum.Enum):
     CLOSED = "closed"
 
 
+class NeedData(enum.Enum):
+    """The type of :data:`NEED_DATA` (its one value)."""
+
+    NEED_DATA = "NEED_DATA"
+
+
+NEED_DATA = NeedData.NEED_DATA
+"""What ``next_event()`` returns when every event of the bytes received so far was handed out: call
+``receive_data`` with more (h11's ``NEED_DATA``)."""
 
 
 class _Decoder:
-    """Shared state machine: fixed header, bounded body, streamed payload.
+    """Shared state machine: fixed header, bounded body, streamed payload; pull-style, as h11.
 
-    Only the header and body (key+trace or meta) are ever buffered; payload
-    bytes go straight from the fed data into `PayloadChunk` events, so
-    `buffered` stays below header size + body limit whatever the payload
-    size.
+    ``receive_data(bytes)`` hands the decoder the next bytes of the stream; ``next_event()`` returns the
+    next event they complete, or :data:`NEED_DATA` once they are all read out.  Only the header and body
+    (key+trace or meta) are ever buffered; payload bytes go straight from the received data into
+    `PayloadChunk` events, so `buffered` stays below header size + body limit whatever the payload size.
     """
 
     _header_size: ClassVar[int]
@@ -434,6 +451,9 @@ class _Decoder:
         self._state = DecoderState.IDLE
         self._body_len = 0
         self._remaining = 0
+        self._data: Bytes = b""  # the bytes received last, read from ``_pos`` on
+        self._view = memoryview(b"")
+        self._pos = 0
 
     @property
     def state(self) -> DecoderState:
@@ -441,19 +461,23 @@ class _Decoder:
         return self._state
 
     @property
+    def unread(self) -> int:
+        """Bytes received that ``next_event`` has not read yet."""
+        return len(self._view) - self._pos
+
+    @property
     def idle(self) -> bool:
-        """True between frames with nothing buffered (idle-timeout territory)."""
-        return self._state is DecoderState.IDLE
+        """True between frames with nothing buffered or unread (idle-timeout territory)."""
+        return self._state is DecoderState.IDLE and not self.unread
 
     @property
     def in_frame(self) -> bool:
-        """True mid-frame: some bytes of a frame arrived, not all of them."""
+        """True mid-frame: some bytes of a frame arrived, not all of them (or its end event is not read yet)."""
         return self._state in (DecoderState.HEADER, DecoderState.BODY, DecoderState.PAYLOAD)
 
     @property
     def needs_data(self) -> bool:
-        """True unless the decoder is CLOSED: `feed` returns every complete
-        event at once, so nothing more can happen without more bytes."""
+        """True unless the decoder is CLOSED."""
         return self._state is not DecoderState.CLOSED
 
     @property
@@ -469,6 +493,7 @@ class _Decoder:
     def _fail(self, exc: ProtocolError) -> ProtocolError:
         self._state = DecoderState.CLOSED
         self._buf = bytearray()
+        self._data, self._view, self._pos = b"", memoryview(b""), 0
         return exc
 
     # Hooks for subclasses ------------------------------------------------
@@ -485,85 +510,113 @@ class _Decoder:
 
     _ended: ClassVar[Any]
 
-    def skip_payload(self, n: int) -> list[Any]:
-        """The caller took the next ``n`` payload bytes off the stream itself (``recv_into`` a buffer of
-        its own: no `PayloadChunk` is made for them); returns the events that completes (the frame's end
-        event once the payload is whole, else nothing).
+    def receive_data(self, data: Bytes) -> None:
+        """The next bytes of the stream (any chunking; empty bytes are nothing); read the events they make
+        with :meth:`next_event`.  Bytes received before and not read yet are kept in front of them.
 
-        Raises ValueError outside a payload, or for more bytes than the payload has left.
+        Raises ProtocolError when the decoder is CLOSED (after a protocol error).
         """
-        if self._state is not DecoderState.PAYLOAD or not 0 <= n <= self._remaining:
-            raise ValueError(f"skip_payload({n}): {self._remaining} payload bytes left in state {self._state.value}")
-        self._remaining -= n
-        if self._remaining:
-            return []
-        self._state = DecoderState.IDLE
-        return [self._ended]
-
-    def feed(self, data: Bytes) -> list[Any]:
         if self._state is DecoderState.CLOSED:
             raise ProtocolError("decoder is closed after a protocol error")
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        pos = 0
-        events: list[Any] = []
-        hs = self._header_size
+        if not len(data):
+            return
+        if self.unread:
+            data = bytes(self._view[self._pos :]) + bytes(data)
+        self._data = data
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def next_event(self) -> Any:
+        """The next event of the bytes received so far, or :data:`NEED_DATA` when they make no more.
+
+        Raises ProtocolError (and goes CLOSED) at the first byte that breaks the framing; the events of
+        the frames before it were handed out by the calls before.
+        """
+        if self._state is DecoderState.CLOSED:
+            raise ProtocolError("decoder is closed after a protocol error")
         try:
-            while True:
-                st = self._state
-                if st is DecoderState.IDLE or st is DecoderState.HEADER:
-                    take = min(hs - len(self._buf), n - pos)
-                    self._buf += mv[pos : pos + take]
-                    pos += take
-                    if self._buf:
-                        self._check_prefix()
-                    if len(self._buf) < hs:
-                        self._state = DecoderState.HEADER if self._buf else DecoderState.IDLE
-                        break
-                    self._body_len = self._on_header(self._buf)
-                    self._buf.clear()
-                    self._state = DecoderState.BODY
-                    continue
-                if st is DecoderState.BODY:
-                    take = min(self._body_len - len(self._buf), n - pos)
-                    self._buf += mv[pos : pos + take]
-                    pos += take
-                    if len(self._buf) < self._body_len:
-                        break
-                    started, self._remaining = self._on_body(bytes(self._buf))
-                    self._buf.clear()
-                    events.append(started)
-                    self._state = DecoderState.PAYLOAD
-                    continue
-                # PAYLOAD
-                if self._remaining:
-                    take = min(self._remaining, n - pos)
-                    if take:
-                        if pos == 0 and take == n and isinstance(data, bytes):
-                            chunk = data
-                        else:
-                            chunk = bytes(mv[pos : pos + take])
-                        events.append(PayloadChunk(chunk))
-                        pos += take
-                        self._remaining -= take
-                    if self._remaining:
-                        break
-                events.append(self._ended)
-                self._state = DecoderState.IDLE
-                if pos == n:
-                    break
+            return self._next()
+        except ProtocolError as exc:
+            raise self._fail(exc) from None
+
+    def _next(self) -> Any:
+        mv = self._view
+        n = len(mv)
+        hs = self._header_size
+        while True:
+            st = self._state
+            pos = self._pos
+            if st is DecoderState.IDLE or st is DecoderState.HEADER:
+                take = min(hs - len(self._buf), n - pos)
+                self._buf += mv[pos : pos + take]
+                self._pos = pos + take
+                if self._buf:
+                    self._check_prefix()
+                if len(self._buf) < hs:
+                    self._state = DecoderState.HEADER if self._buf else DecoderState.IDLE
+                    return NEED_DATA
+                self._body_len = self._on_header(self._buf)
+                self._buf.clear()
+                self._state = DecoderState.BODY
+                continue
+            if st is DecoderState.BODY:
+                take = min(self._body_len - len(self._buf), n - pos)
+                self._buf += mv[pos : pos + take]
+                self._pos = pos + take
+                if len(self._buf) < self._body_len:
+                    return NEED_DATA
+                started, self._remaining = self._on_body(bytes(self._buf))
+                self._buf.clear()
+                self._state = DecoderState.PAYLOAD
+                return started
+            # PAYLOAD
+            if self._remaining:
+                take = min(self._remaining, n - pos)
+                if not take:
+                    return NEED_DATA
+                data = self._data
+                chunk = data if pos == 0 and take == n and isinstance(data, bytes) else bytes(mv[pos : pos + take])
+                self._pos = pos + take
+                self._remaining -= take
+                return PayloadChunk(chunk)
+            self._state = DecoderState.IDLE
+            return self._ended
+
+    def skip_payload(self, n: int) -> None:
+        """The caller took the next ``n`` payload bytes off the stream itself (``recv_into`` a buffer of
+        its own: no `PayloadChunk` is made for them); once the payload is whole, :meth:`next_event`
+        returns the frame's end event.
+
+        Raises ValueError outside a payload, for more bytes than the payload has left, or while bytes
+        received are still unread (they come first).
+        """
+        if self._state is not DecoderState.PAYLOAD or not 0 <= n <= self._remaining or self.unread:
+            raise ValueError(
+                f"skip_payload({n}): {self._remaining} payload bytes left in state {self._state.value}, "
+                f"{self.unread} received bytes unread"
+            )
+        self._remaining -= n
+
+    def feed(self, data: Bytes) -> list[Any]:
+        """:meth:`receive_data` then every event :meth:`next_event` makes (for tests and tools).  A
+        ProtocolError carries the events of the frames before it on ``exc.events``."""
+        self.receive_data(data)
+        events: list[Any] = []
+        try:
+            while (ev := self.next_event()) is not NEED_DATA:
+                events.append(ev)
         except ProtocolError as exc:
             exc.events = events
-            raise self._fail(exc) from None
+            raise
         return events
 
 
 class RequestDecoder(_Decoder):
     """Incremental SERVER-side request decoder (docs/hydra-protocol.md §2).
 
-    ``feed(data)`` takes any chunking of the byte stream (one byte at a time,
-    empty bytes, several pipelined requests in one chunk) and returns the
-    events it completes, in order:
+    ``receive_data(data)`` takes any chunking of the byte stream (one byte at a time,
+    empty bytes, several pipelined requests in one chunk); ``next_event()`` returns the
+    events it completes, in order, then `NEED_DATA`:
     ``RequestStarted`` (once header, key and trace_id are in),
     ``PayloadChunk`` * n (whatever payload bytes each call brings; the
     payload is never buffered, so memory stays bounded by
@@ -578,8 +631,8 @@ class RequestDecoder(_Decoder):
 
     Errors: `BadMagic` as soon as the first or second byte of a header is
     wrong (close, no reply). After any ProtocolError the decoder is CLOSED
-    and further ``feed`` calls raise ProtocolError. Events the failing call
-    completed before the error (pipelined requests) are on ``exc.events``.
+    and further calls raise ProtocolError. The events of the requests before
+    the bad bytes were returned by the calls before the failing one.
 
     Not decoder errors (the framing is intact, the server consumes the
     payload and replies BAD_REQUEST / NOT_IMPLEMENTED on a usable
@@ -612,9 +665,13 @@ class RequestDecoder(_Decoder):
             return self._header
         return None
 
+    def next_event(self) -> RequestEvent | NeedData:
+        """The next event of the bytes received, or `NEED_DATA`. Raises `BadMagic`, `FrameTooLarge` or
+        `ProtocolError` (all with close=True)."""
+        return super().next_event()
+
     def feed(self, data: Bytes) -> list[RequestEvent]:
-        """Consume ``data``; return the events it completes. Raises
-        `BadMagic`, `FrameTooLarge` or `ProtocolError` (all with close=True)."""
+        """`receive_data` then every event `next_event` makes; raises as it does."""
         return super().feed(data)
 
     def _check_prefix(self) -> None:
@@ -632,9 +689,7 @@ class RequestDecoder(_Decoder):
                 limit=limit,
             )
         if h.key_len > self.max_key:
-            raise FrameTooLarge(
-                f"key_len {h.key_len} over the limit {self.max_key}", header=h, limit=self.max_key
-            )
+            raise FrameTooLarge(f"key_len {h.key_len} over the limit {self.max_key}", header=h, limit=self.max_key)
         if h.trace_len > self.max_trace:
             raise FrameTooLarge(
                 f"trace_len {h.trace_len} over the limit {self.max_trace}",
@@ -684,9 +739,13 @@ class ResponseDecoder(_Decoder):
         self.max_meta = max_meta
         self._header: ResponseHeader | None = None
 
+    def next_event(self) -> ResponseEvent | NeedData:
+        """The next event of the bytes received, or `NEED_DATA`. Raises `FrameTooLarge` or
+        `ProtocolError` (close=True)."""
+        return super().next_event()
+
     def feed(self, data: Bytes) -> list[ResponseEvent]:
-        """Consume ``data``; return the events it completes. Raises
-        `FrameTooLarge` or `ProtocolError` (close=True)."""
+        """`receive_data` then every event `next_event` makes; raises as it does."""
         return super().feed(data)
 
     def _on_header(self, raw: bytearray) -> int:

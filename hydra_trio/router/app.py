@@ -18,7 +18,8 @@ Refusals (llama-server's statuses and messages)::
     an unknown model              400 "model 'X' not found"
     not running, no autoload      400 "model is not loaded"
     its load failed               500 "model name=X failed to load"
-    /models/load: unknown         404 "model is not found"         already loading or loaded: 400 "model is already running"
+    /models/load: unknown         404 "model is not found"
+    /models/load: running         400 "model is already running" (loading or loaded)
     /models/load past the limit   500 "model limit reached, try again later" (every loaded model busy)
     /models/unload: unknown       400 "model is not found"         not running: 400 "model is not running"
 
@@ -49,9 +50,22 @@ from ..transport.access import AccessSettings, Refusals, Secrets
 from .models import CHILD_HOST, ModelInstance, ModelRouter
 from .proxy import RelayResponse, open_relay
 
-POST_ROUTES = ("/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions",
-               "/v1/embeddings", "/embeddings", "/embedding", "/tokenize", "/detokenize", "/apply-template",
-               "/props", "/slots/{id_slot}", *NOT_IMPLEMENTED)
+POST_ROUTES = (
+    "/completion",
+    "/completions",
+    "/v1/completions",
+    "/chat/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/embeddings",
+    "/embedding",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/props",
+    "/slots/{id_slot}",
+    *NOT_IMPLEMENTED,
+)
 """POST routes relayed to the model their body's ``model`` names (every POST route of a node)."""
 
 GET_ROUTES = ("/metrics", "/slots", "/slots/{id_slot}/state/meta", "/slots/{id_slot}/state", *NOT_IMPLEMENTED)
@@ -67,9 +81,15 @@ class RouterApi:
 
     # ------------------------------------------------------------------------------------- own routes
     async def health(self, request: Request) -> Response:
-        return JSONResponse({"status": "ok", "models": [
-            {"id": m.name, "status": m.status, **({"failed": True} if m.failed else {})}
-            for m in self.router.models.values()]})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "models": [
+                    {"id": m.name, "status": m.status, **({"failed": True} if m.failed else {})}
+                    for m in self.router.models.values()
+                ],
+            }
+        )
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"engine": "hydra-trio", "version": __version__, "role": "router"})
@@ -102,12 +122,19 @@ class RouterApi:
         if request.query_params.get("model"):
             return await self.relay_by_query(request)
         s = self.router.settings
-        return JSONResponse({
-            "role": "router", "max_instances": s.models_max, "models_autoload": s.models_autoload,
-            "model_alias": "llama-server", "model_path": "none",
-            "default_generation_settings": {"params": None, "n_ctx": 0}, "ui_settings": {},
-            "build_info": f"hydra-trio {__version__}", "cors_proxy_enabled": False,
-        })
+        return JSONResponse(
+            {
+                "role": "router",
+                "max_instances": s.models_max,
+                "models_autoload": s.models_autoload,
+                "model_alias": "llama-server",
+                "model_path": "none",
+                "default_generation_settings": {"params": None, "n_ctx": 0},
+                "ui_settings": {},
+                "build_info": f"hydra-trio {__version__}",
+                "cors_proxy_enabled": False,
+            }
+        )
 
     # ------------------------------------------------------------------------------------- relayed
     async def relay_by_query(self, request: Request) -> Response:
@@ -138,9 +165,15 @@ class RouterApi:
     async def _relay(self, request: Request, m: ModelInstance, body: bytes, used: bool) -> Response:
         release = self.router.acquire(m, used=used)
         try:
-            upstream = await open_relay(self.router.client, request.method, f"http://{CHILD_HOST}:{m.port}",
-                                        request.url.path, request.scope.get("query_string", b""),
-                                        list(request.scope.get("headers", [])), body)
+            upstream = await open_relay(
+                self.router.client,
+                request.method,
+                f"http://{CHILD_HOST}:{m.port}",
+                request.url.path,
+                request.scope.get("query_string", b""),
+                list(request.scope.get("headers", [])),
+                body,
+            )
         except BaseException:
             release()
             raise
@@ -164,8 +197,9 @@ def _model_field(body: Any) -> str:
     return value if isinstance(value, str) else ""
 
 
-def build_router_app(router: ModelRouter, settings: HttpSettings, access: AccessSettings,
-                     refused: Refusals | None = None) -> Any:
+def build_router_app(
+    router: ModelRouter, settings: HttpSettings, access: AccessSettings, refused: Refusals | None = None
+) -> Any:
     """The router's ASGI app (the module docstring), behind CORS and the API keys as a node's."""
     api = RouterApi(router)
 
@@ -173,10 +207,13 @@ def build_router_app(router: ModelRouter, settings: HttpSettings, access: Access
         return Route(path, guarded(handler), methods=list(methods))
 
     routes = [
-        route("/health", api.health, "GET"), route("/v1/health", api.health, "GET"),
+        route("/health", api.health, "GET"),
+        route("/v1/health", api.health, "GET"),
         route("/version", api.version, "GET"),
-        route("/models", api.models, "GET"), route("/v1/models", api.models, "GET"),
-        route("/models/load", api.load, "POST"), route("/models/unload", api.unload, "POST"),
+        route("/models", api.models, "GET"),
+        route("/v1/models", api.models, "GET"),
+        route("/models/load", api.load, "POST"),
+        route("/models/unload", api.unload, "POST"),
         route("/props", api.props, "GET"),
         route("/slots/{id_slot}/state", api.relay_by_query, "PUT"),
         *(route(p, api.relay_by_body, "POST") for p in POST_ROUTES),
@@ -186,11 +223,16 @@ def build_router_app(router: ModelRouter, settings: HttpSettings, access: Access
         routes=routes,
         exception_handlers={HTTPException: http_exception},
         middleware=[
-            Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["*"],
-                       allow_headers=["*"], max_age=600),
-            Middleware(ApiKeyMiddleware, keys=Secrets(access.api_keys), metrics_auth=access.metrics_auth,
-                       refused=refused),
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(settings.cors_origins),
+                allow_methods=["*"],
+                allow_headers=["*"],
+                max_age=600,
+            ),
+            Middleware(
+                ApiKeyMiddleware, keys=Secrets(access.api_keys), metrics_auth=access.metrics_auth, refused=refused
+            ),
         ],
     )
     return app
-

@@ -49,8 +49,10 @@ def parse_ini(text: str, source: str = "<preset>") -> dict[str, dict[str, str]]:
         elif m := _KEY_VALUE.fullmatch(line):
             sections.setdefault(current, {})[m.group(1)] = m.group(2)
         else:
-            raise IniError(f"failed to parse server config file: {source}: line {number} is neither "
-                           f"'[section]', 'key = value' nor a comment: {line!r}")
+            raise IniError(
+                f"failed to parse server config file: {source}: line {number} is neither "
+                f"'[section]', 'key = value' nor a comment: {line!r}"
+            )
     return sections
 
 

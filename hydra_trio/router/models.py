@@ -85,8 +85,14 @@ class ModelInstance:
         info: the child's ``/v1/models`` entry once it serves.
     """
 
-    def __init__(self, preset: ModelPreset, table: OptionTable, launcher: tuple[str, ...],
-                 stop_timeout: float, modalities: tuple[str, ...] = ("text",)) -> None:
+    def __init__(
+        self,
+        preset: ModelPreset,
+        table: OptionTable,
+        launcher: tuple[str, ...],
+        stop_timeout: float,
+        modalities: tuple[str, ...] = ("text",),
+    ) -> None:
         self.name = preset.name
         self.source = preset.source
         self.aliases = sorted({a.strip() for a in (preset.get("--alias") or "").split(",") if a.strip()})
@@ -130,15 +136,24 @@ class ModelInstance:
              "architecture": {"input_modalities", "output_modalities"}, "source", "can_remove": false}
 
         and, while it runs, the keys of the child's own entry not already there (``meta``)."""
-        status: dict[str, Any] = {"value": self.status, "args": self.args(),
-                                  "preset": self.preset.without(("--tags",)).ini()}
+        status: dict[str, Any] = {
+            "value": self.status,
+            "args": self.args(),
+            "preset": self.preset.without(("--tags",)).ini(),
+        }
         if self.failed:
             status.update(exit_code=self.exit_code, failed=True)
         out: dict[str, Any] = {
-            "id": self.name, "aliases": self.aliases, "tags": self.tags, "object": "model",
-            "owned_by": "hydra-trio", "created": created, "status": status,
+            "id": self.name,
+            "aliases": self.aliases,
+            "tags": self.tags,
+            "object": "model",
+            "owned_by": "hydra-trio",
+            "created": created,
+            "status": status,
             "architecture": {"input_modalities": list(self.modalities), "output_modalities": ["text"]},
-            "source": self.source, "can_remove": False,
+            "source": self.source,
+            "can_remove": False,
         }
         if self.running:
             for k, v in self.info.items():
@@ -150,8 +165,9 @@ class ModelRouter:
     """The models of a router node and their children (the module docstring); run :meth:`run` in a nursery
     first.  Every change of a model's state wakes the requests that wait for one (:meth:`ensure_ready`)."""
 
-    def __init__(self, models: list[ModelInstance], settings: RouterSettings,
-                 environ: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, models: list[ModelInstance], settings: RouterSettings, environ: Mapping[str, str] | None = None
+    ) -> None:
         self.models = {m.name: m for m in sorted(models, key=lambda m: m.name.encode())}
         """By name, as llama-server lists them (its models are a ``std::map``)."""
         self.settings = settings
@@ -200,8 +216,11 @@ class ModelRouter:
     def pick_victim(self) -> ModelInstance | None:
         """The least recently used model that may be unloaded for another: loaded, idle, not stopping, not
         waited for (llama-server's ``pick_victim``)."""
-        idle = [m for m in self.models.values() if m.status == LOADED and m.requests == 0 and not m.stopping
-                and not self.wanted.get(m.name)]
+        idle = [
+            m
+            for m in self.models.values()
+            if m.status == LOADED and m.requests == 0 and not m.stopping and not self.wanted.get(m.name)
+        ]
         return min(idle, key=lambda m: m.last_used, default=None)
 
     # ------------------------------------------------------------------------------------------ load
@@ -242,9 +261,14 @@ class ModelRouter:
 
         try:
             process = await trio.lowlevel.open_process(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                env=child_environment(self.environ), preexec_fn=_die_with_parent,
-                start_new_session=True)
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=child_environment(self.environ),
+                preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )
         except OSError as exc:
             log.error("failed to spawn server instance name=%s: %s", m.name, exc)
             m.status, m.exit_code = UNLOADED, 1

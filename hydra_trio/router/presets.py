@@ -32,13 +32,33 @@ STOP_TIMEOUT = "stop-timeout"
 DEFAULT_STOP_TIMEOUT = 10
 """Seconds between the stop asked of a child and its kill, unless ``stop-timeout`` says (llama-server's)."""
 
-RESERVED = ("--ssl-key-file", "--ssl-cert-file", "--api-key", "--api-key-file", "--models-dir", "--models-max",
-            "--models-preset", "--models-autoload")
+RESERVED = (
+    "--ssl-key-file",
+    "--ssl-cert-file",
+    "--api-key",
+    "--api-key-file",
+    "--models-dir",
+    "--models-max",
+    "--models-preset",
+    "--models-autoload",
+)
 """Flags (by their last spelling) dropped from every model: the router's own (llama-server's
 ``unset_reserved_args``)."""
 
-ROUTER_ONLY = ("--model", "--mmproj", "--alias", "--hf-repo", "--log-file", "--tls-cert", "--tls-key",
-               "--tls-client-ca", "--tls-required", "--rpc-port", "--ggml-rpc-port", "--no-model")
+ROUTER_ONLY = (
+    "--model",
+    "--mmproj",
+    "--alias",
+    "--hf-repo",
+    "--log-file",
+    "--tls-cert",
+    "--tls-key",
+    "--tls-client-ca",
+    "--tls-required",
+    "--rpc-port",
+    "--ggml-rpc-port",
+    "--no-model",
+)
 """Flags of the router's command line that do not pass to its models: llama-server's model flags and log
 file, and the node's own TLS and extra ports (a child listens on loopback, on its own port)."""
 
@@ -124,8 +144,9 @@ class OptionTable:
         spec, negative = found
         if not spec.takes_value:
             if value not in TRUTHY + FALSEY:
-                raise ModelsConfigError(f"preset '{origin}': key '{key}': '{value}' is no boolean (one of "
-                                  f"{', '.join(TRUTHY + FALSEY)})")
+                raise ModelsConfigError(
+                    f"preset '{origin}': key '{key}': '{value}' is no boolean (one of {', '.join(TRUTHY + FALSEY)})"
+                )
             if negative:
                 value = "false" if value in TRUTHY else "true"
         return Option(spec, value, key, origin)

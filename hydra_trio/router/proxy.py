@@ -3,8 +3,8 @@
 ``server_http_proxy`` (``tools/server/server-models.cpp`` of the llama.cpp that llama-cpp-python 0.3.36
 vendors): the request's headers go on but for the hop-by-hop ones and ``Accept-Encoding`` (no compressed
 replies); the reply's go back but for ``Server``, ``Date``, ``Content-Length``, ``Transfer-Encoding``,
-``Keep-Alive``, ``Connection`` and the CORS ones with their ``Vary`` (the router writes its own).  A client that leaves closes
-the connection to the child, which ends its request there.
+``Keep-Alive``, ``Connection`` and the CORS ones with their ``Vary`` (the router writes its own).  A client
+that leaves closes the connection to the child, which ends its request there.
 """
 
 from __future__ import annotations
@@ -21,13 +21,30 @@ from .errors import ModelUnavailable
 
 log = logging.getLogger("hydra_trio.router")
 
-_REQUEST_DROP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding",
-                 "upgrade", "te", "trailer", "proxy-connection"}
+_REQUEST_DROP = {
+    "host",
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+    "accept-encoding",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-connection",
+}
 _REPLY_DROP = {"server", "date", "content-length", "transfer-encoding", "keep-alive", "connection", "vary"}
 
 
-async def open_relay(client: httpx.AsyncClient, method: str, base: str, path: str, query: bytes,
-                     headers: list[tuple[bytes, bytes]], body: bytes) -> httpx.Response:
+async def open_relay(
+    client: httpx.AsyncClient,
+    method: str,
+    base: str,
+    path: str,
+    query: bytes,
+    headers: list[tuple[bytes, bytes]],
+    body: bytes,
+) -> httpx.Response:
     """Send the request to the child at ``base`` (``http://127.0.0.1:PORT``); returns its reply with the body
     still to read (:class:`RelayResponse` reads it).
 
@@ -54,8 +71,10 @@ class RelayResponse(Response):
         self.status_code = upstream.status_code
         self.background = None
         self.raw_headers = [
-            (k.encode("latin-1"), v.encode("latin-1")) for k, v in upstream.headers.multi_items()
-            if k.lower() not in _REPLY_DROP and not k.lower().startswith("access-control-")]
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in upstream.headers.multi_items()
+            if k.lower() not in _REPLY_DROP and not k.lower().startswith("access-control-")
+        ]
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         try:

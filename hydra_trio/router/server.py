@@ -45,8 +45,13 @@ class RouterServer:
         cfg = self.config
         listeners = await open_tcp_listeners(cfg.port, cfg.host, cfg.reuse_port)
         self.port = listeners[0].socket.getsockname()[1]
-        log.info("router listening on %s port %d (HTTP); %d models: %s", cfg.host, self.port,
-                 len(self.router.models), ", ".join(self.router.models))
+        log.info(
+            "router listening on %s port %d (HTTP); %d models: %s",
+            cfg.host,
+            self.port,
+            len(self.router.models),
+            ", ".join(self.router.models),
+        )
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope

@@ -51,12 +51,17 @@ from typing import Any
 import attrs
 import trio
 
-from ..transport.access import AllowList, Refusals, allowed, new_refusals
 from ..engine.llama.ggml_backend import type_traits as ggml_type_traits
+from ..protocol.ggml_rpc import (
+    GGML_TYPE_COUNT,
+    GgmlRpcConnection,
+    InvalidRpcRequest,
+    live_type_table,
+    reconcile_type_traits,
+)
+from ..transport.access import AllowList, Refusals, allowed, new_refusals
 from ..transport.frontdoor import AcceptedStream, peer_name
 from ..transport.tls import TlsStream, peer_of
-from ..protocol.ggml_rpc import GGML_TYPE_COUNT, GgmlRpcConnection, InvalidRpcRequest, live_type_table
-from ..protocol.ggml_rpc import reconcile_type_traits
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
 from .supervisor import ChildSupervisor
 
@@ -278,7 +283,7 @@ class RpcBackend:
         finally:
             self._slot.release()
 
-    async def _handshake(self, stream: trio.SocketStream, conn: GgmlRpcConnection, early: list, peer: str) -> bool:
+    async def _handshake(self, stream: AcceptedStream, conn: GgmlRpcConnection, early: list, peer: str) -> bool:
         """Read until the HELLO request is whole, within ``handshake_timeout``, into ``early``;
         False if the client left first.  Raises Close."""
         timeout = self.settings.handshake_timeout
@@ -303,7 +308,7 @@ class RpcBackend:
             raise Close("handshake_timeout", f"no whole HELLO within {timeout:g} s")
         return True
 
-    async def _queue(self, stream: trio.SocketStream, peer: str) -> bool:
+    async def _queue(self, stream: AcceptedStream, peer: str) -> bool:
         """Wait for the child's one place (``self._slot``, held on True) within ``wait_timeout``;
         False if the client hung up meanwhile.  Raises Close."""
         s = self.settings
@@ -334,7 +339,7 @@ class RpcBackend:
             log.info("%s: ggml-RPC client hung up while waiting for its turn", peer)
         return acquired
 
-    async def _serve(self, client: trio.SocketStream, conn: GgmlRpcConnection, early: list, peer: str) -> None:
+    async def _serve(self, client: AcceptedStream, conn: GgmlRpcConnection, early: list, peer: str) -> None:
         """3. and 4.: HELLO to the child (again to a fresh one if it dies first), then the pump."""
         s = self.settings
         held_until = trio.current_time() + s.restart_wait
@@ -353,8 +358,9 @@ class RpcBackend:
             busy = pid is not None and pid == self._busy_pid
             self._busy_pid = None  # that grace is given once: a child still silent at its end is hung (killed)
             try:  # a child still busy with the last client's work gets that work's time (wait_timeout)
-                replies = await exchange_hello(upstream, conn, early,
-                                               max(s.handshake_timeout, s.wait_timeout) if busy else s.handshake_timeout)
+                replies = await exchange_hello(
+                    upstream, conn, early, max(s.handshake_timeout, s.wait_timeout) if busy else s.handshake_timeout
+                )
             except Close as exc:  # no answer in time, or a wrong one: a child hung at HELLO answers nobody
                 grace = " (after the time given to a previous client's work)" if busy else ""
                 self.child.kill_unresponsive(pid, exc.detail + grace)
@@ -369,8 +375,15 @@ class RpcBackend:
             conn.receive_request(b"".join(early))
         self.counters.bytes_in += sum(len(p) for p in early)
         self.counters.connections += 1
-        pump = Pump(conn, client, upstream, self.counters, stall_timeout=s.stall_timeout, drain_idle=s.drain_idle,
-                    drain_started=self._drain_started)
+        pump = Pump(
+            conn,
+            client,
+            upstream,
+            self.counters,
+            stall_timeout=s.stall_timeout,
+            drain_idle=s.drain_idle,
+            drain_started=self._drain_started,
+        )
         try:
             await pump.run(replies, self.child.bound)
         except Close as exc:
@@ -406,7 +419,7 @@ class RpcBackend:
         }
 
 
-async def _watch_hangup(stream: trio.SocketStream, scope: trio.CancelScope) -> None:
+async def _watch_hangup(stream: AcceptedStream, scope: trio.CancelScope) -> None:
     """Cancel ``scope`` when the client closes while it waits; stop watching if it sends more."""
     if isinstance(stream, TlsStream):  # no MSG_PEEK under TLS: read ahead and push the bytes back
         try:

@@ -28,6 +28,16 @@ from typing import Any
 import attrs
 import trio
 
+from ..protocol.ggml_rpc import (
+    CHECKS,
+    GgmlRpcConnection,
+    InvalidReply,
+    InvalidRpcRequest,
+    ReplyEnd,
+    RequestEnd,
+    RpcReplyEvent,
+    RpcRequestEvent,
+)
 from ..transport.blocking import (
     LowWater,
     TlsPipe,
@@ -39,16 +49,6 @@ from ..transport.blocking import (
     shutdown_all,
 )
 from ..transport.tls import TlsStream
-from ..protocol.ggml_rpc import (
-    CHECKS,
-    GgmlRpcConnection,
-    InvalidReply,
-    InvalidRpcRequest,
-    ReplyEnd,
-    RequestEnd,
-    RpcReplyEvent,
-    RpcRequestEvent,
-)
 
 PUMP_BUFFER = 1 << 20  # bytes per receive: ggml-RPC moves tensors in large messages
 # The threads receive into one preallocated buffer each (recv_into): a fresh 1 MiB bytes object per
@@ -195,7 +195,7 @@ class Pump:
     """
 
     conn: GgmlRpcConnection
-    client: trio.SocketStream
+    client: trio.SocketStream | TlsStream
     upstream: trio.SocketStream
     counters: Counters
     stall_timeout: float = attrs.field(kw_only=True)
@@ -207,7 +207,9 @@ class Pump:
     busy_up: bool = attrs.field(default=False, init=False)  # forwarding client bytes to the child right now
     ticks_out: int = attrs.field(default=0, init=False)  # bumped when a send to the client starts, and at each piece
     busy_down: bool = attrs.field(default=False, init=False)  # forwarding child bytes to the client right now
-    ticks_up: int = attrs.field(default=0, init=False)  # bumped when outbound starts waiting for the child, and on bytes
+    ticks_up: int = attrs.field(
+        default=0, init=False
+    )  # bumped when outbound starts waiting for the child, and on bytes
     receiving_up: bool = attrs.field(default=False, init=False)  # waiting for the child's bytes
     close: Close | None = attrs.field(default=None, init=False)  # the first reason a task ended the connection
     _both: trio.CancelScope = attrs.field(factory=trio.CancelScope, init=False)  # the three tasks
@@ -231,6 +233,8 @@ class Pump:
                 async with self.upstream:
                     await self._send_first(first)
                     self._socks = self._thread_ends()
+                    inbound: tuple[Any, ...]  # a task and its arguments, for _guard
+                    outbound: tuple[Any, ...]
                     if self._socks:
                         inbound = (self._threaded, self._inbound)
                         outbound = (self._threaded, self._outbound)
@@ -444,10 +448,21 @@ class Pump:
         """
         stall, idle = self.stall_timeout, self.drain_idle
         period = max(0.01, min(stall / 4, 5.0))
-        client_sock = self._socks[0] if self._socks else getattr(
-            getattr(self.client, "transport_stream", self.client), "socket", None)
-        progress = _LastChange(trio.current_time(), ticks_in=self.ticks_in, n_in=self.n_in,
-                               ticks_out=self.ticks_out, queued=0, ticks_up=self.ticks_up, queued_up=0, acked=0)
+        client_sock = (
+            self._socks[0]
+            if self._socks
+            else getattr(getattr(self.client, "transport_stream", self.client), "socket", None)
+        )
+        progress = _LastChange(
+            trio.current_time(),
+            ticks_in=self.ticks_in,
+            n_in=self.n_in,
+            ticks_out=self.ticks_out,
+            queued=0,
+            ticks_up=self.ticks_up,
+            queued_up=0,
+            acked=0,
+        )
         while True:
             if self.drain_started.is_set():
                 await trio.sleep(0.02)
@@ -461,19 +476,35 @@ class Pump:
             queued_up = self._low_up.queued() if self._low_up is not None and self.receiving_up else 0
             # the client's kernel acknowledging reply bytes while a send to it is blocked: it reads
             acked = bytes_acked(client_sock) if self.busy_down and client_sock is not None else 0
-            progress.update(now, ticks_in=self.ticks_in, n_in=self.n_in, ticks_out=self.ticks_out, queued=queued,
-                            ticks_up=self.ticks_up, queued_up=queued_up, acked=acked)
+            progress.update(
+                now,
+                ticks_in=self.ticks_in,
+                n_in=self.n_in,
+                ticks_out=self.ticks_out,
+                queued=queued,
+                ticks_up=self.ticks_up,
+                queued_up=queued_up,
+                acked=acked,
+            )
             conn = self.conn
             begun = conn.request_in_progress or queued > 0
             if self.receiving and begun and progress.quiet(now, "ticks_in", "queued") > stall:
                 raise Close("stall_timeout", f"a begun message got no byte for {stall:g} s")
             if self.busy_down and progress.quiet(now, "ticks_out", "acked") > stall:
                 raise Close("stall_timeout", f"the client read no reply bytes for {stall:g} s")
-            if (self.receiving_up and (conn.reply_in_progress or queued_up > 0)
-                    and progress.quiet(now, "ticks_up", "queued_up") > stall):
+            if (
+                self.receiving_up
+                and (conn.reply_in_progress or queued_up > 0)
+                and progress.quiet(now, "ticks_up", "queued_up") > stall
+            ):
                 raise Close("backend_stall", f"the ggml-RPC backend sent no byte of a begun reply for {stall:g} s")
-            if (self.drain_started.is_set() and conn.between_messages and not queued
-                    and not (self.busy_up or self.busy_down) and progress.quiet(now, "n_in", "queued") >= idle):
+            if (
+                self.drain_started.is_set()
+                and conn.between_messages
+                and not queued
+                and not (self.busy_up or self.busy_down)
+                and progress.quiet(now, "n_in", "queued") >= idle
+            ):
                 raise Close("draining", "closed between messages: the node is shutting down")
 
 

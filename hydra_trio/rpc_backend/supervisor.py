@@ -28,9 +28,9 @@ from pathlib import Path
 
 import trio
 
-from ..transport.net import free_port
 from ..engine.llama.ggml_backend import clean_build_paths
 from ..observability.events import EventBus
+from ..transport.net import free_port
 
 log = logging.getLogger("hydra_trio.rpc")
 child_log = logging.getLogger("hydra_trio.rpc.child")
@@ -96,8 +96,15 @@ class ChildSupervisor:
 
     def command(self, port: int) -> list[str]:
         """The child's command line, listening on ``127.0.0.1:port``."""
-        cmd = [sys.executable, "-m", "hydra_trio.rpc_backend.child", "--endpoint", f"127.0.0.1:{port}",
-               "--parent-pid", str(os.getpid())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hydra_trio.rpc_backend.child",
+            "--endpoint",
+            f"127.0.0.1:{port}",
+            "--parent-pid",
+            str(os.getpid()),
+        ]
         if self.cache_dir is not None:
             cmd += ["--cache-dir", str(self.cache_dir)]
         cmd += ["--threads", str(self.threads)]
@@ -113,8 +120,9 @@ class ChildSupervisor:
         while True:
             port = free_port()
             env = {**CHILD_ENV, **os.environ}
-            proc = await trio.lowlevel.open_process(self.command(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                    env=env)
+            proc = await trio.lowlevel.open_process(
+                self.command(port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+            )
             self.pid = proc.pid
             self._proc = proc
             started = trio.current_time()
@@ -129,10 +137,19 @@ class ChildSupervisor:
                         self.port = port
                         self.active = True
                         self._up.set()
-                        log.info("ggml-RPC backend serving on 127.0.0.1:%d (pid %d, devices %s)", port, proc.pid,
-                                 ",".join(self.devices))
-                        self.events.publish("rpc.child_restarted" if self.restarts else "rpc.child_started",
-                                            pid=proc.pid, port=port, devices=list(self.devices), restarts=self.restarts)
+                        log.info(
+                            "ggml-RPC backend serving on 127.0.0.1:%d (pid %d, devices %s)",
+                            port,
+                            proc.pid,
+                            ",".join(self.devices),
+                        )
+                        self.events.publish(
+                            "rpc.child_restarted" if self.restarts else "rpc.child_started",
+                            pid=proc.pid,
+                            port=port,
+                            devices=list(self.devices),
+                            restarts=self.restarts,
+                        )
                     code = await proc.wait()
                 finally:
                     self.active = False
@@ -147,8 +164,11 @@ class ChildSupervisor:
                     relays.cancel_scope.deadline = trio.current_time() + 2.0
             lived = trio.current_time() - started
             if await self._ended_with_node(code):
-                log.info("ggml-RPC backend (pid %d) %s with the node", proc.pid,
-                         f"ended by {_signal_name(-code)}" if code < 0 else f"exited (code {code})")
+                log.info(
+                    "ggml-RPC backend (pid %d) %s with the node",
+                    proc.pid,
+                    f"ended by {_signal_name(-code)}" if code < 0 else f"exited (code {code})",
+                )
                 await trio.sleep_forever()  # the node is stopping: nothing to restart; its cancel ends this
             self.restarts += 1
             if lived >= STABLE_S:
@@ -162,8 +182,9 @@ class ChildSupervisor:
             else:
                 how = "exited"
             log.warning("ggml-RPC backend (pid %d) %s after %.1f s; restarting in %.2f s", proc.pid, how, lived, delay)
-            self.events.publish("rpc.child_died", pid=proc.pid, code=code, how=how, lived_s=round(lived, 3),
-                                restart_in_s=delay)
+            self.events.publish(
+                "rpc.child_died", pid=proc.pid, code=code, how=how, lived_s=round(lived, 3), restart_in_s=delay
+            )
             await trio.sleep(delay)
             delay = min(delay * 2, biggest)
 

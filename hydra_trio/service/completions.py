@@ -56,8 +56,9 @@ class PreparedCompletion:
         return attrs.evolve(self, job=attrs.evolve(self.job, **changes)) if changes else self
 
 
-def prepare_chat(e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None,
-                 id_slot: int | None = None) -> PreparedCompletion:
+def prepare_chat(
+    e: Engine, body: ChatCompletionRequest, *, n_predict: int | None = None, id_slot: int | None = None
+) -> PreparedCompletion:
     """A chat's job (:func:`~.jobs.chat_job`: the template in effect, tokenized) and its reply's plan.
     ``n_predict`` / ``id_slot`` override the body's.  Worker thread (:func:`in_worker`).
 
@@ -79,8 +80,10 @@ def prepare_continue(e: Engine, body: CompletionRequest, *, n_predict: int, id_s
     m = e.solo_model or e.model
     assert m is not None
     fmt = body.raw.get("reasoning_format") or e.config.reasoning_format  # checked when the payload was read
-    return PreparedCompletion(jobs.job_continue(e, body, n_predict=n_predict, id_slot=id_slot),
-                              ReplyPlan(ThinkingSetup.for_prompt(fmt, m.chat_template.source, "")))
+    return PreparedCompletion(
+        jobs.job_continue(e, body, n_predict=n_predict, id_slot=id_slot),
+        ReplyPlan(ThinkingSetup.for_prompt(fmt, m.chat_template.source, "")),
+    )
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> str:
@@ -110,8 +113,9 @@ async def in_worker(work: Callable[[], T], stop: threading.Event | None = None) 
         raise
 
 
-async def prepare(work: Callable[[], PreparedCompletion], *, stop: threading.Event | None = None,
-                  **changes: Any) -> PreparedCompletion:
+async def prepare(
+    work: Callable[[], PreparedCompletion], *, stop: threading.Event | None = None, **changes: Any
+) -> PreparedCompletion:
     """Prepare a completion in a worker thread (:func:`in_worker`, stopped by ``stop``), with ``changes`` to
     its job (``request_id``, a front end's ``fail_if_busy`` ...).  Raises what ``work`` raises."""
     return (await in_worker(work, stop)).changed(**changes)

@@ -8,11 +8,17 @@ from typing import Any
 
 import trio
 
-from ..engine import Embed, EmbeddingJob, EmbeddingLimits, Engine, NO_EMBEDDINGS, POOLING
+from ..engine import NO_EMBEDDINGS, POOLING, Embed, EmbeddingJob, EmbeddingLimits, Engine
 from ..errors import NotSupported
-from ..openai.embeddings import OAI_NONE_POOLING, EmbeddingsRequest, check_input_count, native_body, openai_body, \
-    tokenize_inputs
-from ..protocol.strict import MessageError
+from ..openai.embeddings import (
+    OAI_NONE_POOLING,
+    EmbeddingsRequest,
+    check_input_count,
+    native_body,
+    openai_body,
+    tokenize_inputs,
+)
+from ..validation.strict import MessageError
 
 
 def check_offered(e: Engine) -> None:
@@ -21,9 +27,13 @@ def check_offered(e: Engine) -> None:
         raise NotSupported(NO_EMBEDDINGS)
 
 
-async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
-                        prepare: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
-                        ) -> dict[str, Any] | list[dict[str, Any]]:
+async def embed_request(
+    e: Engine,
+    body: EmbeddingsRequest,
+    *,
+    oai: bool,
+    prepare: Callable[[Callable[[], Any]], Awaitable[Any]] | None = None,
+) -> dict[str, Any] | list[dict[str, Any]]:
     """Answer one embeddings body: the OpenAI list (``oai``: ``/v1/embeddings`` with ``input``) or the native list.
 
     At most ``--max-embedding-inputs`` inputs (``EngineConfig.max_embedding_inputs``), counted before any is
@@ -49,8 +59,13 @@ async def embed_request(e: Engine, body: EmbeddingsRequest, *, oai: bool,
         e.live.embeddings -= 1
 
 
-async def _embed(e: Engine, body: EmbeddingsRequest, oai: bool, prepare: Callable[[Callable[[], Any]], Awaitable[Any]],
-                 max_inputs: int) -> dict[str, Any] | list[dict[str, Any]]:
+async def _embed(
+    e: Engine,
+    body: EmbeddingsRequest,
+    oai: bool,
+    prepare: Callable[[Callable[[], Any]], Awaitable[Any]],
+    max_inputs: int,
+) -> dict[str, Any] | list[dict[str, Any]]:
     pooling, limit, why = await e.run_task(EmbeddingLimits())
     oai = oai and body.input is not None  # llama-server: "content" is its own field, answered in its own shape
     if oai and pooling == POOLING["none"]:

@@ -8,16 +8,15 @@ from typing import Any
 import attrs
 
 from ..engine import BudgetSpec, CompletionJob, Engine, GrammarError, ModelView, PromptTooLong
-from ..protocol.strict import TooLong
 from ..engine.settings import GenerationDefaults
-from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
+from ..openai import tools as _tools
 from ..openai.json_schema import SchemaError, schema_to_gbnf
 from ..openai.media import MultimodalPrompt, check_markers, load_media, load_multimodal_data
+from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
-from ..protocol.media import MediaItem, MediaPrompt
-from ..protocol.strict import MessageError
-from ..openai import tools as _tools
 from ..openai.tools import ChatTools
+from ..protocol.media import MediaItem, MediaPrompt
+from ..validation.strict import MessageError, TooLong
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
@@ -37,8 +36,9 @@ def chat_media(e: Engine, body: ChatCompletionRequest) -> tuple[MediaItem, ...]:
     return load_media(parts, e.config.media) if parts else ()
 
 
-def _media_job(e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...]) -> tuple[
-        list[int], MediaPrompt, tuple[Any, ...]]:
+def _media_job(
+    e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...]
+) -> tuple[list[int], MediaPrompt, tuple[Any, ...]]:
     """A media prompt tokenized by the model's projector (:meth:`~hydra_trio.engine.ModelView.tokenize_with_media`:
     text tokens with each media chunk's cells in place), its :class:`~hydra_trio.protocol.media.MediaPrompt`
     and its media chunks (the job's ``media_chunks``).  Raises InvalidRequest (markers and items do not pair;
@@ -47,8 +47,10 @@ def _media_job(e: Engine, m: ModelView, prompt: str, items: tuple[MediaItem, ...
     mt = m.tokenize_with_media(prompt, items, add_special=True, parse_special=True)
     n_ctx = e.n_ctx_slot
     if n_ctx and len(mt.tokens) > n_ctx:
-        raise PromptTooLong(f"the prompt has {len(mt.tokens)} tokens with its media; a slot's context holds {n_ctx} "
-                            "(--ctx-size / --parallel)")
+        raise PromptTooLong(
+            f"the prompt has {len(mt.tokens)} tokens with its media; a slot's context holds {n_ctx} "
+            "(--ctx-size / --parallel)"
+        )
     return list(mt.tokens), MediaPrompt(prompt, items), mt.chunks
 
 
@@ -73,8 +75,10 @@ def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str
         offered = [t.as_openai() for t in spec.tools] if spec is not None and spec.active and native else None
         return m.apply_chat_template(messages, thinking_kwargs(e, body), tools=offered, max_chars=max_chars), fmt
     except TooLong:
-        raise PromptTooLong(f"the prompt is longer than {max_chars} characters, at least {n_ctx} tokens; a slot's "
-                            f"context holds {n_ctx} (--ctx-size / --parallel)") from None
+        raise PromptTooLong(
+            f"the prompt is longer than {max_chars} characters, at least {n_ctx} tokens; a slot's "
+            f"context holds {n_ctx} (--ctx-size / --parallel)"
+        ) from None
 
 
 def chat_job(
@@ -102,8 +106,9 @@ def chat_job(
     stop = list(body.stop) + [s for s in extra_stop if s not in body.stop]
     job = attrs.evolve(_job(e, body, tokens, stop, n_predict, id_slot), media=media, media_chunks=chunks)
     pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
-    thinking = ThinkingSetup.for_prompt("none" if pure else body.reasoning_format or e.config.reasoning_format,
-                                        m.chat_template.source, prompt)
+    thinking = ThinkingSetup.for_prompt(
+        "none" if pure else body.reasoning_format or e.config.reasoning_format, m.chat_template.source, prompt
+    )
     job = attrs.evolve(job, reasoning_format=thinking.fmt, reasoning_budget=budget_spec(e, body, prompt))
     spec = body.tool_spec
     if spec is None or not spec.active or pure:
@@ -170,10 +175,14 @@ def budget_spec(e: Engine, body: ChatCompletionRequest, prompt: str) -> BudgetSp
     pair = opened or next((p for p in MARKERS if p[0] in source and p[1] in source), None)
     if pair is None:
         return None
-    message = body.reasoning_budget_message if body.reasoning_budget_message is not None \
+    message = (
+        body.reasoning_budget_message
+        if body.reasoning_budget_message is not None
         else e.config.reasoning_budget_message
-    forced = (m.tokenize(message, add_special=False, parse_special=True) if message else []) \
-        + m.tokenize(pair[1], add_special=False, parse_special=True)
+    )
+    forced = (m.tokenize(message, add_special=False, parse_special=True) if message else []) + m.tokenize(
+        pair[1], add_special=False, parse_special=True
+    )
     return BudgetSpec(budget, pair[0].encode(), pair[1].encode(), tuple(forced), opened=opened is not None)
 
 
@@ -198,8 +207,9 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
             items = load_multimodal_data(prompt, e.config.media)
             if items:
                 tokens, media, chunks = _media_job(e, m, prompt.prompt, items)
-                return attrs.evolve(_job(e, body, tokens, list(body.stop), None, None), media=media,
-                                    media_chunks=chunks)
+                return attrs.evolve(
+                    _job(e, body, tokens, list(body.stop), None, None), media=media, media_chunks=chunks
+                )
         prompt = prompt.prompt
     if prompt is None:
         tokens = [m.bos_id if m.bos_id >= 0 else m.eos_id]
@@ -258,14 +268,16 @@ def _job(
         samplers=body.samplers,
         adaptive_target=body.adaptive_target,
         adaptive_decay=body.adaptive_decay,
-        t_max_predict_ms=max(0, body.t_max_predict_ms),
-        stream=bool(body.stream), timings_per_token=bool(body.timings_per_token),
+        t_max_predict_ms=max(0, body.t_max_predict_ms or 0),
+        stream=bool(body.stream),
+        timings_per_token=bool(body.timings_per_token),
     )
     return node_defaults(m, body, job, defaults.generation)
 
 
-def node_defaults(m: ModelView, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob,
-                  g: GenerationDefaults) -> CompletionJob:
+def node_defaults(
+    m: ModelView, body: ChatCompletionRequest | CompletionRequest, job: CompletionJob, g: GenerationDefaults
+) -> CompletionJob:
     """``job`` with the node's defaults (``EngineConfig.generation``: ``--samplers``, ``--ignore-eos``,
     ``-l``, ``--grammar``/``-j``, ``--adaptive-*``, ``-r``, ``--no-cache-prompt``; and ``-sp``) for the fields ``body``
     leaves out or sends as null, as llama-server starts each request from its ``params_base``

@@ -68,17 +68,23 @@ def identity(e: Engine) -> dict[str, Any]:
 def hardware() -> dict[str, Any]:
     """``{"backends": the ggml backends of this build (["CPU", "RPC"], "CUDA" on a GPU build), "devices":
     [{"name", "memory_free", "memory_total"} (bytes)] the devices ggml finds}`` (``/props``, INFO)."""
-    return {"backends": build_backends(),
-            "devices": [{"name": name, "memory_free": free, "memory_total": total}
-                        for name, free, total in local_devices()]}
+    return {
+        "backends": build_backends(),
+        "devices": [
+            {"name": name, "memory_free": free, "memory_total": total} for name, free, total in local_devices()
+        ],
+    }
 
 
 def modalities(e: Engine) -> dict[str, bool]:
     """``{"vision", "video", "audio"}``: the media the node takes (``/props`` and INFO ``modalities``, as
     llama-server's ``get_res_props``): its projector's encoders (``EngineConfig.media``); video never."""
     media = e.config.media
-    return {"vision": media.mmproj is not None and media.vision, "video": False,
-            "audio": media.mmproj is not None and media.audio}
+    return {
+        "vision": media.mmproj is not None and media.vision,
+        "video": False,
+        "audio": media.mmproj is not None and media.audio,
+    }
 
 
 def model_use(e: Engine) -> dict[str, Any]:

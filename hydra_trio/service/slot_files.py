@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import HydraTrioError, InvalidRequest
 from ..engine import BlobBuffer, StateError
+from ..errors import HydraTrioError, InvalidRequest
 from . import slots
 
 if TYPE_CHECKING:
@@ -96,8 +96,10 @@ def _is_link(directory: Path, filename: str) -> bool:
 
 
 def _refuse_link(filename: str) -> InvalidRequest:
-    return InvalidRequest(f"filename: {filename!r} is a symbolic link; slot files are regular files in the slot "
-                          "save path, and links there are never followed")
+    return InvalidRequest(
+        f"filename: {filename!r} is a symbolic link; slot files are regular files in the slot "
+        "save path, and links there are never followed"
+    )
 
 
 def write_file(directory: Path, filename: str, blob: bytes | bytearray | BlobBuffer) -> int:
@@ -191,8 +193,13 @@ async def save(engine: Engine, id_slot: int, directory: Path, filename: str) -> 
     t0 = time.perf_counter()
     n_saved, blob = await slots.save(engine, id_slot, pool=None)
     n_written = await trio.to_thread.run_sync(write_file, directory, filename, blob)  # file I/O off the loop
-    return {"id_slot": id_slot, "filename": filename, "n_saved": n_saved, "n_written": n_written,
-            "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}}
+    return {
+        "id_slot": id_slot,
+        "filename": filename,
+        "n_saved": n_saved,
+        "n_written": n_written,
+        "timings": {"save_ms": (time.perf_counter() - t0) * 1e3},
+    }
 
 
 async def restore(engine: Engine, id_slot: int, directory: Path, filename: str) -> dict[str, Any]:
@@ -211,5 +218,10 @@ async def restore(engine: Engine, id_slot: int, directory: Path, filename: str) 
         done = await slots.restore(engine, id_slot, blob)
     except StateError as exc:
         raise InvalidRequest(f"filename: {filename!r} cannot be restored on this node: {exc}") from None
-    return {"id_slot": id_slot, "filename": filename, "n_restored": done.n_past, "n_read": done.bytes,
-            "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}}
+    return {
+        "id_slot": id_slot,
+        "filename": filename,
+        "n_restored": done.n_past,
+        "n_read": done.bytes,
+        "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3},
+    }

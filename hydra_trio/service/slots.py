@@ -10,14 +10,24 @@ meanwhile drops it instead: the engine may still read it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 import attrs
 
-from ..engine import BlobBuffer, BlobPool, Engine, EraseSlot, RestoreSlot, RunningChecksum, SaveSlot, TRANSFER_POOL, verify_checksum_off_engine
+from ..engine import (
+    TRANSFER_POOL,
+    BlobBuffer,
+    BlobPool,
+    Engine,
+    EraseSlot,
+    RestoreSlot,
+    RunningChecksum,
+    SaveSlot,
+    verify_checksum_off_engine,
+)
 from ..errors import HydraTrioError
 
-Blob = bytearray | BlobBuffer
+Blob: TypeAlias = bytearray | BlobBuffer
 """A state blob as received: one buffer of the transfer pool (a large upload), else a bytearray."""
 
 
@@ -36,9 +46,15 @@ class RestoredSlot:
     def as_reply(self, slot_key: str) -> dict[str, Any]:
         """``{"restored": true, slot_key: id, "bytes", "n_past", "model_hash_match", "kv_identity_match",
         ...identity}`` (``slot_key``: the wire's name for the slot id)."""
-        return {"restored": True, slot_key: self.id_slot, "bytes": self.bytes, "n_past": self.n_past,
-                "model_hash_match": self.model_hash_match, "kv_identity_match": self.kv_identity_match,
-                **self.identity}
+        return {
+            "restored": True,
+            slot_key: self.id_slot,
+            "bytes": self.bytes,
+            "n_past": self.n_past,
+            "model_hash_match": self.model_hash_match,
+            "kv_identity_match": self.kv_identity_match,
+            **self.identity,
+        }
 
 
 def release(blob: Blob | bytes) -> None:
@@ -75,8 +91,7 @@ async def restore(e: Engine, id_slot: int, blob: Blob, running: RunningChecksum 
         raise
     release(blob)  # cancelled, the engine may still read it: it is then dropped, never pooled
     assert e.identity is not None
-    return RestoredSlot(id_slot, size, done.n_past, done.model_hash_match, done.kv_identity_match,
-                        e.identity.as_meta())
+    return RestoredSlot(id_slot, size, done.n_past, done.model_hash_match, done.kv_identity_match, e.identity.as_meta())
 
 
 async def erase(e: Engine, id_slot: int) -> int:

@@ -38,7 +38,9 @@ def spawn(
     port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hydra_trio", "run", "--port", str(port), *args],
-        cwd=ROOT, stdout=output, stderr=subprocess.STDOUT if output is not None else None,
+        cwd=ROOT,
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
         env={**os.environ, **env} if env else None,
     )
     return proc, port

@@ -219,8 +219,15 @@ class TlsPipe:
     a broken connection or a TLS error.
     """
 
-    def __init__(self, sock: socket.socket, obj: ssl.SSLObject, incoming: ssl.MemoryBIO,
-                 outgoing: ssl.MemoryBIO, plain: bytes = b"", early: bytes = b"") -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        obj: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+        plain: bytes = b"",
+        early: bytes = b"",
+    ) -> None:
         self.sock = sock
         self.obj = obj
         self._in = incoming
@@ -284,11 +291,14 @@ class TlsPipe:
         obj = getattr(stream, "_ssl_object", None)
         incoming = getattr(stream, "_incoming", None)
         outgoing = getattr(stream, "_outgoing", None)
-        if not (isinstance(obj, ssl.SSLObject) and isinstance(incoming, ssl.MemoryBIO)
-                and isinstance(outgoing, ssl.MemoryBIO)):
+        if not (
+            isinstance(obj, ssl.SSLObject)
+            and isinstance(incoming, ssl.MemoryBIO)
+            and isinstance(outgoing, ssl.MemoryBIO)
+        ):
             return None
         early = getattr(stream, "_delayed_outgoing", None) or b""
-        stream._delayed_outgoing = None  # type: ignore[attr-defined]
+        stream._delayed_outgoing = None
         return cls(sock, obj, incoming, outgoing, plain=plain, early=bytes(early) + outgoing.read())
 
     # ------------------------------------------------------------ the socket face
@@ -308,11 +318,11 @@ class TlsPipe:
             return n
         while True:
             with self._ssl:
-                n, flush = self._read(view)
+                ready, flush = self._read(view)
             if flush and (self.alert_at_end or not self._eof):
                 self._flush()
-            if n is not None:
-                return n
+            if ready is not None:
+                return ready
             if self._raw is None:
                 self._raw = bytearray(RECV_BUFFER)
                 self._raw_view = memoryview(self._raw)
@@ -331,7 +341,7 @@ class TlsPipe:
         got = 0
         try:
             while got < len(view):
-                n = self.obj.read(len(view) - got, view[got:])
+                n: int = self.obj.read(len(view) - got, view[got:])  # type: ignore[assignment]  # with a buffer: the count
                 if not n:  # close_notify: _ssl returns 0 rather than raising once the peer's shutdown is in
                     self._eof = True
                     break

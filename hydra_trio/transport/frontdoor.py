@@ -82,7 +82,9 @@ class FrontDoor:
     protocol in :attr:`open_by_protocol`.
     """
 
-    def __init__(self, handlers: Mapping[Protocol, ConnectionHandler], settings: FrontDoorSettings = FrontDoorSettings()) -> None:
+    def __init__(
+        self, handlers: Mapping[Protocol, ConnectionHandler], settings: FrontDoorSettings = FrontDoorSettings()
+    ) -> None:
         self.handlers: dict[Protocol, ConnectionHandler] = dict(handlers)
         self.settings = settings
         self.counts: collections.Counter[str] = collections.Counter()
@@ -99,13 +101,13 @@ class FrontDoor:
         *,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Accept on every listener until cancelled (or :meth:`stop_accepting`); connections live in this task's nursery."""
-        async with trio.open_nursery() as connections:
-            async with trio.open_nursery() as accepting:
-                self._accepting = accepting.cancel_scope
-                for listener in listeners:
-                    accepting.start_soon(self._accept_loop, listener, connections)
-                task_status.started()
+        """Accept on every listener until cancelled (or :meth:`stop_accepting`); connections live in this task's
+        nursery."""
+        async with trio.open_nursery() as connections, trio.open_nursery() as accepting:
+            self._accepting = accepting.cancel_scope
+            for listener in listeners:
+                accepting.start_soon(self._accept_loop, listener, connections)
+            task_status.started()
 
     def stop_accepting(self) -> None:
         """Stop accepting new connections; the ones in flight go on."""
@@ -157,8 +159,12 @@ class FrontDoor:
                     if unwrapped is not None:
                         conn, first = unwrapped, unwrapped.peek()
                         info = unwrapped.info
-                        log.info("%s: TLS %s%s", peer, info.tls_version,
-                                 f", client certificate subject {info.tls_subject!r}" if info.tls_subject else "")
+                        log.info(
+                            "%s: TLS %s%s",
+                            peer,
+                            info.tls_version,
+                            f", client certificate subject {info.tls_subject!r}" if info.tls_subject else "",
+                        )
             if scope.cancelled_caught:
                 self.counts["timeout"] += 1
                 log.info("%s: no first byte within %.1f s; closed", peer, self.settings.classify_timeout)
@@ -180,7 +186,9 @@ class FrontDoor:
                 if proto is Protocol.UNKNOWN:
                     log.warning("%s: unknown first byte 0x%02x; closed", peer, first[0])
                 else:
-                    log.info("%s: %s connection (first byte 0x%02x) not served yet; closed", peer, proto.value, first[0])
+                    log.info(
+                        "%s: %s connection (first byte 0x%02x) not served yet; closed", peer, proto.value, first[0]
+                    )
                 return
             await handler(conn)
         except (trio.BrokenResourceError, trio.ClosedResourceError):

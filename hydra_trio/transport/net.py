@@ -55,9 +55,14 @@ def _fd(stream: trio.SocketStream) -> int:
     return fd
 
 
-async def send_view(stream: trio.SocketStream, view: memoryview, step: int,
-                    sent: Callable[[int], None] | None = None, progress_timeout: float = math.inf,
-                    head: bytes = b"") -> None:
+async def send_view(
+    stream: trio.SocketStream,
+    view: memoryview,
+    step: int,
+    sent: Callable[[int], None] | None = None,
+    progress_timeout: float = math.inf,
+    head: bytes = b"",
+) -> None:
     """Send ``head`` then all of ``view`` on a plain TCP stream, straight from its memory, in pieces of at
     most ``step`` bytes: non-blocking ``writev`` calls of up to :data:`BULK_WRITE` bytes (several pieces
     each; ``head``, a frame header, rides in the first, so the peer wakes once rather than for a header
@@ -103,8 +108,12 @@ async def send_view(stream: trio.SocketStream, view: memoryview, step: int,
     await trio.lowlevel.cancel_shielded_checkpoint()
 
 
-async def recv_into_view(stream: trio.SocketStream, view: memoryview, progress_timeout: float,
-                         received: Callable[[memoryview], None] | None = None) -> tuple[int, bool]:
+async def recv_into_view(
+    stream: trio.SocketStream,
+    view: memoryview,
+    progress_timeout: float,
+    received: Callable[[memoryview], None] | None = None,
+) -> tuple[int, bool]:
     """Receive into ``view`` from a plain TCP stream until it is full, the peer closes, or no byte comes
     for ``progress_timeout`` seconds.  Returns ``(received, closed)``: fewer than ``len(view)`` bytes
     with ``closed`` False means it stalled.  ``received(piece)`` is called with consecutive pieces of

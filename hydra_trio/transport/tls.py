@@ -94,8 +94,9 @@ def server_context(settings: TlsSettings) -> ssl.SSLContext:
     return ctx
 
 
-def client_context(ca: str | Path | None = None, cert: str | Path | None = None,
-                   key: str | Path | None = None) -> ssl.SSLContext:
+def client_context(
+    ca: str | Path | None = None, cert: str | Path | None = None, key: str | Path | None = None
+) -> ssl.SSLContext:
     """A client context: verifies the server against ``ca`` (None: the system's CAs), hostname checked;
     ``cert``/``key`` are presented for mutual TLS.
 
@@ -113,14 +114,23 @@ def client_context(ca: str | Path | None = None, cert: str | Path | None = None,
 
 
 def subject_text(cert: dict[str, Any] | None) -> str | None:
-    """``CN=a,O=b`` from :meth:`ssl.SSLSocket.getpeercert`'s ``subject`` (RDNs in certificate order); None without one."""
+    """``CN=a,O=b`` from :meth:`ssl.SSLSocket.getpeercert`'s ``subject`` (RDNs in certificate order); None without
+    one."""
     if not cert or "subject" not in cert:
         return None
     return ",".join(f"{_SHORT.get(k, k)}={v}" for rdn in cert["subject"] for k, v in rdn)
 
 
-_SHORT = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU", "countryName": "C",
-          "stateOrProvinceName": "ST", "localityName": "L", "domainComponent": "DC", "emailAddress": "emailAddress"}
+_SHORT = {
+    "commonName": "CN",
+    "organizationName": "O",
+    "organizationalUnitName": "OU",
+    "countryName": "C",
+    "stateOrProvinceName": "ST",
+    "localityName": "L",
+    "domainComponent": "DC",
+    "emailAddress": "emailAddress",
+}
 
 
 def plain_allowed(host: str | None, required: bool) -> bool:
@@ -248,8 +258,13 @@ async def unwrap(stream: trio.SocketStream, context: ssl.SSLContext) -> TlsStrea
         await ssl_stream.do_handshake()
     except trio.BrokenResourceError as exc:
         raise HandshakeFailed(str(exc.__cause__ or exc) or type(exc.__cause__ or exc).__name__) from None
-    info = ConnectionInfo(peer=base.peer, host=base.host, tls=True,
-                          tls_subject=subject_text(ssl_stream.getpeercert()), tls_version=ssl_stream.version())
+    info = ConnectionInfo(
+        peer=base.peer,
+        host=base.host,
+        tls=True,
+        tls_subject=subject_text(ssl_stream.getpeercert()),
+        tls_version=ssl_stream.version(),
+    )
     first = b""
     for _ in range(MAX_LEADING_EMPTY_LINES * 2 + 1):
         try:

@@ -36,8 +36,15 @@ import trio
 from .blocking import TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
 from .net import recv_into_view, send_view
 
-__all__ = ["BULK_TLS_MIN", "receives_bulk", "recv_bulk_into", "send_bulk", "ssl_stream_of", "tls_recv_into_view",
-           "tls_send_view"]
+__all__ = [
+    "BULK_TLS_MIN",
+    "receives_bulk",
+    "recv_bulk_into",
+    "send_bulk",
+    "ssl_stream_of",
+    "tls_recv_into_view",
+    "tls_send_view",
+]
 
 BULK_TLS_MIN = 256 * 1024
 """Bytes from which a payload over TLS takes the worker thread (below it, the thread and the duplicate
@@ -52,8 +59,11 @@ def ssl_stream_of(stream: Any) -> trio.SSLStream[Any] | None:
     or None for a stream that is not TLS over a trio socket, or when this trio keeps its TLS state where
     :meth:`TlsPipe.take_over` does not look."""
     inner = stream if isinstance(stream, trio.SSLStream) else getattr(stream, "ssl_stream", None)
-    if (isinstance(inner, trio.SSLStream) and isinstance(inner.transport_stream, trio.SocketStream)
-            and all(hasattr(inner, a) for a in ("_ssl_object", "_incoming", "_outgoing"))):  # TlsPipe.take_over's
+    if (
+        isinstance(inner, trio.SSLStream)
+        and isinstance(inner.transport_stream, trio.SocketStream)
+        and all(hasattr(inner, a) for a in ("_ssl_object", "_incoming", "_outgoing"))
+    ):  # TlsPipe.take_over's
         return inner
     return None
 
@@ -75,16 +85,17 @@ def _hand_back(ssl_stream: trio.SSLStream[Any], pipe: TlsPipe, dup: socket.socke
     ``broken``: the connection ended or failed on the thread, so the trio stream is marked broken as its
     own receive would have (its close then sends no close_notify from a TLS state that saw the end)."""
     if pipe._early:
-        ssl_stream._delayed_outgoing = pipe._early  # type: ignore[attr-defined]
+        ssl_stream._delayed_outgoing = pipe._early
         pipe._early = b""
     state = getattr(ssl_stream, "_state", None)
     if broken and state is not None and hasattr(type(state), "BROKEN"):
-        ssl_stream._state = type(state).BROKEN  # type: ignore[attr-defined]
+        ssl_stream._state = type(state).BROKEN
     restore(dup)
 
 
-async def tls_send_view(stream: Any, view: memoryview, timeout: float = math.inf,
-                        sent: Callable[[int], None] | None = None) -> bool:
+async def tls_send_view(
+    stream: Any, view: memoryview, timeout: float = math.inf, sent: Callable[[int], None] | None = None
+) -> bool:
     """Send all of ``view`` on the TLS ``stream`` (a :class:`trio.SSLStream` or a server's
     :class:`~hydra_trio.transport.tls.TlsStream`) from a worker thread, :data:`SEND_PIECE` bytes encrypted
     at a time; ``sent(n)`` after each piece (on that thread).  False (nothing sent) when this trio keeps
@@ -127,8 +138,9 @@ async def tls_send_view(stream: Any, view: memoryview, timeout: float = math.inf
     return True
 
 
-async def tls_recv_into_view(stream: Any, view: memoryview, timeout: float = math.inf,
-                             received: Callable[[memoryview], None] | None = None) -> tuple[int, bool] | None:
+async def tls_recv_into_view(
+    stream: Any, view: memoryview, timeout: float = math.inf, received: Callable[[memoryview], None] | None = None
+) -> tuple[int, bool] | None:
     """Receive into ``view`` from the TLS ``stream`` on a worker thread until it is full, the peer closes or
     no byte comes for ``timeout`` seconds, as :func:`~hydra_trio.transport.net.recv_into_view` does on a
     plain socket: ``(received, closed)``; ``received(piece)`` with each piece of ``view`` as it is filled
@@ -180,8 +192,15 @@ async def tls_recv_into_view(stream: Any, view: memoryview, timeout: float = mat
     return pos, closed
 
 
-async def send_bulk(stream: Any, view: memoryview, step: int, timeout: float, *, head: bytes = b"",
-                    sent: Callable[[int], None] | None = None) -> None:
+async def send_bulk(
+    stream: Any,
+    view: memoryview,
+    step: int,
+    timeout: float,
+    *,
+    head: bytes = b"",
+    sent: Callable[[int], None] | None = None,
+) -> None:
     """Send ``head`` (a frame header), then all of ``view`` in pieces of at most ``step`` bytes, on any
     stream: plain TCP by :func:`~hydra_trio.transport.net.send_view` (``head`` in its first write); TLS
     by :func:`tls_send_view` from :data:`BULK_TLS_MIN` bytes on, else ``send_all`` of each piece.
@@ -214,8 +233,9 @@ def receives_bulk(stream: Any, n: int) -> bool:
     return isinstance(stream, trio.SocketStream) or (n >= BULK_TLS_MIN and ssl_stream_of(stream) is not None)
 
 
-async def recv_bulk_into(stream: Any, view: memoryview, timeout: float,
-                         received: Callable[[memoryview], None] | None = None) -> tuple[int, bool]:
+async def recv_bulk_into(
+    stream: Any, view: memoryview, timeout: float, received: Callable[[memoryview], None] | None = None
+) -> tuple[int, bool]:
     """Receive into ``view`` straight from ``stream`` (for which :func:`receives_bulk` holds): plain TCP by
     :func:`~hydra_trio.transport.net.recv_into_view`, TLS by :func:`tls_recv_into_view`;
     ``(received, closed)`` as they return.  Raises as they do."""

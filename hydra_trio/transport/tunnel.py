@@ -33,8 +33,8 @@ from typing import Any
 
 import trio
 
+from ..validation.address import parse_peer
 from .blocking import LowWater, TlsPipe, blocking_dup, restore, run_blocking, shutdown_all
-from ..protocol.address import parse_peer
 
 log = logging.getLogger("hydra_trio.tunnel")
 
@@ -52,7 +52,7 @@ class RpcTunnel:
 
     Raises:
         OSError: no loopback port could be bound.
-        hydra_trio.protocol.strict.MessageError: a malformed ``peer``.
+        hydra_trio.validation.strict.MessageError: a malformed ``peer``.
 
     Attributes:
         local: ``127.0.0.1:port``, the address to give ggml's RPC client.
@@ -93,8 +93,8 @@ class RpcTunnel:
         try:
             try:
                 remote = await trio.to_thread.run_sync(
-                    TlsPipe.connect, self.host, self.port, self.context, self.connect_timeout,
-                    abandon_on_cancel=True)
+                    TlsPipe.connect, self.host, self.port, self.context, self.connect_timeout, abandon_on_cancel=True
+                )
             except OSError as exc:
                 self.failed += 1
                 log.warning("ggml-RPC tunnel to %s: %s", self.peer, exc or type(exc).__name__)
@@ -217,7 +217,7 @@ class TunnelPool:
 
         Raises:
             OSError: the pool is not running, holds :attr:`limit` tunnels already, or no port could be bound.
-            hydra_trio.protocol.strict.MessageError: a malformed ``peer``.
+            hydra_trio.validation.strict.MessageError: a malformed ``peer``.
         """
         async with self._lock:
             tunnel = self.tunnels.get(peer)
@@ -225,8 +225,10 @@ class TunnelPool:
                 if self._nursery is None:
                     raise OSError("the TLS tunnel pool is not running")
                 if len(self.tunnels) >= self.limit:
-                    raise OSError(f"{self.limit} TLS tunnels to other peers already: this head dials no new peer "
-                                  "until it restarts")
+                    raise OSError(
+                        f"{self.limit} TLS tunnels to other peers already: this head dials no new peer "
+                        "until it restarts"
+                    )
                 tunnel = RpcTunnel(peer, self.context)
                 await self._nursery.start(tunnel.run)
                 self.tunnels[peer] = tunnel
@@ -245,5 +247,7 @@ class TunnelPool:
 
     def stats(self) -> dict[str, dict[str, int | str]]:
         """Per real peer: the tunnel's ``local`` address, ``connections`` carried and ``failed`` connects."""
-        return {peer: {"local": t.local, "connections": t.connections, "failed": t.failed}
-                for peer, t in self.tunnels.items()}
+        return {
+            peer: {"local": t.local, "connections": t.connections, "failed": t.failed}
+            for peer, t in self.tunnels.items()
+        }

@@ -77,10 +77,11 @@ def needs_checkpoints(m: LoadedModel) -> bool:
 class Checkpoint:
     """The state of one slot's uncuttable memory after its first ``n_tokens`` tokens (``tokens``)."""
 
-    __slots__ = ("n_tokens", "pos_min", "pos_max", "tokens", "data", "ctx", "task")
+    __slots__ = ("ctx", "data", "n_tokens", "pos_max", "pos_min", "task", "tokens")
 
-    def __init__(self, n_tokens: int, pos_min: int, pos_max: int, tokens: array, data: ctypes.Array,
-                 ctx: int, task: int) -> None:
+    def __init__(
+        self, n_tokens: int, pos_min: int, pos_max: int, tokens: array, data: ctypes.Array, ctx: int | None, task: int
+    ) -> None:
         self.n_tokens = n_tokens
         self.pos_min = pos_min
         self.pos_max = pos_max
@@ -153,22 +154,32 @@ class Checkpoints:
                     pos_next = min(pos_next, max(ckpt.pos_min + 1, ckpt.pos_max))
                     n_past = min(pos_next, ckpt.n_tokens)
                     self.restored += 1
-                    log.info("slot %d: restored context checkpoint of %d tokens (%.3f MiB); %d prompt tokens kept",
-                             slot.id, ckpt.n_tokens, ckpt.size / 2**20, n_past)
+                    log.info(
+                        "slot %d: restored context checkpoint of %d tokens (%.3f MiB); %d prompt tokens kept",
+                        slot.id,
+                        ckpt.n_tokens,
+                        ckpt.size / 2**20,
+                        n_past,
+                    )
                 else:
-                    log.info("slot %d: no context checkpoint at or before token %d; the prompt is evaluated whole "
-                             "(this model's memory cannot be cut back)", slot.id, n_past)
+                    log.info(
+                        "slot %d: no context checkpoint at or before token %d; the prompt is evaluated whole "
+                        "(this model's memory cannot be cut back)",
+                        slot.id,
+                        n_past,
+                    )
                     pos_next = n_past = 0
         lst[:] = [c for c in lst if c.pos_max <= pos_next]
         return n_past
 
-    def _find(self, m: LoadedModel, lst: list[Checkpoint], prompt: list[int], pos_next: int,
-              thold: int) -> Checkpoint | None:
+    def _find(
+        self, m: LoadedModel, lst: list[Checkpoint], prompt: list[int], pos_next: int, thold: int
+    ) -> Checkpoint | None:
         ctx = ctypes.cast(m.ctx, ctypes.c_void_p).value
         for ckpt in reversed(lst):
             if ckpt.ctx != ctx or ckpt.pos_max > pos_next or not (ckpt.pos_min < thold or ckpt.pos_min == 0):
                 continue
-            if ckpt.n_tokens <= len(prompt) and array("i", prompt[:ckpt.n_tokens]) == ckpt.tokens:
+            if ckpt.n_tokens <= len(prompt) and array("i", prompt[: ckpt.n_tokens]) == ckpt.tokens:
                 return ckpt
         return None
 
@@ -176,8 +187,14 @@ class Checkpoints:
     def _load(m: LoadedModel, slot: Slot, ckpt: Checkpoint) -> bool:
         read = llama_cpp.llama_state_seq_set_data_ext(m.ctx, ckpt.data, len(ckpt.data), slot.id, PARTIAL)
         if read != len(ckpt.data):
-            log.warning("slot %d: a context checkpoint of %d tokens did not load (%d of %d bytes); the prompt is "
-                        "evaluated whole", slot.id, ckpt.n_tokens, read, len(ckpt.data))
+            log.warning(
+                "slot %d: a context checkpoint of %d tokens did not load (%d of %d bytes); the prompt is "
+                "evaluated whole",
+                slot.id,
+                ckpt.n_tokens,
+                read,
+                len(ckpt.data),
+            )
             llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
             return False
         return True
@@ -188,7 +205,7 @@ class Checkpoints:
         tokens per step)."""
         if not self.active(m):
             return slot.pending_prompt[:budget]
-        chunk = slot.pending_prompt[:self.chunk_len(slot, budget, m.n_batch)]
+        chunk = slot.pending_prompt[: self.chunk_len(slot, budget, m.n_batch)]
         self.before_chunk(m, slot, len(chunk), m.n_batch)
         return chunk
 
@@ -236,8 +253,25 @@ class Checkpoints:
         if written != size:
             log.warning("slot %d: a context checkpoint could not be taken (%d of %d bytes)", slot.id, written, size)
             return
-        lst.append(Checkpoint(n_tokens, pos_min, pos_max, array("i", slot.cache_tokens[:n_tokens]), data,
-                              ctypes.cast(m.ctx, ctypes.c_void_p).value, task))
+        lst.append(
+            Checkpoint(
+                n_tokens,
+                pos_min,
+                pos_max,
+                array("i", slot.cache_tokens[:n_tokens]),
+                data,
+                ctypes.cast(m.ctx, ctypes.c_void_p).value,
+                task,
+            )
+        )
         self.created += 1
-        log.debug("slot %d: context checkpoint %d of %d (pos_min %d, pos_max %d, %d tokens, %.3f MiB)",
-                  slot.id, len(lst), self.n_max, pos_min, pos_max, n_tokens, size / 2**20)
+        log.debug(
+            "slot %d: context checkpoint %d of %d (pos_min %d, pos_max %d, %d tokens, %.3f MiB)",
+            slot.id,
+            len(lst),
+            self.n_max,
+            pos_min,
+            pos_max,
+            n_tokens,
+            size / 2**20,
+        )

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<space>\s+|\#[^\n]*)
   | (?P<literal>"(?:[^"\\]|\\.)*")
   | (?P<cls>\[(?:[^\]\\]|\\.)*\])
@@ -27,7 +28,9 @@ _TOKEN = re.compile(r"""
   | (?P<name>[a-zA-Z0-9_-]+)
   | (?P<rep>\{[^}]*\})
   | (?P<op>[()|*+?.])
-""", re.VERBOSE | re.DOTALL)
+""",
+    re.VERBOSE | re.DOTALL,
+)
 
 
 def _tokens(grammar: str) -> list[tuple[str, str]]:
@@ -53,7 +56,7 @@ def _edges(grammar: str) -> dict[str, list[tuple[str, int]]]:
     # a rule starts at NAME ::=, its body runs to the next one
     starts = [i for i in range(len(toks) - 1) if toks[i][0] == "name" and toks[i + 1][0] == "define"]
     for k, start in enumerate(starts):
-        body = toks[start + 2:starts[k + 1] if k + 1 < len(starts) else len(toks)]
+        body = toks[start + 2 : starts[k + 1] if k + 1 < len(starts) else len(toks)]
         # (node, item being read: (target or None, repeated), items of the alternative so far)
         stack: list[tuple[str, list[tuple[str | None, bool]]]] = [(toks[start][1], [])]
         edges.setdefault(toks[start][1], [])

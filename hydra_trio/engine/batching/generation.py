@@ -17,18 +17,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import llama_cpp
 
 from ...errors import HydraTrioError
-from .kv_cells import shared_cells, shift_context
+from ..kv.state import save_slot
 from ..llama.model import LoadedModel
 from ..requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
+from .kv_cells import shared_cells, shift_context
 from .sampling import grammar_allows, sample_next, token_probs
 from .slots import Slot, SlotState
-from ..kv.state import save_slot
 from .thinking_budget import ThinkingBudget
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
@@ -61,8 +61,12 @@ class Generation:
         self.sched = sched
 
     # ---------------------------------------------------------------- sampling
-    def sample(self, m: LoadedModel, to_sample: list[tuple[Slot, int]],
-               to_verify: list[tuple[Slot, list[int], list[int]]] = ()) -> None:  # type: ignore[assignment]
+    def sample(
+        self,
+        m: LoadedModel,
+        to_sample: list[tuple[Slot, int]],
+        to_verify: Sequence[tuple[Slot, list[int], list[int]]] = (),
+    ) -> None:
         """After a decode: each slot of ``to_sample`` samples its token at its batch index, each slot of
         ``to_verify`` checks its draft (:meth:`verify`); the step's token events reach trio together, in
         one hand-over (``sched.hand_off``)."""
@@ -149,8 +153,12 @@ class Generation:
         slot.n_decoded += 1
         sched.stats.tokens_predicted_total += 1
         if slot.n_decoded == 1:
-            sched.events.publish("slot.first_token", job.request_id, slot=slot.id,
-                                 ms=round((time.perf_counter() - slot.t_start) * 1e3, 3))
+            sched.events.publish(
+                "slot.first_token",
+                job.request_id,
+                slot=slot.id,
+                ms=round((time.perf_counter() - slot.t_start) * 1e3, 3),
+            )
         slot.pending_tokens.append(token)
         text, stopped = slot.stopper.push(slot.utf8.decode(m.token_bytes(token, special=job.special)))
         slot.has_new_line = slot.has_new_line or "\n" in text
@@ -163,17 +171,22 @@ class Generation:
         slot.state = SlotState.GENERATING
         if job.n_predict >= 0 and slot.n_decoded >= job.n_predict:  # n_predict 0: after one token, as llama-server
             self.finish(slot, "length")
-        elif (job.t_max_predict_ms > 0 and "\n" in text
-              and (time.perf_counter() - slot.t_first) * 1e3 > job.t_max_predict_ms):
+        elif (
+            job.t_max_predict_ms > 0
+            and "\n" in text
+            and (time.perf_counter() - slot.t_first) * 1e3 > job.t_max_predict_ms
+        ):
             self.finish(slot, "length")  # llama-server: the time limit acts at a new line
         elif slot.n_past + 1 >= slot.n_ctx and not (
-                sched.context_shift and shift_context(m, slot, sched.n_keep, shared_cells(m, sched.slots, slot))):
+            sched.context_shift and shift_context(m, slot, sched.n_keep, shared_cells(m, sched.slots, slot))
+        ):
             self.finish(slot, "length", stop_reason="n_tokens_limit")
 
     def emit_text(self, slot: Slot, text: str) -> None:
         assert slot.handle is not None
-        slot.handle.emit(TextDelta(text, tuple(slot.pending_tokens), tuple(slot.pending_logprobs),
-                                   tuple(slot.pending_top)))
+        slot.handle.emit(
+            TextDelta(text, tuple(slot.pending_tokens), tuple(slot.pending_logprobs), tuple(slot.pending_top))
+        )
         slot.pending_tokens = []
         slot.pending_logprobs = []
         slot.pending_top = []
@@ -214,15 +227,35 @@ class Generation:
         )
         # one line per finished request, whatever protocol it came by (llama-server's print_timings, on one line)
         t = done.timings()
-        log.info("slot %d | %s | prompt %d tokens (%d cached) %.1f ms, %.1f tok/s | generated %d tokens %.1f ms, "
-                 "%.1f tok/s%s | finish %s (%s)", slot.id, handle.job.request_id or "-", t["prompt_n"], t["cache_n"],
-                 t["prompt_ms"], t["prompt_per_second"], t["predicted_n"], t["predicted_ms"],
-                 t["predicted_per_second"],
-                 f" | draft {slot.draft_n_accepted}/{slot.draft_n} accepted" if slot.speculative else "",
-                 reason, stop_reason, extra={"trace_id": handle.job.request_id or None, "slot": slot.id,
-                                             "ms": round(t["prompt_ms"] + t["predicted_ms"], 3)})
-        sched.events.publish("slot.finished", handle.job.request_id, slot=slot.id, finish_reason=reason,
-                             stop_reason=stop_reason, timings=t)
+        log.info(
+            "slot %d | %s | prompt %d tokens (%d cached) %.1f ms, %.1f tok/s | generated %d tokens %.1f ms, "
+            "%.1f tok/s%s | finish %s (%s)",
+            slot.id,
+            handle.job.request_id or "-",
+            t["prompt_n"],
+            t["cache_n"],
+            t["prompt_ms"],
+            t["prompt_per_second"],
+            t["predicted_n"],
+            t["predicted_ms"],
+            t["predicted_per_second"],
+            f" | draft {slot.draft_n_accepted}/{slot.draft_n} accepted" if slot.speculative else "",
+            reason,
+            stop_reason,
+            extra={
+                "trace_id": handle.job.request_id or None,
+                "slot": slot.id,
+                "ms": round(t["prompt_ms"] + t["predicted_ms"], 3),
+            },
+        )
+        sched.events.publish(
+            "slot.finished",
+            handle.job.request_id,
+            slot=slot.id,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            timings=t,
+        )
         if sched.spec is not None and slot.speculative:
             sched.spec.end(slot.id, slot.cache_tokens)
         # the slot is idle, and published so, before the client hears of the end: a
@@ -253,8 +286,9 @@ class Generation:
     def publish_end(self, slot: Slot, type_: str, error: Exception) -> None:
         """``slot.failed`` / ``slot.cancelled`` for the request running on ``slot`` (before its release)."""
         assert slot.handle is not None
-        self.sched.events.publish(type_, slot.handle.job.request_id, slot=slot.id, n_decoded=slot.n_decoded,
-                                  error=str(error))
+        self.sched.events.publish(
+            type_, slot.handle.job.request_id, slot=slot.id, n_decoded=slot.n_decoded, error=str(error)
+        )
 
     def fail(self, slot: Slot, type_: str, error: HydraTrioError) -> RequestHandle:
         """End ``slot``'s request with ``error`` (published as ``type_``); the caller sends the event."""

@@ -17,7 +17,8 @@ import llama_cpp
 
 from ...observability.events import EventBus
 from ..llama.model import LoadedModel
-from .prompt_cache import Entry, PromptCache, common_prefix as _common_prefix
+from .prompt_cache import Entry, PromptCache
+from .prompt_cache import common_prefix as _common_prefix
 from .slots import Slot
 
 log = logging.getLogger("hydra_trio.engine")
@@ -60,13 +61,12 @@ def share_prefix(slots: list[Slot], slot: Slot, m: LoadedModel) -> bool:
     have = slot.n_past
     donor, best_now, best_later = None, have, have
     for other in slots:
-        if other is slot or not other.cache_tokens and not other.pending_prompt:
+        if other is slot or (not other.cache_tokens and not other.pending_prompt):
             continue
         n = min(_common_prefix(other.cache_tokens, prompt), limit)
         if n > best_now:
             donor, best_now = other, n
-        if (other.handle is not None and other.pending_prompt and not other.may_share
-                and n == other.n_past < limit):
+        if other.handle is not None and other.pending_prompt and not other.may_share and n == other.n_past < limit:
             later = min(n + _common_prefix(other.pending_prompt, prompt[n:]), limit)
             best_later = max(best_later, later)
     if best_later >= best_now + SHARE_MIN_TOKENS:
@@ -144,7 +144,7 @@ def shift_context(m: LoadedModel, slot: Slot, n_keep_default: int, shared: int =
         return False
     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, n_keep, n_keep + n_discard)
     llama_cpp.llama_memory_seq_add(m.memory, slot.id, n_keep + n_discard, n_past, -n_discard)
-    del slot.cache_tokens[n_keep:n_keep + n_discard]
+    del slot.cache_tokens[n_keep : n_keep + n_discard]
     slot.n_shifts += 1
     log.info("slot %d: context shift, n_keep %d, n_left %d, n_discard %d", slot.id, n_keep, n_left, n_discard)
     return True
@@ -172,7 +172,7 @@ def reuse_chunks(m: LoadedModel, slot: Slot, prompt: list[int], n_past: int, n_r
             head_c = cache.index(prompt[head_p], head_c)
         except ValueError:
             break
-        if cache[head_c:head_c + n_reuse] != prompt[head_p:head_p + n_reuse]:
+        if cache[head_c : head_c + n_reuse] != prompt[head_p : head_p + n_reuse]:
             head_c += 1
             continue
         n_match = _common_prefix(cache[head_c:], prompt[head_p:])
@@ -181,8 +181,15 @@ def reuse_chunks(m: LoadedModel, slot: Slot, prompt: list[int], n_past: int, n_r
             continue
         llama_cpp.llama_memory_seq_rm(m.memory, slot.id, head_p, head_c)
         llama_cpp.llama_memory_seq_add(m.memory, slot.id, head_c, head_c + n_match, head_p - head_c)
-        log.debug("slot %d: reusing %d cached tokens, shifted [%d, %d) -> [%d, %d)", slot.id, n_match,
-                  head_c, head_c + n_match, head_p, head_p + n_match)
+        log.debug(
+            "slot %d: reusing %d cached tokens, shifted [%d, %d) -> [%d, %d)",
+            slot.id,
+            n_match,
+            head_c,
+            head_c + n_match,
+            head_p,
+            head_p + n_match,
+        )
         n_past += n_match
         head_c += n_match
         head_p += n_match
@@ -191,8 +198,15 @@ def reuse_chunks(m: LoadedModel, slot: Slot, prompt: list[int], n_past: int, n_r
     return n_past
 
 
-def free_idle_cells(m: LoadedModel, keep: Slot | None = None, keep_entry: Entry | None = None, *, slots: list[Slot],
-                    prompt_cache: PromptCache, events: EventBus) -> bool:
+def free_idle_cells(
+    m: LoadedModel,
+    keep: Slot | None = None,
+    keep_entry: Entry | None = None,
+    *,
+    slots: list[Slot],
+    prompt_cache: PromptCache,
+    events: EventBus,
+) -> bool:
     """Free the cells of the least recently used idle slot of ``slots`` other than ``keep`` that holds any
     (its state goes to the host-RAM ``prompt_cache`` first, when that is on, without evicting
     ``keep_entry``, an entry being restored now, so a returning conversation is restored rather than
@@ -214,8 +228,12 @@ def free_idle_cells(m: LoadedModel, keep: Slot | None = None, keep_entry: Entry 
     kept = any(e.tokens[:n] == tokens for e in prompt_cache.entries)
     llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
     slot.cache_tokens = []
-    log.warning("the KV cache is full: slot %d's %d idle tokens freed (%s)", slot.id, n,
-                "kept in the prompt cache" if kept else "not kept")
+    log.warning(
+        "the KV cache is full: slot %d's %d idle tokens freed (%s)",
+        slot.id,
+        n,
+        "kept in the prompt cache" if kept else "not kept",
+    )
     events.publish("slot.purged", slot=slot.id, n_tokens=n)
     return True
 
@@ -231,6 +249,7 @@ def retry_without_room(m: LoadedModel, n_tokens: int, make_room: Callable[[Loade
     if n_tokens > 1:
         log.warning("no room in the KV cache for a batch of %d tokens; retrying with %d", n_tokens, n_tokens // 2)
         return n_tokens // 2
-    log.error("no room in the KV cache for one token: the processing slots hold all %d cells; their requests fail",
-              m.n_ctx)
+    log.error(
+        "no room in the KV cache for one token: the processing slots hold all %d cells; their requests fail", m.n_ctx
+    )
     return None

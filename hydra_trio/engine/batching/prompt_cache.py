@@ -122,13 +122,27 @@ class PromptCache:
     def info(self) -> dict[str, int | bool]:
         """The cache now, for ``/slots``: ``enabled``, ``entries``, ``bytes``, ``limit_bytes`` (-1: none),
         ``hits``, ``misses``."""
-        return {"enabled": self.enabled, "entries": self.n_entries, "bytes": self.bytes,
-                "limit_bytes": self.limit_bytes if self.limit_mib > 0 else (-1 if self.enabled else 0),
-                "hits": self.hits, "misses": self.misses}
+        return {
+            "enabled": self.enabled,
+            "entries": self.n_entries,
+            "bytes": self.bytes,
+            "limit_bytes": self.limit_bytes if self.limit_mib > 0 else (-1 if self.enabled else 0),
+            "hits": self.hits,
+            "misses": self.misses,
+        }
 
     # ------------------------------------------------------------ the rules
-    def prepare(self, m: LoadedModel, slot: Slot, prompt: list[int], cache_n: int, slots: list[Slot],
-                use_cache: bool, share_min: int, trace_id: str = "") -> int:
+    def prepare(
+        self,
+        m: LoadedModel,
+        slot: Slot,
+        prompt: list[int],
+        cache_n: int,
+        slots: list[Slot],
+        use_cache: bool,
+        share_min: int,
+        trace_id: str = "",
+    ) -> int:
         """Before ``slot`` (idle) takes ``prompt`` and keeps its first ``cache_n`` cached tokens: keep the
         slot's state when it is about to lose at least :data:`MIN_TOKENS` of them, then restore the best
         entry when it gives at least that many more than the slots do (``use_cache``: the request's
@@ -149,14 +163,28 @@ class PromptCache:
             self.misses += 1
             return 0
         self.hits += 1
-        self.events.publish("prompt_cache.restored", trace_id, slot=slot.id, n_tokens=len(entry.tokens), n_used=lcp,
-                            bytes=entry.size, gain=lcp - offered)
-        log.info("slot %d: restored %d of %d prompt tokens from the prompt cache (%d tokens, %.1f MiB)",
-                 slot.id, lcp, len(prompt), len(entry.tokens), entry.size / MIB)
+        self.events.publish(
+            "prompt_cache.restored",
+            trace_id,
+            slot=slot.id,
+            n_tokens=len(entry.tokens),
+            n_used=lcp,
+            bytes=entry.size,
+            gain=lcp - offered,
+        )
+        log.info(
+            "slot %d: restored %d of %d prompt tokens from the prompt cache (%d tokens, %.1f MiB)",
+            slot.id,
+            lcp,
+            len(prompt),
+            len(entry.tokens),
+            entry.size / MIB,
+        )
         return lcp
 
-    def _lookup(self, m: LoadedModel, slot: Slot, prompt: list[int], cache_n: int, slots: list[Slot],
-                share_min: int) -> tuple[Entry | None, int, int]:
+    def _lookup(
+        self, m: LoadedModel, slot: Slot, prompt: list[int], cache_n: int, slots: list[Slot], share_min: int
+    ) -> tuple[Entry | None, int, int]:
         """``(entry, prompt tokens it gives, what the slots give)`` for :meth:`prepare`; entry None (a miss
         counted when the slots left at least :data:`MIN_TOKENS` to evaluate) when none is worth a restore."""
         limit = len(prompt) - 1  # the last prompt token is always evaluated (its logits)
@@ -189,10 +217,14 @@ class PromptCache:
             return False
         size = llama_cpp.llama_state_seq_get_size(m.ctx, slot.id)
         if self.limit_bytes and size + (keep.size if keep is not None else 0) > self.limit_bytes:
-            log.info("slot %d: its state (%.1f MiB) does not fit in the prompt cache (--cache-ram %d): not kept",
-                     slot.id, size / MIB, self.limit_mib)
+            log.info(
+                "slot %d: its state (%.1f MiB) does not fit in the prompt cache (--cache-ram %d): not kept",
+                slot.id,
+                size / MIB,
+                self.limit_mib,
+            )
             return False
-        for e in [e for e in self.entries if len(e.tokens) <= n and tokens[:len(e.tokens)] == e.tokens]:
+        for e in [e for e in self.entries if len(e.tokens) <= n and tokens[: len(e.tokens)] == e.tokens]:
             if e is not keep:
                 self._drop(e, "contained")
         while self.limit_bytes and self.bytes + size > self.limit_bytes:
@@ -209,8 +241,15 @@ class PromptCache:
         self.entries.append(entry)
         self.saves += 1
         self._account()
-        self.events.publish("prompt_cache.saved", trace_id, slot=slot.id, n_tokens=n, bytes=entry.size,
-                            entries=self.n_entries, total_bytes=self.bytes)
+        self.events.publish(
+            "prompt_cache.saved",
+            trace_id,
+            slot=slot.id,
+            n_tokens=n,
+            bytes=entry.size,
+            entries=self.n_entries,
+            total_bytes=self.bytes,
+        )
         log.debug("slot %d: kept %d tokens (%.1f MiB) in the prompt cache", slot.id, n, entry.size / MIB)
         return True
 
@@ -219,7 +258,7 @@ class PromptCache:
         ``tokens`` and those ``tokens`` start with, so an erased slot's prompt is evaluated afresh."""
         n = len(tokens)
         if n:
-            for e in [e for e in self.entries if e.tokens[:n] == tokens[:len(e.tokens)]]:
+            for e in [e for e in self.entries if e.tokens[:n] == tokens[: len(e.tokens)]]:
                 self._drop(e, "erased")
 
     def clear(self, reason: str) -> None:
@@ -256,10 +295,16 @@ class PromptCache:
             llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
             slot.cache_tokens.clear()
             self.restore_failures += 1
-            log.warning("slot %d: llama.cpp refused a prompt-cache entry (%d tokens, %d bytes); it is dropped and "
-                        "the prompt is evaluated", slot.id, len(entry.tokens), size)
-            self.events.publish("prompt_cache.restore_failed", trace_id, slot=slot.id, n_tokens=len(entry.tokens),
-                                bytes=size)
+            log.warning(
+                "slot %d: llama.cpp refused a prompt-cache entry (%d tokens, %d bytes); it is dropped and "
+                "the prompt is evaluated",
+                slot.id,
+                len(entry.tokens),
+                size,
+            )
+            self.events.publish(
+                "prompt_cache.restore_failed", trace_id, slot=slot.id, n_tokens=len(entry.tokens), bytes=size
+            )
             self._drop(entry, "restore_failed")
             return False
         slot.cache_tokens[:] = entry.tokens
@@ -270,8 +315,14 @@ class PromptCache:
         self.entries.remove(entry)
         self.evicted[reason] += 1
         self._account()
-        self.events.publish("prompt_cache.evicted", reason=reason, n_tokens=len(entry.tokens), bytes=entry.size,
-                            entries=self.n_entries, total_bytes=self.bytes)
+        self.events.publish(
+            "prompt_cache.evicted",
+            reason=reason,
+            n_tokens=len(entry.tokens),
+            bytes=entry.size,
+            entries=self.n_entries,
+            total_bytes=self.bytes,
+        )
         log.debug("prompt cache: dropped an entry of %d tokens (%s)", len(entry.tokens), reason)
 
     def _account(self) -> None:

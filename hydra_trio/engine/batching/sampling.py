@@ -35,8 +35,8 @@ import attrs
 import llama_cpp
 
 from ...errors import InvalidRequest
-from .gbnf_depth import depths
 from ..settings import SAMPLER_ORDER, SamplingParams
+from .gbnf_depth import depths
 
 MAX_GRAMMAR_BYTES = 256 * 1024
 MAX_GRAMMAR_DEPTH = 128
@@ -108,15 +108,21 @@ def check_grammar(vocab: Any, grammar: str) -> None:
     if depth > MAX_GRAMMAR_DEPTH:
         raise GrammarError(f"the grammar nests groups deeper than {MAX_GRAMMAR_DEPTH} levels (MAX_GRAMMAR_DEPTH)")
     if expansion > MAX_GRAMMAR_EXPANSION:
-        raise GrammarError(f"the grammar's repetitions expand to about {expansion} elements; the limit is "
-                           f"{MAX_GRAMMAR_EXPANSION} (MAX_GRAMMAR_EXPANSION)")
+        raise GrammarError(
+            f"the grammar's repetitions expand to about {expansion} elements; the limit is "
+            f"{MAX_GRAMMAR_EXPANSION} (MAX_GRAMMAR_EXPANSION)"
+        )
     nesting, chain = depths(grammar)
     if nesting > MAX_GRAMMAR_STACK_DEPTH:
-        raise GrammarError(f"the grammar's rules nest {nesting} deep (a chain of references each followed by more "
-                           f"of its alternative); the limit is {MAX_GRAMMAR_STACK_DEPTH} (MAX_GRAMMAR_STACK_DEPTH)")
+        raise GrammarError(
+            f"the grammar's rules nest {nesting} deep (a chain of references each followed by more "
+            f"of its alternative); the limit is {MAX_GRAMMAR_STACK_DEPTH} (MAX_GRAMMAR_STACK_DEPTH)"
+        )
     if chain > MAX_GRAMMAR_REF_CHAIN:
-        raise GrammarError(f"the grammar has a chain of {chain} rule references; the limit is {MAX_GRAMMAR_REF_CHAIN} "
-                           "(MAX_GRAMMAR_REF_CHAIN)")
+        raise GrammarError(
+            f"the grammar has a chain of {chain} rule references; the limit is {MAX_GRAMMAR_REF_CHAIN} "
+            "(MAX_GRAMMAR_REF_CHAIN)"
+        )
     smpl = llama_cpp.llama_sampler_init_grammar(vocab, data, b"root")
     if not smpl:
         raise GrammarError("llama.cpp could not parse the grammar (GBNF, with a 'root' rule)")
@@ -132,7 +138,7 @@ def _scan(grammar: str) -> tuple[int, int]:
     i, n = 0, len(grammar)
     while i < n:
         c = grammar[i]
-        if c in "\"[":
+        if c in '"[':
             start = i
             close = '"' if c == '"' else "]"
             i += 1
@@ -154,11 +160,13 @@ def _scan(grammar: str) -> tuple[int, int]:
             end = grammar.find("}", i)
             if end < 0:
                 break  # llama.cpp's parser says what is wrong
-            counts = [p.strip() for p in grammar[i + 1:end].split(",")]
+            counts = [p.strip() for p in grammar[i + 1 : end].split(",")]
             for p in counts:
                 if p.isdigit() and (len(p) > 9 or int(p) > MAX_GRAMMAR_REPETITION):
-                    raise GrammarError(f"the repetition {{{grammar[i + 1:end][:40]}}} is over the limit of "
-                                       f"{MAX_GRAMMAR_REPETITION} (MAX_GRAMMAR_REPETITION)")
+                    raise GrammarError(
+                        f"the repetition {{{grammar[i + 1 : end][:40]}}} is over the limit of "
+                        f"{MAX_GRAMMAR_REPETITION} (MAX_GRAMMAR_REPETITION)"
+                    )
             expansion += max([int(p) for p in counts if p.isdigit()] + [1]) * last
             i = end
         elif c.isalnum() or c in "-_.":
@@ -189,9 +197,10 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
     if spec.grammar:
         if spec.lazy_triggers is not None:
             patterns = [p.encode("utf-8") for p in spec.lazy_triggers]
-            arr = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
+            triggers = (ctypes.c_char_p * max(1, len(patterns)))(*patterns)
             grammar = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
-                vocab, spec.grammar.encode("utf-8"), b"root", arr, len(patterns), None, 0)
+                vocab, spec.grammar.encode("utf-8"), b"root", triggers, len(patterns), None, 0
+            )
         else:
             grammar = llama_cpp.llama_sampler_init_grammar(vocab, spec.grammar.encode("utf-8"), b"root")
         if not grammar:
@@ -203,7 +212,9 @@ def build_sampler(spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, 
             add(chain, llama_cpp.llama_sampler_init_greedy())
         elif p.mirostat == 1:
             add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
-            add(chain, llama_cpp.llama_sampler_init_mirostat(n_vocab, p.seed_u32(), p.mirostat_tau, p.mirostat_eta, 100))
+            add(
+                chain, llama_cpp.llama_sampler_init_mirostat(n_vocab, p.seed_u32(), p.mirostat_tau, p.mirostat_eta, 100)
+            )
         else:
             add(chain, llama_cpp.llama_sampler_init_temp(p.temperature))
             add(chain, llama_cpp.llama_sampler_init_mirostat_v2(p.seed_u32(), p.mirostat_tau, p.mirostat_eta))
@@ -243,10 +254,12 @@ def sample_next(chain: Any, ctx: Any, idx: int, n_vocab: int, *, constrained: bo
     import numpy as np
 
     logits = np.ctypeslib.as_array(
-        ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, idx), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,))
+        ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, idx), ctypes.POINTER(ctypes.c_float)), shape=(n_vocab,)
+    )
     cur = _candidates(logits)
     arr = llama_cpp.llama_token_data_array(
-        data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=n_vocab, selected=-1, sorted=False)
+        data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=n_vocab, selected=-1, sorted=False
+    )
     llama_cpp.llama_sampler_apply(chain, ctypes.byref(arr))
     token = int(cur["id"][arr.selected]) if 0 <= arr.selected < arr.size else -1
     if token < 0 or not grammar_allows(chain, token):
@@ -275,8 +288,11 @@ def _best_allowed(chain: Any, logits: Any) -> int:
         smpl = llama_cpp.llama_sampler_chain_get(chain, i)
         if llama_cpp.llama_sampler_name(smpl) == b"grammar":
             arr = llama_cpp.llama_token_data_array(
-                data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(cur), selected=-1,
-                sorted=False)
+                data=cur.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                size=len(cur),
+                selected=-1,
+                sorted=False,
+            )
             llama_cpp.llama_sampler_apply(smpl, ctypes.byref(arr))
             break
     allowed = np.where(np.isfinite(cur["logit"]), cur["logit"], -np.inf)
@@ -297,8 +313,9 @@ def grammar_allows(chain: Any, token: int) -> bool:
     return True
 
 
-def _stage(name: str, spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, prompt: Sequence[int],
-           greedy: bool) -> Any:
+def _stage(
+    name: str, spec: SamplerSpec, vocab: Any, n_vocab: int, n_ctx_slot: int, prompt: Sequence[int], greedy: bool
+) -> Any:
     """One stage of the chain by llama-server's sampler name, or None where it would be a no-op
     (a neutral value; with greedy sampling, the stages that never drop the most likely token and
     the temperature)."""

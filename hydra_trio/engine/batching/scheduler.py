@@ -24,8 +24,8 @@ tokens keeps them in the host-RAM prompt cache, and a prompt that an entry there
 gets it restored (:mod:`~hydra_trio.engine.batching.prompt_cache`).  Cancellation is here too, and an idle
 slot's KV cache saved as a blob, restored from one or erased (:meth:`Scheduler.save_slot`,
 :meth:`Scheduler.restore_slot`, :meth:`Scheduler.erase_slot`); each sampled token's handling, stop strings
-and finishing are :class:`~hydra_trio.engine.batching.generation.Generation`'s.  Nothing here is trio code: events go out through
-``RequestHandle.emit``, which never blocks.
+and finishing are :class:`~hydra_trio.engine.batching.generation.Generation`'s.  Nothing here is trio code: events go
+out through ``RequestHandle.emit``, which never blocks.
 """
 
 from __future__ import annotations
@@ -34,26 +34,27 @@ import collections
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
 from ...errors import Busy, Cancelled, EngineFailure, HydraTrioError, InvalidRequest, NotSupported
 from ...observability.events import EventBus
-from .checkpoints import Checkpoints
-from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
 from ..experts.combined import ExpertModes, PeerLost
-from ..llama.media import NO_MEDIA, MediaLayout
-from ..llama.model import LoadedModel
-from .prompt_cache import PromptCache, common_prefix as _common_prefix
-from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
-from .sampling import GrammarError, SamplerSpec, build_sampler
-from .slots import Slot, SlotState, StopStringMatcher
-from .generation import Generation
 from ..kv.blobbuf import BlobBuffer, BlobPool
 from ..kv.state import Restored, restore_slot, save_slot
+from ..llama.media import NO_MEDIA, MediaLayout
+from ..llama.model import LoadedModel
+from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
 from ..speculative.base import DraftRequest
+from .checkpoints import Checkpoints
+from .generation import Generation
+from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
+from .prompt_cache import PromptCache
+from .prompt_cache import common_prefix as _common_prefix
+from .sampling import GrammarError, SamplerSpec, build_sampler
+from .slots import Slot, SlotState, StopStringMatcher
 
 if TYPE_CHECKING:  # the drafters load numpy: imported where a node speculates (speculative/build.py)
     from ..speculative.combine import Speculative
@@ -94,12 +95,27 @@ class Scheduler:
             the most tokens a draft may hold.
     """
 
-    def __init__(self, experts: ExpertModes, n_parallel: int, n_ctx_slot: int, n_batch: int, stats: Any,
-                 model_hash: str, events: EventBus | None = None, *, context_shift: bool = False,
-                 n_keep: int = 0, n_cache_reuse: int = 0, slot_prompt_similarity: float = 0.1,
-                 n_ctx_checkpoints: int = 32, checkpoint_min_step: int = 8192,
-                 prompt_cache: PromptCache | None = None, hand_off: StepHandOff | None = None,
-                 spec: Speculative | None = None, spec_cap: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        experts: ExpertModes,
+        n_parallel: int,
+        n_ctx_slot: int,
+        n_batch: int,
+        stats: Any,
+        model_hash: str,
+        events: EventBus | None = None,
+        *,
+        context_shift: bool = False,
+        n_keep: int = 0,
+        n_cache_reuse: int = 0,
+        slot_prompt_similarity: float = 0.1,
+        n_ctx_checkpoints: int = 32,
+        checkpoint_min_step: int = 8192,
+        prompt_cache: PromptCache | None = None,
+        hand_off: StepHandOff | None = None,
+        spec: Speculative | None = None,
+        spec_cap: int = 1 << 30,
+    ) -> None:
         self.experts, self.hand_off = experts, hand_off
         self.prompt_cache = prompt_cache if prompt_cache is not None else PromptCache(0)
         self.context_shift = context_shift
@@ -118,9 +134,11 @@ class Scheduler:
         """While the KV cache had no room for a batch: the most tokens the next batch takes (halved at each
         such failure, as llama-server's ``update_slots`` does); 0 otherwise."""
         experts.on_switch = self.forget_cached_prompts
-        self.make_room = functools.partial(free_idle_cells, slots=self.slots, prompt_cache=self.prompt_cache,
-                                           events=self.events)
-        """``make_room(m, keep=None, keep_entry=None)``: :func:`~hydra_trio.engine.batching.kv_cells.free_idle_cells`."""
+        self.make_room = functools.partial(
+            free_idle_cells, slots=self.slots, prompt_cache=self.prompt_cache, events=self.events
+        )
+        """``make_room(m, keep=None, keep_entry=None)``:
+        :func:`~hydra_trio.engine.batching.kv_cells.free_idle_cells`."""
         self.prompt_cache.make_room = self.make_room
         self.spec: Speculative | None = spec
         """The node's drafters (``--spec-type``; None: no speculative decoding)."""
@@ -153,8 +171,11 @@ class Scheduler:
         self._assign_pending()
         if self.busy:
             self._step()
-        if not self.busy and not self.pending and not self.checkpoints.needed(self.model):
-            self.prompt_cache.save_idle(self.model, self.slots)  # idle now: keep idle slots (--cache-idle-slots)
+        if not self.busy and not self.pending:
+            m = self.model
+            assert m is not None
+            if not self.checkpoints.needed(m):
+                self.prompt_cache.save_idle(m, self.slots)  # idle now: keep idle slots (--cache-idle-slots)
 
     def forget_cached_prompts(self) -> None:
         """The model changed (each has its own KV cache): no slot nor prompt-cache entry may be reused."""
@@ -213,20 +234,28 @@ class Scheduler:
 
     def save_slot(self, id_slot: int, *, pool: BlobPool | None = None) -> tuple[int, BlobBuffer]:
         """The idle slot's KV state blob, ``(n_past, blob)``, its buffer from ``pool``, with the drafters'
-        state of the slot (:func:`~hydra_trio.engine.kv.state.save_slot`).  Raises Busy, InvalidRequest, NotSupported (a slot
-        holding media: its blob would not carry the media chunks)."""
+        state of the slot (:func:`~hydra_trio.engine.kv.state.save_slot`).  Raises Busy, InvalidRequest, NotSupported (a
+        slot holding media: its blob would not carry the media chunks)."""
         slot = self.idle_slot(id_slot)
         if slot.holds_media:
-            raise NotSupported(f"slot {id_slot}: a slot holding media cannot be saved (its KV cache holds image or "
-                               "audio embeddings, which a state blob does not carry)")
+            raise NotSupported(
+                f"slot {id_slot}: a slot holding media cannot be saved (its KV cache holds image or "
+                "audio embeddings, which a state blob does not carry)"
+            )
         m = self.model
         assert m is not None
         spec = self.spec
-        return save_slot(m, slot, self.model_hash, pool=pool,
-                         extra=spec.get_state(id_slot) if spec is not None and slot.n_past else None)
+        return save_slot(
+            m,
+            slot,
+            self.model_hash,
+            pool=pool,
+            extra=spec.get_state(id_slot) if spec is not None and slot.n_past else None,
+        )
 
-    def restore_slot(self, id_slot: int, blob: bytearray | BlobBuffer, *, allow_cross_model_kv: bool,
-                     checksum_verified: bool = False) -> Restored:
+    def restore_slot(
+        self, id_slot: int, blob: bytearray | BlobBuffer, *, allow_cross_model_kv: bool, checksum_verified: bool = False
+    ) -> Restored:
         """Apply a blob to the idle slot, all or nothing (:func:`~hydra_trio.engine.kv.state.restore_slot`); the
         drafters take the blob's part of their state, else start afresh.
 
@@ -239,8 +268,15 @@ class Scheduler:
         if slot.holds_media:  # no backup of it can be taken: emptied first, so a failure leaves it empty
             llama_cpp.llama_memory_seq_rm(m.memory, slot.id, -1, -1)
             slot.cache_tokens.clear()
-        done = restore_slot(m, slot, blob, self.model_hash, allow_cross_model_kv=allow_cross_model_kv,
-                            checksum_verified=checksum_verified, make_room=lambda: self.make_room(m, keep=slot))
+        done = restore_slot(
+            m,
+            slot,
+            blob,
+            self.model_hash,
+            allow_cross_model_kv=allow_cross_model_kv,
+            checksum_verified=checksum_verified,
+            make_room=lambda: self.make_room(m, keep=slot),
+        )
         slot.media = NO_MEDIA  # a blob holds text tokens only
         if self.spec is not None:  # the drafters follow: the blob's part, else nothing
             self.spec.seq_rm(id_slot, -1, -1)
@@ -248,8 +284,9 @@ class Scheduler:
                 try:
                     self.spec.set_state(id_slot, done.extra)
                 except ValueError as exc:
-                    log.warning("slot %d: the blob's drafters' state was not applied (%s); it drafts afresh",
-                                id_slot, exc)
+                    log.warning(
+                        "slot %d: the blob's drafters' state was not applied (%s); it drafts afresh", id_slot, exc
+                    )
         return done
 
     def erase_slot(self, id_slot: int) -> int:
@@ -280,9 +317,14 @@ class Scheduler:
         for slot in self.slots:
             if not (slot.generating and slot.speculative) or slot.last_token is None:
                 continue
-            job = slot.handle.job  # type: ignore[union-attr]
-            n_max = min(spec.n_max, self.spec_cap, slot.n_ctx - slot.n_past - 3,
-                        job.n_predict - slot.n_decoded - 1 if job.n_predict >= 0 else spec.n_max)
+            assert slot.handle is not None  # a generating slot serves a request
+            job = slot.handle.job
+            n_max = min(
+                spec.n_max,
+                self.spec_cap,
+                slot.n_ctx - slot.n_past - 3,
+                job.n_predict - slot.n_decoded - 1 if job.n_predict >= 0 else spec.n_max,
+            )
             if spec.budget is not None:
                 n_max = spec.budget.cap(slot.id, n_max)
             if n_max >= 1:
@@ -362,18 +404,27 @@ class Scheduler:
         job = handle.job
         prompt = list(slot.cache_tokens) if job.continue_slot else list(job.prompt_tokens)
         if not prompt:
-            handle.emit(Failed(InvalidRequest(
-                f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)")))
+            handle.emit(
+                Failed(InvalidRequest(f"slot {slot.id} holds no tokens to continue from (PREFILL or STATE_PUT first)"))
+            )
             return
         if job.media_chunks and m.media is None:  # the model serving now has no projector (another mode's)
             handle.emit(Failed(NotSupported("the model serving now has no multimodal projector (--mmproj)")))
             return
-        spec = SamplerSpec(job.sampling, job.logit_bias, tuple(m.eog_tokens) if job.ignore_eos else (), job.grammar,
-                           lazy_triggers=job.grammar_triggers if job.grammar_lazy else None,
-                           order=job.samplers, adaptive_target=job.adaptive_target, adaptive_decay=job.adaptive_decay)
+        spec = SamplerSpec(
+            job.sampling,
+            job.logit_bias,
+            tuple(m.eog_tokens) if job.ignore_eos else (),
+            job.grammar,
+            lazy_triggers=job.grammar_triggers if job.grammar_lazy else None,
+            order=job.samplers,
+            adaptive_target=job.adaptive_target,
+            adaptive_decay=job.adaptive_decay,
+        )
         try:
-            sampler = build_sampler(spec, m.vocab, m.n_vocab, slot.n_ctx,
-                                    [t for t in prompt if t >= 0] if job.media_chunks else prompt)
+            sampler = build_sampler(
+                spec, m.vocab, m.n_vocab, slot.n_ctx, [t for t in prompt if t >= 0] if job.media_chunks else prompt
+            )
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
             handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))
             return
@@ -384,8 +435,7 @@ class Scheduler:
         slot.t_start = time.perf_counter()
         if not job.continue_slot:  # the prompt's media chunks: its cached prefix has the same ones
             slot.media = MediaLayout(job.media_chunks) if job.media_chunks else NO_MEDIA
-        cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache,
-                              self.slots)
+        cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache, self.slots)
         slot.cache_n = cache_n
         if self.spec is not None:  # the drafters' own contexts follow the target's cut (llama-server's common_memory)
             self.spec.seq_rm(slot.id, cache_n, -1)
@@ -399,12 +449,22 @@ class Scheduler:
         slot.pending_prompt = prompt[cache_n:]
         slot.state = SlotState.PROCESSING_PROMPT if slot.pending_prompt else SlotState.DONE_PROMPT
         slot.stopper = StopStringMatcher(job.stop)
-        slot.may_share = (job.cache_prompt and not job.continue_slot and len(slot.pending_prompt) > SHARE_MIN_TOKENS
-                          and not self.checkpoints.needed(m))  # share_prefix: why not these models
+        slot.may_share = (
+            job.cache_prompt
+            and not job.continue_slot
+            and len(slot.pending_prompt) > SHARE_MIN_TOKENS
+            and not self.checkpoints.needed(m)
+        )  # share_prefix: why not these models
         self.publish()  # the engine's snapshot shows the slot processing before its request hears anything
         handle.emit(SlotAssigned(slot.id, len(prompt), cache_n))
-        self.events.publish("slot.assigned", job.request_id, slot=slot.id, n_prompt=len(prompt), cache_n=cache_n,
-                            n_predict=job.n_predict)
+        self.events.publish(
+            "slot.assigned",
+            job.request_id,
+            slot=slot.id,
+            n_prompt=len(prompt),
+            cache_n=cache_n,
+            n_predict=job.n_predict,
+        )
         log.debug("slot %d: start, prompt %d tokens, cache_n %d", slot.id, len(prompt), cache_n)
         if not slot.pending_prompt:  # prefill-only request fully cached
             slot.t_first = time.perf_counter()
@@ -426,8 +486,16 @@ class Scheduler:
                 idx = self._batch_add(slot.last_token, slot.pos_next, slot.id, True)
                 draft = drafts.get(slot.id, [])[: budget - 1]
                 if draft:  # verified in this batch: logits at every drafted position
-                    to_verify.append((slot, [idx, *(self._batch_add(t, slot.n_past + 1 + k, slot.id, True)
-                                                    for k, t in enumerate(draft))], draft))
+                    to_verify.append(
+                        (
+                            slot,
+                            [
+                                idx,
+                                *(self._batch_add(t, slot.n_past + 1 + k, slot.id, True) for k, t in enumerate(draft)),
+                            ],
+                            draft,
+                        )
+                    )
                 else:
                     to_sample.append((slot, idx))
                 fed.append((slot, [slot.last_token]))
@@ -515,8 +583,8 @@ class Scheduler:
         slot and step, so a request is cancelled between chunks as between text pieces (llama-server's
         ``update_slots`` evaluates media chunks the same way, outside the batch of text).  A chunk that ends a
         generating prompt gives the first token from its last embedding's logits.  A prefix that another slot
-        holds or is evaluating, through the same media, is copied first (:func:`share_prefix`).  A failed chunk fails its
-        request (llama-server's "failed to process mtmd chunk"), its cells removed."""
+        holds or is evaluating, through the same media, is copied first (:func:`share_prefix`).  A failed chunk fails
+        its request (llama-server's "failed to process mtmd chunk"), its cells removed."""
         for slot in self.slots:
             handle = slot.handle
             if handle is None or not slot.pending_prompt or not slot.media:
@@ -566,8 +634,16 @@ def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot 
     return pick_idle_slot(idle, job.prompt_tokens, similarity if job.id_slot == -1 else 0.0) if idle else None
 
 
-def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int], n_cache_reuse: int,
-                checkpoints: Checkpoints, prompt_cache: PromptCache | None = None, slots: list[Slot] = ()) -> int:
+def keep_cached(
+    m: LoadedModel,
+    slot: Slot,
+    job: CompletionJob,
+    prompt: list[int],
+    n_cache_reuse: int,
+    checkpoints: Checkpoints,
+    prompt_cache: PromptCache | None = None,
+    slots: Sequence[Slot] = (),
+) -> int:
     """How many of ``prompt``'s first tokens ``slot`` keeps from its cache; its memory and ``cache_tokens``
     are cut back to them and the caller evaluates the rest (llama-server's ``update_slots`` when a slot starts).
 
@@ -582,13 +658,19 @@ def keep_cached(m: LoadedModel, slot: Slot, job: CompletionJob, prompt: list[int
     """
     cache_n = _common_prefix(slot.cache_tokens, prompt) if job.cache_prompt else 0
     if prompt_cache is not None and not job.continue_slot and not checkpoints.needed(m):
-        cache_n = prompt_cache.prepare(m, slot, prompt, cache_n, slots, job.cache_prompt, SHARE_MIN_TOKENS,
-                                       job.request_id)
+        cache_n = prompt_cache.prepare(
+            m, slot, prompt, cache_n, list(slots), job.cache_prompt, SHARE_MIN_TOKENS, job.request_id
+        )
     n_reuse = n_cache_reuse if job.n_cache_reuse is None else job.n_cache_reuse
-    if (n_reuse > 0 and job.cache_prompt and not job.continue_slot
-            and cache_n < min(len(slot.cache_tokens), len(prompt))
-            and llama_cpp.llama_memory_can_shift(m.memory) and not checkpoints.needed(m)
-            and shared_cells(m, list(slots), slot) <= cache_n):  # cells other slots share never move
+    if (
+        n_reuse > 0
+        and job.cache_prompt
+        and not job.continue_slot
+        and cache_n < min(len(slot.cache_tokens), len(prompt))
+        and llama_cpp.llama_memory_can_shift(m.memory)
+        and not checkpoints.needed(m)
+        and shared_cells(m, list(slots), slot) <= cache_n
+    ):  # cells other slots share never move
         cache_n = reuse_chunks(m, slot, prompt, cache_n, n_reuse)
     if checkpoints.needed(m):  # with --ctx-checkpoints 0 too: then it finds none
         cache_n = checkpoints.start(m, slot, prompt, cache_n, need_logits=not job.prompt_only)

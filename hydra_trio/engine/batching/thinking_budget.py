@@ -86,7 +86,7 @@ class ThinkingBudget:
             body = self._head.lstrip(_WS)
             start = self.spec.start
             if body.startswith(start):
-                self._tail = body[len(start):]
+                self._tail = body[len(start) :]
                 self._open()
                 if self.state == COUNTING and self.spec.end in self._tail:
                     self.state = DONE
@@ -94,7 +94,7 @@ class ThinkingBudget:
                 self.state = DONE  # the reply does not start with thinking
             return
         if self.state in (COUNTING, WAITING_UTF8):
-            self._tail = (self._tail + piece)[-(len(self.spec.end) + len(piece)):]
+            self._tail = (self._tail + piece)[-(len(self.spec.end) + len(piece)) :]
             if self.spec.end in self._tail:
                 self.state = DONE  # the block ended by itself
                 return
@@ -113,4 +113,3 @@ class ThinkingBudget:
             self._pos += 1
             if self._pos >= len(self.spec.forced):
                 self.state = DONE
-

@@ -39,20 +39,18 @@ from typing import Any, TypeVar
 
 import llama_cpp
 
-from ...observability import progress
 from ...errors import EngineFailure
-from ...protocol.address import parse_peer
-from ...protocol.strict import MessageError
-from ..llama import ggml_backend, openmp
+from ...observability import progress
 from ...observability.events import EventBus
+from ...validation.address import parse_peer
+from ...validation.strict import MessageError
 from ..bridge import Call
+from ..llama import ggml_backend, openmp
 from ..llama.model import LoadedModel
 from ..settings import DEFAULT_PATTERN  # noqa: F401  (re-exported: the default of ExpertModes.pattern)
 
-
 log = logging.getLogger("hydra_trio.combined")
 T = TypeVar("T")
-
 
 
 class PeerError(RuntimeError):
@@ -96,7 +94,7 @@ def _on_ggml_abort(message: bytes) -> None:
             if openmp.release_thread_team():
                 worker.holds_team = False
                 log.info("peer %s: the parked worker released its OpenMP threads", worker.peer)
-        except Exception:  # noqa: BLE001  (returning from here would abort() the process)
+        except Exception:  # returning from here would abort() the process
             log.exception("peer %s: its parked worker keeps its OpenMP threads", worker.peer)
     elif openmp.in_use():
         # the abort came from ggml-RPC's dispatcher thread: the worker waits inside llama_decode for
@@ -136,7 +134,8 @@ class PeerWorker:
         self._jobs: queue.SimpleQueue[Call[Any] | None] = queue.SimpleQueue()
         self._current: Call[Any] | None = None
         self.holds_team = False
-        """True from a decode on this worker until it releases its OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`)."""
+        """True from a decode on this worker until it releases its OpenMP team
+        (:mod:`~hydra_trio.engine.llama.openmp`)."""
         self._dead = threading.Event()
         self._thread = threading.Thread(target=self._main, name=f"peer-{peer}", daemon=True)
         self._thread.start()
@@ -159,15 +158,17 @@ class PeerWorker:
         either way.  Runs in ggml's abort handler: it never raises."""
         try:
             released = openmp.release_team_of(self._thread)
-        except Exception:  # noqa: BLE001  (we are in ggml's abort handler: returning would abort() the process)
+        except Exception:  # we are in ggml's abort handler: returning would abort() the process
             log.exception("peer %s: releasing the stuck worker's OpenMP threads failed", self.peer)
             released = False
         if released:
             self.holds_team = False
             log.info("peer %s: the stuck worker released its OpenMP threads; SOLO decodes at full speed", self.peer)
         else:
-            log.warning("the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
-                        "spin waits (slower) until this node restarts")
+            log.warning(
+                "the stuck worker keeps its OpenMP threads: SOLO decodes run with OpenMP's short "
+                "spin waits (slower) until this node restarts"
+            )
 
     def _die(self) -> None:
         """The peer is gone: fail the call in progress and all queued ones (from the abort handler)."""
@@ -225,8 +226,8 @@ class PeerWorker:
         return self.call(lambda: llama_cpp.llama_decode(ctx, batch))
 
     def rest(self) -> None:
-        """Free this worker's OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`), if it holds one: at a switch away from its model,
-        and when the slots go idle, so that a peer lost in between leaves no team behind."""
+        """Free this worker's OpenMP team (:mod:`~hydra_trio.engine.llama.openmp`), if it holds one: at a switch away
+        from its model, and when the slots go idle, so that a peer lost in between leaves no team behind."""
         if not self.holds_team or self.dead:
             return
         try:
@@ -296,8 +297,7 @@ def expert_bytes(path: Path, pattern: str, before: tuple[str, ...] = ()) -> int:
         raise PeerError(str(exc)) from None
     rx = re.compile(pattern)
     earlier = [re.compile(p) for p in before]
-    return sum(size for name, size in header.tensors
-               if rx.search(name) and not any(e.search(name) for e in earlier))
+    return sum(size for name, size in header.tensors if rx.search(name) and not any(e.search(name) for e in earlier))
 
 
 # ----------------------------------------------------------------------------- expert modes
@@ -340,8 +340,14 @@ class ExpertModes:
             (``n_batch``, ``n_threads``, ``chat_template``).
     """
 
-    def __init__(self, peer: str | None, pattern: str, counters: Any, model_kwargs: dict[str, Any],
-                 events: EventBus | None = None) -> None:
+    def __init__(
+        self,
+        peer: str | None,
+        pattern: str,
+        counters: Any,
+        model_kwargs: dict[str, Any],
+        events: EventBus | None = None,
+    ) -> None:
         self.events = events if events is not None else EventBus()
         self._mode = ExpertMode.SOLO
         self.peer = peer
@@ -392,8 +398,11 @@ class ExpertModes:
     def set_solo(self, model: LoadedModel) -> None:
         """A new SOLO model (load or reload): it serves; a COMBINED model of the old one is detached first."""
         if self.combined is not None:
-            log.info("the SOLO model changes: detaching the %s model (SET_EXPERT_MODE combined or PIPELINE_ATTACH "
-                     "rebuilds it)", "PIPELINE" if self.pattern != self.expert_pattern else "COMBINED")
+            log.info(
+                "the SOLO model changes: detaching the %s model (SET_EXPERT_MODE combined or PIPELINE_ATTACH "
+                "rebuilds it)",
+                "PIPELINE" if self.pattern != self.expert_pattern else "COMBINED",
+            )
             self.detach()
             self.pattern = self.expert_pattern
         self.solo = self.active = model
@@ -427,8 +436,8 @@ class ExpertModes:
 
     def _release_compute_threads(self, old: LoadedModel | None) -> None:
         """The thread that ran ``old``'s graphs (the engine thread for SOLO, the peer's worker for
-        COMBINED) frees its OpenMP team before another thread starts one (:mod:`~hydra_trio.engine.llama.openmp`: two teams at
-        once throttle both).  A worker that is gone released its team as it died."""
+        COMBINED) frees its OpenMP team before another thread starts one (:mod:`~hydra_trio.engine.llama.openmp`: two
+        teams at once throttle both).  A worker that is gone released its team as it died."""
         if old is None:
             return
         if old is self.solo:
@@ -467,25 +476,35 @@ class ExpertModes:
         src = path or solo.path
         t_probe = time.perf_counter()
         if peer in _lost_endpoints:
-            raise PeerError(f"the ggml-RPC connection to {peer} broke mid-call earlier, and llama.cpp keeps it for "
-                            "the life of this process: restart this node to use that address again, or reach the "
-                            "peer by another address (its host name, another IP)")
+            raise PeerError(
+                f"the ggml-RPC connection to {peer} broke mid-call earlier, and llama.cpp keeps it for "
+                "the life of this process: restart this node to use that address again, or reach the "
+                "peer by another address (its host name, another IP)"
+            )
         endpoint = self._endpoint(peer)
         if not peer_reachable(endpoint):
             self.peer_reachable = False
-            raise PeerError(f"peer {peer} does not answer ggml-RPC"
-                            + (f" (through the TLS tunnel {endpoint})" if endpoint != peer else ""))
+            raise PeerError(
+                f"peer {peer} does not answer ggml-RPC"
+                + (f" (through the TLS tunnel {endpoint})" if endpoint != peer else "")
+            )
         self.peer_reachable = True
         t_bytes = time.perf_counter()
         # the operator's -ot entries come first in the override list (Placement): what they match stays theirs
         operator = tuple(p for p, _ in solo.options.tensor_overrides)
         need = expert_bytes(src, self.pattern, before=operator)
-        log.info("attach %s: probe %.0f ms, expert bytes counted in %.0f ms", peer,
-                 (t_bytes - t_probe) * 1e3, (time.perf_counter() - t_bytes) * 1e3)
+        log.info(
+            "attach %s: probe %.0f ms, expert bytes counted in %.0f ms",
+            peer,
+            (t_bytes - t_probe) * 1e3,
+            (time.perf_counter() - t_bytes) * 1e3,
+        )
         if need == 0:
-            raise PeerError(f"no tensor of {solo.path.name} matches {self.pattern!r}"
-                            + (" (not a MoE model?)" if self.pattern == self.expert_pattern else "")
-                            + (" that no -ot/--override-tensor entry places first" if operator else ""))
+            raise PeerError(
+                f"no tensor of {solo.path.name} matches {self.pattern!r}"
+                + (" (not a MoE model?)" if self.pattern == self.expert_pattern else "")
+                + (" that no -ot/--override-tensor entry places first" if operator else "")
+            )
         worker = PeerWorker(peer)
 
         def build() -> LoadedModel:
@@ -500,10 +519,18 @@ class ExpertModes:
             # llama.cpp reports the fraction of all weights loaded; scaled to the bytes bound for the
             # peer, it is their upload within a layer's worth (the tensors load in file order)
             with progress.step(f"attaching peer {peer}: uploading tensors", total=need, unit="B") as bar:
+
+                def uploaded(p: float) -> bool:
+                    bar.update(p * need)
+                    return True
+
                 return LoadedModel(
-                    src, n_ctx=solo.n_ctx, n_parallel=solo.n_parallel, **self.model_kwargs,
+                    src,
+                    n_ctx=solo.n_ctx,
+                    n_parallel=solo.n_parallel,
+                    **self.model_kwargs,
                     peer=(devs[0], self.pattern, label),
-                    progress=lambda p: bar.update(p * need) or True,
+                    progress=uploaded,
                 )
 
         t0 = time.perf_counter()
@@ -519,10 +546,16 @@ class ExpertModes:
             raise PeerError(f"COMBINED model failed to load on {peer}: {exc}") from None
         self.combined, self._worker = model, worker
         self.peer_attach = PeerAttach.ATTACHED
-        self.events.publish("peer.attached", peer=peer, bytes=need, pattern=self.pattern,
-                            ms=round((time.perf_counter() - t0) * 1e3, 1))
-        log.info("COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
-                 need, self.pattern, peer, time.perf_counter() - t0)
+        self.events.publish(
+            "peer.attached", peer=peer, bytes=need, pattern=self.pattern, ms=round((time.perf_counter() - t0) * 1e3, 1)
+        )
+        log.info(
+            "COMBINED model ready: %d bytes of %r on peer %s, built in %.2f s",
+            need,
+            self.pattern,
+            peer,
+            time.perf_counter() - t0,
+        )
         return need
 
     def _endpoint(self, peer: str) -> str:
@@ -555,11 +588,20 @@ class ExpertModes:
             self.mode = ExpertMode.COMBINED
         self.expert_quant = quant
         ms = (time.perf_counter() - t0) * 1e3
-        return {"swapped": True, "quant": quant, "tensor_pattern": self.pattern, "bytes": uploaded,
-                "swap_ms": round(ms, 3), "kv_preserved": False, "mode": str(self.mode), "peer": self.peer}
+        return {
+            "swapped": True,
+            "quant": quant,
+            "tensor_pattern": self.pattern,
+            "bytes": uploaded,
+            "swap_ms": round(ms, 3),
+            "kv_preserved": False,
+            "mode": str(self.mode),
+            "peer": self.peer,
+        }
 
     def set_mode(self, mode: str, peer: str | None) -> dict[str, Any]:
-        """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.SetExpertMode`): switch SOLO / COMBINED; returns the reply meta.
+        """Every slot idle (an exclusive task: :class:`~hydra_trio.engine.tasks.SetExpertMode`): switch SOLO / COMBINED;
+        returns the reply meta.
 
         ``peer`` different from the current one detaches the old peer (frees
         what lives there) and attaches the new one.  COMBINED without a usable
@@ -574,7 +616,9 @@ class ExpertModes:
             return {"success": True, "mode": "solo", "peer": self.peer}
         target = peer or self.peer
         if target is None:
-            return self._fallback("no peer: start with --rpc-engine HOST:PORT or send {\"mode\": \"combined\", \"peer\": ...}")
+            return self._fallback(
+                'no peer: start with --rpc-engine HOST:PORT or send {"mode": "combined", "peer": ...}'
+            )
         if self.pattern != self.expert_pattern:  # the peer holds a pipeline split: COMBINED needs the experts
             self.detach()
             self.pattern = self.expert_pattern
@@ -627,7 +671,10 @@ class ExpertModes:
             held = peer == self.peer and self._worker is not None and not self._worker.dead
             if not held and (peer in _lost_endpoints or not peer_reachable(endpoint)):
                 return self._refuse(f"peer {peer} does not answer ggml-RPC", "pipeline")
-            if expert_bytes(self.solo.path, ot_split, before=tuple(p for p, _ in self.solo.options.tensor_overrides)) == 0:
+            if (
+                expert_bytes(self.solo.path, ot_split, before=tuple(p for p, _ in self.solo.options.tensor_overrides))
+                == 0
+            ):
                 return self._refuse(f"no tensor of {self.solo.path.name} matches {ot_split!r}", "pipeline")
             self.detach()
         self._drop_dead_attachment()
@@ -650,7 +697,8 @@ class ExpertModes:
         """Before a kept COMBINED/PIPELINE model serves again: if its peer died while SOLO served (the
         watchdog acts only in COMBINED/PIPELINE), forget it (leaked with its parked worker, as
         :meth:`peer_lost` does), so the switch attaches afresh or falls back instead of reporting success
-        and failing the next request, whose stuck decode would keep the worker's OpenMP team (engine/llama/openmp.py)."""
+        and failing the next request, whose stuck decode would keep the worker's OpenMP team
+        (engine/llama/openmp.py)."""
         worker = self._worker
         if self.combined is None or self.active is self.combined or worker is None or worker.answers(self._peer_dev):
             return
@@ -685,7 +733,9 @@ class ExpertModes:
         """Slots idle: the watchdog found the peer unreachable; back to SOLO."""
         if self.mode not in (ExpertMode.COMBINED, ExpertMode.PIPELINE):
             return
-        self.fallback_reason = f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
+        self.fallback_reason = (
+            f"peer {self.peer} became unreachable"  # before the mode flips: INFO is read concurrently
+        )
         self.counters.combined_fallbacks += 1
         self.events.publish("peer.lost", peer=self.peer or "", reason=self.fallback_reason, in_flight=False)
         self.detach()

@@ -60,8 +60,9 @@ class BlobBuffer:
 
     __slots__ = ("_map", "_pool", "size")
 
-    def __init__(self, size: int, *, populate: bool = False, _map: mmap.mmap | None = None,
-                 _pool: BlobPool | None = None) -> None:
+    def __init__(
+        self, size: int, *, populate: bool = False, _map: mmap.mmap | None = None, _pool: BlobPool | None = None
+    ) -> None:
         if size < 0:
             raise ValueError(f"a blob buffer of {size} bytes")
         self._map: mmap.mmap | None = _map if _map is not None else _new_map(size + TAIL_ROOM, populate)
@@ -139,6 +140,7 @@ class BlobPool:
 
     def give_back(self, m: mmap.mmap) -> None:
         """Keep ``m`` as the idle mapping if it is the largest (the other is unmapped)."""
+        drop: mmap.mmap | None
         with self._lock:
             old = self._idle
             if old is not None and len(old[0]) >= len(m):

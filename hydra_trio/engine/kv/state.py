@@ -71,13 +71,13 @@ import trio
 import xxhash
 
 from ...errors import HydraTrioError, InvalidRequest
+from ..settings import kv_type_name
 from .blobbuf import TAIL_ROOM, BlobBuffer, BlobPool
 from .kv_identity import canonical, first_difference, identity_hash, kv_identity
-from ..settings import kv_type_name
 
 if TYPE_CHECKING:
-    from ..llama.model import LoadedModel
     from ..batching.slots import Slot
+    from ..llama.model import LoadedModel
 
 BLOB_MAGIC = b"HYKV"
 BLOB_VERSION = 3
@@ -132,8 +132,10 @@ def check_kv_types(identity: dict, blob_identity: dict) -> None:
             f"KV cache types differ: blob K {name(theirs[0])} / V {name(theirs[1])}, "
             f"this node K {name(ours[0])} / V {name(ours[1])}",
             kv_identity_match=False,
-            kv_cache_types={"blob": {"type_k": name(theirs[0]), "type_v": name(theirs[1])},
-                            "node": {"type_k": name(ours[0]), "type_v": name(ours[1])}},
+            kv_cache_types={
+                "blob": {"type_k": name(theirs[0]), "type_v": name(theirs[1])},
+                "node": {"type_k": name(ours[0]), "type_v": name(ours[1])},
+            },
         )
 
 
@@ -236,8 +238,14 @@ def parse_header(data: Blob) -> BlobHeader:
         )
     if kv_format not in (KV_RAW, KV_ONE_STREAM):
         raise StateError(f"state blob KV format {kv_format} is not supported")
-    header = BlobHeader(n_tokens=n_tokens, model_hash=digest.hex(), kv_len=kv_len, kv_format=kv_format,
-                        checksum=checksum, version=version)
+    header = BlobHeader(
+        n_tokens=n_tokens,
+        model_hash=digest.hex(),
+        kv_len=kv_len,
+        kv_format=kv_format,
+        checksum=checksum,
+        version=version,
+    )
     if version == 2:
         return header
     end = HEADER_SIZE + _IDENT.size
@@ -245,8 +253,9 @@ def parse_header(data: Blob) -> BlobHeader:
         raise StateError(f"state blob too short: {len(data)} bytes, a version 3 header is at least {end}")
     ident_digest, ident_len = _IDENT.unpack_from(data, HEADER_SIZE)
     if ident_len > MAX_IDENTITY_JSON or len(data) < end + ident_len:
-        raise StateError(f"state blob's KV identity is {ident_len} bytes: longer than the blob or than "
-                         f"{MAX_IDENTITY_JSON}")
+        raise StateError(
+            f"state blob's KV identity is {ident_len} bytes: longer than the blob or than {MAX_IDENTITY_JSON}"
+        )
     try:
         identity = json.loads(bytes(data[end : end + ident_len]))
     except (ValueError, RecursionError):  # RecursionError: nesting deeper than the parser goes
@@ -257,8 +266,10 @@ def parse_header(data: Blob) -> BlobHeader:
     if version >= BLOB_VERSION_EXTRA:
         at = header.kv_end
         if len(data) < at + _EXTRA_LEN.size:
-            raise StateError(f"state blob too short: {len(data)} bytes, its KV bytes end at {at} and the "
-                             "drafters' state length follows")
+            raise StateError(
+                f"state blob too short: {len(data)} bytes, its KV bytes end at {at} and the "
+                "drafters' state length follows"
+            )
         (extra_len,) = _EXTRA_LEN.unpack_from(data, at)
         if extra_len > MAX_EXTRA:
             raise StateError(f"state blob's drafters' state is {extra_len} bytes: more than {MAX_EXTRA}")
@@ -335,7 +346,8 @@ def verify_checksum(blob: Blob, running: RunningChecksum | None = None) -> BlobH
     if got != header.checksum:
         raise StateError(
             f"the state blob is corrupt: checksum {got:016x} does not match the header's {header.checksum:016x}",
-            expected_checksum=f"{header.checksum:016x}", got_checksum=f"{got:016x}",
+            expected_checksum=f"{header.checksum:016x}",
+            got_checksum=f"{got:016x}",
         )
     return header
 
@@ -374,8 +386,9 @@ def slot_meta(m: LoadedModel, slot: Slot) -> dict[str, object]:
     }
 
 
-def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None,
-              extra: bytes | None = None) -> tuple[int, BlobBuffer]:
+def save_slot(
+    m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | None = None, extra: bytes | None = None
+) -> tuple[int, BlobBuffer]:
     """Engine thread: the slot's state as one blob.  Returns ``(n_past, blob)``.  ``extra``: the drafters'
     state of the slot (a version 4 blob carries it after the KV bytes).
 
@@ -432,12 +445,22 @@ def save_slot(m: LoadedModel, slot: Slot, model_hash: str, *, pool: BlobPool | N
         whole[blob.size + _EXTRA_LEN.size : blob.size + tail] = extra
         blob.size += tail
     view = blob.view()
-    _HEADER.pack_into(view, 0, BLOB_MAGIC, BLOB_VERSION_EXTRA if extra else BLOB_VERSION, kv_format, len(tokens),
-                      bytes.fromhex(model_hash), kv_len, 0)
+    _HEADER.pack_into(
+        view,
+        0,
+        BLOB_MAGIC,
+        BLOB_VERSION_EXTRA if extra else BLOB_VERSION,
+        kv_format,
+        len(tokens),
+        bytes.fromhex(model_hash),
+        kv_len,
+        0,
+    )
     _IDENT.pack_into(view, HEADER_SIZE, bytes.fromhex(identity_hash(identity)), len(ident))
     view[HEADER_SIZE + _IDENT.size : tokens_at] = ident
-    view[tokens_at:head] = array.array("I", tokens).tobytes() if sys.byteorder == "little" else \
-        struct.pack(f"<{len(tokens)}I", *tokens)
+    view[tokens_at:head] = (
+        array.array("I", tokens).tobytes() if sys.byteorder == "little" else struct.pack(f"<{len(tokens)}I", *tokens)
+    )
     struct.pack_into("<Q", view, _CHECKSUM_AT, blob_checksum(view))
     return len(tokens), blob
 
@@ -460,8 +483,13 @@ def _stream_at(raw: memoryview, stream: int, n_stream: int) -> int | None:
 
 
 def check_blob(
-    blob: Blob, model_hash: str, n_ctx_slot: int, *, identity: dict | None = None,
-    allow_cross_model_kv: bool = False, checksum_verified: bool = False,
+    blob: Blob,
+    model_hash: str,
+    n_ctx_slot: int,
+    *,
+    identity: dict | None = None,
+    allow_cross_model_kv: bool = False,
+    checksum_verified: bool = False,
 ) -> BlobHeader:
     """Check a whole blob against this node before applying it: its model (``model_hash``, and
     ``identity``, this model's KV identity), slots of ``n_ctx_slot`` tokens.
@@ -485,16 +513,26 @@ def check_blob(
     if header.model_hash != model_hash:
         hashes = {"expected_hash": model_hash, "got_hash": header.model_hash}
         if header.kv_identity is None or identity is None:
-            raise StateError("the state blob was made by another model (and carries no KV identity: "
-                             "a version 2 blob)", **hashes, kv_identity_match=False)
+            raise StateError(
+                "the state blob was made by another model (and carries no KV identity: a version 2 blob)",
+                **hashes,
+                kv_identity_match=False,
+            )
         diff = first_difference(identity, header.kv_identity)
         if diff is not None or header.kv_identity_hash != identity_hash(identity):
-            raise StateError(f"the state blob was made by a model with another KV layout ({diff or 'hash'})",
-                             **hashes, kv_identity_match=False)
+            raise StateError(
+                f"the state blob was made by a model with another KV layout ({diff or 'hash'})",
+                **hashes,
+                kv_identity_match=False,
+            )
         if not allow_cross_model_kv:
-            raise StateError("the state blob was made by another model file with the same KV identity; this "
-                             "node does not take KV from other files (--allow-cross-model-kv, or CONFIGURE "
-                             "allow_cross_model_kv)", **hashes, kv_identity_match=True)
+            raise StateError(
+                "the state blob was made by another model file with the same KV identity; this "
+                "node does not take KV from other files (--allow-cross-model-kv, or CONFIGURE "
+                "allow_cross_model_kv)",
+                **hashes,
+                kv_identity_match=True,
+            )
     _check_length(header, blob)
     if header.n_tokens >= n_ctx_slot:
         raise StateError(f"the blob holds {header.n_tokens} tokens; a slot's context holds {n_ctx_slot}")
@@ -502,8 +540,14 @@ def check_blob(
 
 
 def restore_slot(
-    m: LoadedModel, slot: Slot, blob: bytearray | BlobBuffer, model_hash: str, *, allow_cross_model_kv: bool = False,
-    checksum_verified: bool = False, make_room: Callable[[], bool] | None = None,
+    m: LoadedModel,
+    slot: Slot,
+    blob: bytearray | BlobBuffer,
+    model_hash: str,
+    *,
+    allow_cross_model_kv: bool = False,
+    checksum_verified: bool = False,
+    make_room: Callable[[], bool] | None = None,
 ) -> Restored:
     """Engine thread: apply a checked blob to an idle slot, all or nothing.
 
@@ -522,8 +566,14 @@ def restore_slot(
             every case the slot is as it was.
     """
     identity = kv_identity(m)
-    header = check_blob(blob, model_hash, slot.n_ctx, identity=identity, allow_cross_model_kv=allow_cross_model_kv,
-                        checksum_verified=checksum_verified)
+    header = check_blob(
+        blob,
+        model_hash,
+        slot.n_ctx,
+        identity=identity,
+        allow_cross_model_kv=allow_cross_model_kv,
+        checksum_verified=checksum_verified,
+    )
     same_file = header.model_hash == model_hash
     same_layout = same_file or header.kv_identity_hash == identity_hash(identity)
     id_slot = slot.id
@@ -550,17 +600,24 @@ def restore_slot(
         # llama.cpp cleared the sequence on failure: put the old state back, and check that it went back
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         if backup is None or put_back(m, id_slot, backup):
-            raise StateError("llama.cpp rejected the KV state (see the node's log); the slot is unchanged",
-                             slot_cleared=False)
+            raise StateError(
+                "llama.cpp rejected the KV state (see the node's log); the slot is unchanged", slot_cleared=False
+            )
         # even the put-back failed: the slot must claim no token its KV cache does not hold
         lost = len(slot.cache_tokens)
         llama_cpp.llama_memory_seq_rm(m.memory, id_slot, -1, -1)
         slot.cache_tokens.clear()
-        log.error("slot %d: llama.cpp rejected a restored KV state and then the slot's own backup; the slot "
-                  "is cleared (%d tokens dropped)", id_slot, lost)
+        log.error(
+            "slot %d: llama.cpp rejected a restored KV state and then the slot's own backup; the slot "
+            "is cleared (%d tokens dropped)",
+            id_slot,
+            lost,
+        )
         raise StateError(
             f"llama.cpp rejected the KV state (see the node's log), and putting the slot's previous state back "
-            f"failed too: the slot is now empty ({lost} tokens dropped)", slot_cleared=True, n_past=0,
+            f"failed too: the slot is now empty ({lost} tokens dropped)",
+            slot_cleared=True,
+            n_past=0,
         )
     slot.cache_tokens[:] = tokens.tolist()
     return Restored(len(tokens), same_file, same_layout, extra)

@@ -52,7 +52,7 @@ def install() -> None:
         if spec is None or spec.loader is None or spec.submodule_search_locations is None:
             return
         package = importlib.util.module_from_spec(spec)
-        package.__getattr__ = _loader(package)  # type: ignore[method-assign]
+        package.__dict__["__getattr__"] = _loader(package)  # the module's own __getattr__ (PEP 562)
         sys.modules[PACKAGE] = package
 
 
@@ -65,7 +65,7 @@ def _loader(package: types.ModuleType) -> Any:
             if name == "__version__" and not state["whole"]:
                 version = _version(package)
                 if version is not None:
-                    package.__version__ = version
+                    package.__dict__["__version__"] = version
                     return version
             if dunder and name != "__all__":  # the real package defines no other: nothing to load for them
                 raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}")
@@ -78,7 +78,9 @@ def _loader(package: types.ModuleType) -> Any:
                     return package.__dict__[name]
             if not state["whole"]:
                 state["whole"] = True
-                package.__spec__.loader.exec_module(package)  # type: ignore[union-attr]
+                spec = package.__spec__
+                assert spec is not None and spec.loader is not None  # install() made it from a spec with a loader
+                spec.loader.exec_module(package)
                 if name in package.__dict__:
                     return package.__dict__[name]
         raise AttributeError(f"module {PACKAGE!r} has no attribute {name!r}")

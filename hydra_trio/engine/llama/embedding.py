@@ -167,7 +167,7 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], i
         llama_cpp.llama_memory_seq_rm(m.memory, seq, -1, -1)
     try:
         for start in range(0, n, chunk):
-            part = job.tokens[start:start + chunk]
+            part = job.tokens[start : start + chunk]
             for i, token in enumerate(part):
                 batch.token[i] = token
                 batch.pos[i] = start + i
@@ -188,8 +188,11 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], i
             ptr = llama_cpp.llama_get_embeddings_seq(m.ctx, seq)
             if not ptr:
                 raise EngineFailure("llama.cpp gave no pooled embedding for the input")
-            width = int(llama_cpp.llama_model_n_cls_out(m.model)) if pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK \
+            width = (
+                int(llama_cpp.llama_model_n_cls_out(m.model))
+                if pooling == llama_cpp.LLAMA_POOLING_TYPE_RANK
                 else n_embd
+            )
             vectors.append(tuple(normalize(ptr[:width], job.normalize)))
     finally:
         llama_cpp.llama_batch_free(batch)

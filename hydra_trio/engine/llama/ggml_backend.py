@@ -41,11 +41,22 @@ def _lib_dir() -> Path:
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("llama_cpp is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / "lib"
+    return Path(next(iter(spec.submodule_search_locations))) / "lib"
 
 
-_BACKEND_NAMES = {"cpu": "CPU", "rpc": "RPC", "cuda": "CUDA", "metal": "Metal", "vulkan": "Vulkan", "hip": "HIP",
-                  "sycl": "SYCL", "opencl": "OpenCL", "blas": "BLAS", "cann": "CANN", "musa": "MUSA"}
+_BACKEND_NAMES = {
+    "cpu": "CPU",
+    "rpc": "RPC",
+    "cuda": "CUDA",
+    "metal": "Metal",
+    "vulkan": "Vulkan",
+    "hip": "HIP",
+    "sycl": "SYCL",
+    "opencl": "OpenCL",
+    "blas": "BLAS",
+    "cann": "CANN",
+    "musa": "MUSA",
+}
 
 
 def build_backends() -> list[str]:
@@ -109,7 +120,12 @@ def libs() -> tuple[ctypes.CDLL, ctypes.CDLL, ctypes.CDLL]:
     rpc.ggml_backend_rpc_start_server.restype = None
     rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
     rpc.ggml_backend_rpc_add_server.restype = vp
-    rpc.ggml_backend_rpc_get_device_memory.argtypes = [ctypes.c_char_p, ctypes.c_uint32, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+    rpc.ggml_backend_rpc_get_device_memory.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_uint32,
+        ctypes.POINTER(sz),
+        ctypes.POINTER(sz),
+    ]
     rpc.ggml_backend_rpc_get_device_memory.restype = None
     return base, ggml, rpc
 
@@ -252,7 +268,8 @@ class GgufHeader:
         try:
             self.tensors: list[tuple[str, int]] = [
                 (g.gguf_get_tensor_name(ctx, i).decode(), g.gguf_get_tensor_size(ctx, i))
-                for i in range(g.gguf_get_n_tensors(ctx))]
+                for i in range(g.gguf_get_n_tensors(ctx))
+            ]
             """``(name, bytes)`` of every tensor, in file order."""
             self.block_count: int | None = None
             """``{general.architecture}.block_count``: the model's layers (None when absent)."""

@@ -22,13 +22,13 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ...protocol.strict import TooLong, dumps_within
+from ...validation.strict import TooLong, dumps_within
 
 
 class _IgnoreGenerationTags(jinja2.ext.Extension):
     """Pass-through for HuggingFace's ``{% generation %}`` chat-template tag."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012  (jinja2.ext.Extension declares tags an instance attribute)
 
     def parse(self, parser: Any) -> Any:
         parser.stream.skip(1)
@@ -39,10 +39,16 @@ _MAX_CHARS: contextvars.ContextVar[int | None] = contextvars.ContextVar("max_cha
 """The limit of the rendering in progress on this thread (:meth:`JinjaChatFormatter.__call__`)."""
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    return dumps_within(x, _MAX_CHARS.get(), ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                        sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return dumps_within(
+        x, _MAX_CHARS.get(), ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(f: str) -> str:
@@ -67,22 +73,48 @@ class JinjaChatFormatter:
         self.bos_token = bos_token
         self.add_generation_prompt = add_generation_prompt
         environment = ImmutableSandboxedEnvironment(
-            loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True,
-            extensions=[_IgnoreGenerationTags, jinja2.ext.loopcontrols])
+            loader=jinja2.BaseLoader(),
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_IgnoreGenerationTags, jinja2.ext.loopcontrols],
+        )
         environment.filters["tojson"] = _tojson
         self._template = environment.from_string(template)
 
-    def __call__(self, *, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None = None,
-                 function_call: Any = None, tools: list[dict[str, Any]] | None = None, tool_choice: Any = None,
-                 **kwargs: Any) -> str:
+    def __call__(
+        self,
+        *,
+        messages: list[dict[str, Any]],
+        functions: list[dict[str, Any]] | None = None,
+        function_call: Any = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        **kwargs: Any,
+    ) -> str:
         """The prompt: the template rendered with ``messages`` and the variables above."""
-        return self.render(None, messages=messages, functions=functions, function_call=function_call, tools=tools,
-                           tool_choice=tool_choice, **kwargs)
+        return self.render(
+            None,
+            messages=messages,
+            functions=functions,
+            function_call=function_call,
+            tools=tools,
+            tool_choice=tool_choice,
+            **kwargs,
+        )
 
-    def render(self, max_chars: int | None, /, *, messages: list[dict[str, Any]],
-               functions: list[dict[str, Any]] | None = None, function_call: Any = None,
-               tools: list[dict[str, Any]] | None = None, tool_choice: Any = None, **kwargs: Any) -> str:
-        """:meth:`__call__`, raising :class:`~hydra_trio.protocol.strict.TooLong` as soon as the prompt
+    def render(
+        self,
+        max_chars: int | None,
+        /,
+        *,
+        messages: list[dict[str, Any]],
+        functions: list[dict[str, Any]] | None = None,
+        function_call: Any = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: Any = None,
+        **kwargs: Any,
+    ) -> str:
+        """:meth:`__call__`, raising :class:`~hydra_trio.validation.strict.TooLong` as soon as the prompt
         would be longer than ``max_chars`` characters (None: no limit).  The text is rendered piece by
         piece (jinja2's ``generate``) and ``tojson`` stops at the limit too, so a template that
         pretty-prints a deep value (whose text grows with its depth) builds nothing much longer."""
@@ -90,10 +122,18 @@ class JinjaChatFormatter:
         try:
             pieces, n = [], 0
             for piece in self._template.generate(
-                    messages=messages, eos_token=self.eos_token, bos_token=self.bos_token,
-                    raise_exception=_raise_exception, add_generation_prompt=self.add_generation_prompt,
-                    functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
-                    strftime_now=_strftime_now, **kwargs):
+                messages=messages,
+                eos_token=self.eos_token,
+                bos_token=self.bos_token,
+                raise_exception=_raise_exception,
+                add_generation_prompt=self.add_generation_prompt,
+                functions=functions,
+                function_call=function_call,
+                tools=tools,
+                tool_choice=tool_choice,
+                strftime_now=_strftime_now,
+                **kwargs,
+            ):
                 n += len(piece)
                 if max_chars is not None and n > max_chars:
                     raise TooLong(f"the prompt would be longer than {max_chars} characters")
@@ -114,8 +154,9 @@ def capability_variables(variables: dict[str, Any]) -> dict[str, Any]:
     derived: dict[str, Any] = {}
     if isinstance(out["preserve_reasoning"], bool):
         keep = out["preserve_reasoning"]
-        derived.update(preserve_thinking=keep, clear_thinking=not keep, truncate_history_thinking=not keep,
-                       drop_thinking=not keep)
+        derived.update(
+            preserve_thinking=keep, clear_thinking=not keep, truncate_history_thinking=not keep, drop_thinking=not keep
+        )
     effort = out.get("reasoning_effort")
     if isinstance(effort, str) and effort:
         derived["reasoning_strength"] = effort

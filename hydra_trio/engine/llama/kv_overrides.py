@@ -1,4 +1,5 @@
-"""GGUF metadata overrides (llama-server's ``--override-kv KEY=TYPE:VALUE,...``) as ``llama_model_params.kv_overrides``."""
+"""GGUF metadata overrides (llama-server's ``--override-kv KEY=TYPE:VALUE,...``) as
+``llama_model_params.kv_overrides``."""
 
 from __future__ import annotations
 
@@ -6,8 +7,12 @@ from typing import Any
 
 import llama_cpp
 
-_TAGS = {"int": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT, "float": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_FLOAT,
-         "bool": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_BOOL, "str": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR}
+_TAGS = {
+    "int": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_INT,
+    "float": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_FLOAT,
+    "bool": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_BOOL,
+    "str": llama_cpp.LLAMA_KV_OVERRIDE_TYPE_STR,
+}
 
 
 def apply(mparams: Any, overrides: tuple[tuple[str, str, Any], ...]) -> Any:
@@ -18,7 +23,7 @@ def apply(mparams: Any, overrides: tuple[tuple[str, str, Any], ...]) -> Any:
     if not overrides:
         return None
     arr = (llama_cpp.llama_model_kv_override * (len(overrides) + 1))()
-    for item, (key, kind, value) in zip(arr, overrides):
+    for item, (key, kind, value) in zip(arr, overrides, strict=False):  # arr ends with a terminator
         item.key = key.encode("utf-8")
         item.tag = _TAGS[kind]
         if kind == "int":

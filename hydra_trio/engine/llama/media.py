@@ -150,15 +150,26 @@ class MediaTokens:
 class MediaContext:
     """An ``mtmd`` context: the projector at ``path`` loaded for the model ``model`` (a ``llama_model``
     pointer), with llama-server's context parameters (``use_gpu``: ``--mmproj-offload``; ``n_threads``;
-    ``image_min_tokens``/``image_max_tokens``: -1 for the projector's own; the media marker
-    :data:`MEDIA_MARKER`).
+    ``image_min_tokens``/``image_max_tokens``: -1 for the projector's own; ``batch_max_tokens``: the most
+    image tokens one encode batch holds, ``--mtmd-batch-max-tokens``; ``device``: ``-mmdev``, a ggml device
+    name, "" for mtmd's own choice; the media marker :data:`MEDIA_MARKER`).
 
     Raises:
         ModelLoadError: mtmd refused the file (not a projector, or one for a model of another width).
     """
 
-    def __init__(self, path: str | Path, model: Any, *, use_gpu: bool = True, n_threads: int = 1,
-                 image_min_tokens: int = -1, image_max_tokens: int = -1) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        model: Any,
+        *,
+        use_gpu: bool = True,
+        n_threads: int = 1,
+        image_min_tokens: int = -1,
+        image_max_tokens: int = -1,
+        batch_max_tokens: int = 1024,
+        device: str = "",
+    ) -> None:
         import llama_cpp.mtmd_cpp as mtmd
 
         self._mtmd = mtmd
@@ -172,6 +183,16 @@ class MediaContext:
         params.media_marker = self._marker
         params.image_min_tokens = image_min_tokens
         params.image_max_tokens = image_max_tokens
+        params.batch_max_tokens = batch_max_tokens
+        if device:  # llama-server: ggml_backend_dev_by_name, case-insensitive (checked when the node started)
+            from . import ggml_backend
+
+            dev = next(
+                (d for d in ggml_backend.all_devices() if ggml_backend.device_name(d).lower() == device.lower()), None
+            )
+            if dev is None:
+                raise ModelLoadError(f"-mmdev/--mmproj-device: no device {device!r}")
+            params.device = dev
         self.path = str(path)
         self.ctx = mtmd.mtmd_init_from_file(self.path.encode(), model, params)
         if not self.ctx:
@@ -192,8 +213,9 @@ class MediaContext:
             self._mtmd.mtmd_free(self.ctx)
             self.ctx = None
 
-    def tokenize(self, text: str, media: Sequence[Any], *, add_special: bool = True,
-                 parse_special: bool = True) -> MediaTokens:
+    def tokenize(
+        self, text: str, media: Sequence[Any], *, add_special: bool = True, parse_special: bool = True
+    ) -> MediaTokens:
         """``text``, whose :data:`MEDIA_MARKER` each stands for one item of ``media`` in order, as text
         tokens and media chunks (llama-server's ``process_mtmd_prompt``: special tokens parsed, BOS added
         when the vocabulary wants one).  Each item has ``data`` (the file's bytes: an image stb_image decodes,
@@ -212,8 +234,9 @@ class MediaContext:
             for item in media:
                 data = bytes(item.data)
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-                out = mtmd.mtmd_helper_bitmap_init_from_buf_wrapper(self.ctx, buf, len(data), False,
-                                                                    mtmd.mtmd_helper_init_opt_default())
+                out = mtmd.mtmd_helper_bitmap_init_from_buf_wrapper(
+                    self.ctx, buf, len(data), False, mtmd.mtmd_helper_init_opt_default()
+                )
                 if out.video_ctx:
                     mtmd.mtmd_helper_video_free(out.video_ctx)
                 if not out.bitmap:
@@ -248,20 +271,26 @@ class MediaContext:
             if not copy:
                 raise MemoryError("mtmd_input_chunk_copy failed")
             raw_id = mtmd.mtmd_input_chunk_get_id(chunk)
-            media = MediaChunk(id=raw_id.decode("utf-8", "replace") if raw_id else "",
-                               kind="audio" if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO else "image",
-                               start=len(tokens), n_tokens=int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)),
-                               n_pos=int(mtmd.mtmd_input_chunk_get_n_pos(chunk)), handle=_ChunkHandle(copy))
+            media = MediaChunk(
+                id=raw_id.decode("utf-8", "replace") if raw_id else "",
+                kind="audio" if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_AUDIO else "image",
+                start=len(tokens),
+                n_tokens=int(mtmd.mtmd_input_chunk_get_n_tokens(chunk)),
+                n_pos=int(mtmd.mtmd_input_chunk_get_n_pos(chunk)),
+                handle=_ChunkHandle(copy),
+            )
             found.append(media)
             tokens.extend([media.placeholder] * media.n_tokens)
         return MediaTokens(tuple(tokens), tuple(found))
 
-    def eval_chunk(self, lctx: Any, chunk: MediaChunk, pos: int, seq_id: int, n_batch: int,
-                   logits_last: bool) -> int:
+    def eval_chunk(self, lctx: Any, chunk: MediaChunk, pos: int, seq_id: int, n_batch: int, logits_last: bool) -> int:
         """Engine thread: encode ``chunk`` and decode its embeddings into sequence ``seq_id`` of the llama
         context ``lctx`` at position ``pos``, in pieces of at most ``n_batch`` (``mtmd_helper_eval_chunk_single``;
         a non-causal projector's decode takes the whole chunk at once); ``logits_last``: the last embedding's
         logits are kept (index -1).  Returns mtmd's code (0: done)."""
         new_pos = llama_cpp.llama_pos(0)
-        return int(self._mtmd.mtmd_helper_eval_chunk_single(self.ctx, lctx, chunk.handle.ptr, pos, seq_id, n_batch,
-                                                            logits_last, ctypes.byref(new_pos)))
+        return int(
+            self._mtmd.mtmd_helper_eval_chunk_single(
+                self.ctx, lctx, chunk.handle.ptr, pos, seq_id, n_batch, logits_last, ctypes.byref(new_pos)
+            )
+        )

@@ -22,15 +22,15 @@ import attrs
 import llama_cpp
 
 from ...errors import InvalidRequest, ModelLoadError
-from ...protocol.strict import TooLong
-from . import ggml_backend, kv_overrides
+from ...validation.strict import TooLong
 from ..bridge import thread_local_set
+from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
+from . import ggml_backend, kv_overrides
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
 from .media import MediaContext, MediaTokens
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
-from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -62,7 +62,7 @@ def _install_llama_log_handler() -> None:
             llog.log(logging.DEBUG if py_level == logging.INFO else py_level, "%s", msg)
 
     # keep a reference: ctypes callbacks must outlive their registration
-    _install_llama_log_handler.cb = _cb  # type: ignore[attr-defined]
+    _install_llama_log_handler.cb = _cb  # type: ignore[attr-defined]  # a function attribute holds it
     llama_cpp.llama_log_set(_cb, ctypes.c_void_p(0))
 
 
@@ -95,8 +95,13 @@ def slot_context(n_ctx_seq: int, per_slot: int, n_ctx_train: int) -> int:
         if per_slot < n:
             log.info("capping per-slot context (%d) to --kv-unified-per-slot (%d)", n, per_slot)
         elif per_slot > n:
-            log.warning("--kv-unified-per-slot (%d) exceeds the per-slot pool capacity (%d) - cap has no effect, "
-                        "slots are limited to %d", per_slot, n, n)
+            log.warning(
+                "--kv-unified-per-slot (%d) exceeds the per-slot pool capacity (%d) - cap has no effect, "
+                "slots are limited to %d",
+                per_slot,
+                n,
+                n,
+            )
         n = min(n, per_slot)
     if n > n_ctx_train:
         log.warning("the slot context (%d) exceeds the training context of the model (%d) - capping", n, n_ctx_train)
@@ -109,7 +114,9 @@ class LoadStopped(RuntimeError):
 
 
 def sha256_file(
-    path: Path, chunk: int = 1 << 20, stop: Callable[[], bool] | None = None,
+    path: Path,
+    chunk: int = 1 << 20,
+    stop: Callable[[], bool] | None = None,
     on_block: Callable[[int], object] | None = None,
 ) -> str:
     """SHA-256 of a file as 64 lowercase hex digits, read in ``chunk``-byte blocks.
@@ -142,14 +149,14 @@ def available_memory() -> int | None:
 
     limits: list[int] = []
     try:
-        for line in open("/proc/meminfo"):
+        for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 limits.append(int(line.split()[1]) * 1024)
                 break
     except (OSError, ValueError):
         pass
     try:
-        cg = open("/proc/self/cgroup").read().strip().split("\n")[0].split("::", 1)[1]
+        cg = Path("/proc/self/cgroup").read_text().strip().split("\n")[0].split("::", 1)[1]
         base = Path("/sys/fs/cgroup") / cg.lstrip("/")
         high = (base / "memory.max").read_text().strip()
         if high != "max":
@@ -159,7 +166,7 @@ def available_memory() -> int | None:
     soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         try:
-            vm = next(line for line in open("/proc/self/status") if line.startswith("VmSize:"))
+            vm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmSize:"))
             limits.append(soft - int(vm.split()[1]) * 1024)
         except (OSError, StopIteration, ValueError):
             pass
@@ -209,9 +216,20 @@ class ChatTemplateError(InvalidRequest, ValueError):
     template's message, tools/server/server-context.cpp; Hydra BAD_REQUEST, the connection kept)."""
 
 
-_RESERVED_TEMPLATE_VARIABLES = frozenset({
-    "messages", "eos_token", "bos_token", "raise_exception", "add_generation_prompt", "functions",
-    "function_call", "tools", "tool_choice", "strftime_now"})
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "eos_token",
+        "bos_token",
+        "raise_exception",
+        "add_generation_prompt",
+        "functions",
+        "function_call",
+        "tools",
+        "tool_choice",
+        "strftime_now",
+    }
+)
 """Variables llama-cpp-python's Jinja renderer sets itself (``Jinja2ChatFormatter.__call__``, as
 :class:`.JinjaChatFormatter`)."""
 
@@ -235,31 +253,42 @@ class ChatTemplate:
         origin: where it comes from, for the log.
     """
 
-    def __init__(self, kind: str, source: str, origin: str,
-                 render: Callable[[list[dict], dict[str, Any] | None, list[dict] | None, int | None],
-                                  tuple[str, list[str]]]):
+    def __init__(
+        self,
+        kind: str,
+        source: str,
+        origin: str,
+        render: Callable[[list[dict], dict[str, Any] | None, list[dict] | None, int | None], tuple[str, list[str]]],
+    ):
         self.kind = kind
         self.source = source
         self.origin = origin
         self._render = render
 
     @classmethod
-    def jinja(cls, text: str, bos_token: str, eos_token: str, origin: str,
-              kwargs: dict[str, Any] | None = None) -> ChatTemplate:
+    def jinja(
+        cls, text: str, bos_token: str, eos_token: str, origin: str, kwargs: dict[str, Any] | None = None
+    ) -> ChatTemplate:
         """Jinja text; ``kwargs`` are extra template variables (llama-server's ``--chat-template-kwargs``,
         e.g. ``enable_thinking``; the names the renderer sets itself are not overridden).  Raises ValueError
         when it does not compile."""
         extra = {k: v for k, v in (kwargs or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}
         try:
-            fmt = JinjaChatFormatter(template=text, eos_token=eos_token, bos_token=bos_token,
-                                     add_generation_prompt=True)
+            fmt = JinjaChatFormatter(
+                template=text, eos_token=eos_token, bos_token=bos_token, add_generation_prompt=True
+            )
         except Exception as exc:  # jinja2.TemplateSyntaxError and friends
             raise ValueError(f"the chat template does not compile: {exc}") from None
 
-        def render(messages: list[dict], more: dict[str, Any] | None = None, tools: list[dict] | None = None,
-                   max_chars: int | None = None) -> tuple[str, list[str]]:
+        def render(
+            messages: list[dict],
+            more: dict[str, Any] | None = None,
+            tools: list[dict] | None = None,
+            max_chars: int | None = None,
+        ) -> tuple[str, list[str]]:
             variables = capability_variables(
-                {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}})
+                {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}}
+            )
             try:
                 prompt = fmt.render(max_chars, messages=messages, tools=tools, **variables)
             except TooLong:
@@ -273,21 +302,34 @@ class ChatTemplate:
     @classmethod
     def builtin(cls, name: str, origin: str) -> ChatTemplate:
         """llama.cpp's built-in template ``name`` (:func:`builtin_chat_templates`)."""
-        tail = _apply_builtin(name, [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}],
-                              add_assistant=False)
+        tail = _apply_builtin(
+            name, [{"role": "user", "content": "u"}, {"role": "assistant", "content": _SENTINEL}], add_assistant=False
+        )
         end = tail.split(_SENTINEL, 1)[1].strip() if _SENTINEL in tail else ""
         stop = [end] if end else []
-        return cls("builtin", name, origin,
-                   lambda messages, more=None, tools=None, max_chars=None: (
-                       _apply_builtin(name, messages, add_assistant=True), list(stop)))
 
-    def __call__(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
-                 tools: list[dict] | None = None, max_chars: int | None = None) -> tuple[str, list[str]]:
+        def render(
+            messages: list[dict],
+            more: dict[str, Any] | None = None,
+            tools: list[dict] | None = None,
+            max_chars: int | None = None,
+        ) -> tuple[str, list[str]]:
+            return _apply_builtin(name, messages, add_assistant=True), list(stop)
+
+        return cls("builtin", name, origin, render)
+
+    def __call__(
+        self,
+        messages: list[dict],
+        kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+        max_chars: int | None = None,
+    ) -> tuple[str, list[str]]:
         """``(prompt, stop strings)``; ``kwargs`` are template variables over the node's (a request's
         ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
         variable (a built-in template has no variables and never renders tools: callers describe them
         in a message instead, :func:`hydra_trio.openai.tools.render_messages`).  ``max_chars``: a Jinja
-        template's rendering stops with :class:`~hydra_trio.protocol.strict.TooLong` past that many
+        template's rendering stops with :class:`~hydra_trio.validation.strict.TooLong` past that many
         characters (a built-in template writes little more than the messages themselves)."""
         return self._render(messages, kwargs, tools, max_chars)
 
@@ -398,7 +440,9 @@ class LoadedModel:
             self.placement = Placement(opts, n_layer=n_layer, peer=peer)
         except PlacementError as exc:
             raise ModelLoadError(str(exc)) from None
-        self.placement.apply(mparams)  # an explicit device list: a NULL one means every registered device, ggml-RPC peers too
+        self.placement.apply(
+            mparams
+        )  # an explicit device list: a NULL one means every registered device, ggml-RPC peers too
         if progress is not None:
 
             @llama_cpp.llama_progress_callback
@@ -415,8 +459,12 @@ class LoadedModel:
         if not self.model:
             raise ModelLoadError(f"llama.cpp could not load {path}")
         if self.placement.overrides or self.placement.devices or opts.devices is not None:
-            log.info("placement of %s: %s; tensors overridden: %s", path.name, self.placement.describe(),
-                     ", ".join(f"{n} to {buft}" for buft, n in self.tensor_placement.items()) or "none")
+            log.info(
+                "placement of %s: %s; tensors overridden: %s",
+                path.name,
+                self.placement.describe(),
+                ", ".join(f"{n} to {buft}" for buft, n in self.tensor_placement.items()) or "none",
+            )
         self.vocab = llama_cpp.llama_model_get_vocab(self.model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(self.model)
@@ -456,13 +504,12 @@ class LoadedModel:
         if not self.ctx:
             llama_cpp.llama_model_free(self.model)
             self.model = None
-            raise ModelLoadError(
-                f"llama.cpp could not create a context (n_ctx={n_ctx}, n_parallel={n_parallel})"
-            )
+            raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}, n_parallel={n_parallel})")
         # read back what llama.cpp chose: it may round n_ctx up and cap n_batch at n_ctx
         self.n_ctx = llama_cpp.llama_n_ctx(self.ctx)
-        self.n_ctx_slot = slot_context(llama_cpp.llama_n_ctx_seq(self.ctx), opts.kv_unified_per_slot,
-                                       llama_cpp.llama_model_n_ctx_train(self.model))
+        self.n_ctx_slot = slot_context(
+            llama_cpp.llama_n_ctx_seq(self.ctx), opts.kv_unified_per_slot, llama_cpp.llama_model_n_ctx_train(self.model)
+        )
         """Tokens one slot may hold (:func:`slot_context`): with ``-kvu`` the whole shared cache."""
         self.n_batch = min(n_batch, llama_cpp.llama_n_batch(self.ctx), llama_cpp.llama_n_ubatch(self.ctx))
         self.n_parallel = n_parallel
@@ -470,14 +517,21 @@ class LoadedModel:
         self.memory = llama_cpp.llama_get_memory(self.ctx)
         self.flash_attn = _flash_attn_in_effect(opts, self._llama_log)
         kv_cells = llama_cpp.llama_n_ctx_seq(self.ctx) * self.n_stream  # every stream's cells (-kvu: one stream)
-        self.memory_use = _memory_use(self._llama_log, llama_cpp.llama_model_size(self.model),
-                                      kv_cells * self.kv_bytes_per_token())
+        self.memory_use = _memory_use(
+            self._llama_log, llama_cpp.llama_model_size(self.model), kv_cells * self.kv_bytes_per_token()
+        )
         del self._llama_log
-        log.info("memory: %s; KV cache K %s, V %s (%d cells), flash attention %s",
-                 "; ".join(f"{dev}: " + ", ".join(f"{'KV' if k == 'kv' else k} {v / 2**20:.1f} MiB"
-                                                  for k, v in use.items())
-                           for dev, use in self.memory_use.items()),
-                 opts.cache_type_k, opts.cache_type_v, kv_cells, self.flash_attn)
+        log.info(
+            "memory: %s; KV cache K %s, V %s (%d cells), flash attention %s",
+            "; ".join(
+                f"{dev}: " + ", ".join(f"{'KV' if k == 'kv' else k} {v / 2**20:.1f} MiB" for k, v in use.items())
+                for dev, use in self.memory_use.items()
+            ),
+            opts.cache_type_k,
+            opts.cache_type_v,
+            kv_cells,
+            self.flash_attn,
+        )
         self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self.bos_id = llama_cpp.llama_vocab_bos(self.vocab)
         self.eos_id = llama_cpp.llama_vocab_eos(self.vocab)
@@ -494,9 +548,16 @@ class LoadedModel:
         """The projector (``--mmproj``), loaded with the model and freed with it; None: text only."""
         if opts.mmproj:
             try:
-                self.media = MediaContext(opts.mmproj, self.model, use_gpu=opts.mmproj_offload, n_threads=threads,
-                                          image_min_tokens=opts.image_min_tokens,
-                                          image_max_tokens=opts.image_max_tokens)
+                self.media = MediaContext(
+                    opts.mmproj,
+                    self.model,
+                    use_gpu=opts.mmproj_offload,
+                    n_threads=threads,
+                    image_min_tokens=opts.image_min_tokens,
+                    image_max_tokens=opts.image_max_tokens,
+                    batch_max_tokens=opts.mmproj_batch_max_tokens,
+                    device=opts.mmproj_device,
+                )
             except Exception:
                 self.close()
                 raise
@@ -526,14 +587,15 @@ class LoadedModel:
             blck, size = traits[type_id]
             return -(-n // blck) * size
 
-        return llama_cpp.llama_model_n_layer(self.model) * (row(self.type_k, n_head_kv * k) + row(self.type_v, n_head_kv * v))
+        return llama_cpp.llama_model_n_layer(self.model) * (
+            row(self.type_k, n_head_kv * k) + row(self.type_v, n_head_kv * v)
+        )
 
     def kv_cache_info(self) -> dict[str, str]:
         """``{"type_k", "type_v", "flash_attn"}``: the KV cache's types (``q8_0``) and flash attention in
         effect (``on`` / ``off``; ``auto`` when llama.cpp did not say what it chose) — ``/props``'s
         and INFO's ``kv_cache``."""
         return {"type_k": kv_type_name(self.type_k), "type_v": kv_type_name(self.type_v), "flash_attn": self.flash_attn}
-
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when absent."""
@@ -566,8 +628,13 @@ class LoadedModel:
             if not raw:
                 return ChatTemplate.builtin(DEFAULT_CHAT_TEMPLATE, "the GGUF has none: llama-server's default")
             try:
-                return ChatTemplate.jinja(raw.decode("utf-8", "replace"), bos, eos, "the GGUF's tokenizer.chat_template",
-                                          self.chat_template_kwargs)
+                return ChatTemplate.jinja(
+                    raw.decode("utf-8", "replace"),
+                    bos,
+                    eos,
+                    "the GGUF's tokenizer.chat_template",
+                    self.chat_template_kwargs,
+                )
             except ValueError as exc:
                 log.warning("the GGUF's chat template is unusable (%s); using %s", exc, DEFAULT_CHAT_TEMPLATE)
                 return ChatTemplate.builtin(DEFAULT_CHAT_TEMPLATE, "the GGUF's does not compile")
@@ -579,16 +646,24 @@ class LoadedModel:
             raise ModelLoadError(str(exc)) from None
 
     # -- text <-> tokens --------------------------------------------------
-    def tokenize(self, text: str, *, add_special: bool, parse_special: bool = True,
-                 limit: int | None = None) -> list[int]:
+    def tokenize(
+        self, text: str, *, add_special: bool, parse_special: bool = True, limit: int | None = None
+    ) -> list[int]:
         """Tokenize UTF-8 text; ``add_special`` adds BOS when the model wants one.
 
         Linear in the text (:mod:`hydra_trio.engine.llama.tokenize`).  ``limit``: raise
         :class:`~hydra_trio.engine.llama.tokenize.PromptTooLong` (an InvalidRequest) once the text
         has that many tokens, or before tokenizing when its length alone shows it will.
         """
-        return tokenize_linear(self.vocab, self.special_tokens, text.encode("utf-8"), add_special=add_special,
-                               parse_special=parse_special, adds_suffix=self._adds_suffix, limit=limit)
+        return tokenize_linear(
+            self.vocab,
+            self.special_tokens,
+            text.encode("utf-8"),
+            add_special=add_special,
+            parse_special=parse_special,
+            adds_suffix=self._adds_suffix,
+            limit=limit,
+        )
 
     @property
     def modalities(self) -> dict[str, bool]:
@@ -596,8 +671,9 @@ class LoadedModel:
         llama-server's ``/props`` ``modalities``)."""
         return self.media.modalities if self.media is not None else {"vision": False, "audio": False}
 
-    def tokenize_with_media(self, text: str, media: Sequence[Any], *, add_special: bool = True,
-                            parse_special: bool = True) -> MediaTokens:
+    def tokenize_with_media(
+        self, text: str, media: Sequence[Any], *, add_special: bool = True, parse_special: bool = True
+    ) -> MediaTokens:
         """``text`` with one :data:`~hydra_trio.engine.llama.media.MEDIA_MARKER` per item of ``media`` (items with
         ``data: bytes`` and ``id: str``), tokenized into text tokens and media chunks
         (:meth:`~hydra_trio.engine.llama.media.MediaContext.tokenize`; any thread).
@@ -609,8 +685,9 @@ class LoadedModel:
         if self.media is None:
             kinds = {getattr(item, "kind", "image") for item in media} or {"image"}
             kind = "audio" if kinds == {"audio"} else "image"
-            raise InvalidRequest(f"{kind} input is not supported - hint: if this is unexpected, you may need to "
-                                 "provide the mmproj")
+            raise InvalidRequest(
+                f"{kind} input is not supported - hint: if this is unexpected, you may need to provide the mmproj"
+            )
         return self.media.tokenize(text, media, add_special=add_special, parse_special=parse_special)
 
     @functools.cached_property
@@ -643,15 +720,20 @@ class LoadedModel:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
-    def apply_chat_template(self, messages: list[dict], kwargs: dict[str, Any] | None = None,
-                            tools: list[dict] | None = None, max_chars: int | None = None) -> tuple[str, list[str]]:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        kwargs: dict[str, Any] | None = None,
+        tools: list[dict] | None = None,
+        max_chars: int | None = None,
+    ) -> tuple[str, list[str]]:
         """Render chat messages (``[{"role", "content"}]``) with the template in effect
         (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`); ``kwargs``
         are extra template variables over the node's ``chat_template_kwargs``; ``tools`` is the
         Jinja template's ``tools`` variable.
 
         Returns ``(prompt, extra_stop_strings)``.  Raises :class:`ChatTemplateError` (an InvalidRequest) when the
-        template rejects the messages, :class:`~hydra_trio.protocol.strict.TooLong` when a Jinja template's prompt
+        template rejects the messages, :class:`~hydra_trio.validation.strict.TooLong` when a Jinja template's prompt
         would pass ``max_chars`` characters.
         """
         return self.chat_template(messages, kwargs, tools, max_chars)
@@ -689,8 +771,9 @@ class LoadedModel:
 
     def close(self) -> None:
         """Free the projector, the context and the model (engine thread only)."""
-        if getattr(self, "media", None) is not None:
-            self.media.close()  # type: ignore[union-attr]
+        media = getattr(self, "media", None)
+        if media is not None:
+            media.close()
             self.media = None
         if getattr(self, "ctx", None):
             llama_cpp.llama_free(self.ctx)
@@ -760,13 +843,15 @@ def _memory_use(lines: list[str], weights: int, kv: int) -> dict[str, dict[str, 
             holders[0][kind] = exact
     return use
 
+
 _LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}  # enum llama_load_mode
 _ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # enum llama_rope_scaling_type
 _FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
 
 
 def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
-    """The loading parameters of ``opts`` (the placement ones: :class:`~hydra_trio.engine.llama.placement.Placement`)."""
+    """The loading parameters of ``opts`` (the placement ones:
+    :class:`~hydra_trio.engine.llama.placement.Placement`)."""
     mparams.load_mode = _LOAD_MODES[opts.load_mode]
     mparams.check_tensors = opts.check_tensors
     mparams.use_extra_bufts = opts.repack

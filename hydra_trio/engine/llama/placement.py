@@ -16,8 +16,8 @@ from typing import Any
 import llama_cpp
 
 from ...errors import HydraTrioError
-from . import ggml_backend
 from ..settings import LlamaOptions
+from . import ggml_backend
 
 
 class PlacementError(HydraTrioError, ValueError):
@@ -85,11 +85,14 @@ def offload_devices(opts: LlamaOptions) -> list[int]:
     for name in opts.devices:
         dev = by_name.get(name.lower())
         if dev is None:
-            raise PlacementError(f"-dev/--device: no device {name!r} here (devices: {', '.join(_device_names())}; "
-                                 "see --list-devices)")
+            raise PlacementError(
+                f"-dev/--device: no device {name!r} here (devices: {', '.join(_device_names())}; see --list-devices)"
+            )
         if ggml_backend.device_type(dev) == ggml_backend.GGML_BACKEND_DEVICE_TYPE_CPU:
-            raise PlacementError(f"-dev/--device: {name!r} is the CPU, not an offload device (llama-server refuses "
-                                 "it too); -dev none keeps every layer in host memory")
+            raise PlacementError(
+                f"-dev/--device: {name!r} is the CPU, not an offload device (llama-server refuses "
+                "it too); -dev none keeps every layer in host memory"
+            )
         out.append(dev)
     return out
 
@@ -106,11 +109,16 @@ def operator_overrides(opts: LlamaOptions) -> list[tuple[str, int, str]]:
     out = []
     for pattern, name in opts.tensor_overrides:
         if name not in bufts:
-            hint = (" (a ggml-RPC buffer type needs llama-server's --rpc, which this node refuses; "
-                    "--rpc-engine and --combined-pattern put tensors on a COMBINED peer)"
-                    if name.upper().startswith("RPC") else "")
-            raise PlacementError(f"-ot/--override-tensor {pattern}={name}: unknown buffer type {name!r} "
-                                 f"(available: {', '.join(sorted(bufts))}){hint}")
+            hint = (
+                " (a ggml-RPC buffer type needs llama-server's --rpc, which this node refuses; "
+                "--rpc-engine and --combined-pattern put tensors on a COMBINED peer)"
+                if name.upper().startswith("RPC")
+                else ""
+            )
+            raise PlacementError(
+                f"-ot/--override-tensor {pattern}={name}: unknown buffer type {name!r} "
+                f"(available: {', '.join(sorted(bufts))}){hint}"
+            )
         out.append((pattern, bufts[name], "-ot"))
     return out
 
@@ -123,8 +131,10 @@ def host_overrides(opts: LlamaOptions, n_layer: int | None) -> list[tuple[str, i
     out = []
     if opts.cpu_moe:
         out.append((LLM_FFN_EXPS_REGEX, cpu, "-cmoe"))
-    for n, regex, flag in ((opts.n_cpu_moe, LLM_FFN_EXPS_REGEX, "-ncmoe"),
-                           (opts.n_cpu_ffn, LLM_FFN_DENSE_REGEX, "-ncffn")):
+    for n, regex, flag in (
+        (opts.n_cpu_moe, LLM_FFN_EXPS_REGEX, "-ncmoe"),
+        (opts.n_cpu_ffn, LLM_FFN_DENSE_REGEX, "-ncffn"),
+    ):
         out += [(ffn_block_regex(i, regex), cpu, flag) for i in range(min(n, n_layer if n_layer is not None else n))]
     return out
 
@@ -170,19 +180,22 @@ class Placement:
             than llama.cpp's device limit, or ``-sm tensor`` with a peer.
     """
 
-    def __init__(self, opts: LlamaOptions, *, n_layer: int | None = None,
-                 peer: tuple[int, str, str] | None = None) -> None:
+    def __init__(
+        self, opts: LlamaOptions, *, n_layer: int | None = None, peer: tuple[int, str, str] | None = None
+    ) -> None:
         local = offload_devices(opts)
         ops = operator_overrides(opts)
         max_devices = llama_cpp.llama_max_devices()
-        self.n_gpu_layers = (_N_GPU_LAYERS[opts.n_gpu_layers] if isinstance(opts.n_gpu_layers, str)
-                             else int(opts.n_gpu_layers))
+        self.n_gpu_layers = (
+            _N_GPU_LAYERS[opts.n_gpu_layers] if isinstance(opts.n_gpu_layers, str) else int(opts.n_gpu_layers)
+        )
         self.split_mode = _SPLIT_MODES[opts.split_mode]
         self.main_gpu = opts.main_gpu
         split = list(opts.tensor_split)
         if len(split) >= max_devices:
-            raise PlacementError(f"-ts/--tensor-split: {len(split)} values, but llama.cpp takes at most "
-                                 f"{max_devices - 1}")
+            raise PlacementError(
+                f"-ts/--tensor-split: {len(split)} values, but llama.cpp takes at most {max_devices - 1}"
+            )
         if opts.split_mode == "none" and local and opts.main_gpu >= len(local):
             raise PlacementError(f"-mg/--main-gpu {opts.main_gpu}: there are {len(local)} offload devices")
         peer_entry: list[tuple[str, int, str]] = []
@@ -195,12 +208,14 @@ class Placement:
                 devices = [peer_dev]
                 self.n_gpu_layers, self.split_mode, split = 0, _SPLIT_MODES["layer"], []
             elif opts.split_mode == "tensor":
-                raise PlacementError("-sm tensor with a ggml-RPC peer (COMBINED, PIPELINE_ATTACH) is not supported: "
-                                     "llama.cpp would split every weight over the peer too")
+                raise PlacementError(
+                    "-sm tensor with a ggml-RPC peer (COMBINED, PIPELINE_ATTACH) is not supported: "
+                    "llama.cpp would split every weight over the peer too"
+                )
             else:
                 if opts.split_mode == "none":
                     local, self.main_gpu, self.split_mode = [local[opts.main_gpu]], 0, _SPLIT_MODES["layer"]
-                shares = (split + [0.0] * len(local))[:len(local)]
+                shares = (split + [0.0] * len(local))[: len(local)]
                 if not any(shares):  # llama.cpp's default: by free memory
                     shares = [float(ggml_backend.device_memory(d)[0]) or 1.0 for d in local]
                 devices, split = [*local, peer_dev], [*shares, 0.0]
@@ -230,8 +245,9 @@ class Placement:
         rules: dict[str, int] = {}
         for _, _, source in self.overrides:
             rules[source] = rules.get(source, 0) + 1
-        return (f"devices {names}; n_gpu_layers {self.n_gpu_layers}; overrides "
-                + (", ".join(f"{src} x{n}" for src, n in rules.items()) or "none"))
+        return f"devices {names}; n_gpu_layers {self.n_gpu_layers}; overrides " + (
+            ", ".join(f"{src} x{n}" for src, n in rules.items()) or "none"
+        )
 
 
 _OVERRIDDEN = re.compile(r"^tensor (\S+) \(.*\) buffer type overridden to (\S+)")

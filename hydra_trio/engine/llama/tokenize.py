@@ -53,12 +53,14 @@ def raise_if_stopped(what: str = "its prompt was tokenized") -> None:
     if stop is not None and stop.is_set():
         raise Cancelled(f"the client went away while {what}")
 
+
 CHUNK_BYTES = 2048
 """Target size of one ``llama_tokenize`` call's text."""
 _MAX_LEVELS = 8
 _SPACE = b" \t\n\v\f\r"
-_PARTITIONED = (llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-                | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN)
+_PARTITIONED = (
+    llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+)
 _PARSED_ONLY = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
 
 
@@ -82,7 +84,8 @@ class SpecialTokens:
             longest = max(longest, len(text), abs(k))
             if attr & _PARTITIONED and text:
                 by_len.setdefault(len(text), []).append(
-                    (text, bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP), bool(attr & _PARSED_ONLY)))
+                    (text, bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_RSTRIP), bool(attr & _PARSED_ONLY))
+                )
         self.classes = [by_len[k] for k in sorted(by_len, reverse=True)]
         self.max_token_bytes = longest
 
@@ -136,8 +139,16 @@ def tokenize_bytes(vocab: Any, data: bytes, add_special: bool, parse_special: bo
     return list(buf[:n])
 
 
-def tokenize_linear(vocab: Any, special: SpecialTokens, data: bytes, *, add_special: bool, parse_special: bool,
-                    adds_suffix: bool, limit: int | None = None) -> list[int]:
+def tokenize_linear(
+    vocab: Any,
+    special: SpecialTokens,
+    data: bytes,
+    *,
+    add_special: bool,
+    parse_special: bool,
+    adds_suffix: bool,
+    limit: int | None = None,
+) -> list[int]:
     """``llama_tokenize(data)``'s tokens, in chunks (this module's docstring).
 
     ``adds_suffix``: the vocabulary adds EOS / SEP with ``add_special`` (then one call when
@@ -145,8 +156,10 @@ def tokenize_linear(vocab: Any, special: SpecialTokens, data: bytes, *, add_spec
     tokens, or when :meth:`SpecialTokens.min_tokens` shows that it will, before tokenizing.
     """
     if limit is not None and special.min_tokens(len(data)) >= limit:
-        raise PromptTooLong(f"the prompt is {len(data)} bytes, at least {special.min_tokens(len(data))} tokens; "
-                            f"a slot's context holds {limit} (--ctx-size / --parallel)")
+        raise PromptTooLong(
+            f"the prompt is {len(data)} bytes, at least {special.min_tokens(len(data))} tokens; "
+            f"a slot's context holds {limit} (--ctx-size / --parallel)"
+        )
     if len(data) <= CHUNK_BYTES or (add_special and adds_suffix):
         bounds = [0, len(data)]
     else:
@@ -159,9 +172,10 @@ def tokenize_linear(vocab: Any, special: SpecialTokens, data: bytes, *, add_spec
     out: list[int] = []
     for i in range(len(bounds) - 1):
         raise_if_stopped()
-        out += tokenize_bytes(vocab, data[bounds[i]:bounds[i + 1]], add_special and i == 0, parse_special)
+        out += tokenize_bytes(vocab, data[bounds[i] : bounds[i + 1]], add_special and i == 0, parse_special)
         if limit is not None and len(out) >= limit:
             more = "at least " if bounds[i + 1] < len(data) else ""
-            raise PromptTooLong(f"the prompt has {more}{len(out)} tokens; a slot's context holds {limit} "
-                                "(--ctx-size / --parallel)")
+            raise PromptTooLong(
+                f"the prompt has {more}{len(out)} tokens; a slot's context holds {limit} (--ctx-size / --parallel)"
+            )
     return out

@@ -47,8 +47,8 @@ class DraftBudget:
 
     def observe_verify(self, id_slot: int, drafted: int, accepted: int) -> None:
         """A draft of ``drafted`` tokens on the slot had its first ``accepted`` accepted."""
-        self._acc[id_slot] = self._acc[id_slot] * DECAY ** drafted + accepted
-        self._rej[id_slot] = self._rej[id_slot] * DECAY ** drafted + (1 if accepted < drafted else 0)
+        self._acc[id_slot] = self._acc[id_slot] * DECAY**drafted + accepted
+        self._rej[id_slot] = self._rej[id_slot] * DECAY**drafted + (1 if accepted < drafted else 0)
 
     def reset(self, id_slot: int) -> None:
         """A new request on the slot starts from the prior (so a request's drafts do not depend on the

@@ -46,8 +46,15 @@ def target_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOption
 def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions:
     """``--model-draft``'s options: the target's, with the draft's KV cache types (``-ctkd``/``-ctvd``) and
     without the target's tensor overrides, MTP, snapshots or projector."""
-    return attrs.evolve(options, cache_type_k=settings.draft_cache_type_k, cache_type_v=settings.draft_cache_type_v,
-                        tensor_overrides=(), load_mtp=False, n_rs_seq=0, mmproj="")
+    return attrs.evolve(
+        options,
+        cache_type_k=settings.draft_cache_type_k,
+        cache_type_v=settings.draft_cache_type_v,
+        tensor_overrides=(),
+        load_mtp=False,
+        n_rs_seq=0,
+        mmproj="",
+    )
 
 
 def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:
@@ -82,18 +89,17 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
 
     params = DraftParams(n_max=settings.draft_n_max, n_min=settings.draft_n_min, p_min=settings.draft_p_min)
 
-    def mtp(s: SpecSettings, n: int):  # noqa: ANN202 (a factory of make_speculative)
+    def mtp(s: SpecSettings, n: int):  # a factory of make_speculative
         from .mtp import DraftMtp, create_mtp_context
 
         return DraftMtp(model.ctx, create_mtp_context(model.model, model.ctx, model.options), n, params)
 
-    def simple(s: SpecSettings, n: int):  # noqa: ANN202
+    def simple(s: SpecSettings, n: int):
         from .draft_model import DraftSimple, load_draft_model
 
         if not s.draft_model:
             raise ValueError("draft-simple requires a draft context (--model-draft)")
-        draft = load_draft_model(Path(s.draft_model), model, draft_options(s, model.options),
-                                 n_threads=s.draft_threads)
+        draft = load_draft_model(Path(s.draft_model), model, draft_options(s, model.options), n_threads=s.draft_threads)
         return DraftSimple(model.model, draft, n, params)
 
     cap = 1 << 30
@@ -101,15 +107,24 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
         if llama_cpp.llama_model_is_recurrent(model.model) or llama_cpp.llama_model_is_hybrid(model.model):
             cap = int(llama_cpp.llama_n_rs_seq(model.ctx))
             if cap < 1:
-                raise ValueError("a recurrent or hybrid model needs recurrent-state snapshots (n_rs_seq), which "
-                                 "this context has none of")
+                raise ValueError(
+                    "a recurrent or hybrid model needs recurrent-state snapshots (n_rs_seq), which "
+                    "this context has none of"
+                )
         spec = make_speculative(settings, n_parallel, {"draft-mtp": mtp, "draft-simple": simple})
     except (ValueError, RuntimeError, OSError, ModelLoadError) as exc:
-        log.error("failed to initialize speculative decoding context (%s): %s; serving without speculative "
-                  "decoding", ",".join(settings.enabled), exc)
+        log.error(
+            "failed to initialize speculative decoding context (%s): %s; serving without speculative decoding",
+            ",".join(settings.enabled),
+            exc,
+        )
         return None, 0
     if spec is not None:
         spec.budget = draft_budget(settings, model.options, n_parallel)
-        log.info("speculative decoding: %s, at most %d tokens a draft%s", spec.name, spec.n_max,
-                 f" (recurrent memory: {cap})" if cap < spec.n_max else "")
+        log.info(
+            "speculative decoding: %s, at most %d tokens a draft%s",
+            spec.name,
+            spec.n_max,
+            f" (recurrent memory: {cap})" if cap < spec.n_max else "",
+        )
     return spec, cap

@@ -52,7 +52,7 @@ class Speculative(Drafter):
         rank = {name: i for i, name in enumerate(PRIORITY)}
         self.drafters = sorted(drafters, key=lambda d: rank.get(d.name, len(PRIORITY)))
         super().__init__(drafters[0].n_seq, max(max(0, d.n_max) for d in drafters))
-        self.name = ",".join(d.name for d in self.drafters)  # type: ignore[misc]
+        self.name = ",".join(d.name for d in self.drafters)  # type: ignore[misc]  # this instance's parts name it
         self.impl_last: list[Drafter | None] = [None] * self.n_seq
         """The drafter whose draft each slot is verifying."""
         self.budget: DraftBudget | None = None
@@ -74,7 +74,7 @@ class Speculative(Drafter):
             suffix, chain = chain[0], chain[1:]
             mine = [_copy(r) for r in requests]
             suffix.draft(mine)
-            for req, got in zip(requests, mine):
+            for req, got in zip(requests, mine, strict=True):
                 res = _cut(got.result, req.n_max)
                 if res:
                     won[id(req)] = (suffix, res)
@@ -88,7 +88,7 @@ class Speculative(Drafter):
             asked = [_copy(r) for r in pending]
             d.draft(asked)
             still = []
-            for req, got in zip(pending, asked):
+            for req, got in zip(pending, asked, strict=True):
                 res = _cut(got.result, req.n_max)
                 if not res:
                     still.append(req)
@@ -163,12 +163,12 @@ class Speculative(Drafter):
             n = data[i]
             if i + 1 + n + 4 > len(data):
                 raise ValueError("speculative state: truncated record")
-            name = data[i + 1:i + 1 + n].decode("utf-8", "replace")
+            name = data[i + 1 : i + 1 + n].decode("utf-8", "replace")
             (size,) = struct.unpack_from("<I", data, i + 1 + n)
             start = i + 1 + n + 4
             if start + size > len(data):
                 raise ValueError("speculative state: truncated record")
-            parts[name] = data[start:start + size]
+            parts[name] = data[start : start + size]
             i = start + size
         for d in self.drafters:
             if d.name in parts:
@@ -194,21 +194,29 @@ DrafterFactory = Callable[[SpecSettings, int], Drafter]
 
 BUILTIN_FACTORIES: dict[str, DrafterFactory] = {
     "ngram-simple": lambda s, n: NgramSimpleDrafter(n, s.ngram_simple_size_n, s.ngram_simple_size_m),
-    "ngram-map-k": lambda s, n: NgramMapKDrafter(n, s.ngram_map_k_size_n, s.ngram_map_k_size_m,
-                                                 s.ngram_map_k_min_hits),
-    "ngram-map-k4v": lambda s, n: NgramMapK4vDrafter(n, s.ngram_map_k4v_size_n, s.ngram_map_k4v_size_m,
-                                                     s.ngram_map_k4v_min_hits),
+    "ngram-map-k": lambda s, n: NgramMapKDrafter(n, s.ngram_map_k_size_n, s.ngram_map_k_size_m, s.ngram_map_k_min_hits),
+    "ngram-map-k4v": lambda s, n: NgramMapK4vDrafter(
+        n, s.ngram_map_k4v_size_n, s.ngram_map_k4v_size_m, s.ngram_map_k4v_min_hits
+    ),
     "ngram-mod": lambda s, n: NgramModDrafter(n, s.ngram_mod_n_match, s.ngram_mod_n_max, s.ngram_mod_n_min),
     "ngram-cache": lambda s, n: NgramCacheDrafter(n, s.lookup_cache_static, s.lookup_cache_dynamic),
-    "suffix": lambda s, n: SuffixDrafter(n, s.suffix_n_max, s.suffix_max_depth, s.suffix_min_match,
-                                         s.suffix_max_spec_factor, s.suffix_max_spec_offset,
-                                         s.suffix_min_token_prob, s.suffix_cache_tokens),
+    "suffix": lambda s, n: SuffixDrafter(
+        n,
+        s.suffix_n_max,
+        s.suffix_max_depth,
+        s.suffix_min_match,
+        s.suffix_max_spec_factor,
+        s.suffix_max_spec_offset,
+        s.suffix_min_token_prob,
+        s.suffix_cache_tokens,
+    ),
 }
 """The model-free types, built from the settings."""
 
 
-def make_speculative(settings: SpecSettings, n_seq: int,
-                     factories: Mapping[str, DrafterFactory] | None = None) -> Speculative | None:
+def make_speculative(
+    settings: SpecSettings, n_seq: int, factories: Mapping[str, DrafterFactory] | None = None
+) -> Speculative | None:
     """The node's drafters for ``settings.enabled`` (None: no type enabled).
 
     The model-free types (``ngram-*``, ``suffix``) are built here; the others come from ``factories`` (type
@@ -223,7 +231,8 @@ def make_speculative(settings: SpecSettings, n_seq: int,
     drafters = []
     for name in settings.enabled:
         if name not in known:
-            raise ValueError(f"speculative type {name} needs a draft model or MTP layers, which this node "
-                             "does not provide")
+            raise ValueError(
+                f"speculative type {name} needs a draft model or MTP layers, which this node does not provide"
+            )
         drafters.append(known[name](settings, n_seq))
     return Speculative(drafters) if drafters else None

@@ -45,23 +45,30 @@ def vocab_problem(model_tgt: Any, model_dft: Any) -> str | None:
     t_tgt, t_dft = llama_cpp.llama_vocab_type(v_tgt), llama_cpp.llama_vocab_type(v_dft)
     if t_tgt != t_dft:
         return f"the draft model's vocabulary type ({t_dft}) differs from the target's ({t_tgt})"
-    for what, add, tok in (("bos", llama_cpp.llama_vocab_get_add_bos, llama_cpp.llama_vocab_bos),
-                           ("eos", llama_cpp.llama_vocab_get_add_eos, llama_cpp.llama_vocab_eos)):
+    for what, add, tok in (
+        ("bos", llama_cpp.llama_vocab_get_add_bos, llama_cpp.llama_vocab_bos),
+        ("eos", llama_cpp.llama_vocab_get_add_eos, llama_cpp.llama_vocab_eos),
+    ):
         if add(v_tgt) != add(v_dft) or (add(v_tgt) and tok(v_tgt) != tok(v_dft)):
-            return (f"the draft model's {what} token (add {bool(add(v_dft))}, id {tok(v_dft)}) differs from the "
-                    f"target's (add {bool(add(v_tgt))}, id {tok(v_tgt)})")
+            return (
+                f"the draft model's {what} token (add {bool(add(v_dft))}, id {tok(v_dft)}) differs from the "
+                f"target's (add {bool(add(v_tgt))}, id {tok(v_tgt)})"
+            )
     n_tgt, n_dft = llama_cpp.llama_vocab_n_tokens(v_tgt), llama_cpp.llama_vocab_n_tokens(v_dft)
     if abs(n_tgt - n_dft) > VOCAB_MAX_SIZE_DIFFERENCE:
-        return (f"the draft model's vocabulary ({n_dft} tokens) differs from the target's ({n_tgt}) by more "
-                f"than {VOCAB_MAX_SIZE_DIFFERENCE} tokens")
+        return (
+            f"the draft model's vocabulary ({n_dft} tokens) differs from the target's ({n_tgt}) by more "
+            f"than {VOCAB_MAX_SIZE_DIFFERENCE} tokens"
+        )
     for i in range(VOCAB_CHECK_START_TOKEN_ID, min(n_tgt, n_dft)):
         if llama_cpp.llama_vocab_get_text(v_tgt, i) != llama_cpp.llama_vocab_get_text(v_dft, i):
             return f"token {i} differs between the draft model and the target"
     return None
 
 
-def load_draft_model(path: Path, target: LoadedModel, options: LlamaOptions | None = None,
-                     n_threads: int | None = None) -> LoadedModel:
+def load_draft_model(
+    path: Path, target: LoadedModel, options: LlamaOptions | None = None, n_threads: int | None = None
+) -> LoadedModel:
     """Load ``--model-draft`` for ``target``: a context of the target's ``n_ctx``, slots and batch size;
     ``options`` carries the draft's flags (``-ctkd``/``-ctvd`` as ``cache_type_k``/``cache_type_v``,
     ``-ngld``, ``-devd``, ``-otd`` as the placement fields, ``-tbd`` as ``n_threads_batch``), ``n_threads``
@@ -69,8 +76,14 @@ def load_draft_model(path: Path, target: LoadedModel, options: LlamaOptions | No
 
     Raises ModelLoadError as :class:`~hydra_trio.engine.llama.model.LoadedModel` does.
     """
-    return LoadedModel(path, n_ctx=target.n_ctx, n_parallel=target.n_parallel, n_batch=target.n_batch,
-                       n_threads=n_threads or llama_cpp.llama_n_threads(target.ctx), options=options)
+    return LoadedModel(
+        path,
+        n_ctx=target.n_ctx,
+        n_parallel=target.n_parallel,
+        n_batch=target.n_batch,
+        n_threads=n_threads or llama_cpp.llama_n_threads(target.ctx),
+        options=options,
+    )
 
 
 class DraftSimple(Drafter):
@@ -91,8 +104,9 @@ class DraftSimple(Drafter):
         if problem is not None:
             raise ValueError(f"draft-simple: {problem}")
         if llama_cpp.llama_n_seq_max(draft.ctx) != n_seq:
-            raise ValueError(f"draft-simple: the draft context has {llama_cpp.llama_n_seq_max(draft.ctx)} sequences, "
-                             f"not {n_seq}")
+            raise ValueError(
+                f"draft-simple: the draft context has {llama_cpp.llama_n_seq_max(draft.ctx)} sequences, not {n_seq}"
+            )
         if llama_cpp.llama_model_is_recurrent(draft.model) or llama_cpp.llama_model_is_hybrid(draft.model):
             raise ValueError("draft-simple: a draft model with recurrent memory is not served")
         self.params = params
@@ -136,8 +150,7 @@ class DraftSimple(Drafter):
                     if len(r.result) < min(r.n_max, self.params.n_max):
                         picks.append((seq, r, token))
                 self.batch.clear()
-                active = {seq: (r, self.batch.add(token, r.pos0 + len(r.result), seq, True))
-                          for seq, r, token in picks}
+                active = {seq: (r, self.batch.add(token, r.pos0 + len(r.result), seq, True)) for seq, r, token in picks}
         finally:
             for r in requests:  # the draft context as before: process() feeds the verification batch in
                 llama_cpp.llama_memory_seq_rm(self.mem, r.id_slot, r.pos0, -1)

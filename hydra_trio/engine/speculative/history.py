@@ -72,7 +72,7 @@ class History:
         else:
             appended = True
         if len(tokens) > len(mine):
-            mine.extend(tokens[len(mine):])
+            mine.extend(tokens[len(mine) :])
             self._hash_new()
         return appended
 
@@ -95,10 +95,10 @@ class History:
             for j in range(start, end):
                 self.h[j] = lcg_hash(toks, j, n)
         else:
-            arr = np.asarray(toks[start:end + n - 1], dtype=np.uint64)
+            arr = np.asarray(toks[start : end + n - 1], dtype=np.uint64)
             h = np.zeros(end - start, dtype=np.uint64)
             for i in range(n):
-                h = (h * np.uint64(LCG_FACTOR) + arr[i:i + end - start]) & np.uint64(_M32)
+                h = (h * np.uint64(LCG_FACTOR) + arr[i : i + end - start]) & np.uint64(_M32)
             self.h[start:end] = h
         self._n_h = end
 
@@ -110,8 +110,8 @@ class History:
         width = 64
         while hi >= lo:
             wlo = max(lo, hi - width + 1)
-            for c in np.flatnonzero(h[wlo:hi + 1] == key)[::-1].tolist():
-                if toks[wlo + c:wlo + c + n] == pattern:
+            for c in np.flatnonzero(h[wlo : hi + 1] == key)[::-1].tolist():
+                if toks[wlo + c : wlo + c + n] == pattern:
                     return wlo + c
             hi, width = wlo - 1, width * 4
         return -1
@@ -124,8 +124,8 @@ class History:
         width = 256
         while hi >= lo and len(out) < limit:
             wlo = max(lo, hi - width + 1)
-            for c in np.flatnonzero(h[wlo:hi + 1] == key)[::-1].tolist():
-                if toks[wlo + c:wlo + c + n] == pattern:
+            for c in np.flatnonzero(h[wlo : hi + 1] == key)[::-1].tolist():
+                if toks[wlo + c : wlo + c + n] == pattern:
                     out.append(wlo + c)
                     if len(out) == limit:
                         break
@@ -138,5 +138,6 @@ class History:
             return []
         n, toks = self.n, self.tokens
         key = lcg_hash(pattern, 0, n)
-        return [lo + c for c in np.flatnonzero(self.h[lo:hi + 1] == key).tolist()
-                if toks[lo + c:lo + c + n] == pattern]
+        return [
+            lo + c for c in np.flatnonzero(self.h[lo : hi + 1] == key).tolist() if toks[lo + c : lo + c + n] == pattern
+        ]

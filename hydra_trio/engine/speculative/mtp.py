@@ -109,8 +109,9 @@ class DraftMtp(Drafter):
         super().__init__(n_seq, params.n_max)
         model = llama_cpp.llama_get_model(ctx_dft)
         if llama_cpp.llama_model_n_layer_nextn(model) != 1:
-            raise ValueError(f"draft-mtp: {llama_cpp.llama_model_n_layer_nextn(model)} MTP blocks; "
-                             "only models with one are served")
+            raise ValueError(
+                f"draft-mtp: {llama_cpp.llama_model_n_layer_nextn(model)} MTP blocks; only models with one are served"
+            )
         if llama_cpp_ext.llama_get_ctx_other(ctx_dft) == ctx_tgt:
             raise ValueError("draft-mtp: an MTP context that shares the target's memory is not served")
         self.params = params
@@ -174,8 +175,10 @@ class DraftMtp(Drafter):
             if min(r.n_max, self.params.n_max) <= 0:
                 continue
             sync_seq(self.mem, r.id_slot, r.pos0)
-            active[r.id_slot] = (r, self.batch.add(r.id_last, r.pos0, r.id_slot, True,
-                                                   self._h_before(r.id_slot, r.pos0)))
+            active[r.id_slot] = (
+                r,
+                self.batch.add(r.id_last, r.pos0, r.id_slot, True, self._h_before(r.id_slot, r.pos0)),
+            )
         try:
             while active and self.batch.decode() == 0:
                 step: dict[int, tuple[DraftRequest, int]] = {}
@@ -187,8 +190,9 @@ class DraftMtp(Drafter):
                     r.result.append(token)
                     if len(r.result) >= min(r.n_max, self.params.n_max):
                         continue
-                    h = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ctx_dft, idx),
-                                              shape=(self.n_embd,)).copy()
+                    h = np.ctypeslib.as_array(
+                        llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ctx_dft, idx), shape=(self.n_embd,)
+                    ).copy()
                     picks.append((seq, r, token, h))
                 self.batch.clear()
                 for seq, r, token, h in picks:
@@ -241,7 +245,7 @@ class DraftMtp(Drafter):
         if magic != _STATE_MAGIC or n_embd != self.n_embd or len(data) != _STATE_HEAD.size + n_h + n_kv:
             set_seq_state(self.ctx_dft, id_slot, b"")
             raise ValueError(f"draft-mtp state: not a state of this model (n_embd {n_embd}, {len(data)} bytes)")
-        set_seq_state(self.ctx_dft, id_slot, data[_STATE_HEAD.size + n_h:])
+        set_seq_state(self.ctx_dft, id_slot, data[_STATE_HEAD.size + n_h :])
         self.pending_h[id_slot] = np.frombuffer(data, np.float32, n_embd, _STATE_HEAD.size).copy()
         self.pending_pos[id_slot] = pending_pos
 

@@ -34,7 +34,8 @@ LLAMA_TOKEN_NULL = -1
 NGRAM_CACHE_N_DRAFT = 8
 """Tokens the ngram-cache type drafts at most (llama-server's ``create_state_ngram_cache`` fixes it)."""
 
-Ngram = tuple[int, int, int, int]
+Ngram = tuple[int, ...]
+"""An n-gram key: always ``LLAMA_NGRAM_MAX`` tokens, a shorter n-gram padded with ``LLAMA_TOKEN_NULL``."""
 NgramCacheMap = dict[Ngram, dict[int, int]]
 
 # If sample size or percentage are below these thresholds the draft is aborted early (index: n-gram size - 1).
@@ -43,10 +44,30 @@ DRAFT_MIN_PERCENT_LAX = (66, 50, 50, 50)
 DRAFT_MIN_SAMPLE_SIZE_STRICT = (4, 3, 2, 2)
 DRAFT_MIN_PERCENT_STRICT = (75, 66, 66, 66)
 
-_BUCKET_GROWTH = ((13, 13), (28, 29), (58, 59), (126, 127), (256, 257), (540, 541), (1108, 1109),
-                  (2356, 2357), (5086, 5087), (10272, 10273), (20752, 20753), (42042, 42043), (85228, 85229),
-                  (172932, 172933), (351060, 351061), (712696, 712697), (1447152, 1447153), (2938678, 2938679),
-                  (5967346, 5967347), (12117361, 12117361), (24607243, 24607243), (49969847, 49969847))
+_BUCKET_GROWTH = (
+    (13, 13),
+    (28, 29),
+    (58, 59),
+    (126, 127),
+    (256, 257),
+    (540, 541),
+    (1108, 1109),
+    (2356, 2357),
+    (5086, 5087),
+    (10272, 10273),
+    (20752, 20753),
+    (42042, 42043),
+    (85228, 85229),
+    (172932, 172933),
+    (351060, 351061),
+    (712696, 712697),
+    (1447152, 1447153),
+    (2938678, 2938679),
+    (5967346, 5967347),
+    (12117361, 12117361),
+    (24607243, 24607243),
+    (49969847, 49969847),
+)
 """libstdc++'s bucket counts of an ``unordered_map`` filled by single inserts: ``(n, buckets)``: up to ``n``
 elements it has ``buckets`` buckets (its ``_Prime_rehash_policy``: the first insert makes 13, each rehash
 the prime at or after twice the count)."""
@@ -56,18 +77,18 @@ def std_unordered_order(keys: Iterable[int]) -> list[int]:
     """The iteration order of a libstdc++ ``std::unordered_map<int32_t, V>`` after inserting ``keys`` (distinct,
     in this order) one by one: each new node goes first in its bucket, or first in the whole list when its
     bucket is empty; a rehash relinks the list front to back the same way.  O(len(keys))."""
-    head = object()
-    nxt: dict[object, object] = {head: None}
-    buckets: dict[int, object] = {}
-    n_bkt, grow, count = 1, 0, 0
-    for key in keys:
+    head = None  # the list's head: no key (the keys are ints)
+    nxt: dict[int | None, int | None] = {head: None}
+    buckets: dict[int, int | None] = {}
+    n_bkt, grow = 1, 0
+    for count, key in enumerate(keys):
         if count + 1 > n_bkt:  # rehash before linking the new node
             while _BUCKET_GROWTH[grow][0] < count + 1:
                 grow += 1
             n_bkt = _BUCKET_GROWTH[grow][1]
             node, nxt[head], bbegin, buckets = nxt[head], None, 0, {}
             while node is not None:
-                after, bkt = nxt[node], node % n_bkt  # type: ignore[operator]
+                after, bkt = nxt[node], node % n_bkt
                 if bkt not in buckets:
                     nxt[node], nxt[head], buckets[bkt] = nxt[head], node, head
                     if nxt[node] is not None:
@@ -81,15 +102,16 @@ def std_unordered_order(keys: Iterable[int]) -> list[int]:
             nxt[key], nxt[buckets[bkt]] = nxt[buckets[bkt]], key
         else:
             nxt[key], nxt[head] = nxt[head], key
-            if nxt[key] is not None:
-                buckets[nxt[key] % n_bkt] = key  # type: ignore[operator]
+            first = nxt[key]
+            if first is not None:
+                buckets[first % n_bkt] = key
             buckets[bkt] = head
-        count += 1
-    out, node = [], nxt[head]
+    out: list[int] = []
+    node = nxt[head]
     while node is not None:
         out.append(node)
         node = nxt[node]
-    return out  # type: ignore[return-value]
+    return out
 
 
 class NgramCache:
@@ -148,7 +170,7 @@ class NgramCache:
 def ngram_of(tokens: Sequence[int], start: int, size: int) -> Ngram:
     """The cache key of ``tokens[start:start+size]`` (``common_ngram``: padded with -1 to 4 tokens)."""
     pad = (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
-    return tuple(tokens[start:start + size]) + pad  # type: ignore[return-value]
+    return tuple(tokens[start : start + size]) + pad
 
 
 def ngram_cache_update(cache: NgramCache, ngram_min: int, ngram_max: int, inp: Sequence[int], nnew: int) -> None:
@@ -158,7 +180,7 @@ def ngram_cache_update(cache: NgramCache, ngram_min: int, ngram_max: int, inp: S
     for size in range(ngram_min, ngram_max + 1):
         pad = (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
         for i in range(max(n - nnew, size), n):
-            cache.count(tuple(inp[i - size:i]) + pad, inp[i])  # type: ignore[arg-type]
+            cache.count(tuple(inp[i - size : i]) + pad, inp[i])
 
 
 def _try_draft_static(nc_static: NgramCache, ngram_static: Ngram) -> int:
@@ -191,8 +213,13 @@ def _best_weighted(cache: NgramCache, key: Ngram, part_static: Mapping[int, int]
     return cache.first_in_order(key, tied)
 
 
-def _try_draft(nc_primary: NgramCache, ngrams_primary: list[Ngram], part_static: Mapping[int, int],
-               min_sample_size: tuple[int, ...], min_percent: tuple[int, ...]) -> int:
+def _try_draft(
+    nc_primary: NgramCache,
+    ngrams_primary: list[Ngram],
+    part_static: Mapping[int, int],
+    min_sample_size: tuple[int, ...],
+    min_percent: tuple[int, ...],
+) -> int:
     for i in range(len(ngrams_primary) - 1, -1, -1):
         key = ngrams_primary[i]
         part = nc_primary.get(key)
@@ -208,8 +235,16 @@ def _try_draft(nc_primary: NgramCache, ngrams_primary: list[Ngram], part_static:
     return LLAMA_TOKEN_NULL
 
 
-def ngram_cache_draft(inp: Sequence[int], draft: list[int], n_draft: int, ngram_min: int, ngram_max: int,
-                      nc_context: NgramCache, nc_dynamic: NgramCache, nc_static: NgramCache) -> None:
+def ngram_cache_draft(
+    inp: Sequence[int],
+    draft: list[int],
+    n_draft: int,
+    ngram_min: int,
+    ngram_max: int,
+    nc_context: NgramCache,
+    nc_dynamic: NgramCache,
+    nc_static: NgramCache,
+) -> None:
     """Append up to ``n_draft`` tokens to ``draft`` (which holds the last sampled token, as in
     ``common_ngram_cache_draft``): each from the context cache (lax thresholds), else the dynamic cache
     (strict), else the static cache; the context and dynamic candidates are weighed by the static counts."""
@@ -225,20 +260,23 @@ def ngram_cache_draft(inp: Sequence[int], draft: list[int], n_draft: int, ngram_
 
     while len(draft) - 1 < n_draft:
         start = n - LLAMA_NGRAM_STATIC + len(draft) - 1
-        ngram_static = tuple(token_at(j) for j in range(start, start + LLAMA_NGRAM_STATIC)) + (
-            LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - LLAMA_NGRAM_STATIC)
-        part_static = nc_static.get(ngram_static) or {}  # type: ignore[arg-type]
+        ngram_static = tuple(token_at(j) for j in range(start, start + LLAMA_NGRAM_STATIC)) + (LLAMA_TOKEN_NULL,) * (
+            LLAMA_NGRAM_MAX - LLAMA_NGRAM_STATIC
+        )
+        part_static = nc_static.get(ngram_static) or {}
         ngrams_cd = []
         for size in range(ngram_min, ngram_max + 1):
             start = n - size + len(draft) - 1
-            ngrams_cd.append(tuple(token_at(j) for j in range(start, start + size)) + (
-                LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size))
+            ngrams_cd.append(
+                tuple(token_at(j) for j in range(start, start + size)) + (LLAMA_TOKEN_NULL,) * (LLAMA_NGRAM_MAX - size)
+            )
         token = _try_draft(nc_context, ngrams_cd, part_static, DRAFT_MIN_SAMPLE_SIZE_LAX, DRAFT_MIN_PERCENT_LAX)
         if token == LLAMA_TOKEN_NULL:
-            token = _try_draft(nc_dynamic, ngrams_cd, part_static, DRAFT_MIN_SAMPLE_SIZE_STRICT,
-                               DRAFT_MIN_PERCENT_STRICT)
+            token = _try_draft(
+                nc_dynamic, ngrams_cd, part_static, DRAFT_MIN_SAMPLE_SIZE_STRICT, DRAFT_MIN_PERCENT_STRICT
+            )
         if token == LLAMA_TOKEN_NULL:
-            token = _try_draft_static(nc_static, ngram_static)  # type: ignore[arg-type]
+            token = _try_draft_static(nc_static, ngram_static)
         if token == LLAMA_TOKEN_NULL:
             break
         draft.append(token)
@@ -289,15 +327,15 @@ def ngram_cache_load(path: str | PathLike[str]) -> NgramCache:
     while i < end:
         if i + 5 > end:
             raise ValueError(f"{path}: record at byte {4 * i} is truncated")
-        key, ntokens = tuple(values[i:i + 4]), values[i + 4]
+        key, ntokens = tuple(values[i : i + 4]), values[i + 4]
         if ntokens <= 0 or i + 5 + 2 * ntokens > end:
             raise ValueError(f"{path}: record at byte {4 * i} has ntokens={ntokens} (file of {len(data)} bytes)")
-        pairs = values[i + 5:i + 5 + 2 * ntokens]
+        pairs = values[i + 5 : i + 5 + 2 * ntokens]
         counts = pairs[1::2]
         if min(counts) <= 0:
             raise ValueError(f"{path}: record at byte {4 * i} has a count ≤ 0")
-        part = dict(zip(pairs[0::2], counts))
-        cache.setdefault(key, part)  # type: ignore[arg-type]  # emplace: an n-gram seen twice keeps the first
+        part = dict(zip(pairs[0::2], counts, strict=True))
+        cache.setdefault(key, part)  # emplace: an n-gram seen twice keeps the first
         i += 5 + 2 * ntokens
     return NgramCache(cache)
 
@@ -334,13 +372,14 @@ class NgramCacheDrafter(Drafter):
     def _draft_one(self, req: DraftRequest) -> None:
         slot, prompt = req.id_slot, req.tokens
         if self.cache_size[slot] < len(prompt) + 1:
-            tokens_new = list(prompt[self.cache_size[slot]:])
+            tokens_new = list(prompt[self.cache_size[slot] :])
             tokens_new.append(req.id_last)
             ngram_cache_update(self.context[slot], LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, tokens_new, len(tokens_new))
             self.cache_size[slot] = len(prompt) + 1
-        tail = list(prompt[-(LLAMA_NGRAM_MAX - 1):])
+        tail = list(prompt[-(LLAMA_NGRAM_MAX - 1) :])
         tail.append(req.id_last)  # the draft reads the last LLAMA_NGRAM_MAX tokens of the input only
         draft = [req.id_last]
-        ngram_cache_draft(tail, draft, self.n_draft, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX,
-                          self.context[slot], self.dynamic, self.static)
+        ngram_cache_draft(
+            tail, draft, self.n_draft, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, self.context[slot], self.dynamic, self.static
+        )
         req.result[:] = draft[1:]

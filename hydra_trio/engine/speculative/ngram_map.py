@@ -25,8 +25,9 @@ COMMON_NGRAM_MAX_VALUE_COUNT = 16380
 """Where the key and value counters saturate."""
 
 
-def ngram_simple_draft(size_ngram: int, size_mgram: int, tokens: Sequence[int], sampled: int,
-                       history: History | None = None) -> list[int]:
+def ngram_simple_draft(
+    size_ngram: int, size_mgram: int, tokens: Sequence[int], sampled: int, history: History | None = None
+) -> list[int]:
     """``common_ngram_simple_draft``: find the latest earlier occurrence (at a position ≥ 1) of the last
     ``size_ngram`` tokens (``tokens[-size_ngram+1:] + [sampled]``) and propose the ``size_mgram`` tokens that
     followed it (fewer when the history ends first; none when fewer than ``size_ngram`` follow).
@@ -40,7 +41,7 @@ def ngram_simple_draft(size_ngram: int, size_mgram: int, tokens: Sequence[int], 
     if history is None:
         history = History(n)
         history.sync(tokens)
-    pattern = list(tokens[cur_len - n + 1:])
+    pattern = list(tokens[cur_len - n + 1 :])
     pattern.append(sampled)
     match_pos = history.last_match(pattern, 1, cur_len - n - 1)
     if match_pos <= 0:
@@ -48,7 +49,7 @@ def ngram_simple_draft(size_ngram: int, size_mgram: int, tokens: Sequence[int], 
     copy_max = min(m, cur_len - (match_pos + n))
     if copy_max < n:
         return []
-    return list(tokens[match_pos + n:match_pos + n + copy_max])
+    return list(tokens[match_pos + n : match_pos + n + copy_max])
 
 
 @attrs.define
@@ -118,7 +119,7 @@ class NgramMap:
                 for j in range(COMMON_NGRAM_MAX_VALUES - 1, -1, -1):
                     if vals[j].value_idx != 0 and vals[j].value_idx >= idx_begin_cleanup:
                         last = vals[-1]
-                        vals[j:-1] = [attrs.evolve(v) for v in vals[j + 1:]]
+                        vals[j:-1] = [attrs.evolve(v) for v in vals[j + 1 :]]
                         vals[-1] = NgramMapValue(0, 0, last.n_accepted)
                 if vals[0].value_idx == 0:
                     del self.keys[i]
@@ -139,12 +140,12 @@ class NgramMap:
             self._key_of = None
         self.idx_last_check = cur_len
         hist, toks = self.history, self.history.tokens
-        key_tokens = list(inp[cur_len - n + 1:])
+        key_tokens = list(inp[cur_len - n + 1 :])
         key_tokens.append(sampled)
 
         match_pos = 0
         idx_key = int(self.key_map[lcg_hash(key_tokens, 0, n) % COMMON_NGRAM_HASH_MAP_SIZE])
-        if idx_key != 0 and idx_key < cur_len - n - m - 1 and toks[idx_key:idx_key + n] == key_tokens:
+        if idx_key != 0 and idx_key < cur_len - n - m - 1 and toks[idx_key : idx_key + n] == key_tokens:
             match_pos = idx_key
         lo_old, hi_old = self.key_map_last_idx, self.size_last_begin - n - m - 1
         if match_pos == 0 and self.size_last_begin > n + m + 1:
@@ -161,15 +162,16 @@ class NgramMap:
 
         key_offset = self._find_key(key_tokens)
         if key_offset == len(self.keys):
-            self.keys.append(NgramMapKey(match_pos, values=[NgramMapValue(0, 0, m)
-                                                             for _ in range(COMMON_NGRAM_MAX_VALUES)]))
+            self.keys.append(
+                NgramMapKey(match_pos, values=[NgramMapValue(0, 0, m) for _ in range(COMMON_NGRAM_MAX_VALUES)])
+            )
             if self._key_of is not None:
                 self._key_of.setdefault(tuple(key_tokens), key_offset)
         key = self.keys[key_offset]
         key.key_num = min(key.key_num + 1, COMMON_NGRAM_MAX_VALUE_COUNT)
         if self.key_only:
             self.last_draft_created, self.last_draft_key_idx, self.last_draft_value_idx = True, key_offset, 0
-            return toks[match_pos + n:match_pos + n + max(0, min(m, key.values[0].n_accepted))]
+            return toks[match_pos + n : match_pos + n + max(0, min(m, key.values[0].n_accepted))]
         if key.key_num < self.min_hits:
             return []
         for i in hist.matches(key_tokens, key.stat_idx, match_pos):
@@ -182,7 +184,7 @@ class NgramMap:
         if sum_occur > 0 and max_occur < 2 * sum_occur:
             return []
         self.last_draft_created, self.last_draft_key_idx, self.last_draft_value_idx = True, key_offset, slot_max
-        return toks[match_pos + n:match_pos + n + max(0, min(m, key.values[slot_max].n_accepted))]
+        return toks[match_pos + n : match_pos + n + max(0, min(m, key.values[slot_max].n_accepted))]
 
     def accept(self, n_accepted: int) -> None:
         """``common_ngram_map_accept``: the last draft's value drafts at most ``n_accepted`` tokens from now on."""
@@ -194,7 +196,7 @@ class NgramMap:
         for v in key.values:
             if v.value_idx == 0:
                 v.value_idx, v.value_num, v.n_accepted = begin, 0, m
-            elif toks[begin:begin + m] != toks[v.value_idx:v.value_idx + m]:
+            elif toks[begin : begin + m] != toks[v.value_idx : v.value_idx + m]:
                 continue
             v.value_num = min(v.value_num + 1, COMMON_NGRAM_MAX_VALUE_COUNT)
             return
@@ -202,10 +204,11 @@ class NgramMap:
     def _find_key(self, key_tokens: list[int]) -> int:
         """The first key whose tokens (read at its ``key_idx`` in the history now) are ``key_tokens``."""
         if self._key_of is None:
-            toks, n, found = self.history.tokens, self.size_key, {}
+            toks, n = self.history.tokens, self.size_key
+            found: dict[tuple[int, ...], int] = {}
             for i, k in enumerate(self.keys):
                 if k.key_idx + n <= len(toks):
-                    found.setdefault(tuple(toks[k.key_idx:k.key_idx + n]), i)
+                    found.setdefault(tuple(toks[k.key_idx : k.key_idx + n]), i)
             self._key_of = found
         return self._key_of.get(tuple(key_tokens), len(self.keys))
 
@@ -214,7 +217,7 @@ class NgramMap:
         if hi <= lo:
             return
         km = self.key_map
-        idx = self.history.h[lo + 1:hi + 1] % COMMON_NGRAM_HASH_MAP_SIZE
+        idx = self.history.h[lo + 1 : hi + 1] % COMMON_NGRAM_HASH_MAP_SIZE
         if hi - lo <= 32:
             for j in range(hi, lo, -1):
                 e = int(idx[j - lo - 1])

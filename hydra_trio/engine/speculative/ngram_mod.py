@@ -118,7 +118,7 @@ class NgramModDrafter(Drafter):
         if sinfo.i_last + CHUNK < cur_len:
             mod.add_range(prompt, sinfo.i_last, cur_len - n)
             sinfo.i_last = cur_len - n
-        window = list(prompt[cur_len - n + 1:])
+        window = list(prompt[cur_len - n + 1 :])
         window.append(req.id_last)
         idx = mod.idx(window)
         out: list[int] = []

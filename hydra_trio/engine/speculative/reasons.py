@@ -13,15 +13,19 @@ nothing beyond them (:mod:`.mtp`, :mod:`.draft_model`).
 
 from __future__ import annotations
 
-_LAYER_INPUTS = ("llama-cpp-python 0.3.36 does not bind llama.cpp's layer-input extraction "
-                 "(llama_set_embeddings_layer_inp, llama_get_embeddings_layer_inp) nor "
-                 "llama_model_target_layer_ids, which feed the draft the target's hidden states")
+_LAYER_INPUTS = (
+    "llama-cpp-python 0.3.36 does not bind llama.cpp's layer-input extraction "
+    "(llama_set_embeddings_layer_inp, llama_get_embeddings_layer_inp) nor "
+    "llama_model_target_layer_ids, which feed the draft the target's hidden states"
+)
 
 DRAFT_EAGLE3 = f"--spec-type draft-eagle3 is not supported: {_LAYER_INPUTS} (EAGLE-3 reads three target layers)"
-DRAFT_DFLASH = (f"--spec-type draft-dflash is not supported: {_LAYER_INPUTS} "
-                "(DFlash's block draft is conditioned on them)")
-DRAFT_DSPARK = (f"--spec-type draft-dspark is not supported: {_LAYER_INPUTS} "
-                "(DSpark is DFlash's block draft with a Markov head)")
+DRAFT_DFLASH = (
+    f"--spec-type draft-dflash is not supported: {_LAYER_INPUTS} (DFlash's block draft is conditioned on them)"
+)
+DRAFT_DSPARK = (
+    f"--spec-type draft-dspark is not supported: {_LAYER_INPUTS} (DSpark is DFlash's block draft with a Markov head)"
+)
 
 UNSUPPORTED: dict[str, str] = {
     "draft-eagle3": DRAFT_EAGLE3,

@@ -18,16 +18,38 @@ from typing import Any
 
 import attrs
 
-SPEC_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "ngram-simple",
-              "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+SPEC_TYPES = (
+    "none",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
 """llama-server's ``--spec-type`` names, in its enum's order (``common_speculative_type``)."""
 OWN_SPEC_TYPES = ("suffix",)
 """hydra-trio's own types."""
 ALL_SPEC_TYPES = SPEC_TYPES + OWN_SPEC_TYPES
 DRAFT_MODEL_TYPES = ("draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
 """Types that need a draft context (a draft model or the model's MTP layers)."""
-PRIORITY = ("suffix", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "draft-simple",
-            "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
+PRIORITY = (
+    "suffix",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+)
 """The order drafters are asked in (``common_speculative_init``'s, with ``suffix`` first)."""
 
 KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
@@ -72,7 +94,7 @@ def stoi(text: str) -> int:
     """``std::stoi``: leading space, a sign and digits; what follows is ignored.  Raises ValueError:
     ``stoi`` (no digits, or outside int32)."""
     m = _INT.match(text)
-    if not m or not -2**31 <= int(m.group(1)) < 2**31:
+    if not m or not -(2**31) <= int(m.group(1)) < 2**31:
         raise ValueError("stoi")
     return int(m.group(1))
 
@@ -100,6 +122,7 @@ def _int_in(lo: int, hi: int | None, message: str) -> Callable[[str], int]:
         if v < lo or (hi is not None and v > hi):
             raise ValueError(message)
         return v
+
     return parse
 
 
@@ -148,6 +171,7 @@ def _float_in(lo: float, hi: float) -> Callable[[str], float]:
         if not (lo <= v <= hi) or math.isnan(v):
             raise ValueError(f"must be between {lo} and {hi}")
         return v
+
     return parse
 
 
@@ -223,9 +247,14 @@ class SpecSettings:
 
     def n_max(self) -> int:
         """The most tokens any enabled type drafts (``common_speculative_n_max``)."""
-        per_type = {"ngram-simple": self.ngram_simple_size_m, "ngram-map-k": self.ngram_map_k_size_m,
-                    "ngram-map-k4v": self.ngram_map_k4v_size_m, "ngram-mod": max(0, self.ngram_mod_n_max),
-                    "ngram-cache": 8, "suffix": max(0, self.suffix_n_max)}
+        per_type = {
+            "ngram-simple": self.ngram_simple_size_m,
+            "ngram-map-k": self.ngram_map_k_size_m,
+            "ngram-map-k4v": self.ngram_map_k4v_size_m,
+            "ngram-mod": max(0, self.ngram_mod_n_max),
+            "ngram-cache": 8,
+            "suffix": max(0, self.suffix_n_max),
+        }
         return max((per_type.get(t, max(0, self.draft_n_max)) for t in self.enabled), default=0)
 
 
@@ -267,12 +296,24 @@ def _o(names: tuple[str, ...], field: str | None, meaning: str, value: str | Non
 
 def _ngram(kind: str, field: str) -> list[SpecOption]:
     return [
-        _o((f"--spec-{kind}-size-n",), f"{field}_size_n", f"ngram size N for {kind} speculative decoding, length of "
-           "lookup n-gram", parse=_int_in(1, 1024, "ngram size N must be between 1 and 1024 inclusive")),
-        _o((f"--spec-{kind}-size-m",), f"{field}_size_m", f"ngram size M for {kind} speculative decoding, length of "
-           "draft m-gram", parse=_int_in(1, 1024, "ngram size M must be between 1 and 1024 inclusive")),
-        _o((f"--spec-{kind}-min-hits",), f"{field}_min_hits", f"minimum hits for {kind} speculative decoding",
-           parse=_uint16_at_least_1),
+        _o(
+            (f"--spec-{kind}-size-n",),
+            f"{field}_size_n",
+            f"ngram size N for {kind} speculative decoding, length of lookup n-gram",
+            parse=_int_in(1, 1024, "ngram size N must be between 1 and 1024 inclusive"),
+        ),
+        _o(
+            (f"--spec-{kind}-size-m",),
+            f"{field}_size_m",
+            f"ngram size M for {kind} speculative decoding, length of draft m-gram",
+            parse=_int_in(1, 1024, "ngram size M must be between 1 and 1024 inclusive"),
+        ),
+        _o(
+            (f"--spec-{kind}-min-hits",),
+            f"{field}_min_hits",
+            f"minimum hits for {kind} speculative decoding",
+            parse=_uint16_at_least_1,
+        ),
     ]
 
 
@@ -280,112 +321,340 @@ _PRIO = _int_in(0, 3, "invalid value")
 _BOOL01 = stoi
 
 SPEC_OPTIONS: tuple[SpecOption, ...] = (
-    _o(("-lcs", "--lookup-cache-static"), "lookup_cache_static", "path to static lookup cache to use for lookup "
-       "decoding (not updated by generation)", "FNAME"),
-    _o(("-lcd", "--lookup-cache-dynamic"), "lookup_cache_dynamic", "path to dynamic lookup cache to use for lookup "
-       "decoding (loaded at start; llama-server does not write it back)", "FNAME"),
-    _o(("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"), "draft_hf_repo", "Same as --hf-repo, but for the "
-       "draft model (default: unused)", "<user>/<model>[:quant]", env="LLAMA_ARG_SPEC_DRAFT_HF_REPO"),
-    _o(("--spec-draft-threads", "-td", "--threads-draft"), "draft_threads", "number of threads to use during "
-       "generation (default: same as --threads)", parse=_threads),
-    _o(("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft"), "draft_threads_batch", "number of threads "
-       "to use during batch and prompt processing (default: same as --threads-draft)", parse=_threads),
-    _o(("--spec-draft-cpu-mask", "-Cd", "--cpu-mask-draft"), "draft_cpu_mask", "Draft model CPU affinity mask. "
-       "Complements cpu-range-draft (default: same as --cpu-mask)", "M"),
-    _o(("--spec-draft-cpu-range", "-Crd", "--cpu-range-draft"), "draft_cpu_range", "Ranges of CPUs for affinity. "
-       "Complements --cpu-mask-draft", "lo-hi"),
-    _o(("--spec-draft-cpu-strict", "--cpu-strict-draft"), "draft_cpu_strict", "Use strict CPU placement for draft "
-       "model (default: same as --cpu-strict)", "<0|1>", parse=_BOOL01),
-    _o(("--spec-draft-prio", "--prio-draft"), "draft_prio", "set draft process/thread priority : 0-normal, "
-       "1-medium, 2-high, 3-realtime (default: 0)", parse=_PRIO),
-    _o(("--spec-draft-poll", "--poll-draft"), "draft_poll", "Use polling to wait for draft model work (default: "
-       "same as --poll)", "<0|1>", parse=_BOOL01),
-    _o(("--spec-draft-cpu-mask-batch", "-Cbd", "--cpu-mask-batch-draft"), "draft_cpu_mask_batch", "Draft model CPU "
-       "affinity mask. Complements cpu-range-draft (default: same as --cpu-mask)", "M"),
-    _o(("--spec-draft-cpu-strict-batch", "--cpu-strict-batch-draft"), "draft_cpu_strict_batch", "Use strict CPU "
-       "placement for draft model (default: --cpu-strict-draft)", "<0|1>", parse=_BOOL01),
-    _o(("--spec-draft-prio-batch", "--prio-batch-draft"), "draft_prio_batch", "set draft process/thread priority : "
-       "0-normal, 1-medium, 2-high, 3-realtime (default: 0)", parse=_PRIO),
-    _o(("--spec-draft-poll-batch", "--poll-batch-draft"), "draft_poll_batch", "Use polling to wait for draft model "
-       "work (default: --poll-draft)", "<0|1>", parse=_BOOL01),
-    _o(("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"), "draft_cache_type_k", "KV cache data type for K "
-       f"for the draft model (allowed values: {', '.join(KV_CACHE_TYPES)})", "TYPE",
-       env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K", parse=_cache_type),
-    _o(("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"), "draft_cache_type_v", "KV cache data type for V "
-       f"for the draft model (allowed values: {', '.join(KV_CACHE_TYPES)})", "TYPE",
-       env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V", parse=_cache_type),
-    _o(("--spec-draft-override-tensor", "-otd", "--override-tensor-draft"), "draft_override_tensor",
-       "override tensor buffer type for draft model", "<tensor name pattern>=<buffer type>,..."),
-    _o(("--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft"), "draft_cpu_moe", "keep all Mixture of Experts (MoE) "
-       "weights in the CPU for the draft model", None, env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE"),
-    _o(("--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft"), "draft_n_cpu_moe",
-       "keep the Mixture of Experts (MoE) weights of the first N layers in the CPU for the draft model",
-       env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE", parse=_int_in(0, None, "invalid value")),
-    _o(("--spec-draft-n-max",), "draft_n_max", "number of tokens to draft for speculative decoding",
-       env="LLAMA_ARG_SPEC_DRAFT_N_MAX", parse=_int_in(0, None, "invalid value")),
-    _o(("--spec-draft-n-min",), "draft_n_min", "minimum number of draft tokens to use for speculative decoding",
-       env="LLAMA_ARG_SPEC_DRAFT_N_MIN", parse=stoi),
-    _o(("--spec-synth-len",), "synth_len", "target mean synthetic acceptance length, including the target token "
-       "(benchmarking only)", "L", env="LLAMA_ARG_SPEC_SYNTH_LEN", parse=_synth_len),
-    _o(("--spec-synth-rates",), "synth_rates", "comma-separated unconditional per-position synthetic acceptance "
-       "probabilities (benchmarking only)", "P0,P1,...", env="LLAMA_ARG_SPEC_SYNTH_RATES", parse=_synth_rates),
-    _o(("--spec-draft-p-split", "--draft-p-split"), "draft_p_split", "speculative decoding split probability", "P",
-       env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT", parse=stof),
-    _o(("--spec-draft-p-min", "--draft-p-min"), "draft_p_min", "minimum speculative decoding probability (greedy)",
-       "P", env="LLAMA_ARG_SPEC_DRAFT_P_MIN", parse=stof),
-    _o(("--spec-draft-backend-sampling",), "draft_backend_sampling", "offload draft sampling to the backend", None,
-       env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING", neg=("--no-spec-draft-backend-sampling",)),
-    _o(("--spec-draft-device", "-devd", "--device-draft"), "draft_devices", "comma-separated list of devices to "
-       "use for offloading the draft model (none = don't offload, default: follows --device)", "<dev1,dev2,..>"),
-    _o(("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"), "draft_n_gpu_layers",
-       "max. number of draft model layers to store in VRAM, either an exact number, 'auto', or 'all'",
-       env="LLAMA_ARG_N_GPU_LAYERS_DRAFT", parse=_gpu_layers),
-    _o(("--spec-draft-model", "-md", "--model-draft"), "draft_model", "draft model for speculative decoding "
-       "(default: unused)", "FNAME", env="LLAMA_ARG_SPEC_DRAFT_MODEL"),
-    _o(("--spec-type",), "types", "comma-separated list of types of speculative decoding to use; repeatable, each "
-       "adds to the list", all_types_str(), env="LLAMA_ARG_SPEC_TYPE", parse=parse_spec_type),
-    _o(("--spec-ngram-mod-n-min",), "ngram_mod_n_min", "minimum number of ngram tokens to use for ngram-based "
-       "speculative decoding", parse=_int_in(0, 1024, "ngram n-min must be between 0 and 1024 inclusive")),
-    _o(("--spec-ngram-mod-n-max",), "ngram_mod_n_max", "maximum number of ngram tokens to use for ngram-based "
-       "speculative decoding", parse=_int_in(0, 1024, "ngram n-max must be between 0 and 1024 inclusive")),
-    _o(("--spec-ngram-mod-n-match",), "ngram_mod_n_match", "ngram-mod lookup length",
-       parse=_int_in(1, 1024, "ngram size N must be between 1 and 1024 inclusive")),
+    _o(
+        ("-lcs", "--lookup-cache-static"),
+        "lookup_cache_static",
+        "path to static lookup cache to use for lookup decoding (not updated by generation)",
+        "FNAME",
+    ),
+    _o(
+        ("-lcd", "--lookup-cache-dynamic"),
+        "lookup_cache_dynamic",
+        "path to dynamic lookup cache to use for lookup "
+        "decoding (loaded at start; llama-server does not write it back)",
+        "FNAME",
+    ),
+    _o(
+        ("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"),
+        "draft_hf_repo",
+        "Same as --hf-repo, but for the draft model (default: unused)",
+        "<user>/<model>[:quant]",
+        env="LLAMA_ARG_SPEC_DRAFT_HF_REPO",
+    ),
+    _o(
+        ("--spec-draft-threads", "-td", "--threads-draft"),
+        "draft_threads",
+        "number of threads to use during generation (default: same as --threads)",
+        parse=_threads,
+    ),
+    _o(
+        ("--spec-draft-threads-batch", "-tbd", "--threads-batch-draft"),
+        "draft_threads_batch",
+        "number of threads to use during batch and prompt processing (default: same as --threads-draft)",
+        parse=_threads,
+    ),
+    _o(
+        ("--spec-draft-cpu-mask", "-Cd", "--cpu-mask-draft"),
+        "draft_cpu_mask",
+        "Draft model CPU affinity mask. Complements cpu-range-draft (default: same as --cpu-mask)",
+        "M",
+    ),
+    _o(
+        ("--spec-draft-cpu-range", "-Crd", "--cpu-range-draft"),
+        "draft_cpu_range",
+        "Ranges of CPUs for affinity. Complements --cpu-mask-draft",
+        "lo-hi",
+    ),
+    _o(
+        ("--spec-draft-cpu-strict", "--cpu-strict-draft"),
+        "draft_cpu_strict",
+        "Use strict CPU placement for draft model (default: same as --cpu-strict)",
+        "<0|1>",
+        parse=_BOOL01,
+    ),
+    _o(
+        ("--spec-draft-prio", "--prio-draft"),
+        "draft_prio",
+        "set draft process/thread priority : 0-normal, 1-medium, 2-high, 3-realtime (default: 0)",
+        parse=_PRIO,
+    ),
+    _o(
+        ("--spec-draft-poll", "--poll-draft"),
+        "draft_poll",
+        "Use polling to wait for draft model work (default: same as --poll)",
+        "<0|1>",
+        parse=_BOOL01,
+    ),
+    _o(
+        ("--spec-draft-cpu-mask-batch", "-Cbd", "--cpu-mask-batch-draft"),
+        "draft_cpu_mask_batch",
+        "Draft model CPU affinity mask. Complements cpu-range-draft (default: same as --cpu-mask)",
+        "M",
+    ),
+    _o(
+        ("--spec-draft-cpu-strict-batch", "--cpu-strict-batch-draft"),
+        "draft_cpu_strict_batch",
+        "Use strict CPU placement for draft model (default: --cpu-strict-draft)",
+        "<0|1>",
+        parse=_BOOL01,
+    ),
+    _o(
+        ("--spec-draft-prio-batch", "--prio-batch-draft"),
+        "draft_prio_batch",
+        "set draft process/thread priority : 0-normal, 1-medium, 2-high, 3-realtime (default: 0)",
+        parse=_PRIO,
+    ),
+    _o(
+        ("--spec-draft-poll-batch", "--poll-batch-draft"),
+        "draft_poll_batch",
+        "Use polling to wait for draft model work (default: --poll-draft)",
+        "<0|1>",
+        parse=_BOOL01,
+    ),
+    _o(
+        ("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft"),
+        "draft_cache_type_k",
+        f"KV cache data type for K for the draft model (allowed values: {', '.join(KV_CACHE_TYPES)})",
+        "TYPE",
+        env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
+        parse=_cache_type,
+    ),
+    _o(
+        ("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft"),
+        "draft_cache_type_v",
+        f"KV cache data type for V for the draft model (allowed values: {', '.join(KV_CACHE_TYPES)})",
+        "TYPE",
+        env="LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",
+        parse=_cache_type,
+    ),
+    _o(
+        ("--spec-draft-override-tensor", "-otd", "--override-tensor-draft"),
+        "draft_override_tensor",
+        "override tensor buffer type for draft model",
+        "<tensor name pattern>=<buffer type>,...",
+    ),
+    _o(
+        ("--spec-draft-cpu-moe", "-cmoed", "--cpu-moe-draft"),
+        "draft_cpu_moe",
+        "keep all Mixture of Experts (MoE) weights in the CPU for the draft model",
+        None,
+        env="LLAMA_ARG_SPEC_DRAFT_CPU_MOE",
+    ),
+    _o(
+        ("--spec-draft-n-cpu-moe", "--spec-draft-ncmoe", "-ncmoed", "--n-cpu-moe-draft"),
+        "draft_n_cpu_moe",
+        "keep the Mixture of Experts (MoE) weights of the first N layers in the CPU for the draft model",
+        env="LLAMA_ARG_SPEC_DRAFT_N_CPU_MOE",
+        parse=_int_in(0, None, "invalid value"),
+    ),
+    _o(
+        ("--spec-draft-n-max",),
+        "draft_n_max",
+        "number of tokens to draft for speculative decoding",
+        env="LLAMA_ARG_SPEC_DRAFT_N_MAX",
+        parse=_int_in(0, None, "invalid value"),
+    ),
+    _o(
+        ("--spec-draft-n-min",),
+        "draft_n_min",
+        "minimum number of draft tokens to use for speculative decoding",
+        env="LLAMA_ARG_SPEC_DRAFT_N_MIN",
+        parse=stoi,
+    ),
+    _o(
+        ("--spec-synth-len",),
+        "synth_len",
+        "target mean synthetic acceptance length, including the target token (benchmarking only)",
+        "L",
+        env="LLAMA_ARG_SPEC_SYNTH_LEN",
+        parse=_synth_len,
+    ),
+    _o(
+        ("--spec-synth-rates",),
+        "synth_rates",
+        "comma-separated unconditional per-position synthetic acceptance probabilities (benchmarking only)",
+        "P0,P1,...",
+        env="LLAMA_ARG_SPEC_SYNTH_RATES",
+        parse=_synth_rates,
+    ),
+    _o(
+        ("--spec-draft-p-split", "--draft-p-split"),
+        "draft_p_split",
+        "speculative decoding split probability",
+        "P",
+        env="LLAMA_ARG_SPEC_DRAFT_P_SPLIT",
+        parse=stof,
+    ),
+    _o(
+        ("--spec-draft-p-min", "--draft-p-min"),
+        "draft_p_min",
+        "minimum speculative decoding probability (greedy)",
+        "P",
+        env="LLAMA_ARG_SPEC_DRAFT_P_MIN",
+        parse=stof,
+    ),
+    _o(
+        ("--spec-draft-backend-sampling",),
+        "draft_backend_sampling",
+        "offload draft sampling to the backend",
+        None,
+        env="LLAMA_ARG_SPEC_DRAFT_BACKEND_SAMPLING",
+        neg=("--no-spec-draft-backend-sampling",),
+    ),
+    _o(
+        ("--spec-draft-device", "-devd", "--device-draft"),
+        "draft_devices",
+        "comma-separated list of devices to "
+        "use for offloading the draft model (none = don't offload, default: follows --device)",
+        "<dev1,dev2,..>",
+    ),
+    _o(
+        ("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft"),
+        "draft_n_gpu_layers",
+        "max. number of draft model layers to store in VRAM, either an exact number, 'auto', or 'all'",
+        env="LLAMA_ARG_N_GPU_LAYERS_DRAFT",
+        parse=_gpu_layers,
+    ),
+    _o(
+        ("--spec-draft-model", "-md", "--model-draft"),
+        "draft_model",
+        "draft model for speculative decoding (default: unused)",
+        "FNAME",
+        env="LLAMA_ARG_SPEC_DRAFT_MODEL",
+    ),
+    _o(
+        ("--spec-type",),
+        "types",
+        "comma-separated list of types of speculative decoding to use; repeatable, each adds to the list",
+        all_types_str(),
+        env="LLAMA_ARG_SPEC_TYPE",
+        parse=parse_spec_type,
+    ),
+    _o(
+        ("--spec-ngram-mod-n-min",),
+        "ngram_mod_n_min",
+        "minimum number of ngram tokens to use for ngram-based speculative decoding",
+        parse=_int_in(0, 1024, "ngram n-min must be between 0 and 1024 inclusive"),
+    ),
+    _o(
+        ("--spec-ngram-mod-n-max",),
+        "ngram_mod_n_max",
+        "maximum number of ngram tokens to use for ngram-based speculative decoding",
+        parse=_int_in(0, 1024, "ngram n-max must be between 0 and 1024 inclusive"),
+    ),
+    _o(
+        ("--spec-ngram-mod-n-match",),
+        "ngram_mod_n_match",
+        "ngram-mod lookup length",
+        parse=_int_in(1, 1024, "ngram size N must be between 1 and 1024 inclusive"),
+    ),
     *_ngram("ngram-simple", "ngram_simple"),
     *_ngram("ngram-map-k", "ngram_map_k"),
     *_ngram("ngram-map-k4v", "ngram_map_k4v"),
-    _o(("--draft", "--draft-n", "--draft-max"), None, "the argument has been removed. use --spec-draft-n-max or "
-       "--spec-ngram-mod-n-max", env="LLAMA_ARG_DRAFT_MAX", removed="use --spec-draft-n-max or --spec-ngram-mod-n-max"),
-    _o(("--draft-min", "--draft-n-min"), None, "the argument has been removed. use --spec-draft-n-min or "
-       "--spec-ngram-mod-n-min", env="LLAMA_ARG_DRAFT_MIN", removed="use --spec-draft-n-min or --spec-ngram-mod-n-min"),
-    _o(("--spec-ngram-size-n",), None, "the argument has been removed. use the respective --spec-ngram-*-size-n or "
-       "--spec-ngram-mod-n-match", removed="use the respective --spec-ngram-*-size-n"),
-    _o(("--spec-ngram-size-m",), None, "the argument has been removed. use the respective --spec-ngram-*-size-m",
-       removed="use the respective --spec-ngram-*-size-m"),
-    _o(("--spec-ngram-min-hits",), None, "the argument has been removed. use the respective "
-       "--spec-ngram-*-min-hits", removed="use the respective --spec-ngram-*-min-hits"),
-    _o(("--spec-default",), None, "enable default speculative decoding config (ngram-mod, n-match 24, n-min 48, "
-       "n-max 64)", None),
+    _o(
+        ("--draft", "--draft-n", "--draft-max"),
+        None,
+        "the argument has been removed. use --spec-draft-n-max or --spec-ngram-mod-n-max",
+        env="LLAMA_ARG_DRAFT_MAX",
+        removed="use --spec-draft-n-max or --spec-ngram-mod-n-max",
+    ),
+    _o(
+        ("--draft-min", "--draft-n-min"),
+        None,
+        "the argument has been removed. use --spec-draft-n-min or --spec-ngram-mod-n-min",
+        env="LLAMA_ARG_DRAFT_MIN",
+        removed="use --spec-draft-n-min or --spec-ngram-mod-n-min",
+    ),
+    _o(
+        ("--spec-ngram-size-n",),
+        None,
+        "the argument has been removed. use the respective --spec-ngram-*-size-n or --spec-ngram-mod-n-match",
+        removed="use the respective --spec-ngram-*-size-n",
+    ),
+    _o(
+        ("--spec-ngram-size-m",),
+        None,
+        "the argument has been removed. use the respective --spec-ngram-*-size-m",
+        removed="use the respective --spec-ngram-*-size-m",
+    ),
+    _o(
+        ("--spec-ngram-min-hits",),
+        None,
+        "the argument has been removed. use the respective --spec-ngram-*-min-hits",
+        removed="use the respective --spec-ngram-*-min-hits",
+    ),
+    _o(
+        ("--spec-default",),
+        None,
+        "enable default speculative decoding config (ngram-mod, n-match 24, n-min 48, n-max 64)",
+        None,
+    ),
     # hydra-trio's own: the suffix type
-    _o(("--spec-suffix-n-max",), "suffix_n_max", "suffix: most tokens drafted at a step", own=True,
-       parse=_int_in(0, 1024, "suffix n-max must be between 0 and 1024 inclusive")),
-    _o(("--spec-suffix-max-depth",), "suffix_max_depth", "suffix: longest context suffix matched (tokens)", own=True,
-       parse=_int_in(1, 1024, "suffix max depth must be between 1 and 1024 inclusive")),
-    _o(("--spec-suffix-min-match",), "suffix_min_match", "suffix: shortest match that drafts (tokens)", own=True,
-       parse=_int_in(1, 64, "suffix min match must be between 1 and 64 inclusive")),
-    _o(("--spec-suffix-max-spec-factor",), "suffix_max_spec_factor", "suffix: a draft is at most FACTOR x the match "
-       "length + OFFSET tokens", "FACTOR", own=True, parse=_float_in(0.0, 1024.0)),
-    _o(("--spec-suffix-max-spec-offset",), "suffix_max_spec_offset", "suffix: see --spec-suffix-max-spec-factor",
-       "OFFSET", own=True, parse=_float_in(-1024.0, 1024.0)),
-    _o(("--spec-suffix-min-token-prob",), "suffix_min_token_prob", "suffix: a drafted token's estimated acceptance "
-       "probability (match counts and the slot's observed acceptance) must reach P", "P", own=True,
-       parse=_float_in(0.0, 1.0)),
-    _o(("--spec-suffix-cache-tokens",), "suffix_cache_tokens", "suffix: tokens of finished requests kept for "
-       "matching (least recently used requests evicted first; 0: only the request's own)", own=True,
-       parse=_int_in(0, 2**31 - 1, "suffix cache tokens must be between 0 and 2147483647 inclusive")),
-    _o(("--spec-budget-row-cost",), "budget_row_cost", "every type: what one more verified row costs over a decode "
-       "step; drafts are cut to the length that yields the most tokens per cost for the slot's observed "
-       "acceptance (0: verify every draft whole, as llama-server; auto: 0.35 when the model runs on the CPU, "
-       "else 0)", "R|auto", own=True, parse=_row_cost),
+    _o(
+        ("--spec-suffix-n-max",),
+        "suffix_n_max",
+        "suffix: most tokens drafted at a step",
+        own=True,
+        parse=_int_in(0, 1024, "suffix n-max must be between 0 and 1024 inclusive"),
+    ),
+    _o(
+        ("--spec-suffix-max-depth",),
+        "suffix_max_depth",
+        "suffix: longest context suffix matched (tokens)",
+        own=True,
+        parse=_int_in(1, 1024, "suffix max depth must be between 1 and 1024 inclusive"),
+    ),
+    _o(
+        ("--spec-suffix-min-match",),
+        "suffix_min_match",
+        "suffix: shortest match that drafts (tokens)",
+        own=True,
+        parse=_int_in(1, 64, "suffix min match must be between 1 and 64 inclusive"),
+    ),
+    _o(
+        ("--spec-suffix-max-spec-factor",),
+        "suffix_max_spec_factor",
+        "suffix: a draft is at most FACTOR x the match length + OFFSET tokens",
+        "FACTOR",
+        own=True,
+        parse=_float_in(0.0, 1024.0),
+    ),
+    _o(
+        ("--spec-suffix-max-spec-offset",),
+        "suffix_max_spec_offset",
+        "suffix: see --spec-suffix-max-spec-factor",
+        "OFFSET",
+        own=True,
+        parse=_float_in(-1024.0, 1024.0),
+    ),
+    _o(
+        ("--spec-suffix-min-token-prob",),
+        "suffix_min_token_prob",
+        "suffix: a drafted token's estimated acceptance "
+        "probability (match counts and the slot's observed acceptance) must reach P",
+        "P",
+        own=True,
+        parse=_float_in(0.0, 1.0),
+    ),
+    _o(
+        ("--spec-suffix-cache-tokens",),
+        "suffix_cache_tokens",
+        "suffix: tokens of finished requests kept for "
+        "matching (least recently used requests evicted first; 0: only the request's own)",
+        own=True,
+        parse=_int_in(0, 2**31 - 1, "suffix cache tokens must be between 0 and 2147483647 inclusive"),
+    ),
+    _o(
+        ("--spec-budget-row-cost",),
+        "budget_row_cost",
+        "every type: what one more verified row costs over a decode "
+        "step; drafts are cut to the length that yields the most tokens per cost for the slot's observed "
+        "acceptance (0: verify every draft whole, as llama-server; auto: 0.35 when the model runs on the CPU, "
+        "else 0)",
+        "R|auto",
+        own=True,
+        parse=_row_cost,
+    ),
 )
 """Every speculative-decoding option of llama-server's (``common/arg.cpp``) and hydra-trio's ``suffix`` ones."""
 
@@ -417,15 +686,22 @@ def apply_option(settings: SpecSettings, name: str, text: str | None = None) -> 
         if text is not None:
             raise ValueError(f"{name} takes no value")
         if opt.field is None:  # --spec-default
-            return attrs.evolve(settings, types=settings.types + ("ngram-mod",), ngram_mod_n_match=24,
-                                ngram_mod_n_min=48, ngram_mod_n_max=64)
-        return attrs.evolve(settings, **{opt.field: name not in opt.neg})
+            return attrs.evolve(
+                settings,
+                types=settings.types + ("ngram-mod",),
+                ngram_mod_n_match=24,
+                ngram_mod_n_min=48,
+                ngram_mod_n_max=64,
+            )
+        flag: dict[str, Any] = {opt.field: name not in opt.neg}
+        return attrs.evolve(settings, **flag)
     if text is None:
         raise ValueError(f"{name} expects a value")
     assert opt.field is not None
-    value = opt.parse(text) if opt.parse else text
+    value: Any = opt.parse(text) if opt.parse else text
     if opt.field == "types":
         value = settings.types + value
     elif opt.field == "draft_override_tensor":
         value = settings.draft_override_tensor + (text,)
-    return attrs.evolve(settings, **{opt.field: value})
+    changes: dict[str, Any] = {opt.field: value}
+    return attrs.evolve(settings, **changes)

@@ -50,11 +50,11 @@ def gram_hashes(tokens: Sequence[int], k: int, lo: int, hi: int) -> list[int]:
     """The 64-bit hash of ``tokens[e-k:e]`` for each end position ``e`` in ``[lo, hi)`` (numpy)."""
     if hi <= lo:
         return []
-    arr = np.asarray(tokens[lo - k:hi], dtype=np.uint64)
+    arr = np.asarray(tokens[lo - k : hi], dtype=np.uint64)
     h = np.zeros(hi - lo, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for i in range(k):
-            h = h * np.uint64(_HASH_MULT) + arr[i:i + hi - lo]
+            h = h * np.uint64(_HASH_MULT) + arr[i : i + hi - lo]
     return h.tolist()
 
 
@@ -91,19 +91,19 @@ class SuffixCorpus:
         """Take in a finished request's tokens; evict least-recently-used sequences beyond the budget.
         A sequence that starts with a held one (the next turn of a conversation) extends it in place; one
         that a held sequence starts with only marks that one used."""
-        toks = list(tokens[-self.budget:]) if self.budget > 0 else []
+        toks = list(tokens[-self.budget :]) if self.budget > 0 else []
         if len(toks) <= self.k:
             return
         for sid in list(itertools.islice(reversed(self.sequences), 8)):
             old = self.sequences[sid]
-            if len(old) <= len(toks) and toks[:len(old)] == old:
+            if len(old) <= len(toks) and toks[: len(old)] == old:
                 n0 = len(old)
                 old.extend(toks[n0:])
                 self._index(sid, old, n0)
                 self.n_tokens += len(old) - n0
                 self.sequences.move_to_end(sid)
                 break
-            if len(old) > len(toks) and old[:len(toks)] == toks:
+            if len(old) > len(toks) and old[: len(toks)] == toks:
                 self.sequences.move_to_end(sid)
                 return
         else:
@@ -134,7 +134,7 @@ class SuffixCorpus:
                 dead = True
                 continue
             e = code & _POS_MASK
-            if len(out) < limit and toks[e - k:e] == gram:
+            if len(out) < limit and toks[e - k : e] == gram:
                 out.append((toks, e))
                 seqs.move_to_end(code >> _POS_BITS)
         if dead:
@@ -206,9 +206,17 @@ class SuffixDrafter(Drafter):
 
     name = "suffix"
 
-    def __init__(self, n_seq: int, n_max: int = 64, max_depth: int = 64, min_match: int = 3,
-                 max_spec_factor: float = 1.0, max_spec_offset: float = 0.0, min_token_prob: float = 0.1,
-                 cache_tokens: int = 262144) -> None:
+    def __init__(
+        self,
+        n_seq: int,
+        n_max: int = 64,
+        max_depth: int = 64,
+        min_match: int = 3,
+        max_spec_factor: float = 1.0,
+        max_spec_offset: float = 0.0,
+        min_token_prob: float = 0.1,
+        cache_tokens: int = 262144,
+    ) -> None:
         super().__init__(n_seq, n_max)
         self.max_depth, self.k = max(max_depth, min_match), min_match
         self.max_spec_factor, self.max_spec_offset = max_spec_factor, max_spec_offset
@@ -290,6 +298,7 @@ class SuffixDrafter(Drafter):
             x = toks[p] if p < n_tok else id_last
             nxt = []
             for src, e in cands:
+                t: int | None
                 if src is None:
                     t = toks[e] if e < n_tok else id_last
                 else:
@@ -308,7 +317,7 @@ class SuffixDrafter(Drafter):
         k, depth = self.k, self.max_depth
         hist = st.history
         n_tok = len(hist.tokens)
-        tail = hist.tokens[max(0, n_tok - depth + 1):]
+        tail = hist.tokens[max(0, n_tok - depth + 1) :]
         tail.append(id_last)
         gram = tail[-k:]
         found: list[tuple[list[int] | None, int, int]] = []
@@ -332,12 +341,12 @@ class SuffixDrafter(Drafter):
             if seq[e - n - 1] != tail[-n - 1]:
                 return n
             n += 1
-        if n >= cap or seq[e - cap:e] == tail[-cap:]:
+        if n >= cap or seq[e - cap : e] == tail[-cap:]:
             return cap
         lo, hi = n, cap  # seq matches lo tokens, not hi
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if seq[e - mid:e] == tail[-mid:]:
+            if seq[e - mid : e] == tail[-mid:]:
                 lo = mid
             else:
                 hi = mid

@@ -53,8 +53,11 @@ from typing import Any
 
 from . import _tensor
 from ._connection import GgmlRpcConnection
-from ._events import CHECKS, GgmlRpcError, InvalidReply, InvalidRpcRequest
 from ._events import (
+    CHECKS,
+    GgmlRpcError,
+    InvalidReply,
+    InvalidRpcRequest,
     ReplyData,
     ReplyEnd,
     ReplyHeader,
@@ -64,13 +67,42 @@ from ._events import (
     RpcReplyEvent,
     RpcRequestEvent,
 )
-from ._tensor import RpcTensor, live_type_table, reconcile_type_traits, tensor_nbytes, type_traits
-from ._tensor import encode_graph_compute, encode_set_tensor
-from ._wire import GGML_MAX_DIMS, GGML_MAX_NAME, GGML_MAX_OP_PARAMS, GGML_MAX_SRC, GGML_OP_COUNT, GGML_OP_NONE
-from ._wire import GGML_TYPE_COUNT, MAX_GRAPH_DEPTH, REMOVED_TYPES, VIEW_OPS
-from ._wire import GRAPH_HEAD_SIZE, HEADER_SIZE, REPLY_HEADER_SIZE, RPC_TENSOR_SIZE, SET_TENSOR_HEAD_SIZE
-from ._wire import HELLO_REPLY_SIZE, HELLO_REQUEST_SIZE, RPC_CONN_CAPS_SIZE, RPC_PROTO_MAJOR_VERSION
-from ._wire import REPLY_SIZES, REQUEST_SIZES, RpcCmd, encode_reply, encode_request, hello_request
+from ._tensor import (
+    RpcTensor,
+    encode_graph_compute,
+    encode_set_tensor,
+    live_type_table,
+    reconcile_type_traits,
+    tensor_nbytes,
+    type_traits,
+)
+from ._wire import (
+    GGML_MAX_DIMS,
+    GGML_MAX_NAME,
+    GGML_MAX_OP_PARAMS,
+    GGML_MAX_SRC,
+    GGML_OP_COUNT,
+    GGML_OP_NONE,
+    GGML_TYPE_COUNT,
+    GRAPH_HEAD_SIZE,
+    HEADER_SIZE,
+    HELLO_REPLY_SIZE,
+    HELLO_REQUEST_SIZE,
+    MAX_GRAPH_DEPTH,
+    REMOVED_TYPES,
+    REPLY_HEADER_SIZE,
+    REPLY_SIZES,
+    REQUEST_SIZES,
+    RPC_CONN_CAPS_SIZE,
+    RPC_PROTO_MAJOR_VERSION,
+    RPC_TENSOR_SIZE,
+    SET_TENSOR_HEAD_SIZE,
+    VIEW_OPS,
+    RpcCmd,
+    encode_reply,
+    encode_request,
+    hello_request,
+)
 
 
 def __getattr__(name: str) -> Any:

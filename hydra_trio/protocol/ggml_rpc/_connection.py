@@ -5,9 +5,9 @@ from __future__ import annotations
 from functools import cached_property
 
 from ._events import GgmlRpcError, RpcReplyEvent, RpcRequestEvent
+from ._framing import Direction, EventT
 from ._replies import ReplyTracker
 from ._requests import RequestFramer
-from ._framing import Direction, EventT
 from ._state import ConnectionState
 
 
@@ -124,8 +124,11 @@ class GgmlRpcConnection(ConnectionState):
         return self._replies.low_water(cap)
 
     # ------------------------------------------------------------ both
-    def _pass(self, direction: RequestFramer | ReplyTracker, data: bytes | bytearray | memoryview,
-              ) -> list[bytes | memoryview]:
+    def _pass(
+        self,
+        direction: RequestFramer | ReplyTracker,
+        data: bytes | bytearray | memoryview,
+    ) -> list[bytes | memoryview]:
         if self._error is not None:
             raise self._error
         try:

@@ -115,12 +115,12 @@ class Direction(Generic[EventT]):
                 out.append(buf[run:pos])
                 run = -1
             if changed is not NOT_HERE:  # a whole head, passed on changed
-                out.append(changed)  # type: ignore[arg-type]
+                out.append(changed)  # type: ignore[arg-type]  # neither None nor NOT_HERE: bytes
                 continue
             ev = self._next_head()
             if ev is None:
                 break
-            out.append(ev.data)  # type: ignore[attr-defined]
+            out.append(ev.data)  # type: ignore[attr-defined]  # each direction's head events carry data
             self.end = None
         if run >= 0:
             out.append(buf[run : self.pos])

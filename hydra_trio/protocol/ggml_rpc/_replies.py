@@ -81,6 +81,7 @@ class ReplyTracker(Direction[RpcReplyEvent]):
         expected (InvalidReply if not)."""
         buf, pos = self.buf, self.pos
         pending = self.state.pending
+        cur: Pending | None
         if self.cur is None and not self.head and len(buf) - pos >= REPLY_HEADER_SIZE and pending:
             cur = pending[0]  # at a reply boundary, a small reply all here: parse it in place
             size = U64.unpack_from(buf, pos)[0]
@@ -128,8 +129,10 @@ class ReplyTracker(Direction[RpcReplyEvent]):
         state = self.state
         if cur.cmd is RpcCmd.HELLO:
             if p[0] != RPC_PROTO_MAJOR_VERSION:
-                raise InvalidReply(f"the server speaks ggml-RPC {p[0]}.{p[1]}.{p[2]}, this front door "
-                                   f"validates {RPC_PROTO_MAJOR_VERSION}.x")
+                raise InvalidReply(
+                    f"the server speaks ggml-RPC {p[0]}.{p[1]}.{p[2]}, this front door "
+                    f"validates {RPC_PROTO_MAJOR_VERSION}.x"
+                )
             if state.mask_caps:
                 data = data[: REPLY_HEADER_SIZE + 4] + bytes(RPC_CONN_CAPS_SIZE)
         elif cur.cmd is RpcCmd.ALLOC_BUFFER:

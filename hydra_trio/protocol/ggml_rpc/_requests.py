@@ -33,8 +33,17 @@ _SET_TENSOR = int(RpcCmd.SET_TENSOR)
 _COMPUTES = frozenset({int(RpcCmd.GRAPH_COMPUTE), int(RpcCmd.GRAPH_RECOMPUTE)})
 _ASKED_AT = HEADER_SIZE + RPC_TENSOR_SIZE + 8  # GET_TENSOR: where the size it asks for is
 
-CACHEABLE = frozenset({RpcCmd.SET_TENSOR, RpcCmd.GET_TENSOR, RpcCmd.GRAPH_COMPUTE, RpcCmd.COPY_TENSOR,
-                       RpcCmd.INIT_TENSOR, RpcCmd.GET_ALLOC_SIZE, RpcCmd.MEMSET_TENSOR})
+CACHEABLE = frozenset(
+    {
+        RpcCmd.SET_TENSOR,
+        RpcCmd.GET_TENSOR,
+        RpcCmd.GRAPH_COMPUTE,
+        RpcCmd.COPY_TENSOR,
+        RpcCmd.INIT_TENSOR,
+        RpcCmd.GET_ALLOC_SIZE,
+        RpcCmd.MEMSET_TENSOR,
+    }
+)
 """Commands whose checks depend only on the head, the limits and the buffers, and change nothing:
 a head that passed once passes again while the buffers stay as they were
 (:meth:`~._state.ConnectionState.passed_before`).  Not SET_TENSOR_HASH (it reads the

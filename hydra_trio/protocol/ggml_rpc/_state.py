@@ -21,7 +21,6 @@ from ._tensor import RpcTensor, check_tensor
 from ._tensor import type_traits as _default_traits
 from ._wire import CMDS, RpcCmd
 
-
 _ALLOC = RpcCmd.ALLOC_BUFFER
 CHECKED_BYTES = 4 << 20
 """Most bytes of validated heads one connection remembers (:meth:`ConnectionState.remember`); then it starts over."""
@@ -144,17 +143,24 @@ class ConnectionState:
             buf = self.buffers.get(t.buffer)
             if buf is None:
                 if any(p.cmd is RpcCmd.ALLOC_BUFFER for p in self.pending):
-                    raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} named before "
-                                         "its ALLOC_BUFFER was answered", cmd)
+                    raise InvalidRpcRequest(
+                        "tensor_bounds",
+                        f"tensor {t.id:#x}: buffer {t.buffer:#x} named before its ALLOC_BUFFER was answered",
+                        cmd,
+                    )
                 # not this server's buffer: deserialize_tensor treats it as none
             else:
                 base = 0 if buf.size == 0 else buf.base  # ggml_backend_buffer_get_base: NULL when size 0
                 if base is None:
-                    raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} used "
-                                         "before BUFFER_GET_BASE", cmd)
+                    raise InvalidRpcRequest(
+                        "tensor_bounds", f"tensor {t.id:#x}: buffer {t.buffer:#x} used before BUFFER_GET_BASE", cmd
+                    )
                 if t.data < base or t.data + nbytes > base + buf.size:
-                    raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: data [{t.data:#x}, +{nbytes}) "
-                                         f"outside buffer [{base:#x}, +{buf.size})", cmd)
+                    raise InvalidRpcRequest(
+                        "tensor_bounds",
+                        f"tensor {t.id:#x}: data [{t.data:#x}, +{nbytes}) outside buffer [{base:#x}, +{buf.size})",
+                        cmd,
+                    )
         return nbytes
 
     def need_buffer(self, cmd: RpcCmd, t: RpcTensor) -> None:
@@ -170,6 +176,7 @@ class ConnectionState:
         nbytes = self.check_tensor(cmd, t, allow_empty=False)
         self.need_buffer(cmd, t)
         if offset + size > nbytes:
-            raise InvalidRpcRequest("tensor_region", f"tensor {t.id:#x}: [{offset}, +{size}) outside its "
-                                 f"{nbytes} bytes", cmd)
+            raise InvalidRpcRequest(
+                "tensor_region", f"tensor {t.id:#x}: [{offset}, +{size}) outside its {nbytes} bytes", cmd
+            )
         return nbytes

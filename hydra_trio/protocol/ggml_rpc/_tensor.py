@@ -131,15 +131,39 @@ class RpcTensor:
         """Read one tensor at ``offset`` (``struct.error`` if fewer than 296 bytes remain)."""
         v = TENSOR_STRUCT.unpack_from(buf, offset)
         return cls(
-            id=v[0], type=v[1], buffer=v[2], ne=v[3:7], nb=v[7:11], op=v[11], op_params=v[12:28], flags=v[28],
-            src=v[29:39], view_src=v[39], view_offs=v[40], data=v[41], name=v[42].rstrip(b"\0"), use_count=v[43],
+            id=v[0],
+            type=v[1],
+            buffer=v[2],
+            ne=v[3:7],
+            nb=v[7:11],
+            op=v[11],
+            op_params=v[12:28],
+            flags=v[28],
+            src=v[29:39],
+            view_src=v[39],
+            view_offs=v[40],
+            data=v[41],
+            name=v[42].rstrip(b"\0"),
+            use_count=v[43],
         )
 
     def pack(self) -> bytes:
         """The 296 wire bytes (``struct.error`` for a field out of its C type's range)."""
         return TENSOR_STRUCT.pack(
-            self.id, self.type, self.buffer, *self.ne, *self.nb, self.op, *self.op_params, self.flags,
-            *self.src, self.view_src, self.view_offs, self.data, self.name, self.use_count,
+            self.id,
+            self.type,
+            self.buffer,
+            *self.ne,
+            *self.nb,
+            self.op,
+            *self.op_params,
+            self.flags,
+            *self.src,
+            self.view_src,
+            self.view_offs,
+            self.data,
+            self.name,
+            self.use_count,
         )
 
 
@@ -178,8 +202,11 @@ def check_tensor(cmd: RpcCmd, t: RpcTensor, traits: Mapping[int, tuple[int, int]
     if not allow_empty and 0 in ne:
         raise InvalidRpcRequest("tensor_shape", f"tensor {t.id:#x}: ne {list(ne)} has a zero", cmd)
     if ne[0] % blck:
-        raise InvalidRpcRequest("tensor_shape", f"tensor {t.id:#x}: ne[0] = {ne[0]} is not a multiple of "
-                             f"the block size {blck} of type {t.type}", cmd)
+        raise InvalidRpcRequest(
+            "tensor_shape",
+            f"tensor {t.id:#x}: ne[0] = {ne[0]} is not a multiple of the block size {blck} of type {t.type}",
+            cmd,
+        )
     n = ne[0]  # ggml_new_tensor_impl: the element count must fit in int64
     for i in range(1, GGML_MAX_DIMS):
         if ne[i] > 1:
@@ -187,12 +214,14 @@ def check_tensor(cmd: RpcCmd, t: RpcTensor, traits: Mapping[int, tuple[int, int]
                 raise InvalidRpcRequest("tensor_shape", f"tensor {t.id:#x}: ne {list(ne)} overflows int64", cmd)
             n *= ne[i]
     if blck > 1 and nb[0] != tsize:
-        raise InvalidRpcRequest("tensor_strides", f"tensor {t.id:#x}: nb[0] = {nb[0]}, type {t.type} "
-                             f"has {tsize}-byte blocks", cmd)
+        raise InvalidRpcRequest(
+            "tensor_strides", f"tensor {t.id:#x}: nb[0] = {nb[0]}, type {t.type} has {tsize}-byte blocks", cmd
+        )
     for i in range(GGML_MAX_DIMS):
         if ne[i] > 1 and nb[i] < tsize:
-            raise InvalidRpcRequest("tensor_strides", f"tensor {t.id:#x}: nb[{i}] = {nb[i]} < element "
-                                 f"size {tsize}", cmd)
+            raise InvalidRpcRequest(
+                "tensor_strides", f"tensor {t.id:#x}: nb[{i}] = {nb[i]} < element size {tsize}", cmd
+            )
     nbytes = tensor_nbytes(t, traits)
     if nbytes > INT64_MAX or t.data + nbytes >= TWO64:
         raise InvalidRpcRequest("tensor_bounds", f"tensor {t.id:#x}: {nbytes} bytes at {t.data:#x} overflow", cmd)

@@ -76,8 +76,11 @@ def _set_tensor_hash(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview,
     nbytes = state.check_region(cmd, t, offset, 0)
     cached = state.cached_size(h) if state.cached_size is not None else None
     if cached is not None and offset + cached > nbytes:
-        raise InvalidRpcRequest("tensor_region", f"cached data {h:016x} ({cached} bytes at offset {offset}) "
-                             f"overruns the tensor ({nbytes} bytes)", cmd)
+        raise InvalidRpcRequest(
+            "tensor_region",
+            f"cached data {h:016x} ({cached} bytes at offset {offset}) overruns the tensor ({nbytes} bytes)",
+            cmd,
+        )
 
 
 def _get_tensor(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, size: int) -> None:
@@ -136,8 +139,7 @@ def _graph_compute(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, s
     (n_tensors,) = U32.unpack_from(p, at)
     want = at + 4 + n_tensors * RPC_TENSOR_SIZE
     if want != len(p):
-        raise InvalidRpcRequest("size", f"{n_nodes} nodes and {n_tensors} tensors make {want} bytes, "
-                             f"not {len(p)}", cmd)
+        raise InvalidRpcRequest("size", f"{n_nodes} nodes and {n_tensors} tensors make {want} bytes, not {len(p)}", cmd)
     nodes = struct.unpack_from(f"<{n_nodes}Q", p, 8)
     tensors: dict[int, RpcTensor] = {}
     for i in range(n_tensors):
@@ -153,11 +155,11 @@ def _graph_compute(state: ConnectionState, cmd: RpcCmd, p: bytes | memoryview, s
     for i, node in enumerate(nodes):
         if node == 0:
             raise InvalidRpcRequest("graph", f"node {i} has id 0", cmd)
-        t = tensors.get(node)
-        if t is None:
+        tensor = tensors.get(node)
+        if tensor is None:
             raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is not among the graph's tensors", cmd)
-        if t.op != GGML_OP_NONE and t.op not in VIEW_OPS and 0 not in t.ne and t.data == 0:
-            raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is computed (op {t.op}) into no memory", cmd)
+        if tensor.op != GGML_OP_NONE and tensor.op not in VIEW_OPS and 0 not in tensor.ne and tensor.data == 0:
+            raise InvalidRpcRequest("graph", f"node {i} ({node:#x}) is computed (op {tensor.op}) into no memory", cmd)
     _check_depth(nodes, tensors)
 
 

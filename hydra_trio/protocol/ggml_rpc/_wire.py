@@ -118,7 +118,7 @@ CMDS: tuple[RpcCmd, ...] = tuple(RpcCmd)
 FIXED_SIZE: tuple[int, ...] = tuple(REQUEST_SIZES.get(c, -1) for c in CMDS)
 """Payload size of each fixed-size command; -1: variable (SET_TENSOR, GRAPH_COMPUTE) or NONE."""
 REPLY_SIZE: tuple[int, ...] = tuple(
-    -1 if c not in REPLY_SIZES else (REPLY_SIZES[c] if REPLY_SIZES[c] is not None else -2) for c in CMDS
+    -1 if c not in REPLY_SIZES else (-2 if (n := REPLY_SIZES[c]) is None else n) for c in CMDS
 )
 """Reply payload size of each command; -1: no reply, -2: the size the request asks for (GET_TENSOR)."""
 U32 = struct.Struct("<I")

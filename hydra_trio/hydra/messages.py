@@ -1,8 +1,8 @@
 """Typed Hydra request payloads (docs/hydra-protocol.md §3): frozen attrs classes, strict parsing.
 
 Sans-I/O like :mod:`hydra_trio.protocol.hydra`: bytes in, frozen attrs objects
-out, through this module's own :class:`~hydra_trio.protocol.strict.StrictConverter`.
-Every parse error is a :class:`~hydra_trio.protocol.strict.MessageError`
+out, through this module's own :class:`~hydra_trio.validation.strict.StrictConverter`.
+Every parse error is a :class:`~hydra_trio.validation.strict.MessageError`
 whose message names the offending field (the BAD_REQUEST ``{"error": ...}``
 text).  PREFILL and DECODE carry OpenAI chat bodies: they are parsed whole
 into :mod:`hydra_trio.openai.schemas` classes, the same ones the HTTP API uses.
@@ -11,25 +11,30 @@ into :mod:`hydra_trio.openai.schemas` classes, the same ones the HTTP API uses.
 from __future__ import annotations
 
 import re
-
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
 import attrs
 
-from ..openai.schemas import N_PREDICT_NAMES, REASONING_FORMATS, ChatCompletionRequest, CompletionRequest, structure_body
-from .address import parse_peer
-from .strict import (
+from ..openai.schemas import (
+    N_PREDICT_NAMES,
+    REASONING_FORMATS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    structure_body,
+)
+from ..validation.address import parse_peer
+from ..validation.strict import (
     Bytes,
     MessageError,
     StrictConverter,
     TypeMismatch,
-    _as_bool,
-    _as_float,
-    _as_int,
-    _as_str,
-    _as_str_or_str_list,
-    _json_kind,
+    as_bool,
+    as_float,
+    as_int,
+    as_str,
+    as_str_or_str_list,
+    json_kind,
     load_json_object,
     loads,
 )
@@ -47,7 +52,6 @@ __all__ = [
     "PipelineAttachRequest",
     "SetExpertModeRequest",
     "SwapQuantRequest",
-    "parse_swap_quant",
     "check_tensor_regex",
     "clamp_state_chunk_size",
     "classify_configure_keys",
@@ -57,6 +61,7 @@ __all__ = [
     "parse_peer",
     "parse_prefill",
     "parse_set_expert_mode",
+    "parse_swap_quant",
     "structure_json",
 ]
 
@@ -73,6 +78,7 @@ def structure_json(payload: Bytes, cls: type[Any]) -> Any:
 # Peers
 # --------------------------------------------------------------------------
 
+
 def _peer_validator(_inst: Any, attr: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None:
         parse_peer(value, field=attr.name)
@@ -87,7 +93,8 @@ def _empty_to_none(v: str | None) -> str | None:
 # --------------------------------------------------------------------------
 
 ExpertModeName: TypeAlias = Literal["solo", "combined"]
-"""A SET_EXPERT_MODE mode as the wire names it; the engine's is :class:`hydra_trio.engine.experts.combined.ExpertMode`."""
+"""A SET_EXPERT_MODE mode as the wire names it; the engine's is
+:class:`hydra_trio.engine.experts.combined.ExpertMode`."""
 
 
 @attrs.frozen
@@ -98,9 +105,7 @@ class SetExpertModeRequest:
     Raises MessageError on a bad peer."""
 
     mode: ExpertModeName
-    peer: str | None = attrs.field(
-        default=None, converter=_empty_to_none, validator=_peer_validator
-    )
+    peer: str | None = attrs.field(default=None, converter=_empty_to_none, validator=_peer_validator)
 
 
 _conv.register(SetExpertModeRequest, forbid_extra=True)
@@ -132,11 +137,11 @@ def parse_set_expert_mode(payload: Bytes) -> SetExpertModeRequest:
                 obj = {**obj, "mode": mode.strip().lower()}
             return _conv.structure(obj, SetExpertModeRequest)
         else:
-            raise MessageError(f"payload must be a mode or a JSON object, got {_json_kind(obj)}")
+            raise MessageError(f"payload must be a mode or a JSON object, got {json_kind(obj)}")
     mode = text.lower()
     if mode not in ("solo", "combined"):
         raise MessageError(f"mode: expected 'solo' or 'combined', got {text[:40]!r}")
-    return SetExpertModeRequest(mode)  # type: ignore[arg-type]
+    return SetExpertModeRequest(mode)  # type: ignore[arg-type]  # one of the two, checked above
 
 
 _NOT_IN_STD_REGEX = re.compile(r"\(\?(?![:=!])|\\[AZzGP]|\(\?P")
@@ -153,8 +158,9 @@ def check_tensor_regex(pattern: str) -> None:
         raise MessageError(f"the regex is {len(pattern)} characters; at most 1024")
     bad = _NOT_IN_STD_REGEX.search(pattern)
     if bad is not None:
-        raise MessageError(f"{bad.group(0)!r} is Python-only regex syntax; llama.cpp matches tensor names with "
-                           "std::regex (ECMAScript)")
+        raise MessageError(
+            f"{bad.group(0)!r} is Python-only regex syntax; llama.cpp matches tensor names with std::regex (ECMAScript)"
+        )
     try:
         re.compile(pattern)
     except re.error as exc:
@@ -308,54 +314,54 @@ def parse_prefill(payload: Bytes) -> ChatCompletionRequest:
 def _as_str_list(v: Any) -> list[str]:
     if isinstance(v, list) and all(isinstance(x, str) for x in v):
         return list(v)
-    raise TypeMismatch(f"expected a list of str, got {_json_kind(v)}")
+    raise TypeMismatch(f"expected a list of str, got {json_kind(v)}")
 
 
 T1_KEYS: dict[str, Callable[[Any], Any]] = {
-    "temperature": _as_float,
-    "top_p": _as_float,
-    "top_k": _as_int,
-    "min_p": _as_float,
-    "seed": _as_int,
-    "n_predict": _as_int,
-    "repeat_penalty": _as_float,
-    "repeat_last_n": _as_int,
-    "presence_penalty": _as_float,
-    "frequency_penalty": _as_float,
-    "min_keep": _as_int,
-    "typical_p": _as_float,
-    "top_n_sigma": _as_float,
-    "xtc_probability": _as_float,
-    "xtc_threshold": _as_float,
-    "dry_multiplier": _as_float,
-    "dry_base": _as_float,
-    "dry_allowed_length": _as_int,
-    "dry_penalty_last_n": _as_int,
+    "temperature": as_float,
+    "top_p": as_float,
+    "top_k": as_int,
+    "min_p": as_float,
+    "seed": as_int,
+    "n_predict": as_int,
+    "repeat_penalty": as_float,
+    "repeat_last_n": as_int,
+    "presence_penalty": as_float,
+    "frequency_penalty": as_float,
+    "min_keep": as_int,
+    "typical_p": as_float,
+    "top_n_sigma": as_float,
+    "xtc_probability": as_float,
+    "xtc_threshold": as_float,
+    "dry_multiplier": as_float,
+    "dry_base": as_float,
+    "dry_allowed_length": as_int,
+    "dry_penalty_last_n": as_int,
     "dry_sequence_breakers": _as_str_list,
-    "mirostat": _as_int,
-    "mirostat_tau": _as_float,
-    "mirostat_eta": _as_float,
-    "dynatemp_range": _as_float,
-    "dynatemp_exponent": _as_float,
-    "state_chunk_size": _as_int,
-    "allow_cross_model_kv": _as_bool,
+    "mirostat": as_int,
+    "mirostat_tau": as_float,
+    "mirostat_eta": as_float,
+    "dynatemp_range": as_float,
+    "dynatemp_exponent": as_float,
+    "state_chunk_size": as_int,
+    "allow_cross_model_kv": as_bool,
 }
 """CONFIGURE tier 1 (applied at once), key -> strict checker: every
 :class:`~hydra_trio.engine.settings.SamplingParams` field (llama-server's
 request names), ``n_predict``, ``state_chunk_size``, ``allow_cross_model_kv``."""
 T2_KEYS: dict[str, Callable[[Any], Any]] = {
-    "n_ctx": _as_int,
-    "cache_type_k": _as_str,
-    "cache_type_v": _as_str,
-    "n_parallel": _as_int,
+    "n_ctx": as_int,
+    "cache_type_k": as_str,
+    "cache_type_v": as_str,
+    "n_parallel": as_int,
 }
 """CONFIGURE tier 2 (context rebuild), key -> strict checker."""
 T3_KEYS: dict[str, Callable[[Any], Any]] = {
-    "model": _as_str,
-    "model_path": _as_str,
-    "n_gpu_layers": _as_int,
-    "tensor_overrides": _as_str_or_str_list,
-    "override_tensor": _as_str_or_str_list,
+    "model": as_str,
+    "model_path": as_str,
+    "n_gpu_layers": as_int,
+    "tensor_overrides": as_str_or_str_list,
+    "override_tensor": as_str_or_str_list,
 }
 """CONFIGURE tier 3 (model reload), key -> strict checker."""
 

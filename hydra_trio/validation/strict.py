@@ -8,7 +8,7 @@ Infinity).  Every error is a :class:`MessageError` (an
 e.g. ``"n_predict: expected int, got str"`` or ``"messages[0].role: missing"``.
 
 Each module that reads bodies makes its own :class:`StrictConverter` (the
-Hydra payloads in :mod:`hydra_trio.protocol.messages`, the OpenAI bodies in
+Hydra payloads in :mod:`hydra_trio.hydra.messages`, the OpenAI bodies in
 :mod:`hydra_trio.openai.schemas`): importing one never changes another's hooks.
 """
 
@@ -19,6 +19,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
+from types import GenericAlias
 from typing import Any, Literal, TypeVar, get_args
 
 import attrs
@@ -32,7 +33,7 @@ from cattrs.errors import (
 from cattrs.gen import make_dict_structure_fn, override
 
 from ..errors import InvalidRequest
-from .decode_frames import Bytes
+from ..protocol.decode_frames import Bytes
 
 T = TypeVar("T")
 
@@ -57,14 +58,14 @@ def type_name(v: Any) -> str:
 
 
 # --------------------------------------------------------------------------
-# Strict primitives (shared by the converter and classify_configure_keys)
+# Strict primitives (shared by the converter and classify_configure_keys); each raises TypeMismatch
 # --------------------------------------------------------------------------
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _as_int(v: Any) -> int:
+def as_int(v: Any) -> int:
     """A JSON integer within 64 bits (fields with tighter bounds check them later)."""
     if isinstance(v, int) and not isinstance(v, bool):
         if not INT64_MIN <= v <= INT64_MAX:
@@ -73,14 +74,14 @@ def _as_int(v: Any) -> int:
     raise TypeMismatch(f"expected int, got {type_name(v)}")
 
 
-def _as_bool(v: Any) -> bool:
+def as_bool(v: Any) -> bool:
     """A JSON boolean (not 0 / 1)."""
     if isinstance(v, bool):
         return v
     raise TypeMismatch(f"expected bool, got {type_name(v)}")
 
 
-def _as_float(v: Any) -> float:
+def as_float(v: Any) -> float:
     """A finite JSON number (``1e999`` parses as infinity: refused)."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         try:
@@ -93,13 +94,15 @@ def _as_float(v: Any) -> float:
     raise TypeMismatch(f"expected float, got {type_name(v)}")
 
 
-def _as_str(v: Any) -> str:
+def as_str(v: Any) -> str:
+    """A JSON string."""
     if isinstance(v, str):
         return v
     raise TypeMismatch(f"expected str, got {type_name(v)}")
 
 
-def _as_str_or_str_list(v: Any) -> str | list[str]:
+def as_str_or_str_list(v: Any) -> str | list[str]:
+    """A JSON string, or an array of strings (a copy)."""
     if isinstance(v, str):
         return v
     if isinstance(v, list) and all(isinstance(x, str) for x in v):
@@ -124,8 +127,6 @@ def _literal_hook(v: Any, t: Any) -> Any:
     raise TypeMismatch(f"expected {want}, got {v!r}")
 
 
-
-
 def _is_list(t: Any) -> bool:
     return t is list or getattr(t, "__origin__", None) is list
 
@@ -145,10 +146,10 @@ class StrictConverter:
 
     def __init__(self) -> None:
         c = self.cattrs = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
-        c.register_structure_hook(int, lambda v, _t: _as_int(v))
-        c.register_structure_hook(float, lambda v, _t: _as_float(v))
-        c.register_structure_hook(str, lambda v, _t: _as_str(v))
-        c.register_structure_hook(bool, lambda v, _t: _as_bool(v))
+        c.register_structure_hook(int, lambda v, _t: as_int(v))
+        c.register_structure_hook(float, lambda v, _t: as_float(v))
+        c.register_structure_hook(str, lambda v, _t: as_str(v))
+        c.register_structure_hook(bool, lambda v, _t: as_bool(v))
         c.register_structure_hook_func(_is_literal, _literal_hook)
         c.register_structure_hook_func(_is_list, self._list_hook)
         c.register_structure_hook_func(_is_var_tuple, self._var_tuple_hook)
@@ -166,7 +167,7 @@ class StrictConverter:
         for i, x in enumerate(v):
             try:
                 out.append(hook(x, elem))
-            except Exception as exc:  # noqa: BLE001 - collected into the group
+            except Exception as exc:  # collected into the group
                 exc.__notes__ = [
                     *getattr(exc, "__notes__", []),
                     IterableValidationNote(f"Structuring {t} @ index {i}", i, elem),
@@ -177,7 +178,7 @@ class StrictConverter:
         return out
 
     def _var_tuple_hook(self, v: Any, t: Any) -> tuple[Any, ...]:
-        return tuple(self._list_hook(v, list[get_args(t)[0]]))  # type: ignore[valid-type]
+        return tuple(self._list_hook(v, GenericAlias(list, get_args(t)[0])))  # list[item type]
 
     def register(self, cls: type[Any], *, forbid_extra: bool, keep_raw: bool = False, **overrides: Any) -> None:
         """Read ``cls`` from a JSON object (anything else: "expected object"); ``overrides`` are
@@ -290,17 +291,23 @@ def check_unicode(obj: Any) -> None:
             bad = _SURROGATE.search(v)
             if bad is not None:
                 where = _field_path(path) or "the payload"
-                raise NotUnicode(f"{where}: not valid Unicode (UTF-8 cannot encode it): a lone surrogate U+{ord(bad.group()):04X} at "
-                                 f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
-                                 "pair is fine, a surrogate alone is not)")
+                raise NotUnicode(
+                    f"{where}: not valid Unicode (UTF-8 cannot encode it): "
+                    f"a lone surrogate U+{ord(bad.group()):04X} at "
+                    f"character {bad.start()} (JSON text must be Unicode; a \\uD83D\\uDE00 "
+                    "pair is fine, a surrogate alone is not)"
+                )
         elif isinstance(v, dict):
             items = list(v.items())
             for k, _ in items:
                 bad = _SURROGATE.search(k)
                 if bad is not None:
                     where = _field_path(path)
-                    raise NotUnicode(f"{where + ': ' if where else ''}key {_show(k)}: not valid Unicode (UTF-8 cannot encode it): a lone "
-                                     f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)")
+                    raise NotUnicode(
+                        f"{where + ': ' if where else ''}key {_show(k)}: "
+                        "not valid Unicode (UTF-8 cannot encode it): a lone "
+                        f"surrogate U+{ord(bad.group()):04X} (JSON text must be Unicode)"
+                    )
             stack.extend((x, [*path, k]) for k, x in reversed(items))
         elif isinstance(v, list):
             stack.extend((x, [*path, i]) for i, x in reversed(list(enumerate(v))))
@@ -322,8 +329,10 @@ class TooDeep(MessageError):
     """JSON nested deeper than :data:`MAX_JSON_DEPTH`; the message names the limit."""
 
     def __init__(self, where: str = "") -> None:
-        super().__init__(f"{where + ': ' if where else ''}nested deeper than {MAX_JSON_DEPTH} levels of arrays and "
-                         "objects (MAX_JSON_DEPTH)")
+        super().__init__(
+            f"{where + ': ' if where else ''}nested deeper than {MAX_JSON_DEPTH} levels of arrays and "
+            "objects (MAX_JSON_DEPTH)"
+        )
 
 
 def json_depth(data: str | Bytes) -> int:
@@ -396,10 +405,12 @@ def load_json_object(payload: Bytes) -> dict[str, Any]:
         raise MessageError(f"payload is not valid UTF-8 (byte {exc.start})") from None
     obj = loads(text)
     if not isinstance(obj, dict):
-        raise MessageError(f"payload must be a JSON object, got {_json_kind(obj)}")
+        raise MessageError(f"payload must be a JSON object, got {json_kind(obj)}")
     return obj
 
 
-def _json_kind(v: Any) -> str:
+def json_kind(v: Any) -> str:
+    """JSON's name for the kind of a decoded value: ``"array"``, ``"string"``, ``"boolean"``, ``"number"``,
+    ``"null"`` (a Python type's name otherwise)."""
     kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
     return "null" if v is None else kinds.get(type(v), type(v).__name__)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from .._version import __version__
-from .events import EventBus
+from ..observability.events import EventBus
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -48,8 +48,14 @@ class StatsTicker:
     ``connections_open``, ``subscribers``, ``events_dropped_total``.
     """
 
-    def __init__(self, bus: EventBus, engine: Engine | None, connections: Mapping[str, int],
-                 open_connections: Callable[[], int], rpc: Any = None) -> None:
+    def __init__(
+        self,
+        bus: EventBus,
+        engine: Engine | None,
+        connections: Mapping[str, int],
+        open_connections: Callable[[], int],
+        rpc: Any = None,
+    ) -> None:
         self.bus = bus
         self.engine = engine
         self.connections = connections
@@ -83,21 +89,34 @@ class StatsTicker:
         per_s = {k: round((v - self._conns.get(k, 0)) / dt, 3) for k, v in conns.items()}
         self._conns = conns
         out: dict[str, Any] = {
-            "connections": conns, "connections_per_s": per_s, "connections_open": self.open_connections(),
-            "subscribers": self.bus.subscribers, "events_dropped_total": self.bus.dropped_total,
+            "connections": conns,
+            "connections_per_s": per_s,
+            "connections_open": self.open_connections(),
+            "subscribers": self.bus.subscribers,
+            "events_dropped_total": self.bus.dropped_total,
         }
         if self.rpc is not None:
-            out["rpc"] = {"active": bool(self.rpc.active), "serving": self.rpc.serving, "waiting": self.rpc.waiting,
-                          "bytes_in": self.rpc.bytes_in, "bytes_out": self.rpc.bytes_out,
-                          "restarts": self.rpc.restarts}
+            out["rpc"] = {
+                "active": bool(self.rpc.active),
+                "serving": self.rpc.serving,
+                "waiting": self.rpc.waiting,
+                "bytes_in": self.rpc.bytes_in,
+                "bytes_out": self.rpc.bytes_out,
+                "restarts": self.rpc.restarts,
+            }
         e = self.engine
         if e is None:
             out.update(stage="ready", mode="none", slots=[], queue=0, processing=0, tok_s=0.0)
             return out
         experts = e.experts
-        out.update(stage=str(e.stage), mode=str(experts.mode), peer=experts.peer or "",
-                   peer_reachable=bool(experts.peer_reachable), queue=e.requests_waiting,
-                   processing=e.requests_processing)
+        out.update(
+            stage=str(e.stage),
+            mode=str(experts.mode),
+            peer=experts.peer or "",
+            peer_reachable=bool(experts.peer_reachable),
+            queue=e.requests_waiting,
+            processing=e.requests_processing,
+        )
         predicted = e.stats.tokens_predicted_total
         out["tokens_predicted_total"] = predicted
         out["tok_s"] = round(max(predicted - self._predicted, 0) / dt, 2)
@@ -106,9 +125,15 @@ class StatsTicker:
         seen: dict[int, tuple[int, int]] = {}
         for s in e.snapshot.slots:  # the engine's published snapshot
             n_decoded = s.n_decoded
-            entry: dict[str, Any] = {"id": s.id, "state": "processing" if s.is_processing else "idle",
-                                     "n_ctx": s.n_ctx, "n_past": s.n_past, "n_prompt": s.n_prompt,
-                                     "n_decoded": n_decoded, "tok_s": 0.0}
+            entry: dict[str, Any] = {
+                "id": s.id,
+                "state": "processing" if s.is_processing else "idle",
+                "n_ctx": s.n_ctx,
+                "n_past": s.n_past,
+                "n_prompt": s.n_prompt,
+                "n_decoded": n_decoded,
+                "tok_s": 0.0,
+            }
             if s.is_processing:
                 entry["trace_id"] = s.trace_id
                 prev = self._decoded.get(s.id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 from hydra_trio.protocol.hydra import (
+    NEED_DATA,
     PayloadChunk,
     ResponseDecoder,
     ResponseEnded,
@@ -19,7 +20,6 @@ class Wire:
     def __init__(self, port: int, timeout: float = 60.0) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
         self.dec = ResponseDecoder()
-        self._events: list = []
 
     def close(self) -> None:
         self.sock.close()
@@ -41,18 +41,18 @@ class Wire:
         """(status, meta, payload) of the next reply; raises ConnectionError if the server closes first."""
         status, meta, body = None, None, bytearray()
         while True:
-            while self._events:
-                ev = self._events.pop(0)
+            while (ev := self.dec.next_event()) is not NEED_DATA:
                 if isinstance(ev, ResponseStarted):
                     status, meta = ev.header.status, ev.meta
                 elif isinstance(ev, PayloadChunk):
                     body += ev.data
                 elif isinstance(ev, ResponseEnded):
+                    assert status is not None and meta is not None  # ResponseStarted came first
                     return status, meta, bytes(body)
             data = self.sock.recv(1 << 20)
             if not data:
                 raise ConnectionError("server closed the connection")
-            self._events.extend(self.dec.feed(data))
+            self.dec.receive_data(data)
 
     def closed_by_server(self) -> bool:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 from .strict import MessageError
@@ -21,3 +22,13 @@ def parse_peer(peer: str, *, field: str = "peer") -> tuple[str, int]:
     if host.startswith("["):
         host = host[1:-1]
     return host, int(port_s)
+
+
+def address_argument(s: str) -> str:
+    """argparse type of a ``HOST:PORT`` argument (``hydra-trio info|state|mode|watch``): checked as
+    :func:`parse_peer` checks it, returned unchanged; raises argparse.ArgumentTypeError naming the problem."""
+    try:
+        parse_peer(s, field="address")
+    except MessageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return s

@@ -31,8 +31,25 @@ __all__ = ["EXPERT_MODES", "HYDRA_LATENCY_BUCKETS", "STATE_RATE_BUCKETS", "NodeM
 
 EXPERT_MODES = ("solo", "combined", "pipeline")
 # seconds: an INFO takes well under a millisecond, a PREFILL or a multi-GB STATE_PUT tens of seconds
-HYDRA_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                         120.0, float("inf"))
+HYDRA_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    float("inf"),
+)
 # MB/s (10^6 bytes per second) of one STATE_GET / STATE_PUT: a congested link to a loopback transfer from memory
 STATE_RATE_BUCKETS = (10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 2000.0, 4000.0, 8000.0, 16000.0, float("inf"))
 STATE_OPS = {"STATE_GET": "out", "STATE_PUT": "in"}  # the ops whose time is the transfer: op -> direction
@@ -75,15 +92,21 @@ class NodeMetrics:
         self.state_bytes: collections.Counter[tuple[str, str]] = collections.Counter()
         self.registry = CollectorRegistry(auto_describe=False)
         self.hydra_seconds = Histogram(
-            "hydra_trio:hydra_request_seconds", "Hydra request latency, header in to reply out, by opcode.",
-            ["op"], buckets=HYDRA_LATENCY_BUCKETS, registry=self.registry,
+            "hydra_trio:hydra_request_seconds",
+            "Hydra request latency, header in to reply out, by opcode.",
+            ["op"],
+            buckets=HYDRA_LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.state_rate = Histogram(
-            "hydra_trio:state_transfer_mb_per_second", "KV state transfer rate of one STATE_GET (out) or STATE_PUT "
+            "hydra_trio:state_transfer_mb_per_second",
+            "KV state transfer rate of one STATE_GET (out) or STATE_PUT "
             "(in, restored), blob bytes / request seconds, in MB/s.",
-            ["direction"], buckets=STATE_RATE_BUCKETS, registry=self.registry,
+            ["direction"],
+            buckets=STATE_RATE_BUCKETS,
+            registry=self.registry,
         )
-        self.registry.register(_Collector(self))  # type: ignore[arg-type]
+        self.registry.register(_Collector(self))
 
     def hydra_request(self, op: str, status: str, seconds: float, *, state_in: int = 0, state_out: int = 0) -> None:
         """Count one answered Hydra request; an OK STATE_GET / STATE_PUT also observes its rate
@@ -119,8 +142,10 @@ def _n_tokens_max(value: int) -> bytes:
     """``llamacpp:n_tokens_max``, written as llama-server writes it: a counter whose name has no ``_total``
     (prometheus-client would add one to a counter's name, so the family is written here)."""
     name = "llamacpp:n_tokens_max"
-    return (f"# HELP {name} Largest observed sequence length (prompt + generation)\n"
-            f"# TYPE {name} counter\n{name} {float(value)!r}\n").encode()
+    return (
+        f"# HELP {name} Largest observed sequence length (prompt + generation)\n"
+        f"# TYPE {name} counter\n{name} {float(value)!r}\n"
+    ).encode()
 
 
 class _Collector:
@@ -139,33 +164,42 @@ class _Collector:
         yield conns
         if node.open_connections is not None:
             yield GaugeMetricFamily(
-                "hydra_trio:connections_open", "Connections open now, of every protocol (--max-connections bounds it).",
+                "hydra_trio:connections_open",
+                "Connections open now, of every protocol (--max-connections bounds it).",
                 node.open_connections(),
             )
         if node.refused is not None:
             refused = CounterMetricFamily(
-                "hydra_trio:refused", "Requests and connections refused by the access rules (API keys, "
-                "--control-allow, --hydra-token, --rpc-allow).", labels=["protocol", "reason"],
+                "hydra_trio:refused",
+                "Requests and connections refused by the access rules (API keys, "
+                "--control-allow, --hydra-token, --rpc-allow).",
+                labels=["protocol", "reason"],
             )
             for (proto, reason), n in sorted(node.refused.items()):
                 refused.add_metric([proto, reason], n)
             yield refused
         if node.events is not None:
-            yield GaugeMetricFamily("hydra_trio:event_subscribers", "GET /v1/events subscribers connected now.",
-                                    node.events.subscribers)
-            yield CounterMetricFamily("hydra_trio:events_dropped", "Events dropped for subscribers that read too slowly.",
-                                      node.events.dropped_total)
+            yield GaugeMetricFamily(
+                "hydra_trio:event_subscribers", "GET /v1/events subscribers connected now.", node.events.subscribers
+            )
+            yield CounterMetricFamily(
+                "hydra_trio:events_dropped",
+                "Events dropped for subscribers that read too slowly.",
+                node.events.dropped_total,
+            )
         if node.http_in_flight is not None:
             in_flight = GaugeMetricFamily(
-                "hydra_trio:http_requests_in_flight", "HTTP requests doing work now (from their arrival to the end "
-                "of their reply), by route.", labels=["route"],
+                "hydra_trio:http_requests_in_flight",
+                "HTTP requests doing work now (from their arrival to the end of their reply), by route.",
+                labels=["route"],
             )
             for route, n in sorted(node.http_in_flight().items()):
                 in_flight.add_metric([route], n)
             yield in_flight
         if node.open_by_protocol is not None:
             open_now = GaugeMetricFamily(
-                "hydra_trio:protocol_connections_open", "Connections open now, by classified protocol.",
+                "hydra_trio:protocol_connections_open",
+                "Connections open now, by classified protocol.",
                 labels=["protocol"],
             )
             for proto, n in sorted(node.open_by_protocol.items()):
@@ -180,7 +214,9 @@ class _Collector:
             rpc_bytes.add_metric(["in"], rpc.bytes_in)
             rpc_bytes.add_metric(["out"], rpc.bytes_out)
             yield rpc_bytes
-            yield GaugeMetricFamily("hydra_trio:rpc_backend_active", "1 while the ggml-RPC backend serves.", int(rpc.active))
+            yield GaugeMetricFamily(
+                "hydra_trio:rpc_backend_active", "1 while the ggml-RPC backend serves.", int(rpc.active)
+            )
             yield CounterMetricFamily("hydra_trio:rpc_backend_restarts", "ggml-RPC backend restarts.", rpc.restarts)
             yield from _rpc_front_door(rpc)
         if node.engine is not None:
@@ -196,7 +232,8 @@ def _hydra(node: NodeMetrics) -> Iterator[Metric]:
         reqs.add_metric([op, status], n)
     yield reqs
     state = CounterMetricFamily(
-        "hydra_trio:state_bytes", "KV-state bytes moved by Hydra: in (STATE_PUT restored), out (STATE_GET, PREFILL).",
+        "hydra_trio:state_bytes",
+        "KV-state bytes moved by Hydra: in (STATE_PUT restored), out (STATE_GET, PREFILL).",
         labels=["direction", "op"],
     )
     for (direction, op), n in sorted(node.state_bytes.items()):
@@ -217,31 +254,41 @@ def _engine(e: Engine) -> Iterator[Metric]:
     """llama-server's families, and the expert mode and peer."""
     s = e.stats
     yield CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.", s.prompt_tokens_total)
-    yield CounterMetricFamily("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from the cache",
-                              s.prompt_tokens_cached_total)
+    yield CounterMetricFamily(
+        "llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from the cache", s.prompt_tokens_cached_total
+    )
     yield CounterMetricFamily("llamacpp:prompt_seconds", "Prompt process time.", s.prompt_seconds_total)
-    yield CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.", s.tokens_predicted_total)
+    yield CounterMetricFamily(
+        "llamacpp:tokens_predicted", "Number of generation tokens processed.", s.tokens_predicted_total
+    )
     yield CounterMetricFamily(
         "llamacpp:tokens_predicted_seconds", "Predict process time.", s.tokens_predicted_seconds_total
     )
     yield CounterMetricFamily("llamacpp:n_decode", "Number of llama_decode() calls.", s.n_decode_total)
-    for name, what, value in (("draft_tokens", "Total draft tokens generated", s.spec_draft_tokens),
-                              ("accepted_tokens", "Total draft tokens accepted by the target model",
-                               s.spec_accepted_tokens),
-                              ("drafts", "Total speculative decoding verification steps", s.spec_drafts)):
+    for name, what, value in (
+        ("draft_tokens", "Total draft tokens generated", s.spec_draft_tokens),
+        ("accepted_tokens", "Total draft tokens accepted by the target model", s.spec_accepted_tokens),
+        ("drafts", "Total speculative decoding verification steps", s.spec_drafts),
+    ):
         yield CounterMetricFamily(f"llamacpp:spec_decode_num_{name}", f"Speculative: {what}", value)
     if s.spec_accepted_per_pos:
-        per_pos = CounterMetricFamily("llamacpp:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted tokens per draft position", labels=["position"])
+        per_pos = CounterMetricFamily(
+            "llamacpp:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position",
+            labels=["position"],
+        )
         for i, n in enumerate(list(s.spec_accepted_per_pos)):
             per_pos.add_metric([str(i)], n)
         yield per_pos
     yield CounterMetricFamily(
         "hydra_trio:requests_deferred", "Requests that waited in the queue for a free slot.", s.requests_deferred
     )
-    tasks = CounterMetricFamily("hydra_trio:engine_tasks", "Typed engine tasks run on the engine thread "
-                                "(hydra_trio.engine.tasks: save_slot, restore_slot, configure, ...), by type.",
-                                labels=["type"])
+    tasks = CounterMetricFamily(
+        "hydra_trio:engine_tasks",
+        "Typed engine tasks run on the engine thread "
+        "(hydra_trio.engine.tasks: save_slot, restore_slot, configure, ...), by type.",
+        labels=["type"],
+    )
     for kind, n in sorted(dict(s.tasks).items()):  # a copy: the engine thread may add a kind meanwhile
         tasks.add_metric([kind], n)
     yield tasks
@@ -260,30 +307,48 @@ def _engine(e: Engine) -> Iterator[Metric]:
         "Average generation throughput in tokens/s.",
         s.tokens_predicted_total / s.tokens_predicted_seconds_total if s.tokens_predicted_seconds_total else 0.0,
     )
-    yield GaugeMetricFamily("hydra_trio:combined_mode", "1 while COMBINED serves new work.", int(e.experts.mode == "combined"))
-    yield GaugeMetricFamily("hydra_trio:pipeline_mode", "1 while a PIPELINE_ATTACH split serves new work.",
-                            int(e.experts.mode == "pipeline"))
-    mode = GaugeMetricFamily("hydra_trio:expert_mode", "1 for the expert mode serving new work, 0 for the others.",
-                             labels=["mode"])
+    yield GaugeMetricFamily(
+        "hydra_trio:combined_mode", "1 while COMBINED serves new work.", int(e.experts.mode == "combined")
+    )
+    yield GaugeMetricFamily(
+        "hydra_trio:pipeline_mode",
+        "1 while a PIPELINE_ATTACH split serves new work.",
+        int(e.experts.mode == "pipeline"),
+    )
+    mode = GaugeMetricFamily(
+        "hydra_trio:expert_mode", "1 for the expert mode serving new work, 0 for the others.", labels=["mode"]
+    )
     for name in EXPERT_MODES:
         mode.add_metric([name], int(str(e.experts.mode) == name))
     yield mode
-    yield GaugeMetricFamily("hydra_trio:peer_reachable",
-                            "1 while the ggml-RPC peer (--rpc-engine, SET_EXPERT_MODE, PIPELINE_ATTACH) answers; "
-                            "0 without one.", int(bool(e.experts.peer) and e.experts.peer_reachable))
-    yield CounterMetricFamily("hydra_trio:expert_mode_switches", "Switches between SOLO and COMBINED models.", s.mode_switches)
-    yield CounterMetricFamily("hydra_trio:combined_fallbacks", "COMBINED requests answered with SOLO.", s.combined_fallbacks)
+    yield GaugeMetricFamily(
+        "hydra_trio:peer_reachable",
+        "1 while the ggml-RPC peer (--rpc-engine, SET_EXPERT_MODE, PIPELINE_ATTACH) answers; 0 without one.",
+        int(bool(e.experts.peer) and e.experts.peer_reachable),
+    )
+    yield CounterMetricFamily(
+        "hydra_trio:expert_mode_switches", "Switches between SOLO and COMBINED models.", s.mode_switches
+    )
+    yield CounterMetricFamily(
+        "hydra_trio:combined_fallbacks", "COMBINED requests answered with SOLO.", s.combined_fallbacks
+    )
     yield CounterMetricFamily("hydra_trio:peer_losses", "ggml-RPC peers lost mid-request.", s.peer_losses)
 
     kv = e.kv_cache()
     if kv:
-        info = GaugeMetricFamily("hydra_trio:kv_cache_info", "1, labelled with the KV cache types (-ctk, -ctv) and "
-                                 "flash attention in effect (on, off; auto when llama.cpp did not say).",
-                                 labels=["type_k", "type_v", "flash_attn"])
+        info = GaugeMetricFamily(
+            "hydra_trio:kv_cache_info",
+            "1, labelled with the KV cache types (-ctk, -ctv) and "
+            "flash attention in effect (on, off; auto when llama.cpp did not say).",
+            labels=["type_k", "type_v", "flash_attn"],
+        )
         info.add_metric([kv["type_k"], kv["type_v"], kv["flash_attn"]], 1)
         yield info
-        memory = GaugeMetricFamily("hydra_trio:memory_bytes", "Bytes the loaded models take, by device and kind "
-                                   "(weights, kv, compute), as llama.cpp allocated them.", labels=["device", "kind"])
+        memory = GaugeMetricFamily(
+            "hydra_trio:memory_bytes",
+            "Bytes the loaded models take, by device and kind (weights, kv, compute), as llama.cpp allocated them.",
+            labels=["device", "kind"],
+        )
         for dev, use in sorted(e.memory_use().items()):
             for kind, n in use.items():
                 memory.add_metric([dev, kind], n)
@@ -295,22 +360,34 @@ def _engine(e: Engine) -> Iterator[Metric]:
 
 def _prompt_cache(pc: Any) -> Iterator[Metric]:
     """The host-RAM prompt cache (:class:`~hydra_trio.engine.batching.prompt_cache.PromptCache`; plain ints)."""
-    yield CounterMetricFamily("hydra_trio:prompt_cache_hits", "Prompts that got a prefix restored from the host-RAM "
-                              "prompt cache.", pc.hits)
-    yield CounterMetricFamily("hydra_trio:prompt_cache_misses", "Prompts the slots left at least 32 tokens short of "
-                              "that no prompt-cache entry helped (failed restores included).", pc.misses)
+    yield CounterMetricFamily(
+        "hydra_trio:prompt_cache_hits", "Prompts that got a prefix restored from the host-RAM prompt cache.", pc.hits
+    )
+    yield CounterMetricFamily(
+        "hydra_trio:prompt_cache_misses",
+        "Prompts the slots left at least 32 tokens short of "
+        "that no prompt-cache entry helped (failed restores included).",
+        pc.misses,
+    )
     yield CounterMetricFamily("hydra_trio:prompt_cache_saves", "Slot states kept in the prompt cache.", pc.saves)
-    yield CounterMetricFamily("hydra_trio:prompt_cache_restore_failures", "Prompt-cache restores llama.cpp refused "
-                              "(the prompt was evaluated instead).", pc.restore_failures)
-    evicted = CounterMetricFamily("hydra_trio:prompt_cache_evictions", "Prompt-cache entries dropped, by reason.",
-                                  labels=["reason"])
+    yield CounterMetricFamily(
+        "hydra_trio:prompt_cache_restore_failures",
+        "Prompt-cache restores llama.cpp refused (the prompt was evaluated instead).",
+        pc.restore_failures,
+    )
+    evicted = CounterMetricFamily(
+        "hydra_trio:prompt_cache_evictions", "Prompt-cache entries dropped, by reason.", labels=["reason"]
+    )
     for reason, n in sorted(pc.evicted.items()):
         evicted.add_metric([reason], n)
     yield evicted
     yield GaugeMetricFamily("hydra_trio:prompt_cache_bytes", "Bytes of KV state in the prompt cache now.", pc.bytes)
     yield GaugeMetricFamily("hydra_trio:prompt_cache_entries", "Entries in the prompt cache now.", pc.n_entries)
-    yield GaugeMetricFamily("hydra_trio:prompt_cache_limit_bytes", "The prompt cache's budget (--cache-ram; "
-                            "-1 no limit, 0 off).", pc.info()["limit_bytes"])
+    yield GaugeMetricFamily(
+        "hydra_trio:prompt_cache_limit_bytes",
+        "The prompt cache's budget (--cache-ram; -1 no limit, 0 off).",
+        pc.info()["limit_bytes"],
+    )
 
 
 def _rpc_front_door(rpc: Any) -> Iterator[Metric]:

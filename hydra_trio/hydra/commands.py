@@ -20,7 +20,7 @@ unknown host) or bad arguments (argparse).
 
 Wiring: call `add_client_commands` on the ``hydra-trio`` subparsers; each
 subcommand sets ``args.func`` (takes the Namespace, runs `trio.run`
-itself, returns the exit code). ``python -m hydra_trio.hydra.cli ...``
+itself, returns the exit code). ``python -m hydra_trio.hydra.commands ...``
 runs the same commands standalone (`main`).
 """
 
@@ -37,23 +37,14 @@ from typing import Any
 
 import trio
 
-from ..protocol.messages import MessageError, parse_peer
 from ..transport.tls import client_context
+from ..validation.address import address_argument
 
 __all__ = ["add_client_commands", "build_parser", "main"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CONNECT = 2
-
-
-def _address(s: str) -> str:
-    """argparse type: a ``HOST:PORT`` string (checked, returned unchanged); ``hydra-trio watch`` uses it too."""
-    try:
-        parse_peer(s, field="address")
-    except MessageError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return s
 
 
 def _slot(s: str) -> int:
@@ -105,8 +96,9 @@ async def _one_request(args: argparse.Namespace, method: str, *method_args: Any)
     included) adds these commands without loading the client and its connection."""
     from .client import HydraClient
 
-    async with HydraClient.from_address(args.address, timeout=args.timeout, token=args.token,
-                                        ssl_context=_ssl_context(args)) as c:
+    async with HydraClient.from_address(
+        args.address, timeout=args.timeout, token=args.token, ssl_context=_ssl_context(args)
+    ) as c:
         meta: dict[str, Any] = await getattr(HydraClient, method)(c, *method_args, trace_id=args.trace_id)
     return meta
 
@@ -183,8 +175,10 @@ async def mode_command(args: argparse.Namespace) -> int:
         await trio.sleep(MODE_RETRY_INTERVAL)
     print(_dump(meta))
     if meta.get("mode") != args.mode:
-        print(f"warning: asked for {args.mode}, the node is in {meta.get('mode')}: {meta.get('fallback_reason')}",
-              file=sys.stderr)
+        print(
+            f"warning: asked for {args.mode}, the node is in {meta.get('mode')}: {meta.get('fallback_reason')}",
+            file=sys.stderr,
+        )
         return EXIT_FALLBACK
     return EXIT_OK
 
@@ -234,24 +228,33 @@ def _sync(fn: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[[argpa
 def _common() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument(
-        "--timeout", type=_seconds(zero_ok=False), default=30.0, metavar="SECONDS",
+        "--timeout",
+        type=_seconds(zero_ok=False),
+        default=30.0,
+        metavar="SECONDS",
         help="give up after this many seconds without progress (default: 30)",
     )
     p.add_argument("--trace-id", default=None, help="trace id sent with the request (default: random)")
     p.add_argument(
-        "--token", default=os.environ.get("HYDRA_TRIO_TOKEN") or None, metavar="TOKEN",
+        "--token",
+        default=os.environ.get("HYDRA_TRIO_TOKEN") or None,
+        metavar="TOKEN",
         help="the node's --hydra-token, sent first on the connection (default: $HYDRA_TRIO_TOKEN)",
     )
     p.add_argument("--tls", action="store_true", help="connect with TLS (the node runs with --tls-cert)")
-    p.add_argument("--tls-ca", default=None, metavar="FILE",
-                   help="PEM CA bundle the node's certificate must chain to (default: the system's)")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="FILE",
+        help="PEM CA bundle the node's certificate must chain to (default: the system's)",
+    )
     p.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM client certificate, for mutual TLS")
     p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM key of --tls-cert")
     return p
 
 
 _POSITIONALS: dict[str, dict[str, Any]] = {
-    "address": {"type": _address, "metavar": "HOST:PORT"},
+    "address": {"type": address_argument, "metavar": "HOST:PORT"},
     "slot": {"type": _slot, "metavar": "SLOT"},
     "file": {"metavar": "FILE"},
 }
@@ -276,59 +279,85 @@ def _command(
     return p
 
 
-def add_client_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_client_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``info``, ``state {get,put,meta}`` and ``mode`` to ``subparsers``
     (the ``add_subparsers()`` object of the ``hydra-trio`` parser). Each
     leaf parser sets ``func`` (Namespace -> exit code, runs trio itself) and
     a ``log_level`` default of WARNING."""
     _command(
-        subparsers, "info", info_command, ("address",),
+        subparsers,
+        "info",
+        info_command,
+        ("address",),
         help="print an engine's INFO meta (Hydra protocol)",
         description="Send INFO (0x41) and print the reply meta as JSON.",
     )
     state = subparsers.add_parser(
-        "state", help="get / put / inspect a slot's KV state (Hydra protocol)",
+        "state",
+        help="get / put / inspect a slot's KV state (Hydra protocol)",
         description="Slot KV state transfer over the Hydra protocol (STATE_GET / STATE_PUT / STATE_META).",
     )
     ssub = state.add_subparsers(dest="state_command", required=True, metavar="{get,put,meta}")
     _command(
-        ssub, "get", state_get_command, ("address", "slot", "file"),
+        ssub,
+        "get",
+        state_get_command,
+        ("address", "slot", "file"),
         help="save a slot's KV state to a file",
         description="STATE_GET (0x30): stream the slot's KV state into FILE (temp file + rename).",
     )
     _command(
-        ssub, "put", state_put_command, ("address", "slot", "file"),
+        ssub,
+        "put",
+        state_put_command,
+        ("address", "slot", "file"),
         help="restore a slot's KV state from a file",
         description="STATE_PUT (0x31): stream FILE as the slot's KV state.",
     )
     _command(
-        ssub, "meta", state_meta_command, ("address", "slot"),
+        ssub,
+        "meta",
+        state_meta_command,
+        ("address", "slot"),
         help="print a slot's state meta",
         description="STATE_META (0x32): print n_past, state_size, is_processing, model identity.",
     )
     e = _command(
-        subparsers, "mode", mode_command, ("address",),
+        subparsers,
+        "mode",
+        mode_command,
+        ("address",),
         help="switch expert mode (solo / combined)",
         description="SET_EXPERT_MODE (0x44). Exit 1 with BUSY while slots are processing.",
     )
     e.add_argument("mode", choices=["solo", "combined"])
     e.add_argument(
-        "--peer", type=_address, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
+        "--peer", type=address_argument, default=None, metavar="HOST:PORT", help="peer engine for combined mode"
     )
     sw = _command(
-        subparsers, "swap", swap_command, ("address",),
+        subparsers,
+        "swap",
+        swap_command,
+        ("address",),
         help="swap the served model to another of the node's quants (SWAP_QUANT)",
         description="SWAP_QUANT (0x45): load the node's quant KEY (run --quant KEY=...), keep the slots' KV "
-                    "caches when both files have the same KV identity, free the old model. Exit 1 with BUSY "
-                    "while slots are processing.",
+        "caches when both files have the same KV identity, free the old model. Exit 1 with BUSY "
+        "while slots are processing.",
     )
     sw.add_argument("key", metavar="KEY", help="the quant's key (INFO's quants)")
-    sw.add_argument("--tensor-pattern", default="", metavar="REGEX",
-                    help="tensors to swap (default: all of them; a pattern that leaves some out is not supported)")
+    sw.add_argument(
+        "--tensor-pattern",
+        default="",
+        metavar="REGEX",
+        help="tensors to swap (default: all of them; a pattern that leaves some out is not supported)",
+    )
     e.add_argument(
-        "--wait", type=_seconds(zero_ok=True), default=30.0, metavar="SECONDS",
+        "--wait",
+        type=_seconds(zero_ok=True),
+        default=30.0,
+        metavar="SECONDS",
         help="while the node falls back to solo because the peer does not answer (yet), ask again every "
-             "0.5 s for up to this long (default: 30; 0 = ask once)",
+        "0.5 s for up to this long (default: 30; 0 = ask once)",
     )
 
 
