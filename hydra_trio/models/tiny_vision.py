@@ -99,17 +99,26 @@ def make_tiny_vision(src: Path, model: Path, mmproj: Path, seed: int = SEED) -> 
     ``src`` has no tokenizer.
     """
     rng = np.random.default_rng(seed)
-    _write_model(src, model, rng)
+    write_language_model(src, model, rng)
     _write_mmproj(mmproj, rng)
     log.info("wrote tiny vision model %s and projector %s (%s + %s)", model, mmproj, ARCH, PROJECTOR_TYPE)
     return model, mmproj
 
 
-def _write_model(src: Path, dst: Path, rng: np.random.Generator) -> None:
+def write_language_model(
+    src: Path,
+    dst: Path,
+    rng: np.random.Generator,
+    arch: str = ARCH,
+    extra_tokens: tuple[str, ...] = IMAGE_TOKENS,
+    rope_sections: list[int] | None = ROPE_SECTIONS,
+) -> None:
+    """The tiny Qwen2-style decoder (``arch`` ``qwen2vl`` with M-RoPE ``rope_sections``, or ``qwen2`` with
+    ``rope_sections`` None) with ``src``'s tokenizer plus ``extra_tokens`` as control tokens, written to ``dst``."""
     import gguf
 
     n_src, tok_fields = source_tokenizer(src)
-    n_vocab = n_src + len(IMAGE_TOKENS)
+    n_vocab = n_src + len(extra_tokens)
     tensors: dict[str, np.ndarray] = {
         "token_embd.weight": rng.standard_normal((n_vocab, N_EMBD), dtype=np.float32).astype(np.float16),
         "output_norm.weight": np.ones(N_EMBD, dtype=np.float32),
@@ -134,8 +143,8 @@ def _write_model(src: Path, dst: Path, rng: np.random.Generator) -> None:
                 f"{b}.ffn_down.weight": random_matrix(rng, N_EMBD, N_FF, 0.5),
             }
         )
-    with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), ARCH)) as w:
-        w.add_string("general.name", f"tiny {ARCH} (random weights, test)")
+    with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), arch)) as w:
+        w.add_string("general.name", f"tiny {arch} (random weights, test)")
         w.add_context_length(8192)
         w.add_embedding_length(N_EMBD)
         w.add_feed_forward_length(N_FF)
@@ -144,14 +153,15 @@ def _write_model(src: Path, dst: Path, rng: np.random.Generator) -> None:
         w.add_head_count_kv(N_HEAD_KV)
         w.add_layer_norm_rms_eps(1e-6)
         w.add_rope_freq_base(10000.0)
-        w.add_rope_dimension_sections(ROPE_SECTIONS)
+        if rope_sections is not None:
+            w.add_rope_dimension_sections(rope_sections)
         for field in tok_fields:
             if field.name == "tokenizer.ggml.tokens":
-                w.add_token_list([*field.contents(), *IMAGE_TOKENS])
+                w.add_token_list([*field.contents(), *extra_tokens])
             elif field.name == "tokenizer.ggml.token_type":
-                w.add_token_types([*field.contents(), *[gguf.TokenType.CONTROL] * len(IMAGE_TOKENS)])
+                w.add_token_types([*field.contents(), *[gguf.TokenType.CONTROL] * len(extra_tokens)])
             elif field.name == "tokenizer.ggml.scores":
-                w.add_token_scores([*field.contents(), *[0.0] * len(IMAGE_TOKENS)])
+                w.add_token_scores([*field.contents(), *[0.0] * len(extra_tokens)])
             else:
                 copy_field(w, field)
         for name, data in tensors.items():
@@ -161,7 +171,7 @@ def _write_model(src: Path, dst: Path, rng: np.random.Generator) -> None:
         w.write_tensors_to_file()
 
 
-def _vec(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
+def vec(rng: np.random.Generator, n: int, scale: float) -> np.ndarray:
     return (rng.standard_normal(n, dtype=np.float32) * scale).astype(np.float32)
 
 
@@ -188,22 +198,22 @@ def _write_mmproj(dst: Path, rng: np.random.Generator) -> None:
             tensors[f"{b}.{norm}.bias"] = np.zeros(V_EMBD, dtype=np.float32)
         for proj in ("attn_q", "attn_k", "attn_v"):
             tensors[f"{b}.{proj}.weight"] = random_matrix(rng, V_EMBD, V_EMBD)
-            tensors[f"{b}.{proj}.bias"] = _vec(rng, V_EMBD, 0.1)
+            tensors[f"{b}.{proj}.bias"] = vec(rng, V_EMBD, 0.1)
         tensors[f"{b}.attn_out.weight"] = random_matrix(rng, V_EMBD, V_EMBD)
-        tensors[f"{b}.attn_out.bias"] = _vec(rng, V_EMBD, 0.1)
+        tensors[f"{b}.attn_out.bias"] = vec(rng, V_EMBD, 0.1)
         tensors[f"{b}.ffn_up.weight"] = random_matrix(rng, V_FF, V_EMBD)
-        tensors[f"{b}.ffn_up.bias"] = _vec(rng, V_FF, 0.1)
+        tensors[f"{b}.ffn_up.bias"] = vec(rng, V_FF, 0.1)
         tensors[f"{b}.ffn_down.weight"] = random_matrix(rng, V_EMBD, V_FF)
-        tensors[f"{b}.ffn_down.bias"] = _vec(rng, V_EMBD, 0.1)
+        tensors[f"{b}.ffn_down.bias"] = vec(rng, V_EMBD, 0.1)
     tensors.update(
         {
             # the merger: LayerNorm (Qwen2-VL's ln_q), then an MLP from 2 × 2 patches to the language model's width
             "v.post_ln.weight": np.ones(V_EMBD, dtype=np.float32),
             "v.post_ln.bias": np.zeros(V_EMBD, dtype=np.float32),
             "mm.0.weight": random_matrix(rng, merged, merged, 2.0),
-            "mm.0.bias": _vec(rng, merged, 0.1),
+            "mm.0.bias": vec(rng, merged, 0.1),
             "mm.2.weight": random_matrix(rng, N_EMBD, merged, 2.0),  # embeddings of about a token embedding's size
-            "mm.2.bias": _vec(rng, N_EMBD, 0.1),
+            "mm.2.bias": vec(rng, N_EMBD, 0.1),
         }
     )
     with atomic_path(dst) as tmp, contextlib.closing(gguf.GGUFWriter(str(tmp), "clip")) as w:
