@@ -26,6 +26,7 @@ from ...errors import HydraTrioError
 from ..kv.state import save_slot
 from ..llama.model import LoadedModel
 from ..requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
+from ..stats import EngineStats
 from .kv_cells import shared_cells, shift_context
 from .sampling import grammar_allows, sample_next, token_probs
 from .slots import Slot, SlotState
@@ -41,7 +42,7 @@ class Batching(Protocol):
     """What :class:`Generation` reads of its scheduler (:class:`~hydra_trio.engine.batching.scheduler.Scheduler`)."""
 
     slots: list[Slot]
-    stats: Any
+    stats: EngineStats
     events: Any
     hand_off: StepHandOff | None
     context_shift: bool

@@ -35,7 +35,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
@@ -48,6 +48,7 @@ from ..llama.media import NO_MEDIA, MediaLayout
 from ..llama.model import LoadedModel
 from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
 from ..speculative.base import DraftRequest
+from ..stats import EngineStats
 from .checkpoints import Checkpoints
 from .generation import Generation
 from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
@@ -101,7 +102,7 @@ class Scheduler:
         n_parallel: int,
         n_ctx_slot: int,
         n_batch: int,
-        stats: Any,
+        stats: EngineStats,
         model_hash: str,
         events: EventBus | None = None,
         *,
