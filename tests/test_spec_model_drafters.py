@@ -6,7 +6,7 @@ Each test drives a minimal reference verification loop, as llama-server's ``upda
 (``tools/server/server-context.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors): draft, decode
 ``[id_last, draft...]`` in the target with logits for every entry, let the drafter see that batch, keep the
 drafted tokens that equal the target's greedy choice plus the target's next token, remove the rest from the
-target's memory (``llama_memory_seq_rm``; the hybrid ``tiny-mtp`` keeps ``n_rs_seq`` recurrent snapshots for
+target's memory (``llama_memory_seq_rm``; the hybrid ``tiny-mtp`` keeps ``n_rs_seq`` recurrent-state copies for
 it, as llama-server sets for MTP), tell the drafter how many were accepted.  With greedy sampling the
 tokens must be the target's own greedy continuation (llama.cpp's speculative test asserts the same).
 Expected values are same-path results on this machine, never hard-coded words.

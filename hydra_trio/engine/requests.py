@@ -64,7 +64,7 @@ class CompletionJob:
         fail_if_busy: when ``id_slot`` is processing another request at the
             moment this job's turn comes, fail with :class:`~hydra_trio.errors.Busy`
             instead of waiting (the Hydra slot ops' BUSY).
-        snapshot: save the slot's KV state blob when the job finishes, on the
+        save_state: save the slot's KV state blob when the job finishes, on the
             engine thread before anything else can use the slot
             (``Finished.state``: PREFILL's reply).
         continue_slot: ``prompt_tokens`` is empty and generation continues
@@ -96,8 +96,7 @@ class CompletionJob:
             node's.  The engine never reads it: how a reply is shaped stays with the front end.
         media_chunks: the prompt's images and audio clips, tokenized (:meth:`ModelView.tokenize_with_media
             <hydra_trio.engine.view.ModelView.tokenize_with_media>` gives ``prompt_tokens`` and these): each fills
-            its ``n_tokens`` entries of ``prompt_tokens`` (its placeholder) from its ``start``.  A job with media
-            cannot ask for a ``snapshot`` (NotSupported).
+            its ``n_tokens`` entries of ``prompt_tokens`` (its placeholder) from its ``start``.
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
         media: a prompt with media as the request gave it (:class:`~hydra_trio.protocol.media.MediaPrompt`: the
@@ -121,7 +120,7 @@ class CompletionJob:
     grammar_lazy: bool = False
     grammar_triggers: tuple[str, ...] = ()
     fail_if_busy: bool = False
-    snapshot: bool = False
+    save_state: bool = False
     continue_slot: bool = False
     request_id: str = ""
     n_keep: int | None = None

@@ -1,4 +1,4 @@
-"""Context checkpoints: snapshots of the part of a slot's memory that cannot be cut back (engine thread only).
+"""Context checkpoints: copies of the part of a slot's memory that cannot be cut back (engine thread only).
 
 A recurrent model's state (Mamba, RWKV, LFM2's short convolutions, the
 recurrent layers of a hybrid) holds no per-token history: a new prompt that

@@ -222,7 +222,7 @@ class Generation:
             n_past=slot.n_past,
             truncated=slot.n_shifts > 0,
             stopping_word=slot.stopper.matched if stop_reason == "stop" else "",
-            state=save_slot(m, slot, sched.model_hash) if handle.job.snapshot else None,
+            state=save_slot(m, slot, sched.model_hash) if handle.job.save_state else None,
             draft_n=slot.draft_n or None,  # llama-server's timings carry them once a token was drafted
             draft_n_accepted=slot.draft_n_accepted if slot.draft_n else None,
         )

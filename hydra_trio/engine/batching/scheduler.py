@@ -84,7 +84,7 @@ class Scheduler:
         n_parallel: slots; ``n_ctx_slot``: tokens of context each; ``n_batch``:
             the most tokens per decode step.
         stats: the engine's counters (llama-server's metric names).
-        model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
+        model_hash: the model's SHA-256 (hex), written into the KV state blobs it saves (PREFILL's).
         events: where ``slot.*`` events go (:mod:`hydra_trio.observability.events`).
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
             checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of

@@ -324,7 +324,7 @@ class ExpertModes:
     """SOLO and COMBINED: the two models, the peer, and the switches between them.
 
     The engine thread calls every method (switches run as exclusive engine
-    tasks, when every slot is idle); other threads read :meth:`snapshot` (INFO,
+    tasks, when every slot is idle); other threads read :meth:`info` (INFO,
     ``/health``, ``/metrics``), whose values are plain attributes updated in
     an order that never shows a half switch.  Both models stay resident once
     built, so a flip costs milliseconds; each has its own KV cache, so
@@ -382,7 +382,7 @@ class ExpertModes:
         if mode != previous:
             self.events.publish("mode.changed", mode=str(mode), previous=str(previous), peer=self.peer or "")
 
-    def snapshot(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         """The expert-mode keys of Hydra INFO (docs/hydra-protocol.md §3), safe to call from any thread."""
         return {
             "mode": str(self.mode),

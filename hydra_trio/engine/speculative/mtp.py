@@ -25,7 +25,7 @@ along still drafts correctly, only worse: the MTP sequence restarts empty at the
 
 The target needs ``load_mtp`` (:func:`target_model_params`: the MTP block's weights are skipped otherwise)
 and, when its memory is recurrent or hybrid, ``n_rs_seq`` >= ``n_max`` (:func:`target_context_params`: the
-recurrent state keeps that many per-token snapshots so that rejected drafts can be removed with
+recurrent state keeps that many per-token copies so that rejected drafts can be removed with
 ``llama_memory_seq_rm``; llama-server sets it the same way).  Engine thread only.
 """
 
@@ -53,7 +53,7 @@ def target_model_params(mparams: Any) -> None:
 
 def target_context_params(cparams: Any, params: DraftParams) -> None:
     """Set what the target context needs for ``draft-mtp`` in its ``llama_context_params``: ``n_rs_seq`` =
-    ``n_max`` (recurrent-state snapshots for rolling back rejected drafts; llama-server's
+    ``n_max`` (recurrent-state copies for rolling back rejected drafts; llama-server's
     ``need_n_rs_seq``)."""
     cparams.n_rs_seq = max(cparams.n_rs_seq, params.n_max)
 
