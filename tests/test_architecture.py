@@ -245,6 +245,63 @@ def test_no_private_member_is_used_from_another_module() -> None:
     assert found == {}, found
 
 
+SIDE_FOLDERS = ("bench", "fuzz", "examples")
+"""The folders beside the package: the benches, the fuzzer and the examples (each module a script or a helper)."""
+
+
+def _side_private_uses(folder: str, tree: ast.Module, side_private: set[str]) -> list[str]:
+    """Where a module of ``folder`` (one of :data:`SIDE_FOLDERS`) uses another module's private member:
+    ``from m import _x`` (anything but a module of ``folder`` itself, such as ``bench/_table.py``), an
+    import from a private module of another folder or of the package (``hydra_trio.http._hyper``), and
+    ``obj._x`` for a private name that the package or a side module defines but this module does not."""
+    own = _own_private_names(tree)
+    siblings = {p.stem for p in (PKG.parent / folder).glob("*.py")}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            inside = node.level > 0 or mod.split(".")[0] == folder
+            if not inside and any(_is_private(part) for part in mod.split(".")):
+                found.append(f"{node.lineno}: {mod}")
+            found += [
+                f"{node.lineno}: {mod}.{a.name}"
+                for a in node.names
+                if _is_private(a.name) and not (inside and mod in ("", folder) and a.name in siblings)
+            ]
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in PACKAGE_PRIVATE or node.attr in side_private:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda f: int(f.split(":")[0]))
+
+
+def test_the_benches_and_the_fuzzer_use_no_private_name_of_another_module() -> None:
+    """The rule of :func:`test_no_private_member_is_used_from_another_module` for ``bench/``, ``fuzz/`` and
+    ``examples/``: what a bench takes from another bench, or from the package, is public."""
+    tree = ast.parse(
+        "from bench.kv_transfer import _put_bytes, prefill\nfrom bench._table import Row\nfrom bench import _decode\n"
+        "from hydra_trio.http._hyper import H\nfrom hydra_trio.models.presets import _smollm2\n"
+        "def f(e):\n    e._hand_off.emit()\n    self._mine = 1"
+    )
+    assert _side_private_uses("bench", tree, {"_put_bytes"}) == [
+        "1: bench.kv_transfer._put_bytes",
+        "4: hydra_trio.http._hyper",
+        "5: hydra_trio.models.presets._smollm2",
+        "7: e._hand_off",
+    ]
+    trees = {
+        p: ast.parse(p.read_text()) for folder in SIDE_FOLDERS for p in sorted((PKG.parent / folder).rglob("*.py"))
+    }
+    side_private = set().union(*(_own_private_names(tree) for tree in trees.values()))
+    found = {
+        str(p.relative_to(PKG.parent)): lines
+        for p, tree in trees.items()
+        if (lines := _side_private_uses(p.relative_to(PKG.parent).parts[0], tree, side_private))
+    }
+    assert found == {}, found
+
+
 TOP_LEVEL = {
     "hydra_trio",
     "hydra_trio.__main__",

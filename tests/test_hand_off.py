@@ -154,9 +154,9 @@ def test_llama_decode_lets_other_python_threads_run() -> None:
     The switch interval is made long, so the only way the other thread runs while this one holds the
     GIL is this thread letting it go: the count is 0 unless the call released it."""
     from hydra_trio.engine.llama.model import LoadedModel
-    from hydra_trio.models.presets import _smollm2
+    from hydra_trio.models.presets import smollm2_path
 
-    m = LoadedModel(_smollm2(), n_ctx=512, n_parallel=1, n_batch=256, n_threads=1)
+    m = LoadedModel(smollm2_path(), n_ctx=512, n_parallel=1, n_batch=256, n_threads=1)
     counter = [0]
     stop = threading.Event()
 

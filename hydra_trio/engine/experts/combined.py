@@ -78,6 +78,8 @@ def _on_ggml_abort(message: bytes) -> None:
     # ggml-RPC's client sends from its own thread, so the abort may come from
     # there: any RPC abort while peers are attached is a peer failure
     victims = [worker] if worker is not None else ([*_live_workers] if "RPC" in text else [])
+    # threading._DummyThread: the class Python gives a thread it did not start (a C library's own); the
+    # threading module offers no public test for "not started by Python", so the class is checked
     if not victims and "RPC" in text and isinstance(threading.current_thread(), threading._DummyThread):
         # ggml-RPC's own thread (not one Python started) of a connection whose worker was retired
         # (PeerWorker.retire): park it; the process has nothing else waiting on it
