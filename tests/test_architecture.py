@@ -509,6 +509,48 @@ def test_the_rest_of_the_package_uses_the_engine_through_its_public_names() -> N
         getattr(engine, n)
 
 
+FRONT_ENDS = ("service", "openai", "http", "hydra")
+"""The layers that serve requests: they read the served model as a :class:`~hydra_trio.engine.view.ModelView`."""
+
+
+def _model_reads(tree: ast.AST) -> list[int]:
+    """Lines that take llama.cpp's model object from the engine (``e.model``, ``engine.solo_model``,
+    ``self.engine.model``...) or name ``LoadedModel``, instead of ``Engine.model_view``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("model", "solo_model"):
+            receiver = node.value
+            engine = (isinstance(receiver, ast.Name) and receiver.id in ("e", "engine")) or (
+                isinstance(receiver, ast.Attribute) and receiver.attr == "engine"
+            )
+            if engine or node.attr == "solo_model":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Name) and node.id == "LoadedModel":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.alias) and node.name == "LoadedModel":
+            lines.append(getattr(node, "lineno", 0))
+    return sorted(lines)
+
+
+def test_front_ends_read_the_model_through_its_view() -> None:
+    """The service, the OpenAI shapes, HTTP and Hydra use the served model through ``Engine.model_view`` (the
+    small :class:`~hydra_trio.engine.view.ModelView`: template, tokenizer, vocabulary, grammar check, facts),
+    never ``Engine.model`` / ``Engine.solo_model`` (llama.cpp's handles, the engine thread's own)."""
+    assert _model_reads(ast.parse("m = e.solo_model or e.model\nx = self.engine.model.n_vocab\nbody.model")) == [
+        1,
+        1,
+        2,
+    ]
+    assert _model_reads(ast.parse("from hydra_trio.engine import LoadedModel\nm = e.model_view")) == [1]
+    found = {
+        name: lines
+        for name, path in MODULES.items()
+        if name.split(".")[1:2] and name.split(".")[1] in FRONT_ENDS
+        if (lines := _model_reads(ast.parse(path.read_text())))
+    }
+    assert found == {}, found
+
+
 def _public_type_names(name: str) -> set[str]:
     """The public classes and type aliases (``X: TypeAlias = ...``) a module defines, at any depth."""
     out = set()

@@ -40,6 +40,7 @@ from .settings import EngineConfig, RequestDefaults, SamplingParams
 from .snapshot import EngineSnapshot
 from .stats import EngineStats
 from .tasks import CancelCompletion, EngineTask, StartCompletion, Stop
+from .view import ModelView
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -141,6 +142,14 @@ class Engine:
     @property
     def solo_model(self) -> LoadedModel | None:
         return self.experts.solo
+
+    @property
+    def model_view(self) -> ModelView | None:
+        """The served model as a front end sees it (:class:`~hydra_trio.engine.view.ModelView`: chat template,
+        tokenizer, vocabulary, grammar check, facts; any thread): the SOLO model, whose file, vocabulary and
+        template a COMBINED one shares; None before the model loads.  :attr:`model` and :attr:`solo_model`
+        (llama.cpp's handles) are the engine's own."""
+        return self.solo_model or self.model
 
     @property
     def slots(self) -> list[Slot]:
