@@ -35,7 +35,7 @@ from .lifecycle import ModelLifecycle, Stage
 from .llama.model import LoadedModel, ModelIdentity
 from .loop import EngineLoop
 from .quants import QuantSet
-from .requests import CompletionJob, LiveRequests, RequestHandle, StepHandOff
+from .requests import CompletionJob, JobHandle, LiveJobs, StepHandOff
 from .settings import EngineConfig, RequestDefaults, SamplingParams
 from .snapshot import EngineSnapshot
 from .stats import EngineStats
@@ -72,8 +72,8 @@ class Engine:
         self.request_defaults = RequestDefaults(config.sampling, config.n_predict, config.generation)
         """What a request leaves out gets (CONFIGURE tier 1 swaps a new immutable object in: one assignment, so
         a thread that reads it once sees one consistent pair; :meth:`defaults`, :meth:`default_n_predict`)."""
-        self._hand_off = StepHandOff()  # the requests' token events, one hand-over to trio per step
-        self.live = LiveRequests()  # the requests in flight (trio side); live.end_all ends them as the node stops
+        self._hand_off = StepHandOff()  # the jobs' token events, one hand-over to trio per step
+        self.live = LiveJobs()  # the jobs in flight (trio side); live.end_all ends them as the node stops
         self.models = ModelLifecycle(config, self.events, self.stats, self._hand_off)
         """The served model, its identity, its scheduler and the prompt cache (engine thread)."""
         self.loop = EngineLoop(self.models, self.execute, lambda: self.stats.n_decode_total)
@@ -186,8 +186,8 @@ class Engine:
 
     def slots_info(self, params: Callable[[CompletionJob], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits: :meth:`SlotSnapshot.info`,
-        ``params`` formats a slot's request), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
-        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`); an embeddings request's too (``LiveRequests.busy``)."""
+        ``params`` formats a slot's job), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
+        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`); an embeddings request's too (``LiveJobs.busy``)."""
         kv, pc, busy = self.kv_cache(), self.prompt_cache.info(), self.live.busy
         return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc, **busy(s.id)} for s in self.snapshot.slots]
 
@@ -256,7 +256,7 @@ class Engine:
         if self.config.embeddings:
             raise InvalidRequest(EMBEDDING_ONLY)
 
-    def submit(self, job: CompletionJob) -> RequestHandle:
+    def submit(self, job: CompletionJob) -> JobHandle:
         """Queue a completion; events arrive on ``handle.events`` (see :class:`~hydra_trio.engine.requests.JobRun`).
 
         Raises:
@@ -277,12 +277,12 @@ class Engine:
         if job.id_slot >= len(self.slots):
             job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None
-        handle = RequestHandle(job, self._trio_token, self._hand_off, self.live)  # Stopping once the node stopped
+        handle = JobHandle(job, self._trio_token, self._hand_off, self.live)  # Stopping once the node stopped
         self.loop.inbox.put(StartCompletion(handle, trace_id=job.request_id))
         return handle
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """Stop a request and free its slot at the next step (idempotent): the handle is marked at once (a
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop a job and free its slot at the next step (idempotent): the handle is marked at once (a
         step in progress sees it) and a :class:`~.tasks.CancelCompletion` wakes an idle engine thread."""
         if not handle.cancelled:
             handle.cancelled = True

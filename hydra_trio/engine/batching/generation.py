@@ -9,7 +9,7 @@ context); a slot that speculates had its draft verified in the same batch, and
 :meth:`Generation.verify` keeps the drafted tokens the target agrees with, as llama-server's
 ``common_sampler_sample_and_accept_n`` does (the distribution of the output is the target's: each
 position is sampled by the target's chain, and a draft token counts only when it is the token sampled).
-Engine thread only; events go out through ``RequestHandle.emit``, which never blocks.
+Engine thread only; events go out through ``JobHandle.emit``, which never blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import llama_cpp
 from ...errors import HydraTrioError
 from ..kv.state import save_slot
 from ..llama.model import LoadedModel
-from ..requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
+from ..requests import Failed, Finished, JobHandle, StepHandOff, TextDelta
 from ..stats import EngineStats
 from .kv_cells import shared_cells, shift_context
 from .sampling import grammar_allows, sample_next, token_probs
@@ -282,7 +282,7 @@ class Generation:
         if slot.sampler is not None:
             llama_cpp.llama_sampler_free(slot.sampler)
         slot.last_used = time.monotonic()
-        slot.reset_request()
+        slot.reset_job()
 
     def publish_end(self, slot: Slot, type_: str, error: Exception) -> None:
         """``slot.failed`` / ``slot.cancelled`` for the request running on ``slot`` (before its release)."""
@@ -291,7 +291,7 @@ class Generation:
             type_, slot.handle.job.request_id, slot=slot.id, n_decoded=slot.n_decoded, error=str(error)
         )
 
-    def fail(self, slot: Slot, type_: str, error: HydraTrioError) -> RequestHandle:
+    def fail(self, slot: Slot, type_: str, error: HydraTrioError) -> JobHandle:
         """End ``slot``'s request with ``error`` (published as ``type_``); the caller sends the event."""
         handle = slot.handle
         assert handle is not None
@@ -299,7 +299,7 @@ class Generation:
         self.release(slot)
         return handle
 
-    def end(self, handles: list[RequestHandle], event: Finished | Failed) -> None:
+    def end(self, handles: list[JobHandle], event: Finished | Failed) -> None:
         """Tell ``handles`` (whose slots are released) that they ended with ``event``, after the scheduler's
         ``publish()`` (the engine's snapshot), so a client's next status read sees its slot as the engine
         left it."""

@@ -39,7 +39,7 @@ import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from ..settings import LlamaOptions
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 from .drafting import DraftBatch, DraftParams, pick_greedy, seq_state, set_seq_state, sync_seq
 
 _STATE_MAGIC = b"HTMTP\x01"
@@ -167,10 +167,10 @@ class DraftMtp(Drafter):
             self.pending_pos[seq] = pos0[seq] + len(idx) - 1
         return True
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        active: dict[int, tuple[DraftRequest, int]] = {}  # slot -> (request, its entry in the batch)
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        active: dict[int, tuple[SlotDraft, int]] = {}  # slot -> (its draft, its entry in the batch)
         self.batch.clear()
-        for r in requests:
+        for r in drafts:
             r.result.clear()
             if min(r.n_max, self.params.n_max) <= 0:
                 continue
@@ -181,7 +181,7 @@ class DraftMtp(Drafter):
             )
         try:
             while active and self.batch.decode() == 0:
-                step: dict[int, tuple[DraftRequest, int]] = {}
+                step: dict[int, tuple[SlotDraft, int]] = {}
                 picks = []
                 for seq, (r, idx) in active.items():
                     token, p = pick_greedy(self.ctx_dft, idx, self.n_vocab)
@@ -199,7 +199,7 @@ class DraftMtp(Drafter):
                     step[seq] = (r, self.batch.add(token, r.pos0 + len(r.result), seq, True, h))
                 active = step
         finally:
-            for r in requests:  # the MTP context as before: process() feeds the verification batch in
+            for r in drafts:  # the MTP context as before: process() feeds the verification batch in
                 llama_cpp.llama_memory_seq_rm(self.mem, r.id_slot, r.pos0, -1)
                 if len(r.result) < self.params.n_min:
                     r.result.clear()
