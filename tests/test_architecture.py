@@ -551,6 +551,45 @@ def test_front_ends_read_the_model_through_its_view() -> None:
     assert found == {}, found
 
 
+def _error_classes() -> set[str]:
+    """The names of the package's exception classes (a class whose bases lead to ``Exception``)."""
+    bases = {
+        node.name: {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+        for tree in TREES.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+    errors = {"BaseException", "Exception", "ValueError", "TypeError", "RuntimeError", "OSError", "ConnectionError"}
+    while more := {n for n, b in bases.items() if n not in errors and b & errors}:
+        errors |= more
+    return errors & set(bases)
+
+
+def _second_names(tree: ast.AST, errors: set[str]) -> list[str]:
+    """Where a module gives one of ``errors`` another name: ``Alias = SomeError`` or ``import SomeError as
+    Alias``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)):
+            value = ast.unparse(node.value).rsplit(".", 1)[-1]
+            if value in errors:
+                found += [f"{node.lineno}: {ast.unparse(t)} = {value}" for t in node.targets]
+        elif isinstance(node, ast.alias) and node.asname not in (None, node.name) and node.name in errors:
+            found.append(f"{node.lineno}: {node.name} as {node.asname}")
+    return found
+
+
+def test_each_error_class_has_one_name() -> None:
+    """One error, one name: no module binds an error class of the package to a second name (an alias such as
+    ``RequestError = MessageError``, or ``import X as Y``), so a search for the name finds every use."""
+    errors = _error_classes()
+    assert {"MessageError", "InvalidRequest", "HydraError", "StateError"} <= errors
+    sample = "RequestError = msg.MessageError\nfrom x import Busy as Refused\nLIMIT = MAX\nfrom y import Busy"
+    assert _second_names(ast.parse(sample), errors) == ["1: RequestError = MessageError", "2: Busy as Refused"]
+    found = {name: lines for name, tree in TREES.items() if (lines := _second_names(tree, errors))}
+    assert found == {}, found
+
+
 def _public_type_names(name: str) -> set[str]:
     """The public classes and type aliases (``X: TypeAlias = ...``) a module defines, at any depth."""
     out = set()
