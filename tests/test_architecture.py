@@ -329,6 +329,7 @@ LAYERS = (
     "protocol",
     "validation",
     "models",
+    "router",
 )
 
 LAYER_ORDER: tuple[tuple[str, ...], ...] = (
@@ -341,7 +342,7 @@ LAYER_ORDER: tuple[tuple[str, ...], ...] = (
     ("service",),  # what every front end calls: completions, slots, node facts, metrics, stats
     ("http", "hydra"),  # the front ends: decode, route, encode
     ("config",),  # the settings of a whole node
-    ("node",),  # the composition root
+    ("node", "router"),  # the composition root; router mode's (its models' children serve them)
     ("testing", "client"),  # test helpers; the watch client
     ("cli",),  # the command line
     ("", "__main__"),  # the public API (``hydra_trio/__init__.py``) and ``python -m hydra_trio``
@@ -406,6 +407,9 @@ def test_layers() -> None:
     for name in MODULES:
         deps = _imports(name)
         layer = _layer(name)
+        if layer == "router":  # router mode: children serve the models; the router loads none itself
+            outside = {d for d in deps if _layer(d) in ("engine", "service", "openai", "hydra", "rpc_backend")}
+            assert outside == set(), f"{name} imports {outside}"
         if name in leaves:
             assert deps == set(), f"{name} imports {deps}"
         if layer != "testing":

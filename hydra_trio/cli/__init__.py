@@ -154,6 +154,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         apply_environment(run, RUN_FLAGS, dict(os.environ if environ is None else environ))
         args = parser.parse_args(argv)
         _check_run(run, args)
+        args.argv = argv[1:]  # router mode passes the command line's flags on to its models
         return args
     return parser.parse_args(argv)
 
@@ -163,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     func = getattr(args, "func", None)
     if func is not None:  # a client command
         return func(args)
+    from .router import is_router, run_router
+
+    if is_router(args):  # no -m, and --models-preset or --models-dir: llama-server's router mode
+        return run_router(args, parse_args)
     from .run import run_node
 
     return run_node(args)

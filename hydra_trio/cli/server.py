@@ -11,7 +11,6 @@ from . import _types as t
 from ._flags import ACCEPTED, REFUSED, WIRED, Flag
 
 NO_RERANK = "this node has no reranking endpoint"
-NO_ROUTER = "one model per node: llama-server's router mode (models directory, presets) is not supported"
 NO_UI = "the node serves its own status page at /, not llama-server's web UI"
 
 
@@ -169,7 +168,13 @@ FLAGS: list[Flag] = [
         env="LLAMA_ARG_ALIAS",
         lands="EngineConfig.model_alias",
     ),
-    V(("--tags",), ACCEPTED, "model tags are for llama-server's router mode", value="STRING", env="LLAMA_ARG_TAGS"),
+    V(
+        ("--tags",),
+        ACCEPTED,
+        "a model's tags are for router mode: a preset's tags are listed by /models",
+        value="STRING",
+        env="LLAMA_ARG_TAGS",
+    ),
     V(
         ("--embd-normalize",),
         WIRED,
@@ -404,15 +409,46 @@ FLAGS: list[Flag] = [
         type=t.existing_directory,
         lands="EngineConfig.media.media_path",
     ),
-    V(("--models-dir",), REFUSED, NO_ROUTER, value="PATH", env="LLAMA_ARG_MODELS_DIR"),
-    V(("--models-preset",), REFUSED, NO_ROUTER, value="PATH", env="LLAMA_ARG_MODELS_PRESET"),
-    V(("--models-max",), REFUSED, NO_ROUTER, value="N", env="LLAMA_ARG_MODELS_MAX"),
+    V(
+        ("--models-dir",),
+        WIRED,
+        "router mode (no -m): every GGUF of this directory is a model (a folder holding "
+        "one with its mmproj-*.gguf is one model), as llama-server",
+        value="PATH",
+        type=t.existing_directory,
+        env="LLAMA_ARG_MODELS_DIR",
+        lands="RouterSettings.models",
+    ),
+    V(
+        ("--models-preset",),
+        WIRED,
+        "router mode (no -m): the models are the sections of this INI file, keys are "
+        "flags, as llama-server (docs/router.md)",
+        value="PATH",
+        type=t.existing_file,
+        env="LLAMA_ARG_MODELS_PRESET",
+        lands="RouterSettings.models",
+    ),
+    V(
+        ("--models-max",),
+        WIRED,
+        "router mode: most models loaded at once; loading one more first unloads the "
+        "least recently used idle one (default: 4, 0 = unlimited)",
+        value="N",
+        type=t.int_range(0, t.INT32_MAX),
+        default=4,
+        env="LLAMA_ARG_MODELS_MAX",
+        lands="RouterSettings.models_max",
+    ),
     V(
         ("--models-autoload",),
-        ACCEPTED,
-        "one model per node, loaded at start",
+        WIRED,
+        "router mode: a request for a model that is not loaded loads it (default: on; "
+        "a request's ?autoload=true|false decides for itself)",
         neg=("--no-models-autoload",),
+        default=True,
         env="LLAMA_ARG_MODELS_AUTOLOAD",
+        lands="RouterSettings.models_autoload",
     ),
     V(
         ("--jinja",),

@@ -1,0 +1,113 @@
+"""What verifying a draft costs on this machine: the target's decode time against the rows of its batch, at
+several context lengths, and the speed-up speculative decoding can reach at most with it.
+
+    .venv/bin/python bench/verify_cost.py [--contexts 256,2048,6144] [--rows 1,2,4,8,16,24] [--reps 7] [-t 2]
+
+Loads the default model (SmolLM2-135M, ``-c 8192``), fills one sequence with ``N`` tokens for each context
+length, then times ``llama_decode`` of a batch of ``R`` rows at the next positions (logits at every row, as a
+verification asks) and removes them again, ``--reps`` times per size (the median counts).  Per context it
+fits ``seconds ≈ c0 + c1 × rows`` (least squares) and prints ``r = c1 / c0``, the figure
+``--spec-budget-row-cost`` stands for (engine/speculative/budget.py), and the ceiling of a draft's speed-up
+over decoding one token at a time for a drafted token's acceptance chance ``a``:
+``max over L of (1 + a + ... + a^L) × (c0 + c1) / (c0 + c1 × (L + 1))`` — what a drafter whose tokens are
+accepted with chance ``a`` each (given the ones before were) gains at best when every step drafts.  Run on a
+quiet machine: the figures are wall-clock times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import llama_cpp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from hydra_trio.models.presets import resolve_model  # noqa: E402
+
+
+def ceiling(r: float, a: float, n_max: int = 64) -> tuple[float, int]:
+    """``(speed-up, L)``: the best draft length's tokens per unit of cost over plain decoding's."""
+    best, best_l, gain, term = 1.0, 0, 1.0, 1.0
+    for length in range(1, n_max + 1):
+        term *= a
+        gain += term
+        rate = gain * (1 + r) / (1 + r * (length + 1))
+        if rate > best:
+            best, best_l = rate, length
+    return best, best_l
+
+
+def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    n = len(points)
+    sx = sum(x for x, _ in points)
+    sy = sum(y for _, y in points)
+    sxx = sum(x * x for x, _ in points)
+    sxy = sum(x * y for x, y in points)
+    c1 = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    return (sy - c1 * sx) / n, c1
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="256,2048,6144")
+    ap.add_argument("--rows", default="1,2,4,8,16,24")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    a = ap.parse_args()
+    contexts = [int(x) for x in a.contexts.split(",")]
+    rows = [int(x) for x in a.rows.split(",")]
+    path, _ = resolve_model("smollm2-135m")
+    llama_cpp.llama_backend_init()
+    mparams = llama_cpp.llama_model_default_params()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 8192, 512, 512
+    cparams.n_threads = cparams.n_threads_batch = a.threads
+    ctx = llama_cpp.llama_init_from_model(model, cparams)
+    mem = llama_cpp.llama_get_memory(ctx)
+    batch = llama_cpp.llama_batch_init(512, 0, 1)
+    rng = random.Random(5)
+
+    def decode(tokens: list[int], pos0: int, logits_all: bool) -> float:
+        batch.n_tokens = len(tokens)
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos0 + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = logits_all or i == len(tokens) - 1
+        t0 = time.perf_counter()
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return time.perf_counter() - t0
+
+    print(f"model {path.name}, -t {a.threads}, rows {rows}, {a.reps} reps each (median)", flush=True)
+    print(f"{'context':>8} {'c0 ms':>7} {'c1 ms':>7} {'r':>6}   ceiling at a=0.5 / 0.7 / 0.9 (best L)")
+    filled = 0
+    for n in sorted(contexts):
+        while filled < n:
+            chunk = [rng.randrange(1000, 40000) for _ in range(min(512, n - filled))]
+            decode(chunk, filled, False)
+            filled += len(chunk)
+        points = []
+        for r in rows:
+            times = []
+            for _ in range(a.reps):
+                times.append(decode([rng.randrange(1000, 40000) for _ in range(r)], n, True))
+                llama_cpp.llama_memory_seq_rm(mem, 0, n, -1)
+            points.append((r, statistics.median(times)))
+        c0, c1 = fit(points)
+        ratio = c1 / c0 if c0 > 0 else float("inf")
+        ceil = "  ".join(f"{s:.2f}x (L={length})" for s, length in (ceiling(ratio, p) for p in (0.5, 0.7, 0.9)))
+        shown = " ".join(f"{r}:{t * 1000:.1f}" for r, t in points)
+        print(f"{n:>8} {c0 * 1000:7.2f} {c1 * 1000:7.2f} {ratio:6.3f}   {ceil}   [{shown} ms]", flush=True)
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,425 @@
+"""The router's models and their child nodes: load, unload, the ``--models-max`` limit (least recently used
+first), waiting for a model to serve, as llama-server's ``server_models`` (``tools/server/server-models.cpp`` of
+the llama.cpp that llama-cpp-python 0.3.36 vendors).
+
+Each loaded model is a child node (``python -m hydra_trio`` with the model's flags) on a free loopback port,
+supervised here: its output goes to the router's log line by line (``[port] ...``), it serves once its
+``GET /health`` answers 200 (then its ``GET /v1/models`` entry joins the router's), and when it exits its model is
+``unloaded`` again, ``failed`` with its exit code when that is not 0 (a signal N counts as 128 + N).  A stop is
+SIGTERM (the node drains its requests), then SIGKILL after the model's ``stop-timeout``; a model still loading is
+killed at once.  A child runs in its own session (a terminal's Ctrl-C reaches the router, which stops the
+children) and dies with the router (``PR_SET_PDEATHSIG``).
+
+Statuses (``status.value``): ``unloaded``, ``loading``, ``loaded``.  A model that failed to load is
+``unloaded`` with ``failed: true`` and its ``exit_code``, as llama-server says it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from ..errors import InvalidRequest, ModelLoadError
+from ..transport.net import free_port
+from .errors import ModelUnavailable
+from .presets import SET_BY_ROUTER, ModelPreset, OptionTable
+
+log = logging.getLogger("hydra_trio.router")
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request relayed or health poll
+child_log = logging.getLogger("hydra_trio.router.child")
+
+CHILD_HOST = "127.0.0.1"
+"""Where children listen (loopback, whatever the router binds)."""
+
+READY_POLL_S = 0.1
+"""Seconds between two ``GET /health`` of a child that loads."""
+
+UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
+
+
+@attrs.frozen
+class RouterSettings:
+    """The router's own settings.
+
+    Attributes:
+        models_max: most models running at once (loading or loaded); 0 or less: no limit (``--models-max``).
+        models_autoload: a request for a model that is not running loads it (``--[no-]models-autoload``);
+            a request's ``?autoload=`` decides for itself.
+        launcher: the command a child node starts with, before its flags.
+    """
+
+    models_max: int = 4
+    models_autoload: bool = True
+    launcher: tuple[str, ...] = (sys.executable, "-m", "hydra_trio")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class ModelInstance:
+    """One model of the router: its preset, its state, its child while it runs.
+
+    Attributes:
+        name, aliases, tags, source: what ``/models`` lists (aliases and tags from ``--alias`` / ``--tags``).
+        preset: the model's options (without what the router sets).
+        status: ``unloaded``, ``loading`` or ``loaded``.
+        exit_code: the last child's exit status (not 0: it failed).
+        port: the child's port (0 before the first load).
+        last_used: ``time.monotonic()`` of its load or last POST (the least recently used unloads first).
+        requests: requests being proxied to it.
+        stopping: a stop was asked and the child has not exited yet.
+        info: the child's ``/v1/models`` entry once it serves.
+    """
+
+    def __init__(
+        self,
+        preset: ModelPreset,
+        table: OptionTable,
+        launcher: tuple[str, ...],
+        stop_timeout: float,
+        modalities: tuple[str, ...] = ("text",),
+    ) -> None:
+        self.name = preset.name
+        self.source = preset.source
+        self.aliases = sorted({a.strip() for a in (preset.get("--alias") or "").split(",") if a.strip()})
+        self.tags = sorted({a.strip() for a in (preset.get("--tags") or "").split(",") if a.strip()})
+        self.preset = preset.without(SET_BY_ROUTER)
+        self.table = table
+        self.launcher = launcher
+        self.stop_timeout = stop_timeout
+        self.modalities = modalities
+        self.status = UNLOADED
+        self.exit_code = 0
+        self.port = 0
+        self.last_used = 0.0
+        self.requests = 0
+        self.stopping = False
+        self.info: dict[str, Any] = {}
+        self.process: trio.Process | None = None
+        self.kill_scope: trio.CancelScope | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.status in (LOADING, LOADED)
+
+    @property
+    def failed(self) -> bool:
+        return self.status == UNLOADED and self.exit_code != 0
+
+    def args(self) -> list[str]:
+        """The child's command: the launcher, then the model's flags with the router's ``--host``, ``--port``,
+        ``--alias`` (its name) and ``--no-rpc-backend`` (a child lends no compute over ggml-RPC), in
+        llama-server's order."""
+        set_here = {"--host": CHILD_HOST, "--port": str(self.port), "--alias": self.name, "--no-rpc-backend": "true"}
+        top = {(o := self.table.option(k.lstrip("-"), v, self.name)).spec.names[0]: o for k, v in set_here.items()}
+        return [*self.launcher, *self.preset.under(top).argv()]
+
+    def entry(self, created: int) -> dict[str, Any]:
+        """This model in ``GET /models``, llama-server's shape::
+
+            {"id", "aliases", "tags", "object": "model", "owned_by", "created",
+             "status": {"value", "args", "preset"[, "exit_code", "failed": true]},
+             "architecture": {"input_modalities", "output_modalities"}, "source", "can_remove": false}
+
+        and, while it runs, the keys of the child's own entry not already there (``meta``)."""
+        status: dict[str, Any] = {
+            "value": self.status,
+            "args": self.args(),
+            "preset": self.preset.without(("--tags",)).ini(),
+        }
+        if self.failed:
+            status.update(exit_code=self.exit_code, failed=True)
+        out: dict[str, Any] = {
+            "id": self.name,
+            "aliases": self.aliases,
+            "tags": self.tags,
+            "object": "model",
+            "owned_by": "hydra-trio",
+            "created": created,
+            "status": status,
+            "architecture": {"input_modalities": list(self.modalities), "output_modalities": ["text"]},
+            "source": self.source,
+            "can_remove": False,
+        }
+        if self.running:
+            for k, v in self.info.items():
+                out.setdefault(k, v)
+        return out
+
+
+class ModelRouter:
+    """The models of a router node and their children (the module docstring); run :meth:`run` in a nursery
+    first.  Every change of a model's state wakes the requests that wait for one (:meth:`ensure_ready`)."""
+
+    def __init__(
+        self, models: list[ModelInstance], settings: RouterSettings, environ: Mapping[str, str] | None = None
+    ) -> None:
+        self.models = {m.name: m for m in sorted(models, key=lambda m: m.name.encode())}
+        """By name, as llama-server lists them (its models are a ``std::map``)."""
+        self.settings = settings
+        self.environ = dict(environ) if environ is not None else None
+        self.wanted: dict[str, int] = {}
+        """Requests waiting for each model to serve: such a model is never the one unloaded for another."""
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+
+    def find(self, name: str) -> ModelInstance | None:
+        """The model called ``name`` or with ``name`` among its aliases."""
+        if name in self.models:
+            return self.models[name]
+        return next((m for m in self.models.values() if name in m.aliases), None)
+
+    async def run(self, *, task_status: trio.TaskStatus[ModelRouter] = trio.TASK_STATUS_IGNORED) -> None:
+        """Supervise the children until cancelled; on the way out every child is stopped."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started(self)
+                await trio.sleep_forever()
+        finally:
+            with trio.CancelScope(shield=True):
+                for m in self.models.values():
+                    if m.process is not None and m.process.returncode is None:
+                        m.process.kill()
+                        await m.process.wait()
+                await self.client.aclose()
+
+    # ------------------------------------------------------------------------------------------ state
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()
+
+    def running_count(self) -> int:
+        return sum(m.running for m in self.models.values())
+
+    def has_capacity(self) -> bool:
+        return self.settings.models_max <= 0 or self.running_count() < self.settings.models_max
+
+    def pick_victim(self) -> ModelInstance | None:
+        """The least recently used model that may be unloaded for another: loaded, idle, not stopping, not
+        waited for (llama-server's ``pick_victim``)."""
+        idle = [
+            m
+            for m in self.models.values()
+            if m.status == LOADED and m.requests == 0 and not m.stopping and not self.wanted.get(m.name)
+        ]
+        return min(idle, key=lambda m: m.last_used, default=None)
+
+    # ------------------------------------------------------------------------------------------ load
+    async def load(self, m: ModelInstance) -> None:
+        """``POST /models/load`` and ``load-on-startup``: make room (unload the least recently used idle model
+        and wait for its exit) when ``--models-max`` is reached, then start the child; returns once it is
+        started (the model is ``loading``).  A model already running is left as it is.
+
+        Raises:
+            ModelUnavailable: the limit is reached and every running model is busy or loading.
+        """
+        if not self.has_capacity():
+            victim = self.pick_victim()
+            if victim is not None:
+                log.info("models_max limit reached, removing LRU name=%s", victim.name)
+                self.unload(victim)
+                while victim.running:
+                    await self._wait_change()
+        if m.status != UNLOADED:
+            return
+        if not self.has_capacity():
+            raise ModelUnavailable("model limit reached, try again later")
+        self._start(m)
+
+    def _start(self, m: ModelInstance) -> None:
+        assert self._nursery is not None, "ModelRouter.run is not running"
+        m.port = free_port(CHILD_HOST)
+        m.status, m.exit_code, m.info, m.stopping = LOADING, 0, {}, False
+        m.last_used = time.monotonic()
+        args = m.args()
+        log.info("spawning server instance with name=%s on port %d: %s", m.name, m.port, " ".join(args))
+        self._nursery.start_soon(self._supervise, m, args)
+        self._notify()
+
+    async def _supervise(self, m: ModelInstance, args: list[str]) -> None:
+        """One child's life: start it, relay its output, watch for it to serve, record its exit."""
+        from .presets import child_environment
+
+        try:
+            process = await trio.lowlevel.open_process(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=child_environment(self.environ),
+                preexec_fn=_die_with_parent,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            log.error("failed to spawn server instance name=%s: %s", m.name, exc)
+            m.status, m.exit_code = UNLOADED, 1
+            self._notify()
+            return
+        m.process = process
+        if m.stopping:  # unloaded while it was being started
+            process.kill()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_ready, m, process)
+                assert process.stdout is not None
+                await _relay_output(m.port, process.stdout)
+                await process.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            code = process.returncode if process.returncode is not None else -signal.SIGKILL
+            if m.kill_scope is not None:
+                m.kill_scope.cancel()
+            m.process, m.kill_scope = None, None
+            m.status, m.stopping = UNLOADED, False
+            m.exit_code = code if code >= 0 else 128 - code
+            log.info("instance name=%s exited with status %d", m.name, m.exit_code)
+            self._notify()
+
+    async def _watch_ready(self, m: ModelInstance, process: trio.Process) -> None:
+        base = f"http://{CHILD_HOST}:{m.port}"
+        while process.returncode is None:
+            try:
+                r = await self.client.get(f"{base}/health")
+                if r.status_code == 200:
+                    models = (await self.client.get(f"{base}/v1/models")).json()
+                    m.info = (models.get("data") or [{}])[0]
+                    if m.process is process and m.status == LOADING:
+                        m.status = LOADED
+                        log.info("model name=%s is loaded (port %d)", m.name, m.port)
+                        self._notify()
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass  # not listening yet, or stopped while asked
+            await trio.sleep(READY_POLL_S)
+
+    # ------------------------------------------------------------------------------------------ unload
+    def unload(self, m: ModelInstance) -> None:
+        """Stop ``m``'s child: killed at once while it loads, else SIGTERM and SIGKILL after its
+        ``stop-timeout``; returns at once (the model is ``unloaded`` when the child has exited)."""
+        process = m.process
+        if not m.running or m.stopping or process is None:
+            if m.status == LOADING and process is None:  # asked before its process started
+                m.stopping = True
+            return
+        m.stopping = True
+        log.info("stopping model instance name=%s", m.name)
+        if m.status == LOADING:
+            log.warning("model name=%s is still loading, force-killing", m.name)
+            process.kill()
+        else:
+            process.send_signal(signal.SIGTERM)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._kill_after, m, process)
+        self._notify()
+
+    async def _kill_after(self, m: ModelInstance, process: trio.Process) -> None:
+        with trio.CancelScope() as scope:
+            m.kill_scope = scope
+            await trio.sleep(m.stop_timeout)
+            if process.returncode is None:
+                log.warning("force-killing model instance name=%s after timeout", m.name)
+                process.kill()
+
+    async def unload_all(self) -> None:
+        """Stop every child and wait for them all to exit (the router's shutdown)."""
+        for m in self.models.values():
+            self.unload(m)
+        while any(m.running for m in self.models.values()):
+            await self._wait_change()
+
+    # ------------------------------------------------------------------------------------------ requests
+    async def ensure_ready(self, m: ModelInstance, should_stop: Callable[[], bool] | None = None) -> None:
+        """Wait until ``m`` serves, loading it when it is not running (a request with autoload), as
+        llama-server's ``ensure_model_ready``: when ``--models-max`` is reached the least recently used idle
+        model is unloaded for it, and when every running model is busy the request waits until one is idle.
+        Requests for one model share its one load.  A model being stopped serves again after a new load.
+
+        Raises:
+            ModelLoadError: its child exited before it served (``model name=X failed to load``).
+            InvalidRequest: it was unloaded by something else while this waited (``model name=X is not
+                running``).
+        """
+        if m.status == LOADED and not m.stopping:
+            return
+        self.wanted[m.name] = self.wanted.get(m.name, 0) + 1
+        started = saw_loading = False
+        try:
+            while True:
+                if m.stopping:
+                    await self._wait_change()
+                    continue
+                if m.status == LOADED:
+                    return
+                if m.status == LOADING:
+                    saw_loading = True
+                elif started or saw_loading:
+                    if m.failed:
+                        raise ModelLoadError(f"model name={m.name} failed to load")
+                    raise InvalidRequest(f"model name={m.name} is not running")
+                elif self.has_capacity():
+                    self._start(m)
+                    started = True
+                    continue
+                elif (victim := self.pick_victim()) is not None:
+                    log.info("evicting idle LRU name=%s for a queued request", victim.name)
+                    self.unload(victim)
+                await self._wait_change()
+        finally:
+            self.wanted[m.name] -= 1
+
+    def acquire(self, m: ModelInstance, *, used: bool) -> Callable[[], None]:
+        """Count a request proxied to ``m`` (``used``: a POST, which makes it the most recently used); returns
+        the release, which wakes the requests that wait for an idle model.
+
+        Raises:
+            InvalidRequest: ``m`` is not running (``model name=X is not running``).
+        """
+        if not m.running or m.stopping:
+            raise InvalidRequest(f"model name={m.name} is not running")
+        if used:
+            m.last_used = time.monotonic()
+        m.requests += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                m.requests -= 1
+                if m.requests == 0:
+                    self._notify()
+
+        return release
+
+
+async def _relay_output(port: int, stream: trio.abc.ReceiveStream) -> None:
+    """A child's output into the router's log, one record per line, ``[port] line``, until it closes."""
+    buffer = b""
+    async for chunk in stream:
+        buffer += chunk
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            child_log.info("[%5d] %s", port, line.decode("utf-8", "replace").rstrip("\r"))
+        if len(buffer) > 1 << 20:  # a child that never writes a newline does not grow this without bound
+            buffer = b""
+    if buffer:
+        child_log.info("[%5d] %s", port, buffer.decode("utf-8", "replace"))

@@ -1,0 +1,79 @@
+"""A router node: one listening port, the front door, the router's HTTP app and the children of its models."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from ..config import ServerConfig
+from ..http import HttpHandler
+from ..protocol.classify import Protocol
+from ..transport.access import new_refusals
+from ..transport.frontdoor import FrontDoor
+from ..transport.listen import open_tcp_listeners
+from .app import build_router_app
+from .models import ModelInstance, ModelRouter
+
+log = logging.getLogger("hydra_trio.router")
+
+
+class RouterServer:
+    """A running router (``await nursery.start(server.run)``): after ``start`` returns, :attr:`port` is bound
+    and the models marked ``load-on-startup`` are loading.  Only HTTP is served on the port (a Hydra or
+    ggml-RPC connection is closed, with a log line); ``config.engine`` and ``config.rpc_backend`` are not used.
+    """
+
+    def __init__(self, config: ServerConfig, router: ModelRouter, startup: list[ModelInstance]) -> None:
+        self.config = config
+        self.router = router
+        self.startup = startup
+        self.refused = new_refusals()
+        self.app = build_router_app(router, config.http, config.access, self.refused)
+        self.http = HttpHandler(self.app, config.http)
+        self.frontdoor = FrontDoor({Protocol.HTTP: self.http}, config.frontdoor)
+        self.port: int | None = None
+        self.stopped = trio.Event()
+        self._scope: trio.CancelScope | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[RouterServer] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen, start the ``load-on-startup`` models, serve until cancelled or :meth:`shutdown`.
+
+        Raises:
+            OSError: the port cannot be bound.
+        """
+        cfg = self.config
+        listeners = await open_tcp_listeners(cfg.port, cfg.host, cfg.reuse_port)
+        self.port = listeners[0].socket.getsockname()[1]
+        log.info(
+            "router listening on %s port %d (HTTP); %d models: %s",
+            cfg.host,
+            self.port,
+            len(self.router.models),
+            ", ".join(self.router.models),
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
+                await nursery.start(self.router.run)
+                await nursery.start(self.frontdoor.serve, listeners)
+                for m in self.startup:
+                    log.info("(startup) loading model %s", m.name)
+                    await self.router.load(m)
+                task_status.started(self)
+        finally:
+            self.stopped.set()
+            for listener in listeners:
+                with trio.CancelScope(shield=True):
+                    await listener.aclose()
+
+    async def shutdown(self, grace: float) -> None:
+        """Stop accepting, stop every child (each within its ``stop-timeout``), then stop; ``grace`` bounds
+        the wait for the router's own connections."""
+        self.frontdoor.stop_accepting()
+        await self.http.drain()
+        await self.router.unload_all()
+        with trio.move_on_after(grace):
+            await self.frontdoor.wait_no_connections()
+        if self._scope is not None:
+            self._scope.cancel()
