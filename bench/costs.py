@@ -69,9 +69,9 @@ def main() -> None:
     # the tokenizer alone, no limit: linear in the messages
     from hydra_trio.engine.llama.model import LoadedModel
     from hydra_trio.engine.llama.tokenize import tokenize_bytes
-    from hydra_trio.models.presets import _smollm2
+    from hydra_trio.models.presets import smollm2_path
 
-    m = LoadedModel(_smollm2(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
+    m = LoadedModel(smollm2_path(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
     m.special_tokens  # noqa: B018  (read once, as the first request does)
     for n in (10_000, 20_000, 40_000):
         prompt, _ = m.apply_chat_template([{"role": "user", "content": "hi"}] * n)

@@ -157,7 +157,7 @@ def main() -> None:
     import trio
 
     import hydra_trio.transport.tls_bulk as cc  # the client's plain-TCP loops are called from here
-    from bench.kv_transfer import MB, _put_bytes, grown_blob, prefill, slot_size
+    from bench.kv_transfer import MB, grown_blob, prefill, put_bytes, slot_size
     from hydra_trio.hydra.client import HydraClient
     from hydra_trio.testing.spawn import free_port, wait_healthy
 
@@ -211,7 +211,7 @@ def main() -> None:
             seed = trio.run(seed_get)
             n_tokens = round((a.mb * MB - (s1 - per_token * n1)) / per_token)
             grown = grown_blob(seed, n_tokens, prompt)
-            trio.run(_put_bytes, port, grown)
+            trio.run(put_bytes, port, grown)
             size = len(grown)
             del grown
             print(f"slot 0: {n_tokens} tokens, blob {size / MB:.1f} MB", flush=True)

@@ -248,7 +248,8 @@ async def _get_bytes(port: int) -> bytes:
         return (await c.state_get_bytes(0))[1]
 
 
-async def _put_bytes(port: int, blob: bytes) -> None:
+async def put_bytes(port: int, blob: bytes) -> None:
+    """STATE_PUT ``blob`` (a whole KV state blob, bytes) into slot 0 of the node on ``port`` (127.0.0.1)."""
     async with HydraClient("127.0.0.1", port, timeout=600) as c:
         await c.state_put(0, blob)
 
@@ -346,7 +347,7 @@ def main() -> None:
                 else:
                     grown = grown_blob(seed, n_tokens, prompt)
                     with PeakRss(node.pid) as fill:  # the first STATE_PUT of this size: it makes the pool's buffer
-                        trio.run(_put_bytes, port, grown)
+                        trio.run(put_bytes, port, grown)
                     fill_rss = fill.extra / len(grown)
                     del grown
                 how = "prefill" if a.prefill else "blob built and put"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.engine.speculative.base import DraftRequest  # noqa: E402
+from hydra_trio.engine.speculative.base import SlotDraft  # noqa: E402
 from hydra_trio.engine.speculative.combine import Speculative, make_speculative  # noqa: E402
 from hydra_trio.engine.speculative.settings import SpecSettings, apply_option  # noqa: E402
 
@@ -127,13 +127,13 @@ def replay(spec: Speculative, turns: list[tuple[list[int], list[int]]]) -> dict[
         pos, id_last = 0, hist[-1]
         tokens = hist[:-1]
         while pos < len(answer):
-            req = DraftRequest(0, spec.n_max, len(tokens) + 1, id_last, tokens)
+            sd = SlotDraft(0, spec.n_max, len(tokens) + 1, id_last, tokens)
             t0 = time.perf_counter()
-            spec.draft([req])
+            spec.draft([sd])
             n_acc = 0
-            while n_acc < len(req.result) and pos + n_acc < len(answer) and req.result[n_acc] == answer[pos + n_acc]:
+            while n_acc < len(sd.result) and pos + n_acc < len(answer) and sd.result[n_acc] == answer[pos + n_acc]:
                 n_acc += 1
-            if req.result:
+            if sd.result:
                 spec.accept(0, n_acc)
             dt = time.perf_counter() - t0
             steps += 1
@@ -142,7 +142,7 @@ def replay(spec: Speculative, turns: list[tuple[list[int], list[int]]]) -> dict[
             if len(tokens) > 15000:
                 late_steps += 1
                 t_late += dt
-            drafted += len(req.result)
+            drafted += len(sd.result)
             accepted += n_acc
             tokens.append(id_last)
             tokens += answer[pos : pos + n_acc]

@@ -65,7 +65,7 @@ def _auth() -> dict[str, str]:
     return {"Authorization": f"Bearer {TARGET['key']}"}
 
 
-def snapshot() -> dict:
+def guarded_state() -> dict:
     """What a refused request must not change: sampling defaults, the mode, every slot's n_past."""
     props = httpx.get(_base() + "/props", headers=_auth(), timeout=TIMEOUT).json()
     slots = httpx.get(_base() + "/slots", headers=_auth(), timeout=TIMEOUT).json()
@@ -99,7 +99,7 @@ class AccessMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.before = snapshot()
+        self.before = guarded_state()
         self.steps = 0
 
     @rule(
@@ -157,4 +157,4 @@ class AccessMachine(RuleBasedStateMachine):
         self.steps += 1
         wire.STATS["steps"] += 1
         assert httpx.get(_base() + "/health", timeout=TIMEOUT).status_code == 200
-        assert snapshot() == self.before
+        assert guarded_state() == self.before

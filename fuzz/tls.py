@@ -206,7 +206,7 @@ class TlsMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.before = access.snapshot()
+        self.before = access.guarded_state()
 
     @rule(body=st.binary(max_size=2048))
     @timeouts_are_findings
@@ -300,6 +300,6 @@ class TlsMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_changed(self) -> None:
         wire.STATS["steps"] += 1
-        assert access.snapshot() == self.before
+        assert access.guarded_state() == self.before
         status, _, _ = tls_hydra(Op.INFO)
         assert status == Status.OK

@@ -245,6 +245,63 @@ def test_no_private_member_is_used_from_another_module() -> None:
     assert found == {}, found
 
 
+SIDE_FOLDERS = ("bench", "fuzz", "examples")
+"""The folders beside the package: the benches, the fuzzer and the examples (each module a script or a helper)."""
+
+
+def _side_private_uses(folder: str, tree: ast.Module, side_private: set[str]) -> list[str]:
+    """Where a module of ``folder`` (one of :data:`SIDE_FOLDERS`) uses another module's private member:
+    ``from m import _x`` (anything but a module of ``folder`` itself, such as ``bench/_table.py``), an
+    import from a private module of another folder or of the package (``hydra_trio.http._hyper``), and
+    ``obj._x`` for a private name that the package or a side module defines but this module does not."""
+    own = _own_private_names(tree)
+    siblings = {p.stem for p in (PKG.parent / folder).glob("*.py")}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            inside = node.level > 0 or mod.split(".")[0] == folder
+            if not inside and any(_is_private(part) for part in mod.split(".")):
+                found.append(f"{node.lineno}: {mod}")
+            found += [
+                f"{node.lineno}: {mod}.{a.name}"
+                for a in node.names
+                if _is_private(a.name) and not (inside and mod in ("", folder) and a.name in siblings)
+            ]
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr) and node.attr not in own:
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in PACKAGE_PRIVATE or node.attr in side_private:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return sorted(found, key=lambda f: int(f.split(":")[0]))
+
+
+def test_the_benches_and_the_fuzzer_use_no_private_name_of_another_module() -> None:
+    """The rule of :func:`test_no_private_member_is_used_from_another_module` for ``bench/``, ``fuzz/`` and
+    ``examples/``: what a bench takes from another bench, or from the package, is public."""
+    tree = ast.parse(
+        "from bench.kv_transfer import _put_bytes, prefill\nfrom bench._table import Row\nfrom bench import _decode\n"
+        "from hydra_trio.http._hyper import H\nfrom hydra_trio.models.presets import _smollm2\n"
+        "def f(e):\n    e._hand_off.emit()\n    self._mine = 1"
+    )
+    assert _side_private_uses("bench", tree, {"_put_bytes"}) == [
+        "1: bench.kv_transfer._put_bytes",
+        "4: hydra_trio.http._hyper",
+        "5: hydra_trio.models.presets._smollm2",
+        "7: e._hand_off",
+    ]
+    trees = {
+        p: ast.parse(p.read_text()) for folder in SIDE_FOLDERS for p in sorted((PKG.parent / folder).rglob("*.py"))
+    }
+    side_private = set().union(*(_own_private_names(tree) for tree in trees.values()))
+    found = {
+        str(p.relative_to(PKG.parent)): lines
+        for p, tree in trees.items()
+        if (lines := _side_private_uses(p.relative_to(PKG.parent).parts[0], tree, side_private))
+    }
+    assert found == {}, found
+
+
 TOP_LEVEL = {
     "hydra_trio",
     "hydra_trio.__main__",
@@ -454,6 +511,87 @@ def test_the_rest_of_the_package_uses_the_engine_through_its_public_names() -> N
     assert found == [], found
     for n in engine.__all__:  # each export finds its object
         getattr(engine, n)
+
+
+FRONT_ENDS = ("service", "openai", "http", "hydra")
+"""The layers that serve requests: they read the served model as a :class:`~hydra_trio.engine.view.ModelView`."""
+
+
+def _model_reads(tree: ast.AST) -> list[int]:
+    """Lines that take llama.cpp's model object from the engine (``e.model``, ``engine.solo_model``,
+    ``self.engine.model``...) or name ``LoadedModel``, instead of ``Engine.model_view``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("model", "solo_model"):
+            receiver = node.value
+            engine = (isinstance(receiver, ast.Name) and receiver.id in ("e", "engine")) or (
+                isinstance(receiver, ast.Attribute) and receiver.attr == "engine"
+            )
+            if engine or node.attr == "solo_model":
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Name) and node.id == "LoadedModel":
+            lines.append(node.lineno)
+        elif isinstance(node, ast.alias) and node.name == "LoadedModel":
+            lines.append(getattr(node, "lineno", 0))
+    return sorted(lines)
+
+
+def test_front_ends_read_the_model_through_its_view() -> None:
+    """The service, the OpenAI shapes, HTTP and Hydra use the served model through ``Engine.model_view`` (the
+    small :class:`~hydra_trio.engine.view.ModelView`: template, tokenizer, vocabulary, grammar check, facts),
+    never ``Engine.model`` / ``Engine.solo_model`` (llama.cpp's handles, the engine thread's own)."""
+    assert _model_reads(ast.parse("m = e.solo_model or e.model\nx = self.engine.model.n_vocab\nbody.model")) == [
+        1,
+        1,
+        2,
+    ]
+    assert _model_reads(ast.parse("from hydra_trio.engine import LoadedModel\nm = e.model_view")) == [1]
+    found = {
+        name: lines
+        for name, path in MODULES.items()
+        if name.split(".")[1:2] and name.split(".")[1] in FRONT_ENDS
+        if (lines := _model_reads(ast.parse(path.read_text())))
+    }
+    assert found == {}, found
+
+
+def _error_classes() -> set[str]:
+    """The names of the package's exception classes (a class whose bases lead to ``Exception``)."""
+    bases = {
+        node.name: {ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases}
+        for tree in TREES.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+    errors = {"BaseException", "Exception", "ValueError", "TypeError", "RuntimeError", "OSError", "ConnectionError"}
+    while more := {n for n, b in bases.items() if n not in errors and b & errors}:
+        errors |= more
+    return errors & set(bases)
+
+
+def _second_names(tree: ast.AST, errors: set[str]) -> list[str]:
+    """Where a module gives one of ``errors`` another name: ``Alias = SomeError`` or ``import SomeError as
+    Alias``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, (ast.Name, ast.Attribute)):
+            value = ast.unparse(node.value).rsplit(".", 1)[-1]
+            if value in errors:
+                found += [f"{node.lineno}: {ast.unparse(t)} = {value}" for t in node.targets]
+        elif isinstance(node, ast.alias) and node.asname not in (None, node.name) and node.name in errors:
+            found.append(f"{node.lineno}: {node.name} as {node.asname}")
+    return found
+
+
+def test_each_error_class_has_one_name() -> None:
+    """One error, one name: no module binds an error class of the package to a second name (an alias such as
+    ``RequestError = MessageError``, or ``import X as Y``), so a search for the name finds every use."""
+    errors = _error_classes()
+    assert {"MessageError", "InvalidRequest", "HydraError", "StateError"} <= errors
+    sample = "RequestError = msg.MessageError\nfrom x import Busy as Refused\nLIMIT = MAX\nfrom y import Busy"
+    assert _second_names(ast.parse(sample), errors) == ["1: RequestError = MessageError", "2: Busy as Refused"]
+    found = {name: lines for name, tree in TREES.items() if (lines := _second_names(tree, errors))}
+    assert found == {}, found
 
 
 def _public_type_names(name: str) -> set[str]:

@@ -325,9 +325,9 @@ def test_linear_tokenizer_gives_llama_cpp_tokens() -> None:
     """Chunked tokenization equals one llama_tokenize call, special-token texts, BOS and all."""
     from hydra_trio.engine.llama.model import LoadedModel
     from hydra_trio.engine.llama.tokenize import PromptTooLong, tokenize_bytes
-    from hydra_trio.models.presets import _smollm2
+    from hydra_trio.models.presets import smollm2_path
 
-    m = LoadedModel(_smollm2(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
+    m = LoadedModel(smollm2_path(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
     try:
         rng = random.Random(3)
         parts = [
@@ -378,9 +378,9 @@ def test_tokenizing_stops_for_a_client_that_left() -> None:
     from hydra_trio.engine.llama.model import LoadedModel
     from hydra_trio.engine.llama.tokenize import CHUNK_BYTES, stop_when
     from hydra_trio.errors import Cancelled
-    from hydra_trio.models.presets import _smollm2
+    from hydra_trio.models.presets import smollm2_path
 
-    m = LoadedModel(_smollm2(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
+    m = LoadedModel(smollm2_path(), n_ctx=256, n_parallel=1, n_batch=32, n_threads=1)
     try:
         prompt, _ = m.apply_chat_template(_words(3000))
         assert len(prompt.encode()) > 4 * CHUNK_BYTES  # several chunks

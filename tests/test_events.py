@@ -48,7 +48,7 @@ async def test_filter_by_category_and_recent() -> None:
         got = await sub.get()
         assert got["type"] == "mode.changed" and not sub.queue
     assert [e["type"] for e in bus.recent(frozenset({"slot"}))] == ["slot.finished"]
-    # the once-a-second snapshots never push the events out of the history: only the newest is kept
+    # the once-a-second stats samples never push the events out of the history: only the newest is kept
     small = EventBus(history=5)
     small.publish("slot.finished", "old", slot=1)
     for i in range(300):

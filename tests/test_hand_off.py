@@ -15,8 +15,8 @@ from hydra_trio.engine.requests import (
     CompletionJob,
     Failed,
     Finished,
+    JobHandle,
     JobRun,
-    RequestHandle,
     SlotAssigned,
     StepHandOff,
     TextDelta,
@@ -42,14 +42,14 @@ class _Engine:
 
     def __init__(self, hand_off: StepHandOff, token: trio.lowlevel.TrioToken) -> None:
         self.hand_off, self.token = hand_off, token
-        self.handles: list[RequestHandle] = []
+        self.handles: list[JobHandle] = []
 
-    def submit(self, job: CompletionJob) -> RequestHandle:
-        h = RequestHandle(job, self.token, self.hand_off)
+    def submit(self, job: CompletionJob) -> JobHandle:
+        h = JobHandle(job, self.token, self.hand_off)
         self.handles.append(h)
         return h
 
-    def cancel(self, handle: RequestHandle) -> None:
+    def cancel(self, handle: JobHandle) -> None:
         handle.cancelled = True
 
 
@@ -62,7 +62,7 @@ def test_a_steps_events_reach_trio_together_and_in_order() -> None:
         inside = threading.Event()
         release = threading.Event()
 
-        def engine_thread(a: RequestHandle, b: RequestHandle) -> None:
+        def engine_thread(a: JobHandle, b: JobHandle) -> None:
             a.emit(SlotAssigned(0, 1, 0))  # outside a step: at once
             with hand_off.collect():
                 with hand_off.collect():  # nested: the outer block hands over
@@ -108,7 +108,7 @@ def test_ready_leaves_a_failure_to_the_next_read() -> None:
         async with JobRun(engine, CompletionJob(prompt_tokens=(1,))) as run:
             assert run.handle is not None
 
-            def step(h: RequestHandle) -> None:
+            def step(h: JobHandle) -> None:
                 with hand_off.collect():
                     h.emit(TextDelta("a", (1,)))
                     h.emit(TextDelta("b", (2,)))
@@ -136,12 +136,12 @@ def test_emit_outside_a_step_goes_at_once_and_after_trio_ends_is_dropped() -> No
         hand_off = StepHandOff()
         kept.append(hand_off)
         tokens.append(token)
-        handle = RequestHandle(CompletionJob(prompt_tokens=(1,)), token, hand_off)
+        handle = JobHandle(CompletionJob(prompt_tokens=(1,)), token, hand_off)
         await trio.to_thread.run_sync(handle.emit, TextDelta("a", (1,)))
         assert (await handle.events.receive()).text == "a"
 
     trio.run(main)
-    handle = RequestHandle(CompletionJob(prompt_tokens=(1,)), tokens[0], kept[0])
+    handle = JobHandle(CompletionJob(prompt_tokens=(1,)), tokens[0], kept[0])
     handle.emit(TextDelta("late", (1,)))  # trio is gone: nothing raises
     with kept[0].collect():
         handle.emit(TextDelta("late", (1,)))
@@ -154,9 +154,9 @@ def test_llama_decode_lets_other_python_threads_run() -> None:
     The switch interval is made long, so the only way the other thread runs while this one holds the
     GIL is this thread letting it go: the count is 0 unless the call released it."""
     from hydra_trio.engine.llama.model import LoadedModel
-    from hydra_trio.models.presets import _smollm2
+    from hydra_trio.models.presets import smollm2_path
 
-    m = LoadedModel(_smollm2(), n_ctx=512, n_parallel=1, n_batch=256, n_threads=1)
+    m = LoadedModel(smollm2_path(), n_ctx=512, n_parallel=1, n_batch=256, n_threads=1)
     counter = [0]
     stop = threading.Event()
 

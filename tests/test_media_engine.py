@@ -146,7 +146,7 @@ async def test_two_slots_with_different_images_at_once_give_what_each_gives_alon
 
 
 async def test_a_slot_holding_media_moves_whole_through_a_blob() -> None:
-    """A PREFILL snapshot of a prompt with an image is a version 5 blob: the image's chunk (id, kind, start,
+    """A PREFILL's saved state of a prompt with an image is a version 5 blob: the image's chunk (id, kind, start,
     n_tokens, n_pos) and its cells' placeholders.  Restored onto the other slot, that slot has the layout (its
     next position is the image's M-RoPE one, not its cell count), generates on as the prefilled slot does
     (greedy), and the same prompt returning there is a cache hit through the image.  SWAP_QUANT to the same file
@@ -163,7 +163,7 @@ async def test_a_slot_holding_media_moves_whole_through_a_blob() -> None:
                 id_slot=0,
                 n_predict=0,
                 prompt_only=True,
-                snapshot=True,
+                save_state=True,
             ),
         ) as run:
             done = await run.result()
@@ -227,7 +227,7 @@ async def test_a_slot_ending_with_a_restored_image_refuses_to_generate_on_and_a_
                 id_slot=0,
                 n_predict=0,
                 prompt_only=True,
-                snapshot=True,
+                save_state=True,
             ),
         ) as run:
             done = await run.result()

@@ -17,7 +17,7 @@ import tarfile
 
 import pytest
 
-from hydra_trio.engine.speculative.base import Drafter, DraftRequest
+from hydra_trio.engine.speculative.base import Drafter, SlotDraft
 from hydra_trio.engine.speculative.combine import Speculative, make_speculative
 from hydra_trio.engine.speculative.ngram_cache import (
     NgramCache,
@@ -42,9 +42,9 @@ from .llama_arg_cpp import VERSION, sdist, server_flags
 
 
 def draft(d: Drafter, tokens: list[int], id_last: int, slot: int = 0, n_max: int = 1000) -> list[int]:
-    req = DraftRequest(slot, n_max, len(tokens) + 1, id_last, list(tokens))
-    d.draft([req])
-    return req.result
+    sd = SlotDraft(slot, n_max, len(tokens) + 1, id_last, list(tokens))
+    d.draft([sd])
+    return sd.result
 
 
 # --------------------------------------------------------------------------- ngram-simple
@@ -285,10 +285,10 @@ class Fixed(Drafter):
         super().__init__(2, n_max)
         self.name, self.result, self.asked, self.heard = name, result, 0, []  # type: ignore[misc]
 
-    def draft(self, requests: list[DraftRequest]) -> None:
+    def draft(self, requests: list[SlotDraft]) -> None:
         self.asked += 1
-        for req in requests:
-            req.result[:] = self.result
+        for sd in requests:
+            sd.result[:] = self.result
 
     def accept(self, id_slot: int, n_accepted: int, is_other: bool) -> None:
         self.heard.append((id_slot, n_accepted, is_other))

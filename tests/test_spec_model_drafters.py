@@ -6,7 +6,7 @@ Each test drives a minimal reference verification loop, as llama-server's ``upda
 (``tools/server/server-context.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors): draft, decode
 ``[id_last, draft...]`` in the target with logits for every entry, let the drafter see that batch, keep the
 drafted tokens that equal the target's greedy choice plus the target's next token, remove the rest from the
-target's memory (``llama_memory_seq_rm``; the hybrid ``tiny-mtp`` keeps ``n_rs_seq`` recurrent snapshots for
+target's memory (``llama_memory_seq_rm``; the hybrid ``tiny-mtp`` keeps ``n_rs_seq`` recurrent-state copies for
 it, as llama-server sets for MTP), tell the drafter how many were accepted.  With greedy sampling the
 tokens must be the target's own greedy continuation (llama.cpp's speculative test asserts the same).
 Expected values are same-path results on this machine, never hard-coded words.
@@ -25,7 +25,7 @@ import pytest
 from hydra_trio.engine.llama.model import LoadedModel, init_backend
 from hydra_trio.engine.settings import LlamaOptions
 from hydra_trio.engine.speculative import reasons
-from hydra_trio.engine.speculative.base import Drafter, DraftRequest
+from hydra_trio.engine.speculative.base import Drafter, SlotDraft
 from hydra_trio.engine.speculative.draft_model import DraftSimple, load_draft_model, vocab_problem
 from hydra_trio.engine.speculative.drafting import DraftParams, seq_state, set_seq_state
 from hydra_trio.engine.speculative.mtp import DraftMtp, create_mtp_context, target_context_params, target_model_params
@@ -115,17 +115,17 @@ def speculate(t: Target, d: Drafter, runs: list[Run], n: int, mirror: bool = Tru
     scheduler does; without it the drafter finds out from the next batch's positions."""
     while any(len(r.out) < n for r in runs):
         live = [r for r in runs if len(r.out) < n]
-        reqs = [DraftRequest(r.seq, N_MAX, r.n_past, r.out[-1], r.prompt + r.out[:-1]) for r in live]
-        d.draft(reqs)
+        drafts = [SlotDraft(r.seq, N_MAX, r.n_past, r.out[-1], r.prompt + r.out[:-1]) for r in live]
+        d.draft(drafts)
         entries, first = [], {}
-        for r, q in zip(live, reqs, strict=False):
+        for r, q in zip(live, drafts, strict=False):
             assert len(q.result) <= N_MAX
             r.drafts.append(list(q.result))
             first[r.seq] = len(entries)
             entries += [(tok, r.n_past + i, r.seq, True) for i, tok in enumerate([r.out[-1], *q.result])]
         t.decode(entries)
         assert d.process(t.batch)
-        for r, q in zip(live, reqs, strict=False):
+        for r, q in zip(live, drafts, strict=False):
             pos0, k = r.n_past, 0
             new = [t.greedy(first[r.seq])]
             while k < len(q.result) and q.result[k] == new[-1]:
@@ -298,16 +298,16 @@ def test_draft_simple_state_moves_to_another_slot(smol_pair: tuple[Target, Draft
     run = Run(0, t.tokenize(PROMPTS[1]))
     prefill(t, d, [run])
     speculate(t, d, [run], 10)
-    req = DraftRequest(0, N_MAX, run.n_past, run.out[-1], run.prompt + run.out[:-1])
-    d.draft([req])
-    assert req.result
+    sd = SlotDraft(0, N_MAX, run.n_past, run.out[-1], run.prompt + run.out[:-1])
+    d.draft([sd])
+    assert sd.result
     kv, dstate = seq_state(t.ctx, 0), d.get_state(0)
     assert dstate
     set_seq_state(t.ctx, 1, kv)
     d.set_state(1, dstate)
-    moved = DraftRequest(1, N_MAX, run.n_past, run.out[-1], req.tokens)
+    moved = SlotDraft(1, N_MAX, run.n_past, run.out[-1], sd.tokens)
     d.draft([moved])
-    assert moved.result == req.result
+    assert moved.result == sd.result
     assert llama_cpp.llama_memory_seq_pos_max(d.mem, 1) == run.n_past - 1  # the drafted positions are gone
     for seq in (0, 1):
         llama_cpp.llama_memory_seq_rm(t.mem, seq, -1, -1)
@@ -322,13 +322,13 @@ def test_draft_simple_p_min_and_n_min_cut_drafts(smol_pair: tuple[Target, DraftS
     prefill(t, d, [run])
     for params in (DraftParams(n_max=N_MAX, p_min=1.0), DraftParams(n_max=N_MAX, n_min=N_MAX + 1)):
         d.params = params
-        req = DraftRequest(0, N_MAX, run.n_past, run.out[-1], run.prompt)
-        d.draft([req])
-        assert req.result == []
+        sd = SlotDraft(0, N_MAX, run.n_past, run.out[-1], run.prompt)
+        d.draft([sd])
+        assert sd.result == []
     d.params = DraftParams(n_max=N_MAX)
-    req = DraftRequest(0, 2, run.n_past, run.out[-1], run.prompt)  # the slot's own cap (room left)
-    d.draft([req])
-    assert len(req.result) == 2
+    sd = SlotDraft(0, 2, run.n_past, run.out[-1], run.prompt)  # the slot's own cap (room left)
+    d.draft([sd])
+    assert len(sd.result) == 2
     llama_cpp.llama_memory_seq_rm(t.mem, 0, -1, -1)
     d.seq_rm(0, -1, -1)
 
@@ -396,8 +396,8 @@ def test_draft_mtp_pairs_each_token_with_the_previous_hidden_state(
     prefill(t, d, [run])
     h = np.ctypeslib.as_array(llama_cpp_ext.llama_get_embeddings_nextn(t.ctx), shape=(len(prompt), d.n_embd)).copy()
     d.params = DraftParams(n_max=1)
-    req = DraftRequest(0, 1, run.n_past, run.out[-1], prompt)
-    d.draft([req])
+    sd = SlotDraft(0, 1, run.n_past, run.out[-1], prompt)
+    d.draft([sd])
     got = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(d.ctx_dft, 0), shape=(t.n_vocab,)).copy()
     d.params = DraftParams(n_max=N_MAX)
 
@@ -412,7 +412,7 @@ def test_draft_mtp_pairs_each_token_with_the_previous_hidden_state(
         b.add(run.out[-1], run.n_past, 0, True, h[-1])
         assert b.decode() == 0
         want = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ref, 0), shape=(t.n_vocab,))
-        assert req.result == [int(want.argmax())]
+        assert sd.result == [int(want.argmax())]
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     finally:
         b.close()

@@ -137,7 +137,7 @@ async def test_a_grammar_composes_with_drafts() -> None:
 
 async def test_draft_mtp_on_the_tiny_mtp_model_and_its_state_moves_with_a_kv_blob() -> None:
     """``draft-mtp`` (the target's own MTP layer; the model is hybrid: rejected drafts leave its
-    recurrent state through snapshots) gives the target's greedy tokens; a slot saved with its drafters'
+    recurrent state through its per-token copies) gives the target's greedy tokens; a slot saved with its drafters'
     state (a version 4 blob) and restored on another node continues with the same tokens as the slot that
     stayed, and drafts from the moved MTP sequence at once."""
     from hydra_trio.models.presets import resolve_model

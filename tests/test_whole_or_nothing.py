@@ -56,7 +56,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         yield Node(f"http://127.0.0.1:{server.port}", server.port, slot_dir)
 
 
-def snapshot(node: Node) -> dict[str, Any]:
+def guarded_state(node: Node) -> dict[str, Any]:
     """What a refused request must not change: sampling defaults (/props, INFO), slots' tokens, mode, chunk size."""
     with node.client() as c, Wire(node.port) as w:
         props = c.get("/props").json()["default_generation_settings"]
@@ -125,7 +125,7 @@ HTTP_CASES = [
 @pytest.mark.parametrize(("path", "body", "field"), HTTP_CASES, ids=[f"{p}:{f}" for p, _, f in HTTP_CASES])
 def test_http_lone_surrogate_is_a_400_naming_the_field(node: Node, path: str, body: str, field: str) -> None:
     fill_slot(node, 0)
-    before = snapshot(node)
+    before = guarded_state(node)
     with node.client() as c:
         r = c.post(path, content=body.encode(), headers={"Content-Type": "application/json"})
         assert r.status_code == 400, (r.status_code, r.text)
@@ -133,7 +133,7 @@ def test_http_lone_surrogate_is_a_400_naming_the_field(node: Node, path: str, bo
         assert error["type"] == "invalid_request_error"
         assert error["message"].startswith(field) and "not valid Unicode" in error["message"], error
         assert c.get("/health").status_code == 200
-    assert snapshot(node) == before
+    assert guarded_state(node) == before
     assert not any(node.slot_dir.iterdir())
 
 
@@ -170,18 +170,18 @@ def test_hydra_lone_surrogate_is_bad_request_naming_the_field(
     node: Node, op: int, key: str, payload: bytes, field: str
 ) -> None:
     fill_slot(node, 0)
-    before = snapshot(node)
+    before = guarded_state(node)
     with Wire(node.port) as w:
         status, meta, _ = w.call(op, key=key, payload=payload)
         assert status == Status.BAD_REQUEST, (status, meta)
         assert meta["error"].startswith(field) and "not valid Unicode" in meta["error"], meta
         assert w.call(Op.INFO)[0] == Status.OK  # the connection is still in sync
-    assert snapshot(node) == before
+    assert guarded_state(node) == before
 
 
 def test_hydra_text_that_is_not_utf8(node: Node) -> None:
     """A surrogate sent as UTF-8 bytes is not UTF-8: SWAP_QUANT's key, a slot key, a CONFIGURE body."""
-    before = snapshot(node)
+    before = guarded_state(node)
     with Wire(node.port) as w:
         status, meta, _ = w.call(Op.SWAP_QUANT, payload=(3).to_bytes(2, "little") + b"\xed\xa0\x80")
         assert status == Status.BAD_REQUEST and "UTF-8" in meta["error"], meta
@@ -193,14 +193,14 @@ def test_hydra_text_that_is_not_utf8(node: Node) -> None:
         status, meta, _ = w.read_reply()
         assert status == Status.BAD_REQUEST and "UTF-8" in meta["error"], meta
         assert w.call(Op.INFO)[0] == Status.OK
-    assert snapshot(node) == before
+    assert guarded_state(node) == before
 
 
 # ---------------------------------------------------------------------------------------------- §5 CONFIGURE
 
 
 def test_configure_busy_on_tier2_leaves_tier1_unchanged(node: Node) -> None:
-    before = snapshot(node)
+    before = guarded_state(node)
     body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "id_slot": 1}
     with Wire(node.port) as w, streaming(node.base, body):
         change = {
@@ -222,7 +222,7 @@ def test_configure_busy_on_tier2_leaves_tier1_unchanged(node: Node) -> None:
         # and a bad tier-1 value refuses the whole request, tier 2 included
         status, meta, _ = w.call(Op.CONFIGURE, payload=json.dumps({"temperature": -9, "n_ctx": 2048}).encode())
         assert status == Status.BAD_REQUEST and "temperature" in meta["error"], meta
-    after = snapshot(node)
+    after = guarded_state(node)
     assert after["sampling_defaults"] == before["sampling_defaults"] and after["props"] == before["props"]
     assert after["state_chunk_size"] == before["state_chunk_size"]
     with Wire(node.port) as w:  # the same request alone (tier 1 only) applies

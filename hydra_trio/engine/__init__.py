@@ -8,7 +8,8 @@ errors and values those carry.  Inside, by what each part does:
 
 * ``engine.py``, ``loop.py``, ``lifecycle.py``: the trio-side door, the engine thread and its one inbox,
   the model's load, reconfigure and quant swaps; ``tasks.py``, ``requests.py``, ``bridge.py``,
-  ``snapshot.py``, ``settings.py``, ``quants.py``: the work, its results and the settings;
+  ``snapshot.py``, ``stats.py``, ``settings.py``, ``quants.py``: the work, its results, the published state
+  view, the counters and the settings;
 * ``batching/``: the scheduler (continuous batching), each slot's token handling, sampling, the slots' KV
   cells, context checkpoints and the host-RAM prompt cache;
 * ``llama/``: llama.cpp's bindings, model loading and placement, OpenMP teams, ggml backends, the chat
@@ -25,7 +26,8 @@ from .._lazy import lazy_exports
 __all__, __getattr__, __dir__ = lazy_exports(
     __name__,
     {
-        ".engine": ["Engine", "EngineStats", "NO_EMBEDDINGS"],
+        ".engine": ["Engine", "NO_EMBEDDINGS"],
+        ".stats": ["EngineStats"],
         ".lifecycle": ["Stage"],
         ".tasks": [
             "AttachPeerAtStart",

@@ -23,7 +23,7 @@ peer's worker).  The other crossings each do what a ``Call`` cannot, and say so 
   read the vocabulary, a connect probe) runs in trio's worker threads (``trio.to_thread.run_sync``),
   so it neither blocks the event loop nor waits behind a prefill on the engine thread;
 - one-way notices from a thread, with no result to carry back (a request's events,
-  :class:`~hydra_trio.engine.requests.RequestHandle`; the event bus, :mod:`hydra_trio.observability.events`; the
+  :class:`~hydra_trio.engine.requests.JobHandle`; the event bus, :mod:`hydra_trio.observability.events`; the
   engine's "ready") go through ``TrioToken.run_sync_soon``, which never blocks the engine thread;
 - the reverse crossing, a thread waiting for trio code (the engine thread dialing a TLS tunnel,
   :meth:`hydra_trio.transport.tunnel.TunnelPool.dial`), is ``trio.from_thread.run``;

@@ -35,45 +35,16 @@ from .lifecycle import ModelLifecycle, Stage
 from .llama.model import LoadedModel, ModelIdentity
 from .loop import EngineLoop
 from .quants import QuantSet
-from .requests import CompletionJob, LiveRequests, RequestHandle, StepHandOff
+from .requests import CompletionJob, JobHandle, LiveJobs, StepHandOff
 from .settings import EngineConfig, RequestDefaults, SamplingParams
 from .snapshot import EngineSnapshot
+from .stats import EngineStats
 from .tasks import CancelCompletion, EngineTask, StartCompletion, Stop
+from .view import ModelView
 
 log = logging.getLogger("hydra_trio.engine")
 
-__all__ = ["EMBEDDING_ONLY", "NO_EMBEDDINGS", "Engine", "EngineStats", "Stage"]
-
-
-@attrs.define
-class EngineStats:
-    """Counters behind ``/metrics`` (llama-server's metric names)."""
-
-    prompt_tokens_total: int = 0
-    prompt_tokens_cached_total: int = 0
-    """Prompt tokens a request found in its slot's cache (or the prompt cache) and did not evaluate."""
-    prompt_seconds_total: float = 0.0
-    tokens_predicted_total: int = 0
-    tokens_predicted_seconds_total: float = 0.0
-    n_decode_total: int = 0
-    n_busy_slots_total: int = 0
-    n_tokens_max: int = 0
-    """The most tokens a slot has held (prompt + generated) after a decode step."""
-    requests_deferred: int = 0
-    requests_total: int = 0
-    mode_switches: int = 0
-    combined_fallbacks: int = 0
-    peer_losses: int = 0
-    tasks: dict[str, int] = attrs.Factory(dict)
-    """Engine tasks run (:mod:`~hydra_trio.engine.tasks`), by kind (``hydra_trio:engine_tasks_total{type}``)."""
-    spec_draft_tokens: int = 0
-    """Speculative decoding: tokens drafted, drafted tokens the target accepted, verification steps, and
-    accepted tokens by draft position (llama-server's ``spec_decode_num_*_total``)."""
-    spec_accepted_tokens: int = 0
-    spec_drafts: int = 0
-    spec_accepted_per_pos: list[int] = attrs.Factory(list)
-    control: dict[str, int] = attrs.Factory(lambda: {"applied": 0, "refused_busy": 0, "failed": 0})
-    """Exclusive tasks (the serialized control channel) by result (``hydra_trio:control_changes_total{result}``)."""
+__all__ = ["EMBEDDING_ONLY", "NO_EMBEDDINGS", "Engine", "Stage"]
 
 
 EMBEDDING_ONLY = (
@@ -101,8 +72,8 @@ class Engine:
         self.request_defaults = RequestDefaults(config.sampling, config.n_predict, config.generation)
         """What a request leaves out gets (CONFIGURE tier 1 swaps a new immutable object in: one assignment, so
         a thread that reads it once sees one consistent pair; :meth:`defaults`, :meth:`default_n_predict`)."""
-        self._hand_off = StepHandOff()  # the requests' token events, one hand-over to trio per step
-        self.live = LiveRequests()  # the requests in flight (trio side); live.end_all ends them as the node stops
+        self._hand_off = StepHandOff()  # the jobs' token events, one hand-over to trio per step
+        self.live = LiveJobs()  # the jobs in flight (trio side); live.end_all ends them as the node stops
         self.models = ModelLifecycle(config, self.events, self.stats, self._hand_off)
         """The served model, its identity, its scheduler and the prompt cache (engine thread)."""
         self.loop = EngineLoop(self.models, self.execute, lambda: self.stats.n_decode_total)
@@ -173,6 +144,14 @@ class Engine:
         return self.experts.solo
 
     @property
+    def model_view(self) -> ModelView | None:
+        """The served model as a front end sees it (:class:`~hydra_trio.engine.view.ModelView`: chat template,
+        tokenizer, vocabulary, grammar check, facts; any thread): the SOLO model, whose file, vocabulary and
+        template a COMBINED one shares; None before the model loads.  :attr:`model` and :attr:`solo_model`
+        (llama.cpp's handles) are the engine's own."""
+        return self.solo_model or self.model
+
+    @property
     def slots(self) -> list[Slot]:
         return self.models.slots
 
@@ -207,8 +186,8 @@ class Engine:
 
     def slots_info(self, params: Callable[[CompletionJob], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """``/slots``: one dict per slot from :attr:`snapshot` (any thread, never waits: :meth:`SlotSnapshot.info`,
-        ``params`` formats a slot's request), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
-        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`); an embeddings request's too (``LiveRequests.busy``)."""
+        ``params`` formats a slot's job), with the KV cache's ``kv_cache`` (:meth:`kv_cache`) and the
+        host-RAM ``prompt_cache`` (:meth:`PromptCache.info`); an embeddings request's too (``LiveJobs.busy``)."""
         kv, pc, busy = self.kv_cache(), self.prompt_cache.info(), self.live.busy
         return [{**s.info(params), "kv_cache": kv, "prompt_cache": pc, **busy(s.id)} for s in self.snapshot.slots]
 
@@ -277,7 +256,7 @@ class Engine:
         if self.config.embeddings:
             raise InvalidRequest(EMBEDDING_ONLY)
 
-    def submit(self, job: CompletionJob) -> RequestHandle:
+    def submit(self, job: CompletionJob) -> JobHandle:
         """Queue a completion; events arrive on ``handle.events`` (see :class:`~hydra_trio.engine.requests.JobRun`).
 
         Raises:
@@ -298,12 +277,12 @@ class Engine:
         if job.id_slot >= len(self.slots):
             job = attrs.evolve(job, id_slot=job.id_slot % len(self.slots))
         assert self._trio_token is not None
-        handle = RequestHandle(job, self._trio_token, self._hand_off, self.live)  # Stopping once the node stopped
+        handle = JobHandle(job, self._trio_token, self._hand_off, self.live)  # Stopping once the node stopped
         self.loop.inbox.put(StartCompletion(handle, trace_id=job.request_id))
         return handle
 
-    def cancel(self, handle: RequestHandle) -> None:
-        """Stop a request and free its slot at the next step (idempotent): the handle is marked at once (a
+    def cancel(self, handle: JobHandle) -> None:
+        """Stop a job and free its slot at the next step (idempotent): the handle is marked at once (a
         step in progress sees it) and a :class:`~.tasks.CancelCompletion` wakes an idle engine thread."""
         if not handle.cancelled:
             handle.cancelled = True

@@ -35,6 +35,7 @@ from .quants import QuantSet, cache_dir, merge_tensors
 from .requests import StepHandOff
 from .settings import INT32_MAX, EngineConfig, check_n_parallel
 from .speculative.build import build_speculative, target_options
+from .stats import EngineStats
 
 log = logging.getLogger("hydra_trio.engine")
 
@@ -112,11 +113,11 @@ class ModelLifecycle:
         config: the engine's configuration (a model change evolves it: :attr:`config`).
         events: where ``load.*`` (and, through the scheduler and the expert modes, ``slot.*``, ``mode.*``,
             ``peer.*``) events go.
-        stats: the engine's counters (:class:`~hydra_trio.engine.engine.EngineStats`).
+        stats: the engine's counters (:class:`~hydra_trio.engine.stats.EngineStats`).
         hand_off: the scheduler's step hand-over of token events to trio.
     """
 
-    def __init__(self, config: EngineConfig, events: EventBus, stats: Any, hand_off: StepHandOff) -> None:
+    def __init__(self, config: EngineConfig, events: EventBus, stats: EngineStats, hand_off: StepHandOff) -> None:
         self.config = config
         self.events, self.stats, self.hand_off = events, stats, hand_off
         self.stage = Stage.STARTING

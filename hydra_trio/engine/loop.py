@@ -84,15 +84,15 @@ class EngineLoop:
                 continue  # nothing to do: the inbox's items published what they changed
             try:
                 sched.step()
-            except Exception as exc:  # never let one bad request take the engine down
-                log.exception("engine step failed; failing the requests in flight")
+            except Exception as exc:  # never let one bad job take the engine down
+                log.exception("engine step failed; failing the jobs in flight")
                 sched.fail_all(EngineFailure(f"engine error: {exc}"))
             self.publish()
-            if not sched.busy and not sched.pending:  # the last request finished: every slot idle
+            if not sched.busy and not sched.pending:  # the last job finished: every slot idle
                 self.models.at_idle()
 
     def _drain_inbox(self, block: bool) -> None:
-        """Take everything in the inbox: new requests join the queue, calls run (each publishes
+        """Take everything in the inbox: new jobs join the queue, waited-for tasks run (each publishes
         :attr:`snapshot` before its caller hears back, so a caller's next read sees its change)."""
         try:
             item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()

@@ -76,7 +76,7 @@ class QuantSet:
             self._hashes[key] = sha256_file(path)
         return self._hashes[key]
 
-    def snapshot(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         """INFO's keys: ``quants`` (the keys) and ``quant`` (the active key, or None)."""
         return {"quants": self.keys, "quant": self.active}
 

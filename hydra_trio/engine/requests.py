@@ -1,11 +1,12 @@
-"""Requests for the engine: jobs, the events the engine sends back, and the trio side of a running request.
+"""Jobs for the engine: what a completion asks for, the events the engine sends back, and the trio side of a
+running job.
 
-A request is a :class:`CompletionJob` submitted with ``Engine.submit``; the
-engine thread answers with events on a :class:`RequestHandle`:
+A completion is a :class:`CompletionJob` (a job) submitted with ``Engine.submit``; the
+engine thread answers with events on a :class:`JobHandle`:
 :class:`SlotAssigned`, then :class:`TextDelta` s, then exactly one of
 :class:`Finished` or :class:`Failed`.  Front ends read them through
 :class:`JobRun`, which turns a ``Failed`` into its typed error and cancels
-the request on every way out.
+the job on every way out.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .llama.media import MediaChunk
 
 # ---------------------------------------------------------------------------
-# What a request asks for
+# What a job asks for
 
 
 @attrs.frozen
@@ -41,7 +42,7 @@ class CompletionJob:
         prompt_tokens: the full prompt, in tokens (at least one).
         n_predict: most tokens to generate; -1 = until end of generation or the
             slot's context is full.  0 is llama-server's: its limit is checked after a token is
-            sampled, so one token is sampled from the prompt's logits and returned, and the request
+            sampled, so one token is sampled from the prompt's logits and returned, and the job
             ends (``length``) without decoding it: the slot holds the prompt only (as with 1).
         prompt_only: evaluate the prompt into the slot and generate nothing, not even the logits
             of its last token (Hydra PREFILL); ``n_predict`` is not read.
@@ -61,10 +62,10 @@ class CompletionJob:
         grammar_lazy: the grammar applies only from the first match of one of
             ``grammar_triggers`` on (ECMAScript regexes over the generated text;
             llama.cpp's ``llama_sampler_init_grammar_lazy_patterns``): tool calls in ``auto``.
-        fail_if_busy: when ``id_slot`` is processing another request at the
+        fail_if_busy: when ``id_slot`` is processing another job at the
             moment this job's turn comes, fail with :class:`~hydra_trio.errors.Busy`
             instead of waiting (the Hydra slot ops' BUSY).
-        snapshot: save the slot's KV state blob when the job finishes, on the
+        save_state: save the slot's KV state blob when the job finishes, on the
             engine thread before anything else can use the slot
             (``Finished.state``: PREFILL's reply).
         continue_slot: ``prompt_tokens`` is empty and generation continues
@@ -96,8 +97,7 @@ class CompletionJob:
             node's.  The engine never reads it: how a reply is shaped stays with the front end.
         media_chunks: the prompt's images and audio clips, tokenized (:meth:`ModelView.tokenize_with_media
             <hydra_trio.engine.view.ModelView.tokenize_with_media>` gives ``prompt_tokens`` and these): each fills
-            its ``n_tokens`` entries of ``prompt_tokens`` (its placeholder) from its ``start``.  A job with media
-            cannot ask for a ``snapshot`` (NotSupported).
+            its ``n_tokens`` entries of ``prompt_tokens`` (its placeholder) from its ``start``.
         stream, timings_per_token: the request's fields of those names (the reply is streamed; each
             event carries timings), shown in the slot's ``params`` by ``/slots``; the engine never reads them.
         media: a prompt with media as the request gave it (:class:`~hydra_trio.protocol.media.MediaPrompt`: the
@@ -121,7 +121,7 @@ class CompletionJob:
     grammar_lazy: bool = False
     grammar_triggers: tuple[str, ...] = ()
     fail_if_busy: bool = False
-    snapshot: bool = False
+    save_state: bool = False
     continue_slot: bool = False
     request_id: str = ""
     n_keep: int | None = None
@@ -146,7 +146,7 @@ class CompletionJob:
 
 @attrs.frozen
 class SlotAssigned:
-    """The request started on slot ``id_slot``; ``cache_n`` prompt tokens were reused."""
+    """The job started on slot ``id_slot``; ``cache_n`` prompt tokens were reused."""
 
     id_slot: int
     n_prompt: int
@@ -169,15 +169,15 @@ class TextDelta:
 
 @attrs.frozen
 class Finished:
-    """The request ended.  ``finish_reason`` is OpenAI's: ``stop`` or ``length``.
+    """The job ended.  ``finish_reason`` is OpenAI's: ``stop`` or ``length``.
 
     ``stop_reason`` says which stop it was (the Hydra DECODE reply's names):
     ``eos`` (an end-of-generation token), ``stop`` (a stop string),
-    ``length`` (the token budget, or a prompt-only request) or
+    ``length`` (the token budget, or a prompt-only job) or
     ``n_tokens_limit`` (the slot's context is full); ``stopping_word`` is the stop
     string that matched (``stop``), else empty.  ``n_past`` is the
     slot's KV cache size at the end, in tokens.  ``truncated``: a context
-    shift discarded tokens of this request (llama-server's ``truncated``).
+    shift discarded tokens of this job (llama-server's ``truncated``).
 
     Timings are llama-server's: ``prompt_n`` tokens evaluated for the prompt
     (after the cache), ``cache_n`` prompt tokens reused, ``predicted_n``
@@ -226,7 +226,7 @@ class Finished:
 
 @attrs.frozen
 class Failed:
-    """The request ended without a result; ``error`` says why, as a typed error.
+    """The job ended without a result; ``error`` says why, as a typed error.
 
     :class:`~hydra_trio.errors.InvalidRequest` (the client's fault),
     :class:`~hydra_trio.errors.Busy` (its slot was processing and the job
@@ -244,8 +244,8 @@ class Failed:
 Event = SlotAssigned | TextDelta | Finished | Failed
 
 
-class RequestHandle:
-    """The trio side of a request: a channel of events, and cancellation.
+class JobHandle:
+    """The trio side of a job: a channel of events, and cancellation.
 
     The engine thread calls :meth:`emit`; it never blocks (the channel is
     unbounded and the hand-over goes through ``TrioToken.run_sync_soon``,
@@ -257,9 +257,9 @@ class RequestHandle:
         job: CompletionJob,
         trio_token: trio.lowlevel.TrioToken,
         hand_off: StepHandOff | None = None,
-        live: LiveRequests | None = None,
+        live: LiveJobs | None = None,
     ) -> None:
-        """``live``: the engine's requests in flight, which this one joins (raises Stopping once the node stopped)."""
+        """``live``: the engine's jobs in flight, which this one joins (raises Stopping once the node stopped)."""
         if live is not None:
             live.add(self)
         self.job = job
@@ -269,7 +269,7 @@ class RequestHandle:
         self.cancelled = False
         self.deferred = False
         self.ended = False
-        """True once the request's last event (Finished or Failed) was handed to trio."""
+        """True once the job's last event (Finished or Failed) was handed to trio."""
 
     def emit(self, event: Event) -> None:
         if self._hand_off is not None:
@@ -290,7 +290,7 @@ class RequestHandle:
             self._send.close()
 
     def end(self, error: HydraTrioError) -> bool:
-        """Trio side: end the request now with ``error`` (a :class:`Failed` after the events already handed
+        """Trio side: end the job now with ``error`` (a :class:`Failed` after the events already handed
         over), whatever the engine sends later (dropped); False when it had already ended."""
         if self.ended:
             return False
@@ -298,24 +298,24 @@ class RequestHandle:
         return True
 
 
-class LiveRequests:
-    """Trio side: an engine's requests in flight, and the node's stop that ends them.
+class LiveJobs:
+    """Trio side: an engine's jobs in flight, and the node's stop that ends them.
 
     Attributes:
-        stopped_why: None until :meth:`end_all`; from then on a new request is refused with it (:meth:`add`).
+        stopped_why: None until :meth:`end_all`; from then on a new job is refused with it (:meth:`add`).
         embeddings: embeddings requests working now (``hydra_trio.openai.embeddings.embed_request`` counts them):
             they count in ``Engine.requests_processing``, and slot 0, whose sequence their inputs decode on,
             is processing meanwhile (:meth:`busy`), as llama-server runs an embeddings request in a slot.
     """
 
     def __init__(self) -> None:
-        self._handles: weakref.WeakSet[RequestHandle] = weakref.WeakSet()
+        self._handles: weakref.WeakSet[JobHandle] = weakref.WeakSet()
         self.stopped_why: str | None = None
         self.embeddings = 0
 
-    def add(self, handle: RequestHandle) -> None:
-        """Track a request being submitted; raise :class:`~hydra_trio.errors.Stopping` once the node stopped
-        (:meth:`end_all`): a request prepared meanwhile never reaches the engine."""
+    def add(self, handle: JobHandle) -> None:
+        """Track a job being submitted; raise :class:`~hydra_trio.errors.Stopping` once the node stopped
+        (:meth:`end_all`): a job prepared meanwhile never reaches the engine."""
         if self.stopped_why is not None:
             raise Stopping(self.stopped_why)
         self._handles.add(handle)
@@ -325,10 +325,10 @@ class LiveRequests:
         slot 0 while :attr:`embeddings` work, else nothing."""
         return {"is_processing": True} if self.embeddings and id_slot == 0 else {}
 
-    def end_all(self, why: str, cancel: Callable[[RequestHandle], None]) -> int:
-        """At the end of the node's shutdown grace: end each request not ended with
+    def end_all(self, why: str, cancel: Callable[[JobHandle], None]) -> int:
+        """At the end of the node's shutdown grace: end each job not ended with
         :class:`~hydra_trio.errors.Stopping` (``why``) at once, as its reader sees it after the events already
-        handed over (:meth:`RequestHandle.end`), without waiting for the engine thread, and ``cancel`` it
+        handed over (:meth:`JobHandle.end`), without waiting for the engine thread, and ``cancel`` it
         there (``Engine.cancel``: its slot frees at the next step); from now on :meth:`add` refuses new ones.
         So a stream ends with an error event, a whole reply is a 503, a streamed DECODE pads its rest with
         the error flag.  Returns the number ended."""
@@ -340,8 +340,8 @@ class LiveRequests:
         return n
 
 
-def _deliver_all(held: list[tuple[RequestHandle, Event]]) -> None:
-    """Trio side of :class:`StepHandOff`: each event to its request, in the order emitted."""
+def _deliver_all(held: list[tuple[JobHandle, Event]]) -> None:
+    """Trio side of :class:`StepHandOff`: each event to its job, in the order emitted."""
     for handle, event in held:
         handle._deliver(event)
 
@@ -353,15 +353,15 @@ class StepHandOff:
     (``TrioToken.run_sync_soon``).  Inside, events are held in the order they
     were emitted and handed over together when the outermost block ends: one
     wake-up of the trio loop per batching step, instead of one per generated
-    token of each request (llama-server's ``update_slots`` likewise sends a
+    token of each job (llama-server's ``update_slots`` likewise sends a
     step's results to its HTTP threads after the step).  The engine runs each
     :meth:`Scheduler.step <hydra_trio.engine.batching.scheduler.Scheduler.step>` inside
-    :meth:`collect`; what it emits elsewhere (a call that fails requests, the
+    :meth:`collect`; what it emits elsewhere (a call that fails jobs, the
     shutdown) goes at once, after anything held.
     """
 
     def __init__(self) -> None:
-        self._held: list[tuple[RequestHandle, Event]] | None = None
+        self._held: list[tuple[JobHandle, Event]] | None = None
 
     @contextlib.contextmanager
     def collect(self) -> Iterator[None]:
@@ -377,7 +377,7 @@ class StepHandOff:
             if held:
                 self._hand(held)
 
-    def emit(self, handle: RequestHandle, event: Event) -> None:
+    def emit(self, handle: JobHandle, event: Event) -> None:
         """``event`` for ``handle``: held while a :meth:`collect` block runs, else handed over now."""
         if self._held is not None:
             self._held.append((handle, event))
@@ -385,8 +385,8 @@ class StepHandOff:
             self._hand([(handle, event)])
 
     @staticmethod
-    def _hand(held: list[tuple[RequestHandle, Event]]) -> None:
-        try:  # every request of an engine has the same trio loop: the first one's token reaches it
+    def _hand(held: list[tuple[JobHandle, Event]]) -> None:
+        try:  # every job of an engine has the same trio loop: the first one's token reaches it
             held[0][0]._token.run_sync_soon(_deliver_all, held)
         except trio.RunFinishedError:
             pass  # trio is gone: nobody reads the events
@@ -395,9 +395,9 @@ class StepHandOff:
 class Submitter(Protocol):
     """What :class:`JobRun` needs of the engine (``Engine.submit`` / ``Engine.cancel``)."""
 
-    def submit(self, job: CompletionJob) -> RequestHandle: ...
+    def submit(self, job: CompletionJob) -> JobHandle: ...
 
-    def cancel(self, handle: RequestHandle) -> None: ...
+    def cancel(self, handle: JobHandle) -> None: ...
 
 
 class JobRun:
@@ -414,7 +414,7 @@ class JobRun:
     Entering submits the job; leaving cancels it (a no-op when it ended), so a
     handler that stops early, fails or is cancelled always frees the slot.
 
-    Raises (from :meth:`started` or the iteration): the request's typed error
+    Raises (from :meth:`started` or the iteration): the job's typed error
     (:class:`~hydra_trio.errors.InvalidRequest`, :class:`~hydra_trio.errors.Busy`,
     :class:`~hydra_trio.errors.Cancelled`, :class:`~hydra_trio.errors.EngineFailure`);
     entering raises what ``Engine.submit`` raises.
@@ -423,7 +423,7 @@ class JobRun:
     def __init__(self, engine: Submitter, job: CompletionJob) -> None:
         self.engine = engine
         self.job = job
-        self.handle: RequestHandle | None = None
+        self.handle: JobHandle | None = None
         self.assigned: SlotAssigned | None = None
         self.finished: Finished | None = None
         self._failed: Failed | None = None  # met by ready(), raised by the next read
@@ -434,7 +434,7 @@ class JobRun:
         return self
 
     def close(self) -> None:
-        """Cancel the request unless it ended (what leaving does; idempotent)."""
+        """Cancel the job unless it ended (what leaving does; idempotent)."""
         if self.handle is not None and not self.handle.ended:
             self.engine.cancel(self.handle)
 
@@ -458,7 +458,7 @@ class JobRun:
         return self._take(ev)
 
     def ready(self) -> Iterator[TextDelta]:
-        """The deltas that have arrived and not been read, without waiting (none once the request ended).
+        """The deltas that have arrived and not been read, without waiting (none once the job ended).
 
         For a reader that writes what a step produced in one go (an SSE stream falling behind
         sends one write, not one per delta).  A failure it meets is raised by the next read of
@@ -487,7 +487,7 @@ class JobRun:
         return ev
 
     async def started(self) -> SlotAssigned:
-        """Wait until the request holds its slot."""
+        """Wait until the job holds its slot."""
         while self.assigned is None:
             if await self._next() is None:
                 raise HydraTrioError("the request ended without starting")

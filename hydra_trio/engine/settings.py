@@ -457,7 +457,7 @@ class LlamaOptions:
     kv_unified: bool = False  # -kvu: one KV stream for every slot; a slot may fill all of it
     kv_unified_per_slot: int = 0  # --kv-unified-per-slot: the most tokens one slot holds (0 = no cap)
     load_mtp: bool = False  # the model's MTP (NextN) layers are loaded too (--spec-type draft-mtp)
-    n_rs_seq: int = 0  # recurrent-state snapshots per slot, so the last n positions can be removed again (drafts)
+    n_rs_seq: int = 0  # recurrent-state copies per slot, so the last n positions can be removed again (drafts)
     rope_scaling: str | None = None  # --rope-scaling none|linear|yarn; None = the model's
     rope_freq_base: float = 0.0  # --rope-freq-base; 0 = the model's
     rope_freq_scale: float = 0.0  # --rope-freq-scale (--rope-scale N = 1/N); 0 = the model's

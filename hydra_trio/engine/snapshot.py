@@ -37,7 +37,7 @@ class SlotSnapshot:
     ``n_remain``: tokens it may still generate (-1: no limit, or idle);
     ``has_new_line``: the text it sent so far holds a newline;
     ``id_task``: the id of the running request, else of the slot's last one (-1: none yet);
-    ``task``: that request's :class:`~hydra_trio.engine.requests.CompletionJob` (None: none yet);
+    ``job``: that job's :class:`~hydra_trio.engine.requests.CompletionJob` (None: none yet);
     ``trace_id``: the running request's id (``""`` when idle or none was given);
     ``speculative``: the running request drafts (idle: a request would, on the model that serves now).
     """
@@ -53,7 +53,7 @@ class SlotSnapshot:
     n_remain: int = -1
     has_new_line: bool = False
     id_task: int = -1
-    task: Any = attrs.field(default=None, eq=False)
+    job: Any = attrs.field(default=None, eq=False)
     trace_id: str = ""
     state_size: int = 0
     speculative: bool = False
@@ -67,7 +67,7 @@ class SlotSnapshot:
              "n_prompt_tokens": tokens in the slot's cache (llama-server's count, generated ones included),
              "n_prompt_tokens_processed", "n_prompt_tokens_cache",
              "next_token": [{"has_next_token", "has_new_line", "n_remain", "n_decoded"}],
-             "params": params(task)}
+             "params": params(job)}
 
         As llama-server's, an idle slot reports its last request's ``id_task`` and ``params`` with counts of
         0, ``has_next_token`` false and ``n_remain`` -1; ``params`` is left out before the slot's first
@@ -92,8 +92,8 @@ class SlotSnapshot:
                 }
             ],
         }
-        if self.task is not None and params is not None:
-            out["params"] = params(self.task)
+        if self.job is not None and params is not None:
+            out["params"] = params(self.job)
         return out
 
     def meta(self) -> dict[str, Any]:
@@ -150,7 +150,7 @@ def slot_snapshot(slot: Any, state_size: int, speculative: bool = False) -> Slot
             n_past=slot.n_past,
             is_processing=False,
             id_task=slot.id_task,
-            task=slot.task,
+            job=slot.job,
             state_size=state_size,
             speculative=speculative,
         )
@@ -167,7 +167,7 @@ def slot_snapshot(slot: Any, state_size: int, speculative: bool = False) -> Slot
         n_remain=(n_predict - slot.n_decoded) if n_predict >= 0 else -1,
         has_new_line=slot.has_new_line,
         id_task=slot.id_task,
-        task=slot.task,
+        job=slot.job,
         trace_id=h.job.request_id,
         state_size=state_size,
         speculative=slot.speculative,

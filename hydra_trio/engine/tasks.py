@@ -13,7 +13,7 @@ logs it by :attr:`EngineTask.kind` and counts it in ``EngineStats.tasks`` (``/me
 The serialized control channel (mode switches, reconfigurations, quant swaps, pipeline attach) is
 this inbox: such a task is :attr:`EngineTask.exclusive`, and runs only when every slot is idle, else
 it raises :class:`~hydra_trio.errors.Busy` and nothing changes.  While it runs the engine thread is
-inside it, so no slot starts new work: requests that arrive meanwhile wait in the inbox and then run
+inside it, so no slot starts new work: tasks that arrive meanwhile wait in the inbox and then run
 on the new state.
 
 Every task runs on the engine thread between two batching steps; ``run`` returns what the caller
@@ -118,7 +118,7 @@ class StartCompletion(EngineTask):
     starts when a slot is free, its events go out on its handle."""
 
     kind: ClassVar[str] = "completion"
-    handle: Any  # a RequestHandle (engine/requests.py)
+    handle: Any  # a JobHandle (engine/requests.py)
 
     def run(self, engine: Any) -> None:
         engine.scheduler.add(self.handle)
@@ -127,14 +127,14 @@ class StartCompletion(EngineTask):
 @attrs.frozen
 class CancelCompletion(EngineTask):
     """A completion's client is gone (llama-server's ``SERVER_TASK_TYPE_CANCEL``): the handle is marked
-    cancelled when the task is queued, so a step in progress sees it; the scheduler ends the request
+    cancelled when the task is queued, so a step in progress sees it; the scheduler ends the job
     and frees its slot at the next step, and this task wakes an idle engine thread for it."""
 
     kind: ClassVar[str] = "cancel"
     handle: Any
 
     def run(self, engine: Any) -> None:
-        pass  # the scheduler drops cancelled requests at every step
+        pass  # the scheduler drops cancelled jobs at every step
 
 
 @attrs.frozen

@@ -3,8 +3,8 @@
 The service, the OpenAI shapes and the front ends render prompts, count and decode tokens, check a
 grammar and report the model's facts; they never touch llama.cpp's handles (the model, context and
 vocabulary pointers), which only the engine thread uses.  :class:`~hydra_trio.engine.llama.model.LoadedModel`
-is a :class:`ModelView`; :attr:`Engine.model <hydra_trio.engine.engine.Engine.model>` returns the one that
-serves.
+is a :class:`ModelView`; :attr:`Engine.model_view <hydra_trio.engine.engine.Engine.model_view>` returns the
+one that serves, typed as the view.
 """
 
 from __future__ import annotations

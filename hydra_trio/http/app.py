@@ -163,7 +163,7 @@ class Api:
         COMBINED / PIPELINE model while one is attached (``{"RPC0[host:port]": 90, ...}``), else null.
         """
         e = node.serving(self.engine)
-        m = e.solo_model or e.model
+        m = e.model_view
         assert m is not None and e.identity is not None
         defaults = e.request_defaults  # one consistent pair (CONFIGURE swaps a new one in)
         g = defaults.generation  # --samplers, --ignore-eos, --adaptive-*
@@ -220,7 +220,7 @@ class Api:
         400 for an invalid body."""
         e = node.serving(self.engine)
         body = await self.reader.read(request, TokenizeRequest)
-        m = e.solo_model or e.model
+        m = e.model_view
         assert m is not None
 
         def work() -> bytes:  # reads only the vocabulary: a worker thread that stops with the request
@@ -239,7 +239,7 @@ class Api:
         id outside the vocabulary (``0 .. n_vocab-1``) or an invalid body."""
         e = node.serving(self.engine)
         body = await self.reader.read(request, DetokenizeRequest)
-        m = e.solo_model or e.model
+        m = e.model_view
         assert m is not None
         bad = next((t for t in body.tokens if not 0 <= t < m.n_vocab), None)
         if bad is not None:

@@ -42,8 +42,8 @@ def slot_in_path(request: Request) -> int:
 
 def stop_of(request: Request) -> threading.Event | None:
     """The event set when the request's work should stop (its client left, the node stops it:
-    :class:`~hydra_trio.http.inflight.Work`); None for a request that is not tracked."""
-    tracked = getattr(request.state, "work", None)
+    :class:`~hydra_trio.http.inflight.TrackedRequest`); None for a request that is not tracked."""
+    tracked = getattr(request.state, "tracked", None)
     return tracked.stop if tracked is not None else None
 
 

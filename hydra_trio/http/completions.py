@@ -48,17 +48,17 @@ class Kind:
 def _openai_reply(
     e: Engine, body: ChatCompletionRequest | CompletionRequest, prepared: PreparedCompletion, request_id: str
 ) -> CompletionReply:
-    assert e.identity is not None and e.model is not None
+    assert e.identity is not None and e.model_view is not None
     chat = isinstance(body, ChatCompletionRequest)
     echo = ""
     if not isinstance(body, ChatCompletionRequest) and body.echo:
-        echo = body.prompt if isinstance(body.prompt, str) else e.model.detokenize(prepared.job.prompt_tokens)
+        echo = body.prompt if isinstance(body.prompt, str) else e.model_view.detokenize(prepared.job.prompt_tokens)
     return ResponseContext(
         chat=chat,
         model=e.identity.model_alias,
         include_usage=body.include_usage,
         logprobs=body.wants_logprobs,
-        piece=e.model.token_bytes,
+        piece=e.model_view.token_bytes,
         echo=echo,
         id=request_id,
         thinking=prepared.plan.thinking,
@@ -78,7 +78,7 @@ def _native_changes(body: CompletionRequest) -> dict[str, Any]:
 
 
 def _native_reply(e: Engine, body: CompletionRequest, prepared: PreparedCompletion, request_id: str) -> CompletionReply:
-    m = e.model
+    m = e.model_view
     assert m is not None and e.identity is not None
     job = prepared.job
     prompt_text = b"".join(m.token_bytes(t, special=True) for t in job.prompt_tokens).decode("utf-8", "replace")

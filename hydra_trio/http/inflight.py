@@ -2,7 +2,7 @@
 
 :class:`InFlight` is an ASGI middleware around the whole app.  Every request
 to a route of :data:`WORK_ROUTES` (completions, embeddings, tokenizing,
-templating, slot files, KV state) is a :class:`Work` for as long as the app
+templating, slot files, KV state) is a :class:`TrackedRequest` for as long as the app
 handles it, reply included:
 
 * **Counted**: ``/metrics`` shows the requests in flight by route
@@ -14,7 +14,7 @@ handles it, reply included:
   its request arrived whole and before its reply is out, the app is
   cancelled at once (llama-server checks ``is_connection_closed`` likewise
   and cancels the request's tasks; a body cut short is left to the app's body
-  read, which ends with a 400), and :attr:`Work.stop` is set for work in
+  read, which ends with a 400), and :attr:`TrackedRequest.stop` is set for work in
   worker threads, which checks it
   (tokenizing stops at its next chunk: :func:`hydra_trio.engine.llama.tokenize.stop_when`).
   Work already handed to the engine thread finishes its current step (an
@@ -26,7 +26,7 @@ handles it, reply included:
   ``unavailable_error``, saying the node is stopping (and ``Connection:
   close``).  A reply already streaming is left to end itself: a completion's
   stream gets an error event from its engine request
-  (:meth:`LiveRequests.end_all <hydra_trio.engine.requests.LiveRequests.end_all>`).
+  (:meth:`LiveJobs.end_all <hydra_trio.engine.requests.LiveJobs.end_all>`).
 
 Other requests (``/health``, ``/metrics``, ``/props``, ``/slots`` and the
 other reads, the status page, WebSockets) pass through untouched.
@@ -83,8 +83,8 @@ def work_route(method: str, path: str) -> str | None:
 
 
 @attrs.define(eq=False)
-class Work:
-    """One request of a work route while the app handles it (the app finds it as ``request.state.work``).
+class TrackedRequest:
+    """One request of a work route while the app handles it (the app finds it as ``request.state.tracked``).
 
     Attributes:
         route: its :data:`WORK_ROUTES` template.
@@ -110,21 +110,22 @@ class Work:
 
 
 class InFlight:
-    """The node's HTTP work in flight (this module's docstring); :meth:`wrap` puts it around an ASGI app."""
+    """The node's HTTP requests of work routes in flight (this module's docstring); :meth:`wrap` puts it around
+    an ASGI app."""
 
     def __init__(self) -> None:
-        self.work: set[Work] = set()
+        self.tracked: set[TrackedRequest] = set()
 
     def counts(self) -> dict[str, int]:
         """Requests in flight now by route template (every route of :data:`WORK_ROUTES`, 0 included)."""
-        now = collections.Counter(w.route for w in self.work)
+        now = collections.Counter(w.route for w in self.tracked)
         return {route: now[route] for route in WORK_ROUTES}
 
     def stop_all(self, why: str) -> int:
         """End every request in flight whose reply has not started: cancelled, then answered 503 (``why``).
         Returns how many."""
         n = 0
-        for w in list(self.work):
+        for w in list(self.tracked):
             if not w.started and not w.client_gone:
                 w.stopping = why
                 w.cancel()
@@ -139,40 +140,40 @@ class InFlight:
             if route is None:
                 await app(scope, receive, send)
                 return
-            work = Work(route)
-            scope.setdefault("state", {})["work"] = work
-            self.work.add(work)
+            tracked = TrackedRequest(route)
+            scope.setdefault("state", {})["tracked"] = tracked
+            self.tracked.add(tracked)
             try:
-                await _serve(app, scope, receive, send, work)
+                await _serve(app, scope, receive, send, tracked)
             except Exception as exc:  # an ExceptionGroup too
-                if not work.scope.cancel_called:
+                if not tracked.scope.cancel_called:
                     raise
                 # what a handler raises as it unwinds from the cancel (its engine request ended meanwhile)
                 log.debug("%s %s: %r after it was stopped", scope["method"], scope["path"], exc)
             finally:
-                self.work.discard(work)
-                work.stop.set()  # anything it left in a worker thread stops at its next check
-            if work.stopping is not None and not work.started:
-                reply = error_reply(Stopping(work.stopping), headers={"Connection": "close"})
+                self.tracked.discard(tracked)
+                tracked.stop.set()  # anything it left in a worker thread stops at its next check
+            if tracked.stopping is not None and not tracked.started:
+                reply = error_reply(Stopping(tracked.stopping), headers={"Connection": "close"})
                 await reply(scope, receive, send)
 
         return wrapped
 
 
-async def _serve(app: App, scope: Scope, receive: Receive, send: Send, work: Work) -> None:
-    """Run ``app`` for ``work`` with the connection watched (:func:`_watch`); a cancelled app ends quietly."""
+async def _serve(app: App, scope: Scope, receive: Receive, send: Send, tracked: TrackedRequest) -> None:
+    """Run ``app`` for ``tracked`` with the connection watched (:func:`_watch`); a cancelled app ends quietly."""
 
     async def tracked_send(message: Message) -> None:
         if message["type"] == "http.response.start":
-            work.started = True
+            tracked.started = True
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
-            work.complete = True
+            tracked.complete = True
         await send(message)
 
     try:
         async with trio.open_nursery() as nursery:
-            app_receive = await nursery.start(_watch, receive, work)
-            with work.scope:
+            app_receive = await nursery.start(_watch, receive, tracked)
+            with tracked.scope:
                 await app(scope, app_receive, tracked_send)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:  # the watcher never fails: the app's own error, raised as it is
@@ -181,9 +182,9 @@ async def _serve(app: App, scope: Scope, receive: Receive, send: Send, work: Wor
         raise
 
 
-async def _watch(receive: Receive, work: Work, *, task_status: trio.TaskStatus[Receive]) -> None:
+async def _watch(receive: Receive, tracked: TrackedRequest, *, task_status: trio.TaskStatus[Receive]) -> None:
     """The one reader of the connection: hands the body to the app one message at a time, then waits for the
-    client to leave, and then cancels ``work`` unless its reply is out.  Starts with the app's ``receive``:
+    client to leave, and then cancels ``tracked`` unless its reply is out.  Starts with the app's ``receive``:
     the request's messages, then ``http.disconnect`` (for as many readers as ask) once the client left."""
     to_app, from_watch = trio.open_memory_channel[Message](1)
     gone = trio.Event()
@@ -208,11 +209,11 @@ async def _watch(receive: Receive, work: Work, *, task_status: trio.TaskStatus[R
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                work.client_gone = not work.complete
+                tracked.client_gone = not tracked.complete
                 gone.set()
                 # a body cut short is the app's to see (its reader ends with a 400); after it, the work stops
-                if work.client_gone and body_done:
-                    work.cancel()
+                if tracked.client_gone and body_done:
+                    tracked.cancel()
                 return
             body_done = message["type"] == "http.request" and not message.get("more_body", False)
             await to_app.send(message)  # one message ahead at most: the upload's flow control stays the app's

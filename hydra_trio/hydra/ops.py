@@ -235,7 +235,7 @@ async def prefill(ctx: OpContext) -> None:
     e, id_slot = ctx.slot()
     body = ctx.parse(msg.parse_prefill)
     # the blob is saved on the engine thread as the prefill ends, before anything else can use the slot
-    prepared = await _prepare(ctx, e, id_slot, body, 0, snapshot=True, prompt_only=True)
+    prepared = await _prepare(ctx, e, id_slot, body, 0, save_state=True, prompt_only=True)
     t0 = time.perf_counter()
     async with completions.run(e, prepared) as run:
         done = await run.result()
@@ -353,7 +353,7 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
     reports too come from :mod:`hydra_trio.service.node`)."""
     e, rpc = target.engine, target.rpc
     experts = (
-        e.experts.snapshot()
+        e.experts.info()
         if e is not None
         else {
             "mode": "solo",
@@ -375,7 +375,7 @@ def info_meta(target: OpTarget) -> dict[str, Any]:
         "rpc_backend_active": rpc is not None and rpc.active,
         **experts,
         "pipeline_capable": e is not None,
-        **(e.quants.snapshot() if e is not None else {"quants": [], "quant": None}),
+        **(e.quants.info() if e is not None else {"quants": [], "quant": None}),
         "quant_swap": {
             "whole_model": True,
             "tensor_subsets": False,

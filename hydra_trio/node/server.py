@@ -220,8 +220,8 @@ class Server:
         """The end of the grace: every request in flight ends, its client told ``why``.
 
         The engine's requests end at once with :class:`~hydra_trio.errors.Stopping` (their streams' error
-        events, their 503s, a DECODE's padding: :meth:`LiveRequests.end_all
-        <hydra_trio.engine.requests.LiveRequests.end_all>`), the other HTTP requests whose reply has not
+        events, their 503s, a DECODE's padding: :meth:`LiveJobs.end_all
+        <hydra_trio.engine.requests.LiveJobs.end_all>`), the other HTTP requests whose reply has not
         started are answered 503 (:meth:`InFlight.stop_all <hydra_trio.http.inflight.InFlight.stop_all>`);
         their connections then close after those replies (the drain), for at most :data:`END_WINDOW_S`.
         """

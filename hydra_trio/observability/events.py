@@ -137,7 +137,7 @@ class EventBus:
     def __init__(self, history: int = 200) -> None:
         self._subs: list[Subscription] = []
         self._history: collections.deque[Event] = collections.deque(maxlen=history)
-        self._last_stats: Event | None = None  # ``stats`` is a snapshot: only the newest is kept, not in _history
+        self._last_stats: Event | None = None  # ``stats`` is a sample: only the newest is kept, not in _history
         self._lock = threading.Lock()  # guards _history when no trio loop is bound yet
         self._token: trio.lowlevel.TrioToken | None = None
         self._loop_thread: int | None = None
@@ -193,7 +193,7 @@ class EventBus:
     def recent(self, types: frozenset[str] | None = None, n: int | None = None) -> list[Event]:
         """The last ``n`` (default: all kept) published events a filter of ``types`` would pass.
 
-        The once-a-second ``stats`` snapshots are not history (they would push
+        The once-a-second ``stats`` samples are not history (they would push
         every other event out of it within minutes): only the newest one is
         kept, and it comes last (within the ``n``) when the filter wants it.
         """

@@ -297,7 +297,7 @@ def models_reply(e: Engine | None, created: int) -> dict[str, Any]:
     if e is not None and e.identity is not None:
         alias = e.identity.model_alias
         meta: dict[str, Any] = {"model_path": e.identity.model_path, "model_hash": e.identity.model_hash}
-        m = e.solo_model or e.model
+        m = e.model_view
         if e.ready and m is not None:
             facts = m.facts()
             meta.update(

@@ -77,7 +77,7 @@ def prepare_continue(e: Engine, body: CompletionRequest, *, n_predict: int, id_s
     """Generation on from what slot ``id_slot`` holds (Hydra DECODE without messages,
     :func:`~.jobs.job_continue`), its text split by the body's ``reasoning_format`` (else the node's) on the
     node's template, as a chat reply's would be.  Cheap (nothing is tokenized): on the event loop."""
-    m = e.solo_model or e.model
+    m = e.model_view
     assert m is not None
     fmt = body.raw.get("reasoning_format") or e.config.reasoning_format  # checked when the payload was read
     return PreparedCompletion(

@@ -70,7 +70,7 @@ async def _embed(
     oai = oai and body.input is not None  # llama-server: "content" is its own field, answered in its own shape
     if oai and pooling == POOLING["none"]:
         raise MessageError(OAI_NONE_POOLING)
-    m = e.model
+    m = e.model_view
     assert m is not None and e.identity is not None
     # tokenizing reads only the vocabulary: off the event loop and the engine thread (bridge.py)
     inputs = await prepare(lambda: tokenize_inputs(m, body, limit, why, max_inputs))

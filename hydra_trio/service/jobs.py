@@ -59,7 +59,7 @@ def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str
     renders them itself (its text mentions ``tools``), else the generic tool prompt describes
     them (:func:`~.tools.render_messages`)."""
     # the SOLO model holds the configured template; a COMBINED model has the same vocabulary
-    m = e.solo_model or e.model
+    m = e.model_view
     assert m is not None
     tmpl = m.chat_template
     fmt = _tools.detect_format(tmpl.source if tmpl.kind == "jinja" else "")
@@ -94,7 +94,7 @@ def chat_job(
 
     Raises ChatTemplateError (the template failed; an InvalidRequest) or MessageError.
     """
-    m = e.solo_model or e.model
+    m = e.model_view
     assert m is not None
     items = chat_media(e, body)
     (prompt, extra_stop), fmt = _render(e, body)
@@ -168,7 +168,7 @@ def budget_spec(e: Engine, body: ChatCompletionRequest, prompt: str) -> BudgetSp
     budget = thinking_budget(e, body)
     if budget < 0:
         return None
-    m = e.solo_model or e.model
+    m = e.model_view
     assert m is not None
     opened = opened_in_prompt(prompt)
     source = m.chat_template.source
@@ -198,7 +198,7 @@ def job_from_completion(e: Engine, body: CompletionRequest) -> CompletionJob:
     token ids and strings is tokenized as llama-server's ``tokenize_mixed``:
     each string in place, BOS only for a string that comes first.
     """
-    m = e.model
+    m = e.model_view
     assert m is not None
     prompt = body.prompt
     if isinstance(prompt, MultimodalPrompt):
@@ -247,7 +247,7 @@ def _job(
     n_predict: int | None,
     id_slot: int | None,
 ) -> CompletionJob:
-    m = e.model
+    m = e.model_view
     assert m is not None
     defaults = e.request_defaults  # read once: CONFIGURE may swap a new pair in meanwhile (any thread)
     job = CompletionJob(

@@ -76,12 +76,13 @@ class StatsTicker:
             if not self.bus.subscribers:
                 self.bus.clear_stats()
                 await self.bus.wait_subscribed()
-                self.snapshot()  # the rates start afresh
+                self.sample()  # the rates start afresh
             await trio.sleep(every)
             if self.bus.subscribers:
-                self.bus.publish("stats", **self.snapshot())
+                self.bus.publish("stats", **self.sample())
 
-    def snapshot(self) -> dict[str, Any]:
+    def sample(self) -> dict[str, Any]:
+        """The ``stats`` event's fields now: the counters, and the rates since the last sample."""
         now = time.monotonic()
         dt = max(now - self._t, 1e-6)
         self._t = now

@@ -1,4 +1,4 @@
-"""Context checkpoints: snapshots of the part of a slot's memory that cannot be cut back (engine thread only).
+"""Context checkpoints: copies of the part of a slot's memory that cannot be cut back (engine thread only).
 
 A recurrent model's state (Mamba, RWKV, LFM2's short convolutions, the
 recurrent layers of a hybrid) holds no per-token history: a new prompt that
@@ -77,10 +77,10 @@ def needs_checkpoints(m: LoadedModel) -> bool:
 class Checkpoint:
     """The state of one slot's uncuttable memory after its first ``n_tokens`` tokens (``tokens``)."""
 
-    __slots__ = ("ctx", "data", "n_tokens", "pos_max", "pos_min", "task", "tokens")
+    __slots__ = ("ctx", "data", "job", "n_tokens", "pos_max", "pos_min", "tokens")
 
     def __init__(
-        self, n_tokens: int, pos_min: int, pos_max: int, tokens: array, data: ctypes.Array, ctx: int | None, task: int
+        self, n_tokens: int, pos_min: int, pos_max: int, tokens: array, data: ctypes.Array, ctx: int | None, job: int
     ) -> None:
         self.n_tokens = n_tokens
         self.pos_min = pos_min
@@ -88,7 +88,7 @@ class Checkpoint:
         self.tokens = tokens  # array("i"): the prompt prefix it covers
         self.data = data  # llama_state_seq_get_data_ext(PARTIAL_ONLY) bytes
         self.ctx = ctx  # the llama_context it came from (address)
-        self.task = task  # the request that took it
+        self.job = job  # the job that took it (a count per slot)
 
     @property
     def size(self) -> int:
@@ -112,8 +112,8 @@ class Checkpoints:
         self.lists: list[list[Checkpoint]] = [[] for _ in range(n_parallel)]
         self.created = 0
         self.restored = 0
-        self._task = 0
-        self._tasks: dict[int, int] = {}
+        self._job = 0
+        self._jobs: dict[int, int] = {}
 
     @staticmethod
     def needed(m: LoadedModel) -> bool:
@@ -139,8 +139,8 @@ class Checkpoints:
         request).  The caller then removes the slot's memory past the returned
         count (``llama_memory_seq_rm``) and evaluates the rest.
         """
-        self._task += 1
-        self._tasks[slot.id] = self._task
+        self._job += 1
+        self._jobs[slot.id] = self._job
         lst = self.lists[slot.id]
         pos_next = n_past
         has_new = n_past < len(prompt) or not need_logits
@@ -235,11 +235,11 @@ class Checkpoints:
     def _create(self, m: LoadedModel, slot: Slot, n_tokens: int, pos_min: int, pos_max: int) -> None:
         """llama-server's ``create_checkpoint``: make room, then append the slot's state."""
         lst = self.lists[slot.id]
-        task = self._tasks.get(slot.id, 0)
+        job = self._jobs.get(slot.id, 0)
         i, last = 0, -1  # while full: drop earlier requests' ones too close to the one before
         while len(lst) + 1 >= self.n_max and i < len(lst):
             c = lst[i]
-            if c.task != task and last >= 0 and c.n_tokens <= last + self.min_step:
+            if c.job != job and last >= 0 and c.n_tokens <= last + self.min_step:
                 del lst[i]
                 continue
             last = c.n_tokens
@@ -261,7 +261,7 @@ class Checkpoints:
                 array("i", slot.cache_tokens[:n_tokens]),
                 data,
                 ctypes.cast(m.ctx, ctypes.c_void_p).value,
-                task,
+                job,
             )
         )
         self.created += 1

@@ -9,7 +9,7 @@ context); a slot that speculates had its draft verified in the same batch, and
 :meth:`Generation.verify` keeps the drafted tokens the target agrees with, as llama-server's
 ``common_sampler_sample_and_accept_n`` does (the distribution of the output is the target's: each
 position is sampled by the target's chain, and a draft token counts only when it is the token sampled).
-Engine thread only; events go out through ``RequestHandle.emit``, which never blocks.
+Engine thread only; events go out through ``JobHandle.emit``, which never blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import llama_cpp
 from ...errors import HydraTrioError
 from ..kv.state import save_slot
 from ..llama.model import LoadedModel
-from ..requests import Failed, Finished, RequestHandle, StepHandOff, TextDelta
+from ..requests import Failed, Finished, JobHandle, StepHandOff, TextDelta
+from ..stats import EngineStats
 from .kv_cells import shared_cells, shift_context
 from .sampling import grammar_allows, sample_next, token_probs
 from .slots import Slot, SlotState
@@ -41,7 +42,7 @@ class Batching(Protocol):
     """What :class:`Generation` reads of its scheduler (:class:`~hydra_trio.engine.batching.scheduler.Scheduler`)."""
 
     slots: list[Slot]
-    stats: Any
+    stats: EngineStats
     events: Any
     hand_off: StepHandOff | None
     context_shift: bool
@@ -221,7 +222,7 @@ class Generation:
             n_past=slot.n_past,
             truncated=slot.n_shifts > 0,
             stopping_word=slot.stopper.matched if stop_reason == "stop" else "",
-            state=save_slot(m, slot, sched.model_hash) if handle.job.snapshot else None,
+            state=save_slot(m, slot, sched.model_hash) if handle.job.save_state else None,
             draft_n=slot.draft_n or None,  # llama-server's timings carry them once a token was drafted
             draft_n_accepted=slot.draft_n_accepted if slot.draft_n else None,
         )
@@ -281,7 +282,7 @@ class Generation:
         if slot.sampler is not None:
             llama_cpp.llama_sampler_free(slot.sampler)
         slot.last_used = time.monotonic()
-        slot.reset_request()
+        slot.reset_job()
 
     def publish_end(self, slot: Slot, type_: str, error: Exception) -> None:
         """``slot.failed`` / ``slot.cancelled`` for the request running on ``slot`` (before its release)."""
@@ -290,7 +291,7 @@ class Generation:
             type_, slot.handle.job.request_id, slot=slot.id, n_decoded=slot.n_decoded, error=str(error)
         )
 
-    def fail(self, slot: Slot, type_: str, error: HydraTrioError) -> RequestHandle:
+    def fail(self, slot: Slot, type_: str, error: HydraTrioError) -> JobHandle:
         """End ``slot``'s request with ``error`` (published as ``type_``); the caller sends the event."""
         handle = slot.handle
         assert handle is not None
@@ -298,7 +299,7 @@ class Generation:
         self.release(slot)
         return handle
 
-    def end(self, handles: list[RequestHandle], event: Finished | Failed) -> None:
+    def end(self, handles: list[JobHandle], event: Finished | Failed) -> None:
         """Tell ``handles`` (whose slots are released) that they ended with ``event``, after the scheduler's
         ``publish()`` (the engine's snapshot), so a client's next status read sees its slot as the engine
         left it."""

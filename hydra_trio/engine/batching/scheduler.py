@@ -25,7 +25,7 @@ gets it restored (:mod:`~hydra_trio.engine.batching.prompt_cache`).  Cancellatio
 slot's KV cache saved as a blob, restored from one or erased (:meth:`Scheduler.save_slot`,
 :meth:`Scheduler.restore_slot`, :meth:`Scheduler.erase_slot`); each sampled token's handling, stop strings
 and finishing are :class:`~hydra_trio.engine.batching.generation.Generation`'s.  Nothing here is trio code: events go
-out through ``RequestHandle.emit``, which never blocks.
+out through ``JobHandle.emit``, which never blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import llama_cpp
 
@@ -46,8 +46,9 @@ from ..kv.blobbuf import BlobBuffer, BlobPool
 from ..kv.state import Restored, restore_slot, save_slot
 from ..llama.media import NO_MEDIA, MediaLayout
 from ..llama.model import LoadedModel
-from ..requests import CompletionJob, Failed, RequestHandle, SlotAssigned, StepHandOff
-from ..speculative.base import DraftRequest
+from ..requests import CompletionJob, Failed, JobHandle, SlotAssigned, StepHandOff
+from ..speculative.base import SlotDraft
+from ..stats import EngineStats
 from .checkpoints import Checkpoints
 from .generation import Generation
 from .kv_cells import SHARE_MIN_TOKENS, free_idle_cells, retry_without_room, reuse_chunks, share_prefix, shared_cells
@@ -83,7 +84,7 @@ class Scheduler:
         n_parallel: slots; ``n_ctx_slot``: tokens of context each; ``n_batch``:
             the most tokens per decode step.
         stats: the engine's counters (llama-server's metric names).
-        model_hash: the model's SHA-256 (hex), written into PREFILL snapshots.
+        model_hash: the model's SHA-256 (hex), written into the KV state blobs it saves (PREFILL's).
         events: where ``slot.*`` events go (:mod:`hydra_trio.observability.events`).
         context_shift, n_keep, n_cache_reuse, slot_prompt_similarity, n_ctx_checkpoints,
             checkpoint_min_step: as the :class:`~hydra_trio.engine.settings.EngineConfig` fields of
@@ -101,7 +102,7 @@ class Scheduler:
         n_parallel: int,
         n_ctx_slot: int,
         n_batch: int,
-        stats: Any,
+        stats: EngineStats,
         model_hash: str,
         events: EventBus | None = None,
         *,
@@ -125,7 +126,7 @@ class Scheduler:
         self.events = events if events is not None else EventBus()
         self.slots = [Slot(i, n_ctx_slot) for i in range(n_parallel)]
         self.checkpoints = Checkpoints(n_parallel, n_ctx_checkpoints, checkpoint_min_step)
-        self.pending: collections.deque[RequestHandle] = collections.deque()
+        self.pending: collections.deque[JobHandle] = collections.deque()
         self.stats = stats
         self.model_hash = model_hash
         self.n_batch = n_batch
@@ -160,7 +161,7 @@ class Scheduler:
         """A slot is processing a request."""
         return any(s.is_processing for s in self.slots)
 
-    def add(self, handle: RequestHandle) -> None:
+    def add(self, handle: JobHandle) -> None:
         """Queue a submitted request (it starts at the next :meth:`step`)."""
         self.stats.requests_total += 1
         self.pending.append(handle)
@@ -307,7 +308,7 @@ class Scheduler:
         spec = self.spec
         if spec is None or not self.spec_follows(m):
             return {}
-        requests = []
+        drafts = []
         for slot in self.slots:
             if not (slot.generating and slot.speculative) or slot.last_token is None:
                 continue
@@ -322,10 +323,10 @@ class Scheduler:
             if spec.budget is not None:
                 n_max = spec.budget.cap(slot.id, n_max)
             if n_max >= 1:
-                requests.append(DraftRequest(slot.id, n_max, slot.n_past, slot.last_token, slot.cache_tokens))
-        if requests:
-            spec.draft(requests)
-        return {r.id_slot: list(r.result) for r in requests if r.result}
+                drafts.append(SlotDraft(slot.id, n_max, slot.n_past, slot.last_token, slot.cache_tokens))
+        if drafts:
+            spec.draft(drafts)
+        return {r.id_slot: list(r.result) for r in drafts if r.result}
 
     def _batch_clear(self) -> None:
         self._batch.n_tokens = 0
@@ -348,7 +349,7 @@ class Scheduler:
         reads it (a handler whose client went away) ends too.
         """
         if any(h.cancelled for h in self.pending):
-            keep: collections.deque[RequestHandle] = collections.deque()
+            keep: collections.deque[JobHandle] = collections.deque()
             for h in self.pending:
                 if h.cancelled:
                     self.events.publish("slot.cancelled", h.job.request_id, slot=None, queued=True)
@@ -367,7 +368,7 @@ class Scheduler:
         self.gen.end(ended, Failed(Cancelled("the request was cancelled")))
 
     def _assign_pending(self) -> None:
-        waiting: collections.deque[RequestHandle] = collections.deque()
+        waiting: collections.deque[JobHandle] = collections.deque()
         while self.pending:
             handle = self.pending.popleft()
             job = handle.job
@@ -392,7 +393,7 @@ class Scheduler:
             self._start(slot, handle)
         self.pending = waiting
 
-    def _start(self, slot: Slot, handle: RequestHandle) -> None:
+    def _start(self, slot: Slot, handle: JobHandle) -> None:
         m = self.model
         assert m is not None
         job = handle.job
@@ -436,7 +437,7 @@ class Scheduler:
         except GrammarError as exc:  # checked when the job was built: only a bug gets here
             handle.emit(Failed(InvalidRequest(f"grammar: {exc}")))
             return
-        slot.start_task(job)
+        slot.start_job(job)
         slot.sampler = sampler
         slot.handle = handle
         slot.state = SlotState.STARTED

@@ -18,7 +18,7 @@ import attrs
 from ..llama.media import NO_MEDIA, MediaLayout
 
 if TYPE_CHECKING:
-    from ..requests import CompletionJob, RequestHandle
+    from ..requests import CompletionJob, JobHandle
     from .thinking_budget import ThinkingBudget
 
 # ---------------------------------------------------------------------------
@@ -87,14 +87,15 @@ class SlotState(enum.Enum):
 
 
 _TASK_IDS = itertools.count()
-"""Task ids (``id_task``), one per request started on any slot of the process, from 0 up (engine thread)."""
+"""Task ids (``id_task``: llama-server's name in ``/slots``), one per job started on any slot of the process, from 0
+up (engine thread)."""
 
 
 class Slot:
-    """One KV sequence and the request running on it (if any); :attr:`state` says where the request is.
+    """One KV sequence and the job running on it (if any); :attr:`state` says where the job is.
 
-    ``id_task`` and ``task`` are the running request's id and job, or the last one's once it ended (-1 and
-    None before the slot's first), as llama-server's slot keeps its previous task for ``/slots``.
+    ``id_task`` and ``job`` are the running job's id (``/slots``' ``id_task``) and job, or the last one's once
+    it ended (-1 and None before the slot's first), as llama-server's slot keeps its previous task for ``/slots``.
     """
 
     def __init__(self, id_slot: int, n_ctx: int) -> None:
@@ -106,20 +107,20 @@ class Slot:
         they lie and the positions they advance (:class:`~hydra_trio.engine.llama.media.MediaLayout`)."""
         self.last_used = 0.0
         self.id_task = -1
-        self.task: CompletionJob | None = None
-        self.reset_request()
+        self.job: CompletionJob | None = None
+        self.reset_job()
 
-    def start_task(self, job: CompletionJob) -> None:
-        """A request starts on the slot: the request state is reset (:meth:`reset_request`), a new
-        ``id_task``, and ``job`` is the slot's task (kept without its prompt tokens: the slot holds them,
-        and an ended request's need not stay in memory)."""
-        self.reset_request()
+    def start_job(self, job: CompletionJob) -> None:
+        """A job starts on the slot: the job's state is reset (:meth:`reset_job`), a new ``id_task``, and
+        ``job`` is the slot's :attr:`job` (kept without its prompt tokens: the slot holds them, and an ended
+        job's need not stay in memory)."""
+        self.reset_job()
         self.id_task = next(_TASK_IDS)
-        self.task = attrs.evolve(job, prompt_tokens=())
+        self.job = attrs.evolve(job, prompt_tokens=())
 
-    def reset_request(self) -> None:
+    def reset_job(self) -> None:
         self.state = SlotState.IDLE
-        self.handle: RequestHandle | None = None
+        self.handle: JobHandle | None = None
         self.pending_prompt: list[int] = []
         self.may_share = False  # no prompt token fed yet: a prefix may still come from another slot
         self.n_prompt = 0

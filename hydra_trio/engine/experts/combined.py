@@ -78,6 +78,8 @@ def _on_ggml_abort(message: bytes) -> None:
     # ggml-RPC's client sends from its own thread, so the abort may come from
     # there: any RPC abort while peers are attached is a peer failure
     victims = [worker] if worker is not None else ([*_live_workers] if "RPC" in text else [])
+    # threading._DummyThread: the class Python gives a thread it did not start (a C library's own); the
+    # threading module offers no public test for "not started by Python", so the class is checked
     if not victims and "RPC" in text and isinstance(threading.current_thread(), threading._DummyThread):
         # ggml-RPC's own thread (not one Python started) of a connection whose worker was retired
         # (PeerWorker.retire): park it; the process has nothing else waiting on it
@@ -324,7 +326,7 @@ class ExpertModes:
     """SOLO and COMBINED: the two models, the peer, and the switches between them.
 
     The engine thread calls every method (switches run as exclusive engine
-    tasks, when every slot is idle); other threads read :meth:`snapshot` (INFO,
+    tasks, when every slot is idle); other threads read :meth:`info` (INFO,
     ``/health``, ``/metrics``), whose values are plain attributes updated in
     an order that never shows a half switch.  Both models stay resident once
     built, so a flip costs milliseconds; each has its own KV cache, so
@@ -382,7 +384,7 @@ class ExpertModes:
         if mode != previous:
             self.events.publish("mode.changed", mode=str(mode), previous=str(previous), peer=self.peer or "")
 
-    def snapshot(self) -> dict[str, Any]:
+    def info(self) -> dict[str, Any]:
         """The expert-mode keys of Hydra INFO (docs/hydra-protocol.md §3), safe to call from any thread."""
         return {
             "mode": str(self.mode),

@@ -32,6 +32,7 @@ import attrs
 import llama_cpp
 
 from ...errors import EngineFailure, InvalidRequest
+from ..stats import EngineStats
 from .model import LoadedModel
 
 POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
@@ -201,7 +202,7 @@ def embed(m: LoadedModel, job: EmbeddingJob, seq: int, decode: Callable[[Any], i
     return Embedding(tuple(vectors), n, (time.perf_counter() - t0) * 1e3)
 
 
-def embed_counted(m: LoadedModel, stats: Any, job: EmbeddingJob, decode: Callable[[Any], int]) -> Embedding:
+def embed_counted(m: LoadedModel, stats: EngineStats, job: EmbeddingJob, decode: Callable[[Any], int]) -> Embedding:
     """Engine thread: :func:`embed` on sequence 0 (with ``decode``), counted in the engine's prompt metrics
     (``stats``: ``EngineStats``).  Inputs go one at a time and no slot of an embedding node holds tokens,
     so sequence 0 is always free."""

@@ -17,7 +17,7 @@ import attrs
 
 
 @attrs.define
-class DraftRequest:
+class SlotDraft:
     """One slot asking for a draft (llama.cpp's ``common_speculative_draft_params``).
 
     Attributes:
@@ -75,8 +75,8 @@ class Drafter:
         with it)."""
         return True
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        """Fill ``result`` of each request (at most ``n_max`` tokens each; may leave it empty)."""
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        """Fill ``result`` of each slot's draft (at most ``n_max`` tokens each; may leave it empty)."""
         raise NotImplementedError
 
     def accept(self, id_slot: int, n_accepted: int, is_other: bool) -> None:

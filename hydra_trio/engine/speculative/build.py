@@ -26,13 +26,13 @@ if TYPE_CHECKING:  # the drafters load numpy: only a node that speculates import
 log = logging.getLogger("hydra_trio.engine")
 
 RS_SEQ_MAX = 16
-"""The most recurrent-state snapshots a slot keeps for the model-free types on a recurrent or hybrid model
+"""The most recurrent-state copies a slot keeps for the model-free types on a recurrent or hybrid model
 (each is a copy of the slot's recurrent state): their drafts are cut to this many tokens there."""
 
 
 def target_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions:
     """The target model's options for ``settings``: ``draft-mtp`` loads the MTP layers, and a recurrent or
-    hybrid model keeps per-token snapshots of its recurrent state so a rejected draft can be removed
+    hybrid model keeps per-token copies of its recurrent state so a rejected draft can be removed
     (``n_rs_seq``: ``--spec-draft-n-max`` for ``draft-mtp``, as llama-server's ``need_n_rs_seq``; the other
     types, which llama-server rolls back with checkpoints, up to :data:`RS_SEQ_MAX`)."""
     enabled = settings.enabled
@@ -45,7 +45,7 @@ def target_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOption
 
 def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions:
     """``--model-draft``'s options: the target's, with the draft's KV cache types (``-ctkd``/``-ctvd``) and
-    without the target's tensor overrides, MTP, snapshots or projector."""
+    without the target's tensor overrides, MTP, recurrent-state copies or projector."""
     return attrs.evolve(
         options,
         cache_type_k=settings.draft_cache_type_k,
@@ -75,7 +75,7 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
     :func:`target_options`) and the most tokens one draft may hold on it (a recurrent or hybrid model:
     its ``n_rs_seq``).  ``(None, 0)`` when no type is enabled, and when one cannot be set up
     (``draft-mtp`` without MTP layers, ``draft-simple`` without a draft model or with one whose vocabulary
-    differs, a draft file that does not load, a recurrent model without snapshots): as llama-server, the
+    differs, a draft file that does not load, a recurrent model without recurrent-state copies): as llama-server, the
     node then logs ``failed to initialize speculative decoding context`` with the reason and serves
     without speculative decoding.
     """
@@ -108,7 +108,7 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
             cap = int(llama_cpp.llama_n_rs_seq(model.ctx))
             if cap < 1:
                 raise ValueError(
-                    "a recurrent or hybrid model needs recurrent-state snapshots (n_rs_seq), which "
+                    "a recurrent or hybrid model needs recurrent-state copies (n_rs_seq), which "
                     "this context has none of"
                 )
         spec = make_speculative(settings, n_parallel, {"draft-mtp": mtp, "draft-simple": simple})

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 from .ngram_cache import NgramCacheDrafter
 from .ngram_map import NgramMapK4vDrafter, NgramMapKDrafter, NgramSimpleDrafter
 from .ngram_mod import NgramModDrafter
@@ -66,39 +66,39 @@ class Speculative(Drafter):
         """Every drafter's :meth:`~.base.Drafter.process` until one returns False (llama.cpp's ``&&``)."""
         return all(d.process(batch) for d in self.drafters)
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        """Fill each request's ``result`` with the winning draft (see the module docstring)."""
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        """Fill each slot draft's ``result`` with the winning draft (see the module docstring)."""
         won: dict[int, tuple[Drafter, list[int]]] = {}
         chain = self.drafters
         if chain[0].name == "suffix":
             suffix, chain = chain[0], chain[1:]
-            mine = [_copy(r) for r in requests]
+            mine = [_copy(r) for r in drafts]
             suffix.draft(mine)
-            for req, got in zip(requests, mine, strict=True):
-                res = _cut(got.result, req.n_max)
+            for sd, got in zip(drafts, mine, strict=True):
+                res = _cut(got.result, sd.n_max)
                 if res:
-                    won[id(req)] = (suffix, res)
+                    won[id(sd)] = (suffix, res)
             reach = max((max(0, d.n_max) for d in chain), default=0)
-            pending = [r for r in requests if len(won.get(id(r), (None, []))[1]) < _cap(reach, r.n_max)]
+            pending = [r for r in drafts if len(won.get(id(r), (None, []))[1]) < _cap(reach, r.n_max)]
         else:
-            pending = list(requests)
+            pending = list(drafts)
         for d in chain:
             if not pending:
                 break
             asked = [_copy(r) for r in pending]
             d.draft(asked)
             still = []
-            for req, got in zip(pending, asked, strict=True):
-                res = _cut(got.result, req.n_max)
+            for sd, got in zip(pending, asked, strict=True):
+                res = _cut(got.result, sd.n_max)
                 if not res:
-                    still.append(req)
-                elif len(res) > len(won.get(id(req), (None, []))[1]):
-                    won[id(req)] = (d, res)
+                    still.append(sd)
+                elif len(res) > len(won.get(id(sd), (None, []))[1]):
+                    won[id(sd)] = (d, res)
             pending = still
-        for req in requests:
-            winner, res = won.get(id(req), (None, []))
-            req.result[:] = res
-            self.impl_last[req.id_slot] = winner
+        for sd in drafts:
+            winner, res = won.get(id(sd), (None, []))
+            sd.result[:] = res
+            self.impl_last[sd.id_slot] = winner
             if winner is not None:
                 winner.stats.n_gen_drafts += 1
                 winner.stats.n_gen_tokens += len(res)
@@ -175,8 +175,8 @@ class Speculative(Drafter):
                 d.set_state(id_slot, parts[d.name])
 
 
-def _copy(req: DraftRequest) -> DraftRequest:
-    return attrs.evolve(req, result=[])
+def _copy(sd: SlotDraft) -> SlotDraft:
+    return attrs.evolve(sd, result=[])
 
 
 def _cut(result: list[int], n_max: int) -> list[int]:

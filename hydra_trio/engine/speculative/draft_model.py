@@ -27,7 +27,7 @@ import llama_cpp
 
 from ..llama.model import LoadedModel
 from ..settings import LlamaOptions
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 from .drafting import DraftBatch, DraftParams, pick_greedy, seq_state, set_seq_state, sync_seq
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -130,10 +130,10 @@ class DraftSimple(Drafter):
             self.batch.add(batch.token[k], pos, seq, k == n - 1)
         return self.batch.decode() == 0
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        active: dict[int, tuple[DraftRequest, int]] = {}
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        active: dict[int, tuple[SlotDraft, int]] = {}
         self.batch.clear()
-        for r in requests:
+        for r in drafts:
             r.result.clear()
             if min(r.n_max, self.params.n_max) <= 0:
                 continue
@@ -152,7 +152,7 @@ class DraftSimple(Drafter):
                 self.batch.clear()
                 active = {seq: (r, self.batch.add(token, r.pos0 + len(r.result), seq, True)) for seq, r, token in picks}
         finally:
-            for r in requests:  # the draft context as before: process() feeds the verification batch in
+            for r in drafts:  # the draft context as before: process() feeds the verification batch in
                 llama_cpp.llama_memory_seq_rm(self.mem, r.id_slot, r.pos0, -1)
                 if len(r.result) < self.params.n_min:
                     r.result.clear()

@@ -25,7 +25,7 @@ along still drafts correctly, only worse: the MTP sequence restarts empty at the
 
 The target needs ``load_mtp`` (:func:`target_model_params`: the MTP block's weights are skipped otherwise)
 and, when its memory is recurrent or hybrid, ``n_rs_seq`` >= ``n_max`` (:func:`target_context_params`: the
-recurrent state keeps that many per-token snapshots so that rejected drafts can be removed with
+recurrent state keeps that many per-token copies so that rejected drafts can be removed with
 ``llama_memory_seq_rm``; llama-server sets it the same way).  Engine thread only.
 """
 
@@ -39,7 +39,7 @@ import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from ..settings import LlamaOptions
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 from .drafting import DraftBatch, DraftParams, pick_greedy, seq_state, set_seq_state, sync_seq
 
 _STATE_MAGIC = b"HTMTP\x01"
@@ -53,7 +53,7 @@ def target_model_params(mparams: Any) -> None:
 
 def target_context_params(cparams: Any, params: DraftParams) -> None:
     """Set what the target context needs for ``draft-mtp`` in its ``llama_context_params``: ``n_rs_seq`` =
-    ``n_max`` (recurrent-state snapshots for rolling back rejected drafts; llama-server's
+    ``n_max`` (recurrent-state copies for rolling back rejected drafts; llama-server's
     ``need_n_rs_seq``)."""
     cparams.n_rs_seq = max(cparams.n_rs_seq, params.n_max)
 
@@ -167,10 +167,10 @@ class DraftMtp(Drafter):
             self.pending_pos[seq] = pos0[seq] + len(idx) - 1
         return True
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        active: dict[int, tuple[DraftRequest, int]] = {}  # slot -> (request, its entry in the batch)
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        active: dict[int, tuple[SlotDraft, int]] = {}  # slot -> (its draft, its entry in the batch)
         self.batch.clear()
-        for r in requests:
+        for r in drafts:
             r.result.clear()
             if min(r.n_max, self.params.n_max) <= 0:
                 continue
@@ -181,7 +181,7 @@ class DraftMtp(Drafter):
             )
         try:
             while active and self.batch.decode() == 0:
-                step: dict[int, tuple[DraftRequest, int]] = {}
+                step: dict[int, tuple[SlotDraft, int]] = {}
                 picks = []
                 for seq, (r, idx) in active.items():
                     token, p = pick_greedy(self.ctx_dft, idx, self.n_vocab)
@@ -199,7 +199,7 @@ class DraftMtp(Drafter):
                     step[seq] = (r, self.batch.add(token, r.pos0 + len(r.result), seq, True, h))
                 active = step
         finally:
-            for r in requests:  # the MTP context as before: process() feeds the verification batch in
+            for r in drafts:  # the MTP context as before: process() feeds the verification batch in
                 llama_cpp.llama_memory_seq_rm(self.mem, r.id_slot, r.pos0, -1)
                 if len(r.result) < self.params.n_min:
                     r.result.clear()

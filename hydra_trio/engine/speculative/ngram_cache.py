@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 
 LLAMA_NGRAM_MIN = 1
 LLAMA_NGRAM_MAX = 4
@@ -365,21 +365,21 @@ class NgramCacheDrafter(Drafter):
         # the static and dynamic caches are never written: the slots share one copy each
         self.static, self.dynamic = static, dynamic
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        for req in requests:
-            self._draft_one(req)
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        for sd in drafts:
+            self._draft_one(sd)
 
-    def _draft_one(self, req: DraftRequest) -> None:
-        slot, prompt = req.id_slot, req.tokens
+    def _draft_one(self, sd: SlotDraft) -> None:
+        slot, prompt = sd.id_slot, sd.tokens
         if self.cache_size[slot] < len(prompt) + 1:
             tokens_new = list(prompt[self.cache_size[slot] :])
-            tokens_new.append(req.id_last)
+            tokens_new.append(sd.id_last)
             ngram_cache_update(self.context[slot], LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, tokens_new, len(tokens_new))
             self.cache_size[slot] = len(prompt) + 1
         tail = list(prompt[-(LLAMA_NGRAM_MAX - 1) :])
-        tail.append(req.id_last)  # the draft reads the last LLAMA_NGRAM_MAX tokens of the input only
-        draft = [req.id_last]
+        tail.append(sd.id_last)  # the draft reads the last LLAMA_NGRAM_MAX tokens of the input only
+        draft = [sd.id_last]
         ngram_cache_draft(
             tail, draft, self.n_draft, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, self.context[slot], self.dynamic, self.static
         )
-        req.result[:] = draft[1:]
+        sd.result[:] = draft[1:]

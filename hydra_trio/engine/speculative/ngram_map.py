@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 from .history import History, lcg_hash
 
 COMMON_NGRAM_MAX_VALUES = 4
@@ -243,11 +243,11 @@ class NgramSimpleDrafter(Drafter):
     def begin(self, id_slot: int, prompt: Sequence[int]) -> None:
         self.histories[id_slot].sync(prompt, full=True)
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        for req in requests:
-            hist = self.histories[req.id_slot]
-            hist.sync(req.tokens)
-            req.result[:] = ngram_simple_draft(self.size_n, self.size_m, req.tokens, req.id_last, hist)
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        for sd in drafts:
+            hist = self.histories[sd.id_slot]
+            hist.sync(sd.tokens)
+            sd.result[:] = ngram_simple_draft(self.size_n, self.size_m, sd.tokens, sd.id_last, hist)
 
 
 class NgramMapDrafter(Drafter):
@@ -263,9 +263,9 @@ class NgramMapDrafter(Drafter):
     def begin(self, id_slot: int, prompt: Sequence[int]) -> None:
         self.maps[id_slot].begin(prompt)
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        for req in requests:
-            req.result[:] = self.maps[req.id_slot].draft(req.tokens, req.id_last)
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        for sd in drafts:
+            sd.result[:] = self.maps[sd.id_slot].draft(sd.tokens, sd.id_last)
 
     def accept(self, id_slot: int, n_accepted: int, is_other: bool) -> None:
         if not is_other:

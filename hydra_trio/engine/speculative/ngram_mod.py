@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 
 NGRAM_MOD_SIZE = 4 * 1024 * 1024
 """Entries of the table (``common_speculative_impl_ngram_mod``: ``mod(n_match, 4*1024*1024)``)."""
@@ -105,12 +105,12 @@ class NgramModDrafter(Drafter):
         if self.mod.used / self.mod.size > OCCUPANCY_RESET:
             self.mod.reset()
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        for req in requests:
-            req.result[:] = self._draft_one(req)
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        for sd in drafts:
+            sd.result[:] = self._draft_one(sd)
 
-    def _draft_one(self, req: DraftRequest) -> list[int]:
-        sinfo, mod, prompt = self.sinfos[req.id_slot], self.mod, req.tokens
+    def _draft_one(self, sd: SlotDraft) -> list[int]:
+        sinfo, mod, prompt = self.sinfos[sd.id_slot], self.mod, sd.tokens
         sinfo.n_draft_last = 0
         cur_len, n = len(prompt), mod.n
         if cur_len < n:
@@ -119,7 +119,7 @@ class NgramModDrafter(Drafter):
             mod.add_range(prompt, sinfo.i_last, cur_len - n)
             sinfo.i_last = cur_len - n
         window = list(prompt[cur_len - n + 1 :])
-        window.append(req.id_last)
+        window.append(sd.id_last)
         idx = mod.idx(window)
         out: list[int] = []
         for i in range(self.n_max):

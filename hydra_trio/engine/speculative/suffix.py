@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from .base import Drafter, DraftRequest
+from .base import Drafter, SlotDraft
 from .history import History
 
 MAX_CANDIDATES = 16
@@ -231,9 +231,9 @@ class SuffixDrafter(Drafter):
         st.history.sync(prompt, full=True)
         st.candidates, st.ctx_len = [], 0  # the acceptance statistics stay with the slot
 
-    def draft(self, requests: list[DraftRequest]) -> None:
-        for req in requests:
-            req.result[:] = self._draft_one(req)
+    def draft(self, drafts: list[SlotDraft]) -> None:
+        for sd in drafts:
+            sd.result[:] = self._draft_one(sd)
 
     def accept(self, id_slot: int, n_accepted: int, is_other: bool) -> None:
         st = self.slots[id_slot]
@@ -266,27 +266,27 @@ class SuffixDrafter(Drafter):
 
     # --- matching -------------------------------------------------------------------------------------
 
-    def _draft_one(self, req: DraftRequest) -> list[int]:
-        st = self.slots[req.id_slot]
+    def _draft_one(self, sd: SlotDraft) -> list[int]:
+        st = self.slots[sd.id_slot]
         hist = st.history
-        appended = hist.sync(req.tokens)
+        appended = hist.sync(sd.tokens)
         toks = hist.tokens
         ctx_len = len(toks) + 1
         keep = bool(st.candidates) and appended and 0 < st.ctx_len <= ctx_len
         if keep:  # the context grew from the one the candidates were advanced to
-            keep = req.id_last == st.id_last if st.ctx_len == ctx_len else toks[st.ctx_len - 1] == st.id_last
+            keep = sd.id_last == st.id_last if st.ctx_len == ctx_len else toks[st.ctx_len - 1] == st.id_last
         if keep:
-            self._advance(st, req.id_last, ctx_len)
+            self._advance(st, sd.id_last, ctx_len)
         else:
             st.candidates = []
-        st.ctx_len, st.id_last = ctx_len, req.id_last
+        st.ctx_len, st.id_last = ctx_len, sd.id_last
         if not st.candidates and ctx_len >= self.k:
-            self._anchor(st, req.id_last)
+            self._anchor(st, sd.id_last)
         st.last_draft = 0
         if not st.candidates:
             return []
-        n_max = min(req.n_max, self.n_max, int(self.max_spec_factor * st.match_len + self.max_spec_offset))
-        out = self._walk(st, req.id_last, n_max)
+        n_max = min(sd.n_max, self.n_max, int(self.max_spec_factor * st.match_len + self.max_spec_offset))
+        out = self._walk(st, sd.id_last, n_max)
         st.last_draft = len(out)
         return out
 
