@@ -144,7 +144,7 @@ FLAGS: list[Flag] = [
     V(
         ("--mmproj-auto",),
         WIRED,
-        "use the projector of a -m preset that has one (tiny-vision's, kept beside "
+        "use the projector of a -m preset that has one (tiny-vision's, tiny-audio's: kept beside "
         "its model), as llama-server uses the one it finds with -hf; a -m FILE needs -mm (default: on)",
         neg=("--no-mmproj", "--no-mmproj-auto"),
         default=True,
