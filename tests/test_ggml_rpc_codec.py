@@ -41,6 +41,9 @@ from hydra_trio.protocol.ggml_rpc import (
     RpcCmd,
     RpcTensor,
 )
+from hydra_trio.protocol.hydra import NEED_DATA as HYDRA_NEED_DATA
+from hydra_trio.protocol.hydra import RequestDecoder
+from hydra_trio.protocol.need_data import NEED_DATA
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -81,8 +84,8 @@ def events_of(data_pieces: list[bytes], conn: GgmlRpcConnection | None = None) -
     out: list = []
     try:
         for piece in data_pieces:
-            conn.feed_request(piece)
-            while (ev := conn.next_request_event()) is not None:
+            conn.receive_request_data(piece)
+            while (ev := conn.next_request_event()) is not NEED_DATA:
                 out.append(ev)
     except InvalidRpcRequest as exc:
         return coalesce(out), exc.check
@@ -552,12 +555,12 @@ def test_the_pumps_path_refuses_mutants_as_the_events_do(m: GgmlRpcMutant, data:
 def released_by_events(conn: GgmlRpcConnection, pieces: list[bytes], requests: bool = True) -> tuple[bytes, bool]:
     """The bytes the event path releases for ``pieces`` fed one by one (up to its error), and whether it refused."""
     out = bytearray()
-    feed = conn.feed_request if requests else conn.feed_reply
+    feed = conn.receive_request_data if requests else conn.receive_reply_data
     nxt = conn.next_request_event if requests else conn.next_reply_event
     try:
         for piece in pieces:
             feed(piece)
-            while (ev := nxt()) is not None:
+            while (ev := nxt()) is not NEED_DATA:
                 if not isinstance(ev, (RequestEnd, ReplyEnd)):
                     out += bytes(ev.data)
     except (InvalidRpcRequest, InvalidReply):
@@ -696,3 +699,21 @@ def test_truncated_messages_are_never_released_whole(steps: list[RpcStep]) -> No
 def test_generated_tensors_pass(t: RpcTensor) -> None:
     conn = with_buffer()
     conn.receive_request(g.encode_request(RpcCmd.INIT_TENSOR, t.pack()))
+
+
+def test_both_codecs_are_pull_style_with_one_sentinel() -> None:
+    """The ggml-RPC codec reads as the Hydra codec does (and h11): ``receive_*data`` then ``next_*event`` until
+    the one :data:`NEED_DATA`; a HELLO fed a byte at a time gives its events once whole."""
+    assert HYDRA_NEED_DATA is NEED_DATA
+    conn = GgmlRpcConnection()
+    assert conn.next_request_event() is NEED_DATA
+    hello = g.hello_request()
+    events = []
+    for i in range(len(hello)):
+        conn.receive_request_data(hello[i : i + 1])
+        while (ev := conn.next_request_event()) is not NEED_DATA:
+            events.append(ev)
+        assert conn.next_request_event() is NEED_DATA
+    assert isinstance(events[0], Request) and isinstance(events[-1], RequestEnd)
+    dec = RequestDecoder(max_payload=1 << 20)
+    assert dec.next_event() is NEED_DATA

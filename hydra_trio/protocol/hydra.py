@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeAlias
 import attrs
 
 from .decode_frames import Bytes
+from .need_data import NEED_DATA, NeedData
 
 __all__ = [
     "DECODE_FLAG_FINAL",
@@ -422,17 +423,6 @@ class DecoderState(enum.Enum):
     BODY = "body"
     PAYLOAD = "payload"
     CLOSED = "closed"
-
-
-class NeedData(enum.Enum):
-    """The type of :data:`NEED_DATA` (its one value)."""
-
-    NEED_DATA = "NEED_DATA"
-
-
-NEED_DATA = NeedData.NEED_DATA
-"""What ``next_event()`` returns when every event of the bytes received so far was handed out: call
-``receive_data`` with more (h11's ``NEED_DATA``)."""
 
 
 class _Decoder:

@@ -18,9 +18,9 @@ answers the ``size`` it asked for.  A command the server rejects is not
 answered either: the server closes the connection (ggml-RPC has no error reply).
 
 Use one :class:`GgmlRpcConnection` per client connection, feed it what the
-client sends (:meth:`~GgmlRpcConnection.feed_request`, then
-:meth:`~GgmlRpcConnection.next_request_event` until ``None``) and what the
-server answers (:meth:`~GgmlRpcConnection.feed_reply`,
+client sends (:meth:`~GgmlRpcConnection.receive_request_data`, then
+:meth:`~GgmlRpcConnection.next_request_event` until :data:`~hydra_trio.protocol.need_data.NEED_DATA`, as the
+Hydra codec and h11) and what the server answers (:meth:`~GgmlRpcConnection.receive_reply_data`,
 :meth:`~GgmlRpcConnection.next_reply_event`).  Every event carries the bytes to
 pass on (``data``); the bulk of a SET_TENSOR or a GET_TENSOR reply comes out
 as :class:`RequestData` / :class:`ReplyData` slices of the input, not copied.

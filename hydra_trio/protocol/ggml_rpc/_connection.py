@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
+from ..need_data import NEED_DATA, NeedData
 from ._events import GgmlRpcError, RpcReplyEvent, RpcRequestEvent
 from ._framing import Direction, EventT
 from ._replies import ReplyTracker
@@ -65,7 +66,7 @@ class GgmlRpcConnection(ConnectionState):
         return not (self.request_in_progress or self.reply_in_progress or self.pending or self.compute_pending)
 
     # ------------------------------------------------------------ requests
-    def feed_request(self, data: bytes | bytearray | memoryview) -> None:
+    def receive_request_data(self, data: bytes | bytearray | memoryview) -> None:
         """Bytes the client sent (not copied); read the events with :meth:`next_request_event`.
 
         Raises:
@@ -73,16 +74,17 @@ class GgmlRpcConnection(ConnectionState):
         """
         self._requests.feed(data)
 
-    def next_request_event(self) -> RpcRequestEvent | None:
-        """The next event of the client's stream, or None when more bytes are needed.
+    def next_request_event(self) -> RpcRequestEvent | NeedData:
+        """The next event of the client's stream, or :data:`NEED_DATA` when more bytes are needed.
 
         Raises:
             InvalidRpcRequest: the message at hand failed validation (again on every later call).
         """
-        return self._next(self._requests)
+        ev = self._next(self._requests)
+        return NEED_DATA if ev is None else ev
 
     def receive_request(self, data: bytes | bytearray | memoryview) -> list[RpcRequestEvent]:
-        """:meth:`feed_request` then every event it makes (convenience for tests and tools)."""
+        """:meth:`receive_request_data` then every event it makes (convenience for tests and tools)."""
         return self._receive(self._requests, data)
 
     def pass_requests(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:
@@ -101,17 +103,18 @@ class GgmlRpcConnection(ConnectionState):
         return self._requests.low_water(cap)
 
     # ------------------------------------------------------------ replies
-    def feed_reply(self, data: bytes | bytearray | memoryview) -> None:
-        """Bytes the server sent; as :meth:`feed_request`, read with :meth:`next_reply_event`."""
+    def receive_reply_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Bytes the server sent; as :meth:`receive_request_data`, read with :meth:`next_reply_event`."""
         self._replies.feed(data)
 
-    def next_reply_event(self) -> RpcReplyEvent | None:
-        """The next event of the server's stream, or None; raises InvalidReply for bytes nobody
+    def next_reply_event(self) -> RpcReplyEvent | NeedData:
+        """The next event of the server's stream, or :data:`NEED_DATA`; raises InvalidReply for bytes nobody
         asked for, or a reply of the wrong size or version (again on every later call)."""
-        return self._next(self._replies)
+        ev = self._next(self._replies)
+        return NEED_DATA if ev is None else ev
 
     def receive_reply(self, data: bytes | bytearray | memoryview) -> list[RpcReplyEvent]:
-        """:meth:`feed_reply` then every event it makes."""
+        """:meth:`receive_reply_data` then every event it makes."""
         return self._receive(self._replies, data)
 
     def pass_replies(self, data: bytes | bytearray | memoryview) -> list[bytes | memoryview]:

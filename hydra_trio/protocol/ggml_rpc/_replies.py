@@ -26,7 +26,7 @@ _LEARN = frozenset({RpcCmd.HELLO, RpcCmd.ALLOC_BUFFER, RpcCmd.BUFFER_GET_BASE})
 class ReplyTracker(Direction[RpcReplyEvent]):
     """Turns the server's bytes into :data:`~._events.RpcReplyEvent` s, updating ``state``."""
 
-    feed_name = "feed_reply"
+    feed_name = "receive_reply_data"
     data_event = ReplyData
 
     def __init__(self, state: ConnectionState) -> None:

@@ -54,7 +54,7 @@ _CACHEABLE = tuple(c in CACHEABLE for c in CMDS)
 class RequestFramer(Direction[RpcRequestEvent]):
     """Turns the client's bytes into :data:`~._events.RpcRequestEvent` s, updating ``state``."""
 
-    feed_name = "feed_request"
+    feed_name = "receive_request_data"
     data_event = RequestData
 
     def __init__(self, state: ConnectionState) -> None:
