@@ -212,6 +212,14 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
         budget.observe_verify(0, 8, 8)  # every draft accepted whole
     assert budget.cap(0, 16) >= 8
     assert DraftBudget(1, 0.01).cap(0, 64) > DraftBudget(1, 1.0).cap(0, 64)  # cheaper rows, longer drafts
+    grows = DraftBudget(1, 0.5, 0.09)  # auto on a CPU: each row costs more the longer the slot's context
+    for _ in range(40):
+        grows.observe_verify(0, 8, 7)
+    assert grows.cap(0, 64, n_past=0) > grows.cap(0, 64, n_past=8000) >= 1
+
+    async with engine_with("ngram-simple") as engine:  # auto: this machine's CPU (a build with ggml-RPC only)
+        auto = engine.scheduler.spec.budget
+        assert auto is not None and (auto.row_cost, auto.per_ktoken) == (0.5, 0.09)
 
     prose = "The history of the city begins with a small market by the river, where traders met"
     runs = []

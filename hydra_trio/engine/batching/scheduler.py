@@ -321,7 +321,7 @@ class Scheduler:
                 job.n_predict - slot.n_decoded - 1 if job.n_predict >= 0 else spec.n_max,
             )
             if spec.budget is not None:
-                n_max = spec.budget.cap(slot.id, n_max)
+                n_max = spec.budget.cap(slot.id, n_max, slot.n_past)
             if n_max >= 1:
                 drafts.append(SlotDraft(slot.id, n_max, slot.n_past, slot.last_token, slot.cache_tokens))
         if drafts:

@@ -57,17 +57,26 @@ def draft_options(settings: SpecSettings, options: LlamaOptions) -> LlamaOptions
     )
 
 
-def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:
-    """The node's :class:`~.budget.DraftBudget` (``--spec-budget-row-cost``; ``auto``: the CPU's ratio when
-    the model's ``options`` offload no layer to a GPU), None when every draft is verified whole (a ratio
-    of 0)."""
-    from .budget import CPU_ROW_COST, DraftBudget
+def _local_gpu() -> bool:
+    """This machine has a GPU (or integrated GPU) device for layers (``llama_supports_gpu_offload`` is also
+    true for a build with ggml-RPC alone, which offloads nothing by itself)."""
+    from ..llama import ggml_backend as g
 
-    ratio = settings.budget_row_cost
+    kinds = (g.GGML_BACKEND_DEVICE_TYPE_GPU, g.GGML_BACKEND_DEVICE_TYPE_IGPU)
+    return any(g.device_type(d) in kinds for d in g.all_devices() if not g.is_rpc_device(d))
+
+
+def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:
+    """The node's :class:`~.budget.DraftBudget` (``--spec-budget-row-cost``; ``auto``: the CPU's ratio, growing
+    with the slot's context, when the model's ``options`` offload no layer to a GPU), None when every draft is
+    verified whole (a ratio of 0)."""
+    from .budget import CPU_ROW_COST, CPU_ROW_COST_PER_KTOKEN, DraftBudget
+
+    ratio, per_ktoken = settings.budget_row_cost, 0.0
     if ratio < 0:
-        on_gpu = llama_cpp.llama_supports_gpu_offload() and options.n_gpu_layers not in (0, "0")
-        ratio = 0.0 if on_gpu else CPU_ROW_COST
-    return DraftBudget(n_parallel, ratio) if ratio > 0 else None
+        on_gpu = _local_gpu() and options.n_gpu_layers not in (0, "0")
+        ratio, per_ktoken = (0.0, 0.0) if on_gpu else (CPU_ROW_COST, CPU_ROW_COST_PER_KTOKEN)
+    return DraftBudget(n_parallel, ratio, per_ktoken) if ratio > 0 else None
 
 
 def build_speculative(settings: SpecSettings, model: object, n_parallel: int) -> tuple[Speculative | None, int]:

@@ -649,8 +649,8 @@ SPEC_OPTIONS: tuple[SpecOption, ...] = (
         "budget_row_cost",
         "every type: what one more verified row costs over a decode "
         "step; drafts are cut to the length that yields the most tokens per cost for the slot's observed "
-        "acceptance (0: verify every draft whole, as llama-server; auto: 0.35 when the model runs on the CPU, "
-        "else 0)",
+        "acceptance (0: verify every draft whole, as llama-server; auto: on the CPU 0.5 plus 0.09 for each "
+        "1,000 tokens of the slot's context, else 0)",
         "R|auto",
         own=True,
         parse=_row_cost,
