@@ -11,9 +11,6 @@ the same machine (the same clip twice, another clip, the node against the bindin
 from __future__ import annotations
 
 import base64
-import hashlib
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,8 +22,16 @@ import pytest
 from hydra_trio.models import tiny_audio
 from hydra_trio.models.presets import PRESETS, resolve_model
 
-from .conftest import ROOT, ServerProcess
-from .test_tiny_vision import N_CTX, N_PREDICT, QUESTION, Bindings, chat_prompt, llama_server
+from .conftest import ServerProcess
+from .test_tiny_vision import (
+    N_CTX,
+    N_PREDICT,
+    QUESTION,
+    Bindings,
+    chat_prompt,
+    cli_writes_the_cached_pair,
+    llama_server,
+)
 
 CLIP = tiny_audio.wav_clip(1)
 """1 s: one 30 s window, 750 embeddings."""
@@ -82,19 +87,7 @@ def test_preset_makes_the_pair_side_by_side_and_the_cli_writes_the_same_files(pa
     assert "clip.has_vision_encoder" not in proj.fields
     assert proj.fields["clip.audio.projection_dim"].contents() == lm.fields["qwen2.embedding_length"].contents()
 
-    out = subprocess.run(
-        [sys.executable, "-m", "hydra_trio.models", "tiny-audio", str(tmp_path)],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    written = [Path(line) for line in out.stdout.split()]
-    assert written == [tmp_path / model.name, tmp_path / mmproj.name]
-    for mine, cached in zip(written, pair, strict=True):
-        assert hashlib.sha256(mine.read_bytes()).digest() == hashlib.sha256(cached.read_bytes()).digest()
+    cli_writes_the_cached_pair("tiny-audio", tmp_path, pair)
 
 
 def test_wav_clip_is_16khz_mono_pcm16() -> None:

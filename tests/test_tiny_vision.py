@@ -189,19 +189,7 @@ def test_preset_makes_the_pair_side_by_side_and_the_cli_writes_the_same_files(pa
     assert proj.fields["clip.projector_type"].contents() == "qwen2vl_merger"
     assert proj.fields["clip.vision.projection_dim"].contents() == lm.fields["qwen2vl.embedding_length"].contents()
 
-    out = subprocess.run(
-        [sys.executable, "-m", "hydra_trio.models", "tiny-vision", str(tmp_path)],
-        check=False,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    written = [Path(line) for line in out.stdout.split()]
-    assert written == [tmp_path / model.name, tmp_path / mmproj.name]
-    for mine, cached in zip(written, pair, strict=False):
-        assert hashlib.sha256(mine.read_bytes()).digest() == hashlib.sha256(cached.read_bytes()).digest()
+    cli_writes_the_cached_pair("tiny-vision", tmp_path, pair)
 
 
 # --------------------------------------------------------------------------- llama-cpp-python's mtmd
@@ -330,3 +318,21 @@ def test_llama_server_serves_the_pair_with_the_bindings_tokens(pair, bindings: B
             assert b"".join(bytes(t["bytes"]) for t in reply["choices"][0]["logprobs"]["content"]) == raw
             assert {t["id"] for t in reply["choices"][0]["logprobs"]["content"]} <= set(tokens)
             assert reply["choices"][0]["message"]["content"] == raw.decode("utf-8", "replace")
+
+
+def cli_writes_the_cached_pair(name: str, out_dir: Path, pair: tuple[Path, Path]) -> None:
+    """``python -m hydra_trio.models NAME OUT_DIR`` writes the preset's model and projector under their cached
+    names, byte for byte the cached ``pair``, and prints their paths."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_trio.models", name, str(out_dir)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    written = [Path(line) for line in out.stdout.split()]
+    assert written == [out_dir / p.name for p in pair]
+    for mine, cached in zip(written, pair, strict=True):
+        assert hashlib.sha256(mine.read_bytes()).digest() == hashlib.sha256(cached.read_bytes()).digest()
