@@ -362,8 +362,9 @@ def test_refusals_have_llama_servers_statuses_and_messages(tmp_path: Path) -> No
 
 def test_autoload_and_the_least_recently_used_model_unloads_at_models_max(tmp_path: Path) -> None:
     """``--models-max 1``: a request for the other model unloads the idle one first; two requests at once
-    for a model that is not running share one load; ``?autoload=false`` refuses instead."""
-    with router(tmp_path, TWO_MODELS, "--models-max", "1") as r:
+    for a model that is not running share one load; ``?autoload=false`` refuses instead.  (Another ``-c``: the
+    two are no quantization siblings, whose switch is in place: tests/test_router_swap.py.)"""
+    with router(tmp_path, TWO_MODELS + "c = 512\n", "--models-max", "1") as r:
         replies: list[httpx.Response] = []
 
         def ask() -> None:

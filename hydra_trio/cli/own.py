@@ -33,7 +33,7 @@ FLAGS: list[Flag] = [
         ("--quant",),
         "a quantization SWAP_QUANT may switch to, KEY=PATH|ALIAS, repeatable (e.g. --quant "
         "q4=smollm2-135m --quant q8=smollm2-135m-q8); the -m model is the one whose file matches, else key "
-        "'default'",
+        "'default'; when -a names the -m model's key, each quant's model id is its key",
         value="KEY=PATH|ALIAS",
         type=t.quant_value,
         action="append",

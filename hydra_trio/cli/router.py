@@ -45,6 +45,7 @@ from ..router.presets import (
     read_preset_file,
     scan_models_dir,
 )
+from ..router.swap import quant_siblings
 from ..transport.frontdoor import FrontDoorSettings
 from ..transport.tls import TlsSettings, server_context
 from .access import access_settings
@@ -138,7 +139,8 @@ def build_models(
 ) -> tuple[list[ModelInstance], list[ModelInstance]]:
     """The router's models and those to load at start (``load-on-startup``), from ``--models-dir``, then
     ``--models-preset`` (a section over the directory's model of the same name), each over ``[*]`` and under the
-    router's command line ``argv``, as llama-server's ``load_models``.
+    router's command line ``argv``, as llama-server's ``load_models``; presets that differ only in their
+    quantization know each other (:func:`~hydra_trio.router.swap.quant_siblings`).
 
     Raises:
         ModelsConfigError: a preset the node refuses (see :func:`_check`), two models or aliases of one name, or more
@@ -174,6 +176,9 @@ def build_models(
         models.append(m)
         if (p.get(LOAD_ON_STARTUP) or "false") in TRUTHY:
             startup.append(m)
+    siblings = quant_siblings([m.preset for m in models])
+    for m in models:
+        m.quants = siblings.get(m.name, {})
     if 0 < args.models_max < len(startup):
         raise ModelsConfigError(
             f"number of models to load on startup ({len(startup)}) exceeds models_max ({args.models_max})"

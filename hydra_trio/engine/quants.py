@@ -42,6 +42,9 @@ class QuantSet:
         quants: ``(key, path, alias)`` of each (``--quant``).
         loaded: the GGUF file loaded at start (its key is the matching
             entry's, else ``default`` is added for it).
+        loaded_alias: ``-a/--alias``: the name of the model loaded at start; when it is that model's key,
+            every quant is named by its key (the model id the node answers with after a swap: a router
+            starts its children so, each quant keyed by the router's name of it).
     """
 
     def __init__(self, quants: tuple[tuple[str, Path, str], ...], loaded: Path, loaded_alias: str = "") -> None:
@@ -52,7 +55,9 @@ class QuantSet:
         if self.paths and not any(p == loaded for p, _ in self.paths.values()):
             self.paths.setdefault("default", (loaded, loaded_alias))
         self.loaded(loaded)
-        if self.active is not None and loaded_alias:  # -a/--alias names the model loaded at start
+        if self.active is not None and loaded_alias == self.active:  # each quant is named by its key
+            self.paths = {k: (p, k) for k, (p, _) in self.paths.items()}
+        elif self.active is not None and loaded_alias:  # -a/--alias names the model loaded at start
             self.paths[self.active] = (loaded, loaded_alias)
 
     @property

@@ -33,6 +33,7 @@ from ..errors import InvalidRequest, ModelLoadError
 from ..transport.net import free_port
 from .errors import ModelUnavailable
 from .presets import SET_BY_ROUTER, ModelPreset, OptionTable
+from .swap import SwapFailed, hydra_token, quant_argv, swap_quant
 
 log = logging.getLogger("hydra_trio.router")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request relayed or health poll
@@ -83,6 +84,7 @@ class ModelInstance:
         requests: requests being proxied to it.
         stopping: a stop was asked and the child has not exited yet.
         info: the child's ``/v1/models`` entry once it serves.
+        quants: ``{name: model}`` of this model and its quantization siblings (:mod:`.swap`), empty without.
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class ModelInstance:
         self.info: dict[str, Any] = {}
         self.process: trio.Process | None = None
         self.kill_scope: trio.CancelScope | None = None
+        self.quants: dict[str, str] = {}
 
     @property
     def running(self) -> bool:
@@ -123,10 +126,22 @@ class ModelInstance:
     def args(self) -> list[str]:
         """The child's command: the launcher, then the model's flags with the router's ``--host``, ``--port``,
         ``--alias`` (its name) and ``--no-rpc-backend`` (a child lends no compute over ggml-RPC), in
-        llama-server's order."""
+        llama-server's order, then a ``--quant NAME=MODEL`` for it and each quantization sibling."""
         set_here = {"--host": CHILD_HOST, "--port": str(self.port), "--alias": self.name, "--no-rpc-backend": "true"}
         top = {(o := self.table.option(k.lstrip("-"), v, self.name)).spec.names[0]: o for k, v in set_here.items()}
-        return [*self.launcher, *self.preset.under(top).argv()]
+        return [*self.launcher, *self.preset.under(top).argv(), *quant_argv(self.quants)]
+
+    def swaps_to(self, other: ModelInstance) -> bool:
+        """Whether this model's child can become ``other``'s in place (SWAP_QUANT): ``other`` is a
+        quantization sibling, and this one serves, idle."""
+        return other.name in self.quants and other is not self and self.status == LOADED and not self.stopping
+
+    def hand_child_to(self, other: ModelInstance) -> None:
+        """``other`` owns this model's child from now on (its port, process, ``info``); this one is left
+        ``unloaded`` with no failure."""
+        other.process, other.port, other.kill_scope, other.info = self.process, self.port, self.kill_scope, self.info
+        other.exit_code, other.stopping = 0, False
+        self.process, self.kill_scope, self.info, self.status, self.exit_code = None, None, {}, UNLOADED, 0
 
     def entry(self, created: int) -> dict[str, Any]:
         """This model in ``GET /models``, llama-server's shape::
@@ -234,6 +249,10 @@ class ModelRouter:
         """
         if not self.has_capacity():
             victim = self.pick_victim()
+            if victim is not None and m.status == UNLOADED and victim.swaps_to(m):
+                log.info("models_max limit reached, switching LRU name=%s in place", victim.name)
+                self._switch(victim, m)
+                return
             if victim is not None:
                 log.info("models_max limit reached, removing LRU name=%s", victim.name)
                 self.unload(victim)
@@ -285,6 +304,7 @@ class ModelRouter:
                 await process.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            m = next((x for x in self.models.values() if x.process is process), m)  # switched in place
             code = process.returncode if process.returncode is not None else -signal.SIGKILL
             if m.kill_scope is not None:
                 m.kill_scope.cancel()
@@ -310,6 +330,54 @@ class ModelRouter:
             except (httpx.HTTPError, ValueError):
                 pass  # not listening yet, or stopped while asked
             await trio.sleep(READY_POLL_S)
+
+    # ------------------------------------------------------------------------------------------ switch
+    def _switch(self, old: ModelInstance, new: ModelInstance) -> None:
+        """Make ``old``'s child (loaded, idle) serve ``new``, a quantization sibling (:mod:`.swap`): ``old`` is
+        ``unloaded`` and ``new`` ``loading`` at once, ``loaded`` when the child has swapped; returns at once."""
+        assert self._nursery is not None, "ModelRouter.run is not running"
+        process = old.process
+        assert process is not None
+        old.hand_child_to(new)
+        new.status, new.last_used = LOADING, time.monotonic()
+        log.info("switching instance name=%s to name=%s in place (port %d)", old.name, new.name, new.port)
+        self._nursery.start_soon(self._swap, old, new, process)
+        self._notify()
+
+    async def _swap(self, old: ModelInstance, new: ModelInstance, process: trio.Process) -> None:
+        """SWAP_QUANT in ``new``'s child; when it fails, the child goes back to ``old``, which is stopped
+        (its unload), and ``new`` starts in a child of its own."""
+        t0 = time.perf_counter()
+        base = f"http://{CHILD_HOST}:{new.port}"
+        try:
+            meta = await swap_quant(CHILD_HOST, new.port, new.name, hydra_token(new.preset), old.stop_timeout)
+            info = ((await self.client.get(f"{base}/v1/models")).json().get("data") or [{}])[0]
+        except (SwapFailed, httpx.HTTPError, ValueError) as exc:
+            log.warning("in-place switch to name=%s failed (%s): stopping the child, starting a new one", new.name, exc)
+            if new.process is process and process.returncode is None:
+                new.hand_child_to(old)
+                new.status, old.status = LOADING, LOADED
+                self.unload(old)
+                while old.running:
+                    await self._wait_change()
+            if new.status == LOADING and new.process is None:
+                if new.stopping:  # unloaded meanwhile
+                    new.status, new.stopping = UNLOADED, False
+                    self._notify()
+                else:
+                    self._start(new)
+            return
+        if new.process is process and new.status == LOADING and not new.stopping:
+            new.info, new.status = info, LOADED
+            log.info(
+                "model name=%s is loaded in place of name=%s (port %d): SWAP_QUANT %.0f ms, in all %.0f ms",
+                new.name,
+                old.name,
+                new.port,
+                meta.get("swap_ms", 0.0),
+                (time.perf_counter() - t0) * 1e3,
+            )
+            self._notify()
 
     # ------------------------------------------------------------------------------------------ unload
     def unload(self, m: ModelInstance) -> None:
@@ -379,7 +447,12 @@ class ModelRouter:
                     self._start(m)
                     started = True
                     continue
-                elif (victim := self.pick_victim()) is not None:
+                elif (victim := self.pick_victim()) is not None and victim.swaps_to(m):
+                    log.info("switching idle LRU name=%s in place for a queued request", victim.name)
+                    self._switch(victim, m)
+                    started = True
+                    continue
+                elif victim is not None:
                     log.info("evicting idle LRU name=%s for a queued request", victim.name)
                     self.unload(victim)
                 await self._wait_change()
