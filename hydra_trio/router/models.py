@@ -339,7 +339,7 @@ class ModelRouter:
         process = old.process
         assert process is not None
         old.hand_child_to(new)
-        new.status, new.last_used = LOADING, time.monotonic()
+        new.status, new.last_used, new.info = LOADING, time.monotonic(), {}  # its entry once it has swapped
         log.info("switching instance name=%s to name=%s in place (port %d)", old.name, new.name, new.port)
         self._nursery.start_soon(self._swap, old, new, process)
         self._notify()
