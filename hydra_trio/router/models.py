@@ -5,7 +5,9 @@ the llama.cpp that llama-cpp-python 0.3.36 vendors).
 Each loaded model is a child node (``python -m hydra_trio`` with the model's flags) on a free loopback port,
 supervised here: its output goes to the router's log line by line (``[port] ...``), it serves once its
 ``GET /health`` answers 200 (then its ``GET /v1/models`` entry joins the router's), and when it exits its model is
-``unloaded`` again, ``failed`` with its exit code when that is not 0 (a signal N counts as 128 + N).  A stop is
+``unloaded`` again, ``failed`` with its exit code when that is not 0 (a signal N counts as 128 + N).  Where the
+limit makes a model give way to a quantization sibling (:mod:`.swap`), its child swaps its model file in place
+and serves the sibling instead.  A stop is
 SIGTERM (the node drains its requests), then SIGKILL after the model's ``stop-timeout``; a model still loading is
 killed at once.  A child runs in its own session (a terminal's Ctrl-C reaches the router, which stops the
 children) and dies with the router (``PR_SET_PDEATHSIG``).
