@@ -11,12 +11,15 @@ on (built on first use, cached).
 Each round starts one router, measures, stops it, then does the same with the other (the order flips every
 round, so a busy machine's drift hits both):
 
-  load          ``POST /models/load`` of ``q4`` until ``GET /models`` says ``loaded``
-  unload        ``POST /models/unload`` until ``unloaded`` (``q4``, then ``moe`` at the end)
-  autoload      a streaming chat for ``q4`` while nothing runs: time to its first token
-  switch q4↔q8  a streaming chat for the other quantization while one is loaded: time to its first token
-                (hydra-trio: SWAP_QUANT in the running child; llama-server: stop the child, start another)
-  switch moe    a streaming chat for ``moe`` while ``q4`` is loaded: both restart (another model)
+  load                 ``POST /models/load`` of ``q4`` until ``GET /models`` says ``loaded``
+  unload               ``POST /models/unload`` until ``unloaded`` (``q4``, then ``moe`` at the end)
+  autoload             a streaming chat for ``q4`` while nothing runs: time to its first token
+  switch q4↔q8 (load)  ``POST /models/load`` of the other quantization while one is loaded, until ``loaded``
+                       (hydra-trio: SWAP_QUANT in the running child; llama-server: stop the child, start another)
+  switch q4↔q8 (chat)  the same switch by a streaming chat for the other one: time to its first token
+  switch moe (chat)    a streaming chat for ``moe`` while ``q4`` is loaded: both restart (another model)
+
+Each chat's prompt starts with a nonce (no prompt cache helps either side) and asks for 4 tokens.
 
 ``GET /models`` is polled every 5 ms.  Prints a line per measurement while it runs (a bar on a terminal), then
 the medians (min-max) with llama-server / hydra-trio as the ratio (a speedup: higher is better); the in-place
@@ -45,8 +48,8 @@ from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, free_port, spawn, wait_
 
 POLL_S = 0.005
 MODELS = {"q4": "smollm2-135m", "q8": "smollm2-135m-q8", "moe": "smollm2-135m-moe"}
-CASES = ("load", "unload", "autoload", "switch q4↔q8", "switch moe")
-TARGETS = {"switch q4↔q8": 3.0}
+CASES = ("load", "unload", "autoload", "switch q4↔q8 (load)", "switch q4↔q8 (chat)", "switch moe (chat)")
+TARGETS = {"switch q4↔q8 (load)": 3.0, "switch q4↔q8 (chat)": 3.0}
 
 
 def preset_text() -> str:
@@ -74,7 +77,11 @@ class RouterUnderTest:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.STDOUT,
             )
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=300)
+        # a connection per request: llama-server's router closed a request sent on a connection kept alive
+        # after a streamed reply without answering it
+        self.http = httpx.Client(
+            base_url=f"http://127.0.0.1:{self.port}", timeout=300, limits=httpx.Limits(max_keepalive_connections=0)
+        )
         wait_healthy(self.port, self.proc, timeout=300)
 
     def stop(self) -> None:
@@ -152,10 +159,11 @@ def one_round(name: str, preset: Path, threads: int, anchor: Path, r: int, say: 
         note("load", router.load("q4"), "q4")
         note("unload", router.unload("q4"), "q4")
         note("autoload", router.first_token("q4", f"{r}-a"), "q4, nothing running")
-        note("switch q4↔q8", router.first_token("q8", f"{r}-b"), "q4 -> q8")
-        note("switch q4↔q8", router.first_token("q4", f"{r}-c"), "q8 -> q4")
-        note("switch q4↔q8", router.first_token("q8", f"{r}-d"), "q4 -> q8")
-        note("switch moe", router.first_token("moe", f"{r}-e"), "q8 -> moe")
+        note("switch q4↔q8 (load)", router.load("q8"), "q4 -> q8, until loaded")
+        note("switch q4↔q8 (load)", router.load("q4"), "q8 -> q4, until loaded")
+        note("switch q4↔q8 (chat)", router.first_token("q8", f"{r}-b"), "q4 -> q8, first token")
+        note("switch q4↔q8 (chat)", router.first_token("q4", f"{r}-c"), "q8 -> q4, first token")
+        note("switch moe (chat)", router.first_token("moe", f"{r}-d"), "q4 -> moe, first token")
         note("unload", router.unload("moe"), "moe")
     finally:
         router.stop()
@@ -191,6 +199,7 @@ def main() -> None:
             target=TARGETS.get(case),
         )
         for case in CASES
+        if samples["hydra-trio"][case] and samples["llama-server"][case]
     ]
     print_table(rows, "bench/router.py " + " ".join(sys.argv[1:]))
     if a.json:

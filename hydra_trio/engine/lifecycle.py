@@ -191,6 +191,7 @@ class ModelLifecycle:
             self.set_stage(Stage.HASHING_MODEL)
             with progress.step("hashing model", total=size, unit="B") as bar:
                 model_hash = sha256_file(cfg.model_path, stop=stopping, on_block=bar.advance)
+            self.quants.remember_hash(cfg.model_path, model_hash)
             self.identity = ModelIdentity(
                 model_alias=cfg.model_alias,
                 model_path=str(cfg.model_path),
@@ -410,6 +411,7 @@ class ModelLifecycle:
             raise EngineFailure(
                 f"quant {key!r} ({path}) did not load: {exc}; the node still serves {qs.active or old.path.name}"
             ) from None
+        t_load = time.perf_counter()
         try:
             identity = ModelIdentity(
                 model_alias=alias or path.stem,
@@ -426,8 +428,10 @@ class ModelLifecycle:
         except Exception:
             new.close()
             raise
+        t_identity = time.perf_counter()
         self.install_model(new, identity)
         qs.loaded(path, key)
+        t_install = time.perf_counter()
         preserved = 0
         for id_slot, blob in blobs:
             try:
@@ -437,7 +441,18 @@ class ModelLifecycle:
                 log.warning("SWAP_QUANT: slot %d's KV cache did not move to %s: %s", id_slot, key, exc)
                 kv_preserved = False
         ms = (time.perf_counter() - t0) * 1e3
-        log.info("SWAP_QUANT to %s (%s) in %.0f ms; %d slot(s) kept their KV cache", key, path.name, ms, preserved)
+        log.info(
+            "SWAP_QUANT to %s (%s) in %.0f ms (load %.0f, identity and KV saved %.0f, install %.0f, KV restored "
+            "%.0f); %d slot(s) kept their KV cache",
+            key,
+            path.name,
+            ms,
+            (t_load - t0) * 1e3,
+            (t_identity - t_load) * 1e3,
+            (t_install - t_identity) * 1e3,
+            (time.perf_counter() - t_install) * 1e3,
+            preserved,
+        )
         return {
             "swapped": True,
             "quant": key,

@@ -81,6 +81,13 @@ class QuantSet:
             self._hashes[key] = sha256_file(path)
         return self._hashes[key]
 
+    def remember_hash(self, path: Path, digest: str) -> None:
+        """``digest`` is the SHA-256 of ``path`` as it is now (the load at start hashed it): a swap back to
+        it does not hash it again."""
+        path = Path(path).resolve()
+        st = path.stat()
+        self._hashes[(path, st.st_mtime_ns, st.st_size)] = digest
+
     def info(self) -> dict[str, Any]:
         """INFO's keys: ``quants`` (the keys) and ``quant`` (the active key, or None)."""
         return {"quants": self.keys, "quant": self.active}

@@ -30,8 +30,9 @@ _BUILD_PATH = re.compile(r"(?:[A-Za-z]:)?[^\s:'\"]*?[/\\]vendor[/\\]llama\.cpp[/
 def clean_build_paths(text: str) -> str:
     """``text`` with llama-cpp-python's build-time source paths shortened to ``llama.cpp/...``
     (``/tmp/pip-wheel-x/llama-cpp-python_y/vendor/llama.cpp/ggml/src/ggml.c:12`` →
-    ``llama.cpp/ggml/src/ggml.c:12``): they name a folder that no longer exists."""
-    return _BUILD_PATH.sub("llama.cpp/", text)
+    ``llama.cpp/ggml/src/ggml.c:12``): they name a folder that no longer exists.  A line without ``vendor``
+    is returned as it is, without the search (a model's load logs thousands of lines)."""
+    return _BUILD_PATH.sub("llama.cpp/", text) if "vendor" in text else text
 
 
 @cache
