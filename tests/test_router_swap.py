@@ -152,3 +152,17 @@ def test_a_swap_the_child_refuses_falls_back_to_a_restart(tmp_path: Path) -> Non
         assert statuses(r) == {"smollm2-135m": ("unloaded", False), "q8": ("loaded", False)}
         assert child_of(r, "q8")[1] != pid
         assert "in-place switch to name=q8 failed" in r.log() and r.log().count("spawning server instance") == 2
+
+
+def test_a_child_asked_to_stop_after_a_streamed_reply_exits_by_itself(tmp_path: Path) -> None:
+    """The restart path's first half: the router keeps no connection to a child alive between two requests
+    (llama-server's proxy opens one per request), so a child told to stop after a streamed reply finds no
+    connection to wait for and exits 0 well before its ``stop-timeout`` (5 s here; a kept-alive connection held
+    it for its 10 s shutdown grace, and the router killed it: ``failed``, exit code 137)."""
+    with router(tmp_path, SIBLINGS, "--models-max", "2") as r:
+        with r.http.stream("POST", "/v1/chat/completions", json=chat("q8", stream=True)) as s:
+            assert s.status_code == 200 and s.read().rstrip().endswith(b"data: [DONE]")
+        assert r.http.post("/models/unload", json={"model": "q8"}).json() == {"success": True}
+        r.wait_status("q8", "unloaded")
+        assert statuses(r)["q8"] == ("unloaded", False), r.models()["q8"]["status"]
+        assert "force-killing model instance name=q8" not in r.log()

@@ -2,7 +2,8 @@
 (a server-sent event stream passes each chunk on when it arrives, nothing is buffered), as llama-server's
 ``server_http_proxy`` (``tools/server/server-models.cpp`` of the llama.cpp that llama-cpp-python 0.3.36
 vendors): the request's headers go on but for the hop-by-hop ones and ``Accept-Encoding`` (no compressed
-replies); the reply's go back but for ``Server``, ``Date``, ``Content-Length``, ``Transfer-Encoding``,
+replies), on a connection of its own (``Connection: close``: no kept-alive connection holds a child that is
+asked to stop); the reply's go back but for ``Server``, ``Date``, ``Content-Length``, ``Transfer-Encoding``,
 ``Keep-Alive``, ``Connection`` and the CORS ones with their ``Vary`` (the router writes its own).  A client
 that leaves closes the connection to the child, which ends its request there.
 """
@@ -53,6 +54,7 @@ async def open_relay(
     """
     url = base + path + ("?" + query.decode("latin-1") if query else "")
     kept = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in _REQUEST_DROP]
+    kept.append((b"connection", b"close"))  # a connection per request: a stopping child waits for none
     request = client.build_request(method, url, headers=kept, content=body)
     try:
         return await client.send(request, stream=True)
