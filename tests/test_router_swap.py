@@ -166,3 +166,56 @@ def test_a_child_asked_to_stop_after_a_streamed_reply_exits_by_itself(tmp_path: 
         r.wait_status("q8", "unloaded")
         assert statuses(r)["q8"] == ("unloaded", False), r.models()["q8"]["status"]
         assert "force-killing model instance name=q8" not in r.log()
+
+
+# ------------------------------------------------------------------------------------------ the node's side
+
+
+def test_a_node_whose_alias_is_its_models_quant_key_names_each_quant_by_its_key() -> None:
+    """What a router's child is started with (``--alias NAME --quant NAME=MODEL ...``): after a swap the node's
+    model id is the router's name of the new quantization; any other ``-a`` keeps naming the start-up model
+    only (the others keep their own aliases)."""
+    from hydra_trio.engine.quants import QuantSet
+
+    (q4, _), (q8, alias8) = resolve_model("smollm2-135m"), resolve_model("smollm2-135m-q8")
+    quants = (("small", q4, "smollm2-135m"), ("q8", q8, alias8))
+    assert {k: a for k, (_, a) in QuantSet(quants, q4, "small").paths.items()} == {"small": "small", "q8": "q8"}
+    assert {k: a for k, (_, a) in QuantSet(quants, q4, "mine").paths.items()} == {"small": "mine", "q8": alias8}
+
+
+def test_a_node_with_quants_hashes_their_files_once_it_serves() -> None:
+    """A swap needs the new file's SHA-256 (its ``model_hash``): a node with ``--quant`` hashes every quant's
+    file on a background thread once it serves, so that the swap does not."""
+    from hydra_trio.engine.llama.model import sha256_file
+    from hydra_trio.engine.quants import QuantSet
+
+    q4, q8 = (resolve_model(n)[0].resolve() for n in ("smollm2-135m", "smollm2-135m-q8"))
+    qs = QuantSet((("a", q4, ""), ("b", q8, "")), q4)
+    assert QuantSet((("a", q4, ""),), q4).hash_in_background() is None  # nothing to swap to
+    thread = qs.hash_in_background()
+    assert thread is not None
+    thread.join(300)
+    assert {path: digest for (path, _, _), digest in qs._hashes.items()} == {q4: sha256_file(q4), q8: sha256_file(q8)}
+
+
+def test_a_swap_between_siblings_keeps_the_vocabularys_tables() -> None:
+    """The special-token table (read on a model's first request) moves to the new model of the same KV
+    identity rather than being read again: the first request after a swap costs what the others do."""
+    from hydra_trio.engine.kv.kv_identity import identity_hash, kv_identity
+    from hydra_trio.engine.llama.model import LoadedModel
+    from hydra_trio.engine.llama.tokenize import SpecialTokens
+
+    q4, q8 = (resolve_model(n)[0] for n in ("smollm2-135m", "smollm2-135m-q8"))
+    old = LoadedModel(q4, n_ctx=256, n_parallel=1, n_batch=64, n_threads=1)
+    new = LoadedModel(q8, n_ctx=256, n_parallel=1, n_batch=64, n_threads=1)
+    try:
+        assert identity_hash(kv_identity(old)) == identity_hash(kv_identity(new))
+        new.share_vocabulary_tables(old)  # nothing read yet: nothing to share
+        assert "special_tokens" not in new.__dict__
+        table = old.special_tokens
+        new.share_vocabulary_tables(old)
+        assert new.special_tokens is table
+        assert table.classes == SpecialTokens(new.vocab).classes  # what reading it again would give
+    finally:
+        old.close()
+        new.close()

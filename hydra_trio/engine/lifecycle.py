@@ -202,6 +202,7 @@ class ModelLifecycle:
             self.set_stage(Stage.WARMUP)
             with progress.step("warm-up"):
                 warm_up(model)
+            self.quants.hash_in_background()
         except Exception as exc:
             self.experts.close()
             if stopping():  # the node is stopping: the load was aborted on purpose, not a failure
@@ -420,6 +421,8 @@ class ModelLifecycle:
                 kv_identity_hash=identity_hash(kv_identity(new)),
             )
             kv_preserved = identity.kv_identity_hash == old_identity.kv_identity_hash
+            if kv_preserved:  # the same vocabulary
+                new.share_vocabulary_tables(old)
             blobs = (
                 [(s.id, save_slot(old, s, old_identity.model_hash)[1]) for s in self.slots if s.n_past]
                 if kv_preserved
