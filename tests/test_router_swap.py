@@ -199,8 +199,11 @@ def test_a_node_with_quants_hashes_their_files_once_it_serves() -> None:
 
 
 def test_a_swap_between_siblings_keeps_the_vocabularys_tables() -> None:
-    """The special-token table (read on a model's first request) moves to the new model of the same KV
-    identity rather than being read again: the first request after a swap costs what the others do."""
+    """The vocabulary's tables (the special tokens, read on a model's first request; the end-of-generation
+    tokens) move to the new model of the same KV identity rather than being read again: the first request
+    after a swap costs what the others do."""
+    import llama_cpp
+
     from hydra_trio.engine.kv.kv_identity import identity_hash, kv_identity
     from hydra_trio.engine.llama.model import LoadedModel
     from hydra_trio.engine.llama.tokenize import SpecialTokens
@@ -211,11 +214,12 @@ def test_a_swap_between_siblings_keeps_the_vocabularys_tables() -> None:
     try:
         assert identity_hash(kv_identity(old)) == identity_hash(kv_identity(new))
         new.share_vocabulary_tables(old)  # nothing read yet: nothing to share
-        assert "special_tokens" not in new.__dict__
-        table = old.special_tokens
+        assert "special_tokens" not in new.__dict__ and "eog_tokens" not in new.__dict__
+        table, eog = old.special_tokens, old.eog_tokens
         new.share_vocabulary_tables(old)
-        assert new.special_tokens is table
-        assert table.classes == SpecialTokens(new.vocab).classes  # what reading it again would give
+        assert new.special_tokens is table and new.eog_tokens is eog
+        assert table.classes == SpecialTokens(new.vocab).classes  # what reading them again would give
+        assert eog == [t for t in range(new.n_vocab) if llama_cpp.llama_vocab_is_eog(new.vocab, t)] != []
     finally:
         old.close()
         new.close()

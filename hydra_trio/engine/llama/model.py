@@ -542,8 +542,6 @@ class LoadedModel:
             raise
         if log_chat_template:
             log.info("chat template: %s", self.chat_template.describe())
-        # end-of-generation tokens, for ignore_eos (banned with a logit bias, as llama-server does)
-        self.eog_tokens = [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
         self.media: MediaContext | None = None
         """The projector (``--mmproj``), loaded with the model and freed with it; None: text only."""
         if opts.mmproj:
@@ -696,13 +694,20 @@ class LoadedModel:
         0.1 s for 49,152 tokens, on the first request)."""
         return SpecialTokens(self.vocab)
 
+    @functools.cached_property
+    def eog_tokens(self) -> list[int]:
+        """The end-of-generation tokens, for ``ignore_eos`` (banned with a logit bias, as llama-server does);
+        read once, on the first request that asks (a pass over the vocabulary)."""
+        return [t for t in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(self.vocab, t)]
+
     def share_vocabulary_tables(self, other: LoadedModel) -> None:
-        """Take ``other``'s :attr:`special_tokens` when it has read them, instead of reading them again on
-        the first request.  Only for a model whose vocabulary is ``other``'s token for token: the caller
-        checked (SWAP_QUANT between two files of the same KV identity, which hashes every token's text and
+        """Take ``other``'s :attr:`special_tokens` and :attr:`eog_tokens` that it has read, instead of reading
+        them again.  Only for a model whose vocabulary is ``other``'s token for token: the caller checked
+        (SWAP_QUANT between two files of the same KV identity, which hashes every token's text and
         attributes)."""
-        if "special_tokens" in other.__dict__:
-            self.__dict__["special_tokens"] = other.__dict__["special_tokens"]
+        for name in ("special_tokens", "eog_tokens"):
+            if name in other.__dict__:
+                self.__dict__[name] = other.__dict__[name]
 
     @functools.cached_property
     def _adds_suffix(self) -> bool:
