@@ -437,6 +437,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         slot_save_path=args.slot_save_path,
         generation=generation_defaults(args),
         skip_chat_parsing=args.skip_chat_parsing,
+        prefill_assistant=args.prefill_assistant,
         speculative=speculative,
         media=media,
         **{k: v for k, v in given.items() if v is not None},

@@ -579,6 +579,8 @@ class EngineConfig:
             grammar, stop strings, ``cache_prompt`` (:class:`GenerationDefaults`).
         skip_chat_parsing: a chat reply is content whole: no thinking split off, no tool calls parsed and
             no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
+        prefill_assistant: a chat whose last message is the assistant's continues that message
+            (``--[no-]prefill-assistant``, on as in llama-server; :mod:`hydra_trio.openai.prefill`).
         speculative: speculative decoding: ``--spec-type`` and the ``--spec-*`` parameters
             (:class:`hydra_trio.engine.speculative.settings.SpecSettings`; ``draft_model`` is a resolved path).
         media: the multimodal projector and its settings (``--mmproj`` ...;
@@ -632,5 +634,6 @@ class EngineConfig:
     reasoning_budget_message: str = ""
     generation: GenerationDefaults = GenerationDefaults()
     skip_chat_parsing: bool = False
+    prefill_assistant: bool = True
     speculative: SpecSettings = SpecSettings()
     media: MediaSettings = MediaSettings()

@@ -258,7 +258,9 @@ class ChatTemplate:
         kind: str,
         source: str,
         origin: str,
-        render: Callable[[list[dict], dict[str, Any] | None, list[dict] | None, int | None], tuple[str, list[str]]],
+        render: Callable[
+            [list[dict], dict[str, Any] | None, list[dict] | None, int | None, bool], tuple[str, list[str]]
+        ],
     ):
         self.kind = kind
         self.source = source
@@ -285,12 +287,19 @@ class ChatTemplate:
             more: dict[str, Any] | None = None,
             tools: list[dict] | None = None,
             max_chars: int | None = None,
+            add_generation_prompt: bool = True,
         ) -> tuple[str, list[str]]:
             variables = capability_variables(
                 {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}}
             )
             try:
-                prompt = fmt.render(max_chars, messages=messages, tools=tools, **variables)
+                prompt = fmt.render(
+                    max_chars,
+                    messages=messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    **variables,
+                )
             except TooLong:
                 raise
             except Exception as exc:  # raise_exception's ValueError, jinja2's TemplateError, a TypeError, ...
@@ -313,8 +322,9 @@ class ChatTemplate:
             more: dict[str, Any] | None = None,
             tools: list[dict] | None = None,
             max_chars: int | None = None,
+            add_generation_prompt: bool = True,
         ) -> tuple[str, list[str]]:
-            return _apply_builtin(name, messages, add_assistant=True), list(stop)
+            return _apply_builtin(name, messages, add_assistant=add_generation_prompt), list(stop)
 
         return cls("builtin", name, origin, render)
 
@@ -324,14 +334,17 @@ class ChatTemplate:
         kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         max_chars: int | None = None,
+        add_generation_prompt: bool = True,
     ) -> tuple[str, list[str]]:
         """``(prompt, stop strings)``; ``kwargs`` are template variables over the node's (a request's
         ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
         variable (a built-in template has no variables and never renders tools: callers describe them
         in a message instead, :func:`hydra_trio.openai.tools.render_messages`).  ``max_chars``: a Jinja
         template's rendering stops with :class:`~hydra_trio.validation.strict.TooLong` past that many
-        characters (a built-in template writes little more than the messages themselves)."""
-        return self._render(messages, kwargs, tools, max_chars)
+        characters (a built-in template writes little more than the messages themselves).
+        ``add_generation_prompt`` false: the prompt ends after the last message, no assistant turn opened
+        (llama-server's request field of that name; a built-in template's ``add_ass``)."""
+        return self._render(messages, kwargs, tools, max_chars, add_generation_prompt)
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -726,6 +739,7 @@ class LoadedModel:
         kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         max_chars: int | None = None,
+        add_generation_prompt: bool = True,
     ) -> tuple[str, list[str]]:
         """Render chat messages (``[{"role", "content"}]``) with the template in effect
         (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`); ``kwargs``
@@ -736,7 +750,7 @@ class LoadedModel:
         template rejects the messages, :class:`~hydra_trio.validation.strict.TooLong` when a Jinja template's prompt
         would pass ``max_chars`` characters.
         """
-        return self.chat_template(messages, kwargs, tools, max_chars)
+        return self.chat_template(messages, kwargs, tools, max_chars, add_generation_prompt)
 
     def chat_prompt_tokens(self, prompt: str, limit: int | None = None) -> list[int]:
         """Tokenize a rendered chat prompt as llama-server does: special tokens are parsed, and
