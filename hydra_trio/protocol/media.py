@@ -93,6 +93,12 @@ class MediaSettings:
             default 1024).
         media_path: the directory ``file://`` URLs of a request are read from (``--media-path``); None: such
             URLs are refused, as llama-server's.
+        video_fps: the frames a second read from a video (``--video-fps``; llama-server's default 4.0; 0 or
+            less: the video's own rate).
+        video_timestamp_interval_ms: milliseconds of video between two timestamp texts (``[0m5.00s]``) in
+            the prompt (``--video-timestamp-interval``; llama-server's default 5000; 0 or less: none).
+        video_ffmpeg_dir: the directory holding the ``ffmpeg`` and ``ffprobe`` executables that decode videos
+            (and WebP images) (``--video-ffmpeg-dir``); None: found on ``PATH``, as llama-server's.
     """
 
     mmproj: Path | None = None
@@ -104,3 +110,6 @@ class MediaSettings:
     image_max_tokens: int = -1
     batch_max_tokens: int = 1024
     media_path: Path | None = None
+    video_fps: float = 4.0
+    video_timestamp_interval_ms: int = 5000
+    video_ffmpeg_dir: str | None = None
