@@ -358,6 +358,9 @@ def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
         "image_min_tokens": args.image_min_tokens,
         "image_max_tokens": args.image_max_tokens,
         "batch_max_tokens": args.mtmd_batch_max_tokens,
+        "video_fps": args.video_fps,
+        "video_timestamp_interval_ms": args.video_timestamp_interval,
+        "video_ffmpeg_dir": args.video_ffmpeg_dir or None,
     }
     return MediaSettings(
         mmproj=path,

@@ -484,6 +484,9 @@ class LlamaOptions:
     image_max_tokens: int = -1  # --image-max-tokens; -1 = the projector's own
     mmproj_batch_max_tokens: int = 1024  # --mtmd-batch-max-tokens: most image tokens in one encode batch
     mmproj_device: str = ""  # -mmdev/--mmproj-device: the projector's device ("": mtmd's choice)
+    video_fps: float = 4.0  # --video-fps: frames a second read from a video (<= 0: the video's own rate)
+    video_timestamp_interval_ms: int = 5000  # --video-timestamp-interval: ms between timestamp texts (<= 0: none)
+    video_ffmpeg_dir: str = ""  # --video-ffmpeg-dir: where ffmpeg and ffprobe are ("": on PATH)
 
     def __attrs_post_init__(self) -> None:
         problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)

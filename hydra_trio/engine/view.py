@@ -72,7 +72,8 @@ class ModelView(Protocol):
 
     @property
     def modalities(self) -> dict[str, bool]:
-        """``{"vision": bool, "audio": bool}``: what the projector (``--mmproj``) takes; both False without one."""
+        """``{"vision": bool, "video": bool, "audio": bool}``: what the projector (``--mmproj``) takes; all False
+        without one."""
         ...
 
     def tokenize_with_media(

@@ -24,6 +24,7 @@ from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..openai.tools import ChatTools
 from ..protocol.media import MediaItem, MediaPrompt
 from ..validation.strict import MessageError, TooLong
+from . import node
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
@@ -38,10 +39,11 @@ def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]
 
 def chat_media(e: Engine, body: ChatCompletionRequest) -> tuple[MediaItem, ...]:
     """The chat's media items, in order, read as llama-server reads them before it renders the template
-    (:func:`~hydra_trio.openai.media.load_media` with the node's ``EngineConfig.media``).  Raises
-    MediaNotSupported (a kind the node's projector does not take, or no projector) or InvalidRequest."""
+    (:func:`~hydra_trio.openai.media.load_media` with the node's ``EngineConfig.media`` and its
+    ``modalities.video``).  Raises MediaNotSupported (a kind the node's projector does not take, or no
+    projector) or InvalidRequest."""
     parts = body.media_parts
-    return load_media(parts, e.config.media) if parts else ()
+    return load_media(parts, e.config.media, node.modalities(e)["video"]) if parts else ()
 
 
 def _media_job(

@@ -28,7 +28,7 @@ from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_ty
 from . import ggml_backend, kv_overrides
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
-from .media import MediaContext, MediaTokens
+from .media import MediaContext, MediaTokens, VideoOptions
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
 
@@ -570,6 +570,7 @@ class LoadedModel:
                     image_max_tokens=opts.image_max_tokens,
                     batch_max_tokens=opts.mmproj_batch_max_tokens,
                     device=opts.mmproj_device,
+                    video=VideoOptions(opts.video_fps, opts.video_timestamp_interval_ms, opts.video_ffmpeg_dir or None),
                 )
             except Exception:
                 self.close()
@@ -680,9 +681,9 @@ class LoadedModel:
 
     @property
     def modalities(self) -> dict[str, bool]:
-        """What the projector takes besides text: ``{"vision": bool, "audio": bool}`` (both False without one;
-        llama-server's ``/props`` ``modalities``)."""
-        return self.media.modalities if self.media is not None else {"vision": False, "audio": False}
+        """What the projector takes besides text: ``{"vision": bool, "video": bool, "audio": bool}`` (all False
+        without one; llama-server's ``/props`` ``modalities``)."""
+        return self.media.modalities if self.media is not None else {"vision": False, "video": False, "audio": False}
 
     def tokenize_with_media(
         self, text: str, media: Sequence[Any], *, add_special: bool = True, parse_special: bool = True
