@@ -10,12 +10,16 @@ llama-cpp-python 0.3.36 vendors).
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra_trio.engine.llama.ggml_backend import GgufHeader
 from hydra_trio.models.presets import resolve_model
+from hydra_trio.observability.memory import available_memory, resident_bytes
 
-from .test_router import chat, router
+from .conftest import ROOT
+from .test_router import TWO_MODELS, chat, router, run_router_cli
 
 EXPERTS = r"blk\.[0-9]+\.ffn_.*_exps\.=CPU"
 SOME_EXPERTS = r"blk\.1[01]\.ffn_up_exps\.=CPU,blk\.1[01]\.ffn_down_exps\.=CPU"
@@ -85,3 +89,73 @@ def test_the_cluster_heads_preset_loads_routes_by_alias_and_unloads(tmp_path: Pa
         assert r.http.post("/models/unload", json={"model": "moe-fine"}).json() == {"success": True}
         r.wait_status("moe-q8", "unloaded")
         assert "failed" not in r.models()["moe-q8"]["status"]
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+def node_kv_bytes_per_token(model: str) -> int:
+    """The node's own count: a node asked for a context no machine holds refuses with its bytes per token."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hydra_trio", "-m", model, "-c", "2000000000", "--port", "0", "--no-rpc-backend"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    found = re.search(r"KV cache \(K f16, V f16: (\d+) bytes per token\); only \d+ MiB", out.stderr)
+    assert out.returncode != 0 and found, out.stderr
+    return int(found.group(1))
+
+
+def test_the_start_up_memory_check_counts_what_models_max_runs_at_once(tmp_path: Path) -> None:
+    """Two models whose KV caches each take 60% of the memory available: each alone passes the node's check;
+    ``--models-max 2`` (or 0, no limit) runs both at once and is refused at start, exit 2, naming each model's
+    size with the node's own bytes per token; ``--models-max 1`` starts."""
+    per_token = node_kv_bytes_per_token("smollm2-135m")
+    free = available_memory()
+    assert free is not None
+    n_ctx = int(0.6 * free / per_token)
+    preset = f"[*]\nnp = 1\nc = {n_ctx}\n[a]\nmodel = smollm2-135m\n[b]\nmodel = smollm2-135m-moe\n"
+    for models_max in ("2", "0"):
+        out = run_router_cli(tmp_path, preset, "--models-max", models_max)
+        assert out.returncode == 2, out.stderr
+        assert f"2 models at once (--models-max {models_max}) need" in out.stderr, out.stderr
+        assert f"a {n_ctx * per_token / 2**20:.0f} MiB (n_ctx {n_ctx}, {per_token} bytes per token)" in out.stderr
+        assert "MiB of memory is available" in out.stderr and "listening" not in out.stderr
+    with router(tmp_path, preset, "--models-max", "1") as r:
+        assert "memory: 1 model at once (--models-max 1) take up to" in r.log()
+        assert r.status("a") == "unloaded"
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (/proc/PID/stat's fourth field)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_an_unload_gives_the_models_memory_back(tmp_path: Path) -> None:
+    """The model lives in its child (its resident set holds the weights it ran with); the router's own stays
+    as it was (it relays, it loads nothing); after ``/models/unload`` the child process is gone."""
+    weights = resolve_model("smollm2-135m")[0].stat().st_size
+    with router(tmp_path, TWO_MODELS, "--models-max", "1") as r:
+        assert r.http.get("/models").status_code == 200
+        before = resident_bytes(r.proc.pid)
+        assert before is not None
+        assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m")).status_code == 200  # loads, runs
+        (child,) = children_of(r.proc.pid)
+        child_rss = resident_bytes(child)
+        assert child_rss is not None and child_rss > weights // 2, (child_rss, weights)
+        assert r.http.post("/models/unload", json={"model": "smollm2-135m"}).json() == {"success": True}
+        r.wait_status("smollm2-135m", "unloaded")
+        assert not Path(f"/proc/{child}").exists() and children_of(r.proc.pid) == []
+        after = resident_bytes(r.proc.pid)
+        assert after is not None and after - before < weights // 2, (before, after, weights)

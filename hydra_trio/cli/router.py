@@ -49,6 +49,7 @@ from ..transport.frontdoor import FrontDoorSettings
 from ..transport.tls import TlsSettings, server_context
 from .access import access_settings
 from .flags import RUN_FLAGS
+from .router_memory import check_router_memory
 from .run import log_level
 
 log = logging.getLogger("hydra_trio")
@@ -194,6 +195,7 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
     )
     try:
         models, startup = build_models(args, list(getattr(args, "argv", [])), parse)
+        check_router_memory(models, args.models_max, parse)
         access = access_settings(args)
         tls = None
         if args.tls_cert is not None or args.tls_key is not None:
