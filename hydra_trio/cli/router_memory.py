@@ -62,12 +62,18 @@ def check_router_memory(
     available: int | None = None,
 ) -> dict[str, Footprint]:
     """Check what ``models_max`` models may take at once against the memory available (the module docstring);
-    returns each model's footprint by name, logs the sum (and the warning).
+    returns each model's footprint by name, logs the sum (and the warning).  A model whose file cannot be read
+    is not counted (a warning): it fails when it loads, as with llama-server.
 
     Raises:
         ModelsConfigError: their largest KV caches together exceed the memory available.
     """
-    sizes = {m.name: footprint_of(m, parse) for m in models}
+    sizes: dict[str, Footprint] = {}
+    for m in models:
+        try:
+            sizes[m.name] = footprint_of(m, parse)
+        except ModelsConfigError as exc:  # its child will say why it does not load, as llama-server's would
+            log.warning("memory: %s; not counted", exc)
     if not sizes:
         return sizes
     n = len(sizes) if models_max <= 0 else min(models_max, len(sizes))
