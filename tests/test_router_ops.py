@@ -9,17 +9,22 @@ llama-cpp-python 0.3.36 vendors).
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from hydra_trio.engine.llama.ggml_backend import GgufHeader
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.observability.memory import available_memory, resident_bytes
 
-from .conftest import ROOT
-from .test_router import TWO_MODELS, chat, router, run_router_cli
+from .conftest import ROOT, wait_for
+from .test_router import TWO_MODELS, chat, error_of, router, run_router_cli
 
 EXPERTS = r"blk\.[0-9]+\.ffn_.*_exps\.=CPU"
 SOME_EXPERTS = r"blk\.1[01]\.ffn_up_exps\.=CPU,blk\.1[01]\.ffn_down_exps\.=CPU"
@@ -159,3 +164,134 @@ def test_an_unload_gives_the_models_memory_back(tmp_path: Path) -> None:
         assert not Path(f"/proc/{child}").exists() and children_of(r.proc.pid) == []
         after = resident_bytes(r.proc.pid)
         assert after is not None and after - before < weights // 2, (before, after, weights)
+
+
+# ------------------------------------------------------------------------------------------ /models/sse, POST / DELETE
+
+ONE_MODEL = "[*]\nc = 256\nnp = 1\n[small]\nmodel = smollm2-135m\n"
+
+
+class SseReader:
+    """``GET /models/sse`` read in a thread: :attr:`events` (each ``data:`` line's JSON), :attr:`ended`."""
+
+    def __init__(self, base_url: str) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.lines: list[str] = []
+        self.headers: dict[str, str] = {}
+        self.ended = threading.Event()
+        self.opened = threading.Event()
+        self.thread = threading.Thread(target=self._read, args=(base_url,), daemon=True)
+        self.thread.start()
+        assert self.opened.wait(120), "the SSE stream did not open"
+
+    def _read(self, base_url: str) -> None:
+        try:
+            with httpx.stream("GET", f"{base_url}/models/sse", timeout=httpx.Timeout(300, read=None)) as s:
+                self.headers = {"status": str(s.status_code), "content-type": s.headers["content-type"]}
+                self.opened.set()
+                for line in s.iter_lines():
+                    self.lines.append(line)
+                    if line.startswith("data: "):
+                        self.events.append(json.loads(line[6:]))
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.opened.set()
+            self.ended.set()
+
+    def wait(self, model: str, event: str, status: str | None = None) -> dict[str, Any]:
+        def seen() -> dict[str, Any] | None:
+            return next(
+                (
+                    e
+                    for e in self.events
+                    if e["model"] == model
+                    and e["event"] == event
+                    and (status is None or e.get("data", {}).get("status") == status)
+                ),
+                None,
+            )
+
+        return wait_for(seen, 300, f"{event} {status or ''} of {model}")
+
+
+def test_models_sse_sends_llama_servers_events_through_load_and_unload(tmp_path: Path) -> None:
+    """``{"model", "event", "data"}`` as ``data: JSON`` events: ``model_status`` loading when the child starts,
+    ``status_change`` loaded with the child's ``/v1/models`` entry as ``info``, ``status_change`` unloaded with
+    its ``exit_code``; the stream ends when the router stops."""
+    with router(tmp_path, ONE_MODEL) as r:
+        sse = SseReader(str(r.http.base_url))
+        assert sse.headers == {"status": "200", "content-type": "text/event-stream; charset=utf-8"}
+        assert r.http.post("/models/load", json={"model": "small"}).json() == {"success": True}
+        assert sse.wait("small", "model_status") == {
+            "model": "small",
+            "event": "model_status",
+            "data": {"status": "loading"},
+        }
+        loaded = sse.wait("small", "status_change", "loaded")
+        assert loaded["data"]["info"]["id"] == "small" and loaded["data"]["info"]["meta"]["n_ctx"] == 256
+        assert r.http.post("/models/unload", json={"model": "small"}).json() == {"success": True}
+        assert sse.wait("small", "status_change", "unloaded") == {
+            "model": "small",
+            "event": "status_change",
+            "data": {"status": "unloaded", "exit_code": 0},
+        }
+        assert [e["event"] for e in sse.events] == ["model_status", "status_change", "status_change"]
+        assert all(line.startswith("data: {") or line == "" for line in sse.lines)  # no "event:" lines
+    assert sse.ended.wait(60), "the SSE stream outlived the router"
+
+
+def test_post_and_delete_models_add_and_remove_a_model_that_is_here(tmp_path: Path) -> None:
+    """``POST /models`` of a model already on this machine lists it at once (``source: "cache"``,
+    ``can_remove: true``, the ``[*]`` flags); what would need a download, or a name listed, is llama-server's
+    400; ``DELETE /models`` stops and removes a model so added, and refuses a preset's (500, as llama-server)."""
+    with router(tmp_path, ONE_MODEL) as r:
+        sse = SseReader(str(r.http.base_url))
+        post, delete = r.http.post, r.http.delete
+        assert error_of(post("/models", json={})) == (400, "invalid_request_error", "model must be a non-empty string")
+        for name in ("no-such-model", "gemma-3-270m", "small"):  # not here (gemma: not installed); a preset's name
+            assert error_of(post("/models", json={"model": name})) == (
+                400,
+                "invalid_request_error",
+                "model validation failed, unable to download",
+            ), name
+        assert list(r.models()) == ["small"]
+
+        assert post("/models", json={"model": "smollm2-135m-q8"}).json() == {"success": True}
+        assert sse.wait("smollm2-135m-q8", "download_finished") == {
+            "model": "smollm2-135m-q8",
+            "event": "download_finished",
+        }
+        assert sse.wait("*", "models_reload") == {"model": "*", "event": "models_reload"}
+        added = r.models()["smollm2-135m-q8"]
+        assert (added["source"], added["can_remove"], added["status"]["value"]) == ("cache", True, "unloaded")
+        args = added["status"]["args"]
+        assert args[args.index("--ctx-size") + 1] == "256" and args[args.index("--model") + 1] == "smollm2-135m-q8"
+        assert r.models()["small"]["can_remove"] is False
+        assert error_of(post("/models", json={"model": "smollm2-135m-q8"})) == (
+            400,
+            "invalid_request_error",
+            "model 'smollm2-135m-q8' already exists",
+        )
+
+        reply = post("/v1/chat/completions", json=chat("smollm2-135m-q8"))  # autoloads like any model
+        assert reply.status_code == 200 and reply.json()["model"] == "smollm2-135m-q8", reply.text
+
+        assert error_of(delete("/models")) == (400, "invalid_request_error", "model must be a non-empty string")
+        assert error_of(delete("/models", params={"model": "nope"})) == (
+            500,
+            "server_error",
+            "model name=nope is not found",
+        )
+        assert error_of(delete("/models", params={"model": "small"})) == (
+            500,
+            "server_error",
+            "model name=small is not removable (not from cache)",
+        )
+        assert delete("/models", params={"model": "smollm2-135m-q8"}).json() == {"success": True}
+        assert list(r.models()) == ["small"]  # stopped and gone when the reply came
+        assert sse.wait("smollm2-135m-q8", "status_change", "unloaded")["data"]["exit_code"] == 0
+        assert sse.wait("smollm2-135m-q8", "model_remove") == {"model": "smollm2-135m-q8", "event": "model_remove"}
+        assert error_of(post("/v1/chat/completions", json=chat("smollm2-135m-q8")))[2] == (
+            "model 'smollm2-135m-q8' not found"
+        )
