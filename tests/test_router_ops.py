@@ -22,9 +22,11 @@ import httpx
 from hydra_trio.engine.llama.ggml_backend import GgufHeader
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.observability.memory import available_memory, resident_bytes
+from hydra_trio.router.page import STATIC_DIR
 
 from .conftest import ROOT, wait_for
-from .test_router import TWO_MODELS, chat, error_of, router, run_router_cli
+from .test_router import TWO_MODELS, Router, chat, error_of, router, run_router_cli
+from .test_status_page import page  # noqa: F401 (the fixture: a page in a real headless Chromium)
 
 EXPERTS = r"blk\.[0-9]+\.ffn_.*_exps\.=CPU"
 SOME_EXPERTS = r"blk\.1[01]\.ffn_up_exps\.=CPU,blk\.1[01]\.ffn_down_exps\.=CPU"
@@ -295,3 +297,65 @@ def test_post_and_delete_models_add_and_remove_a_model_that_is_here(tmp_path: Pa
         assert error_of(post("/v1/chat/completions", json=chat("smollm2-135m-q8")))[2] == (
             "model 'smollm2-135m-q8' not found"
         )
+
+
+# ------------------------------------------------------------------------------------------ status page
+
+
+def test_the_router_serves_its_status_page_open_and_its_data_behind_the_key(tmp_path: Path) -> None:
+    """``/`` and ``/static/...`` are open, as the node's page (llama-server leaves its web UI's files open);
+    ``/health`` too, listing every model; the page's data (``/models``, ``/models/sse``) needs the key."""
+    path = tmp_path / "p.ini"
+    path.write_text(ONE_MODEL)
+    r = Router(tmp_path / "router.log", "--models-preset", str(path), "--api-key", "sk-router")
+    try:
+        r.wait_listening()
+        page = r.http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page.text
+        assert 'src="static/router.js"' in page.text and 'href="static/status.css"' in page.text
+        for name in ("router.js", "status.css"):
+            f = r.http.get(f"/static/{name}")
+            assert f.status_code == 200 and f.content == (STATIC_DIR / name).read_bytes()
+        assert r.http.get("/static/router.html").headers["location"] == "../"
+        assert r.http.get("/health").json()["models"] == [{"id": "small", "status": "unloaded"}]
+        assert r.http.get("/models").status_code == 401 and r.http.get("/models/sse").status_code == 401
+        keyed = r.http.get("/models", headers={"Authorization": "Bearer sk-router"})
+        assert [m["id"] for m in keyed.json()["data"]] == ["small"]
+    finally:
+        assert r.stop() == 0, r.log()
+
+
+def test_the_status_page_lists_every_model_and_follows_their_status_live(tmp_path: Path, page: Any) -> None:  # noqa: F811
+    """In a real Chromium: every model is a row with its status, redrawn from ``/models/sse`` as it loads and
+    unloads, and a model ``POST /models`` adds gets its row."""
+    from playwright.sync_api import expect
+
+    with router(tmp_path, TWO_MODELS) as r:
+        page.goto(f"{r.http.base_url}/")
+        expect(page.locator("#link")).to_have_attribute("data-state", "open")
+        rows = page.locator("#models-body tr")
+        expect(rows).to_have_count(2)
+        small = page.locator('#models-body tr[data-model="smollm2-135m"]')
+        expect(small.locator(".status")).to_have_text("unloaded")
+        expect(small.locator(".aliases")).to_have_text("small")
+        expect(page.locator("#models-max")).to_have_text("4")
+
+        assert r.http.post("/models/load", json={"model": "small"}).json() == {"success": True}
+        expect(small.locator(".status")).to_have_text("loaded")
+        expect(small.locator(".n_ctx")).to_have_text("256")
+        expect(small.locator(".port")).not_to_have_text("")
+        expect(page.locator("#running")).to_have_text("1")
+        expect(page.locator("#events li .type").first).to_have_text("status_change")
+
+        assert r.http.post("/models", json={"model": "smollm2-135m-moe"}).json() == {"success": True}
+        expect(rows).to_have_count(3)
+        expect(page.locator('#models-body tr[data-model="smollm2-135m-moe"] .source')).to_have_text("cache")
+
+        assert r.http.post("/models/unload", json={"model": "small"}).json() == {"success": True}
+        expect(small.locator(".status")).to_have_text("unloaded")
+        expect(page.locator("#running")).to_have_text("0")
+        assert [row.get_attribute("data-model") for row in rows.all()] == [
+            "smollm2-135m",
+            "smollm2-135m-moe",
+            "smollm2-135m-q8",
+        ]

@@ -6,7 +6,7 @@ model's status), ``GET /models`` and ``/v1/models`` (:meth:`ModelInstance.entry
 <hydra_trio.router.models.ModelInstance.entry>` of each), ``POST /models/load`` and ``POST /models/unload``
 (body ``{"model": NAME}``, reply ``{"success": true}``), ``GET /props`` without ``?model=`` (the router's
 props), ``GET /version``; ``GET /models/sse``, ``POST /models`` and ``DELETE /models`` are
-:mod:`hydra_trio.router.manage`'s.
+:mod:`hydra_trio.router.manage`'s; ``GET /`` is the status page (:mod:`hydra_trio.router.page`).
 
 Every other route of a node goes to the child of the model it names: a POST by its JSON body's ``model``, a
 GET or PUT by ``?model=`` (a name or an alias).  With autoload (``--models-autoload``, the default, or the
@@ -50,6 +50,7 @@ from ..http.settings import HttpSettings
 from ..transport.access import AccessSettings, Refusals, Secrets
 from .manage import ModelsManageApi
 from .models import CHILD_HOST, ModelInstance, ModelRouter
+from .page import page_routes
 from .proxy import RelayResponse, open_relay
 
 POST_ROUTES = (
@@ -224,6 +225,7 @@ def build_router_app(
         route("/slots/{id_slot}/state", api.relay_by_query, "PUT"),
         *(route(p, api.relay_by_body, "POST") for p in POST_ROUTES),
         *(route(p, api.relay_by_query, "GET") for p in GET_ROUTES),
+        *page_routes(),
     ]
     app = Starlette(
         routes=routes,
