@@ -11,7 +11,7 @@ from pathlib import Path
 
 import attrs
 
-from ..engine.llama.ggml_backend import GgufHeader
+from ..engine.llama.ggml_backend import GgufHeader, type_traits
 from ..engine.settings import KV_CACHE_TYPES
 
 
@@ -46,7 +46,9 @@ def kv_bytes_per_token(header: GgufHeader, cache_type_k: str = "f16", cache_type
     Raises:
         KeyError: a cache type that is none of llama-server's (``-ctk`` / ``-ctv``).
     """
-    from ..protocol.ggml_rpc import TYPE_TRAITS
+    from ..protocol.ggml_rpc import GGML_TYPE_COUNT
+
+    traits = type_traits(GGML_TYPE_COUNT)  # this ggml's own sizes (not gguf's table: it imports numpy)
 
     def number(key: str, default: int) -> int:
         value = header.numbers.get(f"{header.arch}.{key}", default)
@@ -58,7 +60,7 @@ def kv_bytes_per_token(header: GgufHeader, cache_type_k: str = "f16", cache_type
     n_head_kv = number("attention.head_count_kv", n_head)
 
     def row(type_name: str, n: int) -> int:
-        blck, size = TYPE_TRAITS[KV_CACHE_TYPES[type_name]]
+        blck, size = traits[KV_CACHE_TYPES[type_name]]
         return -(-n // blck) * size
 
     return (header.block_count or 0) * (row(cache_type_k, n_head_kv * k) + row(cache_type_v, n_head_kv * v))
