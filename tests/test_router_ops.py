@@ -10,6 +10,7 @@ llama-cpp-python 0.3.36 vendors).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -18,11 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
+from hydra_trio.cli import parse_args
+from hydra_trio.cli.router import build_models
+from hydra_trio.cli.router_memory import check_router_memory
 from hydra_trio.engine.llama.ggml_backend import GgufHeader
 from hydra_trio.models.presets import resolve_model
 from hydra_trio.observability.memory import available_memory, resident_bytes
 from hydra_trio.router.page import STATIC_DIR
+from hydra_trio.router.presets import ModelsConfigError
 
 from .conftest import ROOT, wait_for
 from .test_router import TWO_MODELS, Router, chat, error_of, router, run_router_cli
@@ -359,3 +365,30 @@ def test_the_status_page_lists_every_model_and_follows_their_status_live(tmp_pat
             "smollm2-135m-moe",
             "smollm2-135m-q8",
         ]
+
+
+def test_the_memory_check_refuses_kv_caches_and_warns_for_weights(tmp_path: Path, caplog: Any) -> None:
+    """With a given memory available: the largest ``--models-max`` KV caches above it are refused; their weights
+    and KV caches above it only warn (the weights are mapped from their files, as the node does not count them)."""
+    path = tmp_path / "p.ini"
+    path.write_text("[*]\nnp = 1\nc = 1024\n[a]\nmodel = smollm2-135m\n[b]\nmodel = smollm2-135m-moe\nc = 4096\n")
+    args = parse_args(["--models-preset", str(path)], {})
+    models, _ = build_models(args, args.argv, parse_args, {})
+    sizes = check_router_memory(models, 1, parse_args, available=2**40)
+    weights = {n: resolve_model(m)[0].stat().st_size for n, m in (("a", "smollm2-135m"), ("b", "smollm2-135m-moe"))}
+    assert {n: (f.weights, f.kv, f.n_ctx) for n, f in sizes.items()} == {
+        "a": (weights["a"], 1024 * 23040, 1024),
+        "b": (weights["b"], 4096 * 23040, 4096),
+    }
+    kv_both = (1024 + 4096) * 23040
+    with pytest.raises(ModelsConfigError, match=r"2 models at once \(--models-max 2\) need 112 MiB of KV cache"):
+        check_router_memory(models, 2, parse_args, available=kv_both - 1)
+    check_router_memory(models, 1, parse_args, available=kv_both - 1)  # one at once: b's alone fits
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hydra_trio"):
+        check_router_memory(models, 0, parse_args, available=kv_both + min(weights.values()))
+    assert "2 models at once (--models-max 0) take up to" in caplog.text and "more than the" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hydra_trio"):
+        check_router_memory(models, 0, parse_args, available=kv_both + sum(weights.values()))
+    assert caplog.text == ""
