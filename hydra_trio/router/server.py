@@ -73,6 +73,7 @@ class RouterServer:
         self.frontdoor.stop_accepting()
         await self.http.drain()
         await self.router.unload_all()
+        self.router.events.close()  # /models/sse streams end
         with trio.move_on_after(grace):
             await self.frontdoor.wait_no_connections()
         if self._scope is not None:
