@@ -124,20 +124,13 @@ def test_drafts_compose_with_pipeline_mode(spawn) -> None:
     the same greedy tokens as it gave locally, drafted and accepted.  A draft model (``draft-simple``) follows
     the local model it was built for, so once attached that head decodes without it (``/slots`` ``speculative``
     false, no ``draft_n``) and still gives its local tokens (docs/speculative.md)."""
-    from .test_speculative import ALPHABET
+    from .test_speculative import ALPHABET_BODY
 
     b = spawn("--no-model")
     b.wait_ready()
     free = spawn(*HEAD, "--spec-type", "ngram-simple,suffix")
     drafted = spawn(*HEAD, "--spec-type", "draft-simple", "-md", "smollm2-135m-q8")
-    body = {
-        "prompt": ALPHABET,
-        "n_predict": 40,
-        "temperature": 0,
-        "ignore_eos": True,
-        "cache_prompt": False,
-        "return_tokens": True,
-    }
+    body = ALPHABET_BODY
 
     def run(node) -> dict:
         return httpx.post(node.base + "/completion", json=body, timeout=300).json()
