@@ -11,15 +11,28 @@ protocol version of the llama.cpp that llama-cpp-python 0.3.36 vendors (7).
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hydra_trio.protocol.hydra import Op, Status, unpack_decode_frames
+from hydra_trio.protocol.hydra import (
+    DECODE_STOP_FLAGS,
+    Op,
+    PayloadChunk,
+    ResponseEnded,
+    ResponseStarted,
+    Status,
+    encode_request,
+    unpack_decode_frames,
+)
 from hydra_trio.testing.hydra_wire import Wire
 
+from .conftest import wait_for
 from .test_router import TWO_MODELS, router
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -120,3 +133,115 @@ def test_ggml_rpc_on_the_router_port_is_the_routers_own_backend(tmp_path: Path) 
         assert status == Status.OK and info["protocols"] == ["http", "hydra", "ggml_rpc"]
         assert info["rpc_backend_active"] is True and info["rpc_backend"]["connections"] >= 1
         assert all(m["status"] == "unloaded" for m in info["models"])  # no model loaded for it
+
+
+ONE_MODEL = """\
+version = 1
+[smollm2-135m]
+model = smollm2-135m
+c = 2048
+np = 1
+stop-timeout = 5
+"""
+
+
+def child_pid(port: int) -> int:
+    """The pid of the child node listening on ``port`` (its command line has ``--port PORT``)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hydra_trio" in args and b"--port" in args and args[args.index(b"--port") + 1] == str(port).encode():
+            return int(proc.name)
+    raise AssertionError(f"no child on port {port}")
+
+
+def read_streamed(w: Wire, once_started: Callable[[], None]) -> tuple[int, dict, bytes]:
+    """Read a streamed reply, calling ``once_started`` when its header and first payload bytes are in."""
+    status, meta, body, called = None, None, bytearray(), False
+    while True:
+        data = w.sock.recv(1 << 16)
+        assert data, "the router closed the connection"
+        for ev in w.dec.feed(data):
+            if isinstance(ev, ResponseStarted):
+                status, meta = ev.header.status, ev.meta
+            elif isinstance(ev, PayloadChunk):
+                body += ev.data
+            elif isinstance(ev, ResponseEnded):
+                assert status is not None and meta is not None
+                return status, meta, bytes(body)
+        if body and not called:
+            called = True
+            once_started()
+
+
+def long_decode(n_predict: int = 1500) -> bytes:
+    return json.dumps(
+        {"messages": MESSAGES, "n_predict": n_predict, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
+    ).encode()
+
+
+def test_the_only_model_is_addressed_without_a_name_and_a_child_that_goes_ends_the_decode(tmp_path: Path) -> None:
+    """``--models-max 1``, one model, none loaded: a request without ``model`` (as a single node's client sends)
+    loads it (BUSY until it serves), then is served.  A client that leaves a DECODE stops it in the child; a
+    child killed during a DECODE ends its frames with the error flag, the payload still whole."""
+    with router(tmp_path, ONE_MODEL, "--models-max", "1", "--no-rpc-backend") as r, Wire(r.port, 300) as w:
+        status, meta, _ = w.call(Op.PREFILL, "0", json.dumps({"messages": MESSAGES}).encode())
+        assert status == Status.BUSY and meta["model"] == "smollm2-135m", meta
+        status, meta, _ = until_served(w, Op.PREFILL, "0", json.dumps({"messages": MESSAGES}).encode())
+        assert status == Status.OK and meta["model_alias"] == "smollm2-135m", meta
+        port = r.models()["smollm2-135m"]["status"]["args"]
+        port = int(port[port.index("--port") + 1])
+        # the client leaves a DECODE: its connection to the child closes, the child stops the work
+        with Wire(r.port, 300) as leaving:
+            leaving.send(encode_request(Op.DECODE, "0", long_decode(), trace_id="leaves"))
+            wait_for(
+                lambda: r.http.get("/slots", params={"model": "smollm2-135m"}).json()[0]["is_processing"],
+                300,
+                "the slot works",
+            )
+        wait_for(
+            lambda: "[leaves] hydra: the peer closed the connection during DECODE" in r.log(),
+            300,
+            "the child stops the DECODE",
+        )
+        # the child is killed during a DECODE (its frames have begun): they end with the error flag, padded
+        w.send(encode_request(Op.DECODE, "0", long_decode(), trace_id="killed"))
+        status, meta, frames = read_streamed(w, lambda: os.kill(child_pid(port), signal.SIGKILL))
+        assert status == Status.OK and len(frames) == 9 * 1500, meta
+        flags = [f for _, _, f in unpack_decode_frames(frames)]
+        assert any(f & DECODE_STOP_FLAGS["error"] for f in flags), flags[-3:]
+        assert flags[-1] & 0x02  # padding to the end
+        r.wait_status("smollm2-135m", "unloaded")
+        assert r.models()["smollm2-135m"]["status"]["exit_code"] == 128 + signal.SIGKILL
+        # the same client connection: the model loads again for it
+        status, meta, _ = until_served(w, Op.STATE_META, "0", b"")
+        assert status == Status.OK and meta["n_past"] == 0, meta
+
+
+def test_the_routers_access_rules_and_autoload_off(tmp_path: Path) -> None:
+    """The router applies ``--hydra-token`` itself (its children do not get it); without autoload a model not
+    running is BAD_REQUEST; CONFIGURE's ``model`` addresses a model, ``model_path`` is refused."""
+    args = ("--no-models-autoload", "--hydra-token", "s3cret", "--no-rpc-backend")
+    with router(tmp_path, TWO_MODELS, *args) as r, Wire(r.port) as w:
+        status, meta, _ = w.call(Op.PREFILL, "0", json.dumps({"messages": MESSAGES, "model": "small"}).encode())
+        assert (status, meta["error"], meta["model"]) == (Status.BAD_REQUEST, "model is not loaded", "smollm2-135m")
+        configure = json.dumps({"model": "small", "temperature": 0.5}).encode()
+        status, meta, _ = w.call(Op.CONFIGURE, "", configure)
+        assert status == Status.BAD_REQUEST and meta["refused"] == "not_allowed", meta
+        status, meta, _ = w.call(Op.CONFIGURE, "", json.dumps({"auth": "s3cret"}).encode())
+        assert status == Status.OK and meta["trusted"] is True, meta
+        assert r.http.post("/models/load", json={"model": "small"}).json() == {"success": True}
+        assert "--hydra-token" not in r.models()["smollm2-135m"]["status"]["args"]
+        status, meta, _ = until_served(w, Op.CONFIGURE, "", configure)
+        assert status == Status.OK and meta["params_applied"] == {"temperature": 0.5}, meta
+        status, meta, _ = w.call(Op.CONFIGURE, "", json.dumps({"model": "small", "model_path": "x"}).encode())
+        assert status == Status.BAD_REQUEST and "model_path" in meta["error"], meta
+        status, meta, _ = w.call(Op.STATE_META, "0@small", b"")
+        assert status == Status.OK and meta["model_alias"] == "smollm2-135m", meta
+        # the key and the payload naming two models
+        status, meta, _ = w.call(Op.PREFILL, "0@smollm2-135m-q8", json.dumps({"model": "small"}).encode())
+        assert status == Status.BAD_REQUEST, meta

@@ -105,6 +105,8 @@ class Upstream:
     stream: trio.SocketStream
     port: int
     process: object
+    fresh: bool = True
+    """Opened for the request being relayed (not reused): a break on it is no stale connection."""
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
@@ -313,9 +315,9 @@ class RouterConnection:
             model = m.name
             try:
                 self.hub.check_ready(m)
+                status = await self._relay(m, req, key, payload)
             except HydraTrioError as exc:
                 raise exc.with_meta(model=m.name) from None
-            status = await self._relay(m, req, key, payload)
             outcome = "NO_REPLY" if status is None else Status(status).name if status in OPS_STATUS else str(status)
         except HydraTrioError as exc:
             outcome = exc.hydra_status.name
@@ -351,10 +353,12 @@ class RouterConnection:
         return {**meta, "role": "router", "models": self.hub.models_meta()}
 
     # ------------------------------------------------------------------ relay
-    async def _upstream(self, m: ModelInstance) -> Upstream:
+    async def _upstream(self, m: ModelInstance) -> tuple[Upstream, bool]:
+        """This connection's Hydra connection to ``m``'s child, and whether it was opened now (a connection to
+        an earlier child of the model is closed first)."""
         up = self.upstreams.get(m.name)
         if up is not None and up.port == m.port and up.process is m.process:
-            return up
+            return up, False
         if up is not None:
             await self._drop(m.name)
         try:
@@ -362,7 +366,7 @@ class RouterConnection:
         except OSError as exc:
             raise ModelUnavailable(f"proxy error: model {m.name} cannot be reached: {exc}") from None
         up = self.upstreams[m.name] = Upstream(stream, m.port, m.process)
-        return up
+        return up, True
 
     async def _drop(self, name: str) -> None:
         up = self.upstreams.pop(name, None)
@@ -370,37 +374,43 @@ class RouterConnection:
             await up.aclose()
 
     async def _send(self, m: ModelInstance, req: HydraRequest, key: str, payload: bytearray) -> Upstream:
-        up = await self._upstream(m)
+        """Open (or reuse) the connection to ``m``'s child and send it the request with ``key`` and ``payload``.
+
+        Raises:
+            ModelUnavailable: the child cannot be reached.
+            ChildGone: the connection broke while sending (a new one may work: the child closed an idle one).
+        """
+        up, fresh = await self._upstream(m)
+        up.fresh = fresh
         head = encode_request_header(req.op, key, req.trace_id, len(payload))
         try:
             await up.stream.send_all(head + payload if len(payload) < RELAY_CHUNK else head)
             if len(payload) >= RELAY_CHUNK:
                 await up.stream.send_all(memoryview(payload))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            await self._drop(m.name)
-            raise ModelUnavailable(f"proxy error: model {m.name}: the connection to it broke: {exc}") from None
+            raise ChildGone(f"the connection broke while sending ({exc})") from None
         return up
 
     async def _call(self, m: ModelInstance, req: HydraRequest) -> tuple[int, dict[str, Any]]:
-        """Send ``req`` (no payload) to ``m`` and read its reply whole: (status, meta); for INFO."""
-        up = await self._send(m, req, _split_key(req.key)[0], bytearray())
-        dec = ResponseDecoder(max_payload=0)
-        status: int = Status.ERROR
-        meta: dict[str, Any] = {}
-        try:
-            while True:
-                data = await up.stream.receive_some(RELAY_CHUNK)
-                if not data:
-                    raise ChildGone(f"model {m.name} closed the connection")
-                dec.receive_data(data)
-                while (ev := dec.next_event()) is not NEED_DATA:
-                    if isinstance(ev, ResponseStarted):
-                        status, meta = ev.header.status, ev.meta
-                    elif isinstance(ev, ResponseEnded):
-                        return status, meta
-        except BaseException:
-            await self._drop(m.name)
-            raise
+        """Send ``req`` (no payload) to ``m`` and read its reply whole: (status, meta); for INFO.  A reused
+        connection the child closed meanwhile is replaced once.
+
+        Raises:
+            ModelUnavailable, ChildGone, ProtocolError: no reply came (the connection is closed).
+        """
+        for attempt in (1, 2):
+            up = None
+            try:
+                up = await self._send(m, req, _split_key(req.key)[0], bytearray())
+                return await _read_reply(up.stream)
+            except ChildGone:
+                await self._drop(m.name)
+                if attempt == 2 or up is None or up.fresh:
+                    raise
+            except BaseException:
+                await self._drop(m.name)
+                raise
+        raise AssertionError("unreachable")
 
     async def _relay(self, m: ModelInstance, req: HydraRequest, key: str, payload: bytearray) -> int | None:
         """Relay one request to ``m``'s child and its reply back, while the client stays; the reply's status,
@@ -408,8 +418,18 @@ class RouterConnection:
         release = self.hub.router.acquire(m, used=True)
         relay = ReplyRelay(self.stream, req.op)
         try:
-            up = await self._send(m, req, key, payload)
-            if not await relay.run_unless_client_leaves(up.stream):
+            try:
+                up = await self._send(m, req, key, payload)
+                stayed = await relay.run_unless_client_leaves(up.stream)
+            except ChildGone:
+                if relay.started or m.name not in self.upstreams or self.upstreams[m.name].fresh:
+                    raise
+                # the child closed a connection left idle (its idle timeout) without reading the request: anew
+                await self._drop(m.name)
+                relay = ReplyRelay(self.stream, req.op)
+                up = await self._send(m, req, key, payload)
+                stayed = await relay.run_unless_client_leaves(up.stream)
+            if not stayed:
                 log.info(
                     "[%s] hydra: the client left during %s; its connection to %s closed",
                     req.trace_id,
@@ -529,3 +549,22 @@ async def _receive(upstream: trio.abc.Stream) -> bytes:
     if not data:
         raise ChildGone("the connection closed")
     return bytes(data)
+
+
+async def _read_reply(upstream: trio.abc.Stream) -> tuple[int, dict[str, Any]]:
+    """(status, meta) of the next reply on ``upstream``, which has no payload (INFO's).
+
+    Raises:
+        ChildGone: the connection ended first.
+        ProtocolError: the reply breaks the framing, or has a payload.
+    """
+    dec = ResponseDecoder(max_payload=0)
+    status: int = Status.ERROR
+    meta: dict[str, Any] = {}
+    while True:
+        dec.receive_data(await _receive(upstream))
+        while (ev := dec.next_event()) is not NEED_DATA:
+            if isinstance(ev, ResponseStarted):
+                status, meta = ev.header.status, ev.meta
+            elif isinstance(ev, ResponseEnded):
+                return status, meta
