@@ -178,6 +178,21 @@ def read_streamed(w: Wire, once_started: Callable[[], None]) -> tuple[int, dict,
             once_started()
 
 
+def new_port(r: Any) -> int:
+    """The port of the child of the router's model ``smollm2-135m``."""
+    args = r.models()["smollm2-135m"]["status"]["args"]
+    return int(args[args.index("--port") + 1])
+
+
+def unread_by(port: int) -> bool:
+    """Whether a connection to ``port`` on the loopback holds bytes its listener's process has not read."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].split(":")[1], 16) == port and fields[3] == "01" and int(fields[4].split(":")[1], 16):
+            return True
+    return False
+
+
 def long_decode(n_predict: int = 1500) -> bytes:
     return json.dumps(
         {"messages": MESSAGES, "n_predict": n_predict, "ignore_eos": True, "temperature": 0, "cache_prompt": False}
@@ -193,8 +208,7 @@ def test_the_only_model_is_addressed_without_a_name_and_a_child_that_goes_ends_t
         assert status == Status.BUSY and meta["model"] == "smollm2-135m", meta
         status, meta, _ = until_served(w, Op.PREFILL, "0", json.dumps({"messages": MESSAGES}).encode())
         assert status == Status.OK and meta["model_alias"] == "smollm2-135m", meta
-        port = r.models()["smollm2-135m"]["status"]["args"]
-        port = int(port[port.index("--port") + 1])
+        port = new_port(r)
         # the client leaves a DECODE: its connection to the child closes, the child stops the work
         with Wire(r.port, 300) as leaving:
             leaving.send(encode_request(Op.DECODE, "0", long_decode(), trace_id="leaves"))
@@ -220,6 +234,27 @@ def test_the_only_model_is_addressed_without_a_name_and_a_child_that_goes_ends_t
         # the same client connection: the model loads again for it
         status, meta, _ = until_served(w, Op.STATE_META, "0", b"")
         assert status == Status.OK and meta["n_past"] == 0, meta
+        # a child that goes before its reply (stopped, then killed, with the request sent): an ERROR reply
+        port = new_port(r)
+        pid = child_pid(port)
+        os.kill(pid, signal.SIGSTOP)
+        w.send(encode_request(Op.STATE_META, "0", b""))
+        wait_for(lambda: unread_by(port), 300, "the request waits in the stopped child's socket")
+        os.kill(pid, signal.SIGKILL)
+        status, meta, _ = w.read_reply()
+        assert status == Status.ERROR and meta["error"].startswith("proxy error: model smollm2-135m"), meta
+        assert meta["model"] == "smollm2-135m"
+
+
+def test_a_load_that_fails_is_told_once_then_tried_again(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"this is no GGUF file")
+    with router(tmp_path, f"[broken]\nmodel = {broken}\nc = 256\n", "--no-rpc-backend") as r, Wire(r.port) as w:
+        status, meta, _ = until_served(w, Op.STATE_META, "0", b"")
+        assert status == Status.ERROR and meta["error"] == "model name=broken failed to load", meta
+        assert meta["exit_code"] != 0 and meta["model"] == "broken"
+        status, meta, _ = w.call(Op.STATE_META, "0")  # the next request loads it again
+        assert status == Status.BUSY and meta["model"] == "broken", meta
 
 
 def test_the_routers_access_rules_and_autoload_off(tmp_path: Path) -> None:
