@@ -273,8 +273,11 @@ def test_the_routers_access_rules_and_autoload_off(tmp_path: Path) -> None:
         assert "--hydra-token" not in r.models()["smollm2-135m"]["status"]["args"]
         status, meta, _ = until_served(w, Op.CONFIGURE, "", configure)
         assert status == Status.OK and meta["params_applied"] == {"temperature": 0.5}, meta
-        status, meta, _ = w.call(Op.CONFIGURE, "", json.dumps({"model": "small", "model_path": "x"}).encode())
-        assert status == Status.BAD_REQUEST and "model_path" in meta["error"], meta
+        for params in ({"model": "small", "model_path": "x"}, {"model_path": "x"}):
+            status, meta, _ = w.call(Op.CONFIGURE, "", json.dumps(params).encode())
+            assert status == Status.BAD_REQUEST and "model_path" in meta["error"], meta
+        status, meta, _ = w.call(Op.STATE_META, "0@small")  # nothing reloaded
+        assert status == Status.OK and meta["model_alias"] == "smollm2-135m", meta
         status, meta, _ = w.call(Op.STATE_META, "0@small", b"")
         assert status == Status.OK and meta["model_alias"] == "smollm2-135m", meta
         # the key and the payload naming two models

@@ -99,8 +99,8 @@ class ChildGone(Exception):
 
 @attrs.define
 class Upstream:
-    """One Hydra connection to a child: its stream and reply decoder, and which child (port and process) it
-    reaches, so that a model loaded again gets a new connection."""
+    """One Hydra connection to a child: its stream, and which child (port and process) it reaches, so that a
+    model loaded again gets a new connection."""
 
     stream: trio.SocketStream
     port: int
@@ -234,24 +234,30 @@ def _split_key(key: str) -> tuple[str, str]:
 
 
 def _take_model(op: int, payload: bytearray) -> tuple[str, bytearray]:
-    """The JSON payload's ``model`` (``""``: none) and the payload without it (unchanged when it has none,
-    or is no JSON object: the child refuses that as it would)."""
+    """The JSON payload's ``model`` (``""``: none, or null) and the payload without it (unchanged when it has
+    none, or is no JSON object: the child refuses that as it would).
+
+    Raises:
+        InvalidRequest: ``model`` is no string; a CONFIGURE has ``model_path`` (a reload behind the router).
+    """
     if op not in JSON_OPS or not payload.lstrip().startswith(b"{"):
         return "", payload
     try:
         params = strict.load_json_object(payload)
     except MessageError:
         return "", payload
-    if "model" not in params:
-        return "", payload
-    name = params.pop("model")
-    if not isinstance(name, str):
-        raise InvalidRequest(f"model: must be a string (a model's name or alias), got {type(name).__name__}")
     if op == Op.CONFIGURE and "model_path" in params:
         raise InvalidRequest(
             "model_path: a router loads models by name (POST /models/load, or a request that names one); "
             "a child's model is not replaced behind it"
         )
+    if "model" not in params:
+        return "", payload
+    name = params.pop("model")
+    if name is None:
+        name = ""  # null: no model named
+    if not isinstance(name, str):
+        raise InvalidRequest(f"model: must be a string (a model's name or alias), got {type(name).__name__}")
     return name, bytearray(json.dumps(params).encode())
 
 
