@@ -283,3 +283,17 @@ def test_the_routers_access_rules_and_autoload_off(tmp_path: Path) -> None:
         # the key and the payload naming two models
         status, meta, _ = w.call(Op.PREFILL, "0@smollm2-135m-q8", json.dumps({"model": "small"}).encode())
         assert status == Status.BAD_REQUEST, meta
+
+
+def test_a_child_lives_as_long_as_the_router_not_the_thread_that_forked_it(tmp_path: Path) -> None:
+    """A child dies with the router (``PR_SET_PDEATHSIG``), which Linux ties to the thread that forked it: a
+    child forked in a worker thread of trio's cache got SIGTERM when that thread retired, 10 s idle later."""
+    preset = ONE_MODEL + "load-on-startup = true\n"
+    with router(tmp_path, preset, "--no-rpc-backend") as r:
+        r.wait_status("smollm2-135m", "loaded")
+        pid = child_pid(new_port(r))
+        time.sleep(15)  # past trio's thread-cache idle timeout (10 s)
+        assert r.status("smollm2-135m") == "loaded", r.log()[-2000:]
+        with Wire(r.port) as w:
+            status, meta, _ = w.call(Op.STATE_META, "0")
+        assert status == Status.OK and child_pid(new_port(r)) == pid, meta
