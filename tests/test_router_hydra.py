@@ -297,3 +297,10 @@ def test_a_child_lives_as_long_as_the_router_not_the_thread_that_forked_it(tmp_p
         with Wire(r.port) as w:
             status, meta, _ = w.call(Op.STATE_META, "0")
         assert status == Status.OK and child_pid(new_port(r)) == pid, meta
+
+
+def test_open_ggml_rpc_on_a_public_address_warns_once_as_a_nodes(tmp_path: Path) -> None:
+    with router(tmp_path, TWO_MODELS, "--host", "0.0.0.0") as r:
+        assert r.log().count("ggml-RPC is open to every peer") == 1
+    with router(tmp_path, TWO_MODELS, "--host", "0.0.0.0", "--rpc-allow", "10.0.0.0/8") as r:
+        assert "ggml-RPC is open to every peer" not in r.log()

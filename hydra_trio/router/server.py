@@ -62,6 +62,8 @@ class RouterServer:
             len(self.router.models),
             ", ".join(self.router.models),
         )
+        if self.rpc is not None:
+            self.rpc.warn_if_open(listeners, self.port)
         try:
             async with trio.open_nursery() as nursery:
                 self._scope = nursery.cancel_scope
