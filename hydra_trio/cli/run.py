@@ -378,6 +378,9 @@ def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
         "image_min_tokens": args.image_min_tokens,
         "image_max_tokens": args.image_max_tokens,
         "batch_max_tokens": args.mtmd_batch_max_tokens,
+        "video_fps": args.video_fps,
+        "video_timestamp_interval_ms": args.video_timestamp_interval,
+        "video_ffmpeg_dir": args.video_ffmpeg_dir or None,
     }
     return MediaSettings(
         mmproj=path,
@@ -457,6 +460,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         slot_save_path=args.slot_save_path,
         generation=generation_defaults(args),
         skip_chat_parsing=args.skip_chat_parsing,
+        prefill_assistant=args.prefill_assistant,
         speculative=speculative,
         media=media,
         **{k: v for k, v in given.items() if v is not None},

@@ -32,6 +32,7 @@ from ..errors import InvalidRequest, ModelLoadError
 from ..transport.net import free_port
 from .child_process import ChildProcess
 from .errors import ModelUnavailable
+from .events import ModelEvents
 from .presets import SET_BY_ROUTER, ModelPreset, OptionTable
 
 log = logging.getLogger("hydra_trio.router")
@@ -153,7 +154,7 @@ class ModelInstance:
             "status": status,
             "architecture": {"input_modalities": list(self.modalities), "output_modalities": ["text"]},
             "source": self.source,
-            "can_remove": False,
+            "can_remove": self.source == "cache",
         }
         if self.running:
             for k, v in self.info.items():
@@ -166,10 +167,19 @@ class ModelRouter:
     first.  Every change of a model's state wakes the requests that wait for one (:meth:`ensure_ready`)."""
 
     def __init__(
-        self, models: list[ModelInstance], settings: RouterSettings, environ: Mapping[str, str] | None = None
+        self,
+        models: list[ModelInstance],
+        settings: RouterSettings,
+        environ: Mapping[str, str] | None = None,
+        factory: Callable[[str], ModelInstance] | None = None,
     ) -> None:
         self.models = {m.name: m for m in sorted(models, key=lambda m: m.name.encode())}
         """By name, as llama-server lists them (its models are a ``std::map``)."""
+        self.factory = factory
+        """``POST /models``: a new model named after its model (a model name or a GGUF file), built as the
+        router's own (over ``[*]``, under its command line); raises ``ModelsConfigError``.  None: refused."""
+        self.events = ModelEvents()
+        """``GET /models/sse``'s events (:mod:`hydra_trio.router.events`)."""
         self.settings = settings
         self.environ = dict(environ) if environ is not None else None
         self.wanted: dict[str, int] = {}
@@ -177,6 +187,17 @@ class ModelRouter:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+
+    def add(self, m: ModelInstance) -> None:
+        """A model joins the list (``POST /models``), in its place by name."""
+        self.models = dict(sorted({**self.models, m.name: m}.items(), key=lambda kv: kv[0].encode()))
+        self._notify()
+
+    def remove(self, m: ModelInstance) -> None:
+        """A model that is not running leaves the list (``DELETE /models``)."""
+        assert not m.running, "unload it first"
+        self.models = {n: x for n, x in self.models.items() if x is not m}
+        self._notify()
 
     def find(self, name: str) -> ModelInstance | None:
         """The model called ``name`` or with ``name`` among its aliases."""
@@ -252,6 +273,7 @@ class ModelRouter:
         m.last_used = time.monotonic()
         args = m.args()
         log.info("spawning server instance with name=%s on port %d: %s", m.name, m.port, " ".join(args))
+        self.events.notify("model_status", m.name, {"status": LOADING})
         self._nursery.start_soon(self._supervise, m, args)
         self._notify()
 
@@ -265,6 +287,7 @@ class ModelRouter:
         except OSError as exc:
             log.error("failed to spawn server instance name=%s: %s", m.name, exc)
             m.status, m.exit_code = UNLOADED, 1
+            self.events.notify("status_change", m.name, {"status": UNLOADED, "exit_code": 1})
             self._notify()
             return
         m.process = process
@@ -285,6 +308,7 @@ class ModelRouter:
             m.status, m.stopping = UNLOADED, False
             m.exit_code = code if code >= 0 else 128 - code
             log.info("instance name=%s exited with status %d", m.name, m.exit_code)
+            self.events.notify("status_change", m.name, {"status": UNLOADED, "exit_code": m.exit_code})
             self._notify()
 
     async def _watch_ready(self, m: ModelInstance, process: ChildProcess) -> None:
@@ -298,6 +322,7 @@ class ModelRouter:
                     if m.process is process and m.status == LOADING:
                         m.status = LOADED
                         log.info("model name=%s is loaded (port %d)", m.name, m.port)
+                        self.events.notify("status_change", m.name, {"status": LOADED, "info": m.info})
                         self._notify()
                     return
             except (httpx.HTTPError, ValueError):
@@ -331,6 +356,13 @@ class ModelRouter:
             if process.returncode is None:
                 log.warning("force-killing model instance name=%s after timeout", m.name)
                 process.kill()
+
+    async def stop_and_wait(self, m: ModelInstance) -> None:
+        """Unload ``m`` and wait until it is not running (a request that loads it again meanwhile is waited
+        for too)."""
+        while m.running:
+            self.unload(m)
+            await self._wait_change()
 
     async def unload_all(self) -> None:
         """Stop every child and wait for them all to exit (the router's shutdown)."""

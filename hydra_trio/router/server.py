@@ -89,6 +89,7 @@ class RouterServer:
         await self.http.drain()
         self.hydra.drain()
         await self.router.unload_all()
+        self.router.events.close()  # /models/sse streams end
         with trio.move_on_after(grace):
             async with trio.open_nursery() as nursery:
                 if self.rpc is not None:
