@@ -50,7 +50,7 @@ from ..transport.tls import TlsSettings, server_context
 from .access import access_settings
 from .flags import RUN_FLAGS
 from .router_memory import check_router_memory
-from .run import log_level
+from .run import log_level, rpc_backend_settings
 
 log = logging.getLogger("hydra_trio")
 
@@ -244,7 +244,7 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
         host=args.host,
         port=args.port,
         engine=None,
-        rpc_backend=None,
+        rpc_backend=rpc_backend_settings(args, access),
         access=access,
         reuse_port=args.reuse_port,
         frontdoor=FrontDoorSettings(

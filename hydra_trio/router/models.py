@@ -19,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ import trio
 
 from ..errors import InvalidRequest, ModelLoadError
 from ..transport.net import free_port
+from .child_process import ChildProcess
 from .errors import ModelUnavailable
 from .events import ModelEvents
 from .presets import SET_BY_ROUTER, ModelPreset, OptionTable
@@ -110,7 +110,7 @@ class ModelInstance:
         self.requests = 0
         self.stopping = False
         self.info: dict[str, Any] = {}
-        self.process: trio.Process | None = None
+        self.process: ChildProcess | None = None
         self.kill_scope: trio.CancelScope | None = None
 
     @property
@@ -282,15 +282,8 @@ class ModelRouter:
         from .presets import child_environment
 
         try:
-            process = await trio.lowlevel.open_process(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=child_environment(self.environ),
-                preexec_fn=_die_with_parent,
-                start_new_session=True,
-            )
+            # forked on this thread, which lives as long as the router: PR_SET_PDEATHSIG follows the thread
+            process = ChildProcess(args, child_environment(self.environ), _die_with_parent)
         except OSError as exc:
             log.error("failed to spawn server instance name=%s: %s", m.name, exc)
             m.status, m.exit_code = UNLOADED, 1
@@ -318,7 +311,7 @@ class ModelRouter:
             self.events.notify("status_change", m.name, {"status": UNLOADED, "exit_code": m.exit_code})
             self._notify()
 
-    async def _watch_ready(self, m: ModelInstance, process: trio.Process) -> None:
+    async def _watch_ready(self, m: ModelInstance, process: ChildProcess) -> None:
         base = f"http://{CHILD_HOST}:{m.port}"
         while process.returncode is None:
             try:
@@ -356,7 +349,7 @@ class ModelRouter:
             self._nursery.start_soon(self._kill_after, m, process)
         self._notify()
 
-    async def _kill_after(self, m: ModelInstance, process: trio.Process) -> None:
+    async def _kill_after(self, m: ModelInstance, process: ChildProcess) -> None:
         with trio.CancelScope() as scope:
             m.kill_scope = scope
             await trio.sleep(m.stop_timeout)
