@@ -414,21 +414,14 @@ def test_drafts_compose_with_combined_mode(spawn) -> None:
     """A COMBINED head that drafts with model-free types (``--spec-type ngram-simple,suffix``) verifies its
     drafts through the peer's expert tensors in the same batch: its greedy tokens are a non-drafting COMBINED
     head's, and it did draft and accept."""
-    from .test_speculative import ALPHABET
+    from .test_speculative import ALPHABET_BODY
 
     peers = [spawn("--no-model"), spawn("--no-model")]
     for p in peers:
         p.wait_ready()
     plain = combined_head(spawn, peers[0].port)
     drafting = combined_head(spawn, peers[1].port, "--spec-type", "ngram-simple,suffix")
-    body = {
-        "prompt": ALPHABET,
-        "n_predict": 40,
-        "temperature": 0,
-        "ignore_eos": True,
-        "cache_prompt": False,
-        "return_tokens": True,
-    }
+    body = ALPHABET_BODY
     want, got = (httpx.post(h.base + "/completion", json=body, timeout=300).json() for h in (plain, drafting))
     assert got["tokens"] == want["tokens"] and got["content"] == want["content"]
     assert got["timings"]["draft_n_accepted"] > 0 and "draft_n" not in want["timings"]

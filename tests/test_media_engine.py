@@ -85,7 +85,7 @@ async def test_an_image_prompt_gives_the_bindings_greedy_tokens_and_counts_the_i
     (image chunk at the slot's position, text after it at ``n_past`` + the image's ``n_pos``), twice; the prompt
     counts the image's 12 embeddings (llama-server's ``usage.prompt_tokens``), positions only 4."""
     async with vision_engine() as engine:
-        assert engine.model.modalities == {"vision": True, "audio": False}
+        assert engine.model.modalities == {"vision": True, "video": True, "audio": False}
         for seed in (1, 2):
             prompt = prompt_with(engine, seed)
             (chunk,) = prompt.chunks

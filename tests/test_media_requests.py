@@ -107,7 +107,7 @@ def test_a_preset_with_a_projector_reports_it_and_one_without_does_not(vhttp, ht
     ``/v1/models`` ``capabilities`` (``get_res_models``: ``multimodal`` with a projector), Hydra INFO
     ``modalities``; the start-up log names the projector."""
     props = vhttp.get("/props").json()
-    assert props["modalities"] == {"vision": True, "video": False, "audio": False}
+    assert props["modalities"] == {"vision": True, "video": True, "audio": False}  # video: a vision projector
     assert props["media_marker"] == MARKER
     assert vhttp.get("/v1/models").json()["models"][0]["capabilities"] == ["completion", "multimodal"]
     assert f"multimodal projector {PRESETS['tiny-vision'].projector()} (vision True, audio False)" in vision.log()
@@ -117,7 +117,7 @@ def test_a_preset_with_a_projector_reports_it_and_one_without_does_not(vhttp, ht
     assert http.get("/v1/models").json()["models"][0]["capabilities"] == ["completion"]
     with Wire(vision.port) as w:
         status, meta, _ = w.call(Op.INFO)
-    assert status == Status.OK and meta["modalities"] == {"vision": True, "video": False, "audio": False}
+    assert status == Status.OK and meta["modalities"] == {"vision": True, "video": True, "audio": False}
 
 
 def test_no_mmproj_turns_the_presets_projector_off(spawn) -> None:
@@ -233,8 +233,6 @@ BAD_PARTS = [
     (image("file://sub/missing.png"), 400, "file does not exist or cannot be opened: sub/missing.png"),
     (image("file://big.png"), 400, f"more than {MAX_MEDIA_BYTES} (MAX_MEDIA_BYTES)"),
     ({"type": "input_audio", "input_audio": {"data": "QUJD", "format": "wav"}}, 500, NOT_SUPPORTED.format("audio")),
-    ({"type": "input_video", "input_video": {"url": "QUJD"}}, 500, NOT_SUPPORTED.format("video")),
-    ({"type": "video_url", "video_url": {"url": "QUJD"}}, 500, NOT_SUPPORTED.format("video")),
     ({"type": "file", "file": {}}, 400, "unsupported content[].type 'file'"),
     ({"type": "image_url", "image_url": "x"}, 400, "image_url: expected an object, got str"),
 ]
@@ -294,13 +292,16 @@ def test_a_bad_multimodal_prompt_is_a_400(vhttp, prompt, message) -> None:
 
 def test_a_node_without_a_projector_answers_media_as_llama_server(http, server) -> None:
     """The default model has no projector: an image part is llama-server's 500 ``image input is not supported -
-    hint: ...`` (chat and ``/apply-template``), audio likewise, checked before the URL is read; ``multimodal_data``
-    is its 400 ``Multimodal data provided, but model does not support multimodal requests.``; a Hydra PREFILL
-    with an image is BAD_REQUEST with the same message."""
+    hint: ...`` (chat and ``/apply-template``), audio and video likewise, checked before the URL is read;
+    ``multimodal_data`` is its 400 ``Multimodal data provided, but model does not support multimodal
+    requests.``; a Hydra PREFILL with an image is BAD_REQUEST with the same message."""
     for path in ("/v1/chat/completions", "/apply-template"):
         assert error_of(http.post(path, json=chat(image("https://x/y.png"))), 500) == NOT_SUPPORTED.format("image")
         audio = {"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}
         assert error_of(http.post(path, json=chat(audio)), 500) == NOT_SUPPORTED.format("audio")
+        for kind in ("input_video", "video_url"):
+            video = {"type": kind, kind: {"url": "QUJD"}}
+            assert error_of(http.post(path, json=chat(video)), 500) == NOT_SUPPORTED.format("video")
     body = {"prompt": {"prompt_string": "x", "multimodal_data": ["QUJD"]}}
     assert error_of(http.post("/completion", json=body), 400) == NO_MULTIMODAL_DATA
     with Wire(server.port) as w:
@@ -379,8 +380,8 @@ def test_llama_server_without_a_projector_gives_the_same_errors(http, tmp_path: 
 @pytest.mark.slow
 def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp_path: Path) -> None:
     """llama-server with ``-m LM --mmproj PROJ`` (tiny-vision's files): the same ``/props`` vision and audio
-    modalities and marker (its ``video`` is true for any vision projector in a build with ``MTMD_VIDEO``,
-    ``mtmd_helper_support_video``; this node takes no video and says false), ``/v1/models`` capabilities, the same
+    modalities (``video`` too: ``mtmd_helper_support_video``, true for a vision projector in a build with video)
+    and marker, ``/v1/models`` capabilities, the same
     ``/apply-template`` prompt for parts around images, for a
     bad data URL a message that ours starts with (ours adds where the part is), and for two images the same
     prompt token count and greedy text."""
@@ -394,7 +395,7 @@ def test_llama_server_with_the_projector_reports_and_renders_the_same(vhttp, tmp
     )
     with llama_server(tmp_path, "-m", str(model), "--mmproj", str(PRESETS["tiny-vision"].projector())) as ls:
         theirs, ours = ls.get("/props").json(), vhttp.get("/props").json()
-        assert theirs["modalities"] == {**ours["modalities"], "video": True}
+        assert theirs["modalities"] == ours["modalities"]
         assert theirs["media_marker"] == ours["media_marker"] == MARKER
         assert (
             ls.get("/v1/models").json()["models"][0]["capabilities"]

@@ -6,6 +6,7 @@ import json
 import signal
 
 import httpx
+import pytest
 
 from hydra_trio.protocol.hydra import Op, Status
 from hydra_trio.testing.hydra_wire import Wire
@@ -115,3 +116,40 @@ def test_a_pipeline_peer_that_dies_between_requests_is_noticed(spawn) -> None:
     meta = info(a.port)
     assert meta["peer_reachable"] is False and meta["fallback_reason"]
     assert complete(a.base) == local
+
+
+@pytest.mark.slow
+def test_drafts_compose_with_pipeline_mode(spawn) -> None:
+    """A PIPELINE head verifies the drafts of its model-free types through the peer's layers in the same batch:
+    the same greedy tokens as it gave locally, drafted and accepted.  A draft model (``draft-simple``) follows
+    the local model it was built for, so once attached that head decodes without it (``/slots`` ``speculative``
+    false, no ``draft_n``) and still gives its local tokens (docs/speculative.md)."""
+    from .test_speculative import ALPHABET_BODY
+
+    b = spawn("--no-model")
+    b.wait_ready()
+    free = spawn(*HEAD, "--spec-type", "ngram-simple,suffix")
+    drafted = spawn(*HEAD, "--spec-type", "draft-simple", "-md", "smollm2-135m-q8")
+    body = ALPHABET_BODY
+
+    def run(node) -> dict:
+        return httpx.post(node.base + "/completion", json=body, timeout=300).json()
+
+    for node in (free, drafted):
+        node.wait_ready(300)
+        local = run(node)
+        assert local["timings"]["draft_n_accepted"] > 0
+        assert httpx.get(node.base + "/slots", timeout=30).json()[0]["speculative"] is True
+        status, meta = attach(node.port, {"peer": f"127.0.0.1:{b.port}", "ot_split": UPPER_HALF})
+        assert status == Status.OK and meta["mode"] == "pipeline", meta
+        before = rpc_bytes(b.port)
+        got = run(node)
+        assert rpc_bytes(b.port) - before > 100_000  # B computed the upper layers
+        assert got["tokens"] == local["tokens"] and got["content"] == local["content"]
+        if node is free:
+            assert got["timings"]["draft_n_accepted"] > 0
+        else:
+            assert "draft_n" not in got["timings"]
+            assert httpx.get(node.base + "/slots", timeout=30).json()[0]["speculative"] is False
+        # the peer serves one ggml-RPC client at a time: detach before the next head attaches
+        assert attach(node.port, {"peer": ""})[1]["mode"] == "solo"

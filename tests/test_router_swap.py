@@ -223,3 +223,23 @@ def test_a_swap_between_siblings_keeps_the_vocabularys_tables() -> None:
     finally:
         old.close()
         new.close()
+
+
+def test_a_hydra_swap_quant_to_a_sibling_through_the_router_is_refused(tmp_path: Path) -> None:
+    """The children know their siblings as quant keys; a SWAP_QUANT a client sends through the router's port
+    to one of them would change the model behind the router's back (the router still listing the old one):
+    BAD_REQUEST, pointing to the load that switches in place."""
+    import struct
+
+    from hydra_trio.protocol.hydra import Op, Status
+    from hydra_trio.testing.hydra_wire import Wire
+
+    with router(tmp_path, SIBLINGS, "--models-max", "1", "--no-rpc-backend") as r:
+        assert r.http.post("/models/load", json={"model": "small"}).json() == {"success": True}
+        r.wait_status("smollm2-135m", "loaded")
+        with Wire(r.port, 300) as w:
+            status, meta, _ = w.call(Op.SWAP_QUANT, "@small", struct.pack("<H", 2) + b"q8")
+        assert status == Status.BAD_REQUEST and "is a model of this router" in meta["error"], meta
+        assert statuses(r) == {"smollm2-135m": ("loaded", False), "q8": ("unloaded", False)}
+        port, _ = child_of(r, "smollm2-135m")
+        assert r.http.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["meta"]["ftype"] == "Q4_1"

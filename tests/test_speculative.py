@@ -26,6 +26,15 @@ from hydra_trio.engine.tasks import RestoreSlot, SaveSlot
 from .conftest import running_engine
 
 ALPHABET = "a b c d e f g h i j k l m n o p q r s t u v w x y z\n" * 12 + "a b c d"  # copied on, p > 0.9 a token
+ALPHABET_BODY = {
+    "prompt": ALPHABET,
+    "n_predict": 40,
+    "temperature": 0,
+    "ignore_eos": True,
+    "cache_prompt": False,
+    "return_tokens": True,
+}
+"""A ``/completion`` body over :data:`ALPHABET` that any drafter drafts well on: 40 greedy tokens and their ids."""
 GREEDY = SamplingParams(temperature=0.0)
 SEEDED = SamplingParams(temperature=0.2, seed=4242)  # llama-server's own speculative test: 0.2, 16 tokens
 MODEL_FREE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")

@@ -196,7 +196,9 @@ def test_hydra_decode_reports_reasoning_tokens(node: ServerProcess, client: open
         body = {"messages": MESSAGES, "n_predict": 40, "temperature": 0, "stream": False}
         status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps(body).encode())
         assert status == Status.OK, meta
-        assert meta["tokens_generated"] == http.usage.completion_tokens
+        # the end-of-generation token that ended the reply counts in usage (llama-server's way) and has no frame
+        ended = meta.get("stop_reason") == "eos"
+        assert meta["tokens_generated"] == http.usage.completion_tokens - ended
         assert meta["reasoning_tokens"] == http.usage.completion_tokens_details.reasoning_tokens > 0
         status, meta, _ = w.call(Op.DECODE, key="1", payload=json.dumps({**body, "reasoning_format": "none"}).encode())
         assert status == Status.OK and meta["reasoning_tokens"] == 0

@@ -157,13 +157,17 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
 
 
 def test_node_reports_audio_and_serves_a_clip_with_the_cache(node: httpx.Client, bindings: Bindings) -> None:
-    """``/props`` ``modalities``: audio only (the projector's encoders, as llama-server's ``get_res_props``).  A
+    """``/props`` ``modalities``: audio only (the projector's encoders, as llama-server's ``get_res_props``; no
+    vision encoder, so no video: a video part is llama-server's 500 ``video input is not supported``).  A
     chat with an ``input_audio`` part: 200, ``usage.prompt_tokens`` the bindings' count of the same prompt (the
     clip's 750 embeddings and its two framing tokens counted, as llama-server counts a media chunk's tokens) and
     the bindings' greedy text; the same request again: the same text, all the prompt from the slot's cache but its
     last token (the clip matched by its hash); the other clip: a miss from the clip on (``cache_n`` = the tokens
     before it) and another text."""
     assert node.get("/props").json()["modalities"] == {"vision": False, "video": False, "audio": True}
+    video = {"type": "input_video", "input_video": {"data": "QUJD"}}  # no vision encoder: no video either
+    r = node.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [video]}]})
+    assert r.status_code == 500 and r.json()["error"]["message"].startswith("video input is not supported")
     prompt = chat_prompt(mtmd.mtmd_default_marker().decode())
     with bindings.chunks(prompt, CLIP) as chunks:
         n_prompt = mtmd.mtmd_helper_get_n_tokens(chunks)

@@ -341,3 +341,13 @@ def test_text_from_clients_is_shown_as_it_is_never_as_rich_markup() -> None:
     console.print(render(state, 0.0, 400))
     text = console.export_text()
     assert text.count("[/nope] [blink]x[link=file:///etc/passwd]y") >= 6, text  # markup would eat the tags
+
+
+def test_tls_files_without_tls_are_a_usage_error_in_every_client() -> None:
+    """``hydra-trio watch`` and the Hydra commands share one set of TLS options and one rule (a CA or a client
+    certificate without ``--tls`` is a mistake, said before anything connects)."""
+    for argv in (["watch", "127.0.0.1:1", "--tls-ca", "ca.pem"], ["info", "127.0.0.1:1", "--tls-cert", "c.pem"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "hydra_trio", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+        assert r.returncode != 0 and "--tls-ca/--tls-cert/--tls-key need --tls" in r.stderr, (argv, r.stderr)

@@ -11,9 +11,6 @@ from ._flags import ACCEPTED, OWN, REFUSED, WIRED, Flag
 
 NO_DOWNLOADS = "the node loads a local GGUF file or a preset (hydra-trio models); it downloads nothing at run time"
 NO_LORA = "LoRA adapters and control vectors are not supported"
-NO_VIDEO = (
-    "video input is not supported (GET /props modalities.video is false; a video part answers llama-server's error)"
-)
 CPU_ONLY_NOTE = (
     "applied when the model loads; without a GPU nothing is offloaded and the log warns once, as llama-server"
 )
@@ -388,16 +385,32 @@ FLAGS: list[Flag] = [
         env="LLAMA_ARG_IMAGE_MAX_TOKENS",
         lands="EngineConfig.media.image_max_tokens",
     ),
-    F(("--video-fps",), ACCEPTED, NO_VIDEO, value="N", type=t.float_range(), env="LLAMA_ARG_VIDEO_FPS"),
+    F(
+        ("--video-fps",),
+        WIRED,
+        "target video frame rate (default: 4.0; 0 or less: the video's own)",
+        value="N",
+        type=t.float_range(),
+        env="LLAMA_ARG_VIDEO_FPS",
+        lands="EngineConfig.media.video_fps",
+    ),
     F(
         ("--video-timestamp-interval",),
-        ACCEPTED,
-        NO_VIDEO,
+        WIRED,
+        "interval in milliseconds between text timestamps in a video's prompt (default: 5000; 0 or less: none)",
         value="N",
         type=t.int_range(t.INT32_MIN, t.INT32_MAX),
         env="LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL",
+        lands="EngineConfig.media.video_timestamp_interval_ms",
     ),
-    F(("--video-ffmpeg-dir",), ACCEPTED, NO_VIDEO, value="DIR", env="LLAMA_ARG_VIDEO_FFMPEG_DIR"),
+    F(
+        ("--video-ffmpeg-dir",),
+        WIRED,
+        "directory holding the ffmpeg and ffprobe that decode videos and WebP images (default: search in PATH)",
+        value="DIR",
+        env="LLAMA_ARG_VIDEO_FFMPEG_DIR",
+        lands="EngineConfig.media.video_ffmpeg_dir",
+    ),
     # -- devices and placement -----------------------------------------------------------------------
     F(
         ("--rpc",),

@@ -25,7 +25,7 @@ import trio
 
 from ..config import ServerConfig
 from ..http.settings import HttpSettings
-from ..models.presets import PRESETS
+from ..models.presets import PRESETS, PresetError, resolve_model
 from ..models.projector import ProjectorError, projector_modalities
 from ..observability.logs import configure_logging
 from ..router.models import ModelInstance, ModelRouter, RouterSettings
@@ -50,7 +50,8 @@ from ..transport.frontdoor import FrontDoorSettings
 from ..transport.tls import TlsSettings, server_context
 from .access import access_settings
 from .flags import RUN_FLAGS
-from .run import log_level
+from .router_memory import check_router_memory
+from .run import log_level, rpc_backend_settings
 
 log = logging.getLogger("hydra_trio")
 
@@ -186,6 +187,33 @@ def build_models(
     return models, startup
 
 
+def model_factory(
+    args: argparse.Namespace, argv: list[str], parse: Parse, environ: dict[str, str] | None = None
+) -> Callable[[str], ModelInstance]:
+    """``POST /models``'s models: ``name`` is a model on this machine (one of the project's installed models or
+    a GGUF file), listed as ``source: "cache"`` with the preset's ``[*]`` under the router's command line, as
+    :func:`build_models` builds the others.  The callable raises ModelsConfigError for a model that is not
+    here (it would need a download) or that the node refuses."""
+    environ = dict(os.environ if environ is None else environ)
+    table = option_table()
+    top = {k: o for k, o in table.from_argv(argv).items() if o.spec.name not in RESERVED + ROUTER_ONLY}
+    glob = read_preset_file(Path(args.models_preset), table)[0] if args.models_preset else {}
+
+    def make(name: str) -> ModelInstance:
+        try:
+            resolve_model(name)
+        except PresetError as exc:
+            raise ModelsConfigError(str(exc)) from exc
+        model = table.option("model", name, name)
+        p = ModelPreset(name, "cache", {model.spec.names[0]: model}).over(glob).under(top).without(RESERVED)
+        _check(parse, p, environ)
+        stop = p.get(STOP_TIMEOUT)
+        launcher = RouterSettings().launcher
+        return ModelInstance(p, table, launcher, float(stop) if stop else DEFAULT_STOP_TIMEOUT, _modalities(p))
+
+    return make
+
+
 def run_router(args: argparse.Namespace, parse: Parse) -> int:
     """Serve in router mode until SIGINT/SIGTERM; 2 when a preset or flag is refused before anything starts.
     ``parse`` checks each model's flags (:func:`hydra_trio.cli.parse_args`)."""
@@ -199,6 +227,8 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
     )
     try:
         models, startup = build_models(args, list(getattr(args, "argv", [])), parse)
+        check_router_memory(models, args.models_max, parse)
+        factory = model_factory(args, list(getattr(args, "argv", [])), parse)
         access = access_settings(args)
         tls = None
         if args.tls_cert is not None or args.tls_key is not None:
@@ -219,7 +249,7 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
         host=args.host,
         port=args.port,
         engine=None,
-        rpc_backend=None,
+        rpc_backend=rpc_backend_settings(args, access),
         access=access,
         reuse_port=args.reuse_port,
         frontdoor=FrontDoorSettings(
@@ -236,7 +266,9 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
     if args.timeout is not None:  # below 0: no limit (None); 0: no waiting
         limit = None if args.timeout < 0 else args.timeout
         config = attrs.evolve(config, http=attrs.evolve(config.http, body_timeout=limit, write_timeout=limit))
-    router = ModelRouter(models, RouterSettings(models_max=args.models_max, models_autoload=args.models_autoload))
+    router = ModelRouter(
+        models, RouterSettings(models_max=args.models_max, models_autoload=args.models_autoload), factory=factory
+    )
     log.info(
         "starting server in router mode: %d models, at most %s loaded, autoload %s",
         len(models),

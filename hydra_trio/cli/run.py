@@ -22,6 +22,7 @@ from ..models.projector import ProjectorError, projector_modalities
 from ..observability.logs import configure_logging
 from ..protocol.media import MediaSettings
 from ..rpc_backend.backend import RpcBackendSettings
+from ..transport.access import AccessSettings
 from ..transport.frontdoor import FrontDoorSettings
 from ..transport.tls import TlsSettings, client_context, server_context
 from . import _types
@@ -333,6 +334,25 @@ def run_node(args: argparse.Namespace) -> int:
         return 1
 
 
+def rpc_backend_settings(args: argparse.Namespace, access: AccessSettings) -> RpcBackendSettings | None:
+    """The ggml-RPC backend this node (or router) lends on its port, from the ``--rpc-*`` flags and
+    ``--rpc-allow``; None with ``--no-rpc-backend``."""
+    if args.no_rpc_backend:
+        return None
+    return RpcBackendSettings(
+        devices=tuple(args.rpc_device or ["cpu"]),
+        cache_dir=Path(args.rpc_cache_dir) if args.rpc_cache_dir else None,
+        threads=args.rpc_threads,
+        max_waiting=args.rpc_max_waiting,
+        wait_timeout=args.rpc_wait_timeout,
+        handshake_timeout=args.rpc_handshake_timeout,
+        stall_timeout=args.rpc_stall_timeout,
+        restart_wait=args.rpc_restart_wait,
+        max_message_size=args.rpc_max_message_size,
+        allow=access.rpc_allow,
+    )
+
+
 def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
     """The node's :class:`~hydra_trio.protocol.media.MediaSettings`: ``-mm FILE``, else with ``--mmproj-auto``
     (the default) the projector of the ``-m`` preset when it has one (``tiny-vision``), as llama-server takes
@@ -358,6 +378,9 @@ def media_settings(args: argparse.Namespace, model: str) -> MediaSettings:
         "image_min_tokens": args.image_min_tokens,
         "image_max_tokens": args.image_max_tokens,
         "batch_max_tokens": args.mtmd_batch_max_tokens,
+        "video_fps": args.video_fps,
+        "video_timestamp_interval_ms": args.video_timestamp_interval,
+        "video_ffmpeg_dir": args.video_ffmpeg_dir or None,
     }
     return MediaSettings(
         mmproj=path,
@@ -437,6 +460,7 @@ def engine_config(args: argparse.Namespace, opts: LlamaOptions) -> EngineConfig:
         slot_save_path=args.slot_save_path,
         generation=generation_defaults(args),
         skip_chat_parsing=args.skip_chat_parsing,
+        prefill_assistant=args.prefill_assistant,
         speculative=speculative,
         media=media,
         **{k: v for k, v in given.items() if v is not None},
@@ -483,21 +507,8 @@ async def _run(args: argparse.Namespace) -> int:
             )
     else:
         log.info("compute-only node: no model")
-    rpc = None
-    if not args.no_rpc_backend:
-        rpc = RpcBackendSettings(
-            devices=tuple(args.rpc_device or ["cpu"]),
-            cache_dir=Path(args.rpc_cache_dir) if args.rpc_cache_dir else None,
-            threads=args.rpc_threads,
-            max_waiting=args.rpc_max_waiting,
-            wait_timeout=args.rpc_wait_timeout,
-            handshake_timeout=args.rpc_handshake_timeout,
-            stall_timeout=args.rpc_stall_timeout,
-            restart_wait=args.rpc_restart_wait,
-            max_message_size=args.rpc_max_message_size,
-            allow=access.rpc_allow,
-        )
-    elif args.no_model:
+    rpc = rpc_backend_settings(args, access)
+    if rpc is None and args.no_model:
         log.error("--no-model with --no-rpc-backend leaves nothing to serve")
         return 2
     try:

@@ -546,11 +546,13 @@ FLAGS: list[Flag] = [
     ),
     V(
         ("--prefill-assistant",),
-        ACCEPTED,
-        "a final assistant message is rendered as a closed turn and the reply "
-        "starts a new one, as llama-server's --no-prefill-assistant; continuing that message is not supported yet",
+        WIRED,
+        "a chat whose last message is the assistant's continues that message (its text starts the reply); "
+        "--no-prefill-assistant renders it as a closed turn and the reply starts a new one (default: on)",
         neg=("--no-prefill-assistant",),
+        default=True,
         env="LLAMA_ARG_PREFILL_ASSISTANT",
+        lands="EngineConfig.prefill_assistant",
     ),
     V(
         ("-sps", "--slot-prompt-similarity"),

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 from ..observability.events import CATEGORIES, parse_types
-from ..transport.tls import client_context
+from ..transport.tls_options import add_tls_options, check_tls_options, tls_context
 from ..validation.address import address_argument, parse_peer
 
 RECENT = 10
@@ -326,7 +326,7 @@ async def _until_signal(cancel_scope: trio.CancelScope) -> None:
 async def watch(args: argparse.Namespace) -> int:
     """The ``watch`` command (run under trio); returns the exit code."""
     host, port = parse_peer(args.address, field="address")
-    ctx = client_context(args.tls_ca, args.tls_cert, args.tls_key) if args.tls else None
+    ctx = tls_context(args)
     types = parse_types(args.types)
     if types is not None and not args.json:
         types = types | {"stats"}  # the table is drawn from stats; the events list keeps the chosen ones
@@ -413,8 +413,10 @@ def _types(text: str) -> str:
 
 def watch_command(args: argparse.Namespace) -> int:
     """Entry point for ``hydra-trio watch`` (``args.func``)."""
-    if not args.tls and (args.tls_ca or args.tls_cert or args.tls_key):
-        print("hydra-trio watch: --tls-ca/--tls-cert/--tls-key need --tls", file=sys.stderr)
+    try:
+        check_tls_options(args)
+    except ValueError as exc:
+        print(f"hydra-trio watch: {exc}", file=sys.stderr)
         return EXIT_USAGE
     try:
         return trio.run(watch, args)
@@ -448,14 +450,6 @@ def add_watch_command(subparsers: argparse._SubParsersAction) -> argparse.Argume
         metavar="KEY",
         help="the node's --api-key, sent as Authorization: Bearer (default: $HYDRA_TRIO_API_KEY)",
     )
-    p.add_argument("--tls", action="store_true", help="connect with TLS, wss:// (the node runs with --tls-cert)")
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="PEM CA bundle the node's certificate must chain to (default: the system's)",
-    )
-    p.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM client certificate, for mutual TLS")
-    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM key of --tls-cert")
+    add_tls_options(p, "connect with TLS, wss:// (the node runs with --tls-cert)")
     p.set_defaults(func=watch_command)
     return p

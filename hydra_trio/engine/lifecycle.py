@@ -85,7 +85,7 @@ def model_kwargs(config: EngineConfig) -> dict[str, Any]:
     """The :class:`LoadedModel` keyword arguments every model of this engine is built with (SOLO at start
     and on reload, COMBINED, PIPELINE) besides its path, context and slots; ``config.media``'s projector is
     loaded with each (its ``mmproj``, ``offload``, ``device``, ``image_min_tokens``, ``image_max_tokens``,
-    ``batch_max_tokens``)."""
+    ``batch_max_tokens``, the ``video_*`` settings)."""
     options, media = config.llama, config.media
     if media.mmproj is not None:
         options = attrs.evolve(
@@ -96,6 +96,9 @@ def model_kwargs(config: EngineConfig) -> dict[str, Any]:
             image_max_tokens=media.image_max_tokens,
             mmproj_batch_max_tokens=media.batch_max_tokens,
             mmproj_device=media.device or "",
+            video_fps=media.video_fps,
+            video_timestamp_interval_ms=media.video_timestamp_interval_ms,
+            video_ffmpeg_dir=media.video_ffmpeg_dir or "",
         )
     return {
         "n_batch": config.n_batch,

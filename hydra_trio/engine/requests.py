@@ -159,12 +159,18 @@ class TextDelta:
 
     ``logprobs`` (when the job asked) has one entry per token, and
     ``top_logprobs`` one tuple of ``(token, logprob)`` pairs per token.
+
+    ``eog``: the delta of the end-of-generation token that ended the job (no text, the last delta).  llama-server
+    counts it as a generated token and lists it in a native ``/completion`` stream and in a whole reply's
+    ``tokens`` and log-probabilities, not in an OpenAI stream's chunks (``tools/server/server-context.cpp``);
+    Hydra DECODE sends no frame for it.
     """
 
     text: str
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...] = ()
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    eog: bool = False
 
 
 @attrs.frozen

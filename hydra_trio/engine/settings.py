@@ -484,6 +484,9 @@ class LlamaOptions:
     image_max_tokens: int = -1  # --image-max-tokens; -1 = the projector's own
     mmproj_batch_max_tokens: int = 1024  # --mtmd-batch-max-tokens: most image tokens in one encode batch
     mmproj_device: str = ""  # -mmdev/--mmproj-device: the projector's device ("": mtmd's choice)
+    video_fps: float = 4.0  # --video-fps: frames a second read from a video (<= 0: the video's own rate)
+    video_timestamp_interval_ms: int = 5000  # --video-timestamp-interval: ms between timestamp texts (<= 0: none)
+    video_ffmpeg_dir: str = ""  # --video-ffmpeg-dir: where ffmpeg and ffprobe are ("": on PATH)
 
     def __attrs_post_init__(self) -> None:
         problem = kv_cache_problem(self.flash_attn, self.cache_type_k, self.cache_type_v)
@@ -579,6 +582,8 @@ class EngineConfig:
             grammar, stop strings, ``cache_prompt`` (:class:`GenerationDefaults`).
         skip_chat_parsing: a chat reply is content whole: no thinking split off, no tool calls parsed and
             no tool-call grammar (``--skip-chat-parsing``, llama-server's pure content parser).
+        prefill_assistant: a chat whose last message is the assistant's continues that message
+            (``--[no-]prefill-assistant``, on as in llama-server; :mod:`hydra_trio.openai.prefill`).
         speculative: speculative decoding: ``--spec-type`` and the ``--spec-*`` parameters
             (:class:`hydra_trio.engine.speculative.settings.SpecSettings`; ``draft_model`` is a resolved path).
         media: the multimodal projector and its settings (``--mmproj`` ...;
@@ -632,5 +637,6 @@ class EngineConfig:
     reasoning_budget_message: str = ""
     generation: GenerationDefaults = GenerationDefaults()
     skip_chat_parsing: bool = False
+    prefill_assistant: bool = True
     speculative: SpecSettings = SpecSettings()
     media: MediaSettings = MediaSettings()

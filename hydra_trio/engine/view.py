@@ -60,8 +60,10 @@ class ModelView(Protocol):
         kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         max_chars: int | None = None,
+        add_generation_prompt: bool = True,
     ) -> tuple[str, list[str]]:
-        """The rendered chat prompt and the template's extra stop strings."""
+        """The rendered chat prompt and the template's extra stop strings (``add_generation_prompt`` false:
+        no assistant turn opened after the last message)."""
         ...
 
     def chat_prompt_tokens(self, prompt: str, limit: int | None = None) -> list[int]:
@@ -70,7 +72,8 @@ class ModelView(Protocol):
 
     @property
     def modalities(self) -> dict[str, bool]:
-        """``{"vision": bool, "audio": bool}``: what the projector (``--mmproj``) takes; both False without one."""
+        """``{"vision": bool, "video": bool, "audio": bool}``: what the projector (``--mmproj``) takes; all False
+        without one."""
         ...
 
     def tokenize_with_media(

@@ -147,7 +147,8 @@ class Api:
         ``chat_template`` is the Jinja text in effect, or the name of llama.cpp's built-in
         template in effect (``chatml`` for a GGUF without one); ``chat_template_caps`` what it renders
         (:mod:`hydra_trio.openai.template_caps`); ``model_ftype`` the weights' type (``Q4_1``);
-        ``modalities`` the media the node takes (its ``--mmproj`` projector's encoders; video never);
+        ``modalities`` the media the node takes (its ``--mmproj`` projector's encoders; ``video``: vision, in a
+        build with video);
         ``media_marker`` llama-server's placeholder for media in a prompt (drawn at start-up, or
         ``LLAMA_MEDIA_MARKER``; a ``/completion`` prompt with ``multimodal_data`` holds it once per item).
         hydra-trio's own keys: ``kv_cache``, the

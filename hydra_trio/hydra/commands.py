@@ -30,14 +30,13 @@ import argparse
 import json
 import math
 import os
-import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from ..transport.tls import client_context
+from ..transport.tls_options import add_tls_options, tls_context
 from ..validation.address import address_argument
 
 __all__ = ["add_client_commands", "build_parser", "main"]
@@ -73,17 +72,6 @@ def _seconds(*, zero_ok: bool) -> Callable[[str], float]:
     return parse
 
 
-def _ssl_context(args: argparse.Namespace) -> ssl.SSLContext | None:
-    """``--tls`` (with ``--tls-ca``, ``--tls-cert``/``--tls-key``): the client context; None: plain.
-
-    Raises ValueError (reported as a usage error) for TLS files without ``--tls``."""
-    if not args.tls:
-        if args.tls_ca or args.tls_cert or args.tls_key:
-            raise ValueError("--tls-ca/--tls-cert/--tls-key need --tls")
-        return None
-    return client_context(args.tls_ca, args.tls_cert, args.tls_key)
-
-
 def _dump(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False)
 
@@ -97,7 +85,7 @@ async def _one_request(args: argparse.Namespace, method: str, *method_args: Any)
     from .client import HydraClient
 
     async with HydraClient.from_address(
-        args.address, timeout=args.timeout, token=args.token, ssl_context=_ssl_context(args)
+        args.address, timeout=args.timeout, token=args.token, ssl_context=tls_context(args)
     ) as c:
         meta: dict[str, Any] = await getattr(HydraClient, method)(c, *method_args, trace_id=args.trace_id)
     return meta
@@ -241,15 +229,7 @@ def _common() -> argparse.ArgumentParser:
         metavar="TOKEN",
         help="the node's --hydra-token, sent first on the connection (default: $HYDRA_TRIO_TOKEN)",
     )
-    p.add_argument("--tls", action="store_true", help="connect with TLS (the node runs with --tls-cert)")
-    p.add_argument(
-        "--tls-ca",
-        default=None,
-        metavar="FILE",
-        help="PEM CA bundle the node's certificate must chain to (default: the system's)",
-    )
-    p.add_argument("--tls-cert", default=None, metavar="FILE", help="PEM client certificate, for mutual TLS")
-    p.add_argument("--tls-key", default=None, metavar="FILE", help="PEM key of --tls-cert")
+    add_tls_options(p, "connect with TLS (the node runs with --tls-cert)")
     return p
 
 

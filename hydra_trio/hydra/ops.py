@@ -302,6 +302,8 @@ async def decode(ctx: OpContext) -> None:
             frames = bytearray()
             reply = ChatReplyText(prepared.plan.thinking)
             async for delta in run:
+                if delta.eog:  # no frame for the end-of-generation token
+                    continue
                 frames += framer.push(delta.tokens, delta.logprobs)
                 reply.add(delta.text, len(delta.tokens))
             end = run.finished
@@ -321,6 +323,8 @@ async def decode(ctx: OpContext) -> None:
         stop_reason = "error"
         try:
             async for delta in run:
+                if delta.eog:
+                    continue
                 if out := framer.push(delta.tokens, delta.logprobs):
                     await ctx.stream.send_all(out)
             assert run.finished is not None

@@ -19,7 +19,7 @@ from ..protocol.classify import Protocol
 from ..rpc_backend.backend import RpcBackend
 from ..service.metrics import NodeMetrics
 from ..service.node_stats import ProgressEvents, StatsTicker
-from ..transport.access import is_loopback, new_refusals
+from ..transport.access import new_refusals
 from ..transport.frontdoor import FrontDoor
 from ..transport.listen import open_tcp_listeners
 from ..transport.tunnel import TunnelPool
@@ -116,7 +116,8 @@ class Server:
             ", ".join(map(str, self.ports)),
             *(_url_host(cfg.host), self.port) * 2,
         )
-        self._warn_open_rpc(listeners)
+        if self.rpc is not None:
+            self.rpc.warn_if_open(listeners, self.port)
         try:
             async with trio.open_nursery() as outer:  # the tunnels outlive the engine, which frees its peer's buffers
                 if self.tunnels is not None:
@@ -131,22 +132,6 @@ class Server:
             for listener in listeners:
                 with trio.CancelScope(shield=True):
                     await listener.aclose()
-
-    def _warn_open_rpc(self, listeners: list[trio.SocketListener]) -> None:
-        """One warning when ggml-RPC, which writes into this node's memory, is open to every peer of a
-        non-loopback address (llama.cpp's rpc-server warns likewise: never expose it on an open network)."""
-        if self.rpc is None or self.config.rpc_backend is None or self.config.rpc_backend.allow is not None:
-            return
-        exposed = [
-            host for host in (listener.socket.getsockname()[0] for listener in listeners) if not is_loopback(host)
-        ]
-        if exposed:
-            log.warning(
-                "ggml-RPC is open to every peer that reaches %s:%d: its commands write into this node's memory. "
-                "Limit it with --rpc-allow CIDR (e.g. the cluster network) or turn it off with --no-rpc-backend",
-                "/".join(sorted(set(exposed))),
-                self.port,
-            )
 
     async def _run_parts(self, listeners: list[trio.SocketListener], task_status: trio.TaskStatus[Server]) -> None:
         """The front door, the ggml-RPC backend, the engine and its control, in one nursery (:attr:`_scope`)."""

@@ -4,7 +4,8 @@ llama-cpp-python 0.3.36 vendors: ``oaicompat_content_load_media``, ``handle_medi
 * Chat content parts: ``{"type": "image_url", "image_url": {"url"}}``, ``{"type": "input_audio",
   "input_audio": {"data", "format"}}`` (``url`` when ``data`` is absent; ``format`` is not read: the bytes say
   what they are),
-  and llama-server's video parts ``input_video`` / ``video_url``.  :func:`parse_content` reads a message's parts
+  and llama-server's video parts ``{"type": "input_video", "input_video": {"data"}}`` (``url`` when ``data`` is
+  absent) and ``{"type": "video_url", "video_url": {"url"}}``.  :func:`parse_content` reads a message's parts
   (sans-I/O, when the body is read): each media part becomes :data:`~hydra_trio.protocol.media.MEDIA_MARKER` in
   the message's text, joined as ``common/chat.cpp`` joins parts when a message holds media (text parts one
   line each, no newline before or after a marker), and a :class:`MediaPart` kept for :func:`load_media`.
@@ -115,11 +116,11 @@ def parse_content(parts: Sequence[Any], where: str = "content") -> tuple[str, tu
     return text, tuple(media)
 
 
-def check_accepted(parts: Sequence[MediaPart], settings: MediaSettings) -> None:
+def check_accepted(parts: Sequence[MediaPart], settings: MediaSettings, video: bool = False) -> None:
     """Raise MediaNotSupported (llama-server's text) for the first part whose kind the node does not take
-    (``settings.vision`` / ``.audio``; video is never taken here), and InvalidRequest beyond
-    :data:`MAX_MEDIA_ITEMS` parts."""
-    taken = {"image": settings.vision, "audio": settings.audio, "video": False}
+    (``settings.vision`` / ``.audio``; ``video``: the loaded projector's ``modalities.video``), and
+    InvalidRequest beyond :data:`MAX_MEDIA_ITEMS` parts."""
+    taken = {"image": settings.vision, "audio": settings.audio, "video": video}
     for p in parts:
         kind = MEDIA_TYPES[p.type]
         if not taken[kind]:
@@ -128,10 +129,10 @@ def check_accepted(parts: Sequence[MediaPart], settings: MediaSettings) -> None:
         raise InvalidRequest(f"{len(parts)} media items in one request, more than {MAX_MEDIA_ITEMS} (MAX_MEDIA_ITEMS)")
 
 
-def load_media(parts: Sequence[MediaPart], settings: MediaSettings) -> tuple[MediaItem, ...]:
+def load_media(parts: Sequence[MediaPart], settings: MediaSettings, video: bool = False) -> tuple[MediaItem, ...]:
     """The parts' items, in order (:func:`check_accepted`, then :func:`read_url` for each).
     Raises MediaNotSupported (500) or InvalidRequest (400) naming the part."""
-    check_accepted(parts, settings)
+    check_accepted(parts, settings, video)
     return tuple(MediaItem.of(read_url(p.url, settings.media_path, p.where)) for p in parts)
 
 

@@ -94,6 +94,12 @@ def template_thinks(template_source: str) -> bool:
     return any(start in template_source or end in template_source for start, end in MARKERS)
 
 
+def template_markers(template_source: str) -> tuple[str, str] | None:
+    """The marker pair a chat template thinks with (the first of :data:`MARKERS` it names), None when it
+    names none."""
+    return next((pair for pair in MARKERS if pair[0] in template_source or pair[1] in template_source), None)
+
+
 def opened_in_prompt(prompt: str, markers: Iterable[tuple[str, str]] = MARKERS) -> tuple[str, str] | None:
     """The marker pair whose start ends ``prompt`` (trailing whitespace aside): the template opened
     the thinking block, so the reply starts inside it.  None otherwise."""
@@ -120,12 +126,21 @@ class ThinkingSetup:
     fmt: str = "none"
     prompt_open: tuple[str, str] | None = None
     opened_text: str | None = None  # the prompt's tail from the open marker on
+    prefill: str = ""  # a continued message's text: read before the reply, part of the message
+    prefill_in_stream: bool = False  # ... and of the first streamed delta (see hydra_trio.openai.prefill)
 
     @classmethod
-    def for_prompt(cls, fmt: str, template_source: str, prompt: str) -> ThinkingSetup:
+    def for_prompt(
+        cls, fmt: str, template_source: str, prompt: str, prefill: str | None = None, prefill_in_stream: bool = False
+    ) -> ThinkingSetup:
         """The setup for a reply to ``prompt`` rendered by the template ``template_source``
-        (``auto`` resolved by :func:`resolve_format`)."""
+        (``auto`` resolved by :func:`resolve_format`).  ``prefill``: the prompt ends with a continued message
+        (:mod:`hydra_trio.openai.prefill`) whose text, from its thinking start marker on, is this; the parser
+        reads it first instead of looking for a thinking block the prompt opened, and ``prefill_in_stream``
+        puts what it adds in the first streamed delta."""
         fmt = resolve_format(check_format(fmt), template_source, prompt)
+        if prefill is not None:
+            return cls(fmt, prefill=prefill, prefill_in_stream=prefill_in_stream)
         pair = opened_in_prompt(prompt) if fmt != "none" else None
         return cls(fmt, pair, prompt[prompt.rstrip(_WS).rfind(pair[0]) :] if pair else None)
 
@@ -303,10 +318,16 @@ class ChatReplyText:
     """
 
     def __init__(self, setup: ThinkingSetup | None = None) -> None:
-        self._parser: ReasoningParser | None = (setup or ThinkingSetup()).parser()
+        setup = setup or ThinkingSetup()
+        self._parser: ReasoningParser | None = setup.parser()
         self._reasoning: list[str] = []
         self._content: list[str] = []
         self.reasoning_tokens = 0
+        self._held = ReasoningDelta()  # the continued text, for the first delta
+        if setup.prefill:  # llama-server parses generation prompt + reply
+            d = self._record(self._parser.feed(setup.prefill))
+            if setup.prefill_in_stream:
+                self._held = ReasoningDelta(d.reasoning, d.content)
 
     def add(self, text: str, n_tokens: int) -> ReasoningDelta:
         """A generated piece; returns what it adds to the message (maybe nothing yet)."""
@@ -315,14 +336,20 @@ class ChatReplyText:
         d = self._record(self._parser.feed(text))
         if d.thinking:
             self.reasoning_tokens += n_tokens
-        return d
+        return self._with_held(d)
 
     def finish(self) -> ReasoningDelta:
         """The reply ended: what the parser still held (empty the second time)."""
         if self._parser is None:
             return ReasoningDelta()
         d, self._parser = self._record(self._parser.finish()), None
-        return d
+        return self._with_held(d)
+
+    def _with_held(self, d: ReasoningDelta) -> ReasoningDelta:
+        if not self._held:
+            return d
+        h, self._held = self._held, ReasoningDelta()
+        return attrs.evolve(d, reasoning=h.reasoning + d.reasoning, content=h.content + d.content)
 
     def _record(self, d: ReasoningDelta) -> ReasoningDelta:
         self._reasoning.append(d.reasoning)

@@ -159,10 +159,13 @@ class ResponseContext:
     def add(self, ev: TextDelta, assigned: SlotAssigned | None = None) -> dict[str, Any] | None:
         """Record a delta; returns the logprobs object for its own tokens (None when not asked).
         A chat reply's split of it is in :attr:`split`; ``assigned`` is not needed here."""
-        self.texts.append(ev.text)
-        if self.reply is not None:
-            self.split = self.reply.add(ev.text, len(ev.tokens))
         start = len(self.entries)
+        if ev.eog:  # listed in a whole reply's log-probabilities only (TextDelta.eog)
+            self.split = ReasoningDelta()
+        else:
+            self.texts.append(ev.text)
+            if self.reply is not None:
+                self.split = self.reply.add(ev.text, len(ev.tokens))
         if self.logprobs:
             tops = ev.top_logprobs or ((),) * len(ev.tokens)
             for tok, lp, top in zip(ev.tokens, ev.logprobs, tops, strict=True):
@@ -177,8 +180,8 @@ class ResponseContext:
         return _usage(f, self.reply.reasoning_tokens if self.reply is not None else None)
 
     def _entry(self, token: int, logprob: float) -> dict[str, Any]:
-        raw = self.piece(token)
-        return {"token": raw.decode("utf-8", "replace"), "logprob": logprob, "bytes": list(raw)}
+        raw = self.piece(token)  # llama-server's fields, its order (``completion_token_output::to_json``)
+        return {"id": token, "token": raw.decode("utf-8", "replace"), "bytes": list(raw), "logprob": logprob}
 
     def _logprobs_object(self, start: int = 0) -> dict[str, Any]:
         entries = self.entries[start:]
@@ -210,7 +213,11 @@ class ResponseContext:
 
     def stream_delta(self, delta: TextDelta, assigned: SlotAssigned | None = None) -> str:
         """The events for one engine delta (``""`` when it adds none): a chat's thinking, then its content and
-        tool calls as the parsers let them go (they hold some back); a completion's text and logprobs."""
+        tool calls as the parsers let them go (they hold some back); a completion's text and logprobs.
+        The end-of-generation token's delta adds none (llama-server's OpenAI streams do not list it)."""
+        if delta.eog:
+            self.add(delta)
+            return ""
         if self.reply is not None:
             lp = self.add(delta)  # first: it sets self.split
             pairs = self.chat_deltas(self.split, lp, bool(delta.tokens))

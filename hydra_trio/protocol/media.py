@@ -1,11 +1,11 @@
-"""Media in prompts (images, audio), as values every layer shares: the front ends read them from requests, the
+"""Media in prompts (images, audio, videos), as values every layer shares: the front ends read them from requests, the
 engine evaluates them with the multimodal projector (``--mmproj``).
 
 * :data:`MEDIA_MARKER`: the text that stands for one media item in a prompt (llama-server's ``get_media_marker``,
   ``tools/server/server-common.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors: ``LLAMA_MEDIA_MARKER``,
   else drawn once per process); ``mtmd``'s context is given the same marker, so the prompt's markers are where
   ``mtmd_tokenize`` puts each item's chunk.
-* :class:`MediaItem`: one item's bytes (an image or audio file as sent), its kind and its id (the SHA-256 of the
+* :class:`MediaItem`: one item's bytes (an image, audio or video file as sent), its kind and its id (the SHA-256 of the
   bytes in hex: the id ``mtmd_helper_bitmap_init_from_buf`` gives its bitmap, ``tools/mtmd/mtmd-helper.cpp``, by
   which llama-server's prompt cache tells one image from another).
 * :class:`MediaPrompt`: a prompt's text with one marker per item, and its items in order: what a completion job
@@ -46,10 +46,12 @@ class MediaItem:
 
     Attributes:
         kind: :data:`AUDIO` when the bytes are an audio file (:func:`is_audio_file`), else :data:`IMAGE`
-            (mtmd tries the image decoders; bytes that are neither fail there).
-        data: the file's bytes as the client sent them (PNG, JPEG, ... or WAV, MP3, FLAC), decoded from base64.
+            (mtmd tries the image decoders, then ffmpeg for a WebP image or a video; bytes that are none of
+            these fail there).
+        data: the file's bytes as the client sent them (PNG, JPEG, ..., WAV, MP3, FLAC, or a video: MP4, WebM,
+            ...), decoded from base64.
         id: the SHA-256 of ``data`` in lowercase hex, 64 characters: the bitmap's id (``mtmd_bitmap_set_id``),
-            the key by which a cached prompt's media chunk is compared.
+            the key by which a cached prompt's media chunk is compared (a video's frame N: ``ID+N``).
     """
 
     kind: str
@@ -93,6 +95,12 @@ class MediaSettings:
             default 1024).
         media_path: the directory ``file://`` URLs of a request are read from (``--media-path``); None: such
             URLs are refused, as llama-server's.
+        video_fps: the frames a second read from a video (``--video-fps``; llama-server's default 4.0; 0 or
+            less: the video's own rate).
+        video_timestamp_interval_ms: milliseconds of video between two timestamp texts (``[0m5.00s]``) in
+            the prompt (``--video-timestamp-interval``; llama-server's default 5000; 0 or less: none).
+        video_ffmpeg_dir: the directory holding the ``ffmpeg`` and ``ffprobe`` executables that decode videos
+            (and WebP images) (``--video-ffmpeg-dir``); None: found on ``PATH``, as llama-server's.
     """
 
     mmproj: Path | None = None
@@ -104,3 +112,6 @@ class MediaSettings:
     image_max_tokens: int = -1
     batch_max_tokens: int = 1024
     media_path: Path | None = None
+    video_fps: float = 4.0
+    video_timestamp_interval_ms: int = 5000
+    video_ffmpeg_dir: str | None = None

@@ -5,7 +5,8 @@ Its own routes: ``GET /health`` (``{"status": "ok", "models": [{"id", "status"}]
 model's status), ``GET /models`` and ``/v1/models`` (:meth:`ModelInstance.entry
 <hydra_trio.router.models.ModelInstance.entry>` of each), ``POST /models/load`` and ``POST /models/unload``
 (body ``{"model": NAME}``, reply ``{"success": true}``), ``GET /props`` without ``?model=`` (the router's
-props), ``GET /version``.
+props), ``GET /version``; ``GET /models/sse``, ``POST /models`` and ``DELETE /models`` are
+:mod:`hydra_trio.router.manage`'s; ``GET /`` is the status page (:mod:`hydra_trio.router.page`).
 
 Every other route of a node goes to the child of the model it names: a POST by its JSON body's ``model``, a
 GET or PUT by ``?model=`` (a name or an alias).  With autoload (``--models-autoload``, the default, or the
@@ -47,7 +48,9 @@ from ..http.errors import guarded, http_exception
 from ..http.native import NOT_IMPLEMENTED
 from ..http.settings import HttpSettings
 from ..transport.access import AccessSettings, Refusals, Secrets
+from .manage import ModelsManageApi
 from .models import CHILD_HOST, ModelInstance, ModelRouter
+from .page import page_routes
 from .proxy import RelayResponse, open_relay
 
 POST_ROUTES = (
@@ -202,6 +205,7 @@ def build_router_app(
 ) -> Any:
     """The router's ASGI app (the module docstring), behind CORS and the API keys as a node's."""
     api = RouterApi(router)
+    manage = ModelsManageApi(router)
 
     def route(path: str, handler: Any, *methods: str) -> Route:
         return Route(path, guarded(handler), methods=list(methods))
@@ -214,10 +218,14 @@ def build_router_app(
         route("/v1/models", api.models, "GET"),
         route("/models/load", api.load, "POST"),
         route("/models/unload", api.unload, "POST"),
+        route("/models/sse", manage.models_sse, "GET"),
+        route("/models", manage.post_models, "POST"),
+        route("/models", manage.delete_models, "DELETE"),
         route("/props", api.props, "GET"),
         route("/slots/{id_slot}/state", api.relay_by_query, "PUT"),
         *(route(p, api.relay_by_body, "POST") for p in POST_ROUTES),
         *(route(p, api.relay_by_query, "GET") for p in GET_ROUTES),
+        *page_routes(),
     ]
     app = Starlette(
         routes=routes,

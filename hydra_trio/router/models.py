@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -33,7 +32,9 @@ import trio
 
 from ..errors import InvalidRequest, ModelLoadError
 from ..transport.net import free_port
+from .child_process import ChildProcess
 from .errors import ModelUnavailable
+from .events import ModelEvents
 from .presets import SET_BY_ROUTER, ModelPreset, OptionTable
 from .swap import SwapFailed, hydra_token, quant_argv, swap_quant
 
@@ -113,7 +114,7 @@ class ModelInstance:
         self.requests = 0
         self.stopping = False
         self.info: dict[str, Any] = {}
-        self.process: trio.Process | None = None
+        self.process: ChildProcess | None = None
         self.kill_scope: trio.CancelScope | None = None
         self.quants: dict[str, str] = {}
 
@@ -170,7 +171,7 @@ class ModelInstance:
             "status": status,
             "architecture": {"input_modalities": list(self.modalities), "output_modalities": ["text"]},
             "source": self.source,
-            "can_remove": False,
+            "can_remove": self.source == "cache",
         }
         if self.running:
             for k, v in self.info.items():
@@ -183,10 +184,19 @@ class ModelRouter:
     first.  Every change of a model's state wakes the requests that wait for one (:meth:`ensure_ready`)."""
 
     def __init__(
-        self, models: list[ModelInstance], settings: RouterSettings, environ: Mapping[str, str] | None = None
+        self,
+        models: list[ModelInstance],
+        settings: RouterSettings,
+        environ: Mapping[str, str] | None = None,
+        factory: Callable[[str], ModelInstance] | None = None,
     ) -> None:
         self.models = {m.name: m for m in sorted(models, key=lambda m: m.name.encode())}
         """By name, as llama-server lists them (its models are a ``std::map``)."""
+        self.factory = factory
+        """``POST /models``: a new model named after its model (a model name or a GGUF file), built as the
+        router's own (over ``[*]``, under its command line); raises ``ModelsConfigError``.  None: refused."""
+        self.events = ModelEvents()
+        """``GET /models/sse``'s events (:mod:`hydra_trio.router.events`)."""
         self.settings = settings
         self.environ = dict(environ) if environ is not None else None
         self.wanted: dict[str, int] = {}
@@ -194,6 +204,17 @@ class ModelRouter:
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+
+    def add(self, m: ModelInstance) -> None:
+        """A model joins the list (``POST /models``), in its place by name."""
+        self.models = dict(sorted({**self.models, m.name: m}.items(), key=lambda kv: kv[0].encode()))
+        self._notify()
+
+    def remove(self, m: ModelInstance) -> None:
+        """A model that is not running leaves the list (``DELETE /models``)."""
+        assert not m.running, "unload it first"
+        self.models = {n: x for n, x in self.models.items() if x is not m}
+        self._notify()
 
     def find(self, name: str) -> ModelInstance | None:
         """The model called ``name`` or with ``name`` among its aliases."""
@@ -273,6 +294,7 @@ class ModelRouter:
         m.last_used = time.monotonic()
         args = m.args()
         log.info("spawning server instance with name=%s on port %d: %s", m.name, m.port, " ".join(args))
+        self.events.notify("model_status", m.name, {"status": LOADING})
         self._nursery.start_soon(self._supervise, m, args)
         self._notify()
 
@@ -281,18 +303,12 @@ class ModelRouter:
         from .presets import child_environment
 
         try:
-            process = await trio.lowlevel.open_process(
-                args,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=child_environment(self.environ),
-                preexec_fn=_die_with_parent,
-                start_new_session=True,
-            )
+            # forked on this thread, which lives as long as the router: PR_SET_PDEATHSIG follows the thread
+            process = ChildProcess(args, child_environment(self.environ), _die_with_parent)
         except OSError as exc:
             log.error("failed to spawn server instance name=%s: %s", m.name, exc)
             m.status, m.exit_code = UNLOADED, 1
+            self.events.notify("status_change", m.name, {"status": UNLOADED, "exit_code": 1})
             self._notify()
             return
         m.process = process
@@ -314,9 +330,10 @@ class ModelRouter:
             m.status, m.stopping = UNLOADED, False
             m.exit_code = code if code >= 0 else 128 - code
             log.info("instance name=%s exited with status %d", m.name, m.exit_code)
+            self.events.notify("status_change", m.name, {"status": UNLOADED, "exit_code": m.exit_code})
             self._notify()
 
-    async def _watch_ready(self, m: ModelInstance, process: trio.Process) -> None:
+    async def _watch_ready(self, m: ModelInstance, process: ChildProcess) -> None:
         base = f"http://{CHILD_HOST}:{m.port}"
         while process.returncode is None:
             try:
@@ -327,6 +344,7 @@ class ModelRouter:
                     if m.process is process and m.status == LOADING:
                         m.status = LOADED
                         log.info("model name=%s is loaded (port %d)", m.name, m.port)
+                        self.events.notify("status_change", m.name, {"status": LOADED, "info": m.info})
                         self._notify()
                     return
             except (httpx.HTTPError, ValueError):
@@ -343,10 +361,12 @@ class ModelRouter:
         old.hand_child_to(new)
         new.status, new.last_used, new.info = LOADING, time.monotonic(), {}  # its entry once it has swapped
         log.info("switching instance name=%s to name=%s in place (port %d)", old.name, new.name, new.port)
+        self.events.notify("status_change", old.name, {"status": UNLOADED, "exit_code": 0})
+        self.events.notify("model_status", new.name, {"status": LOADING})
         self._nursery.start_soon(self._swap, old, new, process)
         self._notify()
 
-    async def _swap(self, old: ModelInstance, new: ModelInstance, process: trio.Process) -> None:
+    async def _swap(self, old: ModelInstance, new: ModelInstance, process: ChildProcess) -> None:
         """SWAP_QUANT in ``new``'s child; when it fails, the child goes back to ``old``, which is stopped
         (its unload), and ``new`` starts in a child of its own."""
         t0 = time.perf_counter()
@@ -359,12 +379,14 @@ class ModelRouter:
             if new.process is process and process.returncode is None:
                 new.hand_child_to(old)
                 new.status, old.status = LOADING, LOADED
+                self.events.notify("status_change", old.name, {"status": LOADED, "info": old.info})
                 self.unload(old)
                 while old.running:
                     await self._wait_change()
             if new.status == LOADING and new.process is None:
                 if new.stopping:  # unloaded meanwhile
                     new.status, new.stopping = UNLOADED, False
+                    self.events.notify("status_change", new.name, {"status": UNLOADED, "exit_code": 0})
                     self._notify()
                 else:
                     self._start(new)
@@ -379,6 +401,7 @@ class ModelRouter:
                 meta.get("swap_ms", 0.0),
                 (time.perf_counter() - t0) * 1e3,
             )
+            self.events.notify("status_change", new.name, {"status": LOADED, "info": new.info})
             self._notify()
 
     # ------------------------------------------------------------------------------------------ unload
@@ -401,13 +424,20 @@ class ModelRouter:
             self._nursery.start_soon(self._kill_after, m, process)
         self._notify()
 
-    async def _kill_after(self, m: ModelInstance, process: trio.Process) -> None:
+    async def _kill_after(self, m: ModelInstance, process: ChildProcess) -> None:
         with trio.CancelScope() as scope:
             m.kill_scope = scope
             await trio.sleep(m.stop_timeout)
             if process.returncode is None:
                 log.warning("force-killing model instance name=%s after timeout", m.name)
                 process.kill()
+
+    async def stop_and_wait(self, m: ModelInstance) -> None:
+        """Unload ``m`` and wait until it is not running (a request that loads it again meanwhile is waited
+        for too)."""
+        while m.running:
+            self.unload(m)
+            await self._wait_change()
 
     async def unload_all(self) -> None:
         """Stop every child and wait for them all to exit (the router's shutdown)."""

@@ -58,9 +58,16 @@ ROUTER_ONLY = (
     "--rpc-port",
     "--ggml-rpc-port",
     "--no-model",
+    "--control-allow",
+    "--hydra-token",
+    "--hydra-token-file",
+    "--rpc-allow",
+    "--allow-subject",
 )
 """Flags of the router's command line that do not pass to its models: llama-server's model flags and log
-file, and the node's own TLS and extra ports (a child listens on loopback, on its own port)."""
+file, the node's own TLS and extra ports (a child listens on loopback, on its own port), and the access
+rules of the router's port (the router applies them to its Hydra and ggml-RPC clients; a child serves only
+the router)."""
 
 SET_BY_ROUTER = ("--host", "--port", "--alias")
 """Flags the router sets for each child (loopback, a free port, the model's name as its alias)."""

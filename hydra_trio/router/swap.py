@@ -102,6 +102,20 @@ def quant_argv(quants: Mapping[str, str]) -> list[str]:
     return [a for name, model in quants.items() for a in ("--quant", f"{name}={model}")] if len(quants) > 1 else []
 
 
+def swap_quant_key(payload: bytes | bytearray) -> str | None:
+    """The quant key of a SWAP_QUANT payload (``[u16 LE len][quant_key][tensor_pattern]``), None when it is
+    cut short or no UTF-8 (the child refuses it as it would)."""
+    if len(payload) < 2:
+        return None
+    (n,) = struct.unpack_from("<H", payload)
+    if len(payload) < 2 + n:
+        return None
+    try:
+        return bytes(payload[2 : 2 + n]).decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def hydra_token(preset: ModelPreset) -> str | None:
     """The child's ``--hydra-token`` (or the first key of its ``--hydra-token-file``), which SWAP_QUANT needs."""
     token = preset.get("--hydra-token")

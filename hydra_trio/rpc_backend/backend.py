@@ -59,7 +59,7 @@ from ..protocol.ggml_rpc import (
     live_type_table,
     reconcile_type_traits,
 )
-from ..transport.access import AllowList, Refusals, allowed, new_refusals
+from ..transport.access import AllowList, Refusals, allowed, is_loopback, new_refusals
 from ..transport.frontdoor import AcceptedStream, peer_name
 from ..transport.tls import TlsStream, peer_of
 from .pump import CLOSE_REASONS, PUMP_BUFFER, Close, Counters, Pump, exchange_hello, payload
@@ -190,6 +190,23 @@ class RpcBackend:
     bytes_in = _Of("counters")
     bytes_out = _Of("counters")
     invalid = _Of("counters")
+
+    def warn_if_open(self, listeners: list[trio.SocketListener], port: int | None) -> None:
+        """One warning when ggml-RPC, which writes into this process's memory, is open to every peer
+        (no ``--rpc-allow``) of a non-loopback address of ``listeners`` (llama.cpp's rpc-server warns likewise:
+        never expose it on an open network)."""
+        if self.settings.allow is not None:
+            return
+        exposed = [
+            host for host in (listener.socket.getsockname()[0] for listener in listeners) if not is_loopback(host)
+        ]
+        if exposed:
+            log.warning(
+                "ggml-RPC is open to every peer that reaches %s:%d: its commands write into this node's memory. "
+                "Limit it with --rpc-allow CIDR (e.g. the cluster network) or turn it off with --no-rpc-backend",
+                "/".join(sorted(set(exposed))),
+                port,
+            )
 
     # ------------------------------------------------------------ drain
     async def drain(self) -> None:

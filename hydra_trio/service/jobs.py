@@ -12,11 +12,19 @@ from ..engine.settings import GenerationDefaults
 from ..openai import tools as _tools
 from ..openai.json_schema import SchemaError, schema_to_gbnf
 from ..openai.media import MultimodalPrompt, check_markers, load_media, load_multimodal_data
-from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt
+from ..openai.prefill import (
+    continuation,
+    continued_tail,
+    generation_prompt,
+    reasoning_markers,
+    requested_continuation,
+)
+from ..openai.reasoning import MARKERS, ThinkingSetup, opened_in_prompt, template_markers
 from ..openai.schemas import ChatCompletionRequest, CompletionRequest
 from ..openai.tools import ChatTools
 from ..protocol.media import MediaItem, MediaPrompt
 from ..validation.strict import MessageError, TooLong
+from . import node
 
 
 def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]:
@@ -25,15 +33,17 @@ def chat_prompt(e: Engine, body: ChatCompletionRequest) -> tuple[str, list[str]]
     marker in it, once read and checked as a chat completion reads it (:func:`chat_media`).
     Raises ChatTemplateError (the template failed; an InvalidRequest), and :func:`chat_media`'s errors."""
     chat_media(e, body)
-    return _render(e, body)[0]
+    r = _render(e, body)
+    return r.prompt, r.stop
 
 
 def chat_media(e: Engine, body: ChatCompletionRequest) -> tuple[MediaItem, ...]:
     """The chat's media items, in order, read as llama-server reads them before it renders the template
-    (:func:`~hydra_trio.openai.media.load_media` with the node's ``EngineConfig.media``).  Raises
-    MediaNotSupported (a kind the node's projector does not take, or no projector) or InvalidRequest."""
+    (:func:`~hydra_trio.openai.media.load_media` with the node's ``EngineConfig.media`` and its
+    ``modalities.video``).  Raises MediaNotSupported (a kind the node's projector does not take, or no
+    projector) or InvalidRequest."""
     parts = body.media_parts
-    return load_media(parts, e.config.media) if parts else ()
+    return load_media(parts, e.config.media, node.modalities(e)["video"]) if parts else ()
 
 
 def _media_job(
@@ -54,10 +64,21 @@ def _media_job(
     return list(mt.tokens), MediaPrompt(prompt, items), mt.chunks
 
 
-def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str]], str]:
-    """``((prompt, extra stop strings), tool-call format)``.  Tools reach the template when it
-    renders them itself (its text mentions ``tools``), else the generic tool prompt describes
-    them (:func:`~.tools.render_messages`)."""
+@attrs.frozen
+class _Rendered:
+    """A chat rendered: the prompt, the template's extra stop strings, the tool-call format, and the
+    continued message's text the reply's parser reads first (None: no message continued)."""
+
+    prompt: str
+    stop: list[str]
+    fmt: str
+    prefill: str | None = None
+
+
+def _render(e: Engine, body: ChatCompletionRequest) -> _Rendered:
+    """The chat rendered.  Tools reach the template when it renders them itself (its text mentions
+    ``tools``), else the generic tool prompt describes them (:func:`~.tools.render_messages`).  A final
+    message is continued as llama-server continues it (:mod:`hydra_trio.openai.prefill`)."""
     # the SOLO model holds the configured template; a COMBINED model has the same vocabulary
     m = e.model_view
     assert m is not None
@@ -65,6 +86,7 @@ def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str
     fmt = _tools.detect_format(tmpl.source if tmpl.kind == "jinja" else "")
     native = _tools.template_supports_tools(tmpl.kind, tmpl.source)
     spec = body.tool_spec
+    cont, agp = continuation(body.raw, e.config.prefill_assistant)
     # no prompt longer than this can fit a slot (each token stands for at most max_token_bytes + 1 bytes):
     # rendering stops there, so JSON pretty-printed over deep values (its text grows with the depth) is
     # refused as the tokenizer refuses a long prompt, before it is built whole
@@ -73,7 +95,23 @@ def _render(e: Engine, body: ChatCompletionRequest) -> tuple[tuple[str, list[str
     try:
         messages = _tools.render_messages(body.messages, spec, fmt, native, max_chars)
         offered = [t.as_openai() for t in spec.tools] if spec is not None and spec.active and native else None
-        return m.apply_chat_template(messages, thinking_kwargs(e, body), tools=offered, max_chars=max_chars), fmt
+        kwargs = thinking_kwargs(e, body)
+        if cont is None or tmpl.kind != "jinja":  # llama.cpp's built-in templates render every message
+            prompt, stop = m.apply_chat_template(
+                messages, kwargs, tools=offered, max_chars=max_chars, add_generation_prompt=agp
+            )
+            return _Rendered(prompt, stop, fmt)
+        head = messages[:-1]
+        base, stop = m.apply_chat_template(
+            head, kwargs, tools=offered, max_chars=max_chars, add_generation_prompt=False
+        )
+        opened, _ = m.apply_chat_template(head, kwargs, tools=offered, max_chars=max_chars)
+        markers = reasoning_markers(
+            lambda probe: m.apply_chat_template(probe, kwargs, add_generation_prompt=False)[0],
+            template_markers(tmpl.source),
+        )
+        tail, prefill = continued_tail(generation_prompt(base, opened), cont, markers)
+        return _Rendered(base + tail, stop, fmt, prefill)
     except TooLong:
         raise PromptTooLong(
             f"the prompt is longer than {max_chars} characters, at least {n_ctx} tokens; a slot's "
@@ -97,7 +135,8 @@ def chat_job(
     m = e.model_view
     assert m is not None
     items = chat_media(e, body)
-    (prompt, extra_stop), fmt = _render(e, body)
+    rendered = _render(e, body)
+    prompt, extra_stop, fmt = rendered.prompt, rendered.stop, rendered.fmt
     media, chunks = None, ()
     if items:
         tokens, media, chunks = _media_job(e, m, prompt, items)
@@ -107,7 +146,11 @@ def chat_job(
     job = attrs.evolve(_job(e, body, tokens, stop, n_predict, id_slot), media=media, media_chunks=chunks)
     pure = e.config.skip_chat_parsing  # --skip-chat-parsing: the whole reply is content, tool calls unparsed
     thinking = ThinkingSetup.for_prompt(
-        "none" if pure else body.reasoning_format or e.config.reasoning_format, m.chat_template.source, prompt
+        "none" if pure else body.reasoning_format or e.config.reasoning_format,
+        m.chat_template.source,
+        prompt,
+        rendered.prefill,
+        prefill_in_stream=requested_continuation(body.raw) is None,
     )
     job = attrs.evolve(job, reasoning_format=thinking.fmt, reasoning_budget=budget_spec(e, body, prompt))
     spec = body.tool_spec

@@ -78,11 +78,14 @@ def hardware() -> dict[str, Any]:
 
 def modalities(e: Engine) -> dict[str, bool]:
     """``{"vision", "video", "audio"}``: the media the node takes (``/props`` and INFO ``modalities``, as
-    llama-server's ``get_res_props``): its projector's encoders (``EngineConfig.media``); video never."""
+    llama-server's ``get_res_props``): its projector's encoders (``EngineConfig.media``); ``video``: the loaded
+    projector's ``mtmd_helper_support_video`` (libmtmd built with video, and a vision encoder; whether or not
+    ffmpeg is installed, as llama-server), false until it loads."""
     media = e.config.media
+    m = e.model_view
     return {
         "vision": media.mmproj is not None and media.vision,
-        "video": False,
+        "video": media.mmproj is not None and m is not None and m.modalities["video"],
         "audio": media.mmproj is not None and media.audio,
     }
 

@@ -145,14 +145,15 @@ class Generation:
         sched, m = self.sched, self.sched.model
         assert m is not None and slot.handle is not None
         job = slot.handle.job
-        if not job.ignore_eos and m.is_eog(token):
-            if slot.pending_logprobs:
-                slot.pending_logprobs.pop()
-                slot.pending_top.pop()
-            self.finish(slot, "stop", stop_reason="eos")
-            return
+        # llama-server counts every sampled token, the end of generation too (``n_gen`` before
+        # ``process_token`` in tools/server/server-context.cpp): predicted_n, usage.completion_tokens, metrics
         slot.n_decoded += 1
         sched.stats.tokens_predicted_total += 1
+        if not job.ignore_eos and m.is_eog(token):
+            lp = (slot.pending_logprobs.pop(),) if slot.pending_logprobs else ()
+            top = (slot.pending_top.pop(),) if slot.pending_top else ()
+            self.finish(slot, "stop", stop_reason="eos", eog=TextDelta("", (token,), lp, top, eog=True))
+            return
         if slot.n_decoded == 1:
             sched.events.publish(
                 "slot.first_token",
@@ -193,10 +194,12 @@ class Generation:
         slot.pending_top = []
 
     # ---------------------------------------------------------- ends
-    def finish(self, slot: Slot, reason: str, flush: bool = True, stop_reason: str = "length") -> None:
-        """The request on ``slot`` ended with ``reason`` (``stop``/``length``): its last text, its
-        timings (one log line, llama-server's ``print_timings``), the slot released and published, then
-        the :class:`Finished` event."""
+    def finish(
+        self, slot: Slot, reason: str, flush: bool = True, stop_reason: str = "length", eog: TextDelta | None = None
+    ) -> None:
+        """The request on ``slot`` ended with ``reason`` (``stop``/``length``): its last text, the
+        end-of-generation token's delta (``eog``, when one ended it), its timings (one log line, llama-server's
+        ``print_timings``), the slot released and published, then the :class:`Finished` event."""
         sched, m = self.sched, self.sched.model
         handle = slot.handle
         assert handle is not None and m is not None
@@ -207,6 +210,8 @@ class Generation:
             tail = slot.stopper.flush()
             if tail or slot.pending_tokens:
                 self.emit_text(slot, tail)
+        if eog is not None:
+            handle.emit(eog)
         now = time.perf_counter()
         t_first = slot.t_first or now
         done = Finished(

@@ -251,12 +251,30 @@ def _gguf() -> ctypes.CDLL:
     base.gguf_get_val_u32.restype = ctypes.c_uint32
     base.gguf_get_val_i32.argtypes = [vp, i64]
     base.gguf_get_val_i32.restype = ctypes.c_int32
+    base.gguf_get_n_kv.argtypes = [vp]
+    base.gguf_get_n_kv.restype = i64
+    base.gguf_get_key.argtypes = [vp, i64]
+    base.gguf_get_key.restype = ctypes.c_char_p
+    base.gguf_get_arr_type.argtypes = [vp, i64]
+    base.gguf_get_arr_type.restype = ctypes.c_int
+    base.gguf_get_arr_n.argtypes = [vp, i64]
+    base.gguf_get_arr_n.restype = ctypes.c_size_t
+    base.gguf_get_arr_data.argtypes = [vp, i64]
+    base.gguf_get_arr_data.restype = vp
+    base.gguf_get_val_data.argtypes = [vp, i64]
+    base.gguf_get_val_data.restype = vp
     return base
+
+
+_GGUF_INTS = {0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16, 4: ctypes.c_uint32}
+_GGUF_INTS |= {5: ctypes.c_int32, 10: ctypes.c_uint64, 11: ctypes.c_int64}
+"""GGUF value types that are integers (``enum gguf_type`` in ``ggml/include/gguf.h``) -> their ctypes."""
 
 
 class GgufHeader:
     """A GGUF file's header, read with ggml's own ``gguf_*`` reader (the Python ``gguf`` reader parses
-    every metadata array and takes seconds): tensor names and sizes, ``{arch}.block_count``.
+    every metadata array and takes seconds): tensor names and sizes, ``{arch}.block_count``, the architecture's
+    integer keys.
 
     Raises OSError when the file is not a readable GGUF.
     """
@@ -282,5 +300,22 @@ class GgufHeader:
                     self.block_count = g.gguf_get_val_u32(ctx, key)
                 elif kind == 5:  # GGUF_TYPE_INT32
                     self.block_count = g.gguf_get_val_i32(ctx, key)
+            self.arch = g.gguf_get_val_str(ctx, arch_id).decode() if self.block_count is not None else ""
+            """``general.architecture`` (``""`` when the header has no layer count)."""
+            self.numbers: dict[str, int | tuple[int, ...]] = {}
+            """The ``{arch}.*`` keys whose value is an integer or an array of integers (``llama.block_count``,
+            ``llama.attention.head_count_kv``, ...), by key."""
+            for i in range(g.gguf_get_n_kv(ctx) if self.arch else 0):
+                name = g.gguf_get_key(ctx, i).decode()
+                if not name.startswith(self.arch + "."):
+                    continue
+                kind = g.gguf_get_kv_type(ctx, i)
+                if kind in _GGUF_INTS:
+                    self.numbers[name] = int(
+                        ctypes.cast(g.gguf_get_val_data(ctx, i), ctypes.POINTER(_GGUF_INTS[kind]))[0]
+                    )
+                elif kind == 9 and (item := _GGUF_INTS.get(g.gguf_get_arr_type(ctx, i))) is not None:  # an array
+                    data = ctypes.cast(g.gguf_get_arr_data(ctx, i), ctypes.POINTER(item))
+                    self.numbers[name] = tuple(int(data[j]) for j in range(g.gguf_get_arr_n(ctx, i)))
         finally:
             g.gguf_free(ctx)

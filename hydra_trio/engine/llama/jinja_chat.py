@@ -112,9 +112,11 @@ class JinjaChatFormatter:
         function_call: Any = None,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: Any = None,
+        add_generation_prompt: bool | None = None,
         **kwargs: Any,
     ) -> str:
-        """:meth:`__call__`, raising :class:`~hydra_trio.validation.strict.TooLong` as soon as the prompt
+        """:meth:`__call__` (``add_generation_prompt`` None: the formatter's own), raising
+        :class:`~hydra_trio.validation.strict.TooLong` as soon as the prompt
         would be longer than ``max_chars`` characters (None: no limit).  The text is rendered piece by
         piece (jinja2's ``generate``) and ``tojson`` stops at the limit too, so a template that
         pretty-prints a deep value (whose text grows with its depth) builds nothing much longer."""
@@ -126,7 +128,9 @@ class JinjaChatFormatter:
                 eos_token=self.eos_token,
                 bos_token=self.bos_token,
                 raise_exception=_raise_exception,
-                add_generation_prompt=self.add_generation_prompt,
+                add_generation_prompt=self.add_generation_prompt
+                if add_generation_prompt is None
+                else add_generation_prompt,
                 functions=functions,
                 function_call=function_call,
                 tools=tools,

@@ -1,4 +1,4 @@
-"""Images and audio in a prompt: the projector (``--mmproj``) through llama-cpp-python's ``mtmd`` bindings.
+"""Images, audio and video in a prompt: the projector (``--mmproj``) through llama-cpp-python's ``mtmd`` bindings.
 
 A prompt that holds media is its text tokens with each media chunk in place, as llama-server's
 ``server_tokens`` (``tools/server/server-common.cpp`` of the llama.cpp that llama-cpp-python 0.3.36 vendors)
@@ -12,6 +12,13 @@ A chunk fills ``n_tokens`` KV cells but advances the position by ``n_pos``: with
 families) an image of ``w x h`` embeddings advances it by ``max(w, h)``, and the text after it continues
 there.  :class:`MediaLayout` maps a cell count to the position that follows (llama-server's ``pos_next``)
 and keeps cuts off a chunk's inside (``keep_first`` refuses to cut one in two).
+
+A video (any file that is neither an image stb_image decodes nor an audio clip) is read as llama-server reads it
+(``mtmd_helper_bitmap_init_from_buf``, ``tools/mtmd/mtmd-helper.cpp``): ``ffprobe`` and ``ffmpeg`` (on ``PATH``,
+or in ``--video-ffmpeg-dir``) decode its frames at ``--video-fps`` while ``mtmd_tokenize`` runs, which gives
+the text ``Video:``, one image chunk per frame (two consecutive frames in one chunk for a projector that merges
+frames in time, as Qwen2-VL's), and a timestamp text (``[0m5.00s]``) every ``--video-timestamp-interval``
+milliseconds; frame ``N``'s chunk has the id ``SHA256+N``.  A WebP image is decoded by ``ffmpeg`` too.
 
 Thread use: :class:`MediaContext` is built and freed on the engine thread with the model; its
 :meth:`~MediaContext.tokenize` runs on any thread (llama-server tokenizes media on its HTTP threads while
@@ -69,18 +76,30 @@ class _ChunkHandle:
         self._free = weakref.finalize(self, mtmd.mtmd_input_chunk_free, ptr)
 
 
+@attrs.frozen
+class VideoOptions:
+    """How videos are read (llama-server's ``--video-fps``, ``--video-timestamp-interval``,
+    ``--video-ffmpeg-dir``, with its defaults): ``fps`` frames a second (0 or less: the video's own rate),
+    a timestamp text every ``timestamp_interval_ms`` milliseconds of video (0 or less: none), ``ffmpeg_dir``
+    the directory of the ``ffmpeg`` and ``ffprobe`` executables (None: found on ``PATH``)."""
+
+    fps: float = 4.0
+    timestamp_interval_ms: int = 5000
+    ffmpeg_dir: str | None = None
+
+
 @attrs.frozen(eq=False)
 class MediaChunk:
-    """One image or audio clip of a prompt, tokenized: ``n_tokens`` embeddings (KV cells) at token index
-    ``start`` of :attr:`MediaTokens.tokens`, advancing the position by ``n_pos``; ``handle`` None: a chunk known by
-    its place only (a slot's layout restored from a state blob: its embeddings are in the KV cache, and a chunk
-    that must be evaluated always comes from its own request's prompt)."""
+    """One image, audio clip or video frame (or two frames merged) of a prompt, tokenized: ``n_tokens`` embeddings
+    (KV cells) at token index ``start`` of :attr:`MediaTokens.tokens`, advancing the position by ``n_pos``;
+    ``handle`` None: a chunk known by its place only (a slot's layout restored from a state blob: its embeddings are
+    in the KV cache, and a chunk that must be evaluated always comes from its own request's prompt)."""
 
     id: str
     """The media's id: the SHA-256 (hex) of its file's bytes, as llama.cpp's ``mtmd_helper_bitmap_init_from_buf``
-    sets it, unless the caller named one."""
+    sets it, unless the caller named one; a video frame's: the video's, ``+`` and the frame's index."""
     kind: str
-    """``image`` or ``audio``."""
+    """``image`` (video frames too) or ``audio``."""
     start: int
     n_tokens: int
     n_pos: int
@@ -154,7 +173,7 @@ class MediaContext:
     pointer), with llama-server's context parameters (``use_gpu``: ``--mmproj-offload``; ``n_threads``;
     ``image_min_tokens``/``image_max_tokens``: -1 for the projector's own; ``batch_max_tokens``: the most
     image tokens one encode batch holds, ``--mtmd-batch-max-tokens``; ``device``: ``-mmdev``, a ggml device
-    name, "" for mtmd's own choice; the media marker :data:`MEDIA_MARKER`).
+    name, "" for mtmd's own choice; the media marker :data:`MEDIA_MARKER`); ``video``: how videos are read.
 
     Raises:
         ModelLoadError: mtmd refused the file (not a projector, or one for a model of another width).
@@ -171,6 +190,7 @@ class MediaContext:
         image_max_tokens: int = -1,
         batch_max_tokens: int = 1024,
         device: str = "",
+        video: VideoOptions = VideoOptions(),
     ) -> None:
         import llama_cpp.mtmd_cpp as mtmd
 
@@ -202,12 +222,20 @@ class MediaContext:
         self.vision = bool(mtmd.mtmd_support_vision(self.ctx))
         self.audio = bool(mtmd.mtmd_support_audio(self.ctx))
         self.mrope = bool(mtmd.mtmd_decode_use_mrope(self.ctx))
+        self.video = bool(mtmd.mtmd_helper_support_video(self.ctx))  # a build with video and a vision encoder
+        self._ffmpeg_dir = video.ffmpeg_dir.encode() if video.ffmpeg_dir else None  # kept alive: opt points here
+        self._init_opt = mtmd.mtmd_helper_init_opt_default()
+        self._init_opt.video_params.fps_target = video.fps
+        self._init_opt.video_params.timestamp_interval_ms = video.timestamp_interval_ms
+        self._init_opt.video_params.ffmpeg_bin_dir = self._ffmpeg_dir
         log.info("loaded multimodal model, '%s' (vision %s, audio %s)", self.path, self.vision, self.audio)
 
     @property
     def modalities(self) -> dict[str, bool]:
-        """``{"vision": bool, "audio": bool}`` (llama-server's ``/props`` ``modalities``)."""
-        return {"vision": self.vision, "audio": self.audio}
+        """``{"vision": bool, "video": bool, "audio": bool}`` (llama-server's ``/props`` ``modalities``; ``video``
+        is ``mtmd_helper_support_video``: libmtmd built with video and a vision encoder, whether or not ffmpeg
+        is installed)."""
+        return {"vision": self.vision, "video": self.video, "audio": self.audio}
 
     def close(self) -> None:
         """Free the context (engine thread; before the model it was loaded for)."""
@@ -221,26 +249,26 @@ class MediaContext:
         """``text``, whose :data:`MEDIA_MARKER` each stands for one item of ``media`` in order, as text
         tokens and media chunks (llama-server's ``process_mtmd_prompt``: special tokens parsed, BOS added
         when the vocabulary wants one).  Each item has ``data`` (the file's bytes: an image stb_image decodes,
-        or a WAV clip) and may have ``id`` (a non-empty one names the media for the cache instead of the
-        SHA-256 of its bytes).
+        a WAV, MP3 or FLAC clip, a WebP image or a video ffmpeg decodes) and may have ``id`` (a non-empty one
+        names the media for the cache instead of the SHA-256 of its bytes).  A video's frames are read (an
+        ``ffmpeg`` process) while ``mtmd_tokenize`` runs; its reader is freed once it returns.
 
         Raises:
-            InvalidRequest: an item is not an image or audio file this projector takes ("Failed to load
-                image or audio file"), or the markers and the items do not pair up or mtmd refused the
-                media ("Failed to tokenize prompt"), as llama-server words them.
+            InvalidRequest: an item is none of those, or a WebP or video that ffprobe / ffmpeg cannot read or
+                cannot be run for ("Failed to load image or audio file"), or the markers and the items do not
+                pair up or mtmd refused the media ("Failed to tokenize prompt"), as llama-server words them.
         """
         mtmd = self._mtmd
         bitmaps = []
+        videos = []  # a video's bitmap reads its frames through its reader: alive until mtmd_tokenize returns
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             for item in media:
                 data = bytes(item.data)
                 buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-                out = mtmd.mtmd_helper_bitmap_init_from_buf_wrapper(
-                    self.ctx, buf, len(data), False, mtmd.mtmd_helper_init_opt_default()
-                )
+                out = mtmd.mtmd_helper_bitmap_init_from_buf_wrapper(self.ctx, buf, len(data), False, self._init_opt)
                 if out.video_ctx:
-                    mtmd.mtmd_helper_video_free(out.video_ctx)
+                    videos.append(out.video_ctx)
                 if not out.bitmap:
                     raise InvalidRequest("Failed to load image or audio file")
                 bitmaps.append(out.bitmap)
@@ -254,6 +282,8 @@ class MediaContext:
             return self._collect(chunks)
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
+            for v in videos:
+                mtmd.mtmd_helper_video_free(v)
             for b in bitmaps:
                 mtmd.mtmd_bitmap_free(b)
 

@@ -22,13 +22,14 @@ import attrs
 import llama_cpp
 
 from ...errors import InvalidRequest, ModelLoadError
+from ...observability.memory import available_memory
 from ...validation.strict import TooLong
 from ..bridge import thread_local_set
 from ..settings import KV_CACHE_TYPES, UNQUANTIZED_KV_TYPES, LlamaOptions, kv_type_name
 from . import ggml_backend, kv_overrides
 from .ggml_backend import clean_build_paths
 from .jinja_chat import JinjaChatFormatter, capability_variables
-from .media import MediaContext, MediaTokens
+from .media import MediaContext, MediaTokens, VideoOptions
 from .placement import Placement, PlacementError, placed_tensors
 from .tokenize import SpecialTokens, tokenize_linear
 
@@ -140,39 +141,6 @@ def sha256_file(
     return digest.hexdigest()
 
 
-def available_memory() -> int | None:
-    """Bytes this process can still allocate, as far as the OS tells: the least of
-    ``MemAvailable`` (/proc/meminfo), the cgroup v2 ``memory.max`` headroom and the
-    ``RLIMIT_AS`` headroom.  None when none of them is known.
-    """
-    import resource
-
-    limits: list[int] = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                limits.append(int(line.split()[1]) * 1024)
-                break
-    except (OSError, ValueError):
-        pass
-    try:
-        cg = Path("/proc/self/cgroup").read_text().strip().split("\n")[0].split("::", 1)[1]
-        base = Path("/sys/fs/cgroup") / cg.lstrip("/")
-        high = (base / "memory.max").read_text().strip()
-        if high != "max":
-            limits.append(int(high) - int((base / "memory.current").read_text()))
-    except (OSError, ValueError, IndexError):
-        pass
-    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        try:
-            vm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmSize:"))
-            limits.append(soft - int(vm.split()[1]) * 1024)
-        except (OSError, StopIteration, ValueError):
-            pass
-    return max(0, min(limits)) if limits else None
-
-
 DEFAULT_CHAT_TEMPLATE = "chatml"
 """The template of a model whose GGUF has none (llama-server falls back to chatml too)."""
 
@@ -258,7 +226,9 @@ class ChatTemplate:
         kind: str,
         source: str,
         origin: str,
-        render: Callable[[list[dict], dict[str, Any] | None, list[dict] | None, int | None], tuple[str, list[str]]],
+        render: Callable[
+            [list[dict], dict[str, Any] | None, list[dict] | None, int | None, bool], tuple[str, list[str]]
+        ],
     ):
         self.kind = kind
         self.source = source
@@ -285,12 +255,19 @@ class ChatTemplate:
             more: dict[str, Any] | None = None,
             tools: list[dict] | None = None,
             max_chars: int | None = None,
+            add_generation_prompt: bool = True,
         ) -> tuple[str, list[str]]:
             variables = capability_variables(
                 {**extra, **{k: v for k, v in (more or {}).items() if k not in _RESERVED_TEMPLATE_VARIABLES}}
             )
             try:
-                prompt = fmt.render(max_chars, messages=messages, tools=tools, **variables)
+                prompt = fmt.render(
+                    max_chars,
+                    messages=messages,
+                    tools=tools,
+                    add_generation_prompt=add_generation_prompt,
+                    **variables,
+                )
             except TooLong:
                 raise
             except Exception as exc:  # raise_exception's ValueError, jinja2's TemplateError, a TypeError, ...
@@ -313,8 +290,9 @@ class ChatTemplate:
             more: dict[str, Any] | None = None,
             tools: list[dict] | None = None,
             max_chars: int | None = None,
+            add_generation_prompt: bool = True,
         ) -> tuple[str, list[str]]:
-            return _apply_builtin(name, messages, add_assistant=True), list(stop)
+            return _apply_builtin(name, messages, add_assistant=add_generation_prompt), list(stop)
 
         return cls("builtin", name, origin, render)
 
@@ -324,14 +302,17 @@ class ChatTemplate:
         kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         max_chars: int | None = None,
+        add_generation_prompt: bool = True,
     ) -> tuple[str, list[str]]:
         """``(prompt, stop strings)``; ``kwargs`` are template variables over the node's (a request's
         ``chat_template_kwargs``); ``tools`` (OpenAI tool objects) reach a Jinja template as its ``tools``
         variable (a built-in template has no variables and never renders tools: callers describe them
         in a message instead, :func:`hydra_trio.openai.tools.render_messages`).  ``max_chars``: a Jinja
         template's rendering stops with :class:`~hydra_trio.validation.strict.TooLong` past that many
-        characters (a built-in template writes little more than the messages themselves)."""
-        return self._render(messages, kwargs, tools, max_chars)
+        characters (a built-in template writes little more than the messages themselves).
+        ``add_generation_prompt`` false: the prompt ends after the last message, no assistant turn opened
+        (llama-server's request field of that name; a built-in template's ``add_ass``)."""
+        return self._render(messages, kwargs, tools, max_chars, add_generation_prompt)
 
     def describe(self) -> str:
         if self.kind == "builtin":
@@ -555,6 +536,7 @@ class LoadedModel:
                     image_max_tokens=opts.image_max_tokens,
                     batch_max_tokens=opts.mmproj_batch_max_tokens,
                     device=opts.mmproj_device,
+                    video=VideoOptions(opts.video_fps, opts.video_timestamp_interval_ms, opts.video_ffmpeg_dir or None),
                 )
             except Exception:
                 self.close()
@@ -665,9 +647,9 @@ class LoadedModel:
 
     @property
     def modalities(self) -> dict[str, bool]:
-        """What the projector takes besides text: ``{"vision": bool, "audio": bool}`` (both False without one;
-        llama-server's ``/props`` ``modalities``)."""
-        return self.media.modalities if self.media is not None else {"vision": False, "audio": False}
+        """What the projector takes besides text: ``{"vision": bool, "video": bool, "audio": bool}`` (all False
+        without one; llama-server's ``/props`` ``modalities``)."""
+        return self.media.modalities if self.media is not None else {"vision": False, "video": False, "audio": False}
 
     def tokenize_with_media(
         self, text: str, media: Sequence[Any], *, add_special: bool = True, parse_special: bool = True
@@ -740,6 +722,7 @@ class LoadedModel:
         kwargs: dict[str, Any] | None = None,
         tools: list[dict] | None = None,
         max_chars: int | None = None,
+        add_generation_prompt: bool = True,
     ) -> tuple[str, list[str]]:
         """Render chat messages (``[{"role", "content"}]``) with the template in effect
         (:attr:`chat_template`, chosen at load: :meth:`_make_chat_formatter`); ``kwargs``
@@ -750,7 +733,7 @@ class LoadedModel:
         template rejects the messages, :class:`~hydra_trio.validation.strict.TooLong` when a Jinja template's prompt
         would pass ``max_chars`` characters.
         """
-        return self.chat_template(messages, kwargs, tools, max_chars)
+        return self.chat_template(messages, kwargs, tools, max_chars, add_generation_prompt)
 
     def chat_prompt_tokens(self, prompt: str, limit: int | None = None) -> list[int]:
         """Tokenize a rendered chat prompt as llama-server does: special tokens are parsed, and
