@@ -57,6 +57,12 @@ FLAGS: list[Flag] = [
         "a compute-only node: ggml-RPC backend, Hydra INFO and HTTP /health, /version, /slots",
         action="store_true",
     ),
+    H(
+        ("--no-router-spare",),
+        "router mode: start each model's child cold, instead of in the interpreter kept ready with its "
+        "imports done (a child starts about 0.6 s sooner with it)",
+        action="store_true",
+    ),
     # -- connections and HTTP ------------------------------------------------------------------------
     H(
         ("--max-connections",),

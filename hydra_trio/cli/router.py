@@ -267,7 +267,11 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
         limit = None if args.timeout < 0 else args.timeout
         config = attrs.evolve(config, http=attrs.evolve(config.http, body_timeout=limit, write_timeout=limit))
     router = ModelRouter(
-        models, RouterSettings(models_max=args.models_max, models_autoload=args.models_autoload), factory=factory
+        models,
+        RouterSettings(
+            models_max=args.models_max, models_autoload=args.models_autoload, spare=not args.no_router_spare
+        ),
+        factory=factory,
     )
     log.info(
         "starting server in router mode: %d models, at most %s loaded, autoload %s",

@@ -19,6 +19,8 @@ import trio
 class ChildProcess:
     """One child process: its output as a trio stream, its exit awaited without a thread (a pidfd).
 
+    ``stdin``: its standard input is a pipe for :meth:`send_line` (a warm spare, :mod:`.spare`), else empty.
+
     The same calls as :class:`trio.Process` that the router makes: :attr:`returncode` (None while it runs,
     ``-N`` after signal N), :meth:`kill`, :meth:`send_signal`, ``await`` :meth:`wait`, :attr:`stdout` (its
     standard output and error, merged).
@@ -28,11 +30,16 @@ class ChildProcess:
     """
 
     def __init__(
-        self, args: list[str], env: Mapping[str, str] | None, preexec_fn: Callable[[], None] | None = None
+        self,
+        args: list[str],
+        env: Mapping[str, str] | None,
+        preexec_fn: Callable[[], None] | None = None,
+        *,
+        stdin: bool = False,
     ) -> None:
         self._popen = subprocess.Popen(
             args,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
@@ -44,6 +51,20 @@ class ChildProcess:
         self.stdout = trio.lowlevel.FdStream(os.dup(self._popen.stdout.fileno()))
         self._popen.stdout.close()
         self._pidfd: int | None = os.pidfd_open(self.pid)
+
+    def send_line(self, line: str) -> None:
+        """Write one line to the standard input (``stdin=True``), then close it.  Raises OSError when the
+        process has gone (a broken pipe)."""
+        pipe = self._popen.stdin
+        assert pipe is not None, "started without stdin=True"
+        try:
+            pipe.write(line.encode() + b"\n")  # a short line: the pipe's buffer takes it whole
+            pipe.flush()
+        finally:
+            try:
+                pipe.close()
+            except OSError:
+                pass
 
     @property
     def returncode(self) -> int | None:

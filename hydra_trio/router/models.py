@@ -19,6 +19,7 @@ Statuses (``status.value``): ``unloaded``, ``loading``, ``loaded``.  A model tha
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import signal
 import sys
@@ -45,10 +46,16 @@ child_log = logging.getLogger("hydra_trio.router.child")
 CHILD_HOST = "127.0.0.1"
 """Where children listen (loopback, whatever the router binds)."""
 
-READY_POLL_S = 0.1
+READY_POLL_S = 0.02
 """Seconds between two ``GET /health`` of a child that loads."""
 
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
+
+LAUNCHER = (sys.executable, "-m", "hydra_trio")
+"""A child node's command before its flags."""
+
+SPARE = (sys.executable, "-m", "hydra_trio.router.spare")
+"""The warm interpreter's command (:mod:`.spare`)."""
 
 
 @attrs.frozen
@@ -60,11 +67,14 @@ class RouterSettings:
         models_autoload: a request for a model that is not running loads it (``--[no-]models-autoload``);
             a request's ``?autoload=`` decides for itself.
         launcher: the command a child node starts with, before its flags.
+        spare: keep one interpreter started ahead for the next child (:mod:`.spare`; ``--no-router-spare``
+            turns it off): a child started with :data:`LAUNCHER` runs in it.
     """
 
     models_max: int = 4
     models_autoload: bool = True
-    launcher: tuple[str, ...] = (sys.executable, "-m", "hydra_trio")
+    launcher: tuple[str, ...] = LAUNCHER
+    spare: bool = True
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -203,6 +213,7 @@ class ModelRouter:
         """Requests waiting for each model to serve: such a model is never the one unloaded for another."""
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
+        self._spare: ChildProcess | None = None
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
 
     def add(self, m: ModelInstance) -> None:
@@ -227,10 +238,15 @@ class ModelRouter:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self._want_spare()
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
+                spare, self._spare = self._spare, None
+                if spare is not None:
+                    spare.kill()
+                    await spare.wait()
                 for m in self.models.values():
                     if m.process is not None and m.process.returncode is None:
                         m.process.kill()
@@ -298,13 +314,58 @@ class ModelRouter:
         self._nursery.start_soon(self._supervise, m, args)
         self._notify()
 
+    # ------------------------------------------------------------------------------------------ spare
+    def _want_spare(self) -> None:
+        """Start the warm interpreter for the next child (:mod:`.spare`) unless one waits already, the
+        settings want none, or a child is loading (the spare's imports would take its CPU)."""
+        from .presets import child_environment
+
+        if not self.settings.spare or self.settings.launcher != LAUNCHER or self._nursery is None:
+            return
+        if self._spare is not None and self._spare.returncode is None:
+            return
+        if any(m.status == LOADING for m in self.models.values()):
+            return
+        try:
+            spare = ChildProcess(list(SPARE), child_environment(self.environ), _die_with_parent, stdin=True)
+        except OSError as exc:
+            log.warning("could not start a spare interpreter for the next child: %s", exc)
+            return
+        self._spare = spare
+        self._nursery.start_soon(self._reap_spare, spare)
+
+    async def _reap_spare(self, spare: ChildProcess) -> None:
+        """Reap a spare that dies before it is handed a child (the next load starts one afresh).  Polled: once
+        handed over, its child's supervisor waits on it (one waiter on a process at a time)."""
+        while self._spare is spare:
+            await trio.sleep(1.0)
+            if self._spare is spare and spare.returncode is not None:
+                self._spare = None
+                log.warning("the spare interpreter exited with status %d before a child needed it", spare.returncode)
+
+    def _take_spare(self, args: list[str]) -> ChildProcess | None:
+        """The warm interpreter, handed the child's command line (``args`` after :data:`LAUNCHER`); None
+        when none is ready (the child is started cold)."""
+        spare, self._spare = self._spare, None
+        if spare is None or spare.returncode is not None or args[: len(LAUNCHER)] != list(LAUNCHER):
+            if spare is not None and spare.returncode is None:
+                self._spare = spare  # not for this command: kept for the next
+            return None
+        try:
+            spare.send_line(json.dumps({"argv": args[len(LAUNCHER) :]}))
+        except OSError:
+            spare.kill()
+            return None
+        return spare
+
     async def _supervise(self, m: ModelInstance, args: list[str]) -> None:
-        """One child's life: start it, relay its output, watch for it to serve, record its exit."""
+        """One child's life: start it (in the warm interpreter when one waits), relay its output, watch for it
+        to serve, record its exit."""
         from .presets import child_environment
 
         try:
             # forked on this thread, which lives as long as the router: PR_SET_PDEATHSIG follows the thread
-            process = ChildProcess(args, child_environment(self.environ), _die_with_parent)
+            process = self._take_spare(args) or ChildProcess(args, child_environment(self.environ), _die_with_parent)
         except OSError as exc:
             log.error("failed to spawn server instance name=%s: %s", m.name, exc)
             m.status, m.exit_code = UNLOADED, 1
@@ -332,6 +393,7 @@ class ModelRouter:
             log.info("instance name=%s exited with status %d", m.name, m.exit_code)
             self.events.notify("status_change", m.name, {"status": UNLOADED, "exit_code": m.exit_code})
             self._notify()
+            self._want_spare()
 
     async def _watch_ready(self, m: ModelInstance, process: ChildProcess) -> None:
         base = f"http://{CHILD_HOST}:{m.port}"
@@ -346,6 +408,7 @@ class ModelRouter:
                         log.info("model name=%s is loaded (port %d)", m.name, m.port)
                         self.events.notify("status_change", m.name, {"status": LOADED, "info": m.info})
                         self._notify()
+                        self._want_spare()
                     return
             except (httpx.HTTPError, ValueError):
                 pass  # not listening yet, or stopped while asked

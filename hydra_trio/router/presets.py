@@ -63,6 +63,7 @@ ROUTER_ONLY = (
     "--hydra-token-file",
     "--rpc-allow",
     "--allow-subject",
+    "--no-router-spare",
 )
 """Flags of the router's command line that do not pass to its models: llama-server's model flags and log
 file, the node's own TLS and extra ports (a child listens on loopback, on its own port), and the access

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import llama_cpp
 
+from ..llama.model import remember_digest, remembered_digest
+
 if TYPE_CHECKING:
     from ..llama.model import LoadedModel
 
@@ -52,9 +54,14 @@ def _file_key(m: LoadedModel) -> tuple[str, int, int] | None:
 
 
 def _vocab_sha256(m: LoadedModel) -> str:
+    """The vocabulary's SHA-256 over each token's text and attributes; kept per file in memory and on disk
+    (:func:`~hydra_trio.engine.llama.model.remember_digest`)."""
     key = _file_key(m)
     if key is not None and key in _vocab_digests:
         return _vocab_digests[key]
+    if key is not None and (known := remembered_digest(m.path, "vocab-sha256")) is not None:
+        _vocab_digests[key] = known
+        return known
     vocab = hashlib.sha256()
     for t in range(m.n_vocab):
         vocab.update(llama_cpp.llama_vocab_get_text(m.vocab, t) or b"")
@@ -62,6 +69,7 @@ def _vocab_sha256(m: LoadedModel) -> str:
     digest = vocab.hexdigest()
     if key is not None:
         _vocab_digests[key] = digest
+        remember_digest(m.path, "vocab-sha256", digest)
     return digest
 
 
