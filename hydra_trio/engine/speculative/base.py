@@ -75,6 +75,13 @@ class Drafter:
         with it)."""
         return True
 
+    def process_media(self, id_slot: int, embd: Any, pos: Any) -> None:
+        """The target has just decoded a piece of a media chunk into the slot: ``embd`` float32 ``[n, n_embd]``
+        (the projector's rows), ``pos`` int32 ``[n_pos, n]`` (4 rows with M-RoPE, else 1), as llama-server's
+        ``process_mtmd_chunk`` hands them to its drafters.  A drafter that does not take them leaves a gap
+        in the slot's sequence, which its next :meth:`process` closes (``drafting.sync_seq``: the sequence
+        restarts); the slot drafts on either way."""
+
     def draft(self, drafts: list[SlotDraft]) -> None:
         """Fill ``result`` of each slot's draft (at most ``n_max`` tokens each; may leave it empty)."""
         raise NotImplementedError
