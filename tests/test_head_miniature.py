@@ -154,3 +154,20 @@ def test_a_saved_slot_with_media_and_its_mtp_state_restores_and_decodes_on(nodes
     assert got["timings"]["cache_n"] == want["timings"]["cache_n"] == one["tokens_evaluated"]
     assert got["tokens"] == want["tokens"] and len(got["tokens"]) == N_PREDICT
     assert got["timings"]["draft_n"] > 0
+
+
+def test_draft_simple_reads_the_images_embeddings(spawn, nodes, tmp_path: Path) -> None:
+    """``--spec-type draft-simple -md tiny-vision``: a draft model of the target's width (64) and M-RoPE layout
+    decodes the image's embeddings at their positions (llama.cpp's ``draft-simple`` feeds a draft of the same
+    width the target's media rows), drafts after the image, and the greedy tokens are the node's without
+    speculation."""
+    _, plain = nodes
+    (tmp_path / "slots").mkdir()
+    node = spawn(
+        *node_args(tmp_path / "slots"), "--no-rpc-backend", "--spec-type", "draft-simple", "-md", "tiny-vision"
+    )
+    with node.serving(300):
+        msgs = [user(png(1), "What is in the picture?")]
+        got, want = chat(node.base, msgs, id_slot=0), chat(plain.base, msgs, id_slot=0)
+        assert ids(got) == ids(want) and got["timings"]["draft_n"] > 0
+        assert "do not fit the draft's input width" not in node.log()

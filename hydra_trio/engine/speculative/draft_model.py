@@ -9,6 +9,9 @@ llama.cpp has no separate draft context size: the draft's ``n_ctx`` is the targe
 
 - :meth:`DraftSimple.process` decodes every batch the target decodes in the draft context too (only the
   last entry asks for logits), so the draft's KV cache follows the target's;
+- :meth:`DraftSimple.process_media` decodes the embeddings of each media chunk the target decodes, at their
+  positions (rows of zeros when the draft's input width is not the projector's), as llama-server hands them to
+  its drafters;
 - :meth:`DraftSimple.draft` decodes ``id_last`` at ``pos0`` and then each drafted token, taking the most
   probable of the top 10 while its probability is at least ``p_min``, up to ``n_max`` tokens; drafts
   shorter than ``n_min`` are dropped; the drafted positions are removed from the draft context again

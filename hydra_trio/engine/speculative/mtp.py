@@ -16,6 +16,8 @@ predict ``x_{p+1}``.  So:
   with the drafted token paired with the MTP block's own hidden state, up to ``n_max`` tokens (or until a
   token's probability is below ``p_min``); the drafted positions are removed again from the MTP context,
   as llama-server removes them before the verification batch, which :meth:`process` then feeds in;
+- :meth:`DraftMtp.process_media` takes nothing (media rows have no hidden state to pair, llama.cpp skips them
+  too); on an M-RoPE model the slot's MTP sequence goes on after the media, whose positions jump;
 - :meth:`DraftMtp.accept` keeps, as ``pending_h``, the target's row of the last accepted token.
 
 Per-slot state moves with the slot (:meth:`DraftMtp.get_state`): the MTP context's sequence and
