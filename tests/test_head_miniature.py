@@ -171,3 +171,44 @@ def test_draft_simple_reads_the_images_embeddings(spawn, nodes, tmp_path: Path) 
         got, want = chat(node.base, msgs, id_slot=0), chat(plain.base, msgs, id_slot=0)
         assert ids(got) == ids(want) and got["timings"]["draft_n"] > 0
         assert "do not fit the draft's input width" not in node.log()
+
+
+@pytest.mark.slow
+def test_llama_server_on_the_same_files_agrees(nodes, tmp_path: Path) -> None:
+    """llama-server built from the vendored llama.cpp, started as the cluster starts its head (``--mmproj``,
+    ``--spec-type draft-mtp --spec-draft-n-max 3``), on the same files: the same prompt token count for a chat
+    with an image, the same greedy tokens, drafting (``draft_n`` > 0) on it and on a text chat, and the
+    returning turn with the same image served from its cache (``cache_n`` past the image) while another image
+    misses at the image, as this node serves them."""
+    from hydra_trio.models.presets import resolve_model
+
+    from .test_tiny_vision import llama_server
+
+    spec, _ = nodes
+    model, _alias = resolve_model("tiny-mtp")
+    mmproj = str(PRESETS["tiny-vision"].projector())
+    args = ("-m", str(model), "--mmproj", mmproj, *SPEC, "-np", "2", "-c", "2048")
+    first = [user(png(1), "What is in the picture?")]
+
+    def turns(base: str) -> tuple[dict, dict, dict]:
+        one = chat(base, first, id_slot=0)
+        back = [*first, {"role": "assistant", "content": one["choices"][0]["message"]["content"]}]
+        two = chat(base, [*back, user(png(1), "And this one?")], id_slot=0)
+        other = [user(png(7), "What is in the picture?"), back[1]]
+        return one, two, chat(base, [*other, user(png(7), "And this one?")], id_slot=0)
+
+    ours = turns(spec.base)
+    with llama_server(tmp_path, *args) as base:
+        props = httpx.get(base + "/props", timeout=30).json()
+        assert props["modalities"]["vision"] is True
+        theirs = turns(base)
+        text = [{"role": "user", "content": "Tell me a short story about a cat."}]
+        assert chat(base, text, id_slot=1)["timings"]["draft_n"] > 0
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+        assert ids(a) == ids(b)
+        assert a["timings"]["draft_n"] > 0 and b["timings"]["draft_n"] > 0
+    assert [t["timings"]["cache_n"] for t in ours] == [t["timings"]["cache_n"] for t in theirs]
+    n_first = theirs[0]["usage"]["prompt_tokens"]
+    assert n_first - 8 <= ours[1]["timings"]["cache_n"] < n_first  # a checkpoint near the first prompt's end
+    assert ours[2]["timings"]["cache_n"] < n_first - 12  # another image: a miss at (or before) the image
