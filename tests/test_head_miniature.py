@@ -173,6 +173,22 @@ def test_draft_simple_reads_the_images_embeddings(spawn, nodes, tmp_path: Path) 
         assert "do not fit the draft's input width" not in node.log()
 
 
+def test_the_ngram_types_draft_on_media_slots_from_text_only(spawn, nodes, tmp_path: Path) -> None:
+    """``--spec-type suffix`` (it learns from finished requests): the drafters take a media slot's tokens
+    without its media cells, as llama-server hands them (``server_tokens::get_text_tokens``), so the same chat
+    with an image twice answers 200 both times, the second drafts what the first generated, and
+    both give the tokens of the node without speculation."""
+    _, plain = nodes
+    (tmp_path / "slots").mkdir()
+    node = spawn(*node_args(tmp_path / "slots"), "--no-rpc-backend", "--spec-type", "suffix")
+    with node.serving(300):
+        msgs = [user(png(1), "What?")]
+        want = chat(plain.base, msgs, id_slot=0)
+        one, two = chat(node.base, msgs, id_slot=0), chat(node.base, msgs, id_slot=1)
+        assert ids(one) == ids(two) == ids(want)
+        assert two["timings"]["draft_n"] > 0 and two["timings"]["draft_n_accepted"] > 0
+
+
 @pytest.mark.slow
 def test_llama_server_on_the_same_files_agrees(nodes, tmp_path: Path) -> None:
     """llama-server built from the vendored llama.cpp, started as the cluster starts its head (``--mmproj``,

@@ -263,7 +263,7 @@ class Generation:
             timings=t,
         )
         if sched.spec is not None and slot.speculative:
-            sched.spec.end(slot.id, slot.cache_tokens)
+            sched.spec.end(slot.id, list(slot.text_tokens()))
         # the slot is idle, and published so, before the client hears of the end: a
         # follow-up request on the same slot never sees it busy, nor a status read stale
         self.release(slot)

@@ -323,10 +323,10 @@ class Scheduler:
             if spec.budget is not None:
                 n_max = spec.budget.cap(slot.id, n_max, slot.n_past)
             if n_max >= 1:
-                drafts.append(SlotDraft(slot.id, n_max, slot.pos_next, slot.last_token, slot.cache_tokens))
+                drafts.append(SlotDraft(slot.id, n_max, slot.pos_next, slot.last_token, slot.text_tokens()))
         if drafts:
             spec.draft(drafts)
-        return {r.id_slot: draft for r in drafts if (draft := text_only(r.result))}
+        return {r.id_slot: list(r.result) for r in drafts if r.result}
 
     def _batch_clear(self) -> None:
         self._batch.n_tokens = 0
@@ -450,7 +450,7 @@ class Scheduler:
             self.spec.seq_rm(slot.id, slot.media.pos(cache_n), -1)
             slot.speculative = not job.prompt_only and self.spec_follows(m)
             if slot.speculative:
-                self.spec.begin(slot.id, prompt)
+                self.spec.begin(slot.id, [t for t in prompt if t >= 0] if slot.media else prompt)  # text only
                 if self.spec.budget is not None:
                     self.spec.budget.reset(slot.id)
         self.stats.prompt_tokens_cached_total += cache_n
@@ -633,12 +633,6 @@ class Scheduler:
                     self.gen.finish(slot, "length")
                 else:
                     self.gen.sample(m, [(slot, -1)])
-
-
-def text_only(draft: list[int]) -> list[int]:
-    """``draft`` up to its first media placeholder (a negative id: an n-gram drafter may copy one from the
-    slot's tokens); only text tokens are verified."""
-    return next((draft[:i] for i, t in enumerate(draft) if t < 0), draft)
 
 
 def pick_slot(slots: list[Slot], job: CompletionJob, similarity: float) -> Slot | None:
