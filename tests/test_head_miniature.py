@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hydra_trio.engine.kv.state import parse_header
 from hydra_trio.models import tiny_vision
 from hydra_trio.models.presets import PRESETS
 
@@ -150,6 +151,9 @@ def test_a_saved_slot_with_media_and_its_mtp_state_restores_and_decodes_on(nodes
         r = httpx.post(node.base + "/slots/1?action=restore", json={"filename": f"{name}.bin"}, timeout=60)
         assert r.status_code == 200, r.text
         done[name] = (one, complete(node.base, first + " Tell me more.", image, N_PREDICT, id_slot=1))
+    header = parse_header((spec.log_path.parent / "slots" / "spec.bin").read_bytes())
+    assert header.version == 5 and [(c.kind, c.n_tokens) for c in header.media] == [("image", 12)]
+    assert header.extra_len > 0  # the slot's draft-mtp state (its MTP sequence) came along
     (one, got), (_, want) = done["spec"], done["plain"]
     assert got["timings"]["cache_n"] == want["timings"]["cache_n"] == one["tokens_evaluated"]
     assert got["tokens"] == want["tokens"] and len(got["tokens"]) == N_PREDICT
