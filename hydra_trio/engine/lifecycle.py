@@ -224,8 +224,8 @@ class ModelLifecycle:
 
         As llama-server, ``context_shift`` and ``n_cache_reuse`` are dropped with a
         warning when the model's memory cannot shift positions (recurrent or hybrid) or a projector is loaded
-        (``--mmproj``); with a projector, drafters that decode the target's batches (a draft model, MTP) are
-        dropped too (ngram drafters stay; a slot with media never drafts).
+        (``--mmproj``); speculative decoding stays with a projector, on slots with media too (the drafters hear
+        the media's embeddings: :meth:`~hydra_trio.engine.speculative.base.Drafter.process_media`).
         """
         cfg = self.config
         context_shift, n_cache_reuse = cfg.context_shift, cfg.n_cache_reuse
@@ -250,13 +250,6 @@ class ModelLifecycle:
             "true" if model.options.kv_unified else "false",
         )  # llama-server's line
         spec, spec_cap = build_speculative(cfg.speculative, model, model.n_parallel)
-        if spec is not None and model.media is not None and spec.follows_the_target:
-            # a draft model or MTP head decodes the target's batches, but never sees the media's embeddings
-            log.warning(
-                "speculative decoding with a draft model or MTP is not supported by multimodal here; it is disabled"
-            )
-            spec.close()
-            spec, spec_cap = None, 1 << 30
         sched = Scheduler(
             self.experts,
             model.n_parallel,

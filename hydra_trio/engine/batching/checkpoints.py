@@ -142,7 +142,8 @@ class Checkpoints:
         self._job += 1
         self._jobs[slot.id] = self._job
         lst = self.lists[slot.id]
-        pos_next = n_past
+        n_past = slot.media.snap(n_past)
+        pos_next = slot.media.pos(n_past)  # positions from here on: media may hold more cells than positions
         has_new = n_past < len(prompt) or not need_logits
         # the largest pos_min that lets the memory serve the first n_past tokens (llama-server's pos_min_thold)
         thold = max(0, pos_next - llama_cpp.llama_model_n_swa(m.model) - (0 if has_new else 1))
@@ -152,7 +153,7 @@ class Checkpoints:
                 ckpt = self._find(m, lst, prompt, pos_next, thold)
                 if ckpt is not None and self._load(m, slot, ckpt):
                     pos_next = min(pos_next, max(ckpt.pos_min + 1, ckpt.pos_max))
-                    n_past = min(pos_next, ckpt.n_tokens)
+                    n_past = min(slot.media.n_at(pos_next), ckpt.n_tokens)
                     self.restored += 1
                     log.info(
                         "slot %d: restored context checkpoint of %d tokens (%.3f MiB); %d prompt tokens kept",

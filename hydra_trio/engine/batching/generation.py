@@ -110,7 +110,7 @@ class Generation:
                 break
         n_accepted = len(sampled) - 1
         slot.cache_tokens.extend(draft[:n_accepted])
-        keep = slot.n_past
+        keep = slot.pos_next  # a position: the slot's media may hold more cells than positions (M-RoPE)
         llama_cpp.llama_memory_seq_rm(m.memory, slot.id, keep, -1)
         spec = self.sched.spec
         if spec is not None:
@@ -263,7 +263,7 @@ class Generation:
             timings=t,
         )
         if sched.spec is not None and slot.speculative:
-            sched.spec.end(slot.id, slot.cache_tokens)
+            sched.spec.end(slot.id, list(slot.text_tokens()))
         # the slot is idle, and published so, before the client hears of the end: a
         # follow-up request on the same slot never sees it busy, nor a status read stale
         self.release(slot)
@@ -276,9 +276,9 @@ class Generation:
         if slot.spec_ahead > 0:
             keep = slot.n_past - slot.spec_ahead
             del slot.cache_tokens[keep:]
-            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, keep, -1)
+            llama_cpp.llama_memory_seq_rm(m.memory, slot.id, slot.pos_next, -1)
             if self.sched.spec is not None:
-                self.sched.spec.seq_rm(slot.id, keep, -1)
+                self.sched.spec.seq_rm(slot.id, slot.pos_next, -1)
             slot.spec_ahead = 0
 
     def release(self, slot: Slot) -> None:

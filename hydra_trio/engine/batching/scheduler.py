@@ -323,7 +323,7 @@ class Scheduler:
             if spec.budget is not None:
                 n_max = spec.budget.cap(slot.id, n_max, slot.n_past)
             if n_max >= 1:
-                drafts.append(SlotDraft(slot.id, n_max, slot.n_past, slot.last_token, slot.cache_tokens))
+                drafts.append(SlotDraft(slot.id, n_max, slot.pos_next, slot.last_token, slot.text_tokens()))
         if drafts:
             spec.draft(drafts)
         return {r.id_slot: list(r.result) for r in drafts if r.result}
@@ -447,10 +447,10 @@ class Scheduler:
         cache_n = keep_cached(m, slot, job, prompt, self.n_cache_reuse, self.checkpoints, self.prompt_cache, self.slots)
         slot.cache_n = cache_n
         if self.spec is not None:  # the drafters' own contexts follow the target's cut (llama-server's common_memory)
-            self.spec.seq_rm(slot.id, cache_n, -1)
-            slot.speculative = not job.prompt_only and self.spec_follows(m) and not slot.media  # none with media
+            self.spec.seq_rm(slot.id, slot.media.pos(cache_n), -1)
+            slot.speculative = not job.prompt_only and self.spec_follows(m)
             if slot.speculative:
-                self.spec.begin(slot.id, prompt)
+                self.spec.begin(slot.id, [t for t in prompt if t >= 0] if slot.media else prompt)  # text only
                 if self.spec.budget is not None:
                     self.spec.budget.reset(slot.id)
         self.stats.prompt_tokens_cached_total += cache_n
@@ -492,7 +492,8 @@ class Scheduler:
         for slot in self.slots:
             if slot.generating and budget > 0:
                 assert slot.last_token is not None
-                idx = self._batch_add(slot.last_token, slot.pos_next, slot.id, True)
+                pos = slot.pos_next  # a position: media before may hold more cells than positions (M-RoPE)
+                idx = self._batch_add(slot.last_token, pos, slot.id, True)
                 draft = drafts.get(slot.id, [])[: budget - 1]
                 if draft:  # verified in this batch: logits at every drafted position
                     to_verify.append(
@@ -500,7 +501,7 @@ class Scheduler:
                             slot,
                             [
                                 idx,
-                                *(self._batch_add(t, slot.n_past + 1 + k, slot.id, True) for k, t in enumerate(draft)),
+                                *(self._batch_add(t, pos + 1 + k, slot.id, True) for k, t in enumerate(draft)),
                             ],
                             draft,
                         )
@@ -607,7 +608,8 @@ class Scheduler:
             want = len(slot.pending_prompt) == chunk.n_tokens and not handle.job.prompt_only
             pos = slot.pos_next
             t0 = time.perf_counter()
-            rc = m.media.eval_chunk(m.ctx, chunk, pos, slot.id, m.n_batch, want)
+            hear = self.spec.process_media if self.spec is not None and self.spec_follows(m) else None
+            rc = m.media.eval_chunk(m.ctx, chunk, pos, slot.id, m.n_batch, want, hear)
             dt = time.perf_counter() - t0
             self.stats.n_decode_total += 1
             if rc != 0:

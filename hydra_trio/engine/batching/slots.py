@@ -11,7 +11,8 @@ from __future__ import annotations
 import codecs
 import enum
 import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 import attrs
 
@@ -23,6 +24,36 @@ if TYPE_CHECKING:
 
 # ---------------------------------------------------------------------------
 # Slot state (engine thread only; others read the engine's published snapshot)
+
+
+class TextTokens(Sequence[int]):
+    """``prefix`` (the text tokens of ``tokens[:split]``) followed by ``tokens[split:]``, read through without a
+    copy of the tail (a slot with media: its prompt's text, then what it generated since)."""
+
+    def __init__(self, prefix: list[int], tokens: list[int], split: int) -> None:
+        self.prefix, self.tokens, self.split = prefix, tokens, split
+
+    def __len__(self) -> int:
+        return len(self.prefix) + len(self.tokens) - self.split
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        n_pre = len(self.prefix)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            head = self.prefix[start:stop] if start < n_pre else []
+            tail = self.tokens[self.split + max(start - n_pre, 0) : self.split + stop - n_pre] if stop > n_pre else []
+            return head + tail
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.prefix[i] if i < n_pre else self.tokens[self.split + i - n_pre]
 
 
 class StopStringMatcher:
@@ -105,6 +136,7 @@ class Slot:
         self.media: MediaLayout = NO_MEDIA
         """The media chunks of the prompt whose prefix ``cache_tokens`` is (set when a request starts): where
         they lie and the positions they advance (:class:`~hydra_trio.engine.llama.media.MediaLayout`)."""
+        self._text_prefix: tuple[MediaLayout, list[int]] | None = None  # text_tokens' copy, for this layout
         self.last_used = 0.0
         self.id_task = -1
         self.job: CompletionJob | None = None
@@ -159,6 +191,19 @@ class Slot:
     def pos_next(self) -> int:
         """The position of the next cell (``n_past`` less what media chunks hold beyond their positions: M-RoPE)."""
         return self.media.pos(self.n_past) if self.media else len(self.cache_tokens)
+
+    def text_tokens(self) -> Sequence[int]:
+        """:attr:`cache_tokens` without media cells, as llama-server hands a slot's tokens to its drafters
+        (``server_tokens::get_text_tokens``): the list itself when the slot holds no media, else a
+        :class:`TextTokens` view (its prompt's text part copied once per request)."""
+        if not self.media:
+            return self.cache_tokens
+        end = self.media.chunks[-1].end
+        if len(self.cache_tokens) < end:
+            return [t for t in self.cache_tokens if t >= 0]
+        if self._text_prefix is None or self._text_prefix[0] is not self.media:
+            self._text_prefix = (self.media, [t for t in self.cache_tokens[:end] if t >= 0])
+        return TextTokens(self._text_prefix[1], self.cache_tokens, end)
 
     @property
     def holds_media(self) -> bool:

@@ -31,9 +31,9 @@ import ctypes
 import hashlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import llama_cpp
@@ -41,10 +41,16 @@ import llama_cpp
 from ...errors import InvalidRequest, ModelLoadError
 from ...protocol.media import MEDIA_MARKER
 
+if TYPE_CHECKING:  # numpy is loaded only where a drafter hears media (eval_chunk's on_batch)
+    import numpy as np
+
 log = logging.getLogger("hydra_trio.engine")
 
 
 _PLACEHOLDER_SPAN = 2**31 - 3
+
+EmbdCallback = Callable[[int, "np.ndarray", "np.ndarray"], None]
+"""``on_batch(seq_id, embd, pos)`` of :meth:`MediaContext.eval_chunk`: one decoded piece of a media chunk."""
 
 _mtmd_log = logging.getLogger("llama_cpp.mtmd")
 
@@ -144,6 +150,19 @@ class MediaLayout:
         """The position that follows the first ``n`` cells (``n`` off any chunk's inside): ``n`` less what the
         chunks before it hold beyond the positions they advance (llama-server's ``pos_next``)."""
         return n - sum(c.n_tokens - c.n_pos for c in self.chunks if c.end <= n)
+
+    def n_at(self, pos: int) -> int:
+        """The cell count :meth:`pos` maps to ``pos`` (its inverse; a position inside a chunk's span: the chunk's
+        start)."""
+        n = pos
+        for c in self.chunks:
+            p0 = self.pos(c.start)
+            if pos <= p0:
+                break
+            if pos < p0 + c.n_pos:
+                return c.start
+            n += c.n_tokens - c.n_pos
+        return n
 
     def held(self, n_past: int) -> bool:
         """A slot holding ``n_past`` cells of this token list holds media."""
@@ -315,17 +334,55 @@ class MediaContext:
             tokens.extend([media.placeholder] * media.n_tokens)
         return MediaTokens(tuple(tokens), tuple(found))
 
-    def eval_chunk(self, lctx: Any, chunk: MediaChunk, pos: int, seq_id: int, n_batch: int, logits_last: bool) -> int:
+    def eval_chunk(
+        self,
+        lctx: Any,
+        chunk: MediaChunk,
+        pos: int,
+        seq_id: int,
+        n_batch: int,
+        logits_last: bool,
+        on_batch: EmbdCallback | None = None,
+    ) -> int:
         """Engine thread: encode ``chunk`` and decode its embeddings into sequence ``seq_id`` of the llama
         context ``lctx`` at position ``pos``, in pieces of at most ``n_batch`` (``mtmd_helper_eval_chunk_single``;
         a non-causal projector's decode takes the whole chunk at once); ``logits_last``: the last embedding's
-        logits are kept (index -1).  Returns mtmd's code (0: done; -1 too for a chunk without a handle)."""
+        logits are kept (index -1).  ``on_batch(seq_id, embd, pos)`` hears each decoded piece, as llama-server's
+        ``process_mtmd_chunk`` hands it to its drafters: ``embd`` float32 ``[n, n_embd]``, ``pos`` int32
+        ``[n_pos, n]`` (4 rows with M-RoPE, else 1), both copies (the same steps as
+        ``mtmd_helper_eval_chunk_single``: ``mtmd_encode_chunk``, then ``mtmd_helper_decode_image_chunk`` with a
+        post-decode callback).  Returns mtmd's code (0: done; -1 too for a chunk without a handle)."""
         if chunk.handle is None:  # a restored slot's chunk: no input to encode (mtmd's failure code)
             log.error("media chunk %s has no projector input (restored from a state blob)", chunk.id)
             return -1
+        mtmd = self._mtmd
         new_pos = llama_cpp.llama_pos(0)
+        if on_batch is None:
+            return int(
+                mtmd.mtmd_helper_eval_chunk_single(
+                    self.ctx, lctx, chunk.handle.ptr, pos, seq_id, n_batch, logits_last, ctypes.byref(new_pos)
+                )
+            )
+        import numpy as np
+
+        rc = int(mtmd.mtmd_encode_chunk(self.ctx, chunk.handle.ptr))
+        if rc != 0:
+            return rc
+        embd = mtmd.mtmd_get_output_embd(self.ctx)
+
+        def hear(view: Any, _user: Any) -> int:
+            b = view.contents
+            rows = np.ctypeslib.as_array(b.embd, shape=(b.n_tokens, b.n_embd)).copy()
+            where = np.ctypeslib.as_array(b.pos, shape=(b.n_pos, b.n_tokens)).copy()
+            try:
+                on_batch(b.seq_id, rows, where)
+            except Exception:  # a drafter's failure never fails the target's chunk
+                log.exception("media chunk %s: a drafter failed on its embeddings", chunk.id)
+            return 0
+
+        callback = mtmd.mtmd_helper_post_decode_callback(hear)  # alive until the call returns
         return int(
-            self._mtmd.mtmd_helper_eval_chunk_single(
-                self.ctx, lctx, chunk.handle.ptr, pos, seq_id, n_batch, logits_last, ctypes.byref(new_pos)
+            mtmd.mtmd_helper_decode_image_chunk(
+                self.ctx, lctx, chunk.handle.ptr, embd, pos, seq_id, n_batch, ctypes.byref(new_pos), callback, None
             )
         )

@@ -23,11 +23,12 @@ class SlotDraft:
     Attributes:
         id_slot: the slot (its llama.cpp sequence id).
         n_max: the most tokens to propose (the slot's ``--spec-draft-n-max`` and room left).
-        pos0: the position of ``id_last`` (the slot's n_past: it is not decoded yet); the drafted tokens
-            take ``pos0 + 1``, ``pos0 + 2``, ... (llama.cpp's ``pos0``, llama-server's
-            ``prompt.tokens.pos_next()``).
+        pos0: the position of ``id_last`` (the slot's next position: its n_past, less what media chunks hold
+            beyond the positions they advance; ``id_last`` is not decoded yet); the drafted tokens take
+            ``pos0 + 1``, ``pos0 + 2``, ... (llama.cpp's ``pos0``, llama-server's ``prompt.tokens.pos_next()``).
         id_last: the token the target sampled last (drafting continues after it).
-        tokens: the slot's tokens so far: prompt and generated, ending just before ``id_last``.  Between two
+        tokens: the slot's text tokens so far (media cells left out, as llama-server's ``get_text_tokens``):
+            prompt and generated, ending just before ``id_last``.  Between two
             :meth:`Drafter.begin` calls of a slot they only grow at the end or get shorter (a context shift):
             the n-gram and suffix drafters keep a copy and compare only the length and the last tokens.
         result: the draft, filled by :meth:`Drafter.draft` (empty: no proposal).
@@ -64,7 +65,7 @@ class Drafter:
         self.stats = DrafterStats()
 
     def begin(self, id_slot: int, prompt: Sequence[int]) -> None:
-        """A slot starts a request whose prompt is ``prompt`` (its cached prefix included)."""
+        """A slot starts a request whose prompt is ``prompt`` (its cached prefix included; text tokens only)."""
 
     def process(self, batch: Any) -> bool:
         """The target has just decoded ``batch`` (a ``llama_cpp.llama_batch`` of tokens; each entry's first
@@ -74,6 +75,13 @@ class Drafter:
         verification batches.  False when this drafter cannot follow it (the scheduler then stops drafting
         with it)."""
         return True
+
+    def process_media(self, id_slot: int, embd: Any, pos: Any) -> None:
+        """The target has just decoded a piece of a media chunk into the slot: ``embd`` float32 ``[n, n_embd]``
+        (the projector's rows), ``pos`` int32 ``[n_pos, n]`` (4 rows with M-RoPE, else 1), as llama-server's
+        ``process_mtmd_chunk`` hands them to its drafters.  A drafter that does not take them leaves a gap
+        in the slot's sequence, which its next :meth:`process` closes (``drafting.sync_seq``: the sequence
+        restarts); the slot drafts on either way."""
 
     def draft(self, drafts: list[SlotDraft]) -> None:
         """Fill ``result`` of each slot's draft (at most ``n_max`` tokens each; may leave it empty)."""

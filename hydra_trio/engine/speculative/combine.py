@@ -66,6 +66,10 @@ class Speculative(Drafter):
         """Every drafter's :meth:`~.base.Drafter.process` until one returns False (llama.cpp's ``&&``)."""
         return all(d.process(batch) for d in self.drafters)
 
+    def process_media(self, id_slot: int, embd: Any, pos: Any) -> None:
+        for d in self.drafters:
+            d.process_media(id_slot, embd, pos)
+
     def draft(self, drafts: list[SlotDraft]) -> None:
         """Fill each slot draft's ``result`` with the winning draft (see the module docstring)."""
         won: dict[int, tuple[Drafter, list[int]]] = {}

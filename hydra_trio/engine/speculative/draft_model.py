@@ -9,6 +9,9 @@ llama.cpp has no separate draft context size: the draft's ``n_ctx`` is the targe
 
 - :meth:`DraftSimple.process` decodes every batch the target decodes in the draft context too (only the
   last entry asks for logits), so the draft's KV cache follows the target's;
+- :meth:`DraftSimple.process_media` decodes the embeddings of each media chunk the target decodes, at their
+  positions (rows of zeros when the draft's input width is not the projector's), as llama-server hands them to
+  its drafters;
 - :meth:`DraftSimple.draft` decodes ``id_last`` at ``pos0`` and then each drafted token, taking the most
   probable of the top 10 while its probability is at least ``p_min``, up to ``n_max`` tokens; drafts
   shorter than ``n_min`` are dropped; the drafted positions are removed from the draft context again
@@ -20,15 +23,19 @@ keeps ``ctx_dft``'s sequence beside the target's).  Engine thread only.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 
 from ..llama.model import LoadedModel
 from ..settings import LlamaOptions
 from .base import Drafter, SlotDraft
-from .drafting import DraftBatch, DraftParams, pick_greedy, seq_state, set_seq_state, sync_seq
+from .drafting import DraftBatch, DraftParams, n_pos_per_embd, pick_greedy, seq_state, set_seq_state, sync_seq
+
+log = logging.getLogger("hydra_trio.engine")
 
 VOCAB_MAX_SIZE_DIFFERENCE = 128
 """Vocabularies of draft and target may differ in size by this many tokens (``SPEC_VOCAB_MAX_SIZE_DIFFERENCE``)."""
@@ -115,6 +122,12 @@ class DraftSimple(Drafter):
         self.mem = llama_cpp.llama_get_memory(draft.ctx)
         self.n_vocab = draft.n_vocab
         self.batch = DraftBatch(draft.ctx)
+        self.n_batch = draft.n_batch
+        self.n_pos = n_pos_per_embd(draft.model)
+        self.n_embd_inp = llama_cpp.llama_model_n_embd_inp(draft.model)
+        self.after_media = [False] * n_seq
+        """Per slot: its last entries were media on an M-RoPE draft (the next text may jump forward)."""
+        self._zeros_warned = False
 
     def process(self, batch: Any) -> bool:
         n = batch.n_tokens
@@ -126,9 +139,44 @@ class DraftSimple(Drafter):
             seq, pos = batch.seq_id[k][0], batch.pos[k]
             if seq not in seen:
                 seen.add(seq)
-                sync_seq(self.mem, seq, pos)
+                sync_seq(self.mem, seq, pos, self.after_media[seq])
+                self.after_media[seq] = False
             self.batch.add(batch.token[k], pos, seq, k == n - 1)
         return self.batch.decode() == 0
+
+    def process_media(self, id_slot: int, embd: Any, pos: Any) -> None:
+        """As llama.cpp's ``draft-simple``: the draft decodes the target's media rows at their positions when
+        its input width is theirs, else rows of zeros (its positions stay those of the target; a warning
+        once); a draft whose position layout (M-RoPE or not) differs from the target's takes nothing (its
+        sequence restarts at the next text, :func:`sync_seq`)."""
+        if pos.shape[0] != self.n_pos:
+            return
+        rows = embd
+        if embd.shape[1] != self.n_embd_inp:
+            if not self._zeros_warned:
+                log.warning(
+                    "draft-simple: media embeddings of width %d do not fit the draft's input width %d; the draft "
+                    "reads rows of zeros for them and drafts after media will be poor",
+                    embd.shape[1],
+                    self.n_embd_inp,
+                )
+                self._zeros_warned = True
+            rows = np.zeros((embd.shape[0], self.n_embd_inp), np.float32)
+        if not self.after_media[id_slot]:  # else a piece of the same chunk, or the next one: M-RoPE positions repeat
+            sync_seq(self.mem, id_slot, int(pos[0].min()))
+        try:
+            for start in range(0, len(rows), self.n_batch):
+                self.batch.clear()
+                for i in range(start, min(start + self.n_batch, len(rows))):
+                    self.batch.add_embd(rows[i], pos[:, i], id_slot)
+                if self.batch.decode() != 0:
+                    raise RuntimeError("the draft context did not decode the media rows")
+        except RuntimeError as exc:  # the slot's draft sequence restarts at its next text
+            log.warning("draft-simple: slot %d: %s", id_slot, exc)
+            llama_cpp.llama_memory_seq_rm(self.mem, id_slot, -1, -1)
+            self.after_media[id_slot] = False
+            return
+        self.after_media[id_slot] = self.n_pos > 1
 
     def draft(self, drafts: list[SlotDraft]) -> None:
         active: dict[int, tuple[SlotDraft, int]] = {}
@@ -137,7 +185,7 @@ class DraftSimple(Drafter):
             r.result.clear()
             if min(r.n_max, self.params.n_max) <= 0:
                 continue
-            sync_seq(self.mem, r.id_slot, r.pos0)
+            sync_seq(self.mem, r.id_slot, r.pos0, self.after_media[r.id_slot])
             active[r.id_slot] = (r, self.batch.add(r.id_last, r.pos0, r.id_slot, True))
         try:
             while active and self.batch.decode() == 0:

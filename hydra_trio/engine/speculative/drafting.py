@@ -78,6 +78,23 @@ class DraftBatch:
         self.size += 1
         return idx
 
+    def add_embd(self, embd: np.ndarray, pos: np.ndarray, seq: int) -> int:
+        """Append an embeddings entry (no token; ``embd`` float32, one row of the context's input width) at
+        ``pos`` (one position, or 4 with M-RoPE) of sequence ``seq``, no output (llama.cpp's
+        ``common_batch::add_embd``).  Returns the entry's index.
+
+        Raises RuntimeError when llama.cpp refuses it (batch full, bad sequence id or row width)."""
+        row = np.ascontiguousarray(embd, dtype=np.float32)
+        view = llama_cpp.llama_embd(row.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, row.shape[-1])
+        idx = llama_cpp.llama_batch_ext_add_embd(self._ptr, seq, view)
+        if idx < 0:
+            raise RuntimeError(f"llama_batch_ext_add_embd(seq {seq}, a row of {row.shape[-1]} floats) failed ({idx})")
+        for j, p in enumerate(pos[:4]):
+            self._pos[j] = int(p)
+        llama_cpp.llama_batch_ext_set_pos(self._ptr, idx, self._pos)
+        self.size += 1
+        return idx
+
     def decode(self) -> int:
         """``llama_process`` (decode) of the entries; llama_decode's return codes (0: done)."""
         return int(llama_cpp.llama_process(self.ctx, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self._ptr))
@@ -86,6 +103,13 @@ class DraftBatch:
         if self._ptr:
             llama_cpp.llama_batch_ext_free(self._ptr)
             self._ptr = None
+
+
+def n_pos_per_embd(model: Any) -> int:
+    """Positions an embeddings entry of ``model`` carries: 4 with M-RoPE (``MROPE``, ``IMROPE``), else 1
+    (llama.cpp's ``llama_hparams::n_pos_per_embd``)."""
+    mrope = (llama_cpp.LLAMA_ROPE_TYPE_MROPE, llama_cpp.LLAMA_ROPE_TYPE_IMROPE)
+    return 4 if llama_cpp.llama_model_rope_type(model) in mrope else 1
 
 
 def pick_greedy(ctx: Any, idx: int, n_vocab: int) -> tuple[int, float]:
@@ -121,12 +145,15 @@ def set_seq_state(ctx: Any, seq: int, data: bytes) -> None:
         raise ValueError(f"the drafter's state for sequence {seq} does not fit its context")
 
 
-def sync_seq(mem: Any, seq: int, pos: int) -> None:
+def sync_seq(mem: Any, seq: int, pos: int, jump: bool = False) -> None:
     """Make sequence ``seq`` of a drafter's memory end just before ``pos``, ready for entries from ``pos`` on:
     cells at ``pos`` and later go (a rolled-back draft, a cut prompt); when cells before ``pos`` are missing
     (the drafter did not see some of the target's batches) the sequence is emptied, as llama.cpp accepts
-    any first position in an empty sequence and only the next one in a non-empty one."""
+    any first position in an empty sequence and only the next one in a non-empty one.  ``jump``: the
+    target's positions jumped forward since the sequence's last cell (media the drafter took, or skipped, on
+    an M-RoPE model, whose memory accepts any later position, as llama.cpp's batch check lets M-RoPE
+    positions jump): the sequence stays."""
     llama_cpp.llama_memory_seq_rm(mem, seq, pos, -1)
     last = llama_cpp.llama_memory_seq_pos_max(mem, seq)
-    if last >= 0 and last != pos - 1:
+    if last >= 0 and last != pos - 1 and not (jump and last < pos):
         llama_cpp.llama_memory_seq_rm(mem, seq, -1, -1)

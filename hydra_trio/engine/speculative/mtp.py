@@ -16,6 +16,8 @@ predict ``x_{p+1}``.  So:
   with the drafted token paired with the MTP block's own hidden state, up to ``n_max`` tokens (or until a
   token's probability is below ``p_min``); the drafted positions are removed again from the MTP context,
   as llama-server removes them before the verification batch, which :meth:`process` then feeds in;
+- :meth:`DraftMtp.process_media` takes nothing (media rows have no hidden state to pair, llama.cpp skips them
+  too); on an M-RoPE model the slot's MTP sequence goes on after the media, whose positions jump;
 - :meth:`DraftMtp.accept` keeps, as ``pending_h``, the target's row of the last accepted token.
 
 Per-slot state moves with the slot (:meth:`DraftMtp.get_state`): the MTP context's sequence and
@@ -40,7 +42,7 @@ from llama_cpp import llama_cpp_ext
 
 from ..settings import LlamaOptions
 from .base import Drafter, SlotDraft
-from .drafting import DraftBatch, DraftParams, pick_greedy, seq_state, set_seq_state, sync_seq
+from .drafting import DraftBatch, DraftParams, n_pos_per_embd, pick_greedy, seq_state, set_seq_state, sync_seq
 
 _STATE_MAGIC = b"HTMTP\x01"
 _STATE_HEAD = struct.Struct("<6siiQ")  # magic, n_embd, pending_pos, length of the MTP context's sequence state
@@ -131,10 +133,30 @@ class DraftMtp(Drafter):
         self.verify_h: list[np.ndarray] = [np.zeros((0, self.n_embd), np.float32) for _ in range(n_seq)]
         """Per slot: the target's rows of the slot's entries in the last batch (row 0: the sampled token)."""
         self.verify_pos = [-1] * n_seq
+        self.mrope = n_pos_per_embd(model) > 1
+        self.after_media = [False] * n_seq
+        """Per slot: media came after its last entries (skipped here, as llama.cpp's ``draft-mtp`` skips them)."""
+
+    def _sync(self, seq: int, pos: int) -> None:
+        """:func:`sync_seq` for entries from ``pos`` on: across skipped media an M-RoPE sequence goes on."""
+        sync_seq(self.mem, seq, pos, self.after_media[seq] and self.mrope)
 
     def _h_before(self, seq: int, pos: int) -> np.ndarray:
-        """The target's hidden state at ``pos - 1`` when it is the one kept, else zeros (a slot restarted)."""
-        return self.pending_h[seq] if self.pending_pos[seq] == pos - 1 else np.zeros(self.n_embd, np.float32)
+        """The target's hidden state at ``pos - 1`` when it is the one kept, else zeros (a slot restarted).
+        After skipped media, the one kept before it when the sequence still ends there (llama.cpp pairs the
+        first token after media with the row it kept, the last one before it)."""
+        kept = self.pending_pos[seq]
+        if kept == pos - 1 or (
+            self.after_media[seq] and kept >= 0 and kept == llama_cpp.llama_memory_seq_pos_max(self.mem, seq)
+        ):
+            return self.pending_h[seq]
+        return np.zeros(self.n_embd, np.float32)
+
+    def process_media(self, id_slot: int, embd: Any, pos: Any) -> None:
+        """Nothing is decoded: the MTP block pairs tokens with the target's hidden states, which media rows
+        have none of (llama.cpp's ``draft-mtp`` skips embeddings batches too).  With M-RoPE the slot's
+        sequence goes on after the media (its positions jump there), else it restarts."""
+        self.after_media[id_slot] = True
 
     def process(self, batch: Any) -> bool:
         n = batch.n_tokens
@@ -152,8 +174,9 @@ class DraftMtp(Drafter):
             mine = rows.setdefault(seq, [])
             if not mine:
                 pos0[seq] = pos
-                sync_seq(self.mem, seq, pos)
+                self._sync(seq, pos)
                 h = self._h_before(seq, pos)
+                self.after_media[seq] = False
             else:
                 h = h_tgt[mine[-1]]
             mine.append(k)
@@ -174,7 +197,7 @@ class DraftMtp(Drafter):
             r.result.clear()
             if min(r.n_max, self.params.n_max) <= 0:
                 continue
-            sync_seq(self.mem, r.id_slot, r.pos0)
+            self._sync(r.id_slot, r.pos0)
             active[r.id_slot] = (
                 r,
                 self.batch.add(r.id_last, r.pos0, r.id_slot, True, self._h_before(r.id_slot, r.pos0)),
