@@ -221,3 +221,27 @@ def streaming(base: str, body: dict, path: str = "/v1/completions") -> Iterator[
     finally:
         stop.set()
         t.join(60)
+
+
+def listening_pid(port: int) -> int:
+    """The pid of the process listening on TCP ``port`` (``/proc/net/tcp``: the listening socket's inode, then
+    the process holding it): a router's child whether it started cold or in the spare interpreter."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # state LISTEN on this port
+                inodes.add(f"socket:[{f[9]}]")
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                return int(proc.name)
+        except OSError:
+            continue
+    raise AssertionError(f"no process listens on port {port}")

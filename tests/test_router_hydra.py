@@ -32,7 +32,7 @@ from hydra_trio.protocol.hydra import (
 )
 from hydra_trio.testing.hydra_wire import Wire
 
-from .conftest import wait_for
+from .conftest import listening_pid, wait_for
 from .test_router import TWO_MODELS, router
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -146,17 +146,8 @@ stop-timeout = 5
 
 
 def child_pid(port: int) -> int:
-    """The pid of the child node listening on ``port`` (its command line has ``--port PORT``)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            args = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hydra_trio" in args and b"--port" in args and args[args.index(b"--port") + 1] == str(port).encode():
-            return int(proc.name)
-    raise AssertionError(f"no child on port {port}")
+    """The pid of the child node listening on ``port``."""
+    return listening_pid(port)
 
 
 def read_streamed(w: Wire, once_started: Callable[[], None]) -> tuple[int, dict, bytes]:

@@ -30,7 +30,7 @@ from hydra_trio.observability.memory import available_memory, resident_bytes
 from hydra_trio.router.page import STATIC_DIR
 from hydra_trio.router.presets import ModelsConfigError
 
-from .conftest import ROOT, wait_for
+from .conftest import ROOT, listening_pid, wait_for
 from .test_router import TWO_MODELS, Router, chat, error_of, router, run_router_cli
 from .test_status_page import page  # noqa: F401 (the fixture: a page in a real headless Chromium)
 
@@ -165,12 +165,19 @@ def test_an_unload_gives_the_models_memory_back(tmp_path: Path) -> None:
         before = resident_bytes(r.proc.pid)
         assert before is not None
         assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m")).status_code == 200  # loads, runs
-        (child,) = children_of(r.proc.pid)
+        args = r.http.get("/models").json()["data"][0]["status"]["args"]
+        child = listening_pid(int(args[args.index("--port") + 1]))
+        assert child in children_of(r.proc.pid)
         child_rss = resident_bytes(child)
         assert child_rss is not None and child_rss > weights // 2, (child_rss, weights)
         assert r.http.post("/models/unload", json={"model": "smollm2-135m"}).json() == {"success": True}
         r.wait_status("smollm2-135m", "unloaded")
-        assert not Path(f"/proc/{child}").exists() and children_of(r.proc.pid) == []
+        # what is left is the interpreter kept ready for the next child (cli/spare.py), with no model
+        assert not Path(f"/proc/{child}").exists()
+        for pid in children_of(r.proc.pid):
+            assert b"hydra_trio.cli.spare" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            spare_rss = resident_bytes(pid)
+            assert spare_rss is not None and spare_rss < child_rss - weights // 2, (spare_rss, child_rss)
         after = resident_bytes(r.proc.pid)
         assert after is not None and after - before < weights // 2, (before, after, weights)
 

@@ -16,6 +16,7 @@ from hydra_trio.cli import parse_args
 from hydra_trio.cli.router import build_models
 from hydra_trio.models.presets import resolve_model
 
+from .conftest import listening_pid
 from .test_router import Router, chat, router
 
 SIBLINGS = """\
@@ -37,21 +38,11 @@ the name a child answers with after a swap is the router's."""
 
 
 def child_of(r: Router, name: str) -> tuple[int, int]:
-    """``(port, pid)`` of the child serving ``name``: its port from ``/models``, its process from ``/proc`` (the
-    process whose command line holds ``--port PORT``)."""
+    """``(port, pid)`` of the child serving ``name``: its port from ``/models``, its process the one listening
+    there."""
     args = r.models()[name]["status"]["args"]
     port = int(args[args.index("--port") + 1])
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"hydra_trio" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
-                pids.append(int(entry.name))
-    assert len(pids) == 1, (port, pids)
-    return port, pids[0]
+    return port, listening_pid(port)
 
 
 def statuses(r: Router) -> dict[str, tuple[str, bool]]:

@@ -19,7 +19,8 @@ import trio
 class ChildProcess:
     """One child process: its output as a trio stream, its exit awaited without a thread (a pidfd).
 
-    ``stdin``: its standard input is a pipe for :meth:`send_line` (a warm spare, :mod:`.spare`), else empty.
+    ``stdin``: its standard input is a pipe for :meth:`send_line` (a warm spare, :mod:`hydra_trio.cli.spare`),
+    else empty.
 
     The same calls as :class:`trio.Process` that the router makes: :attr:`returncode` (None while it runs,
     ``-N`` after signal N), :meth:`kill`, :meth:`send_signal`, ``await`` :meth:`wait`, :attr:`stdout` (its

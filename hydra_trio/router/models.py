@@ -54,8 +54,8 @@ UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
 LAUNCHER = (sys.executable, "-m", "hydra_trio")
 """A child node's command before its flags."""
 
-SPARE = (sys.executable, "-m", "hydra_trio.router.spare")
-"""The warm interpreter's command (:mod:`.spare`)."""
+SPARE = (sys.executable, "-m", "hydra_trio.cli.spare")
+"""The warm interpreter's command (:mod:`hydra_trio.cli.spare`)."""
 
 
 @attrs.frozen
@@ -67,8 +67,8 @@ class RouterSettings:
         models_autoload: a request for a model that is not running loads it (``--[no-]models-autoload``);
             a request's ``?autoload=`` decides for itself.
         launcher: the command a child node starts with, before its flags.
-        spare: keep one interpreter started ahead for the next child (:mod:`.spare`; ``--no-router-spare``
-            turns it off): a child started with :data:`LAUNCHER` runs in it.
+        spare: keep one interpreter started ahead for the next child (:mod:`hydra_trio.cli.spare`;
+            ``--no-router-spare`` turns it off): a child started with :data:`LAUNCHER` runs in it.
     """
 
     models_max: int = 4
@@ -316,8 +316,8 @@ class ModelRouter:
 
     # ------------------------------------------------------------------------------------------ spare
     def _want_spare(self) -> None:
-        """Start the warm interpreter for the next child (:mod:`.spare`) unless one waits already, the
-        settings want none, or a child is loading (the spare's imports would take its CPU)."""
+        """Start the warm interpreter for the next child (:mod:`hydra_trio.cli.spare`) unless one waits
+        already, the settings want none, or a child is loading (the spare's imports would take its CPU)."""
         from .presets import child_environment
 
         if not self.settings.spare or self.settings.launcher != LAUNCHER or self._nursery is None:

@@ -1,4 +1,4 @@
-"""A warm interpreter for the router's next child node (``python -m hydra_trio.router.spare``).
+"""A warm interpreter for the router's next child node (``python -m hydra_trio.cli.spare``).
 
 A child node spends most of its start importing (Python, trio, the HTTP stack, llama-cpp-python and
 llama.cpp's libraries: about 0.6 s on 2 cores) before it reads a byte of its model.  The router keeps one
@@ -23,9 +23,9 @@ def warm_up() -> None:
     import llama_cpp  # noqa: F401  (llama.cpp's libraries, mapped)
 
     import hydra_trio.cli.run
-    import hydra_trio.engine.lifecycle
     import hydra_trio.http.app
     import hydra_trio.node.server  # noqa: F401
+    from hydra_trio.engine import Engine  # noqa: F401  (the engine package loads its modules on first use)
 
 
 def main() -> int:
