@@ -1,6 +1,6 @@
 """Router mode against llama-server's router, side by side: the same preset file, the same client.
 
-    .venv/bin/python bench/router.py [--rounds 3] [--threads 1] [--json out.json]
+    .venv/bin/python bench/router.py [--rounds 3] [--threads 1] [--settle 0] [--json out.json]
 
 The preset names three models by their GGUF files (llama-server reads files): ``q4`` (``smollm2-135m``, the
 project's default model), ``q8`` (its Q8_0) and ``moe`` (the test MoE made from it), with ``c = 2048`` and
@@ -20,6 +20,10 @@ round, so a busy machine's drift hits both):
   switch moe (chat)    a streaming chat for ``moe`` while ``q4`` is loaded: both restart (another model)
 
 Each chat's prompt starts with a nonce (no prompt cache helps either side) and asks for 4 tokens.
+
+``--settle S`` leaves both routers idle S seconds after they start and after each case (default 0: the cases
+back to back).  hydra-trio's router starts each child in an interpreter it keeps ready (``cli/spare.py``); the
+next one is made while the router is idle, so back to back a load may find it still importing.
 
 ``GET /models`` is polled every 5 ms.  Prints a line per measurement while it runs (a bar on a terminal), then
 the medians (min-max) with llama-server / hydra-trio as the ratio (a speedup: higher is better); the in-place
@@ -146,8 +150,10 @@ class RouterUnderTest:
         return first
 
 
-def one_round(name: str, preset: Path, threads: int, anchor: Path, r: int, say: Any) -> dict[str, list[float]]:
-    """Every case once on a fresh router; ``{case: [ms, ...]}``."""
+def one_round(
+    name: str, preset: Path, threads: int, anchor: Path, r: int, say: Any, settle: float = 0.0
+) -> dict[str, list[float]]:
+    """Every case once on a fresh router, ``settle`` seconds idle before each; ``{case: [ms, ...]}``."""
     out: dict[str, list[float]] = {c: [] for c in CASES}
     router = RouterUnderTest(name, preset, threads, anchor)
     try:
@@ -155,6 +161,9 @@ def one_round(name: str, preset: Path, threads: int, anchor: Path, r: int, say: 
         def note(case: str, ms: float, what: str) -> None:
             out[case].append(ms)
             say(f"round {r + 1} {name:>12}: {case:<14} {ms:8.1f} ms  ({what})")
+            time.sleep(settle)
+
+        time.sleep(settle)
 
         note("load", router.load("q4"), "q4")
         note("unload", router.unload("q4"), "q4")
@@ -174,6 +183,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="rounds per router (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="-t of every child (default 1)")
+    ap.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds both routers stay idle after starting and after each case (default 0: back to back)",
+    )
     ap.add_argument("--json", type=Path, help="write every sample and the table's figures here")
     a = ap.parse_args()
     anchor = build_anchor()
@@ -185,7 +200,7 @@ def main() -> None:
             for r in range(a.rounds):
                 order = ("hydra-trio", "llama-server") if r % 2 == 0 else ("llama-server", "hydra-trio")
                 for name in order:
-                    for case, values in one_round(name, preset, a.threads, anchor, r, print).items():
+                    for case, values in one_round(name, preset, a.threads, anchor, r, print, a.settle).items():
                         samples[name][case] += values
                     bar.advance()
     rows = [

@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     func = getattr(args, "func", None)
     if func is not None:  # a client command
         return func(args)
-    from .router import is_router, run_router
+    if args.model is None and (args.models_preset or args.models_dir):  # llama-server's router mode
+        from .router import run_router  # (the router's modules: not loaded by a node)
 
-    if is_router(args):  # no -m, and --models-preset or --models-dir: llama-server's router mode
         return run_router(args, parse_args)
     from .run import run_node
 

@@ -56,11 +56,6 @@ from .run import log_level, rpc_backend_settings
 log = logging.getLogger("hydra_trio")
 
 
-def is_router(args: argparse.Namespace) -> bool:
-    """llama-server's rule: no model on the command line, and a preset file or a models directory."""
-    return args.model is None and bool(args.models_preset or args.models_dir)
-
-
 def option_table() -> OptionTable:
     """Every flag of ``run`` as preset keys (:class:`~hydra_trio.router.presets.OptionTable`)."""
     return OptionTable(

@@ -73,10 +73,13 @@ def trim_heap(when: str) -> None:
 
 
 def warm_up(m: LoadedModel) -> None:
-    """One tiny decode so the first request does not pay for lazy init (like llama-server), then
-    :func:`trim_heap`: the load's temporaries go back to the system."""
-    tokens = (llama_cpp.llama_token * 1)(m.bos_id if m.bos_id >= 0 else 0)  # alive while the batch points at it
-    llama_cpp.llama_decode(m.ctx, llama_cpp.llama_batch_get_one(tokens, 1))
+    """One tiny decode so the first request does not pay for lazy init, of llama-server's tokens
+    (``common_init_from_params`` in ``common/common.cpp``: BOS and EOS, those the vocabulary has, else token 0;
+    a batch of two runs the kernels a prompt runs), then :func:`trim_heap`: the load's temporaries go back to
+    the system."""
+    ids = [t for t in (m.bos_id, m.eos_id) if t >= 0] or [0]
+    tokens = (llama_cpp.llama_token * len(ids))(*ids)  # alive while the batch points at it
+    llama_cpp.llama_decode(m.ctx, llama_cpp.llama_batch_get_one(tokens, len(ids)))
     llama_cpp.llama_memory_clear(m.memory, True)
     trim_heap("after loading")
 

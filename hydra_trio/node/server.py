@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import anyio.lowlevel
 import trio
 
 from ..config import ServerConfig
@@ -105,6 +106,7 @@ class Server:
         """
         cfg = self.config
         listeners = self._listeners = await _open_listeners(cfg.host, (cfg.port, *cfg.extra_ports), cfg.reuse_port)
+        await anyio.lowlevel.checkpoint()  # anyio loads its trio backend now (80 ms), not in the first streamed reply
         progress.add_listener(self._progress_events)
         self.ports = list(dict.fromkeys(listener.socket.getsockname()[1] for listener in listeners))
         self.port = self.ports[0]
