@@ -336,7 +336,10 @@ def test_pretty_printed_tool_calls_stop_at_the_context(spawn: Any) -> None:
     calls = [
         {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": _deep(250)}} for i in range(8000)
     ]
-    body = {"max_tokens": 1, "messages": [*MSGS, {"role": "assistant", "content": None, "tool_calls": calls}]}
+    # a user turn after the calls: a final assistant message is continued, and one with tool calls is refused
+    # before it renders (llama-server's --prefill-assistant)
+    turn = {"role": "assistant", "content": None, "tool_calls": calls}
+    body = {"max_tokens": 1, "messages": [*MSGS, turn, {"role": "user", "content": "and?"}]}
     with httpx.Client(base_url=node.base, timeout=300) as c:
         assert c.post("/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1}).status_code == 200
         before = _peak_rss(node)
