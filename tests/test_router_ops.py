@@ -327,7 +327,8 @@ def test_the_router_serves_its_status_page_open_and_its_data_behind_the_key(tmp_
         page = r.http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), page.text
         assert 'src="static/router.js"' in page.text and 'href="static/status.css"' in page.text
-        for name in ("router.js", "status.css"):
+        assert page.text.index('src="static/page.js"') < page.text.index('src="static/router.js"')
+        for name in ("router.js", "page.js", "status.css"):
             f = r.http.get(f"/static/{name}")
             assert f.status_code == 200 and f.content == (STATIC_DIR / name).read_bytes()
         assert r.http.get("/static/router.html").headers["location"] == "../"

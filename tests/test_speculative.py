@@ -216,15 +216,26 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
     for _ in range(20):
         budget.observe_verify(0, 4, 0)  # every draft rejected at once
     held = [budget.cap(0, 16) for _ in range(8)]
-    assert held == [0] * 7 + [1]  # held to none, with a one-token probe every EXPLORE steps
+    assert sorted(held) == [0] * 7 + [1]  # held to none, with a one-token probe every EXPLORE steps
     for _ in range(40):
         budget.observe_verify(0, 8, 8)  # every draft accepted whole
     assert budget.cap(0, 16) >= 8
     assert DraftBudget(1, 0.01).cap(0, 64) > DraftBudget(1, 1.0).cap(0, 64)  # cheaper rows, longer drafts
     grows = DraftBudget(1, 0.5, 0.09)  # auto on a CPU: each row costs more the longer the slot's context
-    for _ in range(40):
-        grows.observe_verify(0, 8, 7)
+    for i in range(60):
+        grows.observe_verify(0, 16, i % 8)  # drafts accepted up to 0, 1, ... 7 tokens, as many of each
     assert grows.cap(0, 64, n_past=0) > grows.cap(0, 64, n_past=8000) >= 1
+
+    # copied text: the first drafted token is accepted half the time, the ones after it nearly always; kept
+    # apart by position, the budget learns to draft long where one acceptance for all would keep drafts short
+    copy = DraftBudget(1, 0.5, 0.09)
+    caps = []
+    for i in range(200):
+        caps.append(copy.cap(0, 16, n_past=500))
+        if caps[-1]:
+            copy.observe_verify(0, caps[-1], 0 if i % 4 in (1, 2) else caps[-1])
+    assert caps[0] <= 3 and min(caps[-20:]) == 16, caps
+    assert copy.acceptance(0, depth=0) < 0.7 < 0.95 < copy.acceptance(0, depth=8)
 
     async with engine_with("ngram-simple") as engine:  # auto: this machine's CPU (a build with ggml-RPC only)
         auto = engine.scheduler.spec.budget
@@ -232,7 +243,7 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
 
     prose = "The history of the city begins with a small market by the river, where traders met"
     runs = []
-    for row_cost in (0.35, 0.35, 0.0):
+    for row_cost in (1.0, 1.0, 0.0):
         async with engine_with("ngram-simple", "suffix", spec={"budget_row_cost": row_cost}) as engine:
             assert (engine.scheduler.spec.budget is None) == (row_cost == 0)
             runs.append(await generate(engine, prose, n_predict=96))

@@ -81,7 +81,8 @@ def test_the_page_and_its_files_are_served_and_fetch_nothing_from_elsewhere(http
     r = http.get("/")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert 'src="static/status.js"' in r.text and 'href="static/status.css"' in r.text
-    for name, kind in [("status.js", "javascript"), ("status.css", "text/css")]:
+    assert r.text.index('src="static/page.js"') < r.text.index('src="static/status.js"')  # its helpers first
+    for name, kind in [("status.js", "javascript"), ("page.js", "javascript"), ("status.css", "text/css")]:
         f = http.get(f"/static/{name}")
         assert f.status_code == 200 and kind in f.headers["content-type"]
         assert f.content == (STATIC_DIR / name).read_bytes()

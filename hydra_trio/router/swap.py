@@ -14,9 +14,7 @@ llama-cpp-python 0.3.36 vendors).
 
 from __future__ import annotations
 
-import json
 import logging
-import secrets
 import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,18 +23,9 @@ from typing import Any
 import trio
 
 from ..errors import HydraTrioError
+from ..hydra.client import HydraBusy, HydraClient, HydraConnectError, HydraError
 from ..models.family import weights_layout
 from ..models.presets import resolve_model
-from ..protocol.hydra import (
-    NEED_DATA,
-    Op,
-    ProtocolError,
-    ResponseDecoder,
-    ResponseEnded,
-    ResponseStarted,
-    Status,
-    encode_request,
-)
 from ..transport.access import read_key_file
 from .presets import LOAD_ON_STARTUP, STOP_TIMEOUT, ModelPreset
 
@@ -129,60 +118,26 @@ def hydra_token(preset: ModelPreset) -> str | None:
 
 
 async def swap_quant(host: str, port: int, key: str, token: str | None, patience: float) -> dict[str, Any]:
-    """SWAP_QUANT ``key`` on the node at ``host:port`` (a Hydra request on its port, after CONFIGURE
-    ``{"auth": token}`` when the node has a ``--hydra-token``); returns the reply's meta.  Answered BUSY (a
-    slot works), it is asked again every :data:`BUSY_RETRY_S` for ``patience`` seconds (the wait of an unload:
-    the model's ``stop-timeout``).
+    """SWAP_QUANT ``key`` on the node at ``host:port`` (:meth:`HydraClient.swap_quant
+    <hydra_trio.hydra.client.HydraClient.swap_quant>`, presenting ``token`` when the node has a
+    ``--hydra-token``); returns the reply's meta.  Answered BUSY (a slot works), it is asked again every
+    :data:`BUSY_RETRY_S` for ``patience`` seconds (the wait of an unload: the model's ``stop-timeout``).
 
     Raises:
         SwapFailed: the node refused (its status and ``error``), failed to load the file (it still serves
             the old one), stayed busy, could not be reached or broke the protocol.
     """
     deadline = trio.current_time() + patience
-    payload = struct.pack("<H", len(key.encode())) + key.encode()
     try:
-        with trio.fail_after(SWAP_TIMEOUT_S):
-            stream = await trio.open_tcp_stream(host, port)
-            async with stream:
-                decoder = ResponseDecoder()
-                if token is not None:
-                    status, meta = await _exchange(stream, decoder, Op.CONFIGURE, json.dumps({"auth": token}).encode())
-                    if status != Status.OK:
-                        raise SwapFailed(f"the node refused the token: {meta.get('error', status)}")
-                while True:
-                    status, meta = await _exchange(stream, decoder, Op.SWAP_QUANT, payload)
-                    if status == Status.OK:
-                        return meta
-                    if status != Status.BUSY:
-                        raise SwapFailed(f"SWAP_QUANT answered {_status_name(status)}: {meta.get('error', meta)}")
+        async with HydraClient(host, port, timeout=SWAP_TIMEOUT_S, token=token) as client:
+            while True:
+                try:
+                    return await client.swap_quant(key, "")
+                except HydraBusy:
                     if trio.current_time() >= deadline:
-                        raise SwapFailed(f"the node stayed busy for {patience:g} s")
-                    await trio.sleep(BUSY_RETRY_S)
-    except trio.TooSlowError:
-        raise SwapFailed(f"no answer to SWAP_QUANT within {SWAP_TIMEOUT_S:g} s") from None
-    except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError) as exc:
-        raise SwapFailed(f"{type(exc).__name__}: {exc}") from exc
-
-
-async def _exchange(stream: trio.SocketStream, decoder: ResponseDecoder, op: int, payload: bytes) -> tuple[int, Any]:
-    """One request and its whole reply: ``(status, meta)`` (a payload, which these ops have none of, is read
-    past)."""
-    await stream.send_all(encode_request(op, "", payload, secrets.token_hex(4)))
-    started: ResponseStarted | None = None
-    while not isinstance(event := decoder.next_event(), ResponseEnded):
-        if isinstance(event, ResponseStarted):
-            started = event
-        elif event is NEED_DATA:
-            data = await stream.receive_some(1 << 16)
-            if not data:
-                raise SwapFailed("the node closed the connection before it answered")
-            decoder.receive_data(data)
-    assert started is not None
-    return started.header.status, started.meta
-
-
-def _status_name(status: int) -> str:
-    try:
-        return Status(status).name
-    except ValueError:
-        return str(status)
+                        raise SwapFailed(f"the node stayed busy for {patience:g} s") from None
+                await trio.sleep(BUSY_RETRY_S)
+    except HydraError as exc:
+        raise SwapFailed(f"SWAP_QUANT answered {exc.status_name}: {exc.message}") from exc
+    except HydraConnectError as exc:
+        raise SwapFailed(f"the node could not be reached: {exc}") from exc

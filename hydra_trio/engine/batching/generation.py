@@ -115,9 +115,9 @@ class Generation:
         spec = self.sched.spec
         if spec is not None:
             spec.seq_rm(slot.id, keep, -1)
-            spec.accept(slot.id, n_accepted)
             if spec.budget is not None:
-                spec.budget.observe_verify(slot.id, len(draft), n_accepted)
+                spec.budget.observe_verify(slot.id, len(draft), n_accepted, spec.last_drafter(slot.id))
+            spec.accept(slot.id, n_accepted)
         slot.draft_n += len(draft)
         slot.draft_n_accepted += n_accepted
         stats = self.sched.stats

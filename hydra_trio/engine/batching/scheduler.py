@@ -320,8 +320,6 @@ class Scheduler:
                 slot.n_ctx - slot.n_past - 3,
                 job.n_predict - slot.n_decoded - 1 if job.n_predict >= 0 else spec.n_max,
             )
-            if spec.budget is not None:
-                n_max = spec.budget.cap(slot.id, n_max, slot.n_past)
             if n_max >= 1:
                 drafts.append(SlotDraft(slot.id, n_max, slot.pos_next, slot.last_token, slot.text_tokens()))
         if drafts:

@@ -5,15 +5,18 @@ Verifying a draft of ``L`` tokens makes the target's batch ``L`` rows longer.  O
 cost next to nothing; on a CPU each one costs a good share of a whole token, and more the longer the context
 (each row attends to all of it): ``bench/verify_cost.py`` on 2 cores with SmolLM2-135M measured a row at
 0.53 of a one-row step with 256 tokens in the context, 0.81 with 2,048 and 1.06 with 6,144, so a long draft
-that is rejected early is slower than no draft.  :class:`DraftBudget` keeps, per slot, the chance ``a`` that a
-drafted token is accepted given the ones before it were (accepted drafted tokens over accepted ones plus
-rejections, with a prior, recent drafts weighing more), and cuts each draft to the length ``L`` that makes
-the most tokens per unit of decode cost, ``(1 + a + a² + ... + a^L) / (1 + r × (L + 1))`` with ``r`` the
-cost of one more row over the cost of a step (``--spec-budget-row-cost``; ``auto`` on a CPU:
+that is rejected early is slower than no draft.  :class:`DraftBudget` keeps, per slot and per draft
+position ``d``, the chance ``a_d`` that the drafted token there is accepted given the ones before it were
+(accepted over verified tokens at that position, recent drafts weighing more, each shrunk towards the
+estimate one position shallower, the first towards a prior), and cuts each draft to the length ``L`` that
+makes the most tokens per unit of decode cost, ``(1 + a_0 + a_0·a_1 + ... + a_0···a_(L-1)) / (1 + r × (L + 1))``
+with ``r`` the cost of one more row over the cost of a step (``--spec-budget-row-cost``; ``auto`` on a CPU:
 :data:`CPU_ROW_COST` plus :data:`CPU_ROW_COST_PER_KTOKEN` for each 1,000 tokens of the slot's context) — 0
-when no draft pays.  A slot
-whose drafts do not pay is still given a one-token draft every :data:`EXPLORE` steps, so its estimate
-follows the text.
+when no draft pays.  Keeping the positions apart matters on copied text: a draft's first token is often
+rejected (the text leaves the copy), but once it is accepted the rest nearly always are, which one
+acceptance for every position would average away, keeping long drafts short.  A position never verified
+takes the deepest estimate, and when a draft reaches every position verified so far (or no draft pays), a
+draft one token longer is verified every :data:`EXPLORE` steps, so the estimates follow the text.
 
 The cost ratio is a setting, not a timing: a draft's length then depends only on the tokens, so the same
 request gives the same batches, and the same greedy text, on every run.
@@ -35,59 +38,91 @@ DECAY = 0.97
 """Each new observation weighs 1, the earlier ones this much less each time."""
 
 PRIOR_A, PRIOR_N = 0.6, 2.0
-"""The acceptance a slot starts with, and how many observations it is worth."""
+"""The acceptance a slot starts with at a draft's first position, and how many observations a prior is worth."""
+
+PRIOR_DEEP = 0.85
+"""The least a deeper position's prior is (else the estimate one position shallower): a drafted token
+that follows accepted ones is more often accepted than the first (the text goes on as the draft's source
+did)."""
 
 
 class DraftBudget:
-    """Every slot's acceptance and the draft length it is worth (engine thread only)."""
+    """Every slot's acceptance by drafter and draft position, and the draft length it is worth (engine
+    thread only).
+
+    The estimates are kept per slot and per drafter (``key``: the type's name; one draft's tokens come from
+    one drafter), across the slot's requests: a new request on a slot halves what the earlier ones taught
+    (:meth:`reset`), so that its own drafts soon weigh most.  They depend on the tokens only, so the same
+    requests in the same order give the same drafts on every run."""
 
     def __init__(self, n_seq: int, row_cost: float, per_ktoken: float = 0.0) -> None:
         """Args: n_seq: the node's slots; row_cost: ``r`` of the module docstring at an empty context (> 0);
         per_ktoken: what each 1,000 tokens of a slot's context add to it."""
         self.row_cost = row_cost
         self.per_ktoken = per_ktoken
-        self._acc = [PRIOR_A * PRIOR_N] * n_seq  # decayed accepted drafted tokens
-        self._rej = [(1 - PRIOR_A) * PRIOR_N] * n_seq  # decayed rejections
-        self._held = [0] * n_seq  # steps a slot has been held to no draft
+        self._acc: dict[tuple[int, str], list[float]] = {}  # per position: decayed accepted tokens
+        self._seen: dict[tuple[int, str], list[float]] = {}  # per position: decayed verified tokens
+        self._held: dict[tuple[int, str], int] = {}  # steps since the last draft one token past the cap
 
-    def acceptance(self, id_slot: int) -> float:
-        a, r = self._acc[id_slot], self._rej[id_slot]
-        return a / (a + r)
+    def acceptance(self, id_slot: int, key: str = "", depth: int = 0) -> float:
+        """The chance that ``key``'s drafted token at ``depth`` (0: the first) on the slot is accepted given
+        the ones before it were: what was observed there, shrunk towards the estimate one position
+        shallower (the first towards :data:`PRIOR_A`, a deeper one towards at least :data:`PRIOR_DEEP`), so
+        that positions never verified yet take the deepest one's."""
+        acc, seen = self._acc.get((id_slot, key), []), self._seen.get((id_slot, key), [])
+        a = PRIOR_A
+        for d in range(depth + 1):
+            a = _estimate(acc, seen, d, a)
+        return a
 
-    def observe_verify(self, id_slot: int, drafted: int, accepted: int) -> None:
-        """A draft of ``drafted`` tokens on the slot had its first ``accepted`` accepted."""
-        self._acc[id_slot] = self._acc[id_slot] * DECAY**drafted + accepted
-        self._rej[id_slot] = self._rej[id_slot] * DECAY**drafted + (1 if accepted < drafted else 0)
+    def observe_verify(self, id_slot: int, drafted: int, accepted: int, key: str = "") -> None:
+        """A draft of ``drafted`` tokens by ``key`` on the slot had its first ``accepted`` accepted: the
+        positions up to the first rejected one were verified."""
+        acc = self._acc.setdefault((id_slot, key), [])
+        seen = self._seen.setdefault((id_slot, key), [])
+        n = min(drafted, accepted + 1)
+        while len(seen) < n:
+            acc.append(0.0)
+            seen.append(0.0)
+        for d in range(n):
+            acc[d] = acc[d] * DECAY + (1.0 if d < accepted else 0.0)
+            seen[d] = seen[d] * DECAY + 1.0
 
     def reset(self, id_slot: int) -> None:
-        """A new request on the slot starts from the prior (so a request's drafts do not depend on the
-        requests before it)."""
-        self._acc[id_slot] = PRIOR_A * PRIOR_N
-        self._rej[id_slot] = (1 - PRIOR_A) * PRIOR_N
-        self._held[id_slot] = 0
+        """A new request on the slot: what the earlier ones taught weighs half."""
+        for (slot, _key), counts in [*self._acc.items(), *self._seen.items()]:
+            if slot == id_slot:
+                counts[:] = [c * 0.5 for c in counts]
 
-    def cap(self, id_slot: int, n_max: int, n_past: int = 0) -> int:
-        """The draft length worth verifying on the slot now (``n_past`` tokens in its context), at most
-        ``n_max``."""
+    def cap(self, id_slot: int, n_max: int, n_past: int = 0, key: str = "") -> int:
+        """The length of ``key``'s draft worth verifying on the slot now (``n_past`` tokens in its context),
+        at most ``n_max``."""
         if n_max <= 0:
             return 0
         c0, c1 = 1.0, self.row_cost + self.per_ktoken * n_past / 1000
-        a = self.acceptance(id_slot)
+        acc, seen = self._acc.get((id_slot, key), []), self._seen.get((id_slot, key), [])
         best_l, best = 0, 1.0 / (c0 + c1)
-        gain, term = 1.0, 1.0
+        gain, survive, a = 1.0, 1.0, PRIOR_A
         for length in range(1, n_max + 1):
-            term *= a
-            gain += term
+            a = _estimate(acc, seen, length - 1, a)
+            survive *= a
+            gain += survive
             rate = gain / (c0 + c1 * (length + 1))
             if rate > best:
                 best_l, best = length, rate
-            elif term < 1e-3:
+            elif survive < 1e-3:
                 break
-        if best_l == 0:
-            self._held[id_slot] += 1
-            if self._held[id_slot] >= EXPLORE:
-                self._held[id_slot] = 0
-                return 1
-        else:
-            self._held[id_slot] = 0
+        # every EXPLORE steps a draft one token longer is verified, so that the estimate of the position
+        # past the cap follows the text (a slot held to no draft gets a one-token draft)
+        held = self._held.get((id_slot, key), 0) + 1
+        if held >= EXPLORE and best_l < n_max:
+            held, best_l = 0, best_l + 1
+        self._held[id_slot, key] = held
         return best_l
+
+
+def _estimate(acc: list[float], seen: list[float], d: int, shallower: float) -> float:
+    """Position ``d``'s acceptance from its counts, shrunk towards its prior (``shallower``: position
+    ``d - 1``'s estimate, or :data:`PRIOR_A` for the first)."""
+    prior = shallower if d == 0 else max(shallower, PRIOR_DEEP)
+    return (acc[d] + PRIOR_N * prior) / (seen[d] + PRIOR_N) if d < len(seen) else prior

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from .budget import DraftBudget
 from .suffix import SuffixDrafter
 
+MODEL_TYPES = ("draft-mtp", "draft-simple")
+"""The types that run a model to draft: the draft budget cuts their drafts before they draft (each token
+costs a decode); the model-free types draft whole and are cut afterwards."""
+
 
 class Speculative(Drafter):
     """The drafters of one node (``common_speculative``), behind the :class:`Drafter` contract.
@@ -90,10 +94,21 @@ class Speculative(Drafter):
             if not pending:
                 break
             asked = [_copy(r) for r in pending]
+            if self.budget is not None and d.name in MODEL_TYPES:  # its drafting costs: cut before it drafts
+                for r in asked:
+                    r.n_max = self.budget.cap(r.id_slot, r.n_max, r.pos0, d.name)
+                asked = [r for r in asked if r.n_max > 0]
+                if not asked:
+                    continue
             d.draft(asked)
+            by_slot = {r.id_slot: r for r in asked}
             still = []
-            for sd, got in zip(pending, asked, strict=True):
-                res = _cut(got.result, sd.n_max)
+            for sd in pending:
+                asked_sd = by_slot.get(sd.id_slot)
+                if asked_sd is None:
+                    still.append(sd)
+                    continue
+                res = _cut(asked_sd.result, asked_sd.n_max)
                 if not res:
                     still.append(sd)
                 elif len(res) > len(won.get(id(sd), (None, []))[1]):
@@ -101,6 +116,10 @@ class Speculative(Drafter):
             pending = still
         for sd in drafts:
             winner, res = won.get(id(sd), (None, []))
+            if winner is not None and self.budget is not None and winner.name not in MODEL_TYPES:
+                res = res[: self.budget.cap(sd.id_slot, len(res), sd.pos0, winner.name)]  # drafted whole, cut here
+                if not res:
+                    winner = None
             sd.result[:] = res
             self.impl_last[sd.id_slot] = winner
             if winner is not None:
@@ -145,7 +164,12 @@ class Speculative(Drafter):
     def follows_the_target(self) -> bool:
         """A drafter reads the target's context or keeps a model in step with it (``draft-mtp``,
         ``draft-simple``): it follows only the model it was built for (SOLO's, not COMBINED's)."""
-        return any(d.name in ("draft-mtp", "draft-simple") for d in self.drafters)
+        return any(d.name in MODEL_TYPES for d in self.drafters)
+
+    def last_drafter(self, id_slot: int) -> str:
+        """The type whose draft the slot is verifying ("" when none)."""
+        impl = self.impl_last[id_slot]
+        return impl.name if impl is not None else ""
 
     def get_state(self, id_slot: int) -> bytes | None:
         """Every drafter's state for the slot, tagged by type name: records of ``u8 name length, name,

@@ -4,20 +4,10 @@
 // goes to each request as Authorization: Bearer KEY.
 (function () {
   "use strict";
-  const $ = (id) => document.getElementById(id);
+  const { $, setText, setLink } = window.hydraPage; // static/page.js
   const key = new URLSearchParams(location.hash.slice(1)).get("key");
   const headers = key ? { Authorization: "Bearer " + key } : {};
   const CELLS = ["id", "aliases", "status", "source", "n_ctx", "ftype", "port"];
-
-  function setText(id, value) {
-    $(id).textContent = value === undefined || value === null || value === "" ? "–" : String(value);
-  }
-
-  function setLink(state, text) {
-    const el = $("link");
-    el.dataset.state = state;
-    el.textContent = text;
-  }
 
   async function getJson(path) {
     const r = await fetch(new URL(path, location.href), { headers, cache: "no-store" });

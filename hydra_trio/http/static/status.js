@@ -7,7 +7,7 @@
   const MAX_EVENTS = 30;        // events kept in the list
   const CHART_SECONDS = 60;     // the chart's window
   const MAX_BACKOFF_MS = 10000; // reconnect delay: 0.5 s doubling up to this
-  const $ = (id) => document.getElementById(id);
+  const { $, setText, setLink } = window.hydraPage; // static/page.js
   let points = [];              // [ts, tok_s] from stats events
   let backoff = 500;
 
@@ -19,16 +19,6 @@
     const key = new URLSearchParams(location.hash.slice(1)).get("key");
     if (key) url.searchParams.set("api_key", key);
     return url.href;
-  }
-
-  function setText(id, value) {
-    $(id).textContent = value === undefined || value === null || value === "" ? "–" : String(value);
-  }
-
-  function setLink(state, text) {
-    const el = $("link");
-    el.dataset.state = state;
-    el.textContent = text;
   }
 
   function onHello(e) {
