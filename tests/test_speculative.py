@@ -211,7 +211,7 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
     two runs of one request verify the same drafts and give the same text."""
     from hydra_trio.engine.speculative.budget import DraftBudget
 
-    budget = DraftBudget(1, 0.35)
+    budget = DraftBudget(0.35)
     assert budget.cap(0, 16) >= 1  # the prior's acceptance pays for a draft
     for _ in range(20):
         budget.observe_verify(0, 4, 0)  # every draft rejected at once
@@ -220,15 +220,15 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
     for _ in range(40):
         budget.observe_verify(0, 8, 8)  # every draft accepted whole
     assert budget.cap(0, 16) >= 8
-    assert DraftBudget(1, 0.01).cap(0, 64) > DraftBudget(1, 1.0).cap(0, 64)  # cheaper rows, longer drafts
-    grows = DraftBudget(1, 0.5, 0.09)  # auto on a CPU: each row costs more the longer the slot's context
+    assert DraftBudget(0.01).cap(0, 64) > DraftBudget(1.0).cap(0, 64)  # cheaper rows, longer drafts
+    grows = DraftBudget(0.5, 0.09)  # auto on a CPU: each row costs more the longer the slot's context
     for i in range(60):
         grows.observe_verify(0, 16, i % 8)  # drafts accepted up to 0, 1, ... 7 tokens, as many of each
     assert grows.cap(0, 64, n_past=0) > grows.cap(0, 64, n_past=8000) >= 1
 
     # copied text: the first drafted token is accepted half the time, the ones after it nearly always; kept
     # apart by position, the budget learns to draft long where one acceptance for all would keep drafts short
-    copy = DraftBudget(1, 0.5, 0.09)
+    copy = DraftBudget(0.5, 0.09)
     caps = []
     for i in range(200):
         caps.append(copy.cap(0, 16, n_past=500))

@@ -15,8 +15,8 @@ with ``r`` the cost of one more row over the cost of a step (``--spec-budget-row
 when no draft pays.  Keeping the positions apart matters on copied text: a draft's first token is often
 rejected (the text leaves the copy), but once it is accepted the rest nearly always are, which one
 acceptance for every position would average away, keeping long drafts short.  A position never verified
-takes the deepest estimate, and when a draft reaches every position verified so far (or no draft pays), a
-draft one token longer is verified every :data:`EXPLORE` steps, so the estimates follow the text.
+takes the deepest estimate, and every :data:`EXPLORE` steps a draft one token longer than the cut is
+verified (a one-token draft when no draft pays), so the estimates follow the text.
 
 The cost ratio is a setting, not a timing: a draft's length then depends only on the tokens, so the same
 request gives the same batches, and the same greedy text, on every run.
@@ -55,13 +55,13 @@ class DraftBudget:
     (:meth:`reset`), so that its own drafts soon weigh most.  They depend on the tokens only, so the same
     requests in the same order give the same drafts on every run."""
 
-    def __init__(self, n_seq: int, row_cost: float, per_ktoken: float = 0.0) -> None:
-        """Args: n_seq: the node's slots; row_cost: ``r`` of the module docstring at an empty context (> 0);
-        per_ktoken: what each 1,000 tokens of a slot's context add to it."""
+    def __init__(self, row_cost: float, per_ktoken: float = 0.0) -> None:
+        """Args: row_cost: ``r`` of the module docstring at an empty context (> 0); per_ktoken: what each
+        1,000 tokens of a slot's context add to it."""
         self.row_cost = row_cost
         self.per_ktoken = per_ktoken
-        self._acc: dict[tuple[int, str], list[float]] = {}  # per position: decayed accepted tokens
-        self._seen: dict[tuple[int, str], list[float]] = {}  # per position: decayed verified tokens
+        # by (slot, drafter): per position, decayed accepted tokens and decayed verified tokens
+        self._counts: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
         self._held: dict[tuple[int, str], int] = {}  # steps since the last draft one token past the cap
 
     def acceptance(self, id_slot: int, key: str = "", depth: int = 0) -> float:
@@ -69,7 +69,7 @@ class DraftBudget:
         the ones before it were: what was observed there, shrunk towards the estimate one position
         shallower (the first towards :data:`PRIOR_A`, a deeper one towards at least :data:`PRIOR_DEEP`), so
         that positions never verified yet take the deepest one's."""
-        acc, seen = self._acc.get((id_slot, key), []), self._seen.get((id_slot, key), [])
+        acc, seen = self._counts.get((id_slot, key), ([], []))
         a = PRIOR_A
         for d in range(depth + 1):
             a = _estimate(acc, seen, d, a)
@@ -78,8 +78,7 @@ class DraftBudget:
     def observe_verify(self, id_slot: int, drafted: int, accepted: int, key: str = "") -> None:
         """A draft of ``drafted`` tokens by ``key`` on the slot had its first ``accepted`` accepted: the
         positions up to the first rejected one were verified."""
-        acc = self._acc.setdefault((id_slot, key), [])
-        seen = self._seen.setdefault((id_slot, key), [])
+        acc, seen = self._counts.setdefault((id_slot, key), ([], []))
         n = min(drafted, accepted + 1)
         while len(seen) < n:
             acc.append(0.0)
@@ -90,9 +89,10 @@ class DraftBudget:
 
     def reset(self, id_slot: int) -> None:
         """A new request on the slot: what the earlier ones taught weighs half."""
-        for (slot, _key), counts in [*self._acc.items(), *self._seen.items()]:
+        for (slot, _key), (acc, seen) in self._counts.items():
             if slot == id_slot:
-                counts[:] = [c * 0.5 for c in counts]
+                acc[:] = [c * 0.5 for c in acc]
+                seen[:] = [c * 0.5 for c in seen]
 
     def cap(self, id_slot: int, n_max: int, n_past: int = 0, key: str = "") -> int:
         """The length of ``key``'s draft worth verifying on the slot now (``n_past`` tokens in its context),
@@ -100,7 +100,7 @@ class DraftBudget:
         if n_max <= 0:
             return 0
         c0, c1 = 1.0, self.row_cost + self.per_ktoken * n_past / 1000
-        acc, seen = self._acc.get((id_slot, key), []), self._seen.get((id_slot, key), [])
+        acc, seen = self._counts.get((id_slot, key), ([], []))
         best_l, best = 0, 1.0 / (c0 + c1)
         gain, survive, a = 1.0, 1.0, PRIOR_A
         for length in range(1, n_max + 1):

@@ -66,7 +66,7 @@ def _local_gpu() -> bool:
     return any(g.device_type(d) in kinds for d in g.all_devices() if not g.is_rpc_device(d))
 
 
-def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int) -> DraftBudget | None:
+def draft_budget(settings: SpecSettings, options: LlamaOptions) -> DraftBudget | None:
     """The node's :class:`~.budget.DraftBudget` (``--spec-budget-row-cost``; ``auto``: the CPU's ratio, growing
     with the slot's context, when the model's ``options`` offload no layer to a GPU), None when every draft is
     verified whole (a ratio of 0)."""
@@ -76,7 +76,7 @@ def draft_budget(settings: SpecSettings, options: LlamaOptions, n_parallel: int)
     if ratio < 0:
         on_gpu = _local_gpu() and options.n_gpu_layers not in (0, "0")
         ratio, per_ktoken = (0.0, 0.0) if on_gpu else (CPU_ROW_COST, CPU_ROW_COST_PER_KTOKEN)
-    return DraftBudget(n_parallel, ratio, per_ktoken) if ratio > 0 else None
+    return DraftBudget(ratio, per_ktoken) if ratio > 0 else None
 
 
 def build_speculative(settings: SpecSettings, model: object, n_parallel: int) -> tuple[Speculative | None, int]:
@@ -129,7 +129,7 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
         )
         return None, 0
     if spec is not None:
-        spec.budget = draft_budget(settings, model.options, n_parallel)
+        spec.budget = draft_budget(settings, model.options)
         log.info(
             "speculative decoding: %s, at most %d tokens a draft%s",
             spec.name,
