@@ -1,13 +1,14 @@
 """Speculative decoding, hydra-trio against llama-server: each ``--spec-type``, same model, same flags, same client.
 
     .venv/bin/python bench/speculative.py [--rounds 1] [--types none,ngram-simple,...] [--turns 20]
-                                          [--tokens 96] [--json out.json]
+                                          [--tokens 96] [--server-flags "-fa off"] [--json out.json]
 
 The anchor is llama-server built by ``bench/build_llama_server.sh`` from the llama.cpp vendored in the
 llama-cpp-python sdist (the same CPU flags; built on first use, cached).  For each type, llama-server and
 hydra-trio are started with ``-t 2 -np 1 -c 8192`` and ``--spec-type TYPE`` (``none``: no flag;
-``draft-simple``: ``-md`` the default model's q8_0, one vocabulary), one at a time (the order flips every
-round), and run three workloads, greedy, through ``/v1/chat/completions``:
+``draft-simple``: ``-md`` the default model's q8_0, one vocabulary; ``--server-flags``: more flags for
+both, split at spaces), one at a time (the order flips every round), and run three workloads, greedy,
+through ``/v1/chat/completions``:
 
   copy    (a) copying: a ~300-token source file to return with one rename, and a text to quote from
   agent   (b) an agent session replayed: TURNS turns of one tool-call loop (read a file, edit it, run the
@@ -177,7 +178,7 @@ def spec_args(kind: str, draft: Path) -> list[str]:
     return ["--spec-type", kind]
 
 
-def start_llama(binary: Path, model: Path, kind: str, draft: Path) -> tuple[subprocess.Popen, int]:
+def start_llama(binary: Path, model: Path, kind: str, draft: Path, flags: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -197,6 +198,7 @@ def start_llama(binary: Path, model: Path, kind: str, draft: Path) -> tuple[subp
             "--no-webui",
             "--metrics",
             *spec_args(kind, draft),
+            *flags,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -205,7 +207,7 @@ def start_llama(binary: Path, model: Path, kind: str, draft: Path) -> tuple[subp
     return proc, port
 
 
-def start_hydra(entry: str, draft: Path) -> tuple[subprocess.Popen, int]:
+def start_hydra(entry: str, draft: Path, flags: list[str]) -> tuple[subprocess.Popen, int]:
     """hydra-trio with ``entry``'s type and, after a ``:``, its own flags (``suffix:--spec-budget-row-cost 0``)."""
     kind, _, extra = entry.partition(":")
     proc, port = spawn(
@@ -219,6 +221,7 @@ def start_hydra(entry: str, draft: Path) -> tuple[subprocess.Popen, int]:
         "--log-level",
         "WARNING",
         *spec_args(kind, draft),
+        *flags,
         *extra.split(),
         output=subprocess.DEVNULL,
     )
@@ -280,8 +283,10 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--server-flags", default="", help="more flags for both servers, e.g. '-fa off'")
     ap.add_argument("--json")
     args = ap.parse_args()
+    flags = args.server_flags.split()
     types = [t for t in args.types.split(",") if t]
     model, draft = resolve_model("smollm2-135m")[0], resolve_model("smollm2-135m-q8")[0]
     binary = build_anchor()
@@ -289,9 +294,9 @@ def main() -> None:
     samples: dict[tuple[str, str, str], list[dict[str, float]]] = {}
     for rnd in range(args.rounds):
         for kind in types:
-            servers = [("hydra-trio", lambda k=kind: start_hydra(k, draft))]
+            servers = [("hydra-trio", lambda k=kind: start_hydra(k, draft, flags))]
             if kind in LLAMA_TYPES:  # (an entry with hydra-trio's own flags is not one)
-                servers.append(("llama-server", lambda k=kind: start_llama(binary, model, k, draft)))
+                servers.append(("llama-server", lambda k=kind: start_llama(binary, model, k, draft, flags)))
             if rnd % 2:
                 servers.reverse()
             for name, start in servers:

@@ -2,6 +2,7 @@
 several context lengths, and the speed-up speculative decoding can reach at most with it.
 
     .venv/bin/python bench/verify_cost.py [--contexts 256,2048,6144] [--rows 1,2,4,8,16,24] [--reps 7] [-t 2]
+                                          [-fa on|off|auto]
 
 Loads the default model (SmolLM2-135M, ``-c 8192``), fills one sequence with ``N`` tokens for each context
 length, then times ``llama_decode`` of a batch of ``R`` rows at the next positions (logits at every row, as a
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,24")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-fa", "--flash-attn", choices=("on", "off", "auto"), default="auto")
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
@@ -68,6 +70,7 @@ def main() -> None:
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 8192, 512, 512
     cparams.n_threads = cparams.n_threads_batch = a.threads
+    cparams.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[a.flash_attn]  # enum llama_flash_attn_type
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     mem = llama_cpp.llama_get_memory(ctx)
     batch = llama_cpp.llama_batch_init(512, 0, 1)
@@ -84,7 +87,7 @@ def main() -> None:
             raise RuntimeError("llama_decode failed")
         return time.perf_counter() - t0
 
-    print(f"model {path.name}, -t {a.threads}, rows {rows}, {a.reps} reps each (median)", flush=True)
+    print(f"model {path.name}, -t {a.threads}, -fa {a.flash_attn}, rows {rows}, {a.reps} reps each", flush=True)
     print(f"{'context':>8} {'c0 ms':>7} {'c1 ms':>7} {'r':>6}   ceiling at a=0.5 / 0.7 / 0.9 (best L)")
     filled = 0
     for n in sorted(contexts):

@@ -225,6 +225,14 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
     for i in range(60):
         grows.observe_verify(0, 16, i % 8)  # drafts accepted up to 0, 1, ... 7 tokens, as many of each
     assert grows.cap(0, 64, n_past=0) > grows.cap(0, 64, n_past=8000) >= 1
+    # flash attention off: a one-row step grows with the context faster than a row does, so a row's share,
+    # and with it the cut, goes the other way
+    from hydra_trio.engine.speculative.budget import CPU_NO_FA
+
+    no_fa = DraftBudget(*CPU_NO_FA)
+    for i in range(60):
+        no_fa.observe_verify(0, 16, i % 16)  # drafts accepted up to 0, 1, ... 15 tokens
+    assert no_fa.cap(0, 64, n_past=0) < no_fa.cap(0, 64, n_past=8000)
 
     # copied text: the first drafted token is accepted half the time, the ones after it nearly always; kept
     # apart by position, the budget learns to draft long where one acceptance for all would keep drafts short
@@ -239,7 +247,10 @@ async def test_the_draft_budget_cuts_unpaying_drafts_and_is_the_same_on_every_ru
 
     async with engine_with("ngram-simple") as engine:  # auto: this machine's CPU (a build with ggml-RPC only)
         auto = engine.scheduler.spec.budget
-        assert auto is not None and (auto.row_cost, auto.per_ktoken) == (0.5, 0.09)
+        assert auto is not None and (auto.row_cost, auto.per_ktoken, auto.step_per_ktoken) == (0.5, 0.09, 0.0)
+    async with engine_with("ngram-simple", llama=LlamaOptions(flash_attn="off")) as engine:  # auto follows -fa
+        auto = engine.scheduler.spec.budget
+        assert auto is not None and (auto.row_cost, auto.per_ktoken, auto.step_per_ktoken) == CPU_NO_FA
 
     prose = "The history of the city begins with a small market by the river, where traders met"
     runs = []

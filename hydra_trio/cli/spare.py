@@ -44,4 +44,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hydra_trio.cli import exit_now
+
+    exit_now(main())

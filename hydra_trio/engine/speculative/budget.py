@@ -12,7 +12,12 @@ estimate one position shallower, the first towards a prior), and cuts each draft
 makes the most tokens per unit of decode cost, ``(1 + a_0 + a_0·a_1 + ... + a_0···a_(L-1)) / (1 + r × (L + 1))``
 with ``r`` the cost of one more row over the cost of a step (``--spec-budget-row-cost``; ``auto`` on a CPU:
 :data:`CPU_ROW_COST` plus :data:`CPU_ROW_COST_PER_KTOKEN` for each 1,000 tokens of the slot's context) — 0
-when no draft pays.  Keeping the positions apart matters on copied text: a draft's first token is often
+when no draft pays.  With flash attention off the same bench measured both sides growing with the context
+(a one-row step by 0.54 of itself per 1,000 tokens, a row by 0.17 of a step at an empty context, from 0.74:
+:data:`CPU_NO_FA`), so a row's share falls as the context grows (0.69 at 256 tokens, 0.51 at 2,048 and
+0.42 at 6,144) and every step, a one-row one included, is faster there than with flash attention on.
+
+Keeping the positions apart matters on copied text: a draft's first token is often
 rejected (the text leaves the copy), but once it is accepted the rest nearly always are, which one
 acceptance for every position would average away, keeping long drafts short.  A position never verified
 takes the deepest estimate, and every :data:`EXPLORE` steps a draft one token longer than the cut is
@@ -30,6 +35,11 @@ context (see the module docstring)."""
 
 CPU_ROW_COST_PER_KTOKEN = 0.09
 """With ``auto`` on the CPU, what each 1,000 tokens of the slot's context add to a row's cost."""
+
+CPU_NO_FA = (0.74, 0.17, 0.54)
+"""``auto`` on the CPU with flash attention off: a row's cost at an empty context, what each 1,000 tokens
+of the slot's context add to it, and what they add to a one-row step's (all in one-row steps at an empty
+context; see the module docstring)."""
 
 EXPLORE = 8
 """A slot held to no draft verifies a one-token draft every this many steps."""
@@ -55,11 +65,13 @@ class DraftBudget:
     (:meth:`reset`), so that its own drafts soon weigh most.  They depend on the tokens only, so the same
     requests in the same order give the same drafts on every run."""
 
-    def __init__(self, row_cost: float, per_ktoken: float = 0.0) -> None:
+    def __init__(self, row_cost: float, per_ktoken: float = 0.0, step_per_ktoken: float = 0.0) -> None:
         """Args: row_cost: ``r`` of the module docstring at an empty context (> 0); per_ktoken: what each
-        1,000 tokens of a slot's context add to it."""
+        1,000 tokens of a slot's context add to it; step_per_ktoken: what they add to a one-row step's cost
+        (1 at an empty context)."""
         self.row_cost = row_cost
         self.per_ktoken = per_ktoken
+        self.step_per_ktoken = step_per_ktoken
         # by (slot, drafter): per position, decayed accepted tokens and decayed verified tokens
         self._counts: dict[tuple[int, str], tuple[list[float], list[float]]] = {}
         self._held: dict[tuple[int, str], int] = {}  # steps since the last draft one token past the cap
@@ -99,7 +111,7 @@ class DraftBudget:
         at most ``n_max``."""
         if n_max <= 0:
             return 0
-        c0, c1 = 1.0, self.row_cost + self.per_ktoken * n_past / 1000
+        c0, c1 = 1.0 + self.step_per_ktoken * n_past / 1000, self.row_cost + self.per_ktoken * n_past / 1000
         acc, seen = self._counts.get((id_slot, key), ([], []))
         best_l, best = 0, 1.0 / (c0 + c1)
         gain, survive, a = 1.0, 1.0, PRIOR_A

@@ -66,17 +66,21 @@ def _local_gpu() -> bool:
     return any(g.device_type(d) in kinds for d in g.all_devices() if not g.is_rpc_device(d))
 
 
-def draft_budget(settings: SpecSettings, options: LlamaOptions) -> DraftBudget | None:
+def draft_budget(settings: SpecSettings, options: LlamaOptions, flash_attn: str = "on") -> DraftBudget | None:
     """The node's :class:`~.budget.DraftBudget` (``--spec-budget-row-cost``; ``auto``: the CPU's ratio, growing
-    with the slot's context, when the model's ``options`` offload no layer to a GPU), None when every draft is
-    verified whole (a ratio of 0)."""
-    from .budget import CPU_ROW_COST, CPU_ROW_COST_PER_KTOKEN, DraftBudget
+    with the slot's context, when the model's ``options`` offload no layer to a GPU; ``flash_attn``: whether
+    the target's context runs with flash attention, ``on`` or ``off``, as
+    :attr:`~hydra_trio.engine.llama.model.LoadedModel.flash_attn` says), None when every draft is verified
+    whole (a ratio of 0)."""
+    from .budget import CPU_NO_FA, CPU_ROW_COST, CPU_ROW_COST_PER_KTOKEN, DraftBudget
 
-    ratio, per_ktoken = settings.budget_row_cost, 0.0
-    if ratio < 0:
-        on_gpu = _local_gpu() and options.n_gpu_layers not in (0, "0")
-        ratio, per_ktoken = (0.0, 0.0) if on_gpu else (CPU_ROW_COST, CPU_ROW_COST_PER_KTOKEN)
-    return DraftBudget(ratio, per_ktoken) if ratio > 0 else None
+    if settings.budget_row_cost >= 0:
+        return DraftBudget(settings.budget_row_cost) if settings.budget_row_cost > 0 else None
+    if _local_gpu() and options.n_gpu_layers not in (0, "0"):
+        return None
+    if flash_attn == "off":
+        return DraftBudget(*CPU_NO_FA)
+    return DraftBudget(CPU_ROW_COST, CPU_ROW_COST_PER_KTOKEN)
 
 
 def build_speculative(settings: SpecSettings, model: object, n_parallel: int) -> tuple[Speculative | None, int]:
@@ -129,7 +133,7 @@ def build_speculative(settings: SpecSettings, model: object, n_parallel: int) ->
         )
         return None, 0
     if spec is not None:
-        spec.budget = draft_budget(settings, model.options)
+        spec.budget = draft_budget(settings, model.options, model.flash_attn)
         log.info(
             "speculative decoding: %s, at most %d tokens a draft%s",
             spec.name,
