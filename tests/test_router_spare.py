@@ -65,3 +65,42 @@ def test_a_files_digest_is_remembered_until_the_file_changes(tmp_path: Path, mon
     assert remembered_digest(f, "sha256") is None
     assert sha256_file(f) != want
     assert sha256_file(f, remember=False) == sha256_file(f)
+
+
+def test_the_special_token_table_is_read_once_per_file_and_override(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's special-token table (a pass over the vocabulary on its first request) is remembered beside
+    its file's digests: the next model on the same file (a router's next child) reads it back, equal to
+    what reading the vocabulary gives; another ``--override-kv`` reads the vocabulary again, and an entry
+    that does not parse is read again and replaced."""
+    from hydra_trio.engine.llama.model import LoadedModel
+    from hydra_trio.engine.llama.tokenize import SpecialTokens
+    from hydra_trio.engine.settings import LlamaOptions
+    from hydra_trio.models.presets import resolve_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = resolve_model("smollm2-135m")[0]
+
+    def table(**options: object) -> tuple[SpecialTokens, SpecialTokens]:
+        m = LoadedModel(path, n_ctx=256, n_parallel=1, n_batch=64, n_threads=1, options=LlamaOptions(**options))
+        try:
+            return m.special_tokens, SpecialTokens(m.vocab)
+        finally:
+            m.close()
+
+    first, read = table()
+    assert (first.classes, first.max_token_bytes) == (read.classes, read.max_token_bytes)
+    assert any(b"<|im_end|>" == t for c in read.classes for t, _, _ in c) and read.max_token_bytes > 1
+    entries = set(hash_cache_dir().iterdir())
+    assert len(entries) == 1
+    again, _ = table()
+    assert (again.classes, again.max_token_bytes) == (read.classes, read.max_token_bytes)
+    assert set(hash_cache_dir().iterdir()) == entries  # read back: nothing new written
+    table(kv_overrides=(("tokenizer.ggml.add_bos_token", "bool", False),))
+    assert len(set(hash_cache_dir().iterdir())) == 2  # another override: its own entry
+    (entry,) = entries
+    entry.write_text('{"max_token_bytes": 0, "classes": []}')
+    broken, _ = table()
+    assert (broken.classes, broken.max_token_bytes) == (read.classes, read.max_token_bytes)
+    assert '"max_token_bytes":0' not in entry.read_text().replace(" ", "")

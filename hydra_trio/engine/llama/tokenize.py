@@ -89,6 +89,26 @@ class SpecialTokens:
         self.classes = [by_len[k] for k in sorted(by_len, reverse=True)]
         self.max_token_bytes = longest
 
+    def as_table(self) -> dict[str, Any]:
+        """A JSON value of what was read (:meth:`from_table` reads it back): ``{"max_token_bytes": int,
+        "classes": [[[text as hex, rstrip, parsed_only], ...], ...]}``."""
+        return {
+            "max_token_bytes": self.max_token_bytes,
+            "classes": [[[text.hex(), rstrip, parsed] for text, rstrip, parsed in c] for c in self.classes],
+        }
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> SpecialTokens:
+        """The tables :meth:`as_table` wrote.  Raises KeyError, TypeError or ValueError for anything else."""
+        self = cls.__new__(cls)
+        self.max_token_bytes = int(table["max_token_bytes"])
+        self.classes = [
+            [(bytes.fromhex(text), bool(rstrip), bool(parsed)) for text, rstrip, parsed in c] for c in table["classes"]
+        ]
+        if self.max_token_bytes < 1 or any(not c or len({len(t) for t, _, _ in c}) != 1 for c in self.classes):
+            raise ValueError("not a special-token table")
+        return self
+
     def min_tokens(self, n_bytes: int) -> int:
         """A lower bound on the tokens of ``n_bytes`` bytes of text (every token stands for at most
         :attr:`max_token_bytes` bytes, plus one for a space prefix)."""
