@@ -128,6 +128,42 @@ def test_client_timeouts_still_apply_while_waiting_for_the_client(spawn) -> None
     assert data.startswith(b"HTTP/1.1 200 ")
 
 
+def test_a_connection_kept_alive_after_a_streamed_reply_is_timed_and_drained(spawn) -> None:
+    """After a streamed reply the connection's keep-alive timer runs as after any other: an idle client is
+    closed after ``--keep-alive-timeout``, and a stop (SIGTERM) closes such a connection at once instead of
+    waiting out the shutdown grace (600 s here).  (Starlette's streaming response cancels the task that
+    sent the stream's end, and with it the timer that task was starting: ``hydra_trio/http/_hyper.py``.)"""
+    srv = spawn("-np", "1", "-c", "2048", "--keep-alive-timeout", "0.5", "--shutdown-grace", "600")
+    srv.wait_ready()
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    def streamed(s: socket.socket) -> bytes:
+        s.sendall(request)
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk: the reply is whole
+            chunk = s.recv(65536)
+            assert chunk, data[-200:]
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in data, data[:300]
+        return data
+
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=LONG) as s:
+        streamed(s)
+        assert s.recv(65536) == b""  # idle for the keep-alive timeout: the server closed it
+    srv2 = spawn("-np", "1", "-c", "2048", "--shutdown-grace", "600")
+    srv2.wait_ready()
+    with socket.create_connection(("127.0.0.1", srv2.port), timeout=LONG) as s:
+        streamed(s)
+        streamed(s)  # kept alive: a second streamed reply on it
+        assert srv2.stop(timeout=LONG) == 0
+        assert s.recv(65536) == b""
+    assert "grace period" not in srv2.log(), srv2.log()[-2000:]
+
+
 # --------------------------------------------------------------------------- 2. every way a request ends
 def test_every_way_a_request_ends_releases_its_connection(spawn) -> None:
     """finished, failed, cancelled while running or queued, client gone: fds and --max-connections come back."""

@@ -91,7 +91,7 @@ def test_the_special_token_table_is_read_once_per_file_and_override(
 
     first, read = table()
     assert (first.classes, first.max_token_bytes) == (read.classes, read.max_token_bytes)
-    assert any(b"<|im_end|>" == t for c in read.classes for t, _, _ in c) and read.max_token_bytes > 1
+    assert any(t == b"<|im_end|>" for c in read.classes for t, _, _ in c) and read.max_token_bytes > 1
     entries = set(hash_cache_dir().iterdir())
     assert len(entries) == 1
     again, _ = table()

@@ -186,6 +186,16 @@ class _TCPServer(TCPServer):
         if isinstance(event, Updated) and event.idle and self._reading_done:
             await self._close()
             return
+        if isinstance(event, Updated) and event.idle:
+            # the keep-alive timer starts (``nursery.start``) in the task that ended the reply; after a
+            # streamed reply that is Starlette's body task, which its response cancels as soon as the end
+            # of the stream reaches the app as ``http.disconnect``: a cancel inside ``start`` reached the
+            # new timer too, and the kept-alive connection then had no timer (neither the keep-alive
+            # timeout nor a drain closed it: a node's stop waited out its whole grace).  Shielded, the
+            # timer starts whole (``start`` returns as soon as it has).
+            with trio.CancelScope(shield=True):
+                await super().protocol_send(event)
+            return
         if isinstance(event, RawData) and self.write_timeout is not None:
             await self._send_data(event.data, self.write_timeout)
             return
