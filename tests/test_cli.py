@@ -464,3 +464,17 @@ def _spawn_on(log_path: Path, port: int) -> subprocess.Popen:
         stdout=out,
         stderr=subprocess.STDOUT,
     )
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """``hydra-trio models | head -1``: the output's reader is gone before the command writes; it ends with
+    status 1 and says nothing on stderr (no ``BrokenPipeError`` traceback)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hydra_trio", "models"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the interpreter has even started: every write finds no reader
+    err = proc.stderr.read()
+    assert proc.wait(LONG) == 1 and err == b"", err
+    ok = run_cli("models")  # with a reader: the list, status 0
+    assert ok.returncode == 0 and "smollm2-135m" in ok.stdout

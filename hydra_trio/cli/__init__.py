@@ -196,9 +196,17 @@ def exit_now(code: int) -> NoReturn:
 def entry() -> NoReturn:
     """The ``hydra-trio`` command (``python -m hydra_trio``): :func:`main`, then :func:`exit_now`.
 
-    ``SystemExit`` (argparse's exit 2, ``--help``) and an unexpected exception end the process the usual way.
+    ``SystemExit`` (argparse's exit 2, ``--help``) and an unexpected exception end the process the usual way;
+    a reader of the output that went away (``hydra-trio models | head -1``) ends it with status 1 and no
+    traceback (Python's documented handling of ``BrokenPipeError`` on standard output).
     """
-    exit_now(main())
+    try:
+        code = main()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the rest of the output goes nowhere, the flush included
+        code = 1
+    exit_now(code)
 
 
 if __name__ == "__main__":
