@@ -162,6 +162,24 @@ def test_a_connection_kept_alive_after_a_streamed_reply_is_timed_and_drained(spa
         assert srv2.stop(timeout=LONG) == 0
         assert s.recv(65536) == b""
     assert "grace period" not in srv2.log(), srv2.log()[-2000:]
+    # a stream in flight when the stop comes ends whole, and its connection closes with it: the node exits
+    # then, not at the end of its 600 s grace
+    srv3 = spawn("-np", "1", "-c", "2048", "--shutdown-grace", "600")
+    srv3.wait_ready()
+    long = json.dumps({"prompt": "Once upon a time", "n_predict": 150, "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", srv3.port), timeout=LONG) as s:
+        s.sendall(
+            b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(long), long)
+        )
+        data = s.recv(65536)
+        assert data.startswith(b"HTTP/1.1 200 "), data[:200]
+        srv3.proc.send_signal(signal.SIGTERM)
+        while chunk := s.recv(65536):
+            data += chunk
+        assert data.endswith(b"0\r\n\r\n") and b'"stop":true' in data, data[-300:]
+    assert srv3.stop(timeout=LONG) == 0
+    assert "grace period" not in srv3.log(), srv3.log()[-2000:]
 
 
 # --------------------------------------------------------------------------- 2. every way a request ends

@@ -64,6 +64,9 @@ def test_a_files_digest_is_remembered_until_the_file_changes(tmp_path: Path, mon
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert remembered_digest(f, "sha256") is None
     assert sha256_file(f) != want
+    for entry in hash_cache_dir().iterdir():  # a damaged entry (not UTF-8) is read afresh, not an error
+        entry.write_bytes(b"\xff\xfe" * 32)
+    assert remembered_digest(f, "sha256") is None and sha256_file(f) == sha256_file(f, remember=False)
     assert sha256_file(f, remember=False) == sha256_file(f)
 
 
@@ -100,7 +103,15 @@ def test_the_special_token_table_is_read_once_per_file_and_override(
     table(kv_overrides=(("tokenizer.ggml.add_bos_token", "bool", False),))
     assert len(set(hash_cache_dir().iterdir())) == 2  # another override: its own entry
     (entry,) = entries
-    entry.write_text('{"max_token_bytes": 0, "classes": []}')
-    broken, _ = table()
-    assert (broken.classes, broken.max_token_bytes) == (read.classes, read.max_token_bytes)
-    assert '"max_token_bytes":0' not in entry.read_text().replace(" ", "")
+    damaged = [
+        b'{"max_token_bytes": 0, "classes": []}',  # the wrong values
+        b'{"max_token_bytes": Infinity, "classes": []}',  # a length no int holds
+        bytes(range(128, 256)) * 3,  # not UTF-8
+        b"[" * 200_000,  # deeper than the JSON parser goes
+        b"",
+    ]
+    for data in damaged:
+        entry.write_bytes(data)
+        broken, _ = table()
+        assert (broken.classes, broken.max_token_bytes) == (read.classes, read.max_token_bytes), data[:40]
+        assert entry.read_bytes() != data and '"max_token_bytes":0' not in entry.read_text()  # read again, replaced

@@ -183,16 +183,21 @@ class _TCPServer(TCPServer):
             await self.idle_task.stop()
 
     async def protocol_send(self, event: Event) -> None:
-        if isinstance(event, Updated) and event.idle and self._reading_done:
-            await self._close()
-            return
+        # What the end of a reply sets off (the keep-alive timer's start, ``nursery.start``; or the close,
+        # when the server is draining) runs in the task that ended the reply.  After a streamed reply that
+        # is Starlette's body task, which its response cancels as soon as the end of the stream reaches the
+        # app as ``http.disconnect``: the cancel reached the new timer (the kept-alive connection had no
+        # timer, so neither the keep-alive timeout nor a drain closed it) or cut the close short (a stream
+        # that ended during a stop left its connection open): either way a node's stop waited out its
+        # whole grace.  Both are shielded; neither waits on the client.
         if isinstance(event, Updated) and event.idle:
-            # the keep-alive timer starts (``nursery.start``) in the task that ended the reply; after a
-            # streamed reply that is Starlette's body task, which its response cancels as soon as the end
-            # of the stream reaches the app as ``http.disconnect``: a cancel inside ``start`` reached the
-            # new timer too, and the kept-alive connection then had no timer (neither the keep-alive
-            # timeout nor a drain closed it: a node's stop waited out its whole grace).  Shielded, the
-            # timer starts whole (``start`` returns as soon as it has).
+            with trio.CancelScope(shield=True):
+                if self._reading_done:
+                    await self._close()
+                else:
+                    await super().protocol_send(event)
+            return
+        if isinstance(event, Closed):
             with trio.CancelScope(shield=True):
                 await super().protocol_send(event)
             return

@@ -132,8 +132,9 @@ def _hash_entry(path: Path, kind: str) -> Path:
 
 
 def _read_entry(path: Path | str, kind: str) -> str | None:
-    with contextlib.suppress(OSError):
-        return _hash_entry(Path(path), kind).read_text()
+    """The entry's text; None when it cannot be read or is not UTF-8 (a damaged entry is read afresh)."""
+    with contextlib.suppress(OSError, UnicodeError):
+        return _hash_entry(Path(path), kind).read_bytes().decode()
     return None
 
 
@@ -168,7 +169,7 @@ def remembered_table(path: Path | str, kind: str) -> Any:
         return None
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
 
 
@@ -755,7 +756,7 @@ class LoadedModel:
         kind = "special-tokens\0" + repr(self.options.kv_overrides)
         known = remembered_table(self.path, kind)
         if known is not None:
-            with contextlib.suppress(KeyError, TypeError, ValueError):
+            with contextlib.suppress(KeyError, TypeError, ValueError, OverflowError):
                 return SpecialTokens.from_table(known)
         table = SpecialTokens(self.vocab)
         remember_table(self.path, kind, table.as_table())

@@ -99,7 +99,8 @@ class SpecialTokens:
 
     @classmethod
     def from_table(cls, table: dict[str, Any]) -> SpecialTokens:
-        """The tables :meth:`as_table` wrote.  Raises KeyError, TypeError or ValueError for anything else."""
+        """The tables :meth:`as_table` wrote.  Raises KeyError, TypeError, ValueError or OverflowError (an
+        infinite length) for anything else."""
         self = cls.__new__(cls)
         self.max_token_bytes = int(table["max_token_bytes"])
         self.classes = [
