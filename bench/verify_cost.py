@@ -28,6 +28,7 @@ import llama_cpp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from hydra_trio.engine.llama.model import FLASH_ATTN_TYPE  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
 
 
@@ -70,7 +71,7 @@ def main() -> None:
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 8192, 512, 512
     cparams.n_threads = cparams.n_threads_batch = a.threads
-    cparams.flash_attn_type = {"auto": -1, "off": 0, "on": 1}[a.flash_attn]  # enum llama_flash_attn_type
+    cparams.flash_attn_type = FLASH_ATTN_TYPE[a.flash_attn]
     ctx = llama_cpp.llama_init_from_model(model, cparams)
     mem = llama_cpp.llama_get_memory(ctx)
     batch = llama_cpp.llama_batch_init(512, 0, 1)

@@ -929,7 +929,12 @@ def _memory_use(lines: list[str], weights: int, kv: int) -> dict[str, dict[str, 
 
 _LOAD_MODES = {"auto": -1, "none": 0, "mmap": 1, "mlock": 2, "mmap+mlock": 3, "dio": 4}  # enum llama_load_mode
 _ROPE_SCALING = {"none": 0, "linear": 1, "yarn": 2}  # enum llama_rope_scaling_type
-_FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}  # enum llama_flash_attn_type
+FLASH_ATTN_TYPE = {
+    "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
+    "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
+    "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+}
+"""``-fa on|off|auto`` as llama.cpp's ``enum llama_flash_attn_type`` (``llama_context_params.flash_attn_type``)."""
 
 
 def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
@@ -944,7 +949,7 @@ def _apply_model_options(mparams: Any, opts: LlamaOptions) -> None:
 
 def apply_context_options(cparams: Any, opts: LlamaOptions) -> None:
     """The context parameters of ``opts``: flash attention, KV cache types and offload, RoPE/YaRN."""
-    cparams.flash_attn_type = _FLASH_ATTN[opts.flash_attn]
+    cparams.flash_attn_type = FLASH_ATTN_TYPE[opts.flash_attn]
     cparams.type_k = GGML_TYPES[opts.cache_type_k]
     cparams.type_v = GGML_TYPES[opts.cache_type_v]
     cparams.offload_kqv = opts.kv_offload
