@@ -183,21 +183,16 @@ class _TCPServer(TCPServer):
             await self.idle_task.stop()
 
     async def protocol_send(self, event: Event) -> None:
-        # What the end of a reply sets off (the keep-alive timer's start, ``nursery.start``; or the close,
-        # when the server is draining) runs in the task that ended the reply.  After a streamed reply that
-        # is Starlette's body task, which its response cancels as soon as the end of the stream reaches the
-        # app as ``http.disconnect``: the cancel reached the new timer (the kept-alive connection had no
-        # timer, so neither the keep-alive timeout nor a drain closed it) or cut the close short (a stream
-        # that ended during a stop left its connection open): either way a node's stop waited out its
-        # whole grace.  Both are shielded; neither waits on the client.
-        if isinstance(event, Updated) and event.idle:
-            with trio.CancelScope(shield=True):
-                if self._reading_done:
-                    await self._close()
-                else:
-                    await super().protocol_send(event)
+        if isinstance(event, Updated) and event.idle and self._reading_done:
+            await self._close()
             return
-        if isinstance(event, Closed):
+        if isinstance(event, Updated) and event.idle:
+            # the keep-alive timer starts (``nursery.start``) in the task that ended the reply; after a
+            # streamed reply that is Starlette's body task, which its response cancels as soon as the end
+            # of the stream reaches the app as ``http.disconnect``: a cancel inside ``start`` reached the
+            # new timer too, and the kept-alive connection then had no timer (neither the keep-alive
+            # timeout nor a drain closed it: a node's stop waited out its whole grace).  Shielded, the
+            # timer starts whole (``start`` returns as soon as it has).
             with trio.CancelScope(shield=True):
                 await super().protocol_send(event)
             return
@@ -217,12 +212,19 @@ class _TCPServer(TCPServer):
         that went away.  A send that holds the lock now (it may be blocked on a client that reads
         nothing, or not yet inside ``send_all``) is not waited for and not raced: ``send_eof`` is
         skipped (hypercorn skips it too when the send side is busy) and ``aclose`` ends that send.
+
+        Shielded, as hypercorn's own server-side close is: a close runs in whichever task ended the
+        connection's last reply, and after a streamed reply that is Starlette's body task, which its
+        response cancels as soon as the stream's end reaches the app; cut short there, a stream that
+        ended during a stop left its connection open, and the stop waited out its grace.  Nothing here
+        waits on the client.
         """
-        if self.send_lock.locked():
-            await self.stream.aclose()
-            return
-        async with self.send_lock:
-            await super()._close()
+        with trio.CancelScope(shield=True):
+            if self.send_lock.locked():
+                await self.stream.aclose()
+                return
+            async with self.send_lock:
+                await super()._close()
 
     async def _send_data(self, data: bytes, timeout: float) -> None:
         """hypercorn's send of reply bytes (shielded from the connection's cancellation, as hypercorn's),
