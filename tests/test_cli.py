@@ -478,3 +478,14 @@ def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
     assert proc.wait(LONG) == 1 and err == b"", err
     ok = run_cli("models")  # with a reader: the list, status 0
     assert ok.returncode == 0 and "smollm2-135m" in ok.stdout
+
+
+def test_output_that_cannot_be_written_ends_the_command_with_one_line() -> None:
+    """``hydra-trio models > /dev/full``: every write fails with ENOSPC; status 1 and one line on stderr naming
+    the error (coreutils' way), no ``OSError`` traceback."""
+    with open("/dev/full", "wb") as full:
+        got = subprocess.run(
+            [sys.executable, "-m", "hydra_trio", "models"], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, timeout=LONG
+        )
+    assert got.returncode == 1, got.stderr
+    assert got.stderr.decode() == "hydra-trio: write error: No space left on device\n"

@@ -22,6 +22,7 @@ before anything binds or loads.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -198,15 +199,32 @@ def entry() -> NoReturn:
 
     ``SystemExit`` (argparse's exit 2, ``--help``) and an unexpected exception end the process the usual way;
     a reader of the output that went away (``hydra-trio models | head -1``) ends it with status 1 and no
-    traceback (Python's documented handling of ``BrokenPipeError`` on standard output).
+    traceback (Python's documented handling of ``BrokenPipeError`` on standard output); output that cannot be
+    written (``hydra-trio models > /dev/full``: no space, a quota, an I/O error) ends it with status 1 and one
+    line on stderr, ``hydra-trio: write error: No space left on device``, as coreutils' commands say it.
     """
     try:
         code = main()
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # the rest of the output goes nowhere, the flush included
+        _drop_stdout()
+        code = 1
+    except OSError as e:
+        if e.errno not in _WRITE_ERRORS:
+            raise
+        _drop_stdout()
+        print(f"hydra-trio: write error: {e.strerror}", file=sys.stderr)
         code = 1
     exit_now(code)
+
+
+_WRITE_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG})
+"""The errors of a write to standard output that :func:`entry` reports in one line."""
+
+
+def _drop_stdout() -> None:
+    """Point standard output at /dev/null: the rest of the output, the final flush included, goes nowhere."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":
