@@ -1,7 +1,8 @@
 """Speculative decoding, hydra-trio against llama-server: each ``--spec-type``, same model, same flags, same client.
 
     .venv/bin/python bench/speculative.py [--rounds 1] [--types none,ngram-simple,...] [--turns 20]
-                                          [--tokens 96] [--server-flags "-fa off"] [--json out.json]
+                                          [--tokens 96] [--copy-tokens 400] [--server-flags "-fa off"]
+                                          [--json out.json]
 
 The anchor is llama-server built by ``bench/build_llama_server.sh`` from the llama.cpp vendored in the
 llama-cpp-python sdist (the same CPU flags; built on first use, cached).  For each type, llama-server and
@@ -10,7 +11,9 @@ hydra-trio are started with ``-t 2 -np 1 -c 8192`` and ``--spec-type TYPE`` (``n
 both, split at spaces), one at a time (the order flips every round), and run three workloads, greedy,
 through ``/v1/chat/completions``:
 
-  copy    (a) copying: a ~300-token source file to return with one rename, and a text to quote from
+  copy    (a) copying: a ~300-token source file to return with one rename, and a text to quote from; each
+          answer may run to ``--copy-tokens`` (400: the whole file, 294 tokens, fits; with the agent's 96 the
+          file was cut at a third, which measured mostly how fast a drafter ramps up)
   agent   (b) an agent session replayed: TURNS turns of one tool-call loop (read a file, edit it, run the
           tests) over a growing conversation whose tool results repeat earlier files with small changes;
           each turn's request is the conversation so far, answered afresh
@@ -282,7 +285,8 @@ def main() -> None:
     )
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--tokens", type=int, default=96, help="max_tokens of the agent and chat requests")
+    ap.add_argument("--copy-tokens", type=int, default=400, help="max_tokens of the copy requests")
     ap.add_argument("--server-flags", default="", help="more flags for both servers, e.g. '-fa off'")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -305,7 +309,7 @@ def main() -> None:
                 try:
                     for w, requests in loads.items():
                         t0 = time.monotonic()
-                        got = run_workload(base, requests, args.tokens)
+                        got = run_workload(base, requests, args.copy_tokens if w == "copy" else args.tokens)
                         samples.setdefault((kind, name, w), []).append(got)
                         print(
                             f"round {rnd + 1} {kind:<14} {name:<12} {w:<6} {got['tok_s']:7.1f} tok/s  "

@@ -1,0 +1,301 @@
+"""Speculative decoding replayed: the node's drafters and draft budget over recorded greedy answers, timed
+with this machine's measured decode cost, against what no cut and a perfect cut would give, and the most any
+drafter that copies earlier text could give.
+
+    .venv/bin/python bench/spec_replay.py [--types ngram-simple,ngram-map-k,ngram-mod,suffix]
+                                          [--workloads copy,agent,chat] [--keep DIR] [-fa auto]
+
+``bench/speculative.py`` times both servers end to end, and its copy and chat workloads are a few seconds
+each (about +-10 % between runs).  This bench separates the two things a draft's speed-up is made of, so
+that a change to a drafter or to the budget can be judged without that noise:
+
+1. **Answers** (``record``): one hydra-trio node without speculation answers ``bench/speculative.py``'s
+   workloads greedily; each request's prompt tokens and answer tokens are kept.  Greedy output is the same
+   with and without speculation (tests/test_speculative.py), so these are the tokens every type must
+   produce.
+2. **Cost** (``cost``): the decode time of a batch of ``R`` rows (logits at every row, as a verification
+   asks) after ``N`` tokens of context, for ``R`` up to 65 and ``N`` up to 4,096, on the default model
+   (SmolLM2-135M, ``-t 2``, the ``-fa`` given), median of 7 (as ``bench/verify_cost.py``, on a grid).
+3. **Replay**: each request is decoded again on paper, step by step as the scheduler does
+   (engine/batching/scheduler.py ``_drafts``): the type's drafters (the node's own classes) are asked for
+   a draft with the slot's tokens, the draft is cut by the policy, its tokens are compared with the
+   recorded answer (the accepted prefix), the drafters and the budget hear the result, and the step costs
+   the measured time of its rows at its context (interpolated linearly).  Tokens over the summed time give
+   a modelled decode speed; each figure is printed against no speculation on the same model:
+
+   - ``whole``: every draft verified whole (llama-server's way; its own n-gram drafters are the same
+     algorithms, so this is also what llama-server's type gains here);
+   - ``budget``: cut by the node's draft budget as ``--spec-budget-row-cost auto`` sets it for the ``-fa``
+     given (engine/speculative/budget.py);
+   - ``perfect``: cut exactly at the first token the target rejects (what the best possible budget gets from
+     the type's drafts; no budget can know where that is);
+   - ``any copy``, per workload: a drafter that, at every step, drafts the longest continuation of the answer
+     found anywhere in the earlier text (the prompt, the answer so far, the earlier requests), cut
+     perfectly: more than any drafter that copies earlier text can get on this machine.
+
+The modelled speeds leave out what is not decoding (sampling, drafting, the HTTP round trip): on this
+machine they come within about 10 % of ``bench/speculative.py``'s measured ones, closer for the ratios.
+``--keep DIR`` writes ``answers.json`` and ``cost.json`` there and reuses them on the next run (a second
+replay then takes seconds per type).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.speculative import workload  # noqa: E402
+from hydra_trio.engine.speculative import budget as B  # noqa: E402
+from hydra_trio.engine.speculative.base import SlotDraft  # noqa: E402
+from hydra_trio.engine.speculative.combine import Speculative, make_speculative  # noqa: E402
+from hydra_trio.engine.speculative.settings import SpecSettings  # noqa: E402
+from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
+
+N_CTX = 8192
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 49, 65)
+CONTEXTS = (128, 512, 1024, 2048, 3072, 4096)
+
+
+def record(workloads: list[str], tokens: dict[str, int], turns: int) -> dict[str, list[dict[str, Any]]]:
+    """Each workload's requests answered greedily by a node without speculation: ``prompt`` and ``answer``
+    tokens and the request's ``n_predict``."""
+    proc, port = spawn(
+        "-t", "2", "-np", "1", "-c", str(N_CTX), "--no-rpc-backend", "--log-level", "WARNING",
+        output=subprocess.DEVNULL,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    out: dict[str, list[dict[str, Any]]] = {}
+    try:
+        wait_healthy(port, proc, timeout=300)
+        with httpx.Client(base_url=base, timeout=600) as c:
+            for w in workloads:
+                reqs = []
+                for messages in workload(w, turns):
+                    text = c.post("/apply-template", json={"messages": messages}).json()["prompt"]
+                    prompt = c.post(
+                        "/tokenize", json={"content": text, "add_special": True, "parse_special": True}
+                    ).json()["tokens"]
+                    got = c.post(
+                        "/completion",
+                        json={"prompt": prompt, "n_predict": tokens[w], "temperature": 0, "return_tokens": True},
+                    ).json()
+                    reqs.append({"prompt": prompt, "answer": got["tokens"], "n_predict": tokens[w]})
+                out[w] = reqs
+                print(f"answers: {w}: {len(reqs)} requests, {sum(len(r['answer']) for r in reqs)} tokens", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    return out
+
+
+def measure_cost(flash_attn: str, reps: int = 7) -> dict[str, Any]:
+    """``{"rows": [...], "contexts": [...], "seconds": [[per row count] per context]}``."""
+    import llama_cpp
+
+    from hydra_trio.engine.llama.model import FLASH_ATTN_TYPE
+    from hydra_trio.models.presets import resolve_model
+
+    path, _ = resolve_model("smollm2-135m")
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+    cp = llama_cpp.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = N_CTX, 512, 512
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.flash_attn_type = FLASH_ATTN_TYPE[flash_attn]
+    ctx = llama_cpp.llama_init_from_model(model, cp)
+    mem = llama_cpp.llama_get_memory(ctx)
+    batch = llama_cpp.llama_batch_init(512, 0, 1)
+    rng = random.Random(5)
+
+    def decode(tokens: list[int], pos0: int, every: bool) -> float:
+        batch.n_tokens = len(tokens)
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos0 + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = every or i == len(tokens) - 1
+        t0 = time.perf_counter()
+        if llama_cpp.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return time.perf_counter() - t0
+
+    seconds, filled = [], 0
+    for n in CONTEXTS:
+        while filled < n:
+            chunk = [rng.randrange(1000, 40000) for _ in range(min(512, n - filled))]
+            decode(chunk, filled, False)
+            filled += len(chunk)
+        line = []
+        for r in ROWS:
+            times = []
+            for _ in range(reps):
+                times.append(decode([rng.randrange(1000, 40000) for _ in range(r)], n, True))
+                llama_cpp.llama_memory_seq_rm(mem, 0, n, -1)
+            line.append(statistics.median(times))
+        seconds.append(line)
+        shown = " ".join(f"{r}:{t * 1e3:.1f}" for r, t in zip(ROWS, line, strict=True))
+        print(f"cost: {n} tokens: {shown} ms", flush=True)
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+    return {"rows": list(ROWS), "contexts": list(CONTEXTS), "seconds": seconds, "flash_attn": flash_attn}
+
+
+class Cost:
+    """Seconds of one decode step of ``rows`` rows after ``n_past`` tokens, interpolated in the table."""
+
+    def __init__(self, table: dict[str, Any]) -> None:
+        self.rows, self.contexts, self.seconds = table["rows"], table["contexts"], table["seconds"]
+
+    @staticmethod
+    def _lerp(xs: list[int], x: float) -> tuple[int, float]:
+        j = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        return j, (x - xs[j - 1]) / (xs[j] - xs[j - 1])
+
+    def __call__(self, rows: int, n_past: int) -> float:
+        n_past = min(max(n_past, self.contexts[0]), self.contexts[-1])
+        jc, fc = self._lerp(self.contexts, n_past)
+        jr, fr = self._lerp(self.rows, rows)
+
+        def at(c: int) -> float:
+            line = self.seconds[c]
+            return line[jr - 1] + (line[jr] - line[jr - 1]) * fr
+
+        return at(jc - 1) + (at(jc) - at(jc - 1)) * fc
+
+
+class _Whole(B.DraftBudget):
+    """Every draft verified whole (the budget's bookkeeping kept, so that the drafters hear the same)."""
+
+    def cap(self, id_slot: int, n_max: int, n_past: int = 0, key: str = "") -> int:
+        return n_max
+
+
+def replay(reqs: list[dict[str, Any]], kind: str, cost: Cost, policy: str, flash_attn: str = "on") -> dict[str, float]:
+    """Decode ``reqs`` again on paper with ``kind``'s drafters cut by ``policy`` (``none``, ``whole``,
+    ``budget``, ``perfect``); returns modelled ``tok_s``, ``steps``, ``drafted``, ``accepted``."""
+    spec: Speculative | None = None
+    if policy != "none":
+        spec = make_speculative(SpecSettings(types=("none", kind)), 1)
+        assert spec is not None
+        if policy == "budget":
+            spec.budget = (
+                B.DraftBudget(*B.CPU_NO_FA)
+                if flash_attn == "off"
+                else B.DraftBudget(B.CPU_ROW_COST, B.CPU_ROW_COST_PER_KTOKEN)
+            )
+        else:
+            spec.budget = _Whole(1.0)
+    seconds = 0.0
+    n_tokens = steps = drafted = accepted = 0
+    for req in reqs:
+        prompt, answer = req["prompt"], req["answer"]
+        if spec is not None:
+            spec.begin(0, prompt)
+            assert spec.budget is not None
+            spec.budget.reset(0)
+        i = 0  # answer[i] was sampled last and is not decoded yet (the scheduler's last_token)
+        while i < len(answer) - 1:
+            draft: list[int] = []
+            if spec is not None:
+                n_max = min(spec.n_max, N_CTX - (len(prompt) + i) - 3, req["n_predict"] - (i + 1) - 1)
+                if n_max >= 1:
+                    sd = SlotDraft(0, n_max, len(prompt) + i, answer[i], prompt + answer[:i])
+                    spec.draft([sd])
+                    draft = list(sd.result)
+            k = 0
+            while k < len(draft) and i + 1 + k < len(answer) and draft[k] == answer[i + 1 + k]:
+                k += 1
+            if policy == "perfect":
+                draft = draft[:k]
+            seconds += cost(1 + len(draft), len(prompt) + i)
+            steps += 1
+            if spec is not None and draft:
+                drafted += len(draft)
+                accepted += k
+                assert spec.budget is not None
+                spec.budget.observe_verify(0, len(draft), k, spec.last_drafter(0))
+                spec.accept(0, k)
+            i += k + 1
+        n_tokens += len(answer) - 1
+        if spec is not None:
+            spec.end(0, prompt + answer)
+    return {"tok_s": n_tokens / seconds, "steps": steps, "drafted": drafted, "accepted": accepted}
+
+
+def any_copy(reqs: list[dict[str, Any]], cost: Cost) -> float:
+    """Modelled tok/s of a drafter that drafts, at every step, the longest continuation of the answer found
+    anywhere in the earlier text, cut perfectly."""
+    earlier: list[int] = []
+    seconds, n_tokens = 0.0, 0
+    for req in reqs:
+        prompt, answer = req["prompt"], req["answer"]
+        i = 0
+        while i < len(answer) - 1:
+            seen = "," + ",".join(map(str, earlier + prompt + answer[: i + 1])) + ","
+            k = 0
+            while i + 1 + k < len(answer) and ("," + ",".join(map(str, answer[i + 1 : i + 2 + k])) + ",") in seen:
+                k += 1
+            seconds += cost(1 + k, len(prompt) + i)
+            i += k + 1
+        n_tokens += len(answer) - 1
+        earlier += prompt + answer
+    return n_tokens / seconds
+
+
+def cached(keep: Path | None, name: str, make: Callable[[], Any]) -> Any:
+    if keep is not None and (keep / name).exists():
+        print(f"reusing {keep / name}", flush=True)
+        return json.loads((keep / name).read_text())
+    got = make()
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / name).write_text(json.dumps(got))
+    return got
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default="ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,suffix")
+    ap.add_argument("--workloads", default="copy,agent,chat")
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=96, help="max_tokens of the agent and chat requests")
+    ap.add_argument("--copy-tokens", type=int, default=400, help="max_tokens of the copy requests")
+    ap.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="on", help="as -fa auto sets it here: on")
+    ap.add_argument("--keep", type=Path, help="keep answers.json and cost.json here, and reuse them")
+    a = ap.parse_args()
+    workloads = [w for w in a.workloads.split(",") if w]
+    tokens = {w: a.copy_tokens if w == "copy" else a.tokens for w in workloads}
+    answers = cached(a.keep, "answers.json", lambda: record(workloads, tokens, a.turns))
+    table = cached(a.keep, f"cost-fa-{a.flash_attn}.json", lambda: measure_cost(a.flash_attn))
+    cost = Cost(table)
+    print(f"\n`bench/spec_replay.py {' '.join(sys.argv[1:])}` (modelled decode speed, against no speculation)\n")
+    print("| workload | type | whole | budget | perfect | drafted / accepted (budget) |")
+    print("|---|---|---|---|---|---|")
+    for w in workloads:
+        reqs = answers[w]
+        none = replay(reqs, "none", cost, "none")["tok_s"]
+        for kind in (t for t in a.types.split(",") if t):
+            got = {p: replay(reqs, kind, cost, p, a.flash_attn) for p in ("whole", "budget", "perfect")}
+            print(
+                f"| {w} | {kind} | {got['whole']['tok_s'] / none:.2f} | {got['budget']['tok_s'] / none:.2f} | "
+                f"{got['perfect']['tok_s'] / none:.2f} | {got['budget']['drafted']} / {got['budget']['accepted']} |",
+                flush=True,
+            )
+        print(f"| {w} | any copy | | | {any_copy(reqs, cost) / none:.2f} | |  (none: {none:.1f} tok/s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
