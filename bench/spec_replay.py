@@ -48,7 +48,6 @@ import random
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,34 +102,10 @@ def record(workloads: list[str], tokens: dict[str, int], turns: int) -> dict[str
 
 def measure_cost(flash_attn: str, reps: int = 7) -> dict[str, Any]:
     """``{"rows": [...], "contexts": [...], "seconds": [[per row count] per context]}``."""
-    import llama_cpp
+    from bench.verify_cost import StepTimer
 
-    from hydra_trio.engine.llama.model import FLASH_ATTN_TYPE
-    from hydra_trio.models.presets import resolve_model
-
-    path, _ = resolve_model("smollm2-135m")
-    llama_cpp.llama_backend_init()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
-    cp = llama_cpp.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = N_CTX, 512, 512
-    cp.n_threads = cp.n_threads_batch = 2
-    cp.flash_attn_type = FLASH_ATTN_TYPE[flash_attn]
-    ctx = llama_cpp.llama_init_from_model(model, cp)
-    mem = llama_cpp.llama_get_memory(ctx)
-    batch = llama_cpp.llama_batch_init(512, 0, 1)
-    rng = random.Random(5)
-
-    def decode(tokens: list[int], pos0: int, every: bool) -> float:
-        batch.n_tokens = len(tokens)
-        for i, tok in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos0 + i, 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = every or i == len(tokens) - 1
-        t0 = time.perf_counter()
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        return time.perf_counter() - t0
-
+    timer = StepTimer(2, flash_attn)
+    decode, rng = timer.decode, random.Random(5)
     seconds, filled = [], 0
     for n in CONTEXTS:
         while filled < n:
@@ -142,14 +117,12 @@ def measure_cost(flash_attn: str, reps: int = 7) -> dict[str, Any]:
             times = []
             for _ in range(reps):
                 times.append(decode([rng.randrange(1000, 40000) for _ in range(r)], n, True))
-                llama_cpp.llama_memory_seq_rm(mem, 0, n, -1)
+                timer.drop(n)
             line.append(statistics.median(times))
         seconds.append(line)
         shown = " ".join(f"{r}:{t * 1e3:.1f}" for r, t in zip(ROWS, line, strict=True))
         print(f"cost: {n} tokens: {shown} ms", flush=True)
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
+    timer.close()
     return {"rows": list(ROWS), "contexts": list(CONTEXTS), "seconds": seconds, "flash_attn": flash_attn}
 
 

@@ -54,6 +54,46 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return (sy - c1 * sx) / n, c1
 
 
+class StepTimer:
+    """The default model (SmolLM2-135M) on one sequence of an ``-c 8192`` context (``n_batch`` 512), to time
+    ``llama_decode`` of batches: ``threads`` CPU threads, ``flash_attn`` ``on``/``off``/``auto``."""
+
+    def __init__(self, threads: int, flash_attn: str) -> None:
+        self.path, _ = resolve_model("smollm2-135m")
+        llama_cpp.llama_backend_init()
+        mparams = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 8192, 512, 512
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.flash_attn_type = FLASH_ATTN_TYPE[flash_attn]
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+
+    def decode(self, tokens: list[int], pos0: int, logits_all: bool) -> float:
+        """Seconds of one ``llama_decode`` of ``tokens`` (at most 512) at positions ``pos0``, ``pos0 + 1``, ...
+        (logits at every row with ``logits_all``, else at the last).  Raises RuntimeError: it failed."""
+        batch = self.batch
+        batch.n_tokens = len(tokens)
+        for i, tok in enumerate(tokens):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos0 + i, 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = logits_all or i == len(tokens) - 1
+        t0 = time.perf_counter()
+        if llama_cpp.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return time.perf_counter() - t0
+
+    def drop(self, p0: int) -> None:
+        """Remove the positions from ``p0`` on."""
+        llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), 0, p0, -1)
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+        llama_cpp.llama_model_free(self.model)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", default="256,2048,6144")
@@ -64,29 +104,8 @@ def main() -> None:
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
-    path, _ = resolve_model("smollm2-135m")
-    llama_cpp.llama_backend_init()
-    mparams = llama_cpp.llama_model_default_params()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
-    cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = 8192, 512, 512
-    cparams.n_threads = cparams.n_threads_batch = a.threads
-    cparams.flash_attn_type = FLASH_ATTN_TYPE[a.flash_attn]
-    ctx = llama_cpp.llama_init_from_model(model, cparams)
-    mem = llama_cpp.llama_get_memory(ctx)
-    batch = llama_cpp.llama_batch_init(512, 0, 1)
-    rng = random.Random(5)
-
-    def decode(tokens: list[int], pos0: int, logits_all: bool) -> float:
-        batch.n_tokens = len(tokens)
-        for i, tok in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos0 + i, 1
-            batch.seq_id[i][0] = 0
-            batch.logits[i] = logits_all or i == len(tokens) - 1
-        t0 = time.perf_counter()
-        if llama_cpp.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
-        return time.perf_counter() - t0
+    timer = StepTimer(a.threads, a.flash_attn)
+    path, decode, rng = timer.path, timer.decode, random.Random(5)
 
     print(f"model {path.name}, -t {a.threads}, -fa {a.flash_attn}, rows {rows}, {a.reps} reps each", flush=True)
     print(f"{'context':>8} {'c0 ms':>7} {'c1 ms':>7} {'r':>6}   ceiling at a=0.5 / 0.7 / 0.9 (best L)")
@@ -101,16 +120,14 @@ def main() -> None:
             times = []
             for _ in range(a.reps):
                 times.append(decode([rng.randrange(1000, 40000) for _ in range(r)], n, True))
-                llama_cpp.llama_memory_seq_rm(mem, 0, n, -1)
+                timer.drop(n)
             points.append((r, statistics.median(times)))
         c0, c1 = fit(points)
         ratio = c1 / c0 if c0 > 0 else float("inf")
         ceil = "  ".join(f"{s:.2f}x (L={length})" for s, length in (ceiling(ratio, p) for p in (0.5, 0.7, 0.9)))
         shown = " ".join(f"{r}:{t * 1000:.1f}" for r, t in points)
         print(f"{n:>8} {c0 * 1000:7.2f} {c1 * 1000:7.2f} {ratio:6.3f}   {ceil}   [{shown} ms]", flush=True)
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    llama_cpp.llama_model_free(model)
+    timer.close()
 
 
 if __name__ == "__main__":
