@@ -44,8 +44,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
-import random
-import statistics
 import subprocess
 import sys
 from collections.abc import Callable
@@ -105,20 +103,8 @@ def measure_cost(flash_attn: str, reps: int = 7) -> dict[str, Any]:
     from bench.verify_cost import StepTimer
 
     timer = StepTimer(2, flash_attn)
-    decode, rng = timer.decode, random.Random(5)
-    seconds, filled = [], 0
-    for n in CONTEXTS:
-        while filled < n:
-            chunk = [rng.randrange(1000, 40000) for _ in range(min(512, n - filled))]
-            decode(chunk, filled, False)
-            filled += len(chunk)
-        line = []
-        for r in ROWS:
-            times = []
-            for _ in range(reps):
-                times.append(decode([rng.randrange(1000, 40000) for _ in range(r)], n, True))
-                timer.drop(n)
-            line.append(statistics.median(times))
+    seconds = []
+    for n, line in zip(CONTEXTS, timer.table(list(CONTEXTS), list(ROWS), reps), strict=True):
         seconds.append(line)
         shown = " ".join(f"{r}:{t * 1e3:.1f}" for r, t in zip(ROWS, line, strict=True))
         print(f"cost: {n} tokens: {shown} ms", flush=True)

@@ -22,6 +22,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp
@@ -88,6 +89,25 @@ class StepTimer:
         """Remove the positions from ``p0`` on."""
         llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(self.ctx), 0, p0, -1)
 
+    def table(self, contexts: list[int], rows: list[int], reps: int) -> Iterator[list[float]]:
+        """For each context length of ``contexts`` (ascending; the sequence is filled up to it with random
+        tokens), the median seconds of ``reps`` decodes of each row count of ``rows`` there (logits at every
+        row, as a verification asks; removed again after each), yielded as each context is done."""
+        rng, filled = random.Random(5), 0
+        for n in contexts:
+            while filled < n:
+                chunk = [rng.randrange(1000, 40000) for _ in range(min(512, n - filled))]
+                self.decode(chunk, filled, False)
+                filled += len(chunk)
+            line = []
+            for r in rows:
+                times = []
+                for _ in range(reps):
+                    times.append(self.decode([rng.randrange(1000, 40000) for _ in range(r)], n, True))
+                    self.drop(n)
+                line.append(statistics.median(times))
+            yield line
+
     def close(self) -> None:
         llama_cpp.llama_batch_free(self.batch)
         llama_cpp.llama_free(self.ctx)
@@ -105,23 +125,10 @@ def main() -> None:
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
     timer = StepTimer(a.threads, a.flash_attn)
-    path, decode, rng = timer.path, timer.decode, random.Random(5)
-
-    print(f"model {path.name}, -t {a.threads}, -fa {a.flash_attn}, rows {rows}, {a.reps} reps each", flush=True)
+    print(f"model {timer.path.name}, -t {a.threads}, -fa {a.flash_attn}, rows {rows}, {a.reps} reps each", flush=True)
     print(f"{'context':>8} {'c0 ms':>7} {'c1 ms':>7} {'r':>6}   ceiling at a=0.5 / 0.7 / 0.9 (best L)")
-    filled = 0
-    for n in sorted(contexts):
-        while filled < n:
-            chunk = [rng.randrange(1000, 40000) for _ in range(min(512, n - filled))]
-            decode(chunk, filled, False)
-            filled += len(chunk)
-        points = []
-        for r in rows:
-            times = []
-            for _ in range(a.reps):
-                times.append(decode([rng.randrange(1000, 40000) for _ in range(r)], n, True))
-                timer.drop(n)
-            points.append((r, statistics.median(times)))
+    for n, line in zip(sorted(contexts), timer.table(sorted(contexts), rows, a.reps), strict=True):
+        points = list(zip(rows, line, strict=True))
         c0, c1 = fit(points)
         ratio = c1 / c0 if c0 > 0 else float("inf")
         ceil = "  ".join(f"{s:.2f}x (L={length})" for s, length in (ceiling(ratio, p) for p in (0.5, 0.7, 0.9)))
