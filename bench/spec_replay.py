@@ -2,8 +2,8 @@
 with this machine's measured decode cost, against what no cut and a perfect cut would give, and the most any
 drafter that copies earlier text could give.
 
-    .venv/bin/python bench/spec_replay.py [--types ngram-simple,ngram-map-k,ngram-mod,suffix]
-                                          [--workloads copy,agent,chat] [--keep DIR] [-fa auto]
+    .venv/bin/python bench/spec_replay.py [--types ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,suffix]
+                                          [--workloads copy,agent,chat] [--keep DIR] [-fa on|off]
 
 ``bench/speculative.py`` times both servers end to end, and its copy and chat workloads are a few seconds
 each (about +-10 % between runs).  This bench separates the two things a draft's speed-up is made of, so
@@ -35,18 +35,23 @@ that a change to a drafter or to the budget can be judged without that noise:
 
 The modelled speeds leave out what is not decoding (sampling, drafting, the HTTP round trip): on this
 machine they come within about 10 % of ``bench/speculative.py``'s measured ones, closer for the ratios.
-``--keep DIR`` writes ``answers.json`` and ``cost.json`` there and reuses them on the next run (a second
-replay then takes seconds per type).
+``--keep DIR`` writes ``answers.json`` and ``cost-fa-on.json`` (or ``-off``) there and reuses on the next run
+what fits its options (the answers of each workload recorded with the same ``--turns`` and max_tokens; a
+whole table); what does not fit or does not parse is made again.  A replay from kept files takes seconds.
+The cost table needs a quiet machine: the bench warns when the load average is above half the CPUs, and
+exits with status 1, keeping nothing, when the table shows a step measured faster than one with fewer rows
+or a shorter context by more than a quarter.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import itertools
 import json
+import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.speculative import workload  # noqa: E402
+from bench.speculative import WORKLOADS, names, workload  # noqa: E402
 from hydra_trio.engine.speculative import budget as B  # noqa: E402
 from hydra_trio.engine.speculative.base import SlotDraft  # noqa: E402
 from hydra_trio.engine.speculative.combine import Speculative, make_speculative  # noqa: E402
@@ -214,46 +219,162 @@ def any_copy(reqs: list[dict[str, Any]], cost: Cost) -> float:
     return n_tokens / seconds
 
 
-def cached(keep: Path | None, name: str, make: Callable[[], Any]) -> Any:
-    if keep is not None and (keep / name).exists():
-        print(f"reusing {keep / name}", flush=True)
-        return json.loads((keep / name).read_text())
-    got = make()
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        (keep / name).write_text(json.dumps(got))
+def _write(path: Path, data: Any) -> None:
+    """Write ``data`` as JSON to ``path`` whole or not at all (a temporary file renamed over it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read(path: Path) -> Any:
+    """``path``'s JSON, or None (with a line saying why) when it is missing or does not parse."""
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"{path}: not readable ({exc}): made again", flush=True)
+        return None
+
+
+def _answers_fit(got: Any, turns: int, n_predict: int) -> bool:
+    """A kept workload's answers were recorded with these settings and have the expected shape."""
+    try:
+        return (
+            got["turns"] == turns
+            and got["n_predict"] == n_predict
+            and all(
+                all(isinstance(t, int) for t in r["prompt"]) and all(isinstance(t, int) for t in r["answer"])
+                for r in got["requests"]
+            )
+        )
+    except (KeyError, TypeError):
+        return False
+
+
+def answers_for(keep: Path | None, workloads: list[str], tokens: dict[str, int], turns: int) -> dict[str, Any]:
+    """Each workload's recorded answers (:func:`record`), from ``keep/answers.json`` where it holds them for
+    the same ``--turns`` and max_tokens; the others are recorded now (and kept)."""
+    kept = _read(keep / "answers.json") if keep is not None else None
+    kept = kept if isinstance(kept, dict) else {}
+    fit = {w: kept[w] for w in workloads if _answers_fit(kept.get(w), turns, tokens[w])}
+    if fit:
+        print(f"reusing the answers of {', '.join(fit)} from {keep}", flush=True)
+    missing = [w for w in workloads if w not in fit]
+    if missing:
+        got = record(missing, tokens, turns)
+        for w in missing:
+            fit[w] = kept[w] = {"turns": turns, "n_predict": tokens[w], "requests": got[w]}
+        if keep is not None:
+            _write(keep / "answers.json", kept)
+    return {w: fit[w]["requests"] for w in workloads}
+
+
+def disturbed(table: dict[str, Any]) -> str:
+    """Why ``table`` cannot be a quiet machine's (a step with more rows, or a longer context, measured
+    faster by more than a quarter: something else ran), or "" when it can."""
+    seconds = table["seconds"]
+    for n, line in zip(table["contexts"], seconds, strict=True):
+        for (r0, t0), (r1, t1) in itertools.pairwise(zip(table["rows"], line, strict=True)):
+            if t1 < 0.75 * t0:
+                return f"at {n} tokens {r1} rows took {t1 * 1e3:.1f} ms, {r0} rows {t0 * 1e3:.1f} ms"
+    for (n0, a), (n1, b) in itertools.pairwise(zip(table["contexts"], seconds, strict=True)):
+        if b[0] < 0.75 * a[0]:
+            return f"one row took {b[0] * 1e3:.1f} ms at {n1} tokens, {a[0] * 1e3:.1f} ms at {n0}"
+    return ""
+
+
+def cost_for(keep: Path | None, flash_attn: str) -> dict[str, Any]:
+    """The cost table (:func:`measure_cost`), from ``keep/cost-fa-{on,off}.json`` when it holds a whole
+    one, else measured now (and kept).  Exits with status 1 when the measurement was disturbed."""
+    path = keep / f"cost-fa-{flash_attn}.json" if keep is not None else None
+    table = _read(path) if path is not None else None
+    try:
+        whole = table is not None and table["rows"] == list(ROWS) and table["contexts"] == list(CONTEXTS)
+        if whole and all(len(line) == len(ROWS) and all(t > 0 for t in line) for line in table["seconds"]):
+            print(f"reusing {path}", flush=True)
+            return table
+    except (KeyError, TypeError):
+        pass
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(
+            f"warning: load average {load:.1f} on {os.cpu_count()} CPUs: the timings need a quiet machine", flush=True
+        )
+    table = measure_cost(flash_attn)
+    why = disturbed(table)
+    if why:
+        sys.exit(f"the cost table was disturbed ({why}): run again on a quiet machine")
+    if path is not None:
+        _write(path, table)
+    return table
+
+
+def replayable(text: str) -> list[str]:
+    """``--types``: each a model-free type the node builds without a model (draft-simple and draft-mtp
+    draft with a model, which a replay does not run).  Raises argparse.ArgumentTypeError."""
+    got = [t for t in text.split(",") if t]
+    for t in got or [""]:
+        try:
+            ok = make_speculative(SpecSettings(types=("none", t)), 1) is not None
+        except (ValueError, OSError):
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{t or '(none given)'}: not a model-free type ({', '.join(REPLAYABLE)})")
     return got
+
+
+REPLAYABLE = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache", "suffix")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--types", default="ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,suffix")
-    ap.add_argument("--workloads", default="copy,agent,chat")
-    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument(
+        "--types",
+        default="ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,suffix",
+        type=replayable,
+        help=f"comma list of {', '.join(REPLAYABLE)}",
+    )
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        type=lambda t: names(t, WORKLOADS, "workload"),
+        help=f"comma list of {', '.join(WORKLOADS)} (bench/speculative.py's)",
+    )
+    ap.add_argument("--turns", type=int, default=20, help="turns of the agent session")
     ap.add_argument("--tokens", type=int, default=96, help="max_tokens of the agent and chat requests")
     ap.add_argument("--copy-tokens", type=int, default=400, help="max_tokens of the copy requests")
     ap.add_argument("-fa", "--flash-attn", choices=("on", "off"), default="on", help="as -fa auto sets it here: on")
-    ap.add_argument("--keep", type=Path, help="keep answers.json and cost.json here, and reuse them")
+    ap.add_argument(
+        "--keep",
+        type=Path,
+        help="a folder: keep answers.json and cost-fa-{on,off}.json there, and reuse what fits these options",
+    )
     a = ap.parse_args()
-    workloads = [w for w in a.workloads.split(",") if w]
+    if a.keep is not None:
+        if a.keep.exists() and not a.keep.is_dir():
+            ap.error(f"--keep {a.keep}: not a folder")
+        a.keep.mkdir(parents=True, exist_ok=True)
+    workloads = a.workloads
     tokens = {w: a.copy_tokens if w == "copy" else a.tokens for w in workloads}
-    answers = cached(a.keep, "answers.json", lambda: record(workloads, tokens, a.turns))
-    table = cached(a.keep, f"cost-fa-{a.flash_attn}.json", lambda: measure_cost(a.flash_attn))
-    cost = Cost(table)
+    answers = answers_for(a.keep, workloads, tokens, a.turns)
+    cost = Cost(cost_for(a.keep, a.flash_attn))
     print(f"\n`bench/spec_replay.py {' '.join(sys.argv[1:])}` (modelled decode speed, against no speculation)\n")
     print("| workload | type | whole | budget | perfect | drafted / accepted (budget) |")
     print("|---|---|---|---|---|---|")
     for w in workloads:
         reqs = answers[w]
         none = replay(reqs, "none", cost, "none")["tok_s"]
-        for kind in (t for t in a.types.split(",") if t):
+        for kind in a.types:
             got = {p: replay(reqs, kind, cost, p, a.flash_attn) for p in ("whole", "budget", "perfect")}
             print(
                 f"| {w} | {kind} | {got['whole']['tok_s'] / none:.2f} | {got['budget']['tok_s'] / none:.2f} | "
                 f"{got['perfect']['tok_s'] / none:.2f} | {got['budget']['drafted']} / {got['budget']['accepted']} |",
                 flush=True,
             )
-        print(f"| {w} | any copy | | | {any_copy(reqs, cost) / none:.2f} | |  (none: {none:.1f} tok/s)", flush=True)
+        print(
+            f"| {w} | any copy | | | {any_copy(reqs, cost) / none:.2f} | no speculation: {none:.1f} tok/s |", flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -166,11 +166,26 @@ CHAT = [
 
 
 def workload(name: str, turns: int) -> list[list[dict[str, str]]]:
+    """The requests of workload ``name`` (one of :data:`WORKLOADS`).  Raises ValueError: another name."""
     if name == "copy":
         return copy_requests()
     if name == "agent":
         return agent_session(turns)
-    return [[{"role": "user", "content": q}] for q in CHAT]
+    if name == "chat":
+        return [[{"role": "user", "content": q}] for q in CHAT]
+    raise ValueError(f"unknown workload {name!r} (one of {', '.join(WORKLOADS)})")
+
+
+def names(text: str, known: tuple[str, ...], what: str) -> list[str]:
+    """The comma list ``text`` (empty items dropped).  Raises argparse.ArgumentTypeError: a name not in
+    ``known``, or none at all."""
+    got = [t for t in text.split(",") if t]
+    bad = [t for t in got if t not in known]
+    if bad or not got:
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {', '.join(bad) or '(none given)'}: one of {', '.join(known)}"
+        )
+    return got
 
 
 def spec_args(kind: str, draft: Path) -> list[str]:
@@ -283,7 +298,9 @@ def main() -> None:
         help="comma-separated; a type may carry hydra-trio flags after a colon, e.g. "
         "'suffix:--spec-budget-row-cost 0' (hydra-trio only)",
     )
-    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument(
+        "--workloads", default=",".join(WORKLOADS), type=lambda t: ",".join(names(t, WORKLOADS, "workload"))
+    )
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=96, help="max_tokens of the agent and chat requests")
     ap.add_argument("--copy-tokens", type=int, default=400, help="max_tokens of the copy requests")
@@ -292,6 +309,9 @@ def main() -> None:
     args = ap.parse_args()
     flags = args.server_flags.split()
     types = [t for t in args.types.split(",") if t]
+    unknown = [t for t in types if t.partition(":")[0] not in TYPES]
+    if unknown or not types:
+        ap.error(f"--types: unknown type {', '.join(unknown) or '(none given)'}: one of {', '.join(TYPES)}")
     model, draft = resolve_model("smollm2-135m")[0], resolve_model("smollm2-135m-q8")[0]
     binary = build_anchor()
     loads = {w: workload(w, args.turns) for w in args.workloads.split(",") if w}

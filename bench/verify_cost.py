@@ -29,7 +29,7 @@ import llama_cpp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from hydra_trio.engine.llama.model import FLASH_ATTN_TYPE  # noqa: E402
+from hydra_trio.engine.llama.model import FLASH_ATTN_TYPE, init_backend  # noqa: E402
 from hydra_trio.models.presets import resolve_model  # noqa: E402
 
 
@@ -61,7 +61,7 @@ class StepTimer:
 
     def __init__(self, threads: int, flash_attn: str) -> None:
         self.path, _ = resolve_model("smollm2-135m")
-        llama_cpp.llama_backend_init()
+        init_backend()  # llama.cpp's log lines go to Python logging (its per-tensor chatter at DEBUG: unshown)
         mparams = llama_cpp.llama_model_default_params()
         self.model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         cparams = llama_cpp.llama_context_default_params()
@@ -124,6 +124,8 @@ def main() -> None:
     a = ap.parse_args()
     contexts = [int(x) for x in a.contexts.split(",")]
     rows = [int(x) for x in a.rows.split(",")]
+    if len(set(rows)) < 2 or min(rows) < 1 or max(rows) > 512:
+        ap.error("--rows: at least two different row counts, each 1 to 512 (a line is fitted through them)")
     timer = StepTimer(a.threads, a.flash_attn)
     print(f"model {timer.path.name}, -t {a.threads}, -fa {a.flash_attn}, rows {rows}, {a.reps} reps each", flush=True)
     print(f"{'context':>8} {'c0 ms':>7} {'c1 ms':>7} {'r':>6}   ceiling at a=0.5 / 0.7 / 0.9 (best L)")

@@ -489,3 +489,16 @@ def test_output_that_cannot_be_written_ends_the_command_with_one_line() -> None:
         )
     assert got.returncode == 1, got.stderr
     assert got.stderr.decode() == "hydra-trio: write error: No space left on device\n"
+
+
+def test_a_command_started_with_its_output_closed_ends_without_a_traceback() -> None:
+    """``hydra-trio models >&-``: Python starts with no ``sys.stdout`` (None); the end of the command flushes
+    what streams there are and says nothing on stderr."""
+    got = subprocess.run(
+        ["sh", "-c", f'exec "{sys.executable}" -m hydra_trio models >&-'],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        timeout=LONG,
+    )
+    assert got.stderr == b"", got.stderr
+    assert got.returncode == 0

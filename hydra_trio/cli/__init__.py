@@ -188,7 +188,8 @@ def exit_now(code: int) -> NoReturn:
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:  # None: the process started with that descriptor closed (`>&-`)
+                stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more to say on it
             pass
     os._exit(code)
