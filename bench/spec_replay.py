@@ -60,8 +60,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.speculative import WORKLOADS, names, workload  # noqa: E402
+from hydra_trio.engine.settings import LlamaOptions  # noqa: E402
 from hydra_trio.engine.speculative import budget as B  # noqa: E402
 from hydra_trio.engine.speculative.base import SlotDraft  # noqa: E402
+from hydra_trio.engine.speculative.build import draft_budget  # noqa: E402
 from hydra_trio.engine.speculative.combine import Speculative, make_speculative  # noqa: E402
 from hydra_trio.engine.speculative.settings import SpecSettings  # noqa: E402
 from hydra_trio.testing.spawn import spawn, wait_healthy  # noqa: E402
@@ -72,8 +74,8 @@ CONTEXTS = (128, 512, 1024, 2048, 3072, 4096)
 
 
 def record(workloads: list[str], tokens: dict[str, int], turns: int) -> dict[str, list[dict[str, Any]]]:
-    """Each workload's requests answered greedily by a node without speculation: ``prompt`` and ``answer``
-    tokens and the request's ``n_predict``."""
+    """Each workload's requests answered greedily (max_tokens ``tokens[workload]``) by a node without
+    speculation: ``prompt`` and ``answer`` tokens."""
     proc, port = spawn(
         "-t", "2", "-np", "1", "-c", str(N_CTX), "--no-rpc-backend", "--log-level", "WARNING",
         output=subprocess.DEVNULL,
@@ -94,7 +96,7 @@ def record(workloads: list[str], tokens: dict[str, int], turns: int) -> dict[str
                         "/completion",
                         json={"prompt": prompt, "n_predict": tokens[w], "temperature": 0, "return_tokens": True},
                     ).json()
-                    reqs.append({"prompt": prompt, "answer": got["tokens"], "n_predict": tokens[w]})
+                    reqs.append({"prompt": prompt, "answer": got["tokens"]})
                 out[w] = reqs
                 print(f"answers: {w}: {len(reqs)} requests, {sum(len(r['answer']) for r in reqs)} tokens", flush=True)
     finally:
@@ -147,21 +149,19 @@ class _Whole(B.DraftBudget):
         return n_max
 
 
-def replay(reqs: list[dict[str, Any]], kind: str, cost: Cost, policy: str, flash_attn: str = "on") -> dict[str, float]:
-    """Decode ``reqs`` again on paper with ``kind``'s drafters cut by ``policy`` (``none``, ``whole``,
-    ``budget``, ``perfect``); returns modelled ``tok_s``, ``steps``, ``drafted``, ``accepted``."""
+def replay(
+    reqs: list[dict[str, Any]], n_predict: int, kind: str, cost: Cost, policy: str, flash_attn: str = "on"
+) -> dict[str, float]:
+    """Decode ``reqs`` (recorded with max_tokens ``n_predict``) again on paper with ``kind``'s drafters cut by
+    ``policy`` (``none``, ``whole``, ``budget``, ``perfect``); returns modelled ``tok_s``, ``steps``,
+    ``drafted``, ``accepted``."""
     spec: Speculative | None = None
     if policy != "none":
         spec = make_speculative(SpecSettings(types=("none", kind)), 1)
         assert spec is not None
-        if policy == "budget":
-            spec.budget = (
-                B.DraftBudget(*B.CPU_NO_FA)
-                if flash_attn == "off"
-                else B.DraftBudget(B.CPU_ROW_COST, B.CPU_ROW_COST_PER_KTOKEN)
-            )
-        else:
-            spec.budget = _Whole(1.0)
+        # the node's own choice for --spec-budget-row-cost auto, a model on the CPU
+        cpu = LlamaOptions(n_gpu_layers=0)
+        spec.budget = draft_budget(SpecSettings(), cpu, flash_attn) if policy == "budget" else _Whole(1.0)
     seconds = 0.0
     n_tokens = steps = drafted = accepted = 0
     for req in reqs:
@@ -174,7 +174,7 @@ def replay(reqs: list[dict[str, Any]], kind: str, cost: Cost, policy: str, flash
         while i < len(answer) - 1:
             draft: list[int] = []
             if spec is not None:
-                n_max = min(spec.n_max, N_CTX - (len(prompt) + i) - 3, req["n_predict"] - (i + 1) - 1)
+                n_max = min(spec.n_max, N_CTX - (len(prompt) + i) - 3, n_predict - (i + 1) - 1)
                 if n_max >= 1:
                     sd = SlotDraft(0, n_max, len(prompt) + i, answer[i], prompt + answer[:i])
                     spec.draft([sd])
@@ -206,9 +206,10 @@ def any_copy(reqs: list[dict[str, Any]], cost: Cost) -> float:
     seconds, n_tokens = 0.0, 0
     for req in reqs:
         prompt, answer = req["prompt"], req["answer"]
+        before = "," + ",".join(map(str, earlier + prompt))
         i = 0
         while i < len(answer) - 1:
-            seen = "," + ",".join(map(str, earlier + prompt + answer[: i + 1])) + ","
+            seen = before + "," + ",".join(map(str, answer[: i + 1])) + ","
             k = 0
             while i + 1 + k < len(answer) and ("," + ",".join(map(str, answer[i + 1 : i + 2 + k])) + ",") in seen:
                 k += 1
@@ -364,9 +365,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for w in workloads:
         reqs = answers[w]
-        none = replay(reqs, "none", cost, "none")["tok_s"]
+        none = replay(reqs, tokens[w], "none", cost, "none")["tok_s"]
         for kind in a.types:
-            got = {p: replay(reqs, kind, cost, p, a.flash_attn) for p in ("whole", "budget", "perfect")}
+            got = {p: replay(reqs, tokens[w], kind, cost, p, a.flash_attn) for p in ("whole", "budget", "perfect")}
             print(
                 f"| {w} | {kind} | {got['whole']['tok_s'] / none:.2f} | {got['budget']['tok_s'] / none:.2f} | "
                 f"{got['perfect']['tok_s'] / none:.2f} | {got['budget']['drafted']} / {got['budget']['accepted']} |",

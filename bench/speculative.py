@@ -298,9 +298,7 @@ def main() -> None:
         help="comma-separated; a type may carry hydra-trio flags after a colon, e.g. "
         "'suffix:--spec-budget-row-cost 0' (hydra-trio only)",
     )
-    ap.add_argument(
-        "--workloads", default=",".join(WORKLOADS), type=lambda t: ",".join(names(t, WORKLOADS, "workload"))
-    )
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda t: names(t, WORKLOADS, "workload"))
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=96, help="max_tokens of the agent and chat requests")
     ap.add_argument("--copy-tokens", type=int, default=400, help="max_tokens of the copy requests")
@@ -314,7 +312,7 @@ def main() -> None:
         ap.error(f"--types: unknown type {', '.join(unknown) or '(none given)'}: one of {', '.join(TYPES)}")
     model, draft = resolve_model("smollm2-135m")[0], resolve_model("smollm2-135m-q8")[0]
     binary = build_anchor()
-    loads = {w: workload(w, args.turns) for w in args.workloads.split(",") if w}
+    loads = {w: workload(w, args.turns) for w in args.workloads}
     samples: dict[tuple[str, str, str], list[dict[str, float]]] = {}
     for rnd in range(args.rounds):
         for kind in types:
