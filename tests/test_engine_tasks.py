@@ -160,6 +160,26 @@ async def test_a_slot_moves_through_its_states_in_order() -> None:
             assert engine.stats.tasks["read_slot"] >= len(seen) + 2
 
 
+async def test_a_step_is_published_before_its_tokens_reach_trio() -> None:
+    """A client that got a step's tokens reads its slot as of that step or later (``/slots`` right after a
+    stream's first chunk shows the prompt processed): at each delta, the snapshot counts every token delivered
+    so far, or shows the request ended."""
+    async with running_engine() as engine:
+        job = CompletionJob(prompt_tokens=[1, 504, 3458, 314, 4649, 253], n_predict=64, ignore_eos=True, id_slot=0)
+        got = 0
+        async with JobRun(engine, job) as run:
+            async for delta in run:
+                got += len(delta.tokens)
+                s = engine.snapshot.slot(0)
+                assert s is not None
+                if s.is_processing:
+                    assert s.n_decoded >= got, (s.n_decoded, got)
+                    assert s.n_prompt_processed + s.n_prompt_cache == 6, s
+                else:
+                    assert s.n_past >= 6 + got - 1, s
+            assert (await run.result()).predicted_n == got == 64
+
+
 def test_configure_tier_1_swaps_one_immutable_defaults_object() -> None:
     path, alias = resolve_model("smollm2-135m")
     engine = Engine(EngineConfig(path, alias))  # no model loaded: tier 1 touches no llama.cpp state

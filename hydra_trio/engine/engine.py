@@ -76,7 +76,7 @@ class Engine:
         self.live = LiveJobs()  # the jobs in flight (trio side); live.end_all ends them as the node stops
         self.models = ModelLifecycle(config, self.events, self.stats, self._hand_off)
         """The served model, its identity, its scheduler and the prompt cache (engine thread)."""
-        self.loop = EngineLoop(self.models, self.execute, lambda: self.stats.n_decode_total)
+        self.loop = EngineLoop(self.models, self.execute, lambda: self.stats.n_decode_total, self._hand_off)
         """The engine thread and its one inbox."""
         self._ready = trio.Event()
         self._trio_token: trio.lowlevel.TrioToken | None = None

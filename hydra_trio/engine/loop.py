@@ -11,6 +11,7 @@ that llama-cpp-python 0.3.36 vendors): process the new tasks, then update the sl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 
 from ..errors import EngineFailure
 from .lifecycle import ModelLifecycle, Stage
+from .requests import StepHandOff
 from .snapshot import EMPTY, EngineSnapshot, next_snapshot
 from .tasks import EngineTask, StartCompletion
 
@@ -32,12 +34,19 @@ class EngineLoop:
         execute: runs one task on the engine thread (:meth:`Engine.execute
             <hydra_trio.engine.engine.Engine.execute>`).
         n_decode_total: the decode steps so far, for the snapshot.
+        hand_off: the jobs' token events; a step's events reach trio after the snapshot that shows the step
+            is published, so a client that read a step's token reads its slot as of that step (None: at once).
     """
 
     def __init__(
-        self, models: ModelLifecycle, execute: Callable[[EngineTask], Any], n_decode_total: Callable[[], int]
+        self,
+        models: ModelLifecycle,
+        execute: Callable[[EngineTask], Any],
+        n_decode_total: Callable[[], int],
+        hand_off: StepHandOff | None = None,
     ) -> None:
         self.models, self.execute, self.n_decode_total = models, execute, n_decode_total
+        self.hand_off = hand_off
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         """Tasks and task calls for the engine thread, in the order they were queued (any thread puts)."""
         self.stopping = False
@@ -82,12 +91,13 @@ class EngineLoop:
             assert sched is not None
             if not sched.busy and not sched.pending:
                 continue  # nothing to do: the inbox's items published what they changed
-            try:
-                sched.step()
-            except Exception as exc:  # never let one bad job take the engine down
-                log.exception("engine step failed; failing the jobs in flight")
-                sched.fail_all(EngineFailure(f"engine error: {exc}"))
-            self.publish()
+            with self.hand_off.collect() if self.hand_off is not None else contextlib.nullcontext():
+                try:
+                    sched.step()
+                except Exception as exc:  # never let one bad job take the engine down
+                    log.exception("engine step failed; failing the jobs in flight")
+                    sched.fail_all(EngineFailure(f"engine error: {exc}"))
+                self.publish()  # before the step's events are handed over (the block's end)
             if not sched.busy and not sched.pending:  # the last job finished: every slot idle
                 self.models.at_idle()
 
