@@ -1,9 +1,10 @@
-"""A router's children start in the interpreter it keeps ready (``hydra_trio/cli/spare.py``), and files'
+"""A router's children are forked from the warm interpreter it keeps (``hydra_trio/cli/spare.py``), and files'
 digests are remembered on disk by the file's identity (``hydra_trio/engine/llama/model.py``)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from hydra_trio.engine.llama.model import hash_cache_dir, remembered_digest, sha256_file
 
 from .conftest import listening_pid
-from .test_router import TWO_MODELS, chat, router
+from .test_router import TWO_MODELS, Router, chat, router
 from .test_router_ops import children_of
 
 
@@ -28,26 +29,113 @@ def _child(r, name: str) -> int:  # type: ignore[no-untyped-def]
     return listening_pid(int(args[args.index("--port") + 1]))
 
 
-def test_a_child_runs_in_the_spare_and_the_next_spare_waits(tmp_path: Path) -> None:
-    with router(tmp_path, TWO_MODELS, "--models-max", "1", "--no-rpc-backend") as r:
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:  # gone meanwhile
+        return ""
+
+
+def _fork_server(router_pid: int, *exclude: int) -> int:
+    """The router's fork server: its child named ``hydra-forksrv``."""
+    deadline = time.monotonic() + 120
+    while True:
+        found = [p for p in children_of(router_pid) if p not in exclude and _comm(p) == "hydra-forksrv"]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, "no fork server"
+        time.sleep(0.1)
+
+
+SAME_FILE_TWICE = """\
+version = 1
+[*]
+c = 256
+np = 1
+
+[smollm2-135m]
+model = smollm2-135m
+
+[other]
+model = smollm2-135m
+c = 512
+"""
+"""Two models that cannot switch in place (another option): a switch is a new child."""
+
+
+def test_children_are_forked_from_one_warm_server_and_adopted_by_the_router(tmp_path: Path) -> None:
+    with router(tmp_path, SAME_FILE_TWICE, "--models-max", "1", "--no-rpc-backend") as r:
+        server = _fork_server(r.proc.pid)
         assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m")).status_code == 200
         child = _child(r, "smollm2-135m")
-        assert b"hydra_trio.cli.spare" in _cmdline(child)  # the node runs in the interpreter kept ready
-        # once it serves, the next spare is started: a child of the router with no model
+        assert child != server and _comm(child) == "hydra-trio"  # forked from the warm interpreter
+        # what ps shows: each wrote its own command line over the one it was forked with (the router's)
+        assert _cmdline(server)[:2] == [b"hydra-trio", b"fork-server"] and set(_cmdline(server)[2:]) <= {b""}
+        port = r.models()["smollm2-135m"]["status"]["args"]
+        port = port[port.index("--port") + 1].encode()
+        assert (
+            _cmdline(child)[0] == b"hydra-trio"
+            and port in _cmdline(child)
+            and b"--models-preset" not in _cmdline(child)
+        )
+        assert child in children_of(r.proc.pid)  # the router's own child (its subreaper), not the server's
+        # right after, the other model (the first child is stopped first: --models-max 1) forks from the same
+        # server: nothing to wait for
+        assert r.http.post("/v1/chat/completions", json=chat("other")).status_code == 200
+        second = _child(r, "other")
+        assert second not in (child, server) and second in children_of(r.proc.pid)
+        assert _fork_server(r.proc.pid, second) == server and _comm(second) == "hydra-trio"
+        # a child's exit is the router's to see: unloaded with its status
+        os.kill(second, signal.SIGKILL)
+        r.wait_status("other", "unloaded")
+        assert r.models()["other"]["status"]["exit_code"] == 128 + signal.SIGKILL
+        # a fork server that dies is replaced (a new interpreter: ``python -m hydra_trio.cli.spare``); a load
+        # meanwhile starts its child cold
+        os.kill(server, signal.SIGKILL)
+        assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m")).status_code == 200
+        again = _fork_server(r.proc.pid, _child(r, "smollm2-135m"), server)
+        assert again != server and _cmdline(again)[:2] == [b"hydra-trio", b"fork-server"]
+        r.http.post("/models/unload", json={"model": "smollm2-135m"})
+        r.wait_status("smollm2-135m", "unloaded")
+        assert r.http.post("/v1/chat/completions", json=chat("other")).status_code == 200
+        third = _child(r, "other")
+        assert _comm(third) == "hydra-trio" and _cmdline(third)[0] == b"hydra-trio"
+    log = (tmp_path / "router.log").read_text(errors="replace")
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_forked_child_dies_with_the_router(tmp_path: Path) -> None:
+    (tmp_path / "preset.ini").write_text(TWO_MODELS)
+    r = Router(tmp_path / "router.log", "--models-preset", str(tmp_path / "preset.ini"), "--no-rpc-backend")
+    try:
+        r.wait_listening()
+        assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m")).status_code == 200
+        child, server = _child(r, "smollm2-135m"), _fork_server(r.proc.pid)
+        r.proc.kill()  # no clean-up by the router: the children's death signal
+        r.proc.wait()
         deadline = time.monotonic() + 120
-        while not any(b"hydra_trio.cli.spare" in _cmdline(p) for p in children_of(r.proc.pid) if p != child):
-            assert time.monotonic() < deadline, "no next spare"
-            time.sleep(0.2)
-        # the other model starts in it (the first child is stopped first: --models-max 1)
-        assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m-q8")).status_code == 200
-        assert b"hydra_trio.cli.spare" in _cmdline(_child(r, "smollm2-135m-q8"))
+        while any(_state(p) != "Z" for p in (child, server)):
+            assert time.monotonic() < deadline, "a child outlived the router"
+            time.sleep(0.1)
+    finally:
+        r.stop()
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
 
 
 def test_without_the_spare_a_child_starts_cold(tmp_path: Path) -> None:
     with router(tmp_path, TWO_MODELS, "--models-max", "1", "--no-rpc-backend", "--no-router-spare") as r:
         assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m")).status_code == 200
-        argv = _cmdline(_child(r, "smollm2-135m"))
-        assert b"hydra_trio" in argv and b"hydra_trio.cli.spare" not in argv and b"--port" in argv
+        child = _child(r, "smollm2-135m")
+        argv = _cmdline(child)
+        assert b"hydra_trio" in argv and b"--model" in argv and b"--models-preset" not in argv  # its own flags
+        assert _comm(child) != "hydra-trio"
+        assert not [p for p in children_of(r.proc.pid) if _comm(p) == "hydra-forksrv"]
 
 
 def test_a_files_digest_is_remembered_until_the_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -169,10 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None and (args.models_preset or args.models_dir):  # llama-server's router mode
         from .router import run_router  # (the router's modules: not loaded by a node)
 
-        return run_router(args, parse_args)
+        return run_router(args, parse_args, forked_node)
     from .run import run_node
 
     return run_node(args)
+
+
+def forked_node(argv: list[str]) -> NoReturn:
+    """A child node forked by the router's fork server (:mod:`hydra_trio.cli.fork_server`): :func:`main` with
+    ``argv`` (the flags after ``python -m hydra_trio``), then :func:`exit_now`."""
+    exit_now(main(argv))
 
 
 def exit_now(code: int) -> NoReturn:

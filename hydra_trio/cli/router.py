@@ -28,6 +28,7 @@ from ..http.settings import HttpSettings
 from ..models.presets import PRESETS, PresetError, resolve_model
 from ..models.projector import ProjectorError, projector_modalities
 from ..observability.logs import configure_logging
+from ..router.child_process import ForkServer
 from ..router.models import ModelInstance, ModelRouter, RouterSettings
 from ..router.presets import (
     DEFAULT_STOP_TIMEOUT,
@@ -42,6 +43,7 @@ from ..router.presets import (
     Option,
     OptionSpec,
     OptionTable,
+    child_environment,
     read_preset_file,
     scan_models_dir,
 )
@@ -50,6 +52,7 @@ from ..transport.frontdoor import FrontDoorSettings
 from ..transport.tls import TlsSettings, server_context
 from .access import access_settings
 from .flags import RUN_FLAGS
+from .fork_server import Node, start_here
 from .router_memory import check_router_memory
 from .run import log_level, rpc_backend_settings
 
@@ -209,9 +212,30 @@ def model_factory(
     return make
 
 
-def run_router(args: argparse.Namespace, parse: Parse) -> int:
+def run_router(args: argparse.Namespace, parse: Parse, node: Node) -> int:
     """Serve in router mode until SIGINT/SIGTERM; 2 when a preset or flag is refused before anything starts.
-    ``parse`` checks each model's flags (:func:`hydra_trio.cli.parse_args`)."""
+    ``parse`` checks each model's flags (:func:`hydra_trio.cli.parse_args`).
+
+    First of all, before it starts a thread, the process forks itself into the children's fork server
+    (:mod:`hydra_trio.cli.fork_server`; not with ``--no-router-spare``), warm at once; a child forked there
+    runs ``node`` (:func:`hydra_trio.cli.forked_node`)."""
+    fork_server: ForkServer | None = None
+    fork_error: BaseException | None = None
+    if not args.no_router_spare and ForkServer.supported():
+        try:
+            fork_server = ForkServer(*start_here(child_environment(), node))
+        except (OSError, RuntimeError) as exc:
+            fork_error = exc
+    try:
+        return _run_router(args, parse, fork_server, fork_error)
+    finally:
+        if fork_server is not None:
+            fork_server.close()
+
+
+def _run_router(
+    args: argparse.Namespace, parse: Parse, fork_server: ForkServer | None, fork_error: BaseException | None
+) -> int:
     configure_logging(
         "CRITICAL" if args.log_disable else log_level(args),
         args.log_format or ("json" if args.log_jsonl else "text"),
@@ -240,6 +264,8 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
     except (ModelsConfigError, ValueError, OSError) as exc:
         log.error("%s", exc)
         return 2
+    if fork_error is not None:
+        log.warning("no fork server for the children (the router starts another when idle): %s", fork_error)
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -267,6 +293,7 @@ def run_router(args: argparse.Namespace, parse: Parse) -> int:
             models_max=args.models_max, models_autoload=args.models_autoload, spare=not args.no_router_spare
         ),
         factory=factory,
+        fork_server=fork_server,
     )
     log.info(
         "starting server in router mode: %d models, at most %s loaded, autoload %s",

@@ -19,7 +19,6 @@ Statuses (``status.value``): ``unloaded``, ``loading``, ``loaded``.  A model tha
 from __future__ import annotations
 
 import ctypes
-import json
 import logging
 import signal
 import sys
@@ -33,7 +32,7 @@ import trio
 
 from ..errors import InvalidRequest, ModelLoadError
 from ..transport.net import free_port
-from .child_process import ChildProcess
+from .child_process import ChildProcess, ForkedChild, ForkServer
 from .errors import ModelUnavailable
 from .events import ModelEvents
 from .presets import SET_BY_ROUTER, ModelPreset, OptionTable
@@ -55,7 +54,7 @@ LAUNCHER = (sys.executable, "-m", "hydra_trio")
 """A child node's command before its flags."""
 
 SPARE = (sys.executable, "-m", "hydra_trio.cli.spare")
-"""The warm interpreter's command (:mod:`hydra_trio.cli.spare`)."""
+"""The command of a fork server started anew (:mod:`hydra_trio.cli.fork_server`: where children are forked)."""
 
 
 @attrs.frozen
@@ -67,8 +66,8 @@ class RouterSettings:
         models_autoload: a request for a model that is not running loads it (``--[no-]models-autoload``);
             a request's ``?autoload=`` decides for itself.
         launcher: the command a child node starts with, before its flags.
-        spare: keep one interpreter started ahead for the next child (:mod:`hydra_trio.cli.spare`;
-            ``--no-router-spare`` turns it off): a child started with :data:`LAUNCHER` runs in it.
+        spare: keep a warm interpreter that forks the children (:mod:`hydra_trio.cli.fork_server`;
+            ``--no-router-spare`` turns it off): a child started with :data:`LAUNCHER` is forked from it.
     """
 
     models_max: int = 4
@@ -124,7 +123,7 @@ class ModelInstance:
         self.requests = 0
         self.stopping = False
         self.info: dict[str, Any] = {}
-        self.process: ChildProcess | None = None
+        self.process: ChildProcess | ForkedChild | None = None
         self.kill_scope: trio.CancelScope | None = None
         self.quants: dict[str, str] = {}
 
@@ -199,6 +198,7 @@ class ModelRouter:
         settings: RouterSettings,
         environ: Mapping[str, str] | None = None,
         factory: Callable[[str], ModelInstance] | None = None,
+        fork_server: ForkServer | None = None,
     ) -> None:
         self.models = {m.name: m for m in sorted(models, key=lambda m: m.name.encode())}
         """By name, as llama-server lists them (its models are a ``std::map``)."""
@@ -213,7 +213,9 @@ class ModelRouter:
         """Requests waiting for each model to serve: such a model is never the one unloaded for another."""
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self._spare: ChildProcess | None = None
+        self._spare: ForkServer | None = fork_server
+        """Where children are forked from (:mod:`hydra_trio.cli.fork_server`): one made before trio ran
+        (``start_here`` there), else started when wanted; stopped with the router."""
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
 
     def add(self, m: ModelInstance) -> None:
@@ -238,6 +240,8 @@ class ModelRouter:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if self._spare is not None:
+                    nursery.start_soon(self._watch_spare, self._spare)
                 self._want_spare()
                 task_status.started(self)
                 await trio.sleep_forever()
@@ -245,8 +249,7 @@ class ModelRouter:
             with trio.CancelScope(shield=True):
                 spare, self._spare = self._spare, None
                 if spare is not None:
-                    spare.kill()
-                    await spare.wait()
+                    spare.close()
                 for m in self.models.values():
                     if m.process is not None and m.process.returncode is None:
                         m.process.kill()
@@ -316,47 +319,47 @@ class ModelRouter:
 
     # ------------------------------------------------------------------------------------------ spare
     def _want_spare(self) -> None:
-        """Start the warm interpreter for the next child (:mod:`hydra_trio.cli.spare`) unless one waits
-        already, the settings want none, or a child is loading (the spare's imports would take its CPU)."""
+        """Start the fork server anew (:mod:`hydra_trio.cli.spare`) unless one runs already, the settings want
+        none, or a child is loading (the server's imports would take its CPU)."""
         from .presets import child_environment
 
         if not self.settings.spare or self.settings.launcher != LAUNCHER or self._nursery is None:
             return
         if self._spare is not None and self._spare.returncode is None:
             return
-        if any(m.status == LOADING for m in self.models.values()):
+        if not ForkServer.supported() or any(m.status == LOADING for m in self.models.values()):
             return
         try:
-            spare = ChildProcess(list(SPARE), child_environment(self.environ), _die_with_parent, stdin=True)
+            spare = ForkServer.spawn(list(SPARE), child_environment(self.environ), _die_with_parent)
         except OSError as exc:
-            log.warning("could not start a spare interpreter for the next child: %s", exc)
+            log.warning("could not start the fork server for the children (each starts cold): %s", exc)
             return
         self._spare = spare
-        self._nursery.start_soon(self._reap_spare, spare)
+        self._nursery.start_soon(self._watch_spare, spare)
 
-    async def _reap_spare(self, spare: ChildProcess) -> None:
-        """Reap a spare that dies before it is handed a child (the next load starts one afresh).  Polled: once
-        handed over, its child's supervisor waits on it (one waiter on a process at a time)."""
+    async def _watch_spare(self, spare: ForkServer) -> None:
+        """Forget a fork server that exits (the next load starts one afresh).  Polled: it exits only when
+        killed, or when a fork failed (then :meth:`ForkServer.fork` has closed it)."""
         while self._spare is spare:
             await trio.sleep(1.0)
             if self._spare is spare and spare.returncode is not None:
                 self._spare = None
-                log.warning("the spare interpreter exited with status %d before a child needed it", spare.returncode)
+                log.warning("the fork server exited with status %d", spare.returncode)
+                self._want_spare()
 
-    def _take_spare(self, args: list[str]) -> ChildProcess | None:
-        """The warm interpreter, handed the child's command line (``args`` after :data:`LAUNCHER`); None
-        when none is ready (the child is started cold)."""
-        spare, self._spare = self._spare, None
+    async def _take_spare(self, args: list[str]) -> ForkedChild | None:
+        """The child for ``args`` forked from the fork server; None when none runs or the fork failed (the
+        child is started cold)."""
+        spare = self._spare
         if spare is None or spare.returncode is not None or args[: len(LAUNCHER)] != list(LAUNCHER):
-            if spare is not None and spare.returncode is None:
-                self._spare = spare  # not for this command: kept for the next
             return None
         try:
-            spare.send_line(json.dumps({"argv": args[len(LAUNCHER) :]}))
-        except OSError:
-            spare.kill()
+            return await spare.fork(args[len(LAUNCHER) :])
+        except OSError as exc:
+            log.warning("%s: the child starts cold", exc)
+            if self._spare is spare:
+                self._spare = None
             return None
-        return spare
 
     async def _supervise(self, m: ModelInstance, args: list[str]) -> None:
         """One child's life: start it (in the warm interpreter when one waits), relay its output, watch for it
@@ -365,7 +368,9 @@ class ModelRouter:
 
         try:
             # forked on this thread, which lives as long as the router: PR_SET_PDEATHSIG follows the thread
-            process = self._take_spare(args) or ChildProcess(args, child_environment(self.environ), _die_with_parent)
+            process = await self._take_spare(args) or ChildProcess(
+                args, child_environment(self.environ), _die_with_parent
+            )
         except OSError as exc:
             log.error("failed to spawn server instance name=%s: %s", m.name, exc)
             m.status, m.exit_code = UNLOADED, 1
@@ -395,7 +400,7 @@ class ModelRouter:
             self._notify()
             self._want_spare()
 
-    async def _watch_ready(self, m: ModelInstance, process: ChildProcess) -> None:
+    async def _watch_ready(self, m: ModelInstance, process: ChildProcess | ForkedChild) -> None:
         base = f"http://{CHILD_HOST}:{m.port}"
         while process.returncode is None:
             try:
@@ -429,7 +434,7 @@ class ModelRouter:
         self._nursery.start_soon(self._swap, old, new, process)
         self._notify()
 
-    async def _swap(self, old: ModelInstance, new: ModelInstance, process: ChildProcess) -> None:
+    async def _swap(self, old: ModelInstance, new: ModelInstance, process: ChildProcess | ForkedChild) -> None:
         """SWAP_QUANT in ``new``'s child; when it fails, the child goes back to ``old``, which is stopped
         (its unload), and ``new`` starts in a child of its own."""
         t0 = time.perf_counter()
@@ -487,7 +492,7 @@ class ModelRouter:
             self._nursery.start_soon(self._kill_after, m, process)
         self._notify()
 
-    async def _kill_after(self, m: ModelInstance, process: ChildProcess) -> None:
+    async def _kill_after(self, m: ModelInstance, process: ChildProcess | ForkedChild) -> None:
         with trio.CancelScope() as scope:
             m.kill_scope = scope
             await trio.sleep(m.stop_timeout)

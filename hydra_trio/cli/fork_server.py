@@ -1,0 +1,239 @@
+"""A warm interpreter that forks the router's child nodes: a fork server (its side; the router's is
+:class:`hydra_trio.router.child_process.ForkServer`).
+
+A child node spends most of its start importing (Python, trio, the HTTP stack, llama-cpp-python and
+llama.cpp's libraries: about 0.5 s on 2 cores) before it reads a byte of its model.  The router keeps one
+such interpreter running, its imports done and no thread started; each load is one request to it, and it
+forks the node from its warm state, so only the model's own load is left, and the next load (even one
+right after) finds it ready again.  The router makes it by forking itself (:func:`start_here`) before it
+starts a thread: it has imported nearly all a node needs by then, so the server is warm at once, and
+shares the router's pages.  When it has to make another (the first one died), it starts
+``python -m hydra_trio.cli.spare``, which imports all that first.
+
+What ``ps`` and ``top`` show: a forked process has the memory of the one it was forked from, its command
+line too, so each writes its own over it (:func:`show_command_line`, cut to the room the first one had):
+``hydra-trio fork-server``, and ``hydra-trio FLAGS...`` for a node; their process names
+(``/proc/PID/comm``) are ``hydra-forksrv`` and ``hydra-trio``.
+
+Protocol, on a ``SOCK_SEQPACKET`` Unix socket (one message per request and reply; standard input for
+``python -m hydra_trio.cli.spare``):
+
+* request: ``{"argv": [...]}`` (the flags a child gets after ``python -m hydra_trio``), with one descriptor
+  (``SCM_RIGHTS``): where the node's standard output and error go (the router's end of it relays them);
+* reply: ``{"pid": N}`` once the node runs, or ``{"error": "..."}`` when it could not be forked.
+
+The node is forked twice (the first child starts a session, forks the node and exits at once), so it is
+not this interpreter's child but the router's: the router marks itself a child subreaper
+(``PR_SET_CHILD_SUBREAPER``, Linux's rule for orphans) while it waits for the reply, and the reply comes
+after the middle process is reaped.  The router then waits for the node's exit and reads its status as
+for a child it started itself.  Before the node runs it waits until the router is its parent and asks to
+be sent SIGTERM when it goes (``PR_SET_PDEATHSIG``), as a child started cold is; its standard input is
+``/dev/null``.  The interpreter itself ends when the router closes the socket, or with the router.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import NoReturn
+
+PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+REPARENT_WAIT_S = 10.0
+"""How long a forked node waits to become the router's child before it gives up (exit 1)."""
+
+
+def warm_up() -> None:
+    """Import what a node imports before it loads its model (also what it imports on first use: anyio's trio
+    backend when the HTTP app starts, the IDNA codec for host names)."""
+    import encodings.idna
+    import encodings.unicode_escape  # noqa: F401
+
+    import anyio._backends._trio  # noqa: F401
+    import llama_cpp  # noqa: F401  (llama.cpp's libraries, mapped)
+
+    import hydra_trio.cli.run
+    import hydra_trio.http.app
+    import hydra_trio.node.server  # noqa: F401
+    from hydra_trio.engine import Engine  # noqa: F401  (the engine package loads its modules on first use)
+
+
+def show_command_line(words: list[str], name: bytes) -> None:
+    """Make ``/proc/self/cmdline`` (what ``ps`` shows) ``words`` and the process name ``name`` (15 bytes at
+    most).  The command line lives in the process's own memory (``arg_start`` to ``arg_end`` in
+    ``/proc/self/stat``): the words, separated and padded with NUL bytes, are written there, cut to fit.
+    Nothing happens where that cannot be read."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name[:15])
+    try:
+        fields = open("/proc/self/stat", "rb").read().rsplit(b")", 1)[1].split()  # noqa: SIM115 (read whole)
+        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 (the first two precede ")")
+    except (OSError, IndexError, ValueError):
+        return
+    if end - start < 2:
+        return
+    text = b"\0".join(w.encode(errors="replace") for w in words)[: end - start - 1]
+    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
+
+
+Node = Callable[[list[str]], NoReturn]
+"""How a forked node runs: its flags (after ``python -m hydra_trio``) to the node's ``main``, then the
+process ends with its status (``hydra_trio.cli.main`` then ``exit_now``)."""
+
+
+def _run_node(argv: list[str], out: int, router: int, control: socket.socket, node: Node) -> NoReturn:
+    """The forked node: its descriptors, its parent, then ``node``; never returns."""
+    code = 1
+    try:
+        control.close()
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        stdin_empty()  # a node reads nothing from its standard input
+        deadline = time.monotonic() + REPARENT_WAIT_S
+        while os.getppid() != router:  # the middle process exits at once: the router adopts this one
+            if time.monotonic() > deadline:
+                print("hydra-trio: the forked node did not become the router's child", file=sys.stderr)
+                raise SystemExit(1)
+            time.sleep(0.0005)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != router:  # the router went before the signal was asked for
+            raise SystemExit(1)
+        show_command_line(["hydra-trio", *argv], b"hydra-trio")
+        sys.argv = [sys.argv[0], *argv]
+        node(argv)
+    except SystemExit as exc:  # argparse's exit 2, or the checks above
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def fork_node(argv: list[str], out: int, router: int, control: socket.socket, node: Node) -> int:
+    """Fork the node for ``argv`` (output to descriptor ``out``) as a grandchild; its pid once the middle
+    process has exited and been reaped (so the node's parent is the router, its subreaper).
+
+    Raises:
+        OSError: a fork failed.
+    """
+    rd, wr = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        try:
+            os.close(rd)
+            os.setsid()  # the node's own session, as a child started cold (a terminal's Ctrl-C is the router's)
+            pid = os.fork()
+            if pid == 0:
+                os.close(wr)
+                _run_node(argv, out, router, control, node)
+            os.write(wr, str(pid).encode())
+        finally:
+            os._exit(0)
+    os.close(wr)
+    try:
+        data = b""
+        while chunk := os.read(rd, 64):
+            data += chunk
+    finally:
+        os.close(rd)
+        os.waitpid(middle, 0)
+    if not data:
+        raise OSError("the node could not be forked")
+    return int(data)
+
+
+def serve(control: socket.socket, router: int, node: Node) -> int:
+    """Answer fork requests on ``control`` until the router closes it (each forked node runs ``node``); 0.
+
+    What the server holds then (its imports) is frozen out of the garbage collector's sight first
+    (``gc.freeze``, CPython's advice for a process that forks): a node's collections would otherwise walk
+    those objects and write to their headers, which copies every page of them (a full collection in a
+    forked node took 60-70 ms here, against 1 ms frozen)."""
+    gc.freeze()
+    while True:
+        try:
+            msg, fds, _flags, _addr = socket.recv_fds(control, 1 << 16, 4)
+        except OSError:
+            return 0
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            return 0
+        try:
+            argv = json.loads(msg)["argv"]
+            if not fds or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                raise ValueError("a request is {'argv': [str, ...]} with one descriptor")
+            reply: dict[str, object] = {"pid": fork_node(argv, fds[0], router, control, node)}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            reply = {"error": str(exc)}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        try:
+            control.send(json.dumps(reply).encode())
+        except OSError:
+            return 0
+
+
+def stdin_empty() -> None:
+    """Standard input from ``/dev/null``."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+
+
+def start_here(environ: dict[str, str], node: Node) -> tuple[int, socket.socket]:
+    """Fork this process (the router, before it starts any thread: it has imported what a node needs) into
+    the fork server, warm at once; ``(its pid, the router's end of its socket)``.  The server starts a
+    session, asks for SIGTERM when the router goes, and takes ``environ`` as its (and its nodes')
+    environment; its process name (``/proc/PID/comm``) is ``hydra-forksrv``, its nodes' ``hydra-trio``.
+
+    Raises:
+        OSError: the fork failed.
+        RuntimeError: this process runs threads (forking it would copy their locks, held or not).
+    """
+    import threading
+
+    if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
+        raise RuntimeError("the fork server is forked only from a process with one thread")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    router = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid != 0:
+        theirs.close()
+        return pid, ours
+    code = 1
+    try:
+        ours.close()
+        os.setsid()
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != router:
+            raise SystemExit(0)
+        show_command_line(["hydra-trio", "fork-server"], b"hydra-forksrv")
+        stdin_empty()
+        os.environ.clear()
+        os.environ.update(environ)
+        warm_up()
+        code = serve(theirs, router, node)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
