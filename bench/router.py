@@ -14,16 +14,20 @@ round, so a busy machine's drift hits both):
   load                 ``POST /models/load`` of ``q4`` until ``GET /models`` says ``loaded``
   unload               ``POST /models/unload`` until ``unloaded`` (``q4``, then ``moe`` at the end)
   autoload             a streaming chat for ``q4`` while nothing runs: time to its first token
-  switch q4↔q8 (load)  ``POST /models/load`` of the other quantization while one is loaded, until ``loaded``
-                       (hydra-trio: SWAP_QUANT in the running child; llama-server: stop the child, start another)
-  switch q4↔q8 (chat)  the same switch by a streaming chat for the other one: time to its first token
+  switch q4→q8 (load)  ``POST /models/load`` of the other quantization while one is loaded, until ``loaded``
+                       (hydra-trio: SWAP_QUANT in the running child; llama-server: stop the child, start another);
+                       the child's first switch to that file
+  switch back (load)   the same, back to ``q4``: a quantization the child served before (hydra-trio keeps it
+                       without its context, so the switch loads no file)
+  switch q4↔q8 (chat)  the same switch by a streaming chat for the other one (both served before): time to its
+                       first token
   switch moe (chat)    a streaming chat for ``moe`` while ``q4`` is loaded: both restart (another model)
 
 Each chat's prompt starts with a nonce (no prompt cache helps either side) and asks for 4 tokens.
 
 ``--settle S`` leaves both routers idle S seconds after they start and after each case (default 0: the cases
-back to back).  hydra-trio's router starts each child in an interpreter it keeps ready (``cli/spare.py``); the
-next one is made while the router is idle, so back to back a load may find it still importing.
+back to back).  hydra-trio's router forks each child from its warm fork server (``cli/fork_server.py``), ready
+again right after each fork, so settled and back to back should measure alike.
 
 ``GET /models`` is polled every 5 ms.  Prints a line per measurement while it runs (a bar on a terminal), then
 the medians (min-max) with llama-server / hydra-trio as the ratio (a speedup: higher is better); the in-place
@@ -52,8 +56,16 @@ from hydra_trio.testing.spawn import SHARED_MACHINE_ENV, free_port, spawn, wait_
 
 POLL_S = 0.005
 MODELS = {"q4": "smollm2-135m", "q8": "smollm2-135m-q8", "moe": "smollm2-135m-moe"}
-CASES = ("load", "unload", "autoload", "switch q4↔q8 (load)", "switch q4↔q8 (chat)", "switch moe (chat)")
-TARGETS = {"switch q4↔q8 (load)": 3.0, "switch q4↔q8 (chat)": 3.0}
+CASES = (
+    "load",
+    "unload",
+    "autoload",
+    "switch q4→q8 (load)",
+    "switch back (load)",
+    "switch q4↔q8 (chat)",
+    "switch moe (chat)",
+)
+TARGETS = {"switch q4→q8 (load)": 3.0, "switch back (load)": 3.0, "switch q4↔q8 (chat)": 3.0}
 
 
 def preset_text() -> str:
@@ -168,8 +180,8 @@ def one_round(
         note("load", router.load("q4"), "q4")
         note("unload", router.unload("q4"), "q4")
         note("autoload", router.first_token("q4", f"{r}-a"), "q4, nothing running")
-        note("switch q4↔q8 (load)", router.load("q8"), "q4 -> q8, until loaded")
-        note("switch q4↔q8 (load)", router.load("q4"), "q8 -> q4, until loaded")
+        note("switch q4→q8 (load)", router.load("q8"), "q4 -> q8, until loaded")
+        note("switch back (load)", router.load("q4"), "q8 -> q4, until loaded")
         note("switch q4↔q8 (chat)", router.first_token("q8", f"{r}-b"), "q4 -> q8, first token")
         note("switch q4↔q8 (chat)", router.first_token("q4", f"{r}-c"), "q8 -> q4, first token")
         note("switch moe (chat)", router.first_token("moe", f"{r}-d"), "q4 -> moe, first token")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -249,6 +250,43 @@ def test_swapping_back_and_forth_does_not_grow_memory(spawn) -> None:
             assert status == Status.OK and meta["swapped"] is True, meta
         rss.append(_rss_kib(srv.proc.pid))
     assert rss[-1] <= rss[0] * 1.10, rss
+
+
+def test_a_swap_back_serves_the_model_kept_without_its_context(spawn, tmp_path) -> None:
+    """The quantization a SWAP_QUANT leaves is kept without its context when its weights are its file's mapped
+    pages: a swap back loads no file, and serves as it did (greedy: the same tokens); a file changed on disk
+    since is loaded again; a model read into memory (``-lm none``) is not kept."""
+    import shutil
+
+    from hydra_trio.models.presets import resolve_model
+    from hydra_trio.protocol.hydra import Status
+
+    q8 = tmp_path / "q8.gguf"
+    shutil.copyfile(resolve_model("smollm2-135m-q8")[0], q8)
+    srv = spawn("-np", "1", "-c", "1024", "--quant", "q4=smollm2-135m", "--quant", f"q8={q8}")
+    srv.wait_ready()
+    body = {"prompt": "The sea is", "max_tokens": 12, "temperature": 0, "cache_prompt": False}
+    tokens = lambda: httpx.post(srv.base + "/completion", json={**body, "return_tokens": True}, timeout=120).json()[  # noqa: E731
+        "tokens"
+    ]
+    before = tokens()
+    swaps = lambda: [line for line in srv.log().splitlines() if "SWAP_QUANT to" in line]  # noqa: E731
+    for key in ("q8", "q4", "q8"):
+        status, meta = _swap(srv.port, key)
+        assert status == Status.OK and meta["swapped"] is True, meta
+    lines = swaps()
+    assert "(load " in lines[0] and "a new context for the standby" in lines[1] and "for the standby" in lines[2]
+    assert "kept without its context" in srv.log()
+    assert _swap(srv.port, "q4")[0] == Status.OK and tokens() == before  # the kept model serves as before
+    os.utime(q8, ns=(q8.stat().st_atime_ns, q8.stat().st_mtime_ns + 10**9))  # the file changed on disk
+    assert _swap(srv.port, "q8")[0] == Status.OK and "(load " in swaps()[-1]
+
+    plain = spawn("-np", "1", "-c", "1024", "-lm", "none", "--quant", "q4=smollm2-135m", "--quant", f"q8={q8}")
+    plain.wait_ready()
+    for key in ("q8", "q4"):
+        assert _swap(plain.port, key)[0] == Status.OK
+    assert "kept without its context" not in plain.log()
+    assert all("(load " in line for line in plain.log().splitlines() if "SWAP_QUANT to" in line)
 
 
 def test_a_combined_head_swaps_only_the_experts_on_its_peer(spawn) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import llama_cpp
 
-from ..errors import Cancelled, EngineFailure, InvalidRequest
+from ..errors import Cancelled, EngineFailure, InvalidRequest, ModelLoadError
 from ..observability import progress
 from ..observability.events import EventBus
 from .batching.prompt_cache import PromptCache
@@ -133,6 +133,9 @@ class ModelLifecycle:
         self.stage_times: dict[str, float] = {}
         self.identity: ModelIdentity | None = None
         self.quants = QuantSet(config.quants, config.model_path, config.model_alias)
+        self.standby: LoadedModel | None = None
+        """The quantization served before the last SWAP_QUANT, kept without its context when its weights are
+        the file's own pages (:attr:`LoadedModel.file_backed`): a swap back to it loads no file."""
         """The node's quantizations by key (``--quant KEY=PATH_OR_ALIAS``) and the active one."""
         self.experts = ExpertModes(config.peer, config.combined_pattern, stats, model_kwargs(config), events=events)
         self.scheduler: Scheduler | None = None
@@ -285,10 +288,19 @@ class ModelLifecycle:
         """The node stops: fail what the scheduler still holds and free the models."""
         if self.scheduler is not None:
             self.scheduler.close(Cancelled("the server is shutting down"))
+        self.drop_standby()
         self.experts.close()
 
-    def install_model(self, new: LoadedModel, identity: ModelIdentity) -> None:
-        """Every slot idle: ``new`` serves from now on and the old model is freed.
+    def drop_standby(self) -> None:
+        """Free the :attr:`standby` model, if any."""
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            standby.close()
+
+    def install_model(self, new: LoadedModel, identity: ModelIdentity, *, keep_old: bool = False) -> None:
+        """Every slot idle: ``new`` serves from now on and the old model is freed, or with ``keep_old``
+        (a SWAP_QUANT) kept as the :attr:`standby` when its weights are its file's pages (any earlier
+        standby is freed).
 
         The slots start empty (their KV belonged to the old context), and so does the prompt cache;
         requests waiting in the queue stay.  Used by :meth:`reconfigure` and :meth:`swap_quant`.
@@ -298,7 +310,13 @@ class ModelLifecycle:
         pending, self.scheduler.pending = self.scheduler.pending, collections.deque()
         self.scheduler.close(Cancelled("the engine is being reconfigured"))  # no slot is busy: frees the batch
         self.experts.set_solo(new)
-        old.close()
+        self.drop_standby()
+        if keep_old and old.file_backed:
+            old.release_context()
+            self.standby = old
+            log.info("%s kept without its context: a swap back to it loads no file", old.path.name)
+        else:
+            old.close()
         self.identity = identity
         self.prompt_cache.clear("reload")
         self.scheduler = self.new_scheduler(new, identity.model_hash)
@@ -396,17 +414,20 @@ class ModelLifecycle:
             }
         path, alias = qs.paths[key]
         t0 = time.perf_counter()
+        new = self._from_standby(path)
+        from_standby = new is not None
         try:
-            new = LoadedModel(
-                path,
-                n_ctx=old.n_ctx,
-                n_parallel=old.n_parallel,
-                n_batch=old.n_batch,
-                n_threads=self.config.n_threads,
-                chat_template=self.config.chat_template,
-                options=old.options,
-                chat_template_kwargs=old.chat_template_kwargs,
-            )
+            if new is None:
+                new = LoadedModel(
+                    path,
+                    n_ctx=old.n_ctx,
+                    n_parallel=old.n_parallel,
+                    n_batch=old.n_batch,
+                    n_threads=self.config.n_threads,
+                    chat_template=self.config.chat_template,
+                    options=old.options,
+                    chat_template_kwargs=old.chat_template_kwargs,
+                )
         except Exception as exc:
             raise EngineFailure(
                 f"quant {key!r} ({path}) did not load: {exc}; the node still serves {qs.active or old.path.name}"
@@ -431,7 +452,7 @@ class ModelLifecycle:
             new.close()
             raise
         t_identity = time.perf_counter()
-        self.install_model(new, identity)
+        self.install_model(new, identity, keep_old=True)
         qs.loaded(path, key)
         t_install = time.perf_counter()
         preserved = 0
@@ -444,11 +465,12 @@ class ModelLifecycle:
                 kv_preserved = False
         ms = (time.perf_counter() - t0) * 1e3
         log.info(
-            "SWAP_QUANT to %s (%s) in %.0f ms (load %.0f, identity and KV saved %.0f, install %.0f, KV restored "
+            "SWAP_QUANT to %s (%s) in %.0f ms (%s %.0f, identity and KV saved %.0f, install %.0f, KV restored "
             "%.0f); %d slot(s) kept their KV cache",
             key,
             path.name,
             ms,
+            "a new context for the standby" if from_standby else "load",
             (t_load - t0) * 1e3,
             (t_identity - t_load) * 1e3,
             (t_install - t_identity) * 1e3,
@@ -464,6 +486,23 @@ class ModelLifecycle:
             "slots_preserved": preserved,
             **identity.as_meta(),
         }
+
+    def _from_standby(self, path: Path) -> LoadedModel | None:
+        """The :attr:`standby` model when it is ``path``'s, unchanged on disk, with its context again;
+        else None (a standby of another file stays; one whose file changed, or that cannot have a context
+        again, is freed)."""
+        standby = self.standby
+        if standby is None or standby.path != path:
+            return None
+        self.standby = None
+        if standby.same_file():
+            try:
+                standby.restore_context()
+                return standby
+            except ModelLoadError as exc:
+                log.warning("the standby %s could not serve again (%s): loading the file", path.name, exc)
+        standby.close()
+        return None
 
     def swap_peer_tensors(self, key: str) -> dict[str, Any]:
         """Every slot idle, a COMBINED head: the tensors on the peer (the experts) from

@@ -5,9 +5,10 @@ repeatable; the model loaded at start is the one whose path matches, else
 key ``default``).  A swap loads the other file, moves every slot's KV cache
 into it when both files have the same KV identity
 (:mod:`hydra_trio.engine.kv.kv_identity`: e.g. Q4_1 and Q8_0 of one model), and
-frees the old model (:meth:`~hydra_trio.engine.lifecycle.ModelLifecycle.swap_quant`).  It is whole or nothing: when the
-new file does not load, the old model keeps serving.  Peak memory during a swap: the old model,
-the new one and one KV blob per slot that holds tokens.
+frees the old model's context (:meth:`~hydra_trio.engine.lifecycle.ModelLifecycle.swap_quant`), keeping the
+model itself as the standby a swap back serves without loading the file when its weights are the file's mapped
+pages (else it is freed).  It is whole or nothing: when the new file does not load, the old model keeps
+serving.  Peak memory during a swap: the old model, the new one and one KV blob per slot that holds tokens.
 
 On a COMBINED head, a ``tensor_pattern`` that picks exactly the tensors on
 the peer swaps only those (:meth:`~hydra_trio.engine.lifecycle.ModelLifecycle.swap_peer_tensors`): llama.cpp loads a

@@ -556,6 +556,11 @@ class LoadedModel:
         apply_context_options(cparams, opts)
         cparams.kv_unified = opts.kv_unified  # default: one KV stream per slot, like llama-server's
         cparams.no_perf = True
+        self._cparams = cparams
+        self.file_backed = _weights_file_backed(self._llama_log, opts)
+        """Every weight is read from the file's pages (mapped, not locked, no copy in another buffer): kept
+        without its context (:meth:`release_context`), the model holds little more than its vocabulary."""
+        self._file_identity = _file_identity(path)
         with _tap_llama_log(self._llama_log):
             self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -852,6 +857,33 @@ class LoadedModel:
 
         check_grammar(self.vocab, grammar)
 
+    def release_context(self) -> None:
+        """Free the context (the KV cache and the compute buffers) and keep the model: a standby that
+        :meth:`restore_context` serves again without llama.cpp's load of the file (its vocabulary: most of
+        a small model's load).  Engine thread only."""
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+            self.memory = None
+        release_free_memory()
+
+    def same_file(self) -> bool:
+        """The file on disk is still the one loaded (path, device, inode, size, modification time)."""
+        return _file_identity(self.path) == self._file_identity
+
+    def restore_context(self) -> None:
+        """A context again, as the model had (after :meth:`release_context`).
+
+        Raises:
+            ModelLoadError: llama.cpp could not create it (the model stays a standby)."""
+        if self.ctx:
+            return
+        ctx = llama_cpp.llama_init_from_model(self.model, self._cparams)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context again for {self.path.name}")
+        self.ctx = ctx
+        self.memory = llama_cpp.llama_get_memory(ctx)
+
     def close(self) -> None:
         """Free the projector, the context and the model (engine thread only)."""
         media = getattr(self, "media", None)
@@ -906,6 +938,21 @@ def _device_of_buffer(buft: str) -> str:
     if buft.endswith("_Host"):
         return "CPU"
     return re.sub(r"_(Mapped|REPACK|AARCH64|KLEIDIAI|Split)$", "", buft)
+
+
+def _weights_file_backed(lines: list[str], opts: LlamaOptions) -> bool:
+    """Every model buffer of llama.cpp's load log is a mapping of the file (``CPU_Mapped``: not repacked, not
+    offloaded, not read into memory) and the pages are not locked (``--mlock``)."""
+    buffers = [m.group(1) for line in lines if (m := _BUFFER_LINE.match(line)) and m.group(2) == "model"]
+    return bool(buffers) and all(b.endswith("_Mapped") for b in buffers) and "mlock" not in opts.load_mode
+
+
+def _file_identity(path: Path) -> tuple[int, int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _memory_use(lines: list[str], weights: int, kv: int) -> dict[str, dict[str, int]]:
