@@ -492,7 +492,7 @@ class ModelLifecycle:
         else None (a standby of another file stays; one whose file changed, or that cannot have a context
         again, is freed)."""
         standby = self.standby
-        if standby is None or standby.path != path:
+        if standby is None or standby.path.resolve() != path.resolve():
             return None
         self.standby = None
         if standby.same_file():

@@ -161,7 +161,7 @@ class ForkServer:
     error is the router's.  Use it only where :meth:`supported`.
     """
 
-    REPLY_TIMEOUT_S = 120.0
+    REPLY_TIMEOUT_S = 30.0
     """How long a fork may wait for the server (its imports, on a busy machine) before it is given up."""
 
     def __init__(self, pid: int, control: socket.socket, popen: subprocess.Popen[bytes] | None = None) -> None:
