@@ -73,11 +73,9 @@ def test_children_are_forked_from_one_warm_server_and_adopted_by_the_router(tmp_
         assert _cmdline(server)[:2] == [b"hydra-trio", b"fork-server"] and set(_cmdline(server)[2:]) <= {b""}
         port = r.models()["smollm2-135m"]["status"]["args"]
         port = port[port.index("--port") + 1].encode()
-        assert (
-            _cmdline(child)[0] == b"hydra-trio"
-            and port in _cmdline(child)
-            and b"--models-preset" not in _cmdline(child)
-        )
+        shown = _cmdline(child)
+        assert shown[:3] == [b"hydra-trio", b"--alias", b"smollm2-135m"] and b"--models-preset" not in shown
+        assert shown[3:7] == [b"--model", b"smollm2-135m", b"--port", port]  # what tells nodes apart, first
         assert child in children_of(r.proc.pid)  # the router's own child (its subreaper), not the server's
         # right after, the other model (the first child is stopped first: --models-max 1) forks from the same
         # server: nothing to wait for

@@ -12,8 +12,8 @@ shares the router's pages.  When it has to make another (the first one died), it
 
 What ``ps`` and ``top`` show: a forked process has the memory of the one it was forked from, its command
 line too, so each writes its own over it (:func:`show_command_line`, cut to the room the first one had):
-``hydra-trio fork-server``, and ``hydra-trio FLAGS...`` for a node; their process names
-(``/proc/PID/comm``) are ``hydra-forksrv`` and ``hydra-trio``.
+``hydra-trio fork-server``, and ``hydra-trio FLAGS...`` for a node (its name, model and port first); their
+process names (``/proc/PID/comm``) are ``hydra-forksrv`` and ``hydra-trio``.
 
 Protocol, on a ``SOCK_SEQPACKET`` Unix socket (one message per request and reply; standard input for
 ``python -m hydra_trio.cli.spare``):
@@ -81,6 +81,18 @@ def show_command_line(words: list[str], name: bytes) -> None:
     ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
 
 
+_NAMES = ("--alias", "-a", "--model", "-m", "--port")
+"""The flags that tell one node from another, shown first (the room for a command line is short)."""
+
+
+def _names_first(argv: list[str]) -> list[str]:
+    """``argv`` with :data:`_NAMES` and their values moved to the front, in that order."""
+    pairs = [(i, argv[i]) for i in range(len(argv) - 1) if argv[i] in _NAMES]
+    taken = {j for i, _ in pairs for j in (i, i + 1)}
+    first = [argv[j] for i, _ in sorted(pairs, key=lambda p: _NAMES.index(p[1])) for j in (i, i + 1)]
+    return first + [w for j, w in enumerate(argv) if j not in taken]
+
+
 Node = Callable[[list[str]], NoReturn]
 """How a forked node runs: its flags (after ``python -m hydra_trio``) to the node's ``main``, then the
 process ends with its status (``hydra_trio.cli.main`` then ``exit_now``)."""
@@ -104,7 +116,7 @@ def _run_node(argv: list[str], out: int, router: int, control: socket.socket, no
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != router:  # the router went before the signal was asked for
             raise SystemExit(1)
-        show_command_line(["hydra-trio", *argv], b"hydra-trio")
+        show_command_line(["hydra-trio", *_names_first(argv)], b"hydra-trio")
         sys.argv = [sys.argv[0], *argv]
         node(argv)
     except SystemExit as exc:  # argparse's exit 2, or the checks above
