@@ -119,8 +119,9 @@ class NoModel(NotSupported):
 class Busy(HydraTrioError):
     """A slot, or the node as a whole, is processing and the request needs it idle (HTTP 409, Hydra BUSY).
 
-    ``busy_slots``: the ids of the slots that are processing (the reply's ``busy_slots``).  Raised by the
-    serialized control channel (a change needs every slot idle), by slot
+    ``busy_slots``: the ids of the slots that are processing (the reply's ``busy_slots``);
+    ``requests_waiting``: requests queued for a slot (in the reply when there are any).  Raised by the
+    serialized control channel (a change needs every slot idle and no request waiting), by slot
     operations (STATE_GET / STATE_PUT / erase on a working slot) and by jobs
     that asked to fail rather than wait (PREFILL / DECODE on a working slot).
     """
@@ -128,11 +129,14 @@ class Busy(HydraTrioError):
     http_status = 409
     hydra_status = Status.BUSY
 
-    def __init__(self, message: str, busy_slots: list[int] | tuple[int, ...] = ()) -> None:
+    def __init__(self, message: str, busy_slots: list[int] | tuple[int, ...] = (), requests_waiting: int = 0) -> None:
         super().__init__(message)
         self.busy_slots = list(busy_slots)
+        self.requests_waiting = requests_waiting
 
     def wire_meta(self) -> dict[str, Any]:
+        if self.requests_waiting:
+            return {"busy_slots": self.busy_slots, "requests_waiting": self.requests_waiting}
         return {"busy_slots": self.busy_slots}
 
 

@@ -21,8 +21,8 @@ from hydra_trio.engine.batching.slots import SlotState
 from hydra_trio.engine.engine import Engine
 from hydra_trio.engine.requests import CompletionJob, JobRun
 from hydra_trio.engine.settings import RequestDefaults
-from hydra_trio.engine.tasks import EngineTask, EraseSlot, RestoreSlot, SaveSlot, SetExpertMode
-from hydra_trio.errors import InvalidRequest
+from hydra_trio.engine.tasks import EngineTask, EraseSlot, Reconfigure, RestoreSlot, SaveSlot, SetExpertMode
+from hydra_trio.errors import Busy, InvalidRequest
 from hydra_trio.service.metrics import NodeMetrics
 
 from .conftest import running_engine
@@ -178,6 +178,46 @@ async def test_a_step_is_published_before_its_tokens_reach_trio() -> None:
                 else:
                     assert s.n_past >= 6 + got - 1, s
             assert (await run.result()).predicted_n == got == 64
+
+
+@attrs.frozen
+class Hold(EngineTask):
+    """Keeps the engine thread until ``go_on`` is set (``held`` says it is held)."""
+
+    kind: ClassVar[str] = "hold"
+    held: threading.Event = attrs.field(eq=False)
+    go_on: threading.Event = attrs.field(eq=False)
+
+    def run(self, engine: Engine) -> None:
+        self.held.set()
+        assert self.go_on.wait(300), "never let go on"
+
+
+async def test_a_change_is_busy_while_a_request_waits_for_a_slot_and_the_request_runs_as_it_was_made() -> None:
+    """The serialized control channel changes the engine only when every slot is idle and no request waits
+    for one: a request queued just before a change (every slot idle, the request not yet on one) was made
+    for the model as it is, and a change would run it on another model (or context) with its old name."""
+    async with running_engine() as engine:
+        hold = Hold(threading.Event(), threading.Event())
+        refused: list[Busy] = []
+
+        async def change() -> None:
+            with pytest.raises(Busy) as info:
+                await engine.run_task(Reconfigure(n_ctx=1024))
+            refused.append(info.value)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run_task, hold)
+            assert await trio.to_thread.run_sync(hold.held.wait, 300)
+            async with JobRun(engine, CompletionJob(prompt_tokens=[1, 504, 3458], n_predict=4)) as run:
+                nursery.start_soon(change)
+                await trio.testing.wait_all_tasks_blocked()  # the change waits in the inbox, after the request
+                hold.go_on.set()
+                assert (await run.result()).predicted_n == 4
+        assert refused[0].busy_slots == [] and refused[0].requests_waiting == 1
+        assert refused[0].wire_meta() == {"busy_slots": [], "requests_waiting": 1}
+        assert engine.snapshot.n_ctx == 2048  # nothing changed
+        assert (await engine.run_task(Reconfigure(n_ctx=1024)))["n_ctx"] == 1024  # idle now: applied
 
 
 def test_configure_tier_1_swaps_one_immutable_defaults_object() -> None:

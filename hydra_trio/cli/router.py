@@ -290,7 +290,10 @@ def _run_router(
     router = ModelRouter(
         models,
         RouterSettings(
-            models_max=args.models_max, models_autoload=args.models_autoload, spare=not args.no_router_spare
+            models_max=args.models_max,
+            models_autoload=args.models_autoload,
+            spare=not args.no_router_spare,
+            relay_timeout=3600.0 if args.timeout is None else (args.timeout if args.timeout > 0 else None),
         ),
         factory=factory,
         fork_server=fork_server,

@@ -77,19 +77,27 @@ class EngineTask:
 
     def perform(self, engine: Any) -> Any:
         """Engine thread: :meth:`run`, counted in ``engine.stats.tasks`` by :attr:`kind`, and for an
-        :attr:`exclusive` task first the check that every slot is idle (else Busy: nothing changed, and the
-        task did not run), with its count, log line and ``control.*`` event."""
+        :attr:`exclusive` task first the check that every slot is idle and no request waits for one (else
+        Busy: nothing changed, and the task did not run), with its count, log line and ``control.*`` event."""
         kind = self.kind
         if not self.exclusive:
             engine.stats.tasks[kind] = engine.stats.tasks.get(kind, 0) + 1
             return self.run(engine)
         counts, label, trace = engine.stats.control, self.label(), self.trace_id
         busy = [s.id for s in engine.slots if s.is_processing]
-        if busy:
+        waiting = len(engine.scheduler.pending) if engine.scheduler is not None else 0
+        if busy or waiting:  # a request queued for a slot was made for the model as it is: it runs on it
             counts["refused_busy"] += 1
-            log.info("[%s] %s refused: slots %s busy", trace, label, busy, extra={"trace_id": trace, "op": label})
+            why = f"slots {busy} busy" if busy else f"{waiting} request(s) waiting for a slot"
+            log.info("[%s] %s refused: %s", trace, label, why, extra={"trace_id": trace, "op": label})
             engine.events.publish("control.busy", trace, change=label, busy_slots=busy)
-            raise Busy(f"slots {busy} are processing; retry when every slot is idle", busy)
+            raise Busy(
+                f"slots {busy} are processing; retry when every slot is idle"
+                if busy
+                else f"{waiting} request(s) wait for a slot; retry when they have run",
+                busy,
+                waiting,
+            )
         engine.stats.tasks[kind] = engine.stats.tasks.get(kind, 0) + 1
         t0 = time.perf_counter()
         try:

@@ -176,6 +176,7 @@ class RouterApi:
                 request.scope.get("query_string", b""),
                 list(request.scope.get("headers", [])),
                 body,
+                self.router.settings.relay_timeout,
             )
         except BaseException:
             release()

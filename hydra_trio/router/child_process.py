@@ -22,7 +22,36 @@ from collections.abc import Callable, Mapping
 import trio
 
 
-class ChildProcess:
+class _Awaitable:
+    """What waiting for a child's exit takes: its :attr:`returncode` (None while it runs; it reaps) and a
+    pidfd, readable once it has exited."""
+
+    _pidfd: int | None
+
+    @property
+    def returncode(self) -> int | None:  # pragma: no cover - each subclass overrides it
+        raise NotImplementedError
+
+    async def wait(self) -> int:
+        """Wait for the exit (and reap it); its :attr:`returncode`."""
+        while (code := self.returncode) is None:
+            if self._pidfd is None:  # closed by another waiter: it has exited
+                await trio.sleep(0.01)
+                continue
+            try:
+                await trio.lowlevel.wait_readable(self._pidfd)
+            except trio.ClosedResourceError:
+                continue
+            if self.returncode is None:  # exited, but not ours to reap yet (a forked node's adoption)
+                await trio.sleep(0.001)
+        if self._pidfd is not None:
+            fd, self._pidfd = self._pidfd, None
+            trio.lowlevel.notify_closing(fd)
+            os.close(fd)
+        return code
+
+
+class ChildProcess(_Awaitable):
     """One child process: its output as a trio stream, its exit awaited without a thread (a pidfd).
 
     Its standard input is empty (``/dev/null``).
@@ -66,24 +95,6 @@ class ChildProcess:
     def send_signal(self, signum: int) -> None:
         self._popen.send_signal(signum)
 
-    async def wait(self) -> int:
-        """Wait for the exit (and reap it); its :attr:`returncode`."""
-        while self._popen.poll() is None:
-            if self._pidfd is None:  # closed by another waiter: it has exited
-                await trio.sleep(0.01)
-                continue
-            try:
-                await trio.lowlevel.wait_readable(self._pidfd)
-            except trio.ClosedResourceError:
-                continue
-        if self._pidfd is not None:
-            fd, self._pidfd = self._pidfd, None
-            trio.lowlevel.notify_closing(fd)
-            os.close(fd)
-        code = self._popen.returncode
-        assert code is not None
-        return code
-
 
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37
 
@@ -100,7 +111,7 @@ def _subreaper(on: bool | None = None) -> bool:
     return bool(flag.value)
 
 
-class ForkedChild:
+class ForkedChild(_Awaitable):
     """A node forked by the :class:`ForkServer`: the router's child (adopted as its subreaper), with the same
     calls as :class:`ChildProcess` (:attr:`returncode`, :meth:`kill`, :meth:`send_signal`, ``await``
     :meth:`wait`, :attr:`stdout`).  Signals go through a pidfd, so none reaches another process once it has
@@ -132,25 +143,6 @@ class ForkedChild:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    async def wait(self) -> int:
-        """Wait for the exit (and reap it); its :attr:`returncode`."""
-        while self.returncode is None:
-            if self._pidfd is None:  # closed by another waiter: it has exited
-                await trio.sleep(0.01)
-                continue
-            try:
-                await trio.lowlevel.wait_readable(self._pidfd)
-            except trio.ClosedResourceError:
-                continue
-            if self.returncode is None:  # exited before its adoption was complete: a moment more
-                await trio.sleep(0.001)
-        if self._pidfd is not None:
-            fd, self._pidfd = self._pidfd, None
-            trio.lowlevel.notify_closing(fd)
-            os.close(fd)
-        assert self._code is not None
-        return self._code
 
 
 class ForkServer:

@@ -66,6 +66,7 @@ class RouterSettings:
         models_autoload: a request for a model that is not running loads it (``--[no-]models-autoload``);
             a request's ``?autoload=`` decides for itself.
         launcher: the command a child node starts with, before its flags.
+        relay_timeout: seconds a child may stay silent in a relayed reply (``--timeout``; None: no limit).
         spare: keep a warm interpreter that forks the children (:mod:`hydra_trio.cli.fork_server`;
             ``--no-router-spare`` turns it off): a child started with :data:`LAUNCHER` is forked from it.
     """
@@ -74,6 +75,7 @@ class RouterSettings:
     models_autoload: bool = True
     launcher: tuple[str, ...] = LAUNCHER
     spare: bool = True
+    relay_timeout: float | None = 3600.0
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

@@ -45,9 +45,12 @@ async def open_relay(
     query: bytes,
     headers: list[tuple[bytes, bytes]],
     body: bytes,
+    timeout: float | None = 3600.0,
 ) -> httpx.Response:
     """Send the request to the child at ``base`` (``http://127.0.0.1:PORT``); returns its reply with the body
-    still to read (:class:`RelayResponse` reads it).
+    still to read (:class:`RelayResponse` reads it).  ``timeout``: seconds the child may stay silent (before
+    its reply starts, and between two chunks of it) or take to accept the request's body; None: no limit
+    (llama-server's proxy reads its children with its ``--timeout``); connecting has 10 s.
 
     Raises:
         ModelUnavailable: the child cannot be reached (``proxy error: ...``, 500 as llama-server's).
@@ -55,7 +58,8 @@ async def open_relay(
     url = base + path + ("?" + query.decode("latin-1") if query else "")
     kept = [(k, v) for k, v in headers if k.decode("latin-1").lower() not in _REQUEST_DROP]
     kept.append((b"connection", b"close"))  # a connection per request: a stopping child waits for none
-    request = client.build_request(method, url, headers=kept, content=body)
+    limits = httpx.Timeout(connect=10.0, read=timeout, write=timeout, pool=10.0)
+    request = client.build_request(method, url, headers=kept, content=body, timeout=limits)
     try:
         return await client.send(request, stream=True)
     except httpx.HTTPError as exc:
