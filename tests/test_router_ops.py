@@ -401,3 +401,22 @@ def test_the_memory_check_refuses_kv_caches_and_warns_for_weights(tmp_path: Path
     with caplog.at_level(logging.WARNING, logger="hydra_trio"):
         check_router_memory(models, 0, parse_args, available=kv_both + sum(weights.values()))
     assert caplog.text == ""
+
+
+def test_a_relayed_reply_may_stay_silent_as_long_as_the_routers_timeout(tmp_path: Path) -> None:
+    """llama-server's proxy reads its children with its ``--timeout``: a whole (not streamed) reply that takes
+    longer than it is a 500 ``proxy error``; a stream whose chunks come sooner than it is relayed whole."""
+    with router(tmp_path, ONE_MODEL, "--no-rpc-backend", "--timeout", "3") as r:
+        long = {
+            "model": "small",
+            "prompt": "Once upon a time",
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        assert r.http.post("/v1/completions", json={**long, "max_tokens": 1}).status_code == 200  # loaded
+        slow = r.http.post("/v1/completions", json=long)
+        assert slow.status_code == 500 and "proxy error: ReadTimeout" in slow.json()["error"]["message"], slow.text
+        with r.http.stream("POST", "/v1/completions", json={**long, "max_tokens": 200, "stream": True}) as s:
+            chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
+        assert s.status_code == 200 and len(chunks) >= 200
