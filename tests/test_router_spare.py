@@ -3,6 +3,7 @@ digests are remembered on disk by the file's identity (``hydra_trio/engine/llama
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -117,6 +118,44 @@ def test_a_forked_child_dies_with_the_router(tmp_path: Path) -> None:
             time.sleep(0.1)
     finally:
         r.stop()
+
+
+def _environ(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+
+
+def test_long_flags_the_environment_and_an_unload_while_the_fork_server_hangs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flag longer than a socket message (a 70 KB chat template) is forked as any other; a forked process's
+    environment is its own (the router's less ``LLAMA_ARG_MODELS_*``), in /proc too; an unload while the
+    fork server does not answer ends the load at once (nothing ran: ``unloaded``, not failed), and the
+    next load has a fork server again."""
+    monkeypatch.setenv("LLAMA_ARG_MODELS_MAX", "1")  # the router's: not its children's
+    template = '{% set pad = "' + "x" * 70_000 + '" %}{% for m in messages %}{{ m.content }}{% endfor %}'
+    preset = SAME_FILE_TWICE + f"chat-template = {template}\n"  # on [other]
+    with router(tmp_path, preset, "--no-rpc-backend") as r:
+        assert r.http.post("/v1/chat/completions", json=chat("other")).status_code == 200
+        child, server = _child(r, "other"), _fork_server(r.proc.pid)
+        assert _comm(child) == "hydra-trio" and child in children_of(r.proc.pid)  # forked, not started cold
+        for pid in (child, server):
+            assert not [e for e in _environ(pid) if e.startswith(b"LLAMA_ARG_MODELS_")], pid
+            assert b"OMP_WAIT_POLICY=PASSIVE" in _environ(pid)  # the rest is the router's
+        os.kill(server, signal.SIGSTOP)
+        try:
+            r.http.post("/models/load", json={"model": "smollm2-135m"})
+            time.sleep(0.5)  # the fork waits for the stopped server
+            t0 = time.monotonic()
+            assert r.http.post("/models/unload", json={"model": "smollm2-135m"}).json() == {"success": True}
+            r.wait_status("smollm2-135m", "unloaded")
+            assert time.monotonic() - t0 < 4  # not the fork's own time limit (5 s)
+            status = r.models()["smollm2-135m"]["status"]
+            assert "failed" not in status, status
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the router stopped it: it failed to answer
+                os.kill(server, signal.SIGCONT)
+        assert r.http.post("/v1/chat/completions", json=chat("smollm2-135m")).status_code == 200
+        assert _fork_server(r.proc.pid, server, _child(r, "smollm2-135m"), child) != server  # a new one
 
 
 def _state(pid: int) -> str:

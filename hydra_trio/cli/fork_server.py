@@ -15,24 +15,28 @@ line too, so each writes its own over it (:func:`show_command_line`, cut to the 
 ``hydra-trio fork-server``, and ``hydra-trio FLAGS...`` for a node (its name, model and port first); their
 process names (``/proc/PID/comm``) are ``hydra-forksrv`` and ``hydra-trio``.
 
-Protocol, on a ``SOCK_SEQPACKET`` Unix socket (one message per request and reply; standard input for
+Protocol, on a ``SOCK_SEQPACKET`` Unix socket (one message each; standard input for
 ``python -m hydra_trio.cli.spare``):
 
-* request: ``{"argv": [...]}`` (the flags a child gets after ``python -m hydra_trio``), with one descriptor
-  (``SCM_RIGHTS``): where the node's standard output and error go (the router's end of it relays them);
-* reply: ``{"pid": N}`` once the node runs, or ``{"error": "..."}`` when it could not be forked.
+* the server, once its imports are done: ``{"ready": true}``;
+* a request: ``fork``, with two descriptors (``SCM_RIGHTS``): where the node's standard output and error go
+  (the router's end of it relays them), and a file holding ``{"argv": [...]}`` (the flags a child gets after
+  ``python -m hydra_trio``; a file, so that no flag is too long for a message);
+* its answer: ``{"pid": N}`` from the node itself, once the router is its parent, or ``{"error": "..."}``
+  when it could not be forked or the request was wrong.
 
 The node is forked twice (the first child starts a session, forks the node and exits at once), so it is
 not this interpreter's child but the router's: the router marks itself a child subreaper
-(``PR_SET_CHILD_SUBREAPER``, Linux's rule for orphans) while it waits for the reply, and the reply comes
-after the middle process is reaped.  The router then waits for the node's exit and reads its status as
-for a child it started itself.  Before the node runs it waits until the router is its parent and asks to
-be sent SIGTERM when it goes (``PR_SET_PDEATHSIG``), as a child started cold is; its standard input is
-``/dev/null``.  The interpreter itself ends when the router closes the socket, or with the router.
+(``PR_SET_CHILD_SUBREAPER``, Linux's rule for orphans) until the answer comes, and the node answers only
+once the router is its parent, so the router has its pid even if this server dies meanwhile.  The router
+then waits for the node's exit and reads its status as for a child it started itself.  The node asks to be
+sent SIGTERM when the router goes (``PR_SET_PDEATHSIG``), as a child started cold is; its standard input
+is ``/dev/null``.  The interpreter itself ends when the router closes the socket, or with the router.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -70,14 +74,41 @@ def show_command_line(words: list[str], name: bytes) -> None:
     ``/proc/self/stat``): the words, separated and padded with NUL bytes, are written there, cut to fit.
     Nothing happens where that cannot be read."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name[:15])
-    try:
-        fields = open("/proc/self/stat", "rb").read().rsplit(b")", 1)[1].split()  # noqa: SIM115 (read whole)
-        start, end = int(fields[45]), int(fields[46])  # fields 48 and 49 (the first two precede ")")
-    except (OSError, IndexError, ValueError):
-        return
-    if end - start < 2:
+    start, end = _stat_field(48), _stat_field(49)  # arg_start, arg_end
+    if start is None or end is None or end - start < 2:
         return
     text = b"\0".join(w.encode(errors="replace") for w in words)[: end - start - 1]
+    ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
+
+
+def _stat_field(index: int) -> int | None:
+    """Field ``index`` of ``/proc/self/stat`` counted from 1 (``man 5 proc``), None where it cannot be read."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[index - 3])  # the first two fields precede ")"
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def show_environment() -> None:
+    """Make ``/proc/self/environ`` this process's environment as it is now (``os.environ``), once some of
+    it was taken out: that file shows the block the process started with (``env_start`` to ``env_end``),
+    which a forked process shares with the one it was forked from.  The entries, each ended by a NUL byte,
+    are written there when they fit and nothing in libc's ``environ`` points into the block any more (the
+    entries of ``os.environ`` were set anew); else nothing is written."""
+    start, end = _stat_field(50), _stat_field(51)
+    if start is None or end is None or end <= start:
+        return
+    text = b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in os.environ.items())
+    if len(text) > end - start:
+        return
+    libc = ctypes.CDLL(None)
+    table = ctypes.POINTER(ctypes.c_void_p).in_dll(libc, "environ")
+    i = 0
+    while table[i]:
+        if start <= table[i] < end:  # still in use: rewriting it would change a value
+            return
+        i += 1
     ctypes.memmove(start, text.ljust(end - start, b"\0"), end - start)
 
 
@@ -102,7 +133,6 @@ def _run_node(argv: list[str], out: int, router: int, control: socket.socket, no
     """The forked node: its descriptors, its parent, then ``node``; never returns."""
     code = 1
     try:
-        control.close()
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
@@ -116,6 +146,8 @@ def _run_node(argv: list[str], out: int, router: int, control: socket.socket, no
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != router:  # the router went before the signal was asked for
             raise SystemExit(1)
+        control.send(json.dumps({"pid": os.getpid()}).encode())  # fails when the router gave up: exit 1
+        control.close()
         show_command_line(["hydra-trio", *_names_first(argv)], b"hydra-trio")
         sys.argv = [sys.argv[0], *argv]
         node(argv)
@@ -133,37 +165,40 @@ def _run_node(argv: list[str], out: int, router: int, control: socket.socket, no
     os._exit(code)
 
 
-def fork_node(argv: list[str], out: int, router: int, control: socket.socket, node: Node) -> int:
-    """Fork the node for ``argv`` (output to descriptor ``out``) as a grandchild; its pid once the middle
-    process has exited and been reaped (so the node's parent is the router, its subreaper).
+def fork_node(argv: list[str], out: int, router: int, control: socket.socket, node: Node) -> None:
+    """Fork the node for ``argv`` (output to descriptor ``out``) as a grandchild, which answers on
+    ``control`` itself; returns once the middle process has exited and been reaped.
 
     Raises:
-        OSError: a fork failed.
+        OSError: the middle process could not be forked (the middle answers for the node's own fork).
     """
-    rd, wr = os.pipe()
     middle = os.fork()
     if middle == 0:
         try:
-            os.close(rd)
             os.setsid()  # the node's own session, as a child started cold (a terminal's Ctrl-C is the router's)
-            pid = os.fork()
-            if pid == 0:
-                os.close(wr)
+            if os.fork() == 0:
                 _run_node(argv, out, router, control, node)
-            os.write(wr, str(pid).encode())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                control.send(json.dumps({"error": f"the node could not be forked: {exc}"}).encode())
         finally:
             os._exit(0)
-    os.close(wr)
-    try:
-        data = b""
-        while chunk := os.read(rd, 64):
-            data += chunk
-    finally:
-        os.close(rd)
-        os.waitpid(middle, 0)
-    if not data:
-        raise OSError("the node could not be forked")
-    return int(data)
+    os.waitpid(middle, 0)
+
+
+def _read_argv(fd: int) -> list[str]:
+    """The ``argv`` of a request's file (``{"argv": [str, ...]}``).
+
+    Raises:
+        ValueError: anything else."""
+    data = b""
+    while chunk := os.read(fd, 1 << 20):
+        data += chunk
+    request = json.loads(data) if data else None
+    argv = request.get("argv") if isinstance(request, dict) else None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ValueError("a request's file holds {'argv': [str, ...]}")
+    return argv
 
 
 def serve(control: socket.socket, router: int, node: Node) -> int:
@@ -174,9 +209,13 @@ def serve(control: socket.socket, router: int, node: Node) -> int:
     those objects and write to their headers, which copies every page of them (a full collection in a
     forked node took 60-70 ms here, against 1 ms frozen)."""
     gc.freeze()
+    try:
+        control.send(b'{"ready": true}')
+    except OSError:
+        return 0
     while True:
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(control, 1 << 16, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(control, 4096, 4)
         except OSError:
             return 0
         if not msg:
@@ -184,19 +223,17 @@ def serve(control: socket.socket, router: int, node: Node) -> int:
                 os.close(fd)
             return 0
         try:
-            argv = json.loads(msg)["argv"]
-            if not fds or not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
-                raise ValueError("a request is {'argv': [str, ...]} with one descriptor")
-            reply: dict[str, object] = {"pid": fork_node(argv, fds[0], router, control, node)}
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            reply = {"error": str(exc)}
+            if msg != b"fork" or len(fds) != 2:
+                raise ValueError("a request is 'fork' with two descriptors: the output, the flags' file")
+            fork_node(_read_argv(fds[1]), fds[0], router, control, node)
+        except (OSError, ValueError, KeyError) as exc:
+            try:
+                control.send(json.dumps({"error": str(exc)}).encode())
+            except OSError:
+                return 0
         finally:
             for fd in fds:
                 os.close(fd)
-        try:
-            control.send(json.dumps(reply).encode())
-        except OSError:
-            return 0
 
 
 def stdin_empty() -> None:
@@ -239,6 +276,7 @@ def start_here(environ: dict[str, str], node: Node) -> tuple[int, socket.socket]
         stdin_empty()
         os.environ.clear()
         os.environ.update(environ)
+        show_environment()
         warm_up()
         code = serve(theirs, router, node)
     except SystemExit as exc:

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import trio
 
@@ -153,8 +154,11 @@ class ForkServer:
     error is the router's.  Use it only where :meth:`supported`.
     """
 
-    REPLY_TIMEOUT_S = 30.0
-    """How long a fork may wait for the server (its imports, on a busy machine) before it is given up."""
+    READY_TIMEOUT_S = 30.0
+    """How long the first fork waits for the server to be ready (a new interpreter's imports, on a busy
+    machine) before the child starts cold."""
+    FORK_TIMEOUT_S = 5.0
+    """How long a fork of a ready server may take (a few milliseconds) before the child starts cold."""
 
     def __init__(self, pid: int, control: socket.socket, popen: subprocess.Popen[bytes] | None = None) -> None:
         self.pid = pid
@@ -163,6 +167,7 @@ class ForkServer:
         self._sock = control
         self._control = trio.socket.from_stdlib_socket(control)  # the same socket object, for trio's waits
         self._lock = trio.Lock()
+        self._ready = False
 
     @staticmethod
     def supported() -> bool:
@@ -228,41 +233,64 @@ class ForkServer:
 
     async def fork(self, argv: list[str]) -> ForkedChild:
         """A node with ``argv`` (after ``python -m hydra_trio``) forked from the server, its output on a new
-        pipe.
+        pipe.  The first call waits up to :attr:`READY_TIMEOUT_S` for the server to be ready (a new
+        interpreter imports first); a fork has :attr:`FORK_TIMEOUT_S`.  The flags go in a memory file
+        (``memfd_create``), whatever their size.
 
         Raises:
-            OSError: the server is gone, did not answer in :attr:`REPLY_TIMEOUT_S`, or could not fork
-                (the server is stopped then: it is not trusted with another).
+            OSError: the server is gone, not ready, did not answer in time, or could not fork (the server is
+                stopped then: it is not trusted with another request; so too when the call is cancelled).
         """
         async with self._lock:
             rd, wr = os.pipe()
+            spec = os.memfd_create("hydra-trio-argv", os.MFD_CLOEXEC)
             answered = False
             try:
+                data = memoryview(json.dumps({"argv": argv}).encode())
+                while data:
+                    data = data[os.write(spec, data) :]
+                os.lseek(spec, 0, os.SEEK_SET)
+                if not self._ready:
+                    with trio.move_on_after(self.READY_TIMEOUT_S):
+                        self._ready = _answer(await self._control.recv(4096)).get("ready") is True
+                    if not self._ready:
+                        raise OSError(f"not ready after {self.READY_TIMEOUT_S:g} s")
                 was = _subreaper()
                 _subreaper(True)
                 try:
-                    with trio.fail_after(self.REPLY_TIMEOUT_S):
+                    with trio.fail_after(self.FORK_TIMEOUT_S):
                         await self._control.sendmsg(
-                            [json.dumps({"argv": argv}).encode()],
-                            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [wr]))],
+                            [b"fork"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [wr, spec]))]
                         )
                         os.close(wr)
                         wr = -1
-                        reply = await self._control.recv(1 << 16)
+                        answer = _answer(await self._control.recv(4096))  # the node's own, once adopted
                 finally:
                     _subreaper(was)
-                answer = json.loads(reply) if reply else {"error": "the fork server has gone"}
-                if not isinstance(answer, dict) or not isinstance(answer.get("pid"), int):
-                    raise OSError(str(answer.get("error") if isinstance(answer, dict) else answer))
+                if not isinstance(answer.get("pid"), int):
+                    raise OSError(str(answer.get("error", answer)))
                 answered = True
                 child = ForkedChild(answer["pid"], rd)
                 rd = -1
                 return child
             except (OSError, ValueError, trio.TooSlowError) as exc:
-                raise OSError(f"fork server: {exc or type(exc).__name__}") from exc
+                raise OSError(f"fork server: {str(exc) or type(exc).__name__}") from exc
             finally:
-                for fd in (rd, wr):
+                for fd in (rd, wr, spec):
                     if fd >= 0:
                         os.close(fd)
                 if not answered:  # a reply may still come, or never: not trusted with another request
                     self.close()
+
+
+def _answer(message: bytes) -> dict[str, Any]:
+    """One message of the fork server's socket as a dict (``{"error": ...}`` for an empty one: it closed).
+
+    Raises:
+        ValueError: not a JSON object."""
+    if not message:
+        return {"error": "the fork server has gone"}
+    answer = json.loads(message)
+    if not isinstance(answer, dict):
+        raise ValueError(f"not a JSON object: {message[:80]!r}")
+    return answer

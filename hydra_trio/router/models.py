@@ -127,6 +127,8 @@ class ModelInstance:
         self.info: dict[str, Any] = {}
         self.process: ChildProcess | ForkedChild | None = None
         self.kill_scope: trio.CancelScope | None = None
+        self.fork_scope: trio.CancelScope | None = None
+        """While its child is being forked from the fork server: an unload cancels the fork."""
         self.quants: dict[str, str] = {}
 
     @property
@@ -368,11 +370,20 @@ class ModelRouter:
         to serve, record its exit."""
         from .presets import child_environment
 
+        forked: ForkedChild | None = None
+        if not m.stopping:
+            with trio.CancelScope() as m.fork_scope:
+                forked = await self._take_spare(args)
+            m.fork_scope = None
+        if forked is None and m.stopping:  # unloaded while it was being forked: nothing ran
+            log.info("instance name=%s was unloaded before it started", m.name)
+            m.status, m.stopping, m.exit_code = UNLOADED, False, 0
+            self.events.notify("status_change", m.name, {"status": UNLOADED, "exit_code": 0})
+            self._notify()
+            return
         try:
             # forked on this thread, which lives as long as the router: PR_SET_PDEATHSIG follows the thread
-            process = await self._take_spare(args) or ChildProcess(
-                args, child_environment(self.environ), _die_with_parent
-            )
+            process = forked or ChildProcess(args, child_environment(self.environ), _die_with_parent)
         except OSError as exc:
             log.error("failed to spawn server instance name=%s: %s", m.name, exc)
             m.status, m.exit_code = UNLOADED, 1
@@ -482,6 +493,9 @@ class ModelRouter:
         if not m.running or m.stopping or process is None:
             if m.status == LOADING and process is None:  # asked before its process started
                 m.stopping = True
+                if m.fork_scope is not None:  # a fork under way (or a fork server that does not answer)
+                    m.fork_scope.cancel()
+                self._notify()
             return
         m.stopping = True
         log.info("stopping model instance name=%s", m.name)
