@@ -15,7 +15,7 @@ from hydra_trio.engine.llama.model import hash_cache_dir, remembered_digest, sha
 
 from .conftest import listening_pid
 from .test_router import TWO_MODELS, Router, chat, router
-from .test_router_ops import children_of
+from .test_router_ops import ONE_MODEL, children_of
 
 
 def _cmdline(pid: int) -> list[bytes]:
@@ -48,19 +48,7 @@ def _fork_server(router_pid: int, *exclude: int) -> int:
         time.sleep(0.1)
 
 
-SAME_FILE_TWICE = """\
-version = 1
-[*]
-c = 256
-np = 1
-
-[smollm2-135m]
-model = smollm2-135m
-
-[other]
-model = smollm2-135m
-c = 512
-"""
+SAME_FILE_TWICE = ONE_MODEL.replace("[small]", "[smollm2-135m]") + "[other]\nmodel = smollm2-135m\nc = 512\n"
 """Two models that cannot switch in place (another option): a switch is a new child."""
 
 
