@@ -303,7 +303,8 @@ class ModelLifecycle:
         standby is freed).
 
         The slots start empty (their KV belonged to the old context), and so does the prompt cache;
-        requests waiting in the queue stay.  Used by :meth:`reconfigure` and :meth:`swap_quant`.
+        requests waiting in the queue would stay (the control channel runs a change only when none waits:
+        :meth:`~hydra_trio.engine.tasks.EngineTask.perform`).  Used by :meth:`reconfigure` and :meth:`swap_quant`.
         """
         assert self.scheduler is not None and self.experts.solo is not None
         old = self.experts.solo
@@ -339,7 +340,7 @@ class ModelLifecycle:
         resolved from a path or preset alias by the caller) reloads the model.
         The new context or model is built before the old one is freed, so a
         failure leaves the engine as it was.  Slots' KV caches are dropped
-        (they belong to the old context); requests waiting in the queue stay.
+        (they belong to the old context); no request waits (:meth:`~hydra_trio.engine.tasks.EngineTask.perform`).
         Returns the applied values.
 
         Raises:
