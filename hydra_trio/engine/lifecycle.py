@@ -299,8 +299,8 @@ class ModelLifecycle:
 
     def install_model(self, new: LoadedModel, identity: ModelIdentity, *, keep_old: bool = False) -> None:
         """Every slot idle: ``new`` serves from now on and the old model is freed, or with ``keep_old``
-        (a SWAP_QUANT) kept as the :attr:`standby` when its weights are its file's pages (any earlier
-        standby is freed).
+        (a SWAP_QUANT) kept as the :attr:`standby` when its weights are its file's pages and it has no
+        projector (any earlier standby is freed).
 
         The slots start empty (their KV belonged to the old context), and so does the prompt cache;
         requests waiting in the queue would stay (the control channel runs a change only when none waits:
@@ -312,7 +312,7 @@ class ModelLifecycle:
         self.scheduler.close(Cancelled("the engine is being reconfigured"))  # no slot is busy: frees the batch
         self.experts.set_solo(new)
         self.drop_standby()
-        if keep_old and old.file_backed:
+        if keep_old and old.file_backed and old.media is None:  # a projector is memory of its own
             old.release_context()
             self.standby = old
             log.info("%s kept without its context: a swap back to it loads no file", old.path.name)
