@@ -34,6 +34,7 @@ from ..engine.settings import LlamaOptions, ParameterError, SamplingParams, chec
 from ..hydra.commands import add_client_commands
 from . import _types, sampling, speculative
 from ._flags import Version, add_flags, apply_environment, normalize_argv, version_text
+from .ending import exit_now
 from .flags import GROUPS, RUN_FLAGS
 from .models import add_models_command
 
@@ -169,36 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None and (args.models_preset or args.models_dir):  # llama-server's router mode
         from .router import run_router  # (the router's modules: not loaded by a node)
 
-        return run_router(args, parse_args, forked_node)
+        return run_router(args, parse_args, main)
     from .run import run_node
 
     return run_node(args)
-
-
-def forked_node(argv: list[str]) -> NoReturn:
-    """A child node forked by the router's fork server (:mod:`hydra_trio.cli.fork_server`): :func:`main` with
-    ``argv`` (the flags after ``python -m hydra_trio``), then :func:`exit_now`."""
-    exit_now(main(argv))
-
-
-def exit_now(code: int) -> NoReturn:
-    """End the process with ``code`` once the log and the standard streams are flushed, without tearing the
-    interpreter down (``os._exit``).
-
-    A node has stopped everything it runs by the time :func:`main` returns (its engine, its ggml-RPC
-    child, its connections; nothing of hydra-trio's waits on ``atexit``), and the interpreter's own
-    teardown of what a node imports (llama-cpp-python, the HTTP stack, trio) takes about 70 ms of CPU on
-    2 cores: a router's unload waits for its child's exit, and llama-server's C++ child exits in a few ms.
-    A program that embeds the server calls :func:`main` (or :func:`~hydra_trio.node.server.serve`) instead.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:  # None: the process started with that descriptor closed (`>&-`)
-                stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more to say on it
-            pass
-    os._exit(code)
 
 
 def entry() -> NoReturn:

@@ -48,6 +48,8 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
+from .ending import exit_now
+
 PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
 REPARENT_WAIT_S = 10.0
 """How long a forked node waits to become the router's child before it gives up (exit 1)."""
@@ -124,9 +126,9 @@ def _names_first(argv: list[str]) -> list[str]:
     return first + [w for j, w in enumerate(argv) if j not in taken]
 
 
-Node = Callable[[list[str]], NoReturn]
-"""How a forked node runs: its flags (after ``python -m hydra_trio``) to the node's ``main``, then the
-process ends with its status (``hydra_trio.cli.main`` then ``exit_now``)."""
+Node = Callable[[list[str]], int]
+"""How a forked node runs: its flags (after ``python -m hydra_trio``) to the node's ``main``
+(``hydra_trio.cli.main``), which returns its exit status."""
 
 
 def _run_node(argv: list[str], out: int, router: int, control: socket.socket, node: Node) -> NoReturn:
@@ -150,19 +152,14 @@ def _run_node(argv: list[str], out: int, router: int, control: socket.socket, no
         control.close()
         show_command_line(["hydra-trio", *_names_first(argv)], b"hydra-trio")
         sys.argv = [sys.argv[0], *argv]
-        node(argv)
+        code = node(argv)
     except SystemExit as exc:  # argparse's exit 2, or the checks above
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
         import traceback
 
         traceback.print_exc()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 def fork_node(argv: list[str], out: int, router: int, control: socket.socket, node: Node) -> None:
@@ -236,6 +233,17 @@ def serve(control: socket.socket, router: int, node: Node) -> int:
                 os.close(fd)
 
 
+def run_server(control: socket.socket, router: int, node: Node) -> int:
+    """Be the fork server for ``router`` on ``control``: its name in ``ps``, an empty standard input, the
+    imports (:func:`warm_up`), then :func:`serve`; 0 when the router closes the socket."""
+    show_command_line(["hydra-trio", "fork-server"], b"hydra-forksrv")
+    stdin_empty()
+    warm_up()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return serve(control, router, node)
+
+
 def stdin_empty() -> None:
     """Standard input from ``/dev/null``."""
     devnull = os.open(os.devnull, os.O_RDONLY)
@@ -272,13 +280,10 @@ def start_here(environ: dict[str, str], node: Node) -> tuple[int, socket.socket]
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != router:
             raise SystemExit(0)
-        show_command_line(["hydra-trio", "fork-server"], b"hydra-forksrv")
-        stdin_empty()
         os.environ.clear()
         os.environ.update(environ)
         show_environment()
-        warm_up()
-        code = serve(theirs, router, node)
+        code = run_server(theirs, router, node)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:

@@ -218,7 +218,7 @@ def run_router(args: argparse.Namespace, parse: Parse, node: Node) -> int:
 
     First of all, before it starts a thread, the process forks itself into the children's fork server
     (:mod:`hydra_trio.cli.fork_server`; not with ``--no-router-spare``), warm at once; a child forked there
-    runs ``node`` (:func:`hydra_trio.cli.forked_node`)."""
+    runs ``node`` (:func:`hydra_trio.cli.main`), then ends with its status."""
     fork_server: ForkServer | None = None
     fork_error: BaseException | None = None
     if not args.no_router_spare and ForkServer.supported():

@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 
-from hydra_trio.cli import exit_now, forked_node
-from hydra_trio.cli.fork_server import serve, show_command_line, stdin_empty, warm_up
+from hydra_trio.cli import exit_now
+from hydra_trio.cli import main as node_main
+from hydra_trio.cli.fork_server import run_server
 
 
 def main() -> int:
-    router = os.getppid()
-    control = socket.socket(fileno=os.dup(0))
-    stdin_empty()
-    show_command_line(["hydra-trio", "fork-server"], b"hydra-forksrv")
-    warm_up()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return serve(control, router, forked_node)
+    return run_server(socket.socket(fileno=os.dup(0)), os.getppid(), node_main)
 
 
 if __name__ == "__main__":
