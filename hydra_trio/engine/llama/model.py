@@ -121,13 +121,19 @@ def hash_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "hydra-trio" / "hashes"
 
 
-def _hash_entry(path: Path, kind: str) -> Path:
-    """The cache file of ``path``'s digest ``kind`` as the file is now: named after its real path, device,
-    inode, size and both times in nanoseconds (a write, a rename over it or a ``touch`` gives another name)."""
+def file_identity(path: Path | str) -> tuple[str, int, int, int, int, int]:
+    """The file at ``path`` as it is now: its real path, device, inode, size and both times in nanoseconds
+    (a write, a rename over it or a ``touch`` gives another).
+
+    Raises:
+        OSError: it cannot be read."""
     st = os.stat(path)
-    key = (
-        f"{kind}\0{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-    )
+    return os.path.realpath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _hash_entry(path: Path, kind: str) -> Path:
+    """The cache file of ``path``'s digest ``kind`` as the file is now: named after :func:`file_identity`."""
+    key = "\0".join([kind, *map(str, file_identity(path))])
     return hash_cache_dir() / hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -560,7 +566,10 @@ class LoadedModel:
         self.file_backed = _weights_file_backed(self._llama_log, opts)
         """Every weight is read from the file's pages (mapped, not locked, no copy in another buffer): kept
         without its context (:meth:`release_context`), the model holds little more than its vocabulary."""
-        self._file_identity = _file_identity(path)
+        try:
+            self._file_identity: tuple[str, int, int, int, int, int] | None = file_identity(path)
+        except OSError:  # gone since it was read: never the same file
+            self._file_identity = None
         with _tap_llama_log(self._llama_log):
             self.ctx = llama_cpp.llama_init_from_model(self.model, cparams)
         if not self.ctx:
@@ -868,8 +877,11 @@ class LoadedModel:
         release_free_memory()
 
     def same_file(self) -> bool:
-        """The file on disk is still the one loaded (path, device, inode, size, modification time)."""
-        return _file_identity(self.path) == self._file_identity
+        """The file on disk is still the one loaded (:func:`file_identity`)."""
+        try:
+            return file_identity(self.path) == self._file_identity
+        except OSError:  # gone
+            return False
 
     def restore_context(self) -> None:
         """A context again, as the model had (after :meth:`release_context`).
@@ -945,14 +957,6 @@ def _weights_file_backed(lines: list[str], opts: LlamaOptions) -> bool:
     offloaded, not read into memory) and the pages are not locked (``--mlock``)."""
     buffers = [m.group(1) for line in lines if (m := _BUFFER_LINE.match(line)) and m.group(2) == "model"]
     return bool(buffers) and all(b.endswith("_Mapped") for b in buffers) and "mlock" not in opts.load_mode
-
-
-def _file_identity(path: Path) -> tuple[int, int, int, int] | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def _memory_use(lines: list[str], weights: int, kv: int) -> dict[str, dict[str, int]]:
